@@ -1,0 +1,184 @@
+"""Discovery: every process that holds the unit's GPUs, and how each one was found.
+
+Four sources, each recorded on the holder: the unit's cgroup, /proc/PID/fd links and
+/proc/PID/maps entries naming /dev/nvidiaN, and NVML's process lists. (The fourth kind of
+target, the rest of a stale application, is chosen in `decide`, which walks the tree.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from gpugate.config import GateConfig
+from gpugate.errors import ConfigError, PermissionDenied
+from gpugate.nvml import Gpu, GpuDriver, GpuUsage
+from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
+
+GPU_DEVICE = re.compile(r"nvidia(\d+)$")
+
+
+class Source(StrEnum):
+    CGROUP = "cgroup"
+    DEVICE_FD = "device-fd"
+    DEVICE_MAP = "device-map"
+    NVML = "nvml"
+    APP_TREE = "app-tree"
+
+
+@dataclass
+class Holder:
+    info: ProcInfo
+    sources: set[Source] = field(default_factory=set)
+    gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
+    control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
+    used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+
+@dataclass
+class Discovery:
+    unit: str
+    unit_cgroup: str
+    gpus: Sequence[Gpu]  # every GPU on the host
+    owned: Sequence[Gpu]  # the unit's
+    usage: dict[int, GpuUsage]  # by GPU index, every GPU
+    holders: dict[int, Holder]  # by PID
+    self_chain: frozenset[int]  # gpugate and its ancestors: never targets
+    unreadable: list[int]  # PIDs whose fds could not be read
+    invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
+    # but /proc does not show: another PID namespace (a container without host PIDs)
+
+    @property
+    def owned_indices(self) -> set[int]:
+        return {gpu.index for gpu in self.owned}
+
+
+def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
+    if config.gpus == "all":
+        return list(gpus)
+    by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
+    owned: list[Gpu] = []
+    for ref in config.gpus:
+        if isinstance(ref, int):
+            if ref >= len(gpus):
+                have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPUs"
+                raise ConfigError(
+                    source, "gpus", f"GPU index {ref} does not exist; NVML lists {have}"
+                )
+            gpu = gpus[ref]
+        else:
+            found = by_uuid.get(ref.lower())
+            if found is None:
+                raise ConfigError(source, "gpus", f"no GPU has UUID {ref}")
+            gpu = found
+        if gpu not in owned:
+            owned.append(gpu)
+    return owned
+
+
+def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:
+    chain: set[int] = set()
+    current: int | None = os.getpid() if pid is None else pid
+    while current and current not in chain:
+        chain.add(current)
+        info = procfs.stat(current)
+        current = info.ppid if info else None
+    return frozenset(chain)
+
+
+def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
+    """Every PID in the unit's cgroup and its sub-cgroups."""
+    top = cgroup_root / unit_cgroup.lstrip("/")
+    pids: list[int] = []
+    for directory, _, files in os.walk(top):
+        if "cgroup.procs" in files:
+            try:
+                text = Path(directory, "cgroup.procs").read_text()
+            except FileNotFoundError:
+                continue  # removed while we walked
+            except PermissionError:
+                raise PermissionDenied(f"{directory}/cgroup.procs: permission denied") from None
+            pids.extend(int(line) for line in text.split())
+    return pids
+
+
+def discover(
+    *,
+    unit: str,
+    unit_cgroup: str,
+    config: GateConfig,
+    config_source: str,
+    driver: GpuDriver,
+    procfs: ProcFs,
+    self_pid: int | None = None,
+    resolve_gpus: bool = True,
+) -> Discovery:
+    paths = config.paths
+    gpus = driver.gpus()
+    owned = owned_gpus(config, gpus, config_source) if resolve_gpus else []
+    usage = {gpu.index: driver.usage(gpu) for gpu in gpus}
+    self_chain = self_and_ancestors(procfs, self_pid)
+    holders: dict[int, Holder] = {}
+
+    def holder(pid: int) -> Holder | None:
+        if pid in holders:
+            return holders[pid]
+        info = procfs.info(pid)
+        if info is None or info.kernel_thread:
+            return None
+        holders[pid] = Holder(info)
+        return holders[pid]
+
+    for pid in cgroup_members(paths.cgroup_root, unit_cgroup):
+        if pid not in self_chain and (found := holder(pid)) is not None:
+            found.sources.add(Source.CGROUP)
+
+    index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
+    dev_prefix = os.path.join(os.fspath(paths.dev_root), "nvidia")
+    scan = scan_device_users(paths.proc_root, dev_prefix)
+    for pid, use in scan.users.items():
+        if pid in self_chain or (found := holder(pid)) is None:
+            continue
+        if use.fd_paths:
+            found.sources.add(Source.DEVICE_FD)
+        if use.mapped_paths:
+            found.sources.add(Source.DEVICE_MAP)
+        for path in use.paths:
+            name = os.path.basename(path)
+            match = GPU_DEVICE.fullmatch(name)
+            if match and int(match.group(1)) in index_by_minor:
+                found.gpus.add(index_by_minor[int(match.group(1))])
+            else:
+                found.control_devices.add(name)
+
+    invisible: list[tuple[int, int]] = []
+    for index, gpu_usage in usage.items():
+        for process in gpu_usage.processes:
+            if process.pid in self_chain:
+                continue
+            if (found := holder(process.pid)) is None:
+                invisible.append((index, process.pid))
+                continue
+            found.sources.add(Source.NVML)
+            found.gpus.add(index)
+            found.used_mib[index] = process.used_mib
+
+    return Discovery(
+        unit=unit,
+        unit_cgroup=unit_cgroup,
+        gpus=gpus,
+        owned=owned,
+        usage=usage,
+        holders=holders,
+        self_chain=self_chain,
+        unreadable=scan.unreadable,
+        invisible=invisible,
+    )

@@ -1,0 +1,59 @@
+"""Exit codes and the errors that carry them.
+
+Every failure gpugate knows about is a `GateError` with one exit code and a one-line message;
+the CLI prints the message and exits with the code, never a traceback.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    INTERNAL = 1  # a bug: please report it
+    USAGE = 2  # bad command line (argparse's own code)
+    CONFIG = 3  # configuration file or field invalid, or unknown GPU in it
+    NVML_UNAVAILABLE = 4  # libnvidia-ml missing, driver not loaded, GPU lost
+    UNKILLABLE = 5  # holders still alive after SIGKILL at the deadline (D state)
+    MEMORY_TIMEOUT = 6  # all holders gone, but NVML still reports memory used at the deadline
+    HELD_BY_OTHERS = 7  # the GPUs are held by processes gpugate may not kill (another unit, ...)
+    PERMISSION = 8  # not allowed to read /proc, signal a process or take a lock
+    UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
+    LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
+
+
+class GateError(Exception):
+    """A failure with a documented exit code and a one-line message for the operator."""
+
+    exit_code: ExitCode = ExitCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(GateError):
+    exit_code = ExitCode.CONFIG
+
+    def __init__(self, source: str, field: str, problem: str) -> None:
+        where = f"{source}: {field}" if field else source
+        super().__init__(f"{where}: {problem}")
+        self.source = source
+        self.field = field
+
+
+class NvmlUnavailable(GateError):
+    exit_code = ExitCode.NVML_UNAVAILABLE
+
+
+class PermissionDenied(GateError):
+    exit_code = ExitCode.PERMISSION
+
+
+class UnknownUnit(GateError):
+    exit_code = ExitCode.UNKNOWN_UNIT
+
+
+class LockTimeout(GateError):
+    exit_code = ExitCode.LOCK_TIMEOUT

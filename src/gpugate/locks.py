@@ -1,0 +1,58 @@
+"""Per-GPU locks under /run/gpugate: two runs on overlapping GPUs take turns.
+
+flock(2) locks die with their holder, so a crashed gpugate never blocks the next one.
+Locks are taken in UUID order, so two runs can never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from gpugate.errors import LockTimeout, PermissionDenied
+from gpugate.nvml import Gpu
+
+
+@contextlib.contextmanager
+def gpu_locks(
+    lock_dir: Path,
+    gpus: Sequence[Gpu],
+    deadline: float,
+    on_wait: Callable[[Gpu], None] = lambda gpu: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[None]:
+    try:
+        lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except PermissionError:
+        raise PermissionDenied(f"{lock_dir}: permission denied creating the lock folder") from None
+    held: list[int] = []
+    try:
+        for gpu in sorted(gpus, key=lambda g: g.uuid):
+            path = lock_dir / f"{gpu.uuid}.lock"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except PermissionError:
+                raise PermissionDenied(f"{path}: permission denied") from None
+            held.append(fd)
+            waited = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if clock() >= deadline:
+                        raise LockTimeout(
+                            f"{path}: another gpugate run held {gpu.label} past the deadline"
+                        ) from None
+                    if not waited:
+                        on_wait(gpu)
+                        waited = True
+                    time.sleep(0.02)
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)

@@ -1,0 +1,160 @@
+"""The only module that talks to NVIDIA's driver (through pynvml).
+
+Everything else sees `Gpu` and `GpuUsage` values through the `GpuDriver` protocol, so tests can
+inject a driver and production uses `NvmlDriver`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any, Protocol
+
+from gpugate.errors import NvmlUnavailable, PermissionDenied
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Gpu:
+    index: int
+    uuid: str
+    minor: int  # N of /dev/nvidiaN: not always equal to the index
+    name: str
+    total_mib: int
+
+    @property
+    def label(self) -> str:
+        return f"GPU {self.index} ({self.uuid})"
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int
+    used_mib: int | None  # None where the driver does not say
+
+
+@dataclass(frozen=True)
+class GpuUsage:
+    gpu: Gpu
+    used_mib: int
+    processes: tuple[GpuProcess, ...]
+
+
+class GpuDriver(Protocol):
+    def gpus(self) -> Sequence[Gpu]: ...
+
+    def usage(self, gpu: Gpu) -> GpuUsage: ...
+
+    def close(self) -> None: ...
+
+
+def _pynvml() -> ModuleType:
+    import pynvml  # noqa: PLC0415 - costs ~30 ms; only runs that need the driver pay it
+
+    module: ModuleType = pynvml
+    return module
+
+
+class NvmlDriver:
+    """GpuDriver backed by libnvidia-ml.so.1."""
+
+    def __init__(self) -> None:
+        self._nv = _pynvml()
+        self._memory_v2 = True
+        self._handles: dict[int, Any] = {}
+        self._gpus: list[Gpu] | None = None
+        nv = self._nv
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError_LibraryNotFound:
+            raise NvmlUnavailable(
+                "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
+            ) from None
+        except nv.NVMLError_DriverNotLoaded:
+            raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
+        except nv.NVMLError_NoPermission:
+            raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
+        except nv.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
+
+    def close(self) -> None:
+        with contextlib.suppress(self._nv.NVMLError):
+            self._nv.nvmlShutdown()
+
+    def gpus(self) -> Sequence[Gpu]:
+        if self._gpus is None:
+            nv = self._nv
+            found: list[Gpu] = []
+            try:
+                count = nv.nvmlDeviceGetCount()
+            except nv.NVMLError as exc:
+                raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
+            for index in range(count):
+                handle = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
+                self._handles[index] = handle
+                memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
+                found.append(
+                    Gpu(
+                        index=index,
+                        uuid=_text(self._call(index, nv.nvmlDeviceGetUUID, handle)),
+                        minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
+                        name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
+                        total_mib=int(memory.total) // MIB,
+                    )
+                )
+            self._gpus = found
+        return self._gpus
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        nv = self._nv
+        handle = self._handles[gpu.index]
+        used = self._used_bytes(gpu.index, handle)
+        by_pid: dict[int, int | None] = {}
+        for query in (
+            nv.nvmlDeviceGetComputeRunningProcesses,
+            nv.nvmlDeviceGetGraphicsRunningProcesses,
+        ):
+            for proc in self._call(gpu.index, query, handle):
+                mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
+                previous = by_pid.get(int(proc.pid))
+                by_pid[int(proc.pid)] = mib if previous is None else previous + (mib or 0)
+        processes = tuple(GpuProcess(pid, mib) for pid, mib in sorted(by_pid.items()))
+        return GpuUsage(gpu=gpu, used_mib=used // MIB, processes=processes)
+
+    def _used_bytes(self, index: int, handle: Any) -> int:
+        nv = self._nv
+        if self._memory_v2:
+            # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
+            try:
+                return int(nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2).used)
+            except (
+                nv.NVMLError_FunctionNotFound,
+                nv.NVMLError_ArgumentVersionMismatch,
+                nv.NVMLError_NotSupported,
+            ):
+                self._memory_v2 = False
+        return int(self._call(index, nv.nvmlDeviceGetMemoryInfo, handle).used)
+
+    def _call(self, index: int, function: Any, *args: Any) -> Any:
+        nv = self._nv
+        try:
+            return function(*args)
+        except nv.NVMLError_GpuIsLost:
+            raise NvmlUnavailable(
+                f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
+            ) from None
+        except nv.NVMLError_NotSupported:
+            raise NvmlUnavailable(
+                f"NVML: GPU {index} does not support {function.__name__}"
+            ) from None
+        except nv.NVMLError_NoPermission:
+            raise PermissionDenied(f"NVML: permission denied for {function.__name__}") from None
+        except nv.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML: {function.__name__} on GPU {index}: {exc}") from None
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,136 @@
+"""Reporting: structured journald entries, sd_notify STATUS= lines, readable stderr.
+
+The journal and notify channels are injected (python-systemd by default), so tests capture
+exactly what an operator's `journalctl` would show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from enum import Enum
+from typing import Protocol, TextIO
+
+
+class Event(Enum):
+    """Each kind of event has a MESSAGE_ID, documented in packaging/gpugate.catalog."""
+
+    RUN_STARTED = "7d1f3a0c2b7e4c1e9a1b6f0d3e5a8c21"
+    HOLDER_FOUND = "2c9a6e4b1d3f4a7e8b0c5d2e6f1a9b34"
+    PROCESS_SPARED = "5e3b8a1c7d2f4e9a0b6c1d8e3f7a2b45"
+    SIGNAL_SENT = "9b4c2d7e1f3a4b8c9d0e5f6a1b2c3d56"
+    SURVIVOR = "3a7e9c1b5d2f4e8a9b0c6d1e7f3a5b67"
+    REFUSED = "6f1d3b8e2a4c4f9b0c7d2e8f4a6b1c78"
+    WAITING = "8c2e4a9d1b3f4c7e0a5b6d2f8e1a3c89"
+    MEMORY_FREED = "1e5a7c3b9d2f4a6e8b0c7d3f5e9a2b90"
+    TIMEOUT = "4d8b1e6a3c2f4d9a0e7b5c1f8a3e6d01"
+    RUN_FINISHED = "0a6c3e8b5d1f4b2a9c7e6d0f3b8a5e12"
+    ERROR = "b7d2f9a4c1e34a5b8d6c0e3f9a7b2d23"
+
+    @property
+    def message_id(self) -> str:
+        return self.value
+
+
+PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 3, 4, 5, 6
+
+
+class Journal(Protocol):
+    def send(self, message: str, fields: dict[str, str]) -> None: ...
+
+
+class Notifier(Protocol):
+    def notify(self, state: str) -> None: ...
+
+
+class SystemdJournal:
+    """journald through python-systemd; silent where no journald listens."""
+
+    def send(self, message: str, fields: dict[str, str]) -> None:
+        if not os.path.exists("/run/systemd/journal/socket"):
+            return
+        from systemd import journal  # noqa: PLC0415 - C extension, loaded only where used
+
+        with contextlib.suppress(OSError):  # journald gone (shutdown): stderr still tells
+            journal.send(message, **fields)
+
+
+class SystemdNotifier:
+    """sd_notify; needs NotifyAccess=exec (or all) on the unit for hook processes."""
+
+    def notify(self, state: str) -> None:
+        if not os.environ.get("NOTIFY_SOCKET"):
+            return
+        from systemd import daemon  # noqa: PLC0415
+
+        daemon.notify(state)
+
+
+def stderr_is_journal(stream: TextIO) -> bool:
+    """systemd sets JOURNAL_STREAM=dev:inode when stderr already goes to journald."""
+    expected = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        info = os.fstat(stream.fileno())
+    except (OSError, ValueError):
+        return False
+    return expected == f"{info.st_dev}:{info.st_ino}"
+
+
+class Reporter:
+    def __init__(
+        self,
+        unit: str,
+        phase: str,
+        *,
+        journal: Journal | None = None,
+        notifier: Notifier | None = None,
+        stream: TextIO | None = None,
+        echo: bool | None = None,
+        json_mode: bool = False,
+    ) -> None:
+        self.unit = unit
+        self.phase = phase
+        self.journal = journal if journal is not None else SystemdJournal()
+        self.notifier = notifier if notifier is not None else SystemdNotifier()
+        self.stream = stream if stream is not None else sys.stderr
+        self.echo = (not stderr_is_journal(self.stream)) if echo is None else echo
+        self.json_mode = json_mode
+
+    def event(
+        self,
+        kind: Event,
+        message: str,
+        *,
+        priority: int = PRIORITY_INFO,
+        pid: int | None = None,
+        gpus: list[int] | None = None,
+        used_mib: int | None = None,
+        **extra: str | int,
+    ) -> None:
+        fields: dict[str, str] = {
+            "MESSAGE_ID": kind.message_id,
+            "PRIORITY": str(priority),
+            "GPUGATE_EVENT": kind.name.lower(),
+            "GPUGATE_UNIT": self.unit,
+            "GPUGATE_PHASE": self.phase,
+            # Lets `journalctl -u UNIT` find entries also when gpugate ran from a shell.
+            "OBJECT_SYSTEMD_UNIT": self.unit,
+        }
+        if pid is not None:
+            fields["GPUGATE_PID"] = str(pid)
+        if gpus:
+            fields["GPUGATE_GPU"] = ",".join(str(index) for index in sorted(gpus))
+        if used_mib is not None:
+            fields["GPUGATE_USED_MIB"] = str(used_mib)
+        for key, value in extra.items():
+            fields[f"GPUGATE_{key.upper()}"] = str(value)
+        self.journal.send(message, fields)
+        if self.echo:
+            print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
+
+    def status(self, text: str) -> None:
+        self.notifier.notify(f"STATUS=gpugate {self.phase}: {text}")
+
+    def extend_timeout(self, seconds: float) -> None:
+        self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")

@@ -1,0 +1,122 @@
+"""`gpugate status`: every GPU and every process holding one, as a table or stable JSON."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gpugate.config import LoadedConfig
+from gpugate.decide import role_of
+from gpugate.discover import Discovery, Source, discover
+from gpugate.nvml import GpuDriver
+from gpugate.procfs import ProcFs
+from gpugate.units import resolve_unit_cgroup, unit_of_cgroup
+
+JSON_VERSION = 1
+NO_UNIT_CGROUP = "/gpugate-status-no-unit"
+
+
+def collect(unit: str | None, loaded: LoadedConfig, driver: GpuDriver) -> Discovery:
+    config = loaded.config
+    if unit is None:
+        config = config.model_copy(update={"gpus": "all"})
+        cgroup = NO_UNIT_CGROUP
+    else:
+        cgroup = resolve_unit_cgroup(
+            unit,
+            config.paths.cgroup_root,
+            ask_systemd=str(config.paths.cgroup_root) == "/sys/fs/cgroup",
+        )
+    return discover(
+        unit=unit or "",
+        unit_cgroup=cgroup,
+        config=config,
+        config_source=loaded.source,
+        driver=driver,
+        procfs=ProcFs(config.paths.proc_root),
+    )
+
+
+def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
+    owned = discovery.owned_indices
+    holders = []
+    for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
+        info = holder.info
+        role = role_of(info, discovery, loaded.config, member=Source.CGROUP in holder.sources)
+        holders.append(
+            {
+                "pid": info.pid,
+                "start_time": info.start_time,
+                "user": info.user,
+                "uid": info.uid,
+                "unit": unit_of_cgroup(info.cgroup or "/"),
+                "cgroup": info.cgroup,
+                "state": info.state,
+                "comm": info.comm,
+                "command": list(info.cmdline),
+                "gpus": sorted(holder.gpus),
+                "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+                "control_devices": sorted(holder.control_devices),
+                "sources": sorted(holder.sources),
+                "role": str(role) if discovery.unit else None,
+                "orphan": role.value == "orphan",
+            }
+        )
+    return {
+        "version": JSON_VERSION,
+        "unit": discovery.unit or None,
+        "unit_cgroup": discovery.unit_cgroup if discovery.unit else None,
+        "config": loaded.source,
+        "free_mib": loaded.config.free_mib,
+        "gpus": [
+            {
+                "index": gpu.index,
+                "uuid": gpu.uuid,
+                "minor": gpu.minor,
+                "name": gpu.name,
+                "used_mib": discovery.usage[gpu.index].used_mib,
+                "total_mib": gpu.total_mib,
+                "owned": gpu.index in owned,
+            }
+            for gpu in discovery.gpus
+        ],
+        "holders": holders,
+        "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
+    }
+
+
+def render_json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True)
+
+
+def render_table(data: dict[str, Any]) -> str:
+    lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  NAME"]
+    for gpu in data["gpus"]:
+        mark = "*" if data["unit"] and gpu["owned"] else " "
+        used = f"{gpu['used_mib']}/{gpu['total_mib']}"
+        lines.append(f"{gpu['index']:>3}{mark} {gpu['uuid']:<42} {used:>16}  {gpu['name']}")
+    if data["unit"]:
+        lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
+    lines.append("")
+    if not data["holders"]:
+        lines.append("no process holds a GPU")
+    else:
+        lines.append(
+            f"{'PID':>7} {'USER':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} {'MiB':>7}  COMMAND"
+        )
+    for holder in data["holders"]:
+        unit = holder["unit"] or "-"
+        if holder["orphan"]:
+            unit = f"{unit} (orphan)" if unit != "-" else "(orphan)"
+        gpus = ",".join(str(i) for i in holder["gpus"]) or (
+            "ctl" if holder["control_devices"] else "-"
+        )
+        mib = sum(v or 0 for v in holder["used_mib"].values())
+        command = " ".join(holder["command"]) or f"[{holder['comm']}]"
+        lines.append(
+            f"{holder['pid']:>7} {holder['user'][:10]:<10} {unit[:28]:<28} {holder['state']:<2} "
+            f"{gpus[:10]:<10} {mib:>7}  {command[:100]}"
+        )
+    for item in data["invisible"]:
+        lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
+    return "\n".join(lines)
