@@ -100,7 +100,8 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
         role = role_of(info, discovery, config, member=Source.CGROUP in holder.sources)
-        on_owned = sorted(holder.gpus & owned)
+        on_owned = sorted(holder.using & owned)
+        foreign = sorted(holder.using - owned)
         gpus = ", ".join(str(index) for index in on_owned)
         if role is Role.PROTECTED:
             choice = Choice(holder, role, Verdict.SPARE, "protected by configuration")
@@ -109,6 +110,14 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
         elif not on_owned:
             why = "holds only control devices" if holder.control_devices else "holds no GPU"
             choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}")
+        elif foreign:
+            choice = Choice(
+                holder,
+                role,
+                Verdict.BLOCK,
+                f"holds GPU {gpus} but also GPU {', '.join(map(str, foreign))}, "
+                f"which {discovery.unit} does not own",
+            )
         elif role is Role.OTHER_UNIT:
             other = unit_of_cgroup(info.cgroup or "/")
             if config.kill_other_units:
@@ -144,14 +153,14 @@ def _add_app_trees(
     seeds = [
         choice
         for choice in decision.targets
-        if choice.role in (Role.ORPHAN, Role.OTHER_UNIT) and choice.holder.gpus & owned
+        if choice.role in (Role.ORPHAN, Role.OTHER_UNIT) and choice.holder.using & owned
     ]
     for seed in seeds:
         members = app_tree(seed.holder.info, tree, discovery, config)
         foreign = [
             pid
             for pid in members
-            if pid in discovery.holders and discovery.holders[pid].gpus - owned
+            if pid in discovery.holders and discovery.holders[pid].using - owned
         ]
         if foreign:
             # Taking the rest of this application would reach GPUs the unit does not own.

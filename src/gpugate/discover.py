@@ -42,6 +42,12 @@ class Holder:
     def pid(self) -> int:
         return self.info.pid
 
+    @property
+    def using(self) -> set[int]:
+        """The GPUs it really uses. CUDA opens /dev/nvidiaN for every visible GPU, so where
+        NVML lists the process, its list is the better answer than the device files."""
+        return set(self.used_mib) or self.gpus
+
 
 @dataclass
 class Discovery:

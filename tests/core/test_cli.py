@@ -1,0 +1,121 @@
+"""The command line: exit codes and one-line errors, through `main` and as a real process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpugate.cli import main
+from gpugate.errors import ExitCode, NvmlUnavailable
+from tests.conftest import FakeHost
+from tests.fakes import alive
+
+
+def gpugate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "gpugate", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=60,
+        check=False,
+    )
+
+
+def test_bad_config_exits_3_with_one_line_and_kills_nothing(host: FakeHost, tmp_path: Path) -> None:
+    (orphan,) = host.pool.holder(host.gpu_files(0))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[pre]\nsigterm_grace_s = -1\n")
+    result = gpugate("pre", "vllm.service", "--config", str(bad))
+    assert result.returncode == ExitCode.CONFIG
+    assert result.stderr == f"gpugate: {bad}: pre.sigterm_grace_s: Input should be greater than 0\n"
+    assert alive(orphan)
+
+
+def test_nvml_missing_exits_4(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(f'[paths]\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}"\n')
+    result = gpugate(
+        "pre", "vllm.service", "--config", str(config), env={"LD_LIBRARY_PATH": str(tmp_path)}
+    )
+    assert result.returncode == ExitCode.NVML_UNAVAILABLE, result.stderr
+    assert result.stderr.startswith("gpugate: NVML: libnvidia-ml.so.1 not found")
+    assert result.stderr.count("\n") == 1
+    status = gpugate("status", env={"LD_LIBRARY_PATH": str(tmp_path)})
+    assert status.returncode == ExitCode.NVML_UNAVAILABLE
+
+
+def test_unknown_unit_exits_9() -> None:
+    assert gpugate("pre", "not a unit").returncode == ExitCode.UNKNOWN_UNIT
+    result = gpugate("pre")  # not running inside a service's cgroup here
+    assert result.returncode == ExitCode.UNKNOWN_UNIT
+    assert "no UNIT given" in result.stderr
+
+
+def test_usage_error_exits_2() -> None:
+    assert gpugate("explode").returncode == ExitCode.USAGE
+
+
+def test_config_check_prints_effective_config(tmp_path: Path) -> None:
+    path = tmp_path / "x.toml"
+    path.write_text("gpus = [1, 2]\n[post]\nwait_timeout_s = 9\n")
+    result = gpugate("config", "check", str(path))
+    assert result.returncode == 0
+    assert "gpus = [1, 2]" in result.stdout
+    assert "wait_timeout_s = 9.0" in result.stdout
+    import tomllib
+
+    assert tomllib.loads(result.stdout)["post"]["kill_orphans"] is False
+
+
+def test_main_with_injected_driver_runs_pre(
+    host: FakeHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (orphan,) = host.pool.holder(host.gpu_files(1))
+    config = host.root / "c.toml"
+    config.write_text(
+        f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
+        f'lock_dir = "{host.root}/locks"\n[pre]\nsigterm_grace_s = 1\n'
+    )
+    code = main(
+        ["pre", "vllm.service", "--config", str(config)],
+        driver_factory=lambda: host.memory,
+        reporter_factory=lambda unit, phase: host.reporter(phase),
+    )
+    assert code == 0
+    assert not alive(orphan)
+
+
+def test_status_json_lists_holders(host: FakeHost, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    (holder,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(holder, {2}, 1234)
+    config = host.root / "c.toml"
+    config.write_text(f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n')
+    assert (
+        main(["status", "--json", "--config", str(config)], driver_factory=lambda: host.memory) == 0
+    )
+    data = json.loads(capsys.readouterr().out)
+    assert data["version"] == 1
+    assert len(data["gpus"]) == 8
+    (entry,) = [h for h in data["holders"] if h["pid"] == holder]
+    assert entry["gpus"] == [2]
+    assert entry["used_mib"] == {"2": 1234}
+    assert entry["orphan"] is True
+    assert set(entry["sources"]) == {"device-fd", "nvml"}
+
+
+def test_nvml_error_from_injected_driver_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    def broken() -> object:
+        raise NvmlUnavailable("NVML: GPU 3 is lost (fell off the bus); it needs a reset or reboot")
+
+    code = main(["status"], driver_factory=broken)  # type: ignore[arg-type]
+    assert code == ExitCode.NVML_UNAVAILABLE
+    assert capsys.readouterr().err == (
+        "gpugate: NVML: GPU 3 is lost (fell off the bus); it needs a reset or reboot\n"
+    )

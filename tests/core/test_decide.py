@@ -1,0 +1,208 @@
+"""The decision rules over synthetic process tables, including a property test: for any table,
+nothing outside the unit's GPUs and cgroup, nothing protected, nothing of another active unit
+(unless allowed), no session leader that holds no GPU of the unit, and never gpugate, its
+ancestors or PID 1 is chosen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpugate.config import GateConfig
+from gpugate.decide import Role, Verdict, decide, in_cgroup
+from gpugate.discover import Discovery, Holder, Source
+from gpugate.nvml import Gpu
+from gpugate.procfs import ProcInfo
+
+UNIT_CG = "/system.slice/vllm.service"
+CGROUPS = [
+    UNIT_CG,
+    UNIT_CG + "/sub",
+    "/user.slice/user-0.slice/session-1.scope",
+    "/user.slice/user-1000.slice/user@1000.service/app.slice/x.service",
+    "/system.slice/other.service",
+    "/system.slice/nvidia-persistenced.service",
+    "/system.slice/docker-abc.scope",
+    "/",
+    "/init.scope",
+]
+GPUS = [Gpu(i, f"GPU-{i:08x}-0000", i, "g", 1000) for i in range(8)]
+
+
+@dataclass
+class Table:
+    procs: dict[int, ProcInfo] = field(default_factory=dict)
+
+    def info(self, pid: int) -> ProcInfo | None:
+        return self.procs.get(pid)
+
+    def children(self, pid: int) -> list[int]:
+        return [p.pid for p in self.procs.values() if p.ppid == pid and p.pid != pid]
+
+
+def proc(
+    pid: int,
+    ppid: int,
+    cgroup: str,
+    *,
+    session: int = 0,
+    pgrp: int = 0,
+    uid: int = 0,
+    exe: str = "/usr/bin/python3",
+) -> ProcInfo:
+    return ProcInfo(
+        pid=pid,
+        start_time=100 + pid,
+        comm="p",
+        state="S",
+        ppid=ppid,
+        pgrp=pgrp or pid,
+        session=session or 1,
+        tty_nr=0,
+        kernel_thread=False,
+        uid=uid,
+        cgroup=cgroup,
+        cmdline=("p",),
+        exe=exe,
+    )
+
+
+def discovery(
+    table: Table,
+    holders: dict[int, Holder],
+    owned: list[int],
+    self_chain: frozenset[int] = frozenset({999}),
+) -> Discovery:
+    return Discovery(
+        unit="vllm.service",
+        unit_cgroup=UNIT_CG,
+        gpus=GPUS,
+        owned=[GPUS[i] for i in owned],
+        usage={},
+        holders=holders,
+        self_chain=self_chain,
+        unreadable=[],
+    )
+
+
+def test_other_unit_blocks_and_refuses_everything() -> None:
+    table = Table(
+        {
+            10: proc(10, 1, "/system.slice/other.service"),
+            20: proc(20, 1, "/user.slice/user-0.slice/session-1.scope"),
+        }
+    )
+    holders = {
+        10: Holder(table.procs[10], {Source.NVML}, {0}),
+        20: Holder(table.procs[20], {Source.DEVICE_FD}, {1}),
+    }
+    decision = decide(discovery(table, holders, [0, 1]), GateConfig(), "pre", table)
+    assert decision.refused
+    assert [c.holder.pid for c in decision.blockers] == [10]
+    allowed = decide(
+        discovery(table, holders, [0, 1]), GateConfig(kill_other_units=True), "pre", table
+    )
+    assert {c.holder.pid for c in allowed.targets} == {10, 20}
+
+
+def test_app_tree_stops_at_session_leader_pgrp_change_and_foreign_gpus() -> None:
+    scope = "/user.slice/user-0.slice/session-1.scope"
+    table = Table(
+        {
+            50: proc(50, 1, scope, session=50, pgrp=50),  # sshd session / login shell
+            51: proc(51, 50, scope, session=50, pgrp=51),  # server, its own job group
+            52: proc(52, 51, scope, session=50, pgrp=51),  # engine core
+            53: proc(53, 52, scope, session=50, pgrp=51),  # worker on GPU 0
+            54: proc(54, 51, scope, session=50, pgrp=51),  # resource tracker
+            55: proc(55, 50, scope, session=50, pgrp=55),  # another job of the same shell
+        }
+    )
+    holders = {53: Holder(table.procs[53], {Source.DEVICE_FD}, {0})}
+    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    assert {c.holder.pid for c in decision.targets} == {51, 52, 53, 54}
+    # A worker of the same application on a GPU the unit does not own: no expansion.
+    holders[54] = Holder(table.procs[54], {Source.DEVICE_FD}, {5})
+    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    assert {c.holder.pid for c in decision.targets} == {53}
+
+
+def test_protected_by_unit_or_executable() -> None:
+    table = Table(
+        {
+            10: proc(10, 1, "/system.slice/nvidia-persistenced.service"),
+            11: proc(11, 1, "/", exe="/usr/bin/nv-hostengine"),
+            12: proc(12, 1, UNIT_CG, exe="/usr/bin/nvidia-smi"),
+        }
+    )
+    holders = {
+        pid: Holder(info, {Source.DEVICE_FD}, set(range(8))) for pid, info in table.procs.items()
+    }
+    decision = decide(discovery(table, holders, list(range(8))), GateConfig(), "pre", table)
+    assert not decision.targets and not decision.blockers
+    assert {c.role for c in decision.spared} == {Role.PROTECTED}
+
+
+@st.composite
+def tables(draw: st.DrawFn) -> tuple[Table, dict[int, Holder], list[int], frozenset[int]]:
+    count = draw(st.integers(2, 25))
+    table = Table()
+    for pid in range(2, count + 2):
+        ppid = draw(st.sampled_from([1, *range(2, pid)]))
+        parent = table.procs.get(ppid)
+        table.procs[pid] = proc(
+            pid,
+            ppid,
+            draw(st.sampled_from(CGROUPS)),
+            session=draw(st.sampled_from([pid, parent.session if parent else 1])),
+            pgrp=draw(st.sampled_from([pid, parent.pgrp if parent else 1])),
+            uid=draw(st.sampled_from([0, 1000])),
+            exe=draw(st.sampled_from(["/usr/bin/python3", "/usr/bin/nvidia-persistenced"])),
+        )
+    table.procs[1] = proc(1, 0, "/init.scope", session=1, pgrp=1)
+    holders: dict[int, Holder] = {}
+    for pid, info in table.procs.items():
+        gpus = draw(st.sets(st.integers(0, 7), max_size=3))
+        in_unit = in_cgroup(info.cgroup, UNIT_CG)
+        if gpus or in_unit or draw(st.booleans()):
+            sources = {Source.CGROUP} if in_unit else set()
+            holders[pid] = Holder(info, sources | ({Source.NVML} if gpus else set()), set(gpus))
+    owned = sorted(draw(st.sets(st.integers(0, 7), min_size=1)))
+    self_chain = frozenset(draw(st.sets(st.sampled_from(sorted(table.procs)), max_size=3)))
+    return table, holders, owned, self_chain
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=tables(), phase=st.sampled_from(["pre", "post"]), kill_other=st.booleans())
+def test_never_chooses_outside_the_units_gpus_and_cgroup(
+    data: tuple[Table, dict[int, Holder], list[int], frozenset[int]], phase: str, kill_other: bool
+) -> None:
+    table, holders, owned, self_chain = data
+    config = GateConfig(kill_other_units=kill_other)
+    found = discovery(table, holders, owned, self_chain)
+    decision = decide(found, config, phase, table)
+    for choice in decision.targets:
+        info = choice.holder.info
+        in_unit = in_cgroup(info.cgroup, UNIT_CG)
+        assert info.pid != 1 and info.pid not in self_chain
+        assert choice.role is not Role.PROTECTED
+        assert info.exe not in config.protected_executables
+        assert "nvidia-persistenced.service" not in (info.cgroup or "")
+        if not in_unit:
+            assert not (choice.holder.using - set(owned)), "takes a GPU the unit does not own"
+            if choice.role is Role.OTHER_UNIT:
+                assert kill_other
+            if not choice.holder.using & set(owned):
+                assert Source.APP_TREE in choice.holder.sources
+                assert info.pid != info.session, "a session leader was taken"
+    for choice in decision.blockers:
+        straddles = bool(choice.holder.using - set(owned))
+        if choice.role is Role.OTHER_UNIT:
+            assert straddles or not kill_other
+        else:
+            assert choice.role is Role.ORPHAN
+            assert straddles or phase == "post"
+    targets = {c.holder.pid for c in decision.targets}
+    assert len(targets) == len(decision.targets)
+    assert all(c.verdict is Verdict.KILL for c in decision.targets)

@@ -1,0 +1,276 @@
+"""The pre and post runs end to end, with real processes holding stand-in device files, a
+stand-in cgroup tree and a fake GPU memory that is freed only when its holders exit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import pytest
+
+from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.kill import Pinned
+from gpugate.pipeline import run_phase
+from gpugate.procfs import ProcessId, ProcFs
+from tests.conftest import UNIT, FakeHost
+from tests.fakes import alive
+
+
+def run(host: FakeHost, phase: str = "pre", **config: object):  # type: ignore[no-untyped-def]
+    return run_phase(
+        phase,
+        UNIT,
+        host.config(**config),
+        host.reporter(phase),
+        driver_factory=lambda: host.memory,
+    )
+
+
+def test_parent_killed_first_workers_are_reaped(host: FakeHost) -> None:
+    server, *workers = host.pool.holder(host.gpu_files(0, 1), children=2)
+    for pid in workers:
+        host.memory.claim(pid, {0, 1}, 40000)
+    os.kill(server, signal.SIGKILL)  # as `pkill -9 -f vllm` does: the workers live on
+    host.pool.popens[0].wait()
+    assert all(alive(pid) for pid in workers)
+
+    summary = run(host, "pre")
+
+    assert summary.exit_code is ExitCode.OK
+    assert not any(alive(pid) for pid in workers)
+    assert {c.holder.pid for c in summary.killed} == set(workers)
+    assert host.memory.usage(host.memory.gpus()[0]).used_mib == 0
+
+
+def test_worker_ignoring_sigterm_is_killed_after_grace(host: FakeHost) -> None:
+    (worker,) = host.pool.holder(host.gpu_files(2), ignore_term=True)
+    host.put_in_unit(worker)
+    host.memory.claim(worker, {2}, 1000)
+
+    started = time.monotonic()
+    summary = run(host, "post", post={"sigterm_grace_s": 0.5})
+
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(worker)
+    assert time.monotonic() - started >= 0.5
+    signals = [e["GPUGATE_SIGNAL"] for e in host.journal.events("signal_sent")]
+    assert signals == ["SIGTERM", "SIGKILL"]
+
+
+def test_orphan_outside_cgroup_killed_by_pre_not_by_post(host: FakeHost) -> None:
+    (orphan,) = host.pool.holder(host.gpu_files(3))
+    host.memory.claim(orphan, {3}, 5000)
+
+    post = run(host, "post")
+    assert post.exit_code is ExitCode.HELD_BY_OTHERS
+    assert alive(orphan)
+    refused = host.journal.events("refused")
+    assert refused and refused[0]["GPUGATE_PID"] == str(orphan)
+
+    pre = run(host, "pre")
+    assert pre.exit_code is ExitCode.OK
+    assert not alive(orphan)
+
+
+def test_bystander_on_other_gpu_and_protected_daemon_survive(host: FakeHost) -> None:
+    (mine,) = host.pool.holder(host.gpu_files(0))
+    (bystander,) = host.pool.holder(host.gpu_files(5))
+    host.memory.claim(mine, {0}, 9000)
+    host.memory.claim(bystander, {5}, 9000)
+    # A daemon that holds every device file and is protected by its executable's path.
+    daemon_exe = host.root / "nvidia-persistenced"
+    shutil.copy("/bin/sleep", daemon_exe)
+    redirects = " ".join(f"{3 + i}<{path}" for i, path in enumerate(sorted(host.dev.iterdir())))
+    daemon = host.pool.command(["/bin/bash", "-c", f"exec {redirects} {daemon_exe} 3600"])
+    time.sleep(0.2)
+
+    summary = run(host, "pre", gpus=[0, 1, 2, 3], protected_executables=[str(daemon_exe)])
+
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(mine)
+    assert alive(bystander)
+    assert alive(daemon.pid)
+    spared = {e["GPUGATE_PID"] for e in host.journal.events("process_spared")}
+    assert str(daemon.pid) in spared
+
+
+def test_unkillable_holder_ends_at_deadline_with_exit_5(host: FakeHost) -> None:
+    (stuck,) = host.pool.holder(host.gpu_files(1))
+    host.put_in_unit(stuck)
+    host.memory.claim(stuck, {1}, 3000)
+
+    class DeafProcess:
+        """Stands in for a process in D state: signals are accepted but never acted on."""
+
+        def __init__(self, ident: ProcessId) -> None:
+            self.ident = ident
+
+        def send(self, signum: int) -> bool:
+            return True
+
+        def exited(self) -> bool:
+            return False
+
+        def fileno(self) -> int | None:
+            return None
+
+        def close(self) -> None:
+            pass
+
+    def pinner(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
+        return DeafProcess(ident)
+
+    started = time.monotonic()
+    summary = run_phase(
+        "post",
+        UNIT,
+        host.config(post={"wait_timeout_s": 2.0, "sigkill_wait_s": 0.5, "sigterm_grace_s": 0.3}),
+        host.reporter("post"),
+        driver_factory=lambda: host.memory,
+        pinner=pinner,
+    )
+    elapsed = time.monotonic() - started
+
+    assert summary.exit_code is ExitCode.UNKILLABLE
+    assert 1.9 <= elapsed < 6
+    survivor = host.journal.events("survivor")
+    assert survivor and survivor[0]["GPUGATE_PID"] == str(stuck)
+    assert "wchan" in survivor[0]["MESSAGE"]
+
+
+def test_leaked_memory_times_out_naming_gpu_and_mib(host: FakeHost) -> None:
+    host.memory.leaked_mib[4] = 2048
+    summary = run(host, "pre", pre={"wait_timeout_s": 0.5})
+    assert summary.exit_code is ExitCode.MEMORY_TIMEOUT
+    (timeout,) = host.journal.events("timeout")
+    assert timeout["GPUGATE_GPU"] == "4"
+    assert timeout["GPUGATE_USED_MIB"] == "2048"
+
+    warned = run(host, "pre", pre={"wait_timeout_s": 0.3, "on_timeout": "warn"})
+    assert warned.exit_code is ExitCode.OK
+
+
+def test_memory_below_free_level_counts_as_free(host: FakeHost) -> None:
+    host.memory.leaked_mib[4] = 300
+    assert run(host, "pre", free_mib=512).exit_code is ExitCode.OK
+    assert run(host, "pre", free_mib=200, pre={"wait_timeout_s": 0.3}).exit_code is (
+        ExitCode.MEMORY_TIMEOUT
+    )
+
+
+def test_waits_for_late_release_then_succeeds(host: FakeHost) -> None:
+    host.memory.release_lag_s = 1.0
+    (worker,) = host.pool.holder(host.gpu_files(6))
+    host.memory.claim(worker, {6}, 8000)
+    summary = run(host, "pre")
+    assert summary.exit_code is ExitCode.OK
+    assert summary.seconds_wait >= 0.9
+    assert any(s.startswith("EXTEND_TIMEOUT_USEC=") for s in host.notifier.states)
+    assert any("waiting for 1 GPU(s)" in s for s in host.notifier.states)
+
+
+def test_dry_run_kills_nothing(host: FakeHost) -> None:
+    (orphan,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(orphan, {0}, 100)
+    summary = run_phase(
+        "pre",
+        UNIT,
+        host.config(),
+        host.reporter(),
+        dry_run=True,
+        driver_factory=lambda: host.memory,
+    )
+    assert summary.exit_code is ExitCode.OK
+    assert alive(orphan)
+    (found,) = host.journal.events("holder_found")
+    assert found["MESSAGE"].startswith("would kill PID")
+    assert not host.journal.events("signal_sent")
+
+
+def test_nvml_failure_fails_or_cleans_cgroup_only(host: FakeHost) -> None:
+    (member,) = host.pool.holder([])
+    host.put_in_unit(member)
+
+    def broken() -> FakeGpuMemoryLike:
+        raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
+
+    with pytest.raises(NvmlUnavailable):
+        run_phase("post", UNIT, host.config(), host.reporter("post"), driver_factory=broken)
+    assert alive(member)
+
+    summary = run_phase(
+        "post",
+        UNIT,
+        host.config(post={"on_nvml_error": "warn"}),
+        host.reporter("post"),
+        driver_factory=broken,
+    )
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(member)
+
+
+FakeGpuMemoryLike = object
+
+
+def test_gpu_is_found_by_minor_number_not_index(host: FakeHost) -> None:
+    host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
+    (holder,) = host.pool.holder([host.dev / "nvidia7"])  # minor 7 is GPU index 0
+    summary = run(host, "pre", gpus=[0])
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(holder)
+    (found,) = host.journal.events("holder_found")
+    assert found["GPUGATE_GPU"] == "0"
+
+
+def test_control_device_only_holder_outside_cgroup_survives(host: FakeHost) -> None:
+    (ctl_only,) = host.pool.holder([host.dev / "nvidiactl", host.dev / "nvidia-uvm"])
+    (ctl_member,) = host.pool.holder([host.dev / "nvidiactl"])
+    host.put_in_unit(ctl_member)
+    assert run(host, "pre").exit_code is ExitCode.OK
+    assert alive(ctl_only)
+    assert not alive(ctl_member)
+
+
+def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
+    # A "login shell" (session leader) starts a server; the server forks a worker on GPU 0
+    # and a helper that holds no GPU (like the resource tracker).
+    script = host.root / "server.sh"
+    script.write_text(
+        f"exec 3<{host.dev / 'nvidia0'}\n"
+        "python3 -c 'import time; time.sleep(3600)' 3<&- &\n"  # helper: no GPU
+        "sleep 3600 &\n"  # worker: inherits fd 3 on nvidia0
+        "wait\n"
+    )
+    shell = host.pool.command(
+        ["/bin/bash", "-c", f"/bin/bash {script} & wait; exec sleep 3600"],
+        start_new_session=True,
+    )
+    time.sleep(0.5)
+    procfs = ProcFs()
+    server = procfs.children(shell.pid)[0]
+    helper, worker = sorted(procfs.children(server))
+    for pid in (server, helper, worker):
+        host.pool.started.append((pid, procfs.stat(pid).start_time))  # type: ignore[union-attr]
+
+    summary = run(host, "pre", gpus=[0])
+
+    assert summary.exit_code is ExitCode.OK
+    assert alive(shell.pid), "the session leader (login shell) must never be taken"
+    signalled = {e["GPUGATE_PID"] for e in host.journal.events("signal_sent")}
+    assert str(shell.pid) not in signalled
+    for pid in (server, helper, worker):
+        assert not alive(pid)
+    sources = {e["GPUGATE_PID"]: e["MESSAGE"] for e in host.journal.events("holder_found")}
+    assert "app-tree" in sources[str(helper)]
+
+
+def test_app_tree_off_takes_only_gpu_holders(host: FakeHost) -> None:
+    server, worker = host.pool.holder([], children=1)
+    os.close(os.open(host.dev / "nvidia0", os.O_RDONLY))
+    host.memory.claim(worker, {0}, 10)
+    # only the worker is listed by NVML; the server holds nothing
+    summary = run(host, "pre", pre={"kill_app_tree": False})
+    assert summary.exit_code is ExitCode.OK
+    assert alive(server) and not alive(worker)

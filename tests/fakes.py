@@ -1,0 +1,180 @@
+"""Test doubles for gpugate's injected I/O: a GPU driver whose memory follows real child
+processes, a journal and a notifier that record what they were told."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpugate.nvml import Gpu, GpuProcess, GpuUsage
+
+
+def alive(pid: int, start_time: int | None = None) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            text = handle.read()
+    except FileNotFoundError:
+        return False
+    fields = text[text.rfind(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return False
+    return start_time is None or int(fields[19]) == start_time
+
+
+def start_time_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as handle:
+        text = handle.read()
+    return int(text[text.rfind(")") + 2 :].split()[19])
+
+
+@dataclass
+class FakeGpuMemory:
+    """GPU memory that a registered process uses while it lives, plus a release lag after it
+    exits, plus memory leaked with no process at all. Knows nothing of gpugate's discovery."""
+
+    count: int = 8
+    total_mib: int = 97887
+    release_lag_s: float = 0.0
+    minors: Sequence[int] | None = None
+    claims: dict[tuple[int, int], tuple[set[int], int]] = field(default_factory=dict)
+    leaked_mib: dict[int, int] = field(default_factory=dict)
+    gone_at: dict[tuple[int, int], float] = field(default_factory=dict)
+    listed_without_memory: dict[int, list[int]] = field(default_factory=dict)
+    queries: int = 0
+
+    def claim(self, pid: int, gpus: set[int], mib: int) -> None:
+        self.claims[(pid, start_time_of(pid))] = (gpus, mib)
+
+    def gpus(self) -> Sequence[Gpu]:
+        minors = self.minors or list(range(self.count))
+        return [
+            Gpu(i, f"GPU-fa4e5a11-0000-0000-0000-{i:012x}", minors[i], "Fake GPU", self.total_mib)
+            for i in range(self.count)
+        ]
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        self.queries += 1
+        used = self.leaked_mib.get(gpu.index, 0)
+        processes: list[GpuProcess] = []
+        now = time.monotonic()
+        for key, (gpus, mib) in list(self.claims.items()):
+            if gpu.index not in gpus:
+                continue
+            if alive(*key):
+                used += mib
+                processes.append(GpuProcess(key[0], mib))
+            else:
+                gone = self.gone_at.setdefault(key, now)
+                if now - gone < self.release_lag_s:
+                    used += mib
+        processes.extend(
+            GpuProcess(pid, None) for pid in self.listed_without_memory.get(gpu.index, [])
+        )
+        return GpuUsage(gpu, used, tuple(processes))
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass
+class RecordingJournal:
+    entries: list[tuple[str, dict[str, str]]] = field(default_factory=list)
+
+    def send(self, message: str, fields: dict[str, str]) -> None:
+        self.entries.append((message, dict(fields)))
+
+    def events(self, name: str) -> list[dict[str, str]]:
+        return [{"MESSAGE": m, **f} for m, f in self.entries if f.get("GPUGATE_EVENT") == name]
+
+
+@dataclass
+class RecordingNotifier:
+    states: list[str] = field(default_factory=list)
+
+    def notify(self, state: str) -> None:
+        self.states.append(state)
+
+
+HOLDER_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    paths, ignore_term, children, ready = sys.argv[1], sys.argv[2] == "1", int(sys.argv[3]), sys.argv[4]
+    handles = [open(p, "rb") for p in paths.split(",") if p]
+    if ignore_term:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for _ in range(children):
+        if os.fork() == 0:
+            break  # the child keeps the inherited device handles and the same behaviour
+    with open(f"{ready}.{os.getpid()}", "w") as f:
+        f.write("ok")
+    while True:
+        time.sleep(3600)
+    """
+)
+
+
+@dataclass
+class ProcessPool:
+    """Real processes started by a test; `cleanup` kills exactly those and nothing else."""
+
+    workdir: Path
+    started: list[tuple[int, int]] = field(default_factory=list)
+    popens: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def holder(
+        self,
+        paths: Sequence[Path],
+        *,
+        ignore_term: bool = False,
+        children: int = 0,
+        new_session: bool = False,
+        argv0: str | None = None,
+    ) -> list[int]:
+        """Start a process holding the files open; with children, it forks that many which
+        inherit the handles. Returns the PIDs (parent first)."""
+        ready = self.workdir / f"ready-{len(self.popens)}"
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                HOLDER_SCRIPT,
+                ",".join(str(p) for p in paths),
+                "1" if ignore_term else "0",
+                str(children),
+                str(ready),
+            ],
+            start_new_session=new_session,
+        )
+        self.popens.append(proc)
+        deadline = time.monotonic() + 15
+        while len(list(self.workdir.glob(f"{ready.name}.*"))) < children + 1:
+            if time.monotonic() > deadline:
+                raise TimeoutError("holder processes did not start")
+            time.sleep(0.01)
+        pids = sorted(int(p.suffix[1:]) for p in self.workdir.glob(f"{ready.name}.*"))
+        pids.remove(proc.pid)
+        pids.insert(0, proc.pid)
+        for pid in pids:
+            self.started.append((pid, start_time_of(pid)))
+        return pids
+
+    def command(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen(list(argv), **kwargs)  # type: ignore[call-overload]
+        self.popens.append(proc)
+        time.sleep(0.05)
+        self.started.append((proc.pid, start_time_of(proc.pid)))
+        return proc
+
+    def cleanup(self) -> None:
+        for pid, start in self.started:
+            if alive(pid, start):
+                os.kill(pid, signal.SIGKILL)
+        for proc in self.popens:
+            proc.wait(timeout=10)
