@@ -9,152 +9,23 @@ unit: set GPUGATE_SCENARIO_WITHOUT_GPUGATE=1 to run them that way (they then fai
 
 from __future__ import annotations
 
-import json
-import os
-import shlex
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from typing import Any
 
 import pytest
+from incident import (
+    ALL,
+    CONFIG,
+    MIB_PER_GPU,
+    PYTHON,
+    SIGNAL_SENT_ID,
+    Host,
+    prepare,
+    unit_text,
+)
 from sandbox import SimHost
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
-
-REPO = Path(__file__).resolve().parents[2]
-WORKLOAD = REPO / "tests" / "simhost" / "workload" / "fake_vllm.py"
-PYTHON = str(Path(sys.executable).resolve())
-MIB_PER_GPU = 90000
-WITHOUT_GPUGATE = os.environ.get("GPUGATE_SCENARIO_WITHOUT_GPUGATE") == "1"
-SIGNAL_SENT_ID = "9b4c2d7e1f3a4b8c9d0e5f6a1b2c3d56"
-ALL = tuple(range(8))
-
-
-def gpu_arg(gpus: tuple[int, ...]) -> str:
-    return ",".join(map(str, gpus))
-
-
-def server_cmd(gpus: tuple[int, ...], port: int, ready: str, *extra: str) -> str:
-    return shlex.join(
-        [
-            PYTHON,
-            "/opt/fakevllm/fake_vllm.py",
-            "--gpus",
-            gpu_arg(gpus),
-            "--port",
-            str(port),
-            "--mib",
-            str(MIB_PER_GPU),
-            "--ready-file",
-            ready,
-            *extra,
-        ]
-    )
-
-
-def unit_text(
-    name: str,
-    gpus: tuple[int, ...],
-    port: int,
-    *extra: str,
-    kill_mode: str = "",
-    start_timeout: int = 60,
-) -> str:
-    hooks = (
-        ""
-        if WITHOUT_GPUGATE
-        else ("ExecStartPre=/usr/bin/gpugate pre %n\nExecStopPost=/usr/bin/gpugate post %n\n")
-    )
-    return (
-        f"[Unit]\nDescription=vLLM-like server {name}\n[Service]\nType=simple\n{hooks}"
-        f"ExecStart={server_cmd(gpus, port, f'/run/ready-{name}.json', *extra)}\n"
-        f"NotifyAccess=exec\nTimeoutStartSec={start_timeout}\nTimeoutStopSec=60\n"
-        + (f"KillMode={kill_mode}\n" if kill_mode else "")
-    )
-
-
-class Host:
-    """Scenario helpers over one booted SimHost."""
-
-    def __init__(self, sim: SimHost) -> None:
-        self.sim = sim
-
-    def sh(self, cmd: str, check: bool = True) -> str:
-        return self.sim.run(cmd, check=check, timeout=180).stdout
-
-    def status(self) -> dict[str, Any]:
-        result = self.sim.run(["gpugate", "status", "--json"], timeout=60)
-        data: dict[str, Any] = json.loads(result.stdout)
-        return data
-
-    def used(self) -> dict[int, int]:
-        return {gpu["index"]: gpu["used_mib"] for gpu in self.status()["gpus"]}
-
-    def alive(self, pid: int) -> bool:
-        state = self.sh(f"cat /proc/{pid}/stat 2>/dev/null | sed 's/.*) //' | cut -c1", False)
-        return state.strip() not in ("", "Z", "X")
-
-    def wait_ready(self, path: str, timeout: float = 60) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            text = self.sh(f"cat {path} 2>/dev/null", check=False)
-            if text.strip():
-                data: dict[str, Any] = json.loads(text)
-                return data
-            time.sleep(0.2)
-        raise AssertionError(f"{path} never appeared")
-
-    def hand_start(
-        self, gpus: tuple[int, ...], port: int, name: str, *extra: str
-    ) -> tuple[dict[str, Any], int]:
-        """A server started by hand from a login session: a session-leading shell in a user
-        scope, like sshd's. Returns the server's pids and the shell's pid."""
-        ready = f"/run/ready-{name}.json"
-        self.sh(f"rm -f {ready} /run/shell-{name}.pid")
-        script = f"echo $$ > /run/shell-{name}.pid; {server_cmd(gpus, port, ready)} & wait; exec sleep 3600"
-        self.sim.spawn_scope(["setsid", "-w", "/bin/bash", "-c", script], unit=f"{name}.scope")
-        pids = self.wait_ready(ready)
-        shell = int(self.sh(f"cat /run/shell-{name}.pid").strip())
-        return pids, shell
-
-    def install(self, name: str, text: str, config: str = "") -> None:
-        self.sim.install_unit(name, text)
-        self.sim.write_file(f"/etc/gpugate/{name}.toml", config)
-
-    def start(self, name: str, check: bool = True) -> int:
-        self.sh(f"rm -f /run/ready-{name}.json")
-        return self.sim.systemctl("start", name, check=check).returncode
-
-    def cgroup_pids(self, name: str) -> list[int]:
-        text = self.sh(f"cat /sys/fs/cgroup/system.slice/{name}/cgroup.procs 2>/dev/null", False)
-        return [int(p) for p in text.split()]
-
-    def cursor(self) -> str:
-        return self.sh(
-            "journalctl -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p'"
-        ).strip()
-
-    def journal_json(self, *args: str) -> list[dict[str, Any]]:
-        out = self.sh(shlex.join(["journalctl", "--no-pager", "-o", "json", *args]), check=False)
-        return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-    def reset(self) -> None:
-        """Between scenarios: stop every test unit and scope, clear leaks, restore the driver."""
-        self.sh(
-            "systemctl stop 'vllm*.service' 'job-*.service' 'hand-*.scope' 2>/dev/null; "
-            "systemctl reset-failed 2>/dev/null; rm -f /run/fake-nvml/leak/*; "
-            "sed -i 's/^release_delay_ms.*/release_delay_ms = 0/' /etc/fake-nvml.conf",
-            check=False,
-        )
-        # Anything a scenario left holding a GPU is a bug of that scenario: kill it by cgroup.
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and any(self.used().values()):
-            time.sleep(0.2)
-
-
-CONFIG = "[pre]\nsigterm_grace_s = 2\nwait_timeout_s = 30\n[post]\nsigterm_grace_s = 2\nwait_timeout_s = 30\n"
 
 
 @pytest.fixture(scope="module")
@@ -163,24 +34,7 @@ def host(simhost: SimHost) -> Iterator[Host]:
         ["test", "-e", "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"], check=False
     ).returncode:
         pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
-    simhost.install_gpugate(REPO)
-    simhost.write_file("/opt/fakevllm/fake_vllm.py", WORKLOAD.read_text())
-    simhost.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
-    # Bystanders that must survive every scenario: nvidia-persistenced holding every device
-    # file (protected by its unit), and a python process in a login session holding no GPU.
-    redirects = " ".join(
-        f"{3 + i}</dev/{n}"
-        for i, n in enumerate([f"nvidia{i}" for i in ALL] + ["nvidiactl", "nvidia-uvm"])
-    )
-    simhost.install_unit(
-        "nvidia-persistenced.service",
-        f"[Service]\nExecStart=/bin/bash -c 'exec {redirects} sleep infinity'\n",
-    )
-    simhost.systemctl("start", "nvidia-persistenced.service")
-    simhost.spawn_scope(
-        [PYTHON, "-c", "import time; time.sleep(36000)"], unit="python-bystander.scope"
-    )
-    h = Host(simhost)
+    h = prepare(simhost)
     yield h
     h.reset()
 
@@ -306,7 +160,9 @@ def test_leaked_memory_fails_start_within_timeout(host: Host) -> None:
     host.reset()
     host.sh("mkdir -p /run/fake-nvml/leak && echo 50000 > /run/fake-nvml/leak/3")
     host.install(
-        "vllm.service", unit_text("vllm.service", ALL, 8000), "[pre]\nwait_timeout_s = 3\n[post]\nwait_timeout_s = 3\n"
+        "vllm.service",
+        unit_text("vllm.service", ALL, 8000),
+        "[pre]\nwait_timeout_s = 3\n[post]\nwait_timeout_s = 3\n",
     )
     cursor = host.cursor()
     started = time.monotonic()
