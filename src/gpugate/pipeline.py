@@ -82,18 +82,8 @@ def run_phase(
 ) -> RunSummary:
     policy = loaded.config.policy(phase)
     reporter.status("looking for processes holding the GPUs")
-    try:
-        driver: GpuDriver = driver_factory()
-    except NvmlUnavailable as exc:
-        if policy.on_nvml_error == "fail":
-            raise
-        reporter.event(
-            Event.ERROR,
-            f"{exc.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
-            priority=PRIORITY_WARNING,
-        )
-        driver = NoGpus()
-    try:
+
+    def run_with(driver: GpuDriver) -> RunSummary:
         return PhaseRun(
             phase,
             unit=unit,
@@ -103,6 +93,26 @@ def run_phase(
             pinner=pinner,
             clock=clock,
         ).run(dry_run)
+
+    def degrade(exc: NvmlUnavailable) -> RunSummary:
+        # NVML failed at start or mid-run (driver unloaded, GPU lost, query unsupported).
+        if policy.on_nvml_error == "fail":
+            raise exc
+        reporter.event(
+            Event.ERROR,
+            f"{exc.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            priority=PRIORITY_WARNING,
+        )
+        return run_with(NoGpus())
+
+    try:
+        driver: GpuDriver = driver_factory()
+    except NvmlUnavailable as exc:
+        return degrade(exc)
+    try:
+        return run_with(driver)
+    except NvmlUnavailable as exc:
+        return degrade(exc)
     finally:
         driver.close()
 
@@ -165,12 +175,27 @@ class PhaseRun:
             config=self.loaded.source,
         )
         if discovery.unreadable:
+            shown = ", ".join(map(str, discovery.unreadable[:10]))
+            more = "..." if len(discovery.unreadable) > 10 else ""
             reporter.event(
                 Event.ERROR,
-                f"cannot read the open files of {len(discovery.unreadable)} processes "
-                "(not root?): GPU holders among them are invisible",
+                f"not permitted to read the open files of {len(discovery.unreadable)} "
+                f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
+                "run gpugate as root",
                 priority=PRIORITY_WARNING,
             )
+        owned_indices = discovery.owned_indices
+        for gpu_index, pid in discovery.invisible:
+            if gpu_index in owned_indices:
+                reporter.event(
+                    Event.ERROR,
+                    f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
+                    "process: gpugate runs in another PID namespace (a container without "
+                    "the host's PIDs) and cannot kill it",
+                    priority=PRIORITY_WARNING,
+                    pid=pid,
+                    gpus=[gpu_index],
+                )
         _report_choices(reporter, decision, dry_run)
         if decision.refused:
             reporter.status("refused: another unit holds the GPUs")

@@ -208,12 +208,22 @@ def scan_device_users(proc_root: Path, device_prefix: str) -> DeviceScan:
             continue
         fd_paths = _fd_paths(f"{root}/{name}/fd", device_prefix)
         if fd_paths is None:
-            scan.unreadable.append(int(name))
+            if not _is_kernel_thread(f"{root}/{name}/stat"):
+                scan.unreadable.append(int(name))
             continue
         mapped = _mapped_paths(f"{root}/{name}/maps", prefix_bytes)
         if fd_paths or mapped:
             scan.users[int(name)] = DeviceUse(frozenset(fd_paths), frozenset(mapped))
     return scan
+
+
+def _is_kernel_thread(stat_file: str) -> bool:
+    try:
+        with open(stat_file, encoding="utf-8", errors="replace") as handle:
+            info = parse_stat(handle.read())
+    except OSError:
+        return False
+    return info is not None and info.kernel_thread
 
 
 def _fd_paths(fd_dir: str, prefix: str) -> set[str] | None:

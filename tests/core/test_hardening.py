@@ -1,0 +1,267 @@
+"""Races, faults, bad input and concurrency (issue 6). Each test fails without its protection."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gpugate.cli import main
+from gpugate.config import parse_config
+from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
+from gpugate.locks import gpu_locks
+from gpugate.nvml import Gpu, GpuUsage
+from gpugate.pipeline import run_phase
+from tests.conftest import UNIT, FakeHost
+from tests.fakes import FakeGpuMemory, RecordingJournal, alive
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "simhost" / "fake_nvml"))
+from build import BuildError, build_fake_nvml  # noqa: E402
+
+
+def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost) -> None:
+    # On SIGTERM the holder forks a child that keeps its device handle, then exits.
+    script = textwrap.dedent(
+        f"""
+        import os, signal, time
+        handle = open({str(host.dev / "nvidia0")!r}, "rb")
+        def on_term(signum, frame):
+            if os.fork() == 0:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                with open({str(host.root / "child.pid")!r}, "w") as f:
+                    f.write(str(os.getpid()))
+                time.sleep(3600)
+            os._exit(0)
+        signal.signal(signal.SIGTERM, on_term)
+        time.sleep(3600)
+        """
+    )
+    parent = host.pool.command([sys.executable, "-c", script])
+    time.sleep(0.3)
+    summary = run_phase("pre", UNIT, host.config(), host.reporter(), driver_factory=lambda: host.memory)
+    child = int((host.root / "child.pid").read_text())
+    host.pool.started.append((child, 0))
+    assert summary.exit_code is ExitCode.OK
+    assert summary.rounds == 2
+    assert not alive(parent.pid) and not alive(child)
+
+
+def _hold_lock_in_child(lock_dir: Path, gpus: list[Gpu]) -> subprocess.Popen[str]:
+    code = textwrap.dedent(
+        f"""
+        import sys, time
+        from pathlib import Path
+        from gpugate.locks import gpu_locks
+        from gpugate.nvml import Gpu
+        gpus = [Gpu(i, u, i, "g", 1) for i, u in {[(g.index, g.uuid) for g in gpus]!r}]
+        with gpu_locks(Path({str(lock_dir)!r}), gpus, time.monotonic() + 5):
+            print("locked", flush=True)
+            time.sleep(3600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def test_overlapping_runs_serialise_disjoint_do_not_and_crashed_holder_frees(tmp_path: Path) -> None:
+    gpus = FakeGpuMemory().gpus()
+    holder = _hold_lock_in_child(tmp_path, [gpus[0], gpus[1]])
+    try:
+        with pytest.raises(LockTimeout, match="another gpugate run held GPU 1"):
+            with gpu_locks(tmp_path, [gpus[1], gpus[2]], time.monotonic() + 0.3):
+                pass
+        started = time.monotonic()
+        with gpu_locks(tmp_path, [gpus[2], gpus[3]], time.monotonic() + 5):
+            assert time.monotonic() - started < 1
+    finally:
+        holder.kill()  # a crashed gpugate: its flock dies with it
+        holder.wait()
+    with gpu_locks(tmp_path, [gpus[0], gpus[1]], time.monotonic() + 2):
+        pass
+
+
+class FailsMidRun(FakeGpuMemory):
+    """Works for discovery, then loses GPU 2 while gpugate waits."""
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        if self.queries >= 8:
+            raise NvmlUnavailable("NVML: GPU 2 is lost (fell off the bus); it needs a reset or reboot")
+        return super().usage(gpu)
+
+
+def test_nvml_lost_mid_run_fails_or_goes_on_per_policy(host: FakeHost) -> None:
+    (member,) = host.pool.holder([])
+    host.put_in_unit(member)
+    memory = FailsMidRun(leaked_mib={0: 5000})
+    with pytest.raises(NvmlUnavailable, match="GPU 2 is lost"):
+        run_phase("post", UNIT, host.config(), host.reporter("post"), driver_factory=lambda: memory)
+    memory = FailsMidRun(leaked_mib={0: 5000})
+    summary = run_phase(
+        "post",
+        UNIT,
+        host.config(post={"on_nvml_error": "warn"}),
+        host.reporter("post"),
+        driver_factory=lambda: memory,
+    )
+    assert summary.exit_code is ExitCode.OK
+    assert any("on_nvml_error = warn" in e["MESSAGE"] for e in host.journal.events("error"))
+
+
+@pytest.fixture(scope="module")
+def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    try:
+        return build_fake_nvml(tmp_path_factory.mktemp("nvml")).parent
+    except BuildError as exc:
+        pytest.skip(f"cannot build the stand-in NVML: {exc}")
+
+
+@pytest.mark.parametrize(
+    ("settings_text", "message"),
+    [
+        ("init_error = 9", "gpugate: NVML: the NVIDIA kernel driver is not loaded"),
+        ("lost_gpus = 3", "gpugate: NVML: GPU 3 is lost (fell off the bus)"),
+        ("memory_not_supported = 1", "gpugate: NVML: GPU 0 does not support"),
+        ("init_error = 4", "gpugate: NVML: permission denied"),
+    ],
+)
+def test_driver_faults_through_real_pynvml(fake_lib: Path, tmp_path: Path, settings_text: str, message: str) -> None:
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    settings_file = tmp_path / "nvml.conf"
+    settings_file.write_text(f"dev_root = {dev}\nstate_dir = {tmp_path / 'state'}\n{settings_text}\n")
+    config = tmp_path / "c.toml"
+    config.write_text(
+        f'[paths]\ndev_root = "{dev}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}/locks"\n'
+        '[pre]\nwait_timeout_s = 2\n'
+    )
+    env = {**os.environ, "LD_LIBRARY_PATH": str(fake_lib), "FAKE_NVML_CONFIG": str(settings_file)}
+    result = subprocess.run(
+        [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
+        capture_output=True, text=True, env=env, timeout=60, check=False,
+    )
+    expected = ExitCode.PERMISSION if "permission" in message else ExitCode.NVML_UNAVAILABLE
+    assert result.returncode == expected, result.stderr
+    assert result.stderr.startswith(message)
+    assert "Traceback" not in result.stderr
+    config.write_text(config.read_text() + 'on_nvml_error = "warn"\n')
+    if expected is ExitCode.NVML_UNAVAILABLE:
+        warned = subprocess.run(
+            [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
+            capture_output=True, text=True, env=env, timeout=60, check=False,
+        )
+        assert warned.returncode == 0, warned.stderr
+        assert "cleaning the unit's cgroup only" in warned.stderr
+
+
+def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
+    (holder,) = host.pool.holder(host.gpu_files(0))
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # drop root in a forked copy of this process, then run a dry run
+        code = 99
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setresgid(65534, 65534, 65534)
+            os.setresuid(65534, 65534, 65534)
+            journal = RecordingJournal()
+            reporter = host.reporter()
+            reporter.journal = journal
+            summary = run_phase("pre", UNIT, host.config(), reporter, dry_run=True,
+                                driver_factory=lambda: host.memory)
+            messages = [m for m, _ in journal.entries]
+            os.write(write_end, json.dumps({"code": int(summary.exit_code), "messages": messages}).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        data = json.loads(reader.read() or "{}")
+    os.waitpid(child, 0)
+    (warning,) = [m for m in data["messages"] if "not permitted to read the open files of" in m]
+    assert "run gpugate as root" in warning
+    assert not warning.split("(PID ")[1].startswith("1, 2,"), "kernel threads are not hidden holders"
+
+
+def test_gpu_listed_by_nvml_but_invisible_in_proc_is_reported(host: FakeHost) -> None:
+    host.memory.listed_without_memory[1] = [4194303]  # a PID no process here has
+    summary = run_phase("pre", UNIT, host.config(pre={"wait_timeout_s": 0.3}), host.reporter(),
+                        driver_factory=lambda: host.memory)
+    assert summary.exit_code is ExitCode.MEMORY_TIMEOUT
+    assert any("another PID namespace" in e["MESSAGE"] for e in host.journal.events("error"))
+
+
+toml_scalars = st.one_of(
+    st.integers(-(2**63), 2**63 - 1).map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+    st.booleans().map(lambda b: "true" if b else "false"),
+    st.text(max_size=20).map(json.dumps),
+    st.lists(st.integers(-3, 12), max_size=4).map(lambda v: "[" + ", ".join(map(str, v)) + "]"),
+)
+keys = st.sampled_from(
+    ["gpus", "free_mib", "kill_other_units", "protected_units", "pre", "nope", "paths", "post"]
+)
+sub_keys = st.sampled_from(
+    ["kill_orphans", "sigterm_grace_s", "wait_timeout_s", "on_timeout", "dev_root", "bogus"]
+)
+
+
+@st.composite
+def config_texts(draw: st.DrawFn) -> str:
+    lines = [f"{draw(keys)} = {draw(toml_scalars)}" for _ in range(draw(st.integers(0, 4)))]
+    for table in draw(st.lists(st.sampled_from(["pre", "post", "paths", "x"]), max_size=2, unique=True)):
+        lines.append(f"[{table}]")
+        lines += [f"{draw(sub_keys)} = {draw(toml_scalars)}" for _ in range(draw(st.integers(0, 3)))]
+    if draw(st.booleans()):
+        lines.append(draw(st.text(max_size=30)))
+    return "\n".join(lines)
+
+
+@settings(max_examples=400, deadline=None)
+@given(text=config_texts())
+def test_any_config_text_is_valid_or_one_line_error_naming_file(text: str) -> None:
+    try:
+        parse_config(text, "/etc/gpugate/x.toml")
+    except ConfigError as exc:
+        assert str(exc).startswith("/etc/gpugate/x.toml: ")
+        assert "\n" not in str(exc)
+
+
+argv_items = st.one_of(
+    st.sampled_from(["pre", "post", "status", "config", "check", "--json", "--dry-run", "--config",
+                     "vllm.service", "vllm@.service", r"vllm@a\x2db.service", "x", "", "-h"]),
+    st.text(max_size=12),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(argv=st.lists(argv_items, max_size=5))
+def test_any_command_line_gives_an_exit_code_never_a_traceback(argv: list[str], tmp_path: Path) -> None:
+    # Nothing here can kill: every run is a dry run against an empty stand-in host.
+    def driver() -> FakeGpuMemory:
+        return FakeGpuMemory(count=2)
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'[paths]\ndev_root = "{tmp_path}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}"\n')
+    args = [a for a in argv if a not in ("pre", "post")]
+    if argv and argv[0] in ("pre", "post"):
+        args = [argv[0], "--dry-run", "--config", str(config), *args]
+    out = open(os.devnull, "w")  # noqa: SIM115
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        try:
+            code = main(args, driver_factory=driver)
+        except SystemExit as exit_:  # argparse: --help and usage errors
+            code = int(exit_.code or 0)
+    out.close()
+    assert code in {int(c) for c in ExitCode}
