@@ -22,8 +22,8 @@
  * Model (STATE_DIR):
  *   claims/PID       "MIB STARTTIME N[,N...]": PID uses MIB MiB on each GPU whose minor is
  *                    N.  The claim is live while /proc/PID/stat's starttime (field 22)
- *                    equals STARTTIME, PID is not a zombie and has an fd open on
- *                    DEV_ROOT/nvidiaN for one of its Ns; a live claim is listed as a compute
+ *                    equals STARTTIME and PID has an fd open on DEV_ROOT/nvidiaN for one
+ *                    of its Ns (a zombie has none); a live claim is listed as a compute
  *                    process on every claimed GPU whose device file it has open, and counts
  *                    as used on all claimed GPUs.  (A reader that may not read PID's fds,
  *                    e.g. not root, takes all claimed devices as open, as the driver knows.)
@@ -269,8 +269,8 @@ static long long now_ns(void)
     return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
 }
 
-/* Field 22 of /proc/PID/stat (its state, field 3, into *state), or 0 if there is no such process. */
-static unsigned long long proc_starttime(unsigned pid, char *state)
+/* Field 22 of /proc/PID/stat, or 0 if the process does not exist. */
+static unsigned long long proc_starttime(unsigned pid)
 {
     char path[64], buf[1024];
     snprintf(path, sizeof(path), "/proc/%u/stat", pid);
@@ -286,7 +286,6 @@ static unsigned long long proc_starttime(unsigned pid, char *state)
     if (!p)
         return 0;
     p++;
-    *state = p[0] == ' ' ? p[1] : '?';
     for (int field = 3; field <= 22; field++) { /* fields after comm start at 3 */
         while (*p == ' ')
             p++;
@@ -443,8 +442,7 @@ static void apply_claim(const struct config *c, const char *dev_root, unsigned p
 
     unsigned long long bytes = mib * MIB;
     unsigned char held[MAX_GPUS];
-    char state = '?';
-    int live = start != 0 && proc_starttime(pid, &state) == start && state != 'Z' &&
+    int live = start != 0 && proc_starttime(pid) == start &&
                held_devices(pid, dev_root, minors, nminors, held) > 0;
     if (live) {
         unlink(gone); /* a stale mark from an earlier process with this pid */
