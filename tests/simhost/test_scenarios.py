@@ -221,3 +221,29 @@ def test_cleanup_history_is_queryable(host: Host) -> None:
     assert {e["GPUGATE_COMMAND"] for e in worker_entries} == {f"VLLM::Worker_TP{i}" for i in ALL}
     assert {e["GPUGATE_GPU"] for e in worker_entries} == {str(i) for i in ALL}
     host.sim.systemctl("stop", "vllm.service")
+
+
+def test_unknown_unit_and_template_instance_with_escapes(host: Host) -> None:
+    host.reset()
+    missing = host.sim.run(["gpugate", "pre", "no-such-unit.service"], check=False)
+    assert missing.returncode == 9
+    assert missing.stderr == "gpugate: unit no-such-unit.service: systemd knows no such unit\n"
+    template = host.sim.run(["gpugate", "pre", "vllm@.service"], check=False)
+    assert template.returncode == 9 and "a template" in template.stderr
+    # An instance whose name carries a systemd escape, configured through the template file.
+    host.sim.install_unit(
+        "vllm@.service", unit_text("vllm@%i.service", (5,), 8005).replace("--gpus 5", "--gpus %i")
+    )
+    host.sim.write_file("/etc/gpugate/vllm@.service.toml", "gpus = [5]\n" + CONFIG)
+    old, _ = host.hand_start((5,), 8009, "hand-escape")
+    instance = r"vllm@5.service"
+    escaped = host.sim.run(["systemd-escape", "--template=vllm@.service", "5"]).stdout.strip()
+    assert escaped == instance
+    assert host.start(instance, check=False) == 0
+    assert not any(host.alive(pid) for pid in old["workers"])
+    entries = host.journal_json("-u", instance, "GPUGATE_EVENT=run_started")
+    assert entries and entries[-1]["GPUGATE_UNIT"] == instance
+    assert entries[-1]["GPUGATE_CONFIG"] == "/etc/gpugate/vllm@.service.toml"
+    host.sim.systemctl("stop", instance)
+    odd = host.sim.run(["gpugate", "pre", "--dry-run", r"vllm@a\x2db.service"], check=False)
+    assert odd.returncode == 0, odd.stderr
