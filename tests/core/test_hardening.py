@@ -48,7 +48,9 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
     )
     parent = host.pool.command([sys.executable, "-c", script])
     time.sleep(0.3)
-    summary = run_phase("pre", UNIT, host.config(), host.reporter(), driver_factory=lambda: host.memory)
+    summary = run_phase(
+        "pre", UNIT, host.config(), host.reporter(), driver_factory=lambda: host.memory
+    )
     child = int((host.root / "child.pid").read_text())
     host.pool.started.append((child, 0))
     assert summary.exit_code is ExitCode.OK
@@ -74,7 +76,9 @@ def _hold_lock_in_child(lock_dir: Path, gpus: list[Gpu]) -> subprocess.Popen[str
     return proc
 
 
-def test_overlapping_runs_serialise_disjoint_do_not_and_crashed_holder_frees(tmp_path: Path) -> None:
+def test_overlapping_runs_serialise_disjoint_do_not_and_crashed_holder_frees(
+    tmp_path: Path,
+) -> None:
     gpus = FakeGpuMemory().gpus()
     holder = _hold_lock_in_child(tmp_path, [gpus[0], gpus[1]])
     try:
@@ -96,7 +100,9 @@ class FailsMidRun(FakeGpuMemory):
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         if self.queries >= 8:
-            raise NvmlUnavailable("NVML: GPU 2 is lost (fell off the bus); it needs a reset or reboot")
+            raise NvmlUnavailable(
+                "NVML: GPU 2 is lost (fell off the bus); it needs a reset or reboot"
+            )
         return super().usage(gpu)
 
 
@@ -135,20 +141,28 @@ def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("init_error = 4", "gpugate: NVML: permission denied"),
     ],
 )
-def test_driver_faults_through_real_pynvml(fake_lib: Path, tmp_path: Path, settings_text: str, message: str) -> None:
+def test_driver_faults_through_real_pynvml(
+    fake_lib: Path, tmp_path: Path, settings_text: str, message: str
+) -> None:
     dev = tmp_path / "dev"
     dev.mkdir()
     settings_file = tmp_path / "nvml.conf"
-    settings_file.write_text(f"dev_root = {dev}\nstate_dir = {tmp_path / 'state'}\n{settings_text}\n")
+    settings_file.write_text(
+        f"dev_root = {dev}\nstate_dir = {tmp_path / 'state'}\n{settings_text}\n"
+    )
     config = tmp_path / "c.toml"
     config.write_text(
         f'[paths]\ndev_root = "{dev}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}/locks"\n'
-        '[pre]\nwait_timeout_s = 2\n'
+        "[pre]\nwait_timeout_s = 2\n"
     )
     env = {**os.environ, "LD_LIBRARY_PATH": str(fake_lib), "FAKE_NVML_CONFIG": str(settings_file)}
     result = subprocess.run(
         [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
-        capture_output=True, text=True, env=env, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        check=False,
     )
     expected = ExitCode.PERMISSION if "permission" in message else ExitCode.NVML_UNAVAILABLE
     assert result.returncode == expected, result.stderr
@@ -158,7 +172,11 @@ def test_driver_faults_through_real_pynvml(fake_lib: Path, tmp_path: Path, setti
     if expected is ExitCode.NVML_UNAVAILABLE:
         warned = subprocess.run(
             [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
-            capture_output=True, text=True, env=env, timeout=60, check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=False,
         )
         assert warned.returncode == 0, warned.stderr
         assert "cleaning the unit's cgroup only" in warned.stderr
@@ -178,10 +196,19 @@ def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
             journal = RecordingJournal()
             reporter = host.reporter()
             reporter.journal = journal
-            summary = run_phase("pre", UNIT, host.config(), reporter, dry_run=True,
-                                driver_factory=lambda: host.memory)
+            summary = run_phase(
+                "pre",
+                UNIT,
+                host.config(),
+                reporter,
+                dry_run=True,
+                driver_factory=lambda: host.memory,
+            )
             messages = [m for m, _ in journal.entries]
-            os.write(write_end, json.dumps({"code": int(summary.exit_code), "messages": messages}).encode())
+            os.write(
+                write_end,
+                json.dumps({"code": int(summary.exit_code), "messages": messages}).encode(),
+            )
             code = 0
         finally:
             os._exit(code)
@@ -191,13 +218,20 @@ def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
     os.waitpid(child, 0)
     (warning,) = [m for m in data["messages"] if "not permitted to read the open files of" in m]
     assert "run gpugate as root" in warning
-    assert not warning.split("(PID ")[1].startswith("1, 2,"), "kernel threads are not hidden holders"
+    assert not warning.split("(PID ")[1].startswith("1, 2,"), (
+        "kernel threads are not hidden holders"
+    )
 
 
 def test_gpu_listed_by_nvml_but_invisible_in_proc_is_reported(host: FakeHost) -> None:
     host.memory.listed_without_memory[1] = [4194303]  # a PID no process here has
-    summary = run_phase("pre", UNIT, host.config(pre={"wait_timeout_s": 0.3}), host.reporter(),
-                        driver_factory=lambda: host.memory)
+    summary = run_phase(
+        "pre",
+        UNIT,
+        host.config(pre={"wait_timeout_s": 0.3}),
+        host.reporter(),
+        driver_factory=lambda: host.memory,
+    )
     assert summary.exit_code is ExitCode.MEMORY_TIMEOUT
     assert any("another PID namespace" in e["MESSAGE"] for e in host.journal.events("error"))
 
@@ -220,9 +254,13 @@ sub_keys = st.sampled_from(
 @st.composite
 def config_texts(draw: st.DrawFn) -> str:
     lines = [f"{draw(keys)} = {draw(toml_scalars)}" for _ in range(draw(st.integers(0, 4)))]
-    for table in draw(st.lists(st.sampled_from(["pre", "post", "paths", "x"]), max_size=2, unique=True)):
+    for table in draw(
+        st.lists(st.sampled_from(["pre", "post", "paths", "x"]), max_size=2, unique=True)
+    ):
         lines.append(f"[{table}]")
-        lines += [f"{draw(sub_keys)} = {draw(toml_scalars)}" for _ in range(draw(st.integers(0, 3)))]
+        lines += [
+            f"{draw(sub_keys)} = {draw(toml_scalars)}" for _ in range(draw(st.integers(0, 3)))
+        ]
     if draw(st.booleans()):
         lines.append(draw(st.text(max_size=30)))
     return "\n".join(lines)
@@ -239,21 +277,43 @@ def test_any_config_text_is_valid_or_one_line_error_naming_file(text: str) -> No
 
 
 argv_items = st.one_of(
-    st.sampled_from(["pre", "post", "status", "config", "check", "--json", "--dry-run", "--config",
-                     "vllm.service", "vllm@.service", r"vllm@a\x2db.service", "x", "", "-h"]),
+    st.sampled_from(
+        [
+            "pre",
+            "post",
+            "status",
+            "config",
+            "check",
+            "--json",
+            "--dry-run",
+            "--config",
+            "vllm.service",
+            "vllm@.service",
+            r"vllm@a\x2db.service",
+            "x",
+            "",
+            "-h",
+        ]
+    ),
     st.text(max_size=12),
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(argv=st.lists(argv_items, max_size=5))
-def test_any_command_line_gives_an_exit_code_never_a_traceback(argv: list[str], tmp_path: Path) -> None:
+def test_any_command_line_gives_an_exit_code_never_a_traceback(
+    argv: list[str], tmp_path: Path
+) -> None:
     # Nothing here can kill: every run is a dry run against an empty stand-in host.
     def driver() -> FakeGpuMemory:
         return FakeGpuMemory(count=2)
 
     config = tmp_path / "c.toml"
-    config.write_text(f'[paths]\ndev_root = "{tmp_path}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}"\n')
+    config.write_text(
+        f'[paths]\ndev_root = "{tmp_path}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}"\n'
+    )
     args = [a for a in argv if a not in ("pre", "post")]
     if argv and argv[0] in ("pre", "post"):
         args = [argv[0], "--dry-run", "--config", str(config), *args]
@@ -265,3 +325,59 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(argv: list[str], 
             code = int(exit_.code or 0)
     out.close()
     assert code in {int(c) for c in ExitCode}
+
+
+FREEZER = Path("/sys/fs/cgroup/freezer")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a freezer cgroup")
+@pytest.mark.skipif(
+    not (FREEZER / "cgroup.procs").exists(),
+    reason="no cgroup v1 freezer mounted at /sys/fs/cgroup/freezer",
+)
+def test_really_unkillable_holder_named_with_wchan_and_exit_5(host: FakeHost) -> None:
+    # A task frozen by the cgroup v1 freezer sits in D state and does not die on SIGKILL until
+    # thawed: the closest thing to a holder stuck in the driver that a machine without a GPU has.
+    (stuck,) = host.pool.holder(host.gpu_files(1))
+    host.put_in_unit(stuck)
+    host.memory.claim(stuck, {1}, 3000)
+    group = FREEZER / f"gpugate-test-{os.getpid()}"
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(str(stuck))
+        (group / "freezer.state").write_text("FROZEN")
+        deadline = time.monotonic() + 5
+        while (group / "freezer.state").read_text().strip() != "FROZEN":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        started = time.monotonic()
+        summary = run_phase(
+            "post",
+            UNIT,
+            host.config(
+                post={"wait_timeout_s": 2.0, "sigkill_wait_s": 0.5, "sigterm_grace_s": 0.3}
+            ),
+            host.reporter("post"),
+            driver_factory=lambda: host.memory,
+        )
+        assert summary.exit_code is ExitCode.UNKILLABLE
+        assert time.monotonic() - started < 5
+        named = [e for e in host.journal.events("survivor") if e["GPUGATE_PID"] == str(stuck)]
+        assert named and named[0]["GPUGATE_STATE"] == "D"
+        assert named[0]["GPUGATE_WCHAN"] not in ("", "?")
+        assert alive(stuck)
+    finally:
+        (group / "freezer.state").write_text("THAWED")
+        deadline = time.monotonic() + 10
+        while alive(stuck) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the pending SIGKILL lands once thawed
+        with contextlib.suppress(OSError):
+            for pid in (group / "cgroup.procs").read_text().split():
+                os.kill(int(pid), 9)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
