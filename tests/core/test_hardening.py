@@ -82,9 +82,11 @@ def test_overlapping_runs_serialise_disjoint_do_not_and_crashed_holder_frees(
     gpus = FakeGpuMemory().gpus()
     holder = _hold_lock_in_child(tmp_path, [gpus[0], gpus[1]])
     try:
-        with pytest.raises(LockTimeout, match="another gpugate run held GPU 1"):
-            with gpu_locks(tmp_path, [gpus[1], gpus[2]], time.monotonic() + 0.3):
-                pass
+        with (
+            pytest.raises(LockTimeout, match="another gpugate run held GPU 1"),
+            gpu_locks(tmp_path, [gpus[1], gpus[2]], time.monotonic() + 0.3),
+        ):
+            pass
         started = time.monotonic()
         with gpu_locks(tmp_path, [gpus[2], gpus[3]], time.monotonic() + 5):
             assert time.monotonic() - started < 1
@@ -183,7 +185,7 @@ def test_driver_faults_through_real_pynvml(
 
 
 def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
-    (holder,) = host.pool.holder(host.gpu_files(0))
+    host.pool.holder(host.gpu_files(0))
     read_end, write_end = os.pipe()
     child = os.fork()
     if child == 0:  # drop root in a forked copy of this process, then run a dry run

@@ -14,9 +14,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_nvml"))
 
-from build import build_fake_nvml  # noqa: E402
-from incident import ALL, CONFIG, REPO, Host, prepare, unit_text  # noqa: E402
-from sandbox import SimHost  # noqa: E402
+from incident import ALL, CONFIG, REPO, Host, prepare, unit_text
+from sandbox import SimHost
+
+from build import build_fake_nvml
 
 
 def show_memory(host: Host, title: str) -> None:
