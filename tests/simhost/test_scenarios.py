@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 from incident import (
-    ALL,
     CONFIG,
     MIB_PER_GPU,
     PYTHON,
@@ -27,6 +26,10 @@ from sandbox import SimHost
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
+GPUS = (0, 1, 2, 3, 4, 5)  # the vllm units' GPUs
+BYSTANDER_GPUS = (6, 7)
+UNIT_CONFIG = "gpus = [0, 1, 2, 3, 4, 5]\n" + CONFIG
+
 
 @pytest.fixture(scope="module")
 def host(simhost: SimHost) -> Iterator[Host]:
@@ -35,11 +38,24 @@ def host(simhost: SimHost) -> Iterator[Host]:
     ).returncode:
         pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
     h = prepare(simhost)
+    # A bystander that must survive every scenario: another unit's job on GPUs 6 and 7.
+    simhost.install_unit(
+        "bystander-job.service", unit_text("bystander-job.service", BYSTANDER_GPUS, 8100)
+    )
+    simhost.systemctl("start", "bystander-job.service")
+    h.wait_ready("/run/ready-bystander-job.service.json")
+    h.busy_ok = set(BYSTANDER_GPUS)
     yield h
     h.reset()
 
 
 def bystanders_alive(host: Host) -> None:
+    assert (
+        host.sim.systemctl("is-active", "bystander-job.service", check=False).stdout.strip()
+        == "active"
+    )
+    used = host.used()
+    assert all(used[i] == MIB_PER_GPU for i in BYSTANDER_GPUS), used
     assert (
         host.sim.systemctl("is-active", "nvidia-persistenced.service", check=False).stdout.strip()
         == "active"
@@ -50,11 +66,17 @@ def bystanders_alive(host: Host) -> None:
     )
 
 
+@pytest.fixture(autouse=True)
+def _bystanders_survive_every_scenario(host: Host) -> Iterator[None]:
+    yield
+    bystanders_alive(host)
+
+
 def test_hand_started_server_is_replaced_by_the_unit(host: Host) -> None:
     host.reset()
-    old, shell = host.hand_start(ALL, 8000, "hand-vllm")
-    assert all(used == MIB_PER_GPU for used in host.used().values())
-    host.install("vllm.service", unit_text("vllm.service", ALL, 8000), CONFIG)
+    old, shell = host.hand_start(GPUS, 8000, "hand-vllm")
+    assert all(host.used()[i] == MIB_PER_GPU for i in GPUS)
+    host.install("vllm.service", unit_text("vllm.service", GPUS, 8000), UNIT_CONFIG)
 
     assert host.start("vllm.service", check=False) == 0
     new = host.wait_ready("/run/ready-vllm.service.json")
@@ -70,8 +92,8 @@ def test_hand_started_server_is_replaced_by_the_unit(host: Host) -> None:
     status = host.status()
     for gpu in status["gpus"]:
         assert gpu["used_mib"] == MIB_PER_GPU, gpu
-    gpu_holders = [h for h in status["holders"] if h["used_mib"]]
-    assert {h["unit"] for h in gpu_holders} == {"vllm.service"}
+    on_unit_gpus = [h for h in status["holders"] if h["used_mib"] and set(h["gpus"]) <= set(GPUS)]
+    assert {h["unit"] for h in on_unit_gpus} == {"vllm.service"}
     bystanders_alive(host)
     host.sim.systemctl("stop", "vllm.service")
 
@@ -79,7 +101,7 @@ def test_hand_started_server_is_replaced_by_the_unit(host: Host) -> None:
 def test_killed_api_server_workers_reaped_and_memory_freed_by_post(host: Host) -> None:
     host.reset()
     host.sh("sed -i 's/^release_delay_ms.*/release_delay_ms = 3000/' /etc/fake-nvml.conf")
-    host.install("vllm.service", unit_text("vllm.service", ALL, 8000), CONFIG)
+    host.install("vllm.service", unit_text("vllm.service", GPUS, 8000), UNIT_CONFIG)
     host.start("vllm.service")
     pids = host.wait_ready("/run/ready-vllm.service.json")
     host.sh(f"kill -9 {pids['api_server']}")  # what `pkill -9 -f vllm.entrypoints` does
@@ -91,7 +113,7 @@ def test_killed_api_server_workers_reaped_and_memory_freed_by_post(host: Host) -
         assert time.monotonic() < deadline, "unit never stopped"
         time.sleep(0.1)
     # The unit is down only after ExecStopPost finished: the GPUs must be free now.
-    assert all(used == 0 for used in host.used().values()), host.used()
+    assert host.free(GPUS), host.used()
     for pid in pids["workers"]:
         assert not host.alive(pid)
     bystanders_alive(host)
@@ -99,7 +121,9 @@ def test_killed_api_server_workers_reaped_and_memory_freed_by_post(host: Host) -
 
 def test_killmode_process_leftovers_reaped_and_cgroup_empty(host: Host) -> None:
     host.reset()
-    host.install("vllm.service", unit_text("vllm.service", ALL, 8000, kill_mode="process"), CONFIG)
+    host.install(
+        "vllm.service", unit_text("vllm.service", GPUS, 8000, kill_mode="process"), UNIT_CONFIG
+    )
     host.start("vllm.service")
     pids = host.wait_ready("/run/ready-vllm.service.json")
     tracker = [
@@ -112,15 +136,15 @@ def test_killmode_process_leftovers_reaped_and_cgroup_empty(host: Host) -> None:
     assert host.cgroup_pids("vllm.service") == []
     for pid in [pids["engine_core"], *pids["workers"], *tracker]:
         assert not host.alive(pid)
-    assert all(used == 0 for used in host.used().values())
+    assert host.free(GPUS)
 
 
 def test_workers_ignoring_sigterm_are_sigkilled(host: Host) -> None:
     host.reset()
     host.install(
         "vllm.service",
-        unit_text("vllm.service", ALL, 8000, "--ignore-sigterm-workers", kill_mode="process"),
-        CONFIG,
+        unit_text("vllm.service", GPUS, 8000, "--ignore-sigterm-workers", kill_mode="process"),
+        UNIT_CONFIG,
     )
     host.start("vllm.service")
     pids = host.wait_ready("/run/ready-vllm.service.json")
@@ -137,9 +161,11 @@ def test_workers_ignoring_sigterm_are_sigkilled(host: Host) -> None:
 def test_late_release_waits_extends_timeout_and_shows_status(host: Host) -> None:
     host.reset()
     host.sh("sed -i 's/^release_delay_ms.*/release_delay_ms = 8000/' /etc/fake-nvml.conf")
-    host.hand_start(ALL, 8000, "hand-late")
+    host.hand_start(GPUS, 8000, "hand-late")
     # A start timeout shorter than the driver's delay: only EXTEND_TIMEOUT_USEC saves it.
-    host.install("vllm.service", unit_text("vllm.service", ALL, 8000, start_timeout=5), CONFIG)
+    host.install(
+        "vllm.service", unit_text("vllm.service", GPUS, 8000, start_timeout=5), UNIT_CONFIG
+    )
     host.sh("rm -f /run/ready-vllm.service.json")
     host.sim.systemctl("start", "--no-block", "vllm.service")
     seen_status = ""
@@ -161,8 +187,8 @@ def test_leaked_memory_fails_start_within_timeout(host: Host) -> None:
     host.sh("mkdir -p /run/fake-nvml/leak && echo 50000 > /run/fake-nvml/leak/3")
     host.install(
         "vllm.service",
-        unit_text("vllm.service", ALL, 8000),
-        "[pre]\nwait_timeout_s = 3\n[post]\nwait_timeout_s = 3\n",
+        unit_text("vllm.service", GPUS, 8000),
+        "gpus = [0, 1, 2, 3, 4, 5]\n[pre]\nwait_timeout_s = 3\n[post]\nwait_timeout_s = 3\n",
     )
     cursor = host.cursor()
     started = time.monotonic()
@@ -181,13 +207,13 @@ def test_disjoint_units_independent_and_overlap_refused(host: Host) -> None:
     host.reset()
     host.install(
         "vllm-a.service",
-        unit_text("vllm-a.service", (0, 1, 2, 3), 8001),
-        "gpus = [0, 1, 2, 3]\n" + CONFIG,
+        unit_text("vllm-a.service", (0, 1, 2), 8001),
+        "gpus = [0, 1, 2]\n" + CONFIG,
     )
     host.install(
         "vllm-b.service",
-        unit_text("vllm-b.service", (4, 5, 6, 7), 8002),
-        "gpus = [4, 5, 6, 7]\n" + CONFIG,
+        unit_text("vllm-b.service", (3, 4, 5), 8002),
+        "gpus = [3, 4, 5]\n" + CONFIG,
     )
     host.start("vllm-a.service")
     a = host.wait_ready("/run/ready-vllm-a.service.json")
@@ -209,8 +235,8 @@ def test_disjoint_units_independent_and_overlap_refused(host: Host) -> None:
 
 def test_cleanup_history_is_queryable(host: Host) -> None:
     host.reset()
-    old, _ = host.hand_start(ALL, 8000, "hand-history")
-    host.install("vllm.service", unit_text("vllm.service", ALL, 8000), CONFIG)
+    old, _ = host.hand_start(GPUS, 8000, "hand-history")
+    host.install("vllm.service", unit_text("vllm.service", GPUS, 8000), UNIT_CONFIG)
     host.start("vllm.service")
     host.wait_ready("/run/ready-vllm.service.json")
     by_unit = host.journal_json("-u", "vllm.service", "GPUGATE_EVENT=signal_sent")
@@ -218,8 +244,8 @@ def test_cleanup_history_is_queryable(host: Host) -> None:
     by_id = host.journal_json(f"MESSAGE_ID={SIGNAL_SENT_ID}")
     worker_entries = [e for e in by_id if int(e["GPUGATE_PID"]) in old["workers"]]
     # The process titles vLLM sets (the kernel's comm is cut to 15 characters).
-    assert {e["GPUGATE_COMMAND"] for e in worker_entries} == {f"VLLM::Worker_TP{i}" for i in ALL}
-    assert {e["GPUGATE_GPU"] for e in worker_entries} == {str(i) for i in ALL}
+    assert {e["GPUGATE_COMMAND"] for e in worker_entries} == {f"VLLM::Worker_TP{i}" for i in GPUS}
+    assert {e["GPUGATE_GPU"] for e in worker_entries} == {str(i) for i in GPUS}
     host.sim.systemctl("stop", "vllm.service")
 
 

@@ -1,0 +1,229 @@
+"""The Debian package, end to end: built from this checkout by packaging/build-deb, installed
+with `apt-get install ./gpugate_*.deb` on a fresh simulated GPU host (no network there: every
+Depends must already be satisfied), put on a unit with `gpugate install`, and then the
+incident's first scenario: a server started by hand from a login session holds every GPU,
+and `systemctl start vllm.service` must replace it. Then uninstall and purge leave nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from incident import ALL, MIB_PER_GPU, PYTHON, SIGNAL_SENT_ID, WORKLOAD, Host, server_cmd
+from sandbox import REPO, SimHost
+
+pytestmark = [pytest.mark.simhost, pytest.mark.slow]
+
+BUILD_DEB = REPO / "packaging" / "build-deb"
+INSIDE = "/var/cache/gpugate-deb"
+
+
+def missing_build_tools() -> str | None:
+    for tool in ("dpkg-deb", "dpkg-shlibdeps", "gcc", "pkg-config", "strip"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (scripts/setup installs dpkg-dev, gcc, pkg-config)"
+    probe = subprocess.run(["/usr/bin/python3", "-c", "import venv, ensurepip"], check=False)
+    return "python3-venv missing" if probe.returncode else None
+
+
+@pytest.fixture(scope="module")
+def deb(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    reason = missing_build_tools()
+    if reason:
+        pytest.skip(reason)
+    dist = tmp_path_factory.mktemp("dist")
+    result = subprocess.run(
+        ["bash", str(BUILD_DEB)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DIST": str(dist)},
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (built,) = dist.glob("gpugate_*_amd64.deb")
+    assert result.stdout.strip() == str(built)
+    return built
+
+
+def control(deb: Path) -> dict[str, str]:
+    text = subprocess.run(
+        ["dpkg-deb", "--field", str(deb)], capture_output=True, text=True, check=True
+    ).stdout
+    fields: dict[str, str] = {}
+    for line in text.splitlines():
+        if line and not line[0].isspace() and ":" in line:
+            key, value = line.split(":", 1)
+            fields[key] = value.strip()
+    return fields
+
+
+def test_deb_contents(deb: Path) -> None:
+    listing = subprocess.run(
+        ["dpkg-deb", "--contents", str(deb)], capture_output=True, text=True, check=True
+    ).stdout
+    paths = {line.split()[-1].removeprefix(".") for line in listing.splitlines()}
+    for path in (
+        "/usr/bin/gpugate",
+        "/usr/lib/gpugate/gpugate/cli.py",
+        "/usr/lib/gpugate/pydantic/__init__.py",
+        "/usr/lib/systemd/catalog/gpugate.catalog",
+        "/usr/share/man/man1/gpugate.1.gz",
+        "/usr/share/bash-completion/completions/gpugate",
+        "/usr/share/gpugate/units/gpugate.conf",
+        "/usr/share/gpugate/units/vllm.service",
+        "/usr/share/gpugate/units/vllm@.service",
+        "/usr/share/doc/gpugate/copyright",
+    ):
+        assert path in paths, path
+    assert any(p.startswith("/usr/lib/gpugate/pydantic_core/") and p.endswith(".so") for p in paths)
+    assert any(p.endswith(".pyc") for p in paths), "bytecode is shipped, never written at run time"
+    fields = control(deb)
+    assert fields["Architecture"] == "amd64"
+    depends = fields["Depends"]
+    assert "python3 (>= 3.11)" in depends and "python3 (<< 3.12)" in depends
+    assert "libsystemd0" in depends
+    assert "pydantic" not in depends, "bookworm's python3-pydantic is v1: pydantic is carried"
+
+
+@pytest.fixture
+def packaged(
+    deb: Path, simhost_factory: Callable[..., SimHost], fake_nvml_lib: Path | None
+) -> Iterator[Host]:
+    """A fresh simulated host (not the session's, which has gpugate from source) with the
+    .deb installed, the workload and the driver's bystanders of tests/simhost/incident.py."""
+    if fake_nvml_lib is None:
+        pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
+    sim = simhost_factory(nvml_lib=fake_nvml_lib, gpus=8)
+    assert not sim.exists("/usr/bin/gpugate"), "the fresh host must not have gpugate yet"
+    sim.write_file(f"{INSIDE}/{deb.name}", deb.read_bytes())
+    installed = sim.run(
+        f"cd {INSIDE} && apt-get install -y --no-install-recommends ./gpugate_*.deb",
+        env={"DEBIAN_FRONTEND": "noninteractive"},
+        timeout=300,
+    )
+    assert "Setting up gpugate" in installed.stdout, installed.stdout + installed.stderr
+    sim.write_file("/opt/fakevllm/fake_vllm.py", WORKLOAD.read_text())
+    sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
+    devices = [f"nvidia{i}" for i in ALL] + ["nvidiactl", "nvidia-uvm"]
+    redirects = " ".join(f"{3 + i}</dev/{name}" for i, name in enumerate(devices))
+    sim.install_unit(
+        "nvidia-persistenced.service",
+        f"[Service]\nExecStart=/bin/bash -c 'exec {redirects} sleep infinity'\n",
+    )
+    sim.systemctl("start", "nvidia-persistenced.service")
+    sim.spawn_scope([PYTHON, "-c", "import time; time.sleep(36000)"], unit="python-bystander.scope")
+    yield Host(sim)
+
+
+def test_packaged_gpugate_replaces_hand_started_server(packaged: Host) -> None:
+    host, sim = packaged, packaged.sim
+    assert sim.run(["dpkg-query", "-S", "/usr/bin/gpugate"]).stdout.startswith("gpugate: ")
+    assert sim.run(["gpugate", "--version"]).stdout.strip() == "gpugate 0.1.0"
+    assert (
+        "pydantic 2."
+        in sim.run(
+            [
+                "/usr/bin/python3",
+                "-I",
+                "-c",
+                "import sys; sys.path.insert(0, '/usr/lib/gpugate'); import pydantic; "
+                "print('pydantic', pydantic.VERSION)",
+            ]
+        ).stdout
+    )
+    # journalctl -x explains gpugate's events: dpkg's trigger compiled the catalog.
+    assert SIGNAL_SENT_ID in sim.run(["journalctl", "--list-catalog"]).stdout
+
+    old, shell = host.hand_start(ALL, 8000, "hand-vllm")
+    assert all(used == MIB_PER_GPU for used in host.used().values())
+    # The operator's unit knows nothing of gpugate; `gpugate install` adds it.
+    sim.install_unit(
+        "vllm.service",
+        "[Unit]\nDescription=vLLM-like server\n[Service]\nType=simple\n"
+        f"ExecStart={server_cmd(ALL, 8000, '/run/ready-vllm.service.json')}\n",
+    )
+    installed = sim.run(["gpugate", "install", "vllm.service"])
+    assert "reloaded systemd" in installed.stdout, installed.stdout
+    assert sim.exists("/etc/systemd/system/vllm.service.d/gpugate.conf")
+    assert sim.exists("/etc/gpugate/vllm.service.toml")
+    shown = sim.systemctl("show", "-p", "ExecStartPre", "-p", "NotifyAccess", "vllm.service").stdout
+    assert "path=/usr/bin/gpugate" in shown and "NotifyAccess=exec" in shown, shown
+    again = sim.run(["gpugate", "install", "vllm.service"]).stdout
+    assert again.count("unchanged") == 2, again
+
+    cursor = host.cursor()
+    assert host.start("vllm.service", check=False) == 0
+    new = host.wait_ready("/run/ready-vllm.service.json")
+    assert sim.systemctl("is-active", "vllm.service", check=False).stdout.strip() == "active"
+    for pid in [old["api_server"], old["engine_core"], *old["workers"]]:
+        assert not host.alive(pid), f"old server process {pid} survived"
+    assert host.alive(shell), "the login session's shell was killed"
+    assert "/system.slice/vllm.service" in host.sh(f"cat /proc/{new['api_server']}/cgroup")
+    status = host.status()
+    assert all(gpu["used_mib"] == MIB_PER_GPU for gpu in status["gpus"]), status["gpus"]
+    assert {h["unit"] for h in status["holders"] if h["used_mib"]} == {"vllm.service"}
+    for bystander in ("nvidia-persistenced.service", "python-bystander.scope"):
+        assert sim.systemctl("is-active", bystander, check=False).stdout.strip() == "active"
+    kills = host.journal_json(f"--after-cursor={cursor}", f"MESSAGE_ID={SIGNAL_SENT_ID}")
+    assert {int(e["GPUGATE_PID"]) for e in kills} >= set(old["workers"]), host.sh(
+        f"journalctl --no-pager -o verbose --after-cursor={cursor} -u vllm.service"
+    )
+    explained = host.sh(
+        shlex.join(
+            [
+                "journalctl",
+                "-x",
+                "--no-pager",
+                f"--after-cursor={cursor}",
+                "GPUGATE_PID=" + str(old["workers"][0]),
+            ]
+        )
+    )
+    assert "pinned through a pidfd" in explained, explained
+
+    sim.systemctl("stop", "vllm.service")
+    assert all(used == 0 for used in host.used().values())
+    removed = sim.run(["gpugate", "uninstall", "vllm.service"]).stdout
+    assert "removed /etc/systemd/system/vllm.service.d/gpugate.conf" in removed
+    assert not sim.exists("/etc/systemd/system/vllm.service.d")
+    assert not sim.exists("/etc/gpugate")
+    shown = sim.systemctl("show", "-p", "ExecStartPre", "vllm.service").stdout
+    assert "gpugate" not in shown, shown
+
+
+def test_shipped_units_verify_and_template_dropins_do_not_double(packaged: Host) -> None:
+    sim = packaged.sim
+    sim.write_file("/opt/vllm/bin/vllm", "#!/bin/sh\nexec sleep infinity\n", mode=0o755)
+    for unit in ("vllm.service", "vllm@.service"):
+        sim.run(["cp", f"/usr/share/gpugate/units/{unit}", f"/etc/systemd/system/{unit}"])
+    sim.run(["gpugate", "install", "vllm.service", "--gpus", "0,1,2,3,4,5,6,7"])
+    sim.run(["gpugate", "install", "vllm@.service"])
+    sim.run(["gpugate", "install", "vllm@a.service", "--gpus", "0,1,2,3"])
+    # The shipped files, unchanged, with the real /usr/bin/gpugate.
+    for unit in ("vllm.service", "vllm@a.service"):
+        verified = sim.run(["systemd-analyze", "verify", "--man=no", unit], check=False)
+        assert verified.returncode == 0 and not verified.stderr, verified.stderr
+    # The instance's drop-in has the template's file name: it replaces it, never adds to it.
+    shown = sim.systemctl("show", "-p", "ExecStartPre", "-p", "DropInPaths", "vllm@a.service")
+    assert shown.stdout.count("path=/usr/bin/gpugate") == 1, shown.stdout
+    assert "/etc/systemd/system/vllm@a.service.d/gpugate.conf" in shown.stdout
+    assert "vllm@.service.d/gpugate.conf" not in shown.stdout
+    for unit in ("vllm@a.service", "vllm@.service", "vllm.service"):
+        sim.run(["gpugate", "uninstall", unit])
+    assert not sim.exists("/etc/gpugate")
+    sim.run(["rm", "/etc/systemd/system/vllm.service", "/etc/systemd/system/vllm@.service"])
+    for unit in ("vllm.service", "vllm@.service", "vllm@a.service"):
+        assert not sim.exists(f"/etc/systemd/system/{unit}.d"), unit
+
+    purged = sim.run(
+        ["apt-get", "purge", "-y", "gpugate"], env={"DEBIAN_FRONTEND": "noninteractive"}
+    )
+    assert "Removing gpugate" in purged.stdout, purged.stdout + purged.stderr
+    for path in ("/usr/bin/gpugate", "/usr/lib/gpugate", "/usr/share/gpugate"):
+        assert not sim.exists(path), f"{path} left behind by the purge"
