@@ -56,6 +56,8 @@ class RunSummary:
     seconds_wait: float = 0.0
     freed_mib: int = 0
     busy: list[BusyGpu] = field(default_factory=list)
+    owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
+    freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)  # by GPU index
 
 
 def _gpu_list(indices: Sequence[int] | set[int]) -> str:
@@ -79,7 +81,9 @@ def run_phase(
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
+    target_cgroup: str | None = None,
 ) -> RunSummary:
+    """target_cgroup: the cgroup whose processes all die (a Slurm job's); default: the unit's."""
     policy = loaded.config.policy(phase)
     reporter.status("looking for processes holding the GPUs")
 
@@ -92,6 +96,7 @@ def run_phase(
             driver=driver,
             pinner=pinner,
             clock=clock,
+            target_cgroup=target_cgroup,
         ).run(dry_run)
 
     def degrade(exc: NvmlUnavailable) -> RunSummary:
@@ -128,6 +133,7 @@ class PhaseRun:
         driver: GpuDriver,
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
+        target_cgroup: str | None = None,
     ) -> None:
         self.pinner = pinner
         self.phase = phase
@@ -141,8 +147,9 @@ class PhaseRun:
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
+        self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         paths = self.config.paths
-        self.unit_cgroup = resolve_unit_cgroup(
+        self.unit_cgroup = target_cgroup or resolve_unit_cgroup(
             unit, paths.cgroup_root, ask_systemd=str(paths.cgroup_root) == DEFAULT_CGROUP_ROOT
         )
 
@@ -164,7 +171,10 @@ class PhaseRun:
         discovery, decision = self.find()
         summary.seconds_discover = self.clock() - self.started
         owned = discovery.owned
-        used_before = sum(discovery.usage[gpu.index].used_mib for gpu in owned)
+        summary.owned = list(owned)
+        # Before any kill: later rounds rediscover, and by then memory may already be freed.
+        self.used_before = {gpu.index: discovery.usage[gpu.index].used_mib for gpu in owned}
+        used_before = sum(self.used_before.values())
         reporter.event(
             Event.RUN_STARTED,
             f"{'dry run: ' if dry_run else ''}{len(owned)} GPU(s) "
@@ -204,6 +214,8 @@ class PhaseRun:
         if dry_run:
             summary.exit_code = ExitCode.HELD_BY_OTHERS if decision.blockers else ExitCode.OK
             return summary
+        # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
+        reporter.extend_timeout(self.deadline - self.clock() + 10)
         with gpu_locks(
             self.config.paths.lock_dir,
             owned,
@@ -300,7 +312,6 @@ class PhaseRun:
             return
         free_mib = self.config.free_mib
         wait_started = self.clock()
-        used_before = sum(discovery.usage[gpu.index].used_mib for gpu in owned)
 
         def on_progress(busy: list[BusyGpu], left: float) -> None:
             first = busy[0]
@@ -321,8 +332,11 @@ class PhaseRun:
         )
         self.summary.seconds_wait = self.clock() - wait_started
         self.summary.busy = busy
-        used_after = sum(item.used_mib for item in busy)
-        self.summary.freed_mib = max(used_before - used_after, 0)
+        for gpu in owned:
+            used_after = self.driver.usage(gpu).used_mib
+            freed = max(self.used_before.get(gpu.index, 0) - used_after, 0)
+            self.summary.freed_mib_by_gpu[gpu.index] = freed
+        self.summary.freed_mib = sum(self.summary.freed_mib_by_gpu.values())
         for item in busy:
             holders = ", ".join(str(pid) for pid in item.pids) or "no process"
             self.reporter.event(
