@@ -31,6 +31,19 @@ class Pinned(Protocol):
     def close(self) -> None: ...
 
 
+def _deliver(ident: ProcessId, send: Callable[[], None]) -> bool:
+    """True if the signal was delivered, False if the process is already gone."""
+    try:
+        send()
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        raise PermissionDenied(
+            f"not permitted to signal PID {ident.pid} (run gpugate as root)"
+        ) from None
+    return True
+
+
 class PidfdProcess:
     """A process held by pidfd: signals reach it or nothing, never a PID's next owner."""
 
@@ -39,15 +52,7 @@ class PidfdProcess:
         self._fd = fd
 
     def send(self, signum: int) -> bool:
-        try:
-            signal.pidfd_send_signal(self._fd, signum)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            raise PermissionDenied(
-                f"not permitted to signal PID {self.ident.pid} (run gpugate as root)"
-            ) from None
-        return True
+        return _deliver(self.ident, lambda: signal.pidfd_send_signal(self._fd, signum))
 
     def exited(self) -> bool:
         ready, _, _ = select.select([self._fd], [], [], 0)
@@ -71,15 +76,7 @@ class CheckedProcess:
     def send(self, signum: int) -> bool:
         if not self._procfs.still_same(self.ident):
             return False
-        try:
-            os.kill(self.ident.pid, signum)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            raise PermissionDenied(
-                f"not permitted to signal PID {self.ident.pid} (run gpugate as root)"
-            ) from None
-        return True
+        return _deliver(self.ident, lambda: os.kill(self.ident.pid, signum))
 
     def exited(self) -> bool:
         if not self._procfs.still_same(self.ident):

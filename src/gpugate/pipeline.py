@@ -21,6 +21,7 @@ from gpugate.nvml import Gpu, GpuDriver, GpuUsage, NvmlDriver
 from gpugate.procfs import ProcessId, ProcFs
 from gpugate.report import (
     PRIORITY_ERR,
+    PRIORITY_INFO,
     PRIORITY_NOTICE,
     PRIORITY_WARNING,
     Event,
@@ -377,34 +378,25 @@ class PhaseRun:
 
 
 def _report_choices(reporter: Reporter, decision: Decision, dry_run: bool) -> None:
-    for choice in decision.targets:
-        reporter.event(
-            Event.HOLDER_FOUND,
-            f"{'would kill' if dry_run else 'will kill'} {describe(choice)} ({choice.reason})",
-            pid=choice.holder.pid,
-            gpus=sorted(choice.holder.gpus),
-            role=choice.role,
-            command=choice.holder.info.command,
-            reason=choice.reason,
-        )
-    for choice in decision.blockers:
-        reporter.event(
-            Event.REFUSED,
-            f"not killing {describe(choice)}: {choice.reason}",
-            priority=PRIORITY_ERR,
-            pid=choice.holder.pid,
-            gpus=sorted(choice.holder.gpus),
-            role=choice.role,
-            command=choice.holder.info.command,
-            reason=choice.reason,
-        )
-    for choice in decision.spared:
-        if choice.holder.gpus:
+    kill_verb = "would kill" if dry_run else "will kill"
+    for choices, event, priority, verb in (
+        (decision.targets, Event.HOLDER_FOUND, PRIORITY_INFO, kill_verb),
+        (decision.blockers, Event.REFUSED, PRIORITY_ERR, "not killing"),
+        (
+            [c for c in decision.spared if c.holder.gpus],
+            Event.PROCESS_SPARED,
+            PRIORITY_INFO,
+            "sparing",
+        ),
+    ):
+        for choice in choices:
             reporter.event(
-                Event.PROCESS_SPARED,
-                f"sparing {describe(choice)}: {choice.reason}",
+                event,
+                f"{verb} {describe(choice)}: {choice.reason}",
+                priority=priority,
                 pid=choice.holder.pid,
                 gpus=sorted(choice.holder.gpus),
                 role=choice.role,
+                command=choice.holder.info.command,
                 reason=choice.reason,
             )
