@@ -132,6 +132,15 @@ class Host:
             "journalctl -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p'"
         ).strip()
 
+    def events_after(self, cursor: str, **fields: str) -> list[dict[str, Any]]:
+        """Entries after the cursor that carry these fields. Filtered here: journalctl 252 given
+        --after-cursor and a field match skips the first matching entry."""
+        return [
+            entry
+            for entry in self.journal_json(f"--after-cursor={cursor}")
+            if all(entry.get(key) == value for key, value in fields.items())
+        ]
+
     def journal_json(self, *args: str) -> list[dict[str, Any]]:
         out = self.sh(shlex.join(["journalctl", "--no-pager", "-o", "json", *args]), check=False)
         return [json.loads(line) for line in out.splitlines() if line.strip()]

@@ -152,9 +152,7 @@ def test_workers_ignoring_sigterm_are_sigkilled(host: Host) -> None:
     host.sim.systemctl("stop", "vllm.service")
     for pid in pids["workers"]:
         assert not host.alive(pid)
-    kills = host.journal_json(
-        f"--after-cursor={cursor}", f"MESSAGE_ID={SIGNAL_SENT_ID}", "GPUGATE_SIGNAL=SIGKILL"
-    )
+    kills = host.events_after(cursor, MESSAGE_ID=SIGNAL_SENT_ID, GPUGATE_SIGNAL="SIGKILL")
     assert {int(e["GPUGATE_PID"]) for e in kills} >= set(pids["workers"])
 
 
@@ -194,9 +192,7 @@ def test_leaked_memory_fails_start_within_timeout(host: Host) -> None:
     started = time.monotonic()
     assert host.start("vllm.service", check=False) != 0
     assert time.monotonic() - started < 20
-    entries = host.journal_json(
-        f"--after-cursor={cursor}", "-u", "vllm.service", "GPUGATE_EVENT=timeout"
-    )
+    entries = host.events_after(cursor, _SYSTEMD_UNIT="vllm.service", GPUGATE_EVENT="timeout")
     assert (
         entries and entries[0]["GPUGATE_GPU"] == "3" and entries[0]["GPUGATE_USED_MIB"] == "50000"
     )
@@ -227,7 +223,7 @@ def test_disjoint_units_independent_and_overlap_refused(host: Host) -> None:
     cursor = host.cursor()
     assert host.start("vllm-c.service", check=False) != 0
     assert all(host.alive(p) for p in a["workers"])
-    refused = host.journal_json(f"--after-cursor={cursor}", "GPUGATE_EVENT=refused")
+    refused = host.events_after(cursor, GPUGATE_EVENT="refused")
     assert refused and "vllm-a.service" in refused[0]["MESSAGE"]
     host.sim.systemctl("stop", "vllm-a.service")
     bystanders_alive(host)
