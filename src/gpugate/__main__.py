@@ -1,3 +1,3 @@
-from gpugate.cli import main
+from gpugate.cli import run
 
-raise SystemExit(main())
+run()

@@ -80,7 +80,11 @@ class GateConfig(_Frozen):
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     pre: PhasePolicy = PhasePolicy()
     post: PhasePolicy = PhasePolicy(kill_orphans=False, kill_app_tree=False)
+    # Slurm's Prolog= and Epilog=: the job is over at the epilog, so its leftovers die too.
+    prolog: PhasePolicy = PhasePolicy()
+    epilog: PhasePolicy = PhasePolicy()
     paths: Paths = Paths()
+    metrics_textfile: Path | None = None  # node_exporter textfile, rewritten after each run
 
     @field_validator("post", mode="before")
     @classmethod
@@ -116,8 +120,16 @@ class GateConfig(_Frozen):
                 raise ValueError(f"{path!r} is not an absolute path")
         return value
 
+    @field_validator("metrics_textfile")
+    @classmethod
+    def _absolute_textfile(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_absolute():
+            raise ValueError("must be an absolute path")
+        return value
+
     def policy(self, phase: str) -> PhasePolicy:
-        return self.pre if phase == "pre" else self.post
+        policies = {"pre": self.pre, "prolog": self.prolog, "epilog": self.epilog}
+        return policies.get(phase, self.post)
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ class ExitCode(IntEnum):
     PERMISSION = 8  # not allowed to read /proc, signal a process or take a lock
     UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
     LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
+    INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
 
 
 class GateError(Exception):
@@ -57,3 +58,7 @@ class UnknownUnit(GateError):
 
 class LockTimeout(GateError):
     exit_code = ExitCode.LOCK_TIMEOUT
+
+
+class InstallError(GateError):
+    exit_code = ExitCode.INSTALL

@@ -6,7 +6,6 @@ vanished mid-read; nothing here decides or signals.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pwd
 from collections.abc import Iterator
@@ -197,49 +196,48 @@ class DeviceScan:
 def scan_device_users(proc_root: Path, device_prefix: str) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix.
 
-    psutil's open_files() skips device files, so this reads /proc/PID/fd links itself, through a
-    directory fd so that each readlink resolves one name, not a whole path.
+    psutil's open_files() skips device files, so this reads /proc/PID/fd links itself. The
+    kernel's work per process is most of the cost on a host with thousands of them, so every
+    name is resolved relative to a directory fd (/proc, then /proc/PID/fd), and a process with
+    no address space (kernel thread, zombie) is passed over after one read of its maps.
     """
     scan = DeviceScan({}, [])
     prefix_bytes = device_prefix.encode()
-    root = os.fspath(proc_root)
-    for name in os.listdir(root):
-        if not name.isdigit():
-            continue
-        fd_paths = _fd_paths(f"{root}/{name}/fd", device_prefix)
-        if fd_paths is None:
-            if not _is_kernel_thread(f"{root}/{name}/stat"):
+    proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for name in os.listdir(proc_fd):
+            if not name.isdigit():
+                continue
+            mapped = _mapped_paths(proc_fd, name, prefix_bytes)
+            if mapped is None:
+                continue
+            fd_paths = _fd_paths(proc_fd, name, device_prefix)
+            if fd_paths is None:
                 scan.unreadable.append(int(name))
-            continue
-        mapped = _mapped_paths(f"{root}/{name}/maps", prefix_bytes)
-        if fd_paths or mapped:
-            scan.users[int(name)] = DeviceUse(frozenset(fd_paths), frozenset(mapped))
+            elif fd_paths or mapped:
+                scan.users[int(name)] = DeviceUse(frozenset(fd_paths), frozenset(mapped))
+    finally:
+        os.close(proc_fd)
     return scan
 
 
-def _is_kernel_thread(stat_file: str) -> bool:
-    try:
-        with open(stat_file, encoding="utf-8", errors="replace") as handle:
-            info = parse_stat(handle.read())
-    except OSError:
-        return False
-    return info is not None and info.kernel_thread
-
-
-def _fd_paths(fd_dir: str, prefix: str) -> set[str] | None:
+def _fd_paths(proc_fd: int, pid_name: str, prefix: str) -> set[str] | None:
+    """The fd targets under the prefix; None where we may not read them (not root)."""
     paths: set[str] = set()
     try:
-        dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY)
+        dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except PermissionError:
         return None
     except OSError:
-        return paths  # gone, or a kernel thread
+        return paths  # gone
     try:
         for fd_name in os.listdir(dir_fd):
-            with contextlib.suppress(OSError):
+            try:
                 target = os.readlink(fd_name, dir_fd=dir_fd)
-                if target.startswith(prefix):
-                    paths.add(target)
+            except OSError:
+                continue  # closed since the listing
+            if target.startswith(prefix):
+                paths.add(target)
     except OSError:
         pass
     finally:
@@ -247,12 +245,31 @@ def _fd_paths(fd_dir: str, prefix: str) -> set[str] | None:
     return paths
 
 
-def _mapped_paths(maps_file: str, prefix: bytes) -> set[str]:
+def _mapped_paths(proc_fd: int, pid_name: str, prefix: bytes) -> set[str] | None:
+    """Mapped files under the prefix; None for a process that is gone or has no address space.
+
+    Kernel threads and zombies have empty maps, and no open files either: a zombie closed them
+    before it died, and a process between the two steps of exiting is past holding anything.
+    An unreadable maps (not root) counts as no mappings: the fd check reports the process.
+    """
     try:
-        with open(maps_file, "rb") as handle:
-            data = handle.read()
-    except OSError:
+        maps_fd = os.open(f"{pid_name}/maps", os.O_RDONLY, dir_fd=proc_fd)
+    except PermissionError:
         return set()
+    except OSError:
+        return None
+    chunks: list[bytes] = []
+    try:
+        # maps is made a page at a time: read until the end, not once.
+        while chunk := os.read(maps_fd, 65536):
+            chunks.append(chunk)
+    except OSError:
+        return None  # exited while we read
+    finally:
+        os.close(maps_fd)
+    if not chunks:
+        return None
+    data = b"".join(chunks)
     paths: set[str] = set()
     start = data.find(prefix)
     while start >= 0:

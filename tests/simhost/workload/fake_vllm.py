@@ -3,6 +3,7 @@
 
     python3 fake_vllm.py --gpus 0,1 --port 8000 [--host 127.0.0.1] [--mib 95000]
         [--state-dir /run/fake-nvml] [--dev-root /dev] [--ignore-sigterm-workers]
+        [--ignore-sigterm-worker RANK]
         [--title-prefix VLLM] [--ready-file PATH]
 
 Process tree, as vLLM builds it (multiprocessing with the spawn context):
@@ -50,6 +51,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--state-dir", default="/run/fake-nvml")
     p.add_argument("--dev-root", default="/dev")
     p.add_argument("--ignore-sigterm-workers", action="store_true")
+    p.add_argument(
+        "--ignore-sigterm-worker",
+        type=int,
+        action="append",
+        default=[],
+        metavar="RANK",
+        help="only this worker ignores SIGTERM (repeatable)",
+    )
     p.add_argument("--title-prefix", default=os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM"))
     p.add_argument("--ready-file", default=None)
     args = p.parse_args(argv)
@@ -77,7 +86,7 @@ _held_files: list[int] = []
 
 def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection) -> None:
     setproctitle.setproctitle(f"{args.title_prefix}::Worker_TP{rank}")
-    if args.ignore_sigterm_workers:
+    if args.ignore_sigterm_workers or rank in args.ignore_sigterm_worker:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dev = Path(args.dev_root)
     for name in ("nvidiactl", "nvidia-uvm", f"nvidia{gpu}"):

@@ -1,0 +1,375 @@
+"""`gpugate install|uninstall UNIT`: put gpugate on a unit (a drop-in and a config skeleton)
+and take it off again.
+
+Every file gpugate writes starts with a header that records the SHA-256 of the rest. A file
+whose rest no longer matches, or that has no such header, is the operator's: the drop-in is
+then never replaced or removed without `force`, and the config (meant to be edited) is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Literal, TextIO
+
+from gpugate.config import DEFAULT_CONFIG_DIR, UUID_PATTERN, GateConfig
+from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
+from gpugate.units import systemd_running, validate_unit_name
+
+DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
+DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
+DROPIN_NAME = "gpugate.conf"
+
+# The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
+DROPIN_TEMPLATE = """\
+# gpugate on a GPU service: before each start and after each stop, find every process that
+# holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.
+# `gpugate install UNIT` puts it at /etc/systemd/system/UNIT.d/gpugate.conf; settings for the
+# unit go to /etc/gpugate/UNIT.toml (`gpugate config check --unit UNIT`; man gpugate).
+[Service]
+# "+": run with full privileges even when the unit sets User=, ProtectSystem= or
+# ProtectProc=: gpugate must see and signal other users' processes. %n: the unit's name.
+ExecStartPre=+@GPUGATE@ pre %n
+# Runs after every stop, a crash or a failed start included: reaps workers that outlived the
+# main process and waits for the driver to release their memory before the unit is "inactive".
+ExecStopPost=+@GPUGATE@ post %n
+# Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
+# STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose
+# own children must notify needs NotifyAccess=all: set it in a drop-in sorting after this one.)
+NotifyAccess=exec
+# Each covers a hook: SIGTERM grace + SIGKILL wait + the driver's release (gpugate's
+# wait_timeout_s, 120 s by default) with room to spare; gpugate also extends them while it
+# waits. A server that needs longer to start or stop: raise them in a later drop-in.
+TimeoutStartSec=300
+TimeoutStopSec=300
+"""
+
+CONFIG_FIELDS = {
+    "gpus": 'The unit\'s GPUs: "all", or indices and/or UUIDs, e.g. [0, 1] or ["GPU-..."].',
+    "free_mib": "Per GPU, MiB used at or below which the GPU counts as free (drivers keep some).",
+    "kill_other_units": "May processes of another active unit holding these GPUs be killed?",
+    "protected_executables": "Never killed, by exact /proc/PID/exe path.",
+    "protected_units": "Never killed, by the unit their cgroup belongs to.",
+}
+PHASE_TEXT = {
+    "pre": "ExecStartPre=: before the unit starts.",
+    "post": "ExecStopPost=: after the unit stopped.",
+}
+POLICY_FIELDS = {
+    "kill_orphans": "Kill holders outside any unit (a server started by hand from ssh)?",
+    "kill_app_tree": "Also kill the rest of such a holder's application (never a login shell).",
+    "sigterm_grace_s": "Seconds between SIGTERM and SIGKILL.",
+    "sigkill_wait_s": "Seconds after SIGKILL before a survivor is reported.",
+    "wait_timeout_s": "Deadline for the whole run (kill and memory wait), in seconds.",
+    "on_timeout": 'Memory not freed by the deadline: "fail" (exit 6) or "warn" (exit 0).',
+    "on_nvml_error": 'NVML unusable: "fail" (exit 4) or "warn" (clean the cgroup only).',
+}
+
+HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
+HEADER_TEXT = (
+    "# Written by gpugate install (sha256:{digest}).\n"
+    "# Edit freely: install and uninstall then leave it alone unless given --force.\n"
+)
+SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
+
+Gpus = Literal["all"] | list[int | str]  # `gpus` as written into the config
+
+
+class Ownership(Enum):
+    ABSENT = "absent"
+    OURS = "ours"  # written by gpugate install, unchanged since
+    OPERATORS = "operator's"  # edited since, or never written by gpugate
+
+
+class Action(Enum):
+    WRITE = "write"
+    UNCHANGED = "unchanged"
+    KEEP = "keep"  # the operator's file, left as it is
+    REMOVE = "remove"
+    ABSENT = "absent"
+
+
+@dataclass(frozen=True)
+class Change:
+    path: Path
+    action: Action
+    content: str | None = None  # what WRITE writes
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Targets:
+    """Where install writes for one unit."""
+
+    dropin: Path
+    config: Path
+
+    @classmethod
+    def of(cls, unit: str, systemd_dir: Path, config_dir: Path) -> Targets:
+        return cls(systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml")
+
+
+def validate_install_unit(unit: str) -> str:
+    """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
+    if not unit.endswith(".service"):
+        raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
+    if unit.endswith("@.service"):
+        validate_unit_name(unit.removesuffix("@.service") + "@instance.service")
+    else:
+        validate_unit_name(unit)
+    return unit
+
+
+def parse_gpus(value: str) -> Gpus:
+    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`."""
+    items = [part.strip() for part in value.split(",")]
+    if items == ["all"]:
+        return "all"
+    gpus: list[int | str] = []
+    for item in items:
+        if item.isdigit() and int(item) <= 1023:
+            gpus.append(int(item))
+        elif UUID_PATTERN.match(item):
+            gpus.append(item)
+        else:
+            raise ValueError(f"{item!r} is not a GPU index (0, 1, ...) or UUID (GPU-...)")
+    if not gpus:
+        raise ValueError("no GPU given")
+    if len(set(gpus)) != len(gpus):
+        raise ValueError("a GPU is listed twice")
+    return gpus
+
+
+def default_gpugate_path() -> Path:
+    """/usr/bin/gpugate (the packages), else the gpugate on PATH (pip, pipx)."""
+    if os.access(DEFAULT_GPUGATE, os.X_OK):
+        return DEFAULT_GPUGATE
+    found = shutil.which("gpugate")
+    return Path(found).absolute() if found else DEFAULT_GPUGATE
+
+
+def render_dropin(gpugate_path: Path) -> str:
+    text = str(gpugate_path)
+    if not SAFE_PATH.match(text) or "/../" in text:
+        raise InstallError(
+            f"--gpugate-path {text!r}: an absolute path of letters, digits and _.+/- only "
+            "(it goes into ExecStartPre= unquoted)"
+        )
+    return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
+
+
+def render_config(unit: str, gpus: Gpus | None) -> str:
+    """A commented skeleton: the built-in defaults, commented out, except the GPUs given."""
+    defaults = GateConfig()
+    lines = [
+        f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
+        "# uncomment what you change. Check it: gpugate config check --unit " + unit,
+        "",
+    ]
+    for name, text in CONFIG_FIELDS.items():
+        lines.append(f"# {text}")
+        if name == "gpus" and gpus is not None:
+            lines.append(f"gpus = {_toml(gpus)}")
+        else:
+            lines.append(f"# {name} = {_toml(getattr(defaults, name))}")
+    for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
+        lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
+        for name, text in POLICY_FIELDS.items():
+            lines += [f"# {text}", f"# {name} = {_toml(getattr(policy, name))}"]
+    return "\n".join(lines) + "\n"
+
+
+def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml(item) for item in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def with_header(body: str) -> str:
+    return HEADER_TEXT.format(digest=hashlib.sha256(body.encode()).hexdigest()) + body
+
+
+def ownership(path: Path) -> Ownership:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Ownership.ABSENT
+    except UnicodeDecodeError:
+        return Ownership.OPERATORS
+    except PermissionError:
+        raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
+    match = HEADER.match(text)
+    header_lines = HEADER_TEXT.count("\n")
+    parts = text.split("\n", header_lines)
+    if match is None or len(parts) <= header_lines:
+        return Ownership.OPERATORS
+    unchanged = hashlib.sha256(parts[header_lines].encode()).hexdigest() == match[1]
+    return Ownership.OURS if unchanged else Ownership.OPERATORS
+
+
+def systemctl_daemon_reload() -> bool:
+    """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
+    if not systemd_running():
+        return False
+    result = subprocess.run(
+        ["systemctl", "daemon-reload"], capture_output=True, text=True, check=False, timeout=120
+    )
+    if result.returncode != 0:
+        raise InstallError(
+            f"files written, but `systemctl daemon-reload` failed: {result.stderr.strip()}; "
+            "run it yourself"
+        )
+    return True
+
+
+def plan_install(
+    unit: str,
+    *,
+    gpus: Gpus | None = None,
+    gpugate_path: Path = DEFAULT_GPUGATE,
+    force: bool = False,
+    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
+    config_dir: Path = DEFAULT_CONFIG_DIR,
+) -> list[Change]:
+    """What install would do; InstallError (nothing done) where it would replace the
+    operator's drop-in, or change the GPUs of the operator's config, without force."""
+    validate_install_unit(unit)
+    targets = Targets.of(unit, systemd_dir, config_dir)
+    wanted = {
+        targets.dropin: with_header(render_dropin(gpugate_path)),
+        targets.config: with_header(render_config(unit, gpus)),
+    }
+    changes: list[Change] = []
+    refused: list[str] = []
+    for path, content in wanted.items():
+        owner = ownership(path)
+        if owner is Ownership.OPERATORS and not force:
+            if path == targets.config and gpus is None:
+                changes.append(Change(path, Action.KEEP, note="yours (edited): kept"))
+                continue
+            refused.append(str(path))
+            continue
+        if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
+            changes.append(Change(path, Action.UNCHANGED))
+        else:
+            note = "replacing your edited file (--force)" if owner is Ownership.OPERATORS else ""
+            changes.append(Change(path, Action.WRITE, content, note))
+    if refused:
+        raise InstallError(
+            f"{', '.join(refused)}: edited by you (or not written by gpugate install); "
+            "nothing changed; --force replaces it"
+        )
+    return changes
+
+
+def plan_uninstall(
+    unit: str,
+    *,
+    force: bool = False,
+    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
+    config_dir: Path = DEFAULT_CONFIG_DIR,
+) -> list[Change]:
+    """What uninstall would do; InstallError (nothing done) where the drop-in is the
+    operator's and not force. An edited config is kept (it does nothing without the hooks)."""
+    validate_install_unit(unit)
+    targets = Targets.of(unit, systemd_dir, config_dir)
+    changes: list[Change] = []
+    for path in (targets.dropin, targets.config):
+        owner = ownership(path)
+        if owner is Ownership.ABSENT:
+            changes.append(Change(path, Action.ABSENT))
+        elif owner is Ownership.OURS or force:
+            changes.append(Change(path, Action.REMOVE))
+        elif path == targets.config:
+            changes.append(Change(path, Action.KEEP, note="yours (edited): kept; --force removes"))
+        else:
+            raise InstallError(
+                f"{path}: edited by you (or not written by gpugate install); nothing changed; "
+                "--force removes it"
+            )
+    return changes
+
+
+def apply(
+    changes: Sequence[Change],
+    *,
+    dry_run: bool = False,
+    reload: Callable[[], bool] = systemctl_daemon_reload,
+    out: TextIO | None = None,
+) -> bool:
+    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed.
+
+    reload: reloads systemd; False where there was none to reload."""
+    stream = out if out is not None else sys.stdout
+    for change in changes:
+        _describe(change, dry_run, stream)
+        if dry_run:
+            continue
+        try:
+            if change.action is Action.WRITE:
+                assert change.content is not None
+                _write_atomically(change.path, change.content)
+            elif change.action is Action.REMOVE:
+                change.path.unlink(missing_ok=True)
+                _remove_empty_dir(change.path.parent)
+        except PermissionError as exc:
+            raise PermissionDenied(
+                f"{exc.filename or change.path}: permission denied (run as root)"
+            ) from None
+    unit_files_changed = any(
+        c.action in (Action.WRITE, Action.REMOVE) and c.path.name == DROPIN_NAME for c in changes
+    )
+    if dry_run or not unit_files_changed:
+        return False
+    if reload():
+        print("reloaded systemd (systemctl daemon-reload)", file=stream)
+    else:
+        print("systemd not reloaded (not running here, or --no-reload)", file=stream)
+    return True
+
+
+def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
+    verb = {
+        Action.WRITE: ("would write", "wrote"),
+        Action.UNCHANGED: ("unchanged", "unchanged"),
+        Action.KEEP: ("would keep", "kept"),
+        Action.REMOVE: ("would remove", "removed"),
+        Action.ABSENT: ("not there", "not there"),
+    }[change.action][0 if dry_run else 1]
+    note = f" ({change.note})" if change.note else ""
+    print(f"{verb} {change.path}{note}", file=stream)
+    if dry_run and change.action is Action.WRITE and change.content is not None:
+        print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
+
+
+def _write_atomically(path: Path, content: str) -> None:
+    """Write-then-rename: systemd never reads half a drop-in."""
+    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(content)
+        os.chmod(temporary, 0o644)  # mkstemp makes it 0600: systemd and operators read it
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _remove_empty_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not empty (other drop-ins, other configs): stays
+        directory.rmdir()

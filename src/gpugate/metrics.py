@@ -1,0 +1,256 @@
+"""Prometheus metrics: a node_exporter textfile rewritten after each run.
+
+Each run knows only itself, so the counters live in a JSON state file beside the textfile
+(`PATH.state`; node_exporter reads only `*.prom`) and every run adds to them under an flock
+on `PATH.lock`: runs of different units may end at the same moment. Both files are replaced
+atomically (a temporary file in the same folder, then rename), so node_exporter never reads
+half a file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TextIO
+
+from gpugate.errors import ExitCode
+
+if TYPE_CHECKING:
+    from gpugate.pipeline import RunSummary
+
+STATE_VERSION = 1
+LOCK_TIMEOUT_S = 10.0
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str  # counter or gauge
+    help: str
+
+
+FAMILIES = (
+    Family("gpugate_runs_total", "counter", "gpugate runs, by phase, unit and result"),
+    Family(
+        "gpugate_processes_killed_total", "counter", "processes gpugate stopped, by phase and unit"
+    ),
+    Family(
+        "gpugate_wait_seconds_total",
+        "counter",
+        "seconds spent waiting for the driver to free GPU memory, by phase and unit",
+    ),
+    Family(
+        "gpugate_reclaimed_mib_total",
+        "counter",
+        "GPU memory freed by runs (used before the kill minus used after the wait), in MiB",
+    ),
+    Family(
+        "gpugate_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the unit's last run that left this GPU free",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    index: int
+    uuid: str
+
+
+@dataclass
+class RunRecord:
+    """What one run did, in the terms the metrics count."""
+
+    phase: str
+    unit: str  # the metrics label: a Slurm job's runs all count under "slurm"
+    result: str  # "success", or the exit code's name in lower case
+    killed: int = 0
+    seconds_wait: float = 0.0
+    reclaimed_mib: dict[GpuRef, int] = field(default_factory=dict)
+    freed_gpus: list[GpuRef] = field(default_factory=list)  # free at the end of a successful run
+    finished_at: float = field(default_factory=time.time)
+
+
+# name -> label set -> value
+Samples = dict[str, dict[Labels, float]]
+
+
+def apply(samples: Samples, record: RunRecord) -> None:
+    def add(name: str, labels: Mapping[str, str], value: float) -> None:
+        key = tuple(sorted(labels.items()))
+        family = samples.setdefault(name, {})
+        family[key] = family.get(key, 0) + value
+
+    def put(name: str, labels: Mapping[str, str], value: float) -> None:
+        samples.setdefault(name, {})[tuple(sorted(labels.items()))] = value
+
+    run = {"phase": record.phase, "unit": record.unit}
+    add("gpugate_runs_total", {**run, "result": record.result}, 1)
+    add("gpugate_processes_killed_total", run, record.killed)
+    add("gpugate_wait_seconds_total", run, record.seconds_wait)
+    for gpu, mib in record.reclaimed_mib.items():
+        add("gpugate_reclaimed_mib_total", _gpu_labels(record.unit, gpu), mib)
+    for gpu in record.freed_gpus:
+        put(
+            "gpugate_last_success_timestamp_seconds",
+            _gpu_labels(record.unit, gpu),
+            record.finished_at,
+        )
+
+
+def _gpu_labels(unit: str, gpu: GpuRef) -> dict[str, str]:
+    return {"unit": unit, "gpu": str(gpu.index), "uuid": gpu.uuid}
+
+
+def render(samples: Samples) -> str:
+    """The Prometheus text exposition format (0.0.4), families in a fixed order."""
+    lines: list[str] = []
+    for family in FAMILIES:
+        found = samples.get(family.name)
+        if not found:
+            continue
+        lines.append(f"# HELP {family.name} {family.help}")
+        lines.append(f"# TYPE {family.name} {family.kind}")
+        for labels, value in sorted(found.items()):
+            text = ",".join(f'{name}="{_escape(v)}"' for name, v in labels)
+            lines.append(f"{family.name}{{{text}}} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def load_state(path: Path) -> Samples:
+    """The counters so far; a missing or unreadable state starts them again from zero
+    (Prometheus takes a counter that goes down as a reset)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    samples: Samples = {}
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        return samples
+    known = {family.name for family in FAMILIES}
+    for name, entries in data.get("samples", {}).items():
+        if name not in known or not isinstance(entries, list):
+            continue
+        for entry in entries:
+            try:
+                labels = tuple(sorted((str(k), str(v)) for k, v in entry["labels"].items()))
+                samples.setdefault(name, {})[labels] = float(entry["value"])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+    return samples
+
+
+def dump_state(samples: Samples) -> str:
+    data = {
+        "version": STATE_VERSION,
+        "samples": {
+            name: [
+                {"labels": dict(labels), "value": value} for labels, value in sorted(found.items())
+            ]
+            for name, found in sorted(samples.items())
+        },
+    }
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+def write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+@contextlib.contextmanager
+def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = clock() + LOCK_TIMEOUT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if clock() >= deadline:
+                    raise TimeoutError(f"{path}: held by another gpugate run") from None
+                time.sleep(0.02)
+        yield
+    finally:
+        os.close(fd)
+
+
+def record_run(textfile: Path, record: RunRecord) -> None:
+    """Add one run to the counters and rewrite the textfile. Raises OSError."""
+    textfile.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    state = textfile.with_name(textfile.name + ".state")
+    with _locked(textfile.with_name(textfile.name + ".lock")):
+        samples = load_state(state)
+        apply(samples, record)
+        # State first: a crash between the two renames loses nothing, the next run rewrites
+        # the textfile from it.
+        write_atomically(state, dump_state(samples))
+        write_atomically(textfile, render(samples))
+
+
+def result_label(exit_code: ExitCode) -> str:
+    return "success" if exit_code is ExitCode.OK else exit_code.name.lower()
+
+
+def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:
+    """summary: None where the run ended in an error before it could report (NVML, lock)."""
+    record = RunRecord(phase, unit, result_label(exit_code))
+    if summary is None:
+        return record
+    record.killed = len(summary.killed)
+    record.seconds_wait = summary.seconds_wait
+    gpus = {gpu.index: GpuRef(gpu.index, gpu.uuid) for gpu in summary.owned}
+    record.reclaimed_mib = {
+        gpus[index]: mib for index, mib in summary.freed_mib_by_gpu.items() if index in gpus
+    }
+    if exit_code is ExitCode.OK:
+        busy = {item.gpu.index for item in summary.busy}
+        record.freed_gpus = [gpu for index, gpu in sorted(gpus.items()) if index not in busy]
+    return record
+
+
+def record_after_run(
+    textfile: Path | None,
+    record: RunRecord,
+    *,
+    stream: TextIO | None = None,
+) -> None:
+    """Best effort: metrics that cannot be written are a warning, never the run's failure."""
+    if textfile is None:
+        return
+    try:
+        record_run(textfile, record)
+    except OSError as exc:  # TimeoutError (the lock) is one too
+        detail = exc.strerror or str(exc)
+        print(
+            f"gpugate: warning: metrics not written to {textfile}: {detail}",
+            file=stream or sys.stderr,
+        )

@@ -1,0 +1,246 @@
+"""`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node.
+
+slurmd runs them as root with the job in the environment. The job's GPUs (SLURM_JOB_GPUS,
+else CUDA_VISIBLE_DEVICES) take the place of the unit's, and the job's cgroup (cgroup v2:
+/system.slice/slurmstepd.scope/job_ID, with step_*/ below) the place of the unit's cgroup.
+A non-zero exit makes slurmd drain the node; where slurmd names the node (SLURMD_NODENAME)
+and scontrol is there, the drain reason says which GPU holds how many MiB.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+from gpugate.config import DEFAULT_CONFIG_DIR, UUID_PATTERN, LoadedConfig, load_config
+from gpugate.errors import ExitCode, GateError
+from gpugate.metrics import record_after_run, run_record
+from gpugate.nvml import GpuDriver
+from gpugate.pipeline import RunSummary, run_phase
+from gpugate.report import PRIORITY_ERR, Event, Journal, Reporter
+
+JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
+METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
+CONFIG_NAME = "slurm.toml"
+JOB_ID = re.compile(r"[1-9][0-9]{0,9}")
+UID = re.compile(r"[0-9]{1,10}")
+INDEX = re.compile(r"[0-9]{1,4}")
+MAX_JOB_ID = 2**32 - 1
+MAX_GPU_INDEX = 1023
+MAX_REASON = 250
+# slurmd gives prologs and epilogs no PATH: look where Slurm is installed.
+SCONTROL_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin", "/usr/local/sbin")
+SCONTROL_TIMEOUT_S = 15
+
+
+class SlurmEnvError(GateError):
+    """The environment slurmd gave is not a job gpugate understands; nothing was touched."""
+
+    exit_code = ExitCode.USAGE
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: int
+    uid: int | None
+    gpus: tuple[int | str, ...]  # NVML indices or UUIDs; () where the job has no GPU here
+    gpus_from: str  # the variable they came from
+    node_name: str | None  # SLURMD_NODENAME: Slurm's name for this node
+
+    @property
+    def label(self) -> str:
+        """Stands for the unit in reports: GPUGATE_UNIT, stderr lines, decision reasons."""
+        return f"slurm-job-{self.job_id}"
+
+
+def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
+    raw_id = environ.get("SLURM_JOB_ID", "")
+    if not JOB_ID.fullmatch(raw_id) or int(raw_id) > MAX_JOB_ID:
+        shown = repr(raw_id) if raw_id else "not set"
+        raise SlurmEnvError(f"SLURM_JOB_ID {shown}: not a Slurm job ID (a positive integer)")
+    raw_uid = environ.get("SLURM_JOB_UID")
+    if raw_uid is not None and not UID.fullmatch(raw_uid):
+        raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
+    gpus: tuple[int | str, ...] = ()
+    source = ""
+    if environ.get("SLURM_JOB_GPUS", "").strip():
+        source = "SLURM_JOB_GPUS"
+        gpus = _gpu_list(source, environ[source], uuids=False)
+    elif environ.get("CUDA_VISIBLE_DEVICES", "").strip():
+        source = "CUDA_VISIBLE_DEVICES"
+        gpus = _gpu_list(source, environ[source], uuids=True)
+    return SlurmJob(
+        job_id=int(raw_id),
+        uid=int(raw_uid) if raw_uid is not None else None,
+        gpus=gpus,
+        gpus_from=source,
+        node_name=environ.get("SLURMD_NODENAME") or None,
+    )
+
+
+def _gpu_list(variable: str, value: str, *, uuids: bool) -> tuple[int | str, ...]:
+    what = "GPU indices or UUIDs" if uuids else "GPU indices"
+    gpus: list[int | str] = []
+    for item in (part.strip() for part in value.split(",")):
+        if INDEX.fullmatch(item) and int(item) <= MAX_GPU_INDEX:
+            gpu: int | str = int(item)
+        elif uuids and UUID_PATTERN.fullmatch(item):
+            gpu = item
+        else:
+            raise SlurmEnvError(f"{variable} {value!r}: not a comma-separated list of {what}")
+        if gpu in gpus:
+            raise SlurmEnvError(f"{variable} {value!r}: names GPU {gpu} twice")
+        gpus.append(gpu)
+    return tuple(gpus)
+
+
+def job_cgroup(job_id: int, cgroup_root: Path) -> str:
+    """The job's cgroup (cgroup v2). Slurm removes it once empty, so at the epilog it is
+    often gone already; then the default path stands for it, and matches no process."""
+    name = f"job_{job_id}"
+    default = f"/system.slice/{JOB_SCOPE}/{name}"
+    if (cgroup_root / default.lstrip("/")).is_dir():
+        return default
+    # Several slurmd on one host name their scopes NODENAME_slurmstepd.scope.
+    for parent in [cgroup_root, *sorted(cgroup_root.glob("*.slice"))]:
+        for scope in sorted(parent.glob(f"*{JOB_SCOPE}")):
+            if (scope / name).is_dir():
+                return "/" + str((scope / name).relative_to(cgroup_root))
+    return default
+
+
+def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
+    """--config PATH, else /etc/gpugate/slurm.toml, else default.toml, else built-in."""
+    if explicit is None and (config_dir / CONFIG_NAME).exists():
+        explicit = config_dir / CONFIG_NAME
+    return load_config(None, explicit, config_dir)
+
+
+def with_job_gpus(loaded: LoadedConfig, job: SlurmJob) -> LoadedConfig:
+    config = loaded.config.model_copy(update={"gpus": job.gpus})
+    return LoadedConfig(config, f"{loaded.source} (gpus from {job.gpus_from})")
+
+
+class JobJournal:
+    """Adds the job to every journal entry; OBJECT_SYSTEMD_UNIT names the scope that holds
+    all jobs, so `journalctl -u slurmstepd.scope` lists gpugate's Slurm runs."""
+
+    def __init__(self, inner: Journal, job: SlurmJob) -> None:
+        self.inner = inner
+        self.job = job
+
+    def send(self, message: str, fields: dict[str, str]) -> None:
+        extra = {"GPUGATE_SLURM_JOB": str(self.job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
+        if self.job.uid is not None:
+            extra["GPUGATE_SLURM_JOB_UID"] = str(self.job.uid)
+        self.inner.send(message, {**fields, **extra})
+
+
+def failure_detail(summary: RunSummary) -> str:
+    """What went wrong, naming the GPUs and MiB where memory stayed used."""
+    exit_code = summary.exit_code
+    gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
+    if summary.busy:
+        return "; ".join(
+            f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used"
+            for item in summary.busy
+        )
+    if exit_code is ExitCode.UNKILLABLE:
+        return f"GPU {gpus}: processes survived SIGKILL (D state?)"
+    if exit_code is ExitCode.HELD_BY_OTHERS:
+        return f"GPU {gpus}: held by processes gpugate may not kill (another job or unit)"
+    return f"GPU {gpus}: {exit_code.name.lower()}"
+
+
+def scontrol_path(environ: Mapping[str, str]) -> str | None:
+    search = os.pathsep.join([environ.get("PATH", ""), *SCONTROL_DIRS])
+    return shutil.which("scontrol", path=search)
+
+
+def set_drain_reason(node: str, reason: str, environ: Mapping[str, str], stream: TextIO) -> None:
+    """Best effort: drain the node first with gpugate's reason, so slurmctld keeps it when
+    the failed prolog/epilog drains it too. slurmd drains the node anyway."""
+    scontrol = scontrol_path(environ)
+    if scontrol is None:
+        return
+    try:
+        result = subprocess.run(
+            [scontrol, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
+            capture_output=True,
+            text=True,
+            timeout=SCONTROL_TIMEOUT_S,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        print(f"gpugate: warning: scontrol: {exc}", file=stream)
+        return
+    if result.returncode != 0:
+        said = (result.stderr or result.stdout).strip().splitlines()
+        print(
+            f"gpugate: warning: scontrol exited {result.returncode}: {said[0] if said else ''}",
+            file=stream,
+        )
+
+
+def main(
+    phase: str,
+    *,
+    config_path: Path | None,
+    dry_run: bool,
+    environ: Mapping[str, str],
+    driver_factory: Callable[[], GpuDriver],
+    reporter_factory: Callable[[str, str], Reporter],
+    stream: TextIO | None = None,
+    config_dir: Path = DEFAULT_CONFIG_DIR,
+) -> int:
+    stream = stream or sys.stderr
+    job: SlurmJob | None = None
+    loaded: LoadedConfig | None = None
+    reporter: Reporter | None = None
+    summary: RunSummary | None = None
+    try:
+        job = job_from_env(environ)
+        if not job.gpus:
+            return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
+        loaded = with_job_gpus(load_slurm_config(config_path, config_dir), job)
+        reporter = reporter_factory(job.label, phase)
+        reporter.journal = JobJournal(reporter.journal, job)
+        summary = run_phase(
+            phase,
+            job.label,
+            loaded,
+            reporter,
+            dry_run=dry_run,
+            driver_factory=driver_factory,
+            target_cgroup=job_cgroup(job.job_id, loaded.config.paths.cgroup_root),
+        )
+        code, detail = summary.exit_code, failure_detail(summary)
+    except GateError as exc:
+        print(f"gpugate: {exc.message}", file=stream)
+        if reporter is not None:
+            reporter.echo = False
+            reporter.event(
+                Event.ERROR, exc.message, priority=PRIORITY_ERR, exit_code=int(exc.exit_code)
+            )
+        code, detail = exc.exit_code, exc.message
+    if dry_run:
+        return int(code)
+    if loaded is not None:
+        record = run_record(phase, METRICS_UNIT, code, summary)
+        record_after_run(loaded.config.metrics_textfile, record, stream=stream)
+    if code is not ExitCode.OK:
+        who = f" job {job.job_id}" if job is not None else ""
+        reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
+        if summary is not None:  # an error has said its one line already
+            print(f"gpugate: drain: {reason}", file=stream, flush=True)
+        node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
+        if node:
+            set_drain_reason(node, reason, environ, stream)
+    return int(code)

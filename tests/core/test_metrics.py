@@ -1,0 +1,248 @@
+"""The node_exporter textfile: parsed with prometheus-client's own parser, its values checked
+against what each run reported in the journal, accumulated across runs and processes."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from gpugate.cli import main
+from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.metrics import GpuRef, RunRecord, record_run, render
+from tests.conftest import UNIT, UNIT_CGROUP, FakeHost
+from tests.fakes import alive
+
+Key = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def parse(text: str) -> dict[Key, float]:
+    values: dict[Key, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            assert key not in values, f"sample {key} twice"
+            values[key] = sample.value
+    return values
+
+
+def key(name: str, **labels: str) -> Key:
+    return (name, tuple(sorted(labels.items())))
+
+
+def gpu_labels(host: FakeHost, index: int, unit: str = UNIT) -> dict[str, str]:
+    return {"unit": unit, "gpu": str(index), "uuid": host.memory.gpus()[index].uuid}
+
+
+def write_config(host: FakeHost, metrics: Path, *, pre_wait_s: float = 10) -> Path:
+    path = host.root / f"gpugate-{pre_wait_s}.toml"
+    path.write_text(
+        f'metrics_textfile = "{metrics}"\n'
+        f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
+        f'lock_dir = "{host.root}/locks"\n'
+        f"[pre]\nsigterm_grace_s = 1\nwait_timeout_s = {pre_wait_s}\n"
+        "[post]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
+    )
+    return path
+
+
+def gpugate(host: FakeHost, *argv: str, driver: object = None) -> int:
+    return main(
+        list(argv),
+        driver_factory=(lambda: host.memory) if driver is None else driver,  # type: ignore[arg-type,return-value]
+        reporter_factory=lambda unit, phase: host.reporter(phase),
+    )
+
+
+@pytest.fixture
+def metrics(host: FakeHost) -> Path:
+    return host.root / "textfile" / "gpugate.prom"
+
+
+def test_values_match_what_the_run_reported(host: FakeHost, metrics: Path) -> None:
+    host.memory.release_lag_s = 2.0  # the driver frees late: the run waits for it
+    first, second = host.pool.holder(host.gpu_files(2)), host.pool.holder(host.gpu_files(5))
+    host.put_in_unit(*first, *second)
+    host.memory.claim(first[0], {2}, 3000)
+    host.memory.claim(second[0], {5}, 1000)
+    config = write_config(host, metrics)
+
+    before = time.time()
+    assert gpugate(host, "post", UNIT, "--config", str(config)) == 0
+    after = time.time()
+
+    assert not alive(first[0]) and not alive(second[0])
+    (finished,) = host.journal.events("run_finished")
+    values = parse(metrics.read_text())
+    run = {"phase": "post", "unit": UNIT}
+    assert values[key("gpugate_runs_total", **run, result="success")] == 1
+    assert values[key("gpugate_processes_killed_total", **run)] == int(finished["GPUGATE_KILLED"])
+    assert values[key("gpugate_processes_killed_total", **run)] == 2
+    waited = values[key("gpugate_wait_seconds_total", **run)]
+    assert waited == pytest.approx(float(finished["GPUGATE_SECONDS_WAIT"]), abs=0.001)
+    assert waited > 0
+    reclaimed = {
+        index: values[key("gpugate_reclaimed_mib_total", **gpu_labels(host, index))]
+        for index in range(8)
+    }
+    assert reclaimed == {0: 0, 1: 0, 2: 3000, 3: 0, 4: 0, 5: 1000, 6: 0, 7: 0}
+    assert sum(reclaimed.values()) == int(finished["GPUGATE_FREED_MIB"])
+    for index in range(8):
+        stamp = values[key("gpugate_last_success_timestamp_seconds", **gpu_labels(host, index))]
+        assert before <= stamp <= after
+
+
+def test_counters_accumulate_and_failures_keep_last_success(host: FakeHost, metrics: Path) -> None:
+    config = write_config(host, metrics)
+    (member,) = host.pool.holder(host.gpu_files(2))
+    host.put_in_unit(member)
+    host.memory.claim(member, {2}, 3000)
+    assert gpugate(host, "post", UNIT, "--config", str(config)) == 0
+    first = parse(metrics.read_text())
+    # The stand-in cgroup.procs is a plain file: drop the member, as the kernel would.
+    (host.cgroup_root / UNIT_CGROUP.lstrip("/") / "cgroup.procs").write_text("")
+
+    (orphan,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(orphan, {2}, 2000)
+    assert gpugate(host, "pre", UNIT, "--config", str(config)) == 0
+
+    host.memory.leaked_mib[4] = 2048
+    short = write_config(host, metrics, pre_wait_s=0.3)
+    assert gpugate(host, "pre", UNIT, "--config", str(short)) == ExitCode.MEMORY_TIMEOUT
+
+    values = parse(metrics.read_text())
+    assert values[key("gpugate_runs_total", phase="post", unit=UNIT, result="success")] == 1
+    assert values[key("gpugate_runs_total", phase="pre", unit=UNIT, result="success")] == 1
+    assert values[key("gpugate_runs_total", phase="pre", unit=UNIT, result="memory_timeout")] == 1
+    assert values[key("gpugate_processes_killed_total", phase="post", unit=UNIT)] == 1
+    assert values[key("gpugate_processes_killed_total", phase="pre", unit=UNIT)] == 1
+    assert values[key("gpugate_reclaimed_mib_total", **gpu_labels(host, 2))] == 5000
+    last = "gpugate_last_success_timestamp_seconds"
+    # The failed run left GPU 4 busy: its last success is still the second run's.
+    success_2 = values[key(last, **gpu_labels(host, 2))]
+    assert values[key(last, **gpu_labels(host, 4))] == success_2
+    assert success_2 > first[key(last, **gpu_labels(host, 2))]
+
+
+def test_textfile_is_replaced_atomically(host: FakeHost, metrics: Path) -> None:
+    config = write_config(host, metrics)
+    assert gpugate(host, "post", UNIT, "--config", str(config)) == 0
+    with metrics.open() as old:
+        old_inode = os.fstat(old.fileno()).st_ino
+        assert gpugate(host, "post", UNIT, "--config", str(config)) == 0
+        # A reader that opened the file before the rewrite still reads the whole old file.
+        old_values = parse(old.read())
+    new_values = parse(metrics.read_text())
+    runs = key("gpugate_runs_total", phase="post", unit=UNIT, result="success")
+    assert (old_values[runs], new_values[runs]) == (1, 2)
+    assert metrics.stat().st_ino != old_inode
+    assert sorted(p.name for p in metrics.parent.iterdir()) == [
+        "gpugate.prom",
+        "gpugate.prom.lock",
+        "gpugate.prom.state",
+    ]
+
+
+def _record_many(path: str, count: int) -> None:
+    for _ in range(count):
+        record_run(Path(path), RunRecord("post", UNIT, "success", killed=1))
+
+
+def test_concurrent_runs_lose_no_count(metrics: Path) -> None:
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_record_many, args=(str(metrics), 10)) for _ in range(6)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(60)
+        assert worker.exitcode == 0
+    values = parse(metrics.read_text())
+    assert values[key("gpugate_runs_total", phase="post", unit=UNIT, result="success")] == 60
+    assert values[key("gpugate_processes_killed_total", phase="post", unit=UNIT)] == 60
+
+
+def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) -> None:
+    config = write_config(host, metrics)
+
+    def broken() -> object:
+        raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
+
+    assert gpugate(host, "pre", UNIT, "--config", str(config), driver=broken) == 4
+    assert gpugate(host, "pre", UNIT, "--config", str(config), "--dry-run") == 0
+    values = parse(metrics.read_text())
+    runs = {k: v for k, v in values.items() if k[0] == "gpugate_runs_total"}
+    assert runs == {key("gpugate_runs_total", phase="pre", unit=UNIT, result="nvml_unavailable"): 1}
+
+
+def test_unwritable_textfile_warns_and_keeps_the_exit_code(
+    host: FakeHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = host.root / "not-a-folder"
+    blocker.write_text("")
+    config = write_config(host, blocker / "gpugate.prom")
+    (member,) = host.pool.holder(host.gpu_files(1))
+    host.put_in_unit(member)
+    assert gpugate(host, "post", UNIT, "--config", str(config)) == 0
+    assert not alive(member)
+    err = capsys.readouterr().err
+    assert err.startswith(f"gpugate: warning: metrics not written to {blocker}/gpugate.prom")
+    assert err.count("\n") == 1
+
+
+def test_label_values_are_escaped() -> None:
+    odd = 'vllm\\x2dold"\n.service'
+    samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    from gpugate.metrics import apply
+
+    apply(
+        samples,
+        RunRecord(
+            "post",
+            odd,
+            "success",
+            killed=3,
+            seconds_wait=0.25,
+            reclaimed_mib={GpuRef(0, "GPU-0"): 7},
+            freed_gpus=[GpuRef(0, "GPU-0")],
+            finished_at=1700000000.5,
+        ),
+    )
+    values = parse(render(samples))
+    assert values[key("gpugate_processes_killed_total", phase="post", unit=odd)] == 3
+    assert values[key("gpugate_wait_seconds_total", phase="post", unit=odd)] == 0.25
+    assert values[key("gpugate_reclaimed_mib_total", unit=odd, gpu="0", uuid="GPU-0")] == 7
+    stamp = key("gpugate_last_success_timestamp_seconds", unit=odd, gpu="0", uuid="GPU-0")
+    assert values[stamp] == 1700000000.5
+
+
+def test_config_check_shows_the_textfile_and_the_slurm_phases(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import tomllib
+
+    unset = tmp_path / "unset.toml"
+    unset.write_text("[epilog]\nwait_timeout_s = 30\n")
+    assert main(["config", "check", str(unset)]) == 0
+    effective = tomllib.loads(capsys.readouterr().out)
+    assert "metrics_textfile" not in effective
+    assert effective["epilog"] == {**effective["prolog"], "wait_timeout_s": 30.0}
+    assert effective["epilog"]["kill_orphans"] is True
+    assert effective["post"]["kill_orphans"] is False
+
+    textfile = tmp_path / "set.toml"
+    textfile.write_text('metrics_textfile = "/var/lib/node_exporter/textfile_collector/g.prom"\n')
+    assert main(["config", "check", str(textfile)]) == 0
+    assert tomllib.loads(capsys.readouterr().out)["metrics_textfile"] == (
+        "/var/lib/node_exporter/textfile_collector/g.prom"
+    )
+
+    relative = tmp_path / "relative.toml"
+    relative.write_text('metrics_textfile = "gpugate.prom"\n')
+    assert main(["config", "check", str(relative)]) == ExitCode.CONFIG
+    assert capsys.readouterr().err == (
+        f"gpugate: {relative}: metrics_textfile: must be an absolute path\n"
+    )

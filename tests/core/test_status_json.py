@@ -1,0 +1,116 @@
+"""`gpugate status --json` is an interface for fleet tools: its keys and types are pinned here,
+and each one is documented in the README."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpugate.cli import main
+from tests.conftest import UNIT, UNIT_CGROUP, FakeHost
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+TOP = {
+    "version": int,
+    "unit": (str, type(None)),
+    "unit_cgroup": (str, type(None)),
+    "config": str,
+    "free_mib": int,
+    "gpus": list,
+    "holders": list,
+    "invisible": list,
+}
+GPU = {
+    "index": int,
+    "uuid": str,
+    "minor": int,
+    "name": str,
+    "used_mib": int,
+    "total_mib": int,
+    "owned": bool,
+}
+HOLDER = {
+    "pid": int,
+    "start_time": int,
+    "uid": (int, type(None)),
+    "user": str,
+    "unit": (str, type(None)),
+    "cgroup": (str, type(None)),
+    "state": str,
+    "comm": str,
+    "command": list,
+    "gpus": list,
+    "used_mib": dict,
+    "control_devices": list,
+    "sources": list,
+    "role": (str, type(None)),
+    "orphan": bool,
+}
+INVISIBLE = {"gpu": int, "pid": int}
+
+
+def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
+    assert set(entry) == set(schema)
+    for key, kind in schema.items():
+        assert isinstance(entry[key], kind), (key, entry[key])
+
+
+def status(host: FakeHost, capsys: pytest.CaptureFixture[str], *unit: str) -> dict[str, Any]:
+    config = host.root / "c.toml"
+    config.write_text(f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n')
+    code = main(
+        ["status", *unit, "--json", "--config", str(config)], driver_factory=lambda: host.memory
+    )
+    assert code == 0
+    data: dict[str, Any] = json.loads(capsys.readouterr().out)
+    return data
+
+
+def test_keys_and_types_are_the_documented_ones(
+    host: FakeHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (member,) = host.pool.holder(host.gpu_files(1))
+    host.put_in_unit(member)
+    host.memory.claim(member, {1}, 4000)
+    (orphan,) = host.pool.holder(host.gpu_files(2))
+    host.memory.listed_without_memory[2] = [orphan]
+    host.memory.listed_without_memory[3] = [2**22 + 7]  # a PID this /proc does not show
+
+    data = status(host, capsys, UNIT)
+
+    check(data, TOP)
+    assert (data["version"], data["unit"], data["unit_cgroup"]) == (1, UNIT, UNIT_CGROUP)
+    for gpu in data["gpus"]:
+        check(gpu, GPU)
+    for holder in data["holders"]:
+        check(holder, HOLDER)
+        assert all(isinstance(arg, str) for arg in holder["command"])
+        assert all(isinstance(index, int) for index in holder["gpus"])
+        for index, mib in holder["used_mib"].items():
+            assert index.isdigit() and isinstance(mib, int | None)
+        assert set(holder["sources"]) <= {"cgroup", "device-fd", "device-map", "nvml"}
+        assert holder["role"] in {"unit", "orphan", "other-unit", "protected"}
+    by_pid = {holder["pid"]: holder for holder in data["holders"]}
+    assert by_pid[member]["role"] == "unit" and by_pid[member]["used_mib"] == {"1": 4000}
+    assert by_pid[orphan]["orphan"] is True and by_pid[orphan]["used_mib"] == {"2": None}
+    (invisible,) = data["invisible"]
+    check(invisible, INVISIBLE)
+    assert invisible == {"gpu": 3, "pid": 2**22 + 7}
+
+    without_unit = status(host, capsys)
+    assert (without_unit["unit"], without_unit["unit_cgroup"]) == (None, None)
+    assert all(gpu["owned"] for gpu in without_unit["gpus"])
+    assert {holder["role"] for holder in without_unit["holders"]} == {None}
+
+
+def test_every_key_is_in_the_readme() -> None:
+    text = README.read_text()
+    section = text.split("## `gpugate status --json`", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"`([a-z_]+)`", section))
+    missing = (set(TOP) | set(GPU) | set(HOLDER) | set(INVISIBLE)) - documented
+    assert not missing, f"not documented in README: {sorted(missing)}"
