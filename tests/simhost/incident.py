@@ -109,7 +109,7 @@ class Host:
         scope, like sshd's. Returns the server's pids and the shell's pid."""
         ready = f"/run/ready-{name}.json"
         self.sh(f"rm -f {ready} /run/shell-{name}.pid")
-        script = f"echo $$ > /run/shell-{name}.pid; {server_cmd(gpus, port, ready)} & wait; exec sleep 3600"
+        script = f"echo $$ > /run/shell-{name}.pid; {server_cmd(gpus, port, ready, *extra)} & wait; exec sleep 3600"
         self.sim.spawn_scope(["setsid", "-w", "/bin/bash", "-c", script], unit=f"{name}.scope")
         pids = self.wait_ready(ready)
         shell = int(self.sh(f"cat /run/shell-{name}.pid").strip())

@@ -1,0 +1,63 @@
+"""Times gpugate's own discovery code in a process of its own (the stand-in NVML is loaded
+from LD_LIBRARY_PATH, which only a new process picks up).
+
+    python3 -m bench.probe DEV_ROOT CGROUP_ROOT LOCK_DIR
+
+Reads commands on stdin, one a line, and answers each with one JSON line:
+`discover` runs gpugate.discover.discover() (cgroup, device files, NVML) with a fresh
+ProcFs, `scan` only gpugate.procfs.scan_device_users(); both answer
+{"wall": s, "cpu": s, "gpu_holders": [PID, ...]} (holders of nvidia0..7).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from gpugate.config import GateConfig, Paths
+from gpugate.discover import GPU_DEVICE, discover
+from gpugate.nvml import NvmlDriver
+from gpugate.procfs import ProcFs, scan_device_users
+
+UNIT = "bench.service"
+
+
+def main(argv: list[str]) -> int:
+    dev_root, cgroup_root, lock_dir = (Path(arg) for arg in argv[1:4])
+    config = GateConfig(paths=Paths(dev_root=dev_root, cgroup_root=cgroup_root, lock_dir=lock_dir))
+    driver = NvmlDriver()
+    prefix = os.path.join(dev_root, "nvidia")
+    for line in sys.stdin:
+        command = line.strip()
+        wall, cpu = time.perf_counter(), time.process_time()
+        if command == "discover":
+            found = discover(
+                unit=UNIT,
+                unit_cgroup=f"/system.slice/{UNIT}",
+                config=config,
+                config_source="bench",
+                driver=driver,
+                procfs=ProcFs(Path("/proc")),
+            )
+            holders = [pid for pid, holder in found.holders.items() if holder.gpus]
+        elif command == "scan":
+            scan = scan_device_users(Path("/proc"), prefix)
+            holders = [
+                pid
+                for pid, use in scan.users.items()
+                if any(GPU_DEVICE.fullmatch(os.path.basename(path)) for path in use.paths)
+            ]
+        else:
+            print(json.dumps({"error": f"unknown command {command!r}"}), flush=True)
+            continue
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        print(json.dumps({"wall": wall, "cpu": cpu, "gpu_holders": sorted(holders)}), flush=True)
+    driver.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
