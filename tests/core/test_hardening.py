@@ -23,10 +23,9 @@ from gpugate.nvml import Gpu, GpuUsage
 from gpugate.pipeline import run_phase
 from tests.conftest import UNIT, FakeHost
 from tests.fakes import FakeGpuMemory, RecordingJournal, alive
+from tests.simhost.fake_nvml.build import BuildError, build_fake_nvml
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(REPO / "tests" / "simhost" / "fake_nvml"))
-from build import BuildError, build_fake_nvml  # noqa: E402
 
 
 def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost) -> None:

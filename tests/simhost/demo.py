@@ -12,12 +12,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "fake_nvml"))
 
+from fake_nvml.build import build_fake_nvml
 from incident import ALL, CONFIG, REPO, Host, prepare, unit_text
 from sandbox import SimHost
-
-from build import build_fake_nvml
 
 
 def show_memory(host: Host, title: str) -> None:
