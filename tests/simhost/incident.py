@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sandbox import SimHost
 
 REPO = Path(__file__).resolve().parents[2]
@@ -165,9 +166,18 @@ CONFIG = "[pre]\nsigterm_grace_s = 2\nwait_timeout_s = 30\n[post]\nsigterm_grace
 
 
 def prepare(sim: SimHost) -> Host:
-    """gpugate installed from source as the README says, the workload, the driver settings,
-    and the bystanders that every scenario must leave alive."""
+    """gpugate installed from source as the README says, then `stage_incident`."""
+    if sim.run(
+        ["test", "-e", "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"], check=False
+    ).returncode:
+        pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
     sim.install_gpugate(REPO)
+    return stage_incident(sim)
+
+
+def stage_incident(sim: SimHost) -> Host:
+    """The workload, the driver settings, and the bystanders every scenario must leave alive:
+    nvidia-persistenced holding every device file, a python process holding no GPU."""
     sim.write_file("/opt/fakevllm/fake_vllm.py", WORKLOAD.read_text())
     sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
     devices = [f"nvidia{i}" for i in ALL] + ["nvidiactl", "nvidia-uvm"]

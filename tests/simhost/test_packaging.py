@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from incident import ALL, MIB_PER_GPU, PYTHON, SIGNAL_SENT_ID, WORKLOAD, Host, server_cmd
+from incident import ALL, MIB_PER_GPU, SIGNAL_SENT_ID, Host, server_cmd, stage_incident
 from sandbox import REPO, SimHost
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
@@ -110,17 +110,7 @@ def packaged(
         timeout=300,
     )
     assert "Setting up gpugate" in installed.stdout, installed.stdout + installed.stderr
-    sim.write_file("/opt/fakevllm/fake_vllm.py", WORKLOAD.read_text())
-    sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
-    devices = [f"nvidia{i}" for i in ALL] + ["nvidiactl", "nvidia-uvm"]
-    redirects = " ".join(f"{3 + i}</dev/{name}" for i, name in enumerate(devices))
-    sim.install_unit(
-        "nvidia-persistenced.service",
-        f"[Service]\nExecStart=/bin/bash -c 'exec {redirects} sleep infinity'\n",
-    )
-    sim.systemctl("start", "nvidia-persistenced.service")
-    sim.spawn_scope([PYTHON, "-c", "import time; time.sleep(36000)"], unit="python-bystander.scope")
-    yield Host(sim)
+    yield stage_incident(sim)
 
 
 def test_packaged_gpugate_replaces_hand_started_server(packaged: Host) -> None:
