@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+
+import pytest
 
 from gpugate.kill import pin, terminate
 from gpugate.procfs import ProcessId, ProcFs
@@ -67,3 +71,64 @@ def test_all_targets_signalled_before_waiting() -> None:
     assert sorted(result.killed) == sorted(idents)
     for proc in procs:
         proc.wait(5)
+
+
+REUSE_SCRIPT = """
+import os, signal, sys, time
+from gpugate.kill import pin, terminate
+from gpugate.procfs import ProcessId, ProcFs
+
+def start_sleeper() -> int:
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    return pid
+
+def reuse(pid: int) -> int:
+    # Make the kernel hand out exactly this PID again (this namespace is ours alone).
+    with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+        f.write(str(pid - 1))
+    new = start_sleeper()
+    assert new == pid, (new, pid)
+    return new
+
+procfs = ProcFs()
+# 1. Reused between discovery and the first signal: pinning sees another start time.
+old = start_sleeper()
+time.sleep(0.05)
+seen = procfs.stat(old).ident
+os.kill(old, signal.SIGKILL); os.waitpid(old, 0)
+time.sleep(0.02)  # a later clock tick: the new process's start time differs
+new = reuse(old)
+result = terminate([seen], grace_s=0.2, deadline=time.monotonic() + 2, procfs=ProcFs())
+assert result.gone_before == [seen], result
+assert os.waitpid(new, os.WNOHANG) == (0, 0), "the new process with the old PID was signalled"
+os.kill(new, signal.SIGKILL); os.waitpid(new, 0)
+# 2. Reused after pinning: the pidfd still names the dead process, so the signal goes nowhere.
+old = start_sleeper()
+time.sleep(0.05)
+pinned = pin(ProcFs().stat(old).ident, ProcFs())
+os.kill(old, signal.SIGKILL); os.waitpid(old, 0)
+new = reuse(old)
+assert pinned.send(signal.SIGKILL) is False
+assert os.waitpid(new, os.WNOHANG) == (0, 0), "the new process with the old PID was signalled"
+os.kill(new, signal.SIGKILL); os.waitpid(new, 0)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private PID namespace")
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
+def test_real_pid_reuse_is_never_signalled() -> None:
+    # In a private PID namespace with its own /proc, a dead target's PID is handed to a new
+    # process on purpose (ns_last_pid), before and after gpugate pinned the target.
+    result = subprocess.run(
+        ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-c", REUSE_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
