@@ -72,7 +72,14 @@ def test_hand_started_server_is_replaced_by_the_unit(host: Host) -> None:
     host.reset()
     old, shell = host.hand_start(GPUS, 8000, "hand-vllm")
     assert all(host.used()[i] == MIB_PER_GPU for i in GPUS)
+    old_tracker = [
+        int(p)
+        for p in host.sh(f"cat /proc/{old['api_server']}/task/*/children").split()
+        if "resource_tracker" in host.sh(f"tr '\\0' ' ' < /proc/{p}/cmdline", False)
+    ]
+    assert old_tracker, "the hand-started server has no resource tracker"
     host.install("vllm.service", unit_text("vllm.service", GPUS, 8000), UNIT_CONFIG)
+    cursor = host.cursor()
 
     assert host.start("vllm.service", check=False) == 0
     new = host.wait_ready("/run/ready-vllm.service.json")
@@ -90,6 +97,13 @@ def test_hand_started_server_is_replaced_by_the_unit(host: Host) -> None:
         assert gpu["used_mib"] == MIB_PER_GPU, gpu
     on_unit_gpus = [h for h in status["holders"] if h["used_mib"] and set(h["gpus"]) <= set(GPUS)]
     assert {h["unit"] for h in on_unit_gpus} == {"vllm.service"}
+    signalled = host.events_after(cursor, GPUGATE_EVENT="signal_sent", GPUGATE_PHASE="pre")
+    assert {int(e["GPUGATE_PID"]) for e in signalled} == {
+        old["api_server"],
+        old["engine_core"],
+        *old["workers"],
+        *old_tracker,
+    }
     bystanders_alive(host)
     host.sim.systemctl("stop", "vllm.service")
 
@@ -100,6 +114,7 @@ def test_killed_api_server_workers_reaped_and_memory_freed_by_post(host: Host) -
     host.install("vllm.service", unit_text("vllm.service", GPUS, 8000), UNIT_CONFIG)
     host.start("vllm.service")
     pids = host.wait_ready("/run/ready-vllm.service.json")
+    cursor = host.cursor()
     host.sh(f"kill -9 {pids['api_server']}")  # what `pkill -9 -f vllm.entrypoints` does
     deadline = time.monotonic() + 60
     while host.sim.systemctl("is-active", "vllm.service", check=False).stdout.strip() not in (
@@ -112,6 +127,9 @@ def test_killed_api_server_workers_reaped_and_memory_freed_by_post(host: Host) -
     assert host.free(GPUS), host.used()
     for pid in pids["workers"]:
         assert not host.alive(pid)
+    (finished,) = host.events_after(cursor, GPUGATE_EVENT="run_finished", GPUGATE_PHASE="post")
+    assert finished["GPUGATE_RESULT"] == "success"
+    assert float(finished["GPUGATE_SECONDS_WAIT"]) > 0.5, "post did not wait for the driver"
     bystanders_alive(host)
 
 
@@ -128,11 +146,18 @@ def test_killmode_process_leftovers_reaped_and_cgroup_empty(host: Host) -> None:
         if "resource_tracker" in host.sh(f"tr '\\0' ' ' < /proc/{p}/cmdline", False)
     ]
     assert tracker, "the workload has no resource tracker"
+    cursor = host.cursor()
     host.sim.systemctl("stop", "vllm.service")
     assert host.cgroup_pids("vllm.service") == []
     for pid in [pids["engine_core"], *pids["workers"], *tracker]:
         assert not host.alive(pid)
     assert host.free(GPUS)
+    signalled = host.events_after(cursor, GPUGATE_EVENT="signal_sent", GPUGATE_PHASE="post")
+    assert {int(e["GPUGATE_PID"]) for e in signalled} == {
+        pids["engine_core"],
+        *pids["workers"],
+        *tracker,
+    }
 
 
 def test_workers_ignoring_sigterm_are_sigkilled(host: Host) -> None:
@@ -161,6 +186,8 @@ def test_late_release_waits_extends_timeout_and_shows_status(host: Host) -> None
         "vllm.service", unit_text("vllm.service", GPUS, 8000, start_timeout=5), UNIT_CONFIG
     )
     host.sh("rm -f /run/ready-vllm.service.json")
+    cursor = host.cursor()
+    started = time.monotonic()
     host.sim.systemctl("start", "--no-block", "vllm.service")
     seen_status = ""
     deadline = time.monotonic() + 30
@@ -173,6 +200,11 @@ def test_late_release_waits_extends_timeout_and_shows_status(host: Host) -> None
     assert "gpugate pre: waiting for" in seen_status
     host.wait_ready("/run/ready-vllm.service.json", timeout=60)
     assert host.sim.systemctl("is-active", "vllm.service", check=False).stdout.strip() == "active"
+    assert time.monotonic() - started > 5, "the start outlived TimeoutStartSec=5 only if extended"
+    (finished,) = host.events_after(cursor, GPUGATE_EVENT="run_finished", GPUGATE_PHASE="pre")
+    assert finished["GPUGATE_RESULT"] == "success"
+    assert float(finished["GPUGATE_SECONDS_WAIT"]) > 5
+    assert host.events_after(cursor, GPUGATE_EVENT="memory_freed", GPUGATE_PHASE="pre")
     host.sim.systemctl("stop", "vllm.service")
 
 
