@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpugate import __version__
-from gpugate.config import LoadedConfig, load_config
+from gpugate.config import LoadedConfig, load_config, toml_value
 from gpugate.errors import ExitCode, GateError, UnknownUnit
 from gpugate.nvml import GpuDriver, NvmlDriver
 from gpugate.report import PRIORITY_ERR, Event, Reporter
@@ -269,16 +269,5 @@ def to_toml(data: dict[str, object], prefix: str = "") -> str:
             name = f"{prefix}{key}"
             tables.append(f"\n\n[{name}]\n" + to_toml(value, f"{name}."))
         else:
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
     return "\n".join(lines) + "".join(tables)
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
-    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
-    return f'"{text}"'

@@ -158,6 +158,17 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in {"int", "str"})
 
 
+def toml_value(value: object) -> str:
+    """One value as TOML: enough for gpugate's config (scalars and flat lists)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
 def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:
     paths: list[Path] = []
     if unit:

@@ -22,7 +22,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, TextIO
 
-from gpugate.config import DEFAULT_CONFIG_DIR, UUID_PATTERN, GateConfig
+from gpugate.config import DEFAULT_CONFIG_DIR, UUID_PATTERN, GateConfig, toml_value
 from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
 from gpugate.units import systemd_running, validate_unit_name
 
@@ -179,24 +179,14 @@ def render_config(unit: str, gpus: Gpus | None) -> str:
     for name, text in CONFIG_FIELDS.items():
         lines.append(f"# {text}")
         if name == "gpus" and gpus is not None:
-            lines.append(f"gpus = {_toml(gpus)}")
+            lines.append(f"gpus = {toml_value(gpus)}")
         else:
-            lines.append(f"# {name} = {_toml(getattr(defaults, name))}")
+            lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
         lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
         for name, text in POLICY_FIELDS.items():
-            lines += [f"# {text}", f"# {name} = {_toml(getattr(policy, name))}"]
+            lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
-
-
-def _toml(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml(item) for item in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def with_header(body: str) -> str:

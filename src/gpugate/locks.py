@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -15,6 +16,28 @@ from pathlib import Path
 
 from gpugate.errors import LockTimeout, PermissionDenied
 from gpugate.nvml import Gpu
+
+
+def flock_by(
+    fd: int,
+    deadline: float,
+    on_wait: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> bool:
+    """Take an exclusive flock on fd, polling until the deadline; False if it never came.
+    on_wait runs once, the first time the lock is found taken."""
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if clock() >= deadline:
+                return False
+            if not waited:
+                on_wait()
+                waited = True
+            time.sleep(0.02)
 
 
 @contextlib.contextmanager
@@ -38,20 +61,8 @@ def gpu_locks(
             except PermissionError:
                 raise PermissionDenied(f"{path}: permission denied") from None
             held.append(fd)
-            waited = False
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if clock() >= deadline:
-                        raise LockTimeout(
-                            f"{path}: another gpugate run held {gpu.label} past the deadline"
-                        ) from None
-                    if not waited:
-                        on_wait(gpu)
-                        waited = True
-                    time.sleep(0.02)
+            if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
+                raise LockTimeout(f"{path}: another gpugate run held {gpu.label} past the deadline")
         yield
     finally:
         for fd in held:

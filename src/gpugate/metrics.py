@@ -10,7 +10,6 @@ half a file.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sys
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from gpugate.errors import ExitCode
+from gpugate.locks import flock_by
 
 if TYPE_CHECKING:
     from gpugate.pipeline import RunSummary
@@ -189,15 +189,8 @@ def write_atomically(path: Path, text: str) -> None:
 def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        deadline = clock() + LOCK_TIMEOUT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if clock() >= deadline:
-                    raise TimeoutError(f"{path}: held by another gpugate run") from None
-                time.sleep(0.02)
+        if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
+            raise TimeoutError(f"{path}: held by another gpugate run")
         yield
     finally:
         os.close(fd)
