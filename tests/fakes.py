@@ -13,7 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpugate.config import GateConfig, LoadedConfig
 from gpugate.nvml import Gpu, GpuProcess, GpuUsage
+from gpugate.report import Reporter
 
 
 def alive(pid: int, start_time: int | None = None) -> bool:
@@ -178,3 +180,57 @@ class ProcessPool:
                 os.kill(pid, signal.SIGKILL)
         for proc in self.popens:
             proc.wait(timeout=10)
+
+
+UNIT = "vllm.service"
+UNIT_CGROUP = "/system.slice/vllm.service"
+
+
+@dataclass
+class FakeHost:
+    """A stand-in device root and cgroup tree, a fake GPU memory, and real processes."""
+
+    root: Path
+    dev: Path
+    cgroup_root: Path
+    memory: FakeGpuMemory
+    pool: ProcessPool
+    journal: RecordingJournal
+    notifier: RecordingNotifier
+
+    def device(self, name: str) -> Path:
+        return self.dev / name
+
+    def gpu_files(self, *indices: int) -> list[Path]:
+        return [self.dev / "nvidiactl", self.dev / "nvidia-uvm"] + [
+            self.dev / f"nvidia{i}" for i in indices
+        ]
+
+    def put_in_unit(self, *pids: int, cgroup: str = UNIT_CGROUP) -> None:
+        procs = self.cgroup_root / cgroup.lstrip("/") / "cgroup.procs"
+        procs.parent.mkdir(parents=True, exist_ok=True)
+        existing = procs.read_text() if procs.exists() else ""
+        procs.write_text(existing + "".join(f"{pid}\n" for pid in pids))
+
+    def config(self, **overrides: object) -> LoadedConfig:
+        paths = {
+            "dev_root": self.dev,
+            "cgroup_root": self.cgroup_root,
+            "lock_dir": self.root / "locks",
+        }
+        fast = {"sigterm_grace_s": 1.0, "sigkill_wait_s": 1.0, "wait_timeout_s": 10.0}
+        data: dict[str, object] = {
+            "paths": paths,
+            "pre": {**fast, **dict(overrides.pop("pre", {}))},  # type: ignore[call-overload]
+            "post": {
+                "kill_orphans": False,
+                "kill_app_tree": False,
+                **fast,
+                **dict(overrides.pop("post", {})),  # type: ignore[call-overload]
+            },
+            **overrides,
+        }
+        return LoadedConfig(GateConfig.model_validate(data), "test.toml")
+
+    def reporter(self, phase: str = "pre") -> Reporter:
+        return Reporter(UNIT, phase, journal=self.journal, notifier=self.notifier, echo=False)

@@ -230,11 +230,11 @@ def _install(args: argparse.Namespace) -> int:
         changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
     else:
         gpugate_path = args.gpugate_path or install.default_gpugate_path()
-        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
-            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
         changes = install.plan_install(
             args.unit, gpus=args.gpus, gpugate_path=gpugate_path, force=args.force, **dirs
         )
+        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
+            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":

@@ -11,8 +11,7 @@ import pytest
 
 from gpugate.cli import main
 from gpugate.errors import ExitCode, NvmlUnavailable
-from tests.conftest import FakeHost
-from tests.fakes import alive
+from tests.fakes import FakeHost, alive
 
 
 def gpugate(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:

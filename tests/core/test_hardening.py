@@ -21,8 +21,7 @@ from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
 from gpugate.locks import gpu_locks
 from gpugate.nvml import Gpu, GpuUsage
 from gpugate.pipeline import run_phase
-from tests.conftest import UNIT, FakeHost
-from tests.fakes import FakeGpuMemory, RecordingJournal, alive
+from tests.fakes import UNIT, FakeGpuMemory, FakeHost, RecordingJournal, alive
 from tests.simhost.fake_nvml.build import BuildError, build_fake_nvml
 
 REPO = Path(__file__).resolve().parents[2]

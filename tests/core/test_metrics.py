@@ -14,8 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpugate.cli import main
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.metrics import GpuRef, RunRecord, record_run, render
-from tests.conftest import UNIT, UNIT_CGROUP, FakeHost
-from tests.fakes import alive
+from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
 

@@ -14,8 +14,7 @@ from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.kill import Pinned
 from gpugate.pipeline import run_phase
 from gpugate.procfs import ProcessId, ProcFs
-from tests.conftest import UNIT, FakeHost
-from tests.fakes import alive
+from tests.fakes import UNIT, FakeHost, alive
 
 
 def run(host: FakeHost, phase: str = "pre", **config: object):  # type: ignore[no-untyped-def]

@@ -14,8 +14,7 @@ from gpugate.cli import main
 from gpugate.errors import ExitCode
 from gpugate.report import Reporter
 from gpugate.slurm import SlurmEnvError, job_cgroup, job_from_env
-from tests.conftest import FakeHost
-from tests.fakes import alive
+from tests.fakes import FakeHost, alive
 
 JOB_CGROUP = "/system.slice/slurmstepd.scope/job_42"
 TASK_CGROUP = f"{JOB_CGROUP}/step_0/user/task_0"

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gpugate.cli import main
-from tests.conftest import UNIT, UNIT_CGROUP, FakeHost
+from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 

@@ -17,7 +17,8 @@ from sandbox import SimHost
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "simhost" / "workload" / "fake_vllm.py"
-PYTHON = str(Path(sys.executable).resolve())
+# The repository's .venv (it has setproctitle), seen inside through the overlay of /.
+PYTHON = sys.executable
 MIB_PER_GPU = 90000
 WITHOUT_GPUGATE = os.environ.get("GPUGATE_SCENARIO_WITHOUT_GPUGATE") == "1"
 SIGNAL_SENT_ID = "9b4c2d7e1f3a4b8c9d0e5f6a1b2c3d56"
