@@ -5,7 +5,7 @@ from LD_LIBRARY_PATH, which only a new process picks up).
 
 Reads commands on stdin, one a line, and answers each with one JSON line:
 `discover` runs gpugate.discover.discover() (cgroup, device files, NVML) with a fresh
-ProcFs, `scan` only gpugate.procfs.scan_device_users(); both answer
+ProcFs, `scan` only gpugate.scan.scan_device_users(); both answer
 {"wall": s, "cpu": s, "gpu_holders": [PID, ...]} (holders of nvidia0..7).
 """
 
@@ -20,7 +20,8 @@ from pathlib import Path
 from gpugate.config import GateConfig, Paths
 from gpugate.discover import GPU_DEVICE, discover
 from gpugate.nvml import NvmlDriver
-from gpugate.procfs import ProcFs, scan_device_users
+from gpugate.procfs import ProcFs
+from gpugate.scan import scan_device_users
 
 UNIT = "bench.service"
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from gpugate.config import GateConfig
 from gpugate.errors import ConfigError, PermissionDenied
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage
-from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
+from gpugate.procfs import ProcFs, ProcInfo
+from gpugate.scan import scan_device_users
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
