@@ -231,11 +231,11 @@ def app_tree(
     """The holder's application: its ancestors up to the nearest host, and their descendants.
 
     An ancestor is taken while it only launched this application: same cgroup and user, not
-    protected, not PID 1 or gpugate, and not a host of other things (see `_hosts`). A process
-    group is never split from a leader that is not taken (sshd's user process sits in the group
-    of its root-owned monitor). Below the top every descendant is taken except what leaves the
-    cgroup or user, a session on a terminal and a terminal's host (a pane, a login, a tmux
-    server started from inside)."""
+    protected, not PID 1 or gpugate, and not a host of other things (see `_hosts`). A launcher
+    that started the application in a session of its own is left out while its process group's
+    leader lives and is not taken (sshd's user process sits in its root monitor's group). Below
+    the top every descendant is taken except what leaves the cgroup or user, a session on a
+    terminal, and a terminal's host (a pane, a login, a tmux server started from inside)."""
     chain = [holder]
     while True:
         top = chain[-1]
@@ -246,7 +246,7 @@ def app_tree(
             break
         chain.append(parent)
     taken = {info.pid for info in chain}
-    while len(chain) > 1:
+    while len(chain) > 1 and chain[-1].session != chain[-2].session:
         top = chain[-1]
         leader = tree.info(top.pgrp) if top.pgrp != top.pid else None
         if leader is None or leader.state in ("Z", "X") or leader.pid in taken:

@@ -232,7 +232,9 @@ def _tmux(launch: Launch) -> list[str]:
     socket_name = f"gpugate-test-{uuid.uuid4().hex[:8]}"
     base = ["tmux", "-L", socket_name, "-f", "/dev/null"]
     launch.undo.append(lambda: subprocess.run([*base, "kill-server"], capture_output=True))
-    launch.undo.append(lambda: Path(f"/tmp/tmux-{os.getuid()}/{socket_name}").unlink(missing_ok=True))
+    launch.undo.append(
+        lambda: Path(f"/tmp/tmux-{os.getuid()}/{socket_name}").unlink(missing_ok=True)
+    )
     return base
 
 
