@@ -237,8 +237,9 @@ def test_control_device_only_holder_outside_cgroup_survives(host: FakeHost) -> N
 
 
 def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
-    # A "login shell" (session leader) starts a server; the server forks a worker on GPU 0
-    # and a helper that holds no GPU (like the resource tracker).
+    # A login shell (an interactive bash on its own terminal, with job control) starts a
+    # server as a job; the server forks a worker on GPU 0 and a helper that holds no GPU (like
+    # the resource tracker).
     script = host.root / "server.sh"
     script.write_text(
         f"exec 3<{host.dev / 'nvidia0'}\n"
@@ -246,11 +247,22 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
         "sleep 3600 &\n"  # worker: inherits fd 3 on nvidia0
         "wait\n"
     )
+    master, terminal = os.openpty()
     shell = host.pool.command(
-        ["/bin/bash", "-c", f"/bin/bash {script} & wait; exec sleep 3600"],
-        start_new_session=True,
+        ["setsid", "--ctty", "/bin/bash", "--norc", "--noprofile", "-i"],
+        stdin=terminal,
+        stdout=terminal,
+        stderr=terminal,
     )
-    time.sleep(0.5)
+    os.close(terminal)
+    os.write(master, f"/bin/bash {script} &\n".encode())
+    deadline = time.monotonic() + 15
+    while (
+        len(ProcFs().children(shell.pid)) < 1
+        or len(ProcFs().children(ProcFs().children(shell.pid)[0])) < 2
+    ):
+        assert time.monotonic() < deadline, "the shell did not start the job"
+        time.sleep(0.02)
     procfs = ProcFs()
     server = procfs.children(shell.pid)[0]
     helper, worker = sorted(procfs.children(server))
@@ -267,6 +279,7 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
         assert not alive(pid)
     sources = {e["GPUGATE_PID"]: e["MESSAGE"] for e in host.journal.events("holder_found")}
     assert "app-tree" in sources[str(helper)]
+    os.close(master)
 
 
 def test_app_tree_off_takes_only_gpu_holders(host: FakeHost) -> None:
