@@ -5,6 +5,7 @@ over /proc, also reading the fds and maps of the threads of a thread group whose
 from __future__ import annotations
 
 import os
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ class DeviceUse:
 
     fd_paths: frozenset[str]
     mapped_paths: frozenset[str]
+    sockets: frozenset[int] = frozenset()  # inodes of the asked-for sockets it has open
 
     @property
     def paths(self) -> frozenset[str]:
@@ -27,13 +29,18 @@ class DeviceScan:
     unreadable: list[int]  # PIDs whose fds we may not read (not root): holders may hide there
 
 
-def scan_device_users(proc_root: Path, device_prefix: str) -> DeviceScan:
-    """Every process with an fd on, or a mapping of, a file whose path starts with the prefix.
+def scan_device_users(
+    proc_root: Path, device_prefix: str, socket_inodes: Collection[int] = frozenset()
+) -> DeviceScan:
+    """Every process with an fd on, or a mapping of, a file whose path starts with the prefix,
+    or an fd on one of the sockets named by inode (read from the same fd links: no second pass).
 
     psutil's open_files() skips device files, so this reads /proc/PID/fd links itself. The
     kernel's work per process is most of the cost on a host with thousands of them, so every
     name is resolved relative to a directory fd (/proc, then /proc/PID/fd), and a process with
-    no address space (kernel thread, zombie) is passed over after one read of its maps.
+    no address space (kernel thread, zombie) costs one read of its maps and one listing of its
+    threads: a thread group whose leader exited (pthread_exit in main) shows an empty maps and
+    fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
     """
     scan = DeviceScan({}, [])
     prefix_bytes = device_prefix.encode()
@@ -43,27 +50,54 @@ def scan_device_users(proc_root: Path, device_prefix: str) -> DeviceScan:
             if not name.isdigit():
                 continue
             mapped = _mapped_paths(proc_fd, name, prefix_bytes)
+            where = name
             if mapped is None:
-                continue
-            fd_paths = _fd_paths(proc_fd, name, device_prefix)
-            if fd_paths is None:
+                thread = _live_thread_of_dead_leader(proc_fd, name)
+                if thread is None:
+                    continue
+                where = f"{name}/task/{thread}"
+                mapped = _mapped_paths(proc_fd, where, prefix_bytes) or set()
+            fds = _fd_paths(proc_fd, where, device_prefix, socket_inodes)
+            if fds is None:
                 scan.unreadable.append(int(name))
-            elif fd_paths or mapped:
-                scan.users[int(name)] = DeviceUse(frozenset(fd_paths), frozenset(mapped))
+            elif fds[0] or fds[1] or mapped:
+                scan.users[int(name)] = DeviceUse(
+                    frozenset(fds[0]), frozenset(mapped), frozenset(fds[1])
+                )
     finally:
         os.close(proc_fd)
     return scan
 
 
-def _fd_paths(proc_fd: int, pid_name: str, prefix: str) -> set[str] | None:
-    """The fd targets under the prefix; None where we may not read them (not root)."""
+def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
+    """A live thread of a thread group whose leader is a zombie; None for a kernel thread, a
+    zombie process or a process that is gone. (Threads share one fd table and address space.)"""
+    try:
+        task_fd = os.open(f"{pid_name}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
+    except OSError:
+        return None
+    try:
+        tids = os.listdir(task_fd)
+    except OSError:
+        return None
+    finally:
+        os.close(task_fd)
+    return next((tid for tid in tids if tid != pid_name), None)
+
+
+def _fd_paths(
+    proc_fd: int, pid_name: str, prefix: str, socket_inodes: Collection[int]
+) -> tuple[set[str], set[int]] | None:
+    """The fd targets under the prefix and the asked-for sockets; None where we may not read
+    them (not root)."""
     paths: set[str] = set()
+    sockets: set[int] = set()
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except PermissionError:
         return None
     except OSError:
-        return paths  # gone
+        return paths, sockets  # gone
     try:
         for fd_name in os.listdir(dir_fd):
             try:
@@ -72,11 +106,15 @@ def _fd_paths(proc_fd: int, pid_name: str, prefix: str) -> set[str] | None:
                 continue  # closed since the listing
             if target.startswith(prefix):
                 paths.add(target)
+            elif socket_inodes and target.startswith("socket:["):
+                inode = int(target[8:-1])
+                if inode in socket_inodes:
+                    sockets.add(inode)
     except OSError:
         pass
     finally:
         os.close(dir_fd)
-    return paths
+    return paths, sockets
 
 
 def _mapped_paths(proc_fd: int, pid_name: str, prefix: bytes) -> set[str] | None:
