@@ -54,6 +54,19 @@ class FakeGpuMemory:
     gone_at: dict[tuple[int, int], float] = field(default_factory=dict)
     listed_without_memory: dict[int, list[int]] = field(default_factory=dict)
     queries: int = 0
+    claim_dir: Path | None = None  # a process may claim for itself: a file PID holding "GPU MIB"
+
+    def _self_claims(self) -> None:
+        if self.claim_dir is None:
+            return
+        for path in self.claim_dir.glob("[0-9]*"):
+            pid = int(path.name)
+            try:
+                gpu, mib = map(int, path.read_text().split())
+                key = (pid, start_time_of(pid))
+            except (FileNotFoundError, ValueError):
+                continue  # half written, or the process is gone
+            self.claims.setdefault(key, ({gpu}, mib))
 
     def claim(self, pid: int, gpus: set[int], mib: int) -> None:
         self.claims[(pid, start_time_of(pid))] = (gpus, mib)
@@ -67,6 +80,7 @@ class FakeGpuMemory:
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         self.queries += 1
+        self._self_claims()
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []
         now = time.monotonic()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -103,6 +103,11 @@ class GateConfig(_Frozen):
     protected_units: tuple[str, ...] = Field(
         default=DEFAULT_PROTECTED_UNITS,
         description="Never killed, by the unit their cgroup belongs to.",
+    )
+    ports: tuple[Annotated[int, Field(ge=1, le=65535)], ...] = Field(
+        default=(),
+        description="The unit's TCP ports: before it starts (pre), a process listening on one "
+        "is a holder like a GPU holder, and pre returns once they are free.",
     )
     pre: PhasePolicy = PhasePolicy()
     post: PhasePolicy = PhasePolicy(kill_orphans=False, kill_app_tree=False)

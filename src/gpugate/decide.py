@@ -28,6 +28,7 @@ class Role(StrEnum):
     ORPHAN = "orphan"  # outside any other service: a login session, a user scope, the root
     OTHER_UNIT = "other-unit"  # inside another active service or scope
     PROTECTED = "protected"  # a driver daemon or monitoring tool: never killed
+    WATCHER = "watcher"  # outside the unit, holds device files, NVML lists it on no GPU
 
 
 class Verdict(StrEnum):
@@ -91,6 +92,30 @@ def role_of(
     return Role.ORPHAN
 
 
+def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
+    """Holds NVIDIA device files only (nvidia-smi -l, nvtop, an exporter): NVML's complete
+    process lists name it on no GPU, and on each GPU whose file it holds the memory used is
+    accounted for by the processes NVML lists (a forked child that kept a dead parent's
+    context holds memory that nobody is listed for: not a watcher)."""
+    if (
+        not discovery.nvml_lists_processes
+        or Source.NVML in holder.sources
+        or not holder.sources & {Source.DEVICE_FD, Source.DEVICE_MAP}
+        or holder.ports
+    ):
+        return False
+    for index in holder.gpus:
+        usage = discovery.usage.get(index)
+        if usage is None:
+            return False
+        listed = [process.used_mib for process in usage.processes]
+        if any(mib is None for mib in listed):
+            return False  # per-process memory not reported: cannot tell
+        if usage.used_mib - sum(mib or 0 for mib in listed) > free_mib:
+            return False
+    return True
+
+
 def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTree) -> Decision:
     policy = config.policy(phase)
     owned = discovery.owned_indices
@@ -100,14 +125,30 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
         role = role_of(info, discovery, config, member=Source.CGROUP in holder.sources)
+        if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(
+            holder, discovery, config.free_mib
+        ):
+            role = Role.WATCHER
         on_owned = sorted(holder.using & owned)
         foreign = sorted(holder.using - owned)
         gpus = ", ".join(str(index) for index in on_owned)
+        held = " and ".join(
+            part
+            for part in (
+                f"GPU {gpus}" if on_owned else "",
+                f"port {', '.join(map(str, sorted(holder.ports)))}" if holder.ports else "",
+            )
+            if part
+        )
         if role is Role.PROTECTED:
             choice = Choice(holder, role, Verdict.SPARE, "protected by configuration")
+        elif role is Role.WATCHER:
+            choice = Choice(
+                holder, role, Verdict.SPARE, "a watcher: NVML lists it on no GPU, with no memory"
+            )
         elif role is Role.UNIT:
             choice = Choice(holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup")
-        elif not on_owned:
+        elif not on_owned and not holder.ports:
             why = "holds only control devices" if holder.control_devices else "holds no GPU"
             choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}")
         elif foreign:
@@ -115,28 +156,28 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
                 holder,
                 role,
                 Verdict.BLOCK,
-                f"holds GPU {gpus} but also GPU {', '.join(map(str, foreign))}, "
+                f"holds {held or 'no GPU of it'} but also GPU {', '.join(map(str, foreign))}, "
                 f"which {discovery.unit} does not own",
             )
         elif role is Role.OTHER_UNIT:
             other = unit_of_cgroup(info.cgroup or "/")
             if config.kill_other_units:
-                choice = Choice(holder, role, Verdict.KILL, f"{other} holds GPU {gpus}")
+                choice = Choice(holder, role, Verdict.KILL, f"{other} holds {held}")
             else:
                 choice = Choice(
                     holder,
                     role,
                     Verdict.BLOCK,
-                    f"active unit {other} holds GPU {gpus} (kill_other_units = false)",
+                    f"active unit {other} holds {held} (kill_other_units = false)",
                 )
         elif policy.kill_orphans:
-            choice = Choice(holder, role, Verdict.KILL, f"orphan holding GPU {gpus}")
+            choice = Choice(holder, role, Verdict.KILL, f"orphan holding {held}")
         else:
             choice = Choice(
                 holder,
                 role,
                 Verdict.BLOCK,
-                f"orphan holding GPU {gpus} ({phase}.kill_orphans = false)",
+                f"orphan holding {held} ({phase}.kill_orphans = false)",
             )
         decision.choices.append(choice)
 
@@ -153,7 +194,8 @@ def _add_app_trees(
     seeds = [
         choice
         for choice in decision.targets
-        if choice.role in (Role.ORPHAN, Role.OTHER_UNIT) and choice.holder.using & owned
+        if choice.role in (Role.ORPHAN, Role.OTHER_UNIT)
+        and (choice.holder.using & owned or choice.holder.ports)
     ]
     for seed in seeds:
         members = app_tree(seed.holder.info, tree, discovery, config)

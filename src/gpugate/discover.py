@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -18,6 +18,7 @@ from gpugate.config import GpuSelection
 from gpugate.errors import ConfigError, PermissionDenied
 from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage
+from gpugate.ports import listening_sockets
 from gpugate.procfs import ProcFs, ProcInfo
 from gpugate.scan import scan_device_users
 
@@ -30,6 +31,7 @@ class Source(StrEnum):
     DEVICE_MAP = "device-map"
     NVML = "nvml"
     APP_TREE = "app-tree"
+    PORT = "port"  # listens on one of the unit's TCP ports
 
 
 @dataclass
@@ -39,6 +41,7 @@ class Holder:
     gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
     control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
     used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
+    ports: set[int] = field(default_factory=set)  # the unit's TCP ports it listens on
 
     @property
     def pid(self) -> int:
@@ -67,6 +70,16 @@ class Discovery:
     @property
     def owned_indices(self) -> set[int]:
         return {gpu.index for gpu in self.owned}
+
+    @property
+    def nvml_lists_processes(self) -> bool:
+        """NVML's process lists are complete and name PIDs this /proc shows: then a device
+        holder it lists nowhere uses no GPU (a watcher). Otherwise device files are the proof."""
+        return (
+            bool(self.usage)
+            and not self.invisible
+            and all(usage.processes_listed for usage in self.usage.values())
+        )
 
 
 def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
@@ -131,8 +144,10 @@ def discover(
     procfs: ProcFs,
     roots: HostRoots,
     self_pid: int | None = None,
+    ports: Collection[int] = (),
 ) -> Discovery:
-    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none."""
+    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none; ports: the
+    unit's TCP ports, whose listeners are holders too."""
     gpus = driver.gpus()
     owned = owned_gpus(wanted, gpus, config_source)
     usage = {gpu.index: driver.usage(gpu) for gpu in gpus}
@@ -154,10 +169,14 @@ def discover(
 
     index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
-    scan = scan_device_users(roots.proc, dev_prefix)
+    listening = listening_sockets(roots.proc, ports)
+    scan = scan_device_users(roots.proc, dev_prefix, listening)
     for pid, use in scan.users.items():
         if pid in self_chain or (found := holder(pid)) is None:
             continue
+        if use.sockets:
+            found.sources.add(Source.PORT)
+            found.ports.update(listening[inode] for inode in use.sockets)
         if use.fd_paths:
             found.sources.add(Source.DEVICE_FD)
         if use.mapped_paths:

@@ -41,6 +41,7 @@ class GpuUsage:
     gpu: Gpu
     used_mib: int
     processes: tuple[GpuProcess, ...]
+    processes_listed: bool = True  # False: the driver cannot list this GPU's processes
 
 
 class GpuDriver(Protocol):
@@ -113,16 +114,24 @@ class NvmlDriver:
         handle = self._handles[gpu.index]
         used = self._used_bytes(gpu.index, handle)
         by_pid: dict[int, int | None] = {}
+        listed = True
         for query in (
             nv.nvmlDeviceGetComputeRunningProcesses,
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
-            for proc in self._call(gpu.index, query, handle):
+            try:
+                procs = query(handle)
+            except nv.NVMLError_NotSupported:
+                listed = False  # the memory figure still stands; the device files decide
+                continue
+            except nv.NVMLError:
+                procs = self._call(gpu.index, query, handle)  # raises the run's error
+            for proc in procs:
                 mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
                 previous = by_pid.get(int(proc.pid))
                 by_pid[int(proc.pid)] = mib if previous is None else previous + (mib or 0)
         processes = tuple(GpuProcess(pid, mib) for pid, mib in sorted(by_pid.items()))
-        return GpuUsage(gpu=gpu, used_mib=used // MIB, processes=processes)
+        return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
     def _used_bytes(self, index: int, handle: Any) -> int:
         nv = self._nv

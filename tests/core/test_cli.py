@@ -79,6 +79,7 @@ def test_main_with_injected_driver_runs_pre(
     host: FakeHost, capsys: pytest.CaptureFixture[str]
 ) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(1))
+    host.memory.claim(orphan, {1}, 500)
     config = host.root / "c.toml"
     config.write_text(f'lock_dir = "{host.root}/locks"\n[pre]\nsigterm_grace_s = 1\n')
     code = main(

@@ -36,6 +36,9 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
         def on_term(signum, frame):
             if os.fork() == 0:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                # it keeps the parent's context, and its memory, through the inherited fd
+                with open({str(host.root / "claims")!r} + f"/{{os.getpid()}}", "w") as f:
+                    f.write("0 500")
                 with open({str(host.root / "child.pid")!r}, "w") as f:
                     f.write(str(os.getpid()))
                 time.sleep(3600)
@@ -44,8 +47,13 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
         time.sleep(3600)
         """
     )
+    (host.root / "claims").mkdir()
+    host.memory.claim_dir = host.root / "claims"
+    # The context's memory outlives the parent while the child holds the fd (and a little).
+    host.memory.release_lag_s = 1.0
     parent = host.pool.command([sys.executable, "-c", script])
     time.sleep(0.3)
+    host.memory.claim(parent.pid, {0}, 500)
     summary = host.run_phase(
         "pre", host.config(), host.reporter(), driver_factory=lambda: host.memory
     )

@@ -215,6 +215,7 @@ FakeGpuMemoryLike = object
 def test_gpu_is_found_by_minor_number_not_index(host: FakeHost) -> None:
     host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
     (holder,) = host.pool.holder([host.dev / "nvidia7"])  # minor 7 is GPU index 0
+    host.memory.claim(holder, {0}, 500)
     summary = run(host, "pre", gpus=[0])
     assert summary.exit_code is ExitCode.OK
     assert not alive(holder)
@@ -240,8 +241,11 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
         f"exec 3<{host.dev / 'nvidia0'}\n"
         "python3 -c 'import time; time.sleep(3600)' 3<&- &\n"  # helper: no GPU
         "sleep 3600 &\n"  # worker: inherits fd 3 on nvidia0
+        f"echo 0 500 > {host.root}/claims/$!\n"  # NVML lists the worker on GPU 0
         "wait\n"
     )
+    (host.root / "claims").mkdir()
+    host.memory.claim_dir = host.root / "claims"
     master, terminal = os.openpty()
     shell = host.pool.command(
         ["setsid", "--ctty", "/bin/bash", "--norc", "--noprofile", "-i"],
