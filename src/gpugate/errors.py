@@ -22,6 +22,7 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
     LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
     INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
+    RESPAWNING = 76  # a process gpugate may not take kept restarting the holders until the deadline
 
 
 EXIT_MEANINGS = {
@@ -37,6 +38,7 @@ EXIT_MEANINGS = {
     ExitCode.UNKNOWN_UNIT: "unknown unit",
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
+    ExitCode.RESPAWNING: "holders respawned until the deadline",
 }
 
 

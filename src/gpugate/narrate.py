@@ -20,6 +20,7 @@ from gpugate.report import (
     Event,
     Reporter,
 )
+from gpugate.respawn import Respawner
 
 MAX_COMMAND = 200
 MAX_LISTED_PIDS = 10
@@ -35,6 +36,12 @@ def describe(choice: Choice) -> str:
     sources = ",".join(sorted(choice.holder.sources))
     command = info.command[:MAX_COMMAND]
     return f"PID {info.pid} ({info.user}, {choice.role}{gpus}, via {sources}): {command}"
+
+
+def watcher_evidence(discovery: Discovery) -> str:
+    if discovery.nvml_lists_processes:
+        return "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
+    return "NVML lists no processes here: device files alone name the holders (no watchers)"
 
 
 class Narrator:
@@ -55,10 +62,12 @@ class Narrator:
         self.reporter.event(
             Event.RUN_STARTED,
             f"{'dry run: ' if self.dry_run else ''}{len(owned)} GPU(s) [{gpu_list(owned)}], "
-            f"{used_mib} MiB used; config {config_source}; cgroup {discovery.unit_cgroup}",
+            f"{used_mib} MiB used; config {config_source}; cgroup {discovery.unit_cgroup}; "
+            f"{watcher_evidence(discovery)}",
             gpus=owned,
             used_mib=used_mib,
             config=config_source,
+            evidence="nvml" if discovery.nvml_lists_processes else "device-files",
         )
 
     def blind_spots(self, discovery: Discovery) -> None:
@@ -177,6 +186,43 @@ class Narrator:
             gpus=[item.gpu.index],
             used_mib=item.used_mib,
             gpu_uuid=item.gpu.uuid,
+        )
+
+    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None:
+        for respawner in respawners:
+            info = respawner.info
+            self.reporter.event(
+                Event.TIMEOUT,
+                f"PID {info.pid} ({info.user}): {info.command[:MAX_COMMAND]} respawned the "
+                f"holders {respawner.respawns} time(s) and was still respawning after "
+                f"{timeout_s:g} s; it is not part of the application (a login shell, a "
+                "supervisor): stop it, or run the server under the unit",
+                priority=PRIORITY_ERR,
+                pid=info.pid,
+                command=info.command,
+                respawns=respawner.respawns,
+            )
+        self.status("failed: the holders keep respawning")
+
+    def respawned(self, respawner: Respawner) -> None:
+        info = respawner.info
+        self.reporter.event(
+            Event.HOLDER_FOUND,
+            f"PID {info.pid} ({info.user}): {info.command[:MAX_COMMAND]} respawned the holders "
+            f"{respawner.respawns} time(s) during the wait; each respawn was killed",
+            priority=PRIORITY_WARNING,
+            pid=info.pid,
+            command=info.command,
+            respawns=respawner.respawns,
+        )
+
+    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None:
+        self.reporter.event(
+            Event.TIMEOUT,
+            f"TCP port {', '.join(map(str, ports))} still listened on after {timeout_s:g} s "
+            "by a process gpugate cannot see (not root, or its fds are unreadable)",
+            priority=PRIORITY_ERR,
+            ports=",".join(map(str, ports)),
         )
 
     def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:

@@ -22,9 +22,11 @@ from gpugate.locks import gpu_locks
 from gpugate.narrate import Narrator
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage, NvmlDriver
 from gpugate.outcome import BusyGpu, RunSummary
+from gpugate.ports import listening_sockets
 from gpugate.procfs import ProcessId, ProcFs
 from gpugate.report import Reporter
-from gpugate.wait import wait_until_free
+from gpugate.respawn import RespawnWatch
+from gpugate.wait import busy_gpus, wait_settled
 
 MAX_ROUNDS = 5
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
@@ -103,6 +105,10 @@ class PhaseRun:
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}  # every target of this run, once
+        # The unit's ports matter before it starts: pre only.
+        self.ports = self.config.ports if scope.phase == "pre" else ()
+        self.watch = RespawnWatch(())
+        self.spared_pids: set[int] = set()
         self._announced = False
 
     def degrade(self, error: NvmlUnavailable) -> None:
@@ -132,6 +138,7 @@ class PhaseRun:
             driver=self.driver,
             procfs=procfs,
             roots=self.roots,
+            ports=self.ports,
         )
         return found, decide(found, self.config, self.scope.phase, procfs)
 
@@ -185,11 +192,13 @@ class PhaseRun:
             fresh = [c for c in decision.targets if c.holder.info.ident not in by_ident]
             if not fresh:
                 break
-            self.summary.rounds = round_number
+            self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
             if round_number > 1:
                 self.narrator.choices(Decision(fresh))
             self.narrator.stopping(len(fresh), round_number)
             by_ident.update((c.holder.info.ident, c) for c in fresh)
+            self.watch.self_chain = discovery.self_chain
+            self.watch.killed(fresh, by_ident, ProcFs(self.roots.proc))
             result = terminate(
                 [c.holder.info.ident for c in fresh],
                 grace_s=self.policy.sigterm_grace_s,
@@ -220,40 +229,72 @@ class PhaseRun:
             )
 
     def wait(self, discovery: Discovery, decision: Decision) -> None:
+        """Wait for free GPUs and ports; what turns up meanwhile (a respawn) is killed too."""
         owned = discovery.owned
-        if not owned:
+        if not owned and not self.ports:
             return
         free_mib = self.config.free_mib
         wait_started = self.clock()
+        self.spared_pids = {c.holder.pid for c in decision.spared}
 
         def on_progress(busy: list[BusyGpu], left: float) -> None:
-            self.narrator.memory_wait(busy, free_mib, left)
+            if busy:
+                self.narrator.memory_wait(busy, free_mib, left)
             self.narrator.reporter.extend_timeout(left + TIMEOUT_MARGIN_S)
 
-        busy = wait_until_free(
-            self.driver,
-            owned,
-            free_mib=free_mib,
-            ignored_pids={c.holder.pid for c in decision.spared},
+        settled = wait_settled(
+            busy_gpus=lambda: busy_gpus(self.driver, owned, free_mib, self.spared_pids),
+            busy_ports=lambda: sorted(set(listening_sockets(self.roots.proc, self.ports).values())),
+            pending=lambda: self.watch.pending(ProcFs(self.roots.proc)),
+            look_again=self.look_again,
+            known_pids=lambda: {i.pid for i in self.signalled} | self.spared_pids,
+            watching=lambda: bool(self.watch.watched),
             deadline=self.deadline,
             on_progress=on_progress,
             clock=self.clock,
         )
+        busy = settled.busy
         self.summary.seconds_wait = self.clock() - wait_started
         self.summary.busy = busy
         for gpu in owned:
             used_after = self.driver.usage(gpu).used_mib
             freed = max(self.used_before.get(gpu.index, 0) - used_after, 0)
             self.summary.freed_mib_by_gpu[gpu.index] = freed
+        procfs = ProcFs(self.roots.proc)
+        respawners = self.watch.respawners(procfs.still_same)
+        held = busy or settled.ports or settled.pending
+        if held and respawners:
+            self.narrator.respawning(respawners, self.policy.wait_timeout_s)
+            self.summary.exit_code = ExitCode.RESPAWNING
+            return
+        for respawner in respawners:
+            self.narrator.respawned(respawner)
         failing = self.policy.on_timeout == "fail"
         for item in busy:
             self.narrator.memory_timeout(
                 item, free_mib, self.policy.wait_timeout_s, failing=failing
             )
-        if not busy:
-            self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
+        if settled.ports:
+            self.narrator.ports_held(settled.ports, self.policy.wait_timeout_s)
+            self.summary.exit_code = ExitCode.HELD_BY_OTHERS
+        elif not busy:
+            if owned:
+                self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
         elif failing:
             self.summary.exit_code = ExitCode.MEMORY_TIMEOUT
+
+    def look_again(self) -> bool:
+        """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
+        discovery, decision = self.find()
+        self.spared_pids |= {c.holder.pid for c in decision.spared}
+        fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
+        if not fresh:
+            return False
+        _, _, survivors = self.kill_rounds(discovery, decision)
+        if survivors:
+            self.summary.exit_code = ExitCode.UNKILLABLE
+            self.narrator.survived(len(survivors))
+        return True
 
     def finish(self) -> RunSummary:
         self.narrator.finished(self.summary)

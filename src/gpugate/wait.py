@@ -1,13 +1,18 @@
-"""Waiting: poll NVML until every owned GPU is at or below the free level and lists no process.
+"""Waiting: poll NVML until every owned GPU is at or below the free level and lists no process,
+the unit's ports are free, and no respawn is under way.
 
 Polls start at 5 ms and back off to 50 ms, so the exit follows the driver's release closely
-without spinning; progress is reported about once a second.
+without spinning; progress is reported about once a second. What turns up during the wait (a
+respawned holder: NVML lists a PID not seen, a port is listened on again, a watched parent
+starts the killed child's executable again) is looked for with a new discovery, at most every
+LOOK_AGAIN_EVERY_S, and killed by the caller as in the kill rounds.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 
 from gpugate.nvml import Gpu, GpuDriver
 from gpugate.outcome import BusyGpu
@@ -15,6 +20,7 @@ from gpugate.outcome import BusyGpu
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.05
 PROGRESS_EVERY_S = 1.0
+LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
 
 
 def busy_gpus(
@@ -29,25 +35,49 @@ def busy_gpus(
     return busy
 
 
-def wait_until_free(
-    driver: GpuDriver,
-    gpus: Sequence[Gpu],
+@dataclass
+class Settled:
+    busy: list[BusyGpu]  # GPUs still used at the deadline
+    ports: list[int]  # the unit's ports still listened on at the deadline
+    pending: list[int]  # respawned children at the deadline
+
+
+def wait_settled(
     *,
-    free_mib: int,
-    ignored_pids: Collection[int],
+    busy_gpus: Callable[[], list[BusyGpu]],
+    busy_ports: Callable[[], list[int]],
+    pending: Callable[[], list[int]],
+    look_again: Callable[[], bool],
+    known_pids: Callable[[], Collection[int]],
+    watching: Callable[[], bool],
     deadline: float,
     on_progress: Callable[[list[BusyGpu], float], None] = lambda busy, left: None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> list[BusyGpu]:
-    """Return [] once all are free, else what was still busy at the deadline."""
+) -> Settled:
+    """Poll until the GPUs and ports are free and no respawn is under way, or the deadline.
+
+    look_again rediscovers and kills what it finds (True when it found something). It runs
+    when NVML lists a PID not known, a port is held, or a respawn is under way (at most every
+    LOOK_AGAIN_EVERY_S), and once more before success while parents are watched, to catch a
+    respawned holder that NVML does not list yet."""
     interval = FIRST_POLL_S
     next_progress = clock()
+    next_look = clock()
     while True:
-        busy = busy_gpus(driver, gpus, free_mib, ignored_pids)
+        busy = busy_gpus()
+        ports = busy_ports()
+        under_way = pending() if watching() else []
         now = clock()
-        if not busy or now >= deadline:
-            return busy
+        known = known_pids()
+        unexplained = any(pid not in known for item in busy for pid in item.pids)
+        clear = not busy and not ports and not under_way
+        if (unexplained or ports or under_way or (clear and watching())) and now >= next_look:
+            next_look = now + LOOK_AGAIN_EVERY_S
+            if look_again():
+                continue
+        if clear or now >= deadline:
+            return Settled(busy, ports, under_way)
         if now >= next_progress:
             on_progress(busy, deadline - now)
             next_progress = now + PROGRESS_EVERY_S

@@ -36,14 +36,15 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
         def on_term(signum, frame):
             if os.fork() == 0:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                # it keeps the parent's context, and its memory, through the inherited fd
-                with open({str(host.root / "claims")!r} + f"/{{os.getpid()}}", "w") as f:
-                    f.write("0 500")
                 with open({str(host.root / "child.pid")!r}, "w") as f:
                     f.write(str(os.getpid()))
+                # it keeps the parent's context, and its memory, through the inherited fd
+                with open({str(host.root / "claims")!r} + f"/{{os.getpid()}}", "w") as f:
+                    f.write("0 5000")
                 time.sleep(3600)
             os._exit(0)
         signal.signal(signal.SIGTERM, on_term)
+        open({str(host.root / "armed")!r}, "w").close()
         time.sleep(3600)
         """
     )
@@ -52,8 +53,11 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
     # The context's memory outlives the parent while the child holds the fd (and a little).
     host.memory.release_lag_s = 1.0
     parent = host.pool.command([sys.executable, "-c", script])
-    time.sleep(0.3)
-    host.memory.claim(parent.pid, {0}, 500)
+    deadline = time.monotonic() + 15
+    while not (host.root / "armed").exists():  # its SIGTERM handler is in place
+        assert time.monotonic() < deadline, "the holder did not start"
+        time.sleep(0.02)
+    host.memory.claim(parent.pid, {0}, 5000)
     summary = host.run_phase(
         "pre", host.config(), host.reporter(), driver_factory=lambda: host.memory
     )
