@@ -55,6 +55,7 @@ class FakeGpuMemory:
     listed_without_memory: dict[int, list[int]] = field(default_factory=dict)
     queries: int = 0
     claim_dir: Path | None = None  # a process may claim for itself: a file PID holding "GPU MIB"
+    lists_processes: bool = True  # False: a driver that cannot list processes (NotSupported)
 
     def _self_claims(self) -> None:
         if self.claim_dir is None:
@@ -97,6 +98,8 @@ class FakeGpuMemory:
         processes.extend(
             GpuProcess(pid, None) for pid in self.listed_without_memory.get(gpu.index, [])
         )
+        if not self.lists_processes:
+            return GpuUsage(gpu, used, (), processes_listed=False)
         return GpuUsage(gpu, used, tuple(processes))
 
     def close(self) -> None:

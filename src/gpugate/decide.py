@@ -189,7 +189,9 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
 def _add_app_trees(
     decision: Decision, discovery: Discovery, config: GateConfig, tree: ProcessTree
 ) -> None:
-    chosen = {choice.holder.pid for choice in decision.choices}
+    # A watcher is not killed on its own account, but goes with an application it is part of.
+    watchers = {c.holder.pid: c for c in decision.choices if c.role is Role.WATCHER}
+    chosen = {choice.holder.pid for choice in decision.choices} - set(watchers)
     owned = discovery.owned_indices
     seeds = [
         choice
@@ -202,7 +204,9 @@ def _add_app_trees(
         foreign = [
             pid
             for pid in members
-            if pid in discovery.holders and discovery.holders[pid].using - owned
+            if pid in discovery.holders
+            and pid not in watchers
+            and discovery.holders[pid].using - owned
         ]
         if foreign:
             # Taking the rest of this application would reach GPUs the unit does not own.
@@ -211,6 +215,8 @@ def _add_app_trees(
             if pid in chosen:
                 continue
             chosen.add(pid)
+            if pid in watchers:
+                decision.choices.remove(watchers.pop(pid))
             holder = discovery.holders.get(pid) or Holder(info)
             holder.sources.add(Source.APP_TREE)
             decision.choices.append(

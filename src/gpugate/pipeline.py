@@ -262,8 +262,7 @@ class PhaseRun:
             self.summary.freed_mib_by_gpu[gpu.index] = freed
         procfs = ProcFs(self.roots.proc)
         respawners = self.watch.respawners(procfs.still_same)
-        held = busy or settled.ports or settled.pending
-        if held and respawners:
+        if settled.held and respawners:
             self.narrator.respawning(respawners, self.policy.wait_timeout_s)
             self.summary.exit_code = ExitCode.RESPAWNING
             return

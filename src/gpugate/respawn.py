@@ -91,7 +91,8 @@ class RespawnWatch:
                     child is not None
                     and child.state not in ("Z", "X")
                     and child.start_time > watched.newest_killed_start
-                    and child.exe in watched.executables
+                    # the killed child's program again, or a fork not yet exec'd
+                    and (child.exe in watched.executables or child.exe == watched.info.exe)
                 ):
                     found.append(child_pid)
         return found

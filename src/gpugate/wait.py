@@ -40,6 +40,11 @@ class Settled:
     busy: list[BusyGpu]  # GPUs still used at the deadline
     ports: list[int]  # the unit's ports still listened on at the deadline
     pending: list[int]  # respawned children at the deadline
+    stable: bool = True  # False: parents are watched and no two looks in a row found it clear
+
+    @property
+    def held(self) -> bool:
+        return bool(self.busy or self.ports or self.pending or not self.stable)
 
 
 def wait_settled(
@@ -59,25 +64,38 @@ def wait_settled(
 
     look_again rediscovers and kills what it finds (True when it found something). It runs
     when NVML lists a PID not known, a port is held, or a respawn is under way (at most every
-    LOOK_AGAIN_EVERY_S), and once more before success while parents are watched, to catch a
-    respawned holder that NVML does not list yet."""
+    LOOK_AGAIN_EVERY_S). While parents of killed holders are watched (a respawn may come from
+    them), success needs two looks in a row, LOOK_AGAIN_EVERY_S apart, that find nothing:
+    a respawned holder that NVML does not list yet is caught, and a loop that respawns between
+    two polls cannot end the run as a success."""
     interval = FIRST_POLL_S
     next_progress = clock()
     next_look = clock()
+    clear_since: float | None = None
     while True:
         busy = busy_gpus()
         ports = busy_ports()
-        under_way = pending() if watching() else []
+        watched = watching()
+        under_way = pending() if watched else []
         now = clock()
         known = known_pids()
         unexplained = any(pid not in known for item in busy for pid in item.pids)
         clear = not busy and not ports and not under_way
-        if (unexplained or ports or under_way or (clear and watching())) and now >= next_look:
+        if not clear:
+            clear_since = None
+        if clear and not watched:
+            return Settled(busy, ports, under_way)
+        if (unexplained or ports or under_way or clear) and now >= next_look:
             next_look = now + LOOK_AGAIN_EVERY_S
             if look_again():
+                clear_since = None
                 continue
-        if clear or now >= deadline:
-            return Settled(busy, ports, under_way)
+            if clear:
+                if clear_since is not None:
+                    return Settled(busy, ports, under_way)
+                clear_since = now
+        if now >= deadline:
+            return Settled(busy, ports, under_way, stable=not watched and clear)
         if now >= next_progress:
             on_progress(busy, deadline - now)
             next_progress = now + PROGRESS_EVERY_S
