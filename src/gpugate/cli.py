@@ -119,6 +119,14 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         help="the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
     )
     install.add_argument(
+        "--port",
+        type=_port,
+        action="append",
+        dest="ports",
+        metavar="N",
+        help="a TCP port of the unit for the config (repeatable): pre frees it before the start",
+    )
+    install.add_argument(
         "--gpugate-path",
         type=Path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
@@ -234,6 +242,12 @@ def _gpus(value: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _port(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
+    return int(value)
+
+
 def _install(args: argparse.Namespace, front: Front) -> int:
     from gpugate import install  # noqa: PLC0415
 
@@ -243,7 +257,12 @@ def _install(args: argparse.Namespace, front: Front) -> int:
     else:
         gpugate_path = args.gpugate_path or install.default_gpugate_path()
         changes = install.plan_install(
-            args.unit, gpus=args.gpus, gpugate_path=gpugate_path, force=args.force, **dirs
+            args.unit,
+            gpus=args.gpus,
+            ports=args.ports,
+            gpugate_path=gpugate_path,
+            force=args.force,
+            **dirs,
         )
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)

@@ -92,6 +92,13 @@ def role_of(
     return Role.ORPHAN
 
 
+def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Role:
+    role = role_of(holder.info, discovery, config, member=Source.CGROUP in holder.sources)
+    if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(holder, discovery, config.free_mib):
+        return Role.WATCHER
+    return role
+
+
 def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
     """Holds NVIDIA device files only (nvidia-smi -l, nvtop, an exporter): NVML's complete
     process lists name it on no GPU, and on each GPU whose file it holds the memory used is
@@ -124,11 +131,7 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
-        role = role_of(info, discovery, config, member=Source.CGROUP in holder.sources)
-        if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(
-            holder, discovery, config.free_mib
-        ):
-            role = Role.WATCHER
+        role = holder_role(holder, discovery, config)
         on_owned = sorted(holder.using & owned)
         foreign = sorted(holder.using - owned)
         gpus = ", ".join(str(index) for index in on_owned)

@@ -56,7 +56,14 @@ TimeoutStopSec=300
 """
 
 # The fields the skeleton shows, each with its model's description as the comment above it.
-CONFIG_FIELDS = ("gpus", "free_mib", "kill_other_units", "protected_executables", "protected_units")
+CONFIG_FIELDS = (
+    "gpus",
+    "ports",
+    "free_mib",
+    "kill_other_units",
+    "protected_executables",
+    "protected_units",
+)
 PHASE_TEXT = {
     "pre": "ExecStartPre=: before the unit starts.",
     "post": "ExecStopPost=: after the unit stopped.",
@@ -147,8 +154,9 @@ def render_dropin(gpugate_path: Path) -> str:
     return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
 
 
-def render_config(unit: str, gpus: Gpus | None) -> str:
-    """A commented skeleton: the built-in defaults, commented out, except the GPUs given."""
+def render_config(unit: str, gpus: Gpus | None, ports: Sequence[int] | None = None) -> str:
+    """A commented skeleton: the built-in defaults, commented out, except the GPUs and ports
+    given."""
     defaults = GateConfig()
     lines = [
         f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
@@ -159,6 +167,8 @@ def render_config(unit: str, gpus: Gpus | None) -> str:
         lines.append(f"# {GateConfig.model_fields[name].description}")
         if name == "gpus" and gpus is not None:
             lines.append(f"gpus = {toml_value(gpus)}")
+        elif name == "ports" and ports:
+            lines.append(f"ports = {toml_value(list(ports))}")
         else:
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
@@ -210,6 +220,7 @@ def plan_install(
     unit: str,
     *,
     gpus: Gpus | None = None,
+    ports: Sequence[int] | None = None,
     gpugate_path: Path = DEFAULT_GPUGATE,
     force: bool = False,
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
@@ -221,14 +232,14 @@ def plan_install(
     targets = Targets.of(unit, systemd_dir, config_dir)
     wanted = {
         targets.dropin: with_header(render_dropin(gpugate_path)),
-        targets.config: with_header(render_config(unit, gpus)),
+        targets.config: with_header(render_config(unit, gpus, ports)),
     }
     changes: list[Change] = []
     refused: list[str] = []
     for path, content in wanted.items():
         owner = ownership(path)
         if owner is Ownership.OPERATORS and not force:
-            if path == targets.config and gpus is None:
+            if path == targets.config and gpus is None and not ports:
                 changes.append(Change(path, Action.KEEP, note="yours (edited): kept"))
                 continue
             refused.append(str(path))

@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from gpugate.config import LoadedConfig
-from gpugate.decide import role_of
-from gpugate.discover import Discovery, Source, discover
+from gpugate.decide import holder_role
+from gpugate.discover import Discovery, discover
 from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver
 from gpugate.procfs import ProcFs
@@ -33,6 +33,7 @@ def collect(
         driver=driver,
         procfs=ProcFs(roots.proc),
         roots=roots,
+        ports=() if unit is None else loaded.config.ports,
     )
 
 
@@ -41,7 +42,7 @@ def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
     holders = []
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
-        role = role_of(info, discovery, loaded.config, member=Source.CGROUP in holder.sources)
+        role = holder_role(holder, discovery, loaded.config)
         holders.append(
             {
                 "pid": info.pid,
@@ -54,6 +55,7 @@ def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
                 "comm": info.comm,
                 "command": list(info.cmdline),
                 "gpus": sorted(holder.gpus),
+                "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
                 "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
                 "control_devices": sorted(holder.control_devices),
                 "sources": sorted(holder.sources),
@@ -101,20 +103,23 @@ def render_table(data: dict[str, Any]) -> str:
         lines.append("no process holds a GPU")
     else:
         lines.append(
-            f"{'PID':>7} {'USER':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} {'MiB':>7}  COMMAND"
+            f"{'PID':>7} {'USER':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} {'MiB':>7} "
+            f"{'PORTS':<11} COMMAND"
         )
     for holder in data["holders"]:
         unit = holder["unit"] or "-"
-        if holder["orphan"]:
-            unit = f"{unit} (orphan)" if unit != "-" else "(orphan)"
+        if holder["orphan"] or holder["role"] == "watcher":
+            mark = "(orphan)" if holder["orphan"] else "(watcher)"
+            unit = f"{unit} {mark}" if unit != "-" else mark
         gpus = ",".join(str(i) for i in holder["gpus"]) or (
             "ctl" if holder["control_devices"] else "-"
         )
         mib = sum(v or 0 for v in holder["used_mib"].values())
         command = " ".join(holder["command"]) or f"[{holder['comm']}]"
+        ports = ",".join(str(port) for port in holder["ports"]) or "-"
         lines.append(
             f"{holder['pid']:>7} {holder['user'][:10]:<10} {unit[:28]:<28} {holder['state']:<2} "
-            f"{gpus[:10]:<10} {mib:>7}  {command[:100]}"
+            f"{gpus[:10]:<10} {mib:>7} {ports[:11]:<11} {command[:100]}"
         )
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")

@@ -106,7 +106,7 @@ def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
     dirs.install()
     lines = dirs.toml.read_text().splitlines()
     uncommented = [line[2:] if re.match(r"# [a-z_]+ = ", line) else line for line in lines]
-    assert sum(a != b for a, b in zip(lines, uncommented, strict=True)) == 19
+    assert sum(a != b for a, b in zip(lines, uncommented, strict=True)) == 20
     assert parse_config("\n".join(uncommented), "-") == parse_config("", "-")
 
 
@@ -304,3 +304,18 @@ def test_apply_reports_when_systemd_was_not_reloaded(dirs: Dirs) -> None:
     assert apply(changes, reload=lambda: False, out=out)
     assert "not reloaded" in out.getvalue()
     assert {c.action for c in changes} == {Action.WRITE}
+
+
+def test_ports_go_into_the_config(dirs: Dirs) -> None:
+    dirs.install(gpus=[0], ports=[8000, 8001])
+    config = parse_config(dirs.toml.read_text(), "-")
+    assert config.ports == (8000, 8001) and config.gpus == (0,)
+    dirs.toml.write_text(dirs.toml.read_text() + "# edited\n")
+    with pytest.raises(InstallError):
+        dirs.install(ports=[9000])  # the operator's file would change: refused
+    where = ["--systemd-dir", str(dirs.systemd), "--config-dir", str(dirs.config), "--no-reload"]
+    done = gpugate("install", UNIT, "--port", "8000", "--port", "9000", "--force", *where)
+    assert done.returncode == 0, done.stderr
+    assert parse_config(dirs.toml.read_text(), "-").ports == (8000, 9000)
+    for bad in ("0", "65536", "http"):
+        assert gpugate("install", UNIT, "--port", bad, *where).returncode == ExitCode.USAGE

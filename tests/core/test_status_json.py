@@ -45,6 +45,7 @@ HOLDER = {
     "comm": str,
     "command": list,
     "gpus": list,
+    "ports": list,
     "used_mib": dict,
     "control_devices": list,
     "sources": list,
