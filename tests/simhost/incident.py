@@ -17,6 +17,8 @@ from sandbox import SimHost
 
 REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "simhost" / "workload" / "fake_vllm.py"
+TERMINAL_SOURCE = REPO / "tests" / "simhost" / "workload" / "terminal.py"
+TERMINAL = "/opt/fakevllm/terminal.py"
 # The repository's .venv (it has setproctitle), seen inside through the overlay of /.
 PYTHON = sys.executable
 MIB_PER_GPU = 90000
@@ -107,15 +109,24 @@ class Host:
     def hand_start(
         self, gpus: tuple[int, ...], port: int, name: str, *extra: str
     ) -> tuple[dict[str, Any], int]:
-        """A server started by hand from a login session: a session-leading shell in a user
-        scope, like sshd's. Returns the server's pids and the shell's pid."""
+        """A server started by hand from a login: typed into an interactive shell with job
+        control on a pty (as an ssh login gives), the terminal in a user scope. Returns the
+        server's pids and the shell's pid."""
         ready = f"/run/ready-{name}.json"
-        self.sh(f"rm -f {ready} /run/shell-{name}.pid")
-        script = f"echo $$ > /run/shell-{name}.pid; {server_cmd(gpus, port, ready, *extra)} & wait; exec sleep 3600"
-        self.sim.spawn_scope(["setsid", "-w", "/bin/bash", "-c", script], unit=f"{name}.scope")
+        self.sh(f"rm -f {ready} /run/term-{name}.json")
+        self.sim.spawn_scope([PYTHON, TERMINAL, name], unit=f"{name}.scope")
+        shell = self.terminal_shell(name)
+        self.type(name, f"{server_cmd(gpus, port, ready, *extra)} &")
         pids = self.wait_ready(ready)
-        shell = int(self.sh(f"cat /run/shell-{name}.pid").strip())
         return pids, shell
+
+    def terminal_shell(self, name: str) -> int:
+        """The interactive shell of terminal NAME (workload/terminal.py), once it runs."""
+        return int(self.wait_ready(f"/run/term-{name}.json")["shell"])
+
+    def type(self, name: str, line: str) -> None:
+        """Type a line into terminal NAME's shell."""
+        self.sh(f"printf '%s\\n' {shlex.quote(line)} > /run/term-{name}.in")
 
     def install(self, name: str, text: str, config: str = "") -> None:
         self.sim.install_unit(name, text)
@@ -180,6 +191,7 @@ def stage_incident(sim: SimHost) -> Host:
     """The workload, the driver settings, and the bystanders every scenario must leave alive:
     nvidia-persistenced holding every device file, a python process holding no GPU."""
     sim.write_file("/opt/fakevllm/fake_vllm.py", WORKLOAD.read_text())
+    sim.write_file(TERMINAL, TERMINAL_SOURCE.read_text())
     sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
     devices = [f"nvidia{i}" for i in ALL] + ["nvidiactl", "nvidia-uvm"]
     redirects = " ".join(f"{3 + i}</dev/{name}" for i, name in enumerate(devices))
