@@ -32,6 +32,8 @@ GPUS = (0, 1, 2, 3)
 PORT = 8000
 UNIT = "vllm.service"
 UNIT_CONFIG = f"gpus = [0, 1, 2, 3]\nports = [{PORT}]\n" + CONFIG
+# Without the port: the application rule alone must find the API server and its tracker.
+RULE_ONLY_CONFIG = "gpus = [0, 1, 2, 3]\n" + CONFIG
 LISTENER = (
     "import socket, time; s = socket.socket(socket.AF_INET6); "
     "s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
@@ -125,6 +127,7 @@ def assert_unit_took_over(host: Host, cursor: str, old: set[int]) -> None:
 
 
 def test_tmux_window_server_is_taken_whole_and_tmux_survives(host: Host, login: Login) -> None:
+    host.install(UNIT, unit_text(UNIT, GPUS, PORT), RULE_ONLY_CONFIG)
     ready = "/run/ready-stale-tmux.json"
     host.sh(f"rm -f {ready}")
     command = "exec " + server_cmd(GPUS, PORT, ready)
@@ -148,6 +151,7 @@ def test_tmux_window_server_is_taken_whole_and_tmux_survives(host: Host, login: 
 
 
 def test_nohup_setsid_server_is_taken_whole(host: Host, login: Login) -> None:
+    host.install(UNIT, unit_text(UNIT, GPUS, PORT), RULE_ONLY_CONFIG)
     ready = "/run/ready-stale-setsid.json"
     host.sh(f"rm -f {ready}")
     login.type("sleep 1002 &")
