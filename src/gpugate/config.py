@@ -73,9 +73,10 @@ class Paths(_Frozen):
 
 
 class GateConfig(_Frozen):
-    gpus: Literal["all"] | tuple[GpuRef, ...] = "all"
+    gpus: Literal["auto", "all"] | tuple[GpuRef, ...] = "auto"
     free_mib: int = Field(default=1024, ge=0)
     kill_other_units: bool = False
+    share_gpus: bool = False  # may this unit's GPU lease overlap another sharer's?
     protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
     protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
     pre: PhasePolicy = PhasePolicy()
@@ -97,8 +98,8 @@ class GateConfig(_Frozen):
     @field_validator("gpus", mode="before")
     @classmethod
     def _gpu_list(cls, value: object) -> object:
-        if value != "all" and not isinstance(value, list | tuple):
-            raise ValueError('must be "all" or a list of GPU indices or UUIDs, e.g. [0, 1]')
+        if value not in ("auto", "all") and not isinstance(value, list | tuple):
+            raise ValueError('must be "auto", "all" or a list of GPU indices or UUIDs, e.g. [0, 1]')
         if isinstance(value, list):
             if not value:
                 raise ValueError('must name at least one GPU, or be "all"')

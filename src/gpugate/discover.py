@@ -15,8 +15,8 @@ from enum import StrEnum
 from pathlib import Path
 
 from gpugate.config import GateConfig
-from gpugate.errors import ConfigError, PermissionDenied
-from gpugate.nvml import Gpu, GpuDriver, GpuUsage
+from gpugate.errors import ConfigError, NvmlUnavailable, PermissionDenied
+from gpugate.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
 from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
@@ -61,6 +61,7 @@ class Discovery:
     unreadable: list[int]  # PIDs whose fds could not be read
     invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
     # but /proc does not show: another PID namespace (a container without host PIDs)
+    faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
 
     @property
     def owned_indices(self) -> set[int]:
@@ -68,18 +69,19 @@ class Discovery:
 
 
 def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    if config.gpus == "all":
+    if config.gpus in ("all", "auto"):  # "auto" is resolved before: gpu_source.py
         return list(gpus)
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
+    by_index = {gpu.index: gpu for gpu in gpus}  # a GPU NVML cannot read is not among them
     owned: list[Gpu] = []
     for ref in config.gpus:
         if isinstance(ref, int):
-            if ref >= len(gpus):
-                have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPUs"
+            if ref not in by_index:
+                have = f"GPUs {', '.join(str(g.index) for g in gpus)}" if gpus else "no GPUs"
                 raise ConfigError(
                     source, "gpus", f"GPU index {ref} does not exist; NVML lists {have}"
                 )
-            gpu = gpus[ref]
+            gpu = by_index[ref]
         else:
             found = by_uuid.get(ref.lower())
             if found is None:
@@ -126,11 +128,25 @@ def discover(
     procfs: ProcFs,
     self_pid: int | None = None,
     resolve_gpus: bool = True,
+    strict_faults: bool = True,
 ) -> Discovery:
+    """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
+    on the others are recorded in `faults` either way); `status` passes False."""
     paths = config.paths
-    gpus = driver.gpus()
+    gpus = list(driver.gpus())
+    faults = list(driver_faults(driver))
+    if strict_faults and resolve_gpus:
+        _fail_on_owned_faults(config, gpus, faults, unit)
+    usage: dict[int, GpuUsage] = {}
+    for gpu in list(gpus):
+        try:
+            usage[gpu.index] = driver.usage(gpu)
+        except GpuError as exc:
+            gpus.remove(gpu)
+            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+    if strict_faults and resolve_gpus:
+        _fail_on_owned_faults(config, gpus, faults, unit)
     owned = owned_gpus(config, gpus, config_source) if resolve_gpus else []
-    usage = {gpu.index: driver.usage(gpu) for gpu in gpus}
     self_chain = self_and_ancestors(procfs, self_pid)
     holders: dict[int, Holder] = {}
 
@@ -148,6 +164,10 @@ def discover(
             found.sources.add(Source.CGROUP)
 
     index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
+    for fault in faults:
+        # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
+        minor = fault.index if fault.minor is None else fault.minor
+        index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(paths.dev_root), "nvidia")
     scan = scan_device_users(paths.proc_root, dev_prefix)
     for pid, use in scan.users.items():
@@ -187,4 +207,27 @@ def discover(
         self_chain=self_chain,
         unreadable=scan.unreadable,
         invisible=invisible,
+        faults=sorted(faults, key=lambda fault: fault.index),
     )
+
+
+def _fail_on_owned_faults(
+    config: GateConfig, gpus: Sequence[Gpu], faults: Sequence[GpuFault], unit: str
+) -> None:
+    """An NVML error on a GPU the unit owns fails the run; on any other GPU it is a warning."""
+    if not faults:
+        return
+    if config.gpus in ("all", "auto"):
+        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {unit or 'this run'}: gpus = all)")
+    uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
+    owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in config.gpus}
+    owned_uuids = {ref.lower() for ref in config.gpus if isinstance(ref, str)}
+    for fault in faults:
+        if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
+            raise NvmlUnavailable(f"{fault.error} (a GPU of {unit or 'this run'})")
+    unknown = [ref for ref in owned_uuids if ref not in uuids]
+    nameless = [fault for fault in faults if fault.uuid is None]
+    if unknown and nameless:
+        raise NvmlUnavailable(
+            f"{nameless[0].error}; the unit's GPU {unknown[0]} is not among those NVML can read"
+        )

@@ -55,9 +55,11 @@ TimeoutStopSec=300
 """
 
 CONFIG_FIELDS = {
-    "gpus": 'The unit\'s GPUs: "all", or indices and/or UUIDs, e.g. [0, 1] or ["GPU-..."].',
+    "gpus": 'The unit\'s GPUs: "auto" (its own CUDA_VISIBLE_DEVICES, else '
+    'NVIDIA_VISIBLE_DEVICES, else all), "all", or indices and/or UUIDs, e.g. [0, 1].',
     "free_mib": "Per GPU, MiB used at or below which the GPU counts as free (drivers keep some).",
     "kill_other_units": "May processes of another active unit holding these GPUs be killed?",
+    "share_gpus": "May this unit hold its GPUs together with another unit that also shares?",
     "protected_executables": "Never killed, by exact /proc/PID/exe path.",
     "protected_units": "Never killed, by the unit their cgroup belongs to.",
 }
@@ -178,8 +180,8 @@ def render_config(unit: str, gpus: Gpus | None) -> str:
     ]
     for name, text in CONFIG_FIELDS.items():
         lines.append(f"# {text}")
-        if name == "gpus" and gpus is not None:
-            lines.append(f"gpus = {toml_value(gpus)}")
+        if name == "gpus":
+            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
         else:
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
