@@ -99,7 +99,7 @@ class GateConfig(_Frozen):
     @classmethod
     def _gpu_list(cls, value: object) -> object:
         if value not in ("auto", "all") and not isinstance(value, list | tuple):
-            raise ValueError('must be "auto", "all" or a list of GPU indices or UUIDs, e.g. [0, 1]')
+            raise ValueError('must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]')
         if isinstance(value, list):
             if not value:
                 raise ValueError('must name at least one GPU, or be "all"')

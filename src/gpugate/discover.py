@@ -77,7 +77,7 @@ def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu
     for ref in config.gpus:
         if isinstance(ref, int):
             if ref not in by_index:
-                have = f"GPUs {', '.join(str(g.index) for g in gpus)}" if gpus else "no GPUs"
+                have = _index_list(gpus)
                 raise ConfigError(
                     source, "gpus", f"GPU index {ref} does not exist; NVML lists {have}"
                 )
@@ -90,6 +90,15 @@ def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu
         if gpu not in owned:
             owned.append(gpu)
     return owned
+
+
+def _index_list(gpus: Sequence[Gpu]) -> str:
+    indices = [gpu.index for gpu in gpus]
+    if not indices:
+        return "no GPUs"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"GPUs {indices[0]}-{indices[-1]}"
+    return "GPUs " + ", ".join(map(str, indices))
 
 
 def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:

@@ -22,6 +22,8 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
     LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
     INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
+    MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
+    GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
 
 class GateError(Exception):
@@ -62,3 +64,7 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class ManualRunRefused(GateError):
+    exit_code = ExitCode.MANUAL_RUN_REFUSED
