@@ -70,7 +70,9 @@ class FakeGpuMemory:
     def usage(self, gpu: Gpu) -> GpuUsage:
         self.queries += 1
         if gpu.index in self.failing_usage:
-            raise GpuError(gpu.index, f"NVML: nvmlDeviceGetMemoryInfo on GPU {gpu.index}: Unknown Error")
+            raise GpuError(
+                gpu.index, f"NVML: nvmlDeviceGetMemoryInfo on GPU {gpu.index}: Unknown Error"
+            )
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []
         now = time.monotonic()

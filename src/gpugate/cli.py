@@ -255,7 +255,7 @@ def _status(
     finally:
         driver.close()
     print(render_json(data) if as_json else render_table(data))
-    return int(ExitCode.OK)
+    return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
 
 
 def to_toml(data: dict[str, object], prefix: str = "") -> str:

@@ -55,9 +55,7 @@ def test_nvidia_visible_devices_values(value: str, expected: object) -> None:
 @pytest.mark.parametrize("value", ["0,gpu1", "1,1", "0,,1", "GPU-xyz", "4;5", "9999"])
 def test_bad_values_name_the_unit_and_variable(value: str) -> None:
     with pytest.raises(ConfigError) as info:
-        choose_gpus(
-            "a.service", loaded(), env_of(f"Environment=CUDA_VISIBLE_DEVICES={value}\n")
-        )
+        choose_gpus("a.service", loaded(), env_of(f"Environment=CUDA_VISIBLE_DEVICES={value}\n"))
     assert "unit a.service: Environment=: CUDA_VISIBLE_DEVICES" in info.value.message
 
 
@@ -72,13 +70,13 @@ def test_environment_line_wins_and_files_override_it(tmp_path: Path) -> None:
     choice = choose_gpus("a.service", loaded(), env_of(show))
     assert choice.gpus == (4, 5)
     assert choice.source == f"CUDA_VISIBLE_DEVICES of a.service (EnvironmentFile={env_file})"
-    only_line = choose_gpus("a.service", loaded(), env_of(show.split("\n")[0]))
+    only_line = choose_gpus("a.service", loaded(), env_of(show.split("\n", maxsplit=1)[0]))
     assert only_line.gpus == (0, 1) and "(Environment=)" in only_line.source
 
 
 def test_a_missing_required_environment_file_is_an_error(tmp_path: Path) -> None:
     show = f"Environment=\nEnvironmentFiles={tmp_path}/gone.env (ignore_errors=no)\n"
-    with pytest.raises(UnknownUnit, match="gone.env"):
+    with pytest.raises(UnknownUnit, match=r"gone\.env"):
         choose_gpus("a.service", loaded(), env_of(show))
 
 
@@ -129,7 +127,8 @@ def test_unit_environment_records_where_each_came_from(tmp_path: Path) -> None:
     env_file = tmp_path / "e"
     env_file.write_text("A=2\n")
     env = unit_environment(
-        "a.service", show=lambda _: f"Environment=A=1 B=1\nEnvironmentFiles={env_file} (ignore_errors=no)"
+        "a.service",
+        show=lambda _: f"Environment=A=1 B=1\nEnvironmentFiles={env_file} (ignore_errors=no)",
     )
     assert isinstance(env, UnitEnvironment)
     assert env.variables == {"A": "2", "B": "1"}

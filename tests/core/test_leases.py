@@ -4,7 +4,6 @@ unit no longer runs (real processes in a stand-in cgroup tree stand for a runnin
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -12,8 +11,8 @@ import pytest
 
 from gpugate.leases import (
     check_leases,
-    leases_by_gpu,
     lease_path,
+    leases_by_gpu,
     new_lease,
     read_leases,
     release_lease,
@@ -65,6 +64,7 @@ def test_a_torn_or_foreign_file_is_reported_not_trusted(host: FakeHost, tmp_path
 def test_live_lease_on_overlapping_gpus_is_a_conflict(
     host: FakeHost,
     tmp_path: Path,
+    *,
     theirs: tuple[int, ...],
     mine: tuple[int, ...],
     overlap: tuple[int, ...],
@@ -97,8 +97,12 @@ def test_disjoint_own_and_shared_leases_do_not_conflict(host: FakeHost, tmp_path
     write_lease(locks, new_lease("b.service", gpus(host, 4), share=True))
     write_lease(locks, new_lease("c.service", gpus(host, 5), share=False))
     active = lambda _: "active"  # noqa: E731
-    assert not check_leases(locks, "d.service", gpus(host, 2, 3), share=False, unit_state=active).conflicts
-    assert not check_leases(locks, "a.service", gpus(host, 0), share=False, unit_state=active).conflicts
+    assert not check_leases(
+        locks, "d.service", gpus(host, 2, 3), share=False, unit_state=active
+    ).conflicts
+    assert not check_leases(
+        locks, "a.service", gpus(host, 0), share=False, unit_state=active
+    ).conflicts
     both = check_leases(locks, "d.service", gpus(host, 4), share=True, unit_state=active)
     assert not both.conflicts and [lease.unit for lease, _ in both.shared] == ["b.service"]
     # sharing needs both sides: a sharer cannot join a unit that does not share, nor the reverse
@@ -115,7 +119,9 @@ def test_unit_state_without_systemd_follows_its_cgroup(host: FakeHost) -> None:
     assert unit_active_state("other.service", host.cgroup_root, ask_systemd=False) == "inactive"
 
 
-def test_lease_written_by_a_process_that_then_crashes_survives(host: FakeHost, tmp_path: Path) -> None:
+def test_lease_written_by_a_process_that_then_crashes_survives(
+    host: FakeHost, tmp_path: Path
+) -> None:
     locks = tmp_path / "locks"
     code = (
         "import sys, os; from pathlib import Path; from gpugate.leases import new_lease, write_lease;"
