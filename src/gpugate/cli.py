@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 EPILOG = """exit codes: 0 ok, 1 internal error, 2 usage, 3 config, 4 NVML unavailable,
 5 holders survived SIGKILL, 6 memory not freed in time, 7 GPUs held by processes gpugate may
-not kill, 8 permission, 9 unknown unit, 10 GPU lock timeout, 11 install/uninstall refused"""
+not kill or leased to another running unit, 8 permission, 9 unknown unit, 10 GPU lock timeout,
+11 install/uninstall refused, 80 pre/post by hand against a running unit (no --force),
+81 status: a GPU NVML cannot read"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
         _unit_and_config(sub)
         sub.add_argument(
             "--dry-run", action="store_true", help="report what would be killed; kill nothing"
+        )
+        sub.add_argument(
+            "--force",
+            action="store_true",
+            help="run by hand even while the unit is active (kills the running service)",
         )
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
@@ -110,7 +117,9 @@ def main(
     *,
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
     reporter_factory: Callable[[str, str], Reporter] = Reporter,
+    unit_state: Callable[[str], str | None] | None = None,
 ) -> int:
+    """unit_state: the unit's ActiveState for the manual-run check (default: ask systemd)."""
     args = build_parser().parse_args(argv)
     unit: str | None = None
     reporter: Reporter | None = None
@@ -145,6 +154,12 @@ def main(
         from gpugate.pipeline import run_phase  # noqa: PLC0415
 
         assert unit is not None
+        from gpugate.hook_guard import manual_run_guard  # noqa: PLC0415
+
+        state = (unit_state or _systemd_active_state)(unit)
+        manual_refusal = manual_run_guard(
+            args.command, unit, state, os.environ, force=args.force, dry_run=args.dry_run
+        )
         reporter = reporter_factory(unit, args.command)
         summary = run_phase(
             args.command,
@@ -153,6 +168,7 @@ def main(
             reporter,
             dry_run=args.dry_run,
             driver_factory=driver_factory,
+            manual_refusal=manual_refusal,
         )
         if not args.dry_run:
             _record_metrics(loaded, args.command, unit, summary.exit_code, summary)
@@ -195,6 +211,13 @@ def run() -> None:
     os._exit(code)
 
 
+def _systemd_active_state(unit: str) -> str | None:
+    from gpugate.units import query_unit  # noqa: PLC0415
+
+    state = query_unit(unit)
+    return state.active_state if state is not None else None
+
+
 def _record_metrics(
     loaded: LoadedConfig, phase: str, unit: str, code: ExitCode, summary: RunSummary | None
 ) -> None:
@@ -209,6 +232,13 @@ def _config_check(args: argparse.Namespace) -> int:
     unit = validate_unit_name(args.unit) if args.unit else None
     loaded = load_config(unit, args.path)
     print(f"# effective configuration, from {loaded.source}")
+    if unit is not None:
+        from gpugate.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
+
+        choice = choose_gpus(unit, loaded)
+        shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
+        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
+        loaded = with_chosen_gpus(loaded, choice)
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
 

@@ -6,15 +6,16 @@ forks while it is being killed is found and killed too.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpugate.config import LoadedConfig
 from gpugate.decide import Choice, Decision, decide
 from gpugate.discover import Discovery, discover
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.kill import Pinned, pin, terminate
 from gpugate.locks import gpu_locks
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage, NvmlDriver
@@ -27,7 +28,18 @@ from gpugate.report import (
     Event,
     Reporter,
 )
-from gpugate.units import resolve_unit_cgroup
+from gpugate.shared_host import (
+    HostContext,
+    after_run,
+    first_entry_note,
+    gpus_not_to_wait_on,
+    leases_refuse,
+    prepare,
+    record_pre_error,
+    refuse_manual_run,
+    report_faults,
+)
+from gpugate.units import UnitEnvironment, resolve_unit_cgroup
 from gpugate.wait import BusyGpu, wait_until_free
 
 MAX_ROUNDS = 5
@@ -83,8 +95,58 @@ def run_phase(
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
     target_cgroup: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    manual_refusal: str | None = None,
+    unit_env: Callable[[str], UnitEnvironment | None] | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
 ) -> RunSummary:
-    """target_cgroup: the cgroup whose processes all die (a Slurm job's); default: the unit's."""
+    """target_cgroup: the cgroup whose processes all die (a Slurm job's); default: the unit's.
+    environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT); manual_refusal: why a
+    hand-typed run must not kill (hook_guard), or None."""
+    loaded, context = prepare(
+        phase,
+        unit,
+        loaded,
+        os.environ if environ is None else environ,
+        manual_refusal=manual_refusal,
+        ask_systemd=str(loaded.config.paths.cgroup_root) == DEFAULT_CGROUP_ROOT,
+        environment=unit_env,
+        unit_state=unit_state,
+    )
+    try:
+        return _run_phase(
+            phase,
+            unit,
+            loaded,
+            reporter,
+            context,
+            dry_run=dry_run,
+            driver_factory=driver_factory,
+            pinner=pinner,
+            clock=clock,
+            target_cgroup=target_cgroup,
+        )
+    except ManualRunRefused:
+        raise
+    except GateError as exc:
+        if not dry_run:
+            record_pre_error(context, loaded, exc)
+        raise
+
+
+def _run_phase(
+    phase: str,
+    unit: str,
+    loaded: LoadedConfig,
+    reporter: Reporter,
+    context: HostContext,
+    *,
+    dry_run: bool,
+    driver_factory: Callable[[], GpuDriver],
+    pinner: Callable[[ProcessId, ProcFs], Pinned | None],
+    clock: Callable[[], float],
+    target_cgroup: str | None,
+) -> RunSummary:
     policy = loaded.config.policy(phase)
     reporter.status("looking for processes holding the GPUs")
 
@@ -98,6 +160,7 @@ def run_phase(
             pinner=pinner,
             clock=clock,
             target_cgroup=target_cgroup,
+            context=context,
         ).run(dry_run)
 
     def degrade(exc: NvmlUnavailable) -> RunSummary:
@@ -135,7 +198,12 @@ class PhaseRun:
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
         target_cgroup: str | None = None,
+        context: HostContext,
     ) -> None:
+        self.context = context
+        self.dry_run = False
+        self.refused_by_lease = False
+        self.after_done = False
         self.pinner = pinner
         self.phase = phase
         self.unit = unit
@@ -169,6 +237,7 @@ class PhaseRun:
 
     def run(self, dry_run: bool) -> RunSummary:
         reporter, summary = self.reporter, self.summary
+        self.dry_run = dry_run
         discovery, decision = self.find()
         summary.seconds_discover = self.clock() - self.started
         owned = discovery.owned
@@ -176,15 +245,20 @@ class PhaseRun:
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {gpu.index: discovery.usage[gpu.index].used_mib for gpu in owned}
         used_before = sum(self.used_before.values())
+        gpu_note, gpu_priority = first_entry_note(self.context)
         reporter.event(
             Event.RUN_STARTED,
             f"{'dry run: ' if dry_run else ''}{len(owned)} GPU(s) "
             f"[{_gpu_list([g.index for g in owned])}], {used_before} MiB used; "
-            f"config {self.loaded.source}; cgroup {self.unit_cgroup}",
+            f"{gpu_note}; config {self.loaded.source}; cgroup {self.unit_cgroup}",
+            priority=gpu_priority or PRIORITY_INFO,
             gpus=[gpu.index for gpu in owned],
             used_mib=used_before,
             config=self.loaded.source,
+            gpu_source=self.context.choice.source,
         )
+        report_faults(self.context, reporter, discovery)
+        refuse_manual_run(self.context, decision, describe)
         if discovery.unreadable:
             shown = ", ".join(map(str, discovery.unreadable[:10]))
             more = "..." if len(discovery.unreadable) > 10 else ""
@@ -213,7 +287,9 @@ class PhaseRun:
             summary.exit_code = ExitCode.HELD_BY_OTHERS
             return self.finish()
         if dry_run:
-            summary.exit_code = ExitCode.HELD_BY_OTHERS if decision.blockers else ExitCode.OK
+            leased = leases_refuse(self.context, self.loaded, reporter, owned, dry_run=True)
+            blocked = decision.blockers or leased
+            summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
             return summary
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         reporter.extend_timeout(self.deadline - self.clock() + 10)
@@ -224,6 +300,11 @@ class PhaseRun:
             on_wait=lambda gpu: reporter.status(f"waiting for another gpugate run on {gpu.label}"),
             clock=self.clock,
         ):
+            # Checked and taken in one turn on the locks: an overlapping pre waits for this.
+            if leases_refuse(self.context, self.loaded, reporter, owned, dry_run=False):
+                self.refused_by_lease = True
+                summary.exit_code = ExitCode.HELD_BY_OTHERS
+                return self.finish()
             discovery, decision, survivors = self.kill(discovery, decision)
             if survivors:
                 summary.exit_code = ExitCode.UNKILLABLE
@@ -233,7 +314,7 @@ class PhaseRun:
                 reporter.status("GPUs still held by processes gpugate may not kill")
             else:
                 self.wait(discovery, decision)
-        return self.finish()
+            return self.finish()
 
     def kill(
         self, discovery: Discovery, decision: Decision
@@ -267,6 +348,7 @@ class PhaseRun:
             if survivors or self.clock() >= self.deadline:
                 break
             discovery, decision = self.find()
+            report_faults(self.context, self.reporter, discovery)
         self.summary.seconds_kill = self.clock() - kill_started
         for ident in survivors:
             self.reporter.event(
@@ -308,7 +390,17 @@ class PhaseRun:
             )
 
     def wait(self, discovery: Discovery, decision: Decision) -> None:
-        owned = discovery.owned
+        owned = list(discovery.owned)
+        waited_by_pre = gpus_not_to_wait_on(self.context, owned)
+        if waited_by_pre:
+            owned = [gpu for gpu in owned if gpu not in waited_by_pre]
+            self.reporter.event(
+                Event.TIMEOUT,
+                f"not waiting again on GPU {_gpu_list([g.index for g in waited_by_pre])}: "
+                "this start's pre already waited its wait_timeout_s for that memory",
+                priority=PRIORITY_WARNING,
+                gpus=[gpu.index for gpu in waited_by_pre],
+            )
         if not owned:
             return
         free_mib = self.config.free_mib
@@ -374,6 +466,17 @@ class PhaseRun:
             freed_mib=summary.freed_mib,
         )
         self.reporter.status(f"done: {result}")
+        if not self.dry_run and not self.after_done:
+            self.after_done = True  # the lease is written here, still under the GPU locks
+            after_run(
+                self.context,
+                self.loaded,
+                self.reporter,
+                owned=summary.owned,
+                exit_code=summary.exit_code,
+                busy=summary.busy,
+                refused_by_lease=self.refused_by_lease,
+            )
         return summary
 
 
