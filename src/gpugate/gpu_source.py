@@ -61,9 +61,11 @@ def parse_visible_devices(variable: str, value: str, where: str) -> str | tuple[
 def choose_gpus(
     unit: str | None,
     loaded: LoadedConfig,
-    environment: Callable[[str], UnitEnvironment | None] = unit_environment,
+    environment: Callable[[str], UnitEnvironment | None] | None = None,
 ) -> GpuChoice:
+    """environment: the unit's environment (default: ask systemd)."""
     config = loaded.config
+    environment = environment or unit_environment
     if config.gpus != "auto":
         return GpuChoice(config.gpus, f"gpus in {loaded.source}")
     env = environment(unit) if unit else None

@@ -8,6 +8,7 @@ active or activating such a run would kill the running service, so it refuses un
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -44,6 +45,7 @@ def manual_run_guard(
 
 
 def refusal(reason: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
+    would_kill = [re.sub(r"\s+", " ", text)[:120] for text in would_kill]  # one line
     listed = "; ".join(would_kill[:5]) + (
         f"; and {len(would_kill) - 5} more" if len(would_kill) > 5 else ""
     )
