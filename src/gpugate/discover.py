@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from gpugate.config import GateConfig
+from gpugate.config import GpuSelection
 from gpugate.errors import ConfigError, NvmlUnavailable, PermissionDenied
+from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
 from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
 
@@ -68,18 +69,22 @@ class Discovery:
         return {gpu.index for gpu in self.owned}
 
 
-def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    if config.gpus in ("all", "auto"):  # "auto" is resolved before: gpu_source.py
+def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
+    """The GPUs a selection names; None names none (NVML failed, the cgroup alone is cleaned)."""
+    if wanted is None:
+        return []
+    if wanted == "all":
         return list(gpus)
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
     by_index = {gpu.index: gpu for gpu in gpus}  # a GPU NVML cannot read is not among them
     owned: list[Gpu] = []
-    for ref in config.gpus:
+    for ref in wanted:
         if isinstance(ref, int):
             if ref not in by_index:
-                have = _index_list(gpus)
                 raise ConfigError(
-                    source, "gpus", f"GPU index {ref} does not exist; NVML lists {have}"
+                    source,
+                    "gpus",
+                    f"GPU index {ref} does not exist; NVML lists {_index_list(gpus)}",
                 )
             gpu = by_index[ref]
         else:
@@ -99,6 +104,29 @@ def _index_list(gpus: Sequence[Gpu]) -> str:
     if indices == list(range(indices[0], indices[-1] + 1)):
         return f"GPUs {indices[0]}-{indices[-1]}"
     return "GPUs " + ", ".join(map(str, indices))
+
+
+def _fail_on_owned_faults(
+    wanted: GpuSelection | None, gpus: Sequence[Gpu], faults: Sequence[GpuFault], unit: str
+) -> None:
+    """An NVML error on a GPU the unit owns fails the run; on any other GPU it is a warning."""
+    if not faults or wanted is None:
+        return
+    who = unit or "this run"
+    if wanted == "all":
+        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {who}: gpus = all)")
+    uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
+    owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in wanted}
+    owned_uuids = {ref.lower() for ref in wanted if isinstance(ref, str)}
+    for fault in faults:
+        if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
+            raise NvmlUnavailable(f"{fault.error} (a GPU of {who})")
+    unknown = [ref for ref in owned_uuids if ref not in uuids]
+    nameless = [fault for fault in faults if fault.uuid is None]
+    if unknown and nameless:
+        raise NvmlUnavailable(
+            f"{nameless[0].error}; {who}'s GPU {unknown[0]} is not among those NVML can read"
+        )
 
 
 def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:
@@ -131,21 +159,21 @@ def discover(
     *,
     unit: str,
     unit_cgroup: str,
-    config: GateConfig,
+    wanted: GpuSelection | None,
     config_source: str,
     driver: GpuDriver,
     procfs: ProcFs,
+    roots: HostRoots,
     self_pid: int | None = None,
-    resolve_gpus: bool = True,
     strict_faults: bool = True,
 ) -> Discovery:
-    """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
+    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none.
+    strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
     on the others are recorded in `faults` either way); `status` passes False."""
-    paths = config.paths
     gpus = list(driver.gpus())
     faults = list(driver_faults(driver))
-    if strict_faults and resolve_gpus:
-        _fail_on_owned_faults(config, gpus, faults, unit)
+    if strict_faults:
+        _fail_on_owned_faults(wanted, gpus, faults, unit)
     usage: dict[int, GpuUsage] = {}
     for gpu in list(gpus):
         try:
@@ -153,9 +181,9 @@ def discover(
         except GpuError as exc:
             gpus.remove(gpu)
             faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
-    if strict_faults and resolve_gpus:
-        _fail_on_owned_faults(config, gpus, faults, unit)
-    owned = owned_gpus(config, gpus, config_source) if resolve_gpus else []
+    if strict_faults:
+        _fail_on_owned_faults(wanted, gpus, faults, unit)
+    owned = owned_gpus(wanted, gpus, config_source)
     self_chain = self_and_ancestors(procfs, self_pid)
     holders: dict[int, Holder] = {}
 
@@ -168,7 +196,7 @@ def discover(
         holders[pid] = Holder(info)
         return holders[pid]
 
-    for pid in cgroup_members(paths.cgroup_root, unit_cgroup):
+    for pid in cgroup_members(roots.cgroup, unit_cgroup):
         if pid not in self_chain and (found := holder(pid)) is not None:
             found.sources.add(Source.CGROUP)
 
@@ -177,8 +205,8 @@ def discover(
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
         minor = fault.index if fault.minor is None else fault.minor
         index_by_minor.setdefault(minor, fault.index)
-    dev_prefix = os.path.join(os.fspath(paths.dev_root), "nvidia")
-    scan = scan_device_users(paths.proc_root, dev_prefix)
+    dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
+    scan = scan_device_users(roots.proc, dev_prefix)
     for pid, use in scan.users.items():
         if pid in self_chain or (found := holder(pid)) is None:
             continue
@@ -218,25 +246,3 @@ def discover(
         invisible=invisible,
         faults=sorted(faults, key=lambda fault: fault.index),
     )
-
-
-def _fail_on_owned_faults(
-    config: GateConfig, gpus: Sequence[Gpu], faults: Sequence[GpuFault], unit: str
-) -> None:
-    """An NVML error on a GPU the unit owns fails the run; on any other GPU it is a warning."""
-    if not faults:
-        return
-    if config.gpus in ("all", "auto"):
-        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {unit or 'this run'}: gpus = all)")
-    uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
-    owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in config.gpus}
-    owned_uuids = {ref.lower() for ref in config.gpus if isinstance(ref, str)}
-    for fault in faults:
-        if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
-            raise NvmlUnavailable(f"{fault.error} (a GPU of {unit or 'this run'})")
-    unknown = [ref for ref in owned_uuids if ref not in uuids]
-    nameless = [fault for fault in faults if fault.uuid is None]
-    if unknown and nameless:
-        raise NvmlUnavailable(
-            f"{nameless[0].error}; the unit's GPU {unknown[0]} is not among those NVML can read"
-        )

@@ -8,29 +8,27 @@ gpugate's own environment (a hand-typed run would see the shell's).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpugate.config import BUILTIN_SOURCE, UUID_PATTERN, GpuRef, LoadedConfig
+from gpugate.config import BUILTIN_SOURCE, GateConfig, GpuSelection, LoadedConfig
 from gpugate.errors import ConfigError
+from gpugate.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.units import UnitEnvironment, unit_environment
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-INDEX = re.compile(r"[0-9]{1,4}")
-MAX_GPU_INDEX = 1023
 NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
 NVIDIA_NO_GPU = {"", "none", "void"}
 
 
 @dataclass(frozen=True)
 class GpuChoice:
-    gpus: str | tuple[GpuRef, ...]  # "all", or the GPUs ((): the unit uses none)
+    gpus: GpuSelection  # "all", or the GPUs ((): the unit uses none)
     source: str  # said in the run's first journal entry and by `config check --unit`
     warn: bool = False  # all GPUs, only because nothing named them
 
 
-def parse_visible_devices(variable: str, value: str, where: str) -> str | tuple[GpuRef, ...]:
+def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
     """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
     text = value.strip()
     lowered = text.lower()
@@ -41,21 +39,11 @@ def parse_visible_devices(variable: str, value: str, where: str) -> str | tuple[
             return ()
     if text in NO_GPU or text.split(",")[0].strip() == "-1":
         return ()
-    gpus: list[GpuRef] = []
-    for item in (part.strip() for part in text.split(",")):
-        ref: GpuRef
-        if INDEX.fullmatch(item) and int(item) <= MAX_GPU_INDEX:
-            ref = int(item)
-        elif UUID_PATTERN.fullmatch(item):
-            ref = item
-        else:
-            raise ConfigError(
-                where, variable, f"{value!r}: {item!r} is neither a GPU index nor a GPU UUID"
-            )
-        if ref in gpus:
-            raise ConfigError(where, variable, f"{value!r}: names GPU {ref} twice")
-        gpus.append(ref)
-    return tuple(gpus)
+    try:
+        gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
+    except GpuListError as exc:
+        raise ConfigError(where, variable, f"{value[:80]!r}: {exc}") from None
+    return gpus
 
 
 def choose_gpus(
@@ -86,6 +74,11 @@ def choose_gpus(
             warn=True,
         )
     return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})')
+
+
+def selection(config: GateConfig) -> GpuSelection:
+    """The config's GPUs once with_chosen_gpus ran ("auto" left unresolved: every GPU)."""
+    return "all" if config.gpus == "auto" else config.gpus
 
 
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:

@@ -9,15 +9,14 @@ one turn. A lease whose unit systemd no longer calls active or activating is sta
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpugate.atomic import write_atomically
 from gpugate.errors import PermissionDenied
 from gpugate.nvml import Gpu
 
@@ -119,25 +118,11 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
 
 def write_lease(lock_dir: Path, lease: Lease) -> Path:
     """Replace the unit's lease atomically."""
-    folder = lease_dir(lock_dir)
     target = lease_path(lock_dir, lease.unit)
     try:
-        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{lease.unit}.", suffix=".tmp", dir=folder)
+        write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied writing a GPU lease") from None
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            json.dump(lease.as_json(), handle, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
-        raise
+        raise PermissionDenied(f"{target}: permission denied writing a GPU lease") from None
     return target
 
 

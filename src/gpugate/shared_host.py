@@ -18,8 +18,10 @@ from gpugate.discover import Discovery
 from gpugate.errors import ExitCode, GateError
 from gpugate.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.hook_guard import refusal
+from gpugate.host import HostRoots
 from gpugate.leases import check_leases, new_lease, release_lease, write_lease
 from gpugate.nvml import Gpu
+from gpugate.outcome import BusyGpu
 from gpugate.report import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
 from gpugate.start_failure import (
     FailedPre,
@@ -28,7 +30,6 @@ from gpugate.start_failure import (
     record_failed_pre,
 )
 from gpugate.units import UnitEnvironment, unit_active_state, unit_environment
-from gpugate.wait import BusyGpu
 
 LEASE_PHASES = frozenset({"pre", "post"})  # Slurm gives out its GPUs itself
 
@@ -42,7 +43,7 @@ class HostContext:
     environ: Mapping[str, str]
     choice: GpuChoice
     manual_refusal: str | None = None  # hook_guard.manual_run_guard's reason, or None
-    ask_systemd: bool = True
+    roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     reported_faults: set[int] = field(default_factory=set)
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
@@ -58,15 +59,15 @@ def prepare(
     loaded: LoadedConfig,
     environ: Mapping[str, str],
     *,
+    roots: HostRoots,
     manual_refusal: str | None = None,
-    ask_systemd: bool = True,
     environment: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
 ) -> tuple[LoadedConfig, HostContext]:
     """The config with the unit's GPUs resolved, and the run's context. environment and
     unit_state stand in for systemd (tests); without them systemd is asked where it runs."""
     if environment is None:
-        environment = unit_environment if ask_systemd else lambda _: None
+        environment = unit_environment if roots.ask_systemd else lambda _: None
     choice = choose_gpus(unit, loaded, environment)
     context = HostContext(
         phase,
@@ -74,11 +75,11 @@ def prepare(
         environ,
         choice,
         manual_refusal=manual_refusal,
-        ask_systemd=ask_systemd,
+        roots=roots,
         unit_state=unit_state,
     )
     if phase == "post":
-        context.failed_pre = failed_pre_of_this_start(loaded.config.paths.lock_dir, unit, environ)
+        context.failed_pre = failed_pre_of_this_start(loaded.config.lock_dir, unit, environ)
     return with_chosen_gpus(loaded, choice), context
 
 
@@ -118,14 +119,14 @@ def leases_refuse(
         return False
     config = loaded.config
     check = check_leases(
-        config.paths.lock_dir,
+        config.lock_dir,
         context.unit,
         owned,
         share=config.share_gpus,
         unit_state=context.unit_state
         or (
             lambda name: unit_active_state(
-                name, config.paths.cgroup_root, ask_systemd=context.ask_systemd
+                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
             )
         ),
     )
@@ -143,7 +144,7 @@ def leases_refuse(
             gpus=list(lease.gpus),
         )
         if not dry_run:
-            release_lease(config.paths.lock_dir, lease.unit)
+            release_lease(config.lock_dir, lease.unit)
     for lease, gpus in check.shared:
         reporter.event(
             Event.PROCESS_SPARED,
@@ -174,7 +175,7 @@ def after_run(
     refused_by_lease: bool = False,
 ) -> None:
     """pre: take the lease on success, record why on failure; post: release it."""
-    lock_dir = loaded.config.paths.lock_dir
+    lock_dir = loaded.config.lock_dir
     if context.phase == "pre":
         if exit_code is ExitCode.OK:
             write_lease(
@@ -218,7 +219,7 @@ def record_pre_error(context: HostContext, loaded: LoadedConfig, error: GateErro
     """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again."""
     if context.phase != "pre":
         return
-    lock_dir = loaded.config.paths.lock_dir
+    lock_dir = loaded.config.lock_dir
     release_lease(lock_dir, context.unit)
     record_failed_pre(
         lock_dir,
@@ -240,6 +241,16 @@ def gpus_not_to_wait_on(context: HostContext, owned: Sequence[Gpu]) -> list[Gpu]
     return [gpu for gpu in owned if gpu.uuid.lower() in busy]
 
 
+def waiting_skipped(reporter: Reporter, gpus: Sequence[Gpu]) -> None:
+    reporter.event(
+        Event.TIMEOUT,
+        f"not waiting again on GPU {_indices(g.index for g in gpus)}: this start's pre already "
+        "waited its wait_timeout_s for that memory",
+        priority=PRIORITY_WARNING,
+        gpus=[gpu.index for gpu in gpus],
+    )
+
+
 def failure_reason(exit_code: ExitCode, busy: Sequence[BusyGpu], timeout_s: float) -> str:
     if busy:
         return "; ".join(
@@ -248,11 +259,6 @@ def failure_reason(exit_code: ExitCode, busy: Sequence[BusyGpu], timeout_s: floa
             for item in busy
         )
     return f"exit {int(exit_code)} ({exit_code.name.lower()}); see journalctl for its entries"
-
-
-def first_entry_note(context: HostContext) -> tuple[str, int | None]:
-    """The GPU source for the run's first journal entry, and a priority when it warns."""
-    return f"GPUs from {context.choice.source}", (PRIORITY_WARNING if context.choice.warn else None)
 
 
 def _indices(indices: object) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpugate.atomic import write_atomically
 
 FOLDER = "failed"
 
@@ -43,17 +43,9 @@ def failure_path(lock_dir: Path, unit: str) -> Path:
 
 def record_failed_pre(lock_dir: Path, failed: FailedPre) -> None:
     """Best effort: without it post waits again, as it did before."""
-    folder = lock_dir / FOLDER
     with contextlib.suppress(OSError):
-        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=f".{failed.unit}.", suffix=".tmp", dir=folder)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                json.dump(failed.as_json(), handle, sort_keys=True)
-            os.replace(temporary, failure_path(lock_dir, failed.unit))
-        except OSError:
-            os.unlink(temporary)
-            raise
+        text = json.dumps(failed.as_json(), sort_keys=True) + "\n"
+        write_atomically(failure_path(lock_dir, failed.unit), text)
 
 
 def clear_failed_pre(lock_dir: Path, unit: str) -> None:

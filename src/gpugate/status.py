@@ -8,7 +8,8 @@ from typing import Any
 from gpugate.config import LoadedConfig
 from gpugate.decide import role_of
 from gpugate.discover import Discovery, Source, discover
-from gpugate.gpu_source import choose_gpus, with_chosen_gpus
+from gpugate.gpu_source import choose_gpus, selection, with_chosen_gpus
+from gpugate.host import HostRoots
 from gpugate.leases import leases_by_gpu, read_leases
 from gpugate.nvml import GpuDriver
 from gpugate.procfs import ProcFs
@@ -18,35 +19,34 @@ JSON_VERSION = 1
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 
 
-def collect(unit: str | None, loaded: LoadedConfig, driver: GpuDriver) -> Discovery:
+def collect(
+    unit: str | None, loaded: LoadedConfig, driver: GpuDriver, roots: HostRoots | None = None
+) -> Discovery:
     """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
     `faults`, and its device files still name its holders."""
+    roots = roots or HostRoots()
     if unit is not None:
-        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded))
-    config = loaded.config
+        environment = None if roots.ask_systemd else (lambda _: None)
+        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
     if unit is None:
-        config = config.model_copy(update={"gpus": "all"})
         cgroup = NO_UNIT_CGROUP
     else:
-        cgroup = resolve_unit_cgroup(
-            unit,
-            config.paths.cgroup_root,
-            ask_systemd=str(config.paths.cgroup_root) == "/sys/fs/cgroup",
-        )
+        cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
     return discover(
         unit=unit or "",
         unit_cgroup=cgroup,
-        config=config,
+        wanted="all" if unit is None else selection(loaded.config),
         config_source=loaded.source,
         driver=driver,
-        procfs=ProcFs(config.paths.proc_root),
+        procfs=ProcFs(roots.proc),
+        roots=roots,
         strict_faults=False,
     )
 
 
 def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
     owned = discovery.owned_indices
-    leased = leases_by_gpu(read_leases(loaded.config.paths.lock_dir).leases)
+    leased = leases_by_gpu(read_leases(loaded.config.lock_dir).leases)
     holders = []
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info

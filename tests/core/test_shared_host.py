@@ -14,10 +14,11 @@ from gpugate.config import BUILTIN_SOURCE, LoadedConfig
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable
 from gpugate.hook_guard import in_own_hook, manual_run_guard
 from gpugate.leases import read_leases
-from gpugate.pipeline import RunSummary, run_phase
+from gpugate.outcome import RunSummary
+from gpugate.pipeline import RunScope, run_phase
 from gpugate.report import PRIORITY_WARNING, Reporter
 from gpugate.units import unit_environment
-from tests.fakes import UNIT, FakeHost, RecordingJournal, RecordingNotifier, alive
+from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, RecordingJournal, RecordingNotifier, alive
 
 A, B = "a.service", "b.service"
 
@@ -38,10 +39,10 @@ def run(  # type: ignore[no-untyped-def]
         unit, phase, journal=journal or host.journal, notifier=host.notifier, echo=False
     )
     return run_phase(
-        phase,
-        unit,
+        RunScope(phase, unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
         loaded or host.config(),
         reporter,
+        roots=host.roots,
         driver_factory=lambda: host.memory,
         **({"environ": {}} | kwargs),
     )
@@ -222,13 +223,13 @@ def test_a_fault_on_the_units_own_gpu_fails_it(
 def cli(host: FakeHost, *args: str, state: str | None = "active") -> int:
     config = host.root / "c.toml"
     config.write_text(
-        f'gpus = [0]\n[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
-        f'lock_dir = "{host.root / "locks"}"\n[pre]\nsigterm_grace_s = 1\n'
+        f'gpus = [0]\nlock_dir = "{host.root / "locks"}"\n[pre]\nsigterm_grace_s = 1\n'
         "[post]\nsigterm_grace_s = 1\n"
     )
     return main(
         [*args, "--config", str(config)],
         driver_factory=lambda: host.memory,
+        roots=host.roots,
         reporter_factory=lambda unit, phase: Reporter(
             unit, phase, journal=host.journal, notifier=RecordingNotifier(), echo=False
         ),

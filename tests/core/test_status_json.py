@@ -69,12 +69,11 @@ def status(
     host: FakeHost, capsys: pytest.CaptureFixture[str], *unit: str, exit_code: int = 0
 ) -> dict[str, Any]:
     config = host.root / "c.toml"
-    config.write_text(
-        f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
-        f'lock_dir = "{host.root / "locks"}"\n'
-    )
+    config.write_text(f'lock_dir = "{host.root / "locks"}"\n')
     code = main(
-        ["status", *unit, "--json", "--config", str(config)], driver_factory=lambda: host.memory
+        ["status", *unit, "--json", "--config", str(config)],
+        driver_factory=lambda: host.memory,
+        roots=host.roots,
     )
     assert code == exit_code
     data: dict[str, Any] = json.loads(capsys.readouterr().out)
@@ -149,7 +148,11 @@ def test_an_unreadable_gpu_keeps_every_other_row_and_holder(
         assert by_pid[pid]["gpus"] == [index]
         assert by_pid[pid]["sources"] == (["device-fd"] if index in lost else ["device-fd", "nvml"])
 
-    main(["status", "--config", str(host.root / "c.toml")], driver_factory=lambda: host.memory)
+    main(
+        ["status", "--config", str(host.root / "c.toml")],
+        driver_factory=lambda: host.memory,
+        roots=host.roots,
+    )
     table = capsys.readouterr().out
     for index in lost:
         assert f"  {index}! ? " in table and "lost" in table
