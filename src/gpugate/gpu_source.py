@@ -25,7 +25,8 @@ NVIDIA_NO_GPU = {"", "none", "void"}
 class GpuChoice:
     gpus: GpuSelection  # "all", or the GPUs ((): the unit uses none)
     source: str  # said in the run's first journal entry and by `config check --unit`
-    warn: bool = False  # all GPUs, only because nothing named them
+    warn: bool = False  # all GPUs only because nothing named them, and no config file
+    named: bool = True  # False: every GPU by default, because nothing named the unit's
 
 
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
@@ -72,8 +73,9 @@ def choose_gpus(
             f"all GPUs: {why} and no config file names gpus (set gpus, or the unit's "
             "CUDA_VISIBLE_DEVICES)",
             warn=True,
+            named=False,
         )
-    return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})')
+    return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})', named=False)
 
 
 def selection(config: GateConfig) -> GpuSelection:

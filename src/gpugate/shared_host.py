@@ -177,7 +177,12 @@ def after_run(
     """pre: take the lease on success, record why on failure; post: release it."""
     lock_dir = loaded.config.lock_dir
     if context.phase == "pre":
-        if exit_code is ExitCode.OK:
+        if exit_code is ExitCode.OK and not context.choice.named:
+            # Every GPU only because nothing named the unit's: a lease on all of them would
+            # lock every other unit out. The run's first entry said where the GPUs came from.
+            release_lease(lock_dir, context.unit)
+            clear_failed_pre(lock_dir, context.unit)
+        elif exit_code is ExitCode.OK:
             write_lease(
                 lock_dir,
                 new_lease(

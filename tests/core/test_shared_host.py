@@ -155,6 +155,8 @@ def test_auto_takes_the_units_own_visible_devices(
     (started,) = host.journal.events("run_started")
     assert "VISIBLE_DEVICES of vllm.service (Environment=)" in started["MESSAGE"]
     assert started["GPUGATE_GPU_SOURCE"].endswith("(Environment=)")
+    (lease,) = read_leases(host.root / "locks").leases
+    assert lease.gpus == (mine,)
 
 
 def test_all_gpus_without_config_or_environment_is_a_warning(host: FakeHost) -> None:
@@ -163,6 +165,7 @@ def test_all_gpus_without_config_or_environment_is_a_warning(host: FakeHost) -> 
     (started,) = host.journal.events("run_started")
     assert started["PRIORITY"] == str(PRIORITY_WARNING)
     assert "all GPUs: vllm.service sets neither" in started["MESSAGE"]
+    assert read_leases(host.root / "locks").leases == [], "no lease on GPUs nothing named"
     run(host, "pre", unit_env=env("Environment=\n"))  # a config file exists: no warning
     assert host.journal.events("run_started")[1]["PRIORITY"] != str(PRIORITY_WARNING)
 
