@@ -188,6 +188,7 @@ class PhaseRun:
         summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        refuse_manual_run(self.context, decision, describe)  # one line, before any other
         if not self._announced:
             narrator.run_started(
                 discovery,
@@ -198,7 +199,6 @@ class PhaseRun:
             )
             self._announced = True
         report_faults(self.context, narrator.reporter, discovery)
-        refuse_manual_run(self.context, decision, describe)  # before a word of killing
         narrator.blind_spots(discovery)
         narrator.choices(decision)
         if decision.refused:
