@@ -88,13 +88,21 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
                 )
             gpu = by_index[ref]
         else:
-            found = by_uuid.get(ref.lower())
-            if found is None:
-                raise ConfigError(source, "gpus", f"no GPU has UUID {ref}")
+            found = by_uuid.get(ref.lower()) or _by_prefix(ref, gpus, source)
             gpu = found
         if gpu not in owned:
             owned.append(gpu)
     return owned
+
+
+def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
+    """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
+    matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    if not matches:
+        raise ConfigError(source, "gpus", f"no GPU has UUID {ref}")
+    if len(matches) > 1:
+        raise ConfigError(source, "gpus", f"{ref} is the start of more than one GPU's UUID")
+    return matches[0]
 
 
 def _index_list(gpus: Sequence[Gpu]) -> str:
@@ -121,7 +129,7 @@ def _fail_on_owned_faults(
     for fault in faults:
         if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
             raise NvmlUnavailable(f"{fault.error} (a GPU of {who})")
-    unknown = [ref for ref in owned_uuids if ref not in uuids]
+    unknown = [ref for ref in owned_uuids if not any(uuid.startswith(ref) for uuid in uuids)]
     nameless = [fault for fault in faults if fault.uuid is None]
     if unknown and nameless:
         raise NvmlUnavailable(

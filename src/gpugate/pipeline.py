@@ -132,7 +132,7 @@ class PhaseRun:
     ) -> None:
         self.context = context
         self.dry_run = False
-        self.refused_by_lease = False
+        self.lease_refusal: str | None = None  # why another unit's lease refused this pre
         self.scope = scope
         self.loaded = loaded
         self.config = loaded.config
@@ -209,7 +209,7 @@ class PhaseRun:
             leased = leases_refuse(
                 self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=True
             )
-            blocked = decision.blockers or leased
+            blocked = bool(decision.blockers) or leased is not None
             summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
             return summary
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
@@ -222,10 +222,10 @@ class PhaseRun:
             clock=self.clock,
         ):
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
-            if leases_refuse(
+            self.lease_refusal = leases_refuse(
                 self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=False
-            ):
-                self.refused_by_lease = True
+            )
+            if self.lease_refusal is not None:
                 summary.exit_code = ExitCode.HELD_BY_OTHERS
                 return self.finish()
             discovery, decision, survivors = self.kill_rounds(discovery, decision)
@@ -335,6 +335,6 @@ class PhaseRun:
                 owned=self.summary.owned,
                 exit_code=self.summary.exit_code,
                 busy=self.summary.busy,
-                refused_by_lease=self.refused_by_lease,
+                lease_refusal=self.lease_refusal,
             )
         return self.summary

@@ -113,10 +113,10 @@ def leases_refuse(
     owned: Sequence[Gpu],
     *,
     dry_run: bool,
-) -> bool:
-    """Before pre kills: True where a running unit's lease covers some of the GPUs."""
+) -> str | None:
+    """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
     if context.phase != "pre" or not owned:
-        return False
+        return None
     config = loaded.config
     check = check_leases(
         config.lock_dir,
@@ -152,7 +152,7 @@ def leases_refuse(
             gpus=[g.index for g in gpus],
         )
     if not check.conflicts:
-        return False
+        return None
     reporter.event(
         Event.REFUSED,
         f"not starting {context.unit}: {check.refusal()}",
@@ -161,7 +161,7 @@ def leases_refuse(
         reason="leased",
     )
     reporter.status(f"refused: {check.refusal()}")
-    return True
+    return check.refusal()
 
 
 def after_run(
@@ -172,7 +172,7 @@ def after_run(
     owned: Sequence[Gpu],
     exit_code: ExitCode,
     busy: Sequence[BusyGpu],
-    refused_by_lease: bool = False,
+    lease_refusal: str | None = None,
 ) -> None:
     """pre: take the lease on success, record why on failure; post: release it."""
     lock_dir = loaded.config.lock_dir
@@ -195,11 +195,7 @@ def after_run(
             clear_failed_pre(lock_dir, context.unit)
             return
         release_lease(lock_dir, context.unit)
-        reason = (
-            "GPUs leased to another running unit"
-            if refused_by_lease
-            else failure_reason(exit_code, busy, loaded.config.pre.wait_timeout_s)
-        )
+        reason = lease_refusal or failure_reason(exit_code, busy, loaded.config.pre.wait_timeout_s)
         record_failed_pre(
             lock_dir,
             FailedPre(

@@ -11,9 +11,11 @@ import pytest
 
 from gpugate.cli import main
 from gpugate.config import BUILTIN_SOURCE, LoadedConfig
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable
+from gpugate.discover import owned_gpus
+from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
 from gpugate.hook_guard import in_own_hook, manual_run_guard
 from gpugate.leases import read_leases
+from gpugate.nvml import Gpu
 from gpugate.outcome import RunSummary
 from gpugate.pipeline import RunScope, run_phase
 from gpugate.report import PRIORITY_WARNING, Reporter
@@ -336,3 +338,19 @@ def test_a_pre_that_raised_is_recorded_too(host: FakeHost) -> None:
     host.memory.lost = set()
     run(host, "post", loaded=host.config(gpus=[3]), environ=hook)
     assert "start failed in gpugate pre: NVML: GPU 3 is lost" in host.journal.entries[-1][0]
+
+
+def test_a_uuid_prefix_names_the_one_gpu_it_starts(host: FakeHost) -> None:
+    gpus = [Gpu(0, "GPU-aaaa1111-0", 0, "x", 1), Gpu(1, "GPU-aaaa2222-1", 1, "x", 1)]
+    assert owned_gpus(("GPU-aaaa2222",), gpus, "s") == [gpus[1]]
+    assert owned_gpus(("gpu-AAAA1111-0",), gpus, "s") == [gpus[0]]
+    with pytest.raises(ConfigError, match="more than one"):
+        owned_gpus(("GPU-aaaa",), gpus, "s")
+    with pytest.raises(ConfigError, match="no GPU has UUID"):
+        owned_gpus(("GPU-bbbbbbbb",), gpus, "s")
+    # through the unit's environment: an ambiguous prefix is a config error, nothing killed
+    (orphan,) = host.pool.holder(host.gpu_files(1))
+    host.memory.claim(orphan, {1}, 100)
+    with pytest.raises(ConfigError, match="more than one"):
+        run(host, "pre", unit_env=env("Environment=CUDA_VISIBLE_DEVICES=GPU-fa4e5a11-0000\n"))
+    assert alive(orphan)
