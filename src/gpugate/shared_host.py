@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gpugate.config import LoadedConfig
-from gpugate.decide import Decision
+from gpugate.decide import Choice, Decision
 from gpugate.discover import Discovery
 from gpugate.errors import ExitCode, GateError
 from gpugate.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
@@ -31,8 +31,6 @@ from gpugate.start_failure import (
 )
 from gpugate.units import UnitEnvironment, unit_active_state, unit_environment
 
-LEASE_PHASES = frozenset({"pre", "post"})  # Slurm gives out its GPUs itself
-
 
 @dataclass
 class HostContext:
@@ -47,10 +45,6 @@ class HostContext:
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     reported_faults: set[int] = field(default_factory=set)
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
-
-    @property
-    def takes_lease(self) -> bool:
-        return self.phase in LEASE_PHASES
 
 
 def prepare(
@@ -98,7 +92,7 @@ def report_faults(context: HostContext, reporter: Reporter, discovery: Discovery
 
 
 def refuse_manual_run(
-    context: HostContext, decision: Decision, describe: Callable[..., str]
+    context: HostContext, decision: Decision, describe: Callable[[Choice], str]
 ) -> None:
     if context.manual_refusal is None:
         return
@@ -174,12 +168,14 @@ def after_run(
     busy: Sequence[BusyGpu],
     lease_refusal: str | None = None,
 ) -> None:
-    """pre: take the lease on success, record why on failure; post: release it."""
+    """pre: take the lease on success, record why on failure; post: release it. (Slurm's
+    prolog and epilog take none: Slurm gives out its GPUs itself.)"""
     lock_dir = loaded.config.lock_dir
     if context.phase == "pre":
-        if exit_code is ExitCode.OK and not context.choice.named:
+        if exit_code is ExitCode.OK and (not context.choice.named or not owned):
             # Every GPU only because nothing named the unit's: a lease on all of them would
             # lock every other unit out. The run's first entry said where the GPUs came from.
+            # (No GPU at all: NVML failed with on_nvml_error = warn, or the unit uses none.)
             release_lease(lock_dir, context.unit)
             clear_failed_pre(lock_dir, context.unit)
         elif exit_code is ExitCode.OK:
