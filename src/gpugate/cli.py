@@ -217,7 +217,7 @@ def _hook(args: argparse.Namespace, front: Front) -> int:
     manual_refusal = manual_run_guard(
         args.command,
         unit,
-        front.unit_state(unit),
+        front.unit_state,
         front.environ,
         force=args.force,
         dry_run=args.dry_run,

@@ -9,7 +9,7 @@ active or activating such a run would kill the running service, so it refuses un
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gpugate.errors import GateError, ManualRunRefused
@@ -25,18 +25,19 @@ def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/
 def manual_run_guard(
     phase: str,
     unit: str,
-    active_state: str | None,
+    unit_state: Callable[[str], str | None],
     environ: Mapping[str, str],
     *,
     force: bool,
     dry_run: bool,
     proc_root: Path = Path("/proc"),
 ) -> str | None:
-    """Why this run must not kill, or None where it may: the unit's own hook, --force,
-    --dry-run, or a unit that is not running."""
-    if force or dry_run or active_state not in RUNNING:
+    """Why this run must not kill, or None where it may: --force, --dry-run, the unit's own
+    hook (systemd is not even asked), or a unit that is not running."""
+    if force or dry_run or in_own_hook(unit, environ, proc_root):
         return None
-    if in_own_hook(unit, environ, proc_root):
+    active_state = unit_state(unit)
+    if active_state not in RUNNING:
         return None
     return (
         f"{unit} is {active_state} and this `gpugate {phase}` is not its {phase} hook "

@@ -286,9 +286,11 @@ def test_the_units_own_hook_is_told_apart(tmp_path: Path) -> None:
     (proc / "self" / "cgroup").write_text("0::/user.slice/user-0.slice/session-3.scope\n")
     assert not in_own_hook(UNIT, hook, proc), "a shell that copied INVOCATION_ID"
     args = {"force": False, "dry_run": False, "proc_root": proc}
-    assert manual_run_guard("pre", UNIT, "active", hook, **args) is not None  # type: ignore[arg-type]
+    assert manual_run_guard("pre", UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
     (proc / "self" / "cgroup").write_text("0::/system.slice/vllm.service\n")
-    assert manual_run_guard("pre", UNIT, "activating", hook, **args) is None  # type: ignore[arg-type]
+    asked: list[str] = []
+    assert manual_run_guard("pre", UNIT, asked.append, hook, **args) is None  # type: ignore[arg-type]
+    assert asked == [], "the unit's own hook does not ask systemd"
 
 
 # --- one deadline per failed start ----------------------------------------------------
