@@ -23,6 +23,8 @@ class ExitCode(IntEnum):
     LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
     INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
     RESPAWNING = 76  # a process gpugate may not take kept restarting the holders until the deadline
+    MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
+    GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
 
 EXIT_MEANINGS = {
@@ -33,12 +35,14 @@ EXIT_MEANINGS = {
     ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
     ExitCode.UNKILLABLE: "holders survived SIGKILL",
     ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
-    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill",
+    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill or leased",
     ExitCode.PERMISSION: "permission",
     ExitCode.UNKNOWN_UNIT: "unknown unit",
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
     ExitCode.RESPAWNING: "holders respawned until the deadline",
+    ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
+    ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }
 
 
@@ -87,3 +91,7 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class ManualRunRefused(GateError):
+    exit_code = ExitCode.MANUAL_RUN_REFUSED

@@ -61,6 +61,7 @@ CONFIG_FIELDS = (
     "ports",
     "free_mib",
     "kill_other_units",
+    "share_gpus",
     "protected_executables",
     "protected_units",
 )
@@ -165,8 +166,8 @@ def render_config(unit: str, gpus: Gpus | None, ports: Sequence[int] | None = No
     ]
     for name in CONFIG_FIELDS:
         lines.append(f"# {GateConfig.model_fields[name].description}")
-        if name == "gpus" and gpus is not None:
-            lines.append(f"gpus = {toml_value(gpus)}")
+        if name == "gpus":  # written out: "auto" unless --gpus named them
+            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
         elif name == "ports" and ports:
             lines.append(f"ports = {toml_value(list(ports))}")
         else:
