@@ -67,7 +67,7 @@ class FakeGpuMemory:
             try:
                 gpu, mib = map(int, path.read_text().split())
                 key = (pid, start_time_of(pid))
-            except (FileNotFoundError, ValueError):
+            except (FileNotFoundError, ProcessLookupError, ValueError):
                 continue  # half written, or the process is gone
             self.claims.setdefault(key, ({gpu}, mib))
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpugate.config import GpuSelection, LoadedConfig
-from gpugate.decide import Choice, Decision, decide
+from gpugate.decide import Choice, Decision, Role, decide
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.gpu_source import selection
@@ -120,6 +120,10 @@ def run_phase(
         raise
 
 
+def spared_for_good(decision: Decision) -> set[int]:
+    return {c.holder.pid for c in decision.spared if c.role is not Role.WATCHER}
+
+
 class PhaseRun:
     def __init__(
         self,
@@ -153,6 +157,8 @@ class PhaseRun:
         # The unit's ports matter before it starts: pre only.
         self.ports = self.config.ports if scope.phase == "pre" else ()
         self.watch = RespawnWatch(())
+        # Spared for good (protected, holding no GPU of the unit): not waited on. A watcher is
+        # not among them: NVML listing it later means it became a GPU user, to look at again.
         self.spared_pids: set[int] = set()
         self._announced = False
 
@@ -305,7 +311,7 @@ class PhaseRun:
             return
         free_mib = self.config.free_mib
         wait_started = self.clock()
-        self.spared_pids = {c.holder.pid for c in decision.spared}
+        self.spared_pids = spared_for_good(decision)
 
         def on_progress(busy: list[BusyGpu], left: float) -> None:
             if busy:
@@ -355,7 +361,7 @@ class PhaseRun:
     def look_again(self) -> bool:
         """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
         discovery, decision = self.find()
-        self.spared_pids |= {c.holder.pid for c in decision.spared}
+        self.spared_pids |= spared_for_good(decision)
         fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
         if not fresh:
             return False

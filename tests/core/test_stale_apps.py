@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,6 +133,24 @@ def test_unlisted_holder_of_unaccounted_memory_is_no_watcher(host: FakeHost) -> 
     summary = run(host, gpus=[1], pre={"wait_timeout_s": 1.0})
     assert not alive(child)
     assert summary.exit_code is ExitCode.MEMORY_TIMEOUT  # the leak stays: nobody holds it
+
+
+def test_gpu_user_starting_next_to_a_dying_server_is_killed(host: FakeHost, claims: Path) -> None:
+    # First seen while starting up (device open, no context yet): a watcher. Once the server
+    # is killed, the memory NVML still shows is nobody's it lists: no longer a watcher; and
+    # once it creates its context, NVML lists it. Either way it is killed.
+    (stale,) = host.pool.holder([host.dev / "nvidia0"])
+    host.memory.claim(stale, {0}, 30000)
+    host.memory.release_lag_s = 1.5
+    (starting,) = host.pool.holder([host.dev / "nvidia0"])
+    timer = threading.Timer(0.5, lambda: (claims / str(starting)).write_text("0 20000"))
+    timer.start()
+    try:
+        summary = run(host, gpus=[0])
+    finally:
+        timer.cancel()
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(stale) and not alive(starting)
 
 
 # Ports
