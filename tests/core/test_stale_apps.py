@@ -20,6 +20,7 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.outcome import RunSummary
+from gpugate.status import as_dict, collect, render_table
 from tests.fakes import FakeHost, alive
 
 LISTENER = textwrap.dedent(
@@ -309,3 +310,21 @@ def _kill_children(pid: int) -> None:
 
 def _q(text: str) -> str:
     return "'" + text.replace("'", "'\\''") + "'"
+
+
+def test_status_shows_watchers_and_the_units_ports(host: FakeHost) -> None:
+    (watcher,) = host.pool.holder(host.gpu_files(*range(8)))
+    (user,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(user, {0}, 5000)
+    port = free_port()
+    listener = listen(host, port)
+    loaded = host.config(ports=[port], gpus=[0, 1])
+    data = as_dict(collect("vllm.service", loaded, host.memory, host.roots), loaded)
+    holders = {h["pid"]: h for h in data["holders"]}
+    assert holders[watcher]["role"] == "watcher" and not holders[watcher]["orphan"]
+    assert holders[user]["role"] == "orphan"
+    assert holders[listener]["ports"] == [port] and "port" in holders[listener]["sources"]
+    table = render_table(data)
+    (line,) = [row for row in table.splitlines() if row.lstrip().startswith(str(listener))]
+    assert f" {port} " in line
+    assert "(watcher)" in next(r for r in table.splitlines() if r.lstrip().startswith(str(watcher)))
