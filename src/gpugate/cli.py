@@ -8,11 +8,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from gpugate import __version__
 from gpugate.config import LoadedConfig, load_config, toml_value
-from gpugate.errors import ExitCode, GateError, UnknownUnit
+from gpugate.errors import ExitCode, GateError, UnknownUnit, exit_codes_help
 from gpugate.nvml import GpuDriver, NvmlDriver
 from gpugate.report import PRIORITY_ERR, Event, Reporter
 from gpugate.units import own_unit, validate_unit_name
@@ -20,13 +20,19 @@ from gpugate.units import own_unit, validate_unit_name
 if TYPE_CHECKING:
     from gpugate.pipeline import RunSummary
 
-EPILOG = """exit codes: 0 ok, 1 internal error, 2 usage, 3 config, 4 NVML unavailable,
-5 holders survived SIGKILL, 6 memory not freed in time, 7 GPUs held by processes gpugate may
-not kill, 8 permission, 9 unknown unit, 10 GPU lock timeout, 11 install/uninstall refused"""
+EPILOG = exit_codes_help()
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="gpugate",
         description="Leave a systemd unit's GPUs truly free: find every holder, kill exactly "
         "those, wait until NVML reports the memory freed.",

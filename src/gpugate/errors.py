@@ -6,22 +6,66 @@ the CLI prints the message and exits with the code, never a traceback.
 
 from __future__ import annotations
 
+import textwrap
 from enum import IntEnum
 
 
 class ExitCode(IntEnum):
+    """Where a BSD sysexits code means the same, gpugate uses it (systemd prints its name:
+    `status=78/CONFIG`); its own outcomes use codes systemd has no name for (20 and up), so
+    `systemctl status` never shows a false LSB label such as `7/NOTRUNNING`."""
+
     OK = 0
-    INTERNAL = 1  # a bug: please report it
-    USAGE = 2  # bad command line (argparse's own code)
-    CONFIG = 3  # configuration file or field invalid, or unknown GPU in it
-    NVML_UNAVAILABLE = 4  # libnvidia-ml missing, driver not loaded, GPU lost
-    UNKILLABLE = 5  # holders still alive after SIGKILL at the deadline (D state)
-    MEMORY_TIMEOUT = 6  # all holders gone, but NVML still reports memory used at the deadline
-    HELD_BY_OTHERS = 7  # the GPUs are held by processes gpugate may not kill (another unit, ...)
-    PERMISSION = 8  # not allowed to read /proc, signal a process or take a lock
-    UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
-    LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
-    INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
+    USAGE = 64  # EX_USAGE: bad command line, or a Slurm job environment it cannot read
+    NVML_UNAVAILABLE = 69  # EX_UNAVAILABLE: libnvidia-ml missing, driver not loaded, GPU lost
+    INTERNAL = 70  # EX_SOFTWARE: a bug, please report it
+    LOCK_TIMEOUT = 75  # EX_TEMPFAIL: another gpugate run held the GPUs' lock past the deadline
+    PERMISSION = 77  # EX_NOPERM: not allowed to read /proc, signal a process or take a lock
+    CONFIG = 78  # EX_CONFIG: configuration file or field invalid, or unknown GPU in it
+    UNKILLABLE = 20  # holders still alive after SIGKILL at the deadline (D state)
+    MEMORY_TIMEOUT = 21  # all holders gone, but NVML still reports memory used at the deadline
+    HELD_BY_OTHERS = 22  # the GPUs are held by processes gpugate may not kill (another unit, ...)
+    UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
+    INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
+
+    @property
+    def systemd_label(self) -> str:
+        """What `systemctl status` prints for this code: `status=78/CONFIG`, `status=21`."""
+        name = SYSEXITS_NAMES.get(int(self))
+        return f"{int(self)}/{name}" if name else str(int(self))
+
+
+# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`).
+SYSEXITS_NAMES = {
+    0: "SUCCESS",
+    64: "USAGE",
+    69: "UNAVAILABLE",
+    70: "SOFTWARE",
+    75: "TEMPFAIL",
+    77: "NOPERM",
+    78: "CONFIG",
+}
+
+EXIT_CODE_MEANINGS = {
+    ExitCode.OK: "ok",
+    ExitCode.USAGE: "usage",
+    ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
+    ExitCode.INTERNAL: "internal error",
+    ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
+    ExitCode.PERMISSION: "permission",
+    ExitCode.CONFIG: "config",
+    ExitCode.UNKILLABLE: "holders survived SIGKILL",
+    ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
+    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill",
+    ExitCode.UNKNOWN_UNIT: "unknown unit",
+    ExitCode.INSTALL: "install/uninstall refused",
+}
+
+
+def exit_codes_help() -> str:
+    """The `exit codes:` paragraph of --help, from the codes themselves."""
+    parts = [f"{int(code)} {EXIT_CODE_MEANINGS[code]}" for code in sorted(ExitCode)]
+    return textwrap.fill("exit codes: " + ", ".join(parts), width=95)
 
 
 class GateError(Exception):

@@ -71,8 +71,8 @@ POLICY_FIELDS = {
     "sigterm_grace_s": "Seconds between SIGTERM and SIGKILL.",
     "sigkill_wait_s": "Seconds after SIGKILL before a survivor is reported.",
     "wait_timeout_s": "Deadline for the whole run (kill and memory wait), in seconds.",
-    "on_timeout": 'Memory not freed by the deadline: "fail" (exit 6) or "warn" (exit 0).',
-    "on_nvml_error": 'NVML unusable: "fail" (exit 4) or "warn" (clean the cgroup only).',
+    "on_timeout": 'Memory not freed by the deadline: "fail" (exit 21) or "warn" (exit 0).',
+    "on_nvml_error": 'NVML unusable: "fail" (exit 69) or "warn" (clean the cgroup only).',
 }
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")

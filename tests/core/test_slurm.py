@@ -193,7 +193,7 @@ def test_epilog_fails_on_a_leak_naming_gpu_and_mib(
     code = slurm(host, "epilog", slurm_config(host, epilog_wait_s=0.3))
 
     assert code == ExitCode.MEMORY_TIMEOUT
-    reason = f"gpugate epilog job 42: GPU 3 ({UUID_3}) still 50000 MiB used (exit 6)"
+    reason = f"gpugate epilog job 42: GPU 3 ({UUID_3}) still 50000 MiB used (exit 21)"
     assert capsys.readouterr().err == f"gpugate: drain: {reason}\n"
     assert scontrol_args(host) == ["update", "NodeName=gpu07", "State=DRAIN", f"Reason={reason}"]
 
@@ -220,7 +220,7 @@ def test_bad_environment_exits_2_and_kills_nothing(
         "update",
         "NodeName=gpu07",
         "State=DRAIN",
-        f"Reason=gpugate epilog: {message} (exit 2)",
+        f"Reason=gpugate epilog: {message} (exit 64)",
     ]
 
 
