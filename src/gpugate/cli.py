@@ -32,7 +32,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
+    parser: argparse.ArgumentParser = Parser(
         prog="gpugate",
         description="Leave a systemd unit's GPUs truly free: find every holder, kill exactly "
         "those, wait until NVML reports the memory freed.",
