@@ -13,7 +13,8 @@ from gpugate.errors import UnknownUnit
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
-UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)$")
+# \Z, not $: $ also matches before a final newline, and "vllm.service\n" is no unit name.
+UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)\Z")
 USER_SLICE = "/user.slice"
 
 

@@ -63,11 +63,11 @@ def test_usage_error_exits_64() -> None:
 
 def test_config_check_prints_effective_config(tmp_path: Path) -> None:
     path = tmp_path / "x.toml"
-    path.write_text("gpus = [1, 2]\n[post]\nwait_timeout_s = 9\n")
+    path.write_text("gpus = [1, 2]\n[post]\nwait_timeout_s = 19\n")
     result = gpugate("config", "check", str(path))
     assert result.returncode == 0
     assert "gpus = [1, 2]" in result.stdout
-    assert "wait_timeout_s = 9.0" in result.stdout
+    assert "wait_timeout_s = 19.0" in result.stdout
     import tomllib
 
     assert tomllib.loads(result.stdout)["post"]["kill_orphans"] is False

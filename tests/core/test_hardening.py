@@ -153,7 +153,7 @@ def test_driver_faults_through_real_pynvml(
     config = tmp_path / "c.toml"
     config.write_text(
         f'[paths]\ndev_root = "{dev}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}/locks"\n'
-        "[pre]\nwait_timeout_s = 2\n"
+        "[pre]\nwait_timeout_s = 2\nsigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\n"
     )
     env = {**os.environ, "LD_LIBRARY_PATH": str(fake_lib), "FAKE_NVML_CONFIG": str(settings_file)}
     result = subprocess.run(

@@ -43,7 +43,8 @@ def write_config(host: FakeHost, metrics: Path, *, pre_wait_s: float = 10) -> Pa
         f'metrics_textfile = "{metrics}"\n'
         f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
         f'lock_dir = "{host.root}/locks"\n'
-        f"[pre]\nsigterm_grace_s = 1\nwait_timeout_s = {pre_wait_s}\n"
+        f"[pre]\nsigterm_grace_s = {min(1, pre_wait_s / 4)}\nsigkill_wait_s = {min(1, pre_wait_s / 4)}\n"
+        f"wait_timeout_s = {pre_wait_s}\n"
         "[post]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
     )
     return path
@@ -170,7 +171,7 @@ def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) 
     def broken() -> object:
         raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
-    assert gpugate(host, "pre", UNIT, "--config", str(config), driver=broken) == 4
+    assert gpugate(host, "pre", UNIT, "--config", str(config), driver=broken) == ExitCode.NVML_UNAVAILABLE
     assert gpugate(host, "pre", UNIT, "--config", str(config), "--dry-run") == 0
     values = parse(metrics.read_text())
     runs = {k: v for k, v in values.items() if k[0] == "gpugate_runs_total"}

@@ -126,7 +126,8 @@ def slurm_config(host: FakeHost, *, epilog_wait_s: float = 10) -> Path:
         f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
         f'lock_dir = "{host.root}/locks"\n'
         "[prolog]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
-        f"[epilog]\nsigterm_grace_s = 1\nwait_timeout_s = {epilog_wait_s}\n"
+        f"[epilog]\nsigterm_grace_s = {min(1, epilog_wait_s / 4)}\nwait_timeout_s = {epilog_wait_s}\n"
+        f"sigkill_wait_s = {min(1, epilog_wait_s / 4)}\n"
     )
     return path
 

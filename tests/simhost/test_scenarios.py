@@ -216,7 +216,8 @@ def test_leaked_memory_fails_start_within_timeout(host: Host) -> None:
     host.install(
         "vllm.service",
         unit_text("vllm.service", GPUS, 8000),
-        "gpus = [0, 1, 2, 3, 4, 5]\n[pre]\nwait_timeout_s = 3\n[post]\nwait_timeout_s = 3\n",
+        "gpus = [0, 1, 2, 3, 4, 5]\n[pre]\nwait_timeout_s = 3\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n"
+        "[post]\nwait_timeout_s = 3\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n",
     )
     cursor = host.cursor()
     started = time.monotonic()

@@ -28,7 +28,7 @@ TEXTFILE = "/run/gpugate-textfile/gpugate.prom"
 SLURM_CONFIG = (
     f'metrics_textfile = "{TEXTFILE}"\n'
     "[prolog]\nsigterm_grace_s = 2\nwait_timeout_s = 30\n"
-    "[epilog]\nsigterm_grace_s = 2\nwait_timeout_s = 3\n"
+    "[epilog]\nsigterm_grace_s = 2\nsigkill_wait_s = 0.5\nwait_timeout_s = 3\n"
 )
 SCONTROL = "#!/bin/sh\nprintf '%s\\n' \"$@\" > /run/scontrol.args\n"
 JOB_MIB = 5000
