@@ -171,7 +171,10 @@ def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) 
     def broken() -> object:
         raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
-    assert gpugate(host, "pre", UNIT, "--config", str(config), driver=broken) == ExitCode.NVML_UNAVAILABLE
+    assert (
+        gpugate(host, "pre", UNIT, "--config", str(config), driver=broken)
+        == ExitCode.NVML_UNAVAILABLE
+    )
     assert gpugate(host, "pre", UNIT, "--config", str(config), "--dry-run") == 0
     values = parse(metrics.read_text())
     runs = {k: v for k, v in values.items() if k[0] == "gpugate_runs_total"}
