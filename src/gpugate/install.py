@@ -24,7 +24,7 @@ from typing import Literal, TextIO
 
 from gpugate.config import DEFAULT_CONFIG_DIR, UUID_PATTERN, GateConfig, toml_value
 from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
-from gpugate.units import systemd_running, validate_unit_name
+from gpugate.units import UnitState, query_unit, systemd_running, validate_unit_name
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
@@ -234,10 +234,16 @@ def plan_install(
     force: bool = False,
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
+    query: Callable[[str], UnitState | None] | None = None,
+    stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would replace the
     operator's drop-in, or change the GPUs of the operator's config, without force."""
     validate_install_unit(unit)
+    if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
+        query = query_unit
+    if query is not None:
+        refuse_unknown_unit(unit, force=force, query=query, stream=stream)
     targets = Targets.of(unit, systemd_dir, config_dir)
     wanted = {
         targets.dropin: with_header(render_dropin(gpugate_path)),
@@ -264,6 +270,26 @@ def plan_install(
             "nothing changed; --force replaces it"
         )
     return changes
+
+
+def refuse_unknown_unit(
+    unit: str,
+    *,
+    force: bool,
+    query: Callable[[str], UnitState | None],
+    stream: TextIO | None = None,
+) -> None:
+    """A drop-in for a unit systemd does not know is most likely a typo: warn, and refuse
+    without --force (a unit file installed later would still pick the drop-in up)."""
+    if unit.endswith("@.service"):
+        return  # systemd shows instances, not templates; the template's file may be anywhere
+    state = query(unit)
+    if state is None or state.load_state != "not-found":
+        return
+    problem = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
+    if not force:
+        raise UnknownUnit(f"{problem}; nothing changed; --force installs anyway")
+    print(f"gpugate: warning: {problem}; installing anyway (--force)", file=stream or sys.stderr)
 
 
 def plan_uninstall(
