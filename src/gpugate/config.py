@@ -2,16 +2,17 @@
 
 Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
 instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
+Only what an operator sets lives here; where gpugate looks (/dev, /proc, the cgroup tree) is
+`host.HostRoots`.
 """
 
 from __future__ import annotations
 
 import difflib
-import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -23,12 +24,12 @@ from pydantic import (
 )
 
 from gpugate.errors import ConfigError, GateError
+from gpugate.gpulist import GpuListError, GpuRef, gpu_refs
 from gpugate.units import validate_unit_name
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
+DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
-
-UUID_PATTERN = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]{8,}\Z")
 ECHO_MAX = 60  # characters of a value (or key) an error message repeats
 
 DEFAULT_PROTECTED_EXECUTABLES = (
@@ -47,7 +48,7 @@ DEFAULT_PROTECTED_UNITS = (
     "display-manager.service",
 )
 
-GpuRef = Annotated[int, Field(ge=0, le=1023)] | str
+GpuSelection = Literal["all"] | tuple[GpuRef, ...]
 
 
 class _Frozen(BaseModel):
@@ -56,15 +57,39 @@ class _Frozen(BaseModel):
 
 
 class PhasePolicy(_Frozen):
-    """What one phase (pre or post) may kill and how long it waits."""
+    """What one phase (pre, post, prolog, epilog) may kill and how long it waits."""
 
-    kill_orphans: bool = True
-    kill_app_tree: bool = True
-    sigterm_grace_s: float = Field(default=10.0, gt=0, le=3600)
-    sigkill_wait_s: float = Field(default=5.0, gt=0, le=3600)
-    wait_timeout_s: float = Field(default=120.0, gt=0, le=86400)
-    on_timeout: Literal["fail", "warn"] = "fail"
-    on_nvml_error: Literal["fail", "warn"] = "fail"
+    kill_orphans: bool = Field(
+        default=True,
+        description="Kill holders outside any unit (a server started by hand from ssh)?",
+    )
+    kill_app_tree: bool = Field(
+        default=True,
+        description="Also kill the rest of such a holder's application (never a login shell).",
+    )
+    sigterm_grace_s: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds between SIGTERM and SIGKILL."
+    )
+    sigkill_wait_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="Seconds after SIGKILL before a survivor is reported.",
+    )
+    wait_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86400,
+        description="Deadline for the whole run (kill and memory wait), in seconds.",
+    )
+    on_timeout: Literal["fail", "warn"] = Field(
+        default="fail",
+        description='Memory not freed by the deadline: "fail" (the run fails) or "warn".',
+    )
+    on_nvml_error: Literal["fail", "warn"] = Field(
+        default="fail",
+        description='NVML unusable: "fail" (the run fails) or "warn" (clean the cgroup only).',
+    )
 
     @model_validator(mode="after")
     def _kill_fits_in_deadline(self) -> PhasePolicy:
@@ -77,38 +102,46 @@ class PhasePolicy(_Frozen):
         return self
 
 
-class Paths(_Frozen):
-    """Production roots; tests point them at stand-ins."""
-
-    dev_root: Path = Field(default=Path("/dev"), strict=False)
-    proc_root: Path = Field(default=Path("/proc"), strict=False)
-    cgroup_root: Path = Field(default=Path("/sys/fs/cgroup"), strict=False)
-    lock_dir: Path = Field(default=Path("/run/gpugate"), strict=False)
-
-    @field_validator("dev_root", "proc_root", "cgroup_root", "lock_dir")
-    @classmethod
-    def _absolute(cls, value: Path) -> Path:
-        if not value.is_absolute():
-            raise ValueError("must be an absolute path")
-        return value
-
-
 class GateConfig(_Frozen):
-    gpus: Literal["all"] | tuple[GpuRef, ...] = "all"
-    free_mib: int = Field(default=1024, ge=1)  # drivers keep some memory: 0 is never reached
-    kill_other_units: bool = False
-    protected_executables: tuple[str, ...] = Field(
-        default=DEFAULT_PROTECTED_EXECUTABLES, strict=False
+    gpus: GpuSelection = Field(
+        default="all",
+        description='The unit\'s GPUs: "all", or indices and/or UUIDs, e.g. [0, 1] or ["GPU-..."].',
     )
-    protected_units: tuple[str, ...] = Field(default=DEFAULT_PROTECTED_UNITS, strict=False)
+    free_mib: int = Field(
+        default=1024,
+        ge=1,
+        description="Per GPU, MiB used at or below which the GPU counts as free (drivers keep "
+        "some).",
+    )
+    kill_other_units: bool = Field(
+        default=False,
+        description="May processes of another active unit holding these GPUs be killed?",
+    )
+    protected_executables: tuple[str, ...] = Field(
+        default=DEFAULT_PROTECTED_EXECUTABLES,
+        strict=False,  # a TOML list becomes the tuple
+        description="Never killed, by exact /proc/PID/exe path.",
+    )
+    protected_units: tuple[str, ...] = Field(
+        default=DEFAULT_PROTECTED_UNITS,
+        strict=False,
+        description="Never killed, by the unit their cgroup belongs to.",
+    )
     pre: PhasePolicy = PhasePolicy()
     post: PhasePolicy = PhasePolicy(kill_orphans=False, kill_app_tree=False)
     # Slurm's Prolog= and Epilog=: the job is over at the epilog, so its leftovers die too.
     prolog: PhasePolicy = PhasePolicy()
     epilog: PhasePolicy = PhasePolicy()
-    paths: Paths = Paths()
-    # node_exporter textfile, rewritten after each run
-    metrics_textfile: Path | None = Field(default=None, strict=False)
+    lock_dir: Path = Field(
+        default=DEFAULT_LOCK_DIR,
+        strict=False,  # a TOML string becomes the Path
+        description="Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
+    )
+    metrics_textfile: Path | None = Field(
+        default=None,
+        strict=False,
+        description="node_exporter textfile rewritten after each run (not set: no metrics).",
+    )
 
     @field_validator("post", mode="before")
     @classmethod
@@ -121,24 +154,14 @@ class GateConfig(_Frozen):
     @field_validator("gpus", mode="before")
     @classmethod
     def _gpu_list(cls, value: object) -> object:
-        if value != "all" and not isinstance(value, list | tuple):
+        if value == "all":
+            return value
+        if not isinstance(value, list | tuple):
             raise ValueError('must be "all" or a list of GPU indices or UUIDs, e.g. [0, 1]')
-        if isinstance(value, list):
-            if not value:
-                raise ValueError('must name at least one GPU, or be "all"')
-            for item in value:
-                if isinstance(item, bool) or not isinstance(item, int | str):
-                    raise ValueError("each GPU is an index (0, 1, ...) or a UUID string")
-                if isinstance(item, str) and item.startswith("MIG-"):
-                    raise ValueError(
-                        f"{echo(item)} is a MIG device: not supported yet; name its GPU"
-                    )
-                if isinstance(item, str) and not UUID_PATTERN.match(item):
-                    raise ValueError(f"{echo(item)} is not a GPU UUID (GPU-xxxxxxxx-...)")
-            if len(set(value)) != len(value):
-                raise ValueError("lists a GPU twice")
-            return tuple(value)
-        return value
+        try:
+            return gpu_refs(value)
+        except GpuListError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("protected_executables")
     @classmethod
@@ -161,9 +184,9 @@ class GateConfig(_Frozen):
                 ) from None
         return value
 
-    @field_validator("metrics_textfile")
+    @field_validator("metrics_textfile", "lock_dir")
     @classmethod
-    def _absolute_textfile(cls, value: Path | None) -> Path | None:
+    def _absolute_path(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
             raise ValueError("must be an absolute path")
         return value
@@ -189,7 +212,6 @@ def parse_config(text: str, source: str) -> GateConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
-        field = ".".join(parts)
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         message = first["msg"].removeprefix("Value error, ")
         if first["type"] == "extra_forbidden":
@@ -199,9 +221,8 @@ def parse_config(text: str, source: str) -> GateConfig:
             if isinstance(shown, bool | int | float | str):
                 shown = toml_value(shown)
             message += f", not {_toml_type(first['input'])} {echo(shown, quote=False)}"
-        raise ConfigError(
-            source, echo(field, quote=False) or "(top level)", message + more
-        ) from None
+        field = echo(".".join(parts), quote=False)
+        raise ConfigError(source, field or "(top level)", message + more) from None
 
 
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
@@ -211,7 +232,7 @@ def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
     """A value as an error message repeats it: repr'd, and cut short (a 10 MB value in a
     config file must not become a 10 MB stderr line)."""
     text = repr(value) if quote else str(value)
-    return text if len(text) <= limit else text[: limit - 1] + "…"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _toml_type(value: object) -> str:
@@ -248,6 +269,21 @@ def toml_value(value: object) -> str:
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+def to_toml(data: dict[str, object], prefix: str = "") -> str:
+    """Enough TOML for gpugate's config: scalars, lists and nested tables."""
+    lines: list[str] = []
+    tables: list[str] = []
+    for key, value in data.items():
+        if value is None:
+            lines.append(f"# {key}: not set")
+        elif isinstance(value, dict):
+            name = f"{prefix}{key}"
+            tables.append(f"\n\n[{name}]\n" + to_toml(value, f"{name}."))
+        else:
+            lines.append(f"{key} = {toml_value(value)}")
+    return "\n".join(lines) + "".join(tables)
+
+
 def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:
     paths: list[Path] = []
     if unit:
@@ -270,23 +306,18 @@ def load_config(
             loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
         else:
             loaded = LoadedConfig(parse_config(_read(path), str(path)), str(path))
-    check_paths(loaded)
+    check_lock_dir(loaded)
     return loaded
 
 
-def check_paths(loaded: LoadedConfig) -> None:
-    """What the file system must hold for the config to work: a /proc to read, and a lock
-    folder that is (or can become) a folder. Permission is the run's to find out."""
-    paths = loaded.config.paths
-    if not paths.proc_root.is_dir():
-        raise ConfigError(loaded.source, "paths.proc_root", f"{paths.proc_root}: no such folder")
-    lock_dir = paths.lock_dir
-    while not lock_dir.exists() and lock_dir != lock_dir.parent:
-        lock_dir = lock_dir.parent
-    if not lock_dir.is_dir():
-        raise ConfigError(
-            loaded.source, "paths.lock_dir", f"{paths.lock_dir}: {lock_dir} is not a folder"
-        )
+def check_lock_dir(loaded: LoadedConfig) -> None:
+    """lock_dir must be, or be able to become, a folder (it is made at the first run);
+    whether gpugate may write there is the run's to find out (a permission error)."""
+    lock_dir = existing = loaded.config.lock_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
 
 
 def _read(path: Path) -> str:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from gpugate.config import GateConfig
+from gpugate.config import GpuSelection
 from gpugate.errors import ConfigError, PermissionDenied
+from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage
 from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
 
@@ -67,12 +68,15 @@ class Discovery:
         return {gpu.index for gpu in self.owned}
 
 
-def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    if config.gpus == "all":
+def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
+    """The GPUs a selection names; None names none (NVML failed, the cgroup alone is cleaned)."""
+    if wanted is None:
+        return []
+    if wanted == "all":
         return list(gpus)
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
     owned: list[Gpu] = []
-    for ref in config.gpus:
+    for ref in wanted:
         if isinstance(ref, int):
             if ref >= len(gpus):
                 have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPUs"
@@ -120,16 +124,16 @@ def discover(
     *,
     unit: str,
     unit_cgroup: str,
-    config: GateConfig,
+    wanted: GpuSelection | None,
     config_source: str,
     driver: GpuDriver,
     procfs: ProcFs,
+    roots: HostRoots,
     self_pid: int | None = None,
-    resolve_gpus: bool = True,
 ) -> Discovery:
-    paths = config.paths
+    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none."""
     gpus = driver.gpus()
-    owned = owned_gpus(config, gpus, config_source) if resolve_gpus else []
+    owned = owned_gpus(wanted, gpus, config_source)
     usage = {gpu.index: driver.usage(gpu) for gpu in gpus}
     self_chain = self_and_ancestors(procfs, self_pid)
     holders: dict[int, Holder] = {}
@@ -143,13 +147,13 @@ def discover(
         holders[pid] = Holder(info)
         return holders[pid]
 
-    for pid in cgroup_members(paths.cgroup_root, unit_cgroup):
+    for pid in cgroup_members(roots.cgroup, unit_cgroup):
         if pid not in self_chain and (found := holder(pid)) is not None:
             found.sources.add(Source.CGROUP)
 
     index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
-    dev_prefix = os.path.join(os.fspath(paths.dev_root), "nvidia")
-    scan = scan_device_users(paths.proc_root, dev_prefix)
+    dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
+    scan = scan_device_users(roots.proc, dev_prefix)
     for pid, use in scan.users.items():
         if pid in self_chain or (found := holder(pid)) is None:
             continue

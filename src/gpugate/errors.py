@@ -6,7 +6,6 @@ the CLI prints the message and exits with the code, never a traceback.
 
 from __future__ import annotations
 
-import textwrap
 from enum import IntEnum
 
 
@@ -46,26 +45,27 @@ SYSEXITS_NAMES = {
     78: "CONFIG",
 }
 
-EXIT_CODE_MEANINGS = {
+EXIT_MEANINGS = {
     ExitCode.OK: "ok",
-    ExitCode.USAGE: "usage",
-    ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
     ExitCode.INTERNAL: "internal error",
-    ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
-    ExitCode.PERMISSION: "permission",
+    ExitCode.USAGE: "usage",
     ExitCode.CONFIG: "config",
+    ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
     ExitCode.UNKILLABLE: "holders survived SIGKILL",
     ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
     ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill",
+    ExitCode.PERMISSION: "permission",
     ExitCode.UNKNOWN_UNIT: "unknown unit",
+    ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
 }
 
 
-def exit_codes_help() -> str:
-    """The `exit codes:` paragraph of --help, from the codes themselves."""
-    parts = [f"{int(code)} {EXIT_CODE_MEANINGS[code]}" for code in sorted(ExitCode)]
-    return textwrap.fill("exit codes: " + ", ".join(parts), width=95)
+def exit_code_summary() -> str:
+    """`0 ok, 20 holders survived SIGKILL, ...`: for --help, from the codes themselves."""
+    return ", ".join(
+        f"{int(code)} {EXIT_MEANINGS.get(code, code.name.lower())}" for code in sorted(ExitCode)
+    )
 
 
 class GateError(Exception):

@@ -54,7 +54,7 @@ def gpu_locks(
         raise PermissionDenied(f"{lock_dir}: permission denied creating the lock folder") from None
     except OSError as exc:  # a file in the way, a read-only file system, ...
         raise ConfigError(
-            str(lock_dir), "paths.lock_dir", f"unusable as the lock folder: {exc.strerror}"
+            str(lock_dir), "lock_dir", f"unusable as the lock folder: {exc.strerror}"
         ) from None
     held: list[int] = []
     try:
@@ -66,7 +66,7 @@ def gpu_locks(
                 raise PermissionDenied(f"{path}: permission denied") from None
             except OSError as exc:
                 raise ConfigError(
-                    str(path), "paths.lock_dir", f"cannot open a lock here: {exc.strerror}"
+                    str(path), "lock_dir", f"cannot open a lock here: {exc.strerror}"
                 ) from None
             held.append(fd)
             if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):

@@ -10,7 +10,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from types import FrameType
 from typing import Protocol, TextIO
@@ -107,15 +107,16 @@ class Reporter:
         notifier: Notifier | None = None,
         stream: TextIO | None = None,
         echo: bool | None = None,
-        json_mode: bool = False,
+        fields: Mapping[str, str] | None = None,
     ) -> None:
+        """fields: added to every entry, over the defaults (a Slurm job's, say)."""
         self.unit = unit
         self.phase = phase
         self.journal = journal if journal is not None else SystemdJournal()
         self.notifier = notifier if notifier is not None else SystemdNotifier()
         self.stream = stream if stream is not None else sys.stderr
         self.echo = (not stderr_is_journal(self.stream)) if echo is None else echo
-        self.json_mode = json_mode
+        self.fields = dict(fields or {})
         self.dry_run = False
         self.error_stream: TextIO = sys.stderr  # where `fail` writes when it is not the journal
 
@@ -158,6 +159,7 @@ class Reporter:
             fields["GPUGATE_USED_MIB"] = str(used_mib)
         for key, value in extra.items():
             fields[f"GPUGATE_{key.upper()}"] = str(value)
+        fields.update(self.fields)
         self.journal.send(message, fields)
         if self.echo:
             print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
@@ -231,3 +233,9 @@ class WaitingReports:
             waiting_for="lock",
             seconds_left=f"{seconds_left:.0f}",
         )
+
+
+class ReporterFactory(Protocol):
+    def __call__(
+        self, unit: str, phase: str, *, fields: Mapping[str, str] | None = None
+    ) -> Reporter: ...

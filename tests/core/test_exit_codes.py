@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.cli import EPILOG, main
-from gpugate.errors import EXIT_CODE_MEANINGS, SYSEXITS_NAMES, ExitCode
+from gpugate.errors import EXIT_MEANINGS, SYSEXITS_NAMES, ExitCode
 
 REPO = Path(__file__).resolve().parents[2]
 # What each sysexits code gpugate uses means, and the gpugate outcome it stands for.
@@ -59,9 +59,9 @@ def test_no_code_is_an_lsb_code_nor_systemds_own() -> None:
 
 def test_every_code_is_in_help_readme_and_meanings() -> None:
     readme = (REPO / "README.md").read_text()
-    assert set(EXIT_CODE_MEANINGS) == set(ExitCode)
+    assert set(EXIT_MEANINGS) == set(ExitCode)
     for code in ExitCode:
-        assert f"{int(code)} {EXIT_CODE_MEANINGS[code]}" in " ".join(EPILOG.split())
+        assert f"{int(code)} {EXIT_MEANINGS[code]}" in " ".join(EPILOG.split())
         row = f"| {int(code)} | {code.name} | `status={code.systemd_label}` |"
         assert row in readme, row
 

@@ -295,7 +295,11 @@ def test_cli_round_trip_and_exit_codes(dirs: Dirs) -> None:
     assert gpugate("uninstall", UNIT, "--force", *where).returncode == 0
     assert dirs.files() == EMPTY
     assert gpugate("install", UNIT, "--gpus", "zero", *where).returncode == ExitCode.USAGE
-    assert gpugate("install", "vllm", *where).returncode == ExitCode.UNKNOWN_UNIT
+    assert gpugate("install", "vllm.timer", *where).returncode == ExitCode.UNKNOWN_UNIT
+    assert gpugate("install", "vllm.service\n", *where).returncode == ExitCode.UNKNOWN_UNIT
+    bare = gpugate("install", "vllm", *where)  # vllm.service, as systemctl reads it
+    assert bare.returncode == 0 and "systemctl restart vllm.service" in bare.stdout
+    assert dirs.dropin.is_file()
 
 
 def test_apply_reports_when_systemd_was_not_reloaded(dirs: Dirs) -> None:
