@@ -19,6 +19,7 @@ from gpugate.report import (
     PRIORITY_WARNING,
     Event,
     Reporter,
+    WaitingReports,
 )
 
 MAX_COMMAND = 200
@@ -43,6 +44,10 @@ class Narrator:
     def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
         self.reporter = reporter
         self.dry_run = dry_run
+        if dry_run:
+            reporter.start_dry_run()  # GPUGATE_DRY_RUN=1 on every entry, the report on stdout
+        self.waiting = WaitingReports(reporter)
+        self.would_kill = 0  # a dry run's targets, for its summary line
 
     def status(self, text: str) -> None:
         self.reporter.status(text)
@@ -87,15 +92,27 @@ class Narrator:
                 )
 
     def choices(self, decision: Decision) -> None:
-        kill_verb = "would kill" if self.dry_run else "will kill"
+        would = self.dry_run
+        if would:
+            self.would_kill = len(decision.targets)
         for choices, event, priority, verb in (
-            (decision.targets, Event.HOLDER_FOUND, PRIORITY_INFO, kill_verb),
-            (decision.blockers, Event.REFUSED, PRIORITY_ERR, "not killing"),
+            (
+                decision.targets,
+                Event.HOLDER_FOUND,
+                PRIORITY_INFO,
+                "would kill" if would else "will kill",
+            ),
+            (
+                decision.blockers,
+                Event.REFUSED,
+                PRIORITY_ERR,
+                "would not kill" if would else "not killing",
+            ),
             (
                 [c for c in decision.spared if c.holder.gpus],
                 Event.PROCESS_SPARED,
                 PRIORITY_INFO,
-                "sparing",
+                "would spare" if would else "sparing",
             ),
         ):
             for choice in choices:
@@ -155,8 +172,9 @@ class Narrator:
     def still_held(self) -> None:
         self.status("GPUs still held by processes gpugate may not kill")
 
-    def lock_wait(self, gpu: Gpu) -> None:
+    def lock_wait(self, gpu: Gpu, left_s: float) -> None:
         self.status(f"waiting for another gpugate run on {gpu.label}")
+        self.waiting.lock(gpu.label, gpu.index, left_s)
 
     def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
         first = busy[0]
@@ -164,6 +182,7 @@ class Narrator:
             f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
             f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
         )
+        self.waiting.memory({item.gpu.index: item.used_mib for item in busy}, free_mib, left_s)
 
     def memory_timeout(
         self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
@@ -196,6 +215,9 @@ class Narrator:
 
     def finished(self, summary: RunSummary) -> None:
         result = summary.result
+        if self.dry_run:
+            self.dry_run_finished(summary)
+            return
         self.reporter.event(
             Event.RUN_FINISHED,
             f"{result}: {len(summary.killed)} process(es) stopped in {summary.rounds} round(s);"
@@ -207,7 +229,24 @@ class Narrator:
             seconds_wait=f"{summary.seconds_wait:.3f}",
             freed_mib=summary.freed_mib,
         )
-        self.status(f"done: {result}")
+        if result == "success":
+            self.reporter.clear_status()  # the service runs on: no gpugate words under it
+        else:
+            self.status(f"done: {result}")
+
+    def dry_run_finished(self, summary: RunSummary) -> None:
+        """A dry run's last line, also when nothing would be killed."""
+        result = summary.result
+        verdict = (
+            "the run would succeed" if result == "success" else f"the run would fail: {result}"
+        )
+        self.reporter.event(
+            Event.RUN_FINISHED,
+            f"dry run: would kill {self.would_kill} process(es); {verdict}; nothing was killed",
+            priority=PRIORITY_NOTICE,
+            result=result,
+            would_kill=self.would_kill,
+        )
 
     def failed(self, error: GateError) -> None:
         """A run that ended in an error: one entry (stderr says it once already)."""

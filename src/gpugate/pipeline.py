@@ -153,14 +153,14 @@ class PhaseRun:
             return self.finish()
         if dry_run:
             summary.exit_code = ExitCode.HELD_BY_OTHERS if decision.blockers else ExitCode.OK
-            return summary
+            return self.finish()
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
         with gpu_locks(
             self.config.lock_dir,
             discovery.owned,
             self.deadline,
-            on_wait=narrator.lock_wait,
+            on_wait=lambda gpu: narrator.lock_wait(gpu, self.deadline - self.clock()),
             clock=self.clock,
         ):
             discovery, decision, survivors = self.kill_rounds(discovery, decision)

@@ -184,14 +184,6 @@ class Reporter:
         self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
 
 
-def summary_line(dry_run: bool, exit_code_name: str, stopped: int, would_stop: int) -> str:
-    """The last line of a run's report; a dry run says what it would have done."""
-    if dry_run:
-        verdict = "nothing blocks" if exit_code_name == "ok" else f"would fail: {exit_code_name}"
-        return f"dry run: would kill {would_stop} process(es); {verdict}; nothing was killed"
-    return f"{stopped} process(es) stopped"
-
-
 class WaitingReports:
     """The `waiting` event during a memory wait: at once, then about every WAITING_EVERY_S."""
 
