@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -74,7 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(func=_hook)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
-    status.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    shown.add_argument(
+        "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
+    )
     status.set_defaults(func=_status)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -265,15 +270,41 @@ def _install(args: argparse.Namespace, front: Front) -> int:
 
 
 def _status(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.status import as_dict, collect, render_json, render_table  # noqa: PLC0415
+    from gpugate.status import (  # noqa: PLC0415
+        as_dict,
+        collect,
+        render_json,
+        render_table,
+        unreadable_warning,
+    )
 
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.config)
     roots = front.roots
     driver = front.driver_factory()
     try:
-        data = as_dict(collect(unit, loaded, driver, roots), loaded)
+        warned = False
+        while True:
+            discovery = collect(unit, loaded, driver, roots)
+            warning = unreadable_warning(discovery)
+            if warning and not warned:  # once, also in --watch
+                print(warning, file=sys.stderr, flush=True)
+                warned = True
+            data = as_dict(discovery, loaded, roots)
+            if not args.watch:
+                print(render_json(data) if args.json else render_table(data), flush=True)
+                return int(ExitCode.OK)
+            # Home and clear the screen, then the table, as watch(1) draws it.
+            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
+            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return int(ExitCode.OK)  # how --watch ends
+    except BrokenPipeError:
+        # `gpugate status | head`: the reader has all it wanted. Point stdout at /dev/null so
+        # that the interpreter's last flush does not fail once more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitCode.OK)
     finally:
         driver.close()
-    print(render_json(data) if args.json else render_table(data))
-    return int(ExitCode.OK)

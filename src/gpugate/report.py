@@ -162,7 +162,10 @@ class Reporter:
         fields.update(self.fields)
         self.journal.send(message, fields)
         if self.echo:
-            print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
+            try:
+                print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
+            except BrokenPipeError:  # `gpugate pre --dry-run UNIT | head`: the run goes on
+                self.echo = False
 
     def fail(self, message: str, exit_code: int) -> None:
         """An error that ends the run: one structured entry, one STATUS=, and the one-line

@@ -50,6 +50,9 @@ HOLDER = {
     "sources": list,
     "role": (str, type(None)),
     "orphan": bool,
+    "protected": bool,
+    "watcher": bool,
+    "seconds_held": (int, type(None)),
 }
 INVISIBLE = {"gpu": int, "pid": int}
 
