@@ -10,9 +10,9 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """Where a BSD sysexits code means the same, gpugate uses it (systemd prints its name:
-    `status=78/CONFIG`); its own outcomes use codes systemd has no name for (20 and up), so
-    `systemctl status` never shows a false LSB label such as `7/NOTRUNNING`."""
+    """Where a BSD sysexits code means the same, gpugate uses it (systemd's journal line, also
+    in `systemctl status`, names it: `status=78/CONFIG`); its own outcomes use codes systemd has
+    no name for (20 and up: `status=21/n/a`), never a false LSB label such as `7/NOTRUNNING`."""
 
     OK = 0
     USAGE = 64  # EX_USAGE: bad command line, or a Slurm job environment it cannot read
@@ -29,9 +29,9 @@ class ExitCode(IntEnum):
 
     @property
     def systemd_label(self) -> str:
-        """What `systemctl status` prints for this code: `status=78/CONFIG`, `status=21`."""
-        name = SYSEXITS_NAMES.get(int(self))
-        return f"{int(self)}/{name}" if name else str(int(self))
+        """How systemd logs this code ("Control process exited, code=exited, status=78/CONFIG",
+        also shown by `systemctl status`): `78/CONFIG`, `21/n/a`."""
+        return f"{int(self)}/{SYSEXITS_NAMES.get(int(self), 'n/a')}"
 
 
 # systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`).

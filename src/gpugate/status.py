@@ -162,7 +162,7 @@ def table_role(holder: dict[str, Any], has_unit: bool) -> str:
         return "watcher"
     if holder["orphan"]:
         return "orphan"
-    return "other unit"
+    return "other unit" if has_unit else "unit"  # without UNIT, every service is just a unit
 
 
 def render_table(data: dict[str, Any]) -> str:

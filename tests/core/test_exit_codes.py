@@ -43,7 +43,7 @@ def test_every_label_systemd_prints_is_true() -> None:
     for code in ExitCode:
         label = names.get(int(code))
         if label is None:
-            assert code.systemd_label == str(int(code))
+            assert code.systemd_label == f"{int(code)}/n/a"
             continue
         assert SAME_MEANING.get(label) is code, f"systemd calls {int(code)} {label}: {code.name}"
         assert code.systemd_label == f"{int(code)}/{label}"
