@@ -95,7 +95,8 @@ def installed_gpugate() -> tuple[list[str], str]:
             _run([*pip, "--find-links", str(wheelhouse), "gpugate"])
             _run([*pip, "--force-reinstall", "--no-deps", str(wheels[-1])])
             stamp.write_text(f"{wheels[-1].name}\n")
-        return [str(venv / "bin" / "gpugate")], f"venv {venv} (wheel {wheels[-1].name})"
+        shown = venv.relative_to(REPO) if venv.is_relative_to(REPO) else venv
+        return [str(venv / "bin" / "gpugate")], f"venv {shown} (wheel {wheels[-1].name})"
     except (BenchError, subprocess.CalledProcessError, OSError) as err:
         print(f"bench: cannot install gpugate into {venv} ({err}); using the source tree")
         return [sys.executable, "-m", "gpugate"], "source tree (python3 -m gpugate)"
