@@ -26,6 +26,8 @@ class ExitCode(IntEnum):
     HELD_BY_OTHERS = 22  # the GPUs are held by processes gpugate may not kill (another unit, ...)
     UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
     INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
+    MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
+    GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
     @property
     def systemd_label(self) -> str:
@@ -53,11 +55,13 @@ EXIT_MEANINGS = {
     ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
     ExitCode.UNKILLABLE: "holders survived SIGKILL",
     ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
-    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill",
+    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill or leased",
     ExitCode.PERMISSION: "permission",
     ExitCode.UNKNOWN_UNIT: "unknown unit",
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
+    ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
+    ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }
 
 
@@ -106,3 +110,7 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class ManualRunRefused(GateError):
+    exit_code = ExitCode.MANUAL_RUN_REFUSED

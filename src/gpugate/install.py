@@ -56,7 +56,14 @@ TimeoutStopSec=300
 """
 
 # The fields the skeleton shows, each with its model's description as the comment above it.
-CONFIG_FIELDS = ("gpus", "free_mib", "kill_other_units", "protected_executables", "protected_units")
+CONFIG_FIELDS = (
+    "gpus",
+    "free_mib",
+    "kill_other_units",
+    "share_gpus",
+    "protected_executables",
+    "protected_units",
+)
 PHASE_TEXT = {
     "pre": "ExecStartPre=: before the unit starts.",
     "post": "ExecStopPost=: after the unit stopped.",
@@ -157,8 +164,8 @@ def render_config(unit: str, gpus: Gpus | None) -> str:
     ]
     for name in CONFIG_FIELDS:
         lines.append(f"# {GateConfig.model_fields[name].description}")
-        if name == "gpus" and gpus is not None:
-            lines.append(f"gpus = {toml_value(gpus)}")
+        if name == "gpus":  # written out: "auto" unless --gpus named them
+            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
         else:
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):

@@ -98,7 +98,8 @@ def test_install_writes_dropin_and_config_then_reloads(dirs: Dirs) -> None:
 def test_skeleton_without_gpus_is_all_defaults(dirs: Dirs) -> None:
     dirs.install()
     assert parse_config(dirs.toml.read_text(), "-") == parse_config("", "-")
-    assert "# gpus = " in dirs.toml.read_text()
+    # written out, not commented: the unit's GPUs come from its own CUDA_VISIBLE_DEVICES
+    assert '\ngpus = "auto"\n' in dirs.toml.read_text()
 
 
 def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
