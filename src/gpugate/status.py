@@ -189,7 +189,7 @@ def render_table(data: dict[str, Any]) -> str:
         rows.append(
             (
                 gpu["index"],
-                f"{gpu['index']:>3}{mark} {gpu['uuid']:<42} {used:>16}  {lease[:20]:<20} "
+                f"{gpu['index']:>3}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} "
                 f"{gpu['name']}",
             )
         )

@@ -118,6 +118,7 @@ def test_table_cuts_long_unit_names_with_an_ellipsis() -> None:
         "unit_cgroup": "/x",
         "holders": [holder],
         "invisible": [],
+        "unreadable_gpus": [],
     }
     row = render_table(data).splitlines()[-1]
     assert "a-very-lo… " in row and "inference-server-with-a-lon… " in row
