@@ -186,15 +186,40 @@ def test_journal_tag_finds_every_entry_each_error_once(
 def test_journal_tag_lists_a_successful_run_whole(host: Host) -> None:
     gate_unit(host, "gate-j-ok.service", config="gpus = [6]\n" + FAST)
     host.sh(
-        f"systemd-run --quiet --scope --slice=user.slice --unit=hold-j.scope setsid {shlex.quote(PYTHON)} /opt/fakevllm/fake_vllm.py --gpus 6 --port 8400 --mib 1000 --ready-file /run/ready-hold-j.json >/dev/null 2>&1 &"
+        f"systemd-run --quiet --scope --slice=user.slice --unit=hold-j.scope setsid {shlex.quote(PYTHON)} /opt/fakevllm/fake_vllm.py --gpus 6 --port 8400 --mib 5000 --ready-file /run/ready-hold-j.json >/dev/null 2>&1 &"
     )
     host.wait_ready("/run/ready-hold-j.json")
     cursor = host.cursor()
-    host.sim.systemctl("start", "gate-j-ok.service")
+    host.sh("sed -i 's/^release_delay_ms.*/release_delay_ms = 1500/' /etc/fake-nvml.conf")
+    try:
+        host.sim.systemctl("start", "gate-j-ok.service")
+    finally:
+        host.sh("sed -i 's/^release_delay_ms.*/release_delay_ms = 0/' /etc/fake-nvml.conf")
     entries = unit_entries(host, cursor, "gate-j-ok.service")
     events = [e.get("GPUGATE_EVENT") for e in entries]
     assert events[0] == "run_started" and events[-1] == "run_finished", events
     assert "signal_sent" in events and "memory_freed" in events
+    (waiting, *_) = [e for e in entries if e.get("GPUGATE_EVENT") == "waiting"]
+    assert waiting["GPUGATE_WAITING_FOR"] == "memory" and waiting["GPUGATE_GPU"] == "6"
+    assert int(waiting["GPUGATE_USED_MIB"]) > 0 and "GPUGATE_SECONDS_LEFT" in waiting
     assert {e["SYSLOG_IDENTIFIER"] for e in entries} == {"gpugate"}
     assert {e["__CURSOR"] for e in entries} <= tagged_cursors(host)
     host.sim.systemctl("stop", "gate-j-ok.service")
+
+
+def test_unit_names_as_systemctl_reads_them(host: Host) -> None:
+    nosuch = host.sim.run(["gpugate", "install", "nosuch", "--no-reload"], check=False)
+    assert nosuch.returncode == ExitCode.UNKNOWN_UNIT
+    assert nosuch.stderr == (
+        "gpugate: unit nosuch.service: systemd knows no such unit (systemctl list-unit-files); "
+        "nothing changed; --force installs anyway\n"
+    )
+    assert not host.sim.exists("/etc/systemd/system/nosuch.service.d/gpugate.conf")
+    forced = host.sim.run(["gpugate", "install", "nosuch", "--force", "--no-reload"], check=False)
+    assert forced.returncode == 0 and "installing anyway (--force)" in forced.stderr
+    host.sim.run(["gpugate", "uninstall", "nosuch", "--no-reload"])
+    gate_unit(host, "gate-name.service", config="gpus = [4]\n" + FAST)
+    shown = json.loads(host.sh("gpugate status gate-name --json"))
+    assert shown["unit"] == "gate-name.service"
+    newline = host.sim.run(["gpugate", "status", "gate-name.service\n"], check=False)
+    assert newline.returncode == ExitCode.UNKNOWN_UNIT
