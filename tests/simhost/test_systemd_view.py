@@ -223,3 +223,12 @@ def test_unit_names_as_systemctl_reads_them(host: Host) -> None:
     assert shown["unit"] == "gate-name.service"
     newline = host.sim.run(["gpugate", "status", "gate-name.service\n"], check=False)
     assert newline.returncode == ExitCode.UNKNOWN_UNIT
+
+
+def test_status_into_a_closed_pipe_ends_quietly(host: Host) -> None:
+    # --watch writes again after `head` has gone: the second draw meets the closed pipe.
+    result = host.sim.run(
+        ["bash", "-c", "gpugate status --watch | head -c 10 >/dev/null; echo ${PIPESTATUS[0]}"],
+        timeout=60,
+    )
+    assert result.stdout.strip() == "0" and result.stderr == "", result.stderr
