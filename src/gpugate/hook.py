@@ -18,7 +18,7 @@ from gpugate.nvml import GpuDriver, NvmlDriver
 from gpugate.outcome import RunSummary
 from gpugate.pipeline import RunScope, run_phase
 from gpugate.procfs import ProcessId, ProcFs
-from gpugate.report import Reporter, stderr_is_journal
+from gpugate.report import Reporter
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,8 @@ def run_hook(
         code = summary.exit_code
     except GateError as exc:
         error, code = exc, exc.exit_code
-        if not stderr_is_journal(stream):  # under systemd, the structured entry says it once
-            print(f"gpugate: {exc.message}", file=stream, flush=True)
-        reporter.echo = False  # said on stderr already
+        reporter.echo = False  # failed() says it on stderr itself, once
+        reporter.error_stream = stream
         Narrator(reporter, dry_run=dry_run).failed(exc)
     if not dry_run:
         record_metrics(loaded, hook, code, summary, stream)

@@ -262,8 +262,6 @@ class Narrator:
         )
 
     def failed(self, error: GateError) -> None:
-        """A run that ended in an error: one entry (stderr says it once already)."""
-        self.reporter.event(
-            Event.ERROR, error.message, priority=PRIORITY_ERR, exit_code=int(error.exit_code)
-        )
-        self.status(f"failed: {error.message}")
+        """A run that ended in an error: one entry, and one line on stderr where stderr is
+        not the journal already."""
+        self.reporter.fail(error.message, int(error.exit_code))
