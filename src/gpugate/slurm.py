@@ -1,8 +1,12 @@
 """`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node.
 
-slurmd runs them as root with the job in the environment. The job's GPUs (SLURM_JOB_GPUS,
-else CUDA_VISIBLE_DEVICES) take the place of the unit's, and the job's cgroup (cgroup v2:
-/system.slice/slurmstepd.scope/job_ID, with step_*/ below) the place of the unit's cgroup.
+slurmd runs them as root with the job in the environment and no PATH. The job's GPUs
+(SLURM_JOB_GPUS, else SLURM_STEP_GPUS, else CUDA_VISIBLE_DEVICES; indices or UUIDs) take the
+place of the unit's, and the job's cgroup (cgroup v2: /system.slice/NODE_slurmstepd.scope/job_ID
+as Debian's multiple-slurmd build names it, or /system.slice/slurmstepd.scope/job_ID, with
+step_*/ below) the place of the unit's cgroup. At Prolog= and Epilog= time that cgroup often
+does not exist (not yet, or no longer): then it holds no process, and every holder of the
+job's GPUs is found by its device files and by NVML, and judged by the orphan rules.
 A non-zero exit makes slurmd drain the node; where slurmd names the node (SLURMD_NODENAME)
 and scontrol is there, the drain reason says which GPU holds how many MiB.
 """
@@ -35,6 +39,9 @@ INDEX = re.compile(r"[0-9]{1,4}")
 MAX_JOB_ID = 2**32 - 1
 MAX_GPU_INDEX = 1023
 MAX_REASON = 250
+# Where slurmd puts the job's GPUs: a batch job and the hooks get SLURM_JOB_GPUS, an srun task
+# gets it empty and SLURM_STEP_GPUS set; CUDA_VISIBLE_DEVICES is what CUDA itself reads.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
 # slurmd gives prologs and epilogs no PATH: look where Slurm is installed.
 SCONTROL_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin", "/usr/local/sbin")
 SCONTROL_TIMEOUT_S = 15
@@ -70,12 +77,11 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
     gpus: tuple[int | str, ...] = ()
     source = ""
-    if environ.get("SLURM_JOB_GPUS", "").strip():
-        source = "SLURM_JOB_GPUS"
-        gpus = _gpu_list(source, environ[source], uuids=False)
-    elif environ.get("CUDA_VISIBLE_DEVICES", "").strip():
-        source = "CUDA_VISIBLE_DEVICES"
-        gpus = _gpu_list(source, environ[source], uuids=True)
+    for variable in GPU_VARIABLES:
+        if environ.get(variable, "").strip():
+            source = variable
+            gpus = _gpu_list(variable, environ[variable])
+            break
     return SlurmJob(
         job_id=int(raw_id),
         uid=int(raw_uid) if raw_uid is not None else None,
@@ -85,35 +91,49 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     )
 
 
-def _gpu_list(variable: str, value: str, *, uuids: bool) -> tuple[int | str, ...]:
-    what = "GPU indices or UUIDs" if uuids else "GPU indices"
+def _gpu_list(variable: str, value: str) -> tuple[int | str, ...]:
     gpus: list[int | str] = []
     for item in (part.strip() for part in value.split(",")):
         if INDEX.fullmatch(item) and int(item) <= MAX_GPU_INDEX:
             gpu: int | str = int(item)
-        elif uuids and UUID_PATTERN.fullmatch(item):
+        elif UUID_PATTERN.fullmatch(item):
             gpu = item
         else:
-            raise SlurmEnvError(f"{variable} {value!r}: not a comma-separated list of {what}")
+            raise SlurmEnvError(
+                f"{variable} {value!r}: not a comma-separated list of GPU indices or UUIDs"
+            )
         if gpu in gpus:
             raise SlurmEnvError(f"{variable} {value!r}: names GPU {gpu} twice")
         gpus.append(gpu)
     return tuple(gpus)
 
 
-def job_cgroup(job_id: int, cgroup_root: Path) -> str:
-    """The job's cgroup (cgroup v2). Slurm removes it once empty, so at the epilog it is
-    often gone already; then the default path stands for it, and matches no process."""
-    name = f"job_{job_id}"
-    default = f"/system.slice/{JOB_SCOPE}/{name}"
-    if (cgroup_root / default.lstrip("/")).is_dir():
-        return default
-    # Several slurmd on one host name their scopes NODENAME_slurmstepd.scope.
+def stepd_scopes(cgroup_root: Path) -> list[Path]:
+    """Every slurmstepd scope: `slurmstepd.scope`, or `NODE_slurmstepd.scope` (Debian builds
+    Slurm with multiple-slurmd support, and the scope carries the node's name)."""
+    scopes: list[Path] = []
     for parent in [cgroup_root, *sorted(cgroup_root.glob("*.slice"))]:
-        for scope in sorted(parent.glob(f"*{JOB_SCOPE}")):
-            if (scope / name).is_dir():
-                return "/" + str((scope / name).relative_to(cgroup_root))
-    return default
+        scopes.extend(
+            scope
+            for scope in sorted(parent.glob(f"*{JOB_SCOPE}"))
+            if scope.name == JOB_SCOPE or scope.name.endswith("_" + JOB_SCOPE)
+        )
+    return scopes
+
+
+def job_cgroup(job_id: int, cgroup_root: Path, node_name: str | None = None) -> str:
+    """The job's cgroup (cgroup v2). slurmd creates it after the prolog and removes it before
+    the epilog; then the path it would have stands for it, and matches no process."""
+    name = f"job_{job_id}"
+    scopes = stepd_scopes(cgroup_root)
+    for scope in scopes:
+        if (scope / name).is_dir():
+            return "/" + str((scope / name).relative_to(cgroup_root))
+    names = [f"{node_name}_{JOB_SCOPE}"] if node_name else []
+    preferred = [s for name in [*names, JOB_SCOPE] for s in scopes if s.name == name]
+    for scope in preferred[:1] or scopes[:1]:
+        return "/" + str((scope / name).relative_to(cgroup_root))
+    return f"/system.slice/{JOB_SCOPE}/{name}"
 
 
 def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
@@ -219,7 +239,7 @@ def main(
             reporter,
             dry_run=dry_run,
             driver_factory=driver_factory,
-            target_cgroup=job_cgroup(job.job_id, loaded.config.paths.cgroup_root),
+            target_cgroup=job_cgroup(job.job_id, loaded.config.paths.cgroup_root, job.node_name),
         )
         code, detail = summary.exit_code, failure_detail(summary)
     except GateError as exc:
