@@ -20,6 +20,7 @@ DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
 
 UUID_PATTERN = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]{8,}$")
+CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")  # docker's and podman's rule
 
 DEFAULT_PROTECTED_EXECUTABLES = (
     "/usr/bin/nvidia-persistenced",
@@ -85,6 +86,8 @@ class GateConfig(_Frozen):
     epilog: PhasePolicy = PhasePolicy()
     paths: Paths = Paths()
     metrics_textfile: Path | None = None  # node_exporter textfile, rewritten after each run
+    # Containers (names or ids) whose processes are the unit's own: `docker run --name vllm`.
+    containers: tuple[str, ...] = ()
 
     @field_validator("post", mode="before")
     @classmethod
@@ -118,6 +121,16 @@ class GateConfig(_Frozen):
         for path in value:
             if not path.startswith("/"):
                 raise ValueError(f"{path!r} is not an absolute path")
+        return value
+
+    @field_validator("containers")
+    @classmethod
+    def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            if not CONTAINER_NAME.fullmatch(item):
+                raise ValueError(f"{item!r} is not a container name or id")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a container twice")
         return value
 
     @field_validator("metrics_textfile")

@@ -1,7 +1,8 @@
 """Discovery: every process that holds the unit's GPUs, and how each one was found.
 
-Four sources, each recorded on the holder: the unit's cgroup, /proc/PID/fd links and
-/proc/PID/maps entries naming /dev/nvidiaN, and NVML's process lists. (The fourth kind of
+Four sources, each recorded on the holder: the unit's cgroup (and the cgroups of the
+containers its config names), /proc/PID/fd links and /proc/PID/maps entries naming
+/dev/nvidiaN, and NVML's process lists. (The fourth kind of
 target, the rest of a stale application, is chosen in `decide`, which walks the tree.)
 """
 
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from gpugate.config import GateConfig
+from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.errors import ConfigError, PermissionDenied
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage
 from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
@@ -24,6 +26,7 @@ GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
 class Source(StrEnum):
     CGROUP = "cgroup"
+    CONTAINER = "container"  # in a container the config names as the unit's (`containers`)
     DEVICE_FD = "device-fd"
     DEVICE_MAP = "device-map"
     NVML = "nvml"
@@ -37,6 +40,7 @@ class Holder:
     gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
     control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
     used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
+    container: Container | None = None  # where its cgroup is a container's scope
 
     @property
     def pid(self) -> int:
@@ -61,6 +65,7 @@ class Discovery:
     unreadable: list[int]  # PIDs whose fds could not be read
     invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
     # but /proc does not show: another PID namespace (a container without host PIDs)
+    unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
 
     @property
     def owned_indices(self) -> set[int]:
@@ -126,6 +131,7 @@ def discover(
     procfs: ProcFs,
     self_pid: int | None = None,
     resolve_gpus: bool = True,
+    container_names: ContainerNames | None = None,
 ) -> Discovery:
     paths = config.paths
     gpus = driver.gpus()
@@ -177,6 +183,9 @@ def discover(
             found.gpus.add(index)
             found.used_mib[index] = process.used_mib
 
+    unit_containers = _containers(
+        holders, holder, config, container_names or ContainerNames(), self_chain
+    )
     return Discovery(
         unit=unit,
         unit_cgroup=unit_cgroup,
@@ -187,4 +196,37 @@ def discover(
         self_chain=self_chain,
         unreadable=scan.unreadable,
         invisible=invisible,
+        unit_containers=unit_containers,
     )
+
+
+def _containers(
+    holders: dict[int, Holder],
+    holder: Callable[[int], Holder | None],
+    config: GateConfig,
+    names: ContainerNames,
+    self_chain: frozenset[int],
+) -> list[Container]:
+    """Names every holder's container; adds every process of the containers the config
+    names (`containers`) as the unit's, GPU holders or not. Returns those containers."""
+    paths = config.paths
+    found: dict[str, Container] = {}
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            found.setdefault(container.id, container)
+    if config.containers:
+        for container in container_scopes(paths.cgroup_root):
+            found.setdefault(container.id, container)
+    if not found:
+        return []
+    named = {container.id: container for container in names.named(list(found.values()))}
+    own = [c for c in named.values() if c.matches(config.containers)]
+    for container in own:
+        for pid in cgroup_members(paths.cgroup_root, container.scope):
+            if pid not in self_chain and (member := holder(pid)) is not None:
+                member.sources.add(Source.CONTAINER)
+                member.container = container
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            each.container = named.get(container.id, container)
+    return own

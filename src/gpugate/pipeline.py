@@ -10,9 +10,11 @@ import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpugate.config import LoadedConfig
-from gpugate.decide import Choice, Decision, decide
+from gpugate.containers import stop_containers
+from gpugate.decide import Choice, Decision, Role, decide
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.kill import Pinned, pin, terminate
@@ -69,7 +71,25 @@ def describe(choice: Choice) -> str:
     info = choice.holder.info
     gpus = f" GPU {_gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
     sources = ",".join(sorted(choice.holder.sources))
-    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}, via {sources}): {info.command[:200]}"
+    where = f", {choice.holder.container.label}" if choice.holder.container else ""
+    return (
+        f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): "
+        f"{info.command[:200]}"
+    )
+
+
+def container_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
+    container = choice.holder.container
+    if container is None:
+        return {}
+    fields: dict[str, Any] = {
+        "container": container.id,
+        "container_runtime": container.runtime,
+    }
+    if container.name:
+        fields["container_name"] = container.name
+    return fields
 
 
 def run_phase(
@@ -240,6 +260,8 @@ class PhaseRun:
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
         """Kill the targets; rediscover and repeat while new ones appear (forks)."""
         kill_started = self.clock()
+        if self.phase == "pre" and discovery.unit_containers:
+            self.stop_containers(discovery, decision)
         by_ident: dict[ProcessId, Choice] = {}
         survivors: list[ProcessId] = []
         for round_number in range(1, MAX_ROUNDS + 1):
@@ -277,6 +299,29 @@ class PhaseRun:
             )
         return discovery, decision, survivors
 
+    def stop_containers(self, discovery: Discovery, decision: Decision) -> None:
+        """The unit's own containers stop through their runtime first (it records them as
+        stopped); the pinned signals then follow for any process that outlived it."""
+        wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
+        containers = [c for c in discovery.unit_containers if c.id in wanted]
+        self.reporter.status(f"stopping {len(containers)} container(s) through their runtime")
+        for result in stop_containers(containers, self.policy.sigterm_grace_s):
+            verb = result.container.runtime + " stop"
+            self.reporter.event(
+                Event.SIGNAL_SENT,
+                f"{verb} {result.container.label}: "
+                + (
+                    "stopped"
+                    if result.ok
+                    else f"failed ({result.detail}); signalling its processes"
+                ),
+                priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
+                signal=verb,
+                container=result.container.id,
+                container_runtime=result.container.runtime,
+                role=Role.UNIT_CONTAINER,
+            )
+
     def on_signal(self, choice: Choice, signum: int) -> None:
         name = signal.Signals(signum).name
         self.reporter.event(
@@ -289,6 +334,7 @@ class PhaseRun:
             command=choice.holder.info.command,
             comm=choice.holder.info.comm,
             role=choice.role,
+            **container_fields(choice),
         )
 
     def on_stuck(self, choices: list[Choice]) -> None:
@@ -399,4 +445,5 @@ def _report_choices(reporter: Reporter, decision: Decision, dry_run: bool) -> No
                 role=choice.role,
                 command=choice.holder.info.command,
                 reason=choice.reason,
+                **container_fields(choice),
             )

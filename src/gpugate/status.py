@@ -6,8 +6,8 @@ import json
 from typing import Any
 
 from gpugate.config import LoadedConfig
-from gpugate.decide import role_of
-from gpugate.discover import Discovery, Source, discover
+from gpugate.decide import holder_role
+from gpugate.discover import Discovery, discover
 from gpugate.nvml import GpuDriver
 from gpugate.procfs import ProcFs
 from gpugate.units import resolve_unit_cgroup, unit_of_cgroup
@@ -42,7 +42,8 @@ def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
     holders = []
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
-        role = role_of(info, discovery, loaded.config, member=Source.CGROUP in holder.sources)
+        role = holder_role(holder, discovery, loaded.config)
+        container = holder.container
         holders.append(
             {
                 "pid": info.pid,
@@ -60,6 +61,9 @@ def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
                 "sources": sorted(holder.sources),
                 "role": str(role) if discovery.unit else None,
                 "orphan": role.value == "orphan",
+                "container": None
+                if container is None
+                else {"runtime": container.runtime, "id": container.id, "name": container.name},
             }
         )
     return {
@@ -106,6 +110,9 @@ def render_table(data: dict[str, Any]) -> str:
         )
     for holder in data["holders"]:
         unit = holder["unit"] or "-"
+        if holder["container"]:
+            found = holder["container"]
+            unit = f"{found['runtime']}:{found['name'] or found['id'][:12]}"
         if holder["orphan"]:
             unit = f"{unit} (orphan)" if unit != "-" else "(orphan)"
         gpus = ",".join(str(i) for i in holder["gpus"]) or (
