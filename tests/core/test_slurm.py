@@ -148,7 +148,7 @@ def test_job_cgroup_missing_at_hook_time_names_the_nodes_scope(tmp_path: Path) -
 
 def test_scontrol_found_without_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """slurmd gives the hooks no PATH: scontrol is looked for where Slurm installs it."""
-    from gpugate import slurm  # noqa: PLC0415
+    from gpugate import slurm
 
     found = tmp_path / "sbin" / "scontrol"
     found.parent.mkdir()
