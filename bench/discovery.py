@@ -61,7 +61,6 @@ class Probe:
                 "bench.probe",
                 str(stage.dev),
                 str(stage.root / "cgroup"),
-                str(stage.locks),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -17,8 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.config import GateConfig, Paths
 from gpugate.discover import GPU_DEVICE, discover
+from gpugate.host import HostRoots
 from gpugate.nvml import NvmlDriver
 from gpugate.procfs import ProcFs, scan_device_users
 
@@ -26,8 +26,8 @@ UNIT = "bench.service"
 
 
 def main(argv: list[str]) -> int:
-    dev_root, cgroup_root, lock_dir = (Path(arg) for arg in argv[1:4])
-    config = GateConfig(paths=Paths(dev_root=dev_root, cgroup_root=cgroup_root, lock_dir=lock_dir))
+    dev_root, cgroup_root = (Path(arg) for arg in argv[1:3])
+    roots = HostRoots(dev=dev_root, cgroup=cgroup_root)
     driver = NvmlDriver()
     prefix = os.path.join(dev_root, "nvidia")
     for line in sys.stdin:
@@ -37,10 +37,11 @@ def main(argv: list[str]) -> int:
             found = discover(
                 unit=UNIT,
                 unit_cgroup=f"/system.slice/{UNIT}",
-                config=config,
+                wanted="all",
                 config_source="bench",
                 driver=driver,
                 procfs=ProcFs(Path("/proc")),
+                roots=roots,
             )
             holders = [pid for pid, holder in found.holders.items() if holder.gpus]
         elif command == "scan":

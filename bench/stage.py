@@ -55,18 +55,15 @@ class Stage:
             f"gpu_count = 8\ndev_root = {self.dev}\nstate_dir = {self.state}\n"
         )
         self.config = self.root / "gpugate.toml"
-        self.config.write_text(
-            "[paths]\n"
-            f'dev_root = "{self.dev}"\n'
-            f'cgroup_root = "{self.root / "cgroup"}"\n'
-            f'lock_dir = "{self.locks}"\n'
-        )
+        self.config.write_text(f'lock_dir = "{self.locks}"\n')
         self.lib = fake_nvml_lib()
 
     def env(self, *, source_tree: bool = False) -> dict[str, str]:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = str(self.lib.parent)
         env["FAKE_NVML_CONFIG"] = str(self.nvml_config)
+        env["GPUGATE_DEV_ROOT"] = str(self.dev)
+        env["GPUGATE_CGROUP_ROOT"] = str(self.root / "cgroup")
         env.pop("NOTIFY_SOCKET", None)
         if source_tree:
             env["PYTHONPATH"] = f"{REPO / 'src'}:{REPO}"
@@ -98,7 +95,8 @@ def installed_gpugate() -> tuple[list[str], str]:
             _run([*pip, "--find-links", str(wheelhouse), "gpugate"])
             _run([*pip, "--force-reinstall", "--no-deps", str(wheels[-1])])
             stamp.write_text(f"{wheels[-1].name}\n")
-        return [str(venv / "bin" / "gpugate")], f"venv {venv} (wheel {wheels[-1].name})"
+        shown = venv.relative_to(REPO) if venv.is_relative_to(REPO) else venv
+        return [str(venv / "bin" / "gpugate")], f"venv {shown} (wheel {wheels[-1].name})"
     except (BenchError, subprocess.CalledProcessError, OSError) as err:
         print(f"bench: cannot install gpugate into {venv} ({err}); using the source tree")
         return [sys.executable, "-m", "gpugate"], "source tree (python3 -m gpugate)"

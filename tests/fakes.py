@@ -12,9 +12,13 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from gpugate.config import GateConfig, LoadedConfig
+from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuProcess, GpuUsage
+from gpugate.outcome import RunSummary
+from gpugate.pipeline import RunScope, run_phase
 from gpugate.report import Reporter
 
 
@@ -212,15 +216,30 @@ class FakeHost:
         existing = procs.read_text() if procs.exists() else ""
         procs.write_text(existing + "".join(f"{pid}\n" for pid in pids))
 
-    def config(self, **overrides: object) -> LoadedConfig:
-        paths = {
-            "dev_root": self.dev,
-            "cgroup_root": self.cgroup_root,
-            "lock_dir": self.root / "locks",
+    @property
+    def roots(self) -> HostRoots:
+        return HostRoots(dev=self.dev, cgroup=self.cgroup_root)
+
+    @property
+    def environ(self) -> dict[str, str]:
+        """The same roots for a gpugate run as a command."""
+        return {
+            **os.environ,
+            "GPUGATE_DEV_ROOT": str(self.dev),
+            "GPUGATE_CGROUP_ROOT": str(self.cgroup_root),
         }
+
+    def run_phase(
+        self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any
+    ) -> RunSummary:
+        """gpugate's run_phase on this host: the unit's stand-in cgroup, these roots."""
+        scope = RunScope(phase, UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
+        return run_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
+
+    def config(self, **overrides: object) -> LoadedConfig:
         fast = {"sigterm_grace_s": 1.0, "sigkill_wait_s": 1.0, "wait_timeout_s": 10.0}
         data: dict[str, object] = {
-            "paths": paths,
+            "lock_dir": self.root / "locks",
             "pre": {**fast, **dict(overrides.pop("pre", {}))},  # type: ignore[call-overload]
             "post": {
                 "kill_orphans": False,

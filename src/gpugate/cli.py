@@ -1,4 +1,4 @@
-"""Command line: `gpugate pre|post|status|config check|slurm` and their exit codes."""
+"""Command line: `gpugate pre|post|status|config check|install|uninstall|slurm`."""
 
 from __future__ import annotations
 
@@ -6,23 +6,43 @@ import argparse
 import contextlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+import textwrap
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpugate import __version__
-from gpugate.config import LoadedConfig, load_config, toml_value
-from gpugate.errors import ExitCode, GateError, UnknownUnit
+from gpugate.config import load_config, to_toml
+from gpugate.errors import ExitCode, GateError, UnknownUnit, exit_code_summary
+from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver, NvmlDriver
-from gpugate.report import PRIORITY_ERR, Event, Reporter
-from gpugate.units import own_unit, validate_unit_name
+from gpugate.report import Reporter, ReporterFactory
+from gpugate.units import own_unit, resolve_unit_cgroup, validate_unit_name
 
-if TYPE_CHECKING:
-    from gpugate.pipeline import RunSummary
+EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
+Handler = Callable[[argparse.Namespace, "Front"], int]
 
-EPILOG = """exit codes: 0 ok, 1 internal error, 2 usage, 3 config, 4 NVML unavailable,
-5 holders survived SIGKILL, 6 memory not freed in time, 7 GPUs held by processes gpugate may
-not kill, 8 permission, 9 unknown unit, 10 GPU lock timeout, 11 install/uninstall refused"""
+
+class Front:
+    """What a command may touch, injected by tests; production's real defaults."""
+
+    def __init__(
+        self,
+        *,
+        driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+        reporter_factory: ReporterFactory = Reporter,
+        roots: HostRoots | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
+        self.driver_factory = driver_factory
+        self.reporter_factory = reporter_factory
+        self.environ = os.environ if environ is None else environ
+        self._roots = roots
+
+    @property
+    def roots(self) -> HostRoots:
+        if self._roots is None:
+            self._roots = HostRoots.from_environ(self.environ)
+        return self._roots
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,20 +61,27 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         sub = commands.add_parser(phase, help=text, description=text, epilog=EPILOG)
         _unit_and_config(sub)
-        sub.add_argument(
-            "--dry-run", action="store_true", help="report what would be killed; kill nothing"
-        )
+        _dry_run(sub)
+        sub.set_defaults(func=_hook)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
     status.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    status.set_defaults(func=_status)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
     check.add_argument("path", nargs="?", type=Path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
+    check.set_defaults(func=_config_check)
     _install_parsers(commands)
     _slurm_parsers(commands)
     return parser
+
+
+def _dry_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dry-run", action="store_true", help="report what would be killed; kill nothing"
+    )
 
 
 def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -66,9 +93,8 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     ):
         sub = phases.add_parser(phase, help=text, description=text, epilog=EPILOG)
         sub.add_argument("--config", type=Path, help="config file (default: /etc/gpugate lookup)")
-        sub.add_argument(
-            "--dry-run", action="store_true", help="report what would be killed; kill nothing"
-        )
+        _dry_run(sub)
+        sub.set_defaults(func=_slurm)
 
 
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -85,6 +111,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
         sub.add_argument("--systemd-dir", type=Path, default=Path("/etc/systemd/system"))
         sub.add_argument("--config-dir", type=Path, default=Path("/etc/gpugate"))
+        sub.set_defaults(func=_install)
     install.add_argument(
         "--gpus",
         type=_gpus,
@@ -119,64 +146,16 @@ def main(
     argv: Sequence[str] | None = None,
     *,
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-    reporter_factory: Callable[[str, str], Reporter] = Reporter,
+    reporter_factory: ReporterFactory = Reporter,
+    roots: HostRoots | None = None,
 ) -> int:
     args = build_parser().parse_args(argv)
-    unit: str | None = None
-    reporter: Reporter | None = None
-    loaded: LoadedConfig | None = None
+    front = Front(driver_factory=driver_factory, reporter_factory=reporter_factory, roots=roots)
+    handler: Handler = args.func
     try:
-        if args.command == "config":
-            return _config_check(args)
-        if args.command in ("install", "uninstall"):
-            return _install(args)
-        if args.command == "slurm":
-            from gpugate import slurm  # noqa: PLC0415
-
-            return slurm.main(
-                args.slurm_phase,
-                config_path=args.config,
-                dry_run=args.dry_run,
-                environ=os.environ,
-                driver_factory=driver_factory,
-                reporter_factory=reporter_factory,
-            )
-        unit = args.unit or (own_unit() if args.command != "status" else None)
-        if unit is None and args.command != "status":
-            raise UnknownUnit(
-                "no UNIT given and gpugate is not running inside a service's cgroup; "
-                "pass the unit (%n in a unit file)"
-            )
-        if unit is not None:
-            validate_unit_name(unit)
-        loaded = load_config(unit, args.config)
-        if args.command == "status":
-            return _status(unit, loaded, args.json, driver_factory)
-        from gpugate.pipeline import run_phase  # noqa: PLC0415
-
-        assert unit is not None
-        reporter = reporter_factory(unit, args.command)
-        summary = run_phase(
-            args.command,
-            unit,
-            loaded,
-            reporter,
-            dry_run=args.dry_run,
-            driver_factory=driver_factory,
-        )
-        if not args.dry_run:
-            _record_metrics(loaded, args.command, unit, summary.exit_code, summary)
-        return int(summary.exit_code)
+        return handler(args, front)
     except GateError as exc:
         print(f"gpugate: {exc.message}", file=sys.stderr)
-        if reporter is not None:
-            reporter.echo = False
-            reporter.event(
-                Event.ERROR, exc.message, priority=PRIORITY_ERR, exit_code=int(exc.exit_code)
-            )
-            reporter.status(f"failed: {exc.message}")
-            if loaded is not None and unit is not None and not args.dry_run:
-                _record_metrics(loaded, args.command, unit, exc.exit_code, None)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -205,17 +184,50 @@ def run() -> None:
     os._exit(code)
 
 
-def _record_metrics(
-    loaded: LoadedConfig, phase: str, unit: str, code: ExitCode, summary: RunSummary | None
-) -> None:
-    if loaded.config.metrics_textfile is None:
-        return  # no textfile: the metrics module is not even imported (start-up time)
-    from gpugate.metrics import record_after_run, run_record  # noqa: PLC0415
+def _hook(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.hook import Hook, run_hook  # noqa: PLC0415
 
-    record_after_run(loaded.config.metrics_textfile, run_record(phase, unit, code, summary))
+    unit = args.unit or own_unit()
+    if unit is None:
+        raise UnknownUnit(
+            "no UNIT given and gpugate is not running inside a service's cgroup; "
+            "pass the unit (%n in a unit file)"
+        )
+    validate_unit_name(unit)
+    loaded = load_config(unit, args.config)
+    roots = front.roots
+    hook = Hook(
+        args.command,
+        unit,
+        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
+        metrics_unit=unit,
+    )
+    outcome = run_hook(
+        hook,
+        loaded,
+        front.reporter_factory(unit, args.command),
+        roots=roots,
+        dry_run=args.dry_run,
+        driver_factory=front.driver_factory,
+    )
+    return int(outcome.exit_code)
 
 
-def _config_check(args: argparse.Namespace) -> int:
+def _slurm(args: argparse.Namespace, front: Front) -> int:
+    from gpugate import slurm  # noqa: PLC0415
+
+    return slurm.main(
+        args.slurm_phase,
+        config_path=args.config,
+        dry_run=args.dry_run,
+        environ=front.environ,
+        driver_factory=front.driver_factory,
+        reporter_factory=front.reporter_factory,
+        roots=front.roots,
+    )
+
+
+def _config_check(args: argparse.Namespace, front: Front) -> int:
     unit = validate_unit_name(args.unit) if args.unit else None
     loaded = load_config(unit, args.path)
     print(f"# effective configuration, from {loaded.source}")
@@ -241,7 +253,7 @@ def _container(value: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _install(args: argparse.Namespace) -> int:
+def _install(args: argparse.Namespace, front: Front) -> int:
     from gpugate import install  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
@@ -266,32 +278,16 @@ def _install(args: argparse.Namespace) -> int:
     return int(ExitCode.OK)
 
 
-def _status(
-    unit: str | None, loaded: object, as_json: bool, driver_factory: Callable[[], GpuDriver]
-) -> int:
-    from gpugate.config import LoadedConfig  # noqa: PLC0415
+def _status(args: argparse.Namespace, front: Front) -> int:
     from gpugate.status import as_dict, collect, render_json, render_table  # noqa: PLC0415
 
-    assert isinstance(loaded, LoadedConfig)
-    driver = driver_factory()
+    unit = validate_unit_name(args.unit) if args.unit else None
+    loaded = load_config(unit, args.config)
+    roots = front.roots
+    driver = front.driver_factory()
     try:
-        data = as_dict(collect(unit, loaded, driver), loaded)
+        data = as_dict(collect(unit, loaded, driver, roots), loaded)
     finally:
         driver.close()
-    print(render_json(data) if as_json else render_table(data))
+    print(render_json(data) if args.json else render_table(data))
     return int(ExitCode.OK)
-
-
-def to_toml(data: dict[str, object], prefix: str = "") -> str:
-    """Enough TOML for gpugate's config: scalars, lists and nested tables."""
-    lines: list[str] = []
-    tables: list[str] = []
-    for key, value in data.items():
-        if value is None:
-            lines.append(f"# {key}: not set")
-        elif isinstance(value, dict):
-            name = f"{prefix}{key}"
-            tables.append(f"\n\n[{name}]\n" + to_toml(value, f"{name}."))
-        else:
-            lines.append(f"{key} = {toml_value(value)}")
-    return "\n".join(lines) + "".join(tables)

@@ -2,6 +2,8 @@
 
 Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
 instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
+Only what an operator sets lives here; where gpugate looks (/dev, /proc, the cgroup tree) is
+`host.HostRoots`.
 """
 
 from __future__ import annotations
@@ -10,16 +12,16 @@ import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from gpugate.errors import ConfigError
+from gpugate.gpulist import GpuListError, GpuRef, gpu_refs
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
+DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
-
-UUID_PATTERN = re.compile(r"^(GPU|MIG)-[0-9a-fA-F-]{8,}$")
 CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")  # docker's and podman's rule
 
 DEFAULT_PROTECTED_EXECUTABLES = (
@@ -38,7 +40,7 @@ DEFAULT_PROTECTED_UNITS = (
     "display-manager.service",
 )
 
-GpuRef = Annotated[int, Field(ge=0, le=1023)] | str
+GpuSelection = Literal["all"] | tuple[GpuRef, ...]
 
 
 class _Frozen(BaseModel):
@@ -46,48 +48,81 @@ class _Frozen(BaseModel):
 
 
 class PhasePolicy(_Frozen):
-    """What one phase (pre or post) may kill and how long it waits."""
+    """What one phase (pre, post, prolog, epilog) may kill and how long it waits."""
 
-    kill_orphans: bool = True
-    kill_app_tree: bool = True
-    sigterm_grace_s: float = Field(default=10.0, gt=0, le=3600)
-    sigkill_wait_s: float = Field(default=5.0, gt=0, le=3600)
-    wait_timeout_s: float = Field(default=120.0, gt=0, le=86400)
-    on_timeout: Literal["fail", "warn"] = "fail"
-    on_nvml_error: Literal["fail", "warn"] = "fail"
-
-
-class Paths(_Frozen):
-    """Production roots; tests point them at stand-ins."""
-
-    dev_root: Path = Path("/dev")
-    proc_root: Path = Path("/proc")
-    cgroup_root: Path = Path("/sys/fs/cgroup")
-    lock_dir: Path = Path("/run/gpugate")
-
-    @field_validator("dev_root", "proc_root", "cgroup_root", "lock_dir")
-    @classmethod
-    def _absolute(cls, value: Path) -> Path:
-        if not value.is_absolute():
-            raise ValueError("must be an absolute path")
-        return value
+    kill_orphans: bool = Field(
+        default=True,
+        description="Kill holders outside any unit (a server started by hand from ssh)?",
+    )
+    kill_app_tree: bool = Field(
+        default=True,
+        description="Also kill the rest of such a holder's application (never a login shell).",
+    )
+    sigterm_grace_s: float = Field(
+        default=10.0, gt=0, le=3600, description="Seconds between SIGTERM and SIGKILL."
+    )
+    sigkill_wait_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="Seconds after SIGKILL before a survivor is reported.",
+    )
+    wait_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86400,
+        description="Deadline for the whole run (kill and memory wait), in seconds.",
+    )
+    on_timeout: Literal["fail", "warn"] = Field(
+        default="fail",
+        description='Memory not freed by the deadline: "fail" (the run fails) or "warn".',
+    )
+    on_nvml_error: Literal["fail", "warn"] = Field(
+        default="fail",
+        description='NVML unusable: "fail" (the run fails) or "warn" (clean the cgroup only).',
+    )
 
 
 class GateConfig(_Frozen):
-    gpus: Literal["all"] | tuple[GpuRef, ...] = "all"
-    free_mib: int = Field(default=1024, ge=0)
-    kill_other_units: bool = False
-    protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
-    protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
+    gpus: GpuSelection = Field(
+        default="all",
+        description='The unit\'s GPUs: "all", or indices and/or UUIDs, e.g. [0, 1] or ["GPU-..."].',
+    )
+    free_mib: int = Field(
+        default=1024,
+        ge=0,
+        description="Per GPU, MiB used at or below which the GPU counts as free (drivers keep "
+        "some).",
+    )
+    kill_other_units: bool = Field(
+        default=False,
+        description="May processes of another active unit holding these GPUs be killed?",
+    )
+    protected_executables: tuple[str, ...] = Field(
+        default=DEFAULT_PROTECTED_EXECUTABLES,
+        description="Never killed, by exact /proc/PID/exe path.",
+    )
+    protected_units: tuple[str, ...] = Field(
+        default=DEFAULT_PROTECTED_UNITS,
+        description="Never killed, by the unit their cgroup belongs to.",
+    )
     pre: PhasePolicy = PhasePolicy()
     post: PhasePolicy = PhasePolicy(kill_orphans=False, kill_app_tree=False)
     # Slurm's Prolog= and Epilog=: the job is over at the epilog, so its leftovers die too.
     prolog: PhasePolicy = PhasePolicy()
     epilog: PhasePolicy = PhasePolicy()
-    paths: Paths = Paths()
-    metrics_textfile: Path | None = None  # node_exporter textfile, rewritten after each run
-    # Containers (names or ids) whose processes are the unit's own: `docker run --name vllm`.
-    containers: tuple[str, ...] = ()
+    lock_dir: Path = Field(
+        default=DEFAULT_LOCK_DIR,
+        description="Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
+    )
+    metrics_textfile: Path | None = Field(
+        default=None,
+        description="node_exporter textfile rewritten after each run (not set: no metrics).",
+    )
+    containers: tuple[str, ...] = Field(
+        default=(),
+        description="Containers (names or ids) that are the unit's own (`docker run --name`).",
+    )
 
     @field_validator("post", mode="before")
     @classmethod
@@ -100,20 +135,14 @@ class GateConfig(_Frozen):
     @field_validator("gpus", mode="before")
     @classmethod
     def _gpu_list(cls, value: object) -> object:
-        if value != "all" and not isinstance(value, list | tuple):
+        if value == "all":
+            return value
+        if not isinstance(value, list | tuple):
             raise ValueError('must be "all" or a list of GPU indices or UUIDs, e.g. [0, 1]')
-        if isinstance(value, list):
-            if not value:
-                raise ValueError('must name at least one GPU, or be "all"')
-            for item in value:
-                if isinstance(item, bool) or not isinstance(item, int | str):
-                    raise ValueError("each GPU is an index (0, 1, ...) or a UUID string")
-                if isinstance(item, str) and not UUID_PATTERN.match(item):
-                    raise ValueError(f"{item!r} is not a GPU UUID (GPU-xxxxxxxx-...)")
-            if len(set(value)) != len(value):
-                raise ValueError("lists a GPU twice")
-            return tuple(value)
-        return value
+        try:
+            return gpu_refs(value)
+        except GpuListError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("protected_executables")
     @classmethod
@@ -133,9 +162,9 @@ class GateConfig(_Frozen):
             raise ValueError("lists a container twice")
         return value
 
-    @field_validator("metrics_textfile")
+    @field_validator("metrics_textfile", "lock_dir")
     @classmethod
-    def _absolute_textfile(cls, value: Path | None) -> Path | None:
+    def _absolute_path(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
             raise ValueError("must be an absolute path")
         return value
@@ -180,6 +209,21 @@ def toml_value(value: object) -> str:
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
     return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def to_toml(data: dict[str, object], prefix: str = "") -> str:
+    """Enough TOML for gpugate's config: scalars, lists and nested tables."""
+    lines: list[str] = []
+    tables: list[str] = []
+    for key, value in data.items():
+        if value is None:
+            lines.append(f"# {key}: not set")
+        elif isinstance(value, dict):
+            name = f"{prefix}{key}"
+            tables.append(f"\n\n[{name}]\n" + to_toml(value, f"{name}."))
+        else:
+            lines.append(f"{key} = {toml_value(value)}")
+    return "\n".join(lines) + "".join(tables)
 
 
 def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from gpugate.config import GateConfig
+from gpugate.config import GpuSelection
 from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.errors import ConfigError, PermissionDenied
+from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage
 from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
 
@@ -72,12 +73,15 @@ class Discovery:
         return {gpu.index for gpu in self.owned}
 
 
-def owned_gpus(config: GateConfig, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    if config.gpus == "all":
+def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
+    """The GPUs a selection names; None names none (NVML failed, the cgroup alone is cleaned)."""
+    if wanted is None:
+        return []
+    if wanted == "all":
         return list(gpus)
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
     owned: list[Gpu] = []
-    for ref in config.gpus:
+    for ref in wanted:
         if isinstance(ref, int):
             if ref >= len(gpus):
                 have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPUs"
@@ -125,17 +129,19 @@ def discover(
     *,
     unit: str,
     unit_cgroup: str,
-    config: GateConfig,
+    wanted: GpuSelection | None,
     config_source: str,
     driver: GpuDriver,
     procfs: ProcFs,
+    roots: HostRoots,
     self_pid: int | None = None,
-    resolve_gpus: bool = True,
+    containers: Sequence[str] = (),
     container_names: ContainerNames | None = None,
 ) -> Discovery:
-    paths = config.paths
+    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none.
+    containers: the config's `containers`, whose processes are the unit's too."""
     gpus = driver.gpus()
-    owned = owned_gpus(config, gpus, config_source) if resolve_gpus else []
+    owned = owned_gpus(wanted, gpus, config_source)
     usage = {gpu.index: driver.usage(gpu) for gpu in gpus}
     self_chain = self_and_ancestors(procfs, self_pid)
     holders: dict[int, Holder] = {}
@@ -149,13 +155,13 @@ def discover(
         holders[pid] = Holder(info)
         return holders[pid]
 
-    for pid in cgroup_members(paths.cgroup_root, unit_cgroup):
+    for pid in cgroup_members(roots.cgroup, unit_cgroup):
         if pid not in self_chain and (found := holder(pid)) is not None:
             found.sources.add(Source.CGROUP)
 
     index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
-    dev_prefix = os.path.join(os.fspath(paths.dev_root), "nvidia")
-    scan = scan_device_users(paths.proc_root, dev_prefix)
+    dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
+    scan = scan_device_users(roots.proc, dev_prefix)
     for pid, use in scan.users.items():
         if pid in self_chain or (found := holder(pid)) is None:
             continue
@@ -184,7 +190,12 @@ def discover(
             found.used_mib[index] = process.used_mib
 
     unit_containers = _containers(
-        holders, holder, config, container_names or ContainerNames(), self_chain
+        holders,
+        holder,
+        roots=roots,
+        wanted=containers,
+        names=container_names or ContainerNames(),
+        self_chain=self_chain,
     )
     return Discovery(
         unit=unit,
@@ -203,26 +214,27 @@ def discover(
 def _containers(
     holders: dict[int, Holder],
     holder: Callable[[int], Holder | None],
-    config: GateConfig,
+    *,
+    roots: HostRoots,
+    wanted: Sequence[str],
     names: ContainerNames,
     self_chain: frozenset[int],
 ) -> list[Container]:
-    """Names every holder's container; adds every process of the containers the config
-    names (`containers`) as the unit's, GPU holders or not. Returns those containers."""
-    paths = config.paths
+    """Names every holder's container; adds every process of the containers WANTED names
+    as the unit's, GPU holders or not. Returns those containers."""
     found: dict[str, Container] = {}
     for each in holders.values():
         if (container := container_of_cgroup(each.info.cgroup)) is not None:
             found.setdefault(container.id, container)
-    if config.containers:
-        for container in container_scopes(paths.cgroup_root):
+    if wanted:
+        for container in container_scopes(roots.cgroup):
             found.setdefault(container.id, container)
     if not found:
         return []
     named = {container.id: container for container in names.named(list(found.values()))}
-    own = [c for c in named.values() if c.matches(config.containers)]
+    own = [c for c in named.values() if c.matches(wanted)]
     for container in own:
-        for pid in cgroup_members(paths.cgroup_root, container.scope):
+        for pid in cgroup_members(roots.cgroup, container.scope):
             if pid not in self_chain and (member := holder(pid)) is not None:
                 member.sources.add(Source.CONTAINER)
                 member.container = container

@@ -24,6 +24,29 @@ class ExitCode(IntEnum):
     INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
 
 
+EXIT_MEANINGS = {
+    ExitCode.OK: "ok",
+    ExitCode.INTERNAL: "internal error",
+    ExitCode.USAGE: "usage",
+    ExitCode.CONFIG: "config",
+    ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
+    ExitCode.UNKILLABLE: "holders survived SIGKILL",
+    ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
+    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill",
+    ExitCode.PERMISSION: "permission",
+    ExitCode.UNKNOWN_UNIT: "unknown unit",
+    ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
+    ExitCode.INSTALL: "install/uninstall refused",
+}
+
+
+def exit_code_summary() -> str:
+    """`0 ok, 1 internal error, ...`: for --help, from the codes themselves."""
+    return ", ".join(
+        f"{int(code)} {EXIT_MEANINGS.get(code, code.name.lower())}" for code in ExitCode
+    )
+
+
 class GateError(Exception):
     """A failure with a documented exit code and a one-line message for the operator."""
 

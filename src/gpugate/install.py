@@ -15,21 +15,22 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 from typing import Literal, TextIO
 
+from gpugate.atomic import write_atomically
 from gpugate.config import (
     CONTAINER_NAME,
     DEFAULT_CONFIG_DIR,
-    UUID_PATTERN,
     GateConfig,
+    PhasePolicy,
     toml_value,
 )
 from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
+from gpugate.gpulist import GpuListError, parse_gpu_text
 from gpugate.units import systemd_running, validate_unit_name
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
@@ -60,27 +61,21 @@ TimeoutStartSec=300
 TimeoutStopSec=300
 """
 
-CONFIG_FIELDS = {
-    "gpus": 'The unit\'s GPUs: "all", or indices and/or UUIDs, e.g. [0, 1] or ["GPU-..."].',
-    "free_mib": "Per GPU, MiB used at or below which the GPU counts as free (drivers keep some).",
-    "kill_other_units": "May processes of another active unit holding these GPUs be killed?",
-    "protected_executables": "Never killed, by exact /proc/PID/exe path.",
-    "protected_units": "Never killed, by the unit their cgroup belongs to.",
-    "containers": "Containers (names or ids) that are the unit's own (`docker run --name NAME`).",
-}
+# The fields the skeleton shows, each with its model's description as the comment above it.
+CONFIG_FIELDS = (
+    "gpus",
+    "free_mib",
+    "kill_other_units",
+    "protected_executables",
+    "protected_units",
+    "containers",
+)
 PHASE_TEXT = {
     "pre": "ExecStartPre=: before the unit starts.",
     "post": "ExecStopPost=: after the unit stopped.",
 }
-POLICY_FIELDS = {
-    "kill_orphans": "Kill holders outside any unit (a server started by hand from ssh)?",
-    "kill_app_tree": "Also kill the rest of such a holder's application (never a login shell).",
-    "sigterm_grace_s": "Seconds between SIGTERM and SIGKILL.",
-    "sigkill_wait_s": "Seconds after SIGKILL before a survivor is reported.",
-    "wait_timeout_s": "Deadline for the whole run (kill and memory wait), in seconds.",
-    "on_timeout": 'Memory not freed by the deadline: "fail" (exit 6) or "warn" (exit 0).',
-    "on_nvml_error": 'NVML unusable: "fail" (exit 4) or "warn" (clean the cgroup only).',
-}
+POLICY_FIELDS = tuple(PhasePolicy.model_fields)
+
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
 HEADER_TEXT = (
@@ -138,23 +133,13 @@ def validate_install_unit(unit: str) -> str:
 
 
 def parse_gpus(value: str) -> Gpus:
-    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`."""
-    items = [part.strip() for part in value.split(",")]
-    if items == ["all"]:
+    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`. Raises ValueError."""
+    if value.strip() == "all":
         return "all"
-    gpus: list[int | str] = []
-    for item in items:
-        if item.isdigit() and int(item) <= 1023:
-            gpus.append(int(item))
-        elif UUID_PATTERN.match(item):
-            gpus.append(item)
-        else:
-            raise ValueError(f"{item!r} is not a GPU index (0, 1, ...) or UUID (GPU-...)")
-    if not gpus:
-        raise ValueError("no GPU given")
-    if len(set(gpus)) != len(gpus):
-        raise ValueError("a GPU is listed twice")
-    return gpus
+    try:
+        return list(parse_gpu_text(value))
+    except GpuListError as exc:
+        raise ValueError(str(exc)) from None
 
 
 def default_gpugate_path() -> Path:
@@ -190,8 +175,8 @@ def render_config(unit: str, gpus: Gpus | None, containers: Sequence[str] = ()) 
         "# uncomment what you change. Check it: gpugate config check --unit " + unit,
         "",
     ]
-    for name, text in CONFIG_FIELDS.items():
-        lines.append(f"# {text}")
+    for name in CONFIG_FIELDS:
+        lines.append(f"# {GateConfig.model_fields[name].description}")
         if name == "gpus" and gpus is not None:
             lines.append(f"gpus = {toml_value(gpus)}")
         elif name == "containers" and containers:
@@ -200,7 +185,8 @@ def render_config(unit: str, gpus: Gpus | None, containers: Sequence[str] = ()) 
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
         lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
-        for name, text in POLICY_FIELDS.items():
+        for name in POLICY_FIELDS:
+            text = PhasePolicy.model_fields[name].description
             lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
 
@@ -330,7 +316,7 @@ def apply(
         try:
             if change.action is Action.WRITE:
                 assert change.content is not None
-                _write_atomically(change.path, change.content)
+                write_atomically(change.path, change.content)
             elif change.action is Action.REMOVE:
                 change.path.unlink(missing_ok=True)
                 _remove_empty_dir(change.path.parent)
@@ -362,20 +348,6 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
     print(f"{verb} {change.path}{note}", file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
         print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
-
-
-def _write_atomically(path: Path, content: str) -> None:
-    """Write-then-rename: systemd never reads half a drop-in."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(content)
-        os.chmod(temporary, 0o644)  # mkstemp makes it 0600: systemd and operators read it
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
 
 
 def _remove_empty_dir(directory: Path) -> None:

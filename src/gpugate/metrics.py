@@ -22,13 +22,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
+from gpugate.atomic import write_atomically
 from gpugate.errors import ExitCode
 from gpugate.locks import flock_by
-
-if TYPE_CHECKING:
-    from gpugate.pipeline import RunSummary
+from gpugate.outcome import RunSummary, result_label
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0
@@ -221,20 +220,6 @@ def dump_state(samples: Samples) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-def write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
-
-
 @contextlib.contextmanager
 def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
@@ -257,10 +242,6 @@ def record_run(textfile: Path, record: RunRecord) -> None:
         # the textfile from it.
         write_atomically(state, dump_state(samples))
         write_atomically(textfile, render(samples))
-
-
-def result_label(exit_code: ExitCode) -> str:
-    return "success" if exit_code is ExitCode.OK else exit_code.name.lower()
 
 
 def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:

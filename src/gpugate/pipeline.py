@@ -1,39 +1,34 @@
-"""The pre and post runs: config → discover → decide → kill → wait → report.
+"""One pre, post, prolog or epilog run: find -> decide -> lock -> kill rounds -> wait -> finish.
 
 Discovery and killing repeat (bounded in rounds and by the deadline) so that a holder that
-forks while it is being killed is found and killed too.
+forks while it is being killed is found and killed too. NVML failing (at the start or mid-run)
+with `on_nvml_error = "warn"` degrades the same run to the unit's cgroup alone: same deadline,
+same summary. What the run says is `narrate`'s business.
 """
 
 from __future__ import annotations
 
-import signal
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from gpugate.config import LoadedConfig
+from gpugate.config import GpuSelection, LoadedConfig
 from gpugate.containers import stop_containers
-from gpugate.decide import Choice, Decision, Role, decide
+from gpugate.decide import Choice, Decision, decide
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.host import HostRoots
 from gpugate.kill import Pinned, pin, terminate
 from gpugate.locks import gpu_locks
+from gpugate.narrate import Narrator
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage, NvmlDriver
+from gpugate.outcome import BusyGpu, RunSummary
 from gpugate.procfs import ProcessId, ProcFs
-from gpugate.report import (
-    PRIORITY_ERR,
-    PRIORITY_INFO,
-    PRIORITY_NOTICE,
-    PRIORITY_WARNING,
-    Event,
-    Reporter,
-)
-from gpugate.units import resolve_unit_cgroup
-from gpugate.wait import BusyGpu, wait_until_free
+from gpugate.report import Reporter
+from gpugate.wait import wait_until_free
 
 MAX_ROUNDS = 5
-DEFAULT_CGROUP_ROOT = "/sys/fs/cgroup"
+TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
 
 
 class NoGpus:
@@ -49,96 +44,36 @@ class NoGpus:
         pass
 
 
-@dataclass
-class RunSummary:
-    exit_code: ExitCode = ExitCode.OK
-    killed: list[Choice] = field(default_factory=list)
-    rounds: int = 0
-    seconds_discover: float = 0.0
-    seconds_kill: float = 0.0
-    seconds_wait: float = 0.0
-    freed_mib: int = 0
-    busy: list[BusyGpu] = field(default_factory=list)
-    owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
-    freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)  # by GPU index
+@dataclass(frozen=True)
+class RunScope:
+    """What one run is about, decided before it is built."""
 
-
-def _gpu_list(indices: Sequence[int] | set[int]) -> str:
-    return ", ".join(str(index) for index in sorted(indices)) or "none"
-
-
-def describe(choice: Choice) -> str:
-    info = choice.holder.info
-    gpus = f" GPU {_gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
-    sources = ",".join(sorted(choice.holder.sources))
-    where = f", {choice.holder.container.label}" if choice.holder.container else ""
-    return (
-        f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): "
-        f"{info.command[:200]}"
-    )
-
-
-def container_fields(choice: Choice) -> dict[str, Any]:
-    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
-    container = choice.holder.container
-    if container is None:
-        return {}
-    fields: dict[str, Any] = {
-        "container": container.id,
-        "container_runtime": container.runtime,
-    }
-    if container.name:
-        fields["container_name"] = container.name
-    return fields
+    phase: str
+    unit: str  # the unit, or the label standing for it (a Slurm job's)
+    unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
 
 
 def run_phase(
-    phase: str,
-    unit: str,
+    scope: RunScope,
     loaded: LoadedConfig,
     reporter: Reporter,
     *,
+    roots: HostRoots | None = None,
     dry_run: bool = False,
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
-    target_cgroup: str | None = None,
 ) -> RunSummary:
-    """target_cgroup: the cgroup whose processes all die (a Slurm job's); default: the unit's."""
-    policy = loaded.config.policy(phase)
-    reporter.status("looking for processes holding the GPUs")
-
-    def run_with(driver: GpuDriver) -> RunSummary:
-        return PhaseRun(
-            phase,
-            unit=unit,
-            loaded=loaded,
-            reporter=reporter,
-            driver=driver,
-            pinner=pinner,
-            clock=clock,
-            target_cgroup=target_cgroup,
-        ).run(dry_run)
-
-    def degrade(exc: NvmlUnavailable) -> RunSummary:
-        # NVML failed at start or mid-run (driver unloaded, GPU lost, query unsupported).
-        if policy.on_nvml_error == "fail":
-            raise exc
-        reporter.event(
-            Event.ERROR,
-            f"{exc.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
-            priority=PRIORITY_WARNING,
-        )
-        return run_with(NoGpus())
-
+    narrator = Narrator(reporter, dry_run=dry_run)
+    narrator.looking()
+    run = PhaseRun(scope, loaded, narrator, roots=roots or HostRoots(), pinner=pinner, clock=clock)
     try:
         driver: GpuDriver = driver_factory()
     except NvmlUnavailable as exc:
-        return degrade(exc)
+        run.degrade(exc)
+        driver = NoGpus()
     try:
-        return run_with(driver)
-    except NvmlUnavailable as exc:
-        return degrade(exc)
+        return run.run(driver, dry_run=dry_run)
     finally:
         driver.close()
 
@@ -146,123 +81,109 @@ def run_phase(
 class PhaseRun:
     def __init__(
         self,
-        phase: str,
-        *,
-        unit: str,
+        scope: RunScope,
         loaded: LoadedConfig,
-        reporter: Reporter,
-        driver: GpuDriver,
+        narrator: Narrator,
+        *,
+        roots: HostRoots,
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
-        target_cgroup: str | None = None,
     ) -> None:
-        self.pinner = pinner
-        self.phase = phase
-        self.unit = unit
+        self.scope = scope
         self.loaded = loaded
         self.config = loaded.config
-        self.policy = loaded.config.policy(phase)
-        self.reporter = reporter
-        self.driver = driver
+        self.policy = loaded.config.policy(scope.phase)
+        self.narrator = narrator
+        self.roots = roots
+        self.pinner = pinner
         self.clock = clock
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
+        self.wanted: GpuSelection | None = self.config.gpus  # None: own no GPU (degraded)
+        self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
-        paths = self.config.paths
-        self.unit_cgroup = target_cgroup or resolve_unit_cgroup(
-            unit, paths.cgroup_root, ask_systemd=str(paths.cgroup_root) == DEFAULT_CGROUP_ROOT
-        )
+        self.signalled: dict[ProcessId, Choice] = {}  # every target of this run, once
+        self._announced = False
+
+    def degrade(self, error: NvmlUnavailable) -> None:
+        """NVML is unusable: fail, or (on_nvml_error = warn) go on with the cgroup alone."""
+        if self.policy.on_nvml_error == "fail" or self.summary.degraded:
+            raise error
+        self.narrator.degraded(error, self.scope.phase)
+        self.summary.degraded = True
+        self.wanted = None
+        self.driver = NoGpus()
+
+    def run(self, driver: GpuDriver, *, dry_run: bool) -> RunSummary:
+        self.driver = driver
+        while True:
+            try:
+                return self.sequence(dry_run)
+            except NvmlUnavailable as exc:
+                self.degrade(exc)  # raises unless the run may go on without NVML
 
     def find(self) -> tuple[Discovery, Decision]:
-        procfs = ProcFs(self.config.paths.proc_root)
+        procfs = ProcFs(self.roots.proc)
         found = discover(
-            unit=self.unit,
-            unit_cgroup=self.unit_cgroup,
-            config=self.config,
+            unit=self.scope.unit,
+            unit_cgroup=self.scope.unit_cgroup,
+            wanted=self.wanted,
             config_source=self.loaded.source,
             driver=self.driver,
             procfs=procfs,
-            resolve_gpus=not isinstance(self.driver, NoGpus),
+            roots=self.roots,
+            containers=self.config.containers,
         )
-        return found, decide(found, self.config, self.phase, procfs)
+        return found, decide(found, self.config, self.scope.phase, procfs)
 
-    def run(self, dry_run: bool) -> RunSummary:
-        reporter, summary = self.reporter, self.summary
+    def sequence(self, dry_run: bool) -> RunSummary:
+        narrator, summary = self.narrator, self.summary
         discovery, decision = self.find()
         summary.seconds_discover = self.clock() - self.started
-        owned = discovery.owned
-        summary.owned = list(owned)
+        summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
-        self.used_before = {gpu.index: discovery.usage[gpu.index].used_mib for gpu in owned}
-        used_before = sum(self.used_before.values())
-        reporter.event(
-            Event.RUN_STARTED,
-            f"{'dry run: ' if dry_run else ''}{len(owned)} GPU(s) "
-            f"[{_gpu_list([g.index for g in owned])}], {used_before} MiB used; "
-            f"config {self.loaded.source}; cgroup {self.unit_cgroup}",
-            gpus=[gpu.index for gpu in owned],
-            used_mib=used_before,
-            config=self.loaded.source,
-        )
-        if discovery.unreadable:
-            shown = ", ".join(map(str, discovery.unreadable[:10]))
-            more = "..." if len(discovery.unreadable) > 10 else ""
-            reporter.event(
-                Event.ERROR,
-                f"not permitted to read the open files of {len(discovery.unreadable)} "
-                f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
-                "run gpugate as root",
-                priority=PRIORITY_WARNING,
-            )
-        owned_indices = discovery.owned_indices
-        for gpu_index, pid in discovery.invisible:
-            if gpu_index in owned_indices:
-                reporter.event(
-                    Event.ERROR,
-                    f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
-                    "process: gpugate runs in another PID namespace (a container without "
-                    "the host's PIDs) and cannot kill it",
-                    priority=PRIORITY_WARNING,
-                    pid=pid,
-                    gpus=[gpu_index],
-                )
-        _report_choices(reporter, decision, dry_run)
+        self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        if not self._announced:
+            narrator.run_started(discovery, self.loaded.source, sum(self.used_before.values()))
+            self._announced = True
+        narrator.blind_spots(discovery)
+        narrator.choices(decision)
         if decision.refused:
-            reporter.status("refused: another unit holds the GPUs")
+            narrator.refused()
             summary.exit_code = ExitCode.HELD_BY_OTHERS
             return self.finish()
         if dry_run:
             summary.exit_code = ExitCode.HELD_BY_OTHERS if decision.blockers else ExitCode.OK
             return summary
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
-        reporter.extend_timeout(self.deadline - self.clock() + 10)
+        narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
         with gpu_locks(
-            self.config.paths.lock_dir,
-            owned,
+            self.config.lock_dir,
+            discovery.owned,
             self.deadline,
-            on_wait=lambda gpu: reporter.status(f"waiting for another gpugate run on {gpu.label}"),
+            on_wait=narrator.lock_wait,
             clock=self.clock,
         ):
-            discovery, decision, survivors = self.kill(discovery, decision)
+            discovery, decision, survivors = self.kill_rounds(discovery, decision)
             if survivors:
                 summary.exit_code = ExitCode.UNKILLABLE
-                reporter.status(f"{len(survivors)} process(es) survived SIGKILL")
+                narrator.survived(len(survivors))
             elif decision.blockers:
                 summary.exit_code = ExitCode.HELD_BY_OTHERS
-                reporter.status("GPUs still held by processes gpugate may not kill")
+                narrator.still_held()
             else:
                 self.wait(discovery, decision)
         return self.finish()
 
-    def kill(
+    def kill_rounds(
         self, discovery: Discovery, decision: Decision
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
         """Kill the targets; rediscover and repeat while new ones appear (forks)."""
         kill_started = self.clock()
-        if self.phase == "pre" and discovery.unit_containers:
+        if self.scope.phase == "pre" and discovery.unit_containers:
             self.stop_containers(discovery, decision)
-        by_ident: dict[ProcessId, Choice] = {}
+        by_ident = self.signalled
         survivors: list[ProcessId] = []
         for round_number in range(1, MAX_ROUNDS + 1):
             fresh = [c for c in decision.targets if c.holder.info.ident not in by_ident]
@@ -270,33 +191,28 @@ class PhaseRun:
                 break
             self.summary.rounds = round_number
             if round_number > 1:
-                _report_choices(self.reporter, Decision(fresh), dry_run=False)
-            self.reporter.status(f"stopping {len(fresh)} process(es), round {round_number}")
+                self.narrator.choices(Decision(fresh))
+            self.narrator.stopping(len(fresh), round_number)
             by_ident.update((c.holder.info.ident, c) for c in fresh)
             result = terminate(
                 [c.holder.info.ident for c in fresh],
                 grace_s=self.policy.sigterm_grace_s,
                 sigkill_wait_s=self.policy.sigkill_wait_s,
                 deadline=self.deadline,
-                procfs=ProcFs(self.config.paths.proc_root),
-                on_signal=lambda ident, signum: self.on_signal(by_ident[ident], signum),
+                procfs=ProcFs(self.roots.proc),
+                on_signal=lambda ident, signum: self.narrator.signal_sent(by_ident[ident], signum),
                 on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
                 pinner=self.pinner,
                 clock=self.clock,
             )
-            self.summary.killed.extend(by_ident[i] for i in result.terminated + result.killed)
+            self.summary.killed.extend(result.terminated + result.killed)
             survivors = result.survivors
             if survivors or self.clock() >= self.deadline:
                 break
             discovery, decision = self.find()
-        self.summary.seconds_kill = self.clock() - kill_started
+        self.summary.seconds_kill += self.clock() - kill_started
         for ident in survivors:
-            self.reporter.event(
-                Event.SURVIVOR,
-                f"{describe(by_ident[ident])} survived SIGKILL until the deadline",
-                priority=PRIORITY_ERR,
-                pid=ident.pid,
-            )
+            self.narrator.survivor(by_ident[ident])
         return discovery, decision, survivors
 
     def stop_containers(self, discovery: Discovery, decision: Decision) -> None:
@@ -304,53 +220,16 @@ class PhaseRun:
         stopped); the pinned signals then follow for any process that outlived it."""
         wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
         containers = [c for c in discovery.unit_containers if c.id in wanted]
-        self.reporter.status(f"stopping {len(containers)} container(s) through their runtime")
+        self.narrator.container_stopping(len(containers))
         for result in stop_containers(containers, self.policy.sigterm_grace_s):
-            verb = result.container.runtime + " stop"
-            self.reporter.event(
-                Event.SIGNAL_SENT,
-                f"{verb} {result.container.label}: "
-                + (
-                    "stopped"
-                    if result.ok
-                    else f"failed ({result.detail}); signalling its processes"
-                ),
-                priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
-                signal=verb,
-                container=result.container.id,
-                container_runtime=result.container.runtime,
-                role=Role.UNIT_CONTAINER,
-            )
-
-    def on_signal(self, choice: Choice, signum: int) -> None:
-        name = signal.Signals(signum).name
-        self.reporter.event(
-            Event.SIGNAL_SENT,
-            f"{name} to {describe(choice)}",
-            priority=PRIORITY_NOTICE,
-            pid=choice.holder.pid,
-            gpus=sorted(choice.holder.gpus),
-            signal=name,
-            command=choice.holder.info.command,
-            comm=choice.holder.info.comm,
-            role=choice.role,
-            **container_fields(choice),
-        )
+            self.narrator.container_stopped(result)
 
     def on_stuck(self, choices: list[Choice]) -> None:
-        procfs = ProcFs(self.config.paths.proc_root)
+        procfs = ProcFs(self.roots.proc)
         for choice in choices:
             stat = procfs.stat(choice.holder.pid)
-            state = stat.state if stat else "?"
-            wchan = procfs.wchan(choice.holder.pid)
-            self.reporter.event(
-                Event.SURVIVOR,
-                f"{describe(choice)} is still alive after SIGKILL "
-                f"(state {state}, wchan {wchan}); waiting until the deadline",
-                priority=PRIORITY_ERR,
-                pid=choice.holder.pid,
-                state=state,
-                wchan=wchan,
+            self.narrator.stuck(
+                choice, stat.state if stat else "?", procfs.wchan(choice.holder.pid)
             )
 
     def wait(self, discovery: Discovery, decision: Decision) -> None:
@@ -361,12 +240,8 @@ class PhaseRun:
         wait_started = self.clock()
 
         def on_progress(busy: list[BusyGpu], left: float) -> None:
-            first = busy[0]
-            self.reporter.status(
-                f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
-                f"{first.used_mib} MiB used (free at {free_mib}), {left:.0f} s left"
-            )
-            self.reporter.extend_timeout(left + 10)
+            self.narrator.memory_wait(busy, free_mib, left)
+            self.narrator.reporter.extend_timeout(left + TIMEOUT_MARGIN_S)
 
         busy = wait_until_free(
             self.driver,
@@ -383,67 +258,16 @@ class PhaseRun:
             used_after = self.driver.usage(gpu).used_mib
             freed = max(self.used_before.get(gpu.index, 0) - used_after, 0)
             self.summary.freed_mib_by_gpu[gpu.index] = freed
-        self.summary.freed_mib = sum(self.summary.freed_mib_by_gpu.values())
+        failing = self.policy.on_timeout == "fail"
         for item in busy:
-            holders = ", ".join(str(pid) for pid in item.pids) or "no process"
-            self.reporter.event(
-                Event.TIMEOUT,
-                f"{item.gpu.label} still has {item.used_mib} MiB used (free at {free_mib} MiB)"
-                f" after {self.policy.wait_timeout_s:g} s; NVML lists: {holders}",
-                priority=PRIORITY_ERR if self.policy.on_timeout == "fail" else PRIORITY_WARNING,
-                gpus=[item.gpu.index],
-                used_mib=item.used_mib,
-                gpu_uuid=item.gpu.uuid,
+            self.narrator.memory_timeout(
+                item, free_mib, self.policy.wait_timeout_s, failing=failing
             )
         if not busy:
-            self.reporter.event(
-                Event.MEMORY_FREED,
-                f"GPU {_gpu_list([g.index for g in owned])} free "
-                f"(at or below {free_mib} MiB) after {self.summary.seconds_wait:.2f} s",
-                gpus=[gpu.index for gpu in owned],
-            )
-        elif self.policy.on_timeout == "fail":
+            self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
+        elif failing:
             self.summary.exit_code = ExitCode.MEMORY_TIMEOUT
 
     def finish(self) -> RunSummary:
-        summary = self.summary
-        result = "success" if summary.exit_code is ExitCode.OK else summary.exit_code.name.lower()
-        self.reporter.event(
-            Event.RUN_FINISHED,
-            f"{result}: {len(summary.killed)} process(es) stopped in {summary.rounds} round(s);"
-            f" discover {summary.seconds_discover * 1000:.0f} ms, kill {summary.seconds_kill:.2f}"
-            f" s, wait {summary.seconds_wait:.2f} s",
-            priority=PRIORITY_NOTICE if summary.exit_code is ExitCode.OK else PRIORITY_ERR,
-            result=result,
-            killed=len(summary.killed),
-            seconds_wait=f"{summary.seconds_wait:.3f}",
-            freed_mib=summary.freed_mib,
-        )
-        self.reporter.status(f"done: {result}")
-        return summary
-
-
-def _report_choices(reporter: Reporter, decision: Decision, dry_run: bool) -> None:
-    kill_verb = "would kill" if dry_run else "will kill"
-    for choices, event, priority, verb in (
-        (decision.targets, Event.HOLDER_FOUND, PRIORITY_INFO, kill_verb),
-        (decision.blockers, Event.REFUSED, PRIORITY_ERR, "not killing"),
-        (
-            [c for c in decision.spared if c.holder.gpus],
-            Event.PROCESS_SPARED,
-            PRIORITY_INFO,
-            "sparing",
-        ),
-    ):
-        for choice in choices:
-            reporter.event(
-                event,
-                f"{verb} {describe(choice)}: {choice.reason}",
-                priority=priority,
-                pid=choice.holder.pid,
-                gpus=sorted(choice.holder.gpus),
-                role=choice.role,
-                command=choice.holder.info.command,
-                reason=choice.reason,
-                **container_fields(choice),
-            )
+        self.narrator.finished(self.summary)
+        return self.summary

@@ -1,18 +1,24 @@
 """Reading /proc: one process's facts, pinned by (pid, start time), and the device-file scan.
 
-Everything here reads under a configurable proc root and returns None for a process that
-vanished mid-read; nothing here decides or signals.
+A process's identity, owner, command line and executable come from psutil; what psutil has no
+API for (session and process group, the cgroup, wchan, the kernel's children lists, and the
+device-fd and maps scan) is read by hand. Everything here reads under a configurable proc root
+and returns None for a process that vanished mid-read; nothing here decides or signals.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 PF_KTHREAD = 0x00200000
+DEFAULT_PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, order=True)
@@ -91,6 +97,11 @@ class ProcFs:
 
     root: Path = Path("/proc")
     _info: dict[int, ProcInfo | None] = field(default_factory=dict)
+    _boot_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.root != DEFAULT_PROC:
+            psutil.PROCFS_PATH = str(self.root)  # psutil's one documented knob for its root
 
     def pids(self) -> Iterator[int]:
         for name in os.listdir(self.root):
@@ -105,7 +116,8 @@ class ProcFs:
             return None
 
     def stat(self, pid: int) -> ProcInfo | None:
-        """The cheap facts (one read): enough to walk the tree."""
+        """The cheap facts (one read): enough to walk the tree. By hand: psutil has no API for
+        the session, process group, tty number or PF_KTHREAD, and reads more files for less."""
         if pid in self._info:
             return self._info[pid]
         text = self._read(pid, "stat")
@@ -114,52 +126,63 @@ class ProcFs:
         return info
 
     def info(self, pid: int) -> ProcInfo | None:
-        """All facts gpugate shows and decides on, read once."""
+        """All facts gpugate shows and decides on, read once: identity, uid, command line and
+        executable through psutil; the cgroup by hand (psutil has no cgroup API)."""
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
         cgroup_text = self._read(pid, "cgroup")
-        status = self._read(pid, "status")
-        cmdline = self._read(pid, "cmdline")
-        if cgroup_text is None or status is None or cmdline is None:
+        uid: int | None
+        try:
+            process = psutil.Process(pid)
+            with process.oneshot():
+                if self._ticks(process.create_time()) != base.start_time:
+                    raise psutil.NoSuchProcess(pid)  # the PID was reused since stat was read
+                uid = process.uids().real
+                cmdline = _or_empty(process.cmdline)
+                exe = _or_none(process.exe)
+        except psutil.NoSuchProcess:  # ZombieProcess is one too, but a zombie still has facts
+            if base.state != "Z":
+                self._info[pid] = None
+                return None
+            uid, cmdline, exe = self._uid(pid), [], None
+        if cgroup_text is None:
             self._info[pid] = None
             return None
-        uid = next(
-            (int(line.split()[1]) for line in status.splitlines() if line.startswith("Uid:")),
-            None,
-        )
         info = ProcInfo(
             **{
                 **base.__dict__,
                 "uid": uid,
                 "cgroup": parse_cgroup(cgroup_text) or "/",
-                "cmdline": tuple(arg for arg in cmdline.split("\0") if arg),
-                "exe": self._exe(pid),
+                "cmdline": tuple(arg for arg in cmdline if arg),
+                "exe": exe or None,
             }
         )
-        # The process may have died and its PID been reused while we read.
-        if self._start_time(pid) != base.start_time:
-            self._info[pid] = None
-            return None
         self._info[pid] = info
         return info
+
+    def _ticks(self, create_time: float) -> int:
+        """psutil's create_time (seconds since the epoch) back in /proc/PID/stat's clock ticks."""
+        if self._boot_time is None:
+            self._boot_time = psutil.boot_time()
+        return round((create_time - self._boot_time) * CLOCK_TICKS)
+
+    def _uid(self, pid: int) -> int | None:
+        status = self._read(pid, "status") or ""
+        uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
+        return int(uids[0]) if uids else None
 
     def _start_time(self, pid: int) -> int | None:
         text = self._read(pid, "stat")
         info = parse_stat(text) if text else None
         return info.start_time if info else None
 
-    def _exe(self, pid: int) -> str | None:
-        try:
-            return os.readlink(f"{self.root}/{pid}/exe").removesuffix(" (deleted)")
-        except OSError:
-            return None
-
-    def wchan(self, pid: int) -> str:
+    def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"
 
     def children(self, pid: int) -> list[int]:
-        """Children of every thread of pid (needs CONFIG_PROC_CHILDREN, as Debian kernels have)."""
+        """Children of every thread of pid (needs CONFIG_PROC_CHILDREN, as Debian kernels have).
+        By hand: psutil's children() reads the parent of every process on the host."""
         result: list[int] = []
         try:
             tasks = os.listdir(f"{self.root}/{pid}/task")
@@ -173,6 +196,22 @@ class ProcFs:
 
     def still_same(self, ident: ProcessId) -> bool:
         return self._start_time(ident.pid) == ident.start_time
+
+
+def _or_empty(read: Callable[[], list[str]]) -> list[str]:
+    """cmdline of a process we may not read (not root), or that is exiting: none."""
+    try:
+        return read()
+    except (psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def _or_none(read: Callable[[], str]) -> str | None:
+    """exe: another user's is unreadable without root; a zombie's is gone."""
+    try:
+        return read()
+    except (psutil.AccessDenied, psutil.ZombieProcess):
+        return None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from collections.abc import Mapping
 from enum import Enum
 from typing import Protocol, TextIO
 
@@ -87,15 +88,16 @@ class Reporter:
         notifier: Notifier | None = None,
         stream: TextIO | None = None,
         echo: bool | None = None,
-        json_mode: bool = False,
+        fields: Mapping[str, str] | None = None,
     ) -> None:
+        """fields: added to every entry, over the defaults (a Slurm job's, say)."""
         self.unit = unit
         self.phase = phase
         self.journal = journal if journal is not None else SystemdJournal()
         self.notifier = notifier if notifier is not None else SystemdNotifier()
         self.stream = stream if stream is not None else sys.stderr
         self.echo = (not stderr_is_journal(self.stream)) if echo is None else echo
-        self.json_mode = json_mode
+        self.fields = dict(fields or {})
 
     def event(
         self,
@@ -125,6 +127,7 @@ class Reporter:
             fields["GPUGATE_USED_MIB"] = str(used_mib)
         for key, value in extra.items():
             fields[f"GPUGATE_{key.upper()}"] = str(value)
+        fields.update(self.fields)
         self.journal.send(message, fields)
         if self.echo:
             print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
@@ -134,3 +137,9 @@ class Reporter:
 
     def extend_timeout(self, seconds: float) -> None:
         self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+
+class ReporterFactory(Protocol):
+    def __call__(
+        self, unit: str, phase: str, *, fields: Mapping[str, str] | None = None
+    ) -> Reporter: ...

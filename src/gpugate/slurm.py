@@ -23,25 +23,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config import DEFAULT_CONFIG_DIR, UUID_PATTERN, LoadedConfig, load_config
+from gpugate.config import DEFAULT_CONFIG_DIR, LoadedConfig, load_config
 from gpugate.errors import ExitCode, GateError
-from gpugate.metrics import record_after_run, run_record
+from gpugate.gpulist import GpuListError, GpuRef, parse_gpu_text
+from gpugate.hook import Hook, run_hook
+from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver
-from gpugate.pipeline import RunSummary, run_phase
-from gpugate.report import PRIORITY_ERR, Event, Journal, Reporter
+from gpugate.outcome import RunSummary
+from gpugate.report import Reporter, ReporterFactory
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
 CONFIG_NAME = "slurm.toml"
 JOB_ID = re.compile(r"[1-9][0-9]{0,9}")
 UID = re.compile(r"[0-9]{1,10}")
-INDEX = re.compile(r"[0-9]{1,4}")
 MAX_JOB_ID = 2**32 - 1
-MAX_GPU_INDEX = 1023
-MAX_REASON = 250
-# Where slurmd puts the job's GPUs: a batch job and the hooks get SLURM_JOB_GPUS, an srun task
-# gets it empty and SLURM_STEP_GPUS set; CUDA_VISIBLE_DEVICES is what CUDA itself reads.
+# Where slurmd says which GPUs a job has, in order: the prolog/epilog see SLURM_JOB_GPUS, an
+# srun task sees SLURM_STEP_GPUS; CUDA_VISIBLE_DEVICES is what the job's programs see.
 GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
+MAX_REASON = 250
 # slurmd gives prologs and epilogs no PATH: look where Slurm is installed.
 SCONTROL_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin", "/usr/local/sbin")
 SCONTROL_TIMEOUT_S = 15
@@ -57,7 +57,7 @@ class SlurmEnvError(GateError):
 class SlurmJob:
     job_id: int
     uid: int | None
-    gpus: tuple[int | str, ...]  # NVML indices or UUIDs; () where the job has no GPU here
+    gpus: tuple[GpuRef, ...]  # NVML indices or UUIDs; () where the job has no GPU here
     gpus_from: str  # the variable they came from
     node_name: str | None  # SLURMD_NODENAME: Slurm's name for this node
 
@@ -75,13 +75,14 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     raw_uid = environ.get("SLURM_JOB_UID")
     if raw_uid is not None and not UID.fullmatch(raw_uid):
         raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
-    gpus: tuple[int | str, ...] = ()
-    source = ""
-    for variable in GPU_VARIABLES:
-        if environ.get(variable, "").strip():
-            source = variable
-            gpus = _gpu_list(variable, environ[variable])
-            break
+    gpus: tuple[GpuRef, ...] = ()
+    source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
+    if source:
+        try:
+            gpus = parse_gpu_text(environ[source])
+        except GpuListError as exc:
+            shown = repr(environ[source][:80])
+            raise SlurmEnvError(f"{source} {shown}: {exc}") from None
     return SlurmJob(
         job_id=int(raw_id),
         uid=int(raw_uid) if raw_uid is not None else None,
@@ -89,23 +90,6 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         gpus_from=source,
         node_name=environ.get("SLURMD_NODENAME") or None,
     )
-
-
-def _gpu_list(variable: str, value: str) -> tuple[int | str, ...]:
-    gpus: list[int | str] = []
-    for item in (part.strip() for part in value.split(",")):
-        if INDEX.fullmatch(item) and int(item) <= MAX_GPU_INDEX:
-            gpu: int | str = int(item)
-        elif UUID_PATTERN.fullmatch(item):
-            gpu = item
-        else:
-            raise SlurmEnvError(
-                f"{variable} {value!r}: not a comma-separated list of GPU indices or UUIDs"
-            )
-        if gpu in gpus:
-            raise SlurmEnvError(f"{variable} {value!r}: names GPU {gpu} twice")
-        gpus.append(gpu)
-    return tuple(gpus)
 
 
 def stepd_scopes(cgroup_root: Path) -> list[Path]:
@@ -148,23 +132,19 @@ def with_job_gpus(loaded: LoadedConfig, job: SlurmJob) -> LoadedConfig:
     return LoadedConfig(config, f"{loaded.source} (gpus from {job.gpus_from})")
 
 
-class JobJournal:
-    """Adds the job to every journal entry; OBJECT_SYSTEMD_UNIT names the scope that holds
+def job_fields(job: SlurmJob) -> dict[str, str]:
+    """On every journal entry of the job's run. OBJECT_SYSTEMD_UNIT names the scope that holds
     all jobs, so `journalctl -u slurmstepd.scope` lists gpugate's Slurm runs."""
-
-    def __init__(self, inner: Journal, job: SlurmJob) -> None:
-        self.inner = inner
-        self.job = job
-
-    def send(self, message: str, fields: dict[str, str]) -> None:
-        extra = {"GPUGATE_SLURM_JOB": str(self.job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
-        if self.job.uid is not None:
-            extra["GPUGATE_SLURM_JOB_UID"] = str(self.job.uid)
-        self.inner.send(message, {**fields, **extra})
+    fields = {"GPUGATE_SLURM_JOB": str(job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
+    if job.uid is not None:
+        fields["GPUGATE_SLURM_JOB_UID"] = str(job.uid)
+    return fields
 
 
-def failure_detail(summary: RunSummary) -> str:
+def failure_detail(summary: RunSummary | None) -> str:
     """What went wrong, naming the GPUs and MiB where memory stayed used."""
+    if summary is None:
+        return "failed"
     exit_code = summary.exit_code
     gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
     if summary.busy:
@@ -216,51 +196,50 @@ def main(
     dry_run: bool,
     environ: Mapping[str, str],
     driver_factory: Callable[[], GpuDriver],
-    reporter_factory: Callable[[str, str], Reporter],
+    reporter_factory: ReporterFactory = Reporter,
     stream: TextIO | None = None,
     config_dir: Path = DEFAULT_CONFIG_DIR,
+    roots: HostRoots | None = None,
 ) -> int:
     stream = stream or sys.stderr
+    roots = roots or HostRoots()
     job: SlurmJob | None = None
-    loaded: LoadedConfig | None = None
-    reporter: Reporter | None = None
     summary: RunSummary | None = None
     try:
         job = job_from_env(environ)
         if not job.gpus:
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
         loaded = with_job_gpus(load_slurm_config(config_path, config_dir), job)
-        reporter = reporter_factory(job.label, phase)
-        reporter.journal = JobJournal(reporter.journal, job)
-        summary = run_phase(
-            phase,
-            job.label,
-            loaded,
-            reporter,
-            dry_run=dry_run,
-            driver_factory=driver_factory,
-            target_cgroup=job_cgroup(job.job_id, loaded.config.paths.cgroup_root, job.node_name),
-        )
-        code, detail = summary.exit_code, failure_detail(summary)
     except GateError as exc:
         print(f"gpugate: {exc.message}", file=stream)
-        if reporter is not None:
-            reporter.echo = False
-            reporter.event(
-                Event.ERROR, exc.message, priority=PRIORITY_ERR, exit_code=int(exc.exit_code)
-            )
         code, detail = exc.exit_code, exc.message
-    if dry_run:
+    else:
+        job_id, node_name = job.job_id, job.node_name
+        hook = Hook(
+            phase,
+            job.label,
+            lambda: job_cgroup(job_id, roots.cgroup, node_name),
+            metrics_unit=METRICS_UNIT,
+        )
+        reporter = reporter_factory(job.label, phase, fields=job_fields(job))
+        outcome = run_hook(
+            hook,
+            loaded,
+            reporter,
+            roots=roots,
+            dry_run=dry_run,
+            driver_factory=driver_factory,
+            stream=stream,
+        )
+        code, summary = outcome.exit_code, outcome.summary
+        detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
+    if dry_run or code is ExitCode.OK:
         return int(code)
-    if loaded is not None:
-        record = run_record(phase, METRICS_UNIT, code, summary)
-        record_after_run(loaded.config.metrics_textfile, record, stream=stream)
-    if code is not ExitCode.OK:
-        who = f" job {job.job_id}" if job is not None else ""
-        reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
-        if summary is not None:  # an error has said its one line already
-            print(f"gpugate: drain: {reason}", file=stream, flush=True)
-        node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
-        if node:
-            set_drain_reason(node, reason, environ, stream)
+    who = f" job {job.job_id}" if job is not None else ""
+    reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
+    if summary is not None:  # an error has said its one line already
+        print(f"gpugate: drain: {reason}", file=stream, flush=True)
+    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
+    if node:
+        set_drain_reason(node, reason, environ, stream)
     return int(code)

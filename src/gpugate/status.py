@@ -8,6 +8,7 @@ from typing import Any
 from gpugate.config import LoadedConfig
 from gpugate.decide import holder_role
 from gpugate.discover import Discovery, discover
+from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver
 from gpugate.procfs import ProcFs
 from gpugate.units import resolve_unit_cgroup, unit_of_cgroup
@@ -16,24 +17,23 @@ JSON_VERSION = 1
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 
 
-def collect(unit: str | None, loaded: LoadedConfig, driver: GpuDriver) -> Discovery:
-    config = loaded.config
+def collect(
+    unit: str | None, loaded: LoadedConfig, driver: GpuDriver, roots: HostRoots | None = None
+) -> Discovery:
+    roots = roots or HostRoots()
     if unit is None:
-        config = config.model_copy(update={"gpus": "all"})
         cgroup = NO_UNIT_CGROUP
     else:
-        cgroup = resolve_unit_cgroup(
-            unit,
-            config.paths.cgroup_root,
-            ask_systemd=str(config.paths.cgroup_root) == "/sys/fs/cgroup",
-        )
+        cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
     return discover(
         unit=unit or "",
         unit_cgroup=cgroup,
-        config=config,
+        wanted="all" if unit is None else loaded.config.gpus,
         config_source=loaded.source,
         driver=driver,
-        procfs=ProcFs(config.paths.proc_root),
+        procfs=ProcFs(roots.proc),
+        roots=roots,
+        containers=loaded.config.containers,
     )
 
 

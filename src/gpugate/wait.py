@@ -8,20 +8,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 
 from gpugate.nvml import Gpu, GpuDriver
+from gpugate.outcome import BusyGpu
 
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.05
 PROGRESS_EVERY_S = 1.0
-
-
-@dataclass(frozen=True)
-class BusyGpu:
-    gpu: Gpu
-    used_mib: int
-    pids: tuple[int, ...]  # processes NVML still lists on it
 
 
 def busy_gpus(

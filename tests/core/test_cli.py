@@ -37,9 +37,13 @@ def test_bad_config_exits_3_with_one_line_and_kills_nothing(host: FakeHost, tmp_
 
 def test_nvml_missing_exits_4(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
-    config.write_text(f'[paths]\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}"\n')
+    config.write_text(f'lock_dir = "{tmp_path}"\n')
     result = gpugate(
-        "pre", "vllm.service", "--config", str(config), env={"LD_LIBRARY_PATH": str(tmp_path)}
+        "pre",
+        "vllm.service",
+        "--config",
+        str(config),
+        env={"LD_LIBRARY_PATH": str(tmp_path), "GPUGATE_CGROUP_ROOT": str(tmp_path)},
     )
     assert result.returncode == ExitCode.NVML_UNAVAILABLE, result.stderr
     assert result.stderr.startswith("gpugate: NVML: libnvidia-ml.so.1 not found")
@@ -76,13 +80,11 @@ def test_main_with_injected_driver_runs_pre(
 ) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(1))
     config = host.root / "c.toml"
-    config.write_text(
-        f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
-        f'lock_dir = "{host.root}/locks"\n[pre]\nsigterm_grace_s = 1\n'
-    )
+    config.write_text(f'lock_dir = "{host.root}/locks"\n[pre]\nsigterm_grace_s = 1\n')
     code = main(
         ["pre", "vllm.service", "--config", str(config)],
         driver_factory=lambda: host.memory,
+        roots=host.roots,
         reporter_factory=lambda unit, phase: host.reporter(phase),
     )
     assert code == 0
@@ -95,10 +97,13 @@ def test_status_json_lists_holders(host: FakeHost, capsys: pytest.CaptureFixture
     (holder,) = host.pool.holder(host.gpu_files(2))
     host.memory.claim(holder, {2}, 1234)
     config = host.root / "c.toml"
-    config.write_text(f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n')
-    assert (
-        main(["status", "--json", "--config", str(config)], driver_factory=lambda: host.memory) == 0
+    config.write_text("")
+    code = main(
+        ["status", "--json", "--config", str(config)],
+        driver_factory=lambda: host.memory,
+        roots=host.roots,
     )
+    assert code == 0
     data = json.loads(capsys.readouterr().out)
     assert data["version"] == 1
     assert len(data["gpus"]) == 8

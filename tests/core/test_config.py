@@ -15,9 +15,12 @@ BAD = [
     ('gpus = "some"', 'f.toml: gpus: must be "all"'),
     ("gpus = 3", 'f.toml: gpus: must be "all"'),
     ("gpus = []", "f.toml: gpus: must name at least one GPU"),
-    ("gpus = [0, 0]", "f.toml: gpus: lists a GPU twice"),
-    ('gpus = ["GPU-x"]', "f.toml: gpus: 'GPU-x' is not a GPU UUID"),
-    ("gpus = [true]", "f.toml: gpus: each GPU is an index"),
+    ("gpus = [0, 0]", "f.toml: gpus: lists GPU 0 twice"),
+    ('gpus = [1, "1"]', "f.toml: gpus: lists GPU 1 twice"),
+    ('gpus = ["GPU-x"]', "f.toml: gpus: 'GPU-x' is not a GPU index (0, 1, ...) or UUID"),
+    ('gpus = ["MIG-9f1e0a22-4b5c"]', "f.toml: gpus: 'MIG-9f1e0a22-4b5c': MIG devices are not"),
+    ("gpus = [1024]", "f.toml: gpus: GPU index 1024 is out of range (0-1023)"),
+    ("gpus = [true]", "f.toml: gpus: True is not a GPU index or UUID"),
     ("gpus = [-1]", "f.toml: gpus"),
     ("free_mib = -5", "f.toml: free_mib: Input should be greater than or equal to 0"),
     ('free_mib = "lots"', "f.toml: free_mib: Input should be a valid integer"),
@@ -26,7 +29,7 @@ BAD = [
     ('[pre]\non_timeout = "explode"', "f.toml: pre.on_timeout: Input should be 'fail' or 'warn'"),
     ("[pre]\nkill_orphans = 2", "f.toml: pre.kill_orphans: Input should be a valid boolean"),
     ("[pre]\ntypo = true", "f.toml: pre.typo: Extra inputs are not permitted"),
-    ('[paths]\ndev_root = "dev"', "f.toml: paths.dev_root: must be an absolute path"),
+    ('lock_dir = "locks"', "f.toml: lock_dir: must be an absolute path"),
     ('protected_executables = ["sleep"]', "f.toml: protected_executables"),
 ]
 
@@ -77,8 +80,8 @@ def test_unreadable_or_missing_explicit_file(tmp_path: Path) -> None:
 def test_unknown_gpu_index_and_uuid() -> None:
     gpus = FakeGpuMemory(count=2).gpus()
     with pytest.raises(ConfigError, match="gpus: GPU index 5 does not exist; NVML lists GPUs 0-1"):
-        owned_gpus(parse_config("gpus = [5]", "f.toml"), gpus, "f.toml")
+        owned_gpus(parse_config("gpus = [5]", "f.toml").gpus, gpus, "f.toml")
     with pytest.raises(ConfigError, match="no GPU has UUID"):
-        owned_gpus(parse_config('gpus = ["GPU-99999999-0000"]', "f.toml"), gpus, "f.toml")
-    by_uuid = owned_gpus(parse_config(f'gpus = ["{gpus[1].uuid.upper()}"]', "f"), gpus, "f")
+        owned_gpus(parse_config('gpus = ["GPU-99999999-0000"]', "f.toml").gpus, gpus, "f.toml")
+    by_uuid = owned_gpus(parse_config(f'gpus = ["{gpus[1].uuid.upper()}"]', "f").gpus, gpus, "f")
     assert [gpu.index for gpu in by_uuid] == [1]

@@ -17,9 +17,8 @@ from gpugate.decide import Role, Verdict, decide
 from gpugate.discover import Discovery, Holder, Source
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.nvml import Gpu
-from gpugate.pipeline import run_phase
 from tests.core.test_decide import Table, proc
-from tests.fakes import UNIT, FakeHost, alive
+from tests.fakes import FakeHost, alive
 
 ID = "3f2a1b0c4d5e" + "a" * 52
 OTHER_ID = "9" * 64
@@ -221,9 +220,8 @@ def test_pre_stops_the_units_container_through_its_runtime(
     put_in_container(host, bystander, kind, OTHER_ID)
     assert container_scopes(host.cgroup_root)[0].id in {ID, OTHER_ID}
 
-    summary = run_phase(
+    summary = host.run_phase(
         "pre",
-        UNIT,
         host.config(containers=["vllm"]),
         host.reporter("pre"),
         driver_factory=lambda: host.memory,
@@ -248,9 +246,8 @@ def test_post_kills_the_container_by_pinned_signals_only(host: FakeHost, cli: Pa
     (cli / "names" / ID).write_text("vllm")
     (engine,) = host.pool.holder(host.gpu_files(2))
     put_in_container(host, engine, "docker", ID)
-    summary = run_phase(
+    summary = host.run_phase(
         "post",
-        UNIT,
         host.config(containers=[ID[:12]]),
         host.reporter("post"),
         driver_factory=lambda: host.memory,
@@ -269,9 +266,8 @@ def test_runtime_stop_that_fails_falls_back_to_signals(host: FakeHost, cli: Path
     )
     (engine,) = host.pool.holder(host.gpu_files(3))
     put_in_container(host, engine, "docker", ID)
-    summary = run_phase(
+    summary = host.run_phase(
         "pre",
-        UNIT,
         host.config(containers=["vllm"]),
         host.reporter("pre"),
         driver_factory=lambda: host.memory,

@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 from gpugate.cli import main
 from gpugate.config import parse_config
 from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
+from gpugate.host import HostRoots
 from gpugate.locks import gpu_locks
 from gpugate.nvml import Gpu, GpuUsage
-from gpugate.pipeline import run_phase
-from tests.fakes import UNIT, FakeGpuMemory, FakeHost, RecordingJournal, alive
+from tests.fakes import FakeGpuMemory, FakeHost, RecordingJournal, alive
 from tests.simhost.fake_nvml.build import BuildError, build_fake_nvml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -46,8 +46,8 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
     )
     parent = host.pool.command([sys.executable, "-c", script])
     time.sleep(0.3)
-    summary = run_phase(
-        "pre", UNIT, host.config(), host.reporter(), driver_factory=lambda: host.memory
+    summary = host.run_phase(
+        "pre", host.config(), host.reporter(), driver_factory=lambda: host.memory
     )
     child = int((host.root / "child.pid").read_text())
     host.pool.started.append((child, 0))
@@ -111,11 +111,10 @@ def test_nvml_lost_mid_run_fails_or_goes_on_per_policy(host: FakeHost) -> None:
     host.put_in_unit(member)
     memory = FailsMidRun(leaked_mib={0: 5000})
     with pytest.raises(NvmlUnavailable, match="GPU 2 is lost"):
-        run_phase("post", UNIT, host.config(), host.reporter("post"), driver_factory=lambda: memory)
+        host.run_phase("post", host.config(), host.reporter("post"), driver_factory=lambda: memory)
     memory = FailsMidRun(leaked_mib={0: 5000})
-    summary = run_phase(
+    summary = host.run_phase(
         "post",
-        UNIT,
         host.config(post={"on_nvml_error": "warn"}),
         host.reporter("post"),
         driver_factory=lambda: memory,
@@ -151,11 +150,14 @@ def test_driver_faults_through_real_pynvml(
         f"dev_root = {dev}\nstate_dir = {tmp_path / 'state'}\n{settings_text}\n"
     )
     config = tmp_path / "c.toml"
-    config.write_text(
-        f'[paths]\ndev_root = "{dev}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}/locks"\n'
-        "[pre]\nwait_timeout_s = 2\n"
-    )
-    env = {**os.environ, "LD_LIBRARY_PATH": str(fake_lib), "FAKE_NVML_CONFIG": str(settings_file)}
+    config.write_text(f'lock_dir = "{tmp_path}/locks"\n[pre]\nwait_timeout_s = 2\n')
+    env = {
+        **os.environ,
+        "LD_LIBRARY_PATH": str(fake_lib),
+        "FAKE_NVML_CONFIG": str(settings_file),
+        "GPUGATE_DEV_ROOT": str(dev),
+        "GPUGATE_CGROUP_ROOT": str(tmp_path),
+    }
     result = subprocess.run(
         [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
         capture_output=True,
@@ -196,9 +198,8 @@ def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
             journal = RecordingJournal()
             reporter = host.reporter()
             reporter.journal = journal
-            summary = run_phase(
+            summary = host.run_phase(
                 "pre",
-                UNIT,
                 host.config(),
                 reporter,
                 dry_run=True,
@@ -225,9 +226,8 @@ def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
 
 def test_gpu_listed_by_nvml_but_invisible_in_proc_is_reported(host: FakeHost) -> None:
     host.memory.listed_without_memory[1] = [4194303]  # a PID no process here has
-    summary = run_phase(
+    summary = host.run_phase(
         "pre",
-        UNIT,
         host.config(pre={"wait_timeout_s": 0.3}),
         host.reporter(),
         driver_factory=lambda: host.memory,
@@ -244,10 +244,10 @@ toml_scalars = st.one_of(
     st.lists(st.integers(-3, 12), max_size=4).map(lambda v: "[" + ", ".join(map(str, v)) + "]"),
 )
 keys = st.sampled_from(
-    ["gpus", "free_mib", "kill_other_units", "protected_units", "pre", "nope", "paths", "post"]
+    ["gpus", "free_mib", "kill_other_units", "protected_units", "pre", "nope", "lock_dir", "post"]
 )
 sub_keys = st.sampled_from(
-    ["kill_orphans", "sigterm_grace_s", "wait_timeout_s", "on_timeout", "dev_root", "bogus"]
+    ["kill_orphans", "sigterm_grace_s", "wait_timeout_s", "on_timeout", "lock_dir", "bogus"]
 )
 
 
@@ -255,7 +255,7 @@ sub_keys = st.sampled_from(
 def config_texts(draw: st.DrawFn) -> str:
     lines = [f"{draw(keys)} = {draw(toml_scalars)}" for _ in range(draw(st.integers(0, 4)))]
     for table in draw(
-        st.lists(st.sampled_from(["pre", "post", "paths", "x"]), max_size=2, unique=True)
+        st.lists(st.sampled_from(["pre", "post", "epilog", "x"]), max_size=2, unique=True)
     ):
         lines.append(f"[{table}]")
         lines += [
@@ -311,16 +311,14 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(
         return FakeGpuMemory(count=2)
 
     config = tmp_path / "c.toml"
-    config.write_text(
-        f'[paths]\ndev_root = "{tmp_path}"\ncgroup_root = "{tmp_path}"\nlock_dir = "{tmp_path}"\n'
-    )
+    config.write_text(f'lock_dir = "{tmp_path}"\n')
     args = [a for a in argv if a not in ("pre", "post")]
     if argv and argv[0] in ("pre", "post"):
         args = [argv[0], "--dry-run", "--config", str(config), *args]
     out = open(os.devnull, "w")  # noqa: SIM115
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            code = main(args, driver_factory=driver)
+            code = main(args, driver_factory=driver, roots=HostRoots(dev=tmp_path, cgroup=tmp_path))
         except SystemExit as exit_:  # argparse: --help and usage errors
             code = int(exit_.code or 0)
     out.close()
@@ -351,9 +349,8 @@ def test_really_unkillable_holder_named_with_wchan_and_exit_5(host: FakeHost) ->
             assert time.monotonic() < deadline
             time.sleep(0.05)
         started = time.monotonic()
-        summary = run_phase(
+        summary = host.run_phase(
             "post",
-            UNIT,
             host.config(
                 post={"wait_timeout_s": 2.0, "sigkill_wait_s": 0.5, "sigterm_grace_s": 0.3}
             ),
@@ -381,3 +378,32 @@ def test_really_unkillable_holder_named_with_wchan_and_exit_5(host: FakeHost) ->
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+def test_nvml_lost_mid_wait_degrades_the_same_run(host: FakeHost) -> None:
+    """NVML failing while gpugate waits (after it killed): the run goes on for the cgroup
+    with the first run's deadline and summary, not a second run with a fresh deadline."""
+    (member,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(member)
+    memory = FailsMidRun(leaked_mib={0: 5000})
+    memory.claim(member, {0}, 1000)
+    ticks = iter(range(10_000))
+    summary = host.run_phase(
+        "post",
+        host.config(post={"on_nvml_error": "warn", "wait_timeout_s": 30}),
+        host.reporter("post"),
+        driver_factory=lambda: memory,
+        clock=lambda: next(ticks) * 0.001,  # a clock the test reads: 1 ms a look
+    )
+    assert summary.exit_code is ExitCode.OK
+    assert summary.degraded
+    assert [ident.pid for ident in summary.killed] == [member]  # the first pass's kill kept
+    assert len(host.journal.events("run_started")) == 1
+    assert len(host.journal.events("run_finished")) == 1
+    # Every timeout extension asked of systemd ends at the first deadline (30 s + 10 s).
+    extensions = [
+        int(state.split("=")[1]) / 1e6
+        for state in host.notifier.states
+        if state.startswith("EXTEND_TIMEOUT_USEC=")
+    ]
+    assert extensions and max(extensions) <= 40

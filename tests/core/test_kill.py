@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -13,15 +14,30 @@ from gpugate.kill import pin, terminate
 from gpugate.procfs import ProcessId, ProcFs
 from tests.fakes import alive, start_time_of
 
-
-def sleeper(*extra: str) -> subprocess.Popen[bytes]:
-    code = "import signal, time\n" + "\n".join(extra) + "\ntime.sleep(3600)"
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    time.sleep(0.3)
-    return proc
+Sleeper = Callable[..., subprocess.Popen[bytes]]
 
 
-def test_recycled_pid_is_never_signalled() -> None:
+@pytest.fixture
+def sleeper() -> Iterator[Sleeper]:
+    """Starts sleeping children; each is registered at spawn and killed after the test, also
+    when an assertion fails first (only these, pinned by start time)."""
+    started: list[tuple[subprocess.Popen[bytes], int]] = []
+
+    def spawn(*extra: str) -> subprocess.Popen[bytes]:
+        code = "import signal, time\n" + "\n".join(extra) + "\ntime.sleep(3600)"
+        proc = subprocess.Popen([sys.executable, "-c", code])
+        started.append((proc, start_time_of(proc.pid)))
+        time.sleep(0.3)
+        return proc
+
+    yield spawn
+    for proc, start in started:
+        if proc.poll() is None and alive(proc.pid, start):
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_recycled_pid_is_never_signalled(sleeper: Sleeper) -> None:
     proc = sleeper()
     try:
         real = ProcessId(proc.pid, start_time_of(proc.pid))
@@ -36,7 +52,7 @@ def test_recycled_pid_is_never_signalled() -> None:
         proc.wait()
 
 
-def test_stopped_process_gets_sigcont_and_ends_on_sigterm() -> None:
+def test_stopped_process_gets_sigcont_and_ends_on_sigterm(sleeper: Sleeper) -> None:
     proc = sleeper()
     proc.send_signal(signal.SIGSTOP)
     ident = ProcessId(proc.pid, start_time_of(proc.pid))
@@ -45,7 +61,7 @@ def test_stopped_process_gets_sigcont_and_ends_on_sigterm() -> None:
     assert proc.wait(5) == -signal.SIGTERM
 
 
-def test_sigterm_ignored_escalates_to_sigkill() -> None:
+def test_sigterm_ignored_escalates_to_sigkill(sleeper: Sleeper) -> None:
     proc = sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN)")
     ident = ProcessId(proc.pid, start_time_of(proc.pid))
     sent: list[int] = []
@@ -61,7 +77,7 @@ def test_sigterm_ignored_escalates_to_sigkill() -> None:
     assert proc.wait(5) == -signal.SIGKILL
 
 
-def test_all_targets_signalled_before_waiting() -> None:
+def test_all_targets_signalled_before_waiting(sleeper: Sleeper) -> None:
     procs = [sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN)") for _ in range(3)]
     idents = [ProcessId(p.pid, start_time_of(p.pid)) for p in procs]
     started = time.monotonic()

@@ -41,7 +41,6 @@ def write_config(host: FakeHost, metrics: Path, *, pre_wait_s: float = 10) -> Pa
     path = host.root / f"gpugate-{pre_wait_s}.toml"
     path.write_text(
         f'metrics_textfile = "{metrics}"\n'
-        f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
         f'lock_dir = "{host.root}/locks"\n'
         f"[pre]\nsigterm_grace_s = 1\nwait_timeout_s = {pre_wait_s}\n"
         "[post]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
@@ -53,7 +52,8 @@ def gpugate(host: FakeHost, *argv: str, driver: object = None) -> int:
     return main(
         list(argv),
         driver_factory=(lambda: host.memory) if driver is None else driver,  # type: ignore[arg-type,return-value]
-        reporter_factory=lambda unit, phase: host.reporter(phase),
+        reporter_factory=lambda unit, phase, **_: host.reporter(phase),
+        roots=host.roots,
     )
 
 

@@ -12,15 +12,13 @@ import pytest
 
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.kill import Pinned
-from gpugate.pipeline import run_phase
 from gpugate.procfs import ProcessId, ProcFs
-from tests.fakes import UNIT, FakeHost, alive
+from tests.fakes import FakeHost, alive
 
 
 def run(host: FakeHost, phase: str = "pre", **config: object):  # type: ignore[no-untyped-def]
-    return run_phase(
+    return host.run_phase(
         phase,
-        UNIT,
         host.config(**config),
         host.reporter(phase),
         driver_factory=lambda: host.memory,
@@ -39,7 +37,7 @@ def test_parent_killed_first_workers_are_reaped(host: FakeHost) -> None:
 
     assert summary.exit_code is ExitCode.OK
     assert not any(alive(pid) for pid in workers)
-    assert {c.holder.pid for c in summary.killed} == set(workers)
+    assert {ident.pid for ident in summary.killed} == set(workers)
     assert host.memory.usage(host.memory.gpus()[0]).used_mib == 0
 
 
@@ -122,9 +120,8 @@ def test_unkillable_holder_ends_at_deadline_with_exit_5(host: FakeHost) -> None:
         return DeafProcess(ident)
 
     started = time.monotonic()
-    summary = run_phase(
+    summary = host.run_phase(
         "post",
-        UNIT,
         host.config(post={"wait_timeout_s": 2.0, "sigkill_wait_s": 0.5, "sigterm_grace_s": 0.3}),
         host.reporter("post"),
         driver_factory=lambda: host.memory,
@@ -177,9 +174,8 @@ def test_waits_for_late_release_then_succeeds(host: FakeHost) -> None:
 def test_dry_run_kills_nothing(host: FakeHost) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(0))
     host.memory.claim(orphan, {0}, 100)
-    summary = run_phase(
+    summary = host.run_phase(
         "pre",
-        UNIT,
         host.config(),
         host.reporter(),
         dry_run=True,
@@ -200,12 +196,11 @@ def test_nvml_failure_fails_or_cleans_cgroup_only(host: FakeHost) -> None:
         raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
     with pytest.raises(NvmlUnavailable):
-        run_phase("post", UNIT, host.config(), host.reporter("post"), driver_factory=broken)
+        host.run_phase("post", host.config(), host.reporter("post"), driver_factory=broken)
     assert alive(member)
 
-    summary = run_phase(
+    summary = host.run_phase(
         "post",
-        UNIT,
         host.config(post={"on_nvml_error": "warn"}),
         host.reporter("post"),
         driver_factory=broken,

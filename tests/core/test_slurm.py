@@ -86,17 +86,16 @@ def test_job_gpus_first_non_empty_variable_wins(
         ({"SLURM_JOB_ID": "42x"}, "SLURM_JOB_ID '42x': not a Slurm job ID"),
         ({"SLURM_JOB_ID": "99999999999"}, "SLURM_JOB_ID '99999999999': not a Slurm job ID"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "root"}, "SLURM_JOB_UID 'root': not a user ID"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,,3"}, "SLURM_JOB_GPUS '2,,3': not a comma"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2-3"}, "SLURM_JOB_GPUS '2-3': not a comma"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "GPU-xyz"}, "SLURM_JOB_GPUS 'GPU-xyz': not"),
-        ({"SLURM_JOB_ID": "42", "SLURM_STEP_GPUS": "0;1"}, "SLURM_STEP_GPUS '0;1': not a comma"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,,3"}, "SLURM_JOB_GPUS '2,,3': '' is not"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2-3"}, "SLURM_JOB_GPUS '2-3': '2-3' is not"),
+        ({"SLURM_JOB_ID": "42", "SLURM_STEP_GPUS": "x"}, "SLURM_STEP_GPUS 'x': 'x' is not a GPU"),
         (
             {"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,2"},
-            "SLURM_JOB_GPUS '2,2': names GPU 2 twice",
+            "SLURM_JOB_GPUS '2,2': lists GPU 2 twice",
         ),
         (
             {"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": "NoDevFiles"},
-            "CUDA_VISIBLE_DEVICES 'NoDevFiles': not a comma-separated list of GPU indices or UUIDs",
+            "CUDA_VISIBLE_DEVICES 'NoDevFiles': 'NoDevFiles' is not a GPU index (0, 1, ...) or UUID",
         ),
     ],
 )
@@ -195,7 +194,6 @@ def slurm_config(host: FakeHost, *, epilog_wait_s: float = 10) -> Path:
     path = host.root / "slurm.toml"
     path.write_text(
         f'metrics_textfile = "{host.root}/textfile/gpugate.prom"\n'
-        f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n'
         f'lock_dir = "{host.root}/locks"\n'
         "[prolog]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
         f"[epilog]\nsigterm_grace_s = 1\nwait_timeout_s = {epilog_wait_s}\n"
@@ -204,13 +202,16 @@ def slurm_config(host: FakeHost, *, epilog_wait_s: float = 10) -> Path:
 
 
 def slurm(host: FakeHost, phase: str, config: Path, driver: object = None) -> int:
-    def reporter(unit: str, phase: str) -> Reporter:
-        return Reporter(unit, phase, journal=host.journal, notifier=host.notifier, echo=False)
+    def reporter(unit: str, phase: str, *, fields: dict[str, str] | None = None) -> Reporter:
+        return Reporter(
+            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
+        )
 
     return main(
         ["slurm", phase, "--config", str(config)],
         driver_factory=(lambda: host.memory) if driver is None else driver,  # type: ignore[arg-type,return-value]
         reporter_factory=reporter,
+        roots=host.roots,
     )
 
 
@@ -286,7 +287,9 @@ def test_bad_environment_exits_2_and_kills_nothing(
     assert slurm(host, "epilog", slurm_config(host), driver=no_driver) == ExitCode.USAGE
 
     assert alive(orphan)
-    message = "SLURM_JOB_GPUS '2;3': not a comma-separated list of GPU indices or UUIDs"
+    message = (
+        "SLURM_JOB_GPUS '2;3': '2;3' is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
+    )
     assert capsys.readouterr().err == f"gpugate: {message}\n"
     assert scontrol_args(host) == [
         "update",

@@ -63,9 +63,11 @@ def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
 
 def status(host: FakeHost, capsys: pytest.CaptureFixture[str], *unit: str) -> dict[str, Any]:
     config = host.root / "c.toml"
-    config.write_text(f'[paths]\ndev_root = "{host.dev}"\ncgroup_root = "{host.cgroup_root}"\n')
+    config.write_text("")
     code = main(
-        ["status", *unit, "--json", "--config", str(config)], driver_factory=lambda: host.memory
+        ["status", *unit, "--json", "--config", str(config)],
+        driver_factory=lambda: host.memory,
+        roots=host.roots,
     )
     assert code == 0
     data: dict[str, Any] = json.loads(capsys.readouterr().out)

@@ -1,6 +1,6 @@
 #!/bin/sh
 # Boot a real systemd as PID 1 of private namespaces: the simulated GPU host.
-# Driven by tests/simhost/sandbox.py (SimHost.boot); see /work/shared/simhost.md.
+# Driven by tests/simhost/sandbox.py (SimHost.boot); see tests/simhost/README.md.
 #
 #   boot.sh outer NAME CGROUP STAGE GPUS CONSOLE
 #

@@ -1,4 +1,4 @@
-"""Fixtures for the simulated GPU host (see sandbox.py and /work/shared/simhost.md).
+"""Fixtures for the simulated GPU host (see sandbox.py and README.md here).
 
 ``simhost``: one sandbox for the whole session (8 GPUs, the stand-in libnvidia-ml.so.1 when
 tests/simhost/fake_nvml/build.py exists), always powered off at the end.

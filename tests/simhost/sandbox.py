@@ -1,6 +1,6 @@
 """The simulated GPU host: a real systemd booted as PID 1 of private namespaces.
 
-``SimHost.boot()`` follows /work/shared/simhost.md: a cgroup under the unified hierarchy
+``SimHost.boot()`` follows tests/simhost/README.md: a cgroup under the unified hierarchy
 (``/sys/fs/cgroup/unified/NAME``) holds the launcher; ``tests/simhost/boot.sh`` unshares PID,
 mount, cgroup, network, UTS and IPC namespaces, builds an overlay root (lower: the host's ``/``,
 upper: a private tmpfs) with a private ``/dev`` (``nvidia0..N``, ``nvidiactl``, ``nvidia-uvm*``),

@@ -1,0 +1,90 @@
+"""One hook run, the same for systemd's ExecStartPre=/ExecStopPost= and Slurm's
+Prolog=/Epilog=: locate the cgroup, run the phase, say a failure once, record the metrics."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TextIO
+
+from gpugate.config import LoadedConfig
+from gpugate.errors import ExitCode, GateError
+from gpugate.host import HostRoots
+from gpugate.kill import Pinned, pin
+from gpugate.narrate import Narrator
+from gpugate.nvml import GpuDriver, NvmlDriver
+from gpugate.outcome import RunSummary
+from gpugate.pipeline import RunScope, run_phase
+from gpugate.procfs import ProcessId, ProcFs
+from gpugate.report import Reporter
+
+
+@dataclass(frozen=True)
+class Hook:
+    phase: str  # pre, post, prolog, epilog
+    unit: str  # the unit, or the label standing for it (slurm-job-42)
+    locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
+    metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
+
+
+@dataclass(frozen=True)
+class HookOutcome:
+    exit_code: ExitCode
+    summary: RunSummary | None  # None where the run ended in an error
+    error: GateError | None
+
+
+def run_hook(
+    hook: Hook,
+    loaded: LoadedConfig,
+    reporter: Reporter,
+    *,
+    roots: HostRoots | None = None,
+    dry_run: bool = False,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+    pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
+    clock: Callable[[], float] = time.monotonic,
+    stream: TextIO | None = None,
+) -> HookOutcome:
+    stream = stream or sys.stderr
+    summary: RunSummary | None = None
+    error: GateError | None = None
+    try:
+        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup())
+        summary = run_phase(
+            scope,
+            loaded,
+            reporter,
+            roots=roots,
+            dry_run=dry_run,
+            driver_factory=driver_factory,
+            pinner=pinner,
+            clock=clock,
+        )
+        code = summary.exit_code
+    except GateError as exc:
+        error, code = exc, exc.exit_code
+        print(f"gpugate: {exc.message}", file=stream, flush=True)
+        reporter.echo = False  # said on stderr already
+        Narrator(reporter, dry_run=dry_run).failed(exc)
+    if not dry_run:
+        record_metrics(loaded, hook, code, summary, stream)
+    return HookOutcome(code, summary, error)
+
+
+def record_metrics(
+    loaded: LoadedConfig,
+    hook: Hook,
+    code: ExitCode,
+    summary: RunSummary | None,
+    stream: TextIO,
+) -> None:
+    textfile = loaded.config.metrics_textfile
+    if textfile is None:
+        return  # no textfile: the metrics module is not even imported (start-up time)
+    from gpugate.metrics import record_after_run, run_record  # noqa: PLC0415
+
+    record = run_record(hook.phase, hook.metrics_unit, code, summary)
+    record_after_run(textfile, record, stream=stream)

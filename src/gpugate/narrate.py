@@ -1,0 +1,249 @@
+"""What a run tells the operator: the wording and fields of its journal entries and STATUS=
+lines. The pipeline says what happened (`Narrator.signal_sent(choice, signum)`); this module
+says it in words, so the run's sequence and its narration can each be read on their own."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from gpugate.containers import StopResult
+from gpugate.decide import Choice, Decision, Role
+from gpugate.discover import Discovery
+from gpugate.errors import GateError
+from gpugate.nvml import Gpu
+from gpugate.outcome import BusyGpu, RunSummary
+from gpugate.report import (
+    PRIORITY_ERR,
+    PRIORITY_INFO,
+    PRIORITY_NOTICE,
+    PRIORITY_WARNING,
+    Event,
+    Reporter,
+)
+
+MAX_COMMAND = 200
+MAX_LISTED_PIDS = 10
+
+
+def gpu_list(indices: Iterable[int]) -> str:
+    return ", ".join(str(index) for index in sorted(indices)) or "none"
+
+
+def describe(choice: Choice) -> str:
+    info = choice.holder.info
+    gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
+    sources = ",".join(sorted(choice.holder.sources))
+    command = info.command[:MAX_COMMAND]
+    where = f", {choice.holder.container.label}" if choice.holder.container else ""
+    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
+
+
+def container_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
+    container = choice.holder.container
+    if container is None:
+        return {}
+    fields: dict[str, Any] = {"container": container.id, "container_runtime": container.runtime}
+    if container.name:
+        fields["container_name"] = container.name
+    return fields
+
+
+class Narrator:
+    """One run's journal entries and STATUS= lines, through the run's Reporter."""
+
+    def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
+        self.reporter = reporter
+        self.dry_run = dry_run
+
+    def status(self, text: str) -> None:
+        self.reporter.status(text)
+
+    def looking(self) -> None:
+        self.status("looking for processes holding the GPUs")
+
+    def run_started(self, discovery: Discovery, config_source: str, used_mib: int) -> None:
+        owned = [gpu.index for gpu in discovery.owned]
+        self.reporter.event(
+            Event.RUN_STARTED,
+            f"{'dry run: ' if self.dry_run else ''}{len(owned)} GPU(s) [{gpu_list(owned)}], "
+            f"{used_mib} MiB used; config {config_source}; cgroup {discovery.unit_cgroup}",
+            gpus=owned,
+            used_mib=used_mib,
+            config=config_source,
+        )
+
+    def blind_spots(self, discovery: Discovery) -> None:
+        """What this run cannot see: other users' open files, another PID namespace."""
+        if discovery.unreadable:
+            shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
+            more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
+            self.reporter.event(
+                Event.ERROR,
+                f"not permitted to read the open files of {len(discovery.unreadable)} "
+                f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
+                "run gpugate as root",
+                priority=PRIORITY_WARNING,
+            )
+        owned = discovery.owned_indices
+        for gpu_index, pid in discovery.invisible:
+            if gpu_index in owned:
+                self.reporter.event(
+                    Event.ERROR,
+                    f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
+                    "process: gpugate runs in another PID namespace (a container without "
+                    "the host's PIDs) and cannot kill it",
+                    priority=PRIORITY_WARNING,
+                    pid=pid,
+                    gpus=[gpu_index],
+                )
+
+    def choices(self, decision: Decision) -> None:
+        kill_verb = "would kill" if self.dry_run else "will kill"
+        for choices, event, priority, verb in (
+            (decision.targets, Event.HOLDER_FOUND, PRIORITY_INFO, kill_verb),
+            (decision.blockers, Event.REFUSED, PRIORITY_ERR, "not killing"),
+            (
+                [c for c in decision.spared if c.holder.gpus],
+                Event.PROCESS_SPARED,
+                PRIORITY_INFO,
+                "sparing",
+            ),
+        ):
+            for choice in choices:
+                self.reporter.event(
+                    event,
+                    f"{verb} {describe(choice)}: {choice.reason}",
+                    priority=priority,
+                    pid=choice.holder.pid,
+                    gpus=sorted(choice.holder.gpus),
+                    role=choice.role,
+                    command=choice.holder.info.command,
+                    reason=choice.reason,
+                    **container_fields(choice),
+                )
+
+    def refused(self) -> None:
+        self.status("refused: another unit holds the GPUs")
+
+    def stopping(self, count: int, round_number: int) -> None:
+        self.status(f"stopping {count} process(es), round {round_number}")
+
+    def signal_sent(self, choice: Choice, signum: int) -> None:
+        name = signal.Signals(signum).name
+        self.reporter.event(
+            Event.SIGNAL_SENT,
+            f"{name} to {describe(choice)}",
+            priority=PRIORITY_NOTICE,
+            pid=choice.holder.pid,
+            gpus=sorted(choice.holder.gpus),
+            signal=name,
+            command=choice.holder.info.command,
+            comm=choice.holder.info.comm,
+            role=choice.role,
+            **container_fields(choice),
+        )
+
+    def container_stopping(self, count: int) -> None:
+        self.status(f"stopping {count} container(s) through their runtime")
+
+    def container_stopped(self, result: StopResult) -> None:
+        verb = f"{result.container.runtime} stop"
+        outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
+        self.reporter.event(
+            Event.SIGNAL_SENT,
+            f"{verb} {result.container.label}: {outcome}",
+            priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
+            signal=verb,
+            container=result.container.id,
+            container_runtime=result.container.runtime,
+            role=Role.UNIT_CONTAINER,
+        )
+
+    def stuck(self, choice: Choice, state: str, wchan: str) -> None:
+        self.reporter.event(
+            Event.SURVIVOR,
+            f"{describe(choice)} is still alive after SIGKILL "
+            f"(state {state}, wchan {wchan}); waiting until the deadline",
+            priority=PRIORITY_ERR,
+            pid=choice.holder.pid,
+            state=state,
+            wchan=wchan,
+        )
+
+    def survivor(self, choice: Choice) -> None:
+        self.reporter.event(
+            Event.SURVIVOR,
+            f"{describe(choice)} survived SIGKILL until the deadline",
+            priority=PRIORITY_ERR,
+            pid=choice.holder.pid,
+        )
+
+    def survived(self, count: int) -> None:
+        self.status(f"{count} process(es) survived SIGKILL")
+
+    def still_held(self) -> None:
+        self.status("GPUs still held by processes gpugate may not kill")
+
+    def lock_wait(self, gpu: Gpu) -> None:
+        self.status(f"waiting for another gpugate run on {gpu.label}")
+
+    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
+        first = busy[0]
+        self.status(
+            f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
+            f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
+        )
+
+    def memory_timeout(
+        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
+    ) -> None:
+        holders = ", ".join(str(pid) for pid in item.pids) or "no process"
+        self.reporter.event(
+            Event.TIMEOUT,
+            f"{item.gpu.label} still has {item.used_mib} MiB used (free at {free_mib} MiB)"
+            f" after {timeout_s:g} s; NVML lists: {holders}",
+            priority=PRIORITY_ERR if failing else PRIORITY_WARNING,
+            gpus=[item.gpu.index],
+            used_mib=item.used_mib,
+            gpu_uuid=item.gpu.uuid,
+        )
+
+    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:
+        self.reporter.event(
+            Event.MEMORY_FREED,
+            f"GPU {gpu_list(gpu.index for gpu in owned)} free "
+            f"(at or below {free_mib} MiB) after {seconds:.2f} s",
+            gpus=[gpu.index for gpu in owned],
+        )
+
+    def degraded(self, error: GateError, phase: str) -> None:
+        self.reporter.event(
+            Event.ERROR,
+            f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            priority=PRIORITY_WARNING,
+        )
+
+    def finished(self, summary: RunSummary) -> None:
+        result = summary.result
+        self.reporter.event(
+            Event.RUN_FINISHED,
+            f"{result}: {len(summary.killed)} process(es) stopped in {summary.rounds} round(s);"
+            f" discover {summary.seconds_discover * 1000:.0f} ms, kill {summary.seconds_kill:.2f}"
+            f" s, wait {summary.seconds_wait:.2f} s",
+            priority=PRIORITY_NOTICE if summary.result == "success" else PRIORITY_ERR,
+            result=result,
+            killed=len(summary.killed),
+            seconds_wait=f"{summary.seconds_wait:.3f}",
+            freed_mib=summary.freed_mib,
+        )
+        self.status(f"done: {result}")
+
+    def failed(self, error: GateError) -> None:
+        """A run that ended in an error: one entry (stderr says it once already)."""
+        self.reporter.event(
+            Event.ERROR, error.message, priority=PRIORITY_ERR, exit_code=int(error.exit_code)
+        )
+        self.status(f"failed: {error.message}")
