@@ -206,7 +206,10 @@ def test_docker_container_of_the_unit_outlives_its_client_then_restarts_cleanly(
     stops = [e for e in entries if e.get("GPUGATE_SIGNAL") == "docker stop"]
     assert len(stops) == 1 and stops[0]["GPUGATE_CONTAINER"] == first
     assert stops[0]["MESSAGE"].endswith(": stopped")
-    wait_for("the new vllm container", lambda: [c for c in box.ps("docker") if c["ID"] != first])
+    wait_for(
+        "the new vllm container running",
+        lambda: [c for c in box.ps("docker") if c["ID"] != first and c["State"] == "running"],
+    )
     (now,) = box.ps("docker")
     assert now["Names"] == "vllm" and now["State"] == "running" and now["ID"] != first
     assert sim.systemctl("is-active", UNIT, check=False).stdout.strip() == "active"
