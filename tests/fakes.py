@@ -16,7 +16,7 @@ from typing import Any
 
 from gpugate.config import GateConfig, LoadedConfig
 from gpugate.host import HostRoots
-from gpugate.nvml import Gpu, GpuProcess, GpuUsage
+from gpugate.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.outcome import RunSummary
 from gpugate.pipeline import RunScope, run_phase
 from gpugate.report import Reporter
@@ -53,6 +53,8 @@ class FakeGpuMemory:
     leaked_mib: dict[int, int] = field(default_factory=dict)
     gone_at: dict[tuple[int, int], float] = field(default_factory=dict)
     listed_without_memory: dict[int, list[int]] = field(default_factory=dict)
+    lost: set[int] = field(default_factory=set)  # as NVML_ERROR_GPU_IS_LOST: not listed
+    failing_usage: set[int] = field(default_factory=set)  # listed, but usage() fails
     queries: int = 0
 
     def claim(self, pid: int, gpus: set[int], mib: int) -> None:
@@ -63,10 +65,18 @@ class FakeGpuMemory:
         return [
             Gpu(i, f"GPU-fa4e5a11-0000-0000-0000-{i:012x}", minors[i], "Fake GPU", self.total_mib)
             for i in range(self.count)
+            if i not in self.lost
         ]
+
+    def faults(self) -> Sequence[GpuFault]:
+        return [GpuFault(i, f"NVML: GPU {i} is lost (fell off the bus)") for i in sorted(self.lost)]
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         self.queries += 1
+        if gpu.index in self.failing_usage:
+            raise GpuError(
+                gpu.index, f"NVML: nvmlDeviceGetMemoryInfo on GPU {gpu.index}: Unknown Error"
+            )
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []
         now = time.monotonic()

@@ -32,11 +32,14 @@ class Front:
         reporter_factory: ReporterFactory = Reporter,
         roots: HostRoots | None = None,
         environ: Mapping[str, str] | None = None,
+        unit_state: Callable[[str], str | None] | None = None,
     ) -> None:
+        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
         self.driver_factory = driver_factory
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
         self._roots = roots
+        self.unit_state = unit_state or _systemd_active_state
 
     @property
     def roots(self) -> HostRoots:
@@ -62,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(phase, help=text, description=text, epilog=EPILOG)
         _unit_and_config(sub)
         _dry_run(sub)
+        sub.add_argument(
+            "--force",
+            action="store_true",
+            help="run by hand even while the unit is active (kills the running service)",
+        )
         sub.set_defaults(func=_hook)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
@@ -148,9 +156,15 @@ def main(
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
     reporter_factory: ReporterFactory = Reporter,
     roots: HostRoots | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
 ) -> int:
     args = build_parser().parse_args(argv)
-    front = Front(driver_factory=driver_factory, reporter_factory=reporter_factory, roots=roots)
+    front = Front(
+        driver_factory=driver_factory,
+        reporter_factory=reporter_factory,
+        roots=roots,
+        unit_state=unit_state,
+    )
     handler: Handler = args.func
     try:
         return handler(args, front)
@@ -184,8 +198,16 @@ def run() -> None:
     os._exit(code)
 
 
+def _systemd_active_state(unit: str) -> str | None:
+    from gpugate.units import query_unit  # noqa: PLC0415
+
+    state = query_unit(unit)
+    return state.active_state if state is not None else None
+
+
 def _hook(args: argparse.Namespace, front: Front) -> int:
     from gpugate.hook import Hook, run_hook  # noqa: PLC0415
+    from gpugate.hook_guard import manual_run_guard  # noqa: PLC0415
 
     unit = args.unit or own_unit()
     if unit is None:
@@ -202,6 +224,15 @@ def _hook(args: argparse.Namespace, front: Front) -> int:
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
         metrics_unit=unit,
     )
+    manual_refusal = manual_run_guard(
+        args.command,
+        unit,
+        front.unit_state,
+        front.environ,
+        force=args.force,
+        dry_run=args.dry_run,
+        proc_root=roots.proc,
+    )
     outcome = run_hook(
         hook,
         loaded,
@@ -209,6 +240,8 @@ def _hook(args: argparse.Namespace, front: Front) -> int:
         roots=roots,
         dry_run=args.dry_run,
         driver_factory=front.driver_factory,
+        environ=front.environ,
+        manual_refusal=manual_refusal,
     )
     return int(outcome.exit_code)
 
@@ -231,6 +264,14 @@ def _config_check(args: argparse.Namespace, front: Front) -> int:
     unit = validate_unit_name(args.unit) if args.unit else None
     loaded = load_config(unit, args.path)
     print(f"# effective configuration, from {loaded.source}")
+    if unit is not None:
+        from gpugate.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
+
+        environment = None if front.roots.ask_systemd else (lambda _: None)
+        choice = choose_gpus(unit, loaded, environment)
+        shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
+        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
+        loaded = with_chosen_gpus(loaded, choice)
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
 
@@ -290,4 +331,4 @@ def _status(args: argparse.Namespace, front: Front) -> int:
     finally:
         driver.close()
     print(render_json(data) if args.json else render_table(data))
-    return int(ExitCode.OK)
+    return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)

@@ -40,7 +40,8 @@ DEFAULT_PROTECTED_UNITS = (
     "display-manager.service",
 )
 
-GpuSelection = Literal["all"] | tuple[GpuRef, ...]
+GpuSelection = Literal["all"] | tuple[GpuRef, ...]  # resolved: what a run owns
+GpusSetting = Literal["auto"] | GpuSelection  # as written; "auto" is resolved by gpu_source
 
 
 class _Frozen(BaseModel):
@@ -84,9 +85,10 @@ class PhasePolicy(_Frozen):
 
 
 class GateConfig(_Frozen):
-    gpus: GpuSelection = Field(
-        default="all",
-        description='The unit\'s GPUs: "all", or indices and/or UUIDs, e.g. [0, 1] or ["GPU-..."].',
+    gpus: GpusSetting = Field(
+        default="auto",
+        description='The unit\'s GPUs: "auto" (its own CUDA_VISIBLE_DEVICES, else '
+        'NVIDIA_VISIBLE_DEVICES, else all), "all", or indices and/or UUIDs, e.g. [0, 1].',
     )
     free_mib: int = Field(
         default=1024,
@@ -97,6 +99,10 @@ class GateConfig(_Frozen):
     kill_other_units: bool = Field(
         default=False,
         description="May processes of another active unit holding these GPUs be killed?",
+    )
+    share_gpus: bool = Field(
+        default=False,
+        description="May this unit hold its GPUs together with another unit that also shares?",
     )
     protected_executables: tuple[str, ...] = Field(
         default=DEFAULT_PROTECTED_EXECUTABLES,
@@ -135,10 +141,10 @@ class GateConfig(_Frozen):
     @field_validator("gpus", mode="before")
     @classmethod
     def _gpu_list(cls, value: object) -> object:
-        if value == "all":
+        if value in ("all", "auto"):
             return value
         if not isinstance(value, list | tuple):
-            raise ValueError('must be "all" or a list of GPU indices or UUIDs, e.g. [0, 1]')
+            raise ValueError('must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]')
         try:
             return gpu_refs(value)
         except GpuListError as exc:

@@ -17,9 +17,9 @@ from pathlib import Path
 
 from gpugate.config import GpuSelection
 from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.errors import ConfigError, PermissionDenied
+from gpugate.errors import ConfigError, NvmlUnavailable, PermissionDenied
 from gpugate.host import HostRoots
-from gpugate.nvml import Gpu, GpuDriver, GpuUsage
+from gpugate.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
 from gpugate.procfs import ProcFs, ProcInfo, scan_device_users
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
@@ -67,6 +67,7 @@ class Discovery:
     invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
     # but /proc does not show: another PID namespace (a container without host PIDs)
     unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
+    faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
 
     @property
     def owned_indices(self) -> set[int]:
@@ -80,23 +81,65 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
     if wanted == "all":
         return list(gpus)
     by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
+    by_index = {gpu.index: gpu for gpu in gpus}  # a GPU NVML cannot read is not among them
     owned: list[Gpu] = []
     for ref in wanted:
         if isinstance(ref, int):
-            if ref >= len(gpus):
-                have = f"GPUs 0-{len(gpus) - 1}" if gpus else "no GPUs"
+            if ref not in by_index:
                 raise ConfigError(
-                    source, "gpus", f"GPU index {ref} does not exist; NVML lists {have}"
+                    source,
+                    "gpus",
+                    f"GPU index {ref} does not exist; NVML lists {_index_list(gpus)}",
                 )
-            gpu = gpus[ref]
+            gpu = by_index[ref]
         else:
-            found = by_uuid.get(ref.lower())
-            if found is None:
-                raise ConfigError(source, "gpus", f"no GPU has UUID {ref}")
+            found = by_uuid.get(ref.lower()) or _by_prefix(ref, gpus, source)
             gpu = found
         if gpu not in owned:
             owned.append(gpu)
     return owned
+
+
+def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
+    """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
+    matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    if not matches:
+        raise ConfigError(source, "gpus", f"no GPU has UUID {ref}")
+    if len(matches) > 1:
+        raise ConfigError(source, "gpus", f"{ref} is the start of more than one GPU's UUID")
+    return matches[0]
+
+
+def _index_list(gpus: Sequence[Gpu]) -> str:
+    indices = [gpu.index for gpu in gpus]
+    if not indices:
+        return "no GPUs"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"GPUs {indices[0]}-{indices[-1]}"
+    return "GPUs " + ", ".join(map(str, indices))
+
+
+def _fail_on_owned_faults(
+    wanted: GpuSelection | None, gpus: Sequence[Gpu], faults: Sequence[GpuFault], unit: str
+) -> None:
+    """An NVML error on a GPU the unit owns fails the run; on any other GPU it is a warning."""
+    if not faults or wanted is None:
+        return
+    who = unit or "this run"
+    if wanted == "all":
+        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {who}: gpus = all)")
+    uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
+    owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in wanted}
+    owned_uuids = {ref.lower() for ref in wanted if isinstance(ref, str)}
+    for fault in faults:
+        if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
+            raise NvmlUnavailable(f"{fault.error} (a GPU of {who})")
+    unknown = [ref for ref in owned_uuids if not any(uuid.startswith(ref) for uuid in uuids)]
+    nameless = [fault for fault in faults if fault.uuid is None]
+    if unknown and nameless:
+        raise NvmlUnavailable(
+            f"{nameless[0].error}; {who}'s GPU {unknown[0]} is not among those NVML can read"
+        )
 
 
 def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:
@@ -137,12 +180,26 @@ def discover(
     self_pid: int | None = None,
     containers: Sequence[str] = (),
     container_names: ContainerNames | None = None,
+    strict_faults: bool = True,
 ) -> Discovery:
     """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none.
+    strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
+    on the others are recorded in `faults` either way); `status` passes False.
     containers: the config's `containers`, whose processes are the unit's too."""
-    gpus = driver.gpus()
+    gpus = list(driver.gpus())
+    faults = list(driver_faults(driver))
+    if strict_faults:
+        _fail_on_owned_faults(wanted, gpus, faults, unit)
+    usage: dict[int, GpuUsage] = {}
+    for gpu in list(gpus):
+        try:
+            usage[gpu.index] = driver.usage(gpu)
+        except GpuError as exc:
+            gpus.remove(gpu)
+            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+    if strict_faults:
+        _fail_on_owned_faults(wanted, gpus, faults, unit)
     owned = owned_gpus(wanted, gpus, config_source)
-    usage = {gpu.index: driver.usage(gpu) for gpu in gpus}
     self_chain = self_and_ancestors(procfs, self_pid)
     holders: dict[int, Holder] = {}
 
@@ -160,6 +217,10 @@ def discover(
             found.sources.add(Source.CGROUP)
 
     index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
+    for fault in faults:
+        # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
+        minor = fault.index if fault.minor is None else fault.minor
+        index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     scan = scan_device_users(roots.proc, dev_prefix)
     for pid, use in scan.users.items():
@@ -208,6 +269,7 @@ def discover(
         unreadable=scan.unreadable,
         invisible=invisible,
         unit_containers=unit_containers,
+        faults=sorted(faults, key=lambda fault: fault.index),
     )
 
 

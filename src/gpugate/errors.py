@@ -22,6 +22,8 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
     LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
     INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
+    MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
+    GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
 
 EXIT_MEANINGS = {
@@ -32,11 +34,13 @@ EXIT_MEANINGS = {
     ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
     ExitCode.UNKILLABLE: "holders survived SIGKILL",
     ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
-    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill",
+    ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill or leased",
     ExitCode.PERMISSION: "permission",
     ExitCode.UNKNOWN_UNIT: "unknown unit",
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
+    ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
+    ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }
 
 
@@ -85,3 +89,7 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class ManualRunRefused(GateError):
+    exit_code = ExitCode.MANUAL_RUN_REFUSED

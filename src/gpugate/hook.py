@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TextIO
 
@@ -47,7 +47,10 @@ def run_hook(
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
     stream: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+    manual_refusal: str | None = None,
 ) -> HookOutcome:
+    """environ, manual_refusal: see pipeline.run_phase."""
     stream = stream or sys.stderr
     summary: RunSummary | None = None
     error: GateError | None = None
@@ -62,6 +65,8 @@ def run_hook(
             driver_factory=driver_factory,
             pinner=pinner,
             clock=clock,
+            environ=environ,
+            manual_refusal=manual_refusal,
         )
         code = summary.exit_code
     except GateError as exc:

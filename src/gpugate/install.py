@@ -66,6 +66,7 @@ CONFIG_FIELDS = (
     "gpus",
     "free_mib",
     "kill_other_units",
+    "share_gpus",
     "protected_executables",
     "protected_units",
     "containers",
@@ -177,8 +178,8 @@ def render_config(unit: str, gpus: Gpus | None, containers: Sequence[str] = ()) 
     ]
     for name in CONFIG_FIELDS:
         lines.append(f"# {GateConfig.model_fields[name].description}")
-        if name == "gpus" and gpus is not None:
-            lines.append(f"gpus = {toml_value(gpus)}")
+        if name == "gpus":  # written out: "auto" unless --gpus named them
+            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
         elif name == "containers" and containers:
             lines.append(f"containers = {toml_value(list(containers))}")
         else:

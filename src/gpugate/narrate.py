@@ -64,15 +64,28 @@ class Narrator:
     def looking(self) -> None:
         self.status("looking for processes holding the GPUs")
 
-    def run_started(self, discovery: Discovery, config_source: str, used_mib: int) -> None:
+    def run_started(
+        self,
+        discovery: Discovery,
+        config_source: str,
+        used_mib: int,
+        *,
+        gpu_source: str = "",
+        gpu_source_warns: bool = False,
+    ) -> None:
+        """gpu_source: where the unit's GPUs came from (gpu_source.GpuChoice.source)."""
         owned = [gpu.index for gpu in discovery.owned]
+        source = f"GPUs from {gpu_source}; " if gpu_source else ""
         self.reporter.event(
             Event.RUN_STARTED,
             f"{'dry run: ' if self.dry_run else ''}{len(owned)} GPU(s) [{gpu_list(owned)}], "
-            f"{used_mib} MiB used; config {config_source}; cgroup {discovery.unit_cgroup}",
+            f"{used_mib} MiB used; {source}config {config_source}; "
+            f"cgroup {discovery.unit_cgroup}",
+            priority=PRIORITY_WARNING if gpu_source_warns else PRIORITY_INFO,
             gpus=owned,
             used_mib=used_mib,
             config=config_source,
+            gpu_source=gpu_source or config_source,
         )
 
     def blind_spots(self, discovery: Discovery) -> None:

@@ -43,12 +43,38 @@ class GpuUsage:
     processes: tuple[GpuProcess, ...]
 
 
+@dataclass(frozen=True)
+class GpuFault:
+    """A GPU NVML counts but cannot read (lost, unsupported query, ...)."""
+
+    index: int
+    error: str  # what failed, for the journal and `status`
+    uuid: str | None = None  # where NVML still gave it
+    minor: int | None = None
+
+
+class GpuError(NvmlUnavailable):
+    """NVML failed on one GPU; the others may still answer."""
+
+    def __init__(self, index: int, message: str) -> None:
+        super().__init__(message)
+        self.index = index
+
+
 class GpuDriver(Protocol):
+    """gpus(): the GPUs NVML can read. A driver may also have faults() (see driver_faults):
+    the GPUs it counts but cannot read; usage() of a GPU may raise GpuError."""
+
     def gpus(self) -> Sequence[Gpu]: ...
 
     def usage(self, gpu: Gpu) -> GpuUsage: ...
 
     def close(self) -> None: ...
+
+
+def driver_faults(driver: GpuDriver) -> Sequence[GpuFault]:
+    faults = getattr(driver, "faults", None)
+    return list(faults()) if callable(faults) else []
 
 
 def _pynvml() -> ModuleType:
@@ -66,6 +92,7 @@ class NvmlDriver:
         self._memory_v2 = True
         self._handles: dict[int, Any] = {}
         self._gpus: list[Gpu] | None = None
+        self._faults: list[GpuFault] = []
         nv = self._nv
         try:
             nv.nvmlInit()
@@ -93,20 +120,29 @@ class NvmlDriver:
             except nv.NVMLError as exc:
                 raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
             for index in range(count):
-                handle = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
-                self._handles[index] = handle
-                memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
-                found.append(
-                    Gpu(
-                        index=index,
-                        uuid=_text(self._call(index, nv.nvmlDeviceGetUUID, handle)),
-                        minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
-                        name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
-                        total_mib=int(memory.total) // MIB,
-                    )
-                )
+                try:
+                    found.append(self._read_gpu(index))
+                except GpuError as exc:
+                    self._faults.append(GpuFault(index, exc.message))
             self._gpus = found
         return self._gpus
+
+    def faults(self) -> Sequence[GpuFault]:
+        self.gpus()
+        return list(self._faults)
+
+    def _read_gpu(self, index: int) -> Gpu:
+        nv = self._nv
+        handle = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
+        self._handles[index] = handle
+        memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
+        return Gpu(
+            index=index,
+            uuid=_text(self._call(index, nv.nvmlDeviceGetUUID, handle)),
+            minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
+            name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
+            total_mib=int(memory.total) // MIB,
+        )
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         nv = self._nv
@@ -136,6 +172,8 @@ class NvmlDriver:
                 nv.NVMLError_NotSupported,
             ):
                 self._memory_v2 = False
+            except nv.NVMLError:
+                pass  # the v1 call below reports it, in the words every other call uses
         return int(self._call(index, nv.nvmlDeviceGetMemoryInfo, handle).used)
 
     def _call(self, index: int, function: Any, *args: Any) -> Any:
@@ -143,17 +181,19 @@ class NvmlDriver:
         try:
             return function(*args)
         except nv.NVMLError_GpuIsLost:
-            raise NvmlUnavailable(
-                f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
+            raise GpuError(
+                index, f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
             ) from None
         except nv.NVMLError_NotSupported:
-            raise NvmlUnavailable(
-                f"NVML: GPU {index} does not support {function.__name__}"
+            raise GpuError(
+                index, f"NVML: GPU {index} does not support {function.__name__}"
             ) from None
         except nv.NVMLError_NoPermission:
             raise PermissionDenied(f"NVML: permission denied for {function.__name__}") from None
+        except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded) as exc:
+            raise NvmlUnavailable(f"NVML: {function.__name__}: {exc}") from None
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: {function.__name__} on GPU {index}: {exc}") from None
+            raise GpuError(index, f"NVML: {function.__name__} on GPU {index}: {exc}") from None
 
 
 def _text(value: str | bytes) -> str:

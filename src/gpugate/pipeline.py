@@ -8,23 +8,37 @@ same summary. What the run says is `narrate`'s business.
 
 from __future__ import annotations
 
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpugate.config import GpuSelection, LoadedConfig
 from gpugate.containers import stop_containers
 from gpugate.decide import Choice, Decision, decide
 from gpugate.discover import Discovery, discover
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.gpu_source import selection
 from gpugate.host import HostRoots
 from gpugate.kill import Pinned, pin, terminate
 from gpugate.locks import gpu_locks
-from gpugate.narrate import Narrator
+from gpugate.narrate import Narrator, describe
 from gpugate.nvml import Gpu, GpuDriver, GpuUsage, NvmlDriver
 from gpugate.outcome import BusyGpu, RunSummary
 from gpugate.procfs import ProcessId, ProcFs
 from gpugate.report import Reporter
+from gpugate.shared_host import (
+    HostContext,
+    after_run,
+    gpus_not_to_wait_on,
+    leases_refuse,
+    prepare,
+    record_pre_error,
+    refuse_manual_run,
+    report_faults,
+    waiting_skipped,
+)
+from gpugate.units import UnitEnvironment
 from gpugate.wait import wait_until_free
 
 MAX_ROUNDS = 5
@@ -63,19 +77,46 @@ def run_phase(
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
+    environ: Mapping[str, str] | None = None,
+    manual_refusal: str | None = None,
+    unit_env: Callable[[str], UnitEnvironment | None] | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
 ) -> RunSummary:
+    """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
+    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
+    unit_state stand in for systemd's answers (tests)."""
+    roots = roots or HostRoots()
+    loaded, context = prepare(
+        scope.phase,
+        scope.unit,
+        loaded,
+        os.environ if environ is None else environ,
+        roots=roots,
+        manual_refusal=manual_refusal,
+        environment=unit_env,
+        unit_state=unit_state,
+    )
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
-    run = PhaseRun(scope, loaded, narrator, roots=roots or HostRoots(), pinner=pinner, clock=clock)
+    run = PhaseRun(
+        scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
+    )
     try:
-        driver: GpuDriver = driver_factory()
-    except NvmlUnavailable as exc:
-        run.degrade(exc)
-        driver = NoGpus()
-    try:
-        return run.run(driver, dry_run=dry_run)
-    finally:
-        driver.close()
+        try:
+            driver: GpuDriver = driver_factory()
+        except NvmlUnavailable as exc:
+            run.degrade(exc)
+            driver = NoGpus()
+        try:
+            return run.run(driver, dry_run=dry_run)
+        finally:
+            driver.close()
+    except ManualRunRefused:
+        raise
+    except GateError as exc:
+        if not dry_run:
+            record_pre_error(context, loaded, exc)  # post need not wait on it again
+        raise
 
 
 class PhaseRun:
@@ -88,7 +129,11 @@ class PhaseRun:
         roots: HostRoots,
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
+        context: HostContext,
     ) -> None:
+        self.context = context
+        self.dry_run = False
+        self.lease_refusal: str | None = None  # why another unit's lease refused this pre
         self.scope = scope
         self.loaded = loaded
         self.config = loaded.config
@@ -100,7 +145,7 @@ class PhaseRun:
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
-        self.wanted: GpuSelection | None = self.config.gpus  # None: own no GPU (degraded)
+        self.wanted: GpuSelection | None = selection(self.config)  # None: no GPU (degraded)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}  # every target of this run, once
@@ -117,6 +162,7 @@ class PhaseRun:
 
     def run(self, driver: GpuDriver, *, dry_run: bool) -> RunSummary:
         self.driver = driver
+        self.dry_run = dry_run
         while True:
             try:
                 return self.sequence(dry_run)
@@ -144,9 +190,17 @@ class PhaseRun:
         summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        refuse_manual_run(self.context, decision, describe)  # one line, before any other
         if not self._announced:
-            narrator.run_started(discovery, self.loaded.source, sum(self.used_before.values()))
+            narrator.run_started(
+                discovery,
+                self.loaded.source,
+                sum(self.used_before.values()),
+                gpu_source=self.context.choice.source,
+                gpu_source_warns=self.context.choice.warn,
+            )
             self._announced = True
+        report_faults(self.context, narrator.reporter, discovery)
         narrator.blind_spots(discovery)
         narrator.choices(decision)
         if decision.refused:
@@ -154,7 +208,11 @@ class PhaseRun:
             summary.exit_code = ExitCode.HELD_BY_OTHERS
             return self.finish()
         if dry_run:
-            summary.exit_code = ExitCode.HELD_BY_OTHERS if decision.blockers else ExitCode.OK
+            leased = leases_refuse(
+                self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=True
+            )
+            blocked = bool(decision.blockers) or leased is not None
+            summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
             return summary
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
@@ -165,6 +223,13 @@ class PhaseRun:
             on_wait=narrator.lock_wait,
             clock=self.clock,
         ):
+            # Checked and taken in one turn on the locks: an overlapping pre waits for it.
+            self.lease_refusal = leases_refuse(
+                self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=False
+            )
+            if self.lease_refusal is not None:
+                summary.exit_code = ExitCode.HELD_BY_OTHERS
+                return self.finish()
             discovery, decision, survivors = self.kill_rounds(discovery, decision)
             if survivors:
                 summary.exit_code = ExitCode.UNKILLABLE
@@ -174,7 +239,7 @@ class PhaseRun:
                 narrator.still_held()
             else:
                 self.wait(discovery, decision)
-        return self.finish()
+            return self.finish()  # the lease is written in finish, still under the locks
 
     def kill_rounds(
         self, discovery: Discovery, decision: Decision
@@ -210,6 +275,7 @@ class PhaseRun:
             if survivors or self.clock() >= self.deadline:
                 break
             discovery, decision = self.find()
+            report_faults(self.context, self.narrator.reporter, discovery)
         self.summary.seconds_kill += self.clock() - kill_started
         for ident in survivors:
             self.narrator.survivor(by_ident[ident])
@@ -233,7 +299,11 @@ class PhaseRun:
             )
 
     def wait(self, discovery: Discovery, decision: Decision) -> None:
-        owned = discovery.owned
+        owned = list(discovery.owned)
+        waited_by_pre = gpus_not_to_wait_on(self.context, owned)
+        if waited_by_pre:
+            owned = [gpu for gpu in owned if gpu not in waited_by_pre]
+            waiting_skipped(self.narrator.reporter, waited_by_pre)
         if not owned:
             return
         free_mib = self.config.free_mib
@@ -270,4 +340,14 @@ class PhaseRun:
 
     def finish(self) -> RunSummary:
         self.narrator.finished(self.summary)
+        if not self.dry_run:
+            after_run(
+                self.context,
+                self.loaded,
+                self.narrator.reporter,
+                owned=self.summary.owned,
+                exit_code=self.summary.exit_code,
+                busy=self.summary.busy,
+                lease_refusal=self.lease_refusal,
+            )
         return self.summary

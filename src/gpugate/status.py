@@ -8,7 +8,9 @@ from typing import Any
 from gpugate.config import LoadedConfig
 from gpugate.decide import holder_role
 from gpugate.discover import Discovery, discover
+from gpugate.gpu_source import choose_gpus, selection, with_chosen_gpus
 from gpugate.host import HostRoots
+from gpugate.leases import leases_by_gpu, read_leases
 from gpugate.nvml import GpuDriver
 from gpugate.procfs import ProcFs
 from gpugate.units import resolve_unit_cgroup, unit_of_cgroup
@@ -20,7 +22,12 @@ NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 def collect(
     unit: str | None, loaded: LoadedConfig, driver: GpuDriver, roots: HostRoots | None = None
 ) -> Discovery:
+    """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
+    `faults`, and its device files still name its holders."""
     roots = roots or HostRoots()
+    if unit is not None:
+        environment = None if roots.ask_systemd else (lambda _: None)
+        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
     if unit is None:
         cgroup = NO_UNIT_CGROUP
     else:
@@ -28,17 +35,19 @@ def collect(
     return discover(
         unit=unit or "",
         unit_cgroup=cgroup,
-        wanted="all" if unit is None else loaded.config.gpus,
+        wanted="all" if unit is None else selection(loaded.config),
         config_source=loaded.source,
         driver=driver,
         procfs=ProcFs(roots.proc),
         roots=roots,
         containers=loaded.config.containers,
+        strict_faults=False,
     )
 
 
 def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
     owned = discovery.owned_indices
+    leased = leases_by_gpu(read_leases(loaded.config.lock_dir).leases)
     holders = []
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
@@ -81,11 +90,16 @@ def as_dict(discovery: Discovery, loaded: LoadedConfig) -> dict[str, Any]:
                 "used_mib": discovery.usage[gpu.index].used_mib,
                 "total_mib": gpu.total_mib,
                 "owned": gpu.index in owned,
+                "leased_to": leased.get(gpu.uuid.lower(), []),
             }
             for gpu in discovery.gpus
         ],
         "holders": holders,
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
+        "unreadable_gpus": [
+            {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
+            for fault in discovery.faults
+        ],
     }
 
 
@@ -94,13 +108,29 @@ def render_json(data: dict[str, Any]) -> str:
 
 
 def render_table(data: dict[str, Any]) -> str:
-    lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  NAME"]
+    lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  {'LEASE':<20} NAME"]
+    rows: list[tuple[int, str]] = []
     for gpu in data["gpus"]:
         mark = "*" if data["unit"] and gpu["owned"] else " "
         used = f"{gpu['used_mib']}/{gpu['total_mib']}"
-        lines.append(f"{gpu['index']:>3}{mark} {gpu['uuid']:<42} {used:>16}  {gpu['name']}")
+        lease = ",".join(gpu["leased_to"]) or "-"
+        rows.append(
+            (
+                gpu["index"],
+                f"{gpu['index']:>3}{mark} {gpu['uuid']:<42} {used:>16}  {lease[:20]:<20} "
+                f"{gpu['name']}",
+            )
+        )
+    for fault in data["unreadable_gpus"]:
+        uuid = fault["uuid"] or "?"
+        rows.append(
+            (fault["index"], f"{fault['index']:>3}! {uuid:<42} {'ERR!':>16}  {fault['error']}")
+        )
+    lines += [row for _, row in sorted(rows)]
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
+    if data["unreadable_gpus"]:
+        lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
     lines.append("")
     if not data["holders"]:
         lines.append("no process holds a GPU")

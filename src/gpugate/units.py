@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shlex
 import shutil
 import subprocess
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import UnknownUnit
@@ -119,3 +122,138 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
         template = name.split("@", 1)[0]
         return f"/system.slice/system-{template}.slice/{name}"
     return f"/system.slice/{name}"
+
+
+def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
+    """systemd's ActiveState for the unit. Where systemd cannot be asked (stand-in roots):
+    "active" while processes are in its cgroup, else "inactive"."""
+    if ask_systemd:
+        state = query_unit(name)
+        if state is not None:
+            return "not-found" if state.load_state == "not-found" else state.active_state
+    found = find_unit_cgroup(name, cgroup_root)
+    if found is None:
+        return "inactive"
+    for directory, _, files in os.walk(cgroup_root / found.lstrip("/")):
+        if "cgroup.procs" in files:
+            with contextlib.suppress(OSError):
+                if Path(directory, "cgroup.procs").read_text().split():
+                    return "active"
+    return "inactive"
+
+
+@dataclass(frozen=True)
+class UnitEnvironment:
+    """The environment systemd gives the unit's processes: Environment=, then each
+    EnvironmentFile= in order (later settings win), as `systemctl show` resolves them."""
+
+    variables: dict[str, str]
+    files: tuple[str, ...]  # the EnvironmentFile= paths that were read
+    origins: dict[str, str] = field(default_factory=dict)  # variable -> where it was set
+
+    def origin(self, variable: str) -> str:
+        return self.origins.get(variable, "Environment=")
+
+
+def unit_environment(
+    name: str, show: Callable[[str], str | None] | None = None
+) -> UnitEnvironment | None:
+    """The unit's environment from `systemctl show -p Environment,EnvironmentFiles`; None
+    where systemd cannot be asked. show: the command's output (tests give it)."""
+    text = (show or _systemctl_show_environment)(name)
+    if text is None:
+        return None
+    variables: dict[str, str] = {}
+    origins: dict[str, str] = {}
+    files: list[str] = []
+    for line in text.splitlines():
+        key, _, value = line.partition("=")
+        if key == "Environment":
+            for item in _split_quoted(value):
+                variable, eq, setting = item.partition("=")
+                if eq and variable:
+                    variables[variable] = setting
+                    origins[variable] = "Environment="
+        elif key == "EnvironmentFiles" and value:
+            # "PATH (ignore_errors=no)"; a leading "-" in the unit shows as ignore_errors=yes
+            path, _, flags = value.rpartition(" (ignore_errors=")
+            path = path or value
+            ignore = flags.startswith("yes")
+            try:
+                parsed = parse_environment_file(Path(path).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError) as exc:
+                if ignore:
+                    continue
+                raise UnknownUnit(
+                    f"unit {name}: EnvironmentFile={path}: cannot read it ({exc}); "
+                    "systemd would not start the unit either"
+                ) from None
+            files.append(path)
+            for variable, setting in parsed.items():
+                variables[variable] = setting
+                origins[variable] = f"EnvironmentFile={path}"
+    return UnitEnvironment(variables, tuple(files), origins)
+
+
+def _systemctl_show_environment(name: str) -> str | None:
+    systemctl = shutil.which("systemctl")
+    if not systemd_running() or systemctl is None:
+        return None
+    result = subprocess.run(
+        [systemctl, "show", "--property=Environment,EnvironmentFiles", "--", name],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=30,
+    )
+    return result.stdout if result.returncode == 0 else None
+
+
+def _split_quoted(value: str) -> list[str]:
+    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside
+    try:
+        return shlex.split(value, posix=True)
+    except ValueError:
+        return value.split()
+
+
+def parse_environment_file(text: str) -> dict[str, str]:
+    """KEY=VALUE lines as systemd reads an EnvironmentFile=: comments (# ;), an optional
+    `export `, single or double quotes, a backslash at the end of a line continues it, and
+    ${KEY} or $KEY naming a variable set earlier in the same file."""
+    variables: dict[str, str] = {}
+    logical: list[str] = []
+    pending = ""
+    for raw in text.splitlines():
+        if raw.endswith("\\") and not raw.endswith("\\\\"):
+            pending += raw[:-1]
+            continue
+        logical.append(pending + raw)
+        pending = ""
+    if pending:
+        logical.append(pending)
+    for line in logical:
+        stripped = line.strip()
+        if not stripped or stripped[0] in "#;":
+            continue
+        stripped = stripped.removeprefix("export ").lstrip()
+        key, eq, value = stripped.partition("=")
+        key = key.strip()
+        if not eq or not ENV_NAME.fullmatch(key):
+            continue
+        variables[key] = _env_value(value.strip(), variables)
+    return variables
+
+
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def _env_value(value: str, earlier: dict[str, str]) -> str:
+    if len(value) >= 2 and value[0] == value[-1] == "'":
+        return value[1:-1]
+    if len(value) >= 2 and value[0] == value[-1] == '"':
+        value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
+    else:
+        value = value.split(" #", 1)[0].rstrip()
+    return _ENV_REFERENCE.sub(lambda m: earlier.get(m.group(1) or m.group(2), ""), value)

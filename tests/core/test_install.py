@@ -98,7 +98,8 @@ def test_install_writes_dropin_and_config_then_reloads(dirs: Dirs) -> None:
 def test_skeleton_without_gpus_is_all_defaults(dirs: Dirs) -> None:
     dirs.install()
     assert parse_config(dirs.toml.read_text(), "-") == parse_config("", "-")
-    assert "# gpus = " in dirs.toml.read_text()
+    # written out, not commented: the unit's GPUs come from its own CUDA_VISIBLE_DEVICES
+    assert '\ngpus = "auto"\n' in dirs.toml.read_text()
 
 
 def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
@@ -311,7 +312,7 @@ def test_install_container_writes_containers(dirs: Dirs) -> None:
     done = gpugate("install", UNIT, "--container", "vllm", "--container", "a1b2c3d4e5f6", *where)
     assert done.returncode == 0, done.stderr
     config = parse_config(dirs.toml.read_text(), "-")
-    assert (config.containers, config.gpus) == (("vllm", "a1b2c3d4e5f6"), "all")
+    assert (config.containers, config.gpus) == (("vllm", "a1b2c3d4e5f6"), "auto")
     # the operator edits the file: a new --container is refused, none keeps it
     dirs.toml.write_text("free_mib = 10\n" + dirs.toml.read_text())
     assert gpugate("install", UNIT, "--container", "tgi", *where).returncode == ExitCode.INSTALL

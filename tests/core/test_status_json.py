@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 
 from gpugate.cli import main
+from gpugate.errors import ExitCode
+from gpugate.leases import new_lease, write_lease
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -24,6 +26,7 @@ TOP = {
     "gpus": list,
     "holders": list,
     "invisible": list,
+    "unreadable_gpus": list,
 }
 GPU = {
     "index": int,
@@ -33,6 +36,7 @@ GPU = {
     "used_mib": int,
     "total_mib": int,
     "owned": bool,
+    "leased_to": list,
 }
 HOLDER = {
     "pid": int,
@@ -53,6 +57,7 @@ HOLDER = {
     "container": (dict, type(None)),
 }
 INVISIBLE = {"gpu": int, "pid": int}
+UNREADABLE = {"index": int, "uuid": (str, type(None)), "error": str}
 
 
 def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -61,15 +66,17 @@ def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
         assert isinstance(entry[key], kind), (key, entry[key])
 
 
-def status(host: FakeHost, capsys: pytest.CaptureFixture[str], *unit: str) -> dict[str, Any]:
+def status(
+    host: FakeHost, capsys: pytest.CaptureFixture[str], *unit: str, exit_code: int = 0
+) -> dict[str, Any]:
     config = host.root / "c.toml"
-    config.write_text("")
+    config.write_text(f'lock_dir = "{host.root / "locks"}"\n')
     code = main(
         ["status", *unit, "--json", "--config", str(config)],
         driver_factory=lambda: host.memory,
         roots=host.roots,
     )
-    assert code == 0
+    assert code == exit_code
     data: dict[str, Any] = json.loads(capsys.readouterr().out)
     return data
 
@@ -116,5 +123,68 @@ def test_every_key_is_in_the_readme() -> None:
     text = README.read_text()
     section = text.split("## `gpugate status --json`", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`([a-z_]+)`", section))
-    missing = (set(TOP) | set(GPU) | set(HOLDER) | set(INVISIBLE)) - documented
+    missing = (set(TOP) | set(GPU) | set(HOLDER) | set(INVISIBLE) | set(UNREADABLE)) - documented
     assert not missing, f"not documented in README: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("lost", [{6}, {0}, {3, 6}, {7}])
+def test_an_unreadable_gpu_keeps_every_other_row_and_holder(
+    host: FakeHost, capsys: pytest.CaptureFixture[str], lost: set[int]
+) -> None:
+    holders = {i: host.pool.holder(host.gpu_files(i))[0] for i in range(8)}
+    for index, pid in holders.items():
+        host.memory.claim(pid, {index}, 1000 + index)
+    host.memory.lost = set(lost)
+
+    data = status(host, capsys, exit_code=int(ExitCode.GPU_UNREADABLE))
+
+    check(data, TOP)
+    assert [gpu["index"] for gpu in data["gpus"]] == [i for i in range(8) if i not in lost]
+    for fault in data["unreadable_gpus"]:
+        check(fault, UNREADABLE)
+    assert [f["index"] for f in data["unreadable_gpus"]] == sorted(lost)
+    assert all("lost" in f["error"] for f in data["unreadable_gpus"])
+    by_pid = {holder["pid"]: holder for holder in data["holders"]}
+    # every holder is shown; a lost GPU's holder from its device file, with no NVML memory
+    for index, pid in holders.items():
+        assert by_pid[pid]["gpus"] == [index]
+        assert by_pid[pid]["sources"] == (["device-fd"] if index in lost else ["device-fd", "nvml"])
+
+    main(
+        ["status", "--config", str(host.root / "c.toml")],
+        driver_factory=lambda: host.memory,
+        roots=host.roots,
+    )
+    table = capsys.readouterr().out
+    for index in lost:
+        assert f"  {index}! ? " in table and "lost" in table
+    for index in set(range(8)) - lost:
+        assert f"  {index}  GPU-" in table
+    assert all(str(pid) in table for pid in holders.values())
+
+
+def test_a_failing_query_on_one_gpu_is_shown_on_its_row(
+    host: FakeHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host.memory.failing_usage = {2}
+    data = status(host, capsys, UNIT, exit_code=int(ExitCode.GPU_UNREADABLE))
+    (fault,) = data["unreadable_gpus"]
+    assert fault["index"] == 2 and fault["uuid"] and "Unknown Error" in fault["error"]
+    assert 2 not in [gpu["index"] for gpu in data["gpus"]]
+
+
+def test_each_gpu_shows_its_lease(host: FakeHost, capsys: pytest.CaptureFixture[str]) -> None:
+    gpus = host.memory.gpus()
+    write_lease(host.root / "locks", new_lease("a.service", gpus[0:4], share=False))
+    write_lease(host.root / "locks", new_lease("b.service", gpus[3:5], share=True))
+    data = status(host, capsys)
+    assert [gpu["leased_to"] for gpu in data["gpus"]] == [
+        ["a.service"],
+        ["a.service"],
+        ["a.service"],
+        ["a.service", "b.service"],
+        ["b.service"],
+        [],
+        [],
+        [],
+    ]
