@@ -106,7 +106,7 @@ def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Rol
         discovery,
         config,
         member=Source.CGROUP in holder.sources,
-        own_container=Source.CONTAINER in holder.sources,
+        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
     )
 
 
