@@ -33,6 +33,12 @@ def _locked(path: Path) -> Iterator[None]:
         yield
 
 
+def _apt(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=APT_TIMEOUT_S, check=False
+    )
+
+
 def fetch_debs(group: str, packages: Sequence[str]) -> list[Path]:
     """The .debs that installing PACKAGES on a host like this machine needs; skips the test
     (with apt's own words) where the registry cannot be reached."""
@@ -52,9 +58,10 @@ def fetch_debs(group: str, packages: Sequence[str]) -> list[Path]:
                 f"Dir::Cache::archives={folder}/",
                 *packages,
             ]
-            result = subprocess.run(
-                argv, capture_output=True, text=True, timeout=APT_TIMEOUT_S, check=False
-            )
+            result = _apt(argv)
+            if result.returncode != 0:  # a fresh machine may have no package lists yet
+                _apt(["apt-get", "update"])
+                result = _apt(argv)
             if result.returncode != 0:
                 said = (result.stderr or result.stdout).strip().splitlines()
                 pytest.skip(f"apt-get could not fetch {' '.join(packages)}: {said[-1:]}")
