@@ -141,6 +141,16 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         help="the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
     )
     install.add_argument(
+        "--container",
+        dest="containers",
+        action="append",
+        type=_container,
+        default=[],
+        metavar="NAME",
+        help="a container (name or id) whose processes are the unit's own, as `docker run "
+        "--name NAME` in its ExecStart=; repeat for more",
+    )
+    install.add_argument(
         "--gpugate-path",
         type=Path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
@@ -289,6 +299,15 @@ def _gpus(value: str) -> object:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _container(value: str) -> str:
+    from gpugate.install import parse_container  # noqa: PLC0415
+
+    try:
+        return parse_container(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _install(args: argparse.Namespace, front: Front) -> int:
     from gpugate import install  # noqa: PLC0415
 
@@ -299,7 +318,12 @@ def _install(args: argparse.Namespace, front: Front) -> int:
     else:
         gpugate_path = args.gpugate_path or install.default_gpugate_path()
         changes = install.plan_install(
-            args.unit, gpus=args.gpus, gpugate_path=gpugate_path, force=args.force, **dirs
+            args.unit,
+            gpus=args.gpus,
+            containers=args.containers,
+            gpugate_path=gpugate_path,
+            force=args.force,
+            **dirs,
         )
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)

@@ -9,6 +9,7 @@ Only what an operator sets lives here; where gpugate looks (/dev, /proc, the cgr
 from __future__ import annotations
 
 import difflib
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
 ECHO_MAX = 60  # characters of a value (or key) an error message repeats
+CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")  # docker's and podman's rule
 
 DEFAULT_PROTECTED_EXECUTABLES = (
     "/usr/bin/nvidia-persistenced",
@@ -148,6 +150,11 @@ class GateConfig(_Frozen):
         strict=False,
         description="node_exporter textfile rewritten after each run (not set: no metrics).",
     )
+    containers: tuple[str, ...] = Field(
+        default=(),
+        strict=False,  # a TOML list becomes the tuple
+        description="Containers (names or ids) that are the unit's own (`docker run --name`).",
+    )
 
     @field_validator("post", mode="before")
     @classmethod
@@ -188,6 +195,16 @@ class GateConfig(_Frozen):
                     f"{echo(name)} is not a service or scope unit name with its suffix "
                     "(e.g. nvidia-persistenced.service)"
                 ) from None
+        return value
+
+    @field_validator("containers")
+    @classmethod
+    def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            if not CONTAINER_NAME.fullmatch(item):
+                raise ValueError(f"{item!r} is not a container name or id")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a container twice")
         return value
 
     @field_validator("metrics_textfile", "lock_dir")

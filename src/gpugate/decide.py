@@ -25,6 +25,7 @@ class ProcessTree(Protocol):
 
 class Role(StrEnum):
     UNIT = "unit"  # in the unit's own cgroup
+    UNIT_CONTAINER = "unit-container"  # in a container its config names (`containers`)
     ORPHAN = "orphan"  # outside any other service: a login session, a user scope, the root
     OTHER_UNIT = "other-unit"  # inside another active service or scope
     PROTECTED = "protected"  # a driver daemon or monitoring tool: never killed
@@ -74,10 +75,16 @@ def in_cgroup(cgroup: str | None, top: str) -> bool:
 
 
 def role_of(
-    info: ProcInfo, discovery: Discovery, config: GateConfig, *, member: bool = False
+    info: ProcInfo,
+    discovery: Discovery,
+    config: GateConfig,
+    *,
+    member: bool = False,
+    own_container: bool = False,
 ) -> Role:
     """member: found in the unit's cgroup.procs (which is what counts, also under a stand-in
-    cgroup root whose paths /proc does not show)."""
+    cgroup root whose paths /proc does not show); own_container: in the cgroup of a container
+    the unit's config names."""
     cgroup = info.cgroup or "/"
     unit = unit_of_cgroup(cgroup)
     if (info.exe is not None and info.exe in config.protected_executables) or (
@@ -86,9 +93,21 @@ def role_of(
         return Role.PROTECTED
     if member or in_cgroup(cgroup, discovery.unit_cgroup):
         return Role.UNIT
+    if own_container:
+        return Role.UNIT_CONTAINER
     if unit is not None and not is_user_cgroup(cgroup) and unit != "init.scope":
         return Role.OTHER_UNIT
     return Role.ORPHAN
+
+
+def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Role:
+    return role_of(
+        holder.info,
+        discovery,
+        config,
+        member=Source.CGROUP in holder.sources,
+        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
+    )
 
 
 def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTree) -> Decision:
@@ -99,7 +118,7 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
-        role = role_of(info, discovery, config, member=Source.CGROUP in holder.sources)
+        role = holder_role(holder, discovery, config)
         on_owned = sorted(holder.using & owned)
         foreign = sorted(holder.using - owned)
         gpus = ", ".join(str(index) for index in on_owned)
@@ -107,6 +126,9 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
             choice = Choice(holder, role, Verdict.SPARE, "protected by configuration")
         elif role is Role.UNIT:
             choice = Choice(holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup")
+        elif role is Role.UNIT_CONTAINER and holder.container is not None:
+            reason = f"in {holder.container.label}, one of {discovery.unit}'s (containers)"
+            choice = Choice(holder, role, Verdict.KILL, reason)
         elif not on_owned:
             why = "holds only control devices" if holder.control_devices else "holds no GPU"
             choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}")
@@ -120,8 +142,18 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
             )
         elif role is Role.OTHER_UNIT:
             other = unit_of_cgroup(info.cgroup or "/")
+            container = holder.container
             if config.kill_other_units:
-                choice = Choice(holder, role, Verdict.KILL, f"{other} holds GPU {gpus}")
+                who = container.label if container else other
+                choice = Choice(holder, role, Verdict.KILL, f"{who} holds GPU {gpus}")
+            elif container is not None:
+                why = (
+                    f"{container.label} holds GPU {gpus} (scope {other}; kill_other_units = "
+                    f'false); if it is {discovery.unit}\'s, set containers = ["{container.handle}"]'
+                    f" in its gpugate config (gpugate install {discovery.unit} --container "
+                    f"{container.handle})"
+                )
+                choice = Choice(holder, role, Verdict.BLOCK, why)
             else:
                 choice = Choice(
                     holder,

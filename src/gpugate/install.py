@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from gpugate.atomic import write_atomically
-from gpugate.config import DEFAULT_CONFIG_DIR, GateConfig, PhasePolicy, toml_value
+from gpugate.config import (
+    CONTAINER_NAME,
+    DEFAULT_CONFIG_DIR,
+    GateConfig,
+    PhasePolicy,
+    toml_value,
+)
 from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
 from gpugate.gpulist import GpuListError, parse_gpu_text
 from gpugate.units import UnitState, query_unit, systemd_running, validate_unit_name
@@ -63,6 +69,7 @@ CONFIG_FIELDS = (
     "share_gpus",
     "protected_executables",
     "protected_units",
+    "containers",
 )
 PHASE_TEXT = {
     "pre": "ExecStartPre=: before the unit starts.",
@@ -154,7 +161,14 @@ def render_dropin(gpugate_path: Path) -> str:
     return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
 
 
-def render_config(unit: str, gpus: Gpus | None) -> str:
+def parse_container(value: str) -> str:
+    """`--container vllm` (a name or id) into one item of the config's `containers`."""
+    if not CONTAINER_NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a container name or id (letters, digits, _.-)")
+    return value
+
+
+def render_config(unit: str, gpus: Gpus | None, containers: Sequence[str] = ()) -> str:
     """A commented skeleton: the built-in defaults, commented out, except the GPUs given."""
     defaults = GateConfig()
     lines = [
@@ -166,6 +180,8 @@ def render_config(unit: str, gpus: Gpus | None) -> str:
         lines.append(f"# {GateConfig.model_fields[name].description}")
         if name == "gpus":  # written out: "auto" unless --gpus named them
             lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
+        elif name == "containers" and containers:
+            lines.append(f"containers = {toml_value(list(containers))}")
         else:
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
@@ -217,6 +233,7 @@ def plan_install(
     unit: str,
     *,
     gpus: Gpus | None = None,
+    containers: Sequence[str] = (),
     gpugate_path: Path = DEFAULT_GPUGATE,
     force: bool = False,
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
@@ -225,7 +242,8 @@ def plan_install(
     stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would replace the
-    operator's drop-in, or change the GPUs of the operator's config, without force."""
+    operator's drop-in, or change the GPUs or containers of the operator's config, without
+    force."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit
@@ -234,14 +252,14 @@ def plan_install(
     targets = Targets.of(unit, systemd_dir, config_dir)
     wanted = {
         targets.dropin: with_header(render_dropin(gpugate_path)),
-        targets.config: with_header(render_config(unit, gpus)),
+        targets.config: with_header(render_config(unit, gpus, containers)),
     }
     changes: list[Change] = []
     refused: list[str] = []
     for path, content in wanted.items():
         owner = ownership(path)
         if owner is Ownership.OPERATORS and not force:
-            if path == targets.config and gpus is None:
+            if path == targets.config and gpus is None and not containers:
                 changes.append(Change(path, Action.KEEP, note="yours (edited): kept"))
                 continue
             refused.append(str(path))

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from gpugate.decide import Choice, Decision
+from gpugate.containers import StopResult
+from gpugate.decide import Choice, Decision, Role
 from gpugate.discover import Discovery
 from gpugate.errors import GateError
 from gpugate.nvml import Gpu
@@ -35,7 +37,19 @@ def describe(choice: Choice) -> str:
     gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
     sources = ",".join(sorted(choice.holder.sources))
     command = info.command[:MAX_COMMAND]
-    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}, via {sources}): {command}"
+    where = f", {choice.holder.container.label}" if choice.holder.container else ""
+    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
+
+
+def container_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
+    container = choice.holder.container
+    if container is None:
+        return {}
+    fields: dict[str, Any] = {"container": container.id, "container_runtime": container.runtime}
+    if container.name:
+        fields["container_name"] = container.name
+    return fields
 
 
 class Narrator:
@@ -138,6 +152,7 @@ class Narrator:
                     role=choice.role,
                     command=choice.holder.info.command,
                     reason=choice.reason,
+                    **container_fields(choice),
                 )
 
     def refused(self) -> None:
@@ -158,6 +173,23 @@ class Narrator:
             command=choice.holder.info.command,
             comm=choice.holder.info.comm,
             role=choice.role,
+            **container_fields(choice),
+        )
+
+    def container_stopping(self, count: int) -> None:
+        self.status(f"stopping {count} container(s) through their runtime")
+
+    def container_stopped(self, result: StopResult) -> None:
+        verb = f"{result.container.runtime} stop"
+        outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
+        self.reporter.event(
+            Event.SIGNAL_SENT,
+            f"{verb} {result.container.label}: {outcome}",
+            priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
+            signal=verb,
+            container=result.container.id,
+            container_runtime=result.container.runtime,
+            role=Role.UNIT_CONTAINER,
         )
 
     def stuck(self, choice: Choice, state: str, wchan: str) -> None:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpugate.config import GpuSelection, LoadedConfig
+from gpugate.containers import stop_containers
 from gpugate.decide import Choice, Decision, decide
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
@@ -178,6 +179,7 @@ class PhaseRun:
             driver=self.driver,
             procfs=procfs,
             roots=self.roots,
+            containers=self.config.containers,
         )
         return found, decide(found, self.config, self.scope.phase, procfs)
 
@@ -244,6 +246,8 @@ class PhaseRun:
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
         """Kill the targets; rediscover and repeat while new ones appear (forks)."""
         kill_started = self.clock()
+        if self.scope.phase == "pre" and discovery.unit_containers:
+            self.stop_containers(discovery, decision)
         by_ident = self.signalled
         survivors: list[ProcessId] = []
         for round_number in range(1, MAX_ROUNDS + 1):
@@ -276,6 +280,15 @@ class PhaseRun:
         for ident in survivors:
             self.narrator.survivor(by_ident[ident])
         return discovery, decision, survivors
+
+    def stop_containers(self, discovery: Discovery, decision: Decision) -> None:
+        """The unit's own containers stop through their runtime first (it records them as
+        stopped); the pinned signals then follow for any process that outlived it."""
+        wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
+        containers = [c for c in discovery.unit_containers if c.id in wanted]
+        self.narrator.container_stopping(len(containers))
+        for result in stop_containers(containers, self.policy.sigterm_grace_s):
+            self.narrator.container_stopped(result)
 
     def on_stuck(self, choices: list[Choice]) -> None:
         procfs = ProcFs(self.roots.proc)

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gpugate.config import LoadedConfig
-from gpugate.decide import role_of
+from gpugate.decide import holder_role
 from gpugate.discover import Discovery, Source, discover
 from gpugate.gpu_source import choose_gpus, selection, with_chosen_gpus
 from gpugate.host import HostRoots
@@ -43,6 +43,7 @@ def collect(
         driver=driver,
         procfs=ProcFs(roots.proc),
         roots=roots,
+        containers=loaded.config.containers,
         strict_faults=False,
     )
 
@@ -65,7 +66,8 @@ def as_dict(
     ticks = os.sysconf("SC_CLK_TCK")
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
-        role = role_of(info, discovery, loaded.config, member=Source.CGROUP in holder.sources)
+        role = holder_role(holder, discovery, loaded.config)
+        container = holder.container
         holders.append(
             {
                 "pid": info.pid,
@@ -87,6 +89,9 @@ def as_dict(
                 # Holds GPU device files, but NVML lists no memory of it: nvidia-smi, DCGM.
                 "watcher": not any(holder.used_mib.values()) and Source.NVML not in holder.sources,
                 "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
+                "container": None
+                if container is None
+                else {"runtime": container.runtime, "id": container.id, "name": container.name},
             }
         )
     return {
@@ -213,10 +218,14 @@ def render_table(data: dict[str, Any]) -> str:
         )
     for holder in data["holders"]:
         gpus = gpu_ranges(holder["gpus"]) or ("ctl" if holder["control_devices"] else "-")
+        unit = holder["unit"] or "-"
+        if holder["container"]:
+            found = holder["container"]
+            unit = f"{found['runtime']}:{found['name'] or found['id'][:12]}"
         command = " ".join(holder["command"]) or f"[{holder['comm']}]"
         lines.append(
             f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
-            f"{table_role(holder, bool(data['unit'])):<10} {cut(holder['unit'] or '-', 28):<28} "
+            f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
             f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
             f"{held_for(holder['seconds_held']):>6}  {cut(command, 100)}"
         )

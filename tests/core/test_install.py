@@ -107,7 +107,7 @@ def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
     dirs.install()
     lines = dirs.toml.read_text().splitlines()
     uncommented = [line[2:] if re.match(r"# [a-z_]+ = ", line) else line for line in lines]
-    assert sum(a != b for a, b in zip(lines, uncommented, strict=True)) == 19
+    assert sum(a != b for a, b in zip(lines, uncommented, strict=True)) == 20
     assert parse_config("\n".join(uncommented), "-") == parse_config("", "-")
 
 
@@ -309,3 +309,20 @@ def test_apply_reports_when_systemd_was_not_reloaded(dirs: Dirs) -> None:
     assert apply(changes, reload=lambda: False, out=out)
     assert "not reloaded" in out.getvalue()
     assert {c.action for c in changes} == {Action.WRITE}
+
+
+def test_install_container_writes_containers(dirs: Dirs) -> None:
+    where = ["--systemd-dir", str(dirs.systemd), "--config-dir", str(dirs.config), "--no-reload"]
+    done = gpugate("install", UNIT, "--container", "vllm", "--container", "a1b2c3d4e5f6", *where)
+    assert done.returncode == 0, done.stderr
+    config = parse_config(dirs.toml.read_text(), "-")
+    assert (config.containers, config.gpus) == (("vllm", "a1b2c3d4e5f6"), "auto")
+    # the operator edits the file: a new --container is refused, none keeps it
+    dirs.toml.write_text("free_mib = 10\n" + dirs.toml.read_text())
+    assert gpugate("install", UNIT, "--container", "tgi", *where).returncode == ExitCode.INSTALL
+    assert gpugate("install", UNIT, *where).returncode == 0
+    assert parse_config(dirs.toml.read_text(), "-").containers == ("vllm", "a1b2c3d4e5f6")
+    for bad in ("-x", "a b", "vllm;rm", ""):
+        refused = gpugate("install", UNIT, "--container", bad, *where)
+        assert refused.returncode == ExitCode.USAGE, bad
+        assert "container" in refused.stderr

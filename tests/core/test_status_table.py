@@ -111,6 +111,7 @@ def test_table_cuts_long_unit_names_with_an_ellipsis() -> None:
         "protected": False,
         "watcher": False,
         "seconds_held": 4000,
+        "container": None,
     }
     data = {
         "gpus": [],
