@@ -264,15 +264,19 @@ class FakeHost:
         return run_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
 
     def config(self, **overrides: object) -> LoadedConfig:
-        fast = {"sigterm_grace_s": 1.0, "sigkill_wait_s": 1.0, "wait_timeout_s": 10.0}
+        def fast(phase: dict[str, object]) -> dict[str, object]:
+            # Kill steps fit in the deadline (the config requires it), also in a short one.
+            wait_s = float(phase.get("wait_timeout_s", 10.0))  # type: ignore[arg-type]
+            step_s = min(1.0, wait_s / 4)
+            return {"sigterm_grace_s": step_s, "sigkill_wait_s": step_s, **phase}
+
         data: dict[str, object] = {
             "lock_dir": self.root / "locks",
-            "pre": {**fast, **dict(overrides.pop("pre", {}))},  # type: ignore[call-overload]
+            "pre": fast(dict(overrides.pop("pre", {}))),  # type: ignore[call-overload]
             "post": {
                 "kill_orphans": False,
                 "kill_app_tree": False,
-                **fast,
-                **dict(overrides.pop("post", {})),  # type: ignore[call-overload]
+                **fast(dict(overrides.pop("post", {}))),  # type: ignore[call-overload]
             },
             **overrides,
         }

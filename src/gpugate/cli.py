@@ -7,8 +7,10 @@ import contextlib
 import os
 import sys
 import textwrap
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from gpugate import __version__
 from gpugate.config import load_config, to_toml
@@ -16,10 +18,18 @@ from gpugate.errors import ExitCode, GateError, UnknownUnit, exit_code_summary
 from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver, NvmlDriver
 from gpugate.report import Reporter, ReporterFactory
-from gpugate.units import own_unit, resolve_unit_cgroup, validate_unit_name
+from gpugate.units import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 Handler = Callable[[argparse.Namespace, "Front"], int]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
 
 
 class Front:
@@ -49,7 +59,7 @@ class Front:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser: argparse.ArgumentParser = Parser(
         prog="gpugate",
         description="Leave a systemd unit's GPUs truly free: find every holder, kill exactly "
         "those, wait until NVML reports the memory freed.",
@@ -73,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
         sub.set_defaults(func=_hook)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
-    status.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    shown.add_argument(
+        "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
+    )
     status.set_defaults(func=_status)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
@@ -133,6 +147,16 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         dest="ports",
         metavar="N",
         help="a TCP port of the unit for the config (repeatable): pre frees it before the start",
+    )
+    install.add_argument(
+        "--container",
+        dest="containers",
+        action="append",
+        type=_container,
+        default=[],
+        metavar="NAME",
+        help="a container (name or id) whose processes are the unit's own, as `docker run "
+        "--name NAME` in its ExecStart=; repeat for more",
     )
     install.add_argument(
         "--gpugate-path",
@@ -207,7 +231,7 @@ def _hook(args: argparse.Namespace, front: Front) -> int:
     from gpugate.hook import Hook, run_hook  # noqa: PLC0415
     from gpugate.hook_guard import manual_run_guard  # noqa: PLC0415
 
-    unit = args.unit or own_unit()
+    unit = unit_argument(args.unit) if args.unit else own_unit()
     if unit is None:
         raise UnknownUnit(
             "no UNIT given and gpugate is not running inside a service's cgroup; "
@@ -259,7 +283,7 @@ def _slurm(args: argparse.Namespace, front: Front) -> int:
 
 
 def _config_check(args: argparse.Namespace, front: Front) -> int:
-    unit = validate_unit_name(args.unit) if args.unit else None
+    unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
     print(f"# effective configuration, from {loaded.source}")
     if unit is not None:
@@ -289,10 +313,20 @@ def _port(value: str) -> int:
     return int(value)
 
 
+def _container(value: str) -> str:
+    from gpugate.install import parse_container  # noqa: PLC0415
+
+    try:
+        return parse_container(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _install(args: argparse.Namespace, front: Front) -> int:
     from gpugate import install  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
+    args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
         changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
     else:
@@ -301,6 +335,7 @@ def _install(args: argparse.Namespace, front: Front) -> int:
             args.unit,
             gpus=args.gpus,
             ports=args.ports,
+            containers=args.containers,
             gpugate_path=gpugate_path,
             force=args.force,
             **dirs,
@@ -315,15 +350,41 @@ def _install(args: argparse.Namespace, front: Front) -> int:
 
 
 def _status(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.status import as_dict, collect, render_json, render_table  # noqa: PLC0415
+    from gpugate.status import (  # noqa: PLC0415
+        as_dict,
+        collect,
+        render_json,
+        render_table,
+        unreadable_warning,
+    )
 
-    unit = validate_unit_name(args.unit) if args.unit else None
+    unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.config)
     roots = front.roots
     driver = front.driver_factory()
     try:
-        data = as_dict(collect(unit, loaded, driver, roots), loaded)
+        warned = False
+        while True:
+            discovery = collect(unit, loaded, driver, roots)
+            warning = unreadable_warning(discovery)
+            if warning and not warned:  # once, also in --watch
+                print(warning, file=sys.stderr, flush=True)
+                warned = True
+            data = as_dict(discovery, loaded, roots)
+            if not args.watch:
+                print(render_json(data) if args.json else render_table(data), flush=True)
+                return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
+            # Home and clear the screen, then the table, as watch(1) draws it.
+            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
+            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return int(ExitCode.OK)  # how --watch ends
+    except BrokenPipeError:
+        # `gpugate status | head`: the reader has all it wanted. Point stdout at /dev/null so
+        # that the interpreter's last flush does not fail once more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitCode.OK)
     finally:
         driver.close()
-    print(render_json(data) if args.json else render_table(data))
-    return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)

@@ -8,19 +8,31 @@ Only what an operator sets lives here; where gpugate looks (/dev, /proc, the cgr
 
 from __future__ import annotations
 
+import difflib
+import re
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
-from gpugate.errors import ConfigError
+from gpugate.errors import ConfigError, GateError
 from gpugate.gpulist import GpuListError, GpuRef, gpu_refs
+from gpugate.units import validate_unit_name
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
+ECHO_MAX = 60  # characters of a value (or key) an error message repeats
+CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")  # docker's and podman's rule
 
 DEFAULT_PROTECTED_EXECUTABLES = (
     "/usr/bin/nvidia-persistenced",
@@ -43,7 +55,8 @@ GpusSetting = Literal["auto"] | GpuSelection  # as written; "auto" is resolved b
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # strict: TOML has real types, so "yes" is no bool and "2048" no number (an int is a float).
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
 class PhasePolicy(_Frozen):
@@ -81,6 +94,16 @@ class PhasePolicy(_Frozen):
         description='NVML unusable: "fail" (the run fails) or "warn" (clean the cgroup only).',
     )
 
+    @model_validator(mode="after")
+    def _kill_fits_in_deadline(self) -> PhasePolicy:
+        kill_s = self.sigterm_grace_s + self.sigkill_wait_s
+        if kill_s >= self.wait_timeout_s:
+            raise ValueError(
+                f"sigterm_grace_s + sigkill_wait_s ({kill_s:g} s) must be below wait_timeout_s "
+                f"({self.wait_timeout_s:g} s), which also holds the memory wait"
+            )
+        return self
+
 
 class GateConfig(_Frozen):
     gpus: GpusSetting = Field(
@@ -90,7 +113,7 @@ class GateConfig(_Frozen):
     )
     free_mib: int = Field(
         default=1024,
-        ge=0,
+        ge=1,
         description="Per GPU, MiB used at or below which the GPU counts as free (drivers keep "
         "some).",
     )
@@ -104,10 +127,12 @@ class GateConfig(_Frozen):
     )
     protected_executables: tuple[str, ...] = Field(
         default=DEFAULT_PROTECTED_EXECUTABLES,
+        strict=False,  # a TOML list becomes the tuple
         description="Never killed, by exact /proc/PID/exe path.",
     )
     protected_units: tuple[str, ...] = Field(
         default=DEFAULT_PROTECTED_UNITS,
+        strict=False,
         description="Never killed, by the unit their cgroup belongs to.",
     )
     ports: tuple[Annotated[int, Field(ge=1, le=65535)], ...] = Field(
@@ -122,11 +147,18 @@ class GateConfig(_Frozen):
     epilog: PhasePolicy = PhasePolicy()
     lock_dir: Path = Field(
         default=DEFAULT_LOCK_DIR,
+        strict=False,  # a TOML string becomes the Path
         description="Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
     )
     metrics_textfile: Path | None = Field(
         default=None,
+        strict=False,
         description="node_exporter textfile rewritten after each run (not set: no metrics).",
+    )
+    containers: tuple[str, ...] = Field(
+        default=(),
+        strict=False,  # a TOML list becomes the tuple
+        description="Containers (names or ids) that are the unit's own (`docker run --name`).",
     )
 
     @field_validator("post", mode="before")
@@ -154,7 +186,30 @@ class GateConfig(_Frozen):
     def _absolute_executables(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for path in value:
             if not path.startswith("/"):
-                raise ValueError(f"{path!r} is not an absolute path")
+                raise ValueError(f"{echo(path)} is not an absolute path")
+        return value
+
+    @field_validator("protected_units")
+    @classmethod
+    def _unit_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for name in value:
+            try:
+                validate_unit_name(name)
+            except GateError:
+                raise ValueError(
+                    f"{echo(name)} is not a service or scope unit name with its suffix "
+                    "(e.g. nvidia-persistenced.service)"
+                ) from None
+        return value
+
+    @field_validator("containers")
+    @classmethod
+    def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for item in value:
+            if not CONTAINER_NAME.fullmatch(item):
+                raise ValueError(f"{item!r} is not a container name or id")
+        if len(set(value)) != len(value):
+            raise ValueError("lists a container twice")
         return value
 
     @field_validator("metrics_textfile", "lock_dir")
@@ -184,10 +239,46 @@ def parse_config(text: str, source: str) -> GateConfig:
         return GateConfig.model_validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        field = ".".join(str(part) for part in first["loc"] if not _is_union_tag(part))
+        parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key" + _did_you_mean(parts)
+        elif first["type"] in STRICT_TYPE_ERRORS:
+            shown = first["input"]
+            if isinstance(shown, bool | int | float | str):
+                shown = toml_value(shown)
+            message += f", not {_toml_type(first['input'])} {echo(shown, quote=False)}"
+        field = echo(".".join(parts), quote=False)
         raise ConfigError(source, field or "(top level)", message + more) from None
+
+
+STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
+
+
+def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
+    """A value as an error message repeats it: repr'd, and cut short (a 10 MB value in a
+    config file must not become a 10 MB stderr line)."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _toml_type(value: object) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    return names.get(type(value), "a " + type(value).__name__)
+
+
+def _did_you_mean(parts: list[str]) -> str:
+    model: type[BaseModel] = GateConfig
+    for part in parts[:-1]:
+        annotation: Any = (
+            model.model_fields[part].annotation if part in model.model_fields else None
+        )
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 def _is_union_tag(part: object) -> bool:
@@ -236,11 +327,25 @@ def load_config(
     unit: str | None, explicit: Path | None = None, config_dir: Path = DEFAULT_CONFIG_DIR
 ) -> LoadedConfig:
     if explicit is not None:
-        return LoadedConfig(parse_config(_read(explicit), str(explicit)), str(explicit))
-    for path in candidate_paths(unit, config_dir):
-        if path.exists():
-            return LoadedConfig(parse_config(_read(path), str(path)), str(path))
-    return LoadedConfig(GateConfig(), BUILTIN_SOURCE)
+        loaded = LoadedConfig(parse_config(_read(explicit), str(explicit)), str(explicit))
+    else:
+        path = next((p for p in candidate_paths(unit, config_dir) if p.exists()), None)
+        if path is None:
+            loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
+        else:
+            loaded = LoadedConfig(parse_config(_read(path), str(path)), str(path))
+    check_lock_dir(loaded)
+    return loaded
+
+
+def check_lock_dir(loaded: LoadedConfig) -> None:
+    """lock_dir must be, or be able to become, a folder (it is made at the first run);
+    whether gpugate may write there is the run's to find out (a permission error)."""
+    lock_dir = existing = loaded.config.lock_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
 
 
 def _read(path: Path) -> str:

@@ -25,6 +25,7 @@ class ProcessTree(Protocol):
 
 class Role(StrEnum):
     UNIT = "unit"  # in the unit's own cgroup
+    UNIT_CONTAINER = "unit-container"  # in a container its config names (`containers`)
     ORPHAN = "orphan"  # outside any other service: a login session, a user scope, the root
     OTHER_UNIT = "other-unit"  # inside another active service or scope
     PROTECTED = "protected"  # a driver daemon or monitoring tool: never killed
@@ -75,10 +76,16 @@ def in_cgroup(cgroup: str | None, top: str) -> bool:
 
 
 def role_of(
-    info: ProcInfo, discovery: Discovery, config: GateConfig, *, member: bool = False
+    info: ProcInfo,
+    discovery: Discovery,
+    config: GateConfig,
+    *,
+    member: bool = False,
+    own_container: bool = False,
 ) -> Role:
     """member: found in the unit's cgroup.procs (which is what counts, also under a stand-in
-    cgroup root whose paths /proc does not show)."""
+    cgroup root whose paths /proc does not show); own_container: in the cgroup of a container
+    the unit's config names."""
     cgroup = info.cgroup or "/"
     unit = unit_of_cgroup(cgroup)
     if (info.exe is not None and info.exe in config.protected_executables) or (
@@ -87,13 +94,21 @@ def role_of(
         return Role.PROTECTED
     if member or in_cgroup(cgroup, discovery.unit_cgroup):
         return Role.UNIT
+    if own_container:
+        return Role.UNIT_CONTAINER
     if unit is not None and not is_user_cgroup(cgroup) and unit != "init.scope":
         return Role.OTHER_UNIT
     return Role.ORPHAN
 
 
 def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Role:
-    role = role_of(holder.info, discovery, config, member=Source.CGROUP in holder.sources)
+    role = role_of(
+        holder.info,
+        discovery,
+        config,
+        member=Source.CGROUP in holder.sources,
+        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
+    )
     if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(holder, discovery, config.free_mib):
         return Role.WATCHER
     return role
@@ -151,6 +166,9 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
             )
         elif role is Role.UNIT:
             choice = Choice(holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup")
+        elif role is Role.UNIT_CONTAINER and holder.container is not None:
+            reason = f"in {holder.container.label}, one of {discovery.unit}'s (containers)"
+            choice = Choice(holder, role, Verdict.KILL, reason)
         elif not on_owned and not holder.ports:
             why = "holds only control devices" if holder.control_devices else "holds no GPU"
             choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}")
@@ -164,8 +182,18 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
             )
         elif role is Role.OTHER_UNIT:
             other = unit_of_cgroup(info.cgroup or "/")
+            container = holder.container
             if config.kill_other_units:
-                choice = Choice(holder, role, Verdict.KILL, f"{other} holds {held}")
+                who = container.label if container else other
+                choice = Choice(holder, role, Verdict.KILL, f"{who} holds {held}")
+            elif container is not None:
+                why = (
+                    f"{container.label} holds {held} (scope {other}; kill_other_units = "
+                    f'false); if it is {discovery.unit}\'s, set containers = ["{container.handle}"]'
+                    f" in its gpugate config (gpugate install {discovery.unit} --container "
+                    f"{container.handle})"
+                )
+                choice = Choice(holder, role, Verdict.BLOCK, why)
             else:
                 choice = Choice(
                     holder,

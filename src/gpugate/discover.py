@@ -1,7 +1,8 @@
 """Discovery: every process that holds the unit's GPUs, and how each one was found.
 
-Four sources, each recorded on the holder: the unit's cgroup, /proc/PID/fd links and
-/proc/PID/maps entries naming /dev/nvidiaN, and NVML's process lists. (The fourth kind of
+Four sources, each recorded on the holder: the unit's cgroup (and the cgroups of the
+containers its config names), /proc/PID/fd links and /proc/PID/maps entries naming
+/dev/nvidiaN, and NVML's process lists. (The fourth kind of
 target, the rest of a stale application, is chosen in `decide`, which walks the tree.)
 """
 
@@ -9,12 +10,13 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
 from gpugate.config import GpuSelection
+from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.errors import ConfigError, NvmlUnavailable, PermissionDenied
 from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
@@ -27,6 +29,7 @@ GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
 class Source(StrEnum):
     CGROUP = "cgroup"
+    CONTAINER = "container"  # in a container the config names as the unit's (`containers`)
     DEVICE_FD = "device-fd"
     DEVICE_MAP = "device-map"
     NVML = "nvml"
@@ -42,6 +45,7 @@ class Holder:
     control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
     used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
     ports: set[int] = field(default_factory=set)  # the unit's TCP ports it listens on
+    container: Container | None = None  # where its cgroup is a container's scope
 
     @property
     def pid(self) -> int:
@@ -66,6 +70,7 @@ class Discovery:
     unreadable: list[int]  # PIDs whose fds could not be read
     invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
     # but /proc does not show: another PID namespace (a container without host PIDs)
+    unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
     faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
 
     @property
@@ -187,12 +192,15 @@ def discover(
     procfs: ProcFs,
     roots: HostRoots,
     self_pid: int | None = None,
+    containers: Sequence[str] = (),
+    container_names: ContainerNames | None = None,
     strict_faults: bool = True,
     ports: Collection[int] = (),
 ) -> Discovery:
     """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none.
     strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
     on the others are recorded in `faults` either way); `status` passes False.
+    containers: the config's `containers`, whose processes are the unit's too.
     ports: the unit's TCP ports, whose listeners are holders too."""
     gpus = list(driver.gpus())
     faults = list(driver_faults(driver))
@@ -262,6 +270,14 @@ def discover(
             found.gpus.add(index)
             found.used_mib[index] = process.used_mib
 
+    unit_containers = _containers(
+        holders,
+        holder,
+        roots=roots,
+        wanted=containers,
+        names=container_names or ContainerNames(),
+        self_chain=self_chain,
+    )
     return Discovery(
         unit=unit,
         unit_cgroup=unit_cgroup,
@@ -272,5 +288,39 @@ def discover(
         self_chain=self_chain,
         unreadable=scan.unreadable,
         invisible=invisible,
+        unit_containers=unit_containers,
         faults=sorted(faults, key=lambda fault: fault.index),
     )
+
+
+def _containers(
+    holders: dict[int, Holder],
+    holder: Callable[[int], Holder | None],
+    *,
+    roots: HostRoots,
+    wanted: Sequence[str],
+    names: ContainerNames,
+    self_chain: frozenset[int],
+) -> list[Container]:
+    """Names every holder's container; adds every process of the containers WANTED names
+    as the unit's, GPU holders or not. Returns those containers."""
+    found: dict[str, Container] = {}
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            found.setdefault(container.id, container)
+    if wanted:
+        for container in container_scopes(roots.cgroup):
+            found.setdefault(container.id, container)
+    if not found:
+        return []
+    named = {container.id: container for container in names.named(list(found.values()))}
+    own = [c for c in named.values() if c.matches(wanted)]
+    for container in own:
+        for pid in cgroup_members(roots.cgroup, container.scope):
+            if pid not in self_chain and (member := holder(pid)) is not None:
+                member.sources.add(Source.CONTAINER)
+                member.container = container
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            each.container = named.get(container.id, container)
+    return own

@@ -10,22 +10,43 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
+    """Where a BSD sysexits code means the same, gpugate uses it (systemd's journal line, also
+    in `systemctl status`, names it: `status=78/CONFIG`); its own outcomes use codes systemd has
+    no name for (20 and up: `status=21/n/a`), never a false LSB label such as `7/NOTRUNNING`."""
+
     OK = 0
-    INTERNAL = 1  # a bug: please report it
-    USAGE = 2  # bad command line (argparse's own code)
-    CONFIG = 3  # configuration file or field invalid, or unknown GPU in it
-    NVML_UNAVAILABLE = 4  # libnvidia-ml missing, driver not loaded, GPU lost
-    UNKILLABLE = 5  # holders still alive after SIGKILL at the deadline (D state)
-    MEMORY_TIMEOUT = 6  # all holders gone, but NVML still reports memory used at the deadline
-    HELD_BY_OTHERS = 7  # the GPUs are held by processes gpugate may not kill (another unit, ...)
-    PERMISSION = 8  # not allowed to read /proc, signal a process or take a lock
-    UNKNOWN_UNIT = 9  # the unit is not known to systemd, or no unit could be inferred
-    LOCK_TIMEOUT = 10  # another gpugate run held the GPUs' lock past the deadline
-    INSTALL = 11  # install/uninstall: the operator's edited file in the way, or reload failed
-    RESPAWNING = 76  # a process gpugate may not take kept restarting the holders until the deadline
+    USAGE = 64  # EX_USAGE: bad command line, or a Slurm job environment it cannot read
+    NVML_UNAVAILABLE = 69  # EX_UNAVAILABLE: libnvidia-ml missing, driver not loaded, GPU lost
+    INTERNAL = 70  # EX_SOFTWARE: a bug, please report it
+    LOCK_TIMEOUT = 75  # EX_TEMPFAIL: another gpugate run held the GPUs' lock past the deadline
+    PERMISSION = 77  # EX_NOPERM: not allowed to read /proc, signal a process or take a lock
+    CONFIG = 78  # EX_CONFIG: configuration file or field invalid, or unknown GPU in it
+    UNKILLABLE = 20  # holders still alive after SIGKILL at the deadline (D state)
+    MEMORY_TIMEOUT = 21  # all holders gone, but NVML still reports memory used at the deadline
+    HELD_BY_OTHERS = 22  # the GPUs are held by processes gpugate may not kill (another unit, ...)
+    UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
+    INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
+    RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
+    @property
+    def systemd_label(self) -> str:
+        """How systemd logs this code ("Control process exited, code=exited, status=78/CONFIG",
+        also shown by `systemctl status`): `78/CONFIG`, `21/n/a`."""
+        return f"{int(self)}/{SYSEXITS_NAMES.get(int(self), 'n/a')}"
+
+
+# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`).
+SYSEXITS_NAMES = {
+    0: "SUCCESS",
+    64: "USAGE",
+    69: "UNAVAILABLE",
+    70: "SOFTWARE",
+    75: "TEMPFAIL",
+    77: "NOPERM",
+    78: "CONFIG",
+}
 
 EXIT_MEANINGS = {
     ExitCode.OK: "ok",
@@ -47,9 +68,9 @@ EXIT_MEANINGS = {
 
 
 def exit_code_summary() -> str:
-    """`0 ok, 1 internal error, ...`: for --help, from the codes themselves."""
+    """`0 ok, 20 holders survived SIGKILL, ...`: for --help, from the codes themselves."""
     return ", ".join(
-        f"{int(code)} {EXIT_MEANINGS.get(code, code.name.lower())}" for code in ExitCode
+        f"{int(code)} {EXIT_MEANINGS.get(code, code.name.lower())}" for code in sorted(ExitCode)
     )
 
 

@@ -71,8 +71,8 @@ def run_hook(
         code = summary.exit_code
     except GateError as exc:
         error, code = exc, exc.exit_code
-        print(f"gpugate: {exc.message}", file=stream, flush=True)
-        reporter.echo = False  # said on stderr already
+        reporter.echo = False  # failed() says it on stderr itself, once
+        reporter.error_stream = stream
         Narrator(reporter, dry_run=dry_run).failed(exc)
     if not dry_run:
         record_metrics(loaded, hook, code, summary, stream)

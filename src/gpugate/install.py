@@ -22,10 +22,16 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from gpugate.atomic import write_atomically
-from gpugate.config import DEFAULT_CONFIG_DIR, GateConfig, PhasePolicy, toml_value
+from gpugate.config import (
+    CONTAINER_NAME,
+    DEFAULT_CONFIG_DIR,
+    GateConfig,
+    PhasePolicy,
+    toml_value,
+)
 from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
 from gpugate.gpulist import GpuListError, parse_gpu_text
-from gpugate.units import systemd_running, validate_unit_name
+from gpugate.units import UnitState, query_unit, systemd_running, validate_unit_name
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
@@ -64,6 +70,7 @@ CONFIG_FIELDS = (
     "share_gpus",
     "protected_executables",
     "protected_units",
+    "containers",
 )
 PHASE_TEXT = {
     "pre": "ExecStartPre=: before the unit starts.",
@@ -155,9 +162,21 @@ def render_dropin(gpugate_path: Path) -> str:
     return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
 
 
-def render_config(unit: str, gpus: Gpus | None, ports: Sequence[int] | None = None) -> str:
-    """A commented skeleton: the built-in defaults, commented out, except the GPUs and ports
-    given."""
+def parse_container(value: str) -> str:
+    """`--container vllm` (a name or id) into one item of the config's `containers`."""
+    if not CONTAINER_NAME.fullmatch(value):
+        raise ValueError(f"{value!r} is not a container name or id (letters, digits, _.-)")
+    return value
+
+
+def render_config(
+    unit: str,
+    gpus: Gpus | None,
+    containers: Sequence[str] = (),
+    ports: Sequence[int] | None = None,
+) -> str:
+    """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
+    and ports given."""
     defaults = GateConfig()
     lines = [
         f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
@@ -168,6 +187,8 @@ def render_config(unit: str, gpus: Gpus | None, ports: Sequence[int] | None = No
         lines.append(f"# {GateConfig.model_fields[name].description}")
         if name == "gpus":  # written out: "auto" unless --gpus named them
             lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
+        elif name == "containers" and containers:
+            lines.append(f"containers = {toml_value(list(containers))}")
         elif name == "ports" and ports:
             lines.append(f"ports = {toml_value(list(ports))}")
         else:
@@ -221,26 +242,34 @@ def plan_install(
     unit: str,
     *,
     gpus: Gpus | None = None,
+    containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
     gpugate_path: Path = DEFAULT_GPUGATE,
     force: bool = False,
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
+    query: Callable[[str], UnitState | None] | None = None,
+    stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would replace the
-    operator's drop-in, or change the GPUs of the operator's config, without force."""
+    operator's drop-in, or change the GPUs or containers of the operator's config, without
+    force."""
     validate_install_unit(unit)
+    if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
+        query = query_unit
+    if query is not None:
+        refuse_unknown_unit(unit, force=force, query=query, stream=stream)
     targets = Targets.of(unit, systemd_dir, config_dir)
     wanted = {
         targets.dropin: with_header(render_dropin(gpugate_path)),
-        targets.config: with_header(render_config(unit, gpus, ports)),
+        targets.config: with_header(render_config(unit, gpus, containers, ports)),
     }
     changes: list[Change] = []
     refused: list[str] = []
     for path, content in wanted.items():
         owner = ownership(path)
         if owner is Ownership.OPERATORS and not force:
-            if path == targets.config and gpus is None and not ports:
+            if path == targets.config and gpus is None and not containers and not ports:
                 changes.append(Change(path, Action.KEEP, note="yours (edited): kept"))
                 continue
             refused.append(str(path))
@@ -256,6 +285,26 @@ def plan_install(
             "nothing changed; --force replaces it"
         )
     return changes
+
+
+def refuse_unknown_unit(
+    unit: str,
+    *,
+    force: bool,
+    query: Callable[[str], UnitState | None],
+    stream: TextIO | None = None,
+) -> None:
+    """A drop-in for a unit systemd does not know is most likely a typo: warn, and refuse
+    without --force (a unit file installed later would still pick the drop-in up)."""
+    if unit.endswith("@.service"):
+        return  # systemd shows instances, not templates; the template's file may be anywhere
+    state = query(unit)
+    if state is None or state.load_state != "not-found":
+        return
+    problem = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
+    if not force:
+        raise UnknownUnit(f"{problem}; nothing changed; --force installs anyway")
+    print(f"gpugate: warning: {problem}; installing anyway (--force)", file=stream or sys.stderr)
 
 
 def plan_uninstall(

@@ -5,6 +5,11 @@ Each run knows only itself, so the counters live in a JSON state file beside the
 on `PATH.lock`: runs of different units may end at the same moment. Both files are replaced
 atomically (a temporary file in the same folder, then rename), so node_exporter never reads
 half a file.
+
+Alerts must fire on the first failure: Prometheus's increase() sees nothing in a counter
+series that is born at 1. So the first write for a unit puts every result of each of its
+phases (pre and post, or prolog and epilog) at 0, and gpugate_last_run_failed says 1 or 0 for
+the unit's last run of each phase from its very first run on.
 """
 
 from __future__ import annotations
@@ -26,6 +31,12 @@ from gpugate.outcome import RunSummary, result_label
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0
+# A unit's phases come in pairs: the first write for one writes the other's counters too.
+PHASE_PAIRS = {"pre": ("pre", "post"), "post": ("pre", "post")}
+SLURM_PHASES = ("prolog", "epilog")
+RESULTS = ("success", *(code.name.lower() for code in ExitCode if code is not ExitCode.OK))
+RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RELEASE = "gpugate_memory_release_seconds"
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -33,8 +44,14 @@ Labels = tuple[tuple[str, str], ...]
 @dataclass(frozen=True)
 class Family:
     name: str
-    kind: str  # counter or gauge
+    kind: str  # counter, gauge or histogram
     help: str
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        if self.kind == "histogram":
+            return tuple(self.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        return (self.name,)
 
 
 FAMILIES = (
@@ -57,6 +74,16 @@ FAMILIES = (
         "gauge",
         "Unix time of the unit's last run that left this GPU free",
     ),
+    Family(
+        "gpugate_last_run_failed",
+        "gauge",
+        "1 when the unit's last run of this phase failed, 0 when it succeeded",
+    ),
+    Family(
+        RELEASE,
+        "histogram",
+        "seconds from the first signal to the GPU memory being free, runs that killed",
+    ),
 )
 
 
@@ -77,6 +104,7 @@ class RunRecord:
     seconds_wait: float = 0.0
     reclaimed_mib: dict[GpuRef, int] = field(default_factory=dict)
     freed_gpus: list[GpuRef] = field(default_factory=list)  # free at the end of a successful run
+    release_s: float | None = None  # kill to free, where the run killed and the GPUs got free
     finished_at: float = field(default_factory=time.time)
 
 
@@ -94,7 +122,17 @@ def apply(samples: Samples, record: RunRecord) -> None:
         samples.setdefault(name, {})[tuple(sorted(labels.items()))] = value
 
     run = {"phase": record.phase, "unit": record.unit}
+    for phase in PHASE_PAIRS.get(record.phase, SLURM_PHASES):
+        for result in RESULTS:  # at 0 from the unit's first write: see the module's doc
+            add("gpugate_runs_total", {"phase": phase, "unit": record.unit, "result": result}, 0)
     add("gpugate_runs_total", {**run, "result": record.result}, 1)
+    put("gpugate_last_run_failed", run, 0 if record.result == "success" else 1)
+    if record.release_s is not None:
+        for bound in RELEASE_BUCKETS_S:
+            add(f"{RELEASE}_bucket", {**run, "le": _number(bound)}, record.release_s <= bound)
+        add(f"{RELEASE}_bucket", {**run, "le": "+Inf"}, 1)
+        add(f"{RELEASE}_sum", run, record.release_s)
+        add(f"{RELEASE}_count", run, 1)
     add("gpugate_processes_killed_total", run, record.killed)
     add("gpugate_wait_seconds_total", run, record.seconds_wait)
     for gpu, mib in record.reclaimed_mib.items():
@@ -115,15 +153,27 @@ def render(samples: Samples) -> str:
     """The Prometheus text exposition format (0.0.4), families in a fixed order."""
     lines: list[str] = []
     for family in FAMILIES:
-        found = samples.get(family.name)
-        if not found:
+        if not any(samples.get(name) for name in family.sample_names):
             continue
         lines.append(f"# HELP {family.name} {family.help}")
         lines.append(f"# TYPE {family.name} {family.kind}")
-        for labels, value in sorted(found.items()):
-            text = ",".join(f'{name}="{_escape(v)}"' for name, v in labels)
-            lines.append(f"{family.name}{{{text}}} {_number(value)}")
+        rows = [
+            (labels, name, value)
+            for name in family.sample_names
+            for labels, value in samples.get(name, {}).items()
+        ]
+        for labels, name, value in sorted(rows, key=_row_order):
+            text = ",".join(f'{key}="{_escape(v)}"' for key, v in labels)
+            lines.append(f"{name}{{{text}}} {_number(value)}")
     return "\n".join(lines) + "\n"
+
+
+def _row_order(row: tuple[Labels, str, float]) -> tuple[object, ...]:
+    """Series by series; a histogram's buckets in rising `le`, then its sum and count."""
+    labels, name, _ = row
+    rest = tuple(item for item in labels if item[0] != "le")
+    le = dict(labels).get("le")
+    return (rest, name.endswith("_bucket") is False, name, float(le) if le else 0.0)
 
 
 def _escape(value: str) -> str:
@@ -144,7 +194,7 @@ def load_state(path: Path) -> Samples:
     samples: Samples = {}
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
         return samples
-    known = {family.name for family in FAMILIES}
+    known = {name for family in FAMILIES for name in family.sample_names}
     for name, entries in data.get("samples", {}).items():
         if name not in known or not isinstance(entries, list):
             continue
@@ -208,6 +258,8 @@ def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary |
     if exit_code is ExitCode.OK:
         busy = {item.gpu.index for item in summary.busy}
         record.freed_gpus = [gpu for index, gpu in sorted(gpus.items()) if index not in busy]
+        if summary.killed and gpus and not busy:
+            record.release_s = summary.seconds_kill + summary.seconds_wait
     return record
 
 

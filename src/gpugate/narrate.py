@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable, Sequence
+from typing import Any
 
-from gpugate.decide import Choice, Decision
+from gpugate.containers import StopResult
+from gpugate.decide import Choice, Decision, Role
 from gpugate.discover import Discovery
 from gpugate.errors import GateError
 from gpugate.nvml import Gpu
@@ -19,6 +21,7 @@ from gpugate.report import (
     PRIORITY_WARNING,
     Event,
     Reporter,
+    WaitingReports,
 )
 from gpugate.respawn import Respawner
 
@@ -35,7 +38,19 @@ def describe(choice: Choice) -> str:
     gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
     sources = ",".join(sorted(choice.holder.sources))
     command = info.command[:MAX_COMMAND]
-    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}, via {sources}): {command}"
+    where = f", {choice.holder.container.label}" if choice.holder.container else ""
+    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
+
+
+def container_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
+    container = choice.holder.container
+    if container is None:
+        return {}
+    fields: dict[str, Any] = {"container": container.id, "container_runtime": container.runtime}
+    if container.name:
+        fields["container_name"] = container.name
+    return fields
 
 
 def watcher_evidence(discovery: Discovery) -> str:
@@ -50,6 +65,10 @@ class Narrator:
     def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
         self.reporter = reporter
         self.dry_run = dry_run
+        if dry_run:
+            reporter.start_dry_run()  # GPUGATE_DRY_RUN=1 on every entry, the report on stdout
+        self.waiting = WaitingReports(reporter)
+        self.would_kill = 0  # a dry run's targets, for its summary line
 
     def status(self, text: str) -> None:
         self.reporter.status(text)
@@ -108,15 +127,27 @@ class Narrator:
                 )
 
     def choices(self, decision: Decision) -> None:
-        kill_verb = "would kill" if self.dry_run else "will kill"
+        would = self.dry_run
+        if would:
+            self.would_kill = len(decision.targets)
         for choices, event, priority, verb in (
-            (decision.targets, Event.HOLDER_FOUND, PRIORITY_INFO, kill_verb),
-            (decision.blockers, Event.REFUSED, PRIORITY_ERR, "not killing"),
+            (
+                decision.targets,
+                Event.HOLDER_FOUND,
+                PRIORITY_INFO,
+                "would kill" if would else "will kill",
+            ),
+            (
+                decision.blockers,
+                Event.REFUSED,
+                PRIORITY_ERR,
+                "would not kill" if would else "not killing",
+            ),
             (
                 [c for c in decision.spared if c.holder.gpus],
                 Event.PROCESS_SPARED,
                 PRIORITY_INFO,
-                "sparing",
+                "would spare" if would else "sparing",
             ),
         ):
             for choice in choices:
@@ -129,6 +160,7 @@ class Narrator:
                     role=choice.role,
                     command=choice.holder.info.command,
                     reason=choice.reason,
+                    **container_fields(choice),
                 )
 
     def refused(self) -> None:
@@ -149,6 +181,23 @@ class Narrator:
             command=choice.holder.info.command,
             comm=choice.holder.info.comm,
             role=choice.role,
+            **container_fields(choice),
+        )
+
+    def container_stopping(self, count: int) -> None:
+        self.status(f"stopping {count} container(s) through their runtime")
+
+    def container_stopped(self, result: StopResult) -> None:
+        verb = f"{result.container.runtime} stop"
+        outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
+        self.reporter.event(
+            Event.SIGNAL_SENT,
+            f"{verb} {result.container.label}: {outcome}",
+            priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
+            signal=verb,
+            container=result.container.id,
+            container_runtime=result.container.runtime,
+            role=Role.UNIT_CONTAINER,
         )
 
     def stuck(self, choice: Choice, state: str, wchan: str) -> None:
@@ -176,8 +225,9 @@ class Narrator:
     def still_held(self) -> None:
         self.status("GPUs still held by processes gpugate may not kill")
 
-    def lock_wait(self, gpu: Gpu) -> None:
+    def lock_wait(self, gpu: Gpu, left_s: float) -> None:
         self.status(f"waiting for another gpugate run on {gpu.label}")
+        self.waiting.lock(gpu.label, gpu.index, left_s)
 
     def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
         first = busy[0]
@@ -185,6 +235,7 @@ class Narrator:
             f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
             f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
         )
+        self.waiting.memory({item.gpu.index: item.used_mib for item in busy}, free_mib, left_s)
 
     def memory_timeout(
         self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
@@ -254,6 +305,9 @@ class Narrator:
 
     def finished(self, summary: RunSummary) -> None:
         result = summary.result
+        if self.dry_run:
+            self.dry_run_finished(summary)
+            return
         self.reporter.event(
             Event.RUN_FINISHED,
             f"{result}: {len(summary.killed)} process(es) stopped in {summary.rounds} round(s);"
@@ -265,11 +319,26 @@ class Narrator:
             seconds_wait=f"{summary.seconds_wait:.3f}",
             freed_mib=summary.freed_mib,
         )
-        self.status(f"done: {result}")
+        if result == "success":
+            self.reporter.clear_status()  # the service runs on: no gpugate words under it
+        else:
+            self.status(f"done: {result}")
+
+    def dry_run_finished(self, summary: RunSummary) -> None:
+        """A dry run's last line, also when nothing would be killed."""
+        result = summary.result
+        verdict = (
+            "the run would succeed" if result == "success" else f"the run would fail: {result}"
+        )
+        self.reporter.event(
+            Event.RUN_FINISHED,
+            f"dry run: would kill {self.would_kill} process(es); {verdict}; nothing was killed",
+            priority=PRIORITY_NOTICE,
+            result=result,
+            would_kill=self.would_kill,
+        )
 
     def failed(self, error: GateError) -> None:
-        """A run that ended in an error: one entry (stderr says it once already)."""
-        self.reporter.event(
-            Event.ERROR, error.message, priority=PRIORITY_ERR, exit_code=int(error.exit_code)
-        )
-        self.status(f"failed: {error.message}")
+        """A run that ended in an error: one entry, and one line on stderr where stderr is
+        not the journal already."""
+        self.reporter.fail(error.message, int(error.exit_code))

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from gpugate.config import GpuSelection, LoadedConfig
+from gpugate.containers import stop_containers
 from gpugate.decide import Choice, Decision, Role, decide
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
@@ -191,6 +192,7 @@ class PhaseRun:
             procfs=procfs,
             roots=self.roots,
             ports=self.ports,
+            containers=self.config.containers,
         )
         return found, decide(found, self.config, self.scope.phase, procfs)
 
@@ -224,14 +226,14 @@ class PhaseRun:
             )
             blocked = bool(decision.blockers) or leased is not None
             summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
-            return summary
+            return self.finish()
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
         with gpu_locks(
             self.config.lock_dir,
             discovery.owned,
             self.deadline,
-            on_wait=narrator.lock_wait,
+            on_wait=lambda gpu: narrator.lock_wait(gpu, self.deadline - self.clock()),
             clock=self.clock,
         ):
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
@@ -257,6 +259,8 @@ class PhaseRun:
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
         """Kill the targets; rediscover and repeat while new ones appear (forks)."""
         kill_started = self.clock()
+        if self.scope.phase == "pre" and discovery.unit_containers:
+            self.stop_containers(discovery, decision)
         by_ident = self.signalled
         survivors: list[ProcessId] = []
         for round_number in range(1, MAX_ROUNDS + 1):
@@ -291,6 +295,15 @@ class PhaseRun:
         for ident in survivors:
             self.narrator.survivor(by_ident[ident])
         return discovery, decision, survivors
+
+    def stop_containers(self, discovery: Discovery, decision: Decision) -> None:
+        """The unit's own containers stop through their runtime first (it records them as
+        stopped); the pinned signals then follow for any process that outlived it."""
+        wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
+        containers = [c for c in discovery.unit_containers if c.id in wanted]
+        self.narrator.container_stopping(len(containers))
+        for result in stop_containers(containers, self.policy.sigterm_grace_s):
+            self.narrator.container_stopped(result)
 
     def on_stuck(self, choices: list[Choice]) -> None:
         procfs = ProcFs(self.roots.proc)

@@ -9,8 +9,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from enum import Enum
+from types import FrameType
 from typing import Protocol, TextIO
 
 
@@ -35,6 +37,8 @@ class Event(Enum):
 
 
 PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 3, 4, 5, 6
+SYSLOG_IDENTIFIER = "gpugate"  # `journalctl -t gpugate`; the stderr systemd captures has it too
+WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
 
 class Journal(Protocol):
@@ -54,7 +58,9 @@ class SystemdJournal:
         from systemd import journal  # noqa: PLC0415 - C extension, loaded only where used
 
         with contextlib.suppress(OSError):  # journald gone (shutdown): stderr still tells
-            journal.send(message, **fields)
+            # sendv, not send: send() adds CODE_FILE/LINE/FUNC naming this very line when the
+            # fields lack them; these fields carry the real call site or leave it out.
+            journal.sendv(f"MESSAGE={message}", *(f"{k}={v}" for k, v in fields.items()))
 
 
 class SystemdNotifier:
@@ -78,6 +84,19 @@ def stderr_is_journal(stream: TextIO) -> bool:
     return expected == f"{info.st_dev}:{info.st_ino}"
 
 
+def call_site(frame: FrameType | None) -> dict[str, str]:
+    """CODE_FILE/CODE_LINE/CODE_FUNC of the first caller outside this module, or none."""
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    if frame is None:
+        return {}
+    return {
+        "CODE_FILE": frame.f_code.co_filename,
+        "CODE_LINE": str(frame.f_lineno),
+        "CODE_FUNC": frame.f_code.co_name,
+    }
+
+
 class Reporter:
     def __init__(
         self,
@@ -98,6 +117,15 @@ class Reporter:
         self.stream = stream if stream is not None else sys.stderr
         self.echo = (not stderr_is_journal(self.stream)) if echo is None else echo
         self.fields = dict(fields or {})
+        self.dry_run = False
+        self.error_stream: TextIO = sys.stderr  # where `fail` writes when it is not the journal
+
+    def start_dry_run(self, stream: TextIO | None = None) -> None:
+        """A dry run: every entry says GPUGATE_DRY_RUN=1 and the report goes to stdout (so that
+        `gpugate pre --dry-run UNIT | less` works), also from a shell whose stderr is a file."""
+        self.dry_run = True
+        self.stream = stream if stream is not None else sys.stdout
+        self.echo = not stderr_is_journal(self.stream)
 
     def event(
         self,
@@ -113,12 +141,16 @@ class Reporter:
         fields: dict[str, str] = {
             "MESSAGE_ID": kind.message_id,
             "PRIORITY": str(priority),
+            "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
+            **call_site(sys._getframe(1)),
             "GPUGATE_EVENT": kind.name.lower(),
             "GPUGATE_UNIT": self.unit,
             "GPUGATE_PHASE": self.phase,
             # Lets `journalctl -u UNIT` find entries also when gpugate ran from a shell.
             "OBJECT_SYSTEMD_UNIT": self.unit,
         }
+        if self.dry_run:
+            fields["GPUGATE_DRY_RUN"] = "1"
         if pid is not None:
             fields["GPUGATE_PID"] = str(pid)
         if gpus:
@@ -130,13 +162,72 @@ class Reporter:
         fields.update(self.fields)
         self.journal.send(message, fields)
         if self.echo:
-            print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
+            try:
+                print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
+            except BrokenPipeError:  # `gpugate pre --dry-run UNIT | head`: the run goes on
+                self.echo = False
+
+    def fail(self, message: str, exit_code: int) -> None:
+        """An error that ends the run: one structured entry, one STATUS=, and the one-line
+        `gpugate: message` on stderr unless stderr is the journal (it would be there twice)."""
+        self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
+        if not stderr_is_journal(self.error_stream):
+            print(f"gpugate: {message}", file=self.error_stream, flush=True)
+        self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:
         self.notifier.notify(f"STATUS=gpugate {self.phase}: {text}")
 
+    def clear_status(self) -> None:
+        """After a successful run: an empty STATUS= clears the text, so a running service does
+        not show gpugate's last words for the rest of its life."""
+        self.notifier.notify("STATUS=")
+
     def extend_timeout(self, seconds: float) -> None:
         self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
+
+
+class WaitingReports:
+    """The `waiting` event during a memory wait: at once, then about every WAITING_EVERY_S."""
+
+    def __init__(
+        self,
+        reporter: Reporter,
+        every_s: float = WAITING_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.reporter = reporter
+        self.every_s = every_s
+        self.clock = clock
+        self.next_at: float | None = None
+
+    def memory(self, gpus: dict[int, int], free_mib: int, seconds_left: float) -> bool:
+        """gpus: used MiB by GPU index, of those still busy. True if an event went out."""
+        now = self.clock()
+        if self.next_at is not None and now < self.next_at:
+            return False
+        self.next_at = now + self.every_s
+        used = ", ".join(f"GPU {index} {mib} MiB" for index, mib in sorted(gpus.items()))
+        self.reporter.event(
+            Event.WAITING,
+            f"waiting for the driver to free memory: {used} used (free at {free_mib} MiB); "
+            f"{seconds_left:.0f} s left",
+            gpus=sorted(gpus),
+            used_mib=sum(gpus.values()),
+            waiting_for="memory",
+            seconds_left=f"{seconds_left:.0f}",
+        )
+        return True
+
+    def lock(self, gpu_label: str, gpu_index: int, seconds_left: float) -> None:
+        self.reporter.event(
+            Event.WAITING,
+            f"waiting for another gpugate run that holds the lock of {gpu_label}; "
+            f"{seconds_left:.0f} s left",
+            gpus=[gpu_index],
+            waiting_for="lock",
+            seconds_left=f"{seconds_left:.0f}",
+        )
 
 
 class ReporterFactory(Protocol):

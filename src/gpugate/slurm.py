@@ -1,8 +1,12 @@
 """`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node.
 
-slurmd runs them as root with the job in the environment. The job's GPUs (SLURM_JOB_GPUS,
-else CUDA_VISIBLE_DEVICES) take the place of the unit's, and the job's cgroup (cgroup v2:
-/system.slice/slurmstepd.scope/job_ID, with step_*/ below) the place of the unit's cgroup.
+slurmd runs them as root with the job in the environment and no PATH. The job's GPUs
+(SLURM_JOB_GPUS, else SLURM_STEP_GPUS, else CUDA_VISIBLE_DEVICES; indices or UUIDs) take the
+place of the unit's, and the job's cgroup (cgroup v2: /system.slice/NODE_slurmstepd.scope/job_ID
+as Debian's multiple-slurmd build names it, or /system.slice/slurmstepd.scope/job_ID, with
+step_*/ below) the place of the unit's cgroup. At Prolog= and Epilog= time that cgroup often
+does not exist (not yet, or no longer): then it holds no process, and every holder of the
+job's GPUs is found by its device files and by NVML, and judged by the orphan rules.
 A non-zero exit makes slurmd drain the node; where slurmd names the node (SLURMD_NODENAME)
 and scontrol is there, the drain reason says which GPU holds how many MiB.
 """
@@ -88,19 +92,32 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     )
 
 
-def job_cgroup(job_id: int, cgroup_root: Path) -> str:
-    """The job's cgroup (cgroup v2). Slurm removes it once empty, so at the epilog it is
-    often gone already; then the default path stands for it, and matches no process."""
-    name = f"job_{job_id}"
-    default = f"/system.slice/{JOB_SCOPE}/{name}"
-    if (cgroup_root / default.lstrip("/")).is_dir():
-        return default
-    # Several slurmd on one host name their scopes NODENAME_slurmstepd.scope.
+def stepd_scopes(cgroup_root: Path) -> list[Path]:
+    """Every slurmstepd scope: `slurmstepd.scope`, or `NODE_slurmstepd.scope` (Debian builds
+    Slurm with multiple-slurmd support, and the scope carries the node's name)."""
+    scopes: list[Path] = []
     for parent in [cgroup_root, *sorted(cgroup_root.glob("*.slice"))]:
-        for scope in sorted(parent.glob(f"*{JOB_SCOPE}")):
-            if (scope / name).is_dir():
-                return "/" + str((scope / name).relative_to(cgroup_root))
-    return default
+        scopes.extend(
+            scope
+            for scope in sorted(parent.glob(f"*{JOB_SCOPE}"))
+            if scope.name == JOB_SCOPE or scope.name.endswith("_" + JOB_SCOPE)
+        )
+    return scopes
+
+
+def job_cgroup(job_id: int, cgroup_root: Path, node_name: str | None = None) -> str:
+    """The job's cgroup (cgroup v2). slurmd creates it after the prolog and removes it before
+    the epilog; then the path it would have stands for it, and matches no process."""
+    name = f"job_{job_id}"
+    scopes = stepd_scopes(cgroup_root)
+    for scope in scopes:
+        if (scope / name).is_dir():
+            return "/" + str((scope / name).relative_to(cgroup_root))
+    names = [f"{node_name}_{JOB_SCOPE}"] if node_name else []
+    preferred = [s for name in [*names, JOB_SCOPE] for s in scopes if s.name == name]
+    for scope in preferred[:1] or scopes[:1]:
+        return "/" + str((scope / name).relative_to(cgroup_root))
+    return f"/system.slice/{JOB_SCOPE}/{name}"
 
 
 def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
@@ -197,11 +214,11 @@ def main(
         print(f"gpugate: {exc.message}", file=stream)
         code, detail = exc.exit_code, exc.message
     else:
-        job_id = job.job_id
+        job_id, node_name = job.job_id, job.node_name
         hook = Hook(
             phase,
             job.label,
-            lambda: job_cgroup(job_id, roots.cgroup),
+            lambda: job_cgroup(job_id, roots.cgroup, node_name),
             metrics_unit=METRICS_UNIT,
         )
         reporter = reporter_factory(job.label, phase, fields=job_fields(job))

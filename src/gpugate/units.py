@@ -16,8 +16,33 @@ from gpugate.errors import UnknownUnit
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
-UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)$")
+# \Z, not $: $ also matches before a final newline, and "vllm.service\n" is no unit name.
+UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)\Z")
 USER_SLICE = "/user.slice"
+
+
+# Every unit type systemd knows: a name ending in none of them is a service to systemctl.
+UNIT_TYPE_SUFFIXES = (
+    ".service",
+    ".socket",
+    ".target",
+    ".device",
+    ".mount",
+    ".automount",
+    ".swap",
+    ".timer",
+    ".path",
+    ".slice",
+    ".scope",
+)
+
+
+def unit_argument(name: str) -> str:
+    """A unit named on the command line, read as systemctl reads it: `vllm` is
+    `vllm.service`, `vllm@a` is `vllm@a.service`; a name with a unit type suffix stays."""
+    if name and not name.endswith(UNIT_TYPE_SUFFIXES):
+        return name + ".service"
+    return name
 
 
 def validate_unit_name(name: str) -> str:

@@ -25,7 +25,9 @@ def gpugate(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
-def test_bad_config_exits_3_with_one_line_and_kills_nothing(host: FakeHost, tmp_path: Path) -> None:
+def test_bad_config_exits_config_with_one_line_and_kills_nothing(
+    host: FakeHost, tmp_path: Path
+) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(0))
     bad = tmp_path / "bad.toml"
     bad.write_text("[pre]\nsigterm_grace_s = -1\n")
@@ -35,7 +37,7 @@ def test_bad_config_exits_3_with_one_line_and_kills_nothing(host: FakeHost, tmp_
     assert alive(orphan)
 
 
-def test_nvml_missing_exits_4(tmp_path: Path) -> None:
+def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(f'lock_dir = "{tmp_path}"\n')
     result = gpugate(
@@ -52,24 +54,24 @@ def test_nvml_missing_exits_4(tmp_path: Path) -> None:
     assert status.returncode == ExitCode.NVML_UNAVAILABLE
 
 
-def test_unknown_unit_exits_9() -> None:
+def test_unknown_unit_exits_unknown_unit() -> None:
     assert gpugate("pre", "not a unit").returncode == ExitCode.UNKNOWN_UNIT
     result = gpugate("pre")  # not running inside a service's cgroup here
     assert result.returncode == ExitCode.UNKNOWN_UNIT
     assert "no UNIT given" in result.stderr
 
 
-def test_usage_error_exits_2() -> None:
+def test_usage_error_exits_64() -> None:
     assert gpugate("explode").returncode == ExitCode.USAGE
 
 
 def test_config_check_prints_effective_config(tmp_path: Path) -> None:
     path = tmp_path / "x.toml"
-    path.write_text("gpus = [1, 2]\n[post]\nwait_timeout_s = 9\n")
+    path.write_text("gpus = [1, 2]\n[post]\nwait_timeout_s = 19\n")
     result = gpugate("config", "check", str(path))
     assert result.returncode == 0
     assert "gpus = [1, 2]" in result.stdout
-    assert "wait_timeout_s = 9.0" in result.stdout
+    assert "wait_timeout_s = 19.0" in result.stdout
     import tomllib
 
     assert tomllib.loads(result.stdout)["post"]["kill_orphans"] is False

@@ -11,7 +11,7 @@ from tests.fakes import FakeGpuMemory
 
 BAD = [
     ("gpus = [", "f.toml: not valid TOML"),
-    ("bogus = 1", "f.toml: bogus: Extra inputs are not permitted"),
+    ("bogus = 1", "f.toml: bogus: unknown key"),
     ('gpus = "some"', 'f.toml: gpus: must be "all"'),
     ("gpus = 3", 'f.toml: gpus: must be "all"'),
     ("gpus = []", "f.toml: gpus: must name at least one GPU"),
@@ -22,16 +22,141 @@ BAD = [
     ("gpus = [1024]", "f.toml: gpus: GPU index 1024 is out of range (0-1023)"),
     ("gpus = [true]", "f.toml: gpus: True is not a GPU index or UUID"),
     ("gpus = [-1]", "f.toml: gpus"),
-    ("free_mib = -5", "f.toml: free_mib: Input should be greater than or equal to 0"),
+    ("free_mib = -5", "f.toml: free_mib: Input should be greater than or equal to 1"),
     ('free_mib = "lots"', "f.toml: free_mib: Input should be a valid integer"),
     ("[pre]\nsigterm_grace_s = 0", "f.toml: pre.sigterm_grace_s: Input should be greater than 0"),
     ("[post]\nwait_timeout_s = -1", "f.toml: post.wait_timeout_s"),
     ('[pre]\non_timeout = "explode"', "f.toml: pre.on_timeout: Input should be 'fail' or 'warn'"),
     ("[pre]\nkill_orphans = 2", "f.toml: pre.kill_orphans: Input should be a valid boolean"),
-    ("[pre]\ntypo = true", "f.toml: pre.typo: Extra inputs are not permitted"),
+    ("[pre]\ntypo = true", "f.toml: pre.typo: unknown key"),
     ('lock_dir = "locks"', "f.toml: lock_dir: must be an absolute path"),
     ('protected_executables = ["sleep"]', "f.toml: protected_executables"),
 ]
+
+
+# The strict rules (issue 12): real TOML types, nothing that can never work, bounded echoes.
+STRICT = [
+    (
+        'kill_other_units = "yes"',
+        'f.toml: kill_other_units: Input should be a valid boolean, not a string "yes"',
+    ),
+    (
+        "kill_other_units = 1",
+        "f.toml: kill_other_units: Input should be a valid boolean, not an integer 1",
+    ),
+    ('free_mib = "2048"', 'f.toml: free_mib: Input should be a valid integer, not a string "2048"'),
+    ("free_mib = 2048.0", "f.toml: free_mib: Input should be a valid integer, not a float 2048.0"),
+    ("free_mib = true", "f.toml: free_mib: Input should be a valid integer, not a boolean true"),
+    ('[pre]\nkill_orphans = "false"', "f.toml: pre.kill_orphans: Input should be a valid boolean"),
+    (
+        '[post]\nsigterm_grace_s = "10"',
+        "f.toml: post.sigterm_grace_s: Input should be a valid number",
+    ),
+    ("[pre]\nwait_timeout_s = true", "f.toml: pre.wait_timeout_s: Input should be a valid number"),
+    ("[pre]\non_timeout = 1", "f.toml: pre.on_timeout: Input should be 'fail' or 'warn'"),
+    ("free_mib = 0", "f.toml: free_mib: Input should be greater than or equal to 1"),
+    (
+        'protected_units = ["nvidia-persistenced"]',
+        "f.toml: protected_units: 'nvidia-persistenced' is not a service or scope unit name with its suffix",
+    ),
+    ('protected_units = ["dcgm.timer"]', "f.toml: protected_units: 'dcgm.timer' is not"),
+    ('protected_units = ["a b.service"]', "f.toml: protected_units: 'a b.service' is not"),
+    ('protected_units = ["x.service\\n"]', "f.toml: protected_units: 'x.service\\n' is not"),
+    ('protected_units = ["vllm@.service"]', "f.toml: protected_units: 'vllm@.service' is not"),
+    ("protected_units = [3]", "f.toml: protected_units"),
+    (
+        "[pre]\nsigterm_grace_s = 100\nsigkill_wait_s = 20",
+        "f.toml: pre: sigterm_grace_s + sigkill_wait_s (120 s) must be below wait_timeout_s (120 s)",
+    ),
+    (
+        "[post]\nwait_timeout_s = 15",
+        "f.toml: post: sigterm_grace_s + sigkill_wait_s (15 s) must be below wait_timeout_s (15 s)",
+    ),
+    ("[epilog]\nwait_timeout_s = 3", "f.toml: epilog: sigterm_grace_s + sigkill_wait_s (15 s)"),
+    ("[prolog]\nsigkill_wait_s = 200", "f.toml: prolog: sigterm_grace_s + sigkill_wait_s (210 s)"),
+    (
+        'gpus = ["MIG-8c1f0a2e-1b2c-4d5e-8f90-123456789abc"]',
+        "f.toml: gpus: 'MIG-8c1f0a2e-1b2c-4d5e-8f90-123456789abc': MIG devices are not supported",
+    ),
+    (
+        'gpus = [0, "MIG-GPU-8c1f0a2e/1/0"]',
+        "f.toml: gpus: 'MIG-GPU-8c1f0a2e/1/0': MIG devices are not",
+    ),
+    (
+        'gpus = ["GPU-8c1f0a2e-1b2c\\n"]',
+        "f.toml: gpus: 'GPU-8c1f0a2e-1b2c\\n' is not a GPU index (0, 1, ...) or UUID",
+    ),
+    ("free_mb = 3", "f.toml: free_mb: unknown key; did you mean 'free_mib'?"),
+    (
+        "kill_other_unit = true",
+        "f.toml: kill_other_unit: unknown key; did you mean 'kill_other_units'?",
+    ),
+    (
+        "[pre]\nwait_timout_s = 3",
+        "f.toml: pre.wait_timout_s: unknown key; did you mean 'wait_timeout_s'?",
+    ),
+    (
+        "[post]\nkill_orphan = true",
+        "f.toml: post.kill_orphan: unknown key; did you mean 'kill_orphans'?",
+    ),
+    ('lockdir = "/run/x"', "f.toml: lockdir: unknown key; did you mean 'lock_dir'?"),
+    ('[paths]\nproc_root = "/proc"', "f.toml: paths: unknown key"),
+    ("[pree]\nkill_orphans = true", "f.toml: pree: unknown key; did you mean 'pre'?"),
+    ("zebra = 1", "f.toml: zebra: unknown key"),
+]
+
+
+@pytest.mark.parametrize(("text", "message"), STRICT)
+def test_strict_config_rules(text: str, message: str) -> None:
+    test_bad_config_names_file_and_field_on_one_line(text, message)
+
+
+def test_unknown_key_far_from_every_field_gets_no_guess() -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config("zebra = 1", "f.toml")
+    assert str(raised.value) == "f.toml: zebra: unknown key"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'gpus = ["{big}"]',
+        'protected_units = ["{big}"]',
+        'protected_executables = ["{big}"]',
+        'free_mib = "{big}"',
+        '[pre]\non_timeout = "{big}"',
+        "{big} = 1",
+        "[pre]\n{big} = 1",
+    ],
+)
+def test_echoed_values_are_cut_short(text: str) -> None:
+    big = "a" * 10_000_000
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text.replace("{big}", big), "f.toml")
+    assert len(str(raised.value)) < 300 and "\n" not in str(raised.value)
+    assert "..." in str(raised.value)
+
+
+def test_kill_shorter_than_deadline_is_valid() -> None:
+    config = parse_config(
+        "[pre]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\nwait_timeout_s = 2.5", "f"
+    )
+    assert config.pre.wait_timeout_s == 2.5
+    assert parse_config("free_mib = 1", "f").free_mib == 1
+
+
+def test_lock_dir_that_is_no_folder_is_a_config_error(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    (tmp_path / "file").write_text("")
+    for lock_dir in (tmp_path / "file", tmp_path / "file" / "gpugate"):
+        config.write_text(f'lock_dir = "{lock_dir}"\n')
+        with pytest.raises(ConfigError) as raised:
+            load_config(None, config)
+        assert str(raised.value) == (
+            f"{config}: lock_dir: {lock_dir}: {tmp_path / 'file'} is not a folder"
+        )
+    config.write_text(f'lock_dir = "{tmp_path}/not/yet"\n')  # made at the first run
+    assert load_config(None, config).config.lock_dir == tmp_path / "not" / "yet"
 
 
 @pytest.mark.parametrize(("text", "message"), BAD)
@@ -43,8 +168,8 @@ def test_bad_config_names_file_and_field_on_one_line(text: str, message: str) ->
 
 
 def test_partial_phase_table_keeps_that_phases_defaults() -> None:
-    config = parse_config("[post]\nwait_timeout_s = 3\n[pre]\nsigterm_grace_s = 2", "f")
-    assert config.post.wait_timeout_s == 3
+    config = parse_config("[post]\nwait_timeout_s = 30\n[pre]\nsigterm_grace_s = 2", "f")
+    assert config.post.wait_timeout_s == 30
     assert config.post.kill_orphans is False
     assert config.pre.kill_orphans is True
     assert config.pre.sigterm_grace_s == 2

@@ -162,7 +162,10 @@ def test_driver_faults_through_real_pynvml(
         f"dev_root = {dev}\nstate_dir = {tmp_path / 'state'}\n{settings_text}\n"
     )
     config = tmp_path / "c.toml"
-    config.write_text(f'lock_dir = "{tmp_path}/locks"\n[pre]\nwait_timeout_s = 2\n')
+    config.write_text(
+        f'lock_dir = "{tmp_path}/locks"\n[pre]\nwait_timeout_s = 2\n'
+        "sigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\n"
+    )
     env = {
         **os.environ,
         "LD_LIBRARY_PATH": str(fake_lib),
@@ -305,6 +308,16 @@ argv_items = st.one_of(
             "x",
             "",
             "-h",
+            "install",
+            "uninstall",
+            "--force",
+            "--gpus",
+            "0,1",
+            "vllm",
+            "vllm.service\n",
+            "slurm",
+            "prolog",
+            "--watch",
         ]
     ),
     st.text(max_size=12),
@@ -324,9 +337,12 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(
 
     config = tmp_path / "c.toml"
     config.write_text(f'lock_dir = "{tmp_path}"\n')
-    args = [a for a in argv if a not in ("pre", "post")]
+    args = [a for a in argv if a not in ("pre", "post", "install", "uninstall", "--watch")]
     if argv and argv[0] in ("pre", "post"):
         args = [argv[0], "--dry-run", "--config", str(config), *args]
+    if argv and argv[0] in ("install", "uninstall"):  # into tmp_path, never /etc
+        dirs = ["--systemd-dir", str(tmp_path / "systemd"), "--config-dir", str(tmp_path / "gg")]
+        args = [argv[0], *args, "--dry-run", "--no-reload", *dirs]
     out = open(os.devnull, "w")  # noqa: SIM115
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
@@ -335,6 +351,7 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(
             code = int(exit_.code or 0)
     out.close()
     assert code in {int(c) for c in ExitCode}
+    assert code != ExitCode.INTERNAL, argv  # every input gpugate can be given has its own code
 
 
 FREEZER = Path("/sys/fs/cgroup/freezer")
@@ -345,7 +362,7 @@ FREEZER = Path("/sys/fs/cgroup/freezer")
     not (FREEZER / "cgroup.procs").exists(),
     reason="no cgroup v1 freezer mounted at /sys/fs/cgroup/freezer",
 )
-def test_really_unkillable_holder_named_with_wchan_and_exit_5(host: FakeHost) -> None:
+def test_really_unkillable_holder_named_with_wchan_and_exit_unkillable(host: FakeHost) -> None:
     # A task frozen by the cgroup v1 freezer sits in D state and does not die on SIGKILL until
     # thawed: the closest thing to a holder stuck in the driver that a machine without a GPU has.
     (stuck,) = host.pool.holder(host.gpu_files(1))

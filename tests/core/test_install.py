@@ -296,7 +296,11 @@ def test_cli_round_trip_and_exit_codes(dirs: Dirs) -> None:
     assert gpugate("uninstall", UNIT, "--force", *where).returncode == 0
     assert dirs.files() == EMPTY
     assert gpugate("install", UNIT, "--gpus", "zero", *where).returncode == ExitCode.USAGE
-    assert gpugate("install", "vllm", *where).returncode == ExitCode.UNKNOWN_UNIT
+    assert gpugate("install", "vllm.timer", *where).returncode == ExitCode.UNKNOWN_UNIT
+    assert gpugate("install", "vllm.service\n", *where).returncode == ExitCode.UNKNOWN_UNIT
+    bare = gpugate("install", "vllm", *where)  # vllm.service, as systemctl reads it
+    assert bare.returncode == 0 and "systemctl restart vllm.service" in bare.stdout
+    assert dirs.dropin.is_file()
 
 
 def test_apply_reports_when_systemd_was_not_reloaded(dirs: Dirs) -> None:
@@ -320,3 +324,20 @@ def test_ports_go_into_the_config(dirs: Dirs) -> None:
     assert parse_config(dirs.toml.read_text(), "-").ports == (8000, 9000)
     for bad in ("0", "65536", "http"):
         assert gpugate("install", UNIT, "--port", bad, *where).returncode == ExitCode.USAGE
+
+
+def test_install_container_writes_containers(dirs: Dirs) -> None:
+    where = ["--systemd-dir", str(dirs.systemd), "--config-dir", str(dirs.config), "--no-reload"]
+    done = gpugate("install", UNIT, "--container", "vllm", "--container", "a1b2c3d4e5f6", *where)
+    assert done.returncode == 0, done.stderr
+    config = parse_config(dirs.toml.read_text(), "-")
+    assert (config.containers, config.gpus) == (("vllm", "a1b2c3d4e5f6"), "auto")
+    # the operator edits the file: a new --container is refused, none keeps it
+    dirs.toml.write_text("free_mib = 10\n" + dirs.toml.read_text())
+    assert gpugate("install", UNIT, "--container", "tgi", *where).returncode == ExitCode.INSTALL
+    assert gpugate("install", UNIT, *where).returncode == 0
+    assert parse_config(dirs.toml.read_text(), "-").containers == ("vllm", "a1b2c3d4e5f6")
+    for bad in ("-x", "a b", "vllm;rm", ""):
+        refused = gpugate("install", UNIT, "--container", bad, *where)
+        assert refused.returncode == ExitCode.USAGE, bad
+        assert "container" in refused.stderr

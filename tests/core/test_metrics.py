@@ -42,7 +42,8 @@ def write_config(host: FakeHost, metrics: Path, *, pre_wait_s: float = 10) -> Pa
     path.write_text(
         f'metrics_textfile = "{metrics}"\n'
         f'lock_dir = "{host.root}/locks"\n'
-        f"[pre]\nsigterm_grace_s = 1\nwait_timeout_s = {pre_wait_s}\n"
+        f"[pre]\nsigterm_grace_s = {min(1, pre_wait_s / 4)}\nsigkill_wait_s = {min(1, pre_wait_s / 4)}\n"
+        f"wait_timeout_s = {pre_wait_s}\n"
         "[post]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
     )
     return path
@@ -93,6 +94,69 @@ def test_values_match_what_the_run_reported(host: FakeHost, metrics: Path) -> No
     for index in range(8):
         stamp = values[key("gpugate_last_success_timestamp_seconds", **gpu_labels(host, index))]
         assert before <= stamp <= after
+    assert values[key("gpugate_last_run_failed", **run)] == 0
+    # kill to free: at least the driver's late release, at most the whole run
+    released = values[key("gpugate_memory_release_seconds_sum", **run)]
+    assert 2.0 <= released <= after - before
+    assert values[key("gpugate_memory_release_seconds_count", **run)] == 1
+    buckets = {
+        float(dict(labels)["le"]): value
+        for (name, labels), value in values.items()
+        if name == "gpugate_memory_release_seconds_bucket"
+    }
+    assert buckets[float("inf")] == 1
+    assert all(v == (bound >= released) for bound, v in buckets.items())
+
+
+@pytest.mark.parametrize(
+    ("phase", "phases", "unit"),
+    [
+        ("pre", ("pre", "post"), UNIT),
+        ("post", ("pre", "post"), "x@1.service"),
+        ("prolog", ("prolog", "epilog"), "slurm"),
+        ("epilog", ("prolog", "epilog"), "slurm"),
+    ],
+)
+@pytest.mark.parametrize("result", ["success", "memory_timeout", "held_by_others", "config"])
+def test_first_write_puts_every_result_of_the_units_phases_at_zero(
+    tmp_path: Path, phase: str, phases: tuple[str, ...], unit: str, result: str
+) -> None:
+    """increase() sees no rise in a series born at 1: every series a later failure of this
+    unit can land in exists at 0 from the first write on, and the gauge says 1 at once."""
+    textfile = tmp_path / "gpugate.prom"
+    record_run(textfile, RunRecord(phase, unit, result))
+    values = parse(textfile.read_text())
+    results = ["success", *(code.name.lower() for code in ExitCode if code is not ExitCode.OK)]
+    for each_phase in phases:
+        for each in results:
+            count = values[key("gpugate_runs_total", phase=each_phase, unit=unit, result=each)]
+            assert count == (1 if (each_phase, each) == (phase, result) else 0)
+    assert values[key("gpugate_last_run_failed", phase=phase, unit=unit)] == (result != "success")
+    # a second run keeps the counts and flips the gauge
+    record_run(textfile, RunRecord(phase, unit, "success"))
+    values = parse(textfile.read_text())
+    assert values[key("gpugate_runs_total", phase=phase, unit=unit, result="success")] == (
+        2 if result == "success" else 1
+    )
+    assert values[key("gpugate_last_run_failed", phase=phase, unit=unit)] == 0
+    assert not any(name.startswith("gpugate_memory_release") for name, _ in values)
+
+
+def test_release_histogram_accumulates_by_bucket(tmp_path: Path) -> None:
+    textfile = tmp_path / "gpugate.prom"
+    observed = [0.05, 0.3, 0.3, 4.0, 400.0]
+    for seconds in observed:
+        record_run(textfile, RunRecord("post", UNIT, "success", killed=1, release_s=seconds))
+    families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
+    histogram = families["gpugate_memory_release_seconds"]
+    assert histogram.type == "histogram"
+    buckets = {
+        float(s.labels["le"]): s.value for s in histogram.samples if s.name.endswith("_bucket")
+    }
+    for bound, value in buckets.items():
+        assert value == sum(1 for seconds in observed if seconds <= bound)
+    sums = [s.value for s in histogram.samples if s.name.endswith("_sum")]
+    assert sums == [pytest.approx(sum(observed))]
 
 
 def test_counters_accumulate_and_failures_keep_last_success(host: FakeHost, metrics: Path) -> None:
@@ -170,11 +234,16 @@ def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) 
     def broken() -> object:
         raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
-    assert gpugate(host, "pre", UNIT, "--config", str(config), driver=broken) == 4
+    assert (
+        gpugate(host, "pre", UNIT, "--config", str(config), driver=broken)
+        == ExitCode.NVML_UNAVAILABLE
+    )
     assert gpugate(host, "pre", UNIT, "--config", str(config), "--dry-run") == 0
     values = parse(metrics.read_text())
-    runs = {k: v for k, v in values.items() if k[0] == "gpugate_runs_total"}
+    runs = {k: v for k, v in values.items() if k[0] == "gpugate_runs_total" and v}
     assert runs == {key("gpugate_runs_total", phase="pre", unit=UNIT, result="nvml_unavailable"): 1}
+    assert values[key("gpugate_last_run_failed", phase="pre", unit=UNIT)] == 1
+    assert key("gpugate_last_run_failed", phase="post", unit=UNIT) not in values
 
 
 def test_unwritable_textfile_warns_and_keeps_the_exit_code(

@@ -93,7 +93,7 @@ def test_bystander_on_other_gpu_and_protected_daemon_survive(host: FakeHost) -> 
     assert str(daemon.pid) in spared
 
 
-def test_unkillable_holder_ends_at_deadline_with_exit_5(host: FakeHost) -> None:
+def test_unkillable_holder_ends_at_deadline_with_exit_unkillable(host: FakeHost) -> None:
     (stuck,) = host.pool.holder(host.gpu_files(1))
     host.put_in_unit(stuck)
     host.memory.claim(stuck, {1}, 3000)

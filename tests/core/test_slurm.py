@@ -50,6 +50,34 @@ def test_job_gpus_fall_back_to_cuda_visible_devices_indices_or_uuids() -> None:
 
 
 @pytest.mark.parametrize(
+    ("environ", "gpus", "source"),
+    [
+        # a batch job and the hooks: SLURM_JOB_GPUS, indices or (some sites) UUIDs
+        (
+            {"SLURM_JOB_GPUS": "0,1", "SLURM_STEP_GPUS": "5", "CUDA_VISIBLE_DEVICES": "6"},
+            (0, 1),
+            "SLURM_JOB_GPUS",
+        ),
+        ({"SLURM_JOB_GPUS": f"{UUID_3},4"}, (UUID_3, 4), "SLURM_JOB_GPUS"),
+        # an srun task: SLURM_JOB_GPUS empty, SLURM_STEP_GPUS set
+        (
+            {"SLURM_JOB_GPUS": "", "SLURM_STEP_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"},
+            (0, 1),
+            "SLURM_STEP_GPUS",
+        ),
+        ({"SLURM_JOB_GPUS": " ", "SLURM_STEP_GPUS": UUID_3}, (UUID_3,), "SLURM_STEP_GPUS"),
+        ({"SLURM_STEP_GPUS": "", "CUDA_VISIBLE_DEVICES": "3,2"}, (3, 2), "CUDA_VISIBLE_DEVICES"),
+        ({"SLURM_JOB_GPUS": "", "SLURM_STEP_GPUS": "", "CUDA_VISIBLE_DEVICES": ""}, (), ""),
+    ],
+)
+def test_job_gpus_first_non_empty_variable_wins(
+    environ: dict[str, str], gpus: tuple[int | str, ...], source: str
+) -> None:
+    job = job_from_env({"SLURM_JOB_ID": "9", **environ})
+    assert (job.gpus, job.gpus_from) == (gpus, source)
+
+
+@pytest.mark.parametrize(
     ("environ", "message"),
     [
         ({}, "SLURM_JOB_ID not set: not a Slurm job ID"),
@@ -86,6 +114,49 @@ def test_job_cgroup_found_under_slurmstepd_scope(tmp_path: Path) -> None:
     other.mkdir(parents=True)
     assert job_cgroup(43, tmp_path) == "/system.slice/gpu07_slurmstepd.scope/job_43"
     assert job_cgroup(4, tmp_path) == "/system.slice/slurmstepd.scope/job_4"
+
+
+@pytest.mark.parametrize(
+    "task",
+    [
+        "job_42/step_0/user/task_0",  # srun
+        "job_42/step_batch/user/task_0",  # sbatch
+        "job_42/step_extern/user/task_special",  # ConstrainDevices=no
+        "job_42/step_0/slurm",  # slurmstepd itself
+    ],
+)
+@pytest.mark.parametrize(
+    "scope", ["gpu07_slurmstepd.scope", "slurmstepd.scope", "a-b_slurmstepd.scope"]
+)
+def test_job_cgroup_as_slurmd_creates_it(tmp_path: Path, scope: str, task: str) -> None:
+    (tmp_path / "system.slice" / scope / task).mkdir(parents=True)
+    assert job_cgroup(42, tmp_path, "gpu07") == f"/system.slice/{scope}/job_42"
+
+
+def test_job_cgroup_missing_at_hook_time_names_the_nodes_scope(tmp_path: Path) -> None:
+    """At Prolog= the job's cgroup is not there yet, at Epilog= it is gone: the path stands
+    under this node's scope, and holds no process."""
+    for scope in ("gpu06_slurmstepd.scope", "gpu07_slurmstepd.scope"):
+        (tmp_path / "system.slice" / scope / "job_41" / "step_0").mkdir(parents=True)
+    assert job_cgroup(42, tmp_path, "gpu07") == "/system.slice/gpu07_slurmstepd.scope/job_42"
+    assert job_cgroup(42, tmp_path, None) == "/system.slice/gpu06_slurmstepd.scope/job_42"
+    # a scope that only ends like slurmd's is not one
+    (tmp_path / "system.slice" / "notslurmstepd.scope" / "job_42").mkdir(parents=True)
+    assert job_cgroup(42, tmp_path, "gpu07") == "/system.slice/gpu07_slurmstepd.scope/job_42"
+
+
+def test_scontrol_found_without_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """slurmd gives the hooks no PATH: scontrol is looked for where Slurm installs it."""
+    from gpugate import slurm
+
+    found = tmp_path / "sbin" / "scontrol"
+    found.parent.mkdir()
+    found.write_text("#!/bin/sh\n")
+    found.chmod(0o755)
+    monkeypatch.setattr(slurm, "SCONTROL_DIRS", (str(tmp_path / "bin"), str(found.parent)))
+    assert slurm.scontrol_path({}) == str(found)
+    found.chmod(0o644)
+    assert slurm.scontrol_path({}) is None
 
 
 # ---------------------------------------------------------------- the runs
@@ -125,7 +196,8 @@ def slurm_config(host: FakeHost, *, epilog_wait_s: float = 10) -> Path:
         f'metrics_textfile = "{host.root}/textfile/gpugate.prom"\n'
         f'lock_dir = "{host.root}/locks"\n'
         "[prolog]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
-        f"[epilog]\nsigterm_grace_s = 1\nwait_timeout_s = {epilog_wait_s}\n"
+        f"[epilog]\nsigterm_grace_s = {min(1, epilog_wait_s / 4)}\nwait_timeout_s = {epilog_wait_s}\n"
+        f"sigkill_wait_s = {min(1, epilog_wait_s / 4)}\n"
     )
     return path
 
@@ -195,7 +267,7 @@ def test_epilog_fails_on_a_leak_naming_gpu_and_mib(
     code = slurm(host, "epilog", slurm_config(host, epilog_wait_s=0.3))
 
     assert code == ExitCode.MEMORY_TIMEOUT
-    reason = f"gpugate epilog job 42: GPU 3 ({UUID_3}) still 50000 MiB used (exit 6)"
+    reason = f"gpugate epilog job 42: GPU 3 ({UUID_3}) still 50000 MiB used (exit 21)"
     assert capsys.readouterr().err == f"gpugate: drain: {reason}\n"
     assert scontrol_args(host) == ["update", "NodeName=gpu07", "State=DRAIN", f"Reason={reason}"]
 
@@ -224,7 +296,7 @@ def test_bad_environment_exits_2_and_kills_nothing(
         "update",
         "NodeName=gpu07",
         "State=DRAIN",
-        f"Reason=gpugate epilog: {message} (exit 2)",
+        f"Reason=gpugate epilog: {message} (exit 64)",
     ]
 
 

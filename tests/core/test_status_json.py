@@ -55,6 +55,10 @@ HOLDER = {
     "sources": list,
     "role": (str, type(None)),
     "orphan": bool,
+    "protected": bool,
+    "watcher": bool,
+    "seconds_held": (int, type(None)),
+    "container": (dict, type(None)),
 }
 INVISIBLE = {"gpu": int, "pid": int}
 UNREADABLE = {"index": int, "uuid": (str, type(None)), "error": str}
@@ -103,8 +107,9 @@ def test_keys_and_types_are_the_documented_ones(
         assert all(isinstance(index, int) for index in holder["gpus"])
         for index, mib in holder["used_mib"].items():
             assert index.isdigit() and isinstance(mib, int | None)
-        assert set(holder["sources"]) <= {"cgroup", "device-fd", "device-map", "nvml"}
-        assert holder["role"] in {"unit", "orphan", "other-unit", "protected"}
+        assert set(holder["sources"]) <= {"cgroup", "device-fd", "device-map", "nvml", "container"}
+        assert holder["role"] in {"unit", "orphan", "other-unit", "protected", "unit-container"}
+        assert holder["container"] is None
     by_pid = {holder["pid"]: holder for holder in data["holders"]}
     assert by_pid[member]["role"] == "unit" and by_pid[member]["used_mib"] == {"1": 4000}
     assert by_pid[orphan]["orphan"] is True and by_pid[orphan]["used_mib"] == {"2": None}

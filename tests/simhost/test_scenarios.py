@@ -24,6 +24,8 @@ from incident import (
 )
 from sandbox import SimHost
 
+from gpugate.errors import ExitCode
+
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 GPUS = (0, 1, 2, 3, 4, 5)  # the vllm units' GPUs
@@ -214,7 +216,8 @@ def test_leaked_memory_fails_start_within_timeout(host: Host) -> None:
     host.install(
         "vllm.service",
         unit_text("vllm.service", GPUS, 8000),
-        "gpus = [0, 1, 2, 3, 4, 5]\n[pre]\nwait_timeout_s = 3\n[post]\nwait_timeout_s = 3\n",
+        "gpus = [0, 1, 2, 3, 4, 5]\n[pre]\nwait_timeout_s = 3\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n"
+        "[post]\nwait_timeout_s = 3\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n",
     )
     cursor = host.cursor()
     started = time.monotonic()
@@ -276,10 +279,10 @@ def test_cleanup_history_is_queryable(host: Host) -> None:
 def test_unknown_unit_and_template_instance_with_escapes(host: Host) -> None:
     host.reset()
     missing = host.sim.run(["gpugate", "pre", "no-such-unit.service"], check=False)
-    assert missing.returncode == 9
+    assert missing.returncode == ExitCode.UNKNOWN_UNIT
     assert missing.stderr == "gpugate: unit no-such-unit.service: systemd knows no such unit\n"
     template = host.sim.run(["gpugate", "pre", "vllm@.service"], check=False)
-    assert template.returncode == 9 and "a template" in template.stderr
+    assert template.returncode == ExitCode.UNKNOWN_UNIT and "a template" in template.stderr
     # An instance whose name carries a systemd escape, configured through the template file.
     host.sim.install_unit(
         "vllm@.service", unit_text("vllm@%i.service", (5,), 8005).replace("--gpus 5", "--gpus %i")

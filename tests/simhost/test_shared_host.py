@@ -183,7 +183,7 @@ def test_a_failed_start_pays_one_deadline_and_says_why(host: Host) -> None:
         host.install(
             unit,
             unit_on(unit, (3,), 8040, "CUDA_VISIBLE_DEVICES=3"),
-            "[pre]\nwait_timeout_s = 8\n",
+            "[pre]\nwait_timeout_s = 8\nsigterm_grace_s = 2\n",
         )
         started = time.monotonic()
         assert host.start(unit, check=False) != 0

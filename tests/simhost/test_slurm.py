@@ -19,6 +19,8 @@ from incident import PYTHON, Host, prepare
 from prometheus_client.parser import text_string_to_metric_families
 from sandbox import SimHost
 
+from gpugate.errors import ExitCode
+
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 STEPD_CGROUP = "/sys/fs/cgroup/system.slice/slurmstepd.scope"
@@ -26,7 +28,7 @@ TEXTFILE = "/run/gpugate-textfile/gpugate.prom"
 SLURM_CONFIG = (
     f'metrics_textfile = "{TEXTFILE}"\n'
     "[prolog]\nsigterm_grace_s = 2\nwait_timeout_s = 30\n"
-    "[epilog]\nsigterm_grace_s = 2\nwait_timeout_s = 3\n"
+    "[epilog]\nsigterm_grace_s = 2\nsigkill_wait_s = 0.5\nwait_timeout_s = 3\n"
 )
 SCONTROL = "#!/bin/sh\nprintf '%s\\n' \"$@\" > /run/scontrol.args\n"
 JOB_MIB = 5000
@@ -177,11 +179,11 @@ def test_epilog_with_leaked_memory_drains_naming_gpu_and_mib(slurm: Host) -> Non
 
     code, stderr = run_slurmd_hook(host, "epilog", 42, "2,3")
 
-    assert code == 6, stderr
+    assert code == ExitCode.MEMORY_TIMEOUT, stderr
     (line,) = [text for text in stderr.splitlines() if text.startswith("gpugate: drain: ")]
     reason = line.removeprefix("gpugate: drain: ")
     assert reason.startswith("gpugate epilog job 42: GPU 3 (GPU-")
-    assert reason.endswith(") still 50000 MiB used (exit 6)")
+    assert reason.endswith(") still 50000 MiB used (exit 21)")
     assert host.sim.read_file("/run/scontrol.args").splitlines() == [
         "update",
         "NodeName=simnode",
@@ -199,7 +201,7 @@ def test_prolog_kills_stale_servers_but_never_another_job(slurm: Host) -> None:
 
     # Job 46 was given GPUs 4 and 5, but job 43 still runs on 5: refuse, kill nothing, drain.
     code, stderr = run_slurmd_hook(host, "prolog", 46, "4,5")
-    assert code == 7, stderr
+    assert code == ExitCode.HELD_BY_OTHERS, stderr
     assert "gpugate: drain: gpugate prolog job 46: GPU 4,5: held by processes" in stderr
     assert all(host.alive(pid) for pid in [*pids[43]["workers"], *stale["workers"]])
 

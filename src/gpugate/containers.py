@@ -1,0 +1,182 @@
+"""Containers: which runtime and container a cgroup belongs to, its name, and its own stop.
+
+Docker (systemd cgroup driver) puts a container's processes in
+`/system.slice/docker-ID.scope`, podman in `/machine.slice/libpod-ID.scope` (runc) or
+`.../libpod-ID.scope/container` (crun); ID is the container's 64-hex id. The name comes from
+the runtime's CLI (`docker inspect` / `podman inspect`), one call per runtime and bounded in
+time; where the CLI is missing or slow the container is shown by its id alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+SCOPE = re.compile(r"(?:^|/)(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope(?=/|$)")
+RUNTIMES = {"docker": "docker", "libpod": "podman"}
+SCOPE_GLOBS = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
+MIN_ID_PREFIX = 12
+INSPECT_TIMEOUT_S = 3.0
+STOP_MARGIN_S = 5.0
+# Hooks may run with no PATH (slurmd gives none): look where the runtimes install.
+CLI_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/sbin", "/bin", "/snap/bin")
+
+Runner = Callable[[Sequence[str], float], "subprocess.CompletedProcess[str]"]
+
+
+@dataclass(frozen=True)
+class Container:
+    runtime: str  # "docker" or "podman"
+    id: str  # 64 hex digits
+    scope: str  # the cgroup that holds all its processes, "/system.slice/docker-ID.scope"
+    name: str | None = None  # from the runtime's CLI; None where it could not be asked
+
+    @property
+    def short_id(self) -> str:
+        return self.id[:12]
+
+    @property
+    def label(self) -> str:
+        """`docker container vllm (3f2a1b0c4d5e)`, or without a name `docker container 3f2a…`."""
+        if self.name:
+            return f"{self.runtime} container {self.name} ({self.short_id})"
+        return f"{self.runtime} container {self.short_id}"
+
+    @property
+    def handle(self) -> str:
+        """What to write in `containers = [...]`: the name, else the short id."""
+        return self.name or self.short_id
+
+    def matches(self, wanted: Iterable[str]) -> bool:
+        """Named in `containers`: by name, by full id, or by an id prefix of 12 or more."""
+        for item in wanted:
+            if item in (self.name, self.id):
+                return True
+            if len(item) >= MIN_ID_PREFIX and self.id.startswith(item.lower()):
+                return True
+        return False
+
+
+def container_of_cgroup(cgroup: str | None) -> Container | None:
+    if not cgroup:
+        return None
+    match = SCOPE.search(cgroup)
+    if match is None:
+        return None
+    return Container(
+        runtime=RUNTIMES[match.group("kind")],
+        id=match.group("id"),
+        scope=cgroup[: match.end()] if cgroup.startswith("/") else "/" + cgroup[: match.end()],
+    )
+
+
+def container_scopes(cgroup_root: Path) -> list[Container]:
+    """Every container scope in the cgroup tree, running or not yet reaped."""
+    found: list[Container] = []
+    for pattern in SCOPE_GLOBS:
+        for path in sorted(cgroup_root.glob(pattern)):
+            container = container_of_cgroup("/" + str(path.relative_to(cgroup_root)))
+            if container is not None:
+                found.append(container)
+    return found
+
+
+def find_cli(runtime: str, path: str | None = None) -> str | None:
+    given = os.environ.get("PATH", "") if path is None else path
+    search = os.pathsep.join(part for part in (given, *CLI_DIRS) if part)
+    return shutil.which(runtime, path=search)
+
+
+def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=timeout, check=False, stdin=None
+    )
+
+
+class ContainerNames:
+    """Asks each runtime's CLI for its containers' names, once per runtime per run."""
+
+    def __init__(
+        self,
+        *,
+        cli: Callable[[str], str | None] = find_cli,
+        runner: Runner = _run,
+        timeout_s: float = INSPECT_TIMEOUT_S,
+    ) -> None:
+        self.cli = cli
+        self.runner = runner
+        self.timeout_s = timeout_s
+        self.known: dict[str, str | None] = {}
+        self.warnings: list[str] = []
+
+    def named(self, containers: Iterable[Container]) -> list[Container]:
+        todo = [c for c in containers if c.id not in self.known]
+        for runtime in sorted({c.runtime for c in todo}):
+            ids = [c.id for c in todo if c.runtime == runtime]
+            self.known.update(self._inspect(runtime, ids))
+        return [replace(c, name=self.known.get(c.id)) for c in containers]
+
+    def _inspect(self, runtime: str, ids: list[str]) -> dict[str, str | None]:
+        names: dict[str, str | None] = dict.fromkeys(ids)
+        cli = self.cli(runtime)
+        if cli is None:
+            return names
+        argv = [cli, "inspect", "--type", "container", "--format", "{{.Id}} {{.Name}}", *ids]
+        try:
+            result = self.runner(argv, self.timeout_s)
+        except subprocess.TimeoutExpired:
+            self.warnings.append(f"{runtime} inspect did not answer in {self.timeout_s:g} s")
+            return names
+        except OSError as exc:
+            self.warnings.append(f"{runtime} inspect: {exc.strerror or exc}")
+            return names
+        # Exit 1 where one of the ids is gone already; the others are still printed.
+        for line in result.stdout.splitlines():
+            full_id, _, name = line.strip().partition(" ")
+            if full_id in names and name.strip("/"):
+                names[full_id] = name.strip().lstrip("/")
+        return names
+
+
+@dataclass(frozen=True)
+class StopResult:
+    container: Container
+    ok: bool
+    detail: str  # the runtime's own words where it failed
+
+
+def stop_containers(
+    containers: Sequence[Container],
+    grace_s: float,
+    *,
+    cli: Callable[[str], str | None] = find_cli,
+    runner: Runner = _run,
+) -> list[StopResult]:
+    """`docker stop --time N ID` / `podman stop --time N ID`: the runtime sends the stop
+    signal, waits, then SIGKILLs, and records the container as stopped (its restart policy
+    does not bring it back). The caller's pinned signals still follow for what survives."""
+    results: list[StopResult] = []
+    seconds = max(int(grace_s + 0.999), 1)
+    for container in containers:
+        found = cli(container.runtime)
+        if found is None:
+            results.append(StopResult(container, False, f"no {container.runtime} CLI found"))
+            continue
+        argv = [found, "stop", "--time", str(seconds), container.id]
+        try:
+            result = runner(argv, seconds + STOP_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            results.append(StopResult(container, False, f"{container.runtime} stop timed out"))
+            continue
+        except OSError as exc:
+            results.append(StopResult(container, False, str(exc.strerror or exc)))
+            continue
+        said = (result.stderr or result.stdout).strip().splitlines()
+        detail = said[0] if said and result.returncode else ""
+        results.append(StopResult(container, result.returncode == 0, detail))
+    return results

@@ -1,0 +1,143 @@
+"""report.py: what every journal entry carries, errors logged once, dry runs, STATUS=, and the
+`waiting` event's pace."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from gpugate.report import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
+from tests.fakes import RecordingJournal, RecordingNotifier
+
+
+def make(**kwargs: object) -> tuple[Reporter, RecordingJournal, RecordingNotifier, io.StringIO]:
+    journal, notifier, stream = RecordingJournal(), RecordingNotifier(), io.StringIO()
+    reporter = Reporter(
+        "vllm.service", "pre", journal=journal, notifier=notifier, stream=stream, echo=True
+    )
+    return reporter, journal, notifier, stream
+
+
+def emit_here(reporter: Reporter) -> int:
+    line = sys._getframe().f_lineno + 1
+    reporter.event(Event.RUN_STARTED, "hello")
+    return line
+
+
+@pytest.mark.parametrize("kind", list(Event))
+def test_every_entry_is_gpugate_and_names_its_real_call_site(kind: Event) -> None:
+    reporter, journal, _, _ = make()
+    line = sys._getframe().f_lineno + 1
+    reporter.event(kind, "x")
+    line_2 = emit_here(reporter)
+    reporter.fail("boom", 78)  # sent from report.py's own fail(): the caller is named
+    line_3 = sys._getframe().f_lineno - 1
+    sites = [(f["CODE_FILE"], f["CODE_LINE"], f["CODE_FUNC"]) for _, f in journal.entries]
+    here = __file__
+    assert sites == [
+        (here, str(line), "test_every_entry_is_gpugate_and_names_its_real_call_site"),
+        (here, str(line_2), "emit_here"),
+        (here, str(line_3), "test_every_entry_is_gpugate_and_names_its_real_call_site"),
+    ]
+    assert all(f["SYSLOG_IDENTIFIER"] == SYSLOG_IDENTIFIER == "gpugate" for _, f in journal.entries)
+    assert all("GPUGATE_DRY_RUN" not in f for _, f in journal.entries)
+
+
+def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    reporter, journal, notifier, stream = make()
+    with tempfile.TemporaryFile("w+") as err:
+        reporter.error_stream = err
+        reporter.fail("/etc/gpugate/x.toml: free_mib: must be at least 1", 78)
+        err.seek(0)
+        assert err.read() == "gpugate: /etc/gpugate/x.toml: free_mib: must be at least 1\n"
+        ((message, fields),) = journal.entries
+        assert fields["GPUGATE_EVENT"] == "error" and fields["PRIORITY"] == "3"
+        assert fields["GPUGATE_EXIT_CODE"] == "78"
+        assert notifier.states == ["STATUS=gpugate pre: failed: " + message]
+        # Under systemd (JOURNAL_STREAM names stderr) the structured entry is the only one.
+        info = os.fstat(err.fileno())
+        monkeypatch.setenv("JOURNAL_STREAM", f"{info.st_dev}:{info.st_ino}")
+        err.seek(0)
+        err.truncate()
+        reporter.fail("again", 69)
+        err.seek(0)
+        assert err.read() == ""
+        assert len(journal.entries) == 2
+    assert "boom" not in stream.getvalue()
+
+
+def test_dry_run_marks_every_entry_and_reports_to_stdout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    journal = RecordingJournal()
+    reporter = Reporter("vllm.service", "pre", journal=journal, notifier=RecordingNotifier())
+    reporter.start_dry_run()
+    reporter.event(Event.HOLDER_FOUND, "would kill PID 5")
+    reporter.event(Event.RUN_FINISHED, "dry run: would kill 1 process(es)")
+    out, err = capsys.readouterr()
+    assert out.splitlines() == [
+        "gpugate pre vllm.service: would kill PID 5",
+        "gpugate pre vllm.service: dry run: would kill 1 process(es)",
+    ]
+    assert err == ""
+    assert [f["GPUGATE_DRY_RUN"] for _, f in journal.entries] == ["1", "1"]
+
+
+def test_clear_status_sends_an_empty_status() -> None:
+    reporter, _, notifier, _ = make()
+    reporter.status("waiting")
+    reporter.clear_status()
+    assert notifier.states == ["STATUS=gpugate pre: waiting", "STATUS="]
+
+
+def test_waiting_memory_event_at_once_then_every_10_s() -> None:
+    reporter, journal, _, _ = make()
+    now = [100.0]
+    waiting = WaitingReports(reporter, clock=lambda: now[0])
+    sent = []
+    for step in range(31):  # 30 s of a wait, polled every second
+        sent.append(waiting.memory({3: 5000, 1: 700}, 1024, 60 - step))
+        now[0] += 1.0
+    assert sent.count(True) == 4 and sent[0] and sent[10] and sent[20] and sent[30]
+    entries = journal.events("waiting")
+    assert len(entries) == 4
+    first = entries[0]
+    assert first["MESSAGE_ID"] == Event.WAITING.message_id
+    assert first["GPUGATE_GPU"] == "1,3" and first["GPUGATE_USED_MIB"] == "5700"
+    assert first["GPUGATE_WAITING_FOR"] == "memory" and first["GPUGATE_SECONDS_LEFT"] == "60"
+    assert "GPU 1 700 MiB, GPU 3 5000 MiB used (free at 1024 MiB); 60 s left" in first["MESSAGE"]
+
+
+def test_waiting_lock_event() -> None:
+    reporter, journal, _, _ = make()
+    WaitingReports(reporter).lock("GPU 2 (GPU-abc)", 2, 42.4)
+    (entry,) = journal.events("waiting")
+    assert entry["GPUGATE_WAITING_FOR"] == "lock" and entry["GPUGATE_GPU"] == "2"
+    assert "lock of GPU 2 (GPU-abc); 42 s left" in entry["MESSAGE"]
+
+
+def test_real_journal_send_gets_the_call_site_not_report_py(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    systemd_journal = pytest.importorskip("systemd.journal")
+    sent: list[dict[str, str]] = []
+    monkeypatch.setattr(
+        systemd_journal, "sendv", lambda *args: sent.append(dict(a.split("=", 1) for a in args))
+    )
+    monkeypatch.setattr(os.path, "exists", lambda path: True)
+    reporter = Reporter("vllm.service", "pre", notifier=RecordingNotifier(), echo=False)
+    reporter.event(Event.RUN_STARTED, "x")
+    (fields,) = sent
+    assert fields["MESSAGE"] == "x" and fields["SYSLOG_IDENTIFIER"] == "gpugate"
+    assert fields["CODE_FILE"] == __file__ and Path(fields["CODE_FILE"]).name != "report.py"
+    assert (
+        int(fields["CODE_LINE"]) > 0
+        and fields["CODE_FUNC"] == "test_real_journal_send_gets_the_call_site_not_report_py"
+    )

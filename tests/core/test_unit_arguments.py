@@ -1,0 +1,82 @@
+"""Unit names as an operator types them: systemctl's reading, trailing newlines, and units
+systemd does not know."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+
+from gpugate.errors import UnknownUnit
+from gpugate.install import plan_install
+from gpugate.units import UnitState, unit_argument, validate_unit_name
+
+
+@pytest.mark.parametrize(
+    ("typed", "meant"),
+    [
+        ("vllm", "vllm.service"),
+        ("vllm@a", "vllm@a.service"),
+        ("vllm@", "vllm@.service"),
+        ("sglang-7b", "sglang-7b.service"),
+        ("my.app", "my.app.service"),
+        ("vllm.service", "vllm.service"),
+        ("run-u12.scope", "run-u12.scope"),
+        ("vllm@a.service", "vllm@a.service"),
+        ("x.timer", "x.timer"),
+    ],
+)
+def test_a_name_without_a_unit_type_is_a_service(typed: str, meant: str) -> None:
+    assert unit_argument(typed) == meant
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["vllm.service\n", "vllm.service\n\n", "vllm@a.service\n", "run-u1.scope\n", "\nvllm.service"],
+)
+def test_trailing_or_leading_newline_is_no_unit_name(name: str) -> None:
+    with pytest.raises(UnknownUnit):
+        validate_unit_name(name)
+    with pytest.raises(UnknownUnit):
+        validate_unit_name(unit_argument(name))
+
+
+def states(load_state: str) -> dict[str, UnitState]:
+    return {
+        name: UnitState(name, load_state, "inactive", None)
+        for name in ("nosuch.service", "vllm.service", "vllm@a.service")
+    }
+
+
+@pytest.mark.parametrize("unit", ["nosuch.service", "vllm@a.service"])
+def test_install_on_a_unit_systemd_does_not_know_refuses_without_force(
+    unit: str, tmp_path: Path
+) -> None:
+    dirs = {"systemd_dir": tmp_path / "systemd", "config_dir": tmp_path / "gpugate"}
+    known = states("not-found")
+    with pytest.raises(UnknownUnit, match=f"unit {unit}: systemd knows no such unit"):
+        plan_install(unit, query=known.get, **dirs)
+    warned = io.StringIO()
+    changes = plan_install(unit, query=known.get, force=True, stream=warned, **dirs)
+    assert len(changes) == 2
+    assert warned.getvalue() == (
+        f"gpugate: warning: unit {unit}: systemd knows no such unit "
+        "(systemctl list-unit-files); installing anyway (--force)\n"
+    )
+
+
+@pytest.mark.parametrize("load_state", ["loaded", "masked", "bad-setting"])
+def test_install_on_a_unit_systemd_knows_says_nothing(load_state: str, tmp_path: Path) -> None:
+    dirs = {"systemd_dir": tmp_path / "systemd", "config_dir": tmp_path / "gpugate"}
+    warned = io.StringIO()
+    assert plan_install("vllm.service", query=states(load_state).get, stream=warned, **dirs)
+    assert warned.getvalue() == ""
+
+
+def test_install_without_systemd_to_ask_and_on_templates_goes_on(tmp_path: Path) -> None:
+    dirs = {"systemd_dir": tmp_path / "systemd", "config_dir": tmp_path / "gpugate"}
+    assert plan_install("vllm.service", query=lambda name: None, **dirs)
+    asked: list[str] = []
+    plan_install("vllm@.service", query=lambda name: asked.append(name) or None, **dirs)
+    assert asked == []

@@ -1,0 +1,292 @@
+"""gpugate as the real slurmd's Prolog= and Epilog= (Slurm 22.05, munge; Debian's packages,
+inside one simulated host of this module's own): one node, cgroup/v2, proctrack/cgroup,
+task/cgroup, ConstrainDevices=yes, gres gpu:8 on device-node stand-ins (loop block devices). Jobs by srun
+and sbatch; the evidence is Slurm's own (`sinfo`, `sinfo -R`, the jobs' output).
+
+slurmd (only it) runs with an LD_PRELOAD shim that shows it just the `0::` line of
+/proc/*/cgroup: the machine's kernel also mounts cgroup v1 hierarchies, which slurmd refuses
+("Hybrid mode is not supported"); a real cgroup v2 node has nothing else. Jobs, prolog and
+epilog run without it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from incident import REPO
+from realparts import install_debs, wait_for
+from sandbox import SimHost
+
+pytestmark = [pytest.mark.simhost, pytest.mark.slow]
+
+NODE = "simhost"
+SHIM_SOURCE = Path(__file__).resolve().parent / "slurm_shim" / "cgroup_v2_only.c"
+SHIM_OUT = REPO / ".simhost" / "slurm-shim" / "cgroup_v2_only.so"
+SHIM_INSIDE = "/usr/local/lib/cgroup_v2_only.so"
+MIB = 5000
+SLURM_CONF = f"""\
+ClusterName=sim
+SlurmctldHost={NODE}(127.0.0.1)
+SlurmUser=root
+AuthType=auth/munge
+ProctrackType=proctrack/cgroup
+TaskPlugin=task/cgroup
+GresTypes=gpu
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+Prolog=/etc/slurm/gpugate-prolog
+Epilog=/etc/slurm/gpugate-epilog
+PrologEpilogTimeout=60
+StateSaveLocation=/var/lib/slurm/slurmctld
+SlurmdSpoolDir=/var/lib/slurm/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=/var/log/slurm/slurmctld.log
+SlurmdLogFile=/var/log/slurm/slurmd.log
+MpiDefault=none
+ReturnToService=2
+NodeName={NODE} NodeAddr=127.0.0.1 Gres=gpu:8 CPUs=1 State=UNKNOWN
+PartitionName=gpu Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+"""
+CGROUP_CONF = "CgroupPlugin=cgroup/v2\nConstrainDevices=yes\n"
+GRES_CONF = "Name=gpu File=/dev/nvidia[0-7]\n"
+GPUGATE_SLURM = (
+    "[prolog]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
+    "[epilog]\nsigterm_grace_s = 1\nwait_timeout_s = 3\n"
+)
+# Holds /dev/nvidiaN for each N of LIST open, as CUDA does, and claims MIB on each with the
+# stand-in NVML (the driver would know), then sleeps SECONDS.
+HOLD = """\
+#!/bin/sh
+list=$1 mib=$2 n=3
+for g in $(echo "$list" | tr , ' '); do eval "exec $n</dev/nvidia$g"; n=$((n + 1)); done
+st=$(sed 's/.*) //' /proc/$$/stat | cut -d' ' -f20)
+mkdir -p /run/fake-nvml/claims
+echo "$mib $st $list" > /run/fake-nvml/claims/$$.tmp && mv /run/fake-nvml/claims/$$.tmp /run/fake-nvml/claims/$$
+exec sleep "${3:-3600}"
+"""
+
+
+def build_shim() -> Path:
+    if SHIM_OUT.exists() and SHIM_OUT.stat().st_mtime >= SHIM_SOURCE.stat().st_mtime:
+        return SHIM_OUT
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc not found: cannot build slurmd's cgroup shim")
+    SHIM_OUT.parent.mkdir(parents=True, exist_ok=True)
+    tmp = SHIM_OUT.with_suffix(".tmp")
+    subprocess.run(
+        [gcc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(tmp), str(SHIM_SOURCE), "-ldl"],
+        check=True,
+        capture_output=True,
+    )
+    tmp.replace(SHIM_OUT)
+    return SHIM_OUT
+
+
+class Node:
+    def __init__(self, sim: SimHost) -> None:
+        self.sim = sim
+
+    def sh(self, cmd: str, check: bool = True, timeout: float = 120) -> str:
+        return self.sim.run(cmd, check=check, timeout=timeout).stdout
+
+    def state(self) -> str:
+        return self.sh(f"sinfo -h -n {NODE} -o %T", check=False).strip()
+
+    def reason(self) -> str:
+        return self.sh(f"sinfo -R -h -n {NODE} -o %E", check=False).strip()
+
+    def settle(self, timeout: float = 60) -> str:
+        """Wait until no job is left and the node has finished its epilogs."""
+        wait_for("no job left", lambda: not self.sh("squeue -h", check=False).strip(), timeout)
+        return str(
+            wait_for(
+                "node done completing",
+                lambda: (s := self.state()) and "comp" not in s and s.rstrip("*"),
+                timeout,
+            )
+        )
+
+    def resume(self) -> None:
+        self.sh(f"scontrol update NodeName={NODE} State=RESUME", check=False)
+        wait_for("node idle", lambda: self.state() == "idle")
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.sh("gpugate status --json"))
+        return data
+
+    def used(self) -> dict[int, int]:
+        return {gpu["index"]: gpu["used_mib"] for gpu in self.status()["gpus"]}
+
+    def journal(self, job: int) -> list[dict[str, Any]]:
+        out = self.sh(f"journalctl --no-pager -o json GPUGATE_SLURM_JOB={job}", check=False)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def exists_file(self, path: str) -> bool:
+        return self.sim.exists(path)
+
+    def alive(self, pid: int) -> bool:
+        state = self.sh(f"sed 's/.*) //' /proc/{pid}/stat 2>/dev/null | cut -c1", check=False)
+        return state.strip() not in ("", "Z", "X")
+
+    def sbatch(self, script: str, gpus: int = 2) -> int:
+        path = f"/root/job-{abs(hash(script))}.sh"
+        self.sim.write_file(path, "#!/bin/sh\n" + script, mode=0o755)
+        out = self.sh(f"cd /root && sbatch --parsable --gres=gpu:{gpus} -o /root/%j.out {path}")
+        return int(out.strip().split(";")[0])
+
+
+@pytest.fixture(scope="module")
+def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
+    if fake_nvml_lib is None:
+        pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
+    shim = build_shim()
+    sim = SimHost.boot(nvml_lib=fake_nvml_lib, gpus=8)
+    try:
+        sim.install_gpugate(REPO)
+        sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
+        install_debs(sim, "slurm", ["slurmctld", "slurmd", "slurm-client", "munge"])
+        sim.write_file(SHIM_INSIDE, shim.read_bytes(), mode=0o755)
+        # slurmd rejects plain files as gres ("not a valid character or block device") and
+        # then sets no SLURM_JOB_GPUS. Each stand-in needs its own device number, and one no
+        # job needs otherwise: ConstrainDevices denies a job the numbers of the GPUs it was
+        # not given (with all at 1:3, /dev/null itself). The loop block devices 7:0-7:7 open
+        # like any file and are not otherwise used by a job.
+        sim.run(
+            "for i in 0 1 2 3 4 5 6 7; do rm -f /dev/nvidia$i; mknod -m 666 /dev/nvidia$i b 7 $i;"
+            f" done; hostname {NODE}; echo '127.0.0.1 {NODE}' >> /etc/hosts;"
+            " ip addr add 127.0.0.2/8 dev lo;"
+            " mkdir -p /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm"
+        )
+        sim.write_file("/etc/slurm/slurm.conf", SLURM_CONF)
+        sim.write_file("/etc/slurm/cgroup.conf", CGROUP_CONF)
+        sim.write_file("/etc/slurm/gres.conf", GRES_CONF)
+        for phase in ("prolog", "epilog"):
+            sim.write_file(
+                f"/etc/slurm/gpugate-{phase}",
+                f"#!/bin/sh\nexec /usr/bin/gpugate slurm {phase}\n",
+                mode=0o755,
+            )
+        sim.write_file("/etc/gpugate/slurm.toml", GPUGATE_SLURM)
+        sim.write_file("/usr/local/bin/hold-gpus", HOLD, mode=0o755)
+        sim.write_file(
+            "/etc/systemd/system/slurmd.service.d/cgroup-v2-only.conf",
+            f"[Service]\nEnvironment=LD_PRELOAD={SHIM_INSIDE}\n",
+        )
+        sim.run(
+            "test -s /etc/munge/munge.key || (dd if=/dev/urandom bs=1 count=1024 "
+            "> /etc/munge/munge.key 2>/dev/null && chown munge:munge /etc/munge/munge.key "
+            "&& chmod 400 /etc/munge/munge.key)"
+        )
+        sim.daemon_reload()
+        sim.systemctl("start", "munge.service", "slurmctld.service")
+        started = sim.systemctl("start", "slurmd.service", check=False)
+        n = Node(sim)
+        if started.returncode:
+            raise AssertionError(
+                "slurmd did not start:\n" + n.sh("tail -20 /var/log/slurm/slurmd.log", False)
+            )
+        try:
+            wait_for("node idle", lambda: n.state() == "idle", timeout=60)
+        except AssertionError as err:
+            logs = n.sh("tail -15 /var/log/slurm/slurmd.log /var/log/slurm/slurmctld.log", False)
+            raise AssertionError(f"{err}\n{logs}") from None
+        yield n
+    finally:
+        sim.poweroff()
+
+
+@pytest.fixture
+def clean(node: Node) -> Iterator[Node]:
+    yield node
+    node.sh("scancel --user=root 2>/dev/null; rm -f /run/fake-nvml/leak/*", check=False)
+    node.settle()
+    if node.state() != "idle":
+        node.resume()
+
+
+def test_clean_srun_job_runs_with_its_gpus_and_leaves_the_node_idle(clean: Node) -> None:
+    out = clean.sh(
+        "cd /root && srun --gres=gpu:2 /bin/sh -c 'echo job=$SLURM_JOB_ID "
+        "job_gpus=$SLURM_JOB_GPUS step_gpus=$SLURM_STEP_GPUS cuda=$CUDA_VISIBLE_DEVICES; "
+        "cat /proc/self/cgroup | tail -1; hold-gpus $SLURM_STEP_GPUS 1000 1'",
+        timeout=120,
+    )
+    first, cgroup = out.strip().splitlines()[:2]
+    fields = dict(item.split("=", 1) for item in first.split())
+    # What slurmd really gives an srun task: SLURM_JOB_GPUS empty, SLURM_STEP_GPUS set.
+    assert fields["job_gpus"] == "" and fields["step_gpus"] == "0,1" == fields["cuda"]
+    job = int(fields["job"])
+    # ... in a scope named after the node (Debian's multiple-slurmd build)
+    assert cgroup == f"0::/system.slice/{NODE}_slurmstepd.scope/job_{job}/step_0/user/task_0"
+    assert clean.settle() == "idle" and clean.reason() == ""
+    entries = clean.journal(job)
+    finished = [e for e in entries if e.get("GPUGATE_EVENT") == "run_finished"]
+    assert {e["GPUGATE_PHASE"] for e in finished} == {"prolog", "epilog"}
+    assert all(e["GPUGATE_RESULT"] == "success" for e in finished)
+    started = [e for e in entries if e.get("GPUGATE_EVENT") == "run_started"]
+    assert all("2 GPU(s) [0, 1]" in e["MESSAGE"] for e in started)
+
+
+def test_orphan_outside_the_job_cgroup_is_killed_other_jobs_untouched(clean: Node) -> None:
+    other = clean.sbatch("exec hold-gpus $SLURM_JOB_GPUS 2000")
+    wait_for("the other job on its GPUs", lambda: clean.used().get(0) == 2000)
+    # A root job whose child moves itself out of the job's cgroup and outlives the job.
+    job = clean.sbatch(
+        "mkdir -p /sys/fs/cgroup/stray; "
+        "sh -c 'echo $$ > /sys/fs/cgroup/stray/cgroup.procs; echo $$ > /root/orphan.pid; "
+        "exec hold-gpus $SLURM_JOB_GPUS 3000' & sleep 2; exit 0"
+    )
+    wait_for("job done", lambda: not clean.sh(f"squeue -h -j {job}", check=False).strip())
+    wait_for("node done completing", lambda: "comp" not in clean.state())
+    said = clean.sh(f"cat /root/{job}.out", check=False)
+    assert clean.exists_file("/root/orphan.pid"), said
+    orphan = int(clean.sh("cat /root/orphan.pid").strip())
+    assert not clean.alive(orphan)
+    assert clean.state() in ("mixed", "allocated", "idle") and clean.reason() == ""
+    used = clean.used()
+    assert used[2] == 0 and used[3] == 0 and used[0] == 2000 and used[1] == 2000
+    signalled = [e for e in clean.journal(job) if e.get("GPUGATE_EVENT") == "signal_sent"]
+    assert {e["GPUGATE_PID"] for e in signalled} == {str(orphan)}
+    assert {e["GPUGATE_PHASE"] for e in signalled} == {"epilog"}
+    assert all(e["GPUGATE_ROLE"] == "orphan" for e in signalled)
+    assert clean.sh(f"squeue -h -j {other} -o %T").strip() == "RUNNING"
+
+
+def test_leaked_memory_fails_the_epilog_and_drains_with_gpugates_reason(clean: Node) -> None:
+    # The driver keeps 7000 MiB of the job's GPUs used with no process left.
+    job = clean.sbatch(
+        "mkdir -p /run/fake-nvml/leak; "
+        "for g in $(echo $SLURM_JOB_GPUS | tr , ' '); do echo 7000 > /run/fake-nvml/leak/$g; done"
+    )
+    try:
+        wait_for("node drained", lambda: "drain" in clean.state(), timeout=60)
+    except AssertionError as err:
+        said = clean.sh(f"cat /root/{job}.out; scontrol show job {job} | head -5", check=False)
+        raise AssertionError(f"{err}\n{said}") from None
+    reason = clean.reason()
+    assert reason.startswith(f"gpugate epilog job {job}: GPU 0 (")
+    assert "still 7000 MiB used" in reason and reason.endswith("(exit 6)")
+
+
+def test_prolog_kills_a_stale_holder_on_the_jobs_gpus(clean: Node) -> None:
+    clean.sim.spawn_scope(["/usr/local/bin/hold-gpus", "0,1", "4000"], unit="stale.scope")
+    wait_for("the stale holder's memory", lambda: clean.used()[0] == 4000)
+    stale = int(clean.sh("cat /sys/fs/cgroup/user.slice/stale.scope/cgroup.procs").split()[0])
+    job = clean.sbatch("echo ran on $SLURM_JOB_GPUS")
+    assert clean.settle() == "idle" and clean.reason() == ""
+    assert clean.sh(f"cat /root/{job}.out").strip() == "ran on 0,1"
+    assert not clean.alive(stale)
+    killed = [
+        e
+        for e in clean.journal(job)
+        if e.get("GPUGATE_EVENT") == "signal_sent" and e.get("GPUGATE_PHASE") == "prolog"
+    ]
+    assert {e["GPUGATE_PID"] for e in killed} == {str(stale)}
