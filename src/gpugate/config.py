@@ -135,8 +135,9 @@ class GateConfig(_Frozen):
         strict=False,
         description="Never killed, by the unit their cgroup belongs to.",
     )
-    ports: tuple[Annotated[int, Field(ge=1, le=65535)], ...] = Field(
+    ports: tuple[Annotated[int, Field(strict=True, ge=1, le=65535)], ...] = Field(
         default=(),
+        strict=False,  # a TOML list becomes the tuple; each port stays a strict int
         description="The unit's TCP ports: before it starts (pre), a process listening on one "
         "is a holder like a GPU holder, and pre returns once they are free.",
     )

@@ -226,7 +226,7 @@ def render_table(data: dict[str, Any]) -> str:
             found = holder["container"]
             unit = f"{found['runtime']}:{found['name'] or found['id'][:12]}"
         command = " ".join(holder["command"]) or f"[{holder['comm']}]"
-        ports = ",".join(str(port) for port in holder["ports"]) or "-"
+        ports = ",".join(str(port) for port in holder.get("ports", ())) or "-"
         lines.append(
             f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
             f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "

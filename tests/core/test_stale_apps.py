@@ -327,4 +327,5 @@ def test_status_shows_watchers_and_the_units_ports(host: FakeHost) -> None:
     table = render_table(data)
     (line,) = [row for row in table.splitlines() if row.lstrip().startswith(str(listener))]
     assert f" {port} " in line
-    assert "(watcher)" in next(r for r in table.splitlines() if r.lstrip().startswith(str(watcher)))
+    row = next(r for r in table.splitlines() if r.lstrip().startswith(str(watcher)))
+    assert row.split()[2] == "watcher"  # the ROLE column
