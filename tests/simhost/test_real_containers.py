@@ -16,6 +16,8 @@ from incident import REPO
 from realparts import install_debs, wait_for
 from sandbox import SimHost
 
+from gpugate.errors import ExitCode
+
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 UNIT = "vllm-docker.service"
@@ -251,7 +253,7 @@ def test_podman_container_refused_then_stopped_through_podman(box: Box) -> None:
     config = "gpus = [3]\n[pre]\nsigterm_grace_s = 1\nwait_timeout_s = 20\n"
     sim.write_file("/etc/gpugate/tgi.service.toml", config)
     refused = sim.run(["gpugate", "pre", "tgi.service"], check=False)
-    assert refused.returncode == 7, refused.stderr
+    assert refused.returncode == ExitCode.HELD_BY_OTHERS, refused.stderr
     assert f"podman container pod-llm ({container['Id'][:12]}) holds GPU 3" in refused.stderr
     assert box.ps("podman")[0]["State"] == "running"
 

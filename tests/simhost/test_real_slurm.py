@@ -23,6 +23,8 @@ from incident import REPO
 from realparts import install_debs, wait_for
 from sandbox import SimHost
 
+from gpugate.errors import ExitCode
+
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 NODE = "simhost"
@@ -273,7 +275,9 @@ def test_leaked_memory_fails_the_epilog_and_drains_with_gpugates_reason(clean: N
         raise AssertionError(f"{err}\n{said}") from None
     reason = clean.reason()
     assert reason.startswith(f"gpugate epilog job {job}: GPU 0 (")
-    assert "still 7000 MiB used" in reason and reason.endswith("(exit 6)")
+    assert "still 7000 MiB used" in reason and reason.endswith(
+        f"(exit {int(ExitCode.MEMORY_TIMEOUT)})"
+    )
 
 
 def test_prolog_kills_a_stale_holder_on_the_jobs_gpus(clean: Node) -> None:
