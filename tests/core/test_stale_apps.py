@@ -41,8 +41,13 @@ LISTENER = textwrap.dedent(
 GPU_USER = textwrap.dedent(
     """
     import os, sys, time
+    pid = os.getpid()
+    with open(f"/proc/{pid}/stat") as stat:  # registered for the test's cleanup
+        start = stat.read().rsplit(")", 1)[1].split()[19]
+    with open(os.path.join(sys.argv[2], "..", "started", str(pid)), "w") as f:
+        f.write(start)
     handle = open(sys.argv[1], "rb")
-    with open(os.path.join(sys.argv[2], str(os.getpid())), "w") as f:
+    with open(os.path.join(sys.argv[2], str(pid)), "w") as f:
         f.write("0 5000")
     time.sleep(3600)
     """
@@ -192,7 +197,7 @@ def test_port_is_only_the_concern_of_pre(host: FakeHost) -> None:
     assert summary.exit_code is ExitCode.OK and alive(listener)
 
 
-def test_port_server_whole_app_is_taken(host: FakeHost) -> None:
+def test_port_server_whole_app_is_taken(host: FakeHost, claims: Path) -> None:
     # The API server listens, its worker holds GPU 0: one application, both found.
     port = free_port()
     script = host.root / "server.sh"
@@ -201,8 +206,6 @@ def test_port_server_whole_app_is_taken(host: FakeHost) -> None:
         f"{sys.executable} -c {_q(GPU_USER)} {host.dev / 'nvidia0'} {host.root}/claims &\n"
         "wait\n"
     )
-    (host.root / "claims").mkdir()
-    host.memory.claim_dir = host.root / "claims"
     launcher = host.pool.command(["setsid", "bash", str(script)])
     deadline = time.monotonic() + 15
     while not (host.root / "ready").exists() or not list((host.root / "claims").iterdir()):
@@ -218,11 +221,19 @@ def test_port_server_whole_app_is_taken(host: FakeHost) -> None:
 
 
 @pytest.fixture
-def claims(host: FakeHost) -> Path:
+def claims(host: FakeHost) -> Iterator[Path]:
     directory = host.root / "claims"
     directory.mkdir(exist_ok=True)
+    (host.root / "started").mkdir(exist_ok=True)
     host.memory.claim_dir = directory
-    return directory
+    yield directory
+    # A loop may have started one more just as gpugate killed it (then orphaned): each GPU
+    # user registered itself with its start time; take what still lives.
+    for path in (host.root / "started").iterdir():
+        pid = int(path.name)
+        if alive(pid, int(path.read_text())):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture
