@@ -24,8 +24,8 @@ PROMETHEUS = "http://127.0.0.1:9090"
 README = REPO / "README.md"
 CONFIG = (
     f'metrics_textfile = "{TEXTFILE_DIR}/gpugate.prom"\n'
-    "[pre]\nsigterm_grace_s = 1\nwait_timeout_s = 2\n"
-    "[post]\nsigterm_grace_s = 1\nwait_timeout_s = 2\n"
+    "[pre]\nsigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\nwait_timeout_s = 2\n"
+    "[post]\nsigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\nwait_timeout_s = 2\n"
 )
 PROMETHEUS_YML = """\
 global:

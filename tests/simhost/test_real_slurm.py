@@ -60,7 +60,7 @@ CGROUP_CONF = "CgroupPlugin=cgroup/v2\nConstrainDevices=yes\n"
 GRES_CONF = "Name=gpu File=/dev/nvidia[0-7]\n"
 GPUGATE_SLURM = (
     "[prolog]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
-    "[epilog]\nsigterm_grace_s = 1\nwait_timeout_s = 3\n"
+    "[epilog]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\nwait_timeout_s = 3\n"
 )
 # Holds /dev/nvidiaN for each N of LIST open, as CUDA does, and claims MIB on each with the
 # stand-in NVML (the driver would know), then sleeps SECONDS.
