@@ -13,11 +13,12 @@ from pathlib import Path
 from typing import NoReturn
 
 from gpugate import __version__
-from gpugate.config import load_config, to_toml
+from gpugate.config_file import load_config
 from gpugate.errors import ExitCode, GateError, UnknownUnit, exit_code_summary
 from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver, NvmlDriver
 from gpugate.report import Reporter, ReporterFactory
+from gpugate.toml_text import to_toml
 from gpugate.units import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))

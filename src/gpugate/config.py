@@ -1,37 +1,30 @@
-"""The unit's gpugate configuration: pydantic models and where they are read from.
+"""The unit's gpugate configuration: the pydantic models of its fields, and the loaded result.
 
-Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
-instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
-Only what an operator sets lives here; where gpugate looks (/dev, /proc, the cgroup tree) is
-`host.HostRoots`.
+Where the file is found and how it is read is `config_file`. Only what an operator sets
+lives here; where gpugate looks (/dev, /proc, the cgroup tree) is `host.HostRoots`.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
-from gpugate.errors import ConfigError, GateError
+from gpugate.errors import GateError, echo
 from gpugate.gpulist import GpuListError, GpuRef, gpu_refs
 from gpugate.units import validate_unit_name
 
-DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
-ECHO_MAX = 60  # characters of a value (or key) an error message repeats
 CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")  # docker's and podman's rule
 
 DEFAULT_PROTECTED_EXECUTABLES = (
@@ -229,136 +222,3 @@ class GateConfig(_Frozen):
 class LoadedConfig:
     config: GateConfig
     source: str  # the file it came from, or BUILTIN_SOURCE
-
-
-def parse_config(text: str, source: str) -> GateConfig:
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
-    try:
-        return GateConfig.model_validate(data)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = "unknown key" + _did_you_mean(parts)
-        elif first["type"] in STRICT_TYPE_ERRORS:
-            shown = first["input"]
-            if isinstance(shown, bool | int | float | str):
-                shown = toml_value(shown)
-            message += f", not {_toml_type(first['input'])} {echo(shown, quote=False)}"
-        field = echo(".".join(parts), quote=False)
-        raise ConfigError(source, field or "(top level)", message + more) from None
-
-
-STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
-
-
-def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
-    """A value as an error message repeats it: repr'd, and cut short (a 10 MB value in a
-    config file must not become a 10 MB stderr line)."""
-    text = repr(value) if quote else str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _toml_type(value: object) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
-    return names.get(type(value), "a " + type(value).__name__)
-
-
-def _did_you_mean(parts: list[str]) -> str:
-    model: type[BaseModel] = GateConfig
-    for part in parts[:-1]:
-        annotation: Any = (
-            model.model_fields[part].annotation if part in model.model_fields else None
-        )
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        model = annotation
-    close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _is_union_tag(part: object) -> bool:
-    # pydantic adds the union branch ("literal['all']", "tuple[...]") to the error location.
-    return isinstance(part, str) and ("[" in part or part in {"int", "str"})
-
-
-def toml_value(value: object) -> str:
-    """One value as TOML: enough for gpugate's config (scalars and flat lists)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int | float):
-        return repr(value)
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def to_toml(data: dict[str, object], prefix: str = "") -> str:
-    """Enough TOML for gpugate's config: scalars, lists and nested tables."""
-    lines: list[str] = []
-    tables: list[str] = []
-    for key, value in data.items():
-        if value is None:
-            lines.append(f"# {key}: not set")
-        elif isinstance(value, dict):
-            name = f"{prefix}{key}"
-            tables.append(f"\n\n[{name}]\n" + to_toml(value, f"{name}."))
-        else:
-            lines.append(f"{key} = {toml_value(value)}")
-    return "\n".join(lines) + "".join(tables)
-
-
-def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:
-    paths: list[Path] = []
-    if unit:
-        paths.append(config_dir / f"{unit}.toml")
-        prefix, at, rest = unit.partition("@")
-        if at and "." in rest:
-            paths.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
-    paths.append(config_dir / "default.toml")
-    return paths
-
-
-def load_config(
-    unit: str | None, explicit: Path | None = None, config_dir: Path = DEFAULT_CONFIG_DIR
-) -> LoadedConfig:
-    if explicit is not None:
-        loaded = LoadedConfig(parse_config(_read(explicit), str(explicit)), str(explicit))
-    else:
-        path = next((p for p in candidate_paths(unit, config_dir) if p.exists()), None)
-        if path is None:
-            loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
-        else:
-            loaded = LoadedConfig(parse_config(_read(path), str(path)), str(path))
-    check_lock_dir(loaded)
-    return loaded
-
-
-def check_lock_dir(loaded: LoadedConfig) -> None:
-    """lock_dir must be, or be able to become, a folder (it is made at the first run);
-    whether gpugate may write there is the run's to find out (a permission error)."""
-    lock_dir = existing = loaded.config.lock_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(str(path), "", "no such file") from None
-    except PermissionError:
-        raise ConfigError(str(path), "", "permission denied reading it") from None
-    except IsADirectoryError:
-        raise ConfigError(str(path), "", "is a directory, not a TOML file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(str(path), "", "is not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(str(path), "", exc.strerror or str(exc)) from None

@@ -116,3 +116,13 @@ class InstallError(GateError):
 
 class ManualRunRefused(GateError):
     exit_code = ExitCode.MANUAL_RUN_REFUSED
+
+
+ECHO_MAX = 60  # characters of a value (or key) an error message repeats
+
+
+def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
+    """A value as an error message repeats it: repr'd, and cut short (a 10 MB value in a
+    config file must not become a 10 MB stderr line)."""
+    text = repr(value) if quote else str(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -22,15 +22,11 @@ from pathlib import Path
 from typing import Literal, TextIO
 
 from gpugate.atomic import write_atomically
-from gpugate.config import (
-    CONTAINER_NAME,
-    DEFAULT_CONFIG_DIR,
-    GateConfig,
-    PhasePolicy,
-    toml_value,
-)
+from gpugate.config import CONTAINER_NAME, GateConfig, PhasePolicy
+from gpugate.config_file import DEFAULT_CONFIG_DIR
 from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
 from gpugate.gpulist import GpuListError, parse_gpu_text
+from gpugate.toml_text import toml_value
 from gpugate.units import UnitState, query_unit, systemd_running, validate_unit_name
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config import DEFAULT_CONFIG_DIR, LoadedConfig, load_config
+from gpugate.config import LoadedConfig
+from gpugate.config_file import DEFAULT_CONFIG_DIR, load_config
 from gpugate.errors import ExitCode, GateError
 from gpugate.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.hook import Hook, run_hook

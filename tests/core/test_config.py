@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config import BUILTIN_SOURCE, GateConfig, load_config, parse_config
+from gpugate.config import BUILTIN_SOURCE, GateConfig
+from gpugate.config_file import load_config, parse_config
 from gpugate.discover import owned_gpus
 from gpugate.errors import ConfigError
 from tests.fakes import FakeGpuMemory

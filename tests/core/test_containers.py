@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config import parse_config
+from gpugate.config_file import parse_config
 from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.decide import Role, Verdict, decide
 from gpugate.discover import Discovery, Holder, Source

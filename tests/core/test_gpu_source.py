@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config import BUILTIN_SOURCE, GateConfig, LoadedConfig, parse_config
+from gpugate.config import BUILTIN_SOURCE, GateConfig, LoadedConfig
+from gpugate.config_file import parse_config
 from gpugate.errors import ConfigError, UnknownUnit
 from gpugate.gpu_source import choose_gpus, parse_visible_devices, with_chosen_gpus
 from gpugate.units import UnitEnvironment, parse_environment_file, unit_environment

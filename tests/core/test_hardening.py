@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpugate.cli import main
-from gpugate.config import parse_config
+from gpugate.config_file import parse_config
 from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
 from gpugate.host import HostRoots
 from gpugate.locks import gpu_locks

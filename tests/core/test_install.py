@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpugate.config import parse_config
+from gpugate.config_file import parse_config
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
 from gpugate.install import (
     DEFAULT_GPUGATE,
