@@ -324,14 +324,14 @@ def _container(value: str) -> str:
 
 
 def _install(args: argparse.Namespace, front: Front) -> int:
-    from gpugate import install  # noqa: PLC0415
+    from gpugate import install, install_files  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
         changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
     else:
-        gpugate_path = args.gpugate_path or install.default_gpugate_path()
+        gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
         changes = install.plan_install(
             args.unit,
             gpus=args.gpus,

@@ -15,18 +15,8 @@ import pytest
 
 from gpugate.config_file import parse_config
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
-from gpugate.install import (
-    DEFAULT_GPUGATE,
-    Action,
-    Ownership,
-    apply,
-    ownership,
-    parse_gpus,
-    plan_install,
-    plan_uninstall,
-    render_dropin,
-    with_header,
-)
+from gpugate.install import Action, apply, parse_gpus, plan_install, plan_uninstall
+from gpugate.install_files import DEFAULT_GPUGATE, Ownership, ownership, render_dropin, with_header
 
 UNIT = "vllm.service"
 
