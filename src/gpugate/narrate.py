@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpugate.containers import StopResult
-from gpugate.decide import Choice, Decision, Role
+from gpugate.decide import Choice, Decision
 from gpugate.discover import Discovery
 from gpugate.errors import GateError
 from gpugate.nvml import Gpu
@@ -24,6 +24,7 @@ from gpugate.report import (
     WaitingReports,
 )
 from gpugate.respawn import Respawner
+from gpugate.roles import Role
 
 MAX_COMMAND = 200
 MAX_LISTED_PIDS = 10

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gpugate.config import GpuSelection, LoadedConfig
 from gpugate.containers import stop_containers
-from gpugate.decide import Choice, Decision, Role, decide
+from gpugate.decide import Choice, Decision, decide
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.gpu_source import selection
@@ -29,6 +29,7 @@ from gpugate.ports import listening_sockets
 from gpugate.procfs import ProcessId, ProcFs
 from gpugate.report import Reporter
 from gpugate.respawn import RespawnWatch
+from gpugate.roles import Role
 from gpugate.shared_host import (
     HostContext,
     after_run,

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from gpugate.decide import Choice, ProcessTree
+from gpugate.app_tree import ProcessTree
+from gpugate.decide import Choice
 from gpugate.procfs import ProcessId, ProcInfo
 
 MAX_ANCESTRY = 16

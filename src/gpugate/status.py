@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from gpugate.config import LoadedConfig
-from gpugate.decide import Role, holder_role
 from gpugate.discover import Discovery, discover
 from gpugate.gpu_source import choose_gpus, selection, with_chosen_gpus
 from gpugate.host import HostRoots
 from gpugate.leases import leases_by_gpu, read_leases
 from gpugate.nvml import GpuDriver
 from gpugate.procfs import ProcFs
+from gpugate.roles import Role, holder_role
 from gpugate.units import resolve_unit_cgroup, unit_of_cgroup
 
 JSON_VERSION = 1

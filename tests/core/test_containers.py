@@ -13,10 +13,11 @@ import pytest
 
 from gpugate.config_file import parse_config
 from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.decide import Role, Verdict, decide
+from gpugate.decide import Verdict, decide
 from gpugate.discover import Discovery, Holder, Source
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.nvml import Gpu
+from gpugate.roles import Role
 from tests.core.test_decide import Table, proc
 from tests.fakes import FakeHost, alive
 

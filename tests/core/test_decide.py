@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpugate.config import GateConfig
-from gpugate.decide import Decision, Role, Verdict, decide, in_cgroup
+from gpugate.decide import Decision, Verdict, decide
 from gpugate.discover import Discovery, Holder, Source
 from gpugate.nvml import Gpu
 from gpugate.procfs import ProcInfo
+from gpugate.roles import Role, in_cgroup
 
 UNIT_CG = "/system.slice/vllm.service"
 CGROUPS = [

@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from gpugate.app_tree import app_tree
 from gpugate.config import GateConfig
-from gpugate.decide import app_tree
 from gpugate.discover import Discovery, self_and_ancestors
 from gpugate.procfs import ProcFs
 
