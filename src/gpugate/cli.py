@@ -1,4 +1,5 @@
-"""Command line: `gpugate pre|post|status|config check|install|uninstall|slurm`."""
+"""Command line: `gpugate pre|post|status|config check|install|uninstall|slurm`: the parser
+and main(); the handlers it dispatches to are `commands`."""
 
 from __future__ import annotations
 
@@ -7,22 +8,26 @@ import contextlib
 import os
 import sys
 import textwrap
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
 from gpugate import __version__
-from gpugate.config_file import load_config
-from gpugate.errors import ExitCode, GateError, UnknownUnit, exit_code_summary
+from gpugate.commands import (
+    Front,
+    Handler,
+    config_check_command,
+    hook_command,
+    install_command,
+    slurm_command,
+    status_command,
+)
+from gpugate.errors import ExitCode, GateError, exit_code_summary
 from gpugate.host import HostRoots
 from gpugate.nvml import GpuDriver, NvmlDriver
 from gpugate.report import Reporter, ReporterFactory
-from gpugate.toml_text import to_toml
-from gpugate.units import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
-Handler = Callable[[argparse.Namespace, "Front"], int]
 
 
 class Parser(argparse.ArgumentParser):
@@ -31,32 +36,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
-
-
-class Front:
-    """What a command may touch, injected by tests; production's real defaults."""
-
-    def __init__(
-        self,
-        *,
-        driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-        reporter_factory: ReporterFactory = Reporter,
-        roots: HostRoots | None = None,
-        environ: Mapping[str, str] | None = None,
-        unit_state: Callable[[str], str | None] | None = None,
-    ) -> None:
-        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
-        self.driver_factory = driver_factory
-        self.reporter_factory = reporter_factory
-        self.environ = os.environ if environ is None else environ
-        self._roots = roots
-        self.unit_state = unit_state or _systemd_active_state
-
-    @property
-    def roots(self) -> HostRoots:
-        if self._roots is None:
-            self._roots = HostRoots.from_environ(self.environ)
-        return self._roots
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run by hand even while the unit is active (kills the running service)",
         )
-        sub.set_defaults(func=_hook)
+        sub.set_defaults(func=hook_command)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
     shown = status.add_mutually_exclusive_group()
@@ -89,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument(
         "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
     )
-    status.set_defaults(func=_status)
+    status.set_defaults(func=status_command)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
     check.add_argument("path", nargs="?", type=Path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
-    check.set_defaults(func=_config_check)
+    check.set_defaults(func=config_check_command)
     _install_parsers(commands)
     _slurm_parsers(commands)
     return parser
@@ -117,7 +96,7 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         sub = phases.add_parser(phase, help=text, description=text, epilog=EPILOG)
         sub.add_argument("--config", type=Path, help="config file (default: /etc/gpugate lookup)")
         _dry_run(sub)
-        sub.set_defaults(func=_slurm)
+        sub.set_defaults(func=slurm_command)
 
 
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -134,7 +113,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
         sub.add_argument("--systemd-dir", type=Path, default=Path("/etc/systemd/system"))
         sub.add_argument("--config-dir", type=Path, default=Path("/etc/gpugate"))
-        sub.set_defaults(func=_install)
+        sub.set_defaults(func=install_command)
     install.add_argument(
         "--gpus",
         type=_gpus,
@@ -221,84 +200,6 @@ def run() -> None:
     os._exit(code)
 
 
-def _systemd_active_state(unit: str) -> str | None:
-    from gpugate.units import query_unit  # noqa: PLC0415
-
-    state = query_unit(unit)
-    return state.active_state if state is not None else None
-
-
-def _hook(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.hook import Hook, run_hook  # noqa: PLC0415
-    from gpugate.hook_guard import manual_run_guard  # noqa: PLC0415
-
-    unit = unit_argument(args.unit) if args.unit else own_unit()
-    if unit is None:
-        raise UnknownUnit(
-            "no UNIT given and gpugate is not running inside a service's cgroup; "
-            "pass the unit (%n in a unit file)"
-        )
-    validate_unit_name(unit)
-    loaded = load_config(unit, args.config)
-    roots = front.roots
-    hook = Hook(
-        args.command,
-        unit,
-        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
-        metrics_unit=unit,
-    )
-    manual_refusal = manual_run_guard(
-        args.command,
-        unit,
-        front.unit_state,
-        front.environ,
-        force=args.force,
-        dry_run=args.dry_run,
-        proc_root=roots.proc,
-    )
-    outcome = run_hook(
-        hook,
-        loaded,
-        front.reporter_factory(unit, args.command),
-        roots=roots,
-        dry_run=args.dry_run,
-        driver_factory=front.driver_factory,
-        environ=front.environ,
-        manual_refusal=manual_refusal,
-    )
-    return int(outcome.exit_code)
-
-
-def _slurm(args: argparse.Namespace, front: Front) -> int:
-    from gpugate import slurm  # noqa: PLC0415
-
-    return slurm.main(
-        args.slurm_phase,
-        config_path=args.config,
-        dry_run=args.dry_run,
-        environ=front.environ,
-        driver_factory=front.driver_factory,
-        reporter_factory=front.reporter_factory,
-        roots=front.roots,
-    )
-
-
-def _config_check(args: argparse.Namespace, front: Front) -> int:
-    unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
-    loaded = load_config(unit, args.path)
-    print(f"# effective configuration, from {loaded.source}")
-    if unit is not None:
-        from gpugate.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
-
-        environment = None if front.roots.ask_systemd else (lambda _: None)
-        choice = choose_gpus(unit, loaded, environment)
-        shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
-        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
-        loaded = with_chosen_gpus(loaded, choice)
-    print(to_toml(loaded.config.model_dump(mode="json")))
-    return int(ExitCode.OK)
-
-
 def _gpus(value: str) -> object:
     from gpugate.install import parse_gpus  # noqa: PLC0415
 
@@ -321,71 +222,3 @@ def _container(value: str) -> str:
         return parse_container(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _install(args: argparse.Namespace, front: Front) -> int:
-    from gpugate import install, install_files  # noqa: PLC0415
-
-    dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
-    args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
-    if args.command == "uninstall":
-        changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
-    else:
-        gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
-        changes = install.plan_install(
-            args.unit,
-            gpus=args.gpus,
-            ports=args.ports,
-            containers=args.containers,
-            gpugate_path=gpugate_path,
-            force=args.force,
-            **dirs,
-        )
-        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
-            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
-    reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
-    changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
-    if changed and args.command == "install":
-        print(f"takes effect at the next start: systemctl restart {args.unit}")
-    return int(ExitCode.OK)
-
-
-def _status(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.status import (  # noqa: PLC0415
-        as_dict,
-        collect,
-        render_json,
-        render_table,
-        unreadable_warning,
-    )
-
-    unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
-    loaded = load_config(unit, args.config)
-    roots = front.roots
-    driver = front.driver_factory()
-    try:
-        warned = False
-        while True:
-            discovery = collect(unit, loaded, driver, roots)
-            warning = unreadable_warning(discovery)
-            if warning and not warned:  # once, also in --watch
-                print(warning, file=sys.stderr, flush=True)
-                warned = True
-            data = as_dict(discovery, loaded, roots)
-            if not args.watch:
-                print(render_json(data) if args.json else render_table(data), flush=True)
-                return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
-            # Home and clear the screen, then the table, as watch(1) draws it.
-            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
-            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
-            time.sleep(1)
-    except KeyboardInterrupt:
-        return int(ExitCode.OK)  # how --watch ends
-    except BrokenPipeError:
-        # `gpugate status | head`: the reader has all it wanted. Point stdout at /dev/null so
-        # that the interpreter's last flush does not fail once more.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return int(ExitCode.OK)
-    finally:
-        driver.close()

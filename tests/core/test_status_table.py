@@ -184,7 +184,7 @@ def test_watch_redraws_until_interrupted(
         if len(draws) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpugate.cli.time.sleep", sleep)
+    monkeypatch.setattr("gpugate.commands.time.sleep", sleep)
     assert run_status(host, "--watch") == 0
     out = capsys.readouterr().out
     assert out.count("\x1b[H\x1b[J") == 3 and draws == [1, 1, 1]
