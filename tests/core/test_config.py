@@ -6,8 +6,8 @@ import pytest
 
 from gpugate.config import BUILTIN_SOURCE, GateConfig
 from gpugate.config_file import load_config, parse_config
-from gpugate.discover import owned_gpus
 from gpugate.errors import ConfigError
+from gpugate.owned_gpus import owned_gpus
 from tests.fakes import FakeGpuMemory
 
 BAD = [
