@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any
 
 from gpugate.config import GateConfig, LoadedConfig
+from gpugate.hook import run_phase
 from gpugate.host import HostRoots
 from gpugate.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.outcome import RunSummary
-from gpugate.pipeline import RunScope, run_phase
+from gpugate.pipeline import RunScope
 from gpugate.report import Reporter
 
 

@@ -173,3 +173,7 @@ def _add_app_trees(
                     holder, seed.role, Verdict.KILL, f"same application as PID {seed.holder.pid}"
                 )
             )
+
+
+def spared_for_good(decision: Decision) -> set[int]:
+    return {c.holder.pid for c in decision.spared if c.role is not Role.WATCHER}

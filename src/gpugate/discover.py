@@ -2,8 +2,9 @@
 
 Four sources, each recorded on the holder: the unit's cgroup (and the cgroups of the
 containers its config names), /proc/PID/fd links and /proc/PID/maps entries naming
-/dev/nvidiaN, and NVML's process lists. (The fourth kind of
-target, the rest of a stale application, is chosen in `decide`, which walks the tree.) Which GPUs are the unit's is `owned_gpus`.
+/dev/nvidiaN, and NVML's process lists. (The fourth kind of target, the rest of a stale
+application, is chosen in `decide`, which walks the tree.) Which GPUs are the unit's is
+`owned_gpus`.
 """
 
 from __future__ import annotations

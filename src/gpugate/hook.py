@@ -3,6 +3,7 @@ Prolog=/Epilog=: locate the cgroup, run the phase, say a failure once, record th
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -10,15 +11,17 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from gpugate.config import LoadedConfig
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.host import HostRoots
 from gpugate.kill import Pinned, pin
 from gpugate.narrate import Narrator
-from gpugate.nvml import GpuDriver, NvmlDriver
+from gpugate.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.outcome import RunSummary
-from gpugate.pipeline import RunScope, run_phase
+from gpugate.pipeline import PhaseRun, RunScope
 from gpugate.procfs import ProcessId, ProcFs
 from gpugate.report import Reporter
+from gpugate.shared_host import prepare, record_pre_error
+from gpugate.units import UnitEnvironment
 
 
 @dataclass(frozen=True)
@@ -50,7 +53,7 @@ def run_hook(
     environ: Mapping[str, str] | None = None,
     manual_refusal: str | None = None,
 ) -> HookOutcome:
-    """environ, manual_refusal: see pipeline.run_phase."""
+    """environ, manual_refusal: see run_phase."""
     stream = stream or sys.stderr
     summary: RunSummary | None = None
     error: GateError | None = None
@@ -77,6 +80,58 @@ def run_hook(
     if not dry_run:
         record_metrics(loaded, hook, code, summary, stream)
     return HookOutcome(code, summary, error)
+
+
+def run_phase(
+    scope: RunScope,
+    loaded: LoadedConfig,
+    reporter: Reporter,
+    *,
+    roots: HostRoots | None = None,
+    dry_run: bool = False,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+    pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
+    clock: Callable[[], float] = time.monotonic,
+    environ: Mapping[str, str] | None = None,
+    manual_refusal: str | None = None,
+    unit_env: Callable[[str], UnitEnvironment | None] | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
+) -> RunSummary:
+    """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
+    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
+    unit_state stand in for systemd's answers (tests)."""
+    roots = roots or HostRoots()
+    loaded, context = prepare(
+        scope.phase,
+        scope.unit,
+        loaded,
+        os.environ if environ is None else environ,
+        roots=roots,
+        manual_refusal=manual_refusal,
+        environment=unit_env,
+        unit_state=unit_state,
+    )
+    narrator = Narrator(reporter, dry_run=dry_run)
+    narrator.looking()
+    run = PhaseRun(
+        scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
+    )
+    try:
+        try:
+            driver: GpuDriver = driver_factory()
+        except NvmlUnavailable as exc:
+            run.degrade(exc)
+            driver = NoGpus()
+        try:
+            return run.run(driver, dry_run=dry_run)
+        finally:
+            driver.close()
+    except ManualRunRefused:
+        raise
+    except GateError as exc:
+        if not dry_run:
+            record_pre_error(context, loaded, exc)  # post need not wait on it again
+        raise
 
 
 def record_metrics(

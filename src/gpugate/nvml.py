@@ -207,3 +207,16 @@ class NvmlDriver:
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+class NoGpus:
+    """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only."""
+
+    def gpus(self) -> Sequence[Gpu]:
+        return []
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        raise AssertionError("no GPUs to query")
+
+    def close(self) -> None:
+        pass

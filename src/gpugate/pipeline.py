@@ -8,57 +8,37 @@ same summary. What the run says is `narrate`'s business.
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpugate.config import GpuSelection, LoadedConfig
 from gpugate.containers import stop_containers
-from gpugate.decide import Choice, Decision, decide
+from gpugate.decide import Choice, Decision, decide, spared_for_good
 from gpugate.discover import Discovery, discover
-from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.gpu_source import selection
 from gpugate.host import HostRoots
-from gpugate.kill import Pinned, pin, terminate
+from gpugate.kill import Pinned, terminate
 from gpugate.locks import gpu_locks
 from gpugate.narrate import Narrator, describe
-from gpugate.nvml import Gpu, GpuDriver, GpuUsage, NvmlDriver
+from gpugate.nvml import GpuDriver, NoGpus
 from gpugate.outcome import BusyGpu, RunSummary
 from gpugate.ports import listening_sockets
 from gpugate.procfs import ProcessId, ProcFs
-from gpugate.report import Reporter
 from gpugate.respawn import RespawnWatch
-from gpugate.roles import Role
 from gpugate.shared_host import (
     HostContext,
     after_run,
     gpus_not_to_wait_on,
     leases_refuse,
-    prepare,
-    record_pre_error,
     refuse_manual_run,
     report_faults,
     waiting_skipped,
 )
-from gpugate.units import UnitEnvironment
 from gpugate.wait import busy_gpus, wait_settled
 
 MAX_ROUNDS = 5
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
-
-
-class NoGpus:
-    """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only."""
-
-    def gpus(self) -> Sequence[Gpu]:
-        return []
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        raise AssertionError("no GPUs to query")
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -68,62 +48,6 @@ class RunScope:
     phase: str
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
-
-
-def run_phase(
-    scope: RunScope,
-    loaded: LoadedConfig,
-    reporter: Reporter,
-    *,
-    roots: HostRoots | None = None,
-    dry_run: bool = False,
-    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-    pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
-    clock: Callable[[], float] = time.monotonic,
-    environ: Mapping[str, str] | None = None,
-    manual_refusal: str | None = None,
-    unit_env: Callable[[str], UnitEnvironment | None] | None = None,
-    unit_state: Callable[[str], str | None] | None = None,
-) -> RunSummary:
-    """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
-    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
-    unit_state stand in for systemd's answers (tests)."""
-    roots = roots or HostRoots()
-    loaded, context = prepare(
-        scope.phase,
-        scope.unit,
-        loaded,
-        os.environ if environ is None else environ,
-        roots=roots,
-        manual_refusal=manual_refusal,
-        environment=unit_env,
-        unit_state=unit_state,
-    )
-    narrator = Narrator(reporter, dry_run=dry_run)
-    narrator.looking()
-    run = PhaseRun(
-        scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
-    )
-    try:
-        try:
-            driver: GpuDriver = driver_factory()
-        except NvmlUnavailable as exc:
-            run.degrade(exc)
-            driver = NoGpus()
-        try:
-            return run.run(driver, dry_run=dry_run)
-        finally:
-            driver.close()
-    except ManualRunRefused:
-        raise
-    except GateError as exc:
-        if not dry_run:
-            record_pre_error(context, loaded, exc)  # post need not wait on it again
-        raise
-
-
-def spared_for_good(decision: Decision) -> set[int]:
-    return {c.holder.pid for c in decision.spared if c.role is not Role.WATCHER}
 
 
 class PhaseRun:

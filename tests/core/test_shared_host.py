@@ -12,12 +12,13 @@ import pytest
 from gpugate.cli import main
 from gpugate.config import BUILTIN_SOURCE, LoadedConfig
 from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
+from gpugate.hook import run_phase
 from gpugate.hook_guard import in_own_hook, manual_run_guard
 from gpugate.leases import read_leases
 from gpugate.nvml import Gpu
 from gpugate.outcome import RunSummary
 from gpugate.owned_gpus import owned_gpus
-from gpugate.pipeline import RunScope, run_phase
+from gpugate.pipeline import RunScope
 from gpugate.report import PRIORITY_WARNING, Reporter
 from gpugate.units import unit_environment
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, RecordingJournal, RecordingNotifier, alive
