@@ -1,19 +1,19 @@
 """What a run tells the operator: the wording and fields of its journal entries and STATUS=
 lines. The pipeline says what happened (`Narrator.signal_sent(choice, signum)`); this module
-says it in words, so the run's sequence and its narration can each be read on their own."""
+says it in words, so the run's sequence and its narration can each be read on their own. The
+wait's wording is `narrate_wait`; how a holder is named in words, `holder_text`."""
 
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterable, Sequence
-from typing import Any
 
 from gpugate.containers import StopResult
 from gpugate.decide import Choice, Decision
 from gpugate.discover import Discovery
 from gpugate.errors import GateError
-from gpugate.nvml import Gpu
-from gpugate.outcome import BusyGpu, RunSummary
+from gpugate.holder_text import container_fields, describe, gpu_list
+from gpugate.narrate_wait import WaitNarration
+from gpugate.outcome import RunSummary
 from gpugate.report import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -23,35 +23,9 @@ from gpugate.report import (
     Reporter,
     WaitingReports,
 )
-from gpugate.respawn import Respawner
 from gpugate.roles import Role
 
-MAX_COMMAND = 200
 MAX_LISTED_PIDS = 10
-
-
-def gpu_list(indices: Iterable[int]) -> str:
-    return ", ".join(str(index) for index in sorted(indices)) or "none"
-
-
-def describe(choice: Choice) -> str:
-    info = choice.holder.info
-    gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
-    sources = ",".join(sorted(choice.holder.sources))
-    command = info.command[:MAX_COMMAND]
-    where = f", {choice.holder.container.label}" if choice.holder.container else ""
-    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
-
-
-def container_fields(choice: Choice) -> dict[str, Any]:
-    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
-    container = choice.holder.container
-    if container is None:
-        return {}
-    fields: dict[str, Any] = {"container": container.id, "container_runtime": container.runtime}
-    if container.name:
-        fields["container_name"] = container.name
-    return fields
 
 
 def watcher_evidence(discovery: Discovery) -> str:
@@ -60,7 +34,7 @@ def watcher_evidence(discovery: Discovery) -> str:
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
 
 
-class Narrator:
+class Narrator(WaitNarration):
     """One run's journal entries and STATUS= lines, through the run's Reporter."""
 
     def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
@@ -70,9 +44,6 @@ class Narrator:
             reporter.start_dry_run()  # GPUGATE_DRY_RUN=1 on every entry, the report on stdout
         self.waiting = WaitingReports(reporter)
         self.would_kill = 0  # a dry run's targets, for its summary line
-
-    def status(self, text: str) -> None:
-        self.reporter.status(text)
 
     def looking(self) -> None:
         self.status("looking for processes holding the GPUs")
@@ -225,77 +196,6 @@ class Narrator:
 
     def still_held(self) -> None:
         self.status("GPUs still held by processes gpugate may not kill")
-
-    def lock_wait(self, gpu: Gpu, left_s: float) -> None:
-        self.status(f"waiting for another gpugate run on {gpu.label}")
-        self.waiting.lock(gpu.label, gpu.index, left_s)
-
-    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
-        first = busy[0]
-        self.status(
-            f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
-            f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
-        )
-        self.waiting.memory({item.gpu.index: item.used_mib for item in busy}, free_mib, left_s)
-
-    def memory_timeout(
-        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
-    ) -> None:
-        holders = ", ".join(str(pid) for pid in item.pids) or "no process"
-        self.reporter.event(
-            Event.TIMEOUT,
-            f"{item.gpu.label} still has {item.used_mib} MiB used (free at {free_mib} MiB)"
-            f" after {timeout_s:g} s; NVML lists: {holders}",
-            priority=PRIORITY_ERR if failing else PRIORITY_WARNING,
-            gpus=[item.gpu.index],
-            used_mib=item.used_mib,
-            gpu_uuid=item.gpu.uuid,
-        )
-
-    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None:
-        for respawner in respawners:
-            info = respawner.info
-            self.reporter.event(
-                Event.TIMEOUT,
-                f"PID {info.pid} ({info.user}): {info.command[:MAX_COMMAND]} respawned the "
-                f"holders {respawner.respawns} time(s) and was still respawning after "
-                f"{timeout_s:g} s; it is not part of the application (a login shell, a "
-                "supervisor): stop it, or run the server under the unit",
-                priority=PRIORITY_ERR,
-                pid=info.pid,
-                command=info.command,
-                respawns=respawner.respawns,
-            )
-        self.status("failed: the holders keep respawning")
-
-    def respawned(self, respawner: Respawner) -> None:
-        info = respawner.info
-        self.reporter.event(
-            Event.HOLDER_FOUND,
-            f"PID {info.pid} ({info.user}): {info.command[:MAX_COMMAND]} respawned the holders "
-            f"{respawner.respawns} time(s) during the wait; each respawn was killed",
-            priority=PRIORITY_WARNING,
-            pid=info.pid,
-            command=info.command,
-            respawns=respawner.respawns,
-        )
-
-    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None:
-        self.reporter.event(
-            Event.TIMEOUT,
-            f"TCP port {', '.join(map(str, ports))} still listened on after {timeout_s:g} s "
-            "by a process gpugate cannot see (not root, or its fds are unreadable)",
-            priority=PRIORITY_ERR,
-            ports=",".join(map(str, ports)),
-        )
-
-    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:
-        self.reporter.event(
-            Event.MEMORY_FREED,
-            f"GPU {gpu_list(gpu.index for gpu in owned)} free "
-            f"(at or below {free_mib} MiB) after {seconds:.2f} s",
-            gpus=[gpu.index for gpu in owned],
-        )
 
     def degraded(self, error: GateError, phase: str) -> None:
         self.reporter.event(

@@ -17,10 +17,11 @@ from gpugate.decide import Choice, Decision, decide, spared_for_good
 from gpugate.discover import Discovery, discover
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.gpu_source import selection
+from gpugate.holder_text import describe
 from gpugate.host import HostRoots
 from gpugate.kill import Pinned, terminate
 from gpugate.locks import gpu_locks
-from gpugate.narrate import Narrator, describe
+from gpugate.narrate import Narrator
 from gpugate.nvml import GpuDriver, NoGpus
 from gpugate.outcome import BusyGpu, RunSummary
 from gpugate.ports import listening_sockets
