@@ -1,4 +1,4 @@
-"""A run on a host that other units share: the steps pipeline.py calls around its own.
+"""A run on a host that other units share: the steps hook.py and pipeline.py call around theirs.
 
 - the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
 - NVML faults on GPUs the unit does not own: a warning, once per run;
