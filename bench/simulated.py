@@ -28,7 +28,7 @@ from bench.stage import fake_nvml_lib
 
 sys.path.insert(0, str(REPO / "tests" / "simhost"))
 
-from incident import ALL, CONFIG, PYTHON, Host, prepare, server_cmd, unit_text
+from incident import ALL, CONFIG, PYTHON, Host, prepare, unit_text
 from sandbox import SimHost, preflight
 
 UNIT = "vllm.service"
@@ -76,13 +76,10 @@ def _set_delay(host: Host, delay_ms: int) -> None:
 
 
 def _hand_start(host: Host, name: str, port: int, *extra: str) -> dict[str, Any]:
-    """A server started by hand from a login session (as incident.Host.hand_start), with
-    extra server options."""
-    ready = f"/run/ready-{name}.json"
-    host.sh(f"rm -f {ready}")
-    script = f"{server_cmd(ALL, port, ready, *extra)} & wait; exec sleep 3600"
-    host.sim.spawn_scope(["setsid", "-w", "/bin/bash", "-c", script], unit=f"{name}.scope")
-    return host.wait_ready(ready)
+    """A server started by hand from a login session: typed into an interactive shell on a
+    terminal (incident.Host.hand_start), with extra server options."""
+    server, _shell = host.hand_start(ALL, port, name, *extra)
+    return server
 
 
 def _freed_ns(host: Host, pids: list[int]) -> int:

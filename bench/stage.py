@@ -31,7 +31,7 @@ def load_by_path(name: str, path: Path) -> ModuleType:
 
 
 def fake_nvml_lib() -> Path:
-    build = load_by_path("bench_fake_nvml_build", SIMHOST / "fake_nvml" / "build.py")
+    build = load_by_path("bench_fake_nvml_build", REPO / "tests" / "fake_nvml" / "build.py")
     return Path(build.build_fake_nvml(REPO / ".simhost" / "fake-nvml"))
 
 

@@ -21,8 +21,8 @@ from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
 from gpugate.host import HostRoots
 from gpugate.locks import gpu_locks
 from gpugate.nvml import Gpu, GpuUsage
+from tests.fake_nvml.build import BuildError, build_fake_nvml
 from tests.fakes import FakeGpuMemory, FakeHost, RecordingJournal, alive
-from tests.simhost.fake_nvml.build import BuildError, build_fake_nvml
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,7 +1,7 @@
 """Fixtures for the simulated GPU host (see sandbox.py and README.md here).
 
 ``simhost``: one sandbox for the whole session (8 GPUs, the stand-in libnvidia-ml.so.1 when
-tests/simhost/fake_nvml/build.py exists), always powered off at the end.
+tests/fake_nvml/build.py exists), always powered off at the end.
 ``simhost_factory``: boots extra sandboxes for one test (``simhost_factory(gpus=2, ...)``,
 same arguments as SimHost.boot) and powers them all off after it.
 ``host_tmp_marker``: a file put in the host's real /tmp before the session sandbox boots.
@@ -24,7 +24,7 @@ if str(HERE) not in sys.path:
 
 from sandbox import REPO, SimHost, preflight  # noqa: E402
 
-FAKE_NVML_BUILD = HERE / "fake_nvml" / "build.py"
+FAKE_NVML_BUILD = HERE.parent / "fake_nvml" / "build.py"
 FAKE_NVML_OUT = REPO / ".simhost" / "fake-nvml"
 
 
@@ -48,7 +48,7 @@ def _skip_unless_possible() -> None:
 
 
 def build_fake_nvml_lib() -> Path | None:
-    """tests/simhost/fake_nvml/build.py's build_fake_nvml(), imported by path; None if absent."""
+    """tests/fake_nvml/build.py's build_fake_nvml(), imported by path; None if absent."""
     if not FAKE_NVML_BUILD.is_file():
         return None
     spec = importlib.util.spec_from_file_location("simhost_fake_nvml_build", FAKE_NVML_BUILD)

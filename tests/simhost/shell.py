@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: fake_nvml
 
 from fake_nvml.build import build_fake_nvml
 from incident import ALL, server_cmd, stage_incident, unit_text

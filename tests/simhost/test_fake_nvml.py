@@ -29,7 +29,7 @@ RESERVED = 512 * MIB
 
 def _load_build() -> Any:
     spec = importlib.util.spec_from_file_location(
-        "fake_nvml_build", HERE / "fake_nvml" / "build.py"
+        "fake_nvml_build", HERE.parent / "fake_nvml" / "build.py"
     )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
@@ -174,7 +174,7 @@ def sim(tmp_path: Path, lib_dir: Path) -> Iterator[Sim]:
 
 
 def test_builds_without_warnings(lib_dir: Path, tmp_path: Path) -> None:
-    src = HERE / "fake_nvml" / "fake_nvml.c"
+    src = HERE.parent / "fake_nvml" / "fake_nvml.c"
     out = tmp_path / "lib.so"
     proc = subprocess.run(
         ["gcc", *build.CFLAGS, "-Werror", "-o", str(out), str(src)], capture_output=True, text=True
@@ -189,7 +189,7 @@ def test_builds_without_warnings(lib_dir: Path, tmp_path: Path) -> None:
 
 def test_build_script_cli(tmp_path: Path, lib_dir: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, str(HERE / "fake_nvml" / "build.py"), str(tmp_path / "out")],
+        [sys.executable, str(HERE.parent / "fake_nvml" / "build.py"), str(tmp_path / "out")],
         capture_output=True,
         text=True,
     )

@@ -96,7 +96,7 @@ def test_gpu_device_files_inside_only(simhost: SimHost) -> None:
 
 def test_nvml_lib_and_config_placed(simhost: SimHost, fake_nvml_lib: Path | None) -> None:
     if fake_nvml_lib is None:
-        pytest.skip("tests/simhost/fake_nvml/build.py not there yet")
+        pytest.skip("tests/fake_nvml/build.py not there yet")
     assert simhost.exists(NVML_LIB_PATH)
     assert "libnvidia-ml.so.1" in simhost.run("ldconfig -p").stdout
     assert not Path(NVML_LIB_PATH).exists()
@@ -313,7 +313,7 @@ def test_install_gpugate_probe_sees_fake_gpus(
     probe_host: SimHost, fake_nvml_lib: Path | None
 ) -> None:
     if fake_nvml_lib is None:
-        pytest.skip("tests/simhost/fake_nvml/build.py not there yet")
+        pytest.skip("tests/fake_nvml/build.py not there yet")
     words = probe_host.run("gpugate").stdout.split()
     assert words[0] == "probe" and words[-1] == "4"
 

@@ -264,7 +264,7 @@ def test_workers_show_up_in_the_stand_in_nvml(start: Any, tmp_path: Path) -> Non
     if shutil.which("gcc") is None:
         pytest.skip("gcc is missing: cannot build the stand-in libnvidia-ml.so.1")
     spec = importlib.util.spec_from_file_location(
-        "fake_nvml_build", HERE / "fake_nvml" / "build.py"
+        "fake_nvml_build", HERE.parent / "fake_nvml" / "build.py"
     )
     assert spec and spec.loader
     build = importlib.util.module_from_spec(spec)

@@ -1,7 +1,7 @@
 """Build the stand-in NVIDIA driver library (libnvidia-ml.so.1) from fake_nvml.c.
 
 Use from Python: ``build_fake_nvml(out_dir)`` returns ``out_dir/libnvidia-ml.so.1``;
-or from a shell: ``python3 tests/simhost/fake_nvml/build.py OUTDIR``.
+or from a shell: ``python3 tests/fake_nvml/build.py OUTDIR``.
 """
 
 from __future__ import annotations
