@@ -4,10 +4,10 @@ host's GPUs, processes and journal."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -19,8 +19,11 @@ REPO = Path(__file__).resolve().parents[2]
 WORKLOAD = REPO / "tests" / "simhost" / "workload" / "fake_vllm.py"
 TERMINAL_SOURCE = REPO / "tests" / "simhost" / "workload" / "terminal.py"
 TERMINAL = "/opt/fakevllm/terminal.py"
-# The repository's .venv (it has setproctitle), seen inside through the overlay of /.
-PYTHON = sys.executable
+# The workload's interpreter inside the host: Debian's python3 in a venv of its own, with the
+# tests' setproctitle copied in (stage_python). A fixed path inside, because the checkout's
+# own .venv may not be visible there (a checkout under /tmp is not: the host's /tmp is its own).
+PYTHON = "/opt/fakevllm/venv/bin/python"
+WORKLOAD_PACKAGES = ("setproctitle",)
 MIB_PER_GPU = 90000
 WITHOUT_GPUGATE = os.environ.get("GPUGATE_SCENARIO_WITHOUT_GPUGATE") == "1"
 SIGNAL_SENT_ID = "9b4c2d7e1f3a4b8c9d0e5f6a1b2c3d56"
@@ -187,9 +190,27 @@ def prepare(sim: SimHost) -> Host:
     return stage_incident(sim)
 
 
+def stage_python(sim: SimHost) -> None:
+    """PYTHON inside: a venv of the host's /usr/bin/python3 (the one the tests' .venv is made
+    from, so compiled modules fit) with the workload's packages copied from the tests' own."""
+    if sim.exists(PYTHON):
+        return
+    sim.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(Path(PYTHON).parents[1])])
+    inside = sim.run([PYTHON, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
+    site = inside.stdout.strip()
+    for name in WORKLOAD_PACKAGES:
+        module = importlib.import_module(name)
+        package = Path(str(module.__file__)).parent
+        for path in sorted(package.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts:
+                relative = path.relative_to(package.parent)
+                sim.write_file(f"{site}/{relative}", path.read_bytes(), mode=0o644)
+
+
 def stage_incident(sim: SimHost) -> Host:
     """The workload, the driver settings, and the bystanders every scenario must leave alive:
     nvidia-persistenced holding every device file, a python process holding no GPU."""
+    stage_python(sim)
     sim.write_file("/opt/fakevllm/fake_vllm.py", WORKLOAD.read_text())
     sim.write_file(TERMINAL, TERMINAL_SOURCE.read_text())
     sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
