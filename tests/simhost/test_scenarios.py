@@ -44,6 +44,9 @@ def host(simhost: SimHost) -> Iterator[Host]:
     h.wait_ready("/run/ready-bystander-job.service.json")
     h.busy_ok = set(BYSTANDER_GPUS)
     yield h
+    # The session's host goes on to other modules: leave GPUs 6-7 free for them.
+    simhost.systemctl("stop", "bystander-job.service", check=False)
+    h.busy_ok = set()
     h.reset()
 
 
