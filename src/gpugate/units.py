@@ -97,21 +97,28 @@ class UnitState:
     control_group: str | None
 
 
-def query_unit(name: str) -> UnitState | None:
-    """Ask systemd about a unit; None where no systemd runs or systemctl is missing."""
+def systemctl_show(name: str, properties: str) -> str | None:
+    """`systemctl show --property=PROPERTIES -- NAME`'s output; None where no systemd runs,
+    systemctl is missing, or it failed."""
     systemctl = shutil.which("systemctl")
     if not systemd_running() or systemctl is None:
         return None
     result = subprocess.run(
-        [systemctl, "show", "--property=LoadState,ActiveState,ControlGroup", "--", name],
+        [systemctl, "show", f"--property={properties}", "--", name],
         capture_output=True,
         text=True,
         check=False,
         timeout=30,
     )
-    if result.returncode != 0:
+    return result.stdout if result.returncode == 0 else None
+
+
+def query_unit(name: str) -> UnitState | None:
+    """Ask systemd about a unit; None where no systemd runs or systemctl is missing."""
+    shown = systemctl_show(name, "LoadState,ActiveState,ControlGroup")
+    if shown is None:
         return None
-    props = dict(line.split("=", 1) for line in result.stdout.splitlines() if "=" in line)
+    props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
     return UnitState(
         name=name,
         load_state=props.get("LoadState", ""),
@@ -221,17 +228,7 @@ def unit_environment(
 
 
 def _systemctl_show_environment(name: str) -> str | None:
-    systemctl = shutil.which("systemctl")
-    if not systemd_running() or systemctl is None:
-        return None
-    result = subprocess.run(
-        [systemctl, "show", "--property=Environment,EnvironmentFiles", "--", name],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
-    )
-    return result.stdout if result.returncode == 0 else None
+    return systemctl_show(name, "Environment,EnvironmentFiles")
 
 
 def _split_quoted(value: str) -> list[str]:
