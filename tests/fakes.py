@@ -3,13 +3,14 @@ processes, a journal and a notifier that record what they were told."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,3 +286,29 @@ class FakeHost:
 
     def reporter(self, phase: str = "pre") -> Reporter:
         return Reporter(UNIT, phase, journal=self.journal, notifier=self.notifier, echo=False)
+
+
+NOBODY = 65534
+
+
+def as_nobody(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run work in a forked copy of this (root) process that dropped to nobody; its JSON-able
+    result comes back through a pipe. {} where the child failed before it could answer."""
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 99
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+            os.write(write_end, json.dumps(work()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        data: dict[str, Any] = json.loads(reader.read() or "{}")
+    os.waitpid(child, 0)
+    return data

@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -22,7 +23,7 @@ from gpugate.host import HostRoots
 from gpugate.locks import gpu_locks
 from gpugate.nvml import Gpu, GpuUsage
 from tests.fake_nvml.build import BuildError, build_fake_nvml
-from tests.fakes import FakeGpuMemory, FakeHost, RecordingJournal, alive
+from tests.fakes import FakeGpuMemory, FakeHost, RecordingJournal, alive, as_nobody
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -201,37 +202,17 @@ def test_driver_faults_through_real_pynvml(
 
 def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
     host.pool.holder(host.gpu_files(0))
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # drop root in a forked copy of this process, then run a dry run
-        code = 99
-        try:
-            os.close(read_end)
-            os.setgroups([])
-            os.setresgid(65534, 65534, 65534)
-            os.setresuid(65534, 65534, 65534)
-            journal = RecordingJournal()
-            reporter = host.reporter()
-            reporter.journal = journal
-            summary = host.run_phase(
-                "pre",
-                host.config(),
-                reporter,
-                dry_run=True,
-                driver_factory=lambda: host.memory,
-            )
-            messages = [m for m, _ in journal.entries]
-            os.write(
-                write_end,
-                json.dumps({"code": int(summary.exit_code), "messages": messages}).encode(),
-            )
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as reader:
-        data = json.loads(reader.read() or "{}")
-    os.waitpid(child, 0)
+
+    def dry_run_as_nobody() -> dict[str, Any]:
+        journal = RecordingJournal()
+        reporter = host.reporter()
+        reporter.journal = journal
+        summary = host.run_phase(
+            "pre", host.config(), reporter, dry_run=True, driver_factory=lambda: host.memory
+        )
+        return {"code": int(summary.exit_code), "messages": [m for m, _ in journal.entries]}
+
+    data = as_nobody(dry_run_as_nobody)
     (warning,) = [m for m in data["messages"] if "not permitted to read the open files of" in m]
     assert "run gpugate as root" in warning
     assert not warning.split("(PID ")[1].startswith("1, 2,"), (

@@ -4,7 +4,6 @@ that say so, quiet on a closed pipe, a warning where it cannot see, and --watch.
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 from typing import Any
@@ -13,7 +12,7 @@ import pytest
 
 from gpugate.cli import main
 from gpugate.status import cut, gpu_ranges, held_for, mib_shown, render_table
-from tests.fakes import UNIT, FakeHost
+from tests.fakes import UNIT, FakeHost, as_nobody
 
 
 def run_status(host: FakeHost, *args: str, config: bool = True) -> int:
@@ -147,26 +146,13 @@ def test_status_as_non_root_warns_that_holders_may_be_missing(host: FakeHost) ->
     if os.geteuid() != 0:
         pytest.skip("needs root to drop to another user")
     host.pool.holder(host.gpu_files(0))
-    read_end, write_end = os.pipe()
-    child = os.fork()
-    if child == 0:  # drop root in a forked copy of this process, then run status
-        code = 99
-        try:
-            os.close(read_end)
-            sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
-            os.setgroups([])
-            os.setresgid(65534, 65534, 65534)
-            os.setresuid(65534, 65534, 65534)
-            result = run_status(host, config=False)  # the built-in config: no file to read
-            said = sys.stderr.getvalue()
-            os.write(write_end, json.dumps({"code": result, "stderr": said}).encode())
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write_end)
-    with os.fdopen(read_end) as reader:
-        data = json.loads(reader.read() or "{}")
-    os.waitpid(child, 0)
+
+    def status_as_nobody() -> dict[str, Any]:
+        sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+        result = run_status(host, config=False)  # the built-in config: no file to read
+        return {"code": result, "stderr": sys.stderr.getvalue()}
+
+    data = as_nobody(status_as_nobody)
     assert data["code"] == 0
     (warning,) = data["stderr"].splitlines()
     assert warning.startswith("gpugate: warning: not permitted to read the open files of")
