@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.stage import load_by_path
-from gpugate.procfs import ProcFs
+from gpugate.host.procfs import ProcFs
 
 RUNS = 7
 

@@ -4,8 +4,8 @@ from LD_LIBRARY_PATH, which only a new process picks up).
     python3 -m bench.probe DEV_ROOT CGROUP_ROOT LOCK_DIR
 
 Reads commands on stdin, one a line, and answers each with one JSON line:
-`discover` runs gpugate.discover.discover() (cgroup, device files, NVML) with a fresh
-ProcFs, `scan` only gpugate.scan.scan_device_users(); both answer
+`discover` runs gpugate.core.discover.discover() (cgroup, device files, NVML) with a fresh
+ProcFs, `scan` only gpugate.host.scan.scan_device_users(); both answer
 {"wall": s, "cpu": s, "gpu_holders": [PID, ...]} (holders of nvidia0..7).
 """
 
@@ -17,11 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.discover import GPU_DEVICE, discover
-from gpugate.host import HostRoots
-from gpugate.nvml import NvmlDriver
-from gpugate.procfs import ProcFs
-from gpugate.scan import scan_device_users
+from gpugate.core.discover import GPU_DEVICE, discover
+from gpugate.host.nvml import NvmlDriver
+from gpugate.host.procfs import ProcFs
+from gpugate.host.roots import HostRoots
+from gpugate.host.scan import scan_device_users
 
 UNIT = "bench.service"
 

@@ -229,8 +229,9 @@ def judge_startup(report: Report) -> None:
     )
     report.bounds.append(
         f"- Start-up: of {ms(pre)}, the interpreter takes {ms(interpreter)}, importing "
-        f"gpugate.config (pydantic, and gpugate's models built with it) {ms(config - interpreter)}"
-        f" more, the other imports (pynvml, python-systemd, gpugate's modules) "
+        f"gpugate.config.models (pydantic, and gpugate's models built with it) "
+        f"{ms(config - interpreter)} more, the other imports (pynvml, python-systemd, "
+        f"gpugate's modules) "
         f"{ms(imports - config)}, and the run itself {ms(pre - imports)}, of which discovery "
         f"over the crowd {ms(result.discover_median_ms)}, near the kernel's floor (see 1). "
         "pydantic's share alone is "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from bench.crowd import BUILD, Crowd, make_device_root
 from bench.stage import load_by_path
-from gpugate.scan import scan_device_users
+from gpugate.host.scan import scan_device_users
 
 RUNS = 5
 

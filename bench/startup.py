@@ -18,7 +18,7 @@ from bench.timing import Samples, run_timed
 
 PRE = "gpugate pre (whole run)"
 INTERPRETER = "python -c pass"
-CONFIG_IMPORT = "import gpugate.config (pydantic)"
+CONFIG_IMPORT = "import gpugate.config.models (pydantic)"
 ALL_IMPORTS = "import everything pre needs"
 
 
@@ -54,11 +54,11 @@ def measure_startup(
     cases = {
         PRE: [*command, "pre", UNIT, "--config", str(stage.config)],
         INTERPRETER: [python, "-c", "pass"],
-        CONFIG_IMPORT: [python, "-c", f"import gpugate.config; {exit_now}"],
+        CONFIG_IMPORT: [python, "-c", f"import gpugate.config.models; {exit_now}"],
         ALL_IMPORTS: [
             python,
             "-c",
-            f"import gpugate.cli, gpugate.pipeline, pynvml, systemd.journal; {exit_now}",
+            f"import gpugate.front.cli, gpugate.core.run, pynvml, systemd.journal; {exit_now}",
         ],
     }
     result = StartupResult(processes, mix.describe(processes), " ".join(command[:1]))

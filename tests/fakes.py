@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpugate.config import GateConfig, LoadedConfig
-from gpugate.hook import run_phase
-from gpugate.host import HostRoots
-from gpugate.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
-from gpugate.outcome import RunSummary
-from gpugate.pipeline import RunScope
-from gpugate.report import Reporter
+from gpugate.config.models import GateConfig, LoadedConfig
+from gpugate.core.outcome import RunSummary
+from gpugate.core.run import RunScope
+from gpugate.front.hook import run_phase
+from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
+from gpugate.host.roots import HostRoots
+from gpugate.report.journal import Reporter
 
 
 def alive(pid: int, start_time: int | None = None) -> bool:

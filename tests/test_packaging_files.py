@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.cli import build_parser
 from gpugate.errors import ExitCode
-from gpugate.report import Event
+from gpugate.front.cli import build_parser
+from gpugate.report.journal import Event
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGING = REPO / "packaging"

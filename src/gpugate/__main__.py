@@ -1,3 +1,3 @@
-from gpugate.cli import run
+from gpugate.front.cli import run
 
 run()

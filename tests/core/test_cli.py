@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.cli import main
 from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.front.cli import main
 from tests.fakes import FakeHost, alive
 
 

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config import BUILTIN_SOURCE, GateConfig
-from gpugate.config_file import load_config, parse_config
+from gpugate.config.file import load_config, parse_config
+from gpugate.config.models import BUILTIN_SOURCE, GateConfig
+from gpugate.core.owned_gpus import owned_gpus
 from gpugate.errors import ConfigError
-from gpugate.owned_gpus import owned_gpus
 from tests.fakes import FakeGpuMemory
 
 BAD = [

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config_file import parse_config
-from gpugate.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.decide import Verdict, decide
-from gpugate.discover import Discovery, Holder, Source
+from gpugate.config.file import parse_config
+from gpugate.core.decide import Verdict, decide
+from gpugate.core.discover import Discovery, Holder, Source
+from gpugate.core.roles import Role
 from gpugate.errors import ConfigError, ExitCode
-from gpugate.nvml import Gpu
-from gpugate.roles import Role
+from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
+from gpugate.host.nvml import Gpu
 from tests.core.test_decide import Table, proc
 from tests.fakes import FakeHost, alive
 

@@ -12,12 +12,12 @@ from dataclasses import dataclass, field
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpugate.config import GateConfig
-from gpugate.decide import Decision, Verdict, decide
-from gpugate.discover import Discovery, Holder, Source
-from gpugate.nvml import Gpu
-from gpugate.procfs import ProcInfo
-from gpugate.roles import Role, in_cgroup
+from gpugate.config.models import GateConfig
+from gpugate.core.decide import Decision, Verdict, decide
+from gpugate.core.discover import Discovery, Holder, Source
+from gpugate.core.roles import Role, in_cgroup
+from gpugate.host.nvml import Gpu
+from gpugate.host.procfs import ProcInfo
 
 UNIT_CG = "/system.slice/vllm.service"
 CGROUPS = [

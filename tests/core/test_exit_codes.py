@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.cli import EPILOG, main
 from gpugate.errors import EXIT_MEANINGS, SYSEXITS_NAMES, ExitCode
+from gpugate.front.cli import EPILOG, main
 
 REPO = Path(__file__).resolve().parents[2]
 # What each sysexits code gpugate uses means, and the gpugate outcome it stands for.

@@ -7,11 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config import BUILTIN_SOURCE, GateConfig, LoadedConfig
-from gpugate.config_file import parse_config
+from gpugate.config.file import parse_config
+from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
 from gpugate.errors import ConfigError, UnknownUnit
-from gpugate.gpu_source import choose_gpus, parse_visible_devices, with_chosen_gpus
-from gpugate.units import UnitEnvironment, parse_environment_file, unit_environment
+from gpugate.host.systemd import UnitEnvironment, parse_environment_file, unit_environment
+from gpugate.integrations.unit.gpu_source import (
+    choose_gpus,
+    parse_visible_devices,
+    with_chosen_gpus,
+)
 
 UUID = "GPU-fa4e5a11-0000-0000-0000-000000000004"
 

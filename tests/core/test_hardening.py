@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpugate.cli import main
-from gpugate.config_file import parse_config
+from gpugate.config.file import parse_config
 from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
-from gpugate.host import HostRoots
-from gpugate.locks import gpu_locks
-from gpugate.nvml import Gpu, GpuUsage
+from gpugate.front.cli import main
+from gpugate.host.locks import gpu_locks
+from gpugate.host.nvml import Gpu, GpuUsage
+from gpugate.host.roots import HostRoots
 from tests.fake_nvml.build import BuildError, build_fake_nvml
 from tests.fakes import FakeGpuMemory, FakeHost, RecordingJournal, alive, as_nobody
 
@@ -74,8 +74,8 @@ def _hold_lock_in_child(lock_dir: Path, gpus: list[Gpu]) -> subprocess.Popen[str
         f"""
         import sys, time
         from pathlib import Path
-        from gpugate.locks import gpu_locks
-        from gpugate.nvml import Gpu
+        from gpugate.host.locks import gpu_locks
+        from gpugate.host.nvml import Gpu
         gpus = [Gpu(i, u, i, "g", 1) for i, u in {[(g.index, g.uuid) for g in gpus]!r}]
         with gpu_locks(Path({str(lock_dir)!r}), gpus, time.monotonic() + 5):
             print("locked", flush=True)

@@ -13,10 +13,16 @@ from typing import Any
 
 import pytest
 
-from gpugate.config_file import parse_config
+from gpugate.config.file import parse_config
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
-from gpugate.install import Action, apply, parse_gpus, plan_install, plan_uninstall
-from gpugate.install_files import DEFAULT_GPUGATE, Ownership, ownership, render_dropin, with_header
+from gpugate.front.install import Action, apply, parse_gpus, plan_install, plan_uninstall
+from gpugate.front.install_files import (
+    DEFAULT_GPUGATE,
+    Ownership,
+    ownership,
+    render_dropin,
+    with_header,
+)
 
 UNIT = "vllm.service"
 

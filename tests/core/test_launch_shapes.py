@@ -21,10 +21,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpugate.app_tree import app_tree
-from gpugate.config import GateConfig
-from gpugate.discover import Discovery, self_and_ancestors
-from gpugate.procfs import ProcFs
+from gpugate.config.models import GateConfig
+from gpugate.core.app_tree import app_tree
+from gpugate.core.discover import Discovery, self_and_ancestors
+from gpugate.host.procfs import ProcFs
 
 FAKE_VLLM = Path(__file__).parents[1] / "simhost" / "workload" / "fake_vllm.py"
 PY = sys.executable

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import ConfigError, ExitCode, PermissionDenied
-from gpugate.locks import gpu_locks
-from gpugate.nvml import Gpu
+from gpugate.host.locks import gpu_locks
+from gpugate.host.nvml import Gpu
 
 GPU = Gpu(0, "GPU-fa4e5a11-0000-0000-0000-000000000000", 0, "Fake GPU", 1000)
 

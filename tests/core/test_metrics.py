@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpugate.cli import main
 from gpugate.errors import ExitCode, NvmlUnavailable
-from gpugate.metrics import GpuRef, RunRecord, record_run, render
+from gpugate.front.cli import main
+from gpugate.integrations.metrics import GpuRef, RunRecord, record_run, render
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -264,7 +264,7 @@ def test_unwritable_textfile_warns_and_keeps_the_exit_code(
 def test_label_values_are_escaped() -> None:
     odd = 'vllm\\x2dold"\n.service'
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    from gpugate.metrics import apply
+    from gpugate.integrations.metrics import apply
 
     apply(
         samples,

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import ExitCode, LockTimeout
-from gpugate.report import Event, Reporter
+from gpugate.report.journal import Event, Reporter
 from tests.fakes import FakeHost, alive
 
 

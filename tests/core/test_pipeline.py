@@ -10,9 +10,9 @@ import time
 
 import pytest
 
+from gpugate.core.kill import Pinned
 from gpugate.errors import ExitCode, NvmlUnavailable
-from gpugate.kill import Pinned
-from gpugate.procfs import ProcessId, ProcFs
+from gpugate.host.procfs import ProcessId, ProcFs
 from tests.fakes import FakeHost, alive
 
 

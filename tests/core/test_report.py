@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.report import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
+from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.scan import scan_device_users
+from gpugate.host.scan import scan_device_users
 from tests.fakes import start_time_of
 
 ZOMBIE_LEADER = textwrap.dedent(

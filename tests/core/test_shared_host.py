@@ -9,18 +9,18 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.cli import main
-from gpugate.config import BUILTIN_SOURCE, LoadedConfig
+from gpugate.config.models import BUILTIN_SOURCE, LoadedConfig
+from gpugate.core.outcome import RunSummary
+from gpugate.core.owned_gpus import owned_gpus
+from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
-from gpugate.hook import run_phase
-from gpugate.hook_guard import in_own_hook, manual_run_guard
-from gpugate.leases import read_leases
-from gpugate.nvml import Gpu
-from gpugate.outcome import RunSummary
-from gpugate.owned_gpus import owned_gpus
-from gpugate.pipeline import RunScope
-from gpugate.report import PRIORITY_WARNING, Reporter
-from gpugate.units import unit_environment
+from gpugate.front.cli import main
+from gpugate.front.hook import run_phase
+from gpugate.host.nvml import Gpu
+from gpugate.host.systemd import unit_environment
+from gpugate.integrations.unit.leases import read_leases
+from gpugate.integrations.unit.manual_guard import in_own_hook, manual_run_guard
+from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, RecordingJournal, RecordingNotifier, alive
 
 A, B = "a.service", "b.service"
@@ -177,7 +177,7 @@ def test_config_check_shows_the_resolved_gpus(
     host: FakeHost, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        "gpugate.gpu_source.unit_environment",
+        "gpugate.integrations.unit.gpu_source.unit_environment",
         env("Environment=CUDA_VISIBLE_DEVICES=4,5\n"),
     )
     config = host.root / "c.toml"

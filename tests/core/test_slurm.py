@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpugate.cli import main
 from gpugate.errors import ExitCode
-from gpugate.report import Reporter
-from gpugate.slurm import SlurmEnvError, job_cgroup, job_from_env
+from gpugate.front.cli import main
+from gpugate.integrations.slurm import SlurmEnvError, job_cgroup, job_from_env
+from gpugate.report.journal import Reporter
 from tests.fakes import FakeHost, alive
 
 JOB_CGROUP = "/system.slice/slurmstepd.scope/job_42"
@@ -147,7 +147,7 @@ def test_job_cgroup_missing_at_hook_time_names_the_nodes_scope(tmp_path: Path) -
 
 def test_scontrol_found_without_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """slurmd gives the hooks no PATH: scontrol is looked for where Slurm installs it."""
-    from gpugate import slurm
+    from gpugate.integrations import slurm
 
     found = tmp_path / "sbin" / "scontrol"
     found.parent.mkdir()

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode
-from gpugate.outcome import RunSummary
-from gpugate.status import as_dict, collect, render_table
+from gpugate.front.status import as_dict, collect, render_table
 from tests.fakes import FakeHost, alive
 
 LISTENER = textwrap.dedent(

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from gpugate.cli import main
 from gpugate.errors import ExitCode
-from gpugate.leases import new_lease, write_lease
+from gpugate.front.cli import main
+from gpugate.integrations.unit.leases import new_lease, write_lease
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
 
 README = Path(__file__).resolve().parents[2] / "README.md"

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from gpugate.cli import main
-from gpugate.status import cut, gpu_ranges, held_for, mib_shown, render_table
+from gpugate.front.cli import main
+from gpugate.front.status import cut, gpu_ranges, held_for, mib_shown, render_table
 from tests.fakes import UNIT, FakeHost, as_nobody
 
 
@@ -170,7 +170,7 @@ def test_watch_redraws_until_interrupted(
         if len(draws) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpugate.commands.time.sleep", sleep)
+    monkeypatch.setattr("gpugate.front.commands.time.sleep", sleep)
     assert run_status(host, "--watch") == 0
     out = capsys.readouterr().out
     assert out.count("\x1b[H\x1b[J") == 3 and draws == [1, 1, 1]

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import UnknownUnit
-from gpugate.install import plan_install
-from gpugate.units import UnitState, unit_argument, validate_unit_name
+from gpugate.front.install import plan_install
+from gpugate.host.systemd import UnitState, unit_argument, validate_unit_name
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import UnknownUnit
-from gpugate.report import Event, Reporter
-from gpugate.units import own_unit, unit_of_cgroup, validate_unit_name
+from gpugate.host.systemd import own_unit, unit_of_cgroup, validate_unit_name
+from gpugate.report.journal import Event, Reporter
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 

@@ -70,7 +70,7 @@ def test_deb_contents(deb: Path) -> None:
     paths = {line.split()[-1].removeprefix(".") for line in listing.splitlines()}
     for path in (
         "/usr/bin/gpugate",
-        "/usr/lib/gpugate/gpugate/cli.py",
+        "/usr/lib/gpugate/gpugate/front/cli.py",
         "/usr/lib/gpugate/pydantic/__init__.py",
         "/usr/lib/systemd/catalog/gpugate.catalog",
         "/usr/share/man/man1/gpugate.1.gz",

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 from sandbox import REPO, STATE_ROOT
 
-from gpugate.report import Event
+from gpugate.report.journal import Event
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 

@@ -1,0 +1,119 @@
+"""Where the unit's configuration file is found, how it is read and parsed, and the one-line
+error that names the file and field when it is wrong.
+
+Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
+instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
+"""
+
+from __future__ import annotations
+
+import difflib
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
+from gpugate.config.toml_text import toml_value
+from gpugate.errors import ConfigError, echo
+
+DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
+STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
+
+
+def parse_config(text: str, source: str) -> GateConfig:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    try:
+        return GateConfig.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        message = first["msg"].removeprefix("Value error, ")
+        if first["type"] == "extra_forbidden":
+            message = "unknown key" + _did_you_mean(parts)
+        elif first["type"] in STRICT_TYPE_ERRORS:
+            shown = first["input"]
+            if isinstance(shown, bool | int | float | str):
+                shown = toml_value(shown)
+            message += f", not {_toml_type(first['input'])} {echo(shown, quote=False)}"
+        field = echo(".".join(parts), quote=False)
+        raise ConfigError(source, field or "(top level)", message + more) from None
+
+
+def _toml_type(value: object) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
+    return names.get(type(value), "a " + type(value).__name__)
+
+
+def _did_you_mean(parts: list[str]) -> str:
+    model: type[BaseModel] = GateConfig
+    for part in parts[:-1]:
+        annotation: Any = (
+            model.model_fields[part].annotation if part in model.model_fields else None
+        )
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic adds the union branch ("literal['all']", "tuple[...]") to the error location.
+    return isinstance(part, str) and ("[" in part or part in {"int", "str"})
+
+
+def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:
+    paths: list[Path] = []
+    if unit:
+        paths.append(config_dir / f"{unit}.toml")
+        prefix, at, rest = unit.partition("@")
+        if at and "." in rest:
+            paths.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
+    paths.append(config_dir / "default.toml")
+    return paths
+
+
+def load_config(
+    unit: str | None, explicit: Path | None = None, config_dir: Path = DEFAULT_CONFIG_DIR
+) -> LoadedConfig:
+    if explicit is not None:
+        loaded = LoadedConfig(parse_config(_read(explicit), str(explicit)), str(explicit))
+    else:
+        path = next((p for p in candidate_paths(unit, config_dir) if p.exists()), None)
+        if path is None:
+            loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
+        else:
+            loaded = LoadedConfig(parse_config(_read(path), str(path)), str(path))
+    check_lock_dir(loaded)
+    return loaded
+
+
+def check_lock_dir(loaded: LoadedConfig) -> None:
+    """lock_dir must be, or be able to become, a folder (it is made at the first run);
+    whether gpugate may write there is the run's to find out (a permission error)."""
+    lock_dir = existing = loaded.config.lock_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", "no such file") from None
+    except PermissionError:
+        raise ConfigError(str(path), "", "permission denied reading it") from None
+    except IsADirectoryError:
+        raise ConfigError(str(path), "", "is a directory, not a TOML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "", "is not UTF-8 text") from None
+    except OSError as exc:
+        raise ConfigError(str(path), "", exc.strerror or str(exc)) from None

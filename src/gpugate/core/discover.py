@@ -1,0 +1,260 @@
+"""Discovery: every process that holds the unit's GPUs, and how each one was found.
+
+Four sources, each recorded on the holder: the unit's cgroup (and the cgroups of the
+containers its config names), /proc/PID/fd links and /proc/PID/maps entries naming
+/dev/nvidiaN, and NVML's process lists. (The fourth kind of target, the rest of a stale
+application, is chosen in `decide`, which walks the tree.) Which GPUs are the unit's is
+`owned_gpus`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from gpugate.config.models import GpuSelection
+from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
+from gpugate.errors import PermissionDenied
+from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
+from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
+from gpugate.host.ports import listening_sockets
+from gpugate.host.procfs import ProcFs, ProcInfo
+from gpugate.host.roots import HostRoots
+from gpugate.host.scan import scan_device_users
+
+GPU_DEVICE = re.compile(r"nvidia(\d+)$")
+
+
+class Source(StrEnum):
+    CGROUP = "cgroup"
+    CONTAINER = "container"  # in a container the config names as the unit's (`containers`)
+    DEVICE_FD = "device-fd"
+    DEVICE_MAP = "device-map"
+    NVML = "nvml"
+    APP_TREE = "app-tree"
+    PORT = "port"  # listens on one of the unit's TCP ports
+
+
+@dataclass
+class Holder:
+    info: ProcInfo
+    sources: set[Source] = field(default_factory=set)
+    gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
+    control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
+    used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
+    ports: set[int] = field(default_factory=set)  # the unit's TCP ports it listens on
+    container: Container | None = None  # where its cgroup is a container's scope
+
+    @property
+    def pid(self) -> int:
+        return self.info.pid
+
+    @property
+    def using(self) -> set[int]:
+        """The GPUs it really uses. CUDA opens /dev/nvidiaN for every visible GPU, so where
+        NVML lists the process, its list is the better answer than the device files."""
+        return set(self.used_mib) or self.gpus
+
+
+@dataclass
+class Discovery:
+    unit: str
+    unit_cgroup: str
+    gpus: Sequence[Gpu]  # every GPU on the host
+    owned: Sequence[Gpu]  # the unit's
+    usage: dict[int, GpuUsage]  # by GPU index, every GPU
+    holders: dict[int, Holder]  # by PID
+    self_chain: frozenset[int]  # gpugate and its ancestors: never targets
+    unreadable: list[int]  # PIDs whose fds could not be read
+    invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
+    # but /proc does not show: another PID namespace (a container without host PIDs)
+    unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
+    faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
+
+    @property
+    def owned_indices(self) -> set[int]:
+        return {gpu.index for gpu in self.owned}
+
+    @property
+    def nvml_lists_processes(self) -> bool:
+        """NVML's process lists are complete and name PIDs this /proc shows: then a device
+        holder it lists nowhere uses no GPU (a watcher). Otherwise device files are the proof."""
+        return (
+            bool(self.usage)
+            and not self.invisible
+            and all(usage.processes_listed for usage in self.usage.values())
+        )
+
+
+def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:
+    chain: set[int] = set()
+    current: int | None = os.getpid() if pid is None else pid
+    while current and current not in chain:
+        chain.add(current)
+        info = procfs.stat(current)
+        current = info.ppid if info else None
+    return frozenset(chain)
+
+
+def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
+    """Every PID in the unit's cgroup and its sub-cgroups."""
+    top = cgroup_root / unit_cgroup.lstrip("/")
+    pids: list[int] = []
+    for directory, _, files in os.walk(top):
+        if "cgroup.procs" in files:
+            try:
+                text = Path(directory, "cgroup.procs").read_text()
+            except FileNotFoundError:
+                continue  # removed while we walked
+            except PermissionError:
+                raise PermissionDenied(f"{directory}/cgroup.procs: permission denied") from None
+            pids.extend(int(line) for line in text.split())
+    return pids
+
+
+def discover(
+    *,
+    unit: str,
+    unit_cgroup: str,
+    wanted: GpuSelection | None,
+    config_source: str,
+    driver: GpuDriver,
+    procfs: ProcFs,
+    roots: HostRoots,
+    self_pid: int | None = None,
+    containers: Sequence[str] = (),
+    container_names: ContainerNames | None = None,
+    strict_faults: bool = True,
+    ports: Collection[int] = (),
+) -> Discovery:
+    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none.
+    strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
+    on the others are recorded in `faults` either way); `status` passes False.
+    containers: the config's `containers`, whose processes are the unit's too.
+    ports: the unit's TCP ports, whose listeners are holders too."""
+    gpus = list(driver.gpus())
+    faults = list(driver_faults(driver))
+    if strict_faults:
+        fail_on_owned_faults(wanted, gpus, faults, unit)
+    usage: dict[int, GpuUsage] = {}
+    for gpu in list(gpus):
+        try:
+            usage[gpu.index] = driver.usage(gpu)
+        except GpuError as exc:
+            gpus.remove(gpu)
+            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+    if strict_faults:
+        fail_on_owned_faults(wanted, gpus, faults, unit)
+    owned = owned_gpus(wanted, gpus, config_source)
+    self_chain = self_and_ancestors(procfs, self_pid)
+    holders: dict[int, Holder] = {}
+
+    def holder(pid: int) -> Holder | None:
+        if pid in holders:
+            return holders[pid]
+        info = procfs.info(pid)
+        if info is None or info.kernel_thread:
+            return None
+        holders[pid] = Holder(info)
+        return holders[pid]
+
+    for pid in cgroup_members(roots.cgroup, unit_cgroup):
+        if pid not in self_chain and (found := holder(pid)) is not None:
+            found.sources.add(Source.CGROUP)
+
+    index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
+    for fault in faults:
+        # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
+        minor = fault.index if fault.minor is None else fault.minor
+        index_by_minor.setdefault(minor, fault.index)
+    dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
+    listening = listening_sockets(roots.proc, ports)
+    scan = scan_device_users(roots.proc, dev_prefix, listening)
+    for pid, use in scan.users.items():
+        if pid in self_chain or (found := holder(pid)) is None:
+            continue
+        if use.sockets:
+            found.sources.add(Source.PORT)
+            found.ports.update(listening[inode] for inode in use.sockets)
+        if use.fd_paths:
+            found.sources.add(Source.DEVICE_FD)
+        if use.mapped_paths:
+            found.sources.add(Source.DEVICE_MAP)
+        for path in use.paths:
+            name = os.path.basename(path)
+            match = GPU_DEVICE.fullmatch(name)
+            if match and int(match.group(1)) in index_by_minor:
+                found.gpus.add(index_by_minor[int(match.group(1))])
+            else:
+                found.control_devices.add(name)
+
+    invisible: list[tuple[int, int]] = []
+    for index, gpu_usage in usage.items():
+        for process in gpu_usage.processes:
+            if process.pid in self_chain:
+                continue
+            if (found := holder(process.pid)) is None:
+                invisible.append((index, process.pid))
+                continue
+            found.sources.add(Source.NVML)
+            found.gpus.add(index)
+            found.used_mib[index] = process.used_mib
+
+    unit_containers = _containers(
+        holders,
+        holder,
+        roots=roots,
+        wanted=containers,
+        names=container_names or ContainerNames(),
+        self_chain=self_chain,
+    )
+    return Discovery(
+        unit=unit,
+        unit_cgroup=unit_cgroup,
+        gpus=gpus,
+        owned=owned,
+        usage=usage,
+        holders=holders,
+        self_chain=self_chain,
+        unreadable=scan.unreadable,
+        invisible=invisible,
+        unit_containers=unit_containers,
+        faults=sorted(faults, key=lambda fault: fault.index),
+    )
+
+
+def _containers(
+    holders: dict[int, Holder],
+    holder: Callable[[int], Holder | None],
+    *,
+    roots: HostRoots,
+    wanted: Sequence[str],
+    names: ContainerNames,
+    self_chain: frozenset[int],
+) -> list[Container]:
+    """Names every holder's container; adds every process of the containers WANTED names
+    as the unit's, GPU holders or not. Returns those containers."""
+    found: dict[str, Container] = {}
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            found.setdefault(container.id, container)
+    if wanted:
+        for container in container_scopes(roots.cgroup):
+            found.setdefault(container.id, container)
+    if not found:
+        return []
+    named = {container.id: container for container in names.named(list(found.values()))}
+    own = [c for c in named.values() if c.matches(wanted)]
+    for container in own:
+        for pid in cgroup_members(roots.cgroup, container.scope):
+            if pid not in self_chain and (member := holder(pid)) is not None:
+                member.sources.add(Source.CONTAINER)
+                member.container = container
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            each.container = named.get(container.id, container)
+    return own

@@ -1,0 +1,47 @@
+"""What a run ended with: its exit code and what it did, in terms every reporter shares.
+
+Low in the stack (beside `errors`): the pipeline fills it in; the narration, the metrics and
+the Slurm drain reason read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gpugate.errors import ExitCode
+from gpugate.host.nvml import Gpu
+from gpugate.host.procfs import ProcessId
+
+
+@dataclass(frozen=True)
+class BusyGpu:
+    gpu: Gpu
+    used_mib: int
+    pids: tuple[int, ...]  # processes NVML still lists on it
+
+
+@dataclass
+class RunSummary:
+    exit_code: ExitCode = ExitCode.OK
+    killed: list[ProcessId] = field(default_factory=list)  # stopped by SIGTERM or SIGKILL
+    rounds: int = 0
+    seconds_discover: float = 0.0
+    seconds_kill: float = 0.0
+    seconds_wait: float = 0.0
+    busy: list[BusyGpu] = field(default_factory=list)  # still used at the deadline
+    owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
+    freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)  # by GPU index
+    degraded: bool = False  # NVML failed and on_nvml_error = warn: the cgroup only
+
+    @property
+    def freed_mib(self) -> int:
+        return sum(self.freed_mib_by_gpu.values())
+
+    @property
+    def result(self) -> str:
+        return result_label(self.exit_code)
+
+
+def result_label(exit_code: ExitCode) -> str:
+    """The metrics' and journal's word for an outcome: success, or the exit code's name."""
+    return "success" if exit_code is ExitCode.OK else exit_code.name.lower()

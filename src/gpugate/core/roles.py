@@ -1,0 +1,87 @@
+"""Where each holder stands: in the unit's cgroup, in one of its containers, an orphan, in
+another unit, protected, or a watcher. Pure logic over what `discover` found."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from gpugate.config.models import GateConfig
+from gpugate.core.discover import Discovery, Holder, Source
+from gpugate.host.procfs import ProcInfo
+from gpugate.host.systemd import is_user_cgroup, unit_of_cgroup
+
+
+class Role(StrEnum):
+    UNIT = "unit"  # in the unit's own cgroup
+    UNIT_CONTAINER = "unit-container"  # in a container its config names (`containers`)
+    ORPHAN = "orphan"  # outside any other service: a login session, a user scope, the root
+    OTHER_UNIT = "other-unit"  # inside another active service or scope
+    PROTECTED = "protected"  # a driver daemon or monitoring tool: never killed
+    WATCHER = "watcher"  # outside the unit, holds device files, NVML lists it on no GPU
+
+
+def in_cgroup(cgroup: str | None, top: str) -> bool:
+    return cgroup is not None and (cgroup == top or cgroup.startswith(top.rstrip("/") + "/"))
+
+
+def role_of(
+    info: ProcInfo,
+    discovery: Discovery,
+    config: GateConfig,
+    *,
+    member: bool = False,
+    own_container: bool = False,
+) -> Role:
+    """member: found in the unit's cgroup.procs (which is what counts, also under a stand-in
+    cgroup root whose paths /proc does not show); own_container: in the cgroup of a container
+    the unit's config names."""
+    cgroup = info.cgroup or "/"
+    unit = unit_of_cgroup(cgroup)
+    if (info.exe is not None and info.exe in config.protected_executables) or (
+        unit is not None and unit in config.protected_units
+    ):
+        return Role.PROTECTED
+    if member or in_cgroup(cgroup, discovery.unit_cgroup):
+        return Role.UNIT
+    if own_container:
+        return Role.UNIT_CONTAINER
+    if unit is not None and not is_user_cgroup(cgroup) and unit != "init.scope":
+        return Role.OTHER_UNIT
+    return Role.ORPHAN
+
+
+def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Role:
+    role = role_of(
+        holder.info,
+        discovery,
+        config,
+        member=Source.CGROUP in holder.sources,
+        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
+    )
+    if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(holder, discovery, config.free_mib):
+        return Role.WATCHER
+    return role
+
+
+def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
+    """Holds NVIDIA device files only (nvidia-smi -l, nvtop, an exporter): NVML's complete
+    process lists name it on no GPU, and on each GPU whose file it holds the memory used is
+    accounted for by the processes NVML lists (a forked child that kept a dead parent's
+    context holds memory that nobody is listed for: not a watcher)."""
+    if (
+        not discovery.nvml_lists_processes
+        or Source.NVML in holder.sources
+        or not holder.sources & {Source.DEVICE_FD, Source.DEVICE_MAP}
+        or holder.ports
+    ):
+        return False
+    for index in holder.gpus:
+        usage = discovery.usage.get(index)
+        if usage is None:
+            return False
+        listed = [process.used_mib for process in usage.processes]
+        if any(mib is None for mib in listed):
+            return False  # per-process memory not reported: cannot tell
+        if usage.used_mib - sum(mib or 0 for mib in listed) > free_mib:
+            return False
+    return True

@@ -1,0 +1,1 @@
+"""The front: command line, hook runs, status, install."""

@@ -1,0 +1,224 @@
+"""Command line: `gpugate pre|post|status|config check|install|uninstall|slurm`: the parser
+and main(); the handlers it dispatches to are `commands`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import textwrap
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from gpugate import __version__
+from gpugate.errors import ExitCode, GateError, exit_code_summary
+from gpugate.front.commands import (
+    Front,
+    Handler,
+    config_check_command,
+    hook_command,
+    install_command,
+    slurm_command,
+    status_command,
+)
+from gpugate.host.nvml import GpuDriver, NvmlDriver
+from gpugate.host.roots import HostRoots
+from gpugate.report.journal import Reporter, ReporterFactory
+
+EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = Parser(
+        prog="gpugate",
+        description="Leave a systemd unit's GPUs truly free: find every holder, kill exactly "
+        "those, wait until NVML reports the memory freed.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for phase, text in (
+        ("pre", "ExecStartPre=: make the unit's GPUs free before it starts"),
+        ("post", "ExecStopPost=: reap what is left after the unit stopped, and wait"),
+    ):
+        sub = commands.add_parser(phase, help=text, description=text, epilog=EPILOG)
+        _unit_and_config(sub)
+        _dry_run(sub)
+        sub.add_argument(
+            "--force",
+            action="store_true",
+            help="run by hand even while the unit is active (kills the running service)",
+        )
+        sub.set_defaults(func=hook_command)
+    status = commands.add_parser("status", help="GPUs and the processes holding them")
+    _unit_and_config(status)
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    shown.add_argument(
+        "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
+    )
+    status.set_defaults(func=status_command)
+    config = commands.add_parser("config", help="configuration tools")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    check = config_commands.add_parser("check", help="validate and print the effective config")
+    check.add_argument("path", nargs="?", type=Path, help="file to check (default: lookup)")
+    check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
+    check.set_defaults(func=config_check_command)
+    _install_parsers(commands)
+    _slurm_parsers(commands)
+    return parser
+
+
+def _dry_run(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--dry-run", action="store_true", help="report what would be killed; kill nothing"
+    )
+
+
+def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    slurm = commands.add_parser("slurm", help="slurm.conf's Prolog= and Epilog= (see README)")
+    phases = slurm.add_subparsers(dest="slurm_phase", required=True, metavar="PHASE")
+    for phase, text in (
+        ("prolog", "Prolog=: make the job's GPUs free before it starts"),
+        ("epilog", "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain"),
+    ):
+        sub = phases.add_parser(phase, help=text, description=text, epilog=EPILOG)
+        sub.add_argument("--config", type=Path, help="config file (default: /etc/gpugate lookup)")
+        _dry_run(sub)
+        sub.set_defaults(func=slurm_command)
+
+
+def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    install = commands.add_parser(
+        "install",
+        help="put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
+        "/etc/gpugate/UNIT.toml, daemon-reload",
+    )
+    uninstall = commands.add_parser("uninstall", help="take gpugate off a unit (install, reversed)")
+    for sub in (install, uninstall):
+        sub.add_argument("unit", help="a service (vllm.service) or template (vllm@.service)")
+        sub.add_argument("--force", action="store_true", help="replace or remove edited files")
+        sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
+        sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
+        sub.add_argument("--systemd-dir", type=Path, default=Path("/etc/systemd/system"))
+        sub.add_argument("--config-dir", type=Path, default=Path("/etc/gpugate"))
+        sub.set_defaults(func=install_command)
+    install.add_argument(
+        "--gpus",
+        type=_gpus,
+        metavar="LIST",
+        help="the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
+    )
+    install.add_argument(
+        "--port",
+        type=_port,
+        action="append",
+        dest="ports",
+        metavar="N",
+        help="a TCP port of the unit for the config (repeatable): pre frees it before the start",
+    )
+    install.add_argument(
+        "--container",
+        dest="containers",
+        action="append",
+        type=_container,
+        default=[],
+        metavar="NAME",
+        help="a container (name or id) whose processes are the unit's own, as `docker run "
+        "--name NAME` in its ExecStart=; repeat for more",
+    )
+    install.add_argument(
+        "--gpugate-path",
+        type=Path,
+        help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
+    )
+
+
+def _unit_and_config(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
+    )
+    parser.add_argument("--config", type=Path, help="config file (default: /etc/gpugate lookup)")
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+    reporter_factory: ReporterFactory = Reporter,
+    roots: HostRoots | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
+) -> int:
+    args = build_parser().parse_args(argv)
+    front = Front(
+        driver_factory=driver_factory,
+        reporter_factory=reporter_factory,
+        roots=roots,
+        unit_state=unit_state,
+    )
+    handler: Handler = args.func
+    try:
+        return handler(args, front)
+    except GateError as exc:
+        print(f"gpugate: {exc.message}", file=sys.stderr)
+        return int(exc.exit_code)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if os.environ.get("GPUGATE_DEBUG"):
+            raise
+        print(
+            f"gpugate: internal error: {type(exc).__name__}: {exc} "
+            "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
+            file=sys.stderr,
+        )
+        return int(ExitCode.INTERNAL)
+
+
+def run() -> None:
+    """The `gpugate` command: main(), then exit without tearing the interpreter down.
+
+    Freeing pydantic's and pynvml's modules one by one takes ~40 ms, all of it after the GPUs
+    are free and before systemd may start the unit. Everything gpugate reports is already sent
+    (journald, sd_notify) or written; only Python's own stream buffers need flushing.
+    """
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to say there
+            stream.flush()
+    os._exit(code)
+
+
+def _gpus(value: str) -> object:
+    from gpugate.front.install import parse_gpus  # noqa: PLC0415
+
+    try:
+        return parse_gpus(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(value: str) -> int:
+    if not value.isdigit() or not 1 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
+    return int(value)
+
+
+def _container(value: str) -> str:
+    from gpugate.front.install import parse_container  # noqa: PLC0415
+
+    try:
+        return parse_container(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -1,0 +1,192 @@
+"""The command handlers `cli` dispatches to: each takes the parsed arguments and what it may
+touch (`Front`), and returns the exit code."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+
+from gpugate.config.file import load_config
+from gpugate.config.toml_text import to_toml
+from gpugate.errors import ExitCode, UnknownUnit
+from gpugate.host.nvml import GpuDriver, NvmlDriver
+from gpugate.host.roots import HostRoots
+from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
+from gpugate.report.journal import Reporter, ReporterFactory
+
+Handler = Callable[[argparse.Namespace, "Front"], int]
+
+
+class Front:
+    """What a command may touch, injected by tests; production's real defaults."""
+
+    def __init__(
+        self,
+        *,
+        driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+        reporter_factory: ReporterFactory = Reporter,
+        roots: HostRoots | None = None,
+        environ: Mapping[str, str] | None = None,
+        unit_state: Callable[[str], str | None] | None = None,
+    ) -> None:
+        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
+        self.driver_factory = driver_factory
+        self.reporter_factory = reporter_factory
+        self.environ = os.environ if environ is None else environ
+        self._roots = roots
+        self.unit_state = unit_state or _systemd_active_state
+
+    @property
+    def roots(self) -> HostRoots:
+        if self._roots is None:
+            self._roots = HostRoots.from_environ(self.environ)
+        return self._roots
+
+
+def _systemd_active_state(unit: str) -> str | None:
+    from gpugate.host.systemd import query_unit  # noqa: PLC0415
+
+    state = query_unit(unit)
+    return state.active_state if state is not None else None
+
+
+def hook_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.hook import Hook, run_hook  # noqa: PLC0415
+    from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
+
+    unit = unit_argument(args.unit) if args.unit else own_unit()
+    if unit is None:
+        raise UnknownUnit(
+            "no UNIT given and gpugate is not running inside a service's cgroup; "
+            "pass the unit (%n in a unit file)"
+        )
+    validate_unit_name(unit)
+    loaded = load_config(unit, args.config)
+    roots = front.roots
+    hook = Hook(
+        args.command,
+        unit,
+        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
+        metrics_unit=unit,
+    )
+    manual_refusal = manual_run_guard(
+        args.command,
+        unit,
+        front.unit_state,
+        front.environ,
+        force=args.force,
+        dry_run=args.dry_run,
+        proc_root=roots.proc,
+    )
+    outcome = run_hook(
+        hook,
+        loaded,
+        front.reporter_factory(unit, args.command),
+        roots=roots,
+        dry_run=args.dry_run,
+        driver_factory=front.driver_factory,
+        environ=front.environ,
+        manual_refusal=manual_refusal,
+    )
+    return int(outcome.exit_code)
+
+
+def slurm_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.integrations import slurm  # noqa: PLC0415
+
+    return slurm.main(
+        args.slurm_phase,
+        config_path=args.config,
+        dry_run=args.dry_run,
+        environ=front.environ,
+        driver_factory=front.driver_factory,
+        reporter_factory=front.reporter_factory,
+        roots=front.roots,
+    )
+
+
+def config_check_command(args: argparse.Namespace, front: Front) -> int:
+    unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
+    loaded = load_config(unit, args.path)
+    print(f"# effective configuration, from {loaded.source}")
+    if unit is not None:
+        from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
+
+        environment = None if front.roots.ask_systemd else (lambda _: None)
+        choice = choose_gpus(unit, loaded, environment)
+        shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
+        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
+        loaded = with_chosen_gpus(loaded, choice)
+    print(to_toml(loaded.config.model_dump(mode="json")))
+    return int(ExitCode.OK)
+
+
+def install_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front import install, install_files  # noqa: PLC0415
+
+    dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
+    args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
+    if args.command == "uninstall":
+        changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
+    else:
+        gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
+        changes = install.plan_install(
+            args.unit,
+            gpus=args.gpus,
+            ports=args.ports,
+            containers=args.containers,
+            gpugate_path=gpugate_path,
+            force=args.force,
+            **dirs,
+        )
+        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
+            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+    reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
+    changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
+    if changed and args.command == "install":
+        print(f"takes effect at the next start: systemctl restart {args.unit}")
+    return int(ExitCode.OK)
+
+
+def status_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.status import (  # noqa: PLC0415
+        as_dict,
+        collect,
+        render_json,
+        render_table,
+        unreadable_warning,
+    )
+
+    unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
+    loaded = load_config(unit, args.config)
+    roots = front.roots
+    driver = front.driver_factory()
+    try:
+        warned = False
+        while True:
+            discovery = collect(unit, loaded, driver, roots)
+            warning = unreadable_warning(discovery)
+            if warning and not warned:  # once, also in --watch
+                print(warning, file=sys.stderr, flush=True)
+                warned = True
+            data = as_dict(discovery, loaded, roots)
+            if not args.watch:
+                print(render_json(data) if args.json else render_table(data), flush=True)
+                return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
+            # Home and clear the screen, then the table, as watch(1) draws it.
+            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
+            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
+            time.sleep(1)
+    except KeyboardInterrupt:
+        return int(ExitCode.OK)  # how --watch ends
+    except BrokenPipeError:
+        # `gpugate status | head`: the reader has all it wanted. Point stdout at /dev/null so
+        # that the interpreter's last flush does not fail once more.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return int(ExitCode.OK)
+    finally:
+        driver.close()

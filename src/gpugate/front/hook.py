@@ -1,0 +1,150 @@
+"""One hook run, the same for systemd's ExecStartPre=/ExecStopPost= and Slurm's
+Prolog=/Epilog=: locate the cgroup, run the phase, say a failure once, record the metrics."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TextIO
+
+from gpugate.config.models import LoadedConfig
+from gpugate.core.kill import Pinned, pin
+from gpugate.core.outcome import RunSummary
+from gpugate.core.run import PhaseRun, RunScope
+from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
+from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.roots import HostRoots
+from gpugate.host.systemd import UnitEnvironment
+from gpugate.integrations.unit.shared_host import prepare, record_pre_error
+from gpugate.report.journal import Reporter
+from gpugate.report.narrate import Narrator
+
+
+@dataclass(frozen=True)
+class Hook:
+    phase: str  # pre, post, prolog, epilog
+    unit: str  # the unit, or the label standing for it (slurm-job-42)
+    locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
+    metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
+
+
+@dataclass(frozen=True)
+class HookOutcome:
+    exit_code: ExitCode
+    summary: RunSummary | None  # None where the run ended in an error
+    error: GateError | None
+
+
+def run_hook(
+    hook: Hook,
+    loaded: LoadedConfig,
+    reporter: Reporter,
+    *,
+    roots: HostRoots | None = None,
+    dry_run: bool = False,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+    pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
+    clock: Callable[[], float] = time.monotonic,
+    stream: TextIO | None = None,
+    environ: Mapping[str, str] | None = None,
+    manual_refusal: str | None = None,
+) -> HookOutcome:
+    """environ, manual_refusal: see run_phase."""
+    stream = stream or sys.stderr
+    summary: RunSummary | None = None
+    error: GateError | None = None
+    try:
+        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup())
+        summary = run_phase(
+            scope,
+            loaded,
+            reporter,
+            roots=roots,
+            dry_run=dry_run,
+            driver_factory=driver_factory,
+            pinner=pinner,
+            clock=clock,
+            environ=environ,
+            manual_refusal=manual_refusal,
+        )
+        code = summary.exit_code
+    except GateError as exc:
+        error, code = exc, exc.exit_code
+        reporter.echo = False  # failed() says it on stderr itself, once
+        reporter.error_stream = stream
+        Narrator(reporter, dry_run=dry_run).failed(exc)
+    if not dry_run:
+        record_metrics(loaded, hook, code, summary, stream)
+    return HookOutcome(code, summary, error)
+
+
+def run_phase(
+    scope: RunScope,
+    loaded: LoadedConfig,
+    reporter: Reporter,
+    *,
+    roots: HostRoots | None = None,
+    dry_run: bool = False,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+    pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
+    clock: Callable[[], float] = time.monotonic,
+    environ: Mapping[str, str] | None = None,
+    manual_refusal: str | None = None,
+    unit_env: Callable[[str], UnitEnvironment | None] | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
+) -> RunSummary:
+    """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
+    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
+    unit_state stand in for systemd's answers (tests)."""
+    roots = roots or HostRoots()
+    loaded, context = prepare(
+        scope.phase,
+        scope.unit,
+        loaded,
+        os.environ if environ is None else environ,
+        roots=roots,
+        manual_refusal=manual_refusal,
+        environment=unit_env,
+        unit_state=unit_state,
+    )
+    narrator = Narrator(reporter, dry_run=dry_run)
+    narrator.looking()
+    run = PhaseRun(
+        scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
+    )
+    try:
+        try:
+            driver: GpuDriver = driver_factory()
+        except NvmlUnavailable as exc:
+            run.degrade(exc)
+            driver = NoGpus()
+        try:
+            return run.run(driver, dry_run=dry_run)
+        finally:
+            driver.close()
+    except ManualRunRefused:
+        raise
+    except GateError as exc:
+        if not dry_run:
+            record_pre_error(context, loaded, exc)  # post need not wait on it again
+        raise
+
+
+def record_metrics(
+    loaded: LoadedConfig,
+    hook: Hook,
+    code: ExitCode,
+    summary: RunSummary | None,
+    stream: TextIO,
+) -> None:
+    textfile = loaded.config.metrics_textfile
+    if textfile is None:
+        return  # no textfile: the metrics module is not even imported (start-up time)
+    from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
+
+    record = run_record(hook.phase, hook.metrics_unit, code, summary)
+    record_after_run(textfile, record, stream=stream)

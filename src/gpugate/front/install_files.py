@@ -1,0 +1,163 @@
+"""The files `gpugate install` writes: the drop-in's text, the config skeleton's text, and the
+ownership header that marks a file as gpugate's.
+
+Every file gpugate writes starts with a header that records the SHA-256 of the rest. A file
+whose rest no longer matches, or that has no such header, is the operator's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Literal
+
+from gpugate.config.models import GateConfig, PhasePolicy
+from gpugate.config.toml_text import toml_value
+from gpugate.errors import InstallError, PermissionDenied
+
+DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
+
+
+# The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
+DROPIN_TEMPLATE = """\
+# gpugate on a GPU service: before each start and after each stop, find every process that
+# holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.
+# `gpugate install UNIT` puts it at /etc/systemd/system/UNIT.d/gpugate.conf; settings for the
+# unit go to /etc/gpugate/UNIT.toml (`gpugate config check --unit UNIT`; man gpugate).
+[Service]
+# "+": run with full privileges even when the unit sets User=, ProtectSystem= or
+# ProtectProc=: gpugate must see and signal other users' processes. %n: the unit's name.
+ExecStartPre=+@GPUGATE@ pre %n
+# Runs after every stop, a crash or a failed start included: reaps workers that outlived the
+# main process and waits for the driver to release their memory before the unit is "inactive".
+ExecStopPost=+@GPUGATE@ post %n
+# Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
+# STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose
+# own children must notify needs NotifyAccess=all: set it in a drop-in sorting after this one.)
+NotifyAccess=exec
+# Each covers a hook: SIGTERM grace + SIGKILL wait + the driver's release (gpugate's
+# wait_timeout_s, 120 s by default) with room to spare; gpugate also extends them while it
+# waits. A server that needs longer to start or stop: raise them in a later drop-in.
+TimeoutStartSec=300
+TimeoutStopSec=300
+"""
+
+
+# The fields the skeleton shows, each with its model's description as the comment above it.
+CONFIG_FIELDS = (
+    "gpus",
+    "ports",
+    "free_mib",
+    "kill_other_units",
+    "share_gpus",
+    "protected_executables",
+    "protected_units",
+    "containers",
+)
+
+
+PHASE_TEXT = {
+    "pre": "ExecStartPre=: before the unit starts.",
+    "post": "ExecStopPost=: after the unit stopped.",
+}
+
+
+POLICY_FIELDS = tuple(PhasePolicy.model_fields)
+
+
+HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
+
+
+HEADER_TEXT = (
+    "# Written by gpugate install (sha256:{digest}).\n"
+    "# Edit freely: install and uninstall then leave it alone unless given --force.\n"
+)
+
+
+SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
+
+
+Gpus = Literal["all"] | list[int | str]  # `gpus` as written into the config
+
+
+class Ownership(Enum):
+    ABSENT = "absent"
+    OURS = "ours"  # written by gpugate install, unchanged since
+    OPERATORS = "operator's"  # edited since, or never written by gpugate
+
+
+def default_gpugate_path() -> Path:
+    """/usr/bin/gpugate (the packages), else the gpugate on PATH (pip, pipx)."""
+    if os.access(DEFAULT_GPUGATE, os.X_OK):
+        return DEFAULT_GPUGATE
+    found = shutil.which("gpugate")
+    return Path(found).absolute() if found else DEFAULT_GPUGATE
+
+
+def render_dropin(gpugate_path: Path) -> str:
+    text = str(gpugate_path)
+    if not SAFE_PATH.match(text) or "/../" in text:
+        raise InstallError(
+            f"--gpugate-path {text!r}: an absolute path of letters, digits and _.+/- only "
+            "(it goes into ExecStartPre= unquoted)"
+        )
+    return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
+
+
+def render_config(
+    unit: str,
+    gpus: Gpus | None,
+    containers: Sequence[str] = (),
+    ports: Sequence[int] | None = None,
+) -> str:
+    """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
+    and ports given."""
+    defaults = GateConfig()
+    lines = [
+        f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
+        "# uncomment what you change. Check it: gpugate config check --unit " + unit,
+        "",
+    ]
+    for name in CONFIG_FIELDS:
+        lines.append(f"# {GateConfig.model_fields[name].description}")
+        if name == "gpus":  # written out: "auto" unless --gpus named them
+            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
+        elif name == "containers" and containers:
+            lines.append(f"containers = {toml_value(list(containers))}")
+        elif name == "ports" and ports:
+            lines.append(f"ports = {toml_value(list(ports))}")
+        else:
+            lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
+    for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
+        lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
+        for name in POLICY_FIELDS:
+            text = PhasePolicy.model_fields[name].description
+            lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
+    return "\n".join(lines) + "\n"
+
+
+def with_header(body: str) -> str:
+    return HEADER_TEXT.format(digest=hashlib.sha256(body.encode()).hexdigest()) + body
+
+
+def ownership(path: Path) -> Ownership:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Ownership.ABSENT
+    except UnicodeDecodeError:
+        return Ownership.OPERATORS
+    except PermissionError:
+        raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
+    match = HEADER.match(text)
+    header_lines = HEADER_TEXT.count("\n")
+    parts = text.split("\n", header_lines)
+    if match is None or len(parts) <= header_lines:
+        return Ownership.OPERATORS
+    unchanged = hashlib.sha256(parts[header_lines].encode()).hexdigest() == match[1]
+    return Ownership.OURS if unchanged else Ownership.OPERATORS

@@ -1,0 +1,1 @@
+"""Adapters for the host: /proc, NVML, systemd, container runtimes, locks, files."""

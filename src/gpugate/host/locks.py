@@ -1,0 +1,77 @@
+"""Per-GPU locks under /run/gpugate: two runs on overlapping GPUs take turns.
+
+flock(2) locks die with their holder, so a crashed gpugate never blocks the next one.
+Locks are taken in UUID order, so two runs can never wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+from gpugate.errors import ConfigError, LockTimeout, PermissionDenied
+from gpugate.host.nvml import Gpu
+
+
+def flock_by(
+    fd: int,
+    deadline: float,
+    on_wait: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> bool:
+    """Take an exclusive flock on fd, polling until the deadline; False if it never came.
+    on_wait runs once, the first time the lock is found taken."""
+    waited = False
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if clock() >= deadline:
+                return False
+            if not waited:
+                on_wait()
+                waited = True
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def gpu_locks(
+    lock_dir: Path,
+    gpus: Sequence[Gpu],
+    deadline: float,
+    on_wait: Callable[[Gpu], None] = lambda gpu: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> Iterator[None]:
+    try:
+        lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except PermissionError:
+        raise PermissionDenied(f"{lock_dir}: permission denied creating the lock folder") from None
+    except OSError as exc:  # a file in the way, a read-only file system, ...
+        raise ConfigError(
+            str(lock_dir), "lock_dir", f"unusable as the lock folder: {exc.strerror}"
+        ) from None
+    held: list[int] = []
+    try:
+        for gpu in sorted(gpus, key=lambda g: g.uuid):
+            path = lock_dir / f"{gpu.uuid}.lock"
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except PermissionError:
+                raise PermissionDenied(f"{path}: permission denied") from None
+            except OSError as exc:
+                raise ConfigError(
+                    str(path), "lock_dir", f"cannot open a lock here: {exc.strerror}"
+                ) from None
+            held.append(fd)
+            if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
+                raise LockTimeout(f"{path}: another gpugate run held {gpu.label} past the deadline")
+        yield
+    finally:
+        for fd in held:
+            os.close(fd)

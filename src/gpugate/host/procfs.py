@@ -1,0 +1,215 @@
+"""Reading /proc: one process's facts, pinned by (pid, start time), and the device-file scan.
+
+A process's identity, owner, command line and executable come from psutil; what psutil has no
+API for (session and process group, the cgroup, wchan, the kernel's children lists) is read by
+hand; the device-fd and maps scan is `gpugate.host.scan`. Everything here reads under a configurable
+proc root and returns None for a process that vanished mid-read; nothing here decides or
+signals.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+PF_KTHREAD = 0x00200000
+DEFAULT_PROC = Path("/proc")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True, order=True)
+class ProcessId:
+    """A process, not a PID: the start time tells a recycled PID from the original."""
+
+    pid: int
+    start_time: int  # clock ticks after boot, field 22 of /proc/PID/stat
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    start_time: int
+    comm: str
+    state: str  # R, S, D, Z, T, ...
+    ppid: int
+    pgrp: int
+    session: int
+    tty_nr: int
+    kernel_thread: bool
+    uid: int | None = None
+    cgroup: str | None = None  # the cgroup v2 path, "/system.slice/vllm.service"
+    cmdline: tuple[str, ...] = ()
+    exe: str | None = None
+
+    @property
+    def ident(self) -> ProcessId:
+        return ProcessId(self.pid, self.start_time)
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+    @property
+    def user(self) -> str:
+        if self.uid is None:
+            return "?"
+        try:
+            return pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            return str(self.uid)
+
+
+def parse_stat(text: str) -> ProcInfo | None:
+    # comm may hold spaces and parentheses: it ends at the last ')'.
+    open_paren, close_paren = text.find("("), text.rfind(")")
+    if open_paren < 0 or close_paren < 0:
+        return None
+    fields = text[close_paren + 2 :].split()
+    if len(fields) < 20:
+        return None
+    return ProcInfo(
+        pid=int(text[:open_paren]),
+        comm=text[open_paren + 1 : close_paren],
+        state=fields[0],
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        session=int(fields[3]),
+        tty_nr=int(fields[4]),
+        kernel_thread=bool(int(fields[6]) & PF_KTHREAD),
+        start_time=int(fields[19]),
+    )
+
+
+def parse_cgroup(text: str) -> str | None:
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].removesuffix(" (deleted)")
+    return None
+
+
+@dataclass
+class ProcFs:
+    """Reads /proc lazily and caches what it read for the life of one discovery round."""
+
+    root: Path = Path("/proc")
+    _info: dict[int, ProcInfo | None] = field(default_factory=dict)
+    _boot_time: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.root != DEFAULT_PROC:
+            psutil.PROCFS_PATH = str(self.root)  # psutil's one documented knob for its root
+
+    def pids(self) -> Iterator[int]:
+        for name in os.listdir(self.root):
+            if name.isdigit():
+                yield int(name)
+
+    def _read(self, pid: int, name: str) -> str | None:
+        try:
+            with open(f"{self.root}/{pid}/{name}", encoding="utf-8", errors="replace") as handle:
+                return handle.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+
+    def stat(self, pid: int) -> ProcInfo | None:
+        """The cheap facts (one read): enough to walk the tree. By hand: psutil has no API for
+        the session, process group, tty number or PF_KTHREAD, and reads more files for less."""
+        if pid in self._info:
+            return self._info[pid]
+        text = self._read(pid, "stat")
+        info = parse_stat(text) if text else None
+        self._info[pid] = info
+        return info
+
+    def info(self, pid: int) -> ProcInfo | None:
+        """All facts gpugate shows and decides on, read once: identity, uid, command line and
+        executable through psutil; the cgroup by hand (psutil has no cgroup API)."""
+        base = self.stat(pid)
+        if base is None or base.cgroup is not None or base.kernel_thread:
+            return base
+        cgroup_text = self._read(pid, "cgroup")
+        uid: int | None
+        try:
+            process = psutil.Process(pid)
+            with process.oneshot():
+                if self._ticks(process.create_time()) != base.start_time:
+                    raise psutil.NoSuchProcess(pid)  # the PID was reused since stat was read
+                uid = process.uids().real
+                cmdline = _or_empty(process.cmdline)
+                exe = _or_none(process.exe)
+        except psutil.NoSuchProcess:  # ZombieProcess is one too, but a zombie still has facts
+            if base.state != "Z":
+                self._info[pid] = None
+                return None
+            uid, cmdline, exe = self._uid(pid), [], None
+        if cgroup_text is None:
+            self._info[pid] = None
+            return None
+        info = ProcInfo(
+            **{
+                **base.__dict__,
+                "uid": uid,
+                "cgroup": parse_cgroup(cgroup_text) or "/",
+                "cmdline": tuple(arg for arg in cmdline if arg),
+                "exe": exe or None,
+            }
+        )
+        self._info[pid] = info
+        return info
+
+    def _ticks(self, create_time: float) -> int:
+        """psutil's create_time (seconds since the epoch) back in /proc/PID/stat's clock ticks."""
+        if self._boot_time is None:
+            self._boot_time = psutil.boot_time()
+        return round((create_time - self._boot_time) * CLOCK_TICKS)
+
+    def _uid(self, pid: int) -> int | None:
+        status = self._read(pid, "status") or ""
+        uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
+        return int(uids[0]) if uids else None
+
+    def _start_time(self, pid: int) -> int | None:
+        text = self._read(pid, "stat")
+        info = parse_stat(text) if text else None
+        return info.start_time if info else None
+
+    def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
+        return (self._read(pid, "wchan") or "?").strip() or "?"
+
+    def children(self, pid: int) -> list[int]:
+        """Children of every thread of pid (needs CONFIG_PROC_CHILDREN, as Debian kernels have).
+        By hand: psutil's children() reads the parent of every process on the host."""
+        result: list[int] = []
+        try:
+            tasks = os.listdir(f"{self.root}/{pid}/task")
+        except OSError:
+            return result
+        for tid in tasks:
+            text = self._read(pid, f"task/{tid}/children")
+            if text:
+                result.extend(int(child) for child in text.split())
+        return result
+
+    def still_same(self, ident: ProcessId) -> bool:
+        return self._start_time(ident.pid) == ident.start_time
+
+
+def _or_empty(read: Callable[[], list[str]]) -> list[str]:
+    """cmdline of a process we may not read (not root), or that is exiting: none."""
+    try:
+        return read()
+    except (psutil.AccessDenied, psutil.ZombieProcess):
+        return []
+
+
+def _or_none(read: Callable[[], str]) -> str | None:
+    """exe: another user's is unreadable without root; a zombie's is gone."""
+    try:
+        return read()
+    except (psutil.AccessDenied, psutil.ZombieProcess):
+        return None

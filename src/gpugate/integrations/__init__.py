@@ -1,0 +1,1 @@
+"""Integrations beside the core: the systemd unit's shared-host steps, Slurm, metrics."""

@@ -1,0 +1,282 @@
+"""Prometheus metrics: a node_exporter textfile rewritten after each run.
+
+Each run knows only itself, so the counters live in a JSON state file beside the textfile
+(`PATH.state`; node_exporter reads only `*.prom`) and every run adds to them under an flock
+on `PATH.lock`: runs of different units may end at the same moment. Both files are replaced
+atomically (a temporary file in the same folder, then rename), so node_exporter never reads
+half a file.
+
+Alerts must fire on the first failure: Prometheus's increase() sees nothing in a counter
+series that is born at 1. So the first write for a unit puts every result of each of its
+phases (pre and post, or prolog and epilog) at 0, and gpugate_last_run_failed says 1 or 0 for
+the unit's last run of each phase from its very first run on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from gpugate.core.outcome import RunSummary, result_label
+from gpugate.errors import ExitCode
+from gpugate.host.atomic import write_atomically
+from gpugate.host.locks import flock_by
+
+STATE_VERSION = 1
+LOCK_TIMEOUT_S = 10.0
+# A unit's phases come in pairs: the first write for one writes the other's counters too.
+PHASE_PAIRS = {"pre": ("pre", "post"), "post": ("pre", "post")}
+SLURM_PHASES = ("prolog", "epilog")
+RESULTS = ("success", *(code.name.lower() for code in ExitCode if code is not ExitCode.OK))
+RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+RELEASE = "gpugate_memory_release_seconds"
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    kind: str  # counter, gauge or histogram
+    help: str
+
+    @property
+    def sample_names(self) -> tuple[str, ...]:
+        if self.kind == "histogram":
+            return tuple(self.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        return (self.name,)
+
+
+FAMILIES = (
+    Family("gpugate_runs_total", "counter", "gpugate runs, by phase, unit and result"),
+    Family(
+        "gpugate_processes_killed_total", "counter", "processes gpugate stopped, by phase and unit"
+    ),
+    Family(
+        "gpugate_wait_seconds_total",
+        "counter",
+        "seconds spent waiting for the driver to free GPU memory, by phase and unit",
+    ),
+    Family(
+        "gpugate_reclaimed_mib_total",
+        "counter",
+        "GPU memory freed by runs (used before the kill minus used after the wait), in MiB",
+    ),
+    Family(
+        "gpugate_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the unit's last run that left this GPU free",
+    ),
+    Family(
+        "gpugate_last_run_failed",
+        "gauge",
+        "1 when the unit's last run of this phase failed, 0 when it succeeded",
+    ),
+    Family(
+        RELEASE,
+        "histogram",
+        "seconds from the first signal to the GPU memory being free, runs that killed",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class GpuRef:
+    index: int
+    uuid: str
+
+
+@dataclass
+class RunRecord:
+    """What one run did, in the terms the metrics count."""
+
+    phase: str
+    unit: str  # the metrics label: a Slurm job's runs all count under "slurm"
+    result: str  # "success", or the exit code's name in lower case
+    killed: int = 0
+    seconds_wait: float = 0.0
+    reclaimed_mib: dict[GpuRef, int] = field(default_factory=dict)
+    freed_gpus: list[GpuRef] = field(default_factory=list)  # free at the end of a successful run
+    release_s: float | None = None  # kill to free, where the run killed and the GPUs got free
+    finished_at: float = field(default_factory=time.time)
+
+
+# name -> label set -> value
+Samples = dict[str, dict[Labels, float]]
+
+
+def apply(samples: Samples, record: RunRecord) -> None:
+    def add(name: str, labels: Mapping[str, str], value: float) -> None:
+        key = tuple(sorted(labels.items()))
+        family = samples.setdefault(name, {})
+        family[key] = family.get(key, 0) + value
+
+    def put(name: str, labels: Mapping[str, str], value: float) -> None:
+        samples.setdefault(name, {})[tuple(sorted(labels.items()))] = value
+
+    run = {"phase": record.phase, "unit": record.unit}
+    for phase in PHASE_PAIRS.get(record.phase, SLURM_PHASES):
+        for result in RESULTS:  # at 0 from the unit's first write: see the module's doc
+            add("gpugate_runs_total", {"phase": phase, "unit": record.unit, "result": result}, 0)
+    add("gpugate_runs_total", {**run, "result": record.result}, 1)
+    put("gpugate_last_run_failed", run, 0 if record.result == "success" else 1)
+    if record.release_s is not None:
+        for bound in RELEASE_BUCKETS_S:
+            add(f"{RELEASE}_bucket", {**run, "le": _number(bound)}, record.release_s <= bound)
+        add(f"{RELEASE}_bucket", {**run, "le": "+Inf"}, 1)
+        add(f"{RELEASE}_sum", run, record.release_s)
+        add(f"{RELEASE}_count", run, 1)
+    add("gpugate_processes_killed_total", run, record.killed)
+    add("gpugate_wait_seconds_total", run, record.seconds_wait)
+    for gpu, mib in record.reclaimed_mib.items():
+        add("gpugate_reclaimed_mib_total", _gpu_labels(record.unit, gpu), mib)
+    for gpu in record.freed_gpus:
+        put(
+            "gpugate_last_success_timestamp_seconds",
+            _gpu_labels(record.unit, gpu),
+            record.finished_at,
+        )
+
+
+def _gpu_labels(unit: str, gpu: GpuRef) -> dict[str, str]:
+    return {"unit": unit, "gpu": str(gpu.index), "uuid": gpu.uuid}
+
+
+def render(samples: Samples) -> str:
+    """The Prometheus text exposition format (0.0.4), families in a fixed order."""
+    lines: list[str] = []
+    for family in FAMILIES:
+        if not any(samples.get(name) for name in family.sample_names):
+            continue
+        lines.append(f"# HELP {family.name} {family.help}")
+        lines.append(f"# TYPE {family.name} {family.kind}")
+        rows = [
+            (labels, name, value)
+            for name in family.sample_names
+            for labels, value in samples.get(name, {}).items()
+        ]
+        for labels, name, value in sorted(rows, key=_row_order):
+            text = ",".join(f'{key}="{_escape(v)}"' for key, v in labels)
+            lines.append(f"{name}{{{text}}} {_number(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _row_order(row: tuple[Labels, str, float]) -> tuple[object, ...]:
+    """Series by series; a histogram's buckets in rising `le`, then its sum and count."""
+    labels, name, _ = row
+    rest = tuple(item for item in labels if item[0] != "le")
+    le = dict(labels).get("le")
+    return (rest, name.endswith("_bucket") is False, name, float(le) if le else 0.0)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
+
+
+def load_state(path: Path) -> Samples:
+    """The counters so far; a missing or unreadable state starts them again from zero
+    (Prometheus takes a counter that goes down as a reset)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    samples: Samples = {}
+    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
+        return samples
+    known = {name for family in FAMILIES for name in family.sample_names}
+    for name, entries in data.get("samples", {}).items():
+        if name not in known or not isinstance(entries, list):
+            continue
+        for entry in entries:
+            try:
+                labels = tuple(sorted((str(k), str(v)) for k, v in entry["labels"].items()))
+                samples.setdefault(name, {})[labels] = float(entry["value"])
+            except (KeyError, TypeError, ValueError, AttributeError):
+                continue
+    return samples
+
+
+def dump_state(samples: Samples) -> str:
+    data = {
+        "version": STATE_VERSION,
+        "samples": {
+            name: [
+                {"labels": dict(labels), "value": value} for labels, value in sorted(found.items())
+            ]
+            for name, found in sorted(samples.items())
+        },
+    }
+    return json.dumps(data, indent=1, sort_keys=True) + "\n"
+
+
+@contextlib.contextmanager
+def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
+            raise TimeoutError(f"{path}: held by another gpugate run")
+        yield
+    finally:
+        os.close(fd)
+
+
+def record_run(textfile: Path, record: RunRecord) -> None:
+    """Add one run to the counters and rewrite the textfile. Raises OSError."""
+    textfile.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    state = textfile.with_name(textfile.name + ".state")
+    with _locked(textfile.with_name(textfile.name + ".lock")):
+        samples = load_state(state)
+        apply(samples, record)
+        # State first: a crash between the two renames loses nothing, the next run rewrites
+        # the textfile from it.
+        write_atomically(state, dump_state(samples))
+        write_atomically(textfile, render(samples))
+
+
+def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:
+    """summary: None where the run ended in an error before it could report (NVML, lock)."""
+    record = RunRecord(phase, unit, result_label(exit_code))
+    if summary is None:
+        return record
+    record.killed = len(summary.killed)
+    record.seconds_wait = summary.seconds_wait
+    gpus = {gpu.index: GpuRef(gpu.index, gpu.uuid) for gpu in summary.owned}
+    record.reclaimed_mib = {
+        gpus[index]: mib for index, mib in summary.freed_mib_by_gpu.items() if index in gpus
+    }
+    if exit_code is ExitCode.OK:
+        busy = {item.gpu.index for item in summary.busy}
+        record.freed_gpus = [gpu for index, gpu in sorted(gpus.items()) if index not in busy]
+        if summary.killed and gpus and not busy:
+            record.release_s = summary.seconds_kill + summary.seconds_wait
+    return record
+
+
+def record_after_run(
+    textfile: Path | None,
+    record: RunRecord,
+    *,
+    stream: TextIO | None = None,
+) -> None:
+    """Best effort: metrics that cannot be written are a warning, never the run's failure."""
+    if textfile is None:
+        return
+    try:
+        record_run(textfile, record)
+    except OSError as exc:  # TimeoutError (the lock) is one too
+        detail = exc.strerror or str(exc)
+        print(
+            f"gpugate: warning: metrics not written to {textfile}: {detail}",
+            file=stream or sys.stderr,
+        )

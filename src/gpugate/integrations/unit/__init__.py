@@ -1,0 +1,1 @@
+"""A systemd unit's shared-host steps: gpus = auto, leases, failed starts, the manual-run guard."""

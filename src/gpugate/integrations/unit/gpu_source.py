@@ -1,0 +1,89 @@
+"""`gpus = "auto"`: the GPUs a unit names for itself in the environment systemd gives it.
+
+First CUDA_VISIBLE_DEVICES (indices or UUIDs), else NVIDIA_VISIBLE_DEVICES (the container
+toolkit's variable: indices, UUIDs, `all`, `none`/`void`), else every GPU. Both come from the
+unit's Environment= and EnvironmentFile= lines as systemd resolves them, never from
+gpugate's own environment (a hand-typed run would see the shell's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
+from gpugate.config.models import BUILTIN_SOURCE, GateConfig, GpuSelection, LoadedConfig
+from gpugate.errors import ConfigError
+from gpugate.host.systemd import UnitEnvironment, unit_environment
+
+VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
+NVIDIA_NO_GPU = {"", "none", "void"}
+
+
+@dataclass(frozen=True)
+class GpuChoice:
+    gpus: GpuSelection  # "all", or the GPUs ((): the unit uses none)
+    source: str  # said in the run's first journal entry and by `config check --unit`
+    warn: bool = False  # all GPUs only because nothing named them, and no config file
+    named: bool = True  # False: every GPU by default, because nothing named the unit's
+
+
+def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
+    """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
+    text = value.strip()
+    lowered = text.lower()
+    if variable == "NVIDIA_VISIBLE_DEVICES":
+        if lowered == "all":
+            return "all"
+        if lowered in NVIDIA_NO_GPU:
+            return ()
+    if text in NO_GPU or text.split(",")[0].strip() == "-1":
+        return ()
+    try:
+        gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
+    except GpuListError as exc:
+        raise ConfigError(where, variable, f"{value[:80]!r}: {exc}") from None
+    return gpus
+
+
+def choose_gpus(
+    unit: str | None,
+    loaded: LoadedConfig,
+    environment: Callable[[str], UnitEnvironment | None] | None = None,
+) -> GpuChoice:
+    """environment: the unit's environment (default: ask systemd)."""
+    config = loaded.config
+    environment = environment or unit_environment
+    if config.gpus != "auto":
+        return GpuChoice(config.gpus, f"gpus in {loaded.source}")
+    env = environment(unit) if unit else None
+    if env is not None:
+        for variable in VARIABLES:
+            if variable in env.variables:
+                where = f"unit {unit}: {env.origin(variable)}"
+                gpus = parse_visible_devices(variable, env.variables[variable], where)
+                return GpuChoice(gpus, f"{variable} of {unit} ({env.origin(variable)})")
+    why = f"{unit} sets neither {' nor '.join(VARIABLES)}" if unit else "no unit"
+    if env is None and unit:
+        why = "systemd cannot be asked for the unit's environment"
+    if loaded.source == BUILTIN_SOURCE:
+        return GpuChoice(
+            "all",
+            f"all GPUs: {why} and no config file names gpus (set gpus, or the unit's "
+            "CUDA_VISIBLE_DEVICES)",
+            warn=True,
+            named=False,
+        )
+    return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})', named=False)
+
+
+def selection(config: GateConfig) -> GpuSelection:
+    """The config's GPUs once with_chosen_gpus ran ("auto" left unresolved: every GPU)."""
+    return "all" if config.gpus == "auto" else config.gpus
+
+
+def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
+    """The config with gpus replaced by the choice (its source kept)."""
+    config = loaded.config.model_copy(update={"gpus": choice.gpus})
+    return LoadedConfig(config, loaded.source)

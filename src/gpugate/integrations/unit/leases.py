@@ -1,0 +1,194 @@
+"""GPU leases: from a unit's successful `pre` until its `post`, the unit holds its GPUs.
+
+One JSON file per unit in LOCK_DIR/leases/, replaced atomically (a temporary file in the same
+folder, fsync, rename), so a crash of gpugate leaves the old lease or the new one, never half
+of one; lock_dir is on /run, a tmpfs, so a reboot clears them all. Readers and writers on
+overlapping GPUs hold the per-GPU flock locks (locks.py), so a lease is checked and written in
+one turn. A lease whose unit systemd no longer calls active or activating is stale.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpugate.errors import PermissionDenied
+from gpugate.host.atomic import write_atomically
+from gpugate.host.nvml import Gpu
+
+LEASE_FOLDER = "leases"
+RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
+
+
+@dataclass(frozen=True)
+class Lease:
+    unit: str
+    gpus: tuple[int, ...]  # NVML indices when the lease was taken
+    uuids: tuple[str, ...]  # what overlap is decided on: indices move when a GPU falls off
+    share: bool  # the unit's share_gpus: it may hold the GPUs together with other sharers
+    since: float  # Unix time the lease was taken
+    invocation_id: str | None = None  # the unit's INVOCATION_ID at its pre
+    pid: int = 0  # the gpugate pre that took it
+
+    def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
+        mine = {uuid.lower() for uuid in self.uuids}
+        return [gpu for gpu in gpus if gpu.uuid.lower() in mine]
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "unit": self.unit,
+            "gpus": list(self.gpus),
+            "uuids": list(self.uuids),
+            "share": self.share,
+            "since": self.since,
+            "invocation_id": self.invocation_id,
+            "pid": self.pid,
+        }
+
+
+def lease_dir(lock_dir: Path) -> Path:
+    return lock_dir / LEASE_FOLDER
+
+
+def lease_path(lock_dir: Path, unit: str) -> Path:
+    return lease_dir(lock_dir) / f"{unit}.json"
+
+
+def new_lease(
+    unit: str, gpus: Sequence[Gpu], *, share: bool, invocation_id: str | None = None
+) -> Lease:
+    return Lease(
+        unit=unit,
+        gpus=tuple(gpu.index for gpu in gpus),
+        uuids=tuple(gpu.uuid for gpu in gpus),
+        share=share,
+        since=time.time(),
+        invocation_id=invocation_id or None,
+        pid=os.getpid(),
+    )
+
+
+def parse_lease(text: str) -> Lease | None:
+    """A lease file's content, or None where it is not one (edited or foreign)."""
+    try:
+        data = json.loads(text)
+        lease = Lease(
+            unit=str(data["unit"]),
+            gpus=tuple(int(i) for i in data["gpus"]),
+            uuids=tuple(str(u) for u in data["uuids"]),
+            share=bool(data["share"]),
+            since=float(data["since"]),
+            invocation_id=data.get("invocation_id") or None,
+            pid=int(data.get("pid", 0)),
+        )
+    except (ValueError, KeyError, TypeError):
+        return None
+    return lease
+
+
+@dataclass
+class LeaseFiles:
+    leases: list[Lease] = field(default_factory=list)
+    unreadable: list[Path] = field(default_factory=list)  # not a lease: reported, ignored
+
+
+def read_leases(lock_dir: Path) -> LeaseFiles:
+    found = LeaseFiles()
+    try:
+        entries = sorted(lease_dir(lock_dir).glob("*.json"))
+    except OSError:
+        return found
+    for path in entries:
+        try:
+            lease = parse_lease(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            continue  # released while we listed
+        except (OSError, UnicodeDecodeError):
+            lease = None
+        if lease is None or path.name != f"{lease.unit}.json":
+            found.unreadable.append(path)
+        else:
+            found.leases.append(lease)
+    return found
+
+
+def write_lease(lock_dir: Path, lease: Lease) -> Path:
+    """Replace the unit's lease atomically."""
+    target = lease_path(lock_dir, lease.unit)
+    try:
+        write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
+    except PermissionError:
+        raise PermissionDenied(f"{target}: permission denied writing a GPU lease") from None
+    return target
+
+
+def release_lease(lock_dir: Path, unit: str) -> bool:
+    """Remove the unit's lease; False where it held none."""
+    try:
+        lease_path(lock_dir, unit).unlink()
+    except FileNotFoundError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class LeaseCheck:
+    """What the leases of other units say about a run on `gpus`."""
+
+    conflicts: list[tuple[Lease, list[Gpu]]]  # live leases on our GPUs: the run refuses
+    shared: list[tuple[Lease, list[Gpu]]]  # live leases both sides agreed to share
+    stale: list[tuple[Lease, str]]  # leases of units no longer running, with their state
+    unreadable: list[Path]
+
+    def refusal(self) -> str:
+        parts = [
+            f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.unit}"
+            f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(lease.since))})"
+            for lease, gpus in self.conflicts
+        ]
+        return (
+            "; ".join(parts) + ": that unit is still active or activating and holds them until"
+            " its post; stop it first, or set share_gpus = true in both units' configs"
+        )
+
+
+def check_leases(
+    lock_dir: Path,
+    unit: str,
+    gpus: Sequence[Gpu],
+    *,
+    share: bool,
+    unit_state: Callable[[str], str | None],
+) -> LeaseCheck:
+    """unit_state: the unit's ActiveState (None: unknown, taken as still running)."""
+    files = read_leases(lock_dir)
+    conflicts: list[tuple[Lease, list[Gpu]]] = []
+    shared: list[tuple[Lease, list[Gpu]]] = []
+    stale: list[tuple[Lease, str]] = []
+    for lease in files.leases:
+        if lease.unit == unit:
+            continue  # the unit's own, from an earlier start: replaced
+        overlap = lease.overlap(gpus)
+        if not overlap:
+            continue
+        state = unit_state(lease.unit)
+        if state is not None and state not in RUNNING_STATES:
+            stale.append((lease, state))
+        elif share and lease.share:
+            shared.append((lease, overlap))
+        else:
+            conflicts.append((lease, overlap))
+    return LeaseCheck(conflicts, shared, stale, files.unreadable)
+
+
+def leases_by_gpu(leases: Sequence[Lease]) -> dict[str, list[str]]:
+    """UUID (lower case) to the units leasing it, for `status`."""
+    by_uuid: dict[str, list[str]] = {}
+    for lease in leases:
+        for uuid in lease.uuids:
+            by_uuid.setdefault(uuid.lower(), []).append(lease.unit)
+    return by_uuid

@@ -1,0 +1,245 @@
+"""What a run tells the operator: the wording and fields of its journal entries and STATUS=
+lines. The pipeline says what happened (`Narrator.signal_sent(choice, signum)`); this module
+says it in words, so the run's sequence and its narration can each be read on their own. The
+wait's wording is `narrate_wait`; how a holder is named in words, `holder_text`."""
+
+from __future__ import annotations
+
+import signal
+
+from gpugate.core.decide import Choice, Decision
+from gpugate.core.discover import Discovery
+from gpugate.core.outcome import RunSummary
+from gpugate.core.roles import Role
+from gpugate.errors import GateError
+from gpugate.host.containers import StopResult
+from gpugate.report.holder_text import container_fields, describe, gpu_list
+from gpugate.report.journal import (
+    PRIORITY_ERR,
+    PRIORITY_INFO,
+    PRIORITY_NOTICE,
+    PRIORITY_WARNING,
+    Event,
+    Reporter,
+    WaitingReports,
+)
+from gpugate.report.narrate_wait import WaitNarration
+
+MAX_LISTED_PIDS = 10
+
+
+def watcher_evidence(discovery: Discovery) -> str:
+    if discovery.nvml_lists_processes:
+        return "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
+    return "NVML lists no processes here: device files alone name the holders (no watchers)"
+
+
+class Narrator(WaitNarration):
+    """One run's journal entries and STATUS= lines, through the run's Reporter."""
+
+    def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
+        self.reporter = reporter
+        self.dry_run = dry_run
+        if dry_run:
+            reporter.start_dry_run()  # GPUGATE_DRY_RUN=1 on every entry, the report on stdout
+        self.waiting = WaitingReports(reporter)
+        self.would_kill = 0  # a dry run's targets, for its summary line
+
+    def looking(self) -> None:
+        self.status("looking for processes holding the GPUs")
+
+    def run_started(
+        self,
+        discovery: Discovery,
+        config_source: str,
+        used_mib: int,
+        *,
+        gpu_source: str = "",
+        gpu_source_warns: bool = False,
+    ) -> None:
+        """gpu_source: where the unit's GPUs came from (gpu_source.GpuChoice.source)."""
+        owned = [gpu.index for gpu in discovery.owned]
+        source = f"GPUs from {gpu_source}; " if gpu_source else ""
+        self.reporter.event(
+            Event.RUN_STARTED,
+            f"{'dry run: ' if self.dry_run else ''}{len(owned)} GPU(s) [{gpu_list(owned)}], "
+            f"{used_mib} MiB used; {source}config {config_source}; "
+            f"cgroup {discovery.unit_cgroup}; {watcher_evidence(discovery)}",
+            priority=PRIORITY_WARNING if gpu_source_warns else PRIORITY_INFO,
+            gpus=owned,
+            used_mib=used_mib,
+            config=config_source,
+            gpu_source=gpu_source or config_source,
+            evidence="nvml" if discovery.nvml_lists_processes else "device-files",
+        )
+
+    def blind_spots(self, discovery: Discovery) -> None:
+        """What this run cannot see: other users' open files, another PID namespace."""
+        if discovery.unreadable:
+            shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
+            more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
+            self.reporter.event(
+                Event.ERROR,
+                f"not permitted to read the open files of {len(discovery.unreadable)} "
+                f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
+                "run gpugate as root",
+                priority=PRIORITY_WARNING,
+            )
+        owned = discovery.owned_indices
+        for gpu_index, pid in discovery.invisible:
+            if gpu_index in owned:
+                self.reporter.event(
+                    Event.ERROR,
+                    f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
+                    "process: gpugate runs in another PID namespace (a container without "
+                    "the host's PIDs) and cannot kill it",
+                    priority=PRIORITY_WARNING,
+                    pid=pid,
+                    gpus=[gpu_index],
+                )
+
+    def choices(self, decision: Decision) -> None:
+        would = self.dry_run
+        if would:
+            self.would_kill = len(decision.targets)
+        for choices, event, priority, verb in (
+            (
+                decision.targets,
+                Event.HOLDER_FOUND,
+                PRIORITY_INFO,
+                "would kill" if would else "will kill",
+            ),
+            (
+                decision.blockers,
+                Event.REFUSED,
+                PRIORITY_ERR,
+                "would not kill" if would else "not killing",
+            ),
+            (
+                [c for c in decision.spared if c.holder.gpus],
+                Event.PROCESS_SPARED,
+                PRIORITY_INFO,
+                "would spare" if would else "sparing",
+            ),
+        ):
+            for choice in choices:
+                self.reporter.event(
+                    event,
+                    f"{verb} {describe(choice)}: {choice.reason}",
+                    priority=priority,
+                    pid=choice.holder.pid,
+                    gpus=sorted(choice.holder.gpus),
+                    role=choice.role,
+                    command=choice.holder.info.command,
+                    reason=choice.reason,
+                    **container_fields(choice),
+                )
+
+    def refused(self) -> None:
+        self.status("refused: another unit holds the GPUs")
+
+    def stopping(self, count: int, round_number: int) -> None:
+        self.status(f"stopping {count} process(es), round {round_number}")
+
+    def signal_sent(self, choice: Choice, signum: int) -> None:
+        name = signal.Signals(signum).name
+        self.reporter.event(
+            Event.SIGNAL_SENT,
+            f"{name} to {describe(choice)}",
+            priority=PRIORITY_NOTICE,
+            pid=choice.holder.pid,
+            gpus=sorted(choice.holder.gpus),
+            signal=name,
+            command=choice.holder.info.command,
+            comm=choice.holder.info.comm,
+            role=choice.role,
+            **container_fields(choice),
+        )
+
+    def container_stopping(self, count: int) -> None:
+        self.status(f"stopping {count} container(s) through their runtime")
+
+    def container_stopped(self, result: StopResult) -> None:
+        verb = f"{result.container.runtime} stop"
+        outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
+        self.reporter.event(
+            Event.SIGNAL_SENT,
+            f"{verb} {result.container.label}: {outcome}",
+            priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
+            signal=verb,
+            container=result.container.id,
+            container_runtime=result.container.runtime,
+            role=Role.UNIT_CONTAINER,
+        )
+
+    def stuck(self, choice: Choice, state: str, wchan: str) -> None:
+        self.reporter.event(
+            Event.SURVIVOR,
+            f"{describe(choice)} is still alive after SIGKILL "
+            f"(state {state}, wchan {wchan}); waiting until the deadline",
+            priority=PRIORITY_ERR,
+            pid=choice.holder.pid,
+            state=state,
+            wchan=wchan,
+        )
+
+    def survivor(self, choice: Choice) -> None:
+        self.reporter.event(
+            Event.SURVIVOR,
+            f"{describe(choice)} survived SIGKILL until the deadline",
+            priority=PRIORITY_ERR,
+            pid=choice.holder.pid,
+        )
+
+    def survived(self, count: int) -> None:
+        self.status(f"{count} process(es) survived SIGKILL")
+
+    def still_held(self) -> None:
+        self.status("GPUs still held by processes gpugate may not kill")
+
+    def degraded(self, error: GateError, phase: str) -> None:
+        self.reporter.event(
+            Event.ERROR,
+            f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            priority=PRIORITY_WARNING,
+        )
+
+    def finished(self, summary: RunSummary) -> None:
+        result = summary.result
+        if self.dry_run:
+            self.dry_run_finished(summary)
+            return
+        self.reporter.event(
+            Event.RUN_FINISHED,
+            f"{result}: {len(summary.killed)} process(es) stopped in {summary.rounds} round(s);"
+            f" discover {summary.seconds_discover * 1000:.0f} ms, kill {summary.seconds_kill:.2f}"
+            f" s, wait {summary.seconds_wait:.2f} s",
+            priority=PRIORITY_NOTICE if summary.result == "success" else PRIORITY_ERR,
+            result=result,
+            killed=len(summary.killed),
+            seconds_wait=f"{summary.seconds_wait:.3f}",
+            freed_mib=summary.freed_mib,
+        )
+        if result == "success":
+            self.reporter.clear_status()  # the service runs on: no gpugate words under it
+        else:
+            self.status(f"done: {result}")
+
+    def dry_run_finished(self, summary: RunSummary) -> None:
+        """A dry run's last line, also when nothing would be killed."""
+        result = summary.result
+        verdict = (
+            "the run would succeed" if result == "success" else f"the run would fail: {result}"
+        )
+        self.reporter.event(
+            Event.RUN_FINISHED,
+            f"dry run: would kill {self.would_kill} process(es); {verdict}; nothing was killed",
+            priority=PRIORITY_NOTICE,
+            result=result,
+            would_kill=self.would_kill,
+        )
+
+    def failed(self, error: GateError) -> None:
+        """A run that ended in an error: one entry, and one line on stderr where stderr is
+        not the journal already."""
+        self.reporter.fail(error.message, int(error.exit_code))
