@@ -15,6 +15,7 @@ from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, holder_role
 from gpugate.host.systemd import unit_of_cgroup
+from gpugate.phase import Phase
 
 
 class Verdict(StrEnum):
@@ -56,7 +57,9 @@ class Decision:
         return any(choice.role is Role.OTHER_UNIT for choice in self.blockers)
 
 
-def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTree) -> Decision:
+def decide(
+    discovery: Discovery, config: GateConfig, phase: Phase, tree: ProcessTree
+) -> Decision:
     policy = config.policy(phase)
     owned = discovery.owned_indices
     decision = Decision()

@@ -56,6 +56,7 @@ def _systemd_active_state(unit: str) -> str | None:
 def hook_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.hook import Hook, run_hook  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
 
     unit = unit_argument(args.unit) if args.unit else own_unit()
     if unit is None:
@@ -66,14 +67,15 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     roots = front.roots
+    phase = Phase(args.command)
     hook = Hook(
-        args.command,
+        phase,
         unit,
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
         metrics_unit=unit,
     )
     manual_refusal = manual_run_guard(
-        args.command,
+        phase,
         unit,
         front.unit_state,
         front.environ,
@@ -95,10 +97,11 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.integrations import slurm  # noqa: PLC0415
+    from gpugate.front.slurm_hook import run_slurm_hook  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
 
-    return slurm.main(
-        args.slurm_phase,
+    return run_slurm_hook(
+        Phase(args.slurm_phase),
         config_path=args.config,
         dry_run=args.dry_run,
         environ=front.environ,

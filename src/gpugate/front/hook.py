@@ -19,14 +19,16 @@ from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import prepare, record_pre_error
+from gpugate.integrations.unit.shared_host import prepare
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
+from gpugate.report.narrate_unit import UnitNarration
 
 
 @dataclass(frozen=True)
 class Hook:
-    phase: str  # pre, post, prolog, epilog
+    phase: Phase
     unit: str  # the unit, or the label standing for it (slurm-job-42)
     locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
     metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
@@ -101,11 +103,12 @@ def run_phase(
     manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
     unit_state stand in for systemd's answers (tests)."""
     roots = roots or HostRoots()
-    loaded, context = prepare(
+    surroundings = prepare(
         scope.phase,
         scope.unit,
         loaded,
         os.environ if environ is None else environ,
+        UnitNarration(reporter, scope.unit),
         roots=roots,
         manual_refusal=manual_refusal,
         environment=unit_env,
@@ -114,7 +117,13 @@ def run_phase(
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(
-        scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
+        scope,
+        surroundings.loaded,
+        narrator,
+        roots=roots,
+        pinner=pinner,
+        clock=clock,
+        surroundings=surroundings,
     )
     try:
         try:
@@ -130,7 +139,7 @@ def run_phase(
         raise
     except GateError as exc:
         if not dry_run:
-            record_pre_error(context, loaded, exc)  # post need not wait on it again
+            surroundings.after_error(exc)  # post need not wait on it again
         raise
 
 
@@ -146,5 +155,5 @@ def record_metrics(
         return  # no textfile: the metrics module is not even imported (start-up time)
     from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
-    record = run_record(hook.phase, hook.metrics_unit, code, summary)
+    record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
     record_after_run(textfile, record, stream=stream)

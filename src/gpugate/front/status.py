@@ -15,7 +15,7 @@ from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
-from gpugate.integrations.unit.gpu_source import choose_gpus, selection, with_chosen_gpus
+from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import leases_by_gpu, read_leases
 
 JSON_VERSION = 1
@@ -38,7 +38,7 @@ def collect(
     return discover(
         unit=unit or "",
         unit_cgroup=cgroup,
-        wanted="all" if unit is None else selection(loaded.config),
+        wanted="all" if unit is None else loaded.config.selection(),
         config_source=loaded.source,
         driver=driver,
         procfs=ProcFs(roots.proc),

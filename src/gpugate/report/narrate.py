@@ -13,6 +13,7 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
+from gpugate.host.nvml import GpuFault
 from gpugate.report.holder_text import container_fields, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -79,7 +80,7 @@ class Narrator(WaitNarration):
             shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
             more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
             self.reporter.event(
-                Event.ERROR,
+                Event.WARNING,
                 f"not permitted to read the open files of {len(discovery.unreadable)} "
                 f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
                 "run gpugate as root",
@@ -89,7 +90,7 @@ class Narrator(WaitNarration):
         for gpu_index, pid in discovery.invisible:
             if gpu_index in owned:
                 self.reporter.event(
-                    Event.ERROR,
+                    Event.WARNING,
                     f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
                     "process: gpugate runs in another PID namespace (a container without "
                     "the host's PIDs) and cannot kill it",
@@ -197,9 +198,21 @@ class Narrator(WaitNarration):
     def still_held(self) -> None:
         self.status("GPUs still held by processes gpugate may not kill")
 
+    def extend_timeout(self, seconds: float) -> None:
+        self.reporter.extend_timeout(seconds)
+
+    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"{fault.error}; not a GPU of {unit}: going on with its own GPUs",
+            priority=PRIORITY_WARNING,
+            gpus=[fault.index],
+            reason="gpu-fault",
+        )
+
     def degraded(self, error: GateError, phase: str) -> None:
         self.reporter.event(
-            Event.ERROR,
+            Event.WARNING,
             f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
         )
