@@ -21,6 +21,7 @@ from gpugate.core.run import RunScope
 from gpugate.front.hook import run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.host.roots import HostRoots
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 
 
@@ -262,7 +263,7 @@ class FakeHost:
         self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any
     ) -> RunSummary:
         """gpugate's run_phase on this host: the unit's stand-in cgroup, these roots."""
-        scope = RunScope(phase, UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
+        scope = RunScope(Phase(phase), UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
         return run_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
 
     def config(self, **overrides: object) -> LoadedConfig:

@@ -18,6 +18,7 @@ from gpugate.core.roles import Role
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
+from gpugate.phase import Phase
 from tests.core.test_decide import Table, proc
 from tests.fakes import FakeHost, alive
 
@@ -169,7 +170,7 @@ def test_refusal_names_the_container_and_the_field(cgroup: str, runtime: str) ->
         frozenset(),
         [],
     )
-    decision = decide(found, parse_config("", "-"), "pre", table)
+    decision = decide(found, parse_config("", "-"), Phase.PRE, table)
     (choice,) = decision.blockers
     assert decision.refused and choice.role is Role.OTHER_UNIT
     assert choice.reason.startswith(f"{runtime} container vllm ({ID[:12]}) holds GPU 0")
@@ -178,7 +179,7 @@ def test_refusal_names_the_container_and_the_field(cgroup: str, runtime: str) ->
     # named in the config: the unit's own, killed also where it holds another GPU too
     holder.sources.add(Source.CONTAINER)
     holder.gpus.add(5)
-    allowed = decide(found, parse_config('containers = ["vllm"]', "-"), "pre", table)
+    allowed = decide(found, parse_config('containers = ["vllm"]', "-"), Phase.PRE, table)
     (kill,) = allowed.targets
     assert (kill.role, kill.verdict) == (Role.UNIT_CONTAINER, Verdict.KILL)
     assert not allowed.refused

@@ -20,6 +20,7 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.manual_guard import in_own_hook, manual_run_guard
+from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, RecordingJournal, RecordingNotifier, alive
 
@@ -42,7 +43,7 @@ def run(  # type: ignore[no-untyped-def]
         unit, phase, journal=journal or host.journal, notifier=host.notifier, echo=False
     )
     return run_phase(
-        RunScope(phase, unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
+        RunScope(Phase(phase), unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
         loaded or host.config(),
         reporter,
         roots=host.roots,
@@ -79,11 +80,11 @@ def test_overlapping_unit_is_refused_until_the_lease_holder_stops(host: FakeHost
     running[A] = "failed"  # a's server died and its post never ran: the lease is stale
     third = run(host, "pre", B, with_gpus(host, [2, 3, 4, 5]), unit_state=state)
     assert third.exit_code is ExitCode.OK and not alive(orphan)
-    stale = [e for e in host.journal.events("error") if "stale" in e["MESSAGE"]]
+    stale = [e for e in host.journal.events("warning") if e["GPUGATE_REASON"] == "lease-stale"]
     assert len(stale) == 1 and "a.service is failed" in stale[0]["MESSAGE"]
     assert [lease.unit for lease in read_leases(host.root / "locks").leases] == [B]
     run(host, "pre", B, with_gpus(host, [2, 3, 4, 5]), unit_state=state)
-    assert len([e for e in host.journal.events("error") if "stale" in e["MESSAGE"]]) == 1
+    assert len([e for e in host.journal.events("warning") if "stale" in e["MESSAGE"]]) == 1
 
     assert run(host, "post", B, with_gpus(host, [2, 3, 4, 5])).exit_code is ExitCode.OK
     assert read_leases(host.root / "locks").leases == []
@@ -200,7 +201,7 @@ def test_a_lost_gpu_the_unit_does_not_own_is_a_warning(host: FakeHost, lost: set
     summary = run(host, "pre", loaded=with_gpus(host, [0, 1, 2, 3]))
 
     assert summary.exit_code is ExitCode.OK and not alive(worker)
-    warnings = [e for e in host.journal.events("error") if "lost" in e["MESSAGE"]]
+    warnings = [e for e in host.journal.events("warning") if e["GPUGATE_REASON"] == "gpu-fault"]
     assert sorted(int(e["GPUGATE_GPU"]) for e in warnings) == sorted(lost)
     assert all(e["PRIORITY"] == str(PRIORITY_WARNING) for e in warnings)
 
@@ -208,7 +209,7 @@ def test_a_lost_gpu_the_unit_does_not_own_is_a_warning(host: FakeHost, lost: set
 def test_a_failing_query_on_another_gpu_is_a_warning(host: FakeHost) -> None:
     host.memory.failing_usage = {5}
     assert run(host, "post", loaded=with_gpus(host, [0])).exit_code is ExitCode.OK
-    assert any("GPU 5" in e["MESSAGE"] for e in host.journal.events("error"))
+    assert [e["GPUGATE_GPU"] for e in host.journal.events("warning")] == ["5"]
 
 
 @pytest.mark.parametrize(
@@ -287,10 +288,10 @@ def test_the_units_own_hook_is_told_apart(tmp_path: Path) -> None:
     (proc / "self" / "cgroup").write_text("0::/user.slice/user-0.slice/session-3.scope\n")
     assert not in_own_hook(UNIT, hook, proc), "a shell that copied INVOCATION_ID"
     args = {"force": False, "dry_run": False, "proc_root": proc}
-    assert manual_run_guard("pre", UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
+    assert manual_run_guard(Phase.PRE, UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
     (proc / "self" / "cgroup").write_text("0::/system.slice/vllm.service\n")
     asked: list[str] = []
-    assert manual_run_guard("pre", UNIT, asked.append, hook, **args) is None  # type: ignore[arg-type]
+    assert manual_run_guard(Phase.PRE, UNIT, asked.append, hook, **args) is None  # type: ignore[arg-type]
     assert asked == [], "the unit's own hook does not ask systemd"
 
 

@@ -85,6 +85,7 @@ class Narrator(WaitNarration):
                 f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
                 "run gpugate as root",
                 priority=PRIORITY_WARNING,
+                reason="unreadable",
             )
         owned = discovery.owned_indices
         for gpu_index, pid in discovery.invisible:
@@ -97,6 +98,7 @@ class Narrator(WaitNarration):
                     priority=PRIORITY_WARNING,
                     pid=pid,
                     gpus=[gpu_index],
+                    reason="other-pid-namespace",
                 )
 
     def choices(self, decision: Decision) -> None:
@@ -215,6 +217,7 @@ class Narrator(WaitNarration):
             Event.WARNING,
             f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
+            reason="nvml-degraded",
         )
 
     def finished(self, summary: RunSummary) -> None:
