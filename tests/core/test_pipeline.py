@@ -276,8 +276,8 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
     assert str(shell.pid) not in signalled
     for pid in (server, helper, worker):
         assert not alive(pid)
-    sources = {e["GPUGATE_PID"]: e["MESSAGE"] for e in host.journal.events("holder_found")}
-    assert "app-tree" in sources[str(helper)]
+    reasons = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
+    assert reasons[str(helper)] == "app-tree"
     os.close(master)
 
 

@@ -25,6 +25,7 @@ from gpugate.report.journal import (
     WaitingReports,
 )
 from gpugate.report.narrate_wait import WaitNarration
+from gpugate.report.reasons import reason_text
 
 MAX_LISTED_PIDS = 10
 
@@ -128,13 +129,14 @@ class Narrator(WaitNarration):
             for choice in choices:
                 self.reporter.event(
                     event,
-                    f"{verb} {describe(choice)}: {choice.reason}",
+                    f"{verb} {describe(choice)}: "
+                    f"{reason_text(choice, self.reporter.unit, self.reporter.phase)}",
                     priority=priority,
                     pid=choice.holder.pid,
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
                     command=choice.holder.info.command,
-                    reason=choice.reason,
+                    reason=choice.rule.value,
                     **container_fields(choice),
                 )
 
