@@ -54,6 +54,7 @@ HOLDER = {
     "control_devices": list,
     "sources": list,
     "role": (str, type(None)),
+    "reason": (str, type(None)),
     "orphan": bool,
     "protected": bool,
     "watcher": bool,
@@ -113,6 +114,7 @@ def test_keys_and_types_are_the_documented_ones(
     by_pid = {holder["pid"]: holder for holder in data["holders"]}
     assert by_pid[member]["role"] == "unit" and by_pid[member]["used_mib"] == {"1": 4000}
     assert by_pid[orphan]["orphan"] is True and by_pid[orphan]["used_mib"] == {"2": None}
+    assert (by_pid[member]["reason"], by_pid[orphan]["reason"]) == ("cgroup", "orphan")
     (invisible,) = data["invisible"]
     check(invisible, INVISIBLE)
     assert invisible == {"gpu": 3, "pid": 2**22 + 7}
@@ -121,6 +123,7 @@ def test_keys_and_types_are_the_documented_ones(
     assert (without_unit["unit"], without_unit["unit_cgroup"]) == (None, None)
     assert all(gpu["owned"] for gpu in without_unit["gpus"])
     assert {holder["role"] for holder in without_unit["holders"]} == {None}
+    assert {holder["reason"] for holder in without_unit["holders"]} == {None}
 
 
 def test_every_key_is_in_the_readme() -> None:

@@ -126,21 +126,26 @@ def run_phase(
         surroundings=surroundings,
     )
     try:
-        try:
-            driver: GpuDriver = driver_factory()
-        except NvmlUnavailable as exc:
-            run.degrade(exc)
-            driver = NoGpus()
-        try:
-            return run.run(driver, dry_run=dry_run)
-        finally:
-            driver.close()
+        return drive(run, driver_factory, dry_run=dry_run)
     except ManualRunRefused:
         raise
     except GateError as exc:
         if not dry_run:
             surroundings.after_error(exc)  # post need not wait on it again
         raise
+
+
+def drive(run: PhaseRun, driver_factory: Callable[[], GpuDriver], *, dry_run: bool) -> RunSummary:
+    """The run with NVML opened (or degraded without it) and closed after."""
+    try:
+        driver: GpuDriver = driver_factory()
+    except NvmlUnavailable as exc:
+        run.degrade(exc)
+        driver = NoGpus()
+    try:
+        return run.run(driver, dry_run=dry_run)
+    finally:
+        driver.close()
 
 
 def record_metrics(

@@ -76,11 +76,26 @@ def run_slurm_hook(
         detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
     if dry_run or code is ExitCode.OK:
         return int(code)
+    drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
+    return int(code)
+
+
+def drain(
+    phase: Phase,
+    job: SlurmJob | None,
+    detail: str,
+    code: ExitCode,
+    *,
+    environ: Mapping[str, str],
+    stream: TextIO,
+    said: bool,
+) -> None:
+    """A failed prolog or epilog: the drain reason, on stderr (unless an error said its one
+    line already) and to slurmctld where the node is named."""
     who = f" job {job.job_id}" if job is not None else ""
     reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
-    if summary is not None:  # an error has said its one line already
+    if not said:
         print(f"gpugate: drain: {reason}", file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
     if node:
         set_drain_reason(node, reason, environ, stream)
-    return int(code)

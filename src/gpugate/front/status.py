@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from gpugate.config.models import LoadedConfig
-from gpugate.core.discover import Discovery, discover
+from gpugate.core.decide import decide
+from gpugate.core.discover import Discovery, Holder, discover
 from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
@@ -17,6 +18,7 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import leases_by_gpu, read_leases
+from gpugate.phase import Phase
 
 JSON_VERSION = 1
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
@@ -60,62 +62,20 @@ def uptime_s(proc_root: Path) -> float | None:
 def as_dict(
     discovery: Discovery, loaded: LoadedConfig, roots: HostRoots | None = None
 ) -> dict[str, Any]:
-    owned = discovery.owned_indices
-    leased = leases_by_gpu(read_leases(loaded.config.lock_dir).leases)
-    holders = []
-    now = uptime_s((roots or HostRoots()).proc)
-    ticks = os.sysconf("SC_CLK_TCK")
-    for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
-        info = holder.info
-        role = holder_role(holder, discovery, loaded.config)
-        container = holder.container
-        holders.append(
-            {
-                "pid": info.pid,
-                "start_time": info.start_time,
-                "user": info.user,
-                "uid": info.uid,
-                "unit": unit_of_cgroup(info.cgroup or "/"),
-                "cgroup": info.cgroup,
-                "state": info.state,
-                "comm": info.comm,
-                "command": list(info.cmdline),
-                "gpus": sorted(holder.gpus),
-                "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
-                "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
-                "control_devices": sorted(holder.control_devices),
-                "sources": sorted(holder.sources),
-                "role": str(role) if discovery.unit else None,
-                "orphan": role.value == "orphan",
-                "protected": role.value == "protected",
-                # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
-                # (decide's rule: never killed, never a blocker).
-                "watcher": role is Role.WATCHER,
-                "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
-                "container": None
-                if container is None
-                else {"runtime": container.runtime, "id": container.id, "name": container.name},
-            }
-        )
+    roots = roots or HostRoots()
+    now = uptime_s(roots.proc)
+    rules = pre_rules(discovery, loaded, roots)
+    holders = [
+        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
+        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+    ]
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
         "unit_cgroup": discovery.unit_cgroup if discovery.unit else None,
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
-        "gpus": [
-            {
-                "index": gpu.index,
-                "uuid": gpu.uuid,
-                "minor": gpu.minor,
-                "name": gpu.name,
-                "used_mib": discovery.usage[gpu.index].used_mib,
-                "total_mib": gpu.total_mib,
-                "owned": gpu.index in owned,
-                "leased_to": leased.get(gpu.uuid.lower(), []),
-            }
-            for gpu in discovery.gpus
-        ],
+        "gpus": gpu_dicts(discovery, loaded),
         "holders": holders,
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
@@ -123,6 +83,68 @@ def as_dict(
             for fault in discovery.faults
         ],
     }
+
+
+def pre_rules(discovery: Discovery, loaded: LoadedConfig, roots: HostRoots) -> dict[int, str]:
+    """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
+    if not discovery.unit:
+        return {}
+    decision = decide(discovery, loaded.config, Phase.PRE, ProcFs(roots.proc))
+    return {choice.holder.pid: choice.rule.value for choice in decision.choices}
+
+
+def holder_dict(
+    holder: Holder, discovery: Discovery, loaded: LoadedConfig, now: float | None, rule: str | None
+) -> dict[str, Any]:
+    info = holder.info
+    role = holder_role(holder, discovery, loaded.config)
+    container = holder.container
+    ticks = os.sysconf("SC_CLK_TCK")
+    return {
+        "pid": info.pid,
+        "start_time": info.start_time,
+        "user": info.user,
+        "uid": info.uid,
+        "unit": unit_of_cgroup(info.cgroup or "/"),
+        "cgroup": info.cgroup,
+        "state": info.state,
+        "comm": info.comm,
+        "command": list(info.cmdline),
+        "gpus": sorted(holder.gpus),
+        "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
+        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+        "control_devices": sorted(holder.control_devices),
+        "sources": sorted(holder.sources),
+        "role": str(role) if discovery.unit else None,
+        "reason": rule,
+        "orphan": role is Role.ORPHAN,
+        "protected": role is Role.PROTECTED,
+        # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
+        # (decide's rule: never killed, never a blocker).
+        "watcher": role is Role.WATCHER,
+        "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
+        "container": None
+        if container is None
+        else {"runtime": container.runtime, "id": container.id, "name": container.name},
+    }
+
+
+def gpu_dicts(discovery: Discovery, loaded: LoadedConfig) -> list[dict[str, Any]]:
+    owned = discovery.owned_indices
+    leased = leases_by_gpu(read_leases(loaded.config.lock_dir).leases)
+    return [
+        {
+            "index": gpu.index,
+            "uuid": gpu.uuid,
+            "minor": gpu.minor,
+            "name": gpu.name,
+            "used_mib": discovery.usage[gpu.index].used_mib,
+            "total_mib": gpu.total_mib,
+            "owned": gpu.index in owned,
+            "leased_to": leased.get(gpu.uuid.lower(), []),
+        }
+        for gpu in discovery.gpus
+    ]
 
 
 def render_json(data: dict[str, Any]) -> str:
