@@ -265,10 +265,7 @@ def _containers(
     """Names every holder's container; adds every process of the containers WANTED names
     as the unit's, GPU holders or not. Returns those containers."""
     holders = table.by_pid
-    found: dict[str, Container] = {}
-    for each in holders.values():
-        if (container := container_of_cgroup(each.info.cgroup)) is not None:
-            found.setdefault(container.id, container)
+    found = _containers_of(holders)
     if wanted:
         for container in container_scopes(roots.cgroup):
             found.setdefault(container.id, container)
@@ -282,6 +279,15 @@ def _containers(
                 member.sources.add(Source.CONTAINER)
                 member.container = container
     for each in holders.values():
-        if (container := container_of_cgroup(each.info.cgroup)) is not None:
-            each.container = named.get(container.id, container)
+        if (in_scope := container_of_cgroup(each.info.cgroup)) is not None:
+            each.container = named.get(in_scope.id, in_scope)
     return own
+
+
+def _containers_of(holders: dict[int, Holder]) -> dict[str, Container]:
+    """The containers the holders are in, by id (the first holder's reading of each)."""
+    found: dict[str, Container] = {}
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            found.setdefault(container.id, container)
+    return found
