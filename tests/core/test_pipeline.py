@@ -81,7 +81,8 @@ def test_bystander_on_other_gpu_and_protected_daemon_survive(host: FakeHost) -> 
     shutil.copy("/bin/sleep", daemon_exe)
     redirects = " ".join(f"{3 + i}<{path}" for i, path in enumerate(sorted(host.dev.iterdir())))
     daemon = host.pool.command(["/bin/bash", "-c", f"exec {redirects} {daemon_exe} 3600"])
-    time.sleep(0.2)
+    # bash opens the redirects, then execs: once /proc shows the new program, it holds them.
+    host.pool.until(lambda: exe_of(daemon.pid) == str(daemon_exe), "the daemon did not start")
 
     summary = run(host, "pre", gpus=[0, 1, 2, 3], protected_executables=[str(daemon_exe)])
 
@@ -230,6 +231,13 @@ def test_control_device_only_holder_outside_cgroup_survives(host: FakeHost) -> N
     assert run(host, "pre").exit_code is ExitCode.OK
     assert alive(ctl_only)
     assert not alive(ctl_member)
+
+
+def exe_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
 
 
 def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
