@@ -312,8 +312,15 @@ def test_post_after_a_failed_pre_kills_but_does_not_wait_again(host: FakeHost) -
 
     assert not alive(member), "post still kills the cgroup"
     assert post.seconds_wait == 0.0, "and does not wait on the memory pre already waited for"
-    assert any("not waiting again on GPU 2" in e["MESSAGE"] for e in host.journal.events("timeout"))
-    last = host.journal.entries[-1][0]
+
+    def said(event: str) -> list[dict[str, str]]:
+        return [e for e in host.journal.events(event) if e.get("GPUGATE_REASON") == "failed-start"]
+
+    (skipped,) = said("timeout")
+    assert skipped["GPUGATE_GPU"] == "2"
+    (failed,) = said("error")
+    assert failed["GPUGATE_FAILED_START"].startswith("GPU 2 (")
+    last = host.journal.entries[-1][0]  # the wording itself, last for `systemctl status`
     assert last.startswith("start failed in gpugate pre: GPU 2 (")
     assert "50000 MiB used after 1 s" in last
     assert host.notifier.states[-1].endswith(last)  # STATUS=, shown by systemctl status
@@ -332,6 +339,19 @@ def test_post_of_another_start_waits_as_before(host: FakeHost) -> None:
         host, "post", loaded=loaded, environ={"INVOCATION_ID": "three", "SERVICE_RESULT": "signal"}
     )
     assert not any("start failed" in message for message, _ in host.journal.entries)
+
+
+def test_a_pre_that_succeeds_on_unnamed_gpus_leaves_no_failure(host: FakeHost) -> None:
+    """All GPUs only because nothing named the unit's: no lease, and no failure record either
+    (a post of the same start must not say that it failed)."""
+    hook = {"INVOCATION_ID": "cafe", "SERVICE_RESULT": "signal"}
+    pre = run(host, "pre", environ=hook, unit_env=env("Environment=\n"))
+    assert pre.exit_code is ExitCode.OK
+    assert not (host.root / "locks" / "failed").exists() or not any(
+        (host.root / "locks" / "failed").iterdir()
+    )
+    run(host, "post", environ=hook, unit_env=env("Environment=\n"))
+    assert not [e for e in host.journal.events("error") if e["GPUGATE_REASON"] == "failed-start"]
 
 
 def test_a_pre_that_raised_is_recorded_too(host: FakeHost) -> None:

@@ -104,11 +104,10 @@ def run_phase(
     unit_state stand in for systemd's answers (tests)."""
     roots = roots or HostRoots()
     surroundings = prepare(
-        scope.phase,
-        scope.unit,
+        scope,
         loaded,
         os.environ if environ is None else environ,
-        UnitNarration(reporter, scope.unit),
+        UnitNarration(reporter),
         roots=roots,
         manual_refusal=manual_refusal,
         environment=unit_env,

@@ -17,9 +17,8 @@ def indices(values: Iterable[int]) -> str:
 
 
 class UnitNarration:
-    def __init__(self, reporter: Reporter, unit: str) -> None:
+    def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
-        self.unit = unit
 
     def lease_unreadable(self, path: object) -> None:
         self.reporter.event(
@@ -52,7 +51,7 @@ class UnitNarration:
     def lease_refused(self, refusal: str, gpus: Sequence[int]) -> None:
         self.reporter.event(
             Event.REFUSED,
-            f"not starting {self.unit}: {refusal}",
+            f"not starting {self.reporter.unit}: {refusal}",
             priority=PRIORITY_ERR,
             gpus=sorted(gpus),
             reason="leased",

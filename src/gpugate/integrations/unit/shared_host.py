@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import RunSummary
+from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
@@ -37,8 +38,7 @@ from gpugate.report.narrate_unit import UnitNarration, failed_start_text
 class UnitSurroundings:
     """What one run knows about the host around its unit; implements core's Surroundings."""
 
-    phase: Phase
-    unit: str
+    scope: RunScope  # the phase and the unit
     loaded: LoadedConfig  # with the unit's GPUs resolved
     environ: Mapping[str, str]
     choice: GpuChoice
@@ -49,16 +49,20 @@ class UnitSurroundings:
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
     @property
+    def phase(self) -> Phase:
+        return self.scope.phase
+
+    @property
+    def unit(self) -> str:
+        return self.scope.unit
+
+    @property
     def gpu_source(self) -> str:
         return self.choice.source
 
     @property
     def gpu_source_warns(self) -> bool:
         return self.choice.warn
-
-    @property
-    def lock_dir(self) -> object:
-        return self.loaded.config.lock_dir
 
     def before_kill(self, decision: Decision) -> None:
         if self.manual_refusal is None:
@@ -159,8 +163,7 @@ class UnitSurroundings:
 
 
 def prepare(
-    phase: Phase,
-    unit: str,
+    scope: RunScope,
     loaded: LoadedConfig,
     environ: Mapping[str, str],
     narration: UnitNarration,
@@ -174,10 +177,9 @@ def prepare(
     in for systemd (tests); without them systemd is asked where it runs."""
     if environment is None:
         environment = unit_environment if roots.ask_systemd else lambda _: None
-    choice = choose_gpus(unit, loaded, environment)
+    choice = choose_gpus(scope.unit, loaded, environment)
     surroundings = UnitSurroundings(
-        phase,
-        unit,
+        scope,
         with_chosen_gpus(loaded, choice),
         environ,
         choice,
@@ -186,7 +188,7 @@ def prepare(
         roots=roots,
         unit_state=unit_state,
     )
-    if phase.traits.reads_failed_start:
+    if scope.phase.traits.reads_failed_start:
         lock_dir = loaded.config.lock_dir
-        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, unit, environ)
+        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, environ)
     return surroundings
