@@ -3,10 +3,12 @@ they name are the code's, and every one of the code's is named."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
 from gpugate.config.models import GateConfig, PhasePolicy
+from gpugate.core.decide import Rule
 from gpugate.errors import ExitCode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -75,3 +77,31 @@ def test_config_fields_in_the_readme_are_the_fields() -> None:
 def test_the_rules_catch_a_wrong_row() -> None:
     assert exit_code_rows("| 99 | NOPE | x |\n") == {99: "NOPE"}
     assert config_rows("\n## Configuration\n| `frobnicate` | 1 | x |\n") == {"frobnicate"}
+
+
+def event_calls() -> list[ast.Call]:
+    calls = []
+    for path in sorted((REPO / "src" / "gpugate" / "report").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "event":
+                calls.append(node)
+    return calls
+
+
+def test_every_journal_field_and_reason_code_is_documented() -> None:
+    journal = (REPO / "docs" / "journal.md").read_text()
+    calls = event_calls()
+    assert len(calls) > 20  # the narration's entries were found
+    fields = {f"GPUGATE_{k.arg.upper()}" for c in calls for k in c.keywords if k.arg}
+    fields -= {"GPUGATE_PRIORITY", "GPUGATE_GPUS"}  # PRIORITY= itself; gpus= is GPUGATE_GPU
+    codes = {
+        k.value.value
+        for c in calls
+        for k in c.keywords
+        if k.arg == "reason" and isinstance(k.value, ast.Constant)
+    }
+    codes |= {rule.value for rule in Rule}
+    missing = {f for f in fields if f not in journal} | {
+        c for c in codes if f"`{c}`" not in journal
+    }
+    assert not missing, sorted(missing)

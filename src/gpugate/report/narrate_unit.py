@@ -38,6 +38,8 @@ class UnitNarration:
             priority=PRIORITY_WARNING,
             gpus=list(gpus),
             reason="lease-stale",
+            lease_unit=lease_unit,
+            lease_unit_state=state,
         )
 
     def gpus_shared(self, lease_unit: str, gpus: Sequence[int]) -> None:
@@ -46,6 +48,7 @@ class UnitNarration:
             f"GPU {indices(gpus)} shared with {lease_unit} (share_gpus in both)",
             gpus=list(gpus),
             reason="shared",
+            lease_unit=lease_unit,
         )
 
     def lease_refused(self, refusal: str, gpus: Sequence[int]) -> None:
