@@ -35,19 +35,9 @@ def layer(path: Path) -> str:
     return path.relative_to(SRC).parts[0].removesuffix(".py")
 
 
-def type_checking_only(tree: ast.Module) -> set[int]:
-    """Line numbers of imports inside `if TYPE_CHECKING:` (annotations only, never run)."""
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING":
-            lines.update(
-                n.lineno for stmt in node.body for n in ast.walk(stmt) if hasattr(n, "lineno")
-            )
-    return lines
-
-
 def imported_layers(tree: ast.Module) -> Iterator[tuple[int, str]]:
-    annotation_only = type_checking_only(tree)
+    """Every import of a gpugate layer, also those for annotations only (TYPE_CHECKING):
+    a type from a layer above is a dependency on it all the same."""
     for node in ast.walk(tree):
         names: list[str] = []
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -56,7 +46,7 @@ def imported_layers(tree: ast.Module) -> Iterator[tuple[int, str]]:
             names = [alias.name for alias in node.names]
         for name in names:
             parts = name.split(".")
-            if parts[0] == "gpugate" and len(parts) > 1 and node.lineno not in annotation_only:
+            if parts[0] == "gpugate" and len(parts) > 1:
                 yield node.lineno, parts[1]
 
 
@@ -76,7 +66,7 @@ def test_the_rule_catches_a_core_module_importing_an_integration() -> None:
     tree = ast.parse("from gpugate.integrations.unit import leases\nimport gpugate.front.cli\n")
     assert [target for _, target in imported_layers(tree)] == ["integrations", "front"]
     guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import gpugate.front.cli\n"
-    assert list(imported_layers(ast.parse(guarded))) == []
+    assert [target for _, target in imported_layers(ast.parse(guarded))] == ["front"]
 
 
 def phase_name_comparisons(tree: ast.Module) -> Iterator[int]:

@@ -3,7 +3,7 @@
 Discovery and killing repeat (bounded in rounds and by the deadline) so that a holder that
 forks while it is being killed is found and killed too. NVML failing (at the start or mid-run)
 with `on_nvml_error = "warn"` degrades the same run to the unit's cgroup alone: same deadline,
-same summary. What the run says is the narrator's business (gpugate.report); what the unit's
+same summary. What the run says goes through `Narration` (worded in gpugate.report); what the unit's
 surroundings add (leases, the manual-run guard) comes through `Surroundings`.
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
+from gpugate.core.narration import Narration
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.surroundings import Surroundings
@@ -29,9 +29,6 @@ from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.phase import Phase
-
-if TYPE_CHECKING:  # the front passes the narrator in; the core only calls it
-    from gpugate.report.narrate import Narrator
 
 MAX_ROUNDS = 5
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
@@ -52,7 +49,7 @@ class PhaseRun:
         self,
         scope: RunScope,
         loaded: LoadedConfig,
-        narrator: Narrator,
+        narrator: Narration,
         *,
         roots: HostRoots,
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
