@@ -218,7 +218,8 @@ def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
     if plan.force:
         setenv.append((FORCE_VARIABLE, "1"))
     argv += [f"--setenv={key}={value}" for key, value in setenv]
-    argv += ["--", *plan.command]
+    # systemd substitutes $NAME and ${NAME} in a service's command line; $$ is a literal $.
+    argv += ["--", *(arg.replace("$", "$$") for arg in plan.command)]
     return argv
 
 
