@@ -71,7 +71,9 @@ def assert_freed(host: Host, unit: str, pids: set[int]) -> None:
     post = [e for e in entries if e.get("GPUGATE_PHASE") == "post"]
     assert post, f"no gpugate post in journalctl -u {unit}"
     assert any(e.get("GPUGATE_PHASE") == "pre" for e in entries)
-    assert not host.sh(f"ls /run/gpugate/leases/{unit}.json 2>/dev/null", False).strip()
+    assert not host.sh(f"ls /run/gpugate/leases/{unit}.json 2>/dev/null", False).strip(), "\n".join(
+        e["MESSAGE"] for e in entries[-12:]
+    )
 
 
 def started_server(host: Host, login: Login) -> tuple[str, set[int]]:
@@ -90,8 +92,11 @@ def test_closed_terminal_stops_the_run_and_frees_its_gpus(host: Host, login: Log
     cursor = host.cursor()
     assert host.start(UNIT, check=False) != 0
     refused = host.events_after(cursor, GPUGATE_EVENT="refused", GPUGATE_PHASE="pre")
-    assert refused and unit in refused[0]["MESSAGE"], refused
-    assert "gpugate run by root (uid 0, /dev/pts/" in refused[0]["MESSAGE"]
+    (leased,) = [e for e in refused if "leased to" in e["MESSAGE"]]
+    assert f"GPU 0, 1, 2, 3 leased to {unit} (`gpugate run` by root (uid 0, /dev/pts/" in (
+        leased["MESSAGE"]
+    ), leased
+    assert " since 20" in leased["MESSAGE"]
     assert all(host.alive(pid) for pid in pids)
     status = host.status()
     for gpu in status["gpus"]:

@@ -175,6 +175,36 @@ def leases_refuse(
     return check.refusal()
 
 
+def name_leases_of_holders(
+    context: HostContext, loaded: LoadedConfig, reporter: Reporter, owned: Sequence[Gpu]
+) -> None:
+    """pre refused because another running unit holds the GPUs: where that unit also holds a
+    lease on them, say so too (it names who started a `gpugate run` unit, and when)."""
+    if context.phase != "pre" or not owned:
+        return
+    config = loaded.config
+    check = check_leases(
+        config.lock_dir,
+        context.unit,
+        owned,
+        share=config.share_gpus,
+        unit_state=context.unit_state
+        or (
+            lambda name: unit_active_state(
+                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
+            )
+        ),
+    )
+    if check.conflicts:
+        reporter.event(
+            Event.REFUSED,
+            f"not starting {context.unit}: {check.refusal()}",
+            priority=PRIORITY_ERR,
+            gpus=sorted({g.index for _, gpus in check.conflicts for g in gpus}),
+            reason="leased",
+        )
+
+
 def after_run(
     context: HostContext,
     loaded: LoadedConfig,
