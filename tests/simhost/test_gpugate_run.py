@@ -34,7 +34,9 @@ def host(simhost: SimHost) -> Iterator[Host]:
 @pytest.fixture
 def login(host: Host) -> Iterator[Login]:
     host.reset()
-    host.sh("systemctl stop 'gpugate-run-*.service' 2>/dev/null; rm -f /run/gpugate/leases/*", False)
+    host.sh(
+        "systemctl stop 'gpugate-run-*.service' 2>/dev/null; rm -f /run/gpugate/leases/*", False
+    )
     host.install(UNIT, unit_text(UNIT, GPUS, 8000), f"gpus = [0, 1, 2, 3]\n{CONFIG}")
     host.sh(f"rm -f {STATUS_FILE} {READY}")
     opened = Login(host, "run")
@@ -65,8 +67,12 @@ def assert_freed(host: Host, unit: str, pids: set[int]) -> None:
     its lease released, and gpugate's post in the transient unit's journal."""
     wait_for(host, "the hand run's processes to end", lambda: not any(map(host.alive, pids)), 60)
     wait_for(host, "GPUs 0-3 to be free", lambda: host.free(GPUS), 60)
-    wait_for(host, "the unit to go", lambda: host.sh(f"systemctl is-active {unit}", False).strip()
-             in ("inactive", "failed", ""), 60)
+    wait_for(
+        host,
+        "the unit to go",
+        lambda: host.sh(f"systemctl is-active {unit}", False).strip() in ("inactive", "failed", ""),
+        60,
+    )
     entries = journal_of(host, unit)
     post = [e for e in entries if e.get("GPUGATE_PHASE") == "post"]
     assert post, f"no gpugate post in journalctl -u {unit}"
@@ -93,8 +99,9 @@ def test_closed_terminal_stops_the_run_and_frees_its_gpus(host: Host, login: Log
     assert host.start(UNIT, check=False) != 0
     refused = host.events_after(cursor, GPUGATE_EVENT="refused", GPUGATE_PHASE="pre")
     (leased,) = [e for e in refused if "leased to" in e["MESSAGE"]]
-    assert f"GPU 0, 1, 2, 3 leased to {unit} (`gpugate run` by root (uid 0, /dev/pts/" in (
-        leased["MESSAGE"]
+    assert (
+        f"GPU 0, 1, 2, 3 leased to {unit} (`gpugate run` by root (uid 0, /dev/pts/"
+        in (leased["MESSAGE"])
     ), leased
     assert " since 20" in leased["MESSAGE"]
     assert all(host.alive(pid) for pid in pids)
@@ -127,8 +134,11 @@ def test_exit_status_is_the_commands_on_a_terminal(
 ) -> None:
     run_in_tmux(login, "--gpus 5 --name hand-status", command)
     if expected == 130:
-        wait_for(host, "the run", lambda: host.sh("systemctl is-active hand-status", False)
-                 .strip() == "active")
+        wait_for(
+            host,
+            "the run",
+            lambda: host.sh("systemctl is-active hand-status", False).strip() == "active",
+        )
         host.sh("tmux send-keys -t hand C-c")
     status = wait_for(host, "the exit status", lambda: host.sh(f"cat {STATUS_FILE}", False))
     assert int(status) == expected
@@ -187,8 +197,9 @@ def test_bad_inputs_are_one_line_errors_and_start_nothing(host: Host) -> None:
 
 def test_name_clash_with_a_running_hand_run(host: Host, login: Login) -> None:
     run_in_tmux(login, "--gpus 6 --name hand-one", "sleep 1000")
-    wait_for(host, "the run", lambda: host.sh("systemctl is-active hand-one", False).strip()
-             == "active")
+    wait_for(
+        host, "the run", lambda: host.sh("systemctl is-active hand-one", False).strip() == "active"
+    )
     clash = gpugate_run(host, "--gpus 7 --name hand-one -- true")
     assert clash.returncode == 64 and "systemd already has hand-one.service" in clash.stderr
 
@@ -224,8 +235,12 @@ def test_run_onto_leased_gpus_is_refused_unless_forced(host: Host) -> None:
 def test_port_is_freed_by_the_runs_pre(host: Host) -> None:
     host.reset()
     listener = host.sim.spawn_scope(
-        [PYTHON, "-c", "import socket,time; s=socket.socket(); s.bind(('127.0.0.1', 8002));"
-         "s.listen(); time.sleep(3600)"],
+        [
+            PYTHON,
+            "-c",
+            "import socket,time; s=socket.socket(); s.bind(('127.0.0.1', 8002));"
+            "s.listen(); time.sleep(3600)",
+        ],
         unit="hand-listener.scope",
     )
     del listener
@@ -247,7 +262,9 @@ def test_not_root_without_sudo_or_polkit_is_refused_by_systemd(host: Host) -> No
     assert "gpugate-run-id-" not in host.sh("systemctl list-units --all --no-legend")
     if not host.sh("command -v sudo", False).strip():
         pytest.skip("sudo is not installed on this machine (nor in the simulated host)")
-    host.sh("echo 'alice ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/alice; chmod 440 /etc/sudoers.d/alice")
+    host.sh(
+        "echo 'alice ALL=(ALL) NOPASSWD: ALL' > /etc/sudoers.d/alice; chmod 440 /etc/sudoers.d/alice"
+    )
     via_sudo = host.sim.run(
         f"runuser -u alice -- sudo gpugate run --config {RUN_CONFIG} --gpus 0 -- /usr/bin/id -u",
         check=False,

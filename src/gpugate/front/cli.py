@@ -175,9 +175,7 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="N",
         help="a TCP port the command listens on (repeatable): pre frees it (needs root)",
     )
-    run.add_argument(
-        "--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)"
-    )
+    run.add_argument("--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)")
     run.add_argument("--config", type=Path, help="config file for the hooks (default: lookup)")
     run.add_argument(
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"

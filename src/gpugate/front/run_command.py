@@ -6,6 +6,7 @@ freed when the terminal goes, Ctrl-C, or `systemctl stop`."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pwd
 import secrets
@@ -253,7 +254,8 @@ def stop_without_waiting(unit: str) -> None:
     systemctl = find_program(SYSTEMCTL_PATHS)
     if systemctl is None:
         return
-    try:
+    # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         subprocess.run(
             [str(systemctl), "stop", "--no-block", "--", unit],
             stdin=subprocess.DEVNULL,
@@ -262,5 +264,3 @@ def stop_without_waiting(unit: str) -> None:
             check=False,
             timeout=QUERY_TIMEOUT_S,
         )
-    except (OSError, subprocess.TimeoutExpired):
-        pass  # systemd-run's own end (the pty hung up) still stops a --pty unit
