@@ -3,6 +3,8 @@ systemd-run command line it builds, and COMMAND's status read back from systemd-
 
 from __future__ import annotations
 
+import os
+import pwd
 import re
 from pathlib import Path
 
@@ -10,8 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpugate.errors import ExitCode
+from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
+from gpugate.front.run_command import invoking_user, refuse_leased, resolve_gpus, supervise
 from gpugate.front.run_unit import (
     Caller,
     RunError,
@@ -24,6 +27,8 @@ from gpugate.front.run_unit import (
     systemd_run_argv,
 )
 from gpugate.host.systemd import validate_unit_name
+from gpugate.integrations.unit.leases import new_lease, write_lease
+from tests.fakes import FakeHost
 
 SYSTEMD_RUN = Path("/usr/bin/systemd-run")
 ALICE = Caller(1000, 1000, "alice", "/home/alice", "/bin/bash")
@@ -243,3 +248,79 @@ def test_no_command_is_one_line_and_64(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["run", "--gpus", "0"]) == int(ExitCode.USAGE)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "no COMMAND given" in err
+
+
+# --- the I/O around it (run_command.py), with stand-ins ---------------------------------
+
+
+def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> None:
+    def indices(wanted: object, environ: dict[str, str]) -> list[int]:
+        return [gpu.index for gpu in resolve_gpus(wanted, environ, lambda: host.memory)]
+
+    assert indices([1, 3], {"CUDA_VISIBLE_DEVICES": "5"}) == [1, 3]
+    assert indices(None, {"CUDA_VISIBLE_DEVICES": "5,6"}) == [5, 6]
+    assert indices(None, {}) == list(range(8))
+    assert indices("all", {"CUDA_VISIBLE_DEVICES": "5"}) == list(range(8))
+    uuid = host.memory.gpus()[2].uuid
+    assert indices([uuid], {}) == [2]
+    with pytest.raises(ConfigError) as unknown:
+        indices([9], {})
+    assert "GPU index 9 does not exist" in unknown.value.message
+    assert unknown.value.exit_code is ExitCode.CONFIG
+    with pytest.raises(RunError, match="names no GPU"):
+        indices(None, {"CUDA_VISIBLE_DEVICES": ""})
+
+
+def test_the_invoking_user_is_sudos_caller(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    caller, under_sudo = invoking_user({"SUDO_UID": "0", "SUDO_GID": "0"})
+    assert (caller.uid, caller.user, under_sudo) == (0, "root", True)
+    nobody = pwd.getpwnam("nobody")
+    caller, under_sudo = invoking_user({"SUDO_UID": str(nobody.pw_uid), "SUDO_GID": "4242"})
+    assert (caller.uid, caller.gid, caller.user, under_sudo) == (
+        nobody.pw_uid,
+        4242,
+        "nobody",
+        True,
+    )
+    caller, under_sudo = invoking_user({"SUDO_UID": "x"})
+    assert (caller.uid, under_sudo) == (0, False)
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("echo 'Main processes terminated with: code=killed/status=INT' >&2; exit 0", 130),
+        ("echo 'Main processes terminated with: code=exited/status=7' >&2; exit 7", 7),
+        ("echo 'Failed to start transient service unit: Access denied' >&2; exit 1", 1),
+    ],
+)
+def test_supervise_relays_systemd_runs_lines_and_returns_the_status(
+    script: str, expected: int, capfd: pytest.CaptureFixture[str]
+) -> None:
+    assert supervise(["/bin/sh", "-c", script], "x.service") == expected
+    assert capfd.readouterr().err.splitlines()[0].startswith(("Main", "Failed"))
+
+
+def test_a_leased_gpu_refuses_unless_forced(
+    host: FakeHost, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gpus = host.memory.gpus()
+    loaded = host.config()
+    lease = new_lease("vllm.service", gpus[0:4], share=False)
+    write_lease(loaded.config.lock_dir, lease)
+    with pytest.raises(GateError) as refused:
+        refuse_leased(
+            loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "active"
+        )
+    assert refused.value.exit_code is ExitCode.HELD_BY_OTHERS
+    assert "GPU 3 leased to vllm.service (since " in refused.value.message
+    assert "--force" in refused.value.message
+    refuse_leased(
+        loaded, "gpugate-run-x-1.service", gpus[3:5], force=True, unit_state=lambda _: "active"
+    )
+    assert "--force: running anyway" in capsys.readouterr().err
+    # not running any more: stale, no refusal
+    refuse_leased(
+        loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "failed"
+    )

@@ -65,7 +65,16 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     refuse_known_unit(unit, explicit=bool(args.name))
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
-    refuse_leased(loaded, unit, gpus, force=args.force)
+    roots = front.roots
+    refuse_leased(
+        loaded,
+        unit,
+        gpus,
+        force=args.force,
+        unit_state=lambda name: unit_active_state(
+            name, roots.cgroup, ask_systemd=roots.ask_systemd
+        ),
+    )
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
@@ -145,15 +154,18 @@ def resolve_gpus(
     return gpus
 
 
-def refuse_leased(loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], *, force: bool) -> None:
+def refuse_leased(
+    loaded: LoadedConfig,
+    unit: str,
+    gpus: Sequence[Gpu],
+    *,
+    force: bool,
+    unit_state: Callable[[str], str | None],
+) -> None:
     """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would."""
     config = loaded.config
     check = check_leases(
-        config.lock_dir,
-        unit,
-        gpus,
-        share=config.share_gpus,
-        unit_state=lambda name: unit_active_state(name, Path("/sys/fs/cgroup")),
+        config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
     if check.conflicts and not force:
         raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
