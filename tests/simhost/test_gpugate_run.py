@@ -260,6 +260,17 @@ def test_not_root_without_sudo_or_polkit_is_refused_by_systemd(host: Host) -> No
     )
     assert done.returncode != 0
     assert "gpugate-run-id-" not in host.sh("systemctl list-units --all --no-legend")
+    # What sudo hands gpugate (root, SUDO_UID/SUDO_GID of the caller): the command runs as the
+    # caller, in the caller's working directory, with the caller's HOME and USER.
+    uid, gid = host.sh("id -u alice; id -g alice").split()
+    as_alice = host.sim.run(
+        f"cd /home/alice && gpugate run --config {RUN_CONFIG} --gpus 0 -- "
+        "sh -c 'echo $(id -u) $(id -g) $PWD $HOME $USER'",
+        env={"SUDO_UID": uid, "SUDO_GID": gid, "SUDO_USER": "alice", "HOME": "/root"},
+        check=False,
+    )
+    assert as_alice.returncode == 0, as_alice.stderr
+    assert as_alice.stdout.split() == [uid, gid, "/home/alice", "/home/alice", "alice"]
     if not host.sh("command -v sudo", False).strip():
         pytest.skip("sudo is not installed on this machine (nor in the simulated host)")
     host.sh(
