@@ -110,7 +110,9 @@ def test_closed_terminal_stops_the_run_and_frees_its_gpus(host: Host, login: Log
         assert (unit in gpu["leased_to"]) == (gpu["index"] in GPUS), gpu
     (lease,) = [item for item in status["leases"] if item["unit"] == unit]
     assert lease["started_by"].startswith("root (uid 0") and lease["gpus"] == list(GPUS)
-    assert f"{unit}" in host.sh("gpugate status")
+    assert f"({unit}: started by hand with `gpugate run` by root (uid 0, /dev/pts/" in host.sh(
+        "gpugate status"
+    )
 
     host.sh("tmux kill-session -t hand")
 
@@ -185,6 +187,7 @@ def test_bad_inputs_are_one_line_errors_and_start_nothing(host: Host) -> None:
         "--gpus 0 -- /no/such/program": (64, "not an executable file"),
         "--gpus 0 -- no-such-program": (64, "command not found on PATH"),
         "--port 0 -- true": (64, "not a TCP port"),
+        "--config '/etc/a b.toml' --gpus 0 -- true": (64, "use a path of letters"),
     }
     before = host.sh("systemctl list-units --all --no-legend 'gpugate-run-*'")
     for args, (code, text) in cases.items():

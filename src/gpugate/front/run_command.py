@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import os
 import pwd
+import re
 import secrets
 import signal
 import subprocess
@@ -46,6 +47,7 @@ from gpugate.integrations.unit.leases import check_leases
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
 
+SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
 QUERY_TIMEOUT_S = 30
 
@@ -56,6 +58,11 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         command = command[1:]
     if not command:
         raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+    if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
+        # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
+        raise RunError(
+            f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
+        )
     systemd_run = find_program(SYSTEMD_RUN_PATHS)
     if systemd_run is None:
         raise RunError("systemd-run not found in /usr/bin or /bin: gpugate run needs systemd")
