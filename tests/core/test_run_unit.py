@@ -14,7 +14,13 @@ from hypothesis import strategies as st
 
 from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
-from gpugate.front.run_command import invoking_user, refuse_leased, resolve_gpus, supervise
+from gpugate.front.run_command import (
+    invoking_user,
+    refuse_leased,
+    resolve_gpus,
+    supervise,
+    wait_until_gone,
+)
 from gpugate.front.run_unit import (
     Caller,
     RunError,
@@ -324,3 +330,23 @@ def test_a_leased_gpu_refuses_unless_forced(
     refuse_leased(
         loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "failed"
     )
+
+
+def test_after_stopping_it_waits_until_the_unit_is_gone() -> None:
+    states = iter(["active", "deactivating", "deactivating", "inactive"])
+    asked: list[str] = []
+
+    def state(unit: str) -> str | None:
+        asked.append(unit)
+        return next(states)
+
+    now = [0.0]
+    assert wait_until_gone("u.service", 10.0, state, clock=lambda: now[0], pause=lambda _: None)
+    assert asked == ["u.service"] * 4
+
+    def tick(seconds: float) -> None:
+        now[0] += seconds
+
+    now[0] = 0.0
+    stuck = wait_until_gone("u.service", 1.0, lambda _: "deactivating", lambda: now[0], tick)
+    assert not stuck and now[0] >= 1.0

@@ -174,6 +174,29 @@ def test_pipe_mode_status_and_output(host: Host) -> None:
     assert host.free(GPUS)
 
 
+def test_ctrl_c_in_pipe_mode_returns_once_the_unit_is_gone(host: Host) -> None:
+    """Ctrl-C where stdin is no terminal: SIGINT reaches the whole process group, systemd-run
+    included; gpugate run stops the unit and returns only after its post."""
+    host.reset()
+    pid = host.sh(
+        f"setsid gpugate run --config {RUN_CONFIG} --gpus 2 --name pipe-int -- "
+        "sleep 1000 </dev/null >/run/pipe-int.out 2>&1 & echo $!"
+    ).strip()
+    wait_for(
+        host,
+        "the run",
+        lambda: host.sh("systemctl is-active pipe-int", False).strip() == "active",
+    )
+    sleeper = host.cgroup_pids("pipe-int.service")
+    assert sleeper
+    host.sh(f"kill -INT -{pid}")
+    wait_for(host, "gpugate run to end", lambda: not host.alive(int(pid)), 60)
+    assert host.sh("systemctl is-active pipe-int", False).strip() in ("inactive", "failed")
+    assert not any(map(host.alive, sleeper))
+    posts = [e for e in journal_of(host, "pipe-int.service") if e.get("GPUGATE_PHASE") == "post"]
+    assert posts and posts[-1]["GPUGATE_EVENT"] == "run_finished", posts[-1:]
+
+
 def test_bad_inputs_are_one_line_errors_and_start_nothing(host: Host) -> None:
     host.reset()
     host.install(UNIT, unit_text(UNIT, GPUS, 8000), f"gpus = [0, 1, 2, 3]\n{CONFIG}")

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
@@ -27,6 +28,7 @@ from gpugate.core.owned_gpus import owned_gpus
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied
 from gpugate.front.install_files import default_gpugate_path
 from gpugate.front.run_unit import (
+    HOOK_TIMEOUT_S,
     SYSTEMCTL_PATHS,
     SYSTEMD_RUN_PATHS,
     Caller,
@@ -42,11 +44,14 @@ from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.systemd import query_unit, unit_active_state
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
-from gpugate.integrations.unit.leases import check_leases
+from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
 
+# The unit's stop, then each ExecStopPost=, may take TimeoutStopSec (the drop-in's 300 s).
+GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
+STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
 QUERY_TIMEOUT_S = 30
@@ -249,10 +254,38 @@ def supervise(argv: list[str], unit: str) -> int:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)
         code = child.wait()
+        if stopped.is_set():
+            # systemd-run may have ended with us (Ctrl-C reaches the whole process group):
+            # return only once the unit is gone, its post done and the GPUs free.
+            wait_until_gone(unit, time.monotonic() + GONE_DEADLINE_S)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if code < 0:  # systemd-run itself was killed by a signal
+        code = 128 - code
     return command_status(code, messages)
+
+
+def wait_until_gone(
+    unit: str,
+    deadline: float,
+    state: Callable[[str], str | None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    pause: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Poll the unit's ActiveState until it is neither running nor stopping (a collected
+    unit reads inactive); False at the deadline."""
+    state = state or _active_state
+    while clock() < deadline:
+        if state(unit) not in STOPPING_OR_RUNNING:
+            return True
+        pause(0.2)
+    return False
+
+
+def _active_state(unit: str) -> str | None:
+    found = query_unit(unit)
+    return found.active_state if found is not None else None
 
 
 def relay(source: IO[bytes], target: IO[str]) -> str:
