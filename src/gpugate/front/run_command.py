@@ -68,6 +68,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         raise RunError(
             f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
         )
+    program = resolve_command(command[0], front.environ)
     systemd_run = find_program(SYSTEMD_RUN_PATHS)
     if systemd_run is None:
         raise RunError("systemd-run not found in /usr/bin or /bin: gpugate run needs systemd")
@@ -92,7 +93,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
     plan = RunPlan(
         unit=unit,
-        command=(resolve_command(command[0], environ), *command[1:]),
+        command=(program, *command[1:]),
         caller=caller,
         gpus_env=",".join(str(gpu.index) for gpu in gpus),
         environment=tuple(caller_environment(environ, caller, under_sudo)),
@@ -104,7 +105,13 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         cleanup=cleanup,
         as_root_caller=caller.uid == 0,
     )
-    return supervise(systemd_run_argv(plan, systemd_run), unit)
+    try:
+        return supervise(systemd_run_argv(plan, systemd_run), unit)
+    finally:
+        # The unit's last ExecStopPost= removes it; this covers a unit that never started.
+        for path in cleanup:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def invoking_user(environ: Mapping[str, str]) -> tuple[Caller, bool]:
