@@ -137,6 +137,7 @@ class PhaseRun:
         self.narrator.blind_spots(discovery)
         self.narrator.choices(decision)
         if decision.refused:
+            self.surroundings.held_by_others(discovery.owned)
             self.narrator.refused()
             self.summary.exit_code = ExitCode.HELD_BY_OTHERS
         elif self.dry_run:

@@ -32,6 +32,10 @@ class Surroundings(Protocol):
         """Under the GPU locks, before anything is killed: why this start must not go on
         (another running unit's GPU lease), or None."""
 
+    def held_by_others(self, owned: Sequence[Gpu]) -> None:
+        """The run refuses: another running unit's processes hold the GPUs. Says what else
+        is known of that hold (its GPU lease: who started it, and when)."""
+
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """The GPUs whose memory need not be waited for again."""
 

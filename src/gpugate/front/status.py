@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
-from gpugate.integrations.unit.leases import leases_by_gpu, read_leases
+from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
 
 JSON_VERSION = 1
@@ -64,6 +64,7 @@ def as_dict(
 ) -> dict[str, Any]:
     roots = roots or HostRoots()
     now = uptime_s(roots.proc)
+    leases = read_leases(loaded.config.lock_dir).leases
     rules = pre_rules(discovery, loaded, roots)
     holders = [
         holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
@@ -75,8 +76,17 @@ def as_dict(
         "unit_cgroup": discovery.unit_cgroup if discovery.unit else None,
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
-        "gpus": gpu_dicts(discovery, loaded),
+        "gpus": gpu_dicts(discovery, leases),
         "holders": holders,
+        "leases": [
+            {
+                "unit": lease.unit,
+                "gpus": list(lease.gpus),
+                "since": lease.since,
+                "started_by": lease.started_by,
+            }
+            for lease in leases
+        ],
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
             {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
@@ -129,9 +139,9 @@ def holder_dict(
     }
 
 
-def gpu_dicts(discovery: Discovery, loaded: LoadedConfig) -> list[dict[str, Any]]:
+def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, Any]]:
     owned = discovery.owned_indices
-    leased = leases_by_gpu(read_leases(loaded.config.lock_dir).leases)
+    leased = leases_by_gpu(leases)
     return [
         {
             "index": gpu.index,
@@ -210,6 +220,10 @@ def table_role(holder: dict[str, Any], has_unit: bool) -> str:
 
 
 def render_table(data: dict[str, Any]) -> str:
+    return "\n".join([*gpu_table(data), "", *holder_table(data)])
+
+
+def gpu_table(data: dict[str, Any]) -> list[str]:
     lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  {'LEASE':<20} NAME"]
     rows: list[tuple[int, str]] = []
     for gpu in data["gpus"]:
@@ -231,16 +245,25 @@ def render_table(data: dict[str, Any]) -> str:
     lines += [row for _, row in sorted(rows)]
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
+    for lease in data.get("leases", ()):
+        if lease["started_by"]:
+            lines.append(
+                f"({lease['unit']}: started by hand with `gpugate run` by {lease['started_by']},"
+                f" GPU {gpu_ranges(lease['gpus'])})"
+            )
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
-    lines.append("")
+    return lines
+
+
+def holder_table(data: dict[str, Any]) -> list[str]:
     if not data["holders"]:
-        lines.append("no process holds a GPU")
+        lines = ["no process holds a GPU"]
     else:
-        lines.append(
+        lines = [
             f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
             f"{'MiB':>7} {'HELD':>6} {'PORTS':<11} COMMAND"
-        )
+        ]
     for holder in data["holders"]:
         gpus = gpu_ranges(holder["gpus"]) or ("ctl" if holder["control_devices"] else "-")
         unit = holder["unit"] or "-"
@@ -257,7 +280,7 @@ def render_table(data: dict[str, Any]) -> str:
         )
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
-    return "\n".join(lines)
+    return lines
 
 
 def unreadable_warning(discovery: Discovery) -> str | None:

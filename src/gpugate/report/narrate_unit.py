@@ -61,6 +61,28 @@ class UnitNarration:
         )
         self.reporter.status(f"refused: {refusal}")
 
+    def lease_overridden(self, lease_unit: str, holder: str, gpus: Sequence[int]) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"GPU {indices(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
+            "(gpugate run --force)",
+            priority=PRIORITY_WARNING,
+            gpus=list(gpus),
+            reason="lease-forced",
+            lease_unit=lease_unit,
+        )
+
+    def lease_also_held(self, refusal: str, gpus: Sequence[int]) -> None:
+        """The refusal's lease line, where another unit's processes refused the run already
+        (the narrator sets STATUS=)."""
+        self.reporter.event(
+            Event.REFUSED,
+            f"not starting {self.reporter.unit}: {refusal}",
+            priority=PRIORITY_ERR,
+            gpus=sorted(gpus),
+            reason="leased",
+        )
+
     def start_failed_earlier(self, reason: str) -> None:
         # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
         text = f"start failed in gpugate pre: {reason}"

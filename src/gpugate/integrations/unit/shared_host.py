@@ -21,7 +21,15 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
-from gpugate.integrations.unit.leases import check_leases, new_lease, release_lease, write_lease
+from gpugate.integrations.unit.leases import (
+    FORCE_VARIABLE,
+    STARTED_BY_VARIABLE,
+    LeaseCheck,
+    check_leases,
+    new_lease,
+    release_lease,
+    write_lease,
+)
 from gpugate.integrations.unit.manual_guard import refusal
 from gpugate.integrations.unit.start_failure import (
     FailedPre,
@@ -75,9 +83,7 @@ class UnitSurroundings:
         if not self.phase.traits.takes_lease or not owned:
             return None
         config = self.loaded.config
-        check = check_leases(
-            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=self._state
-        )
+        check = self._check_leases(owned)
         for path in check.unreadable:
             self.narration.lease_unreadable(path)
         for lease, state in check.stale:
@@ -89,9 +95,31 @@ class UnitSurroundings:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
         if not check.conflicts:
             return None
+        if self.environ.get(FORCE_VARIABLE) == "1":  # gpugate run --force
+            for lease, gpus in check.conflicts:
+                self.narration.lease_overridden(
+                    lease.unit, lease.holder_text(), [g.index for g in gpus]
+                )
+            return None
         conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
         self.narration.lease_refused(check.refusal(), sorted(conflicted))
         return check.refusal()
+
+    def held_by_others(self, owned: Sequence[Gpu]) -> None:
+        """pre refused because another running unit holds the GPUs: where that unit also
+        holds a lease on them, say so too (it names who started a `gpugate run` unit)."""
+        if not self.phase.traits.takes_lease or not owned:
+            return
+        check = self._check_leases(owned)
+        if check.conflicts:
+            conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
+            self.narration.lease_also_held(check.refusal(), sorted(conflicted))
+
+    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
+        config = self.loaded.config
+        return check_leases(
+            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=self._state
+        )
 
     def _state(self, name: str) -> str | None:
         if self.unit_state is not None:
@@ -140,6 +168,7 @@ class UnitSurroundings:
                 owned,
                 share=self.loaded.config.share_gpus,
                 invocation_id=self.environ.get("INVOCATION_ID"),
+                started_by=self.environ.get(STARTED_BY_VARIABLE),
             )
             write_lease(lock_dir, lease)
         clear_failed_pre(lock_dir, self.unit)
