@@ -17,6 +17,7 @@ from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.respawn import RespawnWatch
+from gpugate.core.roles import Role
 from gpugate.core.wait import busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
@@ -87,6 +88,9 @@ class PhaseRun:
         # Spared for good (protected, holding no GPU of the unit): not waited on. A watcher is
         # not among them: NVML listing it later means it became a GPU user, to look at again.
         self.spared_pids: set[int] = set()
+        # Each process's role when first judged in this run: a watcher stays one while the
+        # driver frees a killed holder's memory (roles.stable_role).
+        self.judged: dict[ProcessId, Role] = {}
         self._announced = False
 
     def degrade(self, error: NvmlUnavailable) -> None:
@@ -120,7 +124,10 @@ class PhaseRun:
             ports=self.ports,
             containers=self.config.containers,
         )
-        return found, decide(found, self.config, self.scope.phase, procfs)
+        decision = decide(found, self.config, self.scope.phase, procfs, self.judged)
+        for choice in decision.choices:
+            self.judged.setdefault(choice.holder.info.ident, choice.role)
+        return found, decision
 
     def sequence(self, dry_run: bool) -> RunSummary:
         narrator, summary = self.narrator, self.summary

@@ -131,7 +131,7 @@ class Narrator(WaitNarration):
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
                     command=choice.holder.info.command,
-                    reason=choice.reason,
+                    reason=choice.code or "unspecified",
                     **container_fields(choice),
                 )
 
