@@ -97,7 +97,9 @@ def decide(
                 "watcher",
             )
         elif role is Role.UNIT:
-            choice = Choice(holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup", "unit-cgroup")
+            choice = Choice(
+                holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup", "unit-cgroup"
+            )
         elif role is Role.UNIT_CONTAINER and holder.container is not None:
             reason = f"in {holder.container.label}, one of {discovery.unit}'s (containers)"
             choice = Choice(holder, role, Verdict.KILL, reason, "unit-container")
