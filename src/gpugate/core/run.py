@@ -22,7 +22,7 @@ from gpugate.core.wait import busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
-from gpugate.host.nvml import GpuDriver, NoGpus
+from gpugate.host.nvml import GpuDriver, NoGpus, bind_deadline
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
@@ -98,11 +98,16 @@ class PhaseRun:
         if self.policy.on_nvml_error == "fail" or self.summary.degraded:
             raise error
         self.narrator.degraded(error, self.scope.phase)
+        self.without_nvml()
+
+    def without_nvml(self) -> None:
+        """The unit's cgroup alone, no GPU: same deadline, same summary."""
         self.summary.degraded = True
         self.wanted = None
         self.driver = NoGpus()
 
     def run(self, driver: GpuDriver, *, dry_run: bool) -> RunSummary:
+        bind_deadline(driver, self.deadline)  # a driver that stops answering ends the run then
         self.driver = driver
         self.dry_run = dry_run
         while True:

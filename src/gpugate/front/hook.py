@@ -19,7 +19,7 @@ from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import prepare, record_pre_error
+from gpugate.integrations.unit.shared_host import nvml_hung_in_pre, prepare, record_pre_error
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 
@@ -117,11 +117,19 @@ def run_phase(
         scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
     )
     try:
-        try:
-            driver: GpuDriver = driver_factory()
-        except NvmlUnavailable as exc:
-            run.degrade(exc)
-            driver = NoGpus()
+        hung = nvml_hung_in_pre(context)
+        if hung is not None:
+            # This start's pre waited its deadline on a driver that did not answer: asking
+            # again would hang post too. The cgroup still dies.
+            narrator.nvml_skipped(hung, scope.phase)
+            run.without_nvml()
+            driver: GpuDriver = NoGpus()
+        else:
+            try:
+                driver = driver_factory()
+            except NvmlUnavailable as exc:
+                run.degrade(exc)
+                driver = NoGpus()
         try:
             return run.run(driver, dry_run=dry_run)
         finally:

@@ -204,6 +204,15 @@ class Narrator(WaitNarration):
             priority=PRIORITY_WARNING,
         )
 
+    def nvml_skipped(self, why: str, phase: str) -> None:
+        self.reporter.event(
+            Event.ERROR,
+            f"not asking NVML: this start's pre found it not answering ({why}); {phase} "
+            "cleans the unit's cgroup only",
+            priority=PRIORITY_WARNING,
+            reason="nvml-not-answering",
+        )
+
     def finished(self, summary: RunSummary) -> None:
         result = summary.result
         if self.dry_run:

@@ -230,6 +230,14 @@ def record_pre_error(context: HostContext, loaded: LoadedConfig, error: GateErro
     )
 
 
+def nvml_hung_in_pre(context: HostContext) -> str | None:
+    """post after a pre that NVML did not answer: pre's words, or None."""
+    failed = context.failed_pre
+    if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
+        return None
+    return failed.reason
+
+
 def gpus_not_to_wait_on(context: HostContext, owned: Sequence[Gpu]) -> list[Gpu]:
     """post after a failed pre: the GPUs whose memory pre already waited for in vain."""
     if context.failed_pre is None:
