@@ -22,7 +22,7 @@ from gpugate.core.wait import busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
-from gpugate.host.nvml import GpuDriver, NoGpus, bind_deadline
+from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, bind_deadline
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
@@ -91,6 +91,10 @@ class PhaseRun:
         # Each process's role when first judged in this run: a watcher stays one while the
         # driver frees a killed holder's memory (roles.stable_role).
         self.judged: dict[ProcessId, Role] = {}
+        # What the run is doing, and the GPUs it last saw busy: what an interruption says,
+        # and which GPUs this start's post need not wait on again.
+        self.activity = "looking for the GPUs' holders"
+        self.last_busy: list[BusyGpu] = []
         self._announced = False
 
     def degrade(self, error: NvmlUnavailable) -> None:
@@ -141,6 +145,11 @@ class PhaseRun:
         summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        self.last_busy = [
+            BusyGpu(g, self.used_before[g.index], ())
+            for g in discovery.owned
+            if self.used_before[g.index] > self.config.free_mib
+        ]
         refuse_manual_run(self.context, decision, describe)  # one line, before any other
         if not self._announced:
             narrator.run_started(
@@ -171,7 +180,7 @@ class PhaseRun:
             self.config.lock_dir,
             discovery.owned,
             self.deadline,
-            on_wait=lambda gpu: narrator.lock_wait(gpu, self.deadline - self.clock()),
+            on_wait=self.on_lock_wait,
             clock=self.clock,
         ):
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
@@ -209,6 +218,7 @@ class PhaseRun:
             if round_number > 1:
                 self.narrator.choices(Decision(fresh))
             self.narrator.stopping(len(fresh), round_number)
+            self.activity = f"stopping {len(fresh)} process(es) (round {round_number})"
             by_ident.update((c.holder.info.ident, c) for c in fresh)
             self.watch.self_chain = discovery.self_chain
             self.watch.killed(fresh, by_ident, ProcFs(self.roots.proc))
@@ -243,6 +253,17 @@ class PhaseRun:
         for result in stop_containers(containers, self.policy.sigterm_grace_s):
             self.narrator.container_stopped(result)
 
+    def on_lock_wait(self, gpu: Gpu) -> None:
+        self.activity = f"waiting for another gpugate run's lock on {gpu.label}"
+        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+
+    def note_busy(self, busy: list[BusyGpu]) -> list[BusyGpu]:
+        if busy:
+            shown = ", ".join(f"GPU {item.gpu.index} {item.used_mib} MiB" for item in busy)
+            self.activity = f"waiting for the driver to free memory ({shown})"
+        self.last_busy = busy
+        return busy
+
     def on_stuck(self, choices: list[Choice]) -> None:
         procfs = ProcFs(self.roots.proc)
         for choice in choices:
@@ -270,7 +291,9 @@ class PhaseRun:
             self.narrator.reporter.extend_timeout(left + TIMEOUT_MARGIN_S)
 
         settled = wait_settled(
-            busy_gpus=lambda: busy_gpus(self.driver, owned, free_mib, self.spared_pids),
+            busy_gpus=lambda: self.note_busy(
+                busy_gpus(self.driver, owned, free_mib, self.spared_pids)
+            ),
             busy_ports=lambda: sorted(set(listening_sockets(self.roots.proc, self.ports).values())),
             pending=lambda: self.watch.pending(ProcFs(self.roots.proc)),
             look_again=self.look_again,

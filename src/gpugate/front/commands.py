@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from gpugate.config.file import load_config
 from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
+from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
@@ -81,31 +82,33 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         dry_run=args.dry_run,
         proc_root=roots.proc,
     )
-    outcome = run_hook(
-        hook,
-        loaded,
-        front.reporter_factory(unit, args.command),
-        roots=roots,
-        dry_run=args.dry_run,
-        driver_factory=front.driver_factory,
-        environ=front.environ,
-        manual_refusal=manual_refusal,
-    )
+    with stopped_by_signals():
+        outcome = run_hook(
+            hook,
+            loaded,
+            front.reporter_factory(unit, args.command),
+            roots=roots,
+            dry_run=args.dry_run,
+            driver_factory=front.driver_factory,
+            environ=front.environ,
+            manual_refusal=manual_refusal,
+        )
     return int(outcome.exit_code)
 
 
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.integrations import slurm  # noqa: PLC0415
 
-    return slurm.main(
-        args.slurm_phase,
-        config_path=args.config,
-        dry_run=args.dry_run,
-        environ=front.environ,
-        driver_factory=front.driver_factory,
-        reporter_factory=front.reporter_factory,
-        roots=front.roots,
-    )
+    with stopped_by_signals():
+        return slurm.main(
+            args.slurm_phase,
+            config_path=args.config,
+            dry_run=args.dry_run,
+            environ=front.environ,
+            driver_factory=front.driver_factory,
+            reporter_factory=front.reporter_factory,
+            roots=front.roots,
+        )
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:

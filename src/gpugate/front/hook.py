@@ -14,12 +14,17 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
-from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import nvml_hung_in_pre, prepare, record_pre_error
+from gpugate.integrations.unit.shared_host import (
+    nvml_hung_in_pre,
+    prepare,
+    record_interrupted,
+    record_pre_error,
+)
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 
@@ -136,6 +141,13 @@ def run_phase(
             driver.close()
     except ManualRunRefused:
         raise
+    except Interrupted as exc:
+        stopped = Interrupted(
+            f"{exc.message} while {run.activity}; it left no GPU lock or lease", exc.signal_name
+        )
+        if not dry_run:
+            record_interrupted(context, loaded, stopped, run.last_busy)
+        raise stopped from None
     except GateError as exc:
         if not dry_run:
             record_pre_error(context, loaded, exc)  # post need not wait on it again

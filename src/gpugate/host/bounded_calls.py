@@ -43,6 +43,12 @@ class CallThread:
         self._clock = clock
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._last: _Request | None = None
+
+    @property
+    def busy(self) -> bool:
+        """A call has not returned (it hung, or its caller was interrupted waiting for it)."""
+        return self._last is not None and not self._last.done.is_set()
 
     def call(self, until: float, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """function(*args, **kwargs) on the thread; its value or exception, or CallTimedOut
@@ -51,6 +57,7 @@ class CallThread:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
         request = _Request(function, args, kwargs)
+        self._last = request
         started = self._clock()
         self._requests.put(request)
         if not request.done.wait(max(until - started, 0.0)):

@@ -155,8 +155,8 @@ class NvmlDriver:
         self._initialized = True
 
     def close(self) -> None:
-        if not self._initialized or self._stuck is not None:
-            return  # nvmlShutdown would block behind the hung call
+        if not self._initialized or self._stuck is not None or self._thread.busy:
+            return  # nvmlShutdown would wait behind the call that has not returned
         with contextlib.suppress(self._nv.NVMLError, NvmlNotAnswering):
             self._ask(None, self._nv.nvmlShutdown)
 
