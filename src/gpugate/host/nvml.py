@@ -96,12 +96,13 @@ MIN_ANSWER_S = 1.0
 class NvmlDriver:
     """GpuDriver backed by libnvidia-ml.so.1.
 
-    Every NVML call is made on one worker thread (bounded_calls) and waited for until the
-    run's deadline (answer_by), else ANSWER_WITHIN_S: a driver that stops answering (NVML
-    blocks, as a hanging `nvidia-smi` does) ends the run with NvmlNotAnswering, which names
-    the call, the GPU and how long it waited. From then on the driver is stuck: no further
-    call is made (it would queue behind the hung one), not even nvmlShutdown. NVML is
-    initialised at the first query, so that the deadline is known by then."""
+    Every NVML call is made on one worker thread (bounded_calls), a whole query (a GPU's
+    usage, the list of GPUs) at a time, and waited for until the run's deadline (answer_by),
+    else ANSWER_WITHIN_S: a driver that stops answering (NVML blocks, as a hanging
+    `nvidia-smi` does) ends the run with NvmlNotAnswering, which names the call, the GPU and
+    how long it waited. From then on the driver is stuck: no further call is made (it would
+    queue behind the hung one), not even nvmlShutdown. NVML is initialised at the first query,
+    so that the deadline is known by then."""
 
     def __init__(self, *, answer_within_s: float = ANSWER_WITHIN_S) -> None:
         self._nv = _pynvml()
@@ -109,6 +110,7 @@ class NvmlDriver:
         self._answer_within_s = answer_within_s
         self._until: float | None = None  # the run's deadline (time.monotonic)
         self._stuck: NvmlNotAnswering | None = None
+        self._calling: tuple[str, int | None] = ("", None)  # the NVML call under way, its GPU
         self._initialized = False
         self._memory_v2 = True
         self._handles: dict[int, Any] = {}
@@ -116,14 +118,14 @@ class NvmlDriver:
         self._faults: list[GpuFault] = []
 
     def answer_by(self, deadline: float) -> None:
-        """Wait for each call until this time.monotonic() deadline (the run's)."""
+        """Wait for each query until this time.monotonic() deadline (the run's)."""
         self._until = deadline
 
     def not_answering(self) -> NvmlNotAnswering | None:
         return self._stuck
 
-    def _ask(self, index: int | None, function: Any, *args: Any, **kwargs: Any) -> Any:
-        """function(*args) on the NVML thread, by the deadline; NVMLErrors as raised."""
+    def _bounded(self, job: Any, *args: Any) -> Any:
+        """job(*args) on the NVML thread, by the deadline; its exceptions as raised."""
         if self._stuck is not None:
             raise self._stuck
         now = time.monotonic()
@@ -132,22 +134,28 @@ class NvmlDriver:
         else:
             until = max(self._until, now + MIN_ANSWER_S)
         try:
-            return self._thread.call(until, function, *args, **kwargs)
+            return self._thread.call(until, job, *args)
         except CallTimedOut as exc:
+            name, index = self._calling
             where = "" if index is None else f" on GPU {index}"
             self._stuck = NvmlNotAnswering(
-                f"NVML is not answering: {_name(function)}{where} did not return within "
+                f"NVML is not answering: {name}{where} did not return within "
                 f"{exc.waited_s:.1f} s (a hung driver, as when nvidia-smi hangs; see dmesg for "
                 "Xid errors: the GPU may need a reset or the host a reboot)"
             )
             raise self._stuck from None
+
+    def _raw(self, index: int | None, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """On the NVML thread: one call, noted first, so that a hang can be named."""
+        self._calling = (_name(function), index)
+        return function(*args, **kwargs)
 
     def _init(self) -> None:
         if self._initialized:
             return
         nv = self._nv
         try:
-            self._ask(None, nv.nvmlInit)
+            self._raw(None, nv.nvmlInit)
         except nv.NVMLError_LibraryNotFound:
             raise NvmlUnavailable(
                 "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
@@ -164,24 +172,27 @@ class NvmlDriver:
         if not self._initialized or self._stuck is not None or self._thread.busy:
             return  # nvmlShutdown would wait behind the call that has not returned
         with contextlib.suppress(self._nv.NVMLError, NvmlNotAnswering):
-            self._ask(None, self._nv.nvmlShutdown)
+            self._bounded(self._raw, None, self._nv.nvmlShutdown)
 
     def gpus(self) -> Sequence[Gpu]:
         if self._gpus is None:
-            self._init()
-            nv = self._nv
-            found: list[Gpu] = []
-            try:
-                count = self._ask(None, nv.nvmlDeviceGetCount)
-            except nv.NVMLError as exc:
-                raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
-            for index in range(count):
-                try:
-                    found.append(self._read_gpu(index))
-                except GpuError as exc:
-                    self._faults.append(GpuFault(index, exc.message))
-            self._gpus = found
+            self._gpus = self._bounded(self._read_gpus)
         return self._gpus
+
+    def _read_gpus(self) -> list[Gpu]:
+        self._init()
+        nv = self._nv
+        found: list[Gpu] = []
+        try:
+            count = self._raw(None, nv.nvmlDeviceGetCount)
+        except nv.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
+        for index in range(count):
+            try:
+                found.append(self._read_gpu(index))
+            except GpuError as exc:
+                self._faults.append(GpuFault(index, exc.message))
+        return found
 
     def faults(self) -> Sequence[GpuFault]:
         self.gpus()
@@ -201,6 +212,10 @@ class NvmlDriver:
         )
 
     def usage(self, gpu: Gpu) -> GpuUsage:
+        usage: GpuUsage = self._bounded(self._usage, gpu)
+        return usage
+
+    def _usage(self, gpu: Gpu) -> GpuUsage:
         nv = self._nv
         handle = self._handles[gpu.index]
         used = self._used_bytes(gpu.index, handle)
@@ -211,7 +226,7 @@ class NvmlDriver:
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
             try:
-                procs = self._ask(gpu.index, query, handle)
+                procs = self._raw(gpu.index, query, handle)
             except nv.NVMLError_NotSupported:
                 listed = False  # the memory figure still stands; the device files decide
                 continue
@@ -229,7 +244,7 @@ class NvmlDriver:
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
             try:
-                memory = self._ask(
+                memory = self._raw(
                     index, nv.nvmlDeviceGetMemoryInfo, handle, version=nv.nvmlMemory_v2
                 )
                 return int(memory.used)
@@ -246,7 +261,7 @@ class NvmlDriver:
     def _call(self, index: int, function: Any, *args: Any) -> Any:
         nv = self._nv
         try:
-            return self._ask(index, function, *args)
+            return self._raw(index, function, *args)
         except nv.NVMLError_GpuIsLost:
             raise GpuError(
                 index, f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
