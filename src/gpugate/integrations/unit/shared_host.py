@@ -208,7 +208,7 @@ def after_run(
         if context.failed_pre is not None:
             # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
             text = f"start failed in gpugate pre: {context.failed_pre.reason}"
-            reporter.event(Event.ERROR, text, priority=PRIORITY_ERR, reason=text)
+            reporter.event(Event.ERROR, text, priority=PRIORITY_ERR, reason="failed-start")
             reporter.status(text)
 
 
