@@ -7,13 +7,15 @@ role is `roles`; where an application ends (kill_app_tree) is `app_tree`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
 from gpugate.config.models import GateConfig
 from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.roles import Role, holder_role
+from gpugate.core.roles import Role, stable_role
+from gpugate.host.procfs import ProcessId
 from gpugate.host.systemd import unit_of_cgroup
 from gpugate.phase import Phase
 
@@ -80,14 +82,21 @@ class Decision:
         return any(choice.role is Role.OTHER_UNIT for choice in self.blockers)
 
 
-def decide(discovery: Discovery, config: GateConfig, phase: Phase, tree: ProcessTree) -> Decision:
+def decide(
+    discovery: Discovery,
+    config: GateConfig,
+    phase: Phase,
+    tree: ProcessTree,
+    earlier: Mapping[ProcessId, Role] | None = None,
+) -> Decision:
+    """earlier: the roles given in this run's previous decisions (see roles.stable_role)."""
     policy = config.policy(phase)
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
-        role = holder_role(holder, discovery, config)
+        role = stable_role(holder, discovery, config, earlier or {})
         decision.choices.append(choose(holder, role, discovery, config, policy.kill_orphans))
     if policy.kill_app_tree:
         _add_app_trees(decision, discovery, config, tree)

@@ -19,12 +19,13 @@ from gpugate.core.kill import Pinned, terminate
 from gpugate.core.narration import Narration
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.respawn import RespawnWatch
+from gpugate.core.roles import Role
 from gpugate.core.surroundings import Surroundings
 from gpugate.core.wait import Settled, busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
-from gpugate.host.nvml import Gpu, GpuDriver, NoGpus
+from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, bind_deadline
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
@@ -81,6 +82,13 @@ class PhaseRun:
         # not among them: NVML listing it later means it became a GPU user, to look at again.
         self.spared_pids: set[int] = set()
         self.reported_faults: set[int] = set()
+        # Each process's role when first judged in this run: a watcher stays one while the
+        # driver frees a killed holder's memory (roles.stable_role).
+        self.judged: dict[ProcessId, Role] = {}
+        # What the run is doing, and the GPUs it last saw busy: what an interruption says,
+        # and which GPUs this start's post need not wait on again.
+        self.activity = "looking for the GPUs' holders"
+        self.last_busy: list[BusyGpu] = []
         self._announced = False
 
     def degrade(self, error: NvmlUnavailable) -> None:
@@ -88,11 +96,16 @@ class PhaseRun:
         if self.policy.on_nvml_error == "fail" or self.summary.degraded:
             raise error
         self.narrator.degraded(error, self.scope.phase.value)
+        self.without_nvml()
+
+    def without_nvml(self) -> None:
+        """The unit's cgroup alone, no GPU: same deadline, same summary."""
         self.summary.degraded = True
         self.wanted = None
         self.driver = NoGpus()
 
     def run(self, driver: GpuDriver, *, dry_run: bool) -> RunSummary:
+        bind_deadline(driver, self.deadline)  # a driver that stops answering ends the run then
         self.driver = driver
         self.dry_run = dry_run
         while True:
@@ -115,7 +128,9 @@ class PhaseRun:
                 ports=self.ports,
                 containers=self.config.containers,
             )
-            decision = decide(found, self.config, self.scope.phase, self.procfs)
+            decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
+        for choice in decision.choices:
+            self.judged.setdefault(choice.holder.info.ident, choice.role)
         return found, decision
 
     def report_faults(self, discovery: Discovery) -> None:
@@ -131,6 +146,11 @@ class PhaseRun:
         self.summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        self.last_busy = [
+            BusyGpu(g, self.used_before[g.index], ())
+            for g in discovery.owned
+            if self.used_before[g.index] > self.config.free_mib
+        ]
         self.surroundings.before_kill(decision)  # one line, before any other
         self.announce(discovery)
         self.report_faults(discovery)
@@ -168,7 +188,7 @@ class PhaseRun:
             self.config.lock_dir,
             discovery.owned,
             self.deadline,
-            on_wait=lambda gpu: self.narrator.lock_wait(gpu, self.deadline - self.clock()),
+            on_wait=self.on_lock_wait,
             clock=self.clock,
         ):
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
@@ -220,6 +240,7 @@ class PhaseRun:
         if round_number > 1:
             self.narrator.choices(Decision(fresh))
         self.narrator.stopping(len(fresh), round_number)
+        self.activity = f"stopping {len(fresh)} process(es) (round {round_number})"
         by_ident.update((c.holder.info.ident, c) for c in fresh)
         self.watch.self_chain = discovery.self_chain
         with self.procfs.oneshot():
@@ -246,6 +267,17 @@ class PhaseRun:
         self.narrator.container_stopping(len(containers))
         for result in stop_containers(containers, self.policy.sigterm_grace_s):
             self.narrator.container_stopped(result)
+
+    def on_lock_wait(self, gpu: Gpu) -> None:
+        self.activity = f"waiting for another gpugate run's lock on {gpu.label}"
+        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+
+    def note_busy(self, busy: list[BusyGpu]) -> list[BusyGpu]:
+        if busy:
+            shown = ", ".join(f"GPU {item.gpu.index} {item.used_mib} MiB" for item in busy)
+            self.activity = f"waiting for the driver to free memory ({shown})"
+        self.last_busy = busy
+        return busy
 
     def on_stuck(self, choices: list[Choice]) -> None:
         for choice in choices:
@@ -279,7 +311,9 @@ class PhaseRun:
             self.narrator.extend_timeout(left + TIMEOUT_MARGIN_S)
 
         return wait_settled(
-            busy_gpus=lambda: busy_gpus(self.driver, owned, free_mib, self.spared_pids),
+            busy_gpus=lambda: self.note_busy(
+                busy_gpus(self.driver, owned, free_mib, self.spared_pids)
+            ),
             busy_ports=lambda: sorted(set(listening_sockets(self.roots.proc, self.ports).values())),
             pending=lambda: self.watch.pending(self.procfs),
             look_again=self.look_again,

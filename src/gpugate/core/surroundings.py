@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from gpugate.core.decide import Decision
     from gpugate.core.outcome import RunSummary
-    from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
 
 
@@ -41,6 +40,3 @@ class Surroundings(Protocol):
 
     def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
         """After a run that was not a dry run, still under the locks."""
-
-    def after_error(self, error: GateError) -> None:
-        """After a run that ended in an error (not a dry run)."""

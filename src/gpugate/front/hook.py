@@ -14,12 +14,12 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
-from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import prepare
+from gpugate.integrations.unit.shared_host import UnitSurroundings, prepare
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
@@ -124,27 +124,58 @@ def run_phase(
         clock=clock,
         surroundings=surroundings,
     )
+    return drive(run, surroundings, narrator, driver_factory, dry_run=dry_run)
+
+
+def drive(
+    run: PhaseRun,
+    surroundings: UnitSurroundings,
+    narrator: Narrator,
+    driver_factory: Callable[[], GpuDriver],
+    *,
+    dry_run: bool,
+) -> RunSummary:
+    """The run with NVML opened (or degraded without it) and closed after; an error or an
+    interruption recorded for this start's post."""
     try:
-        return drive(run, driver_factory, dry_run=dry_run)
+        driver = open_driver(run, surroundings, narrator, driver_factory)
+        try:
+            return run.run(driver, dry_run=dry_run)
+        finally:
+            driver.close()
     except ManualRunRefused:
         raise
+    except Interrupted as exc:
+        stopped = Interrupted(
+            f"{exc.message} while {run.activity}; it left no GPU lock or lease", exc.signal_name
+        )
+        if not dry_run:
+            surroundings.after_interrupt(stopped, run.last_busy)
+        raise stopped from None
     except GateError as exc:
         if not dry_run:
             surroundings.after_error(exc)  # post need not wait on it again
         raise
 
 
-def drive(run: PhaseRun, driver_factory: Callable[[], GpuDriver], *, dry_run: bool) -> RunSummary:
-    """The run with NVML opened (or degraded without it) and closed after."""
+def open_driver(
+    run: PhaseRun,
+    surroundings: UnitSurroundings,
+    narrator: Narrator,
+    driver_factory: Callable[[], GpuDriver],
+) -> GpuDriver:
+    hung = surroundings.nvml_hung_in_pre()
+    if hung is not None:
+        # This start's pre waited its deadline on a driver that did not answer: asking
+        # again would hang post too. The cgroup still dies.
+        narrator.nvml_skipped(hung, run.scope.phase.value)
+        run.without_nvml()
+        return NoGpus()
     try:
-        driver: GpuDriver = driver_factory()
+        return driver_factory()
     except NvmlUnavailable as exc:
         run.degrade(exc)
-        driver = NoGpus()
-    try:
-        return run.run(driver, dry_run=dry_run)
-    finally:
-        driver.close()
+        return NoGpus()
 
 
 def record_metrics(

@@ -74,8 +74,8 @@ def run_slurm_hook(
         )
         code, summary = outcome.exit_code, outcome.summary
         detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
-    if dry_run or code is ExitCode.OK:
-        return int(code)
+    if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
+        return int(code)  # stopped: slurmd, which stopped it, drains the node itself
     drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
     return int(code)
 

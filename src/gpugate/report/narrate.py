@@ -222,6 +222,15 @@ class Narrator(WaitNarration):
             reason="nvml-degraded",
         )
 
+    def nvml_skipped(self, why: str, phase: str) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"not asking NVML: this start's pre found it not answering ({why}); {phase} "
+            "cleans the unit's cgroup only",
+            priority=PRIORITY_WARNING,
+            reason="nvml-not-answering",
+        )
+
     def finished(self, summary: RunSummary) -> None:
         result = summary.result
         if self.dry_run:

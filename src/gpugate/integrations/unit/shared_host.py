@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.nvml import Gpu
@@ -173,12 +173,32 @@ class UnitSurroundings:
             write_lease(lock_dir, lease)
         clear_failed_pre(lock_dir, self.unit)
 
-    def after_error(self, error: GateError) -> None:
-        """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again."""
+    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
+        """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again
+        (busy: the GPUs pre was still waiting for)."""
         if not self.phase.traits.records_failed_start:
             return
         release_lease(self.loaded.config.lock_dir, self.unit)
-        self._record_failure(error.message, int(error.exit_code), ())
+        uuids = tuple(item.gpu.uuid for item in busy)
+        self._record_failure(error.message, int(error.exit_code), uuids)
+
+    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
+        """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the
+        GPUs it was still waiting for, which that start's post then does not wait on again.
+        post: the unit is stopping, so its lease goes, as at post's end."""
+        traits = self.phase.traits
+        if traits.records_failed_start:
+            self.after_error(error, busy)
+        elif traits.releases_lease:
+            release_lease(self.loaded.config.lock_dir, self.unit)
+            clear_failed_pre(self.loaded.config.lock_dir, self.unit)
+
+    def nvml_hung_in_pre(self) -> str | None:
+        """post after a pre that NVML did not answer: pre's words, or None."""
+        failed = self.failed_pre
+        if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
+            return None
+        return failed.reason
 
     def _record_failure(self, reason: str, exit_code: int, busy_uuids: tuple[str, ...]) -> None:
         failed = FailedPre(
