@@ -32,18 +32,13 @@ class Front:
         environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
     ) -> None:
-        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
+        """roots: injected by tests (or --host-roots), never read from the environment;
+        unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
         self.driver_factory = driver_factory
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
-        self._roots = roots
+        self.roots = roots or HostRoots()
         self.unit_state = unit_state or _systemd_active_state
-
-    @property
-    def roots(self) -> HostRoots:
-        if self._roots is None:
-            self._roots = HostRoots.from_environ(self.environ)
-        return self._roots
 
 
 def _systemd_active_state(unit: str) -> str | None:
