@@ -311,7 +311,10 @@ class PhaseRun:
         return True
 
     def finish(self) -> RunSummary:
-        self.narrator.finished(self.summary)
+        # pre's lease first: one that cannot be written is the run's error (exit 73), never a
+        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
+        if self.scope.phase != "pre" or self.dry_run:
+            self.narrator.finished(self.summary)
         if not self.dry_run:
             after_run(
                 self.context,
@@ -322,4 +325,6 @@ class PhaseRun:
                 busy=self.summary.busy,
                 lease_refusal=self.lease_refusal,
             )
+        if self.scope.phase == "pre" and not self.dry_run:
+            self.narrator.finished(self.summary)
         return self.summary

@@ -18,8 +18,9 @@ from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailabl
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import prepare, record_pre_error
+from gpugate.integrations.unit.shared_host import prepare, record_pre_error, state_folders
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 
@@ -111,6 +112,8 @@ def run_phase(
         environment=unit_env,
         unit_state=unit_state,
     )
+    if not dry_run:  # before anything is killed: a run that cannot record its end does not begin
+        check_all(state_folders(scope.phase, loaded))
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied
+from gpugate.errors import PermissionDenied, StateUnwritable
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
 
@@ -123,6 +123,8 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
         write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
     except PermissionError:
         raise PermissionDenied(f"{target}: permission denied writing a GPU lease") from None
+    except OSError as exc:  # no space, read-only, a file where the folder should be
+        raise StateUnwritable(target, exc.strerror or str(exc), "the GPU lease") from None
     return target
 
 

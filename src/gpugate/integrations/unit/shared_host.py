@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Choice, Decision
@@ -21,12 +22,19 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
-from gpugate.integrations.unit.leases import check_leases, new_lease, release_lease, write_lease
+from gpugate.integrations.unit.leases import (
+    check_leases,
+    lease_dir,
+    new_lease,
+    release_lease,
+    write_lease,
+)
 from gpugate.integrations.unit.manual_guard import refusal
 from gpugate.integrations.unit.start_failure import (
     FailedPre,
     clear_failed_pre,
     failed_pre_of_this_start,
+    failure_path,
     record_failed_pre,
 )
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
@@ -75,6 +83,19 @@ def prepare(
     if phase == "post":
         context.failed_pre = failed_pre_of_this_start(loaded.config.lock_dir, unit, environ)
     return with_chosen_gpus(loaded, choice), context
+
+
+def state_folders(phase: str, loaded: LoadedConfig) -> list[tuple[Path, str]]:
+    """Every folder this phase writes its state in, with what goes there: checked before the
+    run kills anything (host.state_dirs)."""
+    config = loaded.config
+    folders = [(config.lock_dir, "GPU locks")]
+    if phase == "pre":
+        folders.append((lease_dir(config.lock_dir), "GPU leases"))
+        folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+    if config.metrics_textfile is not None:
+        folders.append((config.metrics_textfile.parent, "metrics"))
+    return folders
 
 
 def report_faults(context: HostContext, reporter: Reporter, discovery: Discovery) -> None:
