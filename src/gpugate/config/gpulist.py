@@ -51,7 +51,7 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
         ref = gpu_ref(item)
         key = ref.lower() if isinstance(ref, str) else ref
         if key in seen:
-            raise GpuListError(f"lists GPU {ref} twice")
+            raise GpuListError(f"lists GPU {_shown(str(ref))} twice")
         seen.add(key)
         refs.append(ref)
     return tuple(refs)

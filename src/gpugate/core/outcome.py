@@ -21,6 +21,36 @@ class BusyGpu:
 
 
 @dataclass
+class RunFacts:
+    """What a run found that decides its exit code; several can hold at once."""
+
+    survivors: bool = False  # a target outlived SIGKILL (D state)
+    respawning: bool = False  # a process gpugate may not take kept respawning holders
+    held_by_others: bool = False  # refused, leased, a blocker or a port held by another
+    memory_busy: bool = False  # memory still used at the deadline, with on_timeout = "fail"
+
+
+# Most severe first: a survivor needs a GPU reset or a reboot whatever else holds; a respawner
+# makes every later kill futile; a holder gpugate may not touch needs its owner; memory that
+# nothing holds is the driver's to free.
+PRECEDENCE = (
+    ("survivors", ExitCode.UNKILLABLE),
+    ("respawning", ExitCode.RESPAWNING),
+    ("held_by_others", ExitCode.HELD_BY_OTHERS),
+    ("memory_busy", ExitCode.MEMORY_TIMEOUT),
+)
+
+
+def exit_code_for(facts: RunFacts) -> ExitCode:
+    """The run's exit code: the first of PRECEDENCE whose fact holds, else OK. (Errors that
+    end a run early, GateError, carry their own code and are not facts.)"""
+    for name, code in PRECEDENCE:
+        if getattr(facts, name):
+            return code
+    return ExitCode.OK
+
+
+@dataclass
 class RunSummary:
     exit_code: ExitCode = ExitCode.OK
     killed: list[ProcessId] = field(default_factory=list)  # stopped by SIGTERM or SIGKILL

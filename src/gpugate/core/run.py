@@ -15,10 +15,10 @@ from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
-from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary, exit_code_for
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.wait import busy_gpus, wait_settled
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import GpuDriver, NoGpus
@@ -77,6 +77,7 @@ class PhaseRun:
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
+        self.facts = RunFacts()  # the exit code is exit_code_for(facts), set in finish
         self.wanted: GpuSelection | None = selection(self.config)  # None: no GPU (degraded)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
@@ -144,14 +145,13 @@ class PhaseRun:
         narrator.choices(decision)
         if decision.refused:
             narrator.refused()
-            summary.exit_code = ExitCode.HELD_BY_OTHERS
+            self.facts.held_by_others = True
             return self.finish()
         if dry_run:
             leased = leases_refuse(
                 self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=True
             )
-            blocked = bool(decision.blockers) or leased is not None
-            summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
+            self.facts.held_by_others = bool(decision.blockers) or leased is not None
             return self.finish()
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
@@ -167,14 +167,14 @@ class PhaseRun:
                 self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=False
             )
             if self.lease_refusal is not None:
-                summary.exit_code = ExitCode.HELD_BY_OTHERS
+                self.facts.held_by_others = True
                 return self.finish()
             discovery, decision, survivors = self.kill_rounds(discovery, decision)
             if survivors:
-                summary.exit_code = ExitCode.UNKILLABLE
+                self.facts.survivors = True
                 narrator.survived(len(survivors))
             elif decision.blockers:
-                summary.exit_code = ExitCode.HELD_BY_OTHERS
+                self.facts.held_by_others = True
                 narrator.still_held()
             else:
                 self.wait(discovery, decision)
@@ -279,7 +279,7 @@ class PhaseRun:
         respawners = self.watch.respawners(procfs.still_same)
         if settled.held and respawners:
             self.narrator.respawning(respawners, self.policy.wait_timeout_s)
-            self.summary.exit_code = ExitCode.RESPAWNING
+            self.facts.respawning = True
             return
         for respawner in respawners:
             self.narrator.respawned(respawner)
@@ -290,12 +290,12 @@ class PhaseRun:
             )
         if settled.ports:
             self.narrator.ports_held(settled.ports, self.policy.wait_timeout_s)
-            self.summary.exit_code = ExitCode.HELD_BY_OTHERS
-        elif not busy:
-            if owned:
+            self.facts.held_by_others = True
+        if not busy:
+            if owned and not settled.ports:
                 self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
         elif failing:
-            self.summary.exit_code = ExitCode.MEMORY_TIMEOUT
+            self.facts.memory_busy = True
 
     def look_again(self) -> bool:
         """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
@@ -306,11 +306,12 @@ class PhaseRun:
             return False
         _, _, survivors = self.kill_rounds(discovery, decision)
         if survivors:
-            self.summary.exit_code = ExitCode.UNKILLABLE
+            self.facts.survivors = True
             self.narrator.survived(len(survivors))
         return True
 
     def finish(self) -> RunSummary:
+        self.summary.exit_code = exit_code_for(self.facts)
         # pre's lease first: one that cannot be written is the run's error (exit 73), never a
         # "success" and then an error. post's failed-pre reason comes last (systemctl status).
         if self.scope.phase != "pre" or self.dry_run:

@@ -14,7 +14,13 @@ from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, UnknownUnit
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import HostRoots
-from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
+from gpugate.host.systemd import (
+    own_unit,
+    resolve_unit_cgroup,
+    systemd_running,
+    unit_argument,
+    validate_unit_name,
+)
 from gpugate.report.journal import Reporter, ReporterFactory
 
 Handler = Callable[[argparse.Namespace, "Front"], int]
@@ -115,6 +121,8 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
         shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
         print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
+        if front.roots.ask_systemd:
+            _warn_environment_files(unit)
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
 
@@ -139,11 +147,20 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
         )
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+    if args.command == "install" and systemd_running():
+        _warn_environment_files(args.unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
         print(f"takes effect at the next start: systemctl restart {args.unit}")
     return int(ExitCode.OK)
+
+
+def _warn_environment_files(unit: str) -> None:
+    from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
+
+    for line in environment_file_warnings(unit):
+        print(f"gpugate: {line}", file=sys.stderr)
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:

@@ -24,7 +24,7 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
 from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.outcome import RunSummary
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, echo
 from gpugate.front.hook import Hook, run_hook
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.programs import find_program, run_program
@@ -78,7 +78,7 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         try:
             gpus = parse_gpu_text(environ[source])
         except GpuListError as exc:
-            shown = repr(environ[source][:80])
+            shown = echo(environ[source])
             raise SlurmEnvError(f"{source} {shown}: {exc}") from None
     return SlurmJob(
         job_id=int(raw_id),
