@@ -122,15 +122,16 @@ def test_lock_dir_on_a_full_tmpfs(host: Host) -> None:
         cursor = host.cursor()
         assert host.start(unit, check=False) != 0
         shown = host.sh(f"SYSTEMD_COLORS=0 systemctl status --no-pager -n 0 {unit}", check=False)
-        assert "status=73/CANTCREAT" in shown, shown
+        assert f"gpugate pre {unit} (code=exited, status=73)" in shown, shown
+        logged = host.sh(f"journalctl --no-pager -o cat -u {unit}", check=False)
+        assert "status=73/CANTCREAT" in logged, logged
         said = [
             e["MESSAGE"]
             for e in host.events_after(cursor, _SYSTEMD_UNIT=unit, GPUGATE_PHASE="pre")
             if "No space" in e.get("MESSAGE", "")
         ]
         assert said == [f"{LOCKS}: cannot write GPU locks there: No space left on device"], said
-        internal = host.sh(f"journalctl --no-pager -o cat -u {unit}", check=False)
-        assert "internal error" not in internal and "Traceback" not in internal
+        assert "internal error" not in logged and "Traceback" not in logged
         assert all(host.alive(pid) for pid in orphan["workers"]), "killed before the check"
 
         host.sh(f"rm -f {LOCKS}/filler; systemctl reset-failed {unit}")
