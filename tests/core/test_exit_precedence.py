@@ -90,12 +90,21 @@ def test_config_field_errors_are_cut(toml: str) -> None:
 
 # --- every code the documentation names ----------------------------------------------------
 
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+DOCS = [
+    REPO / "README.md",
+    *sorted((REPO / "docs").glob("*.md")),
+    REPO / "packaging" / "gpugate.catalog",
+    REPO / "packaging" / "gpugate.1",
+]
 # "exit 22", "exits 81", "exit code 25", "(exit 21)", "exits 0": the prose's way of naming one.
 PROSE = re.compile(r"\bexit(?:s|ing|ed)?(?: code| status)? (\d{1,3})\b")
 # "exit 22 (HELD_BY_OTHERS)", "25 (RESPAWNING)", "`status=73/CANTCREAT`": a code with its name.
 NAMED = re.compile(r"\b(\d{1,3}) \(([A-Z][A-Z_]+)\)")
 ROW = re.compile(r"^\| (\d+) \| ([A-Z_]+) \|", re.MULTILINE)
+# The man page's EXIT STATUS list (".B 73" then "STATE_UNWRITABLE ..."), the catalog's
+# "unkillable 20": a name with its code.
+MAN_ITEM = re.compile(r"^\.B (\d+)\n([A-Z_]+)", re.MULTILINE)
+LOWER = re.compile(r"\b([a-z][a-z_]+) (\d{1,3})\b")
 
 
 def test_every_code_the_docs_name_is_one_the_code_uses() -> None:
@@ -104,9 +113,21 @@ def test_every_code_the_docs_name_is_one_the_code_uses() -> None:
         text = doc.read_text()
         for match in PROSE.finditer(text):
             assert int(match.group(1)) in codes, f"{doc.name}: {match.group(0)!r} is no exit code"
-        for number, name in NAMED.findall(text) + ROW.findall(text):
+        for number, name in NAMED.findall(text) + ROW.findall(text) + MAN_ITEM.findall(text):
             if name in ExitCode.__members__:
                 assert ExitCode[name] == int(number), f"{doc.name}: {number} ({name})"
+        for name, number in LOWER.findall(text):
+            one_word = name in {"unkillable", "config", "respawning"}  # else an ordinary word
+            if name.upper() in ExitCode.__members__ and ("_" in name or one_word):
+                assert ExitCode[name.upper()] == int(number), f"{doc.name}: {name} {number}"
+
+
+def test_the_man_page_lists_every_code_and_no_other() -> None:
+    text = (REPO / "packaging" / "gpugate.1").read_text()
+    listed = {int(n): name for n, name in MAN_ITEM.findall(text)}
+    assert {n: name for n, name in listed.items() if n} == {
+        int(code): code.name for code in ExitCode if code
+    }
 
 
 def test_every_code_is_named_in_the_readme_table_and_back() -> None:
