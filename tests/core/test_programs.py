@@ -194,3 +194,38 @@ def test_a_root_only_environment_file_is_not_named(tmp_path: Path) -> None:
     if chain or who_else_may_write(tmp_path) is not None:
         pytest.skip(f"{tmp_path} lies below a folder not root's alone")
     assert environment_file_warnings("vllm.service", env_file_show(str(path))) == []  # type: ignore[arg-type]
+
+
+def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
+    host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not an internal error (70): exit 69 and one journal entry naming systemctl."""
+    from gpugate.front.hook import Hook, run_hook
+
+    system = tmp_path / "sbin"
+    system.mkdir()
+    (system / "systemctl").write_text("#!/bin/sh\nexec sleep 30\n")
+    (system / "systemctl").chmod(0o755)
+    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(system),))
+    monkeypatch.setattr(systemd, "systemd_running", lambda: True)
+    monkeypatch.setattr(systemd, "SYSTEMCTL_TIMEOUT_S", 0.3)
+    (orphan,) = host.pool.holder(host.gpu_files(0))
+    hook = Hook(
+        "pre",
+        "vllm.service",
+        lambda: systemd.resolve_unit_cgroup("vllm.service", host.cgroup_root),
+        metrics_unit="vllm.service",
+    )
+    stream = io.StringIO()
+    outcome = run_hook(
+        hook,
+        host.config(gpus=[0]),
+        host.reporter("pre"),
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+        stream=stream,
+    )
+    assert outcome.exit_code is ExitCode.NVML_UNAVAILABLE
+    (entry,) = host.journal.events("error")
+    assert entry["MESSAGE"].endswith("systemctl show did not answer within 0.3 s (killed)")
+    assert alive(orphan)
