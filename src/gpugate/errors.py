@@ -122,6 +122,7 @@ class StateUnwritable(GateError):
     def __init__(self, path: object, cause: str, what: str) -> None:
         super().__init__(f"{path}: cannot write {what} there: {cause}")
         self.path = path
+        self.what = what
 
 
 class PermissionDenied(GateError):

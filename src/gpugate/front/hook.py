@@ -14,13 +14,24 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
-from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    ManualRunRefused,
+    NvmlUnavailable,
+    StateUnwritable,
+)
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import prepare, record_pre_error, state_folders
+from gpugate.integrations.unit.shared_host import (
+    METRICS,
+    prepare,
+    record_pre_error,
+    state_folders,
+)
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 
@@ -78,7 +89,8 @@ def run_hook(
         reporter.echo = False  # failed() says it on stderr itself, once
         reporter.error_stream = stream
         Narrator(reporter, dry_run=dry_run).failed(exc)
-    if not dry_run:
+    metrics_unwritable = isinstance(error, StateUnwritable) and error.what == METRICS
+    if not dry_run and not metrics_unwritable:  # said once already: no warning after it
         record_metrics(loaded, hook, code, summary, stream)
     return HookOutcome(code, summary, error)
 
@@ -113,7 +125,8 @@ def run_phase(
         unit_state=unit_state,
     )
     if not dry_run:  # before anything is killed: a run that cannot record its end does not begin
-        check_all(state_folders(scope.phase, loaded))
+        textfile = loaded.config.metrics_textfile
+        check_all(state_folders(scope.phase, loaded), [(textfile, METRICS)] if textfile else [])
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(

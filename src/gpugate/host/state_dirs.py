@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -26,9 +27,9 @@ def check_writable(folder: Path, what: str) -> None:
         raise PermissionDenied(f"{folder}: permission denied creating it (for {what})") from None
     except OSError as exc:
         raise StateUnwritable(folder, _cause(exc), what) from None
-    probe = folder / f".gpugate-probe.{os.getpid()}"
     try:
-        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd, name = tempfile.mkstemp(prefix=".gpugate-probe.", dir=folder)
+        probe = Path(name)
     except PermissionError:
         raise PermissionDenied(f"{folder}: permission denied writing {what} there") from None
     except OSError as exc:
@@ -44,9 +45,17 @@ def check_writable(folder: Path, what: str) -> None:
         probe.unlink(missing_ok=True)
 
 
-def check_all(folders: Iterable[tuple[Path, str]]) -> None:
+def check_file_slot(path: Path, what: str) -> None:
+    """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise StateUnwritable(path, "a folder is in the way (not a file)", what)
+
+
+def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, str]] = ()) -> None:
     for folder, what in folders:
         check_writable(folder, what)
+    for path, what in files:
+        check_file_slot(path, what)
 
 
 def _cause(exc: OSError) -> str:

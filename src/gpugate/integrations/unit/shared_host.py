@@ -85,6 +85,9 @@ def prepare(
     return with_chosen_gpus(loaded, choice), context
 
 
+METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
+
+
 def state_folders(phase: str, loaded: LoadedConfig) -> list[tuple[Path, str]]:
     """Every folder this phase writes its state in, with what goes there: checked before the
     run kills anything (host.state_dirs)."""
@@ -94,7 +97,7 @@ def state_folders(phase: str, loaded: LoadedConfig) -> list[tuple[Path, str]]:
         folders.append((lease_dir(config.lock_dir), "GPU leases"))
         folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
     if config.metrics_textfile is not None:
-        folders.append((config.metrics_textfile.parent, "metrics"))
+        folders.append((config.metrics_textfile.parent, METRICS))
     return folders
 
 
