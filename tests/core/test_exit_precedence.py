@@ -19,7 +19,7 @@ from tests.fakes import FakeHost
 
 REPO = Path(__file__).resolve().parents[2]
 FACTS = [name for name, _ in PRECEDENCE]
-ORDER = [ExitCode.UNKILLABLE, ExitCode.RESPAWNING, ExitCode.HELD_BY_OTHERS, ExitCode.MEMORY_TIMEOUT]
+ORDER = [ExitCode.RESPAWNING, ExitCode.UNKILLABLE, ExitCode.HELD_BY_OTHERS, ExitCode.MEMORY_TIMEOUT]
 
 
 @pytest.mark.parametrize("held", list(itertools.product([False, True], repeat=len(FACTS))))
@@ -32,6 +32,11 @@ def test_every_combination_of_facts_gives_the_most_severe_code(held: tuple[bool,
 def test_unkillable_beats_memory_timeout() -> None:
     """The case the issue names: a survivor found during the wait, memory still used after."""
     assert exit_code_for(RunFacts(survivors=True, memory_busy=True)) is ExitCode.UNKILLABLE
+    assert exit_code_for(RunFacts(survivors=True, held_by_others=True)) is ExitCode.UNKILLABLE
+
+
+def test_a_respawner_is_named_before_the_respawn_it_left_dying() -> None:
+    assert exit_code_for(RunFacts(respawning=True, survivors=True)) is ExitCode.RESPAWNING
 
 
 def test_the_documented_order_is_the_codes() -> None:

@@ -30,12 +30,14 @@ class RunFacts:
     memory_busy: bool = False  # memory still used at the deadline, with on_timeout = "fail"
 
 
-# Most severe first: a survivor needs a GPU reset or a reboot whatever else holds; a respawner
-# makes every later kill futile; a holder gpugate may not touch needs its owner; memory that
-# nothing holds is the driver's to free.
+# First the cause the operator must remove before anything else helps: a respawner (a loop, a
+# supervisor) makes every kill futile, and the respawn it started last, killed at the
+# deadline, had no time to die (it would read as a survivor). Then a survivor of SIGKILL (a GPU
+# reset or a reboot, whatever else holds); then a holder gpugate may not kill (its owner's to
+# stop); last, memory no process holds (the driver's to free).
 PRECEDENCE = (
-    ("survivors", ExitCode.UNKILLABLE),
     ("respawning", ExitCode.RESPAWNING),
+    ("survivors", ExitCode.UNKILLABLE),
     ("held_by_others", ExitCode.HELD_BY_OTHERS),
     ("memory_busy", ExitCode.MEMORY_TIMEOUT),
 )
