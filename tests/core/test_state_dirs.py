@@ -133,3 +133,19 @@ def test_nothing_is_killed_when_state_cannot_be_written(
     )
     assert alive(orphan)
     assert host.journal.events("signal_sent") == []
+
+
+def test_a_lease_that_cannot_be_written_stops_pre_before_the_kill(host: FakeHost) -> None:
+    """The probe passes (the folder is fine) but the lease itself cannot be put in place: pre
+    writes its lease before the kill, so the orphan lives and the run ends 73, not 70."""
+    (orphan,) = host.pool.holder(host.gpu_files(0))
+    (host.root / "locks" / "leases" / "vllm.service.json").mkdir(parents=True)
+    with pytest.raises(StateUnwritable) as raised:
+        host.run_phase(
+            "pre", host.config(gpus=[0]), host.reporter("pre"), driver_factory=lambda: host.memory
+        )
+    assert raised.value.message.startswith(
+        f"{host.root}/locks/leases/vllm.service.json: cannot write the GPU lease there: "
+    )
+    assert alive(orphan)
+    assert host.journal.events("signal_sent") == []

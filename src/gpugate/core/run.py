@@ -33,6 +33,7 @@ from gpugate.integrations.unit.shared_host import (
     leases_refuse,
     refuse_manual_run,
     report_faults,
+    take_lease_first,
     waiting_skipped,
 )
 from gpugate.report.holder_text import describe
@@ -169,6 +170,7 @@ class PhaseRun:
             if self.lease_refusal is not None:
                 self.facts.held_by_others = True
                 return self.finish()
+            take_lease_first(self.context, self.loaded, discovery.owned)
             discovery, decision, survivors = self.kill_rounds(discovery, decision)
             if survivors:
                 self.facts.survivors = True

@@ -129,11 +129,15 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
 
 
 def release_lease(lock_dir: Path, unit: str) -> bool:
-    """Remove the unit's lease; False where it held none."""
+    """Remove the unit's lease; False where it held none. StateUnwritable where it cannot be
+    removed (a folder in its place, a read-only file system)."""
+    path = lease_path(lock_dir, unit)
     try:
-        lease_path(lock_dir, unit).unlink()
+        path.unlink()
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        raise StateUnwritable(path, exc.strerror or str(exc), "the GPU lease") from None
     return True
 
 

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,12 +18,13 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Choice, Decision
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import (
+    Lease,
     check_leases,
     lease_dir,
     new_lease,
@@ -52,6 +54,7 @@ class HostContext:
     roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     reported_faults: set[int] = field(default_factory=set)
+    lease_written: bool = False  # pre wrote its lease before the kill (take_lease_first)
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
 
@@ -182,6 +185,25 @@ def leases_refuse(
     return check.refusal()
 
 
+def take_lease_first(context: HostContext, loaded: LoadedConfig, owned: Sequence[Gpu]) -> None:
+    """pre, before it kills: the lease it will hold on success, written now, so that a lease
+    that cannot be written (no space, read-only) stops the run before anything dies. A run
+    that then fails releases it (after_run)."""
+    if context.phase != "pre" or not owned or not context.choice.named:
+        return
+    write_lease(loaded.config.lock_dir, _lease(context, loaded, owned))
+    context.lease_written = True
+
+
+def _lease(context: HostContext, loaded: LoadedConfig, owned: Sequence[Gpu]) -> Lease:
+    return new_lease(
+        context.unit,
+        owned,
+        share=loaded.config.share_gpus,
+        invocation_id=context.environ.get("INVOCATION_ID"),
+    )
+
+
 def after_run(
     context: HostContext,
     loaded: LoadedConfig,
@@ -203,15 +225,8 @@ def after_run(
             release_lease(lock_dir, context.unit)
             clear_failed_pre(lock_dir, context.unit)
         elif exit_code is ExitCode.OK:
-            write_lease(
-                lock_dir,
-                new_lease(
-                    context.unit,
-                    owned,
-                    share=loaded.config.share_gpus,
-                    invocation_id=context.environ.get("INVOCATION_ID"),
-                ),
-            )
+            if not context.lease_written:
+                write_lease(lock_dir, _lease(context, loaded, owned))
             clear_failed_pre(lock_dir, context.unit)
             return
         release_lease(lock_dir, context.unit)
@@ -241,7 +256,8 @@ def record_pre_error(context: HostContext, loaded: LoadedConfig, error: GateErro
     if context.phase != "pre":
         return
     lock_dir = loaded.config.lock_dir
-    release_lease(lock_dir, context.unit)
+    with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
+        release_lease(lock_dir, context.unit)
     record_failed_pre(
         lock_dir,
         FailedPre(
