@@ -17,12 +17,12 @@ from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
 from gpugate.core.narration import Narration
-from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary, exit_code_for
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
 from gpugate.core.surroundings import Surroundings
 from gpugate.core.wait import Settled, busy_gpus, wait_settled
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, bind_deadline
@@ -72,6 +72,7 @@ class PhaseRun:
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
+        self.facts = RunFacts()  # the exit code is exit_code_for(facts), set in finish
         self.wanted: GpuSelection | None = self.config.selection()  # None: no GPU (degraded)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
@@ -159,11 +160,11 @@ class PhaseRun:
         if decision.refused:
             self.surroundings.held_by_others(discovery.owned)
             self.narrator.refused()
-            self.summary.exit_code = ExitCode.HELD_BY_OTHERS
+            self.facts.held_by_others = True
         elif self.dry_run:
             refusal = self.surroundings.start_refusal(discovery.owned, dry_run=True)
             blocked = bool(decision.blockers) or refusal is not None
-            self.summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
+            self.facts.held_by_others = blocked
         else:
             self.under_locks(discovery, decision)
             return self.summary  # finished under the locks
@@ -194,18 +195,19 @@ class PhaseRun:
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
             self.start_refusal = self.surroundings.start_refusal(discovery.owned, dry_run=False)
             if self.start_refusal is not None:
-                self.summary.exit_code = ExitCode.HELD_BY_OTHERS
+                self.facts.held_by_others = True
             else:
+                self.surroundings.take_lease_first(discovery.owned)
                 self.kill_and_wait(discovery, decision)
             self.finish()  # the lease is written in finish, still under the locks
 
     def kill_and_wait(self, discovery: Discovery, decision: Decision) -> None:
         discovery, decision, survivors = self.kill_rounds(discovery, decision)
         if survivors:
-            self.summary.exit_code = ExitCode.UNKILLABLE
+            self.facts.survivors = True
             self.narrator.survived(len(survivors))
         elif decision.blockers:
-            self.summary.exit_code = ExitCode.HELD_BY_OTHERS
+            self.facts.held_by_others = True
             self.narrator.still_held()
         else:
             self.wait(discovery, decision)
@@ -330,7 +332,7 @@ class PhaseRun:
         respawners = self.watch.respawners(self.procfs.still_same)
         if settled.held and respawners:
             self.narrator.respawning(respawners, timeout_s)
-            self.summary.exit_code = ExitCode.RESPAWNING
+            self.facts.respawning = True
             return
         for respawner in respawners:
             self.narrator.respawned(respawner)
@@ -339,12 +341,12 @@ class PhaseRun:
             self.narrator.memory_timeout(item, self.config.free_mib, timeout_s, failing=failing)
         if settled.ports:
             self.narrator.ports_held(settled.ports, timeout_s)
-            self.summary.exit_code = ExitCode.HELD_BY_OTHERS
-        elif not busy:
-            if owned:
+            self.facts.held_by_others = True
+        if not busy:
+            if owned and not settled.ports:
                 self.narrator.memory_freed(owned, self.config.free_mib, self.summary.seconds_wait)
         elif failing:
-            self.summary.exit_code = ExitCode.MEMORY_TIMEOUT
+            self.facts.memory_busy = True
 
     def look_again(self) -> bool:
         """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
@@ -355,12 +357,21 @@ class PhaseRun:
             return False
         _, _, survivors = self.kill_rounds(discovery, decision)
         if survivors:
-            self.summary.exit_code = ExitCode.UNKILLABLE
+            self.facts.survivors = True
             self.narrator.survived(len(survivors))
         return True
 
     def finish(self) -> RunSummary:
-        self.narrator.finished(self.summary)
-        if not self.dry_run:
-            self.surroundings.after_run(self.summary, self.start_refusal)
+        self.summary.exit_code = exit_code_for(self.facts)
+        if self.dry_run:
+            self.narrator.finished(self.summary)
+            return self.summary
+        # A lease first: one that cannot be written is the run's error (exit 73), never a
+        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
+        lease_first = self.scope.phase.traits.takes_lease
+        if not lease_first:
+            self.narrator.finished(self.summary)
+        self.surroundings.after_run(self.summary, self.start_refusal)
+        if lease_first:
+            self.narrator.finished(self.summary)
         return self.summary

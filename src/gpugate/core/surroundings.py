@@ -35,6 +35,11 @@ class Surroundings(Protocol):
         """The run refuses: another running unit's processes hold the GPUs. Says what else
         is known of that hold (its GPU lease: who started it, and when)."""
 
+    def take_lease_first(self, owned: Sequence[Gpu]) -> None:
+        """Under the GPU locks, before the first kill: what the start will hold on success,
+        written now, so that state that cannot be written stops the run before anything
+        dies (a run that then fails gives it up in after_run)."""
+
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """The GPUs whose memory need not be waited for again."""
 

@@ -14,12 +14,20 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
-from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    Interrupted,
+    ManualRunRefused,
+    NvmlUnavailable,
+    StateUnwritable,
+)
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import UnitSurroundings, prepare
+from gpugate.integrations.unit.shared_host import METRICS, UnitSurroundings, prepare
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
@@ -79,7 +87,8 @@ def run_hook(
         reporter.echo = False  # failed() says it on stderr itself, once
         reporter.error_stream = stream
         Narrator(reporter, dry_run=dry_run).failed(exc)
-    if not dry_run:
+    metrics_unwritable = isinstance(error, StateUnwritable) and error.what == METRICS
+    if not dry_run and not metrics_unwritable:  # said once already: no warning after it
         record_metrics(loaded, hook, code, summary, stream)
     return HookOutcome(code, summary, error)
 
@@ -113,6 +122,8 @@ def run_phase(
         environment=unit_env,
         unit_state=unit_state,
     )
+    if not dry_run:  # before anything is killed: a run that cannot record its end does not begin
+        check_all(*surroundings.state_to_write())
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(

@@ -98,4 +98,4 @@ def drain(
         print(f"gpugate: drain: {reason}", file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
     if node:
-        set_drain_reason(node, reason, environ, stream)
+        set_drain_reason(node, reason, stream)

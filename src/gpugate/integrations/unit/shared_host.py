@@ -9,14 +9,16 @@ them (core/surroundings.py), for the phases whose traits say they apply.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.run import RunScope
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
@@ -24,8 +26,10 @@ from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_ch
 from gpugate.integrations.unit.leases import (
     FORCE_VARIABLE,
     STARTED_BY_VARIABLE,
+    Lease,
     LeaseCheck,
     check_leases,
+    lease_dir,
     new_lease,
     release_lease,
     write_lease,
@@ -35,11 +39,14 @@ from gpugate.integrations.unit.start_failure import (
     FailedPre,
     clear_failed_pre,
     failed_pre_of_this_start,
+    failure_path,
     record_failed_pre,
 )
 from gpugate.phase import Phase
 from gpugate.report.holder_text import describe
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
+
+METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
 
 
 @dataclass
@@ -54,6 +61,7 @@ class UnitSurroundings:
     manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
     roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
+    lease_written: bool = False  # pre wrote its lease before the kill (take_lease_first)
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
     @property
@@ -104,6 +112,39 @@ class UnitSurroundings:
         conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
         self.narration.lease_refused(check.refusal(), sorted(conflicted))
         return check.refusal()
+
+    def take_lease_first(self, owned: Sequence[Gpu]) -> None:
+        """pre, before it kills: the lease it will hold on success, written now, so that a
+        lease that cannot be written (no space, read-only) stops the run before anything
+        dies. A run that then fails releases it (after_run)."""
+        if not self.phase.traits.takes_lease or not owned or not self.choice.named:
+            return
+        write_lease(self.loaded.config.lock_dir, self._lease(owned))
+        self.lease_written = True
+
+    def _lease(self, owned: Sequence[Gpu]) -> Lease:
+        return new_lease(
+            self.unit,
+            owned,
+            share=self.loaded.config.share_gpus,
+            invocation_id=self.environ.get("INVOCATION_ID"),
+            started_by=self.environ.get(STARTED_BY_VARIABLE),
+        )
+
+    def state_to_write(self) -> tuple[list[tuple[Path, str]], list[tuple[Path, str]]]:
+        """Every folder this phase writes its state in, with what goes there, and the files
+        it replaces whole: checked before the run kills anything (host.state_dirs)."""
+        config, traits = self.loaded.config, self.phase.traits
+        folders = [(config.lock_dir, "GPU locks")]
+        if traits.takes_lease:
+            folders.append((lease_dir(config.lock_dir), "GPU leases"))
+        if traits.records_failed_start:
+            folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+        files = []
+        if config.metrics_textfile is not None:
+            folders.append((config.metrics_textfile.parent, METRICS))
+            files.append((config.metrics_textfile, METRICS))
+        return folders, files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """pre refused because another running unit holds the GPUs: where that unit also
@@ -162,15 +203,8 @@ class UnitSurroundings:
             # lock every other unit out. The run's first entry said where the GPUs came from.
             # (No GPU at all: NVML failed with on_nvml_error = warn, or the unit uses none.)
             release_lease(lock_dir, self.unit)
-        else:
-            lease = new_lease(
-                self.unit,
-                owned,
-                share=self.loaded.config.share_gpus,
-                invocation_id=self.environ.get("INVOCATION_ID"),
-                started_by=self.environ.get(STARTED_BY_VARIABLE),
-            )
-            write_lease(lock_dir, lease)
+        elif not self.lease_written:
+            write_lease(lock_dir, self._lease(owned))
         clear_failed_pre(lock_dir, self.unit)
 
     def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
@@ -178,7 +212,8 @@ class UnitSurroundings:
         (busy: the GPUs pre was still waiting for)."""
         if not self.phase.traits.records_failed_start:
             return
-        release_lease(self.loaded.config.lock_dir, self.unit)
+        with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
+            release_lease(self.loaded.config.lock_dir, self.unit)
         uuids = tuple(item.gpu.uuid for item in busy)
         self._record_failure(error.message, int(error.exit_code), uuids)
 
