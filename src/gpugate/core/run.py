@@ -204,9 +204,10 @@ class PhaseRun:
             return self.finish()  # the lease is written in finish, still under the locks
 
     def kill_rounds(
-        self, discovery: Discovery, decision: Decision
+        self, discovery: Discovery, decision: Decision, *, announced: bool = True
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
-        """Kill the targets; rediscover and repeat while new ones appear (forks)."""
+        """Kill the targets; rediscover and repeat while new ones appear (forks).
+        announced: the first round's choices were already narrated (sequence's are)."""
         kill_started = self.clock()
         if self.scope.phase == "pre" and discovery.unit_containers:
             self.stop_containers(discovery, decision)
@@ -217,7 +218,7 @@ class PhaseRun:
             if not fresh:
                 break
             self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
-            if round_number > 1:
+            if round_number > 1 or not announced:
                 self.narrator.choices(Decision(fresh))
             self.narrator.stopping(len(fresh), round_number)
             self.activity = f"stopping {len(fresh)} process(es) (round {round_number})"
@@ -341,7 +342,8 @@ class PhaseRun:
         fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
         if not fresh:
             return False
-        _, _, survivors = self.kill_rounds(discovery, decision)
+        # Each target found here (a respawn, a watcher NVML now lists) says why it dies.
+        _, _, survivors = self.kill_rounds(discovery, decision, announced=False)
         if survivors:
             self.summary.exit_code = ExitCode.UNKILLABLE
             self.narrator.survived(len(survivors))
