@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pwd
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
@@ -66,7 +67,7 @@ class ShmNarration:
     def _kept(self, item: ShmRemoval) -> None:
         path = item.facts.path if item.facts else item.file.path
         verb = "would keep" if self.dry_run else "kept"
-        sized = {} if item.facts is None else {"shm_bytes": str(item.facts.bytes)}
+        sized: dict[str, Any] = {} if item.facts is None else {"shm_bytes": item.facts.bytes}
         self.reporter.event(
             Event.SHM_KEPT,
             f"{verb} {path!r}, shared memory of killed PID {pids_text(item.holders)}: {item.kept}",
