@@ -32,6 +32,8 @@ SEGMENT_BYTES = 64 * 1024
 #   dev:PATH     a device file open (a GPU holder)
 #   open:PATH    a segment created, open and mapped (multiprocessing's SharedMemory)
 #   mapped:PATH  created, mapped, fd closed (sem_open, NCCL's and torch's segments)
+#   semaphore:PATH  as glibc's sem_open: made under a temporary name, mapped, linked to PATH,
+#                the temporary name unlinked (maps shows "sem.XXXXXX (deleted)")
 #   deleted:PATH created, mapped, then unlinked (the kernel's " (deleted)")
 #   reopen:PATH  an existing file opened (a bystander that attaches to it)
 #   leader-exit  the main thread exits after the files are held; another thread lives on
@@ -59,6 +61,11 @@ HOLDER = textwrap.dedent(
                 kept.append(segment(path))
             elif kind == "mapped":
                 os.close(segment(path))
+            elif kind == "semaphore":  # glibc's sem_open: a temporary name, linked, unlinked
+                temporary = os.path.join(os.path.dirname(path), "sem.Xk3q9Z")
+                os.close(segment(temporary))
+                os.link(temporary, path)
+                os.unlink(temporary)
             elif kind == "deleted":
                 os.close(segment(path))
                 os.unlink(path)
@@ -131,7 +138,7 @@ def test_segments_of_a_stale_app_go_and_nothing_else(host: FakeHost, shm: Path) 
     (shm / "sub" / "dir").mkdir(parents=True)
     theirs = [
         shm / "psm_5f3a",  # open and mapped
-        shm / "sem.mp-k2x9",  # mapped only, as sem_open leaves it
+        shm / "sem.mp-k2x9",  # mapped only, by a temporary name, as sem_open leaves it
         shm / "nccl-Qx7Lm2",  # mapped only
         shm / "sub" / "dir" / "torch_12",  # in a subfolder
         shm / "with space",
@@ -142,7 +149,7 @@ def test_segments_of_a_stale_app_go_and_nothing_else(host: FakeHost, shm: Path) 
     worker = gpu_holder(
         host,
         f"open:{theirs[0]}",
-        f"mapped:{theirs[1]}",
+        f"semaphore:{theirs[1]}",
         f"mapped:{theirs[2]}",
         f"open:{theirs[3]}",
         f"mapped:{theirs[4]}",
@@ -274,7 +281,7 @@ def test_status_shows_each_holders_shm_and_the_free_space(host: FakeHost, shm: P
 
 def test_dry_run_removes_nothing_and_lists_what_would_go(host: FakeHost, shm: Path) -> None:
     files = [shm / "psm_1", shm / "sem.mp-2", shm / "nccl-3"]
-    worker = gpu_holder(host, f"open:{files[0]}", f"mapped:{files[1]}", f"mapped:{files[2]}")
+    worker = gpu_holder(host, f"open:{files[0]}", f"semaphore:{files[1]}", f"mapped:{files[2]}")
     keep = shm / "psm_keep"
     hold(host, f"open:{keep}")
 

@@ -14,7 +14,7 @@ from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
-from gpugate.host.shm import ShmArea, ShmFile, facts, space
+from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, selection, with_chosen_gpus
 from gpugate.integrations.unit.leases import leases_by_gpu, read_leases
@@ -62,8 +62,12 @@ def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, An
     """A holder's files in /dev/shm: path and allocated bytes (null: unlinked already, still
     mapped; the path then ends in " (deleted)")."""
     used = []
+    index: dict[ShmKey, list[str]] | None = None
     for file in sorted(files, key=lambda f: f.path):
         found = facts(areas, file)
+        if found is None:  # a semaphore's maps name is a temporary one (shm._candidate_names)
+            index = inode_index(areas) if index is None else index
+            found = facts(areas, file, index)
         used.append(
             {
                 "path": found.path if found else file.names[0],

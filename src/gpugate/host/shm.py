@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,10 +178,32 @@ def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
     return fd, parts[-1]
 
 
-def facts(areas: Sequence[ShmArea], file: ShmFile) -> FileFacts | None:
+InodeIndex = Mapping[ShmKey, Sequence[str]]
+
+
+def inode_index(areas: Sequence[ShmArea]) -> dict[ShmKey, list[str]]:
+    """Every regular file's names in the areas, by device and inode (symlinks not followed)."""
+    index: dict[ShmKey, list[str]] = {}
+    for area in areas:
+        for folder, _, names in os.walk(area.path):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    info = os.lstat(path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(info.st_mode) and info.st_dev == area.dev:
+                    index.setdefault(ShmKey(info.st_dev, info.st_ino), []).append(path)
+    return index
+
+
+def facts(
+    areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None = None
+) -> FileFacts | None:
     """The file's size and owner, by whichever of its names is this very inode now; None where
-    none is (deleted, replaced, or outside every area)."""
-    for name in _candidate_names(file):
+    none is (deleted, replaced, or outside every area). index: where the names /proc showed are
+    not the file's (see _candidate_names)."""
+    for name in _candidate_names(file, index):
         area = area_of(areas, name)
         if area is None or area.dev != file.key.dev:
             continue
@@ -203,12 +225,17 @@ def facts(areas: Sequence[ShmArea], file: ShmFile) -> FileFacts | None:
     return None
 
 
-def _candidate_names(file: ShmFile) -> list[str]:
+def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
+    """The names /proc showed, then the file's names by inode. A name may not be the file's:
+    glibc's sem_open creates a temporary file, maps it, links it to sem.NAME and unlinks the
+    temporary name, so maps shows "/dev/shm/sem.XXXXXX (deleted)" for a semaphore that is
+    very much there; a name may also have been renamed since."""
     names: list[str] = []
     for name in file.names:
         names.append(name)
         if name.endswith(DELETED_SUFFIX):  # the kernel's, or part of a real name: try both
             names.append(name[: -len(DELETED_SUFFIX)])
+    names.extend((index or {}).get(file.key, ()))
     return list(dict.fromkeys(names))
 
 
@@ -218,10 +245,13 @@ class Unlinked:
     error: str | None = None  # the unlink failed (the file is still there)
 
 
-def unlink_if_same(areas: Sequence[ShmArea], file: ShmFile) -> Unlinked:
+def unlink_if_same(
+    areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None = None
+) -> Unlinked:
     """Remove the name that is this very file (device and inode checked right before, through
-    the folder's fd); a name that now holds another file is left alone."""
-    for name in _candidate_names(file):
+    the folder's fd); a name that now holds another file is left alone. (A file with several
+    names, hard links, loses the first that is found; its space comes back with the last.)"""
+    for name in _candidate_names(file, index):
         area = area_of(areas, name)
         if area is None or area.dev != file.key.dev:
             continue

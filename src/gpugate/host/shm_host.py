@@ -17,16 +17,25 @@ from gpugate.host.shm import (
     Space,
     Unlinked,
     facts,
+    inode_index,
     largest_files,
     space,
     unlink_if_same,
 )
 
 
-@dataclass(frozen=True)
+@dataclass
 class HostShm:
+    """One cleanup's view: the inode index of the areas is read once, when first needed."""
+
     areas: Sequence[ShmArea]
     proc_root: Path
+    _index: dict[ShmKey, list[str]] | None = None
+
+    def index(self) -> dict[ShmKey, list[str]]:
+        if self._index is None:
+            self._index = inode_index(self.areas)
+        return self._index
 
     def holders(self) -> FreshHolders:
         scan = scan_device_users(self.proc_root, None, shm_areas=self.areas)
@@ -37,10 +46,13 @@ class HostShm:
         return FreshHolders(by_key, scan.unreadable)
 
     def facts(self, file: ShmFile) -> FileFacts | None:
-        return facts(self.areas, file)
+        return facts(self.areas, file) or facts(self.areas, file, self.index())
 
     def unlink(self, file: ShmFile) -> Unlinked:
-        return unlink_if_same(self.areas, file)
+        done = unlink_if_same(self.areas, file)
+        if done.facts is None:
+            done = unlink_if_same(self.areas, file, self.index())
+        return done
 
     def spaces(self) -> list[Space]:
         return [found for area in self.areas if (found := space(area)) is not None]
