@@ -22,7 +22,17 @@ from gpugate.core.shm_cleanup import FreshHolders, ShmHost
 from gpugate.errors import ExitCode
 from gpugate.front.status import as_dict, collect, render_table
 from gpugate.host.scan import scan_device_users
-from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, find_areas, unlink_if_same
+from gpugate.host.shm import (
+    FileFacts,
+    ShmArea,
+    ShmFile,
+    ShmKey,
+    find_areas,
+    maps_key,
+    maps_names,
+    mount_points,
+    unlink_if_same,
+)
 from gpugate.host.shm_host import HostShm
 from tests.fakes import FakeHost, alive, start_time_of
 
@@ -457,3 +467,33 @@ def test_an_unreadable_process_keeps_every_file(tmp_path: Path) -> None:
     ledger.note({10: [ShmFile(ShmKey(1, 2), ("/dev/shm/psm_q",))]})
     (result,) = remove(ledger, {10}, Blind(), str)  # type: ignore[arg-type]
     assert result.kept is not None and "4242" in result.kept
+
+
+def test_areas_come_from_dev_and_from_mountinfo(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "mountinfo").write_text(
+        "25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw\n"
+        "31 25 0:29 / /run/shm rw,relatime - tmpfs tmpfs rw\n"
+        "40 25 0:30 / /mnt/with\\040space rw - tmpfs tmpfs rw\n"
+    )
+    assert mount_points(proc) == {"/dev/shm", "/run/shm", "/mnt/with space"}
+    assert mount_points(tmp_path / "no-proc") == set()
+    # DEV/shm a symlink (as /dev/shm -> /run/shm on old Debian): the area is its target.
+    dev, target = tmp_path / "dev", tmp_path / "real-shm"
+    dev.mkdir()
+    target.mkdir()
+    (dev / "shm").symlink_to(target)
+    areas = find_areas(dev, tmp_path / "no-proc")
+    assert [area.path for area in areas] == [str(target)]
+    assert areas[0].dev == os.stat(target).st_dev
+    assert areas[0].holds(str(target / "sub" / "x")) and not areas[0].holds(str(target) + "x")
+    assert find_areas(tmp_path / "no-dev", tmp_path / "no-proc") == []
+
+
+def test_maps_names_and_keys() -> None:
+    assert maps_names("/dev/shm/a b") == ("/dev/shm/a b",)
+    assert maps_names("/dev/shm/new\\012line") == ("/dev/shm/new\\012line", "/dev/shm/new\nline")
+    key = maps_key(b"7f00-7f10 rw-s 00000000 00:1b 4242      ")
+    assert key == ShmKey(os.makedev(0, 0x1B), 4242)
+    assert maps_key(b"garbage") is None

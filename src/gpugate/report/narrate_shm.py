@@ -50,13 +50,18 @@ class ShmNarration:
             else:
                 self._kept(item)
 
+    def _killed(self, pids: tuple[int, ...]) -> str:
+        if self.dry_run:
+            return f"PID {pids_text(pids)}, which would be killed"
+        return f"killed PID {pids_text(pids)}"
+
     def _removed(self, item: ShmRemoval) -> None:
         assert item.facts is not None
         verb = "would remove" if self.dry_run else "removed"
         self.reporter.event(
             Event.SHM_REMOVED,
             f"{verb} {item.facts.path!r} ({size_text(item.facts.bytes)}, owner "
-            f"{user_name(item.facts.uid)}): shared memory of killed PID {pids_text(item.holders)}",
+            f"{user_name(item.facts.uid)}): shared memory of {self._killed(item.holders)}",
             priority=PRIORITY_NOTICE,
             shm_path=item.facts.path,
             shm_bytes=item.facts.bytes,
