@@ -125,6 +125,7 @@ def _fd_paths(
     """The fd targets under the prefix, the asked-for sockets and the files in the shm areas;
     None where we may not read them (not root)."""
     found = _Fds()
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except PermissionError:
@@ -143,8 +144,9 @@ def _fd_paths(
                 inode = int(target[8:-1])
                 if inode in socket_inodes:
                     found.sockets.add(inode)
-            elif shm_areas and (area := area_of(shm_areas, target)) is not None:
-                shm = _fd_shm_file(dir_fd, fd_name, target, area)
+            elif shm_prefixes and target.startswith(shm_prefixes):
+                area = area_of(shm_areas, target)
+                shm = None if area is None else _fd_shm_file(dir_fd, fd_name, target, area)
                 if shm is not None:
                     found.shm.append(shm)
     except OSError:
