@@ -10,7 +10,7 @@ from typing import Any
 
 from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
-from gpugate.host.shm import ShmKey
+from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
 
 MIB = 1024 * 1024
@@ -46,7 +46,7 @@ class ShmNarration:
     def shm_files(self, removals: list[ShmRemoval]) -> None:
         for item in removals:
             if item.removed and item.facts is not None:
-                self._removed(item)
+                self._removed(item, item.facts)
             else:
                 self._kept(item)
 
@@ -55,17 +55,16 @@ class ShmNarration:
             return f"PID {pids_text(pids)}, which would be killed"
         return f"killed PID {pids_text(pids)}"
 
-    def _removed(self, item: ShmRemoval) -> None:
-        assert item.facts is not None
+    def _removed(self, item: ShmRemoval, facts: FileFacts) -> None:
         verb = "would remove" if self.dry_run else "removed"
         self.reporter.event(
             Event.SHM_REMOVED,
-            f"{verb} {item.facts.path!r} ({size_text(item.facts.bytes)}, owner "
-            f"{user_name(item.facts.uid)}): shared memory of {self._killed(item.holders)}",
+            f"{verb} {facts.path!r} ({size_text(facts.bytes)}, owner "
+            f"{user_name(facts.uid)}): shared memory of {self._killed(item.holders)}",
             priority=PRIORITY_NOTICE,
-            shm_path=item.facts.path,
-            shm_bytes=item.facts.bytes,
-            shm_size=item.facts.size,
+            shm_path=facts.path,
+            shm_bytes=facts.bytes,
+            shm_size=facts.size,
             shm_holders=pids_text(item.holders),
         )
 
