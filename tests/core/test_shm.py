@@ -17,9 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.config.file import parse_config
+from gpugate.config.models import GateConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.shm_cleanup import FreshHolders, ShmHost
-from gpugate.errors import ExitCode
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.status import as_dict, collect, render_table
 from gpugate.host.scan import scan_device_users
 from gpugate.host.shm import (
@@ -497,3 +499,32 @@ def test_maps_names_and_keys() -> None:
     key = maps_key(b"7f00-7f10 rw-s 00000000 00:1b 4242      ")
     assert key == ShmKey(os.makedev(0, 0x1B), 4242)
     assert maps_key(b"garbage") is None
+
+
+@pytest.mark.parametrize(
+    ("text", "field"),
+    [
+        ("shm_min_free_mib = 0", "shm_min_free_mib"),
+        ('shm_min_free_mib = "16G"', "shm_min_free_mib"),
+        ("shm_min_free_mib = 1.5", "shm_min_free_mib"),
+        ('[pre]\nremove_shm = "yes"', "pre.remove_shm"),
+        ("[epilog]\nremove_shm = 1", "epilog.remove_shm"),
+    ],
+)
+def test_bad_shm_settings_name_file_and_field(text: str, field: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, "f.toml")
+    assert str(raised.value).startswith(f"f.toml: {field}: ") and "\n" not in str(raised.value)
+
+
+def test_shm_settings_defaults_and_per_phase() -> None:
+    config = parse_config("shm_min_free_mib = 16384\n[post]\nremove_shm = false", "f.toml")
+    assert config.shm_min_free_mib == 16384
+    assert [config.policy(p).remove_shm for p in ("pre", "post", "prolog", "epilog")] == [
+        True,
+        False,
+        True,
+        True,
+    ]
+    assert config.post.kill_orphans is False, "a partial [post] keeps post's defaults"
+    assert GateConfig().shm_min_free_mib is None
