@@ -5,6 +5,7 @@ over /proc, also reading the fds and maps of the threads of a thread group whose
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,8 +165,8 @@ def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFi
         info = os.stat(fd_name, dir_fd=dir_fd)
     except OSError:
         return None  # closed since the readlink
-    if info.st_dev != area.dev:
-        return None
+    if info.st_dev != area.dev or not stat.S_ISREG(info.st_mode):
+        return None  # (a folder or FIFO open there is no segment)
     return ShmFile(ShmKey(info.st_dev, info.st_ino), (target,))
 
 
