@@ -28,6 +28,7 @@ from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import ShmArea, ShmKey
 from gpugate.host.shm_host import HostShm
+from gpugate.host.systemd import unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import selection
 from gpugate.integrations.unit.shared_host import (
     HostContext,
@@ -323,8 +324,11 @@ class PhaseRun:
     def shm_label(self, pid: int) -> str:
         if pid in self.shm_labels:
             return self.shm_labels[pid]
-        info = ProcFs(self.roots.proc).stat(pid)
-        return f"PID {pid} ({info.comm})" if info else f"PID {pid}"
+        info = ProcFs(self.roots.proc).info(pid)
+        if info is None:
+            return f"PID {pid}"
+        unit = unit_of_cgroup(info.cgroup or "/")
+        return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
 
     def clean_shm(self, would_kill: set[int] | None = None) -> None:
         """The shared memory of the killed (a dry run: of those it would kill), once they are
