@@ -4,7 +4,7 @@ multiprocessing segment open (worker 0), an NCCL-like segment mapped with its fd
 engine core) and a multiprocessing semaphore (the API server, sem_open); a live bystander holds
 its own `psm_keep`; a file nobody holds lies beside them. `systemctl start` of the unit (gpugate
 on ExecStartPre=) removes the three and names them in the journal; the rest stays. A dry run
-removes nothing and lists the three."""
+removes nothing and lists the three. A segment another unit attached to stays."""
 
 from __future__ import annotations
 
@@ -91,3 +91,32 @@ def test_dry_run_removes_nothing_and_lists_the_three(host: Host, stale: dict[str
         assert f"would remove {path!r}" in result.stdout, result.stdout
     assert KEEP not in result.stdout and UNHELD not in result.stdout
     assert all(host.alive(pid) for pid in (stale["api_server"], *stale["workers"]))
+
+
+def test_a_segment_another_unit_attached_to_stays(host: Host, stale: dict[str, Any]) -> None:
+    shared = stale["shm"][0]  # worker 0's segment, open and mapped
+    attach = (
+        f"import os, time; fd = os.open({shared!r}, os.O_RDONLY); "
+        "open('/run/peer-ready', 'w').write('{}'); time.sleep(36000)"
+    )
+    host.sh("rm -f /run/peer-ready")
+    host.sim.install_unit(
+        "shm-peer.service", f"[Service]\nExecStart={PYTHON} -c {shlex.quote(attach)}\n"
+    )
+    host.sim.systemctl("start", "shm-peer.service")
+    try:
+        host.wait_ready("/run/peer-ready")
+        cursor = host.cursor()
+
+        assert host.start(UNIT, check=False) == 0
+
+        assert exists(host, shared), "a segment another unit holds was removed"
+        for path in stale["shm"][1:]:
+            assert not exists(host, path), path
+        (kept,) = host.events_after(cursor, GPUGATE_EVENT="shm_kept", GPUGATE_PHASE="pre")
+        assert kept["GPUGATE_SHM_PATH"] == shared
+        assert "shm-peer.service" in kept["GPUGATE_SHM_KEPT"], kept["GPUGATE_SHM_KEPT"]
+        removed = host.events_after(cursor, GPUGATE_EVENT="shm_removed", GPUGATE_PHASE="pre")
+        assert {e["GPUGATE_SHM_PATH"] for e in removed} == set(stale["shm"][1:])
+    finally:
+        host.sh("systemctl stop shm-peer.service", False)
