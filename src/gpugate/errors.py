@@ -30,6 +30,7 @@ class ExitCode(IntEnum):
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
     NVML_NOT_ANSWERING = 26  # an NVML call did not return by the deadline (a hung driver)
     INTERRUPTED = 27  # the hook was stopped by SIGTERM or SIGINT (systemctl stop, Ctrl-C)
+    SHM_SPACE = 29  # /dev/shm has less free space than the next start needs (shm_min_free_mib)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
@@ -69,6 +70,7 @@ EXIT_MEANINGS = {
     ExitCode.RESPAWNING: "holders respawned until the deadline",
     ExitCode.NVML_NOT_ANSWERING: "NVML did not answer (hung driver)",
     ExitCode.INTERRUPTED: "stopped by SIGTERM/SIGINT",
+    ExitCode.SHM_SPACE: "/dev/shm short of free space",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
     ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }

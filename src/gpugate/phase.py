@@ -15,6 +15,7 @@ from enum import Enum
 @dataclass(frozen=True)
 class PhaseTraits:
     hook_line: str  # where it runs: the unit file's or slurm.conf's line
+    before_start: bool  # the workload starts next: /dev/shm must have its shm_min_free_mib
     kills_orphans: bool  # the default of [phase].kill_orphans (and of kill_app_tree)
     checks_ports: bool  # the unit's `ports` are holders too: only before a systemd unit starts
     stops_containers: bool  # the unit's own containers stop through their runtime first
@@ -48,6 +49,7 @@ class Phase(Enum):
 _TRAITS = {
     Phase.PRE: PhaseTraits(
         hook_line="ExecStartPre=",
+        before_start=True,
         kills_orphans=True,
         checks_ports=True,
         stops_containers=True,
@@ -60,6 +62,7 @@ _TRAITS = {
     ),
     Phase.POST: PhaseTraits(
         hook_line="ExecStopPost=",
+        before_start=False,
         kills_orphans=False,  # after a stop: only what the unit left, not a stranger's server
         checks_ports=False,
         stops_containers=False,
@@ -73,6 +76,7 @@ _TRAITS = {
     # Slurm gives out its GPUs itself: no leases, no failed-start records.
     Phase.PROLOG: PhaseTraits(
         hook_line="Prolog=",
+        before_start=True,
         kills_orphans=True,
         checks_ports=False,
         stops_containers=False,
@@ -85,6 +89,7 @@ _TRAITS = {
     ),
     Phase.EPILOG: PhaseTraits(
         hook_line="Epilog=",
+        before_start=False,
         kills_orphans=True,  # the job is over at the epilog: its leftovers die too
         checks_ports=False,
         stops_containers=False,

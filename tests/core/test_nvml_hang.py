@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,3 +190,21 @@ def test_status_ends_with_what_it_could_read(driver: Driver, fault: str) -> None
     assert "3!" in rows and "NVML is not answering" in rows["3!"]
     holder_row = next(r for r in out.splitlines() if r.lstrip().startswith(str(holder.pid)))
     assert holder_row.split()[5] == "3", "its GPU, from /dev/nvidia3 alone"
+
+
+def test_sigterm_while_nvml_hangs_stops_at_once(driver: Driver) -> None:
+    # The run waits on a hung nvmlInit (its deadline is far away); systemctl stop's SIGTERM
+    # ends it at once, the hung call notwithstanding.
+    driver.set("hang = 1")
+    proc = driver.gpugate("pre", UNIT, "--config", str(driver.config(wait_s=3 * NO_HANG_S)))
+    while not driver.hung_calls():  # handshake: the stand-in driver says the call blocks
+        assert proc.poll() is None, "pre ended before NVML hung"
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    code, _, err = finish(proc)
+    assert code == ExitCode.INTERRUPTED, err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith("gpugate: stopped by SIGTERM while looking for the GPUs' holders")
+    )

@@ -27,6 +27,7 @@ TOP = {
     "holders": list,
     "invisible": list,
     "unreadable_gpus": list,
+    "shm": list,
     "leases": list,
 }
 GPU = {
@@ -61,9 +62,13 @@ HOLDER = {
     "watcher": bool,
     "seconds_held": (int, type(None)),
     "container": (dict, type(None)),
+    "shm": list,
+    "shm_bytes": int,
 }
 INVISIBLE = {"gpu": int, "pid": int}
 UNREADABLE = {"index": int, "uuid": (str, type(None)), "error": str}
+SHM_AREA = {"path": str, "total_bytes": int, "free_bytes": int}
+SHM_FILE = {"path": str, "bytes": (int, type(None))}
 
 
 def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -129,7 +134,8 @@ def test_keys_and_types_are_the_documented_ones(
 
 def test_every_key_is_in_the_schema_doc() -> None:
     documented = set(re.findall(r"`([a-z_]+)`", SCHEMA_DOC.read_text()))
-    missing = (set(TOP) | set(GPU) | set(HOLDER) | set(INVISIBLE) | set(UNREADABLE)) - documented
+    schemas = (TOP, GPU, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE)
+    missing = set().union(*schemas) - documented
     assert not missing, f"not documented in docs/status-json.md: {sorted(missing)}"
 
 

@@ -25,6 +25,7 @@ from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import scan_device_users
+from gpugate.host.shm import ShmArea, ShmFile, find_areas
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
@@ -74,6 +75,10 @@ class Discovery:
     # but /proc does not show: another PID namespace (a container without host PIDs)
     unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
     faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
+    # Files in /dev/shm (and /run/shm where it is a mount of its own) that each process has
+    # open or mapped, by PID: every process, from the same pass over /proc.
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+    shm_areas: list[ShmArea] = field(default_factory=list)
 
     @property
     def owned_indices(self) -> set[int]:
@@ -139,9 +144,14 @@ class HolderTable:
 
 @dataclass
 class GpuState:
+    """What one discovery read of the devices: the GPUs and, from the same pass over /proc,
+    the shm files each process holds."""
+
     gpus: list[Gpu]  # those NVML could read
     usage: dict[int, GpuUsage]
     faults: list[GpuFault]
+    shm_areas: list[ShmArea] = field(default_factory=list)
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
 
 
 def read_gpus(
@@ -190,6 +200,7 @@ def discover(
     containers: the config's `containers`, whose processes are the unit's too.
     ports: the unit's TCP ports, whose listeners are holders too."""
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
+    state.shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
         table = HolderTable(procfs, self_and_ancestors(procfs, self_pid))
         for pid in cgroup_members(roots.cgroup, unit_cgroup):
@@ -212,6 +223,8 @@ def discover(
         invisible=invisible,
         unit_containers=unit_containers,
         faults=state.faults,
+        shm=state.shm,
+        shm_areas=state.shm_areas,
     )
 
 
@@ -227,7 +240,7 @@ def _add_device_users(
         index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
-    scan = scan_device_users(roots.proc, dev_prefix, listening)
+    scan = scan_device_users(roots.proc, dev_prefix, listening, state.shm_areas)
     for pid, use in scan.users.items():
         if (found := table.get(pid)) is None:
             continue
@@ -245,6 +258,7 @@ def _add_device_users(
                 found.gpus.add(index_by_minor[int(match.group(1))])
             else:
                 found.control_devices.add(name)
+    state.shm = scan.shm
     return scan.unreadable
 
 

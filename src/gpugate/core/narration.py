@@ -4,7 +4,7 @@ front passes the narrator in, so the core never imports the report layer."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -12,9 +12,11 @@ if TYPE_CHECKING:
     from gpugate.core.discover import Discovery
     from gpugate.core.outcome import BusyGpu, RunSummary
     from gpugate.core.respawn import Respawner
+    from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
     from gpugate.errors import GateError
     from gpugate.host.containers import StopResult
     from gpugate.host.nvml import Gpu, GpuFault
+    from gpugate.host.shm import ShmKey
 
 
 class Narration(Protocol):
@@ -56,3 +58,12 @@ class Narration(Protocol):
     def ports_held(self, ports: Sequence[int], timeout_s: float) -> None: ...
     def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None: ...
     def finished(self, summary: RunSummary) -> None: ...
+
+    # the shared memory of the killed
+    def shm_files(self, removals: list[ShmRemoval]) -> None: ...
+    def shm_short(
+        self,
+        short: SpaceShort,
+        holders: Mapping[ShmKey, list[int]],
+        label: Callable[[int], str],
+    ) -> None: ...

@@ -20,18 +20,23 @@ from gpugate.core.narration import Narration
 from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary, exit_code_for
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
+from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
 from gpugate.core.surroundings import Surroundings
 from gpugate.core.wait import Settled, busy_gpus, wait_settled
-from gpugate.errors import NvmlUnavailable
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, bind_deadline
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.shm import ShmArea, ShmKey
+from gpugate.host.shm_host import HostShm
+from gpugate.host.systemd import unit_of_cgroup
 from gpugate.phase import Phase
 
 MAX_ROUNDS = 5
+MIB = 1024 * 1024
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
 
 
@@ -56,7 +61,9 @@ class PhaseRun:
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
         surroundings: Surroundings,
+        shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
     ) -> None:
+        """shm_host: the shm files' host side for the areas discovery found (tests)."""
         self.surroundings = surroundings
         self.dry_run = False
         self.start_refusal: str | None = None  # why the surroundings refused this start
@@ -91,6 +98,15 @@ class PhaseRun:
         self.activity = "looking for the GPUs' holders"
         self.last_busy: list[BusyGpu] = []
         self._announced = False
+        self.watch_shm(shm_host or (lambda areas: HostShm(areas, roots.proc)))
+
+    def watch_shm(self, shm_host: Callable[[list[ShmArea]], ShmHost]) -> None:
+        """Who held which /dev/shm file, from every discovery; names for the PIDs in the
+        reasons; the host side of the files."""
+        self.shm = ShmLedger()
+        self.shm_areas: list[ShmArea] = []
+        self.shm_labels: dict[int, str] = {}
+        self.shm_host = shm_host
 
     def degrade(self, error: NvmlUnavailable) -> None:
         """NVML is unusable: fail, or (on_nvml_error = warn) go on with the cgroup alone."""
@@ -130,8 +146,13 @@ class PhaseRun:
                 containers=self.config.containers,
             )
             decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
+        self.shm.note(found.shm)
+        self.shm_areas = found.shm_areas
         for choice in decision.choices:
             self.judged.setdefault(choice.holder.info.ident, choice.role)
+            self.shm_labels[choice.holder.pid] = (
+                f"PID {choice.holder.pid} ({choice.holder.info.comm}, {choice.role})"
+            )
         return found, decision
 
     def report_faults(self, discovery: Discovery) -> None:
@@ -165,6 +186,7 @@ class PhaseRun:
             refusal = self.surroundings.start_refusal(discovery.owned, dry_run=True)
             blocked = bool(decision.blockers) or refusal is not None
             self.facts.held_by_others = blocked
+            self.clean_shm(would_kill={c.holder.pid for c in decision.targets})
         else:
             self.under_locks(discovery, decision)
             return self.summary  # finished under the locks
@@ -199,6 +221,7 @@ class PhaseRun:
             else:
                 self.surroundings.take_lease_first(discovery.owned)
                 self.kill_and_wait(discovery, decision)
+                self.clean_shm()
             self.finish()  # the lease is written in finish, still under the locks
 
     def kill_and_wait(self, discovery: Discovery, decision: Decision) -> None:
@@ -347,6 +370,48 @@ class PhaseRun:
                 self.narrator.memory_freed(owned, self.config.free_mib, self.summary.seconds_wait)
         elif failing:
             self.facts.memory_busy = True
+
+    def shm_label(self, pid: int) -> str:
+        if pid in self.shm_labels:
+            return self.shm_labels[pid]
+        info = self.procfs.info(pid)
+        if info is None:
+            return f"PID {pid}"
+        unit = unit_of_cgroup(info.cgroup or "/")
+        return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
+
+    def clean_shm(self, would_kill: set[int] | None = None) -> None:
+        """The shared memory of the killed (a dry run: of those it would kill), once they are
+        gone; then, before a start, the free space the next start needs."""
+        host = self.shm_host(self.shm_areas)
+        freed = 0
+        if self.policy.remove_shm:
+            if would_kill is not None:
+                removals = plan(self.shm, would_kill, host, self.shm_label)
+                freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
+            else:
+                killed = {ident.pid for ident in self.signalled}
+                removals = remove(self.shm, killed, host, self.shm_label)
+            self.narrator.shm_files(removals)
+        self.check_shm_space(host, freed)
+
+    def check_shm_space(self, host: ShmHost, freed: int) -> None:
+        needed_mib = self.config.shm_min_free_mib
+        if (
+            needed_mib is None
+            or not self.scope.phase.traits.before_start
+            or exit_code_for(self.facts) is not ExitCode.OK
+        ):
+            return
+        short = short_of_space(host, needed_mib * MIB, freed)
+        if short is None:
+            return
+        holders: dict[ShmKey, list[int]] = {}
+        if short.largest:
+            for key, pids in host.holders().by_key.items():
+                holders[key] = sorted(pids)
+        self.narrator.shm_short(short, holders, self.shm_label)
+        self.facts.shm_short = True
 
     def look_again(self) -> bool:
         """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""

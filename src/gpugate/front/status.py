@@ -16,6 +16,7 @@ from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
@@ -61,6 +62,25 @@ def device_minors(roots: HostRoots) -> list[int]:
     return sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
 
 
+def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
+    """A holder's files in /dev/shm: path and allocated bytes (null: unlinked already, still
+    mapped; the path then ends in " (deleted)")."""
+    used = []
+    index: dict[ShmKey, list[str]] | None = None
+    for file in sorted(files, key=lambda f: f.path):
+        found = facts(areas, file)
+        if found is None:  # a semaphore's maps name is a temporary one (shm._candidate_names)
+            index = inode_index(areas) if index is None else index
+            found = facts(areas, file, index)
+        used.append(
+            {
+                "path": found.path if found else file.names[0],
+                "bytes": found.bytes if found else None,
+            }
+        )
+    return used
+
+
 def uptime_s(proc_root: Path) -> float | None:
     """Seconds since boot, the clock /proc/PID/stat's start times count in."""
     try:
@@ -97,6 +117,15 @@ def as_dict(
             }
             for lease in leases
         ],
+        "shm": [
+            {
+                "path": found.area.path,
+                "total_bytes": found.total_bytes,
+                "free_bytes": found.free_bytes,
+            }
+            for area in discovery.shm_areas
+            if (found := space(area)) is not None
+        ],
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
             {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
@@ -120,6 +149,7 @@ def holder_dict(
     role = holder_role(holder, discovery, loaded.config)
     container = holder.container
     ticks = os.sysconf("SC_CLK_TCK")
+    shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
     return {
         "pid": info.pid,
         "start_time": info.start_time,
@@ -142,6 +172,8 @@ def holder_dict(
         # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
         # (decide's rule: never killed, never a blocker).
         "watcher": role is Role.WATCHER,
+        "shm": shm,
+        "shm_bytes": sum(item["bytes"] or 0 for item in shm),
         "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
         "container": None
         if container is None
@@ -165,6 +197,18 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
         }
         for gpu in discovery.gpus
     ]
+
+
+def bytes_shown(count: int) -> str:
+    """A size in a narrow column: 0, 812B, 4.0K, 1.5M, 3.2G."""
+    if count == 0:
+        return "-"
+    value = float(count)
+    for unit in ("B", "K", "M", "G"):
+        if value < 1024 or unit == "G":
+            return f"{count}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{count}B"
 
 
 def render_json(data: dict[str, Any]) -> str:
@@ -263,6 +307,11 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             )
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
+    for area in data.get("shm", ()):
+        lines.append(
+            f"{area['path']}: {bytes_shown(area['free_bytes'])} free of "
+            f"{bytes_shown(area['total_bytes'])} (SHM: each holder's files there)"
+        )
     return lines
 
 
@@ -272,7 +321,7 @@ def holder_table(data: dict[str, Any]) -> list[str]:
     else:
         lines = [
             f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
-            f"{'MiB':>7} {'HELD':>6} {'PORTS':<11} COMMAND"
+            f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
         ]
     for holder in data["holders"]:
         gpus = gpu_ranges(holder["gpus"]) or ("ctl" if holder["control_devices"] else "-")
@@ -286,6 +335,7 @@ def holder_table(data: dict[str, Any]) -> list[str]:
             f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
             f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
             f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
+            f"{bytes_shown(holder.get('shm_bytes', 0)):>6} "
             f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {cut(command, 100)}"
         )
     for item in data["invisible"]:
