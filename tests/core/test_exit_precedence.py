@@ -102,7 +102,8 @@ DOCS = [
     REPO / "packaging" / "gpugate.1",
 ]
 # "exit 22", "exits 81", "exit code 25", "(exit 21)", "exits 0": the prose's way of naming one.
-PROSE = re.compile(r"\bexit(?:s|ing|ed)?(?: code| status)? (\d{1,3})\b")
+# Not shell code quoted in the prose (`sh -c 'exit 7'`: the command's status, not gpugate's).
+PROSE = re.compile(r"(?<!['\"])\bexit(?:s|ing|ed)?(?: code| status)? (\d{1,3})\b")
 # "exit 22 (HELD_BY_OTHERS)", "25 (RESPAWNING)", "`status=73/CANTCREAT`": a code with its name.
 NAMED = re.compile(r"\b(\d{1,3}) \(([A-Z][A-Z_]+)\)")
 ROW = re.compile(r"^\| (\d+) \| ([A-Z_]+) \|", re.MULTILINE)
