@@ -24,7 +24,6 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import (
-    FORCE_VARIABLE,
     STARTED_BY_VARIABLE,
     Lease,
     check_leases,
@@ -53,6 +52,7 @@ class HostContext:
     environ: Mapping[str, str]
     choice: GpuChoice
     manual_refusal: str | None = None  # hook_guard.manual_run_guard's reason, or None
+    ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     reported_faults: set[int] = field(default_factory=set)
@@ -68,6 +68,7 @@ def prepare(
     *,
     roots: HostRoots,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
     environment: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
 ) -> tuple[LoadedConfig, HostContext]:
@@ -82,6 +83,7 @@ def prepare(
         environ,
         choice,
         manual_refusal=manual_refusal,
+        ignore_leases=ignore_leases,
         roots=roots,
         unit_state=unit_state,
     )
@@ -176,7 +178,7 @@ def leases_refuse(
         )
     if not check.conflicts:
         return None
-    if context.environ.get(FORCE_VARIABLE) == "1":
+    if context.ignore_leases:
         for lease, gpus in check.conflicts:
             reporter.event(
                 Event.ERROR,
