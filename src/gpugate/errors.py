@@ -28,6 +28,7 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
     INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
+    SHM_SPACE = 29  # /dev/shm has less free space than the next start needs (shm_min_free_mib)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
@@ -65,6 +66,7 @@ EXIT_MEANINGS = {
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
     ExitCode.RESPAWNING: "holders respawned until the deadline",
+    ExitCode.SHM_SPACE: "/dev/shm short of free space",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
     ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }

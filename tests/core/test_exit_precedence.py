@@ -19,7 +19,13 @@ from tests.fakes import FakeHost
 
 REPO = Path(__file__).resolve().parents[2]
 FACTS = [name for name, _ in PRECEDENCE]
-ORDER = [ExitCode.RESPAWNING, ExitCode.UNKILLABLE, ExitCode.HELD_BY_OTHERS, ExitCode.MEMORY_TIMEOUT]
+ORDER = [
+    ExitCode.RESPAWNING,
+    ExitCode.UNKILLABLE,
+    ExitCode.HELD_BY_OTHERS,
+    ExitCode.MEMORY_TIMEOUT,
+    ExitCode.SHM_SPACE,
+]
 
 
 @pytest.mark.parametrize("held", list(itertools.product([False, True], repeat=len(FACTS))))
