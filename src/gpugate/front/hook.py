@@ -18,6 +18,7 @@ from gpugate.core.shm_cleanup import ShmHost
 from gpugate.errors import (
     ExitCode,
     GateError,
+    Interrupted,
     ManualRunRefused,
     NvmlUnavailable,
     StateUnwritable,
@@ -30,7 +31,9 @@ from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
 from gpugate.integrations.unit.shared_host import (
     METRICS,
+    nvml_hung_in_pre,
     prepare,
+    record_interrupted,
     record_pre_error,
     state_folders,
 )
@@ -149,17 +152,32 @@ def run_phase(
         shm_host=shm_host,
     )
     try:
-        try:
-            driver: GpuDriver = driver_factory()
-        except NvmlUnavailable as exc:
-            run.degrade(exc)
-            driver = NoGpus()
+        hung = nvml_hung_in_pre(context)
+        if hung is not None:
+            # This start's pre waited its deadline on a driver that did not answer: asking
+            # again would hang post too. The cgroup still dies.
+            narrator.nvml_skipped(hung, scope.phase)
+            run.without_nvml()
+            driver: GpuDriver = NoGpus()
+        else:
+            try:
+                driver = driver_factory()
+            except NvmlUnavailable as exc:
+                run.degrade(exc)
+                driver = NoGpus()
         try:
             return run.run(driver, dry_run=dry_run)
         finally:
             driver.close()
     except ManualRunRefused:
         raise
+    except Interrupted as exc:
+        stopped = Interrupted(
+            f"{exc.message} while {run.activity}; it left no GPU lock or lease", exc.signal_name
+        )
+        if not dry_run:
+            record_interrupted(context, loaded, stopped, run.last_busy)
+        raise stopped from None
     except GateError as exc:
         if not dry_run:
             record_pre_error(context, loaded, exc)  # post need not wait on it again
