@@ -107,9 +107,9 @@ DOCS = [
     REPO / "packaging" / "gpugate.catalog",
     REPO / "packaging" / "gpugate.1",
 ]
-# "exit 22", "exits 81", "exit code 25", "(exit 21)", "exits 0": the prose's way of naming one
-# (not a quoted shell command's own: `sh -c 'exit 7'` in docs/gpugate-run.md).
-PROSE = re.compile(r"(?<!')\bexit(?:s|ing|ed)?(?: code| status)? (\d{1,3})\b")
+# "exit 22", "exits 81", "exit code 25", "(exit 21)", "exits 0": the prose's way of naming one.
+# Not shell code quoted in the prose (`sh -c 'exit 7'`: the command's status, not gpugate's).
+PROSE = re.compile(r"(?<!['\"])\bexit(?:s|ing|ed)?(?: code| status)? (\d{1,3})\b")
 # "exit 22 (HELD_BY_OTHERS)", "25 (RESPAWNING)", "`status=73/CANTCREAT`": a code with its name.
 NAMED = re.compile(r"\b(\d{1,3}) \(([A-Z][A-Z_]+)\)")
 ROW = re.compile(r"^\| (\d+) \| ([A-Z_]+) \|", re.MULTILINE)

@@ -79,16 +79,13 @@ class Driver:
             **extra,
         }
 
+    def roots_args(self) -> list[str]:
+        """The stand-in roots, by the hidden option (never the environment: hardening.md)."""
+        return ["--host-roots", f"dev={self.dev},cgroup={self.root / 'cgroup'}"]
+
     def gpugate(self, *args: str, **env: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gpugate",
-                "--host-roots",
-                f"dev={self.dev},cgroup={self.root / 'cgroup'}",
-                *args,
-            ],
+            [sys.executable, "-m", "gpugate", *self.roots_args(), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

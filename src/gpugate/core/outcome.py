@@ -35,7 +35,8 @@ class RunFacts:
 # supervisor) makes every kill futile, and the respawn it started last, killed at the
 # deadline, had no time to die (it would read as a survivor). Then a survivor of SIGKILL (a GPU
 # reset or a reboot, whatever else holds); then a holder gpugate may not kill (its owner's to
-# stop); last, memory no process holds (the driver's to free).
+# stop); then memory no process holds (the driver's to free); last, /dev/shm short of space
+# for the next start (looked at only when all else went well).
 PRECEDENCE = (
     ("respawning", ExitCode.RESPAWNING),
     ("survivors", ExitCode.UNKILLABLE),

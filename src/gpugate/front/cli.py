@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run by hand even while the unit is active (kills the running service)",
         )
+        # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
+        # warned about, not refused. Hidden: not for hand use, never from the environment.
+        sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
         sub.set_defaults(func=hook_command)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)

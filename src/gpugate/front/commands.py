@@ -97,6 +97,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
             driver_factory=front.driver_factory,
             environ=front.environ,
             manual_refusal=manual_refusal,
+            ignore_leases=args.ignore_leases,
         )
     return int(outcome.exit_code)
 

@@ -64,8 +64,9 @@ def run_hook(
     stream: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
 ) -> HookOutcome:
-    """environ, manual_refusal: see run_phase."""
+    """environ, manual_refusal, ignore_leases: see run_phase."""
     stream = stream or sys.stderr
     summary: RunSummary | None = None
     error: GateError | None = None
@@ -82,6 +83,7 @@ def run_hook(
             clock=clock,
             environ=environ,
             manual_refusal=manual_refusal,
+            ignore_leases=ignore_leases,
         )
         code = summary.exit_code
     except GateError as exc:
@@ -107,12 +109,15 @@ def run_phase(
     clock: Callable[[], float] = time.monotonic,
     environ: Mapping[str, str] | None = None,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
     unit_env: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
     shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
 ) -> RunSummary:
     """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
-    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
+    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; ignore_leases:
+    pre warns about other units' leases instead of refusing (`gpugate run --force` puts the
+    hidden --ignore-leases on its unit's ExecStartPre=; never the environment); unit_env and
     unit_state stand in for systemd's answers, shm_host for /dev/shm's files (tests)."""
     roots = roots or HostRoots()
     surroundings = prepare(
@@ -122,6 +127,7 @@ def run_phase(
         UnitNarration(reporter),
         roots=roots,
         manual_refusal=manual_refusal,
+        ignore_leases=ignore_leases,
         environment=unit_env,
         unit_state=unit_state,
     )

@@ -25,7 +25,6 @@ LEASE_FOLDER = "leases"
 # from the environment systemd gives it. Neither widens what gpugate kills: a forced run only
 # skips the lease refusal; another running unit's processes stay spared by the cgroup rule.
 STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
-FORCE_VARIABLE = "GPUGATE_RUN_FORCE"
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
 
 

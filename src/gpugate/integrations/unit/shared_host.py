@@ -24,7 +24,6 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import (
-    FORCE_VARIABLE,
     STARTED_BY_VARIABLE,
     Lease,
     LeaseCheck,
@@ -59,6 +58,7 @@ class UnitSurroundings:
     choice: GpuChoice
     narration: UnitNarration
     manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
+    ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (take_lease_first)
@@ -103,7 +103,7 @@ class UnitSurroundings:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
         if not check.conflicts:
             return None
-        if self.environ.get(FORCE_VARIABLE) == "1":  # gpugate run --force
+        if self.ignore_leases:  # gpugate run --force
             for lease, gpus in check.conflicts:
                 self.narration.lease_overridden(
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
@@ -254,6 +254,7 @@ def prepare(
     *,
     roots: HostRoots,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
     environment: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
 ) -> UnitSurroundings:
@@ -269,6 +270,7 @@ def prepare(
         choice,
         narration,
         manual_refusal=manual_refusal,
+        ignore_leases=ignore_leases,
         roots=roots,
         unit_state=unit_state,
     )
