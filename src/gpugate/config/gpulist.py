@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from gpugate.errors import echo
+
 # A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 MIG_PREFIX = "MIG-"
@@ -51,7 +53,7 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
         ref = gpu_ref(item)
         key = ref.lower() if isinstance(ref, str) else ref
         if key in seen:
-            raise GpuListError(f"lists GPU {ref} twice")
+            raise GpuListError(f"lists GPU {echo(ref, quote=False)} twice")
         seen.add(key)
         refs.append(ref)
     return tuple(refs)

@@ -11,7 +11,28 @@ def toml_value(value: object) -> str:
         return repr(value)
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return '"' + "".join(_escaped(char) for char in str(value)) + '"'
+
+
+_SHORT_ESCAPES = {
+    "\\": "\\\\",
+    '"': '\\"',
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def _escaped(char: str) -> str:
+    """A TOML basic string's character: a control character escaped, so that a value is always
+    one line (in `config check` output and in error messages that repeat it)."""
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    if ord(char) < 0x20 or ord(char) == 0x7F:
+        return f"\\u{ord(char):04X}"
+    return char
 
 
 def to_toml(data: dict[str, object], prefix: str = "") -> str:

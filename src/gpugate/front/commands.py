@@ -15,7 +15,13 @@ from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
 from gpugate.host.roots import HostRoots
-from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
+from gpugate.host.systemd import (
+    own_unit,
+    resolve_unit_cgroup,
+    systemd_running,
+    unit_argument,
+    validate_unit_name,
+)
 from gpugate.report.journal import Reporter, ReporterFactory
 
 Handler = Callable[[argparse.Namespace, "Front"], int]
@@ -33,18 +39,13 @@ class Front:
         environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
     ) -> None:
-        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
+        """roots: injected by tests (or --host-roots), never read from the environment;
+        unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
         self.driver_factory = driver_factory
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
-        self._roots = roots
+        self.roots = roots or HostRoots()
         self.unit_state = unit_state or _systemd_active_state
-
-    @property
-    def roots(self) -> HostRoots:
-        if self._roots is None:
-            self._roots = HostRoots.from_environ(self.environ)
-        return self._roots
 
 
 def _systemd_active_state(unit: str) -> str | None:
@@ -92,6 +93,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
             driver_factory=front.driver_factory,
             environ=front.environ,
             manual_refusal=manual_refusal,
+            ignore_leases=args.ignore_leases,
         )
     return int(outcome.exit_code)
 
@@ -129,6 +131,8 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
         shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
         print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
+        if front.roots.ask_systemd:
+            _warn_environment_files(unit)
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
 
@@ -153,11 +157,20 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
         )
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+    if args.command == "install" and systemd_running():
+        _warn_environment_files(args.unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
         print(f"takes effect at the next start: systemctl restart {args.unit}")
     return int(ExitCode.OK)
+
+
+def _warn_environment_files(unit: str) -> None:
+    from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
+
+    for line in environment_file_warnings(unit):
+        print(f"gpugate: {line}", file=sys.stderr)
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
