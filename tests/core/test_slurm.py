@@ -3,9 +3,6 @@ cgroup in a stand-in tree shaped like Slurm's cgroup/v2 plugin makes it, real pr
 
 from __future__ import annotations
 
-import os
-import signal
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 
