@@ -1,1 +1,1 @@
-"""gpugate's benchmarks: `python3 bench/run.py [--quick]` (see README, Benchmarks)."""
+"""gpugate's benchmarks: `python3 bench/run.py [--quick]` (see CONTRIBUTING.md, Benchmarks)."""

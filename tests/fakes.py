@@ -21,6 +21,7 @@ from gpugate.core.run import RunScope
 from gpugate.front.hook import run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.host.roots import HostRoots
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 
 
@@ -201,11 +202,20 @@ class ProcessPool:
         return pids
 
     def command(self, argv: Sequence[str], **kwargs: object) -> subprocess.Popen[bytes]:
+        # Popen returns once the exec succeeded (its error pipe closed): the PID is the program's.
         proc = subprocess.Popen(list(argv), **kwargs)  # type: ignore[call-overload]
         self.popens.append(proc)
-        time.sleep(0.05)
         self.started.append((proc.pid, start_time_of(proc.pid)))
         return proc
+
+    @staticmethod
+    def until(ready: Callable[[], bool], what: str, timeout_s: float = 15) -> None:
+        """Block until a process says it is ready (a condition it makes true), or fail."""
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(what)
+            time.sleep(0.01)
 
     def cleanup(self) -> None:
         for pid, start in self.started:
@@ -258,7 +268,7 @@ class FakeHost:
         self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any
     ) -> RunSummary:
         """gpugate's run_phase on this host: the unit's stand-in cgroup, these roots."""
-        scope = RunScope(phase, UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
+        scope = RunScope(Phase(phase), UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
         return run_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
 
     def config(self, **overrides: object) -> LoadedConfig:

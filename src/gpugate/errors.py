@@ -107,6 +107,23 @@ class NvmlUnavailable(GateError):
     exit_code = ExitCode.NVML_UNAVAILABLE
 
 
+class NvmlNotAnswering(GateError):
+    """An NVML call did not return in time: the driver is hung (as `nvidia-smi` hangs). Not an
+    NvmlUnavailable: its time is spent, so on_nvml_error = "warn" cannot go on without it."""
+
+    exit_code = ExitCode.NVML_NOT_ANSWERING
+
+
+class Interrupted(GateError):
+    """The hook was sent SIGTERM (systemctl stop, a stop job's timeout) or SIGINT (Ctrl-C)."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, message: str, signal_name: str = "SIGTERM") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
 class ProgramNotAnswering(GateError):
     """systemctl (or another program gpugate needs an answer from) outlived its deadline."""
 
@@ -129,23 +146,6 @@ class StateUnwritable(GateError):
         super().__init__(f"{path}: cannot write {what} there: {cause}")
         self.path = path
         self.what = what
-
-
-class NvmlNotAnswering(GateError):
-    """An NVML call did not return in time: the driver is hung (as `nvidia-smi` hangs). Not an
-    NvmlUnavailable: its time is spent, so on_nvml_error = "warn" cannot go on without it."""
-
-    exit_code = ExitCode.NVML_NOT_ANSWERING
-
-
-class Interrupted(GateError):
-    """The hook was sent SIGTERM (systemctl stop, a stop job's timeout) or SIGINT (Ctrl-C)."""
-
-    exit_code = ExitCode.INTERRUPTED
-
-    def __init__(self, message: str, signal_name: str = "SIGTERM") -> None:
-        super().__init__(message)
-        self.signal_name = signal_name
 
 
 class PermissionDenied(GateError):

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.core.decide import Verdict, decide
+from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.host import programs
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
+from gpugate.phase import Phase
+from gpugate.report.reasons import reason_text
 from tests.core.test_decide import Table, proc
 from tests.fakes import FakeHost, alive
 
@@ -169,16 +171,19 @@ def test_refusal_names_the_container_and_the_field(cgroup: str, runtime: str) ->
         frozenset(),
         [],
     )
-    decision = decide(found, parse_config("", "-"), "pre", table)
+    decision = decide(found, parse_config("", "-"), Phase.PRE, table)
     (choice,) = decision.blockers
     assert decision.refused and choice.role is Role.OTHER_UNIT
-    assert choice.reason.startswith(f"{runtime} container vllm ({ID[:12]}) holds GPU 0")
-    assert 'set containers = ["vllm"]' in choice.reason
-    assert "gpugate install vllm.service --container vllm" in choice.reason
+    assert choice.rule is Rule.OTHER_CONTAINER
+    # The wording itself: the hint names the setting and the install command.
+    reason = reason_text(choice, "vllm.service", "pre")
+    assert reason.startswith(f"{runtime} container vllm ({ID[:12]}) holds GPU 0")
+    assert 'set containers = ["vllm"]' in reason
+    assert "gpugate install vllm.service --container vllm" in reason
     # named in the config: the unit's own, killed also where it holds another GPU too
     holder.sources.add(Source.CONTAINER)
     holder.gpus.add(5)
-    allowed = decide(found, parse_config('containers = ["vllm"]', "-"), "pre", table)
+    allowed = decide(found, parse_config('containers = ["vllm"]', "-"), Phase.PRE, table)
     (kill,) = allowed.targets
     assert (kill.role, kill.verdict) == (Role.UNIT_CONTAINER, Verdict.KILL)
     assert not allowed.refused

@@ -18,6 +18,7 @@ from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, in_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcInfo
+from gpugate.phase import Phase
 
 UNIT_CG = "/system.slice/vllm.service"
 CGROUPS = [
@@ -102,11 +103,11 @@ def test_other_unit_blocks_and_refuses_everything() -> None:
         10: Holder(table.procs[10], {Source.NVML}, {0}),
         20: Holder(table.procs[20], {Source.DEVICE_FD}, {1}),
     }
-    decision = decide(discovery(table, holders, [0, 1]), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, [0, 1]), GateConfig(), Phase.PRE, table)
     assert decision.refused
     assert [c.holder.pid for c in decision.blockers] == [10]
     allowed = decide(
-        discovery(table, holders, [0, 1]), GateConfig(kill_other_units=True), "pre", table
+        discovery(table, holders, [0, 1]), GateConfig(kill_other_units=True), Phase.PRE, table
     )
     assert {c.holder.pid for c in allowed.targets} == {10, 20}
 
@@ -124,11 +125,11 @@ def test_app_tree_stops_at_session_leader_pgrp_change_and_foreign_gpus() -> None
         }
     )
     holders = {53: Holder(table.procs[53], {Source.DEVICE_FD}, {0})}
-    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
     assert {c.holder.pid for c in decision.targets} == {51, 52, 53, 54}
     # A worker of the same application on a GPU the unit does not own: no expansion.
     holders[54] = Holder(table.procs[54], {Source.DEVICE_FD}, {5})
-    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
     assert {c.holder.pid for c in decision.targets} == {53}
 
 
@@ -150,12 +151,12 @@ def test_app_tree_from_ssh_sessions_never_takes_sshd() -> None:
     )
     for holder, expected in ((34, {32, 33, 34}), (44, {43, 44})):
         holders = {holder: Holder(table.procs[holder], {Source.DEVICE_FD}, {0})}
-        decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+        decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
         assert {c.holder.pid for c in decision.targets} == expected
     # Without the monitor's group check, the user's sshd process would be taken.
     del table.procs[30]
     holders = {34: Holder(table.procs[34], {Source.DEVICE_FD}, {0})}
-    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
     assert {c.holder.pid for c in decision.targets} == {31, 32, 33, 34}
 
 
@@ -174,12 +175,12 @@ def test_app_tree_never_crosses_to_another_user_nor_takes_a_supervisor() -> None
     )
     for holder, expected in ((52, {51, 52}), (62, {61, 62})):
         holders = {holder: Holder(table.procs[holder], {Source.DEVICE_FD}, {0})}
-        decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+        decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
         assert {c.holder.pid for c in decision.targets} == expected
     # A launcher of one daemon that only waits on it is the application's.
     del table.procs[63]
     holders = {62: Holder(table.procs[62], {Source.DEVICE_FD}, {0})}
-    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
     assert {c.holder.pid for c in decision.targets} == {60, 61, 62}
 
 
@@ -194,7 +195,7 @@ def test_protected_by_unit_or_executable() -> None:
     holders = {
         pid: Holder(info, {Source.DEVICE_FD}, set(range(8))) for pid, info in table.procs.items()
     }
-    decision = decide(discovery(table, holders, list(range(8))), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, list(range(8))), GateConfig(), Phase.PRE, table)
     assert not decision.targets and not decision.blockers
     assert {c.role for c in decision.spared} == {Role.PROTECTED}
 
@@ -233,9 +234,9 @@ def tables(draw: st.DrawFn) -> tuple[Table, dict[int, Holder], list[int], frozen
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=tables(), phase=st.sampled_from(["pre", "post"]), kill_other=st.booleans())
+@given(data=tables(), phase=st.sampled_from([Phase.PRE, Phase.POST]), kill_other=st.booleans())
 def test_never_chooses_outside_the_units_gpus_and_cgroup(
-    data: tuple[Table, dict[int, Holder], list[int], frozenset[int]], phase: str, kill_other: bool
+    data: tuple[Table, dict[int, Holder], list[int], frozenset[int]], phase: Phase, kill_other: bool
 ) -> None:
     table, holders, owned, self_chain = data
     config = GateConfig(kill_other_units=kill_other)
@@ -261,7 +262,7 @@ def test_never_chooses_outside_the_units_gpus_and_cgroup(
             assert straddles or not kill_other
         else:
             assert choice.role is Role.ORPHAN
-            assert straddles or phase == "post"
+            assert straddles or phase is Phase.POST
     targets = {c.holder.pid for c in decision.targets}
     assert len(targets) == len(decision.targets)
     assert all(c.verdict is Verdict.KILL for c in decision.targets)
@@ -316,6 +317,6 @@ def test_a_daemonized_servers_whole_tree_is_taken(
     data: tuple[Table, dict[int, Holder], int],
 ) -> None:
     table, holders, top = data
-    decision = decide(discovery(table, holders, [0]), GateConfig(), "pre", table)
+    decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
     taken = {c.holder.pid for c in decision.targets}
     assert taken == {pid for pid in table.procs if pid >= top}

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -24,10 +25,14 @@ def sleeper() -> Iterator[Sleeper]:
     started: list[tuple[subprocess.Popen[bytes], int]] = []
 
     def spawn(*extra: str) -> subprocess.Popen[bytes]:
-        code = "import signal, time\n" + "\n".join(extra) + "\ntime.sleep(3600)"
-        proc = subprocess.Popen([sys.executable, "-c", code])
+        # The child says it is ready on its stdout once its signal handlers are set.
+        ready = "import sys\nsys.stdout.write('r')\nsys.stdout.flush()\n"
+        code = "import signal, time\n" + "\n".join(extra) + "\n" + ready + "time.sleep(3600)"
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
         started.append((proc, start_time_of(proc.pid)))
-        time.sleep(0.3)
+        assert proc.stdout is not None
+        readable, _, _ = select.select([proc.stdout], [], [], 30)
+        assert readable and proc.stdout.read(1) == b"r", "the child did not get ready"
         return proc
 
     yield spawn
@@ -80,10 +85,18 @@ def test_sigterm_ignored_escalates_to_sigkill(sleeper: Sleeper) -> None:
 def test_all_targets_signalled_before_waiting(sleeper: Sleeper) -> None:
     procs = [sleeper("signal.signal(signal.SIGTERM, signal.SIG_IGN)") for _ in range(3)]
     idents = [ProcessId(p.pid, start_time_of(p.pid)) for p in procs]
-    started = time.monotonic()
-    result = terminate(idents, grace_s=0.5, deadline=time.monotonic() + 10, procfs=ProcFs())
-    # one grace for all of them, not one each
-    assert time.monotonic() - started < 1.4
+    sent: list[tuple[ProcessId, int]] = []
+    result = terminate(
+        idents,
+        grace_s=0.5,
+        deadline=time.monotonic() + 10,
+        procfs=ProcFs(),
+        on_signal=lambda ident, signum: sent.append((ident, signum)),
+    )
+    # one grace for all of them, not one each: every SIGTERM before the first SIGKILL
+    signals = [signum for _, signum in sent]
+    assert signals == [signal.SIGTERM] * 3 + [signal.SIGKILL] * 3
+    assert {ident for ident, _ in sent[:3]} == set(idents)
     assert sorted(result.killed) == sorted(idents)
     for proc in procs:
         proc.wait(5)

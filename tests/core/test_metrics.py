@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.cli import main
-from gpugate.integrations.metrics import GpuRef, RunRecord, record_run, render
+from gpugate.integrations.metrics import GpuSeries, RunRecord, record_run, render
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -280,8 +280,8 @@ def test_label_values_are_escaped() -> None:
             "success",
             killed=3,
             seconds_wait=0.25,
-            reclaimed_mib={GpuRef(0, "GPU-0"): 7},
-            freed_gpus=[GpuRef(0, "GPU-0")],
+            reclaimed_mib={GpuSeries(0, "GPU-0"): 7},
+            freed_gpus=[GpuSeries(0, "GPU-0")],
             finished_at=1700000000.5,
         ),
     )

@@ -81,7 +81,8 @@ def test_bystander_on_other_gpu_and_protected_daemon_survive(host: FakeHost) -> 
     shutil.copy("/bin/sleep", daemon_exe)
     redirects = " ".join(f"{3 + i}<{path}" for i, path in enumerate(sorted(host.dev.iterdir())))
     daemon = host.pool.command(["/bin/bash", "-c", f"exec {redirects} {daemon_exe} 3600"])
-    time.sleep(0.2)
+    # bash opens the redirects, then execs: once /proc shows the new program, it holds them.
+    host.pool.until(lambda: exe_of(daemon.pid) == str(daemon_exe), "the daemon did not start")
 
     summary = run(host, "pre", gpus=[0, 1, 2, 3], protected_executables=[str(daemon_exe)])
 
@@ -232,6 +233,13 @@ def test_control_device_only_holder_outside_cgroup_survives(host: FakeHost) -> N
     assert not alive(ctl_member)
 
 
+def exe_of(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+
+
 def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
     # A login shell (an interactive bash on its own terminal, with job control) starts a
     # server as a job; the server forks a worker on GPU 0 and a helper that holds no GPU (like
@@ -276,8 +284,8 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
     assert str(shell.pid) not in signalled
     for pid in (server, helper, worker):
         assert not alive(pid)
-    sources = {e["GPUGATE_PID"]: e["MESSAGE"] for e in host.journal.events("holder_found")}
-    assert "app-tree" in sources[str(helper)]
+    reasons = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
+    assert reasons[str(helper)] == "app-tree"
     os.close(master)
 
 

@@ -20,6 +20,7 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.manual_guard import in_own_hook, manual_run_guard
+from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, RecordingJournal, RecordingNotifier, alive
 
@@ -42,7 +43,7 @@ def run(  # type: ignore[no-untyped-def]
         unit, phase, journal=journal or host.journal, notifier=host.notifier, echo=False
     )
     return run_phase(
-        RunScope(phase, unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
+        RunScope(Phase(phase), unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
         loaded or host.config(),
         reporter,
         roots=host.roots,
@@ -73,17 +74,19 @@ def test_overlapping_unit_is_refused_until_the_lease_holder_stops(host: FakeHost
     assert second.exit_code is ExitCode.HELD_BY_OTHERS
     assert alive(orphan), "a refused pre kills nothing"
     (refused,) = host.journal.events("refused")
-    assert "a.service" in refused["MESSAGE"] and "GPU 2, 3" in refused["MESSAGE"]
-    assert "share_gpus" in refused["MESSAGE"]
+    assert (refused["GPUGATE_REASON"], refused["GPUGATE_GPU"]) == ("leased", "2,3")
+    assert "a.service" in refused["MESSAGE"] and "share_gpus" in refused["MESSAGE"]  # the hint
 
     running[A] = "failed"  # a's server died and its post never ran: the lease is stale
     third = run(host, "pre", B, with_gpus(host, [2, 3, 4, 5]), unit_state=state)
     assert third.exit_code is ExitCode.OK and not alive(orphan)
-    stale = [e for e in host.journal.events("error") if "stale" in e["MESSAGE"]]
-    assert len(stale) == 1 and "a.service is failed" in stale[0]["MESSAGE"]
+    stale = [e for e in host.journal.events("warning") if e["GPUGATE_REASON"] == "lease-stale"]
+    assert [(e["GPUGATE_LEASE_UNIT"], e["GPUGATE_LEASE_UNIT_STATE"]) for e in stale] == [
+        ("a.service", "failed")
+    ]
     assert [lease.unit for lease in read_leases(host.root / "locks").leases] == [B]
     run(host, "pre", B, with_gpus(host, [2, 3, 4, 5]), unit_state=state)
-    assert len([e for e in host.journal.events("error") if "stale" in e["MESSAGE"]]) == 1
+    assert len(host.journal.events("warning")) == 1, "said once: the stale lease is gone"
 
     assert run(host, "post", B, with_gpus(host, [2, 3, 4, 5])).exit_code is ExitCode.OK
     assert read_leases(host.root / "locks").leases == []
@@ -200,7 +203,7 @@ def test_a_lost_gpu_the_unit_does_not_own_is_a_warning(host: FakeHost, lost: set
     summary = run(host, "pre", loaded=with_gpus(host, [0, 1, 2, 3]))
 
     assert summary.exit_code is ExitCode.OK and not alive(worker)
-    warnings = [e for e in host.journal.events("error") if "lost" in e["MESSAGE"]]
+    warnings = [e for e in host.journal.events("warning") if e["GPUGATE_REASON"] == "gpu-fault"]
     assert sorted(int(e["GPUGATE_GPU"]) for e in warnings) == sorted(lost)
     assert all(e["PRIORITY"] == str(PRIORITY_WARNING) for e in warnings)
 
@@ -208,7 +211,7 @@ def test_a_lost_gpu_the_unit_does_not_own_is_a_warning(host: FakeHost, lost: set
 def test_a_failing_query_on_another_gpu_is_a_warning(host: FakeHost) -> None:
     host.memory.failing_usage = {5}
     assert run(host, "post", loaded=with_gpus(host, [0])).exit_code is ExitCode.OK
-    assert any("GPU 5" in e["MESSAGE"] for e in host.journal.events("error"))
+    assert [e["GPUGATE_GPU"] for e in host.journal.events("warning")] == ["5"]
 
 
 @pytest.mark.parametrize(
@@ -287,10 +290,10 @@ def test_the_units_own_hook_is_told_apart(tmp_path: Path) -> None:
     (proc / "self" / "cgroup").write_text("0::/user.slice/user-0.slice/session-3.scope\n")
     assert not in_own_hook(UNIT, hook, proc), "a shell that copied INVOCATION_ID"
     args = {"force": False, "dry_run": False, "proc_root": proc}
-    assert manual_run_guard("pre", UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
+    assert manual_run_guard(Phase.PRE, UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
     (proc / "self" / "cgroup").write_text("0::/system.slice/vllm.service\n")
     asked: list[str] = []
-    assert manual_run_guard("pre", UNIT, asked.append, hook, **args) is None  # type: ignore[arg-type]
+    assert manual_run_guard(Phase.PRE, UNIT, asked.append, hook, **args) is None  # type: ignore[arg-type]
     assert asked == [], "the unit's own hook does not ask systemd"
 
 
@@ -311,8 +314,15 @@ def test_post_after_a_failed_pre_kills_but_does_not_wait_again(host: FakeHost) -
 
     assert not alive(member), "post still kills the cgroup"
     assert post.seconds_wait == 0.0, "and does not wait on the memory pre already waited for"
-    assert any("not waiting again on GPU 2" in e["MESSAGE"] for e in host.journal.events("timeout"))
-    last = host.journal.entries[-1][0]
+
+    def said(event: str) -> list[dict[str, str]]:
+        return [e for e in host.journal.events(event) if e.get("GPUGATE_REASON") == "failed-start"]
+
+    (skipped,) = said("timeout")
+    assert skipped["GPUGATE_GPU"] == "2"
+    (failed,) = said("error")
+    assert failed["GPUGATE_FAILED_START"].startswith("GPU 2 (")
+    last = host.journal.entries[-1][0]  # the wording itself, last for `systemctl status`
     assert last.startswith("start failed in gpugate pre: GPU 2 (")
     assert "50000 MiB used after 1 s" in last
     assert host.notifier.states[-1].endswith(last)  # STATUS=, shown by systemctl status
@@ -330,7 +340,20 @@ def test_post_of_another_start_waits_as_before(host: FakeHost) -> None:
     post = run(
         host, "post", loaded=loaded, environ={"INVOCATION_ID": "three", "SERVICE_RESULT": "signal"}
     )
-    assert not any("start failed" in message for message, _ in host.journal.entries)
+    assert not [e for e in host.journal.events("error") if e["GPUGATE_REASON"] == "failed-start"]
+
+
+def test_a_pre_that_succeeds_on_unnamed_gpus_leaves_no_failure(host: FakeHost) -> None:
+    """All GPUs only because nothing named the unit's: no lease, and no failure record either
+    (a post of the same start must not say that it failed)."""
+    hook = {"INVOCATION_ID": "cafe", "SERVICE_RESULT": "signal"}
+    pre = run(host, "pre", environ=hook, unit_env=env("Environment=\n"))
+    assert pre.exit_code is ExitCode.OK
+    assert not (host.root / "locks" / "failed").exists() or not any(
+        (host.root / "locks" / "failed").iterdir()
+    )
+    run(host, "post", environ=hook, unit_env=env("Environment=\n"))
+    assert not [e for e in host.journal.events("error") if e["GPUGATE_REASON"] == "failed-start"]
 
 
 def test_a_pre_that_raised_is_recorded_too(host: FakeHost) -> None:
@@ -386,8 +409,10 @@ def test_a_hand_runs_lease_says_who_started_it_and_force_runs_onto_it(host: Fake
         ignore_leases=True,
     )
     assert forced.exit_code is ExitCode.OK
-    warned = [e for e in host.journal.events("error") if "gpugate run --force" in e["MESSAGE"]]
-    assert len(warned) == 1 and hand in warned[0]["MESSAGE"]
+    warned = host.journal.events("warning")
+    assert [(e["GPUGATE_REASON"], e["GPUGATE_LEASE_UNIT"]) for e in warned] == [
+        ("lease-forced", hand)
+    ]
     # The environment (a unit's EnvironmentFile=) forces nothing: only pre --ignore-leases.
     for value in ("1", "yes"):
         again = run(

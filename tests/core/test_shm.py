@@ -36,6 +36,7 @@ from gpugate.host.shm import (
     unlink_if_same,
 )
 from gpugate.host.shm_host import HostShm
+from gpugate.phase import Phase
 from tests.fakes import FakeHost, alive, start_time_of
 
 SEGMENT_BYTES = 64 * 1024
@@ -520,7 +521,7 @@ def test_bad_shm_settings_name_file_and_field(text: str, field: str) -> None:
 def test_shm_settings_defaults_and_per_phase() -> None:
     config = parse_config("shm_min_free_mib = 16384\n[post]\nremove_shm = false", "f.toml")
     assert config.shm_min_free_mib == 16384
-    assert [config.policy(p).remove_shm for p in ("pre", "post", "prolog", "epilog")] == [
+    assert [config.policy(p).remove_shm for p in Phase] == [
         True,
         False,
         True,

@@ -277,10 +277,10 @@ def test_loop_in_a_login_shell_is_named_with_its_own_exit_code(
     summary = run(host, gpus=[0], pre={"wait_timeout_s": 4.0})
     assert summary.exit_code is ExitCode.RESPAWNING
     assert alive(shell), "the login shell is never taken"
-    (named,) = [e for e in host.journal.events("timeout") if "respawn" in e["MESSAGE"]]
+    (named,) = [e for e in host.journal.events("timeout") if e["GPUGATE_REASON"] == "respawning"]
     assert named["GPUGATE_PID"] == str(shell)
     assert int(named["GPUGATE_RESPAWNS"]) >= 1
-    assert "bash" in named["MESSAGE"]
+    assert "bash" in named["GPUGATE_COMMAND"]
 
 
 def test_loop_in_a_launcher_job_is_taken_and_the_run_succeeds(
@@ -309,7 +309,9 @@ def test_a_respawn_during_the_wait_is_killed_within_the_deadline(
     summary = run(host, gpus=[0], pre={"wait_timeout_s": 20.0})
     assert summary.exit_code is ExitCode.OK
     assert len(summary.killed) == 3
-    (named,) = [e for e in host.journal.events("holder_found") if "respawned" in e["MESSAGE"]]
+    (named,) = [
+        e for e in host.journal.events("holder_found") if e["GPUGATE_REASON"] == "respawned"
+    ]
     assert named["GPUGATE_PID"] == str(shell) and named["GPUGATE_RESPAWNS"] == "2"
 
 

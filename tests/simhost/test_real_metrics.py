@@ -1,6 +1,6 @@
 """gpugate's textfile scraped by the real node_exporter 1.5 and queried from the real
 Prometheus 2.42 (Debian's packages, inside one simulated host of this module's own), which
-evaluates README's alert rules itself: they fire after the first failure of a hook that never
+evaluates docs/metrics.md's alert rules itself: they fire after the first failure of a hook that never
 ran before, and the release histogram arrives as a histogram."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 TEXTFILE_DIR = "/var/lib/gpugate-textfile"
 PROMETHEUS = "http://127.0.0.1:9090"
-README = REPO / "README.md"
+METRICS_DOC = REPO / "docs" / "metrics.md"
 CONFIG = (
     f'metrics_textfile = "{TEXTFILE_DIR}/gpugate.prom"\n'
     "[pre]\nsigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\nwait_timeout_s = 2\n"
@@ -41,10 +41,10 @@ scrape_configs:
 
 
 def readme_rules() -> str:
-    """The alert rules block of README's Metrics section, exactly as written there."""
-    section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    """The alert rules block of docs/metrics.md, exactly as written there."""
+    section = METRICS_DOC.read_text()
     match = re.search(r"```yaml\n(groups:.*?)```", section, re.S)
-    assert match, "README's Metrics section has no ```yaml groups: block"
+    assert match, "docs/metrics.md has no ```yaml groups: block"
     return match.group(1)
 
 

@@ -22,6 +22,7 @@ from pydantic import (
 from gpugate.config.gpulist import GpuListError, GpuRef, gpu_refs
 from gpugate.errors import GateError, echo
 from gpugate.host.systemd import validate_unit_name
+from gpugate.phase import Phase
 
 DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
@@ -103,6 +104,16 @@ class PhasePolicy(_Frozen):
         return self
 
 
+def _phase_defaults(phase: Phase) -> dict[str, bool]:
+    kills = phase.traits.kills_orphans
+    return {"kill_orphans": kills, "kill_app_tree": kills}
+
+
+def default_policy(phase: Phase) -> PhasePolicy:
+    kills = phase.traits.kills_orphans
+    return PhasePolicy(kill_orphans=kills, kill_app_tree=kills)
+
+
 class GateConfig(_Frozen):
     gpus: GpusSetting = Field(
         default="auto",
@@ -139,11 +150,10 @@ class GateConfig(_Frozen):
         description="The unit's TCP ports: before it starts (pre), a process listening on one "
         "is a holder like a GPU holder, and pre returns once they are free.",
     )
-    pre: PhasePolicy = PhasePolicy()
-    post: PhasePolicy = PhasePolicy(kill_orphans=False, kill_app_tree=False)
-    # Slurm's Prolog= and Epilog=: the job is over at the epilog, so its leftovers die too.
-    prolog: PhasePolicy = PhasePolicy()
-    epilog: PhasePolicy = PhasePolicy()
+    pre: PhasePolicy = default_policy(Phase.PRE)
+    post: PhasePolicy = default_policy(Phase.POST)
+    prolog: PhasePolicy = default_policy(Phase.PROLOG)  # Slurm's Prolog= and Epilog=
+    epilog: PhasePolicy = default_policy(Phase.EPILOG)
     lock_dir: Path = Field(
         default=DEFAULT_LOCK_DIR,
         strict=False,  # a TOML string becomes the Path
@@ -171,7 +181,7 @@ class GateConfig(_Frozen):
     def _post_defaults(cls, value: object) -> object:
         # A partial [post] table keeps post's own defaults for the keys it leaves out.
         if isinstance(value, dict):
-            return {"kill_orphans": False, "kill_app_tree": False, **value}
+            return {**_phase_defaults(Phase.POST), **value}
         return value
 
     @field_validator("gpus", mode="before")
@@ -224,9 +234,18 @@ class GateConfig(_Frozen):
             raise ValueError("must be an absolute path")
         return value
 
-    def policy(self, phase: str) -> PhasePolicy:
-        policies = {"pre": self.pre, "prolog": self.prolog, "epilog": self.epilog}
-        return policies.get(phase, self.post)
+    def selection(self) -> GpuSelection:
+        """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
+        return "all" if self.gpus == "auto" else self.gpus
+
+    def policy(self, phase: Phase) -> PhasePolicy:
+        policies = {
+            Phase.PRE: self.pre,
+            Phase.POST: self.post,
+            Phase.PROLOG: self.prolog,
+            Phase.EPILOG: self.epilog,
+        }
+        return policies[phase]
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""Decision: which holders gpugate kills, which it spares, and which stop it.
+"""Decision: which holders gpugate kills, which it spares, and which stop it, and by which rule.
 
 Pure logic over what `discover` found and a view of the process tree; nothing here reads
 /proc or signals, so the rules can be tested over arbitrary process tables. Each holder's
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 
 from gpugate.config.models import GateConfig
 from gpugate.core.app_tree import ProcessTree, app_tree
@@ -17,12 +17,32 @@ from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, stable_role
 from gpugate.host.procfs import ProcessId
 from gpugate.host.systemd import unit_of_cgroup
+from gpugate.phase import Phase
 
 
-class Verdict(StrEnum):
+class Verdict(Enum):
     KILL = "kill"
     SPARE = "spare"  # left alone; it does not hold the unit's GPUs or is protected
     BLOCK = "block"  # holds the unit's GPUs but policy forbids killing it
+
+
+class Rule(Enum):
+    """Which rule chose a holder's verdict: the journal's GPUGATE_REASON and `status --json`'s
+    holder "reason". The words for each are the narration's (report/reasons.py)."""
+
+    PROTECTED = "protected"  # protected_executables / protected_units
+    WATCHER = "watcher"  # device files open, NVML lists it nowhere (nvidia-smi -l, nvtop)
+    CGROUP = "cgroup"  # in the unit's own cgroup
+    UNIT_CONTAINER = "unit-container"  # in one of the unit's containers (`containers`)
+    NOT_OWNED = "not-owned"  # holds no GPU (or only control devices) of the unit
+    STRADDLES = "straddles"  # holds the unit's GPUs and GPUs the unit does not own
+    OTHER_UNIT = "other-unit"  # another active unit's process (kill_other_units)
+    OTHER_CONTAINER = "other-container"  # another scope's container, not named in `containers`
+    ORPHAN = "orphan"  # outside any unit (kill_orphans)
+    APP_TREE = "app-tree"  # the rest of an orphan's or other unit's application
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(frozen=True)
@@ -30,8 +50,11 @@ class Choice:
     holder: Holder
     role: Role
     verdict: Verdict
-    reason: str  # in words, for the operator
-    code: str = ""  # the rule that decided, short and stable: the journal's GPUGATE_REASON
+    rule: Rule
+    on_owned: tuple[int, ...] = ()  # the unit's GPUs it holds
+    foreign: tuple[int, ...] = ()  # GPUs it holds that the unit does not own
+    other_unit: str | None = None  # OTHER_UNIT, OTHER_CONTAINER: the unit its cgroup is in
+    seed_pid: int | None = None  # APP_TREE: the holder whose application it is part of
 
 
 @dataclass
@@ -62,97 +85,53 @@ class Decision:
 def decide(
     discovery: Discovery,
     config: GateConfig,
-    phase: str,
+    phase: Phase,
     tree: ProcessTree,
     earlier: Mapping[ProcessId, Role] | None = None,
 ) -> Decision:
     """earlier: the roles given in this run's previous decisions (see roles.stable_role)."""
     policy = config.policy(phase)
-    owned = discovery.owned_indices
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
         role = stable_role(holder, discovery, config, earlier or {})
-        on_owned = sorted(holder.using & owned)
-        foreign = sorted(holder.using - owned)
-        gpus = ", ".join(str(index) for index in on_owned)
-        held = " and ".join(
-            part
-            for part in (
-                f"GPU {gpus}" if on_owned else "",
-                f"port {', '.join(map(str, sorted(holder.ports)))}" if holder.ports else "",
-            )
-            if part
-        )
-        if role is Role.PROTECTED:
-            choice = Choice(holder, role, Verdict.SPARE, "protected by configuration", "protected")
-        elif role is Role.WATCHER:
-            choice = Choice(
-                holder,
-                role,
-                Verdict.SPARE,
-                "a watcher: NVML lists it on no GPU, with no memory",
-                "watcher",
-            )
-        elif role is Role.UNIT:
-            choice = Choice(
-                holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup", "unit-cgroup"
-            )
-        elif role is Role.UNIT_CONTAINER and holder.container is not None:
-            reason = f"in {holder.container.label}, one of {discovery.unit}'s (containers)"
-            choice = Choice(holder, role, Verdict.KILL, reason, "unit-container")
-        elif not on_owned and not holder.ports:
-            why = "holds only control devices" if holder.control_devices else "holds no GPU"
-            code = "control-devices-only" if holder.control_devices else "no-gpu-of-unit"
-            choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}", code)
-        elif foreign:
-            choice = Choice(
-                holder,
-                role,
-                Verdict.BLOCK,
-                f"holds {held or 'no GPU of it'} but also GPU {', '.join(map(str, foreign))}, "
-                f"which {discovery.unit} does not own",
-                "foreign-gpu",
-            )
-        elif role is Role.OTHER_UNIT:
-            other = unit_of_cgroup(info.cgroup or "/")
-            container = holder.container
-            if config.kill_other_units:
-                who = container.label if container else other
-                choice = Choice(holder, role, Verdict.KILL, f"{who} holds {held}", "other-unit")
-            elif container is not None:
-                why = (
-                    f"{container.label} holds {held} (scope {other}; kill_other_units = "
-                    f'false); if it is {discovery.unit}\'s, set containers = ["{container.handle}"]'
-                    f" in its gpugate config (gpugate install {discovery.unit} --container "
-                    f"{container.handle})"
-                )
-                choice = Choice(holder, role, Verdict.BLOCK, why, "other-unit-container")
-            else:
-                choice = Choice(
-                    holder,
-                    role,
-                    Verdict.BLOCK,
-                    f"active unit {other} holds {held} (kill_other_units = false)",
-                    "other-unit",
-                )
-        elif policy.kill_orphans:
-            choice = Choice(holder, role, Verdict.KILL, f"orphan holding {held}", "orphan")
-        else:
-            choice = Choice(
-                holder,
-                role,
-                Verdict.BLOCK,
-                f"orphan holding {held} ({phase}.kill_orphans = false)",
-                "orphan-kept",
-            )
-        decision.choices.append(choice)
-
+        decision.choices.append(choose(holder, role, discovery, config, policy.kill_orphans))
     if policy.kill_app_tree:
         _add_app_trees(decision, discovery, config, tree)
     return decision
+
+
+def choose(
+    holder: Holder, role: Role, discovery: Discovery, config: GateConfig, kill_orphans: bool
+) -> Choice:
+    """One holder's verdict: the first rule that applies, in this order."""
+    owned = discovery.owned_indices
+    on_owned, foreign = tuple(sorted(holder.using & owned)), tuple(sorted(holder.using - owned))
+
+    def choice(verdict: Verdict, rule: Rule, other_unit: str | None = None) -> Choice:
+        return Choice(holder, role, verdict, rule, on_owned, foreign, other_unit)
+
+    if role is Role.PROTECTED:
+        return choice(Verdict.SPARE, Rule.PROTECTED)
+    if role is Role.WATCHER:
+        return choice(Verdict.SPARE, Rule.WATCHER)
+    if role is Role.UNIT:
+        return choice(Verdict.KILL, Rule.CGROUP)
+    if role is Role.UNIT_CONTAINER and holder.container is not None:
+        return choice(Verdict.KILL, Rule.UNIT_CONTAINER)
+    if not on_owned and not holder.ports:
+        return choice(Verdict.SPARE, Rule.NOT_OWNED)
+    if foreign:
+        return choice(Verdict.BLOCK, Rule.STRADDLES)
+    if role is Role.OTHER_UNIT:
+        other = unit_of_cgroup(holder.info.cgroup or "/")
+        if config.kill_other_units:
+            return choice(Verdict.KILL, Rule.OTHER_UNIT, other)
+        rule = Rule.OTHER_CONTAINER if holder.container is not None else Rule.OTHER_UNIT
+        return choice(Verdict.BLOCK, rule, other)
+    return choice(Verdict.KILL if kill_orphans else Verdict.BLOCK, Rule.ORPHAN)
 
 
 def _add_app_trees(
@@ -188,13 +167,15 @@ def _add_app_trees(
                 decision.choices.remove(watchers.pop(pid))
             holder = discovery.holders.get(pid) or Holder(info)
             holder.sources.add(Source.APP_TREE)
+            on_owned = tuple(sorted(holder.using & owned))
             decision.choices.append(
                 Choice(
                     holder,
                     seed.role,
                     Verdict.KILL,
-                    f"same application as PID {seed.holder.pid}",
-                    "app-tree",
+                    Rule.APP_TREE,
+                    on_owned,
+                    seed_pid=seed.holder.pid,
                 )
             )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -121,6 +121,64 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
     return pids
 
 
+class HolderTable:
+    """The holders found so far, by PID; a process is read (and added) when first named."""
+
+    def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
+        self.procfs = procfs
+        self.self_chain = self_chain
+        self.by_pid: dict[int, Holder] = {}
+
+    def get(self, pid: int) -> Holder | None:
+        """The holder for pid, or None for gpugate itself, a kernel thread or a gone PID."""
+        if pid in self.self_chain:
+            return None
+        if pid in self.by_pid:
+            return self.by_pid[pid]
+        info = self.procfs.info(pid)
+        if info is None or info.kernel_thread:
+            return None
+        self.by_pid[pid] = Holder(info)
+        return self.by_pid[pid]
+
+
+@dataclass
+class GpuState:
+    """What one discovery read of the devices: the GPUs and, from the same pass over /proc,
+    the shm files each process holds."""
+
+    gpus: list[Gpu]  # those NVML could read
+    usage: dict[int, GpuUsage]
+    faults: list[GpuFault]
+    shm_areas: list[ShmArea] = field(default_factory=list)
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+
+
+def read_gpus(
+    driver: GpuDriver, wanted: GpuSelection | None, unit: str, *, strict_faults: bool
+) -> GpuState:
+    """Every GPU and its usage; a fault on one of the unit's own fails the run (strict)."""
+    gpus = list(driver.gpus())
+    faults = list(driver_faults(driver))
+    if strict_faults:
+        fail_on_owned_faults(wanted, gpus, faults, unit)
+    usage: dict[int, GpuUsage] = {}
+    for gpu in list(gpus):
+        try:
+            usage[gpu.index] = driver.usage(gpu)
+        except GpuError as exc:
+            gpus.remove(gpu)
+            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+        except NvmlNotAnswering as exc:
+            if strict_faults:
+                raise
+            gpus.remove(gpu)  # status: shown as unreadable, with what else could be read
+            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+    if strict_faults:
+        fail_on_owned_faults(wanted, gpus, faults, unit)
+    return GpuState(gpus, usage, sorted(faults, key=lambda fault: fault.index))
+
+
 def discover(
     *,
     unit: str,
@@ -141,52 +199,50 @@ def discover(
     on the others are recorded in `faults` either way); `status` passes False.
     containers: the config's `containers`, whose processes are the unit's too.
     ports: the unit's TCP ports, whose listeners are holders too."""
-    gpus = list(driver.gpus())
-    faults = list(driver_faults(driver))
-    if strict_faults:
-        fail_on_owned_faults(wanted, gpus, faults, unit)
-    usage: dict[int, GpuUsage] = {}
-    for gpu in list(gpus):
-        try:
-            usage[gpu.index] = driver.usage(gpu)
-        except GpuError as exc:
-            gpus.remove(gpu)
-            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
-        except NvmlNotAnswering as exc:
-            if strict_faults:
-                raise
-            gpus.remove(gpu)  # status: shown as unreadable, with what else could be read
-            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
-    if strict_faults:
-        fail_on_owned_faults(wanted, gpus, faults, unit)
-    owned = owned_gpus(wanted, gpus, config_source)
-    self_chain = self_and_ancestors(procfs, self_pid)
-    holders: dict[int, Holder] = {}
+    state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
+    state.shm_areas = find_areas(roots.dev, roots.proc)
+    with procfs.oneshot():  # one reading of every process for the whole discovery
+        table = HolderTable(procfs, self_and_ancestors(procfs, self_pid))
+        for pid in cgroup_members(roots.cgroup, unit_cgroup):
+            if (found := table.get(pid)) is not None:
+                found.sources.add(Source.CGROUP)
+        unreadable = _add_device_users(table, roots, state, ports)
+        invisible = _add_nvml_processes(table, state.usage)
+        unit_containers = _containers(
+            table, roots=roots, wanted=containers, names=container_names or ContainerNames()
+        )
+    return Discovery(
+        unit=unit,
+        unit_cgroup=unit_cgroup,
+        gpus=state.gpus,
+        owned=owned_gpus(wanted, state.gpus, config_source),
+        usage=state.usage,
+        holders=table.by_pid,
+        self_chain=table.self_chain,
+        unreadable=unreadable,
+        invisible=invisible,
+        unit_containers=unit_containers,
+        faults=state.faults,
+        shm=state.shm,
+        shm_areas=state.shm_areas,
+    )
 
-    def holder(pid: int) -> Holder | None:
-        if pid in holders:
-            return holders[pid]
-        info = procfs.info(pid)
-        if info is None or info.kernel_thread:
-            return None
-        holders[pid] = Holder(info)
-        return holders[pid]
 
-    for pid in cgroup_members(roots.cgroup, unit_cgroup):
-        if pid not in self_chain and (found := holder(pid)) is not None:
-            found.sources.add(Source.CGROUP)
-
-    index_by_minor = {gpu.minor: gpu.index for gpu in gpus}
-    for fault in faults:
+def _add_device_users(
+    table: HolderTable, roots: HostRoots, state: GpuState, ports: Collection[int]
+) -> list[int]:
+    """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
+    the PIDs whose files could not be read."""
+    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus}
+    for fault in state.faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
         minor = fault.index if fault.minor is None else fault.minor
         index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
-    shm_areas = find_areas(roots.dev, roots.proc)
-    scan = scan_device_users(roots.proc, dev_prefix, listening, shm_areas)
+    scan = scan_device_users(roots.proc, dev_prefix, listening, state.shm_areas)
     for pid, use in scan.users.items():
-        if pid in self_chain or (found := holder(pid)) is None:
+        if (found := table.get(pid)) is None:
             continue
         if use.sockets:
             found.sources.add(Source.PORT)
@@ -202,59 +258,33 @@ def discover(
                 found.gpus.add(index_by_minor[int(match.group(1))])
             else:
                 found.control_devices.add(name)
+    state.shm = scan.shm
+    return scan.unreadable
 
+
+def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:
+    """The processes NVML lists. Returns (GPU, PID) of those this /proc does not show."""
     invisible: list[tuple[int, int]] = []
     for index, gpu_usage in usage.items():
         for process in gpu_usage.processes:
-            if process.pid in self_chain:
+            if process.pid in table.self_chain:
                 continue
-            if (found := holder(process.pid)) is None:
+            if (found := table.get(process.pid)) is None:
                 invisible.append((index, process.pid))
                 continue
             found.sources.add(Source.NVML)
             found.gpus.add(index)
             found.used_mib[index] = process.used_mib
-
-    unit_containers = _containers(
-        holders,
-        holder,
-        roots=roots,
-        wanted=containers,
-        names=container_names or ContainerNames(),
-        self_chain=self_chain,
-    )
-    return Discovery(
-        unit=unit,
-        unit_cgroup=unit_cgroup,
-        gpus=gpus,
-        owned=owned,
-        usage=usage,
-        holders=holders,
-        self_chain=self_chain,
-        unreadable=scan.unreadable,
-        invisible=invisible,
-        unit_containers=unit_containers,
-        faults=sorted(faults, key=lambda fault: fault.index),
-        shm=scan.shm,
-        shm_areas=shm_areas,
-    )
+    return invisible
 
 
 def _containers(
-    holders: dict[int, Holder],
-    holder: Callable[[int], Holder | None],
-    *,
-    roots: HostRoots,
-    wanted: Sequence[str],
-    names: ContainerNames,
-    self_chain: frozenset[int],
+    table: HolderTable, *, roots: HostRoots, wanted: Sequence[str], names: ContainerNames
 ) -> list[Container]:
     """Names every holder's container; adds every process of the containers WANTED names
     as the unit's, GPU holders or not. Returns those containers."""
-    found: dict[str, Container] = {}
-    for each in holders.values():
-        if (container := container_of_cgroup(each.info.cgroup)) is not None:
-            found.setdefault(container.id, container)
+    holders = table.by_pid
+    found = _containers_of(holders)
     if wanted:
         for container in container_scopes(roots.cgroup):
             found.setdefault(container.id, container)
@@ -264,10 +294,19 @@ def _containers(
     own = [c for c in named.values() if c.matches(wanted)]
     for container in own:
         for pid in cgroup_members(roots.cgroup, container.scope):
-            if pid not in self_chain and (member := holder(pid)) is not None:
+            if (member := table.get(pid)) is not None:
                 member.sources.add(Source.CONTAINER)
                 member.container = container
     for each in holders.values():
-        if (container := container_of_cgroup(each.info.cgroup)) is not None:
-            each.container = named.get(container.id, container)
+        if (in_scope := container_of_cgroup(each.info.cgroup)) is not None:
+            each.container = named.get(in_scope.id, in_scope)
     return own
+
+
+def _containers_of(holders: dict[int, Holder]) -> dict[str, Container]:
+    """The containers the holders are in, by id (the first holder's reading of each)."""
+    found: dict[str, Container] = {}
+    for each in holders.values():
+        if (container := container_of_cgroup(each.info.cgroup)) is not None:
+            found.setdefault(container.id, container)
+    return found

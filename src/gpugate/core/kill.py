@@ -81,7 +81,7 @@ class CheckedProcess:
     def exited(self) -> bool:
         if not self._procfs.still_same(self.ident):
             return True
-        stat = ProcFs(self._procfs.root).stat(self.ident.pid)
+        stat = self._procfs.stat(self.ident.pid)  # fresh: outside any oneshot()
         return stat is None or stat.state in ("Z", "X")
 
     def fileno(self) -> int | None:

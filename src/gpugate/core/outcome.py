@@ -28,7 +28,7 @@ class RunFacts:
     respawning: bool = False  # a process gpugate may not take kept respawning holders
     held_by_others: bool = False  # refused, leased, a blocker or a port held by another
     memory_busy: bool = False  # memory still used at the deadline, with on_timeout = "fail"
-    shm_short: bool = False  # /dev/shm has less free space than the next start needs
+    shm_short: bool = False  # before a start: /dev/shm has less free than shm_min_free_mib
 
 
 # First the cause the operator must remove before anything else helps: a respawner (a loop, a
@@ -42,7 +42,7 @@ PRECEDENCE = (
     ("survivors", ExitCode.UNKILLABLE),
     ("held_by_others", ExitCode.HELD_BY_OTHERS),
     ("memory_busy", ExitCode.MEMORY_TIMEOUT),
-    ("shm_short", ExitCode.SHM_SPACE),
+    ("shm_short", ExitCode.SHM_SPACE),  # looked at only where nothing above holds
 )
 
 

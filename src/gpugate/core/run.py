@@ -3,7 +3,8 @@
 Discovery and killing repeat (bounded in rounds and by the deadline) so that a holder that
 forks while it is being killed is found and killed too. NVML failing (at the start or mid-run)
 with `on_nvml_error = "warn"` degrades the same run to the unit's cgroup alone: same deadline,
-same summary. What the run says is `narrate`'s business.
+same summary. What the run says goes through `Narration` (worded in gpugate.report); what the unit's
+surroundings add (leases, the manual-run guard) comes through `Surroundings`.
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
+from gpugate.core.narration import Narration
 from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary, exit_code_for
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
-from gpugate.core.wait import busy_gpus, wait_settled
+from gpugate.core.surroundings import Surroundings
+from gpugate.core.wait import Settled, busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
@@ -30,32 +33,19 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.shm import ShmArea, ShmKey
 from gpugate.host.shm_host import HostShm
 from gpugate.host.systemd import unit_of_cgroup
-from gpugate.integrations.unit.gpu_source import selection
-from gpugate.integrations.unit.shared_host import (
-    HostContext,
-    after_run,
-    gpus_not_to_wait_on,
-    leases_refuse,
-    name_leases_of_holders,
-    refuse_manual_run,
-    report_faults,
-    take_lease_first,
-    waiting_skipped,
-)
-from gpugate.report.holder_text import describe
-from gpugate.report.narrate import Narrator
+from gpugate.phase import Phase
 
 MAX_ROUNDS = 5
 MIB = 1024 * 1024
-SHM_SPACE_PHASES = ("pre", "prolog")  # the phases before a start: shm_min_free_mib applies
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
 
 
 @dataclass(frozen=True)
 class RunScope:
-    """What one run is about, decided before it is built."""
+    """What one run is about, decided before it is built; the one object that carries the
+    phase and the unit (the reporter's journal fields are made from it)."""
 
-    phase: str
+    phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
 
@@ -65,40 +55,41 @@ class PhaseRun:
         self,
         scope: RunScope,
         loaded: LoadedConfig,
-        narrator: Narrator,
+        narrator: Narration,
         *,
         roots: HostRoots,
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
-        context: HostContext,
+        surroundings: Surroundings,
         shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
     ) -> None:
         """shm_host: the shm files' host side for the areas discovery found (tests)."""
-        self.context = context
+        self.surroundings = surroundings
         self.dry_run = False
-        self.lease_refusal: str | None = None  # why another unit's lease refused this pre
+        self.start_refusal: str | None = None  # why the surroundings refused this start
         self.scope = scope
         self.loaded = loaded
         self.config = loaded.config
         self.policy = loaded.config.policy(scope.phase)
         self.narrator = narrator
         self.roots = roots
+        self.procfs = ProcFs(roots.proc)  # cached only inside a round's oneshot()
         self.pinner = pinner
         self.clock = clock
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
         self.facts = RunFacts()  # the exit code is exit_code_for(facts), set in finish
-        self.wanted: GpuSelection | None = selection(self.config)  # None: no GPU (degraded)
+        self.wanted: GpuSelection | None = self.config.selection()  # None: no GPU (degraded)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}  # every target of this run, once
-        # The unit's ports matter before it starts: pre only.
-        self.ports = self.config.ports if scope.phase == "pre" else ()
+        self.ports = self.config.ports if scope.phase.traits.checks_ports else ()
         self.watch = RespawnWatch(())
         # Spared for good (protected, holding no GPU of the unit): not waited on. A watcher is
         # not among them: NVML listing it later means it became a GPU user, to look at again.
         self.spared_pids: set[int] = set()
+        self.reported_faults: set[int] = set()
         # Each process's role when first judged in this run: a watcher stays one while the
         # driver frees a killed holder's memory (roles.stable_role).
         self.judged: dict[ProcessId, Role] = {}
@@ -107,17 +98,21 @@ class PhaseRun:
         self.activity = "looking for the GPUs' holders"
         self.last_busy: list[BusyGpu] = []
         self._announced = False
-        # Who held which /dev/shm file, from every discovery; names for the PIDs in the reasons.
+        self.watch_shm(shm_host or (lambda areas: HostShm(areas, roots.proc)))
+
+    def watch_shm(self, shm_host: Callable[[list[ShmArea]], ShmHost]) -> None:
+        """Who held which /dev/shm file, from every discovery; names for the PIDs in the
+        reasons; the host side of the files."""
         self.shm = ShmLedger()
         self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}
-        self.shm_host = shm_host or (lambda areas: HostShm(areas, roots.proc))
+        self.shm_host = shm_host
 
     def degrade(self, error: NvmlUnavailable) -> None:
         """NVML is unusable: fail, or (on_nvml_error = warn) go on with the cgroup alone."""
         if self.policy.on_nvml_error == "fail" or self.summary.degraded:
             raise error
-        self.narrator.degraded(error, self.scope.phase)
+        self.narrator.degraded(error, self.scope.phase.value)
         self.without_nvml()
 
     def without_nvml(self) -> None:
@@ -132,24 +127,25 @@ class PhaseRun:
         self.dry_run = dry_run
         while True:
             try:
-                return self.sequence(dry_run)
+                return self.sequence()
             except NvmlUnavailable as exc:
                 self.degrade(exc)  # raises unless the run may go on without NVML
 
     def find(self) -> tuple[Discovery, Decision]:
-        procfs = ProcFs(self.roots.proc)
-        found = discover(
-            unit=self.scope.unit,
-            unit_cgroup=self.scope.unit_cgroup,
-            wanted=self.wanted,
-            config_source=self.loaded.source,
-            driver=self.driver,
-            procfs=procfs,
-            roots=self.roots,
-            ports=self.ports,
-            containers=self.config.containers,
-        )
-        decision = decide(found, self.config, self.scope.phase, procfs, self.judged)
+        """One round: discovery and decision over one consistent reading of /proc."""
+        with self.procfs.oneshot():
+            found = discover(
+                unit=self.scope.unit,
+                unit_cgroup=self.scope.unit_cgroup,
+                wanted=self.wanted,
+                config_source=self.loaded.source,
+                driver=self.driver,
+                procfs=self.procfs,
+                roots=self.roots,
+                ports=self.ports,
+                containers=self.config.containers,
+            )
+            decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
         self.shm.note(found.shm)
         self.shm_areas = found.shm_areas
         for choice in decision.choices:
@@ -159,11 +155,17 @@ class PhaseRun:
             )
         return found, decision
 
-    def sequence(self, dry_run: bool) -> RunSummary:
-        narrator, summary = self.narrator, self.summary
+    def report_faults(self, discovery: Discovery) -> None:
+        """Faults on GPUs the unit does not own (its own fail the run in discover): once."""
+        for fault in discovery.faults:
+            if fault.index not in self.reported_faults:
+                self.reported_faults.add(fault.index)
+                self.narrator.fault_elsewhere(fault, self.scope.unit)
+
+    def sequence(self) -> RunSummary:
         discovery, decision = self.find()
-        summary.seconds_discover = self.clock() - self.started
-        summary.owned = list(discovery.owned)
+        self.summary.seconds_discover = self.clock() - self.started
+        self.summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
         self.last_busy = [
@@ -171,33 +173,40 @@ class PhaseRun:
             for g in discovery.owned
             if self.used_before[g.index] > self.config.free_mib
         ]
-        refuse_manual_run(self.context, decision, describe)  # one line, before any other
-        if not self._announced:
-            narrator.run_started(
-                discovery,
-                self.loaded.source,
-                sum(self.used_before.values()),
-                gpu_source=self.context.choice.source,
-                gpu_source_warns=self.context.choice.warn,
-            )
-            self._announced = True
-        report_faults(self.context, narrator.reporter, discovery)
-        narrator.blind_spots(discovery)
-        narrator.choices(decision)
+        self.surroundings.before_kill(decision)  # one line, before any other
+        self.announce(discovery)
+        self.report_faults(discovery)
+        self.narrator.blind_spots(discovery)
+        self.narrator.choices(decision)
         if decision.refused:
-            name_leases_of_holders(self.context, self.loaded, narrator.reporter, discovery.owned)
-            narrator.refused()
+            self.surroundings.held_by_others(discovery.owned)
+            self.narrator.refused()
             self.facts.held_by_others = True
-            return self.finish()
-        if dry_run:
-            leased = leases_refuse(
-                self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=True
-            )
-            self.facts.held_by_others = bool(decision.blockers) or leased is not None
+        elif self.dry_run:
+            refusal = self.surroundings.start_refusal(discovery.owned, dry_run=True)
+            blocked = bool(decision.blockers) or refusal is not None
+            self.facts.held_by_others = blocked
             self.clean_shm(would_kill={c.holder.pid for c in decision.targets})
-            return self.finish()
+        else:
+            self.under_locks(discovery, decision)
+            return self.summary  # finished under the locks
+        return self.finish()
+
+    def announce(self, discovery: Discovery) -> None:
+        if self._announced:
+            return
+        self.narrator.run_started(
+            discovery,
+            self.loaded.source,
+            sum(self.used_before.values()),
+            gpu_source=self.surroundings.gpu_source,
+            gpu_source_warns=self.surroundings.gpu_source_warns,
+        )
+        self._announced = True
+
+    def under_locks(self, discovery: Discovery, decision: Decision) -> None:
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
-        narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
+        self.narrator.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
         with gpu_locks(
             self.config.lock_dir,
             discovery.owned,
@@ -206,68 +215,74 @@ class PhaseRun:
             clock=self.clock,
         ):
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
-            self.lease_refusal = leases_refuse(
-                self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=False
-            )
-            if self.lease_refusal is not None:
+            self.start_refusal = self.surroundings.start_refusal(discovery.owned, dry_run=False)
+            if self.start_refusal is not None:
                 self.facts.held_by_others = True
-                return self.finish()
-            take_lease_first(self.context, self.loaded, discovery.owned)
-            discovery, decision, survivors = self.kill_rounds(discovery, decision)
-            if survivors:
-                self.facts.survivors = True
-                narrator.survived(len(survivors))
-            elif decision.blockers:
-                self.facts.held_by_others = True
-                narrator.still_held()
             else:
-                self.wait(discovery, decision)
-            self.clean_shm()
-            return self.finish()  # the lease is written in finish, still under the locks
+                self.surroundings.take_lease_first(discovery.owned)
+                self.kill_and_wait(discovery, decision)
+                self.clean_shm()
+            self.finish()  # the lease is written in finish, still under the locks
+
+    def kill_and_wait(self, discovery: Discovery, decision: Decision) -> None:
+        discovery, decision, survivors = self.kill_rounds(discovery, decision)
+        if survivors:
+            self.facts.survivors = True
+            self.narrator.survived(len(survivors))
+        elif decision.blockers:
+            self.facts.held_by_others = True
+            self.narrator.still_held()
+        else:
+            self.wait(discovery, decision)
 
     def kill_rounds(
-        self, discovery: Discovery, decision: Decision, *, announced: bool = True
+        self, discovery: Discovery, decision: Decision
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
-        """Kill the targets; rediscover and repeat while new ones appear (forks).
-        announced: the first round's choices were already narrated (sequence's are)."""
+        """Kill the targets; rediscover and repeat while new ones appear (forks)."""
         kill_started = self.clock()
-        if self.scope.phase == "pre" and discovery.unit_containers:
+        if self.scope.phase.traits.stops_containers and discovery.unit_containers:
             self.stop_containers(discovery, decision)
-        by_ident = self.signalled
         survivors: list[ProcessId] = []
         for round_number in range(1, MAX_ROUNDS + 1):
-            fresh = [c for c in decision.targets if c.holder.info.ident not in by_ident]
+            fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
             if not fresh:
                 break
-            self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
-            if round_number > 1 or not announced:
-                self.narrator.choices(Decision(fresh))
-            self.narrator.stopping(len(fresh), round_number)
-            self.activity = f"stopping {len(fresh)} process(es) (round {round_number})"
-            by_ident.update((c.holder.info.ident, c) for c in fresh)
-            self.watch.self_chain = discovery.self_chain
-            self.watch.killed(fresh, by_ident, ProcFs(self.roots.proc))
-            result = terminate(
-                [c.holder.info.ident for c in fresh],
-                grace_s=self.policy.sigterm_grace_s,
-                sigkill_wait_s=self.policy.sigkill_wait_s,
-                deadline=self.deadline,
-                procfs=ProcFs(self.roots.proc),
-                on_signal=lambda ident, signum: self.narrator.signal_sent(by_ident[ident], signum),
-                on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
-                pinner=self.pinner,
-                clock=self.clock,
-            )
-            self.summary.killed.extend(result.terminated + result.killed)
-            survivors = result.survivors
+            survivors = self.kill_round(discovery, fresh, round_number)
             if survivors or self.clock() >= self.deadline:
                 break
             discovery, decision = self.find()
-            report_faults(self.context, self.narrator.reporter, discovery)
+            self.report_faults(discovery)
         self.summary.seconds_kill += self.clock() - kill_started
         for ident in survivors:
-            self.narrator.survivor(by_ident[ident])
+            self.narrator.survivor(self.signalled[ident])
         return discovery, decision, survivors
+
+    def kill_round(
+        self, discovery: Discovery, fresh: list[Choice], round_number: int
+    ) -> list[ProcessId]:
+        by_ident = self.signalled
+        self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
+        if round_number > 1:
+            self.narrator.choices(Decision(fresh))
+        self.narrator.stopping(len(fresh), round_number)
+        self.activity = f"stopping {len(fresh)} process(es) (round {round_number})"
+        by_ident.update((c.holder.info.ident, c) for c in fresh)
+        self.watch.self_chain = discovery.self_chain
+        with self.procfs.oneshot():
+            self.watch.killed(fresh, by_ident, self.procfs)
+        result = terminate(
+            [c.holder.info.ident for c in fresh],
+            grace_s=self.policy.sigterm_grace_s,
+            sigkill_wait_s=self.policy.sigkill_wait_s,
+            deadline=self.deadline,
+            procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
+            on_signal=lambda ident, signum: self.narrator.signal_sent(by_ident[ident], signum),
+            on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
+            pinner=self.pinner,
+            clock=self.clock,
+        )
+        self.summary.killed.extend(result.terminated + result.killed)
+        return result.survivors
 
     def stop_containers(self, discovery: Discovery, decision: Decision) -> None:
         """The unit's own containers stop through their runtime first (it records them as
@@ -290,37 +305,42 @@ class PhaseRun:
         return busy
 
     def on_stuck(self, choices: list[Choice]) -> None:
-        procfs = ProcFs(self.roots.proc)
         for choice in choices:
-            stat = procfs.stat(choice.holder.pid)
-            self.narrator.stuck(
-                choice, stat.state if stat else "?", procfs.wchan(choice.holder.pid)
-            )
+            stat = self.procfs.stat(choice.holder.pid)
+            state = stat.state if stat else "?"
+            self.narrator.stuck(choice, state, self.procfs.wchan(choice.holder.pid))
 
     def wait(self, discovery: Discovery, decision: Decision) -> None:
         """Wait for free GPUs and ports; what turns up meanwhile (a respawn) is killed too."""
-        owned = list(discovery.owned)
-        waited_by_pre = gpus_not_to_wait_on(self.context, owned)
-        if waited_by_pre:
-            owned = [gpu for gpu in owned if gpu not in waited_by_pre]
-            waiting_skipped(self.narrator.reporter, waited_by_pre)
+        skipped = self.surroundings.not_to_wait_on(discovery.owned)
+        owned = [gpu for gpu in discovery.owned if gpu not in skipped]
         if not owned and not self.ports:
             return
-        free_mib = self.config.free_mib
         wait_started = self.clock()
         self.spared_pids = spared_for_good(decision)
+        settled = self.settle(owned)
+        self.summary.seconds_wait = self.clock() - wait_started
+        self.summary.busy = settled.busy
+        for gpu in owned:
+            used_after = self.driver.usage(gpu).used_mib
+            freed = max(self.used_before.get(gpu.index, 0) - used_after, 0)
+            self.summary.freed_mib_by_gpu[gpu.index] = freed
+        self.judge_wait(settled, owned)
+
+    def settle(self, owned: list[Gpu]) -> Settled:
+        free_mib = self.config.free_mib
 
         def on_progress(busy: list[BusyGpu], left: float) -> None:
             if busy:
                 self.narrator.memory_wait(busy, free_mib, left)
-            self.narrator.reporter.extend_timeout(left + TIMEOUT_MARGIN_S)
+            self.narrator.extend_timeout(left + TIMEOUT_MARGIN_S)
 
-        settled = wait_settled(
+        return wait_settled(
             busy_gpus=lambda: self.note_busy(
                 busy_gpus(self.driver, owned, free_mib, self.spared_pids)
             ),
             busy_ports=lambda: sorted(set(listening_sockets(self.roots.proc, self.ports).values())),
-            pending=lambda: self.watch.pending(ProcFs(self.roots.proc)),
+            pending=lambda: self.watch.pending(self.procfs),
             look_again=self.look_again,
             known_pids=lambda: {i.pid for i in self.signalled} | self.spared_pids,
             watching=lambda: bool(self.watch.watched),
@@ -328,39 +348,33 @@ class PhaseRun:
             on_progress=on_progress,
             clock=self.clock,
         )
-        busy = settled.busy
-        self.summary.seconds_wait = self.clock() - wait_started
-        self.summary.busy = busy
-        for gpu in owned:
-            used_after = self.driver.usage(gpu).used_mib
-            freed = max(self.used_before.get(gpu.index, 0) - used_after, 0)
-            self.summary.freed_mib_by_gpu[gpu.index] = freed
-        procfs = ProcFs(self.roots.proc)
-        respawners = self.watch.respawners(procfs.still_same)
+
+    def judge_wait(self, settled: Settled, owned: list[Gpu]) -> None:
+        """The wait's outcome: respawning, ports or memory still held, or all free."""
+        busy, timeout_s = settled.busy, self.policy.wait_timeout_s
+        respawners = self.watch.respawners(self.procfs.still_same)
         if settled.held and respawners:
-            self.narrator.respawning(respawners, self.policy.wait_timeout_s)
+            self.narrator.respawning(respawners, timeout_s)
             self.facts.respawning = True
             return
         for respawner in respawners:
             self.narrator.respawned(respawner)
         failing = self.policy.on_timeout == "fail"
         for item in busy:
-            self.narrator.memory_timeout(
-                item, free_mib, self.policy.wait_timeout_s, failing=failing
-            )
+            self.narrator.memory_timeout(item, self.config.free_mib, timeout_s, failing=failing)
         if settled.ports:
-            self.narrator.ports_held(settled.ports, self.policy.wait_timeout_s)
+            self.narrator.ports_held(settled.ports, timeout_s)
             self.facts.held_by_others = True
         if not busy:
             if owned and not settled.ports:
-                self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
+                self.narrator.memory_freed(owned, self.config.free_mib, self.summary.seconds_wait)
         elif failing:
             self.facts.memory_busy = True
 
     def shm_label(self, pid: int) -> str:
         if pid in self.shm_labels:
             return self.shm_labels[pid]
-        info = ProcFs(self.roots.proc).info(pid)
+        info = self.procfs.info(pid)
         if info is None:
             return f"PID {pid}"
         unit = unit_of_cgroup(info.cgroup or "/")
@@ -374,16 +388,18 @@ class PhaseRun:
         if self.policy.remove_shm:
             if would_kill is not None:
                 removals = plan(self.shm, would_kill, host, self.shm_label)
+                freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
             else:
                 killed = {ident.pid for ident in self.signalled}
                 removals = remove(self.shm, killed, host, self.shm_label)
             self.narrator.shm_files(removals)
-            if would_kill is not None:
-                freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
+        self.check_shm_space(host, freed)
+
+    def check_shm_space(self, host: ShmHost, freed: int) -> None:
         needed_mib = self.config.shm_min_free_mib
         if (
             needed_mib is None
-            or self.scope.phase not in SHM_SPACE_PHASES
+            or not self.scope.phase.traits.before_start
             or exit_code_for(self.facts) is not ExitCode.OK
         ):
             return
@@ -404,8 +420,7 @@ class PhaseRun:
         fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
         if not fresh:
             return False
-        # Each target found here (a respawn, a watcher NVML now lists) says why it dies.
-        _, _, survivors = self.kill_rounds(discovery, decision, announced=False)
+        _, _, survivors = self.kill_rounds(discovery, decision)
         if survivors:
             self.facts.survivors = True
             self.narrator.survived(len(survivors))
@@ -413,20 +428,15 @@ class PhaseRun:
 
     def finish(self) -> RunSummary:
         self.summary.exit_code = exit_code_for(self.facts)
-        # pre's lease first: one that cannot be written is the run's error (exit 73), never a
-        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
-        if self.scope.phase != "pre" or self.dry_run:
+        if self.dry_run:
             self.narrator.finished(self.summary)
-        if not self.dry_run:
-            after_run(
-                self.context,
-                self.loaded,
-                self.narrator.reporter,
-                owned=self.summary.owned,
-                exit_code=self.summary.exit_code,
-                busy=self.summary.busy,
-                lease_refusal=self.lease_refusal,
-            )
-        if self.scope.phase == "pre" and not self.dry_run:
+            return self.summary
+        # A lease first: one that cannot be written is the run's error (exit 73), never a
+        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
+        lease_first = self.scope.phase.traits.takes_lease
+        if not lease_first:
+            self.narrator.finished(self.summary)
+        self.surroundings.after_run(self.summary, self.start_refusal)
+        if lease_first:
             self.narrator.finished(self.summary)
         return self.summary

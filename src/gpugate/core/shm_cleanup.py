@@ -14,15 +14,15 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpugate.host.shm import FileFacts, ShmFile, ShmKey, Space, Unlinked, merge
-
-
-@dataclass(frozen=True)
-class FreshHolders:
-    """Who holds the shm files now: PIDs by file, and the PIDs whose files could not be read."""
-
-    by_key: Mapping[ShmKey, Collection[int]]
-    unreadable: Collection[int] = ()
+from gpugate.host.shm import (
+    FileFacts,
+    FreshHolders,
+    ShmFile,
+    ShmKey,
+    Space,
+    Unlinked,
+    merge,
+)
 
 
 class ShmHost(Protocol):

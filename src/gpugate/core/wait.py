@@ -6,6 +6,12 @@ without spinning; progress is reported about once a second. What turns up during
 respawned holder: NVML lists a PID not seen, a port is listened on again, a watched parent
 starts the killed child's executable again) is looked for with a new discovery, at most every
 LOOK_AGAIN_EVERY_S, and killed by the caller as in the kill rounds.
+
+The look runs when NVML lists a PID not known, a port is held, or a respawn is under way.
+While parents of killed holders are watched (a respawn may come from them), success needs
+two looks in a row, LOOK_AGAIN_EVERY_S apart, that find nothing: a respawned holder that NVML
+does not list yet is caught, and a loop that respawns between two polls cannot end the run
+as a success.
 """
 
 from __future__ import annotations
@@ -61,13 +67,8 @@ def wait_settled(
     sleep: Callable[[float], None] = time.sleep,
 ) -> Settled:
     """Poll until the GPUs and ports are free and no respawn is under way, or the deadline.
-
-    look_again rediscovers and kills what it finds (True when it found something). It runs
-    when NVML lists a PID not known, a port is held, or a respawn is under way (at most every
-    LOOK_AGAIN_EVERY_S). While parents of killed holders are watched (a respawn may come from
-    them), success needs two looks in a row, LOOK_AGAIN_EVERY_S apart, that find nothing:
-    a respawned holder that NVML does not list yet is caught, and a loop that respawns between
-    two polls cannot end the run as a success."""
+    look_again rediscovers and kills what it finds (True when it found something); when it
+    runs, and why two clear looks are needed while parents are watched: the module's doc."""
     interval = FIRST_POLL_S
     next_progress = clock()
     next_look = clock()

@@ -8,8 +8,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from gpugate.config.file import load_config
+from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
@@ -58,6 +60,7 @@ def _systemd_active_state(unit: str) -> str | None:
 def hook_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.hook import Hook, run_hook  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
 
     unit = unit_argument(args.unit) if args.unit else own_unit()
     if unit is None:
@@ -68,14 +71,15 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     roots = front.roots
+    phase = Phase(args.command)
     hook = Hook(
-        args.command,
+        phase,
         unit,
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
         metrics_unit=unit,
     )
     manual_refusal = manual_run_guard(
-        args.command,
+        phase,
         unit,
         front.unit_state,
         front.environ,
@@ -105,11 +109,12 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.integrations import slurm  # noqa: PLC0415
+    from gpugate.front.slurm_hook import run_slurm_hook  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
 
     with stopped_by_signals():
-        return slurm.main(
-            args.slurm_phase,
+        return run_slurm_hook(
+            Phase(args.slurm_phase),
             config_path=args.config,
             dry_run=args.dry_run,
             environ=front.environ,
@@ -174,32 +179,16 @@ def _warn_environment_files(unit: str) -> None:
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.status import (  # noqa: PLC0415
-        as_dict,
-        collect,
-        device_minors,
-        render_json,
-        render_table,
-        unreadable_warning,
-    )
+    from gpugate.front.status import render_json, render_table  # noqa: PLC0415
 
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.config)
     roots = front.roots
     driver = front.driver_factory()
     try:
-        warned = False
+        warned: list[str] = []
         while True:
-            try:
-                discovery = collect(unit, loaded, driver, roots)
-            except NvmlNotAnswering as exc:
-                # Hung before it named a GPU: what /dev and /proc show, without NVML.
-                discovery = collect(unit, loaded, NotAnswering(exc, device_minors(roots)), roots)
-            warning = unreadable_warning(discovery)
-            if warning and not warned:  # once, also in --watch
-                print(warning, file=sys.stderr, flush=True)
-                warned = True
-            data = as_dict(discovery, loaded, roots)
+            data = status_data(unit, loaded, driver, roots, warned)
             hung = driver_not_answering(driver)
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
@@ -223,3 +212,30 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
         return int(ExitCode.OK)
     finally:
         driver.close()
+
+
+def status_data(
+    unit: str | None,
+    loaded: LoadedConfig,
+    driver: GpuDriver,
+    roots: HostRoots,
+    warned: list[str],
+) -> dict[str, Any]:
+    """One look for `status`; a warning about unreadable holders is said once (warned)."""
+    from gpugate.front.status import (  # noqa: PLC0415
+        as_dict,
+        collect,
+        device_minors,
+        unreadable_warning,
+    )
+
+    try:
+        discovery = collect(unit, loaded, driver, roots)
+    except NvmlNotAnswering as exc:
+        # Hung before it named a GPU: what /dev and /proc show, without NVML.
+        discovery = collect(unit, loaded, NotAnswering(exc, device_minors(roots)), roots)
+    warning = unreadable_warning(discovery)
+    if warning and not warned:  # once, also in --watch
+        print(warning, file=sys.stderr, flush=True)
+        warned.append(warning)
+    return as_dict(discovery, loaded, roots)

@@ -29,21 +29,16 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.shm import ShmArea
 from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import (
-    METRICS,
-    nvml_hung_in_pre,
-    prepare,
-    record_interrupted,
-    record_pre_error,
-    state_folders,
-)
+from gpugate.integrations.unit.shared_host import METRICS, UnitSurroundings, prepare
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
+from gpugate.report.narrate_unit import UnitNarration
 
 
 @dataclass(frozen=True)
 class Hook:
-    phase: str  # pre, post, prolog, epilog
+    phase: Phase
     unit: str  # the unit, or the label standing for it (slurm-job-42)
     locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
     metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
@@ -125,11 +120,11 @@ def run_phase(
     hidden --ignore-leases on its unit's ExecStartPre=; never the environment); unit_env and
     unit_state stand in for systemd's answers, shm_host for /dev/shm's files (tests)."""
     roots = roots or HostRoots()
-    loaded, context = prepare(
-        scope.phase,
-        scope.unit,
+    surroundings = prepare(
+        scope,
         loaded,
         os.environ if environ is None else environ,
+        UnitNarration(reporter),
         roots=roots,
         manual_refusal=manual_refusal,
         ignore_leases=ignore_leases,
@@ -137,34 +132,34 @@ def run_phase(
         unit_state=unit_state,
     )
     if not dry_run:  # before anything is killed: a run that cannot record its end does not begin
-        textfile = loaded.config.metrics_textfile
-        check_all(state_folders(scope.phase, loaded), [(textfile, METRICS)] if textfile else [])
+        check_all(*surroundings.state_to_write())
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(
         scope,
-        loaded,
+        surroundings.loaded,
         narrator,
         roots=roots,
         pinner=pinner,
         clock=clock,
-        context=context,
+        surroundings=surroundings,
         shm_host=shm_host,
     )
+    return drive(run, surroundings, narrator, driver_factory, dry_run=dry_run)
+
+
+def drive(
+    run: PhaseRun,
+    surroundings: UnitSurroundings,
+    narrator: Narrator,
+    driver_factory: Callable[[], GpuDriver],
+    *,
+    dry_run: bool,
+) -> RunSummary:
+    """The run with NVML opened (or degraded without it) and closed after; an error or an
+    interruption recorded for this start's post."""
     try:
-        hung = nvml_hung_in_pre(context)
-        if hung is not None:
-            # This start's pre waited its deadline on a driver that did not answer: asking
-            # again would hang post too. The cgroup still dies.
-            narrator.nvml_skipped(hung, scope.phase)
-            run.without_nvml()
-            driver: GpuDriver = NoGpus()
-        else:
-            try:
-                driver = driver_factory()
-            except NvmlUnavailable as exc:
-                run.degrade(exc)
-                driver = NoGpus()
+        driver = open_driver(run, surroundings, narrator, driver_factory)
         try:
             return run.run(driver, dry_run=dry_run)
         finally:
@@ -176,12 +171,32 @@ def run_phase(
             f"{exc.message} while {run.activity}; it left no GPU lock or lease", exc.signal_name
         )
         if not dry_run:
-            record_interrupted(context, loaded, stopped, run.last_busy)
+            surroundings.after_interrupt(stopped, run.last_busy)
         raise stopped from None
     except GateError as exc:
         if not dry_run:
-            record_pre_error(context, loaded, exc)  # post need not wait on it again
+            surroundings.after_error(exc)  # post need not wait on it again
         raise
+
+
+def open_driver(
+    run: PhaseRun,
+    surroundings: UnitSurroundings,
+    narrator: Narrator,
+    driver_factory: Callable[[], GpuDriver],
+) -> GpuDriver:
+    hung = surroundings.nvml_hung_in_pre()
+    if hung is not None:
+        # This start's pre waited its deadline on a driver that did not answer: asking
+        # again would hang post too. The cgroup still dies.
+        narrator.nvml_skipped(hung, run.scope.phase.value)
+        run.without_nvml()
+        return NoGpus()
+    try:
+        return driver_factory()
+    except NvmlUnavailable as exc:
+        run.degrade(exc)
+        return NoGpus()
 
 
 def record_metrics(
@@ -196,5 +211,5 @@ def record_metrics(
         return  # no textfile: the metrics module is not even imported (start-up time)
     from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
-    record = run_record(hook.phase, hook.metrics_unit, code, summary)
+    record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
     record_after_run(textfile, record, stream=stream)

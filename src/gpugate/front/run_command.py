@@ -57,7 +57,8 @@ RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
 QUERY_TIMEOUT_S = 30
 
 
-def run_command(args: argparse.Namespace, front: Front) -> int:
+def checked_command(args: argparse.Namespace) -> list[str]:
+    """COMMAND and its arguments, once the command line is known to be usable."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
@@ -68,6 +69,11 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         raise RunError(
             f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
         )
+    return command
+
+
+def run_command(args: argparse.Namespace, front: Front) -> int:
+    command = checked_command(args)
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program(SYSTEMD_RUN_PATHS)
     if systemd_run is None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
+from gpugate.phase import Phase
 
 SYSTEMD_RUN_PATHS = (Path("/usr/bin/systemd-run"), Path("/bin/systemd-run"))
 SYSTEMCTL_PATHS = (Path("/usr/bin/systemctl"), Path("/bin/systemctl"))
@@ -181,11 +182,11 @@ def caller_environment(
     return sorted(kept.items())
 
 
-def hook_line(plan: RunPlan, phase: str) -> str:
+def hook_line(plan: RunPlan, phase: Phase) -> str:
     config = f" --config {plan.config}" if plan.config else ""
     # --force: pre warns about a lease instead of refusing. On the command line, which only
     # root writes, never in the environment, which the unit's own files may set.
-    force = " --ignore-leases" if plan.force and phase == "pre" else ""
+    force = " --ignore-leases" if plan.force and phase.traits.takes_lease else ""
     return f"+{plan.gpugate} {phase} {plan.unit}{config}{force}"
 
 
@@ -205,8 +206,8 @@ def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
         argv += [f"--uid={plan.caller.uid}", f"--gid={plan.caller.gid}"]
     # %n is not expanded in properties set over D-Bus: the name is written out.
     argv += [
-        f"--property=ExecStartPre={hook_line(plan, 'pre')}",
-        f"--property=ExecStopPost={hook_line(plan, 'post')}",
+        f"--property=ExecStartPre={hook_line(plan, Phase.PRE)}",
+        f"--property=ExecStopPost={hook_line(plan, Phase.POST)}",
     ]
     for path in plan.cleanup:
         argv.append(f"--property=ExecStopPost=+{RM} -f -- {path}")

@@ -5,20 +5,22 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from gpugate.config.models import LoadedConfig
-from gpugate.core.discover import Discovery, discover
+from gpugate.core.decide import decide
+from gpugate.core.discover import Discovery, Holder, discover
 from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
-from gpugate.integrations.unit.gpu_source import choose_gpus, selection, with_chosen_gpus
-from gpugate.integrations.unit.leases import leases_by_gpu, read_leases
+from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
+from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
+from gpugate.phase import Phase
 
 JSON_VERSION = 1
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
@@ -40,7 +42,7 @@ def collect(
     return discover(
         unit=unit or "",
         unit_cgroup=cgroup,
-        wanted="all" if unit is None else selection(loaded.config),
+        wanted="all" if unit is None else loaded.config.selection(),
         config_source=loaded.source,
         driver=driver,
         procfs=ProcFs(roots.proc),
@@ -58,14 +60,6 @@ def device_minors(roots: HostRoots) -> list[int]:
     except OSError:
         return []
     return sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
-
-
-def uptime_s(proc_root: Path) -> float | None:
-    """Seconds since boot, the clock /proc/PID/stat's start times count in."""
-    try:
-        return float((proc_root / "uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
 
 
 def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
@@ -87,69 +81,32 @@ def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, An
     return used
 
 
+def uptime_s(proc_root: Path) -> float | None:
+    """Seconds since boot, the clock /proc/PID/stat's start times count in."""
+    try:
+        return float((proc_root / "uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def as_dict(
     discovery: Discovery, loaded: LoadedConfig, roots: HostRoots | None = None
 ) -> dict[str, Any]:
-    owned = discovery.owned_indices
+    roots = roots or HostRoots()
+    now = uptime_s(roots.proc)
     leases = read_leases(loaded.config.lock_dir).leases
-    leased = leases_by_gpu(leases)
-    holders = []
-    now = uptime_s((roots or HostRoots()).proc)
-    ticks = os.sysconf("SC_CLK_TCK")
-    for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
-        info = holder.info
-        role = holder_role(holder, discovery, loaded.config)
-        container = holder.container
-        shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
-        holders.append(
-            {
-                "pid": info.pid,
-                "start_time": info.start_time,
-                "user": info.user,
-                "uid": info.uid,
-                "unit": unit_of_cgroup(info.cgroup or "/"),
-                "cgroup": info.cgroup,
-                "state": info.state,
-                "comm": info.comm,
-                "command": list(info.cmdline),
-                "gpus": sorted(holder.gpus),
-                "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
-                "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
-                "control_devices": sorted(holder.control_devices),
-                "sources": sorted(holder.sources),
-                "role": str(role) if discovery.unit else None,
-                "orphan": role.value == "orphan",
-                "protected": role.value == "protected",
-                # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
-                # (decide's rule: never killed, never a blocker).
-                "watcher": role is Role.WATCHER,
-                "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
-                "container": None
-                if container is None
-                else {"runtime": container.runtime, "id": container.id, "name": container.name},
-                "shm": shm,
-                "shm_bytes": sum(item["bytes"] or 0 for item in shm),
-            }
-        )
+    rules = pre_rules(discovery, loaded, roots)
+    holders = [
+        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
+        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+    ]
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
         "unit_cgroup": discovery.unit_cgroup if discovery.unit else None,
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
-        "gpus": [
-            {
-                "index": gpu.index,
-                "uuid": gpu.uuid,
-                "minor": gpu.minor,
-                "name": gpu.name,
-                "used_mib": discovery.usage[gpu.index].used_mib,
-                "total_mib": gpu.total_mib,
-                "owned": gpu.index in owned,
-                "leased_to": leased.get(gpu.uuid.lower(), []),
-            }
-            for gpu in discovery.gpus
-        ],
+        "gpus": gpu_dicts(discovery, leases),
         "holders": holders,
         "leases": [
             {
@@ -160,11 +117,6 @@ def as_dict(
             }
             for lease in leases
         ],
-        "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
-        "unreadable_gpus": [
-            {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
-            for fault in discovery.faults
-        ],
         "shm": [
             {
                 "path": found.area.path,
@@ -174,7 +126,89 @@ def as_dict(
             for area in discovery.shm_areas
             if (found := space(area)) is not None
         ],
+        "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
+        "unreadable_gpus": [
+            {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
+            for fault in discovery.faults
+        ],
     }
+
+
+def pre_rules(discovery: Discovery, loaded: LoadedConfig, roots: HostRoots) -> dict[int, str]:
+    """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
+    if not discovery.unit:
+        return {}
+    decision = decide(discovery, loaded.config, Phase.PRE, ProcFs(roots.proc))
+    return {choice.holder.pid: choice.rule.value for choice in decision.choices}
+
+
+def holder_dict(
+    holder: Holder, discovery: Discovery, loaded: LoadedConfig, now: float | None, rule: str | None
+) -> dict[str, Any]:
+    info = holder.info
+    role = holder_role(holder, discovery, loaded.config)
+    container = holder.container
+    ticks = os.sysconf("SC_CLK_TCK")
+    shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
+    return {
+        "pid": info.pid,
+        "start_time": info.start_time,
+        "user": info.user,
+        "uid": info.uid,
+        "unit": unit_of_cgroup(info.cgroup or "/"),
+        "cgroup": info.cgroup,
+        "state": info.state,
+        "comm": info.comm,
+        "command": list(info.cmdline),
+        "gpus": sorted(holder.gpus),
+        "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
+        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+        "control_devices": sorted(holder.control_devices),
+        "sources": sorted(holder.sources),
+        "role": str(role) if discovery.unit else None,
+        "reason": rule,
+        "orphan": role is Role.ORPHAN,
+        "protected": role is Role.PROTECTED,
+        # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
+        # (decide's rule: never killed, never a blocker).
+        "watcher": role is Role.WATCHER,
+        "shm": shm,
+        "shm_bytes": sum(item["bytes"] or 0 for item in shm),
+        "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
+        "container": None
+        if container is None
+        else {"runtime": container.runtime, "id": container.id, "name": container.name},
+    }
+
+
+def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, Any]]:
+    owned = discovery.owned_indices
+    leased = leases_by_gpu(leases)
+    return [
+        {
+            "index": gpu.index,
+            "uuid": gpu.uuid,
+            "minor": gpu.minor,
+            "name": gpu.name,
+            "used_mib": discovery.usage[gpu.index].used_mib,
+            "total_mib": gpu.total_mib,
+            "owned": gpu.index in owned,
+            "leased_to": leased.get(gpu.uuid.lower(), []),
+        }
+        for gpu in discovery.gpus
+    ]
+
+
+def bytes_shown(count: int) -> str:
+    """A size in a narrow column: 0, 812B, 4.0K, 1.5M, 3.2G."""
+    if count == 0:
+        return "-"
+    value = float(count)
+    for unit in ("B", "K", "M", "G"):
+        if value < 1024 or unit == "G":
+            return f"{count}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{count}B"
 
 
 def render_json(data: dict[str, Any]) -> str:
@@ -227,18 +261,6 @@ def mib_shown(used: dict[str, int | None]) -> str:
     return str(sum(known)) + ("+?" if len(known) < len(used) else "")
 
 
-def bytes_shown(count: int) -> str:
-    """A size in a narrow column: 0, 812B, 4.0K, 1.5M, 3.2G."""
-    if count == 0:
-        return "-"
-    value = float(count)
-    for unit in ("B", "K", "M", "G"):
-        if value < 1024 or unit == "G":
-            return f"{count}B" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{count}B"
-
-
 def table_role(holder: dict[str, Any], has_unit: bool) -> str:
     if holder["protected"]:
         return "protected"
@@ -252,6 +274,10 @@ def table_role(holder: dict[str, Any], has_unit: bool) -> str:
 
 
 def render_table(data: dict[str, Any]) -> str:
+    return "\n".join([*gpu_table(data), "", *holder_table(data)])
+
+
+def gpu_table(data: dict[str, Any]) -> list[str]:
     lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  {'LEASE':<20} NAME"]
     rows: list[tuple[int, str]] = []
     for gpu in data["gpus"]:
@@ -286,14 +312,17 @@ def render_table(data: dict[str, Any]) -> str:
             f"{area['path']}: {bytes_shown(area['free_bytes'])} free of "
             f"{bytes_shown(area['total_bytes'])} (SHM: each holder's files there)"
         )
-    lines.append("")
+    return lines
+
+
+def holder_table(data: dict[str, Any]) -> list[str]:
     if not data["holders"]:
-        lines.append("no process holds a GPU")
+        lines = ["no process holds a GPU"]
     else:
-        lines.append(
+        lines = [
             f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
             f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
-        )
+        ]
     for holder in data["holders"]:
         gpus = gpu_ranges(holder["gpus"]) or ("ctl" if holder["control_devices"] else "-")
         unit = holder["unit"] or "-"
@@ -311,7 +340,7 @@ def render_table(data: dict[str, Any]) -> str:
         )
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
-    return "\n".join(lines)
+    return lines
 
 
 def unreadable_warning(discovery: Discovery) -> str | None:

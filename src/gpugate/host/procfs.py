@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import pwd
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -64,6 +66,12 @@ class ProcInfo:
             return str(self.uid)
 
 
+class _Facts(NamedTuple):
+    uid: int | None
+    cmdline: list[str]
+    exe: str | None
+
+
 def parse_stat(text: str) -> ProcInfo | None:
     # comm may hold spaces and parentheses: it ends at the last ')'.
     open_paren, close_paren = text.find("("), text.rfind(")")
@@ -92,17 +100,32 @@ def parse_cgroup(text: str) -> str | None:
     return None
 
 
-@dataclass
 class ProcFs:
-    """Reads /proc lazily and caches what it read for the life of one discovery round."""
+    """Reads /proc under `root`. Outside `oneshot()` every read is fresh; inside it, a process's
+    facts are read once and kept until the block ends (psutil's `oneshot()` is the model): the
+    run opens one per discovery round, so a round sees one consistent table and the next round,
+    or the kill that follows, sees the processes as they are now.
 
-    root: Path = Path("/proc")
-    _info: dict[int, ProcInfo | None] = field(default_factory=dict)
-    _boot_time: float | None = None
+    psutil reads the real /proc only (its one knob for another root, the module-global
+    psutil.PROCFS_PATH, would change it for the whole process): under any other root the
+    facts psutil would give are read by hand from the same files."""
 
-    def __post_init__(self) -> None:
-        if self.root != DEFAULT_PROC:
-            psutil.PROCFS_PATH = str(self.root)  # psutil's one documented knob for its root
+    def __init__(self, root: Path = DEFAULT_PROC) -> None:
+        self.root = Path(root)
+        self._cache: dict[int, ProcInfo | None] | None = None  # set inside oneshot() only
+        self._boot_time: float | None = None
+
+    @contextmanager
+    def oneshot(self) -> Iterator[None]:
+        """Cache facts for the block (nested blocks share the outermost one's cache)."""
+        if self._cache is not None:
+            yield
+            return
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
 
     def pids(self) -> Iterator[int]:
         for name in os.listdir(self.root):
@@ -116,15 +139,18 @@ class ProcFs:
         except (FileNotFoundError, ProcessLookupError):
             return None
 
+    def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
+        if self._cache is not None:
+            self._cache[pid] = info
+        return info
+
     def stat(self, pid: int) -> ProcInfo | None:
         """The cheap facts (one read): enough to walk the tree. By hand: psutil has no API for
         the session, process group, tty number or PF_KTHREAD, and reads more files for less."""
-        if pid in self._info:
-            return self._info[pid]
+        if self._cache is not None and pid in self._cache:
+            return self._cache[pid]
         text = self._read(pid, "stat")
-        info = parse_stat(text) if text else None
-        self._info[pid] = info
-        return info
+        return self._remember(pid, parse_stat(text) if text else None)
 
     def info(self, pid: int) -> ProcInfo | None:
         """All facts gpugate shows and decides on, read once: identity, uid, command line and
@@ -133,23 +159,10 @@ class ProcFs:
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
         cgroup_text = self._read(pid, "cgroup")
-        uid: int | None
-        try:
-            process = psutil.Process(pid)
-            with process.oneshot():
-                if self._ticks(process.create_time()) != base.start_time:
-                    raise psutil.NoSuchProcess(pid)  # the PID was reused since stat was read
-                uid = process.uids().real
-                cmdline = _or_empty(process.cmdline)
-                exe = _or_none(process.exe)
-        except psutil.NoSuchProcess:  # ZombieProcess is one too, but a zombie still has facts
-            if base.state != "Z":
-                self._info[pid] = None
-                return None
-            uid, cmdline, exe = self._uid(pid), [], None
-        if cgroup_text is None:
-            self._info[pid] = None
-            return None
+        facts = self._psutil_facts(base) if self.root == DEFAULT_PROC else self._hand_facts(base)
+        if facts is None or cgroup_text is None:
+            return self._remember(pid, None)
+        uid, cmdline, exe = facts
         info = ProcInfo(
             **{
                 **base.__dict__,
@@ -159,11 +172,39 @@ class ProcFs:
                 "exe": exe or None,
             }
         )
-        self._info[pid] = info
-        return info
+        return self._remember(pid, info)
+
+    def _psutil_facts(self, base: ProcInfo) -> _Facts | None:
+        pid = base.pid
+        try:
+            process = psutil.Process(pid)
+            with process.oneshot():
+                if self._ticks(process.create_time()) != base.start_time:
+                    raise psutil.NoSuchProcess(pid)  # the PID was reused since stat was read
+                return _Facts(
+                    process.uids().real, _or_empty(process.cmdline), _or_none(process.exe)
+                )
+        except psutil.NoSuchProcess:  # ZombieProcess is one too, but a zombie still has facts
+            if base.state != "Z":
+                return None
+            return _Facts(self._uid(pid), [], None)
+
+    def _hand_facts(self, base: ProcInfo) -> _Facts | None:
+        """The same facts read by hand under a root that is not the real /proc."""
+        pid = base.pid
+        cmdline = (self._read(pid, "cmdline") or "").split("\0")
+        try:
+            exe: str | None = os.readlink(f"{self.root}/{pid}/exe")
+        except OSError:  # another user's (not root), a zombie's, a kernel thread's
+            exe = None
+        uid = self._uid(pid)
+        if self._start_time(pid) != base.start_time and base.state != "Z":
+            return None  # gone, or the PID was reused since stat was read
+        return _Facts(uid, cmdline, exe)
 
     def _ticks(self, create_time: float) -> int:
-        """psutil's create_time (seconds since the epoch) back in /proc/PID/stat's clock ticks."""
+        """psutil's create_time (seconds since the epoch) back in /proc/PID/stat's clock ticks
+        (psutil reads the real /proc: only called there)."""
         if self._boot_time is None:
             self._boot_time = psutil.boot_time()
         return round((create_time - self._boot_time) * CLOCK_TICKS)

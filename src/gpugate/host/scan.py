@@ -146,15 +146,21 @@ def _fd_paths(
                 if inode in socket_inodes:
                     found.sockets.add(inode)
             elif shm_prefixes and target.startswith(shm_prefixes):
-                area = area_of(shm_areas, target)
-                shm = None if area is None else _fd_shm_file(dir_fd, fd_name, target, area)
-                if shm is not None:
-                    found.shm.append(shm)
+                _add_shm(found, dir_fd, fd_name, target, shm_areas)
     except OSError:
         pass
     finally:
         os.close(dir_fd)
     return found
+
+
+def _add_shm(
+    found: _Fds, dir_fd: int, fd_name: str, target: str, shm_areas: Sequence[ShmArea]
+) -> None:
+    area = area_of(shm_areas, target)
+    shm = None if area is None else _fd_shm_file(dir_fd, fd_name, target, area)
+    if shm is not None:
+        found.shm.append(shm)
 
 
 def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:

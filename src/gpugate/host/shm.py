@@ -14,12 +14,21 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 DELETED_SUFFIX = " (deleted)"
 RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
+
+
+@dataclass(frozen=True)
+class FreshHolders:
+    """Who holds the shm files now: PIDs by file, and the PIDs whose files could not be read
+    (what the host side of a cleanup answers core.shm_cleanup)."""
+
+    by_key: Mapping[ShmKey, Collection[int]]
+    unreadable: Collection[int] = ()
 
 
 @dataclass(frozen=True, order=True)

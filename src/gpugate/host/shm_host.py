@@ -7,10 +7,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.core.shm_cleanup import FreshHolders
 from gpugate.host.scan import scan_device_users
 from gpugate.host.shm import (
     FileFacts,
+    FreshHolders,
     ShmArea,
     ShmFile,
     ShmKey,

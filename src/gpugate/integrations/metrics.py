@@ -88,7 +88,10 @@ FAMILIES = (
 
 
 @dataclass(frozen=True)
-class GpuRef:
+class GpuSeries:
+    """A GPU as the per-GPU series label it (`gpu`, `uuid`); not config's GpuRef, which is
+    how a config or environment names a GPU (an index or a UUID)."""
+
     index: int
     uuid: str
 
@@ -102,8 +105,8 @@ class RunRecord:
     result: str  # "success", or the exit code's name in lower case
     killed: int = 0
     seconds_wait: float = 0.0
-    reclaimed_mib: dict[GpuRef, int] = field(default_factory=dict)
-    freed_gpus: list[GpuRef] = field(default_factory=list)  # free at the end of a successful run
+    reclaimed_mib: dict[GpuSeries, int] = field(default_factory=dict)
+    freed_gpus: list[GpuSeries] = field(default_factory=list)  # free at the end of a successful run
     release_s: float | None = None  # kill to free, where the run killed and the GPUs got free
     finished_at: float = field(default_factory=time.time)
 
@@ -145,7 +148,7 @@ def apply(samples: Samples, record: RunRecord) -> None:
         )
 
 
-def _gpu_labels(unit: str, gpu: GpuRef) -> dict[str, str]:
+def _gpu_labels(unit: str, gpu: GpuSeries) -> dict[str, str]:
     return {"unit": unit, "gpu": str(gpu.index), "uuid": gpu.uuid}
 
 
@@ -251,7 +254,7 @@ def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary |
         return record
     record.killed = len(summary.killed)
     record.seconds_wait = summary.seconds_wait
-    gpus = {gpu.index: GpuRef(gpu.index, gpu.uuid) for gpu in summary.owned}
+    gpus = {gpu.index: GpuSeries(gpu.index, gpu.uuid) for gpu in summary.owned}
     record.reclaimed_mib = {
         gpus[index]: mib for index, mib in summary.freed_mib_by_gpu.items() if index in gpus
     }

@@ -14,8 +14,7 @@ and scontrol is there, the drain reason says which GPU holds how many MiB.
 from __future__ import annotations
 
 import re
-import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -25,11 +24,7 @@ from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode, GateError, echo
-from gpugate.front.hook import Hook, run_hook
-from gpugate.host.nvml import GpuDriver
 from gpugate.host.programs import find_program, run_program
-from gpugate.host.roots import HostRoots
-from gpugate.report.journal import Reporter, ReporterFactory
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
@@ -176,59 +171,3 @@ def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
             f"gpugate: warning: scontrol exited {result.returncode}: {result.first_line()}",
             file=stream,
         )
-
-
-def main(
-    phase: str,
-    *,
-    config_path: Path | None,
-    dry_run: bool,
-    environ: Mapping[str, str],
-    driver_factory: Callable[[], GpuDriver],
-    reporter_factory: ReporterFactory = Reporter,
-    stream: TextIO | None = None,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-    roots: HostRoots | None = None,
-) -> int:
-    stream = stream or sys.stderr
-    roots = roots or HostRoots()
-    job: SlurmJob | None = None
-    summary: RunSummary | None = None
-    try:
-        job = job_from_env(environ)
-        if not job.gpus:
-            return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
-        loaded = with_job_gpus(load_slurm_config(config_path, config_dir), job)
-    except GateError as exc:
-        print(f"gpugate: {exc.message}", file=stream)
-        code, detail = exc.exit_code, exc.message
-    else:
-        job_id, node_name = job.job_id, job.node_name
-        hook = Hook(
-            phase,
-            job.label,
-            lambda: job_cgroup(job_id, roots.cgroup, node_name),
-            metrics_unit=METRICS_UNIT,
-        )
-        reporter = reporter_factory(job.label, phase, fields=job_fields(job))
-        outcome = run_hook(
-            hook,
-            loaded,
-            reporter,
-            roots=roots,
-            dry_run=dry_run,
-            driver_factory=driver_factory,
-            stream=stream,
-        )
-        code, summary = outcome.exit_code, outcome.summary
-        detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
-    if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
-        return int(code)  # stopped: slurmd, which stopped it, drains the node itself
-    who = f" job {job.job_id}" if job is not None else ""
-    reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
-    if summary is not None:  # an error has said its one line already
-        print(f"gpugate: drain: {reason}", file=stream, flush=True)
-    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
-    if node:
-        set_drain_reason(node, reason, stream)
-    return int(code)

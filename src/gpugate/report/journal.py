@@ -29,7 +29,8 @@ class Event(Enum):
     MEMORY_FREED = "1e5a7c3b9d2f4a6e8b0c7d3f5e9a2b90"
     TIMEOUT = "4d8b1e6a3c2f4d9a0e7b5c1f8a3e6d01"
     RUN_FINISHED = "0a6c3e8b5d1f4b2a9c7e6d0f3b8a5e12"
-    ERROR = "b7d2f9a4c1e34a5b8d6c0e3f9a7b2d23"
+    ERROR = "b7d2f9a4c1e34a5b8d6c0e3f9a7b2d23"  # the run failed, or will
+    WARNING = "e4a9c6b2d8f14e3a9c5b7d1f0a6e2c34"  # it goes on, seeing or doing less
     SHM_REMOVED = "3183ab9850024dacaec7f96e3bc5e3c4"
     SHM_KEPT = "a449ad3b8a1042b1a51b60fe6099543e"
 

@@ -13,6 +13,7 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
+from gpugate.host.nvml import GpuFault
 from gpugate.report.holder_text import container_fields, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -25,6 +26,7 @@ from gpugate.report.journal import (
 )
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
+from gpugate.report.reasons import reason_text
 
 MAX_LISTED_PIDS = 10
 
@@ -80,23 +82,25 @@ class Narrator(WaitNarration, ShmNarration):
             shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
             more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
             self.reporter.event(
-                Event.ERROR,
+                Event.WARNING,
                 f"not permitted to read the open files of {len(discovery.unreadable)} "
                 f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
                 "run gpugate as root",
                 priority=PRIORITY_WARNING,
+                reason="unreadable",
             )
         owned = discovery.owned_indices
         for gpu_index, pid in discovery.invisible:
             if gpu_index in owned:
                 self.reporter.event(
-                    Event.ERROR,
+                    Event.WARNING,
                     f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
                     "process: gpugate runs in another PID namespace (a container without "
                     "the host's PIDs) and cannot kill it",
                     priority=PRIORITY_WARNING,
                     pid=pid,
                     gpus=[gpu_index],
+                    reason="other-pid-namespace",
                 )
 
     def choices(self, decision: Decision) -> None:
@@ -126,13 +130,14 @@ class Narrator(WaitNarration, ShmNarration):
             for choice in choices:
                 self.reporter.event(
                     event,
-                    f"{verb} {describe(choice)}: {choice.reason}",
+                    f"{verb} {describe(choice)}: "
+                    f"{reason_text(choice, self.reporter.unit, self.reporter.phase)}",
                     priority=priority,
                     pid=choice.holder.pid,
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
                     command=choice.holder.info.command,
-                    reason=choice.code or "unspecified",
+                    reason=choice.rule.value,
                     **container_fields(choice),
                 )
 
@@ -198,16 +203,29 @@ class Narrator(WaitNarration, ShmNarration):
     def still_held(self) -> None:
         self.status("GPUs still held by processes gpugate may not kill")
 
+    def extend_timeout(self, seconds: float) -> None:
+        self.reporter.extend_timeout(seconds)
+
+    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"{fault.error}; not a GPU of {unit}: going on with its own GPUs",
+            priority=PRIORITY_WARNING,
+            gpus=[fault.index],
+            reason="gpu-fault",
+        )
+
     def degraded(self, error: GateError, phase: str) -> None:
         self.reporter.event(
-            Event.ERROR,
+            Event.WARNING,
             f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
+            reason="nvml-degraded",
         )
 
     def nvml_skipped(self, why: str, phase: str) -> None:
         self.reporter.event(
-            Event.ERROR,
+            Event.WARNING,
             f"not asking NVML: this start's pre found it not answering ({why}); {phase} "
             "cleans the unit's cgroup only",
             priority=PRIORITY_WARNING,

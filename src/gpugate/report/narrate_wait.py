@@ -61,6 +61,7 @@ class WaitNarration:
                 pid=info.pid,
                 command=info.command,
                 respawns=respawner.respawns,
+                reason="respawning",
             )
         self.status("failed: the holders keep respawning")
 
@@ -74,6 +75,7 @@ class WaitNarration:
             pid=info.pid,
             command=info.command,
             respawns=respawner.respawns,
+            reason="respawned",
         )
 
     def ports_held(self, ports: Sequence[int], timeout_s: float) -> None:

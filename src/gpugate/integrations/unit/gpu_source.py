@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
-from gpugate.config.models import BUILTIN_SOURCE, GateConfig, GpuSelection, LoadedConfig
+from gpugate.config.models import BUILTIN_SOURCE, GpuSelection, LoadedConfig
 from gpugate.errors import ConfigError, echo
 from gpugate.host.systemd import UnitEnvironment, unit_environment
 
@@ -76,11 +76,6 @@ def choose_gpus(
             named=False,
         )
     return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})', named=False)
-
-
-def selection(config: GateConfig) -> GpuSelection:
-    """The config's GPUs once with_chosen_gpus ran ("auto" left unresolved: every GPU)."""
-    return "all" if config.gpus == "auto" else config.gpus
 
 
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:

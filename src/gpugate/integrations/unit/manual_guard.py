@@ -14,6 +14,7 @@ from pathlib import Path
 
 from gpugate.errors import GateError, ManualRunRefused
 from gpugate.host.systemd import own_unit
+from gpugate.phase import Phase
 
 RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
 
@@ -23,7 +24,7 @@ def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/
 
 
 def manual_run_guard(
-    phase: str,
+    phase: Phase,
     unit: str,
     unit_state: Callable[[str], str | None],
     environ: Mapping[str, str],
@@ -34,7 +35,9 @@ def manual_run_guard(
 ) -> str | None:
     """Why this run must not kill, or None where it may: --force, --dry-run, the unit's own
     hook (systemd is not even asked), or a unit that is not running."""
-    if force or dry_run or in_own_hook(unit, environ, proc_root):
+    if not phase.traits.guards_manual_run or force or dry_run:
+        return None
+    if in_own_hook(unit, environ, proc_root):
         return None
     active_state = unit_state(unit)
     if active_state not in RUNNING:

@@ -1,7 +1,7 @@
-"""A run on a host that other units share: the steps hook.py and pipeline.py call around theirs.
+"""A systemd unit's surroundings on a host that other units share: what the core run asks of
+them (core/surroundings.py), for the phases whose traits say they apply.
 
 - the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
-- NVML faults on GPUs the unit does not own: a warning, once per run;
 - a hand-typed pre/post against a running unit: refused before anything is killed;
 - GPU leases (leases.py): checked and taken under the per-GPU locks, released by post;
 - a failed pre's reason (start_failure.py): post does not wait on that memory again.
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
-from gpugate.core.decide import Choice, Decision
-from gpugate.core.discover import Discovery
-from gpugate.core.outcome import BusyGpu
+from gpugate.core.decide import Decision
+from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode, GateError, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
@@ -26,6 +26,7 @@ from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_ch
 from gpugate.integrations.unit.leases import (
     STARTED_BY_VARIABLE,
     Lease,
+    LeaseCheck,
     check_leases,
     lease_dir,
     new_lease,
@@ -40,335 +41,240 @@ from gpugate.integrations.unit.start_failure import (
     failure_path,
     record_failed_pre,
 )
-from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
+from gpugate.phase import Phase
+from gpugate.report.holder_text import describe
+from gpugate.report.narrate_unit import UnitNarration, failed_start_text
+
+METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
 
 
 @dataclass
-class HostContext:
-    """What one run knows about the host around its unit."""
+class UnitSurroundings:
+    """What one run knows about the host around its unit; implements core's Surroundings."""
 
-    phase: str
-    unit: str
+    scope: RunScope  # the phase and the unit
+    loaded: LoadedConfig  # with the unit's GPUs resolved
     environ: Mapping[str, str]
     choice: GpuChoice
-    manual_refusal: str | None = None  # hook_guard.manual_run_guard's reason, or None
+    narration: UnitNarration
+    manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
     ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
-    reported_faults: set[int] = field(default_factory=set)
     lease_written: bool = False  # pre wrote its lease before the kill (take_lease_first)
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
+    @property
+    def phase(self) -> Phase:
+        return self.scope.phase
+
+    @property
+    def unit(self) -> str:
+        return self.scope.unit
+
+    @property
+    def gpu_source(self) -> str:
+        return self.choice.source
+
+    @property
+    def gpu_source_warns(self) -> bool:
+        return self.choice.warn
+
+    def before_kill(self, decision: Decision) -> None:
+        if self.manual_refusal is None:
+            return
+        would_kill = [describe(choice) for choice in decision.targets]
+        raise refusal(self.manual_refusal, self.phase.value, self.unit, would_kill)
+
+    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
+        """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
+        if not self.phase.traits.takes_lease or not owned:
+            return None
+        config = self.loaded.config
+        check = self._check_leases(owned)
+        for path in check.unreadable:
+            self.narration.lease_unreadable(path)
+        for lease, state in check.stale:
+            # Said once: the stale lease is removed (not in a dry run) and never seen again.
+            self.narration.lease_stale(lease.unit, lease.gpus, state, dry_run=dry_run)
+            if not dry_run:
+                release_lease(config.lock_dir, lease.unit)
+        for lease, gpus in check.shared:
+            self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
+        if not check.conflicts:
+            return None
+        if self.ignore_leases:  # gpugate run --force
+            for lease, gpus in check.conflicts:
+                self.narration.lease_overridden(
+                    lease.unit, lease.holder_text(), [g.index for g in gpus]
+                )
+            return None
+        conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
+        self.narration.lease_refused(check.refusal(), sorted(conflicted))
+        return check.refusal()
+
+    def take_lease_first(self, owned: Sequence[Gpu]) -> None:
+        """pre, before it kills: the lease it will hold on success, written now, so that a
+        lease that cannot be written (no space, read-only) stops the run before anything
+        dies. A run that then fails releases it (after_run)."""
+        if not self.phase.traits.takes_lease or not owned or not self.choice.named:
+            return
+        write_lease(self.loaded.config.lock_dir, self._lease(owned))
+        self.lease_written = True
+
+    def _lease(self, owned: Sequence[Gpu]) -> Lease:
+        return new_lease(
+            self.unit,
+            owned,
+            share=self.loaded.config.share_gpus,
+            invocation_id=self.environ.get("INVOCATION_ID"),
+            started_by=self.environ.get(STARTED_BY_VARIABLE),
+        )
+
+    def state_to_write(self) -> tuple[list[tuple[Path, str]], list[tuple[Path, str]]]:
+        """Every folder this phase writes its state in, with what goes there, and the files
+        it replaces whole: checked before the run kills anything (host.state_dirs)."""
+        config, traits = self.loaded.config, self.phase.traits
+        folders = [(config.lock_dir, "GPU locks")]
+        if traits.takes_lease:
+            folders.append((lease_dir(config.lock_dir), "GPU leases"))
+        if traits.records_failed_start:
+            folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+        files = []
+        if config.metrics_textfile is not None:
+            folders.append((config.metrics_textfile.parent, METRICS))
+            files.append((config.metrics_textfile, METRICS))
+        return folders, files
+
+    def held_by_others(self, owned: Sequence[Gpu]) -> None:
+        """pre refused because another running unit holds the GPUs: where that unit also
+        holds a lease on them, say so too (it names who started a `gpugate run` unit)."""
+        if not self.phase.traits.takes_lease or not owned:
+            return
+        check = self._check_leases(owned)
+        if check.conflicts:
+            conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
+            self.narration.lease_also_held(check.refusal(), sorted(conflicted))
+
+    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
+        config = self.loaded.config
+        return check_leases(
+            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=self._state
+        )
+
+    def _state(self, name: str) -> str | None:
+        if self.unit_state is not None:
+            return self.unit_state(name)
+        return unit_active_state(name, self.roots.cgroup, ask_systemd=self.roots.ask_systemd)
+
+    def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
+        """post after a failed pre: the GPUs whose memory pre already waited for in vain."""
+        if self.failed_pre is None:
+            return []
+        busy = {uuid.lower() for uuid in self.failed_pre.busy_uuids}
+        skipped = [gpu for gpu in owned if gpu.uuid.lower() in busy]
+        if skipped:
+            self.narration.waiting_skipped(skipped)
+        return skipped
+
+    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
+        """pre: take the lease on success, record why on failure; post: release it."""
+        lock_dir = self.loaded.config.lock_dir
+        traits = self.phase.traits
+        if traits.takes_lease and summary.exit_code is ExitCode.OK:
+            self._started(summary.owned)
+        elif traits.records_failed_start:
+            release_lease(lock_dir, self.unit)
+            busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
+            code = summary.exit_code
+            timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
+            reason = start_refusal or failed_start_text(int(code), code.name, busy, timeout_s)
+            self._record_failure(reason, int(code), tuple(b.gpu.uuid for b in summary.busy))
+        if traits.releases_lease:
+            release_lease(lock_dir, self.unit)
+            clear_failed_pre(lock_dir, self.unit)
+        if traits.reads_failed_start and self.failed_pre is not None:
+            self.narration.start_failed_earlier(self.failed_pre.reason)
+
+    def _started(self, owned: Sequence[Gpu]) -> None:
+        lock_dir = self.loaded.config.lock_dir
+        if not self.choice.named or not owned:
+            # Every GPU only because nothing named the unit's: a lease on all of them would
+            # lock every other unit out. The run's first entry said where the GPUs came from.
+            # (No GPU at all: NVML failed with on_nvml_error = warn, or the unit uses none.)
+            release_lease(lock_dir, self.unit)
+        elif not self.lease_written:
+            write_lease(lock_dir, self._lease(owned))
+        clear_failed_pre(lock_dir, self.unit)
+
+    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
+        """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again
+        (busy: the GPUs pre was still waiting for)."""
+        if not self.phase.traits.records_failed_start:
+            return
+        with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
+            release_lease(self.loaded.config.lock_dir, self.unit)
+        uuids = tuple(item.gpu.uuid for item in busy)
+        self._record_failure(error.message, int(error.exit_code), uuids)
+
+    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
+        """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the
+        GPUs it was still waiting for, which that start's post then does not wait on again.
+        post: the unit is stopping, so its lease goes, as at post's end."""
+        traits = self.phase.traits
+        if traits.records_failed_start:
+            self.after_error(error, busy)
+        elif traits.releases_lease:
+            release_lease(self.loaded.config.lock_dir, self.unit)
+            clear_failed_pre(self.loaded.config.lock_dir, self.unit)
+
+    def nvml_hung_in_pre(self) -> str | None:
+        """post after a pre that NVML did not answer: pre's words, or None."""
+        failed = self.failed_pre
+        if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
+            return None
+        return failed.reason
+
+    def _record_failure(self, reason: str, exit_code: int, busy_uuids: tuple[str, ...]) -> None:
+        failed = FailedPre(
+            unit=self.unit,
+            invocation_id=self.environ.get("INVOCATION_ID") or None,
+            reason=reason,
+            exit_code=exit_code,
+            busy_uuids=busy_uuids,
+        )
+        record_failed_pre(self.loaded.config.lock_dir, failed)
+
 
 def prepare(
-    phase: str,
-    unit: str,
+    scope: RunScope,
     loaded: LoadedConfig,
     environ: Mapping[str, str],
+    narration: UnitNarration,
     *,
     roots: HostRoots,
     manual_refusal: str | None = None,
     ignore_leases: bool = False,
     environment: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
-) -> tuple[LoadedConfig, HostContext]:
-    """The config with the unit's GPUs resolved, and the run's context. environment and
-    unit_state stand in for systemd (tests); without them systemd is asked where it runs."""
+) -> UnitSurroundings:
+    """The unit's surroundings, its config's GPUs resolved. environment and unit_state stand
+    in for systemd (tests); without them systemd is asked where it runs."""
     if environment is None:
         environment = unit_environment if roots.ask_systemd else lambda _: None
-    choice = choose_gpus(unit, loaded, environment)
-    context = HostContext(
-        phase,
-        unit,
+    choice = choose_gpus(scope.unit, loaded, environment)
+    surroundings = UnitSurroundings(
+        scope,
+        with_chosen_gpus(loaded, choice),
         environ,
         choice,
+        narration,
         manual_refusal=manual_refusal,
         ignore_leases=ignore_leases,
         roots=roots,
         unit_state=unit_state,
     )
-    if phase == "post":
-        context.failed_pre = failed_pre_of_this_start(loaded.config.lock_dir, unit, environ)
-    return with_chosen_gpus(loaded, choice), context
-
-
-METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
-
-
-def state_folders(phase: str, loaded: LoadedConfig) -> list[tuple[Path, str]]:
-    """Every folder this phase writes its state in, with what goes there: checked before the
-    run kills anything (host.state_dirs)."""
-    config = loaded.config
-    folders = [(config.lock_dir, "GPU locks")]
-    if phase == "pre":
-        folders.append((lease_dir(config.lock_dir), "GPU leases"))
-        folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
-    if config.metrics_textfile is not None:
-        folders.append((config.metrics_textfile.parent, METRICS))
-    return folders
-
-
-def report_faults(context: HostContext, reporter: Reporter, discovery: Discovery) -> None:
-    """Faults on GPUs the unit does not own (its own fail the run in discover)."""
-    for fault in discovery.faults:
-        if fault.index in context.reported_faults:
-            continue
-        context.reported_faults.add(fault.index)
-        reporter.event(
-            Event.ERROR,
-            f"{fault.error}; not a GPU of {context.unit}: going on with its own GPUs",
-            priority=PRIORITY_WARNING,
-            gpus=[fault.index],
-        )
-
-
-def refuse_manual_run(
-    context: HostContext, decision: Decision, describe: Callable[[Choice], str]
-) -> None:
-    if context.manual_refusal is None:
-        return
-    would_kill = [describe(choice) for choice in decision.targets]
-    raise refusal(context.manual_refusal, context.phase, context.unit, would_kill)
-
-
-def leases_refuse(
-    context: HostContext,
-    loaded: LoadedConfig,
-    reporter: Reporter,
-    owned: Sequence[Gpu],
-    *,
-    dry_run: bool,
-) -> str | None:
-    """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
-    if context.phase != "pre" or not owned:
-        return None
-    config = loaded.config
-    check = check_leases(
-        config.lock_dir,
-        context.unit,
-        owned,
-        share=config.share_gpus,
-        unit_state=context.unit_state
-        or (
-            lambda name: unit_active_state(
-                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
-            )
-        ),
-    )
-    for path in check.unreadable:
-        reporter.event(
-            Event.ERROR, f"{path}: not a gpugate lease; ignored", priority=PRIORITY_WARNING
-        )
-    for lease, state in check.stale:
-        # Reported once: the stale lease is removed (not in a dry run) and never seen again.
-        reporter.event(
-            Event.ERROR,
-            f"GPU lease of {lease.unit} on GPU {_indices(lease.gpus)} is stale ({lease.unit} "
-            f"is {state}); {'would take' if dry_run else 'taking'} it over",
-            priority=PRIORITY_WARNING,
-            gpus=list(lease.gpus),
-        )
-        if not dry_run:
-            release_lease(config.lock_dir, lease.unit)
-    for lease, gpus in check.shared:
-        reporter.event(
-            Event.PROCESS_SPARED,
-            f"GPU {_indices(g.index for g in gpus)} shared with {lease.unit} (share_gpus in both)",
-            gpus=[g.index for g in gpus],
-        )
-    if not check.conflicts:
-        return None
-    if context.ignore_leases:
-        for lease, gpus in check.conflicts:
-            reporter.event(
-                Event.ERROR,
-                f"GPU {_indices(g.index for g in gpus)} leased to {lease.holder_text()}; "
-                f"starting {context.unit} anyway (gpugate run --force)",
-                priority=PRIORITY_WARNING,
-                gpus=[g.index for g in gpus],
-            )
-        return None
-    reporter.event(
-        Event.REFUSED,
-        f"not starting {context.unit}: {check.refusal()}",
-        priority=PRIORITY_ERR,
-        gpus=sorted({g.index for _, gpus in check.conflicts for g in gpus}),
-        reason="leased",
-    )
-    reporter.status(f"refused: {check.refusal()}")
-    return check.refusal()
-
-
-def name_leases_of_holders(
-    context: HostContext, loaded: LoadedConfig, reporter: Reporter, owned: Sequence[Gpu]
-) -> None:
-    """pre refused because another running unit holds the GPUs: where that unit also holds a
-    lease on them, say so too (it names who started a `gpugate run` unit, and when)."""
-    if context.phase != "pre" or not owned:
-        return
-    config = loaded.config
-    check = check_leases(
-        config.lock_dir,
-        context.unit,
-        owned,
-        share=config.share_gpus,
-        unit_state=context.unit_state
-        or (
-            lambda name: unit_active_state(
-                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
-            )
-        ),
-    )
-    if check.conflicts:
-        reporter.event(
-            Event.REFUSED,
-            f"not starting {context.unit}: {check.refusal()}",
-            priority=PRIORITY_ERR,
-            gpus=sorted({g.index for _, gpus in check.conflicts for g in gpus}),
-            reason="leased",
-        )
-
-
-def take_lease_first(context: HostContext, loaded: LoadedConfig, owned: Sequence[Gpu]) -> None:
-    """pre, before it kills: the lease it will hold on success, written now, so that a lease
-    that cannot be written (no space, read-only) stops the run before anything dies. A run
-    that then fails releases it (after_run)."""
-    if context.phase != "pre" or not owned or not context.choice.named:
-        return
-    write_lease(loaded.config.lock_dir, _lease(context, loaded, owned))
-    context.lease_written = True
-
-
-def _lease(context: HostContext, loaded: LoadedConfig, owned: Sequence[Gpu]) -> Lease:
-    return new_lease(
-        context.unit,
-        owned,
-        share=loaded.config.share_gpus,
-        invocation_id=context.environ.get("INVOCATION_ID"),
-        started_by=context.environ.get(STARTED_BY_VARIABLE),
-    )
-
-
-def after_run(
-    context: HostContext,
-    loaded: LoadedConfig,
-    reporter: Reporter,
-    *,
-    owned: Sequence[Gpu],
-    exit_code: ExitCode,
-    busy: Sequence[BusyGpu],
-    lease_refusal: str | None = None,
-) -> None:
-    """pre: take the lease on success, record why on failure; post: release it. (Slurm's
-    prolog and epilog take none: Slurm gives out its GPUs itself.)"""
-    lock_dir = loaded.config.lock_dir
-    if context.phase == "pre":
-        if exit_code is ExitCode.OK and (not context.choice.named or not owned):
-            # Every GPU only because nothing named the unit's: a lease on all of them would
-            # lock every other unit out. The run's first entry said where the GPUs came from.
-            # (No GPU at all: NVML failed with on_nvml_error = warn, or the unit uses none.)
-            release_lease(lock_dir, context.unit)
-            clear_failed_pre(lock_dir, context.unit)
-        elif exit_code is ExitCode.OK:
-            if not context.lease_written:
-                write_lease(lock_dir, _lease(context, loaded, owned))
-            clear_failed_pre(lock_dir, context.unit)
-            return
-        release_lease(lock_dir, context.unit)
-        reason = lease_refusal or failure_reason(exit_code, busy, loaded.config.pre.wait_timeout_s)
-        record_failed_pre(
-            lock_dir,
-            FailedPre(
-                unit=context.unit,
-                invocation_id=context.environ.get("INVOCATION_ID") or None,
-                reason=reason,
-                exit_code=int(exit_code),
-                busy_uuids=tuple(item.gpu.uuid for item in busy),
-            ),
-        )
-    elif context.phase == "post":
-        release_lease(lock_dir, context.unit)
-        clear_failed_pre(lock_dir, context.unit)
-        if context.failed_pre is not None:
-            # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
-            text = f"start failed in gpugate pre: {context.failed_pre.reason}"
-            reporter.event(Event.ERROR, text, priority=PRIORITY_ERR, reason="failed-start")
-            reporter.status(text)
-
-
-def record_pre_error(
-    context: HostContext,
-    loaded: LoadedConfig,
-    error: GateError,
-    busy: Sequence[BusyGpu] = (),
-) -> None:
-    """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again
-    (busy: the GPUs pre was still waiting for)."""
-    if context.phase != "pre":
-        return
-    lock_dir = loaded.config.lock_dir
-    with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
-        release_lease(lock_dir, context.unit)
-    record_failed_pre(
-        lock_dir,
-        FailedPre(
-            unit=context.unit,
-            invocation_id=context.environ.get("INVOCATION_ID") or None,
-            reason=error.message,
-            exit_code=int(error.exit_code),
-            busy_uuids=tuple(item.gpu.uuid for item in busy),
-        ),
-    )
-
-
-def record_interrupted(
-    context: HostContext, loaded: LoadedConfig, error: GateError, busy: Sequence[BusyGpu]
-) -> None:
-    """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the GPUs
-    it was still waiting for, which that start's post then does not wait on again. post: the
-    unit is stopping, so its lease goes, as at post's end. (Slurm's runs take no lease.)"""
-    if context.phase == "pre":
-        record_pre_error(context, loaded, error, busy)
-    elif context.phase == "post":
-        release_lease(loaded.config.lock_dir, context.unit)
-        clear_failed_pre(loaded.config.lock_dir, context.unit)
-
-
-def nvml_hung_in_pre(context: HostContext) -> str | None:
-    """post after a pre that NVML did not answer: pre's words, or None."""
-    failed = context.failed_pre
-    if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
-        return None
-    return failed.reason
-
-
-def gpus_not_to_wait_on(context: HostContext, owned: Sequence[Gpu]) -> list[Gpu]:
-    """post after a failed pre: the GPUs whose memory pre already waited for in vain."""
-    if context.failed_pre is None:
-        return []
-    busy = {uuid.lower() for uuid in context.failed_pre.busy_uuids}
-    return [gpu for gpu in owned if gpu.uuid.lower() in busy]
-
-
-def waiting_skipped(reporter: Reporter, gpus: Sequence[Gpu]) -> None:
-    reporter.event(
-        Event.TIMEOUT,
-        f"not waiting again on GPU {_indices(g.index for g in gpus)}: this start's pre already "
-        "waited its wait_timeout_s for that memory",
-        priority=PRIORITY_WARNING,
-        gpus=[gpu.index for gpu in gpus],
-    )
-
-
-def failure_reason(exit_code: ExitCode, busy: Sequence[BusyGpu], timeout_s: float) -> str:
-    if busy:
-        return "; ".join(
-            f"{item.gpu.label} still {item.used_mib} MiB used after {timeout_s:g} s"
-            f" (PIDs {', '.join(map(str, item.pids)) or 'none listed'})"
-            for item in busy
-        )
-    return f"exit {int(exit_code)} ({exit_code.name.lower()}); see journalctl for its entries"
-
-
-def _indices(indices: object) -> str:
-    return ", ".join(str(i) for i in sorted(indices))  # type: ignore[call-overload]
+    if scope.phase.traits.reads_failed_start:
+        lock_dir = loaded.config.lock_dir
+        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, environ)
+    return surroundings

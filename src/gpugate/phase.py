@@ -1,0 +1,103 @@
+"""The four phases and what each one does; the only place that tells one phase from another.
+
+Everything that behaves differently before a start and after a stop asks the phase's traits
+(`phase.checks_ports`, `phase.takes_lease`, ...), never its name: a phase gpugate does not
+know cannot be constructed (`Phase("prestart")` raises ValueError; the command line offers
+only these four).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+@dataclass(frozen=True)
+class PhaseTraits:
+    hook_line: str  # where it runs: the unit file's or slurm.conf's line
+    before_start: bool  # the workload starts next: /dev/shm must have its shm_min_free_mib
+    kills_orphans: bool  # the default of [phase].kill_orphans (and of kill_app_tree)
+    checks_ports: bool  # the unit's `ports` are holders too: only before a systemd unit starts
+    stops_containers: bool  # the unit's own containers stop through their runtime first
+    takes_lease: bool  # checks other units' GPU leases, takes the unit's on success
+    releases_lease: bool  # the unit's lease ends with it
+    records_failed_start: bool  # a failure is recorded for the post of the same start
+    reads_failed_start: bool  # does not wait again on what the failed pre waited for
+    guards_manual_run: bool  # a hand-typed run against a running unit is refused
+    systemd: bool  # a systemd unit's hook (else a Slurm job's)
+
+
+class Phase(Enum):
+    PRE = "pre"
+    POST = "post"
+    PROLOG = "prolog"
+    EPILOG = "epilog"
+
+    @property
+    def traits(self) -> PhaseTraits:
+        return _TRAITS[self]
+
+    @property
+    def siblings(self) -> tuple[Phase, Phase]:
+        """The pair it belongs to: (pre, post) for a systemd unit, (prolog, epilog) for Slurm."""
+        return (Phase.PRE, Phase.POST) if self.traits.systemd else (Phase.PROLOG, Phase.EPILOG)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_TRAITS = {
+    Phase.PRE: PhaseTraits(
+        hook_line="ExecStartPre=",
+        before_start=True,
+        kills_orphans=True,
+        checks_ports=True,
+        stops_containers=True,
+        takes_lease=True,
+        releases_lease=False,
+        records_failed_start=True,
+        reads_failed_start=False,
+        guards_manual_run=True,
+        systemd=True,
+    ),
+    Phase.POST: PhaseTraits(
+        hook_line="ExecStopPost=",
+        before_start=False,
+        kills_orphans=False,  # after a stop: only what the unit left, not a stranger's server
+        checks_ports=False,
+        stops_containers=False,
+        takes_lease=False,
+        releases_lease=True,
+        records_failed_start=False,
+        reads_failed_start=True,
+        guards_manual_run=True,
+        systemd=True,
+    ),
+    # Slurm gives out its GPUs itself: no leases, no failed-start records.
+    Phase.PROLOG: PhaseTraits(
+        hook_line="Prolog=",
+        before_start=True,
+        kills_orphans=True,
+        checks_ports=False,
+        stops_containers=False,
+        takes_lease=False,
+        releases_lease=False,
+        records_failed_start=False,
+        reads_failed_start=False,
+        guards_manual_run=False,
+        systemd=False,
+    ),
+    Phase.EPILOG: PhaseTraits(
+        hook_line="Epilog=",
+        before_start=False,
+        kills_orphans=True,  # the job is over at the epilog: its leftovers die too
+        checks_ports=False,
+        stops_containers=False,
+        takes_lease=False,
+        releases_lease=False,
+        records_failed_start=False,
+        reads_failed_start=False,
+        guards_manual_run=False,
+        systemd=False,
+    ),
+}

@@ -1,0 +1,115 @@
+"""The wording of what a systemd unit's surroundings do (integrations/unit/): its GPU leases,
+this start's failed pre. The steps say what happened; this module says it in words."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
+
+if TYPE_CHECKING:
+    from gpugate.host.nvml import Gpu
+
+
+def indices(values: Iterable[int]) -> str:
+    return ", ".join(str(i) for i in sorted(values))
+
+
+class UnitNarration:
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter = reporter
+
+    def lease_unreadable(self, path: object) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"{path}: not a gpugate lease; ignored",
+            priority=PRIORITY_WARNING,
+            reason="lease-unreadable",
+        )
+
+    def lease_stale(
+        self, lease_unit: str, gpus: Sequence[int], state: str, *, dry_run: bool
+    ) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"GPU lease of {lease_unit} on GPU {indices(gpus)} is stale ({lease_unit} "
+            f"is {state}); {'would take' if dry_run else 'taking'} it over",
+            priority=PRIORITY_WARNING,
+            gpus=list(gpus),
+            reason="lease-stale",
+            lease_unit=lease_unit,
+            lease_unit_state=state,
+        )
+
+    def gpus_shared(self, lease_unit: str, gpus: Sequence[int]) -> None:
+        self.reporter.event(
+            Event.PROCESS_SPARED,
+            f"GPU {indices(gpus)} shared with {lease_unit} (share_gpus in both)",
+            gpus=list(gpus),
+            reason="shared",
+            lease_unit=lease_unit,
+        )
+
+    def lease_refused(self, refusal: str, gpus: Sequence[int]) -> None:
+        self.reporter.event(
+            Event.REFUSED,
+            f"not starting {self.reporter.unit}: {refusal}",
+            priority=PRIORITY_ERR,
+            gpus=sorted(gpus),
+            reason="leased",
+        )
+        self.reporter.status(f"refused: {refusal}")
+
+    def lease_overridden(self, lease_unit: str, holder: str, gpus: Sequence[int]) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"GPU {indices(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
+            "(gpugate run --force)",
+            priority=PRIORITY_WARNING,
+            gpus=list(gpus),
+            reason="lease-forced",
+            lease_unit=lease_unit,
+        )
+
+    def lease_also_held(self, refusal: str, gpus: Sequence[int]) -> None:
+        """The refusal's lease line, where another unit's processes refused the run already
+        (the narrator sets STATUS=)."""
+        self.reporter.event(
+            Event.REFUSED,
+            f"not starting {self.reporter.unit}: {refusal}",
+            priority=PRIORITY_ERR,
+            gpus=sorted(gpus),
+            reason="leased",
+        )
+
+    def start_failed_earlier(self, reason: str) -> None:
+        # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
+        text = f"start failed in gpugate pre: {reason}"
+        self.reporter.event(
+            Event.ERROR, text, priority=PRIORITY_ERR, reason="failed-start", failed_start=reason
+        )
+        self.reporter.status(text)
+
+    def waiting_skipped(self, gpus: Sequence[Gpu]) -> None:
+        self.reporter.event(
+            Event.TIMEOUT,
+            f"not waiting again on GPU {indices(g.index for g in gpus)}: this start's pre "
+            "already waited its wait_timeout_s for that memory",
+            priority=PRIORITY_WARNING,
+            gpus=[gpu.index for gpu in gpus],
+            reason="failed-start",
+        )
+
+
+def failed_start_text(
+    exit_code: int, exit_name: str, busy: Sequence[tuple[str, int, Sequence[int]]], timeout_s: float
+) -> str:
+    """What a failed pre records for its post to say: busy is (GPU label, MiB used, PIDs)."""
+    if busy:
+        return "; ".join(
+            f"{label} still {used_mib} MiB used after {timeout_s:g} s"
+            f" (PIDs {', '.join(map(str, pids)) or 'none listed'})"
+            for label, used_mib, pids in busy
+        )
+    return f"exit {exit_code} ({exit_name.lower()}); see journalctl for its entries"

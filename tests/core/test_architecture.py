@@ -1,0 +1,130 @@
+"""The shape of src/gpugate, read with `ast`: which subpackage may import which, no phase told
+by its name outside the phase type, no write to psutil's module-global root, and functions
+short enough to read. The rules are CONTRIBUTING.md's "Layout"."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src" / "gpugate"
+BASE = {"errors", "phase"}  # beside every layer: exit codes and the phase type
+# A layer may import itself and what is listed; `front` may import anything.
+ALLOWED: dict[str, set[str]] = {
+    "errors": set(),
+    "phase": set(),
+    "host": {"errors"},
+    "config": BASE | {"host"},
+    "core": BASE | {"config", "host"},
+    "report": BASE | {"config", "host", "core"},
+    "integrations": BASE | {"config", "host", "core", "report"},
+}
+PHASE_NAMES = {"pre", "post", "prolog", "epilog"}
+MAX_FUNCTION_LINES = 50  # def line to last line, docstring included
+
+
+def modules() -> Iterator[tuple[Path, ast.Module]]:
+    for path in sorted(SRC.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), str(path))
+
+
+def layer(path: Path) -> str:
+    return path.relative_to(SRC).parts[0].removesuffix(".py")
+
+
+def imported_layers(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    """Every import of a gpugate layer, also those for annotations only (TYPE_CHECKING):
+    a type from a layer above is a dependency on it all the same."""
+    for node in ast.walk(tree):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "gpugate" and len(parts) > 1:
+                yield node.lineno, parts[1]
+
+
+def test_imports_go_down_the_layers_only() -> None:
+    wrong = []
+    for path, tree in modules():
+        own = layer(path)
+        if own not in ALLOWED:
+            continue  # front, __init__, __main__: the top
+        for line, target in imported_layers(tree):
+            if target != own and target not in ALLOWED[own]:
+                wrong.append(f"{path.relative_to(SRC)}:{line}: {own} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_rule_catches_a_core_module_importing_an_integration() -> None:
+    tree = ast.parse("from gpugate.integrations.unit import leases\nimport gpugate.front.cli\n")
+    assert [target for _, target in imported_layers(tree)] == ["integrations", "front"]
+    guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import gpugate.front.cli\n"
+    assert [target for _, target in imported_layers(ast.parse(guarded))] == ["front"]
+
+
+def phase_name_comparisons(tree: ast.Module) -> Iterator[int]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            for operand in operands:
+                if isinstance(operand, ast.Constant) and operand.value in PHASE_NAMES:
+                    yield node.lineno
+                if isinstance(operand, (ast.Tuple, ast.List, ast.Set)) and any(
+                    isinstance(e, ast.Constant) and e.value in PHASE_NAMES for e in operand.elts
+                ):
+                    yield node.lineno
+
+
+def test_no_phase_is_told_by_its_name_outside_the_phase_type() -> None:
+    found = [
+        f"{path.relative_to(SRC)}:{line}"
+        for path, tree in modules()
+        if path.name != "phase.py"
+        for line in phase_name_comparisons(tree)
+    ]
+    assert not found, found
+    assert list(phase_name_comparisons(ast.parse('if phase == "pre": pass'))) == [1]
+
+
+def test_nothing_writes_psutils_proc_root() -> None:
+    writes = []
+    for path, tree in modules():
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr":
+                targets = [node.args[1]] if len(node.args) > 1 else []
+            for target in targets:
+                text = ast.unparse(target)
+                if "PROCFS_PATH" in text:
+                    writes.append(f"{path.relative_to(SRC)}:{node.lineno}: {text}")
+    assert not writes, writes
+
+
+def long_functions(tree: ast.Module, limit: int) -> Iterator[tuple[str, int]]:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = (node.end_lineno or node.lineno) - node.lineno + 1
+            if length > limit:
+                yield node.name, length
+
+
+def test_no_function_is_longer_than_a_screen() -> None:
+    found = [
+        f"{path.relative_to(SRC)}: {name} ({length} lines)"
+        for path, tree in modules()
+        for name, length in long_functions(tree, MAX_FUNCTION_LINES)
+    ]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("body_lines, flagged", [(49, False), (50, True)])
+def test_the_length_rule_counts_from_def_to_the_last_line(body_lines: int, flagged: bool) -> None:
+    source = "def f():\n    x = 1\n" + "    x += 1\n" * (body_lines - 1)
+    assert bool(list(long_functions(ast.parse(source), MAX_FUNCTION_LINES))) is flagged
