@@ -27,6 +27,7 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
     INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
+    HOST_UNSUPPORTED = 28  # the host lacks what gpugate needs: cgroup v2 (a v1-only host)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
@@ -62,6 +63,7 @@ EXIT_MEANINGS = {
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
     ExitCode.RESPAWNING: "holders respawned until the deadline",
+    ExitCode.HOST_UNSUPPORTED: "host unsupported (no cgroup v2 tree)",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
     ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }
@@ -112,6 +114,10 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class HostUnsupported(GateError):
+    exit_code = ExitCode.HOST_UNSUPPORTED
 
 
 class ManualRunRefused(GateError):
