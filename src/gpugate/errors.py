@@ -38,7 +38,9 @@ class ExitCode(IntEnum):
         return f"{int(self)}/{SYSEXITS_NAMES.get(int(self), 'n/a')}"
 
 
-# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`).
+# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`). The
+# same on systemd 247 to 257: what changed between them is systemd's own range (200 and up,
+# grown to 245/KSM by 254), which gpugate never uses.
 SYSEXITS_NAMES = {
     0: "SUCCESS",
     64: "USAGE",
