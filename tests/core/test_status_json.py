@@ -27,6 +27,8 @@ TOP = {
     "holders": list,
     "invisible": list,
     "unreadable_gpus": list,
+    "shm": list,
+    "leases": list,
 }
 GPU = {
     "index": int,
@@ -59,9 +61,13 @@ HOLDER = {
     "watcher": bool,
     "seconds_held": (int, type(None)),
     "container": (dict, type(None)),
+    "shm": list,
+    "shm_bytes": int,
 }
 INVISIBLE = {"gpu": int, "pid": int}
 UNREADABLE = {"index": int, "uuid": (str, type(None)), "error": str}
+SHM_AREA = {"path": str, "total_bytes": int, "free_bytes": int}
+SHM_FILE = {"path": str, "bytes": (int, type(None))}
 
 
 def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -127,7 +133,8 @@ def test_every_key_is_in_the_readme() -> None:
     text = README.read_text()
     section = text.split("## `gpugate status --json`", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`([a-z_]+)`", section))
-    missing = (set(TOP) | set(GPU) | set(HOLDER) | set(INVISIBLE) | set(UNREADABLE)) - documented
+    schemas = (TOP, GPU, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE)
+    missing = set().union(*schemas) - documented
     assert not missing, f"not documented in README: {sorted(missing)}"
 
 
@@ -179,7 +186,10 @@ def test_a_failing_query_on_one_gpu_is_shown_on_its_row(
 
 def test_each_gpu_shows_its_lease(host: FakeHost, capsys: pytest.CaptureFixture[str]) -> None:
     gpus = host.memory.gpus()
-    write_lease(host.root / "locks", new_lease("a.service", gpus[0:4], share=False))
+    write_lease(
+        host.root / "locks",
+        new_lease("a.service", gpus[0:4], share=False, started_by="alice (uid 1000)"),
+    )
     write_lease(host.root / "locks", new_lease("b.service", gpus[3:5], share=True))
     data = status(host, capsys)
     assert [gpu["leased_to"] for gpu in data["gpus"]] == [
@@ -192,3 +202,7 @@ def test_each_gpu_shows_its_lease(host: FakeHost, capsys: pytest.CaptureFixture[
         [],
         [],
     ]
+    by_unit = {lease["unit"]: lease for lease in data["leases"]}
+    assert by_unit["a.service"]["started_by"] == "alice (uid 1000)"
+    assert by_unit["a.service"]["gpus"] == [0, 1, 2, 3]
+    assert by_unit["b.service"]["started_by"] is None

@@ -30,6 +30,8 @@ class Event(Enum):
     TIMEOUT = "4d8b1e6a3c2f4d9a0e7b5c1f8a3e6d01"
     RUN_FINISHED = "0a6c3e8b5d1f4b2a9c7e6d0f3b8a5e12"
     ERROR = "b7d2f9a4c1e34a5b8d6c0e3f9a7b2d23"
+    SHM_REMOVED = "3183ab9850024dacaec7f96e3bc5e3c4"
+    SHM_KEPT = "a449ad3b8a1042b1a51b60fe6099543e"
 
     @property
     def message_id(self) -> str:
@@ -164,7 +166,9 @@ class Reporter:
         if self.echo:
             try:
                 print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
-            except BrokenPipeError:  # `gpugate pre --dry-run UNIT | head`: the run goes on
+            except OSError:
+                # `gpugate pre --dry-run UNIT | head` (EPIPE), or a `gpugate run` unit's
+                # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
     def fail(self, message: str, exit_code: int) -> None:
@@ -172,7 +176,8 @@ class Reporter:
         `gpugate: message` on stderr unless stderr is the journal (it would be there twice)."""
         self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
         if not stderr_is_journal(self.error_stream):
-            print(f"gpugate: {message}", file=self.error_stream, flush=True)
+            with contextlib.suppress(OSError):  # a closed terminal: the journal has it
+                print(f"gpugate: {message}", file=self.error_stream, flush=True)
         self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:
