@@ -159,7 +159,7 @@ class GateConfig(_Frozen):
         strict=False,  # a TOML list becomes the tuple
         description="Containers (names or ids) that are the unit's own (`docker run --name`).",
     )
-    shm_min_free_mib: int | None = Field(
+    shm_min_free_mib: Optional[int] = Field(
         default=None,
         ge=1,
         description="pre (and prolog) fail with exit 29 when /dev/shm has less free after their "
