@@ -154,7 +154,15 @@ def measure_discovery(
         if gpugate_command is not None:
             for _ in range(min(repeats, 3)):
                 run = run_timed(
-                    [*gpugate_command, "pre", UNIT, "--dry-run", "--config", str(stage.config)],
+                    [
+                        *gpugate_command,
+                        *stage.roots_args(),
+                        "pre",
+                        UNIT,
+                        "--dry-run",
+                        "--config",
+                        str(stage.config),
+                    ],
                     env=stage.env(),
                 )
                 if run.returncode not in (0, 7):

@@ -62,12 +62,14 @@ class Stage:
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = str(self.lib.parent)
         env["FAKE_NVML_CONFIG"] = str(self.nvml_config)
-        env["GPUGATE_DEV_ROOT"] = str(self.dev)
-        env["GPUGATE_CGROUP_ROOT"] = str(self.root / "cgroup")
         env.pop("NOTIFY_SOCKET", None)
         if source_tree:
             env["PYTHONPATH"] = f"{REPO / 'src'}:{REPO}"
         return env
+
+    def roots_args(self) -> list[str]:
+        """gpugate's hidden option for stand-in roots (never the environment: docs/hardening.md)."""
+        return ["--host-roots", f"dev={self.dev},cgroup={self.root / 'cgroup'}"]
 
     def gpu_paths(self) -> list[str]:
         return [str(self.dev / f"nvidia{i}") for i in range(8)]

@@ -52,7 +52,7 @@ def measure_startup(
     python = _python_of(command)
     exit_now = "import os; os._exit(0)"
     cases = {
-        PRE: [*command, "pre", UNIT, "--config", str(stage.config)],
+        PRE: [*command, *stage.roots_args(), "pre", UNIT, "--config", str(stage.config)],
         INTERPRETER: [python, "-c", "pass"],
         CONFIG_IMPORT: [python, "-c", f"import gpugate.config.models; {exit_now}"],
         ALL_IMPORTS: [

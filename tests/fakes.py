@@ -250,13 +250,9 @@ class FakeHost:
         return HostRoots(dev=self.dev, cgroup=self.cgroup_root)
 
     @property
-    def environ(self) -> dict[str, str]:
-        """The same roots for a gpugate run as a command."""
-        return {
-            **os.environ,
-            "GPUGATE_DEV_ROOT": str(self.dev),
-            "GPUGATE_CGROUP_ROOT": str(self.cgroup_root),
-        }
+    def roots_args(self) -> list[str]:
+        """The same roots for a gpugate run as a command (its hidden --host-roots option)."""
+        return ["--host-roots", f"dev={self.dev},cgroup={self.cgroup_root}"]
 
     def run_phase(
         self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any

@@ -3,6 +3,7 @@ and are well-formed for the tools that read them (journalctl, groff, bash, rpm).
 
 from __future__ import annotations
 
+import argparse
 import re
 import shutil
 import subprocess
@@ -112,7 +113,7 @@ def test_bash_completion_offers_every_command_and_option() -> None:
             option
             for a in action.choices[command]._actions
             for option in a.option_strings
-            if option.startswith("--")
+            if option.startswith("--") and a.help != argparse.SUPPRESS  # hidden: not offered
         }
         assert set(complete(command, "--")) == options, command
     assert "all" in complete("install", "vllm.service", "--gpus", "")

@@ -16,8 +16,9 @@ class ExitCode(IntEnum):
 
     OK = 0
     USAGE = 64  # EX_USAGE: bad command line, or a Slurm job environment it cannot read
-    NVML_UNAVAILABLE = 69  # EX_UNAVAILABLE: libnvidia-ml missing, driver not loaded, GPU lost
+    NVML_UNAVAILABLE = 69  # EX_UNAVAILABLE: NVML unusable, or systemctl & co. missing or silent
     INTERNAL = 70  # EX_SOFTWARE: a bug, please report it
+    STATE_UNWRITABLE = 73  # EX_CANTCREAT: lock_dir, leases, failed-start records, metrics
     LOCK_TIMEOUT = 75  # EX_TEMPFAIL: another gpugate run held the GPUs' lock past the deadline
     PERMISSION = 77  # EX_NOPERM: not allowed to read /proc, signal a process or take a lock
     CONFIG = 78  # EX_CONFIG: configuration file or field invalid, or unknown GPU in it
@@ -49,6 +50,7 @@ SYSEXITS_NAMES = {
     64: "USAGE",
     69: "UNAVAILABLE",
     70: "SOFTWARE",
+    73: "CANTCREAT",
     75: "TEMPFAIL",
     77: "NOPERM",
     78: "CONFIG",
@@ -59,7 +61,8 @@ EXIT_MEANINGS = {
     ExitCode.INTERNAL: "internal error",
     ExitCode.USAGE: "usage",
     ExitCode.CONFIG: "config",
-    ExitCode.NVML_UNAVAILABLE: "NVML unavailable",
+    ExitCode.NVML_UNAVAILABLE: "NVML (or systemctl) unavailable",
+    ExitCode.STATE_UNWRITABLE: "gpugate's state cannot be written",
     ExitCode.UNKILLABLE: "holders survived SIGKILL",
     ExitCode.MEMORY_TIMEOUT: "memory not freed in time",
     ExitCode.HELD_BY_OTHERS: "GPUs held by processes gpugate may not kill or leased",
@@ -106,6 +109,30 @@ class ConfigError(GateError):
 
 class NvmlUnavailable(GateError):
     exit_code = ExitCode.NVML_UNAVAILABLE
+
+
+class ProgramNotAnswering(GateError):
+    """systemctl (or another program gpugate needs an answer from) outlived its deadline."""
+
+    exit_code = ExitCode.NVML_UNAVAILABLE
+
+
+class ProgramNotFound(GateError):
+    """A program gpugate needs an answer from is not in the system folders, or cannot run."""
+
+    exit_code = ExitCode.NVML_UNAVAILABLE
+
+
+class StateUnwritable(GateError):
+    """gpugate's own state (locks, leases, failed-start records, metrics) cannot be written:
+    no space, a read-only file system, a file where a folder should be."""
+
+    exit_code = ExitCode.STATE_UNWRITABLE
+
+    def __init__(self, path: object, cause: str, what: str) -> None:
+        super().__init__(f"{path}: cannot write {what} there: {cause}")
+        self.path = path
+        self.what = what
 
 
 class NvmlNotAnswering(GateError):

@@ -41,11 +41,13 @@ def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(f'lock_dir = "{tmp_path}"\n')
     result = gpugate(
+        "--host-roots",
+        f"cgroup={tmp_path}",
         "pre",
         "vllm.service",
         "--config",
         str(config),
-        env={"LD_LIBRARY_PATH": str(tmp_path), "GPUGATE_CGROUP_ROOT": str(tmp_path)},
+        env={"LD_LIBRARY_PATH": str(tmp_path)},
     )
     assert result.returncode == ExitCode.NVML_UNAVAILABLE, result.stderr
     assert result.stderr.startswith("gpugate: NVML: libnvidia-ml.so.1 not found")

@@ -1,10 +1,9 @@
 """Containers: runtime and id from the cgroup path, the name from the runtime's CLI (a real
-script standing in for `docker`/`podman` on PATH), the refusal that names the container and
+script standing in for `docker`/`podman` in the system folders gpugate searches), the refusal that names the container and
 the field to set, and `containers = [...]` making a container's processes the unit's own."""
 
 from __future__ import annotations
 
-import os
 import textwrap
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +15,7 @@ from gpugate.core.decide import Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role
 from gpugate.errors import ConfigError, ExitCode
+from gpugate.host import programs
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
 from tests.core.test_decide import Table, proc
@@ -42,7 +42,7 @@ FAKE_CLI = textwrap.dedent(
         done
         exit $rc;;
     stop)
-        for pid in $(cat "$CGROUP_ROOT"/*.slice/*-"$4".scope/cgroup.procs); do kill -KILL "$pid"; done
+        for pid in $(cat "$(cat "$here/cgroup_root")"/*.slice/*-"$4".scope/cgroup.procs); do kill -KILL "$pid"; done
         echo "$4";;
     esac
     """
@@ -56,8 +56,8 @@ def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     for runtime in ("docker", "podman"):
         (bin_dir / runtime).write_text(FAKE_CLI)
         (bin_dir / runtime).chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setenv("CGROUP_ROOT", str(tmp_path / "cgroup"))
+    (bin_dir / "cgroup_root").write_text(str(tmp_path / "cgroup"))
+    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(bin_dir),))
     yield bin_dir
 
 
@@ -137,7 +137,7 @@ def test_a_hanging_cli_is_cut_off_and_the_id_shown(cli: Path) -> None:
     names = ContainerNames(timeout_s=0.5)
     (found,) = names.named([Container("docker", ID, "/a")])
     assert found.name is None and found.label == f"docker container {ID[:12]}"
-    assert names.warnings == ["docker inspect did not answer in 0.5 s"]
+    assert names.warnings == ["docker inspect did not answer within 0.5 s (killed)"]
 
 
 def test_no_cli_no_name() -> None:

@@ -171,11 +171,10 @@ def test_driver_faults_through_real_pynvml(
         **os.environ,
         "LD_LIBRARY_PATH": str(fake_lib),
         "FAKE_NVML_CONFIG": str(settings_file),
-        "GPUGATE_DEV_ROOT": str(dev),
-        "GPUGATE_CGROUP_ROOT": str(tmp_path),
     }
+    roots = ["--host-roots", f"dev={dev},cgroup={tmp_path}"]
     result = subprocess.run(
-        [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
+        [sys.executable, "-m", "gpugate", *roots, "pre", "vllm.service", "--config", str(config)],
         capture_output=True,
         text=True,
         env=env,
@@ -189,7 +188,16 @@ def test_driver_faults_through_real_pynvml(
     config.write_text(config.read_text() + 'on_nvml_error = "warn"\n')
     if expected is ExitCode.NVML_UNAVAILABLE:
         warned = subprocess.run(
-            [sys.executable, "-m", "gpugate", "pre", "vllm.service", "--config", str(config)],
+            [
+                sys.executable,
+                "-m",
+                "gpugate",
+                *roots,
+                "pre",
+                "vllm.service",
+                "--config",
+                str(config),
+            ],
             capture_output=True,
             text=True,
             env=env,

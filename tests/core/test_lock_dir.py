@@ -1,5 +1,5 @@
-"""An unusable lock_dir is the operator's to fix: a config error (78) or a permission error
-(77) naming the folder, never an internal error."""
+"""An unusable lock_dir is the operator's to fix: state that cannot be written (73) or a
+permission error (77) naming the folder, never an internal error."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ConfigError, ExitCode, PermissionDenied
+from gpugate.errors import ExitCode, PermissionDenied, StateUnwritable
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu
 
@@ -25,17 +25,17 @@ def take(lock_dir: Path) -> None:
     "layout",
     ["file", "file/below", "file/below/deeper"],
 )
-def test_a_file_in_the_way_is_a_config_error(tmp_path: Path, layout: str) -> None:
+def test_a_file_in_the_way_is_unwritable_state(tmp_path: Path, layout: str) -> None:
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError) as raised:
+    with pytest.raises(StateUnwritable) as raised:
         take(tmp_path / layout)
-    assert raised.value.exit_code is ExitCode.CONFIG
+    assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
     assert str(tmp_path / layout) in str(raised.value) and "\n" not in str(raised.value)
 
 
-def test_a_lock_file_that_is_a_folder_is_a_config_error(tmp_path: Path) -> None:
+def test_a_lock_file_that_is_a_folder_is_unwritable_state(tmp_path: Path) -> None:
     (tmp_path / f"{GPU.uuid}.lock").mkdir()
-    with pytest.raises(ConfigError) as raised:
+    with pytest.raises(StateUnwritable) as raised:
         take(tmp_path)
     assert f"{GPU.uuid}.lock" in str(raised.value)
 

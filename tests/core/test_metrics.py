@@ -246,19 +246,25 @@ def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) 
     assert key("gpugate_last_run_failed", phase="post", unit=UNIT) not in values
 
 
-def test_unwritable_textfile_warns_and_keeps_the_exit_code(
-    host: FakeHost, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("layout", ["file-as-folder", "folder-as-file"])
+def test_unwritable_textfile_is_exit_73_before_the_kill(
+    host: FakeHost, capsys: pytest.CaptureFixture[str], layout: str
 ) -> None:
+    """Metrics that cannot be written are found before anything is killed (docs/hardening.md)."""
     blocker = host.root / "not-a-folder"
-    blocker.write_text("")
+    if layout == "file-as-folder":
+        blocker.write_text("")
+        blocked, why = blocker, "a file is in the way (not a folder)"
+    else:
+        (blocker / "gpugate.prom").mkdir(parents=True)
+        blocked, why = blocker / "gpugate.prom", "a folder is in the way (not a file)"
     config = write_config(host, blocker / "gpugate.prom")
     (member,) = host.pool.holder(host.gpu_files(1))
     host.put_in_unit(member)
-    assert gpugate(host, "post", UNIT, "--config", str(config)) == 0
-    assert not alive(member)
+    assert gpugate(host, "post", UNIT, "--config", str(config)) == ExitCode.STATE_UNWRITABLE
+    assert alive(member)
     err = capsys.readouterr().err
-    assert err.startswith(f"gpugate: warning: metrics not written to {blocker}/gpugate.prom")
-    assert err.count("\n") == 1
+    assert err == f"gpugate: {blocked}: cannot write metrics there: {why}\n"
 
 
 def test_label_values_are_escaped() -> None:

@@ -76,14 +76,16 @@ class Driver:
             **os.environ,
             "LD_LIBRARY_PATH": str(self.lib),
             "FAKE_NVML_CONFIG": str(self.settings),
-            "GPUGATE_DEV_ROOT": str(self.dev),
-            "GPUGATE_CGROUP_ROOT": str(self.root / "cgroup"),
             **extra,
         }
 
+    def roots_args(self) -> list[str]:
+        """The stand-in roots, by the hidden option (never the environment: hardening.md)."""
+        return ["--host-roots", f"dev={self.dev},cgroup={self.root / 'cgroup'}"]
+
     def gpugate(self, *args: str, **env: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "gpugate", *args],
+            [sys.executable, "-m", "gpugate", *self.roots_args(), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

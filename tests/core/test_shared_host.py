@@ -383,18 +383,19 @@ def test_a_hand_runs_lease_says_who_started_it_and_force_runs_onto_it(host: Fake
         B,
         with_gpus(host, [1, 2]),
         unit_state=lambda _: "active",
-        environ={"GPUGATE_RUN_FORCE": "1"},
+        ignore_leases=True,
     )
     assert forced.exit_code is ExitCode.OK
     warned = [e for e in host.journal.events("error") if "gpugate run --force" in e["MESSAGE"]]
     assert len(warned) == 1 and hand in warned[0]["MESSAGE"]
-    # GPUGATE_RUN_FORCE other than "1" forces nothing
-    again = run(
-        host,
-        "pre",
-        A,
-        with_gpus(host, [0]),
-        unit_state=lambda _: "active",
-        environ={"GPUGATE_RUN_FORCE": "yes"},
-    )
-    assert again.exit_code is ExitCode.HELD_BY_OTHERS
+    # The environment (a unit's EnvironmentFile=) forces nothing: only pre --ignore-leases.
+    for value in ("1", "yes"):
+        again = run(
+            host,
+            "pre",
+            A,
+            with_gpus(host, [0]),
+            unit_state=lambda _: "active",
+            environ={"GPUGATE_RUN_FORCE": value},
+        )
+        assert again.exit_code is ExitCode.HELD_BY_OTHERS

@@ -149,16 +149,17 @@ def test_job_cgroup_missing_at_hook_time_names_the_nodes_scope(tmp_path: Path) -
 
 def test_scontrol_found_without_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """slurmd gives the hooks no PATH: scontrol is looked for where Slurm installs it."""
-    from gpugate.integrations import slurm
+    from gpugate.host import programs
 
     found = tmp_path / "sbin" / "scontrol"
     found.parent.mkdir()
     found.write_text("#!/bin/sh\n")
     found.chmod(0o755)
-    monkeypatch.setattr(slurm, "SCONTROL_DIRS", (str(tmp_path / "bin"), str(found.parent)))
-    assert slurm.scontrol_path({}) == str(found)
+    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(tmp_path / "bin"), str(found.parent)))
+    monkeypatch.setenv("PATH", "")
+    assert programs.find_program("scontrol") == str(found)
     found.chmod(0o644)
-    assert slurm.scontrol_path({}) is None
+    assert programs.find_program("scontrol") is None
 
 
 # ---------------------------------------------------------------- the runs
@@ -166,8 +167,8 @@ def test_scontrol_found_without_path(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 @pytest.fixture
 def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]:
-    """slurmd's environment for job 42 on GPUs 2 and 3, and a stand-in scontrol on PATH that
-    records its arguments (slurmd itself gives no PATH: the test's stands in for Slurm's)."""
+    """slurmd's environment for job 42 on GPUs 2 and 3, and a stand-in scontrol in the system
+    folders gpugate searches that records its arguments (slurmd itself gives no PATH)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
@@ -180,8 +181,10 @@ def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
         "SLURM_JOB_UID": "1000",
         "SLURM_JOB_GPUS": "2,3",
         "SLURMD_NODENAME": "gpu07",
-        "PATH": f"{bin_dir}:{os.environ.get('PATH', '')}",
     }
+    from gpugate.host import programs
+
+    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(bin_dir),))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env

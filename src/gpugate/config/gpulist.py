@@ -7,6 +7,8 @@ import re
 from collections.abc import Sequence
 from typing import Union
 
+from gpugate.errors import echo
+
 # A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 MIG_PREFIX = "MIG-"
@@ -52,7 +54,7 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
         ref = gpu_ref(item)
         key = ref.lower() if isinstance(ref, str) else ref
         if key in seen:
-            raise GpuListError(f"lists GPU {ref} twice")
+            raise GpuListError(f"lists GPU {echo(ref, quote=False)} twice")
         seen.add(key)
         refs.append(ref)
     return tuple(refs)

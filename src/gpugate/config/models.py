@@ -212,7 +212,7 @@ class GateConfig(_Frozen):
     def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for item in value:
             if not CONTAINER_NAME.fullmatch(item):
-                raise ValueError(f"{item!r} is not a container name or id")
+                raise ValueError(f"{echo(item)} is not a container name or id")
         if len(set(value)) != len(value):
             raise ValueError("lists a container twice")
         return value

@@ -21,6 +21,41 @@ class BusyGpu:
 
 
 @dataclass
+class RunFacts:
+    """What a run found that decides its exit code; several can hold at once."""
+
+    survivors: bool = False  # a target outlived SIGKILL (D state)
+    respawning: bool = False  # a process gpugate may not take kept respawning holders
+    held_by_others: bool = False  # refused, leased, a blocker or a port held by another
+    memory_busy: bool = False  # memory still used at the deadline, with on_timeout = "fail"
+    shm_short: bool = False  # /dev/shm has less free space than the next start needs
+
+
+# First the cause the operator must remove before anything else helps: a respawner (a loop, a
+# supervisor) makes every kill futile, and the respawn it started last, killed at the
+# deadline, had no time to die (it would read as a survivor). Then a survivor of SIGKILL (a GPU
+# reset or a reboot, whatever else holds); then a holder gpugate may not kill (its owner's to
+# stop); then memory no process holds (the driver's to free); last, /dev/shm short of space
+# for the next start (looked at only when all else went well).
+PRECEDENCE = (
+    ("respawning", ExitCode.RESPAWNING),
+    ("survivors", ExitCode.UNKILLABLE),
+    ("held_by_others", ExitCode.HELD_BY_OTHERS),
+    ("memory_busy", ExitCode.MEMORY_TIMEOUT),
+    ("shm_short", ExitCode.SHM_SPACE),
+)
+
+
+def exit_code_for(facts: RunFacts) -> ExitCode:
+    """The run's exit code: the first of PRECEDENCE whose fact holds, else OK. (Errors that
+    end a run early, GateError, carry their own code and are not facts.)"""
+    for name, code in PRECEDENCE:
+        if getattr(facts, name):
+            return code
+    return ExitCode.OK
+
+
+@dataclass
 class RunSummary:
     exit_code: ExitCode = ExitCode.OK
     killed: list[ProcessId] = field(default_factory=list)  # stopped by SIGTERM or SIGKILL

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpugate.config.models import GpuSelection
-from gpugate.errors import ConfigError, NvmlUnavailable
+from gpugate.errors import ConfigError, NvmlUnavailable, echo
 from gpugate.host.nvml import Gpu, GpuFault
 
 
@@ -40,9 +40,11 @@ def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
     if not matches:
-        raise ConfigError(source, "gpus", f"no GPU has UUID {ref}")
+        raise ConfigError(source, "gpus", f"no GPU has UUID {echo(ref, quote=False)}")
     if len(matches) > 1:
-        raise ConfigError(source, "gpus", f"{ref} is the start of more than one GPU's UUID")
+        raise ConfigError(
+            source, "gpus", f"{echo(ref, quote=False)} is the start of more than one GPU's UUID"
+        )
     return matches[0]
 
 
@@ -74,5 +76,6 @@ def fail_on_owned_faults(
     nameless = [fault for fault in faults if fault.uuid is None]
     if unknown and nameless:
         raise NvmlUnavailable(
-            f"{nameless[0].error}; {who}'s GPU {unknown[0]} is not among those NVML can read"
+            f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} "
+            "is not among those NVML can read"
         )

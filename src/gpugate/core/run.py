@@ -15,7 +15,7 @@ from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
-from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary, exit_code_for
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
@@ -39,6 +39,7 @@ from gpugate.integrations.unit.shared_host import (
     name_leases_of_holders,
     refuse_manual_run,
     report_faults,
+    take_lease_first,
     waiting_skipped,
 )
 from gpugate.report.holder_text import describe
@@ -87,6 +88,7 @@ class PhaseRun:
         self.started = clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
+        self.facts = RunFacts()  # the exit code is exit_code_for(facts), set in finish
         self.wanted: GpuSelection | None = selection(self.config)  # None: no GPU (degraded)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
@@ -185,14 +187,13 @@ class PhaseRun:
         if decision.refused:
             name_leases_of_holders(self.context, self.loaded, narrator.reporter, discovery.owned)
             narrator.refused()
-            summary.exit_code = ExitCode.HELD_BY_OTHERS
+            self.facts.held_by_others = True
             return self.finish()
         if dry_run:
             leased = leases_refuse(
                 self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=True
             )
-            blocked = bool(decision.blockers) or leased is not None
-            summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
+            self.facts.held_by_others = bool(decision.blockers) or leased is not None
             self.clean_shm(would_kill={c.holder.pid for c in decision.targets})
             return self.finish()
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
@@ -209,14 +210,15 @@ class PhaseRun:
                 self.context, self.loaded, narrator.reporter, discovery.owned, dry_run=False
             )
             if self.lease_refusal is not None:
-                summary.exit_code = ExitCode.HELD_BY_OTHERS
+                self.facts.held_by_others = True
                 return self.finish()
+            take_lease_first(self.context, self.loaded, discovery.owned)
             discovery, decision, survivors = self.kill_rounds(discovery, decision)
             if survivors:
-                summary.exit_code = ExitCode.UNKILLABLE
+                self.facts.survivors = True
                 narrator.survived(len(survivors))
             elif decision.blockers:
-                summary.exit_code = ExitCode.HELD_BY_OTHERS
+                self.facts.held_by_others = True
                 narrator.still_held()
             else:
                 self.wait(discovery, decision)
@@ -337,7 +339,7 @@ class PhaseRun:
         respawners = self.watch.respawners(procfs.still_same)
         if settled.held and respawners:
             self.narrator.respawning(respawners, self.policy.wait_timeout_s)
-            self.summary.exit_code = ExitCode.RESPAWNING
+            self.facts.respawning = True
             return
         for respawner in respawners:
             self.narrator.respawned(respawner)
@@ -348,12 +350,12 @@ class PhaseRun:
             )
         if settled.ports:
             self.narrator.ports_held(settled.ports, self.policy.wait_timeout_s)
-            self.summary.exit_code = ExitCode.HELD_BY_OTHERS
-        elif not busy:
-            if owned:
+            self.facts.held_by_others = True
+        if not busy:
+            if owned and not settled.ports:
                 self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
         elif failing:
-            self.summary.exit_code = ExitCode.MEMORY_TIMEOUT
+            self.facts.memory_busy = True
 
     def shm_label(self, pid: int) -> str:
         if pid in self.shm_labels:
@@ -382,7 +384,7 @@ class PhaseRun:
         if (
             needed_mib is None
             or self.scope.phase not in SHM_SPACE_PHASES
-            or self.summary.exit_code is not ExitCode.OK
+            or exit_code_for(self.facts) is not ExitCode.OK
         ):
             return
         short = short_of_space(host, needed_mib * MIB, freed)
@@ -393,7 +395,7 @@ class PhaseRun:
             for key, pids in host.holders().by_key.items():
                 holders[key] = sorted(pids)
         self.narrator.shm_short(short, holders, self.shm_label)
-        self.summary.exit_code = ExitCode.SHM_SPACE
+        self.facts.shm_short = True
 
     def look_again(self) -> bool:
         """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
@@ -405,12 +407,16 @@ class PhaseRun:
         # Each target found here (a respawn, a watcher NVML now lists) says why it dies.
         _, _, survivors = self.kill_rounds(discovery, decision, announced=False)
         if survivors:
-            self.summary.exit_code = ExitCode.UNKILLABLE
+            self.facts.survivors = True
             self.narrator.survived(len(survivors))
         return True
 
     def finish(self) -> RunSummary:
-        self.narrator.finished(self.summary)
+        self.summary.exit_code = exit_code_for(self.facts)
+        # pre's lease first: one that cannot be written is the run's error (exit 73), never a
+        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
+        if self.scope.phase != "pre" or self.dry_run:
+            self.narrator.finished(self.summary)
         if not self.dry_run:
             after_run(
                 self.context,
@@ -421,4 +427,6 @@ class PhaseRun:
                 busy=self.summary.busy,
                 lease_refusal=self.lease_refusal,
             )
+        if self.scope.phase == "pre" and not self.dry_run:
+            self.narrator.finished(self.summary)
         return self.summary

@@ -26,7 +26,7 @@ from gpugate.front.commands import (
 )
 from gpugate.host.cgroups import CgroupLayout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.roots import HostRoots
+from gpugate.host.roots import OPTION, HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
+    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
+    # shown in --help, never in the unit drop-in, and never taken from the environment.
+    parser.add_argument(OPTION, dest="host_roots", help=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for phase, text in (
         ("pre", "ExecStartPre=: make the unit's GPUs free before it starts"),
@@ -62,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
             action="store_true",
             help="run by hand even while the unit is active (kills the running service)",
         )
+        # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
+        # warned about, not refused. Hidden: not for hand use, never from the environment.
+        sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
         sub.set_defaults(func=hook_command)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
@@ -202,15 +208,17 @@ def main(
     cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
     args = build_parser().parse_args(argv)
-    front = Front(
-        driver_factory=driver_factory,
-        reporter_factory=reporter_factory,
-        roots=roots,
-        unit_state=unit_state,
-        cgroup_layout=cgroup_layout,
-    )
     handler: Handler = args.func
     try:
+        if args.host_roots is not None:
+            roots = HostRoots.parse(args.host_roots)
+        front = Front(
+            driver_factory=driver_factory,
+            reporter_factory=reporter_factory,
+            roots=roots,
+            unit_state=unit_state,
+            cgroup_layout=cgroup_layout,
+        )
         return handler(args, front)
     except GateError as exc:
         print(f"gpugate: {exc.message}", file=sys.stderr)

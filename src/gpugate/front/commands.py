@@ -16,7 +16,13 @@ from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
 from gpugate.host.roots import SYSTEM_CGROUP_ROOT, HostRoots
-from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
+from gpugate.host.systemd import (
+    own_unit,
+    resolve_unit_cgroup,
+    systemd_running,
+    unit_argument,
+    validate_unit_name,
+)
 from gpugate.report.journal import Reporter, ReporterFactory
 
 Handler = Callable[[argparse.Namespace, "Front"], int]
@@ -35,24 +41,18 @@ class Front:
         unit_state: Callable[[str], str | None] | None = None,
         cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
     ) -> None:
-        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's).
+        """roots: injected by tests (or --host-roots), never read from the environment;
+        unit_state: a unit's ActiveState for the manual-run check (default: systemd's);
         cgroup_layout: the host's cgroup layout for these roots (default: the real
         /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
         is used as it is)."""
         self.driver_factory = driver_factory
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
-        self._given_roots = roots
+        self.given_roots = roots or HostRoots()
         self._roots: HostRoots | None = None
         self.unit_state = unit_state or _systemd_active_state
         self.cgroup_layout = cgroup_layout or _host_cgroup_layout
-
-    @property
-    def given_roots(self) -> HostRoots:
-        """The roots as injected or named by the environment, the cgroup tree not checked."""
-        if self._given_roots is None:
-            self._given_roots = HostRoots.from_environ(self.environ)
-        return self._given_roots
 
     @property
     def roots(self) -> HostRoots:
@@ -116,6 +116,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
             driver_factory=front.driver_factory,
             environ=front.environ,
             manual_refusal=manual_refusal,
+            ignore_leases=args.ignore_leases,
         )
     return int(outcome.exit_code)
 
@@ -153,6 +154,8 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
         shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
         print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
+        if front.given_roots.ask_systemd:
+            _warn_environment_files(unit)
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
 
@@ -177,11 +180,20 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
         )
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+    if args.command == "install" and systemd_running():
+        _warn_environment_files(args.unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
         print(f"takes effect at the next start: systemctl restart {args.unit}")
     return int(ExitCode.OK)
+
+
+def _warn_environment_files(unit: str) -> None:
+    from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
+
+    for line in environment_file_warnings(unit):
+        print(f"gpugate: {line}", file=sys.stderr)
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:

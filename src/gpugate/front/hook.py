@@ -15,17 +15,27 @@ from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
 from gpugate.core.shm_cleanup import ShmHost
-from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    Interrupted,
+    ManualRunRefused,
+    NvmlUnavailable,
+    StateUnwritable,
+)
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import ShmArea
+from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
 from gpugate.integrations.unit.shared_host import (
+    METRICS,
     nvml_hung_in_pre,
     prepare,
     record_interrupted,
     record_pre_error,
+    state_folders,
 )
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
@@ -59,8 +69,9 @@ def run_hook(
     stream: TextIO | None = None,
     environ: Mapping[str, str] | None = None,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
 ) -> HookOutcome:
-    """environ, manual_refusal: see run_phase."""
+    """environ, manual_refusal, ignore_leases: see run_phase."""
     stream = stream or sys.stderr
     summary: RunSummary | None = None
     error: GateError | None = None
@@ -77,6 +88,7 @@ def run_hook(
             clock=clock,
             environ=environ,
             manual_refusal=manual_refusal,
+            ignore_leases=ignore_leases,
         )
         code = summary.exit_code
     except GateError as exc:
@@ -84,7 +96,8 @@ def run_hook(
         reporter.echo = False  # failed() says it on stderr itself, once
         reporter.error_stream = stream
         Narrator(reporter, dry_run=dry_run).failed(exc)
-    if not dry_run:
+    metrics_unwritable = isinstance(error, StateUnwritable) and error.what == METRICS
+    if not dry_run and not metrics_unwritable:  # said once already: no warning after it
         record_metrics(loaded, hook, code, summary, stream)
     return HookOutcome(code, summary, error)
 
@@ -101,12 +114,15 @@ def run_phase(
     clock: Callable[[], float] = time.monotonic,
     environ: Mapping[str, str] | None = None,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
     unit_env: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
     shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
 ) -> RunSummary:
     """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
-    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
+    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; ignore_leases:
+    pre warns about other units' leases instead of refusing (`gpugate run --force` puts the
+    hidden --ignore-leases on its unit's ExecStartPre=; never the environment); unit_env and
     unit_state stand in for systemd's answers, shm_host for /dev/shm's files (tests)."""
     roots = roots or HostRoots()
     loaded, context = prepare(
@@ -116,9 +132,13 @@ def run_phase(
         os.environ if environ is None else environ,
         roots=roots,
         manual_refusal=manual_refusal,
+        ignore_leases=ignore_leases,
         environment=unit_env,
         unit_state=unit_state,
     )
+    if not dry_run:  # before anything is killed: a run that cannot record its end does not begin
+        textfile = loaded.config.metrics_textfile
+        check_all(state_folders(scope.phase, loaded), [(textfile, METRICS)] if textfile else [])
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(

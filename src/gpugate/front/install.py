@@ -9,7 +9,6 @@ the config (meant to be edited) is kept.
 from __future__ import annotations
 
 import contextlib
-import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import TextIO
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.gpulist import GpuListError, parse_gpu_text
 from gpugate.config.models import CONTAINER_NAME
-from gpugate.errors import InstallError, PermissionDenied, UnknownUnit
+from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.front.install_files import (
     DEFAULT_GPUGATE,
     Gpus,
@@ -31,10 +30,12 @@ from gpugate.front.install_files import (
     with_header,
 )
 from gpugate.host.atomic import write_atomically
+from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
 from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
+RELOAD_TIMEOUT_S = 120
 
 
 class Action(Enum):
@@ -97,12 +98,18 @@ def systemctl_daemon_reload() -> bool:
     """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
     if not systemd_running():
         return False
-    result = subprocess.run(
-        ["systemctl", "daemon-reload"], capture_output=True, text=True, check=False, timeout=120
-    )
+    systemctl = find_program("systemctl")
+    if systemctl is None:
+        raise InstallError(
+            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
+        )
+    try:
+        result = run_program([systemctl, "daemon-reload"], RELOAD_TIMEOUT_S)
+    except GateError as exc:
+        raise InstallError(f"files written, but {exc.message}; run it yourself") from None
     if result.returncode != 0:
         raise InstallError(
-            f"files written, but `systemctl daemon-reload` failed: {result.stderr.strip()}; "
+            f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
             "run it yourself"
         )
     return True

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.systemd import unit_argument, validate_unit_name
-from gpugate.integrations.unit.leases import FORCE_VARIABLE, STARTED_BY_VARIABLE
+from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 
 SYSTEMD_RUN_PATHS = (Path("/usr/bin/systemd-run"), Path("/bin/systemd-run"))
 SYSTEMCTL_PATHS = (Path("/usr/bin/systemctl"), Path("/bin/systemctl"))
@@ -183,7 +183,10 @@ def caller_environment(
 
 def hook_line(plan: RunPlan, phase: str) -> str:
     config = f" --config {plan.config}" if plan.config else ""
-    return f"+{plan.gpugate} {phase} {plan.unit}{config}"
+    # --force: pre warns about a lease instead of refusing. On the command line, which only
+    # root writes, never in the environment, which the unit's own files may set.
+    force = " --ignore-leases" if plan.force and phase == "pre" else ""
+    return f"+{plan.gpugate} {phase} {plan.unit}{config}{force}"
 
 
 def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
@@ -215,8 +218,6 @@ def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
     ]
     setenv = [*plan.environment, ("CUDA_VISIBLE_DEVICES", plan.gpus_env)]
     setenv.append((STARTED_BY_VARIABLE, plan.started_by))
-    if plan.force:
-        setenv.append((FORCE_VARIABLE, "1"))
     argv += [f"--setenv={key}={value}" for key, value in setenv]
     # systemd substitutes $NAME and ${NAME} in a service's command line; $$ is a literal $.
     argv += ["--", *(arg.replace("$", "$$") for arg in plan.command)]

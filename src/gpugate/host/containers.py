@@ -4,18 +4,19 @@ Docker (systemd cgroup driver) puts a container's processes in
 `/system.slice/docker-ID.scope`, podman in `/machine.slice/libpod-ID.scope` (runc) or
 `.../libpod-ID.scope/container` (crun); ID is the container's 64-hex id. The name comes from
 the runtime's CLI (`docker inspect` / `podman inspect`), one call per runtime and bounded in
-time; where the CLI is missing or slow the container is shown by its id alone.
+time; where the CLI is missing or slow the container is shown by its id alone. The CLIs are
+found and run as `programs` runs every program: in the system folders, with a clean environment.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from gpugate.errors import GateError
+from gpugate.host.programs import Result, find_program, run_program
 
 SCOPE = re.compile(r"(?:^|/)(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope(?=/|$)")
 RUNTIMES = {"docker": "docker", "libpod": "podman"}
@@ -23,10 +24,8 @@ SCOPE_GLOBS = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
 MIN_ID_PREFIX = 12
 INSPECT_TIMEOUT_S = 3.0
 STOP_MARGIN_S = 5.0
-# Hooks may run with no PATH (slurmd gives none): look where the runtimes install.
-CLI_DIRS = ("/usr/bin", "/usr/local/bin", "/usr/sbin", "/bin", "/snap/bin")
 
-Runner = Callable[[Sequence[str], float], "subprocess.CompletedProcess[str]"]
+Runner = Callable[[Sequence[str], float], Result]
 
 
 @dataclass(frozen=True)
@@ -86,16 +85,8 @@ def container_scopes(cgroup_root: Path) -> list[Container]:
     return found
 
 
-def find_cli(runtime: str, path: str | None = None) -> str | None:
-    given = os.environ.get("PATH", "") if path is None else path
-    search = os.pathsep.join(part for part in (given, *CLI_DIRS) if part)
-    return shutil.which(runtime, path=search)
-
-
-def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        list(argv), capture_output=True, text=True, timeout=timeout, check=False, stdin=None
-    )
+def find_cli(runtime: str) -> str | None:
+    return find_program(runtime)
 
 
 class ContainerNames:
@@ -105,7 +96,7 @@ class ContainerNames:
         self,
         *,
         cli: Callable[[str], str | None] = find_cli,
-        runner: Runner = _run,
+        runner: Runner = run_program,
         timeout_s: float = INSPECT_TIMEOUT_S,
     ) -> None:
         self.cli = cli
@@ -129,11 +120,8 @@ class ContainerNames:
         argv = [cli, "inspect", "--type", "container", "--format", "{{.Id}} {{.Name}}", *ids]
         try:
             result = self.runner(argv, self.timeout_s)
-        except subprocess.TimeoutExpired:
-            self.warnings.append(f"{runtime} inspect did not answer in {self.timeout_s:g} s")
-            return names
-        except OSError as exc:
-            self.warnings.append(f"{runtime} inspect: {exc.strerror or exc}")
+        except GateError as exc:  # did not answer in time, or could not be started
+            self.warnings.append(exc.message)
             return names
         # Exit 1 where one of the ids is gone already; the others are still printed.
         for line in result.stdout.splitlines():
@@ -155,7 +143,7 @@ def stop_containers(
     grace_s: float,
     *,
     cli: Callable[[str], str | None] = find_cli,
-    runner: Runner = _run,
+    runner: Runner = run_program,
 ) -> list[StopResult]:
     """`docker stop --time N ID` / `podman stop --time N ID`: the runtime sends the stop
     signal, waits, then SIGKILLs, and records the container as stopped (its restart policy
@@ -170,13 +158,9 @@ def stop_containers(
         argv = [found, "stop", "--time", str(seconds), container.id]
         try:
             result = runner(argv, seconds + STOP_MARGIN_S)
-        except subprocess.TimeoutExpired:
-            results.append(StopResult(container, False, f"{container.runtime} stop timed out"))
+        except GateError as exc:  # did not answer in time, or could not be started
+            results.append(StopResult(container, False, exc.message))
             continue
-        except OSError as exc:
-            results.append(StopResult(container, False, str(exc.strerror or exc)))
-            continue
-        said = (result.stderr or result.stdout).strip().splitlines()
-        detail = said[0] if said and result.returncode else ""
+        detail = result.first_line() if result.returncode else ""
         results.append(StopResult(container, result.returncode == 0, detail))
     return results

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from gpugate.errors import ConfigError, LockTimeout, PermissionDenied
+from gpugate.errors import LockTimeout, PermissionDenied, StateUnwritable
 from gpugate.host.nvml import Gpu
 
 
@@ -53,9 +53,7 @@ def gpu_locks(
     except PermissionError:
         raise PermissionDenied(f"{lock_dir}: permission denied creating the lock folder") from None
     except OSError as exc:  # a file in the way, a read-only file system, ...
-        raise ConfigError(
-            str(lock_dir), "lock_dir", f"unusable as the lock folder: {exc.strerror}"
-        ) from None
+        raise StateUnwritable(lock_dir, exc.strerror or str(exc), "GPU locks") from None
     held: list[int] = []
     try:
         for gpu in sorted(gpus, key=lambda g: g.uuid):
@@ -65,9 +63,7 @@ def gpu_locks(
             except PermissionError:
                 raise PermissionDenied(f"{path}: permission denied") from None
             except OSError as exc:
-                raise ConfigError(
-                    str(path), "lock_dir", f"cannot open a lock here: {exc.strerror}"
-                ) from None
+                raise StateUnwritable(path, exc.strerror or str(exc), "a GPU lock") from None
             held.append(fd)
             if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
                 raise LockTimeout(f"{path}: another gpugate run held {gpu.label} past the deadline")

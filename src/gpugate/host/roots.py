@@ -1,13 +1,13 @@
 """Where gpugate looks: the roots of /dev, /proc and the cgroup tree, and whether to ask systemd.
 
-Production uses the real ones. Tests point them at stand-ins through the environment
-(`GPUGATE_DEV_ROOT`, `GPUGATE_PROC_ROOT`, `GPUGATE_CGROUP_ROOT`) or an injected `HostRoots`,
-as pipx does for its paths; they are not part of the operator's configuration.
+Production uses the real ones. Tests point them at stand-ins with an injected `HostRoots`, or,
+for gpugate run as a command, the hidden `--host-roots dev=DIR,proc=DIR,cgroup=DIR` option,
+which the unit drop-in never carries. Never from the environment: the hooks run as root with
+the unit's environment, and a root chosen there would choose what root kills.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,11 +16,8 @@ from gpugate.errors import ConfigError
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
 # the unified tree of a hybrid host (host/cgroups.py), where systemd tracks units there
 HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
-ENVIRONMENT = {
-    "dev": "GPUGATE_DEV_ROOT",
-    "proc": "GPUGATE_PROC_ROOT",
-    "cgroup": "GPUGATE_CGROUP_ROOT",
-}
+OPTION = "--host-roots"
+NAMES = ("dev", "proc", "cgroup")
 
 
 @dataclass(frozen=True)
@@ -35,23 +32,29 @@ class HostRoots:
         return self.cgroup in (SYSTEM_CGROUP_ROOT, HYBRID_UNIFIED_ROOT)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str]) -> HostRoots:
+    def parse(cls, text: str) -> HostRoots:
+        """`dev=DIR,proc=DIR,cgroup=DIR` (any of them; the rest stay the real ones)."""
         roots: dict[str, Path] = {}
-        for name, variable in ENVIRONMENT.items():
-            value = environ.get(variable)
-            if not value:
-                continue
+        for item in text.split(","):
+            name, eq, value = item.partition("=")
+            if not eq or name not in NAMES:
+                raise ConfigError(OPTION, "", f"{item[:60]!r}: not dev=DIR, proc=DIR or cgroup=DIR")
             path = Path(value)
             if not path.is_absolute():
-                raise ConfigError(variable, "", f"{value[:80]!r} is not an absolute path")
-            if not path.is_dir():
-                raise ConfigError(variable, "", f"{value[:80]}: no such folder")
+                raise ConfigError(OPTION, name, f"{value[:60]!r} is not an absolute path")
             roots[name] = path
-        return cls(**roots)
+        found = cls(**roots)
+        found.check()
+        return found
+
+    def as_option(self) -> list[str]:
+        """The command-line words that give a gpugate command these roots."""
+        spec = ",".join(f"{name}={getattr(self, name)}" for name in NAMES)
+        return [OPTION, spec]
 
     def check(self) -> None:
         """A root that is not there is a configuration error, not a crash mid-run."""
-        for name, variable in ENVIRONMENT.items():
+        for name in NAMES:
             path: Path = getattr(self, name)
             if not path.is_dir():
-                raise ConfigError(variable, "", f"{path}: no such folder")
+                raise ConfigError(OPTION, name, f"{str(path)[:60]}: no such folder")

@@ -6,13 +6,12 @@ import contextlib
 import os
 import re
 import shlex
-import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import UnknownUnit
+from gpugate.host.programs import find_program, run_program
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
@@ -99,19 +98,19 @@ class UnitState:
     control_group: str | None
 
 
+SYSTEMCTL_TIMEOUT_S = 30
+
+
 def systemctl_show(name: str, properties: str) -> str | None:
     """`systemctl show --property=PROPERTIES -- NAME`'s output; None where no systemd runs,
-    systemctl is missing, or it failed. Its `Name=value` lines are the same on systemd 247 to
-    257; an unknown unit is `LoadState=not-found` with exit status 0 on each."""
-    systemctl = shutil.which("systemctl")
+    systemctl is missing, or it failed; ProgramNotAnswering where it does not answer in
+    SYSTEMCTL_TIMEOUT_S. Its `Name=value` lines are the same on systemd 247 to 257; an unknown
+    unit is `LoadState=not-found` with exit status 0 on each."""
+    systemctl = find_program("systemctl")
     if not systemd_running() or systemctl is None:
         return None
-    result = subprocess.run(
-        [systemctl, "show", f"--property={properties}", "--", name],
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=30,
+    result = run_program(
+        [systemctl, "show", f"--property={properties}", "--", name], SYSTEMCTL_TIMEOUT_S
     )
     return result.stdout if result.returncode == 0 else None
 

@@ -13,10 +13,7 @@ and scontrol is there, the drain reason says which GPU holds how many MiB.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,9 +24,10 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
 from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.outcome import RunSummary
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, echo
 from gpugate.front.hook import Hook, run_hook
 from gpugate.host.nvml import GpuDriver
+from gpugate.host.programs import find_program, run_program
 from gpugate.host.roots import HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
 
@@ -43,8 +41,6 @@ MAX_JOB_ID = 2**32 - 1
 # srun task sees SLURM_STEP_GPUS; CUDA_VISIBLE_DEVICES is what the job's programs see.
 GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
 MAX_REASON = 250
-# slurmd gives prologs and epilogs no PATH: look where Slurm is installed.
-SCONTROL_DIRS = ("/usr/bin", "/usr/local/bin", "/opt/slurm/bin", "/usr/sbin", "/usr/local/sbin")
 SCONTROL_TIMEOUT_S = 15
 
 
@@ -82,7 +78,7 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         try:
             gpus = parse_gpu_text(environ[source])
         except GpuListError as exc:
-            shown = repr(environ[source][:80])
+            shown = echo(environ[source])
             raise SlurmEnvError(f"{source} {shown}: {exc}") from None
     return SlurmJob(
         job_id=int(raw_id),
@@ -160,32 +156,24 @@ def failure_detail(summary: RunSummary | None) -> str:
     return f"GPU {gpus}: {exit_code.name.lower()}"
 
 
-def scontrol_path(environ: Mapping[str, str]) -> str | None:
-    search = os.pathsep.join([environ.get("PATH", ""), *SCONTROL_DIRS])
-    return shutil.which("scontrol", path=search)
-
-
-def set_drain_reason(node: str, reason: str, environ: Mapping[str, str], stream: TextIO) -> None:
+def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
     """Best effort: drain the node first with gpugate's reason, so slurmctld keeps it when
-    the failed prolog/epilog drains it too. slurmd drains the node anyway."""
-    scontrol = scontrol_path(environ)
+    the failed prolog/epilog drains it too. slurmd drains the node anyway. scontrol is found
+    in the system folders (slurmd gives no PATH; the job's must not choose it)."""
+    scontrol = find_program("scontrol")
     if scontrol is None:
         return
     try:
-        result = subprocess.run(
+        result = run_program(
             [scontrol, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
-            capture_output=True,
-            text=True,
-            timeout=SCONTROL_TIMEOUT_S,
-            check=False,
+            SCONTROL_TIMEOUT_S,
         )
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        print(f"gpugate: warning: scontrol: {exc}", file=stream)
+    except GateError as exc:
+        print(f"gpugate: warning: {exc.message}", file=stream)
         return
     if result.returncode != 0:
-        said = (result.stderr or result.stdout).strip().splitlines()
         print(
-            f"gpugate: warning: scontrol exited {result.returncode}: {said[0] if said else ''}",
+            f"gpugate: warning: scontrol exited {result.returncode}: {result.first_line()}",
             file=stream,
         )
 
@@ -242,5 +230,5 @@ def main(
         print(f"gpugate: drain: {reason}", file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
     if node:
-        set_drain_reason(node, reason, environ, stream)
+        set_drain_reason(node, reason, stream)
     return int(code)

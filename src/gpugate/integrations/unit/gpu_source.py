@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.config.models import BUILTIN_SOURCE, GateConfig, GpuSelection, LoadedConfig
-from gpugate.errors import ConfigError
+from gpugate.errors import ConfigError, echo
 from gpugate.host.systemd import UnitEnvironment, unit_environment
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
@@ -43,7 +43,7 @@ def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection
     try:
         gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
     except GpuListError as exc:
-        raise ConfigError(where, variable, f"{value[:80]!r}: {exc}") from None
+        raise ConfigError(where, variable, f"{echo(value)}: {exc}") from None
     return gpus
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied
+from gpugate.errors import PermissionDenied, StateUnwritable
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
 
@@ -25,7 +25,6 @@ LEASE_FOLDER = "leases"
 # from the environment systemd gives it. Neither widens what gpugate kills: a forced run only
 # skips the lease refusal; another running unit's processes stay spared by the cgroup rule.
 STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
-FORCE_VARIABLE = "GPUGATE_RUN_FORCE"
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
@@ -145,15 +144,21 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
         write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
     except PermissionError:
         raise PermissionDenied(f"{target}: permission denied writing a GPU lease") from None
+    except OSError as exc:  # no space, read-only, a file where the folder should be
+        raise StateUnwritable(target, exc.strerror or str(exc), "the GPU lease") from None
     return target
 
 
 def release_lease(lock_dir: Path, unit: str) -> bool:
-    """Remove the unit's lease; False where it held none."""
+    """Remove the unit's lease; False where it held none. StateUnwritable where it cannot be
+    removed (a folder in its place, a read-only file system)."""
+    path = lease_path(lock_dir, unit)
     try:
-        lease_path(lock_dir, unit).unlink()
+        path.unlink()
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        raise StateUnwritable(path, exc.strerror or str(exc), "the GPU lease") from None
     return True
 
 

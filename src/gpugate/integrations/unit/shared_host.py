@@ -9,22 +9,25 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Choice, Decision
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import (
-    FORCE_VARIABLE,
     STARTED_BY_VARIABLE,
+    Lease,
     check_leases,
+    lease_dir,
     new_lease,
     release_lease,
     write_lease,
@@ -34,6 +37,7 @@ from gpugate.integrations.unit.start_failure import (
     FailedPre,
     clear_failed_pre,
     failed_pre_of_this_start,
+    failure_path,
     record_failed_pre,
 )
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
@@ -48,9 +52,11 @@ class HostContext:
     environ: Mapping[str, str]
     choice: GpuChoice
     manual_refusal: str | None = None  # hook_guard.manual_run_guard's reason, or None
+    ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     reported_faults: set[int] = field(default_factory=set)
+    lease_written: bool = False  # pre wrote its lease before the kill (take_lease_first)
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
 
@@ -62,6 +68,7 @@ def prepare(
     *,
     roots: HostRoots,
     manual_refusal: str | None = None,
+    ignore_leases: bool = False,
     environment: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
 ) -> tuple[LoadedConfig, HostContext]:
@@ -76,6 +83,7 @@ def prepare(
         environ,
         choice,
         manual_refusal=manual_refusal,
+        ignore_leases=ignore_leases,
         roots=roots,
         unit_state=unit_state,
     )
@@ -87,6 +95,22 @@ def prepare(
 def _no_environment(unit: str) -> UnitEnvironment | None:
     """Systemd is not asked (a root that is not the running host's)."""
     return None
+
+
+METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
+
+
+def state_folders(phase: str, loaded: LoadedConfig) -> list[tuple[Path, str]]:
+    """Every folder this phase writes its state in, with what goes there: checked before the
+    run kills anything (host.state_dirs)."""
+    config = loaded.config
+    folders = [(config.lock_dir, "GPU locks")]
+    if phase == "pre":
+        folders.append((lease_dir(config.lock_dir), "GPU leases"))
+        folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+    if config.metrics_textfile is not None:
+        folders.append((config.metrics_textfile.parent, METRICS))
+    return folders
 
 
 def report_faults(context: HostContext, reporter: Reporter, discovery: Discovery) -> None:
@@ -159,7 +183,7 @@ def leases_refuse(
         )
     if not check.conflicts:
         return None
-    if context.environ.get(FORCE_VARIABLE) == "1":
+    if context.ignore_leases:
         for lease, gpus in check.conflicts:
             reporter.event(
                 Event.ERROR,
@@ -210,6 +234,26 @@ def name_leases_of_holders(
         )
 
 
+def take_lease_first(context: HostContext, loaded: LoadedConfig, owned: Sequence[Gpu]) -> None:
+    """pre, before it kills: the lease it will hold on success, written now, so that a lease
+    that cannot be written (no space, read-only) stops the run before anything dies. A run
+    that then fails releases it (after_run)."""
+    if context.phase != "pre" or not owned or not context.choice.named:
+        return
+    write_lease(loaded.config.lock_dir, _lease(context, loaded, owned))
+    context.lease_written = True
+
+
+def _lease(context: HostContext, loaded: LoadedConfig, owned: Sequence[Gpu]) -> Lease:
+    return new_lease(
+        context.unit,
+        owned,
+        share=loaded.config.share_gpus,
+        invocation_id=context.environ.get("INVOCATION_ID"),
+        started_by=context.environ.get(STARTED_BY_VARIABLE),
+    )
+
+
 def after_run(
     context: HostContext,
     loaded: LoadedConfig,
@@ -231,16 +275,8 @@ def after_run(
             release_lease(lock_dir, context.unit)
             clear_failed_pre(lock_dir, context.unit)
         elif exit_code is ExitCode.OK:
-            write_lease(
-                lock_dir,
-                new_lease(
-                    context.unit,
-                    owned,
-                    share=loaded.config.share_gpus,
-                    invocation_id=context.environ.get("INVOCATION_ID"),
-                    started_by=context.environ.get(STARTED_BY_VARIABLE),
-                ),
-            )
+            if not context.lease_written:
+                write_lease(lock_dir, _lease(context, loaded, owned))
             clear_failed_pre(lock_dir, context.unit)
             return
         release_lease(lock_dir, context.unit)
@@ -276,7 +312,8 @@ def record_pre_error(
     if context.phase != "pre":
         return
     lock_dir = loaded.config.lock_dir
-    release_lease(lock_dir, context.unit)
+    with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
+        release_lease(lock_dir, context.unit)
     record_failed_pre(
         lock_dir,
         FailedPre(

@@ -1,0 +1,64 @@
+"""gpugate's own state folders (locks, leases, failed-start records, metrics), checked before a
+run kills anything: a folder that cannot be made, is not a folder, is read-only or full is
+StateUnwritable (exit 73) naming the folder and the cause, not a kill followed by a crash."""
+
+from __future__ import annotations
+
+import errno
+import os
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from gpugate.errors import PermissionDenied, StateUnwritable
+
+# What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
+PROBE_BYTES = 4096
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Make folder where missing, then write and remove a probe file of PROBE_BYTES in it.
+    what: the state that goes there, for the message ("GPU leases")."""
+    try:
+        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
+    except FileExistsError:
+        raise StateUnwritable(folder, "a file is in the way (not a folder)", what) from None
+    except PermissionError:
+        raise PermissionDenied(f"{folder}: permission denied creating it (for {what})") from None
+    except OSError as exc:
+        raise StateUnwritable(folder, _cause(exc), what) from None
+    try:
+        fd, name = tempfile.mkstemp(prefix=".gpugate-probe.", dir=folder)
+        probe = Path(name)
+    except PermissionError:
+        raise PermissionDenied(f"{folder}: permission denied writing {what} there") from None
+    except OSError as exc:
+        raise StateUnwritable(folder, _cause(exc), what) from None
+    try:
+        written = os.write(fd, bytes(PROBE_BYTES))
+        if written < PROBE_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as exc:
+        raise StateUnwritable(folder, _cause(exc), what) from None
+    finally:
+        os.close(fd)
+        probe.unlink(missing_ok=True)
+
+
+def check_file_slot(path: Path, what: str) -> None:
+    """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise StateUnwritable(path, "a folder is in the way (not a file)", what)
+
+
+def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, str]] = ()) -> None:
+    for folder, what in folders:
+        check_writable(folder, what)
+    for path, what in files:
+        check_file_slot(path, what)
+
+
+def _cause(exc: OSError) -> str:
+    if exc.errno == errno.ENOTDIR:
+        return "a file is in the way (not a folder)"
+    return exc.strerror or str(exc)

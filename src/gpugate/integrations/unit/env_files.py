@@ -1,0 +1,94 @@
+"""A unit's EnvironmentFile= that an account other than root may change hands out root:
+gpugate's hooks (`ExecStartPre=+`, `ExecStopPost=+`) run as root with that environment, and
+LD_PRELOAD, LD_LIBRARY_PATH or PYTHONPATH set there run code in the root process before
+gpugate can look. `install` and `config check --unit` warn, naming the file."""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import stat
+from collections.abc import Callable
+from pathlib import Path
+
+from gpugate.host.systemd import systemctl_show
+
+
+def environment_files(unit: str, show: Callable[[str], str | None] | None = None) -> list[str]:
+    """The unit's EnvironmentFile= paths as systemd has them loaded (`systemctl show`)."""
+    text = (show or _show_environment_files)(unit)
+    files: list[str] = []
+    for line in (text or "").splitlines():
+        key, _, value = line.partition("=")
+        if key == "EnvironmentFiles" and value:
+            path, _, _ = value.rpartition(" (ignore_errors=")
+            files.append(path or value)
+    return files
+
+
+def _show_environment_files(unit: str) -> str | None:
+    return systemctl_show(unit, "EnvironmentFiles")
+
+
+def who_else_may_write(path: Path) -> str | None:
+    """Why an account other than root may change path (or put one there, where it is
+    missing): the file or a folder above it belongs to another account, or a non-root group or
+    everyone may write it. None where only root may."""
+    current = path
+    while True:
+        try:
+            info = current.lstat()
+        except FileNotFoundError:
+            current = current.parent
+            continue
+        except OSError:
+            return None  # cannot tell; systemd reads it as root all the same
+        why = _others_may_change(current, info)
+        if why is not None:
+            return why
+        if current == current.parent:
+            return None
+        current = current.parent
+
+
+def _others_may_change(path: Path, info: os.stat_result) -> str | None:
+    mode, uid, gid = info.st_mode, info.st_uid, info.st_gid
+    if uid != 0:
+        return f"{path} belongs to {_user(uid)}"
+    sticky_folder = stat.S_ISDIR(mode) and mode & stat.S_ISVTX
+    if mode & stat.S_IWOTH and not sticky_folder:
+        return f"{path} is writable by every account"
+    if mode & stat.S_IWGRP and gid != 0 and not sticky_folder:
+        return f"{path} is writable by group {_group(gid)}"
+    return None
+
+
+def environment_file_warnings(
+    unit: str, show: Callable[[str], str | None] | None = None
+) -> list[str]:
+    """One line for each EnvironmentFile= of the unit that another account may change."""
+    lines = []
+    for name in environment_files(unit, show):
+        why = who_else_may_write(Path(name))
+        if why is not None:
+            lines.append(
+                f"warning: {unit}: EnvironmentFile={name} may be changed by an account other "
+                f"than root ({why}); gpugate's hooks run as root with its variables "
+                "(LD_PRELOAD, PYTHONPATH, ...): make it and its folders root's (docs/hardening.md)"
+            )
+    return lines
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"UID {uid}"
+
+
+def _group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"GID {gid}"
