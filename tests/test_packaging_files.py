@@ -7,11 +7,11 @@ import re
 import shutil
 import subprocess
 import tarfile
-import tomllib
 from pathlib import Path
 
 import pytest
 
+from gpugate.compat import tomllib
 from gpugate.errors import ExitCode
 from gpugate.front.cli import build_parser
 from gpugate.report.journal import Event

@@ -33,12 +33,15 @@ import sys
 import tarfile
 import threading
 import time
-import tomllib
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
+from typing import Final
+
+from typing_extensions import Self
+
+from gpugate.compat import tomllib
 
 __all__ = [
     "DEFAULT_MASKS",

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Union
 
 # A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 MIG_PREFIX = "MIG-"
 MAX_GPU_INDEX = 1023
 
-GpuRef = int | str  # an NVML index or a GPU UUID
+GpuRef = Union[int, str]  # an NVML index or a GPU UUID
 
 
 class GpuListError(ValueError):

@@ -8,8 +8,8 @@ role is `roles`; where an application ends (kill_app_tree) is `app_tree`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
 
+from gpugate.compat import StrEnum
 from gpugate.config.models import GateConfig
 from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source

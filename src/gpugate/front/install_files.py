@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Union
 
 from gpugate.config.models import GateConfig, PhasePolicy
 from gpugate.config.toml_text import toml_value
@@ -82,7 +82,7 @@ HEADER_TEXT = (
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
 
 
-Gpus = Literal["all"] | list[int | str]  # `gpus` as written into the config
+Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
 
 
 class Ownership(Enum):

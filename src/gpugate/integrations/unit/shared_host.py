@@ -61,7 +61,7 @@ def prepare(
     """The config with the unit's GPUs resolved, and the run's context. environment and
     unit_state stand in for systemd (tests); without them systemd is asked where it runs."""
     if environment is None:
-        environment = unit_environment if roots.ask_systemd else lambda _: None
+        environment = unit_environment if roots.ask_systemd else _no_environment
     choice = choose_gpus(unit, loaded, environment)
     context = HostContext(
         phase,
@@ -75,6 +75,11 @@ def prepare(
     if phase == "post":
         context.failed_pre = failed_pre_of_this_start(loaded.config.lock_dir, unit, environ)
     return with_chosen_gpus(loaded, choice), context
+
+
+def _no_environment(unit: str) -> UnitEnvironment | None:
+    """Systemd is not asked (a root that is not the running host's)."""
+    return None
 
 
 def report_faults(context: HostContext, reporter: Reporter, discovery: Discovery) -> None:
