@@ -29,6 +29,7 @@ A port already in use, or a worker that cannot open its device files, exits non-
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing
 import os
@@ -37,9 +38,25 @@ import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
-import setproctitle
+PR_SET_NAME = 15
+
+
+def set_comm(title: str) -> None:
+    """The kernel's comm only (15 bytes), through prctl(PR_SET_NAME): what a bare root without
+    setproctitle can do (tests/simhost/roots.py's Debian 11 and 13)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NAME)")
+
+
+set_title: Callable[[str], None]
+try:
+    from setproctitle import setproctitle as set_title
+except ImportError:
+    set_title = set_comm
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -85,7 +102,7 @@ _held_files: list[int] = []
 
 
 def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection) -> None:
-    setproctitle.setproctitle(f"{args.title_prefix}::Worker_TP{rank}")
+    set_title(f"{args.title_prefix}::Worker_TP{rank}")
     if args.ignore_sigterm_workers or rank in args.ignore_sigterm_worker:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dev = Path(args.dev_root)
@@ -102,7 +119,7 @@ def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection
 
 
 def engine_core_main(args: argparse.Namespace, ready: Connection) -> None:
-    setproctitle.setproctitle(f"{args.title_prefix}::EngineCore")
+    set_title(f"{args.title_prefix}::EngineCore")
     ctx = multiprocessing.get_context("spawn")
     workers = []
     pipes = []
