@@ -121,7 +121,9 @@ def missing_build_tools() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} not found (scripts/setup installs dpkg-dev, gcc, pkg-config, binutils)"
     for minor in range(9, 14):
-        if not list(Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")).glob(f"versions/3.{minor}.*")):
+        if not list(
+            Path(os.environ.get("PYENV_ROOT", "/root/.pyenv")).glob(f"versions/3.{minor}.*")
+        ):
             return f"no Python 3.{minor} under pyenv: the package carries every Python 3.9-3.13"
     return None
 

@@ -198,7 +198,11 @@ def stage_python(sim: SimHost) -> None:
         return
     sim.run(["/usr/bin/python3", "-m", "venv", "--without-pip", str(Path(PYTHON).parents[1])])
     inside = sim.run(
-        [PYTHON, "-c", "import sys, sysconfig; print(sys.version_info[1], sysconfig.get_paths()['purelib'])"]
+        [
+            PYTHON,
+            "-c",
+            "import sys, sysconfig; print(sys.version_info[1], sysconfig.get_paths()['purelib'])",
+        ]
     )
     minor, site = inside.stdout.split()
     if int(minor) != sys.version_info[1]:

@@ -132,7 +132,9 @@ def debian_root(suite: str, roots: Path = ROOTS) -> Path:
             )
         if result.returncode != 0:
             tail = logfile.read_text(errors="replace")[-3000:]
-            raise RootBuildError(f"debootstrap {suite} {mirror} failed ({result.returncode}):\n{tail}")
+            raise RootBuildError(
+                f"debootstrap {suite} {mirror} failed ({result.returncode}):\n{tail}"
+            )
         # The root's apt lists are the archive's of today: dropped, as on the packaging test's
         # host (no network inside; apt takes dependencies from what is installed).
         shutil.rmtree(target / "var/lib/apt/lists", ignore_errors=True)

@@ -63,7 +63,10 @@ def test_release_is_what_it_stands_for(release: tuple[str, Host]) -> None:
     suite, host = release
     systemd, python = SUITES[suite]
     assert host.sh("systemctl --version").split()[1] == systemd
-    assert host.sh("python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'").strip() == python
+    assert (
+        host.sh("python3 -c 'import sys; print(\"%d.%d\" % sys.version_info[:2])'").strip()
+        == python
+    )
     # The launcher took the running Python's compiled parts: pydantic-core and systemd-python
     # import (the journal module is what gpugate sends its events with).
     assert host.sh("gpugate --version").strip() == "gpugate 0.1.0"

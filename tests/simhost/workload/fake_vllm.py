@@ -35,10 +35,10 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection
 from pathlib import Path
-from collections.abc import Callable
 from typing import Any
 
 PR_SET_NAME = 15
