@@ -285,3 +285,23 @@ def test_rpm_spec_parses_with_pyprojects_version() -> None:
         check=True,
     ).stdout
     assert queried.strip() == f"gpugate {VERSION}"
+
+
+def test_launcher_refuses_a_python_it_does_not_carry(rpm_and_tree: tuple[Path, Path]) -> None:
+    """A python3 the package has no compiled parts for (3.8 here; 3.14 on a future host) gets
+    one line naming it and what is carried, exit 70, and nothing imported."""
+    _rpm, tree = rpm_and_tree
+    pythons = sorted(PYENV.glob("versions/3.8.*/bin/python3.8"))
+    if not pythons:
+        pytest.skip(f"no Python 3.8 under {PYENV} to stand for an uncarried Python")
+    result = subprocess.run(
+        [str(pythons[-1]), "-I", str(tree / "usr/bin/gpugate"), "--version"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 70, result
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert "is Python 3.8, but this package carries Python 3.9, 3.10, 3.11, 3.12, 3.13 only" in line
+    assert "/usr/lib/gpugate/cp38 is missing" in line
