@@ -27,6 +27,7 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
     INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
+    HOST_UNSUPPORTED = 28  # the host lacks what gpugate needs: cgroup v2 (a v1-only host)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
@@ -37,7 +38,9 @@ class ExitCode(IntEnum):
         return f"{int(self)}/{SYSEXITS_NAMES.get(int(self), 'n/a')}"
 
 
-# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`).
+# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`). The
+# same on systemd 247 to 257: what changed between them is systemd's own range (200 and up,
+# grown to 245/KSM by 254), which gpugate never uses.
 SYSEXITS_NAMES = {
     0: "SUCCESS",
     64: "USAGE",
@@ -62,6 +65,7 @@ EXIT_MEANINGS = {
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
     ExitCode.RESPAWNING: "holders respawned until the deadline",
+    ExitCode.HOST_UNSUPPORTED: "host unsupported (no cgroup v2 tree)",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
     ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }
@@ -112,6 +116,10 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class HostUnsupported(GateError):
+    exit_code = ExitCode.HOST_UNSUPPORTED
 
 
 class ManualRunRefused(GateError):

@@ -23,6 +23,7 @@ from gpugate.front.commands import (
     slurm_command,
     status_command,
 )
+from gpugate.host.cgroups import CgroupLayout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
@@ -159,6 +160,7 @@ def main(
     reporter_factory: ReporterFactory = Reporter,
     roots: HostRoots | None = None,
     unit_state: Callable[[str], str | None] | None = None,
+    cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
     args = build_parser().parse_args(argv)
     front = Front(
@@ -166,6 +168,7 @@ def main(
         reporter_factory=reporter_factory,
         roots=roots,
         unit_state=unit_state,
+        cgroup_layout=cgroup_layout,
     )
     handler: Handler = args.func
     try:

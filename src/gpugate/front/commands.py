@@ -12,8 +12,9 @@ from collections.abc import Callable, Mapping
 from gpugate.config.file import load_config
 from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, UnknownUnit
+from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.roots import HostRoots
+from gpugate.host.roots import SYSTEM_CGROUP_ROOT, HostRoots
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.report.journal import Reporter, ReporterFactory
 
@@ -31,19 +32,42 @@ class Front:
         roots: HostRoots | None = None,
         environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
+        cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
     ) -> None:
-        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
+        """unit_state: a unit's ActiveState for the manual-run check (default: systemd's).
+        cgroup_layout: the host's cgroup layout for these roots (default: the real
+        /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
+        is used as it is)."""
         self.driver_factory = driver_factory
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
-        self._roots = roots
+        self._given_roots = roots
+        self._roots: HostRoots | None = None
         self.unit_state = unit_state or _systemd_active_state
+        self.cgroup_layout = cgroup_layout or _host_cgroup_layout
+
+    @property
+    def given_roots(self) -> HostRoots:
+        """The roots as injected or named by the environment, the cgroup tree not checked."""
+        if self._given_roots is None:
+            self._given_roots = HostRoots.from_environ(self.environ)
+        return self._given_roots
 
     @property
     def roots(self) -> HostRoots:
+        """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
+        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
         if self._roots is None:
-            self._roots = HostRoots.from_environ(self.environ)
+            given = self.given_roots
+            layout = self.cgroup_layout(given)
+            self._roots = given if layout is None else on_unified_hierarchy(given, layout)
         return self._roots
+
+
+def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
+    if roots.cgroup != SYSTEM_CGROUP_ROOT:
+        return None  # a stand-in tree (tests, a root that is not this host's): as it is
+    return read_cgroup_layout(roots.proc)
 
 
 def _systemd_active_state(unit: str) -> str | None:
@@ -57,7 +81,8 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.hook import Hook, run_hook  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
 
-    unit = unit_argument(args.unit) if args.unit else own_unit()
+    roots = front.roots  # first: a host gpugate cannot serve says so before anything else
+    unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
         raise UnknownUnit(
             "no UNIT given and gpugate is not running inside a service's cgroup; "
@@ -65,7 +90,6 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         )
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
-    roots = front.roots
     hook = Hook(
         args.command,
         unit,
@@ -115,7 +139,7 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
-        environment = None if front.roots.ask_systemd else (lambda _: None)
+        environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
         shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
         print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
@@ -160,9 +184,9 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
         unreadable_warning,
     )
 
+    roots = front.roots
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.config)
-    roots = front.roots
     driver = front.driver_factory()
     try:
         warned = False

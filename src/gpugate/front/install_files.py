@@ -24,6 +24,10 @@ DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 
 
 # The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
+# Every setting in it means the same on systemd 247 (Debian 11) to 257 (Debian 13): the "+"
+# prefix dates from 231, NotifyAccess=exec from 232, EXTEND_TIMEOUT_USEC= from 236, and drop-in
+# directories (UNIT.d/, TEMPLATE@.service.d/ for every instance) are older still
+# (docs/install.md, "systemd 247 to 257").
 DROPIN_TEMPLATE = """\
 # gpugate on a GPU service: before each start and after each stop, find every process that
 # holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.

@@ -1,0 +1,36 @@
+"""gpugate.compat: what 3.11 added, the same on every interpreter from 3.9."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpugate.compat import StrEnum, tomllib
+from gpugate.core.decide import Verdict
+from gpugate.core.discover import Source
+from gpugate.core.roles import Role
+
+
+class Colour(StrEnum):
+    DARK_RED = "dark-red"
+
+
+@pytest.mark.parametrize("member", [Colour.DARK_RED, Verdict.KILL, Source.DEVICE_FD, Role.ORPHAN])
+def test_string_enums_read_and_print_as_their_values(member: StrEnum) -> None:
+    value = member.value
+    assert isinstance(member, str)
+    assert member == value and hash(member) == hash(value)
+    assert str(member) == f"{member}" == "%s" % member == value  # noqa: UP031
+    assert f"{member:>20}" == f"{value:>20}"
+    assert json.dumps({"k": member}) == json.dumps({"k": value})
+    assert type(member)(value) is member
+    assert value.upper() == member.upper()
+
+
+def test_toml_is_parsed_and_its_errors_are_one_class() -> None:
+    assert tomllib.loads('a = 1\n[b]\nc = "d"\n') == {"a": 1, "b": {"c": "d"}}
+    with pytest.raises(tomllib.TOMLDecodeError):
+        tomllib.loads("a = \n")
+    with pytest.raises(ValueError):  # TOMLDecodeError is a ValueError in tomli and tomllib
+        tomllib.loads("[a\n")
