@@ -118,6 +118,16 @@ def test_bash_completion_offers_every_command_and_option() -> None:
         }
         assert set(complete(command, "--")) == options, command
     assert "all" in complete("install", "vllm.service", "--gpus", "")
+    run_options = {
+        option
+        for a in action.choices["run"]._actions
+        for option in a.option_strings
+        if option.startswith("--")
+    }
+    assert set(complete("run", "--")) == run_options | {"--"}
+    assert "all" in complete("run", "--gpus", "")
+    assert "bash" in complete("run", "--gpus", "0", "--", "bas")
+    assert complete("run", "--name", "") == []
 
 
 def missing_rpm_tools() -> str | None:

@@ -133,3 +133,19 @@ def test_lease_written_by_a_process_that_then_crashes_survives(
     assert proc.wait(timeout=30) != 0
     (lease,) = read_leases(locks).leases
     assert lease.unit == "a.service" and lease.gpus == (3,)
+
+
+def test_a_lease_records_who_started_a_hand_run_and_old_files_stay_readable(
+    host: FakeHost, tmp_path: Path
+) -> None:
+    locks = tmp_path / "locks"
+    lease = new_lease("h.service", gpus(host, 0), share=False, started_by="bob (uid 1001)")
+    write_lease(locks, lease)
+    (read,) = read_leases(locks).leases
+    assert read.started_by == "bob (uid 1001)"
+    assert "`gpugate run` by bob (uid 1001), since " in read.holder_text()
+    old = {"unit": "o.service", "gpus": [1], "uuids": ["GPU-1"], "share": False, "since": 1.0}
+    (lease_path(locks, "o.service")).write_text(json.dumps(old))
+    by_unit = {lease.unit: lease for lease in read_leases(locks).leases}
+    assert by_unit["o.service"].started_by is None
+    assert by_unit["o.service"].holder_text().startswith("o.service (since ")

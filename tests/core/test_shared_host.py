@@ -357,3 +357,44 @@ def test_a_uuid_prefix_names_the_one_gpu_it_starts(host: FakeHost) -> None:
     with pytest.raises(ConfigError, match="more than one"):
         run(host, "pre", unit_env=env("Environment=CUDA_VISIBLE_DEVICES=GPU-fa4e5a11-0000\n"))
     assert alive(orphan)
+
+
+# --- hand runs (gpugate run) -------------------------------------------------------------
+
+
+def test_a_hand_runs_lease_says_who_started_it_and_force_runs_onto_it(host: FakeHost) -> None:
+    hand = "gpugate-run-vllm-ab12cd.service"
+    by = {"GPUGATE_STARTED_BY": "alice (uid 1000, /dev/pts/3)"}
+    assert run(host, "pre", hand, with_gpus(host, [0, 1]), environ=by).exit_code is ExitCode.OK
+    (lease,) = read_leases(host.root / "locks").leases
+    assert lease.started_by == "alice (uid 1000, /dev/pts/3)"
+
+    refused = run(host, "pre", B, with_gpus(host, [1, 2]), unit_state=lambda _: "active")
+    assert refused.exit_code is ExitCode.HELD_BY_OTHERS
+    (event,) = host.journal.events("refused")
+    assert (
+        f"GPU 1 leased to {hand} (`gpugate run` by alice (uid 1000, /dev/pts/3), since"
+        in (event["MESSAGE"])
+    )
+
+    forced = run(
+        host,
+        "pre",
+        B,
+        with_gpus(host, [1, 2]),
+        unit_state=lambda _: "active",
+        environ={"GPUGATE_RUN_FORCE": "1"},
+    )
+    assert forced.exit_code is ExitCode.OK
+    warned = [e for e in host.journal.events("error") if "gpugate run --force" in e["MESSAGE"]]
+    assert len(warned) == 1 and hand in warned[0]["MESSAGE"]
+    # GPUGATE_RUN_FORCE other than "1" forces nothing
+    again = run(
+        host,
+        "pre",
+        A,
+        with_gpus(host, [0]),
+        unit_state=lambda _: "active",
+        environ={"GPUGATE_RUN_FORCE": "yes"},
+    )
+    assert again.exit_code is ExitCode.HELD_BY_OTHERS

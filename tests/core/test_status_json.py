@@ -27,6 +27,7 @@ TOP = {
     "holders": list,
     "invisible": list,
     "unreadable_gpus": list,
+    "leases": list,
 }
 GPU = {
     "index": int,
@@ -179,7 +180,10 @@ def test_a_failing_query_on_one_gpu_is_shown_on_its_row(
 
 def test_each_gpu_shows_its_lease(host: FakeHost, capsys: pytest.CaptureFixture[str]) -> None:
     gpus = host.memory.gpus()
-    write_lease(host.root / "locks", new_lease("a.service", gpus[0:4], share=False))
+    write_lease(
+        host.root / "locks",
+        new_lease("a.service", gpus[0:4], share=False, started_by="alice (uid 1000)"),
+    )
     write_lease(host.root / "locks", new_lease("b.service", gpus[3:5], share=True))
     data = status(host, capsys)
     assert [gpu["leased_to"] for gpu in data["gpus"]] == [
@@ -192,3 +196,7 @@ def test_each_gpu_shows_its_lease(host: FakeHost, capsys: pytest.CaptureFixture[
         [],
         [],
     ]
+    by_unit = {lease["unit"]: lease for lease in data["leases"]}
+    assert by_unit["a.service"]["started_by"] == "alice (uid 1000)"
+    assert by_unit["a.service"]["gpus"] == [0, 1, 2, 3]
+    assert by_unit["b.service"]["started_by"] is None

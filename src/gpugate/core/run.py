@@ -31,6 +31,7 @@ from gpugate.integrations.unit.shared_host import (
     after_run,
     gpus_not_to_wait_on,
     leases_refuse,
+    name_leases_of_holders,
     refuse_manual_run,
     report_faults,
     waiting_skipped,
@@ -143,6 +144,7 @@ class PhaseRun:
         narrator.blind_spots(discovery)
         narrator.choices(decision)
         if decision.refused:
+            name_leases_of_holders(self.context, self.loaded, narrator.reporter, discovery.owned)
             narrator.refused()
             summary.exit_code = ExitCode.HELD_BY_OTHERS
             return self.finish()

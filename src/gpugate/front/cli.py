@@ -20,6 +20,7 @@ from gpugate.front.commands import (
     config_check_command,
     hook_command,
     install_command,
+    run_command,
     slurm_command,
     status_command,
 )
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
     check.set_defaults(func=config_check_command)
     _install_parsers(commands)
+    _run_parser(commands)
     _slurm_parsers(commands)
     return parser
 
@@ -144,6 +146,43 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         type=Path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
     )
+
+
+def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    text = (
+        "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its whole "
+        "cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop"
+    )
+    run = commands.add_parser(
+        "run",
+        help=text,
+        description=text + " (see docs/gpugate-run.md)",
+        usage="gpugate run [-h] [--gpus LIST] [--port N]... [--name NAME] [--config PATH] "
+        "[--force] -- COMMAND [ARGS...]",
+        epilog=EPILOG,
+    )
+    run.add_argument(
+        "--gpus",
+        type=_gpus,
+        metavar="LIST",
+        help="the GPUs (indices and/or UUIDs, or all); default: your CUDA_VISIBLE_DEVICES, "
+        "else all",
+    )
+    run.add_argument(
+        "--port",
+        type=_port,
+        action="append",
+        dest="ports",
+        metavar="N",
+        help="a TCP port the command listens on (repeatable): pre frees it (needs root)",
+    )
+    run.add_argument("--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)")
+    run.add_argument("--config", type=Path, help="config file for the hooks (default: lookup)")
+    run.add_argument(
+        "--force", action="store_true", help="run even onto GPUs leased to a running unit"
+    )
+    run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
+    run.set_defaults(func=run_command)
 
 
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:

@@ -118,6 +118,12 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     return int(outcome.exit_code)
 
 
+def run_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.run_command import run_command as run  # noqa: PLC0415
+
+    return run(args, front)
+
+
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.integrations import slurm  # noqa: PLC0415
 

@@ -61,7 +61,8 @@ def as_dict(
     discovery: Discovery, loaded: LoadedConfig, roots: HostRoots | None = None
 ) -> dict[str, Any]:
     owned = discovery.owned_indices
-    leased = leases_by_gpu(read_leases(loaded.config.lock_dir).leases)
+    leases = read_leases(loaded.config.lock_dir).leases
+    leased = leases_by_gpu(leases)
     holders = []
     now = uptime_s((roots or HostRoots()).proc)
     ticks = os.sysconf("SC_CLK_TCK")
@@ -117,6 +118,15 @@ def as_dict(
             for gpu in discovery.gpus
         ],
         "holders": holders,
+        "leases": [
+            {
+                "unit": lease.unit,
+                "gpus": list(lease.gpus),
+                "since": lease.since,
+                "started_by": lease.started_by,
+            }
+            for lease in leases
+        ],
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
             {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
@@ -209,6 +219,12 @@ def render_table(data: dict[str, Any]) -> str:
     lines += [row for _, row in sorted(rows)]
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
+    for lease in data.get("leases", ()):
+        if lease["started_by"]:
+            lines.append(
+                f"({lease['unit']}: started by hand with `gpugate run` by {lease['started_by']},"
+                f" GPU {gpu_ranges(lease['gpus'])})"
+            )
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
     lines.append("")

@@ -164,7 +164,9 @@ class Reporter:
         if self.echo:
             try:
                 print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
-            except BrokenPipeError:  # `gpugate pre --dry-run UNIT | head`: the run goes on
+            except OSError:
+                # `gpugate pre --dry-run UNIT | head` (EPIPE), or a `gpugate run` unit's
+                # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
     def fail(self, message: str, exit_code: int) -> None:
@@ -172,7 +174,8 @@ class Reporter:
         `gpugate: message` on stderr unless stderr is the journal (it would be there twice)."""
         self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
         if not stderr_is_journal(self.error_stream):
-            print(f"gpugate: {message}", file=self.error_stream, flush=True)
+            with contextlib.suppress(OSError):  # a closed terminal: the journal has it
+                print(f"gpugate: {message}", file=self.error_stream, flush=True)
         self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:

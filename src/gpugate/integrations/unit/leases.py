@@ -21,6 +21,11 @@ from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
 
 LEASE_FOLDER = "leases"
+# Set by `gpugate run` on its transient unit (front/run_command.py), read by the unit's pre
+# from the environment systemd gives it. Neither widens what gpugate kills: a forced run only
+# skips the lease refusal; another running unit's processes stay spared by the cgroup rule.
+STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
+FORCE_VARIABLE = "GPUGATE_RUN_FORCE"
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
@@ -33,6 +38,9 @@ class Lease:
     since: float  # Unix time the lease was taken
     invocation_id: str | None = None  # the unit's INVOCATION_ID at its pre
     pid: int = 0  # the gpugate pre that took it
+    # Who started the unit by hand (`gpugate run` sets GPUGATE_STARTED_BY on its transient
+    # unit: "alice (uid 1000)"); None for units systemd starts. Old lease files lack it.
+    started_by: str | None = None
 
     def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
         mine = {uuid.lower() for uuid in self.uuids}
@@ -47,7 +55,14 @@ class Lease:
             "since": self.since,
             "invocation_id": self.invocation_id,
             "pid": self.pid,
+            "started_by": self.started_by,
         }
+
+    def holder_text(self) -> str:
+        """The lease's unit in words, for refusals: who started it and when."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        by = f"`gpugate run` by {self.started_by}, " if self.started_by else ""
+        return f"{self.unit} ({by}since {when})"
 
 
 def lease_dir(lock_dir: Path) -> Path:
@@ -59,7 +74,12 @@ def lease_path(lock_dir: Path, unit: str) -> Path:
 
 
 def new_lease(
-    unit: str, gpus: Sequence[Gpu], *, share: bool, invocation_id: str | None = None
+    unit: str,
+    gpus: Sequence[Gpu],
+    *,
+    share: bool,
+    invocation_id: str | None = None,
+    started_by: str | None = None,
 ) -> Lease:
     return Lease(
         unit=unit,
@@ -69,6 +89,7 @@ def new_lease(
         since=time.time(),
         invocation_id=invocation_id or None,
         pid=os.getpid(),
+        started_by=started_by or None,
     )
 
 
@@ -84,6 +105,7 @@ def parse_lease(text: str) -> Lease | None:
             since=float(data["since"]),
             invocation_id=data.get("invocation_id") or None,
             pid=int(data.get("pid", 0)),
+            started_by=str(data["started_by"])[:200] if data.get("started_by") else None,
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -146,8 +168,7 @@ class LeaseCheck:
 
     def refusal(self) -> str:
         parts = [
-            f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.unit}"
-            f" (since {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(lease.since))})"
+            f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.holder_text()}"
             for lease, gpus in self.conflicts
         ]
         return (

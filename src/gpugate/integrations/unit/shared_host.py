@@ -21,7 +21,14 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
-from gpugate.integrations.unit.leases import check_leases, new_lease, release_lease, write_lease
+from gpugate.integrations.unit.leases import (
+    FORCE_VARIABLE,
+    STARTED_BY_VARIABLE,
+    check_leases,
+    new_lease,
+    release_lease,
+    write_lease,
+)
 from gpugate.integrations.unit.manual_guard import refusal
 from gpugate.integrations.unit.start_failure import (
     FailedPre,
@@ -152,6 +159,16 @@ def leases_refuse(
         )
     if not check.conflicts:
         return None
+    if context.environ.get(FORCE_VARIABLE) == "1":
+        for lease, gpus in check.conflicts:
+            reporter.event(
+                Event.ERROR,
+                f"GPU {_indices(g.index for g in gpus)} leased to {lease.holder_text()}; "
+                f"starting {context.unit} anyway (gpugate run --force)",
+                priority=PRIORITY_WARNING,
+                gpus=[g.index for g in gpus],
+            )
+        return None
     reporter.event(
         Event.REFUSED,
         f"not starting {context.unit}: {check.refusal()}",
@@ -161,6 +178,36 @@ def leases_refuse(
     )
     reporter.status(f"refused: {check.refusal()}")
     return check.refusal()
+
+
+def name_leases_of_holders(
+    context: HostContext, loaded: LoadedConfig, reporter: Reporter, owned: Sequence[Gpu]
+) -> None:
+    """pre refused because another running unit holds the GPUs: where that unit also holds a
+    lease on them, say so too (it names who started a `gpugate run` unit, and when)."""
+    if context.phase != "pre" or not owned:
+        return
+    config = loaded.config
+    check = check_leases(
+        config.lock_dir,
+        context.unit,
+        owned,
+        share=config.share_gpus,
+        unit_state=context.unit_state
+        or (
+            lambda name: unit_active_state(
+                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
+            )
+        ),
+    )
+    if check.conflicts:
+        reporter.event(
+            Event.REFUSED,
+            f"not starting {context.unit}: {check.refusal()}",
+            priority=PRIORITY_ERR,
+            gpus=sorted({g.index for _, gpus in check.conflicts for g in gpus}),
+            reason="leased",
+        )
 
 
 def after_run(
@@ -191,6 +238,7 @@ def after_run(
                     owned,
                     share=loaded.config.share_gpus,
                     invocation_id=context.environ.get("INVOCATION_ID"),
+                    started_by=context.environ.get(STARTED_BY_VARIABLE),
                 ),
             )
             clear_failed_pre(lock_dir, context.unit)

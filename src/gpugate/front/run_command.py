@@ -1,0 +1,325 @@
+"""`gpugate run [--gpus LIST] [--port N]... [--name NAME] [--config PATH] [--force] -- COMMAND`:
+COMMAND as a transient service with gpugate's hooks on it (run_unit.py builds the unit), so a
+hand-started server is tied to a unit: its GPUs leased, its whole cgroup stopped and its GPUs
+freed when the terminal goes, Ctrl-C, or `systemctl stop`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import pwd
+import re
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import IO, TYPE_CHECKING
+
+from gpugate.config.file import load_config
+from gpugate.config.models import LoadedConfig
+from gpugate.config.toml_text import to_toml
+from gpugate.core.owned_gpus import owned_gpus
+from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied
+from gpugate.front.install_files import default_gpugate_path
+from gpugate.front.run_unit import (
+    HOOK_TIMEOUT_S,
+    SYSTEMCTL_PATHS,
+    SYSTEMD_RUN_PATHS,
+    Caller,
+    RunError,
+    RunPlan,
+    caller_environment,
+    command_status,
+    derive_unit_name,
+    find_program,
+    systemd_run_argv,
+)
+from gpugate.host.atomic import write_atomically
+from gpugate.host.nvml import Gpu, GpuDriver
+from gpugate.host.systemd import query_unit, unit_active_state
+from gpugate.integrations.unit.gpu_source import parse_visible_devices
+from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
+
+if TYPE_CHECKING:
+    from gpugate.front.commands import Front
+
+# The unit's stop, then each ExecStopPost=, may take TimeoutStopSec (the drop-in's 300 s).
+GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
+STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
+SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
+RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
+QUERY_TIMEOUT_S = 30
+
+
+def run_command(args: argparse.Namespace, front: Front) -> int:
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+    if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
+        # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
+        raise RunError(
+            f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
+        )
+    program = resolve_command(command[0], front.environ)
+    systemd_run = find_program(SYSTEMD_RUN_PATHS)
+    if systemd_run is None:
+        raise RunError("systemd-run not found in /usr/bin or /bin: gpugate run needs systemd")
+    environ = front.environ
+    caller, under_sudo = invoking_user(environ)
+    unit = derive_unit_name(command, args.name, secrets.token_hex(3))
+    refuse_known_unit(unit, explicit=bool(args.name))
+    loaded = load_config(unit, args.config)
+    gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
+    roots = front.roots
+    refuse_leased(
+        loaded,
+        unit,
+        gpus,
+        force=args.force,
+        unit_state=lambda name: unit_active_state(
+            name, roots.cgroup, ask_systemd=roots.ask_systemd
+        ),
+    )
+    tty = terminal_name()
+    started_by = caller.started_by(tty)
+    config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
+    plan = RunPlan(
+        unit=unit,
+        command=(program, *command[1:]),
+        caller=caller,
+        gpus_env=",".join(str(gpu.index) for gpu in gpus),
+        environment=tuple(caller_environment(environ, caller, under_sudo)),
+        pty=sys.stdin.isatty() and sys.stdout.isatty(),
+        gpugate=default_gpugate_path(),
+        config=config_path,
+        started_by=started_by,
+        force=args.force,
+        cleanup=cleanup,
+        as_root_caller=caller.uid == 0,
+    )
+    try:
+        return supervise(systemd_run_argv(plan, systemd_run), unit)
+    finally:
+        # The unit's last ExecStopPost= removes it; this covers a unit that never started.
+        for path in cleanup:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+def invoking_user(environ: Mapping[str, str]) -> tuple[Caller, bool]:
+    """The user COMMAND runs as: under sudo (root, SUDO_UID set) the one who typed sudo,
+    else gpugate's own user."""
+    uid = os.getuid()
+    under_sudo = uid == 0 and environ.get("SUDO_UID", "").isdigit()
+    if under_sudo:
+        uid = int(environ["SUDO_UID"])
+    try:
+        entry = pwd.getpwuid(uid)
+    except KeyError:
+        gid = int(environ.get("SUDO_GID", os.getgid())) if under_sudo else os.getgid()
+        return Caller(uid, gid, str(uid)), under_sudo
+    gid = entry.pw_gid
+    if under_sudo and environ.get("SUDO_GID", "").isdigit():
+        gid = int(environ["SUDO_GID"])
+    return Caller(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell), under_sudo
+
+
+def terminal_name() -> str | None:
+    for stream in (sys.stdin, sys.stdout):
+        try:
+            return os.ttyname(stream.fileno())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def refuse_known_unit(unit: str, *, explicit: bool) -> None:
+    """A name systemd already has (loaded, active, or a unit file): systemd-run would fail."""
+    state = query_unit(unit)
+    if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
+        return
+    why = f"systemd already has {unit} ({state.load_state}, {state.active_state})"
+    raise RunError(why + ("; choose another --name" if explicit else "; run it again"))
+
+
+def resolve_gpus(
+    wanted: object, environ: Mapping[str, str], driver_factory: Callable[[], GpuDriver]
+) -> list[Gpu]:
+    """--gpus, else the caller's CUDA_VISIBLE_DEVICES, else every GPU: NVML's GPUs, so that
+    the unit names them (and takes a lease on them) even for "all"."""
+    if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
+        where = "CUDA_VISIBLE_DEVICES"
+        wanted = parse_visible_devices(where, environ[where], "your environment")
+    source = "--gpus" if wanted is not None else "all GPUs"
+    selection = "all" if wanted is None else wanted
+    try:
+        driver = driver_factory()
+    except NvmlUnavailable as exc:
+        raise NvmlUnavailable(f"gpugate run: {exc.message}") from None
+    try:
+        gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
+    finally:
+        driver.close()
+    if not gpus:
+        raise RunError(f"{source}: names no GPU; gpugate run is for GPU programs")
+    return gpus
+
+
+def refuse_leased(
+    loaded: LoadedConfig,
+    unit: str,
+    gpus: Sequence[Gpu],
+    *,
+    force: bool,
+    unit_state: Callable[[str], str | None],
+) -> None:
+    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would."""
+    config = loaded.config
+    check = check_leases(
+        config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
+    )
+    if check.conflicts and not force:
+        raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
+    for lease, overlap in check.conflicts:
+        indices = ", ".join(str(gpu.index) for gpu in overlap)
+        print(
+            f"gpugate: warning: GPU {indices} leased to {lease.holder_text()}; --force: "
+            "running anyway",
+            file=sys.stderr,
+        )
+
+
+class HeldByOthers(GateError):
+    exit_code = ExitCode.HELD_BY_OTHERS
+
+
+def hook_config(
+    loaded: LoadedConfig, unit: str, given: Path | None, ports: Sequence[int] | None
+) -> tuple[Path | None, tuple[Path, ...]]:
+    """The hooks' --config: with --port, LOCK_DIR/run/UNIT.toml (the effective config and
+    the ports; removed after post); else --config PATH as given (absolute), else none: the
+    hooks look up /etc/gpugate/UNIT.toml, then default.toml, as for any unit."""
+    if not ports:
+        return (given.resolve() if given else None), ()
+    config = loaded.config.model_copy(update={"ports": sorted(set(ports))})
+    path = loaded.config.lock_dir / RUN_FOLDER / f"{unit}.toml"
+    text = f"# gpugate run {unit}: from {loaded.source}, with --port\n"
+    text += to_toml(config.model_dump(mode="json", exclude_defaults=True))
+    try:
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+        write_atomically(path, text)
+    except PermissionError:
+        raise PermissionDenied(
+            f"{path}: permission denied writing the run's config (--port): run gpugate run "
+            "as root (sudo)"
+        ) from None
+    return path, (path,)
+
+
+def resolve_command(program: str, environ: Mapping[str, str]) -> str:
+    """COMMAND[0] as an absolute path, found on the caller's PATH as the shell would."""
+    import shutil  # noqa: PLC0415
+
+    if "/" in program:
+        path = os.path.abspath(program)
+        if not os.access(path, os.X_OK) or os.path.isdir(path):
+            raise RunError(f"{program}: not an executable file")
+        return path
+    found = shutil.which(program, path=environ.get("PATH", os.defpath))
+    if found is None:
+        raise RunError(f"{program}: command not found on PATH")
+    return os.path.abspath(found)
+
+
+def supervise(argv: list[str], unit: str) -> int:
+    """Run systemd-run, relay its messages, and return COMMAND's status. A hangup, SIGTERM or
+    SIGINT reaching gpugate itself (a closed terminal, kill, Ctrl-C without a pty) stops the
+    unit: systemd stops its whole cgroup, then post frees the GPUs."""
+    stopped = threading.Event()
+
+    def stop_unit(signum: int, frame: FrameType | None) -> None:
+        if not stopped.is_set():
+            stopped.set()
+            stop_without_waiting(unit)
+
+    previous = {
+        sig: signal.signal(sig, stop_unit) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        child = subprocess.Popen(argv, stderr=subprocess.PIPE)
+    except OSError as exc:
+        raise RunError(f"{argv[0]}: cannot run it: {exc.strerror}") from None
+    try:
+        assert child.stderr is not None
+        messages = relay(child.stderr, sys.stderr)
+        code = child.wait()
+        if stopped.is_set():
+            # systemd-run may have ended with us (Ctrl-C reaches the whole process group):
+            # return only once the unit is gone, its post done and the GPUs free.
+            wait_until_gone(unit, time.monotonic() + GONE_DEADLINE_S)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code < 0:  # systemd-run itself was killed by a signal
+        code = 128 - code
+    return command_status(code, messages)
+
+
+def wait_until_gone(
+    unit: str,
+    deadline: float,
+    state: Callable[[str], str | None] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    pause: Callable[[float], None] = time.sleep,
+) -> bool:
+    """Poll the unit's ActiveState until it is neither running nor stopping (a collected
+    unit reads inactive); False at the deadline."""
+    state = state or _active_state
+    while clock() < deadline:
+        if state(unit) not in STOPPING_OR_RUNNING:
+            return True
+        pause(0.2)
+    return False
+
+
+def _active_state(unit: str) -> str | None:
+    found = query_unit(unit)
+    return found.active_state if found is not None else None
+
+
+def relay(source: IO[bytes], target: IO[str]) -> str:
+    """Copy systemd-run's stderr through, line by line; return it all."""
+    seen: list[str] = []
+    for raw in iter(source.readline, b""):
+        line = raw.decode("utf-8", "replace")
+        seen.append(line)
+        try:
+            target.write(line)
+            target.flush()
+        except OSError:
+            pass  # the terminal is gone: keep draining, the status is still wanted
+    return "".join(seen)
+
+
+def stop_without_waiting(unit: str) -> None:
+    systemctl = find_program(SYSTEMCTL_PATHS)
+    if systemctl is None:
+        return
+    # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        subprocess.run(
+            [str(systemctl), "stop", "--no-block", "--", unit],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            check=False,
+            timeout=QUERY_TIMEOUT_S,
+        )

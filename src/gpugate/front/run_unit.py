@@ -1,0 +1,261 @@
+"""`gpugate run`'s transient unit, as data: its name, the environment passed to it, and the
+systemd-run command line that starts it. Pure functions; run_command.py does the I/O."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpugate.errors import ExitCode, GateError
+from gpugate.host.systemd import unit_argument, validate_unit_name
+from gpugate.integrations.unit.leases import FORCE_VARIABLE, STARTED_BY_VARIABLE
+
+SYSTEMD_RUN_PATHS = (Path("/usr/bin/systemd-run"), Path("/bin/systemd-run"))
+SYSTEMCTL_PATHS = (Path("/usr/bin/systemctl"), Path("/bin/systemctl"))
+RM = Path("/bin/rm")
+PREFIX = "gpugate-run-"
+BASE_MAX = 40  # characters of the command's name kept in a derived unit name
+# The drop-in's timeouts (units/gpugate.conf): each covers a hook's grace, kill and wait.
+HOOK_TIMEOUT_S = 300
+
+# Not passed to the unit (the rest of the caller's environment is):
+# - set by systemd for each service, or describing the caller's own service or terminal
+#   (wrong in another unit; systemd-run --pty sets TERM itself);
+# - GPUGATE_* (the hooks run as root with the unit's environment: GPUGATE_*_ROOT would point
+#   them at other /proc, /dev or cgroup trees; gpugate sets its own GPUGATE_ variables);
+# - what changes the programs root's hooks load: LD_PRELOAD, LD_AUDIT, PYTHON*;
+# - sudo's and the shell's bookkeeping.
+NOT_PASSED = frozenset(
+    {
+        "INVOCATION_ID",
+        "JOURNAL_STREAM",
+        "NOTIFY_SOCKET",
+        "LISTEN_PID",
+        "LISTEN_FDS",
+        "LISTEN_FDNAMES",
+        "WATCHDOG_PID",
+        "WATCHDOG_USEC",
+        "MANAGERPID",
+        "SYSTEMD_EXEC_PID",
+        "MAINPID",
+        "SERVICE_RESULT",
+        "EXIT_CODE",
+        "EXIT_STATUS",
+        "TERM",
+        "TMUX",
+        "TMUX_PANE",
+        "STY",
+        "WINDOW",
+        "SSH_TTY",
+        "SSH_AUTH_SOCK",
+        "SSH_AGENT_PID",
+        "XDG_SESSION_ID",
+        "XDG_SESSION_TYPE",
+        "XDG_SESSION_CLASS",
+        "XDG_VTNR",
+        "XDG_SEAT",
+        "PWD",
+        "OLDPWD",
+        "SHLVL",
+        "_",
+        "LD_PRELOAD",
+        "LD_AUDIT",
+        "SUDO_COMMAND",
+        "SUDO_USER",
+        "SUDO_UID",
+        "SUDO_GID",
+        "SUDO_PS1",
+        "MAIL",
+        "PS1",
+        "PS2",
+        "PS4",
+        "PROMPT_COMMAND",
+        "COLUMNS",
+        "LINES",
+        "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
+    }
+)
+NOT_PASSED_PREFIXES = ("GPUGATE_", "PYTHON", "BASH_FUNC_")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+class RunError(GateError):
+    exit_code = ExitCode.USAGE
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Whom the command runs as: the invoking user (SUDO_UID's under sudo)."""
+
+    uid: int
+    gid: int
+    user: str
+    home: str | None = None
+    shell: str | None = None
+
+    def started_by(self, tty: str | None) -> str:
+        return f"{self.user} (uid {self.uid}{', ' + tty if tty else ''})"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything the systemd-run call needs; `systemd_run_argv` turns it into argv."""
+
+    unit: str
+    command: tuple[str, ...]  # COMMAND[0] resolved to an absolute path
+    caller: Caller
+    gpus_env: str  # CUDA_VISIBLE_DEVICES for the unit
+    environment: tuple[tuple[str, str], ...]  # the caller's variables passed on
+    pty: bool
+    gpugate: Path
+    config: Path | None = None  # the hooks' --config
+    started_by: str = ""
+    force: bool = False
+    cleanup: tuple[Path, ...] = field(default=())  # files removed after post (root's)
+    as_root_caller: bool = False  # the caller is root itself: no --uid/--gid
+
+
+def find_program(candidates: Sequence[Path], exists: object = None) -> Path | None:
+    """The first candidate that is an executable file (never PATH)."""
+    check = exists if callable(exists) else (lambda p: os.access(p, os.X_OK))
+    for path in candidates:
+        if check(path):
+            return path
+    return None
+
+
+def sanitise(name: str) -> str:
+    """A command's basename as a piece of a unit name: systemd's characters only."""
+    base = NAME_CHAR.sub("_", os.path.basename(name.rstrip("/"))).strip("._-")
+    return base[:BASE_MAX].strip("._-") or "command"
+
+
+def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) -> str:
+    """--name NAME (a service; `.service` added as systemctl does), else
+    gpugate-run-<command's basename>-<short id>.service."""
+    if name:
+        unit = unit_argument(name)
+        if not unit.endswith(".service"):
+            raise RunError(f"--name {name!r}: gpugate run makes a service; name it NAME.service")
+        try:
+            validate_unit_name(unit)
+        except GateError as exc:
+            raise RunError(f"--name: {exc.message}") from None
+        if "@" in unit:
+            raise RunError(f"--name {name!r}: a transient unit cannot be a template instance")
+        return unit
+    if not command:
+        raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+    return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
+
+
+def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    """The caller's variables that make sense in the unit (NOT_PASSED says which do not)."""
+    kept = []
+    for key in sorted(environ):
+        value = environ[key]
+        if key in NOT_PASSED or key.startswith(NOT_PASSED_PREFIXES):
+            continue
+        if not ENV_NAME.fullmatch(key) or "\n" in value or "\0" in value:
+            continue  # systemd would refuse it (an exported function, a multi-line value)
+        kept.append((key, value))
+    return kept
+
+
+def caller_environment(
+    environ: Mapping[str, str], caller: Caller, under_sudo: bool
+) -> list[tuple[str, str]]:
+    """passed_environment, and under sudo the invoking user's HOME, USER, LOGNAME, SHELL
+    (sudo's own would name root)."""
+    kept = dict(passed_environment(environ))
+    if under_sudo:
+        kept["USER"] = kept["LOGNAME"] = caller.user
+        if caller.home:
+            kept["HOME"] = caller.home
+        if caller.shell:
+            kept["SHELL"] = caller.shell
+    return sorted(kept.items())
+
+
+def hook_line(plan: RunPlan, phase: str) -> str:
+    config = f" --config {plan.config}" if plan.config else ""
+    return f"+{plan.gpugate} {phase} {plan.unit}{config}"
+
+
+def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
+    """The systemd-run command line for the plan (a pure function: tests check it whole)."""
+    argv = [
+        str(systemd_run),
+        f"--unit={plan.unit}",
+        "--pty" if plan.pty else "--pipe",
+        "--same-dir",
+        "--wait",
+        "--collect",
+        "--service-type=exec",
+        f"--description=gpugate run by {plan.started_by}: {' '.join(plan.command)[:200]}",
+    ]
+    if not plan.as_root_caller:
+        argv += [f"--uid={plan.caller.uid}", f"--gid={plan.caller.gid}"]
+    # %n is not expanded in properties set over D-Bus: the name is written out.
+    argv += [
+        f"--property=ExecStartPre={hook_line(plan, 'pre')}",
+        f"--property=ExecStopPost={hook_line(plan, 'post')}",
+    ]
+    for path in plan.cleanup:
+        argv.append(f"--property=ExecStopPost=+{RM} -f -- {path}")
+    argv += [
+        "--property=NotifyAccess=exec",
+        f"--property=TimeoutStartSec={HOOK_TIMEOUT_S}",
+        f"--property=TimeoutStopSec={HOOK_TIMEOUT_S}",
+        "--property=KillMode=control-group",
+    ]
+    setenv = [*plan.environment, ("CUDA_VISIBLE_DEVICES", plan.gpus_env)]
+    setenv.append((STARTED_BY_VARIABLE, plan.started_by))
+    if plan.force:
+        setenv.append((FORCE_VARIABLE, "1"))
+    argv += [f"--setenv={key}={value}" for key, value in setenv]
+    # systemd substitutes $NAME and ${NAME} in a service's command line; $$ is a literal $.
+    argv += ["--", *(arg.replace("$", "$$") for arg in plan.command)]
+    return argv
+
+
+MAIN_EXIT = re.compile(r"Main processes terminated with: code=(\w+)/status=(\w+)")
+SIGNALS = {
+    "HUP": 1,
+    "INT": 2,
+    "QUIT": 3,
+    "ILL": 4,
+    "TRAP": 5,
+    "ABRT": 6,
+    "BUS": 7,
+    "FPE": 8,
+    "KILL": 9,
+    "USR1": 10,
+    "SEGV": 11,
+    "USR2": 12,
+    "PIPE": 13,
+    "ALRM": 14,
+    "TERM": 15,
+}
+
+
+def command_status(systemd_run_code: int, messages: str) -> int:
+    """COMMAND's exit status as a shell reports it: its code, or 128 + N for a signal.
+
+    systemd-run --wait returns the service's exit code, but 0 for the signals systemd counts
+    as a clean end (SIGHUP, SIGINT, SIGTERM, SIGPIPE) and 255 for any other signal; its last
+    lines ("Main processes terminated with: code=killed/status=INT") say what happened."""
+    found = MAIN_EXIT.findall(messages)
+    if not found:
+        return systemd_run_code
+    code, status = found[-1]
+    if code == "exited":
+        return int(status) if status.isdigit() else systemd_run_code
+    if status.isdigit():
+        return 128 + int(status)
+    number = SIGNALS.get(status.upper().removeprefix("SIG"))
+    return 128 + number if number else systemd_run_code
