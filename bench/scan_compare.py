@@ -4,7 +4,9 @@
     python3 -m bench.scan_compare .bench/before_scan.py [COUNT ...]
 
 Prints, per crowd size, the median wall and CPU time of each scan (5 interleaved runs each), and
-of the working tree's scan asked also for a set of socket inodes (the ports' cost).
+of the working tree's scan asked also for a set of socket inodes (the ports' cost) and for the
+shared-memory files (every process of the crowd then has a segment open and one mapped in a
+folder standing for /dev/shm: the worst case of the shm notes' cost).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from bench.crowd import BUILD, Crowd, make_device_root
 from bench.stage import load_by_path
 from gpugate.host.scan import scan_device_users
+from gpugate.host.shm import ShmArea
 
 RUNS = 5
 
@@ -35,13 +38,25 @@ def main(argv: list[str]) -> int:
     prefix = str(dev / "nvidia")
     proc = Path("/proc")
     inodes = frozenset(range(1, 64))
+    shm = dev / "shm"
+    shm.mkdir(exist_ok=True)
+    for name in ("psm_open", "nccl-mapped"):
+        (shm / name).write_bytes(b"\0" * 4096)
+    areas = [ShmArea(str(shm), shm.stat().st_dev)]
     scans: dict[str, Callable[[], object]] = {
         "before": lambda: before.scan_device_users(proc, prefix),
         "after": lambda: scan_device_users(proc, prefix),
         "after, with ports": lambda: scan_device_users(proc, prefix, inodes),
+        "after, with shm": lambda: scan_device_users(proc, prefix, (), areas),
     }
+    held = (
+        f"fd:{dev / 'nvidia0'}",
+        f"map:{dev / 'nvidia3'}",
+        f"fd:{shm / 'psm_open'}",
+        f"map:{shm / 'nccl-mapped'}",
+    )
     for count in counts:
-        with Crowd(count, (f"fd:{dev / 'nvidia0'}", f"map:{dev / 'nvidia3'}")):
+        with Crowd(count, held):
             samples: dict[str, list[tuple[float, float]]] = {name: [] for name in scans}
             for _ in range(RUNS):
                 for name, scan in scans.items():

@@ -28,6 +28,7 @@ class ExitCode(IntEnum):
     INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
     HOST_UNSUPPORTED = 28  # the host lacks what gpugate needs: cgroup v2 (a v1-only host)
+    SHM_SPACE = 29  # /dev/shm has less free space than the next start needs (shm_min_free_mib)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
 
@@ -66,6 +67,7 @@ EXIT_MEANINGS = {
     ExitCode.INSTALL: "install/uninstall refused",
     ExitCode.RESPAWNING: "holders respawned until the deadline",
     ExitCode.HOST_UNSUPPORTED: "host unsupported (no cgroup v2 tree)",
+    ExitCode.SHM_SPACE: "/dev/shm short of free space",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
     ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
 }

@@ -34,3 +34,24 @@ def test_toml_is_parsed_and_its_errors_are_one_class() -> None:
         tomllib.loads("a = \n")
     with pytest.raises(ValueError):  # TOMLDecodeError is a ValueError in tomli and tomllib
         tomllib.loads("[a\n")
+
+
+def test_model_annotations_evaluate_on_python_3_9() -> None:
+    """pydantic evaluates a model's field annotations at run time, where `X | None` needs 3.10:
+    the config models spell unions Optional[...] / Union[...] (checked here on every Python)."""
+    import ast
+    from pathlib import Path
+
+    from gpugate.config import models
+
+    tree = ast.parse(Path(models.__file__).read_text())
+    offenders = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.ClassDef):
+            continue
+        for statement in node.body:
+            if isinstance(statement, ast.AnnAssign):
+                for part in ast.walk(statement.annotation):
+                    if isinstance(part, ast.BinOp) and isinstance(part.op, ast.BitOr):
+                        offenders.append(f"{node.name}.{ast.unparse(statement.target)}")
+    assert offenders == []

@@ -27,6 +27,7 @@ TOP = {
     "holders": list,
     "invisible": list,
     "unreadable_gpus": list,
+    "shm": list,
     "leases": list,
 }
 GPU = {
@@ -60,9 +61,13 @@ HOLDER = {
     "watcher": bool,
     "seconds_held": (int, type(None)),
     "container": (dict, type(None)),
+    "shm": list,
+    "shm_bytes": int,
 }
 INVISIBLE = {"gpu": int, "pid": int}
 UNREADABLE = {"index": int, "uuid": (str, type(None)), "error": str}
+SHM_AREA = {"path": str, "total_bytes": int, "free_bytes": int}
+SHM_FILE = {"path": str, "bytes": (int, type(None))}
 
 
 def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -128,7 +133,8 @@ def test_every_key_is_in_the_readme() -> None:
     text = README.read_text()
     section = text.split("## `gpugate status --json`", 1)[1].split("\n## ", 1)[0]
     documented = set(re.findall(r"`([a-z_]+)`", section))
-    missing = (set(TOP) | set(GPU) | set(HOLDER) | set(INVISIBLE) | set(UNREADABLE)) - documented
+    schemas = (TOP, GPU, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE)
+    missing = set().union(*schemas) - documented
     assert not missing, f"not documented in README: {sorted(missing)}"
 
 

@@ -86,6 +86,11 @@ class PhasePolicy(_Frozen):
         default="fail",
         description='NVML unusable: "fail" (the run fails) or "warn" (clean the cgroup only).',
     )
+    remove_shm: bool = Field(
+        default=True,
+        description="Remove the /dev/shm files the killed processes held open or mapped, once "
+        "they are gone, where no other process holds them (docs/shared-memory.md).",
+    )
 
     @model_validator(mode="after")
     def _kill_fits_in_deadline(self) -> PhasePolicy:
@@ -153,6 +158,12 @@ class GateConfig(_Frozen):
         default=(),
         strict=False,  # a TOML list becomes the tuple
         description="Containers (names or ids) that are the unit's own (`docker run --name`).",
+    )
+    shm_min_free_mib: Optional[int] = Field(
+        default=None,
+        ge=1,
+        description="pre (and prolog) fail with exit 29 when /dev/shm has less free after their "
+        "cleanup (not set: no check).",
     )
 
     @field_validator("post", mode="before")

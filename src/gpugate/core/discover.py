@@ -25,6 +25,7 @@ from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import scan_device_users
+from gpugate.host.shm import ShmArea, ShmFile, find_areas
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
@@ -74,6 +75,10 @@ class Discovery:
     # but /proc does not show: another PID namespace (a container without host PIDs)
     unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
     faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
+    # Files in /dev/shm (and /run/shm where it is a mount of its own) that each process has
+    # open or mapped, by PID: every process, from the same pass over /proc.
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+    shm_areas: list[ShmArea] = field(default_factory=list)
 
     @property
     def owned_indices(self) -> set[int]:
@@ -173,7 +178,8 @@ def discover(
         index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
-    scan = scan_device_users(roots.proc, dev_prefix, listening)
+    shm_areas = find_areas(roots.dev, roots.proc)
+    scan = scan_device_users(roots.proc, dev_prefix, listening, shm_areas)
     for pid, use in scan.users.items():
         if pid in self_chain or (found := holder(pid)) is None:
             continue
@@ -224,6 +230,8 @@ def discover(
         invisible=invisible,
         unit_containers=unit_containers,
         faults=sorted(faults, key=lambda fault: fault.index),
+        shm=scan.shm,
+        shm_areas=shm_areas,
     )
 
 

@@ -17,6 +17,7 @@ from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.respawn import RespawnWatch
+from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
 from gpugate.core.wait import busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
@@ -25,6 +26,9 @@ from gpugate.host.nvml import GpuDriver, NoGpus
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.shm import ShmArea, ShmKey
+from gpugate.host.shm_host import HostShm
+from gpugate.host.systemd import unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import selection
 from gpugate.integrations.unit.shared_host import (
     HostContext,
@@ -40,6 +44,8 @@ from gpugate.report.holder_text import describe
 from gpugate.report.narrate import Narrator
 
 MAX_ROUNDS = 5
+MIB = 1024 * 1024
+SHM_SPACE_PHASES = ("pre", "prolog")  # the phases before a start: shm_min_free_mib applies
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
 
 
@@ -63,7 +69,9 @@ class PhaseRun:
         pinner: Callable[[ProcessId, ProcFs], Pinned | None],
         clock: Callable[[], float],
         context: HostContext,
+        shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
     ) -> None:
+        """shm_host: the shm files' host side for the areas discovery found (tests)."""
         self.context = context
         self.dry_run = False
         self.lease_refusal: str | None = None  # why another unit's lease refused this pre
@@ -89,6 +97,11 @@ class PhaseRun:
         # not among them: NVML listing it later means it became a GPU user, to look at again.
         self.spared_pids: set[int] = set()
         self._announced = False
+        # Who held which /dev/shm file, from every discovery; names for the PIDs in the reasons.
+        self.shm = ShmLedger()
+        self.shm_areas: list[ShmArea] = []
+        self.shm_labels: dict[int, str] = {}
+        self.shm_host = shm_host or (lambda areas: HostShm(areas, roots.proc))
 
     def degrade(self, error: NvmlUnavailable) -> None:
         """NVML is unusable: fail, or (on_nvml_error = warn) go on with the cgroup alone."""
@@ -121,7 +134,14 @@ class PhaseRun:
             ports=self.ports,
             containers=self.config.containers,
         )
-        return found, decide(found, self.config, self.scope.phase, procfs)
+        decision = decide(found, self.config, self.scope.phase, procfs)
+        self.shm.note(found.shm)
+        self.shm_areas = found.shm_areas
+        for choice in decision.choices:
+            self.shm_labels[choice.holder.pid] = (
+                f"PID {choice.holder.pid} ({choice.holder.info.comm}, {choice.role})"
+            )
+        return found, decision
 
     def sequence(self, dry_run: bool) -> RunSummary:
         narrator, summary = self.narrator, self.summary
@@ -154,6 +174,7 @@ class PhaseRun:
             )
             blocked = bool(decision.blockers) or leased is not None
             summary.exit_code = ExitCode.HELD_BY_OTHERS if blocked else ExitCode.OK
+            self.clean_shm(would_kill={c.holder.pid for c in decision.targets})
             return self.finish()
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         narrator.reporter.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
@@ -180,6 +201,7 @@ class PhaseRun:
                 narrator.still_held()
             else:
                 self.wait(discovery, decision)
+            self.clean_shm()
             return self.finish()  # the lease is written in finish, still under the locks
 
     def kill_rounds(
@@ -298,6 +320,46 @@ class PhaseRun:
                 self.narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
         elif failing:
             self.summary.exit_code = ExitCode.MEMORY_TIMEOUT
+
+    def shm_label(self, pid: int) -> str:
+        if pid in self.shm_labels:
+            return self.shm_labels[pid]
+        info = ProcFs(self.roots.proc).info(pid)
+        if info is None:
+            return f"PID {pid}"
+        unit = unit_of_cgroup(info.cgroup or "/")
+        return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
+
+    def clean_shm(self, would_kill: set[int] | None = None) -> None:
+        """The shared memory of the killed (a dry run: of those it would kill), once they are
+        gone; then, before a start, the free space the next start needs."""
+        host = self.shm_host(self.shm_areas)
+        freed = 0
+        if self.policy.remove_shm:
+            if would_kill is not None:
+                removals = plan(self.shm, would_kill, host, self.shm_label)
+            else:
+                killed = {ident.pid for ident in self.signalled}
+                removals = remove(self.shm, killed, host, self.shm_label)
+            self.narrator.shm_files(removals)
+            if would_kill is not None:
+                freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
+        needed_mib = self.config.shm_min_free_mib
+        if (
+            needed_mib is None
+            or self.scope.phase not in SHM_SPACE_PHASES
+            or self.summary.exit_code is not ExitCode.OK
+        ):
+            return
+        short = short_of_space(host, needed_mib * MIB, freed)
+        if short is None:
+            return
+        holders: dict[ShmKey, list[int]] = {}
+        if short.largest:
+            for key, pids in host.holders().by_key.items():
+                holders[key] = sorted(pids)
+        self.narrator.shm_short(short, holders, self.shm_label)
+        self.summary.exit_code = ExitCode.SHM_SPACE
 
     def look_again(self) -> bool:
         """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""

@@ -14,10 +14,12 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
+from gpugate.core.shm_cleanup import ShmHost
 from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.shm import ShmArea
 from gpugate.host.systemd import UnitEnvironment
 from gpugate.integrations.unit.shared_host import prepare, record_pre_error
 from gpugate.report.journal import Reporter
@@ -96,10 +98,11 @@ def run_phase(
     manual_refusal: str | None = None,
     unit_env: Callable[[str], UnitEnvironment | None] | None = None,
     unit_state: Callable[[str], str | None] | None = None,
+    shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
 ) -> RunSummary:
     """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
     manual_refusal: why a hand-typed run must not kill (hook_guard), or None; unit_env and
-    unit_state stand in for systemd's answers (tests)."""
+    unit_state stand in for systemd's answers, shm_host for /dev/shm's files (tests)."""
     roots = roots or HostRoots()
     loaded, context = prepare(
         scope.phase,
@@ -114,7 +117,14 @@ def run_phase(
     narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(
-        scope, loaded, narrator, roots=roots, pinner=pinner, clock=clock, context=context
+        scope,
+        loaded,
+        narrator,
+        roots=roots,
+        pinner=pinner,
+        clock=clock,
+        context=context,
+        shm_host=shm_host,
     )
     try:
         try:

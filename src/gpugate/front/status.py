@@ -14,6 +14,7 @@ from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, selection, with_chosen_gpus
 from gpugate.integrations.unit.leases import leases_by_gpu, read_leases
@@ -57,6 +58,25 @@ def uptime_s(proc_root: Path) -> float | None:
         return None
 
 
+def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
+    """A holder's files in /dev/shm: path and allocated bytes (null: unlinked already, still
+    mapped; the path then ends in " (deleted)")."""
+    used = []
+    index: dict[ShmKey, list[str]] | None = None
+    for file in sorted(files, key=lambda f: f.path):
+        found = facts(areas, file)
+        if found is None:  # a semaphore's maps name is a temporary one (shm._candidate_names)
+            index = inode_index(areas) if index is None else index
+            found = facts(areas, file, index)
+        used.append(
+            {
+                "path": found.path if found else file.names[0],
+                "bytes": found.bytes if found else None,
+            }
+        )
+    return used
+
+
 def as_dict(
     discovery: Discovery, loaded: LoadedConfig, roots: HostRoots | None = None
 ) -> dict[str, Any]:
@@ -70,6 +90,7 @@ def as_dict(
         info = holder.info
         role = holder_role(holder, discovery, loaded.config)
         container = holder.container
+        shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
         holders.append(
             {
                 "pid": info.pid,
@@ -96,6 +117,8 @@ def as_dict(
                 "container": None
                 if container is None
                 else {"runtime": container.runtime, "id": container.id, "name": container.name},
+                "shm": shm,
+                "shm_bytes": sum(item["bytes"] or 0 for item in shm),
             }
         )
     return {
@@ -131,6 +154,15 @@ def as_dict(
         "unreadable_gpus": [
             {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
             for fault in discovery.faults
+        ],
+        "shm": [
+            {
+                "path": found.area.path,
+                "total_bytes": found.total_bytes,
+                "free_bytes": found.free_bytes,
+            }
+            for area in discovery.shm_areas
+            if (found := space(area)) is not None
         ],
     }
 
@@ -185,6 +217,18 @@ def mib_shown(used: dict[str, int | None]) -> str:
     return str(sum(known)) + ("+?" if len(known) < len(used) else "")
 
 
+def bytes_shown(count: int) -> str:
+    """A size in a narrow column: 0, 812B, 4.0K, 1.5M, 3.2G."""
+    if count == 0:
+        return "-"
+    value = float(count)
+    for unit in ("B", "K", "M", "G"):
+        if value < 1024 or unit == "G":
+            return f"{count}B" if unit == "B" else f"{value:.1f}{unit}"
+        value /= 1024
+    return f"{count}B"
+
+
 def table_role(holder: dict[str, Any], has_unit: bool) -> str:
     if holder["protected"]:
         return "protected"
@@ -227,13 +271,18 @@ def render_table(data: dict[str, Any]) -> str:
             )
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
+    for area in data.get("shm", ()):
+        lines.append(
+            f"{area['path']}: {bytes_shown(area['free_bytes'])} free of "
+            f"{bytes_shown(area['total_bytes'])} (SHM: each holder's files there)"
+        )
     lines.append("")
     if not data["holders"]:
         lines.append("no process holds a GPU")
     else:
         lines.append(
             f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
-            f"{'MiB':>7} {'HELD':>6} {'PORTS':<11} COMMAND"
+            f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
         )
     for holder in data["holders"]:
         gpus = gpu_ranges(holder["gpus"]) or ("ctl" if holder["control_devices"] else "-")
@@ -247,6 +296,7 @@ def render_table(data: dict[str, Any]) -> str:
             f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
             f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
             f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
+            f"{bytes_shown(holder.get('shm_bytes', 0)):>6} "
             f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {cut(command, 100)}"
         )
     for item in data["invisible"]:

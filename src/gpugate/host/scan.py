@@ -5,9 +5,20 @@ over /proc, also reading the fds and maps of the threads of a thread group whose
 from __future__ import annotations
 
 import os
-from collections.abc import Collection
-from dataclasses import dataclass
+import stat
+from collections.abc import Collection, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from gpugate.host.shm import (
+    ShmArea,
+    ShmFile,
+    ShmKey,
+    area_of,
+    maps_key,
+    maps_names,
+    merge,
+)
 
 
 @dataclass(frozen=True)
@@ -27,13 +38,21 @@ class DeviceUse:
 class DeviceScan:
     users: dict[int, DeviceUse]
     unreadable: list[int]  # PIDs whose fds we may not read (not root): holders may hide there
+    # Every process's files in the shm areas asked for, open or mapped (any process, holder or
+    # not: the rest of an application is chosen later, from the tree).
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
 
 
 def scan_device_users(
-    proc_root: Path, device_prefix: str, socket_inodes: Collection[int] = frozenset()
+    proc_root: Path,
+    device_prefix: str | None,
+    socket_inodes: Collection[int] = frozenset(),
+    shm_areas: Sequence[ShmArea] = (),
 ) -> DeviceScan:
-    """Every process with an fd on, or a mapping of, a file whose path starts with the prefix,
-    or an fd on one of the sockets named by inode (read from the same fd links: no second pass).
+    """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
+    (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
+    and every process's files in the shm areas (read from the same fd links and maps: no second
+    pass).
 
     psutil's open_files() skips device files, so this reads /proc/PID/fd links itself. The
     kernel's work per process is most of the cost on a host with thousands of them, so every
@@ -43,27 +62,32 @@ def scan_device_users(
     fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
     """
     scan = DeviceScan({}, [])
-    prefix_bytes = device_prefix.encode()
+    prefix_bytes = device_prefix.encode() if device_prefix else None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         for name in os.listdir(proc_fd):
             if not name.isdigit():
                 continue
-            mapped = _mapped_paths(proc_fd, name, prefix_bytes)
+            maps = _read_maps(proc_fd, name)
             where = name
-            if mapped is None:
+            if maps is None:
                 thread = _live_thread_of_dead_leader(proc_fd, name)
                 if thread is None:
                     continue
                 where = f"{name}/task/{thread}"
-                mapped = _mapped_paths(proc_fd, where, prefix_bytes) or set()
-            fds = _fd_paths(proc_fd, where, device_prefix, socket_inodes)
+                maps = _read_maps(proc_fd, where) or b""
+            mapped = _mapped_paths(maps, prefix_bytes)
+            fds = _fd_paths(proc_fd, where, device_prefix, socket_inodes, shm_areas)
             if fds is None:
                 scan.unreadable.append(int(name))
-            elif fds[0] or fds[1] or mapped:
+                continue
+            if fds.paths or fds.sockets or mapped:
                 scan.users[int(name)] = DeviceUse(
-                    frozenset(fds[0]), frozenset(mapped), frozenset(fds[1])
+                    frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
                 )
+            shm = fds.shm + _mapped_shm(maps, shm_areas)
+            if shm:
+                scan.shm[int(name)] = frozenset(merge(shm).values())
     finally:
         os.close(proc_fd)
     return scan
@@ -85,40 +109,69 @@ def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
     return next((tid for tid in tids if tid != pid_name), None)
 
 
+@dataclass
+class _Fds:
+    paths: set[str] = field(default_factory=set)  # under the device prefix
+    sockets: set[int] = field(default_factory=set)  # asked-for socket inodes
+    shm: list[ShmFile] = field(default_factory=list)
+
+
 def _fd_paths(
-    proc_fd: int, pid_name: str, prefix: str, socket_inodes: Collection[int]
-) -> tuple[set[str], set[int]] | None:
-    """The fd targets under the prefix and the asked-for sockets; None where we may not read
-    them (not root)."""
-    paths: set[str] = set()
-    sockets: set[int] = set()
+    proc_fd: int,
+    pid_name: str,
+    prefix: str | None,
+    socket_inodes: Collection[int],
+    shm_areas: Sequence[ShmArea],
+) -> _Fds | None:
+    """The fd targets under the prefix, the asked-for sockets and the files in the shm areas;
+    None where we may not read them (not root)."""
+    found = _Fds()
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except PermissionError:
         return None
     except OSError:
-        return paths, sockets  # gone
+        return found  # gone
     try:
         for fd_name in os.listdir(dir_fd):
             try:
                 target = os.readlink(fd_name, dir_fd=dir_fd)
             except OSError:
                 continue  # closed since the listing
-            if target.startswith(prefix):
-                paths.add(target)
+            if prefix and target.startswith(prefix):
+                found.paths.add(target)
             elif socket_inodes and target.startswith("socket:["):
                 inode = int(target[8:-1])
                 if inode in socket_inodes:
-                    sockets.add(inode)
+                    found.sockets.add(inode)
+            elif shm_prefixes and target.startswith(shm_prefixes):
+                area = area_of(shm_areas, target)
+                shm = None if area is None else _fd_shm_file(dir_fd, fd_name, target, area)
+                if shm is not None:
+                    found.shm.append(shm)
     except OSError:
         pass
     finally:
         os.close(dir_fd)
-    return paths, sockets
+    return found
 
 
-def _mapped_paths(proc_fd: int, pid_name: str, prefix: bytes) -> set[str] | None:
-    """Mapped files under the prefix; None for a process that is gone or has no address space.
+def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:
+    """The file behind the fd link (stat follows it to the open file, also once unlinked);
+    None where it is on another device: another mount namespace's /dev/shm (a container's),
+    whose files show the same names."""
+    try:
+        info = os.stat(fd_name, dir_fd=dir_fd)
+    except OSError:
+        return None  # closed since the readlink
+    if info.st_dev != area.dev or not stat.S_ISREG(info.st_mode):
+        return None  # (a folder or FIFO open there is no segment)
+    return ShmFile(ShmKey(info.st_dev, info.st_ino), (target,))
+
+
+def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
+    """/proc/PID/maps; None for a process that is gone or has no address space.
 
     Kernel threads and zombies have empty maps, and no open files either: a zombie closed them
     before it died, and a process between the two steps of exiting is past holding anything.
@@ -127,7 +180,7 @@ def _mapped_paths(proc_fd: int, pid_name: str, prefix: bytes) -> set[str] | None
     try:
         maps_fd = os.open(f"{pid_name}/maps", os.O_RDONLY, dir_fd=proc_fd)
     except PermissionError:
-        return set()
+        return b""
     except OSError:
         return None
     chunks: list[bytes] = []
@@ -141,14 +194,40 @@ def _mapped_paths(proc_fd: int, pid_name: str, prefix: bytes) -> set[str] | None
         os.close(maps_fd)
     if not chunks:
         return None
-    data = b"".join(chunks)
-    paths: set[str] = set()
+    return b"".join(chunks)
+
+
+def _names_under(data: bytes, prefix: bytes) -> Iterator[tuple[int, int, int]]:
+    """(line start, name start, line end) of each maps line whose path starts with prefix."""
     start = data.find(prefix)
     while start >= 0:
         end = data.find(b"\n", start)
         line_end = len(data) if end < 0 else end
         # maps lines end with the path, padded after the inode: the match must start a field.
         if data[start - 1 : start] == b" ":
-            paths.add(data[start:line_end].decode(errors="replace").removesuffix(" (deleted)"))
+            yield data.rfind(b"\n", 0, start) + 1, start, line_end
         start = data.find(prefix, line_end)
-    return paths
+
+
+def _mapped_paths(data: bytes, prefix: bytes | None) -> set[str]:
+    """Mapped files under the prefix."""
+    if not prefix:
+        return set()
+    return {
+        data[start:end].decode(errors="replace").removesuffix(" (deleted)")
+        for _, start, end in _names_under(data, prefix)
+    }
+
+
+def _mapped_shm(data: bytes, areas: Sequence[ShmArea]) -> list[ShmFile]:
+    """Mapped files in the shm areas, by the device and inode of their maps line (a sem_open
+    semaphore, or a segment whose fd was closed after mmap, is only there)."""
+    files: list[ShmFile] = []
+    for area in areas:
+        prefix = (area.path.rstrip("/") + "/").encode()
+        for line_start, start, end in _names_under(data, prefix):
+            key = maps_key(data[line_start:start])
+            if key is not None and key.dev == area.dev:
+                names = maps_names(data[start:end].decode(errors="surrogateescape"))
+                files.append(ShmFile(key, names))
+    return files

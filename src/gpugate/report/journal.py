@@ -30,6 +30,8 @@ class Event(Enum):
     TIMEOUT = "4d8b1e6a3c2f4d9a0e7b5c1f8a3e6d01"
     RUN_FINISHED = "0a6c3e8b5d1f4b2a9c7e6d0f3b8a5e12"
     ERROR = "b7d2f9a4c1e34a5b8d6c0e3f9a7b2d23"
+    SHM_REMOVED = "3183ab9850024dacaec7f96e3bc5e3c4"
+    SHM_KEPT = "a449ad3b8a1042b1a51b60fe6099543e"
 
     @property
     def message_id(self) -> str:

@@ -23,6 +23,7 @@ from gpugate.report.journal import (
     Reporter,
     WaitingReports,
 )
+from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 
 MAX_LISTED_PIDS = 10
@@ -34,7 +35,7 @@ def watcher_evidence(discovery: Discovery) -> str:
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
 
 
-class Narrator(WaitNarration):
+class Narrator(WaitNarration, ShmNarration):
     """One run's journal entries and STATUS= lines, through the run's Reporter."""
 
     def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:

@@ -4,7 +4,7 @@
     python3 fake_vllm.py --gpus 0,1 --port 8000 [--host 127.0.0.1] [--mib 95000]
         [--state-dir /run/fake-nvml] [--dev-root /dev] [--ignore-sigterm-workers]
         [--ignore-sigterm-worker RANK]
-        [--title-prefix VLLM] [--ready-file PATH]
+        [--title-prefix VLLM] [--ready-file PATH] [--shm TAG]
 
 Process tree, as vLLM builds it (multiprocessing with the spawn context):
 
@@ -20,9 +20,17 @@ Each worker's claim file holds one line "MIB STARTTIME N" (STARTTIME is field 22
 Nobody sets a parent-death signal and the API server does not handle SIGTERM, so killing it
 (SIGTERM or SIGKILL) leaves the engine core and the workers running: the incident gpugate is for.
 
+With --shm TAG the application also holds POSIX shared memory in /dev/shm, as vLLM's does:
+worker 0 a multiprocessing SharedMemory segment `psm_TAG` (open and mapped), the engine core an
+NCCL-like segment `nccl-TAG` (mapped, its fd closed), and the API server a multiprocessing
+semaphore `sem.mp-...` (sem_open: mapped only). None stays registered with the resource
+tracker, as NCCL's and torch's segments never are, so only gpugate can remove them once the
+application is killed.
+
 Once every worker has written its claim and the port is bound, the API server prints READY
 and, with --ready-file, writes there (atomically) a JSON object of the pids:
-{"api_server": PID, "engine_core": PID, "workers": [PID, ...]}.
+{"api_server": PID, "engine_core": PID, "workers": [PID, ...]}, and with --shm the files'
+paths: "shm": [PATH, ...].
 A port already in use, or a worker that cannot open its device files, exits non-zero at once.
 """
 
@@ -78,6 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--title-prefix", default=os.environ.get("VLLM_PROCESS_NAME_PREFIX", "VLLM"))
     p.add_argument("--ready-file", default=None)
+    p.add_argument("--shm", default=None, metavar="TAG", help="hold /dev/shm files named by TAG")
     args = p.parse_args(argv)
     args.gpu_list = [int(g) for g in args.gpus.split(",") if g.strip()]
     if not args.gpu_list:
@@ -99,6 +108,46 @@ def write_atomically(path: Path, text: str) -> None:
 
 # Device files a worker keeps open for its whole life, like a CUDA context does.
 _held_files: list[int] = []
+_held_shm: list[Any] = []  # shared memory kept for the process's life
+SHM_BYTES = 1024 * 1024
+
+
+def untracked(name: str, kind: str) -> None:
+    """Take a resource off the resource tracker's list: NCCL's and torch's never are on it."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.unregister(name, kind)
+
+
+def hold_segment_open(tag: str) -> None:
+    from multiprocessing import shared_memory
+
+    segment = shared_memory.SharedMemory(f"psm_{tag}", create=True, size=SHM_BYTES)
+    segment.buf[:] = b"w" * SHM_BYTES  # touched: it takes space in /dev/shm
+    untracked(segment._name, "shared_memory")  # type: ignore[attr-defined]
+    _held_shm.append(segment)
+
+
+def hold_segment_mapped(tag: str) -> None:
+    """A segment mapped with its fd closed, as NCCL leaves its own (a libc mmap: Python's mmap
+    keeps a duplicate of the fd)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_size_t,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_long,
+    ]
+    fd = os.open(f"/dev/shm/nccl-{tag}", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, b"n" * SHM_BYTES)
+    address = libc.mmap(None, SHM_BYTES, 3, 1, fd, 0)  # PROT_READ|PROT_WRITE, MAP_SHARED
+    os.close(fd)
+    if address in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), "mmap")
+    _held_shm.append(address)
 
 
 def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection) -> None:
@@ -108,6 +157,8 @@ def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection
     dev = Path(args.dev_root)
     for name in ("nvidiactl", "nvidia-uvm", f"nvidia{gpu}"):
         _held_files.append(os.open(dev / name, os.O_RDONLY))
+    if args.shm and rank == 0:
+        hold_segment_open(args.shm)
     claims = Path(args.state_dir) / "claims"
     claims.mkdir(parents=True, exist_ok=True)
     pid = os.getpid()
@@ -120,6 +171,8 @@ def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection
 
 def engine_core_main(args: argparse.Namespace, ready: Connection) -> None:
     set_title(f"{args.title_prefix}::EngineCore")
+    if args.shm:
+        hold_segment_mapped(args.shm)
     ctx = multiprocessing.get_context("spawn")
     workers = []
     pipes = []
@@ -165,6 +218,17 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     ctx = multiprocessing.get_context("spawn")  # also starts the resource tracker
+    shm_paths: list[str] = []
+    if args.shm:
+        semaphore = ctx.Semaphore()  # sem_open: /dev/shm/sem.mp-..., mapped, fd closed
+        name = semaphore._semlock.name  # type: ignore[attr-defined]
+        untracked(name, "semaphore")
+        _held_shm.append(semaphore)
+        shm_paths = [
+            f"/dev/shm/psm_{args.shm}",
+            f"/dev/shm/nccl-{args.shm}",
+            f"/dev/shm/sem.{name[1:]}",
+        ]
     ready_r, ready_w = ctx.Pipe(duplex=False)
     engine = ctx.Process(target=engine_core_main, args=(args, ready_w), name="EngineCore")
     engine.start()
@@ -177,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.ready_file:
         pids = {"api_server": os.getpid(), "engine_core": engine.pid, "workers": worker_pids}
+        if shm_paths:
+            pids["shm"] = shm_paths
         write_atomically(Path(args.ready_file), json.dumps(pids) + "\n")
     print("READY", flush=True)
     server.serve_forever()

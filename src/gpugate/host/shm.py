@@ -1,0 +1,303 @@
+"""POSIX shared memory on the host: where it lives (/dev/shm, and /run/shm where that is a
+mount of its own), which file a process's fd or mapping names, how big a file is, and removing
+one file only while it is still the very file that was seen (device and inode).
+
+Files are identified by (device, inode), never by name alone: a container's /dev/shm is another
+tmpfs whose files show the same names in its processes' fd links and maps, a file replaced
+under the same name is another inode, and a name in /proc/PID/maps is escaped ("\\012" for a
+newline) and may end in " (deleted)". Nothing here decides which files go; that is
+`core.shm_cleanup`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+DELETED_SUFFIX = " (deleted)"
+RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
+
+
+@dataclass(frozen=True, order=True)
+class ShmKey:
+    """One file: the device and inode its holders' fds and mappings name."""
+
+    dev: int
+    ino: int
+
+
+@dataclass(frozen=True)
+class ShmArea:
+    """A folder where shm_open puts files: its path in gpugate's mount namespace, its device."""
+
+    path: str
+    dev: int
+
+    def holds(self, path: str) -> bool:
+        return path.startswith(self.path.rstrip("/") + "/")
+
+
+@dataclass(frozen=True)
+class ShmFile:
+    """A file in an shm area that a process holds; names: what /proc showed for it (a maps name
+    is read both as written and with the kernel's "\\012" as a newline: which one is the file
+    is told by the inode)."""
+
+    key: ShmKey
+    names: tuple[str, ...]
+
+    @property
+    def path(self) -> str:
+        """The name to show: the first one, without a " (deleted)" the kernel added."""
+        name = self.names[0]
+        return name[: -len(DELETED_SUFFIX)] if name.endswith(DELETED_SUFFIX) else name
+
+
+def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
+    """One ShmFile per key, with every name seen for it."""
+    merged: dict[ShmKey, ShmFile] = {}
+    for file in files:
+        seen = merged.get(file.key)
+        names = file.names if seen is None else seen.names + file.names
+        merged[file.key] = ShmFile(file.key, tuple(dict.fromkeys(names)))
+    return merged
+
+
+def unescape_mountinfo(field: str) -> str:
+    """mountinfo escapes space, tab, newline and backslash as octal (\\040, \\011, \\012, \\134)."""
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def mount_points(proc_root: Path) -> set[str]:
+    """Every mount point /proc/self/mountinfo (under the proc root) lists; none where it cannot
+    be read (a stand-in proc root)."""
+    try:
+        text = (proc_root / "self" / "mountinfo").read_text(errors="replace")
+    except OSError:
+        return set()
+    points: set[str] = set()
+    for line in text.splitlines():
+        fields = line.split(" ")
+        if len(fields) > 4:
+            points.add(unescape_mountinfo(fields[4]))
+    return points
+
+
+def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
+    """DEV/shm, where glibc's shm_open and sem_open put their files (also where it is a plain
+    folder, or a symlink: then its target), and /run/shm where mountinfo lists a mount of its
+    own there. Each is identified by the device its files have (stat of the folder)."""
+    areas: dict[int, ShmArea] = {}
+    candidates = [os.path.realpath(dev_root / "shm")]
+    if RUN_SHM in mount_points(proc_root):
+        candidates.append(os.path.realpath(RUN_SHM))
+    for path in candidates:
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            areas.setdefault(info.st_dev, ShmArea(path, info.st_dev))
+    return list(areas.values())
+
+
+def area_of(areas: Sequence[ShmArea], path: str) -> ShmArea | None:
+    return next((area for area in areas if area.holds(path)), None)
+
+
+def maps_names(raw: str) -> tuple[str, ...]:
+    """A maps name as written, and read with the kernel's escape of a newline ("\\012")."""
+    unescaped = raw.replace("\\012", "\n")
+    return (raw,) if unescaped == raw else (raw, unescaped)
+
+
+def maps_key(line_head: bytes) -> ShmKey | None:
+    """The device and inode of a maps line: `START-END PERMS OFFSET MAJ:MIN INODE`."""
+    fields = line_head.split()
+    if len(fields) < 5:
+        return None
+    major, _, minor = fields[3].partition(b":")
+    try:
+        return ShmKey(os.makedev(int(major, 16), int(minor, 16)), int(fields[4]))
+    except ValueError:
+        return None
+
+
+@dataclass(frozen=True)
+class Space:
+    area: ShmArea
+    total_bytes: int
+    free_bytes: int  # what an unprivileged process may still allocate (f_bavail)
+
+
+def space(area: ShmArea) -> Space | None:
+    try:
+        vfs = os.statvfs(area.path)
+    except OSError:
+        return None
+    return Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
+
+
+@dataclass(frozen=True)
+class FileFacts:
+    path: str  # the name that is this file now
+    bytes: int  # allocated: what removing it gives back to the tmpfs
+    size: int  # apparent (st_size)
+    uid: int
+
+
+def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
+    """An fd of the folder holding path inside the area, walked one component at a time without
+    following symlinks (the area is world-writable: a folder swapped for a symlink between a
+    check and an unlink must not lead outside it), and the last component. None where a
+    component is missing, not a folder, or a symlink."""
+    relative = path[len(area.path.rstrip("/")) + 1 :]
+    parts = relative.split("/")
+    if not relative or any(part in ("", ".", "..") for part in parts):
+        return None
+    try:
+        fd = os.open(area.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    for part in parts[:-1]:
+        try:
+            next_fd = os.open(
+                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
+        except OSError:
+            os.close(fd)
+            return None
+        os.close(fd)
+        fd = next_fd
+    return fd, parts[-1]
+
+
+InodeIndex = Mapping[ShmKey, Sequence[str]]
+
+
+def inode_index(areas: Sequence[ShmArea]) -> dict[ShmKey, list[str]]:
+    """Every regular file's names in the areas, by device and inode (symlinks not followed)."""
+    index: dict[ShmKey, list[str]] = {}
+    for area in areas:
+        for folder, _, names in os.walk(area.path):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    info = os.lstat(path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(info.st_mode) and info.st_dev == area.dev:
+                    index.setdefault(ShmKey(info.st_dev, info.st_ino), []).append(path)
+    return index
+
+
+def facts(
+    areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None = None
+) -> FileFacts | None:
+    """The file's size and owner, by whichever of its names is this very inode now; None where
+    none is (deleted, replaced, or outside every area). index: where the names /proc showed are
+    not the file's (see _candidate_names)."""
+    for name in _candidate_names(file, index):
+        area = area_of(areas, name)
+        if area is None or area.dev != file.key.dev:
+            continue
+        found = _parent_fd(area, name)
+        if found is None:
+            continue
+        fd, last = found
+        try:
+            info = os.stat(last, dir_fd=fd, follow_symlinks=False)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+        if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (
+            file.key.dev,
+            file.key.ino,
+        ):
+            return FileFacts(name, info.st_blocks * 512, info.st_size, info.st_uid)
+    return None
+
+
+def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
+    """The names /proc showed, then the file's names by inode. A name may not be the file's:
+    glibc's sem_open creates a temporary file, maps it, links it to sem.NAME and unlinks the
+    temporary name, so maps shows "/dev/shm/sem.XXXXXX (deleted)" for a semaphore that is
+    very much there; a name may also have been renamed since."""
+    names: list[str] = []
+    for name in file.names:
+        names.append(name)
+        if name.endswith(DELETED_SUFFIX):  # the kernel's, or part of a real name: try both
+            names.append(name[: -len(DELETED_SUFFIX)])
+    names.extend((index or {}).get(file.key, ()))
+    return list(dict.fromkeys(names))
+
+
+@dataclass(frozen=True)
+class Unlinked:
+    facts: FileFacts | None  # None: no name is this file any more (gone, or replaced)
+    error: str | None = None  # the unlink failed (the file is still there)
+
+
+def unlink_if_same(
+    areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None = None
+) -> Unlinked:
+    """Remove the name that is this very file (device and inode checked right before, through
+    the folder's fd); a name that now holds another file is left alone. (A file with several
+    names, hard links, loses the first that is found; its space comes back with the last.)"""
+    for name in _candidate_names(file, index):
+        area = area_of(areas, name)
+        if area is None or area.dev != file.key.dev:
+            continue
+        found = _parent_fd(area, name)
+        if found is None:
+            continue
+        fd, last = found
+        try:
+            info = os.stat(last, dir_fd=fd, follow_symlinks=False)
+            if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (
+                file.key.dev,
+                file.key.ino,
+            ):
+                continue
+            found_facts = FileFacts(name, info.st_blocks * 512, info.st_size, info.st_uid)
+            try:
+                os.unlink(last, dir_fd=fd)
+            except FileNotFoundError:
+                return Unlinked(None)  # removed by someone else meanwhile
+            except OSError as exc:
+                return Unlinked(found_facts, errno.errorcode.get(exc.errno or 0, str(exc)))
+            return Unlinked(found_facts)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return Unlinked(None)
+
+
+def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, FileFacts]]:
+    """The COUNT largest regular files in the areas (by allocated bytes), symlinks not followed."""
+    found: list[tuple[ShmKey, FileFacts]] = []
+    for area in areas:
+        for folder, _, names in os.walk(area.path):
+            for name in names:
+                path = os.path.join(folder, name)
+                try:
+                    info = os.lstat(path)
+                except OSError:
+                    continue
+                if stat.S_ISREG(info.st_mode) and info.st_dev == area.dev:
+                    found.append(
+                        (
+                            ShmKey(info.st_dev, info.st_ino),
+                            FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
+                        )
+                    )
+    found.sort(key=lambda item: (-item[1].bytes, item[1].path))
+    return found[:count]
