@@ -27,6 +27,8 @@ class ExitCode(IntEnum):
     UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
     INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
+    NVML_NOT_ANSWERING = 26  # an NVML call did not return by the deadline (a hung driver)
+    INTERRUPTED = 27  # the hook was stopped by SIGTERM or SIGINT (systemctl stop, Ctrl-C)
     HOST_UNSUPPORTED = 28  # the host lacks what gpugate needs: cgroup v2 (a v1-only host)
     SHM_SPACE = 29  # /dev/shm has less free space than the next start needs (shm_min_free_mib)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
@@ -66,6 +68,8 @@ EXIT_MEANINGS = {
     ExitCode.LOCK_TIMEOUT: "GPU lock timeout",
     ExitCode.INSTALL: "install/uninstall refused",
     ExitCode.RESPAWNING: "holders respawned until the deadline",
+    ExitCode.NVML_NOT_ANSWERING: "NVML did not answer (hung driver)",
+    ExitCode.INTERRUPTED: "stopped by SIGTERM/SIGINT",
     ExitCode.HOST_UNSUPPORTED: "host unsupported (no cgroup v2 tree)",
     ExitCode.SHM_SPACE: "/dev/shm short of free space",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
@@ -102,6 +106,23 @@ class ConfigError(GateError):
 
 class NvmlUnavailable(GateError):
     exit_code = ExitCode.NVML_UNAVAILABLE
+
+
+class NvmlNotAnswering(GateError):
+    """An NVML call did not return in time: the driver is hung (as `nvidia-smi` hangs). Not an
+    NvmlUnavailable: its time is spent, so on_nvml_error = "warn" cannot go on without it."""
+
+    exit_code = ExitCode.NVML_NOT_ANSWERING
+
+
+class Interrupted(GateError):
+    """The hook was sent SIGTERM (systemctl stop, a stop job's timeout) or SIGINT (Ctrl-C)."""
+
+    exit_code = ExitCode.INTERRUPTED
+
+    def __init__(self, message: str, signal_name: str = "SIGTERM") -> None:
+        super().__init__(message)
+        self.signal_name = signal_name
 
 
 class PermissionDenied(GateError):

@@ -4,6 +4,8 @@ cgroup in a stand-in tree shaped like Slurm's cgroup/v2 plugin makes it, real pr
 from __future__ import annotations
 
 import os
+import signal
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -14,7 +16,7 @@ from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.integrations.slurm import SlurmEnvError, job_cgroup, job_from_env
 from gpugate.report.journal import Reporter
-from tests.fakes import FakeHost, alive
+from tests.fakes import FakeHost, RecordingJournal, alive
 
 JOB_CGROUP = "/system.slice/slurmstepd.scope/job_42"
 TASK_CGROUP = f"{JOB_CGROUP}/step_0/user/task_0"
@@ -244,8 +246,8 @@ def test_epilog_reaps_the_jobs_leftovers_and_passes(
     assert started["OBJECT_SYSTEMD_UNIT"] == "slurmstepd.scope"
     assert f"cgroup {JOB_CGROUP}" in started["MESSAGE"]
     reasons = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
-    assert reasons[str(worker)] == "in slurm-job-42's cgroup"
-    assert reasons[str(orphan)] == "orphan holding GPU 3"
+    assert reasons[str(worker)] == "unit-cgroup"
+    assert reasons[str(orphan)] == "orphan"
     text = (host.root / "textfile" / "gpugate.prom").read_text()
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -346,3 +348,27 @@ def test_unknown_gpu_in_the_job_exits_3_naming_the_variable(
     assert err.startswith("gpugate: ")
     assert "(gpus from SLURM_JOB_GPUS): gpus: GPU index 9 does not exist" in err
     assert err.count("\n") == 1
+
+
+def test_epilog_stopped_by_sigterm_ends_at_once_and_leaves_the_drain_to_slurmd(
+    host: FakeHost, slurm_env: dict[str, str]
+) -> None:
+    # slurmd sends SIGTERM at PrologEpilogTimeout and drains the node itself: gpugate stops
+    # at once (exit 27), says why, and runs no scontrol of its own.
+    host.memory.leaked_mib[2] = 50000  # the epilog waits for it
+    config = slurm_config(host, epilog_wait_s=60)  # not stopped, it would end with 21
+    fired = threading.Event()
+
+    class SignalWhenWaiting(RecordingJournal):
+        def send(self, message: str, fields: dict[str, str]) -> None:
+            super().send(message, fields)
+            if fields.get("GPUGATE_WAITING_FOR") == "memory" and not fired.is_set():
+                fired.set()
+                threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+
+    host.journal = SignalWhenWaiting()
+    assert slurm(host, "epilog", config) == ExitCode.INTERRUPTED
+    (said,) = [e for e in host.journal.events("error") if e.get("GPUGATE_EXIT_CODE") == "27"]
+    assert said["MESSAGE"].startswith("stopped by SIGTERM while waiting for the driver")
+    assert said["GPUGATE_SLURM_JOB"] == "42"
+    assert scontrol_args(host) is None

@@ -18,6 +18,11 @@
  *   init_error = 0                (an NVML return code for nvmlInit* to return)
  *   lost_gpus =                   (indices whose handle calls return GPU_IS_LOST)
  *   memory_not_supported = 0      (1: memory info calls return NOT_SUPPORTED)
+ *   hang = 0                      (1: every call, nvmlInit* and nvmlShutdown too, blocks
+ *                                  until the setting is cleared: a hung driver)
+ *   hang_gpus =                   (indices whose device calls block until cleared)
+ *   A call that blocks appends "PID FUNCTION INDEX" (INDEX -1: no GPU) to STATE_DIR/hung.log
+ *   once, when it starts to block; it then re-reads the settings every 20 ms.
  *
  * Model (STATE_DIR):
  *   claims/PID       "MIB STARTTIME N[,N...]": PID uses MIB MiB on each GPU whose minor is
@@ -112,6 +117,8 @@ struct config {
     int init_error;
     unsigned char lost[MAX_GPUS];
     int memory_not_supported;
+    int hang;
+    unsigned char hang_gpu[MAX_GPUS];
 };
 
 static void copy_str(char *dst, size_t size, const char *src)
@@ -206,9 +213,52 @@ static void load_config(struct config *c)
                     c->lost[idx[i]] = 1;
         } else if (!strcmp(key, "memory_not_supported")) {
             c->memory_not_supported = (int)strtol(val, NULL, 10) != 0;
+        } else if (!strcmp(key, "hang")) {
+            c->hang = (int)strtol(val, NULL, 10) != 0;
+        } else if (!strcmp(key, "hang_gpus")) {
+            unsigned idx[MAX_GPUS];
+            unsigned n = parse_uint_list(val, idx, MAX_GPUS);
+            for (unsigned i = 0; i < n; i++)
+                if (idx[i] < MAX_GPUS)
+                    c->hang_gpu[idx[i]] = 1;
         }
     }
     fclose(f);
+}
+
+/* ---- the hang fault ---- */
+
+static int hangs(const struct config *c, int index)
+{
+    return c->hang || (index >= 0 && index < MAX_GPUS && c->hang_gpu[index]);
+}
+
+/*
+ * Blocks while the settings say this call hangs, as a driver in a bad state does; notes it
+ * once in STATE_DIR/hung.log, so that a test knows the call is blocked.  Reloads *c.
+ */
+static void hang_while_set(struct config *c, const char *function, int index)
+{
+    int noted = 0;
+    while (hangs(c, index)) {
+        if (!noted) {
+            char path[PATH_MAX + 32], line[256];
+            snprintf(path, sizeof(path), "%s/hung.log", c->state_dir);
+            int fd = open(path, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+            if (fd >= 0) {
+                int len = snprintf(line, sizeof(line), "%d %s %d\n", (int)getpid(), function,
+                                   index);
+                if (write(fd, line, (size_t)len) != len) {
+                    /* ignored */
+                }
+                close(fd);
+            }
+            noted = 1;
+        }
+        struct timespec pause = {0, 20000000};
+        nanosleep(&pause, NULL);
+        load_config(c);
+    }
 }
 
 /* ---- init state and handles ---- */
@@ -240,6 +290,7 @@ static nvmlReturn_t device_call(nvmlDevice_t device, struct config *c, unsigned 
     *index = (unsigned)(d - device_slots);
     if (*index >= c->gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    hang_while_set(c, "device call", (int)*index);
     if (c->lost[*index])
         return NVML_ERROR_GPU_IS_LOST;
     return NVML_SUCCESS;
@@ -506,6 +557,7 @@ API nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
     struct config c;
     (void)flags;
     load_config(&c);
+    hang_while_set(&c, "nvmlInit", -1);
     if (c.init_error != NVML_SUCCESS)
         return c.init_error;
     __atomic_add_fetch(&init_refcount, 1, __ATOMIC_SEQ_CST);
@@ -524,6 +576,9 @@ API nvmlReturn_t nvmlInit(void)
 
 API nvmlReturn_t nvmlShutdown(void)
 {
+    struct config c;
+    load_config(&c);
+    hang_while_set(&c, "nvmlShutdown", -1);
     int count = __atomic_load_n(&init_refcount, __ATOMIC_SEQ_CST);
     while (count > 0) {
         if (__atomic_compare_exchange_n(&init_refcount, &count, count - 1, 0, __ATOMIC_SEQ_CST,
@@ -591,6 +646,7 @@ API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count)
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     load_config(&c);
+    hang_while_set(&c, "nvmlDeviceGetCount", -1);
     *count = c.gpu_count;
     return NVML_SUCCESS;
 }
@@ -608,6 +664,7 @@ API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t 
     load_config(&c);
     if (!device || index >= c.gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    hang_while_set(&c, "nvmlDeviceGetHandleByIndex", (int)index);
     if (c.lost[index])
         return NVML_ERROR_GPU_IS_LOST;
     *device = handle_of(index);

@@ -7,13 +7,15 @@ role is `roles`; where an application ends (kill_app_tree) is `app_tree`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from gpugate.compat import StrEnum
 from gpugate.config.models import GateConfig
 from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.roles import Role, holder_role
+from gpugate.core.roles import Role, stable_role
+from gpugate.host.procfs import ProcessId
 from gpugate.host.systemd import unit_of_cgroup
 
 
@@ -28,7 +30,8 @@ class Choice:
     holder: Holder
     role: Role
     verdict: Verdict
-    reason: str
+    reason: str  # in words, for the operator
+    code: str = ""  # the rule that decided, short and stable: the journal's GPUGATE_REASON
 
 
 @dataclass
@@ -56,7 +59,14 @@ class Decision:
         return any(choice.role is Role.OTHER_UNIT for choice in self.blockers)
 
 
-def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTree) -> Decision:
+def decide(
+    discovery: Discovery,
+    config: GateConfig,
+    phase: str,
+    tree: ProcessTree,
+    earlier: Mapping[ProcessId, Role] | None = None,
+) -> Decision:
+    """earlier: the roles given in this run's previous decisions (see roles.stable_role)."""
     policy = config.policy(phase)
     owned = discovery.owned_indices
     decision = Decision()
@@ -64,7 +74,7 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
-        role = holder_role(holder, discovery, config)
+        role = stable_role(holder, discovery, config, earlier or {})
         on_owned = sorted(holder.using & owned)
         foreign = sorted(holder.using - owned)
         gpus = ", ".join(str(index) for index in on_owned)
@@ -77,19 +87,26 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
             if part
         )
         if role is Role.PROTECTED:
-            choice = Choice(holder, role, Verdict.SPARE, "protected by configuration")
+            choice = Choice(holder, role, Verdict.SPARE, "protected by configuration", "protected")
         elif role is Role.WATCHER:
             choice = Choice(
-                holder, role, Verdict.SPARE, "a watcher: NVML lists it on no GPU, with no memory"
+                holder,
+                role,
+                Verdict.SPARE,
+                "a watcher: NVML lists it on no GPU, with no memory",
+                "watcher",
             )
         elif role is Role.UNIT:
-            choice = Choice(holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup")
+            choice = Choice(
+                holder, role, Verdict.KILL, f"in {discovery.unit}'s cgroup", "unit-cgroup"
+            )
         elif role is Role.UNIT_CONTAINER and holder.container is not None:
             reason = f"in {holder.container.label}, one of {discovery.unit}'s (containers)"
-            choice = Choice(holder, role, Verdict.KILL, reason)
+            choice = Choice(holder, role, Verdict.KILL, reason, "unit-container")
         elif not on_owned and not holder.ports:
             why = "holds only control devices" if holder.control_devices else "holds no GPU"
-            choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}")
+            code = "control-devices-only" if holder.control_devices else "no-gpu-of-unit"
+            choice = Choice(holder, role, Verdict.SPARE, f"{why} of {discovery.unit}", code)
         elif foreign:
             choice = Choice(
                 holder,
@@ -97,13 +114,14 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
                 Verdict.BLOCK,
                 f"holds {held or 'no GPU of it'} but also GPU {', '.join(map(str, foreign))}, "
                 f"which {discovery.unit} does not own",
+                "foreign-gpu",
             )
         elif role is Role.OTHER_UNIT:
             other = unit_of_cgroup(info.cgroup or "/")
             container = holder.container
             if config.kill_other_units:
                 who = container.label if container else other
-                choice = Choice(holder, role, Verdict.KILL, f"{who} holds {held}")
+                choice = Choice(holder, role, Verdict.KILL, f"{who} holds {held}", "other-unit")
             elif container is not None:
                 why = (
                     f"{container.label} holds {held} (scope {other}; kill_other_units = "
@@ -111,22 +129,24 @@ def decide(discovery: Discovery, config: GateConfig, phase: str, tree: ProcessTr
                     f" in its gpugate config (gpugate install {discovery.unit} --container "
                     f"{container.handle})"
                 )
-                choice = Choice(holder, role, Verdict.BLOCK, why)
+                choice = Choice(holder, role, Verdict.BLOCK, why, "other-unit-container")
             else:
                 choice = Choice(
                     holder,
                     role,
                     Verdict.BLOCK,
                     f"active unit {other} holds {held} (kill_other_units = false)",
+                    "other-unit",
                 )
         elif policy.kill_orphans:
-            choice = Choice(holder, role, Verdict.KILL, f"orphan holding {held}")
+            choice = Choice(holder, role, Verdict.KILL, f"orphan holding {held}", "orphan")
         else:
             choice = Choice(
                 holder,
                 role,
                 Verdict.BLOCK,
                 f"orphan holding {held} ({phase}.kill_orphans = false)",
+                "orphan-kept",
             )
         decision.choices.append(choice)
 
@@ -170,7 +190,11 @@ def _add_app_trees(
             holder.sources.add(Source.APP_TREE)
             decision.choices.append(
                 Choice(
-                    holder, seed.role, Verdict.KILL, f"same application as PID {seed.holder.pid}"
+                    holder,
+                    seed.role,
+                    Verdict.KILL,
+                    f"same application as PID {seed.holder.pid}",
+                    "app-tree",
                 )
             )
 

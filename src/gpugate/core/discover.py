@@ -18,7 +18,7 @@ from pathlib import Path
 from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
-from gpugate.errors import PermissionDenied
+from gpugate.errors import NvmlNotAnswering, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
 from gpugate.host.ports import listening_sockets
@@ -151,6 +151,11 @@ def discover(
             usage[gpu.index] = driver.usage(gpu)
         except GpuError as exc:
             gpus.remove(gpu)
+            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+        except NvmlNotAnswering as exc:
+            if strict_faults:
+                raise
+            gpus.remove(gpu)  # status: shown as unreadable, with what else could be read
             faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)

@@ -3,10 +3,12 @@ another unit, protected, or a watcher. Pure logic over what `discover` found."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from gpugate.compat import StrEnum
 from gpugate.config.models import GateConfig
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.host.procfs import ProcInfo
+from gpugate.host.procfs import ProcessId, ProcInfo
 from gpugate.host.systemd import is_user_cgroup, unit_of_cgroup
 
 
@@ -58,6 +60,25 @@ def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Rol
         own_container=Source.CONTAINER in holder.sources and holder.container is not None,
     )
     if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(holder, discovery, config.free_mib):
+        return Role.WATCHER
+    return role
+
+
+def stable_role(
+    holder: Holder, discovery: Discovery, config: GateConfig, earlier: Mapping[ProcessId, Role]
+) -> Role:
+    """holder_role, kept stable within a run: a process judged a watcher earlier in this run
+    stays one while NVML lists it on no GPU. After a holder is killed the driver frees its
+    memory late (seconds); meanwhile that memory is listed for nobody and the watcher test
+    (memory accounted for by the listed processes) cannot pass, though the watcher did not
+    change. Once NVML lists it, it uses a GPU and is judged again."""
+    role = holder_role(holder, discovery, config)
+    if (
+        role in (Role.ORPHAN, Role.OTHER_UNIT)
+        and earlier.get(holder.info.ident) is Role.WATCHER
+        and Source.NVML not in holder.sources
+        and not holder.ports
+    ):
         return Role.WATCHER
     return role
 

@@ -17,12 +17,13 @@ from gpugate.core.discover import Discovery, discover
 from gpugate.core.kill import Pinned, terminate
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.respawn import RespawnWatch
+from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
 from gpugate.core.wait import busy_gpus, wait_settled
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
-from gpugate.host.nvml import GpuDriver, NoGpus
+from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, bind_deadline
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
@@ -96,6 +97,13 @@ class PhaseRun:
         # Spared for good (protected, holding no GPU of the unit): not waited on. A watcher is
         # not among them: NVML listing it later means it became a GPU user, to look at again.
         self.spared_pids: set[int] = set()
+        # Each process's role when first judged in this run: a watcher stays one while the
+        # driver frees a killed holder's memory (roles.stable_role).
+        self.judged: dict[ProcessId, Role] = {}
+        # What the run is doing, and the GPUs it last saw busy: what an interruption says,
+        # and which GPUs this start's post need not wait on again.
+        self.activity = "looking for the GPUs' holders"
+        self.last_busy: list[BusyGpu] = []
         self._announced = False
         # Who held which /dev/shm file, from every discovery; names for the PIDs in the reasons.
         self.shm = ShmLedger()
@@ -108,11 +116,16 @@ class PhaseRun:
         if self.policy.on_nvml_error == "fail" or self.summary.degraded:
             raise error
         self.narrator.degraded(error, self.scope.phase)
+        self.without_nvml()
+
+    def without_nvml(self) -> None:
+        """The unit's cgroup alone, no GPU: same deadline, same summary."""
         self.summary.degraded = True
         self.wanted = None
         self.driver = NoGpus()
 
     def run(self, driver: GpuDriver, *, dry_run: bool) -> RunSummary:
+        bind_deadline(driver, self.deadline)  # a driver that stops answering ends the run then
         self.driver = driver
         self.dry_run = dry_run
         while True:
@@ -134,10 +147,11 @@ class PhaseRun:
             ports=self.ports,
             containers=self.config.containers,
         )
-        decision = decide(found, self.config, self.scope.phase, procfs)
+        decision = decide(found, self.config, self.scope.phase, procfs, self.judged)
         self.shm.note(found.shm)
         self.shm_areas = found.shm_areas
         for choice in decision.choices:
+            self.judged.setdefault(choice.holder.info.ident, choice.role)
             self.shm_labels[choice.holder.pid] = (
                 f"PID {choice.holder.pid} ({choice.holder.info.comm}, {choice.role})"
             )
@@ -150,6 +164,11 @@ class PhaseRun:
         summary.owned = list(discovery.owned)
         # Before any kill: later rounds rediscover, and by then memory may already be freed.
         self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        self.last_busy = [
+            BusyGpu(g, self.used_before[g.index], ())
+            for g in discovery.owned
+            if self.used_before[g.index] > self.config.free_mib
+        ]
         refuse_manual_run(self.context, decision, describe)  # one line, before any other
         if not self._announced:
             narrator.run_started(
@@ -182,7 +201,7 @@ class PhaseRun:
             self.config.lock_dir,
             discovery.owned,
             self.deadline,
-            on_wait=lambda gpu: narrator.lock_wait(gpu, self.deadline - self.clock()),
+            on_wait=self.on_lock_wait,
             clock=self.clock,
         ):
             # Checked and taken in one turn on the locks: an overlapping pre waits for it.
@@ -205,9 +224,10 @@ class PhaseRun:
             return self.finish()  # the lease is written in finish, still under the locks
 
     def kill_rounds(
-        self, discovery: Discovery, decision: Decision
+        self, discovery: Discovery, decision: Decision, *, announced: bool = True
     ) -> tuple[Discovery, Decision, list[ProcessId]]:
-        """Kill the targets; rediscover and repeat while new ones appear (forks)."""
+        """Kill the targets; rediscover and repeat while new ones appear (forks).
+        announced: the first round's choices were already narrated (sequence's are)."""
         kill_started = self.clock()
         if self.scope.phase == "pre" and discovery.unit_containers:
             self.stop_containers(discovery, decision)
@@ -218,9 +238,10 @@ class PhaseRun:
             if not fresh:
                 break
             self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
-            if round_number > 1:
+            if round_number > 1 or not announced:
                 self.narrator.choices(Decision(fresh))
             self.narrator.stopping(len(fresh), round_number)
+            self.activity = f"stopping {len(fresh)} process(es) (round {round_number})"
             by_ident.update((c.holder.info.ident, c) for c in fresh)
             self.watch.self_chain = discovery.self_chain
             self.watch.killed(fresh, by_ident, ProcFs(self.roots.proc))
@@ -255,6 +276,17 @@ class PhaseRun:
         for result in stop_containers(containers, self.policy.sigterm_grace_s):
             self.narrator.container_stopped(result)
 
+    def on_lock_wait(self, gpu: Gpu) -> None:
+        self.activity = f"waiting for another gpugate run's lock on {gpu.label}"
+        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+
+    def note_busy(self, busy: list[BusyGpu]) -> list[BusyGpu]:
+        if busy:
+            shown = ", ".join(f"GPU {item.gpu.index} {item.used_mib} MiB" for item in busy)
+            self.activity = f"waiting for the driver to free memory ({shown})"
+        self.last_busy = busy
+        return busy
+
     def on_stuck(self, choices: list[Choice]) -> None:
         procfs = ProcFs(self.roots.proc)
         for choice in choices:
@@ -282,7 +314,9 @@ class PhaseRun:
             self.narrator.reporter.extend_timeout(left + TIMEOUT_MARGIN_S)
 
         settled = wait_settled(
-            busy_gpus=lambda: busy_gpus(self.driver, owned, free_mib, self.spared_pids),
+            busy_gpus=lambda: self.note_busy(
+                busy_gpus(self.driver, owned, free_mib, self.spared_pids)
+            ),
             busy_ports=lambda: sorted(set(listening_sockets(self.roots.proc, self.ports).values())),
             pending=lambda: self.watch.pending(ProcFs(self.roots.proc)),
             look_again=self.look_again,
@@ -368,7 +402,8 @@ class PhaseRun:
         fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
         if not fresh:
             return False
-        _, _, survivors = self.kill_rounds(discovery, decision)
+        # Each target found here (a respawn, a watcher NVML now lists) says why it dies.
+        _, _, survivors = self.kill_rounds(discovery, decision, announced=False)
         if survivors:
             self.summary.exit_code = ExitCode.UNKILLABLE
             self.narrator.survived(len(survivors))

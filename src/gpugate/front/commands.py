@@ -11,9 +11,10 @@ from collections.abc import Callable, Mapping
 
 from gpugate.config.file import load_config
 from gpugate.config.toml_text import to_toml
-from gpugate.errors import ExitCode, UnknownUnit
+from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
+from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
-from gpugate.host.nvml import GpuDriver, NvmlDriver
+from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
 from gpugate.host.roots import SYSTEM_CGROUP_ROOT, HostRoots
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.report.journal import Reporter, ReporterFactory
@@ -105,16 +106,17 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         dry_run=args.dry_run,
         proc_root=roots.proc,
     )
-    outcome = run_hook(
-        hook,
-        loaded,
-        front.reporter_factory(unit, args.command),
-        roots=roots,
-        dry_run=args.dry_run,
-        driver_factory=front.driver_factory,
-        environ=front.environ,
-        manual_refusal=manual_refusal,
-    )
+    with stopped_by_signals():
+        outcome = run_hook(
+            hook,
+            loaded,
+            front.reporter_factory(unit, args.command),
+            roots=roots,
+            dry_run=args.dry_run,
+            driver_factory=front.driver_factory,
+            environ=front.environ,
+            manual_refusal=manual_refusal,
+        )
     return int(outcome.exit_code)
 
 
@@ -127,15 +129,16 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.integrations import slurm  # noqa: PLC0415
 
-    return slurm.main(
-        args.slurm_phase,
-        config_path=args.config,
-        dry_run=args.dry_run,
-        environ=front.environ,
-        driver_factory=front.driver_factory,
-        reporter_factory=front.reporter_factory,
-        roots=front.roots,
-    )
+    with stopped_by_signals():
+        return slurm.main(
+            args.slurm_phase,
+            config_path=args.config,
+            dry_run=args.dry_run,
+            environ=front.environ,
+            driver_factory=front.driver_factory,
+            reporter_factory=front.reporter_factory,
+            roots=front.roots,
+        )
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
@@ -185,6 +188,7 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.status import (  # noqa: PLC0415
         as_dict,
         collect,
+        device_minors,
         render_json,
         render_table,
         unreadable_warning,
@@ -197,15 +201,25 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
     try:
         warned = False
         while True:
-            discovery = collect(unit, loaded, driver, roots)
+            try:
+                discovery = collect(unit, loaded, driver, roots)
+            except NvmlNotAnswering as exc:
+                # Hung before it named a GPU: what /dev and /proc show, without NVML.
+                discovery = collect(unit, loaded, NotAnswering(exc, device_minors(roots)), roots)
             warning = unreadable_warning(discovery)
             if warning and not warned:  # once, also in --watch
                 print(warning, file=sys.stderr, flush=True)
                 warned = True
             data = as_dict(discovery, loaded, roots)
+            hung = driver_not_answering(driver)
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
+                if hung is not None:
+                    print(f"gpugate: {hung.message}", file=sys.stderr, flush=True)
+                    return int(hung.exit_code)
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
+            if hung is not None:
+                raise hung  # --watch: no next look can answer
             # Home and clear the screen, then the table, as watch(1) draws it.
             header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
             print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)

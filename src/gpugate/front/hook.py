@@ -15,13 +15,18 @@ from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import PhaseRun, RunScope
 from gpugate.core.shm_cleanup import ShmHost
-from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import ShmArea
 from gpugate.host.systemd import UnitEnvironment
-from gpugate.integrations.unit.shared_host import prepare, record_pre_error
+from gpugate.integrations.unit.shared_host import (
+    nvml_hung_in_pre,
+    prepare,
+    record_interrupted,
+    record_pre_error,
+)
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 
@@ -127,17 +132,32 @@ def run_phase(
         shm_host=shm_host,
     )
     try:
-        try:
-            driver: GpuDriver = driver_factory()
-        except NvmlUnavailable as exc:
-            run.degrade(exc)
-            driver = NoGpus()
+        hung = nvml_hung_in_pre(context)
+        if hung is not None:
+            # This start's pre waited its deadline on a driver that did not answer: asking
+            # again would hang post too. The cgroup still dies.
+            narrator.nvml_skipped(hung, scope.phase)
+            run.without_nvml()
+            driver: GpuDriver = NoGpus()
+        else:
+            try:
+                driver = driver_factory()
+            except NvmlUnavailable as exc:
+                run.degrade(exc)
+                driver = NoGpus()
         try:
             return run.run(driver, dry_run=dry_run)
         finally:
             driver.close()
     except ManualRunRefused:
         raise
+    except Interrupted as exc:
+        stopped = Interrupted(
+            f"{exc.message} while {run.activity}; it left no GPU lock or lease", exc.signal_name
+        )
+        if not dry_run:
+            record_interrupted(context, loaded, stopped, run.last_busy)
+        raise stopped from None
     except GateError as exc:
         if not dry_run:
             record_pre_error(context, loaded, exc)  # post need not wait on it again

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,15 @@ def collect(
         containers=loaded.config.containers,
         strict_faults=False,
     )
+
+
+def device_minors(roots: HostRoots) -> list[int]:
+    """N of every /dev/nvidiaN: the GPUs' device files, where NVML cannot name the GPUs."""
+    try:
+        names = os.listdir(roots.dev)
+    except OSError:
+        return []
+    return sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
 
 
 def uptime_s(proc_root: Path) -> float | None:

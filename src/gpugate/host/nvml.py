@@ -7,12 +7,14 @@ inject a driver and production uses `NvmlDriver`.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
-from gpugate.errors import NvmlUnavailable, PermissionDenied
+from gpugate.errors import NvmlNotAnswering, NvmlUnavailable, PermissionDenied
+from gpugate.host.bounded_calls import CallThread, CallTimedOut
 
 MIB = 1024 * 1024
 
@@ -85,18 +87,75 @@ def _pynvml() -> ModuleType:
     return module
 
 
-class NvmlDriver:
-    """GpuDriver backed by libnvidia-ml.so.1."""
+ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`status`)
+# Each call may take this long even at or past the deadline (the run's last looks): a healthy
+# call answers in milliseconds; a hung one costs the run this much more, once.
+MIN_ANSWER_S = 1.0
 
-    def __init__(self) -> None:
+
+class NvmlDriver:
+    """GpuDriver backed by libnvidia-ml.so.1.
+
+    Every NVML call is made on one worker thread (bounded_calls), a whole query (a GPU's
+    usage, the list of GPUs) at a time, and waited for until the run's deadline (answer_by),
+    else ANSWER_WITHIN_S: a driver that stops answering (NVML blocks, as a hanging
+    `nvidia-smi` does) ends the run with NvmlNotAnswering, which names the call, the GPU and
+    how long it waited. From then on the driver is stuck: no further call is made (it would
+    queue behind the hung one), not even nvmlShutdown. NVML is initialised at the first query,
+    so that the deadline is known by then."""
+
+    def __init__(self, *, answer_within_s: float = ANSWER_WITHIN_S) -> None:
         self._nv = _pynvml()
+        self._thread = CallThread("nvml")
+        self._answer_within_s = answer_within_s
+        self._until: float | None = None  # the run's deadline (time.monotonic)
+        self._stuck: NvmlNotAnswering | None = None
+        self._calling: tuple[str, int | None] = ("", None)  # the NVML call under way, its GPU
+        self._initialized = False
         self._memory_v2 = True
         self._handles: dict[int, Any] = {}
         self._gpus: list[Gpu] | None = None
         self._faults: list[GpuFault] = []
+
+    def answer_by(self, deadline: float) -> None:
+        """Wait for each query until this time.monotonic() deadline (the run's)."""
+        self._until = deadline
+
+    def not_answering(self) -> NvmlNotAnswering | None:
+        return self._stuck
+
+    def _bounded(self, job: Any, *args: Any) -> Any:
+        """job(*args) on the NVML thread, by the deadline; its exceptions as raised."""
+        if self._stuck is not None:
+            raise self._stuck
+        now = time.monotonic()
+        if self._until is None:
+            until = now + self._answer_within_s
+        else:
+            until = max(self._until, now + MIN_ANSWER_S)
+        try:
+            return self._thread.call(until, job, *args)
+        except CallTimedOut as exc:
+            name, index = self._calling
+            where = "" if index is None else f" on GPU {index}"
+            self._stuck = NvmlNotAnswering(
+                f"NVML is not answering: {name}{where} did not return within "
+                f"{exc.waited_s:.1f} s (a hung driver, as when nvidia-smi hangs; see dmesg for "
+                "Xid errors: the GPU may need a reset or the host a reboot)"
+            )
+            raise self._stuck from None
+
+    def _raw(self, index: int | None, function: Any, *args: Any, **kwargs: Any) -> Any:
+        """On the NVML thread: one call, noted first, so that a hang can be named."""
+        self._calling = (_name(function), index)
+        return function(*args, **kwargs)
+
+    def _init(self) -> None:
+        if self._initialized:
+            return
         nv = self._nv
         try:
-            nv.nvmlInit()
+            self._raw(None, nv.nvmlInit)
         except nv.NVMLError_LibraryNotFound:
             raise NvmlUnavailable(
                 "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
@@ -107,26 +166,33 @@ class NvmlDriver:
             raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
         except nv.NVMLError as exc:
             raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
+        self._initialized = True
 
     def close(self) -> None:
-        with contextlib.suppress(self._nv.NVMLError):
-            self._nv.nvmlShutdown()
+        if not self._initialized or self._stuck is not None or self._thread.busy:
+            return  # nvmlShutdown would wait behind the call that has not returned
+        with contextlib.suppress(self._nv.NVMLError, NvmlNotAnswering):
+            self._bounded(self._raw, None, self._nv.nvmlShutdown)
 
     def gpus(self) -> Sequence[Gpu]:
         if self._gpus is None:
-            nv = self._nv
-            found: list[Gpu] = []
-            try:
-                count = nv.nvmlDeviceGetCount()
-            except nv.NVMLError as exc:
-                raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
-            for index in range(count):
-                try:
-                    found.append(self._read_gpu(index))
-                except GpuError as exc:
-                    self._faults.append(GpuFault(index, exc.message))
-            self._gpus = found
+            self._gpus = self._bounded(self._read_gpus)
         return self._gpus
+
+    def _read_gpus(self) -> list[Gpu]:
+        self._init()
+        nv = self._nv
+        found: list[Gpu] = []
+        try:
+            count = self._raw(None, nv.nvmlDeviceGetCount)
+        except nv.NVMLError as exc:
+            raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
+        for index in range(count):
+            try:
+                found.append(self._read_gpu(index))
+            except GpuError as exc:
+                self._faults.append(GpuFault(index, exc.message))
+        return found
 
     def faults(self) -> Sequence[GpuFault]:
         self.gpus()
@@ -146,6 +212,10 @@ class NvmlDriver:
         )
 
     def usage(self, gpu: Gpu) -> GpuUsage:
+        usage: GpuUsage = self._bounded(self._usage, gpu)
+        return usage
+
+    def _usage(self, gpu: Gpu) -> GpuUsage:
         nv = self._nv
         handle = self._handles[gpu.index]
         used = self._used_bytes(gpu.index, handle)
@@ -156,7 +226,7 @@ class NvmlDriver:
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
             try:
-                procs = query(handle)
+                procs = self._raw(gpu.index, query, handle)
             except nv.NVMLError_NotSupported:
                 listed = False  # the memory figure still stands; the device files decide
                 continue
@@ -174,7 +244,10 @@ class NvmlDriver:
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
             try:
-                return int(nv.nvmlDeviceGetMemoryInfo(handle, version=nv.nvmlMemory_v2).used)
+                memory = self._raw(
+                    index, nv.nvmlDeviceGetMemoryInfo, handle, version=nv.nvmlMemory_v2
+                )
+                return int(memory.used)
             except (
                 nv.NVMLError_FunctionNotFound,
                 nv.NVMLError_ArgumentVersionMismatch,
@@ -188,25 +261,65 @@ class NvmlDriver:
     def _call(self, index: int, function: Any, *args: Any) -> Any:
         nv = self._nv
         try:
-            return function(*args)
+            return self._raw(index, function, *args)
         except nv.NVMLError_GpuIsLost:
             raise GpuError(
                 index, f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
             ) from None
         except nv.NVMLError_NotSupported:
-            raise GpuError(
-                index, f"NVML: GPU {index} does not support {function.__name__}"
-            ) from None
+            raise GpuError(index, f"NVML: GPU {index} does not support {_name(function)}") from None
         except nv.NVMLError_NoPermission:
-            raise PermissionDenied(f"NVML: permission denied for {function.__name__}") from None
+            raise PermissionDenied(f"NVML: permission denied for {_name(function)}") from None
         except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded) as exc:
-            raise NvmlUnavailable(f"NVML: {function.__name__}: {exc}") from None
+            raise NvmlUnavailable(f"NVML: {_name(function)}: {exc}") from None
         except nv.NVMLError as exc:
-            raise GpuError(index, f"NVML: {function.__name__} on GPU {index}: {exc}") from None
+            raise GpuError(index, f"NVML: {_name(function)} on GPU {index}: {exc}") from None
+
+
+def bind_deadline(driver: GpuDriver, deadline: float) -> None:
+    """A driver that can be bounded (NvmlDriver) waits for each call until the deadline."""
+    answer_by = getattr(driver, "answer_by", None)
+    if callable(answer_by):
+        answer_by(deadline)
+
+
+def driver_not_answering(driver: GpuDriver) -> NvmlNotAnswering | None:
+    """Why the driver stopped answering, where it did."""
+    not_answering = getattr(driver, "not_answering", None)
+    found = not_answering() if callable(not_answering) else None
+    return found if isinstance(found, NvmlNotAnswering) else None
+
+
+def _name(function: Any) -> str:
+    return str(getattr(function, "__name__", function))
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+class NotAnswering:
+    """Stands in for a driver that hung before it named its GPUs (`status`): no GPU can be
+    read; each /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
+
+    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
+        self.error = error
+        self.minors = list(minors)
+
+    def gpus(self) -> Sequence[Gpu]:
+        return []
+
+    def faults(self) -> Sequence[GpuFault]:
+        return [GpuFault(minor, self.error.message, minor=minor) for minor in self.minors]
+
+    def not_answering(self) -> NvmlNotAnswering:
+        return self.error
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        raise self.error
+
+    def close(self) -> None:
+        pass
 
 
 class NoGpus:

@@ -234,8 +234,8 @@ def main(
         )
         code, summary = outcome.exit_code, outcome.summary
         detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
-    if dry_run or code is ExitCode.OK:
-        return int(code)
+    if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
+        return int(code)  # stopped: slurmd, which stopped it, drains the node itself
     who = f" job {job.job_id}" if job is not None else ""
     reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
     if summary is not None:  # an error has said its one line already

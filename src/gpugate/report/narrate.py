@@ -132,7 +132,7 @@ class Narrator(WaitNarration, ShmNarration):
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
                     command=choice.holder.info.command,
-                    reason=choice.reason,
+                    reason=choice.code or "unspecified",
                     **container_fields(choice),
                 )
 
@@ -203,6 +203,15 @@ class Narrator(WaitNarration, ShmNarration):
             Event.ERROR,
             f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
+        )
+
+    def nvml_skipped(self, why: str, phase: str) -> None:
+        self.reporter.event(
+            Event.ERROR,
+            f"not asking NVML: this start's pre found it not answering ({why}); {phase} "
+            "cleans the unit's cgroup only",
+            priority=PRIORITY_WARNING,
+            reason="nvml-not-answering",
         )
 
     def finished(self, summary: RunSummary) -> None:

@@ -261,12 +261,18 @@ def after_run(
         if context.failed_pre is not None:
             # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
             text = f"start failed in gpugate pre: {context.failed_pre.reason}"
-            reporter.event(Event.ERROR, text, priority=PRIORITY_ERR, reason=text)
+            reporter.event(Event.ERROR, text, priority=PRIORITY_ERR, reason="failed-start")
             reporter.status(text)
 
 
-def record_pre_error(context: HostContext, loaded: LoadedConfig, error: GateError) -> None:
-    """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again."""
+def record_pre_error(
+    context: HostContext,
+    loaded: LoadedConfig,
+    error: GateError,
+    busy: Sequence[BusyGpu] = (),
+) -> None:
+    """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again
+    (busy: the GPUs pre was still waiting for)."""
     if context.phase != "pre":
         return
     lock_dir = loaded.config.lock_dir
@@ -278,9 +284,30 @@ def record_pre_error(context: HostContext, loaded: LoadedConfig, error: GateErro
             invocation_id=context.environ.get("INVOCATION_ID") or None,
             reason=error.message,
             exit_code=int(error.exit_code),
-            busy_uuids=(),
+            busy_uuids=tuple(item.gpu.uuid for item in busy),
         ),
     )
+
+
+def record_interrupted(
+    context: HostContext, loaded: LoadedConfig, error: GateError, busy: Sequence[BusyGpu]
+) -> None:
+    """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the GPUs
+    it was still waiting for, which that start's post then does not wait on again. post: the
+    unit is stopping, so its lease goes, as at post's end. (Slurm's runs take no lease.)"""
+    if context.phase == "pre":
+        record_pre_error(context, loaded, error, busy)
+    elif context.phase == "post":
+        release_lease(loaded.config.lock_dir, context.unit)
+        clear_failed_pre(loaded.config.lock_dir, context.unit)
+
+
+def nvml_hung_in_pre(context: HostContext) -> str | None:
+    """post after a pre that NVML did not answer: pre's words, or None."""
+    failed = context.failed_pre
+    if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
+        return None
+    return failed.reason
 
 
 def gpus_not_to_wait_on(context: HostContext, owned: Sequence[Gpu]) -> list[Gpu]:
