@@ -131,7 +131,11 @@ def test_incident_on_release(release: tuple[str, Host]) -> None:
     ):
         assert time.monotonic() < deadline, "unit never stopped"
         time.sleep(0.1)
-    assert host.free(UNIT_GPUS), host.used()
+    if not host.free(UNIT_GPUS):  # say why: post's own lines and the unit's end
+        raise AssertionError(
+            f"GPUs {UNIT_GPUS} not free after the unit stopped: {host.used()}\n"
+            + sim.journal("-u", "vllm.service", "-n", "40", "-o", "short-precise")
+        )
     for pid in new["workers"]:
         assert not host.alive(pid), f"worker {pid} survived post"
     (finished,) = host.events_after(cursor, GPUGATE_EVENT="run_finished", GPUGATE_PHASE="post")
