@@ -55,3 +55,14 @@ def test_model_annotations_evaluate_on_python_3_9() -> None:
                     if isinstance(part, ast.BinOp) and isinstance(part.op, ast.BitOr):
                         offenders.append(f"{node.name}.{ast.unparse(statement.target)}")
     assert offenders == []
+
+
+@pytest.mark.parametrize("text", ["\n", "a\tb", 'q"uote\\', "\x00\x1f\x7f", "\r\n\b\f", "é ü 🚀"])
+def test_a_string_as_toml_parses_back_and_stays_one_line(text: str) -> None:
+    """Found by the property test on Python 3.12: an echoed string with a newline broke the
+    one-line error. TOML's own escapes keep it on one line, on every interpreter."""
+    from gpugate.config.toml_text import toml_value
+
+    written = toml_value(text)
+    assert "\n" not in written and "\r" not in written
+    assert tomllib.loads(f"k = {written}\n") == {"k": text}

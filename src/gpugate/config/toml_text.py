@@ -11,7 +11,29 @@ def toml_value(value: object) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return _toml_string(str(value))
+
+
+_TOML_ESCAPES = {
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+    '"': '\\"',
+    "\\": "\\\\",
+}
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: every control character escaped, so that an error message that
+    echoes a value stays one line and `config check` prints TOML that parses back."""
+    escaped = (
+        _TOML_ESCAPES.get(char)
+        or (f"\\u{ord(char):04x}" if ord(char) < 0x20 or ord(char) == 0x7F else char)
+        for char in text
+    )
+    return '"' + "".join(escaped) + '"'
 
 
 def to_toml(data: dict[str, object], prefix: str = "") -> str:
