@@ -54,8 +54,17 @@ class RootBuildError(RuntimeError):
 
 def apt_mirror(apt_dir: Path = APT_SOURCES) -> str | None:
     """The first Debian archive URI apt uses here (not the security archive), or None."""
-    candidates: list[str] = []
     sources_d = apt_dir / "sources.list.d"
+    candidates = _deb822_uris(sources_d) + _one_line_uris(apt_dir, sources_d)
+    for uri in candidates:
+        if uri.startswith(("http://", "https://", "file:/")):
+            return uri
+    return None
+
+
+def _deb822_uris(sources_d: Path) -> list[str]:
+    """URIs of enabled `deb` stanzas with `main` for a suite other than -security."""
+    uris: list[str] = []
     for path in sorted(sources_d.glob("*.sources")) if sources_d.is_dir() else []:
         for stanza in path.read_text().split("\n\n"):
             fields = {}
@@ -69,7 +78,13 @@ def apt_mirror(apt_dir: Path = APT_SOURCES) -> str | None:
             if "main" in fields.get("components", "").split() and any(
                 not s.endswith("-security") for s in suites
             ):
-                candidates.extend(fields.get("uris", "").split())
+                uris.extend(fields.get("uris", "").split())
+    return uris
+
+
+def _one_line_uris(apt_dir: Path, sources_d: Path) -> list[str]:
+    """URIs of one-line `deb URI SUITE COMPONENT...` entries for a suite other than -security."""
+    uris: list[str] = []
     lists = [apt_dir / "sources.list"]
     if sources_d.is_dir():
         lists += sorted(sources_d.glob("*.list"))
@@ -79,11 +94,8 @@ def apt_mirror(apt_dir: Path = APT_SOURCES) -> str | None:
         for line in path.read_text().splitlines():
             words = [w for w in line.split() if not w.startswith("[")]
             if len(words) >= 4 and words[0] == "deb" and not words[2].endswith("-security"):
-                candidates.append(words[1])
-    for uri in candidates:
-        if uri.startswith(("http://", "https://", "file:/")):
-            return uri
-    return None
+                uris.append(words[1])
+    return uris
 
 
 def missing_tools() -> str | None:
