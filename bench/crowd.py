@@ -110,7 +110,7 @@ class Crowd:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            process_group=0,
+            start_new_session=True,  # its own process group (process_group= is 3.11+)
         )
         assert self._leader.stdout is not None
         try:
@@ -123,7 +123,8 @@ class Crowd:
         except BaseException:
             self.__exit__(None, None, None)
             raise
-        self.holders = dict(zip(self.holder_specs, self.pids[self.count :], strict=True))
+        assert len(self.pids) == self.count + len(self.holder_specs)
+        self.holders = dict(zip(self.holder_specs, self.pids[self.count :]))
         self.spawn_seconds = time.monotonic() - started
         return self
 

@@ -20,7 +20,7 @@ import shlex
 import statistics
 import sys
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from bench.crowd import HERE, REPO
@@ -148,7 +148,9 @@ def _reclaim_by_hand(host: Host, rep: int, delay_ms: int, result: Reclaim) -> No
 
 def _realtime_us(text: str) -> float:
     """systemctl show --timestamp=us+utc: 'Sun 2026-11-29 12:17:02.612214 UTC' -> seconds."""
-    stamp = datetime.strptime(text.strip(), "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(tzinfo=UTC)
+    stamp = datetime.strptime(text.strip(), "%a %Y-%m-%d %H:%M:%S.%f UTC").replace(
+        tzinfo=timezone.utc
+    )
     return stamp.timestamp()
 
 

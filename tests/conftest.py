@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -32,3 +35,37 @@ def host(tmp_path: Path) -> Iterator[FakeHost]:
         yield fake
     finally:
         pool.cleanup()
+
+
+REPO = Path(__file__).resolve().parents[1]
+PYENV = Path(os.environ.get("PYENV_ROOT", "/root/.pyenv"))
+
+
+def missing_stage_tools() -> str | None:
+    """Why packaging/stage cannot run here, or None."""
+    for tool in ("gcc", "pkg-config", "strip", "objdump", "diff"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (scripts/setup installs gcc, pkg-config, binutils)"
+    for minor in range(9, 14):
+        if not list(PYENV.glob(f"versions/3.{minor}.*/bin/python3.{minor}")):
+            return f"no Python 3.{minor} under {PYENV}: the packages carry every Python 3.9-3.13"
+    return None
+
+
+@pytest.fixture(scope="session")
+def staged_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """packaging/stage's tree, made once per session: the .deb and the RPM are packed from it
+    (STAGED=TREE packaging/build-deb, build-rpm)."""
+    reason = missing_stage_tools()
+    if reason:
+        pytest.skip(reason)
+    tree = tmp_path_factory.mktemp("staged") / "root"
+    result = subprocess.run(
+        ["bash", str(REPO / "packaging" / "stage"), str(tree)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    return tree

@@ -30,6 +30,7 @@ class ExitCode(IntEnum):
     RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
     NVML_NOT_ANSWERING = 26  # an NVML call did not return by the deadline (a hung driver)
     INTERRUPTED = 27  # the hook was stopped by SIGTERM or SIGINT (systemctl stop, Ctrl-C)
+    HOST_UNSUPPORTED = 28  # the host lacks what gpugate needs: cgroup v2 (a v1-only host)
     SHM_SPACE = 29  # /dev/shm has less free space than the next start needs (shm_min_free_mib)
     MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
     GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
@@ -41,7 +42,9 @@ class ExitCode(IntEnum):
         return f"{int(self)}/{SYSEXITS_NAMES.get(int(self), 'n/a')}"
 
 
-# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`).
+# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`). The
+# same on systemd 247 to 257: what changed between them is systemd's own range (200 and up,
+# grown to 245/KSM by 254), which gpugate never uses.
 SYSEXITS_NAMES = {
     0: "SUCCESS",
     64: "USAGE",
@@ -70,6 +73,7 @@ EXIT_MEANINGS = {
     ExitCode.RESPAWNING: "holders respawned until the deadline",
     ExitCode.NVML_NOT_ANSWERING: "NVML did not answer (hung driver)",
     ExitCode.INTERRUPTED: "stopped by SIGTERM/SIGINT",
+    ExitCode.HOST_UNSUPPORTED: "host unsupported (no cgroup v2 tree)",
     ExitCode.SHM_SPACE: "/dev/shm short of free space",
     ExitCode.MANUAL_RUN_REFUSED: "pre/post by hand on a running unit (no --force)",
     ExitCode.GPU_UNREADABLE: "status: a GPU NVML cannot read",
@@ -162,6 +166,10 @@ class LockTimeout(GateError):
 
 class InstallError(GateError):
     exit_code = ExitCode.INSTALL
+
+
+class HostUnsupported(GateError):
+    exit_code = ExitCode.HOST_UNSUPPORTED
 
 
 class ManualRunRefused(GateError):

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpugate"
-BASE = {"errors", "phase"}  # beside every layer: exit codes and the phase type
+BASE = {"errors", "phase", "compat"}  # beside every layer: exit codes, phases, back-ports
 # A layer may import itself and what is listed; `front` may import anything.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "phase": set(),
-    "host": {"errors"},
+    "compat": set(),
+    "host": {"errors", "compat"},
     "config": BASE | {"host"},
     "core": BASE | {"config", "host"},
     "report": BASE | {"config", "host", "core"},

@@ -74,7 +74,7 @@ def test_config_check_prints_effective_config(tmp_path: Path) -> None:
     assert result.returncode == 0
     assert "gpus = [1, 2]" in result.stdout
     assert "wait_timeout_s = 19.0" in result.stdout
-    import tomllib
+    from gpugate.compat import tomllib
 
     assert tomllib.loads(result.stdout)["post"]["kill_orphans"] is False
 

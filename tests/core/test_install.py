@@ -103,7 +103,7 @@ def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
     dirs.install()
     lines = dirs.toml.read_text().splitlines()
     uncommented = [line[2:] if re.match(r"# [a-z_]+ = ", line) else line for line in lines]
-    assert sum(a != b for a, b in zip(lines, uncommented, strict=True)) == 23
+    assert sum(a != b for a, b in zip(lines, uncommented)) == 23
     assert parse_config("\n".join(uncommented), "-") == parse_config("", "-")
 
 

@@ -296,7 +296,7 @@ def test_label_values_are_escaped() -> None:
 def test_config_check_shows_the_textfile_and_the_slurm_phases(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import tomllib
+    from gpugate.compat import tomllib
 
     unset = tmp_path / "unset.toml"
     unset.write_text("[epilog]\nwait_timeout_s = 30\n")

@@ -113,7 +113,7 @@ def test_keys_and_types_are_the_documented_ones(
         assert all(isinstance(arg, str) for arg in holder["command"])
         assert all(isinstance(index, int) for index in holder["gpus"])
         for index, mib in holder["used_mib"].items():
-            assert index.isdigit() and isinstance(mib, int | None)
+            assert index.isdigit() and isinstance(mib, (int, type(None)))
         assert set(holder["sources"]) <= {"cgroup", "device-fd", "device-map", "nvml", "container"}
         assert holder["role"] in {"unit", "orphan", "other-unit", "protected", "unit-container"}
         assert holder["container"] is None

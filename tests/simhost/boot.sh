@@ -2,7 +2,7 @@
 # Boot a real systemd as PID 1 of private namespaces: the simulated GPU host.
 # Driven by tests/simhost/sandbox.py (SimHost.boot); see tests/simhost/README.md.
 #
-#   boot.sh outer NAME CGROUP STAGE GPUS CONSOLE
+#   boot.sh outer NAME CGROUP STAGE GPUS CONSOLE [LOWER]
 #
 # outer: moves itself into the (already created) cgroup CGROUP, so that the sandbox's cgroup
 #        namespace is rooted there, and re-executes itself as "inner" under
@@ -10,8 +10,8 @@
 #        setpriv --pdeathsig KILL ties unshare to the launching process, and
 #        unshare --kill-child=KILL ties the sandbox's PID 1 to unshare: if the launcher dies,
 #        the whole sandbox dies with it.
-# inner: PID 1 of the new PID namespace. Builds the root R as an overlay (lower: the host's /,
-#        upper: a private tmpfs), mounts a private /dev, /proc, /sys (read-only), cgroup2, /run
+# inner: PID 1 of the new PID namespace. Builds the root R as an overlay (lower: LOWER, by
+#        default the host's /, else a root built by debootstrap; upper: a private tmpfs), mounts a private /dev, /proc, /sys (read-only), cgroup2, /run
 #        and /tmp in R, copies STAGE/root/. (masks, files, libnvidia-ml, fake-nvml.conf) into R,
 #        pivots into R and execs systemd.
 #
@@ -25,7 +25,8 @@ log() { printf 'boot.sh[%s]: %s\n' "$1" "$2" >&2; }
 
 case "${1:-}" in
 outer)
-    [ "$#" -eq 6 ] || { log outer "usage: $0 outer NAME CGROUP STAGE GPUS CONSOLE"; exit 2; }
+    [ "$#" -eq 6 ] || [ "$#" -eq 7 ] ||
+        { log outer "usage: $0 outer NAME CGROUP STAGE GPUS CONSOLE [LOWER]"; exit 2; }
     name=$2 cgroup=$3
     log outer "moving pid $$ into $cgroup"
     echo $$ >"$cgroup/cgroup.procs"
@@ -36,12 +37,12 @@ outer)
     ;;
 inner) ;;
 *)
-    log "?" "usage: $0 outer|inner NAME CGROUP STAGE GPUS CONSOLE"
+    log "?" "usage: $0 outer|inner NAME CGROUP STAGE GPUS CONSOLE [LOWER]"
     exit 2
     ;;
 esac
 
-name=$2 stage=$4 gpus=$5 console=$6
+name=$2 stage=$4 gpus=$5 console=$6 lower=${7:-/}
 trap 'rc=$?; [ "$rc" -eq 0 ] || log inner "FAILED (exit $rc) at: ${step:-?}"' EXIT
 step="sanity"
 [ "$$" -eq 1 ] || { log inner "expected to be PID 1 of a new PID namespace, am $$"; exit 1; }
@@ -50,7 +51,7 @@ step="scratch tmpfs and overlay root"
 scratch=$stage/scratch
 mount -t tmpfs -o size=8g,mode=0755 "$name-scratch" "$scratch"
 mkdir -p "$scratch/upper" "$scratch/work" "$scratch/root"
-mount -t overlay "$name-root" -o "lowerdir=/,upperdir=$scratch/upper,workdir=$scratch/work" \
+mount -t overlay "$name-root" -o "lowerdir=$lower,upperdir=$scratch/upper,workdir=$scratch/work" \
     "$scratch/root"
 R=$scratch/root
 
@@ -102,7 +103,8 @@ step="copy the staged files (masks, libnvidia-ml, fake-nvml.conf, files)"
 (cd "$stage/root" && tar -cf - .) | tar -C "$R" -xpf - --no-overwrite-dir
 if [ -e "$R/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1" ]; then
     step="ldconfig"
-    ldconfig -r "$R"
+    # The root's own ldconfig: its glibc's cache format (another release's root).
+    chroot "$R" /sbin/ldconfig
 fi
 
 step="hostname"

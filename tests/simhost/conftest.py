@@ -5,12 +5,16 @@ tests/fake_nvml/build.py exists), always powered off at the end.
 ``simhost_factory``: boots extra sandboxes for one test (``simhost_factory(gpus=2, ...)``,
 same arguments as SimHost.boot) and powers them all off after it.
 ``host_tmp_marker``: a file put in the host's real /tmp before the session sandbox boots.
+``built_deb``: the .deb packaging/build-deb builds from this checkout, once per session.
 """
 
 from __future__ import annotations
 
 import atexit
 import importlib.util
+import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +28,7 @@ if str(HERE) not in sys.path:
 
 from sandbox import REPO, SimHost, preflight  # noqa: E402
 
+BUILD_DEB = REPO / "packaging" / "build-deb"
 FAKE_NVML_BUILD = HERE.parent / "fake_nvml" / "build.py"
 FAKE_NVML_OUT = REPO / ".simhost" / "fake-nvml"
 
@@ -108,3 +113,31 @@ def simhost_factory() -> Iterator[Callable[..., SimHost]]:
                 errors.append(err)
         if errors:
             raise errors[0]
+
+
+def missing_build_tools() -> str | None:
+    """Why packaging/build-deb cannot pack here, or None."""
+    for tool in ("dpkg-deb", "dpkg-shlibdeps"):
+        if shutil.which(tool) is None:
+            return f"{tool} not found (scripts/setup installs dpkg-dev)"
+    return None
+
+
+@pytest.fixture(scope="session")
+def built_deb(tmp_path_factory: pytest.TempPathFactory, staged_tree: Path) -> Path:
+    reason = missing_build_tools()
+    if reason:
+        pytest.skip(reason)
+    dist = tmp_path_factory.mktemp("dist")
+    result = subprocess.run(
+        ["bash", str(BUILD_DEB)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "DIST": str(dist), "STAGED": str(staged_tree)},
+        timeout=1800,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    (built,) = dist.glob("gpugate_*_amd64.deb")
+    assert result.stdout.strip() == str(built)
+    return built

@@ -33,12 +33,15 @@ import sys
 import tarfile
 import threading
 import time
-import tomllib
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Self
+from typing import Final
+
+from typing_extensions import Self
+
+from gpugate.compat import tomllib
 
 __all__ = [
     "DEFAULT_MASKS",
@@ -436,6 +439,7 @@ class SimHost:
         self.cgroup = cgroup
         self.state_dir = state_dir
         self.gpus = gpus
+        self.lower = Path("/")  # the overlay's lower layer: the root the host boots over
         self.pid1: int | None = None
         self.boot_seconds: float | None = None
         self.poweroff_seconds: float | None = None
@@ -464,6 +468,7 @@ class SimHost:
         *,
         extra_masks: Iterable[str] = (),
         allow_degraded: bool = False,
+        root: Path | None = None,
     ) -> SimHost:
         """Boot a sandbox and wait until systemd says ``running``.
 
@@ -471,6 +476,8 @@ class SimHost:
         0755 when the content starts with ``#!``); systemd-tmpfiles empties /tmp at boot, as on
         a real host, so files staged there are gone.  extra_masks: more units to mask.
         allow_degraded: accept ``degraded`` (failed units are logged) instead of failing.
+        root: the overlay's lower layer, a whole root file system (one of tests/simhost/roots.py,
+        another Debian release); default this machine's ``/``.
         On any failure the half-booted sandbox is powered off and its cgroups removed before
         SimHostBootError is raised.
 
@@ -480,10 +487,14 @@ class SimHost:
         reason = preflight()
         if reason is not None:
             raise SimHostError(reason)
-        root = cgroup2_root()
-        assert root is not None
-        cleanup_stale(root)
-        name = name or _next_name(root)
+        lower = Path("/") if root is None else Path(root).resolve()
+        # /lib is a relative link to usr/lib in a merged-/usr root: checked in both places.
+        if not any((lower / d / "lib/systemd/systemd").is_file() for d in (".", "usr")):
+            raise SimHostError(f"{lower} has no {SYSTEMD}: not a root with systemd")
+        cgroups = cgroup2_root()
+        assert cgroups is not None
+        cleanup_stale(cgroups)
+        name = name or _next_name(cgroups)
         if not _NAME_RE.fullmatch(name):
             raise ValueError(f"sandbox name {name!r}: use 1-63 letters, digits and '-'")
         if gpus < 0:
@@ -493,10 +504,11 @@ class SimHost:
             if not _UNIT_RE.fullmatch(unit):
                 raise ValueError(f"bad unit name {unit!r}")
 
-        cgroup = root / name
+        cgroup = cgroups / name
         state_dir = STATE_ROOT / name
         cgroup.mkdir()  # FileExistsError: that name is in use
         host = cls(name, cgroup, state_dir, gpus)
+        host.lower = lower
         with _LIVE_LOCK:
             _LIVE.add(host)
         started = time.monotonic()
@@ -573,6 +585,7 @@ class SimHost:
                     str(self.state_dir),
                     str(self.gpus),
                     self._console.slave_path,
+                    str(self.lower),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=boot_log,

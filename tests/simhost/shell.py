@@ -65,7 +65,8 @@ def build_deb(repo: Path = REPO) -> Path:
     print("building the Debian package (packaging/build-deb)...", file=sys.stderr, flush=True)
     result = subprocess.run(
         ["bash", str(repo / "packaging" / "build-deb")],
-        env={**os.environ, "DIST": str(DEB_CACHE)},
+        # The shell's host is this machine's root: its own Python is the only one needed.
+        env={**os.environ, "DIST": str(DEB_CACHE), "PYTHONS": "/usr/bin/python3"},
         capture_output=True,
         text=True,
         check=False,

@@ -166,7 +166,8 @@ def test_looks_like_vllm(start: Any) -> None:
 
     workers = engine.children()
     assert sorted(p.pid for p in workers) == sorted(pids["workers"]) == w.claim_pids()
-    for rank, (gpu, pid) in enumerate(zip(w.gpus, pids["workers"], strict=True)):
+    assert len(w.gpus) == len(pids["workers"])
+    for rank, (gpu, pid) in enumerate(zip(w.gpus, pids["workers"])):
         worker = psutil.Process(pid)
         assert title(pid) == f"VLLM::Worker_TP{rank}"
         assert comm(pid) == "VLLM::Worker_TP"

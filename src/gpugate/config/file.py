@@ -8,12 +8,12 @@ instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-
 from __future__ import annotations
 
 import difflib
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
+from gpugate.compat import tomllib
 from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
 from gpugate.config.toml_text import toml_value
 from gpugate.errors import ConfigError, echo
@@ -38,7 +38,7 @@ def parse_config(text: str, source: str) -> GateConfig:
             message = "unknown key" + _did_you_mean(parts)
         elif first["type"] in STRICT_TYPE_ERRORS:
             shown = first["input"]
-            if isinstance(shown, bool | int | float | str):
+            if isinstance(shown, (bool, int, float, str)):
                 shown = toml_value(shown)
             message += f", not {_toml_type(first['input'])} {echo(shown, quote=False)}"
         field = echo(".".join(parts), quote=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from typing import Union
 
 from gpugate.errors import echo
 
@@ -13,7 +14,7 @@ UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 MIG_PREFIX = "MIG-"
 MAX_GPU_INDEX = 1023
 
-GpuRef = int | str  # an NVML index or a GPU UUID
+GpuRef = Union[int, str]  # an NVML index or a GPU UUID
 
 
 class GpuListError(ValueError):

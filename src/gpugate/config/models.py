@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Optional, Union
 
 from pydantic import (
     BaseModel,
@@ -44,8 +44,8 @@ DEFAULT_PROTECTED_UNITS = (
     "display-manager.service",
 )
 
-GpuSelection = Literal["all"] | tuple[GpuRef, ...]  # resolved: what a run owns
-GpusSetting = Literal["auto"] | GpuSelection  # as written; "auto" is resolved by gpu_source
+GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run owns
+GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; "auto" is resolved by gpu_source
 
 
 class _Frozen(BaseModel):
@@ -159,7 +159,7 @@ class GateConfig(_Frozen):
         strict=False,  # a TOML string becomes the Path
         description="Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
     )
-    metrics_textfile: Path | None = Field(
+    metrics_textfile: Optional[Path] = Field(
         default=None,
         strict=False,
         description="node_exporter textfile rewritten after each run (not set: no metrics).",
@@ -169,7 +169,7 @@ class GateConfig(_Frozen):
         strict=False,  # a TOML list becomes the tuple
         description="Containers (names or ids) that are the unit's own (`docker run --name`).",
     )
-    shm_min_free_mib: int | None = Field(
+    shm_min_free_mib: Optional[int] = Field(
         default=None,
         ge=1,
         description="pre (and prolog) fail with exit 29 when /dev/shm has less free after their "
@@ -189,7 +189,7 @@ class GateConfig(_Frozen):
     def _gpu_list(cls, value: object) -> object:
         if value in ("all", "auto"):
             return value
-        if not isinstance(value, list | tuple):
+        if not isinstance(value, (list, tuple)):
             raise ValueError('must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]')
         try:
             return gpu_refs(value)

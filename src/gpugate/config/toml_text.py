@@ -7,9 +7,9 @@ def toml_value(value: object) -> str:
     """One value as TOML: enough for gpugate's config (scalars and flat lists)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, int | float):
+    if isinstance(value, (int, float)):
         return repr(value)
-    if isinstance(value, list | tuple):
+    if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
     return '"' + "".join(_escaped(char) for char in str(value)) + '"'
 

@@ -13,9 +13,9 @@ import os
 import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 
+from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied

@@ -4,8 +4,8 @@ another unit, protected, or a watcher. Pure logic over what `discover` found."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from enum import StrEnum
 
+from gpugate.compat import StrEnum
 from gpugate.config.models import GateConfig
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.host.procfs import ProcessId, ProcInfo

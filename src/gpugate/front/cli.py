@@ -24,6 +24,7 @@ from gpugate.front.commands import (
     slurm_command,
     status_command,
 )
+from gpugate.host.cgroups import CgroupLayout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import OPTION, HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
@@ -204,6 +205,7 @@ def main(
     reporter_factory: ReporterFactory = Reporter,
     roots: HostRoots | None = None,
     unit_state: Callable[[str], str | None] | None = None,
+    cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
     args = build_parser().parse_args(argv)
     handler: Handler = args.func
@@ -215,6 +217,7 @@ def main(
             reporter_factory=reporter_factory,
             roots=roots,
             unit_state=unit_state,
+            cgroup_layout=cgroup_layout,
         )
         return handler(args, front)
     except GateError as exc:

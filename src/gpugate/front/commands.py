@@ -15,8 +15,9 @@ from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
+from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
-from gpugate.host.roots import HostRoots
+from gpugate.host.roots import SYSTEM_CGROUP_ROOT, HostRoots
 from gpugate.host.systemd import (
     own_unit,
     resolve_unit_cgroup,
@@ -40,14 +41,36 @@ class Front:
         roots: HostRoots | None = None,
         environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
+        cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
     ) -> None:
         """roots: injected by tests (or --host-roots), never read from the environment;
-        unit_state: a unit's ActiveState for the manual-run check (default: systemd's)."""
+        unit_state: a unit's ActiveState for the manual-run check (default: systemd's);
+        cgroup_layout: the host's cgroup layout for these roots (default: the real
+        /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
+        is used as it is)."""
         self.driver_factory = driver_factory
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
-        self.roots = roots or HostRoots()
+        self.given_roots = roots or HostRoots()
+        self._roots: HostRoots | None = None
         self.unit_state = unit_state or _systemd_active_state
+        self.cgroup_layout = cgroup_layout or _host_cgroup_layout
+
+    @property
+    def roots(self) -> HostRoots:
+        """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
+        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
+        if self._roots is None:
+            given = self.given_roots
+            layout = self.cgroup_layout(given)
+            self._roots = given if layout is None else on_unified_hierarchy(given, layout)
+        return self._roots
+
+
+def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
+    if roots.cgroup != SYSTEM_CGROUP_ROOT:
+        return None  # a stand-in tree (tests, a root that is not this host's): as it is
+    return read_cgroup_layout(roots.proc)
 
 
 def _systemd_active_state(unit: str) -> str | None:
@@ -62,7 +85,8 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
-    unit = unit_argument(args.unit) if args.unit else own_unit()
+    roots = front.roots  # first: a host gpugate cannot serve says so before anything else
+    unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
         raise UnknownUnit(
             "no UNIT given and gpugate is not running inside a service's cgroup; "
@@ -70,7 +94,6 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         )
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
-    roots = front.roots
     phase = Phase(args.command)
     hook = Hook(
         phase,
@@ -131,12 +154,12 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
-        environment = None if front.roots.ask_systemd else (lambda _: None)
+        environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
         shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
         print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
-        if front.roots.ask_systemd:
+        if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
@@ -181,9 +204,9 @@ def _warn_environment_files(unit: str) -> None:
 def status_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.status import render_json, render_table  # noqa: PLC0415
 
+    roots = front.roots
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.config)
-    roots = front.roots
     driver = front.driver_factory()
     try:
         warned: list[str] = []

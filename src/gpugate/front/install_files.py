@@ -14,7 +14,7 @@ import shutil
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Union
 
 from gpugate.config.models import GateConfig, PhasePolicy
 from gpugate.config.toml_text import toml_value
@@ -24,6 +24,10 @@ DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 
 
 # The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
+# Every setting in it means the same on systemd 247 (Debian 11) to 257 (Debian 13): the "+"
+# prefix dates from 231, NotifyAccess=exec from 232, EXTEND_TIMEOUT_USEC= from 236, and drop-in
+# directories (UNIT.d/, TEMPLATE@.service.d/ for every instance) are older still
+# (docs/install.md, "systemd 247 to 257").
 DROPIN_TEMPLATE = """\
 # gpugate on a GPU service: before each start and after each stop, find every process that
 # holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.
@@ -82,7 +86,7 @@ HEADER_TEXT = (
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
 
 
-Gpus = Literal["all"] | list[int | str]  # `gpus` as written into the config
+Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
 
 
 class Ownership(Enum):

@@ -14,6 +14,8 @@ from pathlib import Path
 from gpugate.errors import ConfigError
 
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
+# the unified tree of a hybrid host (host/cgroups.py), where systemd tracks units there
+HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
 OPTION = "--host-roots"
 NAMES = ("dev", "proc", "cgroup")
 
@@ -27,7 +29,7 @@ class HostRoots:
     @property
     def ask_systemd(self) -> bool:
         """systemd's answers (a unit's ControlGroup) name paths in the real cgroup tree only."""
-        return self.cgroup == SYSTEM_CGROUP_ROOT
+        return self.cgroup in (SYSTEM_CGROUP_ROOT, HYBRID_UNIFIED_ROOT)
 
     @classmethod
     def parse(cls, text: str) -> HostRoots:

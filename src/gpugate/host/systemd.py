@@ -71,7 +71,9 @@ def is_user_cgroup(cgroup: str) -> bool:
 
 
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
-    """The unit whose cgroup this process runs in: systemd runs ExecStartPre= there."""
+    """The unit whose cgroup this process runs in: systemd runs ExecStartPre= there (in its
+    `.control` sub-cgroup where the unit has Delegate=yes: the innermost unit name counts).
+    The `0::` line names the unified tree, also on a hybrid host (host/cgroups.py)."""
     try:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:
@@ -101,8 +103,9 @@ SYSTEMCTL_TIMEOUT_S = 30
 
 def systemctl_show(name: str, properties: str) -> str | None:
     """`systemctl show --property=PROPERTIES -- NAME`'s output; None where no systemd runs,
-    systemctl is missing, or it failed. ProgramNotAnswering where it does not answer in
-    SYSTEMCTL_TIMEOUT_S."""
+    systemctl is missing, or it failed; ProgramNotAnswering where it does not answer in
+    SYSTEMCTL_TIMEOUT_S. Its `Name=value` lines are the same on systemd 247 to 257; an unknown
+    unit is `LoadState=not-found` with exit status 0 on each."""
     systemctl = find_program("systemctl")
     if not systemd_running() or systemctl is None:
         return None
@@ -118,6 +121,8 @@ def query_unit(name: str) -> UnitState | None:
     if shown is None:
         return None
     props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
+    # An empty property (ControlGroup of an inactive unit) is printed as "ControlGroup=" when
+    # named with --property; read a missing line the same, as unset.
     return UnitState(
         name=name,
         load_state=props.get("LoadState", ""),
@@ -206,7 +211,8 @@ def unit_environment(
                     variables[variable] = setting
                     origins[variable] = "Environment="
         elif key == "EnvironmentFiles" and value:
-            # "PATH (ignore_errors=no)"; a leading "-" in the unit shows as ignore_errors=yes
+            # "PATH (ignore_errors=no)"; a leading "-" in the unit shows as ignore_errors=yes.
+            # One line per file, this format unchanged from systemd 247 to 257.
             path, _, flags = value.rpartition(" (ignore_errors=")
             path = path or value
             ignore = flags.startswith("yes")
@@ -231,7 +237,10 @@ def _systemctl_show_environment(name: str) -> str | None:
 
 
 def _split_quoted(value: str) -> list[str]:
-    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside
+    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside:
+    # since systemd 246 (systemd PR #15345), so on every supported version (247+). Before
+    # that, assignments were joined by bare spaces; shlex reads those the same where no value
+    # holds a space.
     try:
         return shlex.split(value, posix=True)
     except ValueError:

@@ -43,12 +43,28 @@ import multiprocessing
 import os
 import signal
 import sys
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-import setproctitle
+PR_SET_NAME = 15
+
+
+def set_comm(title: str) -> None:
+    """The kernel's comm only (15 bytes), through prctl(PR_SET_NAME): what a bare root without
+    setproctitle can do (tests/simhost/roots.py's Debian 11 and 13)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_NAME, title.encode()[:15], 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_NAME)")
+
+
+set_title: Callable[[str], None]
+try:
+    from setproctitle import setproctitle as set_title
+except ImportError:
+    set_title = set_comm
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -135,7 +151,7 @@ def hold_segment_mapped(tag: str) -> None:
 
 
 def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection) -> None:
-    setproctitle.setproctitle(f"{args.title_prefix}::Worker_TP{rank}")
+    set_title(f"{args.title_prefix}::Worker_TP{rank}")
     if args.ignore_sigterm_workers or rank in args.ignore_sigterm_worker:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dev = Path(args.dev_root)
@@ -154,7 +170,7 @@ def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection
 
 
 def engine_core_main(args: argparse.Namespace, ready: Connection) -> None:
-    setproctitle.setproctitle(f"{args.title_prefix}::EngineCore")
+    set_title(f"{args.title_prefix}::EngineCore")
     if args.shm:
         hold_segment_mapped(args.shm)
     ctx = multiprocessing.get_context("spawn")

@@ -261,7 +261,7 @@ def prepare(
     """The unit's surroundings, its config's GPUs resolved. environment and unit_state stand
     in for systemd (tests); without them systemd is asked where it runs."""
     if environment is None:
-        environment = unit_environment if roots.ask_systemd else lambda _: None
+        environment = unit_environment if roots.ask_systemd else _no_environment
     choice = choose_gpus(scope.unit, loaded, environment)
     surroundings = UnitSurroundings(
         scope,
@@ -278,3 +278,8 @@ def prepare(
         lock_dir = loaded.config.lock_dir
         surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, environ)
     return surroundings
+
+
+def _no_environment(unit: str) -> UnitEnvironment | None:
+    """Systemd is not asked (a root that is not the running host's)."""
+    return None
