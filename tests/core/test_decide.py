@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpugate.config.models import GateConfig
@@ -184,6 +184,26 @@ def test_app_tree_never_crosses_to_another_user_nor_takes_a_supervisor() -> None
     assert {c.holder.pid for c in decision.targets} == {60, 61, 62}
 
 
+def test_app_tree_never_takes_a_launcher_that_hosts_a_terminal_elsewhere() -> None:
+    """A launcher whose child on the way up is in its own session and job, but which also has a
+    child leading a session on a terminal, is a terminal's host (an sshd, a tmux server, a
+    Jupyter server with a terminal open): the app tree stops below it, whatever cgroup that
+    terminal is in. Hypothesis's shrunk falsifying example of the property test below."""
+    scope = "/user.slice/user-0.slice/session-1.scope"
+    for pane_cgroup in (UNIT_CG, scope):
+        table = Table(
+            {
+                1: proc(1, 0, "/init.scope", session=1, pgrp=1),
+                2: proc(2, 1, scope, session=2, pgrp=2),  # hosts 13's terminal
+                4: proc(4, 2, scope, session=2, pgrp=2),  # the holder, in 2's session and job
+                13: proc(13, 2, pane_cgroup, session=13, pgrp=13, tty=34816),  # a pane's shell
+            }
+        )
+        holders = {4: Holder(table.procs[4], {Source.NVML}, {0})}
+        decision = decide(discovery(table, holders, [0]), GateConfig(), Phase.PRE, table)
+        assert {c.holder.pid for c in decision.targets} == {4}
+
+
 def test_protected_by_unit_or_executable() -> None:
     table = Table(
         {
@@ -233,8 +253,30 @@ def tables(draw: st.DrawFn) -> tuple[Table, dict[int, Holder], list[int], frozen
     return table, holders, owned, self_chain
 
 
+def _terminal_host_beside_the_holder() -> tuple[
+    Table, dict[int, Holder], list[int], frozenset[int]
+]:
+    """The shrunk falsifying example hypothesis found (stored in a local example database):
+    2 hosts 13's terminal and launched the holder 4 in its own session and job."""
+    scope = "/user.slice/user-0.slice/session-1.scope"
+    table = Table(
+        {
+            1: proc(1, 0, "/init.scope", session=1, pgrp=1),
+            2: proc(2, 1, scope, session=2, pgrp=2),
+            4: proc(4, 2, scope, session=2, pgrp=2),
+            13: proc(13, 2, UNIT_CG, session=13, pgrp=13, tty=34816),
+        }
+    )
+    holders = {
+        4: Holder(table.procs[4], {Source.NVML}, {0}),
+        13: Holder(table.procs[13], {Source.CGROUP}, set()),
+    }
+    return table, holders, [0], frozenset()
+
+
 @settings(max_examples=300, deadline=None)
 @given(data=tables(), phase=st.sampled_from([Phase.PRE, Phase.POST]), kill_other=st.booleans())
+@example(data=_terminal_host_beside_the_holder(), phase=Phase.PRE, kill_other=False)
 def test_never_chooses_outside_the_units_gpus_and_cgroup(
     data: tuple[Table, dict[int, Holder], list[int], frozenset[int]], phase: Phase, kill_other: bool
 ) -> None:

@@ -7,13 +7,15 @@ import os
 import shutil
 import signal
 import time
+from pathlib import Path
 
 import pytest
 
 from gpugate.core.kill import Pinned
 from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.host.procfs import ProcessId, ProcFs
-from tests.fakes import FakeHost, alive
+from tests.fakes import FakeGpuMemory, FakeHost, alive
 
 
 def run(host: FakeHost, phase: str = "pre", **config: object):  # type: ignore[no-untyped-def]
@@ -240,20 +242,41 @@ def exe_of(pid: int) -> str | None:
         return None
 
 
+def wait_for_ready(directory: Path, names: tuple[str, ...]) -> dict[str, int]:
+    """The PIDs the named processes wrote to directory/NAME once ready (written whole: a
+    rename); a handshake, not a guess at how long they take."""
+    deadline = time.monotonic() + 30
+    while not all((directory / name).exists() for name in names):
+        assert time.monotonic() < deadline, f"not ready: {names} in {directory}"
+        time.sleep(0.01)
+    return {name: int((directory / name).read_text()) for name in names}
+
+
 def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
     # A login shell (an interactive bash on its own terminal, with job control) starts a
     # server as a job; the server forks a worker on GPU 0 and a helper that holds no GPU (like
-    # the resource tracker).
+    # the resource tracker). Each says it is ready only once it runs its own program: the
+    # helper without the device file, the worker with it, NVML listing the worker.
+    ready = host.root / "ready"
+    ready.mkdir()
+    (host.root / "claims").mkdir()
+    host.memory.claim_dir = host.root / "claims"
+    announce = (
+        "import os, sys, time; "
+        "path = sys.argv[1]; "
+        "open(path + '.tmp', 'w').write(str(os.getpid())); "
+        "os.rename(path + '.tmp', path); "
+        "time.sleep(3600)"
+    )
     script = host.root / "server.sh"
     script.write_text(
         f"exec 3<{host.dev / 'nvidia0'}\n"
-        "python3 -c 'import time; time.sleep(3600)' 3<&- &\n"  # helper: no GPU
-        "sleep 3600 &\n"  # worker: inherits fd 3 on nvidia0
+        f'python3 -c "{announce}" {ready}/helper 3<&- &\n'  # helper: no GPU
+        f'python3 -c "{announce}" {ready}/worker &\n'  # worker: inherits fd 3 on nvidia0
         f"echo 0 500 > {host.root}/claims/$!\n"  # NVML lists the worker on GPU 0
+        f"echo $$ > {ready}/server.tmp && mv {ready}/server.tmp {ready}/server\n"
         "wait\n"
     )
-    (host.root / "claims").mkdir()
-    host.memory.claim_dir = host.root / "claims"
     master, terminal = os.openpty()
     shell = host.pool.command(
         ["setsid", "--ctty", "/bin/bash", "--norc", "--noprofile", "-i"],
@@ -263,16 +286,11 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
     )
     os.close(terminal)
     os.write(master, f"/bin/bash {script} &\n".encode())
-    deadline = time.monotonic() + 15
-    while (
-        len(ProcFs().children(shell.pid)) < 1
-        or len(ProcFs().children(ProcFs().children(shell.pid)[0])) < 2
-    ):
-        assert time.monotonic() < deadline, "the shell did not start the job"
-        time.sleep(0.02)
+    pids = wait_for_ready(ready, ("server", "helper", "worker"))
+    server, helper, worker = pids["server"], pids["helper"], pids["worker"]
     procfs = ProcFs()
-    server = procfs.children(shell.pid)[0]
-    helper, worker = sorted(procfs.children(server))
+    assert procfs.children(shell.pid) == [server]
+    assert sorted(procfs.children(server)) == sorted([helper, worker])
     for pid in (server, helper, worker):
         host.pool.started.append((pid, procfs.stat(pid).start_time))  # type: ignore[union-attr]
 
@@ -287,6 +305,39 @@ def test_app_tree_taken_but_login_session_untouched(host: FakeHost) -> None:
     reasons = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
     assert reasons[str(helper)] == "app-tree"
     os.close(master)
+
+
+class ListedDuringTheWait(FakeGpuMemory):
+    """NVML lists a newcomer on GPU 0 from the second query of it after the stale holder died:
+    the kill round's rediscovery (the first) does not see it, the memory wait's poll does."""
+
+    def __init__(self, stale: int, newcomer: int, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self.stale, self.newcomer, self.queries_after = stale, newcomer, 0
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        if gpu.index == 0 and not alive(self.stale):
+            self.queries_after += 1
+            if self.queries_after == 2:
+                self.claim(self.newcomer, {0}, 700)
+        return super().usage(gpu)
+
+
+def test_holder_found_during_the_wait_is_announced(host: FakeHost) -> None:
+    (stale,) = host.pool.holder(host.gpu_files(0))
+    (newcomer,) = host.pool.holder([])
+    memory = ListedDuringTheWait(stale, newcomer, release_lag_s=0.5)
+    memory.claim(stale, {0}, 9000)
+
+    summary = host.run_phase(
+        "pre", host.config(gpus=[0]), host.reporter("pre"), driver_factory=lambda: memory
+    )
+
+    assert summary.exit_code is ExitCode.OK
+    assert memory.queries_after >= 2, "the wait never polled GPU 0"
+    assert not alive(stale) and not alive(newcomer)
+    found = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
+    assert found == {str(stale): "orphan", str(newcomer): "orphan"}
 
 
 def test_app_tree_off_takes_only_gpu_holders(host: FakeHost) -> None:

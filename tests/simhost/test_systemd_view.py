@@ -22,6 +22,9 @@ FAST = (
     "[post]\nsigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\nwait_timeout_s = 2\n"
 )
 BROKEN_DRIVER = "/etc/fake-nvml-not-loaded.conf"
+LEASES = "/run/gpugate/leases"
+# A unit whose start succeeds holds a lease on its GPUs until its post releases it.
+POST = "ExecStopPost=/usr/bin/gpugate post %n\n"
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +33,9 @@ def host(simhost: SimHost) -> Iterator[Host]:
     simhost.write_file(BROKEN_DRIVER, "gpu_count = 8\ninit_error = 9\n")
     yield h
     h.sh("systemctl stop 'gate-*.service' 'hold-*.service' 'hold-*.scope' 2>/dev/null", False)
+    # A test that failed before its unit's stop leaves that unit's lease: the simulated host
+    # is shared with the next module (test_shared_host checks the lease folder is empty).
+    h.sh(f"rm -f {LEASES}/gate-*.service.json", False)
     h.reset()
 
 
@@ -129,12 +135,19 @@ def test_systemctl_status_names_each_failure_truly(host: Host) -> None:
             "systemctl stop hold-other.service hold-lock.scope; rm -f /run/fake-nvml/leak/*",
             check=False,
         )
-    gate_unit(host, "gate-ok.service", config="gpus = [4]\n" + FAST)
+    gate_unit(host, "gate-ok.service", config="gpus = [4]\n" + FAST, extra=POST)
     host.sim.systemctl("start", "gate-ok.service")
     assert "(code=exited, status=0/SUCCESS)" in status_lines(host, "gate-ok.service")[0]
     shown = host.sh("systemctl show -p StatusText --value gate-ok.service").strip()
     assert shown == "", f"a running service still shows gpugate's words: {shown!r}"
-    host.sim.systemctl("stop", "gate-ok.service")
+    stop_releases_lease(host, "gate-ok.service")
+
+
+def stop_releases_lease(host: Host, name: str) -> None:
+    """The unit held a lease while it ran; its stop (the post hook) releases it."""
+    assert host.sim.exists(f"{LEASES}/{name}.json"), f"{name} took no lease"
+    host.sim.systemctl("stop", name)
+    assert not host.sim.exists(f"{LEASES}/{name}.json"), f"{name}'s post left its lease"
 
 
 def unit_entries(host: Host, cursor: str, name: str) -> list[dict[str, Any]]:
@@ -186,7 +199,7 @@ def test_journal_tag_finds_every_entry_each_error_once(
 def test_journal_tag_lists_a_successful_run_whole(host: Host) -> None:
     # Room for the 1.5 s release on a loaded machine: this run must succeed.
     roomy = FAST.replace("wait_timeout_s = 2", "wait_timeout_s = 20")
-    gate_unit(host, "gate-j-ok.service", config="gpus = [6]\n" + roomy)
+    gate_unit(host, "gate-j-ok.service", config="gpus = [6]\n" + roomy, extra=POST)
     host.sh(
         f"systemd-run --quiet --scope --slice=user.slice --unit=hold-j.scope setsid {shlex.quote(PYTHON)} /opt/fakevllm/fake_vllm.py --gpus 6 --port 8400 --mib 5000 --ready-file /run/ready-hold-j.json >/dev/null 2>&1 &"
     )
@@ -206,7 +219,7 @@ def test_journal_tag_lists_a_successful_run_whole(host: Host) -> None:
     assert int(waiting["GPUGATE_USED_MIB"]) > 0 and "GPUGATE_SECONDS_LEFT" in waiting
     assert {e["SYSLOG_IDENTIFIER"] for e in entries} == {"gpugate"}
     assert {e["__CURSOR"] for e in entries} <= tagged_cursors(host)
-    host.sim.systemctl("stop", "gate-j-ok.service")
+    stop_releases_lease(host, "gate-j-ok.service")
 
 
 def test_unit_names_as_systemctl_reads_them(host: Host) -> None:

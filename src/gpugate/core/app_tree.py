@@ -51,14 +51,15 @@ def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
 def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
     """parent is the launcher of something other than one application: a job-control shell, a
     terminal host (sshd, tmux or screen server, login), an orphan-adopting subreaper, or a
-    process running several sessions (a supervisor)."""
+    process running several sessions (a supervisor). A terminal host is one by any of its
+    children, not only the one on the way up from the holder."""
+    if _hosts_terminals(parent, tree):
+        return True
     if child.session == parent.session:
         # A job-control shell starts each job in a process group of its own.
         return child.pgrp != parent.pgrp
     if child.pid != child.session:
         return True  # child is in a session it does not lead: parent adopted an orphan
-    if child.tty_nr != 0:
-        return True  # parent gave child a terminal: sshd, tmux, screen, login, script
     for sibling_pid in tree.children(parent.pid):
         sibling = tree.info(sibling_pid)
         if sibling is not None and sibling.pid != child.pid and sibling.pid == sibling.session:

@@ -420,6 +420,7 @@ class PhaseRun:
         fresh = [c for c in decision.targets if c.holder.info.ident not in self.signalled]
         if not fresh:
             return False
+        self.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
         _, _, survivors = self.kill_rounds(discovery, decision)
         if survivors:
             self.facts.survivors = True
