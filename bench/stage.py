@@ -37,13 +37,16 @@ def fake_nvml_lib() -> Path:
 
 @dataclass
 class Stage:
-    """A stand-in host under ROOT: ROOT/dev (nvidia0..7, nvidiactl, nvidia-uvm), ROOT/cgroup
+    """A stand-in host under ROOT: ROOT/dev (nvidia0..7, nvidiactl, nvidia-uvm, shm/), ROOT/cgroup
     with the unit's empty cgroup, ROOT/locks, ROOT/nvml (the stand-in driver's state)."""
 
     root: Path
 
     def __post_init__(self) -> None:
         self.dev = make_device_root(self.root / "dev")
+        # Every host has DEV/shm: gpugate's scan then also notes each process's files there
+        # (core/discover.py's shm areas), as it does on a real host.
+        (self.dev / "shm").mkdir(exist_ok=True)
         cgroup = self.root / "cgroup" / "system.slice" / UNIT
         cgroup.mkdir(parents=True, exist_ok=True)
         (cgroup / "cgroup.procs").write_text("")
