@@ -14,7 +14,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -212,6 +213,18 @@ def facts(
     """The file's size and owner, by whichever of its names is this very inode now; None where
     none is (deleted, replaced, or outside every area). index: where the names /proc showed are
     not the file's (see _candidate_names)."""
+    with closing(_own_names(areas, file, index)) as names:
+        for _, _, found in names:
+            return found
+    return None
+
+
+def _own_names(
+    areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None
+) -> Generator[tuple[int, str, FileFacts], None, None]:
+    """Each name that is this very file now (a regular file of its device and inode, checked
+    through the folder's fd, symlinks not followed), with that folder's fd, open while the
+    caller acts on the name, the name's last part, and the file's facts."""
     for name in _candidate_names(file, index):
         area = area_of(areas, name)
         if area is None or area.dev != file.key.dev:
@@ -221,17 +234,17 @@ def facts(
             continue
         fd, last = found
         try:
-            info = os.stat(last, dir_fd=fd, follow_symlinks=False)
-        except OSError:
-            continue
+            try:
+                info = os.stat(last, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (
+                file.key.dev,
+                file.key.ino,
+            ):
+                yield fd, last, FileFacts(name, info.st_blocks * 512, info.st_size, info.st_uid)
         finally:
             os.close(fd)
-        if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (
-            file.key.dev,
-            file.key.ino,
-        ):
-            return FileFacts(name, info.st_blocks * 512, info.st_size, info.st_uid)
-    return None
 
 
 def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
@@ -260,33 +273,15 @@ def unlink_if_same(
     """Remove the name that is this very file (device and inode checked right before, through
     the folder's fd); a name that now holds another file is left alone. (A file with several
     names, hard links, loses the first that is found; its space comes back with the last.)"""
-    for name in _candidate_names(file, index):
-        area = area_of(areas, name)
-        if area is None or area.dev != file.key.dev:
-            continue
-        found = _parent_fd(area, name)
-        if found is None:
-            continue
-        fd, last = found
-        try:
-            info = os.stat(last, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISREG(info.st_mode) or (info.st_dev, info.st_ino) != (
-                file.key.dev,
-                file.key.ino,
-            ):
-                continue
-            found_facts = FileFacts(name, info.st_blocks * 512, info.st_size, info.st_uid)
+    with closing(_own_names(areas, file, index)) as names:
+        for fd, last, found in names:
             try:
                 os.unlink(last, dir_fd=fd)
             except FileNotFoundError:
                 return Unlinked(None)  # removed by someone else meanwhile
             except OSError as exc:
-                return Unlinked(found_facts, errno.errorcode.get(exc.errno or 0, str(exc)))
-            return Unlinked(found_facts)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
+                return Unlinked(found, errno.errorcode.get(exc.errno or 0, str(exc)))
+            return Unlinked(found)
     return Unlinked(None)
 
 
