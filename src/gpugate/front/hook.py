@@ -11,9 +11,10 @@ from dataclasses import dataclass
 from typing import TextIO
 
 from gpugate.config.models import LoadedConfig
+from gpugate.core.discover import cgroup_members
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run import PhaseRun, RunScope
+from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunScope
 from gpugate.core.shm_cleanup import ShmHost
 from gpugate.errors import (
     ExitCode,
@@ -24,9 +25,10 @@ from gpugate.errors import (
     StateUnwritable,
 )
 from gpugate.host.nvml import GpuDriver, NoGpus, NvmlDriver
+from gpugate.host.own_shm import OwnShm, is_own_tmpfs, own_shm_of_any
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
-from gpugate.host.shm import ShmArea
+from gpugate.host.shm import ShmArea, find_areas, host_root
 from gpugate.host.state_dirs import check_all
 from gpugate.host.systemd import UnitEnvironment
 from gpugate.integrations.unit.shared_host import METRICS, UnitSurroundings, prepare
@@ -34,6 +36,7 @@ from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 from gpugate.report.narrate_unit import UnitNarration
+from gpugate.report.own_shm_text import say_own_shm_gone
 
 
 @dataclass(frozen=True)
@@ -115,11 +118,11 @@ def run_phase(
     shm_host: Callable[[list[ShmArea]], ShmHost] | None = None,
 ) -> RunSummary:
     """environ: the hook's environment (INVOCATION_ID, SERVICE_RESULT; default: ours);
-    manual_refusal: why a hand-typed run must not kill (hook_guard), or None; ignore_leases:
-    pre warns about other units' leases instead of refusing (`gpugate run --force` puts the
-    hidden --ignore-leases on its unit's ExecStartPre=; never the environment); unit_env and
-    unit_state stand in for systemd's answers, shm_host for /dev/shm's files (tests)."""
+    manual_refusal: why a hand-typed run must not kill (hook_guard); ignore_leases: pre warns
+    of other units' leases, not refuses (`gpugate run --force`'s ExecStartPre=, never the
+    environment); unit_env, unit_state, shm_host: systemd's answers, /dev/shm (tests)."""
     roots = roots or HostRoots()
+    narrator = first_words(scope, loaded, reporter, dry_run=dry_run)
     surroundings = prepare(
         scope,
         loaded,
@@ -133,7 +136,6 @@ def run_phase(
     )
     if not dry_run:  # before anything is killed: a run that cannot record its end does not begin
         check_all(*surroundings.state_to_write())
-    narrator = Narrator(reporter, dry_run=dry_run)
     narrator.looking()
     run = PhaseRun(
         scope,
@@ -145,7 +147,58 @@ def run_phase(
         surroundings=surroundings,
         shm_host=shm_host,
     )
-    return drive(run, surroundings, narrator, driver_factory, dry_run=dry_run)
+    return drive_then_own_shm(run, surroundings, narrator, driver_factory, dry_run=dry_run)
+
+
+def drive_then_own_shm(
+    run: PhaseRun,
+    surroundings: UnitSurroundings,
+    narrator: Narrator,
+    driver_factory: Callable[[], GpuDriver],
+    *,
+    dry_run: bool,
+) -> RunSummary:
+    """drive, and after a unit's stop, what went with its own /dev/shm (own_shm_at_stop)."""
+    own_shm = None if dry_run else own_shm_at_stop(run.scope, run.roots)
+    summary = drive(run, surroundings, narrator, driver_factory, dry_run=dry_run)
+    if own_shm is not None:
+        say_own_shm_gone(narrator.reporter, own_shm.seen)
+    return summary
+
+
+def first_words(
+    scope: RunScope, loaded: LoadedConfig, reporter: Reporter, *, dry_run: bool
+) -> Narrator:
+    """The run's narrator, having asked systemd for the run's time first thing: the unit's own
+    TimeoutStartSec=/TimeoutStopSec= (kept by install) may be shorter than this run's deadline;
+    systemd honours EXTEND_TIMEOUT_USEC= from the hook (NotifyAccess=exec) in start-pre and
+    stop-post alike, on 247 to 257."""
+    narrator = Narrator(reporter, dry_run=dry_run)
+    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
+    return narrator
+
+
+@dataclass(frozen=True)
+class OwnShmAtStop:
+    seen: OwnShm | None  # what it held, read through a process of the unit still there
+
+
+def own_shm_at_stop(scope: RunScope, roots: HostRoots) -> OwnShmAtStop | None:
+    """After a unit's stop, where it has a /dev/shm of its own: what that held, read through a
+    process of the unit still there. systemd gives the hook a fresh tmpfs of its own on
+    /dev/shm in a namespace other than PID 1's where the unit sets TemporaryFileSystem=/dev/shm:
+    that is how the hook tells. None: the unit shares the host's."""
+    traits = scope.phase.traits
+    if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
+        return None
+    devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
+    if not is_own_tmpfs(str(roots.dev / "shm"), devs):
+        return None
+    try:
+        pids = set(cgroup_members(roots.cgroup, scope.unit_cgroup)) - {os.getpid()}
+    except GateError:
+        pids = set()
+    return OwnShmAtStop(own_shm_of_any(roots.proc, pids, devs))
 
 
 def drive(

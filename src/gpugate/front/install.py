@@ -143,15 +143,9 @@ def plan_install(
     if query is not None:
         refuse_unknown_unit(unit, force=force, query=query, stream=stream)
     targets = Targets.of(unit, systemd_dir, config_dir)
-    if unit_text is None:
-        text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
-    else:
-        text = unit_text(unit)
-    settings = parse_unit_settings(text, DROPIN_NAME)
-    private_shm = configured_private_shm(targets.config)
-    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
+    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, targets.config, unit_text)
     wanted = {
-        targets.dropin: with_header(render_dropin(gpugate_path, settings, private_shm)),
+        targets.dropin: dropin,
         targets.config: with_header(render_config(unit, gpus, containers, ports)),
     }
     changes: list[Change] = []
@@ -176,6 +170,25 @@ def plan_install(
             "nothing changed; --force replaces it"
         )
     return changes
+
+
+def planned_dropin(
+    unit: str,
+    gpugate_path: Path,
+    systemd_dir: Path,
+    config: Path,
+    unit_text: Callable[[str], str] | None,
+) -> tuple[str, tuple[str, ...]]:
+    """The drop-in for what the unit sets itself and the config's private_shm, with the lines
+    that say which of the unit's settings it keeps."""
+    if unit_text is None:
+        text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
+    else:
+        text = unit_text(unit)
+    settings = parse_unit_settings(text, DROPIN_NAME)
+    private_shm = configured_private_shm(config)
+    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
+    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
 
 
 def configured_private_shm(config: Path) -> str:

@@ -110,6 +110,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         force=args.force,
         cleanup=cleanup,
         as_root_caller=caller.uid == 0,
+        private_shm=loaded.config.private_shm,
     )
     try:
         return supervise(systemd_run_argv(plan, systemd_run), unit)
