@@ -8,7 +8,10 @@ teardown). Standard library only (it runs on every release root's Python).
 Once the segments exist and the worker holds one, writes READY_DIR/PID.json: {"server",
 "worker", "tracker" (PIDs), "segments" (paths), "shm_dev" (the device of its /dev/shm),
 "seen_at_start" (what its /dev/shm held before it made anything)}. `crash`: then SIGKILLs
-itself (a crash of the main process; the worker and the tracker live on).
+itself (a crash of the main process; the worker and the tracker live on). SIGTERM makes the
+server shut down as vLLM's API server does: it stops its worker and waits for it, which
+never ends (the worker ignores SIGTERM), so systemd's SIGKILL after TimeoutStopSec= ends them
+all, the resource tracker (which ignores SIGTERM too) with them, and nobody unlinks anything.
 """
 
 from __future__ import annotations
@@ -57,8 +60,15 @@ def main() -> None:
     os.rename(path + ".tmp", path)
     if mode == "crash":
         os.kill(os.getpid(), signal.SIGKILL)
-    while True:
-        time.sleep(3600)
+    stopping: list[int] = []
+    signal.signal(signal.SIGTERM, lambda signum, _frame: stopping.append(signum))
+    while not stopping:
+        signal.pause()
+    process.terminate()
+    process.join()  # never returns: the worker ignores SIGTERM
+    for segment in segments:  # a clean shutdown would get here
+        segment.close()
+        segment.unlink()
 
 
 if __name__ == "__main__":
