@@ -200,7 +200,8 @@ def clean(host: Host) -> Iterator[Host]:
 
 
 def test_stop_after_systemds_sigkill_leaves_nothing(clean: Host) -> None:
-    own_shm_scenario(clean)
+    took = own_shm_scenario(clean)
+    print(f"systemctl stop with TimeoutStopSec={STOP_TIMEOUT_S}: {took:.1f}s")  # pytest -s
 
 
 def test_systemctl_kill_leaves_nothing(clean: Host) -> None:
