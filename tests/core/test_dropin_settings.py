@@ -203,3 +203,14 @@ def test_install_refuses_a_config_it_cannot_read(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="private_shm"):
         install(tmp_path)
     assert not (tmp_path / "systemd" / f"{UNIT}.d").exists()
+
+
+def test_a_comment_naming_a_path_is_not_a_file_header() -> None:
+    text = cat(
+        unit_file(
+            "# /etc/systemd/system/vllm.service.d/gpugate.conf is gpugate's\nTimeoutStopSec=4\n"
+        )
+    )
+    settings = parse(text)
+    assert settings.stop_timeout is not None and settings.stop_timeout.value == "4"
+    assert settings.stop_timeout.path == "/etc/systemd/system/vllm.service"

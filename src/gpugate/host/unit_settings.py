@@ -93,9 +93,11 @@ def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
 def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
     found: list[tuple[str, str, str]] = []
-    path, section, skip, pending = "", "", False, ""
+    path, section, skip, pending, previous = "", "", False, "", ""
     for raw in text.splitlines():
-        if raw.startswith("# /") and not pending:  # systemctl cat's file header
+        header = raw.startswith("# /") and " " not in raw[2:] and not previous.strip()
+        previous = raw
+        if header and not pending:  # systemctl cat's file header: after a blank line
             path, section = raw[2:].strip(), ""
             skip = os.path.basename(path) == own_dropin and path.rsplit("/", 2)[-2].endswith(".d")
             if not skip:
