@@ -151,7 +151,8 @@ def test_incident_on_release(release: tuple[str, Host]) -> None:
 
 
 def test_own_dev_shm_on_release(release: tuple[str, Host]) -> None:
-    _suite, host = release
+    suite, host = release
     stage_server(host)
     stage_bystanders(host)
-    assert own_shm_scenario(host) >= STOP_TIMEOUT_S
+    took = own_shm_scenario(host)
+    print(f"{suite}: systemctl stop with TimeoutStopSec={STOP_TIMEOUT_S}: {took:.1f}s")  # -s
