@@ -158,12 +158,12 @@ def drive_then_own_shm(
     *,
     dry_run: bool,
 ) -> RunSummary:
-    """drive, and after a unit's stop, what went with its own /dev/shm (own_shm_at_stop)."""
+    """drive; after a unit's stop, first what goes with its own /dev/shm (own_shm_at_stop),
+    read before post kills what is left of the unit (the kernel frees it whatever post does)."""
     own_shm = None if dry_run else own_shm_at_stop(run.scope, run.roots)
-    summary = drive(run, surroundings, narrator, driver_factory, dry_run=dry_run)
     if own_shm is not None:
         say_own_shm_gone(narrator.reporter, own_shm.seen)
-    return summary
+    return drive(run, surroundings, narrator, driver_factory, dry_run=dry_run)
 
 
 def first_words(
