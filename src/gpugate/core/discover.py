@@ -20,7 +20,7 @@ from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
+from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
@@ -159,7 +159,7 @@ def read_gpus(
 ) -> GpuState:
     """Every GPU and its usage; a fault on one of the unit's own fails the run (strict)."""
     gpus = list(driver.gpus())
-    faults = list(driver_faults(driver))
+    faults = list(driver.faults())
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
     usage: dict[int, GpuUsage] = {}

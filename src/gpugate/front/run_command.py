@@ -84,7 +84,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     refuse_known_unit(unit, explicit=bool(args.name))
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
-    roots = front.roots
+    roots = front.host_roots()
     refuse_leased(
         loaded,
         unit,
