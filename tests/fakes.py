@@ -309,24 +309,21 @@ def run_unit_phase(
     roots: HostRoots,
     dry_run: bool = False,
     environ: Any = None,
-    manual_refusal: str | None = None,
-    ignore_leases: bool = False,
-    unit_env: Any = None,
-    unit_state: Any = None,
     shm_host: Any = None,
-    **run_deps: Any,
+    unit_env: Any = None,
+    **kwargs: Any,
 ) -> RunSummary:
     """A unit's phase run as the front wires it, with the tests' stand-ins: environ (the
-    hook's environment, default ours), unit_env and unit_state (systemd's answers), shm_host
-    (areas -> the shm files' host side); run_deps: RunDeps's driver_factory, pinner, clock."""
+    hook's environment, default ours), unit_env (systemd's answer), shm_host (areas -> the
+    shm files' host side); kwargs: UnitContext's manual_refusal, ignore_leases, unit_state,
+    and RunDeps's driver_factory, pinner, clock."""
+    unit = {
+        k: kwargs.pop(k) for k in ("manual_refusal", "ignore_leases", "unit_state") if k in kwargs
+    }
     context = UnitContext(
-        os.environ if environ is None else environ,
-        roots,
-        manual_refusal=manual_refusal,
-        ignore_leases=ignore_leases,
-        environment=unit_env,
-        unit_state=unit_state,
+        os.environ if environ is None else environ, roots, environment=unit_env, **unit
     )
+    run_deps = kwargs
     if shm_host is not None:
         run_deps["shm_host"] = lambda areas, proc_root: shm_host(areas)
     hook = Hook(

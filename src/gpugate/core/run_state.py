@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide
-from gpugate.core.discover import Discovery, discover
+from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, pin
 from gpugate.core.narration import Narration
 from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary
@@ -141,11 +141,11 @@ class RunState:
     def find(self) -> tuple[Discovery, Decision]:
         """One round: discovery and decision over one consistent reading of /proc."""
         with self.procfs.oneshot():
+            sought = Sought(
+                self.scope.unit, self.scope.unit_cgroup, self.wanted, self.setup.loaded.source
+            )
             found = discover(
-                unit=self.scope.unit,
-                unit_cgroup=self.scope.unit_cgroup,
-                wanted=self.wanted,
-                config_source=self.setup.loaded.source,
+                sought,
                 driver=self.driver,
                 procfs=self.procfs,
                 roots=self.setup.deps.roots,

@@ -3,6 +3,8 @@ respawn) is killed too; then the wait's outcome as facts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from gpugate.core.decide import Decision, spared_for_good
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu
@@ -40,20 +42,40 @@ def settle(state: RunState, owned: list[Gpu]) -> Settled:
             narrator.memory_wait(busy, free_mib, left)
         narrator.extend_timeout(left + TIMEOUT_MARGIN_S)
 
-    proc_root = state.setup.deps.roots.proc
     return wait_settled(
-        busy_gpus=lambda: state.note_busy(
-            busy_gpus(state.driver, owned, free_mib, state.spared_pids)
-        ),
-        busy_ports=lambda: sorted(set(listening_sockets(proc_root, state.ports).values())),
-        pending=lambda: state.watch.pending(state.procfs),
-        look_again=lambda: look_again(state),
-        known_pids=lambda: {i.pid for i in state.signalled} | state.spared_pids,
-        watching=lambda: bool(state.watch.watched),
+        RunProbes(state, owned),
         deadline=state.deadline,
         on_progress=on_progress,
         clock=state.clock,
     )
+
+
+@dataclass(frozen=True)
+class RunProbes:
+    """The wait's looks (core.wait.WaitProbes) at this run's GPUs, ports and killed."""
+
+    state: RunState
+    owned: list[Gpu]
+
+    def busy_gpus(self) -> list[BusyGpu]:
+        s = self.state
+        return s.note_busy(busy_gpus(s.driver, self.owned, s.config.free_mib, s.spared_pids))
+
+    def busy_ports(self) -> list[int]:
+        s = self.state
+        return sorted(set(listening_sockets(s.setup.deps.roots.proc, s.ports).values()))
+
+    def pending(self) -> list[int]:
+        return self.state.watch.pending(self.state.procfs)
+
+    def look_again(self) -> bool:
+        return look_again(self.state)
+
+    def known_pids(self) -> set[int]:
+        return {i.pid for i in self.state.signalled} | self.state.spared_pids
+
+    def watching(self) -> bool:
+        return bool(self.state.watch.watched)
 
 
 def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
