@@ -20,7 +20,7 @@ from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.integrations.slurm import JobSurroundings, SlurmJob, with_job_gpus
 from gpugate.phase import Phase
 from gpugate.report.narrate import Narrator
-from tests.fakes import UNIT, UNIT_CGROUP, FakeGpuMemory, FakeHost, RecordingJournal
+from tests.fakes import UNIT, UNIT_CGROUP, FakeGpuMemory, FakeHost, RecordingJournal, alive
 
 S, T = Stage, Transition
 
@@ -65,8 +65,12 @@ def test_a_dry_run_stops_after_looking(host: FakeHost) -> None:
 
 
 class FailsInTheWait(FakeGpuMemory):
+    """Answers until the unit's process is gone (killed), then fails."""
+
+    killed: int = 0
+
     def usage(self, gpu: Gpu) -> GpuUsage:
-        if self.queries >= 3:
+        if self.killed and not alive(self.killed):
             raise NvmlUnavailable("NVML: GPU 0 is lost (fell off the bus)")
         return super().usage(gpu)
 
@@ -75,6 +79,7 @@ def test_nvml_failing_is_a_transition_back_to_looking(host: FakeHost) -> None:
     (member,) = host.pool.holder(host.gpu_files(0))
     host.put_in_unit(member)
     host.memory = FailsInTheWait(leaked_mib={0: 5000})
+    host.memory.killed = member
     run = machine(host, "post", gpus=[0], post={"on_nvml_error": "warn", "wait_timeout_s": 5})
     summary = run.run()
     assert summary.degraded
@@ -90,6 +95,7 @@ def test_nvml_failing_with_on_nvml_error_fail_ends_the_run(host: FakeHost) -> No
     host.memory = FailsInTheWait(leaked_mib={0: 5000})
     (member,) = host.pool.holder(host.gpu_files(0))
     host.put_in_unit(member)
+    host.memory.killed = member
     run = machine(host, "post", gpus=[0], post={"on_nvml_error": "fail"})
     with pytest.raises(NvmlUnavailable):
         run.run()

@@ -26,6 +26,7 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, echo
 from gpugate.host.programs import find_program, run_program
+from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
@@ -121,8 +122,9 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
 
 
 def with_job_gpus(loaded: LoadedConfig, job: SlurmJob) -> LoadedConfig:
-    config = loaded.config.model_copy(update={"gpus": job.gpus})
-    return LoadedConfig(config, f"{loaded.source} (gpus from {job.gpus_from})")
+    """The config with the job's GPUs (gpu_source.with_chosen_gpus, the one step)."""
+    note = f"gpus from {job.gpus_from}"
+    return with_chosen_gpus(loaded, GpuChoice(job.gpus, note, config_note=note))
 
 
 @dataclass(frozen=True)
