@@ -159,13 +159,13 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install, install_files  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
-    args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
+    unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
-        changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
+        changes = install.plan_uninstall(unit, force=args.force, **dirs)
     else:
         gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
         changes = install.plan_install(
-            args.unit,
+            unit,
             gpus=args.gpus,
             ports=args.ports,
             containers=args.containers,
@@ -176,11 +176,11 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
     if args.command == "install" and systemd_running():
-        _warn_environment_files(args.unit)
+        _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
-        print(f"takes effect at the next start: systemctl restart {args.unit}")
+        print(f"takes effect at the next start: systemctl restart {unit}")
     return int(ExitCode.OK)
 
 
