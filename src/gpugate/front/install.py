@@ -132,18 +132,18 @@ def plan_install(
     config_dir: Path = DEFAULT_CONFIG_DIR,
     query: Callable[[str], UnitState | None] | None = None,
     stream: TextIO | None = None,
-    unit_text: Callable[[str], str] | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would replace the
     operator's drop-in, or change the GPUs or containers of the operator's config, without
-    force. unit_text: the unit's files as `systemctl cat` shows them (tests)."""
+    force. What the unit sets itself is read from systemd (`systemctl cat`) where systemd_dir
+    is the real one, else from the files in systemd_dir (tests, an image's tree)."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit
     if query is not None:
         refuse_unknown_unit(unit, force=force, query=query, stream=stream)
     targets = Targets.of(unit, systemd_dir, config_dir)
-    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, targets.config, unit_text)
+    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, targets.config)
     wanted = {
         targets.dropin: dropin,
         targets.config: with_header(render_config(unit, gpus, containers, ports)),
@@ -177,14 +177,10 @@ def planned_dropin(
     gpugate_path: Path,
     systemd_dir: Path,
     config: Path,
-    unit_text: Callable[[str], str] | None,
 ) -> tuple[str, tuple[str, ...]]:
     """The drop-in for what the unit sets itself and the config's private_shm, with the lines
     that say which of the unit's settings it keeps."""
-    if unit_text is None:
-        text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
-    else:
-        text = unit_text(unit)
+    text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
     settings = parse_unit_settings(text, DROPIN_NAME)
     private_shm = configured_private_shm(config)
     said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
