@@ -13,7 +13,11 @@ import time
 from collections.abc import Callable, Mapping
 from enum import Enum
 from types import FrameType
-from typing import Protocol, TextIO
+from typing import Protocol, TextIO, Union
+
+from gpugate.report.untrusted import line
+
+FieldValue = Union[str, bytes]  # bytes: a field's exact bytes (untrusted.exact), not UTF-8
 
 
 class Event(Enum):
@@ -45,7 +49,7 @@ WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
 
 class Journal(Protocol):
-    def send(self, message: str, fields: dict[str, str]) -> None: ...
+    def send(self, message: str, fields: dict[str, FieldValue]) -> None: ...
 
 
 class Notifier(Protocol):
@@ -55,7 +59,7 @@ class Notifier(Protocol):
 class SystemdJournal:
     """journald through python-systemd; silent where no journald listens."""
 
-    def send(self, message: str, fields: dict[str, str]) -> None:
+    def send(self, message: str, fields: dict[str, FieldValue]) -> None:
         if not os.path.exists("/run/systemd/journal/socket"):
             return
         from systemd import journal  # noqa: PLC0415 - C extension, loaded only where used
@@ -63,7 +67,24 @@ class SystemdJournal:
         with contextlib.suppress(OSError):  # journald gone (shutdown): stderr still tells
             # sendv, not send: send() adds CODE_FILE/LINE/FUNC naming this very line when the
             # fields lack them; these fields carry the real call site or leave it out.
-            journal.sendv(f"MESSAGE={message}", *(f"{k}={v}" for k, v in fields.items()))
+            journal.sendv(_field("MESSAGE", message), *(_field(k, v) for k, v in fields.items()))
+
+
+def _field(name: str, value: FieldValue) -> str | bytes:
+    """NAME=value for sendv: a str where it is UTF-8, else bytes (python-systemd encodes a str
+    strictly; a process's own bytes go as they are, in the journal's binary form)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+            return f"{name}={value}"
+        except UnicodeEncodeError:
+            value = value.encode("utf-8", "surrogateescape" if _escapable(value) else "replace")
+    return name.encode("ascii", "replace") + b"=" + value
+
+
+def _escapable(value: str) -> bool:
+    """Every surrogate in value stands for a byte (surrogateescape can give it back)."""
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
 
 
 class SystemdNotifier:
@@ -139,9 +160,13 @@ class Reporter:
         pid: int | None = None,
         gpus: list[int] | None = None,
         used_mib: int | None = None,
-        **extra: str | int,
+        **extra: str | bytes | int,
     ) -> None:
-        fields: dict[str, str] = {
+        """message: gpugate's sentence (its process text shown through untrusted.shown);
+        escaped once more here (untrusted.line), so that no channel carries a raw control
+        character. extra: GPUGATE_* fields; bytes or str from untrusted.exact go as they are."""
+        message = line(message)
+        fields: dict[str, FieldValue] = {
             "MESSAGE_ID": kind.message_id,
             "PRIORITY": str(priority),
             "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
@@ -161,7 +186,9 @@ class Reporter:
         if used_mib is not None:
             fields["GPUGATE_USED_MIB"] = str(used_mib)
         for key, value in extra.items():
-            fields[f"GPUGATE_{key.upper()}"] = str(value)
+            fields[f"GPUGATE_{key.upper()}"] = (
+                value if isinstance(value, (str, bytes)) else str(value)
+            )
         fields.update(self.fields)
         self.journal.send(message, fields)
         if self.echo:
@@ -175,6 +202,7 @@ class Reporter:
     def fail(self, message: str, exit_code: int) -> None:
         """An error that ends the run: one structured entry, one STATUS=, and the one-line
         `gpugate: message` on stderr unless stderr is the journal (it would be there twice)."""
+        message = line(message)
         self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
         if not stderr_is_journal(self.error_stream):
             with contextlib.suppress(OSError):  # a closed terminal: the journal has it
@@ -182,7 +210,7 @@ class Reporter:
         self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:
-        self.notifier.notify(f"STATUS=gpugate {self.phase}: {text}")
+        self.notifier.notify(f"STATUS=gpugate {self.phase}: {line(text)}")
 
     def clear_status(self) -> None:
         """After a successful run: an empty STATUS= clears the text, so a running service does

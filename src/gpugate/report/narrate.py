@@ -14,7 +14,7 @@ from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
-from gpugate.report.holder_text import container_fields, describe, gpu_list
+from gpugate.report.holder_text import container_fields, container_text, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -27,6 +27,7 @@ from gpugate.report.journal import (
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text
+from gpugate.report.untrusted import COMM, COMMAND, exact
 
 MAX_LISTED_PIDS = 10
 
@@ -136,7 +137,7 @@ class Narrator(WaitNarration, ShmNarration):
                     pid=choice.holder.pid,
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
-                    command=choice.holder.info.command,
+                    command=exact(choice.holder.info.command, COMMAND),
                     reason=choice.rule.value,
                     **container_fields(choice),
                 )
@@ -156,8 +157,8 @@ class Narrator(WaitNarration, ShmNarration):
             pid=choice.holder.pid,
             gpus=sorted(choice.holder.gpus),
             signal=name,
-            command=choice.holder.info.command,
-            comm=choice.holder.info.comm,
+            command=exact(choice.holder.info.command, COMMAND),
+            comm=exact(choice.holder.info.comm, COMM),
             role=choice.role,
             **container_fields(choice),
         )
@@ -170,7 +171,7 @@ class Narrator(WaitNarration, ShmNarration):
         outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{verb} {result.container.label}: {outcome}",
+            f"{verb} {container_text(result.container)}: {outcome}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
             signal=verb,
             container=result.container.id,
