@@ -21,6 +21,7 @@ from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
+from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.untrusted import (
     CGROUP,
     COMM,
@@ -354,6 +355,15 @@ def holder_table(data: dict[str, Any]) -> list[str]:
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
     return lines
+
+
+def state_warnings(loaded: LoadedConfig) -> list[str]:
+    """Lease files that are not gpugate's leases: `status` shows the others."""
+    files = read_leases(loaded.config.lock_dir)
+    return [
+        f"gpugate: warning: {unreadable_record_text(path, 'a gpugate lease', files.why[path])}"
+        for path in files.unreadable
+    ]
 
 
 def unreadable_warning(discovery: Discovery) -> str | None:
