@@ -30,6 +30,7 @@ from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, bind_deadline
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.scan import Deadline
 from gpugate.host.shm import ShmArea, ShmKey
 from gpugate.host.shm_host import HostShm
 from gpugate.host.systemd import unit_of_cgroup
@@ -144,6 +145,7 @@ class PhaseRun:
                 roots=self.roots,
                 ports=self.ports,
                 containers=self.config.containers,
+                deadline=Deadline(self.deadline, self.clock),
             )
             decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
         self.shm.note(found.shm)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,13 @@ from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.scan import Deadline
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
+from gpugate.report.narrate import cut_short_text
 from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.untrusted import (
     CGROUP,
@@ -34,6 +37,7 @@ from gpugate.report.untrusted import (
 )
 
 JSON_VERSION = 1
+STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 
@@ -62,6 +66,7 @@ def collect(
         ports=() if unit is None else loaded.config.ports,
         containers=loaded.config.containers,
         strict_faults=False,
+        deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
     )
 
 
@@ -367,7 +372,10 @@ def state_warnings(loaded: LoadedConfig) -> list[str]:
 
 
 def unreadable_warning(discovery: Discovery) -> str | None:
-    """Not root: holders among the processes whose open files it may not read are missing."""
+    """Not root: holders among the processes whose open files it may not read are missing.
+    Also those whose files were not all read within STATUS_SCAN_S."""
+    if discovery.cut_short:
+        return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
     if not discovery.unreadable:
         return None
     shown = ", ".join(map(str, discovery.unreadable[:10]))

@@ -38,6 +38,16 @@ def watcher_evidence(discovery: Discovery) -> str:
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
 
 
+def cut_short_text(pids: list[int]) -> str:
+    """Processes whose open files the run's deadline left unread (millions of descriptors)."""
+    shown = ", ".join(map(str, pids[:MAX_LISTED_PIDS]))
+    more = ", …" if len(pids) > MAX_LISTED_PIDS else ""
+    return (
+        f"the open files of {len(pids)} process(es) (PID {shown}{more}) were not all read "
+        "before the deadline"
+    )
+
+
 class Narrator(WaitNarration, ShmNarration):
     """One run's journal entries and STATUS= lines, through the run's Reporter."""
 
@@ -89,6 +99,13 @@ class Narrator(WaitNarration, ShmNarration):
                 "run gpugate as root",
                 priority=PRIORITY_WARNING,
                 reason="unreadable",
+            )
+        if discovery.cut_short:
+            self.reporter.event(
+                Event.WARNING,
+                f"{cut_short_text(discovery.cut_short)}: GPU holders among them may be missed",
+                priority=PRIORITY_WARNING,
+                reason="scan-cut-short",
             )
         owned = discovery.owned_indices
         for gpu_index, pid in discovery.invisible:
