@@ -168,14 +168,13 @@ def holder_dict(
     ticks = os.sysconf("SC_CLK_TCK")
     shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
     command, command_cut = shown_args(info.cmdline)
-    unit = unit_of_cgroup(info.cgroup or "/")
     return {
         "pid": info.pid,
         "start_time": info.start_time,
         "user": info.user,
         "uid": info.uid,
-        "unit": shown(unit, CGROUP) if unit else None,
-        "cgroup": shown(info.cgroup, CGROUP) if info.cgroup is not None else None,
+        "unit": shown(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
+        "cgroup": shown(info.cgroup, CGROUP) or None,
         "state": info.state,
         "comm": shown(info.comm, COMM),
         "command": command,

@@ -70,6 +70,20 @@ class SystemdJournal:
             journal.sendv(_field("MESSAGE", message), *(_field(k, v) for k, v in fields.items()))
 
 
+def as_field(value: str | bytes | int) -> FieldValue:
+    """A field's value as every Journal takes it: a str that is UTF-8, else its bytes (a
+    process's text the caller did not pass through untrusted.exact: still never raising)."""
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, bytes):
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape" if _escapable(value) else "replace")
+    return value
+
+
 def _field(name: str, value: FieldValue) -> str | bytes:
     """NAME=value for sendv: a str where it is UTF-8, else bytes (python-systemd encodes a str
     strictly; a process's own bytes go as they are, in the journal's binary form)."""
@@ -186,9 +200,7 @@ class Reporter:
         if used_mib is not None:
             fields["GPUGATE_USED_MIB"] = str(used_mib)
         for key, value in extra.items():
-            fields[f"GPUGATE_{key.upper()}"] = (
-                value if isinstance(value, (str, bytes)) else str(value)
-            )
+            fields[f"GPUGATE_{key.upper()}"] = as_field(value)
         fields.update(self.fields)
         self.journal.send(message, fields)
         if self.echo:
