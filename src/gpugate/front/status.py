@@ -378,7 +378,7 @@ def unreadable_warning(discovery: Discovery) -> str | None:
     if not discovery.unreadable:
         return None
     shown = ", ".join(map(str, discovery.unreadable[:10]))
-    more = ", ..." if len(discovery.unreadable) > 10 else ""
+    more = ", …" if len(discovery.unreadable) > 10 else ""
     return (
         f"gpugate: warning: not permitted to read the open files of "
         f"{len(discovery.unreadable)} process(es) (PID {shown}{more}): GPU holders among them "

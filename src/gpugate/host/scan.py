@@ -82,20 +82,12 @@ def scan_device_users(
     no address space (kernel thread, zombie) costs one read of its maps and one listing of its
     threads: a thread group whose leader exited (pthread_exit in main) shows an empty maps and
     fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
-
-    No pass outlives the deadline: the fds of one process are read lazily and the clock looked
-    at every CHECK_EVERY of them; what is left unread then is in `cut_short`.
-    """
+    Nothing is read past the deadline (`_pids`, `_names`): what is left is in `cut_short`."""
     scan = DeviceScan({}, [])
     prefix_bytes = device_prefix.encode() if device_prefix else None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for count, name in enumerate(os.listdir(proc_fd)):
-            if not name.isdigit():
-                continue
-            if count % CHECK_EVERY == 0 and deadline.passed():
-                scan.cut_short.append(int(name))
-                continue
+        for name in _pids(proc_fd, deadline, scan):
             maps = _read_maps(proc_fd, name)
             where = name
             if maps is None:
@@ -111,8 +103,7 @@ def scan_device_users(
             if fds is None:
                 scan.unreadable.append(int(name))
                 continue
-            if fds.cut_short:
-                scan.cut_short.append(int(name))
+            scan.cut_short.extend([int(name)] if fds.cut_short else [])
             if fds.paths or fds.sockets or mapped:
                 scan.users[int(name)] = DeviceUse(
                     frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
@@ -123,6 +114,16 @@ def scan_device_users(
     finally:
         os.close(proc_fd)
     return scan
+
+
+def _pids(proc_fd: int, deadline: Deadline, scan: DeviceScan) -> Iterator[str]:
+    """The PIDs under /proc until the deadline; those left then go to scan.cut_short."""
+    names = [name for name in os.listdir(proc_fd) if name.isdigit()]
+    for count, name in enumerate(names):
+        if deadline.passed():
+            scan.cut_short.extend(int(left) for left in names[count:])
+            return
+        yield name
 
 
 def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:

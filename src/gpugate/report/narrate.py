@@ -91,7 +91,7 @@ class Narrator(WaitNarration, ShmNarration):
         """What this run cannot see: other users' open files, another PID namespace."""
         if discovery.unreadable:
             shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
-            more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
+            more = ", …" if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
             self.reporter.event(
                 Event.WARNING,
                 f"not permitted to read the open files of {len(discovery.unreadable)} "

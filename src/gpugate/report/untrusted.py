@@ -1,6 +1,6 @@
 """What processes say about themselves, made fit to show: escaped and bounded.
 
-A command line, comm, executable, cgroup path, container name or file name is text that any
+A command line, comm, cgroup path, container name or file name is text that any
 account can set (a process title, a file in /dev/shm, a cgroup under its own user@.service).
 It reaches gpugate's output only through this module:
 
@@ -43,12 +43,11 @@ class Kind:
 
 COMMAND = Kind("command line", 200, 4096)
 COMM = Kind("comm", 64, 64)  # the kernel keeps 15 bytes: 60 once each is escaped
-EXE = Kind("executable", 200, 4096)
 CGROUP = Kind("cgroup", 200, 4096)  # also a unit named after a cgroup
 CONTAINER = Kind("container name", 100, 256)
 FILE = Kind("file name", 200, 4096)
 STATE = Kind("state record text", 200, 1024)  # what gpugate reads back: a lease's unit, ...
-KINDS = (COMMAND, COMM, EXE, CGROUP, CONTAINER, FILE, STATE)
+KINDS = (COMMAND, COMM, CGROUP, CONTAINER, FILE, STATE)
 
 
 def _escaped(char: str) -> str:
