@@ -87,12 +87,9 @@ def as_field(value: str | bytes | int) -> FieldValue:
 def _field(name: str, value: FieldValue) -> str | bytes:
     """NAME=value for sendv: a str where it is UTF-8, else bytes (python-systemd encodes a str
     strictly; a process's own bytes go as they are, in the journal's binary form)."""
+    value = as_field(value)
     if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-            return f"{name}={value}"
-        except UnicodeEncodeError:
-            value = value.encode("utf-8", "surrogateescape" if _escapable(value) else "replace")
+        return f"{name}={value}"
     return name.encode("ascii", "replace") + b"=" + value
 
 
