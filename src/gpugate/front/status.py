@@ -216,7 +216,7 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
             "used_mib": discovery.usage[gpu.index].used_mib,
             "total_mib": gpu.total_mib,
             "owned": gpu.index in owned,
-            "leased_to": leased.get(gpu.uuid.lower(), []),
+            "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
         }
         for gpu in discovery.gpus
     ]
