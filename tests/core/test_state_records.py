@@ -20,18 +20,31 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpugate.core.discover import Discovery
 from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.front.hook import run_phase
+from gpugate.front.status import unreadable_warning
 from gpugate.host.scan import Deadline, scan_device_users
 from gpugate.host.shm import MAX_WALK_DEPTH, ShmArea, inode_index, largest_files, regular_files
 from gpugate.integrations.metrics import load_state
 from gpugate.integrations.records import BadRecord, parse_record, read_record
-from gpugate.integrations.unit.leases import new_lease, read_leases, write_lease
-from gpugate.integrations.unit.start_failure import failed_pre_of_this_start, failure_path
+from gpugate.integrations.unit.leases import (
+    lease_from,
+    new_lease,
+    parse_lease,
+    read_leases,
+    write_lease,
+)
+from gpugate.integrations.unit.start_failure import (
+    failed_pre_from,
+    failed_pre_of_this_start,
+    failure_path,
+)
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
+from gpugate.report.narrate import Narrator
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 GOOD = {
@@ -155,9 +168,6 @@ lease_like = st.fixed_dictionaries(
 @given(data=st.one_of(json_values, lease_like))
 def test_any_json_parses_to_a_sane_record_or_is_refused(data: Any) -> None:
     text = json.dumps(data)  # NaN and Infinity too, as Python writes them
-    from gpugate.integrations.unit.leases import lease_from, parse_lease
-    from gpugate.integrations.unit.start_failure import failed_pre_from
-
     try:
         record = parse_record(text)
     except BadRecord:
@@ -350,3 +360,28 @@ def remove_deep(top: Path) -> None:
         os.rmdir("d", dir_fd=parent)
     os.close(fds[0])
     top.rmdir()
+
+
+def test_what_the_deadline_left_unread_is_said(host: FakeHost) -> None:
+    left = list(range(100, 125))
+    discovery = Discovery(
+        unit=UNIT,
+        unit_cgroup=UNIT_CGROUP,
+        gpus=[],
+        owned=[],
+        usage={},
+        holders={},
+        self_chain=frozenset(),
+        unreadable=[],
+        cut_short=left,
+    )
+    narrator = Narrator(
+        Reporter(UNIT, "pre", journal=host.journal, notifier=host.notifier, echo=False)
+    )
+    narrator.blind_spots(discovery)
+    (warned,) = host.journal.events("warning")
+    assert warned["GPUGATE_REASON"] == "scan-cut-short"
+    assert warned["MESSAGE"].startswith("the open files of 25 process(es) (PID 100, 101,")
+    assert ", …)" in warned["MESSAGE"] and "may be missed" in warned["MESSAGE"]
+    said = unreadable_warning(discovery)
+    assert said is not None and said.startswith("gpugate: warning: the open files of 25")
