@@ -24,7 +24,6 @@ from gpugate.core.discover import Discovery
 from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
-from gpugate.front.hook import run_phase
 from gpugate.front.status import unreadable_warning
 from gpugate.host.scan import Deadline, scan_device_users
 from gpugate.host.shm import MAX_WALK_DEPTH, ShmArea, inode_index, largest_files, regular_files
@@ -45,7 +44,7 @@ from gpugate.integrations.unit.start_failure import (
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
-from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
+from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive, run_unit_phase
 
 GOOD = {
     "unit": "other.service",
@@ -191,7 +190,7 @@ def test_any_json_parses_to_a_sane_record_or_is_refused(data: Any) -> None:
 
 def run(host: FakeHost, phase: str, **kwargs: Any) -> Any:
     reporter = Reporter(UNIT, phase, journal=host.journal, notifier=host.notifier, echo=False)
-    return run_phase(
+    return run_unit_phase(
         RunScope(Phase(phase), UNIT, UNIT_CGROUP),
         kwargs.pop("loaded", host.config(gpus=[0, 1])),
         reporter,

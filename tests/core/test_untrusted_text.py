@@ -214,11 +214,11 @@ def choices_of(holder: Holder, text: str) -> Decision:
     )
 
 
-def narrate_everything(reporter: Reporter, text: str) -> None:
+def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> None:
+    """Every narration of a holder with this text, in a dry run (so its lines are printed)."""
     holder = holder_of(text)
-    stream = reporter.stream
-    narrator = Narrator(reporter, dry_run=True)
-    reporter.stream = stream  # not stdout: the test reads it
+    reporter = reporter.as_dry_run(reporter.stream)  # not stdout: the test reads it
+    narrator = Narrator(reporter)
     decision = choices_of(holder, text)
     narrator.choices(decision)
     for choice in decision.choices:
@@ -243,7 +243,7 @@ def narrate_everything(reporter: Reporter, text: str) -> None:
     units.start_failed_earlier(text)
     units.lease_unreadable(Path(f"/run/gpugate/leases/{text}.json"), text)
     error = refusal("vllm.service is active", "pre", UNIT, [describe(c) for c in decision.choices])
-    reporter.fail(error.message, int(error.exit_code))
+    reporter.fail(error.message, int(error.exit_code), errors)
     narrator.finished(RunSummary())
 
 
@@ -261,8 +261,9 @@ def check_channels(
         assert no_control(state) and len(state) <= LINE_CHARS + 40
     lines = stream.getvalue().split("\n")
     assert lines[-1] == ""
-    # One printed line per entry: no line of a process's making stands on its own.
-    assert len(lines) - 1 == len(journal.entries)
+    # One printed line per entry (the error's is on stderr alone): no line of a process's
+    # making stands on its own.
+    assert len(lines) - 1 == len(journal.entries) - 1
     for printed in lines[:-1]:
         assert no_control(printed) and printed.startswith("gpugate pre vllm.service: ")
         assert not printed.startswith(FORGED)
@@ -273,10 +274,11 @@ def check_channels(
 def test_every_narration_escapes_and_bounds_process_text(text: str) -> None:
     journal, notifier, stream = StrictJournal(), StrictNotifier(), io.StringIO()
     reporter = Reporter(UNIT, "pre", journal=journal, notifier=notifier, stream=stream, echo=True)
-    reporter.error_stream = io.StringIO()
-    narrate_everything(reporter, text)
+    errors = io.StringIO()
+    narrate_everything(reporter, text, errors)
     check_channels(journal, notifier, stream, text)
-    assert no_control(reporter.error_stream.getvalue().rstrip("\n"))
+    (said,) = errors.getvalue().splitlines()
+    assert no_control(said) and said.startswith("gpugate: vllm.service is active; it would kill")
     if text.isprintable() and len(text) < 100:
         killed = journal.entries[0][0]
         assert text in killed  # plain text is shown as it is
