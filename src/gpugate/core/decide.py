@@ -16,7 +16,7 @@ from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, stable_role
 from gpugate.host.procfs import ProcessId
-from gpugate.host.systemd import unit_of_cgroup
+from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.phase import Phase
 
 
@@ -126,7 +126,7 @@ def choose(
     if foreign:
         return choice(Verdict.BLOCK, Rule.STRADDLES)
     if role is Role.OTHER_UNIT:
-        other = unit_of_cgroup(holder.info.cgroup or "/")
+        other = system_unit_of_cgroup(holder.info.cgroup or "/")
         if config.kill_other_units:
             return choice(Verdict.KILL, Rule.OTHER_UNIT, other)
         rule = Rule.OTHER_CONTAINER if holder.container is not None else Rule.OTHER_UNIT
