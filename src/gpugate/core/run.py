@@ -48,6 +48,9 @@ class RunScope:
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
+    # `gpugate run` by an account that is not root: only that account's processes die (the
+    # hidden --for-uid on its hooks, written by root's gpugate; decide.for_account)
+    for_uid: int | None = None
 
 
 class PhaseRun:
@@ -145,7 +148,14 @@ class PhaseRun:
                 ports=self.ports,
                 containers=self.config.containers,
             )
-            decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
+            decision = decide(
+                found,
+                self.config,
+                self.scope.phase,
+                self.procfs,
+                self.judged,
+                for_uid=self.scope.for_uid,
+            )
         self.shm.note(found.shm)
         self.shm_areas = found.shm_areas
         for choice in decision.choices:

@@ -100,6 +100,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         unit,
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
         metrics_unit=unit,
+        for_uid=args.for_uid,
     )
     manual_refusal = manual_run_guard(
         phase,

@@ -42,6 +42,7 @@ class Hook:
     unit: str  # the unit, or the label standing for it (slurm-job-42)
     locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
     metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
+    for_uid: int | None = None  # the hidden --for-uid: kill only this account's processes
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def run_hook(
     summary: RunSummary | None = None
     error: GateError | None = None
     try:
-        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup())
+        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup(), hook.for_uid)
         summary = run_phase(
             scope,
             loaded,
