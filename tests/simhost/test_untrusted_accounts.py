@@ -124,13 +124,9 @@ def test_d_a_user_unit_named_nvidia_persistenced_is_killed(accounts: Accounts) -
     host = accounts.host
     host.reset()
     uid = accounts.add("dave")
-    host.sim.install_unit(
-        "nvidia-persistenced.service",
-        f"[Service]\nExecStart=/usr/bin/python3 {WORK}/hold.py {WORK}/ready-persistenced 0 0\n",
-    )
-    host.sh(f"rm -f {WORK}/ready-persistenced")
-    host.sim.systemctl("start", "nvidia-persistenced.service")
-    daemon = int(wait_for("the daemon", lambda: host.sh(f"cat {WORK}/ready-persistenced", False)))
+    # The system's own, staged by incident.stage_incident: it holds every device file.
+    daemon = int(host.sh("systemctl show -p MainPID --value nvidia-persistenced.service"))
+    assert daemon > 0 and host.alive(daemon)
     host.install(UNIT, unit_text(UNIT, (0,), 8000), "gpus = [0]\n" + CONFIG)
     stale = accounts.user_run("dave", "nvidia-persistenced", "20000", "0")
     cgroup = host.sh(f"cat /proc/{stale}/cgroup").strip()
@@ -147,7 +143,7 @@ def test_d_a_user_unit_named_nvidia_persistenced_is_killed(accounts: Accounts) -
     assert {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in found}.get(str(stale)) == "orphan"
     spared = host.events_after(cursor, GPUGATE_EVENT="process_spared", GPUGATE_PHASE="pre")
     assert any(e["GPUGATE_PID"] == str(daemon) for e in spared)
-    host.sh(f"systemctl stop {UNIT} nvidia-persistenced.service", False)
+    host.sh(f"systemctl stop {UNIT}", False)
 
 
 def test_e_sudo_gpugate_run_refuses_another_accounts_server(accounts: Accounts) -> None:
