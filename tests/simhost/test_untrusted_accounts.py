@@ -156,6 +156,8 @@ def test_e_sudo_gpugate_run_refuses_another_accounts_server(accounts: Accounts) 
         "/etc/sudoers.d/gpugate-run", "alice ALL=(root) NOPASSWD: /usr/bin/gpugate run *\n", 0o440
     )
     host.sh("visudo -c")
+    # sudo resolves the host's name (and says so on stderr where it cannot)
+    host.sh('grep -qw "$(hostname)" /etc/hosts || echo "127.0.1.1 $(hostname)" >> /etc/hosts')
     bobs = accounts.user_run("bob", "bobs-server", "20000", "0")
     before = json.dumps(host.status()["gpus"][0])
 
