@@ -141,7 +141,7 @@ FOLDER_MODES = st.sampled_from([0o1777, 0o777, 0o775, 0o1775, 0o755, 0o1733, 0o7
 @example(0, 0, 0o600, 0, 0, 0o1777, frozenset())  # root's 0600 file in /dev/shm
 @example(UID, GID, 0o600, 0, 0, 0o1777, frozenset())  # the account's own segment
 @example(0, 0, 0o666, 0, 0, 0o1777, frozenset())  # root's, writable by all: not unlinkable
-def test_could_remove_is_what_the_kernel_lets_the_account_do(  # noqa: PLR0917
+def test_could_remove_is_what_the_kernel_lets_the_account_do(
     playground: Path,
     file_uid: int,
     file_gid: int,

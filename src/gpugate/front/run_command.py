@@ -43,8 +43,10 @@ from gpugate.front.run_unit import (
 )
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.systemd import query_unit, unit_active_state
-from gpugate.integrations.unit.gpu_source import parse_visible_devices
+from gpugate.host.programs import run_program
+from gpugate.host.roots import HostRoots
+from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
+from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 from gpugate.report.reasons import sudo_variables_text
 
@@ -56,7 +58,6 @@ GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
 STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
-QUERY_TIMEOUT_S = 30
 
 
 def checked_command(args: argparse.Namespace) -> list[str]:
@@ -86,7 +87,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     refuse_known_unit(unit, explicit=bool(args.name))
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
-    roots = front.roots
+    roots = front.host_roots()
     refuse_leased(
         loaded,
         unit,
@@ -97,7 +98,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         ),
     )
     if caller.uid != 0:
-        refuse_other_accounts(loaded, unit, gpus, caller.uid, front)
+        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
@@ -175,14 +176,17 @@ def resolve_gpus(
     if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
         where = "CUDA_VISIBLE_DEVICES"
         wanted = parse_visible_devices(where, environ[where], "your environment")
-    source = "--gpus" if wanted is not None else "all GPUs"
-    selection = "all" if wanted is None else wanted
+    choice = GpuChoice(
+        "all" if wanted is None else wanted,  # type: ignore[arg-type]
+        "--gpus" if wanted is not None else "all GPUs",
+    )
+    source = choice.source
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
         raise NvmlUnavailable(f"gpugate run: {exc.message}") from None
     try:
-        gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
+        gpus = owned_gpus(choice.gpus, driver.gpus(), source)
     finally:
         driver.close()
     if not gpus:
@@ -215,26 +219,28 @@ def refuse_leased(
 
 
 def refuse_other_accounts(
-    loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], uid: int, front: Front
+    loaded: LoadedConfig,
+    unit: str,
+    gpus: Sequence[Gpu],
+    uid: int,
+    roots: HostRoots,
+    driver_factory: Callable[[], GpuDriver],
 ) -> None:
     """Before systemd-run, for a caller that is not root: a process of another account on
     these GPUs refuses the run (exit 22, one line naming it), as the unit's pre would under
     the GPU locks (`--for-uid`); nothing is started or killed."""
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
-    from gpugate.core.discover import discover  # noqa: PLC0415
+    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.procfs import ProcFs  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
     from gpugate.report.reasons import other_account_refusal  # noqa: PLC0415
 
-    roots = front.roots
     procfs = ProcFs(roots.proc)
-    driver = front.driver_factory()
+    driver = driver_factory()
     try:
         found = discover(
-            unit=unit,
-            unit_cgroup=f"/system.slice/{unit}",  # not started yet: no process is in it
-            wanted=tuple(gpu.index for gpu in gpus),
-            config_source=loaded.source,
+            # not started yet: no process is in its cgroup
+            Sought(unit, f"/system.slice/{unit}", tuple(g.index for g in gpus), loaded.source),
             driver=driver,
             procfs=procfs,
             roots=roots,
@@ -334,17 +340,12 @@ def wait_until_gone(
 ) -> bool:
     """Poll the unit's ActiveState until it is neither running nor stopping (a collected
     unit reads inactive); False at the deadline."""
-    state = state or _active_state
+    state = state or active_state
     while clock() < deadline:
         if state(unit) not in STOPPING_OR_RUNNING:
             return True
         pause(0.2)
     return False
-
-
-def _active_state(unit: str) -> str | None:
-    found = query_unit(unit)
-    return found.active_state if found is not None else None
 
 
 def relay(source: IO[bytes], target: IO[str]) -> str:
@@ -366,12 +367,5 @@ def stop_without_waiting(unit: str) -> None:
     if systemctl is None:
         return
     # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run(
-            [str(systemctl), "stop", "--no-block", "--", unit],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            check=False,
-            timeout=QUERY_TIMEOUT_S,
-        )
+    with contextlib.suppress(GateError):
+        run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)

@@ -155,6 +155,12 @@ def query_unit(name: str) -> UnitState | None:
     )
 
 
+def active_state(name: str) -> str | None:
+    """systemd's ActiveState for the unit; None where systemd cannot be asked."""
+    state = query_unit(name)
+    return state.active_state if state is not None else None
+
+
 def find_unit_cgroup(name: str, cgroup_root: Path) -> str | None:
     """Search the cgroup tree for the system unit's cgroup (where systemd is not there to
     ask): through slices only, so no cgroup below a unit (a user manager's unit of the same
