@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
@@ -25,6 +24,7 @@ from gpugate.host.systemd import (
     unit_argument,
     validate_unit_name,
 )
+from gpugate.integrations.config_files import load_config
 from gpugate.report.journal import Reporter, ReporterFactory
 
 Handler = Callable[[argparse.Namespace, "Front"], int]

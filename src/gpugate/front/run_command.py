@@ -21,7 +21,6 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
-from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
@@ -43,6 +42,7 @@ from gpugate.front.run_unit import (
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.systemd import query_unit, unit_active_state
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 
