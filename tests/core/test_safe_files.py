@@ -233,3 +233,19 @@ def test_a_link_in_a_trusted_folder_is_followed(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(NotADirectoryError):
         open_folder(tmp_path / "file" / "x")
+
+
+@needs_root
+def test_an_exporters_folder_is_written_safely_with_one_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpugate.integrations.metrics import record_after_run
+
+    theirs, victim = plant(tmp_path)  # Debian's /var/lib/prometheus is prometheus's
+    (theirs / "gpugate.prom").symlink_to(victim)
+    record_after_run(theirs / "gpugate.prom", RunRecord("pre", "vllm.service", "success"))
+    record_after_run(theirs / "gpugate.prom", RunRecord("post", "vllm.service", "success"))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "warning: metrics_textfile" in err and str(theirs) in err
+    assert_untouched(victim)
+    assert "gpugate_runs_total" in (theirs / "gpugate.prom").read_text()

@@ -28,7 +28,8 @@ from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
 from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
-from gpugate.host.safe_files import folder, open_in, read_capped
+from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
+from gpugate.report.trust_text import metrics_folder_warning
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0
@@ -40,6 +41,7 @@ RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 RELEASE = "gpugate_memory_release_seconds"
 
 Labels = tuple[tuple[str, str], ...]
+_WARNED: set[Path] = set()
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,10 @@ def record_after_run(
     """Best effort: metrics that cannot be written are a warning, never the run's failure."""
     if textfile is None:
         return
+    found = untrusted(textfile.parent)
+    if found is not None and textfile not in _WARNED:
+        _WARNED.add(textfile)  # once per run: every write there is safe, this says why
+        print(f"gpugate: {metrics_folder_warning(textfile, found)}", file=stream or sys.stderr)
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
