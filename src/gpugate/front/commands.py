@@ -166,25 +166,28 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def install_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front import install, install_files  # noqa: PLC0415
+    from gpugate.front import install  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
         changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
     else:
-        gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
+        from gpugate.front.self_command import command_for, gpugate_command  # noqa: PLC0415
+
+        given = args.gpugate_path
+        command = command_for(str(given)) if given else gpugate_command()
         changes = install.plan_install(
             args.unit,
             gpus=args.gpus,
             ports=args.ports,
             containers=args.containers,
-            gpugate_path=gpugate_path,
+            gpugate_path=command,
             force=args.force,
             **dirs,
         )
-        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
-            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+        if not os.access(command[0], os.X_OK) and not args.dry_run:
+            print(f"gpugate: warning: {command[0]} is not an executable here", file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(args.unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload

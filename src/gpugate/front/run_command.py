@@ -25,7 +25,6 @@ from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied
-from gpugate.front.install_files import default_gpugate_path
 from gpugate.front.run_unit import (
     HOOK_TIMEOUT_S,
     SYSTEMCTL_PATHS,
@@ -39,6 +38,7 @@ from gpugate.front.run_unit import (
     find_program,
     systemd_run_argv,
 )
+from gpugate.front.self_command import gpugate_command
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.systemd import query_unit, unit_active_state
@@ -104,7 +104,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         gpus_env=",".join(str(gpu.index) for gpu in gpus),
         environment=tuple(caller_environment(environ, caller, under_sudo)),
         pty=sys.stdin.isatty() and sys.stdout.isatty(),
-        gpugate=default_gpugate_path(),
+        gpugate=gpugate_command(),
         config=config_path,
         started_by=started_by,
         force=args.force,

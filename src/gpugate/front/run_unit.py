@@ -112,7 +112,7 @@ class RunPlan:
     gpus_env: str  # CUDA_VISIBLE_DEVICES for the unit
     environment: tuple[tuple[str, str], ...]  # the caller's variables passed on
     pty: bool
-    gpugate: Path
+    gpugate: tuple[str, ...]  # self_command.gpugate_command(): this very gpugate, -I
     config: Path | None = None  # the hooks' --config
     started_by: str = ""
     force: bool = False
@@ -187,7 +187,7 @@ def hook_line(plan: RunPlan, phase: Phase) -> str:
     # --force: pre warns about a lease instead of refusing. On the command line, which only
     # root writes, never in the environment, which the unit's own files may set.
     force = " --ignore-leases" if plan.force and phase.traits.takes_lease else ""
-    return f"+{plan.gpugate} {phase} {plan.unit}{config}{force}"
+    return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}"
 
 
 def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
