@@ -185,3 +185,24 @@ def test_ld_library_path_does_not_choose_nvml(tmp_path: Path, fake_lib: Path) ->
         timeout=60,
     )
     assert by_path.stdout.splitlines()[-1] != "0", by_path.stdout + by_path.stderr
+
+
+def test_install_warns_about_a_units_steering_environment(tmp_path: Path) -> None:
+    from gpugate.integrations.unit.env_files import unit_environment_warnings
+
+    env_file = tmp_path / "vllm.env"
+    env_file.write_text("LD_LIBRARY_PATH=/usr/local/cuda/lib64\nHF_HOME=/srv/hf\n")
+    env_file.chmod(0o644)
+    shown = (
+        'Environment="PYTHONPATH=/opt/vllm/lib" LD_PRELOAD=/opt/x.so CUDA_VISIBLE_DEVICES=0 '
+        "PYTHONSTARTUP=/srv/s.py\n"
+        f"EnvironmentFiles={env_file} (ignore_errors=no)\n"
+    )
+    lines = unit_environment_warnings("vllm.service", lambda unit: shown)
+    named = {line.split(" sets ")[1].split(":")[0]: line for line in lines if " sets " in line}
+    assert set(named) == {"PYTHONPATH", "LD_PRELOAD", "PYTHONSTARTUP", "LD_LIBRARY_PATH"}
+    assert f"EnvironmentFile={env_file} sets LD_LIBRARY_PATH" in named["LD_LIBRARY_PATH"]
+    assert "Environment= sets LD_PRELOAD" in named["LD_PRELOAD"]
+    assert all(line.startswith("warning: vllm.service: ") for line in lines)
+    quiet = "Environment=CUDA_VISIBLE_DEVICES=0 HF_HOME=/srv/hf\n"
+    assert unit_environment_warnings("vllm.service", lambda unit: quiet) == []

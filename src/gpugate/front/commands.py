@@ -198,9 +198,9 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def _warn_environment_files(unit: str) -> None:
-    from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
+    from gpugate.integrations.unit.env_files import unit_environment_warnings  # noqa: PLC0415
 
-    for line in environment_file_warnings(unit):
+    for line in unit_environment_warnings(unit):
         print(f"gpugate: {line}", file=sys.stderr)
 
 
