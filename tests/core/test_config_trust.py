@@ -21,6 +21,7 @@ from tests.fakes import FakeHost, alive
 OTHER = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
 STEER = 'gpus = "all"\nkill_other_units = true\n'
+HAS_SYSTEMD_RUN = any(os.access(p, os.X_OK) for p in ("/usr/bin/systemd-run", "/bin/systemd-run"))
 
 
 def account_config(tmp_path: Path, how: str) -> Path:
@@ -102,6 +103,7 @@ def test_every_reading_command_refuses(
         ["status", "--config", str(config)],
         ["config", "check", str(config)],
         ["slurm", "prolog", "--config", str(config)],
+        *([["run", "--config", str(config), "--", "/bin/true"]] if HAS_SYSTEMD_RUN else []),
     ):
         code = main(argv, driver_factory=lambda: host.memory, roots=host.roots)
         assert code == ExitCode.CONFIG, (argv, capsys.readouterr().err)
