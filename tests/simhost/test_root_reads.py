@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterator
 
@@ -23,6 +24,7 @@ ACCOUNT = "mlteam"
 OTHER = "other-gpu.service"
 STEERED = "vllm-own.service"
 STEER = 'gpus = "all"\nkill_other_units = true\n' + CONFIG
+HOOKS = "ExecStartPre=/usr/bin/gpugate pre %n\nExecStopPost=/usr/bin/gpugate post %n\n"
 VENV = "/opt/gpugate"  # sandbox.install_gpugate's venv; /usr/bin/gpugate links to its script
 
 
@@ -40,8 +42,9 @@ def host(simhost: SimHost) -> Iterator[Host]:
 
 
 def other_unit(host: Host) -> list[int]:
-    """Another unit's server on GPU 1 (with gpugate's own hooks and config): its processes."""
-    host.install(OTHER, unit_text(OTHER, (1,), 8071), "gpus = [1]\n" + CONFIG)
+    """Another unit's server on GPU 1, without gpugate (so no lease of its own stands in the
+    way: only kill_other_units decides): its processes."""
+    host.sim.install_unit(OTHER, unit_text(OTHER, (1,), 8071).replace(HOOKS, ""))
     host.start(OTHER)
     host.wait_ready(f"/run/ready-{OTHER}.json")
     pids = host.cgroup_pids(OTHER)
@@ -120,3 +123,51 @@ def test_gpugate_run_by_a_path_outside_path_runs_with_its_hooks(host: Host) -> N
         assert "203/EXEC" not in hooks, hooks
     finally:
         host.sh(f"ln -sf {VENV}/bin/gpugate /usr/bin/gpugate", check=False)
+
+
+def test_a_units_pythonpath_imports_nothing_into_roots_hooks(host: Host) -> None:
+    """Rule 6: `gpugate install` on a unit whose Environment= sets PYTHONPATH to a folder with
+    a planted `gpugate` package and sitecustomize: install warns, and the hooks it writes
+    (Python -I) import neither; the unit starts and stops with gpugate's hooks."""
+    host.reset()
+    unit = "vllm-pp.service"
+    evil = "/srv/evil"
+    # Each importer leaves its command line (the server itself imports sitecustomize: fine).
+    code = (
+        "import os\nline = open('/proc/self/cmdline').read().replace(chr(0), ' ')\n"
+        "open('/run/steered-%d' % os.getpid(), 'w').write(line)\n"
+    )
+    host.sh(f"rm -f /run/steered-*; mkdir -p {evil}/gpugate")
+    for name in ("gpugate/__init__.py", "gpugate/__main__.py", "sitecustomize.py"):
+        host.sim.write_file(f"{evil}/{name}", code)
+    text = unit_text(unit, (3,), 8073).replace(
+        HOOKS, f"Environment=PYTHONPATH={evil} PYTHONSTARTUP={evil}/sitecustomize.py\n"
+    )
+    host.sim.install_unit(unit, text)
+    try:
+        installed = host.sim.run(["gpugate", "install", unit, "--gpus", "3"], check=False)
+        assert installed.returncode == 0, installed.stderr
+        warned = [line for line in installed.stderr.splitlines() if " sets PYTHON" in line]
+        assert {line.split(" sets ")[1].split(":")[0] for line in warned} == {
+            "PYTHONPATH",
+            "PYTHONSTARTUP",
+        }, installed.stderr
+        dropin = host.sh(f"cat /etc/systemd/system/{unit}.d/gpugate.conf")
+        assert re.search(
+            rf"^ExecStartPre=\+{VENV}/bin/python3? -I -m gpugate pre %n$", dropin, re.M
+        ), dropin
+        host.sim.write_file(f"/etc/gpugate/{unit}.toml", "gpus = [3]\n" + CONFIG)
+        cursor = host.cursor()
+        assert host.start(unit) == 0
+        host.wait_ready(f"/run/ready-{unit}.json")
+        host.sim.systemctl("stop", unit)
+        phases = {e.get("GPUGATE_PHASE") for e in host.events_after(cursor, _SYSTEMD_UNIT=unit)}
+        assert {"pre", "post"} <= phases
+        importers = host.sh("cat /run/steered-* 2>/dev/null; echo", check=False)
+        assert "gpugate" not in importers, f"imported into root's hook: {importers}"
+    finally:
+        host.sh(
+            f"systemctl stop {unit}; gpugate uninstall {unit} --force --no-reload; "
+            "systemctl daemon-reload",
+            check=False,
+        )
