@@ -249,3 +249,18 @@ def test_an_exporters_folder_is_written_safely_with_one_warning(
     assert err.count("\n") == 1 and "warning: metrics_textfile" in err and str(theirs) in err
     assert_untouched(victim)
     assert "gpugate_runs_total" in (theirs / "gpugate.prom").read_text()
+
+
+@needs_root
+def test_the_state_probe_never_writes_through_a_planted_folder_link(tmp_path: Path) -> None:
+    from gpugate.host.state_dirs import check_writable
+
+    theirs, _ = plant(tmp_path)
+    elsewhere = tmp_path / "etc"
+    elsewhere.mkdir()
+    (theirs / "textfile").symlink_to(elsewhere)
+    with pytest.raises(StateUnwritable, match="symbolic link"):
+        check_writable(theirs / "textfile", "metrics")
+    assert list(elsewhere.iterdir()) == []
+    check_writable(theirs / "real", "metrics")  # made there, probed, left empty
+    assert list((theirs / "real").iterdir()) == []
