@@ -29,6 +29,7 @@ from gpugate.host.cgroups import CgroupLayout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import OPTION, HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.untrusted import line
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
@@ -226,7 +227,7 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(f"gpugate: {exc.message}", file=sys.stderr)
+        print(f"gpugate: {line(exc.message)}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -234,7 +235,7 @@ def main(
         if os.environ.get("GPUGATE_DEBUG"):
             raise
         print(
-            f"gpugate: internal error: {type(exc).__name__}: {exc} "
+            f"gpugate: internal error: {type(exc).__name__}: {line(str(exc))} "
             "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
             file=sys.stderr,
         )

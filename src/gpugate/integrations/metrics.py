@@ -29,6 +29,7 @@ from gpugate.errors import ExitCode
 from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
 from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
+from gpugate.integrations.records import parse_record
 from gpugate.report.trust_text import metrics_folder_warning
 
 STATE_VERSION = 1
@@ -196,8 +197,10 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     never a FIFO or a file over safe_files.MAX_BYTES. folder_fd: path's folder, opened."""
     try:
         name = path if folder_fd is None else path.name
-        data = json.loads(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
-    except (OSError, ValueError, RecursionError):
+        # Sane numbers, no deep nesting (records.BadRecord is a ValueError, so is a text
+        # that is not UTF-8).
+        data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
+    except (OSError, ValueError):
         return {}
     samples: Samples = {}
     if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
