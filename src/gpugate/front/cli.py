@@ -51,11 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
-    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
-    # shown in --help, never in the unit drop-in, and never taken from the environment.
-    parser.add_argument(OPTION, dest="host_roots", help=argparse.SUPPRESS)
-    # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
-    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+    _stand_in_options(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for phase, text in (
         ("pre", "ExecStartPre=: make the unit's GPUs free before it starts"),
@@ -72,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
         # warned about, not refused. Hidden: not for hand use, never from the environment.
         sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
+        # `gpugate run` by an account that is not root writes it on both hook lines: kill only
+        # that account's processes (it narrows, never widens; docs/gpugate-run.md).
+        sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(func=hook_command)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
@@ -195,6 +194,14 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.set_defaults(func=run_command)
 
 
+def _stand_in_options(parser: argparse.ArgumentParser) -> None:
+    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
+    # shown in --help, never in the unit drop-in, and never taken from the environment.
+    parser.add_argument(OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
+    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+
+
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
@@ -263,6 +270,15 @@ def _gpus(value: str) -> object:
         return parse_gpus(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _uid(value: str) -> int:
+    from gpugate.front.run_unit import parse_uid  # noqa: PLC0415
+
+    uid = parse_uid(value)
+    if uid is None:
+        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
+    return uid
 
 
 def _port(value: str) -> int:
