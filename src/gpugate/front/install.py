@@ -126,7 +126,7 @@ def plan_install(
     gpus: Gpus | None = None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
-    gpugate_path: Path = DEFAULT_GPUGATE,
+    gpugate_path: Path | Sequence[str] = DEFAULT_GPUGATE,
     force: bool = False,
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
@@ -174,7 +174,7 @@ def plan_install(
 
 def planned_dropin(
     unit: str,
-    gpugate_path: Path,
+    gpugate_path: Path | Sequence[str],
     systemd_dir: Path,
     config: Path,
 ) -> tuple[str, tuple[str, ...]]:
