@@ -7,6 +7,7 @@ process sets can make a run or `status` fail."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import io
 import json
 import os
@@ -290,7 +291,17 @@ def test_every_narration_escapes_and_bounds_process_text(text: str) -> None:
 )
 @given(text=hostile)
 def test_status_table_and_json_escape_and_bound(host: FakeHost, text: str) -> None:
-    holder = holder_of(text)
+    # In a login scope (no unit: rule 4) and in a system service named by the text.
+    for cgroup in (None, f"/system.slice/{text}.service"):
+        holder = holder_of(text)
+        if cgroup is not None:
+            holder = dataclasses.replace(
+                holder, info=dataclasses.replace(holder.info, cgroup=cgroup)
+            )
+        status_is_clean(host, holder, text)
+
+
+def status_is_clean(host: FakeHost, holder: Holder, text: str) -> None:
     discovery = Discovery(
         unit="",
         unit_cgroup="/gpugate-status-no-unit",
@@ -307,8 +318,9 @@ def test_status_table_and_json_escape_and_bound(host: FakeHost, text: str) -> No
         assert no_control(row)
     assert len(dumped) < 12_000  # however long the process's text (JSON escapes: \\u00e9)
     (entry,) = json.loads(dumped)["holders"]
+    assert entry["unit"] is not None or holder.info.cgroup.startswith("/user.slice/")
     for key in ("comm", "cgroup", "unit"):
-        assert no_control(entry[key]) and len(entry[key]) <= 200
+        assert no_control(entry[key] or "") and len(entry[key] or "") <= 200
     assert len(" ".join(entry["command"])) <= COMMAND.chars and len(entry["comm"]) <= COMM.chars
     assert no_control(entry["container"]["name"] or "")
 
