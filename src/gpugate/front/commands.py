@@ -8,11 +8,8 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpugate.config.file import load_config
-from gpugate.config.models import LoadedConfig
-from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
@@ -27,6 +24,12 @@ from gpugate.host.systemd import (
 )
 from gpugate.report.journal import Reporter, ReporterFactory
 
+if TYPE_CHECKING:
+    from gpugate.config.models import LoadedConfig
+
+# The config's modules (pydantic, and the models built with it: most of the start-up) are
+# imported by the commands that read a config, not by `--help`, `--version` or a usage error.
+
 Handler = Callable[[argparse.Namespace, "Front"], int]
 
 
@@ -36,8 +39,8 @@ class Front:
     def __init__(
         self,
         *,
-        driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-        reporter_factory: ReporterFactory = Reporter,
+        driver_factory: Callable[[], GpuDriver] | None = None,
+        reporter_factory: ReporterFactory | None = None,
         roots: HostRoots | None = None,
         environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
@@ -48,8 +51,8 @@ class Front:
         cgroup_layout: the host's cgroup layout for these roots (default: the real
         /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
         is used as it is)."""
-        self.driver_factory = driver_factory
-        self.reporter_factory = reporter_factory
+        self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
+        self.reporter_factory: ReporterFactory = reporter_factory or Reporter
         self.environ = os.environ if environ is None else environ
         self.given_roots = roots or HostRoots()
         self._roots: HostRoots | None = None
@@ -81,6 +84,7 @@ def _systemd_active_state(unit: str) -> str | None:
 
 
 def hook_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.config.file import load_config  # noqa: PLC0415
     from gpugate.front.hook import Hook, run_hook  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
@@ -148,6 +152,9 @@ def slurm_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.config.file import load_config  # noqa: PLC0415
+    from gpugate.config.toml_text import to_toml  # noqa: PLC0415
+
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
     print(f"# effective configuration, from {loaded.source}")
@@ -202,6 +209,7 @@ def _warn_environment_files(unit: str) -> None:
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.config.file import load_config  # noqa: PLC0415
     from gpugate.front.status import render_json, render_table  # noqa: PLC0415
 
     roots = front.roots
