@@ -26,6 +26,7 @@ from gpugate.report.journal import Reporter, ReporterFactory
 
 if TYPE_CHECKING:
     from gpugate.config.models import LoadedConfig
+    from gpugate.core.discover import DeviceScanner
 
 # The config's modules (pydantic, and the models built with it: most of the start-up) are
 # imported by the commands that read a config, not by `--help`, `--version` or a usage error.
@@ -218,8 +219,13 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
     driver = front.driver_factory()
     try:
         warned: list[str] = []
+        look = Look(unit, loaded, driver, roots, warned)
+        if args.watch:
+            from gpugate.host.scan_watch import WatchScan  # noqa: PLC0415
+
+            look.scanner = WatchScan()
         while True:
-            data = status_data(unit, loaded, driver, roots, warned)
+            data = look()
             hung = driver_not_answering(driver)
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
@@ -245,28 +251,50 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
         driver.close()
 
 
-def status_data(
-    unit: str | None,
-    loaded: LoadedConfig,
-    driver: GpuDriver,
-    roots: HostRoots,
-    warned: list[str],
-) -> dict[str, Any]:
-    """One look for `status`; a warning about unreadable holders is said once (warned)."""
-    from gpugate.front.status import (  # noqa: PLC0415
-        as_dict,
-        collect,
-        device_minors,
-        unreadable_warning,
-    )
+class Look:
+    """One look for `status`, again at each --watch tick; a warning about unreadable holders is
+    said once (warned). Each look reads /proc with one ProcFs, in one oneshot(): discovery and
+    the JSON's rules share what it read."""
 
-    try:
-        discovery = collect(unit, loaded, driver, roots)
-    except NvmlNotAnswering as exc:
-        # Hung before it named a GPU: what /dev and /proc show, without NVML.
-        discovery = collect(unit, loaded, NotAnswering(exc, device_minors(roots)), roots)
-    warning = unreadable_warning(discovery)
-    if warning and not warned:  # once, also in --watch
-        print(warning, file=sys.stderr, flush=True)
-        warned.append(warning)
-    return as_dict(discovery, loaded, roots)
+    def __init__(
+        self,
+        unit: str | None,
+        loaded: LoadedConfig,
+        driver: GpuDriver,
+        roots: HostRoots,
+        warned: list[str],
+    ) -> None:
+        from gpugate.core.discover import full_scan  # noqa: PLC0415
+
+        self.unit = unit
+        self.loaded = loaded
+        self.driver = driver
+        self.roots = roots
+        self.warned = warned
+        self.scanner: DeviceScanner = full_scan
+
+    def __call__(self) -> dict[str, Any]:
+        from gpugate.front.status import (  # noqa: PLC0415
+            as_dict,
+            collect,
+            device_minors,
+            unreadable_warning,
+        )
+        from gpugate.host.procfs import ProcFs  # noqa: PLC0415
+
+        unit, loaded, roots = self.unit, self.loaded, self.roots
+        procfs = ProcFs(roots.proc)
+        with procfs.oneshot():
+            try:
+                discovery = collect(
+                    unit, loaded, self.driver, roots, procfs=procfs, scanner=self.scanner
+                )
+            except NvmlNotAnswering as exc:
+                # Hung before it named a GPU: what /dev and /proc show, without NVML.
+                driver = NotAnswering(exc, device_minors(roots))
+                discovery = collect(unit, loaded, driver, roots, procfs=procfs)
+            warning = unreadable_warning(discovery)
+            if warning and not self.warned:  # once, also in --watch
+                print(warning, file=sys.stderr, flush=True)
+                self.warned.append(warning)
+            return as_dict(discovery, loaded, roots, procfs)
