@@ -20,7 +20,7 @@ from pathlib import Path
 from gpugate.host.scan import DeviceScan, scan_device_users
 from gpugate.host.shm import ShmArea
 
-FULL_SCAN_EVERY_S = 15.0
+FULL_SCAN_EVERY_S = 30.0
 
 
 class WatchScan:
