@@ -7,7 +7,9 @@ watchers (an fd, no NVML listing) included. The real-process cases are tests/cor
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -80,7 +82,9 @@ def tables(host: Host, low: int = 100, high: int = 400) -> st.SearchStrategy[lis
     return st.lists(processes(host, pids), max_size=25, unique_by=lambda p: p.pid)
 
 
-HOST_FOR_STRATEGIES = Host(Path(tempfile.mkdtemp(prefix="gpugate-scan-fast-")))
+_TOP = tempfile.mkdtemp(prefix="gpugate-scan-fast-")
+atexit.register(shutil.rmtree, _TOP, ignore_errors=True)
+HOST_FOR_STRATEGIES = Host(Path(_TOP))  # hypothesis's examples share one (the fixture can't)
 FAST = settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
