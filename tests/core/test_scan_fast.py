@@ -195,3 +195,33 @@ def test_the_real_proc_gives_the_same_answer_on_threads() -> None:
     four = scan_device_users(Path("/proc"), "/dev/nvidia", pids=pids, threads=4)
     both = set(one.users) & set(four.users)
     assert {pid: one.users[pid] for pid in both} == {pid: four.users[pid] for pid in both}
+
+
+def test_an_exception_in_the_caller_does_not_wait_for_the_threads(
+    host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM's Interrupted (here a part that fails) ends the threaded scan at once: the other
+    threads are told to stop, not waited for (a hook that is sent SIGTERM ends at once)."""
+    import threading
+
+    from gpugate.host import scan as scan_module
+
+    release, finished = threading.Event(), threading.Event()
+    told_to_stop: list[bool] = []
+
+    def part(proc_fd: int, names: list[str], wanted: object, stop: list[bool]) -> DeviceScan:
+        if names and names[0] == "100":
+            raise RuntimeError("interrupted")
+        release.wait(30)  # bounded: a caller that waited would see it finished
+        told_to_stop.append(bool(stop))
+        finished.set()
+        return DeviceScan({}, [])
+
+    monkeypatch.setattr(scan_module, "_scan_part", part)
+    fake_proc(host.proc, [FakeProcess(100), FakeProcess(101)])
+    with pytest.raises(RuntimeError, match="interrupted"):
+        scan_device_users(host.proc, host.prefix, pids=[100, 101], threads=2)
+    assert not finished.is_set()
+    release.set()
+    assert finished.wait(30)
+    assert told_to_stop == [True]

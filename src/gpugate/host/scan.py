@@ -110,16 +110,32 @@ def scan_device_users(
         count = scan_threads(len(names)) if threads is None else max(1, threads)
         if count == 1:
             return _scan_part(proc_fd, names, wanted)
-        from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (big hosts only)
-
-        # Every COUNT-th process to each thread: the heavy ones (many fds) are spread out.
-        with ThreadPoolExecutor(count) as pool:
-            parts = list(
-                pool.map(lambda part: _scan_part(proc_fd, part, wanted), _dealt(names, count))
-            )
     finally:
         os.close(proc_fd)
-    return _merged(parts)
+    return _on_threads(proc_root, _dealt(names, count), wanted)
+
+
+def _on_threads(proc_root: Path, parts: list[list[str]], wanted: _Wanted) -> DeviceScan:
+    """Each part on a thread of its own, with its own /proc fd. An exception in the caller's
+    thread (SIGTERM's Interrupted) returns at once: the threads stop at their next process,
+    and no fd they read through is closed under them."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (big hosts only)
+
+    stop: list[bool] = []
+
+    def part_scan(names: list[str]) -> DeviceScan:
+        own_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return _scan_part(own_fd, names, wanted, stop)
+        finally:
+            os.close(own_fd)
+
+    pool = ThreadPoolExecutor(len(parts))
+    try:
+        return _merged(list(pool.map(part_scan, parts)))
+    finally:
+        stop.append(True)
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _dealt(names: list[str], count: int) -> list[list[str]]:
@@ -136,9 +152,14 @@ def _merged(parts: Sequence[DeviceScan]) -> DeviceScan:
     return scan
 
 
-def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
+def _scan_part(
+    proc_fd: int, names: Sequence[str], wanted: _Wanted, stop: Sequence[bool] = ()
+) -> DeviceScan:
+    """stop: becomes true when the caller no longer waits for this part (threads only)."""
     scan = DeviceScan({}, [])
     for name in names:
+        if stop:
+            break
         maps = _read_maps(proc_fd, name)
         where = name
         if maps is None:
