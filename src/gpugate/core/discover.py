@@ -25,7 +25,7 @@ from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
-from gpugate.host.scan import DeviceScan, scan_device_users
+from gpugate.host.scan import NO_DEADLINE, Deadline, DeviceScan, scan_device_users
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
@@ -73,6 +73,7 @@ class DeviceScanner(Protocol):
         socket_inodes: Collection[int],
         shm_areas: Sequence[ShmArea],
         listed_by_nvml: Collection[int],
+        deadline: Deadline,
     ) -> DeviceScan: ...
 
 
@@ -82,12 +83,13 @@ def full_scan(
     socket_inodes: Collection[int],
     shm_areas: Sequence[ShmArea],
     listed_by_nvml: Collection[int],
+    deadline: Deadline,
 ) -> DeviceScan:
     """Every process on the host: what a hook's round and a one-shot `status` read. (NVML's
     list cannot stand in for the scan: a watcher, a mapped-only holder and a holder of a GPU
     NVML cannot read are on no list.)"""
     del listed_by_nvml
-    return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas)
+    return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
 
 
 @dataclass
@@ -108,6 +110,8 @@ class Discovery:
     # open or mapped, by PID: every process, from the same pass over /proc.
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
     shm_areas: list[ShmArea] = field(default_factory=list)
+    # PIDs whose fds were not all read by the run's deadline (millions of them): holders may hide
+    cut_short: list[int] = field(default_factory=list)
 
     @property
     def owned_indices(self) -> set[int]:
@@ -181,6 +185,7 @@ class GpuState:
     faults: list[GpuFault]
     shm_areas: list[ShmArea] = field(default_factory=list)
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+    cut_short: list[int] = field(default_factory=list)  # PIDs whose fds the deadline cut
 
 
 def read_gpus(
@@ -225,27 +230,28 @@ def discover(
     driver: GpuDriver,
     procfs: ProcFs,
     roots: HostRoots,
-    self_pid: int | None = None,
     containers: Sequence[str] = (),
     container_names: ContainerNames | None = None,
     strict_faults: bool = True,
     ports: Collection[int] = (),
+    deadline: Deadline = NO_DEADLINE,
     scanner: DeviceScanner = full_scan,
 ) -> Discovery:
     """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
     on the others are recorded in `faults` either way); `status` passes False.
     containers: the config's `containers`, whose processes are the unit's too.
     ports: the unit's TCP ports, whose listeners are holders too.
+    deadline: the run's; the pass over /proc stops reading there (`cut_short`).
     scanner: the device-file scan (`status --watch` passes one that rescans what changed)."""
     unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
     state.shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
-        table = HolderTable(procfs, self_and_ancestors(procfs, self_pid))
+        table = HolderTable(procfs, self_and_ancestors(procfs))
         for pid in cgroup_members(roots.cgroup, unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        unreadable = _add_device_users(table, roots, state, ports, scanner)
+        unreadable = _add_device_users(table, roots, state, ports, (scanner, deadline))
         invisible = _add_nvml_processes(table, state.usage)
         unit_containers = _containers(
             table, roots=roots, wanted=containers, names=container_names or ContainerNames()
@@ -264,6 +270,7 @@ def discover(
         faults=state.faults,
         shm=state.shm,
         shm_areas=state.shm_areas,
+        cut_short=state.cut_short,
     )
 
 
@@ -272,7 +279,7 @@ def _add_device_users(
     roots: HostRoots,
     state: GpuState,
     ports: Collection[int],
-    scanner: DeviceScanner,
+    scan_with: tuple[DeviceScanner, Deadline],
 ) -> list[int]:
     """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
     the PIDs whose files could not be read."""
@@ -283,8 +290,9 @@ def _add_device_users(
         index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
+    scanner, deadline = scan_with
     listed = {process.pid for usage in state.usage.values() for process in usage.processes}
-    scan = scanner(roots.proc, dev_prefix, listening, state.shm_areas, listed)
+    scan = scanner(roots.proc, dev_prefix, listening, state.shm_areas, listed, deadline)
     for pid, use in scan.users.items():
         if (found := table.get(pid)) is None:
             continue
@@ -303,6 +311,7 @@ def _add_device_users(
             else:
                 found.control_devices.add(name)
     state.shm = scan.shm
+    state.cut_short = scan.cut_short
     return scan.unreadable
 
 

@@ -226,7 +226,7 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(f"gpugate: {exc.message}", file=sys.stderr)
+        print(f"gpugate: {_line(exc.message)}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -234,7 +234,7 @@ def main(
         if os.environ.get("GPUGATE_DEBUG"):
             raise
         print(
-            f"gpugate: internal error: {type(exc).__name__}: {exc} "
+            f"gpugate: internal error: {type(exc).__name__}: {_line(str(exc))} "
             "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
             file=sys.stderr,
         )
@@ -262,6 +262,12 @@ def _gpus(value: str) -> object:
         return parse_gpus(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _line(text: str) -> str:
+    from gpugate.report.untrusted import line  # noqa: PLC0415 (an error's words only)
+
+    return line(text)
 
 
 def _path(value: str) -> Path:

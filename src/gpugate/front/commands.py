@@ -268,6 +268,7 @@ class Look:
             as_dict,
             collect,
             device_minors,
+            state_warnings,
             unreadable_warning,
         )
         from gpugate.host.procfs import ProcFs  # noqa: PLC0415
@@ -283,8 +284,8 @@ class Look:
                 # Hung before it named a GPU: what /dev and /proc show, without NVML.
                 driver = NotAnswering(exc, device_minors(roots))
                 discovery = collect(unit, loaded, driver, roots, procfs=procfs)
-            warning = unreadable_warning(discovery)
-            if warning and not self.warned:  # once, also in --watch
-                print(warning, file=sys.stderr, flush=True)
-                self.warned.append(warning)
+            for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+                if warning and warning not in self.warned:  # once, also in --watch
+                    print(warning, file=sys.stderr, flush=True)
+                    self.warned.append(warning)
             return as_dict(discovery, loaded, roots, procfs)

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,26 @@ class DeviceScan:
     # Every process's files in the shm areas asked for, open or mapped (any process, holder or
     # not: the rest of an application is chosen later, from the tree).
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+    # PIDs whose fds were not all read by the deadline (a process holding millions of them),
+    # or not read at all: holders may hide there too.
+    cut_short: list[int] = field(default_factory=list)
+
+
+CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the scan stops reading (a monotonic time), and the clock it is read on."""
+
+    at: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def passed(self) -> bool:
+        return self.at is not None and self.clock() >= self.at
+
+
+NO_DEADLINE = Deadline()
 
 
 SPARE_CORES_FOR_THREADS = 4  # fewer usable cores than this: one thread (a small host's
@@ -70,6 +91,7 @@ class _Wanted:
     socket_inodes: Collection[int]
     shm_areas: Sequence[ShmArea]
     shm_prefixes: tuple[str, ...]
+    deadline: Deadline
 
 
 def scan_device_users(
@@ -77,6 +99,7 @@ def scan_device_users(
     device_prefix: str | None,
     socket_inodes: Collection[int] = frozenset(),
     shm_areas: Sequence[ShmArea] = (),
+    deadline: Deadline = NO_DEADLINE,
     *,
     pids: Collection[int] | None = None,
     threads: int | None = None,
@@ -93,6 +116,7 @@ def scan_device_users(
     no address space (kernel thread, zombie) costs one read of its maps and one listing of its
     threads: a thread group whose leader exited (pthread_exit in main) shows an empty maps and
     fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
+    Nothing is read past the deadline (`_scan_part`, `_names`): what is left is in `cut_short`.
     """
     wanted = _Wanted(
         device_prefix or None,
@@ -100,6 +124,7 @@ def scan_device_users(
         socket_inodes,
         shm_areas,
         tuple(area.path.rstrip("/") + "/" for area in shm_areas),
+        deadline,
     )
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -148,7 +173,9 @@ def _merged(parts: Sequence[DeviceScan]) -> DeviceScan:
         scan.users.update(part.users)
         scan.unreadable.extend(part.unreadable)
         scan.shm.update(part.shm)
+        scan.cut_short.extend(part.cut_short)
     scan.unreadable.sort()
+    scan.cut_short.sort()
     return scan
 
 
@@ -157,8 +184,11 @@ def _scan_part(
 ) -> DeviceScan:
     """stop: becomes true when the caller no longer waits for this part (threads only)."""
     scan = DeviceScan({}, [])
-    for name in names:
+    for count, name in enumerate(names):
         if stop:
+            break
+        if wanted.deadline.passed():
+            scan.cut_short.extend(int(left) for left in names[count:])
             break
         maps = _read_maps(proc_fd, name)
         where = name
@@ -172,6 +202,7 @@ def _scan_part(
         if fds is None:
             scan.unreadable.append(int(name))
             continue
+        scan.cut_short.extend([int(name)] if fds.cut_short else [])
         mapped = _mapped_paths(maps, wanted.prefix_bytes)
         if fds.paths or fds.sockets or mapped:
             scan.users[int(name)] = DeviceUse(
@@ -204,6 +235,7 @@ class _Fds:
     paths: set[str] = field(default_factory=set)  # under the device prefix
     sockets: set[int] = field(default_factory=set)  # asked-for socket inodes
     shm: list[ShmFile] = field(default_factory=list)
+    cut_short: bool = False  # the deadline came before the last fd
 
 
 def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
@@ -218,7 +250,7 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     except OSError:
         return found  # gone
     try:
-        for fd_name in os.listdir(dir_fd):
+        for fd_name in _names(dir_fd, wanted.deadline, found):
             try:
                 target = os.readlink(fd_name, dir_fd=dir_fd)
             except OSError:
@@ -236,6 +268,17 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     finally:
         os.close(dir_fd)
     return found
+
+
+def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
+    """The names in a folder, read a batch at a time (a million fds are not one list), until
+    the deadline (then found.cut_short)."""
+    with os.scandir(dir_fd) as entries:
+        for count, entry in enumerate(entries, 1):
+            if count % CHECK_EVERY == 0 and deadline.passed():
+                found.cut_short = True
+                return
+            yield entry.name
 
 
 def _add_shm(
