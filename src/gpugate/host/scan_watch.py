@@ -6,8 +6,9 @@ What a rescan trusts from the last look: a process that was there, held nothing 
 listed by NVML still holds nothing. A process that opens a device file later without a CUDA
 context (a watcher starting to poll) shows at the next full scan; one with a context is listed
 by NVML at once. A new socket inode or shm area asked for (a listener restarted) makes the look
-a full one; a process the last look's deadline left unread is read again. A PID reused between two looks (the PID space wrapping within a second) is read as
-the process it was until the next full scan.
+a full one; a process the last look's deadline left unread is read again. A PID reused between
+two looks (the PID space wrapping within a second) is read as the process it was until the
+next full scan.
 """
 
 from __future__ import annotations
