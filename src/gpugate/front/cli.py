@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
         # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
         # warned about, not refused. Hidden: not for hand use, never from the environment.
         sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
+        # `gpugate run` by an account that is not root writes it on both hook lines: kill only
+        # that account's processes (it narrows, never widens; docs/gpugate-run.md).
+        sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(handler="hook_command")
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
@@ -274,6 +277,15 @@ def _path(value: str) -> Path:
     from pathlib import Path  # noqa: PLC0415  (pathlib is not needed for --help)
 
     return Path(value)
+
+
+def _uid(value: str) -> int:
+    from gpugate.front.run_unit import parse_uid  # noqa: PLC0415
+
+    uid = parse_uid(value)
+    if uid is None:
+        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
+    return uid
 
 
 def _port(value: str) -> int:
