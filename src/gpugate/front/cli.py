@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import textwrap
@@ -50,9 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
-    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
-    # shown in --help, never in the unit drop-in, and never taken from the environment.
-    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    _stand_in_options(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for phase, text in (
         ("pre", "ExecStartPre=: make the unit's GPUs free before it starts"),
@@ -195,6 +194,14 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     run.set_defaults(handler="run_command")
 
 
+def _stand_in_options(parser: argparse.ArgumentParser) -> None:
+    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
+    # shown in --help, never in the unit drop-in, and never taken from the environment.
+    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
+    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+
+
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
@@ -220,6 +227,10 @@ def main(
         handler: Handler = getattr(commands, args.handler)
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
+        if args.nvml_library is not None and driver_factory is None:
+            from gpugate.host.nvml import NvmlDriver  # noqa: PLC0415
+
+            driver_factory = functools.partial(NvmlDriver, library=args.nvml_library)
         front = commands.Front(
             driver_factory=driver_factory,
             reporter_factory=reporter_factory,

@@ -76,9 +76,9 @@ def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
 
 
 def hook_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.config.file import load_config  # noqa: PLC0415
     from gpugate.core.run import RunDeps  # noqa: PLC0415
     from gpugate.front.hook import Deps, Hook, run_hook  # noqa: PLC0415
+    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
     from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
@@ -144,8 +144,8 @@ def slurm_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.config.file import load_config  # noqa: PLC0415
     from gpugate.config.toml_text import to_toml  # noqa: PLC0415
+    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
 
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
@@ -165,25 +165,28 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def install_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front import install, install_files  # noqa: PLC0415
+    from gpugate.front import install  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
         changes = install.plan_uninstall(unit, force=args.force, **dirs)
     else:
-        gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
+        from gpugate.front.self_command import command_for, gpugate_command  # noqa: PLC0415
+
+        given = args.gpugate_path
+        command = command_for(str(given)) if given else gpugate_command()
         changes = install.plan_install(
             unit,
             gpus=args.gpus,
             ports=args.ports,
             containers=args.containers,
-            gpugate_path=gpugate_path,
+            gpugate_path=command,
             force=args.force,
             **dirs,
         )
-        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
-            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+        if not os.access(command[0], os.X_OK) and not args.dry_run:
+            print(f"gpugate: warning: {command[0]} is not an executable here", file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
@@ -194,15 +197,15 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def _warn_environment_files(unit: str) -> None:
-    from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
+    from gpugate.integrations.unit.env_files import unit_environment_warnings  # noqa: PLC0415
 
-    for line in environment_file_warnings(unit):
+    for line in unit_environment_warnings(unit):
         print(f"gpugate: {line}", file=sys.stderr)
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.config.file import load_config  # noqa: PLC0415
     from gpugate.front.status import render_json, render_table  # noqa: PLC0415
+    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
 
     roots = front.host_roots()
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
