@@ -366,3 +366,44 @@ def as_nobody(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(reader.read() or "{}")
     os.waitpid(child, 0)
     return data
+
+
+@dataclass(frozen=True)
+class FakeProcess:
+    """One process of a stand-in /proc: the targets of its fds, its maps lines' paths (with
+    the device and inode each line shows), and its shape: "process", "kernel" (no address
+    space, no files) or "leaderless" (a thread group whose leader exited: the files are
+    under task/TID)."""
+
+    pid: int
+    fds: tuple[str, ...] = ()
+    maps: tuple[tuple[str, int, int], ...] = ()  # (path, st_dev, st_ino)
+    shape: str = "process"
+
+
+def fake_proc(root: Path, processes: Sequence[FakeProcess]) -> Path:
+    """A stand-in /proc that the device-file scan reads as it reads the real one: PID/maps,
+    PID/fd/N (symbolic links to the targets), PID/task/TID. Replaces what was there."""
+    if root.exists():
+        subprocess.run(["rm", "-rf", "--", str(root)], check=True)
+    root.mkdir(parents=True)
+    for process in processes:
+        top = root / str(process.pid)
+        (top / "task" / str(process.pid)).mkdir(parents=True)
+        (top / "fd").mkdir()
+        (top / "maps").write_text("")
+        if process.shape == "kernel":
+            continue
+        where = top
+        if process.shape == "leaderless":
+            where = top / "task" / str(process.pid + 1)
+            (where / "fd").mkdir(parents=True)
+        lines = [
+            f"7f{n:04x}000-7f{n:04x}fff rw-s 00000000 "
+            f"{os.major(dev):02x}:{os.minor(dev):02x} {ino} {path}\n"
+            for n, (path, dev, ino) in enumerate(process.maps)
+        ]
+        (where / "maps").write_text("".join(lines) or "5555-6666 r-xp 00000000 00:00 0 [heap]\n")
+        for number, target in enumerate(process.fds):
+            (where / "fd" / str(number)).symlink_to(target)
+    return root

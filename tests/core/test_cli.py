@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,61 @@ def test_nvml_error_from_injected_driver_is_one_line(capsys: pytest.CaptureFixtu
     assert capsys.readouterr().err == (
         "gpugate: NVML: GPU 3 is lost (fell off the bus); it needs a reset or reboot\n"
     )
+
+
+MODULES_AFTER = """
+import json, sys
+from gpugate.front.cli import main
+try:
+    main(sys.argv[1:])
+except SystemExit:
+    pass
+print(json.dumps(sorted(sys.modules)), file=sys.__stdout__)
+"""
+HEAVY = ("pydantic", "pydantic_core", "pynvml", "psutil", "systemd")
+
+
+def _modules_after(*argv: str) -> set[str]:
+    result = subprocess.run(
+        [sys.executable, "-c", MODULES_AFTER, *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    last = result.stdout.strip().splitlines()[-1]
+    return {name.split(".")[0] for name in json.loads(last)}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--help"],
+        ["--version"],
+        ["status", "--help"],
+        ["pre", "--help"],
+        ["config", "check", "--help"],
+        ["install", "--help"],
+        ["run", "--help"],
+        ["slurm", "prolog", "--help"],
+        ["no-such-command"],
+        ["status", "--no-such-option"],
+    ],
+)
+def test_help_version_and_usage_errors_import_no_heavy_module(argv: list[str]) -> None:
+    """Issue 30: what needs no config, no GPU and no process table imports none of them."""
+    assert not _modules_after(*argv) & set(HEAVY)
+
+
+def test_reading_a_config_builds_the_models(tmp_path: Path) -> None:
+    """The other side: the config models come in with the first config read."""
+    config = tmp_path / "gate.toml"
+    config.write_text("free_mib = 2048\n")
+    assert "pydantic" in _modules_after("config", "check", str(config))
+
+
+def test_the_hidden_roots_option_is_the_one_host_roots_parses() -> None:
+    from gpugate.front.cli import HOST_ROOTS_OPTION
+    from gpugate.host.roots import OPTION
+
+    assert HOST_ROOTS_OPTION == OPTION

@@ -12,6 +12,7 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
+from gpugate.host.procfs import ProcFs
 from gpugate.integrations.unit.leases import new_lease, write_lease
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
 
@@ -217,3 +218,25 @@ def test_each_gpu_shows_its_lease(host: FakeHost, capsys: pytest.CaptureFixture[
     assert by_unit["a.service"]["started_by"] == "alice (uid 1000)"
     assert by_unit["a.service"]["gpus"] == [0, 1, 2, 3]
     assert by_unit["b.service"]["started_by"] is None
+
+
+def test_one_look_reads_each_process_once(
+    host: FakeHost, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 30: discovery and the JSON's rules (pre's decision, its application walks) share
+    one reading of each process's facts."""
+    reads: list[int] = []
+    original = ProcFs._psutil_facts
+
+    def counted(self: ProcFs, base: Any) -> Any:
+        reads.append(base.pid)
+        return original(self, base)
+
+    monkeypatch.setattr(ProcFs, "_psutil_facts", counted)
+    pids = host.pool.holder(host.gpu_files(1), children=2)  # an orphan application
+    for pid in pids:
+        host.memory.claim(pid, {1}, 1000)
+    data = status(host, capsys, UNIT)
+    assert {holder["pid"] for holder in data["holders"]} >= set(pids)
+    assert {holder["reason"] for holder in data["holders"] if holder["pid"] in pids} == {"orphan"}
+    assert reads and len(reads) == len(set(reads)), sorted(reads)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import io
 import os
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from gpugate.front import commands
 from gpugate.front.cli import main
 from gpugate.front.status import cut, gpu_ranges, held_for, mib_shown, render_table
 from tests.fakes import UNIT, FakeHost, as_nobody
@@ -178,3 +180,32 @@ def test_watch_redraws_until_interrupted(
     with pytest.raises(SystemExit) as exited:
         run_status(host, "--watch", "--json")
     assert exited.value.code == 64
+
+
+def test_watch_rescans_show_new_holders_and_drop_gone_ones(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 30: the looks between full scans rescan new PIDs and the known holders."""
+    (first,) = host.pool.holder(host.gpu_files(0))
+    later: list[int] = []
+    draws: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        draws.append(seconds)
+        if len(draws) == 1:
+            os.kill(first, 9)  # our own holder
+            host.pool.popens[0].wait()
+            later.extend(host.pool.holder(host.gpu_files(5)))
+        elif len(draws) == 2:
+            raise KeyboardInterrupt
+
+    # Only the watch's own sleep (the holders' start waits on time.sleep as well).
+    monkeypatch.setattr(commands, "time", SimpleNamespace(sleep=sleep))
+    assert run_status(host, "--watch") == 0
+    frames = capsys.readouterr().out.split("\x1b[H\x1b[J")[1:]
+    pids = [
+        {int(line.split()[0]) for line in frame.splitlines() if line[:7].strip().isdigit()}
+        for frame in frames
+    ]
+    assert first in pids[0] and later[0] not in pids[0]
+    assert later[0] in pids[1] and first not in pids[1]

@@ -14,6 +14,7 @@ import re
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
@@ -24,7 +25,7 @@ from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
-from gpugate.host.scan import NO_DEADLINE, Deadline, scan_device_users
+from gpugate.host.scan import NO_DEADLINE, Deadline, DeviceScan, scan_device_users
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
@@ -59,6 +60,36 @@ class Holder:
         """The GPUs it really uses. CUDA opens /dev/nvidiaN for every visible GPU, so where
         NVML lists the process, its list is the better answer than the device files."""
         return set(self.used_mib) or self.gpus
+
+
+class DeviceScanner(Protocol):
+    """The device-file scan discovery uses: the full one (`full_scan`), or `status --watch`'s,
+    which rescans what changed (host.scan_watch.WatchScan)."""
+
+    def __call__(
+        self,
+        proc_root: Path,
+        device_prefix: str | None,
+        socket_inodes: Collection[int],
+        shm_areas: Sequence[ShmArea],
+        listed_by_nvml: Collection[int],
+        deadline: Deadline,
+    ) -> DeviceScan: ...
+
+
+def full_scan(
+    proc_root: Path,
+    device_prefix: str | None,
+    socket_inodes: Collection[int],
+    shm_areas: Sequence[ShmArea],
+    listed_by_nvml: Collection[int],
+    deadline: Deadline,
+) -> DeviceScan:
+    """Every process on the host: what a hook's round and a one-shot `status` read. (NVML's
+    list cannot stand in for the scan: a watcher, a mapped-only holder and a holder of a GPU
+    NVML cannot read are on no list.)"""
+    del listed_by_nvml
+    return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
 
 
 @dataclass
@@ -199,27 +230,28 @@ def discover(
     driver: GpuDriver,
     procfs: ProcFs,
     roots: HostRoots,
-    self_pid: int | None = None,
     containers: Sequence[str] = (),
     container_names: ContainerNames | None = None,
     strict_faults: bool = True,
     ports: Collection[int] = (),
     deadline: Deadline = NO_DEADLINE,
+    scanner: DeviceScanner = full_scan,
 ) -> Discovery:
     """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
     on the others are recorded in `faults` either way); `status` passes False.
     containers: the config's `containers`, whose processes are the unit's too.
     ports: the unit's TCP ports, whose listeners are holders too.
-    deadline: the run's; the pass over /proc stops reading there (`cut_short`)."""
+    deadline: the run's; the pass over /proc stops reading there (`cut_short`).
+    scanner: the device-file scan (`status --watch` passes one that rescans what changed)."""
     unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
     state.shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
-        table = HolderTable(procfs, self_and_ancestors(procfs, self_pid))
+        table = HolderTable(procfs, self_and_ancestors(procfs))
         for pid in cgroup_members(roots.cgroup, unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        unreadable = _add_device_users(table, roots, state, ports, deadline)
+        unreadable = _add_device_users(table, roots, state, ports, (scanner, deadline))
         invisible = _add_nvml_processes(table, state.usage)
         unit_containers = _containers(
             table, roots=roots, wanted=containers, names=container_names or ContainerNames()
@@ -247,7 +279,7 @@ def _add_device_users(
     roots: HostRoots,
     state: GpuState,
     ports: Collection[int],
-    deadline: Deadline,
+    scan_with: tuple[DeviceScanner, Deadline],
 ) -> list[int]:
     """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
     the PIDs whose files could not be read."""
@@ -258,7 +290,9 @@ def _add_device_users(
         index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
-    scan = scan_device_users(roots.proc, dev_prefix, listening, state.shm_areas, deadline)
+    scanner, deadline = scan_with
+    listed = {process.pid for usage in state.usage.values() for process in usage.processes}
+    scan = scanner(roots.proc, dev_prefix, listening, state.shm_areas, listed, deadline)
     for pid, use in scan.users.items():
         if (found := table.get(pid)) is None:
             continue

@@ -1,5 +1,10 @@
 """Command line: `gpugate pre|post|status|config check|install|uninstall|slurm`: the parser
-and main(); the handlers it dispatches to are `commands`."""
+and main(); the handlers it dispatches to are `commands`.
+
+Only the parser is imported up front: `--help`, `--version` and a usage error import no
+pydantic, no pynvml, no psutil (issue 30; tests/core/test_cli.py checks it). Each command's
+handler, and everything it needs, is imported once the command line is parsed.
+"""
 
 from __future__ import annotations
 
@@ -9,28 +14,23 @@ import functools
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
-from pathlib import Path
-from typing import NoReturn
 
 from gpugate import __version__
 from gpugate.errors import ExitCode, GateError, exit_code_summary
-from gpugate.front.commands import (
-    Front,
-    Handler,
-    config_check_command,
-    hook_command,
-    install_command,
-    run_command,
-    slurm_command,
-    status_command,
-)
-from gpugate.host.cgroups import CgroupLayout
-from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.roots import OPTION, HostRoots
-from gpugate.report.journal import Reporter, ReporterFactory
-from gpugate.report.untrusted import line
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy knows the name)
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+    from pathlib import Path
+    from typing import NoReturn
+
+    from gpugate.front.commands import Handler
+    from gpugate.host.cgroups import CgroupLayout
+    from gpugate.host.nvml import GpuDriver
+    from gpugate.host.roots import HostRoots
+    from gpugate.report.journal import ReporterFactory
+
+HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         # `gpugate run` by an account that is not root writes it on both hook lines: kill only
         # that account's processes (it narrows, never widens; docs/gpugate-run.md).
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
-        sub.set_defaults(func=hook_command)
+        sub.set_defaults(handler="hook_command")
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
     shown = status.add_mutually_exclusive_group()
@@ -79,13 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     shown.add_argument(
         "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
     )
-    status.set_defaults(func=status_command)
+    status.set_defaults(handler="status_command")
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
-    check.add_argument("path", nargs="?", type=Path, help="file to check (default: lookup)")
+    check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
-    check.set_defaults(func=config_check_command)
+    check.set_defaults(handler="config_check_command")
     _install_parsers(commands)
     _run_parser(commands)
     _slurm_parsers(commands)
@@ -106,9 +106,9 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         ("epilog", "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain"),
     ):
         sub = phases.add_parser(phase, help=text, description=text, epilog=EPILOG)
-        sub.add_argument("--config", type=Path, help="config file (default: /etc/gpugate lookup)")
+        sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
         _dry_run(sub)
-        sub.set_defaults(func=slurm_command)
+        sub.set_defaults(handler="slurm_command")
 
 
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -123,9 +123,9 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
-        sub.add_argument("--systemd-dir", type=Path, default=Path("/etc/systemd/system"))
-        sub.add_argument("--config-dir", type=Path, default=Path("/etc/gpugate"))
-        sub.set_defaults(func=install_command)
+        sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
+        sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
+        sub.set_defaults(handler="install_command")
     install.add_argument(
         "--gpus",
         type=_gpus,
@@ -152,7 +152,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
     install.add_argument(
         "--gpugate-path",
-        type=Path,
+        type=_path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
     )
 
@@ -186,18 +186,18 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="a TCP port the command listens on (repeatable): pre frees it (needs root)",
     )
     run.add_argument("--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)")
-    run.add_argument("--config", type=Path, help="config file for the hooks (default: lookup)")
+    run.add_argument("--config", type=_path, help="config file for the hooks (default: lookup)")
     run.add_argument(
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
-    run.set_defaults(func=run_command)
+    run.set_defaults(handler="run_command")
 
 
 def _stand_in_options(parser: argparse.ArgumentParser) -> None:
     # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
     # shown in --help, never in the unit drop-in, and never taken from the environment.
-    parser.add_argument(OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
     # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
     parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
 
@@ -206,26 +206,32 @@ def _unit_and_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
     )
-    parser.add_argument("--config", type=Path, help="config file (default: /etc/gpugate lookup)")
+    parser.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
 
 
 def main(
     argv: Sequence[str] | None = None,
     *,
-    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-    reporter_factory: ReporterFactory = Reporter,
+    driver_factory: Callable[[], GpuDriver] | None = None,
+    reporter_factory: ReporterFactory | None = None,
     roots: HostRoots | None = None,
     unit_state: Callable[[str], str | None] | None = None,
     cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
+    """driver_factory, reporter_factory: injected by tests; None: NVML's and journald's."""
     args = build_parser().parse_args(argv)
-    handler: Handler = args.func
     try:
+        from gpugate.front import commands  # noqa: PLC0415
+        from gpugate.host.roots import HostRoots  # noqa: PLC0415
+
+        handler: Handler = getattr(commands, args.handler)
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
-        if args.nvml_library is not None and driver_factory is NvmlDriver:
+        if args.nvml_library is not None and driver_factory is None:
+            from gpugate.host.nvml import NvmlDriver  # noqa: PLC0415
+
             driver_factory = functools.partial(NvmlDriver, library=args.nvml_library)
-        front = Front(
+        front = commands.Front(
             driver_factory=driver_factory,
             reporter_factory=reporter_factory,
             roots=roots,
@@ -234,7 +240,7 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(f"gpugate: {line(exc.message)}", file=sys.stderr)
+        print(f"gpugate: {_line(exc.message)}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -242,7 +248,7 @@ def main(
         if os.environ.get("GPUGATE_DEBUG"):
             raise
         print(
-            f"gpugate: internal error: {type(exc).__name__}: {line(str(exc))} "
+            f"gpugate: internal error: {type(exc).__name__}: {_line(str(exc))} "
             "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
             file=sys.stderr,
         )
@@ -270,6 +276,18 @@ def _gpus(value: str) -> object:
         return parse_gpus(value)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _line(text: str) -> str:
+    from gpugate.report.untrusted import line  # noqa: PLC0415 (an error's words only)
+
+    return line(text)
+
+
+def _path(value: str) -> Path:
+    from pathlib import Path  # noqa: PLC0415  (pathlib is not needed for --help)
+
+    return Path(value)
 
 
 def _uid(value: str) -> int:

@@ -8,10 +8,8 @@ import os
 import sys
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gpugate.config.models import LoadedConfig
-from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
@@ -25,8 +23,14 @@ from gpugate.host.systemd import (
     unit_argument,
     validate_unit_name,
 )
-from gpugate.integrations.config_files import load_config
 from gpugate.report.journal import Reporter, ReporterFactory
+
+if TYPE_CHECKING:
+    from gpugate.config.models import LoadedConfig
+    from gpugate.core.discover import DeviceScanner
+
+# The config's modules (pydantic, and the models built with it: most of the start-up) are
+# imported by the commands that read a config, not by `--help`, `--version` or a usage error.
 
 Handler = Callable[[argparse.Namespace, "Front"], int]
 
@@ -37,8 +41,8 @@ class Front:
     def __init__(
         self,
         *,
-        driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-        reporter_factory: ReporterFactory = Reporter,
+        driver_factory: Callable[[], GpuDriver] | None = None,
+        reporter_factory: ReporterFactory | None = None,
         roots: HostRoots | None = None,
         environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
@@ -49,8 +53,8 @@ class Front:
         cgroup_layout: the host's cgroup layout for these roots (default: the real
         /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
         is used as it is)."""
-        self.driver_factory = driver_factory
-        self.reporter_factory = reporter_factory
+        self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
+        self.reporter_factory: ReporterFactory = reporter_factory or Reporter
         self.environ = os.environ if environ is None else environ
         self.given_roots = roots or HostRoots()
         self.unit_state = unit_state or active_state
@@ -74,6 +78,7 @@ def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
 def hook_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.core.run import RunDeps  # noqa: PLC0415
     from gpugate.front.hook import Deps, Hook, run_hook  # noqa: PLC0415
+    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
     from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
@@ -139,6 +144,9 @@ def slurm_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.config.toml_text import to_toml  # noqa: PLC0415
+    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
+
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
     print(f"# effective configuration, from {loaded.source}")
@@ -197,6 +205,7 @@ def _warn_environment_files(unit: str) -> None:
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.status import render_json, render_table  # noqa: PLC0415
+    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
 
     roots = front.host_roots()
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
@@ -204,8 +213,13 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
     driver = front.driver_factory()
     try:
         warned: list[str] = []
+        look = Look(unit, loaded, driver, roots, warned)
+        if args.watch:
+            from gpugate.host.scan_watch import WatchScan  # noqa: PLC0415
+
+            look.scanner = WatchScan()
         while True:
-            data = status_data(unit, loaded, driver, roots, warned)
+            data = look()
             hung = driver.not_answering()
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
@@ -231,29 +245,51 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
         driver.close()
 
 
-def status_data(
-    unit: str | None,
-    loaded: LoadedConfig,
-    driver: GpuDriver,
-    roots: HostRoots,
-    warned: list[str],
-) -> dict[str, Any]:
-    """One look for `status`; a warning about unreadable holders is said once (warned)."""
-    from gpugate.front.status import (  # noqa: PLC0415
-        as_dict,
-        collect,
-        device_minors,
-        state_warnings,
-        unreadable_warning,
-    )
+class Look:
+    """One look for `status`, again at each --watch tick; a warning about unreadable holders is
+    said once (warned). Each look reads /proc with one ProcFs, in one oneshot(): discovery and
+    the JSON's rules share what it read."""
 
-    try:
-        discovery = collect(unit, loaded, driver, roots)
-    except NvmlNotAnswering as exc:
-        # Hung before it named a GPU: what /dev and /proc show, without NVML.
-        discovery = collect(unit, loaded, NotAnswering(exc, device_minors(roots)), roots)
-    for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
-        if warning and warning not in warned:  # once, also in --watch
-            print(warning, file=sys.stderr, flush=True)
-            warned.append(warning)
-    return as_dict(discovery, loaded, roots)
+    def __init__(
+        self,
+        unit: str | None,
+        loaded: LoadedConfig,
+        driver: GpuDriver,
+        roots: HostRoots,
+        warned: list[str],
+    ) -> None:
+        from gpugate.core.discover import full_scan  # noqa: PLC0415
+
+        self.unit = unit
+        self.loaded = loaded
+        self.driver = driver
+        self.roots = roots
+        self.warned = warned
+        self.scanner: DeviceScanner = full_scan
+
+    def __call__(self) -> dict[str, Any]:
+        from gpugate.front.status import (  # noqa: PLC0415
+            as_dict,
+            collect,
+            device_minors,
+            state_warnings,
+            unreadable_warning,
+        )
+        from gpugate.host.procfs import ProcFs  # noqa: PLC0415
+
+        unit, loaded, roots = self.unit, self.loaded, self.roots
+        procfs = ProcFs(roots.proc)
+        with procfs.oneshot():
+            try:
+                discovery = collect(
+                    unit, loaded, self.driver, roots, procfs=procfs, scanner=self.scanner
+                )
+            except NvmlNotAnswering as exc:
+                # Hung before it named a GPU: what /dev and /proc show, without NVML.
+                driver = NotAnswering(exc, device_minors(roots))
+                discovery = collect(unit, loaded, driver, roots, procfs=procfs)
+            for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+                if warning and warning not in self.warned:  # once, also in --watch
+                    print(warning, file=sys.stderr, flush=True)
+                    self.warned.append(warning)
+            return as_dict(discovery, loaded, roots, procfs)

@@ -12,7 +12,15 @@ from typing import Any
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import decide
-from gpugate.core.discover import Discovery, Holder, Sought, cgroup_members, discover
+from gpugate.core.discover import (
+    DeviceScanner,
+    Discovery,
+    Holder,
+    Sought,
+    cgroup_members,
+    discover,
+    full_scan,
+)
 from gpugate.core.roles import Role, holder_role
 from gpugate.errors import GateError
 from gpugate.host.nvml import GpuDriver
@@ -46,10 +54,17 @@ NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 
 
 def collect(
-    unit: str | None, loaded: LoadedConfig, driver: GpuDriver, roots: HostRoots | None = None
+    unit: str | None,
+    loaded: LoadedConfig,
+    driver: GpuDriver,
+    roots: HostRoots | None = None,
+    *,
+    procfs: ProcFs | None = None,
+    scanner: DeviceScanner = full_scan,
 ) -> Discovery:
     """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
-    `faults`, and its device files still name its holders."""
+    `faults`, and its device files still name its holders. procfs: the one the look reads
+    with (inside its oneshot(), so that as_dict reads nothing again); scanner: --watch's."""
     roots = roots or HostRoots()
     if unit is not None:
         environment = None if roots.ask_systemd else (lambda _: None)
@@ -62,12 +77,13 @@ def collect(
     return discover(
         Sought(unit or "", cgroup, wanted, loaded.source),
         driver=driver,
-        procfs=ProcFs(roots.proc),
+        procfs=procfs or ProcFs(roots.proc),
         roots=roots,
         ports=() if unit is None else loaded.config.ports,
         containers=loaded.config.containers,
         strict_faults=False,
         deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
+        scanner=scanner,
     )
 
 
@@ -108,12 +124,15 @@ def uptime_s(proc_root: Path) -> float | None:
 
 
 def as_dict(
-    discovery: Discovery, loaded: LoadedConfig, roots: HostRoots | None = None
+    discovery: Discovery,
+    loaded: LoadedConfig,
+    roots: HostRoots | None = None,
+    procfs: ProcFs | None = None,
 ) -> dict[str, Any]:
     roots = roots or HostRoots()
     now = uptime_s(roots.proc)
     leases = read_leases(loaded.config.lock_dir).leases
-    rules = pre_rules(discovery, loaded, roots)
+    rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     holders = [
         holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
@@ -185,11 +204,11 @@ def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
     return found
 
 
-def pre_rules(discovery: Discovery, loaded: LoadedConfig, roots: HostRoots) -> dict[int, str]:
+def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dict[int, str]:
     """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
     if not discovery.unit:
         return {}
-    decision = decide(discovery, loaded.config, Phase.PRE, ProcFs(roots.proc))
+    decision = decide(discovery, loaded.config, Phase.PRE, procfs)
     return {choice.holder.pid: choice.rule.value for choice in decision.choices}
 
 

@@ -65,17 +65,51 @@ class Deadline:
 NO_DEADLINE = Deadline()
 
 
+SPARE_CORES_FOR_THREADS = 4  # fewer usable cores than this: one thread (a small host's
+# cores are its services'; on these the threads measured no gain: docs/benchmarks.md)
+MAX_THREADS = 16
+PIDS_PER_THREAD = 1000  # a thread for fewer processes than this costs more than it saves
+
+
+def scan_threads(processes: int, cores: int | None = None) -> int:
+    """How many threads the scan spreads over: one on a host with few cores; on a big one
+    (GPU servers have 64-256), a thread per PIDS_PER_THREAD processes, at most half the cores
+    gpugate may run on (os.sched_getaffinity: a unit's CPUAffinity= is respected) and at most
+    MAX_THREADS. The kernel's work (open, getdents, readlink, read) runs outside the GIL."""
+    if cores is None:
+        cores = len(os.sched_getaffinity(0))
+    if cores < SPARE_CORES_FOR_THREADS:
+        return 1
+    return max(1, min(cores // 2, MAX_THREADS, processes // PIDS_PER_THREAD))
+
+
+@dataclass(frozen=True)
+class _Wanted:
+    """What one scan looks for, worked out once per scan rather than once per process."""
+
+    prefix: str | None
+    prefix_bytes: bytes | None
+    socket_inodes: Collection[int]
+    shm_areas: Sequence[ShmArea]
+    shm_prefixes: tuple[str, ...]
+    deadline: Deadline
+
+
 def scan_device_users(
     proc_root: Path,
     device_prefix: str | None,
     socket_inodes: Collection[int] = frozenset(),
     shm_areas: Sequence[ShmArea] = (),
     deadline: Deadline = NO_DEADLINE,
+    *,
+    pids: Collection[int] | None = None,
+    threads: int | None = None,
 ) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
     and every process's files in the shm areas (read from the same fd links and maps: no second
-    pass).
+    pass). pids: only these processes (`WatchScan`'s rescans); threads: None chooses
+    (`scan_threads`).
 
     psutil's open_files() skips device files, so this reads /proc/PID/fd links itself. The
     kernel's work per process is most of the cost on a host with thousands of them, so every
@@ -83,35 +117,66 @@ def scan_device_users(
     no address space (kernel thread, zombie) costs one read of its maps and one listing of its
     threads: a thread group whose leader exited (pthread_exit in main) shows an empty maps and
     fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
-    Nothing is read past the deadline (`_pids`, `_names`): what is left is in `cut_short`."""
-    scan = DeviceScan({}, [])
-    prefix_bytes = device_prefix.encode() if device_prefix else None
+    Nothing is read past the deadline (`_scan_part`, `_names`): what is left is in `cut_short`.
+    """
+    wanted = _Wanted(
+        device_prefix or None,
+        device_prefix.encode() if device_prefix else None,
+        socket_inodes,
+        shm_areas,
+        tuple(area.path.rstrip("/") + "/" for area in shm_areas),
+        deadline,
+    )
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name in _pids(proc_fd, deadline, scan):
-            maps = _read_maps(proc_fd, name)
-            where = name
-            if maps is None:
-                thread = _live_thread_of_dead_leader(proc_fd, name)
-                if thread is None:
-                    continue
-                where = f"{name}/task/{thread}"
-                maps = _read_maps(proc_fd, where) or b""
-            mapped = _mapped_paths(maps, prefix_bytes)
-            fds = _fd_paths(
-                proc_fd, where, device_prefix, socket_inodes, shm_areas, deadline=deadline
-            )
-            if fds is None:
-                scan.unreadable.append(int(name))
-                continue
-            scan.cut_short.extend([int(name)] if fds.cut_short else [])
-            if fds.paths or fds.sockets or mapped:
-                scan.users[int(name)] = DeviceUse(
-                    frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
-                )
-            _note_shm(scan, proc_fd, name, fds.shm + _mapped_shm(maps, shm_areas))
+        if pids is None:
+            names = [name for name in os.listdir(proc_fd) if name.isdigit()]
+        else:
+            names = [str(pid) for pid in pids]
+        count = scan_threads(len(names)) if threads is None else max(1, threads)
+        if count == 1:
+            return _scan_part(proc_fd, names, wanted)
     finally:
         os.close(proc_fd)
+    return _on_threads(proc_root, _dealt(names, count), wanted)
+
+
+def _on_threads(proc_root: Path, parts: list[list[str]], wanted: _Wanted) -> DeviceScan:
+    """Each part on a thread of its own, with its own /proc fd. An exception in the caller's
+    thread (SIGTERM's Interrupted) returns at once: the threads stop at their next process,
+    and no fd they read through is closed under them."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (big hosts only)
+
+    stop: list[bool] = []
+
+    def part_scan(names: list[str]) -> DeviceScan:
+        own_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            return _scan_part(own_fd, names, wanted, stop)
+        finally:
+            os.close(own_fd)
+
+    pool = ThreadPoolExecutor(len(parts))
+    try:
+        return _merged(list(pool.map(part_scan, parts)))
+    finally:
+        stop.append(True)
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _dealt(names: list[str], count: int) -> list[list[str]]:
+    return [names[start::count] for start in range(count)]
+
+
+def _merged(parts: Sequence[DeviceScan]) -> DeviceScan:
+    scan = DeviceScan({}, [])
+    for part in parts:
+        scan.users.update(part.users)
+        scan.unreadable.extend(part.unreadable)
+        scan.shm.update(part.shm)
+        scan.cut_short.extend(part.cut_short)
+    scan.unreadable.sort()
+    scan.cut_short.sort()
     return scan
 
 
@@ -122,14 +187,38 @@ def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> 
         scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
 
 
-def _pids(proc_fd: int, deadline: Deadline, scan: DeviceScan) -> Iterator[str]:
-    """The PIDs under /proc until the deadline; those left then go to scan.cut_short."""
-    names = [name for name in os.listdir(proc_fd) if name.isdigit()]
+def _scan_part(
+    proc_fd: int, names: Sequence[str], wanted: _Wanted, stop: Sequence[bool] = ()
+) -> DeviceScan:
+    """stop: becomes true when the caller no longer waits for this part (threads only)."""
+    scan = DeviceScan({}, [])
     for count, name in enumerate(names):
-        if deadline.passed():
+        if stop:
+            break
+        if wanted.deadline.passed():
             scan.cut_short.extend(int(left) for left in names[count:])
-            return
-        yield name
+            break
+        maps = _read_maps(proc_fd, name)
+        where = name
+        if maps is None:
+            thread = _live_thread_of_dead_leader(proc_fd, name)
+            if thread is None:
+                continue
+            where = f"{name}/task/{thread}"
+            maps = _read_maps(proc_fd, where) or b""
+        fds = _fd_paths(proc_fd, where, wanted)
+        if fds is None:
+            scan.unreadable.append(int(name))
+            continue
+        scan.cut_short.extend([int(name)] if fds.cut_short else [])
+        mapped = _mapped_paths(maps, wanted.prefix_bytes)
+        if fds.paths or fds.sockets or mapped:
+            scan.users[int(name)] = DeviceUse(
+                frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
+            )
+        shm = fds.shm + _mapped_shm(maps, wanted.shm_areas) if wanted.shm_areas else fds.shm
+        _note_shm(scan, proc_fd, name, shm)
+    return scan
 
 
 def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
@@ -156,19 +245,11 @@ class _Fds:
     cut_short: bool = False  # the deadline came before the last fd
 
 
-def _fd_paths(
-    proc_fd: int,
-    pid_name: str,
-    prefix: str | None,
-    socket_inodes: Collection[int],
-    shm_areas: Sequence[ShmArea],
-    *,
-    deadline: Deadline,
-) -> _Fds | None:
+def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     """The fd targets under the prefix, the asked-for sockets and the files in the shm areas;
     None where we may not read them (not root)."""
     found = _Fds()
-    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
+    prefix, socket_inodes, shm_prefixes = wanted.prefix, wanted.socket_inodes, wanted.shm_prefixes
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except PermissionError:
@@ -176,7 +257,7 @@ def _fd_paths(
     except OSError:
         return found  # gone
     try:
-        for fd_name in _names(dir_fd, deadline, found):
+        for fd_name in _names(dir_fd, wanted.deadline, found):
             try:
                 target = os.readlink(fd_name, dir_fd=dir_fd)
             except OSError:
@@ -188,7 +269,7 @@ def _fd_paths(
                 if inode in socket_inodes:
                     found.sockets.add(inode)
             elif shm_prefixes and target.startswith(shm_prefixes):
-                _add_shm(found, (proc_fd, pid_name), (dir_fd, fd_name), target, shm_areas)
+                _add_shm(found, (proc_fd, pid_name), (dir_fd, fd_name), target, wanted.shm_areas)
     except OSError:
         pass
     finally:
