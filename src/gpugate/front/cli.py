@@ -20,6 +20,7 @@ from gpugate.front.commands import (
     config_check_command,
     hook_command,
     install_command,
+    oci_command,
     run_command,
     slurm_command,
     status_command,
@@ -29,6 +30,10 @@ from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import OPTION, HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
 
+CONTAINERS_HELP = (
+    "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d files, "
+    "docker's gpugate runtime; see docs/containers.md)"
+)
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
@@ -84,6 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
     check.set_defaults(func=config_check_command)
     _install_parsers(commands)
+    _oci_parsers(commands)
     _run_parser(commands)
     _slurm_parsers(commands)
     return parser
@@ -116,7 +122,10 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
     uninstall = commands.add_parser("uninstall", help="take gpugate off a unit (install, reversed)")
     for sub in (install, uninstall):
-        sub.add_argument("unit", help="a service (vllm.service) or template (vllm@.service)")
+        sub.add_argument(
+            "unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)"
+        )
+        sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
@@ -152,6 +161,21 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         type=Path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
     )
+
+
+def _oci_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Shown in --help; the command itself never reaches this parser (front/entry.py)."""
+    hook = commands.add_parser(
+        "oci-hook",
+        help="OCI runtime hook: free a container's GPUs before it starts, after it stops",
+    )
+    hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
+    hook.set_defaults(func=oci_command)
+    runtime = commands.add_parser(
+        "oci-runtime", help="runc with gpugate's hooks added to GPU containers (docker's runtime)"
+    )
+    runtime.add_argument("args", nargs=argparse.REMAINDER, help="runc's arguments")
+    runtime.set_defaults(func=oci_command)
 
 
 def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -168,6 +168,11 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install, install_files  # noqa: PLC0415
 
+    if args.oci:
+        return containers_install_command(args)
+    if args.unit is None:
+        print(f"gpugate {args.command}: give a UNIT, or --containers", file=sys.stderr)
+        return int(ExitCode.USAGE)
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
@@ -262,3 +267,38 @@ def status_data(
         print(warning, file=sys.stderr, flush=True)
         warned.append(warning)
     return as_dict(discovery, loaded, roots)
+
+
+def containers_install_command(args: argparse.Namespace) -> int:
+    """`gpugate install|uninstall --containers` (front/install_containers.py)."""
+    from gpugate.front import install, install_files  # noqa: PLC0415
+    from gpugate.front import install_containers as oci  # noqa: PLC0415
+
+    installing = args.command == "install"
+    host = oci.detect()
+    gpugate = str(getattr(args, "gpugate_path", None) or install_files.default_gpugate_path())
+    changes = oci.plan_hooks(host, gpugate, install=installing, force=args.force)
+    if host.daemon_json is not None:
+        wrapper = oci.wrapper_beside(gpugate) if installing else ""
+        changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    if not changes:
+        print("no podman, CRI-O or docker here: nothing to do")
+        return int(ExitCode.OK)
+    install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
+    docker_changed = any(
+        c.path == host.daemon_json and c.action is install.Action.WRITE for c in changes
+    )
+    if docker_changed and not args.dry_run and not args.no_reload:
+        print(oci.reload_docker())
+    return int(ExitCode.OK)
+
+
+def oci_command(args: argparse.Namespace, front: Front) -> int:
+    """`gpugate [--host-roots ...] oci-hook STAGE` where the fast entry did not take it."""
+    if args.command == "oci-runtime":
+        from gpugate.front.oci_runtime import main as runtime  # noqa: PLC0415
+
+        return runtime(args.args)
+    from gpugate.front.oci_entry import main  # noqa: PLC0415
+
+    return main([args.stage])

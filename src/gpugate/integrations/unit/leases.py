@@ -40,6 +40,9 @@ class Lease:
     # Who started the unit by hand (`gpugate run` sets GPUGATE_STARTED_BY on its transient
     # unit: "alice (uid 1000)"); None for units systemd starts. Old lease files lack it.
     started_by: str | None = None
+    # A container's lease (`gpugate oci-hook`): the unit is its scope (libpod-ID.scope),
+    # active while it runs; this is the container in words ("podman container vllm (3f2a…)").
+    container: str | None = None
 
     def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
         mine = {uuid.lower() for uuid in self.uuids}
@@ -55,13 +58,15 @@ class Lease:
             "invocation_id": self.invocation_id,
             "pid": self.pid,
             "started_by": self.started_by,
+            "container": self.container,
         }
 
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         by = f"`gpugate run` by {self.started_by}, " if self.started_by else ""
-        return f"{self.unit} ({by}since {when})"
+        who = self.container or self.unit
+        return f"{who} ({by}since {when})"
 
 
 def lease_dir(lock_dir: Path) -> Path:
@@ -79,6 +84,7 @@ def new_lease(
     share: bool,
     invocation_id: str | None = None,
     started_by: str | None = None,
+    container: str | None = None,
 ) -> Lease:
     return Lease(
         unit=unit,
@@ -89,6 +95,7 @@ def new_lease(
         invocation_id=invocation_id or None,
         pid=os.getpid(),
         started_by=started_by or None,
+        container=container,
     )
 
 
@@ -105,6 +112,7 @@ def parse_lease(text: str) -> Lease | None:
             invocation_id=data.get("invocation_id") or None,
             pid=int(data.get("pid", 0)),
             started_by=str(data["started_by"])[:200] if data.get("started_by") else None,
+            container=str(data["container"])[:300] if data.get("container") else None,
         )
     except (ValueError, KeyError, TypeError):
         return None
@@ -176,6 +184,11 @@ class LeaseCheck:
             f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.holder_text()}"
             for lease, gpus in self.conflicts
         ]
+        if all(lease.container for lease, _ in self.conflicts):
+            return (
+                "; ".join(parts) + ": that container is still running and holds them until it"
+                " stops; stop it first, or set share_gpus = true in both configs"
+            )
         return (
             "; ".join(parts) + ": that unit is still active or activating and holds them until"
             " its post; stop it first, or set share_gpus = true in both units' configs"

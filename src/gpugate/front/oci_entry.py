@@ -1,0 +1,53 @@
+"""`gpugate oci-hook STAGE`, the part every container pays for: the state on stdin and the
+bundle's config.json read and parsed with the standard library alone; a container that asks
+for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
+(front/oci_hook.py). bench/oci_hook.py measures both."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from gpugate.errors import ExitCode
+from gpugate.host.oci import (
+    OciInputError,
+    parse_config,
+    parse_state,
+    read_config,
+    read_stdin_bounded,
+)
+
+# OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
+ACTING = ("createRuntime", "prestart", "poststop")
+STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
+USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
+
+
+def main(argv: Sequence[str]) -> int:
+    """argv: what follows `oci-hook`."""
+    if len(argv) != 1 or argv[0] not in STAGES:
+        if argv[:1] in (["-h"], ["--help"]):
+            print(USAGE)
+            return int(ExitCode.OK)
+        print(USAGE, file=sys.stderr)
+        return int(ExitCode.USAGE)
+    stage = argv[0]
+    try:
+        state = parse_state(read_stdin_bounded())
+        if stage not in ACTING:
+            return int(ExitCode.OK)
+        try:
+            raw = read_config(state.bundle)
+        except OciInputError:
+            if stage == "poststop":  # the runtime may have removed the bundle already;
+                return int(ExitCode.OK)  # the lease is stale once the scope is gone
+            raise
+        spec = parse_config(raw, f"{state.bundle}/config.json")
+    except OciInputError as exc:
+        print(f"gpugate: oci-hook {stage}: {exc.message}", file=sys.stderr)
+        return int(exc.exit_code)
+    if not spec.gpus:
+        return int(ExitCode.OK)  # no GPU asked for: not gpugate's container
+    from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
+
+    return run_from_hook(stage, state, spec)
