@@ -142,18 +142,27 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         _check_owner(os.fstat(dir_fd), bundle, euid)
         try:
-            fd = os.open("config.json", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            # O_NONBLOCK: a FIFO in its place must not stall the container's start.
+            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open("config.json", flags, dir_fd=dir_fd)
         except OSError as exc:
             raise OciInputError(f"{bundle}/config.json: cannot be opened: {exc.strerror}") from None
     finally:
         os.close(dir_fd)
     path = f"{bundle}/config.json"
-    with os.fdopen(fd, "rb") as stream:
-        info = os.fstat(stream.fileno())
+    try:
+        info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise OciInputError(f"{path}: not a regular file")
         _check_owner(info, path, euid)
-        data = stream.read(limit + 1)
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit and (chunk := os.read(fd, 1 << 20)):
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
     if len(data) > limit:
         raise OciInputError(f"{path}: over {limit} bytes")
     return data

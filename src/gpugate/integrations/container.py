@@ -39,6 +39,7 @@ from gpugate.integrations.unit.shared_host import UnitSurroundings
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
 MAX_DOCKER_CONFIG = 4 << 20
+MAX_STORAGE_RECORDS = 32 << 20  # one record per container on the host
 # Before it starts a container owns no process: its runtime's init waiting in its scope is
 # not a holder to kill. A cgroup below the scope that never exists stands for "none yet".
 NOT_STARTED = "gpugate-before-start"
@@ -86,6 +87,8 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     name = container_name(state, spec)
     if name is None and runtime == "docker":
         name = docker_name(state.id)
+    if name is None:
+        name = storage_name(state.id, state.bundle)
     unit = unit_of_cgroup(cgroup) if cgroup else None
     return ContainerIdentity(
         id=state.id,
@@ -98,23 +101,44 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
 
 def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:
     """The name dockerd recorded at create (config.v2.json, root's, before the start)."""
-    path = root / container_id / "config.v2.json"
+    data = _owned_json(root / container_id / "config.v2.json", MAX_DOCKER_CONFIG)
+    name = data.get("Name") if isinstance(data, dict) else None
+    return (name.strip("/")[:256] or None) if isinstance(name, str) else None
+
+
+def storage_name(container_id: str, bundle: str) -> str | None:
+    """podman's (and CRI-O's) name for it: containers/storage records every container with
+    its names in DRIVER-containers/containers.json, two folders above the bundle
+    (DRIVER-containers/ID/userdata)."""
+    folder = Path(bundle)
+    if folder.name != "userdata" or folder.parent.name != container_id:
+        return None
+    records = _owned_json(folder.parent.parent / "containers.json", MAX_STORAGE_RECORDS)
+    for record in records if isinstance(records, list) else ():
+        if isinstance(record, dict) and record.get("id") == container_id:
+            names = record.get("names")
+            if isinstance(names, list) and names and isinstance(names[0], str):
+                return names[0][:256] or None
+    return None
+
+
+def _owned_json(path: Path, limit: int) -> object:
+    """A JSON file this process's user owns, not a link, at most limit bytes; None if not."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
     with os.fdopen(fd, "rb") as stream:
         info = os.fstat(stream.fileno())
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
             return None
-        raw = stream.read(MAX_DOCKER_CONFIG + 1)
-    if len(raw) > MAX_DOCKER_CONFIG:
+        raw = stream.read(limit + 1)
+    if len(raw) > limit:
         return None
     try:
-        name = json.loads(raw).get("Name")
-    except (ValueError, AttributeError, RecursionError):
+        return json.loads(raw)
+    except (ValueError, RecursionError):
         return None
-    return name.strip("/")[:256] or None if isinstance(name, str) else None
 
 
 def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
