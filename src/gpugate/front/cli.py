@@ -170,6 +170,7 @@ def _oci_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="OCI runtime hook: free a container's GPUs before it starts, after it stops",
     )
     hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
+    hook.add_argument("--config", type=Path, help="default: /etc/gpugate/containers.toml")
     hook.set_defaults(func=oci_command)
     runtime = commands.add_parser(
         "oci-runtime", help="runc with gpugate's hooks added to GPU containers (docker's runtime)"

@@ -301,4 +301,4 @@ def oci_command(args: argparse.Namespace, front: Front) -> int:
         return runtime(args.args)
     from gpugate.front.oci_entry import main  # noqa: PLC0415
 
-    return main([args.stage])
+    return main([args.stage], roots=front.roots, config=args.config)

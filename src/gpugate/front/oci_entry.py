@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import (
@@ -17,14 +19,18 @@ from gpugate.host.oci import (
     read_stdin_bounded,
 )
 
+if TYPE_CHECKING:
+    from gpugate.host.roots import HostRoots
+
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
 ACTING = ("createRuntime", "prestart", "poststop")
 STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
 USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
 
 
-def main(argv: Sequence[str]) -> int:
-    """argv: what follows `oci-hook`."""
+def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | None = None) -> int:
+    """argv: what follows `oci-hook`; roots and config: `gpugate --host-roots R oci-hook
+    --config C STAGE` (the bench, tests), through the full command line."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -50,4 +56,4 @@ def main(argv: Sequence[str]) -> int:
         return int(ExitCode.OK)  # no GPU asked for: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
-    return run_from_hook(stage, state, spec)
+    return run_from_hook(stage, state, spec, roots=roots, config=config)

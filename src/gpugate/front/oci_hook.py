@@ -15,8 +15,10 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TextIO
 
+from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.core.kill import pin
 from gpugate.core.outcome import RunSummary
@@ -150,7 +152,14 @@ def _run(
     return drive(run, surroundings, narrator, lambda: driver, dry_run=False)
 
 
-def run_from_hook(stage: str, state: ContainerState, spec: ContainerSpec) -> int:
+def run_from_hook(
+    stage: str,
+    state: ContainerState,
+    spec: ContainerSpec,
+    *,
+    roots: HostRoots | None = None,
+    config: Path | None = None,
+) -> int:
     """The runtime's call, past the fast path: an error is one line and its exit code."""
     from gpugate.front.commands import Front  # noqa: PLC0415
 
@@ -158,7 +167,9 @@ def run_from_hook(stage: str, state: ContainerState, spec: ContainerSpec) -> int
     if phase is None:
         return int(ExitCode.OK)
     try:
-        return run_container_hook(phase, state, spec, roots=Front().roots)
+        loaded = load_config(None, config) if config is not None else None
+        roots = roots or Front().roots
+        return run_container_hook(phase, state, spec, roots=roots, loaded=loaded)
     except GateError as exc:
         print(f"gpugate: oci-hook {stage}: {exc.message}", file=sys.stderr)
         return int(exc.exit_code)
