@@ -6,9 +6,6 @@ for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import (
@@ -19,7 +16,11 @@ from gpugate.host.oci import (
     read_stdin_bounded,
 )
 
+TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
     from gpugate.host.roots import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).

@@ -21,7 +21,6 @@ import re
 import select
 import stat
 import time
-from dataclasses import dataclass, field
 
 from gpugate.errors import ExitCode, GateError
 
@@ -57,37 +56,83 @@ class OciInputError(GateError):
     exit_code = ExitCode.USAGE
 
 
-@dataclass(frozen=True)
-class GpuRequest:
+class _Record:
+    """A small immutable record (dataclasses costs the no-GPU path an import)."""
+
+    __slots__ = ()
+
+    def _values(self) -> tuple[object, ...]:
+        names: tuple[str, ...] = self.__slots__
+        return tuple(getattr(self, name) for name in names)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, _Record)
+            and type(other) is type(self)
+            and (other._values() == self._values())
+        )
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        names: tuple[str, ...] = self.__slots__
+        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in names)
+        return f"{type(self).__name__}({shown})"
+
+
+class GpuRequest(_Record):
     """What the container asks for. Empty: no GPU, the hook has nothing to do."""
 
-    minors: tuple[int, ...] = ()  # from linux.devices /dev/nvidiaN
-    refs: tuple[str, ...] = ()  # from NVIDIA_VISIBLE_DEVICES: indices and UUIDs as written
-    all_gpus: bool = False  # NVIDIA_VISIBLE_DEVICES=all
+    __slots__ = ("all_gpus", "minors", "refs")
+
+    def __init__(
+        self, minors: tuple[int, ...] = (), refs: tuple[str, ...] = (), all_gpus: bool = False
+    ) -> None:
+        self.minors = minors  # from linux.devices /dev/nvidiaN
+        self.refs = refs  # from NVIDIA_VISIBLE_DEVICES: indices and UUIDs as written
+        self.all_gpus = all_gpus  # NVIDIA_VISIBLE_DEVICES=all
 
     def __bool__(self) -> bool:
         return bool(self.minors or self.refs or self.all_gpus)
 
 
-@dataclass(frozen=True)
-class ContainerState:
+class ContainerState(_Record):
     """The OCI state a hook gets on stdin (runtime-spec's state.json)."""
 
-    id: str
-    pid: int  # 0 where the runtime gave none (poststop)
-    bundle: str
-    status: str
-    annotations: dict[str, str] = field(default_factory=dict)
+    __slots__ = ("annotations", "bundle", "id", "pid", "status")
+
+    def __init__(
+        self,
+        id: str,
+        pid: int,  # 0 where the runtime gave none (poststop)
+        bundle: str,
+        status: str,
+        annotations: dict[str, str] | None = None,
+    ) -> None:
+        self.id = id
+        self.pid = pid
+        self.bundle = bundle
+        self.status = status
+        self.annotations = annotations or {}
 
 
-@dataclass(frozen=True)
-class ContainerSpec:
+class ContainerSpec(_Record):
     """What gpugate needs from config.json."""
 
-    gpus: GpuRequest
-    cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
-    annotations: dict[str, str]
-    hostname: str | None
+    __slots__ = ("annotations", "cgroups_path", "gpus", "hostname")
+
+    def __init__(
+        self,
+        gpus: GpuRequest,
+        cgroups_path: str | None,  # linux.cgroupsPath, as the runtime wrote it
+        annotations: dict[str, str],
+        hostname: str | None,
+    ) -> None:
+        self.gpus = gpus
+        self.cgroups_path = cgroups_path
+        self.annotations = annotations
+        self.hostname = hostname
 
 
 def read_stdin_bounded(
