@@ -288,3 +288,9 @@ def test_wrapper_refuses_a_spec_whose_hooks_it_cannot_extend() -> None:
         with_hooks(gpu_spec(["NVIDIA_VISIBLE_DEVICES=all"], hooks=[1]), GPUGATE)
     with pytest.raises(OciInputError):
         with_hooks(gpu_spec(["NVIDIA_VISIBLE_DEVICES=all"], hooks={"poststop": "x"}), GPUGATE)
+
+
+def test_the_packages_hook_files_are_what_install_writes() -> None:
+    packaged = Path(__file__).resolve().parents[2] / "packaging" / "oci"
+    for name, stage in HOOK_FILES.items():
+        assert (packaged / name).read_text() == hook_file(GPUGATE, stage), name

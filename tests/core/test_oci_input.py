@@ -327,7 +327,7 @@ def test_missing_bundle_and_config(tmp_path: Path) -> None:
         read_config(str(tmp_path / "nope"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(OciInputError, match="config.json: cannot be opened"):
+    with pytest.raises(OciInputError, match=r"config\.json: cannot be opened"):
         read_config(str(empty))
 
 

@@ -146,9 +146,9 @@ def test_podman_container_kills_stale_holder_leases_gpu_then_unit_starts(box: Bo
     assert not box.alive(stale), "the stale holder on GPU 1 outlived the container's start"
     entries = box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
     assert entries, "gpugate said nothing"
-    assert all(e.get("GPUGATE_CONTAINER") == first["Id"] for e in entries), entries[0]
+    assert all(e.get("GPUGATE_OCI_CONTAINER") == first["Id"] for e in entries), entries[0]
     bundle = box.sh("podman inspect --format '{{.StaticDir}}' gpu-one").strip()
-    assert {e.get("GPUGATE_CONTAINER_NAME") for e in entries} == {"gpu-one"}, bundle
+    assert {e.get("GPUGATE_OCI_CONTAINER_NAME") for e in entries} == {"gpu-one"}, bundle
     killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
     assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
     (lease,) = box.leases()
@@ -197,10 +197,10 @@ def test_docker_runtime_kills_stale_holder_and_refuses_second(box: Box) -> None:
     wait_for("dgpu running", lambda: box.sh("docker ps -q --filter name=^dgpu$").strip())
     assert not box.alive(stale)
     entries = box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
-    ids = {e.get("GPUGATE_CONTAINER") for e in entries}
+    ids = {e.get("GPUGATE_OCI_CONTAINER") for e in entries}
     full = box.sh("docker inspect --format '{{.Id}}' dgpu").strip()
     assert ids == {full}, ids
-    assert {e.get("GPUGATE_CONTAINER_NAME") for e in entries} == {"dgpu"}
+    assert {e.get("GPUGATE_OCI_CONTAINER_NAME") for e in entries} == {"dgpu"}
     box.claim("docker", "dgpu", [2])
     refused = box.sim.run(docker_run("dgpu2", 2), check=False)
     assert refused.returncode != 0, refused.stdout

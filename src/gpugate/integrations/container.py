@@ -65,9 +65,10 @@ class ContainerIdentity:
 
     def fields(self) -> dict[str, str]:
         """The journal fields every entry of this run carries (docs/journal.md)."""
-        found = {"GPUGATE_CONTAINER": self.id, "GPUGATE_CONTAINER_RUNTIME": self.runtime}
+        # Not GPUGATE_CONTAINER: that is a holder's container, in the entries about holders.
+        found = {"GPUGATE_OCI_CONTAINER": self.id, "GPUGATE_OCI_RUNTIME": self.runtime}
         if self.name:
-            found["GPUGATE_CONTAINER_NAME"] = self.name
+            found["GPUGATE_OCI_CONTAINER_NAME"] = self.name
         return found
 
 
