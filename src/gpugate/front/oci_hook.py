@@ -72,8 +72,10 @@ def run_container_hook(
     reporter_factory: ReporterFactory = Reporter,
     stream: TextIO | None = None,
     loaded: LoadedConfig | None = None,
+    unit_state: Callable[[str], str | None] | None = None,
 ) -> int:
-    """loaded: the config (tests); default /etc/gpugate/containers.toml."""
+    """loaded: the config (tests); default /etc/gpugate/containers.toml; unit_state stands in
+    for systemd's answer on a lease's scope (tests)."""
     stream = stream or sys.stderr
     identity = identify(state, spec, ProcFs(roots.proc))
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
@@ -89,6 +91,7 @@ def run_container_hook(
                 reporter=reporter,
                 roots=roots,
                 driver_factory=driver_factory,
+                unit_state=unit_state,
             )
             code = summary.exit_code
         except GateError as exc:
@@ -110,6 +113,7 @@ def _run(
     reporter: Reporter,
     roots: HostRoots,
     driver_factory: Callable[[], GpuDriver],
+    unit_state: Callable[[str], str | None] | None,
 ) -> RunSummary:
     driver = driver_factory()
     source = request_text(spec.gpus)
@@ -132,6 +136,7 @@ def _run(
         UnitNarration(reporter),
         roots=roots,
         identity=identity,
+        unit_state=unit_state,
     )
     if phase.traits.reads_failed_start:
         surroundings.failed_pre = failed_pre_of_this_start(
