@@ -5,8 +5,8 @@ and the entry's no-GPU path."""
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +47,7 @@ def hook(
     container_id: str,
     env: list[str],
     running: dict[str, str],
+    *,
     devices: list[str] = (),  # type: ignore[assignment]
 ) -> int:
     def reporter(unit: str, phase: str, *, fields: object = None) -> Reporter:
@@ -63,7 +64,7 @@ def hook(
         reporter_factory=reporter,  # type: ignore[arg-type]
         loaded=host.config(),
         unit_state=running.get,
-        stream=open(os.devnull, "w"),  # noqa: SIM115
+        stream=io.StringIO(),
     )
 
 
