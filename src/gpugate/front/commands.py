@@ -282,7 +282,9 @@ def containers_install_command(args: argparse.Namespace) -> int:
         wrapper = oci.wrapper_beside(gpugate) if installing else ""
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
     if not changes:
-        print("no podman, CRI-O or docker here: nothing to do")
+        from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
+
+        print(NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
     docker_changed = any(

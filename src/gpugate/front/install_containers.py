@@ -26,6 +26,7 @@ from gpugate.compat import tomllib
 from gpugate.errors import GateError, InstallError
 from gpugate.front.install import Action, Change
 from gpugate.host.programs import find_program, run_program
+from gpugate.report import oci_text
 
 PODMAN_HOOKS = Path("/usr/share/containers/oci/hooks.d")
 CRIO_HOOKS = Path("/etc/containers/oci/hooks.d")
@@ -184,19 +185,18 @@ def reload_docker() -> str:
     """`systemctl reload docker` where docker runs; what was done, in words."""
     systemctl = find_program("systemctl")
     if systemctl is None:
-        return "docker not reloaded (no systemctl): run `systemctl reload docker`"
+        return oci_text.DOCKER_NO_SYSTEMCTL
     try:
         active = run_program([systemctl, "is-active", "--quiet", "docker.service"], 10)
         if active.returncode != 0:
-            return "docker is not running: it reads daemon.json when it starts"
+            return oci_text.DOCKER_NOT_RUNNING
         result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(f"daemon.json written, but {exc.message}; reload docker") from None
+        raise InstallError(oci_text.docker_reload_failed(exc.message)) from None
     if result.returncode != 0:
-        raise InstallError(
-            f"daemon.json written, but `systemctl reload docker` failed: {result.first_line()}"
-        )
-    return "reloaded docker (systemctl reload docker)"
+        detail = f"`systemctl reload docker` failed: {result.first_line()}"
+        raise InstallError(oci_text.docker_reload_failed(detail))
+    return oci_text.DOCKER_RELOADED
 
 
 def _read(path: Path) -> str | None:

@@ -139,21 +139,15 @@ def _run(
         unit_state=unit_state,
     )
     if phase.traits.reads_failed_start:
-        surroundings.failed_pre = failed_pre_of_this_start(
-            loaded.config.lock_dir, identity.unit, {}
-        )
+        lock_dir = loaded.config.lock_dir
+        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, identity.unit, {})
     check_all(*surroundings.state_to_write())
     narrator = Narrator(reporter)
     narrator.looking()
     run = PhaseRun(
-        scope,
-        loaded,
-        narrator,
-        roots=roots,
-        pinner=pin,
-        clock=time.monotonic,
+        scope, loaded, narrator, roots=roots, pinner=pin, clock=time.monotonic,
         surroundings=surroundings,
-    )
+    )  # fmt: skip
     return drive(run, surroundings, narrator, lambda: driver, dry_run=False)
 
 

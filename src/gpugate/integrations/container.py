@@ -35,6 +35,8 @@ from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
 from gpugate.integrations.unit.leases import Lease, new_lease
 from gpugate.integrations.unit.shared_host import UnitSurroundings
+from gpugate.report import oci_text
+from gpugate.report.oci_text import container_label
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -56,12 +58,7 @@ class ContainerIdentity:
     @property
     def label(self) -> str:
         """`podman container vllm (3f2a1b0c4d5e)`."""
-        short = self.id[:12]
-        return (
-            f"{self.runtime} container {self.name} ({short})"
-            if self.name
-            else (f"{self.runtime} container {short}")
-        )
+        return container_label(self.runtime, self.id, self.name)
 
     def fields(self) -> dict[str, str]:
         """The journal fields every entry of this run carries (docs/journal.md)."""
@@ -177,14 +174,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
 
 def request_text(request: GpuRequest) -> str:
     """Where the GPUs came from, for the run's first entry."""
-    parts = []
-    if request.minors:
-        parts.append("linux.devices " + ", ".join(f"/dev/nvidia{m}" for m in request.minors))
-    if request.all_gpus:
-        parts.append("NVIDIA_VISIBLE_DEVICES=all")
-    elif request.refs:
-        parts.append("NVIDIA_VISIBLE_DEVICES=" + ",".join(request.refs))
-    return "the container's config.json (" + "; ".join(parts) + ")"
+    return oci_text.request_text(request.minors, request.refs, request.all_gpus)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from pathlib import Path
 from gpugate.errors import PermissionDenied, StateUnwritable
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
+from gpugate.report.oci_text import container_lease_refusal
 
 LEASE_FOLDER = "leases"
 # Set by `gpugate run` on its transient unit (front/run_command.py), read by the unit's pre
@@ -185,10 +186,7 @@ class LeaseCheck:
             for lease, gpus in self.conflicts
         ]
         if all(lease.container for lease, _ in self.conflicts):
-            return (
-                "; ".join(parts) + ": that container is still running and holds them until it"
-                " stops; stop it first, or set share_gpus = true in both configs"
-            )
+            return container_lease_refusal(parts)
         return (
             "; ".join(parts) + ": that unit is still active or activating and holds them until"
             " its post; stop it first, or set share_gpus = true in both units' configs"
