@@ -281,6 +281,11 @@ def test_cgroups_path_forms(path: str | None, cgroup: str | None) -> None:
         ({"io.kubernetes.cri.container-name": "server"}, "server"),
         ({"nerdctl/name": "x"}, "x"),
         ({"io.podman.annotations.name": "  "}, None),
+        (
+            {"io.podman.annotations.name": "evil\nGPUGATE_EVENT=x\x1b[2J"},
+            "evil?GPUGATE_EVENT=x?[2J",
+        ),
+        ({"io.podman.annotations.name": "x" * 1000}, "x" * 256),
         ({}, None),
     ],
 )

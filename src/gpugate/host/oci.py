@@ -273,8 +273,15 @@ def container_name(state: ContainerState, spec: ContainerSpec | None) -> str | N
         name = annotations.get(key, "").strip().lstrip("/")
         if name:
             pod = next((annotations[k] for k in POD_ANNOTATIONS if annotations.get(k)), None)
-            return f"{pod}/{name}"[:MAX_FIELD] if pod else name[:MAX_FIELD]
+            return safe_name(f"{pod}/{name}" if pod else name)
     return None
+
+
+def safe_name(text: str) -> str | None:
+    """A name as gpugate repeats it (journal fields, refusals, lease files): printable
+    characters only (others shown as `?`), at most MAX_FIELD; None where nothing is left."""
+    shown = "".join(c if c.isprintable() and c not in "\t\r\n" else "?" for c in text[:MAX_FIELD])
+    return shown.strip() or None
 
 
 def manager_of(state: ContainerState, spec: ContainerSpec | None) -> str | None:

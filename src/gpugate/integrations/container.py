@@ -30,6 +30,7 @@ from gpugate.host.oci import (
     cgroup_of_spec,
     container_name,
     manager_of,
+    safe_name,
 )
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
@@ -101,7 +102,7 @@ def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:
     """The name dockerd recorded at create (config.v2.json, root's, before the start)."""
     data = _owned_json(root / container_id / "config.v2.json", MAX_DOCKER_CONFIG)
     name = data.get("Name") if isinstance(data, dict) else None
-    return (name.strip("/")[:256] or None) if isinstance(name, str) else None
+    return safe_name(name.strip("/")) if isinstance(name, str) else None
 
 
 def storage_name(container_id: str, bundle: str) -> str | None:
@@ -116,7 +117,7 @@ def storage_name(container_id: str, bundle: str) -> str | None:
         if isinstance(record, dict) and record.get("id") == container_id:
             names = record.get("names")
             if isinstance(names, list) and names and isinstance(names[0], str):
-                return names[0][:256] or None
+                return safe_name(names[0])
     return None
 
 
