@@ -294,3 +294,18 @@ def test_the_packages_hook_files_are_what_install_writes() -> None:
     packaged = Path(__file__).resolve().parents[2] / "packaging" / "oci"
     for name, stage in HOOK_FILES.items():
         assert (packaged / name).read_text() == hook_file(GPUGATE, stage), name
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["install"],
+        ["uninstall"],
+        ["install", "vllm.service", "--containers"],
+        ["uninstall", "vllm.service", "--containers"],
+    ],
+)
+def test_install_takes_a_unit_or_containers(argv: list[str]) -> None:
+    from gpugate.front.cli import main
+
+    assert main(argv) == ExitCode.USAGE

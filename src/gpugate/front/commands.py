@@ -168,11 +168,11 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install, install_files  # noqa: PLC0415
 
+    if args.oci != (args.unit is None):
+        print(f"gpugate {args.command}: give a UNIT or --containers", file=sys.stderr)
+        return int(ExitCode.USAGE)
     if args.oci:
         return containers_install_command(args)
-    if args.unit is None:
-        print(f"gpugate {args.command}: give a UNIT, or --containers", file=sys.stderr)
-        return int(ExitCode.USAGE)
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
