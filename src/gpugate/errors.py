@@ -123,9 +123,11 @@ class Interrupted(GateError):
 
     exit_code = ExitCode.INTERRUPTED
 
-    def __init__(self, message: str, signal_name: str = "SIGTERM") -> None:
+    def __init__(self, message: str, signal_name: str = "SIGTERM", stage: str = "") -> None:
+        """stage: the run's stage when it was stopped (core.stage.Stage's code), "" unknown."""
         super().__init__(message)
         self.signal_name = signal_name
+        self.stage = stage
 
 
 class ProgramNotAnswering(GateError):

@@ -15,14 +15,21 @@ from gpugate.core.owned_gpus import owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
 from gpugate.front.cli import main
-from gpugate.front.hook import run_phase
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.manual_guard import in_own_hook, manual_run_guard
 from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
-from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, RecordingJournal, RecordingNotifier, alive
+from tests.fakes import (
+    UNIT,
+    UNIT_CGROUP,
+    FakeHost,
+    RecordingJournal,
+    RecordingNotifier,
+    alive,
+    run_unit_phase,
+)
 
 A, B = "a.service", "b.service"
 
@@ -42,7 +49,7 @@ def run(  # type: ignore[no-untyped-def]
     reporter = Reporter(
         unit, phase, journal=journal or host.journal, notifier=host.notifier, echo=False
     )
-    return run_phase(
+    return run_unit_phase(
         RunScope(Phase(phase), unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
         loaded or host.config(),
         reporter,

@@ -13,39 +13,34 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
-from gpugate.core.kill import pin
-from gpugate.core.outcome import RunSummary
-from gpugate.core.run import PhaseRun, RunScope
+from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Hook, drive, record_metrics
+from gpugate.front.hook import Deps, Hook, run_hook
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
-from gpugate.host.state_dirs import check_all
 from gpugate.integrations.container import (
     NOT_STARTED,
     ContainerIdentity,
-    ContainerSurroundings,
     container_config,
+    container_surroundings,
     gpu_selection,
     identify,
     request_text,
 )
 from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
+from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator
-from gpugate.report.narrate_unit import UnitNarration
 
 METRICS_UNIT = "container"  # every container counts as one label in the metrics
 # The stages gpugate acts at: before the container's process starts, and after it stopped.
@@ -79,76 +74,36 @@ def run_container_hook(
     stream = stream or sys.stderr
     identity = identify(state, spec, ProcFs(roots.proc))
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
-    summary: RunSummary | None = None
     loaded = loaded or container_config()
     with stopped_by_signals():
+        # The container's GPUs as the config's: a device minor is a GPU only NVML can name.
+        driver = driver_factory()
         try:
-            summary = _run(
-                phase,
-                identity=identity,
-                spec=spec,
-                loaded=loaded,
-                reporter=reporter,
-                roots=roots,
-                driver_factory=driver_factory,
-                unit_state=unit_state,
-            )
-            code = summary.exit_code
+            source = request_text(spec.gpus)
+            selection = gpu_selection(spec.gpus, list(driver.gpus()), source)
         except GateError as exc:
-            code = exc.exit_code
-            reporter.echo = False  # failed() says it on stderr itself, once
-            reporter.error_stream = stream
-            Narrator(reporter).failed(exc)
-    hook = Hook(phase, identity.unit, lambda: identity.cgroup or "/", metrics_unit=METRICS_UNIT)
-    record_metrics(loaded, hook, code, summary, stream)
-    return int(code)
+            driver.close()
+            Narrator(reporter).failed(exc, stream)
+            return int(exc.exit_code)
+        loaded = LoadedConfig(loaded.config.model_copy(update={"gpus": selection}), loaded.source)
+        context = UnitContext({}, roots, unit_state=unit_state)
+        hook = Hook(
+            phase,
+            identity.unit,
+            lambda: container_cgroup(phase, identity),
+            metrics_unit=METRICS_UNIT,
+            surroundings=container_surroundings(identity, GpuChoice(selection, source), context),
+        )
+        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: driver), stream)
+        return int(run_hook(hook, loaded, deps).exit_code)
 
 
-def _run(
-    phase: Phase,
-    *,
-    identity: ContainerIdentity,
-    spec: ContainerSpec,
-    loaded: LoadedConfig,
-    reporter: Reporter,
-    roots: HostRoots,
-    driver_factory: Callable[[], GpuDriver],
-    unit_state: Callable[[str], str | None] | None,
-) -> RunSummary:
-    driver = driver_factory()
-    source = request_text(spec.gpus)
-    try:
-        selection = gpu_selection(spec.gpus, list(driver.gpus()), source)
-    except GateError:
-        driver.close()
-        raise
-    loaded = LoadedConfig(loaded.config.model_copy(update={"gpus": selection}), loaded.source)
+def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:
+    """The run's unit cgroup. Before the start nothing in the scope is the container's yet
+    (its init waits there): a cgroup below it that never exists; after the stop whatever is
+    left in the scope is the container's."""
     top = identity.cgroup or ""
-    # Before the start nothing in the scope is the container's yet (its init waits there);
-    # after the stop whatever is left in it is.
-    unit_cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
-    scope = RunScope(phase, identity.unit, unit_cgroup)
-    surroundings = ContainerSurroundings(
-        scope,
-        loaded,
-        {},
-        GpuChoice(selection, source),
-        UnitNarration(reporter),
-        roots=roots,
-        identity=identity,
-        unit_state=unit_state,
-    )
-    if phase.traits.reads_failed_start:
-        lock_dir = loaded.config.lock_dir
-        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, identity.unit, {})
-    check_all(*surroundings.state_to_write())
-    narrator = Narrator(reporter)
-    narrator.looking()
-    run = PhaseRun(
-        scope, loaded, narrator, roots=roots, pinner=pin, clock=time.monotonic,
-        surroundings=surroundings,
-    )  # fmt: skip
-    return drive(run, surroundings, narrator, lambda: driver, dry_run=False)
+    return f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
 
 
 def run_from_hook(
@@ -167,7 +122,7 @@ def run_from_hook(
         return int(ExitCode.OK)
     try:
         loaded = load_config(None, config) if config is not None else None
-        roots = roots or Front().roots
+        roots = roots or Front().host_roots()
         return run_container_hook(phase, state, spec, roots=roots, loaded=loaded)
     except GateError as exc:
         print(f"gpugate: oci-hook {stage}: {exc.message}", file=sys.stderr)

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
 from gpugate.config.models import GpuSelection, LoadedConfig
+from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu
@@ -34,9 +35,13 @@ from gpugate.host.oci import (
 )
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
+from gpugate.integrations.unit.gpu_source import GpuChoice
 from gpugate.integrations.unit.leases import Lease, new_lease
-from gpugate.integrations.unit.shared_host import UnitSurroundings
+from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
+from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
 from gpugate.report import oci_text
+from gpugate.report.journal import Reporter
+from gpugate.report.narrate_unit import UnitNarration
 from gpugate.report.oci_text import container_label
 
 CONFIG_NAME = "containers.toml"
@@ -181,7 +186,7 @@ def request_text(request: GpuRequest) -> str:
 @dataclass
 class ContainerSurroundings(UnitSurroundings):
     """A unit's surroundings where the unit is the container's scope: its lease carries the
-    container in words; no manual-run guard (the runtime runs the hook)."""
+    container in words; no manual-run guard (the runtime runs the hook), no environment."""
 
     identity: ContainerIdentity | None = None
 
@@ -192,3 +197,21 @@ class ContainerSurroundings(UnitSurroundings):
             share=self.loaded.config.share_gpus,
             container=self.identity.label if self.identity else None,
         )
+
+
+def container_surroundings(
+    identity: ContainerIdentity, choice: GpuChoice, context: UnitContext
+) -> Callable[[RunScope, LoadedConfig, Reporter], ContainerSurroundings]:
+    """How the hook's surroundings are made once the run's scope and config are known: the
+    config already has the container's GPUs (choice)."""
+
+    def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
+        surroundings = ContainerSurroundings(
+            scope, loaded, context, choice, UnitNarration(reporter), identity=identity
+        )
+        if scope.phase.traits.reads_failed_start:
+            lock_dir = loaded.config.lock_dir
+            surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, {})
+        return surroundings
+
+    return make

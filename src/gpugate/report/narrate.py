@@ -6,6 +6,7 @@ wait's wording is `narrate_wait`; how a holder is named in words, `holder_text`.
 from __future__ import annotations
 
 import signal
+from typing import TextIO
 
 from gpugate.core.decide import Choice, Decision
 from gpugate.core.discover import Discovery
@@ -40,13 +41,11 @@ def watcher_evidence(discovery: Discovery) -> str:
 class Narrator(WaitNarration, ShmNarration):
     """One run's journal entries and STATUS= lines, through the run's Reporter."""
 
-    def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
+    def __init__(self, reporter: Reporter) -> None:
+        """reporter: a dry run's is Reporter.as_dry_run()'s (its words say "would")."""
         self.reporter = reporter
-        self.dry_run = dry_run
-        if dry_run:
-            reporter.start_dry_run()  # GPUGATE_DRY_RUN=1 on every entry, the report on stdout
+        self.dry_run = reporter.dry_run
         self.waiting = WaitingReports(reporter)
-        self.would_kill = 0  # a dry run's targets, for its summary line
 
     def looking(self) -> None:
         self.status("looking for processes holding the GPUs")
@@ -105,8 +104,6 @@ class Narrator(WaitNarration, ShmNarration):
 
     def choices(self, decision: Decision) -> None:
         would = self.dry_run
-        if would:
-            self.would_kill = len(decision.targets)
         for choices, event, priority, verb in (
             (
                 decision.targets,
@@ -261,13 +258,13 @@ class Narrator(WaitNarration, ShmNarration):
         )
         self.reporter.event(
             Event.RUN_FINISHED,
-            f"dry run: would kill {self.would_kill} process(es); {verdict}; nothing was killed",
+            f"dry run: would kill {summary.would_kill} process(es); {verdict}; nothing was killed",
             priority=PRIORITY_NOTICE,
             result=result,
-            would_kill=self.would_kill,
+            would_kill=summary.would_kill,
         )
 
-    def failed(self, error: GateError) -> None:
-        """A run that ended in an error: one entry, and one line on stderr where stderr is
-        not the journal already."""
-        self.reporter.fail(error.message, int(error.exit_code))
+    def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
+        """A run that ended in an error: one entry, and one line on error_stream (default
+        stderr) where it is not the journal already."""
+        self.reporter.fail(error.message, int(error.exit_code), error_stream)
