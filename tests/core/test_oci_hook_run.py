@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import ExitCode
-from gpugate.front.oci_hook import run_container_hook
+from gpugate.front.oci_hook import run_container_hook, stage_phase
 from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
@@ -178,3 +178,18 @@ def test_entry_at_poststop_with_the_bundle_gone_is_quiet() -> None:
     raw = json.dumps({"id": A_ID, "pid": 0, "bundle": "/nonexistent/gone"}).encode()
     assert run_entry("poststop", raw).returncode == 0
     assert run_entry("createRuntime", raw).returncode == ExitCode.USAGE
+
+
+@pytest.mark.parametrize(
+    ("stage", "phase"),
+    [
+        ("createRuntime", Phase.PRE),
+        ("prestart", Phase.PRE),
+        ("poststop", Phase.POST),
+        ("createContainer", None),
+        ("startContainer", None),
+        ("poststart", None),
+    ],
+)
+def test_stages_and_what_gpugate_does_at_each(stage: str, phase: Phase | None) -> None:
+    assert stage_phase(stage) is phase
