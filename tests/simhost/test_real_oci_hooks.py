@@ -207,6 +207,9 @@ def test_docker_runtime_kills_stale_holder_and_refuses_second(box: Box) -> None:
     assert "dgpu" in refused.stderr, refused.stderr
     assert box.sh("docker inspect --format '{{.State.Status}}' dgpu").strip() == "running"
     box.sh("docker rm -f dgpu dgpu2", check=False)
+    # Through the same runtime, a container without GPUs runs as before.
+    plain = box.sh("docker run --rm --runtime gpugate --network none gpustub echo plain")
+    assert plain.strip() == "plain"
 
 
 def test_uninstall_containers_takes_it_back(box: Box) -> None:
