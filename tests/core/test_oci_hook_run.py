@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -174,6 +175,9 @@ def test_entry_refuses_bad_input_with_one_line() -> None:
     assert run_entry("bogus", b"{}").returncode == ExitCode.USAGE
 
 
+@pytest.mark.skipif(
+    os.geteuid() != 0, reason="as another user the hook leaves every container alone"
+)
 def test_entry_at_poststop_with_the_bundle_gone_is_quiet() -> None:
     raw = json.dumps({"id": A_ID, "pid": 0, "bundle": "/nonexistent/gone"}).encode()
     assert run_entry("poststop", raw).returncode == 0
@@ -193,3 +197,20 @@ def test_entry_at_poststop_with_the_bundle_gone_is_quiet() -> None:
 )
 def test_stages_and_what_gpugate_does_at_each(stage: str, phase: Phase | None) -> None:
     assert stage_phase(stage) is phase
+
+
+def test_entry_as_another_user_leaves_every_container_alone() -> None:
+    """A rootless podman reads the same hooks.d: its containers are not gpugate's."""
+    raw = json.dumps({"id": A_ID, "pid": 0, "bundle": "/nonexistent/gone"}).encode()
+    code = (
+        "import os, sys; os.geteuid = lambda: 1000; sys.argv[1:] = sys.argv[2:]; "
+        "from gpugate.front.entry import run; run()"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, "-", "oci-hook", "createRuntime"],
+        input=raw,
+        capture_output=True,
+        timeout=60,
+        check=False,
+    )
+    assert (done.returncode, done.stderr) == (0, b"")

@@ -5,6 +5,7 @@ for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
 
 from __future__ import annotations
 
+import os
 import sys
 
 from gpugate.errors import ExitCode
@@ -41,7 +42,9 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
     stage = argv[0]
     try:
         state = parse_state(read_stdin_bounded())
-        if stage not in ACTING:
+        if stage not in ACTING or os.geteuid() != 0:
+            # A rootless runtime reads the same hooks.d: its containers are its user's, whom
+            # gpugate does not gate (its state and the host's processes are root's).
             return int(ExitCode.OK)
         try:
             raw = read_config(state.bundle)
