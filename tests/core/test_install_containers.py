@@ -261,8 +261,9 @@ def test_create_bundle(
     assert bundle_of(args) == (bundle or str(tmp_path))
 
 
-def gpu_spec(env: list[str], hooks: object = None) -> dict[str, object]:
-    spec: dict[str, object] = {"process": {"env": env}, "linux": {}}
+def gpu_spec(env: list[str], hooks: object = None, device: bool = False) -> dict[str, object]:
+    nodes = [{"path": "/dev/nvidia0"}] if device else []
+    spec: dict[str, object] = {"process": {"env": env}, "linux": {"devices": nodes}}
     if hooks is not None:
         spec["hooks"] = hooks
     return spec
@@ -271,11 +272,13 @@ def gpu_spec(env: list[str], hooks: object = None) -> dict[str, object]:
 def test_wrapper_adds_hooks_only_to_gpu_containers() -> None:
     plain = gpu_spec(["PATH=/bin"])
     assert not with_hooks(plain, GPUGATE) and "hooks" not in plain
-    spec = gpu_spec(["NVIDIA_VISIBLE_DEVICES=1"], {"prestart": [{"path": "/usr/bin/nvidia-hook"}]})
+    nvidia = [{"path": "/usr/bin/nvidia-container-runtime-hook"}]
+    assert not with_hooks(gpu_spec(["NVIDIA_VISIBLE_DEVICES=all"]), GPUGATE), "no NVIDIA hook"
+    spec = gpu_spec(["NVIDIA_VISIBLE_DEVICES=1"], {"prestart": list(nvidia)})
     assert with_hooks(spec, GPUGATE)
     hooks = spec["hooks"]
     assert isinstance(hooks, dict)
-    assert hooks["prestart"] == [{"path": "/usr/bin/nvidia-hook"}]
+    assert hooks["prestart"] == nvidia
     assert hooks["createRuntime"] == [
         {"path": GPUGATE, "args": ["gpugate", "oci-hook", "createRuntime"]}
     ]
@@ -285,9 +288,9 @@ def test_wrapper_adds_hooks_only_to_gpu_containers() -> None:
 
 def test_wrapper_refuses_a_spec_whose_hooks_it_cannot_extend() -> None:
     with pytest.raises(OciInputError):
-        with_hooks(gpu_spec(["NVIDIA_VISIBLE_DEVICES=all"], hooks=[1]), GPUGATE)
+        with_hooks(gpu_spec([], hooks=[1], device=True), GPUGATE)
     with pytest.raises(OciInputError):
-        with_hooks(gpu_spec(["NVIDIA_VISIBLE_DEVICES=all"], hooks={"poststop": "x"}), GPUGATE)
+        with_hooks(gpu_spec([], hooks={"poststop": "x"}, device=True), GPUGATE)
 
 
 def test_the_packages_hook_files_are_what_install_writes() -> None:

@@ -28,6 +28,7 @@ A_SCOPE, B_SCOPE = f"libpod-{A_ID}.scope", f"libpod-{B_ID}.scope"
 
 def spec(container_id: str, env: list[str], devices: list[str] = ()) -> ContainerSpec:  # type: ignore[assignment]
     body = {
+        "hooks": {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook"}]},
         "process": {"env": env},
         "linux": {
             "cgroupsPath": f"machine.slice:libpod:{container_id}",

@@ -26,6 +26,7 @@ from gpugate.host.oci import (
     parse_state,
     read_config,
     read_stdin_bounded,
+    spec_gpu_request,
 )
 
 ID = "3f2a1b0c4d5e" + "0" * 52
@@ -219,9 +220,13 @@ def test_stdin_read_is_bounded_in_size_and_time() -> None:
 # ---- config.json ----------------------------------------------------------------------
 
 
+NVIDIA_HOOK = {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook", "args": []}]}
+
+
 def spec(**fields: object) -> bytes:
     body: dict[str, object] = {
         "ociVersion": "1.0.2",
+        "hooks": NVIDIA_HOOK,
         "process": {"env": env("NVIDIA_VISIBLE_DEVICES=1")},
         "linux": {"cgroupsPath": "machine.slice:libpod:" + ID},
         "annotations": {"io.podman.annotations.name": "vllm"},
@@ -361,3 +366,48 @@ def test_config_of_another_owner_is_refused(tmp_path: Path) -> None:
     os.chown(Path(bundle, "config.json"), 1000, 1000)
     with pytest.raises(OciInputError, match="owned by uid 1000"):
         read_config(bundle)
+
+
+# ---- which requests count: NVIDIA's hook, bind mounts ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hooks", "counts"),
+    [
+        (NVIDIA_HOOK, True),
+        ({"createContainer": [{"path": "/usr/bin/nvidia-ctk", "args": ["hook"]}]}, True),
+        ({"prestart": [{"path": "/usr/local/bin/nvidia-container-toolkit"}]}, True),
+        ({"prestart": [{"path": "/usr/bin/other-hook"}]}, False),
+        ({"prestart": [{"path": "/usr/bin/gpugate", "args": ["gpugate", "oci-hook"]}]}, False),
+        (None, False),
+        ({}, False),
+        ({"prestart": "x"}, False),
+        ([NVIDIA_HOOK], False),
+        ({"prestart": [None, 1, {"path": 5}]}, False),
+    ],
+)
+def test_the_variable_counts_only_with_nvidias_hook(hooks: object, counts: bool) -> None:
+    """Every CUDA image sets NVIDIA_VISIBLE_DEVICES=all: without NVIDIA's hook to act on it,
+    it gives the container no GPU, and must not gate every GPU for it."""
+    body: dict[str, object] = {"process": {"env": env("NVIDIA_VISIBLE_DEVICES=all")}}
+    if hooks is not None:
+        body["hooks"] = hooks
+    assert bool(spec_gpu_request(body)) is counts
+
+
+@pytest.mark.parametrize(
+    ("mounts", "minors"),
+    [
+        ([{"source": "/dev/nvidia1", "destination": "/dev/nvidia1", "type": "bind"}], (1,)),
+        ([{"source": "/dev/nvidia3", "destination": "/dev/gpu"}], (3,)),
+        ([{"destination": "/dev/nvidia2"}], (2,)),
+        ([{"source": "/dev/nvidiactl", "destination": "/dev/nvidiactl"}], ()),
+        ([{"source": "/srv/nvidia1", "destination": "/data"}], ()),
+        ("x", ()),
+        ([None, 5, {"source": 7}], ()),
+    ],
+)
+def test_bind_mounted_device_nodes_count(mounts: object, minors: tuple[int, ...]) -> None:
+    body = {"mounts": mounts, "linux": {"devices": devices("/dev/nvidia1")}}
+    expected = tuple(dict.fromkeys((1, *minors)))
+    assert spec_gpu_request(body).minors == expected

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ExitCode
-from gpugate.host.oci import OciInputError, gpu_request, read_config
+from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
 
 RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -62,10 +62,7 @@ def hook_entry(gpugate: str, stage: str) -> dict[str, object]:
 def with_hooks(spec: dict[str, object], gpugate: str) -> bool:
     """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
     them already."""
-    linux = spec.get("linux") if isinstance(spec.get("linux"), dict) else {}
-    process = spec.get("process") if isinstance(spec.get("process"), dict) else {}
-    assert isinstance(linux, dict) and isinstance(process, dict)
-    if not gpu_request(linux.get("devices"), process.get("env")):
+    if not spec_gpu_request(spec):
         return False
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):

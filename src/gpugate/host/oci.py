@@ -6,11 +6,14 @@ trusting a field's type, and never more than facts. This module is the hook's fa
 (`gpugate oci-hook` for a container without GPUs ends here), so it imports only the standard
 library and `gpugate.errors`.
 
-The container's GPUs (docs/containers.md) are the union of two requests:
-- `linux.devices` entries `/dev/nvidiaN` (`--device`, CDI specs): device minors;
-- `NVIDIA_VISIBLE_DEVICES` in `process.env` (what `docker --gpus` and the NVIDIA runtime's
-  images carry): `all`, indices and/or UUIDs comma-separated; `none`, `void` and an empty
-  value request no GPU. The last setting of the variable counts, as for execve.
+The container's GPUs (docs/containers.md) are the union of what it can reach:
+- `linux.devices` entries `/dev/nvidiaN` (`--device`, CDI specs) and `mounts` of
+  `/dev/nvidiaN` (`-v /dev/nvidia1:/dev/nvidia1`): device minors;
+- `NVIDIA_VISIBLE_DEVICES` in `process.env`, where NVIDIA's hook is in the spec's hooks
+  (`docker --gpus`, nvidia-container-runtime, its hooks.d file: the hook injects what the
+  variable names): `all`, indices and/or UUIDs comma-separated; `none`, `void` and an empty
+  value request no GPU. The last setting of the variable counts, as for execve. Without
+  NVIDIA's hook the variable gives the container nothing (every CUDA image sets `all`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ MAX_FIELD = 256  # characters of an id or a name kept
 DEVICE = re.compile(r"/dev/nvidia(\d{1,4})")
 CONTAINER_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
 VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+NVIDIA_HOOKS = ("nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-ctk")
 NO_GPU_VALUES = frozenset({"", "none", "void"})
 # Where the runtimes put the container's name (podman, CRI-O, containerd's CRI, nerdctl).
 NAME_ANNOTATIONS = (
@@ -224,34 +228,70 @@ def parse_config(raw: bytes, source: str = "config.json") -> ContainerSpec:
     data = _json_object(raw, source)
     linux = data.get("linux")
     linux = linux if isinstance(linux, dict) else {}
-    process = data.get("process")
-    process = process if isinstance(process, dict) else {}
     cgroups_path = linux.get("cgroupsPath")
     hostname = data.get("hostname")
     return ContainerSpec(
-        gpus=gpu_request(linux.get("devices"), process.get("env")),
+        gpus=spec_gpu_request(data),
         cgroups_path=cgroups_path if isinstance(cgroups_path, str) else None,
         annotations=_string_map(data.get("annotations")),
         hostname=hostname[:MAX_FIELD] if isinstance(hostname, str) else None,
     )
 
 
-def gpu_request(devices: object, env: object) -> GpuRequest:
-    """The union of the device nodes and NVIDIA_VISIBLE_DEVICES (module docstring)."""
+def spec_gpu_request(spec: dict[str, object]) -> GpuRequest:
+    """A parsed config.json's GPUs (module docstring)."""
+    linux = spec.get("linux")
+    process = spec.get("process")
+    return gpu_request(
+        linux.get("devices") if isinstance(linux, dict) else None,
+        process.get("env") if isinstance(process, dict) else None,
+        mounts=spec.get("mounts"),
+        env_counts=has_nvidia_hook(spec.get("hooks")),
+    )
+
+
+def has_nvidia_hook(hooks: object) -> bool:
+    """NVIDIA's hook is in the spec (docker --gpus, nvidia-container-runtime, its hooks.d
+    file): NVIDIA_VISIBLE_DEVICES then gives the container those GPUs. Without it the
+    variable (every CUDA image sets `all`) gives none."""
+    if not isinstance(hooks, dict):
+        return False
+    for entries in hooks.values():
+        for entry in entries if isinstance(entries, list) else ():
+            path = entry.get("path") if isinstance(entry, dict) else None
+            if isinstance(path, str) and path.rpartition("/")[2].startswith(NVIDIA_HOOKS):
+                return True
+    return False
+
+
+def gpu_request(
+    devices: object, env: object, *, mounts: object = None, env_counts: bool = True
+) -> GpuRequest:
+    """The union of the device nodes (linux.devices, and /dev/nvidiaN bind-mounted in) and,
+    where env_counts (NVIDIA's hook will act on it), NVIDIA_VISIBLE_DEVICES."""
     minors: list[int] = []
-    if isinstance(devices, list):
-        for device in devices:
-            path = device.get("path") if isinstance(device, dict) else None
-            match = DEVICE.fullmatch(path) if isinstance(path, str) else None
-            if match is not None and int(match.group(1)) not in minors:
-                minors.append(int(match.group(1)))
-    value = visible_devices(env)
+    for minor in _minors(devices, "path") + _minors(mounts, "source", "destination"):
+        if minor not in minors:
+            minors.append(minor)
+    value = visible_devices(env) if env_counts else None
     if value is None or value.strip().lower() in NO_GPU_VALUES:
         return GpuRequest(minors=tuple(minors))
     if value.strip().lower() == "all":
         return GpuRequest(minors=tuple(minors), all_gpus=True)
     refs = tuple(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
     return GpuRequest(minors=tuple(minors), refs=refs)
+
+
+def _minors(entries: object, *keys: str) -> list[int]:
+    found: list[int] = []
+    for entry in entries if isinstance(entries, list) else ():
+        for key in keys:
+            path = entry.get(key) if isinstance(entry, dict) else None
+            match = DEVICE.fullmatch(path) if isinstance(path, str) else None
+            if match is not None:
+                found.append(int(match.group(1)))
+                break
+    return found
 
 
 def visible_devices(env: object) -> str | None:
