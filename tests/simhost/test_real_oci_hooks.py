@@ -183,8 +183,10 @@ def test_podman_container_kills_stale_holder_leases_gpu_then_unit_starts(box: Bo
 
 
 def test_podman_container_without_gpu_runs_as_before(box: Box) -> None:
+    """Also with NVIDIA_VISIBLE_DEVICES=all, as every CUDA image sets it: without NVIDIA's
+    hook and without a device node it reaches no GPU, and gpugate leaves it alone."""
     cursor = box.cursor()
-    box.sh(podman_run("no-gpu", None))
+    box.sh(podman_run("no-gpu", None, "-e", "NVIDIA_VISIBLE_DEVICES=all"))
     assert box.sh("podman inspect --format '{{.State.Status}}' no-gpu").strip() == "running"
     assert not box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
     box.sh("podman rm -f --time 1 no-gpu")

@@ -16,7 +16,7 @@ def request_text(minors: Sequence[int], refs: Sequence[str], all_gpus: bool) -> 
     """Where a container's GPUs came from, for the run's first entry."""
     parts = []
     if minors:
-        parts.append("linux.devices " + ", ".join(f"/dev/nvidia{m}" for m in minors))
+        parts.append("device nodes " + ", ".join(f"/dev/nvidia{m}" for m in minors))
     if all_gpus:
         parts.append("NVIDIA_VISIBLE_DEVICES=all")
     elif refs:
