@@ -185,4 +185,4 @@ def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
     """A value as an error message repeats it: repr'd, and cut short (a 10 MB value in a
     config file must not become a 10 MB stderr line)."""
     text = repr(value) if quote else str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 1] + "…"  # the one mark of a cut

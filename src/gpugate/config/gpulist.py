@@ -66,4 +66,4 @@ def parse_gpu_text(text: str) -> tuple[GpuRef, ...]:
 
 
 def _shown(text: str, limit: int = 60) -> str:
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + "..."
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + "…"

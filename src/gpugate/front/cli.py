@@ -29,6 +29,7 @@ from gpugate.host.cgroups import CgroupLayout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import OPTION, HostRoots
 from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.untrusted import line
 
 CONTAINERS_HELP = (
     "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d files, "
@@ -246,7 +247,7 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(f"gpugate: {exc.message}", file=sys.stderr)
+        print(f"gpugate: {line(exc.message)}", file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -254,7 +255,7 @@ def main(
         if os.environ.get("GPUGATE_DEBUG"):
             raise
         print(
-            f"gpugate: internal error: {type(exc).__name__}: {exc} "
+            f"gpugate: internal error: {type(exc).__name__}: {line(str(exc))} "
             "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
             file=sys.stderr,
         )

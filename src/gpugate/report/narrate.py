@@ -15,7 +15,7 @@ from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
-from gpugate.report.holder_text import container_fields, describe, gpu_list
+from gpugate.report.holder_text import container_fields, container_text, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -28,6 +28,7 @@ from gpugate.report.journal import (
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text
+from gpugate.report.untrusted import COMM, COMMAND, exact
 
 MAX_LISTED_PIDS = 10
 
@@ -36,6 +37,16 @@ def watcher_evidence(discovery: Discovery) -> str:
     if discovery.nvml_lists_processes:
         return "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
+
+
+def cut_short_text(pids: list[int]) -> str:
+    """Processes whose open files the run's deadline left unread (millions of descriptors)."""
+    shown = ", ".join(map(str, pids[:MAX_LISTED_PIDS]))
+    more = ", …" if len(pids) > MAX_LISTED_PIDS else ""
+    return (
+        f"the open files of {len(pids)} process(es) (PID {shown}{more}) were not all read "
+        "before the deadline"
+    )
 
 
 class Narrator(WaitNarration, ShmNarration):
@@ -79,7 +90,7 @@ class Narrator(WaitNarration, ShmNarration):
         """What this run cannot see: other users' open files, another PID namespace."""
         if discovery.unreadable:
             shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
-            more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
+            more = ", …" if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
             self.reporter.event(
                 Event.WARNING,
                 f"not permitted to read the open files of {len(discovery.unreadable)} "
@@ -87,6 +98,13 @@ class Narrator(WaitNarration, ShmNarration):
                 "run gpugate as root",
                 priority=PRIORITY_WARNING,
                 reason="unreadable",
+            )
+        if discovery.cut_short:
+            self.reporter.event(
+                Event.WARNING,
+                f"{cut_short_text(discovery.cut_short)}: GPU holders among them may be missed",
+                priority=PRIORITY_WARNING,
+                reason="scan-cut-short",
             )
         owned = discovery.owned_indices
         for gpu_index, pid in discovery.invisible:
@@ -133,7 +151,7 @@ class Narrator(WaitNarration, ShmNarration):
                     pid=choice.holder.pid,
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
-                    command=choice.holder.info.command,
+                    command=exact(choice.holder.info.command, COMMAND),
                     reason=choice.rule.value,
                     **container_fields(choice),
                 )
@@ -153,8 +171,8 @@ class Narrator(WaitNarration, ShmNarration):
             pid=choice.holder.pid,
             gpus=sorted(choice.holder.gpus),
             signal=name,
-            command=choice.holder.info.command,
-            comm=choice.holder.info.comm,
+            command=exact(choice.holder.info.command, COMMAND),
+            comm=exact(choice.holder.info.comm, COMM),
             role=choice.role,
             **container_fields(choice),
         )
@@ -167,7 +185,7 @@ class Narrator(WaitNarration, ShmNarration):
         outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{verb} {result.container.label}: {outcome}",
+            f"{verb} {container_text(result.container)}: {outcome}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
             signal=verb,
             container=result.container.id,

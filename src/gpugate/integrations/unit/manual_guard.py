@@ -15,6 +15,7 @@ from pathlib import Path
 from gpugate.errors import GateError, ManualRunRefused
 from gpugate.host.systemd import own_unit
 from gpugate.phase import Phase
+from gpugate.report.untrusted import cut
 
 RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
 
@@ -49,7 +50,8 @@ def manual_run_guard(
 
 
 def refusal(reason: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
-    would_kill = [re.sub(r"\s+", " ", text)[:120] for text in would_kill]  # one line
+    # Each already shown (escaped) by describe(); one line, each short.
+    would_kill = [cut(re.sub(r"\s+", " ", text), 120) for text in would_kill]
     listed = "; ".join(would_kill[:5]) + (
         f"; and {len(would_kill) - 5} more" if len(would_kill) > 5 else ""
     )
