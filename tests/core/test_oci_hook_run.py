@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import run_container_hook, stage_phase
 from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from tests.fakes import UNIT, FakeHost, alive
+from tests.fakes import UNIT, FakeGpuMemory, FakeHost, alive
 
 A_ID, B_ID = "a" * 64, "b" * 64
 A_SCOPE, B_SCOPE = f"libpod-{A_ID}.scope", f"libpod-{B_ID}.scope"
@@ -215,3 +215,25 @@ def test_entry_as_another_user_leaves_every_container_alone() -> None:
         check=False,
     )
     assert (done.returncode, done.stderr) == (0, b"")
+
+
+def test_nvml_unusable_fails_the_start_with_one_error_entry(host: FakeHost) -> None:
+    def no_nvml() -> FakeGpuMemory:
+        raise NvmlUnavailable("NVML: libnvidia-ml.so.1 not found")
+
+    code = run_container_hook(
+        Phase.PRE,
+        state(A_ID),
+        spec(A_ID, ["NVIDIA_VISIBLE_DEVICES=1"]),
+        roots=host.roots,
+        driver_factory=no_nvml,
+        reporter_factory=lambda unit, phase, *, fields=None: Reporter(
+            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
+        ),
+        loaded=host.config(),
+        stream=io.StringIO(),
+    )
+    assert code == ExitCode.NVML_UNAVAILABLE
+    (error,) = host.journal.events("error")
+    assert error["GPUGATE_OCI_CONTAINER"] == A_ID
+    assert not read_leases(host.root / "locks").leases

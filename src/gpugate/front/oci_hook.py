@@ -76,15 +76,19 @@ def run_container_hook(
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():
-        # The container's GPUs as the config's: a device minor is a GPU only NVML can name.
-        driver = driver_factory()
+        # The container's GPUs as the config's: a device minor is a GPU only NVML can name
+        # (each call within NVML's own limit: no run deadline yet).
+        driver: GpuDriver | None = None
         try:
+            driver = driver_factory()
             source = request_text(spec.gpus)
             selection = gpu_selection(spec.gpus, list(driver.gpus()), source)
         except GateError as exc:
-            driver.close()
+            if driver is not None:
+                driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
+        opened = driver
         loaded = LoadedConfig(loaded.config.model_copy(update={"gpus": selection}), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
         hook = Hook(
@@ -94,7 +98,7 @@ def run_container_hook(
             metrics_unit=METRICS_UNIT,
             surroundings=container_surroundings(identity, GpuChoice(selection, source), context),
         )
-        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: driver), stream)
+        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: opened), stream)
         return int(run_hook(hook, loaded, deps).exit_code)
 
 
