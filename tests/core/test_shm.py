@@ -20,7 +20,7 @@ import pytest
 from gpugate.config.file import parse_config
 from gpugate.config.models import GateConfig
 from gpugate.core.outcome import RunSummary
-from gpugate.core.shm_cleanup import FreshHolders, ShmHost
+from gpugate.core.shm_cleanup import FreshHolders, Kept, ShmHost
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.status import as_dict, collect, render_table
 from gpugate.host.scan import scan_device_users
@@ -362,8 +362,8 @@ class Meddling:
     def facts(self, file: ShmFile) -> FileFacts | None:
         return self.real.facts(file)
 
-    def unlink(self, file: ShmFile) -> object:
-        return self.real.unlink(file)
+    def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> object:
+        return self.real.unlink(file, allowed)
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.real, name)
@@ -463,13 +463,13 @@ def test_an_unreadable_process_keeps_every_file(tmp_path: Path) -> None:
         def facts(self, file: ShmFile) -> FileFacts | None:
             return FileFacts(file.path, 1, 1, 0)
 
-        def unlink(self, file: ShmFile) -> object:
+        def unlink(self, file: ShmFile, allowed: object) -> object:
             raise AssertionError("must not unlink")
 
     ledger = ShmLedger()
     ledger.note({10: [ShmFile(ShmKey(1, 2), ("/dev/shm/psm_q",))]})
     (result,) = remove(ledger, {10}, Blind(), str)  # type: ignore[arg-type]
-    assert result.kept is not None and "4242" in result.kept
+    assert result.kept is Kept.UNREADABLE and result.kept_by == ("PID 4242",)
 
 
 def test_areas_come_from_dev_and_from_mountinfo(tmp_path: Path) -> None:
