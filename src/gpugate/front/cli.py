@@ -78,14 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
         # that account's processes (it narrows, never widens; docs/gpugate-run.md).
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(func=hook_command)
-    status = commands.add_parser("status", help="GPUs and the processes holding them")
-    _unit_and_config(status)
-    shown = status.add_mutually_exclusive_group()
-    shown.add_argument("--json", action="store_true", help="stable JSON (see README)")
-    shown.add_argument(
-        "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
-    )
-    status.set_defaults(func=status_command)
+    _status_parser(commands)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
@@ -97,6 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     _run_parser(commands)
     _slurm_parsers(commands)
     return parser
+
+
+def _status_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = commands.add_parser("status", help="GPUs and the processes holding them")
+    _unit_and_config(status)
+    shown = status.add_mutually_exclusive_group()
+    shown.add_argument("--json", action="store_true", help="stable JSON (see README)")
+    shown.add_argument(
+        "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
+    )
+    status.set_defaults(func=status_command)
 
 
 def _dry_run(parser: argparse.ArgumentParser) -> None:
