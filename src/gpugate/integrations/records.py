@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
 MAX_DIGITS = 20  # a JSON number longer than this is no count, PID or time of gpugate's
@@ -34,25 +34,18 @@ class BadRecord(ValueError):
 
 def read_text(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
     """The file's text. FileNotFoundError where it is gone; BadRecord where it is not a
-    regular file of at most limit bytes of UTF-8 (a FIFO is not opened for a read that would
-    block: O_NONBLOCK; a link is not followed: O_NOFOLLOW)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    regular file of at most limit bytes of UTF-8 (host/safe_files.read_capped: a FIFO is not
+    opened for a read that would block, a link is not followed)."""
     try:
-        fd = os.open(path, flags)
+        data = read_capped(path, limit)
     except FileNotFoundError:
         raise
+    except NotRegularFile:
+        raise BadRecord("not a regular file") from None
+    except TooLarge:
+        raise BadRecord(f"larger than {limit // 1024} KiB") from None
     except OSError as exc:
         raise BadRecord(f"cannot be read ({exc.strerror or exc})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadRecord("not a regular file")
-        data = os.read(fd, limit + 1)
-    except OSError as exc:
-        raise BadRecord(f"cannot be read ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise BadRecord(f"larger than {limit // 1024} KiB")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
+from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, echo
 from gpugate.host.programs import find_program, run_program
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
