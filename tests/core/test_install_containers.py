@@ -312,3 +312,29 @@ def test_install_takes_a_unit_or_containers(argv: list[str]) -> None:
     from gpugate.front.cli import main
 
     assert main(argv) == ExitCode.USAGE
+
+
+def test_a_venv_gpugate_runs_isolated_in_the_hook(host: ContainerHost) -> None:
+    """A console script's shebang lacks -I: the hook runs its interpreter -I -m gpugate."""
+    command = ("/opt/gpugate/bin/python3", "-I", "-m", "gpugate")
+    changes = plan_hooks(host, command, install=True, force=False)
+    _applied(changes)
+    start = json.loads((host.hooks_dirs[0] / "gpugate-start.json").read_text())
+    assert start["hook"] == {
+        "path": "/opt/gpugate/bin/python3",
+        "args": ["python3", "-I", "-m", "gpugate", "oci-hook", "createRuntime"],
+    }
+    # Recognised as gpugate's: a later install replaces it, uninstall removes it.
+    assert all(a.startswith("write") for a in install(host))
+    uninstall(host)
+    assert not any(host.hooks_dirs[0].glob("gpugate-*.json"))
+
+
+def test_wrapper_hooks_with_a_command() -> None:
+    spec = gpu_spec([], device=True)
+    assert with_hooks(spec, ("/usr/bin/python3", "-I", "-m", "gpugate"))
+    hooks = spec["hooks"]
+    assert isinstance(hooks, dict)
+    assert hooks["createRuntime"][0]["args"] == [
+        "python3", "-I", "-m", "gpugate", "oci-hook", "createRuntime",
+    ]  # fmt: skip

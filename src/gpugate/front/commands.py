@@ -266,15 +266,19 @@ def status_data(
 
 def containers_install_command(args: argparse.Namespace) -> int:
     """`gpugate install|uninstall --containers` (front/install_containers.py)."""
-    from gpugate.front import install, install_files  # noqa: PLC0415
+    from gpugate.front import install  # noqa: PLC0415
     from gpugate.front import install_containers as oci  # noqa: PLC0415
 
     installing = args.command == "install"
     host = oci.detect()
-    gpugate = str(getattr(args, "gpugate_path", None) or install_files.default_gpugate_path())
-    changes = oci.plan_hooks(host, gpugate, install=installing, force=args.force)
+    from gpugate.front.self_command import command_for, gpugate_command  # noqa: PLC0415
+
+    given = getattr(args, "gpugate_path", None)
+    command = command_for(str(given)) if given else gpugate_command()
+    changes = oci.plan_hooks(host, command, install=installing, force=args.force)
     if host.daemon_json is not None:
-        wrapper = oci.wrapper_beside(gpugate) if installing else ""
+        script = str(given) if given else os.path.abspath(sys.argv[0])
+        wrapper = oci.wrapper_beside(script) if installing else ""
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
     if not changes:
         from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415

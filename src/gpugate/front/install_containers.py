@@ -78,12 +78,18 @@ def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
     return [PODMAN_HOOKS]
 
 
-def hook_file(gpugate: str, stage: str) -> str:
+def hook_args(command: Sequence[str], stage: str) -> list[str]:
+    """The hook's argv: this very gpugate (front/self_command.py: isolated), `oci-hook STAGE`."""
+    return [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
+
+
+def hook_file(gpugate: str | Sequence[str], stage: str) -> str:
     """oci-hooks(5), version 1.0.0: every container, at one stage (the hook itself leaves a
-    container without GPUs at once)."""
+    container without GPUs at once). gpugate: a path, or the command that runs it."""
+    command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
     body = {
         "version": "1.0.0",
-        "hook": {"path": gpugate, "args": ["gpugate", "oci-hook", stage]},
+        "hook": {"path": command[0], "args": hook_args(command, stage)},
         "when": {"always": True},
         "stages": [stage],
     }
@@ -97,10 +103,12 @@ def is_our_hook(path: Path) -> bool:
         args = data["hook"]["args"]
     except (OSError, ValueError, KeyError, TypeError):
         return False
-    return isinstance(args, list) and args[:2] == ["gpugate", "oci-hook"]
+    return isinstance(args, list) and "oci-hook" in args and "gpugate" in str(args)
 
 
-def plan_hooks(host: ContainerHost, gpugate: str, *, install: bool, force: bool) -> list[Change]:
+def plan_hooks(
+    host: ContainerHost, gpugate: str | Sequence[str], *, install: bool, force: bool
+) -> list[Change]:
     changes: list[Change] = []
     for folder in host.hooks_dirs:
         for name, stage in HOOK_FILES.items():

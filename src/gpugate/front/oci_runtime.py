@@ -47,19 +47,26 @@ def bundle_of(args: Sequence[str]) -> str:
     return os.getcwd()
 
 
-def own_gpugate() -> str:
-    """The gpugate beside this very interpreter (a venv's, pipx's), else the packaged one."""
-    beside = Path(sys.executable).parent / "gpugate"
+def own_gpugate() -> tuple[str, ...]:
+    """This very gpugate (front/self_command.py): the `gpugate` beside this wrapper, run as
+    it isolates itself, else this interpreter with -I -m gpugate."""
+    from gpugate.front.self_command import gpugate_command  # noqa: PLC0415
+
+    beside = Path(sys.argv[0]).absolute().parent / "gpugate"
     if os.access(beside, os.X_OK):
-        return str(beside)
-    return next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0])
+        return gpugate_command(str(beside))
+    return gpugate_command(
+        next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0])
+    )
 
 
-def hook_entry(gpugate: str, stage: str) -> dict[str, object]:
-    return {"path": gpugate, "args": ["gpugate", "oci-hook", stage]}
+def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
+    command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
+    args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
+    return {"path": command[0], "args": args}
 
 
-def with_hooks(spec: dict[str, object], gpugate: str) -> bool:
+def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
     """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
     them already."""
     if not spec_gpu_request(spec):
@@ -79,7 +86,7 @@ def with_hooks(spec: dict[str, object], gpugate: str) -> bool:
     return changed
 
 
-def add_hooks(bundle: str, gpugate: str) -> bool:
+def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
     """config.json rewritten in place (a new file renamed over it, same mode)."""
     raw = read_config(bundle)
     try:
