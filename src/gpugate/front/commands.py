@@ -271,13 +271,15 @@ def containers_install_command(args: argparse.Namespace) -> int:
 
     installing = args.command == "install"
     host = oci.detect()
-    from gpugate.front.self_command import command_for, gpugate_command  # noqa: PLC0415
+    from gpugate.front.self_command import command_for  # noqa: PLC0415
 
     given = getattr(args, "gpugate_path", None)
-    command = command_for(str(given)) if given else gpugate_command()
+    # This very gpugate, isolated: its script run by its own #! interpreter with -I (a venv's
+    # interpreter, not whatever sys.executable resolved to), or the packaged launcher as it is.
+    script = str(given) if given else os.path.realpath(sys.argv[0])
+    command = command_for(script)
     changes = oci.plan_hooks(host, command, install=installing, force=args.force)
     if host.daemon_json is not None:
-        script = str(given) if given else os.path.abspath(sys.argv[0])
         wrapper = oci.wrapper_beside(script) if installing else ""
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
     if not changes:
