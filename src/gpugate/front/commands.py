@@ -271,13 +271,11 @@ def containers_install_command(args: argparse.Namespace) -> int:
 
     installing = args.command == "install"
     host = oci.detect()
-    from gpugate.front.self_command import command_for  # noqa: PLC0415
-
     given = getattr(args, "gpugate_path", None)
-    # This very gpugate, isolated: its script run by its own #! interpreter with -I (a venv's
-    # interpreter, not whatever sys.executable resolved to), or the packaged launcher as it is.
-    script = str(given) if given else os.path.realpath(sys.argv[0])
-    command = command_for(script)
+    # This very gpugate: the script it was run as (the packages' launcher isolates Python
+    # itself; a venv's console script is run as it is, see docs/containers.md).
+    script = str(given) if given else os.path.abspath(sys.argv[0])
+    command = (script,)
     changes = oci.plan_hooks(host, command, install=installing, force=args.force)
     if host.daemon_json is not None:
         wrapper = oci.wrapper_beside(script) if installing else ""

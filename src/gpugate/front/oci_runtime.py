@@ -48,15 +48,12 @@ def bundle_of(args: Sequence[str]) -> str:
 
 
 def own_gpugate() -> tuple[str, ...]:
-    """This very gpugate (front/self_command.py): the `gpugate` beside this wrapper, run as
-    it isolates itself, else this interpreter with -I -m gpugate."""
-    from gpugate.front.self_command import command_for  # noqa: PLC0415
-
-    beside = Path(os.path.realpath(sys.argv[0])).parent / "gpugate"
+    """This very gpugate: the `gpugate` beside this wrapper (a venv's bin/, /usr/bin), else
+    the packaged one."""
+    beside = Path(sys.argv[0]).absolute().parent / "gpugate"
     if os.access(beside, os.X_OK):
-        return command_for(str(beside))
-    found = next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0])
-    return command_for(found)
+        return (str(beside),)
+    return (next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0]),)
 
 
 def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
