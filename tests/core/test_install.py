@@ -103,7 +103,7 @@ def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
     dirs.install()
     lines = dirs.toml.read_text().splitlines()
     uncommented = [line[2:] if re.match(r"# [a-z_]+ = ", line) else line for line in lines]
-    assert sum(a != b for a, b in zip(lines, uncommented)) == 23
+    assert sum(a != b for a, b in zip(lines, uncommented)) == 24
     assert parse_config("\n".join(uncommented), "-") == parse_config("", "-")
 
 
@@ -151,7 +151,7 @@ def test_operators_own_dropin_without_header_is_refused(dirs: Dirs) -> None:
 
 def test_edited_config_is_kept_unless_gpus_would_change_it(dirs: Dirs) -> None:
     dirs.install(gpus=[0])
-    dirs.toml.write_text(dirs.toml.read_text() + "free_mib = 2048\n")
+    dirs.toml.write_text("free_mib = 2048\n" + dirs.toml.read_text())
     edited = dirs.toml.read_text()
     out = dirs.install()  # refreshing the drop-in keeps the operator's settings
     assert dirs.toml.read_text() == edited

@@ -348,3 +348,14 @@ def test_app_tree_off_takes_only_gpu_holders(host: FakeHost) -> None:
     summary = run(host, "pre", pre={"kill_app_tree": False})
     assert summary.exit_code is ExitCode.OK
     assert alive(server) and not alive(worker)
+
+
+@pytest.mark.parametrize("phase", ["pre", "post"])
+def test_first_word_to_systemd_asks_for_the_whole_run(host: FakeHost, phase: str) -> None:
+    """The unit's own short TimeoutStartSec=/TimeoutStopSec= is kept by install: the hook asks
+    for its deadline before it reads anything, so a slow discovery cannot outlive the unit's
+    timeout (and asks nothing more where there is nothing to wait for)."""
+    summary = run(host, phase, **{phase: {"wait_timeout_s": 45}})
+    assert summary.exit_code is ExitCode.OK
+    first = host.notifier.states[0]
+    assert first == f"EXTEND_TIMEOUT_USEC={(45 + 10) * 1_000_000}", host.notifier.states

@@ -74,6 +74,7 @@ def test_the_whole_command_line_for_a_terminal() -> None:
         "--property=TimeoutStartSec=300",
         "--property=TimeoutStopSec=300",
         "--property=KillMode=control-group",
+        "--property=TemporaryFileSystem=/dev/shm:mode=1777,nosuid,nodev,size=50%",
         "--setenv=HF_HOME=/data/hf",
         "--setenv=PATH=/opt/venv/bin:/usr/bin",
         "--setenv=CUDA_VISIBLE_DEVICES=0,1,2,3",
@@ -112,6 +113,19 @@ def test_pipe_root_config_cleanup_force_and_dollars() -> None:
     ]
     assert not any("GPUGATE_RUN_FORCE" in a for a in argv)  # never through the environment
     assert argv[-3:] == ["/bin/sh", "-c", "echo $$HOME $${X}"]  # systemd's $ made literal
+
+
+@pytest.mark.parametrize(
+    ("private_shm", "expected"),
+    [
+        ("off", []),
+        ("64g", ["--property=TemporaryFileSystem=/dev/shm:mode=1777,nosuid,nodev,size=64g"]),
+        ("25%", ["--property=TemporaryFileSystem=/dev/shm:mode=1777,nosuid,nodev,size=25%"]),
+    ],
+)
+def test_the_units_own_dev_shm_follows_private_shm(private_shm: str, expected: list[str]) -> None:
+    argv = systemd_run_argv(plan(private_shm=private_shm), SYSTEMD_RUN)
+    assert [a for a in argv if "TemporaryFileSystem" in a] == expected
 
 
 @pytest.mark.parametrize(

@@ -28,6 +28,7 @@ TOP = {
     "invisible": list,
     "unreadable_gpus": list,
     "shm": list,
+    "unit_shm": list,
     "leases": list,
 }
 GPU = {
@@ -70,6 +71,14 @@ INVISIBLE = {"gpu": int, "pid": int}
 UNREADABLE = {"index": int, "uuid": (str, type(None)), "error": str}
 SHM_AREA = {"path": str, "total_bytes": int, "free_bytes": int}
 SHM_FILE = {"path": str, "bytes": (int, type(None))}
+UNIT_SHM = {
+    "unit": str,
+    "pid": int,
+    "path": str,
+    "total_bytes": int,
+    "used_bytes": int,
+    "files": int,
+}
 
 
 def check(entry: dict[str, Any], schema: dict[str, Any]) -> None:
@@ -135,7 +144,7 @@ def test_keys_and_types_are_the_documented_ones(
 
 def test_every_key_is_in_the_schema_doc() -> None:
     documented = set(re.findall(r"`([a-z_]+)`", SCHEMA_DOC.read_text()))
-    schemas = (TOP, GPU, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE)
+    schemas = (TOP, GPU, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE, UNIT_SHM)
     missing = set().union(*schemas) - documented
     assert not missing, f"not documented in docs/status-json.md: {sorted(missing)}"
 

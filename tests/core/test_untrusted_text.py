@@ -450,6 +450,9 @@ def test_the_real_journal_send_takes_bytes_that_are_not_utf8(
 UNTRUSTED = {"command", "cmdline", "comm", "exe", "cgroup"}
 CONTAINER_TEXT = {"name", "label", "handle"}
 PASSES = {"shown", "exact", "shown_args", "container_text", "container_handle", "quoted"}
+# Functions that take process text as data and return a fact, not a word: their result is
+# still text an account may have picked (a unit name), shown through PASSES where it is shown.
+AS_DATA = {"unit_of_cgroup"}
 OUTPUTS = [*sorted((SRC / "report").glob("*.py")), SRC / "front" / "status.py"]
 
 
@@ -474,7 +477,7 @@ def test_process_text_reaches_output_only_through_untrusted(path: Path) -> None:
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             name = node.func.id if isinstance(node.func, ast.Name) else ""
-            if name in PASSES:
+            if name in PASSES | AS_DATA:
                 for arg in node.args:
                     allowed.update(id(sub) for sub in ast.walk(arg))
         if isinstance(node, ast.FunctionDef) and node.name in PASSES | {"container_fields"}:

@@ -7,7 +7,10 @@ stands for Ubuntu 24.04 (3.12, 255). On each, the .deb built in this session is 
 the release's own apt (no network inside: every dependency must be in the root), put on a
 vLLM-like unit with `gpugate install`, and the incident runs: a server started by hand on
 GPUs 0-3 and another unit's job on GPUs 6-7; the unit starts, the stale server is gone, the
-job lives; then SIGKILL of the unit's API server, and post frees the GPUs.
+job lives; then SIGKILL of the unit's API server, and post frees the GPUs. And the unit's
+own /dev/shm (issue 28, tests/simhost/test_own_shm.py): with install's defaults a server's
+psm_* segments never reach the host's /dev/shm, the unit's TimeoutStopSec=3 is kept, and
+`systemctl stop` after systemd's SIGKILL leaves nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import pytest
 from incident import MIB_PER_GPU, SIGNAL_SENT_ID, Host, server_cmd, stage_incident, unit_text
 from roots import SUITES, RootBuildError, debian_root, missing_tools
 from sandbox import SimHost
+from test_own_shm import STOP_TIMEOUT_S, own_shm_scenario, stage_bystanders, stage_server
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
@@ -144,3 +148,11 @@ def test_incident_on_release(release: tuple[str, Host]) -> None:
     used = host.used()
     assert all(used[i] == MIB_PER_GPU for i in JOB_GPUS), used
     assert sim.systemctl("is-active", "job-other.service", check=False).stdout.strip() == "active"
+
+
+def test_own_dev_shm_on_release(release: tuple[str, Host]) -> None:
+    suite, host = release
+    stage_server(host)
+    stage_bystanders(host)
+    took = own_shm_scenario(host)
+    print(f"{suite}: systemctl stop with TimeoutStopSec={STOP_TIMEOUT_S}: {took:.1f}s")  # -s

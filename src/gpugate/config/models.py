@@ -44,6 +44,11 @@ DEFAULT_PROTECTED_UNITS = (
     "display-manager.service",
 )
 
+# private_shm: tmpfs's size= (a percentage of RAM, or k/m/g), or "off".
+DEFAULT_PRIVATE_SHM = "50%"
+PRIVATE_SHM_OFF = "off"
+PRIVATE_SHM_SIZE = re.compile(r"(?:[1-9][0-9]?%|100%|[1-9][0-9]{0,8}[kmg])")
+
 GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run owns
 GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; "auto" is resolved by gpu_source
 
@@ -175,6 +180,23 @@ class GateConfig(_Frozen):
         description="pre (and prolog) fail with exit 29 when /dev/shm has less free after their "
         "cleanup (not set: no check).",
     )
+
+    private_shm: str = Field(
+        default=DEFAULT_PRIVATE_SHM,
+        description="The unit's own /dev/shm, which the kernel frees when its last process ends: "
+        'its size ("50%" of RAM, "64g", "16384m"; what `gpugate install` and `gpugate run` '
+        'write as TemporaryFileSystem=/dev/shm), or "off": the unit shares the host\'s.',
+    )
+
+    @field_validator("private_shm")
+    @classmethod
+    def _tmpfs_size(cls, value: str) -> str:
+        # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
+        if value != PRIVATE_SHM_OFF and not PRIVATE_SHM_SIZE.fullmatch(value):
+            raise ValueError(
+                f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
+            )
+        return value
 
     @field_validator("post", mode="before")
     @classmethod

@@ -15,13 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run_state import RunDeps, RunScope, RunSetup, RunState
+from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunDeps, RunScope, RunSetup, RunState
 from gpugate.core.stage import Progress, Stage, Transition
 from gpugate.core.stages import Looking, StageStep
 from gpugate.errors import NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus
 
-__all__ = ["PhaseRun", "RunDeps", "RunScope", "RunSetup"]
+__all__ = ["TIMEOUT_MARGIN_S", "PhaseRun", "RunDeps", "RunScope", "RunSetup"]
 
 
 class PhaseRun:

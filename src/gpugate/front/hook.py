@@ -7,20 +7,26 @@ and passes them whole."""
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TextIO
 
 from gpugate.config.models import LoadedConfig
+from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run import PhaseRun, RunDeps, RunScope, RunSetup
+from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope, RunSetup
 from gpugate.core.surroundings import METRICS, Surroundings
 from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, StateUnwritable
+from gpugate.host.own_shm import OwnShm, is_own_tmpfs, own_shm_of_any
+from gpugate.host.roots import HostRoots
+from gpugate.host.shm import find_areas, host_root
 from gpugate.host.state_dirs import check_all
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
+from gpugate.report.own_shm_text import say_own_shm_gone
 from gpugate.report.stage_text import interrupted
 
 # How a hook's surroundings are made, once the run's scope and config are known; they
@@ -82,11 +88,14 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
     run: a run that cannot record its end does not begin), an error or an interruption
     recorded for this start's post."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
+    narrator = first_words(scope, loaded, reporter)
     surroundings = hook.surroundings(scope, loaded, reporter)
     if not hook.dry_run:
         check_all(*surroundings.state_to_write())
-    narrator = Narrator(reporter)
     narrator.looking()
+    own_shm = None if hook.dry_run else own_shm_at_stop(scope, deps.run.roots)
+    if own_shm is not None:  # read before post kills what is left of the unit
+        say_own_shm_gone(reporter, own_shm.seen)
     setup = RunSetup(scope, surroundings.loaded, narrator, surroundings, deps.run, hook.dry_run)
     run = PhaseRun(setup)
     try:
@@ -102,6 +111,40 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         if not hook.dry_run:
             surroundings.after_error(exc)  # post need not wait on it again
         raise
+
+
+def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Narrator:
+    """The run's narrator, having asked systemd for the run's time first thing: the unit's own
+    TimeoutStartSec=/TimeoutStopSec= (kept by install) may be shorter than this run's deadline;
+    systemd honours EXTEND_TIMEOUT_USEC= from the hook (NotifyAccess=exec) in start-pre and
+    stop-post alike, on 247 to 257."""
+    narrator = Narrator(reporter)
+    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
+    return narrator
+
+
+@dataclass(frozen=True)
+class OwnShmAtStop:
+    seen: OwnShm | None  # what it held, read through a process of the unit still there
+
+
+def own_shm_at_stop(scope: RunScope, roots: HostRoots) -> OwnShmAtStop | None:
+    """After a unit's stop, where it has a /dev/shm of its own: what that held, read through a
+    process of the unit still there. systemd gives the hook a fresh tmpfs of its own on
+    /dev/shm in a namespace other than PID 1's where the unit sets TemporaryFileSystem=/dev/shm:
+    that is how the hook tells. None: the unit shares the host's (the kernel frees the unit's
+    own with its last process, whatever post does)."""
+    traits = scope.phase.traits
+    if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
+        return None
+    devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
+    if not is_own_tmpfs(str(roots.dev / "shm"), devs):
+        return None
+    try:
+        pids = set(cgroup_members(roots.cgroup, scope.unit_cgroup)) - {os.getpid()}
+    except GateError:
+        pids = set()
+    return OwnShmAtStop(own_shm_of_any(roots.proc, pids, devs))
 
 
 def record_metrics(

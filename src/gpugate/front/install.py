@@ -16,12 +16,13 @@ from enum import Enum
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
+from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config
 from gpugate.config.gpulist import GpuListError, parse_gpu_text
-from gpugate.config.models import CONTAINER_NAME
+from gpugate.config.models import CONTAINER_NAME, DEFAULT_PRIVATE_SHM
 from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.front.install_files import (
     DEFAULT_GPUGATE,
+    HOOK_TIMEOUT_S,
     Gpus,
     Ownership,
     ownership,
@@ -32,6 +33,9 @@ from gpugate.front.install_files import (
 from gpugate.host.atomic import write_atomically
 from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
 from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
+from gpugate.host.unit_settings import parse as parse_unit_settings
+from gpugate.host.unit_settings import read_unit
+from gpugate.report.narrate_install import kept_lines
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
@@ -52,6 +56,7 @@ class Change:
     action: Action
     content: str | None = None  # what WRITE writes
     note: str = ""
+    said: tuple[str, ...] = ()  # lines under it (the unit's settings the drop-in keeps)
 
 
 @dataclass(frozen=True)
@@ -130,15 +135,17 @@ def plan_install(
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would replace the
     operator's drop-in, or change the GPUs or containers of the operator's config, without
-    force."""
+    force. What the unit sets itself is read from systemd (`systemctl cat`) where systemd_dir
+    is the real one, else from the files in systemd_dir (tests, an image's tree)."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit
     if query is not None:
         refuse_unknown_unit(unit, force=force, query=query, stream=stream)
     targets = Targets.of(unit, systemd_dir, config_dir)
+    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, targets.config)
     wanted = {
-        targets.dropin: with_header(render_dropin(gpugate_path)),
+        targets.dropin: dropin,
         targets.config: with_header(render_config(unit, gpus, containers, ports)),
     }
     changes: list[Change] = []
@@ -151,17 +158,46 @@ def plan_install(
                 continue
             refused.append(str(path))
             continue
+        lines = said if path == targets.dropin else ()
         if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
-            changes.append(Change(path, Action.UNCHANGED))
+            changes.append(Change(path, Action.UNCHANGED, said=lines))
         else:
             note = "replacing your edited file (--force)" if owner is Ownership.OPERATORS else ""
-            changes.append(Change(path, Action.WRITE, content, note))
+            changes.append(Change(path, Action.WRITE, content, note, lines))
     if refused:
         raise InstallError(
             f"{', '.join(refused)}: edited by you (or not written by gpugate install); "
             "nothing changed; --force replaces it"
         )
     return changes
+
+
+def planned_dropin(
+    unit: str,
+    gpugate_path: Path | Sequence[str],
+    systemd_dir: Path,
+    config: Path,
+) -> tuple[str, tuple[str, ...]]:
+    """The drop-in for what the unit sets itself and the config's private_shm, with the lines
+    that say which of the unit's settings it keeps."""
+    text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
+    settings = parse_unit_settings(text, DROPIN_NAME)
+    private_shm = configured_private_shm(config)
+    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
+    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
+
+
+def configured_private_shm(config: Path) -> str:
+    """private_shm from the unit's config where it has one (the operator's: `"off"` takes the
+    private /dev/shm away at the next install), else the default. A config that does not
+    parse: its one-line error, nothing changed."""
+    try:
+        text = config.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return DEFAULT_PRIVATE_SHM
+    except OSError as exc:
+        raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
+    return parse_config(text, str(config)).private_shm
 
 
 def refuse_unknown_unit(
@@ -260,6 +296,8 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
     }[change.action][0 if dry_run else 1]
     note = f" ({change.note})" if change.note else ""
     print(f"{verb} {change.path}{note}", file=stream)
+    for line in change.said:
+        print(f"  {line}", file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
         print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
 

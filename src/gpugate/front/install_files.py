@@ -14,9 +14,15 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, Union
 
-from gpugate.config.models import GateConfig, PhasePolicy
+from gpugate.config.models import (
+    DEFAULT_PRIVATE_SHM,
+    PRIVATE_SHM_OFF,
+    GateConfig,
+    PhasePolicy,
+)
 from gpugate.config.toml_text import toml_value
 from gpugate.errors import InstallError, PermissionDenied
+from gpugate.host.unit_settings import UnitSettings
 
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 
@@ -38,16 +44,33 @@ ExecStartPre=+@GPUGATE@ pre %n
 # Runs after every stop, a crash or a failed start included: reaps workers that outlived the
 # main process and waits for the driver to release their memory before the unit is "inactive".
 ExecStopPost=+@GPUGATE@ post %n
+"""
+
+
+# What follows the hooks, each block left out where the unit sets that itself
+# (host/unit_settings.py); `gpugate install` says which it kept.
+NOTIFY_BLOCK = """\
 # Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
 # STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose
-# own children must notify needs NotifyAccess=all: set it in a drop-in sorting after this one.)
+# own children must notify sets NotifyAccess=all itself: install then keeps it.)
 NotifyAccess=exec
-# Each covers a hook: SIGTERM grace + SIGKILL wait + the driver's release (gpugate's
-# wait_timeout_s, 120 s by default) with room to spare; gpugate also extends them while it
-# waits. A server that needs longer to start or stop: raise them in a later drop-in.
-TimeoutStartSec=300
-TimeoutStopSec=300
 """
+TIMEOUT_COMMENT = """\
+# Each covers a hook: SIGTERM grace + SIGKILL wait + the driver's release (gpugate's
+# wait_timeout_s, 120 s by default) with room to spare. gpugate asks systemd for more time
+# (EXTEND_TIMEOUT_USEC=) while it works, so a unit's own shorter timeout is kept, not replaced.
+"""
+START_TIMEOUT = "TimeoutStartSec=@SECONDS@\n"
+STOP_TIMEOUT = "TimeoutStopSec=@SECONDS@\n"
+SHM_BLOCK = """\
+# The unit's own /dev/shm (private_shm in /etc/gpugate/UNIT.toml): the server's segments live
+# in a tmpfs the kernel frees when the unit's last process ends, however it ends (a SIGKILL
+# after TimeoutStopSec=, systemctl kill, a crash, a restart). private_shm = "off" and
+# `gpugate install` again: the unit shares the host's /dev/shm (docs/shared-memory.md).
+TemporaryFileSystem=/dev/shm:@OPTIONS@
+"""
+SHM_OPTIONS = "mode=1777,nosuid,nodev,size={size}"
+HOOK_TIMEOUT_S = 300
 
 
 # The fields the skeleton shows, each with its model's description as the comment above it.
@@ -60,6 +83,7 @@ CONFIG_FIELDS = (
     "protected_executables",
     "protected_units",
     "containers",
+    "private_shm",
 )
 
 
@@ -94,8 +118,14 @@ class Ownership(Enum):
     OPERATORS = "operator's"  # edited since, or never written by gpugate
 
 
-def render_dropin(gpugate: Path | Sequence[str]) -> str:
-    """gpugate: the command that runs gpugate (front/self_command.py), or one path."""
+def render_dropin(
+    gpugate: Path | Sequence[str],
+    unit: UnitSettings | None = None,
+    private_shm: str = DEFAULT_PRIVATE_SHM,
+) -> str:
+    """The drop-in: the hooks, and what the unit does not set itself (unit: what it sets;
+    None: nothing), with a /dev/shm of its own unless private_shm is "off". gpugate: the
+    command that runs gpugate (front/self_command.py), or one path."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
     for text in words:
         if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
@@ -105,7 +135,20 @@ def render_dropin(gpugate: Path | Sequence[str]) -> str:
             )
     if not words or not SAFE_PATH.match(words[0]):
         raise InstallError(f"--gpugate-path {' '.join(words)!r}: not an absolute path")
-    return DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))
+    unit = unit or UnitSettings()
+    parts = [DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))]
+    if unit.notify_access is None or unit.notify_access.value != "all":
+        parts.append(NOTIFY_BLOCK)
+    timeouts = [
+        line.replace("@SECONDS@", str(HOOK_TIMEOUT_S))
+        for line, kept in ((START_TIMEOUT, unit.start_timeout), (STOP_TIMEOUT, unit.stop_timeout))
+        if kept is None
+    ]
+    if timeouts:
+        parts += [TIMEOUT_COMMENT, *timeouts]
+    if private_shm != PRIVATE_SHM_OFF and unit.own_shm is None:
+        parts.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
+    return "".join(parts)
 
 
 def render_config(

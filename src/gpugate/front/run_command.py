@@ -115,6 +115,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         force=args.force,
         cleanup=cleanup,
         as_root_caller=caller.uid == 0,
+        private_shm=loaded.config.private_shm,
         for_uid=None if caller.uid == 0 else caller.uid,
     )
     try:

@@ -9,7 +9,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpugate.config.models import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.errors import ExitCode, GateError
+from gpugate.front.install_files import SHM_OPTIONS
 from gpugate.host.systemd import unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
@@ -125,6 +127,7 @@ class RunPlan:
     force: bool = False
     cleanup: tuple[Path, ...] = field(default=())  # files removed after post (root's)
     as_root_caller: bool = False  # the caller is root itself: no --uid/--gid
+    private_shm: str = DEFAULT_PRIVATE_SHM  # the unit's own /dev/shm: its size, or "off"
     for_uid: int | None = None  # the hooks' --for-uid: a caller that is not root
 
 
@@ -240,6 +243,9 @@ def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
         f"--property=TimeoutStopSec={HOOK_TIMEOUT_S}",
         "--property=KillMode=control-group",
     ]
+    if plan.private_shm != PRIVATE_SHM_OFF:  # the same own /dev/shm as install's drop-in
+        options = SHM_OPTIONS.format(size=plan.private_shm)
+        argv.append(f"--property=TemporaryFileSystem=/dev/shm:{options}")
     setenv = [*plan.environment, ("CUDA_VISIBLE_DEVICES", plan.gpus_env)]
     setenv.append((STARTED_BY_VARIABLE, plan.started_by))
     argv += [f"--setenv={key}={value}" for key, value in setenv]

@@ -12,9 +12,11 @@ from typing import Any
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import decide
-from gpugate.core.discover import Discovery, Holder, Sought, discover
+from gpugate.core.discover import Discovery, Holder, Sought, cgroup_members, discover
 from gpugate.core.roles import Role, holder_role
+from gpugate.errors import GateError
 from gpugate.host.nvml import GpuDriver
+from gpugate.host.own_shm import own_shm_of_any
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import Deadline
@@ -25,6 +27,7 @@ from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
 from gpugate.report.narrate import cut_short_text
 from gpugate.report.narrate_unit import unreadable_record_text
+from gpugate.report.own_shm_text import own_shm_line
 from gpugate.report.untrusted import (
     CGROUP,
     COMM,
@@ -142,12 +145,45 @@ def as_dict(
             for area in discovery.shm_areas
             if (found := space(area)) is not None
         ],
+        "unit_shm": unit_shm(discovery, roots),
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
             {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
             for fault in discovery.faults
         ],
     }
+
+
+def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
+    """The /dev/shm of its own that each unit shown has (the unit asked about, and each
+    holder's), read through one of its processes: size, use, files. A unit without one
+    (it shares the host's /dev/shm) is not listed."""
+    devs = {area.dev for area in discovery.shm_areas}
+    by_unit: dict[str, set[int]] = {}
+    if discovery.unit:
+        try:
+            by_unit[discovery.unit] = set(cgroup_members(roots.cgroup, discovery.unit_cgroup))
+        except GateError:
+            by_unit[discovery.unit] = set()
+    for holder in discovery.holders.values():
+        unit = unit_of_cgroup(holder.info.cgroup or "/")
+        if unit:
+            by_unit.setdefault(unit, set()).add(holder.pid)
+    found = []
+    for unit, pids in sorted(by_unit.items()):
+        own = own_shm_of_any(roots.proc, pids, devs)
+        if own is not None:
+            found.append(
+                {
+                    "unit": shown(unit, CGROUP),  # a name an account may have picked
+                    "pid": own.pid,
+                    "path": "/dev/shm",
+                    "total_bytes": own.total_bytes,
+                    "used_bytes": own.used_bytes,
+                    "files": own.files,
+                }
+            )
+    return found
 
 
 def pre_rules(discovery: Discovery, loaded: LoadedConfig, roots: HostRoots) -> dict[int, str]:
@@ -333,6 +369,7 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             f"{area['path']}: {bytes_shown(area['free_bytes'])} free of "
             f"{bytes_shown(area['total_bytes'])} (SHM: each holder's files there)"
         )
+    lines += [own_shm_line(entry, bytes_shown) for entry in data.get("unit_shm", ())]
     return lines
 
 

@@ -11,6 +11,7 @@ newline) and may end in " (deleted)". Nothing here decides which files go; that 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -44,13 +45,25 @@ class ShmKey:
 
 @dataclass(frozen=True)
 class ShmArea:
-    """A folder where shm_open puts files: its path in gpugate's mount namespace, its device."""
+    """A folder where shm_open puts files: its path as the host's processes name it (what
+    their fd links and maps lines show), its device, and where gpugate opens it: the same
+    path, or under /proc/1/root where gpugate runs in a mount namespace of its own (a hook of
+    a unit with TemporaryFileSystem=/dev/shm sees the unit's own /dev/shm there)."""
 
     path: str
     dev: int
+    at: str = ""  # where gpugate reaches the folder; empty: path
+
+    @property
+    def where(self) -> str:
+        return self.at or self.path
 
     def holds(self, path: str) -> bool:
         return path.startswith(self.path.rstrip("/") + "/")
+
+    def shown(self, reached: str) -> str:
+        """A path found under `where` as the host's processes name it."""
+        return self.path.rstrip("/") + reached[len(self.where.rstrip("/")) :]
 
 
 @dataclass(frozen=True)
@@ -94,11 +107,11 @@ def unescape_mountinfo(field: str) -> str:
     return field
 
 
-def mount_points(proc_root: Path) -> set[str]:
-    """Every mount point /proc/self/mountinfo (under the proc root) lists; none where it cannot
+def mount_points(proc_root: Path, pid: str = "self") -> set[str]:
+    """Every mount point /proc/PID/mountinfo (under the proc root) lists; none where it cannot
     be read (a stand-in proc root)."""
     try:
-        text = (proc_root / "self" / "mountinfo").read_text(errors="replace")
+        text = (proc_root / pid / "mountinfo").read_text(errors="replace")
     except OSError:
         return set()
     points: set[str] = set()
@@ -109,10 +122,32 @@ def mount_points(proc_root: Path) -> set[str]:
     return points
 
 
+def host_root(dev_root: Path, proc_root: Path) -> str | None:
+    """Where the host's files are when gpugate runs in a mount namespace other than PID 1's
+    (the hook of a unit with TemporaryFileSystem=/dev/shm: systemd runs `+` hooks in the
+    unit's namespace): PROC/1/root. None where it shares PID 1's, cannot tell, or reads
+    stand-in roots (tests)."""
+    if dev_root != Path("/dev"):
+        return None
+    try:
+        ours = os.stat(proc_root / "self" / "ns" / "mnt")
+        init = os.stat(proc_root / "1" / "ns" / "mnt")
+    except OSError:
+        return None
+    if (ours.st_dev, ours.st_ino) == (init.st_dev, init.st_ino):
+        return None
+    return str(proc_root / "1" / "root")
+
+
 def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
     """DEV/shm, where glibc's shm_open and sem_open put their files (also where it is a plain
     folder, or a symlink: then its target), and /run/shm where mountinfo lists a mount of its
-    own there. Each is identified by the device its files have (stat of the folder)."""
+    own there. Each is identified by the device its files have (stat of the folder). Always
+    the host's (PID 1's) folders: in a mount namespace of gpugate's own they are reached
+    through PROC/1/root (host_root)."""
+    root = host_root(dev_root, proc_root)
+    if root is not None:
+        return _host_areas(root, proc_root)
     areas: dict[int, ShmArea] = {}
     candidates = [os.path.realpath(dev_root / "shm")]
     if RUN_SHM in mount_points(proc_root):
@@ -124,6 +159,28 @@ def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
             continue
         if stat.S_ISDIR(info.st_mode):
             areas.setdefault(info.st_dev, ShmArea(path, info.st_dev))
+    return list(areas.values())
+
+
+def _host_areas(root: str, proc_root: Path) -> list[ShmArea]:
+    """find_areas through PID 1's root. realpath cannot be used there (it would read the
+    /proc/1/root link itself): a /dev/shm that is a symlink is followed one step by hand."""
+    areas: dict[int, ShmArea] = {}
+    candidates = ["/dev/shm"]
+    if RUN_SHM in mount_points(proc_root, "1"):
+        candidates.append(RUN_SHM)
+    for named in candidates:
+        path = named
+        with contextlib.suppress(OSError):
+            if stat.S_ISLNK(os.lstat(root + named).st_mode):
+                target = os.readlink(root + named)
+                path = os.path.normpath(os.path.join(os.path.dirname(named), target))
+        try:
+            info = os.lstat(root + path)
+        except OSError:
+            continue
+        if stat.S_ISDIR(info.st_mode):
+            areas.setdefault(info.st_dev, ShmArea(path, info.st_dev, root + path))
     return list(areas.values())
 
 
@@ -158,7 +215,7 @@ class Space:
 
 def space(area: ShmArea) -> Space | None:
     try:
-        vfs = os.statvfs(area.path)
+        vfs = os.statvfs(area.where)
     except OSError:
         return None
     return Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
@@ -187,7 +244,7 @@ def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
     if not relative or any(part in ("", ".", "..") for part in parts):
         return None
     try:
-        fd = os.open(area.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(area.where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
     for part in parts[:-1]:
@@ -211,10 +268,11 @@ MAX_WALK_ENTRIES = 200_000  # names a walk looks at, in all, per area
 
 
 def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
-    """Each regular file of the area's own device in it, with its lstat (symlinks not
-    followed): without recursion, at most MAX_WALK_DEPTH folders deep and MAX_WALK_ENTRIES
-    names, so that no account can make the walk endless (the area is world-writable)."""
-    folders = [(area.path, 0)]
+    """Each regular file of the area's own device in it (named as the host's processes name
+    it), with its lstat (symlinks not followed): without recursion, at most MAX_WALK_DEPTH
+    folders deep and MAX_WALK_ENTRIES names, so that no account can make the walk endless
+    (the area is world-writable)."""
+    folders = [(area.where, 0)]
     seen = 0
     while folders:
         folder, depth = folders.pop()
@@ -231,7 +289,7 @@ def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
                     if info.st_dev != area.dev:
                         continue
                     if stat.S_ISREG(info.st_mode):
-                        yield entry.path, info
+                        yield area.shown(entry.path), info
                     elif stat.S_ISDIR(info.st_mode) and depth < MAX_WALK_DEPTH:
                         folders.append((entry.path, depth + 1))
         except OSError:

@@ -38,6 +38,7 @@ class Event(Enum):
     WARNING = "e4a9c6b2d8f14e3a9c5b7d1f0a6e2c34"  # it goes on, seeing or doing less
     SHM_REMOVED = "3183ab9850024dacaec7f96e3bc5e3c4"
     SHM_KEPT = "a449ad3b8a1042b1a51b60fe6099543e"
+    SHM_OWN = "6b0e8ba46b3f4a3cb57003a421b8ddb6"  # the unit's own /dev/shm went with it
 
     @property
     def message_id(self) -> str:

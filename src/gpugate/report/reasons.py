@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.report.holder_text import container_handle, container_text
-from gpugate.report.untrusted import CGROUP, shown
+from gpugate.report.untrusted import CGROUP, COMM, shown
 
 
 def held_text(choice: Choice) -> str:
@@ -82,7 +82,7 @@ def other_account_refusal(unit: str, choices: list[Choice]) -> str:
     holder = first.holder
     more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
     return (
-        f"not starting {unit}: PID {holder.pid} ({holder.info.comm}) of "
+        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
         f"{account_text(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
         f"`gpugate run` acts for {account_text(first.for_uid)} and kills only its processes: "
         "nothing was killed; ask that account (or root) to stop it"
