@@ -217,6 +217,9 @@ def test_rpm_installs_the_tree_the_deb_has(rpm_and_tree: tuple[Path, Path]) -> N
     files = set(rpm_query(rpm, "-l"))
     for path in (
         "/usr/bin/gpugate",
+        "/usr/bin/gpugate-oci-runtime",
+        "/usr/share/gpugate/oci/gpugate-start.json",
+        "/usr/share/gpugate/oci/gpugate-stop.json",
         "/usr/lib/gpugate/common/gpugate/front/cli.py",
         "/usr/lib/gpugate/common/pydantic/__init__.py",
         "/usr/lib/systemd/catalog/gpugate.catalog",
@@ -233,6 +236,9 @@ def test_rpm_installs_the_tree_the_deb_has(rpm_and_tree: tuple[Path, Path]) -> N
         assert list(carried.glob(f"systemd/_journal.cpython-3{minor}-x86_64-linux-gnu.so"))
     launcher = (tree / "usr/bin/gpugate").read_text()
     assert launcher.startswith("#!/usr/bin/python3 -I\n")
+    assert "from gpugate.front.entry import run" in launcher
+    wrapper = (tree / "usr/bin/gpugate-oci-runtime").read_text()
+    assert "from gpugate.front.entry import oci_runtime" in wrapper
     owner = subprocess.run(
         ["rpm", "--root", str(tree), "-qf", "/usr/bin/gpugate"],
         capture_output=True,

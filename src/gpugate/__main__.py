@@ -1,3 +1,3 @@
-from gpugate.front.cli import run
+from gpugate.front.entry import run
 
 run()

@@ -1,10 +1,12 @@
 """What one run asks of the world around what it frees (a systemd unit, a Slurm job, a
 container), as a protocol: the core and the front call these and know nothing of who
-answers. Three answer today: a systemd unit's (`gpugate.integrations.unit.shared_host.
+answers. Four answer today: a systemd unit's (`gpugate.integrations.unit.shared_host.
 UnitSurroundings`: manual-run guard, GPU leases, failed-start records, asking the phase's
 traits what applies), a Slurm job's (`gpugate.integrations.slurm.JobSurroundings`: Slurm
-gives out its GPUs itself) and `NullSurroundings` here (nothing around: the plain case, and
-tests). The front wires them."""
+gives out its GPUs itself), a container's (`gpugate.integrations.container.
+ContainerSurroundings`, for `gpugate oci-hook`: a unit's, with the container's scope as the
+unit) and `NullSurroundings` here (nothing around: the plain case, and tests). The front
+wires them."""
 
 from __future__ import annotations
 

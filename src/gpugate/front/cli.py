@@ -31,6 +31,11 @@ if TYPE_CHECKING:
     from gpugate.report.journal import ReporterFactory
 
 HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli
+
+CONTAINERS_HELP = (
+    "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d files, "
+    "docker's gpugate runtime; see docs/containers.md)"
+)
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
@@ -72,6 +77,21 @@ def build_parser() -> argparse.ArgumentParser:
         # that account's processes (it narrows, never widens; docs/gpugate-run.md).
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(handler="hook_command")
+    _status_parser(commands)
+    config = commands.add_parser("config", help="configuration tools")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    check = config_commands.add_parser("check", help="validate and print the effective config")
+    check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
+    check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
+    check.set_defaults(handler="config_check_command")
+    _install_parsers(commands)
+    _oci_parsers(commands)
+    _run_parser(commands)
+    _slurm_parsers(commands)
+    return parser
+
+
+def _status_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
     shown = status.add_mutually_exclusive_group()
@@ -80,16 +100,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
     )
     status.set_defaults(handler="status_command")
-    config = commands.add_parser("config", help="configuration tools")
-    config_commands = config.add_subparsers(dest="config_command", required=True)
-    check = config_commands.add_parser("check", help="validate and print the effective config")
-    check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
-    check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
-    check.set_defaults(handler="config_check_command")
-    _install_parsers(commands)
-    _run_parser(commands)
-    _slurm_parsers(commands)
-    return parser
 
 
 def _dry_run(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +129,10 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
     uninstall = commands.add_parser("uninstall", help="take gpugate off a unit (install, reversed)")
     for sub in (install, uninstall):
-        sub.add_argument("unit", help="a service (vllm.service) or template (vllm@.service)")
+        sub.add_argument(
+            "unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)"
+        )
+        sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
@@ -155,6 +168,22 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         type=_path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
     )
+
+
+def _oci_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Shown in --help; the command itself never reaches this parser (front/entry.py)."""
+    hook = commands.add_parser(
+        "oci-hook",
+        help="OCI runtime hook: free a container's GPUs before it starts, after it stops",
+    )
+    hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
+    hook.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
+    hook.set_defaults(handler="oci_command")
+    runtime = commands.add_parser(
+        "oci-runtime", help="runc with gpugate's hooks added to GPU containers (docker's runtime)"
+    )
+    runtime.add_argument("args", nargs=argparse.REMAINDER, help="runc's arguments")
+    runtime.set_defaults(handler="oci_command")
 
 
 def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -167,6 +167,11 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install  # noqa: PLC0415
 
+    if args.oci != (args.unit is None):
+        print(f"gpugate {args.command}: give a UNIT or --containers", file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if args.oci:
+        return containers_install_command(args)
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
@@ -293,3 +298,44 @@ class Look:
                     print(warning, file=sys.stderr, flush=True)
                     self.warned.append(warning)
             return as_dict(discovery, loaded, roots, procfs)
+
+
+def containers_install_command(args: argparse.Namespace) -> int:
+    """`gpugate install|uninstall --containers` (front/install_containers.py)."""
+    from gpugate.front import install  # noqa: PLC0415
+    from gpugate.front import install_containers as oci  # noqa: PLC0415
+
+    installing = args.command == "install"
+    host = oci.detect()
+    given = getattr(args, "gpugate_path", None)
+    # This very gpugate: the script it was run as (the packages' launcher isolates Python
+    # itself; a venv's console script is run as it is, see docs/containers.md).
+    script = str(given) if given else os.path.abspath(sys.argv[0])
+    command = (script,)
+    changes = oci.plan_hooks(host, command, install=installing, force=args.force)
+    if host.daemon_json is not None:
+        wrapper = oci.wrapper_beside(script) if installing else ""
+        changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    if not changes:
+        from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
+
+        print(NOTHING_TO_SET_UP)
+        return int(ExitCode.OK)
+    install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
+    docker_changed = any(
+        c.path == host.daemon_json and c.action is install.Action.WRITE for c in changes
+    )
+    if docker_changed and not args.dry_run and not args.no_reload:
+        print(oci.reload_docker())
+    return int(ExitCode.OK)
+
+
+def oci_command(args: argparse.Namespace, front: Front) -> int:
+    """`gpugate [--host-roots ...] oci-hook STAGE` where the fast entry did not take it."""
+    if args.command == "oci-runtime":
+        from gpugate.front.oci_runtime import main as runtime  # noqa: PLC0415
+
+        return runtime(args.args)
+    from gpugate.front.oci_entry import main  # noqa: PLC0415
+
+    return main([args.stage], roots=front.host_roots(), config=args.config)

@@ -151,6 +151,7 @@ def as_dict(
                 "gpus": list(lease.gpus),
                 "since": lease.since,
                 "started_by": shown(lease.started_by, STATE) or None,
+                "container": shown(lease.container, STATE) or None,
             }
             for lease in leases
         ],
@@ -375,6 +376,10 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             lines.append(
                 f"({lease['unit']}: started by hand with `gpugate run` by {lease['started_by']},"
                 f" GPU {gpu_ranges(lease['gpus'])})"
+            )
+        if lease.get("container"):
+            lines.append(
+                f"({lease['unit']}: {lease['container']}, GPU {gpu_ranges(lease['gpus'])})"
             )
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")

@@ -21,6 +21,7 @@ from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
+from gpugate.report.oci_text import container_lease_refusal
 from gpugate.report.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"
@@ -43,6 +44,9 @@ class Lease:
     # Who started the unit by hand (`gpugate run` sets GPUGATE_STARTED_BY on its transient
     # unit: "alice (uid 1000)"); None for units systemd starts. Old lease files lack it.
     started_by: str | None = None
+    # A container's lease (`gpugate oci-hook`): the unit is its scope (libpod-ID.scope),
+    # active while it runs; this is the container in words ("podman container vllm (3f2a…)").
+    container: str | None = None
 
     def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
         mine = {uuid.lower() for uuid in self.uuids}
@@ -58,13 +62,15 @@ class Lease:
             "invocation_id": self.invocation_id,
             "pid": self.pid,
             "started_by": self.started_by,
+            "container": self.container,
         }
 
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
         by = f"`gpugate run` by {shown(self.started_by, STATE)}, " if self.started_by else ""
-        return f"{shown(self.unit, STATE)} ({by}since {when})"
+        who = self.container or self.unit
+        return f"{shown(who, STATE)} ({by}since {when})"
 
 
 def lease_dir(lock_dir: Path) -> Path:
@@ -82,6 +88,7 @@ def new_lease(
     share: bool,
     invocation_id: str | None = None,
     started_by: str | None = None,
+    container: str | None = None,
 ) -> Lease:
     return Lease(
         unit=unit,
@@ -92,6 +99,7 @@ def new_lease(
         invocation_id=invocation_id or None,
         pid=os.getpid(),
         started_by=started_by or None,
+        container=container,
     )
 
 
@@ -112,6 +120,7 @@ def lease_from(data: dict[str, object]) -> Lease:
         invocation_id=records.text(data, "invocation_id", 128, optional=True),
         pid=records.integer(data, "pid", 0, MAX_PID, default=0),
         started_by=started_by[:200] if started_by else None,
+        container=records.text(data, "container", 300, optional=True),
     )
 
 
@@ -191,6 +200,8 @@ class LeaseCheck:
             f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.holder_text()}"
             for lease, gpus in self.conflicts
         ]
+        if all(lease.container for lease, _ in self.conflicts):
+            return container_lease_refusal(parts)
         return (
             "; ".join(parts) + ": that unit is still active or activating and holds them until"
             " its post; stop it first, or set share_gpus = true in both units' configs"

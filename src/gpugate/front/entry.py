@@ -1,0 +1,36 @@
+"""The `gpugate` command's entry: the OCI hook and runtime wrapper, which every container
+start runs, go their own small way; everything else is the command line (front/cli.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def run() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["oci-hook"]:
+        from gpugate.front.oci_entry import main  # noqa: PLC0415
+
+        _exit(main(argv[1:]))
+    if argv[:1] == ["oci-runtime"]:
+        oci_runtime(argv[1:])
+    from gpugate.front.cli import run as cli  # noqa: PLC0415
+
+    cli()
+
+
+def oci_runtime(argv: list[str] | None = None) -> None:
+    """`gpugate-oci-runtime ARGS...`: runc's arguments, passed on unchanged."""
+    from gpugate.front.oci_runtime import main  # noqa: PLC0415
+
+    _exit(main(sys.argv[1:] if argv is None else argv))
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:  # noqa: SIM105 - contextlib costs the fast path an import
+            stream.flush()
+        except (OSError, ValueError):  # closed or broken: nothing to say there
+            pass
+    os._exit(code)

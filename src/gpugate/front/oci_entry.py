@@ -1,0 +1,63 @@
+"""`gpugate oci-hook STAGE`, the part every container pays for: the state on stdin and the
+bundle's config.json read and parsed with the standard library alone; a container that asks
+for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
+(front/oci_hook.py). bench/oci_hook.py measures both."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gpugate.errors import ExitCode
+from gpugate.host.oci import (
+    OciInputError,
+    parse_config,
+    parse_state,
+    read_config,
+    read_stdin_bounded,
+)
+
+TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+    from pathlib import Path
+
+    from gpugate.host.roots import HostRoots
+
+# OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
+ACTING = ("createRuntime", "prestart", "poststop")
+STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
+USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
+
+
+def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | None = None) -> int:
+    """argv: what follows `oci-hook`; roots and config: `gpugate --host-roots R oci-hook
+    --config C STAGE` (the bench, tests), through the full command line."""
+    if len(argv) != 1 or argv[0] not in STAGES:
+        if argv[:1] in (["-h"], ["--help"]):
+            print(USAGE)
+            return int(ExitCode.OK)
+        print(USAGE, file=sys.stderr)
+        return int(ExitCode.USAGE)
+    stage = argv[0]
+    try:
+        state = parse_state(read_stdin_bounded())
+        if stage not in ACTING or os.geteuid() != 0:
+            # A rootless runtime reads the same hooks.d: its containers are its user's, whom
+            # gpugate does not gate (its state and the host's processes are root's).
+            return int(ExitCode.OK)
+        try:
+            raw = read_config(state.bundle)
+        except OciInputError:
+            if stage == "poststop":  # the runtime may have removed the bundle already;
+                return int(ExitCode.OK)  # the lease is stale once the scope is gone
+            raise
+        spec = parse_config(raw, f"{state.bundle}/config.json")
+    except OciInputError as exc:
+        print(f"gpugate: oci-hook {stage}: {exc.message}", file=sys.stderr)
+        return int(exc.exit_code)
+    if not spec.gpus:
+        return int(ExitCode.OK)  # no GPU asked for: not gpugate's container
+    from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
+
+    return run_from_hook(stage, state, spec, roots=roots, config=config)

@@ -1,0 +1,128 @@
+"""`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
+containerd, which run only the hooks in a container's spec. On `create` of a container that
+asks for GPUs it adds gpugate's createRuntime and poststop hooks to the bundle's
+config.json; then, for every command, it execs runc unchanged, with all its arguments, as
+NVIDIA's nvidia-container-runtime does. runc is found at fixed paths only."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gpugate.errors import ExitCode
+from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
+
+RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
+# runc's global options that take a value (`runc --help`): the command is the first word
+# that is neither an option nor such an option's value.
+VALUE_OPTIONS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless"})
+HOOK_STAGES = ("createRuntime", "poststop")
+GPUGATE_PATHS = ("/usr/bin/gpugate", "/usr/local/bin/gpugate")
+
+
+def command_of(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+    """runc's command and the arguments after it."""
+    skip = False
+    for position, word in enumerate(argv):
+        if skip:
+            skip = False
+        elif word in VALUE_OPTIONS:
+            skip = True
+        elif not word.startswith("-"):
+            return word, list(argv[position + 1 :])
+    return None, []
+
+
+def bundle_of(args: Sequence[str]) -> str:
+    """`create`'s --bundle / -b (default: the working folder, as runc has it)."""
+    for position, word in enumerate(args):
+        if word in ("--bundle", "-b") and position + 1 < len(args):
+            return args[position + 1]
+        for prefix in ("--bundle=", "-b="):
+            if word.startswith(prefix):
+                return word[len(prefix) :]
+    return os.getcwd()
+
+
+def own_gpugate() -> tuple[str, ...]:
+    """This very gpugate: the `gpugate` beside this wrapper (a venv's bin/, /usr/bin), else
+    the packaged one."""
+    beside = Path(sys.argv[0]).absolute().parent / "gpugate"
+    if os.access(beside, os.X_OK):
+        return (str(beside),)
+    return (next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0]),)
+
+
+def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
+    command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
+    args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
+    return {"path": command[0], "args": args}
+
+
+def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
+    """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
+    them already."""
+    if not spec_gpu_request(spec):
+        return False
+    hooks = spec.setdefault("hooks", {})
+    if not isinstance(hooks, dict):
+        raise OciInputError("config.json: hooks: not a JSON object")
+    changed = False
+    for stage in HOOK_STAGES:
+        entries = hooks.setdefault(stage, [])
+        if not isinstance(entries, list):
+            raise OciInputError(f"config.json: hooks.{stage}: not a list")
+        entry = hook_entry(gpugate, stage)
+        if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
+            entries.append(entry)
+            changed = True
+    return changed
+
+
+def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
+    """config.json rewritten in place (a new file renamed over it, same mode)."""
+    raw = read_config(bundle)
+    try:
+        spec = json.loads(raw)
+    except (ValueError, RecursionError):
+        raise OciInputError(f"{bundle}/config.json: not JSON") from None
+    if not isinstance(spec, dict):
+        raise OciInputError(f"{bundle}/config.json: not a JSON object")
+    if not with_hooks(spec, gpugate):
+        return False
+    path = Path(bundle, "config.json")
+    temporary = Path(bundle, f".config.json.gpugate-{os.getpid()}")
+    mode = path.stat().st_mode & 0o777
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as stream:
+        json.dump(spec, stream)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)
+    return True
+
+
+def find_runc() -> str | None:
+    return next((p for p in RUNC_PATHS if os.access(p, os.X_OK)), None)
+
+
+def main(argv: Sequence[str]) -> int:
+    """argv: runc's arguments. Returns only where runc cannot be run."""
+    runc = find_runc()
+    if runc is None:
+        print(f"gpugate-oci-runtime: no runc in {', '.join(RUNC_PATHS)}", file=sys.stderr)
+        return int(ExitCode.NVML_UNAVAILABLE)
+    command, args = command_of(argv)
+    if command in ("create", "run"):
+        try:
+            add_hooks(bundle_of(args), own_gpugate())
+        except (OciInputError, OSError) as exc:
+            said = exc.message if isinstance(exc, OciInputError) else str(exc)
+            # A GPU container without its gate must not start unnoticed: the create fails.
+            print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
+            return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
+    os.execv(runc, [runc, *argv])  # noqa: S606 - runc at a fixed path, its arguments as given
+    return int(ExitCode.INTERNAL)  # not reached: execv replaced this process

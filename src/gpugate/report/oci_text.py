@@ -1,0 +1,41 @@
+"""The words of `gpugate oci-hook` and `install --containers`: a container as operators see
+it, where its GPUs came from, the container-lease refusal, and what install did to docker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def container_label(runtime: str, container_id: str, name: str | None) -> str:
+    """`podman container vllm (3f2a1b0c4d5e)`, or without a name `podman container 3f2a…`."""
+    short = container_id[:12]
+    return f"{runtime} container {name} ({short})" if name else f"{runtime} container {short}"
+
+
+def request_text(minors: Sequence[int], refs: Sequence[str], all_gpus: bool) -> str:
+    """Where a container's GPUs came from, for the run's first entry."""
+    parts = []
+    if minors:
+        parts.append("device nodes " + ", ".join(f"/dev/nvidia{m}" for m in minors))
+    if all_gpus:
+        parts.append("NVIDIA_VISIBLE_DEVICES=all")
+    elif refs:
+        parts.append("NVIDIA_VISIBLE_DEVICES=" + ",".join(refs))
+    return "the container's config.json (" + "; ".join(parts) + ")"
+
+
+def container_lease_refusal(parts: Sequence[str]) -> str:
+    return (
+        "; ".join(parts) + ": that container is still running and holds them until it stops;"
+        " stop it first, or set share_gpus = true in both configs"
+    )
+
+
+NOTHING_TO_SET_UP = "no podman, CRI-O or docker here: nothing to do"
+DOCKER_RELOADED = "reloaded docker (systemctl reload docker)"
+DOCKER_NOT_RUNNING = "docker is not running: it reads daemon.json when it starts"
+DOCKER_NO_SYSTEMCTL = "docker not reloaded (no systemctl): run `systemctl reload docker`"
+
+
+def docker_reload_failed(detail: str) -> str:
+    return f"daemon.json written, but {detail}; run `systemctl reload docker`"

@@ -1,0 +1,413 @@
+"""The OCI hook's input: the container state on stdin and the bundle's config.json, in the
+shapes runtimes write them and in shapes nobody should (missing fields, huge, hostile); the
+container's GPUs from linux.devices and NVIDIA_VISIBLE_DEVICES."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpugate.errors import ExitCode
+from gpugate.host.oci import (
+    MAX_CONFIG_BYTES,
+    ContainerState,
+    GpuRequest,
+    OciInputError,
+    cgroup_of_spec,
+    container_name,
+    gpu_request,
+    parse_config,
+    parse_state,
+    read_config,
+    read_stdin_bounded,
+    spec_gpu_request,
+)
+
+ID = "3f2a1b0c4d5e" + "0" * 52
+
+
+def state(**fields: object) -> bytes:
+    base: dict[str, object] = {
+        "ociVersion": "1.0.2",
+        "id": ID,
+        "status": "creating",
+        "pid": 4242,
+        "bundle": "/run/bundle",
+    }
+    base.update(fields)
+    return json.dumps({k: v for k, v in base.items() if v is not None}).encode()
+
+
+def env(*items: str) -> list[str]:
+    return ["PATH=/usr/bin", *items]
+
+
+def devices(*paths: str) -> list[dict[str, object]]:
+    return [{"path": p, "type": "c", "major": 195, "minor": 0} for p in paths]
+
+
+# ---- NVIDIA_VISIBLE_DEVICES and linux.devices ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("0", GpuRequest(refs=("0",))),
+        ("1,3", GpuRequest(refs=("1", "3"))),
+        (" 1 , 3 ,", GpuRequest(refs=("1", "3"))),
+        ("3,3", GpuRequest(refs=("3",))),
+        ("GPU-aaaaaaaa-1111", GpuRequest(refs=("GPU-aaaaaaaa-1111",))),
+        ("0,GPU-bbbbbbbb-2222", GpuRequest(refs=("0", "GPU-bbbbbbbb-2222"))),
+        ("all", GpuRequest(all_gpus=True)),
+        ("ALL", GpuRequest(all_gpus=True)),
+        ("none", GpuRequest()),
+        ("void", GpuRequest()),
+        ("", GpuRequest()),
+        ("  ", GpuRequest()),
+    ],
+)
+def test_visible_devices_forms(value: str, expected: GpuRequest) -> None:
+    assert gpu_request(None, env(f"NVIDIA_VISIBLE_DEVICES={value}")) == expected
+
+
+def test_no_variable_and_no_device_is_no_gpu() -> None:
+    assert not gpu_request(None, env("CUDA_VISIBLE_DEVICES=0"))
+    assert not gpu_request([], [])
+    assert not gpu_request(None, None)
+
+
+def test_the_last_setting_counts_as_for_execve() -> None:
+    request = gpu_request(None, env("NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_VISIBLE_DEVICES=2"))
+    assert request == GpuRequest(refs=("2",))
+    assert not gpu_request(None, env("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"))
+
+
+@pytest.mark.parametrize(
+    ("paths", "minors"),
+    [
+        (["/dev/nvidia0"], (0,)),
+        (["/dev/nvidia3", "/dev/nvidia1", "/dev/nvidia3"], (3, 1)),
+        (["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"], ()),
+        (["/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-modeset"], ()),
+        (["/dev/nvidia0x", "/dev/nvidia/0", "dev/nvidia0", "/dev/nvidia99999"], ()),
+        (["/dev/fuse", "/dev/nvidia7"], (7,)),
+    ],
+)
+def test_device_nodes_forms(paths: list[str], minors: tuple[int, ...]) -> None:
+    assert gpu_request(devices(*paths), None).minors == minors
+
+
+def test_devices_and_variable_are_a_union() -> None:
+    request = gpu_request(devices("/dev/nvidia2"), env("NVIDIA_VISIBLE_DEVICES=0"))
+    assert request == GpuRequest(minors=(2,), refs=("0",))
+    # `none` from the variable still leaves the devices the container was given.
+    assert gpu_request(devices("/dev/nvidia2"), env("NVIDIA_VISIBLE_DEVICES=none")).minors == (2,)
+
+
+@pytest.mark.parametrize(
+    "hostile",
+    [
+        "not a list",
+        [None, 1, "x", [], {"path": 5}, {"path": None}, {"nopath": "/dev/nvidia0"}],
+        {"path": "/dev/nvidia0"},
+    ],
+)
+def test_hostile_devices_are_no_gpu(hostile: object) -> None:
+    assert not gpu_request(hostile, None)
+
+
+@pytest.mark.parametrize("hostile", ["NVIDIA_VISIBLE_DEVICES=0", 7, {"a": 1}, [1, None, b"x"]])
+def test_hostile_env_shapes_are_no_gpu(hostile: object) -> None:
+    assert not gpu_request(None, hostile)
+
+
+def test_a_huge_variable_is_refused() -> None:
+    with pytest.raises(OciInputError, match="over 4096"):
+        gpu_request(None, env("NVIDIA_VISIBLE_DEVICES=" + "1," * 5000))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.text(max_size=30), st.integers(), st.none()), max_size=20))
+def test_any_env_list_parses_or_is_refused_with_one_line(items: list[object]) -> None:
+    try:
+        request = gpu_request(None, items)
+    except OciInputError as exc:
+        assert "\n" not in exc.message
+    else:
+        assert all(ref.strip() == ref and ref for ref in request.refs)
+
+
+# ---- the state on stdin ---------------------------------------------------------------
+
+
+def test_state_as_runc_writes_it() -> None:
+    got = parse_state(state(annotations={"io.podman.annotations.name": "vllm"}))
+    assert got == ContainerState(
+        ID, 4242, "/run/bundle", "creating", {"io.podman.annotations.name": "vllm"}
+    )
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (b"", "not JSON"),
+        (b"{", "not JSON"),
+        (b"[]", "not a JSON object"),
+        (b'"x"', "not a JSON object"),
+        (state(id=None), "id"),
+        (state(id=""), "id"),
+        (state(id="../../etc"), "id"),
+        (state(id="a" * 200), "id"),
+        (state(id=5), "id"),
+        (state(bundle=None), "bundle"),
+        (state(bundle="relative/path"), "bundle"),
+        (state(bundle=["/x"]), "bundle"),
+        (state(bundle="/a\u0000b"), "bundle"),
+        (b"[" * 100000 + b"]" * 100000, "not"),
+    ],
+)
+def test_bad_states_are_one_line_errors(raw: bytes, words: str) -> None:
+    with pytest.raises(OciInputError) as caught:
+        parse_state(raw)
+    assert words in caught.value.message
+    assert "\n" not in caught.value.message and len(caught.value.message) < 300
+    assert caught.value.exit_code is ExitCode.USAGE
+
+
+@pytest.mark.parametrize("pid", [None, -1, "12", True, 1.5, 1 << 40])
+def test_odd_pids_are_no_pid(pid: object) -> None:
+    assert parse_state(state(pid=pid)).pid == 0
+
+
+def test_hostile_annotations_are_bounded_and_strings_only() -> None:
+    annotations = {f"k{i}": "v" * 10000 for i in range(3000)}
+    annotations["n"] = 5  # type: ignore[assignment]
+    got = parse_state(state(annotations=annotations))
+    assert len(got.annotations) <= 1024
+    assert all(len(v) <= 256 for v in got.annotations.values())
+    assert parse_state(state(annotations="x")).annotations == {}
+
+
+def test_stdin_read_is_bounded_in_size_and_time() -> None:
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"x" * 100)
+    os.close(write_end)
+    assert read_stdin_bounded(read_end) == b"x" * 100
+    os.close(read_end)
+
+    read_end, write_end = os.pipe()
+    writer = threading.Thread(target=lambda: os.write(write_end, b"y" * 5000))
+    writer.start()
+    with pytest.raises(OciInputError, match="over 1000 bytes"):
+        read_stdin_bounded(read_end, limit=1000)
+    writer.join()
+    os.close(read_end)
+    os.close(write_end)
+
+    read_end, write_end = os.pipe()  # a runtime that never closes stdin
+    with pytest.raises(OciInputError, match="did not end within"):
+        read_stdin_bounded(read_end, timeout_s=0.05)
+    os.close(read_end)
+    os.close(write_end)
+
+
+# ---- config.json ----------------------------------------------------------------------
+
+
+NVIDIA_HOOK = {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook", "args": []}]}
+
+
+def spec(**fields: object) -> bytes:
+    body: dict[str, object] = {
+        "ociVersion": "1.0.2",
+        "hooks": NVIDIA_HOOK,
+        "process": {"env": env("NVIDIA_VISIBLE_DEVICES=1")},
+        "linux": {"cgroupsPath": "machine.slice:libpod:" + ID},
+        "annotations": {"io.podman.annotations.name": "vllm"},
+    }
+    body.update(fields)
+    return json.dumps(body).encode()
+
+
+def test_config_as_podman_writes_it() -> None:
+    got = parse_config(spec())
+    assert got.gpus == GpuRequest(refs=("1",))
+    assert cgroup_of_spec(got.cgroups_path, ID) == f"/machine.slice/libpod-{ID}.scope"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"process": None, "linux": None},
+        {"process": "x", "linux": 5},
+        {"process": {"env": None}, "linux": {"devices": None}},
+        {"process": {}, "linux": {}},
+    ],
+)
+def test_missing_or_odd_sections_mean_no_gpu(fields: dict[str, object]) -> None:
+    assert not parse_config(spec(**fields)).gpus
+
+
+@pytest.mark.parametrize(
+    ("path", "cgroup"),
+    [
+        ("system.slice:docker:" + ID, f"/system.slice/docker-{ID}.scope"),
+        (":crio:" + ID, f"/system.slice/crio-{ID}.scope"),
+        (
+            "kubepods-besteffort.slice:cri-containerd:abc",
+            "/kubepods.slice/kubepods-besteffort.slice/cri-containerd-abc.scope",
+        ),
+        ("/docker/" + ID, "/docker/" + ID),
+        ("nonsense", None),
+        ("a:b", None),
+        ("bad/slice.slice:x:y", None),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_cgroups_path_forms(path: str | None, cgroup: str | None) -> None:
+    assert cgroup_of_spec(path, ID) == cgroup
+
+
+@pytest.mark.parametrize(
+    ("annotations", "name"),
+    [
+        ({"io.podman.annotations.name": "vllm"}, "vllm"),
+        (
+            {"io.kubernetes.cri-o.ContainerName": "server", "io.kubernetes.pod.name": "llm-0"},
+            "llm-0/server",
+        ),
+        ({"io.kubernetes.cri.container-name": "server"}, "server"),
+        ({"nerdctl/name": "x"}, "x"),
+        ({"io.podman.annotations.name": "  "}, None),
+        (
+            {"io.podman.annotations.name": "evil\nGPUGATE_EVENT=x\x1b[2J"},
+            "evil?GPUGATE_EVENT=x?[2J",
+        ),
+        ({"io.podman.annotations.name": "x" * 1000}, "x" * 256),
+        ({}, None),
+    ],
+)
+def test_container_names_from_annotations(annotations: dict[str, str], name: str | None) -> None:
+    got = parse_state(state(annotations=annotations))
+    assert container_name(got, None) == name
+
+
+def bundle_dir(tmp_path: Path, content: bytes, mode: int = 0o644) -> str:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o700)
+    (bundle / "config.json").write_bytes(content)
+    (bundle / "config.json").chmod(mode)
+    return str(bundle)
+
+
+def test_config_read_from_own_bundle(tmp_path: Path) -> None:
+    assert parse_config(read_config(bundle_dir(tmp_path, spec()))).gpus
+
+
+def test_config_that_is_a_link_is_refused(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o700)
+    (tmp_path / "elsewhere.json").write_bytes(spec())
+    (bundle / "config.json").symlink_to(tmp_path / "elsewhere.json")
+    with pytest.raises(OciInputError, match="cannot be opened"):
+        read_config(str(bundle))
+
+
+def test_config_writable_by_others_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(OciInputError, match="writable by others"):
+        read_config(bundle_dir(tmp_path, spec(), mode=0o666))
+
+
+def test_bundle_writable_by_others_is_refused(tmp_path: Path) -> None:
+    bundle = bundle_dir(tmp_path, spec())
+    os.chmod(bundle, 0o777)
+    with pytest.raises(OciInputError, match="writable by others"):
+        read_config(bundle)
+
+
+def test_missing_bundle_and_config(tmp_path: Path) -> None:
+    with pytest.raises(OciInputError, match="bundle cannot be opened"):
+        read_config(str(tmp_path / "nope"))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(OciInputError, match=r"config\.json: cannot be opened"):
+        read_config(str(empty))
+
+
+def test_config_that_is_a_folder_or_fifo_is_refused_without_blocking(tmp_path: Path) -> None:
+    bundle = tmp_path / "b"
+    bundle.mkdir()
+    os.mkfifo(bundle / "config.json")
+    with pytest.raises(OciInputError, match="not a regular file"):
+        read_config(str(bundle))
+    os.unlink(bundle / "config.json")
+    (bundle / "config.json").mkdir()
+    with pytest.raises(OciInputError, match="not a regular file"):
+        read_config(str(bundle))
+
+
+def test_huge_config_is_refused(tmp_path: Path) -> None:
+    bundle = bundle_dir(tmp_path, b" " * (MAX_CONFIG_BYTES + 10))
+    with pytest.raises(OciInputError, match="over"):
+        read_config(bundle)
+    assert len(read_config(bundle, limit=MAX_CONFIG_BYTES + 10)) == MAX_CONFIG_BYTES + 10
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")
+def test_config_of_another_owner_is_refused(tmp_path: Path) -> None:
+    bundle = bundle_dir(tmp_path, spec())
+    os.chown(Path(bundle, "config.json"), 1000, 1000)
+    with pytest.raises(OciInputError, match="owned by uid 1000"):
+        read_config(bundle)
+
+
+# ---- which requests count: NVIDIA's hook, bind mounts ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("hooks", "counts"),
+    [
+        (NVIDIA_HOOK, True),
+        ({"createContainer": [{"path": "/usr/bin/nvidia-ctk", "args": ["hook"]}]}, True),
+        ({"prestart": [{"path": "/usr/local/bin/nvidia-container-toolkit"}]}, True),
+        ({"prestart": [{"path": "/usr/bin/other-hook"}]}, False),
+        ({"prestart": [{"path": "/usr/bin/gpugate", "args": ["gpugate", "oci-hook"]}]}, False),
+        (None, False),
+        ({}, False),
+        ({"prestart": "x"}, False),
+        ([NVIDIA_HOOK], False),
+        ({"prestart": [None, 1, {"path": 5}]}, False),
+    ],
+)
+def test_the_variable_counts_only_with_nvidias_hook(hooks: object, counts: bool) -> None:
+    """Every CUDA image sets NVIDIA_VISIBLE_DEVICES=all: without NVIDIA's hook to act on it,
+    it gives the container no GPU, and must not gate every GPU for it."""
+    body: dict[str, object] = {"process": {"env": env("NVIDIA_VISIBLE_DEVICES=all")}}
+    if hooks is not None:
+        body["hooks"] = hooks
+    assert bool(spec_gpu_request(body)) is counts
+
+
+@pytest.mark.parametrize(
+    ("mounts", "minors"),
+    [
+        ([{"source": "/dev/nvidia1", "destination": "/dev/nvidia1", "type": "bind"}], (1,)),
+        ([{"source": "/dev/nvidia3", "destination": "/dev/gpu"}], (3,)),
+        ([{"destination": "/dev/nvidia2"}], (2,)),
+        ([{"source": "/dev/nvidiactl", "destination": "/dev/nvidiactl"}], ()),
+        ([{"source": "/srv/nvidia1", "destination": "/data"}], ()),
+        ("x", ()),
+        ([None, 5, {"source": 7}], ()),
+    ],
+)
+def test_bind_mounted_device_nodes_count(mounts: object, minors: tuple[int, ...]) -> None:
+    body = {"mounts": mounts, "linux": {"devices": devices("/dev/nvidia1")}}
+    expected = tuple(dict.fromkeys((1, *minors)))
+    assert spec_gpu_request(body).minors == expected

@@ -1,0 +1,223 @@
+"""gpugate as an OCI hook in real podman 4.3 (runc, vfs; hooks.d files) and real docker.io
+20.10 (the `gpugate` runtime wrapping runc), inside one simulated host of this module's own,
+after `gpugate install --containers`. The evidence is the runtimes' own (`podman ps -a`,
+`docker ps -a`), gpugate's journal entries, and which processes are still alive."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from incident import REPO
+from realparts import hold_gpus_cmd, install_debs, wait_for
+from sandbox import SimHost
+from test_real_containers import DAEMON_JSON, MIB, ROOTFS, STORAGE_CONF, hold, volumes
+
+pytestmark = [pytest.mark.simhost, pytest.mark.slow]
+
+HOOKS_D = "/usr/share/containers/oci/hooks.d"
+FAST = "[pre]\nsigterm_grace_s = 1.0\nwait_timeout_s = 30\n[post]\nwait_timeout_s = 30\n"
+
+
+class Box:
+    def __init__(self, sim: SimHost) -> None:
+        self.sim = sim
+
+    def sh(self, cmd: str, check: bool = True) -> str:
+        return self.sim.run(cmd, check=check, timeout=180).stdout
+
+    def cursor(self) -> str:
+        out = self.sh("journalctl -n 0 --show-cursor --no-pager | sed -n 's/^-- cursor: //p'")
+        return out.strip()
+
+    def entries(self, cursor: str, *matches: str) -> list[dict[str, Any]]:
+        out = self.sh(
+            f"journalctl --no-pager -o json --after-cursor={shlex.quote(cursor)} "
+            + " ".join(matches)
+        )
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def stale_holder(self, gpu: int) -> int:
+        """A hand-started server from a login (user.slice) holding GPU gpu, ready."""
+        scope = self.sim.spawn_scope(hold_gpus_cmd([gpu], MIB))
+        pid = int(wait_for("the stale holder", lambda: self._main_pid(scope)))
+        wait_for("its claim", lambda: self.sim.exists(f"/run/fake-nvml/claims/{pid}"))
+        return pid
+
+    def _main_pid(self, scope: str) -> int:
+        out = self.sh(f"cat /sys/fs/cgroup/user.slice/{scope}/cgroup.procs", check=False)
+        pids = [int(p) for p in out.split()]
+        for pid in pids:
+            if "sleep" in self.sh(f"cat /proc/{pid}/comm", check=False):
+                return pid
+        return 0
+
+    def alive(self, pid: int) -> bool:
+        return self.sh(f"test -d /proc/{pid} && echo y || echo n").strip() == "y"
+
+    def claim(self, runtime: str, name: str, gpus: list[int]) -> int:
+        pid = int(self.sh(f"{runtime} inspect --format '{{{{.State.Pid}}}}' {name}").strip())
+        start = self.sh(f"sed 's/.*) //' /proc/{pid}/stat | cut -d' ' -f20").strip()
+        self.sim.write_file(
+            f"/run/fake-nvml/claims/{pid}", f"{MIB} {start} " + ",".join(map(str, gpus)) + "\n"
+        )
+        return pid
+
+    def leases(self) -> list[dict[str, Any]]:
+        data = json.loads(self.sim.run(["gpugate", "status", "--json"]).stdout)
+        found: list[dict[str, Any]] = data["leases"]
+        return found
+
+
+def podman_run(name: str, gpu: int | None, *extra: str) -> str:
+    gpu_args = [*volumes([gpu]), "-e", f"NVIDIA_VISIBLE_DEVICES={gpu}"] if gpu is not None else []
+    argv = [
+        "podman", "run", "-d", "--name", name, "--network", "none", "--pids-limit=-1",
+        *gpu_args, *extra, "gpustub", "/bin/sh", "-c",
+        hold([gpu]) if gpu is not None else "trap 'exit 143' TERM; sleep 3600 & wait",
+    ]  # fmt: skip
+    return shlex.join(argv)
+
+
+def docker_run(name: str, gpu: int) -> str:
+    argv = [
+        "docker", "run", "-d", "--runtime", "gpugate", "--name", name, "--network", "none",
+        *volumes([gpu]), "-e", f"NVIDIA_VISIBLE_DEVICES={gpu}", "gpustub", "sh", "-c", hold([gpu]),
+    ]  # fmt: skip
+    return shlex.join(argv)
+
+
+@pytest.fixture(scope="module")
+def box(fake_nvml_lib: Path | None) -> Iterator[Box]:
+    if fake_nvml_lib is None:
+        pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
+    sim = SimHost.boot(nvml_lib=fake_nvml_lib, gpus=8)
+    try:
+        sim.install_gpugate(REPO)
+        sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
+        install_debs(sim, "containers", ["docker.io", "podman", "runc", "busybox-static"])
+        sim.run("rm -f /usr/local/bin/docker")
+        sim.write_file("/etc/docker/daemon.json", DAEMON_JSON)
+        sim.write_file("/etc/containers/storage.conf", STORAGE_CONF)
+        sim.write_file("/etc/gpugate/containers.toml", FAST)
+        sim.run(
+            f"mkdir -p {ROOTFS}/bin {ROOTFS}/dev {ROOTFS}/proc {ROOTFS}/sys {ROOTFS}/etc "
+            f"{ROOTFS}/tmp && cp /bin/busybox {ROOTFS}/bin/busybox && "
+            f"for a in $({ROOTFS}/bin/busybox --list); do "
+            f'[ "$a" = busybox ] || ln -sf busybox {ROOTFS}/bin/$a; done'
+        )
+        started = sim.systemctl("start", "containerd.service", "docker.service", check=False)
+        if started.returncode:
+            said = sim.run("journalctl --no-pager -o cat -u docker -u containerd | tail -15")
+            raise AssertionError(f"dockerd did not start:\n{said.stdout}")
+        sim.run(f"tar -C {ROOTFS} -c . | docker import - gpustub", timeout=120)
+        sim.run(f"tar -C {ROOTFS} -c . | podman import - gpustub", timeout=120)
+        yield Box(sim)
+    finally:
+        sim.poweroff()
+
+
+def test_install_containers_writes_hooks_and_keeps_daemon_json(box: Box) -> None:
+    said = box.sh("gpugate install --containers")
+    assert f"wrote {HOOKS_D}/gpugate-start.json" in said, said
+    assert "wrote /etc/docker/daemon.json" in said and "reloaded docker" in said, said
+    daemon = json.loads(box.sim.read_file("/etc/docker/daemon.json"))
+    for key, value in json.loads(DAEMON_JSON).items():
+        assert daemon[key] == value, key
+    assert daemon["runtimes"]["gpugate"]["path"].endswith("/gpugate-oci-runtime")
+    hook = json.loads(box.sim.read_file(f"{HOOKS_D}/gpugate-start.json"))
+    assert hook["stages"] == ["createRuntime"]
+    again = box.sh("gpugate install --containers")
+    assert "wrote" not in again and "unchanged /etc/docker/daemon.json" in again, again
+    assert "gpugate" in box.sh("docker info --format '{{json .Runtimes}}'")
+
+
+def test_podman_container_kills_stale_holder_leases_gpu_then_unit_starts(box: Box) -> None:
+    sim = box.sim
+    stale = box.stale_holder(1)
+    cursor = box.cursor()
+    box.sh(podman_run("gpu-one", 1))
+    (first,) = [c for c in json.loads(box.sh("podman ps -a --format json"))]
+    assert first["State"] == "running", first
+    assert not box.alive(stale), "the stale holder on GPU 1 outlived the container's start"
+    entries = box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+    assert entries, "gpugate said nothing"
+    assert all(e.get("GPUGATE_OCI_CONTAINER") == first["Id"] for e in entries), entries[0]
+    bundle = box.sh("podman inspect --format '{{.StaticDir}}' gpu-one").strip()
+    assert {e.get("GPUGATE_OCI_CONTAINER_NAME") for e in entries} == {"gpu-one"}, bundle
+    killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
+    assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
+    (lease,) = box.leases()
+    assert lease["container"] == f"podman container gpu-one ({first['Id'][:12]})", lease
+    assert lease["gpus"] == [1]
+    box.claim("podman", "gpu-one", [1])
+
+    # A second container onto GPU 1 is refused: it does not run, nothing is killed.
+    refused = sim.run(podman_run("gpu-two", 1), check=False)
+    assert refused.returncode != 0
+    assert "podman container gpu-one" in refused.stderr, refused.stderr
+    running = {c["Names"][0]: c["State"] for c in json.loads(box.sh("podman ps -a --format json"))}
+    assert running["gpu-one"] == "running" and running.get("gpu-two") != "running", running
+    box.sh("podman rm -f gpu-two", check=False)
+
+    # So is a unit's start on GPU 1.
+    sim.install_unit("tgi.service", "[Service]\nExecStart=/bin/sleep 3600\n")
+    box.sh("gpugate install tgi.service --gpus 1")
+    assert sim.systemctl("start", "tgi.service", check=False).returncode != 0
+    said = box.sh("journalctl --no-pager -o cat -u tgi.service | tail -20")
+    assert "podman container gpu-one" in said, said
+    assert box.sh("podman inspect --format '{{.State.Status}}' gpu-one").strip() == "running"
+
+    # Stopped, its poststop gives the lease up; the unit starts.
+    box.sh("podman stop --time 1 gpu-one")
+    wait_for("the lease given up", lambda: not box.leases())
+    sim.systemctl("reset-failed", "tgi.service", check=False)
+    sim.systemctl("start", "tgi.service")
+    assert sim.systemctl("is-active", "tgi.service", check=False).stdout.strip() == "active"
+    sim.systemctl("stop", "tgi.service")
+    box.sh("podman rm -f gpu-one")
+
+
+def test_podman_container_without_gpu_runs_as_before(box: Box) -> None:
+    """Also with NVIDIA_VISIBLE_DEVICES=all, as every CUDA image sets it: without NVIDIA's
+    hook and without a device node it reaches no GPU, and gpugate leaves it alone."""
+    cursor = box.cursor()
+    box.sh(podman_run("no-gpu", None, "-e", "NVIDIA_VISIBLE_DEVICES=all"))
+    assert box.sh("podman inspect --format '{{.State.Status}}' no-gpu").strip() == "running"
+    assert not box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+    box.sh("podman rm -f --time 1 no-gpu")
+
+
+def test_docker_runtime_kills_stale_holder_and_refuses_second(box: Box) -> None:
+    stale = box.stale_holder(2)
+    cursor = box.cursor()
+    box.sh(docker_run("dgpu", 2))
+    wait_for("dgpu running", lambda: box.sh("docker ps -q --filter name=^dgpu$").strip())
+    assert not box.alive(stale)
+    entries = box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+    ids = {e.get("GPUGATE_OCI_CONTAINER") for e in entries}
+    full = box.sh("docker inspect --format '{{.Id}}' dgpu").strip()
+    assert ids == {full}, ids
+    assert {e.get("GPUGATE_OCI_CONTAINER_NAME") for e in entries} == {"dgpu"}
+    box.claim("docker", "dgpu", [2])
+    refused = box.sim.run(docker_run("dgpu2", 2), check=False)
+    assert refused.returncode != 0, refused.stdout
+    assert "dgpu" in refused.stderr, refused.stderr
+    assert box.sh("docker inspect --format '{{.State.Status}}' dgpu").strip() == "running"
+    box.sh("docker rm -f dgpu dgpu2", check=False)
+    # Through the same runtime, a container without GPUs runs as before.
+    plain = box.sh("docker run --rm --runtime gpugate --network none gpustub echo plain")
+    assert plain.strip() == "plain"
+
+
+def test_uninstall_containers_takes_it_back(box: Box) -> None:
+    said = box.sh("gpugate uninstall --containers")
+    assert f"removed {HOOKS_D}/gpugate-start.json" in said, said
+    assert not box.sim.exists(f"{HOOKS_D}/gpugate-start.json")
+    daemon = json.loads(box.sim.read_file("/etc/docker/daemon.json"))
+    assert "gpugate" not in daemon.get("runtimes", {})
+    assert daemon == json.loads(DAEMON_JSON)
