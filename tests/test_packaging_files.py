@@ -336,7 +336,8 @@ def test_the_packaged_launcher_runs_python_isolated(tmp_path: Path) -> None:
     from gpugate.front.self_command import gpugate_command
 
     stage = (PACKAGING / "stage").read_text()
-    (shebang,) = re.findall(r'"\$stage/usr/bin/gpugate" <<LAUNCHER\n(#!.*)\n', stage)
+    # One launcher for each of pyproject's scripts (gpugate, gpugate-oci-runtime).
+    (shebang,) = re.findall(r'"\$stage/usr/bin/\$script" <<LAUNCHER\n(#!.*)\n', stage)
     assert shebang == "#!$launcher_python -I"
     launcher = tmp_path / "gpugate"
     launcher.write_text(shebang.replace("$launcher_python", "/usr/bin/python3") + "\n")

@@ -69,6 +69,18 @@ def test_every_code_is_in_help_readme_and_meanings() -> None:
 
 @pytest.mark.parametrize(
     "argv",
+    [["install"], ["uninstall"], ["install", "vllm.service", "--containers"]],
+)
+def test_install_needs_a_unit_or_containers(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """UNIT is optional in the parser since --containers; neither or both is still exit 64."""
+    assert main(argv) == ExitCode.USAGE == 64
+    assert "give a UNIT or --containers" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
     [
         ["explode"],
         [],
@@ -76,7 +88,7 @@ def test_every_code_is_in_help_readme_and_meanings() -> None:
         ["config"],
         ["slurm"],
         ["slurm", "prolog", "--nope"],
-        ["install"],
+        ["install", "--bogus"],
         ["install", "vllm.service", "--gpus", "0,,1"],
         ["status", "--json", "extra", "words"],
     ],

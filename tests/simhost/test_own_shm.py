@@ -268,6 +268,9 @@ def test_stale_hand_started_servers_segments_still_go_by_evidence(clean: Host) -
         f"ExecStart={server_cmd(gpus, 8000, '/run/ready-vllm.service.json')}\n"
     )
     clean.sim.install_unit("vllm.service", text)
+    # The host is shared by the module's scenarios: a config an earlier one wrote for
+    # vllm.service is not install's, and install rightly refuses to replace it (exit 24).
+    clean.sh("rm -f /etc/gpugate/vllm.service.toml /etc/systemd/system/vllm.service.d/gpugate.conf")
     said = clean.sim.run(["gpugate", "install", "vllm.service", "--gpus", "0,1,2,3"]).stdout
     assert "a /dev/shm of its own" in said, said
     clean.sim.write_file("/etc/gpugate/vllm.service.toml", "gpus = [0, 1, 2, 3]\n" + CONFIG)

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
@@ -27,6 +26,7 @@ from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import (
     NOT_STARTED,
     ContainerIdentity,

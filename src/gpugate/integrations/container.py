@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
+from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError
@@ -35,6 +35,7 @@ from gpugate.host.oci import (
 )
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice
 from gpugate.integrations.unit.leases import Lease, new_lease
 from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
