@@ -259,9 +259,28 @@ def test_gpugate_run_gets_its_own_dev_shm(clean: Host) -> None:
     assert_gone_from_host(clean, [info])
 
 
+SHARED_VLLM = (  # relative to /, for tar
+    "etc/systemd/system/vllm.service",
+    "etc/systemd/system/vllm.service.d/gpugate.conf",
+    "etc/gpugate/vllm.service.toml",
+)
+
+
 def test_stale_hand_started_servers_segments_still_go_by_evidence(clean: Host) -> None:
     """The issue-21 case under install's defaults: pre runs in a namespace of its own whose
-    /dev/shm is a fresh tmpfs, and still removes the stale server's files from the host's."""
+    /dev/shm is a fresh tmpfs, and still removes the stale server's files from the host's.
+    The session's host is shared with later modules: vllm.service's files are put back."""
+    saved = " ".join(SHARED_VLLM)
+    listed = f"cd / && ls -d {saved} 2>/dev/null"  # those there (none in a host of its own)
+    clean.sh(f"mkdir -p /root/i28-saved && {listed} | tar -C / -cf /root/i28-saved/vllm.tar -T -")
+    try:
+        stale_servers_segments_go(clean)
+    finally:
+        clean.sh(f"systemctl stop vllm.service; cd / && rm -f {saved}", False)
+        clean.sh("tar -C / -xf /root/i28-saved/vllm.tar && systemctl daemon-reload")
+
+
+def stale_servers_segments_go(clean: Host) -> None:
     gpus = (0, 1, 2, 3)
     text = (
         "[Service]\nType=simple\n"
