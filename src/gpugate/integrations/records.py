@@ -106,7 +106,7 @@ def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = Fals
 def integer(
     data: Mapping[str, Any], key: str, low: int, high: int, default: int | None = None
 ) -> int:
-    value = data.get(key, default)
+    value: object = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise BadRecord(f"{key} is not an integer from {low} to {high}")
     return value
