@@ -20,7 +20,6 @@ from gpugate.front.commands import (
     config_check_command,
     hook_command,
     install_command,
-    run_command,
     slurm_command,
     status_command,
 )
@@ -189,6 +188,14 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
     run.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace, front: Front) -> int:
+    """`gpugate run`, imported when used (it needs what the hooks do not). Here, not in
+    `commands`: run_command imports `commands.Front`, and modules never import each other."""
+    from gpugate.front.run_command import run_command as run  # noqa: PLC0415
+
+    return run(args, front)
 
 
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:

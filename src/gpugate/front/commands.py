@@ -125,12 +125,6 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     return int(outcome.exit_code)
 
 
-def run_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.run_command import run_command as run  # noqa: PLC0415
-
-    return run(args, front)
-
-
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.slurm_hook import run_slurm_hook  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
