@@ -29,19 +29,17 @@ from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenie
 from gpugate.front.install_files import default_gpugate_path
 from gpugate.front.run_unit import (
     HOOK_TIMEOUT_S,
-    SYSTEMCTL_PATHS,
-    SYSTEMD_RUN_PATHS,
     Caller,
     RunError,
     RunPlan,
     caller_environment,
     command_status,
     derive_unit_name,
-    find_program,
     systemd_run_argv,
 )
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
+from gpugate.host.programs import find_program
 from gpugate.host.systemd import query_unit, unit_active_state
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
@@ -75,9 +73,9 @@ def checked_command(args: argparse.Namespace) -> list[str]:
 def run_command(args: argparse.Namespace, front: Front) -> int:
     command = checked_command(args)
     program = resolve_command(command[0], front.environ)
-    systemd_run = find_program(SYSTEMD_RUN_PATHS)
+    systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise RunError("systemd-run not found in /usr/bin or /bin: gpugate run needs systemd")
+        raise RunError("systemd-run not found in the system folders: gpugate run needs systemd")
     environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
@@ -112,7 +110,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         as_root_caller=caller.uid == 0,
     )
     try:
-        return supervise(systemd_run_argv(plan, systemd_run), unit)
+        return supervise(systemd_run_argv(plan, Path(systemd_run)), unit)
     finally:
         # The unit's last ExecStopPost= removes it; this covers a unit that never started.
         for path in cleanup:
@@ -316,7 +314,7 @@ def relay(source: IO[bytes], target: IO[str]) -> str:
 
 
 def stop_without_waiting(unit: str) -> None:
-    systemctl = find_program(SYSTEMCTL_PATHS)
+    systemctl = find_program("systemctl")
     if systemctl is None:
         return
     # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.

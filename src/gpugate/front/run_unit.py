@@ -14,8 +14,6 @@ from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
 
-SYSTEMD_RUN_PATHS = (Path("/usr/bin/systemd-run"), Path("/bin/systemd-run"))
-SYSTEMCTL_PATHS = (Path("/usr/bin/systemctl"), Path("/bin/systemctl"))
 RM = Path("/bin/rm")
 PREFIX = "gpugate-run-"
 BASE_MAX = 40  # characters of the command's name kept in a derived unit name
@@ -25,8 +23,8 @@ HOOK_TIMEOUT_S = 300
 # Not passed to the unit (the rest of the caller's environment is):
 # - set by systemd for each service, or describing the caller's own service or terminal
 #   (wrong in another unit; systemd-run --pty sets TERM itself);
-# - GPUGATE_* (the hooks run as root with the unit's environment: GPUGATE_*_ROOT would point
-#   them at other /proc, /dev or cgroup trees; gpugate sets its own GPUGATE_ variables);
+# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
+#   caller's to choose);
 # - what changes the programs root's hooks load: LD_PRELOAD, LD_AUDIT, PYTHON*;
 # - sudo's and the shell's bookkeeping.
 NOT_PASSED = frozenset(
@@ -118,15 +116,6 @@ class RunPlan:
     force: bool = False
     cleanup: tuple[Path, ...] = field(default=())  # files removed after post (root's)
     as_root_caller: bool = False  # the caller is root itself: no --uid/--gid
-
-
-def find_program(candidates: Sequence[Path], exists: object = None) -> Path | None:
-    """The first candidate that is an executable file (never PATH)."""
-    check = exists if callable(exists) else (lambda p: os.access(p, os.X_OK))
-    for path in candidates:
-        if check(path):
-            return path
-    return None
 
 
 def sanitise(name: str) -> str:

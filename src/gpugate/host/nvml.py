@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from gpugate.errors import NvmlNotAnswering, NvmlUnavailable, PermissionDenied
 from gpugate.host.bounded_calls import CallThread, CallTimedOut
 
-MIB = 1024 * 1024
+MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
 
 
 @dataclass(frozen=True)

@@ -47,11 +47,6 @@ class HostRoots:
         found.check()
         return found
 
-    def as_option(self) -> list[str]:
-        """The command-line words that give a gpugate command these roots."""
-        spec = ",".join(f"{name}={getattr(self, name)}" for name in NAMES)
-        return [OPTION, spec]
-
     def check(self) -> None:
         """A root that is not there is a configuration error, not a crash mid-run."""
         for name in NAMES:

@@ -10,10 +10,9 @@ from typing import Any
 
 from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
+from gpugate.host.nvml import MIB
 from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
-
-MIB = 1024 * 1024
 
 
 def size_text(count: int) -> str:
