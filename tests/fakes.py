@@ -18,6 +18,7 @@ from typing import Any
 from gpugate.config.models import GateConfig, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunScope
+from gpugate.errors import Problem
 from gpugate.front.hook import run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.host.roots import HostRoots
@@ -86,14 +87,17 @@ class FakeGpuMemory:
         ]
 
     def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(i, f"NVML: GPU {i} is lost (fell off the bus)") for i in sorted(self.lost)]
+        return [GpuFault(i, GpuError(i, Problem.NVML_GPU_LOST)) for i in sorted(self.lost)]
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         self.queries += 1
         self._self_claims()
         if gpu.index in self.failing_usage:
             raise GpuError(
-                gpu.index, f"NVML: nvmlDeviceGetMemoryInfo on GPU {gpu.index}: Unknown Error"
+                gpu.index,
+                Problem.NVML_GPU_CALL_FAILED,
+                call="nvmlDeviceGetMemoryInfo",
+                detail="Unknown Error",
             )
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []

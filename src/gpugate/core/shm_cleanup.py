@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Protocol
 
 from gpugate.host.shm import (
@@ -37,6 +38,23 @@ class ShmHost(Protocol):
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]: ...
 
 
+class KeptWhy(Enum):
+    """Why a file of the killed stays: GPUGATE_SHM_KEPT; report.narrate_shm words it."""
+
+    ALSO_HELD = "also-held"  # another process, not killed, was seen holding it
+    UNREADABLE = "unreadable"  # some process's open files could not be read: it may hold it
+    HELD_NOW = "held-now"  # open or mapped by a process at the last look
+    GONE = "gone"  # gone already, or another file by that name since
+    UNLINK_FAILED = "unlink-failed"  # the unlink failed (detail: the OS's words)
+
+
+@dataclass(frozen=True)
+class Kept:
+    why: KeptWhy
+    by: tuple[str, ...] = ()  # the processes it concerns, as the run names them (label)
+    detail: str = ""
+
+
 @dataclass(frozen=True)
 class ShmRemoval:
     """One file of the killed: removed (or, in a dry run, would be), or kept and why."""
@@ -44,7 +62,7 @@ class ShmRemoval:
     file: ShmFile
     holders: tuple[int, ...]  # the killed PIDs that held it
     facts: FileFacts | None  # size and owner; None where it is gone already
-    kept: str | None = None  # why it stays; None: removed (or would be)
+    kept: Kept | None = None  # why it stays; None: removed (or would be)
 
     @property
     def removed(self) -> bool:
@@ -68,19 +86,17 @@ class ShmLedger:
 
     def of_the_killed(
         self, killed: Collection[int], label: Callable[[int], str]
-    ) -> list[tuple[ShmFile, tuple[int, ...], str | None]]:
+    ) -> list[tuple[ShmFile, tuple[int, ...], Kept | None]]:
         """Each file a killed PID held: the file, the killed holders, and why it must stay
         (another process was seen holding it) or None. label names a PID for the reason."""
-        found: list[tuple[ShmFile, tuple[int, ...], str | None]] = []
+        found: list[tuple[ShmFile, tuple[int, ...], Kept | None]] = []
         for key, pids in sorted(self.holders.items()):
             by_killed = tuple(sorted(pids & set(killed)))
             if not by_killed:
                 continue
             others = sorted(pids - set(killed))
             reason = (
-                None
-                if not others
-                else "also held by " + ", ".join(label(pid) for pid in others[:3]) + ", not killed"
+                Kept(KeptWhy.ALSO_HELD, tuple(label(pid) for pid in others[:3])) if others else None
             )
             found.append((self.files[key], by_killed, reason))
         return found
@@ -108,18 +124,18 @@ def remove(
     for file, holders, seen_with_others in wanted:
         kept = seen_with_others
         if kept is None and fresh.unreadable:
-            shown = ", ".join(map(str, sorted(fresh.unreadable)[:3]))
-            kept = f"the open files of PID {shown} could not be read: it may hold it"
+            kept = Kept(KeptWhy.UNREADABLE, tuple(map(str, sorted(fresh.unreadable)[:3])))
         if kept is None and (now := sorted(fresh.by_key.get(file.key, ()))):
-            kept = "open or mapped now by " + ", ".join(label(pid) for pid in now[:3])
+            kept = Kept(KeptWhy.HELD_NOW, tuple(label(pid) for pid in now[:3]))
         if kept is not None:
             results.append(ShmRemoval(file, holders, host.facts(file), kept))
             continue
         unlinked = host.unlink(file)
         if unlinked.facts is None:
-            results.append(ShmRemoval(file, holders, None, "gone already, or replaced since"))
+            results.append(ShmRemoval(file, holders, None, Kept(KeptWhy.GONE)))
         elif unlinked.error is not None:
-            results.append(ShmRemoval(file, holders, unlinked.facts, f"unlink: {unlinked.error}"))
+            kept = Kept(KeptWhy.UNLINK_FAILED, detail=str(unlinked.error))
+            results.append(ShmRemoval(file, holders, unlinked.facts, kept))
         else:
             results.append(ShmRemoval(file, holders, unlinked.facts))
     return results

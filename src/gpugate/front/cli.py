@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from gpugate import __version__
-from gpugate.errors import ExitCode, GateError, exit_code_summary
+from gpugate.errors import ExitCode, GateError, InvalidValue, exit_code_summary
 from gpugate.front.commands import (
     Front,
     Handler,
@@ -26,6 +26,8 @@ from gpugate.front.commands import (
 from gpugate.host.cgroups import CgroupLayout
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.roots import OPTION, HostRoots
+from gpugate.report import lines
+from gpugate.report.error_text import error_text, problem_text
 from gpugate.report.journal import Reporter, ReporterFactory
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
@@ -228,18 +230,14 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(f"gpugate: {exc.message}", file=sys.stderr)
+        print(lines.error(error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if os.environ.get("GPUGATE_DEBUG"):
             raise
-        print(
-            f"gpugate: internal error: {type(exc).__name__}: {exc} "
-            "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
-            file=sys.stderr,
-        )
+        print(lines.internal_error(exc), file=sys.stderr)
         return int(ExitCode.INTERNAL)
 
 
@@ -262,13 +260,13 @@ def _gpus(value: str) -> object:
 
     try:
         return parse_gpus(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except InvalidValue as exc:
+        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
 
 
 def _port(value: str) -> int:
     if not value.isdigit() or not 1 <= int(value) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
+        raise argparse.ArgumentTypeError(lines.not_a_port(value))
     return int(value)
 
 
@@ -277,5 +275,5 @@ def _container(value: str) -> str:
 
     try:
         return parse_container(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except InvalidValue as exc:
+        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None

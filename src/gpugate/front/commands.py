@@ -13,7 +13,7 @@ from typing import Any
 from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
-from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
+from gpugate.errors import ExitCode, NvmlNotAnswering, Problem, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
@@ -25,6 +25,8 @@ from gpugate.host.systemd import (
     unit_argument,
     validate_unit_name,
 )
+from gpugate.report import lines
+from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 
 Handler = Callable[[argparse.Namespace, "Front"], int]
@@ -88,10 +90,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     roots = front.roots  # first: a host gpugate cannot serve says so before anything else
     unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
-        raise UnknownUnit(
-            "no UNIT given and gpugate is not running inside a service's cgroup; "
-            "pass the unit (%n in a unit file)"
-        )
+        raise UnknownUnit(Problem.UNIT_NOT_GIVEN)
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     phase = Phase(args.command)
@@ -144,14 +143,13 @@ def slurm_command(args: argparse.Namespace, front: Front) -> int:
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
-    print(f"# effective configuration, from {loaded.source}")
+    print(lines.effective_config(loaded.source))
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
         environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
-        shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
-        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
+        print(lines.unit_gpus(unit, choice.gpus, choice.source))
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
@@ -178,13 +176,13 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
             **dirs,
         )
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
-            print(f"gpugate: warning: {gpugate_path} is not an executable here", file=sys.stderr)
+            print(lines.not_executable_here(gpugate_path), file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(args.unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
-        print(f"takes effect at the next start: systemctl restart {args.unit}")
+        print(lines.takes_effect(args.unit))
     return int(ExitCode.OK)
 
 
@@ -192,7 +190,7 @@ def _warn_environment_files(unit: str) -> None:
     from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
 
     for line in environment_file_warnings(unit):
-        print(f"gpugate: {line}", file=sys.stderr)
+        print(lines.error(line), file=sys.stderr)
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
@@ -210,14 +208,13 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
                 if hung is not None:
-                    print(f"gpugate: {hung.message}", file=sys.stderr, flush=True)
+                    print(lines.error(error_text(hung)), file=sys.stderr, flush=True)
                     return int(hung.exit_code)
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:
                 raise hung  # --watch: no next look can answer
             # Home and clear the screen, then the table, as watch(1) draws it.
-            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
-            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
+            print(f"\x1b[H\x1b[J{lines.watch_header(unit)}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends

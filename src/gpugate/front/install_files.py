@@ -18,7 +18,7 @@ from typing import Literal, Union
 
 from gpugate.config.models import GateConfig, PhasePolicy
 from gpugate.config.toml_text import toml_value
-from gpugate.errors import InstallError, PermissionDenied
+from gpugate.errors import InstallError, PermissionDenied, Problem
 
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 
@@ -106,10 +106,7 @@ def default_gpugate_path() -> Path:
 def render_dropin(gpugate_path: Path) -> str:
     text = str(gpugate_path)
     if not SAFE_PATH.match(text) or "/../" in text:
-        raise InstallError(
-            f"--gpugate-path {text!r}: an absolute path of letters, digits and _.+/- only "
-            "(it goes into ExecStartPre= unquoted)"
-        )
+        raise InstallError(Problem.INSTALL_GPUGATE_PATH, value=text)
     return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
 
 
@@ -157,7 +154,7 @@ def ownership(path: Path) -> Ownership:
     except UnicodeDecodeError:
         return Ownership.OPERATORS
     except PermissionError:
-        raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
+        raise PermissionDenied(Problem.NO_PERMISSION_READING, path=path) from None
     match = HEADER.match(text)
     header_lines = HEADER_TEXT.count("\n")
     parts = text.split("\n", header_lines)

@@ -25,7 +25,7 @@ from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied
+from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
 from gpugate.front.install_files import default_gpugate_path
 from gpugate.front.run_unit import (
     HOOK_TIMEOUT_S,
@@ -43,6 +43,7 @@ from gpugate.host.programs import find_program
 from gpugate.host.systemd import query_unit, unit_active_state
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
+from gpugate.report import lines
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -61,12 +62,10 @@ def checked_command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+        raise RunError(Problem.LAUNCH_NO_COMMAND)
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        raise RunError(
-            f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
-        )
+        raise RunError(Problem.LAUNCH_CONFIG_PATH, value=str(args.config))
     return command
 
 
@@ -75,7 +74,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise RunError("systemd-run not found in the system folders: gpugate run needs systemd")
+        raise RunError(Problem.LAUNCH_NO_SYSTEMD_RUN)
     environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
@@ -150,8 +149,13 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
     state = query_unit(unit)
     if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
         return
-    why = f"systemd already has {unit} ({state.load_state}, {state.active_state})"
-    raise RunError(why + ("; choose another --name" if explicit else "; run it again"))
+    raise RunError(
+        Problem.LAUNCH_UNIT_EXISTS,
+        unit=unit,
+        load_state=state.load_state,
+        active_state=state.active_state,
+        explicit=explicit,
+    )
 
 
 def resolve_gpus(
@@ -167,13 +171,13 @@ def resolve_gpus(
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
-        raise NvmlUnavailable(f"gpugate run: {exc.message}") from None
+        raise NvmlUnavailable(Problem.LAUNCH_NVML, cause=exc) from None
     try:
         gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
     finally:
         driver.close()
     if not gpus:
-        raise RunError(f"{source}: names no GPU; gpugate run is for GPU programs")
+        raise RunError(Problem.LAUNCH_NO_GPU, source=source)
     return gpus
 
 
@@ -191,12 +195,10 @@ def refuse_leased(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
     if check.conflicts and not force:
-        raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
+        raise HeldByOthers(Problem.LAUNCH_LEASED, unit=unit, refusal=check.refusal())
     for lease, overlap in check.conflicts:
-        indices = ", ".join(str(gpu.index) for gpu in overlap)
         print(
-            f"gpugate: warning: GPU {indices} leased to {lease.holder_text()}; --force: "
-            "running anyway",
+            lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
             file=sys.stderr,
         )
 
@@ -221,10 +223,7 @@ def hook_config(
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         write_atomically(path, text)
     except PermissionError:
-        raise PermissionDenied(
-            f"{path}: permission denied writing the run's config (--port): run gpugate run "
-            "as root (sudo)"
-        ) from None
+        raise PermissionDenied(Problem.LAUNCH_CONFIG_UNWRITABLE, path=path) from None
     return path, (path,)
 
 
@@ -235,11 +234,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise RunError(f"{program}: not an executable file")
+            raise RunError(Problem.LAUNCH_NOT_EXECUTABLE, program=program)
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise RunError(f"{program}: command not found on PATH")
+        raise RunError(Problem.LAUNCH_NOT_FOUND, program=program)
     return os.path.abspath(found)
 
 
@@ -260,7 +259,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise RunError(f"{argv[0]}: cannot run it: {exc.strerror}") from None
+        raise RunError(Problem.LAUNCH_CANNOT_RUN, program=argv[0], cause=exc.strerror) from None
     try:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)

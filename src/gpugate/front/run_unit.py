@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, Problem
 from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
@@ -130,16 +130,16 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     if name:
         unit = unit_argument(name)
         if not unit.endswith(".service"):
-            raise RunError(f"--name {name!r}: gpugate run makes a service; name it NAME.service")
+            raise RunError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
         try:
             validate_unit_name(unit)
         except GateError as exc:
-            raise RunError(f"--name: {exc.message}") from None
+            raise RunError(Problem.LAUNCH_NAME_INVALID, cause=exc) from None
         if "@" in unit:
-            raise RunError(f"--name {name!r}: a transient unit cannot be a template instance")
+            raise RunError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
         return unit
     if not command:
-        raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+        raise RunError(Problem.LAUNCH_NO_COMMAND)
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 

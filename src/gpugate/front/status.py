@@ -21,6 +21,8 @@ from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
+from gpugate.report.error_text import error_text
+from gpugate.report.lines import unreadable_holders
 
 JSON_VERSION = 1
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
@@ -128,7 +130,7 @@ def as_dict(
         ],
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
-            {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
+            {"index": fault.index, "uuid": fault.uuid, "error": error_text(fault.error)}
             for fault in discovery.faults
         ],
     }
@@ -347,10 +349,4 @@ def unreadable_warning(discovery: Discovery) -> str | None:
     """Not root: holders among the processes whose open files it may not read are missing."""
     if not discovery.unreadable:
         return None
-    shown = ", ".join(map(str, discovery.unreadable[:10]))
-    more = ", ..." if len(discovery.unreadable) > 10 else ""
-    return (
-        f"gpugate: warning: not permitted to read the open files of "
-        f"{len(discovery.unreadable)} process(es) (PID {shown}{more}): GPU holders among them "
-        "are not shown; run as root"
-    )
+    return unreadable_holders(discovery.unreadable)

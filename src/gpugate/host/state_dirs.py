@@ -10,7 +10,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, StateUnwritable
+from gpugate.errors import PermissionDenied, Problem, StateUnwritable
 
 # What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
 PROBE_BYTES = 4096
@@ -22,24 +22,24 @@ def check_writable(folder: Path, what: str) -> None:
     try:
         folder.mkdir(mode=0o755, parents=True, exist_ok=True)
     except FileExistsError:
-        raise StateUnwritable(folder, "a file is in the way (not a folder)", what) from None
+        raise StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY) from None
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied creating it (for {what})") from None
+        raise PermissionDenied(Problem.NO_PERMISSION_CREATING, path=folder, what=what) from None
     except OSError as exc:
-        raise StateUnwritable(folder, _cause(exc), what) from None
+        raise _unwritable(folder, what, exc) from None
     try:
         fd, name = tempfile.mkstemp(prefix=".gpugate-probe.", dir=folder)
         probe = Path(name)
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied writing {what} there") from None
+        raise PermissionDenied(Problem.NO_PERMISSION_WRITING, path=folder, what=what) from None
     except OSError as exc:
-        raise StateUnwritable(folder, _cause(exc), what) from None
+        raise _unwritable(folder, what, exc) from None
     try:
         written = os.write(fd, bytes(PROBE_BYTES))
         if written < PROBE_BYTES:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     except OSError as exc:
-        raise StateUnwritable(folder, _cause(exc), what) from None
+        raise _unwritable(folder, what, exc) from None
     finally:
         os.close(fd)
         probe.unlink(missing_ok=True)
@@ -48,7 +48,7 @@ def check_writable(folder: Path, what: str) -> None:
 def check_file_slot(path: Path, what: str) -> None:
     """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
     if path.is_dir() or (path.exists() and not path.is_file()):
-        raise StateUnwritable(path, "a folder is in the way (not a file)", what)
+        raise StateUnwritable(path, what, Problem.STATE_FOLDER_IN_THE_WAY)
 
 
 def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, str]] = ()) -> None:
@@ -58,7 +58,7 @@ def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, s
         check_file_slot(path, what)
 
 
-def _cause(exc: OSError) -> str:
+def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:
     if exc.errno == errno.ENOTDIR:
-        return "a file is in the way (not a folder)"
-    return exc.strerror or str(exc)
+        return StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY)
+    return StateUnwritable(folder, what, cause=exc.strerror or str(exc))

@@ -15,6 +15,7 @@ the unit's last run of each phase from its very first run on.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -28,6 +29,7 @@ from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
 from gpugate.host.atomic import write_atomically
 from gpugate.host.locks import flock_by
+from gpugate.report import lines
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0
@@ -228,7 +230,7 @@ def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
-            raise TimeoutError(f"{path}: held by another gpugate run")
+            raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
         yield
     finally:
         os.close(fd)
@@ -278,8 +280,6 @@ def record_after_run(
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
-        detail = exc.strerror or str(exc)
         print(
-            f"gpugate: warning: metrics not written to {textfile}: {detail}",
-            file=stream or sys.stderr,
+            lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=stream or sys.stderr
         )

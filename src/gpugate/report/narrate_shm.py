@@ -8,7 +8,7 @@ import pwd
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
+from gpugate.core.shm_cleanup import Kept, KeptWhy, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import MIB
 from gpugate.host.shm import FileFacts, ShmKey
@@ -30,6 +30,20 @@ def user_name(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return str(uid)
+
+
+def kept_text(kept: Kept | None) -> str:
+    """Why a file of the killed stays, in words."""
+    if kept is None:
+        return ""
+    by = ", ".join(kept.by)
+    return {
+        KeptWhy.ALSO_HELD: f"also held by {by}, not killed",
+        KeptWhy.UNREADABLE: f"the open files of PID {by} could not be read: it may hold it",
+        KeptWhy.HELD_NOW: f"open or mapped now by {by}",
+        KeptWhy.GONE: "gone already, or replaced since",
+        KeptWhy.UNLINK_FAILED: f"unlink: {kept.detail}",
+    }[kept.why]
 
 
 def pids_text(pids: tuple[int, ...]) -> str:
@@ -73,11 +87,12 @@ class ShmNarration:
         sized: dict[str, Any] = {} if item.facts is None else {"shm_bytes": item.facts.bytes}
         self.reporter.event(
             Event.SHM_KEPT,
-            f"{verb} {path!r}, shared memory of killed PID {pids_text(item.holders)}: {item.kept}",
+            f"{verb} {path!r}, shared memory of killed PID {pids_text(item.holders)}: "
+            f"{kept_text(item.kept)}",
             priority=PRIORITY_INFO,
             shm_path=path,
             shm_holders=pids_text(item.holders),
-            shm_kept=item.kept or "",
+            shm_kept=item.kept.why.value if item.kept else "",
             **sized,
         )
 

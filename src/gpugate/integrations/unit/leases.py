@@ -16,9 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, StateUnwritable
+from gpugate.errors import PermissionDenied, Problem, StateUnwritable
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
+from gpugate.report.narrate_unit import lease_refusal_text
 
 LEASE_FOLDER = "leases"
 # Set by `gpugate run` on its transient unit (front/run_command.py), read by the unit's pre
@@ -143,9 +144,11 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
     try:
         write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
     except PermissionError:
-        raise PermissionDenied(f"{target}: permission denied writing a GPU lease") from None
+        raise PermissionDenied(
+            Problem.NO_PERMISSION_WRITING, path=target, what="gpu-lease"
+        ) from None
     except OSError as exc:  # no space, read-only, a file where the folder should be
-        raise StateUnwritable(target, exc.strerror or str(exc), "the GPU lease") from None
+        raise StateUnwritable(target, "gpu-lease", cause=exc.strerror or str(exc)) from None
     return target
 
 
@@ -158,7 +161,7 @@ def release_lease(lock_dir: Path, unit: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise StateUnwritable(path, exc.strerror or str(exc), "the GPU lease") from None
+        raise StateUnwritable(path, "gpu-lease", cause=exc.strerror or str(exc)) from None
     return True
 
 
@@ -172,13 +175,9 @@ class LeaseCheck:
     unreadable: list[Path]
 
     def refusal(self) -> str:
-        parts = [
-            f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.holder_text()}"
-            for lease, gpus in self.conflicts
-        ]
-        return (
-            "; ".join(parts) + ": that unit is still active or activating and holds them until"
-            " its post; stop it first, or set share_gpus = true in both units' configs"
+        """The refusal in words (report/'s): which GPUs are leased to whom."""
+        return lease_refusal_text(
+            [([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts]
         )
 
 
