@@ -189,7 +189,6 @@ class Problem(Enum):
     LAUNCH_NAME_TEMPLATE = "launch-name-template"
     # the surroundings' refusals
     MANUAL_RUN = "manual-run"
-    LEASED = "leased"
     WORDED = "worded"  # words made before this code existed (`text`): to be given a code
 
 

@@ -270,7 +270,6 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         f"--name {f.value!r}: a transient unit cannot be a template instance"
     ),
     Problem.MANUAL_RUN: _manual_run,
-    Problem.LEASED: lambda f: f"{f.refusal}",
     Problem.WORDED: lambda f: f"{f.text}",
 }
 
