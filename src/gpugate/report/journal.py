@@ -172,10 +172,16 @@ class Reporter:
                 # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
-    def fail(self, message: str, exit_code: int) -> None:
+    def fail(self, message: str, exit_code: int, problem: str = "") -> None:
         """An error that ends the run: one structured entry, one STATUS=, and the one-line
-        `gpugate: message` on stderr unless stderr is the journal (it would be there twice)."""
-        self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
+        `gpugate: message` on stderr unless stderr is the journal (it would be there twice).
+        problem: the error's code (errors.Problem), GPUGATE_PROBLEM."""
+        if problem:
+            self.event(
+                Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code, problem=problem
+            )
+        else:
+            self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
         if not stderr_is_journal(self.error_stream):
             with contextlib.suppress(OSError):  # a closed terminal: the journal has it
                 print(f"gpugate: {message}", file=self.error_stream, flush=True)

@@ -14,6 +14,7 @@ from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
+from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import container_fields, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -218,7 +219,7 @@ class Narrator(WaitNarration, ShmNarration):
     def degraded(self, error: GateError, phase: str) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            f"{error_text(error)}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
             reason="nvml-degraded",
         )
@@ -270,4 +271,4 @@ class Narrator(WaitNarration, ShmNarration):
     def failed(self, error: GateError) -> None:
         """A run that ended in an error: one entry, and one line on stderr where stderr is
         not the journal already."""
-        self.reporter.fail(error.message, int(error.exit_code))
+        self.reporter.fail(error_text(error), int(error.exit_code), error.problem.value)
