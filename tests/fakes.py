@@ -3,6 +3,7 @@ processes, a journal and a notifier that record what they were told."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,15 +11,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpugate.config.models import GateConfig, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunScope
-from gpugate.errors import Problem
+from gpugate.errors import GateError, Problem
 from gpugate.front.hook import run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.host.roots import HostRoots
@@ -322,3 +325,15 @@ def as_nobody(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         data: dict[str, Any] = json.loads(reader.read() or "{}")
     os.waitpid(child, 0)
     return data
+
+
+@contextlib.contextmanager
+def raises_problem(
+    kind: type[GateError], problem: Problem, **facts: object
+) -> Iterator[pytest.ExceptionInfo[GateError]]:
+    """pytest.raises for a gpugate error, asserting its code and facts, not its words."""
+    with pytest.raises(kind) as raised:
+        yield raised
+    assert raised.value.problem is problem, raised.value.problem
+    for name, value in facts.items():
+        assert raised.value.facts.get(name) == value, (name, raised.value.facts)
