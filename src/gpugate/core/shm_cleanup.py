@@ -96,7 +96,7 @@ class ShmLedger:
                 continue
             others = sorted(pids - set(killed))
             reason = (
-                Kept(KeptWhy.ALSO_HELD, tuple(label(pid) for pid in others[:3])) if others else None
+                Kept(KeptWhy.ALSO_HELD, tuple(label(pid) for pid in others)) if others else None
             )
             found.append((self.files[key], by_killed, reason))
         return found
@@ -124,9 +124,9 @@ def remove(
     for file, holders, seen_with_others in wanted:
         kept = seen_with_others
         if kept is None and fresh.unreadable:
-            kept = Kept(KeptWhy.UNREADABLE, tuple(map(str, sorted(fresh.unreadable)[:3])))
+            kept = Kept(KeptWhy.UNREADABLE, tuple(map(str, sorted(fresh.unreadable))))
         if kept is None and (now := sorted(fresh.by_key.get(file.key, ()))):
-            kept = Kept(KeptWhy.HELD_NOW, tuple(label(pid) for pid in now[:3]))
+            kept = Kept(KeptWhy.HELD_NOW, tuple(label(pid) for pid in now))
         if kept is not None:
             results.append(ShmRemoval(file, holders, host.facts(file), kept))
             continue

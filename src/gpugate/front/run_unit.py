@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import ExitCode, GateError, Problem
-from gpugate.host.systemd import unit_argument, validate_unit_name
+from gpugate.host.systemd import ENV_NAME, unit_argument, validate_unit_name
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
 
@@ -78,7 +78,6 @@ NOT_PASSED = frozenset(
     }
 )
 NOT_PASSED_PREFIXES = ("GPUGATE_", "PYTHON", "BASH_FUNC_")
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 
 

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode
+from gpugate.report.holder_text import MAX_LISTED_PIDS
 
 
 def error(text: str) -> str:
@@ -116,7 +117,7 @@ def not_a_port(value: str) -> str:
     return f"{value!r} is not a TCP port (1-65535)"
 
 
-def unreadable_holders(pids: Sequence[int], limit: int = 10) -> str:
+def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str:
     """Not root: holders among the processes whose open files it may not read are missing."""
     shown = ", ".join(map(str, pids[:limit]))
     more = ", ..." if len(pids) > limit else ""

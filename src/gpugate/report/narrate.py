@@ -15,7 +15,7 @@ from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
 from gpugate.report.error_text import error_text
-from gpugate.report.holder_text import container_fields, describe, gpu_list
+from gpugate.report.holder_text import MAX_LISTED_PIDS, container_fields, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -28,8 +28,6 @@ from gpugate.report.journal import (
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text
-
-MAX_LISTED_PIDS = 10
 
 
 def watcher_evidence(discovery: Discovery) -> str:

@@ -12,6 +12,7 @@ from gpugate.core.shm_cleanup import Kept, KeptWhy, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import MIB
 from gpugate.host.shm import FileFacts, ShmKey
+from gpugate.report.holder_text import MAX_LISTED_HOLDERS
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
 
 
@@ -36,7 +37,7 @@ def kept_text(kept: Kept | None) -> str:
     """Why a file of the killed stays, in words."""
     if kept is None:
         return ""
-    by = ", ".join(kept.by)
+    by = ", ".join(kept.by[:MAX_LISTED_HOLDERS])
     return {
         KeptWhy.ALSO_HELD: f"also held by {by}, not killed",
         KeptWhy.UNREADABLE: f"the open files of PID {by} could not be read: it may hold it",
