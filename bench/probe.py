@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.core.discover import GPU_DEVICE, discover
+from gpugate.core.discover import GPU_DEVICE, Sought, discover
 from gpugate.host.nvml import NvmlDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
@@ -36,10 +36,7 @@ def main(argv: list[str]) -> int:
         wall, cpu = time.perf_counter(), time.process_time()
         if command == "discover":
             found = discover(
-                unit=UNIT,
-                unit_cgroup=f"/system.slice/{UNIT}",
-                wanted="all",
-                config_source="bench",
+                Sought(UNIT, f"/system.slice/{UNIT}", "all", "bench"),
                 driver=driver,
                 procfs=ProcFs(Path("/proc")),
                 roots=roots,

@@ -20,11 +20,12 @@ import pytest
 
 from gpugate.config.models import GateConfig, LoadedConfig
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run import RunScope
+from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import GateError, Problem
-from gpugate.front.hook import run_phase
+from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.host.roots import HostRoots
+from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 
@@ -121,6 +122,12 @@ class FakeGpuMemory:
         if not self.lists_processes:
             return GpuUsage(gpu, used, (), processes_listed=False)
         return GpuUsage(gpu, used, tuple(processes))
+
+    def answer_by(self, deadline: float) -> None:
+        pass  # answers at once
+
+    def not_answering(self) -> None:
+        return None
 
     def close(self) -> None:
         pass
@@ -276,7 +283,7 @@ class FakeHost:
     ) -> RunSummary:
         """gpugate's run_phase on this host: the unit's stand-in cgroup, these roots."""
         scope = RunScope(Phase(phase), UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
-        return run_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
+        return run_unit_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
 
     def config(self, **overrides: object) -> LoadedConfig:
         def fast(phase: dict[str, object]) -> dict[str, object]:
@@ -299,6 +306,42 @@ class FakeHost:
 
     def reporter(self, phase: str = "pre") -> Reporter:
         return Reporter(UNIT, phase, journal=self.journal, notifier=self.notifier, echo=False)
+
+
+def run_unit_phase(
+    scope: RunScope,
+    loaded: LoadedConfig,
+    reporter: Reporter,
+    *,
+    roots: HostRoots,
+    dry_run: bool = False,
+    environ: Any = None,
+    shm_host: Any = None,
+    unit_env: Any = None,
+    **kwargs: Any,
+) -> RunSummary:
+    """A unit's phase run as the front wires it, with the tests' stand-ins: environ (the
+    hook's environment, default ours), unit_env (systemd's answer), shm_host (areas -> the
+    shm files' host side); kwargs: UnitContext's manual_refusal, ignore_leases, unit_state,
+    and RunDeps's driver_factory, pinner, clock."""
+    unit = {
+        k: kwargs.pop(k) for k in ("manual_refusal", "ignore_leases", "unit_state") if k in kwargs
+    }
+    context = UnitContext(
+        os.environ if environ is None else environ, roots, environment=unit_env, **unit
+    )
+    run_deps = kwargs
+    if shm_host is not None:
+        run_deps["shm_host"] = lambda areas, proc_root: shm_host(areas)
+    hook = Hook(
+        scope.phase,
+        scope.unit,
+        lambda: scope.unit_cgroup,
+        metrics_unit=scope.unit,
+        surroundings=unit_surroundings(context),
+        dry_run=dry_run,
+    )
+    return run_phase(hook, scope, loaded, Deps(reporter, RunDeps(roots=roots, **run_deps)))
 
 
 NOBODY = 65534

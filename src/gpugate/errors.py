@@ -159,6 +159,7 @@ class Problem(Enum):
     NO_PERMISSION_SIGNAL = "no-permission-signal"
     LOCK_TIMEOUT = "lock-timeout"
     INTERRUPTED = "interrupted"
+    INTERRUPTED_DURING = "interrupted-during"  # with the run's Progress: what it was doing
     # a Slurm job's environment
     SLURM_JOB_ID = "slurm-job-id"
     SLURM_JOB_UID = "slurm-job-uid"
@@ -259,10 +260,16 @@ class Interrupted(GateError):
     exit_code = ExitCode.INTERRUPTED
 
     def __init__(
-        self, problem: Problem | str, signal_name: str = "SIGTERM", **facts: object
+        self,
+        problem: Problem | str,
+        signal_name: str = "SIGTERM",
+        stage: str = "",
+        **facts: object,
     ) -> None:
-        super().__init__(problem, signal=signal_name, **facts)
+        """stage: the run's stage when it was stopped (core.stage.Stage's code), "" unknown."""
+        super().__init__(problem, signal=signal_name, stage=stage, **facts)
         self.signal_name = signal_name
+        self.stage = stage
 
 
 class ProgramNotAnswering(GateError):

@@ -131,6 +131,54 @@ def test_the_length_rule_counts_from_def_to_the_last_line(body_lines: int, flagg
     assert bool(list(long_functions(ast.parse(source), MAX_FUNCTION_LINES))) is flagged
 
 
+# The phase run's stage machine: its state and stages are the core's; the front sees a run
+# through core.run (PhaseRun, its Progress and transitions) and core.stage's codes.
+MACHINE_INSIDES = {"run_state", "stages", "stopping", "waiting", "shm_step"}
+MAX_CORE_CLASS_LINES = 150
+
+
+def machine_imports(tree: ast.Module) -> Iterator[tuple[int, str]]:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            parts = node.module.split(".")
+            if parts[:2] == ["gpugate", "core"] and len(parts) > 2 and parts[2] in MACHINE_INSIDES:
+                yield node.lineno, node.module
+
+
+def test_only_the_core_reads_the_stage_machine() -> None:
+    found = [
+        f"{path.relative_to(SRC)}:{line}: {module}"
+        for path, tree in modules()
+        if layer(path) != "core"
+        for line, module in machine_imports(tree)
+    ]
+    private = [
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for path, tree in modules()
+        if layer(path) != "core"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in {"_state", "_transitions"}
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    ]
+    assert not found and not private, found + private
+    assert list(machine_imports(ast.parse("from gpugate.core.stages import Looking"))) == [
+        (1, "gpugate.core.stages")
+    ]
+
+
+def test_no_core_class_is_longer_than_the_limit() -> None:
+    found = [
+        f"{path.relative_to(SRC)}: {node.name} ({(node.end_lineno or 0) - node.lineno + 1} lines)"
+        for path, tree in modules()
+        if layer(path) == "core"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > MAX_CORE_CLASS_LINES
+    ]
+    assert not found, "\n".join(found)
+
+
 def module_name(path: Path, src: Path = SRC) -> str:
     parts = ["gpugate", *path.relative_to(src).with_suffix("").parts]
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -200,7 +200,9 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not an internal error (70): exit 69 and one journal entry naming systemctl."""
-    from gpugate.front.hook import Hook, run_hook
+    from gpugate.core.run import RunDeps
+    from gpugate.core.surroundings import NullSurroundings
+    from gpugate.front.hook import Deps, Hook, run_hook
 
     system = tmp_path / "sbin"
     system.mkdir()
@@ -215,16 +217,13 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
         "vllm.service",
         lambda: systemd.resolve_unit_cgroup("vllm.service", host.cgroup_root),
         metrics_unit="vllm.service",
+        surroundings=lambda scope, loaded, reporter: NullSurroundings(loaded),
     )
     stream = io.StringIO()
-    outcome = run_hook(
-        hook,
-        host.config(gpus=[0]),
-        host.reporter("pre"),
-        roots=host.roots,
-        driver_factory=lambda: host.memory,
-        stream=stream,
+    deps = Deps(
+        host.reporter("pre"), RunDeps(roots=host.roots, driver_factory=lambda: host.memory), stream
     )
+    outcome = run_hook(hook, host.config(gpus=[0]), deps)
     assert outcome.exit_code is ExitCode.NVML_UNAVAILABLE
     (entry,) = host.journal.events("error")
     assert entry["MESSAGE"].endswith("systemctl show did not answer within 0.3 s (killed)")

@@ -53,8 +53,7 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
 ) -> None:
     reporter, journal, notifier, stream = make()
     with tempfile.TemporaryFile("w+") as err:
-        reporter.error_stream = err
-        reporter.fail("/etc/gpugate/x.toml: free_mib: must be at least 1", 78)
+        reporter.fail("/etc/gpugate/x.toml: free_mib: must be at least 1", 78, err)
         err.seek(0)
         assert err.read() == "gpugate: /etc/gpugate/x.toml: free_mib: must be at least 1\n"
         ((message, fields),) = journal.entries
@@ -66,7 +65,7 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
         monkeypatch.setenv("JOURNAL_STREAM", f"{info.st_dev}:{info.st_ino}")
         err.seek(0)
         err.truncate()
-        reporter.fail("again", 69)
+        reporter.fail("again", 69, err)
         err.seek(0)
         assert err.read() == ""
         assert len(journal.entries) == 2
@@ -78,7 +77,7 @@ def test_dry_run_marks_every_entry_and_reports_to_stdout(
 ) -> None:
     journal = RecordingJournal()
     reporter = Reporter("vllm.service", "pre", journal=journal, notifier=RecordingNotifier())
-    reporter.start_dry_run()
+    reporter = reporter.as_dry_run()
     reporter.event(Event.HOLDER_FOUND, "would kill PID 5")
     reporter.event(Event.RUN_FINISHED, "dry run: would kill 1 process(es)")
     out, err = capsys.readouterr()

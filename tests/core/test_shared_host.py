@@ -15,7 +15,6 @@ from gpugate.core.owned_gpus import owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable, Problem
 from gpugate.front.cli import main
-from gpugate.front.hook import run_phase
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.unit.leases import read_leases
@@ -30,6 +29,7 @@ from tests.fakes import (
     RecordingNotifier,
     alive,
     raises_problem,
+    run_unit_phase,
 )
 
 A, B = "a.service", "b.service"
@@ -50,7 +50,7 @@ def run(  # type: ignore[no-untyped-def]
     reporter = Reporter(
         unit, phase, journal=journal or host.journal, notifier=host.notifier, echo=False
     )
-    return run_phase(
+    return run_unit_phase(
         RunScope(Phase(phase), unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
         loaded or host.config(),
         reporter,

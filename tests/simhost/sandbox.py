@@ -457,7 +457,7 @@ class SimHost:
     # ------------------------------------------------------------------ boot
 
     @classmethod
-    def boot(  # noqa: PLR0917 - the positional order is the agreed interface
+    def boot(
         cls,
         name: str | None = None,
         nvml_lib: Path | None = None,

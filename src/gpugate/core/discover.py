@@ -20,7 +20,7 @@ from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied, Problem
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, driver_faults
+from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
@@ -161,7 +161,7 @@ def read_gpus(
 ) -> GpuState:
     """Every GPU and its usage; a fault on one of the unit's own fails the run (strict)."""
     gpus = list(driver.gpus())
-    faults = list(driver_faults(driver))
+    faults = list(driver.faults())
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
     usage: dict[int, GpuUsage] = {}
@@ -181,12 +181,20 @@ def read_gpus(
     return GpuState(gpus, usage, sorted(faults, key=lambda fault: fault.index))
 
 
+@dataclass(frozen=True)
+class Sought:
+    """What a discovery looks for: the unit (or the label standing for it), its cgroup, its
+    GPUs as configured ("all", indices, UUIDs; None for none) and where that was said."""
+
+    unit: str
+    unit_cgroup: str
+    wanted: GpuSelection | None
+    config_source: str
+
+
 def discover(
+    sought: Sought,
     *,
-    unit: str,
-    unit_cgroup: str,
-    wanted: GpuSelection | None,
-    config_source: str,
     driver: GpuDriver,
     procfs: ProcFs,
     roots: HostRoots,
@@ -196,11 +204,11 @@ def discover(
     strict_faults: bool = True,
     ports: Collection[int] = (),
 ) -> Discovery:
-    """wanted: the unit's GPUs as configured ("all", indices, UUIDs), None for none.
-    strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
+    """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
     on the others are recorded in `faults` either way); `status` passes False.
     containers: the config's `containers`, whose processes are the unit's too.
     ports: the unit's TCP ports, whose listeners are holders too."""
+    unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
     state.shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
@@ -217,7 +225,7 @@ def discover(
         unit=unit,
         unit_cgroup=unit_cgroup,
         gpus=state.gpus,
-        owned=owned_gpus(wanted, state.gpus, config_source),
+        owned=owned_gpus(wanted, state.gpus, sought.config_source),
         usage=state.usage,
         holders=table.by_pid,
         self_chain=table.self_chain,

@@ -67,6 +67,7 @@ class RunSummary:
     owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
     freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)  # by GPU index
     degraded: bool = False  # NVML failed and on_nvml_error = warn: the cgroup only
+    would_kill: int = 0  # a dry run: how many targets it would have killed
 
     @property
     def freed_mib(self) -> int:

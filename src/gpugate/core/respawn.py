@@ -37,14 +37,19 @@ class Respawner:
 class RespawnWatch:
     """The parents of this run's targets that were not targets themselves."""
 
-    def __init__(self, self_chain: Collection[int]) -> None:
-        self.self_chain = self_chain
+    def __init__(self) -> None:
         self.watched: dict[ProcessId, Watched] = {}
 
     def killed(
-        self, choices: Iterable[Choice], taken: Collection[ProcessId], tree: ProcessTree
+        self,
+        choices: Iterable[Choice],
+        taken: Collection[ProcessId],
+        tree: ProcessTree,
+        *,
+        self_chain: Collection[int],
     ) -> None:
-        """After a kill round (or the first ones): count respawns, then watch the parents."""
+        """After a kill round (or the first ones): count respawns, then watch the parents
+        (never gpugate or its ancestors: self_chain)."""
         choices = list(choices)
         counted: set[ProcessId] = set()
         for choice in choices:
@@ -58,7 +63,7 @@ class RespawnWatch:
             if (
                 parent_info is None
                 or parent_info.pid <= 1
-                or parent_info.pid in self.self_chain
+                or parent_info.pid in self_chain
                 or parent_info.ident in taken
             ):
                 continue

@@ -1,41 +1,64 @@
-"""What one run asks of the world around its unit, as protocols: the core calls these and
-knows nothing of who answers. A systemd unit's answers (manual-run guard, GPU leases,
-failed-start records) are `gpugate.integrations.unit.shared_host.UnitSurroundings`, which
-asks the phase's traits what applies (a Slurm job's prolog takes no lease). The front wires
-them."""
+"""What one run asks of the world around what it frees (a systemd unit, a Slurm job, a
+container), as a protocol: the core and the front call these and know nothing of who
+answers. Three answer today: a systemd unit's (`gpugate.integrations.unit.shared_host.
+UnitSurroundings`: manual-run guard, GPU leases, failed-start records, asking the phase's
+traits what applies), a Slurm job's (`gpugate.integrations.slurm.JobSurroundings`: Slurm
+gives out its GPUs itself) and `NullSurroundings` here (nothing around: the plain case, and
+tests). The front wires them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
+
+from gpugate.config.models import GateConfig, LoadedConfig
 
 if TYPE_CHECKING:
     from gpugate.core.decide import Decision
-    from gpugate.core.outcome import RunSummary
+    from gpugate.core.outcome import BusyGpu, RunSummary
+    from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
+
+METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
+# (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
+StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
 class Surroundings(Protocol):
     @property
+    def loaded(self) -> LoadedConfig:
+        """The config the run uses: its GPUs resolved to what this run is about."""
+
+    @property
     def gpu_source(self) -> str:
-        """Where the unit's GPUs came from, said in the run's first entry."""
+        """Where the GPUs came from, said in the run's first entry."""
 
     @property
     def gpu_source_warns(self) -> bool:
-        """True: every GPU only because nothing named the unit's (a warning)."""
+        """True: every GPU only because nothing named the GPUs (a warning)."""
+
+    def state_to_write(self) -> StateToWrite:
+        """Every folder this run writes its state in, with what goes there, and the files it
+        replaces whole: checked before the run kills anything (host.state_dirs)."""
+
+    def driver_hung_earlier(self) -> str | None:
+        """Why the driver is not to be asked at all (the same start's earlier phase waited
+        its deadline on it), in that phase's words; None: ask it."""
 
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
     def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
         """Under the GPU locks, before anything is killed: why this start must not go on
-        (another running unit's GPU lease), or None."""
+        (another running workload's claim on the GPUs), or None."""
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
-        """The run refuses: another running unit's processes hold the GPUs. Says what else
-        is known of that hold (its GPU lease: who started it, and when)."""
+        """The run refuses: others' processes hold the GPUs. Says what else is known of
+        that hold (their claim: who started it, and when)."""
 
-    def take_lease_first(self, owned: Sequence[Gpu]) -> None:
+    def reserve(self, owned: Sequence[Gpu]) -> None:
         """Under the GPU locks, before the first kill: what the start will hold on success,
         written now, so that state that cannot be written stops the run before anything
         dies (a run that then fails gives it up in after_run)."""
@@ -45,3 +68,60 @@ class Surroundings(Protocol):
 
     def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
         """After a run that was not a dry run, still under the locks."""
+
+    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
+        """The run (not a dry run) ended in an error; busy: the GPUs it was still waiting
+        for (the same start's next phase need not wait on them again)."""
+
+    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
+        """The run (not a dry run) was stopped by SIGTERM/SIGINT, with the GPUs it was still
+        waiting for."""
+
+
+def run_state_to_write(config: GateConfig) -> StateToWrite:
+    """What every run writes: its GPU locks, and the metrics textfile where one is set."""
+    folders = [(config.lock_dir, "GPU locks")]
+    files = []
+    if config.metrics_textfile is not None:
+        folders.append((config.metrics_textfile.parent, METRICS))
+        files.append((config.metrics_textfile, METRICS))
+    return folders, files
+
+
+@dataclass(frozen=True)
+class NullSurroundings:
+    """Nothing around the run: no claims, no records, nothing refused; the config's GPUs."""
+
+    loaded: LoadedConfig
+    gpu_source: str = ""  # "": the run's first entry names only the config
+    gpu_source_warns: bool = False
+
+    def state_to_write(self) -> StateToWrite:
+        return run_state_to_write(self.loaded.config)
+
+    def driver_hung_earlier(self) -> str | None:
+        return None
+
+    def before_kill(self, decision: Decision) -> None:
+        return None
+
+    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
+        return None
+
+    def held_by_others(self, owned: Sequence[Gpu]) -> None:
+        return None
+
+    def reserve(self, owned: Sequence[Gpu]) -> None:
+        return None
+
+    def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
+        return []
+
+    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
+        return None
+
+    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
+        return None
+
+    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
+        return None

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from gpugate.core.outcome import BusyGpu
 from gpugate.host.nvml import Gpu, GpuDriver
@@ -53,14 +54,31 @@ class Settled:
         return bool(self.busy or self.ports or self.pending or not self.stable)
 
 
+class WaitProbes(Protocol):
+    """What the wait looks at, each time it looks."""
+
+    def busy_gpus(self) -> list[BusyGpu]:
+        """The GPUs still above free_mib."""
+
+    def busy_ports(self) -> list[int]:
+        """The unit's ports something still listens on."""
+
+    def pending(self) -> list[int]:
+        """Respawns under way below a watched parent."""
+
+    def look_again(self) -> bool:
+        """Rediscover and kill what is found (True: something was)."""
+
+    def known_pids(self) -> Collection[int]:
+        """The PIDs the run signalled or spared: NVML may still list them."""
+
+    def watching(self) -> bool:
+        """Whether parents of the killed are watched (for respawns)."""
+
+
 def wait_settled(
+    probes: WaitProbes,
     *,
-    busy_gpus: Callable[[], list[BusyGpu]],
-    busy_ports: Callable[[], list[int]],
-    pending: Callable[[], list[int]],
-    look_again: Callable[[], bool],
-    known_pids: Callable[[], Collection[int]],
-    watching: Callable[[], bool],
     deadline: float,
     on_progress: Callable[[list[BusyGpu], float], None] = lambda busy, left: None,
     clock: Callable[[], float] = time.monotonic,
@@ -74,12 +92,12 @@ def wait_settled(
     next_look = clock()
     clear_since: float | None = None
     while True:
-        busy = busy_gpus()
-        ports = busy_ports()
-        watched = watching()
-        under_way = pending() if watched else []
+        busy = probes.busy_gpus()
+        ports = probes.busy_ports()
+        watched = probes.watching()
+        under_way = probes.pending() if watched else []
         now = clock()
-        known = known_pids()
+        known = probes.known_pids()
         unexplained = any(pid not in known for item in busy for pid in item.pids)
         clear = not busy and not ports and not under_way
         if not clear:
@@ -88,7 +106,7 @@ def wait_settled(
             return Settled(busy, ports, under_way)
         if (unexplained or ports or under_way or clear) and now >= next_look:
             next_look = now + LOOK_AGAIN_EVERY_S
-            if look_again():
+            if probes.look_again():
                 clear_since = None
                 continue
             if clear:

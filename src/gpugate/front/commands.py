@@ -16,9 +16,10 @@ from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, Problem, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
-from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver, driver_not_answering
+from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver
 from gpugate.host.roots import SYSTEM_CGROUP_ROOT, HostRoots
 from gpugate.host.systemd import (
+    active_state,
     own_unit,
     resolve_unit_cgroup,
     systemd_running,
@@ -54,19 +55,16 @@ class Front:
         self.reporter_factory = reporter_factory
         self.environ = os.environ if environ is None else environ
         self.given_roots = roots or HostRoots()
-        self._roots: HostRoots | None = None
-        self.unit_state = unit_state or _systemd_active_state
+        self.unit_state = unit_state or active_state
         self.cgroup_layout = cgroup_layout or _host_cgroup_layout
 
-    @property
-    def roots(self) -> HostRoots:
+    def host_roots(self) -> HostRoots:
         """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
-        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
-        if self._roots is None:
-            given = self.given_roots
-            layout = self.cgroup_layout(given)
-            self._roots = given if layout is None else on_unified_hierarchy(given, layout)
-        return self._roots
+        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host. Read afresh on
+        each call: a command asks once, first, where it needs the host."""
+        given = self.given_roots
+        layout = self.cgroup_layout(given)
+        return given if layout is None else on_unified_hierarchy(given, layout)
 
 
 def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
@@ -75,31 +73,20 @@ def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
     return read_cgroup_layout(roots.proc)
 
 
-def _systemd_active_state(unit: str) -> str | None:
-    from gpugate.host.systemd import query_unit  # noqa: PLC0415
-
-    state = query_unit(unit)
-    return state.active_state if state is not None else None
-
-
 def hook_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.hook import Hook, run_hook  # noqa: PLC0415
+    from gpugate.core.run import RunDeps  # noqa: PLC0415
+    from gpugate.front.hook import Deps, Hook, run_hook  # noqa: PLC0415
     from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
+    from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
-    roots = front.roots  # first: a host gpugate cannot serve says so before anything else
+    roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
     unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
         raise UnknownUnit(Problem.UNIT_NOT_GIVEN)
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     phase = Phase(args.command)
-    hook = Hook(
-        phase,
-        unit,
-        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
-        metrics_unit=unit,
-    )
     manual_refusal = manual_run_guard(
         phase,
         unit,
@@ -109,35 +96,38 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         dry_run=args.dry_run,
         proc_root=roots.proc,
     )
+    context = UnitContext(
+        front.environ, roots, manual_refusal=manual_refusal, ignore_leases=args.ignore_leases
+    )
+    hook = Hook(
+        phase,
+        unit,
+        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
+        metrics_unit=unit,
+        surroundings=unit_surroundings(context),
+        dry_run=args.dry_run,
+    )
+    deps = Deps(
+        front.reporter_factory(unit, args.command),
+        RunDeps(roots=roots, driver_factory=front.driver_factory),
+    )
     with stopped_by_signals():
-        outcome = run_hook(
-            hook,
-            loaded,
-            front.reporter_factory(unit, args.command),
-            roots=roots,
-            dry_run=args.dry_run,
-            driver_factory=front.driver_factory,
-            environ=front.environ,
-            manual_refusal=manual_refusal,
-            ignore_leases=args.ignore_leases,
-        )
+        outcome = run_hook(hook, loaded, deps)
     return int(outcome.exit_code)
 
 
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.slurm_hook import run_slurm_hook  # noqa: PLC0415
+    from gpugate.core.run import RunDeps  # noqa: PLC0415
+    from gpugate.front.slurm_hook import SlurmDeps, run_slurm_hook  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
     with stopped_by_signals():
-        return run_slurm_hook(
-            Phase(args.slurm_phase),
-            config_path=args.config,
-            dry_run=args.dry_run,
-            environ=front.environ,
-            driver_factory=front.driver_factory,
-            reporter_factory=front.reporter_factory,
-            roots=front.roots,
+        deps = SlurmDeps(
+            front.environ,
+            front.reporter_factory,
+            RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory),
         )
+        return run_slurm_hook(Phase(args.slurm_phase), args.config, dry_run=args.dry_run, deps=deps)
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
@@ -161,13 +151,13 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install, install_files  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
-    args.unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
+    unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
-        changes = install.plan_uninstall(args.unit, force=args.force, **dirs)
+        changes = install.plan_uninstall(unit, force=args.force, **dirs)
     else:
         gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
         changes = install.plan_install(
-            args.unit,
+            unit,
             gpus=args.gpus,
             ports=args.ports,
             containers=args.containers,
@@ -178,11 +168,11 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
         if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
             print(lines.not_executable_here(gpugate_path), file=sys.stderr)
     if args.command == "install" and systemd_running():
-        _warn_environment_files(args.unit)
+        _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
-        print(lines.takes_effect(args.unit))
+        print(lines.takes_effect(unit))
     return int(ExitCode.OK)
 
 
@@ -196,7 +186,7 @@ def _warn_environment_files(unit: str) -> None:
 def status_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.status import render_json, render_table  # noqa: PLC0415
 
-    roots = front.roots
+    roots = front.host_roots()
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.config)
     driver = front.driver_factory()
@@ -204,7 +194,7 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
         warned: list[str] = []
         while True:
             data = status_data(unit, loaded, driver, roots, warned)
-            hung = driver_not_answering(driver)
+            hung = driver.not_answering()
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
                 if hung is not None:

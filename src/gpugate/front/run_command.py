@@ -39,9 +39,9 @@ from gpugate.front.run_unit import (
 )
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.programs import find_program
-from gpugate.host.systemd import query_unit, unit_active_state
-from gpugate.integrations.unit.gpu_source import parse_visible_devices
+from gpugate.host.programs import find_program, run_program
+from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
+from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 from gpugate.report import lines
 
@@ -53,7 +53,6 @@ GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
 STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
-QUERY_TIMEOUT_S = 30
 
 
 def checked_command(args: argparse.Namespace) -> list[str]:
@@ -81,7 +80,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     refuse_known_unit(unit, explicit=bool(args.name))
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
-    roots = front.roots
+    roots = front.host_roots()
     refuse_leased(
         loaded,
         unit,
@@ -166,14 +165,17 @@ def resolve_gpus(
     if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
         where = "CUDA_VISIBLE_DEVICES"
         wanted = parse_visible_devices(where, environ[where], "your environment")
-    source = "--gpus" if wanted is not None else "all GPUs"
-    selection = "all" if wanted is None else wanted
+    choice = GpuChoice(
+        "all" if wanted is None else wanted,  # type: ignore[arg-type]
+        "--gpus" if wanted is not None else "all GPUs",
+    )
+    source = choice.source
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
         raise NvmlUnavailable(Problem.LAUNCH_NVML, cause=exc) from None
     try:
-        gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
+        gpus = owned_gpus(choice.gpus, driver.gpus(), source)
     finally:
         driver.close()
     if not gpus:
@@ -285,17 +287,12 @@ def wait_until_gone(
 ) -> bool:
     """Poll the unit's ActiveState until it is neither running nor stopping (a collected
     unit reads inactive); False at the deadline."""
-    state = state or _active_state
+    state = state or active_state
     while clock() < deadline:
         if state(unit) not in STOPPING_OR_RUNNING:
             return True
         pause(0.2)
     return False
-
-
-def _active_state(unit: str) -> str | None:
-    found = query_unit(unit)
-    return found.active_state if found is not None else None
 
 
 def relay(source: IO[bytes], target: IO[str]) -> str:
@@ -317,12 +314,5 @@ def stop_without_waiting(unit: str) -> None:
     if systemctl is None:
         return
     # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
-    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-        subprocess.run(
-            [str(systemctl), "stop", "--no-block", "--", unit],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            check=False,
-            timeout=QUERY_TIMEOUT_S,
-        )
+    with contextlib.suppress(GateError):
+        run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)

@@ -4,21 +4,22 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR
+from gpugate.config.models import LoadedConfig
 from gpugate.core.outcome import RunSummary
+from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Hook, run_hook
-from gpugate.host.nvml import GpuDriver
-from gpugate.host.roots import HostRoots
+from gpugate.front.hook import Deps, Hook, run_hook
 from gpugate.integrations.slurm import (
     MAX_REASON,
     METRICS_UNIT,
+    JobSurroundings,
     SlurmJob,
-    failure_detail,
     job_cgroup,
     job_fields,
     job_from_env,
@@ -27,57 +28,63 @@ from gpugate.integrations.slurm import (
     with_job_gpus,
 )
 from gpugate.phase import Phase
+from gpugate.report import lines
+from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.lines import failure_detail
+
+
+@dataclass(frozen=True)
+class SlurmDeps:
+    """What `gpugate slurm` reaches outside itself through (tests give stand-ins)."""
+
+    environ: Mapping[str, str]  # slurmd's: the job
+    reporter_factory: ReporterFactory = Reporter
+    run: RunDeps = field(default_factory=RunDeps)
+    stream: TextIO = field(default_factory=lambda: sys.stderr)
+    config_dir: Path = DEFAULT_CONFIG_DIR
 
 
 def run_slurm_hook(
-    phase: Phase,
-    *,
-    config_path: Path | None,
-    dry_run: bool,
-    environ: Mapping[str, str],
-    driver_factory: Callable[[], GpuDriver],
-    reporter_factory: ReporterFactory = Reporter,
-    stream: TextIO | None = None,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-    roots: HostRoots | None = None,
+    phase: Phase, config_path: Path | None, *, dry_run: bool, deps: SlurmDeps
 ) -> int:
-    stream = stream or sys.stderr
-    roots = roots or HostRoots()
+    environ, stream = deps.environ, deps.stream
     job: SlurmJob | None = None
     summary: RunSummary | None = None
     try:
         job = job_from_env(environ)
         if not job.gpus:
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
-        loaded = with_job_gpus(load_slurm_config(config_path, config_dir), job)
+        loaded = with_job_gpus(load_slurm_config(config_path, deps.config_dir), job)
     except GateError as exc:
-        print(f"gpugate: {exc.message}", file=stream)
-        code, detail = exc.exit_code, exc.message
+        detail = error_text(exc)
+        print(lines.error(detail), file=stream)
+        code = exc.exit_code
     else:
-        job_id, node_name = job.job_id, job.node_name
-        hook = Hook(
-            phase,
-            job.label,
-            lambda: job_cgroup(job_id, roots.cgroup, node_name),
-            metrics_unit=METRICS_UNIT,
-        )
-        reporter = reporter_factory(job.label, phase.value, fields=job_fields(job))
-        outcome = run_hook(
-            hook,
-            loaded,
-            reporter,
-            roots=roots,
-            dry_run=dry_run,
-            driver_factory=driver_factory,
-            stream=stream,
-        )
-        code, summary = outcome.exit_code, outcome.summary
-        detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
+        code, summary, detail = run_job(phase, job, loaded, dry_run=dry_run, deps=deps)
     if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
         return int(code)  # stopped: slurmd, which stopped it, drains the node itself
     drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
     return int(code)
+
+
+def run_job(
+    phase: Phase, job: SlurmJob, loaded: LoadedConfig, *, dry_run: bool, deps: SlurmDeps
+) -> tuple[ExitCode, RunSummary | None, str]:
+    """The job's hook run: its exit code, summary and what a drain reason would say."""
+    job_id, node_name, cgroup_root = job.job_id, job.node_name, deps.run.roots.cgroup
+    hook = Hook(
+        phase,
+        job.label,
+        lambda: job_cgroup(job_id, cgroup_root, node_name),
+        metrics_unit=METRICS_UNIT,
+        surroundings=lambda scope, loaded, reporter: JobSurroundings.of(loaded, job),
+        dry_run=dry_run,
+    )
+    reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
+    outcome = run_hook(hook, loaded, Deps(reporter, deps.run, deps.stream))
+    detail = error_text(outcome.error) if outcome.error else failure_detail(outcome.summary)
+    return outcome.exit_code, outcome.summary, detail
 
 
 def drain(
@@ -92,10 +99,10 @@ def drain(
 ) -> None:
     """A failed prolog or epilog: the drain reason, on stderr (unless an error said its one
     line already) and to slurmctld where the node is named."""
-    who = f" job {job.job_id}" if job is not None else ""
-    reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
+    reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+    reason = reason[:MAX_REASON]
     if not said:
-        print(f"gpugate: drain: {reason}", file=stream, flush=True)
+        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
     if node:
         set_drain_reason(node, reason, stream)

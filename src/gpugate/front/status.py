@@ -11,7 +11,7 @@ from typing import Any
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import decide
-from gpugate.core.discover import Discovery, Holder, discover
+from gpugate.core.discover import Discovery, Holder, Sought, discover
 from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
@@ -41,11 +41,9 @@ def collect(
         cgroup = NO_UNIT_CGROUP
     else:
         cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
+    wanted = "all" if unit is None else loaded.config.selection()
     return discover(
-        unit=unit or "",
-        unit_cgroup=cgroup,
-        wanted="all" if unit is None else loaded.config.selection(),
-        config_source=loaded.source,
+        Sought(unit or "", cgroup, wanted, loaded.source),
         driver=driver,
         procfs=ProcFs(roots.proc),
         roots=roots,

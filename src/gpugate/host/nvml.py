@@ -65,19 +65,26 @@ class GpuError(NvmlUnavailable):
 
 
 class GpuDriver(Protocol):
-    """gpus(): the GPUs NVML can read. A driver may also have faults() (see driver_faults):
-    the GPUs it counts but cannot read; usage() of a GPU may raise GpuError."""
+    """What the run and `status` ask of the GPU driver; every part declared (a driver with
+    nothing to say for one returns the empty answer: no faults, no deadline, answering)."""
 
-    def gpus(self) -> Sequence[Gpu]: ...
+    def gpus(self) -> Sequence[Gpu]:
+        """The GPUs the driver can read."""
 
-    def usage(self, gpu: Gpu) -> GpuUsage: ...
+    def faults(self) -> Sequence[GpuFault]:
+        """The GPUs it counts but cannot read (lost, an unsupported query)."""
 
-    def close(self) -> None: ...
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        """A GPU's memory and processes; may raise GpuError (that GPU) or NvmlUnavailable."""
 
+    def answer_by(self, deadline: float) -> None:
+        """Wait for each later query until this time.monotonic() deadline (the run's)."""
 
-def driver_faults(driver: GpuDriver) -> Sequence[GpuFault]:
-    faults = getattr(driver, "faults", None)
-    return list(faults()) if callable(faults) else []
+    def not_answering(self) -> NvmlNotAnswering | None:
+        """Why the driver stopped answering, where it did (it is asked nothing more)."""
+
+    def close(self) -> None:
+        """Done with the driver (a hung one is left as it is)."""
 
 
 def _pynvml() -> ModuleType:
@@ -276,20 +283,6 @@ class NvmlDriver:
             ) from None
 
 
-def bind_deadline(driver: GpuDriver, deadline: float) -> None:
-    """A driver that can be bounded (NvmlDriver) waits for each call until the deadline."""
-    answer_by = getattr(driver, "answer_by", None)
-    if callable(answer_by):
-        answer_by(deadline)
-
-
-def driver_not_answering(driver: GpuDriver) -> NvmlNotAnswering | None:
-    """Why the driver stopped answering, where it did."""
-    not_answering = getattr(driver, "not_answering", None)
-    found = not_answering() if callable(not_answering) else None
-    return found if isinstance(found, NvmlNotAnswering) else None
-
-
 def _name(function: Any) -> str:
     return str(getattr(function, "__name__", function))
 
@@ -315,6 +308,9 @@ class NotAnswering:
     def not_answering(self) -> NvmlNotAnswering:
         return self.error
 
+    def answer_by(self, deadline: float) -> None:
+        pass  # it is asked nothing
+
     def usage(self, gpu: Gpu) -> GpuUsage:
         raise self.error
 
@@ -328,8 +324,17 @@ class NoGpus:
     def gpus(self) -> Sequence[Gpu]:
         return []
 
+    def faults(self) -> Sequence[GpuFault]:
+        return []
+
     def usage(self, gpu: Gpu) -> GpuUsage:
         raise AssertionError(gpu)  # a bug: the run asked for a GPU it was not given
+
+    def answer_by(self, deadline: float) -> None:
+        pass  # it is asked nothing
+
+    def not_answering(self) -> NvmlNotAnswering | None:
+        return None
 
     def close(self) -> None:
         pass

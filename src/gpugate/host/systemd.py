@@ -129,6 +129,12 @@ def query_unit(name: str) -> UnitState | None:
     )
 
 
+def active_state(name: str) -> str | None:
+    """systemd's ActiveState for the unit; None where systemd cannot be asked."""
+    state = query_unit(name)
+    return state.active_state if state is not None else None
+
+
 def find_unit_cgroup(name: str, cgroup_root: Path) -> str | None:
     """Search the cgroup tree for the unit's cgroup (where systemd is not there to ask)."""
     best: str | None = None

@@ -22,11 +22,12 @@ from typing import TextIO
 from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
 from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
+from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue, Problem
 from gpugate.host.programs import find_program, run_program
+from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 from gpugate.report import lines
 from gpugate.report.error_text import error_text
-from gpugate.report.lines import failure_detail as failure_detail  # noqa: PLC0414 - re-export
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
@@ -122,8 +123,23 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
 
 
 def with_job_gpus(loaded: LoadedConfig, job: SlurmJob) -> LoadedConfig:
-    config = loaded.config.model_copy(update={"gpus": job.gpus})
-    return LoadedConfig(config, f"{loaded.source} (gpus from {job.gpus_from})")
+    """The config with the job's GPUs (gpu_source.with_chosen_gpus, the one step)."""
+    note = f"gpus from {job.gpus_from}"
+    return with_chosen_gpus(loaded, GpuChoice(job.gpus, note, config_note=note))
+
+
+@dataclass(frozen=True)
+class JobSurroundings(NullSurroundings):
+    """A Slurm job's surroundings (core.surroundings.Surroundings). Slurm gives out its GPUs
+    itself and drains a node whose prolog or epilog fails: no claim is checked, taken or
+    recorded; the run is about the job's GPUs (with_job_gpus), named in its first entry."""
+
+    job_id: int = 0
+
+    @classmethod
+    def of(cls, loaded: LoadedConfig, job: SlurmJob) -> JobSurroundings:
+        """loaded: with_job_gpus's."""
+        return cls(loaded, gpu_source=f"gpus in {loaded.source}", job_id=job.job_id)
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpugate.errors import ConfigError, GateError, InvalidValue, Problem, echo
+from gpugate.report.stage_text import doing
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
@@ -207,6 +208,10 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.LOCK_TIMEOUT: lambda f: f"{f.path}: another gpugate run held {f.gpu} past the deadline",
     Problem.INTERRUPTED: lambda f: f"stopped by {f.signal}",
+    Problem.INTERRUPTED_DURING: lambda f: (
+        f"stopped by {f.signal} while "
+        f"{doing(f.progress) if f.get('progress') else 'running'}; it left no GPU lock or lease"
+    ),
     Problem.SLURM_JOB_ID: lambda f: (
         f"SLURM_JOB_ID {echo(f.value) if f.value else 'not set'}: not a Slurm job ID "
         "(a positive integer)"

@@ -7,6 +7,7 @@ exactly what an operator's `journalctl` would show.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import sys
 import time
@@ -121,14 +122,17 @@ class Reporter:
         self.echo = (not stderr_is_journal(self.stream)) if echo is None else echo
         self.fields = dict(fields or {})
         self.dry_run = False
-        self.error_stream: TextIO = sys.stderr  # where `fail` writes when it is not the journal
 
-    def start_dry_run(self, stream: TextIO | None = None) -> None:
-        """A dry run: every entry says GPUGATE_DRY_RUN=1 and the report goes to stdout (so that
-        `gpugate pre --dry-run UNIT | less` works), also from a shell whose stderr is a file."""
-        self.dry_run = True
-        self.stream = stream if stream is not None else sys.stdout
-        self.echo = not stderr_is_journal(self.stream)
+    def as_dry_run(self, stream: TextIO | None = None) -> Reporter:
+        """This reporter's dry-run twin: every entry says GPUGATE_DRY_RUN=1 and the report goes
+        to stdout (so that `gpugate pre --dry-run UNIT | less` works), also from a shell whose
+        stderr is a file. The same journal and notifier; this reporter is left as it is."""
+        twin = copy.copy(self)
+        twin.fields = dict(self.fields)
+        twin.dry_run = True
+        twin.stream = stream if stream is not None else sys.stdout
+        twin.echo = not stderr_is_journal(twin.stream)
+        return twin
 
     def event(
         self,
@@ -141,6 +145,19 @@ class Reporter:
         used_mib: int | None = None,
         **extra: str | int,
     ) -> None:
+        fields = self._fields(kind, priority, pid=pid, gpus=gpus, used_mib=used_mib, extra=extra)
+        self._send(message, fields, echo=True)
+
+    def _fields(
+        self,
+        kind: Event,
+        priority: int,
+        *,
+        pid: int | None,
+        gpus: list[int] | None,
+        used_mib: int | None,
+        extra: Mapping[str, str | int],
+    ) -> dict[str, str]:
         fields: dict[str, str] = {
             "MESSAGE_ID": kind.message_id,
             "PRIORITY": str(priority),
@@ -163,8 +180,11 @@ class Reporter:
         for key, value in extra.items():
             fields[f"GPUGATE_{key.upper()}"] = str(value)
         fields.update(self.fields)
+        return fields
+
+    def _send(self, message: str, fields: dict[str, str], *, echo: bool) -> None:
         self.journal.send(message, fields)
-        if self.echo:
+        if echo and self.echo:
             try:
                 print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
             except OSError:
@@ -172,19 +192,28 @@ class Reporter:
                 # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
-    def fail(self, message: str, exit_code: int, problem: str = "") -> None:
+    def fail(
+        self,
+        message: str,
+        exit_code: int,
+        error_stream: TextIO | None = None,
+        problem: str = "",
+    ) -> None:
         """An error that ends the run: one structured entry, one STATUS=, and the one-line
-        `gpugate: message` on stderr unless stderr is the journal (it would be there twice).
-        problem: the error's code (errors.Problem), GPUGATE_PROBLEM."""
+        `gpugate: message` on error_stream (default stderr) unless it is the journal (it would
+        be there twice); the entry is not echoed besides. problem: the error's code
+        (errors.Problem), GPUGATE_PROBLEM."""
+        extra: dict[str, str | int] = {"exit_code": exit_code}
         if problem:
-            self.event(
-                Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code, problem=problem
-            )
-        else:
-            self.event(Event.ERROR, message, priority=PRIORITY_ERR, exit_code=exit_code)
-        if not stderr_is_journal(self.error_stream):
+            extra["problem"] = problem
+        fields = self._fields(
+            Event.ERROR, PRIORITY_ERR, pid=None, gpus=None, used_mib=None, extra=extra
+        )
+        self._send(message, fields, echo=False)
+        error_stream = error_stream if error_stream is not None else sys.stderr
+        if not stderr_is_journal(error_stream):
             with contextlib.suppress(OSError):  # a closed terminal: the journal has it
-                print(f"gpugate: {message}", file=self.error_stream, flush=True)
+                print(f"gpugate: {message}", file=error_stream, flush=True)
         self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:

@@ -46,6 +46,12 @@ def failure_detail(summary: RunSummary | None) -> str:
     return f"GPU {gpus}: {exit_code.name.lower()}"
 
 
+def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
+    """A failed prolog's or epilog's reason for `scontrol update State=DRAIN`."""
+    who = f" job {job_id}" if job_id is not None else ""
+    return f"gpugate {phase}{who}: {detail} (exit {code})"
+
+
 def lease_overridden(indices: Sequence[int], holder: str) -> str:
     shown = ", ".join(map(str, indices))
     return warning(f"GPU {shown} leased to {holder}; --force: running anyway")

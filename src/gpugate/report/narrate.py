@@ -6,6 +6,7 @@ wait's wording is `narrate_wait`; how a holder is named in words, `holder_text`.
 from __future__ import annotations
 
 import signal
+from typing import TextIO
 
 from gpugate.core.decide import Choice, Decision
 from gpugate.core.discover import Discovery
@@ -36,16 +37,21 @@ def watcher_evidence(discovery: Discovery) -> str:
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
 
 
+def stop_failure(result: StopResult) -> str:
+    """Why a runtime's stop failed, in words."""
+    if result.no_cli:
+        return f"no {result.container.runtime} CLI found"
+    return error_text(result.error) if result.error is not None else result.detail
+
+
 class Narrator(WaitNarration, ShmNarration):
     """One run's journal entries and STATUS= lines, through the run's Reporter."""
 
-    def __init__(self, reporter: Reporter, *, dry_run: bool = False) -> None:
+    def __init__(self, reporter: Reporter) -> None:
+        """reporter: a dry run's is Reporter.as_dry_run()'s (its words say "would")."""
         self.reporter = reporter
-        self.dry_run = dry_run
-        if dry_run:
-            reporter.start_dry_run()  # GPUGATE_DRY_RUN=1 on every entry, the report on stdout
+        self.dry_run = reporter.dry_run
         self.waiting = WaitingReports(reporter)
-        self.would_kill = 0  # a dry run's targets, for its summary line
 
     def looking(self) -> None:
         self.status("looking for processes holding the GPUs")
@@ -104,8 +110,6 @@ class Narrator(WaitNarration, ShmNarration):
 
     def choices(self, decision: Decision) -> None:
         would = self.dry_run
-        if would:
-            self.would_kill = len(decision.targets)
         for choices, event, priority, verb in (
             (
                 decision.targets,
@@ -166,7 +170,9 @@ class Narrator(WaitNarration, ShmNarration):
 
     def container_stopped(self, result: StopResult) -> None:
         verb = f"{result.container.runtime} stop"
-        outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
+        outcome = (
+            "stopped" if result.ok else f"failed ({stop_failure(result)}); signalling its processes"
+        )
         self.reporter.event(
             Event.SIGNAL_SENT,
             f"{verb} {result.container.label}: {outcome}",
@@ -260,13 +266,15 @@ class Narrator(WaitNarration, ShmNarration):
         )
         self.reporter.event(
             Event.RUN_FINISHED,
-            f"dry run: would kill {self.would_kill} process(es); {verdict}; nothing was killed",
+            f"dry run: would kill {summary.would_kill} process(es); {verdict}; nothing was killed",
             priority=PRIORITY_NOTICE,
             result=result,
-            would_kill=self.would_kill,
+            would_kill=summary.would_kill,
         )
 
-    def failed(self, error: GateError) -> None:
-        """A run that ended in an error: one entry, and one line on stderr where stderr is
-        not the journal already."""
-        self.reporter.fail(error_text(error), int(error.exit_code), error.problem.value)
+    def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
+        """A run that ended in an error: one entry (with its Problem code), and one line on
+        error_stream (default stderr) where it is not the journal already."""
+        self.reporter.fail(
+            error_text(error), int(error.exit_code), error_stream, error.problem.value
+        )

@@ -27,6 +27,7 @@ class GpuChoice:
     source: str  # said in the run's first journal entry and by `config check --unit`
     warn: bool = False  # all GPUs only because nothing named them, and no config file
     named: bool = True  # False: every GPU by default, because nothing named the unit's
+    config_note: str = ""  # added to the config's source where the choice overrode its gpus
 
 
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
@@ -79,6 +80,9 @@ def choose_gpus(
 
 
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
-    """The config with gpus replaced by the choice (its source kept)."""
+    """The config with gpus replaced by the choice: the one step every run's GPUs are chosen
+    by (a unit's hook, a Slurm job's, `config check`, `status`). Its source is kept, with
+    the choice's note where it has one (a Slurm job's "gpus from SLURM_JOB_GPUS")."""
     config = loaded.config.model_copy(update={"gpus": choice.gpus})
-    return LoadedConfig(config, loaded.source)
+    note = f" ({choice.config_note})" if choice.config_note else ""
+    return LoadedConfig(config, f"{loaded.source}{note}")

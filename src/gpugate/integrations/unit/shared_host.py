@@ -12,12 +12,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.run import RunScope
+from gpugate.core.surroundings import StateToWrite, run_state_to_write
 from gpugate.errors import ExitCode, GateError, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
@@ -42,10 +42,24 @@ from gpugate.integrations.unit.start_failure import (
     record_failed_pre,
 )
 from gpugate.phase import Phase
+from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import describe
+from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
 
-METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
+
+@dataclass(frozen=True)
+class UnitContext:
+    """What the front knows of the unit's hook, for its surroundings: the hook's
+    environment, the manual-run guard's answer, the options; systemd's answers (tests give
+    stand-ins)."""
+
+    environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
+    roots: HostRoots = field(default_factory=HostRoots)
+    manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
+    ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
+    environment: Callable[[str], UnitEnvironment | None] | None = None  # default: systemd's
+    unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
 
 @dataclass
@@ -54,15 +68,15 @@ class UnitSurroundings:
 
     scope: RunScope  # the phase and the unit
     loaded: LoadedConfig  # with the unit's GPUs resolved
-    environ: Mapping[str, str]
+    context: UnitContext
     choice: GpuChoice
     narration: UnitNarration
-    manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
-    ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
-    roots: HostRoots = field(default_factory=HostRoots)
     failed_pre: FailedPre | None = None  # post: this start's failed pre
-    lease_written: bool = False  # pre wrote its lease before the kill (take_lease_first)
-    unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
+    lease_written: bool = False  # pre wrote its lease before the kill (reserve)
+
+    @property
+    def environ(self) -> Mapping[str, str]:
+        return self.context.environ
 
     @property
     def phase(self) -> Phase:
@@ -81,10 +95,11 @@ class UnitSurroundings:
         return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
-        if self.manual_refusal is None:
+        manual_refusal = self.context.manual_refusal
+        if manual_refusal is None:
             return
         would_kill = [describe(choice) for choice in decision.targets]
-        raise refusal(self.manual_refusal, self.phase.value, self.unit, would_kill)
+        raise refusal(manual_refusal, self.phase.value, self.unit, would_kill)
 
     def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
         """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
@@ -103,7 +118,7 @@ class UnitSurroundings:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
         if not check.conflicts:
             return None
-        if self.ignore_leases:  # gpugate run --force
+        if self.context.ignore_leases:  # gpugate run --force
             for lease, gpus in check.conflicts:
                 self.narration.lease_overridden(
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
@@ -113,7 +128,7 @@ class UnitSurroundings:
         self.narration.lease_refused(check.refusal(), sorted(conflicted))
         return check.refusal()
 
-    def take_lease_first(self, owned: Sequence[Gpu]) -> None:
+    def reserve(self, owned: Sequence[Gpu]) -> None:
         """pre, before it kills: the lease it will hold on success, written now, so that a
         lease that cannot be written (no space, read-only) stops the run before anything
         dies. A run that then fails releases it (after_run)."""
@@ -131,20 +146,16 @@ class UnitSurroundings:
             started_by=self.environ.get(STARTED_BY_VARIABLE),
         )
 
-    def state_to_write(self) -> tuple[list[tuple[Path, str]], list[tuple[Path, str]]]:
-        """Every folder this phase writes its state in, with what goes there, and the files
-        it replaces whole: checked before the run kills anything (host.state_dirs)."""
+    def state_to_write(self) -> StateToWrite:
+        """The run's own (locks, metrics), and this phase's leases and failed-start records."""
         config, traits = self.loaded.config, self.phase.traits
-        folders = [(config.lock_dir, "GPU locks")]
+        folders, files = run_state_to_write(config)
+        unit_folders = []
         if traits.takes_lease:
-            folders.append((lease_dir(config.lock_dir), "GPU leases"))
+            unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
         if traits.records_failed_start:
-            folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
-        files = []
-        if config.metrics_textfile is not None:
-            folders.append((config.metrics_textfile.parent, METRICS))
-            files.append((config.metrics_textfile, METRICS))
-        return folders, files
+            unit_folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+        return [folders[0], *unit_folders, *folders[1:]], files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """pre refused because another running unit holds the GPUs: where that unit also
@@ -163,9 +174,10 @@ class UnitSurroundings:
         )
 
     def _state(self, name: str) -> str | None:
-        if self.unit_state is not None:
-            return self.unit_state(name)
-        return unit_active_state(name, self.roots.cgroup, ask_systemd=self.roots.ask_systemd)
+        if self.context.unit_state is not None:
+            return self.context.unit_state(name)
+        roots = self.context.roots
+        return unit_active_state(name, roots.cgroup, ask_systemd=roots.ask_systemd)
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """post after a failed pre: the GPUs whose memory pre already waited for in vain."""
@@ -215,7 +227,7 @@ class UnitSurroundings:
         with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
             release_lease(self.loaded.config.lock_dir, self.unit)
         uuids = tuple(item.gpu.uuid for item in busy)
-        self._record_failure(error.message, int(error.exit_code), uuids)
+        self._record_failure(error_text(error), int(error.exit_code), uuids)
 
     def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
         """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the
@@ -228,7 +240,7 @@ class UnitSurroundings:
             release_lease(self.loaded.config.lock_dir, self.unit)
             clear_failed_pre(self.loaded.config.lock_dir, self.unit)
 
-    def nvml_hung_in_pre(self) -> str | None:
+    def driver_hung_earlier(self) -> str | None:
         """post after a pre that NVML did not answer: pre's words, or None."""
         failed = self.failed_pre
         if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
@@ -247,37 +259,32 @@ class UnitSurroundings:
 
 
 def prepare(
-    scope: RunScope,
-    loaded: LoadedConfig,
-    environ: Mapping[str, str],
-    narration: UnitNarration,
-    *,
-    roots: HostRoots,
-    manual_refusal: str | None = None,
-    ignore_leases: bool = False,
-    environment: Callable[[str], UnitEnvironment | None] | None = None,
-    unit_state: Callable[[str], str | None] | None = None,
+    scope: RunScope, loaded: LoadedConfig, narration: UnitNarration, context: UnitContext
 ) -> UnitSurroundings:
-    """The unit's surroundings, its config's GPUs resolved. environment and unit_state stand
-    in for systemd (tests); without them systemd is asked where it runs."""
+    """The unit's surroundings, its config's GPUs resolved. Without context.environment and
+    unit_state (tests' stand-ins) systemd is asked where it runs."""
+    environment = context.environment
     if environment is None:
-        environment = unit_environment if roots.ask_systemd else _no_environment
+        environment = unit_environment if context.roots.ask_systemd else _no_environment
     choice = choose_gpus(scope.unit, loaded, environment)
     surroundings = UnitSurroundings(
-        scope,
-        with_chosen_gpus(loaded, choice),
-        environ,
-        choice,
-        narration,
-        manual_refusal=manual_refusal,
-        ignore_leases=ignore_leases,
-        roots=roots,
-        unit_state=unit_state,
+        scope, with_chosen_gpus(loaded, choice), context, choice, narration
     )
     if scope.phase.traits.reads_failed_start:
         lock_dir = loaded.config.lock_dir
-        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, environ)
+        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, context.environ)
     return surroundings
+
+
+def unit_surroundings(
+    context: UnitContext,
+) -> Callable[[RunScope, LoadedConfig, Reporter], UnitSurroundings]:
+    """How the hook's surroundings are made once the run's scope and config are known."""
+
+    def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
+        return prepare(scope, loaded, UnitNarration(reporter), context)
+
+    return make
 
 
 def _no_environment(unit: str) -> UnitEnvironment | None:

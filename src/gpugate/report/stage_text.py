@@ -1,0 +1,30 @@
+"""A run's stage in words: what an interrupted run was doing (its `Progress`)."""
+
+from __future__ import annotations
+
+from gpugate.core.stage import Progress, Stage
+from gpugate.errors import Interrupted, Problem
+
+
+def doing(progress: Progress) -> str:
+    """What the run was doing, after "while"."""
+    stage = progress.stage
+    if stage is Stage.STOPPING:
+        return f"stopping {progress.processes} process(es) (round {progress.round_number})"
+    if stage is Stage.LOCKING and progress.lock_gpu is not None:
+        return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
+    if stage is Stage.WAITING:
+        shown = ", ".join(
+            f"GPU {item.gpu.index} {item.used_mib} MiB" for item in progress.waiting_on
+        )
+        return f"waiting for the driver to free memory ({shown})"
+    if stage is Stage.FINISHING:
+        return "finishing"
+    return "looking for the GPUs' holders"
+
+
+def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
+    """The interruption as the run's error: what it was doing, and what it left."""
+    return Interrupted(
+        Problem.INTERRUPTED_DURING, error.signal_name, progress.stage.value, progress=progress
+    )

@@ -1,0 +1,151 @@
+"""The phase run as a stage machine (core/stages.py): each path through it is a sequence of
+stage and transition codes, asserted as codes; NVML failing is a transition back to looking;
+an interrupted run names its stage as a code; the null surroundings are the plain case."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from gpugate.core.run import PhaseRun, RunDeps, RunScope, RunSetup
+from gpugate.core.stage import Stage, Transition
+from gpugate.core.surroundings import NullSurroundings, Surroundings, run_state_to_write
+from gpugate.errors import Interrupted, NvmlUnavailable
+from gpugate.front.interrupt import stopped_by_signals
+from gpugate.host.nvml import Gpu, GpuUsage
+from gpugate.integrations.slurm import JobSurroundings, SlurmJob, with_job_gpus
+from gpugate.phase import Phase
+from gpugate.report.narrate import Narrator
+from tests.fakes import UNIT, UNIT_CGROUP, FakeGpuMemory, FakeHost, RecordingJournal, alive
+
+S, T = Stage, Transition
+
+
+def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **config: object):  # type: ignore[no-untyped-def]
+    loaded = host.config(**config)
+    reporter = host.reporter(phase)
+    if dry_run:
+        reporter = reporter.as_dry_run()
+    surroundings: Surroundings = NullSurroundings(loaded)
+    deps = RunDeps(roots=host.roots, driver_factory=lambda: host.memory)
+    scope = RunScope(Phase(phase), UNIT, UNIT_CGROUP)
+    return PhaseRun(RunSetup(scope, loaded, Narrator(reporter), surroundings, deps, dry_run))
+
+
+def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
+    (member,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(member)
+    host.memory.claim(member, {0}, 4000)
+    run = machine(host, gpus=[0])
+    summary = run.run()
+    assert [pid.pid for pid in summary.killed] == [member]
+    assert run.transitions == [
+        (S.LOOKING, T.FOUND),
+        (S.LOCKING, T.LOCKED),
+        (S.STOPPING, T.STOPPED),
+        (S.WAITING, T.SETTLED),
+        (S.FINISHING, T.FINISHED),
+    ]
+    assert run.progress.stage is S.STOPPING  # the last thing it did that an interruption names
+
+
+def test_a_dry_run_stops_after_looking(host: FakeHost) -> None:
+    (member,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(member)
+    run = machine(host, gpus=[0], dry_run=True)
+    summary = run.run()
+    assert run.transitions == [(S.LOOKING, T.DRY_RUN), (S.FINISHING, T.FINISHED)]
+    assert summary.would_kill == 1 and not summary.killed
+    (finished,) = host.journal.events("run_finished")
+    assert finished["GPUGATE_WOULD_KILL"] == "1" and finished["GPUGATE_DRY_RUN"] == "1"
+
+
+class FailsInTheWait(FakeGpuMemory):
+    """Answers until the unit's process is gone (killed), then fails."""
+
+    killed: int = 0
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        if self.killed and not alive(self.killed):
+            raise NvmlUnavailable("NVML: GPU 0 is lost (fell off the bus)")
+        return super().usage(gpu)
+
+
+def test_nvml_failing_is_a_transition_back_to_looking(host: FakeHost) -> None:
+    (member,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(member)
+    host.memory = FailsInTheWait(leaked_mib={0: 5000})
+    host.memory.killed = member
+    run = machine(host, "post", gpus=[0], post={"on_nvml_error": "warn", "wait_timeout_s": 5})
+    summary = run.run()
+    assert summary.degraded
+    codes = run.transitions
+    failed_at = codes.index(next(c for c in codes if c[1] is T.NVML_FAILED))
+    assert codes[failed_at][0] in (S.STOPPING, S.WAITING)
+    assert codes[failed_at + 1][0] is S.LOOKING
+    assert codes[-1] == (S.FINISHING, T.FINISHED)
+    assert len(host.journal.events("run_started")) == 1  # announced once, by the first look
+
+
+def test_nvml_failing_with_on_nvml_error_fail_ends_the_run(host: FakeHost) -> None:
+    host.memory = FailsInTheWait(leaked_mib={0: 5000})
+    (member,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(member)
+    host.memory.killed = member
+    run = machine(host, "post", gpus=[0], post={"on_nvml_error": "fail"})
+    with pytest.raises(NvmlUnavailable):
+        run.run()
+    assert run.transitions[-1][1] is not T.FINISHED
+
+
+class SignalOnWaiting(RecordingJournal):
+    def send(self, message: str, fields: dict[str, str]) -> None:
+        super().send(message, fields)
+        if fields.get("GPUGATE_WAITING_FOR") == "memory" and not getattr(self, "fired", False):
+            self.fired = True
+            threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGTERM)).start()
+
+
+def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
+    from tests.fakes import run_unit_phase
+
+    host.memory.leaked_mib[0] = 50000  # freed by nobody: pre waits for it
+    journal = SignalOnWaiting()
+    reporter = host.reporter("pre")
+    reporter.journal = journal
+    loaded = host.config(gpus=[0], pre={"wait_timeout_s": 60})
+    scope = RunScope(Phase.PRE, UNIT, UNIT_CGROUP)
+    with pytest.raises(Interrupted) as caught, stopped_by_signals():
+        run_unit_phase(
+            scope,
+            loaded,
+            reporter,
+            roots=host.roots,
+            driver_factory=lambda: host.memory,
+            environ={},
+            unit_state=lambda _: "inactive",
+        )
+    assert caught.value.stage == Stage.WAITING.value
+    assert caught.value.message.startswith("stopped by SIGTERM while waiting for the driver")
+
+
+def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
+    host: FakeHost, tmp_path: Path
+) -> None:
+    loaded = host.config(metrics_textfile=tmp_path / "m" / "gpugate.prom")
+    null = NullSurroundings(loaded)
+    assert null.state_to_write() == run_state_to_write(loaded.config)
+    folders, files = null.state_to_write()
+    assert [what for _, what in folders] == ["GPU locks", "metrics"] and len(files) == 1
+    assert null.start_refusal([], dry_run=False) is None
+    assert null.not_to_wait_on([]) == [] and null.driver_hung_earlier() is None
+    job = SlurmJob(42, 1000, (0, 1), "SLURM_JOB_GPUS", "node1")
+    job_loaded = with_job_gpus(loaded, job)
+    slurm = JobSurroundings.of(job_loaded, job)
+    assert slurm.loaded.config.gpus == (0, 1)
+    assert slurm.gpu_source == f"gpus in {job_loaded.source}"
+    assert "SLURM_JOB_GPUS" in slurm.gpu_source
