@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpugate.errors import ConfigError, GateError, InvalidValue, Problem, echo
-from gpugate.report.stage_text import doing
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
@@ -52,6 +51,16 @@ def _index_list(indices: list[int]) -> str:
     if indices == list(range(indices[0], indices[-1] + 1)):
         return f"GPUs {indices[0]}-{indices[-1]}"
     return "GPUs " + ", ".join(map(str, indices))
+
+
+def _doing(f: Facts) -> str:
+    if not f.get("progress"):
+        return "running"
+    # Here, not at the top: every gpugate import loads this module (its errors' words), and
+    # the stage machine's types are for the runs that get that far.
+    from gpugate.report.stage_text import doing  # noqa: PLC0415
+
+    return doing(f.progress)
 
 
 def _manual_run(f: Facts) -> str:
@@ -209,8 +218,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LOCK_TIMEOUT: lambda f: f"{f.path}: another gpugate run held {f.gpu} past the deadline",
     Problem.INTERRUPTED: lambda f: f"stopped by {f.signal}",
     Problem.INTERRUPTED_DURING: lambda f: (
-        f"stopped by {f.signal} while "
-        f"{doing(f.progress) if f.get('progress') else 'running'}; it left no GPU lock or lease"
+        f"stopped by {f.signal} while {_doing(f)}; it left no GPU lock or lease"
     ),
     Problem.SLURM_JOB_ID: lambda f: (
         f"SLURM_JOB_ID {echo(f.value) if f.value else 'not set'}: not a Slurm job ID "

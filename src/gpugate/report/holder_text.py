@@ -9,8 +9,6 @@ from typing import Any
 from gpugate.core.decide import Choice
 
 MAX_COMMAND = 200
-MAX_LISTED_PIDS = 10  # PIDs a line lists before "..."
-MAX_LISTED_HOLDERS = 3  # processes named as a file's other holders
 
 
 def gpu_list(indices: Iterable[int]) -> str:

@@ -5,10 +5,15 @@ this module says it in words."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode
-from gpugate.report.holder_text import MAX_LISTED_PIDS
+
+if TYPE_CHECKING:
+    from gpugate.core.outcome import RunSummary
+
+MAX_LISTED_PIDS = 10  # PIDs a line lists before "..."
+MAX_LISTED_HOLDERS = 3  # processes named as a file's other holders
 
 
 def error(text: str) -> str:

@@ -12,8 +12,8 @@ from gpugate.core.shm_cleanup import Kept, KeptWhy, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import MIB
 from gpugate.host.shm import FileFacts, ShmKey
-from gpugate.report.holder_text import MAX_LISTED_HOLDERS
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
+from gpugate.report.lines import MAX_LISTED_HOLDERS
 
 
 def size_text(count: int) -> str:
