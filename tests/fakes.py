@@ -32,7 +32,7 @@ from gpugate.report.journal import Reporter
 
 def alive(pid: int, start_time: int | None = None) -> bool:
     try:
-        with open(f"/proc/{pid}/stat") as handle:
+        with open(f"/proc/{pid}/stat", errors="replace") as handle:
             text = handle.read()
     except FileNotFoundError:
         return False
@@ -43,7 +43,7 @@ def alive(pid: int, start_time: int | None = None) -> bool:
 
 
 def start_time_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as handle:
+    with open(f"/proc/{pid}/stat", errors="replace") as handle:
         text = handle.read()
     return int(text[text.rfind(")") + 2 :].split()[19])
 

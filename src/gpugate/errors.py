@@ -188,6 +188,26 @@ class Problem(Enum):
     LAUNCH_NAME_NOT_SERVICE = "launch-name-not-service"
     LAUNCH_NAME_INVALID = "launch-name-invalid"
     LAUNCH_NAME_TEMPLATE = "launch-name-template"
+    # gpugate's own state read back (integrations/records.py: BadRecord, one phrase, no path)
+    RECORD_UNREADABLE = "record-unreadable"
+    RECORD_NOT_FILE = "record-not-file"
+    RECORD_TOO_LARGE = "record-too-large"
+    RECORD_NOT_UTF8 = "record-not-utf8"
+    RECORD_CONSTANT = "record-constant"
+    RECORD_DIGITS = "record-digits"
+    RECORD_CHARS = "record-chars"
+    RECORD_OUT_OF_RANGE = "record-out-of-range"
+    RECORD_NESTED = "record-nested"
+    RECORD_NOT_JSON = "record-not-json"
+    RECORD_NOT_OBJECT = "record-not-object"
+    RECORD_NOT_STRING = "record-not-string"
+    RECORD_TOO_LONG = "record-too-long"
+    RECORD_NOT_INTEGER = "record-not-integer"
+    RECORD_NOT_NUMBER = "record-not-number"
+    RECORD_NOT_FLAG = "record-not-flag"
+    RECORD_NOT_LIST = "record-not-list"
+    RECORD_TOO_MANY = "record-too-many"
+    RECORD_WRONG_UNIT = "record-wrong-unit"
     # the surroundings' refusals
     MANUAL_RUN = "manual-run"
     WORDED = "worded"  # words made before this code existed (`text`): to be given a code
@@ -334,4 +354,4 @@ def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
     """A value as an error message repeats it: repr'd, and cut short (a 10 MB value in a
     config file must not become a 10 MB stderr line)."""
     text = repr(value) if quote else str(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 1] + "…"  # the one mark of a cut

@@ -135,7 +135,7 @@ def test_echoed_values_are_cut_short(text: str) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config(text.replace("{big}", big), "f.toml")
     assert len(str(raised.value)) < 300 and "\n" not in str(raised.value)
-    assert "..." in str(raised.value)
+    assert "…" in str(raised.value)
 
 
 def test_kill_shorter_than_deadline_is_valid() -> None:

@@ -71,7 +71,7 @@ def test_an_unknown_uuid_in_the_config_is_cut(
     err = capsys.readouterr().err
     assert code == ExitCode.CONFIG
     assert err.count("\n") == 1 and len(err) < 300, err[:300]
-    assert "no GPU has UUID GPU-aaaa" in err and "..." in err
+    assert "no GPU has UUID GPU-aaaa" in err and "…" in err
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,7 @@ HOLDER = {
     "state": str,
     "comm": str,
     "command": list,
+    "command_cut": bool,
     "gpus": list,
     "ports": list,
     "used_mib": dict,

@@ -24,7 +24,7 @@ from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
 from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
-from gpugate.host.scan import scan_device_users
+from gpugate.host.scan import NO_DEADLINE, Deadline, scan_device_users
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
@@ -79,6 +79,8 @@ class Discovery:
     # open or mapped, by PID: every process, from the same pass over /proc.
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
     shm_areas: list[ShmArea] = field(default_factory=list)
+    # PIDs whose fds were not all read by the run's deadline (millions of them): holders may hide
+    cut_short: list[int] = field(default_factory=list)
 
     @property
     def owned_indices(self) -> set[int]:
@@ -154,6 +156,7 @@ class GpuState:
     faults: list[GpuFault]
     shm_areas: list[ShmArea] = field(default_factory=list)
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+    cut_short: list[int] = field(default_factory=list)  # PIDs whose fds the deadline cut
 
 
 def read_gpus(
@@ -203,11 +206,13 @@ def discover(
     container_names: ContainerNames | None = None,
     strict_faults: bool = True,
     ports: Collection[int] = (),
+    deadline: Deadline = NO_DEADLINE,
 ) -> Discovery:
     """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
     on the others are recorded in `faults` either way); `status` passes False.
     containers: the config's `containers`, whose processes are the unit's too.
-    ports: the unit's TCP ports, whose listeners are holders too."""
+    ports: the unit's TCP ports, whose listeners are holders too.
+    deadline: the run's; the pass over /proc stops reading there (`cut_short`)."""
     unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
     state.shm_areas = find_areas(roots.dev, roots.proc)
@@ -216,7 +221,7 @@ def discover(
         for pid in cgroup_members(roots.cgroup, unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        unreadable = _add_device_users(table, roots, state, ports)
+        unreadable = _add_device_users(table, roots, state, ports, deadline)
         invisible = _add_nvml_processes(table, state.usage)
         unit_containers = _containers(
             table, roots=roots, wanted=containers, names=container_names or ContainerNames()
@@ -235,11 +240,16 @@ def discover(
         faults=state.faults,
         shm=state.shm,
         shm_areas=state.shm_areas,
+        cut_short=state.cut_short,
     )
 
 
 def _add_device_users(
-    table: HolderTable, roots: HostRoots, state: GpuState, ports: Collection[int]
+    table: HolderTable,
+    roots: HostRoots,
+    state: GpuState,
+    ports: Collection[int],
+    deadline: Deadline,
 ) -> list[int]:
     """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
     the PIDs whose files could not be read."""
@@ -250,7 +260,7 @@ def _add_device_users(
         index_by_minor.setdefault(minor, fault.index)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
-    scan = scan_device_users(roots.proc, dev_prefix, listening, state.shm_areas)
+    scan = scan_device_users(roots.proc, dev_prefix, listening, state.shm_areas, deadline)
     for pid, use in scan.users.items():
         if (found := table.get(pid)) is None:
             continue
@@ -269,6 +279,7 @@ def _add_device_users(
             else:
                 found.control_devices.add(name)
     state.shm = scan.shm
+    state.cut_short = scan.cut_short
     return scan.unreadable
 
 

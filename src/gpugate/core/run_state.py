@@ -25,6 +25,7 @@ from gpugate.errors import NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.scan import Deadline
 from gpugate.host.shm import ShmArea
 from gpugate.host.shm_host import HostShm
 from gpugate.phase import Phase
@@ -151,6 +152,7 @@ class RunState:
                 roots=self.setup.deps.roots,
                 ports=self.ports,
                 containers=self.config.containers,
+                deadline=Deadline(self.deadline, self.clock),
             )
             decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
         self.shm.ledger.note(found.shm)

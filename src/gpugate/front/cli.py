@@ -29,6 +29,7 @@ from gpugate.host.roots import OPTION, HostRoots
 from gpugate.report import lines
 from gpugate.report.error_text import error_text, problem_text
 from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.untrusted import line
 
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
@@ -230,7 +231,7 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(lines.error(error_text(exc)), file=sys.stderr)
+        print(lines.error(line(error_text(exc))), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130

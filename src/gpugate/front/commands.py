@@ -230,6 +230,7 @@ def status_data(
         as_dict,
         collect,
         device_minors,
+        state_warnings,
         unreadable_warning,
     )
 
@@ -238,8 +239,8 @@ def status_data(
     except NvmlNotAnswering as exc:
         # Hung before it named a GPU: what /dev and /proc show, without NVML.
         discovery = collect(unit, loaded, NotAnswering(exc, device_minors(roots)), roots)
-    warning = unreadable_warning(discovery)
-    if warning and not warned:  # once, also in --watch
-        print(warning, file=sys.stderr, flush=True)
-        warned.append(warning)
+    for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+        if warning and warning not in warned:  # once, also in --watch
+            print(warning, file=sys.stderr, flush=True)
+            warned.append(warning)
     return as_dict(discovery, loaded, roots)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from gpugate.core.roles import Role, holder_role
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
+from gpugate.host.scan import Deadline
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
@@ -23,8 +25,22 @@ from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
 from gpugate.report.error_text import error_text
 from gpugate.report.lines import unreadable_holders
+from gpugate.report.narrate import cut_short_text
+from gpugate.report.narrate_unit import unreadable_record_text
+from gpugate.report.untrusted import (
+    CGROUP,
+    COMM,
+    CONTAINER,
+    FILE,
+    STATE,
+    cut,
+    shown,
+    shown_args,
+)
 
 JSON_VERSION = 1
+STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
+MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 
 
@@ -50,6 +66,7 @@ def collect(
         ports=() if unit is None else loaded.config.ports,
         containers=loaded.config.containers,
         strict_faults=False,
+        deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
     )
 
 
@@ -74,7 +91,7 @@ def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, An
             found = facts(areas, file, index)
         used.append(
             {
-                "path": found.path if found else file.names[0],
+                "path": shown(found.path if found else file.names[0], FILE),
                 "bytes": found.bytes if found else None,
             }
         )
@@ -103,17 +120,17 @@ def as_dict(
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
-        "unit_cgroup": discovery.unit_cgroup if discovery.unit else None,
+        "unit_cgroup": shown(discovery.unit_cgroup, CGROUP) if discovery.unit else None,
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
         "gpus": gpu_dicts(discovery, leases),
         "holders": holders,
         "leases": [
             {
-                "unit": lease.unit,
+                "unit": shown(lease.unit, STATE),
                 "gpus": list(lease.gpus),
                 "since": lease.since,
-                "started_by": lease.started_by,
+                "started_by": shown(lease.started_by, STATE) or None,
             }
             for lease in leases
         ],
@@ -150,16 +167,18 @@ def holder_dict(
     container = holder.container
     ticks = os.sysconf("SC_CLK_TCK")
     shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
+    command, command_cut = shown_args(info.cmdline)
     return {
         "pid": info.pid,
         "start_time": info.start_time,
         "user": info.user,
         "uid": info.uid,
-        "unit": unit_of_cgroup(info.cgroup or "/"),
-        "cgroup": info.cgroup,
+        "unit": shown(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
+        "cgroup": shown(info.cgroup, CGROUP) or None,
         "state": info.state,
-        "comm": info.comm,
-        "command": list(info.cmdline),
+        "comm": shown(info.comm, COMM),
+        "command": command,
+        "command_cut": command_cut,
         "gpus": sorted(holder.gpus),
         "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
         "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
@@ -172,12 +191,16 @@ def holder_dict(
         # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
         # (decide's rule: never killed, never a blocker).
         "watcher": role is Role.WATCHER,
-        "shm": shm,
+        "shm": shm[:MAX_SHM_LISTED],
         "shm_bytes": sum(item["bytes"] or 0 for item in shm),
         "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
         "container": None
         if container is None
-        else {"runtime": container.runtime, "id": container.id, "name": container.name},
+        else {
+            "runtime": container.runtime,
+            "id": container.id,
+            "name": shown(container.name, CONTAINER) or None,
+        },
     }
 
 
@@ -193,7 +216,7 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
             "used_mib": discovery.usage[gpu.index].used_mib,
             "total_mib": gpu.total_mib,
             "owned": gpu.index in owned,
-            "leased_to": leased.get(gpu.uuid.lower(), []),
+            "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
         }
         for gpu in discovery.gpus
     ]
@@ -213,11 +236,6 @@ def bytes_shown(count: int) -> str:
 
 def render_json(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True)
-
-
-def cut(text: str, width: int) -> str:
-    """Fit text in a column; an ellipsis says where it was cut."""
-    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 def gpu_ranges(indices: Iterable[int]) -> str:
@@ -336,15 +354,27 @@ def holder_table(data: dict[str, Any]) -> list[str]:
             f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
             f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
             f"{bytes_shown(holder.get('shm_bytes', 0)):>6} "
-            f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {cut(command, 100)}"
+            f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {command}"
         )
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
     return lines
 
 
+def state_warnings(loaded: LoadedConfig) -> list[str]:
+    """Lease files that are not gpugate's leases: `status` shows the others."""
+    files = read_leases(loaded.config.lock_dir)
+    return [
+        f"gpugate: warning: {unreadable_record_text(path, 'a gpugate lease', files.why[path])}"
+        for path in files.unreadable
+    ]
+
+
 def unreadable_warning(discovery: Discovery) -> str | None:
-    """Not root: holders among the processes whose open files it may not read are missing."""
+    """Not root: holders among the processes whose open files it may not read are missing.
+    Also those whose files were not all read within STATUS_SCAN_S."""
+    if discovery.cut_short:
+        return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
     if not discovery.unreadable:
         return None
     return unreadable_holders(discovery.unreadable)

@@ -134,7 +134,10 @@ class ProcFs:
 
     def _read(self, pid: int, name: str) -> str | None:
         try:
-            with open(f"{self.root}/{pid}/{name}", encoding="utf-8", errors="replace") as handle:
+            # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (report/untrusted)
+            with open(
+                f"{self.root}/{pid}/{name}", encoding="utf-8", errors="surrogateescape"
+            ) as handle:
                 return handle.read()
         except (FileNotFoundError, ProcessLookupError):
             return None

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection, Iterator, Sequence
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -41,6 +42,26 @@ class DeviceScan:
     # Every process's files in the shm areas asked for, open or mapped (any process, holder or
     # not: the rest of an application is chosen later, from the tree).
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
+    # PIDs whose fds were not all read by the deadline (a process holding millions of them),
+    # or not read at all: holders may hide there too.
+    cut_short: list[int] = field(default_factory=list)
+
+
+CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the scan stops reading (a monotonic time), and the clock it is read on."""
+
+    at: float | None = None
+    clock: Callable[[], float] = time.monotonic
+
+    def passed(self) -> bool:
+        return self.at is not None and self.clock() >= self.at
+
+
+NO_DEADLINE = Deadline()
 
 
 def scan_device_users(
@@ -48,6 +69,7 @@ def scan_device_users(
     device_prefix: str | None,
     socket_inodes: Collection[int] = frozenset(),
     shm_areas: Sequence[ShmArea] = (),
+    deadline: Deadline = NO_DEADLINE,
 ) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
@@ -60,14 +82,12 @@ def scan_device_users(
     no address space (kernel thread, zombie) costs one read of its maps and one listing of its
     threads: a thread group whose leader exited (pthread_exit in main) shows an empty maps and
     fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
-    """
+    Nothing is read past the deadline (`_pids`, `_names`): what is left is in `cut_short`."""
     scan = DeviceScan({}, [])
     prefix_bytes = device_prefix.encode() if device_prefix else None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        for name in os.listdir(proc_fd):
-            if not name.isdigit():
-                continue
+        for name in _pids(proc_fd, deadline, scan):
             maps = _read_maps(proc_fd, name)
             where = name
             if maps is None:
@@ -77,10 +97,13 @@ def scan_device_users(
                 where = f"{name}/task/{thread}"
                 maps = _read_maps(proc_fd, where) or b""
             mapped = _mapped_paths(maps, prefix_bytes)
-            fds = _fd_paths(proc_fd, where, device_prefix, socket_inodes, shm_areas)
+            fds = _fd_paths(
+                proc_fd, where, device_prefix, socket_inodes, shm_areas, deadline=deadline
+            )
             if fds is None:
                 scan.unreadable.append(int(name))
                 continue
+            scan.cut_short.extend([int(name)] if fds.cut_short else [])
             if fds.paths or fds.sockets or mapped:
                 scan.users[int(name)] = DeviceUse(
                     frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
@@ -91,6 +114,16 @@ def scan_device_users(
     finally:
         os.close(proc_fd)
     return scan
+
+
+def _pids(proc_fd: int, deadline: Deadline, scan: DeviceScan) -> Iterator[str]:
+    """The PIDs under /proc until the deadline; those left then go to scan.cut_short."""
+    names = [name for name in os.listdir(proc_fd) if name.isdigit()]
+    for count, name in enumerate(names):
+        if deadline.passed():
+            scan.cut_short.extend(int(left) for left in names[count:])
+            return
+        yield name
 
 
 def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
@@ -114,6 +147,7 @@ class _Fds:
     paths: set[str] = field(default_factory=set)  # under the device prefix
     sockets: set[int] = field(default_factory=set)  # asked-for socket inodes
     shm: list[ShmFile] = field(default_factory=list)
+    cut_short: bool = False  # the deadline came before the last fd
 
 
 def _fd_paths(
@@ -122,6 +156,8 @@ def _fd_paths(
     prefix: str | None,
     socket_inodes: Collection[int],
     shm_areas: Sequence[ShmArea],
+    *,
+    deadline: Deadline,
 ) -> _Fds | None:
     """The fd targets under the prefix, the asked-for sockets and the files in the shm areas;
     None where we may not read them (not root)."""
@@ -134,7 +170,7 @@ def _fd_paths(
     except OSError:
         return found  # gone
     try:
-        for fd_name in os.listdir(dir_fd):
+        for fd_name in _names(dir_fd, deadline, found):
             try:
                 target = os.readlink(fd_name, dir_fd=dir_fd)
             except OSError:
@@ -152,6 +188,17 @@ def _fd_paths(
     finally:
         os.close(dir_fd)
     return found
+
+
+def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
+    """The names in a folder, read a batch at a time (a million fds are not one list), until
+    the deadline (then found.cut_short)."""
+    with os.scandir(dir_fd) as entries:
+        for count, entry in enumerate(entries, 1):
+            if count % CHECK_EVERY == 0 and deadline.passed():
+                found.cut_short = True
+                return
+            yield entry.name
 
 
 def _add_shm(

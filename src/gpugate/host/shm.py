@@ -14,7 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Collection, Generator, Iterable, Mapping, Sequence
+from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -191,19 +191,44 @@ def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
 InodeIndex = Mapping[ShmKey, Sequence[str]]
 
 
+MAX_WALK_DEPTH = 8  # folders below an area's top that a walk enters (POSIX names are flat)
+MAX_WALK_ENTRIES = 200_000  # names a walk looks at, in all, per area
+
+
+def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
+    """Each regular file of the area's own device in it, with its lstat (symlinks not
+    followed): without recursion, at most MAX_WALK_DEPTH folders deep and MAX_WALK_ENTRIES
+    names, so that no account can make the walk endless (the area is world-writable)."""
+    folders = [(area.path, 0)]
+    seen = 0
+    while folders:
+        folder, depth = folders.pop()
+        try:
+            with os.scandir(folder) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > MAX_WALK_ENTRIES:
+                        return
+                    try:
+                        info = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if info.st_dev != area.dev:
+                        continue
+                    if stat.S_ISREG(info.st_mode):
+                        yield entry.path, info
+                    elif stat.S_ISDIR(info.st_mode) and depth < MAX_WALK_DEPTH:
+                        folders.append((entry.path, depth + 1))
+        except OSError:
+            continue
+
+
 def inode_index(areas: Sequence[ShmArea]) -> dict[ShmKey, list[str]]:
     """Every regular file's names in the areas, by device and inode (symlinks not followed)."""
     index: dict[ShmKey, list[str]] = {}
     for area in areas:
-        for folder, _, names in os.walk(area.path):
-            for name in names:
-                path = os.path.join(folder, name)
-                try:
-                    info = os.lstat(path)
-                except OSError:
-                    continue
-                if stat.S_ISREG(info.st_mode) and info.st_dev == area.dev:
-                    index.setdefault(ShmKey(info.st_dev, info.st_ino), []).append(path)
+        for path, info in regular_files(area):
+            index.setdefault(ShmKey(info.st_dev, info.st_ino), []).append(path)
     return index
 
 
@@ -289,19 +314,12 @@ def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, Fi
     """The COUNT largest regular files in the areas (by allocated bytes), symlinks not followed."""
     found: list[tuple[ShmKey, FileFacts]] = []
     for area in areas:
-        for folder, _, names in os.walk(area.path):
-            for name in names:
-                path = os.path.join(folder, name)
-                try:
-                    info = os.lstat(path)
-                except OSError:
-                    continue
-                if stat.S_ISREG(info.st_mode) and info.st_dev == area.dev:
-                    found.append(
-                        (
-                            ShmKey(info.st_dev, info.st_ino),
-                            FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
-                        )
-                    )
+        for path, info in regular_files(area):
+            found.append(
+                (
+                    ShmKey(info.st_dev, info.st_ino),
+                    FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
+                )
+            )
     found.sort(key=lambda item: (-item[1].bytes, item[1].path))
     return found[:count]

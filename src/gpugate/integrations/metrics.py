@@ -29,6 +29,7 @@ from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
 from gpugate.host.atomic import write_atomically
 from gpugate.host.locks import flock_by
+from gpugate.integrations.records import parse_record
 from gpugate.report import lines
 
 STATE_VERSION = 1
@@ -193,7 +194,8 @@ def load_state(path: Path) -> Samples:
     """The counters so far; a missing or unreadable state starts them again from zero
     (Prometheus takes a counter that goes down as a reset)."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        # Sane numbers, no deep nesting (records.BadRecord is a ValueError).
+        data = parse_record(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
     samples: Samples = {}

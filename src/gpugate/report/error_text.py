@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpugate.errors import ConfigError, GateError, InvalidValue, Problem, echo
+from gpugate.report.untrusted import cut
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
@@ -64,7 +65,8 @@ def _doing(f: Facts) -> str:
 
 
 def _manual_run(f: Facts) -> str:
-    would_kill = [re.sub(r"\s+", " ", str(text))[:MAX_LISTED_TEXT] for text in f.would_kill]
+    # Each already shown (escaped) by describe(); one line, each short.
+    would_kill = [cut(re.sub(r"\s+", " ", str(text)), MAX_LISTED_TEXT) for text in f.would_kill]
     listed = "; ".join(would_kill[:MAX_LISTED]) + (
         f"; and {len(would_kill) - MAX_LISTED} more" if len(would_kill) > MAX_LISTED else ""
     )
@@ -282,6 +284,25 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LAUNCH_NAME_TEMPLATE: lambda f: (
         f"--name {f.value!r}: a transient unit cannot be a template instance"
     ),
+    Problem.RECORD_UNREADABLE: lambda f: f"cannot be read ({f.cause})",
+    Problem.RECORD_NOT_FILE: lambda f: "not a regular file",
+    Problem.RECORD_TOO_LARGE: lambda f: f"larger than {f.kib} KiB",
+    Problem.RECORD_NOT_UTF8: lambda f: "not UTF-8",
+    Problem.RECORD_CONSTANT: lambda f: f"{f.value} is not a number gpugate writes",
+    Problem.RECORD_DIGITS: lambda f: f"a number of {f.count} digits",
+    Problem.RECORD_CHARS: lambda f: f"a number of {f.count} characters",
+    Problem.RECORD_OUT_OF_RANGE: lambda f: f"{f.key} is out of range",
+    Problem.RECORD_NESTED: lambda f: "nested too deeply",
+    Problem.RECORD_NOT_JSON: lambda f: f"not JSON ({str(f.detail)[:80]})",
+    Problem.RECORD_NOT_OBJECT: lambda f: f"a JSON {f.kind}, not an object",
+    Problem.RECORD_NOT_STRING: lambda f: f"{f.key} is not a string",
+    Problem.RECORD_TOO_LONG: lambda f: f"{f.key} is longer than {f.limit} characters",
+    Problem.RECORD_NOT_INTEGER: lambda f: f"{f.key} is not an integer from {f.low} to {f.high}",
+    Problem.RECORD_NOT_NUMBER: lambda f: f"{f.key} is not a number",
+    Problem.RECORD_NOT_FLAG: lambda f: f"{f.key} is not true or false",
+    Problem.RECORD_NOT_LIST: lambda f: f"{f.key} is not a list",
+    Problem.RECORD_TOO_MANY: lambda f: f"{f.key} has more than {f.most} items",
+    Problem.RECORD_WRONG_UNIT: lambda f: f"its unit is not {f.unit}",
     Problem.MANUAL_RUN: _manual_run,
     Problem.WORDED: lambda f: f"{f.text}",
 }

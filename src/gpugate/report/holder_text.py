@@ -1,5 +1,5 @@
 """A holder in words, as every journal entry about it says it: PID, user, role, GPUs,
-container, how it was found, and its command line (cut short)."""
+container, how it was found, and its command line (shown: escaped and cut, untrusted.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpugate.core.decide import Choice
-
-MAX_COMMAND = 200
+from gpugate.host.containers import Container
+from gpugate.report.untrusted import COMMAND, CONTAINER, exact, shown
 
 
 def gpu_list(indices: Iterable[int]) -> str:
@@ -19,9 +19,23 @@ def describe(choice: Choice) -> str:
     info = choice.holder.info
     gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
     sources = ",".join(sorted(choice.holder.sources))
-    command = info.command[:MAX_COMMAND]
-    where = f", {choice.holder.container.label}" if choice.holder.container else ""
+    command = shown(info.command, COMMAND)
+    where = f", {container_text(choice.holder.container)}" if choice.holder.container else ""
     return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
+
+
+def container_text(container: Container) -> str:
+    """`docker container vllm (3f2a1b0c4d5e)`, or without a name `docker container 3f2a…`:
+    Container.label with the name shown (a container's name is its creator's text)."""
+    if container.name:
+        name = shown(container.name, CONTAINER)
+        return f"{container.runtime} container {name} ({container.short_id})"
+    return container.label
+
+
+def container_handle(container: Container) -> str:
+    """What to write in `containers = [...]` (Container.handle), shown."""
+    return shown(container.handle, CONTAINER)
 
 
 def container_fields(choice: Choice) -> dict[str, Any]:
@@ -29,7 +43,10 @@ def container_fields(choice: Choice) -> dict[str, Any]:
     container = choice.holder.container
     if container is None:
         return {}
-    fields: dict[str, Any] = {"container": container.id, "container_runtime": container.runtime}
+    fields: dict[str, Any] = {
+        "container": exact(container.id, CONTAINER),
+        "container_runtime": container.runtime,
+    }
     if container.name:
-        fields["container_name"] = container.name
+        fields["container_name"] = exact(container.name, CONTAINER)
     return fields

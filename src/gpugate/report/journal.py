@@ -14,7 +14,11 @@ import time
 from collections.abc import Callable, Mapping
 from enum import Enum
 from types import FrameType
-from typing import Protocol, TextIO
+from typing import Protocol, TextIO, Union
+
+from gpugate.report.untrusted import line
+
+FieldValue = Union[str, bytes]  # bytes: a field's exact bytes (untrusted.exact), not UTF-8
 
 
 class Event(Enum):
@@ -46,7 +50,7 @@ WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
 
 class Journal(Protocol):
-    def send(self, message: str, fields: dict[str, str]) -> None: ...
+    def send(self, message: str, fields: dict[str, FieldValue]) -> None: ...
 
 
 class Notifier(Protocol):
@@ -56,7 +60,7 @@ class Notifier(Protocol):
 class SystemdJournal:
     """journald through python-systemd; silent where no journald listens."""
 
-    def send(self, message: str, fields: dict[str, str]) -> None:
+    def send(self, message: str, fields: dict[str, FieldValue]) -> None:
         if not os.path.exists("/run/systemd/journal/socket"):
             return
         from systemd import journal  # noqa: PLC0415 - C extension, loaded only where used
@@ -64,7 +68,35 @@ class SystemdJournal:
         with contextlib.suppress(OSError):  # journald gone (shutdown): stderr still tells
             # sendv, not send: send() adds CODE_FILE/LINE/FUNC naming this very line when the
             # fields lack them; these fields carry the real call site or leave it out.
-            journal.sendv(f"MESSAGE={message}", *(f"{k}={v}" for k, v in fields.items()))
+            journal.sendv(_field("MESSAGE", message), *(_field(k, v) for k, v in fields.items()))
+
+
+def as_field(value: str | bytes | int) -> FieldValue:
+    """A field's value as every Journal takes it: a str that is UTF-8, else its bytes (a
+    process's text the caller did not pass through untrusted.exact: still never raising)."""
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, bytes):
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "surrogateescape" if _escapable(value) else "replace")
+    return value
+
+
+def _field(name: str, value: FieldValue) -> str | bytes:
+    """NAME=value for sendv: a str where it is UTF-8, else bytes (python-systemd encodes a str
+    strictly; a process's own bytes go as they are, in the journal's binary form)."""
+    value = as_field(value)
+    if isinstance(value, str):
+        return f"{name}={value}"
+    return name.encode("ascii", "replace") + b"=" + value
+
+
+def _escapable(value: str) -> bool:
+    """Every surrogate in value stands for a byte (surrogateescape can give it back)."""
+    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
 
 
 class SystemdNotifier:
@@ -143,8 +175,11 @@ class Reporter:
         pid: int | None = None,
         gpus: list[int] | None = None,
         used_mib: int | None = None,
-        **extra: str | int,
+        **extra: str | bytes | int,
     ) -> None:
+        """message: gpugate's sentence (its process text shown through untrusted.shown);
+        escaped once more (untrusted.line), so that no channel carries a raw control character.
+        extra: GPUGATE_* fields; bytes or str from untrusted.exact go as they are."""
         fields = self._fields(kind, priority, pid=pid, gpus=gpus, used_mib=used_mib, extra=extra)
         self._send(message, fields, echo=True)
 
@@ -156,9 +191,9 @@ class Reporter:
         pid: int | None,
         gpus: list[int] | None,
         used_mib: int | None,
-        extra: Mapping[str, str | int],
-    ) -> dict[str, str]:
-        fields: dict[str, str] = {
+        extra: Mapping[str, str | bytes | int],
+    ) -> dict[str, FieldValue]:
+        fields: dict[str, FieldValue] = {
             "MESSAGE_ID": kind.message_id,
             "PRIORITY": str(priority),
             "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
@@ -178,11 +213,12 @@ class Reporter:
         if used_mib is not None:
             fields["GPUGATE_USED_MIB"] = str(used_mib)
         for key, value in extra.items():
-            fields[f"GPUGATE_{key.upper()}"] = str(value)
+            fields[f"GPUGATE_{key.upper()}"] = as_field(value)
         fields.update(self.fields)
         return fields
 
-    def _send(self, message: str, fields: dict[str, str], *, echo: bool) -> None:
+    def _send(self, message: str, fields: dict[str, FieldValue], *, echo: bool) -> None:
+        message = line(message)
         self.journal.send(message, fields)
         if echo and self.echo:
             try:
@@ -206,6 +242,7 @@ class Reporter:
         extra: dict[str, str | int] = {"exit_code": exit_code}
         if problem:
             extra["problem"] = problem
+        message = line(message)
         fields = self._fields(
             Event.ERROR, PRIORITY_ERR, pid=None, gpus=None, used_mib=None, extra=extra
         )
@@ -217,7 +254,7 @@ class Reporter:
         self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:
-        self.notifier.notify(f"STATUS=gpugate {self.phase}: {text}")
+        self.notifier.notify(f"STATUS=gpugate {self.phase}: {line(text)}")
 
     def clear_status(self) -> None:
         """After a successful run: an empty STATUS= clears the text, so a running service does

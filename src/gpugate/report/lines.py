@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpugate.errors import ExitCode
+from gpugate.report.untrusted import MARK, line
 
 if TYPE_CHECKING:
     from gpugate.core.outcome import RunSummary
@@ -119,7 +120,7 @@ def watch_header(unit: str | None) -> str:
 
 def internal_error(exc: BaseException) -> str:
     return error(
-        f"internal error: {type(exc).__name__}: {exc} "
+        f"internal error: {type(exc).__name__}: {line(str(exc))} "
         "(set GPUGATE_DEBUG=1 for a traceback, and please report it)"
     )
 
@@ -131,7 +132,7 @@ def not_a_port(value: str) -> str:
 def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str:
     """Not root: holders among the processes whose open files it may not read are missing."""
     shown = ", ".join(map(str, pids[:limit]))
-    more = ", ..." if len(pids) > limit else ""
+    more = f", {MARK}" if len(pids) > limit else ""
     return warning(
         f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
         "GPU holders among them are not shown; run as root"

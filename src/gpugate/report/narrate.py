@@ -16,7 +16,7 @@ from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
 from gpugate.report.error_text import error_text
-from gpugate.report.holder_text import container_fields, describe, gpu_list
+from gpugate.report.holder_text import container_fields, container_text, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -30,12 +30,23 @@ from gpugate.report.lines import MAX_LISTED_PIDS
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text
+from gpugate.report.untrusted import COMM, COMMAND, exact
 
 
 def watcher_evidence(discovery: Discovery) -> str:
     if discovery.nvml_lists_processes:
         return "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
+
+
+def cut_short_text(pids: list[int]) -> str:
+    """Processes whose open files the run's deadline left unread (millions of descriptors)."""
+    shown = ", ".join(map(str, pids[:MAX_LISTED_PIDS]))
+    more = ", …" if len(pids) > MAX_LISTED_PIDS else ""
+    return (
+        f"the open files of {len(pids)} process(es) (PID {shown}{more}) were not all read "
+        "before the deadline"
+    )
 
 
 def stop_failure(result: StopResult) -> str:
@@ -86,7 +97,7 @@ class Narrator(WaitNarration, ShmNarration):
         """What this run cannot see: other users' open files, another PID namespace."""
         if discovery.unreadable:
             shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
-            more = "..." if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
+            more = ", …" if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
             self.reporter.event(
                 Event.WARNING,
                 f"not permitted to read the open files of {len(discovery.unreadable)} "
@@ -94,6 +105,13 @@ class Narrator(WaitNarration, ShmNarration):
                 "run gpugate as root",
                 priority=PRIORITY_WARNING,
                 reason="unreadable",
+            )
+        if discovery.cut_short:
+            self.reporter.event(
+                Event.WARNING,
+                f"{cut_short_text(discovery.cut_short)}: GPU holders among them may be missed",
+                priority=PRIORITY_WARNING,
+                reason="scan-cut-short",
             )
         owned = discovery.owned_indices
         for gpu_index, pid in discovery.invisible:
@@ -140,7 +158,7 @@ class Narrator(WaitNarration, ShmNarration):
                     pid=choice.holder.pid,
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
-                    command=choice.holder.info.command,
+                    command=exact(choice.holder.info.command, COMMAND),
                     reason=choice.rule.value,
                     **container_fields(choice),
                 )
@@ -160,8 +178,8 @@ class Narrator(WaitNarration, ShmNarration):
             pid=choice.holder.pid,
             gpus=sorted(choice.holder.gpus),
             signal=name,
-            command=choice.holder.info.command,
-            comm=choice.holder.info.comm,
+            command=exact(choice.holder.info.command, COMMAND),
+            comm=exact(choice.holder.info.comm, COMM),
             role=choice.role,
             **container_fields(choice),
         )
@@ -176,7 +194,7 @@ class Narrator(WaitNarration, ShmNarration):
         )
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{verb} {result.container.label}: {outcome}",
+            f"{verb} {container_text(result.container)}: {outcome}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
             signal=verb,
             container=result.container.id,

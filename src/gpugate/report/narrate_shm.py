@@ -14,6 +14,7 @@ from gpugate.host.nvml import MIB
 from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
 from gpugate.report.lines import MAX_LISTED_HOLDERS
+from gpugate.report.untrusted import FILE, exact, shown
 
 
 def size_text(count: int) -> str:
@@ -47,6 +48,11 @@ def kept_text(kept: Kept | None) -> str:
     }[kept.why]
 
 
+def quoted(path: str) -> str:
+    """A file's name between quotes, shown (any account may name a file in /dev/shm)."""
+    return f"'{shown(path, FILE)}'"
+
+
 def pids_text(pids: tuple[int, ...]) -> str:
     return ", ".join(map(str, pids))
 
@@ -73,10 +79,10 @@ class ShmNarration:
         verb = "would remove" if self.dry_run else "removed"
         self.reporter.event(
             Event.SHM_REMOVED,
-            f"{verb} {facts.path!r} ({size_text(facts.bytes)}, owner "
+            f"{verb} {quoted(facts.path)} ({size_text(facts.bytes)}, owner "
             f"{user_name(facts.uid)}): shared memory of {self._killed(item.holders)}",
             priority=PRIORITY_NOTICE,
-            shm_path=facts.path,
+            shm_path=exact(facts.path, FILE),
             shm_bytes=facts.bytes,
             shm_size=facts.size,
             shm_holders=pids_text(item.holders),
@@ -88,10 +94,10 @@ class ShmNarration:
         sized: dict[str, Any] = {} if item.facts is None else {"shm_bytes": item.facts.bytes}
         self.reporter.event(
             Event.SHM_KEPT,
-            f"{verb} {path!r}, shared memory of killed PID {pids_text(item.holders)}: "
+            f"{verb} {quoted(path)}, shared memory of killed PID {pids_text(item.holders)}: "
             f"{kept_text(item.kept)}",
             priority=PRIORITY_INFO,
-            shm_path=path,
+            shm_path=exact(path, FILE),
             shm_holders=pids_text(item.holders),
             shm_kept=item.kept.why.value if item.kept else "",
             **sized,
@@ -109,8 +115,8 @@ class ShmNarration:
             held = holders.get(key, [])
             by = ", ".join(label(pid) for pid in held[:2]) if held else "no process"
             parts.append(
-                f"{facts.path!r} {size_text(facts.bytes)} (owner {user_name(facts.uid)}, held by "
-                f"{by})"
+                f"{quoted(facts.path)} {size_text(facts.bytes)} (owner {user_name(facts.uid)}, "
+                f"held by {by})"
             )
         largest = "; largest: " + "; ".join(parts) if parts else ""
         would = "would have" if self.dry_run else "has"

@@ -4,9 +4,11 @@ this start's failed pre. The steps say what happened; this module says it in wor
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
+from gpugate.report.untrusted import FILE, STATE, shown
 
 if TYPE_CHECKING:
     from gpugate.host.nvml import Gpu
@@ -20,12 +22,20 @@ class UnitNarration:
     def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
 
-    def lease_unreadable(self, path: object) -> None:
+    def lease_unreadable(self, path: Path, why: str = "") -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{path}: not a gpugate lease; ignored",
+            unreadable_record_text(path, "a gpugate lease", why),
             priority=PRIORITY_WARNING,
             reason="lease-unreadable",
+        )
+
+    def failed_start_unreadable(self, path: Path, why: str) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            unreadable_record_text(path, "a gpugate failed-start record", why),
+            priority=PRIORITY_WARNING,
+            reason="failed-start-unreadable",
         )
 
     def lease_stale(
@@ -33,8 +43,9 @@ class UnitNarration:
     ) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"GPU lease of {lease_unit} on GPU {indices(gpus)} is stale ({lease_unit} "
-            f"is {state}); {'would take' if dry_run else 'taking'} it over",
+            f"GPU lease of {shown(lease_unit, STATE)} on GPU {indices(gpus)} is stale "
+            f"({shown(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
+            "it over",
             priority=PRIORITY_WARNING,
             gpus=list(gpus),
             reason="lease-stale",
@@ -45,7 +56,7 @@ class UnitNarration:
     def gpus_shared(self, lease_unit: str, gpus: Sequence[int]) -> None:
         self.reporter.event(
             Event.PROCESS_SPARED,
-            f"GPU {indices(gpus)} shared with {lease_unit} (share_gpus in both)",
+            f"GPU {indices(gpus)} shared with {shown(lease_unit, STATE)} (share_gpus in both)",
             gpus=list(gpus),
             reason="shared",
             lease_unit=lease_unit,
@@ -100,6 +111,12 @@ class UnitNarration:
             gpus=[gpu.index for gpu in gpus],
             reason="failed-start",
         )
+
+
+def unreadable_record_text(path: Path, what: str, why: str) -> str:
+    """A state file gpugate reads back that is not one of its records: said once, ignored."""
+    because = f" ({why})" if why else ""
+    return f"{shown(str(path), FILE)}: not {what}{because}; ignored"
 
 
 def failed_start_text(

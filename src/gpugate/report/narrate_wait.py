@@ -9,8 +9,9 @@ from collections.abc import Sequence
 from gpugate.core.outcome import BusyGpu
 from gpugate.core.respawn import Respawner
 from gpugate.host.nvml import Gpu
-from gpugate.report.holder_text import MAX_COMMAND, gpu_list
+from gpugate.report.holder_text import gpu_list
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter, WaitingReports
+from gpugate.report.untrusted import COMMAND, exact, shown
 
 
 class WaitNarration:
@@ -53,13 +54,13 @@ class WaitNarration:
             info = respawner.info
             self.reporter.event(
                 Event.TIMEOUT,
-                f"PID {info.pid} ({info.user}): {info.command[:MAX_COMMAND]} respawned the "
+                f"PID {info.pid} ({info.user}): {shown(info.command, COMMAND)} respawned the "
                 f"holders {respawner.respawns} time(s) and was still respawning after "
                 f"{timeout_s:g} s; it is not part of the application (a login shell, a "
                 "supervisor): stop it, or run the server under the unit",
                 priority=PRIORITY_ERR,
                 pid=info.pid,
-                command=info.command,
+                command=exact(info.command, COMMAND),
                 respawns=respawner.respawns,
                 reason="respawning",
             )
@@ -69,11 +70,11 @@ class WaitNarration:
         info = respawner.info
         self.reporter.event(
             Event.HOLDER_FOUND,
-            f"PID {info.pid} ({info.user}): {info.command[:MAX_COMMAND]} respawned the holders "
+            f"PID {info.pid} ({info.user}): {shown(info.command, COMMAND)} respawned the holders "
             f"{respawner.respawns} time(s) during the wait; each respawn was killed",
             priority=PRIORITY_WARNING,
             pid=info.pid,
-            command=info.command,
+            command=exact(info.command, COMMAND),
             respawns=respawner.respawns,
             reason="respawned",
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from gpugate.core.decide import Choice, Rule, Verdict
+from gpugate.report.holder_text import container_handle, container_text
+from gpugate.report.untrusted import CGROUP, shown
 
 
 def held_text(choice: Choice) -> str:
@@ -24,7 +26,7 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
     if rule is Rule.CGROUP:
         return f"in {unit}'s cgroup"
     if rule is Rule.UNIT_CONTAINER and holder.container is not None:
-        return f"in {holder.container.label}, one of {unit}'s (containers)"
+        return f"in {container_text(holder.container)}, one of {unit}'s (containers)"
     if rule is Rule.NOT_OWNED:
         why = "holds only control devices" if holder.control_devices else "holds no GPU"
         return f"{why} of {unit}"
@@ -40,13 +42,14 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
 
 
 def other_unit_text(choice: Choice, unit: str, held: str) -> str:
-    container, other = choice.holder.container, choice.other_unit
+    container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
     if choice.verdict is Verdict.KILL:
-        return f"{container.label if container else other} holds {held}"
+        return f"{container_text(container) if container else other} holds {held}"
     if container is None:
         return f"active unit {other} holds {held} (kill_other_units = false)"
+    handle = container_handle(container)
     return (
-        f"{container.label} holds {held} (scope {other}; kill_other_units = false); if it is "
-        f'{unit}\'s, set containers = ["{container.handle}"] in its gpugate config '
-        f"(gpugate install {unit} --container {container.handle})"
+        f"{container_text(container)} holds {held} (scope {other}; kill_other_units = false); "
+        f'if it is {unit}\'s, set containers = ["{handle}"] in its gpugate config '
+        f"(gpugate install {unit} --container {handle})"
     )

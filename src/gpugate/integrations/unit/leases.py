@@ -19,7 +19,10 @@ from pathlib import Path
 from gpugate.errors import PermissionDenied, Problem, StateUnwritable
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
+from gpugate.integrations import records
+from gpugate.integrations.records import BadRecord
 from gpugate.report.narrate_unit import lease_refusal_text
+from gpugate.report.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"
 # Set by `gpugate run` on its transient unit (front/run_command.py), read by the unit's pre
@@ -61,8 +64,8 @@ class Lease:
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        by = f"`gpugate run` by {self.started_by}, " if self.started_by else ""
-        return f"{self.unit} ({by}since {when})"
+        by = f"`gpugate run` by {shown(self.started_by, STATE)}, " if self.started_by else ""
+        return f"{shown(self.unit, STATE)} ({by}since {when})"
 
 
 def lease_dir(lock_dir: Path) -> Path:
@@ -93,29 +96,39 @@ def new_lease(
     )
 
 
+MAX_GPU_INDEX = 4095
+MAX_PID = 2**22  # the kernel's largest pid_max
+MAX_SINCE = 2.0**40  # Unix time: some 30000 years from now
+
+
+def lease_from(data: dict[str, object]) -> Lease:
+    """A lease record's fields, checked (records.BadRecord where one is not sane)."""
+    started_by = records.text(data, "started_by", 4096, optional=True)
+    return Lease(
+        unit=str(records.text(data, "unit", 256)),
+        gpus=records.integers(data, "gpus", 0, MAX_GPU_INDEX),
+        uuids=records.texts(data, "uuids", 128),
+        share=records.flag(data, "share"),
+        since=records.number(data, "since", 0, MAX_SINCE),
+        invocation_id=records.text(data, "invocation_id", 128, optional=True),
+        pid=records.integer(data, "pid", 0, MAX_PID, default=0),
+        started_by=started_by[:200] if started_by else None,
+    )
+
+
 def parse_lease(text: str) -> Lease | None:
     """A lease file's content, or None where it is not one (edited or foreign)."""
     try:
-        data = json.loads(text)
-        lease = Lease(
-            unit=str(data["unit"]),
-            gpus=tuple(int(i) for i in data["gpus"]),
-            uuids=tuple(str(u) for u in data["uuids"]),
-            share=bool(data["share"]),
-            since=float(data["since"]),
-            invocation_id=data.get("invocation_id") or None,
-            pid=int(data.get("pid", 0)),
-            started_by=str(data["started_by"])[:200] if data.get("started_by") else None,
-        )
-    except (ValueError, KeyError, TypeError):
+        return lease_from(records.parse_record(text))
+    except BadRecord:
         return None
-    return lease
 
 
 @dataclass
 class LeaseFiles:
     leases: list[Lease] = field(default_factory=list)
     unreadable: list[Path] = field(default_factory=list)  # not a lease: reported, ignored
+    why: dict[Path, str] = field(default_factory=dict)  # each unreadable one's fault
 
 
 def read_leases(lock_dir: Path) -> LeaseFiles:
@@ -126,13 +139,14 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
         return found
     for path in entries:
         try:
-            lease = parse_lease(path.read_text(encoding="utf-8"))
+            lease = lease_from(records.read_record(path))
+            if path.name != f"{lease.unit}.json":
+                raise BadRecord(Problem.RECORD_WRONG_UNIT, unit=path.name[: -len(".json")])
         except FileNotFoundError:
             continue  # released while we listed
-        except (OSError, UnicodeDecodeError):
-            lease = None
-        if lease is None or path.name != f"{lease.unit}.json":
+        except BadRecord as exc:
             found.unreadable.append(path)
+            found.why[path] = exc.why
         else:
             found.leases.append(lease)
     return found
@@ -173,6 +187,7 @@ class LeaseCheck:
     shared: list[tuple[Lease, list[Gpu]]]  # live leases both sides agreed to share
     stale: list[tuple[Lease, str]]  # leases of units no longer running, with their state
     unreadable: list[Path]
+    why: dict[Path, str] = field(default_factory=dict)  # each unreadable one's fault
 
     def refusal(self) -> str:
         """The refusal in words (report/'s): which GPUs are leased to whom."""
@@ -207,7 +222,7 @@ def check_leases(
             shared.append((lease, overlap))
         else:
             conflicts.append((lease, overlap))
-    return LeaseCheck(conflicts, shared, stale, files.unreadable)
+    return LeaseCheck(conflicts, shared, stale, files.unreadable, files.why)
 
 
 def leases_by_gpu(leases: Sequence[Lease]) -> dict[str, list[str]]:

@@ -108,7 +108,7 @@ class UnitSurroundings:
         config = self.loaded.config
         check = self._check_leases(owned)
         for path in check.unreadable:
-            self.narration.lease_unreadable(path)
+            self.narration.lease_unreadable(path, check.why.get(path, ""))
         for lease, state in check.stale:
             # Said once: the stale lease is removed (not in a dry run) and never seen again.
             self.narration.lease_stale(lease.unit, lease.gpus, state, dry_run=dry_run)
@@ -272,7 +272,9 @@ def prepare(
     )
     if scope.phase.traits.reads_failed_start:
         lock_dir = loaded.config.lock_dir
-        surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, context.environ)
+        surroundings.failed_pre = failed_pre_of_this_start(
+            lock_dir, scope.unit, context.environ, narration.failed_start_unreadable
+        )
     return surroundings
 
 

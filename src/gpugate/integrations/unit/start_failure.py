@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.host.atomic import write_atomically
+from gpugate.integrations import records
+from gpugate.integrations.records import BadRecord
 
 FOLDER = "failed"
 
@@ -53,21 +55,33 @@ def clear_failed_pre(lock_dir: Path, unit: str) -> None:
         failure_path(lock_dir, unit).unlink()
 
 
+def failed_pre_from(data: dict[str, object]) -> FailedPre:
+    """A failed-start record's fields, checked (records.BadRecord where one is not sane)."""
+    return FailedPre(
+        unit=str(records.text(data, "unit", 256)),
+        invocation_id=records.text(data, "invocation_id", 128, optional=True),
+        reason=str(records.text(data, "reason", 4096)),
+        exit_code=records.integer(data, "exit_code", 0, 255),
+        busy_uuids=records.texts(data, "busy_uuids", 128),
+    )
+
+
 def failed_pre_of_this_start(
-    lock_dir: Path, unit: str, environ: Mapping[str, str]
+    lock_dir: Path,
+    unit: str,
+    environ: Mapping[str, str],
+    unreadable: Callable[[Path, str], None] = lambda path, why: None,
 ) -> FailedPre | None:
     """pre's failure record, where it belongs to the start this post ends: the same
-    INVOCATION_ID, and systemd saying the start did not succeed (SERVICE_RESULT)."""
+    INVOCATION_ID, and systemd saying the start did not succeed (SERVICE_RESULT).
+    unreadable(path, why): told of a record that is not sane, which is then ignored."""
+    path = failure_path(lock_dir, unit)
     try:
-        data = json.loads(failure_path(lock_dir, unit).read_text(encoding="utf-8"))
-        failed = FailedPre(
-            unit=str(data["unit"]),
-            invocation_id=data.get("invocation_id") or None,
-            reason=str(data["reason"]),
-            exit_code=int(data["exit_code"]),
-            busy_uuids=tuple(str(u) for u in data["busy_uuids"]),
-        )
-    except (OSError, ValueError, KeyError, TypeError):
+        failed = failed_pre_from(records.read_record(path))
+    except FileNotFoundError:
+        return None
+    except BadRecord as exc:
+        unreadable(path, exc.why)
         return None
     if failed.unit != unit or failed.invocation_id != (environ.get("INVOCATION_ID") or None):
         return None

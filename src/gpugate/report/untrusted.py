@@ -1,0 +1,142 @@
+"""What processes say about themselves, made fit to show: escaped and bounded.
+
+A command line, comm, cgroup path, container name or file name is text that any
+account can set (a process title, a file in /dev/shm, a cgroup under its own user@.service).
+It reaches gpugate's output only through this module:
+
+- `shown(value, KIND)`: text for an operator (journal MESSAGE, STATUS=, stderr, the dry run,
+  the status table, `status --json`): control characters escaped as systemd's journalctl
+  shows them (`\\n`, `\\a`, `\\x1b`), bytes that are not UTF-8 (Python's surrogateescape'd
+  strings from /proc) as `\\xff`, any other character that is not printable (DEL, C1 controls,
+  bidi overrides, line separators) as its UTF-8 bytes, `\\xc2\\x85`; then cut to the kind's
+  bound, the cut marked `…`. Printable text, backslashes included, passes unchanged, so the
+  escaping is idempotent: text escaped twice reads as text escaped once.
+- `exact(value, KIND)`: a structured journal field's value: the very bytes (the journal is
+  binary safe), cut to the kind's byte bound.
+- `shown_args(argv)`: a command line as `status --json` lists it: each argument shown, the
+  whole within the command bound.
+- `line(text)`: the last guard of every channel (Reporter, the error line of `main`): a
+  sentence gpugate made, escaped as above, never raises, and at most LINE_CHARS long.
+
+Nothing here raises on any str: every code point, lone surrogates too, has a rendering.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MARK = "…"  # the one mark of a cut, in every output
+NAMED = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r"}
+LINE_CHARS = 8192  # one journal MESSAGE, STATUS= text or stderr line, at most
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A kind of untrusted field and its bounds: `chars` for shown text (escaped, the mark
+    included), `exact_bytes` for a structured journal field's exact bytes."""
+
+    name: str
+    chars: int
+    exact_bytes: int
+
+
+COMMAND = Kind("command line", 200, 4096)
+COMM = Kind("comm", 64, 64)  # the kernel keeps 15 bytes: 60 once each is escaped
+CGROUP = Kind("cgroup", 200, 4096)  # also a unit named after a cgroup
+CONTAINER = Kind("container name", 100, 256)
+FILE = Kind("file name", 200, 4096)
+STATE = Kind("state record text", 200, 1024)  # what gpugate reads back: a lease's unit, ...
+KINDS = (COMMAND, COMM, CGROUP, CONTAINER, FILE, STATE)
+
+
+def _escaped(char: str) -> str:
+    if char.isprintable():
+        return char
+    if char in NAMED:
+        return NAMED[char]
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # surrogateescape: the byte that was not UTF-8
+        return f"\\x{code - 0xDC00:02x}"
+    return "".join(f"\\x{byte:02x}" for byte in char.encode("utf-8", "surrogatepass"))
+
+
+def escape(text: str) -> str:
+    """All of text, escaped (no bound: for text already bounded)."""
+    if text.isprintable():
+        return text
+    return "".join(map(_escaped, text))
+
+
+def cut(text: str, chars: int) -> str:
+    """Fit escaped text in chars; the mark says where it was cut."""
+    return text if len(text) <= chars else text[: chars - 1] + MARK
+
+
+def shown(value: str | None, kind: Kind) -> str:
+    """value escaped and cut to the kind's bound; "" for None. Reads at most chars + 1
+    characters of value, however long it is; never splits an escape."""
+    return _shown(value or "", kind.chars)[0]
+
+
+def _shown(value: str, chars: int) -> tuple[str, bool]:
+    """(value shown in chars, True where it was cut)."""
+    head = value[: chars + 1]
+    if head.isprintable():
+        return (head, False) if len(head) <= chars else (head[: chars - 1] + MARK, True)
+    parts: list[str] = []
+    used = 0
+    for char in head:
+        piece = _escaped(char)
+        if used + len(piece) > chars:
+            break
+        parts.append(piece)
+        used += len(piece)
+    else:
+        if len(value) <= chars:
+            return "".join(parts), False
+    while parts and used + len(MARK) > chars:
+        used -= len(parts.pop())
+    return "".join(parts) + MARK, True
+
+
+def shown_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bool]:
+    """A command line's arguments, each shown, together within kind.chars (the spaces that
+    would join them counted); True where an argument was cut or left out (the last one kept
+    then ends in the mark)."""
+    result: list[str] = []
+    left = kind.chars
+    for arg in argv:
+        room = left - (1 if result else 0)
+        if room < 2:  # not even one character and the mark
+            if result and not result[-1].endswith(MARK):
+                result[-1] = result[-1][:-1] + MARK
+            return result, True
+        text, was_cut = _shown(arg, room)
+        result.append(text)
+        if was_cut:
+            return result, True
+        left = room - len(text)
+    return result, False
+
+
+def exact(value: str | None, kind: Kind) -> str | bytes:
+    """The value's own bytes for a structured journal field, cut to kind.exact_bytes: a str
+    where they are UTF-8, else bytes (never re-encoded, never raising)."""
+    if not value:
+        return ""
+    head = value[: kind.exact_bytes]
+    try:
+        data = head.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a surrogate that no byte stands for
+        data = head.encode("utf-8", "surrogatepass")
+    data = data[: kind.exact_bytes]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data
+
+
+def line(text: str) -> str:
+    """A sentence gpugate made, fit for any channel: escaped, at most LINE_CHARS."""
+    return shown(text, Kind("line", LINE_CHARS, LINE_CHARS))
