@@ -282,7 +282,12 @@ class FakeHost:
         self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any
     ) -> RunSummary:
         """gpugate's run_phase on this host: the unit's stand-in cgroup, these roots."""
-        scope = RunScope(Phase(phase), UNIT, kwargs.pop("unit_cgroup", UNIT_CGROUP))
+        scope = RunScope(
+            Phase(phase),
+            UNIT,
+            kwargs.pop("unit_cgroup", UNIT_CGROUP),
+            for_uid=kwargs.pop("for_uid", None),
+        )
         return run_unit_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
 
     def config(self, **overrides: object) -> LoadedConfig:

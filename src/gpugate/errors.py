@@ -186,7 +186,7 @@ class Problem(Enum):
     LAUNCH_NOT_FOUND = "launch-not-found"
     LAUNCH_CANNOT_RUN = "launch-cannot-run"
     LAUNCH_NAME_NOT_SERVICE = "launch-name-not-service"
-    LAUNCH_NAME_INVALID = "launch-name-invalid"
+    LAUNCH_NAME_NOT_PLAIN = "launch-name-not-plain"
     LAUNCH_NAME_TEMPLATE = "launch-name-template"
     # gpugate's own state read back (integrations/records.py: BadRecord, one phrase, no path)
     RECORD_UNREADABLE = "record-unreadable"

@@ -74,10 +74,15 @@ def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
             f"/machine.slice/libpod-{ID}.scope",
         ),
         (f"/system.slice/docker-{ID}.scope/init", "docker", f"/system.slice/docker-{ID}.scope"),
-        (  # rootless podman, under the user's manager
-            f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{ID}.scope",
+        (  # kubelet with the systemd cgroup driver (dockershim)
+            f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/docker-{ID}.scope",
+            "docker",
+            f"/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1.slice/docker-{ID}.scope",
+        ),
+        (  # podman --cgroup-parent=machine-gpu.slice
+            f"/machine.slice/machine-gpu.slice/libpod-{ID}.scope",
             "podman",
-            f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{ID}.scope",
+            f"/machine.slice/machine-gpu.slice/libpod-{ID}.scope",
         ),
     ],
 )
@@ -97,6 +102,17 @@ def test_runtime_and_id_from_the_cgroup(cgroup: str, runtime: str, scope: str) -
         "/user.slice/user-0.slice/session-1.scope",
         "/",
         None,
+        # Not anchored under the runtime's own parent (issue 26, rule 4): names an account picks.
+        f"/user.slice/user-1000.slice/user@1000.service/user.slice/libpod-{ID}.scope",  # rootless
+        f"/user.slice/user-1000.slice/user@1000.service/app.slice/docker-{ID}.scope",
+        f"/user.slice/user-1000.slice/docker-{ID}.scope",
+        f"/system.slice/vllm.service/docker-{ID}.scope",  # inside a Delegate= unit
+        f"/system.slice/vllm.service/sub.slice/docker-{ID}.scope",
+        f"/machine.slice/machine-x.scope/libpod-{ID}.scope",
+        f"/system.slice/libpod-{ID}.scope",  # podman's scopes are machine.slice's
+        f"/machine.slice/docker-{ID}.scope",
+        f"/docker-{ID}.scope",
+        f"/system.slice/docker-{ID.upper()}.scope",
     ],
 )
 def test_other_cgroups_are_no_container(cgroup: str | None) -> None:

@@ -26,7 +26,7 @@ from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.outcome import RunSummary
 from gpugate.core.respawn import Respawner
 from gpugate.core.roles import Role
-from gpugate.core.shm_cleanup import Kept, KeptWhy, ShmRemoval, SpaceShort
+from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.front.status import as_dict, render_json, render_table
@@ -232,10 +232,7 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     facts = FileFacts(f"/dev/shm/{text}", 4096, 4096, 0)
     file = ShmFile(ShmKey(1, 2), (facts.path,))
     narrator.shm_files(
-        [
-            ShmRemoval(file, (4242,), facts),
-            ShmRemoval(file, (4242,), facts, kept=Kept(KeptWhy.HELD_NOW, (text,))),
-        ]
+        [ShmRemoval(file, (4242,), facts), ShmRemoval(file, (4242,), facts, kept=text)]
     )
     space = Space(ShmArea("/dev/shm", 1), 100, 1)
     narrator.shm_short(SpaceShort(space, 1, 2, [(file.key, facts)]), {file.key: [4242]}, str)

@@ -205,7 +205,10 @@ def test_bad_inputs_are_one_line_errors_and_start_nothing(host: Host) -> None:
         "--gpus x -- true": (64, "is not a GPU index"),
         "--gpus 0": (64, "no COMMAND given"),
         "--name vllm -- true": (64, "systemd already has vllm.service"),
-        "--name 'a b' -- true": (64, "not a valid"),
+        "--name 'a b' -- true": (64, "not a plain unit name"),
+        # systemd-run unescapes Exec lines: the hooks would act for prod-vllm.service
+        "--name 'prod\\x2dvllm' -- true": (64, "not a plain unit name"),
+        "--name=-x -- true": (64, "not a plain unit name"),
         "--name x.socket -- true": (64, "makes a service"),
         "--gpus 0 -- /no/such/program": (64, "not an executable file"),
         "--gpus 0 -- no-such-program": (64, "command not found on PATH"),

@@ -8,7 +8,7 @@ role is `roles`; where an application ends (kill_app_tree) is `app_tree`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from gpugate.config.models import GateConfig
@@ -16,7 +16,7 @@ from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, stable_role
 from gpugate.host.procfs import ProcessId
-from gpugate.host.systemd import unit_of_cgroup
+from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.phase import Phase
 
 
@@ -40,6 +40,7 @@ class Rule(Enum):
     OTHER_CONTAINER = "other-container"  # another scope's container, not named in `containers`
     ORPHAN = "orphan"  # outside any unit (kill_orphans)
     APP_TREE = "app-tree"  # the rest of an orphan's or other unit's application
+    OTHER_ACCOUNT = "other-account"  # not the account a `gpugate run` acts for (--for-uid)
 
     def __str__(self) -> str:
         return self.value
@@ -55,6 +56,7 @@ class Choice:
     foreign: tuple[int, ...] = ()  # GPUs it holds that the unit does not own
     other_unit: str | None = None  # OTHER_UNIT, OTHER_CONTAINER: the unit its cgroup is in
     seed_pid: int | None = None  # APP_TREE: the holder whose application it is part of
+    for_uid: int | None = None  # OTHER_ACCOUNT: the account the run acts for
 
 
 @dataclass
@@ -78,8 +80,12 @@ class Decision:
 
     @property
     def refused(self) -> bool:
-        """Another unit holds the GPUs: kill nothing at all."""
-        return any(choice.role is Role.OTHER_UNIT for choice in self.blockers)
+        """Another unit, or another account than the one the run acts for, holds the GPUs:
+        kill nothing at all."""
+        return any(
+            choice.role is Role.OTHER_UNIT or choice.rule is Rule.OTHER_ACCOUNT
+            for choice in self.blockers
+        )
 
 
 def decide(
@@ -88,8 +94,12 @@ def decide(
     phase: Phase,
     tree: ProcessTree,
     earlier: Mapping[ProcessId, Role] | None = None,
+    *,
+    for_uid: int | None = None,
 ) -> Decision:
-    """earlier: the roles given in this run's previous decisions (see roles.stable_role)."""
+    """earlier: the roles given in this run's previous decisions (see roles.stable_role);
+    for_uid: the account a `gpugate run` by an account that is not root acts for (its hooks'
+    hidden --for-uid): only that account's processes may be killed (`for_account`)."""
     policy = config.policy(phase)
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
@@ -100,7 +110,22 @@ def decide(
         decision.choices.append(choose(holder, role, discovery, config, policy.kill_orphans))
     if policy.kill_app_tree:
         _add_app_trees(decision, discovery, config, tree)
+    if for_uid is not None:
+        decision.choices = [for_account(choice, for_uid) for choice in decision.choices]
     return decision
+
+
+def for_account(choice: Choice, uid: int) -> Choice:
+    """A run that acts for an account kills only what that account could kill itself: a
+    process whose real uid is its own (kill(2) lets an account signal those). Anything else
+    it would kill is refused instead. The unit's own cgroup stays the unit's: only systemd
+    puts processes there (the account's command and what it started; systemd stops them all
+    with the unit anyway). It only narrows: a choice that kills nobody is left as it is."""
+    if choice.verdict is not Verdict.KILL or choice.rule is Rule.CGROUP:
+        return choice
+    if choice.holder.info.uid == uid:
+        return choice
+    return replace(choice, verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=uid)
 
 
 def choose(
@@ -126,7 +151,7 @@ def choose(
     if foreign:
         return choice(Verdict.BLOCK, Rule.STRADDLES)
     if role is Role.OTHER_UNIT:
-        other = unit_of_cgroup(holder.info.cgroup or "/")
+        other = system_unit_of_cgroup(holder.info.cgroup or "/")
         if config.kill_other_units:
             return choice(Verdict.KILL, Rule.OTHER_UNIT, other)
         rule = Rule.OTHER_CONTAINER if holder.container is not None else Rule.OTHER_UNIT

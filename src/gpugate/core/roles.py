@@ -9,7 +9,7 @@ from gpugate.compat import StrEnum
 from gpugate.config.models import GateConfig
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.host.procfs import ProcessId, ProcInfo
-from gpugate.host.systemd import is_user_cgroup, unit_of_cgroup
+from gpugate.host.systemd import system_unit_of_cgroup
 
 
 class Role(StrEnum):
@@ -36,8 +36,10 @@ def role_of(
     """member: found in the unit's cgroup.procs (which is what counts, also under a stand-in
     cgroup root whose paths /proc does not show); own_container: in the cgroup of a container
     the unit's config names."""
+    # A unit name counts only where PID 1 made the unit (slices above it) outside every
+    # account's own tree: a user unit may take any name, nvidia-persistenced.service too.
     cgroup = info.cgroup or "/"
-    unit = unit_of_cgroup(cgroup)
+    unit = system_unit_of_cgroup(cgroup)
     if (info.exe is not None and info.exe in config.protected_executables) or (
         unit is not None and unit in config.protected_units
     ):
@@ -46,7 +48,7 @@ def role_of(
         return Role.UNIT
     if own_container:
         return Role.UNIT_CONTAINER
-    if unit is not None and not is_user_cgroup(cgroup) and unit != "init.scope":
+    if unit is not None and unit != "init.scope":
         return Role.OTHER_UNIT
     return Role.ORPHAN
 

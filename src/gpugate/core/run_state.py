@@ -41,6 +41,9 @@ class RunScope:
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
+    # `gpugate run` by an account that is not root: only that account's processes die (the
+    # hidden --for-uid on its hooks, written by root's gpugate; decide.for_account)
+    for_uid: int | None = None
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,14 @@ class RunState:
                 containers=self.config.containers,
                 deadline=Deadline(self.deadline, self.clock),
             )
-            decision = decide(found, self.config, self.scope.phase, self.procfs, self.judged)
+            decision = decide(
+                found,
+                self.config,
+                self.scope.phase,
+                self.procfs,
+                self.judged,
+                for_uid=self.scope.for_uid,
+            )
         self.shm.ledger.note(found.shm)
         self.shm.areas = found.shm_areas
         for choice in decision.choices:

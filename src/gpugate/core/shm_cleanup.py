@@ -1,20 +1,26 @@
 """The shared memory a killed application leaves behind: which files in /dev/shm go, by evidence.
 
-The rule: a file is removed only if a process this run killed had it open or mapped (seen in the
-same pass over /proc that found the holders), no process this run did not kill was seen holding
-it (a protected daemon, another unit, a bystander), no process holds it now (a fresh look, after
-the targets are gone, right before the unlinks), and its name still is that very file (device
-and inode, checked through the folder's fd right before the unlink). Never by name alone, never
-a file no killed process held. The host side (reading /proc, stat, unlink) is injected.
+The rule: a file is removed only if a process this run killed held it open for reading or
+writing (not only through O_PATH, which needs no permission on the file) or mapped it, seen in
+the same pass over /proc that found the holders; one such process's account could have
+removed it itself (owner, mode and the folder's sticky bit, decided on the credentials read at
+discovery: `could_remove`); no process this run did not kill was seen holding it (a protected
+daemon, another unit, a bystander); no process holds it now (a fresh look, after the targets
+are gone, right before the unlinks); and its name still is that very file (device and inode,
+checked through the folder's fd right before the unlink, with the owner and mode read in the
+same look). Never by name alone, never a file no killed process held. Why a file of theirs
+stays is a `Kept` code (worded in report/). The host side (reading /proc, stat, unlink) is
+injected.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
+from gpugate.compat import StrEnum
+from gpugate.host.credentials import Credentials
 from gpugate.host.shm import (
     FileFacts,
     FreshHolders,
@@ -31,28 +37,23 @@ class ShmHost(Protocol):
 
     def facts(self, file: ShmFile) -> FileFacts | None: ...
 
-    def unlink(self, file: ShmFile) -> Unlinked: ...
+    def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked: ...
 
     def spaces(self) -> list[Space]: ...
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]: ...
 
 
-class KeptWhy(Enum):
-    """Why a file of the killed stays: GPUGATE_SHM_KEPT; report.narrate_shm words it."""
+class Kept(StrEnum):
+    """Why a file a killed process held stays (journal: GPUGATE_REASON on shm_kept)."""
 
-    ALSO_HELD = "also-held"  # another process, not killed, was seen holding it
-    UNREADABLE = "unreadable"  # some process's open files could not be read: it may hold it
-    HELD_NOW = "held-now"  # open or mapped by a process at the last look
-    GONE = "gone"  # gone already, or another file by that name since
-    UNLINK_FAILED = "unlink-failed"  # the unlink failed (detail: the OS's words)
-
-
-@dataclass(frozen=True)
-class Kept:
-    why: KeptWhy
-    by: tuple[str, ...] = ()  # the processes it concerns, as the run names them (label)
-    detail: str = ""
+    ALSO_HELD = "shm-also-held"  # a process this run did not kill was seen holding it
+    PATH_ONLY = "shm-path-only"  # the killed held it only through O_PATH: no evidence
+    NOT_THEIRS = "shm-not-theirs"  # no killed holder's account could have removed it
+    UNREADABLE = "shm-unreadable"  # the fresh look could not read some process's files
+    HELD_NOW = "shm-held-now"  # open or mapped now, after the kill
+    GONE = "shm-gone"  # no name is this file any more (removed, or replaced)
+    UNLINK_FAILED = "shm-unlink-failed"
 
 
 @dataclass(frozen=True)
@@ -63,19 +64,60 @@ class ShmRemoval:
     holders: tuple[int, ...]  # the killed PIDs that held it
     facts: FileFacts | None  # size and owner; None where it is gone already
     kept: Kept | None = None  # why it stays; None: removed (or would be)
+    kept_by: tuple[str, ...] = ()  # ALSO_HELD, HELD_NOW, UNREADABLE: the processes (labels)
+    detail: str = ""  # UNLINK_FAILED: the error's name
 
     @property
     def removed(self) -> bool:
         return self.kept is None and self.facts is not None
 
 
+def _class_bits(who: Credentials, uid: int, gid: int, mode: int) -> int:
+    """The rwx bits the kernel applies to WHO: the owner's, else the group's, else others'."""
+    if who.uid == uid:
+        return (mode >> 6) & 7
+    if who.gid == gid or gid in who.groups:
+        return (mode >> 3) & 7
+    return mode & 7
+
+
+def could_remove(who: Credentials, facts: FileFacts) -> bool:
+    """Could that account have written this file and removed its name itself? It owns the
+    file or its mode lets it write; the folder lets it write and search; in a sticky folder
+    (/dev/shm is 1777) it owns the file or the folder. Root with its capabilities may."""
+    if who.privileged:
+        return True
+    writes = who.uid == facts.uid or bool(_class_bits(who, facts.uid, facts.gid, facts.mode) & 2)
+    folder = _class_bits(who, facts.folder_uid, facts.folder_gid, facts.folder_mode)
+    if not writes or folder & 3 != 3:
+        return False
+    sticky = bool(facts.folder_mode & 0o1000)
+    return not sticky or who.uid in (facts.uid, facts.folder_uid)
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """A file a killed process held, before the fresh look."""
+
+    file: ShmFile
+    holders: tuple[int, ...]  # the killed PIDs that held it (any way)
+    accounts: tuple[Credentials, ...]  # of those that held it open or mapped
+    kept: Kept | None = None
+    kept_by: tuple[str, ...] = ()
+
+    def allowed(self, facts: FileFacts) -> bool:
+        return any(could_remove(who, facts) for who in self.accounts)
+
+
 @dataclass
 class ShmLedger:
-    """What each discovery showed of the shm files: who held which. Fed by every discovery of a
-    run (kill rounds, looks during the wait), read once the targets are gone."""
+    """What each discovery showed of the shm files: who held which, and how. Fed by every
+    discovery of a run (kill rounds, looks during the wait), read once the targets are gone."""
 
     files: dict[ShmKey, ShmFile] = field(default_factory=dict)
     holders: dict[ShmKey, set[int]] = field(default_factory=dict)  # every PID seen holding it
+    # the PIDs that held it open for reading or writing, or mapped, with their credentials
+    opened: dict[ShmKey, dict[int, Credentials | None]] = field(default_factory=dict)
 
     def note(self, shm: Mapping[int, Iterable[ShmFile]]) -> None:
         for pid, files in shm.items():
@@ -83,62 +125,89 @@ class ShmLedger:
                 known = self.files.get(key)
                 self.files[key] = file if known is None else merge([known, file])[key]
                 self.holders.setdefault(key, set()).add(pid)
+                if file.opened:
+                    seen = self.opened.setdefault(key, {})
+                    seen[pid] = seen.get(pid) or file.holder
 
-    def of_the_killed(
-        self, killed: Collection[int], label: Callable[[int], str]
-    ) -> list[tuple[ShmFile, tuple[int, ...], Kept | None]]:
-        """Each file a killed PID held: the file, the killed holders, and why it must stay
-        (another process was seen holding it) or None. label names a PID for the reason."""
-        found: list[tuple[ShmFile, tuple[int, ...], Kept | None]] = []
+    def of_the_killed(self, killed: Collection[int], label: Callable[[int], str]) -> list[Wanted]:
+        """Each file a killed PID held, and why it must stay already (another process was
+        seen holding it; the killed held it through O_PATH only). label names a PID."""
+        found: list[Wanted] = []
         for key, pids in sorted(self.holders.items()):
             by_killed = tuple(sorted(pids & set(killed)))
             if not by_killed:
                 continue
+            opened = self.opened.get(key, {})
+            accounts = tuple(who for pid in by_killed if (who := opened.get(pid)) is not None)
             others = sorted(pids - set(killed))
-            reason = (
-                Kept(KeptWhy.ALSO_HELD, tuple(label(pid) for pid in others)) if others else None
-            )
-            found.append((self.files[key], by_killed, reason))
+            wanted = Wanted(self.files[key], by_killed, accounts)
+            if others:
+                wanted = replace(wanted, kept=Kept.ALSO_HELD, kept_by=_labels(others, label))
+            elif not any(pid in opened for pid in by_killed):
+                wanted = replace(wanted, kept=Kept.PATH_ONLY)
+            found.append(wanted)
         return found
+
+
+def _labels(pids: Iterable[int], label: Callable[[int], str]) -> tuple[str, ...]:
+    return tuple(label(pid) for pid in sorted(pids)[:3])
 
 
 def plan(
     ledger: ShmLedger, killed: Collection[int], host: ShmHost, label: Callable[[int], str]
 ) -> list[ShmRemoval]:
     """A dry run's answer: what would be removed once KILLED (the would-be targets) are gone."""
-    return [
-        ShmRemoval(file, holders, host.facts(file), kept)
-        for file, holders, kept in ledger.of_the_killed(killed, label)
-    ]
+    results: list[ShmRemoval] = []
+    for item in ledger.of_the_killed(killed, label):
+        facts = host.facts(item.file)
+        kept = item.kept
+        if kept is None and facts is not None and not item.allowed(facts):
+            kept = Kept.NOT_THEIRS
+        results.append(ShmRemoval(item.file, item.holders, facts, kept, item.kept_by))
+    return results
 
 
 def remove(
     ledger: ShmLedger, killed: Collection[int], host: ShmHost, label: Callable[[int], str]
 ) -> list[ShmRemoval]:
-    """After the targets are gone: unlink each file of the killed that nobody else holds."""
+    """After the targets are gone: unlink each file of the killed that nobody else holds and
+    that a killed holder's account could have removed."""
     wanted = ledger.of_the_killed(killed, label)
     if not wanted:
         return []
     fresh = host.holders()  # one fresh look for all of them, right before the unlinks
     results: list[ShmRemoval] = []
-    for file, holders, seen_with_others in wanted:
-        kept = seen_with_others
-        if kept is None and fresh.unreadable:
-            kept = Kept(KeptWhy.UNREADABLE, tuple(map(str, sorted(fresh.unreadable))))
-        if kept is None and (now := sorted(fresh.by_key.get(file.key, ()))):
-            kept = Kept(KeptWhy.HELD_NOW, tuple(label(pid) for pid in now))
-        if kept is not None:
-            results.append(ShmRemoval(file, holders, host.facts(file), kept))
+    for wanted_item in wanted:
+        item = _after_fresh_look(wanted_item, fresh, label)
+        if item.kept is not None:
+            facts = host.facts(item.file)
+            results.append(ShmRemoval(item.file, item.holders, facts, item.kept, item.kept_by))
             continue
-        unlinked = host.unlink(file)
-        if unlinked.facts is None:
-            results.append(ShmRemoval(file, holders, None, Kept(KeptWhy.GONE)))
-        elif unlinked.error is not None:
-            kept = Kept(KeptWhy.UNLINK_FAILED, detail=str(unlinked.error))
-            results.append(ShmRemoval(file, holders, unlinked.facts, kept))
-        else:
-            results.append(ShmRemoval(file, holders, unlinked.facts))
+        results.append(_unlinked(item, host.unlink(item.file, item.allowed)))
     return results
+
+
+def _after_fresh_look(item: Wanted, fresh: FreshHolders, label: Callable[[int], str]) -> Wanted:
+    if item.kept is not None:
+        return item
+    if fresh.unreadable:
+        shown = tuple(f"PID {pid}" for pid in sorted(fresh.unreadable)[:3])
+        return replace(item, kept=Kept.UNREADABLE, kept_by=shown)
+    if now := fresh.by_key.get(item.file.key, ()):
+        return replace(item, kept=Kept.HELD_NOW, kept_by=_labels(now, label))
+    return item
+
+
+def _unlinked(item: Wanted, done: Unlinked) -> ShmRemoval:
+    if done.facts is None:
+        return ShmRemoval(item.file, item.holders, None, Kept.GONE)
+    if done.refused:
+        return ShmRemoval(item.file, item.holders, done.facts, Kept.NOT_THEIRS)
+    if done.error is not None:
+        return ShmRemoval(
+            item.file, item.holders, done.facts, Kept.UNLINK_FAILED, detail=done.error
+        )
+    return ShmRemoval(item.file, item.holders, done.facts)
 
 
 @dataclass(frozen=True)

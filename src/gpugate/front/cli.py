@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
         # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
         # warned about, not refused. Hidden: not for hand use, never from the environment.
         sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
+        # `gpugate run` by an account that is not root writes it on both hook lines: kill only
+        # that account's processes (it narrows, never widens; docs/gpugate-run.md).
+        sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(func=hook_command)
     status = commands.add_parser("status", help="GPUs and the processes holding them")
     _unit_and_config(status)
@@ -263,6 +266,15 @@ def _gpus(value: str) -> object:
         return parse_gpus(value)
     except InvalidValue as exc:
         raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
+
+
+def _uid(value: str) -> int:
+    from gpugate.front.run_unit import parse_uid  # noqa: PLC0415
+
+    uid = parse_uid(value)
+    if uid is None:
+        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
+    return uid
 
 
 def _port(value: str) -> int:

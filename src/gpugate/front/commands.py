@@ -106,6 +106,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
         metrics_unit=unit,
         surroundings=unit_surroundings(context),
         dry_run=args.dry_run,
+        for_uid=args.for_uid,
     )
     deps = Deps(
         front.reporter_factory(unit, args.command),

@@ -36,6 +36,7 @@ class Hook:
     metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
     surroundings: SurroundingsFactory  # a unit's, a Slurm job's, or none (NullSurroundings)
     dry_run: bool = False
+    for_uid: int | None = None  # the hidden --for-uid: kill only this account's processes
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
     summary: RunSummary | None = None
     error: GateError | None = None
     try:
-        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup())
+        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup(), hook.for_uid)
         summary = run_phase(hook, scope, loaded, deps)
         code = summary.exit_code
     except GateError as exc:

@@ -35,15 +35,18 @@ from gpugate.front.run_unit import (
     caller_environment,
     command_status,
     derive_unit_name,
+    parse_uid,
     systemd_run_argv,
 )
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.programs import find_program, run_program
+from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 from gpugate.report import lines
+from gpugate.report.reasons import sudo_variables_text
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -90,6 +93,8 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
             name, roots.cgroup, ask_systemd=roots.ask_systemd
         ),
     )
+    if caller.uid != 0:
+        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
@@ -106,6 +111,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         force=args.force,
         cleanup=cleanup,
         as_root_caller=caller.uid == 0,
+        for_uid=None if caller.uid == 0 else caller.uid,
     )
     try:
         return supervise(systemd_run_argv(plan, Path(systemd_run)), unit)
@@ -116,21 +122,27 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
                 path.unlink()
 
 
-def invoking_user(environ: Mapping[str, str]) -> tuple[Caller, bool]:
-    """The user COMMAND runs as: under sudo (root, SUDO_UID set) the one who typed sudo,
-    else gpugate's own user."""
-    uid = os.getuid()
-    under_sudo = uid == 0 and environ.get("SUDO_UID", "").isdigit()
+def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tuple[Caller, bool]:
+    """The account COMMAND runs as, and that its hooks act for: gpugate's own real uid; under
+    sudo (gpugate's real uid 0 and SUDO_UID set) the account that typed sudo. sudo itself
+    sets SUDO_UID and SUDO_GID for the command it runs (also under -E, which keeps the rest of
+    the caller's environment); an account that is not root gets no say in them: without
+    sudo its gpugate runs with its own real uid, and SUDO_UID is not read at all. A SUDO_UID
+    that is not a uid in sudo's form is refused, never read as root."""
+    uid = os.getuid() if real_uid is None else real_uid
+    under_sudo = uid == 0 and "SUDO_UID" in environ
+    gid: int | None = None
     if under_sudo:
-        uid = int(environ["SUDO_UID"])
+        found = parse_uid(environ["SUDO_UID"])
+        group = parse_uid(environ.get("SUDO_GID", ""))
+        if found is None or ("SUDO_GID" in environ and group is None):
+            raise RunError(sudo_variables_text(environ))
+        uid, gid = found, group
     try:
         entry = pwd.getpwuid(uid)
     except KeyError:
-        gid = int(environ.get("SUDO_GID", os.getgid())) if under_sudo else os.getgid()
-        return Caller(uid, gid, str(uid)), under_sudo
-    gid = entry.pw_gid
-    if under_sudo and environ.get("SUDO_GID", "").isdigit():
-        gid = int(environ["SUDO_GID"])
+        return Caller(uid, os.getgid() if gid is None else gid, str(uid)), under_sudo
+    gid = entry.pw_gid if gid is None else gid
     return Caller(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell), under_sudo
 
 
@@ -203,6 +215,43 @@ def refuse_leased(
             lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
             file=sys.stderr,
         )
+
+
+def refuse_other_accounts(
+    loaded: LoadedConfig,
+    unit: str,
+    gpus: Sequence[Gpu],
+    uid: int,
+    roots: HostRoots,
+    driver_factory: Callable[[], GpuDriver],
+) -> None:
+    """Before systemd-run, for a caller that is not root: a process of another account on
+    these GPUs refuses the run (exit 22, one line naming it), as the unit's pre would under
+    the GPU locks (`--for-uid`); nothing is started or killed."""
+    from gpugate.core.decide import Rule, decide  # noqa: PLC0415
+    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
+    from gpugate.host.procfs import ProcFs  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
+    from gpugate.report.reasons import other_account_refusal  # noqa: PLC0415
+
+    procfs = ProcFs(roots.proc)
+    driver = driver_factory()
+    try:
+        found = discover(
+            # not started yet: no process is in its cgroup
+            Sought(unit, f"/system.slice/{unit}", tuple(g.index for g in gpus), loaded.source),
+            driver=driver,
+            procfs=procfs,
+            roots=roots,
+            containers=loaded.config.containers,
+            ports=loaded.config.ports,
+        )
+    finally:
+        driver.close()
+    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
+    others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
+    if others:
+        raise HeldByOthers(other_account_refusal(unit, others))
 
 
 class HeldByOthers(GateError):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import ExitCode, GateError, Problem
-from gpugate.host.systemd import ENV_NAME, unit_argument, validate_unit_name
+from gpugate.host.systemd import ENV_NAME, unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
 
@@ -79,6 +79,13 @@ NOT_PASSED = frozenset(
 )
 NOT_PASSED_PREFIXES = ("GPUGATE_", "PYTHON", "BASH_FUNC_")
 NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
+# systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
+# character: systemd-run unescapes the Exec lines the name is written on, so `prod\x2dvllm`
+# would make the hooks act for prod-vllm.service. Nor may it start with "-" (an option to the
+# hooks' command line) or ".". 255 characters at most, as systemd allows.
+PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
+UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
+NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 
 
 class RunError(GateError):
@@ -115,6 +122,7 @@ class RunPlan:
     force: bool = False
     cleanup: tuple[Path, ...] = field(default=())  # files removed after post (root's)
     as_root_caller: bool = False  # the caller is root itself: no --uid/--gid
+    for_uid: int | None = None  # the hooks' --for-uid: a caller that is not root
 
 
 def sanitise(name: str) -> str:
@@ -130,16 +138,24 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
         unit = unit_argument(name)
         if not unit.endswith(".service"):
             raise RunError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
-        try:
-            validate_unit_name(unit)
-        except GateError as exc:
-            raise RunError(Problem.LAUNCH_NAME_INVALID, cause=exc) from None
         if "@" in unit:
             raise RunError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
+        if not PLAIN_SERVICE.fullmatch(unit):
+            raise RunError(Problem.LAUNCH_NAME_NOT_PLAIN, value=name)
         return unit
     if not command:
         raise RunError(Problem.LAUNCH_NO_COMMAND)
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
+
+
+def parse_uid(text: str) -> int | None:
+    """A uid written in decimal ASCII digits, as sudo writes SUDO_UID: no sign, blank, leading
+    zero or other script's digits (str.isdigit and int() take Arabic-Indic ones), and not
+    (uid_t)-1."""
+    if not UID_TEXT.fullmatch(text):
+        return None
+    uid = int(text)
+    return uid if uid < NO_UID else None
 
 
 def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -175,7 +191,9 @@ def hook_line(plan: RunPlan, phase: Phase) -> str:
     # --force: pre warns about a lease instead of refusing. On the command line, which only
     # root writes, never in the environment, which the unit's own files may set.
     force = " --ignore-leases" if plan.force and phase.traits.takes_lease else ""
-    return f"+{plan.gpugate} {phase} {plan.unit}{config}{force}"
+    # A caller that is not root: the hooks kill only its processes (rule 5, hardening.md).
+    account = f" --for-uid {plan.for_uid}" if plan.for_uid is not None else ""
+    return f"+{plan.gpugate} {phase} {plan.unit}{config}{force}{account}"
 
 
 def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:

@@ -1,8 +1,12 @@
 """Containers: which runtime and container a cgroup belongs to, its name, and its own stop.
 
 Docker (systemd cgroup driver) puts a container's processes in
-`/system.slice/docker-ID.scope`, podman in `/machine.slice/libpod-ID.scope` (runc) or
-`.../libpod-ID.scope/container` (crun); ID is the container's 64-hex id. The name comes from
+`/system.slice/docker-ID.scope` (under Kubernetes, `/kubepods.slice/.../docker-ID.scope`),
+podman in `/machine.slice/libpod-ID.scope` (runc) or `.../libpod-ID.scope/container` (crun);
+ID is the container's 64-hex id. A scope counts only as the system unit of the cgroup (only
+slices above it, the first of them the runtime's own parent): a scope of that name anywhere
+else (an account's own `systemd-run --user --scope --unit=docker-ID`, a rootless podman's,
+which root's CLI does not know) is no container of the runtimes gpugate asks. The name comes from
 the runtime's CLI (`docker inspect` / `podman inspect`), one call per runtime and bounded in
 time; where the CLI is missing or slow the container is shown by its id alone. The CLIs are
 found and run as `programs` runs every program: in the system folders, with a clean environment.
@@ -17,9 +21,12 @@ from pathlib import Path
 
 from gpugate.errors import GateError
 from gpugate.host.programs import Result, find_program, run_program
+from gpugate.host.systemd import cgroup_parts, is_user_cgroup
 
-SCOPE = re.compile(r"(?:^|/)(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope(?=/|$)")
+SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")
 RUNTIMES = {"docker": "docker", "libpod": "podman"}
+# The top slice each runtime puts its scopes under (its default cgroup parent, and kubelet's).
+PARENTS = {"docker": ("system.slice", "kubepods.slice"), "libpod": ("machine.slice",)}
 SCOPE_GLOBS = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
 MIN_ID_PREFIX = 12
 INSPECT_TIMEOUT_S = 3.0
@@ -62,15 +69,19 @@ class Container:
 
 
 def container_of_cgroup(cgroup: str | None) -> Container | None:
-    if not cgroup:
+    if not cgroup or is_user_cgroup(cgroup):
         return None
-    match = SCOPE.search(cgroup)
-    if match is None:
+    parts = cgroup_parts(cgroup)
+    depth = next((n for n, part in enumerate(parts) if not part.endswith(".slice")), len(parts))
+    if depth == 0 or depth == len(parts):
+        return None  # the root, a slice, or a folder PID 1 did not make
+    match = SCOPE.fullmatch(parts[depth])
+    if match is None or parts[0] not in PARENTS[match.group("kind")]:
         return None
     return Container(
         runtime=RUNTIMES[match.group("kind")],
         id=match.group("id"),
-        scope=cgroup[: match.end()] if cgroup.startswith("/") else "/" + cgroup[: match.end()],
+        scope="/" + "/".join(parts[: depth + 1]),
     )
 
 

@@ -8,9 +8,10 @@ import os
 import stat
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpugate.host.credentials import fd_opens_file, read_credentials
 from gpugate.host.shm import (
     ShmArea,
     ShmFile,
@@ -108,12 +109,17 @@ def scan_device_users(
                 scan.users[int(name)] = DeviceUse(
                     frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
                 )
-            shm = fds.shm + _mapped_shm(maps, shm_areas)
-            if shm:
-                scan.shm[int(name)] = frozenset(merge(shm).values())
+            _note_shm(scan, proc_fd, name, fds.shm + _mapped_shm(maps, shm_areas))
     finally:
         os.close(proc_fd)
     return scan
+
+
+def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> None:
+    """A process's shm files, with its credentials: what it may remove (core.shm_cleanup)."""
+    if shm:
+        holder = read_credentials(proc_fd, name)
+        scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
 
 
 def _pids(proc_fd: int, deadline: Deadline, scan: DeviceScan) -> Iterator[str]:
@@ -182,7 +188,7 @@ def _fd_paths(
                 if inode in socket_inodes:
                     found.sockets.add(inode)
             elif shm_prefixes and target.startswith(shm_prefixes):
-                _add_shm(found, dir_fd, fd_name, target, shm_areas)
+                _add_shm(found, (proc_fd, pid_name), (dir_fd, fd_name), target, shm_areas)
     except OSError:
         pass
     finally:
@@ -202,12 +208,31 @@ def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
 
 
 def _add_shm(
-    found: _Fds, dir_fd: int, fd_name: str, target: str, shm_areas: Sequence[ShmArea]
+    found: _Fds,
+    where: tuple[int, str],
+    fd: tuple[int, str],
+    target: str,
+    shm_areas: Sequence[ShmArea],
 ) -> None:
+    """where: /proc's fd and the process's folder in it; fd: its fd folder's fd and the name."""
     area = area_of(shm_areas, target)
-    shm = None if area is None else _fd_shm_file(dir_fd, fd_name, target, area)
+    shm = None if area is None else _fd_shm_file(*fd, target, area)
     if shm is not None:
-        found.shm.append(shm)
+        found.shm.append(replace(shm, opened=_opens_file(*where, fd[1])))
+
+
+def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
+    """The fd opened the file for reading or writing (fdinfo's flags): not O_PATH."""
+    try:
+        info_fd = os.open(f"{pid_name}/fdinfo/{fd_name}", os.O_RDONLY, dir_fd=proc_fd)
+    except OSError:
+        return False  # closed since: no evidence
+    try:
+        return fd_opens_file(os.read(info_fd, 4096).decode("ascii", "replace"))
+    except OSError:
+        return False
+    finally:
+        os.close(info_fd)
 
 
 def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:

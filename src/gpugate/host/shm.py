@@ -14,10 +14,12 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from collections.abc import Collection, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
+
+from gpugate.host.credentials import Credentials
 
 DELETED_SUFFIX = " (deleted)"
 RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
@@ -55,10 +57,14 @@ class ShmArea:
 class ShmFile:
     """A file in an shm area that a process holds; names: what /proc showed for it (a maps name
     is read both as written and with the kernel's "\\012" as a newline: which one is the file
-    is told by the inode)."""
+    is told by the inode). opened: held open for reading or writing, or mapped (False: only
+    through O_PATH descriptors, which need no permission on the file); holder: the holding
+    process's credentials as the scan read them (None: not read)."""
 
     key: ShmKey
     names: tuple[str, ...]
+    opened: bool = True
+    holder: Credentials | None = None
 
     @property
     def path(self) -> str:
@@ -72,8 +78,12 @@ def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
     merged: dict[ShmKey, ShmFile] = {}
     for file in files:
         seen = merged.get(file.key)
-        names = file.names if seen is None else seen.names + file.names
-        merged[file.key] = ShmFile(file.key, tuple(dict.fromkeys(names)))
+        if seen is None:
+            merged[file.key] = file
+            continue
+        names = tuple(dict.fromkeys(seen.names + file.names))
+        opened = seen.opened or file.opened
+        merged[file.key] = ShmFile(file.key, names, opened, seen.holder or file.holder)
     return merged
 
 
@@ -160,6 +170,11 @@ class FileFacts:
     bytes: int  # allocated: what removing it gives back to the tmpfs
     size: int  # apparent (st_size)
     uid: int
+    gid: int = 0
+    mode: int = 0  # st_mode's permission bits
+    folder_uid: int = 0  # the folder holding the name: who may unlink it
+    folder_gid: int = 0
+    folder_mode: int = 0o1777
 
 
 def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
@@ -267,9 +282,23 @@ def _own_names(
                 file.key.dev,
                 file.key.ino,
             ):
-                yield fd, last, FileFacts(name, info.st_blocks * 512, info.st_size, info.st_uid)
+                yield fd, last, _facts(name, info, os.fstat(fd))
         finally:
             os.close(fd)
+
+
+def _facts(name: str, info: os.stat_result, folder: os.stat_result) -> FileFacts:
+    return FileFacts(
+        name,
+        info.st_blocks * 512,
+        info.st_size,
+        info.st_uid,
+        info.st_gid,
+        stat.S_IMODE(info.st_mode),
+        folder.st_uid,
+        folder.st_gid,
+        stat.S_IMODE(folder.st_mode),
+    )
 
 
 def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
@@ -290,16 +319,24 @@ def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
 class Unlinked:
     facts: FileFacts | None  # None: no name is this file any more (gone, or replaced)
     error: str | None = None  # the unlink failed (the file is still there)
+    refused: bool = False  # `allowed` said no to the facts read right before: left alone
 
 
 def unlink_if_same(
-    areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None = None
+    areas: Sequence[ShmArea],
+    file: ShmFile,
+    index: InodeIndex | None = None,
+    allowed: Callable[[FileFacts], bool] = lambda facts: True,
 ) -> Unlinked:
     """Remove the name that is this very file (device and inode checked right before, through
-    the folder's fd); a name that now holds another file is left alone. (A file with several
-    names, hard links, loses the first that is found; its space comes back with the last.)"""
+    the folder's fd); a name that now holds another file is left alone, and so is one whose
+    facts (owner, mode, the folder's) `allowed` refuses, read in the same look. (A file with
+    several names, hard links, loses the first that is found; its space comes back with the
+    last.)"""
     with closing(_own_names(areas, file, index)) as names:
         for fd, last, found in names:
+            if not allowed(found):
+                return Unlinked(found, refused=True)
             try:
                 os.unlink(last, dir_fd=fd)
             except FileNotFoundError:

@@ -3,7 +3,7 @@ files, their facts, unlinks and free space."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,10 +48,10 @@ class HostShm:
     def facts(self, file: ShmFile) -> FileFacts | None:
         return facts(self.areas, file) or facts(self.areas, file, self.index())
 
-    def unlink(self, file: ShmFile) -> Unlinked:
-        done = unlink_if_same(self.areas, file)
+    def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
+        done = unlink_if_same(self.areas, file, allowed=allowed)
         if done.facts is None:
-            done = unlink_if_same(self.areas, file, self.index())
+            done = unlink_if_same(self.areas, file, self.index(), allowed)
         return done
 
     def spaces(self) -> list[Space]:

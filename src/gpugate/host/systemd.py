@@ -17,7 +17,8 @@ UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
 # \Z, not $: $ also matches before a final newline, and "vllm.service\n" is no unit name.
 UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)\Z")
-USER_SLICE = "/user.slice"
+USER_SLICE_NAME = re.compile(r"user-[0-9]+\.slice")
+USER_MANAGER = re.compile(r"user@[0-9]+\.service")
 
 
 # Every unit type systemd knows: a name ending in none of them is a service to systemctl.
@@ -55,17 +56,40 @@ def validate_unit_name(name: str) -> str:
     return name
 
 
+def cgroup_parts(cgroup: str) -> list[str]:
+    return [part for part in cgroup.split("/") if part]
+
+
 def unit_of_cgroup(cgroup: str) -> str | None:
-    """The innermost service or scope whose cgroup holds this one, if any."""
-    for part in reversed(cgroup.strip("/").split("/")):
-        if part.endswith(UNIT_SUFFIXES):
-            return part
+    """The system unit whose cgroup holds this one: the first component that is not a slice,
+    where every one above it is a slice; None for the root, a slice, or a folder that is no
+    unit. Only PID 1 makes slices and the units in them (those cgroups are root's); below a
+    unit the tree is the unit's own: its `.control` and Delegate= subtree, a user manager's
+    units (`user@1000.service/app.slice/x.service`), a container runtime's. A name found down
+    there was picked by whoever runs the unit: it names no system unit."""
+    for part in cgroup_parts(cgroup):
+        if not part.endswith(".slice"):
+            return part if part.endswith(UNIT_SUFFIXES) else None
     return None
 
 
 def is_user_cgroup(cgroup: str) -> bool:
-    """Login sessions and user managers: where a hand-started server lives."""
-    return cgroup == USER_SLICE or cgroup.startswith(USER_SLICE + "/")
+    """Login sessions and user managers: where an account's own processes live. A slice on
+    the way is `user.slice` or `user-UID.slice`, or the unit is a user manager
+    (`user@UID.service`), wherever systemd put it."""
+    for part in cgroup_parts(cgroup):
+        if part == "user.slice" or USER_SLICE_NAME.fullmatch(part):
+            return True
+        if not part.endswith(".slice"):
+            return USER_MANAGER.fullmatch(part) is not None
+    return False
+
+
+def system_unit_of_cgroup(cgroup: str) -> str | None:
+    """unit_of_cgroup for a cgroup outside every account's own tree: the unit a name in
+    `protected_units`, or another unit's refusal, may speak of. None under user.slice (a login
+    session's scope, a user manager and every unit it runs)."""
+    return None if is_user_cgroup(cgroup) else unit_of_cgroup(cgroup)
 
 
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
@@ -78,7 +102,7 @@ def own_unit(proc_root: Path = Path("/proc")) -> str | None:
         return None
     for line in text.splitlines():
         if line.startswith("0::"):
-            unit = unit_of_cgroup(line[3:])
+            unit = system_unit_of_cgroup(line[3:])
             if unit and unit.endswith(".service"):
                 return unit
     return None
@@ -136,15 +160,25 @@ def active_state(name: str) -> str | None:
 
 
 def find_unit_cgroup(name: str, cgroup_root: Path) -> str | None:
-    """Search the cgroup tree for the unit's cgroup (where systemd is not there to ask)."""
-    best: str | None = None
-    for directory, subdirs, _ in os.walk(cgroup_root):
-        if os.path.basename(directory) == name:
-            relative = "/" + os.path.relpath(directory, cgroup_root)
-            if best is None or (is_user_cgroup(best) and not is_user_cgroup(relative)):
-                best = relative
-            subdirs.clear()
-    return best
+    """Search the cgroup tree for the system unit's cgroup (where systemd is not there to
+    ask): through slices only, so no cgroup below a unit (a user manager's unit of the same
+    name, a Delegate= subtree) is taken for it."""
+    pending = [cgroup_root]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = sorted(os.scandir(folder), key=lambda entry: entry.name)
+        except OSError:
+            continue
+        for entry in entries:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            relative = "/" + os.path.relpath(entry.path, cgroup_root)
+            if entry.name == name and system_unit_of_cgroup(relative) == name:
+                return relative
+            if entry.name.endswith(".slice") and not is_user_cgroup(relative):
+                pending.append(Path(entry.path))
+    return None
 
 
 def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str:

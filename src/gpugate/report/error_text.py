@@ -278,11 +278,14 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LAUNCH_NOT_FOUND: lambda f: f"{f.program}: command not found on PATH",
     Problem.LAUNCH_CANNOT_RUN: lambda f: f"{f.program}: cannot run it: {f.cause}",
     Problem.LAUNCH_NAME_NOT_SERVICE: lambda f: (
-        f"--name {f.value!r}: gpugate run makes a service; name it NAME.service"
+        f"--name {str(f.value)[:80]!r}: gpugate run makes a service; name it NAME.service"
     ),
-    Problem.LAUNCH_NAME_INVALID: lambda f: f"--name: {f.cause}",
+    Problem.LAUNCH_NAME_NOT_PLAIN: lambda f: (
+        f"--name {str(f.value)[:80]!r}: not a plain unit name (letters, digits and :_.- only, "
+        "not first a - or ., no \\ escapes; at most 255 characters with .service)"
+    ),
     Problem.LAUNCH_NAME_TEMPLATE: lambda f: (
-        f"--name {f.value!r}: a transient unit cannot be a template instance"
+        f"--name {str(f.value)[:80]!r}: a transient unit cannot be a template instance"
     ),
     Problem.RECORD_UNREADABLE: lambda f: f"cannot be read ({f.cause})",
     Problem.RECORD_NOT_FILE: lambda f: "not a regular file",

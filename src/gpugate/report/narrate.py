@@ -164,7 +164,7 @@ class Narrator(WaitNarration, ShmNarration):
                 )
 
     def refused(self) -> None:
-        self.status("refused: another unit holds the GPUs")
+        self.status("refused: another unit or account holds the GPUs")
 
     def stopping(self, count: int, round_number: int) -> None:
         self.status(f"stopping {count} process(es), round {round_number}")

@@ -8,13 +8,13 @@ import pwd
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpugate.core.shm_cleanup import Kept, KeptWhy, ShmRemoval, SpaceShort
+from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
-from gpugate.host.nvml import MIB
 from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
-from gpugate.report.lines import MAX_LISTED_HOLDERS
 from gpugate.report.untrusted import FILE, exact, shown
+
+MIB = 1024 * 1024
 
 
 def size_text(count: int) -> str:
@@ -34,20 +34,6 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
-def kept_text(kept: Kept | None) -> str:
-    """Why a file of the killed stays, in words."""
-    if kept is None:
-        return ""
-    by = ", ".join(kept.by[:MAX_LISTED_HOLDERS])
-    return {
-        KeptWhy.ALSO_HELD: f"also held by {by}, not killed",
-        KeptWhy.UNREADABLE: f"the open files of PID {by} could not be read: it may hold it",
-        KeptWhy.HELD_NOW: f"open or mapped now by {by}",
-        KeptWhy.GONE: "gone already, or replaced since",
-        KeptWhy.UNLINK_FAILED: f"unlink: {kept.detail}",
-    }[kept.why]
-
-
 def quoted(path: str) -> str:
     """A file's name between quotes, shown (any account may name a file in /dev/shm)."""
     return f"'{shown(path, FILE)}'"
@@ -55,6 +41,25 @@ def quoted(path: str) -> str:
 
 def pids_text(pids: tuple[int, ...]) -> str:
     return ", ".join(map(str, pids))
+
+
+def kept_text(item: ShmRemoval) -> str:
+    """Why a file of the killed stays, in words (its code is GPUGATE_REASON)."""
+    by = ", ".join(item.kept_by)
+    owner = (
+        f" (owner {user_name(item.facts.uid)}, mode {item.facts.mode:04o})" if item.facts else ""
+    )
+    words = {
+        Kept.ALSO_HELD: f"also held by {by}, not killed",
+        Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
+        "account may take on any file it can name: no evidence it was theirs",
+        Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
+        Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
+        Kept.HELD_NOW: f"open or mapped now by {by}",
+        Kept.GONE: "gone already, or replaced since",
+        Kept.UNLINK_FAILED: f"unlink: {item.detail}",
+    }
+    return words.get(item.kept, "") if item.kept is not None else ""
 
 
 class ShmNarration:
@@ -92,14 +97,15 @@ class ShmNarration:
         path = item.facts.path if item.facts else item.file.path
         verb = "would keep" if self.dry_run else "kept"
         sized: dict[str, Any] = {} if item.facts is None else {"shm_bytes": item.facts.bytes}
+        why = kept_text(item)
         self.reporter.event(
             Event.SHM_KEPT,
-            f"{verb} {quoted(path)}, shared memory of killed PID {pids_text(item.holders)}: "
-            f"{kept_text(item.kept)}",
+            f"{verb} {quoted(path)}, shared memory of killed PID {pids_text(item.holders)}: {why}",
             priority=PRIORITY_INFO,
             shm_path=exact(path, FILE),
             shm_holders=pids_text(item.holders),
-            shm_kept=item.kept.why.value if item.kept else "",
+            shm_kept=why,
+            reason=str(item.kept or ""),
             **sized,
         )
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pwd
+from collections.abc import Mapping
+
 from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.report.holder_text import container_handle, container_text
-from gpugate.report.untrusted import CGROUP, shown
+from gpugate.report.untrusted import CGROUP, COMM, shown
 
 
 def held_text(choice: Choice) -> str:
@@ -35,6 +38,8 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
         return f"holds {held or 'no GPU of it'} but also GPU {foreign}, which {unit} does not own"
     if rule is Rule.APP_TREE:
         return f"same application as PID {choice.seed_pid}"
+    if rule is Rule.OTHER_ACCOUNT:
+        return other_account_text(choice, held)
     if rule is Rule.ORPHAN:
         kept = choice.verdict is Verdict.BLOCK
         return f"orphan holding {held}" + (f" ({phase}.kill_orphans = false)" if kept else "")
@@ -52,4 +57,45 @@ def other_unit_text(choice: Choice, unit: str, held: str) -> str:
         f"{container_text(container)} holds {held} (scope {other}; kill_other_units = false); "
         f'if it is {unit}\'s, set containers = ["{handle}"] in its gpugate config '
         f"(gpugate install {unit} --container {handle})"
+    )
+
+
+def account_text(uid: int | None) -> str:
+    if uid is None:
+        return "an account gpugate could not read"
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def other_account_text(choice: Choice, held: str) -> str:
+    return (
+        f"{account_text(choice.holder.info.uid)}'s process holds {held or 'them'}; this "
+        f"`gpugate run` acts for {account_text(choice.for_uid)} and kills only its processes"
+    )
+
+
+def other_account_refusal(unit: str, choices: list[Choice]) -> str:
+    """gpugate run's one line before it starts anything (exit 22)."""
+    first = choices[0]
+    holder = first.holder
+    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
+    return (
+        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
+        f"{account_text(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
+        f"`gpugate run` acts for {account_text(first.for_uid)} and kills only its processes: "
+        "nothing was killed; ask that account (or root) to stop it"
+    )
+
+
+def sudo_variables_text(environ: Mapping[str, str]) -> str:
+    """gpugate run under root with SUDO_UID or SUDO_GID that sudo would not have written."""
+    shown = ", ".join(
+        f"{name}={environ[name][:20]!r}" for name in ("SUDO_UID", "SUDO_GID") if name in environ
+    )
+    return (
+        f"{shown}: not a uid and gid as sudo sets them (decimal digits); gpugate run under "
+        "root acts for the account SUDO_UID names and will not guess: unset them, or run it "
+        "through sudo"
     )
