@@ -187,6 +187,8 @@ class Problem(Enum):
     LAUNCH_CANNOT_RUN = "launch-cannot-run"
     LAUNCH_NAME_NOT_SERVICE = "launch-name-not-service"
     LAUNCH_NAME_NOT_PLAIN = "launch-name-not-plain"
+    LAUNCH_SUDO_VARIABLES = "launch-sudo-variables"
+    LAUNCH_OTHER_ACCOUNT = "launch-other-account"
     LAUNCH_NAME_TEMPLATE = "launch-name-template"
     # gpugate's own state read back (integrations/records.py: BadRecord, one phrase, no path)
     RECORD_UNREADABLE = "record-unreadable"

@@ -273,7 +273,7 @@ def _uid(value: str) -> int:
 
     uid = parse_uid(value)
     if uid is None:
-        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
+        raise argparse.ArgumentTypeError(lines.not_a_uid(value))
     return uid
 
 

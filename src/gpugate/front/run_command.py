@@ -46,7 +46,6 @@ from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, 
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 from gpugate.report import lines
-from gpugate.report.reasons import sudo_variables_text
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -136,7 +135,10 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         found = parse_uid(environ["SUDO_UID"])
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
-            raise RunError(sudo_variables_text(environ))
+            raise RunError(
+                Problem.LAUNCH_SUDO_VARIABLES,
+                environ={k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ},
+            )
         uid, gid = found, group
     try:
         entry = pwd.getpwuid(uid)
@@ -232,7 +234,6 @@ def refuse_other_accounts(
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.procfs import ProcFs  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
-    from gpugate.report.reasons import other_account_refusal  # noqa: PLC0415
 
     procfs = ProcFs(roots.proc)
     driver = driver_factory()
@@ -251,7 +252,7 @@ def refuse_other_accounts(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(other_account_refusal(unit, others))
+        raise HeldByOthers(Problem.LAUNCH_OTHER_ACCOUNT, unit=unit, choices=others)
 
 
 class HeldByOthers(GateError):

@@ -64,6 +64,13 @@ def _doing(f: Facts) -> str:
     return doing(f.progress)
 
 
+def _reasons() -> Any:
+    # Here, not at the top, as for _doing: reasons reads the decision step's types.
+    from gpugate.report import reasons  # noqa: PLC0415
+
+    return reasons
+
+
 def _manual_run(f: Facts) -> str:
     # Each already shown (escaped) by describe(); one line, each short.
     would_kill = [cut(re.sub(r"\s+", " ", str(text)), MAX_LISTED_TEXT) for text in f.would_kill]
@@ -306,6 +313,12 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.RECORD_NOT_LIST: lambda f: f"{f.key} is not a list",
     Problem.RECORD_TOO_MANY: lambda f: f"{f.key} has more than {f.most} items",
     Problem.RECORD_WRONG_UNIT: lambda f: f"its unit is not {f.unit}",
+    Problem.LAUNCH_SUDO_VARIABLES: lambda f: _reasons().sudo_variables_text(f.environ or {}),
+    Problem.LAUNCH_OTHER_ACCOUNT: lambda f: (
+        _reasons().other_account_refusal(f.unit, f.choices)
+        if f.get("choices")
+        else f"not starting {f.unit}: another account's process holds its GPUs"
+    ),
     Problem.MANUAL_RUN: _manual_run,
     Problem.WORDED: lambda f: f"{f.text}",
 }

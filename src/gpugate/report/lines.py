@@ -125,6 +125,10 @@ def internal_error(exc: BaseException) -> str:
     )
 
 
+def not_a_uid(value: str) -> str:
+    return f"{value[:20]!r} is not a uid"
+
+
 def not_a_port(value: str) -> str:
     return f"{value!r} is not a TCP port (1-65535)"
 
