@@ -61,6 +61,7 @@ class Probe:
                 "bench.probe",
                 str(stage.dev),
                 str(stage.root / "cgroup"),
+                str(stage.lib),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

@@ -1,7 +1,7 @@
-"""Times gpugate's own discovery code in a process of its own (the stand-in NVML is loaded
-from LD_LIBRARY_PATH, which only a new process picks up).
+"""Times gpugate's own discovery code in a process of its own (a process loads one
+libnvidia-ml.so.1: the stand-in, by its path).
 
-    python3 -m bench.probe DEV_ROOT CGROUP_ROOT LOCK_DIR
+    python3 -m bench.probe DEV_ROOT CGROUP_ROOT NVML_LIBRARY
 
 Reads commands on stdin, one a line, and answers each with one JSON line:
 `discover` runs gpugate.core.discover.discover() (cgroup, device files, NVML) with a fresh
@@ -29,7 +29,7 @@ UNIT = "bench.service"
 def main(argv: list[str]) -> int:
     dev_root, cgroup_root = (Path(arg) for arg in argv[1:3])
     roots = HostRoots(dev=dev_root, cgroup=cgroup_root)
-    driver = NvmlDriver()
+    driver = NvmlDriver(library=argv[3])
     prefix = os.path.join(dev_root, "nvidia")
     for line in sys.stdin:
         command = line.strip()

@@ -71,8 +71,14 @@ class Stage:
         return env
 
     def roots_args(self) -> list[str]:
-        """gpugate's hidden option for stand-in roots (never the environment: docs/hardening.md)."""
-        return ["--host-roots", f"dev={self.dev},cgroup={self.root / 'cgroup'}"]
+        """gpugate's hidden options for stand-in roots and NVML (never the environment:
+        docs/hardening.md)."""
+        return [
+            "--host-roots",
+            f"dev={self.dev},cgroup={self.root / 'cgroup'}",
+            "--nvml-library",
+            str(self.lib),
+        ]
 
     def gpu_paths(self) -> list[str]:
         return [str(self.dev / f"nvidia{i}") for i in range(8)]

@@ -321,3 +321,18 @@ def test_launcher_refuses_a_python_it_does_not_carry(rpm_and_tree: tuple[Path, P
     (line,) = result.stderr.splitlines()
     assert "is Python 3.8, but this package carries Python 3.9, 3.10, 3.11, 3.12, 3.13 only" in line
     assert "/usr/lib/gpugate/cp38 is missing" in line
+
+
+def test_the_packaged_launcher_runs_python_isolated(tmp_path: Path) -> None:
+    """packaging/stage's /usr/bin/gpugate (the .deb's and the RPM's) says `#!PYTHON -I`: a
+    unit's PYTHONPATH imports nothing into root's hook, and `gpugate install` and `gpugate run`
+    put that very launcher on the hook lines (front/self_command.py: it already isolates)."""
+    from gpugate.front.self_command import gpugate_command
+
+    stage = (PACKAGING / "stage").read_text()
+    (shebang,) = re.findall(r'"\$stage/usr/bin/gpugate" <<LAUNCHER\n(#!.*)\n', stage)
+    assert shebang == "#!$launcher_python -I"
+    launcher = tmp_path / "gpugate"
+    launcher.write_text(shebang.replace("$launcher_python", "/usr/bin/python3") + "\n")
+    assert gpugate_command(str(launcher), "/usr/bin/python3") == (str(launcher),)
+    assert "/usr/bin/gpugate" in (PACKAGING / "gpugate.spec").read_text()

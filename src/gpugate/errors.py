@@ -104,6 +104,8 @@ class Problem(Enum):
     CONFIG_IS_FOLDER = "config-is-folder"
     CONFIG_NOT_UTF8 = "config-not-utf8"
     CONFIG_OS_ERROR = "config-os-error"
+    CONFIG_UNTRUSTED = "config-untrusted"  # another account may change the file (found)
+    CONFIG_STATE_UNTRUSTED = "config-state-untrusted"  # ... or lock_dir
     LOCK_DIR_NOT_FOLDER = "lock-dir-not-folder"
     GRACE_OVER_DEADLINE = "grace-over-deadline"
     GPUS_FORM = "gpus-form"
@@ -125,6 +127,8 @@ class Problem(Enum):
     ROOTS_NO_FOLDER = "roots-no-folder"
     # NVML
     NVML_LIBRARY_MISSING = "nvml-library-missing"
+    NVML_LIBRARY_NOT_FOUND = "nvml-library-not-found"
+    NVML_LIBRARY_UNLOADABLE = "nvml-library-unloadable"
     NVML_DRIVER_NOT_LOADED = "nvml-driver-not-loaded"
     NVML_NO_PERMISSION = "nvml-no-permission"
     NVML_INIT_FAILED = "nvml-init-failed"
@@ -173,6 +177,7 @@ class Problem(Enum):
     INSTALL_EDITED_REMOVE = "install-edited-remove"
     INSTALL_UNIT_UNKNOWN = "install-unit-unknown"
     INSTALL_GPUGATE_PATH = "install-gpugate-path"
+    INSTALL_GPUGATE_PATH_RELATIVE = "install-gpugate-path-relative"
     # gpugate run
     LAUNCH_NO_COMMAND = "launch-no-command"
     LAUNCH_CONFIG_PATH = "launch-config-path"

@@ -43,6 +43,8 @@ def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     result = gpugate(
         "--host-roots",
         f"cgroup={tmp_path}",
+        "--nvml-library",
+        str(tmp_path / "libnvidia-ml.so.1"),
         "pre",
         "vllm.service",
         "--config",
@@ -52,7 +54,8 @@ def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     assert result.returncode == ExitCode.NVML_UNAVAILABLE, result.stderr
     assert result.stderr.startswith("gpugate: NVML: libnvidia-ml.so.1 not found")
     assert result.stderr.count("\n") == 1
-    status = gpugate("status", env={"LD_LIBRARY_PATH": str(tmp_path)})
+    missing = ["--nvml-library", str(tmp_path / "libnvidia-ml.so.1")]
+    status = gpugate(*missing, "status", env={"LD_LIBRARY_PATH": str(tmp_path)})
     assert status.returncode == ExitCode.NVML_UNAVAILABLE
 
 

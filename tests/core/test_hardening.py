@@ -167,10 +167,14 @@ def test_driver_faults_through_real_pynvml(
     )
     env = {
         **os.environ,
-        "LD_LIBRARY_PATH": str(fake_lib),
         "FAKE_NVML_CONFIG": str(settings_file),
     }
-    roots = ["--host-roots", f"dev={dev},cgroup={tmp_path}"]
+    roots = [
+        "--host-roots",
+        f"dev={dev},cgroup={tmp_path}",
+        "--nvml-library",
+        str(fake_lib / "libnvidia-ml.so.1"),
+    ]
     result = subprocess.run(
         [sys.executable, "-m", "gpugate", *roots, "pre", "vllm.service", "--config", str(config)],
         capture_output=True,

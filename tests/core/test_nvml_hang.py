@@ -74,14 +74,18 @@ class Driver:
     def env(self, **extra: str) -> dict[str, str]:
         return {
             **os.environ,
-            "LD_LIBRARY_PATH": str(self.lib),
             "FAKE_NVML_CONFIG": str(self.settings),
             **extra,
         }
 
     def roots_args(self) -> list[str]:
         """The stand-in roots, by the hidden option (never the environment: hardening.md)."""
-        return ["--host-roots", f"dev={self.dev},cgroup={self.root / 'cgroup'}"]
+        return [
+            "--host-roots",
+            f"dev={self.dev},cgroup={self.root / 'cgroup'}",
+            "--nvml-library",
+            str(self.lib / "libnvidia-ml.so.1"),
+        ]
 
     def gpugate(self, *args: str, **env: str) -> subprocess.Popen[str]:
         return subprocess.Popen(

@@ -98,7 +98,7 @@ def plan(uid: int, *, force: bool = False) -> RunPlan:
         gpus_env="0",
         environment=(),
         pty=False,
-        gpugate=Path("/usr/bin/gpugate"),
+        gpugate=("/usr/bin/python3", "-I", "-m", "gpugate"),
         force=force,
         as_root_caller=uid == 0,
         for_uid=None if uid == 0 else uid,
@@ -119,8 +119,9 @@ def test_both_hook_lines_name_the_account_of_a_caller_that_is_not_root(
     for line in lines:
         assert line.endswith(f" --for-uid {uid}") is (uid != 0)
         assert ("--for-uid" in line) is (uid != 0)
-    pre = hook_line(plan(uid), Phase.PRE)
-    parsed = build_parser().parse_args(pre.lstrip("+").split()[1:])
+    planned = plan(uid)
+    pre = hook_line(planned, Phase.PRE)
+    parsed = build_parser().parse_args(pre.lstrip("+").split()[len(planned.gpugate) :])
     assert parsed.for_uid == (None if uid == 0 else uid)
 
 
@@ -272,16 +273,15 @@ def test_bobs_server_is_refused_for_alice_and_alices_own_stale_one_is_killed(
 
 
 @needs_root
-@pytest.mark.xfail(
-    reason="rule 2 is i26-config's (root reads only root's config): not on main when this was "
-    "written; remove this mark once it lands",
-    strict=False,
-)
 def test_a_run_config_another_account_may_write_is_refused(tmp_path: Path) -> None:
-    """`sudo gpugate run --config ~alice/x.toml`: run_command reads it with load_config, as
-    root; a file alice owns must be refused (exit 78), not followed."""
-    from gpugate.config.file import load_config
+    """`sudo gpugate run --config ~alice/x.toml`: run_command reads it with the checked
+    load_config (integrations.config_files), as root; a file alice owns must be refused
+    (exit 78), not followed."""
     from gpugate.errors import ConfigError
+    from gpugate.front import run_command
+    from gpugate.integrations.config_files import load_config
+
+    assert run_command.load_config is load_config
 
     home = tmp_path / "alice"
     home.mkdir()

@@ -48,7 +48,7 @@ def plan(**changes: object) -> RunPlan:
         "gpus_env": "0,1,2,3",
         "environment": (("HF_HOME", "/data/hf"), ("PATH", "/opt/venv/bin:/usr/bin")),
         "pty": True,
-        "gpugate": Path("/usr/bin/gpugate"),
+        "gpugate": ("/usr/bin/gpugate",),
         "started_by": "alice (uid 1000, /dev/pts/3)",
     }
     fields.update(changes)

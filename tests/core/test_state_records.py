@@ -139,11 +139,8 @@ def test_a_fifo_symlink_or_folder_is_not_read(host: FakeHost, tmp_path: Path) ->
     assert done, "read_leases blocked on a FIFO"
     (files,) = done
     assert files.leases == [] and len(files.unreadable) == 3
-    assert sorted(files.why.values()) == [
-        "cannot be read (Too many levels of symbolic links)",
-        "not a regular file",
-        "not a regular file",
-    ]
+    # host/safe_files.read_capped names the link for what it is (O_NOFOLLOW's ELOOP)
+    assert sorted(files.why.values()) == ["not a regular file"] * 3
 
 
 json_values = st.recursive(

@@ -8,6 +8,8 @@ instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-
 from __future__ import annotations
 
 import difflib
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -98,17 +100,28 @@ def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> 
     return paths
 
 
-def load_config(
+def find_config(
     unit: str | None, explicit: Path | None = None, config_dir: Path = DEFAULT_CONFIG_DIR
-) -> LoadedConfig:
+) -> Path | None:
+    """The file the lookup reads: --config PATH, else the first candidate there is."""
     if explicit is not None:
-        loaded = LoadedConfig(parse_config(_read(explicit), str(explicit)), str(explicit))
+        return explicit
+    return next((p for p in candidate_paths(unit, config_dir) if os.path.lexists(p)), None)
+
+
+def load_config(
+    unit: str | None,
+    explicit: Path | None = None,
+    config_dir: Path = DEFAULT_CONFIG_DIR,
+    read: Callable[[Path], str] | None = None,
+) -> LoadedConfig:
+    """The lookup, read and parsed. Production reads through
+    integrations.config_files.load_config, which judges who may change the file first."""
+    path = find_config(unit, explicit, config_dir)
+    if path is None:
+        loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
     else:
-        path = next((p for p in candidate_paths(unit, config_dir) if p.exists()), None)
-        if path is None:
-            loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
-        else:
-            loaded = LoadedConfig(parse_config(_read(path), str(path)), str(path))
+        loaded = LoadedConfig(parse_config((read or _read)(path), str(path)), str(path))
     check_lock_dir(loaded)
     return loaded
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 import textwrap
@@ -51,9 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
-    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
-    # shown in --help, never in the unit drop-in, and never taken from the environment.
-    parser.add_argument(OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    _stand_in_options(parser)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for phase, text in (
         ("pre", "ExecStartPre=: make the unit's GPUs free before it starts"),
@@ -204,6 +203,14 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     return run(args, front)
 
 
+def _stand_in_options(parser: argparse.ArgumentParser) -> None:
+    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
+    # shown in --help, never in the unit drop-in, and never taken from the environment.
+    parser.add_argument(OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
+    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+
+
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
@@ -225,6 +232,8 @@ def main(
     try:
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
+        if args.nvml_library is not None and driver_factory is NvmlDriver:
+            driver_factory = functools.partial(NvmlDriver, library=args.nvml_library)
         front = Front(
             driver_factory=driver_factory,
             reporter_factory=reporter_factory,

@@ -10,7 +10,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.errors import ExitCode, NvmlNotAnswering, Problem, UnknownUnit
@@ -26,6 +25,7 @@ from gpugate.host.systemd import (
     unit_argument,
     validate_unit_name,
 )
+from gpugate.integrations.config_files import load_config
 from gpugate.report import lines
 from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
@@ -149,25 +149,28 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def install_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front import install, install_files  # noqa: PLC0415
+    from gpugate.front import install  # noqa: PLC0415
 
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     if args.command == "uninstall":
         changes = install.plan_uninstall(unit, force=args.force, **dirs)
     else:
-        gpugate_path = args.gpugate_path or install_files.default_gpugate_path()
+        from gpugate.front.self_command import command_for, gpugate_command  # noqa: PLC0415
+
+        given = args.gpugate_path
+        command = command_for(str(given)) if given else gpugate_command()
         changes = install.plan_install(
             unit,
             gpus=args.gpus,
             ports=args.ports,
             containers=args.containers,
-            gpugate_path=gpugate_path,
+            gpugate_path=command,
             force=args.force,
             **dirs,
         )
-        if not os.access(gpugate_path, os.X_OK) and not args.dry_run:
-            print(lines.not_executable_here(gpugate_path), file=sys.stderr)
+        if not os.access(command[0], os.X_OK) and not args.dry_run:
+            print(lines.not_executable_here(command[0]), file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
@@ -178,9 +181,9 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def _warn_environment_files(unit: str) -> None:
-    from gpugate.integrations.unit.env_files import environment_file_warnings  # noqa: PLC0415
+    from gpugate.integrations.unit.env_files import unit_environment_warnings  # noqa: PLC0415
 
-    for line in environment_file_warnings(unit):
+    for line in unit_environment_warnings(unit):
         print(lines.error(line), file=sys.stderr)
 
 

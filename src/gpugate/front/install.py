@@ -122,7 +122,7 @@ def plan_install(
     gpus: Gpus | None = None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
-    gpugate_path: Path = DEFAULT_GPUGATE,
+    gpugate_path: Path | Sequence[str] = DEFAULT_GPUGATE,
     force: bool = False,
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,

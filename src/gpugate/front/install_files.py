@@ -8,9 +8,7 @@ whose rest no longer matches, or that has no such header, is the operator's.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import shutil
 from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
@@ -84,6 +82,7 @@ HEADER_TEXT = (
 
 
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
+SAFE_FLAG = re.compile(r"^(-I|-m|gpugate)$")  # the words self_command adds
 
 
 Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
@@ -95,19 +94,15 @@ class Ownership(Enum):
     OPERATORS = "operator's"  # edited since, or never written by gpugate
 
 
-def default_gpugate_path() -> Path:
-    """/usr/bin/gpugate (the packages), else the gpugate on PATH (pip, pipx)."""
-    if os.access(DEFAULT_GPUGATE, os.X_OK):
-        return DEFAULT_GPUGATE
-    found = shutil.which("gpugate")
-    return Path(found).absolute() if found else DEFAULT_GPUGATE
-
-
-def render_dropin(gpugate_path: Path) -> str:
-    text = str(gpugate_path)
-    if not SAFE_PATH.match(text) or "/../" in text:
-        raise InstallError(Problem.INSTALL_GPUGATE_PATH, value=text)
-    return DROPIN_TEMPLATE.replace("@GPUGATE@", text)
+def render_dropin(gpugate: Path | Sequence[str]) -> str:
+    """gpugate: the command that runs gpugate (front/self_command.py), or one path."""
+    words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
+    for text in words:
+        if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
+            raise InstallError(Problem.INSTALL_GPUGATE_PATH, value=text)
+    if not words or not SAFE_PATH.match(words[0]):
+        raise InstallError(Problem.INSTALL_GPUGATE_PATH_RELATIVE, value=" ".join(words))
+    return DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))
 
 
 def render_config(

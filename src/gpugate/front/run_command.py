@@ -21,12 +21,10 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
-from gpugate.config.file import load_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
-from gpugate.front.install_files import default_gpugate_path
 from gpugate.front.run_unit import (
     HOOK_TIMEOUT_S,
     Caller,
@@ -38,11 +36,13 @@ from gpugate.front.run_unit import (
     parse_uid,
     systemd_run_argv,
 )
+from gpugate.front.self_command import gpugate_command
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 from gpugate.report import lines
@@ -104,7 +104,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         gpus_env=",".join(str(gpu.index) for gpu in gpus),
         environment=tuple(caller_environment(environ, caller, under_sudo)),
         pty=sys.stdin.isatty() and sys.stdout.isatty(),
-        gpugate=default_gpugate_path(),
+        gpugate=gpugate_command(),
         config=config_path,
         started_by=started_by,
         force=args.force,

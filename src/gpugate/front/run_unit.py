@@ -116,7 +116,7 @@ class RunPlan:
     gpus_env: str  # CUDA_VISIBLE_DEVICES for the unit
     environment: tuple[tuple[str, str], ...]  # the caller's variables passed on
     pty: bool
-    gpugate: Path
+    gpugate: tuple[str, ...]  # self_command.gpugate_command(): this very gpugate, -I
     config: Path | None = None  # the hooks' --config
     started_by: str = ""
     force: bool = False
@@ -193,7 +193,7 @@ def hook_line(plan: RunPlan, phase: Phase) -> str:
     force = " --ignore-leases" if plan.force and phase.traits.takes_lease else ""
     # A caller that is not root: the hooks kill only its processes (rule 5, hardening.md).
     account = f" --for-uid {plan.for_uid}" if plan.for_uid is not None else ""
-    return f"+{plan.gpugate} {phase} {plan.unit}{config}{force}{account}"
+    return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
 
 def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:

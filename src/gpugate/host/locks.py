@@ -16,6 +16,7 @@ from pathlib import Path
 
 from gpugate.errors import LockTimeout, PermissionDenied, Problem, StateUnwritable
 from gpugate.host.nvml import Gpu
+from gpugate.host.safe_files import open_folder, open_in
 
 
 def flock_by(
@@ -40,6 +41,17 @@ def flock_by(
             time.sleep(0.02)
 
 
+def open_lock(folder_fd: int, path: Path) -> int:
+    """path's lock file in its folder's descriptor: made where missing, never through a
+    symbolic link, a regular file or StateUnwritable."""
+    try:
+        return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
+    except PermissionError:
+        raise PermissionDenied(Problem.NO_PERMISSION, path=path) from None
+    except OSError as exc:
+        raise StateUnwritable(path, "gpu-lock", cause=exc.strerror or str(exc)) from None
+
+
 @contextlib.contextmanager
 def gpu_locks(
     lock_dir: Path,
@@ -49,23 +61,18 @@ def gpu_locks(
     clock: Callable[[], float] = time.monotonic,
 ) -> Iterator[None]:
     try:
-        lock_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
+        folder_fd = open_folder(lock_dir)
     except PermissionError:
         raise PermissionDenied(
             Problem.NO_PERMISSION_CREATING, path=lock_dir, what="gpu-locks"
         ) from None
     except OSError as exc:  # a file in the way, a read-only file system, ...
         raise StateUnwritable(lock_dir, "gpu-locks", cause=exc.strerror or str(exc)) from None
-    held: list[int] = []
+    held: list[int] = [folder_fd]
     try:
         for gpu in sorted(gpus, key=lambda g: g.uuid):
             path = lock_dir / f"{gpu.uuid}.lock"
-            try:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-            except PermissionError:
-                raise PermissionDenied(Problem.NO_PERMISSION, path=path) from None
-            except OSError as exc:
-                raise StateUnwritable(path, "gpu-lock", cause=exc.strerror or str(exc)) from None
+            fd = open_lock(folder_fd, path)
             held.append(fd)
             if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
                 raise LockTimeout(Problem.LOCK_TIMEOUT, path=path, gpu=gpu.label)

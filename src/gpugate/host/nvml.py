@@ -7,6 +7,8 @@ inject a driver and production uses `NvmlDriver`.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +17,8 @@ from typing import Any, Protocol
 
 from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied, Problem
 from gpugate.host.bounded_calls import CallThread, CallTimedOut
+from gpugate.host.programs import find_program, run_program
+from gpugate.host.safe_files import untrusted
 
 MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
 
@@ -87,6 +91,73 @@ class GpuDriver(Protocol):
         """Done with the driver (a hung one is left as it is)."""
 
 
+# NVML is loaded by the driver's own path, never by bare name: dlopen("libnvidia-ml.so.1")
+# would search the unit's LD_LIBRARY_PATH first (a CUDA compat folder, the server's venv), and
+# root's hook would load whatever is there. First the folders the driver installs into, then
+# the dynamic loader's cache as ldconfig lists it (a driver in a folder of its own).
+NVML_LIBRARY = "libnvidia-ml.so.1"
+NVML_DIRS = (
+    "/usr/lib/x86_64-linux-gnu",
+    "/usr/lib64",
+    "/usr/lib/aarch64-linux-gnu",
+    "/usr/lib/powerpc64le-linux-gnu",
+    "/lib/x86_64-linux-gnu",
+    "/lib64",
+    "/usr/lib",
+)
+LDCONFIG_DIRS = ("/sbin", "/usr/sbin")
+LDCONFIG_TIMEOUT_S = 5.0
+
+
+def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
+    """The absolute path of libnvidia-ml.so.1: in the driver's folders, else from the dynamic
+    loader's cache; only a file that no account but root (and gpugate's own) may change."""
+    for folder in dirs:
+        path = os.path.join(folder, NVML_LIBRARY)
+        if os.path.isfile(path) and untrusted(path) is None:
+            return path
+    for path in _ldconfig_paths():
+        if os.path.isabs(path) and os.path.isfile(path) and untrusted(path) is None:
+            return path
+    return None
+
+
+def _ldconfig_paths() -> list[str]:
+    """`ldconfig -p`'s paths for libnvidia-ml.so.1 (its cache, /etc/ld.so.cache)."""
+    ldconfig = find_program("ldconfig", LDCONFIG_DIRS)
+    if ldconfig is None:
+        return []
+    try:
+        listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S)
+    except GateError:
+        return []
+    found = []
+    for line in listed.stdout.splitlines():
+        name, _, path = line.partition(" => ")
+        if name.strip().split(" ", 1)[0] == NVML_LIBRARY:
+            found.append(path.strip())
+    return found
+
+
+def load_nvml_library(nv: Any, library: str | None) -> None:
+    """Put the library, loaded by its absolute path, into pynvml's module-level handle under
+    pynvml's own lock, before nvmlInit (which then loads nothing by name)."""
+    with nv.libLoadLock:
+        if nv.nvmlLib is not None:
+            return
+        path = library or find_nvml_library()
+        if path is None:
+            raise NvmlUnavailable(
+                Problem.NVML_LIBRARY_NOT_FOUND, library=NVML_LIBRARY, dirs=list(NVML_DIRS)
+            )
+        try:
+            nv.nvmlLib = ctypes.CDLL(path)
+        except OSError as exc:
+            raise NvmlUnavailable(
+                Problem.NVML_LIBRARY_UNLOADABLE, library=NVML_LIBRARY, path=path, detail=str(exc)
+            ) from None
+
+
 def _pynvml() -> ModuleType:
     import pynvml  # noqa: PLC0415 - costs ~30 ms; only runs that need the driver pay it
 
@@ -111,8 +182,13 @@ class NvmlDriver:
     queue behind the hung one), not even nvmlShutdown. NVML is initialised at the first query,
     so that the deadline is known by then."""
 
-    def __init__(self, *, answer_within_s: float = ANSWER_WITHIN_S) -> None:
+    def __init__(
+        self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
+    ) -> None:
+        """library: the path of libnvidia-ml.so.1 (tests' stand-in, by the hidden
+        --nvml-library); default find_nvml_library()."""
         self._nv = _pynvml()
+        self._library = os.path.abspath(library) if library else None
         self._thread = CallThread("nvml")
         self._answer_within_s = answer_within_s
         self._until: float | None = None  # the run's deadline (time.monotonic)
@@ -161,6 +237,8 @@ class NvmlDriver:
         if self._initialized:
             return
         nv = self._nv
+        self._calling = ("dlopen", None)
+        load_nvml_library(nv, self._library)
         try:
             self._raw(None, nv.nvmlInit)
         except nv.NVMLError_LibraryNotFound:

@@ -4,32 +4,43 @@ StateUnwritable (exit 73) naming the folder and the cause, not a kill followed b
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
 from gpugate.errors import PermissionDenied, Problem, StateUnwritable
+from gpugate.host.safe_files import open_folder
 
 # What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
 PROBE_BYTES = 4096
 
 
 def check_writable(folder: Path, what: str) -> None:
-    """Make folder where missing, then write and remove a probe file of PROBE_BYTES in it.
+    """Make folder where missing, then write and remove a probe file of PROBE_BYTES in it,
+    through the folder's descriptor (safe_files: no link another account planted is followed).
     what: the state that goes there, for the message ("GPU leases")."""
     try:
-        folder.mkdir(mode=0o755, parents=True, exist_ok=True)
-    except FileExistsError:
+        folder_fd = open_folder(folder)
+    except (FileExistsError, NotADirectoryError):
         raise StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY) from None
     except PermissionError:
         raise PermissionDenied(Problem.NO_PERMISSION_CREATING, path=folder, what=what) from None
     except OSError as exc:
         raise _unwritable(folder, what, exc) from None
     try:
-        fd, name = tempfile.mkstemp(prefix=".gpugate-probe.", dir=folder)
-        probe = Path(name)
+        _probe(folder_fd, folder, what)
+    finally:
+        os.close(folder_fd)
+
+
+def _probe(folder_fd: int, folder: Path, what: str) -> None:
+    name = f".gpugate-probe.{secrets.token_hex(6)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
     except PermissionError:
         raise PermissionDenied(Problem.NO_PERMISSION_WRITING, path=folder, what=what) from None
     except OSError as exc:
@@ -42,7 +53,8 @@ def check_writable(folder: Path, what: str) -> None:
         raise _unwritable(folder, what, exc) from None
     finally:
         os.close(fd)
-        probe.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=folder_fd)
 
 
 def check_file_slot(path: Path, what: str) -> None:

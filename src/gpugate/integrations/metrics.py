@@ -27,10 +27,12 @@ from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.atomic import write_atomically
+from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
+from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
 from gpugate.integrations.records import parse_record
 from gpugate.report import lines
+from gpugate.report.trust_text import metrics_folder_warning
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0
@@ -42,6 +44,7 @@ RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300
 RELEASE = "gpugate_memory_release_seconds"
 
 Labels = tuple[tuple[str, str], ...]
+_WARNED: set[Path] = set()
 
 
 @dataclass(frozen=True)
@@ -190,12 +193,15 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def load_state(path: Path) -> Samples:
+def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     """The counters so far; a missing or unreadable state starts them again from zero
-    (Prometheus takes a counter that goes down as a reset)."""
+    (Prometheus takes a counter that goes down as a reset). Never through a symbolic link,
+    never a FIFO or a file over safe_files.MAX_BYTES. folder_fd: path's folder, opened."""
     try:
-        # Sane numbers, no deep nesting (records.BadRecord is a ValueError).
-        data = parse_record(path.read_text(encoding="utf-8"))
+        name = path if folder_fd is None else path.name
+        # Sane numbers, no deep nesting (records.BadRecord is a ValueError, so is a text
+        # that is not UTF-8).
+        data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     samples: Samples = {}
@@ -228,8 +234,10 @@ def dump_state(samples: Samples) -> str:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator[None]:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+def _locked(
+    folder_fd: int, path: Path, clock: Callable[[], float] = time.monotonic
+) -> Iterator[None]:
+    fd = open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
     try:
         if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
             raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
@@ -239,16 +247,19 @@ def _locked(path: Path, clock: Callable[[], float] = time.monotonic) -> Iterator
 
 
 def record_run(textfile: Path, record: RunRecord) -> None:
-    """Add one run to the counters and rewrite the textfile. Raises OSError."""
-    textfile.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
+    """Add one run to the counters and rewrite the textfile. Raises OSError.
+
+    The folder may be another account's (the exporter's): everything is done through its
+    descriptor, no name there is followed as a symbolic link (safe_files, atomic)."""
     state = textfile.with_name(textfile.name + ".state")
-    with _locked(textfile.with_name(textfile.name + ".lock")):
-        samples = load_state(state)
+    lock = textfile.with_name(textfile.name + ".lock")
+    with folder(textfile.parent) as folder_fd, _locked(folder_fd, lock):
+        samples = load_state(state, folder_fd)
         apply(samples, record)
         # State first: a crash between the two renames loses nothing, the next run rewrites
         # the textfile from it.
-        write_atomically(state, dump_state(samples))
-        write_atomically(textfile, render(samples))
+        write_in(folder_fd, state.name, dump_state(samples).encode())
+        write_in(folder_fd, textfile.name, render(samples).encode())
 
 
 def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:
@@ -279,6 +290,10 @@ def record_after_run(
     """Best effort: metrics that cannot be written are a warning, never the run's failure."""
     if textfile is None:
         return
+    found = untrusted(textfile.parent)
+    if found is not None and textfile not in _WARNED:
+        _WARNED.add(textfile)  # once per run: every write there is safe, this says why
+        print(f"gpugate: {metrics_folder_warning(textfile, found)}", file=stream or sys.stderr)
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too

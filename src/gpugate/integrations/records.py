@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gpugate.errors import InvalidValue, Problem
+from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped
 from gpugate.report.error_text import problem_text
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
@@ -41,25 +40,18 @@ class BadRecord(InvalidValue):
 
 def read_text(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
     """The file's text. FileNotFoundError where it is gone; BadRecord where it is not a
-    regular file of at most limit bytes of UTF-8 (a FIFO is not opened for a read that would
-    block: O_NONBLOCK; a link is not followed: O_NOFOLLOW)."""
-    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    regular file of at most limit bytes of UTF-8 (host/safe_files.read_capped: a FIFO is not
+    opened for a read that would block, a link is not followed)."""
     try:
-        fd = os.open(path, flags)
+        data = read_capped(path, limit)
     except FileNotFoundError:
         raise
+    except NotRegularFile:
+        raise BadRecord(Problem.RECORD_NOT_FILE) from None
+    except TooLarge:
+        raise BadRecord(Problem.RECORD_TOO_LARGE, kib=limit // 1024) from None
     except OSError as exc:
         raise BadRecord(Problem.RECORD_UNREADABLE, cause=exc.strerror or str(exc)) from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise BadRecord(Problem.RECORD_NOT_FILE)
-        data = os.read(fd, limit + 1)
-    except OSError as exc:
-        raise BadRecord(Problem.RECORD_UNREADABLE, cause=exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise BadRecord(Problem.RECORD_TOO_LARGE, kib=limit // 1024)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, load_config
+from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue, Problem
 from gpugate.host.programs import find_program, run_program
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 from gpugate.report import lines
 from gpugate.report.error_text import error_text

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from gpugate.errors import ConfigError, GateError, InvalidValue, Problem, echo
+from gpugate.report import trust_text
 from gpugate.report.untrusted import cut
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
@@ -107,6 +108,12 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.CONFIG_IS_FOLDER: lambda f: "is a directory, not a TOML file",
     Problem.CONFIG_NOT_UTF8: lambda f: "is not UTF-8 text",
     Problem.CONFIG_OS_ERROR: lambda f: f"{f.cause}",
+    Problem.CONFIG_UNTRUSTED: lambda f: (
+        trust_text.untrusted_config(f.found) if f.get("found") else "another account may change it"
+    ),
+    Problem.CONFIG_STATE_UNTRUSTED: lambda f: (
+        trust_text.untrusted_state(f.found) if f.get("found") else "another account may change it"
+    ),
     Problem.LOCK_DIR_NOT_FOLDER: lambda f: f"{f.lock_dir}: {f.existing} is not a folder",
     Problem.GRACE_OVER_DEADLINE: lambda f: (
         f"sigterm_grace_s + sigkill_wait_s ({f.kill_s:g} s) must be below wait_timeout_s "
@@ -151,6 +158,14 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.ROOTS_NO_FOLDER: lambda f: f"{echo(f.value, quote=False)}: no such folder",
     Problem.NVML_LIBRARY_MISSING: lambda f: (
         "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
+    ),
+    Problem.NVML_LIBRARY_NOT_FOUND: lambda f: (
+        f"NVML: {f.library} not found in {', '.join(f.dirs or [])} or the dynamic loader's "
+        "cache: is the NVIDIA driver installed?"
+    ),
+    Problem.NVML_LIBRARY_UNLOADABLE: lambda f: (
+        f"NVML: {f.library} not found: {f.path} cannot be loaded ({f.detail}): is the NVIDIA "
+        "driver installed?"
     ),
     Problem.NVML_DRIVER_NOT_LOADED: lambda f: "NVML: the NVIDIA kernel driver is not loaded",
     Problem.NVML_NO_PERMISSION: lambda f: "NVML: permission denied opening the NVIDIA driver",
@@ -260,6 +275,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.INSTALL_GPUGATE_PATH: lambda f: (
         f"--gpugate-path {f.value!r}: an absolute path of letters, digits and _.+/- only "
         "(it goes into ExecStartPre= unquoted)"
+    ),
+    Problem.INSTALL_GPUGATE_PATH_RELATIVE: lambda f: (
+        f"--gpugate-path {f.value!r}: not an absolute path"
     ),
     Problem.LAUNCH_NO_COMMAND: lambda f: (
         "no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]"

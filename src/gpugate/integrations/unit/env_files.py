@@ -12,7 +12,13 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from gpugate.host.systemd import systemctl_show
+from gpugate.errors import GateError
+from gpugate.host.systemd import systemctl_show, unit_environment
+from gpugate.report.trust_text import environment_warnings
+
+# What chooses the code root's hooks load: the dynamic loader's and Python's own variables.
+STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
+STEERING_PREFIXES = ("PYTHON",)
 
 
 def environment_files(unit: str, show: Callable[[str], str | None] | None = None) -> list[str]:
@@ -78,6 +84,38 @@ def environment_file_warnings(
                 "(LD_PRELOAD, PYTHONPATH, ...): make it and its folders root's (docs/hardening.md)"
             )
     return lines
+
+
+def steering_variables(
+    unit: str, show: Callable[[str], str | None] | None = None
+) -> list[tuple[str, str]]:
+    """(variable, where it is set) for each of the unit's Environment= and EnvironmentFile=
+    settings that chooses code root's hooks load: LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT,
+    PYTHON*. The hooks' Python is isolated (-I) and NVML is loaded by its path, but the
+    dynamic loader reads LD_* before gpugate's first line: only the operator can drop them."""
+    try:
+        environment = unit_environment(unit, show)
+    except GateError:
+        return []  # an unreadable EnvironmentFile=: systemd will not start the unit either
+    if environment is None:
+        return []
+    return [
+        (name, environment.origin(name))
+        for name in sorted(environment.variables)
+        if name in STEERING or name.startswith(STEERING_PREFIXES)
+    ]
+
+
+def unit_environment_warnings(
+    unit: str, show: Callable[[str], str | None] | None = None
+) -> list[str]:
+    """install's and `config check --unit`'s warnings about the unit's environment: each
+    EnvironmentFile= another account may change, each variable that steers root's hooks."""
+    if show is None:
+        shown = systemctl_show(unit, "Environment,EnvironmentFiles")  # one call for both
+        show = lambda _unit: shown  # noqa: E731
+    lines = environment_file_warnings(unit, show)
+    return lines + environment_warnings(unit, steering_variables(unit, show))
 
 
 def _user(uid: int) -> str:

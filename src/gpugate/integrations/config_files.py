@@ -1,0 +1,48 @@
+"""The config lookup as root reads it (docs/hardening.md, rule 2): a file another account may
+change (its owner, group or other write, or any folder above it), or a `lock_dir` another
+account may change, is refused with exit 78 and one line naming the path, its owner and mode;
+a path that is not a regular file (a FIFO, a device) or is absurdly large is refused without
+reading it. Every command that reads a config (pre, post, slurm prolog/epilog, run, status,
+config check) reads it here."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from gpugate.config import file
+from gpugate.config.models import LoadedConfig
+from gpugate.errors import ConfigError, Problem
+from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.report.trust_text import unreadable
+
+
+def load_config(
+    unit: str | None, explicit: Path | None = None, config_dir: Path = file.DEFAULT_CONFIG_DIR
+) -> LoadedConfig:
+    loaded = file.load_config(unit, explicit, config_dir, read=read_trusted)
+    found = untrusted(loaded.config.lock_dir)
+    if found is not None:
+        raise ConfigError(loaded.source, "lock_dir", Problem.CONFIG_STATE_UNTRUSTED, found=found)
+    return loaded
+
+
+def read_trusted(path: Path) -> str:
+    """path's text, once it and its folders are judged only trusted accounts' to change."""
+    if not os.path.lexists(path):
+        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE)
+    found = untrusted(path)
+    if found is not None:
+        raise ConfigError(str(path), "", Problem.CONFIG_UNTRUSTED, found=found)
+    try:
+        data = read_capped(path.resolve())
+    except FileNotFoundError:
+        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE) from None
+    except PermissionError:
+        raise ConfigError(str(path), "", Problem.CONFIG_UNREADABLE) from None
+    except OSError as exc:
+        raise ConfigError(str(path), "", Problem.CONFIG_OS_ERROR, cause=unreadable(exc)) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(str(path), "", Problem.CONFIG_NOT_UTF8) from None
