@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
     check.set_defaults(func=config_check_command)
     _install_parsers(commands)
-    _run_parser(commands)
+    _launch_parser(commands)
     _slurm_parsers(commands)
     return parser
 
@@ -158,7 +158,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
     )
 
 
-def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     text = (
         "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its whole "
         "cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop"
@@ -192,13 +192,13 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
-    run.set_defaults(func=run_command)
+    run.set_defaults(func=launch_command)
 
 
-def run_command(args: argparse.Namespace, front: Front) -> int:
+def launch_command(args: argparse.Namespace, front: Front) -> int:
     """`gpugate run`, imported when used (it needs what the hooks do not). Here, not in
-    `commands`: run_command imports `commands.Front`, and modules never import each other."""
-    from gpugate.front.run_command import run_command as run  # noqa: PLC0415
+    `commands`: launch_command imports `commands.Front`, and modules never import each other."""
+    from gpugate.front.launch import launch_command as run  # noqa: PLC0415
 
     return run(args, front)
 
@@ -278,7 +278,7 @@ def _gpus(value: str) -> object:
 
 
 def _uid(value: str) -> int:
-    from gpugate.front.run_unit import parse_uid  # noqa: PLC0415
+    from gpugate.front.launch_unit import parse_uid  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:

@@ -25,7 +25,7 @@ from gpugate.report.narrate_unit import lease_refusal_text
 from gpugate.report.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"
-# Set by `gpugate run` on its transient unit (front/run_command.py), read by the unit's pre
+# Set by `gpugate run` on its transient unit (front/launch.py), read by the unit's pre
 # from the environment systemd gives it. Neither widens what gpugate kills: a forced run only
 # skips the lease refusal; another running unit's processes stay spared by the cgroup rule.
 STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"

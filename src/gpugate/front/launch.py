@@ -1,5 +1,5 @@
 """`gpugate run [--gpus LIST] [--port N]... [--name NAME] [--config PATH] [--force] -- COMMAND`:
-COMMAND as a transient service with gpugate's hooks on it (run_unit.py builds the unit), so a
+COMMAND as a transient service with gpugate's hooks on it (launch_unit.py builds the unit), so a
 hand-started server is tied to a unit: its GPUs leased, its whole cgroup stopped and its GPUs
 freed when the terminal goes, Ctrl-C, or `systemctl stop`."""
 
@@ -25,11 +25,11 @@ from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
-from gpugate.front.run_unit import (
+from gpugate.front.launch_unit import (
     HOOK_TIMEOUT_S,
     Caller,
-    RunError,
-    RunPlan,
+    LaunchError,
+    LaunchPlan,
     caller_environment,
     command_status,
     derive_unit_name,
@@ -63,19 +63,19 @@ def checked_command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise RunError(Problem.LAUNCH_NO_COMMAND)
+        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        raise RunError(Problem.LAUNCH_CONFIG_PATH, value=str(args.config))
+        raise LaunchError(Problem.LAUNCH_CONFIG_PATH, value=str(args.config))
     return command
 
 
-def run_command(args: argparse.Namespace, front: Front) -> int:
+def launch_command(args: argparse.Namespace, front: Front) -> int:
     command = checked_command(args)
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise RunError(Problem.LAUNCH_NO_SYSTEMD_RUN)
+        raise LaunchError(Problem.LAUNCH_NO_SYSTEMD_RUN)
     environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
@@ -97,7 +97,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
-    plan = RunPlan(
+    plan = LaunchPlan(
         unit=unit,
         command=(program, *command[1:]),
         caller=caller,
@@ -135,7 +135,7 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         found = parse_uid(environ["SUDO_UID"])
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
-            raise RunError(
+            raise LaunchError(
                 Problem.LAUNCH_SUDO_VARIABLES,
                 environ={k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ},
             )
@@ -162,7 +162,7 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
     state = query_unit(unit)
     if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
         return
-    raise RunError(
+    raise LaunchError(
         Problem.LAUNCH_UNIT_EXISTS,
         unit=unit,
         load_state=state.load_state,
@@ -193,7 +193,7 @@ def resolve_gpus(
     finally:
         driver.close()
     if not gpus:
-        raise RunError(Problem.LAUNCH_NO_GPU, source=source)
+        raise LaunchError(Problem.LAUNCH_NO_GPU, source=source)
     return gpus
 
 
@@ -286,11 +286,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise RunError(Problem.LAUNCH_NOT_EXECUTABLE, program=program)
+            raise LaunchError(Problem.LAUNCH_NOT_EXECUTABLE, program=program)
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise RunError(Problem.LAUNCH_NOT_FOUND, program=program)
+        raise LaunchError(Problem.LAUNCH_NOT_FOUND, program=program)
     return os.path.abspath(found)
 
 
@@ -311,7 +311,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise RunError(Problem.LAUNCH_CANNOT_RUN, program=argv[0], cause=exc.strerror) from None
+        raise LaunchError(Problem.LAUNCH_CANNOT_RUN, program=argv[0], cause=exc.strerror) from None
     try:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)

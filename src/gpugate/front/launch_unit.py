@@ -1,5 +1,5 @@
 """`gpugate run`'s transient unit, as data: its name, the environment passed to it, and the
-systemd-run command line that starts it. Pure functions; run_command.py does the I/O."""
+systemd-run command line that starts it. Pure functions; launch.py does the I/O."""
 
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
 NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 
 
-class RunError(GateError):
+class LaunchError(GateError):
     exit_code = ExitCode.USAGE
 
 
@@ -107,7 +107,7 @@ class Caller:
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class LaunchPlan:
     """Everything the systemd-run call needs; `systemd_run_argv` turns it into argv."""
 
     unit: str
@@ -137,14 +137,14 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     if name:
         unit = unit_argument(name)
         if not unit.endswith(".service"):
-            raise RunError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
+            raise LaunchError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
         if "@" in unit:
-            raise RunError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
+            raise LaunchError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
         if not PLAIN_SERVICE.fullmatch(unit):
-            raise RunError(Problem.LAUNCH_NAME_NOT_PLAIN, value=name)
+            raise LaunchError(Problem.LAUNCH_NAME_NOT_PLAIN, value=name)
         return unit
     if not command:
-        raise RunError(Problem.LAUNCH_NO_COMMAND)
+        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 
@@ -186,7 +186,7 @@ def caller_environment(
     return sorted(kept.items())
 
 
-def hook_line(plan: RunPlan, phase: Phase) -> str:
+def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     config = f" --config {plan.config}" if plan.config else ""
     # --force: pre warns about a lease instead of refusing. On the command line, which only
     # root writes, never in the environment, which the unit's own files may set.
@@ -196,7 +196,7 @@ def hook_line(plan: RunPlan, phase: Phase) -> str:
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
 
-def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
+def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
     """The systemd-run command line for the plan (a pure function: tests check it whole)."""
     argv = [
         str(systemd_run),
