@@ -3,6 +3,7 @@ processes, a journal and a notifier that record what they were told."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,14 +11,17 @@ import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from gpugate.config.models import GateConfig, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps, RunScope
+from gpugate.errors import GateError, Problem
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
 from gpugate.host.roots import HostRoots
@@ -87,14 +91,17 @@ class FakeGpuMemory:
         ]
 
     def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(i, f"NVML: GPU {i} is lost (fell off the bus)") for i in sorted(self.lost)]
+        return [GpuFault(i, GpuError(i, Problem.NVML_GPU_LOST)) for i in sorted(self.lost)]
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         self.queries += 1
         self._self_claims()
         if gpu.index in self.failing_usage:
             raise GpuError(
-                gpu.index, f"NVML: nvmlDeviceGetMemoryInfo on GPU {gpu.index}: Unknown Error"
+                gpu.index,
+                Problem.NVML_GPU_CALL_FAILED,
+                call="nvmlDeviceGetMemoryInfo",
+                detail="Unknown Error",
             )
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []
@@ -407,3 +414,15 @@ def fake_proc(root: Path, processes: Sequence[FakeProcess]) -> Path:
         for number, target in enumerate(process.fds):
             (where / "fd" / str(number)).symlink_to(target)
     return root
+
+
+@contextlib.contextmanager
+def raises_problem(
+    kind: type[GateError], problem: Problem, **facts: object
+) -> Iterator[pytest.ExceptionInfo[GateError]]:
+    """pytest.raises for a gpugate error, asserting its code and facts, not its words."""
+    with pytest.raises(kind) as raised:
+        yield raised
+    assert raised.value.problem is problem, raised.value.problem
+    for name, value in facts.items():
+        assert raised.value.facts.get(name) == value, (name, raised.value.facts)

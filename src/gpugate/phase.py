@@ -37,11 +37,6 @@ class Phase(Enum):
     def traits(self) -> PhaseTraits:
         return _TRAITS[self]
 
-    @property
-    def siblings(self) -> tuple[Phase, Phase]:
-        """The pair it belongs to: (pre, post) for a systemd unit, (prolog, epilog) for Slurm."""
-        return (Phase.PRE, Phase.POST) if self.traits.systemd else (Phase.PROLOG, Phase.EPILOG)
-
     def __str__(self) -> str:
         return self.value
 

@@ -177,3 +177,97 @@ def test_no_core_class_is_longer_than_the_limit() -> None:
         and (node.end_lineno or node.lineno) - node.lineno + 1 > MAX_CORE_CLASS_LINES
     ]
     assert not found, "\n".join(found)
+
+
+def module_name(path: Path, src: Path = SRC) -> str:
+    parts = ["gpugate", *path.relative_to(src).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(tree: ast.Module, known: set[str]) -> Iterator[str]:
+    """Every gpugate module a module imports, wherever the import stands (a function body,
+    `if TYPE_CHECKING:`): `from gpugate.front import install` is gpugate.front.install."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                candidate = f"{node.module}.{alias.name}"
+                yield candidate if candidate in known else node.module
+        elif isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+
+
+def import_graph(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
+    known = set(trees)
+    return {
+        name: {target for target in imported_modules(tree, known) if target in known} - {name}
+        for name, tree in trees.items()
+    }
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each cycle once, as the modules around it (Tarjan's strongly connected components of
+    more than one module)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return cycles
+
+
+def test_no_import_cycle() -> None:
+    """Also imports inside functions and for annotations: a cycle is two modules that cannot
+    be read, tested or moved one without the other. Break it by moving what both need into a
+    third module below them (a protocol, a dataclass)."""
+    trees = {module_name(path): tree for path, tree in modules()}
+    cycles = import_cycles(import_graph(trees))
+    assert not cycles, "\n".join(" <-> ".join(cycle) for cycle in cycles)
+
+
+def test_the_cycle_rule_catches_a_cycle_in_a_fixture_tree(tmp_path: Path) -> None:
+    files = {
+        "front/__init__.py": "",
+        "front/a.py": "def f():\n    from gpugate.front.b import g\n",
+        "front/b.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from gpugate.front import a\n",
+        "front/c.py": "import gpugate.front.a\n",
+        "host/__init__.py": "",
+        "host/x.py": "from gpugate.host import y\n",
+        "host/y.py": "from gpugate.host.z import w\n",
+        "host/z.py": "import gpugate.host.x\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    trees = {
+        module_name(path, tmp_path): ast.parse(path.read_text())
+        for path in sorted(tmp_path.rglob("*.py"))
+    }
+    assert import_cycles(import_graph(trees)) == [
+        ["gpugate.front.a", "gpugate.front.b"],
+        ["gpugate.host.x", "gpugate.host.y", "gpugate.host.z"],
+    ]
+    del trees["gpugate.front.b"]
+    assert len(import_cycles(import_graph(trees))) == 1

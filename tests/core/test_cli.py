@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import ExitCode, NvmlUnavailable, Problem
 from gpugate.front.cli import main
 from tests.fakes import FakeHost, alive
 
@@ -125,7 +125,7 @@ def test_status_json_lists_holders(host: FakeHost, capsys: pytest.CaptureFixture
 
 def test_nvml_error_from_injected_driver_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     def broken() -> object:
-        raise NvmlUnavailable("NVML: GPU 3 is lost (fell off the bus); it needs a reset or reboot")
+        raise NvmlUnavailable(Problem.NVML_GPU_LOST, gpu=3)
 
     code = main(["status"], driver_factory=broken)  # type: ignore[arg-type]
     assert code == ExitCode.NVML_UNAVAILABLE

@@ -114,6 +114,14 @@ def start_sleeper() -> int:
         os._exit(0)
     return pid
 
+def after_tick(start_time: int) -> None:
+    # Until the clock /proc/PID/stat's start times count in (ticks of boot time) has passed
+    # start_time: a process started now has a later one. A bounded spin of at most a tick.
+    deadline = time.monotonic() + 5
+    ticks = os.sysconf("SC_CLK_TCK")
+    while int(time.clock_gettime(time.CLOCK_BOOTTIME) * ticks) <= start_time:
+        assert time.monotonic() < deadline, "the clock did not tick"
+
 def reuse(pid: int) -> int:
     # Make the kernel hand out exactly this PID again (this namespace is ours alone).
     with open("/proc/sys/kernel/ns_last_pid", "w") as f:
@@ -125,10 +133,9 @@ def reuse(pid: int) -> int:
 procfs = ProcFs()
 # 1. Reused between discovery and the first signal: pinning sees another start time.
 old = start_sleeper()
-time.sleep(0.05)
 seen = procfs.stat(old).ident
 os.kill(old, signal.SIGKILL); os.waitpid(old, 0)
-time.sleep(0.02)  # a later clock tick: the new process's start time differs
+after_tick(seen.start_time)  # the new process's start time differs
 new = reuse(old)
 result = terminate([seen], grace_s=0.2, deadline=time.monotonic() + 2, procfs=ProcFs())
 assert result.gone_before == [seen], result
@@ -136,7 +143,6 @@ assert os.waitpid(new, os.WNOHANG) == (0, 0), "the new process with the old PID 
 os.kill(new, signal.SIGKILL); os.waitpid(new, 0)
 # 2. Reused after pinning: the pidfd still names the dead process, so the signal goes nowhere.
 old = start_sleeper()
-time.sleep(0.05)
 pinned = pin(ProcFs().stat(old).ident, ProcFs())
 os.kill(old, signal.SIGKILL); os.waitpid(old, 0)
 new = reuse(old)

@@ -140,3 +140,19 @@ def test_real_journal_send_gets_the_call_site_not_report_py(
         int(fields["CODE_LINE"]) > 0
         and fields["CODE_FUNC"] == "test_real_journal_send_gets_the_call_site_not_report_py"
     )
+
+
+def test_a_failed_run_names_its_problem_by_code() -> None:
+    """The error entry carries the error's Problem code beside its words: what to match on."""
+    from gpugate.errors import ConfigError, Problem
+    from gpugate.report.narrate import Narrator
+
+    reporter, journal, notifier, _ = make()
+    reporter.error_stream = io.StringIO()
+    error = ConfigError("/etc/gpugate/x.toml", "frobnicate", Problem.CONFIG_UNKNOWN_KEY)
+    Narrator(reporter).failed(error)
+    ((message, fields),) = journal.entries
+    assert fields["GPUGATE_PROBLEM"] == "config-unknown-key"
+    assert fields["GPUGATE_EXIT_CODE"] == "78"
+    assert message == "/etc/gpugate/x.toml: frobnicate: unknown key"
+    assert notifier.states == [f"STATUS=gpugate pre: failed: {message}"]

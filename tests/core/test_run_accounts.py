@@ -21,11 +21,11 @@ from gpugate.core.decide import Rule, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.errors import ExitCode
 from gpugate.front.cli import build_parser
-from gpugate.front.run_command import invoking_user
-from gpugate.front.run_unit import (
+from gpugate.front.launch import invoking_user
+from gpugate.front.launch_unit import (
     Caller,
-    RunError,
-    RunPlan,
+    LaunchError,
+    LaunchPlan,
     derive_unit_name,
     hook_line,
     parse_uid,
@@ -80,7 +80,7 @@ def test_the_caller_is_sudos_only_under_root(environ: dict[str, str], real_uid: 
     if real_uid == 0 and "SUDO_UID" in environ:
         uid, gid = parse_uid(environ["SUDO_UID"]), parse_uid(environ.get("SUDO_GID", "0"))
         if uid is None or gid is None:
-            with pytest.raises(RunError) as raised:
+            with pytest.raises(LaunchError) as raised:
                 invoking_user(environ, real_uid=real_uid)
             assert raised.value.exit_code is ExitCode.USAGE
             return
@@ -90,8 +90,8 @@ def test_the_caller_is_sudos_only_under_root(environ: dict[str, str], real_uid: 
     assert under_sudo == (real_uid == 0 and "SUDO_UID" in environ)
 
 
-def plan(uid: int, *, force: bool = False) -> RunPlan:
-    return RunPlan(
+def plan(uid: int, *, force: bool = False) -> LaunchPlan:
+    return LaunchPlan(
         unit="gpugate-run-x-000000.service",
         command=("/usr/bin/x",),
         caller=Caller(uid, uid, "alice"),
@@ -157,7 +157,7 @@ def test_a_name_is_a_plain_unit_name(name: str) -> None:
     if plain:
         assert derive_unit_name(["x"], name, "000000") == unit
     else:
-        with pytest.raises(RunError) as raised:
+        with pytest.raises(LaunchError) as raised:
             derive_unit_name(["x"], name, "000000")
         assert raised.value.exit_code is ExitCode.USAGE
 
@@ -274,14 +274,14 @@ def test_bobs_server_is_refused_for_alice_and_alices_own_stale_one_is_killed(
 
 @needs_root
 def test_a_run_config_another_account_may_write_is_refused(tmp_path: Path) -> None:
-    """`sudo gpugate run --config ~alice/x.toml`: run_command reads it with the checked
+    """`sudo gpugate run --config ~alice/x.toml`: gpugate run reads it with the checked
     load_config (integrations.config_files), as root; a file alice owns must be refused
     (exit 78), not followed."""
     from gpugate.errors import ConfigError
-    from gpugate.front import run_command
+    from gpugate.front import launch
     from gpugate.integrations.config_files import load_config
 
-    assert run_command.load_config is load_config
+    assert launch.load_config is load_config
 
     home = tmp_path / "alice"
     home.mkdir()

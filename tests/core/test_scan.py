@@ -28,7 +28,11 @@ ZOMBIE_LEADER = textwrap.dedent(
             import mmap
             with open(path, "rb") as f:
                 held = mmap.mmap(f.fileno(), 4096, prot=mmap.PROT_READ)
-        time.sleep(0.3)  # the leader is gone by now
+        leader = f"/proc/self/task/{os.getpid()}/stat"
+        deadline = time.monotonic() + 10
+        while open(leader).read().rsplit(")", 1)[1].split()[0] != "Z":  # the leader is gone
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
         open(ready, "w").write("ok")
         time.sleep(3600)
     threading.Thread(target=hold).start()

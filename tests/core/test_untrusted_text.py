@@ -243,7 +243,7 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     units.lease_refused(text, [0])
     units.start_failed_earlier(text)
     units.lease_unreadable(Path(f"/run/gpugate/leases/{text}.json"), text)
-    error = refusal("vllm.service is active", "pre", UNIT, [describe(c) for c in decision.choices])
+    error = refusal("active", "pre", UNIT, [describe(c) for c in decision.choices])
     reporter.fail(error.message, int(error.exit_code), errors)
     narrator.finished(RunSummary())
 
@@ -279,7 +279,9 @@ def test_every_narration_escapes_and_bounds_process_text(text: str) -> None:
     narrate_everything(reporter, text, errors)
     check_channels(journal, notifier, stream, text)
     (said,) = errors.getvalue().splitlines()
-    assert no_control(said) and said.startswith("gpugate: vllm.service is active; it would kill")
+    assert no_control(said) and said.startswith(
+        "gpugate: vllm.service is active and this `gpugate pre`"
+    )
     if text.isprintable() and len(text) < 100:
         killed = journal.entries[0][0]
         assert text in killed  # plain text is shown as it is
@@ -291,8 +293,9 @@ def test_every_narration_escapes_and_bounds_process_text(text: str) -> None:
 )
 @given(text=hostile)
 def test_status_table_and_json_escape_and_bound(host: FakeHost, text: str) -> None:
-    # In a login scope (no unit: rule 4) and in a system service named by the text.
-    for cgroup in (None, f"/system.slice/{text}.service"):
+    # In a login scope (no unit: rule 4) and in a system service named by the text (a cgroup's
+    # name holds no "/": one would be a folder of cgroups, no unit's).
+    for cgroup in (None, f"/system.slice/{text.replace('/', '_')}.service"):
         holder = holder_of(text)
         if cgroup is not None:
             holder = dataclasses.replace(

@@ -32,15 +32,25 @@ def main() -> None:
     device, mib, ready = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     children = int(sys.argv[5]) if len(sys.argv) > 5 and sys.argv[4] == "--children" else 0
     pids = [os.getpid()]
+    held_r, held_w = os.pipe()  # each child writes a byte once its memory is allocated
     for _ in range(children):
         pid = os.fork()  # before any CUDA call: CUDA state does not survive fork
         if pid == 0:
+            os.close(held_r)
             hold(device, mib)
+            os.write(held_w, b"1")
+            os.close(held_w)
             while True:
                 time.sleep(3600)
         pids.append(pid)
+    os.close(held_w)
     hold(device, mib)
-    time.sleep(1)
+    got = b""
+    while len(got) < children:  # every child holds its memory (EOF: one of them failed)
+        chunk = os.read(held_r, children - len(got))
+        if not chunk:
+            sys.exit("a child exited before it held its memory")
+        got += chunk
     with open(ready + ".tmp", "w") as handle:
         json.dump({"parent": pids[0], "children": pids[1:]}, handle)
     os.replace(ready + ".tmp", ready)

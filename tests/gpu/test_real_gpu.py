@@ -149,8 +149,12 @@ def test_killed_parent_workers_reaped_by_post(
 ) -> None:
     children = server["children"]
     assert isinstance(children, list)
-    os.kill(int(server["parent"]), signal.SIGKILL)  # type: ignore[arg-type]
-    time.sleep(1)
+    parent = int(server["parent"])  # type: ignore[arg-type]
+    os.kill(parent, signal.SIGKILL)
+    deadline = time.monotonic() + 30  # not our child: a poll with a deadline on its death
+    while alive(parent):
+        assert time.monotonic() < deadline, "the parent survived SIGKILL"
+        time.sleep(0.05)
     assert all(alive(pid) for pid in children)
     planned_only_ours(config, "post", set(children))
     result = gpugate("post", "gpu-test.service", "--config", str(config))

@@ -288,7 +288,7 @@ def test_memory_of_killed_holder_lingers_for_release_delay(sim: Sim) -> None:
 
     holder.send_signal(signal.SIGKILL)
     killed_ns = time.time_ns()
-    time.sleep(0.2)
+    os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # dead, and left unreaped
     # not reaped yet: a zombie holds no fds, so it is no longer listed, but its memory is used
     assert Path(f"/proc/{holder.pid}").exists()
     gpu = sim.snapshot()[3]
@@ -565,5 +565,5 @@ def test_reader_that_cannot_see_fds_trusts_the_claim(sim: Sim) -> None:
         assert gpu["compute"] == [[holder.pid, 77 * MIB, NA, NA]], wrapper
         assert gpu["v2"][4] == 77 * MIB
     holder.kill()
-    time.sleep(0.1)  # a zombie now: not live, whatever the reader may see
+    os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # a zombie now, not reaped
     assert sim.snapshot(wrapper=no_ptrace)[2]["compute"] == []

@@ -115,6 +115,7 @@ def test_a_segment_another_unit_attached_to_stays(host: Host, stale: dict[str, A
             assert not exists(host, path), path
         (kept,) = host.events_after(cursor, GPUGATE_EVENT="shm_kept", GPUGATE_PHASE="pre")
         assert kept["GPUGATE_SHM_PATH"] == shared
+        assert kept["GPUGATE_REASON"] == "shm-also-held", kept
         assert "shm-peer.service" in kept["GPUGATE_SHM_KEPT"], kept["GPUGATE_SHM_KEPT"]
         removed = host.events_after(cursor, GPUGATE_EVENT="shm_removed", GPUGATE_PHASE="pre")
         assert {e["GPUGATE_SHM_PATH"] for e in removed} == set(stale["shm"][1:])

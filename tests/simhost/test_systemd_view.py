@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -181,7 +180,10 @@ def test_journal_tag_finds_every_entry_each_error_once(
     gate_unit(host, name, config=config, extra=extra)
     cursor = host.cursor()
     start_fails(host, name)
-    time.sleep(0.5)  # journald's stream entries come in after the unit failed
+    # journald's stream entries may come in after the unit failed: `journalctl --sync` returns
+    # once journald has handled all it had been sent (it takes the request at a lower priority
+    # than its sockets), a handshake with journald itself.
+    host.sh("journalctl --sync")
     entries = unit_entries(host, cursor, name)
     assert entries, "gpugate wrote nothing to the journal"
     assert {e.get("SYSLOG_IDENTIFIER") for e in entries} == {"gpugate"}, entries

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ValidationError
 from gpugate.compat import tomllib
 from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
 from gpugate.config.toml_text import toml_value
-from gpugate.errors import ConfigError, echo
+from gpugate.errors import ConfigError, InvalidValue, Problem, echo
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
@@ -28,23 +28,42 @@ def parse_config(text: str, source: str) -> GateConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+        raise ConfigError(source, "", Problem.CONFIG_NOT_TOML, detail=str(exc)) from None
     try:
         return GateConfig.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        message = first["msg"].removeprefix("Value error, ")
-        if first["type"] == "extra_forbidden":
-            message = "unknown key" + _did_you_mean(parts)
-        elif first["type"] in STRICT_TYPE_ERRORS:
-            shown = first["input"]
-            if isinstance(shown, (bool, int, float, str)):
-                shown = toml_value(shown)
-            message += f", not {_toml_type(first['input'])} {echo(shown, quote=False)}"
-        field = echo(".".join(parts), quote=False)
-        raise ConfigError(source, field or "(top level)", message + more) from None
+        raise _config_error(source, exc) from None
+
+
+def _config_error(source: str, exc: ValidationError) -> ConfigError:
+    """The first of pydantic's errors as gpugate's: a code and facts (pydantic's own words for
+    a type it wanted are a fact, `detail`); how many more there were."""
+    first = exc.errors()[0]
+    parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
+    field = echo(".".join(parts), quote=False) or "(top level)"
+    more = exc.error_count() - 1
+    refused = (first.get("ctx") or {}).get("error")
+    if isinstance(refused, InvalidValue):
+        return ConfigError(source, field, refused.problem, more=more, **refused.facts)
+    if first["type"] == "extra_forbidden":
+        return ConfigError(
+            source, field, Problem.CONFIG_UNKNOWN_KEY, suggestion=_did_you_mean(parts), more=more
+        )
+    detail = first["msg"].removeprefix("Value error, ")
+    if first["type"] in STRICT_TYPE_ERRORS:
+        shown = first["input"]
+        if isinstance(shown, (bool, int, float, str)):
+            shown = toml_value(shown)
+        return ConfigError(
+            source,
+            field,
+            Problem.CONFIG_WRONG_TYPE,
+            detail=detail,
+            input_type=_toml_type(first["input"]),
+            shown=shown,
+            more=more,
+        )
+    return ConfigError(source, field, Problem.CONFIG_INVALID, detail=detail, more=more)
 
 
 def _toml_type(value: object) -> str:
@@ -62,7 +81,7 @@ def _did_you_mean(parts: list[str]) -> str:
             return ""
         model = annotation
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    return close[0] if close else ""
 
 
 def _is_union_tag(part: object) -> bool:
@@ -114,19 +133,27 @@ def check_lock_dir(loaded: LoadedConfig) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
+        raise ConfigError(
+            loaded.source,
+            "lock_dir",
+            Problem.LOCK_DIR_NOT_FOLDER,
+            lock_dir=lock_dir,
+            existing=existing,
+        )
 
 
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(str(path), "", "no such file") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE) from None
     except PermissionError:
-        raise ConfigError(str(path), "", "permission denied reading it") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_UNREADABLE) from None
     except IsADirectoryError:
-        raise ConfigError(str(path), "", "is a directory, not a TOML file") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_IS_FOLDER) from None
     except UnicodeDecodeError:
-        raise ConfigError(str(path), "", "is not UTF-8 text") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_NOT_UTF8) from None
     except OSError as exc:
-        raise ConfigError(str(path), "", exc.strerror or str(exc)) from None
+        raise ConfigError(
+            str(path), "", Problem.CONFIG_OS_ERROR, cause=exc.strerror or str(exc)
+        ) from None

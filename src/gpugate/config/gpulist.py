@@ -7,7 +7,7 @@ import re
 from collections.abc import Sequence
 from typing import Union
 
-from gpugate.errors import echo
+from gpugate.errors import InvalidValue, Problem
 
 # A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
@@ -17,44 +17,39 @@ MAX_GPU_INDEX = 1023
 GpuRef = Union[int, str]  # an NVML index or a GPU UUID
 
 
-class GpuListError(ValueError):
-    """The words say what is wrong; the caller names where (file and field, or variable)."""
+GpuListError = InvalidValue  # what the parser raises: a code and facts; the caller names where
 
 
 def gpu_ref(item: object) -> GpuRef:
     """One GPU: an index 0-1023 or a GPU UUID. Text of digits is an index."""
     if isinstance(item, bool):
-        raise GpuListError(f"{item!r} is not a GPU index or UUID")
+        raise InvalidValue(Problem.GPU_NOT_REF, value=item)
     if isinstance(item, str) and item.isascii() and item.isdigit():
         item = int(item)
     if isinstance(item, int):
         if not 0 <= item <= MAX_GPU_INDEX:
-            raise GpuListError(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
+            raise InvalidValue(Problem.GPU_INDEX_RANGE, value=item, most=MAX_GPU_INDEX)
         return item
     if isinstance(item, str):
         if item.upper().startswith(MIG_PREFIX):
-            raise GpuListError(
-                f"{_shown(item)}: MIG devices are not supported; name the whole GPU (GPU-...)"
-            )
+            raise InvalidValue(Problem.GPU_MIG, value=item)
         if UUID_PATTERN.fullmatch(item):
             return item
-        raise GpuListError(
-            f"{_shown(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
-        )
-    raise GpuListError(f"{_shown(repr(item))} is not a GPU index or UUID")
+        raise InvalidValue(Problem.GPU_NOT_REF, value=item, text=True)
+    raise InvalidValue(Problem.GPU_NOT_REF, value=item)
 
 
 def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
     """A list of GPUs: at least one, none twice (a UUID is compared case-insensitively)."""
     if not items:
-        raise GpuListError("must name at least one GPU")
+        raise InvalidValue(Problem.GPU_LIST_EMPTY)
     refs: list[GpuRef] = []
     seen: set[GpuRef] = set()
     for item in items:
         ref = gpu_ref(item)
         key = ref.lower() if isinstance(ref, str) else ref
         if key in seen:
-            raise GpuListError(f"lists GPU {echo(ref, quote=False)} twice")
+            raise InvalidValue(Problem.GPU_TWICE, value=ref)
         seen.add(key)
         refs.append(ref)
     return tuple(refs)
@@ -63,7 +58,3 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
 def parse_gpu_text(text: str) -> tuple[GpuRef, ...]:
     """Comma-separated, as `--gpus 0,1`, SLURM_JOB_GPUS and CUDA_VISIBLE_DEVICES write them."""
     return gpu_refs([part.strip() for part in text.split(",")])
-
-
-def _shown(text: str, limit: int = 60) -> str:
-    return repr(text) if len(text) <= limit else repr(text[:limit]) + "…"

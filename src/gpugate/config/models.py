@@ -19,8 +19,8 @@ from pydantic import (
     model_validator,
 )
 
-from gpugate.config.gpulist import GpuListError, GpuRef, gpu_refs
-from gpugate.errors import GateError, echo
+from gpugate.config.gpulist import GpuRef, gpu_refs
+from gpugate.errors import GateError, InvalidValue, Problem
 from gpugate.host.systemd import validate_unit_name
 from gpugate.phase import Phase
 
@@ -102,9 +102,8 @@ class PhasePolicy(_Frozen):
     def _kill_fits_in_deadline(self) -> PhasePolicy:
         kill_s = self.sigterm_grace_s + self.sigkill_wait_s
         if kill_s >= self.wait_timeout_s:
-            raise ValueError(
-                f"sigterm_grace_s + sigkill_wait_s ({kill_s:g} s) must be below wait_timeout_s "
-                f"({self.wait_timeout_s:g} s), which also holds the memory wait"
+            raise InvalidValue(
+                Problem.GRACE_OVER_DEADLINE, kill_s=kill_s, wait_timeout_s=self.wait_timeout_s
             )
         return self
 
@@ -193,9 +192,7 @@ class GateConfig(_Frozen):
     def _tmpfs_size(cls, value: str) -> str:
         # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
         if value != PRIVATE_SHM_OFF and not PRIVATE_SHM_SIZE.fullmatch(value):
-            raise ValueError(
-                f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
-            )
+            raise InvalidValue(Problem.PRIVATE_SHM_FORM, value=value)
         return value
 
     @field_validator("post", mode="before")
@@ -212,18 +209,15 @@ class GateConfig(_Frozen):
         if value in ("all", "auto"):
             return value
         if not isinstance(value, (list, tuple)):
-            raise ValueError('must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]')
-        try:
-            return gpu_refs(value)
-        except GpuListError as exc:
-            raise ValueError(str(exc)) from None
+            raise InvalidValue(Problem.GPUS_FORM)
+        return gpu_refs(value)
 
     @field_validator("protected_executables")
     @classmethod
     def _absolute_executables(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for path in value:
             if not path.startswith("/"):
-                raise ValueError(f"{echo(path)} is not an absolute path")
+                raise InvalidValue(Problem.NOT_ABSOLUTE, value=path)
         return value
 
     @field_validator("protected_units")
@@ -233,10 +227,7 @@ class GateConfig(_Frozen):
             try:
                 validate_unit_name(name)
             except GateError:
-                raise ValueError(
-                    f"{echo(name)} is not a service or scope unit name with its suffix "
-                    "(e.g. nvidia-persistenced.service)"
-                ) from None
+                raise InvalidValue(Problem.NOT_UNIT_NAME, value=name) from None
         return value
 
     @field_validator("containers")
@@ -244,16 +235,16 @@ class GateConfig(_Frozen):
     def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for item in value:
             if not CONTAINER_NAME.fullmatch(item):
-                raise ValueError(f"{echo(item)} is not a container name or id")
+                raise InvalidValue(Problem.NOT_CONTAINER, value=item)
         if len(set(value)) != len(value):
-            raise ValueError("lists a container twice")
+            raise InvalidValue(Problem.CONTAINER_TWICE)
         return value
 
     @field_validator("metrics_textfile", "lock_dir")
     @classmethod
     def _absolute_path(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
-            raise ValueError("must be an absolute path")
+            raise InvalidValue(Problem.NOT_ABSOLUTE)
         return value
 
     def selection(self) -> GpuSelection:

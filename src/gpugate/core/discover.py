@@ -19,7 +19,7 @@ from typing import Protocol
 from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
-from gpugate.errors import NvmlNotAnswering, PermissionDenied
+from gpugate.errors import NvmlNotAnswering, PermissionDenied, Problem
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
 from gpugate.host.ports import listening_sockets
@@ -149,7 +149,9 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
             except FileNotFoundError:
                 continue  # removed while we walked
             except PermissionError:
-                raise PermissionDenied(f"{directory}/cgroup.procs: permission denied") from None
+                raise PermissionDenied(
+                    Problem.NO_PERMISSION, path=Path(directory, "cgroup.procs")
+                ) from None
             pids.extend(int(line) for line in text.split())
     return pids
 
@@ -202,12 +204,12 @@ def read_gpus(
             usage[gpu.index] = driver.usage(gpu)
         except GpuError as exc:
             gpus.remove(gpu)
-            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+            faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
         except NvmlNotAnswering as exc:
             if strict_faults:
                 raise
             gpus.remove(gpu)  # status: shown as unreadable, with what else could be read
-            faults.append(GpuFault(gpu.index, exc.message, gpu.uuid, gpu.minor))
+            faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
     return GpuState(gpus, usage, sorted(faults, key=lambda fault: fault.index))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from gpugate.config.models import GpuSelection
-from gpugate.errors import ConfigError, NvmlUnavailable, echo
+from gpugate.errors import ConfigError, NvmlUnavailable, Problem
 from gpugate.host.nvml import Gpu, GpuFault
 
 
@@ -25,7 +25,9 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
                 raise ConfigError(
                     source,
                     "gpus",
-                    f"GPU index {ref} does not exist; NVML lists {_index_list(gpus)}",
+                    Problem.GPU_NO_SUCH_INDEX,
+                    value=ref,
+                    listed=[gpu.index for gpu in gpus],
                 )
             gpu = by_index[ref]
         else:
@@ -40,21 +42,10 @@ def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
     if not matches:
-        raise ConfigError(source, "gpus", f"no GPU has UUID {echo(ref, quote=False)}")
+        raise ConfigError(source, "gpus", Problem.GPU_NO_SUCH_UUID, value=ref)
     if len(matches) > 1:
-        raise ConfigError(
-            source, "gpus", f"{echo(ref, quote=False)} is the start of more than one GPU's UUID"
-        )
+        raise ConfigError(source, "gpus", Problem.GPU_UUID_AMBIGUOUS, value=ref)
     return matches[0]
-
-
-def _index_list(gpus: Sequence[Gpu]) -> str:
-    indices = [gpu.index for gpu in gpus]
-    if not indices:
-        return "no GPUs"
-    if indices == list(range(indices[0], indices[-1] + 1)):
-        return f"GPUs {indices[0]}-{indices[-1]}"
-    return "GPUs " + ", ".join(map(str, indices))
 
 
 def fail_on_owned_faults(
@@ -65,17 +56,18 @@ def fail_on_owned_faults(
         return
     who = unit or "this run"
     if wanted == "all":
-        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {who}: gpus = all)")
+        raise NvmlUnavailable(
+            Problem.NVML_OWN_GPU_FAULT, fault=faults[0].error, who=who, all_gpus=True
+        )
     uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
     owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in wanted}
     owned_uuids = {ref.lower() for ref in wanted if isinstance(ref, str)}
     for fault in faults:
         if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
-            raise NvmlUnavailable(f"{fault.error} (a GPU of {who})")
+            raise NvmlUnavailable(Problem.NVML_OWN_GPU_FAULT, fault=fault.error, who=who)
     unknown = [ref for ref in owned_uuids if not any(uuid.startswith(ref) for uuid in uuids)]
     nameless = [fault for fault in faults if fault.uuid is None]
     if unknown and nameless:
         raise NvmlUnavailable(
-            f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} "
-            "is not among those NVML can read"
+            Problem.NVML_OWN_GPU_UNREAD, fault=nameless[0].error, who=who, value=unknown[0]
         )

@@ -10,10 +10,9 @@ from gpugate.core.outcome import exit_code_for
 from gpugate.core.run_state import RunState
 from gpugate.core.shm_cleanup import ShmHost, plan, remove, short_of_space
 from gpugate.errors import ExitCode
+from gpugate.host.nvml import MIB
 from gpugate.host.shm import ShmKey
 from gpugate.host.systemd import unit_of_cgroup
-
-MIB = 1024 * 1024
 
 
 def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:

@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import importlib
 import os
 import sys
 import textwrap
 
 from gpugate import __version__
-from gpugate.errors import ExitCode, GateError, exit_code_summary
+from gpugate.errors import ExitCode, GateError, InvalidValue, exit_code_summary
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy knows the name)
 if TYPE_CHECKING:
@@ -30,6 +31,9 @@ if TYPE_CHECKING:
     from gpugate.host.roots import HostRoots
     from gpugate.report.journal import ReporterFactory
 
+# Handlers outside `commands`, by the module that holds them: `launch` imports `commands.Front`,
+# and no two modules import each other (tests/core/test_architecture.py).
+HANDLER_MODULES = {"launch_command": "gpugate.front.launch"}
 HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli
 
 CONTAINERS_HELP = (
@@ -86,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(handler="config_check_command")
     _install_parsers(commands)
     _oci_parsers(commands)
-    _run_parser(commands)
+    _launch_parser(commands)
     _slurm_parsers(commands)
     return parser
 
@@ -186,7 +190,7 @@ def _oci_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     runtime.set_defaults(handler="oci_command")
 
 
-def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     text = (
         "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its whole "
         "cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop"
@@ -220,7 +224,7 @@ def _run_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
-    run.set_defaults(handler="run_command")
+    run.set_defaults(handler="launch_command")
 
 
 def _stand_in_options(parser: argparse.ArgumentParser) -> None:
@@ -253,7 +257,8 @@ def main(
         from gpugate.front import commands  # noqa: PLC0415
         from gpugate.host.roots import HostRoots  # noqa: PLC0415
 
-        handler: Handler = getattr(commands, args.handler)
+        module = importlib.import_module(HANDLER_MODULES.get(args.handler, commands.__name__))
+        handler: Handler = getattr(module, args.handler)
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
         if args.nvml_library is not None and driver_factory is None:
@@ -269,18 +274,19 @@ def main(
         )
         return handler(args, front)
     except GateError as exc:
-        print(f"gpugate: {_line(exc.message)}", file=sys.stderr)
+        from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
+        from gpugate.report.error_text import error_text  # noqa: PLC0415
+
+        print(lines.error(_line(error_text(exc))), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
     except Exception as exc:
         if os.environ.get("GPUGATE_DEBUG"):
             raise
-        print(
-            f"gpugate: internal error: {type(exc).__name__}: {_line(str(exc))} "
-            "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
-            file=sys.stderr,
-        )
+        from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
+
+        print(lines.internal_error(exc), file=sys.stderr)
         return int(ExitCode.INTERNAL)
 
 
@@ -300,11 +306,12 @@ def run() -> None:
 
 def _gpus(value: str) -> object:
     from gpugate.front.install import parse_gpus  # noqa: PLC0415
+    from gpugate.report.error_text import problem_text  # noqa: PLC0415
 
     try:
         return parse_gpus(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except InvalidValue as exc:
+        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
 
 
 def _line(text: str) -> str:
@@ -320,24 +327,28 @@ def _path(value: str) -> Path:
 
 
 def _uid(value: str) -> int:
-    from gpugate.front.run_unit import parse_uid  # noqa: PLC0415
+    from gpugate.front.launch_unit import parse_uid  # noqa: PLC0415
+    from gpugate.report import lines  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:
-        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
+        raise argparse.ArgumentTypeError(lines.not_a_uid(value))
     return uid
 
 
 def _port(value: str) -> int:
+    from gpugate.report import lines  # noqa: PLC0415
+
     if not value.isdigit() or not 1 <= int(value) <= 65535:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
+        raise argparse.ArgumentTypeError(lines.not_a_port(value))
     return int(value)
 
 
 def _container(value: str) -> str:
     from gpugate.front.install import parse_container  # noqa: PLC0415
+    from gpugate.report.error_text import problem_text  # noqa: PLC0415
 
     try:
         return parse_container(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    except InvalidValue as exc:
+        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None

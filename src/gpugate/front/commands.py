@@ -10,11 +10,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
+from gpugate.errors import ExitCode, NvmlNotAnswering, Problem, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
-from gpugate.host.cgroups import CgroupLayout, on_unified_hierarchy, read_cgroup_layout
+from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver
-from gpugate.host.roots import SYSTEM_CGROUP_ROOT, HostRoots
+from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import (
     active_state,
     own_unit,
@@ -23,6 +23,8 @@ from gpugate.host.systemd import (
     unit_argument,
     validate_unit_name,
 )
+from gpugate.report import lines
+from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 
 if TYPE_CHECKING:
@@ -58,21 +60,13 @@ class Front:
         self.environ = os.environ if environ is None else environ
         self.given_roots = roots or HostRoots()
         self.unit_state = unit_state or active_state
-        self.cgroup_layout = cgroup_layout or _host_cgroup_layout
+        self.cgroup_layout = cgroup_layout or host_cgroup_layout
 
     def host_roots(self) -> HostRoots:
         """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
         host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host. Read afresh on
         each call: a command asks once, first, where it needs the host."""
-        given = self.given_roots
-        layout = self.cgroup_layout(given)
-        return given if layout is None else on_unified_hierarchy(given, layout)
-
-
-def _host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
-    if roots.cgroup != SYSTEM_CGROUP_ROOT:
-        return None  # a stand-in tree (tests, a root that is not this host's): as it is
-    return read_cgroup_layout(roots.proc)
+        return on_units_tree(self.given_roots, self.cgroup_layout)
 
 
 def hook_command(args: argparse.Namespace, front: Front) -> int:
@@ -86,10 +80,7 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
     unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
-        raise UnknownUnit(
-            "no UNIT given and gpugate is not running inside a service's cgroup; "
-            "pass the unit (%n in a unit file)"
-        )
+        raise UnknownUnit(Problem.UNIT_NOT_GIVEN)
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     phase = Phase(args.command)
@@ -123,12 +114,6 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     return int(outcome.exit_code)
 
 
-def run_command(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.run_command import run_command as run  # noqa: PLC0415
-
-    return run(args, front)
-
-
 def slurm_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.core.run import RunDeps  # noqa: PLC0415
     from gpugate.front.slurm_hook import SlurmDeps, run_slurm_hook  # noqa: PLC0415
@@ -149,14 +134,13 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
-    print(f"# effective configuration, from {loaded.source}")
+    print(lines.effective_config(loaded.source))
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
         environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
-        shown = "all" if choice.gpus == "all" else ", ".join(map(str, choice.gpus)) or "none"
-        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
+        print(lines.unit_gpus(unit, choice.gpus, choice.source))
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
@@ -168,7 +152,7 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install  # noqa: PLC0415
 
     if args.oci != (args.unit is None):
-        print(f"gpugate {args.command}: give a UNIT or --containers", file=sys.stderr)
+        print(lines.unit_or_containers(args.command), file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.oci:
         return containers_install_command(args)
@@ -191,13 +175,13 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
             **dirs,
         )
         if not os.access(command[0], os.X_OK) and not args.dry_run:
-            print(f"gpugate: warning: {command[0]} is not an executable here", file=sys.stderr)
+            print(lines.not_executable_here(command[0]), file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
-        print(f"takes effect at the next start: systemctl restart {unit}")
+        print(lines.takes_effect(unit))
     return int(ExitCode.OK)
 
 
@@ -205,7 +189,7 @@ def _warn_environment_files(unit: str) -> None:
     from gpugate.integrations.unit.env_files import unit_environment_warnings  # noqa: PLC0415
 
     for line in unit_environment_warnings(unit):
-        print(f"gpugate: {line}", file=sys.stderr)
+        print(lines.error(line), file=sys.stderr)
 
 
 def status_command(args: argparse.Namespace, front: Front) -> int:
@@ -229,14 +213,13 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
                 if hung is not None:
-                    print(f"gpugate: {hung.message}", file=sys.stderr, flush=True)
+                    print(lines.error(error_text(hung)), file=sys.stderr, flush=True)
                     return int(hung.exit_code)
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:
                 raise hung  # --watch: no next look can answer
             # Home and clear the screen, then the table, as watch(1) draws it.
-            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
-            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
+            print(f"\x1b[H\x1b[J{lines.watch_header(unit)}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends

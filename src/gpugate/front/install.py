@@ -17,9 +17,16 @@ from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config
-from gpugate.config.gpulist import GpuListError, parse_gpu_text
+from gpugate.config.gpulist import parse_gpu_text
 from gpugate.config.models import CONTAINER_NAME, DEFAULT_PRIVATE_SHM
-from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
+from gpugate.errors import (
+    GateError,
+    InstallError,
+    InvalidValue,
+    PermissionDenied,
+    Problem,
+    UnknownUnit,
+)
 from gpugate.front.install_files import (
     DEFAULT_GPUGATE,
     HOOK_TIMEOUT_S,
@@ -35,6 +42,7 @@ from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
 from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
 from gpugate.host.unit_settings import parse as parse_unit_settings
 from gpugate.host.unit_settings import read_unit
+from gpugate.report import lines
 from gpugate.report.narrate_install import kept_lines
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
@@ -74,7 +82,7 @@ class Targets:
 def validate_install_unit(unit: str) -> str:
     """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
     if not unit.endswith(".service"):
-        raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
+        raise UnknownUnit(Problem.INSTALL_NOT_SERVICE, unit=unit)
     if unit.endswith("@.service"):
         validate_unit_name(unit.removesuffix("@.service") + "@instance.service")
     else:
@@ -83,19 +91,17 @@ def validate_install_unit(unit: str) -> str:
 
 
 def parse_gpus(value: str) -> Gpus:
-    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`. Raises ValueError."""
+    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`. Raises InvalidValue
+    (a ValueError)."""
     if value.strip() == "all":
         return "all"
-    try:
-        return list(parse_gpu_text(value))
-    except GpuListError as exc:
-        raise ValueError(str(exc)) from None
+    return list(parse_gpu_text(value))
 
 
 def parse_container(value: str) -> str:
     """`--container vllm` (a name or id) into one item of the config's `containers`."""
     if not CONTAINER_NAME.fullmatch(value):
-        raise ValueError(f"{value!r} is not a container name or id (letters, digits, _.-)")
+        raise InvalidValue(Problem.NOT_CONTAINER, value=value, hint=True)
     return value
 
 
@@ -105,18 +111,13 @@ def systemctl_daemon_reload() -> bool:
         return False
     systemctl = find_program("systemctl")
     if systemctl is None:
-        raise InstallError(
-            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
-        )
+        raise InstallError(Problem.INSTALL_NO_SYSTEMCTL, path=SYSTEM_PATH)
     try:
         result = run_program([systemctl, "daemon-reload"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(f"files written, but {exc.message}; run it yourself") from None
+        raise InstallError(Problem.INSTALL_RELOAD_ERROR, cause=exc) from None
     if result.returncode != 0:
-        raise InstallError(
-            f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
-            "run it yourself"
-        )
+        raise InstallError(Problem.INSTALL_RELOAD_FAILED, said=result.first_line())
     return True
 
 
@@ -154,21 +155,18 @@ def plan_install(
         owner = ownership(path)
         if owner is Ownership.OPERATORS and not force:
             if path == targets.config and gpus is None and not containers and not ports:
-                changes.append(Change(path, Action.KEEP, note="yours (edited): kept"))
+                changes.append(Change(path, Action.KEEP, note="edited"))
                 continue
             refused.append(str(path))
             continue
-        lines = said if path == targets.dropin else ()
+        shown = said if path == targets.dropin else ()
         if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
-            changes.append(Change(path, Action.UNCHANGED, said=lines))
+            changes.append(Change(path, Action.UNCHANGED, said=shown))
         else:
-            note = "replacing your edited file (--force)" if owner is Ownership.OPERATORS else ""
-            changes.append(Change(path, Action.WRITE, content, note, lines))
+            note = "edited-forced" if owner is Ownership.OPERATORS else ""
+            changes.append(Change(path, Action.WRITE, content, note, shown))
     if refused:
-        raise InstallError(
-            f"{', '.join(refused)}: edited by you (or not written by gpugate install); "
-            "nothing changed; --force replaces it"
-        )
+        raise InstallError(Problem.INSTALL_EDITED, paths=refused)
     return changes
 
 
@@ -196,7 +194,9 @@ def configured_private_shm(config: Path) -> str:
     except FileNotFoundError:
         return DEFAULT_PRIVATE_SHM
     except OSError as exc:
-        raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
+        raise PermissionDenied(
+            Problem.INSTALL_UNREADABLE, path=config, cause=exc.strerror
+        ) from None
     return parse_config(text, str(config)).private_shm
 
 
@@ -214,10 +214,9 @@ def refuse_unknown_unit(
     state = query(unit)
     if state is None or state.load_state != "not-found":
         return
-    problem = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
     if not force:
-        raise UnknownUnit(f"{problem}; nothing changed; --force installs anyway")
-    print(f"gpugate: warning: {problem}; installing anyway (--force)", file=stream or sys.stderr)
+        raise UnknownUnit(Problem.INSTALL_UNIT_UNKNOWN, unit=unit)
+    print(lines.install_unit_unknown_forced(unit), file=stream or sys.stderr)
 
 
 def plan_uninstall(
@@ -239,12 +238,9 @@ def plan_uninstall(
         elif owner is Ownership.OURS or force:
             changes.append(Change(path, Action.REMOVE))
         elif path == targets.config:
-            changes.append(Change(path, Action.KEEP, note="yours (edited): kept; --force removes"))
+            changes.append(Change(path, Action.KEEP, note="edited-removable"))
         else:
-            raise InstallError(
-                f"{path}: edited by you (or not written by gpugate install); nothing changed; "
-                "--force removes it"
-            )
+            raise InstallError(Problem.INSTALL_EDITED_REMOVE, path=path)
     return changes
 
 
@@ -272,32 +268,21 @@ def apply(
                 _remove_empty_dir(change.path.parent)
         except PermissionError as exc:
             raise PermissionDenied(
-                f"{exc.filename or change.path}: permission denied (run as root)"
+                Problem.NO_PERMISSION_READING, path=exc.filename or change.path, writing=True
             ) from None
     unit_files_changed = any(
         c.action in (Action.WRITE, Action.REMOVE) and c.path.name == DROPIN_NAME for c in changes
     )
     if dry_run or not unit_files_changed:
         return False
-    if reload():
-        print("reloaded systemd (systemctl daemon-reload)", file=stream)
-    else:
-        print("systemd not reloaded (not running here, or --no-reload)", file=stream)
+    print(lines.reloaded(reload()), file=stream)
     return True
 
 
 def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
-    verb = {
-        Action.WRITE: ("would write", "wrote"),
-        Action.UNCHANGED: ("unchanged", "unchanged"),
-        Action.KEEP: ("would keep", "kept"),
-        Action.REMOVE: ("would remove", "removed"),
-        Action.ABSENT: ("not there", "not there"),
-    }[change.action][0 if dry_run else 1]
-    note = f" ({change.note})" if change.note else ""
-    print(f"{verb} {change.path}{note}", file=stream)
-    for line in change.said:
-        print(f"  {line}", file=stream)
+    print(lines.change(change.action.value, change.path, change.note, dry_run=dry_run), file=stream)
+    for said in change.said:
+        print(lines.said_under(said), file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
         print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
 

@@ -54,7 +54,10 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
             raise
         spec = parse_config(raw, f"{state.bundle}/config.json")
     except OciInputError as exc:
-        print(f"gpugate: oci-hook {stage}: {exc.message}", file=sys.stderr)
+        from gpugate.report.error_text import error_text  # noqa: PLC0415 (its words only)
+        from gpugate.report.oci_text import hook_failed  # noqa: PLC0415
+
+        print(hook_failed(stage, error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)
     if not spec.gpus:
         return int(ExitCode.OK)  # no GPU asked for: not gpugate's container

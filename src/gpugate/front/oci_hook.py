@@ -22,6 +22,7 @@ from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Deps, Hook, run_hook
 from gpugate.front.interrupt import stopped_by_signals
+from gpugate.host.cgroups import on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.procfs import ProcFs
@@ -39,6 +40,8 @@ from gpugate.integrations.container import (
 from gpugate.integrations.unit.gpu_source import GpuChoice
 from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
+from gpugate.report import lines, oci_text
+from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator
 
@@ -119,24 +122,21 @@ def run_from_hook(
     config: Path | None = None,
 ) -> int:
     """The runtime's call, past the fast path: an error is one line and its exit code."""
-    from gpugate.front.commands import Front  # noqa: PLC0415
-
     phase = stage_phase(stage)
     if phase is None:
         return int(ExitCode.OK)
     try:
         loaded = load_config(None, config) if config is not None else None
-        roots = roots or Front().host_roots()
+        roots = roots or on_units_tree(HostRoots())
         return run_container_hook(phase, state, spec, roots=roots, loaded=loaded)
     except GateError as exc:
-        print(f"gpugate: oci-hook {stage}: {exc.message}", file=sys.stderr)
+        print(oci_text.hook_failed(stage, error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)
     except Exception as exc:
         if os.environ.get("GPUGATE_DEBUG"):
             raise
         print(
-            f"gpugate: oci-hook {stage}: internal error: {type(exc).__name__}: {exc} "
-            "(set GPUGATE_DEBUG=1 for a traceback, and please report it)",
+            oci_text.hook_failed(stage, lines.internal_error_text(exc)),
             file=sys.stderr,
         )
         return int(ExitCode.INTERNAL)

@@ -12,8 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.errors import ExitCode
+from gpugate.errors import ExitCode, Problem
 from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
+from gpugate.report import oci_text
 
 RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -69,12 +70,12 @@ def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
         return False
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):
-        raise OciInputError("config.json: hooks: not a JSON object")
+        raise OciInputError(Problem.OCI_NOT_OBJECT, source="config.json: hooks")
     changed = False
     for stage in HOOK_STAGES:
         entries = hooks.setdefault(stage, [])
         if not isinstance(entries, list):
-            raise OciInputError(f"config.json: hooks.{stage}: not a list")
+            raise OciInputError(Problem.OCI_NOT_LIST, source=f"config.json: hooks.{stage}")
         entry = hook_entry(gpugate, stage)
         if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
             entries.append(entry)
@@ -88,9 +89,9 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
     try:
         spec = json.loads(raw)
     except (ValueError, RecursionError):
-        raise OciInputError(f"{bundle}/config.json: not JSON") from None
+        raise OciInputError(Problem.OCI_NOT_JSON, source=f"{bundle}/config.json") from None
     if not isinstance(spec, dict):
-        raise OciInputError(f"{bundle}/config.json: not a JSON object")
+        raise OciInputError(Problem.OCI_NOT_OBJECT, source=f"{bundle}/config.json")
     if not with_hooks(spec, gpugate):
         return False
     path = Path(bundle, "config.json")
@@ -113,16 +114,18 @@ def main(argv: Sequence[str]) -> int:
     """argv: runc's arguments. Returns only where runc cannot be run."""
     runc = find_runc()
     if runc is None:
-        print(f"gpugate-oci-runtime: no runc in {', '.join(RUNC_PATHS)}", file=sys.stderr)
+        print(oci_text.runtime_no_runc(RUNC_PATHS), file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
     command, args = command_of(argv)
     if command in ("create", "run"):
         try:
             add_hooks(bundle_of(args), own_gpugate())
         except (OciInputError, OSError) as exc:
-            said = exc.message if isinstance(exc, OciInputError) else str(exc)
+            from gpugate.report.error_text import error_text  # noqa: PLC0415 (its words only)
+
+            said = error_text(exc) if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
-            print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
+            print(oci_text.runtime_failed(said), file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
     os.execv(runc, [runc, *argv])  # noqa: S606 - runc at a fixed path, its arguments as given
     return int(ExitCode.INTERNAL)  # not reached: execv replaced this process

@@ -20,7 +20,6 @@ from gpugate.integrations.slurm import (
     METRICS_UNIT,
     JobSurroundings,
     SlurmJob,
-    failure_detail,
     job_cgroup,
     job_fields,
     job_from_env,
@@ -29,7 +28,10 @@ from gpugate.integrations.slurm import (
     with_job_gpus,
 )
 from gpugate.phase import Phase
+from gpugate.report import lines
+from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.lines import failure_detail
 
 
 @dataclass(frozen=True)
@@ -55,8 +57,9 @@ def run_slurm_hook(
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
         loaded = with_job_gpus(load_slurm_config(config_path, deps.config_dir), job)
     except GateError as exc:
-        print(f"gpugate: {exc.message}", file=stream)
-        code, detail = exc.exit_code, exc.message
+        detail = error_text(exc)
+        print(lines.error(detail), file=stream)
+        code = exc.exit_code
     else:
         code, summary, detail = run_job(phase, job, loaded, dry_run=dry_run, deps=deps)
     if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
@@ -80,7 +83,7 @@ def run_job(
     )
     reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
     outcome = run_hook(hook, loaded, Deps(reporter, deps.run, deps.stream))
-    detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
+    detail = error_text(outcome.error) if outcome.error else failure_detail(outcome.summary)
     return outcome.exit_code, outcome.summary, detail
 
 
@@ -96,10 +99,10 @@ def drain(
 ) -> None:
     """A failed prolog or epilog: the drain reason, on stderr (unless an error said its one
     line already) and to slurmctld where the node is named."""
-    who = f" job {job.job_id}" if job is not None else ""
-    reason = f"gpugate {phase}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
+    reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+    reason = reason[:MAX_REASON]
     if not said:
-        print(f"gpugate: drain: {reason}", file=stream, flush=True)
+        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
     if node:
         set_drain_reason(node, reason, stream)

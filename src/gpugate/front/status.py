@@ -33,6 +33,8 @@ from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
+from gpugate.report.error_text import error_text
+from gpugate.report.lines import unreadable_holders
 from gpugate.report.narrate import cut_short_text
 from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.own_shm_text import own_shm_line
@@ -167,7 +169,7 @@ def as_dict(
         "unit_shm": unit_shm(discovery, roots),
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
-            {"index": fault.index, "uuid": fault.uuid, "error": fault.error}
+            {"index": fault.index, "uuid": fault.uuid, "error": error_text(fault.error)}
             for fault in discovery.faults
         ],
     }
@@ -436,10 +438,4 @@ def unreadable_warning(discovery: Discovery) -> str | None:
         return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
     if not discovery.unreadable:
         return None
-    shown = ", ".join(map(str, discovery.unreadable[:10]))
-    more = ", …" if len(discovery.unreadable) > 10 else ""
-    return (
-        f"gpugate: warning: not permitted to read the open files of "
-        f"{len(discovery.unreadable)} process(es) (PID {shown}{more}): GPU holders among them "
-        "are not shown; run as root"
-    )
+    return unreadable_holders(discovery.unreadable)

@@ -13,10 +13,11 @@ gpugate works from the unified tree of the first two and refuses the third befor
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from gpugate.errors import HostUnsupported
+from gpugate.errors import HostUnsupported, Problem
 from gpugate.host.roots import HYBRID_UNIFIED_ROOT, SYSTEM_CGROUP_ROOT, HostRoots
 
 UNIFIED = "unified"
@@ -66,18 +67,11 @@ def read_cgroup_layout(proc_root: Path) -> CgroupLayout:
         text = (proc_root / "self" / "mountinfo").read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise HostUnsupported(
-            f"cannot read {proc_root}/self/mountinfo ({exc.strerror}): gpugate cannot tell "
-            "which cgroup tree this host tracks its units in; nothing was killed"
+            Problem.CGROUP_MOUNTINFO_UNREADABLE,
+            path=proc_root / "self" / "mountinfo",
+            cause=exc.strerror,
         ) from None
     return cgroup_layout(text)
-
-
-LEGACY_MESSAGE = (
-    "this host's cgroups are v1 only (no cgroup2 at {system} or {hybrid}): gpugate finds a "
-    "unit's processes in the unified hierarchy (cgroup v2), which this host lacks; nothing was "
-    "killed. Boot with systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: "
-    'grubby --update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
-)
 
 
 def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
@@ -86,13 +80,29 @@ def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
     the tree is its `unified` folder. A legacy host: HostUnsupported, before anything runs."""
     if layout.kind == LEGACY or layout.unified_mount is None:
         raise HostUnsupported(
-            LEGACY_MESSAGE.format(system=SYSTEM_CGROUP_ROOT, hybrid=HYBRID_UNIFIED_ROOT)
+            Problem.CGROUP_V1_ONLY, system=SYSTEM_CGROUP_ROOT, hybrid=HYBRID_UNIFIED_ROOT
         )
     relative = layout.unified_mount.relative_to(PurePosixPath(str(SYSTEM_CGROUP_ROOT)))
     unified = roots.cgroup / relative
     if not unified.is_dir():
         raise HostUnsupported(
-            f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: "
-            "gpugate cannot find its units' processes; nothing was killed"
+            Problem.CGROUP_TREE_ELSEWHERE, mount=layout.unified_mount, expected=unified
         )
     return replace(roots, cgroup=unified)
+
+
+def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
+    """This host's layout where the cgroup root is the real one; None for a stand-in tree
+    (tests, a root that is not this host's), used as it is."""
+    if roots.cgroup != SYSTEM_CGROUP_ROOT:
+        return None
+    return read_cgroup_layout(roots.proc)
+
+
+def on_units_tree(
+    given: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
+) -> HostRoots:
+    """The roots with the cgroup root on the tree systemd tracks units in (a hybrid host's
+    /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
+    found = layout(given)
+    return given if found is None else on_unified_hierarchy(given, found)

@@ -114,7 +114,7 @@ class ContainerNames:
         self.runner = runner
         self.timeout_s = timeout_s
         self.known: dict[str, str | None] = {}
-        self.warnings: list[str] = []
+        self.warnings: list[GateError] = []  # what it could not learn (names stay unknown)
 
     def named(self, containers: Iterable[Container]) -> list[Container]:
         todo = [c for c in containers if c.id not in self.known]
@@ -132,7 +132,7 @@ class ContainerNames:
         try:
             result = self.runner(argv, self.timeout_s)
         except GateError as exc:  # did not answer in time, or could not be started
-            self.warnings.append(exc.message)
+            self.warnings.append(exc)
             return names
         # Exit 1 where one of the ids is gone already; the others are still printed.
         for line in result.stdout.splitlines():
@@ -146,7 +146,9 @@ class ContainerNames:
 class StopResult:
     container: Container
     ok: bool
-    detail: str  # the runtime's own words where it failed
+    detail: str = ""  # the runtime's own words where it failed
+    error: GateError | None = None  # where the runtime did not answer, or could not be run
+    no_cli: bool = False  # no CLI of the runtime in the system folders
 
 
 def stop_containers(
@@ -164,13 +166,13 @@ def stop_containers(
     for container in containers:
         found = cli(container.runtime)
         if found is None:
-            results.append(StopResult(container, False, f"no {container.runtime} CLI found"))
+            results.append(StopResult(container, False, no_cli=True))
             continue
         argv = [found, "stop", "--time", str(seconds), container.id]
         try:
             result = runner(argv, seconds + STOP_MARGIN_S)
         except GateError as exc:  # did not answer in time, or could not be started
-            results.append(StopResult(container, False, exc.message))
+            results.append(StopResult(container, False, error=exc))
             continue
         detail = result.first_line() if result.returncode else ""
         results.append(StopResult(container, result.returncode == 0, detail))

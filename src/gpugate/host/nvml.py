@@ -15,12 +15,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
-from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
+from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied, Problem
 from gpugate.host.bounded_calls import CallThread, CallTimedOut
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.safe_files import untrusted
 
-MIB = 1024 * 1024
+MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ class GpuFault:
     """A GPU NVML counts but cannot read (lost, unsupported query, ...)."""
 
     index: int
-    error: str  # what failed, for the journal and `status`
+    error: GateError  # what failed (report/ words it for the journal and `status`)
     uuid: str | None = None  # where NVML still gave it
     minor: int | None = None
 
@@ -63,8 +63,8 @@ class GpuFault:
 class GpuError(NvmlUnavailable):
     """NVML failed on one GPU; the others may still answer."""
 
-    def __init__(self, index: int, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, index: int, problem: Problem, **facts: object) -> None:
+        super().__init__(problem, gpu=index, **facts)
         self.index = index
 
 
@@ -148,15 +148,13 @@ def load_nvml_library(nv: Any, library: str | None) -> None:
         path = library or find_nvml_library()
         if path is None:
             raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found in {', '.join(NVML_DIRS)} or the dynamic "
-                "loader's cache: is the NVIDIA driver installed?"
+                Problem.NVML_LIBRARY_NOT_FOUND, library=NVML_LIBRARY, dirs=list(NVML_DIRS)
             )
         try:
             nv.nvmlLib = ctypes.CDLL(path)
         except OSError as exc:
             raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found: {path} cannot be loaded ({exc}): is the "
-                "NVIDIA driver installed?"
+                Problem.NVML_LIBRARY_UNLOADABLE, library=NVML_LIBRARY, path=path, detail=str(exc)
             ) from None
 
 
@@ -244,15 +242,13 @@ class NvmlDriver:
         try:
             self._raw(None, nv.nvmlInit)
         except nv.NVMLError_LibraryNotFound:
-            raise NvmlUnavailable(
-                "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
-            ) from None
+            raise NvmlUnavailable(Problem.NVML_LIBRARY_MISSING) from None
         except nv.NVMLError_DriverNotLoaded:
-            raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
+            raise NvmlUnavailable(Problem.NVML_DRIVER_NOT_LOADED) from None
         except nv.NVMLError_NoPermission:
-            raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
+            raise PermissionDenied(Problem.NVML_NO_PERMISSION) from None
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
+            raise NvmlUnavailable(Problem.NVML_INIT_FAILED, detail=str(exc)) from None
         self._initialized = True
 
     def close(self) -> None:
@@ -273,12 +269,12 @@ class NvmlDriver:
         try:
             count = self._raw(None, nv.nvmlDeviceGetCount)
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
+            raise NvmlUnavailable(Problem.NVML_COUNT_FAILED, detail=str(exc)) from None
         for index in range(count):
             try:
                 found.append(self._read_gpu(index))
             except GpuError as exc:
-                self._faults.append(GpuFault(index, exc.message))
+                self._faults.append(GpuFault(index, exc))
         return found
 
     def faults(self) -> Sequence[GpuFault]:
@@ -350,17 +346,19 @@ class NvmlDriver:
         try:
             return self._raw(index, function, *args)
         except nv.NVMLError_GpuIsLost:
-            raise GpuError(
-                index, f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
-            ) from None
+            raise GpuError(index, Problem.NVML_GPU_LOST) from None
         except nv.NVMLError_NotSupported:
-            raise GpuError(index, f"NVML: GPU {index} does not support {_name(function)}") from None
+            raise GpuError(index, Problem.NVML_NOT_SUPPORTED, call=_name(function)) from None
         except nv.NVMLError_NoPermission:
-            raise PermissionDenied(f"NVML: permission denied for {_name(function)}") from None
+            raise PermissionDenied(Problem.NVML_CALL_DENIED, call=_name(function)) from None
         except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded) as exc:
-            raise NvmlUnavailable(f"NVML: {_name(function)}: {exc}") from None
+            raise NvmlUnavailable(
+                Problem.NVML_CALL_FAILED, call=_name(function), detail=str(exc)
+            ) from None
         except nv.NVMLError as exc:
-            raise GpuError(index, f"NVML: {_name(function)} on GPU {index}: {exc}") from None
+            raise GpuError(
+                index, Problem.NVML_GPU_CALL_FAILED, call=_name(function), detail=str(exc)
+            ) from None
 
 
 def _name(function: Any) -> str:
@@ -383,7 +381,7 @@ class NotAnswering:
         return []
 
     def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(minor, self.error.message, minor=minor) for minor in self.minors]
+        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
 
     def not_answering(self) -> NvmlNotAnswering:
         return self.error
@@ -408,7 +406,7 @@ class NoGpus:
         return []
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        raise AssertionError("no GPUs to query")
+        raise AssertionError(gpu)  # a bug: the run asked for a GPU it was not given
 
     def answer_by(self, deadline: float) -> None:
         pass  # it is asked nothing

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.errors import ConfigError
+from gpugate.errors import ConfigError, Problem
 
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
 # the unified tree of a hybrid host (host/cgroups.py), where systemd tracks units there
@@ -38,23 +38,18 @@ class HostRoots:
         for item in text.split(","):
             name, eq, value = item.partition("=")
             if not eq or name not in NAMES:
-                raise ConfigError(OPTION, "", f"{item[:60]!r}: not dev=DIR, proc=DIR or cgroup=DIR")
+                raise ConfigError(OPTION, "", Problem.ROOTS_FORM, value=item)
             path = Path(value)
             if not path.is_absolute():
-                raise ConfigError(OPTION, name, f"{value[:60]!r} is not an absolute path")
+                raise ConfigError(OPTION, name, Problem.ROOTS_NOT_ABSOLUTE, value=value)
             roots[name] = path
         found = cls(**roots)
         found.check()
         return found
-
-    def as_option(self) -> list[str]:
-        """The command-line words that give a gpugate command these roots."""
-        spec = ",".join(f"{name}={getattr(self, name)}" for name in NAMES)
-        return [OPTION, spec]
 
     def check(self) -> None:
         """A root that is not there is a configuration error, not a crash mid-run."""
         for name in NAMES:
             path: Path = getattr(self, name)
             if not path.is_dir():
-                raise ConfigError(OPTION, name, f"{str(path)[:60]}: no such folder")
+                raise ConfigError(OPTION, name, Problem.ROOTS_NO_FOLDER, value=str(path))

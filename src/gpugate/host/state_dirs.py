@@ -11,7 +11,7 @@ import secrets
 from collections.abc import Iterable
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, StateUnwritable
+from gpugate.errors import PermissionDenied, Problem, StateUnwritable
 from gpugate.host.safe_files import open_folder
 
 # What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
@@ -25,11 +25,11 @@ def check_writable(folder: Path, what: str) -> None:
     try:
         folder_fd = open_folder(folder)
     except (FileExistsError, NotADirectoryError):
-        raise StateUnwritable(folder, "a file is in the way (not a folder)", what) from None
+        raise StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY) from None
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied creating it (for {what})") from None
+        raise PermissionDenied(Problem.NO_PERMISSION_CREATING, path=folder, what=what) from None
     except OSError as exc:
-        raise StateUnwritable(folder, _cause(exc), what) from None
+        raise _unwritable(folder, what, exc) from None
     try:
         _probe(folder_fd, folder, what)
     finally:
@@ -42,15 +42,15 @@ def _probe(folder_fd: int, folder: Path, what: str) -> None:
     try:
         fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied writing {what} there") from None
+        raise PermissionDenied(Problem.NO_PERMISSION_WRITING, path=folder, what=what) from None
     except OSError as exc:
-        raise StateUnwritable(folder, _cause(exc), what) from None
+        raise _unwritable(folder, what, exc) from None
     try:
         written = os.write(fd, bytes(PROBE_BYTES))
         if written < PROBE_BYTES:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     except OSError as exc:
-        raise StateUnwritable(folder, _cause(exc), what) from None
+        raise _unwritable(folder, what, exc) from None
     finally:
         os.close(fd)
         with contextlib.suppress(OSError):
@@ -60,7 +60,7 @@ def _probe(folder_fd: int, folder: Path, what: str) -> None:
 def check_file_slot(path: Path, what: str) -> None:
     """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
     if path.is_dir() or (path.exists() and not path.is_file()):
-        raise StateUnwritable(path, "a folder is in the way (not a file)", what)
+        raise StateUnwritable(path, what, Problem.STATE_FOLDER_IN_THE_WAY)
 
 
 def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, str]] = ()) -> None:
@@ -70,7 +70,7 @@ def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, s
         check_file_slot(path, what)
 
 
-def _cause(exc: OSError) -> str:
+def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:
     if exc.errno == errno.ENOTDIR:
-        return "a file is in the way (not a folder)"
-    return exc.strerror or str(exc)
+        return StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY)
+    return StateUnwritable(folder, what, cause=exc.strerror or str(exc))

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import UnknownUnit
+from gpugate.errors import Problem, UnknownUnit
 from gpugate.host.programs import find_program, run_program
 
 UNIT_SUFFIXES = (".service", ".scope")
@@ -47,14 +47,12 @@ def unit_argument(name: str) -> str:
 
 def validate_unit_name(name: str) -> str:
     if len(name) > 255 or not UNIT_NAME.match(name):
-        raise UnknownUnit(
-            f"unit {name!r}: not a valid service or scope unit name (pass %n from the unit file)"
-        )
+        raise UnknownUnit(Problem.UNIT_NOT_SERVICE_OR_SCOPE, unit=name)
     if name.startswith("@") or name.count("@") > 1:
-        raise UnknownUnit(f"unit {name!r}: not a valid unit name")
+        raise UnknownUnit(Problem.UNIT_NAME_INVALID, unit=name)
     prefix, at, instance = name.rpartition(".")[0].partition("@")
     if at and not instance:
-        raise UnknownUnit(f"unit {name!r}: a template; name an instance, e.g. {prefix}@0.service")
+        raise UnknownUnit(Problem.UNIT_TEMPLATE, unit=name, prefix=prefix)
     return name
 
 
@@ -188,7 +186,7 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
     state = query_unit(name) if ask_systemd else None
     if state is not None:
         if state.load_state == "not-found":
-            raise UnknownUnit(f"unit {name}: systemd knows no such unit")
+            raise UnknownUnit(Problem.UNIT_UNKNOWN, unit=name)
         if state.control_group:
             return state.control_group
     found = find_unit_cgroup(name, cgroup_root)
@@ -262,8 +260,7 @@ def unit_environment(
                 if ignore:
                     continue
                 raise UnknownUnit(
-                    f"unit {name}: EnvironmentFile={path}: cannot read it ({exc}); "
-                    "systemd would not start the unit either"
+                    Problem.UNIT_ENV_FILE_UNREADABLE, unit=name, path=path, detail=str(exc)
                 ) from None
             files.append(path)
             for variable, setting in parsed.items():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from gpugate.config import file
 from gpugate.config.models import LoadedConfig
-from gpugate.errors import ConfigError
+from gpugate.errors import ConfigError, Problem
 from gpugate.host.safe_files import read_capped, untrusted
-from gpugate.report.trust_text import unreadable, untrusted_config, untrusted_state
+from gpugate.report.trust_text import unreadable
 
 
 def load_config(
@@ -23,26 +23,26 @@ def load_config(
     loaded = file.load_config(unit, explicit, config_dir, read=read_trusted)
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
-        raise ConfigError(loaded.source, "lock_dir", untrusted_state(found))
+        raise ConfigError(loaded.source, "lock_dir", Problem.CONFIG_STATE_UNTRUSTED, found=found)
     return loaded
 
 
 def read_trusted(path: Path) -> str:
     """path's text, once it and its folders are judged only trusted accounts' to change."""
     if not os.path.lexists(path):
-        raise ConfigError(str(path), "", "no such file")
+        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE)
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(str(path), "", untrusted_config(found))
+        raise ConfigError(str(path), "", Problem.CONFIG_UNTRUSTED, found=found)
     try:
         data = read_capped(path.resolve())
     except FileNotFoundError:
-        raise ConfigError(str(path), "", "no such file") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE) from None
     except PermissionError:
-        raise ConfigError(str(path), "", "permission denied reading it") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_UNREADABLE) from None
     except OSError as exc:
-        raise ConfigError(str(path), "", unreadable(exc)) from None
+        raise ConfigError(str(path), "", Problem.CONFIG_OS_ERROR, cause=unreadable(exc)) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(str(path), "", "is not UTF-8 text") from None
+        raise ConfigError(str(path), "", Problem.CONFIG_NOT_UTF8) from None

@@ -15,6 +15,7 @@ the unit's last run of each phase from its very first run on.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import sys
@@ -30,6 +31,7 @@ from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
 from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
 from gpugate.integrations.records import parse_record
+from gpugate.report import lines
 from gpugate.report.trust_text import metrics_folder_warning
 
 STATE_VERSION = 1
@@ -238,7 +240,7 @@ def _locked(
     fd = open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
     try:
         if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
-            raise TimeoutError(f"{path}: held by another gpugate run")
+            raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
         yield
     finally:
         os.close(fd)
@@ -295,8 +297,6 @@ def record_after_run(
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
-        detail = exc.strerror or str(exc)
         print(
-            f"gpugate: warning: metrics not written to {textfile}: {detail}",
-            file=stream or sys.stderr,
+            lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=stream or sys.stderr
         )

@@ -20,14 +20,15 @@ from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
+from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
-from gpugate.core.outcome import RunSummary
 from gpugate.core.surroundings import NullSurroundings
-from gpugate.errors import ExitCode, GateError, echo
+from gpugate.errors import ExitCode, GateError, InvalidValue, Problem
 from gpugate.host.programs import find_program, run_program
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
+from gpugate.report import lines
+from gpugate.report.error_text import error_text
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
@@ -65,19 +66,19 @@ class SlurmJob:
 def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     raw_id = environ.get("SLURM_JOB_ID", "")
     if not JOB_ID.fullmatch(raw_id) or int(raw_id) > MAX_JOB_ID:
-        shown = repr(raw_id) if raw_id else "not set"
-        raise SlurmEnvError(f"SLURM_JOB_ID {shown}: not a Slurm job ID (a positive integer)")
+        raise SlurmEnvError(Problem.SLURM_JOB_ID, value=raw_id)
     raw_uid = environ.get("SLURM_JOB_UID")
     if raw_uid is not None and not UID.fullmatch(raw_uid):
-        raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
+        raise SlurmEnvError(Problem.SLURM_JOB_UID, value=raw_uid)
     gpus: tuple[GpuRef, ...] = ()
     source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
     if source:
         try:
             gpus = parse_gpu_text(environ[source])
-        except GpuListError as exc:
-            shown = echo(environ[source])
-            raise SlurmEnvError(f"{source} {shown}: {exc}") from None
+        except InvalidValue as exc:
+            raise SlurmEnvError(
+                Problem.SLURM_GPU_VARIABLE, variable=source, value=environ[source], cause=exc
+            ) from None
     return SlurmJob(
         job_id=int(raw_id),
         uid=int(raw_uid) if raw_uid is not None else None,
@@ -151,24 +152,6 @@ def job_fields(job: SlurmJob) -> dict[str, str]:
     return fields
 
 
-def failure_detail(summary: RunSummary | None) -> str:
-    """What went wrong, naming the GPUs and MiB where memory stayed used."""
-    if summary is None:
-        return "failed"
-    exit_code = summary.exit_code
-    gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
-    if summary.busy:
-        return "; ".join(
-            f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used"
-            for item in summary.busy
-        )
-    if exit_code is ExitCode.UNKILLABLE:
-        return f"GPU {gpus}: processes survived SIGKILL (D state?)"
-    if exit_code is ExitCode.HELD_BY_OTHERS:
-        return f"GPU {gpus}: held by processes gpugate may not kill (another job or unit)"
-    return f"GPU {gpus}: {exit_code.name.lower()}"
-
-
 def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
     """Best effort: drain the node first with gpugate's reason, so slurmctld keeps it when
     the failed prolog/epilog drains it too. slurmd drains the node anyway. scontrol is found
@@ -182,10 +165,7 @@ def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
             SCONTROL_TIMEOUT_S,
         )
     except GateError as exc:
-        print(f"gpugate: warning: {exc.message}", file=stream)
+        print(lines.warning(error_text(exc)), file=stream)
         return
     if result.returncode != 0:
-        print(
-            f"gpugate: warning: scontrol exited {result.returncode}: {result.first_line()}",
-            file=stream,
-        )
+        print(lines.program_failed("scontrol", result.returncode, result.first_line()), file=stream)

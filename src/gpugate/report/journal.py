@@ -229,18 +229,23 @@ class Reporter:
                 # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
-    def fail(self, message: str, exit_code: int, error_stream: TextIO | None = None) -> None:
+    def fail(
+        self,
+        message: str,
+        exit_code: int,
+        error_stream: TextIO | None = None,
+        problem: str = "",
+    ) -> None:
         """An error that ends the run: one structured entry, one STATUS=, and the one-line
         `gpugate: message` on error_stream (default stderr) unless it is the journal (it would
-        be there twice); the entry is not echoed besides."""
+        be there twice); the entry is not echoed besides. problem: the error's code
+        (errors.Problem), GPUGATE_PROBLEM."""
+        extra: dict[str, str | int] = {"exit_code": exit_code}
+        if problem:
+            extra["problem"] = problem
         message = line(message)
         fields = self._fields(
-            Event.ERROR,
-            PRIORITY_ERR,
-            pid=None,
-            gpus=None,
-            used_mib=None,
-            extra={"exit_code": exit_code},
+            Event.ERROR, PRIORITY_ERR, pid=None, gpus=None, used_mib=None, extra=extra
         )
         self._send(message, fields, echo=False)
         error_stream = error_stream if error_stream is not None else sys.stderr

@@ -15,6 +15,7 @@ from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
+from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import container_fields, container_text, describe, gpu_list
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -25,12 +26,11 @@ from gpugate.report.journal import (
     Reporter,
     WaitingReports,
 )
+from gpugate.report.lines import MAX_LISTED_PIDS
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text
 from gpugate.report.untrusted import COMM, COMMAND, exact
-
-MAX_LISTED_PIDS = 10
 
 
 def watcher_evidence(discovery: Discovery) -> str:
@@ -47,6 +47,13 @@ def cut_short_text(pids: list[int]) -> str:
         f"the open files of {len(pids)} process(es) (PID {shown}{more}) were not all read "
         "before the deadline"
     )
+
+
+def stop_failure(result: StopResult) -> str:
+    """Why a runtime's stop failed, in words."""
+    if result.no_cli:
+        return f"no {result.container.runtime} CLI found"
+    return error_text(result.error) if result.error is not None else result.detail
 
 
 class Narrator(WaitNarration, ShmNarration):
@@ -182,7 +189,9 @@ class Narrator(WaitNarration, ShmNarration):
 
     def container_stopped(self, result: StopResult) -> None:
         verb = f"{result.container.runtime} stop"
-        outcome = "stopped" if result.ok else f"failed ({result.detail}); signalling its processes"
+        outcome = (
+            "stopped" if result.ok else f"failed ({stop_failure(result)}); signalling its processes"
+        )
         self.reporter.event(
             Event.SIGNAL_SENT,
             f"{verb} {container_text(result.container)}: {outcome}",
@@ -233,7 +242,7 @@ class Narrator(WaitNarration, ShmNarration):
     def degraded(self, error: GateError, phase: str) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            f"{error_text(error)}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
             reason="nvml-degraded",
         )
@@ -283,6 +292,8 @@ class Narrator(WaitNarration, ShmNarration):
         )
 
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
-        """A run that ended in an error: one entry, and one line on error_stream (default
-        stderr) where it is not the journal already."""
-        self.reporter.fail(error.message, int(error.exit_code), error_stream)
+        """A run that ended in an error: one entry (with its Problem code), and one line on
+        error_stream (default stderr) where it is not the journal already."""
+        self.reporter.fail(
+            error_text(error), int(error.exit_code), error_stream, error.problem.value
+        )

@@ -130,3 +130,12 @@ def failed_start_text(
             for label, used_mib, pids in busy
         )
     return f"exit {exit_code} ({exit_name.lower()}); see journalctl for its entries"
+
+
+def lease_refusal_text(conflicts: Sequence[tuple[Sequence[int], str]]) -> str:
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease)."""
+    parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
+    return (
+        "; ".join(parts) + ": that unit is still active or activating and holds them until"
+        " its post; stop it first, or set share_gpus = true in both units' configs"
+    )

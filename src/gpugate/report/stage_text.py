@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpugate.core.stage import Progress, Stage
-from gpugate.errors import Interrupted
+from gpugate.errors import Interrupted, Problem
 
 
 def doing(progress: Progress) -> str:
@@ -26,7 +26,5 @@ def doing(progress: Progress) -> str:
 def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
     """The interruption as the run's error: what it was doing, and what it left."""
     return Interrupted(
-        f"{error.message} while {doing(progress)}; it left no GPU lock or lease",
-        error.signal_name,
-        progress.stage.value,
+        Problem.INTERRUPTED_DURING, error.signal_name, progress.stage.value, progress=progress
     )

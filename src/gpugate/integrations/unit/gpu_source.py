@@ -11,9 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gpugate.config.gpulist import GpuListError, GpuRef, parse_gpu_text
+from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import BUILTIN_SOURCE, GpuSelection, LoadedConfig
-from gpugate.errors import ConfigError, echo
+from gpugate.errors import ConfigError, InvalidValue, Problem
 from gpugate.host.systemd import UnitEnvironment, unit_environment
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
@@ -43,8 +43,8 @@ def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection
         return ()
     try:
         gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
-    except GpuListError as exc:
-        raise ConfigError(where, variable, f"{echo(value)}: {exc}") from None
+    except InvalidValue as exc:
+        raise ConfigError(where, variable, Problem.VARIABLE_VALUE, value=value, cause=exc) from None
     return gpus
 
 

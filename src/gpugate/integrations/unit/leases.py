@@ -16,16 +16,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, StateUnwritable
+from gpugate.errors import PermissionDenied, Problem, StateUnwritable
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
+from gpugate.report.narrate_unit import lease_refusal_text
 from gpugate.report.oci_text import container_lease_refusal
 from gpugate.report.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"
-# Set by `gpugate run` on its transient unit (front/run_command.py), read by the unit's pre
+# Set by `gpugate run` on its transient unit (front/launch.py), read by the unit's pre
 # from the environment systemd gives it. Neither widens what gpugate kills: a forced run only
 # skips the lease refusal; another running unit's processes stay spared by the cgroup rule.
 STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
@@ -149,7 +150,7 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
         try:
             lease = lease_from(records.read_record(path))
             if path.name != f"{lease.unit}.json":
-                raise BadRecord(f"its unit is not {path.name[: -len('.json')]}")
+                raise BadRecord(Problem.RECORD_WRONG_UNIT, unit=path.name[: -len(".json")])
         except FileNotFoundError:
             continue  # released while we listed
         except BadRecord as exc:
@@ -166,9 +167,11 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
     try:
         write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
     except PermissionError:
-        raise PermissionDenied(f"{target}: permission denied writing a GPU lease") from None
+        raise PermissionDenied(
+            Problem.NO_PERMISSION_WRITING, path=target, what="gpu-lease"
+        ) from None
     except OSError as exc:  # no space, read-only, a file where the folder should be
-        raise StateUnwritable(target, exc.strerror or str(exc), "the GPU lease") from None
+        raise StateUnwritable(target, "gpu-lease", cause=exc.strerror or str(exc)) from None
     return target
 
 
@@ -181,7 +184,7 @@ def release_lease(lock_dir: Path, unit: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise StateUnwritable(path, exc.strerror or str(exc), "the GPU lease") from None
+        raise StateUnwritable(path, "gpu-lease", cause=exc.strerror or str(exc)) from None
     return True
 
 
@@ -196,16 +199,13 @@ class LeaseCheck:
     why: dict[Path, str] = field(default_factory=dict)  # each unreadable one's fault
 
     def refusal(self) -> str:
-        parts = [
-            f"GPU {', '.join(str(g.index) for g in gpus)} leased to {lease.holder_text()}"
-            for lease, gpus in self.conflicts
+        """The refusal in words (report/'s): which GPUs are leased to whom."""
+        conflicts = [
+            ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts
         ]
         if all(lease.container for lease, _ in self.conflicts):
-            return container_lease_refusal(parts)
-        return (
-            "; ".join(parts) + ": that unit is still active or activating and holds them until"
-            " its post; stop it first, or set share_gpus = true in both units' configs"
-        )
+            return container_lease_refusal(conflicts)
+        return lease_refusal_text(conflicts)
 
 
 def check_leases(

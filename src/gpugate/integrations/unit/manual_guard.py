@@ -8,14 +8,12 @@ active or activating such a run would kill the running service, so it refuses un
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpugate.errors import GateError, ManualRunRefused
+from gpugate.errors import GateError, ManualRunRefused, Problem
 from gpugate.host.systemd import own_unit
 from gpugate.phase import Phase
-from gpugate.report.untrusted import cut
 
 RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
 
@@ -34,8 +32,9 @@ def manual_run_guard(
     dry_run: bool,
     proc_root: Path = Path("/proc"),
 ) -> str | None:
-    """Why this run must not kill, or None where it may: --force, --dry-run, the unit's own
-    hook (systemd is not even asked), or a unit that is not running."""
+    """The running unit's ActiveState where this run must not kill (the refusal's fact; the
+    words are report/'s), or None where it may: --force, --dry-run, the unit's own hook
+    (systemd is not even asked), or a unit that is not running."""
     if not phase.traits.guards_manual_run or force or dry_run:
         return None
     if in_own_hook(unit, environ, proc_root):
@@ -43,23 +42,12 @@ def manual_run_guard(
     active_state = unit_state(unit)
     if active_state not in RUNNING:
         return None
-    return (
-        f"{unit} is {active_state} and this `gpugate {phase}` is not its {phase} hook "
-        "(not in the unit's cgroup with INVOCATION_ID set)"
-    )
+    return active_state
 
 
-def refusal(reason: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
-    # Each already shown (escaped) by describe(); one line, each short.
-    would_kill = [cut(re.sub(r"\s+", " ", text), 120) for text in would_kill]
-    listed = "; ".join(would_kill[:5]) + (
-        f"; and {len(would_kill) - 5} more" if len(would_kill) > 5 else ""
-    )
-    what = (
-        f"it would kill {len(would_kill)} process(es): {listed}"
-        if would_kill
-        else "it would kill nothing now"
-    )
+def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
+    """state: the unit's ActiveState, as manual_run_guard found it; would_kill: each target
+    as the journal names it."""
     return ManualRunRefused(
-        f"{reason}; {what}; nothing killed. To do it on purpose: gpugate {phase} {unit} --force"
+        Problem.MANUAL_RUN, unit=unit, state=state, phase=phase, would_kill=would_kill
     )

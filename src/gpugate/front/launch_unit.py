@@ -1,5 +1,5 @@
 """`gpugate run`'s transient unit, as data: its name, the environment passed to it, and the
-systemd-run command line that starts it. Pure functions; run_command.py does the I/O."""
+systemd-run command line that starts it. Pure functions; launch.py does the I/O."""
 
 from __future__ import annotations
 
@@ -10,14 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.config.models import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, Problem
 from gpugate.front.install_files import SHM_OPTIONS
-from gpugate.host.systemd import unit_argument
+from gpugate.host.systemd import ENV_NAME, unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
 
-SYSTEMD_RUN_PATHS = (Path("/usr/bin/systemd-run"), Path("/bin/systemd-run"))
-SYSTEMCTL_PATHS = (Path("/usr/bin/systemctl"), Path("/bin/systemctl"))
 RM = Path("/bin/rm")
 PREFIX = "gpugate-run-"
 BASE_MAX = 40  # characters of the command's name kept in a derived unit name
@@ -27,8 +25,8 @@ HOOK_TIMEOUT_S = 300
 # Not passed to the unit (the rest of the caller's environment is):
 # - set by systemd for each service, or describing the caller's own service or terminal
 #   (wrong in another unit; systemd-run --pty sets TERM itself);
-# - GPUGATE_* (the hooks run as root with the unit's environment: GPUGATE_*_ROOT would point
-#   them at other /proc, /dev or cgroup trees; gpugate sets its own GPUGATE_ variables);
+# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
+#   caller's to choose);
 # - what changes the programs root's hooks load: LD_PRELOAD, LD_AUDIT, PYTHON*;
 # - sudo's and the shell's bookkeeping.
 NOT_PASSED = frozenset(
@@ -82,7 +80,6 @@ NOT_PASSED = frozenset(
     }
 )
 NOT_PASSED_PREFIXES = ("GPUGATE_", "PYTHON", "BASH_FUNC_")
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 # systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
 # character: systemd-run unescapes the Exec lines the name is written on, so `prod\x2dvllm`
@@ -93,7 +90,7 @@ UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
 NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 
 
-class RunError(GateError):
+class LaunchError(GateError):
     exit_code = ExitCode.USAGE
 
 
@@ -112,7 +109,7 @@ class Caller:
 
 
 @dataclass(frozen=True)
-class RunPlan:
+class LaunchPlan:
     """Everything the systemd-run call needs; `systemd_run_argv` turns it into argv."""
 
     unit: str
@@ -131,15 +128,6 @@ class RunPlan:
     for_uid: int | None = None  # the hooks' --for-uid: a caller that is not root
 
 
-def find_program(candidates: Sequence[Path], exists: object = None) -> Path | None:
-    """The first candidate that is an executable file (never PATH)."""
-    check = exists if callable(exists) else (lambda p: os.access(p, os.X_OK))
-    for path in candidates:
-        if check(path):
-            return path
-    return None
-
-
 def sanitise(name: str) -> str:
     """A command's basename as a piece of a unit name: systemd's characters only."""
     base = NAME_CHAR.sub("_", os.path.basename(name.rstrip("/"))).strip("._-")
@@ -152,19 +140,14 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     if name:
         unit = unit_argument(name)
         if not unit.endswith(".service"):
-            raise RunError(
-                f"--name {name[:80]!r}: gpugate run makes a service; name it NAME.service"
-            )
+            raise LaunchError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
         if "@" in unit:
-            raise RunError(f"--name {name[:80]!r}: a transient unit cannot be a template instance")
+            raise LaunchError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
         if not PLAIN_SERVICE.fullmatch(unit):
-            raise RunError(
-                f"--name {name[:80]!r}: not a plain unit name (letters, digits and :_.- only, "
-                "not first a - or ., no \\ escapes; at most 255 characters with .service)"
-            )
+            raise LaunchError(Problem.LAUNCH_NAME_NOT_PLAIN, value=name)
         return unit
     if not command:
-        raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 
@@ -206,7 +189,7 @@ def caller_environment(
     return sorted(kept.items())
 
 
-def hook_line(plan: RunPlan, phase: Phase) -> str:
+def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     config = f" --config {plan.config}" if plan.config else ""
     # --force: pre warns about a lease instead of refusing. On the command line, which only
     # root writes, never in the environment, which the unit's own files may set.
@@ -216,7 +199,7 @@ def hook_line(plan: RunPlan, phase: Phase) -> str:
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
 
-def systemd_run_argv(plan: RunPlan, systemd_run: Path) -> list[str]:
+def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
     """The systemd-run command line for the plan (a pure function: tests check it whole)."""
     argv = [
         str(systemd_run),

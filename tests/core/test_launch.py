@@ -12,19 +12,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpugate.errors import ConfigError, ExitCode, GateError
+from gpugate.errors import ConfigError, ExitCode, GateError, Problem
 from gpugate.front.cli import build_parser, main
-from gpugate.front.run_command import (
+from gpugate.front.launch import (
     invoking_user,
     refuse_leased,
     resolve_gpus,
     supervise,
     wait_until_gone,
 )
-from gpugate.front.run_unit import (
+from gpugate.front.launch_unit import (
     Caller,
-    RunError,
-    RunPlan,
+    LaunchError,
+    LaunchPlan,
     caller_environment,
     command_status,
     derive_unit_name,
@@ -34,13 +34,13 @@ from gpugate.front.run_unit import (
 )
 from gpugate.host.systemd import validate_unit_name
 from gpugate.integrations.unit.leases import new_lease, write_lease
-from tests.fakes import FakeHost
+from tests.fakes import FakeHost, raises_problem
 
 SYSTEMD_RUN = Path("/usr/bin/systemd-run")
 ALICE = Caller(1000, 1000, "alice", "/home/alice", "/bin/bash")
 
 
-def plan(**changes: object) -> RunPlan:
+def plan(**changes: object) -> LaunchPlan:
     fields: dict[str, object] = {
         "unit": "gpugate-run-vllm-0a1b2c.service",
         "command": ("/opt/venv/bin/vllm", "serve", "m", "--port", "8000"),
@@ -52,7 +52,7 @@ def plan(**changes: object) -> RunPlan:
         "started_by": "alice (uid 1000, /dev/pts/3)",
     }
     fields.update(changes)
-    return RunPlan(**fields)  # type: ignore[arg-type]
+    return LaunchPlan(**fields)  # type: ignore[arg-type]
 
 
 def test_the_whole_command_line_for_a_terminal() -> None:
@@ -173,7 +173,7 @@ def test_a_given_name_is_a_service(given_name: str, expected: str) -> None:
     ],
 )
 def test_a_bad_name_is_a_usage_error(given_name: str, text: str) -> None:
-    with pytest.raises(RunError) as raised:
+    with pytest.raises(LaunchError) as raised:
         derive_unit_name(["x"], given_name, "000000")
     assert text in raised.value.message and raised.value.exit_code is ExitCode.USAGE
 
@@ -270,7 +270,7 @@ def test_no_command_is_one_line_and_64(capsys: pytest.CaptureFixture[str]) -> No
     assert err.count("\n") == 1 and "no COMMAND given" in err
 
 
-# --- the I/O around it (run_command.py), with stand-ins ---------------------------------
+# --- the I/O around it (launch.py), with stand-ins ---------------------------------
 
 
 def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> None:
@@ -287,7 +287,7 @@ def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> 
         indices([9], {})
     assert "GPU index 9 does not exist" in unknown.value.message
     assert unknown.value.exit_code is ExitCode.CONFIG
-    with pytest.raises(RunError, match="names no GPU"):
+    with raises_problem(LaunchError, Problem.LAUNCH_NO_GPU):
         indices(None, {"CUDA_VISIBLE_DEVICES": ""})
 
 
@@ -305,7 +305,7 @@ def test_the_invoking_user_is_sudos_caller(monkeypatch: pytest.MonkeyPatch) -> N
     )
     # Not sudo's own digits: refused, never read as root (issue 26, rule 5; more members in
     # test_run_accounts.py).
-    with pytest.raises(RunError):
+    with pytest.raises(LaunchError):
         invoking_user({"SUDO_UID": "x"})
 
 

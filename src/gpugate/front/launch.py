@@ -1,5 +1,5 @@
 """`gpugate run [--gpus LIST] [--port N]... [--name NAME] [--config PATH] [--force] -- COMMAND`:
-COMMAND as a transient service with gpugate's hooks on it (run_unit.py builds the unit), so a
+COMMAND as a transient service with gpugate's hooks on it (launch_unit.py builds the unit), so a
 hand-started server is tied to a unit: its GPUs leased, its whole cgroup stopped and its GPUs
 freed when the terminal goes, Ctrl-C, or `systemctl stop`."""
 
@@ -24,31 +24,28 @@ from typing import IO, TYPE_CHECKING
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied
-from gpugate.front.run_unit import (
+from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
+from gpugate.front.launch_unit import (
     HOOK_TIMEOUT_S,
-    SYSTEMCTL_PATHS,
-    SYSTEMD_RUN_PATHS,
     Caller,
-    RunError,
-    RunPlan,
+    LaunchError,
+    LaunchPlan,
     caller_environment,
     command_status,
     derive_unit_name,
-    find_program,
     parse_uid,
     systemd_run_argv,
 )
 from gpugate.front.self_command import gpugate_command
 from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.programs import run_program
+from gpugate.host.programs import find_program, run_program
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
-from gpugate.report.reasons import sudo_variables_text
+from gpugate.report import lines
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -66,21 +63,19 @@ def checked_command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise RunError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        raise RunError(
-            f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
-        )
+        raise LaunchError(Problem.LAUNCH_CONFIG_PATH, value=str(args.config))
     return command
 
 
-def run_command(args: argparse.Namespace, front: Front) -> int:
+def launch_command(args: argparse.Namespace, front: Front) -> int:
     command = checked_command(args)
     program = resolve_command(command[0], front.environ)
-    systemd_run = find_program(SYSTEMD_RUN_PATHS)
+    systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise RunError("systemd-run not found in /usr/bin or /bin: gpugate run needs systemd")
+        raise LaunchError(Problem.LAUNCH_NO_SYSTEMD_RUN)
     environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
@@ -102,7 +97,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
-    plan = RunPlan(
+    plan = LaunchPlan(
         unit=unit,
         command=(program, *command[1:]),
         caller=caller,
@@ -119,7 +114,7 @@ def run_command(args: argparse.Namespace, front: Front) -> int:
         for_uid=None if caller.uid == 0 else caller.uid,
     )
     try:
-        return supervise(systemd_run_argv(plan, systemd_run), unit)
+        return supervise(systemd_run_argv(plan, Path(systemd_run)), unit)
     finally:
         # The unit's last ExecStopPost= removes it; this covers a unit that never started.
         for path in cleanup:
@@ -141,7 +136,10 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         found = parse_uid(environ["SUDO_UID"])
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
-            raise RunError(sudo_variables_text(environ))
+            raise LaunchError(
+                Problem.LAUNCH_SUDO_VARIABLES,
+                environ={k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ},
+            )
         uid, gid = found, group
     try:
         entry = pwd.getpwuid(uid)
@@ -165,8 +163,13 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
     state = query_unit(unit)
     if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
         return
-    why = f"systemd already has {unit} ({state.load_state}, {state.active_state})"
-    raise RunError(why + ("; choose another --name" if explicit else "; run it again"))
+    raise LaunchError(
+        Problem.LAUNCH_UNIT_EXISTS,
+        unit=unit,
+        load_state=state.load_state,
+        active_state=state.active_state,
+        explicit=explicit,
+    )
 
 
 def resolve_gpus(
@@ -185,13 +188,13 @@ def resolve_gpus(
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
-        raise NvmlUnavailable(f"gpugate run: {exc.message}") from None
+        raise NvmlUnavailable(Problem.LAUNCH_NVML, cause=exc) from None
     try:
         gpus = owned_gpus(choice.gpus, driver.gpus(), source)
     finally:
         driver.close()
     if not gpus:
-        raise RunError(f"{source}: names no GPU; gpugate run is for GPU programs")
+        raise LaunchError(Problem.LAUNCH_NO_GPU, source=source)
     return gpus
 
 
@@ -209,12 +212,10 @@ def refuse_leased(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
     if check.conflicts and not force:
-        raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
+        raise HeldByOthers(Problem.LAUNCH_LEASED, unit=unit, refusal=check.refusal())
     for lease, overlap in check.conflicts:
-        indices = ", ".join(str(gpu.index) for gpu in overlap)
         print(
-            f"gpugate: warning: GPU {indices} leased to {lease.holder_text()}; --force: "
-            "running anyway",
+            lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
             file=sys.stderr,
         )
 
@@ -234,7 +235,6 @@ def refuse_other_accounts(
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.procfs import ProcFs  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
-    from gpugate.report.reasons import other_account_refusal  # noqa: PLC0415
 
     procfs = ProcFs(roots.proc)
     driver = driver_factory()
@@ -253,7 +253,7 @@ def refuse_other_accounts(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(other_account_refusal(unit, others))
+        raise HeldByOthers(Problem.LAUNCH_OTHER_ACCOUNT, unit=unit, choices=others)
 
 
 class HeldByOthers(GateError):
@@ -276,10 +276,7 @@ def hook_config(
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         write_atomically(path, text)
     except PermissionError:
-        raise PermissionDenied(
-            f"{path}: permission denied writing the run's config (--port): run gpugate run "
-            "as root (sudo)"
-        ) from None
+        raise PermissionDenied(Problem.LAUNCH_CONFIG_UNWRITABLE, path=path) from None
     return path, (path,)
 
 
@@ -290,11 +287,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise RunError(f"{program}: not an executable file")
+            raise LaunchError(Problem.LAUNCH_NOT_EXECUTABLE, program=program)
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise RunError(f"{program}: command not found on PATH")
+        raise LaunchError(Problem.LAUNCH_NOT_FOUND, program=program)
     return os.path.abspath(found)
 
 
@@ -315,7 +312,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise RunError(f"{argv[0]}: cannot run it: {exc.strerror}") from None
+        raise LaunchError(Problem.LAUNCH_CANNOT_RUN, program=argv[0], cause=exc.strerror) from None
     try:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)
@@ -364,7 +361,7 @@ def relay(source: IO[bytes], target: IO[str]) -> str:
 
 
 def stop_without_waiting(unit: str) -> None:
-    systemctl = find_program(SYSTEMCTL_PATHS)
+    systemctl = find_program("systemctl")
     if systemctl is None:
         return
     # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
