@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from enum import Enum, IntEnum
-from typing import ClassVar
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (on `--help`'s path)
+if TYPE_CHECKING:
+    from typing import ClassVar
 
 
 class ExitCode(IntEnum):

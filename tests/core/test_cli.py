@@ -155,7 +155,11 @@ def _modules_after(*argv: str) -> set[str]:
         check=False,
     )
     last = result.stdout.strip().splitlines()[-1]
-    return {name.split(".")[0] for name in json.loads(last)}
+    return set(json.loads(last))
+
+
+def _packages_after(*argv: str) -> set[str]:
+    return {name.split(".")[0] for name in _modules_after(*argv)}
 
 
 @pytest.mark.parametrize(
@@ -175,14 +179,33 @@ def _modules_after(*argv: str) -> set[str]:
 )
 def test_help_version_and_usage_errors_import_no_heavy_module(argv: list[str]) -> None:
     """Issue 30: what needs no config, no GPU and no process table imports none of them."""
-    assert not _modules_after(*argv) & set(HEAVY)
+    assert not _packages_after(*argv) & set(HEAVY)
+
+
+# What `--help` may load of gpugate: the parser and the errors' words (loaded with the package);
+# the words' own helpers (trust_text, untrusted: dataclasses, pathlib) come when a word needs them.
+HELP_MODULES = {
+    "gpugate",
+    "gpugate.errors",
+    "gpugate.front",
+    "gpugate.front.cli",
+    "gpugate.report",
+    "gpugate.report.error_text",
+}
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["pre", "--help"]])
+def test_help_loads_the_parser_and_the_error_words_only(argv: list[str]) -> None:
+    loaded = _modules_after(*argv)
+    assert {name for name in loaded if name.split(".")[0] == "gpugate"} == HELP_MODULES
+    assert "dataclasses" not in loaded  # gpugate's modules bring it; argparse does not
 
 
 def test_reading_a_config_builds_the_models(tmp_path: Path) -> None:
     """The other side: the config models come in with the first config read."""
     config = tmp_path / "gate.toml"
     config.write_text("free_mib = 2048\n")
-    assert "pydantic" in _modules_after("config", "check", str(config))
+    assert "pydantic" in _packages_after("config", "check", str(config))
 
 
 def test_the_hidden_roots_option_is_the_one_host_roots_parses() -> None:

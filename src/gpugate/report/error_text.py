@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from gpugate.errors import ConfigError, GateError, InvalidValue, Problem, echo
-from gpugate.report import trust_text
-from gpugate.report.untrusted import cut
+
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (on `--help`'s path)
+if TYPE_CHECKING:
+    from typing import Any
+
+# This module is loaded with the package (gpugate/__init__.py), so on `--help`'s path too: the
+# words that need more (trust_text's file facts, untrusted's dataclasses) import it when used.
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
@@ -79,7 +83,15 @@ def _oci_text() -> Any:
     return oci_text
 
 
+def _trust_text() -> Any:
+    from gpugate.report import trust_text  # noqa: PLC0415
+
+    return trust_text
+
+
 def _manual_run(f: Facts) -> str:
+    from gpugate.report.untrusted import cut  # noqa: PLC0415
+
     # Each already shown (escaped) by describe(); one line, each short.
     would_kill = [cut(re.sub(r"\s+", " ", str(text)), MAX_LISTED_TEXT) for text in f.would_kill]
     listed = "; ".join(would_kill[:MAX_LISTED]) + (
@@ -116,10 +128,14 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.CONFIG_NOT_UTF8: lambda f: "is not UTF-8 text",
     Problem.CONFIG_OS_ERROR: lambda f: f"{f.cause}",
     Problem.CONFIG_UNTRUSTED: lambda f: (
-        trust_text.untrusted_config(f.found) if f.get("found") else "another account may change it"
+        _trust_text().untrusted_config(f.found)
+        if f.get("found")
+        else "another account may change it"
     ),
     Problem.CONFIG_STATE_UNTRUSTED: lambda f: (
-        trust_text.untrusted_state(f.found) if f.get("found") else "another account may change it"
+        _trust_text().untrusted_state(f.found)
+        if f.get("found")
+        else "another account may change it"
     ),
     Problem.LOCK_DIR_NOT_FOLDER: lambda f: f"{f.lock_dir}: {f.existing} is not a folder",
     Problem.GRACE_OVER_DEADLINE: lambda f: (
