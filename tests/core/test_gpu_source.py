@@ -3,19 +3,27 @@
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
 
 from gpugate.config.file import parse_config
 from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
-from gpugate.errors import ConfigError, UnknownUnit
-from gpugate.host.systemd import UnitEnvironment, parse_environment_file, unit_environment
+from gpugate.errors import ConfigError, Problem, UnknownUnit
+from gpugate.host.systemd import (
+    ENVIRONMENT_FILE_MAX_BYTES,
+    UnitEnvironment,
+    parse_environment_file,
+    unit_environment,
+)
 from gpugate.integrations.unit.gpu_source import (
     choose_gpus,
     parse_visible_devices,
     with_chosen_gpus,
 )
+from tests.fakes import raises_problem
 
 UUID = "GPU-fa4e5a11-0000-0000-0000-000000000004"
 
@@ -83,6 +91,37 @@ def test_a_missing_required_environment_file_is_an_error(tmp_path: Path) -> None
     show = f"Environment=\nEnvironmentFiles={tmp_path}/gone.env (ignore_errors=no)\n"
     with pytest.raises(UnknownUnit, match=r"gone\.env"):
         choose_gpus("a.service", loaded(), env_of(show))
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge", "folder", "socket"])
+def test_an_environment_file_that_is_no_small_file_is_refused_at_once(
+    tmp_path: Path, kind: str
+) -> None:
+    """A FIFO would block the hook (nobody writes to it), a huge file would be read whole: the
+    unit's EnvironmentFile= is read as systemd reads it, but bounded: an error naming it."""
+    path = tmp_path / "a.env"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "huge":
+        path.write_bytes(b"X=1\n" * (ENVIRONMENT_FILE_MAX_BYTES // 4 + 1))
+    elif kind == "folder":
+        path.mkdir()
+    else:
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(path))
+    show = f"Environment=\nEnvironmentFiles={path} (ignore_errors=no)\n"
+    with raises_problem(UnknownUnit, Problem.UNIT_ENV_FILE_UNREADABLE, path=str(path)):
+        choose_gpus("a.service", loaded(), env_of(show))
+    ignored = f"Environment=\nEnvironmentFiles={path} (ignore_errors=yes)\n"
+    assert choose_gpus("a.service", loaded(), env_of(ignored)).gpus == "all"
+
+
+def test_an_environment_file_is_read_through_its_links_as_systemd_does(tmp_path: Path) -> None:
+    real = tmp_path / "real.env"
+    real.write_text("CUDA_VISIBLE_DEVICES=3\n")
+    (tmp_path / "link.env").symlink_to(real)
+    show = f"Environment=\nEnvironmentFiles={tmp_path}/link.env (ignore_errors=no)\n"
+    assert choose_gpus("a.service", loaded(), env_of(show)).gpus == (3,)
 
 
 def test_cuda_wins_over_nvidia_then_all() -> None:

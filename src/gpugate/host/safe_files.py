@@ -145,11 +145,19 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
     return None
 
 
-def read_capped(path: Path | str, limit: int = MAX_BYTES, *, dir_fd: int | None = None) -> bytes:
+def read_capped(
+    path: Path | str,
+    limit: int = MAX_BYTES,
+    *,
+    dir_fd: int | None = None,
+    follow_links: bool = False,
+) -> bytes:
     """The bytes of a regular file of at most limit bytes; never follows a symbolic link in
-    its last component, never blocks on a FIFO or device. OSError (FileNotFoundError,
-    NotRegularFile, TooLarge, ...)."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
+    its last component (unless follow_links: a file another program reads through its links,
+    as systemd reads EnvironmentFile=), never blocks on a FIFO or device. OSError
+    (FileNotFoundError, NotRegularFile, TooLarge, ...)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    flags |= 0 if follow_links else os.O_NOFOLLOW
     try:
         fd = os.open(path, flags, dir_fd=dir_fd)
     except OSError as exc:

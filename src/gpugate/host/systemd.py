@@ -12,6 +12,7 @@ from pathlib import Path
 
 from gpugate.errors import Problem, UnknownUnit
 from gpugate.host.programs import find_program, run_program
+from gpugate.host.safe_files import read_capped
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
@@ -121,6 +122,7 @@ class UnitState:
 
 
 SYSTEMCTL_TIMEOUT_S = 30
+ENVIRONMENT_FILE_MAX_BYTES = 1 << 20  # an EnvironmentFile= read for its warnings: capped
 
 
 def systemctl_show(name: str, properties: str) -> str | None:
@@ -255,7 +257,9 @@ def unit_environment(
             path = path or value
             ignore = flags.startswith("yes")
             try:
-                parsed = parse_environment_file(Path(path).read_text(encoding="utf-8"))
+                # systemd follows the file's links; a FIFO or a huge file is refused, not read.
+                data = read_capped(path, ENVIRONMENT_FILE_MAX_BYTES, follow_links=True)
+                parsed = parse_environment_file(data.decode("utf-8"))
             except (OSError, UnicodeDecodeError) as exc:
                 if ignore:
                     continue
