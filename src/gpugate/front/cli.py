@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import os
 import sys
 import textwrap
@@ -31,9 +30,6 @@ if TYPE_CHECKING:
     from gpugate.host.roots import HostRoots
     from gpugate.report.journal import ReporterFactory
 
-# Handlers outside `commands`, by the module that holds them: `launch` imports `commands.Front`,
-# and no two modules import each other (tests/core/test_architecture.py).
-HANDLER_MODULES = {"launch_command": "gpugate.front.launch"}
 HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli
 
 CONTAINERS_HELP = (
@@ -227,6 +223,19 @@ def _launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     run.set_defaults(handler="launch_command")
 
 
+def _handlers_module(handler: str) -> object:
+    """The module that holds a command's handler: `commands`, but `gpugate run`'s is in
+    `launch`, which imports `commands.Front` (no two modules import each other:
+    tests/core/test_architecture.py)."""
+    if handler == "launch_command":
+        from gpugate.front import launch  # noqa: PLC0415
+
+        return launch
+    from gpugate.front import commands  # noqa: PLC0415
+
+    return commands
+
+
 def _stand_in_options(parser: argparse.ArgumentParser) -> None:
     # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
     # shown in --help, never in the unit drop-in, and never taken from the environment.
@@ -257,8 +266,7 @@ def main(
         from gpugate.front import commands  # noqa: PLC0415
         from gpugate.host.roots import HostRoots  # noqa: PLC0415
 
-        module = importlib.import_module(HANDLER_MODULES.get(args.handler, commands.__name__))
-        handler: Handler = getattr(module, args.handler)
+        handler: Handler = getattr(_handlers_module(args.handler), args.handler)
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
         if args.nvml_library is not None and driver_factory is None:
