@@ -65,24 +65,6 @@ class Deadline:
 NO_DEADLINE = Deadline()
 
 
-SPARE_CORES_FOR_THREADS = 4  # fewer usable cores than this: one thread (a small host's
-# cores are its services'; on these the threads measured no gain: docs/benchmarks.md)
-MAX_THREADS = 16
-PIDS_PER_THREAD = 1000  # a thread for fewer processes than this costs more than it saves
-
-
-def scan_threads(processes: int, cores: int | None = None) -> int:
-    """How many threads the scan spreads over: one on a host with few cores; on a big one
-    (GPU servers have 64-256), a thread per PIDS_PER_THREAD processes, at most half the cores
-    gpugate may run on (os.sched_getaffinity: a unit's CPUAffinity= is respected) and at most
-    MAX_THREADS. The kernel's work (open, getdents, readlink, read) runs outside the GIL."""
-    if cores is None:
-        cores = len(os.sched_getaffinity(0))
-    if cores < SPARE_CORES_FOR_THREADS:
-        return 1
-    return max(1, min(cores // 2, MAX_THREADS, processes // PIDS_PER_THREAD))
-
-
 @dataclass(frozen=True)
 class _Wanted:
     """What one scan looks for, worked out once per scan rather than once per process."""
@@ -103,13 +85,15 @@ def scan_device_users(
     deadline: Deadline = NO_DEADLINE,
     *,
     pids: Collection[int] | None = None,
-    threads: int | None = None,
+    threads: int = 1,
 ) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
     and every process's files in the shm areas (read from the same fd links and maps: no second
-    pass). pids: only these processes (`WatchScan`'s rescans); threads: None chooses
-    (`scan_threads`).
+    pass). pids: only these processes (`WatchScan`'s rescans); threads: how many threads
+    share the processes (bench/scan_threads.py). gpugate itself scans on one: with two idle
+    cores, two threads took 8% more wall time and 17% more CPU than one (the GIL: each
+    syscall's release and re-take costs more than the syscall overlaps; docs/benchmarks.md).
 
     psutil's open_files() skips device files, so this reads /proc/PID/fd links itself. The
     kernel's work per process is most of the cost on a host with thousands of them, so every
@@ -133,7 +117,7 @@ def scan_device_users(
             names = [name for name in os.listdir(proc_fd) if name.isdigit()]
         else:
             names = [str(pid) for pid in pids]
-        count = scan_threads(len(names)) if threads is None else max(1, threads)
+        count = max(1, min(threads, len(names)))
         if count == 1:
             return _scan_part(proc_fd, names, wanted)
     finally:
