@@ -338,3 +338,18 @@ def test_wrapper_hooks_with_a_command() -> None:
     assert hooks["createRuntime"][0]["args"] == [
         "python3", "-I", "-m", "gpugate", "oci-hook", "createRuntime",
     ]  # fmt: skip
+
+
+def test_the_daemon_json_notes_are_worded_with_the_runtimes_path() -> None:
+    from gpugate.report import lines
+
+    wrapper = "/usr/bin/gpugate-oci-runtime"
+    said = lines.change(
+        "write", "/etc/docker/daemon.json", "runtime-added", dry_run=True, detail=wrapper
+    )
+    assert said == (
+        f"would write /etc/docker/daemon.json (runtime gpugate: {wrapper}; every other key kept)"
+    )
+    assert lines.change("unchanged", "/x", "runtime-absent", dry_run=False) == (
+        "unchanged /x (no runtime gpugate)"
+    )

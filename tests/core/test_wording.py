@@ -14,11 +14,13 @@ import pytest
 
 from gpugate.errors import GateError, Problem
 from gpugate.report.error_text import WORDS
+from gpugate.report.lines import CHANGE_NOTES
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpugate"
 # Calls whose text an operator reads: print(), a stream's write(), the journal and sd_notify
 # (Reporter.event/fail/status, Journal.send, Notifier.notify), sys.exit(TEXT).
-SAID_BY = {"print", "write", "event", "fail", "status", "send", "notify", "exit"}
+# install's plan (Change: its note is a code that report.lines words).
+SAID_BY = {"print", "write", "event", "fail", "status", "send", "notify", "exit", "Change"}
 # Two words of letters with a space between: prose, not a code ("config-not-toml"), a path
 # or a format's punctuation ("{path}: {cause}").
 PROSE = re.compile(r"[A-Za-z]{2,} [A-Za-z]{2,}")
@@ -184,3 +186,20 @@ def test_each_problem_is_one_line_of_words(problem: Problem) -> None:
     facts.update(detail="Input should be a valid integer", cause="No space left", text="words")
     text = GateError(problem, **facts).message
     assert text and "\n" not in text and problem.value not in text
+
+
+def test_every_install_note_code_is_worded() -> None:
+    """install's plan carries its notes as codes (Change(..., note) and note=...): each one
+    used in src is in report.lines.CHANGE_NOTES, which words it (a missing one would end
+    install with an internal error)."""
+    used: set[str] = set()
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and called_name(node) == "Change":
+                args = [*node.args[3:4], *(k.value for k in node.keywords if k.arg == "note")]
+                used |= {a.value for a in args if isinstance(a, ast.Constant)}
+            elif isinstance(node, ast.IfExp) and "edited" in ast.unparse(node):
+                used |= {n.value for n in (node.body, node.orelse) if isinstance(n, ast.Constant)}
+    used.discard("")
+    assert {"edited", "edited-forced", "runtime-added", "runtime-removed"} <= used
+    assert used <= set(CHANGE_NOTES), used - set(CHANGE_NOTES)

@@ -63,8 +63,9 @@ class Change:
     path: Path
     action: Action
     content: str | None = None  # what WRITE writes
-    note: str = ""
+    note: str = ""  # a code: report.lines.CHANGE_NOTES words it
     said: tuple[str, ...] = ()  # lines under it (the unit's settings the drop-in keeps)
+    detail: str = ""  # the note's fact (the runtime's path)
 
 
 @dataclass(frozen=True)
@@ -280,7 +281,10 @@ def apply(
 
 
 def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
-    print(lines.change(change.action.value, change.path, change.note, dry_run=dry_run), file=stream)
+    shown = lines.change(
+        change.action.value, change.path, change.note, dry_run=dry_run, detail=change.detail
+    )
+    print(shown, file=stream)
     for said in change.said:
         print(lines.said_under(said), file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:

@@ -160,13 +160,13 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
     wanted = {"path": wrapper}
     if install:
         if runtimes.get(RUNTIME_NAME) == wanted:
-            return [Change(path, Action.UNCHANGED, note=f"runtime {RUNTIME_NAME} there")]
+            return [Change(path, Action.UNCHANGED, note="runtime-there")]
         runtimes[RUNTIME_NAME] = wanted
         data["runtimes"] = runtimes
-        note = f"runtime {RUNTIME_NAME}: {wrapper}; every other key kept"
-        return [Change(path, Action.WRITE, json.dumps(data, indent=2) + "\n", note)]
+        text = json.dumps(data, indent=2) + "\n"
+        return [Change(path, Action.WRITE, text, "runtime-added", detail=wrapper)]
     if RUNTIME_NAME not in runtimes:
-        return [Change(path, Action.UNCHANGED, note=f"no runtime {RUNTIME_NAME}")]
+        return [Change(path, Action.UNCHANGED, note="runtime-absent")]
     if data.get("default-runtime") == RUNTIME_NAME:
         raise InstallError(Problem.INSTALL_DEFAULT_RUNTIME, path=path, runtime=RUNTIME_NAME)
     del runtimes[RUNTIME_NAME]
@@ -174,8 +174,7 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
         data["runtimes"] = runtimes
     else:
         data.pop("runtimes", None)
-    note = f"runtime {RUNTIME_NAME} taken out; every other key kept"
-    return [Change(path, Action.WRITE, json.dumps(data, indent=2) + "\n", note)]
+    return [Change(path, Action.WRITE, json.dumps(data, indent=2) + "\n", "runtime-removed")]
 
 
 def wrapper_beside(gpugate: str) -> str:

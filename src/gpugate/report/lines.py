@@ -87,13 +87,18 @@ CHANGE_NOTES = {
     "edited": "yours (edited): kept",
     "edited-removable": "yours (edited): kept; --force removes",
     "edited-forced": "replacing your edited file (--force)",
+    "runtime-there": "runtime gpugate there",
+    "runtime-added": "runtime gpugate: {detail}; every other key kept",
+    "runtime-absent": "no runtime gpugate",
+    "runtime-removed": "runtime gpugate taken out; every other key kept",
 }
 
 
-def change(action: str, path: object, note: str, *, dry_run: bool) -> str:
-    """One file of install's or uninstall's plan: action and note are install's codes."""
+def change(action: str, path: object, note: str, *, dry_run: bool, detail: str = "") -> str:
+    """One file of install's or uninstall's plan: action and note are install's codes, detail
+    the note's fact."""
     verb = CHANGE_VERBS[action][0 if dry_run else 1]
-    shown = f" ({CHANGE_NOTES.get(note, note)})" if note else ""
+    shown = f" ({CHANGE_NOTES[note].format(detail=detail)})" if note else ""
     return f"{verb} {path}{shown}"
 
 
