@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
+from gpugate.report.narrate_unit import lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -156,3 +157,13 @@ def test_a_failed_run_names_its_problem_by_code() -> None:
     assert fields["GPUGATE_EXIT_CODE"] == "78"
     assert message == "/etc/gpugate/x.toml: frobnicate: unknown key"
     assert notifier.states == [f"STATUS=gpugate pre: failed: {message}"]
+
+
+def test_a_lease_refusal_names_each_holder_and_what_frees_them() -> None:
+    conflicts = [([0, 1], "vllm.service (since 10:00)"), ([3], "tgi.service (since 11:00)")]
+    unit = lease_refusal_text(conflicts)
+    assert unit.startswith("GPU 0, 1 leased to vllm.service (since 10:00); GPU 3 leased to tgi")
+    assert "that unit is still active or activating" in unit and "units' configs" in unit
+    container = lease_refusal_text(conflicts[:1], containers=True)
+    assert container.startswith("GPU 0, 1 leased to vllm.service (since 10:00): that container")
+    assert "until it stops" in container and "still active" not in container

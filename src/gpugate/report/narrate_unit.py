@@ -132,9 +132,17 @@ def failed_start_text(
     return f"exit {exit_code} ({exit_name.lower()}); see journalctl for its entries"
 
 
-def lease_refusal_text(conflicts: Sequence[tuple[Sequence[int], str]]) -> str:
-    """Why a start is refused: conflicts are (GPU indices, who holds their lease)."""
+def lease_refusal_text(
+    conflicts: Sequence[tuple[Sequence[int], str]], *, containers: bool = False
+) -> str:
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease); containers:
+    every lease is a running container's."""
     parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
+    if containers:
+        return "; ".join(parts) + (
+            ": that container is still running and holds them until it stops;"
+            " stop it first, or set share_gpus = true in both configs"
+        )
     return (
         "; ".join(parts) + ": that unit is still active or activating and holds them until"
         " its post; stop it first, or set share_gpus = true in both units' configs"

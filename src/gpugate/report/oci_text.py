@@ -24,15 +24,6 @@ def request_text(minors: Sequence[int], refs: Sequence[str], all_gpus: bool) -> 
     return "the container's config.json (" + "; ".join(parts) + ")"
 
 
-def container_lease_refusal(conflicts: Sequence[tuple[Sequence[int], str]]) -> str:
-    """Why a container's start is refused: conflicts are (GPU indices, whose lease)."""
-    parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
-    return (
-        "; ".join(parts) + ": that container is still running and holds them until it stops;"
-        " stop it first, or set share_gpus = true in both configs"
-    )
-
-
 def hook_failed(stage: str, text: str) -> str:
     """`gpugate oci-hook STAGE`'s one line on stderr: the runtime shows it as the hook's error."""
     return f"gpugate: oci-hook {stage}: {text}"

@@ -22,7 +22,6 @@ from gpugate.host.nvml import Gpu
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
 from gpugate.report.narrate_unit import lease_refusal_text
-from gpugate.report.oci_text import container_lease_refusal
 from gpugate.report.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"
@@ -203,9 +202,8 @@ class LeaseCheck:
         conflicts = [
             ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts
         ]
-        if all(lease.container for lease, _ in self.conflicts):
-            return container_lease_refusal(conflicts)
-        return lease_refusal_text(conflicts)
+        containers = all(lease.container for lease, _ in self.conflicts)
+        return lease_refusal_text(conflicts, containers=containers)
 
 
 def check_leases(
