@@ -18,6 +18,9 @@ import textwrap
 from gpugate import __version__
 from gpugate.errors import ExitCode, GateError, InvalidValue, exit_code_summary
 
+# Loaded with the package (gpugate/__init__.py: every error's message is its words).
+from gpugate.report.error_text import error_text, problem_text
+
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy knows the name)
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -283,7 +286,6 @@ def main(
         return handler(args, front)
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
-        from gpugate.report.error_text import error_text  # noqa: PLC0415
 
         print(lines.error(_line(error_text(exc))), file=sys.stderr)
         return int(exc.exit_code)
@@ -314,7 +316,6 @@ def run() -> None:
 
 def _gpus(value: str) -> object:
     from gpugate.front.install import parse_gpus  # noqa: PLC0415
-    from gpugate.report.error_text import problem_text  # noqa: PLC0415
 
     try:
         return parse_gpus(value)
@@ -354,7 +355,6 @@ def _port(value: str) -> int:
 
 def _container(value: str) -> str:
     from gpugate.front.install import parse_container  # noqa: PLC0415
-    from gpugate.report.error_text import problem_text  # noqa: PLC0415
 
     try:
         return parse_container(value)

@@ -16,6 +16,7 @@ from gpugate.host.oci import (
     read_config,
     read_stdin_bounded,
 )
+from gpugate.report.error_text import error_text
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
@@ -54,8 +55,7 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
             raise
         spec = parse_config(raw, f"{state.bundle}/config.json")
     except OciInputError as exc:
-        from gpugate.report.error_text import error_text  # noqa: PLC0415 (its words only)
-        from gpugate.report.oci_text import hook_failed  # noqa: PLC0415
+        from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
 
         print(hook_failed(stage, error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)

@@ -15,6 +15,7 @@ from pathlib import Path
 from gpugate.errors import ExitCode, Problem
 from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
 from gpugate.report import oci_text
+from gpugate.report.error_text import error_text
 
 RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -121,8 +122,6 @@ def main(argv: Sequence[str]) -> int:
         try:
             add_hooks(bundle_of(args), own_gpugate())
         except (OciInputError, OSError) as exc:
-            from gpugate.report.error_text import error_text  # noqa: PLC0415 (its words only)
-
             said = error_text(exc) if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
             print(oci_text.runtime_failed(said), file=sys.stderr)
