@@ -107,8 +107,8 @@ def test_an_environment_file_that_is_no_small_file_is_refused_at_once(
     elif kind == "folder":
         path.mkdir()
     else:
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(str(path))
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(str(path))  # the socket file stays once the socket is closed
     show = f"Environment=\nEnvironmentFiles={path} (ignore_errors=no)\n"
     with raises_problem(UnknownUnit, Problem.UNIT_ENV_FILE_UNREADABLE, path=str(path)):
         choose_gpus("a.service", loaded(), env_of(show))

@@ -189,17 +189,22 @@ def test_each_problem_is_one_line_of_words(problem: Problem) -> None:
 
 
 def test_every_install_note_code_is_worded() -> None:
-    """install's plan carries its notes as codes (Change(..., note) and note=...): each one
-    used in src is in report.lines.CHANGE_NOTES, which words it (a missing one would end
-    install with an internal error)."""
+    """install's plan carries its notes as codes (Change's fourth argument or note=, or a
+    variable `note` passed there): each one used in src is in report.lines.CHANGE_NOTES,
+    which words it (a missing one would end install with an internal error)."""
     used: set[str] = set()
     for path in SRC.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and called_name(node) == "Change":
-                args = [*node.args[3:4], *(k.value for k in node.keywords if k.arg == "note")]
-                used |= {a.value for a in args if isinstance(a, ast.Constant)}
-            elif isinstance(node, ast.IfExp) and "edited" in ast.unparse(node):
-                used |= {n.value for n in (node.body, node.orelse) if isinstance(n, ast.Constant)}
+                given = [*node.args[3:4], *(k.value for k in node.keywords if k.arg == "note")]
+            elif isinstance(node, ast.Assign) and any(
+                isinstance(target, ast.Name) and target.id == "note" for target in node.targets
+            ):
+                value = node.value
+                given = [value.body, value.orelse] if isinstance(value, ast.IfExp) else [value]
+            else:
+                continue
+            used |= {n.value for n in given if isinstance(n, ast.Constant)}
     used.discard("")
     assert {"edited", "edited-forced", "runtime-added", "runtime-removed"} <= used
     assert used <= set(CHANGE_NOTES), used - set(CHANGE_NOTES)
