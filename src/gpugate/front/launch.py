@@ -88,6 +88,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         unit,
         gpus,
         force=args.force,
+        caller_is_root=caller.uid == 0,
         unit_state=lambda name: unit_active_state(
             name, roots.cgroup, ask_systemd=roots.ask_systemd
         ),
@@ -205,12 +206,18 @@ def refuse_leased(
     *,
     force: bool,
     unit_state: Callable[[str], str | None],
+    caller_is_root: bool = True,
 ) -> None:
-    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would."""
+    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would.
+    --force overrides it for root alone: a caller that is not root (under sudo, SUDO_UID's)
+    may not start onto GPUs another run, unit or container holds, whoever's it is (exit 77),
+    and its unit's pre gets no --ignore-leases."""
     config = loaded.config
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
+    if check.conflicts and force and not caller_is_root:
+        raise PermissionDenied(Problem.LAUNCH_FORCE_NOT_ROOT, unit=unit, refusal=check.refusal())
     if check.conflicts and not force:
         raise HeldByOthers(Problem.LAUNCH_LEASED, unit=unit, refusal=check.refusal())
     for lease, overlap in check.conflicts:
@@ -268,7 +275,7 @@ def hook_config(
     hooks look up /etc/gpugate/UNIT.toml, then default.toml, as for any unit."""
     if not ports:
         return (given.resolve() if given else None), ()
-    config = loaded.config.model_copy(update={"ports": sorted(set(ports))})
+    config = loaded.config.changed(ports=tuple(sorted(set(ports))))
     path = loaded.config.lock_dir / RUN_FOLDER / f"{unit}.toml"
     text = f"# gpugate run {unit}: from {loaded.source}, with --port\n"
     text += to_toml(config.model_dump(mode="json", exclude_defaults=True))

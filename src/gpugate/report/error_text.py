@@ -318,6 +318,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LAUNCH_NVML: lambda f: f"gpugate run: {f.cause}",
     Problem.LAUNCH_NO_GPU: lambda f: f"{f.source}: names no GPU; gpugate run is for GPU programs",
     Problem.LAUNCH_LEASED: lambda f: f"not starting {f.unit}: {f.refusal}; --force runs it anyway",
+    Problem.LAUNCH_FORCE_NOT_ROOT: lambda f: (
+        f"not starting {f.unit}: {f.refusal}; --force over a lease is root's alone"
+    ),
     Problem.LAUNCH_CONFIG_UNWRITABLE: lambda f: (
         f"{f.path}: permission denied writing the run's config (--port): run gpugate run "
         "as root (sudo)"
