@@ -82,19 +82,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     refuse_known_unit(unit, explicit=bool(args.name))
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
-    roots = front.host_roots()
-    refuse_leased(
-        loaded,
-        unit,
-        gpus,
-        force=args.force,
-        caller_is_root=caller.uid == 0,
-        unit_state=lambda name: unit_active_state(
-            name, roots.cgroup, ask_systemd=roots.ask_systemd
-        ),
-    )
-    if caller.uid != 0:
-        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
+    refuse_before_start(loaded, unit, gpus, caller, args.force, front)
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
@@ -197,6 +185,27 @@ def resolve_gpus(
     if not gpus:
         raise LaunchError(Problem.LAUNCH_NO_GPU, source=source)
     return gpus
+
+
+def refuse_before_start(
+    loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
+) -> None:
+    """What the unit's pre would refuse, found before anything starts: a running lease on the
+    GPUs (--force: root's alone), and for a caller that is not root another account's
+    process on them."""
+    roots = front.host_roots()
+    refuse_leased(
+        loaded,
+        unit,
+        gpus,
+        force=force,
+        caller_is_root=caller.uid == 0,
+        unit_state=lambda name: unit_active_state(
+            name, roots.cgroup, ask_systemd=roots.ask_systemd
+        ),
+    )
+    if caller.uid != 0:
+        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
 
 
 def refuse_leased(
