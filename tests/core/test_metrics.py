@@ -14,7 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpugate.errors import ExitCode, NvmlUnavailable, Problem
 from gpugate.front.cli import main
 from gpugate.integrations.metrics import GpuSeries, RunRecord, record_run, render
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
+from tests.core.test_oci_hook_run import A_ID, A_SCOPE, hook
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -335,3 +337,33 @@ def test_config_check_shows_the_textfile_and_the_slurm_phases(
     assert capsys.readouterr().err == (
         f"gpugate: {relative}: metrics_textfile: must be an absolute path\n"
     )
+
+
+@pytest.mark.parametrize("blocked", ["textfile", "locks/leases"])
+def test_a_containers_hooks_go_on_without_metrics_and_poststop_without_its_lease_folder(
+    host: FakeHost, blocked: str
+) -> None:
+    """A container's start (the hook's pre) kills the stale holder and starts with an
+    unwritable metrics textfile (a warning); its poststop ends 0 also where its lease cannot
+    be removed (a warning, GPUGATE_REASON=state-not-recorded)."""
+    (stale,) = host.pool.holder(host.gpu_files(1))
+    host.memory.claim(stale, {1}, 4000)
+    (host.root / "textfile").write_text("")
+    real = host.config
+    host.config = lambda **o: real(  # type: ignore[method-assign]
+        **{"metrics_textfile": host.root / "textfile" / "gpugate.prom", **o}
+    )
+    running = {A_SCOPE: "active"}
+    assert hook(host, Phase.PRE, A_ID, [], running, devices=["/dev/nvidia1"]) == ExitCode.OK
+    assert not alive(stale)
+    if blocked == "locks/leases":
+        for lease in (host.root / "locks" / "leases").iterdir():
+            lease.unlink()
+        (host.root / "locks" / "leases").rmdir()
+        (host.root / "locks" / "leases").write_text("")
+    running[A_SCOPE] = "deactivating"
+    assert hook(host, Phase.POST, A_ID, [], running, devices=["/dev/nvidia1"]) == ExitCode.OK
+    reasons = [e["GPUGATE_REASON"] for e in host.journal.events("warning")]
+    assert reasons.count("metrics-unwritable") == 2, reasons
+    assert ("state-not-recorded" in reasons) is (blocked == "locks/leases"), reasons
+    assert host.journal.events("error") == []

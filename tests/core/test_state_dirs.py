@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from gpugate.errors import ExitCode, GateError, StateUnwritable
+from gpugate.front.cli import main
 from gpugate.host.state_dirs import check_writable
 from gpugate.integrations.unit.leases import Lease, lease_path, write_lease
 from gpugate.phase import Phase
@@ -298,3 +299,43 @@ def test_a_full_read_only_or_missing_lock_dir(host: FakeHost, phase: str, lock_d
         assert said["lease"] and "state-not-recorded" in said["warnings"], said
     if lock_dir == "missing":  # nor can it be made: the kills go on without the lock
         assert "lock-not-taken" in said["warnings"], said
+
+
+@pytest.mark.parametrize("phase", ["pre", "post"])
+@pytest.mark.parametrize("kind", ["full", "read-only"])
+def test_a_full_or_read_only_metrics_folder_is_a_warning(
+    host: FakeHost, phase: str, kind: str
+) -> None:
+    """The metrics textfile's folder a full (or read-only) 64 KiB tmpfs: the run kills and
+    ends as without metrics (0), the journal says the metrics were not written."""
+    (member,) = host.pool.holder(host.gpu_files(1))
+    host.put_in_unit(member)
+    folder = host.root / "metrics"
+    folder.mkdir()
+    config = host.root / "gpugate.toml"
+    config.write_text(
+        f'metrics_textfile = "{folder}/gpugate.prom"\nlock_dir = "{host.root}/locks"\n'
+        "[pre]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n"
+        "[post]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n"
+    )
+
+    def prepare() -> None:
+        sh(f"mount -t tmpfs -o size=64k tmpfs {folder}")
+        if kind == "full":
+            sh(f"dd if=/dev/zero of={folder}/filler bs=4k 2>/dev/null || true")
+        else:
+            sh(f"mount -o remount,ro {folder}")
+
+    def work() -> dict[str, Any]:
+        code = main(
+            [phase, UNIT, "--config", str(config)],
+            driver_factory=lambda: host.memory,
+            reporter_factory=lambda unit, phase, **_: host.reporter(phase),
+            roots=host.roots,
+        )
+        reasons = [e.get("GPUGATE_REASON", "") for e in host.journal.events("warning")]
+        return {"code": code, "warnings": reasons, "errors": len(host.journal.events("error"))}
+
+    said = in_own_mounts(prepare, work)
+    assert said == {"code": 0, "warnings": ["metrics-unwritable"], "errors": 0}, said
+    assert not alive(member)
