@@ -552,3 +552,19 @@ def test_a_changed_config_is_validated() -> None:
         warnings.simplefilter("error")
         assert changed.model_dump(mode="json")["ports"] == [8000]
     assert config.ports == ()
+
+
+def test_port_with_a_lock_dir_it_cannot_write_is_one_line_before_anything_starts(
+    host: FakeHost,
+) -> None:
+    """--port's config cannot be written (a file where lock_dir/run should be): exit 73 and
+    one line naming the path, not an internal error."""
+    loaded = host.config()
+    loaded.config.lock_dir.mkdir(parents=True, exist_ok=True)
+    (loaded.config.lock_dir / "run").write_text("")
+    with pytest.raises(GateError) as raised:
+        hook_config(loaded, "gpugate-run-x-1.service", None, [8000])
+    assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
+    assert raised.value.message.startswith(f"{loaded.config.lock_dir / 'run'}")
+    assert "gpugate run's config (--port)" in raised.value.message
+    assert "\n" not in raised.value.message

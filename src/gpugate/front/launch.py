@@ -24,7 +24,14 @@ from typing import IO, TYPE_CHECKING
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    NvmlUnavailable,
+    PermissionDenied,
+    Problem,
+    StateUnwritable,
+)
 from gpugate.front.launch_unit import (
     HOOK_TIMEOUT_S,
     Caller,
@@ -293,6 +300,8 @@ def hook_config(
         write_atomically(path, text)
     except PermissionError:
         raise PermissionDenied(Problem.LAUNCH_CONFIG_UNWRITABLE, path=path) from None
+    except OSError as exc:  # no space, read-only: before anything starts, as a pre would
+        raise StateUnwritable(path, "run-config", cause=exc.strerror or str(exc)) from None
     return path, (path,)
 
 

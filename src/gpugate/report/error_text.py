@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
-STATE_WORDS = {"gpu-locks": "GPU locks", "gpu-lock": "a GPU lock", "gpu-lease": "the GPU lease"}
+STATE_WORDS = {
+    "gpu-locks": "GPU locks",
+    "gpu-lock": "a GPU lock",
+    "gpu-lease": "the GPU lease",
+    "run-config": "gpugate run's config (--port)",
+}
 MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
 MAX_LISTED_TEXT = 120  # characters of each
 
