@@ -198,6 +198,7 @@ class Problem(Enum):
     LAUNCH_SUDO_VARIABLES = "launch-sudo-variables"
     LAUNCH_OTHER_ACCOUNT = "launch-other-account"
     LAUNCH_NAME_TEMPLATE = "launch-name-template"
+    LAUNCH_FORCE_NOT_ROOT = "launch-force-not-root"
     # gpugate's own state read back (integrations/records.py: BadRecord, one phrase, no path)
     RECORD_UNREADABLE = "record-unreadable"
     RECORD_NOT_FILE = "record-not-file"

@@ -104,8 +104,17 @@ class Locking:
         s, owned = self.state, self.discovery.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
+        # After a stop (state not required), a lock that cannot be made is said, not fatal.
+        unlocked = None if s.scope.phase.traits.state_required else s.narrator.lock_not_taken
         s.locks.enter_context(
-            gpu_locks(s.config.lock_dir, owned, s.deadline, on_wait=s.on_lock_wait, clock=s.clock)
+            gpu_locks(
+                s.config.lock_dir,
+                owned,
+                s.deadline,
+                on_wait=s.on_lock_wait,
+                clock=s.clock,
+                on_unlocked=unlocked,
+            )
         )
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
         s.start_refusal = s.surroundings.start_refusal(owned, dry_run=False)

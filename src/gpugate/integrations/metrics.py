@@ -286,8 +286,10 @@ def record_after_run(
     record: RunRecord,
     *,
     stream: TextIO | None = None,
+    on_failure: Callable[[Path, str], None] | None = None,
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning, never the run's failure."""
+    """Best effort: metrics that cannot be written are a warning, never the run's failure
+    (on_failure(textfile, cause) says it; without, a line on stream)."""
     if textfile is None:
         return
     found = untrusted(textfile.parent)
@@ -297,6 +299,8 @@ def record_after_run(
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
-        print(
-            lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=stream or sys.stderr
-        )
+        cause = exc.strerror or str(exc)
+        if on_failure is not None:
+            on_failure(textfile, cause)
+        else:
+            print(lines.metrics_not_written(textfile, cause), file=stream or sys.stderr)

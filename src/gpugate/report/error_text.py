@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
-STATE_WORDS = {"gpu-locks": "GPU locks", "gpu-lock": "a GPU lock", "gpu-lease": "the GPU lease"}
+STATE_WORDS = {
+    "gpu-locks": "GPU locks",
+    "gpu-lock": "a GPU lock",
+    "gpu-lease": "the GPU lease",
+    "run-config": "gpugate run's config (--port)",
+}
 MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
 MAX_LISTED_TEXT = 120  # characters of each
 
@@ -318,6 +323,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LAUNCH_NVML: lambda f: f"gpugate run: {f.cause}",
     Problem.LAUNCH_NO_GPU: lambda f: f"{f.source}: names no GPU; gpugate run is for GPU programs",
     Problem.LAUNCH_LEASED: lambda f: f"not starting {f.unit}: {f.refusal}; --force runs it anyway",
+    Problem.LAUNCH_FORCE_NOT_ROOT: lambda f: (
+        f"not starting {f.unit}: {f.refusal}; --force over a lease is root's alone"
+    ),
     Problem.LAUNCH_CONFIG_UNWRITABLE: lambda f: (
         f"{f.path}: permission denied writing the run's config (--port): run gpugate run "
         "as root (sudo)"
