@@ -49,8 +49,12 @@ class DeviceNodes:
                 info = self.stat(str(self.dev / name))
             except OSError:
                 continue
-            if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode):
-                found[(stat.S_ISCHR(info.st_mode), info.st_rdev)] = int(match.group(1))
+            minor, is_char = int(match.group(1)), stat.S_ISCHR(info.st_mode)
+            if is_char and os.major(info.st_rdev) == NVIDIA_MAJOR:
+                if os.minor(info.st_rdev) == minor:  # else not the node the driver made
+                    found[(True, info.st_rdev)] = minor
+            elif is_char or stat.S_ISBLK(info.st_mode):  # a stand-in of another number
+                found[(is_char, info.st_rdev)] = minor
         return found
 
     def file_path(self, file: str) -> str:
@@ -72,10 +76,8 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
     if not (is_char or stat.S_ISBLK(info.st_mode)):
         raise GresUnresolved(Problem.GRES_FILE_NOT_GPU, path=path, file=file, why="not a device")
     minor = known.get((is_char, info.st_rdev))
-    numbers = f"{os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
-    if minor is None or (
-        is_char and os.major(info.st_rdev) == NVIDIA_MAJOR and os.minor(info.st_rdev) != minor
-    ):
+    if minor is None:
+        numbers = f"{os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
         why = f"device {numbers} is no /dev/nvidiaN"
         raise GresUnresolved(Problem.GRES_FILE_NOT_GPU, path=path, file=file, why=why)
     return minor
