@@ -177,6 +177,7 @@ class Problem(Enum):
     GRES_UNTRUSTED = "gres-untrusted"
     GRES_MISSING = "gres-missing"
     GRES_UNREADABLE = "gres-unreadable"
+    GRES_NOT_UTF8 = "gres-not-utf8"
     GRES_LINE = "gres-line"
     GRES_NODE_UNKNOWN = "gres-node-unknown"
     GRES_AUTODETECT = "gres-autodetect"

@@ -112,11 +112,11 @@ def job_config(
             file=deps.stream,
         )
         note = f"{job.gpus_from}={numbers} not resolved: the job's cgroup only"
-        return with_job_gpus(config, job, (), note), deps.run
+        return with_job_gpus(config, (), note), deps.run
     opened = driver
     note = f"gpus from {job.gpus_from}={numbers} through {layout.path}"
     uuids = tuple(gpu.uuid for gpu in gpus)
-    return with_job_gpus(config, job, uuids, note), replace(deps.run, driver_factory=lambda: opened)
+    return with_job_gpus(config, uuids, note), replace(deps.run, driver_factory=lambda: opened)
 
 
 def run_job(

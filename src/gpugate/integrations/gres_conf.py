@@ -70,7 +70,7 @@ def read_gres_conf(path: Path) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise GresUnresolved(Problem.GRES_UNREADABLE, path=str(path), cause="not UTF-8") from None
+        raise GresUnresolved(Problem.GRES_NOT_UTF8, path=str(path)) from None
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:

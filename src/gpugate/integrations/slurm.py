@@ -141,9 +141,7 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
     return load_config(None, explicit, config_dir)
 
 
-def with_job_gpus(
-    loaded: LoadedConfig, job: SlurmJob, gpus: tuple[GpuRef, ...], note: str
-) -> LoadedConfig:
+def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
     """The config with the job's GPUs (gpu_source.with_chosen_gpus, the one step): their
     UUIDs, or () where slurmd's numbers could not be resolved (the job's cgroup only)."""
     return with_chosen_gpus(loaded, GpuChoice(gpus, note, config_note=note))

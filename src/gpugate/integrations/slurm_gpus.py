@@ -18,6 +18,7 @@ from pathlib import Path
 
 from gpugate.errors import Problem
 from gpugate.host.nvml import Gpu
+from gpugate.host.safe_files import kind_of
 from gpugate.integrations.gres_conf import GpuLayout, GresUnresolved
 
 NVIDIA_MAJOR = 195  # the driver's character devices /dev/nvidia0..N (nvidiactl is 195:255)
@@ -70,16 +71,21 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
         info = nodes.stat(nodes.file_path(file))
     except OSError as exc:
         raise GresUnresolved(
-            Problem.GRES_FILE_NOT_GPU, path=path, file=file, why=exc.strerror or "cannot stat"
+            Problem.GRES_FILE_NOT_GPU, path=path, file=file, cause=exc.strerror or str(exc)
         ) from None
     is_char = stat.S_ISCHR(info.st_mode)
     if not (is_char or stat.S_ISBLK(info.st_mode)):
-        raise GresUnresolved(Problem.GRES_FILE_NOT_GPU, path=path, file=file, why="not a device")
+        kind = kind_of(info.st_mode)
+        raise GresUnresolved(Problem.GRES_FILE_NOT_GPU, path=path, file=file, kind=kind)
     minor = known.get((is_char, info.st_rdev))
     if minor is None:
-        numbers = f"{os.major(info.st_rdev)}:{os.minor(info.st_rdev)}"
-        why = f"device {numbers} is no /dev/nvidiaN"
-        raise GresUnresolved(Problem.GRES_FILE_NOT_GPU, path=path, file=file, why=why)
+        raise GresUnresolved(
+            Problem.GRES_FILE_NOT_GPU,
+            path=path,
+            file=file,
+            major=os.major(info.st_rdev),
+            minor=os.minor(info.st_rdev),
+        )
     return minor
 
 

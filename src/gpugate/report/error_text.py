@@ -117,6 +117,14 @@ def _unknown_key(f: Facts) -> str:
     return "unknown key" + (f"; did you mean {f.suggestion!r}?" if f.suggestion else "")
 
 
+def _not_gpu_why(f: Facts) -> str:
+    if f.get("cause"):
+        return f"({f.cause})"
+    if f.get("kind"):
+        return f"(a {f.kind} file)"
+    return f"(device {f.major}:{f.minor} is no /dev/nvidiaN)"
+
+
 WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.CONFIG_NOT_TOML: lambda f: f"not valid TOML: {f.detail}",
     Problem.CONFIG_UNKNOWN_KEY: _unknown_key,
@@ -282,6 +290,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.GRES_MISSING: lambda f: f"{f.path}: no such file (no File= list to number GPUs by)",
     Problem.GRES_UNREADABLE: lambda f: f"{f.path}: cannot read it: {f.cause}",
+    Problem.GRES_NOT_UTF8: lambda f: f"{f.path}: cannot read it: not UTF-8",
     Problem.GRES_LINE: lambda f: f"{f.path} line {f.line}: {echo(f.value)} not read for certain",
     Problem.GRES_NODE_UNKNOWN: lambda f: (
         f"{f.path} line {f.line}: NodeName= lines, and slurmd named no node (SLURMD_NODENAME)"
@@ -298,7 +307,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         f"{f.path}: no Name=gpu File= line for node {echo(f.node) if f.node else '(unnamed)'}"
     ),
     Problem.GRES_FILE_NOT_GPU: lambda f: (
-        f"{f.path}: File {echo(f.file)} is no GPU device node ({f.why})"
+        f"{f.path}: File {echo(f.file)} is no GPU device node " + _not_gpu_why(f)
     ),
     Problem.GRES_NO_NVML_GPU: lambda f: (
         f"{f.path}: File {echo(f.file)} is /dev/nvidia{f.minor}, and NVML lists no GPU with "
