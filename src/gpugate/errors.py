@@ -187,6 +187,7 @@ class Problem(Enum):
     GRES_FILE_NOT_GPU = "gres-file-not-gpu"
     GRES_NO_NVML_GPU = "gres-no-nvml-gpu"
     GRES_INDEX_PAST = "gres-index-past"
+    GRES_NVML_FAULTS = "gres-nvml-faults"
     # install / uninstall
     INSTALL_NOT_SERVICE = "install-not-service"
     INSTALL_NO_SYSTEMCTL = "install-no-systemctl"

@@ -100,9 +100,9 @@ def job_config(
         path = gres_conf_path(deps.environ.get("SLURM_CONF"))
         layout = parse_gres_conf(read_gres_conf(path), str(path), job.node_name)
         driver = deps.run.driver_factory()
-        gpus = job_gpus(
-            job.gpus, layout, driver.gpus(), DeviceNodes(deps.run.roots.dev, deps.device_stat)
-        )
+        nodes = DeviceNodes(deps.run.roots.dev, deps.device_stat)
+        unreadable = len(driver.faults())
+        gpus = job_gpus(job.gpus, layout, driver.gpus(), nodes, unreadable)
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()

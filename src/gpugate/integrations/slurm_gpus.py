@@ -89,13 +89,17 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
     return minor
 
 
-def gpu_order(layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, count: int) -> list[Gpu]:
+def gpu_order(
+    layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, count: int, unreadable: int = 0
+) -> list[Gpu]:
     """The node's GPUs in slurmd's order, the first `count` of them at least (each device
     file before them must be a GPU: slurmd skips one it cannot stat, and numbers the rest
-    one lower)."""
+    one lower). unreadable: GPUs NVML counts but cannot read (NVML's order has gaps)."""
     known = nodes.by_number()
     by_minor = {gpu.minor: gpu for gpu in gpus}
     if layout.nvml_order:
+        if unreadable:
+            raise GresUnresolved(Problem.GRES_NVML_FAULTS, path=layout.path, count=unreadable)
         ordered = sorted(gpus, key=lambda gpu: gpu.index)
         if layout.files:
             minors = {minor_of(file, nodes, known, layout.path) for file in layout.files}
@@ -112,12 +116,16 @@ def gpu_order(layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, count:
 
 
 def job_gpus(
-    numbers: Sequence[int], layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes
+    numbers: Sequence[int],
+    layout: GpuLayout,
+    gpus: Sequence[Gpu],
+    nodes: DeviceNodes,
+    unreadable: int = 0,
 ) -> tuple[Gpu, ...]:
     """The GPUs slurmd's numbers name (numbers: SLURM_JOB_GPUS's)."""
     if not numbers:
         return ()
-    ordered = gpu_order(layout, gpus, nodes, max(numbers) + 1)
+    ordered = gpu_order(layout, gpus, nodes, max(numbers) + 1, unreadable)
     past = [n for n in numbers if n >= len(ordered)]
     if past:
         raise GresUnresolved(

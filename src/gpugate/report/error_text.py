@@ -288,7 +288,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.GRES_UNTRUSTED: lambda f: (
         f"{f.path}: not read, {f.component} may be changed by an account other than root"
     ),
-    Problem.GRES_MISSING: lambda f: f"{f.path}: no such file (no File= list to number GPUs by)",
+    Problem.GRES_MISSING: lambda f: f"{f.path}: no such file",
     Problem.GRES_UNREADABLE: lambda f: f"{f.path}: cannot read it: {f.cause}",
     Problem.GRES_NOT_UTF8: lambda f: f"{f.path}: cannot read it: not UTF-8",
     Problem.GRES_LINE: lambda f: f"{f.path} line {f.line}: {echo(f.value)} not read for certain",
@@ -312,6 +312,10 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.GRES_NO_NVML_GPU: lambda f: (
         f"{f.path}: File {echo(f.file)} is /dev/nvidia{f.minor}, and NVML lists no GPU with "
         f"minor number {f.minor}"
+    ),
+    Problem.GRES_NVML_FAULTS: lambda f: (
+        f"{f.path}: AutoDetect=nvml, and NVML cannot read {f.count} GPU(s): slurmd's order "
+        "has gaps gpugate cannot place"
     ),
     Problem.GRES_INDEX_PAST: lambda f: (
         f"{f.path}: GPU number {f.value} past the {f.count} GPU(s) it lists for this node"

@@ -108,6 +108,42 @@ def slurm_gpus_unresolved(variable: str, numbers: str, why: str) -> str:
     )
 
 
+def slurm_shm(private: bool, plugin: str, dirs: str) -> str:
+    if private:
+        return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
+    if plugin:
+        return (
+            f"/dev/shm: shared by the node's jobs (JobContainerType={plugin}, Dirs={dirs or '-'}); "
+            "gpugate removes only the segments of processes it killed"
+        )
+    return (
+        "/dev/shm: shared by the node's jobs (no JobContainerType); gpugate removes only the "
+        "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
+        "its own"
+    )
+
+
+def slurm_shm_unknown(why: str) -> str:
+    return f"/dev/shm: not known ({why})"
+
+
+def slurm_gres_unresolved(node: str, why: str) -> str:
+    return (
+        f"GPUs of node {node}: slurmd's numbers not resolved ({why}); the hooks clean only a "
+        "job's own cgroup"
+    )
+
+
+def slurm_gres_resolved(node: str, path: str, nvml_order: bool) -> str:
+    order = "AutoDetect=nvml: NVML's order" if nvml_order else "File= order"
+    return f"GPUs of node {node}, as slurmd numbers them ({path}, {order}):"
+
+
+def slurm_gpu_number(number: int, file: str | None, gpu: str) -> str:
+    where = f" {file} =" if file else ""
+    return f"  {number} ={where} {gpu}"
+
+
 def lease_overridden(indices: Sequence[int], holder: str) -> str:
     shown = ", ".join(map(str, indices))
     return warning(f"GPU {shown} leased to {holder}; --force: running anyway")
