@@ -3,6 +3,7 @@ NVML's GPUs by device number (integrations.slurm_gpus), and the drain reason's w
 
 from __future__ import annotations
 
+import io
 import os
 import stat
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
 from gpugate.errors import ExitCode, Problem
+from gpugate.front.slurm_check import slurm_check
 from gpugate.host.nvml import Gpu
 from gpugate.integrations.gres_conf import (
     GpuLayout,
@@ -410,3 +412,94 @@ def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
     summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=many)
     assert lines.failure_detail(summary).endswith("; 3 more PID(s)")
     assert lines.failure_detail(summary).count("PID 10") == 3
+
+
+# ---------------------------------------------------------------- gpugate slurm check
+
+
+class Driver:
+    def __init__(self, found: list[Gpu], faults: int = 0) -> None:
+        self.found, self.fault_count = found, faults
+
+    def gpus(self) -> list[Gpu]:
+        return self.found
+
+    def faults(self) -> list[object]:
+        return [object()] * self.fault_count
+
+    def close(self) -> None:
+        pass
+
+
+def check(
+    tmp_path: Path,
+    slurm_conf: str,
+    gres_text: str | None,
+    job_container: str | None = None,
+    faults: int = 0,
+) -> tuple[int, str]:
+    etc = tmp_path / "etc"
+    etc.mkdir(exist_ok=True)
+    (etc / "slurm.conf").write_text(slurm_conf)
+    if gres_text is not None:
+        (etc / "gres.conf").write_text(gres_text)
+    if job_container is not None:
+        (etc / "job_container.conf").write_text(job_container)
+    out = io.StringIO()
+    code = slurm_check(
+        {"SLURM_CONF": str(etc / "slurm.conf")},
+        "gpu07",
+        lambda: Driver(gpus(), faults),  # type: ignore[arg-type,return-value]
+        nodes(tmp_path),
+        out,
+    )
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "job_container", "private"),
+    [
+        ("JobContainerType=job_container/tmpfs\n", None, True),
+        ("jobcontainertype=job_container/tmpfs # private tmp\n", "BasePath=/var/jc\n", True),
+        ("JobContainerType=job_container/tmpfs\n", "BasePath=/var/jc\nDirs=/tmp,/dev/shm/\n", True),
+        ("JobContainerType=job_container/tmpfs\n", "BasePath=/var/jc\nDirs=/tmp\n", False),
+        ("JobContainerType=job_container/none\n", None, False),
+        ("# JobContainerType=job_container/tmpfs\n", None, False),
+        ("ClusterName=x\n", None, False),
+    ],
+)
+def test_check_says_whether_jobs_get_their_own_dev_shm(
+    tmp_path: Path, slurm_conf: str, job_container: str | None, private: bool
+) -> None:
+    code, said = check(tmp_path, slurm_conf, "Name=gpu File=/dev/nvidia[0-7]\n", job_container)
+    assert code == ExitCode.OK
+    first = said.splitlines()[0]
+    assert first.startswith("/dev/shm: private to each job" if private else "/dev/shm: shared")
+
+
+def test_check_lists_each_number_as_a_gpu(tmp_path: Path) -> None:
+    code, said = check(tmp_path, "", "Name=gpu File=/dev/nvidia[1,0]\n")
+    assert code == ExitCode.OK
+    assert said.splitlines()[2:] == [
+        "  0 = /dev/nvidia1 = GPU 6 (GPU-6)",
+        "  1 = /dev/nvidia0 = GPU 7 (GPU-7)",
+    ]
+    code, said = check(tmp_path, "", "AutoDetect=nvml\n")
+    assert code == ExitCode.OK and said.splitlines()[2] == "  0 = GPU 0 (GPU-0)"
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "faults", "words"),
+    [
+        (None, 0, "gres.conf: no such file"),
+        ("AutoDetect=rsmi\n", 0, "AutoDetect='rsmi'"),
+        ("Name=gpu File=/dev/plain\n", 0, "is no GPU device node"),
+        ("AutoDetect=nvml\n", 1, "NVML cannot read 1 GPU(s)"),
+    ],
+)
+def test_check_exits_78_where_a_number_is_not_resolved(
+    tmp_path: Path, gres_text: str | None, faults: int, words: str
+) -> None:
+    code, said = check(tmp_path, "", gres_text, faults=faults)
+    assert code == ExitCode.CONFIG
+    assert words in said.splitlines()[1] and "only a job's own cgroup" in said
