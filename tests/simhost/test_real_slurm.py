@@ -447,7 +447,7 @@ def test_no_dev_files_gates_nothing_and_drains_nothing(clean: Node, phase: str) 
     clean.sim.spawn_scope(["/usr/local/bin/hold-gpus", "4", "1500"], unit="bystander.scope")
     cgroup = "/sys/fs/cgroup/user.slice/bystander.scope/cgroup.procs"
     bystander = int(clean.sh(f"cat {cgroup}").split()[0])
-    job = 7770 + len(phase)
+    job = {"prolog": 7771, "epilog": 7772}[phase]
     try:
         ran = clean.sim.run(
             f"env -i SLURM_JOB_ID={job} SLURM_JOB_UID=0 SLURM_JOB_GPUS=NoDevFiles "
