@@ -567,3 +567,49 @@ def test_drain_reason_bounded_and_names_a_few_pids(
     named = [pid for pid in straddlers if f"PID {pid} " in reason]
     assert len(named) == 3
     assert "3 more PID(s)" in reason or reason.count("PID") == 3
+
+
+def test_autodetect_with_a_gpu_nvml_cannot_read_is_not_resolved(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """NVML's order has a gap where it cannot read a GPU: slurmd's N-th GPU is not placed."""
+    gres(slurm_env, "AutoDetect=nvml\n")
+    host.memory.lost = {0}
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1")
+    (bystander,) = host.pool.holder(host.gpu_files(1))
+    host.memory.claim(bystander, {1}, 1000)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert alive(bystander)
+    assert "NVML cannot read 1 GPU(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("Name=gpu File=/dev/\x1b[2Jnvidia[0-7]\n", "\\x1b[2Jnvidia"),
+        ("Name=gpu File=/dev/nvidia[0-7]\x07\n", "nvidia0\\x07"),
+        ("Name=gpu File=/dev/nvidia[0-7] \u202eType=a100\n", "\\u202e' not read"),
+    ],
+)
+def test_hostile_gres_text_is_one_escaped_line_and_kills_nothing(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    shown: str,
+) -> None:
+    gres(slurm_env, text)
+    (orphan,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(orphan, {2}, 1000)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert alive(orphan)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and shown in err, err
+    assert "\x1b" not in err and "\x07" not in err and "\u202e" not in err
