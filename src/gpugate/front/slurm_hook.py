@@ -106,7 +106,9 @@ def job_config(
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
-        why = problem_text(exc.problem, exc.facts)
+        why = (
+            error_text(exc) if isinstance(exc, GateError) else problem_text(exc.problem, exc.facts)
+        )
         print(
             lines.warning(lines.slurm_gpus_unresolved(job.gpus_from, numbers, why)),
             file=deps.stream,
