@@ -171,6 +171,23 @@ class Problem(Enum):
     SLURM_JOB_ID = "slurm-job-id"
     SLURM_JOB_UID = "slurm-job-uid"
     SLURM_GPU_VARIABLE = "slurm-gpu-variable"
+    SLURM_GPU_NUMBER = "slurm-gpu-number"  # not a number slurmd writes (a UUID, a range)
+    # a node's gres.conf, where slurmd's GPU numbers cannot be resolved for certain
+    GRES_SLURM_CONF = "gres-slurm-conf"
+    GRES_UNTRUSTED = "gres-untrusted"
+    GRES_MISSING = "gres-missing"
+    GRES_UNREADABLE = "gres-unreadable"
+    GRES_NOT_UTF8 = "gres-not-utf8"
+    GRES_LINE = "gres-line"
+    GRES_NODE_UNKNOWN = "gres-node-unknown"
+    GRES_AUTODETECT = "gres-autodetect"
+    GRES_AUTODETECT_MATCH = "gres-autodetect-match"
+    GRES_FILE_TWICE = "gres-file-twice"
+    GRES_NO_FILES = "gres-no-files"
+    GRES_FILE_NOT_GPU = "gres-file-not-gpu"
+    GRES_NO_NVML_GPU = "gres-no-nvml-gpu"
+    GRES_INDEX_PAST = "gres-index-past"
+    GRES_NVML_FAULTS = "gres-nvml-faults"
     # install / uninstall
     INSTALL_NOT_SERVICE = "install-not-service"
     INSTALL_NO_SYSTEMCTL = "install-no-systemctl"

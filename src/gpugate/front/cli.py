@@ -122,6 +122,13 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
         _dry_run(sub)
         sub.set_defaults(handler="slurm_command")
+    text = (
+        "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
+        "gres.conf resolves every GPU to an NVML GPU"
+    )
+    check = phases.add_parser("check", help=text, description=text, epilog=EPILOG)
+    check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
+    check.set_defaults(handler="slurm_check_command")
 
 
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -128,6 +128,14 @@ def slurm_command(args: argparse.Namespace, front: Front) -> int:
         return run_slurm_hook(Phase(args.slurm_phase), args.config, dry_run=args.dry_run, deps=deps)
 
 
+def slurm_check_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.slurm_check import slurm_check  # noqa: PLC0415
+    from gpugate.integrations.slurm_gpus import DeviceNodes  # noqa: PLC0415
+
+    nodes = DeviceNodes(front.host_roots().dev)
+    return slurm_check(front.environ, args.node, front.driver_factory, nodes)
+
+
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.config.toml_text import to_toml  # noqa: PLC0415
     from gpugate.integrations.config_files import load_config  # noqa: PLC0415

@@ -122,6 +122,14 @@ def _unknown_key(f: Facts) -> str:
     return "unknown key" + (f"; did you mean {f.suggestion!r}?" if f.suggestion else "")
 
 
+def _not_gpu_why(f: Facts) -> str:
+    if f.get("cause"):
+        return f"({f.cause})"
+    if f.get("kind"):
+        return f"(a {f.kind} file)"
+    return f"(device {f.major}:{f.minor} is no /dev/nvidiaN)"
+
+
 WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.CONFIG_NOT_TOML: lambda f: f"not valid TOML: {f.detail}",
     Problem.CONFIG_UNKNOWN_KEY: _unknown_key,
@@ -278,6 +286,45 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.SLURM_JOB_UID: lambda f: f"SLURM_JOB_UID {f.value!r}: not a user ID",
     Problem.SLURM_GPU_VARIABLE: lambda f: f"{f.variable} {echo(f.value)}: {f.cause}",
+    Problem.SLURM_GPU_NUMBER: lambda f: (
+        f"{echo(f.value)} is not a GPU number slurmd writes (0, 1, ... as gres.conf lists them)"
+    ),
+    Problem.GRES_SLURM_CONF: lambda f: f"SLURM_CONF {echo(f.value)}: not an absolute path",
+    Problem.GRES_UNTRUSTED: lambda f: (
+        f"{f.path}: not read, {f.component} may be changed by an account other than root"
+    ),
+    Problem.GRES_MISSING: lambda f: f"{f.path}: no such file",
+    Problem.GRES_UNREADABLE: lambda f: f"{f.path}: cannot read it: {f.cause}",
+    Problem.GRES_NOT_UTF8: lambda f: f"{f.path}: cannot read it: not UTF-8",
+    Problem.GRES_LINE: lambda f: f"{f.path} line {f.line}: {echo(f.value)} not read for certain",
+    Problem.GRES_NODE_UNKNOWN: lambda f: (
+        f"{f.path} line {f.line}: NodeName= lines, and slurmd named no node (SLURMD_NODENAME)"
+    ),
+    Problem.GRES_AUTODETECT: lambda f: (
+        f"{f.path}: AutoDetect={echo(f.value)}: slurmd's GPU order is not knowable here"
+    ),
+    Problem.GRES_AUTODETECT_MATCH: lambda f: (
+        f"{f.path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
+        "matched to it is not knowable here"
+    ),
+    Problem.GRES_FILE_TWICE: lambda f: f"{f.path}: File {echo(f.file)} listed twice",
+    Problem.GRES_NO_FILES: lambda f: (
+        f"{f.path}: no Name=gpu File= line for node {echo(f.node) if f.node else '(unnamed)'}"
+    ),
+    Problem.GRES_FILE_NOT_GPU: lambda f: (
+        f"{f.path}: File {echo(f.file)} is no GPU device node " + _not_gpu_why(f)
+    ),
+    Problem.GRES_NO_NVML_GPU: lambda f: (
+        f"{f.path}: File {echo(f.file)} is /dev/nvidia{f.minor}, and NVML lists no GPU with "
+        f"minor number {f.minor}"
+    ),
+    Problem.GRES_NVML_FAULTS: lambda f: (
+        f"{f.path}: AutoDetect=nvml, and NVML cannot read {f.count} GPU(s): slurmd's order "
+        "has gaps gpugate cannot place"
+    ),
+    Problem.GRES_INDEX_PAST: lambda f: (
+        f"{f.path}: GPU number {f.value} past the {f.count} GPU(s) it lists for this node"
+    ),
     Problem.INSTALL_NOT_SERVICE: lambda f: (
         f"unit {f.unit!r}: gpugate installs on .service units (ExecStartPre=)"
     ),
