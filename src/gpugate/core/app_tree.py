@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from gpugate.config.models import GateConfig
+from gpugate.config.models import Config
 from gpugate.core.discover import Discovery
 from gpugate.core.roles import Role, role_of
 from gpugate.host.procfs import ProcInfo
@@ -20,7 +20,7 @@ class ProcessTree(Protocol):
 
 
 def _outside(
-    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: GateConfig
+    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: Config
 ) -> bool:
     """Never part of a holder's application, whatever the tree looks like."""
     return (
@@ -68,7 +68,7 @@ def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
 
 
 def app_tree(
-    holder: ProcInfo, tree: ProcessTree, discovery: Discovery, config: GateConfig
+    holder: ProcInfo, tree: ProcessTree, discovery: Discovery, config: Config
 ) -> dict[int, ProcInfo]:
     """The holder's application: its ancestors up to the nearest host, and their descendants.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpugate.config.models import GpuSelection
+from gpugate.config.values import GpuSelection
 from gpugate.errors import ConfigError, NvmlUnavailable, Problem
 from gpugate.host.nvml import Gpu, GpuFault
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gpugate.compat import StrEnum
-from gpugate.config.models import GateConfig
+from gpugate.config.models import Config
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.host.procfs import ProcessId, ProcInfo
 from gpugate.host.systemd import system_unit_of_cgroup
@@ -28,7 +28,7 @@ def in_cgroup(cgroup: str | None, top: str) -> bool:
 def role_of(
     info: ProcInfo,
     discovery: Discovery,
-    config: GateConfig,
+    config: Config,
     *,
     member: bool = False,
     own_container: bool = False,
@@ -53,7 +53,7 @@ def role_of(
     return Role.ORPHAN
 
 
-def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Role:
+def holder_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
     role = role_of(
         holder.info,
         discovery,
@@ -67,7 +67,7 @@ def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Rol
 
 
 def stable_role(
-    holder: Holder, discovery: Discovery, config: GateConfig, earlier: Mapping[ProcessId, Role]
+    holder: Holder, discovery: Discovery, config: Config, earlier: Mapping[ProcessId, Role]
 ) -> Role:
     """holder_role, kept stable within a run: a process judged a watcher earlier in this run
     stays one while NVML lists it on no GPU. After a holder is killed the driver frees its

@@ -10,7 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpugate.config.models import GpuSelection, LoadedConfig
+from gpugate.config.models import LoadedConfig
+from gpugate.config.values import GpuSelection
 from gpugate.core.decide import Choice, Decision, decide
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, pin

@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from gpugate.config.models import LoadedConfig
     from gpugate.core.discover import DeviceScanner
 
-# The config's modules (pydantic, and the models built with it: most of the start-up) are
-# imported by the commands that read a config, not by `--help`, `--version` or a usage error.
+# The config's modules are imported by the commands that read a config, not by `--help`,
+# `--version` or a usage error; pydantic only where a config file sets something.
 
 Handler = Callable[[argparse.Namespace, "Front"], int]
 
@@ -137,6 +137,7 @@ def slurm_check_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.config.models import validated  # noqa: PLC0415
     from gpugate.config.toml_text import to_toml  # noqa: PLC0415
     from gpugate.integrations.config_files import load_config  # noqa: PLC0415
 
@@ -152,7 +153,7 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
-    print(to_toml(loaded.config.model_dump(mode="json")))
+    print(to_toml(validated(loaded.config).model_dump(mode="json")))
     return int(ExitCode.OK)
 
 
