@@ -244,6 +244,7 @@ class Problem(Enum):
     INSTALL_DEFAULT_RUNTIME = "install-default-runtime"
     INSTALL_NO_WRAPPER = "install-no-wrapper"
     INSTALL_DOCKER_RELOAD = "install-docker-reload"
+    RUNTIME_RECORD_VALUE = "runtime-record-value"  # the wrapped runtime's record names no choice
     # the surroundings' refusals
     MANUAL_RUN = "manual-run"
     WORDED = "worded"  # words made before this code existed (`text`): to be given a code

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpugate.errors import ExitCode, NvmlNotAnswering, Problem, UnknownUnit
+from gpugate.errors import ExitCode, GateError, NvmlNotAnswering, Problem, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver
@@ -28,6 +28,8 @@ from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from gpugate.config.models import LoadedConfig
     from gpugate.core.discover import DeviceScanner
 
@@ -144,8 +146,25 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
+    _show_wrapped_runtime()
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
+
+
+def _show_wrapped_runtime(record: Path | None = None) -> None:
+    """The runtime gpugate-oci-runtime runs, where install --containers recorded one."""
+    from gpugate.host import wrapped_runtime as wrapped  # noqa: PLC0415
+
+    record = record or wrapped.RECORD
+    if not os.path.lexists(record):
+        return
+    try:
+        recorded = wrapped.read_record(record)
+    except GateError as exc:
+        print(lines.warning(exc.message), file=sys.stderr)
+        return
+    chosen = wrapped.choose(recorded, {})
+    print(lines.wrapped_runtime(record, recorded, chosen.name, chosen.path))
 
 
 def install_command(args: argparse.Namespace, front: Front) -> int:

@@ -413,6 +413,10 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.INSTALL_DOCKER_RELOAD: lambda f: _oci_text().docker_reload_failed(
         f.cause if f.get("cause") else f"`systemctl reload docker` failed: {f.said}"
     ),
+    Problem.RUNTIME_RECORD_VALUE: lambda f: (
+        f"{echo(f.value)}: not one of {', '.join(f.choices)} (gpugate install --containers "
+        "writes it)"
+    ),
     Problem.WORDED: lambda f: f"{f.text}",
 }
 

@@ -124,6 +124,14 @@ def unit_gpus(unit: str, gpus: str | Sequence[object], source: str) -> str:
     return f"# {unit}'s GPUs: {shown}, from {source}"
 
 
+def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
+    """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
+    runs = path or f"no {name} installed"
+    instead = "" if name == recorded else f"; {recorded} is not installed or is the caller"
+    where = f'runtime = "{recorded}" in {record}{instead}'
+    return f"# containers: gpugate-oci-runtime runs {runs} ({where})"
+
+
 def watch_header(unit: str | None) -> str:
     return f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
 
