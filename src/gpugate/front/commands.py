@@ -315,19 +315,26 @@ def containers_install_command(args: argparse.Namespace) -> int:
     script = str(given) if given else os.path.abspath(sys.argv[0])
     command = (script,)
     changes = oci.plan_hooks(host, command, install=installing, force=args.force)
+    wrapper = oci.wrapper_beside(script) if installing and oci.uses_wrapper(host) else ""
+    nvidia = installing and oci.nvidia_in_place(host)
     if host.daemon_json is not None:
-        wrapper = oci.wrapper_beside(script) if installing else ""
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    containerd, _ = oci.plan_containerd(
+        host, wrapper, install=installing, default=getattr(args, "default", False)
+    )
+    changes += containerd + oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
         from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
 
         print(NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
-    docker_changed = any(
-        c.path == host.daemon_json and c.action is install.Action.WRITE for c in changes
-    )
-    if docker_changed and not args.dry_run and not args.no_reload:
+    written = {c.path for c in changes if c.action in (install.Action.WRITE, install.Action.REMOVE)}
+    if host.containerd_config in written and not args.dry_run:
+        from gpugate.report.oci_text import CONTAINERD_RESTART  # noqa: PLC0415
+
+        print(CONTAINERD_RESTART)
+    if host.daemon_json in written and not args.dry_run and not args.no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)
 

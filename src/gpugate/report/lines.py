@@ -91,6 +91,13 @@ CHANGE_NOTES = {
     "runtime-added": "runtime gpugate: {detail}; every other key kept",
     "runtime-absent": "no runtime gpugate",
     "runtime-removed": "runtime gpugate taken out; every other key kept",
+    "containerd-runtime-added": "runtime gpugate with {detail}'s settings; every other line kept",
+    "containerd-runtime-default": (
+        "runtime gpugate with {detail}'s settings, the CRI default; every other line kept"
+    ),
+    "containerd-runtime-removed": "runtime gpugate taken out; every other line as it was",
+    "containerd-made": "made by gpugate install from `containerd config default`",
+    "runs": "gpugate-oci-runtime runs {detail}",
 }
 
 
