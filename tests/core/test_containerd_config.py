@@ -349,3 +349,43 @@ def test_a_config_that_is_no_regular_file_is_refused(host: ContainerHost, kind: 
         run(host, install=True)
     assert caught.value.problem is Problem.INSTALL_UNREADABLE
     assert not host.runtime_record.exists()
+
+
+@pytest.mark.parametrize(
+    ("daemon", "nvidia"),
+    [
+        ({"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}, True),
+        (
+            {
+                "default-runtime": "nvidia",
+                "runtimes": {"nvidia": {"path": "/usr/bin/nvidia-container-runtime"}},
+            },
+            True,
+        ),
+        ({"runtimes": {"other": {"path": "/usr/bin/crun"}}}, False),
+        ({}, False),
+    ],
+)
+def test_docker_s_nvidia_runtime_is_recorded_where_it_is_set_up(
+    tmp_path: Path, nvidia_installed: Path, daemon: dict[str, object], nvidia: bool
+) -> None:
+    import json
+
+    host = ContainerHost(
+        daemon_json=tmp_path / "daemon.json", runtime_record=tmp_path / "gpugate" / "rec.toml"
+    )
+    host.daemon_json.write_text(json.dumps(daemon))  # type: ignore[union-attr]
+    assert nvidia_in_place(host) is nvidia
+    apply(plan_record(host, install=True, nvidia=nvidia_in_place(host)), out=_Sink())
+    wanted = wrapped_runtime.NVIDIA if nvidia else wrapped_runtime.RUNC
+    assert wrapped_runtime.read_record(host.runtime_record) == wanted
+
+
+def test_nvidia_registered_but_not_installed_is_not_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    paths = {**wrapped_runtime.PATHS, wrapped_runtime.NVIDIA: (str(tmp_path / "none"),)}
+    monkeypatch.setattr(wrapped_runtime, "PATHS", paths)
+    host = ContainerHost(containerd_config=tmp_path / "config.toml")
+    host.containerd_config.write_text(GPU_NODE_V2)  # type: ignore[union-attr]
+    assert nvidia_in_place(host) is False

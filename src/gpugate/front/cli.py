@@ -124,6 +124,9 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         sub.set_defaults(handler="slurm_command")
 
 
+DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
+
+
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     install = commands.add_parser(
         "install",
@@ -137,16 +140,12 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         )
         sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
-        sub.add_argument(
-            "--default",
-            action="store_true",
-            help="with --containers: make gpugate containerd's CRI default runtime",
-        )
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
         sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
         sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
         sub.set_defaults(handler="install_command")
+    install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     install.add_argument(
         "--gpus",
         type=_gpus,

@@ -85,8 +85,27 @@ def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
     return changed
 
 
-def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
-    """config.json rewritten in place (a new file renamed over it, same mode)."""
+def with_hooks_always(spec: dict[str, object], gpugate: Sequence[str]) -> bool:
+    """Add gpugate's hooks whatever the spec asks for now: NVIDIA's runtime, run next, may
+    add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
+    hooks = spec.setdefault("hooks", {})
+    if not isinstance(hooks, dict):
+        raise OciInputError(Problem.OCI_NOT_OBJECT, source="config.json: hooks")
+    changed = False
+    for stage in HOOK_STAGES:
+        entries = hooks.setdefault(stage, [])
+        if not isinstance(entries, list):
+            raise OciInputError(Problem.OCI_NOT_LIST, source=f"config.json: hooks.{stage}")
+        entry = hook_entry(gpugate, stage)
+        if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
+            entries.append(entry)
+            changed = True
+    return changed
+
+
+def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
+    """config.json rewritten in place (a new file renamed over it, same mode). always: for
+    every container (NVIDIA's runtime follows), not only one that asks for GPUs now."""
     raw = read_config(bundle)
     try:
         spec = json.loads(raw)
@@ -94,7 +113,8 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
         raise OciInputError(Problem.OCI_NOT_JSON, source=f"{bundle}/config.json") from None
     if not isinstance(spec, dict):
         raise OciInputError(Problem.OCI_NOT_OBJECT, source=f"{bundle}/config.json")
-    if not with_hooks(spec, gpugate):
+    added = with_hooks_always(spec, gpugate) if always else with_hooks(spec, gpugate)
+    if not added:
         return False
     path = Path(bundle, "config.json")
     temporary = Path(bundle, f".config.json.gpugate-{os.getpid()}")
@@ -125,7 +145,7 @@ def main(argv: Sequence[str]) -> int:
         return int(ExitCode.NVML_UNAVAILABLE)
     if creating:
         try:
-            add_hooks(bundle_of(args), own_gpugate())
+            add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:
             said = error_text(exc) if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
