@@ -240,3 +240,20 @@ def test_config_check_shows_what_the_wrapper_runs(
     _show_wrapped_runtime(path)
     said = capsys.readouterr()
     assert said.out == "" and str(path) in said.err
+
+
+@pytest.mark.parametrize(("recorded", "hooked"), [(wrapped.NVIDIA, True), (wrapped.RUNC, False)])
+def test_a_container_without_gpus_yet_is_hooked_where_nvidia_s_runtime_follows(
+    tmp_path: Path, runtimes: dict[str, Path], recorded: str, hooked: bool
+) -> None:
+    """NVIDIA's runtime may add the GPUs after the wrapper (its hook, CDI): the hook then
+    reads them at createRuntime, so the wrapper adds it to every container."""
+    record(tmp_path, wrapped.record_text(recorded))
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o711)
+    (bundle / "config.json").write_text(
+        json.dumps({"process": {"env": ["NVIDIA_VISIBLE_DEVICES=1"]}})
+    )
+    done = run_wrapper(tmp_path, runtimes, ["create", "--bundle", str(bundle), "abc"])
+    assert done.returncode == 0, done.stderr
+    assert ("hooks" in json.loads((bundle / "config.json").read_text())) is hooked
