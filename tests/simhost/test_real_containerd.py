@@ -5,8 +5,8 @@ that records its calls and runs runc. `gpugate install --containers --default` a
 gpugate and keeps every other setting (`containerd config dump` parses it); a container run
 through that runtime's binary (`ctr run --runc-binary`, the runc shim path the CRI plugin takes
 through `BinaryName`) on GPU 1 kills a stale holder, NVIDIA's runtime still runs for it, a
-second container and a unit on GPU 1 are refused naming the pod, `ctr task kill -s KILL` and
-delete release it; a container without GPUs runs as before; uninstall leaves the file as it
+second container and a unit on GPU 1 are refused naming the pod, containerd restarted keeps
+both the container and its lease, `ctr task kill -s KILL` and delete release it; a container without GPUs runs as before; uninstall leaves the file as it
 was. Debian packages no crictl: the CRI annotations are given with `ctr run --annotation`."""
 
 from __future__ import annotations
@@ -196,6 +196,10 @@ def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node)
     said = node.sh("journalctl --no-pager -o cat -u tgi.service | tail -20")
     assert "ml/vllm-0/server" in said, said
     assert node.task(A_ID)[1] == "RUNNING"
+
+    # containerd restarted under it: the container runs on, and so does its lease.
+    restart(sim)
+    assert node.task(A_ID)[1] == "RUNNING" and len(node.leases()) == 1
 
     # SIGKILLed and deleted: runc's delete runs the poststop, the lease goes, the unit starts.
     node.sh(f"ctr task kill -s KILL {A_ID}")
