@@ -7,10 +7,12 @@ through that runtime's binary (`ctr run --runc-binary`, the runc shim path the C
 through `BinaryName`) on GPU 1 kills a stale holder, NVIDIA's runtime still runs for it, a
 second container and a unit on GPU 1 are refused naming the pod, containerd restarted keeps
 both the container and its lease, `ctr task kill -s KILL` and delete release it; a container without GPUs runs as before; uninstall leaves the file as it
-was. Debian packages no crictl: the CRI annotations are given with `ctr run --annotation`."""
+was. docker's runtime gpugate on the same node runs NVIDIA's runtime in turn too. Debian
+packages no crictl: the CRI annotations are given with `ctr run --annotation`."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +21,7 @@ import pytest
 from incident import REPO
 from realparts import install_debs, wait_for
 from sandbox import SimHost
-from test_real_containers import MIB, ROOTFS, hold
+from test_real_containers import DAEMON_JSON, MIB, ROOTFS, hold
 from test_real_oci_hooks import FAST, Box
 
 from gpugate.compat import tomllib
@@ -65,6 +67,8 @@ POD = {
     "io.kubernetes.cri.container-name": "server",
 }
 A_ID, B_ID, C_ID = "gpu-a", "gpu-b", "plain-c"
+# docker on the same node, NVIDIA's runtime registered as nvidia-ctk registers it.
+DOCKER_NVIDIA = json.dumps({**json.loads(DAEMON_JSON), "runtimes": {"nvidia": {"path": NVIDIA}}})
 
 
 class Node(Box):
@@ -109,8 +113,10 @@ def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
     try:
         sim.install_gpugate(REPO)
         sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
-        install_debs(sim, "containerd", ["containerd", "runc", "busybox-static"])
+        install_debs(sim, "containerd", ["containerd", "runc", "busybox-static", "docker.io"])
+        sim.run("rm -f /usr/local/bin/docker")
         sim.write_file(CONFIG, GPU_NODE)
+        sim.write_file("/etc/docker/daemon.json", DOCKER_NVIDIA)
         sim.write_file(NVIDIA, STAND_IN, mode=0o755)
         sim.write_file("/etc/gpugate/containers.toml", FAST)
         sim.run(
@@ -120,6 +126,8 @@ def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
             f'[ "$a" = busybox ] || ln -sf busybox {ROOTFS}/bin/$a; done'
         )
         restart(sim)
+        sim.systemctl("start", "docker.service")
+        sim.run(f"tar -C {ROOTFS} -c . | docker import - gpustub", timeout=120)
         yield Node(sim)
     finally:
         sim.poweroff()
@@ -221,9 +229,28 @@ def test_a_container_without_gpus_runs_as_before(node: Node) -> None:
     ]
 
 
+def test_docker_s_gpugate_runtime_keeps_nvidia_s_runtime_in_the_chain(node: Node) -> None:
+    stale = node.stale_holder(2)
+    before = len(node.sh(f"cat {CALLS}").splitlines())
+    argv = ["docker", "run", "-d", "--runtime", "gpugate", "--name", "dgpu", "--network", "none"]
+    argv += ["-v", "/dev/nvidia2:/dev/nvidia2", "gpustub", "sh", "-c", hold([2])]
+    node.sh(shlex.join(argv))
+    wait_for("dgpu running", lambda: node.sh("docker ps -q --filter name=^dgpu$").strip())
+    assert not node.alive(stale)
+    full = node.sh("docker inspect --format '{{.Id}}' dgpu").strip()
+    calls = node.sh(f"cat {CALLS}").splitlines()[before:]
+    created = [c for c in calls if " create " in c and full in c]
+    assert created and all(c.startswith("chain=nvidia-container-runtime ") for c in created), calls
+    (lease,) = node.leases()
+    assert lease["container"] == f"docker container dgpu ({full[:12]})", lease
+    node.sh("docker rm -f dgpu")
+    wait_for("the lease given up", lambda: not node.leases())
+
+
 def test_uninstall_leaves_the_file_as_it_was(node: Node) -> None:
     said = node.sh("gpugate uninstall --containers")
     assert f"wrote {CONFIG}" in said, said
     assert node.sim.read_file(CONFIG) == GPU_NODE
+    assert json.loads(node.sim.read_file("/etc/docker/daemon.json")) == json.loads(DOCKER_NVIDIA)
     assert not node.sim.exists("/etc/gpugate/oci-runtime.toml")
     restart(node.sim)
