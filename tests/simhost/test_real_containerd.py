@@ -6,7 +6,8 @@ gpugate and keeps every other setting (`containerd config dump` parses it); a co
 through that runtime's binary (`ctr run --runc-binary`, the runc shim path the CRI plugin takes
 through `BinaryName`) on GPU 1 kills a stale holder, NVIDIA's runtime still runs for it, a
 second container and a unit on GPU 1 are refused naming the pod, containerd restarted keeps
-both the container and its lease, `ctr task kill -s KILL` and delete release it; a container without GPUs runs as before; uninstall leaves the file as it
+both the container and its lease, `ctr task kill -s KILL` and delete release it, and so does a
+SIGKILLed shim; a container without GPUs runs as before; uninstall leaves the file as it
 was. docker's runtime gpugate on the same node runs NVIDIA's runtime in turn too. Debian
 packages no crictl: the CRI annotations are given with `ctr run --annotation`."""
 
@@ -218,6 +219,27 @@ def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node)
     sim.systemctl("start", "tgi.service")
     assert sim.systemctl("is-active", "tgi.service", check=False).stdout.strip() == "active"
     sim.systemctl("stop", "tgi.service")
+
+
+def test_a_killed_shim_leaves_no_lease_behind(node: Node) -> None:
+    """containerd cleans up after a shim that died (`shim delete`: runc delete --force, which
+    runs the poststop): the container goes, and with it its lease; the next one starts."""
+    node.sh(shlex.join(node.ctr_run("gpu-d", 3)))
+    wait_for("gpu-d running", lambda: node.task("gpu-d")[1] == "RUNNING")
+    assert len(node.leases()) == 1
+    node.claim_task("gpu-d", [3])
+    shims = node.sh("ps -eo pid=,args= | grep '[c]ontainerd-shim-runc-v2 .*-id gpu-d'")
+    (shim,) = [int(line.split()[0]) for line in shims.splitlines()]
+    node.sh(f"kill -KILL {shim}")
+    wait_for("gpu-d's task gone", lambda: node.task("gpu-d")[1] in ("", "STOPPED"))
+    wait_for("its lease gone", lambda: not node.leases())
+    node.sh("ctr task delete gpu-d; ctr container delete gpu-d", check=False)
+    node.sh(shlex.join(node.ctr_run("gpu-e", 3)))
+    wait_for("gpu-e running", lambda: node.task("gpu-e")[1] == "RUNNING")
+    node.sh("ctr task kill -s KILL gpu-e")
+    wait_for("gpu-e stopped", lambda: node.task("gpu-e")[1] == "STOPPED")
+    node.sh("ctr task delete gpu-e && ctr container delete gpu-e")
+    wait_for("no lease left", lambda: not node.leases())
 
 
 def test_a_container_without_gpus_runs_as_before(node: Node) -> None:
