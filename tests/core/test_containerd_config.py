@@ -255,7 +255,7 @@ class _Sink:
 
 
 def run(host: ContainerHost, *, install: bool, default: bool = False) -> list[Action]:
-    changes, _ = plan_containerd(
+    changes = plan_containerd(
         host, WRAPPER, install=install, default=default, default_config=lambda: GPU_NODE_V2
     )
     changes += plan_record(host, install=install, nvidia=nvidia_in_place(host) and install)

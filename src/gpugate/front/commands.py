@@ -319,10 +319,9 @@ def containers_install_command(args: argparse.Namespace) -> int:
     nvidia = installing and oci.nvidia_in_place(host)
     if host.daemon_json is not None:
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
-    containerd, _ = oci.plan_containerd(
-        host, wrapper, install=installing, default=getattr(args, "default", False)
-    )
-    changes += containerd + oci.plan_record(host, install=installing, nvidia=nvidia)
+    default = getattr(args, "default", False)  # install's only
+    changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
+    changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
         from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
 

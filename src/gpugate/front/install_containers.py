@@ -207,29 +207,28 @@ def plan_containerd(
     install: bool,
     default: bool = False,
     default_config: Callable[[], str] = containerd_default_config,
-) -> tuple[list[Change], str | None]:
-    """containerd's config with (or without) the runtime gpugate; the BinaryName of the
-    runtime it wraps (install)."""
+) -> list[Change]:
+    """containerd's config with (or without) the runtime gpugate."""
     path = host.containerd_config
     if path is None:
-        return [], None
+        return []
     current = containerd_config.read_text(path)
     if not install:
         if current is None:
-            return [Change(path, Action.ABSENT)], None
+            return [Change(path, Action.ABSENT)]
         text = containerd_config.uninstalled(current, path=path)
         if text is None:
-            return [Change(path, Action.REMOVE, note="containerd-made", keep_folder=True)], None
+            return [Change(path, Action.REMOVE, note="containerd-made", keep_folder=True)]
         if text == current:
-            return [Change(path, Action.UNCHANGED, note="runtime-absent")], None
-        return [Change(path, Action.WRITE, text, "containerd-runtime-removed")], None
+            return [Change(path, Action.UNCHANGED, note="runtime-absent")]
+        return [Change(path, Action.WRITE, text, "containerd-runtime-removed")]
     text, wrapped = containerd_config.installed(
         current, wrapper, path=path, default=default, default_config=default_config
     )
     if text == current:
-        return [Change(path, Action.UNCHANGED, note="runtime-there")], wrapped.binary
+        return [Change(path, Action.UNCHANGED, note="runtime-there")]
     note = "containerd-runtime-default" if default else "containerd-runtime-added"
-    return [Change(path, Action.WRITE, text, note, detail=wrapped.name)], wrapped.binary
+    return [Change(path, Action.WRITE, text, note, detail=wrapped.name)]
 
 
 def uses_wrapper(host: ContainerHost) -> bool:
