@@ -262,6 +262,14 @@ class Problem(Enum):
     INSTALL_DEFAULT_RUNTIME = "install-default-runtime"
     INSTALL_NO_WRAPPER = "install-no-wrapper"
     INSTALL_DOCKER_RELOAD = "install-docker-reload"
+    INSTALL_UNTRUSTED = "install-untrusted"  # a file install edits that another account may change
+    INSTALL_CONTAINERD_VERSION = "install-containerd-version"
+    INSTALL_CONTAINERD_RUNTIME_THERE = "install-containerd-runtime-there"  # not gpugate's block
+    INSTALL_CONTAINERD_EDIT = "install-containerd-edit"  # the edit would change other settings
+    INSTALL_CONTAINERD_DEFAULT = "install-containerd-default"  # uninstall: still the default
+    INSTALL_CONTAINERD_DEFAULT_CONFIG = "install-containerd-default-config"
+    INSTALL_MARK_UNCLOSED = "install-mark-unclosed"
+    RUNTIME_RECORD_VALUE = "runtime-record-value"  # the wrapped runtime's record names no choice
     # the surroundings' refusals
     MANUAL_RUN = "manual-run"
     WORDED = "worded"  # words made before this code existed (`text`): to be given a code

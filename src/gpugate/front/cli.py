@@ -131,6 +131,9 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     check.set_defaults(handler="slurm_check_command")
 
 
+DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
+
+
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     install = commands.add_parser(
         "install",
@@ -149,6 +152,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
         sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
         sub.set_defaults(handler="install_command")
+    install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     install.add_argument(
         "--gpus",
         type=_gpus,

@@ -468,6 +468,40 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.INSTALL_DOCKER_RELOAD: lambda f: _oci_text().docker_reload_failed(
         f.cause if f.get("cause") else f"`systemctl reload docker` failed: {f.said}"
     ),
+    Problem.INSTALL_UNTRUSTED: lambda f: (
+        f"{f.path}: "
+        + (_trust_text().untrusted_config(f.found) if f.get("found") else "refused: untrusted")
+    ),
+    Problem.INSTALL_CONTAINERD_VERSION: lambda f: (
+        f"{f.path}: config version {echo(f.version)}: gpugate edits versions 2 (containerd 1.6, "
+        "1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_RUNTIME_THERE: lambda f: (
+        f"{f.path}: a runtime {f.runtime} that gpugate install did not write is there; take it "
+        "out first; nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_EDIT: lambda f: (
+        f"{f.path}: adding {f.table} as a table would change other settings (inline or dotted "
+        "tables there); add it by hand (docs/containers.md); nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_DEFAULT: lambda f: (
+        f"{f.path}: default_runtime_name is {f.runtime}, not set by gpugate install: set another "
+        "first (containerd would not start its pods); nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG: lambda f: (
+        f"{f.path} is missing and `containerd config default` failed: "
+        + ("no containerd in the system folders" if f.get("missing") else "")
+        + (f"{f.cause}" if f.get("cause") else f"{f.get('said', '')}")
+        + "; nothing changed"
+    ),
+    Problem.INSTALL_MARK_UNCLOSED: lambda f: (
+        f"{f.path}: line {f.line}: gpugate's block is opened and never closed (`{f.end}`); "
+        "mend it by hand; nothing changed"
+    ),
+    Problem.RUNTIME_RECORD_VALUE: lambda f: (
+        f"{echo(f.value)}: not one of {', '.join(f.choices)} (gpugate install --containers "
+        "writes it)"
+    ),
     Problem.WORDED: lambda f: f"{f.text}",
 }
 

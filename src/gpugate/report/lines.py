@@ -177,6 +177,13 @@ CHANGE_NOTES = {
     "runtime-added": "runtime gpugate: {detail}; every other key kept",
     "runtime-absent": "no runtime gpugate",
     "runtime-removed": "runtime gpugate taken out; every other key kept",
+    "containerd-runtime-added": "runtime gpugate with {detail}'s settings; every other line kept",
+    "containerd-runtime-default": (
+        "runtime gpugate with {detail}'s settings, the CRI default; every other line kept"
+    ),
+    "containerd-runtime-removed": "runtime gpugate taken out; every other line as it was",
+    "containerd-made": "made by gpugate install from `containerd config default`",
+    "runs": "gpugate-oci-runtime runs {detail}",
 }
 
 
@@ -208,6 +215,14 @@ def effective_config(source: str) -> str:
 def unit_gpus(unit: str, gpus: str | Sequence[object], source: str) -> str:
     shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
     return f"# {unit}'s GPUs: {shown}, from {source}"
+
+
+def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
+    """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
+    runs = path or f"no {name} installed"
+    instead = "" if name == recorded else f"; {recorded} is not installed or is the caller"
+    where = f'runtime = "{recorded}" in {record}{instead}'
+    return f"# containers: gpugate-oci-runtime runs {runs} ({where})"
 
 
 def watch_header(unit: str | None) -> str:

@@ -37,7 +37,11 @@ def runtime_no_runc(paths: Sequence[str]) -> str:
     return runtime_failed(f"no runc in {', '.join(paths)}")
 
 
-NOTHING_TO_SET_UP = "no podman, CRI-O or docker here: nothing to do"
+NOTHING_TO_SET_UP = "no podman, CRI-O, docker or containerd here: nothing to do"
+CONTAINERD_RESTART = (
+    "containerd reads its config only when it starts: systemctl restart containerd "
+    "(running containers keep running)"
+)
 DOCKER_RELOADED = "reloaded docker (systemctl reload docker)"
 DOCKER_NOT_RUNNING = "docker is not running: it reads daemon.json when it starts"
 DOCKER_NO_SYSTEMCTL = "docker not reloaded (no systemctl): run `systemctl reload docker`"
