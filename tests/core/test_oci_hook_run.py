@@ -17,6 +17,7 @@ import pytest
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import run_container_hook, stage_phase
 from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
@@ -26,13 +27,16 @@ A_ID, B_ID = "a" * 64, "b" * 64
 A_SCOPE, B_SCOPE = f"libpod-{A_ID}.scope", f"libpod-{B_ID}.scope"
 
 
-def spec(container_id: str, env: list[str], devices: list[str] = ()) -> ContainerSpec:  # type: ignore[assignment]
+def spec(container_id: str, env: list[str], devices: list[int] = ()) -> ContainerSpec:  # type: ignore[assignment]
     body = {
         "hooks": {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook"}]},
         "process": {"env": env},
         "linux": {
             "cgroupsPath": f"machine.slice:libpod:{container_id}",
-            "devices": [{"path": p} for p in devices],
+            # Device numbers (195:minor), under a path of the container's choosing.
+            "devices": [
+                {"path": f"/dev/x{m}", "type": "c", "major": 195, "minor": m} for m in devices
+            ],
         },
         "annotations": {"io.kubernetes.cri-o.ContainerName": f"c-{container_id[0]}"},
     }
@@ -50,7 +54,7 @@ def hook(
     env: list[str],
     running: dict[str, str],
     *,
-    devices: list[str] = (),  # type: ignore[assignment]
+    devices: list[int] = (),  # type: ignore[assignment]
 ) -> int:
     def reporter(unit: str, phase: str, *, fields: object = None) -> Reporter:
         return Reporter(
@@ -84,7 +88,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert started["GPUGATE_OCI_CONTAINER"] == A_ID
     assert started["GPUGATE_OCI_CONTAINER_NAME"] == "c-a"
     assert started["GPUGATE_UNIT"] == A_SCOPE and started["GPUGATE_PHASE"] == "pre"
-    assert "NVIDIA_VISIBLE_DEVICES=1" in started["GPUGATE_GPU_SOURCE"]
+    assert started["GPUGATE_GPU_SOURCE"].endswith("1; from NVIDIA_VISIBLE_DEVICES)")
 
     # Another container onto GPU 1: refused, naming the first; nothing killed.
     (bystander,) = host.pool.holder(host.gpu_files(5))
@@ -126,25 +130,32 @@ def test_a_dead_containers_lease_is_stale(host: FakeHost) -> None:
 def test_gpus_by_device_minor_not_index(host: FakeHost) -> None:
     host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
     running = {A_SCOPE: "active"}
-    assert hook(host, Phase.PRE, A_ID, [], running, devices=["/dev/nvidia7"]) == ExitCode.OK
+    assert hook(host, Phase.PRE, A_ID, [], running, devices=[7]) == ExitCode.OK
     (lease,) = read_leases(host.root / "locks").leases
     assert lease.gpus == (0,)
 
 
 @pytest.mark.parametrize(
-    ("env", "devices", "code"),
+    ("env", "devices"),
     [
-        ([], ["/dev/nvidia9"], ExitCode.CONFIG),  # no such GPU
-        (["NVIDIA_VISIBLE_DEVICES=12"], [], ExitCode.CONFIG),
-        (["NVIDIA_VISIBLE_DEVICES=MIG-1234"], [], ExitCode.USAGE),
-        (["NVIDIA_VISIBLE_DEVICES=gpu0"], [], ExitCode.USAGE),
+        ([], [9]),  # 195:9: no GPU NVML knows
+        (["NVIDIA_VISIBLE_DEVICES=12"], []),
+        (["NVIDIA_VISIBLE_DEVICES=GPU-ffffffff-0000"], []),
     ],
 )
 def test_a_gpu_request_nvml_cannot_meet_fails_the_start(
-    host: FakeHost, env: list[str], devices: list[str], code: ExitCode
+    host: FakeHost, env: list[str], devices: list[int]
 ) -> None:
-    assert hook(host, Phase.PRE, A_ID, env, {A_SCOPE: "active"}, devices=devices) == code
+    code = hook(host, Phase.PRE, A_ID, env, {A_SCOPE: "active"}, devices=devices)
+    assert code == ExitCode.USAGE
     assert not read_leases(host.root / "locks").leases
+
+
+@pytest.mark.parametrize("value", ["MIG-1234", "gpu0", "0:1", "ALL"])
+def test_a_gpu_request_gpugate_cannot_read_is_refused_before_nvml(value: str) -> None:
+    with pytest.raises(OciInputError) as caught:
+        spec(A_ID, [f"NVIDIA_VISIBLE_DEVICES={value}"])
+    assert caught.value.exit_code == ExitCode.USAGE
 
 
 def run_entry(stage: str, stdin: bytes) -> subprocess.CompletedProcess[bytes]:

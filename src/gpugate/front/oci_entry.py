@@ -10,12 +10,12 @@ import sys
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import (
-    OciInputError,
     parse_config,
     parse_state,
     read_config,
     read_stdin_bounded,
 )
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.report.error_text import error_text
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import

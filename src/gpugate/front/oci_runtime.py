@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ExitCode, Problem
-from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
+from gpugate.host.oci import read_config, spec_gpu_request
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.report import oci_text
 from gpugate.report.error_text import error_text
 
