@@ -118,6 +118,60 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert hook(host, Phase.PRE, B_ID, ["NVIDIA_VISIBLE_DEVICES=0,1"], running) == ExitCode.OK
 
 
+def unresolvable(container_id: str) -> ContainerSpec:
+    """What parse_config(lenient=True) gives after the stop for a request that no longer
+    resolves (NVIDIA's config changed meanwhile)."""
+    text = json.dumps(
+        {
+            "hooks": {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook"}]},
+            "process": {"env": ["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"]},
+            "linux": {"cgroupsPath": f"machine.slice:libpod:{container_id}"},
+        }
+    )
+    with pytest.raises(OciInputError):
+        parse_config(text.encode())
+    got = parse_config(text.encode(), lenient=True)
+    assert got.gpus and got.gpus.unresolved is not None
+    return got
+
+
+def test_after_the_stop_the_lease_says_which_gpus(host: FakeHost) -> None:
+    running = {A_SCOPE: "active"}
+    assert hook(host, Phase.PRE, A_ID, ["NVIDIA_VISIBLE_DEVICES=1"], running) == ExitCode.OK
+    (lease,) = read_leases(host.root / "locks").leases
+    assert lease.gpus == (1,)
+    code = run_container_hook(
+        Phase.POST,
+        state(A_ID),
+        unresolvable(A_ID),
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+        reporter_factory=lambda unit, phase, fields=None: Reporter(  # type: ignore[arg-type]
+            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
+        ),
+        loaded=host.config(),
+        unit_state=running.get,
+        stream=io.StringIO(),
+    )
+    assert code == ExitCode.OK
+    assert not read_leases(host.root / "locks").leases
+    # Without a lease to answer, it is refused as at the start.
+    code = run_container_hook(
+        Phase.POST,
+        state(B_ID),
+        unresolvable(B_ID),
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+        reporter_factory=lambda unit, phase, fields=None: Reporter(  # type: ignore[arg-type]
+            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
+        ),
+        loaded=host.config(),
+        unit_state=running.get,
+        stream=io.StringIO(),
+    )
+    assert code == ExitCode.USAGE
+
+
 def test_a_dead_containers_lease_is_stale(host: FakeHost) -> None:
     running = {A_SCOPE: "active"}
     assert hook(host, Phase.PRE, A_ID, ["NVIDIA_VISIBLE_DEVICES=all"], running) == ExitCode.OK

@@ -53,7 +53,7 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
             if stage == "poststop":  # the runtime may have removed the bundle already;
                 return int(ExitCode.OK)  # the lease is stale once the scope is gone
             raise
-        spec = parse_config(raw, f"{state.bundle}/config.json")
+        spec = parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
     except OciInputError as exc:
         from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
 

@@ -38,6 +38,7 @@ from gpugate.integrations.container import (
     request_text,
 )
 from gpugate.integrations.unit.gpu_source import GpuChoice
+from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
 from gpugate.report import lines, oci_text
@@ -85,7 +86,10 @@ def run_container_hook(
         try:
             driver = driver_factory()
             source = request_text(spec.gpus)
-            selection = gpu_selection(spec.gpus, list(driver.gpus()), source)
+            leased = leased_gpus(loaded, identity.unit) if phase is Phase.POST else None
+            if leased is None and spec.gpus.unresolved is not None:
+                raise spec.gpus.unresolved
+            selection = leased or gpu_selection(spec.gpus, list(driver.gpus()), source)
         except GateError as exc:
             if driver is not None:
                 driver.close()
@@ -103,6 +107,15 @@ def run_container_hook(
         )
         deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: opened), stream)
         return int(run_hook(hook, loaded, deps).exit_code)
+
+
+def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
+    """After the stop the container's GPUs are those its start leased (what it resolved
+    then), where its lease is still there."""
+    for lease in read_leases(loaded.config.lock_dir).leases:
+        if lease.unit == unit and lease.gpus:
+            return lease.gpus
+    return None
 
 
 def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:

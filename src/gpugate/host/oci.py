@@ -81,7 +81,7 @@ class _Record:
 class GpuRequest(_Record):
     """What the container reaches. Empty: no GPU, the hook has nothing to do."""
 
-    __slots__ = ("all_gpus", "minors", "note", "origins", "refs")
+    __slots__ = ("all_gpus", "minors", "note", "origins", "refs", "unresolved")
 
     def __init__(
         self,
@@ -90,15 +90,19 @@ class GpuRequest(_Record):
         all_gpus: bool = False,
         origins: tuple[str, ...] = (),
         note: str = "",
+        unresolved: OciInputError | None = None,
     ) -> None:
         self.minors = minors  # minors of the 195:N device nodes it reaches
         self.refs = refs  # indices and UUIDs of NVIDIA's lists, as written
         self.all_gpus = all_gpus  # NVIDIA's `all`
         self.origins = origins  # where in the spec each came from
         self.note = note  # why NVIDIA's config defaults stood in (nvidia_toolkit's codes)
+        # After the stop (parse_config's lenient): why the request could not be resolved; the
+        # container's lease then says which GPUs it had.
+        self.unresolved = unresolved
 
     def __bool__(self) -> bool:
-        return bool(self.minors or self.refs or self.all_gpus)
+        return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
 
 
 class ContainerState(_Record):
@@ -228,14 +232,24 @@ def _check_owner(info: os.stat_result, path: str, euid: int) -> None:
         raise OciInputError(Problem.OCI_WRITABLE, path=path)
 
 
-def parse_config(raw: bytes, source: str = "config.json") -> ContainerSpec:
+def parse_config(
+    raw: bytes, source: str = "config.json", *, lenient: bool = False
+) -> ContainerSpec:
+    """lenient (after the stop): a GPU request that cannot be resolved (NVIDIA's config may
+    have changed since the start) is kept as such, for the lease to answer."""
     data = _json_object(raw, source)
     linux = data.get("linux")
     linux = linux if isinstance(linux, dict) else {}
     cgroups_path = linux.get("cgroupsPath")
     hostname = data.get("hostname")
+    try:
+        gpus = spec_gpu_request(data)
+    except OciInputError as exc:
+        if not lenient:
+            raise
+        gpus = GpuRequest(unresolved=exc)
     return ContainerSpec(
-        gpus=spec_gpu_request(data),
+        gpus=gpus,
         cgroups_path=cgroups_path if isinstance(cgroups_path, str) else None,
         annotations=_string_map(data.get("annotations")),
         hostname=hostname[:MAX_FIELD] if isinstance(hostname, str) else None,
