@@ -274,6 +274,24 @@ def test_the_volume_mounts_list_wins_where_accepted() -> None:
     assert spec_gpu_request(fallback, Toolkit(volume_mounts=True)).refs == ("3",)
 
 
+@pytest.mark.parametrize(
+    ("word", "expected"),
+    [
+        ("cdi/nvidia.com/gpu=1", ("1",)),
+        ("cdi/nvidia.com/gpu/2", ("2",)),
+        ("cdi/vendor.com/fpga/0", ()),
+    ],
+)
+def test_cdi_names_in_the_volume_mounts_list(word: str, expected: tuple[str, ...]) -> None:
+    got = request(MOUNTS, hooks=HOOK, mounts=devices_list(word), process=env())
+    assert got.refs == expected
+
+
+def test_a_junk_cdi_name_in_the_list_is_refused() -> None:
+    mounts = devices_list("cdi/nvidia.com/gpu/MIG-1")
+    assert refusal(MOUNTS, hooks=HOOK, mounts=mounts, process=env()) is Problem.OCI_GPU_MIG
+
+
 def test_only_dev_null_mounts_under_the_folder_are_the_list() -> None:
     mounts = [*devices_list("1", source="/srv/x"), bind("/dev/null", "/elsewhere/2")]
     assert not request(MOUNTS, hooks=HOOK, mounts=mounts, process=env())

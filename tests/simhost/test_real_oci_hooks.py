@@ -301,6 +301,7 @@ def test_nvidias_lists_count_as_nvidias_hook_reads_them(box: Box) -> None:
         "stages": ["prestart"],
     }
     sim.write_file(f"{HOOKS_D}/oci-nvidia-hook.json", json.dumps(hook))
+    sim.systemctl("restart", "docker.service")  # dockerd looks for NVIDIA's hook at its start
     sim.run(f"mkdir -p {Path(NVIDIA_CONFIG).parent}")
     sim.write_file(
         NVIDIA_CONFIG,
@@ -325,8 +326,14 @@ def test_nvidias_lists_count_as_nvidias_hook_reads_them(box: Box) -> None:
         sim.run(f"rm -f {NVIDIA_CONFIG}")  # NVIDIA's defaults: the variable counts
         box.sh(podman_run("variable", None, "-e", "NVIDIA_VISIBLE_DEVICES=5"))
         assert lease_gpus(box) == {"listed": [3], "cdi": [4], "variable": [5]}
+        # docker --gpus: dockerd adds NVIDIA's hook (found on PATH) and the variable.
+        gpus = "docker run -d --runtime gpugate --network none --gpus device=6 --name dgpus"
+        box.sh(f"{gpus} gpustub sleep 3600")
+        wait_for("dgpus running", lambda: running(box, "docker", "dgpus"))
+        assert lease_gpus(box) == {"listed": [3], "cdi": [4], "variable": [5], "dgpus": [6]}
         assert box.alive(orphan)
     finally:
+        box.sh("docker rm -f dgpus", check=False)
         box.sh("podman rm -f --time 1 cuda-image listed cdi variable", check=False)
         sim.run(f"rm -f {NVIDIA_HOOK} {HOOKS_D}/oci-nvidia-hook.json {NVIDIA_CONFIG}")
         box.sh(f"kill {orphan}", check=False)

@@ -257,8 +257,12 @@ def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> Non
     if toolkit.volume_mounts:
         listed = volume_mount_devices(spec.get("mounts"))
         if listed:
+            origin = "volume-mounts " + DEVICE_LIST_ROOT
             for word in listed:
-                reach.ref(_gpu_word(word, "volume-mounts"), "volume-mounts " + DEVICE_LIST_ROOT)
+                if word.startswith("cdi/"):
+                    _cdi_name(_cdi_mount_name(word[len("cdi/") :]), origin, reach)
+                else:
+                    reach.ref(_gpu_word(word, origin), origin)
             return
     process = spec.get("process")
     if not toolkit.envvar_unprivileged and not privileged(process):
@@ -286,10 +290,17 @@ def volume_mount_devices(mounts: object) -> list[str]:
         word = target[len(DEVICE_LIST_ROOT) + 1 :].strip("/")
         if word.startswith("imex/") or word in found:
             continue
-        if word.startswith("cdi/"):
-            raise OciInputError(Problem.OCI_GPU_WORD, source="volume-mounts", value=word[:128])
         found.append(word)
     return found
+
+
+def _cdi_mount_name(rest: str) -> str:
+    """NVIDIA's `cdiDeviceMountRequest`: `vendor/class=device` or `vendor/class/device`."""
+    if "=" in rest:
+        return rest
+    vendor, _, tail = rest.partition("/")
+    kind, _, device = tail.partition("/")
+    return f"{vendor}/{kind}={device}"
 
 
 def visible_words(env: object) -> list[str]:
