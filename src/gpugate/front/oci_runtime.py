@@ -1,8 +1,9 @@
 """`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
 containerd, which run only the hooks in a container's spec. On `create` of a container that
-asks for GPUs it adds gpugate's createRuntime and poststop hooks to the bundle's
-config.json; then, for every command, it execs runc unchanged, with all its arguments, as
-NVIDIA's nvidia-container-runtime does. runc is found at fixed paths only."""
+reaches GPUs (host/oci_gpus.py: the hook's own rule) it adds gpugate's createRuntime and
+poststop hooks to the bundle's config.json; then, for every command, it execs runc unchanged,
+with all its arguments, as NVIDIA's nvidia-container-runtime does. runc is found at fixed
+paths only."""
 
 from __future__ import annotations
 
