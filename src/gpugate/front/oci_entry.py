@@ -20,9 +20,10 @@ from gpugate.report.error_text import error_text
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from pathlib import Path
 
+    from gpugate.host.nvml import GpuDriver
     from gpugate.host.roots import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
@@ -31,9 +32,16 @@ STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
 USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
 
 
-def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | None = None) -> int:
-    """argv: what follows `oci-hook`; roots and config: `gpugate --host-roots R oci-hook
-    --config C STAGE` (the bench, tests), through the full command line."""
+def main(
+    argv: Sequence[str],
+    *,
+    roots: HostRoots | None = None,
+    config: Path | None = None,
+    driver_factory: Callable[[], GpuDriver] | None = None,
+) -> int:
+    """argv: what follows `oci-hook`; roots, config and driver_factory: `gpugate --host-roots
+    R --nvml-library L oci-hook --config C STAGE` (the bench, tests), through the full
+    command line."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -63,4 +71,8 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
         return int(ExitCode.OK)  # no GPU asked for: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
-    return run_from_hook(stage, state, spec, roots=roots, config=config)
+    if driver_factory is None:
+        return run_from_hook(stage, state, spec, roots=roots, config=config)
+    return run_from_hook(
+        stage, state, spec, roots=roots, config=config, driver_factory=driver_factory
+    )

@@ -133,15 +133,19 @@ def run_from_hook(
     *,
     roots: HostRoots | None = None,
     config: Path | None = None,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
 ) -> int:
-    """The runtime's call, past the fast path: an error is one line and its exit code."""
+    """The runtime's call, past the fast path: an error is one line and its exit code.
+    driver_factory: NVML's, or `--nvml-library`'s through the full command line (the bench)."""
     phase = stage_phase(stage)
     if phase is None:
         return int(ExitCode.OK)
     try:
         loaded = load_config(None, config) if config is not None else None
         roots = roots or on_units_tree(HostRoots())
-        return run_container_hook(phase, state, spec, roots=roots, loaded=loaded)
+        return run_container_hook(
+            phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver_factory
+        )
     except GateError as exc:
         print(oci_text.hook_failed(stage, error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)
