@@ -240,6 +240,7 @@ class Problem(Enum):
     OCI_GPU_MIG = "oci-gpu-mig"
     OCI_GPU_WORD = "oci-gpu-word"
     OCI_GPU_UNKNOWN = "oci-gpu-unknown"
+    OCI_ANNOTATION_TOO_LONG = "oci-annotation-too-long"
     PRIVATE_SHM_FORM = "private-shm-form"
     INSTALL_UNREADABLE = "install-unreadable"
     INSTALL_NOT_TOML = "install-not-toml"

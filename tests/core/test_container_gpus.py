@@ -331,6 +331,7 @@ def test_cdi_annotations(annotations: dict[str, object], expected: GpuRequest) -
         ("nvidia.com/gpu=0:1", Problem.OCI_GPU_MIG),
         ("nvidia.com/gpu=MIG-1234", Problem.OCI_GPU_MIG),
         ("nvidia.com/gpu=first", Problem.OCI_GPU_WORD),
+        ("nvidia.com/gpu=1," * 400 + "nvidia.com/gpu=12", Problem.OCI_ANNOTATION_TOO_LONG),
     ],
 )
 def test_junk_cdi_names_are_refused(value: str, problem: Problem) -> None:

@@ -208,7 +208,9 @@ def cdi_reach(annotations: object, reach: Reach) -> None:
         if not isinstance(value, str):
             continue
         origin = f"annotation {key[:128]}"
-        for name in (part.strip() for part in value[:MAX_VALUE].split(",")):
+        if len(value) > MAX_VALUE:  # refused, not cut: a cut name could be another GPU's
+            raise OciInputError(Problem.OCI_ANNOTATION_TOO_LONG, key=key[:128], limit=MAX_VALUE)
+        for name in (part.strip() for part in value.split(",")):
             if name:
                 _cdi_name(name, origin, reach)
 

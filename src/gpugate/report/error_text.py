@@ -406,6 +406,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.OCI_GPU_WORD: lambda f: (
         f"config.json: {echo(f.source)}: {echo(f.value)} is not a GPU index, a GPU UUID or all"
     ),
+    Problem.OCI_ANNOTATION_TOO_LONG: lambda f: (
+        f"config.json: annotations: {echo(f.key)} is over {f.limit} characters"
+    ),
     Problem.OCI_GPU_UNKNOWN: lambda f: (
         f"config.json: {echo(f.source)}: {echo(f.value)} is no GPU NVML knows"
     ),
