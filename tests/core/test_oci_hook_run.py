@@ -233,6 +233,48 @@ def test_entry_leaves_a_container_without_gpus_alone(tmp_path: Path) -> None:
         assert (done.returncode, done.stderr) == (0, b""), stage
 
 
+@pytest.mark.parametrize(
+    "spec_body",
+    [
+        # Only nvidiactl, nvidia-uvm and a GPU's name on /dev/null's numbers: no GPU.
+        {
+            "linux": {
+                "devices": [
+                    {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                    {"path": "/dev/nvidia-uvm", "type": "c", "major": 508, "minor": 0},
+                    {"path": "/dev/nvidia0", "type": "c", "major": 1, "minor": 3},
+                ]
+            }
+        },
+        # The image's NVIDIA_VISIBLE_DEVICES=all without NVIDIA's hook.
+        {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=all", "CUDA_VERSION=12.2"]}},
+    ],
+)
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the hook leaves every one alone")
+def test_entry_leaves_a_container_that_reaches_no_gpu_alone(
+    tmp_path: Path, spec_body: dict[str, object]
+) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o700)
+    (bundle / "config.json").write_text(json.dumps(spec_body))
+    raw = json.dumps({"id": A_ID, "pid": 0, "bundle": str(bundle)}).encode()
+    done = run_entry("createRuntime", raw)
+    assert (done.returncode, done.stderr) == (0, b"")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the hook leaves it alone")
+def test_entry_refuses_a_gpu_request_it_cannot_resolve_with_one_line(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o700)
+    body = {"annotations": {"cdi.k8s.io/x": "nvidia.com/gpu=MIG-1"}}
+    (bundle / "config.json").write_text(json.dumps(body))
+    raw = json.dumps({"id": A_ID, "pid": 0, "bundle": str(bundle)}).encode()
+    done = run_entry("createRuntime", raw)
+    assert done.returncode == ExitCode.USAGE
+    assert done.stderr.decode().count("\n") == 1
+    assert done.stderr.startswith(b"gpugate: oci-hook createRuntime: config.json: ")
+
+
 def test_entry_refuses_bad_input_with_one_line() -> None:
     done = run_entry("createRuntime", b"{not json")
     assert done.returncode == ExitCode.USAGE
