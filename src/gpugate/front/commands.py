@@ -354,4 +354,9 @@ def oci_command(args: argparse.Namespace, front: Front) -> int:
         return runtime(args.args)
     from gpugate.front.oci_entry import main  # noqa: PLC0415
 
-    return main([args.stage], roots=front.host_roots(), config=args.config)
+    return main(
+        [args.stage],
+        roots=front.host_roots(),
+        config=args.config,
+        driver_factory=front.driver_factory,
+    )

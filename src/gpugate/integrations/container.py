@@ -20,19 +20,19 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
-from gpugate.errors import ConfigError, Problem
+from gpugate.errors import Problem
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
     ContainerSpec,
     ContainerState,
     GpuRequest,
-    OciInputError,
     cgroup_of_spec,
     container_name,
     manager_of,
     safe_name,
 )
+from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
 from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
@@ -173,34 +173,35 @@ def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
 
 
 def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelection:
-    """The container's GPUs as the config's `gpus`: UUIDs for its device minors (a minor is
-    not always the index), its NVIDIA_VISIBLE_DEVICES as written."""
+    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. A device
+    minor, index or UUID NVML does not know is refused (exit 64), never guessed."""
     if request.all_gpus:
         return "all"
     by_minor = {gpu.minor: gpu for gpu in gpus}
-    chosen: list[int | str] = []
+    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus}
+    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus)
+    chosen: dict[str, str] = {}
     for minor in request.minors:
         gpu = by_minor.get(minor)
         if gpu is None:
-            raise ConfigError(source, "linux.devices", Problem.OCI_DEVICE_NOT_GPU, minor=minor)
-        chosen.append(gpu.uuid)
+            raise OciInputError(
+                Problem.OCI_DEVICE_NOT_GPU, source=source, major=NVIDIA_MAJOR, minor=minor
+            )
+        chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     for ref in request.refs:
-        item: int | str = int(ref) if ref.isascii() and ref.isdigit() else ref
-        chosen.append(item)
-    from gpugate.config.gpulist import GpuListError, gpu_refs  # noqa: PLC0415
-
-    unique: dict[str, int | str] = {}
-    for item in chosen:
-        unique.setdefault(str(item).lower(), item)
-    try:
-        return gpu_refs(list(unique.values()))
-    except GpuListError as exc:
-        raise OciInputError(Problem.OCI_VISIBLE_DEVICES, source=source, cause=exc) from None
+        gpu = by_ref.get(ref.lower())
+        if gpu is None:
+            where = ", ".join(request.origins) or "config.json"
+            raise OciInputError(Problem.OCI_GPU_UNKNOWN, source=where, value=ref)
+        chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
+    return tuple(chosen.values())
 
 
 def request_text(request: GpuRequest) -> str:
     """Where the GPUs came from, for the run's first entry."""
-    return oci_text.request_text(request.minors, request.refs, request.all_gpus)
+    return oci_text.request_text(
+        request.minors, request.refs, request.all_gpus, request.origins, request.note
+    )
 
 
 @dataclass

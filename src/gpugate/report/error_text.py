@@ -440,8 +440,33 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.OCI_NOT_OBJECT: lambda f: f"{f.source}: not a JSON object",
     Problem.OCI_NOT_LIST: lambda f: f"{f.source}: not a list",
-    Problem.OCI_DEVICE_NOT_GPU: lambda f: f"/dev/nvidia{f.minor} is no GPU NVML knows",
-    Problem.OCI_VISIBLE_DEVICES: lambda f: f"{f.source}: NVIDIA_VISIBLE_DEVICES: {f.cause}",
+    Problem.OCI_DEVICE_NOT_GPU: lambda f: (
+        f"{f.source}: the device {f.major}:{f.minor} it reaches is no GPU NVML knows"
+    ),
+    Problem.OCI_DEVICE_LINK: lambda f: (
+        f"config.json: linux.devices: {echo(f.path)} has no major and minor, and on the host"
+        " it is a symbolic link: which device it is cannot be told"
+    ),
+    Problem.OCI_MOUNT_FOLDER: lambda f: (
+        f"config.json: mounts: {echo(f.path)} holds over {f.limit} entries: which GPUs"
+        " a bind mount of it reaches cannot be told"
+    ),
+    Problem.OCI_CDI_NAME: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is not a CDI device name"
+        " (vendor/class=device)"
+    ),
+    Problem.OCI_GPU_MIG: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is a MIG device: name whole GPUs"
+    ),
+    Problem.OCI_GPU_WORD: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is not a GPU index, a GPU UUID or all"
+    ),
+    Problem.OCI_ANNOTATION_TOO_LONG: lambda f: (
+        f"config.json: annotations: {echo(f.key)} is over {f.limit} characters"
+    ),
+    Problem.OCI_GPU_UNKNOWN: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is no GPU NVML knows"
+    ),
     Problem.PRIVATE_SHM_FORM: lambda f: (
         f'{echo(f.value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
     ),
