@@ -140,7 +140,7 @@ def internal_error(exc: BaseException) -> str:
 
 
 def unit_or_containers(command: str) -> str:
-    return f"gpugate {command}: give a UNIT or --containers"
+    return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
 
 
 def not_a_uid(value: str) -> str:
@@ -159,3 +159,14 @@ def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str
         f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
         "GPU holders among them are not shown; run as root"
     )
+
+
+def sweep_leased(gpus: list[int]) -> str:
+    """A sweep's reap, refused under the locks: a lease was taken on these GPUs since."""
+    return f"GPU {', '.join(map(str, gpus))} leased since the sweep looked: not reaped"
+
+
+def sweep_timer(*, enabled: bool) -> str:
+    if enabled:
+        return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
+    return "disabled gpugate-sweep.timer: no more sweeps"
