@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,13 +15,13 @@ import pytest
 
 from gpugate.config.models import SWEEP_INTERVAL_S, GateConfig
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.owners import Owner, owner_of
+from gpugate.core.owners import Holding, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode, Problem
 from gpugate.front.cli import main
 from gpugate.front.commands import Front
 from gpugate.front.install_files import DEFAULT_GPUGATE
 from gpugate.front.install_sweep import render_service, render_timer
-from gpugate.front.sweep import SWEEP_UNIT, Holding, reapable, remember, sweep
+from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
 from gpugate.host.procfs import ProcessId, ProcInfo
@@ -317,14 +318,14 @@ def sweep_config(host: FakeHost, reap: str = "") -> Path:
     return config
 
 
-def front(host: FakeHost) -> Front:
+def front(host: FakeHost, slurmd: str = "inactive") -> Front:
     return Front(
         driver_factory=lambda: host.memory,
         reporter_factory=lambda unit, phase, **_: Reporter(
             unit, phase, journal=host.journal, notifier=host.notifier, echo=False
         ),
         roots=host.roots,
-        unit_state=lambda unit: "active",
+        unit_state=lambda unit: slurmd if unit == "slurmd.service" else "active",
     )
 
 
@@ -401,3 +402,36 @@ def test_status_shows_the_owner_and_time_unowned(
     (holder,) = json.loads(capsys.readouterr().out)["holders"]
     assert holder["owner"] == "nobody"
     assert isinstance(holder["unowned_s"], int) and holder["unowned_s"] > 0
+
+
+def test_where_slurmd_runs_the_node_is_drained_once_past_drain_after_s(
+    host: FakeHost, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bin_dir = host.root / "bin"
+    bin_dir.mkdir()
+    args = host.root / "scontrol.args"
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {args}\n')
+    scontrol.chmod(0o755)
+    from gpugate.host import programs
+
+    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(bin_dir),))
+    (server,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(server, {2}, 4000)
+    config = sweep_config(host, "drain_after_s = 60")
+
+    assert sweep(config, front(host, slurmd="inactive"), clock=lambda: 900.0) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="inactive"), clock=lambda: 2000.0) == ExitCode.OK
+    assert not args.exists(), "no slurmd: never drained"
+    (host.root / "locks" / STATE_NAME).unlink()
+    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1000.0) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1059.0) == ExitCode.OK
+    assert not args.exists()
+    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1061.0) == ExitCode.OK
+    words = args.read_text().splitlines()
+    assert words[:3] == ["update", f"NodeName={socket.gethostname().split('.')[0]}", "State=DRAIN"]
+    assert words[3].startswith("Reason=gpugate: GPU 2 ") and words[3].endswith(f"PID {server}")
+    args.unlink()
+    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1200.0) == ExitCode.OK
+    assert not args.exists(), "drained once for a holder, not at every sweep"
+    assert alive(server), "a drain kills nothing"

@@ -6,6 +6,7 @@ process: pure logic over what `discover` found."""
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from gpugate.compat import StrEnum
 from gpugate.config.models import GateConfig
@@ -43,3 +44,16 @@ def owner_of(holder: Holder, discovery: Discovery, config: GateConfig) -> Owner:
     if role is Role.ORPHAN:
         return Owner.NOBODY
     return Owner.UNIT
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A holder and its owner; mib: NVML's MiB for it over every GPU (None: not said)."""
+
+    holder: Holder
+    owner: Owner
+
+    @property
+    def mib(self) -> int | None:
+        known = [mib for mib in self.holder.used_mib.values() if mib is not None]
+        return sum(known) if known else None

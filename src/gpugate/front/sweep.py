@@ -17,14 +17,22 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
-from gpugate.core.discover import Discovery, Holder
-from gpugate.core.owners import OWNERS, Owner, owner_of
+from gpugate.core.discover import Discovery
+from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.front.status import collect
+from gpugate.front.sweep_drain import (
+    drain_unkillable,
+    drain_unowned,
+    due,
+    mark_drained,
+    slurmd_runs,
+    still_alive,
+)
 from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
@@ -46,17 +54,6 @@ from gpugate.report.narrate_sweep import (
 SWEEP_UNIT = "gpugate-sweep.service"  # the journal's GPUGATE_UNIT, OBJECT_SYSTEMD_UNIT
 SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothing is in it
 UNLISTED = "unlisted"  # memory NVML lists no process for (a dead PID's, a MIG slice's)
-
-
-@dataclass(frozen=True)
-class Holding:
-    holder: Holder
-    owner: Owner
-
-    @property
-    def mib(self) -> int | None:
-        known = [mib for mib in self.holder.used_mib.values() if mib is not None]
-        return sum(known) if known else None
 
 
 def classify(discovery: Discovery, loaded: LoadedConfig) -> list[Holding]:
@@ -84,7 +81,9 @@ def remember(
         before = earlier.get(ident)
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
-        seen[ident] = Seen(now if before is None else before.since, gpus)
+        seen[ident] = (
+            Seen(now, gpus) if before is None else Seen(before.since, gpus, before.drained)
+        )
     for ident, before in sorted(earlier.items(), key=lambda item: item[0].pid):
         if ident not in seen and reporter is not None:
             unowned_gone(reporter, ident, before.gpus, max(now - before.since, 0.0))
@@ -219,20 +218,55 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
             record_sweep(textfile, gauges(discovery, holdings, seen, now))
         except OSError as exc:
             print(lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=sys.stderr)
-    code, reaped = int(ExitCode.OK), 0
-    after_s = loaded.config.sweep.reap_after_s
-    if after_s is not None:
-        leased = live_leased(loaded, front.unit_state)
-        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
-        if gpus:
-            code = reap(gpus, loaded, front, reporter)
-            indices = {gpu.index for gpu in gpus}
-            reaped = sum(
-                1 for h in holdings if h.owner is Owner.NOBODY and h.holder.using & indices
-            )
+    code, reaped = reap_due(loaded, front, reporter, (discovery, holdings, seen, now))
+    if slurmd_runs(front.unit_state):
+        drain_due(loaded, front, (holdings, seen, now), (reaped, code))
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
-    sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else 0)
+    sweep_status(reporter, len(seen), unowned_gpus, len(reaped) if code == 0 else 0)
     return code
+
+
+Looked = tuple[Discovery, Sequence[Holding], Mapping[ProcessId, Seen], float]
+
+
+def reap_due(
+    loaded: LoadedConfig, front: Front, reporter: Reporter, looked: Looked
+) -> tuple[int, list[int]]:
+    """The reap where [sweep] reap_after_s asks for one: its exit code and the GPUs it ran on."""
+    discovery, holdings, seen, now = looked
+    after_s = loaded.config.sweep.reap_after_s
+    if after_s is None:
+        return int(ExitCode.OK), []
+    leased = live_leased(loaded, front.unit_state)
+    gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
+    if not gpus:
+        return int(ExitCode.OK), []
+    return reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
+
+
+def drain_due(
+    loaded: LoadedConfig,
+    front: Front,
+    state: tuple[Sequence[Holding], Mapping[ProcessId, Seen], float],
+    reaped_by: tuple[list[int], int],
+) -> None:
+    """Where slurmd runs: drain for memory unowned past drain_after_s, once per holder, and
+    for a reap that left a holder SIGKILL could not end."""
+    holdings, seen, now = state
+    reaped, code = reaped_by
+    if code == ExitCode.UNKILLABLE:
+        pids = still_alive(holdings, reaped, front.host_roots().proc)
+        drain_unkillable(reaped, pids, sys.stderr)
+    after_s = loaded.config.sweep.drain_after_s
+    found = {} if after_s is None else due(holdings, seen, now, after_s)
+    if not found:
+        return
+    drain_unowned(found, now, sys.stderr)
+    try:
+        mark_drained(loaded.config.lock_dir, set(found))
+    except OSError as exc:
+        lock_dir = loaded.config.lock_dir
+        print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
 
 
 def keep_state(

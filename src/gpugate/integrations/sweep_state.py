@@ -38,6 +38,7 @@ MAX_GPU_INDEX = 4095
 class Seen:
     since: float  # Unix time it was first seen unowned
     gpus: tuple[int, ...]
+    drained: bool = False  # the node was drained for it ([sweep] drain_after_s): not again
 
 
 @dataclass
@@ -66,6 +67,7 @@ def parse_state(text: str) -> dict[ProcessId, Seen]:
         found[ident] = Seen(
             records.number(entry, "since", 0, MAX_SINCE),
             records.integers(entry, "gpus", 0, MAX_GPU_INDEX),
+            records.flag({"drained": False, **entry}, "drained"),
         )
     return found
 
@@ -78,6 +80,7 @@ def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
             "start_time": ident.start_time,
             "since": seen.since,
             "gpus": list(seen.gpus),
+            "drained": seen.drained,
         }
         for ident, seen in kept
     ]

@@ -170,3 +170,17 @@ def sweep_timer(*, enabled: bool) -> str:
     if enabled:
         return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
     return "disabled gpugate-sweep.timer: no more sweeps"
+
+
+def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
+    """scontrol's Reason= for a node whose GPU memory nobody has owned for long (at most
+    slurm.MAX_REASON characters: the PIDs are cut first)."""
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: GPU {','.join(map(str, gpus))} held by nobody for {seconds:.0f}s, PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+
+
+def sweep_unkillable_reason(gpus: Sequence[int], pids: Sequence[int]) -> str:
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: sweep's reap on GPU {','.join(map(str, gpus))} left unkillable PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
