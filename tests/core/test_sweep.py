@@ -435,3 +435,52 @@ def test_where_slurmd_runs_the_node_is_drained_once_past_drain_after_s(
     assert sweep(config, front(host, slurmd="active"), clock=lambda: 1200.0) == ExitCode.OK
     assert not args.exists(), "drained once for a holder, not at every sweep"
     assert alive(server), "a drain kills nothing"
+
+
+def test_install_sweep_writes_its_units_and_uninstall_takes_back_only_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpugate.front import install_sweep
+    from gpugate.front.install import Action
+
+    monkeypatch.setattr(install_sweep, "PACKAGED_DIR", tmp_path / "packaged")
+    systemd = tmp_path / "system"
+    command = ["/usr/bin/gpugate"]
+    planned = install_sweep.plan(systemd, command, installing=True)
+    assert [(c.path.name, c.action) for c in planned] == [
+        ("gpugate-sweep.service", Action.WRITE),
+        ("gpugate-sweep.timer", Action.WRITE),
+    ]
+    install_sweep.install.apply(planned, reload=lambda: False)
+    again = install_sweep.plan(systemd, command, installing=True)
+    assert {c.action for c in again} == {Action.UNCHANGED}
+    timer = systemd / "gpugate-sweep.timer"
+    timer.write_text(timer.read_text() + "# mine\n")
+    removed = install_sweep.plan(systemd, command, installing=False)
+    assert [(c.path.name, c.action) for c in removed] == [
+        ("gpugate-sweep.service", Action.REMOVE),
+        ("gpugate-sweep.timer", Action.KEEP),
+    ]
+    assert [c.action for c in install_sweep.plan(systemd, command, installing=True)] == [
+        Action.UNCHANGED,
+        Action.KEEP,
+    ]
+    packaged = tmp_path / "packaged"
+    packaged.mkdir()
+    for name in ("gpugate-sweep.service", "gpugate-sweep.timer"):
+        (packaged / name).write_text("packaged")
+    assert install_sweep.plan(systemd, command, installing=True) == []
+
+
+def test_install_sweep_dry_run_changes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from gpugate.front import install_sweep
+
+    monkeypatch.setattr(install_sweep, "PACKAGED_DIR", tmp_path / "packaged")
+    code = main(["install", "--sweep", "--dry-run", "--systemd-dir", str(tmp_path / "system")])
+    assert code == ExitCode.OK
+    assert not (tmp_path / "system").exists()
+    assert "ExecStart=" in capsys.readouterr().out
+    assert main(["install", "--sweep", "vllm.service"]) == ExitCode.USAGE
+    assert main(["install", "--sweep", "--containers"]) == ExitCode.USAGE
