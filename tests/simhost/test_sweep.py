@@ -135,10 +135,23 @@ def test_sweep_reports_the_hand_started_server_and_reaps_it_only_unleased(host: 
 
 
 def test_the_timer_installs_runs_and_uninstalls(host: Host) -> None:
+    timer_cycle(host, packaged=False)
+
+
+def timer_cycle(host: Host, *, packaged: bool) -> None:
+    """`gpugate install --sweep`: the timer enabled and listed, a sweep run by it; then
+    `gpugate uninstall --sweep`: disabled and stopped. packaged: the package's unit files in
+    /usr/lib/systemd/system, disabled until then, and none written to /etc; else install
+    writes them to /etc/systemd/system and uninstall removes them."""
+    written = "/etc/systemd/system/gpugate-sweep.timer"
+    if packaged:
+        for name in ("gpugate-sweep.service", "gpugate-sweep.timer"):
+            assert host.sim.exists(f"/usr/lib/systemd/system/{name}"), name
+        assert is_enabled(host) == "disabled", "the package leaves it off"
     host.sim.run(["gpugate", "install", "--sweep"], timeout=120)
     try:
-        enabled = host.sim.systemctl("is-enabled", "gpugate-sweep.timer", check=False)
-        assert enabled.stdout.strip() == "enabled"
+        assert is_enabled(host) == "enabled"
+        assert host.sim.exists(written) is not packaged
         listed = host.sim.systemctl("list-timers", "--all", "--no-pager", "gpugate-sweep.timer")
         assert "gpugate-sweep.service" in listed.stdout
         deadline = time.monotonic() + 90
@@ -151,10 +164,11 @@ def test_the_timer_installs_runs_and_uninstalls(host: Host) -> None:
         assert result == "success"
     finally:
         host.sim.run(["gpugate", "uninstall", "--sweep"], timeout=120)
-    state = host.sim.systemctl("is-enabled", "gpugate-sweep.timer", check=False).stdout.strip()
-    assert state in ("disabled", "")
-    assert not host.sim.exists("/etc/systemd/system/gpugate-sweep.timer")
-    assert host.sim.systemctl("is-active", "gpugate-sweep.timer", check=False).stdout.strip() in (
-        "inactive",
-        "unknown",
-    )
+    assert is_enabled(host) in (("disabled",) if packaged else ("disabled", ""))
+    assert not host.sim.exists(written)
+    active = host.sim.systemctl("is-active", "gpugate-sweep.timer", check=False).stdout.strip()
+    assert active in ("inactive", "unknown")
+
+
+def is_enabled(host: Host) -> str:
+    return host.sim.systemctl("is-enabled", "gpugate-sweep.timer", check=False).stdout.strip()
