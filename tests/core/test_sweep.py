@@ -363,6 +363,7 @@ def test_a_second_sweep_says_nothing_new_and_reaping_waits_for_its_time(host: Fa
 
     assert sweep(config, front(host), clock=lambda: 1121.0) == ExitCode.OK
     assert not alive(server) and alive(watcher)
+    assert host.notifier.states[-1].endswith("; reaped GPU 2")
     killed = host.journal.events("holder_found")
     assert [(e["GPUGATE_PID"], e["GPUGATE_REASON"]) for e in killed] == [(str(server), "orphan")]
     assert {e["GPUGATE_UNIT"] for e in killed} == {SWEEP_UNIT}
@@ -484,3 +485,14 @@ def test_install_sweep_dry_run_changes_nothing(
     assert "ExecStart=" in capsys.readouterr().out
     assert main(["install", "--sweep", "vllm.service"]) == ExitCode.USAGE
     assert main(["install", "--sweep", "--containers"]) == ExitCode.USAGE
+
+
+def test_a_reap_kills_orphans_whatever_pre_kill_orphans_says(host: FakeHost) -> None:
+    (server,) = host.pool.holder(host.gpu_files(5))
+    host.memory.claim(server, {5}, 1500)
+    config = sweep_config(host, "reap_after_s = 60")
+    config.write_text(config.read_text().replace("[pre]\n", "[pre]\nkill_orphans = false\n"))
+    assert sweep(config, front(host), clock=lambda: 1000.0) == ExitCode.OK
+    assert alive(server)
+    assert sweep(config, front(host), clock=lambda: 1060.0) == ExitCode.OK
+    assert not alive(server)

@@ -168,8 +168,10 @@ class LeaseRecheck(NullSurroundings):
 
 
 def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
-    """One pre-phase run over gpus: its rules, its kill, its /dev/shm step, its wait."""
-    config = loaded.config.model_copy(update={"gpus": tuple(gpu.uuid for gpu in gpus)})
+    """One pre-phase run over gpus: its rules, its kill, its /dev/shm step, its wait; orphans
+    killed whatever [pre] kill_orphans says (reaping them is what reap_after_s asks)."""
+    pre = loaded.config.pre.model_copy(update={"kill_orphans": True})
+    config = loaded.config.model_copy(update={"gpus": tuple(gpu.uuid for gpu in gpus), "pre": pre})
     reaping = replace(loaded, config=config)
     hook = Hook(
         Phase.PRE,
@@ -222,7 +224,7 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
     if slurmd_runs(front.unit_state):
         drain_due(loaded, front, (holdings, seen, now), (reaped, code))
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
-    sweep_status(reporter, len(seen), unowned_gpus, len(reaped) if code == 0 else 0)
+    sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
     return code
 
 

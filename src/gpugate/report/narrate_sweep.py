@@ -46,13 +46,15 @@ def unowned_gone(reporter: Reporter, ident: ProcessId, gpus: Sequence[int], seco
     )
 
 
-def sweep_status(reporter: Reporter, unowned: int, gpus: Sequence[int], reaped: int) -> None:
+def sweep_status(
+    reporter: Reporter, unowned: int, gpus: Sequence[int], reaped: Sequence[int]
+) -> None:
     """The sweep unit's STATUS= (`systemctl status gpugate-sweep`)."""
     if not unowned:
         text = "no process holds a GPU unowned"
     else:
         text = f"{unowned} unowned holder(s) on GPU {_gpus(gpus)}"
-    reporter.status(text + (f"; reaped {reaped}" if reaped else ""))
+    reporter.status(text + (f"; reaped GPU {_gpus(reaped)}" if reaped else ""))
 
 
 def state_refused(path: object, why: str) -> str:
