@@ -26,7 +26,7 @@ from gpugate.integrations.records import BadRecord
 STATE_NAME = "sweep.json"
 LOCK_NAME = "sweep.lock"
 STATE_VERSION = 1
-MAX_ENTRIES = 512  # each under 100 bytes: the record stays under records.MAX_RECORD_BYTES
+MAX_ENTRIES = 512  # each about 90 bytes: the record stays under records.MAX_RECORD_BYTES
 LOCK_TIMEOUT_S = 10.0
 MAX_PID = 2**22
 MAX_TICKS = 2**63 - 1
@@ -84,7 +84,8 @@ def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
         }
         for ident, seen in kept
     ]
-    return json.dumps({"version": STATE_VERSION, "unowned": entries}, sort_keys=True) + "\n"
+    data = {"version": STATE_VERSION, "unowned": entries}
+    return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
 
 
 def read_state(folder_fd: int) -> SweepState:
