@@ -483,6 +483,7 @@ def test_install_sweep_dry_run_changes_nothing(
     assert code == ExitCode.OK
     assert not (tmp_path / "system").exists()
     assert "ExecStart=" in capsys.readouterr().out
+    assert main(["uninstall", "--sweep", "--systemd-dir", str(tmp_path / "system")]) == 0
     assert main(["install", "--sweep", "vllm.service"]) == ExitCode.USAGE
     assert main(["install", "--sweep", "--containers"]) == ExitCode.USAGE
 

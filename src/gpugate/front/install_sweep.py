@@ -119,7 +119,8 @@ def sweep_install_command(args: argparse.Namespace) -> int:
     command = command_for(str(given)) if given else gpugate_command()
     changes = plan(args.systemd_dir, command, installing=installing)
     now = ["--now"] if systemd_running() else []
-    if not installing and not args.dry_run:
+    there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, args.systemd_dir))
+    if not installing and not args.dry_run and there:  # none there: nothing to disable
         systemctl("disable", *now, TIMER)
         print(lines.sweep_timer(enabled=False))
     install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
