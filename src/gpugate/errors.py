@@ -111,6 +111,7 @@ class Problem(Enum):
     CONFIG_STATE_UNTRUSTED = "config-state-untrusted"  # ... or lock_dir
     LOCK_DIR_NOT_FOLDER = "lock-dir-not-folder"
     GRACE_OVER_DEADLINE = "grace-over-deadline"
+    SWEEP_BELOW_INTERVAL = "sweep-below-interval"  # [sweep] reap_after_s/drain_after_s
     GPUS_FORM = "gpus-form"
     NOT_ABSOLUTE = "not-absolute"
     NOT_UNIT_NAME = "not-unit-name"
@@ -193,6 +194,7 @@ class Problem(Enum):
     INSTALL_NO_SYSTEMCTL = "install-no-systemctl"
     INSTALL_RELOAD_FAILED = "install-reload-failed"
     INSTALL_RELOAD_ERROR = "install-reload-error"
+    INSTALL_TIMER_FAILED = "install-timer-failed"  # systemctl enable|disable gpugate-sweep.timer
     INSTALL_EDITED = "install-edited"
     INSTALL_EDITED_REMOVE = "install-edited-remove"
     INSTALL_UNIT_UNKNOWN = "install-unit-unknown"

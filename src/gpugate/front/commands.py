@@ -178,7 +178,11 @@ def _show_wrapped_runtime(record: Path | None = None) -> None:
 def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install  # noqa: PLC0415
 
-    if args.oci != (args.unit is None):
+    if args.sweep and args.unit is None and not args.oci:
+        from gpugate.front.install_sweep import sweep_install_command  # noqa: PLC0415
+
+        return sweep_install_command(args)
+    if args.oci != (args.unit is None) or args.sweep:
         print(lines.unit_or_containers(args.command), file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.oci:

@@ -155,6 +155,10 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         f"sigterm_grace_s + sigkill_wait_s ({f.kill_s:g} s) must be below wait_timeout_s "
         f"({f.wait_timeout_s:g} s), which also holds the memory wait"
     ),
+    Problem.SWEEP_BELOW_INTERVAL: lambda f: (
+        f"{f.value} s is below the sweep timer's interval ({f.interval_s} s): a holder "
+        "could not be seen unowned that long by two sweeps"
+    ),
     Problem.GPUS_FORM: lambda f: (
         'must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]'
     ),
@@ -335,6 +339,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         f"files written, but `systemctl daemon-reload` failed: {f.said}; run it yourself"
     ),
     Problem.INSTALL_RELOAD_ERROR: lambda f: f"files written, but {f.cause}; run it yourself",
+    Problem.INSTALL_TIMER_FAILED: lambda f: (
+        f"`systemctl {f.action} gpugate-sweep.timer` failed: {echo(f.detail, quote=False)}"
+    ),
     Problem.INSTALL_EDITED: lambda f: (
         f"{_indices(f.paths)}: edited by you (or not written by gpugate install); "
         "nothing changed; --force replaces it"
