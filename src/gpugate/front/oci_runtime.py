@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ExitCode, Problem
+from gpugate.host.namespaces import not_host_root
 from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
 from gpugate.report import oci_text
 from gpugate.report.error_text import error_text
@@ -118,7 +119,9 @@ def main(argv: Sequence[str]) -> int:
         print(oci_text.runtime_no_runc(RUNC_PATHS), file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
     command, args = command_of(argv)
-    if command in ("create", "run"):
+    # A rootless runtime (its user's namespace) gets runc as it is: its hooks would gate
+    # nothing (front/oci_entry.py), and its bundle is its user's to write, not gpugate's.
+    if command in ("create", "run") and not_host_root() is None:
         try:
             add_hooks(bundle_of(args), own_gpugate())
         except (OciInputError, OSError) as exc:
