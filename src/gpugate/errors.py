@@ -235,6 +235,7 @@ class Problem(Enum):
     OCI_NOT_LIST = "oci-not-list"
     OCI_DEVICE_NOT_GPU = "oci-device-not-gpu"
     OCI_VISIBLE_DEVICES = "oci-visible-devices"
+    OCI_NO_OWN_CGROUP = "oci-no-own-cgroup"  # the container's cgroup is not its own
     PRIVATE_SHM_FORM = "private-shm-form"
     INSTALL_UNREADABLE = "install-unreadable"
     INSTALL_NOT_TOML = "install-not-toml"

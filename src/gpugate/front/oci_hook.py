@@ -24,12 +24,13 @@ from gpugate.front.hook import Deps, Hook, run_hook
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.oci import ContainerSpec, ContainerState
+from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import (
     NOT_STARTED,
+    OWN_LEASE_PREFIX,
     ContainerIdentity,
     container_config,
     container_surroundings,
@@ -75,7 +76,16 @@ def run_container_hook(
     """loaded: the config (tests); default /etc/gpugate/containers.toml; unit_state stands in
     for systemd's answer on a lease's scope (tests)."""
     stream = stream or sys.stderr
-    identity = identify(state, spec, ProcFs(roots.proc))
+    try:
+        identity = identify(state, spec, ProcFs(roots.proc))
+    except OciInputError as exc:  # no cgroup of its own: never gated as the unit around it
+        if not phase.traits.before_start:
+            return int(ExitCode.OK)  # it took no lease, there is none of its own to give back
+        fields = {"GPUGATE_OCI_CONTAINER": state.id}
+        Narrator(
+            reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
+        ).failed(exc, stream)
+        return int(exc.exit_code)
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():

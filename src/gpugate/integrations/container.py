@@ -21,7 +21,7 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, Problem
-from gpugate.host.containers import container_of_cgroup
+from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
     ContainerSpec,
@@ -34,7 +34,6 @@ from gpugate.host.oci import (
     safe_name,
 )
 from gpugate.host.procfs import ProcFs
-from gpugate.host.systemd import unit_of_cgroup
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice
 from gpugate.integrations.unit.leases import Lease, new_lease
@@ -52,6 +51,9 @@ MAX_STORAGE_RECORDS = 32 << 20  # one record per container on the host
 # Before it starts a container owns no process: its runtime's init waiting in its scope is
 # not a holder to kill. A cgroup below the scope that never exists stands for "none yet".
 NOT_STARTED = "gpugate-before-start"
+# The lease of a container whose own cgroup is no systemd scope (the cgroupfs driver, podman's
+# --cgroups=split): `container-ID`, never a unit's name (a unit's has a suffix; ID is hex).
+OWN_LEASE_PREFIX = "container-"
 
 
 @dataclass(frozen=True)
@@ -78,29 +80,31 @@ class ContainerIdentity:
 
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
     """The container's cgroup from its init's /proc/PID/cgroup (the runtime made it before
-    the hook), else from the spec's cgroupsPath; its name from the runtime's annotations,
-    else (docker) from docker's own record of it."""
+    the hook), else from the spec's cgroupsPath; it must be a cgroup of its own, a folder its
+    runtime named after its id (host.containers.own_cgroup), else OciInputError: a container
+    is never its enclosing unit, whose lease it would take and its poststop release. Its
+    lease is named after its own systemd scope, else `container-ID`. Its name from the
+    runtime's annotations, else (docker) from docker's own record of it."""
     cgroup = None
     if state.pid > 0:
         info = procfs.info(state.pid)
         cgroup = info.cgroup if info is not None else None
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
-    scope = container_of_cgroup(cgroup)
-    runtime = scope.runtime if scope else manager_of(state, spec) or "container"
-    if scope is not None and scope.id == state.id:
-        cgroup = scope.scope
+    own = own_cgroup(cgroup, state.id)
+    if own is None:
+        raise OciInputError(Problem.OCI_NO_OWN_CGROUP, cgroup=cgroup or "", id=state.id)
+    runtime = own.runtime or manager_of(state, spec) or "container"
     name = container_name(state, spec)
     if name is None and runtime == "docker":
         name = docker_name(state.id)
     if name is None:
         name = storage_name(state.id, state.bundle)
-    unit = unit_of_cgroup(cgroup) if cgroup else None
     return ContainerIdentity(
         id=state.id,
         name=name,
         runtime=runtime,
-        cgroup=cgroup,
-        unit=unit or f"container-{state.id[:64]}",
+        cgroup=own.cgroup,
+        unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
     )
 
 

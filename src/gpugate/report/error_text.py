@@ -386,6 +386,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.OCI_NOT_OBJECT: lambda f: f"{f.source}: not a JSON object",
     Problem.OCI_NOT_LIST: lambda f: f"{f.source}: not a list",
     Problem.OCI_DEVICE_NOT_GPU: lambda f: f"/dev/nvidia{f.minor} is no GPU NVML knows",
+    Problem.OCI_NO_OWN_CGROUP: lambda f: _oci_text().no_own_cgroup(f.cgroup, f.id),
     Problem.OCI_VISIBLE_DEVICES: lambda f: f"{f.source}: NVIDIA_VISIBLE_DEVICES: {f.cause}",
     Problem.PRIVATE_SHM_FORM: lambda f: (
         f'{echo(f.value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpugate.report.untrusted import CGROUP, shown
+
 
 def container_label(runtime: str, container_id: str, name: str | None) -> str:
     """`podman container vllm (3f2a1b0c4d5e)`, or without a name `podman container 3f2a…`."""
@@ -27,6 +29,16 @@ def request_text(minors: Sequence[int], refs: Sequence[str], all_gpus: bool) -> 
 def hook_failed(stage: str, text: str) -> str:
     """`gpugate oci-hook STAGE`'s one line on stderr: the runtime shows it as the hook's error."""
     return f"gpugate: oci-hook {stage}: {text}"
+
+
+def no_own_cgroup(cgroup: str, container_id: str) -> str:
+    """The refusal of a container whose cgroup its runtime did not make for it alone."""
+    where = f"cgroup {shown(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
+    return (
+        f"container {container_id[:12]} runs in {where}, not in one of its own (a runtime's "
+        "scope or folder named after its id): gated, it would be the unit around it; not "
+        "started (docs/containers.md)"
+    )
 
 
 def not_gated_text(why: str) -> str:
