@@ -76,16 +76,9 @@ def run_container_hook(
     """loaded: the config (tests); default /etc/gpugate/containers.toml; unit_state stands in
     for systemd's answer on a lease's scope (tests)."""
     stream = stream or sys.stderr
-    try:
-        identity = identify(state, spec, ProcFs(roots.proc))
-    except OciInputError as exc:  # no cgroup of its own: never gated as the unit around it
-        if not phase.traits.before_start:
-            return int(ExitCode.OK)  # it took no lease, there is none of its own to give back
-        fields = {"GPUGATE_OCI_CONTAINER": state.id}
-        Narrator(
-            reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
-        ).failed(exc, stream)
-        return int(exc.exit_code)
+    identity = identified(phase, state, spec, roots, reporter_factory, stream)
+    if isinstance(identity, int):
+        return identity
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():
@@ -113,6 +106,28 @@ def run_container_hook(
         )
         deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: opened), stream)
         return int(run_hook(hook, loaded, deps).exit_code)
+
+
+def identified(
+    phase: Phase,
+    state: ContainerState,
+    spec: ContainerSpec,
+    roots: HostRoots,
+    reporter_factory: ReporterFactory,
+    stream: TextIO,
+) -> ContainerIdentity | int:
+    """The container's identity, or the hook's exit code where it has no cgroup of its own:
+    never gated as the unit around it; refused before its start (one line, one entry), and
+    its poststop has no lease of its own to give back."""
+    try:
+        return identify(state, spec, ProcFs(roots.proc))
+    except OciInputError as exc:
+        if not phase.traits.before_start:
+            return int(ExitCode.OK)
+        fields = {"GPUGATE_OCI_CONTAINER": state.id}
+        reporter = reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
+        Narrator(reporter).failed(exc, stream)
+        return int(exc.exit_code)
 
 
 def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:

@@ -28,10 +28,10 @@ from gpugate.host.oci import (
     ContainerState,
     GpuRequest,
     OciInputError,
+    bounded,
     cgroup_of_spec,
-    container_name,
-    manager_of,
-    safe_name,
+    claimed_name,
+    runtime_name,
 )
 from gpugate.host.procfs import ProcFs
 from gpugate.integrations.config_files import load_config
@@ -43,6 +43,7 @@ from gpugate.report import oci_text
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration
 from gpugate.report.oci_text import container_label
+from gpugate.report.untrusted import CONTAINER, exact
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -58,23 +59,29 @@ OWN_LEASE_PREFIX = "container-"
 
 @dataclass(frozen=True)
 class ContainerIdentity:
-    id: str
-    name: str | None
-    runtime: str  # podman, docker, cri-o, containerd, or "container" where nothing says
-    cgroup: str | None  # the scope its processes run in
-    unit: str  # the scope's unit name, what its lease is named after
+    id: str  # the identity everywhere: a name only says it in words
+    name: str | None  # from the runtime's own fields (its record, the annotations it writes)
+    runtime: str  # podman, docker, cri-o, containerd, nerdctl, or "container" where none says
+    cgroup: str | None  # the cgroup of its own its processes run in
+    unit: str  # what its lease is named after: its own systemd scope, else container-ID
+    claimed: tuple[str, str] | None = None  # (annotation, name) its author may have set
 
     @property
     def label(self) -> str:
-        """`podman container vllm (3f2a1b0c4d5e)`."""
-        return container_label(self.runtime, self.id, self.name)
+        """`podman container vllm (3f2a1b0c4d5e)`; an author's name marked as such."""
+        return container_label(self.runtime, self.id, self.name, self.claimed)
 
-    def fields(self) -> dict[str, str]:
+    def fields(self) -> dict[str, str | bytes]:
         """The journal fields every entry of this run carries (docs/journal.md)."""
         # Not GPUGATE_CONTAINER: that is a holder's container, in the entries about holders.
-        found = {"GPUGATE_OCI_CONTAINER": self.id, "GPUGATE_OCI_RUNTIME": self.runtime}
+        found: dict[str, str | bytes] = {
+            "GPUGATE_OCI_CONTAINER": self.id,
+            "GPUGATE_OCI_RUNTIME": self.runtime,
+        }
         if self.name:
-            found["GPUGATE_OCI_CONTAINER_NAME"] = self.name
+            found["GPUGATE_OCI_CONTAINER_NAME"] = exact(self.name, CONTAINER)
+        if self.claimed:
+            found["GPUGATE_OCI_ANNOTATED_NAME"] = exact(self.claimed[1], CONTAINER)
         return found
 
 
@@ -93,18 +100,20 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     own = own_cgroup(cgroup, state.id)
     if own is None:
         raise OciInputError(Problem.OCI_NO_OWN_CGROUP, cgroup=cgroup or "", id=state.id)
-    runtime = own.runtime or manager_of(state, spec) or "container"
-    name = container_name(state, spec)
-    if name is None and runtime == "docker":
+    runtime = own.runtime
+    name = runtime_name(state, spec, runtime) if runtime else None
+    if name is None and runtime in (None, "docker"):
         name = docker_name(state.id)
-    if name is None:
+        runtime = runtime or ("docker" if name else None)
+    if name is None and runtime in (None, "podman", "cri-o"):
         name = storage_name(state.id, state.bundle)
     return ContainerIdentity(
         id=state.id,
         name=name,
-        runtime=runtime,
+        runtime=runtime or "container",
         cgroup=own.cgroup,
         unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
+        claimed=claimed_name(state, spec),
     )
 
 
@@ -112,7 +121,7 @@ def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:
     """The name dockerd recorded at create (config.v2.json, root's, before the start)."""
     data = _owned_json(root / container_id / "config.v2.json", MAX_DOCKER_CONFIG)
     name = data.get("Name") if isinstance(data, dict) else None
-    return safe_name(name.strip("/")) if isinstance(name, str) else None
+    return bounded(name.strip("/")) if isinstance(name, str) else None
 
 
 def storage_name(container_id: str, bundle: str) -> str | None:
@@ -127,7 +136,7 @@ def storage_name(container_id: str, bundle: str) -> str | None:
         if isinstance(record, dict) and record.get("id") == container_id:
             names = record.get("names")
             if isinstance(names, list) and names and isinstance(names[0], str):
-                return safe_name(names[0])
+                return bounded(names[0])
     return None
 
 

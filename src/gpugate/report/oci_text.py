@@ -5,13 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpugate.report.untrusted import CGROUP, shown
+from gpugate.report.untrusted import CGROUP, CONTAINER, shown
 
 
-def container_label(runtime: str, container_id: str, name: str | None) -> str:
-    """`podman container vllm (3f2a1b0c4d5e)`, or without a name `podman container 3f2a…`."""
+def container_label(
+    runtime: str, container_id: str, name: str | None, claimed: tuple[str, str] | None = None
+) -> str:
+    """`podman container vllm (3f2a1b0c4d5e)` with the runtime's own name; with only a name
+    its author set, `podman container 3f2a1b0c4d5e ("vllm" by its annotation KEY)`; else
+    `podman container 3f2a1b0c4d5e`. Names shown escaped."""
     short = container_id[:12]
-    return f"{runtime} container {name} ({short})" if name else f"{runtime} container {short}"
+    if name:
+        return f"{runtime} container {shown(name, CONTAINER)} ({short})"
+    if claimed:
+        key, said = claimed
+        return f'{runtime} container {short} ("{shown(said, CONTAINER)}" by its annotation {key})'
+    return f"{runtime} container {short}"
 
 
 def request_text(minors: Sequence[int], refs: Sequence[str], all_gpus: bool) -> str:
