@@ -110,6 +110,7 @@ class Problem(Enum):
     CONFIG_UNTRUSTED = "config-untrusted"  # another account may change the file (found)
     CONFIG_STATE_UNTRUSTED = "config-state-untrusted"  # ... or lock_dir
     LOCK_DIR_NOT_FOLDER = "lock-dir-not-folder"
+    LOCK_DIR_NOT_HOSTS = "lock-dir-not-hosts"  # a file of the lookup names another lock_dir
     GRACE_OVER_DEADLINE = "grace-over-deadline"
     GPUS_FORM = "gpus-form"
     NOT_ABSOLUTE = "not-absolute"
