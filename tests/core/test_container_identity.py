@@ -193,28 +193,39 @@ def lease_the_unit(host: FakeHost, gpus: list[int]) -> None:
     write_lease(host.root / "locks", new_lease(UNIT, owned, share=False))
 
 
-@pytest.mark.parametrize(
-    "cgroups_path",
-    [
-        f"/system.slice/{UNIT}/{A}",  # docker cgroupfs, --cgroup-parent=/system.slice/vllm.service
-        f"/system.slice/{UNIT}/libpod-payload-{A}",  # podman --cgroups=split in the unit
-    ],
-)
+BELOW_UNIT = [
+    f"/system.slice/{UNIT}/{A}",  # docker cgroupfs, --cgroup-parent=/system.slice/vllm.service
+    f"/system.slice/{UNIT}/libpod-payload-{A}",  # podman --cgroups=split in the unit (Quadlet)
+]
+
+
+@pytest.mark.parametrize("cgroups_path", BELOW_UNIT)
 def test_a_container_below_a_unit_neither_takes_nor_frees_its_lease(
     host: FakeHost, cgroups_path: str
 ) -> None:
+    """Its own lease beside the unit's, which it neither replaces, nor is refused by (the
+    container is part of the unit, by the kernel's tree), nor removes at its stop."""
     running = {UNIT: "active"}
     lease_the_unit(host, [1])
-    # Onto the unit's GPU: refused by the unit's lease, as any other container.
-    assert hook(host, Phase.PRE, cgroups_path, running) == ExitCode.HELD_BY_OTHERS
+    assert hook(host, Phase.PRE, cgroups_path, running) == ExitCode.OK
+    assert units_leases(host) == {UNIT: (1,), f"container-{A}": (1,)}
     assert hook(host, Phase.POST, cgroups_path, running) == ExitCode.OK
     assert units_leases(host) == {UNIT: (1,)}
-    # Onto a GPU the unit does not lease: gated under its own id, the unit's lease untouched.
-    lease_the_unit(host, [0])
+    # The unit stopped: its lease is stale for others, but never the container's to remove.
+    running[UNIT] = "inactive"
     assert hook(host, Phase.PRE, cgroups_path, running) == ExitCode.OK
-    assert units_leases(host) == {UNIT: (0,), f"container-{A}": (1,)}
-    assert hook(host, Phase.POST, cgroups_path, running) == ExitCode.OK
-    assert units_leases(host) == {UNIT: (0,)}
+    assert units_leases(host) == {UNIT: (1,), f"container-{A}": (1,)}
+
+
+@pytest.mark.parametrize("cgroups_path", BELOW_UNIT)
+def test_a_container_below_a_unit_is_refused_by_another_units_lease(
+    host: FakeHost, cgroups_path: str
+) -> None:
+    running = {UNIT: "active", "other.service": "active"}
+    owned = [gpu for gpu in host.memory.gpus() if gpu.index == 1]
+    write_lease(host.root / "locks", new_lease("other.service", owned, share=False))
+    assert hook(host, Phase.PRE, cgroups_path, running) == ExitCode.HELD_BY_OTHERS
+    assert units_leases(host) == {"other.service": (1,)}
 
 
 def test_a_container_in_the_units_own_cgroup_is_refused_and_its_stop_gives_back_nothing(

@@ -34,9 +34,10 @@ from gpugate.host.oci import (
     runtime_name,
 )
 from gpugate.host.procfs import ProcFs
+from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.leases import Lease, new_lease
+from gpugate.integrations.unit.leases import Lease, LeaseCheck, new_lease
 from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
 from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
 from gpugate.report import oci_text
@@ -65,6 +66,9 @@ class ContainerIdentity:
     cgroup: str | None  # the cgroup of its own its processes run in
     unit: str  # what its lease is named after: its own systemd scope, else container-ID
     claimed: tuple[str, str] | None = None  # (annotation, name) its author may have set
+    # The system unit its own cgroup lies in (podman --cgroups=split in a Quadlet unit,
+    # --cgroup-parent below a service): the container is part of it, by the kernel's tree.
+    around: str | None = None
 
     @property
     def label(self) -> str:
@@ -114,6 +118,7 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
         cgroup=own.cgroup,
         unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
         claimed=claimed_name(state, spec),
+        around=None if own.unit else system_unit_of_cgroup(own.cgroup),
     )
 
 
@@ -203,6 +208,22 @@ class ContainerSurroundings(UnitSurroundings):
     container in words; no manual-run guard (the runtime runs the hook), no environment."""
 
     identity: ContainerIdentity | None = None
+
+    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
+        """The unit its cgroup lies in holds its GPUs for it: that lease neither refuses it
+        nor is ever taken over or removed by it (the unit's own processes on the GPUs are
+        still another running unit's, refused by the holder rule)."""
+        check = super()._check_leases(owned)
+        around = self.identity.around if self.identity else None
+        if around is None:
+            return check
+        return LeaseCheck(
+            [item for item in check.conflicts if item[0].unit != around],
+            [item for item in check.shared if item[0].unit != around],
+            [item for item in check.stale if item[0].unit != around],
+            check.unreadable,
+            check.why,
+        )
 
     def _lease(self, owned: Sequence[Gpu]) -> Lease:
         return new_lease(
