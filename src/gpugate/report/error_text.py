@@ -141,7 +141,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LOCK_DIR_NOT_HOSTS: lambda f: (
         f"{f.lock_dir} is not the host's lock_dir {f.host} ({f.where}): every unit, gpugate "
         "run, container and Slurm job keeps its leases in one; set lock_dir in default.toml "
-        "alone (docs/hardening.md, rule 4)"
+        "alone (docs/hardening.md: one lock_dir for every lease)"
     ),
     Problem.GRACE_OVER_DEADLINE: lambda f: (
         f"sigterm_grace_s + sigkill_wait_s ({f.kill_s:g} s) must be below wait_timeout_s "
