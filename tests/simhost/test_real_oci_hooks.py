@@ -214,6 +214,42 @@ def test_docker_runtime_kills_stale_holder_and_refuses_second(box: Box) -> None:
     assert plain.strip() == "plain"
 
 
+def test_a_container_in_a_units_cgroup_neither_takes_nor_frees_its_lease(box: Box) -> None:
+    """Issue 34, rule 3: podman --cgroups=split (Quadlet's default) in a gated unit puts the
+    container in the unit's cgroup. It is gated under its own id beside the unit's lease; its
+    stop gives back its own lease, never the unit's, while the unit runs."""
+    sim = box.sim
+    unit = "split.service"
+    sim.write_file("/run/split-run.sh", podman_run("split-gpu", 6, "--cgroups=split") + "\n")
+    sim.install_unit(
+        unit,
+        "[Service]\nType=oneshot\nRemainAfterExit=yes\nDelegate=yes\n"
+        "ExecStartPre=/usr/bin/gpugate pre %n\nExecStopPost=/usr/bin/gpugate post %n\n"
+        "ExecStart=/bin/sh /run/split-run.sh\n",
+    )
+    sim.write_file(f"/etc/gpugate/{unit}.toml", 'gpus = [6]\nprivate_shm = "off"\n' + FAST)
+    try:
+        started = sim.systemctl("start", unit, check=False)
+        said = box.sh(f"journalctl --no-pager -o cat -u {unit} | tail -20", check=False)
+        assert started.returncode == 0, said
+        full = box.sh("podman inspect --format '{{.Id}}' split-gpu").strip()
+        pid = box.sh("podman inspect --format '{{.State.Pid}}' split-gpu").strip()
+        cgroup = box.sh(f"cat /proc/{pid}/cgroup").strip()
+        assert f"/system.slice/{unit}/" in cgroup and full in cgroup, cgroup
+        leases = {lease["unit"]: lease for lease in box.leases()}
+        assert set(leases) == {unit, f"container-{full}"}, leases
+        assert leases[unit]["container"] is None, leases[unit]
+        assert leases[f"container-{full}"]["gpus"] == [6]
+
+        box.sh("podman stop --time 1 split-gpu")
+        wait_for("its own lease given up", lambda: len(box.leases()) == 1)
+        assert [lease["unit"] for lease in box.leases()] == [unit]
+        assert sim.systemctl("is-active", unit, check=False).stdout.strip() == "active"
+    finally:
+        sim.systemctl("stop", unit, check=False)
+        box.sh("podman rm -f --time 1 split-gpu", check=False)
+
+
 def test_uninstall_containers_takes_it_back(box: Box) -> None:
     said = box.sh("gpugate uninstall --containers")
     assert f"removed {HOOKS_D}/gpugate-start.json" in said, said
