@@ -2,10 +2,13 @@
 GPUs as config, and its GPU lease (a unit's surroundings, with the container's scope as
 the unit).
 
-The lease is named after the container's scope (`libpod-ID.scope`, `docker-ID.scope`): the
-systemd cgroup driver makes that a transient unit, active exactly while the container runs,
-so every unit's pre, `gpugate run` and other container reads it as it reads a unit's lease,
-and one whose container died without its poststop is stale as soon as the scope is gone.
+The lease is named after the container's own systemd scope (`libpod-ID.scope`,
+`docker-ID.scope`, `crio-ID.scope`, `cri-containerd-ID.scope`): the systemd cgroup driver makes
+that a transient unit, active exactly while the container runs, so every unit's pre, `gpugate
+run` and other container reads it as it reads a unit's lease, and one whose container died
+without its poststop is stale as soon as the scope is gone. A container whose own cgroup is
+no such scope (the cgroupfs driver, podman's --cgroups=split) leases as `container-ID`; one
+in no cgroup of its own is refused: it is never the unit around it (docs/containers.md).
 """
 
 from __future__ import annotations
