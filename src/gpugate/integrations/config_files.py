@@ -5,8 +5,9 @@ a path that is not a regular file (a FIFO, a device) or is absurdly large is ref
 reading it. Every command that reads a config (pre, post, slurm prolog/epilog, run, status,
 config check) reads it here.
 
-One lock_dir for every lease on a host (docs/hardening.md, rule 4): the host's is
-`default.toml`'s `lock_dir` (CONFIG_DIR/default.toml), else the built-in /run/gpugate. A file
+One lock_dir for every lease on a host (docs/hardening.md, "One lock_dir for every lease"):
+the host's is `default.toml`'s `lock_dir` (CONFIG_DIR/default.toml), else the built-in
+/run/gpugate. A file
 that leaves `lock_dir` out gets the host's; a file of the lookup (UNIT.toml, the template's,
 containers.toml, slurm.toml: any file in CONFIG_DIR) that names another is refused with exit
 78 naming it and `lock_dir`. `--config PATH` outside CONFIG_DIR is a configuration of its own
@@ -23,7 +24,7 @@ from gpugate.errors import ConfigError, Problem
 from gpugate.host.safe_files import read_capped, untrusted
 from gpugate.report.trust_text import unreadable
 
-HOST_FILE = "default.toml"  # its lock_dir is the host's (rule 4)
+HOST_FILE = "default.toml"  # its lock_dir is the host's
 
 
 def load_config(
