@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.host.nvml import Gpu
 from gpugate.host.oci import ContainerState, parse_config
 from gpugate.integrations import container
 from gpugate.integrations.container import ContainerIdentity, identify
+from gpugate.integrations.unit.leases import new_lease, read_leases, write_lease
 
 A = "a" * 64
 KUBE = "/kubepods.slice/kubepods-pod1.slice"
@@ -132,3 +134,14 @@ def test_an_empty_or_blank_name_is_no_name() -> None:
     identity = who(f"machine.slice:libpod:{A}", {"io.podman.annotations.name": "   "})
     assert (identity.name, identity.claimed) == (None, None)
     assert identity.label == f"podman container {A[:12]}"
+
+
+@pytest.mark.parametrize("hostile", [EVIL, "x" * 100_000, '"quoted" \\ back'])
+def test_a_marked_name_survives_the_lease_file(tmp_path: Path, hostile: str) -> None:
+    identity = who(f"machine.slice:libpod:{A}", {"io.podman.annotations.name": hostile})
+    gpu = Gpu(index=0, uuid="GPU-0", minor=0, name="stand-in", total_mib=1)
+    write_lease(tmp_path, new_lease(identity.unit, [gpu], share=False, container=identity.label))
+    files = read_leases(tmp_path)
+    assert files.unreadable == []
+    (lease,) = files.leases
+    assert lease.container == identity.label and lease.unit == f"libpod-{A}.scope"
