@@ -35,6 +35,7 @@ KUBE = "/kubepods.slice/kubepods-burstable.slice/kubepods-burstable-pod1234.slic
         (f"{KUBE}/crio-{A}.scope", (f"{KUBE}/crio-{A}.scope", "cri-o", True)),
         (f"{KUBE}/cri-containerd-{A}.scope", (f"{KUBE}/cri-containerd-{A}.scope", "containerd", True)),
         (f"{KUBE}/docker-{A}.scope", (f"{KUBE}/docker-{A}.scope", "docker", True)),
+        (f"/system.slice/nerdctl-{A}.scope", ("/system.slice/nerdctl-{A}.scope", "nerdctl", True)),
         (f"/gpu.slice/libpod-{A}.scope", ("/gpu.slice/libpod-{A}.scope", "podman", True)),
         # The cgroupfs driver's folders: its own, but no unit.
         (f"/docker/{A}", ("/docker/{A}", None, False)),

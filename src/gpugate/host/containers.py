@@ -71,12 +71,13 @@ class Container:
 # A container's own cgroup, for its OCI hook (docs/containers.md, "Which cgroup is the
 # container's"): a folder its runtime named after the container's own 64-hex id. The systemd
 # driver's scopes: podman `libpod-ID.scope`, docker `docker-ID.scope`, CRI-O `crio-ID.scope`,
-# containerd's CRI `cri-containerd-ID.scope`; the cgroupfs driver's folders: docker `/docker/ID`,
-# podman `/libpod_parent/libpod-ID`, CRI-O `crio-ID`, containerd `.../podUID/ID`; podman's
-# `--cgroups=split` (Quadlet's default) `.../NAME.service/libpod-payload-ID`. Not
+# containerd's CRI `cri-containerd-ID.scope`, nerdctl `nerdctl-ID.scope`; the cgroupfs
+# driver's folders: docker `/docker/ID`, podman `/libpod_parent/libpod-ID`, CRI-O `crio-ID`,
+# containerd `.../podUID/ID`; podman's `--cgroups=split` (Quadlet's default)
+# `.../NAME.service/libpod-payload-ID`. Not
 # `crio-conmon-ID.scope`: CRI-O's monitor, not the container.
 OWN_FOLDER = re.compile(
-    r"(?:(?P<kind>libpod-payload|libpod|docker|crio|cri-containerd)-)?"
+    r"(?:(?P<kind>libpod-payload|libpod|docker|crio|cri-containerd|nerdctl)-)?"
     r"(?P<id>[0-9a-f]{64})(?P<scope>\.scope)?"
 )
 OWN_RUNTIMES = {
@@ -85,6 +86,7 @@ OWN_RUNTIMES = {
     "docker": "docker",
     "crio": "cri-o",
     "cri-containerd": "containerd",
+    "nerdctl": "nerdctl",
 }
 
 
