@@ -110,6 +110,7 @@ class Problem(Enum):
     CONFIG_UNTRUSTED = "config-untrusted"  # another account may change the file (found)
     CONFIG_STATE_UNTRUSTED = "config-state-untrusted"  # ... or lock_dir
     LOCK_DIR_NOT_FOLDER = "lock-dir-not-folder"
+    LOCK_DIR_NOT_HOSTS = "lock-dir-not-hosts"  # a file of the lookup names another lock_dir
     GRACE_OVER_DEADLINE = "grace-over-deadline"
     SWEEP_BELOW_INTERVAL = "sweep-below-interval"  # [sweep] reap_after_s/drain_after_s
     GPUS_FORM = "gpus-form"
@@ -261,6 +262,7 @@ class Problem(Enum):
     OCI_GPU_WORD = "oci-gpu-word"
     OCI_GPU_UNKNOWN = "oci-gpu-unknown"
     OCI_ANNOTATION_TOO_LONG = "oci-annotation-too-long"
+    OCI_NO_OWN_CGROUP = "oci-no-own-cgroup"  # the container's cgroup is not its own
     PRIVATE_SHM_FORM = "private-shm-form"
     INSTALL_UNREADABLE = "install-unreadable"
     INSTALL_NOT_TOML = "install-not-toml"

@@ -83,10 +83,13 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert not alive(stale)
     (lease,) = read_leases(host.root / "locks").leases
     assert lease.unit == A_SCOPE and lease.gpus == (1,)
-    assert lease.container == f"podman container c-a ({A_ID[:12]})"
+    # CRI-O's name annotation on podman's container: its author's word, marked as such.
+    claimed = '("c-a" by its annotation io.kubernetes.cri-o.ContainerName)'
+    assert lease.container == f"podman container {A_ID[:12]} {claimed}"
     started = host.journal.events("run_started")[0]
     assert started["GPUGATE_OCI_CONTAINER"] == A_ID
-    assert started["GPUGATE_OCI_CONTAINER_NAME"] == "c-a"
+    assert started["GPUGATE_OCI_ANNOTATED_NAME"] == "c-a"
+    assert "GPUGATE_OCI_CONTAINER_NAME" not in started
     assert started["GPUGATE_UNIT"] == A_SCOPE and started["GPUGATE_PHASE"] == "pre"
     assert started["GPUGATE_GPU_SOURCE"].endswith("1; from NVIDIA_VISIBLE_DEVICES)")
 
@@ -95,7 +98,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     code = hook(host, Phase.PRE, B_ID, ["NVIDIA_VISIBLE_DEVICES=0,1"], running)
     assert code == ExitCode.HELD_BY_OTHERS
     refused = [e for e in host.journal.events("refused") if e["GPUGATE_OCI_CONTAINER"] == B_ID]
-    assert refused and f"podman container c-a ({A_ID[:12]})" in refused[0]["MESSAGE"]
+    assert refused and f"podman container {A_ID[:12]} {claimed}" in refused[0]["MESSAGE"]
     assert alive(bystander)
 
     # A unit's pre onto GPU 1: refused too.
@@ -109,7 +112,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     )
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
     unit_refused = [e for e in host.journal.events("refused") if e["GPUGATE_UNIT"] == UNIT]
-    assert "podman container c-a" in unit_refused[-1]["MESSAGE"], unit_refused
+    assert f"podman container {A_ID[:12]}" in unit_refused[-1]["MESSAGE"], unit_refused
     assert "still running and holds them until it stops" in unit_refused[-1]["MESSAGE"]
 
     # poststop: the lease goes; then B starts.

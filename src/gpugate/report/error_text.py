@@ -151,6 +151,11 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         else "another account may change it"
     ),
     Problem.LOCK_DIR_NOT_FOLDER: lambda f: f"{f.lock_dir}: {f.existing} is not a folder",
+    Problem.LOCK_DIR_NOT_HOSTS: lambda f: (
+        f"{f.lock_dir} is not the host's lock_dir {f.host} ({f.where}): every unit, gpugate "
+        "run, container and Slurm job keeps its leases in one; set lock_dir in default.toml "
+        "alone (docs/hardening.md: one lock_dir for every lease)"
+    ),
     Problem.GRACE_OVER_DEADLINE: lambda f: (
         f"sigterm_grace_s + sigkill_wait_s ({f.kill_s:g} s) must be below wait_timeout_s "
         f"({f.wait_timeout_s:g} s), which also holds the memory wait"
@@ -474,6 +479,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.OCI_GPU_UNKNOWN: lambda f: (
         f"config.json: {echo(f.source)}: {echo(f.value)} is no GPU NVML knows"
     ),
+    Problem.OCI_NO_OWN_CGROUP: lambda f: _oci_text().no_own_cgroup(f.cgroup, f.id),
     Problem.PRIVATE_SHM_FORM: lambda f: (
         f'{echo(f.value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
     ),
