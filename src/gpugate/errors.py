@@ -110,7 +110,9 @@ class Problem(Enum):
     CONFIG_UNTRUSTED = "config-untrusted"  # another account may change the file (found)
     CONFIG_STATE_UNTRUSTED = "config-state-untrusted"  # ... or lock_dir
     LOCK_DIR_NOT_FOLDER = "lock-dir-not-folder"
+    LOCK_DIR_NOT_HOSTS = "lock-dir-not-hosts"  # a file of the lookup names another lock_dir
     GRACE_OVER_DEADLINE = "grace-over-deadline"
+    SWEEP_BELOW_INTERVAL = "sweep-below-interval"  # [sweep] reap_after_s/drain_after_s
     GPUS_FORM = "gpus-form"
     NOT_ABSOLUTE = "not-absolute"
     NOT_UNIT_NAME = "not-unit-name"
@@ -193,6 +195,7 @@ class Problem(Enum):
     INSTALL_NO_SYSTEMCTL = "install-no-systemctl"
     INSTALL_RELOAD_FAILED = "install-reload-failed"
     INSTALL_RELOAD_ERROR = "install-reload-error"
+    INSTALL_TIMER_FAILED = "install-timer-failed"  # systemctl enable|disable gpugate-sweep.timer
     INSTALL_EDITED = "install-edited"
     INSTALL_EDITED_REMOVE = "install-edited-remove"
     INSTALL_UNIT_UNKNOWN = "install-unit-unknown"
@@ -252,7 +255,14 @@ class Problem(Enum):
     OCI_NOT_OBJECT = "oci-not-object"
     OCI_NOT_LIST = "oci-not-list"
     OCI_DEVICE_NOT_GPU = "oci-device-not-gpu"
-    OCI_VISIBLE_DEVICES = "oci-visible-devices"
+    OCI_DEVICE_LINK = "oci-device-link"
+    OCI_MOUNT_FOLDER = "oci-mount-folder"
+    OCI_CDI_NAME = "oci-cdi-name"
+    OCI_GPU_MIG = "oci-gpu-mig"
+    OCI_GPU_WORD = "oci-gpu-word"
+    OCI_GPU_UNKNOWN = "oci-gpu-unknown"
+    OCI_ANNOTATION_TOO_LONG = "oci-annotation-too-long"
+    OCI_NO_OWN_CGROUP = "oci-no-own-cgroup"  # the container's cgroup is not its own
     PRIVATE_SHM_FORM = "private-shm-form"
     INSTALL_UNREADABLE = "install-unreadable"
     INSTALL_NOT_TOML = "install-not-toml"
@@ -262,6 +272,14 @@ class Problem(Enum):
     INSTALL_DEFAULT_RUNTIME = "install-default-runtime"
     INSTALL_NO_WRAPPER = "install-no-wrapper"
     INSTALL_DOCKER_RELOAD = "install-docker-reload"
+    INSTALL_UNTRUSTED = "install-untrusted"  # a file install edits that another account may change
+    INSTALL_CONTAINERD_VERSION = "install-containerd-version"
+    INSTALL_CONTAINERD_RUNTIME_THERE = "install-containerd-runtime-there"  # not gpugate's block
+    INSTALL_CONTAINERD_EDIT = "install-containerd-edit"  # the edit would change other settings
+    INSTALL_CONTAINERD_DEFAULT = "install-containerd-default"  # uninstall: still the default
+    INSTALL_CONTAINERD_DEFAULT_CONFIG = "install-containerd-default-config"
+    INSTALL_MARK_UNCLOSED = "install-mark-unclosed"
+    RUNTIME_RECORD_VALUE = "runtime-record-value"  # the wrapped runtime's record names no choice
     # the surroundings' refusals
     MANUAL_RUN = "manual-run"
     WORDED = "worded"  # words made before this code existed (`text`): to be given a code

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Any, Union
 
 from gpugate.config.values import DefaultConfig, DefaultPolicy
 
@@ -47,6 +47,28 @@ def validated(config: Config) -> GateConfig:
     if isinstance(config, DefaultConfig):
         return pydantic_config().model_validate(dataclasses.asdict(config))
     return config
+
+
+def replaced(config: Config, **changes: Any) -> Config:
+    """A copy with these fields changed, as the code chose them (not validated: no file said
+    them): the defaults stay the defaults' type, a file's config pydantic's."""
+    if isinstance(config, DefaultConfig):
+        return dataclasses.replace(config, **changes)
+    return config.model_copy(update=changes)
+
+
+def replaced_policy(policy: Policy, **changes: Any) -> Policy:
+    """A phase's policy with these fields changed, as `replaced`."""
+    if isinstance(policy, DefaultPolicy):
+        return dataclasses.replace(policy, **changes)
+    return policy.model_copy(update=changes)
+
+
+def fields_set(config: Config) -> frozenset[str]:
+    """The fields the file set (none: the built-in defaults)."""
+    if isinstance(config, DefaultConfig):
+        return frozenset()
+    return frozenset(config.model_fields_set)
 
 
 @dataclass(frozen=True)

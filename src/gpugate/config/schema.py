@@ -21,10 +21,13 @@ from gpugate.config.gpulist import gpu_refs
 from gpugate.config.values import (
     CONTAINER_NAME,
     DEFAULTS,
+    MAX_SWEEP_AGE_S,
     PRIVATE_SHM_OFF,
     PRIVATE_SHM_SIZE,
+    SWEEP_INTERVAL_S,
     DefaultConfig,
     DefaultPolicy,
+    DefaultSweep,
     GpuSelection,
     GpusSetting,
 )
@@ -94,6 +97,35 @@ class PhasePolicy(_Frozen):
         return self
 
 
+_S = DefaultSweep
+
+
+class SweepPolicy(_Frozen):
+    """`gpugate sweep` (the gpugate-sweep.timer): what it may do to GPU memory nobody owns."""
+
+    reap_after_s: Optional[float] = Field(
+        default=_S.reap_after_s,
+        le=MAX_SWEEP_AGE_S,
+        description="Kill a holder unowned this many seconds, with pre's rules, on GPUs "
+        "nothing holds a lease on (not set: report only).",
+    )
+    drain_after_s: Optional[float] = Field(
+        default=_S.drain_after_s,
+        le=MAX_SWEEP_AGE_S,
+        description="Where slurmd runs: drain the node once a GPU holds memory unowned this "
+        "many seconds (not set: never).",
+    )
+
+    @field_validator("reap_after_s", "drain_after_s")
+    @classmethod
+    def _not_below_interval(cls, value: float | None) -> float | None:
+        if value is not None and value < SWEEP_INTERVAL_S:
+            raise InvalidValue(
+                Problem.SWEEP_BELOW_INTERVAL, value=value, interval_s=SWEEP_INTERVAL_S
+            )
+        return value
+
+
 def _built_in(policy: DefaultPolicy) -> PhasePolicy:
     return PhasePolicy(**dataclasses.asdict(policy))
 
@@ -138,6 +170,7 @@ class GateConfig(_Frozen):
     post: PhasePolicy = _built_in(DEFAULTS.post)
     prolog: PhasePolicy = _built_in(DEFAULTS.prolog)  # Slurm's Prolog= and Epilog=
     epilog: PhasePolicy = _built_in(DEFAULTS.epilog)
+    sweep: SweepPolicy = SweepPolicy()
     lock_dir: Path = Field(
         default=_C.lock_dir,
         strict=False,  # a TOML string becomes the Path

@@ -46,6 +46,19 @@ GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run
 GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; "auto" is resolved by gpu_source
 
 
+# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/core/test_sweep.py checks they agree)
+SWEEP_INTERVAL_S = 60
+MAX_SWEEP_AGE_S = 30 * 86400
+
+
+@dataclass(frozen=True)
+class DefaultSweep:
+    """`gpugate sweep`'s policy as built in (config.schema.SweepPolicy's fields and defaults)."""
+
+    reap_after_s: Optional[float] = None
+    drain_after_s: Optional[float] = None
+
+
 @dataclass(frozen=True)
 class DefaultPolicy:
     """One phase's policy as built in (config.schema.PhasePolicy's fields and defaults)."""
@@ -83,6 +96,7 @@ class DefaultConfig:
     post: DefaultPolicy = _BUILT_IN[Phase.POST]
     prolog: DefaultPolicy = _BUILT_IN[Phase.PROLOG]
     epilog: DefaultPolicy = _BUILT_IN[Phase.EPILOG]
+    sweep: DefaultSweep = DefaultSweep()
     lock_dir: Path = DEFAULT_LOCK_DIR
     metrics_textfile: Optional[Path] = None
     containers: tuple[str, ...] = ()

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(handler="hook_command")
     _status_parser(commands)
+    sweep = commands.add_parser("sweep", help="between starts: GPU memory nobody owns, said/reaped")
+    sweep.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+    sweep.set_defaults(handler="sweep_command")
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
@@ -131,6 +134,9 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     check.set_defaults(handler="slurm_check_command")
 
 
+DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
+
+
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     install = commands.add_parser(
         "install",
@@ -143,12 +149,14 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
             "unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)"
         )
         sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
+        sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
         sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
         sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
         sub.set_defaults(handler="install_command")
+    install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     install.add_argument(
         "--gpus",
         type=_gpus,
@@ -241,6 +249,10 @@ def _handlers_module(handler: str) -> object:
         from gpugate.front import launch  # noqa: PLC0415
 
         return launch
+    if handler == "sweep_command":
+        from gpugate.front import sweep  # noqa: PLC0415
+
+        return sweep
     from gpugate.front import commands  # noqa: PLC0415
 
     return commands

@@ -177,6 +177,13 @@ CHANGE_NOTES = {
     "runtime-added": "runtime gpugate: {detail}; every other key kept",
     "runtime-absent": "no runtime gpugate",
     "runtime-removed": "runtime gpugate taken out; every other key kept",
+    "containerd-runtime-added": "runtime gpugate with {detail}'s settings; every other line kept",
+    "containerd-runtime-default": (
+        "runtime gpugate with {detail}'s settings, the CRI default; every other line kept"
+    ),
+    "containerd-runtime-removed": "runtime gpugate taken out; every other line as it was",
+    "containerd-made": "made by gpugate install from `containerd config default`",
+    "runs": "gpugate-oci-runtime runs {detail}",
 }
 
 
@@ -210,6 +217,14 @@ def unit_gpus(unit: str, gpus: str | Sequence[object], source: str) -> str:
     return f"# {unit}'s GPUs: {shown}, from {source}"
 
 
+def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
+    """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
+    runs = path or f"no {name} installed"
+    instead = "" if name == recorded else f"; {recorded} is not installed or is the caller"
+    where = f'runtime = "{recorded}" in {record}{instead}'
+    return f"# containers: gpugate-oci-runtime runs {runs} ({where})"
+
+
 def watch_header(unit: str | None) -> str:
     return f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
 
@@ -226,7 +241,7 @@ def internal_error(exc: BaseException) -> str:
 
 
 def unit_or_containers(command: str) -> str:
-    return f"gpugate {command}: give a UNIT or --containers"
+    return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
 
 
 def not_a_uid(value: str) -> str:
@@ -245,3 +260,28 @@ def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str
         f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
         "GPU holders among them are not shown; run as root"
     )
+
+
+def sweep_leased(gpus: list[int]) -> str:
+    """A sweep's reap, refused under the locks: a lease was taken on these GPUs since."""
+    return f"GPU {', '.join(map(str, gpus))} leased since the sweep looked: not reaped"
+
+
+def sweep_timer(*, enabled: bool) -> str:
+    if enabled:
+        return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
+    return "disabled gpugate-sweep.timer: no more sweeps"
+
+
+def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
+    """scontrol's Reason= for a node whose GPU memory nobody has owned for long (at most
+    slurm.MAX_REASON characters: the PIDs are cut first)."""
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: GPU {','.join(map(str, gpus))} held by nobody for {seconds:.0f}s, PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+
+
+def sweep_unkillable_reason(gpus: Sequence[int], pids: Sequence[int]) -> str:
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: sweep's reap on GPU {','.join(map(str, gpus))} left unkillable PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
