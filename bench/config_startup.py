@@ -39,7 +39,7 @@ def cases(stage: Stage) -> dict[str, list[str]]:
     }
 
 
-def measure(trees: dict[str, Path], runs: int, processes: int) -> dict[str, list[float]]:
+def measure(trees: dict[str, Path], runs: int, processes: int) -> dict[str, dict[str, list[float]]]:
     cpu: dict[str, list[float]] = {}
     wall: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp, Crowd(processes):
@@ -59,7 +59,7 @@ def measure(trees: dict[str, Path], runs: int, processes: int) -> dict[str, list
                     raise RuntimeError(f"{key} exited {run.returncode}: {run.stderr[-2000:]}")
                 cpu.setdefault(key, []).append(run.cpu * 1000)
                 wall.setdefault(key, []).append(run.wall * 1000)
-    return {"cpu": cpu, "wall": wall}  # type: ignore[dict-item]
+    return {"cpu": cpu, "wall": wall}
 
 
 def table(results: dict[str, dict[str, list[float]]], runs: int, processes: int) -> str:

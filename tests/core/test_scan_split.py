@@ -103,3 +103,17 @@ def test_no_workers_once_another_thread_runs() -> None:
 def test_a_split_needs_two_workers() -> None:
     with pytest.raises(ValueError):
         SplitScan(1)
+
+
+def test_a_worker_that_died_leaves_its_share_cut_short() -> None:
+    host = HOST_FOR_STRATEGIES
+    table = [FakeProcess(pid, fds=(host.fd_targets()[0],)) for pid in (100, 101, 102, 103)]
+    fake_proc(host.proc, table)
+    with SplitScan(2) as scan:
+        dead = scan.workers[0].pid
+        os.kill(dead, signal.SIGKILL)  # our own child, as the OOM killer might
+        os.waitid(os.P_PID, dead, os.WEXITED | os.WNOWAIT)  # dead, not reaped: the scan's
+        found = scan(host.proc, host.prefix, SOCKETS, [host.area], (), Deadline())
+        assert scan.broken and not scan.workers
+        assert set(found.cut_short) >= {100, 102}  # its share (even PIDs)
+        assert {101, 103} <= set(found.users)  # the other worker's holders

@@ -95,7 +95,8 @@ class SplitScan:
         self.close()
 
     def close(self) -> None:
-        """Kill and reap every worker (each is our child, unreaped: its PID is still its)."""
+        """Kill and reap every worker (each is our child, unreaped until here: its PID is still
+        its own), once."""
         for worker in self.workers:
             for fd in (worker.requests, worker.answers):
                 os.close(fd)
@@ -114,6 +115,7 @@ class SplitScan:
         del listed_by_nvml
         if self.broken or not self.workers:
             return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
+        unsent: set[int] = set()
         for index, worker in enumerate(self.workers):
             request = _Request(
                 proc_root,
@@ -124,18 +126,23 @@ class SplitScan:
                 index,
                 len(self.workers),
             )
-            _send(worker.requests, pickle.dumps(request))
-        parts, late = self._answers(deadline)
+            try:
+                _send(worker.requests, pickle.dumps(request))
+            except BrokenPipeError:  # it died: its share is cut short
+                unsent.add(worker.answers)
+        parts, late = self._answers(deadline, unsent)
+        own = {worker.pid for worker in self.workers}
         if late:
             self.broken = True
             parts.append((_late_shares(proc_root, late, len(self.workers)), {}))
-        own = {worker.pid for worker in self.workers}
+            self.close()  # killed and reaped once: never signalled again (the PID is free)
         return _pinned(proc_root, parts, own)
 
-    def _answers(self, deadline: Deadline) -> tuple[list[_Part], list[int]]:
+    def _answers(self, deadline: Deadline, unsent: set[int]) -> tuple[list[_Part], list[int]]:
         """Each worker's part; the indices of those that had not answered by the deadline and
-        its grace (killed)."""
-        waiting = {worker.answers: worker for worker in self.workers}
+        its grace, or died without an answer."""
+        ended = set(unsent)  # answers' fds of workers that died without an answer
+        waiting = {w.answers: w for w in self.workers if w.answers not in ended}
         parts: list[_Part] = []
         give_up = None if deadline.at is None else deadline.at + self.grace_s
         while waiting:
@@ -144,13 +151,17 @@ class SplitScan:
             if not ready:
                 break
             for fd in ready:
-                part = _receive(waiting[fd])
+                try:
+                    part = _receive(waiting[fd])
+                except EOFError:
+                    ended.add(fd)
+                    part = None
+                if part is not None or fd in ended:
+                    del waiting[fd]
                 if part is not None:
                     parts.append(part)
-                    del waiting[fd]
-        late = [index for index, worker in enumerate(self.workers) if worker.answers in waiting]
-        for worker in waiting.values():
-            _kill(worker.pid)
+        silent = {*waiting, *ended}
+        late = [index for index, worker in enumerate(self.workers) if worker.answers in silent]
         return parts, late
 
 
@@ -218,7 +229,7 @@ def _receive(worker: _Worker) -> _Part | None:
     """Reads what is there; the part once it is whole (None: not yet)."""
     chunk = os.read(worker.answers, 1 << 20)
     if not chunk:
-        raise SplitScanError(f"split scan: worker {worker.pid} ended without an answer")
+        raise EOFError(worker.pid)  # it died: its share is cut short
     worker.buffer += chunk
     if len(worker.buffer) < _LENGTH.size:
         return None
