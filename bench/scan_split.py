@@ -6,9 +6,9 @@ interleaved on one crowd, to find where the split starts to pay (issue 38):
 As root (the crowd raises its limits). Prints per crowd size and worker count the median wall
 time of one scan (the workers are started once per count, before the runs, as a hook would
 start them before NVML), the speed-up over the one pass, the speed-up per worker, and the
-holders found (each count must find the same). The switch point is the smallest crowd at which
-a worker count is faster than the one pass by more than the spread of the runs; on the device
-machine (16 cores) run it with --workers 2,4,8,16.
+holders found (each count must find the same), and stops at the switch point: the smallest
+crowd at which a worker count is faster than the one pass by more than the spread of either's
+runs. On the device machine (16 cores) run it with --workers 2,4,8,16.
 """
 
 from __future__ import annotations
@@ -26,7 +26,11 @@ from gpugate.host.scan import NO_DEADLINE, scan_device_users
 from gpugate.host.scan_split import SplitScan
 
 
-def measure(count: int, workers: list[int], runs: int, prefix: str, held: tuple[str, ...]) -> None:
+def measure(
+    count: int, workers: list[int], runs: int, prefix: str, held: tuple[str, ...]
+) -> list[int]:
+    """Prints the figures; returns the worker counts that beat the one pass by more than the
+    spread of either's runs."""
     splits = {n: SplitScan(n) for n in workers}
     for split in splits.values():
         split.__enter__()  # before the crowd's reader thread exists
@@ -50,7 +54,9 @@ def measure(count: int, workers: list[int], runs: int, prefix: str, held: tuple[
         for split in splits.values():
             split.close()
     one = statistics.median(walls[1])
+    spread_one = max(walls[1]) - min(walls[1])
     print(f"{count:,} extra processes, {runs} runs; load {' -> '.join(loads)}")
+    winners = []
     for n, values in walls.items():
         wall = statistics.median(values)
         spread = (max(values) - min(values)) * 1000
@@ -59,6 +65,9 @@ def measure(count: int, workers: list[int], runs: int, prefix: str, held: tuple[
             f"x{one / wall:.2f} over one pass, x{one / wall / n:.2f} per worker, "
             f"{len(found[n])} holders"
         )
+        if n > 1 and one - wall > max(spread_one, max(values) - min(values)):
+            winners.append(n)
+    return winners
 
 
 def main(argv: list[str]) -> int:
@@ -73,7 +82,11 @@ def main(argv: list[str]) -> int:
     workers = [int(n) for n in args.workers.split(",")]
     print(f"cores {os.cpu_count()}, affinity {len(os.sched_getaffinity(0))}")
     for count in (int(n) for n in args.counts.split(",")):
-        measure(count, workers, args.runs, prefix, held)
+        winners = measure(count, workers, args.runs, prefix, held)
+        if winners:
+            print(f"switch point: {count:,} processes, {min(winners)} workers or more")
+            return 0
+    print("switch point: none (no worker count beat the one pass by more than the spread)")
     return 0
 
 
