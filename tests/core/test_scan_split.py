@@ -11,13 +11,14 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpugate.host.scan import Deadline, DeviceScan, scan_device_users
-from gpugate.host.scan_split import SplitScan, SplitScanError
+from gpugate.host.scan import Deadline, DeviceScan, DeviceUse, scan_device_users
+from gpugate.host.scan_split import SplitScan, SplitScanError, _pinned
 from tests.core.test_scan_fast import FAST, HOST_FOR_STRATEGIES, SOCKETS, tables
 from tests.fakes import FakeProcess, fake_proc
 
@@ -117,3 +118,16 @@ def test_a_worker_that_died_leaves_its_share_cut_short() -> None:
         assert scan.broken and not scan.workers
         assert set(found.cut_short) >= {100, 102}  # its share (even PIDs)
         assert {101, 103} <= set(found.users)  # the other worker's holders
+
+
+def test_a_holder_is_pinned_by_its_start_time(tmp_path: Path) -> None:
+    """A PID another process took after its worker read it is no holder; nor is a worker."""
+    use = DeviceUse(frozenset({"/dev/nvidia0"}), frozenset())
+    for pid, start in ((10, 500), (11, 777), (12, 300)):
+        (tmp_path / str(pid)).mkdir()
+        fields = ["S", "1"] + ["0"] * 17 + [str(start)]
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a) b) {' '.join(fields)}\n")
+    part = DeviceScan({10: use, 11: use, 12: use}, [])
+    read_then = {10: 500, 11: 600, 12: 300}  # 11 was another process when its worker read it
+    found = _pinned(tmp_path, [(part, read_then)], own={12})
+    assert set(found.users) == {10}
