@@ -5,6 +5,11 @@ containers its config names), /proc/PID/fd links and /proc/PID/maps entries nami
 /dev/nvidiaN, and NVML's process lists. (The fourth kind of target, the rest of a stale
 application, is chosen in `decide`, which walks the tree.) Which GPUs are the unit's is
 `owned_gpus`.
+
+A MIG slice is a GPU of its own here (keyed by host.nvml.mig_key): its holders are those NVML
+lists on it. Every process on every slice opens its GPU's /dev/nvidiaN, so a device file ties
+a process to the whole GPU only, never to a slice; a process NVML lists on a slice is on that
+slice alone (the whole GPU's aggregate list, which names it too, is not counted for it).
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from typing import Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
-from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
+from gpugate.core.owned_gpus import covered, fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied, Problem
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
@@ -115,7 +120,8 @@ class Discovery:
 
     @property
     def owned_indices(self) -> set[int]:
-        return {gpu.index for gpu in self.owned}
+        """The keys of the unit's GPUs and of every slice of a whole GPU it owns."""
+        return {gpu.index for gpu in covered(self.owned, self.gpus)}
 
     @property
     def nvml_lists_processes(self) -> bool:
@@ -285,7 +291,7 @@ def _add_device_users(
 ) -> list[int]:
     """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
     the PIDs whose files could not be read."""
-    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus}
+    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
     for fault in state.faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
         minor = fault.index if fault.minor is None else fault.minor
@@ -324,6 +330,8 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
         for process in gpu_usage.processes:
             if process.pid in table.self_chain:
                 continue
+            if process.on_slice and gpu_usage.gpu.mig is None:
+                continue  # a whole GPU's aggregate entry for a process its slice lists
             if (found := table.get(process.pid)) is None:
                 invisible.append((index, process.pid))
                 continue

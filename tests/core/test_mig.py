@@ -1,0 +1,242 @@
+"""MIG slices as a unit's GPUs: the GPU-list parser, which slice a reference names, whose
+holders a slice has (NVML's per-slice lists and the unit's cgroup, never the GPU's device
+files alone) and the wait on the slice's own memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpugate.config.file import parse_config
+from gpugate.config.gpulist import gpu_ref, legacy_mig, parse_gpu_text
+from gpugate.core.owned_gpus import owned_gpus
+from gpugate.errors import ConfigError, ExitCode, InvalidValue, Problem
+from gpugate.host.nvml import mig_key
+from gpugate.integrations.unit.gpu_source import parse_visible_devices
+from tests.fakes import FakeGpuMemory, FakeHost, alive, mig_uuid
+
+GPU0 = "GPU-fa4e5a11-0000-0000-0000-000000000000"
+SLICES = [(1, 0, 20000), (2, 0, 20000), (5, 0, 40000)]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "MIG-8e3a9b0c-1d2e-5f60-a1b2-c3d4e5f60718",
+        "MIG-8E3A9B0C-1D2E-5F60-A1B2-C3D4E5F60718",
+        "MIG-8e3a9b0c",  # a prefix, as CUDA_VISIBLE_DEVICES takes one
+        "MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/1/0",
+        "MIG-GPU-fa4e5a11/13/2",
+    ],
+)
+def test_mig_references_parse(text: str) -> None:
+    assert gpu_ref(text) == text
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "MIG-",
+        "MIG-xyz",
+        "MIG-1234",  # too short a prefix
+        "MIG-GPU-fa4e5a11/1",  # the legacy form needs GI and CI
+        "MIG-GPU-fa4e5a11/1/0/0",
+        "MIG-GPU-fa4e5a11/a/0",
+        "MIG-GPU-fa4e5a11/1/0 ",
+        "MIG-GPU-/1/0",
+    ],
+)
+def test_malformed_mig_references_are_refused(text: str) -> None:
+    with pytest.raises(InvalidValue) as caught:
+        gpu_ref(text)
+    assert caught.value.problem in (Problem.GPU_MIG, Problem.GPU_NOT_REF)
+
+
+def test_legacy_form_is_split() -> None:
+    assert legacy_mig("MIG-GPU-fa4e5a11-0000/7/1") == ("GPU-fa4e5a11-0000", 7, 1)
+    assert legacy_mig(mig_uuid(0, 1, 0)) is None
+    assert legacy_mig(GPU0) is None
+
+
+def test_a_list_may_mix_whole_gpus_and_slices() -> None:
+    text = f"0,{GPU0},{mig_uuid(0, 1, 0)},MIG-GPU-fa4e5a11/2/0"
+    assert parse_gpu_text(text) == (0, GPU0, mig_uuid(0, 1, 0), "MIG-GPU-fa4e5a11/2/0")
+    with pytest.raises(InvalidValue) as caught:
+        parse_gpu_text(f"{mig_uuid(0, 1, 0)},MIG-{mig_uuid(0, 1, 0)[4:].upper()}")
+    assert caught.value.problem is Problem.GPU_TWICE
+
+
+def mig_host() -> FakeGpuMemory:
+    return FakeGpuMemory(count=4, mig={0: list(SLICES), 2: []})
+
+
+@pytest.mark.parametrize(
+    ("ref", "key"),
+    [
+        (mig_uuid(0, 1, 0), mig_key(0, 0)),
+        ("MIG-" + mig_uuid(0, 5, 0)[4:].upper(), mig_key(0, 2)),
+        (mig_uuid(0, 2, 0)[:-2], mig_key(0, 1)),  # a unique prefix
+        ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/2/0", mig_key(0, 1)),
+        (f"MIG-{GPU0}/5/0", mig_key(0, 2)),
+        (0, 0),
+        (GPU0, 0),  # a GPU UUID names the whole GPU, never a slice
+    ],
+)
+def test_owned_names_the_slice(ref: int | str, key: int) -> None:
+    gpus = mig_host().gpus()
+    [owned] = owned_gpus((ref,), gpus, "test.toml")
+    assert owned.index == key
+    if key != 0:
+        assert owned.mig is not None and owned.mig.parent == 0
+        assert owned.minor == 0  # its GPU's device file
+
+
+def test_all_is_every_whole_gpu() -> None:
+    gpus = mig_host().gpus()
+    assert [gpu.index for gpu in owned_gpus("all", gpus, "x")] == [0, 1, 2, 3]
+
+
+def test_an_index_never_names_a_slice() -> None:
+    gpus = mig_host().gpus()
+    with pytest.raises(ConfigError) as caught:
+        owned_gpus((mig_key(0, 0),), gpus, "x")
+    assert caught.value.problem is Problem.GPU_NO_SUCH_INDEX
+
+
+@pytest.mark.parametrize(
+    ("ref", "problem"),
+    [
+        (mig_uuid(0, 3, 0), Problem.GPU_NO_SUCH_MIG),  # no slice has it
+        (mig_uuid(1, 1, 0), Problem.GPU_NO_SUCH_MIG),
+        ("MIG-fa4e5a11-0000-0000-0000-0000", Problem.GPU_UUID_AMBIGUOUS),  # all three
+        ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000001/1/0", Problem.GPU_NOT_MIG_MODE),
+        ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/3/0", Problem.GPU_NO_SUCH_MIG_INSTANCE),
+        ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/1/1", Problem.GPU_NO_SUCH_MIG_INSTANCE),
+        ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000002/1/0", Problem.GPU_NO_SUCH_MIG_INSTANCE),
+        ("MIG-GPU-feedface-0000/1/0", Problem.GPU_NO_SUCH_UUID),  # no such GPU
+        ("MIG-GPU-fa4e5a11/1/0", Problem.GPU_UUID_AMBIGUOUS),  # more than one GPU
+    ],
+)
+def test_unresolved_mig_reference_is_a_config_error(ref: str, problem: Problem) -> None:
+    gpus = mig_host().gpus()
+    with pytest.raises(ConfigError) as caught:
+        owned_gpus((ref,), gpus, "/etc/gpugate/vllm.toml")
+    assert caught.value.problem is problem
+    assert caught.value.exit_code is ExitCode.CONFIG
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith("/etc/gpugate/vllm.toml: gpus: ")
+
+
+def test_no_gpu_in_mig_mode_is_said() -> None:
+    gpus = FakeGpuMemory(count=2).gpus()
+    with pytest.raises(ConfigError) as caught:
+        owned_gpus((mig_uuid(0, 1, 0),), gpus, "x")
+    assert caught.value.facts["mig_gpus"] == []
+    assert str(caught.value).endswith("(no GPU is in MIG mode)")
+
+
+# ---- holders per slice, with real processes holding GPU 0's stand-in device file ----
+
+
+def run(host: FakeHost, phase: str = "pre", **config: object):  # type: ignore[no-untyped-def]
+    return host.run_phase(
+        phase, host.config(**config), host.reporter(phase), driver_factory=lambda: host.memory
+    )
+
+
+def mig_processes(host: FakeHost) -> dict[str, int]:
+    """GPU 0 in MIG mode: a stale server on slice 1, another on slice 2, a watcher of the GPU
+    (nvidia-smi: its device file, on no slice); each holds /dev/nvidia0, as every CUDA
+    process on any slice does."""
+    host.memory.mig = {0: list(SLICES)}
+    (on_one,) = host.pool.holder(host.gpu_files(0))
+    (on_two,) = host.pool.holder(host.gpu_files(0))
+    (watcher,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(on_one, {mig_key(0, 0)}, 9000)
+    host.memory.claim(on_two, {mig_key(0, 1)}, 7000)
+    return {"one": on_one, "two": on_two, "watcher": watcher}
+
+
+def test_pre_on_a_slice_kills_only_that_slices_holders(host: FakeHost) -> None:
+    pids = mig_processes(host)
+    summary = run(host, "pre", gpus=[mig_uuid(0, 1, 0)])
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(pids["one"])
+    assert alive(pids["two"])  # on slice 2: NVML lists it there, never a holder of slice 1
+    assert alive(pids["watcher"])  # the GPU's device file alone: not slice 1's
+    assert {ident.pid for ident in summary.killed} == {pids["one"]}
+
+
+def test_slice_wait_is_on_the_slices_own_memory(host: FakeHost) -> None:
+    pids = mig_processes(host)
+    # slice 2's 7000 MiB and GPU 0's are far above free_mib: a slice-1 run does not wait on them
+    summary = run(host, "pre", gpus=[mig_uuid(0, 1, 0)], free_mib=100)
+    assert summary.exit_code is ExitCode.OK
+    assert alive(pids["two"])
+    # memory left on slice 1 itself (a leak) is waited on until the deadline
+    host.memory.leaked_mib[mig_key(0, 0)] = 500
+    held = run(host, "pre", gpus=[mig_uuid(0, 1, 0)], free_mib=100, pre={"wait_timeout_s": 0.5})
+    assert held.exit_code is ExitCode.MEMORY_TIMEOUT
+    assert [item.gpu.index for item in held.busy] == [mig_key(0, 0)]
+
+
+def test_legacy_form_in_post_kills_the_units_own_and_spares_the_neighbour(
+    host: FakeHost,
+) -> None:
+    pids = mig_processes(host)
+    host.put_in_unit(pids["one"])
+    summary = run(host, "post", gpus=[f"MIG-{GPU0}/1/0"])
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(pids["one"])
+    assert alive(pids["two"]) and alive(pids["watcher"])
+
+
+def test_whole_gpu_takes_every_slice(host: FakeHost) -> None:
+    pids = mig_processes(host)
+    summary = run(host, "pre", gpus=[0])
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(pids["one"]) and not alive(pids["two"])
+    assert alive(pids["watcher"])  # NVML lists it on no slice: a watcher, as on a whole GPU
+
+
+def test_two_slices_of_one_unit(host: FakeHost) -> None:
+    pids = mig_processes(host)
+    summary = run(host, "pre", gpus=[mig_uuid(0, 1, 0), mig_uuid(0, 2, 0)])
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(pids["one"]) and not alive(pids["two"])
+    assert alive(pids["watcher"])
+
+
+def test_a_process_on_two_slices_straddles(host: FakeHost) -> None:
+    pids = mig_processes(host)
+    (both,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(both, {mig_key(0, 0), mig_key(0, 2)}, 100)
+    summary = run(host, "pre", gpus=[mig_uuid(0, 1, 0)])
+    assert summary.exit_code is ExitCode.HELD_BY_OTHERS
+    assert alive(both) and alive(pids["two"])
+
+
+def test_a_slice_holder_unlisted_by_nvml_is_not_taken_by_device_file(host: FakeHost) -> None:
+    """A driver that cannot list processes: the device files would be the proof on a whole
+    GPU, but /dev/nvidia0 is every slice's: nothing is killed for the slice."""
+    pids = mig_processes(host)
+    host.memory.lists_processes = False
+    summary = run(host, "pre", gpus=[mig_uuid(0, 1, 0)], pre={"wait_timeout_s": 0.5})
+    assert all(alive(pid) for pid in pids.values())
+    assert summary.killed == []
+
+
+def test_config_takes_slices() -> None:
+    config = parse_config(f'gpus = [1, "{mig_uuid(0, 1, 0)}", "MIG-{GPU0}/2/0"]', "f.toml")
+    assert config.gpus == (1, mig_uuid(0, 1, 0), f"MIG-{GPU0}/2/0")
+
+
+@pytest.mark.parametrize("variable", ["CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES"])
+def test_a_units_visible_devices_may_name_slices(variable: str) -> None:
+    value = f"{mig_uuid(0, 1, 0)},MIG-{GPU0}/2/0"
+    assert parse_visible_devices(variable, value, "unit a.service") == (
+        mig_uuid(0, 1, 0),
+        f"MIG-{GPU0}/2/0",
+    )
+    with pytest.raises(ConfigError) as caught:
+        parse_visible_devices(variable, "MIG-GPU-x/1/0", "unit a.service")
+    assert caught.value.exit_code is ExitCode.CONFIG
