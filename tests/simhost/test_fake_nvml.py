@@ -703,3 +703,62 @@ def test_mig_handle_errors(sim: Sim) -> None:
         "unknown_mig_uuid": "NVMLError_NotFound",
         "legacy_form": "NVMLError_NotFound",
     }
+
+
+def test_gpugates_driver_reads_slices(sim: Sim) -> None:
+    """host.nvml.NvmlDriver over the stand-in: slices follow their GPU, keyed apart, each
+    with its own memory and processes; entries with a GPU instance are marked on_slice."""
+    sim.configure(gpu_count=2, mig="1 3/0/10000/1g.10gb 4/1/20000")
+    on_slice = sim.hold("nvidia1")
+    sim.claim(on_slice.pid, 500, "1/4/1")
+    whole = sim.hold("nvidia0")
+    sim.claim(whole.pid, 50, "0")
+    out = sim.run(f"""
+        from gpugate.host.nvml import NvmlDriver
+        d = NvmlDriver(library={str(sim.lib_dir / "libnvidia-ml.so.1")!r})
+        rows = []
+        for g in d.gpus():
+            u = d.usage(g)
+            rows.append([g.index, g.uuid, g.minor, g.total_mib, g.mig_mode, g.shown,
+                         None if g.mig is None else g.mig.profile, u.used_mib,
+                         [[p.pid, p.used_mib, p.on_slice] for p in u.processes]])
+        d.close()
+        print(json.dumps(rows))
+    """)
+    key = 1024 + 16
+    assert out == [
+        [
+            0,
+            "GPU-fa4e5a11-0000-0000-0000-000000000000",
+            0,
+            97887,
+            False,
+            "0",
+            None,
+            50,
+            [[whole.pid, 50, False]],
+        ],
+        [
+            1,
+            "GPU-fa4e5a11-0000-0000-0000-000000000001",
+            1,
+            97887,
+            True,
+            "1",
+            None,
+            500,
+            [[on_slice.pid, 500, True]],
+        ],
+        [key, mig_uuid(1, 3, 0), 1, 10000, False, "1/3/0", "1g.10gb", 0, []],
+        [
+            key + 1,
+            mig_uuid(1, 4, 1),
+            1,
+            20000,
+            False,
+            "1/4/1",
+            "1g.20000mb",
+            500,
+            [[on_slice.pid, 500, True]],
+        ],
+    ]
