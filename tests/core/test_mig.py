@@ -9,10 +9,14 @@ import pytest
 from gpugate.config.file import parse_config
 from gpugate.config.gpulist import gpu_ref, legacy_mig, parse_gpu_text
 from gpugate.core.owned_gpus import owned_gpus
+from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue, Problem
 from gpugate.host.nvml import mig_key
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
-from tests.fakes import FakeGpuMemory, FakeHost, alive, mig_uuid
+from gpugate.integrations.unit.leases import read_leases
+from gpugate.phase import Phase
+from gpugate.report.journal import Reporter
+from tests.fakes import FakeGpuMemory, FakeHost, alive, mig_uuid, run_unit_phase
 
 GPU0 = "GPU-fa4e5a11-0000-0000-0000-000000000000"
 SLICES = [(1, 0, 20000), (2, 0, 20000), (5, 0, 40000)]
@@ -77,22 +81,31 @@ def mig_host() -> FakeGpuMemory:
         (mig_uuid(0, 2, 0)[:-2], mig_key(0, 1)),  # a unique prefix
         ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/2/0", mig_key(0, 1)),
         (f"MIG-{GPU0}/5/0", mig_key(0, 2)),
-        (0, 0),
-        (GPU0, 0),  # a GPU UUID names the whole GPU, never a slice
     ],
 )
 def test_owned_names_the_slice(ref: int | str, key: int) -> None:
     gpus = mig_host().gpus()
     [owned] = owned_gpus((ref,), gpus, "test.toml")
     assert owned.index == key
-    if key != 0:
-        assert owned.mig is not None and owned.mig.parent == 0
-        assert owned.minor == 0  # its GPU's device file
+    assert owned.mig is not None and owned.mig.parent == 0
+    assert owned.minor == 0  # its GPU's device file
 
 
-def test_all_is_every_whole_gpu() -> None:
+WHOLE_0 = [0, mig_key(0, 0), mig_key(0, 1), mig_key(0, 2)]
+
+
+@pytest.mark.parametrize("ref", [0, GPU0])
+def test_a_whole_gpu_owns_its_slices(ref: int | str) -> None:
     gpus = mig_host().gpus()
-    assert [gpu.index for gpu in owned_gpus("all", gpus, "x")] == [0, 1, 2, 3]
+    assert [gpu.index for gpu in owned_gpus((ref,), gpus, "x")] == WHOLE_0
+    # named twice over (the GPU and a slice of it): each once
+    both = owned_gpus((mig_uuid(0, 2, 0), ref), gpus, "x")
+    assert sorted(gpu.index for gpu in both) == sorted(WHOLE_0)
+
+
+def test_all_is_every_gpu_and_slice() -> None:
+    gpus = mig_host().gpus()
+    assert [gpu.index for gpu in owned_gpus("all", gpus, "x")] == [*WHOLE_0, 1, 2, 3]
 
 
 def test_an_index_never_names_a_slice() -> None:
@@ -240,3 +253,70 @@ def test_a_units_visible_devices_may_name_slices(variable: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_visible_devices(variable, "MIG-GPU-x/1/0", "unit a.service")
     assert caught.value.exit_code is ExitCode.CONFIG
+
+
+# ---- leases and locks per slice ----
+
+A, B, WHOLE = "a.service", "b.service", "whole.service"
+
+
+def unit_run(host: FakeHost, phase: str, unit: str, gpus: list[object], **kwargs: object):  # type: ignore[no-untyped-def]
+    reporter = Reporter(unit, phase, journal=host.journal, notifier=host.notifier, echo=False)
+    return run_unit_phase(
+        RunScope(Phase(phase), unit, f"/system.slice/{unit}"),
+        host.config(gpus=gpus),
+        reporter,
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+        environ={},
+        unit_state=lambda _: "active",
+        **kwargs,
+    )
+
+
+def leased(host: FakeHost) -> dict[str, tuple[str, ...]]:
+    return {lease.unit: lease.uuids for lease in read_leases(host.root / "locks").leases}
+
+
+def test_units_on_two_slices_start_and_stop_apart(host: FakeHost) -> None:
+    host.memory.mig = {0: list(SLICES)}
+    assert unit_run(host, "pre", A, [mig_uuid(0, 1, 0)]).exit_code is ExitCode.OK
+    assert unit_run(host, "pre", B, [mig_uuid(0, 2, 0)]).exit_code is ExitCode.OK
+    assert leased(host) == {A: (mig_uuid(0, 1, 0),), B: (mig_uuid(0, 2, 0),)}
+    assert unit_run(host, "post", A, [mig_uuid(0, 1, 0)]).exit_code is ExitCode.OK
+    assert leased(host) == {B: (mig_uuid(0, 2, 0),)}
+    # the same slice, in the legacy form: refused while b holds it
+    again = unit_run(host, "pre", A, [f"MIG-{GPU0}/2/0"])
+    assert again.exit_code is ExitCode.HELD_BY_OTHERS
+
+
+@pytest.mark.parametrize("slice_ref", [mig_uuid(0, 2, 0), f"MIG-{GPU0}/2/0"])
+def test_a_whole_gpu_unit_is_refused_while_a_slice_is_leased(
+    host: FakeHost, slice_ref: str
+) -> None:
+    host.memory.mig = {0: list(SLICES)}
+    assert unit_run(host, "pre", B, [slice_ref]).exit_code is ExitCode.OK
+    (on_two,) = host.pool.holder(host.gpu_files(0))  # b's server, started after its pre
+    host.put_in_unit(on_two, cgroup=f"/system.slice/{B}")
+    host.memory.claim(on_two, {mig_key(0, 1)}, 7000)
+    refused = unit_run(host, "pre", WHOLE, [0])
+    assert refused.exit_code is ExitCode.HELD_BY_OTHERS
+    assert alive(on_two)  # a refused pre kills nothing
+    (event,) = host.journal.events("refused")
+    assert event["GPUGATE_REASON"] == "leased"
+    assert WHOLE not in leased(host)
+    # an unrelated GPU stays free to take
+    assert unit_run(host, "pre", WHOLE, [1]).exit_code is ExitCode.OK
+
+
+def test_a_slice_unit_is_refused_while_its_whole_gpu_is_leased(host: FakeHost) -> None:
+    host.memory.mig = {0: list(SLICES), 1: [(1, 0, 1000)]}
+    assert unit_run(host, "pre", WHOLE, [0]).exit_code is ExitCode.OK
+    whole_lease = leased(host)[WHOLE]
+    assert whole_lease == (GPU0, mig_uuid(0, 1, 0), mig_uuid(0, 2, 0), mig_uuid(0, 5, 0))
+    for ref in (mig_uuid(0, 1, 0), f"MIG-{GPU0}/5/0"):
+        assert unit_run(host, "pre", A, [ref]).exit_code is ExitCode.HELD_BY_OTHERS
+    # a slice of another GPU is free
+    assert unit_run(host, "pre", A, [mig_uuid(1, 1, 0)]).exit_code is ExitCode.OK
+    assert unit_run(host, "post", WHOLE, [0]).exit_code is ExitCode.OK
+    assert unit_run(host, "pre", B, [mig_uuid(0, 1, 0)]).exit_code is ExitCode.OK

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
-from gpugate.core.owned_gpus import covered, fail_on_owned_faults, owned_gpus
+from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied, Problem
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
@@ -120,8 +120,7 @@ class Discovery:
 
     @property
     def owned_indices(self) -> set[int]:
-        """The keys of the unit's GPUs and of every slice of a whole GPU it owns."""
-        return {gpu.index for gpu in covered(self.owned, self.gpus)}
+        return {gpu.index for gpu in self.owned}
 
     @property
     def nvml_lists_processes(self) -> bool:

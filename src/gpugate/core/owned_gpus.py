@@ -2,8 +2,10 @@
 MIG slices) matched against NVML's list, and an NVML fault on an owned GPU failing the run.
 
 An index and a GPU UUID name a whole GPU; a MIG UUID (or prefix), or the older
-`MIG-GPU-<uuid>/<gi>/<ci>`, names one slice of a GPU in MIG mode. "all" is every whole GPU
-(which covers their slices)."""
+`MIG-GPU-<uuid>/<gi>/<ci>`, names one slice of a GPU in MIG mode. "all" is every whole GPU.
+Owning a whole GPU owns each of its slices too: they are among the owned, so that its run
+takes their holders, their locks and their leases (a unit on a slice of it is refused, and
+the reverse), and waits on them."""
 
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ from gpugate.host.nvml import Gpu, GpuFault
 
 
 def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    """The GPUs a selection names; None names none (NVML failed, the cgroup alone is cleaned)."""
+    """The GPUs a selection names, and the slices of each whole GPU among them; None names
+    none (NVML failed, the cgroup alone is cleaned)."""
     if wanted is None:
         return []
     whole = [gpu for gpu in gpus if gpu.mig is None]
     if wanted == "all":
-        return whole
+        return covered(whole, gpus)
     by_index = {gpu.index: gpu for gpu in whole}  # a GPU NVML cannot read is not among them
     owned: list[Gpu] = []
     for ref in wanted:
@@ -39,14 +42,17 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
             gpu = _by_uuid(ref, gpus, source)
         if gpu not in owned:
             owned.append(gpu)
-    return owned
+    return covered(owned, gpus)
 
 
 def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
-    """What owning these takes: each, and every slice of each whole GPU among them."""
-    return [gpu for gpu in gpus if any(mine.covers(gpu) for mine in owned)] + [
-        gpu for gpu in owned if gpu not in gpus
-    ]
+    """What owning these takes, in the order named: each, then its slices (a whole GPU)."""
+    taken: list[Gpu] = []
+    for mine in owned:
+        for gpu in [mine, *(gpu for gpu in gpus if gpu != mine and mine.covers(gpu))]:
+            if gpu not in taken:
+                taken.append(gpu)
+    return taken
 
 
 def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
