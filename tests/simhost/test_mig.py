@@ -77,7 +77,9 @@ def test_a_slices_start_frees_that_slice_alone(host: Host) -> None:
         int(e["GPUGATE_PID"])
         for e in host.events_after(cursor, _SYSTEMD_UNIT="a.service", GPUGATE_EVENT="signal_sent")
     }
-    assert killed and killed <= {stale["api_server"], stale["engine_core"], *stale["workers"]}
+    # the stale application (its workers, and the rest of its tree), nothing of b's
+    assert set(stale["workers"]) <= killed
+    assert not killed & {b["api_server"], b["engine_core"], *b["workers"]}
     (started,) = host.events_after(
         cursor, _SYSTEMD_UNIT="a.service", GPUGATE_EVENT="run_started", GPUGATE_PHASE="pre"
     )
