@@ -8,9 +8,10 @@ import pytest
 
 from gpugate.config.file import parse_config
 from gpugate.config.gpulist import gpu_ref, legacy_mig, parse_gpu_text
-from gpugate.core.owned_gpus import owned_gpus
+from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue, Problem
+from gpugate.front.launch import resolve_gpus
 from gpugate.host.nvml import mig_key
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import read_leases
@@ -320,3 +321,27 @@ def test_a_slice_unit_is_refused_while_its_whole_gpu_is_leased(host: FakeHost) -
     assert unit_run(host, "pre", A, [mig_uuid(1, 1, 0)]).exit_code is ExitCode.OK
     assert unit_run(host, "post", WHOLE, [0]).exit_code is ExitCode.OK
     assert unit_run(host, "pre", B, [mig_uuid(0, 1, 0)]).exit_code is ExitCode.OK
+
+
+# ---- gpugate run ----
+
+
+def test_as_refs_names_slices_by_uuid_and_covered_slices_not_at_all() -> None:
+    gpus = mig_host().gpus()
+    owned = owned_gpus((1, mig_uuid(0, 2, 0)), gpus, "x")
+    assert as_refs(owned) == (1, mig_uuid(0, 2, 0))
+    assert as_refs(owned_gpus((0, mig_uuid(0, 2, 0)), gpus, "x")) == (0,)
+    # what it names resolves to the same GPUs again
+    assert owned_gpus(as_refs(owned), gpus, "x") == owned
+
+
+def test_gpugate_run_gives_its_unit_the_slices(host: FakeHost) -> None:
+    host.memory.mig = {0: list(SLICES)}
+    wanted = parse_gpu_text(f"{mig_uuid(0, 1, 0)},MIG-{GPU0}/2/0")
+    gpus = resolve_gpus(wanted, {}, lambda: host.memory)
+    assert [gpu.index for gpu in gpus] == [mig_key(0, 0), mig_key(0, 1)]
+    assert ",".join(map(str, as_refs(gpus))) == f"{mig_uuid(0, 1, 0)},{mig_uuid(0, 2, 0)}"
+    from_env = resolve_gpus(None, {"CUDA_VISIBLE_DEVICES": mig_uuid(0, 5, 0)}, lambda: host.memory)
+    assert [gpu.index for gpu in from_env] == [mig_key(0, 2)]
+    whole = resolve_gpus((0,), {}, lambda: host.memory)
+    assert as_refs(whole) == (0,)  # CUDA_VISIBLE_DEVICES=0, not its slices' keys

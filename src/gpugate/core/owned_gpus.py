@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpugate.config.gpulist import MIG_PREFIX, legacy_mig
+from gpugate.config.gpulist import MIG_PREFIX, GpuRef, legacy_mig
 from gpugate.config.models import GpuSelection
 from gpugate.errors import ConfigError, NvmlUnavailable, Problem
 from gpugate.host.nvml import Gpu, GpuFault
@@ -53,6 +53,17 @@ def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
             if gpu not in taken:
                 taken.append(gpu)
     return taken
+
+
+def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
+    """The GPUs as a config or CUDA_VISIBLE_DEVICES names them: a whole GPU by its index, a
+    slice by its UUID, a slice of a whole GPU among them not at all (the GPU names it)."""
+    whole = {gpu.index for gpu in gpus if gpu.mig is None}
+    return tuple(
+        gpu.index if gpu.mig is None else gpu.uuid
+        for gpu in gpus
+        if gpu.mig is None or gpu.mig.parent not in whole
+    )
 
 
 def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
