@@ -90,8 +90,7 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
         raise ConfigError(source, "gpus", Problem.GPU_NOT_MIG_MODE, value=ref, gpu=parent.index)
     slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
     for gpu in slices:
-        assert gpu.mig is not None
-        if (gpu.mig.gpu_instance, gpu.mig.compute_instance) == (gi, ci):
+        if gpu.shown == f"{parent.index}/{gi}/{ci}":
             return gpu
     raise ConfigError(
         source,

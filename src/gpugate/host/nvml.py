@@ -393,7 +393,7 @@ class NvmlDriver:
         nv = self._nv
         handle = self._handles[gpu.index]
         index = gpu.index if gpu.mig is None else gpu.mig.parent
-        used = self._used_bytes(index, handle)
+        used = self._used_bytes(index, handle, whole=gpu.mig is None)
         by_pid: dict[int, int | None] = {}
         on_slice: set[int] = set()
         listed = True
@@ -420,7 +420,9 @@ class NvmlDriver:
         )
         return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
-    def _used_bytes(self, index: int, handle: Any) -> int:
+    def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
+        """whole: a GPU's handle. A MIG slice's handle that refuses v2 falls back to v1 for
+        that call alone: v2 stays on for the GPUs."""
         nv = self._nv
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
@@ -434,7 +436,7 @@ class NvmlDriver:
                 nv.NVMLError_ArgumentVersionMismatch,
                 nv.NVMLError_NotSupported,
             ):
-                self._memory_v2 = False
+                self._memory_v2 = not whole
             except nv.NVMLError:
                 pass  # the v1 call below reports it, in the words every other call uses
         return int(self._call(index, nv.nvmlDeviceGetMemoryInfo, handle).used)
