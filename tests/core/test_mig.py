@@ -13,6 +13,8 @@ from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue, Problem
 from gpugate.front.launch import resolve_gpus
 from gpugate.host.nvml import mig_key
+from gpugate.host.oci import GpuRequest
+from gpugate.integrations.container import gpu_selection
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
@@ -345,3 +347,21 @@ def test_gpugate_run_gives_its_unit_the_slices(host: FakeHost) -> None:
     assert [gpu.index for gpu in from_env] == [mig_key(0, 2)]
     whole = resolve_gpus((0,), {}, lambda: host.memory)
     assert as_refs(whole) == (0,)  # CUDA_VISIBLE_DEVICES=0, not its slices' keys
+
+
+# ---- a container given a slice ----
+
+
+def test_a_containers_slice_is_the_slice_not_its_gpu() -> None:
+    gpus = list(mig_host().gpus())
+    # the container toolkit gives a slice's container its GPU's /dev/nvidia0
+    request = GpuRequest(minors=(0, 1), refs=(mig_uuid(0, 2, 0),))
+    assert gpu_selection(request, gpus, "oci") == (gpus[-3].uuid, mig_uuid(0, 2, 0))
+    assert gpus[-3].index == 1  # /dev/nvidia1: a whole GPU asked by its device
+    legacy = GpuRequest(minors=(0,), refs=(f"MIG-{GPU0}/5/0",))
+    assert gpu_selection(legacy, gpus, "oci") == (f"MIG-{GPU0}/5/0",)
+    whole = GpuRequest(minors=(0,), refs=())
+    assert gpu_selection(whole, gpus, "oci") == (GPU0,)
+    with pytest.raises(ConfigError) as caught:
+        gpu_selection(GpuRequest(minors=(0,), refs=(mig_uuid(0, 3, 0),)), gpus, "oci")
+    assert caught.value.exit_code is ExitCode.CONFIG

@@ -158,9 +158,12 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     not always the index), its NVIDIA_VISIBLE_DEVICES as written."""
     if request.all_gpus:
         return "all"
-    by_minor = {gpu.minor: gpu for gpu in gpus}
+    by_minor = {gpu.minor: gpu for gpu in gpus if gpu.mig is None}
+    sliced = _sliced_minors(request.refs, gpus, source)
     chosen: list[int | str] = []
     for minor in request.minors:
+        if minor in sliced:
+            continue  # a slice's container gets its GPU's /dev/nvidiaN: the slice is what it asks
         gpu = by_minor.get(minor)
         if gpu is None:
             raise ConfigError(source, "linux.devices", Problem.OCI_DEVICE_NOT_GPU, minor=minor)
@@ -177,6 +180,23 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
         return gpu_refs(list(unique.values()))
     except GpuListError as exc:
         raise OciInputError(Problem.OCI_VISIBLE_DEVICES, source=source, cause=exc) from None
+
+
+def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
+    """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
+    from gpugate.config.gpulist import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
+    from gpugate.core.owned_gpus import owned_gpus  # noqa: PLC0415
+
+    minors: set[int] = set()
+    for ref in refs:
+        if not ref.upper().startswith(MIG_PREFIX):
+            continue
+        try:
+            gpu_ref(ref)
+        except GpuListError:
+            continue  # refused with the rest of the list
+        minors.update(gpu.minor for gpu in owned_gpus((ref,), gpus, source))
+    return minors
 
 
 def request_text(request: GpuRequest) -> str:
