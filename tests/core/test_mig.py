@@ -365,3 +365,22 @@ def test_a_containers_slice_is_the_slice_not_its_gpu() -> None:
     with pytest.raises(ConfigError) as caught:
         gpu_selection(GpuRequest(minors=(0,), refs=(mig_uuid(0, 3, 0),)), gpus, "oci")
     assert caught.value.exit_code is ExitCode.CONFIG
+
+
+@pytest.mark.parametrize(
+    "ref",
+    [
+        mig_uuid(0, 3, 0),  # no such slice
+        f"MIG-{GPU0[:-1]}1/1/0",  # GPU 1 is not in MIG mode
+        f"MIG-{GPU0}/4/0",  # no slice with GPU instance 4
+        "MIG-GPU-feedface-0000/1/0",  # no such GPU
+    ],
+)
+def test_an_unresolved_slice_kills_nothing(host: FakeHost, ref: str) -> None:
+    pids = mig_processes(host)
+    with pytest.raises(ConfigError) as caught:
+        run(host, "pre", gpus=[ref])
+    assert caught.value.exit_code is ExitCode.CONFIG
+    assert "\n" not in str(caught.value)
+    assert all(alive(pid) for pid in pids.values())
+    assert host.journal.events("signal_sent") == []
