@@ -4,6 +4,8 @@ files alone) and the wait on the slice's own memory."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gpugate.config.file import parse_config
@@ -12,6 +14,7 @@ from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue, Problem
 from gpugate.front.launch import resolve_gpus
+from gpugate.host import mig_caps
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import GpuRequest
 from gpugate.integrations.container import gpu_selection
@@ -384,3 +387,75 @@ def test_an_unresolved_slice_kills_nothing(host: FakeHost, ref: str) -> None:
     assert "\n" not in str(caught.value)
     assert all(alive(pid) for pid in pids.values())
     assert host.journal.events("signal_sent") == []
+
+
+# ---- MIG capability devices ----
+
+
+def capabilities(root: Path, minors: dict[str, int]) -> Path:
+    """A stand-in /proc/driver/nvidia/capabilities: path below it -> DeviceFileMinor."""
+    for relative, minor in minors.items():
+        access = root / relative / "access"
+        access.parent.mkdir(parents=True, exist_ok=True)
+        access.write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
+    return root
+
+
+def test_capability_minors_name_slices(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gpus = FakeGpuMemory(count=2, mig={0: [(1, 0, 1), (2, 0, 1), (2, 1, 1)]}).gpus()
+    caps = capabilities(
+        tmp_path / "caps",
+        {
+            "gpu0/mig/gi1": 11,
+            "gpu0/mig/gi1/ci0": 12,
+            "gpu0/mig/gi2": 20,  # two slices in GPU instance 2: names neither
+            "gpu0/mig/gi2/ci0": 21,
+            "gpu0/mig/gi2/ci1": 22,
+            "gpu1/mig/gi1/ci0": 99,  # GPU 1 is not in MIG mode
+        },
+    )
+    monkeypatch.setattr(mig_caps, "CAPABILITIES", caps)
+    assert mig_caps.slice_of_cap_minor(Path("/proc"), gpus) == {
+        11: mig_key(0, 0),
+        12: mig_key(0, 0),
+        21: mig_key(0, 1),
+        22: mig_key(0, 2),
+    }
+    assert mig_caps.cap_minor("/dev/nvidia-caps/nvidia-cap12") == 12
+    assert mig_caps.cap_minor("/dev/nvidia-caps/nvidia-cap12x") is None
+    assert mig_caps.cap_minor("/dev/nvidia1") is None
+    (caps / "gpu0/mig/gi1/ci0/access").write_text("DeviceFileMode: 292\n")  # no minor line
+    assert 12 not in mig_caps.slice_of_cap_minor(Path("/proc"), gpus)
+
+
+def test_a_capability_device_ties_an_unlisted_process_to_its_slice(
+    host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Mid-exit: NVML no longer lists the stale process, its slice's memory is not freed yet;
+    its capability device says which slice it was on. The neighbour's is spared."""
+    host.memory.mig = {0: list(SLICES)}
+    caps = capabilities(tmp_path / "caps", {"gpu0/mig/gi1/ci0": 31, "gpu0/mig/gi2/ci0": 32})
+    monkeypatch.setattr(mig_caps, "CAPABILITIES", caps)
+    (host.dev / "nvidia-caps").mkdir()
+    for minor in (31, 32):
+        (host.dev / "nvidia-caps" / f"nvidia-cap{minor}").write_bytes(b"")
+    (leaving,) = host.pool.holder([*host.gpu_files(0), host.dev / "nvidia-caps/nvidia-cap31"])
+    (neighbour,) = host.pool.holder([*host.gpu_files(0), host.dev / "nvidia-caps/nvidia-cap32"])
+    host.memory.leaked_mib[mig_key(0, 0)] = 3000  # until its holder exits (below)
+    host.memory.leaked_mib[mig_key(0, 1)] = 3000
+
+    def freed_when_gone(pid: int, key: int) -> None:
+        if not alive(pid):
+            host.memory.leaked_mib.pop(key, None)
+
+    usage = host.memory.usage
+
+    def usage_then(gpu):  # type: ignore[no-untyped-def]
+        freed_when_gone(leaving, mig_key(0, 0))
+        return usage(gpu)
+
+    monkeypatch.setattr(host.memory, "usage", usage_then)
+    summary = run(host, "pre", gpus=[mig_uuid(0, 1, 0)], free_mib=100)
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(leaving)
+    assert alive(neighbour)

@@ -32,6 +32,11 @@ def mig_key(parent: int, mig_index: int) -> int:
     return MIG_KEY_BASE + MIG_PER_GPU * parent + mig_index
 
 
+def mig_parent(key: int) -> int | None:
+    """The GPU index of a slice's key; None for a GPU's index."""
+    return (key - MIG_KEY_BASE) // MIG_PER_GPU if key >= MIG_KEY_BASE else None
+
+
 @dataclass(frozen=True)
 class MigSlice:
     """What makes a Gpu a MIG slice: its GPU (index, UUID), and its instance ids."""
