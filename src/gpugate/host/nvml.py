@@ -325,14 +325,13 @@ class NvmlDriver:
         return found
 
     def _mig_mode(self, index: int, handle: Any) -> bool:
-        """Whether the GPU is in MIG mode now (a GPU or a driver without MIG is not)."""
+        """Whether the GPU is in MIG mode now. A GPU or a driver without MIG is not; nor is
+        one whose mode NVML cannot say (the GPU is then read whole, as before MIG)."""
         nv = self._nv
         try:
             current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
-        except (nv.NVMLError_NotSupported, nv.NVMLError_FunctionNotFound):
-            return False
         except nv.NVMLError:
-            current, _pending = self._call(index, nv.nvmlDeviceGetMigMode, handle)
+            return False
         return int(current) == 1
 
     def _read_slices(self, gpu: Gpu) -> list[Gpu]:
