@@ -18,6 +18,7 @@ from gpugate.host import mig_caps
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import GpuRequest
 from gpugate.integrations.container import gpu_selection
+from gpugate.integrations.slurm import job_from_env
 from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
@@ -459,3 +460,12 @@ def test_a_capability_device_ties_an_unlisted_process_to_its_slice(
     assert summary.exit_code is ExitCode.OK
     assert not alive(leaving)
     assert alive(neighbour)
+
+
+def test_a_slurm_job_whose_variable_names_slices() -> None:
+    job = job_from_env(
+        {"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": f"{mig_uuid(0, 1, 0)},MIG-{GPU0}/2/0"}
+    )
+    assert job.gpus == (mig_uuid(0, 1, 0), f"MIG-{GPU0}/2/0")
+    owned = owned_gpus(job.gpus, mig_host().gpus(), job.gpus_from)
+    assert [gpu.index for gpu in owned] == [mig_key(0, 0), mig_key(0, 1)]
