@@ -42,7 +42,7 @@ def failure_detail(summary: RunSummary | None) -> str:
     gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
     if summary.busy:
         return "; ".join(
-            f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used"
+            f"GPU {item.gpu.shown} ({item.gpu.uuid}) still {item.used_mib} MiB used"
             for item in summary.busy
         )
     if exit_code is ExitCode.UNKILLABLE:
