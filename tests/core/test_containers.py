@@ -14,7 +14,7 @@ from gpugate.config.file import parse_config
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role
-from gpugate.errors import ConfigError, ExitCode, Problem
+from gpugate.errors import ConfigError, ExitCode, ProgramNotAnswering
 from gpugate.host import programs
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
@@ -156,8 +156,7 @@ def test_a_hanging_cli_is_cut_off_and_the_id_shown(cli: Path) -> None:
     (found,) = names.named([Container("docker", ID, "/a")])
     assert found.name is None and found.label == f"docker container {ID[:12]}"
     (warning,) = names.warnings
-    assert warning.problem is Problem.PROGRAM_NOT_ANSWERING
-    assert warning.facts["program"] == "docker" and warning.facts["timeout_s"] == 0.5
+    assert isinstance(warning, ProgramNotAnswering)
     assert warning.message == "docker inspect did not answer within 0.5 s (killed)"
 
 

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gpugate.config.file import parse_config
-from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable, Problem
+from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu, GpuUsage
@@ -113,7 +113,9 @@ class FailsMidRun(FakeGpuMemory):
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         if self.queries >= 8:
-            raise NvmlUnavailable(Problem.NVML_GPU_LOST, gpu=2)
+            raise NvmlUnavailable(
+                "NVML: GPU 2 is lost (fell off the bus); it needs a reset or reboot"
+            )
         return super().usage(gpu)
 
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gpugate.errors import ConfigError, ExitCode, GateError, Problem
+from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (
     invoking_user,
@@ -34,7 +34,7 @@ from gpugate.front.launch_unit import (
 )
 from gpugate.host.systemd import validate_unit_name
 from gpugate.integrations.unit.leases import new_lease, write_lease
-from tests.fakes import FakeHost, raises_problem
+from tests.fakes import FakeHost, raises_error
 
 SYSTEMD_RUN = Path("/usr/bin/systemd-run")
 ALICE = Caller(1000, 1000, "alice", "/home/alice", "/bin/bash")
@@ -287,7 +287,7 @@ def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> 
         indices([9], {})
     assert "GPU index 9 does not exist" in unknown.value.message
     assert unknown.value.exit_code is ExitCode.CONFIG
-    with raises_problem(LaunchError, Problem.LAUNCH_NO_GPU):
+    with raises_error(LaunchError):
         indices(None, {"CUDA_VISIBLE_DEVICES": ""})
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpugate.errors import ExitCode, NvmlUnavailable, Problem
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.integrations.metrics import GpuSeries, RunRecord, record_run, render
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
@@ -232,7 +232,7 @@ def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) 
     config = write_config(host, metrics)
 
     def broken() -> object:
-        raise NvmlUnavailable(Problem.NVML_DRIVER_NOT_LOADED)
+        raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
     assert (
         gpugate(host, "pre", UNIT, "--config", str(config), driver=broken)

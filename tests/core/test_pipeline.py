@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.core.kill import Pinned
-from gpugate.errors import ExitCode, NvmlUnavailable, Problem
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.host.procfs import ProcessId, ProcFs
 from tests.fakes import FakeGpuMemory, FakeHost, alive
@@ -196,7 +196,7 @@ def test_nvml_failure_fails_or_cleans_cgroup_only(host: FakeHost) -> None:
     host.put_in_unit(member)
 
     def broken() -> FakeGpuMemoryLike:
-        raise NvmlUnavailable(Problem.NVML_DRIVER_NOT_LOADED)
+        raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
     with pytest.raises(NvmlUnavailable):
         host.run_phase("post", host.config(), host.reporter("post"), driver_factory=broken)

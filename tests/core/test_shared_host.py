@@ -13,7 +13,7 @@ from gpugate.config.models import BUILTIN_SOURCE, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.owned_gpus import owned_gpus
 from gpugate.core.run import RunScope
-from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable, Problem
+from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
@@ -28,7 +28,7 @@ from tests.fakes import (
     RecordingJournal,
     RecordingNotifier,
     alive,
-    raises_problem,
+    raises_error,
     run_unit_phase,
 )
 
@@ -378,14 +378,14 @@ def test_a_uuid_prefix_names_the_one_gpu_it_starts(host: FakeHost) -> None:
     gpus = [Gpu(0, "GPU-aaaa1111-0", 0, "x", 1), Gpu(1, "GPU-aaaa2222-1", 1, "x", 1)]
     assert owned_gpus(("GPU-aaaa2222",), gpus, "s") == [gpus[1]]
     assert owned_gpus(("gpu-AAAA1111-0",), gpus, "s") == [gpus[0]]
-    with raises_problem(ConfigError, Problem.GPU_UUID_AMBIGUOUS, value="GPU-aaaa"):
+    with raises_error(ConfigError, field="gpus"):
         owned_gpus(("GPU-aaaa",), gpus, "s")
-    with raises_problem(ConfigError, Problem.GPU_NO_SUCH_UUID):
+    with raises_error(ConfigError, field="gpus"):
         owned_gpus(("GPU-bbbbbbbb",), gpus, "s")
     # through the unit's environment: an ambiguous prefix is a config error, nothing killed
     (orphan,) = host.pool.holder(host.gpu_files(1))
     host.memory.claim(orphan, {1}, 100)
-    with raises_problem(ConfigError, Problem.GPU_UUID_AMBIGUOUS):
+    with raises_error(ConfigError, field="gpus"):
         run(host, "pre", unit_env=env("Environment=CUDA_VISIBLE_DEVICES=GPU-fa4e5a11-0000\n"))
     assert alive(orphan)
 

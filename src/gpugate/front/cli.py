@@ -19,7 +19,6 @@ from gpugate import __version__
 from gpugate.errors import ExitCode, GateError, InvalidValue, exit_code_summary
 
 # Loaded with the package (gpugate/__init__.py: every error's message is its words).
-from gpugate.report.error_text import error_text, problem_text
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy knows the name)
 if TYPE_CHECKING:
@@ -287,7 +286,7 @@ def main(
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
 
-        print(lines.error(_line(error_text(exc))), file=sys.stderr)
+        print(lines.error(_line(exc.message)), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -320,11 +319,11 @@ def _gpus(value: str) -> object:
     try:
         return parse_gpus(value)
     except InvalidValue as exc:
-        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _line(text: str) -> str:
-    from gpugate.report.untrusted import line  # noqa: PLC0415 (an error's words only)
+    from gpugate.untrusted import line  # noqa: PLC0415 (an error's words only)
 
     return line(text)
 
@@ -359,4 +358,4 @@ def _container(value: str) -> str:
     try:
         return parse_container(value)
     except InvalidValue as exc:
-        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None

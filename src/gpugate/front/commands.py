@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpugate.errors import ExitCode, NvmlNotAnswering, Problem, UnknownUnit
+from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver
@@ -24,7 +24,6 @@ from gpugate.host.systemd import (
     validate_unit_name,
 )
 from gpugate.report import lines
-from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 
 if TYPE_CHECKING:
@@ -80,7 +79,10 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
     unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
-        raise UnknownUnit(Problem.UNIT_NOT_GIVEN)
+        raise UnknownUnit(
+            "no UNIT given and gpugate is not running inside a service's cgroup; pass the "
+            "unit (%n in a unit file)"
+        )
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     phase = Phase(args.command)
@@ -213,7 +215,7 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
                 if hung is not None:
-                    print(lines.error(error_text(hung)), file=sys.stderr, flush=True)
+                    print(lines.error(hung.message), file=sys.stderr, flush=True)
                     return int(hung.exit_code)
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:

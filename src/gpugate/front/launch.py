@@ -24,7 +24,7 @@ from typing import IO, TYPE_CHECKING
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
+from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied
 from gpugate.front.launch_unit import (
     HOOK_TIMEOUT_S,
     Caller,
@@ -45,7 +45,7 @@ from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, 
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
-from gpugate.report import lines
+from gpugate.report import lines, reasons
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -63,10 +63,12 @@ def checked_command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
+        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        raise LaunchError(Problem.LAUNCH_CONFIG_PATH, value=str(args.config))
+        raise LaunchError(
+            f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
+        )
     return command
 
 
@@ -75,7 +77,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise LaunchError(Problem.LAUNCH_NO_SYSTEMD_RUN)
+        raise LaunchError("systemd-run not found in the system folders: gpugate run needs systemd")
     environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
@@ -137,8 +139,9 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
             raise LaunchError(
-                Problem.LAUNCH_SUDO_VARIABLES,
-                environ={k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ},
+                reasons.sudo_variables_text(
+                    {k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ}
+                )
             )
         uid, gid = found, group
     try:
@@ -164,11 +167,8 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
     if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
         return
     raise LaunchError(
-        Problem.LAUNCH_UNIT_EXISTS,
-        unit=unit,
-        load_state=state.load_state,
-        active_state=state.active_state,
-        explicit=explicit,
+        f"systemd already has {unit} ({state.load_state}, {state.active_state})"
+        + ("; choose another --name" if explicit else "; run it again")
     )
 
 
@@ -188,13 +188,13 @@ def resolve_gpus(
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
-        raise NvmlUnavailable(Problem.LAUNCH_NVML, cause=exc) from None
+        raise NvmlUnavailable(f"gpugate run: {exc}") from None
     try:
         gpus = owned_gpus(choice.gpus, driver.gpus(), source)
     finally:
         driver.close()
     if not gpus:
-        raise LaunchError(Problem.LAUNCH_NO_GPU, source=source)
+        raise LaunchError(f"{source}: names no GPU; gpugate run is for GPU programs")
     return gpus
 
 
@@ -212,7 +212,7 @@ def refuse_leased(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
     if check.conflicts and not force:
-        raise HeldByOthers(Problem.LAUNCH_LEASED, unit=unit, refusal=check.refusal())
+        raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
     for lease, overlap in check.conflicts:
         print(
             lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
@@ -253,7 +253,11 @@ def refuse_other_accounts(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(Problem.LAUNCH_OTHER_ACCOUNT, unit=unit, choices=others)
+        raise HeldByOthers(
+            reasons.other_account_refusal(unit, others)
+            if others
+            else f"not starting {unit}: another account's process holds its GPUs"
+        )
 
 
 class HeldByOthers(GateError):
@@ -276,7 +280,10 @@ def hook_config(
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         write_atomically(path, text)
     except PermissionError:
-        raise PermissionDenied(Problem.LAUNCH_CONFIG_UNWRITABLE, path=path) from None
+        raise PermissionDenied(
+            f"{path}: permission denied writing the run's config (--port): run gpugate run "
+            "as root (sudo)"
+        ) from None
     return path, (path,)
 
 
@@ -287,11 +294,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise LaunchError(Problem.LAUNCH_NOT_EXECUTABLE, program=program)
+            raise LaunchError(f"{program}: not an executable file")
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise LaunchError(Problem.LAUNCH_NOT_FOUND, program=program)
+        raise LaunchError(f"{program}: command not found on PATH")
     return os.path.abspath(found)
 
 
@@ -312,7 +319,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise LaunchError(Problem.LAUNCH_CANNOT_RUN, program=argv[0], cause=exc.strerror) from None
+        raise LaunchError(f"{argv[0]}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.config.models import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
-from gpugate.errors import ExitCode, GateError, Problem
+from gpugate.errors import ExitCode, GateError
 from gpugate.front.install_files import SHM_OPTIONS
 from gpugate.host.systemd import ENV_NAME, unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
@@ -140,14 +140,21 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     if name:
         unit = unit_argument(name)
         if not unit.endswith(".service"):
-            raise LaunchError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
+            raise LaunchError(
+                f"--name {str(name)[:80]!r}: gpugate run makes a service; name it NAME.service"
+            )
         if "@" in unit:
-            raise LaunchError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
+            raise LaunchError(
+                f"--name {str(name)[:80]!r}: a transient unit cannot be a template instance"
+            )
         if not PLAIN_SERVICE.fullmatch(unit):
-            raise LaunchError(Problem.LAUNCH_NAME_NOT_PLAIN, value=name)
+            raise LaunchError(
+                f"--name {str(name)[:80]!r}: not a plain unit name (letters, digits and :_.- "
+                "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
+            )
         return unit
     if not command:
-        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
+        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 

@@ -16,7 +16,6 @@ from gpugate.host.oci import (
     read_config,
     read_stdin_bounded,
 )
-from gpugate.report.error_text import error_text
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
@@ -57,7 +56,7 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
     except OciInputError as exc:
         from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
 
-        print(hook_failed(stage, error_text(exc)), file=sys.stderr)
+        print(hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
     if not spec.gpus:
         return int(ExitCode.OK)  # no GPU asked for: not gpugate's container

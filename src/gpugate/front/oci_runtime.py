@@ -12,10 +12,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.errors import ExitCode, Problem
+from gpugate.errors import ExitCode
 from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
 from gpugate.report import oci_text
-from gpugate.report.error_text import error_text
 
 RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -71,12 +70,12 @@ def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
         return False
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):
-        raise OciInputError(Problem.OCI_NOT_OBJECT, source="config.json: hooks")
+        raise OciInputError("config.json: hooks: not a JSON object")
     changed = False
     for stage in HOOK_STAGES:
         entries = hooks.setdefault(stage, [])
         if not isinstance(entries, list):
-            raise OciInputError(Problem.OCI_NOT_LIST, source=f"config.json: hooks.{stage}")
+            raise OciInputError(f"config.json: hooks.{stage}: not a list")
         entry = hook_entry(gpugate, stage)
         if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
             entries.append(entry)
@@ -90,9 +89,9 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
     try:
         spec = json.loads(raw)
     except (ValueError, RecursionError):
-        raise OciInputError(Problem.OCI_NOT_JSON, source=f"{bundle}/config.json") from None
+        raise OciInputError(f"{bundle}/config.json: not JSON") from None
     if not isinstance(spec, dict):
-        raise OciInputError(Problem.OCI_NOT_OBJECT, source=f"{bundle}/config.json")
+        raise OciInputError(f"{bundle}/config.json: not a JSON object")
     if not with_hooks(spec, gpugate):
         return False
     path = Path(bundle, "config.json")
@@ -122,7 +121,7 @@ def main(argv: Sequence[str]) -> int:
         try:
             add_hooks(bundle_of(args), own_gpugate())
         except (OciInputError, OSError) as exc:
-            said = error_text(exc) if isinstance(exc, OciInputError) else str(exc)
+            said = exc.message if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
             print(oci_text.runtime_failed(said), file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))

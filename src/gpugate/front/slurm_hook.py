@@ -29,7 +29,6 @@ from gpugate.integrations.slurm import (
 )
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.lines import failure_detail
 
@@ -57,7 +56,7 @@ def run_slurm_hook(
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
         loaded = with_job_gpus(load_slurm_config(config_path, deps.config_dir), job)
     except GateError as exc:
-        detail = error_text(exc)
+        detail = exc.message
         print(lines.error(detail), file=stream)
         code = exc.exit_code
     else:
@@ -83,7 +82,7 @@ def run_job(
     )
     reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
     outcome = run_hook(hook, loaded, Deps(reporter, deps.run, deps.stream))
-    detail = error_text(outcome.error) if outcome.error else failure_detail(outcome.summary)
+    detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
     return outcome.exit_code, outcome.summary, detail
 
 

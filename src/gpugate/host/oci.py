@@ -25,7 +25,7 @@ import select
 import stat
 import time
 
-from gpugate.errors import ExitCode, GateError, Problem
+from gpugate.errors import ExitCode, GateError
 
 MAX_STATE_BYTES = 1 << 20  # a state is a few hundred bytes; annotations can add some
 MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is still bounded
@@ -149,13 +149,13 @@ def read_stdin_bounded(
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise OciInputError(Problem.OCI_STATE_SLOW, timeout_s=timeout_s)
+            raise OciInputError(f"the container state on stdin did not end within {timeout_s:g} s")
         chunk = os.read(fd, 65536)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
         if size > limit:
-            raise OciInputError(Problem.OCI_STATE_TOO_BIG, limit=limit)
+            raise OciInputError(f"the container state on stdin is over {limit} bytes")
         chunks.append(chunk)
 
 
@@ -163,10 +163,10 @@ def parse_state(raw: bytes) -> ContainerState:
     data = _json_object(raw, "the container state on stdin")
     container_id = data.get("id")
     if not isinstance(container_id, str) or not CONTAINER_ID.fullmatch(container_id):
-        raise OciInputError(Problem.OCI_STATE_NO_ID)
+        raise OciInputError("the container state on stdin: id: missing or not a container id")
     bundle = data.get("bundle")
     if not isinstance(bundle, str) or not bundle.startswith("/") or "\0" in bundle:
-        raise OciInputError(Problem.OCI_STATE_NO_BUNDLE)
+        raise OciInputError("the container state on stdin: bundle: missing or not absolute")
     pid = data.get("pid", 0)
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 22:
         pid = 0
@@ -187,9 +187,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise OciInputError(
-            Problem.OCI_BUNDLE_UNOPENABLE, path=bundle, cause=exc.strerror
-        ) from None
+        raise OciInputError(f"{bundle}: the bundle cannot be opened: {exc.strerror}") from None
     try:
         _check_owner(os.fstat(dir_fd), bundle, euid)
         try:
@@ -197,16 +195,14 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
             fd = os.open("config.json", flags, dir_fd=dir_fd)
         except OSError as exc:
-            raise OciInputError(
-                Problem.OCI_CONFIG_UNOPENABLE, path=f"{bundle}/config.json", cause=exc.strerror
-            ) from None
+            raise OciInputError(f"{bundle}/config.json: cannot be opened: {exc.strerror}") from None
     finally:
         os.close(dir_fd)
     path = f"{bundle}/config.json"
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise OciInputError(Problem.OCI_NOT_REGULAR, path=path)
+            raise OciInputError(f"{path}: not a regular file")
         _check_owner(info, path, euid)
         chunks: list[bytes] = []
         size = 0
@@ -217,15 +213,15 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > limit:
-        raise OciInputError(Problem.OCI_TOO_BIG, path=path, limit=limit)
+        raise OciInputError(f"{path}: over {limit} bytes")
     return data
 
 
 def _check_owner(info: os.stat_result, path: str, euid: int) -> None:
     if info.st_uid != euid:
-        raise OciInputError(Problem.OCI_NOT_OWNERS, path=path, uid=info.st_uid)
+        raise OciInputError(f"{path}: owned by uid {info.st_uid}, not by this runtime's user")
     if info.st_mode & 0o022:
-        raise OciInputError(Problem.OCI_WRITABLE, path=path)
+        raise OciInputError(f"{path}: writable by others than its owner")
 
 
 def parse_config(raw: bytes, source: str = "config.json") -> ContainerSpec:
@@ -306,7 +302,7 @@ def visible_devices(env: object) -> str | None:
             if isinstance(item, str) and item.startswith(VISIBLE + "="):
                 found = item[len(VISIBLE) + 1 :]
     if found is not None and len(found) > 4096:  # no list of GPUs is this long
-        raise OciInputError(Problem.OCI_ENV_TOO_LONG, variable=VISIBLE, limit=4096)
+        raise OciInputError(f"config.json: process.env: {VISIBLE} is over 4096 characters")
     return found
 
 
@@ -367,9 +363,12 @@ def _json_object(raw: bytes, source: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise OciInputError(Problem.OCI_NOT_JSON, source=source, detail=_first_line(exc)) from None
+        detail = _first_line(exc)
+        raise OciInputError(
+            f"{source}: not JSON ({detail})" if detail else f"{source}: not JSON"
+        ) from None
     if not isinstance(data, dict):
-        raise OciInputError(Problem.OCI_NOT_OBJECT, source=source)
+        raise OciInputError(f"{source}: not a JSON object")
     return data
 
 

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from gpugate.config import file
 from gpugate.config.models import LoadedConfig
-from gpugate.errors import ConfigError, Problem
+from gpugate.errors import ConfigError
 from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.report import trust_text
 from gpugate.report.trust_text import unreadable
 
 
@@ -23,26 +24,34 @@ def load_config(
     loaded = file.load_config(unit, explicit, config_dir, read=read_trusted)
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
-        raise ConfigError(loaded.source, "lock_dir", Problem.CONFIG_STATE_UNTRUSTED, found=found)
+        raise ConfigError(
+            loaded.source,
+            "lock_dir",
+            trust_text.untrusted_state(found) if found else "another account may change it",
+        )
     return loaded
 
 
 def read_trusted(path: Path) -> str:
     """path's text, once it and its folders are judged only trusted accounts' to change."""
     if not os.path.lexists(path):
-        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE)
+        raise ConfigError(str(path), "", "no such file")
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(str(path), "", Problem.CONFIG_UNTRUSTED, found=found)
+        raise ConfigError(
+            str(path),
+            "",
+            trust_text.untrusted_config(found) if found else "another account may change it",
+        )
     try:
         data = read_capped(path.resolve())
     except FileNotFoundError:
-        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE) from None
+        raise ConfigError(str(path), "", "no such file") from None
     except PermissionError:
-        raise ConfigError(str(path), "", Problem.CONFIG_UNREADABLE) from None
+        raise ConfigError(str(path), "", "permission denied reading it") from None
     except OSError as exc:
-        raise ConfigError(str(path), "", Problem.CONFIG_OS_ERROR, cause=unreadable(exc)) from None
+        raise ConfigError(str(path), "", f"{unreadable(exc)}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(str(path), "", Problem.CONFIG_NOT_UTF8) from None
+        raise ConfigError(str(path), "", "is not UTF-8 text") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
-from gpugate.errors import ConfigError, Problem
+from gpugate.errors import ConfigError
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
@@ -163,7 +163,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     for minor in request.minors:
         gpu = by_minor.get(minor)
         if gpu is None:
-            raise ConfigError(source, "linux.devices", Problem.OCI_DEVICE_NOT_GPU, minor=minor)
+            raise ConfigError(source, "linux.devices", f"/dev/nvidia{minor} is no GPU NVML knows")
         chosen.append(gpu.uuid)
     for ref in request.refs:
         item: int | str = int(ref) if ref.isascii() and ref.isdigit() else ref
@@ -176,7 +176,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     try:
         return gpu_refs(list(unique.values()))
     except GpuListError as exc:
-        raise OciInputError(Problem.OCI_VISIBLE_DEVICES, source=source, cause=exc) from None
+        raise OciInputError(f"{source}: NVIDIA_VISIBLE_DEVICES: {exc}") from None
 
 
 def request_text(request: GpuRequest) -> str:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from gpugate.errors import ExitCode
-from gpugate.report.untrusted import MARK, line
+from gpugate.untrusted import MARK, line
 
 if TYPE_CHECKING:
     from gpugate.core.outcome import RunSummary

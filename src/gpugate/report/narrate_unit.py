@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
-from gpugate.report.untrusted import FILE, STATE, shown
+from gpugate.untrusted import FILE, STATE, shown
 
 if TYPE_CHECKING:
     from gpugate.host.nvml import Gpu

@@ -41,7 +41,3 @@ NOTHING_TO_SET_UP = "no podman, CRI-O or docker here: nothing to do"
 DOCKER_RELOADED = "reloaded docker (systemctl reload docker)"
 DOCKER_NOT_RUNNING = "docker is not running: it reads daemon.json when it starts"
 DOCKER_NO_SYSTEMCTL = "docker not reloaded (no systemctl): run `systemctl reload docker`"
-
-
-def docker_reload_failed(detail: str) -> str:
-    return f"daemon.json written, but {detail}; run `systemctl reload docker`"
