@@ -295,7 +295,7 @@ def main(
             raise
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
 
-        print(lines.internal_error(exc), file=sys.stderr)
+        print(lines.error(lines.internal_error_text(exc)), file=sys.stderr)
         return int(ExitCode.INTERNAL)
 
 
@@ -336,19 +336,16 @@ def _path(value: str) -> Path:
 
 def _uid(value: str) -> int:
     from gpugate.front.launch_unit import parse_uid  # noqa: PLC0415
-    from gpugate.report import lines  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:
-        raise argparse.ArgumentTypeError(lines.not_a_uid(value))
+        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
     return uid
 
 
 def _port(value: str) -> int:
-    from gpugate.report import lines  # noqa: PLC0415
-
     if not value.isdigit() or not 1 <= int(value) <= 65535:
-        raise argparse.ArgumentTypeError(lines.not_a_port(value))
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
     return int(value)
 
 

@@ -136,13 +136,15 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
-    print(lines.effective_config(loaded.source))
+    print(f"# effective configuration, from {loaded.source}")
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
         environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
-        print(lines.unit_gpus(unit, choice.gpus, choice.source))
+        gpus = choice.gpus
+        shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
+        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
@@ -154,7 +156,7 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install  # noqa: PLC0415
 
     if args.oci != (args.unit is None):
-        print(lines.unit_or_containers(args.command), file=sys.stderr)
+        print(f"gpugate {args.command}: give a UNIT or --containers", file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.oci:
         return containers_install_command(args)
@@ -177,13 +179,13 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
             **dirs,
         )
         if not os.access(command[0], os.X_OK) and not args.dry_run:
-            print(lines.not_executable_here(command[0]), file=sys.stderr)
+            print(lines.warning(f"{command[0]} is not an executable here"), file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
-        print(lines.takes_effect(unit))
+        print(f"takes effect at the next start: systemctl restart {unit}")
     return int(ExitCode.OK)
 
 
@@ -221,7 +223,8 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
             if hung is not None:
                 raise hung  # --watch: no next look can answer
             # Home and clear the screen, then the table, as watch(1) draws it.
-            print(f"\x1b[H\x1b[J{lines.watch_header(unit)}\n\n{render_table(data)}", flush=True)
+            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
+            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends

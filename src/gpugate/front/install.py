@@ -226,7 +226,11 @@ def refuse_unknown_unit(
             f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); nothing "
             "changed; --force installs anyway"
         )
-    print(lines.install_unit_unknown_forced(unit), file=stream or sys.stderr)
+    said = (
+        f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); installing "
+        "anyway (--force)"
+    )
+    print(lines.warning(said), file=stream or sys.stderr)
 
 
 def plan_uninstall(
@@ -298,7 +302,7 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
     )
     print(shown, file=stream)
     for said in change.said:
-        print(lines.said_under(said), file=stream)
+        print(f"  {said}", file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
         print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
 

@@ -26,7 +26,6 @@ from gpugate.compat import tomllib
 from gpugate.errors import GateError, InstallError
 from gpugate.front.install import Action, Change
 from gpugate.host.programs import find_program, run_program
-from gpugate.report import oci_text
 
 PODMAN_HOOKS = Path("/usr/share/containers/oci/hooks.d")
 CRIO_HOOKS = Path("/etc/containers/oci/hooks.d")
@@ -192,11 +191,11 @@ def reload_docker() -> str:
     """`systemctl reload docker` where docker runs; what was done, in words."""
     systemctl = find_program("systemctl")
     if systemctl is None:
-        return oci_text.DOCKER_NO_SYSTEMCTL
+        return "docker not reloaded (no systemctl): run `systemctl reload docker`"
     try:
         active = run_program([systemctl, "is-active", "--quiet", "docker.service"], 10)
         if active.returncode != 0:
-            return oci_text.DOCKER_NOT_RUNNING
+            return "docker is not running: it reads daemon.json when it starts"
         result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
     except GateError as exc:
         raise InstallError(_reload_failed(str(exc))) from None
@@ -204,7 +203,7 @@ def reload_docker() -> str:
         raise InstallError(
             _reload_failed(f"`systemctl reload docker` failed: {result.first_line()}")
         )
-    return oci_text.DOCKER_RELOADED
+    return "reloaded docker (systemctl reload docker)"
 
 
 def _read(path: Path) -> str | None:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
-from gpugate.report import oci_text
 
 RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -114,7 +113,7 @@ def main(argv: Sequence[str]) -> int:
     """argv: runc's arguments. Returns only where runc cannot be run."""
     runc = find_runc()
     if runc is None:
-        print(oci_text.runtime_no_runc(RUNC_PATHS), file=sys.stderr)
+        print(f"gpugate-oci-runtime: no runc in {', '.join(RUNC_PATHS)}", file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
     command, args = command_of(argv)
     if command in ("create", "run"):
@@ -123,7 +122,7 @@ def main(argv: Sequence[str]) -> int:
         except (OciInputError, OSError) as exc:
             said = exc.message if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
-            print(oci_text.runtime_failed(said), file=sys.stderr)
+            print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
     os.execv(runc, [runc, *argv])  # noqa: S606 - runc at a fixed path, its arguments as given
     return int(ExitCode.INTERNAL)  # not reached: execv replaced this process

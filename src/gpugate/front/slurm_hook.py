@@ -98,8 +98,8 @@ def drain(
 ) -> None:
     """A failed prolog or epilog: the drain reason, on stderr (unless an error said its one
     line already) and to slurmctld where the node is named."""
-    reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
-    reason = reason[:MAX_REASON]
+    who = f" job {job.job_id}" if job is not None and job.job_id is not None else ""
+    reason = f"gpugate {phase.value}{who}: {detail} (exit {int(code)})"[:MAX_REASON]
     if not said:
         print(lines.error(f"drain: {reason}"), file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")

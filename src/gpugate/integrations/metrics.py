@@ -297,6 +297,7 @@ def record_after_run(
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
+        cause = exc.strerror or str(exc)
         print(
-            lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=stream or sys.stderr
+            lines.warning(f"metrics not written to {textfile}: {cause}"), file=stream or sys.stderr
         )

@@ -26,14 +26,6 @@ def warning(text: str) -> str:
     return f"gpugate: warning: {text}"
 
 
-def program_failed(program: str, code: int, said: str) -> str:
-    return warning(f"{program} exited {code}: {said}")
-
-
-def metrics_not_written(path: object, cause: str) -> str:
-    return warning(f"metrics not written to {path}: {cause}")
-
-
 def failure_detail(summary: RunSummary | None) -> str:
     """What went wrong, naming the GPUs and MiB where memory stayed used (a drain reason)."""
     if summary is None:
@@ -52,22 +44,9 @@ def failure_detail(summary: RunSummary | None) -> str:
     return f"GPU {gpus}: {exit_code.name.lower()}"
 
 
-def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
-    """A failed prolog's or epilog's reason for `scontrol update State=DRAIN`."""
-    who = f" job {job_id}" if job_id is not None else ""
-    return f"gpugate {phase}{who}: {detail} (exit {code})"
-
-
 def lease_overridden(indices: Sequence[int], holder: str) -> str:
     shown = ", ".join(map(str, indices))
     return warning(f"GPU {shown} leased to {holder}; --force: running anyway")
-
-
-def install_unit_unknown_forced(unit: str) -> str:
-    return warning(
-        f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); installing "
-        "anyway (--force)"
-    )
 
 
 def reloaded(done: bool) -> str:
@@ -102,53 +81,11 @@ def change(action: str, path: object, note: str, *, dry_run: bool, detail: str =
     return f"{verb} {path}{shown}"
 
 
-def said_under(text: str) -> str:
-    """A line of report's own words under a file of install's plan (narrate_install)."""
-    return f"  {text}"
-
-
-def not_executable_here(path: object) -> str:
-    return warning(f"{path} is not an executable here")
-
-
-def takes_effect(unit: str) -> str:
-    return f"takes effect at the next start: systemctl restart {unit}"
-
-
-def effective_config(source: str) -> str:
-    return f"# effective configuration, from {source}"
-
-
-def unit_gpus(unit: str, gpus: str | Sequence[object], source: str) -> str:
-    shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
-    return f"# {unit}'s GPUs: {shown}, from {source}"
-
-
-def watch_header(unit: str | None) -> str:
-    return f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
-
-
 def internal_error_text(exc: BaseException) -> str:
     return (
         f"internal error: {type(exc).__name__}: {line(str(exc))} "
         "(set GPUGATE_DEBUG=1 for a traceback, and please report it)"
     )
-
-
-def internal_error(exc: BaseException) -> str:
-    return error(internal_error_text(exc))
-
-
-def unit_or_containers(command: str) -> str:
-    return f"gpugate {command}: give a UNIT or --containers"
-
-
-def not_a_uid(value: str) -> str:
-    return f"{value[:20]!r} is not a uid"
-
-
-def not_a_port(value: str) -> str:
-    return f"{value!r} is not a TCP port (1-65535)"
 
 
 def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str:

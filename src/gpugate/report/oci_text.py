@@ -29,15 +29,4 @@ def hook_failed(stage: str, text: str) -> str:
     return f"gpugate: oci-hook {stage}: {text}"
 
 
-def runtime_failed(text: str) -> str:
-    return f"gpugate-oci-runtime: {text}"
-
-
-def runtime_no_runc(paths: Sequence[str]) -> str:
-    return runtime_failed(f"no runc in {', '.join(paths)}")
-
-
 NOTHING_TO_SET_UP = "no podman, CRI-O or docker here: nothing to do"
-DOCKER_RELOADED = "reloaded docker (systemctl reload docker)"
-DOCKER_NOT_RUNNING = "docker is not running: it reads daemon.json when it starts"
-DOCKER_NO_SYSTEMCTL = "docker not reloaded (no systemctl): run `systemctl reload docker`"
