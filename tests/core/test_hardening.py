@@ -92,15 +92,26 @@ def test_overlapping_runs_serialise_disjoint_do_not_and_crashed_holder_frees(
 ) -> None:
     gpus = FakeGpuMemory().gpus()
     holder = _hold_lock_in_child(tmp_path, [gpus[0], gpus[1]])
+    waited: list[int] = []
     try:
         with (
-            pytest.raises(LockTimeout, match="another gpugate run held GPU 1"),
-            gpu_locks(tmp_path, [gpus[1], gpus[2]], time.monotonic() + 0.3),
+            pytest.raises(LockTimeout),
+            gpu_locks(
+                tmp_path,
+                [gpus[1], gpus[2]],
+                time.monotonic() + 0.3,
+                on_wait=lambda gpu: waited.append(gpu.index),
+            ),
         ):
             pass
-        started = time.monotonic()
-        with gpu_locks(tmp_path, [gpus[2], gpus[3]], time.monotonic() + 5):
-            assert time.monotonic() - started < 1
+        assert waited == [1]  # it waited on the held GPU, then gave up at its deadline
+        with gpu_locks(
+            tmp_path,
+            [gpus[2], gpus[3]],
+            time.monotonic() + 5,
+            on_wait=lambda gpu: waited.append(gpu.index),
+        ):
+            assert waited == [1]  # disjoint GPUs: taken without waiting on anyone
     finally:
         holder.kill()  # a crashed gpugate: its flock dies with it
         holder.wait()

@@ -15,7 +15,6 @@ the vLLM-like workload): the five scenarios of issue 11.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,11 +184,9 @@ def test_a_failed_start_pays_one_deadline_and_says_why(host: Host) -> None:
             unit_on(unit, (3,), 8040, "CUDA_VISIBLE_DEVICES=3"),
             "[pre]\nwait_timeout_s = 8\nsigterm_grace_s = 2\n",
         )
-        started = time.monotonic()
-        assert host.start(unit, check=False) != 0
-        elapsed = time.monotonic() - started
-        print(f"failed start with [pre] wait_timeout_s = 8: systemctl start took {elapsed:.1f} s")
-        assert elapsed < 60, elapsed  # one deadline plus the kill, not 8 + 120 s
+        # The guard: one deadline plus the kill ends it, not 8 + post's 120 s.
+        started = host.sim.run(["systemctl", "start", unit], check=False, timeout=60)
+        assert started.returncode != 0
         shown = host.sim.run(["systemctl", "status", "--no-pager", "-n", "10", unit], check=False)
         assert "start failed in gpugate pre: GPU 3" in shown.stdout, shown.stdout
         assert "50000 MiB used after 8 s" in shown.stdout, shown.stdout
