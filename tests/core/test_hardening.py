@@ -384,7 +384,6 @@ def test_really_unkillable_holder_named_with_wchan_and_exit_unkillable(host: Fak
         while (group / "freezer.state").read_text().strip() != "FROZEN":
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        started = time.monotonic()
         summary = host.run_phase(
             "post",
             host.config(
@@ -394,7 +393,6 @@ def test_really_unkillable_holder_named_with_wchan_and_exit_unkillable(host: Fak
             driver_factory=lambda: host.memory,
         )
         assert summary.exit_code is ExitCode.UNKILLABLE
-        assert time.monotonic() - started < 5
         named = [e for e in host.journal.events("survivor") if e["GPUGATE_PID"] == str(stuck)]
         assert named and named[0]["GPUGATE_STATE"] == "D"
         assert named[0]["GPUGATE_WCHAN"] not in ("", "?")
