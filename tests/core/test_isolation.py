@@ -154,7 +154,7 @@ def test_nvml_is_loaded_by_its_path_into_pynvmls_handle(fake_lib: Path) -> None:
     nv = SimpleNamespace(libLoadLock=threading.Lock(), nvmlLib=None)
     load_nvml_library(nv, str(fake_lib))
     assert nv.nvmlLib is not None and nv.nvmlLib._name == str(fake_lib)
-    with pytest.raises(NvmlUnavailable, match=r"^NVML: libnvidia-ml\.so\.1 not found"):
+    with pytest.raises(NvmlUnavailable):
         load_nvml_library(SimpleNamespace(libLoadLock=threading.Lock(), nvmlLib=None), "/x/none")
 
 

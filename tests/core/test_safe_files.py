@@ -259,7 +259,7 @@ def test_the_state_probe_never_writes_through_a_planted_folder_link(tmp_path: Pa
     elsewhere = tmp_path / "etc"
     elsewhere.mkdir()
     (theirs / "textfile").symlink_to(elsewhere)
-    with pytest.raises(StateUnwritable, match="symbolic link"):
+    with pytest.raises(StateUnwritable):
         check_writable(theirs / "textfile", "metrics")
     assert list(elsewhere.iterdir()) == []
     check_writable(theirs / "real", "metrics")  # made there, probed, left empty
