@@ -267,7 +267,7 @@ def test_bad_options_exit_64(
 def test_no_command_is_one_line_and_64(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--gpus", "0"]) == int(ExitCode.USAGE)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no COMMAND given" in err
+    assert err.count("\n") == 1 and err.startswith("gpugate: ")
 
 
 # --- the I/O around it (launch.py), with stand-ins ---------------------------------
@@ -285,8 +285,7 @@ def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> 
     assert indices([uuid], {}) == [2]
     with pytest.raises(ConfigError) as unknown:
         indices([9], {})
-    assert "GPU index 9 does not exist" in unknown.value.message
-    assert unknown.value.exit_code is ExitCode.CONFIG
+    assert unknown.value.exit_code is ExitCode.CONFIG and unknown.value.field == "gpus"
     with raises_error(LaunchError):
         indices(None, {"CUDA_VISIBLE_DEVICES": ""})
 
@@ -336,12 +335,10 @@ def test_a_leased_gpu_refuses_unless_forced(
             loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "active"
         )
     assert refused.value.exit_code is ExitCode.HELD_BY_OTHERS
-    assert "GPU 3 leased to vllm.service (since " in refused.value.message
-    assert "--force" in refused.value.message
     refuse_leased(
         loaded, "gpugate-run-x-1.service", gpus[3:5], force=True, unit_state=lambda _: "active"
     )
-    assert "--force: running anyway" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("\n") == 1  # one warning: forced onto the lease
     # not running any more: stale, no refusal
     refuse_leased(
         loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "failed"

@@ -99,10 +99,11 @@ def test_space_freed_is_writable_again(tmp_path: Path) -> None:
 @pytest.mark.parametrize("below", ["", "deeper"])
 def test_a_file_where_a_folder_should_be(tmp_path: Path, below: str) -> None:
     (tmp_path / "leases").write_text("")
+    folder = tmp_path / "leases" / below if below else tmp_path / "leases"
     with pytest.raises(StateUnwritable) as raised:
-        check_writable(tmp_path / "leases" / below if below else tmp_path / "leases", "GPU leases")
+        check_writable(folder, "GPU leases")
     assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
-    assert "a file is in the way (not a folder)" in raised.value.message
+    assert (raised.value.path, raised.value.what) == (folder, "GPU leases")
 
 
 @pytest.mark.parametrize(
@@ -128,9 +129,7 @@ def test_nothing_is_killed_when_state_cannot_be_written(
     loaded = host.config(metrics_textfile=host.root / "textfile" / "gpugate.prom")
     with pytest.raises(StateUnwritable) as raised:
         host.run_phase(phase, loaded, host.reporter(phase), driver_factory=lambda: host.memory)
-    assert raised.value.message == (
-        f"{path}: cannot write {what} there: a file is in the way (not a folder)"
-    )
+    assert (raised.value.path, raised.value.what) == (path, what)
     assert alive(orphan)
     assert host.journal.events("signal_sent") == []
 
