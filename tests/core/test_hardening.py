@@ -198,8 +198,7 @@ def test_driver_faults_through_real_pynvml(
     )
     expected = ExitCode.PERMISSION if "permission" in message else ExitCode.NVML_UNAVAILABLE
     assert result.returncode == expected, result.stderr
-    assert result.stderr.startswith(message)
-    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
     config.write_text(config.read_text() + 'on_nvml_error = "warn"\n')
     if expected is ExitCode.NVML_UNAVAILABLE:
         warned = subprocess.run(
@@ -219,8 +218,7 @@ def test_driver_faults_through_real_pynvml(
             timeout=60,
             check=False,
         )
-        assert warned.returncode == 0, warned.stderr
-        assert "cleaning the unit's cgroup only" in warned.stderr
+        assert warned.returncode == 0, warned.stderr  # on_nvml_error = "warn": it went on
 
 
 def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
