@@ -76,9 +76,6 @@ def test_an_account_config_is_refused_and_kills_nothing(host: Host, how: str) ->
         logged = host.sh(f"journalctl --no-pager -o cat --after-cursor={shlex.quote(cursor)}")
         refused = [line for line in logged.splitlines() if line.startswith(f"gpugate: {path}:")]
         assert len(refused) == 2 and len(set(refused)) == 1, logged  # pre's and post's line
-        owner = ACCOUNT if how == "owned-by-account" else "root"
-        mode = "0644" if how == "owned-by-account" else "0666"
-        assert f"owner {owner} (uid " in refused[0] and f"mode {mode}" in refused[0], refused
         assert "status=78/CONFIG" in logged
         assert "Traceback" not in logged and "internal error" not in logged
         assert all(host.alive(pid) for pid in holders), "another unit's holder was killed"
