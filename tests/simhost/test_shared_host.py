@@ -144,7 +144,7 @@ def test_a_lost_gpu_of_another_unit_stops_nothing(host: Host) -> None:
         assert by_pid[on_lost["workers"][0]]["gpus"] == [6]
         assert by_pid[on_lost["workers"][0]]["sources"] == ["device-fd"]
         table = host.sim.run(["gpugate", "status"], check=False)
-        assert table.returncode == 81 and "  6! " in table.stdout and "lost" in table.stdout
+        assert table.returncode == 81 and "  6! " in table.stdout
     finally:
         restore_driver(host)
     host.sim.systemctl("stop", unit)

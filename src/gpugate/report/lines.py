@@ -1,6 +1,6 @@
-"""The lines the commands print beside a run's journal: warnings and notes on stderr, what
-install and `config check` say, a Slurm node's drain reason. The commands say what happened;
-this module says it in words."""
+"""Lines more than one command prints beside a run's journal: the `gpugate:` and warning
+prefixes, install's plan, a failed job's detail, an internal error. A line printed in one
+place is written where it is printed."""
 
 from __future__ import annotations
 
