@@ -46,6 +46,7 @@ from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
 from gpugate.report import lines, reasons
+from gpugate.untrusted import COMMAND, echo, shown
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -66,9 +67,8 @@ def checked_command(args: argparse.Namespace) -> list[str]:
         raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        raise LaunchError(
-            f"--config {str(args.config)[:80]!r}: use a path of letters, digits and _.+@:,-/"
-        )
+        given = echo(str(args.config), limit=80)
+        raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
     return command
 
 
@@ -294,11 +294,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise LaunchError(f"{program}: not an executable file")
+            raise LaunchError(f"{shown(program, COMMAND)}: not an executable file")
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise LaunchError(f"{program}: command not found on PATH")
+        raise LaunchError(f"{shown(program, COMMAND)}: command not found on PATH")
     return os.path.abspath(found)
 
 
@@ -319,7 +319,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise LaunchError(f"{argv[0]}: cannot run it: {exc.strerror}") from None
+        raise LaunchError(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)

@@ -15,6 +15,7 @@ from gpugate.front.install_files import SHM_OPTIONS
 from gpugate.host.systemd import ENV_NAME, unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
+from gpugate.untrusted import echo
 
 RM = Path("/bin/rm")
 PREFIX = "gpugate-run-"
@@ -139,17 +140,14 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     gpugate-run-<command's basename>-<short id>.service."""
     if name:
         unit = unit_argument(name)
+        given = echo(str(name), limit=80)
         if not unit.endswith(".service"):
-            raise LaunchError(
-                f"--name {str(name)[:80]!r}: gpugate run makes a service; name it NAME.service"
-            )
+            raise LaunchError(f"--name {given}: gpugate run makes a service; name it NAME.service")
         if "@" in unit:
-            raise LaunchError(
-                f"--name {str(name)[:80]!r}: a transient unit cannot be a template instance"
-            )
+            raise LaunchError(f"--name {given}: a transient unit cannot be a template instance")
         if not PLAIN_SERVICE.fullmatch(unit):
             raise LaunchError(
-                f"--name {str(name)[:80]!r}: not a plain unit name (letters, digits and :_.- "
+                f"--name {given}: not a plain unit name (letters, digits and :_.- "
                 "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
             )
         return unit

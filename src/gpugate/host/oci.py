@@ -26,6 +26,7 @@ import stat
 import time
 
 from gpugate.errors import ExitCode, GateError
+from gpugate.untrusted import FILE, shown
 
 MAX_STATE_BYTES = 1 << 20  # a state is a few hundred bytes; annotations can add some
 MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is still bounded
@@ -187,7 +188,9 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise OciInputError(f"{bundle}: the bundle cannot be opened: {exc.strerror}") from None
+        raise OciInputError(
+            f"{shown(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
+        ) from None
     try:
         _check_owner(os.fstat(dir_fd), bundle, euid)
         try:
@@ -195,14 +198,16 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
             fd = os.open("config.json", flags, dir_fd=dir_fd)
         except OSError as exc:
-            raise OciInputError(f"{bundle}/config.json: cannot be opened: {exc.strerror}") from None
+            raise OciInputError(
+                f"{shown(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
+            ) from None
     finally:
         os.close(dir_fd)
     path = f"{bundle}/config.json"
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise OciInputError(f"{path}: not a regular file")
+            raise OciInputError(f"{shown(path, FILE)}: not a regular file")
         _check_owner(info, path, euid)
         chunks: list[bytes] = []
         size = 0
@@ -213,15 +218,17 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > limit:
-        raise OciInputError(f"{path}: over {limit} bytes")
+        raise OciInputError(f"{shown(path, FILE)}: over {limit} bytes")
     return data
 
 
 def _check_owner(info: os.stat_result, path: str, euid: int) -> None:
     if info.st_uid != euid:
-        raise OciInputError(f"{path}: owned by uid {info.st_uid}, not by this runtime's user")
+        raise OciInputError(
+            f"{shown(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"
+        )
     if info.st_mode & 0o022:
-        raise OciInputError(f"{path}: writable by others than its owner")
+        raise OciInputError(f"{shown(path, FILE)}: writable by others than its owner")
 
 
 def parse_config(raw: bytes, source: str = "config.json") -> ContainerSpec:
@@ -365,10 +372,12 @@ def _json_object(raw: bytes, source: str) -> dict[str, object]:
     except (ValueError, RecursionError) as exc:
         detail = _first_line(exc)
         raise OciInputError(
-            f"{source}: not JSON ({detail})" if detail else f"{source}: not JSON"
+            f"{shown(source, FILE)}: not JSON ({detail})"
+            if detail
+            else f"{shown(source, FILE)}: not JSON"
         ) from None
     if not isinstance(data, dict):
-        raise OciInputError(f"{source}: not a JSON object")
+        raise OciInputError(f"{shown(source, FILE)}: not a JSON object")
     return data
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from gpugate.errors import UnknownUnit
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.safe_files import read_capped
+from gpugate.untrusted import CGROUP, FILE, echo, shown
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
@@ -47,15 +48,16 @@ def unit_argument(name: str) -> str:
 
 
 def validate_unit_name(name: str) -> str:
+    given = echo(name, limit=CGROUP.chars)  # what the caller typed, escaped and bounded
     if len(name) > 255 or not UNIT_NAME.match(name):
         raise UnknownUnit(
-            f"unit {name!r}: not a valid service or scope unit name (pass %n from the unit file)"
+            f"unit {given}: not a valid service or scope unit name (pass %n from the unit file)"
         )
     if name.startswith("@") or name.count("@") > 1:
-        raise UnknownUnit(f"unit {name!r}: not a valid unit name")
+        raise UnknownUnit(f"unit {given}: not a valid unit name")
     prefix, at, instance = name.rpartition(".")[0].partition("@")
     if at and not instance:
-        raise UnknownUnit(f"unit {name!r}: a template; name an instance, e.g. {prefix}@0.service")
+        raise UnknownUnit(f"unit {given}: a template; name an instance, e.g. {prefix}@0.service")
     return name
 
 
@@ -266,8 +268,8 @@ def unit_environment(
                 if ignore:
                     continue
                 raise UnknownUnit(
-                    f"unit {name}: EnvironmentFile={path}: cannot read it ({exc!s}); systemd "
-                    "would not start the unit either"
+                    f"unit {name}: EnvironmentFile={shown(str(path), FILE)}: cannot read it "
+                    f"({exc!s}); systemd would not start the unit either"
                 ) from None
             files.append(path)
             for variable, setting in parsed.items():
