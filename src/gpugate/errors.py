@@ -169,8 +169,8 @@ class StateUnwritable(GateError):
 
     exit_code = ExitCode.STATE_UNWRITABLE
 
-    def __init__(self, path: object, what: str, message: str) -> None:
-        super().__init__(message)
+    def __init__(self, path: object, what: str, message: str, *, code: str = "") -> None:
+        super().__init__(message, code=code)
         self.path = path
         self.what = what
 

@@ -262,6 +262,12 @@ class GateConfig(_Frozen):
         """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
 
+    def changed(self, **changes: object) -> GateConfig:
+        """A copy with these fields changed, validated as a file's are (strict: a tuple field
+        takes a tuple). pydantic's model_copy(update=) validates nothing: a list kept in a
+        tuple field made every dump warn (`gpugate run --port`)."""
+        return GateConfig.model_validate({**dict(self), **changes})
+
     def policy(self, phase: Phase) -> PhasePolicy:
         policies = {
             Phase.PRE: self.pre,

@@ -10,6 +10,7 @@ from typing import Optional, Protocol
 
 from gpugate.core.decide import Decision
 from gpugate.core.discover import Discovery
+from gpugate.core.held import blockers_held, survivors_held
 from gpugate.core.outcome import BusyGpu, exit_code_for
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunState
 from gpugate.core.shm_step import clean_shm
@@ -66,6 +67,7 @@ class Looking:
         if decision.refused:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
+            s.summary.held = blockers_held(decision.blockers)
             s.facts.held_by_others = True
             return Transition.REFUSED, Finishing(s, clean_shm=False)
         if s.setup.dry_run:
@@ -104,8 +106,17 @@ class Locking:
         s, owned = self.state, self.discovery.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
+        # After a stop (state not required), a lock that cannot be made is said, not fatal.
+        unlocked = None if s.scope.phase.traits.state_required else s.narrator.lock_not_taken
         s.locks.enter_context(
-            gpu_locks(s.config.lock_dir, owned, s.deadline, on_wait=s.on_lock_wait, clock=s.clock)
+            gpu_locks(
+                s.config.lock_dir,
+                owned,
+                s.deadline,
+                on_wait=s.on_lock_wait,
+                clock=s.clock,
+                on_unlocked=unlocked,
+            )
         )
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
         s.start_refusal = s.surroundings.start_refusal(owned, dry_run=False)
@@ -132,8 +143,11 @@ class Stopping:
         if survivors:
             s.facts.survivors = True
             s.narrator.survived(len(survivors))
+            s.summary.held = survivors_held(s.signalled[ident] for ident in survivors)
+            s.summary.held += blockers_held(decision.blockers)
             return Transition.SURVIVED, Finishing(s, clean_shm=True)
         if decision.blockers:
+            s.summary.held = blockers_held(decision.blockers)
             s.facts.held_by_others = True
             s.narrator.still_held()
             return Transition.STILL_HELD, Finishing(s, clean_shm=True)

@@ -23,7 +23,6 @@ if TYPE_CHECKING:
     from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
 
-METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
 # (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
@@ -43,7 +42,8 @@ class Surroundings(Protocol):
 
     def state_to_write(self) -> StateToWrite:
         """Every folder this run writes its state in, with what goes there, and the files it
-        replaces whole: checked before the run kills anything (host.state_dirs)."""
+        replaces whole: checked before the run kills anything (host.state_dirs); a problem
+        stops a phase whose state is required, else it is a warning."""
 
     def driver_hung_earlier(self) -> str | None:
         """Why the driver is not to be asked at all (the same start's earlier phase waited
@@ -81,13 +81,9 @@ class Surroundings(Protocol):
 
 
 def run_state_to_write(config: GateConfig) -> StateToWrite:
-    """What every run writes: its GPU locks, and the metrics textfile where one is set."""
-    folders = [(config.lock_dir, "GPU locks")]
-    files = []
-    if config.metrics_textfile is not None:
-        folders.append((config.metrics_textfile.parent, METRICS))
-        files.append((config.metrics_textfile, METRICS))
-    return folders, files
+    """What every run writes: its GPU locks. (Not the metrics textfile: metrics are never a
+    run's failure; one that cannot be written is a warning after the run.)"""
+    return [(config.lock_dir, "GPU locks")], []
 
 
 @dataclass(frozen=True)

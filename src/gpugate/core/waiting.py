@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from gpugate.core.decide import Decision, spared_for_good
 from gpugate.core.discover import Discovery
+from gpugate.core.held import survivors_held
 from gpugate.core.outcome import BusyGpu
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunState
 from gpugate.core.stopping import kill_rounds
@@ -112,6 +113,7 @@ def look_again(state: RunState) -> bool:
     state.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
     _, _, survivors = kill_rounds(state, discovery, decision)
     if survivors:
+        state.summary.held = survivors_held(state.signalled[ident] for ident in survivors)
         state.facts.survivors = True
         state.narrator.survived(len(survivors))
     return True

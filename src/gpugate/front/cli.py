@@ -121,6 +121,16 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
         _dry_run(sub)
         sub.set_defaults(handler="slurm_command")
+    text = (
+        "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
+        "gres.conf resolves every GPU to an NVML GPU"
+    )
+    check = phases.add_parser("check", help=text, description=text, epilog=EPILOG)
+    check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
+    check.set_defaults(handler="slurm_check_command")
+
+
+DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
 
 
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -141,6 +151,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
         sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
         sub.set_defaults(handler="install_command")
+    install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     install.add_argument(
         "--gpus",
         type=_gpus,

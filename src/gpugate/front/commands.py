@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpugate.errors import ExitCode, NvmlNotAnswering, UnknownUnit
+from gpugate.errors import ExitCode, GateError, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver
@@ -27,6 +27,8 @@ from gpugate.report import lines
 from gpugate.report.journal import Reporter, ReporterFactory
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from gpugate.config.models import LoadedConfig
     from gpugate.core.discover import DeviceScanner
 
@@ -130,6 +132,14 @@ def slurm_command(args: argparse.Namespace, front: Front) -> int:
         return run_slurm_hook(Phase(args.slurm_phase), args.config, dry_run=args.dry_run, deps=deps)
 
 
+def slurm_check_command(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.slurm_check import slurm_check  # noqa: PLC0415
+    from gpugate.integrations.slurm_gpus import DeviceNodes  # noqa: PLC0415
+
+    nodes = DeviceNodes(front.host_roots().dev)
+    return slurm_check(front.environ, args.node, front.driver_factory, nodes)
+
+
 def config_check_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.config.toml_text import to_toml  # noqa: PLC0415
     from gpugate.integrations.config_files import load_config  # noqa: PLC0415
@@ -148,8 +158,25 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
+    _show_wrapped_runtime()
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
+
+
+def _show_wrapped_runtime(record: Path | None = None) -> None:
+    """The runtime gpugate-oci-runtime runs, where install --containers recorded one."""
+    from gpugate.host import wrapped_runtime as wrapped  # noqa: PLC0415
+
+    record = record or wrapped.RECORD
+    if not os.path.lexists(record):
+        return
+    try:
+        recorded = wrapped.read_record(record)
+    except GateError as exc:
+        print(lines.warning(exc.message), file=sys.stderr)
+        return
+    chosen = wrapped.choose(recorded, {})
+    print(lines.wrapped_runtime(record, recorded, chosen.name, chosen.path))
 
 
 def install_command(args: argparse.Namespace, front: Front) -> int:
@@ -301,19 +328,25 @@ def containers_install_command(args: argparse.Namespace) -> int:
     script = str(given) if given else os.path.abspath(sys.argv[0])
     command = (script,)
     changes = oci.plan_hooks(host, command, install=installing, force=args.force)
+    wrapper = oci.wrapper_beside(script) if installing and oci.uses_wrapper(host) else ""
+    nvidia = installing and oci.nvidia_in_place(host)
     if host.daemon_json is not None:
-        wrapper = oci.wrapper_beside(script) if installing else ""
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    default = getattr(args, "default", False)  # install's only
+    changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
+    changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
         from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
 
         print(NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
-    docker_changed = any(
-        c.path == host.daemon_json and c.action is install.Action.WRITE for c in changes
-    )
-    if docker_changed and not args.dry_run and not args.no_reload:
+    written = {c.path for c in changes if c.action in (install.Action.WRITE, install.Action.REMOVE)}
+    if host.containerd_config in written and not args.dry_run:
+        from gpugate.report.oci_text import CONTAINERD_RESTART  # noqa: PLC0415
+
+        print(CONTAINERD_RESTART)
+    if host.daemon_json in written and not args.dry_run and not args.no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)
 

@@ -17,8 +17,8 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope, RunSetup
-from gpugate.core.surroundings import METRICS, Surroundings
-from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused, StateUnwritable
+from gpugate.core.surroundings import Surroundings
+from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused
 from gpugate.host.own_shm import OwnShm, is_own_tmpfs, own_shm_of_any
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
@@ -72,9 +72,8 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
     except GateError as exc:
         error, code = exc, exc.exit_code
         Narrator(deps.reporter).failed(exc, deps.stream)  # says it on stderr itself, once
-    metrics_unwritable = isinstance(error, StateUnwritable) and error.what == METRICS
-    if not hook.dry_run and not metrics_unwritable:  # said once already: no warning after it
-        record_metrics(loaded, hook, code, summary, deps.stream)
+    if not hook.dry_run:  # never the run's failure: a warning at most, the code stands
+        record_metrics(loaded, hook, code, summary, deps)
     return HookOutcome(code, summary, error)
 
 
@@ -85,13 +84,16 @@ def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
 
 def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
     """The phase run with its surroundings made, its state folders checked (not in a dry
-    run: a run that cannot record its end does not begin), an error or an interruption
+    run: a start that cannot record its lease does not begin; a phase after a stop whose
+    traits do not require its state warns and goes on), an error or an interruption
     recorded for this start's post."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
     narrator = first_words(scope, loaded, reporter)
     surroundings = hook.surroundings(scope, loaded, reporter)
     if not hook.dry_run:
-        check_all(*surroundings.state_to_write())
+        required = scope.phase.traits.state_required
+        warn = None if required else narrator.state_unwritable  # after a stop: it goes on
+        check_all(*surroundings.state_to_write(), on_unwritable=warn)
     narrator.looking()
     own_shm = None if hook.dry_run else own_shm_at_stop(scope, deps.run.roots)
     if own_shm is not None:  # read before post kills what is left of the unit
@@ -152,7 +154,7 @@ def record_metrics(
     hook: Hook,
     code: ExitCode,
     summary: RunSummary | None,
-    stream: TextIO,
+    deps: Deps,
 ) -> None:
     textfile = loaded.config.metrics_textfile
     if textfile is None:
@@ -160,4 +162,5 @@ def record_metrics(
     from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
     record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-    record_after_run(textfile, record, stream=stream)
+    narrator = Narrator(run_reporter(deps.reporter, hook.dry_run))
+    record_after_run(textfile, record, stream=deps.stream, on_failure=narrator.metrics_not_written)

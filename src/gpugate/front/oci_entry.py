@@ -16,6 +16,7 @@ from gpugate.host.oci import (
     read_config,
     read_stdin_bounded,
 )
+from gpugate.host.pods import is_sandbox
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
@@ -58,8 +59,8 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
 
         print(hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
-    if not spec.gpus:
-        return int(ExitCode.OK)  # no GPU asked for: not gpugate's container
+    if not spec.gpus or is_sandbox(state.id, {**spec.annotations, **state.annotations}):
+        return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
     return run_from_hook(stage, state, spec, roots=roots, config=config)

@@ -1,8 +1,9 @@
 """`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
 containerd, which run only the hooks in a container's spec. On `create` of a container that
 asks for GPUs it adds gpugate's createRuntime and poststop hooks to the bundle's
-config.json; then, for every command, it execs runc unchanged, with all its arguments, as
-NVIDIA's nvidia-container-runtime does. runc is found at fixed paths only."""
+config.json; then, for every command, it execs the runtime it wraps with all its arguments
+unchanged, as NVIDIA's nvidia-container-runtime does: runc, or NVIDIA's runtime where install
+recorded it (host/wrapped_runtime.py), each found at fixed paths only."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.errors import ExitCode
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
+from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
+from gpugate.report import oci_text
 
-RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
 # that is neither an option nor such an option's value.
 VALUE_OPTIONS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless"})
@@ -82,8 +84,27 @@ def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
     return changed
 
 
-def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
-    """config.json rewritten in place (a new file renamed over it, same mode)."""
+def with_hooks_always(spec: dict[str, object], gpugate: Sequence[str]) -> bool:
+    """Add gpugate's hooks whatever the spec asks for now: NVIDIA's runtime, run next, may
+    add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
+    hooks = spec.setdefault("hooks", {})
+    if not isinstance(hooks, dict):
+        raise OciInputError("config.json: hooks: not a JSON object")
+    changed = False
+    for stage in HOOK_STAGES:
+        entries = hooks.setdefault(stage, [])
+        if not isinstance(entries, list):
+            raise OciInputError(f"config.json: hooks.{stage}: not a list")
+        entry = hook_entry(gpugate, stage)
+        if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
+            entries.append(entry)
+            changed = True
+    return changed
+
+
+def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
+    """config.json rewritten in place (a new file renamed over it, same mode). always: for
+    every container (NVIDIA's runtime follows), not only one that asks for GPUs now."""
     raw = read_config(bundle)
     try:
         spec = json.loads(raw)
@@ -91,7 +112,8 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
         raise OciInputError(f"{bundle}/config.json: not JSON") from None
     if not isinstance(spec, dict):
         raise OciInputError(f"{bundle}/config.json: not a JSON object")
-    if not with_hooks(spec, gpugate):
+    added = with_hooks_always(spec, gpugate) if always else with_hooks(spec, gpugate)
+    if not added:
         return False
     path = Path(bundle, "config.json")
     temporary = Path(bundle, f".config.json.gpugate-{os.getpid()}")
@@ -105,24 +127,32 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
     return True
 
 
-def find_runc() -> str | None:
-    return next((p for p in RUNC_PATHS if os.access(p, os.X_OK)), None)
-
-
 def main(argv: Sequence[str]) -> int:
-    """argv: runc's arguments. Returns only where runc cannot be run."""
-    runc = find_runc()
-    if runc is None:
-        print(f"gpugate-oci-runtime: no runc in {', '.join(RUNC_PATHS)}", file=sys.stderr)
-        return int(ExitCode.NVML_UNAVAILABLE)
+    """argv: runc's arguments. Returns only where the wrapped runtime cannot be run."""
     command, args = command_of(argv)
-    if command in ("create", "run"):
+    creating = command in ("create", "run")
+    try:
+        recorded = read_record()
+    except ConfigError as exc:
+        if creating:  # a GPU container must not start without the runtime the host chose
+            print(oci_text.runtime_failed(exc.message), file=sys.stderr)
+            return int(exc.exit_code)
+        recorded = RUNC  # state, kill, delete: NVIDIA's runtime passes them to runc unchanged
+    wrapped = choose(recorded, os.environ)
+    if wrapped.path is None:
+        print(oci_text.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
+        return int(ExitCode.NVML_UNAVAILABLE)
+    if creating:
         try:
-            add_hooks(bundle_of(args), own_gpugate())
+            add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:
             said = exc.message if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
             print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
-    os.execv(runc, [runc, *argv])  # noqa: S606 - runc at a fixed path, its arguments as given
-    return int(ExitCode.INTERNAL)  # not reached: execv replaced this process
+    environment = dict(os.environ)
+    if wrapped.name != RUNC:
+        environment[CHAIN] = wrapped.name  # NVIDIA's runtime may run this wrapper again
+    # A runtime at a fixed path, its arguments as given.
+    os.execve(wrapped.path, [wrapped.path, *argv], environment)  # noqa: S606
+    return int(ExitCode.INTERNAL)  # not reached: execve replaced this process

@@ -50,8 +50,16 @@ def open_lock(folder_fd: int, path: Path) -> int:
         raise PermissionDenied(f"{path}: permission denied") from None
     except OSError as exc:
         raise StateUnwritable(
-            path, "gpu-lock", f"{path}: cannot write a GPU lock there: {exc.strerror or str(exc)}"
+            path,
+            "gpu-lock",
+            f"{path}: cannot write a GPU lock there: {exc.strerror or str(exc)}",
+            code="state-os-error",
         ) from None
+
+
+# Told where a phase that goes on without its state (its traits' state_required false)
+# could not take a lock: the path, and why.
+Unlocked = Callable[[Path, str], None]
 
 
 @contextlib.contextmanager
@@ -61,24 +69,23 @@ def gpu_locks(
     deadline: float,
     on_wait: Callable[[Gpu], None] = lambda gpu: None,
     clock: Callable[[], float] = time.monotonic,
+    on_unlocked: Unlocked | None = None,
 ) -> Iterator[None]:
+    """The GPUs' locks, in UUID order. on_unlocked given (a phase after a stop): a lock_dir or
+    lock file that cannot be made (full, read-only) is told to it and the run goes on; an
+    existing lock file on a read-only file system is still taken (flock needs no write)."""
+    held: list[int] = []
     try:
-        folder_fd = open_folder(lock_dir)
-    except PermissionError:
-        raise PermissionDenied(
-            f"{lock_dir}: permission denied creating it (for GPU locks)"
-        ) from None
-    except OSError as exc:  # a file in the way, a read-only file system, ...
-        raise StateUnwritable(
-            lock_dir,
-            "gpu-locks",
-            f"{lock_dir}: cannot write GPU locks there: {exc.strerror or str(exc)}",
-        ) from None
-    held: list[int] = [folder_fd]
-    try:
+        folder_fd = _lock_folder(lock_dir, on_unlocked)
+        if folder_fd is None:
+            yield
+            return
+        held.append(folder_fd)
         for gpu in sorted(gpus, key=lambda g: g.uuid):
             path = lock_dir / f"{gpu.uuid}.lock"
-            fd = open_lock(folder_fd, path)
+            fd = _lock_file(folder_fd, path, on_unlocked)
+            if fd is None:
+                continue
             held.append(fd)
             if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
                 raise LockTimeout(f"{path}: another gpugate run held {gpu.label} past the deadline")
@@ -86,3 +93,37 @@ def gpu_locks(
     finally:
         for fd in held:
             os.close(fd)
+
+
+def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
+    try:
+        return open_folder(lock_dir)
+    except OSError as exc:  # a file in the way, a read-only file system, no space, ...
+        if on_unlocked is not None:
+            on_unlocked(lock_dir, exc.strerror or str(exc))
+            return None
+        if isinstance(exc, PermissionError):
+            raise PermissionDenied(
+                f"{lock_dir}: permission denied creating it (for GPU locks)",
+                code="no-permission-creating",
+            ) from None
+        raise StateUnwritable(
+            lock_dir,
+            "gpu-locks",
+            f"{lock_dir}: cannot write GPU locks there: {exc.strerror or str(exc)}",
+            code="state-os-error",
+        ) from None
+
+
+def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:
+    if on_unlocked is None:
+        return open_lock(folder_fd, path)
+    causes = []
+    # It may exist: a lock taken through a read-only descriptor is still one.
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return open_in(folder_fd, path.name, flags)
+        except OSError as exc:
+            causes.append(exc.strerror or str(exc))
+    on_unlocked(path, causes[0])
+    return None

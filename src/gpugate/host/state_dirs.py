@@ -1,6 +1,7 @@
-"""gpugate's own state folders (locks, leases, failed-start records, metrics), checked before a
-run kills anything: a folder that cannot be made, is not a folder, is read-only or full is
-StateUnwritable (exit 73) naming the folder and the cause, not a kill followed by a crash."""
+"""gpugate's own state folders (locks, leases, failed-start records), checked before a run kills
+anything: a folder that cannot be made, is not a folder, is read-only or full is
+StateUnwritable (exit 73) naming the folder and the cause, not a kill followed by a crash;
+for a phase after a stop (its traits' state_required false), a warning, and the run goes on."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, StateUnwritable
+from gpugate.errors import GateError, PermissionDenied, StateUnwritable
 from gpugate.host.safe_files import open_folder
 
 # What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
@@ -29,9 +30,12 @@ def check_writable(folder: Path, what: str) -> None:
             folder,
             what,
             f"{folder}: cannot write {what} there: a file is in the way (not a folder)",
+            code="state-file-in-the-way",
         ) from None
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied creating it (for {what})") from None
+        raise PermissionDenied(
+            f"{folder}: permission denied creating it (for {what})", code="no-permission-creating"
+        ) from None
     except OSError as exc:
         raise _unwritable(folder, what, exc) from None
     try:
@@ -46,7 +50,9 @@ def _probe(folder_fd: int, folder: Path, what: str) -> None:
     try:
         fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
     except PermissionError:
-        raise PermissionDenied(f"{folder}: permission denied writing {what} there") from None
+        raise PermissionDenied(
+            f"{folder}: permission denied writing {what} there", code="no-permission-writing"
+        ) from None
     except OSError as exc:
         raise _unwritable(folder, what, exc) from None
     try:
@@ -65,15 +71,29 @@ def check_file_slot(path: Path, what: str) -> None:
     """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
     if path.is_dir() or (path.exists() and not path.is_file()):
         raise StateUnwritable(
-            path, what, f"{path}: cannot write {what} there: a folder is in the way (not a file)"
+            path,
+            what,
+            f"{path}: cannot write {what} there: a folder is in the way (not a file)",
+            code="state-folder-in-the-way",
         )
 
 
-def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, str]] = ()) -> None:
-    for folder, what in folders:
-        check_writable(folder, what)
-    for path, what in files:
-        check_file_slot(path, what)
+def check_all(
+    folders: Iterable[tuple[Path, str]],
+    files: Iterable[tuple[Path, str]] = (),
+    on_unwritable: Callable[[GateError], None] | None = None,
+) -> None:
+    """Each folder and file slot checked; a problem raised (StateUnwritable, PermissionDenied),
+    or, given on_unwritable, passed to it and the rest checked too (a run that goes on)."""
+    checks = [(check_writable, folders), (check_file_slot, files)]
+    for check, items in checks:
+        for path, what in items:
+            try:
+                check(path, what)
+            except (StateUnwritable, PermissionDenied) as exc:
+                if on_unwritable is None:
+                    raise
+                on_unwritable(exc)
 
 
 def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:
@@ -82,7 +102,11 @@ def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:
             folder,
             what,
             f"{folder}: cannot write {what} there: a file is in the way (not a folder)",
+            code="state-file-in-the-way",
         )
     return StateUnwritable(
-        folder, what, f"{folder}: cannot write {what} there: {exc.strerror or str(exc)}"
+        folder,
+        what,
+        f"{folder}: cannot write {what} there: {exc.strerror or str(exc)}",
+        code="state-os-error",
     )

@@ -13,9 +13,9 @@ from pathlib import Path
 from gpugate.config import file
 from gpugate.config.models import LoadedConfig
 from gpugate.errors import ConfigError
+from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted
-from gpugate.report import trust_text
-from gpugate.report.trust_text import unreadable
+from gpugate.host.trust_text import unreadable
 
 
 def load_config(

@@ -33,6 +33,7 @@ from gpugate.host.oci import (
     manager_of,
     safe_name,
 )
+from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
 from gpugate.integrations.config_files import load_config
@@ -44,6 +45,7 @@ from gpugate.report import oci_text
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration
 from gpugate.report.oci_text import container_label
+from gpugate.untrusted import CONTAINER, shown
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -61,10 +63,14 @@ class ContainerIdentity:
     runtime: str  # podman, docker, cri-o, containerd, or "container" where nothing says
     cgroup: str | None  # the scope its processes run in
     unit: str  # the scope's unit name, what its lease is named after
+    pod: PodName | None = None  # a CRI container's namespace/pod/container (host/pods.py)
 
     @property
     def label(self) -> str:
-        """`podman container vllm (3f2a1b0c4d5e)`."""
+        """`podman container vllm (3f2a1b0c4d5e)`; a pod's `containerd container
+        ml/vllm-0/server (3f2a1b0c4d5e)`."""
+        if self.pod is not None:
+            return container_label(self.runtime, self.id, shown(self.pod.text, CONTAINER))
         return container_label(self.runtime, self.id, self.name)
 
     def fields(self) -> dict[str, str]:
@@ -73,7 +79,19 @@ class ContainerIdentity:
         found = {"GPUGATE_OCI_CONTAINER": self.id, "GPUGATE_OCI_RUNTIME": self.runtime}
         if self.name:
             found["GPUGATE_OCI_CONTAINER_NAME"] = self.name
+        if self.pod is not None:
+            found.update(pod_fields(self.pod))
         return found
+
+
+def pod_fields(pod: PodName) -> dict[str, str]:
+    """GPUGATE_OCI_POD_*: the pod author's names, escaped as every untrusted text is."""
+    named = {
+        "GPUGATE_OCI_POD_NAMESPACE": pod.namespace,
+        "GPUGATE_OCI_POD": pod.pod,
+        "GPUGATE_OCI_POD_CONTAINER": pod.container,
+    }
+    return {field: shown(value, CONTAINER) for field, value in named.items() if value}
 
 
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
@@ -101,6 +119,7 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
         runtime=runtime,
         cgroup=cgroup,
         unit=unit or f"container-{state.id[:64]}",
+        pod=pod_name({**spec.annotations, **state.annotations}),
     )
 
 

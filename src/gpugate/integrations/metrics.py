@@ -30,9 +30,9 @@ from gpugate.errors import ExitCode
 from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
 from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
+from gpugate.host.trust_text import metrics_folder_warning
 from gpugate.integrations.records import parse_record
 from gpugate.report import lines
-from gpugate.report.trust_text import metrics_folder_warning
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0
@@ -286,8 +286,10 @@ def record_after_run(
     record: RunRecord,
     *,
     stream: TextIO | None = None,
+    on_failure: Callable[[Path, str], None] | None = None,
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning, never the run's failure."""
+    """Best effort: metrics that cannot be written are a warning, never the run's failure
+    (on_failure(textfile, cause) says it; without, a line on stream)."""
     if textfile is None:
         return
     found = untrusted(textfile.parent)
@@ -298,6 +300,10 @@ def record_after_run(
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
         cause = exc.strerror or str(exc)
-        print(
-            lines.warning(f"metrics not written to {textfile}: {cause}"), file=stream or sys.stderr
-        )
+        if on_failure is not None:
+            on_failure(textfile, cause)
+        else:
+            print(
+                lines.warning(f"metrics not written to {textfile}: {cause}"),
+                file=stream or sys.stderr,
+            )

@@ -11,6 +11,7 @@ from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Report
 from gpugate.untrusted import FILE, STATE, shown
 
 if TYPE_CHECKING:
+    from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
 
 
@@ -21,6 +22,17 @@ def indices(values: Iterable[int]) -> str:
 class UnitNarration:
     def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
+
+    def not_recorded(self, error: GateError) -> None:
+        """After a stop: a lease or failed-start record that could not be removed (a read-only
+        lock_dir). The run's result stands; the lease is stale once the unit is inactive."""
+        self.reporter.event(
+            Event.WARNING,
+            f"{error.message}; not recorded, {self.reporter.phase} goes on",
+            priority=PRIORITY_WARNING,
+            reason="state-not-recorded",
+            problem=error.code,
+        )
 
     def lease_unreadable(self, path: Path, why: str = "") -> None:
         self.reporter.event(

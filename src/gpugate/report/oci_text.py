@@ -29,4 +29,16 @@ def hook_failed(stage: str, text: str) -> str:
     return f"gpugate: oci-hook {stage}: {text}"
 
 
-NOTHING_TO_SET_UP = "no podman, CRI-O or docker here: nothing to do"
+def runtime_failed(text: str) -> str:
+    return f"gpugate-oci-runtime: {text}"
+
+
+def runtime_no_runc(paths: Sequence[str]) -> str:
+    return runtime_failed(f"no runc in {', '.join(paths)}")
+
+
+NOTHING_TO_SET_UP = "no podman, CRI-O, docker or containerd here: nothing to do"
+CONTAINERD_RESTART = (
+    "containerd reads its config only when it starts: systemctl restart containerd "
+    "(running containers keep running)"
+)

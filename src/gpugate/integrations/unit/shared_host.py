@@ -18,7 +18,7 @@ from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.run import RunScope
 from gpugate.core.surroundings import StateToWrite, run_state_to_write
-from gpugate.errors import ExitCode, GateError, StateUnwritable
+from gpugate.errors import ExitCode, GateError, PermissionDenied, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
@@ -202,8 +202,7 @@ class UnitSurroundings:
             reason = start_refusal or failed_start_text(int(code), code.name, busy, timeout_s)
             self._record_failure(reason, int(code), tuple(b.gpu.uuid for b in summary.busy))
         if traits.releases_lease:
-            release_lease(lock_dir, self.unit)
-            clear_failed_pre(lock_dir, self.unit)
+            self._release()
         if traits.reads_failed_start and self.failed_pre is not None:
             self.narration.start_failed_earlier(self.failed_pre.reason)
 
@@ -236,8 +235,20 @@ class UnitSurroundings:
         if traits.records_failed_start:
             self.after_error(error, busy)
         elif traits.releases_lease:
-            release_lease(self.loaded.config.lock_dir, self.unit)
-            clear_failed_pre(self.loaded.config.lock_dir, self.unit)
+            self._release()
+
+    def _release(self) -> None:
+        """After a stop: the unit's lease and this start's failed-start record go. Where
+        lock_dir will not let them (read-only), a phase whose state is not required says so
+        and its result stands: the lease is stale once the unit is inactive."""
+        lock_dir = self.loaded.config.lock_dir
+        for remove in (release_lease, clear_failed_pre):
+            try:
+                remove(lock_dir, self.unit)
+            except (StateUnwritable, PermissionDenied) as exc:
+                if self.phase.traits.state_required:
+                    raise
+                self.narration.not_recorded(exc)
 
     def driver_hung_earlier(self) -> str | None:
         """post after a pre that NVML did not answer: pre's words, or None."""
