@@ -280,7 +280,7 @@ def test_an_unwritable_textfile_is_a_warning_never_the_runs_failure(
     ]
     assert str(textfile) in warned["MESSAGE"]
     err = capsys.readouterr().err
-    assert err.startswith("gpugate: warning: ") and str(textfile) in err
+    assert str(textfile) in err  # echoed on stderr too
     assert host.journal.events("error") == []
 
 

@@ -20,6 +20,11 @@ from test_real_containers import DAEMON_JSON, MIB, ROOTFS, STORAGE_CONF, hold, v
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 HOOKS_D = "/usr/share/containers/oci/hooks.d"
+# The GPUs as device numbers: 195:N at /dev/gpunodes/nvidiaN (no driver behind them here, so
+# nothing opens them); holding a GPU is the plain /dev/nvidiaN the stand-in NVML reads.
+NODES = "/dev/gpunodes"
+NVIDIA_HOOK = "/usr/bin/nvidia-container-runtime-hook"
+NVIDIA_CONFIG = "/etc/nvidia-container-runtime/config.toml"
 FAST = "[pre]\nsigterm_grace_s = 1.0\nwait_timeout_s = 30\n[post]\nwait_timeout_s = 30\n"
 
 
@@ -73,8 +78,13 @@ class Box:
         return found
 
 
+def node(gpu: int, inside: str | None = None) -> list[str]:
+    """`--device` of GPU gpu's node (195:gpu), under the path inside (default: the same)."""
+    return ["--device", f"{NODES}/nvidia{gpu}:{inside or f'{NODES}/nvidia{gpu}'}"]
+
+
 def podman_run(name: str, gpu: int | None, *extra: str) -> str:
-    gpu_args = [*volumes([gpu]), "-e", f"NVIDIA_VISIBLE_DEVICES={gpu}"] if gpu is not None else []
+    gpu_args = [*volumes([gpu]), *node(gpu)] if gpu is not None else []
     argv = [
         "podman", "run", "-d", "--name", name, "--network", "none", "--pids-limit=-1",
         *gpu_args, *extra, "gpustub", "/bin/sh", "-c",
@@ -86,7 +96,7 @@ def podman_run(name: str, gpu: int | None, *extra: str) -> str:
 def docker_run(name: str, gpu: int) -> str:
     argv = [
         "docker", "run", "-d", "--runtime", "gpugate", "--name", name, "--network", "none",
-        *volumes([gpu]), "-e", f"NVIDIA_VISIBLE_DEVICES={gpu}", "gpustub", "sh", "-c", hold([gpu]),
+        *volumes([gpu]), *node(gpu), "gpustub", "sh", "-c", hold([gpu]),
     ]  # fmt: skip
     return shlex.join(argv)
 
@@ -104,6 +114,10 @@ def box(fake_nvml_lib: Path | None) -> Iterator[Box]:
         sim.write_file("/etc/docker/daemon.json", DAEMON_JSON)
         sim.write_file("/etc/containers/storage.conf", STORAGE_CONF)
         sim.write_file("/etc/gpugate/containers.toml", FAST)
+        sim.run(
+            f"mkdir -p {NODES} && for i in 0 1 2 3 4 5 6 7; do "
+            f"mknod -m 0666 {NODES}/nvidia$i c 195 $i; done"
+        )
         sim.run(
             f"mkdir -p {ROOTFS}/bin {ROOTFS}/dev {ROOTFS}/proc {ROOTFS}/sys {ROOTFS}/etc "
             f"{ROOTFS}/tmp && cp /bin/busybox {ROOTFS}/bin/busybox && "
@@ -211,6 +225,118 @@ def test_docker_runtime_kills_stale_holder_and_refuses_second(box: Box) -> None:
     # Through the same runtime, a container without GPUs runs as before.
     plain = box.sh("docker run --rm --runtime gpugate --network none gpustub echo plain")
     assert plain.strip() == "plain"
+
+
+def running(box: Box, runtime: str, name: str) -> bool:
+    status = box.sh(f"{runtime} inspect --format '{{{{.State.Status}}}}' {name}", check=False)
+    return status.strip() == "running"
+
+
+def lease_gpus(box: Box) -> dict[str, list[int]]:
+    """Each container lease's holder (its name) and its GPU indices."""
+    return {lease["container"].split()[2]: lease["gpus"] for lease in box.leases()}
+
+
+def test_a_renumbered_renamed_or_bind_mounted_node_is_gated_on_the_gpu_it_reaches(
+    box: Box,
+) -> None:
+    """GPU 1's node called nvidia0 inside is GPU 1: its stale holder dies, alice's orphan on
+    GPU 0 lives; called gpu1 it is still GPU 1 (refused beside the first); a bind mount of
+    GPU 2's node under any name is GPU 2."""
+    orphan = box.stale_holder(0)
+    stale = box.stale_holder(1)
+    try:
+        box.sh(podman_run("renumbered", None, *node(1, "/dev/nvidia0")))
+        assert running(box, "podman", "renumbered")
+        assert box.alive(orphan), "the orphan on GPU 0 was killed for a container on GPU 1"
+        assert not box.alive(stale), "GPU 1's stale holder outlived the container's start"
+        assert lease_gpus(box) == {"renumbered": [1]}
+
+        refused = box.sim.run(podman_run("renamed", None, *node(1, "/dev/gpu1")), check=False)
+        assert refused.returncode != 0, refused.stdout
+        assert "podman container renumbered" in refused.stderr, refused.stderr
+        assert not running(box, "podman", "renamed")
+
+        box.sh(podman_run("bound", None, "-v", f"{NODES}/nvidia2:/dev/x"))
+        assert lease_gpus(box) == {"renumbered": [1], "bound": [2]}
+        assert box.alive(orphan)
+    finally:
+        box.sh("podman rm -f --time 1 renumbered renamed bound", check=False)
+        box.sh(f"kill {orphan} {stale}", check=False)
+    wait_for("the leases given up", lambda: not box.leases())
+
+
+def test_docker_renumbered_node_is_gated_on_the_gpu_it_reaches(box: Box) -> None:
+    orphan = box.stale_holder(0)
+    base = "docker run -d --runtime gpugate --network none"
+    try:
+        box.sh(f"{base} --name drenum {shlex.join(node(1, '/dev/nvidia0'))} gpustub sleep 3600")
+        wait_for("drenum running", lambda: running(box, "docker", "drenum"))
+        assert lease_gpus(box) == {"drenum": [1]}
+        assert box.alive(orphan)
+        renamed = f"{base} --name drenamed {shlex.join(node(1, '/dev/gpu1'))} gpustub sleep 3600"
+        refused = box.sim.run(renamed, check=False)
+        assert refused.returncode != 0, refused.stdout
+        assert "drenum" in refused.stderr, refused.stderr
+        assert box.alive(orphan)
+    finally:
+        box.sh("docker rm -f drenum drenamed", check=False)
+        box.sh(f"kill {orphan}", check=False)
+    wait_for("the lease given up", lambda: not box.leases())
+
+
+def test_nvidias_lists_count_as_nvidias_hook_reads_them(box: Box) -> None:
+    """A stand-in nvidia-container-runtime-hook, registered as the toolkit registers it: with
+    the unprivileged rule in force the image's NVIDIA_VISIBLE_DEVICES=all is nothing (as
+    NVIDIA's hook ignores it), the device plugin's volume-mounts list and a CDI annotation
+    are their GPUs, and without the rule the variable is."""
+    sim = box.sim
+    ran = "/run/nvidia-hook-states"
+    sim.write_file(NVIDIA_HOOK, f"#!/bin/sh\ncat >>{ran}\necho >>{ran}\n", mode=0o755)
+    hook = {
+        "version": "1.0.0",
+        "hook": {"path": NVIDIA_HOOK, "args": ["nvidia-container-runtime-hook", "prestart"]},
+        "when": {"always": True, "commands": [".*"]},
+        "stages": ["prestart"],
+    }
+    sim.write_file(f"{HOOKS_D}/oci-nvidia-hook.json", json.dumps(hook))
+    sim.systemctl("restart", "docker.service")  # dockerd looks for NVIDIA's hook at its start
+    sim.run(f"mkdir -p {Path(NVIDIA_CONFIG).parent}")
+    sim.write_file(
+        NVIDIA_CONFIG,
+        "accept-nvidia-visible-devices-envvar-when-unprivileged = false\n"
+        "accept-nvidia-visible-devices-as-volume-mounts = true\n",
+    )
+    orphan = box.stale_holder(0)
+    try:
+        cursor = box.cursor()
+        box.sh(podman_run("cuda-image", None, "-e", "NVIDIA_VISIBLE_DEVICES=all"))
+        assert running(box, "podman", "cuda-image")
+        cid = box.sh("podman inspect --format '{{.Id}}' cuda-image").strip()
+        assert cid in box.sim.read_file(ran), "NVIDIA's stand-in hook did not run"
+        assert not box.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+        assert not box.leases() and box.alive(orphan)
+
+        listed = ("-v", "/dev/null:/var/run/nvidia-container-devices/3")
+        box.sh(podman_run("listed", None, *listed, "-e", "NVIDIA_VISIBLE_DEVICES=/var/run/x"))
+        box.sh(podman_run("cdi", None, "--annotation", "cdi.k8s.io/gpu=nvidia.com/gpu=4"))
+        assert lease_gpus(box) == {"listed": [3], "cdi": [4]}
+
+        sim.run(f"rm -f {NVIDIA_CONFIG}")  # NVIDIA's defaults: the variable counts
+        box.sh(podman_run("variable", None, "-e", "NVIDIA_VISIBLE_DEVICES=5"))
+        assert lease_gpus(box) == {"listed": [3], "cdi": [4], "variable": [5]}
+        # docker --gpus: dockerd adds NVIDIA's hook (found on PATH) and the variable.
+        gpus = "docker run -d --runtime gpugate --network none --gpus device=6 --name dgpus"
+        box.sh(f"{gpus} gpustub sleep 3600")
+        wait_for("dgpus running", lambda: running(box, "docker", "dgpus"))
+        assert lease_gpus(box) == {"listed": [3], "cdi": [4], "variable": [5], "dgpus": [6]}
+        assert box.alive(orphan)
+    finally:
+        box.sh("docker rm -f dgpus", check=False)
+        box.sh("podman rm -f --time 1 cuda-image listed cdi variable", check=False)
+        sim.run(f"rm -f {NVIDIA_HOOK} {HOOKS_D}/oci-nvidia-hook.json {NVIDIA_CONFIG}")
+        box.sh(f"kill {orphan}", check=False)
+    wait_for("the leases given up", lambda: not box.leases())
 
 
 def test_uninstall_containers_takes_it_back(box: Box) -> None:

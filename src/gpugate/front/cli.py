@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(handler="hook_command")
     _status_parser(commands)
+    sweep = commands.add_parser("sweep", help="between starts: GPU memory nobody owns, said/reaped")
+    sweep.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+    sweep.set_defaults(handler="sweep_command")
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
@@ -145,6 +148,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
             "unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)"
         )
         sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
+        sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
@@ -244,6 +248,10 @@ def _handlers_module(handler: str) -> object:
         from gpugate.front import launch  # noqa: PLC0415
 
         return launch
+    if handler == "sweep_command":
+        from gpugate.front import sweep  # noqa: PLC0415
+
+        return sweep
     from gpugate.front import commands  # noqa: PLC0415
 
     return commands

@@ -182,8 +182,12 @@ def _show_wrapped_runtime(record: Path | None = None) -> None:
 def install_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front import install  # noqa: PLC0415
 
-    if args.oci != (args.unit is None):
-        print(f"gpugate {args.command}: give a UNIT or --containers", file=sys.stderr)
+    if args.sweep and args.unit is None and not args.oci:
+        from gpugate.front.install_sweep import sweep_install_command  # noqa: PLC0415
+
+        return sweep_install_command(args)
+    if args.oci != (args.unit is None) or args.sweep:
+        print(lines.unit_or_containers(args.command), file=sys.stderr)
         return int(ExitCode.USAGE)
     if args.oci:
         return containers_install_command(args)
@@ -359,4 +363,9 @@ def oci_command(args: argparse.Namespace, front: Front) -> int:
         return runtime(args.args)
     from gpugate.front.oci_entry import main  # noqa: PLC0415
 
-    return main([args.stage], roots=front.host_roots(), config=args.config)
+    return main(
+        [args.stage],
+        roots=front.host_roots(),
+        config=args.config,
+        driver_factory=front.driver_factory,
+    )

@@ -10,19 +10,20 @@ import sys
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import (
-    OciInputError,
     parse_config,
     parse_state,
     read_config,
     read_stdin_bounded,
 )
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.pods import is_sandbox
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from pathlib import Path
 
+    from gpugate.host.nvml import GpuDriver
     from gpugate.host.roots import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
@@ -31,9 +32,16 @@ STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
 USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
 
 
-def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | None = None) -> int:
-    """argv: what follows `oci-hook`; roots and config: `gpugate --host-roots R oci-hook
-    --config C STAGE` (the bench, tests), through the full command line."""
+def main(
+    argv: Sequence[str],
+    *,
+    roots: HostRoots | None = None,
+    config: Path | None = None,
+    driver_factory: Callable[[], GpuDriver] | None = None,
+) -> int:
+    """argv: what follows `oci-hook`; roots, config and driver_factory: `gpugate --host-roots
+    R --nvml-library L oci-hook --config C STAGE` (the bench, tests), through the full
+    command line."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -53,7 +61,7 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
             if stage == "poststop":  # the runtime may have removed the bundle already;
                 return int(ExitCode.OK)  # the lease is stale once the scope is gone
             raise
-        spec = parse_config(raw, f"{state.bundle}/config.json")
+        spec = parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
     except OciInputError as exc:
         from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
 
@@ -63,4 +71,8 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
         return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
-    return run_from_hook(stage, state, spec, roots=roots, config=config)
+    if driver_factory is None:
+        return run_from_hook(stage, state, spec, roots=roots, config=config)
+    return run_from_hook(
+        stage, state, spec, roots=roots, config=config, driver_factory=driver_factory
+    )

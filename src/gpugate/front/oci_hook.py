@@ -38,6 +38,7 @@ from gpugate.integrations.container import (
     request_text,
 )
 from gpugate.integrations.unit.gpu_source import GpuChoice
+from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
 from gpugate.report import lines, oci_text
@@ -84,7 +85,10 @@ def run_container_hook(
         try:
             driver = driver_factory()
             source = request_text(spec.gpus)
-            selection = gpu_selection(spec.gpus, list(driver.gpus()), source)
+            leased = leased_gpus(loaded, identity.unit) if phase is Phase.POST else None
+            if leased is None and spec.gpus.unresolved is not None:
+                raise spec.gpus.unresolved
+            selection = leased or gpu_selection(spec.gpus, list(driver.gpus()), source)
         except GateError as exc:
             if driver is not None:
                 driver.close()
@@ -104,6 +108,15 @@ def run_container_hook(
         return int(run_hook(hook, loaded, deps).exit_code)
 
 
+def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
+    """After the stop the container's GPUs are those its start leased (what it resolved
+    then), where its lease is still there."""
+    for lease in read_leases(loaded.config.lock_dir).leases:
+        if lease.unit == unit and lease.gpus:
+            return lease.gpus
+    return None
+
+
 def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:
     """The run's unit cgroup. Before the start nothing in the scope is the container's yet
     (its init waits there): a cgroup below it that never exists; after the stop whatever is
@@ -119,15 +132,19 @@ def run_from_hook(
     *,
     roots: HostRoots | None = None,
     config: Path | None = None,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
 ) -> int:
-    """The runtime's call, past the fast path: an error is one line and its exit code."""
+    """The runtime's call, past the fast path: an error is one line and its exit code.
+    driver_factory: NVML's, or `--nvml-library`'s through the full command line (the bench)."""
     phase = stage_phase(stage)
     if phase is None:
         return int(ExitCode.OK)
     try:
         loaded = load_config(None, config) if config is not None else None
         roots = roots or on_units_tree(HostRoots())
-        return run_container_hook(phase, state, spec, roots=roots, loaded=loaded)
+        return run_container_hook(
+            phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver_factory
+        )
     except GateError as exc:
         print(oci_text.hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)

@@ -1,9 +1,10 @@
 """`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
 containerd, which run only the hooks in a container's spec. On `create` of a container that
-asks for GPUs it adds gpugate's createRuntime and poststop hooks to the bundle's
-config.json; then, for every command, it execs the runtime it wraps with all its arguments
-unchanged, as NVIDIA's nvidia-container-runtime does: runc, or NVIDIA's runtime where install
-recorded it (host/wrapped_runtime.py), each found at fixed paths only."""
+reaches GPUs (host/oci_gpus.py: the hook's own rule) it adds gpugate's createRuntime and
+poststop hooks to the bundle's config.json; then, for every command, it execs the runtime it
+wraps with all its arguments unchanged, as NVIDIA's nvidia-container-runtime does: runc, or
+NVIDIA's runtime where install recorded it (host/wrapped_runtime.py), each found at fixed
+paths only."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ConfigError, ExitCode
-from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
+from gpugate.host.oci import read_config, spec_gpu_request
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 from gpugate.report import oci_text
 
@@ -64,29 +66,14 @@ def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
     return {"path": command[0], "args": args}
 
 
-def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
+def with_hooks(
+    spec: dict[str, object], gpugate: str | Sequence[str], *, always: bool = False
+) -> bool:
     """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
-    them already."""
-    if not spec_gpu_request(spec):
+    them already. always: whatever the spec asks for now, since NVIDIA's runtime, run next,
+    may add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
+    if not always and not spec_gpu_request(spec):
         return False
-    hooks = spec.setdefault("hooks", {})
-    if not isinstance(hooks, dict):
-        raise OciInputError("config.json: hooks: not a JSON object")
-    changed = False
-    for stage in HOOK_STAGES:
-        entries = hooks.setdefault(stage, [])
-        if not isinstance(entries, list):
-            raise OciInputError(f"config.json: hooks.{stage}: not a list")
-        entry = hook_entry(gpugate, stage)
-        if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
-            entries.append(entry)
-            changed = True
-    return changed
-
-
-def with_hooks_always(spec: dict[str, object], gpugate: Sequence[str]) -> bool:
-    """Add gpugate's hooks whatever the spec asks for now: NVIDIA's runtime, run next, may
-    add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):
         raise OciInputError("config.json: hooks: not a JSON object")
@@ -112,7 +99,7 @@ def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> b
         raise OciInputError(f"{bundle}/config.json: not JSON") from None
     if not isinstance(spec, dict):
         raise OciInputError(f"{bundle}/config.json: not a JSON object")
-    added = with_hooks_always(spec, gpugate) if always else with_hooks(spec, gpugate)
+    added = with_hooks(spec, gpugate, always=always)
     if not added:
         return False
     path = Path(bundle, "config.json")

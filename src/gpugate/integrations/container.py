@@ -20,19 +20,18 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
-from gpugate.errors import ConfigError
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
     ContainerSpec,
     ContainerState,
     GpuRequest,
-    OciInputError,
     cgroup_of_spec,
     container_name,
     manager_of,
     safe_name,
 )
+from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
 from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import unit_of_cgroup
@@ -45,7 +44,7 @@ from gpugate.report import oci_text
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration
 from gpugate.report.oci_text import container_label
-from gpugate.untrusted import CONTAINER, shown
+from gpugate.untrusted import CONTAINER, echo, shown
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -173,34 +172,35 @@ def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
 
 
 def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelection:
-    """The container's GPUs as the config's `gpus`: UUIDs for its device minors (a minor is
-    not always the index), its NVIDIA_VISIBLE_DEVICES as written."""
+    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. A device
+    minor, index or UUID NVML does not know is refused (exit 64), never guessed."""
     if request.all_gpus:
         return "all"
     by_minor = {gpu.minor: gpu for gpu in gpus}
-    chosen: list[int | str] = []
+    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus}
+    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus)
+    chosen: dict[str, str] = {}
     for minor in request.minors:
         gpu = by_minor.get(minor)
         if gpu is None:
-            raise ConfigError(source, "linux.devices", f"/dev/nvidia{minor} is no GPU NVML knows")
-        chosen.append(gpu.uuid)
+            raise OciInputError(
+                f"{source}: the device {NVIDIA_MAJOR}:{minor} it reaches is no GPU NVML knows"
+            )
+        chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     for ref in request.refs:
-        item: int | str = int(ref) if ref.isascii() and ref.isdigit() else ref
-        chosen.append(item)
-    from gpugate.config.gpulist import GpuListError, gpu_refs  # noqa: PLC0415
-
-    unique: dict[str, int | str] = {}
-    for item in chosen:
-        unique.setdefault(str(item).lower(), item)
-    try:
-        return gpu_refs(list(unique.values()))
-    except GpuListError as exc:
-        raise OciInputError(f"{source}: NVIDIA_VISIBLE_DEVICES: {exc}") from None
+        gpu = by_ref.get(ref.lower())
+        if gpu is None:
+            where = ", ".join(request.origins) or "config.json"
+            raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no GPU NVML knows")
+        chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
+    return tuple(chosen.values())
 
 
 def request_text(request: GpuRequest) -> str:
     """Where the GPUs came from, for the run's first entry."""
-    return oci_text.request_text(request.minors, request.refs, request.all_gpus)
+    return oci_text.request_text(
+        request.minors, request.refs, request.all_gpus, request.origins, request.note
+    )
 
 
 @dataclass

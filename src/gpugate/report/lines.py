@@ -35,6 +35,10 @@ def warning(text: str) -> str:
     return f"gpugate: warning: {text}"
 
 
+def metrics_not_written(path: object, cause: str) -> str:
+    return warning(f"metrics not written to {path}: {cause}")
+
+
 def failure_detail(summary: RunSummary | None) -> str:
     """What still holds the run's GPUs, for a Slurm node's drain reason: each process that
     kept one (up to MAX_REASON_HOLDERS: PID, account, the GPUs, the rule), each GPU whose
@@ -195,6 +199,10 @@ def internal_error_text(exc: BaseException) -> str:
     )
 
 
+def unit_or_containers(command: str) -> str:
+    return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
+
+
 def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str:
     """Not root: holders among the processes whose open files it may not read are missing."""
     shown = ", ".join(map(str, pids[:limit]))
@@ -203,3 +211,28 @@ def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str
         f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
         "GPU holders among them are not shown; run as root"
     )
+
+
+def sweep_leased(gpus: list[int]) -> str:
+    """A sweep's reap, refused under the locks: a lease was taken on these GPUs since."""
+    return f"GPU {', '.join(map(str, gpus))} leased since the sweep looked: not reaped"
+
+
+def sweep_timer(*, enabled: bool) -> str:
+    if enabled:
+        return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
+    return "disabled gpugate-sweep.timer: no more sweeps"
+
+
+def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
+    """scontrol's Reason= for a node whose GPU memory nobody has owned for long (at most
+    slurm.MAX_REASON characters: the PIDs are cut first)."""
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: GPU {','.join(map(str, gpus))} held by nobody for {seconds:.0f}s, PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+
+
+def sweep_unkillable_reason(gpus: Sequence[int], pids: Sequence[int]) -> str:
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: sweep's reap on GPU {','.join(map(str, gpus))} left unkillable PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpugate.untrusted import escape
+
 
 def container_label(runtime: str, container_id: str, name: str | None) -> str:
     """`podman container vllm (3f2a1b0c4d5e)`, or without a name `podman container 3f2a…`."""
@@ -12,15 +14,37 @@ def container_label(runtime: str, container_id: str, name: str | None) -> str:
     return f"{runtime} container {name} ({short})" if name else f"{runtime} container {short}"
 
 
-def request_text(minors: Sequence[int], refs: Sequence[str], all_gpus: bool) -> str:
-    """Where a container's GPUs came from, for the run's first entry."""
+# Why NVIDIA's config defaults stood in for its file (host/nvidia_toolkit.py's codes).
+TOOLKIT_NOTES = {
+    "untrusted": "another account than root may change it",
+    "unreadable": "not a regular file of at most 1 MiB of TOML",
+    "not-boolean": "its accept-nvidia-visible-devices-* keys are not true or false",
+}
+
+
+def request_text(
+    minors: Sequence[int],
+    refs: Sequence[str],
+    all_gpus: bool,
+    origins: Sequence[str] = (),
+    note: str = "",
+) -> str:
+    """Where a container's GPUs came from, for the run's first entry: `the container's
+    config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from linux.devices, mounts)`."""
     parts = []
     if minors:
-        parts.append("device nodes " + ", ".join(f"/dev/nvidia{m}" for m in minors))
+        parts.append("devices " + ", ".join(f"195:{m}" for m in minors))
     if all_gpus:
-        parts.append("NVIDIA_VISIBLE_DEVICES=all")
+        parts.append("NVIDIA's list: all")
     elif refs:
-        parts.append("NVIDIA_VISIBLE_DEVICES=" + ",".join(refs))
+        parts.append("NVIDIA's list: " + ",".join(escape(ref) for ref in refs))
+    if origins:
+        parts.append("from " + ", ".join(escape(origin) for origin in origins))
+    if note in TOOLKIT_NOTES:
+        parts.append(
+            "NVIDIA's defaults assumed: /etc/nvidia-container-runtime/config.toml: "
+            + TOOLKIT_NOTES[note]
+        )
     return "the container's config.json (" + "; ".join(parts) + ")"
 
 
