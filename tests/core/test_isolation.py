@@ -175,7 +175,7 @@ def test_ld_library_path_does_not_choose_nvml(tmp_path: Path, fake_lib: Path) ->
     by_env = subprocess.run(
         [sys.executable, "-c", code, ""], capture_output=True, text=True, env=env, timeout=60
     )
-    assert "NvmlUnavailable NVML: libnvidia-ml.so.1 not found" in by_env.stdout, by_env.stderr
+    assert by_env.stdout.startswith("NvmlUnavailable "), by_env.stderr  # not the planted one
     assert by_env.stdout.splitlines()[-1] == "0"
     by_path = subprocess.run(
         [sys.executable, "-c", code, str(fake_lib)],
