@@ -354,7 +354,7 @@ def test_a_containers_hooks_go_on_without_metrics_and_poststop_without_its_lease
         **{"metrics_textfile": host.root / "textfile" / "gpugate.prom", **o}
     )
     running = {A_SCOPE: "active"}
-    assert hook(host, Phase.PRE, A_ID, [], running, devices=["/dev/nvidia1"]) == ExitCode.OK
+    assert hook(host, Phase.PRE, A_ID, [], running, devices=[1]) == ExitCode.OK
     assert not alive(stale)
     if blocked == "locks/leases":
         for lease in (host.root / "locks" / "leases").iterdir():
@@ -362,7 +362,7 @@ def test_a_containers_hooks_go_on_without_metrics_and_poststop_without_its_lease
         (host.root / "locks" / "leases").rmdir()
         (host.root / "locks" / "leases").write_text("")
     running[A_SCOPE] = "deactivating"
-    assert hook(host, Phase.POST, A_ID, [], running, devices=["/dev/nvidia1"]) == ExitCode.OK
+    assert hook(host, Phase.POST, A_ID, [], running, devices=[1]) == ExitCode.OK
     reasons = [e["GPUGATE_REASON"] for e in host.journal.events("warning")]
     assert reasons.count("metrics-unwritable") == 2, reasons
     assert ("state-not-recorded" in reasons) is (blocked == "locks/leases"), reasons

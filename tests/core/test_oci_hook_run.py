@@ -83,10 +83,13 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert not alive(stale)
     (lease,) = read_leases(host.root / "locks").leases
     assert lease.unit == A_SCOPE and lease.gpus == (1,)
-    assert A_ID[:12] in lease.container
+    # CRI-O's name annotation on podman's container: its author's word, marked as such.
+    claimed = '("c-a" by its annotation io.kubernetes.cri-o.ContainerName)'
+    assert lease.container == f"podman container {A_ID[:12]} {claimed}"
     started = host.journal.events("run_started")[0]
     assert started["GPUGATE_OCI_CONTAINER"] == A_ID
-    assert started["GPUGATE_OCI_CONTAINER_NAME"] == "c-a"
+    assert started["GPUGATE_OCI_ANNOTATED_NAME"] == "c-a"
+    assert "GPUGATE_OCI_CONTAINER_NAME" not in started
     assert started["GPUGATE_UNIT"] == A_SCOPE and started["GPUGATE_PHASE"] == "pre"
     assert started["GPUGATE_GPU_SOURCE"].endswith("1; from NVIDIA_VISIBLE_DEVICES)")
 

@@ -18,7 +18,6 @@ from gpugate.host.oci import (
     GpuRequest,
     OciInputError,
     cgroup_of_spec,
-    container_name,
     parse_config,
     parse_state,
     read_config,
@@ -174,30 +173,6 @@ def test_missing_or_odd_sections_mean_no_gpu(fields: dict[str, object]) -> None:
 )
 def test_cgroups_path_forms(path: str | None, cgroup: str | None) -> None:
     assert cgroup_of_spec(path, ID) == cgroup
-
-
-@pytest.mark.parametrize(
-    ("annotations", "name"),
-    [
-        ({"io.podman.annotations.name": "vllm"}, "vllm"),
-        (
-            {"io.kubernetes.cri-o.ContainerName": "server", "io.kubernetes.pod.name": "llm-0"},
-            "llm-0/server",
-        ),
-        ({"io.kubernetes.cri.container-name": "server"}, "server"),
-        ({"nerdctl/name": "x"}, "x"),
-        ({"io.podman.annotations.name": "  "}, None),
-        (
-            {"io.podman.annotations.name": "evil\nGPUGATE_EVENT=x\x1b[2J"},
-            "evil?GPUGATE_EVENT=x?[2J",
-        ),
-        ({"io.podman.annotations.name": "x" * 1000}, "x" * 256),
-        ({}, None),
-    ],
-)
-def test_container_names_from_annotations(annotations: dict[str, str], name: str | None) -> None:
-    got = parse_state(state(annotations=annotations))
-    assert container_name(got, None) == name
 
 
 def bundle_dir(tmp_path: Path, content: bytes, mode: int = 0o644) -> str:

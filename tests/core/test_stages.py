@@ -145,8 +145,10 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     assert null.start_refusal([], dry_run=False) is None
     assert null.not_to_wait_on([]) == [] and null.driver_hung_earlier() is None
     job = SlurmJob(42, 1000, (0, 1), "SLURM_JOB_GPUS", "node1")
-    job_loaded = with_job_gpus(loaded, ("GPU-a", "GPU-b"), "gpus from SLURM_JOB_GPUS=0,1")
+    job_loaded = with_job_gpus(
+        loaded, ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000"), "gpus from SLURM_JOB_GPUS=0,1"
+    )
     slurm = JobSurroundings.of(job_loaded, job)
-    assert slurm.loaded.config.gpus == ("GPU-a", "GPU-b")
+    assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
     assert slurm.gpu_source == f"gpus in {job_loaded.source}"
     assert "SLURM_JOB_GPUS" in slurm.gpu_source

@@ -109,6 +109,8 @@ def test_lock_dir_on_a_full_tmpfs(host: Host) -> None:
     host.reset()
     orphan, _ = host.hand_start((6,), 8060, "hand-full")
     unit = "vllm-full.service"
+    # One lock_dir for the host (rule 4): default.toml's; the unit's file names the same.
+    host.sim.write_file("/etc/gpugate/default.toml", f'lock_dir = "{LOCKS}"\n')
     host.install(
         unit,
         unit_text(unit, (6,), 8061),
@@ -155,4 +157,6 @@ def test_lock_dir_on_a_full_tmpfs(host: Host) -> None:
         assert [e for e in post if e.get("GPUGATE_EVENT") == "run_finished"], post
         assert not [e for e in post if e.get("GPUGATE_EVENT") == "error"], post
     finally:
-        host.sh(f"systemctl stop {unit}; umount {LOCKS}", check=False)
+        host.sh(
+            f"systemctl stop {unit}; umount {LOCKS}; rm -f /etc/gpugate/default.toml", check=False
+        )

@@ -40,10 +40,8 @@ class Box:
         return out.strip()
 
     def entries(self, cursor: str, *matches: str) -> list[dict[str, Any]]:
-        out = self.sh(
-            f"journalctl --no-pager -o json --after-cursor={shlex.quote(cursor)} "
-            + " ".join(matches)
-        )
+        after = f"--after-cursor={shlex.quote(cursor)} " if cursor else ""
+        out = self.sh(f"journalctl --no-pager -o json {after}" + " ".join(matches))
         return [json.loads(line) for line in out.splitlines() if line.strip()]
 
     def stale_holder(self, gpu: int) -> int:
@@ -337,6 +335,93 @@ def test_nvidias_lists_count_as_nvidias_hook_reads_them(box: Box) -> None:
         sim.run(f"rm -f {NVIDIA_HOOK} {HOOKS_D}/oci-nvidia-hook.json {NVIDIA_CONFIG}")
         box.sh(f"kill {orphan}", check=False)
     wait_for("the leases given up", lambda: not box.leases())
+
+
+def test_a_container_in_a_units_cgroup_neither_takes_nor_frees_its_lease(box: Box) -> None:
+    """Issue 34, rule 3: podman --cgroups=split (Quadlet's default) in a gated unit puts the
+    container in the unit's cgroup. It is gated under its own id beside the unit's lease; its
+    stop gives back its own lease, never the unit's, while the unit runs."""
+    sim = box.sim
+    unit = "split.service"
+    sim.write_file("/run/split-run.sh", podman_run("split-gpu", 6, "--cgroups=split") + "\n")
+    sim.install_unit(
+        unit,
+        "[Service]\nType=oneshot\nRemainAfterExit=yes\nDelegate=yes\n"
+        "ExecStartPre=/usr/bin/gpugate pre %n\nExecStopPost=/usr/bin/gpugate post %n\n"
+        "ExecStart=/bin/sh /run/split-run.sh\n",
+    )
+    sim.write_file(f"/etc/gpugate/{unit}.toml", 'gpus = [6]\nprivate_shm = "off"\n' + FAST)
+    try:
+        started = sim.systemctl("start", unit, check=False)
+        said = box.sh(f"journalctl --no-pager -o cat -u {unit} | tail -20", check=False)
+        assert started.returncode == 0, said
+        full = box.sh("podman inspect --format '{{.Id}}' split-gpu").strip()
+        pid = box.sh("podman inspect --format '{{.State.Pid}}' split-gpu").strip()
+        cgroup = box.sh(f"cat /proc/{pid}/cgroup").strip()
+        assert f"/system.slice/{unit}/" in cgroup and full in cgroup, cgroup
+        leases = {lease["unit"]: lease for lease in box.leases()}
+        assert set(leases) == {unit, f"container-{full}"}, leases
+        assert leases[unit]["container"] is None, leases[unit]
+        assert leases[f"container-{full}"]["gpus"] == [6]
+
+        box.sh("podman stop --time 1 split-gpu")
+        wait_for("its own lease given up", lambda: len(box.leases()) == 1)
+        assert [lease["unit"] for lease in box.leases()] == [unit]
+        assert sim.systemctl("is-active", unit, check=False).stdout.strip() == "active"
+    finally:
+        sim.systemctl("stop", unit, check=False)
+        box.sh("podman rm -f --time 1 split-gpu", check=False)
+
+
+ALICE = "runuser -u alice -- env HOME=/home/alice XDG_RUNTIME_DIR=/run/user/1500 podman"
+ROOTLESS_CONF = "[containers]\ndefault_sysctls = []\n"
+ROOTLESS = "--storage-driver vfs --cgroup-manager cgroupfs --events-backend file --runtime runc"
+
+
+def test_a_rootless_podman_users_gpu_container_starts_as_without_gpugate(box: Box) -> None:
+    """Issue 34, rule 2: rootless podman reads the same hooks.d and runs the hook as uid 0 of
+    alice's user namespace; the hook says so in one journal entry and lets the container be."""
+    sim = box.sim
+    install_debs(sim, "rootless", ["uidmap"])
+    box.sh(
+        "id alice >/dev/null 2>&1 || useradd -m -u 1500 alice; "
+        "grep -q '^alice:' /etc/subuid || echo alice:200000:65536 >> /etc/subuid; "
+        "grep -q '^alice:' /etc/subgid || echo alice:200000:65536 >> /etc/subgid; "
+        "mkdir -p /run/user/1500 && chown alice: /run/user/1500 && chmod 700 /run/user/1500"
+    )
+    # This machine's /proc is not fully visible to a user namespace: no fresh proc (--pid host
+    # bind-mounts the host's) and a read-only /proc/sys (no default sysctls).
+    sim.write_file("/home/alice/.config/containers/containers.conf", ROOTLESS_CONF)
+    box.sh("chown -R alice: /home/alice/.config")
+    alice = f"{ALICE} {ROOTLESS}"
+    plain = sim.run(
+        f"tar -C {ROOTFS} -c . | {alice} import - gpustub && "
+        f"{alice} run --rm --network none --pid host gpustub echo plain",
+        check=False,
+        timeout=180,
+    )
+    if plain.returncode != 0 or "plain" not in plain.stdout:
+        pytest.skip(f"rootless podman cannot run here: {(plain.stderr or plain.stdout)[-300:]}")
+    ran = sim.run(
+        f"{alice} run --name rootless-gpu --network none --pid host "
+        "-v /dev/nvidia6:/dev/nvidia6 gpustub echo gpu-ran",
+        check=False,
+        timeout=180,
+    )
+    assert (ran.returncode, ran.stdout.strip()) == (0, "gpu-ran"), ran.stderr
+    full = box.sh(f"{alice} inspect --format '{{{{.Id}}}}' rootless-gpu").strip()
+    box.sh(f"{alice} rm rootless-gpu")
+    # Found by the container's id: the entry comes from alice's uid, which journald may keep
+    # in a journal file of her own, where a cursor of the system's does not lead.
+    said = wait_for(
+        "the hook's entry",
+        lambda: box.entries("", f"GPUGATE_OCI_CONTAINER={full}"),
+        timeout=30,
+    )
+    assert isinstance(said, list)
+    assert [e.get("GPUGATE_REASON") for e in said] == ["not-host-root"], said
+    assert "uid_map" in said[0]["MESSAGE"], said[0]
+    assert not box.leases()
 
 
 def test_uninstall_containers_takes_it_back(box: Box) -> None:

@@ -5,10 +5,10 @@ for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
 
 from __future__ import annotations
 
-import os
 import sys
 
 from gpugate.errors import ExitCode
+from gpugate.host.namespaces import not_host_root
 from gpugate.host.oci import (
     parse_config,
     parse_state,
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
 ACTING = ("createRuntime", "prestart", "poststop")
 STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
+NOT_ROOT = "not-host-root"  # GPUGATE_REASON of the one line a hook that is not root sends
 USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
 
 
@@ -49,11 +50,14 @@ def main(
         print(USAGE, file=sys.stderr)
         return int(ExitCode.USAGE)
     stage = argv[0]
+    why = not_host_root()
+    if why is not None:
+        # A rootless runtime reads the same hooks.d: its containers are its user's, whom
+        # gpugate does not gate (its state and the host's processes are root's).
+        return not_gated(stage, why)
     try:
         state = parse_state(read_stdin_bounded())
-        if stage not in ACTING or os.geteuid() != 0:
-            # A rootless runtime reads the same hooks.d: its containers are its user's, whom
-            # gpugate does not gate (its state and the host's processes are root's).
+        if stage not in ACTING:
             return int(ExitCode.OK)
         try:
             raw = read_config(state.bundle)
@@ -76,3 +80,30 @@ def main(
     return run_from_hook(
         stage, state, spec, roots=roots, config=config, driver_factory=driver_factory
     )
+
+
+def not_gated(stage: str, why: str) -> int:
+    """A hook that is not the host's root: exit 0 whatever its input, touching nothing; at a
+    start stage of a container that asks for GPUs, one journal line saying it is not gated."""
+    if stage not in ("createRuntime", "prestart"):
+        return int(ExitCode.OK)
+    try:
+        state = parse_state(read_stdin_bounded())
+        spec = parse_config(read_config(state.bundle), f"{state.bundle}/config.json")
+    except OciInputError:
+        return int(ExitCode.OK)
+    if spec.gpus:
+        # Loaded only here: a rootless GPU container's start, not every container's.
+        from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
+        from gpugate.report.oci_text import not_gated_text  # noqa: PLC0415
+
+        reporter = Reporter(
+            f"container-{state.id}", stage, echo=False, fields={"GPUGATE_OCI_CONTAINER": state.id}
+        )
+        try:
+            reporter.event(
+                Event.WARNING, not_gated_text(why), priority=PRIORITY_NOTICE, reason=NOT_ROOT
+            )
+        except Exception:  # noqa: BLE001 - no journal (python-systemd missing): still exit 0
+            return int(ExitCode.OK)
+    return int(ExitCode.OK)

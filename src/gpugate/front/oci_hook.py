@@ -25,11 +25,13 @@ from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import (
     NOT_STARTED,
+    OWN_LEASE_PREFIX,
     ContainerIdentity,
     container_config,
     container_surroundings,
@@ -75,7 +77,9 @@ def run_container_hook(
     """loaded: the config (tests); default /etc/gpugate/containers.toml; unit_state stands in
     for systemd's answer on a lease's scope (tests)."""
     stream = stream or sys.stderr
-    identity = identify(state, spec, ProcFs(roots.proc))
+    identity = identified(phase, state, spec, roots, reporter_factory, stream)
+    if isinstance(identity, int):
+        return identity
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():
@@ -115,6 +119,28 @@ def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
         if lease.unit == unit and lease.gpus:
             return lease.gpus
     return None
+
+
+def identified(
+    phase: Phase,
+    state: ContainerState,
+    spec: ContainerSpec,
+    roots: HostRoots,
+    reporter_factory: ReporterFactory,
+    stream: TextIO,
+) -> ContainerIdentity | int:
+    """The container's identity, or the hook's exit code where it has no cgroup of its own:
+    never gated as the unit around it; refused before its start (one line, one entry), and
+    its poststop has no lease of its own to give back."""
+    try:
+        return identify(state, spec, ProcFs(roots.proc))
+    except OciInputError as exc:
+        if not phase.traits.before_start:
+            return int(ExitCode.OK)
+        fields = {"GPUGATE_OCI_CONTAINER": state.id}
+        reporter = reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
+        Narrator(reporter).failed(exc, stream)
+        return int(exc.exit_code)
 
 
 def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ConfigError, ExitCode
+from gpugate.host.namespaces import not_host_root
 from gpugate.host.oci import read_config, spec_gpu_request
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
@@ -129,7 +130,9 @@ def main(argv: Sequence[str]) -> int:
     if wrapped.path is None:
         print(oci_text.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
-    if creating:
+    # A rootless runtime (its user's namespace) gets its runtime as it is: its hooks would
+    # gate nothing (front/oci_entry.py), and its bundle is its user's to write, not gpugate's.
+    if creating and not_host_root() is None:
         try:
             add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:

@@ -36,21 +36,23 @@ MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is s
 STATE_TIMEOUT_S = 5.0
 MAX_FIELD = 256  # characters of an id or a name kept
 CONTAINER_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
-# Where the runtimes put the container's name (podman, CRI-O, containerd's CRI, nerdctl).
-NAME_ANNOTATIONS = (
+# The container's name as the runtime itself writes it into the spec's annotations, over
+# any a container's author passes: CRI-O's (with kubelet's pod name) and containerd's CRI
+# plugin's. Read only where the container's cgroup says the runtime is that one
+# (integrations/container.py): elsewhere anyone may set these keys.
+RUNTIME_NAME_ANNOTATIONS = {
+    "cri-o": ("io.kubernetes.cri-o.ContainerName", "io.kubernetes.pod.name"),
+    "containerd": ("io.kubernetes.cri.container-name", "io.kubernetes.cri.sandbox-name"),
+}
+# Names a container's author may set (`podman --annotation`, `nerdctl --label`, a pod's own
+# annotations): shown escaped, as the author's, never in place of the id.
+CLAIMED_NAME_ANNOTATIONS = (
     "io.podman.annotations.name",
+    "nerdctl/name",
     "io.kubernetes.cri-o.ContainerName",
     "io.kubernetes.cri.container-name",
-    "nerdctl/name",
     "io.container.manager.name",
 )
-POD_ANNOTATIONS = ("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name")
-MANAGER_ANNOTATIONS = {
-    "io.podman.annotations.": "podman",
-    "io.kubernetes.cri-o.": "cri-o",
-    "io.kubernetes.cri.": "containerd",
-    "nerdctl/": "nerdctl",
-}
 
 
 class _Record:
@@ -283,31 +285,32 @@ def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) ->
     )
 
 
-def container_name(state: ContainerState, spec: ContainerSpec | None) -> str | None:
-    """The name the runtime gave the container, from the annotations it writes."""
-    annotations = {**(spec.annotations if spec else {}), **state.annotations}
-    for key in NAME_ANNOTATIONS:
-        name = annotations.get(key, "").strip().lstrip("/")
+def runtime_name(state: ContainerState, spec: ContainerSpec, runtime: str) -> str | None:
+    """The name runtime itself wrote into the annotations (RUNTIME_NAME_ANNOTATIONS), with its
+    pod's (`pod/container`); None for a runtime that writes none."""
+    keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
+    if keys is None:
+        return None
+    annotations = {**spec.annotations, **state.annotations}
+    name = bounded(annotations.get(keys[0], "").lstrip("/"))
+    pod = bounded(annotations.get(keys[1], ""))
+    return bounded(f"{pod}/{name}") if name and pod else name
+
+
+def claimed_name(state: ContainerState, spec: ContainerSpec) -> tuple[str, str] | None:
+    """(annotation, name) of the first name the container's author may have set."""
+    annotations = {**spec.annotations, **state.annotations}
+    for key in CLAIMED_NAME_ANNOTATIONS:
+        name = bounded(annotations.get(key, ""))
         if name:
-            pod = next((annotations[k] for k in POD_ANNOTATIONS if annotations.get(k)), None)
-            return safe_name(f"{pod}/{name}" if pod else name)
+            return key, name
     return None
 
 
-def safe_name(text: str) -> str | None:
-    """A name as gpugate repeats it (journal fields, refusals, lease files): printable
-    characters only (others shown as `?`), at most MAX_FIELD; None where nothing is left."""
-    shown = "".join(c if c.isprintable() and c not in "\t\r\n" else "?" for c in text[:MAX_FIELD])
-    return shown.strip() or None
-
-
-def manager_of(state: ContainerState, spec: ContainerSpec | None) -> str | None:
-    """Which engine made the container, where its annotations say."""
-    keys = list(state.annotations) + list(spec.annotations if spec else {})
-    for prefix, manager in MANAGER_ANNOTATIONS.items():
-        if any(key.startswith(prefix) for key in keys):
-            return manager
-    return None
+def bounded(text: str) -> str | None:
+    """A name as given, at most MAX_FIELD characters, without the blanks around it; None where
+    nothing is left. Its escaping is report/untrusted's, where it is shown."""
+    return text[:MAX_FIELD].strip() or None
 
 
 def cgroup_of_spec(cgroups_path: str | None, container_id: str) -> str | None:

@@ -146,7 +146,7 @@ class Reporter:
         notifier: Notifier | None = None,
         stream: TextIO | None = None,
         echo: bool | None = None,
-        fields: Mapping[str, str] | None = None,
+        fields: Mapping[str, FieldValue] | None = None,
     ) -> None:
         """fields: added to every entry, over the defaults (a Slurm job's, say)."""
         self.unit = unit
@@ -313,5 +313,5 @@ class WaitingReports:
 
 class ReporterFactory(Protocol):
     def __call__(
-        self, unit: str, phase: str, *, fields: Mapping[str, str] | None = None
+        self, unit: str, phase: str, *, fields: Mapping[str, FieldValue] | None = None
     ) -> Reporter: ...

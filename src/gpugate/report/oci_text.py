@@ -5,13 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpugate.untrusted import escape
+from gpugate.untrusted import CGROUP, CONTAINER, escape, shown
 
 
-def container_label(runtime: str, container_id: str, name: str | None) -> str:
-    """`podman container vllm (3f2a1b0c4d5e)`, or without a name `podman container 3f2a…`."""
+def container_label(
+    runtime: str, container_id: str, name: str | None, claimed: tuple[str, str] | None = None
+) -> str:
+    """`podman container vllm (3f2a1b0c4d5e)` with the runtime's own name; with only a name
+    its author set, `podman container 3f2a1b0c4d5e ("vllm" by its annotation KEY)`; else
+    `podman container 3f2a1b0c4d5e`. Names shown escaped."""
     short = container_id[:12]
-    return f"{runtime} container {name} ({short})" if name else f"{runtime} container {short}"
+    if name:
+        return f"{runtime} container {shown(name, CONTAINER)} ({short})"
+    if claimed:
+        key, said = claimed
+        return f'{runtime} container {short} ("{shown(said, CONTAINER)}" by its annotation {key})'
+    return f"{runtime} container {short}"
 
 
 # Why NVIDIA's config defaults stood in for its file (host/nvidia_toolkit.py's codes).
@@ -51,6 +60,24 @@ def request_text(
 def hook_failed(stage: str, text: str) -> str:
     """`gpugate oci-hook STAGE`'s one line on stderr: the runtime shows it as the hook's error."""
     return f"gpugate: oci-hook {stage}: {text}"
+
+
+def no_own_cgroup(cgroup: str, container_id: str) -> str:
+    """The refusal of a container whose cgroup its runtime did not make for it alone."""
+    where = f"cgroup {shown(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
+    return (
+        f"container {container_id[:12]} runs in {where}, not in one of its own (a runtime's "
+        "scope or folder named after its id): gated, it would be the unit around it; not "
+        "started (docs/containers.md)"
+    )
+
+
+def not_gated_text(why: str) -> str:
+    """The one journal line of a hook run by a runtime that is not the host's root."""
+    return (
+        f"not gated: the container's runtime is not the host's root ({why}); gpugate gates "
+        "only containers of root's runtimes (docs/containers.md)"
+    )
 
 
 def runtime_failed(text: str) -> str:
