@@ -29,7 +29,7 @@ def parse_config(text: str, source: str) -> GateConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, "", f"not valid TOML: {exc!s}") from None
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
     try:
         return GateConfig.model_validate(data)
     except ValidationError as exc:

@@ -155,7 +155,7 @@ def load_nvml_library(nv: Any, library: str | None) -> None:
             nv.nvmlLib = ctypes.CDLL(path)
         except OSError as exc:
             raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found: {path} cannot be loaded ({exc!s}): is the "
+                f"NVML: {NVML_LIBRARY} not found: {path} cannot be loaded ({exc}): is the "
                 "NVIDIA driver installed?"
             ) from None
 
@@ -252,7 +252,7 @@ class NvmlDriver:
         except nv.NVMLError_NoPermission:
             raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: initialisation failed: {exc!s}") from None
+            raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
         self._initialized = True
 
     def close(self) -> None:
@@ -273,7 +273,7 @@ class NvmlDriver:
         try:
             count = self._raw(None, nv.nvmlDeviceGetCount)
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc!s}") from None
+            raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
         for index in range(count):
             try:
                 found.append(self._read_gpu(index))
@@ -360,9 +360,9 @@ class NvmlDriver:
         except nv.NVMLError_NoPermission:
             raise PermissionDenied(f"NVML: permission denied for {_name(function)}") from None
         except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded) as exc:
-            raise NvmlUnavailable(f"NVML: {_name(function)}: {exc!s}") from None
+            raise NvmlUnavailable(f"NVML: {_name(function)}: {exc}") from None
         except nv.NVMLError as exc:
-            raise GpuError(index, f"NVML: {_name(function)} on GPU {index}: {exc!s}") from None
+            raise GpuError(index, f"NVML: {_name(function)} on GPU {index}: {exc}") from None
 
 
 def _name(function: Any) -> str:

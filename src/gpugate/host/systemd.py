@@ -269,7 +269,7 @@ def unit_environment(
                     continue
                 raise UnknownUnit(
                     f"unit {name}: EnvironmentFile={shown(str(path), FILE)}: cannot read it "
-                    f"({exc!s}); systemd would not start the unit either"
+                    f"({exc}); systemd would not start the unit either"
                 ) from None
             files.append(path)
             for variable, setting in parsed.items():

@@ -61,19 +61,19 @@ def read_gres_conf(path: Path) -> str:
     where = untrusted(path)
     if where is not None:
         raise GresUnresolved(
-            f"{path!s}: not read, {where.path} may be changed by an account other than root"
+            f"{path}: not read, {where.path} may be changed by an account other than root"
         )
     try:
         data = read_capped(path, MAX_GRES_BYTES, follow_links=True)
     except FileNotFoundError:
-        raise GresUnresolved(f"{path!s}: no such file") from None
+        raise GresUnresolved(f"{path}: no such file") from None
     except (NotRegularFile, TooLarge, OSError) as exc:
         cause = exc.strerror or str(exc)
-        raise GresUnresolved(f"{path!s}: cannot read it: {cause}") from None
+        raise GresUnresolved(f"{path}: cannot read it: {cause}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise GresUnresolved(f"{path!s}: cannot read it: not UTF-8") from None
+        raise GresUnresolved(f"{path}: cannot read it: not UTF-8") from None
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:

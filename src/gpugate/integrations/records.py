@@ -81,7 +81,7 @@ def parse_record(text: str) -> dict[str, Any]:
     except BadRecord:
         raise
     except ValueError as exc:  # JSONDecodeError is one
-        raise BadRecord(f"not JSON ({str(str(exc))[:80]})") from None
+        raise BadRecord(f"not JSON ({str(exc)[:80]})") from None
     if not isinstance(data, dict):
         raise BadRecord(f"a JSON {type(data).__name__}, not an object")
     return data
