@@ -15,7 +15,7 @@ def doing(progress: Progress) -> str:
         return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
     if stage is Stage.WAITING:
         shown = ", ".join(
-            f"GPU {item.gpu.index} {item.used_mib} MiB" for item in progress.waiting_on
+            f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
         )
         return f"waiting for the driver to free memory ({shown})"
     if stage is Stage.FINISHING:
