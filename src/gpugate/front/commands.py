@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from gpugate.errors import ExitCode, GateError, NvmlNotAnswering, Problem, UnknownUnit
+from gpugate.errors import ExitCode, GateError, NvmlNotAnswering, UnknownUnit
 from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
 from gpugate.host.nvml import GpuDriver, NotAnswering, NvmlDriver
@@ -24,7 +24,6 @@ from gpugate.host.systemd import (
     validate_unit_name,
 )
 from gpugate.report import lines
-from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 
 if TYPE_CHECKING:
@@ -82,7 +81,10 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
     unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
-        raise UnknownUnit(Problem.UNIT_NOT_GIVEN)
+        raise UnknownUnit(
+            "no UNIT given and gpugate is not running inside a service's cgroup; pass the "
+            "unit (%n in a unit file)"
+        )
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     phase = Phase(args.command)
@@ -145,13 +147,15 @@ def config_check_command(args: argparse.Namespace, front: Front) -> int:
 
     unit = validate_unit_name(unit_argument(args.unit)) if args.unit else None
     loaded = load_config(unit, args.path)
-    print(lines.effective_config(loaded.source))
+    print(f"# effective configuration, from {loaded.source}")
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
         environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
-        print(lines.unit_gpus(unit, choice.gpus, choice.source))
+        gpus = choice.gpus
+        shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
+        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             _warn_environment_files(unit)
@@ -207,13 +211,13 @@ def install_command(args: argparse.Namespace, front: Front) -> int:
             **dirs,
         )
         if not os.access(command[0], os.X_OK) and not args.dry_run:
-            print(lines.not_executable_here(command[0]), file=sys.stderr)
+            print(lines.warning(f"{command[0]} is not an executable here"), file=sys.stderr)
     if args.command == "install" and systemd_running():
         _warn_environment_files(unit)
     reload = (lambda: False) if args.no_reload else install.systemctl_daemon_reload
     changed = install.apply(changes, dry_run=args.dry_run, reload=reload)
     if changed and args.command == "install":
-        print(lines.takes_effect(unit))
+        print(f"takes effect at the next start: systemctl restart {unit}")
     return int(ExitCode.OK)
 
 
@@ -245,13 +249,14 @@ def status_command(args: argparse.Namespace, front: Front) -> int:
             if not args.watch:
                 print(render_json(data) if args.json else render_table(data), flush=True)
                 if hung is not None:
-                    print(lines.error(error_text(hung)), file=sys.stderr, flush=True)
+                    print(lines.error(hung.message), file=sys.stderr, flush=True)
                     return int(hung.exit_code)
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:
                 raise hung  # --watch: no next look can answer
             # Home and clear the screen, then the table, as watch(1) draws it.
-            print(f"\x1b[H\x1b[J{lines.watch_header(unit)}\n\n{render_table(data)}", flush=True)
+            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
+            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends

@@ -30,9 +30,9 @@ from gpugate.errors import ExitCode
 from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
 from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
+from gpugate.host.trust_text import metrics_folder_warning
 from gpugate.integrations.records import parse_record
 from gpugate.report import lines
-from gpugate.report.trust_text import metrics_folder_warning
 
 STATE_VERSION = 1
 LOCK_TIMEOUT_S = 10.0

@@ -8,7 +8,7 @@ from typing import Any
 
 from gpugate.core.decide import Choice
 from gpugate.host.containers import Container
-from gpugate.report.untrusted import COMMAND, CONTAINER, exact, shown
+from gpugate.untrusted import COMMAND, CONTAINER, exact, shown
 
 
 def gpu_list(indices: Iterable[int]) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Mapping
 
 from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.report.holder_text import container_handle, container_text
-from gpugate.report.untrusted import CGROUP, COMM, shown
+from gpugate.untrusted import CGROUP, COMM, shown
 
 
 def held_text(choice: Choice) -> str:

@@ -8,14 +8,18 @@ active or activating such a run would kill the running service, so it refuses un
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from gpugate.errors import GateError, ManualRunRefused, Problem
+from gpugate.errors import GateError, ManualRunRefused
 from gpugate.host.systemd import own_unit
 from gpugate.phase import Phase
+from gpugate.untrusted import cut
 
 RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
+MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
+MAX_LISTED_TEXT = 120  # characters of each
 
 
 def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
@@ -48,6 +52,18 @@ def manual_run_guard(
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
     """state: the unit's ActiveState, as manual_run_guard found it; would_kill: each target
     as the journal names it."""
+    # Each already shown (escaped) by describe(); one line, each short.
+    shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
+    listed = "; ".join(shown[:MAX_LISTED]) + (
+        f"; and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
+    )
+    what = (
+        f"it would kill {len(shown)} process(es): {listed}"
+        if shown
+        else "it would kill nothing now"
+    )
     return ManualRunRefused(
-        Problem.MANUAL_RUN, unit=unit, state=state, phase=phase, would_kill=would_kill
+        f"{unit} is {state} and this `gpugate {phase}` is not its {phase} hook "
+        f"(not in the unit's cgroup with INVOCATION_ID set); {what}; nothing killed. To do it "
+        f"on purpose: gpugate {phase} {unit} --force"
     )

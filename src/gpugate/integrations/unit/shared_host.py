@@ -42,7 +42,6 @@ from gpugate.integrations.unit.start_failure import (
     record_failed_pre,
 )
 from gpugate.phase import Phase
-from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import describe
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
@@ -226,7 +225,7 @@ class UnitSurroundings:
         with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
             release_lease(self.loaded.config.lock_dir, self.unit)
         uuids = tuple(item.gpu.uuid for item in busy)
-        self._record_failure(error_text(error), int(error.exit_code), uuids)
+        self._record_failure(error.message, int(error.exit_code), uuids)
 
     def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
         """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the
