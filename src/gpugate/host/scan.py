@@ -85,13 +85,11 @@ def scan_device_users(
     deadline: Deadline = NO_DEADLINE,
     *,
     pids: Collection[int] | None = None,
-    threads: int = 1,
 ) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
     and every process's files in the shm areas (read from the same fd links and maps: no second
-    pass). pids: only these processes (`WatchScan`'s rescans); threads: how many threads
-    share the processes (bench/scan_threads.py). gpugate itself scans on one: with two idle
+    pass). pids: only these processes (`WatchScan`'s rescans). One thread: with two idle
     cores, two threads took 8% more wall time and 17% more CPU than one (the GIL: each
     syscall's release and re-take costs more than the syscall overlaps; docs/benchmarks.md).
 
@@ -117,51 +115,9 @@ def scan_device_users(
             names = [name for name in os.listdir(proc_fd) if name.isdigit()]
         else:
             names = [str(pid) for pid in pids]
-        count = max(1, min(threads, len(names)))
-        if count == 1:
-            return _scan_part(proc_fd, names, wanted)
+        return _scan_part(proc_fd, names, wanted)
     finally:
         os.close(proc_fd)
-    return _on_threads(proc_root, _dealt(names, count), wanted)
-
-
-def _on_threads(proc_root: Path, parts: list[list[str]], wanted: _Wanted) -> DeviceScan:
-    """Each part on a thread of its own, with its own /proc fd. An exception in the caller's
-    thread (SIGTERM's Interrupted) returns at once: the threads stop at their next process,
-    and no fd they read through is closed under them."""
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (big hosts only)
-
-    stop: list[bool] = []
-
-    def part_scan(names: list[str]) -> DeviceScan:
-        own_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            return _scan_part(own_fd, names, wanted, stop)
-        finally:
-            os.close(own_fd)
-
-    pool = ThreadPoolExecutor(len(parts))
-    try:
-        return _merged(list(pool.map(part_scan, parts)))
-    finally:
-        stop.append(True)
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _dealt(names: list[str], count: int) -> list[list[str]]:
-    return [names[start::count] for start in range(count)]
-
-
-def _merged(parts: Sequence[DeviceScan]) -> DeviceScan:
-    scan = DeviceScan({}, [])
-    for part in parts:
-        scan.users.update(part.users)
-        scan.unreadable.extend(part.unreadable)
-        scan.shm.update(part.shm)
-        scan.cut_short.extend(part.cut_short)
-    scan.unreadable.sort()
-    scan.cut_short.sort()
-    return scan
 
 
 def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> None:
@@ -171,14 +127,9 @@ def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> 
         scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
 
 
-def _scan_part(
-    proc_fd: int, names: Sequence[str], wanted: _Wanted, stop: Sequence[bool] = ()
-) -> DeviceScan:
-    """stop: becomes true when the caller no longer waits for this part (threads only)."""
+def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
     scan = DeviceScan({}, [])
     for count, name in enumerate(names):
-        if stop:
-            break
         if wanted.deadline.passed():
             scan.cut_short.extend(int(left) for left in names[count:])
             break
