@@ -6,28 +6,37 @@ forks while it is being killed is found and killed too. NVML failing (at the sta
 with `on_nvml_error = "warn"` is a transition back to looking, with the unit's cgroup alone:
 same deadline, same summary. What the run says goes through `Narration` (worded in
 gpugate.report); what the unit's surroundings add (leases, the manual-run guard) comes through
-`Surroundings`. Outside the core, a run is `PhaseRun(setup).run()` and its
+`Surroundings`. Outside the core, a run is `PhaseRun(...).run()` and its
 `progress` (what it is doing, for an interruption to say).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
+from gpugate.core.narration import Narration
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunDeps, RunScope, RunSetup, RunState
+from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunDeps, RunScope, RunState
 from gpugate.core.stage import Progress, Stage, Transition
 from gpugate.core.stages import Looking, StageStep
-from gpugate.errors import NvmlUnavailable
+from gpugate.core.surroundings import Surroundings
+from gpugate.errors import GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus
 
-__all__ = ["TIMEOUT_MARGIN_S", "PhaseRun", "RunDeps", "RunScope", "RunSetup"]
+__all__ = ["TIMEOUT_MARGIN_S", "PhaseRun", "RunDeps", "RunScope"]
 
 
 class PhaseRun:
-    def __init__(self, setup: RunSetup) -> None:
-        self._state = RunState(setup, NoGpus())
-        self._transitions: list[tuple[Stage, Transition]] = []
+    """surroundings.loaded: the config the run uses (the unit's GPUs resolved)."""
+
+    def __init__(
+        self,
+        scope: RunScope,
+        narrator: Narration,
+        surroundings: Surroundings,
+        deps: RunDeps,
+        *,
+        dry_run: bool = False,
+    ) -> None:
+        self._state = RunState(scope, narrator, surroundings, deps, dry_run=dry_run)
 
     @property
     def progress(self) -> Progress:
@@ -37,20 +46,34 @@ class PhaseRun:
     @property
     def transitions(self) -> list[tuple[Stage, Transition]]:
         """Each stage the run went through, with the transition it left by."""
-        return list(self._transitions)
+        return self._state.transitions
 
     def run(self) -> RunSummary:
-        driver = self._open(self._state.setup.deps.driver_factory)
+        """The run; an error (but a manual run's refusal, where nothing began) is told to the
+        surroundings first (not in a dry run), after the locks are released."""
+        state = self._state
         try:
-            driver.answer_by(self._state.deadline)  # one that stops answering ends the run
-            self._state.driver = driver
-            with self._state.locks:
-                self._go(Looking(self._state, announce=True))
+            self._run()
+        except ManualRunRefused:
+            raise
+        except GateError as exc:
+            if not state.dry_run:
+                state.surroundings.after_error(exc, state.progress)
+            raise
+        return state.summary
+
+    def _run(self) -> None:
+        state = self._state
+        driver = self._open()
+        try:
+            driver.answer_by(state.deadline)  # one that stops answering ends the run
+            state.driver = driver
+            with state.locks:
+                self._go(Looking(state, announce=True))
         finally:
             driver.close()
-        return self._state.summary
 
-    def _open(self, open_driver: Callable[[], GpuDriver]) -> GpuDriver:
+    def _open(self) -> GpuDriver:
         state = self._state
         hung = state.surroundings.driver_hung_earlier()
         if hung is not None:
@@ -60,19 +83,26 @@ class PhaseRun:
             state.without_nvml()
             return NoGpus()
         try:
-            return open_driver()
+            return state.deps.driver_factory()
         except NvmlUnavailable as exc:
             state.without_nvml(exc)  # raises unless the run may go on without NVML
             return NoGpus()
 
     def _go(self, first: StageStep) -> None:
+        state = self._state
+        state.enter(first.code)
         stage: StageStep | None = first
         while stage is not None:
             current = stage
             try:
                 transition, stage = current.step()
             except NvmlUnavailable as exc:
-                self._state.locks.close()  # released before the run goes on without NVML
-                self._state.without_nvml(exc)  # raises unless the run may go on without NVML
-                transition, stage = Transition.NVML_FAILED, current.after_nvml_failure()
-            self._transitions.append((current.code, transition))
+                state.locks.close()  # released before the run goes on without NVML
+                state.without_nvml(exc)  # raises unless the run may go on without NVML
+                # Looking again, with the unit's cgroup alone; announced once only.
+                announce = isinstance(current, Looking) and current.announce
+                transition, stage = Transition.NVML_FAILED, Looking(state, announce=announce)
+            if stage is None:
+                state.end(transition)
+            else:
+                state.enter(stage.code, transition)

@@ -16,7 +16,7 @@ from gpugate.host.systemd import unit_of_cgroup
 
 
 def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
-    deps = state.setup.deps
+    deps = state.deps
     host = deps.shm_host(state.shm.areas, deps.roots.proc)
     freed = 0
     if state.policy.remove_shm:

@@ -29,16 +29,18 @@ class Transition(StrEnum):
     LOCKED = "locked"  # locking -> stopping
     START_REFUSED = "start-refused"  # locking -> finishing: the surroundings refuse the start
     STOPPED = "stopped"  # stopping -> waiting: every target is gone
-    SURVIVED = "survived"  # stopping -> finishing: a target outlived SIGKILL
+    SURVIVED = "survived"  # stopping -> finishing (or back to waiting): one outlived SIGKILL
     STILL_HELD = "still-held"  # stopping -> finishing: a blocker still holds a GPU
     SETTLED = "settled"  # waiting -> finishing: free, or the deadline
+    RESPAWNED = "respawned"  # waiting -> stopping: a new target turned up in the wait
     NVML_FAILED = "nvml-failed"  # any stage -> looking again, without NVML (on_nvml_error=warn)
     FINISHED = "finished"  # finishing -> the end
 
 
 @dataclass(frozen=True)
 class Progress:
-    """What the run is doing: its stage and the facts that stage is about."""
+    """What the run is doing: its stage (set only by entering one: `RunState.enter`) and the
+    facts that stage is about."""
 
     stage: Stage = Stage.LOOKING
     processes: int = 0  # STOPPING: how many this round

@@ -1,11 +1,12 @@
 """The phase run's stages: looking -> (locking -> stopping -> waiting ->) finishing. Each is
 a small object made with what it needs; `step()` does the stage's work and returns the
 transition it took (a code) and the next stage (None: the run is over). NVML failing in any
-stage is the machine's transition back to looking, without NVML (core/run.py)."""
+stage is the machine's transition back to looking, without NVML (core/run.py); the machine
+enters each stage the step returns (RunState.enter)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional, Protocol
 
 from gpugate.core.decide import Decision
@@ -26,9 +27,6 @@ class StageStep(Protocol):
     def code(self) -> Stage: ...
 
     def step(self) -> Step: ...
-
-    def after_nvml_failure(self) -> StageStep:
-        """The stage to go on with once NVML failed here (and the run may go on without)."""
 
 
 @dataclass(frozen=True)
@@ -52,7 +50,7 @@ class Looking:
             for g in discovery.owned
             if s.used_before[g.index] > s.config.free_mib
         )
-        s.progress = replace(s.progress, last_busy=busy)
+        s.note(last_busy=busy)
         s.surroundings.before_kill(decision)  # one line, before any other
         if self.announce:
             self.announce_run(discovery)
@@ -68,9 +66,9 @@ class Looking:
             s.narrator.refused()
             s.facts.held_by_others = True
             return Transition.REFUSED, Finishing(s, clean_shm=False)
-        if s.setup.dry_run:
-            refusal = s.surroundings.start_refusal(discovery.owned, dry_run=True)
-            s.facts.held_by_others = bool(decision.blockers) or refusal is not None
+        if s.dry_run:
+            refused = s.surroundings.refuses_start(discovery.owned, dry_run=True)
+            s.facts.held_by_others = bool(decision.blockers) or refused
             would_kill = frozenset(c.holder.pid for c in decision.targets)
             s.summary.would_kill = len(decision.targets)
             return Transition.DRY_RUN, Finishing(s, clean_shm=True, would_kill=would_kill)
@@ -80,14 +78,11 @@ class Looking:
         s = self.state
         s.narrator.run_started(
             discovery,
-            s.setup.loaded.source,
+            s.loaded.source,
             sum(s.used_before.values()),
             gpu_source=s.surroundings.gpu_source,
             gpu_source_warns=s.surroundings.gpu_source_warns,
         )
-
-    def after_nvml_failure(self) -> StageStep:
-        return Looking(self.state, announce=self.announce)
 
 
 @dataclass(frozen=True)
@@ -108,15 +103,11 @@ class Locking:
             gpu_locks(s.config.lock_dir, owned, s.deadline, on_wait=s.on_lock_wait, clock=s.clock)
         )
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
-        s.start_refusal = s.surroundings.start_refusal(owned, dry_run=False)
-        if s.start_refusal is not None:
+        if s.surroundings.refuses_start(owned, dry_run=False):
             s.facts.held_by_others = True
             return Transition.START_REFUSED, Finishing(s, clean_shm=False)
         s.surroundings.reserve(owned)
         return Transition.LOCKED, Stopping(s, self.discovery, self.decision)
-
-    def after_nvml_failure(self) -> StageStep:
-        return Looking(self.state, announce=False)
 
 
 @dataclass(frozen=True)
@@ -139,9 +130,6 @@ class Stopping:
             return Transition.STILL_HELD, Finishing(s, clean_shm=True)
         return Transition.STOPPED, Waiting(s, discovery, decision)
 
-    def after_nvml_failure(self) -> StageStep:
-        return Looking(self.state, announce=False)
-
 
 @dataclass(frozen=True)
 class Waiting:
@@ -153,9 +141,6 @@ class Waiting:
     def step(self) -> Step:
         wait(self.state, self.discovery, self.decision)
         return Transition.SETTLED, Finishing(self.state, clean_shm=True)
-
-    def after_nvml_failure(self) -> StageStep:
-        return Looking(self.state, announce=False)
 
 
 @dataclass(frozen=True)
@@ -173,7 +158,7 @@ class Finishing:
         if self.clean_shm:
             clean_shm(s, None if self.would_kill is None else set(self.would_kill))
         s.summary.exit_code = exit_code_for(s.facts)
-        if s.setup.dry_run:
+        if s.dry_run:
             s.narrator.finished(s.summary)
             return Transition.FINISHED, None
         # A lease first: one that cannot be written is the run's error (exit 73), never a
@@ -181,10 +166,7 @@ class Finishing:
         lease_first = s.scope.phase.traits.takes_lease
         if not lease_first:
             s.narrator.finished(s.summary)
-        s.surroundings.after_run(s.summary, s.start_refusal)
+        s.surroundings.after_run(s.summary)
         if lease_first:
             s.narrator.finished(s.summary)
         return Transition.FINISHED, None
-
-    def after_nvml_failure(self) -> StageStep:
-        return Looking(self.state, announce=False)

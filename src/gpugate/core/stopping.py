@@ -45,7 +45,7 @@ def kill_round(
     if round_number > 1:
         state.narrator.choices(Decision(fresh))
     state.narrator.stopping(len(fresh), round_number)
-    state.stopping(len(fresh), round_number)
+    state.note(processes=len(fresh), round_number=round_number)
     by_ident.update((c.holder.info.ident, c) for c in fresh)
     with state.procfs.oneshot():
         state.watch.killed(fresh, by_ident, state.procfs, self_chain=discovery.self_chain)
@@ -58,7 +58,7 @@ def kill_round(
         procfs=state.procfs,  # outside any oneshot(): every check reads /proc afresh
         on_signal=lambda ident, signum: state.narrator.signal_sent(by_ident[ident], signum),
         on_sigkill_wait=lambda idents: on_stuck(state, [by_ident[i] for i in idents]),
-        pinner=state.setup.deps.pinner,
+        pinner=state.deps.pinner,
         clock=state.clock,
     )
     state.summary.killed.extend(result.terminated + result.killed)

@@ -19,7 +19,8 @@ from gpugate.config.models import GateConfig, LoadedConfig
 
 if TYPE_CHECKING:
     from gpugate.core.decide import Decision
-    from gpugate.core.outcome import BusyGpu, RunSummary
+    from gpugate.core.outcome import RunSummary
+    from gpugate.core.stage import Progress
     from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
 
@@ -52,9 +53,10 @@ class Surroundings(Protocol):
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
-        """Under the GPU locks, before anything is killed: why this start must not go on
-        (another running workload's claim on the GPUs), or None."""
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        """Under the GPU locks, before anything is killed: whether this start must not go on
+        (another running workload's claim on the GPUs; the surroundings say why, and keep
+        it for after_run)."""
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """The run refuses: others' processes hold the GPUs. Says what else is known of
@@ -68,16 +70,13 @@ class Surroundings(Protocol):
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """The GPUs whose memory need not be waited for again."""
 
-    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
+    def after_run(self, summary: RunSummary) -> None:
         """After a run that was not a dry run, still under the locks."""
 
-    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
-        """The run (not a dry run) ended in an error; busy: the GPUs it was still waiting
-        for (the same start's next phase need not wait on them again)."""
-
-    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
-        """The run (not a dry run) was stopped by SIGTERM/SIGINT, with the GPUs it was still
-        waiting for."""
+    def after_error(self, error: GateError, progress: Progress) -> None:
+        """The run (not a dry run) ended in an error (Interrupted: stopped by SIGTERM or
+        SIGINT), the locks released; progress: what it was doing, and the GPUs it was
+        still waiting for (the same start's next phase need not wait on them again)."""
 
 
 def run_state_to_write(config: GateConfig) -> StateToWrite:
@@ -107,8 +106,8 @@ class NullSurroundings:
     def before_kill(self, decision: Decision) -> None:
         return None
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
-        return None
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        return False
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         return None
@@ -119,11 +118,8 @@ class NullSurroundings:
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         return []
 
-    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
+    def after_run(self, summary: RunSummary) -> None:
         return None
 
-    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
-        return None
-
-    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
+    def after_error(self, error: GateError, progress: Progress) -> None:
         return None

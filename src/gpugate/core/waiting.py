@@ -1,5 +1,6 @@
 """The waiting stage's work: wait for free GPUs and ports; what turns up meanwhile (a
-respawn) is killed too; then the wait's outcome as facts."""
+respawn) is killed too, a transition back to stopping and again to waiting; then the wait's
+outcome as facts."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from gpugate.core.decide import Decision, spared_for_good
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunState
+from gpugate.core.stage import Stage, Transition
 from gpugate.core.stopping import kill_rounds
 from gpugate.core.wait import Settled, busy_gpus, wait_settled
 from gpugate.host.nvml import Gpu
@@ -63,7 +65,7 @@ class RunProbes:
 
     def busy_ports(self) -> list[int]:
         s = self.state
-        return sorted(set(listening_sockets(s.setup.deps.roots.proc, s.ports).values()))
+        return sorted(set(listening_sockets(s.deps.roots.proc, s.ports).values()))
 
     def pending(self) -> list[int]:
         return self.state.watch.pending(self.state.procfs)
@@ -110,8 +112,11 @@ def look_again(state: RunState) -> bool:
     if not fresh:
         return False
     state.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
+    state.enter(Stage.STOPPING, Transition.RESPAWNED)
     _, _, survivors = kill_rounds(state, discovery, decision)
     if survivors:
         state.facts.survivors = True
         state.narrator.survived(len(survivors))
+    # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
+    state.enter(Stage.WAITING, Transition.SURVIVED if survivors else Transition.STOPPED)
     return True

@@ -73,7 +73,6 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     from gpugate.core.run import RunDeps  # noqa: PLC0415
     from gpugate.front.hook import Deps, Hook, run_hook  # noqa: PLC0415
     from gpugate.integrations.config_files import load_config  # noqa: PLC0415
-    from gpugate.integrations.unit.manual_guard import manual_run_guard  # noqa: PLC0415
     from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
@@ -84,17 +83,12 @@ def hook_command(args: argparse.Namespace, front: Front) -> int:
     validate_unit_name(unit)
     loaded = load_config(unit, args.config)
     phase = Phase(args.command)
-    manual_refusal = manual_run_guard(
-        phase,
-        unit,
-        front.unit_state,
-        front.environ,
-        force=args.force,
-        dry_run=args.dry_run,
-        proc_root=roots.proc,
-    )
     context = UnitContext(
-        front.environ, roots, manual_refusal=manual_refusal, ignore_leases=args.ignore_leases
+        front.environ,
+        roots,
+        guard_manual_run=not (args.force or args.dry_run),
+        active_state=front.unit_state,
+        ignore_leases=args.ignore_leases,
     )
     hook = Hook(
         phase,

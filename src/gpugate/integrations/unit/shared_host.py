@@ -3,8 +3,10 @@ them (core/surroundings.py), for the phases whose traits say they apply.
 
 - the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
 - a hand-typed pre/post against a running unit: refused before anything is killed;
-- GPU leases (leases.py): checked and taken under the per-GPU locks, released by post;
-- a failed pre's reason (start_failure.py): post does not wait on that memory again.
+- GPU leases (leases.py): checked and written under the per-GPU locks before the first
+  kill; kept on pre's success; given up when pre fails, ends in an error or is interrupted
+  (its reason recorded for post: start_failure.py, post does not wait on that memory again),
+  and by post (`_ended`: the lease's end, whatever ended the run).
 """
 
 from __future__ import annotations
@@ -17,11 +19,17 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.run import RunScope
+from gpugate.core.stage import Progress
 from gpugate.core.surroundings import StateToWrite, run_state_to_write
-from gpugate.errors import ExitCode, GateError, StateUnwritable
+from gpugate.errors import ExitCode, GateError, Interrupted, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
-from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
+from gpugate.host.systemd import (
+    UnitEnvironment,
+    active_state,
+    unit_active_state,
+    unit_environment,
+)
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import (
     STARTED_BY_VARIABLE,
@@ -33,7 +41,7 @@ from gpugate.integrations.unit.leases import (
     release_lease,
     write_lease,
 )
-from gpugate.integrations.unit.manual_guard import refusal
+from gpugate.integrations.unit.manual_guard import manual_run_guard, refusal
 from gpugate.integrations.unit.start_failure import (
     FailedPre,
     clear_failed_pre,
@@ -46,6 +54,7 @@ from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import describe
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
+from gpugate.report.stage_text import interrupted
 
 
 @dataclass(frozen=True)
@@ -56,7 +65,10 @@ class UnitContext:
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
-    manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
+    # `gpugate pre|post` without --force or --dry-run: refused against a running unit
+    # unless it is the unit's own hook (manual_guard.py); never for a container's hook.
+    guard_manual_run: bool = False
+    active_state: Callable[[str], str | None] = active_state  # the guard's: systemd's
     ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     environment: Callable[[str], UnitEnvironment | None] | None = None  # default: systemd's
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
@@ -73,6 +85,7 @@ class UnitSurroundings:
     narration: UnitNarration
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
+    refusal: str | None = None  # why another unit's lease refused this start
 
     @property
     def environ(self) -> Mapping[str, str]:
@@ -95,13 +108,24 @@ class UnitSurroundings:
         return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
-        manual_refusal = self.context.manual_refusal
-        if manual_refusal is None:
-            return
-        would_kill = [describe(choice) for choice in decision.targets]
-        raise refusal(manual_refusal, self.phase.value, self.unit, would_kill)
+        context = self.context
+        state = manual_run_guard(
+            self.phase,
+            self.unit,
+            context.active_state,
+            self.environ,
+            force=not context.guard_manual_run,
+            proc_root=context.roots.proc,
+        )
+        if state is not None:
+            would_kill = [describe(choice) for choice in decision.targets]
+            raise refusal(state, self.phase.value, self.unit, would_kill)
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        self.refusal = self._lease_refusal(owned, dry_run=dry_run)
+        return self.refusal is not None
+
+    def _lease_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
         """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
         if not self.phase.traits.takes_lease or not owned:
             return None
@@ -189,24 +213,46 @@ class UnitSurroundings:
             self.narration.waiting_skipped(skipped)
         return skipped
 
-    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
-        """pre: take the lease on success, record why on failure; post: release it."""
-        lock_dir = self.loaded.config.lock_dir
-        traits = self.phase.traits
-        if traits.takes_lease and summary.exit_code is ExitCode.OK:
-            self._started(summary.owned)
+    def after_run(self, summary: RunSummary) -> None:
+        code = summary.exit_code
+        busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
+        timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
+        reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
+        self._ended(code, reason, summary.busy, owned=summary.owned)
+        if self.phase.traits.reads_failed_start and self.failed_pre is not None:
+            self.narration.start_failed_earlier(self.failed_pre.reason)
+
+    def after_error(self, error: GateError, progress: Progress) -> None:
+        """An interruption's reason says what the run was doing; the GPUs it was still
+        waiting for need no second wait in post."""
+        busy: Sequence[BusyGpu] = ()
+        if isinstance(error, Interrupted):
+            error, busy = interrupted(error, progress), progress.last_busy
+        self._ended(error.exit_code, error_text(error), busy, ended_by=error)
+
+    def _ended(
+        self,
+        code: ExitCode,
+        reason: str,
+        busy: Sequence[BusyGpu],
+        *,
+        owned: Sequence[Gpu] = (),
+        ended_by: GateError | None = None,
+    ) -> None:
+        """The lease's end, whatever ended the run: pre keeps it on success; a failed pre
+        (an exit code, an error, an interruption) gives it up and records why; post ends it
+        (but for an error before it was over: the unit may still run)."""
+        lock_dir, traits = self.loaded.config.lock_dir, self.phase.traits
+        if traits.takes_lease and ended_by is None and code is ExitCode.OK:
+            self._started(owned)
         elif traits.records_failed_start:
-            release_lease(lock_dir, self.unit)
-            busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
-            code = summary.exit_code
-            timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
-            reason = start_refusal or failed_start_text(int(code), code.name, busy, timeout_s)
-            self._record_failure(reason, int(code), tuple(b.gpu.uuid for b in summary.busy))
-        if traits.releases_lease:
+            with contextlib.suppress(StateUnwritable) if ended_by else contextlib.nullcontext():
+                release_lease(lock_dir, self.unit)  # an error: the run's own is the one to say
+            uuids = tuple(item.gpu.uuid for item in busy)
+            self._record_failure(reason, int(code), uuids)
+        if traits.releases_lease and not (ended_by and not isinstance(ended_by, Interrupted)):
             release_lease(lock_dir, self.unit)
             clear_failed_pre(lock_dir, self.unit)
-        if traits.reads_failed_start and self.failed_pre is not None:
-            self.narration.start_failed_earlier(self.failed_pre.reason)
 
     def _started(self, owned: Sequence[Gpu]) -> None:
         lock_dir = self.loaded.config.lock_dir
@@ -218,27 +264,6 @@ class UnitSurroundings:
         elif not self.lease_written:
             write_lease(lock_dir, self._lease(owned))
         clear_failed_pre(lock_dir, self.unit)
-
-    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
-        """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again
-        (busy: the GPUs pre was still waiting for)."""
-        if not self.phase.traits.records_failed_start:
-            return
-        with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
-            release_lease(self.loaded.config.lock_dir, self.unit)
-        uuids = tuple(item.gpu.uuid for item in busy)
-        self._record_failure(error_text(error), int(error.exit_code), uuids)
-
-    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
-        """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the
-        GPUs it was still waiting for, which that start's post then does not wait on again.
-        post: the unit is stopping, so its lease goes, as at post's end."""
-        traits = self.phase.traits
-        if traits.records_failed_start:
-            self.after_error(error, busy)
-        elif traits.releases_lease:
-            release_lease(self.loaded.config.lock_dir, self.unit)
-            clear_failed_pre(self.loaded.config.lock_dir, self.unit)
 
     def driver_hung_earlier(self) -> str | None:
         """post after a pre that NVML did not answer: pre's words, or None."""
