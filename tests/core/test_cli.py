@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
 import os
 import subprocess
@@ -213,3 +215,27 @@ def test_the_hidden_roots_option_is_the_one_host_roots_parses() -> None:
     from gpugate.host.roots import OPTION
 
     assert HOST_ROOTS_OPTION == OPTION
+
+
+def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    return [leaf for sub in subs for child in sub.choices.values() for leaf in _leaf_parsers(child)]
+
+
+def test_every_command_carries_the_function_that_runs_it() -> None:
+    """Dispatch without names: each command's parser holds its function (no getattr)."""
+    from gpugate.front.cli import build_parser
+
+    leaves = _leaf_parsers(build_parser())
+    assert len(leaves) >= 10
+    for leaf in leaves:
+        assert callable(leaf.get_default("run")), leaf.prog
+    source = (Path(__file__).parents[2] / "src/gpugate/front/cli.py").read_text()
+    calls = [
+        node.func.id
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    ]
+    assert "getattr" not in calls
