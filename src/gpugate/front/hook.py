@@ -19,15 +19,12 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.core.surroundings import METRICS, Surroundings
 from gpugate.errors import ExitCode, GateError, Interrupted, StateUnwritable
-from gpugate.host.own_shm import is_own_tmpfs, own_shm_of_any
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
 from gpugate.host.state_dirs import check_all
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
-from gpugate.report.own_shm_text import say_own_shm_gone
-from gpugate.report.stage_text import interrupted
 
 # How a hook's surroundings are made, once the run's scope and config are known; they
 # narrate through the run's reporter.
@@ -99,6 +96,8 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
     try:
         return run.run()  # an error is told to the surroundings first (core/run.py)
     except Interrupted as exc:
+        from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
+
         raise interrupted(exc, run.progress) from None
 
 
@@ -122,6 +121,9 @@ def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> No
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return
+    from gpugate.host.own_shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
+    from gpugate.report.own_shm_text import say_own_shm_gone  # noqa: PLC0415
+
     devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
     if not is_own_tmpfs(str(roots.dev / "shm"), devs):
         return

@@ -54,7 +54,6 @@ from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import describe
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
-from gpugate.report.stage_text import interrupted
 
 
 @dataclass(frozen=True)
@@ -227,6 +226,8 @@ class UnitSurroundings:
         waiting for need no second wait in post."""
         busy: Sequence[BusyGpu] = ()
         if isinstance(error, Interrupted):
+            from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
+
             error, busy = interrupted(error, progress), progress.last_busy
         self._ended(error.exit_code, error_text(error), busy, ended_by=error)
 
