@@ -128,12 +128,10 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.CONFIG_NOT_UTF8: lambda f: "is not UTF-8 text",
     Problem.CONFIG_OS_ERROR: lambda f: f"{f.cause}",
     Problem.CONFIG_UNTRUSTED: lambda f: (
-        _trust_text().untrusted_config(f.found)
-        if f.get("found")
-        else "another account may change it"
+        _trust_text().untrusted_text(f.found) if f.get("found") else "another account may change it"
     ),
     Problem.CONFIG_STATE_UNTRUSTED: lambda f: (
-        _trust_text().untrusted_state(f.found)
+        _trust_text().untrusted_text(f.found, state=True)
         if f.get("found")
         else "another account may change it"
     ),

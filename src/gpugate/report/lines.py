@@ -4,7 +4,7 @@ this module says it in words."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from gpugate.errors import ExitCode
@@ -15,6 +15,11 @@ if TYPE_CHECKING:
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "..."
 MAX_LISTED_HOLDERS = 3  # processes named as a file's other holders
+
+
+def gpu_list(indices: Iterable[int]) -> str:
+    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
+    return ", ".join(str(index) for index in sorted(indices)) or "none"
 
 
 def error(text: str) -> str:
@@ -39,7 +44,7 @@ def failure_detail(summary: RunSummary | None) -> str:
     if summary is None:
         return "failed"
     exit_code = summary.exit_code
-    gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
+    gpus = gpu_list(gpu.index for gpu in summary.owned)
     if summary.busy:
         return "; ".join(
             f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used"

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from gpugate.core.outcome import BusyGpu
 from gpugate.core.respawn import Respawner
 from gpugate.host.nvml import Gpu
-from gpugate.report.holder_text import gpu_list
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter, WaitingReports
+from gpugate.report.lines import gpu_list
 from gpugate.report.untrusted import COMMAND, exact, shown
 
 

@@ -188,7 +188,7 @@ class UnitSurroundings:
         check = self._check_leases(owned)
         if check.conflicts:
             conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
-            self.narration.lease_also_held(check.refusal(), sorted(conflicted))
+            self.narration.lease_refused(check.refusal(), sorted(conflicted), first=False)
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
         config = self.loaded.config
