@@ -7,8 +7,9 @@ have done so itself (core.shm_cleanup): these are the facts that rule is decided
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from gpugate.host.safe_files import read_at
 
 CAP_DAC_OVERRIDE = 1
 CAP_FOWNER = 3
@@ -45,15 +46,11 @@ def parse_status(text: str) -> Credentials | None:
 
 def read_credentials(proc_fd: int, pid_name: str) -> Credentials | None:
     try:
-        fd = os.open(f"{pid_name}/status", os.O_RDONLY, dir_fd=proc_fd)
+        return parse_status(
+            read_at(proc_fd, f"{pid_name}/status", 16384).decode("ascii", "replace")
+        )
     except OSError:
         return None
-    try:
-        return parse_status(os.read(fd, 16384).decode("ascii", "replace"))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
 
 
 def fd_opens_file(fdinfo: str) -> bool:

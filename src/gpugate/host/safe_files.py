@@ -145,6 +145,22 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
     return None
 
 
+def read_at(dir_fd: int, name: str, size: int | None = None) -> bytes:
+    """NAME's bytes under the folder descriptor, in one open, read and close: one read of at
+    most SIZE bytes, or (None) every byte to the end: /proc makes maps a page at a time.
+    OSError as os.open and os.read raise it."""
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if size is not None:
+            return os.read(fd, size)
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
 def read_capped(
     path: Path | str,
     limit: int = MAX_BYTES,

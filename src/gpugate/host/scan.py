@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gpugate.host.credentials import fd_opens_file, read_credentials
+from gpugate.host.safe_files import read_at
 from gpugate.host.shm import (
     ShmArea,
     ShmFile,
@@ -240,15 +241,11 @@ def _add_shm(
 def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
     """The fd opened the file for reading or writing (fdinfo's flags): not O_PATH."""
     try:
-        info_fd = os.open(f"{pid_name}/fdinfo/{fd_name}", os.O_RDONLY, dir_fd=proc_fd)
+        return fd_opens_file(
+            read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096).decode("ascii", "replace")
+        )
     except OSError:
         return False  # closed since: no evidence
-    try:
-        return fd_opens_file(os.read(info_fd, 4096).decode("ascii", "replace"))
-    except OSError:
-        return False
-    finally:
-        os.close(info_fd)
 
 
 def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:
@@ -272,23 +269,11 @@ def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
     An unreadable maps (not root) counts as no mappings: the fd check reports the process.
     """
     try:
-        maps_fd = os.open(f"{pid_name}/maps", os.O_RDONLY, dir_fd=proc_fd)
-    except PermissionError:
+        return read_at(proc_fd, f"{pid_name}/maps") or None
+    except PermissionError:  # (at the open: the kernel checks access there)
         return b""
     except OSError:
-        return None
-    chunks: list[bytes] = []
-    try:
-        # maps is made a page at a time: read until the end, not once.
-        while chunk := os.read(maps_fd, 65536):
-            chunks.append(chunk)
-    except OSError:
-        return None  # exited while we read
-    finally:
-        os.close(maps_fd)
-    if not chunks:
-        return None
-    return b"".join(chunks)
+        return None  # gone, or exited while we read
 
 
 def _names_under(data: bytes, prefix: bytes) -> Iterator[tuple[int, int, int]]:
