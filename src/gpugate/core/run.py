@@ -12,97 +12,72 @@ gpugate.report); what the unit's surroundings add (leases, the manual-run guard)
 
 from __future__ import annotations
 
-from gpugate.core.narration import Narration
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunDeps, RunScope, RunState
-from gpugate.core.stage import Progress, Stage, Transition
+from gpugate.core.stage import Transition
 from gpugate.core.stages import Looking, StageStep
-from gpugate.core.surroundings import Surroundings
 from gpugate.errors import GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus
 
 __all__ = ["TIMEOUT_MARGIN_S", "PhaseRun", "RunDeps", "RunScope"]
 
 
-class PhaseRun:
-    """surroundings.loaded: the config the run uses (the unit's GPUs resolved)."""
-
-    def __init__(
-        self,
-        scope: RunScope,
-        narrator: Narration,
-        surroundings: Surroundings,
-        deps: RunDeps,
-        *,
-        dry_run: bool = False,
-    ) -> None:
-        self._state = RunState(scope, narrator, surroundings, deps, dry_run=dry_run)
-
-    @property
-    def progress(self) -> Progress:
-        """What the run is doing now (or was, when it ended in an error)."""
-        return self._state.progress
-
-    @property
-    def transitions(self) -> list[tuple[Stage, Transition]]:
-        """Each stage the run went through, with the transition it left by."""
-        return self._state.transitions
+class PhaseRun(RunState):
+    """The machine over its state (as supervisor's Subprocess is): made with the run's
+    scope, narrator, surroundings and deps; `progress` and `transitions` are what the front
+    reads of it."""
 
     def run(self) -> RunSummary:
         """The run; an error (but a manual run's refusal, where nothing began) is told to the
         surroundings first (not in a dry run), after the locks are released."""
-        state = self._state
         try:
             self._run()
         except ManualRunRefused:
             raise
         except GateError as exc:
-            if not state.dry_run:
-                state.surroundings.after_error(exc, state.progress)
+            if not self.dry_run:
+                self.surroundings.after_error(exc, self.progress)
             raise
-        return state.summary
+        return self.summary
 
     def _run(self) -> None:
-        state = self._state
         driver = self._open()
         try:
-            driver.answer_by(state.deadline)  # one that stops answering ends the run
-            state.driver = driver
-            with state.locks:
-                self._go(Looking(state, announce=True))
+            driver.answer_by(self.deadline)  # one that stops answering ends the run
+            self.driver = driver
+            with self.locks:
+                self._go(Looking(self, announce=True))
         finally:
             driver.close()
 
     def _open(self) -> GpuDriver:
-        state = self._state
-        hung = state.surroundings.driver_hung_earlier()
+        hung = self.surroundings.driver_hung_earlier()
         if hung is not None:
             # This start's pre waited its deadline on a driver that did not answer: asking
             # again would hang post too. The cgroup still dies.
-            state.narrator.nvml_skipped(hung, state.scope.phase.value)
-            state.without_nvml()
+            self.narrator.nvml_skipped(hung, self.scope.phase.value)
+            self.without_nvml()
             return NoGpus()
         try:
-            return state.deps.driver_factory()
+            return self.deps.driver_factory()
         except NvmlUnavailable as exc:
-            state.without_nvml(exc)  # raises unless the run may go on without NVML
+            self.without_nvml(exc)  # raises unless the run may go on without NVML
             return NoGpus()
 
     def _go(self, first: StageStep) -> None:
-        state = self._state
-        state.enter(first.code)
+        self.enter(first.code)
         stage: StageStep | None = first
         while stage is not None:
             current = stage
             try:
                 transition, stage = current.step()
             except NvmlUnavailable as exc:
-                state.locks.close()  # released before the run goes on without NVML
-                state.without_nvml(exc)  # raises unless the run may go on without NVML
+                self.locks.close()  # released before the run goes on without NVML
+                self.without_nvml(exc)  # raises unless the run may go on without NVML
                 # Looking again, with the unit's cgroup alone; announced once only.
                 announce = isinstance(current, Looking) and current.announce
-                transition, stage = Transition.NVML_FAILED, Looking(state, announce=announce)
+                transition, stage = Transition.NVML_FAILED, Looking(self, announce=announce)
             if stage is None:
-                state.end(transition)
+                self.end(transition)
             else:
-                state.enter(stage.code, transition)
+                self.enter(stage.code, transition)

@@ -27,14 +27,12 @@ def manual_run_guard(
     unit: str,
     unit_state: Callable[[str], str | None],
     environ: Mapping[str, str],
-    *,
-    force: bool,
     proc_root: Path = Path("/proc"),
 ) -> str | None:
-    """The running unit's ActiveState where this run must not kill (the refusal's fact; the
-    words are report/'s), or None where it may: force (--force, --dry-run), the unit's own
-    hook (systemd is not even asked), or a unit that is not running."""
-    if not phase.traits.guards_manual_run or force:
+    """The running unit's ActiveState where this hand-typed run (not --force, not --dry-run)
+    must not kill (the refusal's fact; the words are report/'s), or None where it may: the
+    unit's own hook (systemd is not even asked), or a unit that is not running."""
+    if not phase.traits.guards_manual_run:
         return None
     if in_own_hook(unit, environ, proc_root):
         return None

@@ -59,8 +59,7 @@ from gpugate.report.narrate_unit import UnitNarration, failed_start_text
 @dataclass(frozen=True)
 class UnitContext:
     """What the front knows of the unit's hook, for its surroundings: the hook's
-    environment, the manual-run guard's answer, the options; systemd's answers (tests give
-    stand-ins)."""
+    environment, the options; systemd's answers (tests give stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
@@ -108,13 +107,10 @@ class UnitSurroundings:
 
     def before_kill(self, decision: Decision) -> None:
         context = self.context
+        if not context.guard_manual_run:
+            return
         state = manual_run_guard(
-            self.phase,
-            self.unit,
-            context.active_state,
-            self.environ,
-            force=not context.guard_manual_run,
-            proc_root=context.roots.proc,
+            self.phase, self.unit, context.active_state, self.environ, context.roots.proc
         )
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
