@@ -18,7 +18,7 @@ from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.unit.leases import read_leases
-from gpugate.integrations.unit.manual_guard import in_own_hook, manual_run_guard
+from gpugate.integrations.unit.shared_host import in_own_hook, manual_run_guard
 from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import (

@@ -24,8 +24,8 @@ from gpugate.errors import ExitCode
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import MIB, Gpu
-from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcessId
+from gpugate.host.scan import listening_sockets
 from gpugate.host.shm import ShmKey
 from gpugate.host.systemd import unit_of_cgroup
 

@@ -2,7 +2,8 @@
 them (core/surroundings.py), for the phases whose traits say they apply.
 
 - the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
-- a hand-typed pre/post against a running unit: refused before anything is killed;
+- a hand-typed pre/post against a running unit: refused before anything is killed
+  (manual_run_guard, below);
 - GPU leases (leases.py): checked and written under the per-GPU locks before the first
   kill; kept on pre's success; given up when pre fails, ends in an error or is interrupted
   (its reason recorded for post: start_failure.py, post does not wait on that memory again),
@@ -14,6 +15,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
@@ -21,12 +23,20 @@ from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.run import RunScope
 from gpugate.core.stage import Progress
 from gpugate.core.surroundings import StateToWrite, run_state_to_write
-from gpugate.errors import ExitCode, GateError, Interrupted, StateUnwritable
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    Interrupted,
+    ManualRunRefused,
+    Problem,
+    StateUnwritable,
+)
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import (
     UnitEnvironment,
     active_state,
+    own_unit,
     unit_active_state,
     unit_environment,
 )
@@ -41,7 +51,6 @@ from gpugate.integrations.unit.leases import (
     release_lease,
     write_lease,
 )
-from gpugate.integrations.unit.manual_guard import manual_run_guard, refusal
 from gpugate.integrations.unit.start_failure import (
     FailedPre,
     clear_failed_pre,
@@ -64,7 +73,7 @@ class UnitContext:
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
     # `gpugate pre|post` without --force or --dry-run: refused against a running unit
-    # unless it is the unit's own hook (manual_guard.py); never for a container's hook.
+    # unless it is the unit's own hook (manual_run_guard); never for a container's hook.
     guard_manual_run: bool = False
     active_state: Callable[[str], str | None] = active_state  # the guard's: systemd's
     ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
@@ -314,3 +323,44 @@ def unit_surroundings(
 def _no_environment(unit: str) -> UnitEnvironment | None:
     """Systemd is not asked (a root that is not the running host's)."""
     return None
+
+
+# Manual runs: `gpugate pre|post UNIT` typed in a shell against a running unit. systemd runs
+# a unit's ExecStartPre= and ExecStopPost= in the unit's own cgroup with INVOCATION_ID set; a
+# run that has neither is not the unit's hook. Against a unit that is active or activating
+# such a run would kill the running service, so it refuses unless given --force. --dry-run
+# is always allowed.
+
+RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
+
+
+def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
+    return bool(environ.get("INVOCATION_ID")) and own_unit(proc_root) == unit
+
+
+def manual_run_guard(
+    phase: Phase,
+    unit: str,
+    unit_state: Callable[[str], str | None],
+    environ: Mapping[str, str],
+    proc_root: Path = Path("/proc"),
+) -> str | None:
+    """The running unit's ActiveState where this hand-typed run (not --force, not --dry-run)
+    must not kill (the refusal's fact; the words are report/'s), or None where it may: the
+    unit's own hook (systemd is not even asked), or a unit that is not running."""
+    if not phase.traits.guards_manual_run:
+        return None
+    if in_own_hook(unit, environ, proc_root):
+        return None
+    active_state = unit_state(unit)
+    if active_state not in RUNNING:
+        return None
+    return active_state
+
+
+def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
+    """state: the unit's ActiveState, as manual_run_guard found it; would_kill: each target
+    as the journal names it."""
+    return ManualRunRefused(
+        Problem.MANUAL_RUN, unit=unit, state=state, phase=phase, would_kill=would_kill
+    )
