@@ -16,13 +16,12 @@ from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, pin
-from gpugate.core.narration import Narration
 from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger
 from gpugate.core.stage import Progress, Stage, Transition
-from gpugate.core.surroundings import Surroundings
+from gpugate.core.surroundings import Narration, Surroundings
 from gpugate.errors import NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs

@@ -6,11 +6,11 @@ traits what applies), a Slurm job's (`gpugate.integrations.slurm.JobSurroundings
 gives out its GPUs itself), a container's (`gpugate.integrations.container.
 ContainerSurroundings`, for `gpugate oci-hook`: a unit's, with the container's scope as the
 unit) and `NullSurroundings` here (nothing around: the plain case, and tests). The front
-wires them."""
+wires them. And what the run tells (`Narration`), worded in gpugate.report."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -18,11 +18,17 @@ from typing import TYPE_CHECKING, Protocol
 from gpugate.config.models import GateConfig, LoadedConfig
 
 if TYPE_CHECKING:
-    from gpugate.core.decide import Decision
-    from gpugate.core.outcome import RunSummary
+    from gpugate.core.decide import Choice, Decision
+    from gpugate.core.discover import Discovery
+    from gpugate.core.outcome import BusyGpu, RunSummary
+    from gpugate.core.respawn import Respawner
+    from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
     from gpugate.core.stage import Progress
     from gpugate.errors import GateError
-    from gpugate.host.nvml import Gpu
+    from gpugate.host.containers import StopResult
+    from gpugate.host.nvml import Gpu, GpuFault
+    from gpugate.host.shm import ShmKey
+
 
 METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
 # (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
@@ -123,3 +129,59 @@ class NullSurroundings:
 
     def after_error(self, error: GateError, progress: Progress) -> None:
         return None
+
+
+# What the run tells as it goes: the run says what happened, in its own terms;
+# `gpugate.report.narrate.Narrator` words it (journal entries, STATUS= lines). The front
+# passes the narrator in, so the core never imports the report layer.
+
+
+class Narration(Protocol):
+    # the run's start, what it found and chose
+    def run_started(
+        self,
+        discovery: Discovery,
+        config_source: str,
+        used_mib: int,
+        *,
+        gpu_source: str = "",
+        gpu_source_warns: bool = False,
+    ) -> None: ...
+    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None: ...
+    def degraded(self, error: GateError, phase: str) -> None: ...
+    def nvml_skipped(self, why: str, phase: str) -> None: ...
+    def blind_spots(self, discovery: Discovery) -> None: ...
+    def choices(self, decision: Decision) -> None: ...
+    def refused(self) -> None: ...
+    def extend_timeout(self, seconds: float) -> None: ...
+    def lock_wait(self, gpu: Gpu, left_s: float) -> None: ...
+
+    # the kill
+    def stopping(self, count: int, round_number: int) -> None: ...
+    def container_stopping(self, count: int) -> None: ...
+    def container_stopped(self, result: StopResult) -> None: ...
+    def signal_sent(self, choice: Choice, signum: int) -> None: ...
+    def stuck(self, choice: Choice, state: str, wchan: str) -> None: ...
+    def survivor(self, choice: Choice) -> None: ...
+    def survived(self, count: int) -> None: ...
+    def still_held(self) -> None: ...
+
+    # the wait and the end
+    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None: ...
+    def memory_timeout(
+        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
+    ) -> None: ...
+    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None: ...
+    def respawned(self, respawner: Respawner) -> None: ...
+    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None: ...
+    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None: ...
+    def finished(self, summary: RunSummary) -> None: ...
+
+    # the shared memory of the killed
+    def shm_files(self, removals: list[ShmRemoval]) -> None: ...
+    def shm_short(
+        self,
+        short: SpaceShort,
+        holders: Mapping[ShmKey, list[int]],
+        label: Callable[[int], str],
+    ) -> None: ...
