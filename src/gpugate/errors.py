@@ -322,7 +322,7 @@ class Interrupted(GateError):
         stage: str = "",
         **facts: object,
     ) -> None:
-        """stage: the run's stage when it was stopped (core.stage.Stage's code), "" unknown."""
+        """stage: the run's stage when it was stopped (core.outcome.Stage's code), "" unknown."""
         super().__init__(problem, signal=signal_name, stage=stage, **facts)
         self.signal_name = signal_name
         self.stage = stage

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.core.outcome import Stage, Transition
 from gpugate.core.run import PhaseRun, RunDeps, RunScope
-from gpugate.core.stage import Stage, Transition
 from gpugate.core.surroundings import NullSurroundings, Surroundings, run_state_to_write
 from gpugate.errors import Interrupted, NvmlUnavailable
 from gpugate.front.interrupt import stopped_by_signals

@@ -1,5 +1,5 @@
 """One pre, post, prolog or epilog run, as a small stage machine (core/stages.py): looking ->
-locking -> stopping -> waiting -> finishing, each transition a code (core/stage.py).
+locking -> stopping -> waiting -> finishing, each transition a code (core/outcome.py).
 
 Discovery and killing repeat (bounded in rounds and by the deadline) so that a holder that
 forks while it is being killed is found and killed too. NVML failing (at the start or mid-run)
@@ -12,9 +12,8 @@ gpugate.report); what the unit's surroundings add (leases, the manual-run guard)
 
 from __future__ import annotations
 
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import RunSummary, Transition
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunDeps, RunScope, RunState
-from gpugate.core.stage import Transition
 from gpugate.core.stages import Looking, StageStep
 from gpugate.errors import GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.host.nvml import GpuDriver, NoGpus

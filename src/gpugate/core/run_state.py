@@ -16,19 +16,17 @@ from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, pin
-from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunFacts, RunSummary, Stage, Transition
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger
-from gpugate.core.stage import Progress, Stage, Transition
 from gpugate.core.surroundings import Narration, Surroundings
 from gpugate.errors import NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
-from gpugate.host.scan import Deadline
+from gpugate.host.scan import Deadline, HostShm
 from gpugate.host.shm import ShmArea
-from gpugate.host.shm_host import HostShm
 from gpugate.phase import Phase
 
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself

@@ -17,10 +17,9 @@ from typing import Optional, Protocol
 from gpugate.core.decide import Choice, Decision, spared_for_good
 from gpugate.core.discover import Discovery
 from gpugate.core.kill import terminate
-from gpugate.core.outcome import BusyGpu, exit_code_for
+from gpugate.core.outcome import BusyGpu, Stage, Transition, exit_code_for
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunState
 from gpugate.core.shm_cleanup import ShmHost, plan, remove, short_of_space
-from gpugate.core.stage import Stage, Transition
 from gpugate.errors import ExitCode
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks

@@ -20,10 +20,9 @@ from gpugate.config.models import GateConfig, LoadedConfig
 if TYPE_CHECKING:
     from gpugate.core.decide import Choice, Decision
     from gpugate.core.discover import Discovery
-    from gpugate.core.outcome import BusyGpu, RunSummary
+    from gpugate.core.outcome import BusyGpu, Progress, RunSummary
     from gpugate.core.respawn import Respawner
     from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
-    from gpugate.core.stage import Progress
     from gpugate.errors import GateError
     from gpugate.host.containers import StopResult
     from gpugate.host.nvml import Gpu, GpuFault

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpugate.core.stage import Progress, Stage
+from gpugate.core.outcome import Progress, Stage
 from gpugate.errors import Interrupted, Problem
 
 

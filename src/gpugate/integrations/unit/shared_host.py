@@ -19,9 +19,8 @@ from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary
 from gpugate.core.run import RunScope
-from gpugate.core.stage import Progress
 from gpugate.core.surroundings import StateToWrite, run_state_to_write
 from gpugate.errors import (
     ExitCode,
