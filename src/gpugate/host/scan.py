@@ -11,7 +11,6 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpugate.host.credentials import fd_opens_file, read_credentials
 from gpugate.host.safe_files import read_at
 from gpugate.host.shm import (
     FileFacts,
@@ -23,11 +22,13 @@ from gpugate.host.shm import (
     Unlinked,
     area_of,
     facts,
+    fd_opens_file,
     inode_index,
     largest_files,
     maps_key,
     maps_names,
     merge,
+    read_credentials,
     space,
     unlink_if_same,
 )
