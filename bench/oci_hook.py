@@ -5,7 +5,7 @@
 Every container start on a host with gpugate's hooks.d file runs the hook, GPUs or not:
 - no GPU: the state on stdin, the bundle's config.json read and parsed, exit 0 (the fast
   path, front/oci_entry.py; target: well under 50 ms of wall time);
-- one GPU (/dev/nvidia1 bind-mounted in) on a stand-in host (stand-in devices, cgroup tree and
+- one GPU (195:1 in linux.devices) on a stand-in host (stand-in devices, cgroup tree and
   NVML, bench/stage.py): the whole start gate, config, NVML, discovery, lease, wait;
 next to `python -c pass` and `python -I -S -c pass` with the interpreter gpugate's command
 runs (its #! line). Medians of interleaved runs; wall and CPU milliseconds; the ratio to the
@@ -33,7 +33,12 @@ CONTAINER_ID = "b" * 64
 TARGET_NO_GPU_MS = 50.0
 
 
-def bundle(root: Path, env: list[str], mounts: list[dict[str, str]] | None = None) -> Path:
+def bundle(
+    root: Path,
+    env: list[str],
+    mounts: list[dict[str, str]] | None = None,
+    devices: list[dict[str, object]] | None = None,
+) -> Path:
     folder = root / "bundle"
     folder.mkdir(mode=0o700, exist_ok=True)
     spec = {
@@ -41,7 +46,7 @@ def bundle(root: Path, env: list[str], mounts: list[dict[str, str]] | None = Non
         "process": {"args": ["/bin/sh"], "env": ["PATH=/usr/bin:/bin", *env]},
         "root": {"path": "rootfs"},
         "mounts": mounts or [],
-        "linux": {"cgroupsPath": f"machine.slice:libpod:{CONTAINER_ID}", "devices": []},
+        "linux": {"cgroupsPath": f"machine.slice:libpod:{CONTAINER_ID}", "devices": devices or []},
         "annotations": {"io.container.manager": "libpod"},
     }
     (folder / "config.json").write_text(json.dumps(spec))
@@ -87,9 +92,13 @@ def main(argv: list[str]) -> int:
         plain.mkdir()
         gpu = root / "gpu"
         gpu.mkdir()
-        no_gpu_state = state_file(plain, bundle(plain, ["HOME=/root"]))
-        device = {"source": "/dev/nvidia1", "destination": "/dev/nvidia1", "type": "bind"}
-        gpu_state = state_file(gpu, bundle(gpu, ["NVIDIA_VISIBLE_DEVICES=1"], [device]))
+        # podman's own bind mounts: the no-GPU path stats each source.
+        files = [
+            {"source": p, "destination": p, "type": "bind"} for p in ("/etc/hosts", "/etc/passwd")
+        ]
+        no_gpu_state = state_file(plain, bundle(plain, ["HOME=/root"], files))
+        device: dict[str, object] = {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}
+        gpu_state = state_file(gpu, bundle(gpu, [], files, [device]))
         config = ["--config", str(stage.config)]
         cases: dict[str, tuple[list[str], Path | None]] = {
             "python -c pass": ([python, "-c", "pass"], None),

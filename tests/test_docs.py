@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.config.models import GateConfig, PhasePolicy
+from gpugate.config.models import GateConfig, PhasePolicy, SweepPolicy
 from gpugate.core.decide import Rule
 from gpugate.errors import EXIT_MEANINGS, ExitCode
 from gpugate.front.cli import build_parser
@@ -166,7 +166,12 @@ def config_problems(text: str, fields: set[str]) -> list[str]:
 
 
 def config_fields() -> set[str]:
-    return set(GateConfig.model_fields) | set(PhasePolicy.model_fields) | PHASE_TABLES
+    return (
+        set(GateConfig.model_fields)
+        | set(PhasePolicy.model_fields)
+        | set(SweepPolicy.model_fields)
+        | PHASE_TABLES
+    )
 
 
 def test_the_configuration_table_names_every_field_once() -> None:

@@ -226,6 +226,8 @@ def test_rpm_installs_the_tree_the_deb_has(rpm_and_tree: tuple[Path, Path]) -> N
         "/usr/share/man/man1/gpugate.1.gz",
         "/usr/share/bash-completion/completions/gpugate",
         "/usr/share/gpugate/units/vllm.service",
+        "/usr/lib/systemd/system/gpugate-sweep.service",
+        "/usr/lib/systemd/system/gpugate-sweep.timer",
         "/usr/share/doc/gpugate/copyright",
     ):
         assert path in files, path

@@ -110,7 +110,9 @@ class Problem(Enum):
     CONFIG_UNTRUSTED = "config-untrusted"  # another account may change the file (found)
     CONFIG_STATE_UNTRUSTED = "config-state-untrusted"  # ... or lock_dir
     LOCK_DIR_NOT_FOLDER = "lock-dir-not-folder"
+    LOCK_DIR_NOT_HOSTS = "lock-dir-not-hosts"  # a file of the lookup names another lock_dir
     GRACE_OVER_DEADLINE = "grace-over-deadline"
+    SWEEP_BELOW_INTERVAL = "sweep-below-interval"  # [sweep] reap_after_s/drain_after_s
     GPUS_FORM = "gpus-form"
     NOT_ABSOLUTE = "not-absolute"
     NOT_UNIT_NAME = "not-unit-name"
@@ -171,11 +173,29 @@ class Problem(Enum):
     SLURM_JOB_ID = "slurm-job-id"
     SLURM_JOB_UID = "slurm-job-uid"
     SLURM_GPU_VARIABLE = "slurm-gpu-variable"
+    SLURM_GPU_NUMBER = "slurm-gpu-number"  # not a number slurmd writes (a UUID, a range)
+    # a node's gres.conf, where slurmd's GPU numbers cannot be resolved for certain
+    GRES_SLURM_CONF = "gres-slurm-conf"
+    GRES_UNTRUSTED = "gres-untrusted"
+    GRES_MISSING = "gres-missing"
+    GRES_UNREADABLE = "gres-unreadable"
+    GRES_NOT_UTF8 = "gres-not-utf8"
+    GRES_LINE = "gres-line"
+    GRES_NODE_UNKNOWN = "gres-node-unknown"
+    GRES_AUTODETECT = "gres-autodetect"
+    GRES_AUTODETECT_MATCH = "gres-autodetect-match"
+    GRES_FILE_TWICE = "gres-file-twice"
+    GRES_NO_FILES = "gres-no-files"
+    GRES_FILE_NOT_GPU = "gres-file-not-gpu"
+    GRES_NO_NVML_GPU = "gres-no-nvml-gpu"
+    GRES_INDEX_PAST = "gres-index-past"
+    GRES_NVML_FAULTS = "gres-nvml-faults"
     # install / uninstall
     INSTALL_NOT_SERVICE = "install-not-service"
     INSTALL_NO_SYSTEMCTL = "install-no-systemctl"
     INSTALL_RELOAD_FAILED = "install-reload-failed"
     INSTALL_RELOAD_ERROR = "install-reload-error"
+    INSTALL_TIMER_FAILED = "install-timer-failed"  # systemctl enable|disable gpugate-sweep.timer
     INSTALL_EDITED = "install-edited"
     INSTALL_EDITED_REMOVE = "install-edited-remove"
     INSTALL_UNIT_UNKNOWN = "install-unit-unknown"
@@ -198,6 +218,7 @@ class Problem(Enum):
     LAUNCH_SUDO_VARIABLES = "launch-sudo-variables"
     LAUNCH_OTHER_ACCOUNT = "launch-other-account"
     LAUNCH_NAME_TEMPLATE = "launch-name-template"
+    LAUNCH_FORCE_NOT_ROOT = "launch-force-not-root"
     # gpugate's own state read back (integrations/records.py: BadRecord, one phrase, no path)
     RECORD_UNREADABLE = "record-unreadable"
     RECORD_NOT_FILE = "record-not-file"
@@ -234,7 +255,14 @@ class Problem(Enum):
     OCI_NOT_OBJECT = "oci-not-object"
     OCI_NOT_LIST = "oci-not-list"
     OCI_DEVICE_NOT_GPU = "oci-device-not-gpu"
-    OCI_VISIBLE_DEVICES = "oci-visible-devices"
+    OCI_DEVICE_LINK = "oci-device-link"
+    OCI_MOUNT_FOLDER = "oci-mount-folder"
+    OCI_CDI_NAME = "oci-cdi-name"
+    OCI_GPU_MIG = "oci-gpu-mig"
+    OCI_GPU_WORD = "oci-gpu-word"
+    OCI_GPU_UNKNOWN = "oci-gpu-unknown"
+    OCI_ANNOTATION_TOO_LONG = "oci-annotation-too-long"
+    OCI_NO_OWN_CGROUP = "oci-no-own-cgroup"  # the container's cgroup is not its own
     PRIVATE_SHM_FORM = "private-shm-form"
     INSTALL_UNREADABLE = "install-unreadable"
     INSTALL_NOT_TOML = "install-not-toml"
@@ -244,6 +272,14 @@ class Problem(Enum):
     INSTALL_DEFAULT_RUNTIME = "install-default-runtime"
     INSTALL_NO_WRAPPER = "install-no-wrapper"
     INSTALL_DOCKER_RELOAD = "install-docker-reload"
+    INSTALL_UNTRUSTED = "install-untrusted"  # a file install edits that another account may change
+    INSTALL_CONTAINERD_VERSION = "install-containerd-version"
+    INSTALL_CONTAINERD_RUNTIME_THERE = "install-containerd-runtime-there"  # not gpugate's block
+    INSTALL_CONTAINERD_EDIT = "install-containerd-edit"  # the edit would change other settings
+    INSTALL_CONTAINERD_DEFAULT = "install-containerd-default"  # uninstall: still the default
+    INSTALL_CONTAINERD_DEFAULT_CONFIG = "install-containerd-default-config"
+    INSTALL_MARK_UNCLOSED = "install-mark-unclosed"
+    RUNTIME_RECORD_VALUE = "runtime-record-value"  # the wrapped runtime's record names no choice
     # the surroundings' refusals
     MANUAL_RUN = "manual-run"
     WORDED = "worded"  # words made before this code existed (`text`): to be given a code

@@ -24,6 +24,10 @@ class PhaseTraits:
     reads_failed_start: bool  # does not wait again on what the failed pre waited for
     guards_manual_run: bool  # a hand-typed run against a running unit is refused
     systemd: bool  # a systemd unit's hook (else a Slurm job's)
+    # Its state (locks, lease, failed-start record) must be writable before it kills: a
+    # start it could not record would run ungated. False: after a stop, the kills and
+    # removals need no space; what it cannot record is a warning (docs/hardening.md).
+    state_required: bool
 
 
 class Phase(Enum):
@@ -52,6 +56,7 @@ _TRAITS = {
         reads_failed_start=False,
         guards_manual_run=True,
         systemd=True,
+        state_required=True,
     ),
     Phase.POST: PhaseTraits(
         before_start=False,
@@ -64,6 +69,7 @@ _TRAITS = {
         reads_failed_start=True,
         guards_manual_run=True,
         systemd=True,
+        state_required=False,
     ),
     # Slurm gives out its GPUs itself: no leases, no failed-start records.
     Phase.PROLOG: PhaseTraits(
@@ -77,6 +83,7 @@ _TRAITS = {
         reads_failed_start=False,
         guards_manual_run=False,
         systemd=False,
+        state_required=True,
     ),
     Phase.EPILOG: PhaseTraits(
         before_start=False,
@@ -89,5 +96,6 @@ _TRAITS = {
         reads_failed_start=False,
         guards_manual_run=False,
         systemd=False,
+        state_required=False,
     ),
 }

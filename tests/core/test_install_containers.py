@@ -262,7 +262,7 @@ def test_create_bundle(
 
 
 def gpu_spec(env: list[str], hooks: object = None, device: bool = False) -> dict[str, object]:
-    nodes = [{"path": "/dev/nvidia0"}] if device else []
+    nodes = [{"path": "/dev/gpu", "type": "c", "major": 195, "minor": 0}] if device else []
     spec: dict[str, object] = {"process": {"env": env}, "linux": {"devices": nodes}}
     if hooks is not None:
         spec["hooks"] = hooks

@@ -6,15 +6,20 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import warnings
 from pathlib import Path
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
+from gpugate.config.file import load_config
+from gpugate.config.models import GateConfig
 from gpugate.errors import ConfigError, ExitCode, GateError, Problem
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (
+    hook_config,
     invoking_user,
     refuse_leased,
     resolve_gpus,
@@ -201,9 +206,95 @@ def test_which_variables_are_passed() -> None:
     assert dict(passed_environment(environ)) == {
         "PATH": "/usr/bin",
         "HF_TOKEN": "t",
-        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
         "VLLM_LOGGING_LEVEL": "DEBUG",
     }
+
+
+# glibc's own list of what it drops for a setuid program (sysdeps/generic/unsecvars.h), every
+# LD_* the loader reads, and interpreters' start-up variables: none reaches root's `+` hooks.
+LOADER_VARIABLES = [
+    "LD_PRELOAD",
+    "LD_LIBRARY_PATH",
+    "LD_AUDIT",
+    "LD_DEBUG",
+    "LD_DEBUG_OUTPUT",
+    "LD_DYNAMIC_WEAK",
+    "LD_HWCAP_MASK",
+    "LD_ORIGIN_PATH",
+    "LD_PROFILE",
+    "LD_SHOW_AUXV",
+    "LD_USE_LOAD_BIAS",
+    "LD_BIND_NOW",
+    "LD_BIND_NOT",
+    "LD_ASSUME_KERNEL",
+    "LD_POINTER_GUARD",
+    "LD_SOMETHING_A_LATER_GLIBC_READS",
+    "GCONV_PATH",
+    "GETCONF_DIR",
+    "GLIBC_TUNABLES",
+    "HOSTALIASES",
+    "LOCALDOMAIN",
+    "LOCPATH",
+    "MALLOC_TRACE",
+    "MALLOC_CHECK_",
+    "MALLOC_ARENA_MAX",
+    "NIS_PATH",
+    "NLSPATH",
+    "RESOLV_HOST_CONF",
+    "RES_OPTIONS",
+    "TMPDIR",
+    "TZDIR",
+    "PYTHONPATH",
+    "PYTHONHOME",
+    "PYTHONSTARTUP",
+    "PYTHONUSERBASE",
+    "PYTHONINSPECT",
+    "PYTHONSAFEPATH",
+    "PYTHONWARNINGS",
+    "PYTHONPLATLIBDIR",
+    "BASH_ENV",
+    "ENV",
+    "PERL5LIB",
+    "PERL5OPT",
+    "PERLLIB",
+    "RUBYOPT",
+    "RUBYLIB",
+    "NODE_OPTIONS",
+    "NODE_PATH",
+]
+
+
+@pytest.mark.parametrize("name", LOADER_VARIABLES)
+def test_no_loader_or_interpreter_variable_reaches_the_unit(name: str) -> None:
+    environ = {name: "/home/alice/evil", "PATH": "/usr/bin", "HF_HOME": "/data/hf"}
+    kept = dict(caller_environment(environ, ALICE, under_sudo=True))
+    assert name not in kept
+    assert kept["HF_HOME"] == "/data/hf"
+    argv = systemd_run_argv(plan(environment=tuple(sorted(kept.items()))), SYSTEMD_RUN)
+    assert not [arg for arg in argv if arg.startswith(f"--setenv={name}=")]
+
+
+@pytest.mark.parametrize("name", ["LDAP_URI", "LD", "CUDA_HOME", "ENVIRONMENT", "TZ", "LANG"])
+def test_names_that_only_look_like_loader_variables_pass(name: str) -> None:
+    assert dict(passed_environment({name: "x"})) == {name: "x"}
+
+
+@pytest.mark.parametrize("argv0", [None, "/usr/bin/gpugate"])
+def test_the_hooks_it_writes_run_python_isolated(argv0: str | None) -> None:
+    """-I: a PYTHON* variable that got through anyway (systemd's own DefaultEnvironment=, a
+    unit's file) changes nothing in root's hooks; /usr/bin/gpugate's shebang says -I itself."""
+    from gpugate.front.self_command import gpugate_command, isolates
+
+    command = gpugate_command(argv0=argv0 or "/nonexistent/gpugate", executable="/usr/bin/python3")
+    argv = systemd_run_argv(plan(gpugate=command), SYSTEMD_RUN)
+    hooks = [
+        a for a in argv if a.startswith(("--property=ExecStartPre=+", "--property=ExecStopPost=+"))
+    ]
+    gpugate_hooks = [h for h in hooks if " pre " in h or " post " in h]
+    assert len(gpugate_hooks) == 2
+    for hook in gpugate_hooks:
+        program = hook.split("=+", 1)[1].split()
+        assert "-I" in program[1:3] or isolates(program[0]), hook
 
 
 def test_under_sudo_home_and_user_are_the_callers() -> None:
@@ -366,3 +457,114 @@ def test_after_stopping_it_waits_until_the_unit_is_gone() -> None:
     now[0] = 0.0
     stuck = wait_until_gone("u.service", 1.0, lambda _: "deactivating", lambda: now[0], tick)
     assert not stuck and now[0] >= 1.0
+
+
+@pytest.mark.parametrize(
+    ("holder", "started_by"),
+    [
+        ("gpugate-run-bob-1.service", "bob (uid 1001, /dev/pts/4)"),  # another account's run
+        ("gpugate-run-alice-2.service", "alice (uid 1000, /dev/pts/3)"),  # says it is hers
+        ("vllm.service", None),  # a unit systemd starts
+        ("libpod-3f2a.scope", None),  # a container's lease
+    ],
+)
+def test_force_over_a_lease_is_roots_alone(
+    host: FakeHost, capsys: pytest.CaptureFixture[str], holder: str, started_by: str | None
+) -> None:
+    """A caller that is not root (under sudo: SUDO_UID's) never overrides a running lease:
+    exit 77, one line; whose the lease says it is changes nothing (GPUGATE_STARTED_BY is
+    the unit's environment). Root still may."""
+    gpus = host.memory.gpus()
+    loaded = host.config()
+    write_lease(
+        loaded.config.lock_dir, new_lease(holder, gpus[3:4], share=False, started_by=started_by)
+    )
+    with pytest.raises(GateError) as refused:
+        refuse_leased(
+            loaded,
+            "gpugate-run-x-1.service",
+            gpus[3:5],
+            force=True,
+            caller_is_root=False,
+            unit_state=lambda _: "active",
+        )
+    assert refused.value.exit_code is ExitCode.PERMISSION
+    assert refused.value.problem is Problem.LAUNCH_FORCE_NOT_ROOT
+    assert f"GPU 3 leased to {holder}" in refused.value.message
+    assert "\n" not in refused.value.message
+    assert "running anyway" not in capsys.readouterr().err
+    refuse_leased(
+        loaded,
+        "gpugate-run-x-1.service",
+        gpus[3:5],
+        force=True,
+        caller_is_root=True,
+        unit_state=lambda _: "active",
+    )
+    assert "--force: running anyway" in capsys.readouterr().err
+    # No running lease on the GPUs: --force changes nothing, for anyone.
+    refuse_leased(
+        loaded,
+        "gpugate-run-x-1.service",
+        gpus[4:5],
+        force=True,
+        caller_is_root=False,
+        unit_state=lambda _: "active",
+    )
+
+
+@pytest.mark.parametrize(("for_uid", "ignores"), [(None, True), (1000, False), (0, False)])
+def test_the_pre_line_ignores_leases_only_for_root(for_uid: int | None, ignores: bool) -> None:
+    """A plan for a caller that is not root (its hooks act --for-uid) never carries
+    --ignore-leases, whatever its force says: a lease taken after gpugate run looked is
+    refused by the unit's pre."""
+    argv = systemd_run_argv(plan(force=True, for_uid=for_uid), SYSTEMD_RUN)
+    pre = next(a for a in argv if a.startswith("--property=ExecStartPre="))
+    post = next(a for a in argv if a.startswith("--property=ExecStopPost="))
+    assert ("--ignore-leases" in pre) is ignores
+    assert "--ignore-leases" not in post
+
+
+def test_port_writes_the_hooks_config_without_a_warning(host: FakeHost) -> None:
+    """--port: the effective config with the ports, as a validated copy (a tuple, sorted, no
+    repeats), dumped with no pydantic serializer warning (warnings are errors here)."""
+    loaded = host.config()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        path, cleanup = hook_config(loaded, "gpugate-run-x-1.service", None, [8000, 22, 8000])
+        assert path is not None and cleanup == (path,)
+        reread = load_config(None, path)
+    assert reread.config.ports == (22, 8000)
+    assert reread.config.lock_dir == loaded.config.lock_dir
+
+
+def test_a_changed_config_is_validated() -> None:
+    """GateConfig.changed validates as a file's values are: a list for a tuple field becomes
+    the tuple the field holds, a bad value is refused, and the copy dumps without a warning."""
+    config = GateConfig()
+    with pytest.raises(ValidationError):
+        config.changed(ports=(0,))
+    with pytest.raises(ValidationError):
+        config.changed(ports=("8000",))
+    changed = config.changed(ports=[8000], gpus=(0, 1))
+    assert changed.ports == (8000,) and isinstance(changed.ports, tuple)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert changed.model_dump(mode="json")["ports"] == [8000]
+    assert config.ports == ()
+
+
+def test_port_with_a_lock_dir_it_cannot_write_is_one_line_before_anything_starts(
+    host: FakeHost,
+) -> None:
+    """--port's config cannot be written (a file where lock_dir/run should be): exit 73 and
+    one line naming the path, not an internal error."""
+    loaded = host.config()
+    loaded.config.lock_dir.mkdir(parents=True, exist_ok=True)
+    (loaded.config.lock_dir / "run").write_text("")
+    with pytest.raises(GateError) as raised:
+        hook_config(loaded, "gpugate-run-x-1.service", None, [8000])
+    assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
+    assert raised.value.message.startswith(f"{loaded.config.lock_dir / 'run'}")
+    assert "gpugate run's config (--port)" in raised.value.message
+    assert "\n" not in raised.value.message

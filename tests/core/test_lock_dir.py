@@ -3,6 +3,7 @@ permission error (77) naming the folder, never an internal error."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import time
 from pathlib import Path
@@ -52,3 +53,40 @@ def test_a_folder_it_may_not_write_is_a_permission_error(tmp_path: Path) -> None
 def test_a_usable_folder_is_made_and_used(tmp_path: Path) -> None:
     take(tmp_path / "run" / "gpugate")
     assert (tmp_path / "run" / "gpugate" / f"{GPU.uuid}.lock").is_file()
+
+
+@pytest.mark.parametrize("layout", ["file", "file/below", "lockfile-is-a-folder"])
+def test_after_a_stop_a_lock_that_cannot_be_made_is_told_not_raised(
+    tmp_path: Path, layout: str
+) -> None:
+    """on_unlocked given (a phase whose state is not required): the run goes on without
+    the lock, told where and why; without, the same is StateUnwritable (above)."""
+    (tmp_path / "file").write_text("")
+    lock_dir = tmp_path / layout
+    if layout == "lockfile-is-a-folder":
+        (tmp_path / layout / f"{GPU.uuid}.lock").mkdir(parents=True)
+    told: list[tuple[Path, str]] = []
+    entered = False
+    with gpu_locks(
+        lock_dir, [GPU], time.monotonic() + 1, on_unlocked=lambda p, c: told.append((p, c))
+    ):
+        entered = True
+    assert entered
+    ((path, cause),) = told
+    expected = lock_dir / f"{GPU.uuid}.lock" if layout.startswith("lockfile") else lock_dir
+    assert path == expected and cause and "\n" not in cause
+
+
+def test_after_a_stop_a_usable_lock_is_still_taken(tmp_path: Path) -> None:
+    """on_unlocked changes nothing where the lock can be had: a second holder waits."""
+    told: list[tuple[Path, str]] = []
+    with gpu_locks(
+        tmp_path, [GPU], time.monotonic() + 1, on_unlocked=lambda p, c: told.append((p, c))
+    ):
+        fd = os.open(tmp_path / f"{GPU.uuid}.lock", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    assert told == []

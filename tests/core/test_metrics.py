@@ -14,6 +14,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpugate.errors import ExitCode, NvmlUnavailable, Problem
 from gpugate.front.cli import main
 from gpugate.integrations.metrics import GpuSeries, RunRecord, record_run, render
+from gpugate.phase import Phase
+from gpugate.report.journal import Reporter
+from tests.core.test_oci_hook_run import A_ID, A_SCOPE, hook
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
@@ -246,25 +249,39 @@ def test_errors_are_counted_and_dry_runs_are_not(host: FakeHost, metrics: Path) 
     assert key("gpugate_last_run_failed", phase="post", unit=UNIT) not in values
 
 
-@pytest.mark.parametrize("layout", ["file-as-folder", "folder-as-file"])
-def test_unwritable_textfile_is_exit_73_before_the_kill(
-    host: FakeHost, capsys: pytest.CaptureFixture[str], layout: str
+@pytest.mark.parametrize("phase", ["pre", "post"])
+@pytest.mark.parametrize("layout", ["file-as-folder", "folder-as-file", "below-a-file"])
+def test_an_unwritable_textfile_is_a_warning_never_the_runs_failure(
+    host: FakeHost, capsys: pytest.CaptureFixture[str], layout: str, phase: str
 ) -> None:
-    """Metrics that cannot be written are found before anything is killed (docs/hardening.md)."""
+    """Metrics are never a run's failure (docs/metrics.md): a textfile that cannot be written
+    is a warning in the journal (GPUGATE_REASON=metrics-unwritable) and on stderr, the run
+    kills and frees as without metrics, and its exit is what it would be without them."""
     blocker = host.root / "not-a-folder"
     if layout == "file-as-folder":
         blocker.write_text("")
-        blocked, why = blocker, "a file is in the way (not a folder)"
+        textfile = blocker / "gpugate.prom"
+    elif layout == "below-a-file":
+        blocker.write_text("")
+        textfile = blocker / "deeper" / "gpugate.prom"
     else:
         (blocker / "gpugate.prom").mkdir(parents=True)
-        blocked, why = blocker / "gpugate.prom", "a folder is in the way (not a file)"
-    config = write_config(host, blocker / "gpugate.prom")
+        textfile = blocker / "gpugate.prom"
+    config = write_config(host, textfile)
     (member,) = host.pool.holder(host.gpu_files(1))
     host.put_in_unit(member)
-    assert gpugate(host, "post", UNIT, "--config", str(config)) == ExitCode.STATE_UNWRITABLE
-    assert alive(member)
+    host.reporter = lambda phase="pre": Reporter(  # type: ignore[method-assign]
+        UNIT, phase, journal=host.journal, notifier=host.notifier, echo=True
+    )
+    assert gpugate(host, phase, UNIT, "--config", str(config)) == ExitCode.OK
+    assert not alive(member)
+    (warned,) = [
+        e for e in host.journal.events("warning") if e["GPUGATE_REASON"] == "metrics-unwritable"
+    ]
+    assert warned["MESSAGE"].startswith(f"metrics not written to {textfile}: ")
     err = capsys.readouterr().err
-    assert err == f"gpugate: {blocked}: cannot write metrics there: {why}\n"
+    assert f"metrics not written to {textfile}: " in err
+    assert host.journal.events("error") == []
 
 
 def test_label_values_are_escaped() -> None:
@@ -320,3 +337,33 @@ def test_config_check_shows_the_textfile_and_the_slurm_phases(
     assert capsys.readouterr().err == (
         f"gpugate: {relative}: metrics_textfile: must be an absolute path\n"
     )
+
+
+@pytest.mark.parametrize("blocked", ["textfile", "locks/leases"])
+def test_a_containers_hooks_go_on_without_metrics_and_poststop_without_its_lease_folder(
+    host: FakeHost, blocked: str
+) -> None:
+    """A container's start (the hook's pre) kills the stale holder and starts with an
+    unwritable metrics textfile (a warning); its poststop ends 0 also where its lease cannot
+    be removed (a warning, GPUGATE_REASON=state-not-recorded)."""
+    (stale,) = host.pool.holder(host.gpu_files(1))
+    host.memory.claim(stale, {1}, 4000)
+    (host.root / "textfile").write_text("")
+    real = host.config
+    host.config = lambda **o: real(  # type: ignore[method-assign]
+        **{"metrics_textfile": host.root / "textfile" / "gpugate.prom", **o}
+    )
+    running = {A_SCOPE: "active"}
+    assert hook(host, Phase.PRE, A_ID, [], running, devices=[1]) == ExitCode.OK
+    assert not alive(stale)
+    if blocked == "locks/leases":
+        for lease in (host.root / "locks" / "leases").iterdir():
+            lease.unlink()
+        (host.root / "locks" / "leases").rmdir()
+        (host.root / "locks" / "leases").write_text("")
+    running[A_SCOPE] = "deactivating"
+    assert hook(host, Phase.POST, A_ID, [], running, devices=[1]) == ExitCode.OK
+    reasons = [e["GPUGATE_REASON"] for e in host.journal.events("warning")]
+    assert reasons.count("metrics-unwritable") == 2, reasons
+    assert ("state-not-recorded" in reasons) is (blocked == "locks/leases"), reasons
+    assert host.journal.events("error") == []

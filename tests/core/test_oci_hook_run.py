@@ -17,6 +17,7 @@ import pytest
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import run_container_hook, stage_phase
 from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
@@ -26,13 +27,16 @@ A_ID, B_ID = "a" * 64, "b" * 64
 A_SCOPE, B_SCOPE = f"libpod-{A_ID}.scope", f"libpod-{B_ID}.scope"
 
 
-def spec(container_id: str, env: list[str], devices: list[str] = ()) -> ContainerSpec:  # type: ignore[assignment]
+def spec(container_id: str, env: list[str], devices: list[int] = ()) -> ContainerSpec:  # type: ignore[assignment]
     body = {
         "hooks": {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook"}]},
         "process": {"env": env},
         "linux": {
             "cgroupsPath": f"machine.slice:libpod:{container_id}",
-            "devices": [{"path": p} for p in devices],
+            # Device numbers (195:minor), under a path of the container's choosing.
+            "devices": [
+                {"path": f"/dev/x{m}", "type": "c", "major": 195, "minor": m} for m in devices
+            ],
         },
         "annotations": {"io.kubernetes.cri-o.ContainerName": f"c-{container_id[0]}"},
     }
@@ -50,7 +54,7 @@ def hook(
     env: list[str],
     running: dict[str, str],
     *,
-    devices: list[str] = (),  # type: ignore[assignment]
+    devices: list[int] = (),  # type: ignore[assignment]
 ) -> int:
     def reporter(unit: str, phase: str, *, fields: object = None) -> Reporter:
         return Reporter(
@@ -79,19 +83,22 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert not alive(stale)
     (lease,) = read_leases(host.root / "locks").leases
     assert lease.unit == A_SCOPE and lease.gpus == (1,)
-    assert lease.container == f"podman container c-a ({A_ID[:12]})"
+    # CRI-O's name annotation on podman's container: its author's word, marked as such.
+    claimed = '("c-a" by its annotation io.kubernetes.cri-o.ContainerName)'
+    assert lease.container == f"podman container {A_ID[:12]} {claimed}"
     started = host.journal.events("run_started")[0]
     assert started["GPUGATE_OCI_CONTAINER"] == A_ID
-    assert started["GPUGATE_OCI_CONTAINER_NAME"] == "c-a"
+    assert started["GPUGATE_OCI_ANNOTATED_NAME"] == "c-a"
+    assert "GPUGATE_OCI_CONTAINER_NAME" not in started
     assert started["GPUGATE_UNIT"] == A_SCOPE and started["GPUGATE_PHASE"] == "pre"
-    assert "NVIDIA_VISIBLE_DEVICES=1" in started["GPUGATE_GPU_SOURCE"]
+    assert started["GPUGATE_GPU_SOURCE"].endswith("1; from NVIDIA_VISIBLE_DEVICES)")
 
     # Another container onto GPU 1: refused, naming the first; nothing killed.
     (bystander,) = host.pool.holder(host.gpu_files(5))
     code = hook(host, Phase.PRE, B_ID, ["NVIDIA_VISIBLE_DEVICES=0,1"], running)
     assert code == ExitCode.HELD_BY_OTHERS
     refused = [e for e in host.journal.events("refused") if e["GPUGATE_OCI_CONTAINER"] == B_ID]
-    assert refused and f"podman container c-a ({A_ID[:12]})" in refused[0]["MESSAGE"]
+    assert refused and f"podman container {A_ID[:12]} {claimed}" in refused[0]["MESSAGE"]
     assert alive(bystander)
 
     # A unit's pre onto GPU 1: refused too.
@@ -105,13 +112,67 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     )
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
     unit_refused = [e for e in host.journal.events("refused") if e["GPUGATE_UNIT"] == UNIT]
-    assert "podman container c-a" in unit_refused[-1]["MESSAGE"], unit_refused
+    assert f"podman container {A_ID[:12]}" in unit_refused[-1]["MESSAGE"], unit_refused
     assert "still running and holds them until it stops" in unit_refused[-1]["MESSAGE"]
 
     # poststop: the lease goes; then B starts.
     assert hook(host, Phase.POST, A_ID, ["NVIDIA_VISIBLE_DEVICES=1"], running) == ExitCode.OK
     assert not read_leases(host.root / "locks").leases
     assert hook(host, Phase.PRE, B_ID, ["NVIDIA_VISIBLE_DEVICES=0,1"], running) == ExitCode.OK
+
+
+def unresolvable(container_id: str) -> ContainerSpec:
+    """What parse_config(lenient=True) gives after the stop for a request that no longer
+    resolves (NVIDIA's config changed meanwhile)."""
+    text = json.dumps(
+        {
+            "hooks": {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook"}]},
+            "process": {"env": ["NVIDIA_VISIBLE_DEVICES=/var/run/nvidia-container-devices"]},
+            "linux": {"cgroupsPath": f"machine.slice:libpod:{container_id}"},
+        }
+    )
+    with pytest.raises(OciInputError):
+        parse_config(text.encode())
+    got = parse_config(text.encode(), lenient=True)
+    assert got.gpus and got.gpus.unresolved is not None
+    return got
+
+
+def test_after_the_stop_the_lease_says_which_gpus(host: FakeHost) -> None:
+    running = {A_SCOPE: "active"}
+    assert hook(host, Phase.PRE, A_ID, ["NVIDIA_VISIBLE_DEVICES=1"], running) == ExitCode.OK
+    (lease,) = read_leases(host.root / "locks").leases
+    assert lease.gpus == (1,)
+    code = run_container_hook(
+        Phase.POST,
+        state(A_ID),
+        unresolvable(A_ID),
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+        reporter_factory=lambda unit, phase, fields=None: Reporter(  # type: ignore[arg-type]
+            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
+        ),
+        loaded=host.config(),
+        unit_state=running.get,
+        stream=io.StringIO(),
+    )
+    assert code == ExitCode.OK
+    assert not read_leases(host.root / "locks").leases
+    # Without a lease to answer, it is refused as at the start.
+    code = run_container_hook(
+        Phase.POST,
+        state(B_ID),
+        unresolvable(B_ID),
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+        reporter_factory=lambda unit, phase, fields=None: Reporter(  # type: ignore[arg-type]
+            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
+        ),
+        loaded=host.config(),
+        unit_state=running.get,
+        stream=io.StringIO(),
+    )
+    assert code == ExitCode.USAGE
 
 
 def test_a_dead_containers_lease_is_stale(host: FakeHost) -> None:
@@ -126,25 +187,32 @@ def test_a_dead_containers_lease_is_stale(host: FakeHost) -> None:
 def test_gpus_by_device_minor_not_index(host: FakeHost) -> None:
     host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
     running = {A_SCOPE: "active"}
-    assert hook(host, Phase.PRE, A_ID, [], running, devices=["/dev/nvidia7"]) == ExitCode.OK
+    assert hook(host, Phase.PRE, A_ID, [], running, devices=[7]) == ExitCode.OK
     (lease,) = read_leases(host.root / "locks").leases
     assert lease.gpus == (0,)
 
 
 @pytest.mark.parametrize(
-    ("env", "devices", "code"),
+    ("env", "devices"),
     [
-        ([], ["/dev/nvidia9"], ExitCode.CONFIG),  # no such GPU
-        (["NVIDIA_VISIBLE_DEVICES=12"], [], ExitCode.CONFIG),
-        (["NVIDIA_VISIBLE_DEVICES=MIG-1234"], [], ExitCode.USAGE),
-        (["NVIDIA_VISIBLE_DEVICES=gpu0"], [], ExitCode.USAGE),
+        ([], [9]),  # 195:9: no GPU NVML knows
+        (["NVIDIA_VISIBLE_DEVICES=12"], []),
+        (["NVIDIA_VISIBLE_DEVICES=GPU-ffffffff-0000"], []),
     ],
 )
 def test_a_gpu_request_nvml_cannot_meet_fails_the_start(
-    host: FakeHost, env: list[str], devices: list[str], code: ExitCode
+    host: FakeHost, env: list[str], devices: list[int]
 ) -> None:
-    assert hook(host, Phase.PRE, A_ID, env, {A_SCOPE: "active"}, devices=devices) == code
+    code = hook(host, Phase.PRE, A_ID, env, {A_SCOPE: "active"}, devices=devices)
+    assert code == ExitCode.USAGE
     assert not read_leases(host.root / "locks").leases
+
+
+@pytest.mark.parametrize("value", ["MIG-1234", "gpu0", "0:1", "ALL"])
+def test_a_gpu_request_gpugate_cannot_read_is_refused_before_nvml(value: str) -> None:
+    with pytest.raises(OciInputError) as caught:
+        spec(A_ID, [f"NVIDIA_VISIBLE_DEVICES={value}"])
+    assert caught.value.exit_code == ExitCode.USAGE
 
 
 def run_entry(stage: str, stdin: bytes) -> subprocess.CompletedProcess[bytes]:
@@ -166,6 +234,48 @@ def test_entry_leaves_a_container_without_gpus_alone(tmp_path: Path) -> None:
     for stage in ("createRuntime", "prestart", "poststop", "startContainer"):
         done = run_entry(stage, raw)
         assert (done.returncode, done.stderr) == (0, b""), stage
+
+
+@pytest.mark.parametrize(
+    "spec_body",
+    [
+        # Only nvidiactl, nvidia-uvm and a GPU's name on /dev/null's numbers: no GPU.
+        {
+            "linux": {
+                "devices": [
+                    {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                    {"path": "/dev/nvidia-uvm", "type": "c", "major": 508, "minor": 0},
+                    {"path": "/dev/nvidia0", "type": "c", "major": 1, "minor": 3},
+                ]
+            }
+        },
+        # The image's NVIDIA_VISIBLE_DEVICES=all without NVIDIA's hook.
+        {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=all", "CUDA_VERSION=12.2"]}},
+    ],
+)
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the hook leaves every one alone")
+def test_entry_leaves_a_container_that_reaches_no_gpu_alone(
+    tmp_path: Path, spec_body: dict[str, object]
+) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o700)
+    (bundle / "config.json").write_text(json.dumps(spec_body))
+    raw = json.dumps({"id": A_ID, "pid": 0, "bundle": str(bundle)}).encode()
+    done = run_entry("createRuntime", raw)
+    assert (done.returncode, done.stderr) == (0, b"")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the hook leaves it alone")
+def test_entry_refuses_a_gpu_request_it_cannot_resolve_with_one_line(tmp_path: Path) -> None:
+    bundle = tmp_path / "bundle"
+    bundle.mkdir(mode=0o700)
+    body = {"annotations": {"cdi.k8s.io/x": "nvidia.com/gpu=MIG-1"}}
+    (bundle / "config.json").write_text(json.dumps(body))
+    raw = json.dumps({"id": A_ID, "pid": 0, "bundle": str(bundle)}).encode()
+    done = run_entry("createRuntime", raw)
+    assert done.returncode == ExitCode.USAGE
+    assert done.stderr.decode().count("\n") == 1
+    assert done.stderr.startswith(b"gpugate: oci-hook createRuntime: config.json: ")
 
 
 def test_entry_refuses_bad_input_with_one_line() -> None:

@@ -1,6 +1,6 @@
 """The OCI hook's input: the container state on stdin and the bundle's config.json, in the
-shapes runtimes write them and in shapes nobody should (missing fields, huge, hostile); the
-container's GPUs from linux.devices and NVIDIA_VISIBLE_DEVICES."""
+shapes runtimes write them and in shapes nobody should (missing fields, huge, hostile). The container's GPUs:
+test_container_gpus.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import threading
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import (
@@ -20,13 +18,10 @@ from gpugate.host.oci import (
     GpuRequest,
     OciInputError,
     cgroup_of_spec,
-    container_name,
-    gpu_request,
     parse_config,
     parse_state,
     read_config,
     read_stdin_bounded,
-    spec_gpu_request,
 )
 
 ID = "3f2a1b0c4d5e" + "0" * 52
@@ -46,101 +41,6 @@ def state(**fields: object) -> bytes:
 
 def env(*items: str) -> list[str]:
     return ["PATH=/usr/bin", *items]
-
-
-def devices(*paths: str) -> list[dict[str, object]]:
-    return [{"path": p, "type": "c", "major": 195, "minor": 0} for p in paths]
-
-
-# ---- NVIDIA_VISIBLE_DEVICES and linux.devices ----------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        ("0", GpuRequest(refs=("0",))),
-        ("1,3", GpuRequest(refs=("1", "3"))),
-        (" 1 , 3 ,", GpuRequest(refs=("1", "3"))),
-        ("3,3", GpuRequest(refs=("3",))),
-        ("GPU-aaaaaaaa-1111", GpuRequest(refs=("GPU-aaaaaaaa-1111",))),
-        ("0,GPU-bbbbbbbb-2222", GpuRequest(refs=("0", "GPU-bbbbbbbb-2222"))),
-        ("all", GpuRequest(all_gpus=True)),
-        ("ALL", GpuRequest(all_gpus=True)),
-        ("none", GpuRequest()),
-        ("void", GpuRequest()),
-        ("", GpuRequest()),
-        ("  ", GpuRequest()),
-    ],
-)
-def test_visible_devices_forms(value: str, expected: GpuRequest) -> None:
-    assert gpu_request(None, env(f"NVIDIA_VISIBLE_DEVICES={value}")) == expected
-
-
-def test_no_variable_and_no_device_is_no_gpu() -> None:
-    assert not gpu_request(None, env("CUDA_VISIBLE_DEVICES=0"))
-    assert not gpu_request([], [])
-    assert not gpu_request(None, None)
-
-
-def test_the_last_setting_counts_as_for_execve() -> None:
-    request = gpu_request(None, env("NVIDIA_VISIBLE_DEVICES=all", "NVIDIA_VISIBLE_DEVICES=2"))
-    assert request == GpuRequest(refs=("2",))
-    assert not gpu_request(None, env("NVIDIA_VISIBLE_DEVICES=0", "NVIDIA_VISIBLE_DEVICES=void"))
-
-
-@pytest.mark.parametrize(
-    ("paths", "minors"),
-    [
-        (["/dev/nvidia0"], (0,)),
-        (["/dev/nvidia3", "/dev/nvidia1", "/dev/nvidia3"], (3, 1)),
-        (["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"], ()),
-        (["/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-modeset"], ()),
-        (["/dev/nvidia0x", "/dev/nvidia/0", "dev/nvidia0", "/dev/nvidia99999"], ()),
-        (["/dev/fuse", "/dev/nvidia7"], (7,)),
-    ],
-)
-def test_device_nodes_forms(paths: list[str], minors: tuple[int, ...]) -> None:
-    assert gpu_request(devices(*paths), None).minors == minors
-
-
-def test_devices_and_variable_are_a_union() -> None:
-    request = gpu_request(devices("/dev/nvidia2"), env("NVIDIA_VISIBLE_DEVICES=0"))
-    assert request == GpuRequest(minors=(2,), refs=("0",))
-    # `none` from the variable still leaves the devices the container was given.
-    assert gpu_request(devices("/dev/nvidia2"), env("NVIDIA_VISIBLE_DEVICES=none")).minors == (2,)
-
-
-@pytest.mark.parametrize(
-    "hostile",
-    [
-        "not a list",
-        [None, 1, "x", [], {"path": 5}, {"path": None}, {"nopath": "/dev/nvidia0"}],
-        {"path": "/dev/nvidia0"},
-    ],
-)
-def test_hostile_devices_are_no_gpu(hostile: object) -> None:
-    assert not gpu_request(hostile, None)
-
-
-@pytest.mark.parametrize("hostile", ["NVIDIA_VISIBLE_DEVICES=0", 7, {"a": 1}, [1, None, b"x"]])
-def test_hostile_env_shapes_are_no_gpu(hostile: object) -> None:
-    assert not gpu_request(None, hostile)
-
-
-def test_a_huge_variable_is_refused() -> None:
-    with pytest.raises(OciInputError, match="over 4096"):
-        gpu_request(None, env("NVIDIA_VISIBLE_DEVICES=" + "1," * 5000))
-
-
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.one_of(st.text(max_size=30), st.integers(), st.none()), max_size=20))
-def test_any_env_list_parses_or_is_refused_with_one_line(items: list[object]) -> None:
-    try:
-        request = gpu_request(None, items)
-    except OciInputError as exc:
-        assert "\n" not in exc.message
-    else:
-        assert all(ref.strip() == ref and ref for ref in request.refs)
 
 
 # ---- the state on stdin ---------------------------------------------------------------
@@ -237,7 +137,7 @@ def spec(**fields: object) -> bytes:
 
 def test_config_as_podman_writes_it() -> None:
     got = parse_config(spec())
-    assert got.gpus == GpuRequest(refs=("1",))
+    assert got.gpus == GpuRequest(refs=("1",), origins=("NVIDIA_VISIBLE_DEVICES",))
     assert cgroup_of_spec(got.cgroups_path, ID) == f"/machine.slice/libpod-{ID}.scope"
 
 
@@ -273,30 +173,6 @@ def test_missing_or_odd_sections_mean_no_gpu(fields: dict[str, object]) -> None:
 )
 def test_cgroups_path_forms(path: str | None, cgroup: str | None) -> None:
     assert cgroup_of_spec(path, ID) == cgroup
-
-
-@pytest.mark.parametrize(
-    ("annotations", "name"),
-    [
-        ({"io.podman.annotations.name": "vllm"}, "vllm"),
-        (
-            {"io.kubernetes.cri-o.ContainerName": "server", "io.kubernetes.pod.name": "llm-0"},
-            "llm-0/server",
-        ),
-        ({"io.kubernetes.cri.container-name": "server"}, "server"),
-        ({"nerdctl/name": "x"}, "x"),
-        ({"io.podman.annotations.name": "  "}, None),
-        (
-            {"io.podman.annotations.name": "evil\nGPUGATE_EVENT=x\x1b[2J"},
-            "evil?GPUGATE_EVENT=x?[2J",
-        ),
-        ({"io.podman.annotations.name": "x" * 1000}, "x" * 256),
-        ({}, None),
-    ],
-)
-def test_container_names_from_annotations(annotations: dict[str, str], name: str | None) -> None:
-    got = parse_state(state(annotations=annotations))
-    assert container_name(got, None) == name
 
 
 def bundle_dir(tmp_path: Path, content: bytes, mode: int = 0o644) -> str:
@@ -366,48 +242,3 @@ def test_config_of_another_owner_is_refused(tmp_path: Path) -> None:
     os.chown(Path(bundle, "config.json"), 1000, 1000)
     with pytest.raises(OciInputError, match="owned by uid 1000"):
         read_config(bundle)
-
-
-# ---- which requests count: NVIDIA's hook, bind mounts ---------------------------------
-
-
-@pytest.mark.parametrize(
-    ("hooks", "counts"),
-    [
-        (NVIDIA_HOOK, True),
-        ({"createContainer": [{"path": "/usr/bin/nvidia-ctk", "args": ["hook"]}]}, True),
-        ({"prestart": [{"path": "/usr/local/bin/nvidia-container-toolkit"}]}, True),
-        ({"prestart": [{"path": "/usr/bin/other-hook"}]}, False),
-        ({"prestart": [{"path": "/usr/bin/gpugate", "args": ["gpugate", "oci-hook"]}]}, False),
-        (None, False),
-        ({}, False),
-        ({"prestart": "x"}, False),
-        ([NVIDIA_HOOK], False),
-        ({"prestart": [None, 1, {"path": 5}]}, False),
-    ],
-)
-def test_the_variable_counts_only_with_nvidias_hook(hooks: object, counts: bool) -> None:
-    """Every CUDA image sets NVIDIA_VISIBLE_DEVICES=all: without NVIDIA's hook to act on it,
-    it gives the container no GPU, and must not gate every GPU for it."""
-    body: dict[str, object] = {"process": {"env": env("NVIDIA_VISIBLE_DEVICES=all")}}
-    if hooks is not None:
-        body["hooks"] = hooks
-    assert bool(spec_gpu_request(body)) is counts
-
-
-@pytest.mark.parametrize(
-    ("mounts", "minors"),
-    [
-        ([{"source": "/dev/nvidia1", "destination": "/dev/nvidia1", "type": "bind"}], (1,)),
-        ([{"source": "/dev/nvidia3", "destination": "/dev/gpu"}], (3,)),
-        ([{"destination": "/dev/nvidia2"}], (2,)),
-        ([{"source": "/dev/nvidiactl", "destination": "/dev/nvidiactl"}], ()),
-        ([{"source": "/srv/nvidia1", "destination": "/data"}], ()),
-        ("x", ()),
-        ([None, 5, {"source": 7}], ()),
-    ],
-)
-def test_bind_mounted_device_nodes_count(mounts: object, minors: tuple[int, ...]) -> None:
-    body = {"mounts": mounts, "linux": {"devices": devices("/dev/nvidia1")}}
-    expected = tuple(dict.fromkeys((1, *minors)))
-    assert spec_gpu_request(body).minors == expected

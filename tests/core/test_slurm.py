@@ -3,15 +3,21 @@ cgroup in a stand-in tree shaped like Slurm's cgroup/v2 plugin makes it, real pr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import os
+import pwd
+import re
+import stat
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode
-from gpugate.front.cli import main
+from gpugate.front.slurm_hook import SlurmDeps, run_slurm_hook
 from gpugate.integrations.slurm import SlurmEnvError, job_cgroup, job_from_env
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeHost, alive
 
@@ -37,43 +43,40 @@ def test_job_gpus_from_slurm_job_gpus_first() -> None:
     assert job.label == "slurm-job-42"
 
 
-def test_job_gpus_fall_back_to_cuda_visible_devices_indices_or_uuids() -> None:
-    job = job_from_env({"SLURM_JOB_ID": "7", "CUDA_VISIBLE_DEVICES": f"1,{UUID_3}"})
-    assert (job.gpus, job.gpus_from, job.uid, job.node_name) == (
-        (1, UUID_3),
-        "CUDA_VISIBLE_DEVICES",
-        None,
-        None,
-    )
-    assert job_from_env({"SLURM_JOB_ID": "7", "SLURM_JOB_GPUS": ""}).gpus == ()
-
-
 @pytest.mark.parametrize(
-    ("environ", "gpus", "source"),
+    ("environ", "gpus", "source", "no_gpus"),
     [
-        # a batch job and the hooks: SLURM_JOB_GPUS, indices or (some sites) UUIDs
+        # the hooks: SLURM_JOB_GPUS, slurmd's numbers (gres.conf's order)
         (
             {"SLURM_JOB_GPUS": "0,1", "SLURM_STEP_GPUS": "5", "CUDA_VISIBLE_DEVICES": "6"},
             (0, 1),
             "SLURM_JOB_GPUS",
+            "",
         ),
-        ({"SLURM_JOB_GPUS": f"{UUID_3},4"}, (UUID_3, 4), "SLURM_JOB_GPUS"),
-        # an srun task: SLURM_JOB_GPUS empty, SLURM_STEP_GPUS set
+        ({"SLURM_JOB_GPUS": "7,0,3"}, (7, 0, 3), "SLURM_JOB_GPUS", ""),
+        # an srun task: SLURM_JOB_GPUS empty, SLURM_STEP_GPUS set (the same numbers)
         (
             {"SLURM_JOB_GPUS": "", "SLURM_STEP_GPUS": "0,1", "CUDA_VISIBLE_DEVICES": "0,1"},
             (0, 1),
             "SLURM_STEP_GPUS",
+            "",
         ),
-        ({"SLURM_JOB_GPUS": " ", "SLURM_STEP_GPUS": UUID_3}, (UUID_3,), "SLURM_STEP_GPUS"),
-        ({"SLURM_STEP_GPUS": "", "CUDA_VISIBLE_DEVICES": "3,2"}, (3, 2), "CUDA_VISIBLE_DEVICES"),
-        ({"SLURM_JOB_GPUS": "", "SLURM_STEP_GPUS": "", "CUDA_VISIBLE_DEVICES": ""}, (), ""),
+        # CUDA_VISIBLE_DEVICES alone is not slurmd's: no GPU named
+        ({"CUDA_VISIBLE_DEVICES": "3,2"}, (), "", ""),
+        ({"CUDA_VISIBLE_DEVICES": "NoDevFiles"}, (), "", ""),
+        # Slurm's words for no GPU: said once, exit 0
+        ({"SLURM_JOB_GPUS": "NoDevFiles"}, (), "SLURM_JOB_GPUS", "SLURM_JOB_GPUS=NoDevFiles"),
+        ({"SLURM_STEP_GPUS": "NoDevFiles"}, (), "SLURM_STEP_GPUS", "SLURM_STEP_GPUS=NoDevFiles"),
+        ({"SLURM_JOB_GPUS": ""}, (), "", "SLURM_JOB_GPUS="),
+        ({"SLURM_JOB_GPUS": " ", "SLURM_STEP_GPUS": ""}, (), "", "SLURM_JOB_GPUS="),
+        ({}, (), "", ""),
     ],
 )
-def test_job_gpus_first_non_empty_variable_wins(
-    environ: dict[str, str], gpus: tuple[int | str, ...], source: str
+def test_job_gpus_as_slurmd_writes_them(
+    environ: dict[str, str], gpus: tuple[int, ...], source: str, no_gpus: str
 ) -> None:
     job = job_from_env({"SLURM_JOB_ID": "9", **environ})
-    assert (job.gpus, job.gpus_from) == (gpus, source)
+    assert (job.gpus, job.gpus_from, job.no_gpus) == (gpus, source, no_gpus)
 
 
 @pytest.mark.parametrize(
@@ -88,20 +91,24 @@ def test_job_gpus_first_non_empty_variable_wins(
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,,3"}, "SLURM_JOB_GPUS '2,,3': '' is not"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2-3"}, "SLURM_JOB_GPUS '2-3': '2-3' is not"),
         ({"SLURM_JOB_ID": "42", "SLURM_STEP_GPUS": "x"}, "SLURM_STEP_GPUS 'x': 'x' is not a GPU"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "-1"}, "SLURM_JOB_GPUS '-1': '-1' is not"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "4294967296"}, "SLURM_JOB_GPUS '4294967296'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "nodevfiles"}, "SLURM_JOB_GPUS 'nodevfiles'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "0\n1"}, "SLURM_JOB_GPUS '0\\n1'"),
         (
             {"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,2"},
             "SLURM_JOB_GPUS '2,2': lists GPU 2 twice",
         ),
         (
-            {"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": "NoDevFiles"},
-            "CUDA_VISIBLE_DEVICES 'NoDevFiles': 'NoDevFiles' is not a GPU index (0, 1, ...) or UUID",
+            {"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": f"{UUID_3},4"},
+            f"SLURM_JOB_GPUS '{UUID_3},4': '{UUID_3}' is not a GPU number slurmd writes",
         ),
     ],
 )
 def test_bad_environment_is_refused(environ: Mapping[str, str], message: str) -> None:
     with pytest.raises(SlurmEnvError) as caught:
         job_from_env(environ)
-    assert caught.value.message.startswith(message)
+    assert caught.value.message.startswith(message), caught.value.message
     assert caught.value.exit_code is ExitCode.USAGE
 
 
@@ -171,13 +178,18 @@ def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/scontrol.args\n')
     scontrol.chmod(0o755)
-    for name in ("SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES", "SLURMD_NODENAME", "SLURM_JOB_UID"):
+    for name in ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES", "SLURMD_NODENAME"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_JOB_UID", raising=False)
+    etc = tmp_path / "etc-slurm"
+    etc.mkdir()
+    (etc / "gres.conf").write_text("Name=gpu File=/dev/nvidia[0-7]\n")
     env = {
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_UID": "1000",
         "SLURM_JOB_GPUS": "2,3",
         "SLURMD_NODENAME": "gpu07",
+        "SLURM_CONF": str(etc / "slurm.conf"),
     }
     from gpugate.host import programs
 
@@ -204,18 +216,37 @@ def slurm_config(host: FakeHost, *, epilog_wait_s: float = 10) -> Path:
     return path
 
 
+def device_stat(dev: Path) -> Callable[[str], os.stat_result]:
+    """os.stat, where the stand-in /dev/nvidiaN (plain files) read as the driver's character
+    devices 195:N, as on a real node (a link to one is followed, as stat follows it)."""
+
+    def stat_(path: str) -> os.stat_result:
+        real = Path(os.path.realpath(path))
+        match = re.fullmatch(r"nvidia([0-9]+)", real.name)
+        if real.parent == dev and match and real.is_file():
+            fields = (stat.S_IFCHR | 0o666, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+            return os.stat_result(fields, {"st_rdev": os.makedev(195, int(match.group(1)))})
+        return os.stat(path)
+
+    return stat_
+
+
 def slurm(host: FakeHost, phase: str, config: Path, driver: object = None) -> int:
+    """`gpugate slurm PHASE --config CONFIG` with slurmd's environment (os.environ)."""
+
     def reporter(unit: str, phase: str, *, fields: dict[str, str] | None = None) -> Reporter:
         return Reporter(
             unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
         )
 
-    return main(
-        ["slurm", phase, "--config", str(config)],
-        driver_factory=(lambda: host.memory) if driver is None else driver,  # type: ignore[arg-type,return-value]
-        reporter_factory=reporter,
-        roots=host.roots,
+    factory = (lambda: host.memory) if driver is None else driver
+    deps = SlurmDeps(
+        os.environ,
+        reporter,
+        RunDeps(roots=host.roots, driver_factory=factory),  # type: ignore[arg-type]
+        device_stat=device_stat(host.dev),
     )
+    return run_slurm_hook(Phase(phase), config, dry_run=False, deps=deps)
 
 
 def test_epilog_reaps_the_jobs_leftovers_and_passes(
@@ -268,7 +299,9 @@ def test_epilog_fails_on_a_leak_naming_gpu_and_mib(
     code = slurm(host, "epilog", slurm_config(host, epilog_wait_s=0.3))
 
     assert code == ExitCode.MEMORY_TIMEOUT
-    reason = f"gpugate epilog job 42: GPU 3 ({UUID_3}) still 50000 MiB used (exit 21)"
+    reason = (
+        f"gpugate epilog job 42: GPU 3 ({UUID_3}) still 50000 MiB used: memory not freed (exit 21)"
+    )
     assert capsys.readouterr().err == f"gpugate: drain: {reason}\n"
     assert scontrol_args(host) == ["update", "NodeName=gpu07", "State=DRAIN", f"Reason={reason}"]
 
@@ -335,15 +368,248 @@ def test_prolog_frees_the_jobs_gpus_and_spares_the_rest(
     assert {e["GPUGATE_PHASE"] for e in host.journal.events("signal_sent")} == {"prolog"}
 
 
-def test_unknown_gpu_in_the_job_exits_3_naming_the_variable(
+def gres(env: dict[str, str], text: str) -> None:
+    (Path(env["SLURM_CONF"]).parent / "gres.conf").write_text(text)
+
+
+def run_started(host: FakeHost) -> dict[str, str]:
+    return host.journal.events("run_started")[0]  # type: ignore[no-any-return]
+
+
+def signalled(host: FakeHost) -> set[int]:
+    return {int(e["GPUGATE_PID"]) for e in host.journal.events("signal_sent")}
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "job_gpus", "files", "nvml"),
+    [
+        # slurmd's number N is the N-th File, whose minor is NVML's minor number, not its index
+        ("Name=gpu File=/dev/nvidia[0-7]\n", "0,1", (0, 1), {7, 6}),
+        # File= out of order: the order written
+        ("Name=gpu File=/dev/nvidia3,/dev/nvidia1,/dev/nvidia[0,2]\n", "0,3", (3, 2), {4, 5}),
+        ("Name=gpu File=/dev/nvidia[6,4,2,0]\n", "1", (4,), {3}),
+        # several lines: every Name= line first, then this node's NodeName= lines
+        (
+            "NodeName=gpu07 Name=gpu Type=h100 File=/dev/nvidia[4-5]\n"
+            "Name=gpu Type=a100 File=/dev/nvidia[0-1]\n"
+            "NodeName=gpu08 Name=gpu File=/dev/nvidia[2-3]\n",
+            "2",
+            (4,),
+            {3},
+        ),
+        ("Name=gpu File=/dev/nvidia[0-3,6]\nName=gpu File=/dev/nvidia7\n", "4,5", (6, 7), {1, 0}),
+        # AutoDetect=nvml: NVML's enumeration, whatever the files' order
+        ("AutoDetect=nvml\nName=gpu File=/dev/nvidia[0-7]\n", "0,1", (7, 6), {0, 1}),
+        ("NodeName=gpu[01-08] AutoDetect=nvml\n", "2", (5,), {2}),
+    ],
+)
+def test_epilog_finds_the_jobs_gpus_as_slurmd_numbers_them(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    gres_text: str,
+    job_gpus: str,
+    files: tuple[int, ...],
+    nvml: set[int],
+) -> None:
+    """Device minors in another order than NVML's indices (nvidia7 is NVML's GPU 0): the
+    job's own leftovers on its device files die, a server on any other survives."""
+    host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
+    gres(slurm_env, gres_text)
+    monkeypatch.setenv("SLURM_JOB_GPUS", job_gpus)
+    own = {}
+    for minor in files:
+        (pid,) = host.pool.holder(host.gpu_files(minor))
+        host.memory.claim(pid, {7 - minor}, 1000)
+        own[pid] = minor
+    others = []
+    for minor in set(range(8)) - set(files):
+        (pid,) = host.pool.holder(host.gpu_files(minor))
+        host.memory.claim(pid, {7 - minor}, 1000)
+        others.append(pid)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert not any(alive(pid) for pid in own)
+    assert all(alive(pid) for pid in others)
+    assert signalled(host) == set(own)
+    assert set(run_started(host)["GPUGATE_GPU"].split(",")) == {str(i) for i in nvml}
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "job_gpus", "problem"),
+    [
+        (None, "0", "no such file"),
+        ("Name=gpu File=/dev/nvidia[0-7]\n", "8", "GPU number 8 past the 8 GPU(s)"),
+        ("Name=gpu File=/dev/nvidia[0-1]\n", "0,2", "GPU number 2 past the 2 GPU(s)"),
+        ("AutoDetect=rsmi\nName=gpu File=/dev/nvidia[0-7]\n", "0", "AutoDetect='rsmi'"),
+        ("AutoDetect=nvml\nName=gpu Type=h100 Count=8\n", "0", "without File="),
+        ("Name=gpu Type=h100 Count=8\n", "0", "no Name=gpu File= line"),
+        ("NodeName=gpu08 Name=gpu File=/dev/nvidia[0-7]\n", "0", "no Name=gpu File= line"),
+        ("Name=gpu File=/dev/null,/dev/nvidia1\n", "1", "'/dev/null' is no GPU device node"),
+        ("Name=gpu File=/dev/nvidia9\n", "0", "is no GPU device node"),
+        ("Name=gpu File=/dev/nvidia[0-3]\nInclude /etc/slurm/more.conf\n", "0", "not read"),
+        ("Name=gpu File=/dev/nvidia[0-3]x[1-2]\n", "0", "not read for certain"),
+        ("Name=gpu File=/dev/nvidia[3-1]\n", "0", "not read for certain"),
+        ("Name=gpu File=/dev/nvidia[0-1],/dev/nvidia1\n", "0", "listed twice"),
+        ("Name=gpu MultipleFiles=/dev/nvidia[0-1]\n", "0", "MultipleFiles"),
+    ],
+)
+def test_numbers_not_resolved_for_certain_touch_nothing_outside_the_job(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gres_text: str | None,
+    job_gpus: str,
+    problem: str,
+) -> None:
+    if gres_text is None:
+        (Path(slurm_env["SLURM_CONF"]).parent / "gres.conf").unlink()
+    else:
+        gres(slurm_env, gres_text)
+    monkeypatch.setenv("SLURM_JOB_GPUS", job_gpus)
+    member, worker = host.pool.holder(host.gpu_files(0), children=1)
+    host.put_in_unit(member, worker, cgroup=TASK_CGROUP)
+    bystanders = []
+    for gpu in range(8):
+        (pid,) = host.pool.holder(host.gpu_files(gpu))
+        host.memory.claim(pid, {gpu}, 1000)
+        bystanders.append(pid)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert not alive(member) and not alive(worker)
+    assert all(alive(pid) for pid in bystanders)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpugate: warning: SLURM_JOB_GPUS="), err
+    assert problem in err and "nothing outside it is killed" in err
+    assert "GPUGATE_GPU" not in run_started(host)
+    assert scontrol_args(host) is None
+
+
+@pytest.mark.parametrize("phase", ["prolog", "epilog"])
+@pytest.mark.parametrize(
+    ("variables", "said"),
+    [
+        ({"SLURM_JOB_GPUS": "NoDevFiles"}, "no GPUs to gate (SLURM_JOB_GPUS=NoDevFiles)"),
+        ({"SLURM_JOB_GPUS": ""}, "no GPUs to gate (SLURM_JOB_GPUS=)"),
+        ({"SLURM_STEP_GPUS": "NoDevFiles"}, "no GPUs to gate (SLURM_STEP_GPUS=NoDevFiles)"),
+    ],
+)
+def test_slurms_own_no_gpu_words_gate_nothing_and_drain_nothing(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    phase: str,
+    variables: dict[str, str],
+    said: str,
+) -> None:
+    monkeypatch.delenv("SLURM_JOB_GPUS")
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    (orphan,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(orphan, {2}, 1000)
+
+    def no_driver() -> object:
+        raise AssertionError("no GPU to gate: NVML is not opened")
+
+    assert slurm(host, phase, slurm_config(host), driver=no_driver) == 0
+
+    assert alive(orphan)
+    assert capsys.readouterr().err == ""
+    assert scontrol_args(host) is None
+    (entry,) = host.journal.events("run_finished")
+    assert len(host.journal.entries) == 1
+    assert entry["MESSAGE"] == said
+    assert entry["GPUGATE_EVENT"] == "run_finished" and entry["GPUGATE_RESULT"] == "success"
+    assert entry["GPUGATE_SLURM_JOB"] == "42" and entry["GPUGATE_PHASE"] == phase
+
+
+def test_straddling_leftover_drains_naming_only_the_held_gpu_pid_and_rule(
+    host: FakeHost, slurm_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Job 42 has GPUs 2 and 3; a leftover holds 3 and another job's 5: spared, and the
+    reason names GPU 3 (not the freed GPU 2), its PID and account, and the rule."""
+    (freed,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(freed, {2}, 1000)
+    (straddler,) = host.pool.holder(host.gpu_files(3, 5))
+    host.memory.claim(straddler, {3, 5}, 2000)
+
+    code = slurm(host, "epilog", slurm_config(host))
+
+    assert code == ExitCode.HELD_BY_OTHERS
+    assert not alive(freed) and alive(straddler)
+    account = pwd.getpwuid(os.getuid()).pw_name
+    reason = (
+        f"gpugate epilog job 42: PID {straddler} ({account}) on GPU 3: straddles GPU 5, "
+        "not this job's (exit 22)"
+    )
+    assert capsys.readouterr().err == f"gpugate: drain: {reason}\n"
+    assert scontrol_args(host) == ["update", "NodeName=gpu07", "State=DRAIN", f"Reason={reason}"]
+
+
+def test_drain_reason_bounded_and_names_a_few_pids(
+    host: FakeHost, slurm_env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    straddlers = []
+    for _ in range(6):
+        (pid,) = host.pool.holder(host.gpu_files(3, 5))
+        host.memory.claim(pid, {3, 5}, 100)
+        straddlers.append(pid)
+
+    assert slurm(host, "epilog", slurm_config(host)) == ExitCode.HELD_BY_OTHERS
+
+    assert all(alive(pid) for pid in straddlers)
+    reason = scontrol_args(host)[3].removeprefix("Reason=")  # type: ignore[index]
+    assert len(reason) <= 250 and reason.endswith("(exit 22)") and '"' not in reason
+    named = [pid for pid in straddlers if f"PID {pid} " in reason]
+    assert len(named) == 3
+    assert "3 more PID(s)" in reason or reason.count("PID") == 3
+
+
+def test_autodetect_with_a_gpu_nvml_cannot_read_is_not_resolved(
     host: FakeHost,
     slurm_env: dict[str, str],
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    monkeypatch.setenv("SLURM_JOB_GPUS", "9")
-    assert slurm(host, "prolog", slurm_config(host)) == ExitCode.CONFIG
+    """NVML's order has a gap where it cannot read a GPU: slurmd's N-th GPU is not placed."""
+    gres(slurm_env, "AutoDetect=nvml\n")
+    host.memory.lost = {0}
+    monkeypatch.setenv("SLURM_JOB_GPUS", "1")
+    (bystander,) = host.pool.holder(host.gpu_files(1))
+    host.memory.claim(bystander, {1}, 1000)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert alive(bystander)
+    assert "NVML cannot read 1 GPU(s)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "shown"),
+    [
+        ("Name=gpu File=/dev/\x1b[2Jnvidia[0-7]\n", "\\x1b[2Jnvidia"),
+        ("Name=gpu File=/dev/nvidia[0-7]\x07\n", "nvidia0\\x07"),
+        ("Name=gpu File=/dev/nvidia[0-7] \u202eType=a100\n", "\\u202e' not read"),
+    ],
+)
+def test_hostile_gres_text_is_one_escaped_line_and_kills_nothing(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str],
+    text: str,
+    shown: str,
+) -> None:
+    gres(slurm_env, text)
+    (orphan,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(orphan, {2}, 1000)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert alive(orphan)
     err = capsys.readouterr().err
-    assert err.startswith("gpugate: ")
-    assert "(gpus from SLURM_JOB_GPUS): gpus: GPU index 9 does not exist" in err
-    assert err.count("\n") == 1
+    assert err.count("\n") == 1 and shown in err, err
+    assert "\x1b" not in err and "\x07" not in err and "\u202e" not in err

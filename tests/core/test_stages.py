@@ -190,12 +190,15 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     null = NullSurroundings(loaded)
     assert null.state_to_write() == run_state_to_write(loaded.config)
     folders, files = null.state_to_write()
-    assert [what for _, what in folders] == ["GPU locks", "metrics"] and len(files) == 1
+    # Not the metrics textfile: metrics are never a run's failure (a warning after the run).
+    assert [what for _, what in folders] == ["GPU locks"] and files == []
     assert not null.refuses_start([], dry_run=False)
     assert null.not_to_wait_on([]) == [] and null.driver_hung_earlier() is None
     job = SlurmJob(42, 1000, (0, 1), "SLURM_JOB_GPUS", "node1")
-    job_loaded = with_job_gpus(loaded, job)
+    job_loaded = with_job_gpus(
+        loaded, ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000"), "gpus from SLURM_JOB_GPUS=0,1"
+    )
     slurm = JobSurroundings.of(job_loaded, job)
-    assert slurm.loaded.config.gpus == (0, 1)
+    assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
     assert slurm.gpu_source == f"gpus in {job_loaded.source}"
     assert "SLURM_JOB_GPUS" in slurm.gpu_source

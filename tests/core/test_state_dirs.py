@@ -4,17 +4,24 @@ full file system, a read-only one, a file where a folder should be, for each sta
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from gpugate.errors import ExitCode, StateUnwritable
+from gpugate.errors import ExitCode, GateError, StateUnwritable
+from gpugate.front.cli import main
 from gpugate.host.state_dirs import check_writable
-from tests.fakes import FakeHost, alive
+from gpugate.integrations.unit.leases import Lease, lease_path, write_lease
+from gpugate.phase import Phase
+from tests.fakes import UNIT, FakeHost, alive
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -110,16 +117,16 @@ def test_a_file_where_a_folder_should_be(tmp_path: Path, below: str) -> None:
     [
         ("pre", "locks/leases", "GPU leases"),
         ("pre", "locks/failed", "failed-start records"),
-        ("pre", "textfile", "metrics"),
-        ("post", "textfile", "metrics"),
         ("pre", "locks", "GPU locks"),
-        ("post", "locks", "GPU locks"),
+        ("prolog", "locks", "GPU locks"),
     ],
 )
-def test_nothing_is_killed_when_state_cannot_be_written(
+def test_nothing_is_killed_when_a_start_cannot_record_its_state(
     host: FakeHost, phase: str, blocked: str, what: str
 ) -> None:
-    """Each state folder a phase writes, a file in its way: the run ends before the kill."""
+    """Before a start (state_required): each state folder it writes, a file in its way: the
+    run ends before the kill, exit 73; it must not start ungated."""
+    assert Phase(phase).traits.state_required
     (orphan,) = host.pool.holder(host.gpu_files(0))
     host.put_in_unit(orphan)
     path = host.root / blocked
@@ -133,6 +140,33 @@ def test_nothing_is_killed_when_state_cannot_be_written(
     )
     assert alive(orphan)
     assert host.journal.events("signal_sent") == []
+
+
+@pytest.mark.parametrize("phase", ["post", "epilog"])
+@pytest.mark.parametrize("blocked", ["locks", "locks/leases"])
+def test_after_a_stop_the_kills_go_on_when_state_cannot_be_written(
+    host: FakeHost, phase: str, blocked: str
+) -> None:
+    """After a stop (state_required false), lock_dir or its leases folder with a file in the
+    way: the leftovers die all the same, the run's result is its own (0), and the journal
+    says what could not be recorded (GPUGATE_REASON)."""
+    assert not Phase(phase).traits.state_required
+    (orphan,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(orphan)
+    path = host.root / blocked
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    loaded = host.config()
+    summary = host.run_phase(
+        phase, loaded, host.reporter(phase), driver_factory=lambda: host.memory
+    )
+    assert summary.exit_code is ExitCode.OK
+    assert not alive(orphan)
+    reasons = {e.get("GPUGATE_REASON") for e in host.journal.events("warning")}
+    if blocked == "locks":
+        assert {"state-unwritable", "lock-not-taken"} <= reasons, reasons
+    else:
+        assert phase != "post" or "state-not-recorded" in reasons, reasons
 
 
 def test_a_lease_that_cannot_be_written_stops_pre_before_the_kill(host: FakeHost) -> None:
@@ -149,3 +183,159 @@ def test_a_lease_that_cannot_be_written_stops_pre_before_the_kill(host: FakeHost
     )
     assert alive(orphan)
     assert host.journal.events("signal_sent") == []
+
+
+CLONE_NEWNS = 0x00020000
+
+
+def in_own_mounts(
+    prepare: Callable[[], None], work: Callable[[], dict[str, Any]]
+) -> dict[str, Any]:
+    """work() in a forked copy of this (root) process with a mount namespace of its own
+    (private: nothing it mounts reaches the host's), after prepare(); its JSON-able result
+    comes back through a pipe."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) to mount a private tmpfs")
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:
+        code = 99
+        try:
+            os.close(read_end)
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.unshare(CLONE_NEWNS) != 0:
+                raise OSError(ctypes.get_errno(), "unshare")
+            subprocess.run(["mount", "--make-rprivate", "/"], check=True, timeout=30)
+            prepare()
+            os.write(write_end, json.dumps(work()).encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    with os.fdopen(read_end) as reader:
+        data: dict[str, Any] = json.loads(reader.read() or "{}")
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0 and data, "the child failed"
+    return data
+
+
+def run_in(host: FakeHost, phase: str) -> Callable[[], dict[str, Any]]:
+    def work() -> dict[str, Any]:
+        try:
+            summary = host.run_phase(
+                phase, host.config(), host.reporter(phase), driver_factory=lambda: host.memory
+            )
+            code = int(summary.exit_code)
+        except GateError as exc:
+            code = int(exc.exit_code)
+        lease = lease_path(host.root / "locks", UNIT)
+        warnings = [e.get("GPUGATE_REASON", "") for e in host.journal.events("warning")]
+        return {"code": code, "warnings": warnings, "lease": lease.exists()}
+
+    return work
+
+
+def sh(line: str) -> None:
+    subprocess.run(["sh", "-ec", line], check=True, timeout=30)
+
+
+def prepare_lock_dir(kind: str, locks: Path, uuids: list[str]) -> Callable[[], None]:
+    """lock_dir as a 64 KiB tmpfs holding the unit's lease and its GPUs' lock files (as pre
+    leaves them), then filled to the last byte (without the lock file too), or made
+    read-only; or missing below a read-only tmpfs."""
+
+    def prepare() -> None:
+        if kind == "missing":
+            sh(f"mount -t tmpfs -o size=64k,ro tmpfs {locks.parent}")
+            return
+        sh(f"mount -t tmpfs -o size=64k tmpfs {locks}")
+        write_lease(locks, Lease(UNIT, (0,), (uuids[0],), share=False, since=1.0))
+        if kind != "full-no-lock-file":
+            for uuid in uuids:
+                (locks / f"{uuid}.lock").touch()
+        if kind.startswith("full"):
+            sh(f"dd if=/dev/zero of={locks}/filler bs=4k 2>/dev/null || true")
+        if kind == "read-only":
+            sh(f"mount -o remount,ro {locks}")
+
+    return prepare
+
+
+LOCK_DIRS = ["full", "full-no-lock-file", "read-only", "missing"]
+
+
+@pytest.mark.parametrize("lock_dir", LOCK_DIRS)
+@pytest.mark.parametrize("phase", ["pre", "post", "epilog"])
+def test_a_full_read_only_or_missing_lock_dir(host: FakeHost, phase: str, lock_dir: str) -> None:
+    """pre refuses before the kill (exit 73, its lease could not be recorded); post and
+    epilog kill the unit's leftovers all the same, with the result they would have had (0),
+    and say what they could not record. Removing a lease needs no space: a full lock_dir's
+    lease is gone after post; a read-only one's stays (a stale lease, said)."""
+    (orphan,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(orphan)
+    locks = host.root / "locks"
+    if lock_dir == "missing":
+        (host.root / "ro").mkdir()
+        locks = host.root / "ro" / "locks"
+    else:
+        locks.mkdir()
+    prepare = prepare_lock_dir(lock_dir, locks, [g.uuid for g in host.memory.gpus()])
+    real = host.config
+    host.config = lambda **o: real(**{"lock_dir": locks, **o})  # type: ignore[method-assign]
+    said = in_own_mounts(prepare, run_in(host, phase))
+    if phase == "pre":
+        assert said["code"] == ExitCode.STATE_UNWRITABLE, said
+        assert alive(orphan)
+        return
+    assert said["code"] == ExitCode.OK, said
+    assert not alive(orphan)
+    assert "state-unwritable" in said["warnings"], said
+    if lock_dir in ("full", "full-no-lock-file", "read-only"):
+        # there, or made (an empty file takes no data block): taken, read-only included
+        assert "lock-not-taken" not in said["warnings"], said
+    if phase == "post" and lock_dir.startswith("full"):
+        assert not said["lease"], "removing a lease needs no space"
+    if phase == "post" and lock_dir == "read-only":
+        assert said["lease"] and "state-not-recorded" in said["warnings"], said
+    if lock_dir == "missing":  # nor can it be made: the kills go on without the lock
+        assert "lock-not-taken" in said["warnings"], said
+
+
+@pytest.mark.parametrize("phase", ["pre", "post"])
+@pytest.mark.parametrize("kind", ["full", "read-only"])
+def test_a_full_or_read_only_metrics_folder_is_a_warning(
+    host: FakeHost, phase: str, kind: str
+) -> None:
+    """The metrics textfile's folder a full (or read-only) 64 KiB tmpfs: the run kills and
+    ends as without metrics (0), the journal says the metrics were not written."""
+    (member,) = host.pool.holder(host.gpu_files(1))
+    host.put_in_unit(member)
+    folder = host.root / "metrics"
+    folder.mkdir()
+    config = host.root / "gpugate.toml"
+    config.write_text(
+        f'metrics_textfile = "{folder}/gpugate.prom"\nlock_dir = "{host.root}/locks"\n'
+        "[pre]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n"
+        "[post]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\n"
+    )
+
+    def prepare() -> None:
+        sh(f"mount -t tmpfs -o size=64k tmpfs {folder}")
+        if kind == "full":
+            sh(f"dd if=/dev/zero of={folder}/filler bs=4k 2>/dev/null || true")
+        else:
+            sh(f"mount -o remount,ro {folder}")
+
+    def work() -> dict[str, Any]:
+        code = main(
+            [phase, UNIT, "--config", str(config)],
+            driver_factory=lambda: host.memory,
+            reporter_factory=lambda unit, phase, **_: host.reporter(phase),
+            roots=host.roots,
+        )
+        reasons = [e.get("GPUGATE_REASON", "") for e in host.journal.events("warning")]
+        return {"code": code, "warnings": reasons, "errors": len(host.journal.events("error"))}
+
+    said = in_own_mounts(prepare, work)
+    assert said == {"code": 0, "warnings": ["metrics-unwritable"], "errors": 0}, said
+    assert not alive(member)

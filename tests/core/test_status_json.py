@@ -64,6 +64,8 @@ HOLDER = {
     "protected": bool,
     "watcher": bool,
     "seconds_held": (int, type(None)),
+    "owner": str,
+    "unowned_s": (int, type(None)),
     "container": (dict, type(None)),
     "shm": list,
     "shm_bytes": int,

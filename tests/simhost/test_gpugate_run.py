@@ -274,8 +274,18 @@ def test_port_is_freed_by_the_runs_pre(host: Host) -> None:
     )
     del listener
     wait_for(host, "the port", lambda: ":1F42 " in host.sh("cat /proc/net/tcp"))
-    done = gpugate_run(host, "--gpus 0 --port 8002 -- sh -c 'echo ran'")
+    # A caller's loader variables reach neither the unit nor its root hooks (issue 34, rule 5);
+    # --port's config is written without a pydantic warning.
+    done = host.sim.run(
+        f"env LD_LIBRARY_PATH=/opt/caller-libs GCONV_PATH=/opt/gconv gpugate run --config "
+        f"{RUN_CONFIG} --gpus 0 --port 8002 -- "
+        "sh -c 'echo ran ${LD_LIBRARY_PATH-unset} ${GCONV_PATH-unset}'",
+        check=False,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ran unset unset", done.stdout
+    assert "Warning" not in done.stderr and "Pydantic" not in done.stderr, done.stderr
     assert ":1F42 00000000:0000 0A" not in host.sh("cat /proc/net/tcp")
     assert not host.sh("ls /run/gpugate/run/ 2>/dev/null", False).strip()  # config removed
 

@@ -6,7 +6,8 @@ GPU host (real systemd 252, the stand-in driver): issue 18's scenarios (a) and (
     and puts its own systemctl, docker, podman and scontrol first on PATH: the other unit
     survives, no planted program runs, and `gpugate install` names the writable file;
 (e) `lock_dir` on a full tmpfs: the start fails with 73 and one line naming the folder and
-    "No space", nothing is killed, and the start succeeds once space is freed.
+    "No space", nothing is killed, and the start succeeds once space is freed; full again,
+    the stop's post succeeds, removes the lease and warns (issue 34, rule 6).
 """
 
 from __future__ import annotations
@@ -109,6 +110,8 @@ def test_lock_dir_on_a_full_tmpfs(host: Host) -> None:
     host.reset()
     orphan, _ = host.hand_start((6,), 8060, "hand-full")
     unit = "vllm-full.service"
+    # One lock_dir for the host (rule 4): default.toml's; the unit's file names the same.
+    host.sim.write_file("/etc/gpugate/default.toml", f'lock_dir = "{LOCKS}"\n')
     host.install(
         unit,
         unit_text(unit, (6,), 8061),
@@ -139,6 +142,22 @@ def test_lock_dir_on_a_full_tmpfs(host: Host) -> None:
         host.wait_ready(f"/run/ready-{unit}.json")
         assert not any(host.alive(pid) for pid in orphan["workers"])
         assert host.sh(f"ls {LOCKS}/leases", check=False).strip() == f"{unit}.json"
+
+        # Full again, the stop's post goes on (issue 34, rule 6): it succeeds, the unit
+        # ends inactive, not failed, its lease is removed (that needs no space), and the
+        # journal says what it could not record.
+        host.sh(f"(dd if=/dev/zero of={LOCKS}/filler bs=4k 2>/dev/null; true)")
+        cursor = host.cursor()
         host.sim.systemctl("stop", unit)
+        state = host.sh(f"systemctl is-active {unit}", check=False).strip()
+        assert state == "inactive", state
+        assert host.sh(f"ls {LOCKS}/leases", check=False).strip() == ""
+        post = host.events_after(cursor, _SYSTEMD_UNIT=unit, GPUGATE_PHASE="post")
+        warned = [e for e in post if e.get("GPUGATE_REASON") == "state-unwritable"]
+        assert warned and "No space left on device" in warned[0]["MESSAGE"], post
+        assert [e for e in post if e.get("GPUGATE_EVENT") == "run_finished"], post
+        assert not [e for e in post if e.get("GPUGATE_EVENT") == "error"], post
     finally:
-        host.sh(f"systemctl stop {unit}; umount {LOCKS}", check=False)
+        host.sh(
+            f"systemctl stop {unit}; umount {LOCKS}; rm -f /etc/gpugate/default.toml", check=False
+        )

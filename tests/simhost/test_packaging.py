@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from incident import ALL, MIB_PER_GPU, SIGNAL_SENT_ID, Host, server_cmd, stage_incident
 from sandbox import SimHost
+from test_sweep import timer_cycle
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
@@ -203,3 +204,7 @@ def test_shipped_units_verify_and_template_dropins_do_not_double(packaged: Host)
     assert "Removing gpugate" in purged.stdout, purged.stdout + purged.stderr
     for path in ("/usr/bin/gpugate", "/usr/lib/gpugate", "/usr/share/gpugate"):
         assert not sim.exists(path), f"{path} left behind by the purge"
+
+
+def test_the_package_carries_the_sweep_timer_disabled(packaged: Host) -> None:
+    timer_cycle(packaged, packaged=True)

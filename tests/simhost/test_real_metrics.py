@@ -202,3 +202,44 @@ def test_alerts_fire_on_the_first_failure_ever(prom: Prom) -> None:
         ),
         timeout=30,
     )
+
+
+def test_sweep_alerts_fire_after_their_for_time(prom: Prom) -> None:
+    """docs/metrics.md's sweep rules, with the 10 minutes of `for:` and the 5 minutes without a
+    sweep shortened to seconds: memory held by nobody fires once it stayed `for:` that long,
+    and a sweep that stopped running fires once its timestamp is that old."""
+    sim = prom.sim
+    rules = readme_rules()
+    assert "for: 10m" in rules and "gpugate_sweep_timestamp_seconds) > 300" in rules
+    shortened = rules.replace("for: 10m", "for: 4s").replace(
+        "gpugate_sweep_timestamp_seconds) > 300", "gpugate_sweep_timestamp_seconds) > 8"
+    )
+    sim.write_file("/etc/prometheus/gpugate.rules.yml", shortened)
+    sim.run(["promtool", "check", "rules", "/etc/prometheus/gpugate.rules.yml"])
+    sim.systemctl("kill", "--kill-who=main", "--signal=HUP", "prometheus.service")
+    wait_for(
+        "the shortened rules loaded",
+        lambda: any(
+            rule.get("name") == "GpugateMemoryHeldByNobody" and rule.get("duration") == 4
+            for group in (prom.get("/api/v1/rules") or {}).get("data", {}).get("groups", [])
+            for rule in group["rules"]
+        ),
+    )
+    sim.write_file("/etc/gpugate/sweep.toml", CONFIG)
+    sim.spawn_scope(["/bin/sh", "-c", hold_gpus_cmd([6], 2500)], unit="nobody-6.scope")
+    wait_for("the holder's 2500 MiB on GPU 6", lambda: used_mib(sim, 6) == 2500)
+    try:
+        sim.run(["gpugate", "sweep", "--config", "/etc/gpugate/sweep.toml"], timeout=120)
+        wait_for(
+            "GPU 6's memory held by nobody in Prometheus",
+            lambda: prom.query('gpugate_gpu_memory_mib{gpu="6",owner="nobody"} == 2500'),
+        )
+        fired = wait_for(
+            "GpugateMemoryHeldByNobody for GPU 6",
+            lambda: prom.firing("GpugateMemoryHeldByNobody", gpu="6"),
+        )
+        assert "2500 MiB" in fired[0]["annotations"]["summary"]  # type: ignore[index]
+        assert not prom.firing("GpugateMemoryHeldByNobody", gpu="5")
+        wait_for("GpugateSweepStopped", lambda: prom.firing("GpugateSweepStopped"))
+    finally:
+        sim.systemctl("stop", "nobody-6.scope", check=False)

@@ -294,3 +294,171 @@ def test_prolog_kills_a_stale_holder_on_the_jobs_gpus(clean: Node) -> None:
         if e.get("GPUGATE_EVENT") == "signal_sent" and e.get("GPUGATE_PHASE") == "prolog"
     ]
     assert {e["GPUGATE_PID"] for e in killed} == {str(stale)}
+
+
+# ---------------------------------------------------------------- slurmd's GPU numbers
+
+REVERSED = "gpu_count = 8\nrelease_delay_ms = 0\nminors = 7 6 5 4 3 2 1 0\n"
+PLAIN = "gpu_count = 8\nrelease_delay_ms = 0\n"
+# The job's device files: slurmd's number N is the N-th of FILES (gres.conf's File= order).
+DEVICES = """\
+set -- {files}; devs=""
+for n in $(echo $SLURM_JOB_GPUS | tr , ' ' | cut -d' ' -f{fields}); do
+  eval "d=\\${{$((n + 1))}}"; devs="$devs,$d"
+done
+devs="${{devs#,}}{extra}"
+"""
+# A root job whose child leaves the job's cgroup holding those files, then waits for go-TAG.
+ESCAPE = """\
+mkdir -p /sys/fs/cgroup/stray
+sh -c 'echo $$ > /sys/fs/cgroup/stray/cgroup.procs; echo $$ > /root/orphan-{tag}.pid;
+exec hold-gpus '"$devs"' 3000' &
+while [ ! -e /root/go-{tag} ]; do sleep 0.2; done
+"""
+
+
+def nvml_index(minor: int) -> int:
+    return 7 - minor  # REVERSED: NVML's GPU i has minor 7 - i
+
+
+@pytest.fixture
+def reversed_minors(clean: Node) -> Iterator[Node]:
+    """NVML's indices in another order than the device minors: /dev/nvidia7 is NVML's GPU 0."""
+    clean.sim.write_file("/etc/fake-nvml.conf", REVERSED)
+    try:
+        yield clean
+    finally:
+        clean.sh("scancel --user=root; touch /root/go-a /root/go-s", check=False)
+        clean.settle()
+        clean.sh("rm -f /root/go-* /root/orphan-*", check=False)
+        clean.sim.write_file("/etc/fake-nvml.conf", PLAIN)
+
+
+def gres_order(node: Node, files: list[int]) -> None:
+    """gres.conf's File= list, and slurmd restarted to read it."""
+    listed = ",".join(map(str, files))
+    node.sim.write_file("/etc/slurm/gres.conf", f"Name=gpu File=/dev/nvidia[{listed}]\n")
+    node.sim.systemctl("restart", "slurmd.service")
+    wait_for("node idle", lambda: node.state() == "idle", timeout=60)
+
+
+def numbers(node: Node, job: int) -> list[int]:
+    """slurmd's numbers for the job (`GRES=gpu:2(IDX:0-1)`, `(IDX:2,5)`)."""
+    out = node.sh(f"scontrol show job -d {job}", check=False)
+    idx = out.split("IDX:", 1)[1].split(")", 1)[0]
+    found: list[int] = []
+    for part in idx.split(","):
+        low, _, high = part.partition("-")
+        found.extend(range(int(low), int(high or low) + 1))
+    return found
+
+
+def devices(files: list[int], fields: str = "1-", extra: str = "") -> str:
+    return DEVICES.format(files=" ".join(map(str, files)), fields=fields, extra=extra)
+
+
+def escaping_job(node: Node, tag: str, script: str) -> tuple[int, int]:
+    job = node.sbatch(script + ESCAPE.format(tag=tag))
+    wait_for("the orphan", lambda: node.exists_file(f"/root/orphan-{tag}.pid"), timeout=60)
+    return job, int(node.sh(f"cat /root/orphan-{tag}.pid").strip())
+
+
+def running(node: Node, job: int) -> bool:
+    return node.sh(f"squeue -h -j {job} -o %T", check=False).strip() == "RUNNING"
+
+
+def finish(node: Node, job: int, tag: str) -> None:
+    node.sh(f"touch /root/go-{tag}")
+    wait_for("job done", lambda: not node.sh(f"squeue -h -j {job}", check=False).strip())
+    wait_for("node done completing", lambda: "comp" not in node.state())
+
+
+@pytest.mark.parametrize("files", [list(range(8)), [3, 2, 1, 0, 7, 6, 5, 4]])
+def test_epilog_kills_its_own_leftovers_by_slurmds_numbers_not_nvmls(
+    reversed_minors: Node, files: list[int]
+) -> None:
+    node = reversed_minors
+    if files != list(range(8)):
+        gres_order(node, files)
+    server = None
+    try:
+        job, orphan = escaping_job(node, "a", devices(files))
+        own = [files[n] for n in numbers(node, job)]
+        other = node.sbatch(devices(files) + 'exec hold-gpus "$devs" 2000')
+        wait_for("the other job running", lambda: running(node, other))
+        theirs = [files[n] for n in numbers(node, other)]
+        wait_for("the other job's memory", lambda: node.used()[nvml_index(theirs[0])] == 2000)
+        # A server outside every job, on the device that is NVML's GPU with the index of one
+        # of this job's numbers: what taking the numbers as NVML's indices would kill.
+        spare = next(
+            m for m in range(8) if m not in own + theirs and nvml_index(m) in numbers(node, job)
+        )
+        node.sim.spawn_scope(["/usr/local/bin/hold-gpus", str(spare), "4000"], unit="server.scope")
+        server = int(node.sh("cat /sys/fs/cgroup/user.slice/server.scope/cgroup.procs").split()[0])
+        wait_for("the server's memory", lambda: node.used()[nvml_index(spare)] == 4000)
+
+        finish(node, job, "a")
+
+        assert not node.alive(orphan)
+        assert node.alive(server)
+        assert node.reason() == ""
+        used = node.used()
+        assert [used[nvml_index(m)] for m in own] == [0, 0]
+        assert used[nvml_index(spare)] == 4000
+        assert [used[nvml_index(m)] for m in theirs] == [2000, 2000]
+        signalled = [e for e in node.journal(job) if e.get("GPUGATE_EVENT") == "signal_sent"]
+        assert {e["GPUGATE_PID"] for e in signalled} == {str(orphan)}
+        assert running(node, other)
+    finally:
+        if server is not None:
+            node.sh(f"kill {server}", check=False)
+        if files != list(range(8)):
+            node.sh("scancel --user=root; touch /root/go-a", check=False)
+            node.settle()
+            gres_order(node, list(range(8)))
+
+
+def test_straddling_leftover_drains_naming_the_held_gpu_pid_and_rule(
+    reversed_minors: Node,
+) -> None:
+    node = reversed_minors
+    other = node.sbatch("exec hold-gpus $SLURM_JOB_GPUS 2000")
+    wait_for("the other job running", lambda: running(node, other))
+    theirs = numbers(node, other)
+    # the orphan holds this job's first GPU (not its second) and one of the other job's
+    job, orphan = escaping_job(node, "s", devices(list(range(8)), "1", f",{theirs[0]}"))
+    mine = numbers(node, job)
+    try:
+        finish(node, job, "s")
+        wait_for("node drained", lambda: "drain" in node.state(), timeout=60)
+        assert node.alive(orphan)
+        assert node.reason() == (
+            f"gpugate epilog job {job}: PID {orphan} (root) on GPU {nvml_index(mine[0])}: "
+            f"straddles GPU {nvml_index(theirs[0])}, not this job's "
+            f"(exit {int(ExitCode.HELD_BY_OTHERS)})"
+        )
+    finally:
+        node.sh(f"kill {orphan}", check=False)
+
+
+@pytest.mark.parametrize("phase", ["prolog", "epilog"])
+def test_no_dev_files_gates_nothing_and_drains_nothing(clean: Node, phase: str) -> None:
+    """slurmd's environment for a job whose gres has no device files, as a hook gets it."""
+    clean.sim.spawn_scope(["/usr/local/bin/hold-gpus", "4", "1500"], unit="bystander.scope")
+    cgroup = "/sys/fs/cgroup/user.slice/bystander.scope/cgroup.procs"
+    bystander = int(clean.sh(f"cat {cgroup}").split()[0])
+    job = {"prolog": 7771, "epilog": 7772}[phase]
+    try:
+        ran = clean.sim.run(
+            f"env -i SLURM_JOB_ID={job} SLURM_JOB_UID=0 SLURM_JOB_GPUS=NoDevFiles "
+            f"SLURMD_NODENAME={NODE} SLURM_CONF=/etc/slurm/slurm.conf "
+            f"/usr/bin/gpugate slurm {phase}",
+            check=False,
+        )
+        assert ran.returncode == 0, ran.stderr
+        assert clean.alive(bystander)
+        assert clean.state() == "idle" and clean.reason() == ""
+        said = [e["MESSAGE"] for e in clean.journal(job)]
+        assert said == ["no GPUs to gate (SLURM_JOB_GPUS=NoDevFiles)"]
+    finally:
+        clean.sh(f"kill {bystander}", check=False)

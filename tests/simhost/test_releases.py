@@ -24,6 +24,7 @@ from incident import MIB_PER_GPU, SIGNAL_SENT_ID, Host, server_cmd, stage_incide
 from roots import SUITES, RootBuildError, debian_root, missing_tools
 from sandbox import SimHost
 from test_own_shm import STOP_TIMEOUT_S, own_shm_scenario, stage_bystanders, stage_server
+from test_sweep import timer_cycle
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
@@ -156,3 +157,10 @@ def test_own_dev_shm_on_release(release: tuple[str, Host]) -> None:
     stage_bystanders(host)
     took = own_shm_scenario(host)
     print(f"{suite}: systemctl stop with TimeoutStopSec={STOP_TIMEOUT_S}: {took:.1f}s")  # -s
+
+
+def test_sweep_timer_on_release(release: tuple[str, Host]) -> None:
+    """The package's gpugate-sweep.timer on systemd 247 and 257: installed disabled, enabled
+    by `gpugate install --sweep`, a sweep run by it, disabled by `uninstall --sweep`."""
+    _, host = release
+    timer_cycle(host, packaged=True)

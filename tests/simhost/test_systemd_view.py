@@ -95,11 +95,15 @@ def test_systemctl_status_names_each_failure_truly(host: Host) -> None:
     gate_unit(host, "gate-nvml.service", extra=f"Environment=FAKE_NVML_CONFIG={BROKEN_DRIVER}\n")
     kinds["gate-nvml.service"] = ExitCode.NVML_UNAVAILABLE
 
-    # Not root and no "+": the lock folder cannot be made.
+    # Not root and no "+": the lock folder cannot be made. A lock_dir of its own only through
+    # --config outside /etc/gpugate (rule 4: the lookup's files share the host's).
+    host.sim.write_file(
+        "/etc/gpugate-perm.toml", 'gpus = [4]\nlock_dir = "/run/gpugate-perm/locks"\n' + FAST
+    )
     gate_unit(
         host,
         "gate-perm.service",
-        config='gpus = [4]\nlock_dir = "/run/gpugate-perm/locks"\n' + FAST,
+        "/usr/bin/gpugate pre --config /etc/gpugate-perm.toml %n",
         extra="User=nobody\n",
     )
     host.sh("mkdir -p /run/gpugate-perm && chmod 0755 /run/gpugate-perm")

@@ -9,7 +9,9 @@ manager (`loginctl enable-linger`) and, for (e), Debian's sudo installed inside 
     account's stale server, while the system's nvidia-persistenced.service lives;
 (e) with a sudoers rule for `gpugate run` only, alice's `sudo gpugate run --gpus 0 -- ...` onto
     GPU 0, which bob's live server holds: refused with exit 22 and one line naming it, bob's
-    server lives, nothing started.
+    server lives, nothing started;
+(f) bob's `sudo gpugate run --gpus 3` leases GPU 3: alice's `sudo gpugate run --gpus 3 --force`
+    is refused with exit 77 and one line, nothing started; root's `--force` still runs.
 """
 
 from __future__ import annotations
@@ -181,3 +183,55 @@ def test_e_sudo_gpugate_run_refuses_another_accounts_server(accounts: Accounts) 
         check=False,
     )
     assert denied.returncode != 0 and host.alive(bobs)
+
+
+def test_f_sudo_gpugate_run_force_over_another_accounts_lease_is_refused(
+    accounts: Accounts,
+) -> None:
+    """Issue 34, rule 5: bob's `sudo gpugate run --gpus 3` holds a lease on GPU 3; alice's
+    `sudo gpugate run --gpus 3 --force` (a sudoers rule for `gpugate run` only) is refused
+    with exit 77 and one line naming bob's run, nothing started; root may still force."""
+    host = accounts.host
+    host.reset()
+    install_debs(host.sim, "sudo", ["sudo"])
+    accounts.add("alice")
+    accounts.add("bob")
+    host.sim.write_file(
+        "/etc/sudoers.d/gpugate-run",
+        "alice,bob ALL=(root) NOPASSWD: /usr/bin/gpugate run *\n",
+        0o440,
+    )
+    host.sh("visudo -c")
+    host.sh('grep -qw "$(hostname)" /etc/hosts || echo "127.0.1.1 $(hostname)" >> /etc/hosts')
+    # bob's run, started from a unit of bob's of its own (pipe mode): it leases GPU 3
+    host.sh(
+        "systemd-run --unit=bobs-shell --collect -p User=bob -- sudo -n /usr/bin/gpugate run "
+        "--name bobs-run --gpus 3 -- /bin/sleep 3600"
+    )
+    lease = "/run/gpugate/leases/bobs-run.service.json"
+    wait_for("bob's lease", lambda: exists(host, lease))
+    wait_for(
+        "bob's run active",
+        lambda: host.sh("systemctl is-active bobs-run.service", False).strip() == "active",
+    )
+    before = host.sh(f"cat {lease}")
+
+    argv = "sudo -n /usr/bin/gpugate run --gpus 3 --force -- /bin/sleep 30"
+    result = host.sim.run(["runuser", "-u", "alice", "--", "sh", "-c", argv], check=False)
+    assert result.returncode == 77, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bobs-run.service" in lines[0], lines
+    assert "--force over a lease is root's alone" in lines[0], lines
+    units = host.sh("systemctl list-units --all --plain --no-legend 'gpugate-run-*'", False)
+    assert not units.strip(), units
+    assert host.sh(f"cat {lease}") == before
+    assert host.sh("systemctl is-active bobs-run.service", False).strip() == "active"
+
+    # root may still force (bob's sleep holds no GPU: nothing of bob's is killed)
+    forced = host.sim.run(
+        ["/usr/bin/gpugate", "run", "--gpus", "3", "--force", "--", "/bin/true"], check=False
+    )
+    assert forced.returncode == 0, forced.stdout + forced.stderr
+    assert "--force: running anyway" in forced.stderr
+    assert host.sh("systemctl is-active bobs-run.service", False).strip() == "active"
+    host.sh("systemctl stop bobs-shell.service bobs-run.service", False)

@@ -108,6 +108,37 @@ class PhasePolicy(_Frozen):
         return self
 
 
+# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/core/test_sweep.py checks they agree)
+SWEEP_INTERVAL_S = 60
+MAX_SWEEP_AGE_S = 30 * 86400
+
+
+class SweepPolicy(_Frozen):
+    """`gpugate sweep` (the gpugate-sweep.timer): what it may do to GPU memory nobody owns."""
+
+    reap_after_s: Optional[float] = Field(
+        default=None,
+        le=MAX_SWEEP_AGE_S,
+        description="Kill a holder unowned this many seconds, with pre's rules, on GPUs "
+        "nothing holds a lease on (not set: report only).",
+    )
+    drain_after_s: Optional[float] = Field(
+        default=None,
+        le=MAX_SWEEP_AGE_S,
+        description="Where slurmd runs: drain the node once a GPU holds memory unowned this "
+        "many seconds (not set: never).",
+    )
+
+    @field_validator("reap_after_s", "drain_after_s")
+    @classmethod
+    def _not_below_interval(cls, value: float | None) -> float | None:
+        if value is not None and value < SWEEP_INTERVAL_S:
+            raise InvalidValue(
+                Problem.SWEEP_BELOW_INTERVAL, value=value, interval_s=SWEEP_INTERVAL_S
+            )
+        return value
+
+
 def _phase_defaults(phase: Phase) -> dict[str, bool]:
     kills = phase.traits.kills_orphans
     return {"kill_orphans": kills, "kill_app_tree": kills}
@@ -158,6 +189,7 @@ class GateConfig(_Frozen):
     post: PhasePolicy = default_policy(Phase.POST)
     prolog: PhasePolicy = default_policy(Phase.PROLOG)  # Slurm's Prolog= and Epilog=
     epilog: PhasePolicy = default_policy(Phase.EPILOG)
+    sweep: SweepPolicy = SweepPolicy()
     lock_dir: Path = Field(
         default=DEFAULT_LOCK_DIR,
         strict=False,  # a TOML string becomes the Path
@@ -250,6 +282,12 @@ class GateConfig(_Frozen):
     def selection(self) -> GpuSelection:
         """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
+
+    def changed(self, **changes: object) -> GateConfig:
+        """A copy with these fields changed, validated as a file's are (strict: a tuple field
+        takes a tuple). pydantic's model_copy(update=) validates nothing: a list kept in a
+        tuple field made every dump warn (`gpugate run --port`)."""
+        return GateConfig.model_validate({**dict(self), **changes})
 
     def policy(self, phase: Phase) -> PhasePolicy:
         policies = {

@@ -23,6 +23,22 @@ class BusyGpu:
     pids: tuple[int, ...]  # processes NVML still lists on it
 
 
+@dataclass(frozen=True)
+class Held:
+    """A process that kept the run's GPUs at its end: what an admin needs to act on it."""
+
+    pid: int
+    user: str | None  # its account's name (or uid), where /proc said
+    gpus: tuple[int, ...]  # the run's GPUs it holds
+    rule: str  # decide.Rule's value, or UNKILLABLE: why it was not killed
+    foreign: tuple[int, ...] = ()  # STRADDLES: the GPUs it holds that are not the run's
+    other: str | None = None  # OTHER_UNIT / OTHER_CONTAINER: the unit its cgroup is in
+    cgroup: str | None = None  # its cgroup (a Slurm job's names the job)
+
+
+UNKILLABLE = "unkillable"  # Held.rule of a process that outlived SIGKILL
+
+
 @dataclass
 class RunFacts:
     """What a run found that decides its exit code; several can hold at once."""
@@ -68,6 +84,7 @@ class RunSummary:
     seconds_wait: float = 0.0
     busy: list[BusyGpu] = field(default_factory=list)  # still used at the deadline
     owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
+    held: list[Held] = field(default_factory=list)  # who kept them: refused, spared, survived
     freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)  # by GPU index
     degraded: bool = False  # NVML failed and on_nvml_error = warn: the cgroup only
     would_kill: int = 0  # a dry run: how many targets it would have killed

@@ -16,6 +16,7 @@ from typing import Optional, Protocol
 
 from gpugate.core.decide import Choice, Decision, spared_for_good
 from gpugate.core.discover import Discovery
+from gpugate.core.held import blockers_held, survivors_held
 from gpugate.core.kill import terminate
 from gpugate.core.outcome import BusyGpu, Stage, Transition, exit_code_for
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunState
@@ -74,6 +75,7 @@ class Looking:
         if decision.refused:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
+            s.summary.held = blockers_held(decision.blockers)
             s.facts.held_by_others = True
             return Transition.REFUSED, Finishing(s, clean_shm=False)
         if s.dry_run:
@@ -109,8 +111,17 @@ class Locking:
         s, owned = self.state, self.discovery.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
+        # After a stop (state not required), a lock that cannot be made is said, not fatal.
+        unlocked = None if s.scope.phase.traits.state_required else s.narrator.lock_not_taken
         s.locks.enter_context(
-            gpu_locks(s.config.lock_dir, owned, s.deadline, on_wait=s.on_lock_wait, clock=s.clock)
+            gpu_locks(
+                s.config.lock_dir,
+                owned,
+                s.deadline,
+                on_wait=s.on_lock_wait,
+                clock=s.clock,
+                on_unlocked=unlocked,
+            )
         )
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
         if s.surroundings.refuses_start(owned, dry_run=False):
@@ -133,8 +144,11 @@ class Stopping:
         if survivors:
             s.facts.survivors = True
             s.narrator.survived(len(survivors))
+            s.summary.held = survivors_held(s.signalled[ident] for ident in survivors)
+            s.summary.held += blockers_held(decision.blockers)
             return Transition.SURVIVED, Finishing(s, clean_shm=True)
         if decision.blockers:
+            s.summary.held = blockers_held(decision.blockers)
             s.facts.held_by_others = True
             s.narrator.still_held()
             return Transition.STILL_HELD, Finishing(s, clean_shm=True)
@@ -361,6 +375,7 @@ def look_again(state: RunState) -> bool:
     state.enter(Stage.STOPPING, Transition.RESPAWNED)
     _, _, survivors = kill_rounds(state, discovery, decision)
     if survivors:
+        state.summary.held = survivors_held(state.signalled[ident] for ident in survivors)
         state.facts.survivors = True
         state.narrator.survived(len(survivors))
     # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.

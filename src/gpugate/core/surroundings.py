@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from gpugate.host.shm import ShmKey
 
 
-METRICS = "metrics"  # what the metrics textfile's folder holds, as errors name it
 # (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
@@ -49,7 +48,8 @@ class Surroundings(Protocol):
 
     def state_to_write(self) -> StateToWrite:
         """Every folder this run writes its state in, with what goes there, and the files it
-        replaces whole: checked before the run kills anything (host.state_dirs)."""
+        replaces whole: checked before the run kills anything (host.state_dirs); a problem
+        stops a phase whose state is required, else it is a warning."""
 
     def driver_hung_earlier(self) -> str | None:
         """Why the driver is not to be asked at all (the same start's earlier phase waited
@@ -85,13 +85,9 @@ class Surroundings(Protocol):
 
 
 def run_state_to_write(config: GateConfig) -> StateToWrite:
-    """What every run writes: its GPU locks, and the metrics textfile where one is set."""
-    folders = [(config.lock_dir, "GPU locks")]
-    files = []
-    if config.metrics_textfile is not None:
-        folders.append((config.metrics_textfile.parent, METRICS))
-        files.append((config.metrics_textfile, METRICS))
-    return folders, files
+    """What every run writes: its GPU locks. (Not the metrics textfile: metrics are never a
+    run's failure; one that cannot be written is a warning after the run.)"""
+    return [(config.lock_dir, "GPU locks")], []
 
 
 @dataclass(frozen=True)
@@ -154,6 +150,7 @@ class Narration(Protocol):
     def refused(self) -> None: ...
     def extend_timeout(self, seconds: float) -> None: ...
     def lock_wait(self, gpu: Gpu, left_s: float) -> None: ...
+    def lock_not_taken(self, path: object, cause: str) -> None: ...
 
     # the kill
     def stopping(self, count: int, round_number: int) -> None: ...

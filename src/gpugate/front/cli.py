@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
         sub.set_defaults(run=_pre_post)
     _status_parser(commands)
+    sweep = commands.add_parser("sweep", help="between starts: GPU memory nobody owns, said/reaped")
+    sweep.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+    sweep.set_defaults(run=_sweep)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
@@ -124,6 +127,16 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
         _dry_run(sub)
         sub.set_defaults(run=_slurm)
+    text = (
+        "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
+        "gres.conf resolves every GPU to an NVML GPU"
+    )
+    check = phases.add_parser("check", help=text, description=text, epilog=EPILOG)
+    check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
+    check.set_defaults(run=_slurm_check)
+
+
+DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
 
 
 def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -138,6 +151,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
             "unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)"
         )
         sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
+        sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
         sub.add_argument("--force", action="store_true", help="replace or remove edited files")
         sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
@@ -145,6 +159,7 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
     install.set_defaults(run=_install)
     uninstall.set_defaults(run=_uninstall)
+    install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     install.add_argument(
         "--gpus",
         type=_gpus,
@@ -316,6 +331,20 @@ def _slurm(args: argparse.Namespace, front: Front) -> int:
     return slurm(front, Phase(args.slurm_phase), args.config, dry_run=args.dry_run)
 
 
+def _slurm_check(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.slurm_check import slurm_check  # noqa: PLC0415
+    from gpugate.integrations.slurm_gpus import DeviceNodes  # noqa: PLC0415
+
+    nodes = DeviceNodes(front.host_roots().dev)
+    return slurm_check(front.environ, args.node, front.driver_factory, nodes)
+
+
+def _sweep(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.sweep import sweep  # noqa: PLC0415
+
+    return sweep(args.config, front)
+
+
 def _status(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.commands.status import status  # noqa: PLC0415
 
@@ -331,7 +360,9 @@ def _config_check(args: argparse.Namespace, front: Front) -> int:
 def _install(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.commands import install as command  # noqa: PLC0415
 
-    if args.oci != (args.unit is None):
+    if args.sweep and args.unit is None and not args.oci:
+        return _sweep_setup(args, installing=True, gpugate_path=args.gpugate_path)
+    if args.oci != (args.unit is None) or args.sweep:
         return command.unit_or_containers("install")
     if args.oci:
         return command.containers_setup(
@@ -340,6 +371,7 @@ def _install(args: argparse.Namespace, front: Front) -> int:
             dry_run=args.dry_run,
             no_reload=args.no_reload,
             given=args.gpugate_path,
+            default=args.default,
         )
     return command.install(
         args.unit,
@@ -358,7 +390,9 @@ def _install(args: argparse.Namespace, front: Front) -> int:
 def _uninstall(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.commands import install as command  # noqa: PLC0415
 
-    if args.oci != (args.unit is None):
+    if args.sweep and args.unit is None and not args.oci:
+        return _sweep_setup(args, installing=False)
+    if args.oci != (args.unit is None) or args.sweep:
         return command.unit_or_containers("uninstall")
     if args.oci:
         return command.containers_setup(
@@ -374,11 +408,31 @@ def _uninstall(args: argparse.Namespace, front: Front) -> int:
     )
 
 
+def _sweep_setup(
+    args: argparse.Namespace, *, installing: bool, gpugate_path: Path | None = None
+) -> int:
+    """`gpugate install|uninstall --sweep` (front/install_sweep.py)."""
+    from gpugate.front.install_sweep import sweep_setup  # noqa: PLC0415
+
+    return sweep_setup(
+        installing,
+        systemd_dir=args.systemd_dir,
+        dry_run=args.dry_run,
+        no_reload=args.no_reload,
+        gpugate_path=gpugate_path,
+    )
+
+
 def _oci_hook(args: argparse.Namespace, front: Front) -> int:
     """`gpugate [--host-roots ...] oci-hook STAGE` where the fast entry did not take it."""
     from gpugate.front.oci_entry import main as oci_hook  # noqa: PLC0415
 
-    return oci_hook([args.stage], roots=front.host_roots(), config=args.config)
+    return oci_hook(
+        [args.stage],
+        roots=front.host_roots(),
+        config=args.config,
+        driver_factory=front.driver_factory,
+    )
 
 
 def _oci_runtime(args: argparse.Namespace, front: Front) -> int:

@@ -17,8 +17,8 @@ from gpugate.config.models import LoadedConfig
 from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
-from gpugate.core.surroundings import METRICS, Surroundings
-from gpugate.errors import ExitCode, GateError, Interrupted, StateUnwritable
+from gpugate.core.surroundings import Surroundings
+from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
 from gpugate.host.state_dirs import check_all
@@ -69,9 +69,8 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
     except GateError as exc:
         error, code = exc, exc.exit_code
         Narrator(deps.reporter).failed(exc, deps.stream)  # says it on stderr itself, once
-    metrics_unwritable = isinstance(error, StateUnwritable) and error.what == METRICS
-    if not hook.dry_run and not metrics_unwritable:  # said once already: no warning after it
-        record_metrics(loaded, hook, code, summary, deps.stream)
+    if not hook.dry_run:  # never the run's failure: a warning at most, the code stands
+        record_metrics(loaded, hook, code, summary, deps)
     return HookOutcome(code, summary, error)
 
 
@@ -82,13 +81,16 @@ def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
 
 def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
     """The phase run with its surroundings made, its state folders checked (not in a dry
-    run: a run that cannot record its end does not begin); an interruption names what the
-    run was doing."""
+    run: a start that cannot record its lease does not begin; a phase after a stop whose
+    traits do not require its state warns and goes on); an interruption names what the run
+    was doing."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
     narrator = first_words(scope, loaded, reporter)
     surroundings = hook.surroundings(scope, loaded, reporter)
     if not hook.dry_run:
-        check_all(*surroundings.state_to_write())
+        required = scope.phase.traits.state_required
+        warn = None if required else narrator.state_unwritable  # after a stop: it goes on
+        check_all(*surroundings.state_to_write(), on_unwritable=warn)
     narrator.looking()
     if not hook.dry_run:  # read before post kills what is left of the unit
         own_shm_at_stop(scope, deps.run.roots, reporter)
@@ -139,7 +141,7 @@ def record_metrics(
     hook: Hook,
     code: ExitCode,
     summary: RunSummary | None,
-    stream: TextIO,
+    deps: Deps,
 ) -> None:
     textfile = loaded.config.metrics_textfile
     if textfile is None:
@@ -147,4 +149,5 @@ def record_metrics(
     from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
     record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-    record_after_run(textfile, record, stream=stream)
+    narrator = Narrator(run_reporter(deps.reporter, hook.dry_run))
+    record_after_run(textfile, record, stream=deps.stream, on_failure=narrator.metrics_not_written)

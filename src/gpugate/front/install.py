@@ -9,6 +9,8 @@ the config (meant to be edited) is kept.
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -66,6 +68,7 @@ class Change:
     note: str = ""  # a code: report.lines.CHANGE_NOTES words it
     said: tuple[str, ...] = ()  # lines under it (the unit's settings the drop-in keeps)
     detail: str = ""  # the note's fact (the runtime's path)
+    keep_folder: bool = False  # REMOVE: leave the folder even where it is left empty
 
 
 @dataclass(frozen=True)
@@ -263,10 +266,11 @@ def apply(
         try:
             if change.action is Action.WRITE:
                 assert change.content is not None
-                write_atomically(change.path, change.content)
+                write_atomically(change.path, change.content, _mode_of(change.path))
             elif change.action is Action.REMOVE:
                 change.path.unlink(missing_ok=True)
-                _remove_empty_dir(change.path.parent)
+                if not change.keep_folder:
+                    _remove_empty_dir(change.path.parent)
         except PermissionError as exc:
             raise PermissionDenied(
                 Problem.NO_PERMISSION_READING, path=exc.filename or change.path, writing=True
@@ -289,6 +293,14 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
         print(lines.said_under(said), file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
         print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
+
+
+def _mode_of(path: Path) -> int:
+    """A file's permissions, kept where it is replaced (0644 for a new one)."""
+    try:
+        return stat.S_IMODE(os.lstat(path).st_mode)
+    except OSError:  # missing: a new file
+        return 0o644
 
 
 def _remove_empty_dir(directory: Path) -> None:

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.compat import tomllib
 from gpugate.errors import GateError, InstallError, Problem
+from gpugate.front import containerd_config
 from gpugate.front.install import Action, Change
+from gpugate.host import wrapped_runtime
 from gpugate.host.programs import find_program, run_program
 from gpugate.report import oci_text
 
@@ -48,6 +50,8 @@ class ContainerHost:
     hooks_dirs: tuple[Path, ...] = ()  # where podman / CRI-O read hook files
     daemon_json: Path | None = None  # docker's, where docker is installed
     notes: list[str] = field(default_factory=list)
+    containerd_config: Path | None = None  # containerd's config.toml, where it is installed
+    runtime_record: Path = wrapped_runtime.RECORD  # what gpugate-oci-runtime runs
 
 
 def detect(root: Path = Path("/")) -> ContainerHost:
@@ -58,7 +62,8 @@ def detect(root: Path = Path("/")) -> ContainerHost:
     if find_program("crio") is not None and CRIO_HOOKS not in dirs:
         dirs.append(CRIO_HOOKS)
     docker = find_program("dockerd") is not None
-    return ContainerHost(tuple(dirs), DAEMON_JSON if docker else None)
+    containerd = containerd_config.CONFIG if find_program("containerd") else None
+    return ContainerHost(tuple(dirs), DAEMON_JSON if docker else None, containerd_config=containerd)
 
 
 def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
@@ -175,6 +180,90 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
     else:
         data.pop("runtimes", None)
     return [Change(path, Action.WRITE, json.dumps(data, indent=2) + "\n", "runtime-removed")]
+
+
+def containerd_default_config() -> str:
+    """`containerd config default`: the config containerd runs with where the file is missing."""
+    containerd = find_program("containerd")
+    path = containerd_config.CONFIG
+    if containerd is None:
+        raise InstallError(Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG, path=path, missing=True)
+    try:
+        result = run_program([containerd, "config", "default"], RELOAD_TIMEOUT_S)
+    except GateError as exc:
+        raise InstallError(
+            Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG, path=path, cause=exc
+        ) from None
+    if result.returncode != 0:
+        said = result.first_line()
+        raise InstallError(Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG, path=path, said=said)
+    return result.stdout
+
+
+def plan_containerd(
+    host: ContainerHost,
+    wrapper: str,
+    *,
+    install: bool,
+    default: bool = False,
+    default_config: Callable[[], str] = containerd_default_config,
+) -> list[Change]:
+    """containerd's config with (or without) the runtime gpugate."""
+    path = host.containerd_config
+    if path is None:
+        return []
+    current = containerd_config.read_text(path)
+    if not install:
+        if current is None:
+            return [Change(path, Action.ABSENT)]
+        text = containerd_config.uninstalled(current, path=path)
+        if text is None:
+            return [Change(path, Action.REMOVE, note="containerd-made", keep_folder=True)]
+        if text == current:
+            return [Change(path, Action.UNCHANGED, note="runtime-absent")]
+        return [Change(path, Action.WRITE, text, "containerd-runtime-removed")]
+    text, wrapped = containerd_config.installed(
+        current, wrapper, path=path, default=default, default_config=default_config
+    )
+    if text == current:
+        return [Change(path, Action.UNCHANGED, note="runtime-there")]
+    note = "containerd-runtime-default" if default else "containerd-runtime-added"
+    return [Change(path, Action.WRITE, text, note, detail=wrapped.name)]
+
+
+def uses_wrapper(host: ContainerHost) -> bool:
+    return host.daemon_json is not None or host.containerd_config is not None
+
+
+def nvidia_in_place(host: ContainerHost) -> bool:
+    """NVIDIA's runtime installed at its fixed path and set up as a runtime of docker's or of
+    containerd's CRI plugin (gpugate's own runtime aside)."""
+    if wrapped_runtime.find(wrapped_runtime.NVIDIA) is None:
+        return False
+    programs: list[str] = []
+    if host.daemon_json is not None:
+        runtimes = read_daemon_json(host.daemon_json).get("runtimes", {})
+        for entry in runtimes.values() if isinstance(runtimes, dict) else ():
+            programs.append(str(entry.get("path", "")) if isinstance(entry, dict) else "")
+    if host.containerd_config is not None:
+        text = containerd_config.read_text(host.containerd_config)
+        if text is not None:
+            data = containerd_config.parse(text, host.containerd_config)
+            programs += containerd_config.nvidia_binaries(data)
+    return any(os.path.basename(p) == wrapped_runtime.NVIDIA for p in programs)
+
+
+def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Change]:
+    """The record of what gpugate-oci-runtime runs, where docker or containerd use it."""
+    if host.daemon_json is None and host.containerd_config is None:
+        return []
+    path = host.runtime_record
+    if not install:
+        return [Change(path, Action.REMOVE if path.exists() else Action.ABSENT)]
+    name = wrapped_runtime.NVIDIA if nvidia else wrapped_runtime.RUNC
+    text = wrapped_runtime.record_text(name)
+    same = _read(path) == text
+    return [Change(path, Action.UNCHANGED if same else Action.WRITE, text, "runs", detail=name)]
 
 
 def wrapper_beside(gpugate: str) -> str:

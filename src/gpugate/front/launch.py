@@ -24,7 +24,14 @@ from typing import IO, TYPE_CHECKING
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import owned_gpus
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, Problem
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    NvmlUnavailable,
+    PermissionDenied,
+    Problem,
+    StateUnwritable,
+)
 from gpugate.front.launch_unit import (
     HOOK_TIMEOUT_S,
     Caller,
@@ -82,18 +89,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     refuse_known_unit(unit, explicit=bool(args.name))
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
-    roots = front.host_roots()
-    refuse_leased(
-        loaded,
-        unit,
-        gpus,
-        force=args.force,
-        unit_state=lambda name: unit_active_state(
-            name, roots.cgroup, ask_systemd=roots.ask_systemd
-        ),
-    )
-    if caller.uid != 0:
-        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
+    refuse_before_start(loaded, unit, gpus, caller, args.force, front)
     tty = terminal_name()
     started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
@@ -198,6 +194,27 @@ def resolve_gpus(
     return gpus
 
 
+def refuse_before_start(
+    loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
+) -> None:
+    """What the unit's pre would refuse, found before anything starts: a running lease on the
+    GPUs (--force: root's alone), and for a caller that is not root another account's
+    process on them."""
+    roots = front.host_roots()
+    refuse_leased(
+        loaded,
+        unit,
+        gpus,
+        force=force,
+        caller_is_root=caller.uid == 0,
+        unit_state=lambda name: unit_active_state(
+            name, roots.cgroup, ask_systemd=roots.ask_systemd
+        ),
+    )
+    if caller.uid != 0:
+        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
+
+
 def refuse_leased(
     loaded: LoadedConfig,
     unit: str,
@@ -205,12 +222,18 @@ def refuse_leased(
     *,
     force: bool,
     unit_state: Callable[[str], str | None],
+    caller_is_root: bool = True,
 ) -> None:
-    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would."""
+    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would.
+    --force overrides it for root alone: a caller that is not root (under sudo, SUDO_UID's)
+    may not start onto GPUs another run, unit or container holds, whoever's it is (exit 77),
+    and its unit's pre gets no --ignore-leases."""
     config = loaded.config
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
+    if check.conflicts and force and not caller_is_root:
+        raise PermissionDenied(Problem.LAUNCH_FORCE_NOT_ROOT, unit=unit, refusal=check.refusal())
     if check.conflicts and not force:
         raise HeldByOthers(Problem.LAUNCH_LEASED, unit=unit, refusal=check.refusal())
     for lease, overlap in check.conflicts:
@@ -268,7 +291,7 @@ def hook_config(
     hooks look up /etc/gpugate/UNIT.toml, then default.toml, as for any unit."""
     if not ports:
         return (given.resolve() if given else None), ()
-    config = loaded.config.model_copy(update={"ports": sorted(set(ports))})
+    config = loaded.config.changed(ports=tuple(sorted(set(ports))))
     path = loaded.config.lock_dir / RUN_FOLDER / f"{unit}.toml"
     text = f"# gpugate run {unit}: from {loaded.source}, with --port\n"
     text += to_toml(config.model_dump(mode="json", exclude_defaults=True))
@@ -277,6 +300,8 @@ def hook_config(
         write_atomically(path, text)
     except PermissionError:
         raise PermissionDenied(Problem.LAUNCH_CONFIG_UNWRITABLE, path=path) from None
+    except OSError as exc:  # no space, read-only: before anything starts, as a pre would
+        raise StateUnwritable(path, "run-config", cause=exc.strerror or str(exc)) from None
     return path, (path,)
 
 

@@ -27,7 +27,8 @@ HOOK_TIMEOUT_S = 300
 #   (wrong in another unit; systemd-run --pty sets TERM itself);
 # - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
 #   caller's to choose);
-# - what changes the programs root's hooks load: LD_PRELOAD, LD_AUDIT, PYTHON*;
+# - what changes the programs root's `+` hooks load, or how they start (they run with the
+#   unit's environment): LOADER_NAMES and LOADER_PREFIXES below;
 # - sudo's and the shell's bookkeeping.
 NOT_PASSED = frozenset(
     {
@@ -62,8 +63,6 @@ NOT_PASSED = frozenset(
         "OLDPWD",
         "SHLVL",
         "_",
-        "LD_PRELOAD",
-        "LD_AUDIT",
         "SUDO_COMMAND",
         "SUDO_USER",
         "SUDO_UID",
@@ -79,7 +78,29 @@ NOT_PASSED = frozenset(
         "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
     }
 )
-NOT_PASSED_PREFIXES = ("GPUGATE_", "PYTHON", "BASH_FUNC_")
+# The dynamic loader's and glibc's: every LD_* (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...),
+# GLIBC_TUNABLES, MALLOC_*, GCONV_*, and the rest of glibc's own list of what it drops for a
+# setuid program (sysdeps/generic/unsecvars.h); an interpreter's start-up: PYTHON* (the hooks
+# run Python -I, which reads none of them, but not every interpreter a hook may run does),
+# a shell's, Perl's, Ruby's, Node's.
+LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
+LOADER_NAMES = frozenset(
+    {
+        "GETCONF_DIR",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TMPDIR",
+        "TZDIR",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+NOT_PASSED_PREFIXES = ("GPUGATE_", "BASH_FUNC_", *LOADER_PREFIXES)
 NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 # systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
 # character: systemd-run unescapes the Exec lines the name is written on, so `prod\x2dvllm`
@@ -166,7 +187,7 @@ def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
     kept = []
     for key in sorted(environ):
         value = environ[key]
-        if key in NOT_PASSED or key.startswith(NOT_PASSED_PREFIXES):
+        if key in NOT_PASSED or key in LOADER_NAMES or key.startswith(NOT_PASSED_PREFIXES):
             continue
         if not ENV_NAME.fullmatch(key) or "\n" in value or "\0" in value:
             continue  # systemd would refuse it (an exported function, a multi-line value)
@@ -193,7 +214,9 @@ def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     config = f" --config {plan.config}" if plan.config else ""
     # --force: pre warns about a lease instead of refusing. On the command line, which only
     # root writes, never in the environment, which the unit's own files may set.
-    force = " --ignore-leases" if plan.force and phase.traits.takes_lease else ""
+    # Root's alone: a caller that is not root (--for-uid) never overrides a lease.
+    overrides = plan.force and plan.for_uid is None
+    force = " --ignore-leases" if overrides and phase.traits.takes_lease else ""
     # A caller that is not root: the hooks kill only its processes (rule 5, hardening.md).
     account = f" --for-uid {plan.for_uid}" if plan.for_uid is not None else ""
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"

@@ -5,35 +5,45 @@ for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
 
 from __future__ import annotations
 
-import os
 import sys
 
 from gpugate.errors import ExitCode
+from gpugate.host.namespaces import not_host_root
 from gpugate.host.oci import (
-    OciInputError,
     parse_config,
     parse_state,
     read_config,
     read_stdin_bounded,
 )
+from gpugate.host.oci_gpus import OciInputError
+from gpugate.host.pods import is_sandbox
 from gpugate.report.error_text import error_text
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Callable, Sequence
     from pathlib import Path
 
+    from gpugate.host.nvml import GpuDriver
     from gpugate.host.roots import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
 ACTING = ("createRuntime", "prestart", "poststop")
 STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
+NOT_ROOT = "not-host-root"  # GPUGATE_REASON of the one line a hook that is not root sends
 USAGE = "usage: gpugate oci-hook {" + ",".join(STAGES) + "}  (the container's state on stdin)"
 
 
-def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | None = None) -> int:
-    """argv: what follows `oci-hook`; roots and config: `gpugate --host-roots R oci-hook
-    --config C STAGE` (the bench, tests), through the full command line."""
+def main(
+    argv: Sequence[str],
+    *,
+    roots: HostRoots | None = None,
+    config: Path | None = None,
+    driver_factory: Callable[[], GpuDriver] | None = None,
+) -> int:
+    """argv: what follows `oci-hook`; roots, config and driver_factory: `gpugate --host-roots
+    R --nvml-library L oci-hook --config C STAGE` (the bench, tests), through the full
+    command line."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -41,11 +51,14 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
         print(USAGE, file=sys.stderr)
         return int(ExitCode.USAGE)
     stage = argv[0]
+    why = not_host_root()
+    if why is not None:
+        # A rootless runtime reads the same hooks.d: its containers are its user's, whom
+        # gpugate does not gate (its state and the host's processes are root's).
+        return not_gated(stage, why)
     try:
         state = parse_state(read_stdin_bounded())
-        if stage not in ACTING or os.geteuid() != 0:
-            # A rootless runtime reads the same hooks.d: its containers are its user's, whom
-            # gpugate does not gate (its state and the host's processes are root's).
+        if stage not in ACTING:
             return int(ExitCode.OK)
         try:
             raw = read_config(state.bundle)
@@ -53,14 +66,45 @@ def main(argv: Sequence[str], *, roots: HostRoots | None = None, config: Path | 
             if stage == "poststop":  # the runtime may have removed the bundle already;
                 return int(ExitCode.OK)  # the lease is stale once the scope is gone
             raise
-        spec = parse_config(raw, f"{state.bundle}/config.json")
+        spec = parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
     except OciInputError as exc:
         from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
 
         print(hook_failed(stage, error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)
-    if not spec.gpus:
-        return int(ExitCode.OK)  # no GPU asked for: not gpugate's container
+    if not spec.gpus or is_sandbox(state.id, {**spec.annotations, **state.annotations}):
+        return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
-    return run_from_hook(stage, state, spec, roots=roots, config=config)
+    if driver_factory is None:
+        return run_from_hook(stage, state, spec, roots=roots, config=config)
+    return run_from_hook(
+        stage, state, spec, roots=roots, config=config, driver_factory=driver_factory
+    )
+
+
+def not_gated(stage: str, why: str) -> int:
+    """A hook that is not the host's root: exit 0 whatever its input, touching nothing; at a
+    start stage of a container that asks for GPUs, one journal line saying it is not gated."""
+    if stage not in ("createRuntime", "prestart"):
+        return int(ExitCode.OK)
+    try:
+        state = parse_state(read_stdin_bounded())
+        spec = parse_config(read_config(state.bundle), f"{state.bundle}/config.json")
+    except OciInputError:
+        return int(ExitCode.OK)
+    if spec.gpus:
+        # Loaded only here: a rootless GPU container's start, not every container's.
+        from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
+        from gpugate.report.oci_text import not_gated_text  # noqa: PLC0415
+
+        reporter = Reporter(
+            f"container-{state.id}", stage, echo=False, fields={"GPUGATE_OCI_CONTAINER": state.id}
+        )
+        try:
+            reporter.event(
+                Event.WARNING, not_gated_text(why), priority=PRIORITY_NOTICE, reason=NOT_ROOT
+            )
+        except Exception:  # noqa: BLE001 - no journal (python-systemd missing): still exit 0
+            return int(ExitCode.OK)
+    return int(ExitCode.OK)

@@ -25,11 +25,13 @@ from gpugate.front.interrupt import stopped_by_signals
 from gpugate.host.cgroups import on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
+from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import (
     NOT_STARTED,
+    OWN_LEASE_PREFIX,
     ContainerIdentity,
     container_config,
     container_surroundings,
@@ -38,6 +40,7 @@ from gpugate.integrations.container import (
     request_text,
 )
 from gpugate.integrations.unit.gpu_source import GpuChoice
+from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
 from gpugate.report import lines, oci_text
@@ -75,7 +78,9 @@ def run_container_hook(
     """loaded: the config (tests); default /etc/gpugate/containers.toml; unit_state stands in
     for systemd's answer on a lease's scope (tests)."""
     stream = stream or sys.stderr
-    identity = identify(state, spec, ProcFs(roots.proc))
+    identity = identified(phase, state, spec, roots, reporter_factory, stream)
+    if isinstance(identity, int):
+        return identity
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():
@@ -85,7 +90,10 @@ def run_container_hook(
         try:
             driver = driver_factory()
             source = request_text(spec.gpus)
-            selection = gpu_selection(spec.gpus, list(driver.gpus()), source)
+            leased = leased_gpus(loaded, identity.unit) if phase is Phase.POST else None
+            if leased is None and spec.gpus.unresolved is not None:
+                raise spec.gpus.unresolved
+            selection = leased or gpu_selection(spec.gpus, list(driver.gpus()), source)
         except GateError as exc:
             if driver is not None:
                 driver.close()
@@ -105,6 +113,37 @@ def run_container_hook(
         return int(run_hook(hook, loaded, deps).exit_code)
 
 
+def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
+    """After the stop the container's GPUs are those its start leased (what it resolved
+    then), where its lease is still there."""
+    for lease in read_leases(loaded.config.lock_dir).leases:
+        if lease.unit == unit and lease.gpus:
+            return lease.gpus
+    return None
+
+
+def identified(
+    phase: Phase,
+    state: ContainerState,
+    spec: ContainerSpec,
+    roots: HostRoots,
+    reporter_factory: ReporterFactory,
+    stream: TextIO,
+) -> ContainerIdentity | int:
+    """The container's identity, or the hook's exit code where it has no cgroup of its own:
+    never gated as the unit around it; refused before its start (one line, one entry), and
+    its poststop has no lease of its own to give back."""
+    try:
+        return identify(state, spec, ProcFs(roots.proc))
+    except OciInputError as exc:
+        if not phase.traits.before_start:
+            return int(ExitCode.OK)
+        fields = {"GPUGATE_OCI_CONTAINER": state.id}
+        reporter = reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
+        Narrator(reporter).failed(exc, stream)
+        return int(exc.exit_code)
+
+
 def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:
     """The run's unit cgroup. Before the start nothing in the scope is the container's yet
     (its init waits there): a cgroup below it that never exists; after the stop whatever is
@@ -120,15 +159,19 @@ def run_from_hook(
     *,
     roots: HostRoots | None = None,
     config: Path | None = None,
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
 ) -> int:
-    """The runtime's call, past the fast path: an error is one line and its exit code."""
+    """The runtime's call, past the fast path: an error is one line and its exit code.
+    driver_factory: NVML's, or `--nvml-library`'s through the full command line (the bench)."""
     phase = stage_phase(stage)
     if phase is None:
         return int(ExitCode.OK)
     try:
         loaded = load_config(None, config) if config is not None else None
         roots = roots or on_units_tree(HostRoots())
-        return run_container_hook(phase, state, spec, roots=roots, loaded=loaded)
+        return run_container_hook(
+            phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver_factory
+        )
     except GateError as exc:
         print(oci_text.hook_failed(stage, error_text(exc)), file=sys.stderr)
         return int(exc.exit_code)

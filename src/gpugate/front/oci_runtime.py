@@ -1,8 +1,10 @@
 """`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
 containerd, which run only the hooks in a container's spec. On `create` of a container that
-asks for GPUs it adds gpugate's createRuntime and poststop hooks to the bundle's
-config.json; then, for every command, it execs runc unchanged, with all its arguments, as
-NVIDIA's nvidia-container-runtime does. runc is found at fixed paths only."""
+reaches GPUs (host/oci_gpus.py: the hook's own rule) it adds gpugate's createRuntime and
+poststop hooks to the bundle's config.json; then, for every command, it execs the runtime it
+wraps with all its arguments unchanged, as NVIDIA's nvidia-container-runtime does: runc, or
+NVIDIA's runtime where install recorded it (host/wrapped_runtime.py), each found at fixed
+paths only."""
 
 from __future__ import annotations
 
@@ -12,12 +14,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.errors import ExitCode, Problem
-from gpugate.host.oci import OciInputError, read_config, spec_gpu_request
+from gpugate.errors import ConfigError, ExitCode, Problem
+from gpugate.host.namespaces import not_host_root
+from gpugate.host.oci import read_config, spec_gpu_request
+from gpugate.host.oci_gpus import OciInputError
+from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 from gpugate.report import oci_text
 from gpugate.report.error_text import error_text
 
-RUNC_PATHS = ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc")
 # runc's global options that take a value (`runc --help`): the command is the first word
 # that is neither an option nor such an option's value.
 VALUE_OPTIONS = frozenset({"--root", "--log", "--log-format", "--criu", "--rootless"})
@@ -64,10 +68,13 @@ def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
     return {"path": command[0], "args": args}
 
 
-def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
+def with_hooks(
+    spec: dict[str, object], gpugate: str | Sequence[str], *, always: bool = False
+) -> bool:
     """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
-    them already."""
-    if not spec_gpu_request(spec):
+    them already. always: whatever the spec asks for now, since NVIDIA's runtime, run next,
+    may add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
+    if not always and not spec_gpu_request(spec):
         return False
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):
@@ -84,8 +91,9 @@ def with_hooks(spec: dict[str, object], gpugate: str | Sequence[str]) -> bool:
     return changed
 
 
-def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
-    """config.json rewritten in place (a new file renamed over it, same mode)."""
+def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
+    """config.json rewritten in place (a new file renamed over it, same mode). always: for
+    every container (NVIDIA's runtime follows), not only one that asks for GPUs now."""
     raw = read_config(bundle)
     try:
         spec = json.loads(raw)
@@ -93,7 +101,8 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
         raise OciInputError(Problem.OCI_NOT_JSON, source=f"{bundle}/config.json") from None
     if not isinstance(spec, dict):
         raise OciInputError(Problem.OCI_NOT_OBJECT, source=f"{bundle}/config.json")
-    if not with_hooks(spec, gpugate):
+    added = with_hooks(spec, gpugate, always=always)
+    if not added:
         return False
     path = Path(bundle, "config.json")
     temporary = Path(bundle, f".config.json.gpugate-{os.getpid()}")
@@ -107,24 +116,34 @@ def add_hooks(bundle: str, gpugate: Sequence[str]) -> bool:
     return True
 
 
-def find_runc() -> str | None:
-    return next((p for p in RUNC_PATHS if os.access(p, os.X_OK)), None)
-
-
 def main(argv: Sequence[str]) -> int:
-    """argv: runc's arguments. Returns only where runc cannot be run."""
-    runc = find_runc()
-    if runc is None:
-        print(oci_text.runtime_no_runc(RUNC_PATHS), file=sys.stderr)
-        return int(ExitCode.NVML_UNAVAILABLE)
+    """argv: runc's arguments. Returns only where the wrapped runtime cannot be run."""
     command, args = command_of(argv)
-    if command in ("create", "run"):
+    creating = command in ("create", "run")
+    try:
+        recorded = read_record()
+    except ConfigError as exc:
+        if creating:  # a GPU container must not start without the runtime the host chose
+            print(oci_text.runtime_failed(error_text(exc)), file=sys.stderr)
+            return int(exc.exit_code)
+        recorded = RUNC  # state, kill, delete: NVIDIA's runtime passes them to runc unchanged
+    wrapped = choose(recorded, os.environ)
+    if wrapped.path is None:
+        print(oci_text.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
+        return int(ExitCode.NVML_UNAVAILABLE)
+    # A rootless runtime (its user's namespace) gets its runtime as it is: its hooks would
+    # gate nothing (front/oci_entry.py), and its bundle is its user's to write, not gpugate's.
+    if creating and not_host_root() is None:
         try:
-            add_hooks(bundle_of(args), own_gpugate())
+            add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:
             said = error_text(exc) if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
             print(oci_text.runtime_failed(said), file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
-    os.execv(runc, [runc, *argv])  # noqa: S606 - runc at a fixed path, its arguments as given
-    return int(ExitCode.INTERNAL)  # not reached: execv replaced this process
+    environment = dict(os.environ)
+    if wrapped.name != RUNC:
+        environment[CHAIN] = wrapped.name  # NVIDIA's runtime may run this wrapper again
+    # A runtime at a fixed path, its arguments as given.
+    os.execve(wrapped.path, [wrapped.path, *argv], environment)  # noqa: S606
+    return int(ExitCode.INTERNAL)  # not reached: execve replaced this process

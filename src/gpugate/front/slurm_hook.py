@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -15,8 +16,14 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Deps, Hook, run_hook
+from gpugate.host.nvml import GpuDriver
+from gpugate.integrations.gres_conf import (
+    GresUnresolved,
+    gres_conf_path,
+    parse_gres_conf,
+    read_gres_conf,
+)
 from gpugate.integrations.slurm import (
-    MAX_REASON,
     METRICS_UNIT,
     JobSurroundings,
     SlurmJob,
@@ -27,10 +34,11 @@ from gpugate.integrations.slurm import (
     set_drain_reason,
     with_job_gpus,
 )
+from gpugate.integrations.slurm_gpus import DeviceNodes, StatFn, job_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.error_text import error_text
-from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.error_text import error_text, problem_text
+from gpugate.report.journal import Event, Reporter, ReporterFactory
 from gpugate.report.lines import failure_detail
 
 
@@ -43,6 +51,7 @@ class SlurmDeps:
     run: RunDeps = field(default_factory=RunDeps)
     stream: TextIO = field(default_factory=lambda: sys.stderr)
     config_dir: Path = DEFAULT_CONFIG_DIR
+    device_stat: StatFn = os.stat  # how gres.conf's File= are looked at (tests: a stand-in)
 
 
 def run_slurm_hook(
@@ -54,18 +63,62 @@ def run_slurm_hook(
     try:
         job = job_from_env(environ)
         if not job.gpus:
+            if job.no_gpus:  # Slurm's own words for "no GPU here"
+                say_no_gpus(phase, job, deps)
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
-        loaded = with_job_gpus(load_slurm_config(config_path, deps.config_dir), job)
+        config = load_slurm_config(config_path, deps.config_dir)
+        loaded, run_deps = job_config(config, job, deps)
     except GateError as exc:
         detail = error_text(exc)
         print(lines.error(detail), file=stream)
         code = exc.exit_code
     else:
-        code, summary, detail = run_job(phase, job, loaded, dry_run=dry_run, deps=deps)
+        code, summary, detail = run_job(
+            phase, job, loaded, dry_run=dry_run, deps=replace(deps, run=run_deps)
+        )
     if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
         return int(code)  # stopped: slurmd, which stopped it, drains the node itself
     drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
     return int(code)
+
+
+def say_no_gpus(phase: Phase, job: SlurmJob, deps: SlurmDeps) -> None:
+    """One journal entry: the job has no GPU to gate (NoDevFiles, an empty list)."""
+    reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
+    reporter.event(Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success")
+
+
+def job_config(
+    config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
+) -> tuple[LoadedConfig, RunDeps]:
+    """The config with the job's GPUs as NVML's UUIDs (slurmd's numbers through gres.conf and
+    the device files), and the run's deps with the driver opened for it. Numbers that cannot
+    be resolved for certain: one line, and no GPU (the job's cgroup alone)."""
+    driver: GpuDriver | None = None
+    numbers = ",".join(map(str, job.gpus))
+    try:
+        path = gres_conf_path(deps.environ.get("SLURM_CONF"))
+        layout = parse_gres_conf(read_gres_conf(path), str(path), job.node_name)
+        driver = deps.run.driver_factory()
+        nodes = DeviceNodes(deps.run.roots.dev, deps.device_stat)
+        unreadable = len(driver.faults())
+        gpus = job_gpus(job.gpus, layout, driver.gpus(), nodes, unreadable)
+    except (GresUnresolved, GateError) as exc:
+        if driver is not None:
+            driver.close()
+        why = (
+            error_text(exc) if isinstance(exc, GateError) else problem_text(exc.problem, exc.facts)
+        )
+        print(
+            lines.warning(lines.slurm_gpus_unresolved(job.gpus_from, numbers, why)),
+            file=deps.stream,
+        )
+        note = f"{job.gpus_from}={numbers} not resolved: the job's cgroup only"
+        return with_job_gpus(config, (), note), deps.run
+    opened = driver
+    note = f"gpus from {job.gpus_from}={numbers} through {layout.path}"
+    uuids = tuple(gpu.uuid for gpu in gpus)
+    return with_job_gpus(config, uuids, note), replace(deps.run, driver_factory=lambda: opened)
 
 
 def run_job(
@@ -100,7 +153,6 @@ def drain(
     """A failed prolog or epilog: the drain reason, on stderr (unless an error said its one
     line already) and to slurmctld where the node is named."""
     reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
-    reason = reason[:MAX_REASON]
     if not said:
         print(lines.error(f"drain: {reason}"), file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")

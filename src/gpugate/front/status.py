@@ -21,6 +21,7 @@ from gpugate.core.discover import (
     discover,
     full_scan,
 )
+from gpugate.core.owners import Owner, owner_of
 from gpugate.core.roles import Role, holder_role
 from gpugate.errors import GateError
 from gpugate.host.nvml import GpuDriver
@@ -30,6 +31,7 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.scan import Deadline
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
+from gpugate.integrations.sweep_state import Seen, read_unowned
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
@@ -37,6 +39,7 @@ from gpugate.report.error_text import error_text
 from gpugate.report.lines import unreadable_holders
 from gpugate.report.narrate import cut_short_text
 from gpugate.report.narrate_shm import size_text
+from gpugate.report.narrate_sweep import unowned_line
 from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.own_shm_text import own_shm_line
 from gpugate.report.untrusted import (
@@ -136,8 +139,10 @@ def as_dict(
     now = uptime_s(roots.proc)
     leases = read_leases(loaded.config.lock_dir).leases
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
+    unowned = read_unowned(loaded.config.lock_dir)
     holders = [
         holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
+        | owner_dict(holder, discovery, loaded, unowned)
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
     ]
     return {
@@ -258,6 +263,19 @@ def holder_dict(
             "id": container.id,
             "name": shown(container.name, CONTAINER) or None,
         },
+    }
+
+
+def owner_dict(
+    holder: Holder, discovery: Discovery, loaded: LoadedConfig, unowned: dict[Any, Seen]
+) -> dict[str, Any]:
+    """What owns the holder (core/owners: `gpugate sweep`'s kinds) and, where it is nobody's
+    and a sweep has seen it so, for how many seconds."""
+    owner = owner_of(holder, discovery, loaded.config)
+    seen = unowned.get(holder.info.ident) if owner is Owner.NOBODY else None
+    return {
+        "owner": str(owner),
+        "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
     }
 
 
@@ -411,6 +429,11 @@ def holder_table(data: dict[str, Any]) -> list[str]:
         )
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
+    lines += [
+        unowned_line(holder["pid"], holder["unowned_s"])
+        for holder in data["holders"]
+        if holder.get("unowned_s") is not None
+    ]
     return lines
 
 

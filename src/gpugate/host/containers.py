@@ -68,6 +68,63 @@ class Container:
         return False
 
 
+# A container's own cgroup, for its OCI hook (docs/containers.md, "Which cgroup is the
+# container's"): a folder its runtime named after the container's own 64-hex id. The systemd
+# driver's scopes: podman `libpod-ID.scope`, docker `docker-ID.scope`, CRI-O `crio-ID.scope`,
+# containerd's CRI `cri-containerd-ID.scope`, nerdctl `nerdctl-ID.scope`; the cgroupfs
+# driver's folders: docker `/docker/ID`, podman `/libpod_parent/libpod-ID`, CRI-O `crio-ID`,
+# containerd `.../podUID/ID`; podman's `--cgroups=split` (Quadlet's default)
+# `.../NAME.service/libpod-payload-ID`. Not
+# `crio-conmon-ID.scope`: CRI-O's monitor, not the container.
+OWN_FOLDER = re.compile(
+    r"(?:(?P<kind>libpod-payload|libpod|docker|crio|cri-containerd|nerdctl)-)?"
+    r"(?P<id>[0-9a-f]{64})(?P<scope>\.scope)?"
+)
+OWN_RUNTIMES = {
+    "libpod": "podman",
+    "libpod-payload": "podman",
+    "docker": "docker",
+    "crio": "cri-o",
+    "cri-containerd": "containerd",
+    "nerdctl": "nerdctl",
+}
+
+
+@dataclass(frozen=True)
+class OwnCgroup:
+    """The cgroup a container's runtime made for it alone."""
+
+    cgroup: str  # "/machine.slice/libpod-ID.scope"; what is below it is the container's too
+    runtime: str | None  # from the folder's prefix; None for a bare ID
+    # The folder is a systemd scope of its own (only slices above it): a unit that systemd
+    # calls active exactly while the container runs. None for every other own folder.
+    unit: str | None
+
+
+def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
+    """The first folder of cgroup named after container_id in one of OWN_FOLDER's forms, or
+    None where no folder is (the runtime put the container in a cgroup that is not its own:
+    `--cgroups=disabled`, a scope of another id, a slice, the root)."""
+    if not cgroup:
+        return None
+    parts = cgroup_parts(cgroup)
+    if "." in parts or ".." in parts:  # the spec's path as written: not the kernel's form
+        return None
+    for depth, part in enumerate(parts):
+        match = OWN_FOLDER.fullmatch(part)
+        if match is None or match.group("id") != container_id:
+            continue
+        kind = match.group("kind")
+        above_are_slices = all(p.endswith(".slice") for p in parts[:depth])
+        scope = bool(match.group("scope")) and kind is not None and above_are_slices
+        return OwnCgroup(
+            cgroup="/" + "/".join(parts[: depth + 1]),
+            runtime=OWN_RUNTIMES[kind] if kind else None,
+            unit=part if scope and not is_user_cgroup(cgroup) else None,
+        )
+    return None
+
+
 def container_of_cgroup(cgroup: str | None) -> Container | None:
     if not cgroup or is_user_cgroup(cgroup):
         return None

@@ -52,6 +52,11 @@ def open_lock(folder_fd: int, path: Path) -> int:
         raise StateUnwritable(path, "gpu-lock", cause=exc.strerror or str(exc)) from None
 
 
+# Told where a phase that goes on without its state (its traits' state_required false)
+# could not take a lock: the path, and why.
+Unlocked = Callable[[Path, str], None]
+
+
 @contextlib.contextmanager
 def gpu_locks(
     lock_dir: Path,
@@ -59,20 +64,23 @@ def gpu_locks(
     deadline: float,
     on_wait: Callable[[Gpu], None] = lambda gpu: None,
     clock: Callable[[], float] = time.monotonic,
+    on_unlocked: Unlocked | None = None,
 ) -> Iterator[None]:
+    """The GPUs' locks, in UUID order. on_unlocked given (a phase after a stop): a lock_dir or
+    lock file that cannot be made (full, read-only) is told to it and the run goes on; an
+    existing lock file on a read-only file system is still taken (flock needs no write)."""
+    held: list[int] = []
     try:
-        folder_fd = open_folder(lock_dir)
-    except PermissionError:
-        raise PermissionDenied(
-            Problem.NO_PERMISSION_CREATING, path=lock_dir, what="gpu-locks"
-        ) from None
-    except OSError as exc:  # a file in the way, a read-only file system, ...
-        raise StateUnwritable(lock_dir, "gpu-locks", cause=exc.strerror or str(exc)) from None
-    held: list[int] = [folder_fd]
-    try:
+        folder_fd = _lock_folder(lock_dir, on_unlocked)
+        if folder_fd is None:
+            yield
+            return
+        held.append(folder_fd)
         for gpu in sorted(gpus, key=lambda g: g.uuid):
             path = lock_dir / f"{gpu.uuid}.lock"
-            fd = open_lock(folder_fd, path)
+            fd = _lock_file(folder_fd, path, on_unlocked)
+            if fd is None:
+                continue
             held.append(fd)
             if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
                 raise LockTimeout(Problem.LOCK_TIMEOUT, path=path, gpu=gpu.label)
@@ -80,3 +88,31 @@ def gpu_locks(
     finally:
         for fd in held:
             os.close(fd)
+
+
+def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
+    try:
+        return open_folder(lock_dir)
+    except OSError as exc:  # a file in the way, a read-only file system, no space, ...
+        if on_unlocked is not None:
+            on_unlocked(lock_dir, exc.strerror or str(exc))
+            return None
+        if isinstance(exc, PermissionError):
+            raise PermissionDenied(
+                Problem.NO_PERMISSION_CREATING, path=lock_dir, what="gpu-locks"
+            ) from None
+        raise StateUnwritable(lock_dir, "gpu-locks", cause=exc.strerror or str(exc)) from None
+
+
+def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:
+    if on_unlocked is None:
+        return open_lock(folder_fd, path)
+    causes = []
+    # It may exist: a lock taken through a read-only descriptor is still one.
+    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
+        try:
+            return open_in(folder_fd, path.name, flags)
+        except OSError as exc:
+            causes.append(exc.strerror or str(exc))
+    on_unlocked(path, causes[0])
+    return None

@@ -6,14 +6,8 @@ trusting a field's type, and never more than facts. This module is the hook's fa
 (`gpugate oci-hook` for a container without GPUs ends here), so it imports only the standard
 library and `gpugate.errors`.
 
-The container's GPUs (docs/containers.md) are the union of what it can reach:
-- `linux.devices` entries `/dev/nvidiaN` (`--device`, CDI specs) and `mounts` of
-  `/dev/nvidiaN` (`-v /dev/nvidia1:/dev/nvidia1`): device minors;
-- `NVIDIA_VISIBLE_DEVICES` in `process.env`, where NVIDIA's hook is in the spec's hooks
-  (`docker --gpus`, nvidia-container-runtime, its hooks.d file: the hook injects what the
-  variable names): `all`, indices and/or UUIDs comma-separated; `none`, `void` and an empty
-  value request no GPU. The last setting of the variable counts, as for execve. Without
-  NVIDIA's hook the variable gives the container nothing (every CUDA image sets `all`).
+The container's GPUs (docs/containers.md) are what it can reach, by device number:
+host/oci_gpus.py.
 """
 
 from __future__ import annotations
@@ -25,39 +19,40 @@ import select
 import stat
 import time
 
-from gpugate.errors import ExitCode, GateError, Problem
+from gpugate.errors import Problem
+from gpugate.host.oci_gpus import (
+    OciInputError,
+    Reach,
+    Toolkit,
+    cdi_reach,
+    devices_reach,
+    has_nvidia_hook,
+    mounts_reach,
+    nvidia_reach,
+)
 
 MAX_STATE_BYTES = 1 << 20  # a state is a few hundred bytes; annotations can add some
 MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is still bounded
 STATE_TIMEOUT_S = 5.0
 MAX_FIELD = 256  # characters of an id or a name kept
-DEVICE = re.compile(r"/dev/nvidia(\d{1,4})")
 CONTAINER_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
-VISIBLE = "NVIDIA_VISIBLE_DEVICES"
-NVIDIA_HOOKS = ("nvidia-container-runtime-hook", "nvidia-container-toolkit", "nvidia-ctk")
-NO_GPU_VALUES = frozenset({"", "none", "void"})
-# Where the runtimes put the container's name (podman, CRI-O, containerd's CRI, nerdctl).
-NAME_ANNOTATIONS = (
+# The container's name as the runtime itself writes it into the spec's annotations, over
+# any a container's author passes: CRI-O's (with kubelet's pod name) and containerd's CRI
+# plugin's. Read only where the container's cgroup says the runtime is that one
+# (integrations/container.py): elsewhere anyone may set these keys.
+RUNTIME_NAME_ANNOTATIONS = {
+    "cri-o": ("io.kubernetes.cri-o.ContainerName", "io.kubernetes.pod.name"),
+    "containerd": ("io.kubernetes.cri.container-name", "io.kubernetes.cri.sandbox-name"),
+}
+# Names a container's author may set (`podman --annotation`, `nerdctl --label`, a pod's own
+# annotations): shown escaped, as the author's, never in place of the id.
+CLAIMED_NAME_ANNOTATIONS = (
     "io.podman.annotations.name",
+    "nerdctl/name",
     "io.kubernetes.cri-o.ContainerName",
     "io.kubernetes.cri.container-name",
-    "nerdctl/name",
     "io.container.manager.name",
 )
-POD_ANNOTATIONS = ("io.kubernetes.pod.name", "io.kubernetes.cri.sandbox-name")
-MANAGER_ANNOTATIONS = {
-    "io.podman.annotations.": "podman",
-    "io.kubernetes.cri-o.": "cri-o",
-    "io.kubernetes.cri.": "containerd",
-    "nerdctl/": "nerdctl",
-}
-
-
-class OciInputError(GateError):
-    """The runtime's state or config.json cannot be read as one: the hook fails, the
-    container does not start."""
-
-    exit_code = ExitCode.USAGE
 
 
 class _Record:
@@ -86,19 +81,30 @@ class _Record:
 
 
 class GpuRequest(_Record):
-    """What the container asks for. Empty: no GPU, the hook has nothing to do."""
+    """What the container reaches. Empty: no GPU, the hook has nothing to do."""
 
-    __slots__ = ("all_gpus", "minors", "refs")
+    __slots__ = ("all_gpus", "minors", "note", "origins", "refs", "unresolved")
 
     def __init__(
-        self, minors: tuple[int, ...] = (), refs: tuple[str, ...] = (), all_gpus: bool = False
+        self,
+        minors: tuple[int, ...] = (),
+        refs: tuple[str, ...] = (),
+        all_gpus: bool = False,
+        origins: tuple[str, ...] = (),
+        note: str = "",
+        unresolved: OciInputError | None = None,
     ) -> None:
-        self.minors = minors  # from linux.devices /dev/nvidiaN
-        self.refs = refs  # from NVIDIA_VISIBLE_DEVICES: indices and UUIDs as written
-        self.all_gpus = all_gpus  # NVIDIA_VISIBLE_DEVICES=all
+        self.minors = minors  # minors of the 195:N device nodes it reaches
+        self.refs = refs  # indices and UUIDs of NVIDIA's lists, as written
+        self.all_gpus = all_gpus  # NVIDIA's `all`
+        self.origins = origins  # where in the spec each came from
+        self.note = note  # why NVIDIA's config defaults stood in (nvidia_toolkit's codes)
+        # After the stop (parse_config's lenient): why the request could not be resolved; the
+        # container's lease then says which GPUs it had.
+        self.unresolved = unresolved
 
     def __bool__(self) -> bool:
-        return bool(self.minors or self.refs or self.all_gpus)
+        return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
 
 
 class ContainerState(_Record):
@@ -228,113 +234,81 @@ def _check_owner(info: os.stat_result, path: str, euid: int) -> None:
         raise OciInputError(Problem.OCI_WRITABLE, path=path)
 
 
-def parse_config(raw: bytes, source: str = "config.json") -> ContainerSpec:
+def parse_config(
+    raw: bytes, source: str = "config.json", *, lenient: bool = False
+) -> ContainerSpec:
+    """lenient (after the stop): a GPU request that cannot be resolved (NVIDIA's config may
+    have changed since the start) is kept as such, for the lease to answer."""
     data = _json_object(raw, source)
     linux = data.get("linux")
     linux = linux if isinstance(linux, dict) else {}
     cgroups_path = linux.get("cgroupsPath")
     hostname = data.get("hostname")
+    try:
+        gpus = spec_gpu_request(data)
+    except OciInputError as exc:
+        if not lenient:
+            raise
+        gpus = GpuRequest(unresolved=exc)
     return ContainerSpec(
-        gpus=spec_gpu_request(data),
+        gpus=gpus,
         cgroups_path=cgroups_path if isinstance(cgroups_path, str) else None,
         annotations=_string_map(data.get("annotations")),
         hostname=hostname[:MAX_FIELD] if isinstance(hostname, str) else None,
     )
 
 
-def spec_gpu_request(spec: dict[str, object]) -> GpuRequest:
-    """A parsed config.json's GPUs (module docstring)."""
+def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) -> GpuRequest:
+    """A parsed config.json's GPUs (host/oci_gpus.py, docs/containers.md). toolkit: NVIDIA's
+    config as read (tests); by default read from /etc only for a spec with NVIDIA's hook."""
+    reach = Reach()
     linux = spec.get("linux")
-    process = spec.get("process")
-    return gpu_request(
-        linux.get("devices") if isinstance(linux, dict) else None,
-        process.get("env") if isinstance(process, dict) else None,
-        mounts=spec.get("mounts"),
-        env_counts=has_nvidia_hook(spec.get("hooks")),
+    devices_reach(linux.get("devices") if isinstance(linux, dict) else None, reach)
+    mounts_reach(spec.get("mounts"), reach)
+    cdi_reach(spec.get("annotations"), reach)
+    note = ""
+    if has_nvidia_hook(spec.get("hooks")):
+        if toolkit is None:
+            from gpugate.host.nvidia_toolkit import read_toolkit  # noqa: PLC0415 (GPU path)
+
+            toolkit = read_toolkit()
+        note = toolkit.note
+        nvidia_reach(spec, toolkit, reach)
+    return GpuRequest(
+        minors=tuple(reach.minors),
+        refs=tuple(reach.refs),
+        all_gpus=reach.all_gpus,
+        origins=tuple(reach.origins),
+        note=note,
     )
 
 
-def has_nvidia_hook(hooks: object) -> bool:
-    """NVIDIA's hook is in the spec (docker --gpus, nvidia-container-runtime, its hooks.d
-    file): NVIDIA_VISIBLE_DEVICES then gives the container those GPUs. Without it the
-    variable (every CUDA image sets `all`) gives none."""
-    if not isinstance(hooks, dict):
-        return False
-    for entries in hooks.values():
-        for entry in entries if isinstance(entries, list) else ():
-            path = entry.get("path") if isinstance(entry, dict) else None
-            if isinstance(path, str) and path.rpartition("/")[2].startswith(NVIDIA_HOOKS):
-                return True
-    return False
+def runtime_name(state: ContainerState, spec: ContainerSpec, runtime: str) -> str | None:
+    """The name runtime itself wrote into the annotations (RUNTIME_NAME_ANNOTATIONS), with its
+    pod's (`pod/container`); None for a runtime that writes none."""
+    keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
+    if keys is None:
+        return None
+    annotations = {**spec.annotations, **state.annotations}
+    name = bounded(annotations.get(keys[0], "").lstrip("/"))
+    pod = bounded(annotations.get(keys[1], ""))
+    return bounded(f"{pod}/{name}") if name and pod else name
 
 
-def gpu_request(
-    devices: object, env: object, *, mounts: object = None, env_counts: bool = True
-) -> GpuRequest:
-    """The union of the device nodes (linux.devices, and /dev/nvidiaN bind-mounted in) and,
-    where env_counts (NVIDIA's hook will act on it), NVIDIA_VISIBLE_DEVICES."""
-    minors: list[int] = []
-    for minor in _minors(devices, "path") + _minors(mounts, "source", "destination"):
-        if minor not in minors:
-            minors.append(minor)
-    value = visible_devices(env) if env_counts else None
-    if value is None or value.strip().lower() in NO_GPU_VALUES:
-        return GpuRequest(minors=tuple(minors))
-    if value.strip().lower() == "all":
-        return GpuRequest(minors=tuple(minors), all_gpus=True)
-    refs = tuple(dict.fromkeys(part.strip() for part in value.split(",") if part.strip()))
-    return GpuRequest(minors=tuple(minors), refs=refs)
-
-
-def _minors(entries: object, *keys: str) -> list[int]:
-    found: list[int] = []
-    for entry in entries if isinstance(entries, list) else ():
-        for key in keys:
-            path = entry.get(key) if isinstance(entry, dict) else None
-            match = DEVICE.fullmatch(path) if isinstance(path, str) else None
-            if match is not None:
-                found.append(int(match.group(1)))
-                break
-    return found
-
-
-def visible_devices(env: object) -> str | None:
-    """NVIDIA_VISIBLE_DEVICES's last value in a spec's process.env, or None."""
-    found: str | None = None
-    if isinstance(env, list):
-        for item in env:
-            if isinstance(item, str) and item.startswith(VISIBLE + "="):
-                found = item[len(VISIBLE) + 1 :]
-    if found is not None and len(found) > 4096:  # no list of GPUs is this long
-        raise OciInputError(Problem.OCI_ENV_TOO_LONG, variable=VISIBLE, limit=4096)
-    return found
-
-
-def container_name(state: ContainerState, spec: ContainerSpec | None) -> str | None:
-    """The name the runtime gave the container, from the annotations it writes."""
-    annotations = {**(spec.annotations if spec else {}), **state.annotations}
-    for key in NAME_ANNOTATIONS:
-        name = annotations.get(key, "").strip().lstrip("/")
+def claimed_name(state: ContainerState, spec: ContainerSpec) -> tuple[str, str] | None:
+    """(annotation, name) of the first name the container's author may have set."""
+    annotations = {**spec.annotations, **state.annotations}
+    for key in CLAIMED_NAME_ANNOTATIONS:
+        name = bounded(annotations.get(key, ""))
         if name:
-            pod = next((annotations[k] for k in POD_ANNOTATIONS if annotations.get(k)), None)
-            return safe_name(f"{pod}/{name}" if pod else name)
+            return key, name
     return None
 
 
-def safe_name(text: str) -> str | None:
-    """A name as gpugate repeats it (journal fields, refusals, lease files): printable
-    characters only (others shown as `?`), at most MAX_FIELD; None where nothing is left."""
-    shown = "".join(c if c.isprintable() and c not in "\t\r\n" else "?" for c in text[:MAX_FIELD])
-    return shown.strip() or None
-
-
-def manager_of(state: ContainerState, spec: ContainerSpec | None) -> str | None:
-    """Which engine made the container, where its annotations say."""
-    keys = list(state.annotations) + list(spec.annotations if spec else {})
-    for prefix, manager in MANAGER_ANNOTATIONS.items():
-        if any(key.startswith(prefix) for key in keys):
-            return manager
-    return None
+def bounded(text: str) -> str | None:
+    """A name as given, at most MAX_FIELD characters, without the blanks around it; None where
+    nothing is left. Its escaping is report/untrusted's, where it is shown."""
+    return text[:MAX_FIELD].strip() or None
 
 
 def cgroup_of_spec(cgroups_path: str | None, container_id: str) -> str | None:

@@ -1,6 +1,7 @@
-"""gpugate's own state folders (locks, leases, failed-start records, metrics), checked before a
-run kills anything: a folder that cannot be made, is not a folder, is read-only or full is
-StateUnwritable (exit 73) naming the folder and the cause, not a kill followed by a crash."""
+"""gpugate's own state folders (locks, leases, failed-start records), checked before a run kills
+anything: a folder that cannot be made, is not a folder, is read-only or full is
+StateUnwritable (exit 73) naming the folder and the cause, not a kill followed by a crash;
+for a phase after a stop (its traits' state_required false), a warning, and the run goes on."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, Problem, StateUnwritable
+from gpugate.errors import GateError, PermissionDenied, Problem, StateUnwritable
 from gpugate.host.safe_files import open_folder
 
 # What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
@@ -63,11 +64,22 @@ def check_file_slot(path: Path, what: str) -> None:
         raise StateUnwritable(path, what, Problem.STATE_FOLDER_IN_THE_WAY)
 
 
-def check_all(folders: Iterable[tuple[Path, str]], files: Iterable[tuple[Path, str]] = ()) -> None:
-    for folder, what in folders:
-        check_writable(folder, what)
-    for path, what in files:
-        check_file_slot(path, what)
+def check_all(
+    folders: Iterable[tuple[Path, str]],
+    files: Iterable[tuple[Path, str]] = (),
+    on_unwritable: Callable[[GateError], None] | None = None,
+) -> None:
+    """Each folder and file slot checked; a problem raised (StateUnwritable, PermissionDenied),
+    or, given on_unwritable, passed to it and the rest checked too (a run that goes on)."""
+    checks = [(check_writable, folders), (check_file_slot, files)]
+    for check, items in checks:
+        for path, what in items:
+            try:
+                check(path, what)
+            except (StateUnwritable, PermissionDenied) as exc:
+                if on_unwritable is None:
+                    raise
+                on_unwritable(exc)
 
 
 def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:

@@ -3,7 +3,15 @@ change (its owner, group or other write, or any folder above it), or a `lock_dir
 account may change, is refused with exit 78 and one line naming the path, its owner and mode;
 a path that is not a regular file (a FIFO, a device) or is absurdly large is refused without
 reading it. Every command that reads a config (pre, post, slurm prolog/epilog, run, status,
-config check) reads it here."""
+config check) reads it here.
+
+One lock_dir for every lease on a host (docs/hardening.md, "One lock_dir for every lease"):
+the host's is `default.toml`'s `lock_dir` (CONFIG_DIR/default.toml), else the built-in
+/run/gpugate. A file
+that leaves `lock_dir` out gets the host's; a file of the lookup (UNIT.toml, the template's,
+containers.toml, slurm.toml: any file in CONFIG_DIR) that names another is refused with exit
+78 naming it and `lock_dir`. `--config PATH` outside CONFIG_DIR is a configuration of its own
+(tests, trials): its `lock_dir` stands."""
 
 from __future__ import annotations
 
@@ -11,20 +19,66 @@ import os
 from pathlib import Path
 
 from gpugate.config import file
-from gpugate.config.models import LoadedConfig
+from gpugate.config.models import BUILTIN_SOURCE, DEFAULT_LOCK_DIR, LoadedConfig
 from gpugate.errors import ConfigError, Problem
 from gpugate.host.safe_files import read_capped, untrusted
 from gpugate.report.trust_text import unreadable
+
+HOST_FILE = "default.toml"  # its lock_dir is the host's
 
 
 def load_config(
     unit: str | None, explicit: Path | None = None, config_dir: Path = file.DEFAULT_CONFIG_DIR
 ) -> LoadedConfig:
-    loaded = file.load_config(unit, explicit, config_dir, read=read_trusted)
+    loaded = one_lock_dir(
+        file.load_config(unit, explicit, config_dir, read=read_trusted), config_dir
+    )
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
         raise ConfigError(loaded.source, "lock_dir", Problem.CONFIG_STATE_UNTRUSTED, found=found)
     return loaded
+
+
+def host_lock_dir(config_dir: Path) -> tuple[Path, str]:
+    """The host's lock_dir and the file that says so (default.toml; its own leaving it out
+    means the built-in), else the built-in and BUILTIN_SOURCE."""
+    path = config_dir / HOST_FILE
+    if not os.path.lexists(path):
+        return DEFAULT_LOCK_DIR, BUILTIN_SOURCE
+    return file.parse_config(read_trusted(path), str(path)).lock_dir, str(path)
+
+
+def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
+    """loaded with the host's lock_dir where it leaves it out; ConfigError where a file of
+    the lookup names another (module docstring)."""
+    if loaded.source == BUILTIN_SOURCE:
+        return loaded
+    source = Path(loaded.source)
+    if source.name == HOST_FILE and _same(source.parent, config_dir):
+        return loaded
+    host, where = host_lock_dir(config_dir)
+    mine = loaded.config.lock_dir
+    if "lock_dir" not in loaded.config.model_fields_set:
+        if mine == host:
+            return loaded
+        inherited = LoadedConfig(loaded.config.model_copy(update={"lock_dir": host}), loaded.source)
+        file.check_lock_dir(inherited)
+        return inherited
+    if not _same(mine, host) and _same(source.parent, config_dir):
+        raise ConfigError(
+            loaded.source,
+            "lock_dir",
+            Problem.LOCK_DIR_NOT_HOSTS,
+            lock_dir=mine,
+            host=host,
+            where=where,
+        )
+    return loaded
+
+
+def _same(one: Path, other: Path) -> bool:
+    """The same folder: as written, or once links are resolved (/var/run is /run)."""
+    return one == other or os.path.realpath(one) == os.path.realpath(other)
 
 
 def read_trusted(path: Path) -> str:

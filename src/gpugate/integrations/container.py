@@ -2,10 +2,13 @@
 GPUs as config, and its GPU lease (a unit's surroundings, with the container's scope as
 the unit).
 
-The lease is named after the container's scope (`libpod-ID.scope`, `docker-ID.scope`): the
-systemd cgroup driver makes that a transient unit, active exactly while the container runs,
-so every unit's pre, `gpugate run` and other container reads it as it reads a unit's lease,
-and one whose container died without its poststop is stale as soon as the scope is gone.
+The lease is named after the container's own systemd scope (`libpod-ID.scope`,
+`docker-ID.scope`, `crio-ID.scope`, `cri-containerd-ID.scope`): the systemd cgroup driver makes
+that a transient unit, active exactly while the container runs, so every unit's pre, `gpugate
+run` and other container reads it as it reads a unit's lease, and one whose container died
+without its poststop is stale as soon as the scope is gone. A container whose own cgroup is
+no such scope (the cgroupfs driver, podman's --cgroups=split) leases as `container-ID`; one
+in no cgroup of its own is refused: it is never the unit around it (docs/containers.md).
 """
 
 from __future__ import annotations
@@ -20,30 +23,32 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
-from gpugate.errors import ConfigError, Problem
-from gpugate.host.containers import container_of_cgroup
+from gpugate.errors import Problem
+from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
     ContainerSpec,
     ContainerState,
     GpuRequest,
-    OciInputError,
+    bounded,
     cgroup_of_spec,
-    container_name,
-    manager_of,
-    safe_name,
+    claimed_name,
+    runtime_name,
 )
+from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
+from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
-from gpugate.host.systemd import unit_of_cgroup
+from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.leases import Lease, new_lease
+from gpugate.integrations.unit.leases import Lease, LeaseCheck, new_lease
 from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
 from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
 from gpugate.report import oci_text
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration
 from gpugate.report.oci_text import container_label
+from gpugate.report.untrusted import CONTAINER, exact, shown
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -52,55 +57,94 @@ MAX_STORAGE_RECORDS = 32 << 20  # one record per container on the host
 # Before it starts a container owns no process: its runtime's init waiting in its scope is
 # not a holder to kill. A cgroup below the scope that never exists stands for "none yet".
 NOT_STARTED = "gpugate-before-start"
+# The lease of a container whose own cgroup is no systemd scope (the cgroupfs driver, podman's
+# --cgroups=split): `container-ID`, never a unit's name (a unit's has a suffix; ID is hex).
+OWN_LEASE_PREFIX = "container-"
 
 
 @dataclass(frozen=True)
 class ContainerIdentity:
-    id: str
-    name: str | None
-    runtime: str  # podman, docker, cri-o, containerd, or "container" where nothing says
-    cgroup: str | None  # the scope its processes run in
-    unit: str  # the scope's unit name, what its lease is named after
+    id: str  # the identity everywhere: a name only says it in words
+    name: str | None  # from the runtime's own fields (its record, the annotations it writes)
+    runtime: str  # podman, docker, cri-o, containerd, nerdctl, or "container" where none says
+    cgroup: str | None  # the cgroup of its own its processes run in
+    unit: str  # what its lease is named after: its own systemd scope, else container-ID
+    claimed: tuple[str, str] | None = None  # (annotation, name) its author may have set
+    # The system unit its own cgroup lies in (podman --cgroups=split in a Quadlet unit,
+    # --cgroup-parent below a service): the container is part of it, by the kernel's tree.
+    around: str | None = None
+    pod: PodName | None = None  # a CRI container's namespace/pod/container (host/pods.py)
 
     @property
     def label(self) -> str:
-        """`podman container vllm (3f2a1b0c4d5e)`."""
-        return container_label(self.runtime, self.id, self.name)
+        """`podman container vllm (3f2a1b0c4d5e)`; an author's name marked as such; a pod's
+        `containerd container ml/vllm-0/server (3f2a1b0c4d5e)`."""
+        if self.pod is not None:
+            return container_label(self.runtime, self.id, shown(self.pod.text, CONTAINER))
+        return container_label(self.runtime, self.id, self.name, self.claimed)
 
-    def fields(self) -> dict[str, str]:
+    def fields(self) -> dict[str, str | bytes]:
         """The journal fields every entry of this run carries (docs/journal.md)."""
         # Not GPUGATE_CONTAINER: that is a holder's container, in the entries about holders.
-        found = {"GPUGATE_OCI_CONTAINER": self.id, "GPUGATE_OCI_RUNTIME": self.runtime}
+        found: dict[str, str | bytes] = {
+            "GPUGATE_OCI_CONTAINER": self.id,
+            "GPUGATE_OCI_RUNTIME": self.runtime,
+        }
         if self.name:
-            found["GPUGATE_OCI_CONTAINER_NAME"] = self.name
+            found["GPUGATE_OCI_CONTAINER_NAME"] = exact(self.name, CONTAINER)
+        if self.claimed:
+            found["GPUGATE_OCI_ANNOTATED_NAME"] = exact(self.claimed[1], CONTAINER)
+        if self.pod is not None:
+            found.update(pod_fields(self.pod))
         return found
+
+
+def pod_fields(pod: PodName) -> dict[str, str]:
+    """GPUGATE_OCI_POD_*: the pod author's names, escaped as every untrusted text is."""
+    named = {
+        "GPUGATE_OCI_POD_NAMESPACE": pod.namespace,
+        "GPUGATE_OCI_POD": pod.pod,
+        "GPUGATE_OCI_POD_CONTAINER": pod.container,
+    }
+    return {field: shown(value, CONTAINER) for field, value in named.items() if value}
 
 
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
     """The container's cgroup from its init's /proc/PID/cgroup (the runtime made it before
-    the hook), else from the spec's cgroupsPath; its name from the runtime's annotations,
-    else (docker) from docker's own record of it."""
+    the hook), else from the spec's cgroupsPath; it must be a cgroup of its own, a folder its
+    runtime named after its id (host.containers.own_cgroup), else OciInputError: a container
+    is never its enclosing unit, whose lease it would take and its poststop release. Its
+    lease is named after its own systemd scope, else `container-ID`. Its name from the
+    runtime's annotations, else (docker) from docker's own record of it."""
     cgroup = None
     if state.pid > 0:
         info = procfs.info(state.pid)
         cgroup = info.cgroup if info is not None else None
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
-    scope = container_of_cgroup(cgroup)
-    runtime = scope.runtime if scope else manager_of(state, spec) or "container"
-    if scope is not None and scope.id == state.id:
-        cgroup = scope.scope
-    name = container_name(state, spec)
-    if name is None and runtime == "docker":
+    own = own_cgroup(cgroup, state.id)
+    if own is None:
+        raise OciInputError(Problem.OCI_NO_OWN_CGROUP, cgroup=cgroup or "", id=state.id)
+    runtime = own.runtime
+    name = runtime_name(state, spec, runtime) if runtime else None
+    if name is None and runtime in (None, "docker"):
         name = docker_name(state.id)
-    if name is None:
+        runtime = runtime or ("docker" if name else None)
+    if name is None and runtime in (None, "podman", "cri-o"):
         name = storage_name(state.id, state.bundle)
-    unit = unit_of_cgroup(cgroup) if cgroup else None
     return ContainerIdentity(
         id=state.id,
         name=name,
-        runtime=runtime,
-        cgroup=cgroup,
-        unit=unit or f"container-{state.id[:64]}",
+        runtime=runtime or "container",
+        cgroup=own.cgroup,
+        unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
+        claimed=claimed_name(state, spec),
+        around=None if own.unit else system_unit_of_cgroup(own.cgroup),
+        # The CRI names only where the cgroup says the runtime is one that writes them.
+        pod=(
+            pod_name({**spec.annotations, **state.annotations})
+            if runtime in ("containerd", "cri-o")
+            else None
+        ),
     )
 
 
@@ -108,7 +152,7 @@ def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:
     """The name dockerd recorded at create (config.v2.json, root's, before the start)."""
     data = _owned_json(root / container_id / "config.v2.json", MAX_DOCKER_CONFIG)
     name = data.get("Name") if isinstance(data, dict) else None
-    return safe_name(name.strip("/")) if isinstance(name, str) else None
+    return bounded(name.strip("/")) if isinstance(name, str) else None
 
 
 def storage_name(container_id: str, bundle: str) -> str | None:
@@ -123,7 +167,7 @@ def storage_name(container_id: str, bundle: str) -> str | None:
         if isinstance(record, dict) and record.get("id") == container_id:
             names = record.get("names")
             if isinstance(names, list) and names and isinstance(names[0], str):
-                return safe_name(names[0])
+                return bounded(names[0])
     return None
 
 
@@ -154,34 +198,35 @@ def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
 
 
 def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelection:
-    """The container's GPUs as the config's `gpus`: UUIDs for its device minors (a minor is
-    not always the index), its NVIDIA_VISIBLE_DEVICES as written."""
+    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. A device
+    minor, index or UUID NVML does not know is refused (exit 64), never guessed."""
     if request.all_gpus:
         return "all"
     by_minor = {gpu.minor: gpu for gpu in gpus}
-    chosen: list[int | str] = []
+    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus}
+    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus)
+    chosen: dict[str, str] = {}
     for minor in request.minors:
         gpu = by_minor.get(minor)
         if gpu is None:
-            raise ConfigError(source, "linux.devices", Problem.OCI_DEVICE_NOT_GPU, minor=minor)
-        chosen.append(gpu.uuid)
+            raise OciInputError(
+                Problem.OCI_DEVICE_NOT_GPU, source=source, major=NVIDIA_MAJOR, minor=minor
+            )
+        chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     for ref in request.refs:
-        item: int | str = int(ref) if ref.isascii() and ref.isdigit() else ref
-        chosen.append(item)
-    from gpugate.config.gpulist import GpuListError, gpu_refs  # noqa: PLC0415
-
-    unique: dict[str, int | str] = {}
-    for item in chosen:
-        unique.setdefault(str(item).lower(), item)
-    try:
-        return gpu_refs(list(unique.values()))
-    except GpuListError as exc:
-        raise OciInputError(Problem.OCI_VISIBLE_DEVICES, source=source, cause=exc) from None
+        gpu = by_ref.get(ref.lower())
+        if gpu is None:
+            where = ", ".join(request.origins) or "config.json"
+            raise OciInputError(Problem.OCI_GPU_UNKNOWN, source=where, value=ref)
+        chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
+    return tuple(chosen.values())
 
 
 def request_text(request: GpuRequest) -> str:
     """Where the GPUs came from, for the run's first entry."""
-    return oci_text.request_text(request.minors, request.refs, request.all_gpus)
+    return oci_text.request_text(
+        request.minors, request.refs, request.all_gpus, request.origins, request.note
+    )
 
 
 @dataclass
@@ -190,6 +235,22 @@ class ContainerSurroundings(UnitSurroundings):
     container in words; no manual-run guard (the runtime runs the hook), no environment."""
 
     identity: ContainerIdentity | None = None
+
+    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
+        """The unit its cgroup lies in holds its GPUs for it: that lease neither refuses it
+        nor is ever taken over or removed by it (the unit's own processes on the GPUs are
+        still another running unit's, refused by the holder rule)."""
+        check = super()._check_leases(owned)
+        around = self.identity.around if self.identity else None
+        if around is None:
+            return check
+        return LeaseCheck(
+            [item for item in check.conflicts if item[0].unit != around],
+            [item for item in check.shared if item[0].unit != around],
+            [item for item in check.stale if item[0].unit != around],
+            check.unreadable,
+            check.why,
+        )
 
     def _lease(self, owned: Sequence[Gpu]) -> Lease:
         return new_lease(

@@ -89,6 +89,26 @@ FAMILIES = (
         "histogram",
         "seconds from the first signal to the GPU memory being free, runs that killed",
     ),
+    # Rewritten whole by each `gpugate sweep` (SWEEP_FAMILIES), not added to.
+    Family(
+        "gpugate_gpu_memory_mib",
+        "gauge",
+        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
+        "container; unlisted: no process NVML lists), at the last sweep",
+    ),
+    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
+    Family(
+        "gpugate_unowned_seconds",
+        "gauge",
+        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
+    ),
+    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
+)
+SWEEP_FAMILIES = (
+    "gpugate_gpu_memory_mib",
+    "gpugate_unowned_processes",
+    "gpugate_unowned_seconds",
+    "gpugate_sweep_timestamp_seconds",
 )
 
 
@@ -172,7 +192,9 @@ def render(samples: Samples) -> str:
         ]
         for labels, name, value in sorted(rows, key=_row_order):
             text = ",".join(f'{key}="{_escape(v)}"' for key, v in labels)
-            lines.append(f"{name}{{{text}}} {_number(value)}")
+            lines.append(
+                f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -261,6 +283,19 @@ def record_run(textfile: Path, record: RunRecord) -> None:
         write_in(folder_fd, textfile.name, render(samples).encode())
 
 
+def record_sweep(textfile: Path, gauges: Samples) -> None:
+    """Replace the sweep's gauges (SWEEP_FAMILIES) and rewrite the textfile, as record_run
+    does: the runs' counters are kept. Raises OSError."""
+    state = textfile.with_name(textfile.name + ".state")
+    lock = textfile.with_name(textfile.name + ".lock")
+    with folder(textfile.parent) as folder_fd, _locked(folder_fd, lock):
+        samples = load_state(state, folder_fd)
+        for name in SWEEP_FAMILIES:
+            samples[name] = dict(gauges.get(name, {}))
+        write_in(folder_fd, state.name, dump_state(samples).encode())
+        write_in(folder_fd, textfile.name, render(samples).encode())
+
+
 def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:
     """summary: None where the run ended in an error before it could report (NVML, lock)."""
     record = RunRecord(phase, unit, result_label(exit_code))
@@ -285,8 +320,10 @@ def record_after_run(
     record: RunRecord,
     *,
     stream: TextIO | None = None,
+    on_failure: Callable[[Path, str], None] | None = None,
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning, never the run's failure."""
+    """Best effort: metrics that cannot be written are a warning, never the run's failure
+    (on_failure(textfile, cause) says it; without, a line on stream)."""
     if textfile is None:
         return
     found = untrusted(textfile.parent)
@@ -296,6 +333,8 @@ def record_after_run(
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
-        print(
-            lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=stream or sys.stderr
-        )
+        cause = exc.strerror or str(exc)
+        if on_failure is not None:
+            on_failure(textfile, cause)
+        else:
+            print(lines.metrics_not_written(textfile, cause), file=stream or sys.stderr)

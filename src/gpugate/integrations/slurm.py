@@ -1,14 +1,15 @@
 """`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node.
 
-slurmd runs them as root with the job in the environment and no PATH. The job's GPUs
-(SLURM_JOB_GPUS, else SLURM_STEP_GPUS, else CUDA_VISIBLE_DEVICES; indices or UUIDs) take the
-place of the unit's, and the job's cgroup (cgroup v2: /system.slice/NODE_slurmstepd.scope/job_ID
+slurmd runs them as root with the job in the environment and no PATH. The job's GPUs are
+slurmd's numbers in SLURM_JOB_GPUS (else SLURM_STEP_GPUS, the same numbers in a task):
+positions in the node's gres.conf device list, not NVML indices (integrations.slurm_gpus turns
+them into NVML's GPUs). The job's cgroup (cgroup v2: /system.slice/NODE_slurmstepd.scope/job_ID
 as Debian's multiple-slurmd build names it, or /system.slice/slurmstepd.scope/job_ID, with
-step_*/ below) the place of the unit's cgroup. At Prolog= and Epilog= time that cgroup often
-does not exist (not yet, or no longer): then it holds no process, and every holder of the
-job's GPUs is found by its device files and by NVML, and judged by the orphan rules.
+step_*/ below) takes the place of the unit's cgroup. At Prolog= and Epilog= time that cgroup
+often does not exist (not yet, or no longer): then it holds no process, and every holder of
+the job's GPUs is found by its device files and by NVML, and judged by the orphan rules.
 A non-zero exit makes slurmd drain the node; where slurmd names the node (SLURMD_NODENAME)
-and scontrol is there, the drain reason says which GPU holds how many MiB.
+and scontrol is there, the drain reason says which GPU is held by what.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ CONFIG_NAME = "slurm.toml"
 JOB_ID = re.compile(r"[1-9][0-9]{0,9}")
 UID = re.compile(r"[0-9]{1,10}")
 MAX_JOB_ID = 2**32 - 1
-# Where slurmd says which GPUs a job has, in order: the prolog/epilog see SLURM_JOB_GPUS, an
-# srun task sees SLURM_STEP_GPUS; CUDA_VISIBLE_DEVICES is what the job's programs see.
-GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS", "CUDA_VISIBLE_DEVICES")
-MAX_REASON = 250
+# Where slurmd says which GPUs a job has: the prolog/epilog see SLURM_JOB_GPUS (slurmd's own
+# environment for them), an srun task SLURM_STEP_GPUS. CUDA_VISIBLE_DEVICES is not read: in
+# the hooks slurmd writes the same numbers there (or a GPU's unique ID), in a task it is the
+# task's own numbering, and alone it is not slurmd's.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+# Slurm before 15.08 wrote this where a gres had no device files; no GPU to gate.
+NO_DEVICE_FILES = "NoDevFiles"
 SCONTROL_TIMEOUT_S = 15
 
 
@@ -53,9 +57,10 @@ class SlurmEnvError(GateError):
 class SlurmJob:
     job_id: int
     uid: int | None
-    gpus: tuple[GpuRef, ...]  # NVML indices or UUIDs; () where the job has no GPU here
+    gpus: tuple[int, ...]  # slurmd's numbers (gres.conf's order); () where it has no GPU here
     gpus_from: str  # the variable they came from
     node_name: str | None  # SLURMD_NODENAME: Slurm's name for this node
+    no_gpus: str = ""  # the value that said "no GPU" (NoDevFiles, an empty list): said once
 
     @property
     def label(self) -> str:
@@ -70,22 +75,35 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     raw_uid = environ.get("SLURM_JOB_UID")
     if raw_uid is not None and not UID.fullmatch(raw_uid):
         raise SlurmEnvError(Problem.SLURM_JOB_UID, value=raw_uid)
-    gpus: tuple[GpuRef, ...] = ()
+    gpus: tuple[int, ...] = ()
     source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
-    if source:
-        try:
-            gpus = parse_gpu_text(environ[source])
-        except InvalidValue as exc:
-            raise SlurmEnvError(
-                Problem.SLURM_GPU_VARIABLE, variable=source, value=environ[source], cause=exc
-            ) from None
+    said = "" if source else next((f"{n}=" for n in GPU_VARIABLES if n in environ), "")
+    if source and environ[source].strip() == NO_DEVICE_FILES:
+        said = f"{source}={NO_DEVICE_FILES}"
+    elif source:
+        gpus = gpu_numbers(source, environ[source])
     return SlurmJob(
         job_id=int(raw_id),
         uid=int(raw_uid) if raw_uid is not None else None,
         gpus=gpus,
         gpus_from=source,
         node_name=environ.get("SLURMD_NODENAME") or None,
+        no_gpus=said,
     )
+
+
+def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
+    """slurmd's numbers: `0,1,5`, each once (a UUID or a range is none of slurmd's)."""
+    try:
+        refs = parse_gpu_text(value)
+        text = next((ref for ref in refs if isinstance(ref, str)), None)
+        if text is not None:
+            raise InvalidValue(Problem.SLURM_GPU_NUMBER, value=text)
+    except InvalidValue as exc:
+        raise SlurmEnvError(
+            Problem.SLURM_GPU_VARIABLE, variable=variable, value=value, cause=exc
+        ) from None
+    return tuple(ref for ref in refs if isinstance(ref, int))
 
 
 def stepd_scopes(cgroup_root: Path) -> list[Path]:
@@ -123,10 +141,10 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
     return load_config(None, explicit, config_dir)
 
 
-def with_job_gpus(loaded: LoadedConfig, job: SlurmJob) -> LoadedConfig:
-    """The config with the job's GPUs (gpu_source.with_chosen_gpus, the one step)."""
-    note = f"gpus from {job.gpus_from}"
-    return with_chosen_gpus(loaded, GpuChoice(job.gpus, note, config_note=note))
+def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
+    """The config with the job's GPUs (gpu_source.with_chosen_gpus, the one step): their
+    UUIDs, or () where slurmd's numbers could not be resolved (the job's cgroup only)."""
+    return with_chosen_gpus(loaded, GpuChoice(gpus, note, config_note=note))
 
 
 @dataclass(frozen=True)

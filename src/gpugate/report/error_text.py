@@ -22,7 +22,12 @@ if TYPE_CHECKING:
 
 # What goes in a state folder, by the code a raise site gives (`what`); words given as they
 # are pass through.
-STATE_WORDS = {"gpu-locks": "GPU locks", "gpu-lock": "a GPU lock", "gpu-lease": "the GPU lease"}
+STATE_WORDS = {
+    "gpu-locks": "GPU locks",
+    "gpu-lock": "a GPU lock",
+    "gpu-lease": "the GPU lease",
+    "run-config": "gpugate run's config (--port)",
+}
 MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
 MAX_LISTED_TEXT = 120  # characters of each
 
@@ -117,6 +122,14 @@ def _unknown_key(f: Facts) -> str:
     return "unknown key" + (f"; did you mean {f.suggestion!r}?" if f.suggestion else "")
 
 
+def _not_gpu_why(f: Facts) -> str:
+    if f.get("cause"):
+        return f"({f.cause})"
+    if f.get("kind"):
+        return f"(a {f.kind} file)"
+    return f"(device {f.major}:{f.minor} is no /dev/nvidiaN)"
+
+
 WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.CONFIG_NOT_TOML: lambda f: f"not valid TOML: {f.detail}",
     Problem.CONFIG_UNKNOWN_KEY: _unknown_key,
@@ -136,9 +149,18 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         else "another account may change it"
     ),
     Problem.LOCK_DIR_NOT_FOLDER: lambda f: f"{f.lock_dir}: {f.existing} is not a folder",
+    Problem.LOCK_DIR_NOT_HOSTS: lambda f: (
+        f"{f.lock_dir} is not the host's lock_dir {f.host} ({f.where}): every unit, gpugate "
+        "run, container and Slurm job keeps its leases in one; set lock_dir in default.toml "
+        "alone (docs/hardening.md: one lock_dir for every lease)"
+    ),
     Problem.GRACE_OVER_DEADLINE: lambda f: (
         f"sigterm_grace_s + sigkill_wait_s ({f.kill_s:g} s) must be below wait_timeout_s "
         f"({f.wait_timeout_s:g} s), which also holds the memory wait"
+    ),
+    Problem.SWEEP_BELOW_INTERVAL: lambda f: (
+        f"{f.value} s is below the sweep timer's interval ({f.interval_s} s): a holder "
+        "could not be seen unowned that long by two sweeps"
     ),
     Problem.GPUS_FORM: lambda f: (
         'must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]'
@@ -271,6 +293,45 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.SLURM_JOB_UID: lambda f: f"SLURM_JOB_UID {f.value!r}: not a user ID",
     Problem.SLURM_GPU_VARIABLE: lambda f: f"{f.variable} {echo(f.value)}: {f.cause}",
+    Problem.SLURM_GPU_NUMBER: lambda f: (
+        f"{echo(f.value)} is not a GPU number slurmd writes (0, 1, ... as gres.conf lists them)"
+    ),
+    Problem.GRES_SLURM_CONF: lambda f: f"SLURM_CONF {echo(f.value)}: not an absolute path",
+    Problem.GRES_UNTRUSTED: lambda f: (
+        f"{f.path}: not read, {f.component} may be changed by an account other than root"
+    ),
+    Problem.GRES_MISSING: lambda f: f"{f.path}: no such file",
+    Problem.GRES_UNREADABLE: lambda f: f"{f.path}: cannot read it: {f.cause}",
+    Problem.GRES_NOT_UTF8: lambda f: f"{f.path}: cannot read it: not UTF-8",
+    Problem.GRES_LINE: lambda f: f"{f.path} line {f.line}: {echo(f.value)} not read for certain",
+    Problem.GRES_NODE_UNKNOWN: lambda f: (
+        f"{f.path} line {f.line}: NodeName= lines, and slurmd named no node (SLURMD_NODENAME)"
+    ),
+    Problem.GRES_AUTODETECT: lambda f: (
+        f"{f.path}: AutoDetect={echo(f.value)}: slurmd's GPU order is not knowable here"
+    ),
+    Problem.GRES_AUTODETECT_MATCH: lambda f: (
+        f"{f.path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
+        "matched to it is not knowable here"
+    ),
+    Problem.GRES_FILE_TWICE: lambda f: f"{f.path}: File {echo(f.file)} listed twice",
+    Problem.GRES_NO_FILES: lambda f: (
+        f"{f.path}: no Name=gpu File= line for node {echo(f.node) if f.node else '(unnamed)'}"
+    ),
+    Problem.GRES_FILE_NOT_GPU: lambda f: (
+        f"{f.path}: File {echo(f.file)} is no GPU device node " + _not_gpu_why(f)
+    ),
+    Problem.GRES_NO_NVML_GPU: lambda f: (
+        f"{f.path}: File {echo(f.file)} is /dev/nvidia{f.minor}, and NVML lists no GPU with "
+        f"minor number {f.minor}"
+    ),
+    Problem.GRES_NVML_FAULTS: lambda f: (
+        f"{f.path}: AutoDetect=nvml, and NVML cannot read {f.count} GPU(s): slurmd's order "
+        "has gaps gpugate cannot place"
+    ),
+    Problem.GRES_INDEX_PAST: lambda f: (
+        f"{f.path}: GPU number {f.value} past the {f.count} GPU(s) it lists for this node"
+    ),
     Problem.INSTALL_NOT_SERVICE: lambda f: (
         f"unit {f.unit!r}: gpugate installs on .service units (ExecStartPre=)"
     ),
@@ -281,6 +342,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
         f"files written, but `systemctl daemon-reload` failed: {f.said}; run it yourself"
     ),
     Problem.INSTALL_RELOAD_ERROR: lambda f: f"files written, but {f.cause}; run it yourself",
+    Problem.INSTALL_TIMER_FAILED: lambda f: (
+        f"`systemctl {f.action} gpugate-sweep.timer` failed: {echo(f.detail, quote=False)}"
+    ),
     Problem.INSTALL_EDITED: lambda f: (
         f"{_indices(f.paths)}: edited by you (or not written by gpugate install); "
         "nothing changed; --force replaces it"
@@ -316,6 +380,9 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.LAUNCH_NVML: lambda f: f"gpugate run: {f.cause}",
     Problem.LAUNCH_NO_GPU: lambda f: f"{f.source}: names no GPU; gpugate run is for GPU programs",
     Problem.LAUNCH_LEASED: lambda f: f"not starting {f.unit}: {f.refusal}; --force runs it anyway",
+    Problem.LAUNCH_FORCE_NOT_ROOT: lambda f: (
+        f"not starting {f.unit}: {f.refusal}; --force over a lease is root's alone"
+    ),
     Problem.LAUNCH_CONFIG_UNWRITABLE: lambda f: (
         f"{f.path}: permission denied writing the run's config (--port): run gpugate run "
         "as root (sudo)"
@@ -383,8 +450,34 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.OCI_NOT_OBJECT: lambda f: f"{f.source}: not a JSON object",
     Problem.OCI_NOT_LIST: lambda f: f"{f.source}: not a list",
-    Problem.OCI_DEVICE_NOT_GPU: lambda f: f"/dev/nvidia{f.minor} is no GPU NVML knows",
-    Problem.OCI_VISIBLE_DEVICES: lambda f: f"{f.source}: NVIDIA_VISIBLE_DEVICES: {f.cause}",
+    Problem.OCI_DEVICE_NOT_GPU: lambda f: (
+        f"{f.source}: the device {f.major}:{f.minor} it reaches is no GPU NVML knows"
+    ),
+    Problem.OCI_DEVICE_LINK: lambda f: (
+        f"config.json: linux.devices: {echo(f.path)} has no major and minor, and on the host"
+        " it is a symbolic link: which device it is cannot be told"
+    ),
+    Problem.OCI_MOUNT_FOLDER: lambda f: (
+        f"config.json: mounts: {echo(f.path)} holds over {f.limit} entries: which GPUs"
+        " a bind mount of it reaches cannot be told"
+    ),
+    Problem.OCI_CDI_NAME: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is not a CDI device name"
+        " (vendor/class=device)"
+    ),
+    Problem.OCI_GPU_MIG: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is a MIG device: name whole GPUs"
+    ),
+    Problem.OCI_GPU_WORD: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is not a GPU index, a GPU UUID or all"
+    ),
+    Problem.OCI_ANNOTATION_TOO_LONG: lambda f: (
+        f"config.json: annotations: {echo(f.key)} is over {f.limit} characters"
+    ),
+    Problem.OCI_GPU_UNKNOWN: lambda f: (
+        f"config.json: {echo(f.source)}: {echo(f.value)} is no GPU NVML knows"
+    ),
+    Problem.OCI_NO_OWN_CGROUP: lambda f: _oci_text().no_own_cgroup(f.cgroup, f.id),
     Problem.PRIVATE_SHM_FORM: lambda f: (
         f'{echo(f.value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
     ),
@@ -410,6 +503,40 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.INSTALL_DOCKER_RELOAD: lambda f: _oci_text().docker_reload_failed(
         f.cause if f.get("cause") else f"`systemctl reload docker` failed: {f.said}"
+    ),
+    Problem.INSTALL_UNTRUSTED: lambda f: (
+        f"{f.path}: "
+        + (_trust_text().untrusted_text(f.found) if f.get("found") else "refused: untrusted")
+    ),
+    Problem.INSTALL_CONTAINERD_VERSION: lambda f: (
+        f"{f.path}: config version {echo(f.version)}: gpugate edits versions 2 (containerd 1.6, "
+        "1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_RUNTIME_THERE: lambda f: (
+        f"{f.path}: a runtime {f.runtime} that gpugate install did not write is there; take it "
+        "out first; nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_EDIT: lambda f: (
+        f"{f.path}: adding {f.table} as a table would change other settings (inline or dotted "
+        "tables there); add it by hand (docs/containers.md); nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_DEFAULT: lambda f: (
+        f"{f.path}: default_runtime_name is {f.runtime}, not set by gpugate install: set another "
+        "first (containerd would not start its pods); nothing changed"
+    ),
+    Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG: lambda f: (
+        f"{f.path} is missing and `containerd config default` failed: "
+        + ("no containerd in the system folders" if f.get("missing") else "")
+        + (f"{f.cause}" if f.get("cause") else f"{f.get('said', '')}")
+        + "; nothing changed"
+    ),
+    Problem.INSTALL_MARK_UNCLOSED: lambda f: (
+        f"{f.path}: line {f.line}: gpugate's block is opened and never closed (`{f.end}`); "
+        "mend it by hand; nothing changed"
+    ),
+    Problem.RUNTIME_RECORD_VALUE: lambda f: (
+        f"{echo(f.value)}: not one of {', '.join(f.choices)} (gpugate install --containers "
+        "writes it)"
     ),
     Problem.WORDED: lambda f: f"{f.text}",
 }

@@ -39,6 +39,8 @@ class Event(Enum):
     SHM_REMOVED = "3183ab9850024dacaec7f96e3bc5e3c4"
     SHM_KEPT = "a449ad3b8a1042b1a51b60fe6099543e"
     SHM_OWN = "6b0e8ba46b3f4a3cb57003a421b8ddb6"  # the unit's own /dev/shm went with it
+    UNOWNED_SEEN = "67a7b86b0eb14a48afeee82507bda001"  # `gpugate sweep`: first seen unowned
+    UNOWNED_GONE = "8a522dc541354b6e902fd4ee450558b0"  # `gpugate sweep`: ... and gone since
 
     @property
     def message_id(self) -> str:
@@ -144,7 +146,7 @@ class Reporter:
         notifier: Notifier | None = None,
         stream: TextIO | None = None,
         echo: bool | None = None,
-        fields: Mapping[str, str] | None = None,
+        fields: Mapping[str, FieldValue] | None = None,
     ) -> None:
         """fields: added to every entry, over the defaults (a Slurm job's, say)."""
         self.unit = unit
@@ -311,5 +313,5 @@ class WaitingReports:
 
 class ReporterFactory(Protocol):
     def __call__(
-        self, unit: str, phase: str, *, fields: Mapping[str, str] | None = None
+        self, unit: str, phase: str, *, fields: Mapping[str, FieldValue] | None = None
     ) -> Reporter: ...

@@ -4,17 +4,26 @@ this module says it in words."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
-from gpugate.errors import ExitCode
-from gpugate.report.untrusted import MARK, line
+from gpugate.core.outcome import UNKILLABLE
+from gpugate.report.untrusted import CGROUP, MARK, REASON, Kind, line, shown
 
 if TYPE_CHECKING:
-    from gpugate.core.outcome import RunSummary
+    from gpugate.core.outcome import BusyGpu, Held, RunSummary
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "..."
 MAX_LISTED_HOLDERS = 3  # processes named as a file's other holders
+MAX_REASON_HOLDERS = 3  # processes a drain reason names
+SLURM_JOB_CGROUP = re.compile(r"slurmstepd\.scope/job_([0-9]{1,10})(?:/|$)")
+HELD_RULES = {
+    "protected": "protected (protected_executables/protected_units)",
+    "orphan": "an orphan gpugate may not kill here",
+    "other-account": "another account's",
+    "watcher": "a watcher",
+}
 
 
 def gpu_list(indices: Iterable[int]) -> str:
@@ -40,27 +49,104 @@ def metrics_not_written(path: object, cause: str) -> str:
 
 
 def failure_detail(summary: RunSummary | None) -> str:
-    """What went wrong, naming the GPUs and MiB where memory stayed used (a drain reason)."""
+    """What still holds the run's GPUs, for a Slurm node's drain reason: each process that
+    kept one (up to MAX_REASON_HOLDERS: PID, account, the GPUs, the rule), each GPU whose
+    memory stayed used; only those GPUs."""
     if summary is None:
         return "failed"
-    exit_code = summary.exit_code
-    gpus = gpu_list(gpu.index for gpu in summary.owned)
-    if summary.busy:
-        return "; ".join(
-            f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used"
-            for item in summary.busy
-        )
-    if exit_code is ExitCode.UNKILLABLE:
-        return f"GPU {gpus}: processes survived SIGKILL (D state?)"
-    if exit_code is ExitCode.HELD_BY_OTHERS:
-        return f"GPU {gpus}: held by processes gpugate may not kill (another job or unit)"
-    return f"GPU {gpus}: {exit_code.name.lower()}"
+    parts = [held_text(item) for item in summary.held[:MAX_REASON_HOLDERS]]
+    if len(summary.held) > MAX_REASON_HOLDERS:
+        parts.append(f"{len(summary.held) - MAX_REASON_HOLDERS} more PID(s)")
+    parts.extend(busy_text(item) for item in summary.busy)
+    if parts:
+        return "; ".join(parts)
+    gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
+    return f"GPU {gpus}: {summary.exit_code.name.lower()}"
+
+
+def held_text(item: Held) -> str:
+    gpus = f" on GPU {','.join(map(str, item.gpus))}" if item.gpus else ""
+    return f"PID {item.pid} ({item.user or '?'}){gpus}: {held_rule(item)}"
+
+
+def held_rule(item: Held) -> str:
+    """The rule in an admin's words: why gpugate left the process alive."""
+    if item.rule == UNKILLABLE:
+        return "unkillable (survived SIGKILL)"
+    if item.rule == "straddles":
+        return f"straddles GPU {','.join(map(str, item.foreign))}, not this job's"
+    if item.rule in ("other-unit", "other-container"):
+        job = SLURM_JOB_CGROUP.search(item.cgroup or "")
+        if job:
+            return f"in another job ({job.group(1)})"
+        return f"in another unit ({shown(item.other or item.cgroup, CGROUP)})"
+    return HELD_RULES.get(item.rule, item.rule)
+
+
+def busy_text(item: BusyGpu) -> str:
+    pids = ", ".join(map(str, item.pids[:MAX_REASON_HOLDERS]))
+    listed = f", NVML lists PID {pids}" if pids else ""
+    return (
+        f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used: "
+        f"memory not freed{listed}"
+    )
 
 
 def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
-    """A failed prolog's or epilog's reason for `scontrol update State=DRAIN`."""
+    """A failed prolog's or epilog's reason for `scontrol update State=DRAIN`: escaped, no
+    double quote (scontrol strips one at either end), at most REASON.chars; the exit code
+    stays whole where the detail is cut."""
     who = f" job {job_id}" if job_id is not None else ""
-    return f"gpugate {phase}{who}: {detail} (exit {code})"
+    head, tail = f"gpugate {phase}{who}: ", f" (exit {code})"
+    room = REASON.chars - len(head) - len(tail)
+    return head + shown(detail.replace('"', "'"), Kind("drain detail", room, room)) + tail
+
+
+def slurm_no_gpus(said: str) -> str:
+    return f"no GPUs to gate ({said})"
+
+
+def slurm_gpus_unresolved(variable: str, numbers: str, why: str) -> str:
+    return (
+        f"{variable}={numbers}: slurmd's GPU numbers not resolved ({why}); "
+        "only the job's own cgroup is cleaned, nothing outside it is killed"
+    )
+
+
+def slurm_shm(private: bool, plugin: str, dirs: str) -> str:
+    if private:
+        return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
+    if plugin:
+        return (
+            f"/dev/shm: shared by the node's jobs (JobContainerType={plugin}, Dirs={dirs or '-'}); "
+            "gpugate removes only the segments of processes it killed"
+        )
+    return (
+        "/dev/shm: shared by the node's jobs (no JobContainerType); gpugate removes only the "
+        "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
+        "its own"
+    )
+
+
+def slurm_shm_unknown(why: str) -> str:
+    return f"/dev/shm: not known ({why})"
+
+
+def slurm_gres_unresolved(node: str, why: str) -> str:
+    return (
+        f"GPUs of node {node}: slurmd's numbers not resolved ({why}); the hooks clean only a "
+        "job's own cgroup"
+    )
+
+
+def slurm_gres_resolved(node: str, path: str, nvml_order: bool) -> str:
+    order = "AutoDetect=nvml: NVML's order" if nvml_order else "File= order"
+    return f"GPUs of node {node}, as slurmd numbers them ({path}, {order}):"
+
+
+def slurm_gpu_number(number: int, file: str | None, gpu: str) -> str:
+    where = f" {file} =" if file else ""
+    return f"  {number} ={where} {gpu}"
 
 
 def lease_overridden(indices: Sequence[int], holder: str) -> str:
@@ -96,6 +182,13 @@ CHANGE_NOTES = {
     "runtime-added": "runtime gpugate: {detail}; every other key kept",
     "runtime-absent": "no runtime gpugate",
     "runtime-removed": "runtime gpugate taken out; every other key kept",
+    "containerd-runtime-added": "runtime gpugate with {detail}'s settings; every other line kept",
+    "containerd-runtime-default": (
+        "runtime gpugate with {detail}'s settings, the CRI default; every other line kept"
+    ),
+    "containerd-runtime-removed": "runtime gpugate taken out; every other line as it was",
+    "containerd-made": "made by gpugate install from `containerd config default`",
+    "runs": "gpugate-oci-runtime runs {detail}",
 }
 
 
@@ -129,6 +222,14 @@ def unit_gpus(unit: str, gpus: str | Sequence[object], source: str) -> str:
     return f"# {unit}'s GPUs: {shown}, from {source}"
 
 
+def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
+    """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
+    runs = path or f"no {name} installed"
+    instead = "" if name == recorded else f"; {recorded} is not installed or is the caller"
+    where = f'runtime = "{recorded}" in {record}{instead}'
+    return f"# containers: gpugate-oci-runtime runs {runs} ({where})"
+
+
 def watch_header(unit: str | None) -> str:
     return f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
 
@@ -145,7 +246,7 @@ def internal_error(exc: BaseException) -> str:
 
 
 def unit_or_containers(command: str) -> str:
-    return f"gpugate {command}: give a UNIT or --containers"
+    return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
 
 
 def not_a_uid(value: str) -> str:
@@ -164,3 +265,23 @@ def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str
         f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
         "GPU holders among them are not shown; run as root"
     )
+
+
+def sweep_timer(*, enabled: bool) -> str:
+    if enabled:
+        return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
+    return "disabled gpugate-sweep.timer: no more sweeps"
+
+
+def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
+    """scontrol's Reason= for a node whose GPU memory nobody has owned for long (at most
+    slurm.MAX_REASON characters: the PIDs are cut first)."""
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: GPU {','.join(map(str, gpus))} held by nobody for {seconds:.0f}s, PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+
+
+def sweep_unkillable_reason(gpus: Sequence[int], pids: Sequence[int]) -> str:
+    listed = ",".join(map(str, pids))
+    head = f"gpugate: sweep's reap on GPU {','.join(map(str, gpus))} left unkillable PID "
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")

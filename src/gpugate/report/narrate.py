@@ -291,6 +291,36 @@ class Narrator(WaitNarration, ShmNarration):
             would_kill=summary.would_kill,
         )
 
+    def state_unwritable(self, error: GateError) -> None:
+        """A phase after a stop found its state folder unwritable (full, read-only, missing):
+        it goes on; what it then cannot record it says as it comes."""
+        self.reporter.event(
+            Event.WARNING,
+            f"{error_text(error)}; {self.reporter.phase} goes on: killing what is left and "
+            "removing its files need no space",
+            priority=PRIORITY_WARNING,
+            reason="state-unwritable",
+            problem=error.problem.value,
+        )
+
+    def lock_not_taken(self, path: object, cause: str) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"{path}: GPU lock not taken ({cause}); {self.reporter.phase} goes on without it",
+            priority=PRIORITY_WARNING,
+            reason="lock-not-taken",
+        )
+
+    def metrics_not_written(self, path: object, cause: str) -> None:
+        """Metrics are never a run's failure (docs/metrics.md): a warning, the run's exit as
+        it was."""
+        self.reporter.event(
+            Event.WARNING,
+            f"metrics not written to {path}: {cause}; the run's result stands",
+            priority=PRIORITY_WARNING,
+            reason="metrics-unwritable",
+        )
+
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
         """A run that ended in an error: one entry (with its Problem code), and one line on
         error_stream (default stderr) where it is not the journal already."""

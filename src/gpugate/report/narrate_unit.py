@@ -7,17 +7,30 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpugate.report.error_text import error_text
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
 from gpugate.report.lines import gpu_list
 from gpugate.report.untrusted import FILE, STATE, shown
 
 if TYPE_CHECKING:
+    from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
 
 
 class UnitNarration:
     def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
+
+    def not_recorded(self, error: GateError) -> None:
+        """After a stop: a lease or failed-start record that could not be removed (a read-only
+        lock_dir). The run's result stands; the lease is stale once the unit is inactive."""
+        self.reporter.event(
+            Event.WARNING,
+            f"{error_text(error)}; not recorded, {self.reporter.phase} goes on",
+            priority=PRIORITY_WARNING,
+            reason="state-not-recorded",
+            problem=error.problem.value,
+        )
 
     def lease_unreadable(self, path: Path, why: str = "") -> None:
         self.reporter.event(

@@ -47,6 +47,9 @@ CGROUP = Kind("cgroup", 200, 4096)  # also a unit named after a cgroup
 CONTAINER = Kind("container name", 100, 256)
 FILE = Kind("file name", 200, 4096)
 STATE = Kind("state record text", 200, 1024)  # what gpugate reads back: a lease's unit, ...
+# A Slurm node's drain reason (`scontrol update Reason=`): scontrol and slurmctld take any
+# length, `sinfo -R` shows it on one line; gpugate keeps it to this.
+REASON = Kind("drain reason", 250, 250)
 KINDS = (COMMAND, COMM, CGROUP, CONTAINER, FILE, STATE)
 
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 from gpugate.config.toml_text import to_toml
-from gpugate.errors import ExitCode
+from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
@@ -26,8 +27,25 @@ def config_check(front: Front, path: Path | None, unit_given: str | None) -> int
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             warn_environment_files(unit)
+    show_wrapped_runtime()
     print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
+
+
+def show_wrapped_runtime(record: Path | None = None) -> None:
+    """The runtime gpugate-oci-runtime runs, where install --containers recorded one."""
+    from gpugate.host import wrapped_runtime as wrapped  # noqa: PLC0415
+
+    record = record or wrapped.RECORD
+    if not os.path.lexists(record):
+        return
+    try:
+        recorded = wrapped.read_record(record)
+    except GateError as exc:
+        print(lines.warning(exc.message), file=sys.stderr)
+        return
+    chosen = wrapped.choose(recorded, {})
+    print(lines.wrapped_runtime(record, recorded, chosen.name, chosen.path))
 
 
 def warn_environment_files(unit: str) -> None:

@@ -89,8 +89,10 @@ def containers_setup(
     dry_run: bool,
     no_reload: bool,
     given: Path | None = None,
+    default: bool = False,
 ) -> int:
-    """`gpugate install|uninstall --containers` (front/install_containers.py)."""
+    """`gpugate install|uninstall --containers` (front/install_containers.py); default:
+    install's --default (gpugate containerd's CRI default runtime)."""
     from gpugate.front import install_containers as oci  # noqa: PLC0415
 
     host = oci.detect()
@@ -99,18 +101,23 @@ def containers_setup(
     script = str(given) if given else os.path.abspath(sys.argv[0])
     command = (script,)
     changes = oci.plan_hooks(host, command, install=installing, force=force)
+    wrapper = oci.wrapper_beside(script) if installing and oci.uses_wrapper(host) else ""
+    nvidia = installing and oci.nvidia_in_place(host)
     if host.daemon_json is not None:
-        wrapper = oci.wrapper_beside(script) if installing else ""
         changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
+    changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
         from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
 
         print(NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     plan.apply(changes, dry_run=dry_run, reload=lambda: False)
-    docker_changed = any(
-        c.path == host.daemon_json and c.action is plan.Action.WRITE for c in changes
-    )
-    if docker_changed and not dry_run and not no_reload:
+    written = {c.path for c in changes if c.action in (plan.Action.WRITE, plan.Action.REMOVE)}
+    if host.containerd_config in written and not dry_run:
+        from gpugate.report.oci_text import CONTAINERD_RESTART  # noqa: PLC0415
+
+        print(CONTAINERD_RESTART)
+    if host.daemon_json in written and not dry_run and not no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)

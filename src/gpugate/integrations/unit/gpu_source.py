@@ -83,6 +83,11 @@ def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
     """The config with gpus replaced by the choice: the one step every run's GPUs are chosen
     by (a unit's hook, a Slurm job's, `config check`, `status`). Its source is kept, with
     the choice's note where it has one (a Slurm job's "gpus from SLURM_JOB_GPUS")."""
-    config = loaded.config.model_copy(update={"gpus": choice.gpus})
+    if choice.gpus == ():
+        # A job with no GPUs to gate (NoDevFiles, numbers not resolved): no file can say
+        # that, so the file's validator refuses it; an empty tuple needs no validation.
+        config = loaded.config.model_copy(update={"gpus": ()})
+    else:
+        config = loaded.config.changed(gpus=choice.gpus)
     note = f" ({choice.config_note})" if choice.config_note else ""
     return LoadedConfig(config, f"{loaded.source}{note}")

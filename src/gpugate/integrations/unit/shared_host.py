@@ -27,6 +27,7 @@ from gpugate.errors import (
     GateError,
     Interrupted,
     ManualRunRefused,
+    PermissionDenied,
     Problem,
     StateUnwritable,
 )
@@ -256,8 +257,7 @@ class UnitSurroundings:
             uuids = tuple(item.gpu.uuid for item in busy)
             self._record_failure(reason, int(code), uuids)
         if traits.releases_lease and not (ended_by and not isinstance(ended_by, Interrupted)):
-            release_lease(lock_dir, self.unit)
-            clear_failed_pre(lock_dir, self.unit)
+            self._release()
 
     def _started(self, owned: Sequence[Gpu]) -> None:
         lock_dir = self.loaded.config.lock_dir
@@ -269,6 +269,19 @@ class UnitSurroundings:
         elif not self.lease_written:
             write_lease(lock_dir, self._lease(owned))
         clear_failed_pre(lock_dir, self.unit)
+
+    def _release(self) -> None:
+        """After a stop: the unit's lease and this start's failed-start record go. Where
+        lock_dir will not let them (read-only), a phase whose state is not required says so
+        and its result stands: the lease is stale once the unit is inactive."""
+        lock_dir = self.loaded.config.lock_dir
+        for remove in (release_lease, clear_failed_pre):
+            try:
+                remove(lock_dir, self.unit)
+            except (StateUnwritable, PermissionDenied) as exc:
+                if self.phase.traits.state_required:
+                    raise
+                self.narration.not_recorded(exc)
 
     def driver_hung_earlier(self) -> str | None:
         """post after a pre that NVML did not answer: pre's words, or None."""

@@ -1,0 +1,287 @@
+"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/owners),
+tell what nobody owns (the journal once when first seen and once when gone, the metrics
+textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules.
+
+The look is `status`'s (front/status.collect, no unit); what the sweep remembers between runs
+is integrations/sweep_state; the reap is one `pre`-phase run (core's PhaseRun, through
+front/hook.run_phase) over the GPUs whose every unowned holder has been unowned that long, on
+which no process of a unit, job or container runs and nothing holds a lease."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from gpugate.config.models import LoadedConfig
+from gpugate.core.discover import Discovery
+from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
+from gpugate.core.run import RunDeps, RunScope
+from gpugate.core.surroundings import NullSurroundings
+from gpugate.errors import ExitCode, GateError
+from gpugate.front.commands import Front
+from gpugate.front.hook import Deps, Hook, run_phase
+from gpugate.front.status import collect
+from gpugate.front.sweep_drain import (
+    drain_unkillable,
+    drain_unowned,
+    due,
+    mark_drained,
+    slurmd_runs,
+    still_alive,
+)
+from gpugate.host.nvml import Gpu
+from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.integrations.config_files import load_config
+from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.sweep_state import STATE_NAME, Seen, locked_state, write_state
+from gpugate.integrations.unit.leases import RUNNING_STATES, read_leases
+from gpugate.phase import Phase
+from gpugate.report import lines
+from gpugate.report.journal import Reporter
+from gpugate.report.narrate import Narrator
+from gpugate.report.narrate_sweep import (
+    state_refused,
+    state_unwritable,
+    sweep_status,
+    unowned_gone,
+    unowned_seen,
+)
+
+SWEEP_UNIT = "gpugate-sweep.service"  # the journal's GPUGATE_UNIT, OBJECT_SYSTEMD_UNIT
+SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothing is in it
+UNLISTED = "unlisted"  # memory NVML lists no process for (a dead PID's, a MIG slice's)
+
+
+def classify(discovery: Discovery, loaded: LoadedConfig) -> list[Holding]:
+    """Every process holding a GPU (not control devices only), with its owner."""
+    return [
+        Holding(holder, owner_of(holder, discovery, loaded.config))
+        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+        if holder.gpus or holder.used_mib
+    ]
+
+
+def remember(
+    holdings: Sequence[Holding],
+    earlier: Mapping[ProcessId, Seen],
+    now: float,
+    reporter: Reporter | None,
+) -> dict[ProcessId, Seen]:
+    """The unowned holders now, each with since when; says who is new and who is gone
+    (reporter None: says nothing, where no state could be kept: not once a sweep)."""
+    seen: dict[ProcessId, Seen] = {}
+    for holding in holdings:
+        if holding.owner is not Owner.NOBODY:
+            continue
+        ident, gpus = holding.holder.info.ident, tuple(sorted(holding.holder.using))
+        before = earlier.get(ident)
+        if before is None and reporter is not None:
+            unowned_seen(reporter, holding.holder, holding.mib)
+        seen[ident] = (
+            Seen(now, gpus) if before is None else Seen(before.since, gpus, before.drained)
+        )
+    for ident, before in sorted(earlier.items(), key=lambda item: item[0].pid):
+        if ident not in seen and reporter is not None:
+            unowned_gone(reporter, ident, before.gpus, max(now - before.since, 0.0))
+    return seen
+
+
+def gauges(
+    discovery: Discovery, holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float
+) -> Samples:
+    """The textfile's sweep gauges: every owner kind of every GPU, 0 where none."""
+    samples: Samples = {name: {} for name in ("gpugate_gpu_memory_mib",)}
+    memory = samples["gpugate_gpu_memory_mib"]
+    counts: dict[tuple[tuple[str, str], ...], float] = {}
+    ages: dict[tuple[tuple[str, str], ...], float] = {}
+    for gpu in discovery.gpus:
+        by_owner = {str(owner): 0 for owner in OWNERS}
+        for holding in holdings:
+            by_owner[str(holding.owner)] += holding.holder.used_mib.get(gpu.index) or 0
+        usage = discovery.usage.get(gpu.index)
+        listed = sum(p.used_mib or 0 for p in usage.processes) if usage else 0
+        by_owner[UNLISTED] = max((usage.used_mib if usage else 0) - listed, 0)
+        for owner, mib in by_owner.items():
+            memory[(("gpu", str(gpu.index)), ("owner", owner), ("uuid", gpu.uuid))] = mib
+        unowned = [h for h in holdings if h.owner is Owner.NOBODY and gpu.index in h.holder.using]
+        key = (("gpu", str(gpu.index)),)
+        counts[key] = len(unowned)
+        sinces = [seen[h.holder.info.ident].since for h in unowned if h.holder.info.ident in seen]
+        ages[key] = max(now - min(sinces), 0.0) if sinces else 0
+    samples["gpugate_unowned_processes"] = counts
+    samples["gpugate_unowned_seconds"] = ages
+    samples["gpugate_sweep_timestamp_seconds"] = {(): now}
+    return samples
+
+
+def live_leased(loaded: LoadedConfig, unit_state: Callable[[str], str | None]) -> set[str]:
+    """UUIDs (lower case) a lease holds whose unit is running (or whose state is unknown)."""
+    leased: set[str] = set()
+    for lease in read_leases(loaded.config.lock_dir).leases:
+        state = unit_state(lease.unit)
+        if state is None or state in RUNNING_STATES:
+            leased.update(uuid.lower() for uuid in lease.uuids)
+    return leased
+
+
+def reapable(
+    discovery: Discovery,
+    holdings: Sequence[Holding],
+    seen: Mapping[ProcessId, Seen],
+    now: float,
+    *,
+    after_s: float,
+    leased: set[str],
+) -> list[Gpu]:
+    """The GPUs a reap may free: held by an unowned process, each unowned holder there unowned
+    at least after_s, no unit's, job's or container's process on it, no lease on it."""
+    owned_kinds = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
+    found = []
+    for gpu in discovery.gpus:
+        on = [h for h in holdings if gpu.index in h.holder.using]
+        unowned = [h for h in on if h.owner is Owner.NOBODY]
+        if not unowned or gpu.uuid.lower() in leased:
+            continue
+        if any(h.owner in owned_kinds for h in on):
+            continue
+        ages = [now - seen[h.holder.info.ident].since for h in unowned]
+        if min(ages) >= after_s:
+            found.append(gpu)
+    return found
+
+
+@dataclass(frozen=True)
+class LeaseRecheck(NullSurroundings):
+    """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks
+    (as an overlapping pre checks leases)."""
+
+    unit_state: Callable[[str], str | None] = lambda unit: None
+
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        leased = live_leased(self.loaded, self.unit_state)
+        return any(gpu.uuid.lower() in leased for gpu in owned)
+
+
+def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
+    """One pre-phase run over gpus: its rules, its kill, its /dev/shm step, its wait; orphans
+    killed whatever [pre] kill_orphans says (reaping them is what reap_after_s asks)."""
+    pre = loaded.config.pre.model_copy(update={"kill_orphans": True})
+    config = loaded.config.model_copy(update={"gpus": tuple(gpu.uuid for gpu in gpus), "pre": pre})
+    reaping = replace(loaded, config=config)
+    hook = Hook(
+        Phase.PRE,
+        SWEEP_UNIT,
+        lambda: SWEEP_CGROUP,
+        metrics_unit=SWEEP_UNIT,
+        surroundings=lambda _scope, loaded, _reporter: LeaseRecheck(
+            loaded, "", False, front.unit_state
+        ),
+    )
+    deps = Deps(reporter, RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory))
+    try:
+        summary = run_phase(hook, RunScope(Phase.PRE, SWEEP_UNIT, SWEEP_CGROUP), reaping, deps)
+    except GateError as exc:
+        Narrator(reporter).failed(exc, deps.stream)
+        return int(exc.exit_code)
+    return int(summary.exit_code)
+
+
+def look(loaded: LoadedConfig, front: Front) -> Discovery:
+    roots = front.host_roots()
+    driver = front.driver_factory()
+    try:
+        procfs = ProcFs(roots.proc)
+        with procfs.oneshot():
+            discovery = collect(None, loaded, driver, roots, procfs=procfs)
+        hung = driver.not_answering()
+        if hung is not None:
+            raise hung
+        return discovery
+    finally:
+        driver.close()
+
+
+def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.time) -> int:
+    """One sweep; the exit code: 0, or the reap's where one ran and failed."""
+    loaded = load_config(None, config)
+    reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
+    discovery = look(loaded, front)
+    holdings = classify(discovery, loaded)
+    now = clock()
+    seen = keep_state(loaded, holdings, now, reporter)
+    textfile = loaded.config.metrics_textfile
+    if textfile is not None:
+        try:
+            record_sweep(textfile, gauges(discovery, holdings, seen, now))
+        except OSError as exc:
+            print(lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=sys.stderr)
+    code, reaped = reap_due(loaded, front, reporter, (discovery, holdings, seen, now))
+    if slurmd_runs(front.unit_state):
+        drain_due(loaded, front, (holdings, seen, now), (reaped, code))
+    unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
+    sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
+    return code
+
+
+Looked = tuple[Discovery, Sequence[Holding], Mapping[ProcessId, Seen], float]
+
+
+def reap_due(
+    loaded: LoadedConfig, front: Front, reporter: Reporter, looked: Looked
+) -> tuple[int, list[int]]:
+    """The reap where [sweep] reap_after_s asks for one: its exit code and the GPUs it ran on."""
+    discovery, holdings, seen, now = looked
+    after_s = loaded.config.sweep.reap_after_s
+    if after_s is None:
+        return int(ExitCode.OK), []
+    leased = live_leased(loaded, front.unit_state)
+    gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
+    if not gpus:
+        return int(ExitCode.OK), []
+    return reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
+
+
+def drain_due(
+    loaded: LoadedConfig,
+    front: Front,
+    state: tuple[Sequence[Holding], Mapping[ProcessId, Seen], float],
+    reaped_by: tuple[list[int], int],
+) -> None:
+    """Where slurmd runs: drain for memory unowned past drain_after_s, once per holder, and
+    for a reap that left a holder SIGKILL could not end."""
+    holdings, seen, now = state
+    reaped, code = reaped_by
+    if code == ExitCode.UNKILLABLE:
+        pids = still_alive(holdings, reaped, front.host_roots().proc)
+        drain_unkillable(reaped, pids, sys.stderr)
+    after_s = loaded.config.sweep.drain_after_s
+    found = {} if after_s is None else due(holdings, seen, now, after_s)
+    if not found:
+        return
+    drain_unowned(found, now, sys.stderr)
+    try:
+        mark_drained(loaded.config.lock_dir, set(found))
+    except OSError as exc:
+        lock_dir = loaded.config.lock_dir
+        print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
+
+
+def keep_state(
+    loaded: LoadedConfig, holdings: Sequence[Holding], now: float, reporter: Reporter
+) -> dict[ProcessId, Seen]:
+    """remember(), against the state under lock_dir; a state that cannot be kept is a warning
+    (the journal then hears nothing of this sweep's holders), never the sweep's failure."""
+    lock_dir = loaded.config.lock_dir
+    seen: dict[ProcessId, Seen] | None = None
+    try:
+        with locked_state(lock_dir) as (folder_fd, state):
+            if state.refused is not None:
+                print(state_refused(lock_dir / STATE_NAME, state.refused), file=sys.stderr)
+            seen = remember(holdings, state.unowned, now, reporter)
+            write_state(folder_fd, seen)
+    except OSError as exc:
+        print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
+    return remember(holdings, {}, now, None) if seen is None else seen

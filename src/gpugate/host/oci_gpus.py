@@ -1,0 +1,330 @@
+"""Which GPUs a container's spec lets it reach (docs/containers.md, "The container's GPUs").
+
+A GPU is a device number, major 195 and a minor NVML names, never a path or a name the
+container's creator chose:
+- every `linux.devices` entry of type c (or u) with major 195, whatever its `path` inside;
+  an entry without major and minor is the host node at its path (lstat: a symbolic link there
+  is refused, not followed);
+- every bind mount whose source on the host is such a node (a link as source is followed, as
+  the mount follows it), or a folder of the host's /dev filesystem (its nodes, one level), or
+  a folder /dev lies in (`/`: every node in /dev);
+- where NVIDIA's prestart hook is in the spec (it injects devices after gpugate has read the
+  spec), what that hook itself reads (NVIDIA/nvidia-container-toolkit,
+  internal/config/image/cuda_image.go `VisibleDevices`): the volume-mounts list where its
+  config accepts it, else NVIDIA_VISIBLE_DEVICES where the container is privileged (CAP_SYS_ADMIN
+  in process.capabilities.bounding, internal/config/image/privileged.go) or its config accepts
+  the variable when unprivileged;
+- CDI's `cdi.k8s.io/*` annotations of kind nvidia.com/gpu (the engine or NVIDIA's runtime in
+  CDI mode injects them).
+195:254 (nvidia-modeset) and 195:255 (nvidiactl) are no GPU; nvidia-uvm and nvidia-caps have
+majors of their own (dynamic) and are no GPU by themselves. Standard library only (the hook's
+fast path); NVIDIA's config file is read only for a spec with NVIDIA's hook.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+
+from gpugate.errors import ExitCode, GateError, Problem
+
+NVIDIA_MAJOR = 195
+NOT_GPU_MINORS = frozenset({254, 255})  # nvidia-modeset, nvidiactl
+VISIBLE = "NVIDIA_VISIBLE_DEVICES"
+# NVIDIA's prestart hook, as docker --gpus, nvidia-container-runtime (legacy mode) and the
+# toolkit's hooks.d file name it (nvidia-container-toolkit is its alias). nvidia-ctk's hooks
+# come with CDI devices already in linux.devices and inject none.
+NVIDIA_HOOKS = frozenset({"nvidia-container-runtime-hook", "nvidia-container-toolkit"})
+DEVICE_LIST_ROOT = "/var/run/nvidia-container-devices"
+CDI_PREFIX = "cdi.k8s.io/"
+CDI_GPU_KIND = "nvidia.com/gpu"
+CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*=[A-Za-z0-9_.:-]+")
+HOST_DEV = "/dev"
+MAX_FOLDER_ENTRIES = 65536
+MAX_VALUE = 4096  # no list of GPUs is this long
+
+
+class OciInputError(GateError):
+    """The runtime's state or config.json cannot be read as one, or names GPUs gpugate cannot
+    resolve (refused, never guessed): the hook fails, the container does not start."""
+
+    exit_code = ExitCode.USAGE
+
+
+class Toolkit:
+    """What of NVIDIA's config.toml decides which list its hook reads (its defaults)."""
+
+    __slots__ = ("envvar_unprivileged", "note", "volume_mounts")
+
+    def __init__(
+        self, envvar_unprivileged: bool = True, volume_mounts: bool = False, note: str = ""
+    ) -> None:
+        self.envvar_unprivileged = envvar_unprivileged
+        self.volume_mounts = volume_mounts
+        self.note = note  # why the defaults stand in for the file, where they do
+
+
+class Reach:
+    """What a spec reaches: device minors of major 195, NVIDIA indices/UUIDs, all."""
+
+    def __init__(self) -> None:
+        self.minors: list[int] = []
+        self.refs: list[str] = []
+        self.all_gpus = False
+        self.origins: list[str] = []
+
+    def minor(self, minor: int, origin: str) -> None:
+        if minor not in self.minors:
+            self.minors.append(minor)
+        if origin not in self.origins:
+            self.origins.append(origin)
+
+    def ref(self, ref: str, origin: str) -> None:
+        if ref == "all":
+            self.all_gpus = True
+        elif ref not in self.refs:
+            self.refs.append(ref)
+        if origin not in self.origins:
+            self.origins.append(origin)
+
+
+def device_number(major: object, minor: object) -> tuple[int, int] | None:
+    if not _is_int(major) or not _is_int(minor):
+        return None
+    return int(major), int(minor)  # type: ignore[call-overload]
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
+
+
+def is_gpu_number(number: tuple[int, int] | None) -> bool:
+    return number is not None and number[0] == NVIDIA_MAJOR and number[1] not in NOT_GPU_MINORS
+
+
+def node_number(info: os.stat_result) -> tuple[int, int] | None:
+    if not stat.S_ISCHR(info.st_mode):
+        return None
+    return os.major(info.st_rdev), os.minor(info.st_rdev)
+
+
+def devices_reach(devices: object, reach: Reach) -> None:
+    """linux.devices: each entry's own major and minor, else its host node's (lstat)."""
+    for entry in devices if isinstance(devices, list) else ():
+        if not isinstance(entry, dict) or entry.get("type", "c") not in ("c", "u"):
+            continue
+        number = device_number(entry.get("major"), entry.get("minor"))
+        path = entry.get("path")
+        if number is None and isinstance(path, str) and path.startswith("/") and "\0" not in path:
+            number = _lstat_number(path)
+        if is_gpu_number(number):
+            reach.minor(number[1], "linux.devices")  # type: ignore[index]
+
+
+def _lstat_number(path: str) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(path)
+    except (OSError, ValueError):
+        return None
+    if stat.S_ISLNK(info.st_mode):
+        raise OciInputError(Problem.OCI_DEVICE_LINK, path=path[:256])
+    return node_number(info)
+
+
+def mounts_reach(mounts: object, reach: Reach) -> None:
+    """Bind mounts whose source is an NVIDIA device node (or a folder holding some)."""
+    for entry in mounts if isinstance(mounts, list) else ():
+        if not isinstance(entry, dict) or not _is_bind(entry):
+            continue
+        source = entry.get("source")
+        if not isinstance(source, str) or not source.startswith("/") or "\0" in source:
+            continue
+        for minor in _source_minors(source):
+            reach.minor(minor, "mounts")
+
+
+def _is_bind(entry: dict[object, object]) -> bool:
+    options = entry.get("options")
+    words = options if isinstance(options, list) else []
+    return entry.get("type") == "bind" or "bind" in words or "rbind" in words
+
+
+def _source_minors(source: str) -> list[int]:
+    try:
+        info = os.stat(source)  # the mount follows a link as its source: so does this
+    except (OSError, ValueError):
+        return []
+    number = node_number(info)
+    if number is not None:
+        return [number[1]] if is_gpu_number(number) else []
+    if not stat.S_ISDIR(info.st_mode):
+        return []
+    try:
+        dev = os.stat(HOST_DEV)
+    except OSError:
+        return []
+    if _holds_dev(source):
+        return _folder_minors(HOST_DEV)
+    return _folder_minors(source) if info.st_dev == dev.st_dev else []
+
+
+def _holds_dev(source: str) -> bool:
+    """/dev is this folder or lies below it (a bind of `/` reaches every node in /dev)."""
+    try:
+        folder = os.path.realpath(source)
+    except (OSError, ValueError):
+        return False
+    return folder in ("/", HOST_DEV) or HOST_DEV.startswith(folder.rstrip("/") + "/")
+
+
+def _folder_minors(folder: str) -> list[int]:
+    found: list[int] = []
+    try:
+        with os.scandir(folder) as entries:
+            for count, entry in enumerate(entries):
+                if count >= MAX_FOLDER_ENTRIES:
+                    raise OciInputError(
+                        Problem.OCI_MOUNT_FOLDER, path=folder[:256], limit=MAX_FOLDER_ENTRIES
+                    )
+                try:
+                    number = node_number(entry.stat(follow_symlinks=False))
+                except OSError:
+                    continue
+                if is_gpu_number(number) and number[1] not in found:  # type: ignore[index]
+                    found.append(number[1])  # type: ignore[index]
+    except OSError:
+        return found
+    return sorted(found)
+
+
+def cdi_reach(annotations: object, reach: Reach) -> None:
+    """`cdi.k8s.io/*` annotations: comma-separated fully-qualified CDI device names; those
+    of kind nvidia.com/gpu name GPUs (an index, a UUID, all), others no GPU."""
+    if not isinstance(annotations, dict):
+        return
+    for key in sorted(k for k in annotations if isinstance(k, str) and k.startswith(CDI_PREFIX)):
+        value = annotations[key]
+        if not isinstance(value, str):
+            continue
+        origin = f"annotation {key[:128]}"
+        if len(value) > MAX_VALUE:  # refused, not cut: a cut name could be another GPU's
+            raise OciInputError(Problem.OCI_ANNOTATION_TOO_LONG, key=key[:128], limit=MAX_VALUE)
+        for name in (part.strip() for part in value.split(",")):
+            if name:
+                _cdi_name(name, origin, reach)
+
+
+def _cdi_name(name: str, origin: str, reach: Reach) -> None:
+    if not CDI_NAME.fullmatch(name):
+        raise OciInputError(Problem.OCI_CDI_NAME, source=origin, value=name[:128])
+    kind, _, device = name.partition("=")
+    if kind == CDI_GPU_KIND:
+        reach.ref(_gpu_word(device, origin), origin)
+
+
+def _gpu_word(word: str, origin: str) -> str:
+    """One of NVIDIA's device words: all, an index, a GPU UUID; a MIG device is refused."""
+    if word == "all" or (word.isascii() and word.isdigit() and len(word) <= 4):
+        return word
+    if word.startswith("GPU-") and re.fullmatch(r"GPU-[0-9a-fA-F-]{8,64}", word):
+        return word
+    if word.startswith("MIG-") or ":" in word:
+        raise OciInputError(Problem.OCI_GPU_MIG, source=origin, value=word[:128])
+    raise OciInputError(Problem.OCI_GPU_WORD, source=origin, value=word[:128])
+
+
+def has_nvidia_hook(hooks: object) -> bool:
+    """NVIDIA's prestart hook is in the spec: it injects devices once gpugate has read it."""
+    if not isinstance(hooks, dict):
+        return False
+    for entries in hooks.values():
+        for entry in entries if isinstance(entries, list) else ():
+            path = entry.get("path") if isinstance(entry, dict) else None
+            if isinstance(path, str) and path.rpartition("/")[2] in NVIDIA_HOOKS:
+                return True
+    return False
+
+
+def privileged(process: object) -> bool:
+    """NVIDIA's test: CAP_SYS_ADMIN in the bounding set."""
+    caps = process.get("capabilities") if isinstance(process, dict) else None
+    bounding = caps.get("bounding") if isinstance(caps, dict) else None
+    return isinstance(bounding, list) and "CAP_SYS_ADMIN" in bounding
+
+
+def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> None:
+    """What NVIDIA's hook reads, by its precedence: the volume-mounts list (where its config
+    accepts it and the list is not empty), else the variable (privileged, or accepted)."""
+    if toolkit.volume_mounts:
+        listed = volume_mount_devices(spec.get("mounts"))
+        if listed:
+            origin = "volume-mounts " + DEVICE_LIST_ROOT
+            for word in listed:
+                if word.startswith("cdi/"):
+                    _cdi_name(_cdi_mount_name(word[len("cdi/") :]), origin, reach)
+                else:
+                    reach.ref(_gpu_word(word, origin), origin)
+            return
+    process = spec.get("process")
+    if not toolkit.envvar_unprivileged and not privileged(process):
+        return
+    env = process.get("env") if isinstance(process, dict) else None
+    for word in visible_words(env):
+        reach.ref(_gpu_word(word, VISIBLE), VISIBLE)
+
+
+def volume_mount_devices(mounts: object) -> list[str]:
+    """Mounts of /dev/null at /var/run/nvidia-container-devices/<device> (NVIDIA's
+    `requestsFromMounts`; its imex/ entries are no GPU, its cdi/ entries CDI names)."""
+    found: list[str] = []
+    for entry in mounts if isinstance(mounts, list) else ():
+        if not isinstance(entry, dict):
+            continue
+        source, target = entry.get("source"), entry.get("destination")
+        if not isinstance(source, str) or not isinstance(target, str):
+            continue
+        if os.path.normpath(source) != "/dev/null":
+            continue
+        target = os.path.normpath(target)
+        if not target.startswith(DEVICE_LIST_ROOT + "/"):
+            continue
+        word = target[len(DEVICE_LIST_ROOT) + 1 :].strip("/")
+        if word.startswith("imex/") or word in found:
+            continue
+        found.append(word)
+    return found
+
+
+def _cdi_mount_name(rest: str) -> str:
+    """NVIDIA's `cdiDeviceMountRequest`: `vendor/class=device` or `vendor/class/device`."""
+    if "=" in rest:
+        return rest
+    vendor, _, tail = rest.partition("/")
+    kind, _, device = tail.partition("/")
+    return f"{vendor}/{kind}={device}"
+
+
+def visible_words(env: object) -> list[str]:
+    """NVIDIA_VISIBLE_DEVICES as NVIDIA's hook reads it (`devicesFromEnvvars`,
+    `NewVisibleDevices`): the last setting; unset, empty or any `void`: none; the first `all`
+    or `none`: every GPU or none; else its words. A legacy CUDA image (CUDA_VERSION set,
+    NVIDIA_REQUIRE_CUDA not) without the variable: all."""
+    values: dict[str, str] = {}
+    for item in env if isinstance(env, list) else ():
+        if isinstance(item, str) and "=" in item:
+            name, _, value = item.partition("=")
+            values[name] = value
+    if VISIBLE not in values:
+        legacy = values.get("CUDA_VERSION") and not values.get("NVIDIA_REQUIRE_CUDA")
+        return ["all"] if legacy else []
+    value = values[VISIBLE]
+    if len(value) > MAX_VALUE:
+        raise OciInputError(Problem.OCI_ENV_TOO_LONG, variable=VISIBLE, limit=MAX_VALUE)
+    words = [word.strip() for word in value.split(",") if word.strip()]
+    if not words or "void" in words:
+        return []
+    for word in words:
+        if word in ("all", "none"):
+            return ["all"] if word == "all" else []
+    return list(dict.fromkeys(words))

@@ -1,0 +1,116 @@
+"""The runtime `gpugate-oci-runtime` runs once it has added its hooks: runc, or NVIDIA's
+`nvidia-container-runtime` where the host had NVIDIA's runtime in place (so a GPU container
+keeps what NVIDIA's runtime adds: CDI edits, the driver's libraries, its prestart hook).
+
+`gpugate install --containers` records the choice, a name, in /etc/gpugate/oci-runtime.toml
+(`runtime = "nvidia-container-runtime"`); the wrapper maps the name to fixed paths only, each
+an executable file that only root may change. The record is read as every config root reads
+is (safe_files): root's, in folders only root may write, a regular file of a few bytes.
+
+NVIDIA's runtime itself runs a low-level runtime (`runtimes` in its config.toml, runc by
+default). Where an operator put gpugate's wrapper there, NVIDIA's runtime runs gpugate's
+wrapper again: CHAIN marks the environment the wrapper passes to NVIDIA's runtime, and the
+wrapper run under that mark runs runc, so the chain ends.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpugate.compat import tomllib
+from gpugate.errors import ConfigError, Problem
+from gpugate.host.safe_files import read_capped, untrusted
+
+RECORD = Path("/etc/gpugate/oci-runtime.toml")
+RUNC = "runc"
+NVIDIA = "nvidia-container-runtime"
+PATHS: dict[str, tuple[str, ...]] = {
+    RUNC: ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc"),
+    # Debian/Ubuntu/RHEL packages; NVIDIA's GPU operator installs its toolkit in the second.
+    NVIDIA: (
+        "/usr/bin/nvidia-container-runtime",
+        "/usr/local/nvidia/toolkit/nvidia-container-runtime",
+    ),
+}
+CHAIN = "GPUGATE_OCI_RUNTIME_CHAIN"
+MAX_RECORD = 4096
+
+
+@dataclass(frozen=True)
+class Wrapped:
+    recorded: str  # the record's choice (runc where there is none)
+    name: str  # what runs: the recorded one, or runc where it is missing or the chain ends
+    path: str | None  # its fixed path; None where none is installed
+
+
+def read_record(path: Path | None = None) -> str:
+    """The recorded runtime's name (RECORD's); runc where there is no record. ConfigError
+    where the record is another account's, not a regular file, or names neither runtime."""
+    path = RECORD if path is None else path
+    found = untrusted(path)
+    if found is not None:
+        raise ConfigError(str(path), "", Problem.CONFIG_UNTRUSTED, found=found)
+    try:
+        raw = read_capped(path, MAX_RECORD)
+    except FileNotFoundError:
+        return RUNC
+    except OSError as exc:
+        raise ConfigError(str(path), "", Problem.CONFIG_OS_ERROR, cause=exc) from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(str(path), "", Problem.CONFIG_NOT_TOML, detail=exc) from None
+    value = data.get("runtime", RUNC)
+    if value not in PATHS:
+        raise ConfigError(
+            str(path),
+            "runtime",
+            Problem.RUNTIME_RECORD_VALUE,
+            value=str(value),
+            choices=list(PATHS),
+        )
+    return str(value)
+
+
+def record_text(name: str) -> str:
+    """The record install writes."""
+    return (
+        "# Written by gpugate install --containers: the runtime gpugate-oci-runtime runs after\n"
+        "# adding gpugate's hooks (runc, or nvidia-container-runtime where it was in place).\n"
+        f'runtime = "{name}"\n'
+    )
+
+
+def find(name: str) -> str | None:
+    """The first of the name's fixed paths that is an executable regular file (as root: one
+    only root may change)."""
+    for path in PATHS[name]:
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
+            continue
+        if os.geteuid() == 0 and not _root_only(info):
+            continue
+        return path
+    return None
+
+
+def _root_only(info: os.stat_result) -> bool:
+    if info.st_uid != 0 or info.st_mode & stat.S_IWOTH:
+        return False
+    return not (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+
+
+def choose(recorded: str, environ: Mapping[str, str]) -> Wrapped:
+    """What runs: the recorded runtime where it is installed and the chain has not passed
+    through it already, else runc."""
+    name = recorded
+    if name != RUNC and (environ.get(CHAIN) or find(name) is None):
+        name = RUNC
+    return Wrapped(recorded, name, find(name))

@@ -1,0 +1,240 @@
+"""A node's gres.conf as slurmd reads it for gres/gpu: which device files, in which order.
+
+slurmd numbers a node's GPUs 0, 1, ... in the order it lists their device files, and those
+numbers are what it writes in SLURM_JOB_GPUS (Slurm 22.05-24.x; docs/slurm.md has the source
+references): every `Name=gpu` line without `NodeName=` first, in the file's order, then every
+`NodeName=` line that names this node, in the file's order; each `File=` expanded as Slurm's
+hostlist expands it (`/dev/nvidia[0-3,6]`, `/dev/nvidia2,/dev/nvidia0`), in the order written.
+With `AutoDetect=nvml` slurmd sorts the GPUs by NVML's enumeration instead.
+
+What this module cannot read for certain (`Include`, `MultipleFiles`, a form of hostlist it
+does not know, an AutoDetect other than nvml/off, a node name it is not told) is a
+GresUnresolved: a Problem code and its facts; the caller treats the job's GPUs as unknown.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from gpugate.errors import InvalidValue, Problem
+from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped, untrusted
+
+GRES_NAME = "gres.conf"
+DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
+MAX_GRES_BYTES = 256 * 1024  # a gres.conf is a few lines; thousands of nodes fit in this
+MAX_FILES = 1024  # device files one hostlist may name (a node has at most a few dozen GPUs)
+GPU = "gpu"
+# Slurm's config parser: KEY=VALUE, the value bare or in double quotes; keys in any case.
+PAIR = re.compile(r'([A-Za-z]+)=("[^"]*"|[^\s"]+)')
+RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+KNOWN_AUTODETECT = {"nvml", "off"}
+
+
+class GresUnresolved(InvalidValue):
+    """Why the job's GPU numbers cannot be turned into device files for certain."""
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """This node's gres/gpu as slurmd numbers it."""
+
+    path: str  # the gres.conf read
+    files: tuple[str, ...]  # the GPUs' device files, in slurmd's order (AutoDetect: the filter)
+    nvml_order: bool  # AutoDetect=nvml: slurmd orders the GPUs as NVML enumerates them
+
+
+def gres_conf_path(slurm_conf: str | None) -> Path:
+    """gres.conf beside slurm.conf, as slurmd finds it (get_extra_conf_path): slurmd puts
+    SLURM_CONF in the prolog's and epilog's environment; without it, /etc/slurm."""
+    conf = slurm_conf or DEFAULT_SLURM_CONF
+    if not os.path.isabs(conf) or "\n" in conf or len(conf) > 4096:
+        raise GresUnresolved(Problem.GRES_SLURM_CONF, value=conf)
+    return Path(os.path.dirname(conf)) / GRES_NAME
+
+
+def read_gres_conf(path: Path) -> str:
+    """root's file: root-owned, in folders only root may change, a regular file, capped."""
+    where = untrusted(path)
+    if where is not None:
+        raise GresUnresolved(Problem.GRES_UNTRUSTED, path=str(path), component=where.path)
+    try:
+        data = read_capped(path, MAX_GRES_BYTES, follow_links=True)
+    except FileNotFoundError:
+        raise GresUnresolved(Problem.GRES_MISSING, path=str(path)) from None
+    except (NotRegularFile, TooLarge, OSError) as exc:
+        cause = exc.strerror or str(exc)
+        raise GresUnresolved(Problem.GRES_UNREADABLE, path=str(path), cause=cause) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise GresUnresolved(Problem.GRES_NOT_UTF8, path=str(path)) from None
+
+
+def logical_lines(text: str) -> list[tuple[int, str]]:
+    """(first line number, text) of each line, a trailing backslash joining the next, without
+    comments and blank lines."""
+    found: list[tuple[int, str]] = []
+    pending, start = "", 0
+    for number, raw in enumerate(text.splitlines(), 1):
+        body = raw.split("#", 1)[0].rstrip()
+        if not pending:
+            start = number
+        if body.endswith("\\"):
+            pending += body[:-1] + " "
+            continue
+        joined = (pending + body).strip()
+        pending = ""
+        if joined:
+            found.append((start, joined))
+    if pending.strip():
+        found.append((start, pending.strip()))
+    return found
+
+
+def pairs(number: int, text: str, path: str) -> list[tuple[str, str]]:
+    """KEY=VALUE pairs of one line, keys lowercased; anything else is not read for certain."""
+    items: list[tuple[str, str]] = []
+    rest = PAIR.sub("", text).strip()
+    if rest:
+        raise GresUnresolved(Problem.GRES_LINE, path=path, line=number, value=rest)
+    for key, value in PAIR.findall(text):
+        items.append((key.lower(), value[1:-1] if value.startswith('"') else value))
+    return items
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Slurm's hostlist, in the order written: `a[0-3,6]b,c`; ValueError where it is a form
+    this reader does not know (two bracket groups, a descending range)."""
+    names: list[str] = []
+    for item in split_top(text):
+        if "[" not in item and "]" not in item:
+            names.append(item)
+            continue
+        match = re.fullmatch(r"([^\[\]]*)\[([^\[\]]+)\]([^\[\]]*)", item)
+        if match is None:
+            raise ValueError(item)
+        prefix, ranges, suffix = match.groups()
+        for part in ranges.split(","):
+            bounds = RANGE.fullmatch(part.strip())
+            if bounds is None:
+                raise ValueError(part)
+            low_text, high_text = bounds.group(1), bounds.group(2) or bounds.group(1)
+            low, high = int(low_text), int(high_text)
+            if high < low or high - low >= MAX_FILES:
+                raise ValueError(part)
+            width = len(low_text) if low_text.startswith("0") and len(low_text) > 1 else 0
+            names.extend(f"{prefix}{n:0{width}d}{suffix}" for n in range(low, high + 1))
+        if len(names) > MAX_FILES:
+            raise ValueError(item)
+    return names
+
+
+def split_top(text: str) -> list[str]:
+    """Commas outside brackets separate hostlist items."""
+    items, depth, current = [], 0, ""
+    for char in text:
+        depth += (char == "[") - (char == "]")
+        if char == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += char
+    items.append(current)
+    if depth != 0 or any(not item for item in items):
+        raise ValueError(text)
+    return items
+
+
+@dataclass
+class _Reading:
+    path: str
+    node: str | None
+    general: list[tuple[int, dict[str, str]]]
+    for_node: list[tuple[int, dict[str, str]]]
+    global_autodetect: str | None = None
+    local_autodetect: str | None = None
+
+
+def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> None:
+    keys = dict(items)
+    first = items[0][0]
+    if first == "include":
+        raise GresUnresolved(Problem.GRES_LINE, path=reading.path, line=number, value="Include")
+    if first == "autodetect" and len(items) == 1:
+        reading.global_autodetect = items[0][1].lower()
+        return
+    if first == "nodename":
+        if not _names_node(reading, number, items[0][1]):
+            return
+        if "autodetect" in keys:
+            reading.local_autodetect = keys["autodetect"].lower()
+        if "name" in keys:
+            reading.for_node.append((number, keys))
+        return
+    if first == "name":
+        reading.general.append((number, keys))
+        return
+    raise GresUnresolved(Problem.GRES_LINE, path=reading.path, line=number, value=first)
+
+
+def _names_node(reading: _Reading, number: int, value: str) -> bool:
+    try:
+        nodes = expand_hostlist(value)
+    except ValueError:
+        raise GresUnresolved(
+            Problem.GRES_LINE, path=reading.path, line=number, value=f"NodeName={value}"
+        ) from None
+    if reading.node is None:
+        raise GresUnresolved(Problem.GRES_NODE_UNKNOWN, path=reading.path, line=number)
+    return reading.node in nodes
+
+
+def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
+    """This node's gres/gpu in slurmd's order. node: slurmd's name for it (SLURMD_NODENAME)."""
+    reading = _Reading(path, node, [], [])
+    for number, line_text in logical_lines(text):
+        items = pairs(number, line_text, path)
+        if items:
+            _take_line(reading, number, items)
+    autodetect = reading.local_autodetect or reading.global_autodetect or "off"
+    if autodetect not in KNOWN_AUTODETECT:
+        raise GresUnresolved(Problem.GRES_AUTODETECT, path=path, value=autodetect)
+    files, fileless = _gpu_files(reading)
+    if autodetect == "nvml":
+        # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
+        # order of its own: which GPUs it took is not knowable from here.
+        if fileless:
+            raise GresUnresolved(Problem.GRES_AUTODETECT_MATCH, path=path)
+        return GpuLayout(path, tuple(files), nvml_order=True)
+    if not files:
+        raise GresUnresolved(Problem.GRES_NO_FILES, path=path, node=node or "")
+    return GpuLayout(path, tuple(files), nvml_order=False)
+
+
+def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
+    """The Name=gpu lines' File= in slurmd's order, and whether a line without File= names
+    a Type= or Count= (what AutoDetect matches by)."""
+    path = reading.path
+    files: list[str] = []
+    fileless = False
+    for number, keys in reading.general + reading.for_node:
+        if keys.get("name") != GPU:
+            continue
+        if "multiplefiles" in keys:
+            raise GresUnresolved(Problem.GRES_LINE, path=path, line=number, value="MultipleFiles")
+        if "file" not in keys:
+            fileless = fileless or "count" in keys or "type" in keys
+            continue
+        try:
+            files.extend(expand_hostlist(keys["file"]))
+        except ValueError:
+            raise GresUnresolved(
+                Problem.GRES_LINE, path=path, line=number, value=f"File={keys['file']}"
+            ) from None
+    if len(set(files)) != len(files):  # slurmd refuses to start ("duplicate device file name")
+        twice = next(name for name in files if files.count(name) > 1)
+        raise GresUnresolved(Problem.GRES_FILE_TWICE, path=path, file=twice)
+    return files, fileless

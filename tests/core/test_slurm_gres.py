@@ -1,0 +1,505 @@
+"""A node's gres.conf as slurmd reads it (integrations.gres_conf), slurmd's GPU numbers as
+NVML's GPUs by device number (integrations.slurm_gpus), and the drain reason's words."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
+from gpugate.errors import ExitCode, Problem
+from gpugate.front.slurm_check import slurm_check
+from gpugate.host.nvml import Gpu
+from gpugate.integrations.gres_conf import (
+    GpuLayout,
+    GresUnresolved,
+    expand_hostlist,
+    gres_conf_path,
+    parse_gres_conf,
+    read_gres_conf,
+)
+from gpugate.integrations.slurm_gpus import DeviceNodes, job_gpus
+from gpugate.report import lines
+
+PATH = "/etc/slurm/gres.conf"
+
+
+def layout(text: str, node: str | None = "gpu07") -> GpuLayout:
+    return parse_gres_conf(text, PATH, node)
+
+
+def unresolved(text: str, node: str | None = "gpu07") -> GresUnresolved:
+    with pytest.raises(GresUnresolved) as caught:
+        parse_gres_conf(text, PATH, node)
+    return caught.value
+
+
+# ---------------------------------------------------------------- hostlists
+
+
+@pytest.mark.parametrize(
+    ("text", "names"),
+    [
+        ("/dev/nvidia0", ["/dev/nvidia0"]),
+        ("/dev/nvidia[0-3]", [f"/dev/nvidia{i}" for i in range(4)]),
+        (
+            "/dev/nvidia[0-3,6]",
+            ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia3", "/dev/nvidia6"],
+        ),
+        ("/dev/nvidia[6,4,2]", ["/dev/nvidia6", "/dev/nvidia4", "/dev/nvidia2"]),
+        (
+            "/dev/nvidia3,/dev/nvidia[1-2],/dev/nvidia0",
+            ["/dev/nvidia3", "/dev/nvidia1", "/dev/nvidia2", "/dev/nvidia0"],
+        ),
+        ("gpu[01-03]", ["gpu01", "gpu02", "gpu03"]),
+        ("/dev/nvidia[7]", ["/dev/nvidia7"]),
+    ],
+)
+def test_hostlists_expand_in_the_order_written(text: str, names: list[str]) -> None:
+    assert expand_hostlist(text) == names
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "/dev/nvidia[3-1]",
+        "/dev/nvidia[0-1]x[0-1]",
+        "/dev/nvidia[",
+        "/dev/nvidia[a-b]",
+        "a,,b",
+        ",",
+        "/dev/nvidia[0-99999]",
+        "/dev/nvidia[0-1",
+    ],
+)
+def test_hostlists_this_reader_does_not_know_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        expand_hostlist(text)
+
+
+# ---------------------------------------------------------------- gres.conf
+
+
+@pytest.mark.parametrize(
+    ("text", "files"),
+    [
+        ("Name=gpu File=/dev/nvidia[0-7]\n", [f"/dev/nvidia{i}" for i in range(8)]),
+        ("name=gpu file=/dev/nvidia[1,0]  # comment\n", ["/dev/nvidia1", "/dev/nvidia0"]),
+        ('Name=gpu File="/dev/nvidia2"\n', ["/dev/nvidia2"]),
+        # Name= lines first, then this node's NodeName= lines, each in the file's order
+        (
+            "NodeName=gpu07 Name=gpu Type=h100 File=/dev/nvidia[4-5]\n"
+            "Name=gpu Type=a100 File=/dev/nvidia[0-1]\n"
+            "NodeName=gpu[01-06] Name=gpu File=/dev/nvidia[2-3]\n"
+            "NodeName=gpu[07-08] Name=gpu Type=l4 File=/dev/nvidia6\n",
+            ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidia4", "/dev/nvidia5", "/dev/nvidia6"],
+        ),
+        # other gres are not GPUs; a line continued with a backslash is one line
+        (
+            "Name=shard Count=8\nName=mps Count=100 File=/dev/nvidia0\n"
+            "Name=gpu \\\n  File=/dev/nvidia[2-3]\n",
+            ["/dev/nvidia2", "/dev/nvidia3"],
+        ),
+        ("AutoDetect=off\nName=gpu File=/dev/nvidia0\n", ["/dev/nvidia0"]),
+        (
+            "AutoDetect=nvml\nNodeName=gpu07 AutoDetect=off\nName=gpu File=/dev/nvidia1\n",
+            ["/dev/nvidia1"],
+        ),
+    ],
+)
+def test_gres_conf_lists_gpus_in_slurmds_order(text: str, files: list[str]) -> None:
+    found = layout(text)
+    assert (list(found.files), found.nvml_order) == (files, False)
+
+
+@pytest.mark.parametrize(
+    ("text", "files"),
+    [
+        ("AutoDetect=nvml\n", []),
+        ("AutoDetect=NVML\nName=gpu File=/dev/nvidia[2-3]\n", ["/dev/nvidia2", "/dev/nvidia3"]),
+        ("NodeName=gpu07 AutoDetect=nvml\n", []),
+        (
+            "AutoDetect=off\nNodeName=gpu07 AutoDetect=nvml Name=gpu File=/dev/nvidia0\n",
+            ["/dev/nvidia0"],
+        ),
+    ],
+)
+def test_autodetect_nvml_orders_by_nvml(text: str, files: list[str]) -> None:
+    found = layout(text)
+    assert (list(found.files), found.nvml_order) == (files, True)
+
+
+@pytest.mark.parametrize(
+    ("text", "node", "problem"),
+    [
+        ("AutoDetect=rsmi\n", "gpu07", Problem.GRES_AUTODETECT),
+        ("AutoDetect=oneapi\nName=gpu File=/dev/nvidia0\n", "gpu07", Problem.GRES_AUTODETECT),
+        ("NodeName=gpu07 AutoDetect=nvidia\n", "gpu07", Problem.GRES_AUTODETECT),
+        ("AutoDetect=nvml\nName=gpu Type=a100 Count=4\n", "gpu07", Problem.GRES_AUTODETECT_MATCH),
+        ("Name=gpu Count=8\n", "gpu07", Problem.GRES_NO_FILES),
+        ("", "gpu07", Problem.GRES_NO_FILES),
+        ("NodeName=gpu08 Name=gpu File=/dev/nvidia0\n", "gpu07", Problem.GRES_NO_FILES),
+        ("NodeName=gpu07 Name=gpu File=/dev/nvidia0\n", None, Problem.GRES_NODE_UNKNOWN),
+        ("Include /etc/slurm/gres.d/*.conf\n", "gpu07", Problem.GRES_LINE),
+        ("include=/etc/slurm/x.conf\n", "gpu07", Problem.GRES_LINE),
+        ("Name=gpu File=/dev/nvidia[0-1] garbage\n", "gpu07", Problem.GRES_LINE),
+        ("Name=gpu MultipleFiles=/dev/nvidia[0-1]\n", "gpu07", Problem.GRES_LINE),
+        ("Name=gpu File=/dev/nvidia[1-0]\n", "gpu07", Problem.GRES_LINE),
+        ("NodeName=gpu[07 Name=gpu File=/dev/nvidia0\n", "gpu07", Problem.GRES_LINE),
+        ("Type=a100 File=/dev/nvidia0\n", "gpu07", Problem.GRES_LINE),
+        (
+            "Name=gpu File=/dev/nvidia0\nName=gpu File=/dev/nvidia[0-1]\n",
+            "gpu07",
+            Problem.GRES_FILE_TWICE,
+        ),
+    ],
+)
+def test_gres_conf_not_read_for_certain(text: str, node: str | None, problem: Problem) -> None:
+    assert unresolved(text, node).problem is problem
+
+
+def test_gres_conf_path_follows_slurm_conf(tmp_path: Path) -> None:
+    assert gres_conf_path(None) == Path("/etc/slurm/gres.conf")
+    assert gres_conf_path("/run/slurm/conf/slurm.conf") == Path("/run/slurm/conf/gres.conf")
+    for bad in ("slurm.conf", "../x/slurm.conf", "/etc/slurm/slurm.conf\n", "/" + "a" * 5000):
+        with pytest.raises(GresUnresolved) as caught:
+            gres_conf_path(bad)
+        assert caught.value.problem is Problem.GRES_SLURM_CONF
+
+
+def test_gres_conf_read_only_as_roots_file(tmp_path: Path) -> None:
+    folder = tmp_path / "slurm"
+    folder.mkdir()
+    path = folder / "gres.conf"
+    with pytest.raises(GresUnresolved) as caught:
+        read_gres_conf(path)
+    assert caught.value.problem is Problem.GRES_MISSING
+    path.write_text("Name=gpu File=/dev/nvidia0\n")
+    assert read_gres_conf(path) == "Name=gpu File=/dev/nvidia0\n"
+    path.chmod(0o666)
+    with pytest.raises(GresUnresolved) as caught:
+        read_gres_conf(path)
+    assert caught.value.problem is Problem.GRES_UNTRUSTED
+    path.chmod(0o644)
+    path.write_bytes(b"#" * (300 * 1024))
+    with pytest.raises(GresUnresolved) as caught:
+        read_gres_conf(path)
+    assert caught.value.problem is Problem.GRES_UNREADABLE
+    path.unlink()
+    os.mkfifo(path, 0o600)
+    with pytest.raises(GresUnresolved) as caught:
+        read_gres_conf(path)  # never blocks on a FIFO
+    assert caught.value.problem is Problem.GRES_UNREADABLE
+
+
+# ---------------------------------------------------------------- numbers to GPUs
+
+MINORS = [7, 6, 5, 4, 3, 2, 1, 0]  # NVML index i has minor MINORS[i]
+
+
+def gpus(minors: list[int] = MINORS) -> list[Gpu]:
+    return [Gpu(i, f"GPU-{i}", m, "Fake", 1000) for i, m in enumerate(minors)]
+
+
+def nodes(tmp_path: Path, extra: dict[str, tuple[int, int, int]] | None = None) -> DeviceNodes:
+    """A device root with /dev/nvidia0-7 as 195:N character devices (a stat stand-in: no
+    mknod without root), and extra names with (type bits, major, minor)."""
+    dev = tmp_path / "dev"
+    dev.mkdir(exist_ok=True)
+    table = {f"nvidia{i}": (stat.S_IFCHR, 195, i) for i in range(8)}
+    table["nvidiactl"] = (stat.S_IFCHR, 195, 255)
+    table.update(extra or {})
+    for name in table:
+        (dev / name).write_bytes(b"")
+    (dev / "plain").write_bytes(b"")
+
+    def stat_(path: str) -> os.stat_result:
+        real = Path(os.path.realpath(path))
+        if real.parent == dev and real.name in table:
+            kind, major, minor = table[real.name]
+            fields = (kind | 0o666, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+            return os.stat_result(fields, {"st_rdev": os.makedev(major, minor)})
+        return os.stat(path)
+
+    return DeviceNodes(dev, stat_)
+
+
+@pytest.mark.parametrize(
+    ("text", "numbers", "indices"),
+    [
+        ("Name=gpu File=/dev/nvidia[0-7]\n", (0, 1), (7, 6)),
+        ("Name=gpu File=/dev/nvidia[0-7]\n", (7,), (0,)),
+        ("Name=gpu File=/dev/nvidia[3,1,0,2]\n", (0, 3), (4, 5)),
+        ("Name=gpu File=/dev/nvidia[0-3,6]\n", (4,), (1,)),
+        ("Name=gpu File=/dev/nvidia6\nName=gpu File=/dev/nvidia0\n", (1, 0), (7, 1)),
+        # a File that is a link to the node: the node it is (stat follows it)
+        ("Name=gpu File=/dev/gpu-a,/dev/nvidia5\n", (0, 1), (0, 2)),
+        ("AutoDetect=nvml\n", (0, 1, 7), (0, 1, 7)),
+        # AutoDetect with File=: those GPUs, in NVML's order
+        ("AutoDetect=nvml\nName=gpu File=/dev/nvidia[0,7,2]\n", (0, 1, 2), (0, 5, 7)),
+    ],
+)
+def test_numbers_name_gpus_by_device_number(
+    tmp_path: Path, text: str, numbers: tuple[int, ...], indices: tuple[int, ...]
+) -> None:
+    found_nodes = nodes(tmp_path)
+    (found_nodes.dev / "gpu-a").symlink_to(found_nodes.dev / "nvidia7")
+    found = job_gpus(numbers, layout(text), gpus(), found_nodes)
+    assert tuple(gpu.index for gpu in found) == indices
+
+
+def test_a_file_named_like_a_gpu_is_the_gpu_its_device_number_says(tmp_path: Path) -> None:
+    """/dev/nvidia-a100-0 (a site's own name) and a renamed node: the number decides."""
+    found_nodes = nodes(tmp_path, {"nvidia-a100-0": (stat.S_IFCHR, 195, 3)})
+    found = job_gpus((0,), layout("Name=gpu File=/dev/nvidia-a100-0\n"), gpus(), found_nodes)
+    assert [gpu.index for gpu in found] == [4]
+
+
+@pytest.mark.parametrize(
+    ("text", "numbers", "extra", "problem"),
+    [
+        ("Name=gpu File=/dev/nvidia[0-1]\n", (2,), {}, Problem.GRES_INDEX_PAST),
+        ("Name=gpu File=/dev/nvidia[0-1]\n", (0, 5), {}, Problem.GRES_INDEX_PAST),
+        ("Name=gpu File=/dev/plain\n", (0,), {}, Problem.GRES_FILE_NOT_GPU),
+        ("Name=gpu File=/dev/missing,/dev/nvidia1\n", (1,), {}, Problem.GRES_FILE_NOT_GPU),
+        (
+            "Name=gpu File=/dev/null0\n",
+            (0,),
+            {"null0": (stat.S_IFCHR, 1, 3)},
+            Problem.GRES_FILE_NOT_GPU,
+        ),
+        (
+            "Name=gpu File=/dev/blk\n",
+            (0,),
+            {"blk": (stat.S_IFBLK, 195, 1)},
+            Problem.GRES_FILE_NOT_GPU,
+        ),
+        # 195:9 is a GPU device number, but no /dev/nvidia9 is that device
+        (
+            "Name=gpu File=/dev/odd\n",
+            (0,),
+            {"odd": (stat.S_IFCHR, 195, 9)},
+            Problem.GRES_FILE_NOT_GPU,
+        ),
+        ("Name=gpu File=/dev/nvidiactl\n", (0,), {}, Problem.GRES_FILE_NOT_GPU),
+        ("AutoDetect=nvml\n", (8,), {}, Problem.GRES_INDEX_PAST),
+        (
+            "AutoDetect=nvml\nName=gpu File=/dev/nvidia0,/dev/plain\n",
+            (0,),
+            {},
+            Problem.GRES_FILE_NOT_GPU,
+        ),
+    ],
+)
+def test_numbers_not_resolved_for_certain(
+    tmp_path: Path,
+    text: str,
+    numbers: tuple[int, ...],
+    extra: dict[str, tuple[int, int, int]],
+    problem: Problem,
+) -> None:
+    with pytest.raises(GresUnresolved) as caught:
+        job_gpus(numbers, layout(text), gpus(), nodes(tmp_path, extra))
+    assert caught.value.problem is problem
+
+
+def test_a_node_named_for_one_gpu_is_the_gpu_its_number_says(tmp_path: Path) -> None:
+    """/dev/nvidia9 made as 195:2 is GPU minor 2's device (and no GPU 9's)."""
+    found_nodes = nodes(tmp_path, {"nvidia9": (stat.S_IFCHR, 195, 2)})
+    found = job_gpus((0,), layout("Name=gpu File=/dev/nvidia9\n"), gpus(), found_nodes)
+    assert [gpu.minor for gpu in found] == [2]
+
+
+def test_a_gpu_nvml_does_not_list(tmp_path: Path) -> None:
+    with pytest.raises(GresUnresolved) as caught:
+        job_gpus((0,), layout("Name=gpu File=/dev/nvidia7\n"), gpus([0, 1]), nodes(tmp_path))
+    assert caught.value.problem is Problem.GRES_NO_NVML_GPU
+    assert caught.value.facts["minor"] == 7
+
+
+def test_a_broken_file_after_the_jobs_numbers_does_not_matter(tmp_path: Path) -> None:
+    """slurmd skips a File it cannot stat and numbers the later ones one lower: only the
+    files up to the job's highest number must be GPUs."""
+    text = "Name=gpu File=/dev/nvidia0,/dev/nvidia1,/dev/plain\n"
+    found = job_gpus((1,), layout(text), gpus(), nodes(tmp_path))
+    assert [gpu.index for gpu in found] == [6]
+
+
+# ---------------------------------------------------------------- the drain reason
+
+GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
+
+
+@pytest.mark.parametrize(
+    ("item", "words"),
+    [
+        (
+            Held(11, "bob", (3,), "straddles", foreign=(5,)),
+            "PID 11 (bob) on GPU 3: straddles GPU 5, not this job's",
+        ),
+        (
+            Held(
+                12,
+                "eve",
+                (3,),
+                "other-unit",
+                other="gpu07_slurmstepd.scope",
+                cgroup="/system.slice/gpu07_slurmstepd.scope/job_43/step_0/user/task_0",
+            ),
+            "PID 12 (eve) on GPU 3: in another job (43)",
+        ),
+        (
+            Held(
+                13,
+                "root",
+                (3,),
+                "other-unit",
+                other="vllm.service",
+                cgroup="/system.slice/vllm.service",
+            ),
+            "PID 13 (root) on GPU 3: in another unit (vllm.service)",
+        ),
+        (
+            Held(
+                14,
+                "root",
+                (3, 4),
+                "other-container",
+                other="docker-ab.scope",
+                cgroup="/system.slice/docker-ab.scope",
+            ),
+            "PID 14 (root) on GPU 3,4: in another unit (docker-ab.scope)",
+        ),
+        (Held(15, "amy", (3,), UNKILLABLE), "PID 15 (amy) on GPU 3: unkillable (survived SIGKILL)"),
+        (
+            Held(16, None, (), "protected"),
+            "PID 16 (?): protected (protected_executables/protected_units)",
+        ),
+    ],
+)
+def test_drain_detail_names_pid_account_gpu_and_rule(item: Held, words: str) -> None:
+    summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=[item])
+    assert lines.failure_detail(summary) == words
+
+
+def test_drain_detail_names_memory_not_freed_and_only_those_gpus() -> None:
+    summary = RunSummary(
+        exit_code=ExitCode.MEMORY_TIMEOUT,
+        owned=[GPU3, Gpu(4, "GPU-4", 4, "Fake", 1000)],
+        busy=[BusyGpu(GPU3, 700, (88, 89))],
+    )
+    assert lines.failure_detail(summary) == (
+        "GPU 3 (GPU-3) still 700 MiB used: memory not freed, NVML lists PID 88, 89"
+    )
+
+
+def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
+    hostile = Held(
+        12, "eve", (3,), "other-unit", other='x"\n' + "y" * 400, cgroup="/system.slice/x.service"
+    )
+    many = [Held(100 + i, "bob", (3,), "straddles", foreign=(5,)) for i in range(6)]
+    for held in ([hostile], many, [hostile, *many]):
+        summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=held)
+        reason = lines.drain_reason("epilog", 4294967295, lines.failure_detail(summary), 22)
+        assert len(reason) <= 250
+        assert reason.startswith("gpugate epilog job 4294967295: PID 1")
+        assert reason.endswith(" (exit 22)")
+        assert '"' not in reason and "\n" not in reason and reason.isprintable()
+    summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=many)
+    assert lines.failure_detail(summary).endswith("; 3 more PID(s)")
+    assert lines.failure_detail(summary).count("PID 10") == 3
+
+
+# ---------------------------------------------------------------- gpugate slurm check
+
+
+class Driver:
+    def __init__(self, found: list[Gpu], faults: int = 0) -> None:
+        self.found, self.fault_count = found, faults
+
+    def gpus(self) -> list[Gpu]:
+        return self.found
+
+    def faults(self) -> list[object]:
+        return [object()] * self.fault_count
+
+    def close(self) -> None:
+        pass
+
+
+def check(
+    tmp_path: Path,
+    slurm_conf: str,
+    gres_text: str | None,
+    job_container: str | None = None,
+    faults: int = 0,
+) -> tuple[int, str]:
+    etc = tmp_path / "etc"
+    etc.mkdir(exist_ok=True)
+    (etc / "slurm.conf").write_text(slurm_conf)
+    if gres_text is not None:
+        (etc / "gres.conf").write_text(gres_text)
+    if job_container is not None:
+        (etc / "job_container.conf").write_text(job_container)
+    out = io.StringIO()
+    code = slurm_check(
+        {"SLURM_CONF": str(etc / "slurm.conf")},
+        "gpu07",
+        lambda: Driver(gpus(), faults),  # type: ignore[arg-type,return-value]
+        nodes(tmp_path),
+        out,
+    )
+    return code, out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "job_container", "private"),
+    [
+        ("JobContainerType=job_container/tmpfs\n", None, True),
+        ("jobcontainertype=job_container/tmpfs # private tmp\n", "BasePath=/var/jc\n", True),
+        ("JobContainerType=job_container/tmpfs\n", "BasePath=/var/jc\nDirs=/tmp,/dev/shm/\n", True),
+        ("JobContainerType=job_container/tmpfs\n", "BasePath=/var/jc\nDirs=/tmp\n", False),
+        ("JobContainerType=job_container/none\n", None, False),
+        ("# JobContainerType=job_container/tmpfs\n", None, False),
+        ("ClusterName=x\n", None, False),
+    ],
+)
+def test_check_says_whether_jobs_get_their_own_dev_shm(
+    tmp_path: Path, slurm_conf: str, job_container: str | None, private: bool
+) -> None:
+    code, said = check(tmp_path, slurm_conf, "Name=gpu File=/dev/nvidia[0-7]\n", job_container)
+    assert code == ExitCode.OK
+    first = said.splitlines()[0]
+    assert first.startswith("/dev/shm: private to each job" if private else "/dev/shm: shared")
+
+
+def test_check_lists_each_number_as_a_gpu(tmp_path: Path) -> None:
+    code, said = check(tmp_path, "", "Name=gpu File=/dev/nvidia[1,0]\n")
+    assert code == ExitCode.OK
+    assert said.splitlines()[2:] == [
+        "  0 = /dev/nvidia1 = GPU 6 (GPU-6)",
+        "  1 = /dev/nvidia0 = GPU 7 (GPU-7)",
+    ]
+    code, said = check(tmp_path, "", "AutoDetect=nvml\n")
+    assert code == ExitCode.OK and said.splitlines()[2] == "  0 = GPU 0 (GPU-0)"
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "faults", "words"),
+    [
+        (None, 0, "gres.conf: no such file"),
+        ("AutoDetect=rsmi\n", 0, "AutoDetect='rsmi'"),
+        ("Name=gpu File=/dev/plain\n", 0, "is no GPU device node"),
+        ("AutoDetect=nvml\n", 1, "NVML cannot read 1 GPU(s)"),
+    ],
+)
+def test_check_exits_78_where_a_number_is_not_resolved(
+    tmp_path: Path, gres_text: str | None, faults: int, words: str
+) -> None:
+    code, said = check(tmp_path, "", gres_text, faults=faults)
+    assert code == ExitCode.CONFIG
+    assert words in said.splitlines()[1] and "only a job's own cgroup" in said

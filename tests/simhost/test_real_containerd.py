@@ -1,0 +1,278 @@
+"""gpugate on a Kubernetes GPU node's containerd: Debian's real containerd (1.6 on Debian 12)
+and runc inside a simulated host, config.toml set up as a GPU node (NVIDIA's runtime as the CRI
+default, oom_score, sandbox_image) with a stand-in nvidia-container-runtime at its fixed path
+that records its calls and runs runc. `gpugate install --containers --default` adds the runtime
+gpugate and keeps every other setting (`containerd config dump` parses it); a container run
+through that runtime's binary (`ctr run --runc-binary`, the runc shim path the CRI plugin takes
+through `BinaryName`) on GPU 1 kills a stale holder, NVIDIA's runtime still runs for it, a
+second container and a unit on GPU 1 are refused naming the pod, containerd restarted keeps
+both the container and its lease, `ctr task kill -s KILL` and delete release it, and so does a
+SIGKILLed shim; a container without GPUs runs as before; uninstall leaves the file as it
+was. docker's runtime gpugate on the same node runs NVIDIA's runtime in turn too. Debian
+packages no crictl: the CRI annotations are given with `ctr run --annotation`."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from incident import REPO
+from realparts import install_debs, wait_for
+from sandbox import SimHost
+from test_real_containers import DAEMON_JSON, MIB, ROOTFS, hold
+from test_real_oci_hooks import FAST, Box
+
+from gpugate.compat import tomllib
+
+pytestmark = [pytest.mark.simhost, pytest.mark.slow]
+
+CONFIG = "/etc/containerd/config.toml"
+NVIDIA = "/usr/bin/nvidia-container-runtime"
+CALLS = "/run/nvidia-runtime-calls"
+GPU_NODE = """\
+# containerd on a GPU node, as nvidia-ctk runtime configure --set-as-default leaves it
+version = 2
+oom_score = -999
+
+[plugins]
+  [plugins."io.containerd.grpc.v1.cri"]
+    sandbox_image = "registry.k8s.io/pause:3.9"
+    [plugins."io.containerd.grpc.v1.cri".containerd]
+      default_runtime_name = "nvidia"
+
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes]
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]
+          privileged_without_host_devices = false
+          runtime_type = "io.containerd.runc.v2"
+          [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia.options]
+            BinaryName = "/usr/bin/nvidia-container-runtime"
+            SystemdCgroup = true
+        [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+          runtime_type = "io.containerd.runc.v2"
+          [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+            SystemdCgroup = true
+"""
+# NVIDIA's runtime in one line: records how it was called, then runs runc (as it does after
+# editing the spec).
+STAND_IN = f"""#!/bin/sh
+echo "chain=${{GPUGATE_OCI_RUNTIME_CHAIN:-}} $*" >> {CALLS}
+exec /usr/bin/runc "$@"
+"""
+POD = {
+    "io.kubernetes.cri.container-type": "container",
+    "io.kubernetes.cri.sandbox-namespace": "ml",
+    "io.kubernetes.cri.sandbox-name": "vllm-0",
+    "io.kubernetes.cri.container-name": "server",
+}
+A_ID, B_ID, C_ID = "gpu-a", "gpu-b", "plain-c"
+# docker on the same node, NVIDIA's runtime registered as nvidia-ctk registers it.
+DOCKER_NVIDIA = json.dumps({**json.loads(DAEMON_JSON), "runtimes": {"nvidia": {"path": NVIDIA}}})
+
+
+class Node(Box):
+    wrapper = ""
+
+    def ctr_run(self, cid: str, gpu: int | None, *, detach: bool = True) -> list[str]:
+        argv = ["ctr", "run", "-d" if detach else "--rm", "--runc-binary", self.wrapper]
+        argv += ["--runc-systemd-cgroup", "--cgroup", f"kubepods.slice:cri-containerd:{cid}"]
+        argv += ["--cpu-shares", "0"]  # runc and this machine's hybrid cgroups: no cpu.weight
+        if gpu is not None:
+            argv += [
+                "--mount",
+                f"type=bind,src=/dev/nvidia{gpu},dst=/dev/nvidia{gpu},options=rbind:rw",
+            ]
+            argv += [
+                arg for key, value in POD.items() for arg in ("--annotation", f"{key}={value}")
+            ]
+        command = hold([gpu]) if gpu is not None else "echo plain"
+        return [*argv, "--rootfs", ROOTFS, cid, "/bin/sh", "-c", command]
+
+    def task(self, cid: str) -> tuple[int, str]:
+        """(PID, STATUS) of the container's task; (0, "") where it has none."""
+        for line in self.sh("ctr task ls").splitlines()[1:]:
+            words = line.split()
+            if words and words[0] == cid:
+                return int(words[1]), words[2]
+        return 0, ""
+
+    def claim_task(self, cid: str, gpus: list[int]) -> None:
+        pid = self.task(cid)[0]
+        start = self.sh(f"sed 's/.*) //' /proc/{pid}/stat | cut -d' ' -f20").strip()
+        self.sim.write_file(
+            f"/run/fake-nvml/claims/{pid}", f"{MIB} {start} " + ",".join(map(str, gpus)) + "\n"
+        )
+
+
+@pytest.fixture(scope="module")
+def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
+    if fake_nvml_lib is None:
+        pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
+    sim = SimHost.boot(nvml_lib=fake_nvml_lib, gpus=8)
+    try:
+        sim.install_gpugate(REPO)
+        sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
+        install_debs(sim, "containerd", ["containerd", "runc", "busybox-static", "docker.io"])
+        sim.run("rm -f /usr/local/bin/docker")
+        sim.write_file(CONFIG, GPU_NODE)
+        sim.write_file("/etc/docker/daemon.json", DOCKER_NVIDIA)
+        sim.write_file(NVIDIA, STAND_IN, mode=0o755)
+        sim.write_file("/etc/gpugate/containers.toml", FAST)
+        sim.run(
+            f"mkdir -p {ROOTFS}/bin {ROOTFS}/dev {ROOTFS}/proc {ROOTFS}/sys {ROOTFS}/etc "
+            f"{ROOTFS}/tmp && cp /bin/busybox {ROOTFS}/bin/busybox && "
+            f"for a in $({ROOTFS}/bin/busybox --list); do "
+            f'[ "$a" = busybox ] || ln -sf busybox {ROOTFS}/bin/$a; done'
+        )
+        restart(sim)
+        sim.systemctl("start", "docker.service")
+        sim.run(f"tar -C {ROOTFS} -c . | docker import - gpustub", timeout=120)
+        yield Node(sim)
+    finally:
+        sim.poweroff()
+
+
+def restart(sim: SimHost) -> None:
+    started = sim.systemctl("restart", "containerd.service", check=False)
+    if started.returncode:
+        said = sim.run("journalctl --no-pager -o cat -u containerd | tail -15")
+        raise AssertionError(f"containerd did not start:\n{said.stdout}")
+    wait_for("containerd answering", lambda: sim.run("ctr version", check=False).returncode == 0)
+
+
+def test_install_adds_the_runtime_and_keeps_the_gpu_node_s_settings(node: Node) -> None:
+    said = node.sh("gpugate install --containers --default")
+    assert f"wrote {CONFIG}" in said and "systemctl restart containerd" in said, said
+    record = tomllib.loads(node.sim.read_file("/etc/gpugate/oci-runtime.toml"))
+    assert record == {"runtime": "nvidia-container-runtime"}
+    text = node.sim.read_file(CONFIG)
+    assert text.startswith(GPU_NODE.partition('      default_runtime_name = "nvidia"')[0])
+    restart(node.sim)
+    dumped = tomllib.loads(node.sh("containerd config dump"))
+    assert dumped["oom_score"] == -999
+    cri = dumped["plugins"]["io.containerd.grpc.v1.cri"]
+    assert cri["sandbox_image"] == "registry.k8s.io/pause:3.9"
+    assert cri["containerd"]["default_runtime_name"] == "gpugate"
+    runtimes = cri["containerd"]["runtimes"]
+    assert runtimes["nvidia"]["options"]["BinaryName"] == NVIDIA
+    gpugate = runtimes["gpugate"]
+    assert gpugate["runtime_type"] == "io.containerd.runc.v2"
+    assert gpugate["options"]["SystemdCgroup"] is True
+    node.wrapper = gpugate["options"]["BinaryName"]
+    assert node.wrapper.endswith("/gpugate-oci-runtime")
+    checked = node.sh("gpugate config check")
+    assert NVIDIA in checked, checked
+    again = node.sh("gpugate install --containers --default")
+    assert "wrote" not in again and f"unchanged {CONFIG}" in again, again
+
+
+def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node) -> None:
+    sim = node.sim
+    assert node.wrapper, "the install test ran first"
+    stale = node.stale_holder(1)
+    cursor = node.cursor()
+    node.sh(shlex.join(node.ctr_run(A_ID, 1)))
+    wait_for("the pod's container running", lambda: node.task(A_ID)[1] == "RUNNING")
+    assert not node.alive(stale), "the stale holder on GPU 1 outlived the container's start"
+    calls = node.sh(f"cat {CALLS}")
+    assert any(" create " in line and A_ID in line for line in calls.splitlines()), calls
+    assert "chain=nvidia-container-runtime" in calls, calls
+    entries = node.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+    assert entries and all(e.get("GPUGATE_OCI_CONTAINER") == A_ID for e in entries), entries[:1]
+    assert {e.get("GPUGATE_OCI_POD") for e in entries} == {"vllm-0"}
+    assert {e.get("GPUGATE_OCI_POD_NAMESPACE") for e in entries} == {"ml"}
+    assert {e.get("GPUGATE_OCI_POD_CONTAINER") for e in entries} == {"server"}
+    killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
+    assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
+    (lease,) = node.leases()
+    assert lease["container"] == f"containerd container ml/vllm-0/server ({A_ID})", lease
+    assert lease["gpus"] == [1]
+    node.claim_task(A_ID, [1])
+
+    # A second container onto GPU 1: refused, naming the pod; the first runs on.
+    refused = sim.run(shlex.join(node.ctr_run(B_ID, 1)), check=False)
+    assert refused.returncode != 0, refused.stdout
+    assert "ml/vllm-0/server" in refused.stderr, refused.stderr
+    assert node.task(B_ID)[1] != "RUNNING"
+    node.sh(f"ctr task delete -f {B_ID}; ctr container delete {B_ID}", check=False)
+
+    # So is a unit's start on GPU 1.
+    sim.install_unit("tgi.service", "[Service]\nExecStart=/bin/sleep 3600\n")
+    node.sh("gpugate install tgi.service --gpus 1")
+    assert sim.systemctl("start", "tgi.service", check=False).returncode != 0
+    said = node.sh("journalctl --no-pager -o cat -u tgi.service | tail -20")
+    assert "ml/vllm-0/server" in said, said
+    assert node.task(A_ID)[1] == "RUNNING"
+
+    # containerd restarted under it: the container runs on, and so does its lease.
+    restart(sim)
+    assert node.task(A_ID)[1] == "RUNNING" and len(node.leases()) == 1
+
+    # SIGKILLed and deleted: runc's delete runs the poststop, the lease goes, the unit starts.
+    node.sh(f"ctr task kill -s KILL {A_ID}")
+    wait_for("the task stopped", lambda: node.task(A_ID)[1] == "STOPPED")
+    node.sh(f"ctr task delete {A_ID} && ctr container delete {A_ID}")
+    wait_for("the lease given up", lambda: not node.leases())
+    sim.systemctl("reset-failed", "tgi.service", check=False)
+    sim.systemctl("start", "tgi.service")
+    assert sim.systemctl("is-active", "tgi.service", check=False).stdout.strip() == "active"
+    sim.systemctl("stop", "tgi.service")
+
+
+def test_a_killed_shim_leaves_no_lease_behind(node: Node) -> None:
+    """containerd cleans up after a shim that died (`shim delete`: runc delete --force, which
+    runs the poststop): the container goes, and with it its lease; the next one starts."""
+    node.sh(shlex.join(node.ctr_run("gpu-d", 3)))
+    wait_for("gpu-d running", lambda: node.task("gpu-d")[1] == "RUNNING")
+    assert len(node.leases()) == 1
+    node.claim_task("gpu-d", [3])
+    shims = node.sh("ps -eo pid=,args= | grep '[c]ontainerd-shim-runc-v2 .*-id gpu-d'")
+    (shim,) = [int(line.split()[0]) for line in shims.splitlines()]
+    node.sh(f"kill -KILL {shim}")
+    wait_for("gpu-d's task gone", lambda: node.task("gpu-d")[1] in ("", "STOPPED"))
+    wait_for("its lease gone", lambda: not node.leases())
+    node.sh("ctr task delete gpu-d; ctr container delete gpu-d", check=False)
+    node.sh(shlex.join(node.ctr_run("gpu-e", 3)))
+    wait_for("gpu-e running", lambda: node.task("gpu-e")[1] == "RUNNING")
+    node.sh("ctr task kill -s KILL gpu-e")
+    wait_for("gpu-e stopped", lambda: node.task("gpu-e")[1] == "STOPPED")
+    node.sh("ctr task delete gpu-e && ctr container delete gpu-e")
+    wait_for("no lease left", lambda: not node.leases())
+
+
+def test_a_container_without_gpus_runs_as_before(node: Node) -> None:
+    cursor = node.cursor()
+    plain = node.sh(shlex.join(node.ctr_run(C_ID, None, detach=False)))
+    assert plain.strip() == "plain"
+    assert not [
+        e for e in node.entries(cursor, "SYSLOG_IDENTIFIER=gpugate") if e.get("GPUGATE_PHASE")
+    ]
+
+
+def test_docker_s_gpugate_runtime_keeps_nvidia_s_runtime_in_the_chain(node: Node) -> None:
+    stale = node.stale_holder(2)
+    before = len(node.sh(f"cat {CALLS}").splitlines())
+    argv = ["docker", "run", "-d", "--runtime", "gpugate", "--name", "dgpu", "--network", "none"]
+    argv += ["-v", "/dev/nvidia2:/dev/nvidia2", "gpustub", "sh", "-c", hold([2])]
+    node.sh(shlex.join(argv))
+    wait_for("dgpu running", lambda: node.sh("docker ps -q --filter name=^dgpu$").strip())
+    assert not node.alive(stale)
+    full = node.sh("docker inspect --format '{{.Id}}' dgpu").strip()
+    calls = node.sh(f"cat {CALLS}").splitlines()[before:]
+    created = [c for c in calls if " create " in c and full in c]
+    assert created and all(c.startswith("chain=nvidia-container-runtime ") for c in created), calls
+    (lease,) = node.leases()
+    assert lease["container"] == f"docker container dgpu ({full[:12]})", lease
+    node.sh("docker rm -f dgpu")
+    wait_for("the lease given up", lambda: not node.leases())
+
+
+def test_uninstall_leaves_the_file_as_it_was(node: Node) -> None:
+    said = node.sh("gpugate uninstall --containers")
+    assert f"wrote {CONFIG}" in said, said
+    assert node.sim.read_file(CONFIG) == GPU_NODE
+    assert json.loads(node.sim.read_file("/etc/docker/daemon.json")) == json.loads(DOCKER_NVIDIA)
+    assert not node.sim.exists("/etc/gpugate/oci-runtime.toml")
+    restart(node.sim)
