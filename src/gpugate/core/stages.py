@@ -16,7 +16,6 @@ from typing import Optional, Protocol
 
 from gpugate.core.decide import Choice, Decision, spared_for_good
 from gpugate.core.discover import Discovery
-from gpugate.core.held import blockers_held, survivors_held
 from gpugate.core.kill import terminate
 from gpugate.core.outcome import BusyGpu, Stage, Transition, exit_code_for
 from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunState
@@ -75,6 +74,8 @@ class Looking:
         if decision.refused:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
+            from gpugate.core.held import blockers_held  # noqa: PLC0415 (GPUs kept)
+
             s.summary.held = blockers_held(decision.blockers)
             s.facts.held_by_others = True
             return Transition.REFUSED, Finishing(s, clean_shm=False)
@@ -144,10 +145,14 @@ class Stopping:
         if survivors:
             s.facts.survivors = True
             s.narrator.survived(len(survivors))
+            from gpugate.core.held import blockers_held, survivors_held  # noqa: PLC0415 (GPUs kept)
+
             s.summary.held = survivors_held(s.signalled[ident] for ident in survivors)
             s.summary.held += blockers_held(decision.blockers)
             return Transition.SURVIVED, Finishing(s, clean_shm=True)
         if decision.blockers:
+            from gpugate.core.held import blockers_held  # noqa: PLC0415 (GPUs kept)
+
             s.summary.held = blockers_held(decision.blockers)
             s.facts.held_by_others = True
             s.narrator.still_held()
@@ -375,6 +380,8 @@ def look_again(state: RunState) -> bool:
     state.enter(Stage.STOPPING, Transition.RESPAWNED)
     _, _, survivors = kill_rounds(state, discovery, decision)
     if survivors:
+        from gpugate.core.held import survivors_held  # noqa: PLC0415 (GPUs kept)
+
         state.summary.held = survivors_held(state.signalled[ident] for ident in survivors)
         state.facts.survivors = True
         state.narrator.survived(len(survivors))
