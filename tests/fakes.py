@@ -23,7 +23,7 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import GateError, Problem
 from gpugate.front.hook import Deps, Hook, run_phase
-from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
+from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
 from gpugate.host.roots import HostRoots
 from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings
 from gpugate.phase import Phase
@@ -48,6 +48,11 @@ def start_time_of(pid: int) -> int:
     return int(text[text.rfind(")") + 2 :].split()[19])
 
 
+def mig_uuid(index: int, gi: int, ci: int) -> str:
+    """The stand-in NVML's MIG UUID of a slice (tests/fake_nvml/fake_nvml.c)."""
+    return f"MIG-fa4e5a11-0000-0000-0000-{index:04x}{gi:04x}{ci:04x}"
+
+
 @dataclass
 class FakeGpuMemory:
     """GPU memory that a registered process uses while it lives, plus a release lag after it
@@ -66,6 +71,9 @@ class FakeGpuMemory:
     queries: int = 0
     claim_dir: Path | None = None  # a process may claim for itself: a file PID holding "GPU MIB"
     lists_processes: bool = True  # False: a driver that cannot list processes (NotSupported)
+    # GPUs in MIG mode: index -> its slices' (GI, CI, MiB); a slice is claimed by its mig_key,
+    # and its GPU lists the slice's processes too (on_slice), as NVML aggregates them
+    mig: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
 
     def _self_claims(self) -> None:
         if self.claim_dir is None:
@@ -84,11 +92,20 @@ class FakeGpuMemory:
 
     def gpus(self) -> Sequence[Gpu]:
         minors = self.minors or list(range(self.count))
-        return [
-            Gpu(i, f"GPU-fa4e5a11-0000-0000-0000-{i:012x}", minors[i], "Fake GPU", self.total_mib)
-            for i in range(self.count)
-            if i not in self.lost
-        ]
+        found: list[Gpu] = []
+        for i in range(self.count):
+            if i in self.lost:
+                continue
+            uuid = f"GPU-fa4e5a11-0000-0000-0000-{i:012x}"
+            found.append(
+                Gpu(i, uuid, minors[i], "Fake GPU", self.total_mib, mig_mode=i in self.mig)
+            )
+            for k, (gi, ci, mib) in enumerate(self.mig.get(i, [])):
+                mig = MigSlice(i, uuid, k, gi, ci, "1g.10gb")
+                found.append(
+                    Gpu(mig_key(i, k), mig_uuid(i, gi, ci), minors[i], "Fake GPU MIG", mib, mig=mig)
+                )
+        return found
 
     def faults(self) -> Sequence[GpuFault]:
         return [GpuFault(i, GpuError(i, Problem.NVML_GPU_LOST)) for i in sorted(self.lost)]
@@ -106,12 +123,14 @@ class FakeGpuMemory:
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []
         now = time.monotonic()
+        slices = {mig_key(gpu.index, k) for k in range(len(self.mig.get(gpu.index, [])))}
         for key, (gpus, mib) in list(self.claims.items()):
-            if gpu.index not in gpus:
+            on_slice = bool(gpus & slices)
+            if gpu.index not in gpus and not on_slice:
                 continue
             if alive(*key):
                 used += mib
-                processes.append(GpuProcess(key[0], mib))
+                processes.append(GpuProcess(key[0], mib, on_slice=on_slice))
             else:
                 gone = self.gone_at.setdefault(key, now)
                 if now - gone < self.release_lag_s:

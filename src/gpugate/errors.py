@@ -126,6 +126,9 @@ class Problem(Enum):
     GPU_NO_SUCH_INDEX = "gpu-no-such-index"
     GPU_NO_SUCH_UUID = "gpu-no-such-uuid"
     GPU_UUID_AMBIGUOUS = "gpu-uuid-ambiguous"
+    GPU_NO_SUCH_MIG = "gpu-no-such-mig"  # a MIG UUID no slice has
+    GPU_NOT_MIG_MODE = "gpu-not-mig-mode"  # MIG-GPU-<uuid>/<gi>/<ci> on a GPU not in MIG mode
+    GPU_NO_SUCH_MIG_INSTANCE = "gpu-no-such-mig-instance"  # ... with no such GI/CI
     VARIABLE_VALUE = "variable-value"  # CUDA_VISIBLE_DEVICES & co.: the GPU list's problem
     ROOTS_FORM = "roots-form"
     ROOTS_NOT_ABSOLUTE = "roots-not-absolute"

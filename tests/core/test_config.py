@@ -19,7 +19,7 @@ BAD = [
     ("gpus = [0, 0]", "f.toml: gpus: lists GPU 0 twice"),
     ('gpus = [1, "1"]', "f.toml: gpus: lists GPU 1 twice"),
     ('gpus = ["GPU-x"]', "f.toml: gpus: 'GPU-x' is not a GPU index (0, 1, ...) or UUID"),
-    ('gpus = ["MIG-9f1e0a22-4b5c"]', "f.toml: gpus: 'MIG-9f1e0a22-4b5c': MIG devices are not"),
+    ('gpus = ["MIG-9f1e"]', "f.toml: gpus: 'MIG-9f1e' is not a MIG device UUID (MIG-xxxxxxxx-...)"),
     ("gpus = [1024]", "f.toml: gpus: GPU index 1024 is out of range (0-1023)"),
     ("gpus = [true]", "f.toml: gpus: True is not a GPU index or UUID"),
     ("gpus = [-1]", "f.toml: gpus"),
@@ -76,12 +76,13 @@ STRICT = [
     ("[epilog]\nwait_timeout_s = 3", "f.toml: epilog: sigterm_grace_s + sigkill_wait_s (15 s)"),
     ("[prolog]\nsigkill_wait_s = 200", "f.toml: prolog: sigterm_grace_s + sigkill_wait_s (210 s)"),
     (
-        'gpus = ["MIG-8c1f0a2e-1b2c-4d5e-8f90-123456789abc"]',
-        "f.toml: gpus: 'MIG-8c1f0a2e-1b2c-4d5e-8f90-123456789abc': MIG devices are not supported",
+        'gpus = ["MIG-8c1f0a2e-1b2c-4d5e-8f90-123456789abc\\n"]',
+        "f.toml: gpus: 'MIG-8c1f0a2e-1b2c-4d5e-8f90-123456789abc\\n' is not a MIG device UUID",
     ),
     (
-        'gpus = [0, "MIG-GPU-8c1f0a2e/1/0"]',
-        "f.toml: gpus: 'MIG-GPU-8c1f0a2e/1/0': MIG devices are not",
+        'gpus = [0, "MIG-GPU-8c1f0a2e/1"]',
+        "f.toml: gpus: 'MIG-GPU-8c1f0a2e/1' is not a MIG device UUID (MIG-xxxxxxxx-...) or "
+        "MIG-GPU-<uuid>/<gi>/<ci>",
     ),
     (
         'gpus = ["GPU-8c1f0a2e-1b2c\\n"]',

@@ -12,6 +12,7 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
+from gpugate.host.nvml import mig_key
 from gpugate.host.procfs import ProcFs
 from gpugate.integrations.unit.leases import new_lease, write_lease
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
@@ -41,6 +42,18 @@ GPU = {
     "total_mib": int,
     "owned": bool,
     "leased_to": list,
+    "shown": str,
+    "mig_mode": bool,
+    "mig": (dict, type(None)),
+}
+MIG = {
+    "gpu": int,
+    "gpu_uuid": str,
+    "mig_index": int,
+    "gpu_instance": int,
+    "compute_instance": int,
+    "profile": str,
+    "pids": list,
 }
 HOLDER = {
     "pid": int,
@@ -147,7 +160,7 @@ def test_keys_and_types_are_the_documented_ones(
 
 def test_every_key_is_in_the_schema_doc() -> None:
     documented = set(re.findall(r"`([a-z_]+)`", SCHEMA_DOC.read_text()))
-    schemas = (TOP, GPU, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE, UNIT_SHM)
+    schemas = (TOP, GPU, MIG, HOLDER, INVISIBLE, UNREADABLE, SHM_AREA, SHM_FILE, UNIT_SHM)
     missing = set().union(*schemas) - documented
     assert not missing, f"not documented in docs/status-json.md: {sorted(missing)}"
 
@@ -242,3 +255,39 @@ def test_one_look_reads_each_process_once(
     assert {holder["pid"] for holder in data["holders"]} >= set(pids)
     assert {holder["reason"] for holder in data["holders"] if holder["pid"] in pids} == {"orphan"}
     assert reads and len(reads) == len(set(reads)), sorted(reads)
+
+
+def test_mig_slices_are_rows_of_their_own(
+    host: FakeHost, capsys: pytest.CaptureFixture[str]
+) -> None:
+    host.memory.mig = {0: [(1, 0, 20000), (2, 0, 20000)]}
+    (on_two,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(on_two, {mig_key(0, 1)}, 300)
+    write_lease(host.root / "locks", new_lease("b.service", host.memory.gpus()[2:3], share=False))
+    data = status(host, capsys)
+    by_index = {gpu["index"]: gpu for gpu in data["gpus"]}
+    check(by_index[0], GPU)
+    assert by_index[0]["mig_mode"] is True and by_index[0]["mig"] is None
+    assert by_index[0]["used_mib"] == 300
+    one, two = by_index[mig_key(0, 0)], by_index[mig_key(0, 1)]
+    for gpu in (one, two):
+        check(gpu, GPU)
+        check(gpu["mig"], MIG)
+    assert (two["shown"], two["used_mib"], two["total_mib"]) == ("0/2/0", 300, 20000)
+    assert two["mig"]["pids"] == [on_two] and one["mig"]["pids"] == []
+    assert two["leased_to"] == ["b.service"] and one["leased_to"] == []
+    [holder] = [h for h in data["holders"] if h["pid"] == on_two]
+    assert set(holder["gpus"]) == {0, mig_key(0, 1)}  # the device file's GPU, NVML's slice
+    assert holder["used_mib"] == {str(mig_key(0, 1)): 300}
+    # the table: slices under their GPU, the holder's GPUs as GPU/GI/CI
+    main(
+        ["status", "--config", str(host.root / "c.toml")],
+        driver_factory=lambda: host.memory,
+        roots=host.roots,
+    )
+    table = capsys.readouterr().out.splitlines()
+    first = [line.split()[0] for line in table[1:5]]
+    assert first == ["0", "-", "-", "1"]
+    assert table[3].split()[1] == two["uuid"]
+    row = next(line for line in table if line.split()[:1] == [str(on_two)])
+    assert "0,0/2/0" in row.split()

@@ -23,10 +23,25 @@
  *   hang_gpus =                   (indices whose device calls block until cleared)
  *   A call that blocks appends "PID FUNCTION INDEX" (INDEX -1: no GPU) to STATE_DIR/hung.log
  *   once, when it starts to block; it then re-reads the settings every 20 ms.
+ *   mig = INDEX [GI/CI/MIB[/PROFILE] ...]   (one line per GPU in MIG mode; may repeat)
+ *                    GPU INDEX is in MIG mode (nvmlDeviceGetMigMode: 1, 1), with one MIG
+ *                    device (slice) per GI/CI/MIB, at MIG index 0, 1, ... of at most
+ *                    max_mig_devices (default 7): GPU instance GI, compute instance CI, MIB
+ *                    MiB of memory, PROFILE (default "1g.MIBmb") in its name
+ *                    ("NAME MIG PROFILE").  A slice's UUID is "MIG-" + uuid_prefix without its
+ *                    "GPU-" + 4 hex digits each of INDEX, GI and CI.  Every other GPU is MIG
+ *                    capable with MIG disabled (0, 0) and no MIG devices.
+ *   MIG device handles answer nvmlDeviceGetUUID, GetName, GetMemoryInfo(_v2), the process
+ *   lists, IsMigDeviceHandle, GetGpuInstanceId, GetComputeInstanceId and
+ *   GetDeviceHandleFromMigDeviceHandle; the calls made of a whole GPU (GetIndex,
+ *   GetMinorNumber, GetMigMode, GetMaxMigDeviceCount, GetMigDeviceHandleByIndex) answer
+ *   INVALID_ARGUMENT for them.  nvmlDeviceGetHandleByUUID takes MIG UUIDs too.
  *
  * Model (STATE_DIR):
  *   claims/PID       "MIB STARTTIME N[,N...]": PID uses MIB MiB on each GPU whose minor is
- *                    N.  The claim is live while /proc/PID/stat's starttime (field 22)
+ *                    N.  An entry "N/GI/CI" is a MIG slice of that GPU: PID uses MIB MiB of
+ *                    it, and is listed on that slice's handle alone (and on its parent's, with
+ *                    GI and CI, as NVML aggregates a MIG GPU's processes for root).  The claim is live while /proc/PID/stat's starttime (field 22)
  *                    equals STARTTIME and PID has an fd open on DEV_ROOT/nvidiaN for one
  *                    of its Ns (a zombie has none); a live claim is listed as a compute
  *                    process on every claimed GPU whose device file it has open, and counts
@@ -37,6 +52,7 @@
  *                    the claim and .gone files are deleted and "UNIX_NS PID N[,N...]" is
  *                    appended to freed.log.
  *   leak/INDEX       integer MiB used on GPU INDEX with no process at all.
+ *   leak/INDEX-GI-CI integer MiB used on that MIG slice (and so on its GPU) with no process.
  *
  * The only static mutable state is the nvmlInit refcount.
  */
@@ -101,8 +117,15 @@ typedef struct { /* used by the _v2 and _v3 process-list calls */
 /* ---- settings ---- */
 
 #define MAX_GPUS 64
+#define MAX_MIG 7 /* MIG devices per GPU (an H100's most) */
 #define MAX_LISTED 1024 /* holders listed per GPU */
 #define MIB 1048576ULL
+
+struct slice {
+    unsigned gi, ci;
+    unsigned long long mib;
+    char profile[32];
+};
 
 struct config {
     unsigned gpu_count;
@@ -119,7 +142,43 @@ struct config {
     int memory_not_supported;
     int hang;
     unsigned char hang_gpu[MAX_GPUS];
+    unsigned char mig[MAX_GPUS];      /* in MIG mode */
+    unsigned nslices[MAX_GPUS];       /* its MIG devices, at MIG indices 0..nslices-1 */
+    struct slice slices[MAX_GPUS][MAX_MIG];
+    unsigned max_mig;
 };
+
+/* Parses "INDEX [GI/CI/MIB[/PROFILE] ...]" into c's MIG settings. */
+static void parse_mig(struct config *c, const char *val)
+{
+    char *end;
+    unsigned long index = strtoul(val, &end, 10);
+    if (end == val || index >= MAX_GPUS)
+        return;
+    c->mig[index] = 1;
+    const char *p = end;
+    while (*p) {
+        while (isspace((unsigned char)*p))
+            p++;
+        if (!*p)
+            break;
+        struct slice sl = {0, 0, 0, ""};
+        int used = 0;
+        if (sscanf(p, "%u/%u/%llu%n", &sl.gi, &sl.ci, &sl.mib, &used) != 3)
+            return;
+        p += used;
+        if (*p == '/') {
+            p++;
+            size_t n = strcspn(p, " \t");
+            snprintf(sl.profile, sizeof(sl.profile), "%.*s", (int)n, p);
+            p += n;
+        } else {
+            snprintf(sl.profile, sizeof(sl.profile), "1g.%llumb", sl.mib);
+        }
+        if (c->nslices[index] < MAX_MIG)
+            c->slices[index][c->nslices[index]++] = sl;
+    }
+}
 
 static void copy_str(char *dst, size_t size, const char *src)
 {
@@ -165,6 +224,7 @@ static void load_config(struct config *c)
     copy_str(c->driver_version, sizeof(c->driver_version), "570.0.sim");
     copy_str(c->dev_root, sizeof(c->dev_root), "/dev");
     copy_str(c->state_dir, sizeof(c->state_dir), "/run/fake-nvml");
+    c->max_mig = MAX_MIG;
 
     const char *path = getenv("FAKE_NVML_CONFIG");
     FILE *f = fopen(path && *path ? path : "/etc/fake-nvml.conf", "re");
@@ -221,6 +281,12 @@ static void load_config(struct config *c)
             for (unsigned i = 0; i < n; i++)
                 if (idx[i] < MAX_GPUS)
                     c->hang_gpu[idx[i]] = 1;
+        } else if (!strcmp(key, "mig")) {
+            parse_mig(c, val);
+        } else if (!strcmp(key, "max_mig_devices")) {
+            c->max_mig = (unsigned)strtoul(val, NULL, 10);
+            if (c->max_mig > MAX_MIG)
+                c->max_mig = MAX_MIG;
         }
     }
     fclose(f);
@@ -267,6 +333,8 @@ static int init_refcount; /* the only mutable static state */
 
 /* A handle is the address of one of these; its index is its offset. */
 static const struct nvmlDevice_st device_slots[MAX_GPUS];
+/* A MIG device's handle: its GPU's index and its MIG index. */
+static const struct nvmlDevice_st mig_slots[MAX_GPUS][MAX_MIG];
 
 static int initialized(void)
 {
@@ -278,22 +346,52 @@ static nvmlDevice_t handle_of(unsigned index)
     return (nvmlDevice_t)&device_slots[index]; /* never written through */
 }
 
-/* Loads the settings and resolves a handle to its index; the common check of every device call. */
-static nvmlReturn_t device_call(nvmlDevice_t device, struct config *c, unsigned *index)
+static nvmlDevice_t mig_handle_of(unsigned index, unsigned slice)
+{
+    return (nvmlDevice_t)&mig_slots[index][slice]; /* never written through */
+}
+
+/*
+ * Loads the settings and resolves a handle, of a GPU or of one of its MIG devices, to the
+ * GPU's index and the MIG index (*slice, -1 for the GPU itself); the common check of the calls
+ * a MIG device answers too.
+ */
+static nvmlReturn_t any_device_call(nvmlDevice_t device, struct config *c, unsigned *index,
+                                    int *slice)
 {
     if (!initialized())
         return NVML_ERROR_UNINITIALIZED;
     load_config(c);
     const struct nvmlDevice_st *d = device;
-    if (d < device_slots || d >= device_slots + MAX_GPUS)
+    const struct nvmlDevice_st *first_mig = &mig_slots[0][0];
+    if (d >= device_slots && d < device_slots + MAX_GPUS) {
+        *index = (unsigned)(d - device_slots);
+        *slice = -1;
+    } else if (d >= first_mig && d < first_mig + MAX_GPUS * MAX_MIG) {
+        unsigned offset = (unsigned)(d - first_mig);
+        *index = offset / MAX_MIG;
+        *slice = (int)(offset % MAX_MIG);
+        if (*index < c->gpu_count && (!c->mig[*index] || (unsigned)*slice >= c->nslices[*index]))
+            return NVML_ERROR_INVALID_ARGUMENT; /* the slice is gone (MIG reconfigured) */
+    } else {
         return NVML_ERROR_INVALID_ARGUMENT;
-    *index = (unsigned)(d - device_slots);
+    }
     if (*index >= c->gpu_count)
         return NVML_ERROR_INVALID_ARGUMENT;
     hang_while_set(c, "device call", (int)*index);
     if (c->lost[*index])
         return NVML_ERROR_GPU_IS_LOST;
     return NVML_SUCCESS;
+}
+
+/* The check of the calls made of a whole GPU alone: a MIG device's handle is refused. */
+static nvmlReturn_t device_call(nvmlDevice_t device, struct config *c, unsigned *index)
+{
+    int slice;
+    nvmlReturn_t ret = any_device_call(device, c, index, &slice);
+    if (ret == NVML_SUCCESS && slice >= 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return ret;
 }
 
 static nvmlReturn_t copy_out(char *buf, unsigned length, const char *s)
@@ -309,6 +407,17 @@ static nvmlReturn_t copy_out(char *buf, unsigned length, const char *s)
 static void uuid_of(const struct config *c, unsigned index, char *out, size_t size)
 {
     snprintf(out, size, "%s%012x", c->uuid_prefix, index);
+}
+
+static void mig_uuid_of(const struct config *c, unsigned index, unsigned slice, char *out,
+                        size_t size)
+{
+    const char *rest = c->uuid_prefix;
+    if (!strncmp(rest, "GPU-", 4))
+        rest += 4;
+    const struct slice *sl = &c->slices[index][slice];
+    snprintf(out, size, "MIG-%s%04x%04x%04x", rest, index & 0xffff, sl->gi & 0xffff,
+             sl->ci & 0xffff);
 }
 
 /* ---- the process table ---- */
@@ -454,7 +563,49 @@ static void append_freed(const struct config *c, unsigned pid, const char *devic
 struct listed {
     unsigned pid;
     unsigned long long bytes;
+    unsigned gi, ci; /* NVML_VALUE_NOT_AVAILABLE_UINT: not on a MIG slice */
 };
+
+/* What a usage is asked of: a GPU (slice -1), or one of its MIG devices (gi, ci). */
+struct target {
+    unsigned minor;
+    int slice;
+    unsigned gi, ci;
+};
+
+/* One entry of a claim: "N" (a whole GPU) or "N/GI/CI" (a MIG slice of it). */
+struct entry {
+    unsigned minor, gi, ci;
+    int on_slice;
+};
+
+/* Parses a claim's device list into out[0..max); returns the count (0: malformed). */
+static unsigned parse_entries(const char *s, struct entry *out, unsigned max)
+{
+    unsigned n = 0;
+    while (*s && n < max) {
+        struct entry e = {0, NVML_VALUE_NOT_AVAILABLE_UINT, NVML_VALUE_NOT_AVAILABLE_UINT, 0};
+        int used = 0;
+        if (sscanf(s, "%u/%u/%u%n", &e.minor, &e.gi, &e.ci, &used) == 3)
+            e.on_slice = 1;
+        else if (sscanf(s, "%u%n", &e.minor, &used) != 1)
+            return 0;
+        s += used;
+        if (*s && *s != ',')
+            return 0;
+        if (*s == ',')
+            s++;
+        out[n++] = e;
+    }
+    return n;
+}
+
+static int entry_matches(const struct entry *e, const struct target *t)
+{
+    if (e->minor != t->minor)
+        return 0;
+    return t->slice < 0 || (e->on_slice && e->gi == t->gi && e->ci == t->ci);
+}
 
 struct gpu_usage {
     unsigned long long used_bytes; /* claims still counted, plus leak; excludes reserved */
@@ -462,9 +613,9 @@ struct gpu_usage {
     struct listed listed[MAX_LISTED];
 };
 
-/* Applies one claim file to the usage of the GPU with minor `minor`; reaps it when released. */
-static void apply_claim(const struct config *c, const char *dev_root, unsigned pid, unsigned minor,
-                        struct gpu_usage *u)
+/* Applies one claim file to the usage of target t; reaps it when released. */
+static void apply_claim(const struct config *c, const char *dev_root, unsigned pid,
+                        const struct target *t, struct gpu_usage *u)
 {
     char path[PATH_MAX + 64], gone[PATH_MAX + 96], buf[512], devices[256];
     unsigned long long mib, start;
@@ -482,32 +633,39 @@ static void apply_claim(const struct config *c, const char *dev_root, unsigned p
     if (sscanf(buf, "%llu %llu %255s", &mib, &start, devices) != 3)
         return; /* malformed (or half-written by a careless writer): ignored */
 
+    struct entry entries[MAX_GPUS];
     unsigned minors[MAX_GPUS];
-    unsigned nminors = parse_uint_list(devices, minors, MAX_GPUS);
-    int mine = -1;
-    for (unsigned i = 0; i < nminors; i++)
-        if (minors[i] == minor)
-            mine = (int)i;
-    if (mine < 0)
-        return; /* not a claim on this GPU */
+    unsigned nentries = parse_entries(devices, entries, MAX_GPUS);
+    unsigned matching = 0;
+    for (unsigned i = 0; i < nentries; i++) {
+        minors[i] = entries[i].minor;
+        matching += entry_matches(&entries[i], t);
+    }
+    if (matching == 0)
+        return; /* not a claim on this GPU or slice */
 
     unsigned long long bytes = mib * MIB;
     unsigned char held[MAX_GPUS];
     int live = start != 0 && proc_starttime(pid) == start &&
-               held_devices(pid, dev_root, minors, nminors, held) > 0;
+               held_devices(pid, dev_root, minors, nentries, held) > 0;
     if (live) {
         unlink(gone); /* a stale mark from an earlier process with this pid */
-        u->used_bytes += bytes;
-        if (held[mine]) {
-            if (u->nlisted < MAX_LISTED)
-                u->listed[u->nlisted] = (struct listed){pid, bytes};
-            u->nlisted++;
+        for (unsigned i = 0; i < nentries; i++) {
+            if (!entry_matches(&entries[i], t))
+                continue;
+            u->used_bytes += bytes;
+            if (held[i]) {
+                if (u->nlisted < MAX_LISTED)
+                    u->listed[u->nlisted] =
+                        (struct listed){pid, bytes, entries[i].gi, entries[i].ci};
+                u->nlisted++;
+            }
         }
         return;
     }
     long long since = first_noticed_gone(gone);
     if (now_ns() < since + c->release_delay_ms * 1000000LL) {
-        u->used_bytes += bytes; /* the driver has not freed it yet */
+        u->used_bytes += bytes * matching; /* the driver has not freed it yet */
         return;
     }
     if (unlink(path) == 0) { /* whoever deletes the claim reports the release */
@@ -516,10 +674,16 @@ static void apply_claim(const struct config *c, const char *dev_root, unsigned p
     }
 }
 
-/* Derives the memory use and the compute processes of GPU `index` from the process table. */
-static void gpu_usage(const struct config *c, unsigned index, struct gpu_usage *u)
+/* Derives the memory use and the compute processes of GPU `index`, or of its MIG device
+ * `slice` (-1: the GPU itself), from the process table. */
+static void gpu_usage(const struct config *c, unsigned index, int slice, struct gpu_usage *u)
 {
-    char dir_path[PATH_MAX + 16], leak[PATH_MAX + 32], dev_root[PATH_MAX];
+    struct target t = {c->minors[index], slice, 0, 0};
+    if (slice >= 0) {
+        t.gi = c->slices[index][slice].gi;
+        t.ci = c->slices[index][slice].ci;
+    }
+    char dir_path[PATH_MAX + 16], leak[PATH_MAX + 64], dev_root[PATH_MAX];
     u->used_bytes = 0;
     u->nlisted = 0;
 
@@ -539,15 +703,25 @@ static void gpu_usage(const struct config *c, unsigned index, struct gpu_usage *
         while ((e = readdir(dir))) {
             if (!e->d_name[0] || strspn(e->d_name, "0123456789") != strlen(e->d_name))
                 continue; /* PID.gone, temporary files */
-            apply_claim(c, dev_root, (unsigned)strtoul(e->d_name, NULL, 10), c->minors[index], u);
+            apply_claim(c, dev_root, (unsigned)strtoul(e->d_name, NULL, 10), &t, u);
         }
         closedir(dir);
     }
 
     long long leaked;
-    snprintf(leak, sizeof(leak), "%s/leak/%u", c->state_dir, index);
-    if (read_number(leak, &leaked) == 0 && leaked > 0)
-        u->used_bytes += (unsigned long long)leaked * MIB;
+    if (slice < 0) {
+        snprintf(leak, sizeof(leak), "%s/leak/%u", c->state_dir, index);
+        if (read_number(leak, &leaked) == 0 && leaked > 0)
+            u->used_bytes += (unsigned long long)leaked * MIB;
+    }
+    for (unsigned k = 0; c->mig[index] && k < c->nslices[index]; k++) {
+        if (slice >= 0 && (unsigned)slice != k)
+            continue;
+        snprintf(leak, sizeof(leak), "%s/leak/%u-%u-%u", c->state_dir, index,
+                 c->slices[index][k].gi, c->slices[index][k].ci);
+        if (read_number(leak, &leaked) == 0 && leaked > 0)
+            u->used_bytes += (unsigned long long)leaked * MIB;
+    }
 }
 
 /* ---- exported API ---- */
@@ -693,6 +867,15 @@ API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *devic
             *device = handle_of(i);
             return NVML_SUCCESS;
         }
+        for (unsigned k = 0; c.mig[i] && k < c.nslices[i]; k++) {
+            mig_uuid_of(&c, i, k, mine, sizeof(mine));
+            if (!strcmp(uuid, mine)) {
+                if (c.lost[i])
+                    return NVML_ERROR_GPU_IS_LOST;
+                *device = mig_handle_of(i, k);
+                return NVML_SUCCESS;
+            }
+        }
     }
     return NVML_ERROR_NOT_FOUND;
 }
@@ -727,11 +910,15 @@ API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int
 {
     struct config c;
     unsigned i;
+    int slice;
     char buf[sizeof(c.uuid_prefix) + 16];
-    nvmlReturn_t ret = device_call(device, &c, &i);
+    nvmlReturn_t ret = any_device_call(device, &c, &i, &slice);
     if (ret != NVML_SUCCESS)
         return ret;
-    uuid_of(&c, i, buf, sizeof(buf));
+    if (slice >= 0)
+        mig_uuid_of(&c, i, (unsigned)slice, buf, sizeof(buf));
+    else
+        uuid_of(&c, i, buf, sizeof(buf));
     return copy_out(uuid, length, buf);
 }
 
@@ -739,26 +926,131 @@ API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int
 {
     struct config c;
     unsigned i;
+    int slice;
+    char buf[sizeof(c.name) + 48];
+    nvmlReturn_t ret = any_device_call(device, &c, &i, &slice);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (slice < 0)
+        return copy_out(name, length, c.name);
+    snprintf(buf, sizeof(buf), "%s MIG %s", c.name, c.slices[i][slice].profile);
+    return copy_out(name, length, buf);
+}
+
+/* ---- MIG ---- */
+
+API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t device, unsigned int *currentMode,
+                                      unsigned int *pendingMode)
+{
+    struct config c;
+    unsigned i;
     nvmlReturn_t ret = device_call(device, &c, &i);
     if (ret != NVML_SUCCESS)
         return ret;
-    return copy_out(name, length, c.name);
+    if (!currentMode || !pendingMode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *currentMode = *pendingMode = c.mig[i];
+    return NVML_SUCCESS;
 }
 
-/* Memory of GPU `index` as NVML v2 reports it (used excludes reserved). */
+API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count)
+{
+    struct config c;
+    unsigned i;
+    nvmlReturn_t ret = device_call(device, &c, &i);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *count = c.mig[i] ? c.max_mig : 0; /* zero where MIG is not enabled */
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t device, unsigned int index,
+                                                     nvmlDevice_t *migDevice)
+{
+    struct config c;
+    unsigned i;
+    nvmlReturn_t ret = device_call(device, &c, &i);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!migDevice || !c.mig[i] || index >= c.max_mig)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (index >= c.nslices[i])
+        return NVML_ERROR_NOT_FOUND; /* no MIG device at this index */
+    *migDevice = mig_handle_of(i, index);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetDeviceHandleFromMigDeviceHandle(nvmlDevice_t migDevice,
+                                                              nvmlDevice_t *device)
+{
+    struct config c;
+    unsigned i;
+    int slice;
+    nvmlReturn_t ret = any_device_call(migDevice, &c, &i, &slice);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!device || slice < 0)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *device = handle_of(i);
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice)
+{
+    struct config c;
+    unsigned i;
+    int slice;
+    nvmlReturn_t ret = any_device_call(device, &c, &i, &slice);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!isMigDevice)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *isMigDevice = slice >= 0;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t instance_id(nvmlDevice_t device, unsigned int *id, int compute)
+{
+    struct config c;
+    unsigned i;
+    int slice;
+    nvmlReturn_t ret = any_device_call(device, &c, &i, &slice);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    if (!id || slice < 0)
+        return NVML_ERROR_INVALID_ARGUMENT; /* not a MIG device */
+    *id = compute ? c.slices[i][slice].ci : c.slices[i][slice].gi;
+    return NVML_SUCCESS;
+}
+
+API nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    return instance_id(device, id, 0);
+}
+
+API nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t device, unsigned int *id)
+{
+    return instance_id(device, id, 1);
+}
+
+/* Memory of a GPU or MIG device as NVML v2 reports it (used excludes reserved; a MIG device
+ * has none reserved). */
 static nvmlReturn_t memory_v2(nvmlDevice_t device, nvmlMemory_v2_t *out)
 {
     struct config c;
     unsigned i;
+    int slice;
     struct gpu_usage u;
-    nvmlReturn_t ret = device_call(device, &c, &i);
+    nvmlReturn_t ret = any_device_call(device, &c, &i, &slice);
     if (ret != NVML_SUCCESS)
         return ret;
     if (c.memory_not_supported)
         return NVML_ERROR_NOT_SUPPORTED;
-    gpu_usage(&c, i, &u);
-    out->total = c.total_mib * MIB;
-    out->reserved = c.reserved_mib * MIB;
+    gpu_usage(&c, i, slice, &u);
+    out->total = (slice < 0 ? c.total_mib : c.slices[i][slice].mib) * MIB;
+    out->reserved = slice < 0 ? c.reserved_mib * MIB : 0;
     out->used = u.used_bytes;
     unsigned long long taken = out->used + out->reserved;
     out->free = taken < out->total ? out->total - taken : 0;
@@ -808,15 +1100,16 @@ static nvmlReturn_t process_list(nvmlDevice_t device, int compute, unsigned int 
 {
     struct config c;
     unsigned i;
+    int slice;
     struct gpu_usage u;
-    nvmlReturn_t ret = device_call(device, &c, &i);
+    nvmlReturn_t ret = any_device_call(device, &c, &i, &slice);
     if (ret != NVML_SUCCESS)
         return ret;
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     u.nlisted = 0;
     if (compute)
-        gpu_usage(&c, i, &u);
+        gpu_usage(&c, i, slice, &u);
     unsigned n = u.nlisted < MAX_LISTED ? u.nlisted : MAX_LISTED;
     if (n == 0) {
         *count = 0;
@@ -828,9 +1121,8 @@ static nvmlReturn_t process_list(nvmlDevice_t device, int compute, unsigned int 
     }
     for (unsigned k = 0; k < n; k++) {
         if (infos)
-            infos[k] = (nvmlProcessInfo_t){u.listed[k].pid, u.listed[k].bytes,
-                                           NVML_VALUE_NOT_AVAILABLE_UINT,
-                                           NVML_VALUE_NOT_AVAILABLE_UINT};
+            infos[k] = (nvmlProcessInfo_t){u.listed[k].pid, u.listed[k].bytes, u.listed[k].gi,
+                                           u.listed[k].ci};
         else
             infos_v1[k] = (nvmlProcessInfo_v1_t){u.listed[k].pid, u.listed[k].bytes};
     }

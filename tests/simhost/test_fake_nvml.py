@@ -567,3 +567,198 @@ def test_reader_that_cannot_see_fds_trusts_the_claim(sim: Sim) -> None:
     holder.kill()
     os.waitid(os.P_PID, holder.pid, os.WEXITED | os.WNOWAIT)  # a zombie now, not reaped
     assert sim.snapshot(wrapper=no_ptrace)[2]["compute"] == []
+
+
+MIG_SNAPSHOT = """
+def procs(h):
+    return sorted([p.pid, p.usedGpuMemory, p.gpuInstanceId, p.computeInstanceId]
+                  for p in n.nvmlDeviceGetComputeRunningProcesses(h))
+n.nvmlInit()
+out = []
+for i in range(n.nvmlDeviceGetCount()):
+    h = n.nvmlDeviceGetHandleByIndex(i)
+    gpu = {"mode": n.nvmlDeviceGetMigMode(h), "max": n.nvmlDeviceGetMaxMigDeviceCount(h),
+           "is_mig": n.nvmlDeviceIsMigDeviceHandle(h).value, "compute": procs(h),
+           "used": n.nvmlDeviceGetMemoryInfo(h, n.nvmlMemory_v2).used, "slices": []}
+    for k in range(gpu["max"]):
+        try:
+            m = n.nvmlDeviceGetMigDeviceHandleByIndex(h, k)
+        except n.NVMLError as e:
+            gpu["slices"].append(type(e).__name__)
+            continue
+        uuid = n.nvmlDeviceGetUUID(m)
+        parent = n.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(m)
+        again = n.nvmlDeviceGetHandleByUUID(uuid)
+        v2 = n.nvmlDeviceGetMemoryInfo(m, n.nvmlMemory_v2)
+        v1 = n.nvmlDeviceGetMemoryInfo(m)
+        gpu["slices"].append({
+            "uuid": uuid, "name": n.nvmlDeviceGetName(m),
+            "is_mig": n.nvmlDeviceIsMigDeviceHandle(m).value,
+            "gi": n.nvmlDeviceGetGpuInstanceId(m), "ci": n.nvmlDeviceGetComputeInstanceId(m),
+            "parent": n.nvmlDeviceGetIndex(parent),
+            "by_uuid": [n.nvmlDeviceGetGpuInstanceId(again), n.nvmlDeviceGetComputeInstanceId(again)],
+            "v1": [v1.total, v1.free, v1.used], "v2": [v2.total, v2.reserved, v2.free, v2.used],
+            "compute": procs(m),
+        })
+    out.append(gpu)
+print(json.dumps(out))
+"""
+
+MIG_PREFIX = "MIG-fa4e5a11-0000-0000-0000-"
+
+
+def mig_uuid(index: int, gi: int, ci: int) -> str:
+    return f"{MIG_PREFIX}{index:04x}{gi:04x}{ci:04x}"
+
+
+def test_mig_slices_through_pynvml(sim: Sim) -> None:
+    sim.configure(gpu_count=2, mig="0 1/0/20000/2g.20gb 2/0/20000 5/0/40000/3g.40gb")
+    on_one = sim.hold("nvidiactl", "nvidia0")
+    sim.claim(on_one.pid, 1000, "0/1/0")
+    on_two = sim.hold("nvidia0")
+    sim.claim(on_two.pid, 300, "0/2/0")
+    # holds the parent's device file, as every process on every slice does; on no slice
+    watcher = sim.hold("nvidia0")
+    (sim.state / "leak").mkdir()
+    (sim.state / "leak" / "0-5-0").write_text("64\n")
+    gpus = sim.run(MIG_SNAPSHOT)
+    gpu0, gpu1 = gpus
+    assert gpu0["mode"] == [1, 1] and gpu0["max"] == 7 and gpu0["is_mig"] == 0
+    assert gpu1["mode"] == [0, 0] and gpu1["max"] == 0 and gpu1["slices"] == []
+    assert gpu0["slices"][3:] == ["NVMLError_NotFound"] * 4
+    one, two, three = gpu0["slices"][:3]
+    assert [s["uuid"] for s in (one, two, three)] == [
+        mig_uuid(0, 1, 0),
+        mig_uuid(0, 2, 0),
+        mig_uuid(0, 5, 0),
+    ]
+    assert one["name"] == "NVIDIA H200 (simulated) MIG 2g.20gb"
+    assert two["name"] == "NVIDIA H200 (simulated) MIG 1g.20000mb"
+    for s, (gi, ci) in zip((one, two, three), ((1, 0), (2, 0), (5, 0))):
+        assert s["is_mig"] == 1 and s["parent"] == 0
+        assert [s["gi"], s["ci"]] == s["by_uuid"] == [gi, ci]
+    assert one["compute"] == [[on_one.pid, 1000 * MIB, 1, 0]]
+    assert two["compute"] == [[on_two.pid, 300 * MIB, 2, 0]]
+    assert three["compute"] == []
+    assert one["v2"] == [20000 * MIB, 0, 19000 * MIB, 1000 * MIB]
+    assert one["v1"] == [20000 * MIB, 19000 * MIB, 1000 * MIB]
+    assert three["v2"][3] == 64 * MIB
+    # the parent aggregates its slices (processes with their instance ids, memory)
+    assert gpu0["compute"] == sorted(
+        [[on_one.pid, 1000 * MIB, 1, 0], [on_two.pid, 300 * MIB, 2, 0]]
+    )
+    assert gpu0["used"] == 1364 * MIB
+    assert watcher.pid not in {p[0] for g in gpus for p in g["compute"]}
+    assert gpu1["compute"] == [] and gpu1["used"] == 0
+
+
+def test_mig_claim_needs_the_parent_device_file(sim: Sim) -> None:
+    sim.configure(release_delay_ms=60_000, mig="0 1/0/1000 2/0/1000")
+    holder = sim.hold("nvidia1")  # not GPU 0's device file: not live on its slice
+    sim.claim(holder.pid, 10, "0/1/0,1")
+    gpus = sim.run(MIG_SNAPSHOT)
+    assert gpus[0]["slices"][0]["compute"] == []
+    assert gpus[0]["slices"][0]["v2"][3] == 10 * MIB  # counted: the process is alive
+    assert gpus[0]["slices"][1]["v2"][3] == 0
+    assert gpus[1]["compute"] == [[holder.pid, 10 * MIB, NA, NA]]
+
+
+def test_mig_handle_errors(sim: Sim) -> None:
+    sim.configure(mig="3 7/1/5000", gpu_count=4, max_mig_devices=2)
+    out = sim.run(f"""
+        n.nvmlInit()
+        r = {{}}
+        def err(f, *a):
+            try:
+                f(*a)
+                return None
+            except n.NVMLError as e:
+                return type(e).__name__
+        whole = n.nvmlDeviceGetHandleByIndex(0)
+        mig = n.nvmlDeviceGetMigDeviceHandleByIndex(n.nvmlDeviceGetHandleByIndex(3), 0)
+        r["gi_of_whole"] = err(n.nvmlDeviceGetGpuInstanceId, whole)
+        r["parent_of_whole"] = err(n.nvmlDeviceGetDeviceHandleFromMigDeviceHandle, whole)
+        r["mig_of_non_mig"] = err(n.nvmlDeviceGetMigDeviceHandleByIndex, whole, 0)
+        r["past_max"] = err(n.nvmlDeviceGetMigDeviceHandleByIndex,
+                            n.nvmlDeviceGetHandleByIndex(3), 2)
+        r["empty_slot"] = err(n.nvmlDeviceGetMigDeviceHandleByIndex,
+                              n.nvmlDeviceGetHandleByIndex(3), 1)
+        r["minor_of_mig"] = err(n.nvmlDeviceGetMinorNumber, mig)
+        r["mode_of_mig"] = err(n.nvmlDeviceGetMigMode, mig)
+        r["ids"] = [n.nvmlDeviceGetGpuInstanceId(mig), n.nvmlDeviceGetComputeInstanceId(mig)]
+        r["unknown_mig_uuid"] = err(n.nvmlDeviceGetHandleByUUID, "{mig_uuid(3, 7, 2)}")
+        r["legacy_form"] = err(n.nvmlDeviceGetHandleByUUID,
+                               "MIG-GPU-fa4e5a11-0000-0000-0000-000000000003/7/1")
+        print(json.dumps(r))
+    """)
+    assert out == {
+        "gi_of_whole": "NVMLError_InvalidArgument",
+        "parent_of_whole": "NVMLError_InvalidArgument",
+        "mig_of_non_mig": "NVMLError_InvalidArgument",
+        "past_max": "NVMLError_InvalidArgument",
+        "empty_slot": "NVMLError_NotFound",
+        "minor_of_mig": "NVMLError_InvalidArgument",
+        "mode_of_mig": "NVMLError_InvalidArgument",
+        "ids": [7, 1],
+        "unknown_mig_uuid": "NVMLError_NotFound",
+        "legacy_form": "NVMLError_NotFound",
+    }
+
+
+def test_gpugates_driver_reads_slices(sim: Sim) -> None:
+    """host.nvml.NvmlDriver over the stand-in: slices follow their GPU, keyed apart, each
+    with its own memory and processes; entries with a GPU instance are marked on_slice."""
+    sim.configure(gpu_count=2, mig="1 3/0/10000/1g.10gb 4/1/20000")
+    on_slice = sim.hold("nvidia1")
+    sim.claim(on_slice.pid, 500, "1/4/1")
+    whole = sim.hold("nvidia0")
+    sim.claim(whole.pid, 50, "0")
+    out = sim.run(f"""
+        from gpugate.host.nvml import NvmlDriver
+        d = NvmlDriver(library={str(sim.lib_dir / "libnvidia-ml.so.1")!r})
+        rows = []
+        for g in d.gpus():
+            u = d.usage(g)
+            rows.append([g.index, g.uuid, g.minor, g.total_mib, g.mig_mode, g.shown,
+                         None if g.mig is None else g.mig.profile, u.used_mib,
+                         [[p.pid, p.used_mib, p.on_slice] for p in u.processes]])
+        d.close()
+        print(json.dumps(rows))
+    """)
+    key = 1024 + 16
+    assert out == [
+        [
+            0,
+            "GPU-fa4e5a11-0000-0000-0000-000000000000",
+            0,
+            97887,
+            False,
+            "0",
+            None,
+            50,
+            [[whole.pid, 50, False]],
+        ],
+        [
+            1,
+            "GPU-fa4e5a11-0000-0000-0000-000000000001",
+            1,
+            97887,
+            True,
+            "1",
+            None,
+            500,
+            [[on_slice.pid, 500, True]],
+        ],
+        [key, mig_uuid(1, 3, 0), 1, 10000, False, "1/3/0", "1g.10gb", 0, []],
+        [
+            key + 1,
+            mig_uuid(1, 4, 1),
+            1,
+            20000,
+            False,
+            "1/4/1",
+            "1g.20000mb",
+            500,
+            [[on_slice.pid, 500, True]],
+        ],
+    ]

@@ -9,10 +9,16 @@ second container and a unit on GPU 1 are refused naming the pod, containerd rest
 both the container and its lease, `ctr task kill -s KILL` and delete release it, and so does a
 SIGKILLed shim; a container without GPUs runs as before; uninstall leaves the file as it
 was. docker's runtime gpugate on the same node runs NVIDIA's runtime in turn too. Debian
-packages no crictl: the CRI annotations are given with `ctr run --annotation`."""
+packages no crictl: `ctr run` gives what the CRI plugin would. Its containers have 64-hex ids;
+their cgroup is the CRI's (`getCgroupsPath`: the pod's slice, `cri-containerd`, the id, which
+runc's systemd driver makes `/kubepods.slice/kubepods-besteffort.slice/
+kubepods-besteffort-podUID.slice/cri-containerd-ID.scope`); the annotations are the CRI's
+(`--annotation`); a GPU is its 195:N node in linux.devices (`--device`, as the device plugin's
+DeviceSpecs are), beside the plain /dev/nvidiaN its process holds for the stand-in NVML."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
 from collections.abc import Iterator
@@ -23,7 +29,8 @@ from incident import REPO
 from realparts import install_debs, wait_for
 from sandbox import SimHost
 from test_real_containers import DAEMON_JSON, MIB, ROOTFS, hold
-from test_real_oci_hooks import FAST, Box
+from test_real_oci_hooks import FAST, NODES, Box
+from test_real_oci_hooks import node as gpu_node
 
 from gpugate.compat import tomllib
 
@@ -67,7 +74,18 @@ POD = {
     "io.kubernetes.cri.sandbox-name": "vllm-0",
     "io.kubernetes.cri.container-name": "server",
 }
-A_ID, B_ID, C_ID = "gpu-a", "gpu-b", "plain-c"
+
+
+def container_id(name: str) -> str:
+    """A container id as containerd's CRI makes them: 64 hex digits."""
+    return hashlib.sha256(name.encode()).hexdigest()
+
+
+A_ID, B_ID, C_ID, D_ID, E_ID = map(container_id, ("gpu-a", "gpu-b", "plain-c", "gpu-d", "gpu-e"))
+# kubelet's cgroup parent of a BestEffort pod (systemd driver: the pod UID's dashes as
+# underscores); the CRI plugin passes its last slice to runc as `SLICE:cri-containerd:ID`.
+POD_SLICE = "kubepods-besteffort-pod6b1f0c52_9a3e_4d7b_8f21_0c4d5e6f7a8b.slice"
+POD_CGROUP = "/kubepods.slice/kubepods-besteffort.slice/" + POD_SLICE + "/cri-containerd-{id}.scope"
 # docker on the same node, NVIDIA's runtime registered as nvidia-ctk registers it.
 DOCKER_NVIDIA = json.dumps({**json.loads(DAEMON_JSON), "runtimes": {"nvidia": {"path": NVIDIA}}})
 
@@ -77,9 +95,10 @@ class Node(Box):
 
     def ctr_run(self, cid: str, gpu: int | None, *, detach: bool = True) -> list[str]:
         argv = ["ctr", "run", "-d" if detach else "--rm", "--runc-binary", self.wrapper]
-        argv += ["--runc-systemd-cgroup", "--cgroup", f"kubepods.slice:cri-containerd:{cid}"]
+        argv += ["--runc-systemd-cgroup", "--cgroup", f"{POD_SLICE}:cri-containerd:{cid}"]
         argv += ["--cpu-shares", "0"]  # runc and this machine's hybrid cgroups: no cpu.weight
         if gpu is not None:
+            argv += ["--device", f"{NODES}/nvidia{gpu}"]
             argv += [
                 "--mount",
                 f"type=bind,src=/dev/nvidia{gpu},dst=/dev/nvidia{gpu},options=rbind:rw",
@@ -97,6 +116,10 @@ class Node(Box):
             if words and words[0] == cid:
                 return int(words[1]), words[2]
         return 0, ""
+
+    def cgroup(self, cid: str) -> str:
+        """The cgroup of the container's task, as the kernel says it."""
+        return self.sh(f"cat /proc/{self.task(cid)[0]}/cgroup").strip().partition("::")[2]
 
     def claim_task(self, cid: str, gpus: list[int]) -> None:
         pid = self.task(cid)[0]
@@ -120,6 +143,10 @@ def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
         sim.write_file("/etc/docker/daemon.json", DOCKER_NVIDIA)
         sim.write_file(NVIDIA, STAND_IN, mode=0o755)
         sim.write_file("/etc/gpugate/containers.toml", FAST)
+        sim.run(
+            f"mkdir -p {NODES} && for i in 0 1 2 3 4 5 6 7; do "
+            f"mknod -m 0666 {NODES}/nvidia$i c 195 $i; done"
+        )
         sim.run(
             f"mkdir -p {ROOTFS}/bin {ROOTFS}/dev {ROOTFS}/proc {ROOTFS}/sys {ROOTFS}/etc "
             f"{ROOTFS}/tmp && cp /bin/busybox {ROOTFS}/bin/busybox && "
@@ -175,6 +202,7 @@ def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node)
     cursor = node.cursor()
     node.sh(shlex.join(node.ctr_run(A_ID, 1)))
     wait_for("the pod's container running", lambda: node.task(A_ID)[1] == "RUNNING")
+    assert node.cgroup(A_ID) == POD_CGROUP.format(id=A_ID)
     assert not node.alive(stale), "the stale holder on GPU 1 outlived the container's start"
     calls = node.sh(f"cat {CALLS}")
     assert any(" create " in line and A_ID in line for line in calls.splitlines()), calls
@@ -187,7 +215,8 @@ def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node)
     killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
     assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
     (lease,) = node.leases()
-    assert lease["container"] == f"containerd container ml/vllm-0/server ({A_ID})", lease
+    assert lease["container"] == f"containerd container ml/vllm-0/server ({A_ID[:12]})", lease
+    assert lease["unit"] == f"cri-containerd-{A_ID}.scope", lease
     assert lease["gpus"] == [1]
     node.claim_task(A_ID, [1])
 
@@ -224,21 +253,21 @@ def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node)
 def test_a_killed_shim_leaves_no_lease_behind(node: Node) -> None:
     """containerd cleans up after a shim that died (`shim delete`: runc delete --force, which
     runs the poststop): the container goes, and with it its lease; the next one starts."""
-    node.sh(shlex.join(node.ctr_run("gpu-d", 3)))
-    wait_for("gpu-d running", lambda: node.task("gpu-d")[1] == "RUNNING")
+    node.sh(shlex.join(node.ctr_run(D_ID, 3)))
+    wait_for("gpu-d running", lambda: node.task(D_ID)[1] == "RUNNING")
     assert len(node.leases()) == 1
-    node.claim_task("gpu-d", [3])
-    shims = node.sh("ps -eo pid=,args= | grep '[c]ontainerd-shim-runc-v2 .*-id gpu-d'")
+    node.claim_task(D_ID, [3])
+    shims = node.sh(f"ps -eo pid=,args= | grep '[c]ontainerd-shim-runc-v2 .*-id {D_ID}'")
     (shim,) = [int(line.split()[0]) for line in shims.splitlines()]
     node.sh(f"kill -KILL {shim}")
-    wait_for("gpu-d's task gone", lambda: node.task("gpu-d")[1] in ("", "STOPPED"))
+    wait_for("gpu-d's task gone", lambda: node.task(D_ID)[1] in ("", "STOPPED"))
     wait_for("its lease gone", lambda: not node.leases())
-    node.sh("ctr task delete gpu-d; ctr container delete gpu-d", check=False)
-    node.sh(shlex.join(node.ctr_run("gpu-e", 3)))
-    wait_for("gpu-e running", lambda: node.task("gpu-e")[1] == "RUNNING")
-    node.sh("ctr task kill -s KILL gpu-e")
-    wait_for("gpu-e stopped", lambda: node.task("gpu-e")[1] == "STOPPED")
-    node.sh("ctr task delete gpu-e && ctr container delete gpu-e")
+    node.sh(f"ctr task delete {D_ID}; ctr container delete {D_ID}", check=False)
+    node.sh(shlex.join(node.ctr_run(E_ID, 3)))
+    wait_for("gpu-e running", lambda: node.task(E_ID)[1] == "RUNNING")
+    node.sh(f"ctr task kill -s KILL {E_ID}")
+    wait_for("gpu-e stopped", lambda: node.task(E_ID)[1] == "STOPPED")
+    node.sh(f"ctr task delete {E_ID} && ctr container delete {E_ID}")
     wait_for("no lease left", lambda: not node.leases())
 
 
@@ -255,7 +284,7 @@ def test_docker_s_gpugate_runtime_keeps_nvidia_s_runtime_in_the_chain(node: Node
     stale = node.stale_holder(2)
     before = len(node.sh(f"cat {CALLS}").splitlines())
     argv = ["docker", "run", "-d", "--runtime", "gpugate", "--name", "dgpu", "--network", "none"]
-    argv += ["-v", "/dev/nvidia2:/dev/nvidia2", "gpustub", "sh", "-c", hold([2])]
+    argv += ["-v", "/dev/nvidia2:/dev/nvidia2", *gpu_node(2), "gpustub", "sh", "-c", hold([2])]
     node.sh(shlex.join(argv))
     wait_for("dgpu running", lambda: node.sh("docker ps -q --filter name=^dgpu$").strip())
     assert not node.alive(stale)

@@ -1,5 +1,9 @@
 """GPU lists as operators and schedulers write them: one parser for the config's `gpus`,
-`gpugate install --gpus` and Slurm's SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES."""
+`gpugate install --gpus` and Slurm's SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES.
+
+A GPU is an index, a GPU UUID (or a prefix of one), or a MIG slice: its UUID (`MIG-...`, or
+a prefix of one) or the older `MIG-GPU-<uuid>/<gi>/<ci>` form (CUDA before 11.1, and
+NVIDIA_VISIBLE_DEVICES). Which GPU or slice each names is core.owned_gpus's to find."""
 
 from __future__ import annotations
 
@@ -12,16 +16,18 @@ from gpugate.errors import InvalidValue, Problem
 # A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 MIG_PREFIX = "MIG-"
+MIG_UUID_PATTERN = re.compile(r"MIG-[0-9a-fA-F][0-9a-fA-F-]{7,}")
+LEGACY_MIG_PATTERN = re.compile(r"MIG-(GPU-[0-9a-fA-F][0-9a-fA-F-]{7,})/([0-9]{1,4})/([0-9]{1,4})")
 MAX_GPU_INDEX = 1023
 
-GpuRef = Union[int, str]  # an NVML index or a GPU UUID
+GpuRef = Union[int, str]  # an NVML index, a GPU UUID or a MIG slice's (either form)
 
 
 GpuListError = InvalidValue  # what the parser raises: a code and facts; the caller names where
 
 
 def gpu_ref(item: object) -> GpuRef:
-    """One GPU: an index 0-1023 or a GPU UUID. Text of digits is an index."""
+    """One GPU: an index 0-1023, a GPU UUID or a MIG slice. Text of digits is an index."""
     if isinstance(item, bool):
         raise InvalidValue(Problem.GPU_NOT_REF, value=item)
     if isinstance(item, str) and item.isascii() and item.isdigit():
@@ -31,10 +37,12 @@ def gpu_ref(item: object) -> GpuRef:
             raise InvalidValue(Problem.GPU_INDEX_RANGE, value=item, most=MAX_GPU_INDEX)
         return item
     if isinstance(item, str):
+        if UUID_PATTERN.fullmatch(item) or MIG_UUID_PATTERN.fullmatch(item):
+            return item
+        if LEGACY_MIG_PATTERN.fullmatch(item):
+            return item
         if item.upper().startswith(MIG_PREFIX):
             raise InvalidValue(Problem.GPU_MIG, value=item)
-        if UUID_PATTERN.fullmatch(item):
-            return item
         raise InvalidValue(Problem.GPU_NOT_REF, value=item, text=True)
     raise InvalidValue(Problem.GPU_NOT_REF, value=item)
 
@@ -53,6 +61,15 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
         seen.add(key)
         refs.append(ref)
     return tuple(refs)
+
+
+def legacy_mig(ref: str) -> tuple[str, int, int] | None:
+    """A `MIG-GPU-<uuid>/<gi>/<ci>` reference's GPU UUID (or prefix), GPU and compute
+    instance; None for any other reference."""
+    match = LEGACY_MIG_PATTERN.fullmatch(ref)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), int(match.group(3))
 
 
 def parse_gpu_text(text: str) -> tuple[GpuRef, ...]:

@@ -153,7 +153,8 @@ class GateConfig(_Frozen):
     gpus: GpusSetting = Field(
         default="auto",
         description='The unit\'s GPUs: "auto" (its own CUDA_VISIBLE_DEVICES, else '
-        'NVIDIA_VISIBLE_DEVICES, else all), "all", or indices and/or UUIDs, e.g. [0, 1].',
+        'NVIDIA_VISIBLE_DEVICES, else all), "all", or indices, UUIDs and MIG slices, e.g. '
+        '[0, 1] or ["MIG-..."].',
     )
     free_mib: int = Field(
         default=1024,

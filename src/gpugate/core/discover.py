@@ -5,6 +5,12 @@ containers its config names), /proc/PID/fd links and /proc/PID/maps entries nami
 /dev/nvidiaN, and NVML's process lists. (The fourth kind of target, the rest of a stale
 application, is chosen in `decide`, which walks the tree.) Which GPUs are the unit's is
 `owned_gpus`.
+
+A MIG slice is a GPU of its own here (keyed by host.nvml.mig_key): its holders are those NVML
+lists on it, and those holding its capability device (host.mig_caps). Every process on every
+slice opens its GPU's /dev/nvidiaN, so that device file ties a process to the whole GPU only,
+never to a slice; a process on a slice is on that slice alone (the whole GPU's aggregate list,
+which names it too, is not counted for it).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied, Problem
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage
+from gpugate.host.mig_caps import cap_minor, slice_of_cap_minor
+from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, mig_parent
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import (
@@ -63,8 +70,11 @@ class Holder:
     @property
     def using(self) -> set[int]:
         """The GPUs it really uses. CUDA opens /dev/nvidiaN for every visible GPU, so where
-        NVML lists the process, its list is the better answer than the device files."""
-        return set(self.used_mib) or self.gpus
+        NVML lists the process, its list is the better answer than the device files. On a
+        MIG slice (NVML's list, or its capability device) it uses that slice, not the whole
+        GPU whose /dev/nvidiaN every slice's process holds."""
+        found = set(self.used_mib) or self.gpus
+        return found - {mig_parent(key) for key in found}
 
 
 class DeviceScanner(Protocol):
@@ -290,11 +300,12 @@ def _add_device_users(
 ) -> list[int]:
     """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
     the PIDs whose files could not be read."""
-    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus}
+    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
     for fault in state.faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
         minor = fault.index if fault.minor is None else fault.minor
         index_by_minor.setdefault(minor, fault.index)
+    slice_by_cap = slice_of_cap_minor(roots.proc, state.gpus)
     dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
     listening = listening_sockets(roots.proc, ports)
     scanner, deadline = scan_with
@@ -313,8 +324,11 @@ def _add_device_users(
         for path in use.paths:
             name = os.path.basename(path)
             match = GPU_DEVICE.fullmatch(name)
+            cap = cap_minor(path)
             if match and int(match.group(1)) in index_by_minor:
                 found.gpus.add(index_by_minor[int(match.group(1))])
+            elif cap is not None and cap in slice_by_cap:
+                found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
                 found.control_devices.add(name)
     state.shm = scan.shm
@@ -329,6 +343,8 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
         for process in gpu_usage.processes:
             if process.pid in table.self_chain:
                 continue
+            if process.on_slice and gpu_usage.gpu.mig is None:
+                continue  # a whole GPU's aggregate entry for a process its slice lists
             if (found := table.get(process.pid)) is None:
                 invisible.append((index, process.pid))
                 continue

@@ -1,23 +1,31 @@
-"""Which of the driver's GPUs the unit owns: its selection (indices, UUIDs, UUID prefixes)
-matched against NVML's list, and an NVML fault on an owned GPU failing the run."""
+"""Which of the driver's GPUs the unit owns: its selection (indices, UUIDs, UUID prefixes,
+MIG slices) matched against NVML's list, and an NVML fault on an owned GPU failing the run.
+
+An index and a GPU UUID name a whole GPU; a MIG UUID (or prefix), or the older
+`MIG-GPU-<uuid>/<gi>/<ci>`, names one slice of a GPU in MIG mode. "all" is every whole GPU.
+Owning a whole GPU owns each of its slices too: they are among the owned, so that its run
+takes their holders, their locks and their leases (a unit on a slice of it is refused, and
+the reverse), and waits on them."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpugate.config.gpulist import MIG_PREFIX, GpuRef, legacy_mig
 from gpugate.config.models import GpuSelection
 from gpugate.errors import ConfigError, NvmlUnavailable, Problem
 from gpugate.host.nvml import Gpu, GpuFault
 
 
 def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    """The GPUs a selection names; None names none (NVML failed, the cgroup alone is cleaned)."""
+    """The GPUs a selection names, and the slices of each whole GPU among them; None names
+    none (NVML failed, the cgroup alone is cleaned)."""
     if wanted is None:
         return []
+    whole = [gpu for gpu in gpus if gpu.mig is None]
     if wanted == "all":
-        return list(gpus)
-    by_uuid = {gpu.uuid.lower(): gpu for gpu in gpus}
-    by_index = {gpu.index: gpu for gpu in gpus}  # a GPU NVML cannot read is not among them
+        return covered(whole, gpus)
+    by_index = {gpu.index: gpu for gpu in whole}  # a GPU NVML cannot read is not among them
     owned: list[Gpu] = []
     for ref in wanted:
         if isinstance(ref, int):
@@ -27,15 +35,73 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
                     "gpus",
                     Problem.GPU_NO_SUCH_INDEX,
                     value=ref,
-                    listed=[gpu.index for gpu in gpus],
+                    listed=[gpu.index for gpu in whole],
                 )
             gpu = by_index[ref]
         else:
-            found = by_uuid.get(ref.lower()) or _by_prefix(ref, gpus, source)
-            gpu = found
+            gpu = _by_uuid(ref, gpus, source)
         if gpu not in owned:
             owned.append(gpu)
-    return owned
+    return covered(owned, gpus)
+
+
+def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
+    """What owning these takes, in the order named: each, then its slices (a whole GPU)."""
+    taken: list[Gpu] = []
+    for mine in owned:
+        for gpu in [mine, *(gpu for gpu in gpus if gpu != mine and mine.covers(gpu))]:
+            if gpu not in taken:
+                taken.append(gpu)
+    return taken
+
+
+def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
+    """The GPUs as a config or CUDA_VISIBLE_DEVICES names them: a whole GPU by its index, a
+    slice by its UUID, a slice of a whole GPU among them not at all (the GPU names it)."""
+    whole = {gpu.index for gpu in gpus if gpu.mig is None}
+    return tuple(
+        gpu.index if gpu.mig is None else gpu.uuid
+        for gpu in gpus
+        if gpu.mig is None or gpu.mig.parent not in whole
+    )
+
+
+def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
+    """A GPU UUID names a whole GPU, a MIG UUID a slice; either as a prefix too."""
+    legacy = legacy_mig(ref)
+    if legacy is not None:
+        return _by_legacy_mig(ref, legacy, gpus, source)
+    is_mig = ref.upper().startswith(MIG_PREFIX)
+    among = [gpu for gpu in gpus if (gpu.mig is not None) == is_mig]
+    exact = [gpu for gpu in among if gpu.uuid.lower() == ref.lower()]
+    if exact:
+        return exact[0]
+    if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
+        mig_gpus = [gpu.index for gpu in gpus if gpu.mig_mode]
+        raise ConfigError(source, "gpus", Problem.GPU_NO_SUCH_MIG, value=ref, mig_gpus=mig_gpus)
+    return _by_prefix(ref, among, source)
+
+
+def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], source: str) -> Gpu:
+    """MIG-GPU-<uuid>/<gi>/<ci>: the slice of that GPU with those instance ids."""
+    parent_uuid, gi, ci = legacy
+    parent = _by_prefix(parent_uuid, [gpu for gpu in gpus if gpu.mig is None], source)
+    if not parent.mig_mode:
+        raise ConfigError(source, "gpus", Problem.GPU_NOT_MIG_MODE, value=ref, gpu=parent.index)
+    slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
+    for gpu in slices:
+        if gpu.shown == f"{parent.index}/{gi}/{ci}":
+            return gpu
+    raise ConfigError(
+        source,
+        "gpus",
+        Problem.GPU_NO_SUCH_MIG_INSTANCE,
+        value=ref,
+        gpu=parent.index,
+        gi=gi,
+        ci=ci,
+        listed=", ".join(gpu.shown for gpu in slices),
+    )
 
 
 def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:

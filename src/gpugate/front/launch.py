@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING
 
 from gpugate.config.models import LoadedConfig
 from gpugate.config.toml_text import to_toml
-from gpugate.core.owned_gpus import owned_gpus
+from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.errors import (
     ExitCode,
     GateError,
@@ -97,7 +97,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         unit=unit,
         command=(program, *command[1:]),
         caller=caller,
-        gpus_env=",".join(str(gpu.index) for gpu in gpus),
+        gpus_env=",".join(str(ref) for ref in as_refs(gpus)),
         environment=tuple(caller_environment(environ, caller, under_sudo)),
         pty=sys.stdin.isatty() and sys.stdout.isatty(),
         gpugate=gpugate_command(),
@@ -264,7 +264,7 @@ def refuse_other_accounts(
     try:
         found = discover(
             # not started yet: no process is in its cgroup
-            Sought(unit, f"/system.slice/{unit}", tuple(g.index for g in gpus), loaded.source),
+            Sought(unit, f"/system.slice/{unit}", as_refs(gpus), loaded.source),
             driver=driver,
             procfs=procfs,
             roots=roots,

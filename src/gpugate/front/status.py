@@ -24,7 +24,7 @@ from gpugate.core.discover import (
 from gpugate.core.owners import Owner, owner_of
 from gpugate.core.roles import Role, holder_role
 from gpugate.errors import GateError
-from gpugate.host.nvml import GpuDriver
+from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.own_shm import own_shm_of_any
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
@@ -285,6 +285,7 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
     return [
         {
             "index": gpu.index,
+            "shown": gpu.shown,
             "uuid": gpu.uuid,
             "minor": gpu.minor,
             "name": gpu.name,
@@ -292,9 +293,26 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
             "total_mib": gpu.total_mib,
             "owned": gpu.index in owned,
             "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
+            "mig_mode": gpu.mig_mode,
+            "mig": mig_dict(gpu, discovery),
         }
         for gpu in discovery.gpus
     ]
+
+
+def mig_dict(gpu: Gpu, discovery: Discovery) -> dict[str, Any] | None:
+    """A MIG slice's place and the processes NVML lists on it; None for a whole GPU."""
+    if gpu.mig is None:
+        return None
+    return {
+        "gpu": gpu.mig.parent,
+        "gpu_uuid": gpu.mig.parent_uuid,
+        "mig_index": gpu.mig.mig_index,
+        "gpu_instance": gpu.mig.gpu_instance,
+        "compute_instance": gpu.mig.compute_instance,
+        "profile": gpu.mig.profile,
+        "pids": [process.pid for process in discovery.usage[gpu.index].processes],
+    }
 
 
 def render_json(data: dict[str, Any]) -> str:
@@ -360,22 +378,28 @@ def render_table(data: dict[str, Any]) -> str:
 
 def gpu_table(data: dict[str, Any]) -> list[str]:
     lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  {'LEASE':<20} NAME"]
-    rows: list[tuple[int, str]] = []
+    rows: list[tuple[tuple[int, int], str]] = []
     for gpu in data["gpus"]:
         mark = "*" if data["unit"] and gpu["owned"] else " "
         used = f"{gpu['used_mib']}/{gpu['total_mib']}"
         lease = ",".join(gpu["leased_to"]) or "-"
+        mig = gpu.get("mig")
+        if mig is None:
+            first, name, order = f"{gpu['index']:>3}", gpu["name"], (gpu["index"], -1)
+        else:  # a slice, under its GPU
+            first, order = "  -", (mig["gpu"], mig["mig_index"])
+            pids = ",".join(str(pid) for pid in mig["pids"]) or "-"
+            name = f"MIG {gpu['shown']} {mig['profile']} (PIDs {pids})"
         rows.append(
-            (
-                gpu["index"],
-                f"{gpu['index']:>3}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} "
-                f"{gpu['name']}",
-            )
+            (order, f"{first}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} {name}")
         )
     for fault in data["unreadable_gpus"]:
         uuid = fault["uuid"] or "?"
         rows.append(
-            (fault["index"], f"{fault['index']:>3}! {uuid:<42} {'ERR!':>16}  {fault['error']}")
+            (
+                (fault["index"], -1),
+                f"{fault['index']:>3}! {uuid:<42} {'ERR!':>16}  {fault['error']}",
+            )
         )
     lines += [row for _, row in sorted(rows)]
     if data["unit"]:
@@ -412,8 +436,12 @@ def holder_table(data: dict[str, Any]) -> list[str]:
             f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
             f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
         ]
+    slices = {gpu["index"]: gpu["shown"] for gpu in data["gpus"] if gpu.get("mig")}
     for holder in data["holders"]:
-        gpus = gpu_ranges(holder["gpus"]) or ("ctl" if holder["control_devices"] else "-")
+        whole = gpu_ranges(index for index in holder["gpus"] if index not in slices)
+        on_slices = [slices[index] for index in holder["gpus"] if index in slices]
+        gpus = ",".join(filter(None, [whole, *on_slices]))
+        gpus = gpus or ("ctl" if holder["control_devices"] else "-")
         unit = holder["unit"] or "-"
         if holder["container"]:
             found = holder["container"]

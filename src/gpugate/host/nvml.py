@@ -22,25 +22,69 @@ from gpugate.host.programs import find_program, run_program
 from gpugate.host.safe_files import untrusted
 
 MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
+# A MIG slice is keyed, where GPUs are keyed by index, by MIG_KEY_BASE + MIG_PER_GPU * (its GPU's
+# index) + its MIG index: above any index a config may name (config.gpulist.MAX_GPU_INDEX).
+MIG_KEY_BASE = 1024
+MIG_PER_GPU = 16
+NOT_AVAILABLE = 0xFFFFFFFF  # NVML's gpuInstanceId of a process on no MIG slice
+
+
+def mig_key(parent: int, mig_index: int) -> int:
+    return MIG_KEY_BASE + MIG_PER_GPU * parent + mig_index
+
+
+def mig_parent(key: int) -> int | None:
+    """The GPU index of a slice's key; None for a GPU's index."""
+    return (key - MIG_KEY_BASE) // MIG_PER_GPU if key >= MIG_KEY_BASE else None
+
+
+@dataclass(frozen=True)
+class MigSlice:
+    """What makes a Gpu a MIG slice: its GPU (index, UUID), and its instance ids."""
+
+    parent: int
+    parent_uuid: str
+    mig_index: int  # for nvmlDeviceGetMigDeviceHandleByIndex
+    gpu_instance: int
+    compute_instance: int
+    profile: str  # from its name ("1g.10gb"), "" where the name has none
 
 
 @dataclass(frozen=True)
 class Gpu:
-    index: int
-    uuid: str
-    minor: int  # N of /dev/nvidiaN: not always equal to the index
+    index: int  # NVML's index; a MIG slice's mig_key
+    uuid: str  # GPU-... ; MIG-... for a slice
+    minor: int  # N of /dev/nvidiaN: not always equal to the index (a slice: its GPU's)
     name: str
     total_mib: int
+    mig: MigSlice | None = None  # set on a MIG slice
+    mig_mode: bool = False  # a whole GPU in MIG mode (its slices follow it in gpus())
+
+    @property
+    def shown(self) -> str:
+        """The GPU as operators name it: its index, or a slice's GPU/GI/CI."""
+        if self.mig is None:
+            return str(self.index)
+        return f"{self.mig.parent}/{self.mig.gpu_instance}/{self.mig.compute_instance}"
 
     @property
     def label(self) -> str:
-        return f"GPU {self.index} ({self.uuid})"
+        if self.mig is None:
+            return f"GPU {self.index} ({self.uuid})"
+        return f"MIG {self.shown} ({self.uuid})"  # GPU/GI/CI, as the legacy MIG-GPU-... form
+
+    def covers(self, other: Gpu) -> bool:
+        """Owning this one owns the other: itself, or (a whole GPU) each of its slices."""
+        return other == self or (
+            self.mig is None and other.mig is not None and other.mig.parent == self.index
+        )
 
 
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int
     used_mib: int | None  # None where the driver does not say
+    on_slice: bool = False  # listed with a MIG GPU instance (its slice lists it too)
 
 
 @dataclass(frozen=True)
@@ -273,10 +317,58 @@ class NvmlDriver:
             raise NvmlUnavailable(Problem.NVML_COUNT_FAILED, detail=str(exc)) from None
         for index in range(count):
             try:
-                found.append(self._read_gpu(index))
+                gpu = self._read_gpu(index)
+                slices = self._read_slices(gpu) if gpu.mig_mode else []
             except GpuError as exc:
                 self._faults.append(GpuFault(index, exc))
+                continue
+            found += [gpu, *slices]
         return found
+
+    def _mig_mode(self, index: int, handle: Any) -> bool:
+        """Whether the GPU is in MIG mode now. A GPU or a driver without MIG is not; nor is
+        one whose mode NVML cannot say (the GPU is then read whole, as before MIG)."""
+        nv = self._nv
+        try:
+            current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
+        except nv.NVMLError:
+            return False
+        return int(current) == 1
+
+    def _read_slices(self, gpu: Gpu) -> list[Gpu]:
+        """The MIG devices of a GPU in MIG mode, as NVML numbers them (a free index: none)."""
+        nv = self._nv
+        parent = self._handles[gpu.index]
+        most = int(self._call(gpu.index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
+        slices: list[Gpu] = []
+        for mig_index in range(min(most, MIG_PER_GPU)):
+            try:
+                handle = self._raw(
+                    gpu.index, nv.nvmlDeviceGetMigDeviceHandleByIndex, parent, mig_index
+                )
+            except nv.NVMLError_NotFound:
+                continue
+            except nv.NVMLError:
+                handle = self._call(
+                    gpu.index, nv.nvmlDeviceGetMigDeviceHandleByIndex, parent, mig_index
+                )
+            key = mig_key(gpu.index, mig_index)
+            self._handles[key] = handle
+            name = _text(self._call(gpu.index, nv.nvmlDeviceGetName, handle))
+            memory = self._call(gpu.index, nv.nvmlDeviceGetMemoryInfo, handle)
+            mig = MigSlice(
+                parent=gpu.index,
+                parent_uuid=gpu.uuid,
+                mig_index=mig_index,
+                gpu_instance=int(self._call(gpu.index, nv.nvmlDeviceGetGpuInstanceId, handle)),
+                compute_instance=int(
+                    self._call(gpu.index, nv.nvmlDeviceGetComputeInstanceId, handle)
+                ),
+                profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
+            )
+            uuid = _text(self._call(gpu.index, nv.nvmlDeviceGetUUID, handle))
+            slices.append(Gpu(key, uuid, gpu.minor, name, int(memory.total) // MIB, mig=mig))
+        return slices
 
     def faults(self) -> Sequence[GpuFault]:
         self.gpus()
@@ -293,6 +385,7 @@ class NvmlDriver:
             minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
             name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
             total_mib=int(memory.total) // MIB,
+            mig_mode=self._mig_mode(index, handle),
         )
 
     def usage(self, gpu: Gpu) -> GpuUsage:
@@ -300,30 +393,41 @@ class NvmlDriver:
         return usage
 
     def _usage(self, gpu: Gpu) -> GpuUsage:
+        """A GPU's or a MIG slice's (its own handle: its memory, the processes on it).
+        Errors on a slice are its GPU's (GpuError names the GPU's index)."""
         nv = self._nv
         handle = self._handles[gpu.index]
-        used = self._used_bytes(gpu.index, handle)
+        index = gpu.index if gpu.mig is None else gpu.mig.parent
+        used = self._used_bytes(index, handle, whole=gpu.mig is None)
         by_pid: dict[int, int | None] = {}
+        on_slice: set[int] = set()
         listed = True
         for query in (
             nv.nvmlDeviceGetComputeRunningProcesses,
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
             try:
-                procs = self._raw(gpu.index, query, handle)
+                procs = self._raw(index, query, handle)
             except nv.NVMLError_NotSupported:
                 listed = False  # the memory figure still stands; the device files decide
                 continue
             except nv.NVMLError:
-                procs = self._call(gpu.index, query, handle)  # raises the run's error
+                procs = self._call(index, query, handle)  # raises the run's error
             for proc in procs:
                 mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
                 previous = by_pid.get(int(proc.pid))
                 by_pid[int(proc.pid)] = mib if previous is None else previous + (mib or 0)
-        processes = tuple(GpuProcess(pid, mib) for pid, mib in sorted(by_pid.items()))
+                instance = getattr(proc, "gpuInstanceId", None)
+                if isinstance(instance, int) and instance != NOT_AVAILABLE:
+                    on_slice.add(int(proc.pid))
+        processes = tuple(
+            GpuProcess(pid, mib, on_slice=pid in on_slice) for pid, mib in sorted(by_pid.items())
+        )
         return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
-    def _used_bytes(self, index: int, handle: Any) -> int:
+    def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
+        """whole: a GPU's handle. A MIG slice's handle that refuses v2 falls back to v1 for
+        that call alone: v2 stays on for the GPUs."""
         nv = self._nv
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
@@ -337,7 +441,7 @@ class NvmlDriver:
                 nv.NVMLError_ArgumentVersionMismatch,
                 nv.NVMLError_NotSupported,
             ):
-                self._memory_v2 = False
+                self._memory_v2 = not whole
             except nv.NVMLError:
                 pass  # the v1 call below reports it, in the words every other call uses
         return int(self._call(index, nv.nvmlDeviceGetMemoryInfo, handle).used)

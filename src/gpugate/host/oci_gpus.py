@@ -224,11 +224,14 @@ def _cdi_name(name: str, origin: str, reach: Reach) -> None:
 
 
 def _gpu_word(word: str, origin: str) -> str:
-    """One of NVIDIA's device words: all, an index, a GPU UUID; a MIG device is refused."""
+    """One of NVIDIA's device words: all, an index, a GPU UUID, a MIG device's UUID (its
+    `GPU:MIG` index form is refused)."""
     if word == "all" or (word.isascii() and word.isdigit() and len(word) <= 4):
         return word
     if word.startswith("GPU-") and re.fullmatch(r"GPU-[0-9a-fA-F-]{8,64}", word):
         return word
+    if word.startswith("MIG-") and re.fullmatch(r"MIG-[0-9A-Za-z][0-9A-Za-z/-]{7,127}", word):
+        return word  # a MIG slice: resolved against NVML's slices (integrations/container.py)
     if word.startswith("MIG-") or ":" in word:
         raise OciInputError(Problem.OCI_GPU_MIG, source=origin, value=word[:128])
     raise OciInputError(Problem.OCI_GPU_WORD, source=origin, value=word[:128])

@@ -202,11 +202,14 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     minor, index or UUID NVML does not know is refused (exit 64), never guessed."""
     if request.all_gpus:
         return "all"
-    by_minor = {gpu.minor: gpu for gpu in gpus}
-    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus}
-    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus)
+    by_minor = {gpu.minor: gpu for gpu in gpus if gpu.mig is None}
+    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus if gpu.mig is None}
+    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus if gpu.mig is None)
+    sliced = _sliced_minors(request.refs, gpus, source)
     chosen: dict[str, str] = {}
     for minor in request.minors:
+        if minor in sliced:
+            continue  # a slice's container gets its GPU's /dev/nvidiaN: the slice is what it asks
         gpu = by_minor.get(minor)
         if gpu is None:
             raise OciInputError(
@@ -214,12 +217,32 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             )
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     for ref in request.refs:
+        if ref.upper().startswith("MIG-"):  # a slice, resolved by _sliced_minors above
+            chosen.setdefault(ref.lower(), ref)
+            continue
         gpu = by_ref.get(ref.lower())
         if gpu is None:
             where = ", ".join(request.origins) or "config.json"
             raise OciInputError(Problem.OCI_GPU_UNKNOWN, source=where, value=ref)
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
+
+
+def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
+    """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
+    from gpugate.config.gpulist import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
+    from gpugate.core.owned_gpus import owned_gpus  # noqa: PLC0415
+
+    minors: set[int] = set()
+    for ref in refs:
+        if not ref.upper().startswith(MIG_PREFIX):
+            continue
+        try:
+            gpu_ref(ref)
+        except GpuListError:
+            continue  # refused with the rest of the list
+        minors.update(gpu.minor for gpu in owned_gpus((ref,), gpus, source))
+    return minors
 
 
 def request_text(request: GpuRequest) -> str:

@@ -184,7 +184,7 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     ),
     Problem.GPU_INDEX_RANGE: lambda f: f"GPU index {f.value} is out of range (0-{f.most})",
     Problem.GPU_MIG: lambda f: (
-        f"{echo(f.value)}: MIG devices are not supported; name the whole GPU (GPU-...)"
+        f"{echo(f.value)} is not a MIG device UUID (MIG-xxxxxxxx-...) or MIG-GPU-<uuid>/<gi>/<ci>"
     ),
     Problem.GPU_LIST_EMPTY: lambda f: "must name at least one GPU",
     Problem.GPU_TWICE: lambda f: f"lists GPU {echo(f.value, quote=False)} twice",
@@ -194,6 +194,17 @@ WORDS: dict[Problem, Callable[[Facts], str]] = {
     Problem.GPU_NO_SUCH_UUID: lambda f: f"no GPU has UUID {echo(f.value, quote=False)}",
     Problem.GPU_UUID_AMBIGUOUS: lambda f: (
         f"{echo(f.value, quote=False)} is the start of more than one GPU's UUID"
+    ),
+    Problem.GPU_NO_SUCH_MIG: lambda f: (
+        f"no MIG device has UUID {echo(f.value, quote=False)}"
+        + ("" if f.mig_gpus else " (no GPU is in MIG mode)")
+    ),
+    Problem.GPU_NOT_MIG_MODE: lambda f: (
+        f"{echo(f.value, quote=False)}: GPU {f.gpu} is not in MIG mode"
+    ),
+    Problem.GPU_NO_SUCH_MIG_INSTANCE: lambda f: (
+        f"{echo(f.value, quote=False)}: GPU {f.gpu} has no MIG device with GPU instance "
+        f"{f.gi} and compute instance {f.ci} (it has {f.listed or 'none'})"
     ),
     Problem.VARIABLE_VALUE: lambda f: f"{echo(f.value)}: {f.cause}",
     Problem.ROOTS_FORM: lambda f: f"{echo(f.value)}: not dev=DIR, proc=DIR or cgroup=DIR",

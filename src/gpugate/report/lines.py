@@ -87,7 +87,7 @@ def busy_text(item: BusyGpu) -> str:
     pids = ", ".join(map(str, item.pids[:MAX_REASON_HOLDERS]))
     listed = f", NVML lists PID {pids}" if pids else ""
     return (
-        f"GPU {item.gpu.index} ({item.gpu.uuid}) still {item.used_mib} MiB used: "
+        f"GPU {item.gpu.shown} ({item.gpu.uuid}) still {item.used_mib} MiB used: "
         f"memory not freed{listed}"
     )
 

@@ -10,7 +10,6 @@ from gpugate.core.outcome import BusyGpu
 from gpugate.core.respawn import Respawner
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter, WaitingReports
-from gpugate.report.lines import gpu_list
 from gpugate.report.untrusted import COMMAND, exact, shown
 
 
@@ -91,7 +90,7 @@ class WaitNarration:
     def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:
         self.reporter.event(
             Event.MEMORY_FREED,
-            f"GPU {gpu_list(gpu.index for gpu in owned)} free "
+            f"GPU {', '.join(gpu.shown for gpu in sorted(owned, key=lambda g: g.index))} free "
             f"(at or below {free_mib} MiB) after {seconds:.2f} s",
             gpus=[gpu.index for gpu in owned],
         )

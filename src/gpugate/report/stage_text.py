@@ -19,7 +19,7 @@ def doing(progress: Progress) -> str:
         if not progress.waiting_on:
             return "waiting for the GPUs and ports to be free"
         shown = ", ".join(
-            f"GPU {item.gpu.index} {item.used_mib} MiB" for item in progress.waiting_on
+            f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
         )
         return f"waiting for the driver to free memory ({shown})"
     if stage is Stage.FINISHING:

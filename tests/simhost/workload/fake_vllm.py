@@ -41,6 +41,7 @@ import ctypes
 import json
 import multiprocessing
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable
@@ -69,7 +70,11 @@ except ImportError:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--gpus", required=True, help="device numbers N of DEV_ROOT/nvidiaN, e.g. 0,1")
+    p.add_argument(
+        "--gpus",
+        required=True,
+        help="device numbers N of DEV_ROOT/nvidiaN, e.g. 0,1; N/GI/CI: a MIG slice of GPU N",
+    )
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--mib", type=int, default=95000, help="MiB each worker uses on its GPU")
@@ -88,7 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ready-file", default=None)
     p.add_argument("--shm", default=None, metavar="TAG", help="hold /dev/shm files named by TAG")
     args = p.parse_args(argv)
-    args.gpu_list = [int(g) for g in args.gpus.split(",") if g.strip()]
+    args.gpu_list = [g.strip() for g in args.gpus.split(",") if g.strip()]
+    if not all(re.fullmatch(r"[0-9]+(/[0-9]+/[0-9]+)?", g) for g in args.gpu_list):
+        p.error("--gpus takes N or N/GI/CI, comma-separated")
     if not args.gpu_list:
         p.error("--gpus names no GPU")
     return args
@@ -150,12 +157,13 @@ def hold_segment_mapped(tag: str) -> None:
     _held_shm.append(address)
 
 
-def worker_main(rank: int, gpu: int, args: argparse.Namespace, ready: Connection) -> None:
+def worker_main(rank: int, gpu: str, args: argparse.Namespace, ready: Connection) -> None:
+    """gpu: N, or N/GI/CI for a MIG slice of GPU N (CUDA opens /dev/nvidiaN for either)."""
     set_title(f"{args.title_prefix}::Worker_TP{rank}")
     if args.ignore_sigterm_workers or rank in args.ignore_sigterm_worker:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dev = Path(args.dev_root)
-    for name in ("nvidiactl", "nvidia-uvm", f"nvidia{gpu}"):
+    for name in ("nvidiactl", "nvidia-uvm", f"nvidia{gpu.split('/', maxsplit=1)[0]}"):
         _held_files.append(os.open(dev / name, os.O_RDONLY))
     if args.shm and rank == 0:
         hold_segment_open(args.shm)
