@@ -21,7 +21,7 @@ import pytest
 from gpugate.config.models import GateConfig, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps, RunScope
-from gpugate.errors import GateError, Problem
+from gpugate.errors import GateError
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
 from gpugate.host.roots import HostRoots
@@ -108,17 +108,19 @@ class FakeGpuMemory:
         return found
 
     def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(i, GpuError(i, Problem.NVML_GPU_LOST)) for i in sorted(self.lost)]
+        return [
+            GpuFault(
+                i, GpuError(i, f"NVML: GPU {i} is lost (fell off the bus)", code="nvml-gpu-lost")
+            )
+            for i in sorted(self.lost)
+        ]
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         self.queries += 1
         self._self_claims()
         if gpu.index in self.failing_usage:
             raise GpuError(
-                gpu.index,
-                Problem.NVML_GPU_CALL_FAILED,
-                call="nvmlDeviceGetMemoryInfo",
-                detail="Unknown Error",
+                gpu.index, f"NVML: nvmlDeviceGetMemoryInfo on GPU {gpu.index}: Unknown Error"
             )
         used = self.leaked_mib.get(gpu.index, 0)
         processes: list[GpuProcess] = []
@@ -438,12 +440,14 @@ def fake_proc(root: Path, processes: Sequence[FakeProcess]) -> Path:
 
 
 @contextlib.contextmanager
-def raises_problem(
-    kind: type[GateError], problem: Problem, **facts: object
+def raises_error(
+    kind: type[GateError], **attributes: object
 ) -> Iterator[pytest.ExceptionInfo[GateError]]:
-    """pytest.raises for a gpugate error, asserting its code and facts, not its words."""
+    """pytest.raises for a gpugate error, asserting its class (so its exit code), the attributes
+    given (a ConfigError's field, an error's journal code) and that its message is one line;
+    not its words."""
     with pytest.raises(kind) as raised:
         yield raised
-    assert raised.value.problem is problem, raised.value.problem
-    for name, value in facts.items():
-        assert raised.value.facts.get(name) == value, (name, raised.value.facts)
+    for name, value in attributes.items():
+        assert getattr(raised.value, name) == value, (name, getattr(raised.value, name))
+    assert raised.value.message and "\n" not in raised.value.message

@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpugate"
-BASE = {"errors", "phase", "compat"}  # beside every layer: exit codes, phases, back-ports
+# beside every layer: exit codes, phases, back-ports, the escaping of untrusted text
+BASE = {"errors", "phase", "compat", "untrusted"}
 # A layer may import itself and what is listed; `front` may import anything.
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "phase": set(),
     "compat": set(),
-    "host": {"errors", "compat"},
+    "untrusted": set(),
+    "host": {"errors", "compat", "untrusted"},
     "config": BASE | {"host"},
     "core": BASE | {"config", "host"},
     "report": BASE | {"config", "host", "core"},

@@ -26,9 +26,8 @@ def test_answers_and_exceptions_come_back_as_they_are() -> None:
 def test_a_call_that_does_not_return_times_out_and_the_thread_stays_busy() -> None:
     thread = CallThread("test")
     release = threading.Event()
-    with pytest.raises(CallTimedOut) as timed_out:
+    with pytest.raises(CallTimedOut):
         thread.call(time.monotonic() + 0.2, release.wait)
-    assert "no answer after" in str(timed_out.value)
     assert thread.busy, "the hung call still runs: nothing may be queued behind it"
     release.set()
 

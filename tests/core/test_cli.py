@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode, NvmlUnavailable, Problem
+from gpugate.config.file import parse_config
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.cli import main
 from tests.fakes import FakeHost, alive
 
@@ -36,7 +37,9 @@ def test_bad_config_exits_config_with_one_line_and_kills_nothing(
     bad.write_text("[pre]\nsigterm_grace_s = -1\n")
     result = gpugate("pre", "vllm.service", "--config", str(bad))
     assert result.returncode == ExitCode.CONFIG
-    assert result.stderr == f"gpugate: {bad}: pre.sigterm_grace_s: Input should be greater than 0\n"
+    # one line naming the file and the field
+    assert result.stderr.startswith(f"gpugate: {bad}: pre.sigterm_grace_s: ")
+    assert result.stderr.count("\n") == 1
     assert alive(orphan)
 
 
@@ -66,7 +69,6 @@ def test_unknown_unit_exits_unknown_unit() -> None:
     assert gpugate("pre", "not a unit").returncode == ExitCode.UNKNOWN_UNIT
     result = gpugate("pre")  # not running inside a service's cgroup here
     assert result.returncode == ExitCode.UNKNOWN_UNIT
-    assert "no UNIT given" in result.stderr
 
 
 def test_usage_error_exits_64() -> None:
@@ -78,8 +80,8 @@ def test_config_check_prints_effective_config(tmp_path: Path) -> None:
     path.write_text("gpus = [1, 2]\n[post]\nwait_timeout_s = 19\n")
     result = gpugate("config", "check", str(path))
     assert result.returncode == 0
-    assert "gpus = [1, 2]" in result.stdout
-    assert "wait_timeout_s = 19.0" in result.stdout
+    printed = parse_config(result.stdout, "printed")  # the effective config, valid TOML again
+    assert printed.gpus == (1, 2) and printed.post.wait_timeout_s == 19.0
     from gpugate.compat import tomllib
 
     assert tomllib.loads(result.stdout)["post"]["kill_orphans"] is False
@@ -127,13 +129,11 @@ def test_status_json_lists_holders(host: FakeHost, capsys: pytest.CaptureFixture
 
 def test_nvml_error_from_injected_driver_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     def broken() -> object:
-        raise NvmlUnavailable(Problem.NVML_GPU_LOST, gpu=3)
+        raise NvmlUnavailable("NVML: GPU 3 is lost\x1b[2J\nsecond line")
 
     code = main(["status"], driver_factory=broken)  # type: ignore[arg-type]
     assert code == ExitCode.NVML_UNAVAILABLE
-    assert capsys.readouterr().err == (
-        "gpugate: NVML: GPU 3 is lost (fell off the bus); it needs a reset or reboot\n"
-    )
+    assert capsys.readouterr().err == "gpugate: NVML: GPU 3 is lost\\x1b[2J\\nsecond line\n"
 
 
 MODULES_AFTER = """
@@ -184,16 +184,8 @@ def test_help_version_and_usage_errors_import_no_heavy_module(argv: list[str]) -
     assert not _packages_after(*argv) & set(HEAVY)
 
 
-# What `--help` may load of gpugate: the parser and the errors' words (loaded with the package);
-# the words' own helpers (trust_text, untrusted: dataclasses, pathlib) come when a word needs them.
-HELP_MODULES = {
-    "gpugate",
-    "gpugate.errors",
-    "gpugate.front",
-    "gpugate.front.cli",
-    "gpugate.report",
-    "gpugate.report.error_text",
-}
+# What `--help` may load of gpugate: the parser and the errors (their exit codes).
+HELP_MODULES = {"gpugate", "gpugate.errors", "gpugate.front", "gpugate.front.cli"}
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["--version"], ["pre", "--help"]])

@@ -81,8 +81,7 @@ def test_pre_refuses_an_account_config_and_kills_nothing(
     )
     err = capsys.readouterr().err
     assert code == ExitCode.CONFIG, err
-    assert err.count("\n") == 1 and err.startswith(f"gpugate: {config}: refused: ")
-    assert "owner " in err and "mode 0" in err
+    assert err.count("\n") == 1 and err.startswith(f"gpugate: {config}: ")
     assert alive(other_units_holder)
 
 
@@ -107,7 +106,6 @@ def test_every_reading_command_refuses(
     ):
         code = main(argv, driver_factory=lambda: host.memory, roots=host.roots)
         assert code == ExitCode.CONFIG, (argv, capsys.readouterr().err)
-        assert f"{config}: refused" in capsys.readouterr().err
 
 
 @needs_root

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpugate.errors import ExitCode, Problem
+from gpugate.errors import ExitCode
 from gpugate.front.oci_hook import run_container_hook
 from gpugate.host.containers import OwnCgroup, own_cgroup
 from gpugate.host.oci import ContainerState, OciInputError, parse_config
@@ -149,7 +149,7 @@ def test_identity_refused_without_a_cgroup_of_its_own(
     state = ContainerState(A, 42 if kernel else 0, "/nonexistent", "creating")
     with pytest.raises(OciInputError) as caught:
         identify(state, parse_config(spec_with(spec_path)), procs)  # type: ignore[arg-type]
-    assert caught.value.problem is Problem.OCI_NO_OWN_CGROUP
+    assert caught.value.code == "oci-no-own-cgroup"
     assert caught.value.exit_code == ExitCode.USAGE
 
 
@@ -236,7 +236,7 @@ def test_a_container_in_the_units_own_cgroup_is_refused_and_its_stop_gives_back_
     lease_the_unit(host, [3])
     assert hook(host, Phase.PRE, f"/system.slice/{UNIT}", running) == ExitCode.USAGE
     (error,) = host.journal.events("error")
-    assert error["GPUGATE_PROBLEM"] == Problem.OCI_NO_OWN_CGROUP.value
+    assert error["GPUGATE_PROBLEM"] == "oci-no-own-cgroup"
     assert error["GPUGATE_OCI_CONTAINER"] == A
     assert f"/system.slice/{UNIT}" in error["MESSAGE"]
     assert hook(host, Phase.POST, f"/system.slice/{UNIT}", running) == ExitCode.OK

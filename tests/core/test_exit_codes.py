@@ -76,7 +76,7 @@ def test_install_needs_a_unit_or_containers(
 ) -> None:
     """UNIT is optional in the parser since --containers; neither or both is still exit 64."""
     assert main(argv) == ExitCode.USAGE == 64
-    assert "give a UNIT or --containers" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("\n") == 1
 
 
 @pytest.mark.parametrize(
@@ -97,5 +97,4 @@ def test_bad_command_lines_exit_usage(argv: list[str], capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == ExitCode.USAGE == 64
-    err = capsys.readouterr().err
-    assert "error:" in err
+    assert capsys.readouterr().err.startswith("usage: gpugate")

@@ -13,8 +13,9 @@ import pytest
 from gpugate.config.file import parse_config
 from gpugate.config.gpulist import GpuListError, gpu_refs
 from gpugate.core.outcome import PRECEDENCE, RunFacts, exit_code_for
-from gpugate.errors import ECHO_MAX, ConfigError, ExitCode
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
+from gpugate.untrusted import ECHO_MAX
 from tests.fakes import FakeHost
 
 REPO = Path(__file__).resolve().parents[2]

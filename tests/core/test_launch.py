@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from gpugate.config.file import load_config
 from gpugate.config.models import GateConfig
-from gpugate.errors import ConfigError, ExitCode, GateError, Problem
+from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (
     hook_config,
@@ -39,7 +39,7 @@ from gpugate.front.launch_unit import (
 )
 from gpugate.host.systemd import validate_unit_name
 from gpugate.integrations.unit.leases import new_lease, write_lease
-from tests.fakes import FakeHost, raises_problem
+from tests.fakes import FakeHost, raises_error
 
 SYSTEMD_RUN = Path("/usr/bin/systemd-run")
 ALICE = Caller(1000, 1000, "alice", "/home/alice", "/bin/bash")
@@ -358,7 +358,7 @@ def test_bad_options_exit_64(
 def test_no_command_is_one_line_and_64(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--gpus", "0"]) == int(ExitCode.USAGE)
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "no COMMAND given" in err
+    assert err.count("\n") == 1 and err.startswith("gpugate: ")
 
 
 # --- the I/O around it (launch.py), with stand-ins ---------------------------------
@@ -376,9 +376,8 @@ def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> 
     assert indices([uuid], {}) == [2]
     with pytest.raises(ConfigError) as unknown:
         indices([9], {})
-    assert "GPU index 9 does not exist" in unknown.value.message
-    assert unknown.value.exit_code is ExitCode.CONFIG
-    with raises_problem(LaunchError, Problem.LAUNCH_NO_GPU):
+    assert unknown.value.exit_code is ExitCode.CONFIG and unknown.value.field == "gpus"
+    with raises_error(LaunchError):
         indices(None, {"CUDA_VISIBLE_DEVICES": ""})
 
 
@@ -427,12 +426,10 @@ def test_a_leased_gpu_refuses_unless_forced(
             loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "active"
         )
     assert refused.value.exit_code is ExitCode.HELD_BY_OTHERS
-    assert "GPU 3 leased to vllm.service (since " in refused.value.message
-    assert "--force" in refused.value.message
     refuse_leased(
         loaded, "gpugate-run-x-1.service", gpus[3:5], force=True, unit_state=lambda _: "active"
     )
-    assert "--force: running anyway" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("\n") == 1  # one warning: forced onto the lease
     # not running any more: stale, no refusal
     refuse_leased(
         loaded, "gpugate-run-x-1.service", gpus[3:5], force=False, unit_state=lambda _: "failed"
@@ -489,10 +486,8 @@ def test_force_over_a_lease_is_roots_alone(
             unit_state=lambda _: "active",
         )
     assert refused.value.exit_code is ExitCode.PERMISSION
-    assert refused.value.problem is Problem.LAUNCH_FORCE_NOT_ROOT
-    assert f"GPU 3 leased to {holder}" in refused.value.message
-    assert "\n" not in refused.value.message
-    assert "running anyway" not in capsys.readouterr().err
+    assert "\n" not in refused.value.message and holder in refused.value.message
+    assert capsys.readouterr().err == ""  # refused: no warning of a forced start
     refuse_leased(
         loaded,
         "gpugate-run-x-1.service",
@@ -501,7 +496,7 @@ def test_force_over_a_lease_is_roots_alone(
         caller_is_root=True,
         unit_state=lambda _: "active",
     )
-    assert "--force: running anyway" in capsys.readouterr().err
+    assert capsys.readouterr().err.count("\n") == 1  # root: forced, with one warning
     # No running lease on the GPUs: --force changes nothing, for anyone.
     refuse_leased(
         loaded,
@@ -566,5 +561,4 @@ def test_port_with_a_lock_dir_it_cannot_write_is_one_line_before_anything_starts
         hook_config(loaded, "gpugate-run-x-1.service", None, [8000])
     assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
     assert raised.value.message.startswith(f"{loaded.config.lock_dir / 'run'}")
-    assert "gpugate run's config (--port)" in raised.value.message
     assert "\n" not in raised.value.message

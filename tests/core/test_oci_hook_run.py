@@ -98,7 +98,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     code = hook(host, Phase.PRE, B_ID, ["NVIDIA_VISIBLE_DEVICES=0,1"], running)
     assert code == ExitCode.HELD_BY_OTHERS
     refused = [e for e in host.journal.events("refused") if e["GPUGATE_OCI_CONTAINER"] == B_ID]
-    assert refused and f"podman container {A_ID[:12]} {claimed}" in refused[0]["MESSAGE"]
+    assert refused and refused[0]["GPUGATE_REASON"] == "leased"
     assert alive(bystander)
 
     # A unit's pre onto GPU 1: refused too.
@@ -112,8 +112,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     )
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
     unit_refused = [e for e in host.journal.events("refused") if e["GPUGATE_UNIT"] == UNIT]
-    assert f"podman container {A_ID[:12]}" in unit_refused[-1]["MESSAGE"], unit_refused
-    assert "still running and holds them until it stops" in unit_refused[-1]["MESSAGE"]
+    assert unit_refused[-1]["GPUGATE_REASON"] == "leased", unit_refused
 
     # poststop: the lease goes; then B starts.
     assert hook(host, Phase.POST, A_ID, ["NVIDIA_VISIBLE_DEVICES=1"], running) == ExitCode.OK

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.models import DEFAULT_LOCK_DIR
-from gpugate.errors import ConfigError, ExitCode, Problem
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import container_config
 from gpugate.integrations.slurm import load_slurm_config
@@ -53,7 +53,7 @@ def test_a_file_naming_another_lock_dir_is_refused(
     path = write(etc / name, tmp_path / "elsewhere")
     with pytest.raises(ConfigError) as caught:
         load(etc)
-    assert caught.value.problem is Problem.LOCK_DIR_NOT_HOSTS
+    assert caught.value.code == "lock-dir-not-hosts"
     assert caught.value.exit_code == ExitCode.CONFIG
     assert caught.value.field == "lock_dir"
     text = caught.value.message

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.core.kill import Pinned
-from gpugate.errors import ExitCode, NvmlUnavailable, Problem
+from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.host.procfs import ProcessId, ProcFs
 from tests.fakes import FakeGpuMemory, FakeHost, alive
@@ -48,14 +48,14 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(host: FakeHost) -> None:
     host.put_in_unit(worker)
     host.memory.claim(worker, {2}, 1000)
 
-    started = time.monotonic()
     summary = run(host, "post", post={"sigterm_grace_s": 0.5})
 
     assert summary.exit_code is ExitCode.OK
     assert not alive(worker)
-    assert time.monotonic() - started >= 0.5
-    signals = [e["GPUGATE_SIGNAL"] for e in host.journal.events("signal_sent")]
-    assert signals == ["SIGTERM", "SIGKILL"]
+    sent = host.journal.events("signal_sent")
+    assert [e["GPUGATE_SIGNAL"] for e in sent] == ["SIGTERM", "SIGKILL"]
+    assert {e["GPUGATE_PID"] for e in sent} == {str(worker)}
+    assert [ident.pid for ident in summary.killed] == [worker]
 
 
 def test_orphan_outside_cgroup_killed_by_pre_not_by_post(host: FakeHost) -> None:
@@ -122,7 +122,6 @@ def test_unkillable_holder_ends_at_deadline_with_exit_unkillable(host: FakeHost)
     def pinner(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
         return DeafProcess(ident)
 
-    started = time.monotonic()
     summary = host.run_phase(
         "post",
         host.config(post={"wait_timeout_s": 2.0, "sigkill_wait_s": 0.5, "sigterm_grace_s": 0.3}),
@@ -130,13 +129,14 @@ def test_unkillable_holder_ends_at_deadline_with_exit_unkillable(host: FakeHost)
         driver_factory=lambda: host.memory,
         pinner=pinner,
     )
-    elapsed = time.monotonic() - started
 
     assert summary.exit_code is ExitCode.UNKILLABLE
-    assert 1.9 <= elapsed < 6
+    signals = [e["GPUGATE_SIGNAL"] for e in host.journal.events("signal_sent")]
+    assert signals[:2] == ["SIGTERM", "SIGKILL"] and set(signals) == {"SIGTERM", "SIGKILL"}
     survivor = host.journal.events("survivor")
     assert survivor and survivor[0]["GPUGATE_PID"] == str(stuck)
-    assert "wchan" in survivor[0]["MESSAGE"]
+    assert "GPUGATE_WCHAN" in survivor[0]
+    assert alive(stuck)  # the deaf stand-in took the signals; the process never saw them
 
 
 def test_leaked_memory_times_out_naming_gpu_and_mib(host: FakeHost) -> None:
@@ -163,15 +163,13 @@ def test_waits_for_late_release_then_succeeds(host: FakeHost) -> None:
     host.memory.release_lag_s = 3.0
     (worker,) = host.pool.holder(host.gpu_files(6))
     host.memory.claim(worker, {6}, 8000)
-    started = time.monotonic()
     summary = run(host, "pre")
     assert summary.exit_code is ExitCode.OK
-    # The lag starts when the fake driver first sees the worker gone, after the kill.
-    assert time.monotonic() - started >= 3.0
+    # The lag starts when the fake driver first sees the worker gone, after the kill: the run
+    # waited (it told systemd so, and asked again) instead of ending at the kill.
     assert summary.seconds_wait > 0
     assert host.memory.usage(host.memory.gpus()[6]).used_mib == 0
     assert any(s.startswith("EXTEND_TIMEOUT_USEC=") for s in host.notifier.states)
-    assert any("waiting for 1 GPU(s)" in s for s in host.notifier.states)
 
 
 def test_dry_run_kills_nothing(host: FakeHost) -> None:
@@ -196,7 +194,7 @@ def test_nvml_failure_fails_or_cleans_cgroup_only(host: FakeHost) -> None:
     host.put_in_unit(member)
 
     def broken() -> FakeGpuMemoryLike:
-        raise NvmlUnavailable(Problem.NVML_DRIVER_NOT_LOADED)
+        raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded")
 
     with pytest.raises(NvmlUnavailable):
         host.run_phase("post", host.config(), host.reporter("post"), driver_factory=broken)

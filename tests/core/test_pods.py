@@ -22,7 +22,7 @@ from gpugate.integrations.container import identify
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from gpugate.report.untrusted import CONTAINER
+from gpugate.untrusted import CONTAINER
 from tests.fakes import FakeHost, alive
 
 A_ID, B_ID = "a" * 64, "b" * 64

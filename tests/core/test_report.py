@@ -144,14 +144,17 @@ def test_real_journal_send_gets_the_call_site_not_report_py(
 
 
 def test_a_failed_run_names_its_problem_by_code() -> None:
-    """The error entry carries the error's Problem code beside its words: what to match on."""
-    from gpugate.errors import ConfigError, Problem
+    """The error entry carries the code docs/journal.md names beside its words: what to match
+    on (an unknown key in a config file: config-unknown-key)."""
+    from gpugate.config.file import parse_config
+    from gpugate.errors import ConfigError
     from gpugate.report.narrate import Narrator
 
     reporter, journal, notifier, _ = make()
     reporter.error_stream = io.StringIO()
-    error = ConfigError("/etc/gpugate/x.toml", "frobnicate", Problem.CONFIG_UNKNOWN_KEY)
-    Narrator(reporter).failed(error)
+    with pytest.raises(ConfigError) as raised:
+        parse_config("frobnicate = 1\n", "/etc/gpugate/x.toml")
+    Narrator(reporter).failed(raised.value)
     ((message, fields),) = journal.entries
     assert fields["GPUGATE_PROBLEM"] == "config-unknown-key"
     assert fields["GPUGATE_EXIT_CODE"] == "78"

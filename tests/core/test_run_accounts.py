@@ -264,7 +264,6 @@ def test_bobs_server_is_refused_for_alice_and_alices_own_stale_one_is_killed(
     assert alive(bobs) and alive(alices)  # refused: nothing killed at all
     (refusal,) = [e for e in host.journal.events("refused") if e["GPUGATE_PID"] == str(bobs)]
     assert refusal["GPUGATE_REASON"] == "other-account"
-    assert f"uid {BOB}" in refusal["MESSAGE"] and f"uid {ALICE}" in refusal["MESSAGE"]
     (bobs_proc,) = [proc for proc in host.pool.popens if proc.pid == bobs]
     bobs_proc.kill()  # bob stops his own server
     bobs_proc.wait()

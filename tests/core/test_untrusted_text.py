@@ -1,6 +1,6 @@
 """Issue 26, rule 1: what processes say about themselves is untrusted text. Every command line,
 comm, executable, cgroup, container name and file name gpugate shows is escaped as systemd
-escapes it and bounded (report/untrusted.py), in every output: journal MESSAGE and fields,
+escapes it and bounded (untrusted.py), in every output: journal MESSAGE and fields,
 STATUS=, stderr and the dry run, the status table and `status --json`, refusals. Nothing a
 process sets can make a run or `status` fail."""
 
@@ -39,7 +39,7 @@ from gpugate.report.holder_text import describe
 from gpugate.report.journal import Event, FieldValue, Reporter
 from gpugate.report.narrate import Narrator
 from gpugate.report.narrate_unit import UnitNarration
-from gpugate.report.untrusted import (
+from gpugate.untrusted import (
     COMM,
     COMMAND,
     KINDS,
@@ -486,7 +486,7 @@ def untrusted_reads(tree: ast.AST) -> Iterator[ast.Attribute]:
 @pytest.mark.parametrize("path", OUTPUTS, ids=lambda p: p.name)
 def test_process_text_reaches_output_only_through_untrusted(path: Path) -> None:
     """In report/ and status, a process's text is read only as the argument of a function of
-    report/untrusted.py (or a helper made of them): it cannot be shown raw by forgetting."""
+    untrusted.py (or a helper made of them): it cannot be shown raw by forgetting."""
     tree = ast.parse(path.read_text())
     allowed: set[int] = set()
     for node in ast.walk(tree):

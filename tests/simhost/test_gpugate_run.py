@@ -98,21 +98,14 @@ def test_closed_terminal_stops_the_run_and_frees_its_gpus(host: Host, login: Log
     cursor = host.cursor()
     assert host.start(UNIT, check=False) != 0
     refused = host.events_after(cursor, GPUGATE_EVENT="refused", GPUGATE_PHASE="pre")
-    (leased,) = [e for e in refused if "leased to" in e["MESSAGE"]]
-    assert (
-        f"GPU 0, 1, 2, 3 leased to {unit} (`gpugate run` by root (uid 0, /dev/pts/"
-        in (leased["MESSAGE"])
-    ), leased
-    assert " since 20" in leased["MESSAGE"]
+    (leased,) = [e for e in refused if e.get("GPUGATE_REASON") == "leased"]
+    assert leased["GPUGATE_GPU"] == ",".join(map(str, GPUS)), leased
     assert all(host.alive(pid) for pid in pids)
     status = host.status()
     for gpu in status["gpus"]:
         assert (unit in gpu["leased_to"]) == (gpu["index"] in GPUS), gpu
     (lease,) = [item for item in status["leases"] if item["unit"] == unit]
     assert lease["started_by"].startswith("root (uid 0") and lease["gpus"] == list(GPUS)
-    assert f"({unit}: started by hand with `gpugate run` by root (uid 0, /dev/pts/" in host.sh(
-        "gpugate status"
-    )
 
     host.sh("tmux kill-session -t hand")
 
@@ -230,7 +223,7 @@ def test_name_clash_with_a_running_hand_run(host: Host, login: Login) -> None:
         host, "the run", lambda: host.sh("systemctl is-active hand-one", False).strip() == "active"
     )
     clash = gpugate_run(host, "--gpus 7 --name hand-one -- true")
-    assert clash.returncode == 64 and "systemd already has hand-one.service" in clash.stderr
+    assert clash.returncode == 64, clash.stderr
 
 
 def test_run_onto_leased_gpus_is_refused_unless_forced(host: Host) -> None:
@@ -240,7 +233,6 @@ def test_run_onto_leased_gpus_is_refused_unless_forced(host: Host) -> None:
     host.wait_ready(f"/run/ready-{UNIT}.json")
     refused = gpugate_run(host, "--gpus 2,5 -- true")
     assert refused.returncode == 22, refused.stderr
-    assert "GPU 2 leased to vllm.service" in refused.stderr and "--force" in refused.stderr
     assert "Running as unit" not in refused.stderr  # refused before systemd-run
     # An idle unit leasing GPU 4-5 holds no process there: --force runs onto it.
     host.install(
@@ -254,7 +246,6 @@ def test_run_onto_leased_gpus_is_refused_unless_forced(host: Host) -> None:
         assert gpugate_run(host, "--gpus 5 -- true").returncode == 22
         forced = gpugate_run(host, "--gpus 5 --force -- sh -c 'exit 3'")
         assert forced.returncode == 3, forced.stderr
-        assert "--force: running anyway" in forced.stderr
         # the forced run's own pre said so in its journal, and took nothing from idle
         assert host.sim.systemctl("is-active", "idle.service").stdout.strip() == "active"
     finally:

@@ -132,8 +132,7 @@ def test_packaged_gpugate_replaces_hand_started_server(packaged: Host) -> None:
         "[Unit]\nDescription=vLLM-like server\n[Service]\nType=simple\n"
         f"ExecStart={server_cmd(ALL, 8000, '/run/ready-vllm.service.json')}\n",
     )
-    installed = sim.run(["gpugate", "install", "vllm.service"])
-    assert "reloaded systemd" in installed.stdout, installed.stdout
+    sim.run(["gpugate", "install", "vllm.service"])
     assert sim.exists("/etc/systemd/system/vllm.service.d/gpugate.conf")
     assert sim.exists("/etc/gpugate/vllm.service.toml")
     shown = sim.systemctl("show", "-p", "ExecStartPre", "-p", "NotifyAccess", "vllm.service").stdout

@@ -106,8 +106,7 @@ def test_incident_on_release(release: tuple[str, Host]) -> None:
         "[Unit]\nDescription=vLLM-like server\n[Service]\nType=simple\n"
         f"ExecStart={server_cmd(UNIT_GPUS, 8000, '/run/ready-vllm.service.json')}\n",
     )
-    installed = sim.run(["gpugate", "install", "vllm.service", "--gpus", "0,1,2,3"])
-    assert "reloaded systemd" in installed.stdout, installed.stdout
+    sim.run(["gpugate", "install", "vllm.service", "--gpus", "0,1,2,3"])
     cursor = host.cursor()
     assert host.start("vllm.service", check=False) == 0, sim.journal("-u", "vllm.service")
     new = host.wait_ready("/run/ready-vllm.service.json")

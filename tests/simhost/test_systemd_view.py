@@ -231,13 +231,12 @@ def test_journal_tag_lists_a_successful_run_whole(host: Host) -> None:
 def test_unit_names_as_systemctl_reads_them(host: Host) -> None:
     nosuch = host.sim.run(["gpugate", "install", "nosuch", "--no-reload"], check=False)
     assert nosuch.returncode == ExitCode.UNKNOWN_UNIT
-    assert nosuch.stderr == (
-        "gpugate: unit nosuch.service: systemd knows no such unit (systemctl list-unit-files); "
-        "nothing changed; --force installs anyway\n"
-    )
+    assert nosuch.stderr.startswith("gpugate: unit nosuch.service: ")
+    assert nosuch.stderr.count("\n") == 1
     assert not host.sim.exists("/etc/systemd/system/nosuch.service.d/gpugate.conf")
     forced = host.sim.run(["gpugate", "install", "nosuch", "--force", "--no-reload"], check=False)
-    assert forced.returncode == 0 and "installing anyway (--force)" in forced.stderr
+    assert forced.returncode == 0, forced.stderr
+    assert host.sim.exists("/etc/systemd/system/nosuch.service.d/gpugate.conf")
     host.sim.run(["gpugate", "uninstall", "nosuch", "--no-reload"])
     gate_unit(host, "gate-name.service", config="gpus = [4]\n" + FAST)
     shown = json.loads(host.sh("gpugate status gate-name --json"))

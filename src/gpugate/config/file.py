@@ -17,7 +17,8 @@ from pydantic import BaseModel, ValidationError
 
 from gpugate.compat import tomllib
 from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
-from gpugate.errors import ConfigError, InvalidValue, Problem, echo
+from gpugate.errors import ConfigError, InvalidValue
+from gpugate.untrusted import echo
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
@@ -27,7 +28,7 @@ def parse_config(text: str, source: str) -> GateConfig:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, "", Problem.CONFIG_NOT_TOML, detail=str(exc)) from None
+        raise ConfigError(source, "", f"not valid TOML: {exc}") from None
     try:
         return GateConfig.model_validate(data)
     except ValidationError as exc:
@@ -35,19 +36,19 @@ def parse_config(text: str, source: str) -> GateConfig:
 
 
 def _config_error(source: str, exc: ValidationError) -> ConfigError:
-    """The first of pydantic's errors as gpugate's: a code and facts (pydantic's own words for
-    a type it wanted are a fact, `detail`); how many more there were."""
+    """The first of pydantic's errors as gpugate's (pydantic's own words for a type it wanted
+    as they are); how many more there were."""
     first = exc.errors()[0]
     parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
     field = echo(".".join(parts), quote=False) or "(top level)"
     more = exc.error_count() - 1
     refused = (first.get("ctx") or {}).get("error")
     if isinstance(refused, InvalidValue):
-        return ConfigError(source, field, refused.problem, more=more, **refused.facts)
+        return ConfigError(source, field, str(refused), more=more)
     if first["type"] == "extra_forbidden":
-        return ConfigError(
-            source, field, Problem.CONFIG_UNKNOWN_KEY, suggestion=_did_you_mean(parts), more=more
-        )
+        suggestion = _did_you_mean(parts)
+        problem = "unknown key" + (f"; did you mean {suggestion!r}?" if suggestion else "")
+        return ConfigError(source, field, problem, more=more, code="config-unknown-key")
     detail = first["msg"].removeprefix("Value error, ")
     if first["type"] in STRICT_TYPE_ERRORS:
         shown = first["input"]
@@ -55,16 +56,9 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
             from gpugate.config.toml_text import toml_value  # noqa: PLC0415 (an error's)
 
             shown = toml_value(shown)
-        return ConfigError(
-            source,
-            field,
-            Problem.CONFIG_WRONG_TYPE,
-            detail=detail,
-            input_type=_toml_type(first["input"]),
-            shown=shown,
-            more=more,
-        )
-    return ConfigError(source, field, Problem.CONFIG_INVALID, detail=detail, more=more)
+        problem = f"{detail}, not {_toml_type(first['input'])} {echo(shown, quote=False)}"
+        return ConfigError(source, field, problem, more=more)
+    return ConfigError(source, field, detail, more=more)
 
 
 def _toml_type(value: object) -> str:
@@ -134,27 +128,19 @@ def check_lock_dir(loaded: LoadedConfig) -> None:
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
-        raise ConfigError(
-            loaded.source,
-            "lock_dir",
-            Problem.LOCK_DIR_NOT_FOLDER,
-            lock_dir=lock_dir,
-            existing=existing,
-        )
+        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
 
 
 def _read(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE) from None
+        raise ConfigError(str(path), "", "no such file") from None
     except PermissionError:
-        raise ConfigError(str(path), "", Problem.CONFIG_UNREADABLE) from None
+        raise ConfigError(str(path), "", "permission denied reading it") from None
     except IsADirectoryError:
-        raise ConfigError(str(path), "", Problem.CONFIG_IS_FOLDER) from None
+        raise ConfigError(str(path), "", "is a directory, not a TOML file") from None
     except UnicodeDecodeError:
-        raise ConfigError(str(path), "", Problem.CONFIG_NOT_UTF8) from None
+        raise ConfigError(str(path), "", "is not UTF-8 text") from None
     except OSError as exc:
-        raise ConfigError(
-            str(path), "", Problem.CONFIG_OS_ERROR, cause=exc.strerror or str(exc)
-        ) from None
+        raise ConfigError(str(path), "", exc.strerror or str(exc)) from None

@@ -11,7 +11,8 @@ import re
 from collections.abc import Sequence
 from typing import Union
 
-from gpugate.errors import InvalidValue, Problem
+from gpugate.errors import InvalidValue
+from gpugate.untrusted import echo
 
 # A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
@@ -29,12 +30,12 @@ GpuListError = InvalidValue  # what the parser raises: a code and facts; the cal
 def gpu_ref(item: object) -> GpuRef:
     """One GPU: an index 0-1023, a GPU UUID or a MIG slice. Text of digits is an index."""
     if isinstance(item, bool):
-        raise InvalidValue(Problem.GPU_NOT_REF, value=item)
+        raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
     if isinstance(item, str) and item.isascii() and item.isdigit():
         item = int(item)
     if isinstance(item, int):
         if not 0 <= item <= MAX_GPU_INDEX:
-            raise InvalidValue(Problem.GPU_INDEX_RANGE, value=item, most=MAX_GPU_INDEX)
+            raise InvalidValue(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
         return item
     if isinstance(item, str):
         if UUID_PATTERN.fullmatch(item) or MIG_UUID_PATTERN.fullmatch(item):
@@ -42,22 +43,27 @@ def gpu_ref(item: object) -> GpuRef:
         if LEGACY_MIG_PATTERN.fullmatch(item):
             return item
         if item.upper().startswith(MIG_PREFIX):
-            raise InvalidValue(Problem.GPU_MIG, value=item)
-        raise InvalidValue(Problem.GPU_NOT_REF, value=item, text=True)
-    raise InvalidValue(Problem.GPU_NOT_REF, value=item)
+            raise InvalidValue(
+                f"{echo(item)} is not a MIG device UUID (MIG-xxxxxxxx-...) or "
+                "MIG-GPU-<uuid>/<gi>/<ci>"
+            )
+        raise InvalidValue(
+            f"{echo(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
+        )
+    raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
 
 
 def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
     """A list of GPUs: at least one, none twice (a UUID is compared case-insensitively)."""
     if not items:
-        raise InvalidValue(Problem.GPU_LIST_EMPTY)
+        raise InvalidValue("must name at least one GPU")
     refs: list[GpuRef] = []
     seen: set[GpuRef] = set()
     for item in items:
         ref = gpu_ref(item)
         key = ref.lower() if isinstance(ref, str) else ref
         if key in seen:
-            raise InvalidValue(Problem.GPU_TWICE, value=ref)
+            raise InvalidValue(f"lists GPU {echo(ref, quote=False)} twice")
         seen.add(key)
         refs.append(ref)
     return tuple(refs)

@@ -20,9 +20,10 @@ from pydantic import (
 )
 
 from gpugate.config.gpulist import GpuRef, gpu_refs
-from gpugate.errors import GateError, InvalidValue, Problem
+from gpugate.errors import GateError, InvalidValue
 from gpugate.host.systemd import validate_unit_name
 from gpugate.phase import Phase
+from gpugate.untrusted import echo
 
 DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
@@ -103,7 +104,8 @@ class PhasePolicy(_Frozen):
         kill_s = self.sigterm_grace_s + self.sigkill_wait_s
         if kill_s >= self.wait_timeout_s:
             raise InvalidValue(
-                Problem.GRACE_OVER_DEADLINE, kill_s=kill_s, wait_timeout_s=self.wait_timeout_s
+                f"sigterm_grace_s + sigkill_wait_s ({kill_s:g} s) must be below wait_timeout_s "
+                f"({self.wait_timeout_s:g} s), which also holds the memory wait"
             )
         return self
 
@@ -134,7 +136,8 @@ class SweepPolicy(_Frozen):
     def _not_below_interval(cls, value: float | None) -> float | None:
         if value is not None and value < SWEEP_INTERVAL_S:
             raise InvalidValue(
-                Problem.SWEEP_BELOW_INTERVAL, value=value, interval_s=SWEEP_INTERVAL_S
+                f"{value} s is below the sweep timer's interval ({SWEEP_INTERVAL_S} s): a holder "
+                "could not be seen unowned that long by two sweeps"
             )
         return value
 
@@ -225,7 +228,9 @@ class GateConfig(_Frozen):
     def _tmpfs_size(cls, value: str) -> str:
         # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
         if value != PRIVATE_SHM_OFF and not PRIVATE_SHM_SIZE.fullmatch(value):
-            raise InvalidValue(Problem.PRIVATE_SHM_FORM, value=value)
+            raise InvalidValue(
+                f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
+            )
         return value
 
     @field_validator("post", mode="before")
@@ -242,7 +247,9 @@ class GateConfig(_Frozen):
         if value in ("all", "auto"):
             return value
         if not isinstance(value, (list, tuple)):
-            raise InvalidValue(Problem.GPUS_FORM)
+            raise InvalidValue(
+                'must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]'
+            )
         return gpu_refs(value)
 
     @field_validator("protected_executables")
@@ -250,7 +257,9 @@ class GateConfig(_Frozen):
     def _absolute_executables(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for path in value:
             if not path.startswith("/"):
-                raise InvalidValue(Problem.NOT_ABSOLUTE, value=path)
+                raise InvalidValue(
+                    f"{echo(path)} is not an absolute path" if path else "must be an absolute path"
+                )
         return value
 
     @field_validator("protected_units")
@@ -260,7 +269,10 @@ class GateConfig(_Frozen):
             try:
                 validate_unit_name(name)
             except GateError:
-                raise InvalidValue(Problem.NOT_UNIT_NAME, value=name) from None
+                raise InvalidValue(
+                    f"{echo(name)} is not a service or scope unit name with its suffix (e.g. "
+                    "nvidia-persistenced.service)"
+                ) from None
         return value
 
     @field_validator("containers")
@@ -268,16 +280,16 @@ class GateConfig(_Frozen):
     def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for item in value:
             if not CONTAINER_NAME.fullmatch(item):
-                raise InvalidValue(Problem.NOT_CONTAINER, value=item)
+                raise InvalidValue(f"{echo(item)} is not a container name or id")
         if len(set(value)) != len(value):
-            raise InvalidValue(Problem.CONTAINER_TWICE)
+            raise InvalidValue("lists a container twice")
         return value
 
     @field_validator("metrics_textfile", "lock_dir")
     @classmethod
     def _absolute_path(cls, value: Path | None) -> Path | None:
         if value is not None and not value.is_absolute():
-            raise InvalidValue(Problem.NOT_ABSOLUTE)
+            raise InvalidValue("must be an absolute path")
         return value
 
     def selection(self) -> GpuSelection:

@@ -25,7 +25,7 @@ from typing import Protocol
 from gpugate.compat import StrEnum
 from gpugate.config.models import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
-from gpugate.errors import NvmlNotAnswering, PermissionDenied, Problem
+from gpugate.errors import NvmlNotAnswering, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.mig_caps import cap_minor, slice_of_cap_minor
 from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, mig_parent
@@ -165,7 +165,7 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
                 continue  # removed while we walked
             except PermissionError:
                 raise PermissionDenied(
-                    Problem.NO_PERMISSION, path=Path(directory, "cgroup.procs")
+                    f"{Path(directory, 'cgroup.procs')}: permission denied"
                 ) from None
             pids.extend(int(line) for line in text.split())
     return pids

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gpugate.errors import PermissionDenied, Problem
+from gpugate.errors import PermissionDenied
 from gpugate.host.procfs import ProcessId, ProcFs
 
 
@@ -38,7 +38,9 @@ def _deliver(ident: ProcessId, send: Callable[[], None]) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        raise PermissionDenied(Problem.NO_PERMISSION_SIGNAL, pid=ident.pid) from None
+        raise PermissionDenied(
+            f"not permitted to signal PID {ident.pid} (run gpugate as root)"
+        ) from None
     return True
 
 

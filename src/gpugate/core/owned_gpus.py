@@ -13,8 +13,9 @@ from collections.abc import Sequence
 
 from gpugate.config.gpulist import MIG_PREFIX, GpuRef, legacy_mig
 from gpugate.config.models import GpuSelection
-from gpugate.errors import ConfigError, NvmlUnavailable, Problem
+from gpugate.errors import ConfigError, NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuFault
+from gpugate.untrusted import echo
 
 
 def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
@@ -30,12 +31,9 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
     for ref in wanted:
         if isinstance(ref, int):
             if ref not in by_index:
+                listed = _index_list([gpu.index for gpu in whole])
                 raise ConfigError(
-                    source,
-                    "gpus",
-                    Problem.GPU_NO_SUCH_INDEX,
-                    value=ref,
-                    listed=[gpu.index for gpu in whole],
+                    source, "gpus", f"GPU index {ref} does not exist; NVML lists {listed}"
                 )
             gpu = by_index[ref]
         else:
@@ -78,7 +76,12 @@ def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
         return exact[0]
     if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
         mig_gpus = [gpu.index for gpu in gpus if gpu.mig_mode]
-        raise ConfigError(source, "gpus", Problem.GPU_NO_SUCH_MIG, value=ref, mig_gpus=mig_gpus)
+        raise ConfigError(
+            source,
+            "gpus",
+            (f"no MIG device has UUID {echo(ref, quote=False)}")
+            + ("" if mig_gpus else " (no GPU is in MIG mode)"),
+        )
     return _by_prefix(ref, among, source)
 
 
@@ -87,7 +90,9 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     parent_uuid, gi, ci = legacy
     parent = _by_prefix(parent_uuid, [gpu for gpu in gpus if gpu.mig is None], source)
     if not parent.mig_mode:
-        raise ConfigError(source, "gpus", Problem.GPU_NOT_MIG_MODE, value=ref, gpu=parent.index)
+        raise ConfigError(
+            source, "gpus", (f"{echo(ref, quote=False)}: GPU {parent.index} is not in MIG mode")
+        )
     slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
     for gpu in slices:
         if gpu.shown == f"{parent.index}/{gi}/{ci}":
@@ -95,12 +100,8 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     raise ConfigError(
         source,
         "gpus",
-        Problem.GPU_NO_SUCH_MIG_INSTANCE,
-        value=ref,
-        gpu=parent.index,
-        gi=gi,
-        ci=ci,
-        listed=", ".join(gpu.shown for gpu in slices),
+        f"{echo(ref, quote=False)}: GPU {parent.index} has no MIG device with GPU instance "
+        f"{gi} and compute instance {ci} (it has {', '.join(g.shown for g in slices) or 'none'})",
     )
 
 
@@ -108,9 +109,11 @@ def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
     if not matches:
-        raise ConfigError(source, "gpus", Problem.GPU_NO_SUCH_UUID, value=ref)
+        raise ConfigError(source, "gpus", f"no GPU has UUID {echo(ref, quote=False)}")
     if len(matches) > 1:
-        raise ConfigError(source, "gpus", Problem.GPU_UUID_AMBIGUOUS, value=ref)
+        raise ConfigError(
+            source, "gpus", f"{echo(ref, quote=False)} is the start of more than one GPU's UUID"
+        )
     return matches[0]
 
 
@@ -122,18 +125,25 @@ def fail_on_owned_faults(
         return
     who = unit or "this run"
     if wanted == "all":
-        raise NvmlUnavailable(
-            Problem.NVML_OWN_GPU_FAULT, fault=faults[0].error, who=who, all_gpus=True
-        )
+        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {who}: gpus = all)")
     uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
     owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in wanted}
     owned_uuids = {ref.lower() for ref in wanted if isinstance(ref, str)}
     for fault in faults:
         if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
-            raise NvmlUnavailable(Problem.NVML_OWN_GPU_FAULT, fault=fault.error, who=who)
+            raise NvmlUnavailable(f"{fault.error} (a GPU of {who})")
     unknown = [ref for ref in owned_uuids if not any(uuid.startswith(ref) for uuid in uuids)]
     nameless = [fault for fault in faults if fault.uuid is None]
     if unknown and nameless:
         raise NvmlUnavailable(
-            Problem.NVML_OWN_GPU_UNREAD, fault=nameless[0].error, who=who, value=unknown[0]
+            f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} is not among "
+            "those NVML can read"
         )
+
+
+def _index_list(indices: list[int]) -> str:
+    if not indices:
+        return "no GPUs"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"GPUs {indices[0]}-{indices[-1]}"
+    return "GPUs " + ", ".join(map(str, indices))

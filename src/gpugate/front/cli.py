@@ -21,7 +21,6 @@ from gpugate import __version__
 from gpugate.errors import ExitCode, GateError, InvalidValue, exit_code_summary
 
 # Loaded with the package (gpugate/__init__.py: every error's message is its words).
-from gpugate.report.error_text import error_text, problem_text
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy knows the name)
 if TYPE_CHECKING:
@@ -292,7 +291,7 @@ def main(
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
 
-        print(lines.error(_line(error_text(exc))), file=sys.stderr)
+        print(lines.error(_line(exc.message)), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -301,7 +300,7 @@ def main(
             raise
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
 
-        print(lines.internal_error(exc), file=sys.stderr)
+        print(lines.error(lines.internal_error_text(exc)), file=sys.stderr)
         return int(ExitCode.INTERNAL)
 
 
@@ -467,11 +466,11 @@ def _gpus(value: str) -> object:
     try:
         return parse_gpus(value)
     except InvalidValue as exc:
-        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _line(text: str) -> str:
-    from gpugate.report.untrusted import line  # noqa: PLC0415 (an error's words only)
+    from gpugate.untrusted import line  # noqa: PLC0415 (an error's words only)
 
     return line(text)
 
@@ -484,19 +483,16 @@ def _path(value: str) -> Path:
 
 def _uid(value: str) -> int:
     from gpugate.front.launch_unit import parse_uid  # noqa: PLC0415
-    from gpugate.report import lines  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:
-        raise argparse.ArgumentTypeError(lines.not_a_uid(value))
+        raise argparse.ArgumentTypeError(f"{value[:20]!r} is not a uid")
     return uid
 
 
 def _port(value: str) -> int:
-    from gpugate.report import lines  # noqa: PLC0415
-
     if not value.isdigit() or not 1 <= int(value) <= 65535:
-        raise argparse.ArgumentTypeError(lines.not_a_port(value))
+        raise argparse.ArgumentTypeError(f"{value!r} is not a TCP port (1-65535)")
     return int(value)
 
 
@@ -506,4 +502,4 @@ def _container(value: str) -> str:
     try:
         return parse_container(value)
     except InvalidValue as exc:
-        raise argparse.ArgumentTypeError(problem_text(exc.problem, exc.facts)) from None
+        raise argparse.ArgumentTypeError(str(exc)) from None

@@ -27,8 +27,10 @@ from pathlib import Path
 
 from gpugate.compat import tomllib
 from gpugate.config.toml_text import toml_value
-from gpugate.errors import InstallError, Problem
+from gpugate.errors import InstallError
+from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.untrusted import echo
 
 CONFIG = Path("/etc/containerd/config.toml")
 RUNTIME = "gpugate"
@@ -63,34 +65,35 @@ def read_text(path: Path) -> str | None:
     not a regular file (a link, a FIFO), larger than 1 MiB, not UTF-8."""
     found = untrusted(path)
     if found is not None:
-        raise InstallError(Problem.INSTALL_UNTRUSTED, path=path, found=found)
+        raise InstallError(
+            f"{path}: " + (trust_text.untrusted_text(found) if found else "refused: untrusted")
+        )
     try:
         raw = read_capped(path, MAX_CONFIG)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise InstallError(
-            Problem.INSTALL_UNREADABLE, path=path, cause=exc, nothing_changed=True
-        ) from None
+        raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InstallError(
-            Problem.INSTALL_UNREADABLE, path=path, cause=exc, nothing_changed=True
-        ) from None
+        raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
 
 
 def parse(text: str, path: Path) -> Table:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise InstallError(Problem.INSTALL_NOT_TOML, path=path, cause=exc) from None
+        raise InstallError(f"{path}: cannot be read as TOML ({exc}); nothing changed") from None
 
 
 def cri_keys(data: Table, path: Path) -> tuple[str, ...]:
     version = data.get("version", 1)
     if isinstance(version, bool) or version not in CRI:
-        raise InstallError(Problem.INSTALL_CONTAINERD_VERSION, path=path, version=str(version))
+        raise InstallError(
+            f"{path}: config version {echo(str(version))}: gpugate edits versions 2 (containerd "
+            "1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
+        )
     return CRI[int(version)]
 
 
@@ -120,7 +123,8 @@ def strip(text: str, path: Path) -> str:
             )
             if end is None:
                 raise InstallError(
-                    Problem.INSTALL_MARK_UNCLOSED, path=path, line=index + 1, end=END
+                    f"{path}: line {index + 1}: gpugate's block is opened and never closed "
+                    f"(`{END}`); mend it by hand; nothing changed"
                 )
             if NO_EOL in line and kept:
                 kept[-1] = kept[-1][:-1] if kept[-1].endswith("\n") else kept[-1]
@@ -258,7 +262,10 @@ def installed(
     cri = cri_keys(data, path)
     cri_table = table_at(data, cri)
     if RUNTIME in table_at(cri_table, ("runtimes",)):
-        raise InstallError(Problem.INSTALL_CONTAINERD_RUNTIME_THERE, path=path, runtime=RUNTIME)
+        raise InstallError(
+            f"{path}: a runtime {RUNTIME} that gpugate install did not write is there; take "
+            "it out first; nothing changed"
+        )
     wrapped, source = wrapped_runtime(cri_table)
     table = runtime_table(source, wrapper)
     lines = base.splitlines(keepends=True)
@@ -273,7 +280,10 @@ def installed(
     if default:
         table_at(expected, cri, make=True)["default_runtime_name"] = RUNTIME
     if not same_settings(text, expected):
-        raise InstallError(Problem.INSTALL_CONTAINERD_EDIT, path=path, table=dotted(cri))
+        raise InstallError(
+            f"{path}: adding {dotted(cri)} as a table would change other settings (inline "
+            "or dotted tables there); add it by hand (docs/containers.md); nothing changed"
+        )
     return text, wrapped
 
 
@@ -285,7 +295,10 @@ def uninstalled(current: str, *, path: Path) -> str | None:
     cri = cri_keys(data, path)
     before = parse(base, path)
     if table_at(before, cri).get("default_runtime_name") == RUNTIME:
-        raise InstallError(Problem.INSTALL_CONTAINERD_DEFAULT, path=path, runtime=RUNTIME)
+        raise InstallError(
+            f"{path}: default_runtime_name is {RUNTIME}, not set by gpugate install: set another "
+            "first (containerd would not start its pods); nothing changed"
+        )
     if base == current:
         return current
     expected = copy.deepcopy(data)
@@ -296,7 +309,10 @@ def uninstalled(current: str, *, path: Path) -> str | None:
     if default is not None:
         cri_table["default_runtime_name"] = default
     if pruned(before) != pruned(expected):
-        raise InstallError(Problem.INSTALL_CONTAINERD_EDIT, path=path, table=dotted(cri))
+        raise InstallError(
+            f"{path}: adding {dotted(cri)} as a table would change other settings (inline "
+            "or dotted tables there); add it by hand (docs/containers.md); nothing changed"
+        )
     first, _, rest = base.partition("\n")
     if first.startswith(MADE):
         return None if first == f"{MADE}{digest(rest)})" else rest

@@ -26,7 +26,6 @@ from gpugate.errors import (
     InstallError,
     InvalidValue,
     PermissionDenied,
-    Problem,
     UnknownUnit,
 )
 from gpugate.front.install_files import (
@@ -46,6 +45,7 @@ from gpugate.host.unit_settings import parse as parse_unit_settings
 from gpugate.host.unit_settings import read_unit
 from gpugate.report import lines
 from gpugate.report.narrate_install import kept_lines
+from gpugate.untrusted import echo
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
@@ -86,7 +86,7 @@ class Targets:
 def validate_install_unit(unit: str) -> str:
     """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
     if not unit.endswith(".service"):
-        raise UnknownUnit(Problem.INSTALL_NOT_SERVICE, unit=unit)
+        raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
     if unit.endswith("@.service"):
         validate_unit_name(unit.removesuffix("@.service") + "@instance.service")
     else:
@@ -105,7 +105,7 @@ def parse_gpus(value: str) -> Gpus:
 def parse_container(value: str) -> str:
     """`--container vllm` (a name or id) into one item of the config's `containers`."""
     if not CONTAINER_NAME.fullmatch(value):
-        raise InvalidValue(Problem.NOT_CONTAINER, value=value, hint=True)
+        raise InvalidValue(f"{echo(value)} is not a container name or id (letters, digits, _.-)")
     return value
 
 
@@ -115,13 +115,18 @@ def systemctl_daemon_reload() -> bool:
         return False
     systemctl = find_program("systemctl")
     if systemctl is None:
-        raise InstallError(Problem.INSTALL_NO_SYSTEMCTL, path=SYSTEM_PATH)
+        raise InstallError(
+            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
+        )
     try:
         result = run_program([systemctl, "daemon-reload"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(Problem.INSTALL_RELOAD_ERROR, cause=exc) from None
+        raise InstallError(f"files written, but {exc}; run it yourself") from None
     if result.returncode != 0:
-        raise InstallError(Problem.INSTALL_RELOAD_FAILED, said=result.first_line())
+        raise InstallError(
+            f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
+            "run it yourself"
+        )
     return True
 
 
@@ -170,7 +175,10 @@ def plan_install(
             note = "edited-forced" if owner is Ownership.OPERATORS else ""
             changes.append(Change(path, Action.WRITE, content, note, shown))
     if refused:
-        raise InstallError(Problem.INSTALL_EDITED, paths=refused)
+        raise InstallError(
+            f"{', '.join(refused)}: edited by you (or not written by gpugate install); nothing "
+            "changed; --force replaces it"
+        )
     return changes
 
 
@@ -198,9 +206,7 @@ def configured_private_shm(config: Path) -> str:
     except FileNotFoundError:
         return DEFAULT_PRIVATE_SHM
     except OSError as exc:
-        raise PermissionDenied(
-            Problem.INSTALL_UNREADABLE, path=config, cause=exc.strerror
-        ) from None
+        raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
     return parse_config(text, str(config)).private_shm
 
 
@@ -219,8 +225,15 @@ def refuse_unknown_unit(
     if state is None or state.load_state != "not-found":
         return
     if not force:
-        raise UnknownUnit(Problem.INSTALL_UNIT_UNKNOWN, unit=unit)
-    print(lines.install_unit_unknown_forced(unit), file=stream or sys.stderr)
+        raise UnknownUnit(
+            f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); nothing "
+            "changed; --force installs anyway"
+        )
+    said = (
+        f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); installing "
+        "anyway (--force)"
+    )
+    print(lines.warning(said), file=stream or sys.stderr)
 
 
 def plan_uninstall(
@@ -244,7 +257,10 @@ def plan_uninstall(
         elif path == targets.config:
             changes.append(Change(path, Action.KEEP, note="edited-removable"))
         else:
-            raise InstallError(Problem.INSTALL_EDITED_REMOVE, path=path)
+            raise InstallError(
+                f"{path}: edited by you (or not written by gpugate install); nothing changed; "
+                "--force removes it"
+            )
     return changes
 
 
@@ -273,7 +289,7 @@ def apply(
                     _remove_empty_dir(change.path.parent)
         except PermissionError as exc:
             raise PermissionDenied(
-                Problem.NO_PERMISSION_READING, path=exc.filename or change.path, writing=True
+                f"{exc.filename or change.path}: permission denied (run as root)"
             ) from None
     unit_files_changed = any(
         c.action in (Action.WRITE, Action.REMOVE) and c.path.name == DROPIN_NAME for c in changes
@@ -290,7 +306,7 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
     )
     print(shown, file=stream)
     for said in change.said:
-        print(lines.said_under(said), file=stream)
+        print(f"  {said}", file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
         print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
 

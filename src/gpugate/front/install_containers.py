@@ -23,12 +23,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.compat import tomllib
-from gpugate.errors import GateError, InstallError, Problem
+from gpugate.errors import GateError, InstallError
 from gpugate.front import containerd_config
 from gpugate.front.install import Action, Change
 from gpugate.host import wrapped_runtime
 from gpugate.host.programs import find_program, run_program
-from gpugate.report import oci_text
 
 PODMAN_HOOKS = Path("/usr/share/containers/oci/hooks.d")
 CRIO_HOOKS = Path("/etc/containers/oci/hooks.d")
@@ -75,7 +74,7 @@ def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
         except FileNotFoundError:
             continue
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-            raise InstallError(Problem.INSTALL_NOT_TOML, path=conf, cause=exc) from None
+            raise InstallError(f"{conf}: cannot be read as TOML ({exc}); nothing changed") from None
         engine = data.get("engine")
         hooks = engine.get("hooks_dir") if isinstance(engine, dict) else None
         if isinstance(hooks, list) and hooks and all(isinstance(h, str) for h in hooks):
@@ -122,7 +121,9 @@ def plan_hooks(
             exists = path.exists()
             ours = is_our_hook(path)
             if exists and not ours and not force:
-                raise InstallError(Problem.INSTALL_NOT_OUR_HOOK, path=path)
+                raise InstallError(
+                    f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
+                )
             if install:
                 same = exists and _read(path) == text
                 changes.append(Change(path, Action.UNCHANGED if same else Action.WRITE, text))
@@ -138,21 +139,19 @@ def read_daemon_json(path: Path) -> dict[str, object]:
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
-        raise InstallError(
-            Problem.INSTALL_UNREADABLE, path=path, cause=exc, nothing_changed=True
-        ) from None
+        raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
     if not text.strip():
         return {}
     try:
         data = json.loads(text)
     except ValueError as exc:
         where = f"line {exc.lineno}" if hasattr(exc, "lineno") else "it"
-        raise InstallError(Problem.INSTALL_NOT_JSON, path=path, where=where) from None
+        raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
     if not isinstance(data, dict):
-        raise InstallError(Problem.INSTALL_NOT_OBJECT, path=path)
+        raise InstallError(f"{path}: not a JSON object; nothing changed")
     runtimes = data.get("runtimes", {})
     if not isinstance(runtimes, dict):
-        raise InstallError(Problem.INSTALL_NOT_OBJECT, path=path, key="runtimes")
+        raise InstallError(f"{path}: runtimes: not a JSON object; nothing changed")
     return data
 
 
@@ -173,7 +172,9 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
     if RUNTIME_NAME not in runtimes:
         return [Change(path, Action.UNCHANGED, note="runtime-absent")]
     if data.get("default-runtime") == RUNTIME_NAME:
-        raise InstallError(Problem.INSTALL_DEFAULT_RUNTIME, path=path, runtime=RUNTIME_NAME)
+        raise InstallError(
+            f'{path}: "default-runtime" is {RUNTIME_NAME}: set another first; nothing changed'
+        )
     del runtimes[RUNTIME_NAME]
     if runtimes:
         data["runtimes"] = runtimes
@@ -187,16 +188,25 @@ def containerd_default_config() -> str:
     containerd = find_program("containerd")
     path = containerd_config.CONFIG
     if containerd is None:
-        raise InstallError(Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG, path=path, missing=True)
+        raise InstallError(
+            f"{path} is missing and `containerd config default` failed: no containerd in the "
+            "system folders; nothing changed"
+        )
     try:
         result = run_program([containerd, "config", "default"], RELOAD_TIMEOUT_S)
     except GateError as exc:
         raise InstallError(
-            Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG, path=path, cause=exc
+            f"{path} is missing and `containerd config default` failed: "
+            + (f"{exc}" if exc else "")
+            + "; nothing changed"
         ) from None
     if result.returncode != 0:
         said = result.first_line()
-        raise InstallError(Problem.INSTALL_CONTAINERD_DEFAULT_CONFIG, path=path, said=said)
+        raise InstallError(
+            f"{path} is missing and `containerd config default` failed: "
+            + f"{said}"
+            + "; nothing changed"
+        )
     return result.stdout
 
 
@@ -272,24 +282,26 @@ def wrapper_beside(gpugate: str) -> str:
         candidate = folder / WRAPPER
         if os.access(candidate, os.X_OK):
             return str(candidate)
-    raise InstallError(Problem.INSTALL_NO_WRAPPER, wrapper=WRAPPER, gpugate=gpugate)
+    raise InstallError(f"no {WRAPPER} beside {gpugate}: install gpugate's package whole")
 
 
 def reload_docker() -> str:
     """`systemctl reload docker` where docker runs; what was done, in words."""
     systemctl = find_program("systemctl")
     if systemctl is None:
-        return oci_text.DOCKER_NO_SYSTEMCTL
+        return "docker not reloaded (no systemctl): run `systemctl reload docker`"
     try:
         active = run_program([systemctl, "is-active", "--quiet", "docker.service"], 10)
         if active.returncode != 0:
-            return oci_text.DOCKER_NOT_RUNNING
+            return "docker is not running: it reads daemon.json when it starts"
         result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(Problem.INSTALL_DOCKER_RELOAD, cause=exc) from None
+        raise InstallError(_reload_failed(str(exc))) from None
     if result.returncode != 0:
-        raise InstallError(Problem.INSTALL_DOCKER_RELOAD, said=result.first_line())
-    return oci_text.DOCKER_RELOADED
+        raise InstallError(
+            _reload_failed(f"`systemctl reload docker` failed: {result.first_line()}")
+        )
+    return "reloaded docker (systemctl reload docker)"
 
 
 def _read(path: Path) -> str | None:
@@ -297,3 +309,7 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
+
+
+def _reload_failed(detail: str) -> str:
+    return f"daemon.json written, but {detail}; run `systemctl reload docker`"

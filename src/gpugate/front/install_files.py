@@ -21,7 +21,7 @@ from gpugate.config.models import (
     PhasePolicy,
 )
 from gpugate.config.toml_text import toml_value
-from gpugate.errors import InstallError, PermissionDenied, Problem
+from gpugate.errors import InstallError, PermissionDenied
 from gpugate.host.unit_settings import UnitSettings
 
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
@@ -129,9 +129,12 @@ def render_dropin(
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
     for text in words:
         if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
-            raise InstallError(Problem.INSTALL_GPUGATE_PATH, value=text)
+            raise InstallError(
+                f"--gpugate-path {text!r}: an absolute path of letters, digits and _.+/- only "
+                "(it goes into ExecStartPre= unquoted)"
+            )
     if not words or not SAFE_PATH.match(words[0]):
-        raise InstallError(Problem.INSTALL_GPUGATE_PATH_RELATIVE, value=" ".join(words))
+        raise InstallError(f"--gpugate-path {' '.join(words)!r}: not an absolute path")
     unit = unit or UnitSettings()
     parts = [DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))]
     if unit.notify_access is None or unit.notify_access.value != "all":
@@ -192,7 +195,7 @@ def ownership(path: Path) -> Ownership:
     except UnicodeDecodeError:
         return Ownership.OPERATORS
     except PermissionError:
-        raise PermissionDenied(Problem.NO_PERMISSION_READING, path=path) from None
+        raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
     match = HEADER.match(text)
     header_lines = HEADER_TEXT.count("\n")
     parts = text.split("\n", header_lines)

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.config.models import SWEEP_INTERVAL_S
-from gpugate.errors import ExitCode, GateError, InstallError, Problem
+from gpugate.errors import ExitCode, GateError, InstallError
 from gpugate.front import install
 from gpugate.front.install import Action, Change
 from gpugate.front.install_files import Ownership, ownership, with_header
@@ -19,6 +19,7 @@ from gpugate.front.self_command import command_for, gpugate_command
 from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
 from gpugate.host.systemd import systemd_running
 from gpugate.report import lines
+from gpugate.untrusted import echo
 
 SERVICE = "gpugate-sweep.service"
 TIMER = "gpugate-sweep.timer"
@@ -100,16 +101,17 @@ def plan(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list
 def systemctl(*words: str) -> None:
     program = find_program("systemctl")
     if program is None:
-        raise InstallError(Problem.INSTALL_NO_SYSTEMCTL, path=SYSTEM_PATH)
+        raise InstallError(
+            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
+        )
     try:
         result = run_program([program, *words], SYSTEMCTL_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(Problem.INSTALL_RELOAD_ERROR, cause=exc) from None
+        raise InstallError(f"files written, but {exc}; run it yourself") from None
     if result.returncode != 0:
         detail = (result.stderr or result.stdout or "").strip().splitlines()
-        raise InstallError(
-            Problem.INSTALL_TIMER_FAILED, action=words[0], detail=detail[-1] if detail else ""
-        )
+        said = echo(detail[-1] if detail else "", quote=False)
+        raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
 
 
 def sweep_setup(

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-from gpugate.errors import Interrupted, Problem
+from gpugate.errors import Interrupted
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -34,7 +34,7 @@ def stopped_by_signals() -> Iterator[None]:
             return
         fired.append(signum)
         name = signal.Signals(signum).name
-        raise Interrupted(Problem.INTERRUPTED, name)
+        raise Interrupted(f"stopped by {name}", name)
 
     previous = {signum: signal.signal(signum, on_signal) for signum in SIGNALS}
     try:

@@ -29,7 +29,6 @@ from gpugate.errors import (
     GateError,
     NvmlUnavailable,
     PermissionDenied,
-    Problem,
     StateUnwritable,
 )
 from gpugate.front.launch_unit import (
@@ -52,7 +51,8 @@ from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, 
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
-from gpugate.report import lines
+from gpugate.report import lines, reasons
+from gpugate.untrusted import COMMAND, echo, shown
 
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
@@ -70,10 +70,11 @@ def checked_command(args: argparse.Namespace) -> list[str]:
     if command and command[0] == "--":
         command = command[1:]
     if not command:
-        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
+        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        raise LaunchError(Problem.LAUNCH_CONFIG_PATH, value=str(args.config))
+        given = echo(str(args.config), limit=80)
+        raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
     return command
 
 
@@ -82,7 +83,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise LaunchError(Problem.LAUNCH_NO_SYSTEMD_RUN)
+        raise LaunchError("systemd-run not found in the system folders: gpugate run needs systemd")
     environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
@@ -133,8 +134,9 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
             raise LaunchError(
-                Problem.LAUNCH_SUDO_VARIABLES,
-                environ={k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ},
+                reasons.sudo_variables_text(
+                    {k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ}
+                )
             )
         uid, gid = found, group
     try:
@@ -160,11 +162,8 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
     if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
         return
     raise LaunchError(
-        Problem.LAUNCH_UNIT_EXISTS,
-        unit=unit,
-        load_state=state.load_state,
-        active_state=state.active_state,
-        explicit=explicit,
+        f"systemd already has {unit} ({state.load_state}, {state.active_state})"
+        + ("; choose another --name" if explicit else "; run it again")
     )
 
 
@@ -184,13 +183,13 @@ def resolve_gpus(
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
-        raise NvmlUnavailable(Problem.LAUNCH_NVML, cause=exc) from None
+        raise NvmlUnavailable(f"gpugate run: {exc}") from None
     try:
         gpus = owned_gpus(choice.gpus, driver.gpus(), source)
     finally:
         driver.close()
     if not gpus:
-        raise LaunchError(Problem.LAUNCH_NO_GPU, source=source)
+        raise LaunchError(f"{source}: names no GPU; gpugate run is for GPU programs")
     return gpus
 
 
@@ -233,9 +232,11 @@ def refuse_leased(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
     if check.conflicts and force and not caller_is_root:
-        raise PermissionDenied(Problem.LAUNCH_FORCE_NOT_ROOT, unit=unit, refusal=check.refusal())
+        raise PermissionDenied(
+            f"not starting {unit}: {check.refusal()}; --force over a lease is root's alone"
+        )
     if check.conflicts and not force:
-        raise HeldByOthers(Problem.LAUNCH_LEASED, unit=unit, refusal=check.refusal())
+        raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
     for lease, overlap in check.conflicts:
         print(
             lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
@@ -276,7 +277,11 @@ def refuse_other_accounts(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(Problem.LAUNCH_OTHER_ACCOUNT, unit=unit, choices=others)
+        raise HeldByOthers(
+            reasons.other_account_refusal(unit, others)
+            if others
+            else f"not starting {unit}: another account's process holds its GPUs"
+        )
 
 
 class HeldByOthers(GateError):
@@ -299,9 +304,16 @@ def hook_config(
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         write_atomically(path, text)
     except PermissionError:
-        raise PermissionDenied(Problem.LAUNCH_CONFIG_UNWRITABLE, path=path) from None
+        raise PermissionDenied(
+            f"{path}: permission denied writing the run's config (--port): run gpugate run "
+            "as root (sudo)"
+        ) from None
     except OSError as exc:  # no space, read-only: before anything starts, as a pre would
-        raise StateUnwritable(path, "run-config", cause=exc.strerror or str(exc)) from None
+        raise StateUnwritable(
+            path,
+            "run-config",
+            f"{path}: cannot write gpugate run's config (--port) there: {exc.strerror or str(exc)}",
+        ) from None
     return path, (path,)
 
 
@@ -312,11 +324,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise LaunchError(Problem.LAUNCH_NOT_EXECUTABLE, program=program)
+            raise LaunchError(f"{shown(program, COMMAND)}: not an executable file")
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise LaunchError(Problem.LAUNCH_NOT_FOUND, program=program)
+        raise LaunchError(f"{shown(program, COMMAND)}: command not found on PATH")
     return os.path.abspath(found)
 
 
@@ -337,7 +349,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise LaunchError(Problem.LAUNCH_CANNOT_RUN, program=argv[0], cause=exc.strerror) from None
+        raise LaunchError(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
         messages = relay(child.stderr, sys.stderr)

@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.config.models import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
-from gpugate.errors import ExitCode, GateError, Problem
+from gpugate.errors import ExitCode, GateError
 from gpugate.front.install_files import SHM_OPTIONS
 from gpugate.host.systemd import ENV_NAME, unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
+from gpugate.untrusted import echo
 
 RM = Path("/bin/rm")
 PREFIX = "gpugate-run-"
@@ -160,15 +161,19 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     gpugate-run-<command's basename>-<short id>.service."""
     if name:
         unit = unit_argument(name)
+        given = echo(str(name), limit=80)
         if not unit.endswith(".service"):
-            raise LaunchError(Problem.LAUNCH_NAME_NOT_SERVICE, value=name)
+            raise LaunchError(f"--name {given}: gpugate run makes a service; name it NAME.service")
         if "@" in unit:
-            raise LaunchError(Problem.LAUNCH_NAME_TEMPLATE, value=name)
+            raise LaunchError(f"--name {given}: a transient unit cannot be a template instance")
         if not PLAIN_SERVICE.fullmatch(unit):
-            raise LaunchError(Problem.LAUNCH_NAME_NOT_PLAIN, value=name)
+            raise LaunchError(
+                f"--name {given}: not a plain unit name (letters, digits and :_.- "
+                "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
+            )
         return unit
     if not command:
-        raise LaunchError(Problem.LAUNCH_NO_COMMAND)
+        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 

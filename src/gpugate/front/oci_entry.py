@@ -17,7 +17,6 @@ from gpugate.host.oci import (
 )
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.pods import is_sandbox
-from gpugate.report.error_text import error_text
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
@@ -70,7 +69,7 @@ def main(
     except OciInputError as exc:
         from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
 
-        print(hook_failed(stage, error_text(exc)), file=sys.stderr)
+        print(hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
     if not spec.gpus or is_sandbox(state.id, {**spec.annotations, **state.annotations}):
         return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container

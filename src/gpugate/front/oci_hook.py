@@ -44,7 +44,6 @@ from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
 from gpugate.report import lines, oci_text
-from gpugate.report.error_text import error_text
 from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator
 
@@ -173,7 +172,7 @@ def run_from_hook(
             phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver_factory
         )
     except GateError as exc:
-        print(oci_text.hook_failed(stage, error_text(exc)), file=sys.stderr)
+        print(oci_text.hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
     except Exception as exc:
         if os.environ.get("GPUGATE_DEBUG"):

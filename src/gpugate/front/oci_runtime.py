@@ -14,13 +14,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.errors import ConfigError, ExitCode, Problem
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.host.namespaces import not_host_root
 from gpugate.host.oci import read_config, spec_gpu_request
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 from gpugate.report import oci_text
-from gpugate.report.error_text import error_text
 
 # runc's global options that take a value (`runc --help`): the command is the first word
 # that is neither an option nor such an option's value.
@@ -78,12 +77,12 @@ def with_hooks(
         return False
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):
-        raise OciInputError(Problem.OCI_NOT_OBJECT, source="config.json: hooks")
+        raise OciInputError("config.json: hooks: not a JSON object")
     changed = False
     for stage in HOOK_STAGES:
         entries = hooks.setdefault(stage, [])
         if not isinstance(entries, list):
-            raise OciInputError(Problem.OCI_NOT_LIST, source=f"config.json: hooks.{stage}")
+            raise OciInputError(f"config.json: hooks.{stage}: not a list")
         entry = hook_entry(gpugate, stage)
         if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
             entries.append(entry)
@@ -98,9 +97,9 @@ def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> b
     try:
         spec = json.loads(raw)
     except (ValueError, RecursionError):
-        raise OciInputError(Problem.OCI_NOT_JSON, source=f"{bundle}/config.json") from None
+        raise OciInputError(f"{bundle}/config.json: not JSON") from None
     if not isinstance(spec, dict):
-        raise OciInputError(Problem.OCI_NOT_OBJECT, source=f"{bundle}/config.json")
+        raise OciInputError(f"{bundle}/config.json: not a JSON object")
     added = with_hooks(spec, gpugate, always=always)
     if not added:
         return False
@@ -124,7 +123,7 @@ def main(argv: Sequence[str]) -> int:
         recorded = read_record()
     except ConfigError as exc:
         if creating:  # a GPU container must not start without the runtime the host chose
-            print(oci_text.runtime_failed(error_text(exc)), file=sys.stderr)
+            print(oci_text.runtime_failed(exc.message), file=sys.stderr)
             return int(exc.exit_code)
         recorded = RUNC  # state, kill, delete: NVIDIA's runtime passes them to runc unchanged
     wrapped = choose(recorded, os.environ)
@@ -137,9 +136,9 @@ def main(argv: Sequence[str]) -> int:
         try:
             add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:
-            said = error_text(exc) if isinstance(exc, OciInputError) else str(exc)
+            said = exc.message if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
-            print(oci_text.runtime_failed(said), file=sys.stderr)
+            print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
     environment = dict(os.environ)
     if wrapped.name != RUNC:

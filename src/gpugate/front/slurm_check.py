@@ -23,7 +23,6 @@ from gpugate.integrations.gres_conf import (
 from gpugate.integrations.slurm_gpus import DeviceNodes, gpu_order
 from gpugate.integrations.slurm_node import shm_privacy
 from gpugate.report import lines
-from gpugate.report.error_text import error_text, problem_text
 
 
 def slurm_check(
@@ -41,12 +40,12 @@ def slurm_check(
         privacy = shm_privacy(Path(slurm_conf))
         print(lines.slurm_shm(privacy.private, privacy.plugin, privacy.dirs), file=out)
     except GresUnresolved as exc:
-        print(lines.slurm_shm_unknown(problem_text(exc.problem, exc.facts)), file=out)
+        print(lines.slurm_shm_unknown(str(exc)), file=out)
     try:
         path = gres_conf_path(slurm_conf)
         layout = parse_gres_conf(read_gres_conf(path), str(path), node)
     except GresUnresolved as exc:
-        print(lines.slurm_gres_unresolved(node, problem_text(exc.problem, exc.facts)), file=out)
+        print(lines.slurm_gres_unresolved(node, str(exc)), file=out)
         return int(ExitCode.CONFIG)
     return check_gpus(layout, node, driver_factory, nodes, out)
 
@@ -64,7 +63,7 @@ def check_gpus(
         gpus = list(driver.gpus())
         faults = list(driver.faults())
     except GateError as exc:
-        print(lines.error(error_text(exc)), file=sys.stderr)
+        print(lines.error(exc.message), file=sys.stderr)
         return int(exc.exit_code)
     finally:
         if driver is not None:
@@ -72,7 +71,7 @@ def check_gpus(
     try:
         ordered: list[Gpu] = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
     except GresUnresolved as exc:
-        print(lines.slurm_gres_unresolved(node, problem_text(exc.problem, exc.facts)), file=out)
+        print(lines.slurm_gres_unresolved(node, str(exc)), file=out)
         return int(ExitCode.CONFIG)
     files = list(layout.files) if not layout.nvml_order else []
     print(lines.slurm_gres_resolved(node, layout.path, layout.nvml_order), file=out)

@@ -37,7 +37,6 @@ from gpugate.integrations.slurm import (
 from gpugate.integrations.slurm_gpus import DeviceNodes, StatFn, job_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.error_text import error_text, problem_text
 from gpugate.report.journal import Event, Reporter, ReporterFactory
 from gpugate.report.lines import failure_detail
 
@@ -69,7 +68,7 @@ def run_slurm_hook(
         config = load_slurm_config(config_path, deps.config_dir)
         loaded, run_deps = job_config(config, job, deps)
     except GateError as exc:
-        detail = error_text(exc)
+        detail = exc.message
         print(lines.error(detail), file=stream)
         code = exc.exit_code
     else:
@@ -106,9 +105,7 @@ def job_config(
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
-        why = (
-            error_text(exc) if isinstance(exc, GateError) else problem_text(exc.problem, exc.facts)
-        )
+        why = exc.message if isinstance(exc, GateError) else str(exc)
         print(
             lines.warning(lines.slurm_gpus_unresolved(job.gpus_from, numbers, why)),
             file=deps.stream,
@@ -136,7 +133,7 @@ def run_job(
     )
     reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
     outcome = run_hook(hook, loaded, Deps(reporter, deps.run, deps.stream))
-    detail = error_text(outcome.error) if outcome.error else failure_detail(outcome.summary)
+    detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
     return outcome.exit_code, outcome.summary, detail
 
 

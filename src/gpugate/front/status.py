@@ -35,14 +35,13 @@ from gpugate.integrations.sweep_state import Seen, read_unowned
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
-from gpugate.report.error_text import error_text
 from gpugate.report.lines import unreadable_holders
 from gpugate.report.narrate import cut_short_text
 from gpugate.report.narrate_shm import size_text
 from gpugate.report.narrate_sweep import unowned_line
 from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.own_shm_text import own_shm_line
-from gpugate.report.untrusted import (
+from gpugate.untrusted import (
     CGROUP,
     COMM,
     CONTAINER,
@@ -175,7 +174,7 @@ def as_dict(
         "unit_shm": unit_shm(discovery, roots),
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
         "unreadable_gpus": [
-            {"index": fault.index, "uuid": fault.uuid, "error": error_text(fault.error)}
+            {"index": fault.index, "uuid": fault.uuid, "error": fault.error.message}
             for fault in discovery.faults
         ],
     }

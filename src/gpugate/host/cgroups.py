@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePosixPath
 
-from gpugate.errors import HostUnsupported, Problem
+from gpugate.errors import HostUnsupported
 from gpugate.host.roots import HYBRID_UNIFIED_ROOT, SYSTEM_CGROUP_ROOT, HostRoots
 
 UNIFIED = "unified"
@@ -67,9 +67,8 @@ def read_cgroup_layout(proc_root: Path) -> CgroupLayout:
         text = (proc_root / "self" / "mountinfo").read_text(encoding="utf-8", errors="replace")
     except OSError as exc:
         raise HostUnsupported(
-            Problem.CGROUP_MOUNTINFO_UNREADABLE,
-            path=proc_root / "self" / "mountinfo",
-            cause=exc.strerror,
+            f"cannot read {proc_root / 'self' / 'mountinfo'} ({exc.strerror}): gpugate cannot "
+            "tell which cgroup tree this host tracks its units in; nothing was killed"
         ) from None
     return cgroup_layout(text)
 
@@ -80,13 +79,18 @@ def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
     the tree is its `unified` folder. A legacy host: HostUnsupported, before anything runs."""
     if layout.kind == LEGACY or layout.unified_mount is None:
         raise HostUnsupported(
-            Problem.CGROUP_V1_ONLY, system=SYSTEM_CGROUP_ROOT, hybrid=HYBRID_UNIFIED_ROOT
+            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
+            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
+            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
+            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
+            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
         )
     relative = layout.unified_mount.relative_to(PurePosixPath(str(SYSTEM_CGROUP_ROOT)))
     unified = roots.cgroup / relative
     if not unified.is_dir():
         raise HostUnsupported(
-            Problem.CGROUP_TREE_ELSEWHERE, mount=layout.unified_mount, expected=unified
+            f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
+            "cannot find its units' processes; nothing was killed"
         )
     return replace(roots, cgroup=unified)
 

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
-from gpugate.errors import LockTimeout, PermissionDenied, Problem, StateUnwritable
+from gpugate.errors import LockTimeout, PermissionDenied, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import open_folder, open_in
 
@@ -47,9 +47,14 @@ def open_lock(folder_fd: int, path: Path) -> int:
     try:
         return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
     except PermissionError:
-        raise PermissionDenied(Problem.NO_PERMISSION, path=path) from None
+        raise PermissionDenied(f"{path}: permission denied") from None
     except OSError as exc:
-        raise StateUnwritable(path, "gpu-lock", cause=exc.strerror or str(exc)) from None
+        raise StateUnwritable(
+            path,
+            "gpu-lock",
+            f"{path}: cannot write a GPU lock there: {exc.strerror or str(exc)}",
+            code="state-os-error",
+        ) from None
 
 
 # Told where a phase that goes on without its state (its traits' state_required false)
@@ -83,7 +88,7 @@ def gpu_locks(
                 continue
             held.append(fd)
             if not flock_by(fd, deadline, functools.partial(on_wait, gpu), clock):
-                raise LockTimeout(Problem.LOCK_TIMEOUT, path=path, gpu=gpu.label)
+                raise LockTimeout(f"{path}: another gpugate run held {gpu.label} past the deadline")
         yield
     finally:
         for fd in held:
@@ -99,9 +104,15 @@ def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
             return None
         if isinstance(exc, PermissionError):
             raise PermissionDenied(
-                Problem.NO_PERMISSION_CREATING, path=lock_dir, what="gpu-locks"
+                f"{lock_dir}: permission denied creating it (for GPU locks)",
+                code="no-permission-creating",
             ) from None
-        raise StateUnwritable(lock_dir, "gpu-locks", cause=exc.strerror or str(exc)) from None
+        raise StateUnwritable(
+            lock_dir,
+            "gpu-locks",
+            f"{lock_dir}: cannot write GPU locks there: {exc.strerror or str(exc)}",
+            code="state-os-error",
+        ) from None
 
 
 def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any, Protocol
 
-from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied, Problem
+from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.safe_files import untrusted
 
@@ -108,8 +108,8 @@ class GpuFault:
 class GpuError(NvmlUnavailable):
     """NVML failed on one GPU; the others may still answer."""
 
-    def __init__(self, index: int, problem: Problem, **facts: object) -> None:
-        super().__init__(problem, gpu=index, **facts)
+    def __init__(self, index: int, message: str, *, code: str = "") -> None:
+        super().__init__(message, code=code)
         self.index = index
 
 
@@ -193,13 +193,15 @@ def load_nvml_library(nv: Any, library: str | None) -> None:
         path = library or find_nvml_library()
         if path is None:
             raise NvmlUnavailable(
-                Problem.NVML_LIBRARY_NOT_FOUND, library=NVML_LIBRARY, dirs=list(NVML_DIRS)
+                f"NVML: {NVML_LIBRARY} not found in {', '.join(NVML_DIRS)} or "
+                "the dynamic loader's cache: is the NVIDIA driver installed?"
             )
         try:
             nv.nvmlLib = ctypes.CDLL(path)
         except OSError as exc:
             raise NvmlUnavailable(
-                Problem.NVML_LIBRARY_UNLOADABLE, library=NVML_LIBRARY, path=path, detail=str(exc)
+                f"NVML: {NVML_LIBRARY} not found: {path} cannot be loaded ({exc}): is the "
+                "NVIDIA driver installed?"
             ) from None
 
 
@@ -287,13 +289,15 @@ class NvmlDriver:
         try:
             self._raw(None, nv.nvmlInit)
         except nv.NVMLError_LibraryNotFound:
-            raise NvmlUnavailable(Problem.NVML_LIBRARY_MISSING) from None
+            raise NvmlUnavailable(
+                "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
+            ) from None
         except nv.NVMLError_DriverNotLoaded:
-            raise NvmlUnavailable(Problem.NVML_DRIVER_NOT_LOADED) from None
+            raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
         except nv.NVMLError_NoPermission:
-            raise PermissionDenied(Problem.NVML_NO_PERMISSION) from None
+            raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(Problem.NVML_INIT_FAILED, detail=str(exc)) from None
+            raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
         self._initialized = True
 
     def close(self) -> None:
@@ -314,7 +318,7 @@ class NvmlDriver:
         try:
             count = self._raw(None, nv.nvmlDeviceGetCount)
         except nv.NVMLError as exc:
-            raise NvmlUnavailable(Problem.NVML_COUNT_FAILED, detail=str(exc)) from None
+            raise NvmlUnavailable(f"NVML: cannot count GPUs: {exc}") from None
         for index in range(count):
             try:
                 gpu = self._read_gpu(index)
@@ -451,19 +455,19 @@ class NvmlDriver:
         try:
             return self._raw(index, function, *args)
         except nv.NVMLError_GpuIsLost:
-            raise GpuError(index, Problem.NVML_GPU_LOST) from None
-        except nv.NVMLError_NotSupported:
-            raise GpuError(index, Problem.NVML_NOT_SUPPORTED, call=_name(function)) from None
-        except nv.NVMLError_NoPermission:
-            raise PermissionDenied(Problem.NVML_CALL_DENIED, call=_name(function)) from None
-        except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded) as exc:
-            raise NvmlUnavailable(
-                Problem.NVML_CALL_FAILED, call=_name(function), detail=str(exc)
-            ) from None
-        except nv.NVMLError as exc:
             raise GpuError(
-                index, Problem.NVML_GPU_CALL_FAILED, call=_name(function), detail=str(exc)
+                index,
+                f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot",
+                code="nvml-gpu-lost",
             ) from None
+        except nv.NVMLError_NotSupported:
+            raise GpuError(index, f"NVML: GPU {index} does not support {_name(function)}") from None
+        except nv.NVMLError_NoPermission:
+            raise PermissionDenied(f"NVML: permission denied for {_name(function)}") from None
+        except (nv.NVMLError_Uninitialized, nv.NVMLError_DriverNotLoaded) as exc:
+            raise NvmlUnavailable(f"NVML: {_name(function)}: {exc}") from None
+        except nv.NVMLError as exc:
+            raise GpuError(index, f"NVML: {_name(function)} on GPU {index}: {exc}") from None
 
 
 def _name(function: Any) -> str:

@@ -19,7 +19,6 @@ import select
 import stat
 import time
 
-from gpugate.errors import Problem
 from gpugate.host.oci_gpus import (
     OciInputError,
     Reach,
@@ -30,6 +29,7 @@ from gpugate.host.oci_gpus import (
     mounts_reach,
     nvidia_reach,
 )
+from gpugate.untrusted import FILE, shown
 
 MAX_STATE_BYTES = 1 << 20  # a state is a few hundred bytes; annotations can add some
 MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is still bounded
@@ -155,13 +155,13 @@ def read_stdin_bounded(
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise OciInputError(Problem.OCI_STATE_SLOW, timeout_s=timeout_s)
+            raise OciInputError(f"the container state on stdin did not end within {timeout_s:g} s")
         chunk = os.read(fd, 65536)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
         if size > limit:
-            raise OciInputError(Problem.OCI_STATE_TOO_BIG, limit=limit)
+            raise OciInputError(f"the container state on stdin is over {limit} bytes")
         chunks.append(chunk)
 
 
@@ -169,10 +169,10 @@ def parse_state(raw: bytes) -> ContainerState:
     data = _json_object(raw, "the container state on stdin")
     container_id = data.get("id")
     if not isinstance(container_id, str) or not CONTAINER_ID.fullmatch(container_id):
-        raise OciInputError(Problem.OCI_STATE_NO_ID)
+        raise OciInputError("the container state on stdin: id: missing or not a container id")
     bundle = data.get("bundle")
     if not isinstance(bundle, str) or not bundle.startswith("/") or "\0" in bundle:
-        raise OciInputError(Problem.OCI_STATE_NO_BUNDLE)
+        raise OciInputError("the container state on stdin: bundle: missing or not absolute")
     pid = data.get("pid", 0)
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 22:
         pid = 0
@@ -194,7 +194,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise OciInputError(
-            Problem.OCI_BUNDLE_UNOPENABLE, path=bundle, cause=exc.strerror
+            f"{shown(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
         ) from None
     try:
         _check_owner(os.fstat(dir_fd), bundle, euid)
@@ -204,7 +204,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
             fd = os.open("config.json", flags, dir_fd=dir_fd)
         except OSError as exc:
             raise OciInputError(
-                Problem.OCI_CONFIG_UNOPENABLE, path=f"{bundle}/config.json", cause=exc.strerror
+                f"{shown(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
             ) from None
     finally:
         os.close(dir_fd)
@@ -212,7 +212,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise OciInputError(Problem.OCI_NOT_REGULAR, path=path)
+            raise OciInputError(f"{shown(path, FILE)}: not a regular file")
         _check_owner(info, path, euid)
         chunks: list[bytes] = []
         size = 0
@@ -223,15 +223,17 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         os.close(fd)
     data = b"".join(chunks)
     if len(data) > limit:
-        raise OciInputError(Problem.OCI_TOO_BIG, path=path, limit=limit)
+        raise OciInputError(f"{shown(path, FILE)}: over {limit} bytes")
     return data
 
 
 def _check_owner(info: os.stat_result, path: str, euid: int) -> None:
     if info.st_uid != euid:
-        raise OciInputError(Problem.OCI_NOT_OWNERS, path=path, uid=info.st_uid)
+        raise OciInputError(
+            f"{shown(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"
+        )
     if info.st_mode & 0o022:
-        raise OciInputError(Problem.OCI_WRITABLE, path=path)
+        raise OciInputError(f"{shown(path, FILE)}: writable by others than its owner")
 
 
 def parse_config(
@@ -341,9 +343,14 @@ def _json_object(raw: bytes, source: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise OciInputError(Problem.OCI_NOT_JSON, source=source, detail=_first_line(exc)) from None
+        detail = _first_line(exc)
+        raise OciInputError(
+            f"{shown(source, FILE)}: not JSON ({detail})"
+            if detail
+            else f"{shown(source, FILE)}: not JSON"
+        ) from None
     if not isinstance(data, dict):
-        raise OciInputError(Problem.OCI_NOT_OBJECT, source=source)
+        raise OciInputError(f"{shown(source, FILE)}: not a JSON object")
     return data
 
 

@@ -27,7 +27,8 @@ import os
 import re
 import stat
 
-from gpugate.errors import ExitCode, GateError, Problem
+from gpugate.errors import ExitCode, GateError
+from gpugate.untrusted import echo
 
 NVIDIA_MAJOR = 195
 NOT_GPU_MINORS = frozenset({254, 255})  # nvidia-modeset, nvidiactl
@@ -128,7 +129,10 @@ def _lstat_number(path: str) -> tuple[int, int] | None:
     except (OSError, ValueError):
         return None
     if stat.S_ISLNK(info.st_mode):
-        raise OciInputError(Problem.OCI_DEVICE_LINK, path=path[:256])
+        raise OciInputError(
+            f"config.json: linux.devices: {echo(path[:256])} has no major and minor, and on the "
+            "host it is a symbolic link: which device it is cannot be told"
+        )
     return node_number(info)
 
 
@@ -185,7 +189,9 @@ def _folder_minors(folder: str) -> list[int]:
             for count, entry in enumerate(entries):
                 if count >= MAX_FOLDER_ENTRIES:
                     raise OciInputError(
-                        Problem.OCI_MOUNT_FOLDER, path=folder[:256], limit=MAX_FOLDER_ENTRIES
+                        f"config.json: mounts: {echo(folder[:256])} holds over "
+                        f"{MAX_FOLDER_ENTRIES} entries: which GPUs a bind mount of it reaches "
+                        "cannot be told"
                     )
                 try:
                     number = node_number(entry.stat(follow_symlinks=False))
@@ -209,7 +215,9 @@ def cdi_reach(annotations: object, reach: Reach) -> None:
             continue
         origin = f"annotation {key[:128]}"
         if len(value) > MAX_VALUE:  # refused, not cut: a cut name could be another GPU's
-            raise OciInputError(Problem.OCI_ANNOTATION_TOO_LONG, key=key[:128], limit=MAX_VALUE)
+            raise OciInputError(
+                f"config.json: annotations: {echo(key[:128])} is over {MAX_VALUE} characters"
+            )
         for name in (part.strip() for part in value.split(",")):
             if name:
                 _cdi_name(name, origin, reach)
@@ -217,7 +225,10 @@ def cdi_reach(annotations: object, reach: Reach) -> None:
 
 def _cdi_name(name: str, origin: str, reach: Reach) -> None:
     if not CDI_NAME.fullmatch(name):
-        raise OciInputError(Problem.OCI_CDI_NAME, source=origin, value=name[:128])
+        raise OciInputError(
+            f"config.json: {echo(origin)}: {echo(name[:128])} is not a CDI device name "
+            "(vendor/class=device)"
+        )
     kind, _, device = name.partition("=")
     if kind == CDI_GPU_KIND:
         reach.ref(_gpu_word(device, origin), origin)
@@ -233,8 +244,12 @@ def _gpu_word(word: str, origin: str) -> str:
     if word.startswith("MIG-") and re.fullmatch(r"MIG-[0-9A-Za-z][0-9A-Za-z/-]{7,127}", word):
         return word  # a MIG slice: resolved against NVML's slices (integrations/container.py)
     if word.startswith("MIG-") or ":" in word:
-        raise OciInputError(Problem.OCI_GPU_MIG, source=origin, value=word[:128])
-    raise OciInputError(Problem.OCI_GPU_WORD, source=origin, value=word[:128])
+        raise OciInputError(
+            f"config.json: {echo(origin)}: {echo(word[:128])} is a MIG device: name whole GPUs"
+        )
+    raise OciInputError(
+        f"config.json: {echo(origin)}: {echo(word[:128])} is not a GPU index, a GPU UUID or all"
+    )
 
 
 def has_nvidia_hook(hooks: object) -> bool:
@@ -323,7 +338,7 @@ def visible_words(env: object) -> list[str]:
         return ["all"] if legacy else []
     value = values[VISIBLE]
     if len(value) > MAX_VALUE:
-        raise OciInputError(Problem.OCI_ENV_TOO_LONG, variable=VISIBLE, limit=MAX_VALUE)
+        raise OciInputError(f"config.json: process.env: {VISIBLE} is over {MAX_VALUE} characters")
     words = [word.strip() for word in value.split(",") if word.strip()]
     if not words or "void" in words:
         return []

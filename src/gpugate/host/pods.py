@@ -3,7 +3,7 @@ from the annotations its runtime writes into the spec: containerd's CRI plugin
 (`io.kubernetes.cri.*`) and CRI-O (`io.kubernetes.pod.*`, `io.kubernetes.cri-o.*`).
 
 The names are the pod author's text (a namespace, a pod's and a container's name) and are
-shown only escaped (report/untrusted.py), beside the container's id, never in its place.
+shown only escaped (untrusted.py), beside the container's id, never in its place.
 The sandbox (the pause container that holds a pod's namespaces) is the container whose
 annotations say `sandbox` *and* whose sandbox id is its own id: the runtime sets both (the
 sandbox's container id is the pod's id), and no one who starts a container can know its id

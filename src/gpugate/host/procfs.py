@@ -126,7 +126,7 @@ class ProcFs:
 
     def _read(self, pid: int, name: str) -> str | None:
         try:
-            # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (report/untrusted)
+            # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (untrusted.py)
             with open(
                 f"{self.root}/{pid}/{name}", encoding="utf-8", errors="surrogateescape"
             ) as handle:

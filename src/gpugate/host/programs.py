@@ -16,7 +16,7 @@ import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpugate.errors import Problem, ProgramNotAnswering, ProgramNotFound
+from gpugate.errors import ProgramNotAnswering, ProgramNotFound
 
 # Root-owned folders where Debian, Ubuntu, RHEL, Slurm's and Docker's packages put their
 # programs, searched in this order. Nothing a unit sets adds to them.
@@ -99,13 +99,8 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
         )
     except subprocess.TimeoutExpired:
         raise ProgramNotAnswering(
-            Problem.PROGRAM_NOT_ANSWERING,
-            program=name,
-            first_argument=" ".join(argv[1:2]),
-            timeout_s=timeout_s,
+            f"{name} {' '.join(argv[1:2])} did not answer within {timeout_s:g} s (killed)"
         ) from None
     except OSError as exc:
-        raise ProgramNotFound(
-            Problem.PROGRAM_CANNOT_RUN, path=argv[0], cause=exc.strerror or str(exc)
-        ) from None
+        raise ProgramNotFound(f"{argv[0]}: cannot run it: {exc.strerror or str(exc)}") from None
     return Result(done.returncode, done.stdout, done.stderr)

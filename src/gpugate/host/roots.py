@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.errors import ConfigError, Problem
+from gpugate.errors import ConfigError
+from gpugate.untrusted import echo
 
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
 # the unified tree of a hybrid host (host/cgroups.py), where systemd tracks units there
@@ -38,10 +39,10 @@ class HostRoots:
         for item in text.split(","):
             name, eq, value = item.partition("=")
             if not eq or name not in NAMES:
-                raise ConfigError(OPTION, "", Problem.ROOTS_FORM, value=item)
+                raise ConfigError(OPTION, "", f"{echo(item)}: not dev=DIR, proc=DIR or cgroup=DIR")
             path = Path(value)
             if not path.is_absolute():
-                raise ConfigError(OPTION, name, Problem.ROOTS_NOT_ABSOLUTE, value=value)
+                raise ConfigError(OPTION, name, f"{echo(value)} is not an absolute path")
             roots[name] = path
         found = cls(**roots)
         found.check()
@@ -52,4 +53,4 @@ class HostRoots:
         for name in NAMES:
             path: Path = getattr(self, name)
             if not path.is_dir():
-                raise ConfigError(OPTION, name, Problem.ROOTS_NO_FOLDER, value=str(path))
+                raise ConfigError(OPTION, name, f"{echo(str(path), quote=False)}: no such folder")

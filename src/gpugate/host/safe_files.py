@@ -32,7 +32,9 @@ MAX_BYTES = 1 << 20
 MAX_LINK_HOPS = 40  # as the kernel's
 
 
-class Problem(Enum):
+class Exposure(Enum):
+    """How a path lies open to an account root does not trust."""
+
     OWNER = "owner"  # belongs to an account that is not trusted
     GROUP_WRITABLE = "group-writable"
     WORLD_WRITABLE = "world-writable"
@@ -45,7 +47,7 @@ class Untrusted:
 
     path: str
     of: str
-    problem: Problem
+    problem: Exposure
     uid: int
     gid: int
     mode: int  # st_mode
@@ -99,19 +101,19 @@ def _judge(
     """One component: below_trusted, the entry under this folder (if any) is a trusted
     account's, which a sticky folder protects from every other account."""
 
-    def found(problem: Problem) -> Untrusted:
+    def found(problem: Exposure) -> Untrusted:
         return Untrusted(path, of, problem, info.st_uid, info.st_gid, info.st_mode)
 
     mode = info.st_mode
     if info.st_uid not in uids:
-        return found(Problem.OWNER)
+        return found(Exposure.OWNER)
     if stat.S_ISLNK(mode):
         return None  # a link's own mode bits mean nothing; its folder decides who may change it
     sticky = stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and below_trusted
     if mode & stat.S_IWOTH and not sticky:
-        return found(Problem.WORLD_WRITABLE)
+        return found(Exposure.WORLD_WRITABLE)
     if mode & stat.S_IWGRP and not sticky:
-        return found(Problem.GROUP_WRITABLE)
+        return found(Exposure.GROUP_WRITABLE)
     return None
 
 
@@ -236,7 +238,7 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
                 hops += 1
                 why = _folder_trusted(fd, link.uid, uids)
                 if why is not None or hops > MAX_LINK_HOPS:
-                    folder = why or Untrusted(here, here, Problem.OWNER, -1, -1, 0)
+                    folder = why or Untrusted(here, here, Exposure.OWNER, -1, -1, 0)
                     raise UnsafeLink(os.path.join(here, name), _named(folder, here)) from None
                 target = os.path.normpath(os.path.join(here, link.target))
                 queue = list(Path(target).parts[1:]) + queue

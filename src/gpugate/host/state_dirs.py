@@ -12,7 +12,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from gpugate.errors import GateError, PermissionDenied, Problem, StateUnwritable
+from gpugate.errors import GateError, PermissionDenied, StateUnwritable
 from gpugate.host.safe_files import open_folder
 
 # What a probe writes: a page, more than any lease, record or lock gpugate writes needs.
@@ -26,9 +26,16 @@ def check_writable(folder: Path, what: str) -> None:
     try:
         folder_fd = open_folder(folder)
     except (FileExistsError, NotADirectoryError):
-        raise StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY) from None
+        raise StateUnwritable(
+            folder,
+            what,
+            f"{folder}: cannot write {what} there: a file is in the way (not a folder)",
+            code="state-file-in-the-way",
+        ) from None
     except PermissionError:
-        raise PermissionDenied(Problem.NO_PERMISSION_CREATING, path=folder, what=what) from None
+        raise PermissionDenied(
+            f"{folder}: permission denied creating it (for {what})", code="no-permission-creating"
+        ) from None
     except OSError as exc:
         raise _unwritable(folder, what, exc) from None
     try:
@@ -43,7 +50,9 @@ def _probe(folder_fd: int, folder: Path, what: str) -> None:
     try:
         fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
     except PermissionError:
-        raise PermissionDenied(Problem.NO_PERMISSION_WRITING, path=folder, what=what) from None
+        raise PermissionDenied(
+            f"{folder}: permission denied writing {what} there", code="no-permission-writing"
+        ) from None
     except OSError as exc:
         raise _unwritable(folder, what, exc) from None
     try:
@@ -61,7 +70,12 @@ def _probe(folder_fd: int, folder: Path, what: str) -> None:
 def check_file_slot(path: Path, what: str) -> None:
     """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
     if path.is_dir() or (path.exists() and not path.is_file()):
-        raise StateUnwritable(path, what, Problem.STATE_FOLDER_IN_THE_WAY)
+        raise StateUnwritable(
+            path,
+            what,
+            f"{path}: cannot write {what} there: a folder is in the way (not a file)",
+            code="state-folder-in-the-way",
+        )
 
 
 def check_all(
@@ -84,5 +98,15 @@ def check_all(
 
 def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:
     if exc.errno == errno.ENOTDIR:
-        return StateUnwritable(folder, what, Problem.STATE_FILE_IN_THE_WAY)
-    return StateUnwritable(folder, what, cause=exc.strerror or str(exc))
+        return StateUnwritable(
+            folder,
+            what,
+            f"{folder}: cannot write {what} there: a file is in the way (not a folder)",
+            code="state-file-in-the-way",
+        )
+    return StateUnwritable(
+        folder,
+        what,
+        f"{folder}: cannot write {what} there: {exc.strerror or str(exc)}",
+        code="state-os-error",
+    )

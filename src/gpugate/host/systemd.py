@@ -10,9 +10,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import Problem, UnknownUnit
+from gpugate.errors import UnknownUnit
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.safe_files import read_capped
+from gpugate.untrusted import CGROUP, FILE, echo, shown
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
@@ -47,13 +48,16 @@ def unit_argument(name: str) -> str:
 
 
 def validate_unit_name(name: str) -> str:
+    given = echo(name, limit=CGROUP.chars)  # what the caller typed, escaped and bounded
     if len(name) > 255 or not UNIT_NAME.match(name):
-        raise UnknownUnit(Problem.UNIT_NOT_SERVICE_OR_SCOPE, unit=name)
+        raise UnknownUnit(
+            f"unit {given}: not a valid service or scope unit name (pass %n from the unit file)"
+        )
     if name.startswith("@") or name.count("@") > 1:
-        raise UnknownUnit(Problem.UNIT_NAME_INVALID, unit=name)
+        raise UnknownUnit(f"unit {given}: not a valid unit name")
     prefix, at, instance = name.rpartition(".")[0].partition("@")
     if at and not instance:
-        raise UnknownUnit(Problem.UNIT_TEMPLATE, unit=name, prefix=prefix)
+        raise UnknownUnit(f"unit {given}: a template; name an instance, e.g. {prefix}@0.service")
     return name
 
 
@@ -188,7 +192,7 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
     state = query_unit(name) if ask_systemd else None
     if state is not None:
         if state.load_state == "not-found":
-            raise UnknownUnit(Problem.UNIT_UNKNOWN, unit=name)
+            raise UnknownUnit(f"unit {name}: systemd knows no such unit", code="unit-unknown")
         if state.control_group:
             return state.control_group
     found = find_unit_cgroup(name, cgroup_root)
@@ -264,7 +268,8 @@ def unit_environment(
                 if ignore:
                     continue
                 raise UnknownUnit(
-                    Problem.UNIT_ENV_FILE_UNREADABLE, unit=name, path=path, detail=str(exc)
+                    f"unit {name}: EnvironmentFile={shown(str(path), FILE)}: cannot read it "
+                    f"({exc}); systemd would not start the unit either"
                 ) from None
             files.append(path)
             for variable, setting in parsed.items():

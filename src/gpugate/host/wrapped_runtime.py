@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.compat import tomllib
-from gpugate.errors import ConfigError, Problem
+from gpugate.errors import ConfigError
+from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.untrusted import echo
 
 RECORD = Path("/etc/gpugate/oci-runtime.toml")
 RUNC = "runc"
@@ -53,25 +55,28 @@ def read_record(path: Path | None = None) -> str:
     path = RECORD if path is None else path
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(str(path), "", Problem.CONFIG_UNTRUSTED, found=found)
+        raise ConfigError(
+            str(path),
+            "",
+            trust_text.untrusted_text(found) if found else "another account may change it",
+        )
     try:
         raw = read_capped(path, MAX_RECORD)
     except FileNotFoundError:
         return RUNC
     except OSError as exc:
-        raise ConfigError(str(path), "", Problem.CONFIG_OS_ERROR, cause=exc) from None
+        raise ConfigError(str(path), "", f"{exc}") from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(str(path), "", Problem.CONFIG_NOT_TOML, detail=exc) from None
+        raise ConfigError(str(path), "", f"not valid TOML: {exc}") from None
     value = data.get("runtime", RUNC)
     if value not in PATHS:
         raise ConfigError(
             str(path),
             "runtime",
-            Problem.RUNTIME_RECORD_VALUE,
-            value=str(value),
-            choices=list(PATHS),
+            f"{echo(str(value))}: not one of {', '.join(PATHS)} (gpugate install --containers "
+            "writes it)",
         )
     return str(value)
 

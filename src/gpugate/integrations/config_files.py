@@ -20,9 +20,10 @@ from pathlib import Path
 
 from gpugate.config import file
 from gpugate.config.models import BUILTIN_SOURCE, DEFAULT_LOCK_DIR, LoadedConfig
-from gpugate.errors import ConfigError, Problem
+from gpugate.errors import ConfigError
+from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted
-from gpugate.report.trust_text import unreadable
+from gpugate.host.trust_text import unreadable
 
 HOST_FILE = "default.toml"  # its lock_dir is the host's
 
@@ -35,7 +36,13 @@ def load_config(
     )
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
-        raise ConfigError(loaded.source, "lock_dir", Problem.CONFIG_STATE_UNTRUSTED, found=found)
+        raise ConfigError(
+            loaded.source,
+            "lock_dir",
+            trust_text.untrusted_text(found, state=True)
+            if found
+            else "another account may change it",
+        )
     return loaded
 
 
@@ -68,10 +75,10 @@ def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
         raise ConfigError(
             loaded.source,
             "lock_dir",
-            Problem.LOCK_DIR_NOT_HOSTS,
-            lock_dir=mine,
-            host=host,
-            where=where,
+            f"{mine} is not the host's lock_dir {host} ({where}): every unit, gpugate run, "
+            "container and Slurm job keeps its leases in one; set lock_dir in default.toml alone "
+            "(docs/hardening.md: one lock_dir for every lease)",
+            code="lock-dir-not-hosts",
         )
     return loaded
 
@@ -84,19 +91,23 @@ def _same(one: Path, other: Path) -> bool:
 def read_trusted(path: Path) -> str:
     """path's text, once it and its folders are judged only trusted accounts' to change."""
     if not os.path.lexists(path):
-        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE)
+        raise ConfigError(str(path), "", "no such file")
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(str(path), "", Problem.CONFIG_UNTRUSTED, found=found)
+        raise ConfigError(
+            str(path),
+            "",
+            trust_text.untrusted_text(found) if found else "another account may change it",
+        )
     try:
         data = read_capped(path.resolve())
     except FileNotFoundError:
-        raise ConfigError(str(path), "", Problem.CONFIG_NO_FILE) from None
+        raise ConfigError(str(path), "", "no such file") from None
     except PermissionError:
-        raise ConfigError(str(path), "", Problem.CONFIG_UNREADABLE) from None
+        raise ConfigError(str(path), "", "permission denied reading it") from None
     except OSError as exc:
-        raise ConfigError(str(path), "", Problem.CONFIG_OS_ERROR, cause=unreadable(exc)) from None
+        raise ConfigError(str(path), "", f"{unreadable(exc)}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise ConfigError(str(path), "", Problem.CONFIG_NOT_UTF8) from None
+        raise ConfigError(str(path), "", "is not UTF-8 text") from None

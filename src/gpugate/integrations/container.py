@@ -23,7 +23,6 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.models import GpuSelection, LoadedConfig
 from gpugate.core.run import RunScope
-from gpugate.errors import Problem
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
@@ -48,7 +47,7 @@ from gpugate.report import oci_text
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration
 from gpugate.report.oci_text import container_label
-from gpugate.report.untrusted import CONTAINER, exact, shown
+from gpugate.untrusted import CONTAINER, echo, exact, shown
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -123,7 +122,9 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
     own = own_cgroup(cgroup, state.id)
     if own is None:
-        raise OciInputError(Problem.OCI_NO_OWN_CGROUP, cgroup=cgroup or "", id=state.id)
+        raise OciInputError(
+            oci_text.no_own_cgroup(cgroup or "", state.id), code="oci-no-own-cgroup"
+        )
     runtime = own.runtime
     name = runtime_name(state, spec, runtime) if runtime else None
     if name is None and runtime in (None, "docker"):
@@ -213,7 +214,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
         gpu = by_minor.get(minor)
         if gpu is None:
             raise OciInputError(
-                Problem.OCI_DEVICE_NOT_GPU, source=source, major=NVIDIA_MAJOR, minor=minor
+                f"{source}: the device {NVIDIA_MAJOR}:{minor} it reaches is no GPU NVML knows"
             )
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     for ref in request.refs:
@@ -223,7 +224,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
         gpu = by_ref.get(ref.lower())
         if gpu is None:
             where = ", ".join(request.origins) or "config.json"
-            raise OciInputError(Problem.OCI_GPU_UNKNOWN, source=where, value=ref)
+            raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no GPU NVML knows")
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
 

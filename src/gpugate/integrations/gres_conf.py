@@ -9,7 +9,7 @@ With `AutoDetect=nvml` slurmd sorts the GPUs by NVML's enumeration instead.
 
 What this module cannot read for certain (`Include`, `MultipleFiles`, a form of hostlist it
 does not know, an AutoDetect other than nvml/off, a node name it is not told) is a
-GresUnresolved: a Problem code and its facts; the caller treats the job's GPUs as unknown.
+GresUnresolved: why, in words; the caller treats the job's GPUs as unknown.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.errors import InvalidValue, Problem
+from gpugate.errors import InvalidValue
 from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped, untrusted
+from gpugate.untrusted import echo
 
 GRES_NAME = "gres.conf"
 DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
@@ -51,7 +52,7 @@ def gres_conf_path(slurm_conf: str | None) -> Path:
     SLURM_CONF in the prolog's and epilog's environment; without it, /etc/slurm."""
     conf = slurm_conf or DEFAULT_SLURM_CONF
     if not os.path.isabs(conf) or "\n" in conf or len(conf) > 4096:
-        raise GresUnresolved(Problem.GRES_SLURM_CONF, value=conf)
+        raise GresUnresolved(f"SLURM_CONF {echo(conf)}: not an absolute path")
     return Path(os.path.dirname(conf)) / GRES_NAME
 
 
@@ -59,18 +60,20 @@ def read_gres_conf(path: Path) -> str:
     """root's file: root-owned, in folders only root may change, a regular file, capped."""
     where = untrusted(path)
     if where is not None:
-        raise GresUnresolved(Problem.GRES_UNTRUSTED, path=str(path), component=where.path)
+        raise GresUnresolved(
+            f"{path}: not read, {where.path} may be changed by an account other than root"
+        )
     try:
         data = read_capped(path, MAX_GRES_BYTES, follow_links=True)
     except FileNotFoundError:
-        raise GresUnresolved(Problem.GRES_MISSING, path=str(path)) from None
+        raise GresUnresolved(f"{path}: no such file") from None
     except (NotRegularFile, TooLarge, OSError) as exc:
         cause = exc.strerror or str(exc)
-        raise GresUnresolved(Problem.GRES_UNREADABLE, path=str(path), cause=cause) from None
+        raise GresUnresolved(f"{path}: cannot read it: {cause}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise GresUnresolved(Problem.GRES_NOT_UTF8, path=str(path)) from None
+        raise GresUnresolved(f"{path}: cannot read it: not UTF-8") from None
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
@@ -99,7 +102,7 @@ def pairs(number: int, text: str, path: str) -> list[tuple[str, str]]:
     items: list[tuple[str, str]] = []
     rest = PAIR.sub("", text).strip()
     if rest:
-        raise GresUnresolved(Problem.GRES_LINE, path=path, line=number, value=rest)
+        raise GresUnresolved(f"{path} line {number}: {echo(rest)} not read for certain")
     for key, value in PAIR.findall(text):
         items.append((key.lower(), value[1:-1] if value.startswith('"') else value))
     return items
@@ -162,7 +165,9 @@ def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> 
     keys = dict(items)
     first = items[0][0]
     if first == "include":
-        raise GresUnresolved(Problem.GRES_LINE, path=reading.path, line=number, value="Include")
+        raise GresUnresolved(
+            f"{reading.path} line {number}: {echo('Include')} not read for certain"
+        )
     if first == "autodetect" and len(items) == 1:
         reading.global_autodetect = items[0][1].lower()
         return
@@ -177,7 +182,7 @@ def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> 
     if first == "name":
         reading.general.append((number, keys))
         return
-    raise GresUnresolved(Problem.GRES_LINE, path=reading.path, line=number, value=first)
+    raise GresUnresolved(f"{reading.path} line {number}: {echo(first)} not read for certain")
 
 
 def _names_node(reading: _Reading, number: int, value: str) -> bool:
@@ -185,10 +190,13 @@ def _names_node(reading: _Reading, number: int, value: str) -> bool:
         nodes = expand_hostlist(value)
     except ValueError:
         raise GresUnresolved(
-            Problem.GRES_LINE, path=reading.path, line=number, value=f"NodeName={value}"
+            f"{reading.path} line {number}: {echo(f'NodeName={value}')} not read for certain"
         ) from None
     if reading.node is None:
-        raise GresUnresolved(Problem.GRES_NODE_UNKNOWN, path=reading.path, line=number)
+        raise GresUnresolved(
+            f"{reading.path} line {number}: NodeName= lines, and slurmd named no node "
+            "(SLURMD_NODENAME)"
+        )
     return reading.node in nodes
 
 
@@ -201,16 +209,22 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
             _take_line(reading, number, items)
     autodetect = reading.local_autodetect or reading.global_autodetect or "off"
     if autodetect not in KNOWN_AUTODETECT:
-        raise GresUnresolved(Problem.GRES_AUTODETECT, path=path, value=autodetect)
+        raise GresUnresolved(
+            f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
+        )
     files, fileless = _gpu_files(reading)
     if autodetect == "nvml":
         # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
         # order of its own: which GPUs it took is not knowable from here.
         if fileless:
-            raise GresUnresolved(Problem.GRES_AUTODETECT_MATCH, path=path)
+            raise GresUnresolved(
+                f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
+                "matched to it is not knowable here"
+            )
         return GpuLayout(path, tuple(files), nvml_order=True)
     if not files:
-        raise GresUnresolved(Problem.GRES_NO_FILES, path=path, node=node or "")
+        named = echo(node) if node else "(unnamed)"
+        raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
     return GpuLayout(path, tuple(files), nvml_order=False)
 
 
@@ -224,7 +238,9 @@ def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
         if keys.get("name") != GPU:
             continue
         if "multiplefiles" in keys:
-            raise GresUnresolved(Problem.GRES_LINE, path=path, line=number, value="MultipleFiles")
+            raise GresUnresolved(
+                f"{path} line {number}: {echo('MultipleFiles')} not read for certain"
+            )
         if "file" not in keys:
             fileless = fileless or "count" in keys or "type" in keys
             continue
@@ -232,9 +248,9 @@ def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
             files.extend(expand_hostlist(keys["file"]))
         except ValueError:
             raise GresUnresolved(
-                Problem.GRES_LINE, path=path, line=number, value=f"File={keys['file']}"
+                f"""{path} line {number}: {echo(f"File={keys['file']}")} not read for certain"""
             ) from None
     if len(set(files)) != len(files):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in files if files.count(name) > 1)
-        raise GresUnresolved(Problem.GRES_FILE_TWICE, path=path, file=twice)
+        raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")
     return files, fileless

@@ -17,9 +17,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from gpugate.errors import InvalidValue, Problem
+from gpugate.errors import InvalidValue
 from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped
-from gpugate.report.error_text import problem_text
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
 MAX_DIGITS = 20  # a JSON number longer than this is no count, PID or time of gpugate's
@@ -27,15 +26,11 @@ MAX_ITEMS = 1024  # a list in a record: GPUs, UUIDs
 
 
 class BadRecord(InvalidValue):
-    """Why a state file is not one of gpugate's records: a Problem code and its facts; `why`
-    is report/'s phrase for it (no path)."""
+    """Why a state file is not one of gpugate's records: one phrase, no path (`why`)."""
 
     @property
     def why(self) -> str:
-        return problem_text(self.problem, self.facts)
-
-    def __str__(self) -> str:
-        return self.why
+        return str(self)
 
 
 def read_text(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
@@ -47,33 +42,33 @@ def read_text(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
     except FileNotFoundError:
         raise
     except NotRegularFile:
-        raise BadRecord(Problem.RECORD_NOT_FILE) from None
+        raise BadRecord("not a regular file") from None
     except TooLarge:
-        raise BadRecord(Problem.RECORD_TOO_LARGE, kib=limit // 1024) from None
+        raise BadRecord(f"larger than {limit // 1024} KiB") from None
     except OSError as exc:
-        raise BadRecord(Problem.RECORD_UNREADABLE, cause=exc.strerror or str(exc)) from None
+        raise BadRecord(f"cannot be read ({exc.strerror or str(exc)})") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise BadRecord(Problem.RECORD_NOT_UTF8) from None
+        raise BadRecord("not UTF-8") from None
 
 
 def _constant(name: str) -> float:
-    raise BadRecord(Problem.RECORD_CONSTANT, value=name)
+    raise BadRecord(f"{name} is not a number gpugate writes")
 
 
 def _integer(text: str) -> int:
     if len(text.lstrip("-")) > MAX_DIGITS:
-        raise BadRecord(Problem.RECORD_DIGITS, count=len(text))
+        raise BadRecord(f"a number of {len(text)} digits")
     return int(text)
 
 
 def _real(text: str) -> float:
     if len(text) > 2 * MAX_DIGITS:
-        raise BadRecord(Problem.RECORD_CHARS, count=len(text))
+        raise BadRecord(f"a number of {len(text)} characters")
     value = float(text)
     if not math.isfinite(value):
-        raise BadRecord(Problem.RECORD_OUT_OF_RANGE, key=text)
+        raise BadRecord(f"{text} is out of range")
     return value
 
 
@@ -82,13 +77,13 @@ def parse_record(text: str) -> dict[str, Any]:
     try:
         data = json.loads(text, parse_constant=_constant, parse_int=_integer, parse_float=_real)
     except RecursionError:
-        raise BadRecord(Problem.RECORD_NESTED) from None
+        raise BadRecord("nested too deeply") from None
     except BadRecord:
         raise
     except ValueError as exc:  # JSONDecodeError is one
-        raise BadRecord(Problem.RECORD_NOT_JSON, detail=str(exc)) from None
+        raise BadRecord(f"not JSON ({str(exc)[:80]})") from None
     if not isinstance(data, dict):
-        raise BadRecord(Problem.RECORD_NOT_OBJECT, kind=type(data).__name__)
+        raise BadRecord(f"a JSON {type(data).__name__}, not an object")
     return data
 
 
@@ -103,9 +98,9 @@ def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = Fals
     if optional and (value is None or value == ""):
         return None
     if not isinstance(value, str):
-        raise BadRecord(Problem.RECORD_NOT_STRING, key=key)
+        raise BadRecord(f"{key} is not a string")
     if len(value) > limit:
-        raise BadRecord(Problem.RECORD_TOO_LONG, key=key, limit=limit)
+        raise BadRecord(f"{key} is longer than {limit} characters")
     return value
 
 
@@ -114,23 +109,23 @@ def integer(
 ) -> int:
     value: object = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise BadRecord(Problem.RECORD_NOT_INTEGER, key=key, low=low, high=high)
+        raise BadRecord(f"{key} is not an integer from {low} to {high}")
     return value
 
 
 def number(data: Mapping[str, Any], key: str, low: float, high: float) -> float:
     value = data.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRecord(Problem.RECORD_NOT_NUMBER, key=key)
+        raise BadRecord(f"{key} is not a number")
     if not low <= value <= high:
-        raise BadRecord(Problem.RECORD_OUT_OF_RANGE, key=key)
+        raise BadRecord(f"{key} is out of range")
     return float(value)
 
 
 def flag(data: Mapping[str, Any], key: str) -> bool:
     value = data.get(key)
     if not isinstance(value, bool):
-        raise BadRecord(Problem.RECORD_NOT_FLAG, key=key)
+        raise BadRecord(f"{key} is not true or false")
     return value
 
 
@@ -147,7 +142,7 @@ def texts(data: Mapping[str, Any], key: str, limit: int) -> tuple[str, ...]:
 def _items(data: Mapping[str, Any], key: str) -> list[Any]:
     value = data.get(key)
     if not isinstance(value, list):
-        raise BadRecord(Problem.RECORD_NOT_LIST, key=key)
+        raise BadRecord(f"{key} is not a list")
     if len(value) > MAX_ITEMS:
-        raise BadRecord(Problem.RECORD_TOO_MANY, key=key, most=MAX_ITEMS)
+        raise BadRecord(f"{key} has more than {MAX_ITEMS} items")
     return value

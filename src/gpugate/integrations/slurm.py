@@ -24,12 +24,12 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.surroundings import NullSurroundings
-from gpugate.errors import ExitCode, GateError, InvalidValue, Problem
+from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.host.programs import find_program, run_program
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 from gpugate.report import lines
-from gpugate.report.error_text import error_text
+from gpugate.untrusted import echo
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
@@ -71,10 +71,13 @@ class SlurmJob:
 def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     raw_id = environ.get("SLURM_JOB_ID", "")
     if not JOB_ID.fullmatch(raw_id) or int(raw_id) > MAX_JOB_ID:
-        raise SlurmEnvError(Problem.SLURM_JOB_ID, value=raw_id)
+        raise SlurmEnvError(
+            f"SLURM_JOB_ID {(echo(raw_id) if raw_id else 'not set')}: not a Slurm job ID (a "
+            "positive integer)"
+        )
     raw_uid = environ.get("SLURM_JOB_UID")
     if raw_uid is not None and not UID.fullmatch(raw_uid):
-        raise SlurmEnvError(Problem.SLURM_JOB_UID, value=raw_uid)
+        raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
     gpus: tuple[int, ...] = ()
     source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
     said = "" if source else next((f"{n}=" for n in GPU_VARIABLES if n in environ), "")
@@ -98,11 +101,12 @@ def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
         refs = parse_gpu_text(value)
         text = next((ref for ref in refs if isinstance(ref, str)), None)
         if text is not None:
-            raise InvalidValue(Problem.SLURM_GPU_NUMBER, value=text)
+            raise InvalidValue(
+                f"{echo(text)} is not a GPU number slurmd writes (0, 1, ... as gres.conf lists "
+                "them)"
+            )
     except InvalidValue as exc:
-        raise SlurmEnvError(
-            Problem.SLURM_GPU_VARIABLE, variable=variable, value=value, cause=exc
-        ) from None
+        raise SlurmEnvError(f"{variable} {echo(value)}: {exc}") from None
     return tuple(ref for ref in refs if isinstance(ref, int))
 
 
@@ -183,7 +187,8 @@ def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
             SCONTROL_TIMEOUT_S,
         )
     except GateError as exc:
-        print(lines.warning(error_text(exc)), file=stream)
+        print(lines.warning(exc.message), file=stream)
         return
     if result.returncode != 0:
-        print(lines.program_failed("scontrol", result.returncode, result.first_line()), file=stream)
+        said = f"scontrol exited {result.returncode}: {result.first_line()}"
+        print(lines.warning(said), file=stream)

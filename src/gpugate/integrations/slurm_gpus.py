@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.errors import Problem
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import kind_of
 from gpugate.integrations.gres_conf import GpuLayout, GresUnresolved
+from gpugate.untrusted import echo
 
 NVIDIA_MAJOR = 195  # the driver's character devices /dev/nvidia0..N (nvidiactl is 195:255)
 GPU_NODE = re.compile(r"nvidia([0-9]{1,4})")
@@ -70,23 +70,19 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
     try:
         info = nodes.stat(nodes.file_path(file))
     except OSError as exc:
-        raise GresUnresolved(
-            Problem.GRES_FILE_NOT_GPU, path=path, file=file, cause=exc.strerror or str(exc)
-        ) from None
+        raise GresUnresolved(_not_gpu(path, file, f"({exc.strerror or exc})")) from None
     is_char = stat.S_ISCHR(info.st_mode)
     if not (is_char or stat.S_ISBLK(info.st_mode)):
-        kind = kind_of(info.st_mode)
-        raise GresUnresolved(Problem.GRES_FILE_NOT_GPU, path=path, file=file, kind=kind)
+        raise GresUnresolved(_not_gpu(path, file, f"(a {kind_of(info.st_mode)} file)"))
     minor = known.get((is_char, info.st_rdev))
     if minor is None:
-        raise GresUnresolved(
-            Problem.GRES_FILE_NOT_GPU,
-            path=path,
-            file=file,
-            major=os.major(info.st_rdev),
-            minor=os.minor(info.st_rdev),
-        )
+        why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
+        raise GresUnresolved(_not_gpu(path, file, why))
     return minor
+
+
+def _not_gpu(path: str, file: str, why: str) -> str:
+    return f"{path}: File {echo(file)} is no GPU device node {why}"
 
 
 def gpu_order(
@@ -99,7 +95,10 @@ def gpu_order(
     by_minor = {gpu.minor: gpu for gpu in gpus}
     if layout.nvml_order:
         if unreadable:
-            raise GresUnresolved(Problem.GRES_NVML_FAULTS, path=layout.path, count=unreadable)
+            raise GresUnresolved(
+                f"{layout.path}: AutoDetect=nvml, and NVML cannot read {unreadable} GPU(s): "
+                "slurmd's order has gaps gpugate cannot place"
+            )
         ordered = sorted(gpus, key=lambda gpu: gpu.index)
         if layout.files:
             minors = {minor_of(file, nodes, known, layout.path) for file in layout.files}
@@ -110,7 +109,10 @@ def gpu_order(
         minor = minor_of(file, nodes, known, layout.path)
         gpu = by_minor.get(minor)
         if gpu is None:
-            raise GresUnresolved(Problem.GRES_NO_NVML_GPU, path=layout.path, file=file, minor=minor)
+            raise GresUnresolved(
+                f"{layout.path}: File {echo(file)} is /dev/nvidia{minor}, and NVML lists no "
+                f"GPU with minor number {minor}"
+            )
         found.append(gpu)
     return found
 
@@ -129,6 +131,7 @@ def job_gpus(
     past = [n for n in numbers if n >= len(ordered)]
     if past:
         raise GresUnresolved(
-            Problem.GRES_INDEX_PAST, path=layout.path, value=past[0], count=len(ordered)
+            f"{layout.path}: GPU number {past[0]} past the {len(ordered)} GPU(s) it lists "
+            "for this node"
         )
     return tuple(ordered[n] for n in numbers)

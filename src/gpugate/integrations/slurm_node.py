@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.errors import Problem
 from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped, untrusted
 from gpugate.integrations.gres_conf import GresUnresolved
 
@@ -38,18 +37,20 @@ def read_root_file(path: Path) -> str:
     is missing, no regular file, too large, not UTF-8."""
     where = untrusted(path)
     if where is not None:
-        raise GresUnresolved(Problem.GRES_UNTRUSTED, path=str(path), component=where.path)
+        raise GresUnresolved(
+            f"{path}: not read, {where.path} may be changed by an account other than root"
+        )
     try:
         data = read_capped(path, MAX_CONF_BYTES, follow_links=True)
     except FileNotFoundError:
-        raise GresUnresolved(Problem.GRES_MISSING, path=str(path)) from None
+        raise GresUnresolved(f"{path}: no such file") from None
     except (NotRegularFile, TooLarge, OSError) as exc:
         cause = exc.strerror or str(exc)
-        raise GresUnresolved(Problem.GRES_UNREADABLE, path=str(path), cause=cause) from None
+        raise GresUnresolved(f"{path}: cannot read it: {cause}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
-        raise GresUnresolved(Problem.GRES_NOT_UTF8, path=str(path)) from None
+        raise GresUnresolved(f"{path}: cannot read it: not UTF-8") from None
 
 
 def last_value(text: str, key: str) -> str:

@@ -15,7 +15,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import Problem
 from gpugate.host.locks import flock_by
 from gpugate.host.procfs import ProcessId
 from gpugate.host.safe_files import NotRegularFile, TooLarge, folder, open_in, read_capped, write_in
@@ -52,13 +51,13 @@ def parse_state(text: str) -> dict[ProcessId, Seen]:
     records.integer(data, "version", STATE_VERSION, STATE_VERSION)
     entries = data.get("unowned")
     if not isinstance(entries, list):
-        raise BadRecord(Problem.RECORD_NOT_LIST, key="unowned")
+        raise BadRecord("unowned is not a list")
     if len(entries) > MAX_ENTRIES:
-        raise BadRecord(Problem.RECORD_TOO_MANY, key="unowned", most=MAX_ENTRIES)
+        raise BadRecord(f"unowned has more than {MAX_ENTRIES} items")
     found: dict[ProcessId, Seen] = {}
     for entry in entries:
         if not isinstance(entry, dict):
-            raise BadRecord(Problem.RECORD_NOT_OBJECT, kind=type(entry).__name__)
+            raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
         ident = ProcessId(
             records.integer(entry, "pid", 1, MAX_PID),
             records.integer(entry, "start_time", 0, MAX_TICKS),
@@ -97,17 +96,17 @@ def read_state(folder_fd: int) -> SweepState:
     try:
         return SweepState(parse_state(data.decode("utf-8")))
     except UnicodeDecodeError:
-        return SweepState(refused=BadRecord(Problem.RECORD_NOT_UTF8).why)
+        return SweepState(refused=BadRecord("not UTF-8").why)
     except BadRecord as exc:
         return SweepState(refused=exc.why)
 
 
 def _unreadable(exc: OSError) -> str:
     if isinstance(exc, NotRegularFile):
-        return BadRecord(Problem.RECORD_NOT_FILE).why
+        return BadRecord("not a regular file").why
     if isinstance(exc, TooLarge):
-        return BadRecord(Problem.RECORD_TOO_LARGE, kib=records.MAX_RECORD_BYTES // 1024).why
-    return BadRecord(Problem.RECORD_UNREADABLE, cause=exc.strerror or str(exc)).why
+        return BadRecord(f"larger than {records.MAX_RECORD_BYTES // 1024} KiB").why
+    return BadRecord(f"cannot be read ({exc.strerror or str(exc)})").why
 
 
 def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:

@@ -8,7 +8,7 @@ from typing import Any
 from gpugate.core.decide import Choice
 from gpugate.host.containers import Container
 from gpugate.report.lines import gpu_list
-from gpugate.report.untrusted import COMMAND, CONTAINER, exact, shown
+from gpugate.untrusted import COMMAND, CONTAINER, exact, shown
 
 
 def describe(choice: Choice) -> str:

@@ -16,7 +16,7 @@ from enum import Enum
 from types import FrameType
 from typing import Protocol, TextIO, Union
 
-from gpugate.report.untrusted import line
+from gpugate.untrusted import line
 
 FieldValue = Union[str, bytes]  # bytes: a field's exact bytes (untrusted.exact), not UTF-8
 
@@ -241,7 +241,7 @@ class Reporter:
         """An error that ends the run: one structured entry, one STATUS=, and the one-line
         `gpugate: message` on error_stream (default stderr) unless it is the journal (it would
         be there twice); the entry is not echoed besides. problem: the error's code
-        (errors.Problem), GPUGATE_PROBLEM."""
+        (GateError.code, docs/journal.md), GPUGATE_PROBLEM."""
         extra: dict[str, str | int] = {"exit_code": exit_code}
         if problem:
             extra["problem"] = problem

@@ -1,6 +1,6 @@
-"""The lines the commands print beside a run's journal: warnings and notes on stderr, what
-install and `config check` say, a Slurm node's drain reason. The commands say what happened;
-this module says it in words."""
+"""Lines more than one command prints beside a run's journal: the `gpugate:` and warning
+prefixes, install's plan, a failed job's detail, an internal error. A line printed in one
+place is written where it is printed."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from gpugate.core.outcome import UNKILLABLE
-from gpugate.report.untrusted import CGROUP, MARK, REASON, Kind, line, shown
+from gpugate.untrusted import CGROUP, MARK, REASON, Kind, line, shown
 
 if TYPE_CHECKING:
     from gpugate.core.outcome import BusyGpu, Held, RunSummary
@@ -38,10 +38,6 @@ def error(text: str) -> str:
 
 def warning(text: str) -> str:
     return f"gpugate: warning: {text}"
-
-
-def program_failed(program: str, code: int, said: str) -> str:
-    return warning(f"{program} exited {code}: {said}")
 
 
 def metrics_not_written(path: object, cause: str) -> str:
@@ -154,13 +150,6 @@ def lease_overridden(indices: Sequence[int], holder: str) -> str:
     return warning(f"GPU {shown} leased to {holder}; --force: running anyway")
 
 
-def install_unit_unknown_forced(unit: str) -> str:
-    return warning(
-        f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); installing "
-        "anyway (--force)"
-    )
-
-
 def reloaded(done: bool) -> str:
     if done:
         return "reloaded systemd (systemctl daemon-reload)"
@@ -200,38 +189,12 @@ def change(action: str, path: object, note: str, *, dry_run: bool, detail: str =
     return f"{verb} {path}{shown}"
 
 
-def said_under(text: str) -> str:
-    """A line of report's own words under a file of install's plan (narrate_install)."""
-    return f"  {text}"
-
-
-def not_executable_here(path: object) -> str:
-    return warning(f"{path} is not an executable here")
-
-
-def takes_effect(unit: str) -> str:
-    return f"takes effect at the next start: systemctl restart {unit}"
-
-
-def effective_config(source: str) -> str:
-    return f"# effective configuration, from {source}"
-
-
-def unit_gpus(unit: str, gpus: str | Sequence[object], source: str) -> str:
-    shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
-    return f"# {unit}'s GPUs: {shown}, from {source}"
-
-
 def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
     """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
     runs = path or f"no {name} installed"
     instead = "" if name == recorded else f"; {recorded} is not installed or is the caller"
     where = f'runtime = "{recorded}" in {record}{instead}'
     return f"# containers: gpugate-oci-runtime runs {runs} ({where})"
-
-
-def watch_header(unit: str | None) -> str:
-    return f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
 
 
 def internal_error_text(exc: BaseException) -> str:
@@ -241,20 +204,8 @@ def internal_error_text(exc: BaseException) -> str:
     )
 
 
-def internal_error(exc: BaseException) -> str:
-    return error(internal_error_text(exc))
-
-
 def unit_or_containers(command: str) -> str:
     return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
-
-
-def not_a_uid(value: str) -> str:
-    return f"{value[:20]!r} is not a uid"
-
-
-def not_a_port(value: str) -> str:
-    return f"{value!r} is not a TCP port (1-65535)"
 
 
 def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str:

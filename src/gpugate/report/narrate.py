@@ -15,7 +15,6 @@ from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
-from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import container_fields, container_text, describe
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -30,7 +29,7 @@ from gpugate.report.lines import MAX_LISTED_PIDS, gpu_list
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text
-from gpugate.report.untrusted import COMM, COMMAND, exact
+from gpugate.untrusted import COMM, COMMAND, exact
 
 
 def watcher_evidence(discovery: Discovery) -> str:
@@ -53,7 +52,7 @@ def stop_failure(result: StopResult) -> str:
     """Why a runtime's stop failed, in words."""
     if result.no_cli:
         return f"no {result.container.runtime} CLI found"
-    return error_text(result.error) if result.error is not None else result.detail
+    return result.error.message if result.error is not None else result.detail
 
 
 class Narrator(WaitNarration, ShmNarration):
@@ -242,7 +241,7 @@ class Narrator(WaitNarration, ShmNarration):
     def degraded(self, error: GateError, phase: str) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{error_text(error)}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             priority=PRIORITY_WARNING,
             reason="nvml-degraded",
         )
@@ -296,11 +295,11 @@ class Narrator(WaitNarration, ShmNarration):
         it goes on; what it then cannot record it says as it comes."""
         self.reporter.event(
             Event.WARNING,
-            f"{error_text(error)}; {self.reporter.phase} goes on: killing what is left and "
+            f"{error.message}; {self.reporter.phase} goes on: killing what is left and "
             "removing its files need no space",
             priority=PRIORITY_WARNING,
             reason="state-unwritable",
-            problem=error.problem.value,
+            problem=error.code,
         )
 
     def lock_not_taken(self, path: object, cause: str) -> None:
@@ -322,8 +321,6 @@ class Narrator(WaitNarration, ShmNarration):
         )
 
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
-        """A run that ended in an error: one entry (with its Problem code), and one line on
-        error_stream (default stderr) where it is not the journal already."""
-        self.reporter.fail(
-            error_text(error), int(error.exit_code), error_stream, error.problem.value
-        )
+        """A run that ended in an error: one entry (with its code where it has
+        one), and one line on error_stream (default stderr) where it is not the journal already."""
+        self.reporter.fail(error.message, int(error.exit_code), error_stream, error.code)

@@ -12,7 +12,7 @@ from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
 from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_INFO, PRIORITY_NOTICE, Event, Reporter
-from gpugate.report.untrusted import FILE, exact, shown
+from gpugate.untrusted import FILE, exact, shown
 
 MIB = 1024 * 1024
 

@@ -10,7 +10,7 @@ from gpugate.core.discover import Holder
 from gpugate.host.procfs import ProcessId
 from gpugate.report.journal import PRIORITY_INFO, PRIORITY_WARNING, Event, Reporter
 from gpugate.report.lines import warning
-from gpugate.report.untrusted import COMMAND, exact, shown
+from gpugate.untrusted import COMMAND, exact, shown
 
 
 def _gpus(indices: Sequence[int]) -> str:

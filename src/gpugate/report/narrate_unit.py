@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from gpugate.report.error_text import error_text
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
 from gpugate.report.lines import gpu_list
-from gpugate.report.untrusted import FILE, STATE, shown
+from gpugate.untrusted import FILE, STATE, shown
 
 if TYPE_CHECKING:
     from gpugate.errors import GateError
@@ -26,10 +25,10 @@ class UnitNarration:
         lock_dir). The run's result stands; the lease is stale once the unit is inactive."""
         self.reporter.event(
             Event.WARNING,
-            f"{error_text(error)}; not recorded, {self.reporter.phase} goes on",
+            f"{error.message}; not recorded, {self.reporter.phase} goes on",
             priority=PRIORITY_WARNING,
             reason="state-not-recorded",
-            problem=error.problem.value,
+            problem=error.code,
         )
 
     def lease_unreadable(self, path: Path, why: str = "") -> None:

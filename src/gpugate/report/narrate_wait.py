@@ -10,7 +10,7 @@ from gpugate.core.outcome import BusyGpu
 from gpugate.core.respawn import Respawner
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter, WaitingReports
-from gpugate.report.untrusted import COMMAND, exact, shown
+from gpugate.untrusted import COMMAND, exact, shown
 
 
 class WaitNarration:

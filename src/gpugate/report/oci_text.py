@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpugate.report.untrusted import CGROUP, CONTAINER, escape, shown
+from gpugate.untrusted import CGROUP, CONTAINER, escape, shown
 
 
 def container_label(
@@ -93,10 +93,3 @@ CONTAINERD_RESTART = (
     "containerd reads its config only when it starts: systemctl restart containerd "
     "(running containers keep running)"
 )
-DOCKER_RELOADED = "reloaded docker (systemctl reload docker)"
-DOCKER_NOT_RUNNING = "docker is not running: it reads daemon.json when it starts"
-DOCKER_NO_SYSTEMCTL = "docker not reloaded (no systemctl): run `systemctl reload docker`"
-
-
-def docker_reload_failed(detail: str) -> str:
-    return f"daemon.json written, but {detail}; run `systemctl reload docker`"

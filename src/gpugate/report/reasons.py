@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gpugate.core.decide import Choice, Rule, Verdict
+from gpugate.host.trust_text import account
 from gpugate.report.holder_text import container_handle, container_text
-from gpugate.report.trust_text import account
-from gpugate.report.untrusted import CGROUP, COMM, shown
+from gpugate.untrusted import CGROUP, COMM, shown
 
 
 def held_text(choice: Choice) -> str:

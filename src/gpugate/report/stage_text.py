@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gpugate.core.outcome import Progress, Stage
-from gpugate.errors import Interrupted, Problem
+from gpugate.errors import Interrupted
 
 
 def doing(progress: Progress) -> str:
@@ -30,5 +30,7 @@ def doing(progress: Progress) -> str:
 def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
     """The interruption as the run's error: what it was doing, and what it left."""
     return Interrupted(
-        Problem.INTERRUPTED_DURING, error.signal_name, progress.stage.value, progress=progress
+        f"stopped by {error.signal_name} while {doing(progress)}; it left no GPU lock or lease",
+        error.signal_name,
+        progress.stage.value,
     )

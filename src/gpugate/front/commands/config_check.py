@@ -17,13 +17,15 @@ from gpugate.report import lines
 def config_check(front: Front, path: Path | None, unit_given: str | None) -> int:
     unit = validate_unit_name(unit_argument(unit_given)) if unit_given else None
     loaded = load_config(unit, path)
-    print(lines.effective_config(loaded.source))
+    print(f"# effective configuration, from {loaded.source}")
     if unit is not None:
         from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
         environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
-        print(lines.unit_gpus(unit, choice.gpus, choice.source))
+        gpus = choice.gpus
+        shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
+        print(f"# {unit}'s GPUs: {shown}, from {choice.source}")
         loaded = with_chosen_gpus(loaded, choice)
         if front.given_roots.ask_systemd:
             warn_environment_files(unit)

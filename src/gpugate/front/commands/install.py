@@ -48,11 +48,11 @@ def install(
         config_dir=config_dir,
     )
     if not os.access(command[0], os.X_OK) and not dry_run:
-        print(lines.not_executable_here(command[0]), file=sys.stderr)
+        print(lines.warning(f"{command[0]} is not an executable here"), file=sys.stderr)
     if systemd_running():
         warn_environment_files(unit)
     if _apply(changes, dry_run=dry_run, no_reload=no_reload):
-        print(lines.takes_effect(unit))
+        print(f"takes effect at the next start: systemctl restart {unit}")
     return int(ExitCode.OK)
 
 

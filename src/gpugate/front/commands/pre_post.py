@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gpugate.core.run import RunDeps
-from gpugate.errors import Problem, UnknownUnit
+from gpugate.errors import UnknownUnit
 from gpugate.front.commands import Front
 from gpugate.front.hook import Deps, Hook, run_hook
 from gpugate.front.interrupt import stopped_by_signals
@@ -31,7 +31,10 @@ def pre_post(
     roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
     unit = unit_argument(unit_given) if unit_given else own_unit(roots.proc)
     if unit is None:
-        raise UnknownUnit(Problem.UNIT_NOT_GIVEN)
+        raise UnknownUnit(
+            "no UNIT given and gpugate is not running inside a service's cgroup; pass the "
+            "unit (%n in a unit file)"
+        )
     validate_unit_name(unit)
     loaded = load_config(unit, config)
     context = UnitContext(

@@ -14,7 +14,6 @@ from gpugate.host.nvml import GpuDriver, NotAnswering
 from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.report import lines
-from gpugate.report.error_text import error_text
 
 if TYPE_CHECKING:
     from gpugate.config.models import LoadedConfig
@@ -50,13 +49,14 @@ def status(
             if not watch:
                 print(render_json(data) if as_json else render_table(data), flush=True)
                 if hung is not None:
-                    print(lines.error(error_text(hung)), file=sys.stderr, flush=True)
+                    print(lines.error(hung.message), file=sys.stderr, flush=True)
                     return int(hung.exit_code)
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:
                 raise hung  # --watch: no next look can answer
             # Home and clear the screen, then the table, as watch(1) draws it.
-            print(f"\x1b[H\x1b[J{lines.watch_header(unit)}\n\n{render_table(data)}", flush=True)
+            header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
+            print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends

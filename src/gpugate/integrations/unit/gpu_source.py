@@ -13,8 +13,9 @@ from dataclasses import dataclass
 
 from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import BUILTIN_SOURCE, GpuSelection, LoadedConfig
-from gpugate.errors import ConfigError, InvalidValue, Problem
+from gpugate.errors import ConfigError, InvalidValue
 from gpugate.host.systemd import UnitEnvironment, unit_environment
+from gpugate.untrusted import echo
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
@@ -44,7 +45,7 @@ def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection
     try:
         gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
     except InvalidValue as exc:
-        raise ConfigError(where, variable, Problem.VARIABLE_VALUE, value=value, cause=exc) from None
+        raise ConfigError(where, variable, f"{echo(value)}: {exc}") from None
     return gpus
 
 

@@ -16,13 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import PermissionDenied, Problem, StateUnwritable
+from gpugate.errors import PermissionDenied, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import write_atomically
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
 from gpugate.report.narrate_unit import lease_refusal_text
-from gpugate.report.untrusted import STATE, shown
+from gpugate.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"
 # Set by `gpugate run` on its transient unit (front/launch.py), read by the unit's pre
@@ -149,7 +149,7 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
         try:
             lease = lease_from(records.read_record(path))
             if path.name != f"{lease.unit}.json":
-                raise BadRecord(Problem.RECORD_WRONG_UNIT, unit=path.name[: -len(".json")])
+                raise BadRecord(f"its unit is not {path.name[: -len('.json')]}")
         except FileNotFoundError:
             continue  # released while we listed
         except BadRecord as exc:
@@ -166,11 +166,13 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
     try:
         write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
     except PermissionError:
-        raise PermissionDenied(
-            Problem.NO_PERMISSION_WRITING, path=target, what="gpu-lease"
-        ) from None
+        raise PermissionDenied(f"{target}: permission denied writing the GPU lease there") from None
     except OSError as exc:  # no space, read-only, a file where the folder should be
-        raise StateUnwritable(target, "gpu-lease", cause=exc.strerror or str(exc)) from None
+        raise StateUnwritable(
+            target,
+            "gpu-lease",
+            f"{target}: cannot write the GPU lease there: {exc.strerror or str(exc)}",
+        ) from None
     return target
 
 
@@ -183,7 +185,11 @@ def release_lease(lock_dir: Path, unit: str) -> bool:
     except FileNotFoundError:
         return False
     except OSError as exc:
-        raise StateUnwritable(path, "gpu-lease", cause=exc.strerror or str(exc)) from None
+        raise StateUnwritable(
+            path,
+            "gpu-lease",
+            f"{path}: cannot write the GPU lease there: {exc.strerror or str(exc)}",
+        ) from None
     return True
 
 

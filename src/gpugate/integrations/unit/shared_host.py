@@ -13,6 +13,7 @@ them (core/surroundings.py), for the phases whose traits say they apply.
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +29,6 @@ from gpugate.errors import (
     Interrupted,
     ManualRunRefused,
     PermissionDenied,
-    Problem,
     StateUnwritable,
 )
 from gpugate.host.nvml import Gpu
@@ -59,10 +59,10 @@ from gpugate.integrations.unit.start_failure import (
     record_failed_pre,
 )
 from gpugate.phase import Phase
-from gpugate.report.error_text import error_text
 from gpugate.report.holder_text import describe
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
+from gpugate.untrusted import cut
 
 
 @dataclass(frozen=True)
@@ -234,7 +234,7 @@ class UnitSurroundings:
             from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
 
             error, busy = interrupted(error, progress), progress.last_busy
-        self._ended(error.exit_code, error_text(error), busy, ended_by=error)
+        self._ended(error.exit_code, error.message, busy, ended_by=error)
 
     def _ended(
         self,
@@ -344,6 +344,8 @@ def _no_environment(unit: str) -> UnitEnvironment | None:
 # is always allowed.
 
 RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
+MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
+MAX_LISTED_TEXT = 120  # characters of each
 
 
 def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
@@ -373,6 +375,18 @@ def manual_run_guard(
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
     """state: the unit's ActiveState, as manual_run_guard found it; would_kill: each target
     as the journal names it."""
+    # Each already shown (escaped) by describe(); one line, each short.
+    shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
+    listed = "; ".join(shown[:MAX_LISTED]) + (
+        f"; and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
+    )
+    what = (
+        f"it would kill {len(shown)} process(es): {listed}"
+        if shown
+        else "it would kill nothing now"
+    )
     return ManualRunRefused(
-        Problem.MANUAL_RUN, unit=unit, state=state, phase=phase, would_kill=would_kill
+        f"{unit} is {state} and this `gpugate {phase}` is not its {phase} hook "
+        f"(not in the unit's cgroup with INVOCATION_ID set); {what}; nothing killed. To do it "
+        f"on purpose: gpugate {phase} {unit} --force"
     )

@@ -11,7 +11,7 @@ import stat
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.host.safe_files import NotRegularFile, Problem, TooLarge, Untrusted
+from gpugate.host.safe_files import Exposure, NotRegularFile, TooLarge, Untrusted
 
 RULE = "docs/hardening.md, rule 2"
 KINDS = {
@@ -50,9 +50,9 @@ def why(found: Untrusted) -> str:
     what = "folder " if stat.S_ISDIR(found.mode) else ""
     where = "it" if found.path == found.of else f"its {what}{found.path}"
     problem = {
-        Problem.OWNER: f"{where} belongs to another account",
-        Problem.GROUP_WRITABLE: f"{where} is writable by group {group(found.gid)}",
-        Problem.WORLD_WRITABLE: f"{where} is writable by every account",
+        Exposure.OWNER: f"{where} belongs to another account",
+        Exposure.GROUP_WRITABLE: f"{where} is writable by group {group(found.gid)}",
+        Exposure.WORLD_WRITABLE: f"{where} is writable by every account",
     }[found.problem]
     if found.path != found.of:
         problem += f" ({facts(found)})"

@@ -143,3 +143,14 @@ def exact(value: str | None, kind: Kind) -> str | bytes:
 def line(text: str) -> str:
     """A sentence gpugate made, fit for any channel: escaped, at most LINE_CHARS."""
     return shown(text, Kind("line", LINE_CHARS, LINE_CHARS))
+
+
+ECHO_MAX = 60  # characters of a value (or key) an error message repeats
+
+
+def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
+    """A value as an error message repeats it: repr'd (quote) or shown, and cut short (a 10 MB
+    value in a config file must not become a 10 MB stderr line)."""
+    if quote:
+        return cut(repr(value), limit)
+    return shown(str(value), Kind("value", limit, limit))
