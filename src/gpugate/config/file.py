@@ -17,7 +17,6 @@ from pydantic import BaseModel, ValidationError
 
 from gpugate.compat import tomllib
 from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
-from gpugate.config.toml_text import toml_value
 from gpugate.errors import ConfigError, InvalidValue
 from gpugate.untrusted import echo
 
@@ -54,6 +53,8 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     if first["type"] in STRICT_TYPE_ERRORS:
         shown = first["input"]
         if isinstance(shown, (bool, int, float, str)):
+            from gpugate.config.toml_text import toml_value  # noqa: PLC0415 (an error's)
+
             shown = toml_value(shown)
         problem = f"{detail}, not {_toml_type(first['input'])} {echo(shown, quote=False)}"
         return ConfigError(source, field, problem, more=more)
