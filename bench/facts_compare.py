@@ -1,6 +1,6 @@
 """A process's facts (ProcFs.info) of one revision against the working tree's, interleaved.
 
-    git show REV:src/gpugate/procfs.py > .bench/before_procfs.py
+    git show REV:src/gpugate/host/procfs.py > .bench/before_procfs.py
     python3 -m bench.facts_compare .bench/before_procfs.py [COUNT]
 
 discover() reads the facts of each holder and the app-tree walk those of its relatives: this
@@ -40,8 +40,8 @@ def main(argv: list[str]) -> int:
             procfs.info(pid)  # type: ignore[attr-defined]
 
     reads = {
-        "before (hand-read /proc)": lambda: read_all(before.ProcFs),
-        "after (psutil)": lambda: read_all(ProcFs),
+        "before": lambda: read_all(before.ProcFs),
+        "after (working tree)": lambda: read_all(ProcFs),
     }
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in reads}
     for _ in range(RUNS):

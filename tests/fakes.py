@@ -349,10 +349,12 @@ def run_unit_phase(
 ) -> RunSummary:
     """A unit's phase run as the front wires it, with the tests' stand-ins: environ (the
     hook's environment, default ours), unit_env (systemd's answer), shm_host (areas -> the
-    shm files' host side); kwargs: UnitContext's manual_refusal, ignore_leases, unit_state,
+    shm files' host side); kwargs: UnitContext's guard_manual_run, active_state, ignore_leases, unit_state,
     and RunDeps's driver_factory, pinner, clock."""
     unit = {
-        k: kwargs.pop(k) for k in ("manual_refusal", "ignore_leases", "unit_state") if k in kwargs
+        k: kwargs.pop(k)
+        for k in ("guard_manual_run", "active_state", "ignore_leases", "unit_state")
+        if k in kwargs
     }
     context = UnitContext(
         os.environ if environ is None else environ, roots, environment=unit_env, **unit

@@ -12,28 +12,30 @@ from enum import IntEnum
 class ExitCode(IntEnum):
     """Where a BSD sysexits code means the same, gpugate uses it (systemd's journal line, also
     in `systemctl status`, names it: `status=78/CONFIG`); its own outcomes use codes systemd has
-    no name for (20 and up: `status=21/n/a`), never a false LSB label such as `7/NOTRUNNING`."""
+    no name for (20 and up: `status=21/n/a`), never a false LSB label such as `7/NOTRUNNING`.
+    What each means: EXIT_MEANINGS (--help's epilog), and README's table in full (its code,
+    name and systemd label checked against these by tests/test_docs.py)."""
 
     OK = 0
-    USAGE = 64  # EX_USAGE: bad command line, or a Slurm job environment it cannot read
-    NVML_UNAVAILABLE = 69  # EX_UNAVAILABLE: NVML unusable, or systemctl & co. missing or silent
-    INTERNAL = 70  # EX_SOFTWARE: a bug, please report it
-    STATE_UNWRITABLE = 73  # EX_CANTCREAT: lock_dir, leases, failed-start records, metrics
-    LOCK_TIMEOUT = 75  # EX_TEMPFAIL: another gpugate run held the GPUs' lock past the deadline
-    PERMISSION = 77  # EX_NOPERM: not allowed to read /proc, signal a process or take a lock
-    CONFIG = 78  # EX_CONFIG: configuration file or field invalid, or unknown GPU in it
-    UNKILLABLE = 20  # holders still alive after SIGKILL at the deadline (D state)
-    MEMORY_TIMEOUT = 21  # all holders gone, but NVML still reports memory used at the deadline
-    HELD_BY_OTHERS = 22  # the GPUs are held by processes gpugate may not kill (another unit, ...)
-    UNKNOWN_UNIT = 23  # not a valid unit name, unknown to systemd, or none could be inferred
-    INSTALL = 24  # install/uninstall: the operator's edited file in the way, or reload failed
-    RESPAWNING = 25  # a process gpugate may not take kept respawning the holders to the deadline
-    NVML_NOT_ANSWERING = 26  # an NVML call did not return by the deadline (a hung driver)
-    INTERRUPTED = 27  # the hook was stopped by SIGTERM or SIGINT (systemctl stop, Ctrl-C)
-    HOST_UNSUPPORTED = 28  # the host lacks what gpugate needs: cgroup v2 (a v1-only host)
-    SHM_SPACE = 29  # /dev/shm has less free space than the next start needs (shm_min_free_mib)
-    MANUAL_RUN_REFUSED = 80  # pre/post by hand against a running unit, without --force
-    GPU_UNREADABLE = 81  # status: NVML could not read at least one GPU (the rest is shown)
+    USAGE = 64
+    NVML_UNAVAILABLE = 69
+    INTERNAL = 70
+    STATE_UNWRITABLE = 73
+    LOCK_TIMEOUT = 75
+    PERMISSION = 77
+    CONFIG = 78
+    UNKILLABLE = 20
+    MEMORY_TIMEOUT = 21
+    HELD_BY_OTHERS = 22
+    UNKNOWN_UNIT = 23
+    INSTALL = 24
+    RESPAWNING = 25
+    NVML_NOT_ANSWERING = 26
+    INTERRUPTED = 27
+    HOST_UNSUPPORTED = 28
+    SHM_SPACE = 29
+    MANUAL_RUN_REFUSED = 80
+    GPU_UNREADABLE = 81
 
     @property
     def systemd_label(self) -> str:
@@ -82,9 +84,7 @@ EXIT_MEANINGS = {
 
 def exit_code_summary() -> str:
     """`0 ok, 20 holders survived SIGKILL, ...`: for --help, from the codes themselves."""
-    return ", ".join(
-        f"{int(code)} {EXIT_MEANINGS.get(code, code.name.lower())}" for code in sorted(ExitCode)
-    )
+    return ", ".join(f"{int(code)} {EXIT_MEANINGS[code]}" for code in sorted(ExitCode))
 
 
 class GateError(Exception):
@@ -144,7 +144,7 @@ class Interrupted(GateError):
         signal_name: str = "SIGTERM",
         stage: str = "",
     ) -> None:
-        """stage: the run's stage when it was stopped (core.stage.Stage's code), "" unknown."""
+        """stage: the run's stage when it was stopped (core.outcome.Stage's code), "" unknown."""
         super().__init__(message)
         self.signal_name = signal_name
         self.stage = stage

@@ -14,7 +14,6 @@ from enum import Enum
 
 @dataclass(frozen=True)
 class PhaseTraits:
-    hook_line: str  # where it runs: the unit file's or slurm.conf's line
     before_start: bool  # the workload starts next: /dev/shm must have its shm_min_free_mib
     kills_orphans: bool  # the default of [phase].kill_orphans (and of kill_app_tree)
     checks_ports: bool  # the unit's `ports` are holders too: only before a systemd unit starts
@@ -47,7 +46,6 @@ class Phase(Enum):
 
 _TRAITS = {
     Phase.PRE: PhaseTraits(
-        hook_line="ExecStartPre=",
         before_start=True,
         kills_orphans=True,
         checks_ports=True,
@@ -61,7 +59,6 @@ _TRAITS = {
         state_required=True,
     ),
     Phase.POST: PhaseTraits(
-        hook_line="ExecStopPost=",
         before_start=False,
         kills_orphans=False,  # after a stop: only what the unit left, not a stranger's server
         checks_ports=False,
@@ -76,7 +73,6 @@ _TRAITS = {
     ),
     # Slurm gives out its GPUs itself: no leases, no failed-start records.
     Phase.PROLOG: PhaseTraits(
-        hook_line="Prolog=",
         before_start=True,
         kills_orphans=True,
         checks_ports=False,
@@ -90,7 +86,6 @@ _TRAITS = {
         state_required=True,
     ),
     Phase.EPILOG: PhaseTraits(
-        hook_line="Epilog=",
         before_start=False,
         kills_orphans=True,  # the job is over at the epilog: its leftovers die too
         checks_ports=False,

@@ -134,8 +134,8 @@ def test_the_length_rule_counts_from_def_to_the_last_line(body_lines: int, flagg
 
 
 # The phase run's stage machine: its state and stages are the core's; the front sees a run
-# through core.run (PhaseRun, its Progress and transitions) and core.stage's codes.
-MACHINE_INSIDES = {"run_state", "stages", "stopping", "waiting", "shm_step"}
+# through core.run (PhaseRun, its Progress and transitions) and core.outcome's codes.
+MACHINE_INSIDES = {"run_state", "stages"}
 MAX_CORE_CLASS_LINES = 150
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gpugate.host.bounded_calls import CallThread, CallTimedOut
+from gpugate.host.nvml import CallThread, CallTimedOut
 
 
 def test_answers_and_exceptions_come_back_as_they_are() -> None:
@@ -36,7 +36,7 @@ def test_the_process_exits_while_a_call_hangs() -> None:
     code = textwrap.dedent(
         """
         import threading, time
-        from gpugate.host.bounded_calls import CallThread, CallTimedOut
+        from gpugate.host.nvml import CallThread, CallTimedOut
         try:
             CallThread("test").call(time.monotonic() + 0.1, threading.Event().wait)
         except CallTimedOut:

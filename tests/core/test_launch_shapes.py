@@ -22,8 +22,8 @@ import psutil
 import pytest
 
 from gpugate.config.schema import GateConfig
-from gpugate.core.app_tree import app_tree
 from gpugate.core.discover import Discovery, self_and_ancestors
+from gpugate.core.roles import app_tree
 from gpugate.host.procfs import ProcFs
 
 FAKE_VLLM = Path(__file__).parents[1] / "simhost" / "workload" / "fake_vllm.py"

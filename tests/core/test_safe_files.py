@@ -16,7 +16,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpugate.errors import StateUnwritable
-from gpugate.host.atomic import write_atomically
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import (
@@ -28,6 +27,7 @@ from gpugate.host.safe_files import (
     open_folder,
     read_capped,
     untrusted,
+    write_atomically,
 )
 from gpugate.integrations.metrics import RunRecord, record_run
 

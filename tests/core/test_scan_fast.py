@@ -1,5 +1,5 @@
 """The scan's fast paths against the full scan, on random process tables (tests.fakes'
-stand-in /proc): spread over threads, restricted to some PIDs, and `status --watch`'s rescans
+stand-in /proc): restricted to some PIDs, and `status --watch`'s rescans
 (new PIDs, known holders, NVML's PIDs; a full scan now and then). Each must find exactly what
 the full scan of the same table finds, mapped-only holders, leaderless thread groups and
 watchers (an fd, no NVML listing) included. The real-process cases are tests/core/test_scan.py.
@@ -8,7 +8,6 @@ watchers (an fd, no NVML listing) included. The real-process cases are tests/cor
 from __future__ import annotations
 
 import atexit
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,7 +17,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpugate.host import scan
 from gpugate.host.scan import DeviceScan, scan_device_users
 from gpugate.host.scan_watch import WatchScan
 from gpugate.host.shm import ShmArea
@@ -92,14 +90,6 @@ FAST = settings(
 
 
 @FAST
-@given(table=tables(HOST_FOR_STRATEGIES), threads=st.integers(2, 5))
-def test_threads_find_what_one_thread_finds(table: list[FakeProcess], threads: int) -> None:
-    host = HOST_FOR_STRATEGIES
-    fake_proc(host.proc, table)
-    assert host.scan(threads=threads) == host.scan(threads=1)
-
-
-@FAST
 @given(table=tables(HOST_FOR_STRATEGIES), data=st.data())
 def test_a_scan_of_some_pids_is_the_full_scan_of_those(
     table: list[FakeProcess], data: st.DataObject
@@ -107,7 +97,7 @@ def test_a_scan_of_some_pids_is_the_full_scan_of_those(
     host = HOST_FOR_STRATEGIES
     fake_proc(host.proc, table)
     some = data.draw(st.sets(st.sampled_from([p.pid for p in table] + [999_999])))
-    full = host.scan(threads=1)
+    full = host.scan()
     part = host.scan(pids=sorted(some))
     assert part.users == {pid: use for pid, use in full.users.items() if pid in some}
     assert part.shm == {pid: files for pid, files in full.shm.items() if pid in some}
@@ -124,7 +114,7 @@ def test_the_watch_rescan_finds_what_a_full_scan_finds(
     fake_proc(host.proc, before)
     watch = WatchScan(clock=lambda: 0.0)
     first = watch(host.proc, host.prefix, SOCKETS, [host.area])
-    assert first == host.scan(threads=1)
+    assert first == host.scan()
     known = set(first.users) | set(first.shm)
     gone = data.draw(st.sets(st.sampled_from([p.pid for p in before] or [0])))
     nvml = data.draw(st.sets(st.integers(50, 250).map(lambda n: n * 2)))
@@ -139,7 +129,7 @@ def test_the_watch_rescan_finds_what_a_full_scan_finds(
     fake_proc(host.proc, list(after.values()))
     again = watch(host.proc, host.prefix, SOCKETS, [host.area], sorted(nvml))
     assert watch.rescans == 1
-    assert again == host.scan(threads=1)
+    assert again == host.scan()
 
 
 def test_a_holder_the_rescans_trust_away_is_found_by_the_next_full_scan(host: Host) -> None:
@@ -169,58 +159,3 @@ def test_a_new_socket_asked_for_makes_a_full_look(host: Host) -> None:
     assert not watch(host.proc, host.prefix, {1001}).users
     assert set(watch(host.proc, host.prefix, {1001, 1002}).users) == {300}
     assert watch.full_scans == 2
-
-
-def test_the_scan_runs_on_one_thread_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Threads measured slower on idle cores (docs/benchmarks.md): however many processes and
-    cores, gpugate's own scans start none; bench/scan_threads.py asks for them."""
-    called: list[int] = []
-    monkeypatch.setattr(scan, "_on_threads", lambda root, parts, wanted: called.append(len(parts)))
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(256)))
-    pids = [int(name) for name in os.listdir("/proc") if name.isdigit()] * 50
-    scan_device_users(Path("/proc"), "/dev/nvidia", pids=pids)
-    assert called == []
-    scan_device_users(Path("/proc"), "/dev/nvidia", pids=pids, threads=3)
-    assert called == [3]
-
-
-def test_the_real_proc_gives_the_same_answer_on_threads() -> None:
-    """On this host's own /proc (processes come and go meanwhile: the PIDs both saw)."""
-    pids = sorted(int(name) for name in os.listdir("/proc") if name.isdigit())
-    one = scan_device_users(Path("/proc"), "/dev/nvidia", pids=pids, threads=1)
-    four = scan_device_users(Path("/proc"), "/dev/nvidia", pids=pids, threads=4)
-    both = set(one.users) & set(four.users)
-    assert {pid: one.users[pid] for pid in both} == {pid: four.users[pid] for pid in both}
-
-
-def test_an_exception_in_the_caller_does_not_wait_for_the_threads(
-    host: Host, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """SIGTERM's Interrupted (here a part that fails) ends the threaded scan at once: the other
-    threads are told to stop, not waited for (a hook that is sent SIGTERM ends at once)."""
-    import threading
-
-    from gpugate.host import scan as scan_module
-
-    release, started, finished = threading.Event(), threading.Event(), threading.Event()
-    told_to_stop: list[bool] = []
-
-    def part(proc_fd: int, names: list[str], wanted: object, stop: list[bool]) -> DeviceScan:
-        if names and names[0] == "100":
-            raise RuntimeError("interrupted")
-        started.set()
-        release.wait(30)  # bounded: a caller that waited would see it finished
-        told_to_stop.append(bool(stop))
-        finished.set()
-        return DeviceScan({}, [])
-
-    monkeypatch.setattr(scan_module, "_scan_part", part)
-    fake_proc(host.proc, [FakeProcess(100), FakeProcess(101)])
-    with pytest.raises(RuntimeError, match="interrupted"):
-        scan_device_users(host.proc, host.prefix, pids=[100, 101], threads=2)
-    assert not finished.is_set()
-    release.set()
-    # The other part either never started (cancelled with the pool) or was told to stop.
-    if started.is_set():
-        assert finished.wait(30)
-        assert told_to_stop == [True]

@@ -20,7 +20,7 @@ from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.unit.leases import read_leases
-from gpugate.integrations.unit.manual_guard import in_own_hook, manual_run_guard
+from gpugate.integrations.unit.shared_host import in_own_hook, manual_run_guard
 from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import (
@@ -296,7 +296,7 @@ def test_the_units_own_hook_is_told_apart(tmp_path: Path) -> None:
     assert not in_own_hook("other.service", hook, proc), "another unit's hook"
     (proc / "self" / "cgroup").write_text("0::/user.slice/user-0.slice/session-3.scope\n")
     assert not in_own_hook(UNIT, hook, proc), "a shell that copied INVOCATION_ID"
-    args = {"force": False, "dry_run": False, "proc_root": proc}
+    args = {"proc_root": proc}
     assert manual_run_guard(Phase.PRE, UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
     (proc / "self" / "cgroup").write_text("0::/system.slice/vllm.service\n")
     asked: list[str] = []

@@ -23,7 +23,7 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.shm_cleanup import FreshHolders, Kept, ShmHost
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.status import as_dict, collect, render_table
-from gpugate.host.scan import scan_device_users
+from gpugate.host.scan import HostShm, scan_device_users
 from gpugate.host.shm import (
     FileFacts,
     ShmArea,
@@ -35,7 +35,6 @@ from gpugate.host.shm import (
     mount_points,
     unlink_if_same,
 )
-from gpugate.host.shm_host import HostShm
 from gpugate.phase import Phase
 from tests.fakes import FakeHost, alive, start_time_of
 

@@ -23,8 +23,15 @@ from hypothesis import strategies as st
 from gpugate.core.outcome import RunSummary
 from gpugate.core.shm_cleanup import Kept, ShmLedger, could_remove, plan
 from gpugate.errors import ExitCode
-from gpugate.host.credentials import O_PATH, Credentials, fd_opens_file, parse_status
-from gpugate.host.shm import FileFacts, ShmFile, ShmKey
+from gpugate.host.shm import (
+    O_PATH,
+    Credentials,
+    FileFacts,
+    ShmFile,
+    ShmKey,
+    fd_opens_file,
+    parse_status,
+)
 from tests.fakes import FakeHost, alive
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: drops to other accounts")

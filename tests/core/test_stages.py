@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-from gpugate.core.run import PhaseRun, RunDeps, RunScope, RunSetup
-from gpugate.core.stage import Stage, Transition
+from gpugate.core.outcome import Stage, Transition
+from gpugate.core.run import PhaseRun, RunDeps, RunScope
 from gpugate.core.surroundings import NullSurroundings, Surroundings, run_state_to_write
 from gpugate.errors import Interrupted, NvmlUnavailable
 from gpugate.front.interrupt import stopped_by_signals
@@ -33,7 +34,7 @@ def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **conf
     surroundings: Surroundings = NullSurroundings(loaded)
     deps = RunDeps(roots=host.roots, driver_factory=lambda: host.memory)
     scope = RunScope(Phase(phase), UNIT, UNIT_CGROUP)
-    return PhaseRun(RunSetup(scope, loaded, Narrator(reporter), surroundings, deps, dry_run))
+    return PhaseRun(scope, Narrator(reporter), surroundings, deps, dry_run=dry_run)
 
 
 def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
@@ -50,7 +51,7 @@ def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
         (S.WAITING, T.SETTLED),
         (S.FINISHING, T.FINISHED),
     ]
-    assert run.progress.stage is S.STOPPING  # the last thing it did that an interruption names
+    assert run.progress.stage is S.FINISHING  # the stage it ended in: the last one entered
 
 
 def test_a_dry_run_stops_after_looking(host: FakeHost) -> None:
@@ -62,6 +63,55 @@ def test_a_dry_run_stops_after_looking(host: FakeHost) -> None:
     assert summary.would_kill == 1 and not summary.killed
     (finished,) = host.journal.events("run_finished")
     assert finished["GPUGATE_WOULD_KILL"] == "1" and finished["GPUGATE_DRY_RUN"] == "1"
+
+
+def test_progress_is_the_stage_last_entered_on_every_path(host: FakeHost) -> None:
+    """The stage an interruption names is the machine's: the one each transition led to."""
+    (member,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(member)
+    for run in (machine(host, gpus=[0]), machine(host, gpus=[0], dry_run=True)):
+        run.run()
+        assert run.transitions[-1] == (S.FINISHING, T.FINISHED)
+        assert run.progress.stage is S.FINISHING
+
+
+class RespawnsInTheWait(FakeGpuMemory):
+    """Once the unit's first process is gone, a new one of the unit takes GPU 0 (once), when
+    the wait asks (core.wait.busy_gpus): a respawn the kill rounds did not see."""
+
+    host: FakeHost | None = None
+    first: int = 0
+    second: int = 0
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        host = self.host
+        asker = sys._getframe(1).f_code.co_name
+        if host and not self.second and asker == "busy_gpus" and not alive(self.first):
+            (self.second,) = host.pool.holder(host.gpu_files(0))
+            host.put_in_unit(self.second)
+            self.claim(self.second, {0}, 3000)
+        return super().usage(gpu)
+
+
+def test_a_respawn_killed_in_the_wait_is_a_transition_back_to_stopping(host: FakeHost) -> None:
+    memory = RespawnsInTheWait()
+    (memory.first,) = host.pool.holder(host.gpu_files(0))
+    host.put_in_unit(memory.first)
+    memory.claim(memory.first, {0}, 4000)
+    memory.host, host.memory = host, memory
+    run = machine(host, gpus=[0], pre={"wait_timeout_s": 20})
+    summary = run.run()
+    assert memory.second and not alive(memory.second)
+    assert {p.pid for p in summary.killed} == {memory.first, memory.second}
+    assert run.transitions == [
+        (S.LOOKING, T.FOUND),
+        (S.LOCKING, T.LOCKED),
+        (S.STOPPING, T.STOPPED),
+        (S.WAITING, T.RESPAWNED),
+        (S.STOPPING, T.STOPPED),
+        (S.WAITING, T.SETTLED),
+        (S.FINISHING, T.FINISHED),
+    ]
 
 
 class FailsInTheWait(FakeGpuMemory):
@@ -142,7 +192,7 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     folders, files = null.state_to_write()
     # Not the metrics textfile: metrics are never a run's failure (a warning after the run).
     assert [what for _, what in folders] == ["GPU locks"] and files == []
-    assert null.start_refusal([], dry_run=False) is None
+    assert not null.refuses_start([], dry_run=False)
     assert null.not_to_wait_on([]) == [] and null.driver_hung_earlier() is None
     job = SlurmJob(42, 1000, (0, 1), "SLURM_JOB_GPUS", "node1")
     job_loaded = with_job_gpus(

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from gpugate.front import commands
 from gpugate.front.cli import main
+from gpugate.front.commands import status as status_command
 from gpugate.front.status import cut, gpu_ranges, held_for, mib_shown, render_table
 from tests.fakes import UNIT, FakeHost, as_nobody
 
@@ -172,7 +172,7 @@ def test_watch_redraws_until_interrupted(
         if len(draws) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("gpugate.front.commands.time.sleep", sleep)
+    monkeypatch.setattr("gpugate.front.commands.status.time.sleep", sleep)
     assert run_status(host, "--watch") == 0
     out = capsys.readouterr().out
     assert out.count("\x1b[H\x1b[J") == 3 and draws == [1, 1, 1]
@@ -200,7 +200,7 @@ def test_watch_rescans_show_new_holders_and_drop_gone_ones(
             raise KeyboardInterrupt
 
     # Only the watch's own sleep (the holders' start waits on time.sleep as well).
-    monkeypatch.setattr(commands, "time", SimpleNamespace(sleep=sleep))
+    monkeypatch.setattr(status_command, "time", SimpleNamespace(sleep=sleep))
     assert run_status(host, "--watch") == 0
     frames = capsys.readouterr().out.split("\x1b[H\x1b[J")[1:]
     pids = [

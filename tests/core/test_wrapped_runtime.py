@@ -223,16 +223,16 @@ def test_a_bad_record_fails_the_create_but_not_the_delete(
 def test_config_check_shows_what_the_wrapper_runs(
     tmp_path: Path, runtimes: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gpugate.front.commands import _show_wrapped_runtime
+    from gpugate.front.commands.config_check import show_wrapped_runtime
 
-    _show_wrapped_runtime(tmp_path / "absent.toml")
+    show_wrapped_runtime(tmp_path / "absent.toml")
     assert capsys.readouterr().out == ""
     path = record(tmp_path, wrapped.record_text(wrapped.NVIDIA))
-    _show_wrapped_runtime(path)
+    show_wrapped_runtime(path)
     shown = capsys.readouterr().out
     assert shown.startswith("#") and str(runtimes["nvidia"]) in shown and str(path) in shown
     path.chmod(0o666)
-    _show_wrapped_runtime(path)
+    show_wrapped_runtime(path)
     said = capsys.readouterr()
     assert said.out == "" and str(path) in said.err
 

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any
 
 from gpugate.compat import tomllib
 from gpugate.config.models import Config, LoadedConfig, pydantic_config
-from gpugate.config.toml_text import toml_value
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS
 from gpugate.errors import ConfigError, InvalidValue
 from gpugate.untrusted import echo
@@ -63,6 +62,8 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     if first["type"] in STRICT_TYPE_ERRORS:
         shown = first["input"]
         if isinstance(shown, (bool, int, float, str)):
+            from gpugate.config.toml_text import toml_value  # noqa: PLC0415 (an error's)
+
             shown = toml_value(shown)
         problem = f"{detail}, not {_toml_type(first['input'])} {echo(shown, quote=False)}"
         return ConfigError(source, field, problem, more=more)

@@ -12,9 +12,8 @@ from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from gpugate.config.models import Config
-from gpugate.core.app_tree import ProcessTree, app_tree
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.roles import Role, stable_role
+from gpugate.core.roles import ProcessTree, Role, app_tree, stable_role
 from gpugate.host.procfs import ProcessId
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.phase import Phase

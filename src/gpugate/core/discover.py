@@ -29,10 +29,15 @@ from gpugate.errors import NvmlNotAnswering, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.mig_caps import cap_minor, slice_of_cap_minor
 from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, mig_parent
-from gpugate.host.ports import listening_sockets
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
-from gpugate.host.scan import NO_DEADLINE, Deadline, DeviceScan, scan_device_users
+from gpugate.host.scan import (
+    NO_DEADLINE,
+    Deadline,
+    DeviceScan,
+    listening_sockets,
+    scan_device_users,
+)
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
-from gpugate.core.app_tree import ProcessTree
 from gpugate.core.decide import Choice
+from gpugate.core.roles import ProcessTree
 from gpugate.host.procfs import ProcessId, ProcInfo
 
 MAX_ANCESTRY = 16

@@ -3,7 +3,8 @@ another unit, protected, or a watcher. Pure logic over what `discover` found."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.config.models import Config
@@ -107,3 +108,117 @@ def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
         if usage.used_mib - sum(mib or 0 for mib in listed) > free_mib:
             return False
     return True
+
+
+# An application's tree, where an application ends: from a holder, the ancestors that only
+# launched it and their descendants, stopping at hosts of other things (shells, terminal hosts,
+# subreapers, supervisors). Pure logic over a view of the process tree.
+
+
+class ProcessTree(Protocol):
+    def info(self, pid: int) -> ProcInfo | None: ...
+
+    def children(self, pid: int) -> list[int]: ...
+
+
+def _outside(
+    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: Config
+) -> bool:
+    """Never part of a holder's application, whatever the tree looks like."""
+    return (
+        candidate is None
+        or candidate.pid <= 1
+        or candidate.kernel_thread
+        or candidate.pid in discovery.self_chain
+        or candidate.cgroup != holder.cgroup
+        or candidate.uid != holder.uid
+        or role_of(candidate, discovery, config) is Role.PROTECTED
+    )
+
+
+def _leads_terminal_session(info: ProcInfo) -> bool:
+    """A session of its own on a controlling terminal: a login, a tmux/screen pane, an ssh pty."""
+    return info.pid == info.session and info.tty_nr != 0
+
+
+def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
+    """A tmux or screen server, sshd, login: a child of it leads a session on a terminal."""
+    for child_pid in tree.children(info.pid):
+        child = tree.info(child_pid)
+        if child is not None and _leads_terminal_session(child):
+            return True
+    return False
+
+
+def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
+    """parent is the launcher of something other than one application: a job-control shell, a
+    terminal host (sshd, tmux or screen server, login), an orphan-adopting subreaper, or a
+    process running several sessions (a supervisor). A terminal host is one by any of its
+    children, not only the one on the way up from the holder."""
+    if _hosts_terminals(parent, tree):
+        return True
+    if child.session == parent.session:
+        # A job-control shell starts each job in a process group of its own.
+        return child.pgrp != parent.pgrp
+    if child.pid != child.session:
+        return True  # child is in a session it does not lead: parent adopted an orphan
+    for sibling_pid in tree.children(parent.pid):
+        sibling = tree.info(sibling_pid)
+        if sibling is not None and sibling.pid != child.pid and sibling.pid == sibling.session:
+            return True  # several sessions of its own: a supervisor, not one app's launcher
+    return False
+
+
+def app_tree(
+    holder: ProcInfo, tree: ProcessTree, discovery: Discovery, config: Config
+) -> dict[int, ProcInfo]:
+    """The holder's application: its ancestors up to the nearest host, and their descendants.
+
+    An ancestor is taken while it only launched this application: same cgroup and user, not
+    protected, not PID 1 or gpugate, and not a host of other things (see `_hosts`). A launcher
+    that started the application in a session of its own is left out while its process group's
+    leader lives and is not taken (sshd's user process sits in its root monitor's group). Below
+    the top every descendant is taken except what leaves the cgroup or user, a session on a
+    terminal, and a terminal's host (a pane, a login, a tmux server started from inside)."""
+    chain = [holder]
+    while True:
+        top = chain[-1]
+        parent = tree.info(top.ppid)
+        if parent is None or parent in chain or _outside(parent, holder, discovery, config):
+            break
+        if _hosts(parent, top, tree):
+            break
+        chain.append(parent)
+    taken = {info.pid for info in chain}
+    while len(chain) > 1 and chain[-1].session != chain[-2].session:
+        top = chain[-1]
+        leader = tree.info(top.pgrp) if top.pgrp != top.pid else None
+        if leader is None or leader.state in ("Z", "X") or leader.pid in taken:
+            break  # a dead (or zombie) leader leads nothing
+        taken.discard(top.pid)
+        chain.pop()
+    top = chain[-1]
+    members: dict[int, ProcInfo] = {top.pid: top}
+    queue: list[ProcInfo] = [top]
+    while queue:
+        current = queue.pop()
+        for child_pid in _unique(tree.children(current.pid)):
+            if child_pid in members:
+                continue
+            child = tree.info(child_pid)
+            if (
+                child is None
+                or _outside(child, holder, discovery, config)
+                or (
+                    child.pid != holder.pid
+                    and (_leads_terminal_session(child) or _hosts_terminals(child, tree))
+                )
+            ):
+                continue
+            members[child_pid] = child
+            queue.append(child)
+    return members
+
+
+def _unique(pids: Iterable[int]) -> list[int]:
+    return list(dict.fromkeys(pids))

@@ -1,6 +1,7 @@
 """What one phase run knows as it goes, shared by its stages (core/stages.py): the config and
-deadline fixed when it is made, the facts and summary it fills in, who it signalled, and the
-one discovery round every stage uses (`find`)."""
+deadline fixed when it is made, the facts and summary it fills in, who it signalled, the
+one discovery round every stage uses (`find`), and the stage it is in: changed only by
+`enter` (supervisor's change_state), which records each transition."""
 
 from __future__ import annotations
 
@@ -9,26 +10,24 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from gpugate.config.models import LoadedConfig
 from gpugate.config.values import GpuSelection
 from gpugate.core.decide import Choice, Decision, decide
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, pin
-from gpugate.core.narration import Narration
-from gpugate.core.outcome import BusyGpu, RunFacts, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunFacts, RunSummary, Stage, Transition
 from gpugate.core.respawn import RespawnWatch
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger
-from gpugate.core.stage import Progress, Stage
-from gpugate.core.surroundings import Surroundings
+from gpugate.core.surroundings import Narration, Surroundings
 from gpugate.errors import NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.host.roots import HostRoots
-from gpugate.host.scan import Deadline
+from gpugate.host.scan import Deadline, HostShm
 from gpugate.host.shm import ShmArea
-from gpugate.host.shm_host import HostShm
 from gpugate.phase import Phase
 
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
@@ -59,18 +58,6 @@ class RunDeps:
     shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
 
 
-@dataclass(frozen=True)
-class RunSetup:
-    """Everything a run is made with, fixed before it starts."""
-
-    scope: RunScope
-    loaded: LoadedConfig  # the surroundings' (the unit's GPUs resolved)
-    narrator: Narration
-    surroundings: Surroundings
-    deps: RunDeps
-    dry_run: bool
-
-
 @dataclass
 class ShmSeen:
     """Who held which /dev/shm file, from every discovery, and names for the PIDs."""
@@ -81,26 +68,33 @@ class ShmSeen:
 
 
 class RunState:
-    def __init__(self, setup: RunSetup, driver: GpuDriver) -> None:
-        self.setup = setup
-        self.scope, self.narrator, self.surroundings = (
-            setup.scope,
-            setup.narrator,
-            setup.surroundings,
-        )
-        self.config = setup.loaded.config
-        self.policy = self.config.policy(setup.scope.phase)
-        self.procfs = ProcFs(setup.deps.roots.proc)  # cached only inside a round's oneshot()
-        self.clock = setup.deps.clock
+    """surroundings.loaded: the config the run uses (the unit's GPUs resolved)."""
+
+    def __init__(
+        self,
+        scope: RunScope,
+        narrator: Narration,
+        surroundings: Surroundings,
+        deps: RunDeps,
+        *,
+        dry_run: bool,
+    ) -> None:
+        self.scope, self.narrator, self.surroundings = scope, narrator, surroundings
+        self.deps, self.dry_run = deps, dry_run
+        self.loaded: LoadedConfig = surroundings.loaded
+        self.config = self.loaded.config
+        self.policy = self.config.policy(scope.phase)
+        self.procfs = ProcFs(deps.roots.proc)  # cached only inside a round's oneshot()
+        self.clock = deps.clock
         self.started = self.clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
         self.facts = RunFacts()  # the exit code is exit_code_for(facts), set in finishing
         self.wanted: GpuSelection | None = self.config.selection()  # None: no GPU (degraded)
-        self.driver = driver
+        self.driver: GpuDriver = NoGpus()  # the run opens NVML's (core/run.py)
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}  # every target of this run, once
-        self.ports = self.config.ports if setup.scope.phase.traits.checks_ports else ()
+        self.ports = self.config.ports if scope.phase.traits.checks_ports else ()
         self.watch = RespawnWatch()
         # Spared for good (protected, holding no GPU of the unit): not waited on. A watcher is
         # not among them: NVML listing it later means it became a GPU user, to look at again.
@@ -110,26 +104,43 @@ class RunState:
         # driver frees a killed holder's memory (roles.stable_role).
         self.judged: dict[ProcessId, Role] = {}
         self.shm = ShmSeen()
-        self.start_refusal: str | None = None  # why the surroundings refused this start
-        self.progress = Progress()
+        self._progress = Progress()
+        self._transitions: list[tuple[Stage, Transition]] = []
         self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
 
-    def stopping(self, count: int, round_number: int) -> None:
-        self.progress = replace(
-            self.progress, stage=Stage.STOPPING, processes=count, round_number=round_number
-        )
+    @property
+    def progress(self) -> Progress:
+        return self._progress
+
+    @property
+    def transitions(self) -> list[tuple[Stage, Transition]]:
+        return list(self._transitions)
+
+    def enter(self, stage: Stage, via: Transition | None = None) -> None:
+        """The one way the run changes stage; via: the edge it leaves the current one by
+        (None: the first stage). The new stage's facts start empty (`note` fills them)."""
+        if via is not None:
+            self._transitions.append((self._progress.stage, via))
+        self._progress = Progress(stage, last_busy=self._progress.last_busy)
+
+    def end(self, via: Transition) -> None:
+        """The last edge: the run is over, still in its last stage."""
+        self._transitions.append((self._progress.stage, via))
+
+    def note(self, **facts: Any) -> None:
+        """The current stage's facts (Progress's fields), never the stage itself."""
+        # A stage among the facts is a TypeError: it is entered (enter), never noted.
+        self._progress = replace(self._progress, stage=self._progress.stage, **facts)
 
     def on_lock_wait(self, gpu: Gpu) -> None:
-        self.progress = replace(self.progress, stage=Stage.LOCKING, lock_gpu=gpu)
+        self.note(lock_gpu=gpu)
         self.narrator.lock_wait(gpu, self.deadline - self.clock())
 
     def note_busy(self, busy: list[BusyGpu]) -> list[BusyGpu]:
         """The GPUs seen busy: the wait's, and what an interrupted pre records for its post."""
-        stage = Stage.WAITING if busy else self.progress.stage
-        waiting_on = tuple(busy) if busy else self.progress.waiting_on
-        self.progress = replace(
-            self.progress, stage=stage, waiting_on=waiting_on, last_busy=tuple(busy)
-        )
+        if busy:
+            self.note(waiting_on=tuple(busy))
+        self.note(last_busy=tuple(busy))
         return busy
 
     def without_nvml(self, error: NvmlUnavailable | None = None) -> None:
@@ -147,13 +158,13 @@ class RunState:
         """One round: discovery and decision over one consistent reading of /proc."""
         with self.procfs.oneshot():
             sought = Sought(
-                self.scope.unit, self.scope.unit_cgroup, self.wanted, self.setup.loaded.source
+                self.scope.unit, self.scope.unit_cgroup, self.wanted, self.loaded.source
             )
             found = discover(
                 sought,
                 driver=self.driver,
                 procfs=self.procfs,
-                roots=self.setup.deps.roots,
+                roots=self.deps.roots,
                 ports=self.ports,
                 containers=self.config.containers,
                 deadline=Deadline(self.deadline, self.clock),

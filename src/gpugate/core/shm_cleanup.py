@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from gpugate.compat import StrEnum
-from gpugate.host.credentials import Credentials
 from gpugate.host.shm import (
+    Credentials,
     FileFacts,
     FreshHolders,
     ShmFile,

@@ -6,11 +6,11 @@ traits what applies), a Slurm job's (`gpugate.integrations.slurm.JobSurroundings
 gives out its GPUs itself), a container's (`gpugate.integrations.container.
 ContainerSurroundings`, for `gpugate oci-hook`: a unit's, with the container's scope as the
 unit) and `NullSurroundings` here (nothing around: the plain case, and tests). The front
-wires them."""
+wires them. And what the run tells (`Narration`), worded in gpugate.report."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -18,10 +18,16 @@ from typing import TYPE_CHECKING, Protocol
 from gpugate.config.models import Config, LoadedConfig
 
 if TYPE_CHECKING:
-    from gpugate.core.decide import Decision
-    from gpugate.core.outcome import BusyGpu, RunSummary
+    from gpugate.core.decide import Choice, Decision
+    from gpugate.core.discover import Discovery
+    from gpugate.core.outcome import BusyGpu, Progress, RunSummary
+    from gpugate.core.respawn import Respawner
+    from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
     from gpugate.errors import GateError
-    from gpugate.host.nvml import Gpu
+    from gpugate.host.containers import StopResult
+    from gpugate.host.nvml import Gpu, GpuFault
+    from gpugate.host.shm import ShmKey
+
 
 # (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
@@ -52,9 +58,10 @@ class Surroundings(Protocol):
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
-        """Under the GPU locks, before anything is killed: why this start must not go on
-        (another running workload's claim on the GPUs), or None."""
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        """Under the GPU locks, before anything is killed: whether this start must not go on
+        (another running workload's claim on the GPUs; the surroundings say why, and keep
+        it for after_run)."""
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """The run refuses: others' processes hold the GPUs. Says what else is known of
@@ -68,16 +75,13 @@ class Surroundings(Protocol):
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """The GPUs whose memory need not be waited for again."""
 
-    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
+    def after_run(self, summary: RunSummary) -> None:
         """After a run that was not a dry run, still under the locks."""
 
-    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
-        """The run (not a dry run) ended in an error; busy: the GPUs it was still waiting
-        for (the same start's next phase need not wait on them again)."""
-
-    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
-        """The run (not a dry run) was stopped by SIGTERM/SIGINT, with the GPUs it was still
-        waiting for."""
+    def after_error(self, error: GateError, progress: Progress) -> None:
+        """The run (not a dry run) ended in an error (Interrupted: stopped by SIGTERM or
+        SIGINT), the locks released; progress: what it was doing, and the GPUs it was
+        still waiting for (the same start's next phase need not wait on them again)."""
 
 
 def run_state_to_write(config: Config) -> StateToWrite:
@@ -103,8 +107,8 @@ class NullSurroundings:
     def before_kill(self, decision: Decision) -> None:
         return None
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
-        return None
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        return False
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         return None
@@ -115,11 +119,65 @@ class NullSurroundings:
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         return []
 
-    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
+    def after_run(self, summary: RunSummary) -> None:
         return None
 
-    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
+    def after_error(self, error: GateError, progress: Progress) -> None:
         return None
 
-    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
-        return None
+
+# What the run tells as it goes: the run says what happened, in its own terms;
+# `gpugate.report.narrate.Narrator` words it (journal entries, STATUS= lines). The front
+# passes the narrator in, so the core never imports the report layer.
+
+
+class Narration(Protocol):
+    # the run's start, what it found and chose
+    def run_started(
+        self,
+        discovery: Discovery,
+        config_source: str,
+        used_mib: int,
+        *,
+        gpu_source: str = "",
+        gpu_source_warns: bool = False,
+    ) -> None: ...
+    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None: ...
+    def degraded(self, error: GateError, phase: str) -> None: ...
+    def nvml_skipped(self, why: str, phase: str) -> None: ...
+    def blind_spots(self, discovery: Discovery) -> None: ...
+    def choices(self, decision: Decision) -> None: ...
+    def refused(self) -> None: ...
+    def extend_timeout(self, seconds: float) -> None: ...
+    def lock_wait(self, gpu: Gpu, left_s: float) -> None: ...
+    def lock_not_taken(self, path: object, cause: str) -> None: ...
+
+    # the kill
+    def stopping(self, count: int, round_number: int) -> None: ...
+    def container_stopping(self, count: int) -> None: ...
+    def container_stopped(self, result: StopResult) -> None: ...
+    def signal_sent(self, choice: Choice, signum: int) -> None: ...
+    def stuck(self, choice: Choice, state: str, wchan: str) -> None: ...
+    def survivor(self, choice: Choice) -> None: ...
+    def survived(self, count: int) -> None: ...
+    def still_held(self) -> None: ...
+
+    # the wait and the end
+    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None: ...
+    def memory_timeout(
+        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
+    ) -> None: ...
+    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None: ...
+    def respawned(self, respawner: Respawner) -> None: ...
+    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None: ...
+    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None: ...
+    def finished(self, summary: RunSummary) -> None: ...
+
+    # the shared memory of the killed
+    def shm_files(self, removals: list[ShmRemoval]) -> None: ...
+    def shm_short(
+        self,
+        short: SpaceShort,
+        holders: Mapping[ShmKey, list[int]],
+        label: Callable[[int], str],
+    ) -> None: ...

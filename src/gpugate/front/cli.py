@@ -1,9 +1,11 @@
-"""Command line: `gpugate pre|post|status|config check|install|uninstall|slurm`: the parser
-and main(); the handlers it dispatches to are `commands`.
+"""Command line: `gpugate pre|post|status|config check|install|uninstall|run|slurm`: the
+parser and main(). Each command is a typed function in a module of its own (`front/commands/`,
+pipx's layout); the parser stores with each command the function that calls it (`run=`), so
+main() dispatches without looking a name up.
 
 Only the parser is imported up front: `--help`, `--version` and a usage error import no
 pydantic, no pynvml, no psutil (issue 30; tests/core/test_cli.py checks it). Each command's
-handler, and everything it needs, is imported once the command line is parsed.
+module, and everything it needs, is imported once the command line is parsed.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from pathlib import Path
     from typing import NoReturn
 
-    from gpugate.front.commands import Handler
+    from gpugate.front.commands import Front
     from gpugate.host.cgroups import CgroupLayout
     from gpugate.host.nvml import GpuDriver
     from gpugate.host.roots import HostRoots
@@ -78,17 +80,17 @@ def build_parser() -> argparse.ArgumentParser:
         # `gpugate run` by an account that is not root writes it on both hook lines: kill only
         # that account's processes (it narrows, never widens; docs/gpugate-run.md).
         sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
-        sub.set_defaults(handler="hook_command")
+        sub.set_defaults(run=_pre_post)
     _status_parser(commands)
     sweep = commands.add_parser("sweep", help="between starts: GPU memory nobody owns, said/reaped")
     sweep.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
-    sweep.set_defaults(handler="sweep_command")
+    sweep.set_defaults(run=_sweep)
     config = commands.add_parser("config", help="configuration tools")
     config_commands = config.add_subparsers(dest="config_command", required=True)
     check = config_commands.add_parser("check", help="validate and print the effective config")
     check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
-    check.set_defaults(handler="config_check_command")
+    check.set_defaults(run=_config_check)
     _install_parsers(commands)
     _oci_parsers(commands)
     _launch_parser(commands)
@@ -104,7 +106,7 @@ def _status_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     shown.add_argument(
         "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
     )
-    status.set_defaults(handler="status_command")
+    status.set_defaults(run=_status)
 
 
 def _dry_run(parser: argparse.ArgumentParser) -> None:
@@ -123,14 +125,14 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         sub = phases.add_parser(phase, help=text, description=text, epilog=EPILOG)
         sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
         _dry_run(sub)
-        sub.set_defaults(handler="slurm_command")
+        sub.set_defaults(run=_slurm)
     text = (
         "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
         "gres.conf resolves every GPU to an NVML GPU"
     )
     check = phases.add_parser("check", help=text, description=text, epilog=EPILOG)
     check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
-    check.set_defaults(handler="slurm_check_command")
+    check.set_defaults(run=_slurm_check)
 
 
 DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
@@ -154,7 +156,8 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
         sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
         sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
-        sub.set_defaults(handler="install_command")
+    install.set_defaults(run=_install)
+    uninstall.set_defaults(run=_uninstall)
     install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     install.add_argument(
         "--gpus",
@@ -195,12 +198,12 @@ def _oci_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
     hook.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
-    hook.set_defaults(handler="oci_command")
+    hook.set_defaults(run=_oci_hook)
     runtime = commands.add_parser(
         "oci-runtime", help="runc with gpugate's hooks added to GPU containers (docker's runtime)"
     )
     runtime.add_argument("args", nargs=argparse.REMAINDER, help="runc's arguments")
-    runtime.set_defaults(handler="oci_command")
+    runtime.set_defaults(run=_oci_runtime)
 
 
 def _launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -237,24 +240,7 @@ def _launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
-    run.set_defaults(handler="launch_command")
-
-
-def _handlers_module(handler: str) -> object:
-    """The module that holds a command's handler: `commands`, but `gpugate run`'s is in
-    `launch`, which imports `commands.Front` (no two modules import each other:
-    tests/core/test_architecture.py)."""
-    if handler == "launch_command":
-        from gpugate.front import launch  # noqa: PLC0415
-
-        return launch
-    if handler == "sweep_command":
-        from gpugate.front import sweep  # noqa: PLC0415
-
-        return sweep
-    from gpugate.front import commands  # noqa: PLC0415
-
-    return commands
+    run.set_defaults(run=_launch)
 
 
 def _stand_in_options(parser: argparse.ArgumentParser) -> None:
@@ -284,24 +270,24 @@ def main(
     """driver_factory, reporter_factory: injected by tests; None: NVML's and journald's."""
     args = build_parser().parse_args(argv)
     try:
-        from gpugate.front import commands  # noqa: PLC0415
+        from gpugate.front.commands import Front  # noqa: PLC0415
         from gpugate.host.roots import HostRoots  # noqa: PLC0415
 
-        handler: Handler = getattr(_handlers_module(args.handler), args.handler)
+        command: Callable[[argparse.Namespace, Front], int] = args.run
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
         if args.nvml_library is not None and driver_factory is None:
             from gpugate.host.nvml import NvmlDriver  # noqa: PLC0415
 
             driver_factory = functools.partial(NvmlDriver, library=args.nvml_library)
-        front = commands.Front(
+        front = Front(
             driver_factory=driver_factory,
             reporter_factory=reporter_factory,
             roots=roots,
             unit_state=unit_state,
             cgroup_layout=cgroup_layout,
         )
-        return handler(args, front)
+        return command(args, front)
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
 
@@ -316,6 +302,148 @@ def main(
 
         print(lines.error(lines.internal_error_text(exc)), file=sys.stderr)
         return int(ExitCode.INTERNAL)
+
+
+# Each command's call: its module imported now, its function given the command line's values.
+
+
+def _pre_post(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.commands.pre_post import pre_post  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
+
+    return pre_post(
+        front,
+        Phase(args.command),
+        args.unit,
+        args.config,
+        dry_run=args.dry_run,
+        force=args.force,
+        ignore_leases=args.ignore_leases,
+        for_uid=args.for_uid,
+    )
+
+
+def _slurm(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.commands.slurm import slurm  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
+
+    return slurm(front, Phase(args.slurm_phase), args.config, dry_run=args.dry_run)
+
+
+def _slurm_check(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.slurm_check import slurm_check  # noqa: PLC0415
+    from gpugate.integrations.slurm_gpus import DeviceNodes  # noqa: PLC0415
+
+    nodes = DeviceNodes(front.host_roots().dev)
+    return slurm_check(front.environ, args.node, front.driver_factory, nodes)
+
+
+def _sweep(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.sweep import sweep  # noqa: PLC0415
+
+    return sweep(args.config, front)
+
+
+def _status(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.commands.status import status  # noqa: PLC0415
+
+    return status(front, args.unit, args.config, as_json=args.json, watch=args.watch)
+
+
+def _config_check(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.commands.config_check import config_check  # noqa: PLC0415
+
+    return config_check(front, args.path, args.unit)
+
+
+def _install(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.commands import install as command  # noqa: PLC0415
+
+    if args.sweep and args.unit is None and not args.oci:
+        return _sweep_setup(args, installing=True, gpugate_path=args.gpugate_path)
+    if args.oci != (args.unit is None) or args.sweep:
+        return command.unit_or_containers("install")
+    if args.oci:
+        return command.containers_setup(
+            True,
+            force=args.force,
+            dry_run=args.dry_run,
+            no_reload=args.no_reload,
+            given=args.gpugate_path,
+            default=args.default,
+        )
+    return command.install(
+        args.unit,
+        force=args.force,
+        dry_run=args.dry_run,
+        no_reload=args.no_reload,
+        systemd_dir=args.systemd_dir,
+        config_dir=args.config_dir,
+        gpus=args.gpus,
+        ports=args.ports,
+        containers=args.containers,
+        gpugate_path=args.gpugate_path,
+    )
+
+
+def _uninstall(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.commands import install as command  # noqa: PLC0415
+
+    if args.sweep and args.unit is None and not args.oci:
+        return _sweep_setup(args, installing=False)
+    if args.oci != (args.unit is None) or args.sweep:
+        return command.unit_or_containers("uninstall")
+    if args.oci:
+        return command.containers_setup(
+            False, force=args.force, dry_run=args.dry_run, no_reload=args.no_reload
+        )
+    return command.uninstall(
+        args.unit,
+        force=args.force,
+        dry_run=args.dry_run,
+        no_reload=args.no_reload,
+        systemd_dir=args.systemd_dir,
+        config_dir=args.config_dir,
+    )
+
+
+def _sweep_setup(
+    args: argparse.Namespace, *, installing: bool, gpugate_path: Path | None = None
+) -> int:
+    """`gpugate install|uninstall --sweep` (front/install_sweep.py)."""
+    from gpugate.front.install_sweep import sweep_setup  # noqa: PLC0415
+
+    return sweep_setup(
+        installing,
+        systemd_dir=args.systemd_dir,
+        dry_run=args.dry_run,
+        no_reload=args.no_reload,
+        gpugate_path=gpugate_path,
+    )
+
+
+def _oci_hook(args: argparse.Namespace, front: Front) -> int:
+    """`gpugate [--host-roots ...] oci-hook STAGE` where the fast entry did not take it."""
+    from gpugate.front.oci_entry import main as oci_hook  # noqa: PLC0415
+
+    return oci_hook(
+        [args.stage],
+        roots=front.host_roots(),
+        config=args.config,
+        driver_factory=front.driver_factory,
+    )
+
+
+def _oci_runtime(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.oci_runtime import main as oci_runtime  # noqa: PLC0415
+
+    return oci_runtime(args.args)
+
+
+def _launch(args: argparse.Namespace, front: Front) -> int:
+    from gpugate.front.launch import launch_command  # noqa: PLC0415
+
+    return launch_command(args, front)
 
 
 def run() -> None:

@@ -66,7 +66,7 @@ def read_text(path: Path) -> str | None:
     found = untrusted(path)
     if found is not None:
         raise InstallError(
-            f"{path}: " + (trust_text.untrusted_config(found) if found else "refused: untrusted")
+            f"{path}: " + (trust_text.untrusted_text(found) if found else "refused: untrusted")
         )
     try:
         raw = read_capped(path, MAX_CONFIG)

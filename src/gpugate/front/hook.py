@@ -16,18 +16,15 @@ from typing import TextIO
 from gpugate.config.models import LoadedConfig
 from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope, RunSetup
+from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.core.surroundings import Surroundings
-from gpugate.errors import ExitCode, GateError, Interrupted, ManualRunRefused
-from gpugate.host.own_shm import OwnShm, is_own_tmpfs, own_shm_of_any
+from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
 from gpugate.host.state_dirs import check_all
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
-from gpugate.report.own_shm_text import say_own_shm_gone
-from gpugate.report.stage_text import interrupted
 
 # How a hook's surroundings are made, once the run's scope and config are known; they
 # narrate through the run's reporter.
@@ -85,8 +82,8 @@ def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
 def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
     """The phase run with its surroundings made, its state folders checked (not in a dry
     run: a start that cannot record its lease does not begin; a phase after a stop whose
-    traits do not require its state warns and goes on), an error or an interruption
-    recorded for this start's post."""
+    traits do not require its state warns and goes on); an interruption names what the run
+    was doing."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
     narrator = first_words(scope, loaded, reporter)
     surroundings = hook.surroundings(scope, loaded, reporter)
@@ -95,24 +92,15 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         warn = None if required else narrator.state_unwritable  # after a stop: it goes on
         check_all(*surroundings.state_to_write(), on_unwritable=warn)
     narrator.looking()
-    own_shm = None if hook.dry_run else own_shm_at_stop(scope, deps.run.roots)
-    if own_shm is not None:  # read before post kills what is left of the unit
-        say_own_shm_gone(reporter, own_shm.seen)
-    setup = RunSetup(scope, surroundings.loaded, narrator, surroundings, deps.run, hook.dry_run)
-    run = PhaseRun(setup)
+    if not hook.dry_run:  # read before post kills what is left of the unit
+        own_shm_at_stop(scope, deps.run.roots, reporter)
+    run = PhaseRun(scope, narrator, surroundings, deps.run, dry_run=hook.dry_run)
     try:
-        return run.run()
-    except ManualRunRefused:
-        raise
+        return run.run()  # an error is told to the surroundings first (core/run.py)
     except Interrupted as exc:
-        stopped = interrupted(exc, run.progress)
-        if not hook.dry_run:
-            surroundings.after_interrupt(stopped, run.progress.last_busy)
-        raise stopped from None
-    except GateError as exc:
-        if not hook.dry_run:
-            surroundings.after_error(exc)  # post need not wait on it again
-        raise
+        from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
+
+        raise interrupted(exc, run.progress) from None
 
 
 def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Narrator:
@@ -125,28 +113,27 @@ def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Na
     return narrator
 
 
-@dataclass(frozen=True)
-class OwnShmAtStop:
-    seen: OwnShm | None  # what it held, read through a process of the unit still there
-
-
-def own_shm_at_stop(scope: RunScope, roots: HostRoots) -> OwnShmAtStop | None:
-    """After a unit's stop, where it has a /dev/shm of its own: what that held, read through a
-    process of the unit still there. systemd gives the hook a fresh tmpfs of its own on
-    /dev/shm in a namespace other than PID 1's where the unit sets TemporaryFileSystem=/dev/shm:
-    that is how the hook tells. None: the unit shares the host's (the kernel frees the unit's
-    own with its last process, whatever post does)."""
+def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> None:
+    """After a unit's stop, where it has a /dev/shm of its own: say what that held, read
+    through a process of the unit still there (it goes with the unit's last process). systemd
+    gives the hook a fresh tmpfs of its own on /dev/shm in a namespace other than PID 1's
+    where the unit sets TemporaryFileSystem=/dev/shm: that is how the hook tells. Nothing is
+    said where the unit shares the host's (the kernel frees the unit's own with its last
+    process, whatever post does)."""
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
-        return None
+        return
+    from gpugate.host.own_shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
+    from gpugate.report.own_shm_text import say_own_shm_gone  # noqa: PLC0415
+
     devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
     if not is_own_tmpfs(str(roots.dev / "shm"), devs):
-        return None
+        return
     try:
         pids = set(cgroup_members(roots.cgroup, scope.unit_cgroup)) - {os.getpid()}
     except GateError:
         pids = set()
-    return OwnShmAtStop(own_shm_of_any(roots.proc, pids, devs))
+    say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
 
 
 def record_metrics(

@@ -7,7 +7,6 @@ timer is enabled (--now where systemd runs), or disabled and stopped."""
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -115,21 +114,26 @@ def systemctl(*words: str) -> None:
         raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
 
 
-def sweep_install_command(args: argparse.Namespace) -> int:
-    installing = args.command == "install"
-    given = getattr(args, "gpugate_path", None)
-    command = command_for(str(given)) if given else gpugate_command()
-    changes = plan(args.systemd_dir, command, installing=installing)
+def sweep_setup(
+    installing: bool,
+    *,
+    systemd_dir: Path,
+    dry_run: bool = False,
+    no_reload: bool = False,
+    gpugate_path: Path | None = None,
+) -> int:
+    command = command_for(str(gpugate_path)) if gpugate_path else gpugate_command()
+    changes = plan(systemd_dir, command, installing=installing)
     now = ["--now"] if systemd_running() else []
-    there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, args.systemd_dir))
-    if not installing and not args.dry_run and there:  # none there: nothing to disable
+    there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, systemd_dir))
+    if not installing and not dry_run and there:  # none there: nothing to disable
         systemctl("disable", *now, TIMER)
         print(lines.sweep_timer(enabled=False))
-    install.apply(changes, dry_run=args.dry_run, reload=lambda: False)
-    if args.dry_run:
+    install.apply(changes, dry_run=dry_run, reload=lambda: False)
+    if dry_run:
         return int(ExitCode.OK)
     written = any(c.action in (Action.WRITE, Action.REMOVE) for c in changes)
-    if written and not args.no_reload:
+    if written and not no_reload:
         print(lines.reloaded(install.systemctl_daemon_reload()))
     if installing:
         systemctl("enable", *now, TIMER)

@@ -37,6 +37,7 @@ from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
 from gpugate.report.lines import unreadable_holders
 from gpugate.report.narrate import cut_short_text
+from gpugate.report.narrate_shm import size_text
 from gpugate.report.narrate_sweep import unowned_line
 from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.own_shm_text import own_shm_line
@@ -313,18 +314,6 @@ def mig_dict(gpu: Gpu, discovery: Discovery) -> dict[str, Any] | None:
     }
 
 
-def bytes_shown(count: int) -> str:
-    """A size in a narrow column: 0, 812B, 4.0K, 1.5M, 3.2G."""
-    if count == 0:
-        return "-"
-    value = float(count)
-    for unit in ("B", "K", "M", "G"):
-        if value < 1024 or unit == "G":
-            return f"{count}B" if unit == "B" else f"{value:.1f}{unit}"
-        value /= 1024
-    return f"{count}B"
-
-
 def render_json(data: dict[str, Any]) -> str:
     return json.dumps(data, indent=2, sort_keys=True)
 
@@ -428,10 +417,13 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
     for area in data.get("shm", ()):
         lines.append(
-            f"{area['path']}: {bytes_shown(area['free_bytes'])} free of "
-            f"{bytes_shown(area['total_bytes'])} (SHM: each holder's files there)"
+            f"{area['path']}: {size_text(area['free_bytes'], column=True)} free of "
+            f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
         )
-    lines += [own_shm_line(entry, bytes_shown) for entry in data.get("unit_shm", ())]
+    lines += [
+        own_shm_line(entry, lambda count: size_text(count, column=True))
+        for entry in data.get("unit_shm", ())
+    ]
     return lines
 
 
@@ -459,7 +451,7 @@ def holder_table(data: dict[str, Any]) -> list[str]:
             f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
             f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
             f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
-            f"{bytes_shown(holder.get('shm_bytes', 0)):>6} "
+            f"{size_text(holder.get('shm_bytes', 0), column=True):>6} "
             f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {command}"
         )
     for item in data["invisible"]:

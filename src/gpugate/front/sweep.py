@@ -9,7 +9,6 @@ which no process of a unit, job or container runs and nothing holds a lease."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -161,10 +160,9 @@ class LeaseRecheck(NullSurroundings):
 
     unit_state: Callable[[str], str | None] = lambda unit: None
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         leased = live_leased(self.loaded, self.unit_state)
-        taken = [gpu.index for gpu in owned if gpu.uuid.lower() in leased]
-        return lines.sweep_leased(taken) if taken else None
+        return any(gpu.uuid.lower() in leased for gpu in owned)
 
 
 def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
@@ -287,7 +285,3 @@ def keep_state(
     except OSError as exc:
         print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
-
-
-def sweep_command(args: argparse.Namespace, front: Front) -> int:
-    return sweep(args.config, front)

@@ -1,27 +1,24 @@
 """Reading /proc: one process's facts, pinned by (pid, start time), and the device-file scan.
 
-A process's identity, owner, command line and executable come from psutil; what psutil has no
-API for (session and process group, the cgroup, wchan, the kernel's children lists) is read by
-hand; the device-fd and maps scan is `gpugate.host.scan`. Everything here reads under a configurable
-proc root and returns None for a process that vanished mid-read; nothing here decides or
-signals.
+A process's facts are read from its /proc files by hand, under any proc root (psutil's one
+knob for another root, the module-global psutil.PROCFS_PATH, would change it for the whole
+process, and psutil has no API for the session, process group, cgroup, wchan or the kernel's
+children lists); the device-fd and maps scan is `gpugate.host.scan`. Everything here returns
+None for a process that vanished mid-read; nothing here decides or signals.
 """
 
 from __future__ import annotations
 
 import os
 import pwd
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-import psutil
-
 PF_KTHREAD = 0x00200000
 DEFAULT_PROC = Path("/proc")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 @dataclass(frozen=True, order=True)
@@ -104,16 +101,11 @@ class ProcFs:
     """Reads /proc under `root`. Outside `oneshot()` every read is fresh; inside it, a process's
     facts are read once and kept until the block ends (psutil's `oneshot()` is the model): the
     run opens one per discovery round, so a round sees one consistent table and the next round,
-    or the kill that follows, sees the processes as they are now.
-
-    psutil reads the real /proc only (its one knob for another root, the module-global
-    psutil.PROCFS_PATH, would change it for the whole process): under any other root the
-    facts psutil would give are read by hand from the same files."""
+    or the kill that follows, sees the processes as they are now."""
 
     def __init__(self, root: Path = DEFAULT_PROC) -> None:
         self.root = Path(root)
         self._cache: dict[int, ProcInfo | None] | None = None  # set inside oneshot() only
-        self._boot_time: float | None = None
 
     @contextmanager
     def oneshot(self) -> Iterator[None]:
@@ -156,13 +148,13 @@ class ProcFs:
         return self._remember(pid, parse_stat(text) if text else None)
 
     def info(self, pid: int) -> ProcInfo | None:
-        """All facts gpugate shows and decides on, read once: identity, uid, command line and
-        executable through psutil; the cgroup by hand (psutil has no cgroup API)."""
+        """All facts gpugate shows and decides on, read once: identity, uid, command line,
+        executable and cgroup."""
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
         cgroup_text = self._read(pid, "cgroup")
-        facts = self._psutil_facts(base) if self.root == DEFAULT_PROC else self._hand_facts(base)
+        facts = self._facts(base)
         if facts is None or cgroup_text is None:
             return self._remember(pid, None)
         uid, cmdline, exe = facts
@@ -177,23 +169,7 @@ class ProcFs:
         )
         return self._remember(pid, info)
 
-    def _psutil_facts(self, base: ProcInfo) -> _Facts | None:
-        pid = base.pid
-        try:
-            process = psutil.Process(pid)
-            with process.oneshot():
-                if self._ticks(process.create_time()) != base.start_time:
-                    raise psutil.NoSuchProcess(pid)  # the PID was reused since stat was read
-                return _Facts(
-                    process.uids().real, _or_empty(process.cmdline), _or_none(process.exe)
-                )
-        except psutil.NoSuchProcess:  # ZombieProcess is one too, but a zombie still has facts
-            if base.state != "Z":
-                return None
-            return _Facts(self._uid(pid), [], None)
-
-    def _hand_facts(self, base: ProcInfo) -> _Facts | None:
-        """The same facts read by hand under a root that is not the real /proc."""
+    def _facts(self, base: ProcInfo) -> _Facts | None:
         pid = base.pid
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
@@ -204,13 +180,6 @@ class ProcFs:
         if self._start_time(pid) != base.start_time and base.state != "Z":
             return None  # gone, or the PID was reused since stat was read
         return _Facts(uid, cmdline, exe)
-
-    def _ticks(self, create_time: float) -> int:
-        """psutil's create_time (seconds since the epoch) back in /proc/PID/stat's clock ticks
-        (psutil reads the real /proc: only called there)."""
-        if self._boot_time is None:
-            self._boot_time = psutil.boot_time()
-        return round((create_time - self._boot_time) * CLOCK_TICKS)
 
     def _uid(self, pid: int) -> int | None:
         status = self._read(pid, "status") or ""
@@ -241,19 +210,3 @@ class ProcFs:
 
     def still_same(self, ident: ProcessId) -> bool:
         return self._start_time(ident.pid) == ident.start_time
-
-
-def _or_empty(read: Callable[[], list[str]]) -> list[str]:
-    """cmdline of a process we may not read (not root), or that is exiting: none."""
-    try:
-        return read()
-    except (psutil.AccessDenied, psutil.ZombieProcess):
-        return []
-
-
-def _or_none(read: Callable[[], str]) -> str | None:
-    """exe: another user's is unreadable without root; a zombie's is gone."""
-    try:
-        return read()
-    except (psutil.AccessDenied, psutil.ZombieProcess):
-        return None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
 from collections.abc import Collection, Iterator
 from dataclasses import dataclass
@@ -145,6 +146,22 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
                 return finding
             below_trusted = True
     return None
+
+
+def read_at(dir_fd: int, name: str, size: int | None = None) -> bytes:
+    """NAME's bytes under the folder descriptor, in one open, read and close: one read of at
+    most SIZE bytes, or (None) every byte to the end: /proc makes maps a page at a time.
+    OSError as os.open and os.read raise it."""
+    fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if size is not None:
+            return os.read(fd, size)
+        chunks: list[bytes] = []
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def read_capped(
@@ -288,3 +305,41 @@ def folder(path: Path | str, *, make: bool = True) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
+
+
+# Files replaced whole (write_atomically): written beside the target,
+# flushed to disk, then renamed over it, so a reader (systemd, node_exporter, the next gpugate
+# run) sees the old file or the new one, never half of one, also after a crash or a power cut.
+# Everything is done relative to the folder's descriptor (folder(), above): the temporary is
+# made with O_EXCL|O_NOFOLLOW under a name of its own, its mode set with fchmod on the descriptor,
+# and it is renamed into place; a symbolic link another account planted in the folder is never
+# followed, so root never creates, writes or chmods the link's target.
+
+
+def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
+    with folder(path.parent) as folder_fd:
+        write_in(folder_fd, path.name, text.encode("utf-8"), mode)
+
+
+def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
+    """Replace name in the folder (a descriptor from safe_files.open_folder) with data."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    temporary = f".{name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(temporary, flags, 0o600, dir_fd=folder_fd)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+            os.fchmod(fd, mode)
+        finally:
+            os.close(fd)
+        os.replace(temporary, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary, dir_fd=folder_fd)
+        raise
+    # The rename itself is on disk only once the folder is.
+    with contextlib.suppress(OSError):
+        os.fsync(folder_fd)

@@ -11,15 +11,26 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from gpugate.host.credentials import fd_opens_file, read_credentials
+from gpugate.host.safe_files import read_at
 from gpugate.host.shm import (
+    FileFacts,
+    FreshHolders,
     ShmArea,
     ShmFile,
     ShmKey,
+    Space,
+    Unlinked,
     area_of,
+    facts,
+    fd_opens_file,
+    inode_index,
+    largest_files,
     maps_key,
     maps_names,
     merge,
+    read_credentials,
+    space,
+    unlink_if_same,
 )
 
 
@@ -85,13 +96,11 @@ def scan_device_users(
     deadline: Deadline = NO_DEADLINE,
     *,
     pids: Collection[int] | None = None,
-    threads: int = 1,
 ) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
     and every process's files in the shm areas (read from the same fd links and maps: no second
-    pass). pids: only these processes (`WatchScan`'s rescans); threads: how many threads
-    share the processes (bench/scan_threads.py). gpugate itself scans on one: with two idle
+    pass). pids: only these processes (`WatchScan`'s rescans). One thread: with two idle
     cores, two threads took 8% more wall time and 17% more CPU than one (the GIL: each
     syscall's release and re-take costs more than the syscall overlaps; docs/benchmarks.md).
 
@@ -117,51 +126,9 @@ def scan_device_users(
             names = [name for name in os.listdir(proc_fd) if name.isdigit()]
         else:
             names = [str(pid) for pid in pids]
-        count = max(1, min(threads, len(names)))
-        if count == 1:
-            return _scan_part(proc_fd, names, wanted)
+        return _scan_part(proc_fd, names, wanted)
     finally:
         os.close(proc_fd)
-    return _on_threads(proc_root, _dealt(names, count), wanted)
-
-
-def _on_threads(proc_root: Path, parts: list[list[str]], wanted: _Wanted) -> DeviceScan:
-    """Each part on a thread of its own, with its own /proc fd. An exception in the caller's
-    thread (SIGTERM's Interrupted) returns at once: the threads stop at their next process,
-    and no fd they read through is closed under them."""
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 (big hosts only)
-
-    stop: list[bool] = []
-
-    def part_scan(names: list[str]) -> DeviceScan:
-        own_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            return _scan_part(own_fd, names, wanted, stop)
-        finally:
-            os.close(own_fd)
-
-    pool = ThreadPoolExecutor(len(parts))
-    try:
-        return _merged(list(pool.map(part_scan, parts)))
-    finally:
-        stop.append(True)
-        pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _dealt(names: list[str], count: int) -> list[list[str]]:
-    return [names[start::count] for start in range(count)]
-
-
-def _merged(parts: Sequence[DeviceScan]) -> DeviceScan:
-    scan = DeviceScan({}, [])
-    for part in parts:
-        scan.users.update(part.users)
-        scan.unreadable.extend(part.unreadable)
-        scan.shm.update(part.shm)
-        scan.cut_short.extend(part.cut_short)
-    scan.unreadable.sort()
-    scan.cut_short.sort()
-    return scan
 
 
 def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> None:
@@ -171,14 +138,9 @@ def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> 
         scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
 
 
-def _scan_part(
-    proc_fd: int, names: Sequence[str], wanted: _Wanted, stop: Sequence[bool] = ()
-) -> DeviceScan:
-    """stop: becomes true when the caller no longer waits for this part (threads only)."""
+def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
     scan = DeviceScan({}, [])
     for count, name in enumerate(names):
-        if stop:
-            break
         if wanted.deadline.passed():
             scan.cut_short.extend(int(left) for left in names[count:])
             break
@@ -289,15 +251,11 @@ def _add_shm(
 def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
     """The fd opened the file for reading or writing (fdinfo's flags): not O_PATH."""
     try:
-        info_fd = os.open(f"{pid_name}/fdinfo/{fd_name}", os.O_RDONLY, dir_fd=proc_fd)
+        return fd_opens_file(
+            read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096).decode("ascii", "replace")
+        )
     except OSError:
         return False  # closed since: no evidence
-    try:
-        return fd_opens_file(os.read(info_fd, 4096).decode("ascii", "replace"))
-    except OSError:
-        return False
-    finally:
-        os.close(info_fd)
 
 
 def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:
@@ -321,23 +279,11 @@ def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
     An unreadable maps (not root) counts as no mappings: the fd check reports the process.
     """
     try:
-        maps_fd = os.open(f"{pid_name}/maps", os.O_RDONLY, dir_fd=proc_fd)
-    except PermissionError:
+        return read_at(proc_fd, f"{pid_name}/maps") or None
+    except PermissionError:  # (at the open: the kernel checks access there)
         return b""
     except OSError:
-        return None
-    chunks: list[bytes] = []
-    try:
-        # maps is made a page at a time: read until the end, not once.
-        while chunk := os.read(maps_fd, 65536):
-            chunks.append(chunk)
-    except OSError:
-        return None  # exited while we read
-    finally:
-        os.close(maps_fd)
-    if not chunks:
-        return None
-    return b"".join(chunks)
+        return None  # gone, or exited while we read
 
 
 def _names_under(data: bytes, prefix: bytes) -> Iterator[tuple[int, int, int]]:
@@ -374,3 +320,70 @@ def _mapped_shm(data: bytes, areas: Sequence[ShmArea]) -> list[ShmFile]:
                 names = maps_names(data[start:end].decode(errors="surrogateescape"))
                 files.append(ShmFile(key, names))
     return files
+
+
+# Listening TCP sockets on given ports, from /proc/net/tcp and /proc/net/tcp6 (the reading
+# process's network namespace): socket inode -> port. The fd scan then finds who holds each one.
+TCP_LISTEN = "0A"
+
+
+def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]:
+    """Inode -> port of every socket in LISTEN state bound to one of the ports (any address)."""
+    found: dict[int, int] = {}
+    if not ports:
+        return found
+    for name in ("tcp", "tcp6"):
+        try:
+            text = (proc_root / "net" / name).read_text()
+        except FileNotFoundError:
+            continue  # no IPv6 on this kernel
+        for line in text.splitlines()[1:]:
+            fields = line.split()
+            if len(fields) < 10 or fields[3] != TCP_LISTEN:
+                continue
+            port = int(fields[1].rsplit(":", 1)[1], 16)
+            inode = int(fields[9])
+            if port in ports and inode:
+                found[inode] = port
+    return found
+
+
+# The real host behind `core.shm_cleanup.ShmHost` (HostShm): a fresh pass over /proc limited
+# to the shm files, their facts, unlinks and free space.
+
+
+@dataclass
+class HostShm:
+    """One cleanup's view: the inode index of the areas is read once, when first needed."""
+
+    areas: Sequence[ShmArea]
+    proc_root: Path
+    _index: dict[ShmKey, list[str]] | None = None
+
+    def index(self) -> dict[ShmKey, list[str]]:
+        if self._index is None:
+            self._index = inode_index(self.areas)
+        return self._index
+
+    def holders(self) -> FreshHolders:
+        scan = scan_device_users(self.proc_root, None, shm_areas=self.areas)
+        by_key: dict[ShmKey, set[int]] = {}
+        for pid, files in scan.shm.items():
+            for file in files:
+                by_key.setdefault(file.key, set()).add(pid)
+        return FreshHolders(by_key, scan.unreadable)
+
+    def facts(self, file: ShmFile) -> FileFacts | None:
+        return facts(self.areas, file) or facts(self.areas, file, self.index())
+
+    def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
+        done = unlink_if_same(self.areas, file, allowed=allowed)
+        if done.facts is None:
+            done = unlink_if_same(self.areas, file, self.index(), allowed)
+        return done
+
+    def spaces(self) -> list[Space]:
+        return [found for area in self.areas if (found := space(area)) is not None]
+
+    def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
+        return largest_files(self.areas, count)

@@ -24,7 +24,10 @@ KINDS = {
 }
 
 
-def account(uid: int) -> str:
+def account(uid: int | None) -> str:
+    """An account as operators read it: `alice (uid 1000)`."""
+    if uid is None:
+        return "an account gpugate could not read"
     try:
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except KeyError:
@@ -61,24 +64,24 @@ def trusted_accounts() -> str:
     return "root" if euid == 0 else f"root or {account(euid)}"
 
 
-def untrusted_config(found: Untrusted) -> str:
-    """The problem of a config file another account may change (after `PATH: `)."""
+def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
+    """A path another account may change, refused: a config file (after `PATH: `), or
+    gpugate's own state folder, lock_dir (after `lock_dir: `; state)."""
     mine = f" ({facts(found)})" if found.path == found.of else ""
-    return (
-        f"refused: {why(found)}{mine}; gpugate reads only a config file that it and every "
-        f"folder above it belong to {trusted_accounts()} and no group or other account may "
-        f"write ({RULE}); nothing was done"
-    )
-
-
-def untrusted_state(found: Untrusted) -> str:
-    """lock_dir (gpugate's own folder) another account may change (after `lock_dir: `)."""
-    mine = f" ({facts(found)})" if found.path == found.of else ""
-    return (
-        f"{found.of}: refused: {why(found)}{mine}; gpugate's state folder and the folders "
-        f"above it must belong to {trusted_accounts()} and be writable by no group or other "
-        f"account ({RULE}); nothing was done"
-    )
+    accounts = trusted_accounts()
+    if state:
+        where = f"{found.of}: "
+        rule = (
+            f"gpugate's state folder and the folders above it must belong to {accounts} and "
+            "be writable by no group or other account"
+        )
+    else:
+        where = ""
+        rule = (
+            "gpugate reads only a config file that it and every folder above it belong to "
+            f"{accounts} and no group or other account may write"
+        )
+    return f"{where}refused: {why(found)}{mine}; {rule} ({RULE}); nothing was done"
 
 
 def unreadable(exc: OSError) -> str:

@@ -58,7 +58,7 @@ def read_record(path: Path | None = None) -> str:
         raise ConfigError(
             str(path),
             "",
-            trust_text.untrusted_config(found) if found else "another account may change it",
+            trust_text.untrusted_text(found) if found else "another account may change it",
         )
     try:
         raw = read_capped(path, MAX_RECORD)

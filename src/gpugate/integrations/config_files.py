@@ -40,7 +40,9 @@ def load_config(
         raise ConfigError(
             loaded.source,
             "lock_dir",
-            trust_text.untrusted_state(found) if found else "another account may change it",
+            trust_text.untrusted_text(found, state=True)
+            if found
+            else "another account may change it",
         )
     return loaded
 
@@ -96,7 +98,7 @@ def read_trusted(path: Path) -> str:
         raise ConfigError(
             str(path),
             "",
-            trust_text.untrusted_config(found) if found else "another account may change it",
+            trust_text.untrusted_text(found) if found else "another account may change it",
         )
     try:
         data = read_capped(path.resolve())

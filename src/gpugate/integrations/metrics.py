@@ -27,9 +27,8 @@ from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
-from gpugate.host.safe_files import folder, open_in, read_capped, untrusted
+from gpugate.host.safe_files import folder, open_in, read_capped, untrusted, write_in
 from gpugate.host.trust_text import metrics_folder_warning
 from gpugate.integrations.records import parse_record
 from gpugate.report import lines

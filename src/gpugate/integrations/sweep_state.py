@@ -15,10 +15,9 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.host.atomic import write_in
 from gpugate.host.locks import flock_by
 from gpugate.host.procfs import ProcessId
-from gpugate.host.safe_files import NotRegularFile, TooLarge, folder, open_in, read_capped
+from gpugate.host.safe_files import NotRegularFile, TooLarge, folder, open_in, read_capped, write_in
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
 

@@ -3,16 +3,12 @@ container, how it was found, and its command line (shown: escaped and cut, untru
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 from gpugate.core.decide import Choice
 from gpugate.host.containers import Container
+from gpugate.report.lines import gpu_list
 from gpugate.untrusted import COMMAND, CONTAINER, exact, shown
-
-
-def gpu_list(indices: Iterable[int]) -> str:
-    return ", ".join(str(index) for index in sorted(indices)) or "none"
 
 
 def describe(choice: Choice) -> str:

@@ -5,7 +5,7 @@ place is written where it is printed."""
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from gpugate.core.outcome import UNKILLABLE
@@ -24,6 +24,11 @@ HELD_RULES = {
     "other-account": "another account's",
     "watcher": "a watcher",
 }
+
+
+def gpu_list(indices: Iterable[int]) -> str:
+    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
+    return ", ".join(str(index) for index in sorted(indices)) or "none"
 
 
 def error(text: str) -> str:
@@ -211,11 +216,6 @@ def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str
         f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
         "GPU holders among them are not shown; run as root"
     )
-
-
-def sweep_leased(gpus: list[int]) -> str:
-    """A sweep's reap, refused under the locks: a lease was taken on these GPUs since."""
-    return f"GPU {', '.join(map(str, gpus))} leased since the sweep looked: not reaped"
 
 
 def sweep_timer(*, enabled: bool) -> str:

@@ -15,7 +15,7 @@ from gpugate.core.roles import Role
 from gpugate.errors import GateError
 from gpugate.host.containers import StopResult
 from gpugate.host.nvml import GpuFault
-from gpugate.report.holder_text import container_fields, container_text, describe, gpu_list
+from gpugate.report.holder_text import container_fields, container_text, describe
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -25,7 +25,7 @@ from gpugate.report.journal import (
     Reporter,
     WaitingReports,
 )
-from gpugate.report.lines import MAX_LISTED_PIDS
+from gpugate.report.lines import MAX_LISTED_PIDS, gpu_list
 from gpugate.report.narrate_shm import ShmNarration
 from gpugate.report.narrate_wait import WaitNarration
 from gpugate.report.reasons import reason_text

@@ -17,14 +17,19 @@ from gpugate.untrusted import FILE, exact, shown
 MIB = 1024 * 1024
 
 
-def size_text(count: int) -> str:
-    """Bytes for a person: 812 B, 4.0 KiB, 1.5 MiB, 3.2 GiB."""
+def size_text(count: int, *, column: bool = False) -> str:
+    """Bytes for a person: 812 B, 4.0 KiB, 1.5 MiB, 3.2 GiB; column (status's narrow one):
+    -, 812B, 4.0K, 1.5M, 3.2G."""
+    if column and count == 0:
+        return "-"
+    units = ("B", "K", "M", "G") if column else ("B", "KiB", "MiB", "GiB")
+    gap = "" if column else " "
     value = float(count)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{count} B" if unit == "B" else f"{value:.1f} {unit}"
+    for unit in units:
+        if value < 1024 or unit == units[-1]:
+            return f"{count}{gap}B" if unit == "B" else f"{value:.1f}{gap}{unit}"
         value /= 1024
-    return f"{count} B"
+    return f"{count}{gap}B"
 
 
 def user_name(uid: int) -> str:

@@ -3,20 +3,17 @@ this start's failed pre. The steps say what happened; this module says it in wor
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter
+from gpugate.report.lines import gpu_list
 from gpugate.untrusted import FILE, STATE, shown
 
 if TYPE_CHECKING:
     from gpugate.errors import GateError
     from gpugate.host.nvml import Gpu
-
-
-def indices(values: Iterable[int]) -> str:
-    return ", ".join(str(i) for i in sorted(values))
 
 
 class UnitNarration:
@@ -55,7 +52,7 @@ class UnitNarration:
     ) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"GPU lease of {shown(lease_unit, STATE)} on GPU {indices(gpus)} is stale "
+            f"GPU lease of {shown(lease_unit, STATE)} on GPU {gpu_list(gpus)} is stale "
             f"({shown(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
             "it over",
             priority=PRIORITY_WARNING,
@@ -68,13 +65,15 @@ class UnitNarration:
     def gpus_shared(self, lease_unit: str, gpus: Sequence[int]) -> None:
         self.reporter.event(
             Event.PROCESS_SPARED,
-            f"GPU {indices(gpus)} shared with {shown(lease_unit, STATE)} (share_gpus in both)",
+            f"GPU {gpu_list(gpus)} shared with {shown(lease_unit, STATE)} (share_gpus in both)",
             gpus=list(gpus),
             reason="shared",
             lease_unit=lease_unit,
         )
 
-    def lease_refused(self, refusal: str, gpus: Sequence[int]) -> None:
+    def lease_refused(self, refusal: str, gpus: Sequence[int], *, first: bool = True) -> None:
+        """first: the run's refusal (STATUS= says it); False: another unit's processes refused
+        the run already (the narrator set STATUS=), and its lease holds the GPUs too."""
         self.reporter.event(
             Event.REFUSED,
             f"not starting {self.reporter.unit}: {refusal}",
@@ -82,28 +81,18 @@ class UnitNarration:
             gpus=sorted(gpus),
             reason="leased",
         )
-        self.reporter.status(f"refused: {refusal}")
+        if first:
+            self.reporter.status(f"refused: {refusal}")
 
     def lease_overridden(self, lease_unit: str, holder: str, gpus: Sequence[int]) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"GPU {indices(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
+            f"GPU {gpu_list(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
             "(gpugate run --force)",
             priority=PRIORITY_WARNING,
             gpus=list(gpus),
             reason="lease-forced",
             lease_unit=lease_unit,
-        )
-
-    def lease_also_held(self, refusal: str, gpus: Sequence[int]) -> None:
-        """The refusal's lease line, where another unit's processes refused the run already
-        (the narrator sets STATUS=)."""
-        self.reporter.event(
-            Event.REFUSED,
-            f"not starting {self.reporter.unit}: {refusal}",
-            priority=PRIORITY_ERR,
-            gpus=sorted(gpus),
-            reason="leased",
         )
 
     def start_failed_earlier(self, reason: str) -> None:
@@ -117,7 +106,7 @@ class UnitNarration:
     def waiting_skipped(self, gpus: Sequence[Gpu]) -> None:
         self.reporter.event(
             Event.TIMEOUT,
-            f"not waiting again on GPU {indices(g.index for g in gpus)}: this start's pre "
+            f"not waiting again on GPU {gpu_list(g.index for g in gpus)}: this start's pre "
             "already waited its wait_timeout_s for that memory",
             priority=PRIORITY_WARNING,
             gpus=[gpu.index for gpu in gpus],

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import pwd
 from collections.abc import Mapping
 
 from gpugate.core.decide import Choice, Rule, Verdict
+from gpugate.host.trust_text import account
 from gpugate.report.holder_text import container_handle, container_text
 from gpugate.untrusted import CGROUP, COMM, shown
 
@@ -39,7 +39,7 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
     if rule is Rule.APP_TREE:
         return f"same application as PID {choice.seed_pid}"
     if rule is Rule.OTHER_ACCOUNT:
-        return other_account_text(choice, held)
+        return other_account(choice, held)
     if rule is Rule.ORPHAN:
         kept = choice.verdict is Verdict.BLOCK
         return f"orphan holding {held}" + (f" ({phase}.kill_orphans = false)" if kept else "")
@@ -60,19 +60,10 @@ def other_unit_text(choice: Choice, unit: str, held: str) -> str:
     )
 
 
-def account_text(uid: int | None) -> str:
-    if uid is None:
-        return "an account gpugate could not read"
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:
-        return f"uid {uid}"
-
-
-def other_account_text(choice: Choice, held: str) -> str:
+def other_account(choice: Choice, held: str) -> str:
     return (
-        f"{account_text(choice.holder.info.uid)}'s process holds {held or 'them'}; this "
-        f"`gpugate run` acts for {account_text(choice.for_uid)} and kills only its processes"
+        f"{account(choice.holder.info.uid)}'s process holds {held or 'them'}; this "
+        f"`gpugate run` acts for {account(choice.for_uid)} and kills only its processes"
     )
 
 
@@ -83,8 +74,8 @@ def other_account_refusal(unit: str, choices: list[Choice]) -> str:
     more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
     return (
         f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
-        f"{account_text(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
-        f"`gpugate run` acts for {account_text(first.for_uid)} and kills only its processes: "
+        f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
+        f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
         "nothing was killed; ask that account (or root) to stop it"
     )
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gpugate.core.stage import Progress, Stage
+from gpugate.core.outcome import Progress, Stage
 from gpugate.errors import Interrupted
 
 
@@ -11,9 +11,13 @@ def doing(progress: Progress) -> str:
     stage = progress.stage
     if stage is Stage.STOPPING:
         return f"stopping {progress.processes} process(es) (round {progress.round_number})"
-    if stage is Stage.LOCKING and progress.lock_gpu is not None:
+    if stage is Stage.LOCKING:
+        if progress.lock_gpu is None:
+            return "taking the GPUs' locks"
         return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
     if stage is Stage.WAITING:
+        if not progress.waiting_on:
+            return "waiting for the GPUs and ports to be free"
         shown = ", ".join(
             f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
         )

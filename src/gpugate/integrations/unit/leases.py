@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import PermissionDenied, StateUnwritable
-from gpugate.host.atomic import write_atomically
 from gpugate.host.nvml import Gpu
+from gpugate.host.safe_files import write_atomically
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
 from gpugate.report.narrate_unit import lease_refusal_text

@@ -2,26 +2,44 @@
 them (core/surroundings.py), for the phases whose traits say they apply.
 
 - the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
-- a hand-typed pre/post against a running unit: refused before anything is killed;
-- GPU leases (leases.py): checked and taken under the per-GPU locks, released by post;
-- a failed pre's reason (start_failure.py): post does not wait on that memory again.
+- a hand-typed pre/post against a running unit: refused before anything is killed
+  (manual_run_guard, below);
+- GPU leases (leases.py): checked and written under the per-GPU locks before the first
+  kill; kept on pre's success; given up when pre fails, ends in an error or is interrupted
+  (its reason recorded for post: start_failure.py, post does not wait on that memory again),
+  and by post (`_ended`: the lease's end, whatever ended the run).
 """
 
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary
 from gpugate.core.run import RunScope
 from gpugate.core.surroundings import StateToWrite, run_state_to_write
-from gpugate.errors import ExitCode, GateError, PermissionDenied, StateUnwritable
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    Interrupted,
+    ManualRunRefused,
+    PermissionDenied,
+    StateUnwritable,
+)
 from gpugate.host.nvml import Gpu
 from gpugate.host.roots import HostRoots
-from gpugate.host.systemd import UnitEnvironment, unit_active_state, unit_environment
+from gpugate.host.systemd import (
+    UnitEnvironment,
+    active_state,
+    own_unit,
+    unit_active_state,
+    unit_environment,
+)
 from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import (
     STARTED_BY_VARIABLE,
@@ -33,7 +51,6 @@ from gpugate.integrations.unit.leases import (
     release_lease,
     write_lease,
 )
-from gpugate.integrations.unit.manual_guard import refusal
 from gpugate.integrations.unit.start_failure import (
     FailedPre,
     clear_failed_pre,
@@ -45,17 +62,20 @@ from gpugate.phase import Phase
 from gpugate.report.holder_text import describe
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration, failed_start_text
+from gpugate.untrusted import cut
 
 
 @dataclass(frozen=True)
 class UnitContext:
     """What the front knows of the unit's hook, for its surroundings: the hook's
-    environment, the manual-run guard's answer, the options; systemd's answers (tests give
-    stand-ins)."""
+    environment, the options; systemd's answers (tests give stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
-    manual_refusal: str | None = None  # manual_guard.manual_run_guard's reason, or None
+    # `gpugate pre|post` without --force or --dry-run: refused against a running unit
+    # unless it is the unit's own hook (manual_run_guard); never for a container's hook.
+    guard_manual_run: bool = False
+    active_state: Callable[[str], str | None] = active_state  # the guard's: systemd's
     ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     environment: Callable[[str], UnitEnvironment | None] | None = None  # default: systemd's
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
@@ -72,6 +92,7 @@ class UnitSurroundings:
     narration: UnitNarration
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
+    refusal: str | None = None  # why another unit's lease refused this start
 
     @property
     def environ(self) -> Mapping[str, str]:
@@ -94,13 +115,21 @@ class UnitSurroundings:
         return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
-        manual_refusal = self.context.manual_refusal
-        if manual_refusal is None:
+        context = self.context
+        if not context.guard_manual_run:
             return
-        would_kill = [describe(choice) for choice in decision.targets]
-        raise refusal(manual_refusal, self.phase.value, self.unit, would_kill)
+        state = manual_run_guard(
+            self.phase, self.unit, context.active_state, self.environ, context.roots.proc
+        )
+        if state is not None:
+            would_kill = [describe(choice) for choice in decision.targets]
+            raise refusal(state, self.phase.value, self.unit, would_kill)
 
-    def start_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        self.refusal = self._lease_refusal(owned, dry_run=dry_run)
+        return self.refusal is not None
+
+    def _lease_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
         """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
         if not self.phase.traits.takes_lease or not owned:
             return None
@@ -164,7 +193,7 @@ class UnitSurroundings:
         check = self._check_leases(owned)
         if check.conflicts:
             conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
-            self.narration.lease_also_held(check.refusal(), sorted(conflicted))
+            self.narration.lease_refused(check.refusal(), sorted(conflicted), first=False)
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
         config = self.loaded.config
@@ -188,23 +217,47 @@ class UnitSurroundings:
             self.narration.waiting_skipped(skipped)
         return skipped
 
-    def after_run(self, summary: RunSummary, start_refusal: str | None) -> None:
-        """pre: take the lease on success, record why on failure; post: release it."""
-        lock_dir = self.loaded.config.lock_dir
-        traits = self.phase.traits
-        if traits.takes_lease and summary.exit_code is ExitCode.OK:
-            self._started(summary.owned)
-        elif traits.records_failed_start:
-            release_lease(lock_dir, self.unit)
-            busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
-            code = summary.exit_code
-            timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
-            reason = start_refusal or failed_start_text(int(code), code.name, busy, timeout_s)
-            self._record_failure(reason, int(code), tuple(b.gpu.uuid for b in summary.busy))
-        if traits.releases_lease:
-            self._release()
-        if traits.reads_failed_start and self.failed_pre is not None:
+    def after_run(self, summary: RunSummary) -> None:
+        code = summary.exit_code
+        busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
+        timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
+        reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
+        self._ended(code, reason, summary.busy, owned=summary.owned)
+        if self.phase.traits.reads_failed_start and self.failed_pre is not None:
             self.narration.start_failed_earlier(self.failed_pre.reason)
+
+    def after_error(self, error: GateError, progress: Progress) -> None:
+        """An interruption's reason says what the run was doing; the GPUs it was still
+        waiting for need no second wait in post."""
+        busy: Sequence[BusyGpu] = ()
+        if isinstance(error, Interrupted):
+            from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
+
+            error, busy = interrupted(error, progress), progress.last_busy
+        self._ended(error.exit_code, error.message, busy, ended_by=error)
+
+    def _ended(
+        self,
+        code: ExitCode,
+        reason: str,
+        busy: Sequence[BusyGpu],
+        *,
+        owned: Sequence[Gpu] = (),
+        ended_by: GateError | None = None,
+    ) -> None:
+        """The lease's end, whatever ended the run: pre keeps it on success; a failed pre
+        (an exit code, an error, an interruption) gives it up and records why; post ends it
+        (but for an error before it was over: the unit may still run)."""
+        lock_dir, traits = self.loaded.config.lock_dir, self.phase.traits
+        if traits.takes_lease and ended_by is None and code is ExitCode.OK:
+            self._started(owned)
+        elif traits.records_failed_start:
+            with contextlib.suppress(StateUnwritable) if ended_by else contextlib.nullcontext():
+                release_lease(lock_dir, self.unit)  # an error: the run's own is the one to say
+            uuids = tuple(item.gpu.uuid for item in busy)
+            self._record_failure(reason, int(code), uuids)
+        if traits.releases_lease and not (ended_by and not isinstance(ended_by, Interrupted)):
+            self._release()
 
     def _started(self, owned: Sequence[Gpu]) -> None:
         lock_dir = self.loaded.config.lock_dir
@@ -216,26 +269,6 @@ class UnitSurroundings:
         elif not self.lease_written:
             write_lease(lock_dir, self._lease(owned))
         clear_failed_pre(lock_dir, self.unit)
-
-    def after_error(self, error: GateError, busy: Sequence[BusyGpu] = ()) -> None:
-        """pre ended with an error (lock timeout, NVML, ...): post need not wait on it again
-        (busy: the GPUs pre was still waiting for)."""
-        if not self.phase.traits.records_failed_start:
-            return
-        with contextlib.suppress(StateUnwritable):  # the run's own error is the one to report
-            release_lease(self.loaded.config.lock_dir, self.unit)
-        uuids = tuple(item.gpu.uuid for item in busy)
-        self._record_failure(error.message, int(error.exit_code), uuids)
-
-    def after_interrupt(self, error: GateError, busy: Sequence[BusyGpu]) -> None:
-        """A run stopped by SIGTERM/SIGINT. pre: a failed start, recorded as one, with the
-        GPUs it was still waiting for, which that start's post then does not wait on again.
-        post: the unit is stopping, so its lease goes, as at post's end."""
-        traits = self.phase.traits
-        if traits.records_failed_start:
-            self.after_error(error, busy)
-        elif traits.releases_lease:
-            self._release()
 
     def _release(self) -> None:
         """After a stop: the unit's lease and this start's failed-start record go. Where
@@ -302,3 +335,58 @@ def unit_surroundings(
 def _no_environment(unit: str) -> UnitEnvironment | None:
     """Systemd is not asked (a root that is not the running host's)."""
     return None
+
+
+# Manual runs: `gpugate pre|post UNIT` typed in a shell against a running unit. systemd runs
+# a unit's ExecStartPre= and ExecStopPost= in the unit's own cgroup with INVOCATION_ID set; a
+# run that has neither is not the unit's hook. Against a unit that is active or activating
+# such a run would kill the running service, so it refuses unless given --force. --dry-run
+# is always allowed.
+
+RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
+MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
+MAX_LISTED_TEXT = 120  # characters of each
+
+
+def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
+    return bool(environ.get("INVOCATION_ID")) and own_unit(proc_root) == unit
+
+
+def manual_run_guard(
+    phase: Phase,
+    unit: str,
+    unit_state: Callable[[str], str | None],
+    environ: Mapping[str, str],
+    proc_root: Path = Path("/proc"),
+) -> str | None:
+    """The running unit's ActiveState where this hand-typed run (not --force, not --dry-run)
+    must not kill (the refusal's fact; the words are report/'s), or None where it may: the
+    unit's own hook (systemd is not even asked), or a unit that is not running."""
+    if not phase.traits.guards_manual_run:
+        return None
+    if in_own_hook(unit, environ, proc_root):
+        return None
+    active_state = unit_state(unit)
+    if active_state not in RUNNING:
+        return None
+    return active_state
+
+
+def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
+    """state: the unit's ActiveState, as manual_run_guard found it; would_kill: each target
+    as the journal names it."""
+    # Each already shown (escaped) by describe(); one line, each short.
+    shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
+    listed = "; ".join(shown[:MAX_LISTED]) + (
+        f"; and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
+    )
+    what = (
+        f"it would kill {len(shown)} process(es): {listed}"
+        if shown
+        else "it would kill nothing now"
+    )
+    return ManualRunRefused(
+        f"{unit} is {state} and this `gpugate {phase}` is not its {phase} hook "
+        f"(not in the unit's cgroup with INVOCATION_ID set); {what}; nothing killed. To do it "
+        f"on purpose: gpugate {phase} {unit} --force"
+    )

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.host.atomic import write_atomically
+from gpugate.host.safe_files import write_atomically
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
 

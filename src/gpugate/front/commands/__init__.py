@@ -1,0 +1,46 @@
+"""The commands, one module each (pipx's layout): a typed function per command, called by
+`cli` with the parsed command line's values; each returns the exit code. `Front` is what a
+command may touch, production's real defaults, each injected by tests."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
+from gpugate.host.nvml import GpuDriver, NvmlDriver
+from gpugate.host.roots import HostRoots
+from gpugate.host.systemd import active_state
+from gpugate.report.journal import Reporter, ReporterFactory
+
+
+class Front:
+    """What a command may touch, injected by tests; production's real defaults."""
+
+    def __init__(
+        self,
+        *,
+        driver_factory: Callable[[], GpuDriver] | None = None,
+        reporter_factory: ReporterFactory | None = None,
+        roots: HostRoots | None = None,
+        environ: Mapping[str, str] | None = None,
+        unit_state: Callable[[str], str | None] | None = None,
+        cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
+    ) -> None:
+        """roots: injected by tests (or --host-roots), never read from the environment;
+        unit_state: a unit's ActiveState for the manual-run check (default: systemd's);
+        cgroup_layout: the host's cgroup layout for these roots (default: the real
+        /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
+        is used as it is)."""
+        self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
+        self.reporter_factory: ReporterFactory = reporter_factory or Reporter
+        self.environ = os.environ if environ is None else environ
+        self.given_roots = roots or HostRoots()
+        self.unit_state = unit_state or active_state
+        self.cgroup_layout = cgroup_layout or host_cgroup_layout
+
+    def host_roots(self) -> HostRoots:
+        """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
+        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host. Read afresh on
+        each call: a command asks once, first, where it needs the host."""
+        return on_units_tree(self.given_roots, self.cgroup_layout)

@@ -1,0 +1,62 @@
+"""`gpugate pre|post [UNIT]`: a systemd unit's ExecStartPre=/ExecStopPost= hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from gpugate.core.run import RunDeps
+from gpugate.errors import UnknownUnit
+from gpugate.front.commands import Front
+from gpugate.front.hook import Deps, Hook, run_hook
+from gpugate.front.interrupt import stopped_by_signals
+from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
+from gpugate.integrations.config_files import load_config
+from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings
+from gpugate.phase import Phase
+
+
+def pre_post(
+    front: Front,
+    phase: Phase,
+    unit_given: str | None,
+    config: Path | None,
+    *,
+    dry_run: bool = False,
+    force: bool = False,
+    ignore_leases: bool = False,
+    for_uid: int | None = None,
+) -> int:
+    """unit_given: None, the unit gpugate runs in; force: run by hand against a running unit;
+    ignore_leases: `gpugate run --force`'s hook; for_uid: kill only this account's processes."""
+    roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
+    unit = unit_argument(unit_given) if unit_given else own_unit(roots.proc)
+    if unit is None:
+        raise UnknownUnit(
+            "no UNIT given and gpugate is not running inside a service's cgroup; pass the "
+            "unit (%n in a unit file)"
+        )
+    validate_unit_name(unit)
+    loaded = load_config(unit, config)
+    context = UnitContext(
+        front.environ,
+        roots,
+        guard_manual_run=not (force or dry_run),
+        active_state=front.unit_state,
+        ignore_leases=ignore_leases,
+    )
+    hook = Hook(
+        phase,
+        unit,
+        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
+        metrics_unit=unit,
+        surroundings=unit_surroundings(context),
+        dry_run=dry_run,
+        for_uid=for_uid,
+    )
+    deps = Deps(
+        front.reporter_factory(unit, phase.value),
+        RunDeps(roots=roots, driver_factory=front.driver_factory),
+    )
+    with stopped_by_signals():
+        outcome = run_hook(hook, loaded, deps)
+    return int(outcome.exit_code)
