@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.config.models import GateConfig, PhasePolicy, SweepPolicy
+from gpugate.config.schema import GateConfig, PhasePolicy, SweepPolicy
 from gpugate.core.decide import Rule
 from gpugate.errors import EXIT_MEANINGS, ExitCode
 from gpugate.front.cli import build_parser

@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import load_config, parse_config
-from gpugate.config.models import BUILTIN_SOURCE, GateConfig
+from gpugate.config.schema import GateConfig
+from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.core.owned_gpus import owned_gpus
 from gpugate.errors import ConfigError
 from tests.fakes import FakeGpuMemory, raises_error

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gpugate.config.models import GateConfig
+from gpugate.config.schema import GateConfig
 from gpugate.core.decide import Decision, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, in_cgroup

@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
+from gpugate.config.models import LoadedConfig
+from gpugate.config.schema import GateConfig
+from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.errors import ConfigError, UnknownUnit
 from gpugate.host.systemd import (
     ENVIRONMENT_FILE_MAX_BYTES,

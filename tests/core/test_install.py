@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from gpugate.config.file import parse_config
+from gpugate.config.models import validated
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
 from gpugate.front.install import Action, apply, parse_gpus, plan_install, plan_uninstall
 from gpugate.front.install_files import (
@@ -81,9 +82,9 @@ def test_install_writes_dropin_and_config_then_reloads(dirs: Dirs) -> None:
     assert "ExecStartPre=+/usr/bin/gpugate pre %n" in dirs.dropin.read_text()
     config = parse_config(dirs.toml.read_text(), str(dirs.toml))
     assert config.gpus == (0, 1, "GPU-12345678-aaaa")
-    assert config.model_dump(exclude={"gpus"}) == parse_config("", "-").model_dump(
-        exclude={"gpus"}
-    ), "the skeleton's uncommented lines change nothing but gpus"
+    assert validated(config).model_dump(exclude={"gpus"}) == validated(
+        parse_config("", "-")
+    ).model_dump(exclude={"gpus"}), "the skeleton's uncommented lines change nothing but gpus"
     assert oct(dirs.dropin.stat().st_mode & 0o777) == "0o644"
     assert dirs.reloads == 1
     assert ownership(dirs.dropin) is Ownership.OURS
@@ -92,7 +93,7 @@ def test_install_writes_dropin_and_config_then_reloads(dirs: Dirs) -> None:
 
 def test_skeleton_without_gpus_is_all_defaults(dirs: Dirs) -> None:
     dirs.install()
-    assert parse_config(dirs.toml.read_text(), "-") == parse_config("", "-")
+    assert validated(parse_config(dirs.toml.read_text(), "-")) == validated(parse_config("", "-"))
     # written out, not commented: the unit's GPUs come from its own CUDA_VISIBLE_DEVICES
     assert '\ngpus = "auto"\n' in dirs.toml.read_text()
 
@@ -103,7 +104,7 @@ def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
     lines = dirs.toml.read_text().splitlines()
     uncommented = [line[2:] if re.match(r"# [a-z_]+ = ", line) else line for line in lines]
     assert sum(a != b for a, b in zip(lines, uncommented)) == 24
-    assert parse_config("\n".join(uncommented), "-") == parse_config("", "-")
+    assert validated(parse_config("\n".join(uncommented), "-")) == validated(parse_config("", "-"))
 
 
 def test_reinstall_is_idempotent(dirs: Dirs) -> None:

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gpugate.config.file import load_config
-from gpugate.config.models import GateConfig
+from gpugate.config.schema import GateConfig
 from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from gpugate.config.models import GateConfig
+from gpugate.config.schema import GateConfig
 from gpugate.core.discover import Discovery, self_and_ancestors
 from gpugate.core.roles import app_tree
 from gpugate.host.procfs import ProcFs

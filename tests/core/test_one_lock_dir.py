@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.models import DEFAULT_LOCK_DIR
+from gpugate.config.values import DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import container_config

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gpugate.config.models import GateConfig
+from gpugate.config.schema import GateConfig
 from gpugate.core.decide import Rule, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.errors import ExitCode

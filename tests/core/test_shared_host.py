@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.models import BUILTIN_SOURCE, LoadedConfig
+from gpugate.config.models import LoadedConfig
+from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.core.outcome import RunSummary
 from gpugate.core.owned_gpus import owned_gpus
 from gpugate.core.run import RunScope

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.models import GateConfig
+from gpugate.config.schema import GateConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.shm_cleanup import FreshHolders, Kept, ShmHost
 from gpugate.errors import ConfigError, ExitCode

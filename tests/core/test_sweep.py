@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.models import SWEEP_INTERVAL_S, GateConfig
+from gpugate.config.schema import GateConfig
+from gpugate.config.values import SWEEP_INTERVAL_S
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.owners import Holding, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode

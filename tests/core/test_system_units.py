@@ -11,7 +11,7 @@ from pathlib import Path
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from gpugate.config.models import GateConfig
+from gpugate.config.schema import GateConfig
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.core.roles import Role, role_of

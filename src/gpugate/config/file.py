@@ -11,26 +11,35 @@ import difflib
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-from pydantic import BaseModel, ValidationError
+from typing import TYPE_CHECKING, Any
 
 from gpugate.compat import tomllib
-from gpugate.config.models import BUILTIN_SOURCE, GateConfig, LoadedConfig
+from gpugate.config.models import Config, LoadedConfig, pydantic_config
+from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS
 from gpugate.errors import ConfigError, InvalidValue
 from gpugate.untrusted import echo
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
+if TYPE_CHECKING:
+    from pydantic import ValidationError
+
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
 
 
-def parse_config(text: str, source: str) -> GateConfig:
+def parse_config(text: str, source: str) -> Config:
+    """The file's config: the built-in defaults where it sets nothing (empty, or comments
+    only: nothing to validate, and pydantic is not loaded), else pydantic's model of it."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"not valid TOML: {exc}") from None
+    if not data:
+        return DEFAULTS
+    model = pydantic_config()
+    from pydantic import ValidationError  # noqa: PLC0415 - loaded with the model
+
     try:
-        return GateConfig.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as exc:
         raise _config_error(source, exc) from None
 
@@ -67,7 +76,9 @@ def _toml_type(value: object) -> str:
 
 
 def _did_you_mean(parts: list[str]) -> str:
-    model: type[BaseModel] = GateConfig
+    from pydantic import BaseModel  # noqa: PLC0415 - loaded with the model
+
+    model: type[BaseModel] = pydantic_config()
     for part in parts[:-1]:
         annotation: Any = (
             model.model_fields[part].annotation if part in model.model_fields else None
@@ -114,7 +125,7 @@ def load_config(
     integrations.config_files.load_config, which judges who may change the file first."""
     path = find_config(unit, explicit, config_dir)
     if path is None:
-        loaded = LoadedConfig(GateConfig(), BUILTIN_SOURCE)
+        loaded = LoadedConfig(DEFAULTS, BUILTIN_SOURCE)
     else:
         loaded = LoadedConfig(parse_config((read or _read)(path), str(path)), str(path))
     check_lock_dir(loaded)

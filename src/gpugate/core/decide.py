@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from gpugate.config.models import GateConfig
+from gpugate.config.models import Config
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import ProcessTree, Role, app_tree, stable_role
 from gpugate.host.procfs import ProcessId
@@ -89,7 +89,7 @@ class Decision:
 
 def decide(
     discovery: Discovery,
-    config: GateConfig,
+    config: Config,
     phase: Phase,
     tree: ProcessTree,
     earlier: Mapping[ProcessId, Role] | None = None,
@@ -128,7 +128,7 @@ def for_account(choice: Choice, uid: int) -> Choice:
 
 
 def choose(
-    holder: Holder, role: Role, discovery: Discovery, config: GateConfig, kill_orphans: bool
+    holder: Holder, role: Role, discovery: Discovery, config: Config, kill_orphans: bool
 ) -> Choice:
     """One holder's verdict: the first rule that applies, in this order."""
     owned = discovery.owned_indices
@@ -159,7 +159,7 @@ def choose(
 
 
 def _add_app_trees(
-    decision: Decision, discovery: Discovery, config: GateConfig, tree: ProcessTree
+    decision: Decision, discovery: Discovery, config: Config, tree: ProcessTree
 ) -> None:
     # A watcher is not killed on its own account, but goes with an application it is part of.
     watchers = {c.holder.pid: c for c in decision.choices if c.role is Role.WATCHER}

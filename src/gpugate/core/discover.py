@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from gpugate.compat import StrEnum
-from gpugate.config.models import GpuSelection
+from gpugate.config.values import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from gpugate.compat import StrEnum
-from gpugate.config.models import GateConfig
+from gpugate.config.models import Config
 from gpugate.core.discover import Discovery, Holder
 from gpugate.core.roles import Role, holder_role
 
@@ -30,7 +30,7 @@ class Owner(StrEnum):
 OWNERS = tuple(Owner)
 
 
-def owner_of(holder: Holder, discovery: Discovery, config: GateConfig) -> Owner:
+def owner_of(holder: Holder, discovery: Discovery, config: Config) -> Owner:
     """discovery: one made without a unit (status's, the sweep's)."""
     role = holder_role(holder, discovery, config)
     if role is Role.PROTECTED:

@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 from typing import Protocol
 
 from gpugate.compat import StrEnum
-from gpugate.config.models import GateConfig
+from gpugate.config.models import Config
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.host.procfs import ProcessId, ProcInfo
 from gpugate.host.systemd import system_unit_of_cgroup
@@ -29,7 +29,7 @@ def in_cgroup(cgroup: str | None, top: str) -> bool:
 def role_of(
     info: ProcInfo,
     discovery: Discovery,
-    config: GateConfig,
+    config: Config,
     *,
     member: bool = False,
     own_container: bool = False,
@@ -54,7 +54,7 @@ def role_of(
     return Role.ORPHAN
 
 
-def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Role:
+def holder_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
     role = role_of(
         holder.info,
         discovery,
@@ -68,7 +68,7 @@ def holder_role(holder: Holder, discovery: Discovery, config: GateConfig) -> Rol
 
 
 def stable_role(
-    holder: Holder, discovery: Discovery, config: GateConfig, earlier: Mapping[ProcessId, Role]
+    holder: Holder, discovery: Discovery, config: Config, earlier: Mapping[ProcessId, Role]
 ) -> Role:
     """holder_role, kept stable within a run: a process judged a watcher earlier in this run
     stays one while NVML lists it on no GPU. After a holder is killed the driver frees its
@@ -122,7 +122,7 @@ class ProcessTree(Protocol):
 
 
 def _outside(
-    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: GateConfig
+    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: Config
 ) -> bool:
     """Never part of a holder's application, whatever the tree looks like."""
     return (
@@ -170,7 +170,7 @@ def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
 
 
 def app_tree(
-    holder: ProcInfo, tree: ProcessTree, discovery: Discovery, config: GateConfig
+    holder: ProcInfo, tree: ProcessTree, discovery: Discovery, config: Config
 ) -> dict[int, ProcInfo]:
     """The holder's application: its ancestors up to the nearest host, and their descendants.
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from gpugate.config.models import GateConfig, LoadedConfig
+from gpugate.config.models import Config, LoadedConfig
 
 if TYPE_CHECKING:
     from gpugate.core.decide import Choice, Decision
@@ -84,7 +84,7 @@ class Surroundings(Protocol):
         still waiting for (the same start's next phase need not wait on them again)."""
 
 
-def run_state_to_write(config: GateConfig) -> StateToWrite:
+def run_state_to_write(config: Config) -> StateToWrite:
     """What every run writes: its GPU locks. (Not the metrics textfile: metrics are never a
     run's failure; one that cannot be written is a warning after the run.)"""
     return [(config.lock_dir, "GPU locks")], []

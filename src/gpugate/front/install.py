@@ -20,7 +20,7 @@ from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config
 from gpugate.config.gpulist import parse_gpu_text
-from gpugate.config.models import CONTAINER_NAME, DEFAULT_PRIVATE_SHM
+from gpugate.config.values import CONTAINER_NAME, DEFAULT_PRIVATE_SHM
 from gpugate.errors import (
     GateError,
     InstallError,

@@ -7,6 +7,7 @@ whose rest no longer matches, or that has no such header, is the operator's.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 from collections.abc import Sequence
@@ -14,13 +15,9 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, Union
 
-from gpugate.config.models import (
-    DEFAULT_PRIVATE_SHM,
-    PRIVATE_SHM_OFF,
-    GateConfig,
-    PhasePolicy,
-)
+from gpugate.config.models import pydantic_config
 from gpugate.config.toml_text import toml_value
+from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF, DefaultPolicy
 from gpugate.errors import InstallError, PermissionDenied
 from gpugate.host.unit_settings import UnitSettings
 
@@ -93,7 +90,7 @@ PHASE_TEXT = {
 }
 
 
-POLICY_FIELDS = tuple(PhasePolicy.model_fields)
+POLICY_FIELDS = tuple(field.name for field in dataclasses.fields(DefaultPolicy))
 
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
@@ -159,14 +156,15 @@ def render_config(
 ) -> str:
     """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
     and ports given."""
-    defaults = GateConfig()
+    model = pydantic_config()  # the fields' descriptions
+    defaults = model()
     lines = [
         f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
         "# uncomment what you change. Check it: gpugate config check --unit " + unit,
         "",
     ]
     for name in CONFIG_FIELDS:
-        lines.append(f"# {GateConfig.model_fields[name].description}")
+        lines.append(f"# {model.model_fields[name].description}")
         if name == "gpus":  # written out: "auto" unless --gpus named them
             lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
         elif name == "containers" and containers:
@@ -178,7 +176,7 @@ def render_config(
     for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
         lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
         for name in POLICY_FIELDS:
-            text = PhasePolicy.model_fields[name].description
+            text = type(policy).model_fields[name].description
             lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.config.models import SWEEP_INTERVAL_S
+from gpugate.config.values import SWEEP_INTERVAL_S
 from gpugate.errors import ExitCode, GateError, InstallError
 from gpugate.front import install
 from gpugate.front.install import Action, Change

@@ -21,7 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.models import LoadedConfig, validated
 from gpugate.config.toml_text import to_toml
 from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.errors import (
@@ -296,7 +296,7 @@ def hook_config(
     hooks look up /etc/gpugate/UNIT.toml, then default.toml, as for any unit."""
     if not ports:
         return (given.resolve() if given else None), ()
-    config = loaded.config.changed(ports=tuple(sorted(set(ports))))
+    config = validated(loaded.config).changed(ports=tuple(sorted(set(ports))))
     path = loaded.config.lock_dir / RUN_FOLDER / f"{unit}.toml"
     text = f"# gpugate run {unit}: from {loaded.source}, with --port\n"
     text += to_toml(config.model_dump(mode="json", exclude_defaults=True))

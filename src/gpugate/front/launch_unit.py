@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.config.models import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
+from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.install_files import SHM_OPTIONS
 from gpugate.host.systemd import ENV_NAME, unit_argument

@@ -99,7 +99,7 @@ def run_container_hook(
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
         opened = driver
-        loaded = LoadedConfig(loaded.config.model_copy(update={"gpus": selection}), loaded.source)
+        loaded = LoadedConfig(loaded.config.with_gpus(selection), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
         hook = Hook(
             phase,

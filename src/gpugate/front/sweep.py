@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.models import LoadedConfig, replaced, replaced_policy
 from gpugate.core.discover import Discovery
 from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
@@ -168,8 +168,8 @@ class LeaseRecheck(NullSurroundings):
 def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
     """One pre-phase run over gpus: its rules, its kill, its /dev/shm step, its wait; orphans
     killed whatever [pre] kill_orphans says (reaping them is what reap_after_s asks)."""
-    pre = loaded.config.pre.model_copy(update={"kill_orphans": True})
-    config = loaded.config.model_copy(update={"gpus": tuple(gpu.uuid for gpu in gpus), "pre": pre})
+    pre = replaced_policy(loaded.config.pre, kill_orphans=True)
+    config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
     reaping = replace(loaded, config=config)
     hook = Hook(
         Phase.PRE,

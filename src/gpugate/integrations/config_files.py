@@ -19,7 +19,8 @@ import os
 from pathlib import Path
 
 from gpugate.config import file
-from gpugate.config.models import BUILTIN_SOURCE, DEFAULT_LOCK_DIR, LoadedConfig
+from gpugate.config.models import LoadedConfig, fields_set, replaced
+from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError
 from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted
@@ -65,10 +66,10 @@ def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
         return loaded
     host, where = host_lock_dir(config_dir)
     mine = loaded.config.lock_dir
-    if "lock_dir" not in loaded.config.model_fields_set:
+    if "lock_dir" not in fields_set(loaded.config):
         if mine == host:
             return loaded
-        inherited = LoadedConfig(loaded.config.model_copy(update={"lock_dir": host}), loaded.source)
+        inherited = LoadedConfig(replaced(loaded.config, lock_dir=host), loaded.source)
         file.check_lock_dir(inherited)
         return inherited
     if not _same(mine, host) and _same(source.parent, config_dir):

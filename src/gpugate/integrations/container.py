@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.models import GpuSelection, LoadedConfig
+from gpugate.config.models import LoadedConfig
+from gpugate.config.values import GpuSelection
 from gpugate.core.run import RunScope
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from gpugate.config.gpulist import GpuRef, parse_gpu_text
-from gpugate.config.models import BUILTIN_SOURCE, GpuSelection, LoadedConfig
+from gpugate.config.models import LoadedConfig
+from gpugate.config.values import BUILTIN_SOURCE, GpuSelection
 from gpugate.errors import ConfigError, InvalidValue
 from gpugate.host.systemd import UnitEnvironment, unit_environment
 from gpugate.untrusted import echo
@@ -84,11 +85,6 @@ def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
     """The config with gpus replaced by the choice: the one step every run's GPUs are chosen
     by (a unit's hook, a Slurm job's, `config check`, `status`). Its source is kept, with
     the choice's note where it has one (a Slurm job's "gpus from SLURM_JOB_GPUS")."""
-    if choice.gpus == ():
-        # A job with no GPUs to gate (NoDevFiles, numbers not resolved): no file can say
-        # that, so the file's validator refuses it; an empty tuple needs no validation.
-        config = loaded.config.model_copy(update={"gpus": ()})
-    else:
-        config = loaded.config.changed(gpus=choice.gpus)
+    config = loaded.config.with_gpus(choice.gpus)
     note = f" ({choice.config_note})" if choice.config_note else ""
     return LoadedConfig(config, f"{loaded.source}{note}")
