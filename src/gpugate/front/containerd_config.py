@@ -89,12 +89,12 @@ def parse(text: str, path: Path) -> Table:
 
 def cri_keys(data: Table, path: Path) -> tuple[str, ...]:
     version = data.get("version", 1)
-    if isinstance(version, bool) or version not in CRI:
+    if isinstance(version, bool) or not isinstance(version, int) or version not in CRI:
         raise InstallError(
             f"{path}: config version {echo(str(version))}: gpugate edits versions 2 (containerd "
             "1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
         )
-    return CRI[int(version)]
+    return CRI[version]
 
 
 def table_at(data: Table, keys: tuple[str, ...], *, make: bool = False) -> Table:
