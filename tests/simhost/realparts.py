@@ -111,3 +111,33 @@ def hold_gpus_cmd(gpus: Sequence[int], mib: int, state_dir: str = "/run/fake-nvm
         f'echo "{mib} $st {listed}" > {state_dir}/claims/$$.tmp && '
         f"mv {state_dir}/claims/$$.tmp {state_dir}/claims/$$; exec sleep 3600"
     )
+
+
+GPU_GRES_CONF = "Name=gpu File=/dev/nvidia[0-7]\n"
+
+
+def gpu_device_nodes(sim: SimHost, count: int = 8) -> None:
+    """/dev/nvidia0..COUNT-1 as device nodes, as on a Slurm GPU node. slurmd rejects plain
+    files as gres ("not a valid character or block device") and then sets no SLURM_JOB_GPUS;
+    gpugate resolves slurmd's numbers through gres.conf to a node's device number. Each
+    stand-in needs its own number, and one no job needs otherwise: ConstrainDevices denies a
+    job the numbers of the GPUs it was not given (with all at 1:3, /dev/null itself). The loop
+    block devices 7:0-7:7 open like any file and are not otherwise used by a job; the stand-in
+    NVML finds holders by path (/dev/nvidiaN), so it still matches them."""
+    sim.run(
+        f"for i in $(seq 0 {count - 1}); do rm -f /dev/nvidia$i; "
+        "mknod -m 666 /dev/nvidia$i b 7 $i; done"
+    )
+
+
+def gpu_plain_files(sim: SimHost, count: int = 8) -> None:
+    """The simulated host's own stand-ins back (boot.sh: empty files, mode 0666)."""
+    sim.run(
+        f"for i in $(seq 0 {count - 1}); do rm -f /dev/nvidia$i; : > /dev/nvidia$i; "
+        "chmod 0666 /dev/nvidia$i; done"
+    )
+
+
+def slurm_gres_conf(sim: SimHost, text: str = GPU_GRES_CONF) -> None:
+    """gres.conf beside slurm.conf (/etc/slurm, SLURM_CONF unset), root's, as slurmd reads it."""
+    sim.write_file("/etc/slurm/gres.conf", text)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from incident import REPO
-from realparts import install_debs, wait_for
+from realparts import gpu_device_nodes, install_debs, slurm_gres_conf, wait_for
 from sandbox import SimHost
 
 from gpugate.errors import ExitCode
@@ -57,7 +57,6 @@ NodeName={NODE} NodeAddr=127.0.0.1 Gres=gpu:8 CPUs=1 State=UNKNOWN
 PartitionName=gpu Nodes={NODE} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
 """
 CGROUP_CONF = "CgroupPlugin=cgroup/v2\nConstrainDevices=yes\n"
-GRES_CONF = "Name=gpu File=/dev/nvidia[0-7]\n"
 GPUGATE_SLURM = (
     "[prolog]\nsigterm_grace_s = 1\nwait_timeout_s = 10\n"
     "[epilog]\nsigterm_grace_s = 1\nsigkill_wait_s = 1\nwait_timeout_s = 3\n"
@@ -156,20 +155,15 @@ def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
         sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
         install_debs(sim, "slurm", ["slurmctld", "slurmd", "slurm-client", "munge"])
         sim.write_file(SHIM_INSIDE, shim.read_bytes(), mode=0o755)
-        # slurmd rejects plain files as gres ("not a valid character or block device") and
-        # then sets no SLURM_JOB_GPUS. Each stand-in needs its own device number, and one no
-        # job needs otherwise: ConstrainDevices denies a job the numbers of the GPUs it was
-        # not given (with all at 1:3, /dev/null itself). The loop block devices 7:0-7:7 open
-        # like any file and are not otherwise used by a job.
+        gpu_device_nodes(sim)
         sim.run(
-            "for i in 0 1 2 3 4 5 6 7; do rm -f /dev/nvidia$i; mknod -m 666 /dev/nvidia$i b 7 $i;"
-            f" done; hostname {NODE}; echo '127.0.0.1 {NODE}' >> /etc/hosts;"
+            f"hostname {NODE}; echo '127.0.0.1 {NODE}' >> /etc/hosts;"
             " ip addr add 127.0.0.2/8 dev lo;"
             " mkdir -p /var/lib/slurm/slurmctld /var/lib/slurm/slurmd /var/log/slurm"
         )
         sim.write_file("/etc/slurm/slurm.conf", SLURM_CONF)
         sim.write_file("/etc/slurm/cgroup.conf", CGROUP_CONF)
-        sim.write_file("/etc/slurm/gres.conf", GRES_CONF)
+        slurm_gres_conf(sim)
         for phase in ("prolog", "epilog"):
             sim.write_file(
                 f"/etc/slurm/gpugate-{phase}",

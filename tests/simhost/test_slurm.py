@@ -10,6 +10,7 @@ SLURMD_NODENAME. A stand-in scontrol records the drain it is asked for.
 
 from __future__ import annotations
 
+import re
 import shlex
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 from incident import PYTHON, Host, prepare
 from prometheus_client.parser import text_string_to_metric_families
+from realparts import gpu_device_nodes, gpu_plain_files, slurm_gres_conf
 from sandbox import SimHost
 
 from gpugate.errors import ExitCode
@@ -36,12 +38,26 @@ JOB_MIB = 5000
 
 @pytest.fixture(scope="module")
 def host(simhost: SimHost) -> Iterator[Host]:
+    """A Slurm GPU node's GPUs, as slurmd numbers them: gres.conf (`File=/dev/nvidia[0-7]`)
+    beside slurm.conf and device nodes for the files it lists (the session host's plain-file
+    stand-ins come back afterwards). nvidia-persistenced reopens the new nodes."""
     h = prepare(simhost)
+    gpu_device_nodes(simhost)
+    slurm_gres_conf(simhost)
+    simhost.systemctl("restart", "nvidia-persistenced.service")
     simhost.write_file("/etc/gpugate/slurm.toml", SLURM_CONFIG)
     simhost.write_file("/usr/local/bin/scontrol", SCONTROL, mode=0o755)
-    yield h
-    simhost.run("rm -f /etc/gpugate/slurm.toml /usr/local/bin/scontrol", check=False)
-    h.reset()
+    try:
+        yield h
+    finally:
+        simhost.run(
+            "rm -f /etc/gpugate/slurm.toml /usr/local/bin/scontrol /etc/slurm/gres.conf; "
+            "rmdir /etc/slurm 2>/dev/null",
+            check=False,
+        )
+        h.reset()
+        gpu_plain_files(simhost)
+        simhost.systemctl("restart", "nvidia-persistenced.service")
 
 
 @pytest.fixture
@@ -183,7 +199,7 @@ def test_epilog_with_leaked_memory_drains_naming_gpu_and_mib(slurm: Host) -> Non
     (line,) = [text for text in stderr.splitlines() if text.startswith("gpugate: drain: ")]
     reason = line.removeprefix("gpugate: drain: ")
     assert reason.startswith("gpugate epilog job 42: GPU 3 (GPU-")
-    assert reason.endswith(") still 50000 MiB used (exit 21)")
+    assert reason.endswith(") still 50000 MiB used: memory not freed (exit 21)")
     assert host.sim.read_file("/run/scontrol.args").splitlines() == [
         "update",
         "NodeName=simnode",
@@ -202,7 +218,14 @@ def test_prolog_kills_stale_servers_but_never_another_job(slurm: Host) -> None:
     # Job 46 was given GPUs 4 and 5, but job 43 still runs on 5: refuse, kill nothing, drain.
     code, stderr = run_slurmd_hook(host, "prolog", 46, "4,5")
     assert code == ExitCode.HELD_BY_OTHERS, stderr
-    assert "gpugate: drain: gpugate prolog job 46: GPU 4,5: held by processes" in stderr
+    (line,) = [text for text in stderr.splitlines() if text.startswith("gpugate: drain: ")]
+    held = re.fullmatch(
+        r"gpugate: drain: gpugate prolog job 46: PID (\d+) \(root\) on GPU 5: "
+        r"in another job \(43\) \(exit 22\)",
+        line,
+    )
+    assert held is not None, line
+    assert int(held.group(1)) in job_pids(host, 43)
     assert all(host.alive(pid) for pid in [*pids[43]["workers"], *stale["workers"]])
 
     # Job 47 was given GPU 4 alone: the stale server there goes, its login shell stays.
