@@ -213,3 +213,14 @@ def test_unknown_gpu_index_and_uuid() -> None:
         owned_gpus(parse_config('gpus = ["GPU-99999999-0000"]', "f.toml").gpus, gpus, "f.toml")
     by_uuid = owned_gpus(parse_config(f'gpus = ["{gpus[1].uuid.upper()}"]', "f").gpus, gpus, "f")
     assert [gpu.index for gpu in by_uuid] == [1]
+
+
+@pytest.mark.parametrize("key", ['"a[b"', "int", "str", '"[pre]"', '"x\\u001b[2J"'])
+def test_a_key_that_looks_like_a_union_tag_is_still_the_field_named(key: str) -> None:
+    """pydantic marks a union's branch in an error's location (`literal['all']`, `int`); a key
+    the file itself names is never taken for one (an IndexError, exit 70, before)."""
+    with pytest.raises(ConfigError) as caught:
+        parse_config(f"{key} = 1\n", "f.toml")
+    assert caught.value.code == "config-unknown-key"
+    assert caught.value.message.startswith("f.toml: ")
+    assert "\n" not in caught.value.message and "\x1b" not in caught.value.message

@@ -48,7 +48,11 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     """The first of pydantic's errors as gpugate's (pydantic's own words for a type it wanted
     as they are); how many more there were."""
     first = exc.errors()[0]
-    parts = [str(part) for part in first["loc"] if not _is_union_tag(part)]
+    loc = first["loc"]
+    # A key the file names comes first (it may look like a tag: `"a[b" = 1`); tags follow it.
+    parts = [str(part) for part in loc[:1]] + [
+        str(part) for part in loc[1:] if not _is_union_tag(part)
+    ]
     field = echo(".".join(parts), quote=False) or "(top level)"
     more = exc.error_count() - 1
     refused = (first.get("ctx") or {}).get("error")
@@ -79,6 +83,8 @@ def _did_you_mean(parts: list[str]) -> str:
     from pydantic import BaseModel  # noqa: PLC0415 - loaded with the model
 
     model: type[BaseModel] = pydantic_config()
+    if not parts:
+        return ""
     for part in parts[:-1]:
         annotation: Any = (
             model.model_fields[part].annotation if part in model.model_fields else None
