@@ -110,7 +110,7 @@ class PhasePolicy(_Frozen):
         return self
 
 
-# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/core/test_sweep.py checks they agree)
+# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/commands/test_sweep.py checks they agree)
 SWEEP_INTERVAL_S = 60
 MAX_SWEEP_AGE_S = 30 * 86400
 

@@ -427,6 +427,7 @@ def test_unlink_checks_the_inode_and_never_follows_a_swapped_folder(tmp_path: Pa
     assert unlink_if_same([ShmArea(str(folder), info.st_dev + 1)], file).facts is None
 
 
+@pytest.mark.root("a tmpfs in a private mount namespace")
 def test_a_container_s_own_dev_shm_is_another_device(host: FakeHost, shm: Path) -> None:
     """A process in another mount namespace with its own tmpfs at the same path: its fd names
     the same path as a host file, but the device differs; the host's file stays."""

@@ -17,7 +17,7 @@ import pytest
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.host import wrapped_runtime as wrapped
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
+needs_root = pytest.mark.root("chown to another account")
 
 
 def record(tmp_path: Path, text: str, mode: int = 0o644) -> Path:

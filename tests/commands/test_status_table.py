@@ -144,6 +144,7 @@ def test_status_into_a_closed_pipe_is_quiet(
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.root("drops to another user")
 def test_status_as_non_root_warns_that_holders_may_be_missing(host: FakeHost) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to drop to another user")

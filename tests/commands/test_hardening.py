@@ -362,7 +362,7 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a freezer cgroup")
+@pytest.mark.root("create a freezer cgroup")
 @pytest.mark.skipif(
     not (FREEZER / "cgroup.procs").exists(),
     reason="no cgroup v1 freezer mounted at /sys/fs/cgroup/freezer",
