@@ -18,6 +18,14 @@ from tests.fakes import (
 )
 
 
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """`@pytest.mark.root("why")`: a test that needs root is skipped, saying why, when not root."""
+    marker = item.get_closest_marker("root")
+    if marker is not None and os.geteuid() != 0:
+        why = marker.args[0] if marker.args else "it needs root"
+        pytest.skip(f"needs root: {why}")
+
+
 @pytest.fixture
 def host(tmp_path: Path) -> Iterator[FakeHost]:
     dev = tmp_path / "dev"

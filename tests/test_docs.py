@@ -294,3 +294,79 @@ def test_every_journal_field_and_reason_code_is_documented() -> None:
         c for c in codes if f"`{c}`" not in journal
     }
     assert not missing, sorted(missing)
+
+
+def layout_rows(text: str) -> dict[str, str]:
+    """CONTRIBUTING's Layout table: each row's whole text, by its first cell."""
+    return {
+        row[0]: " | ".join(row)
+        for table in tables(section(text, "Layout"))
+        for _, row in table.rows
+        if row
+    }
+
+
+def unnamed_modules(text: str, modules: list[str]) -> list[str]:
+    """Modules (`host/scan.py`, `integrations/unit/leases.py`, `errors.py`) that the Layout row
+    of their top folder (or, for a top-level module, the row whose first cell names it) does not
+    name; a module in a subfolder is named beside the subfolder (`unit/`). A package's
+    `__init__.py` is named by its folder."""
+    rows = layout_rows(text)
+    problems = []
+    for module in modules:
+        parts = module.split("/")
+        if parts[-1] == "__init__.py":
+            continue
+        first = f"`{parts[0]}/`" if len(parts) > 1 else f"`{parts[0]}`"
+        row = next((whole for cell, whole in rows.items() if first in cell), "")
+        needed = [parts[-1], *(f"{sub}/" for sub in parts[1:-1])]
+        if not row or not all(re.search(rf"(?<![\w/]){re.escape(n)}", row) for n in needed):
+            problems.append(f"`{module}` is not named in CONTRIBUTING's Layout table")
+    return problems
+
+
+def gpugate_modules() -> list[str]:
+    package = REPO / "src" / "gpugate"
+    return sorted(str(path.relative_to(package)) for path in package.rglob("*.py"))
+
+
+def test_the_layout_names_every_module() -> None:
+    modules = gpugate_modules()
+    assert {"errors.py", "host/scan.py", "integrations/unit/leases.py"} <= set(modules)
+    contributing = (REPO / "CONTRIBUTING.md").read_text()
+    assert unnamed_modules(contributing, modules) == []
+
+
+BROKEN_LAYOUT = """
+## Layout
+
+| folder | what it holds |
+| --- | --- |
+| `errors.py` | exit codes |
+| `host/` | `scan.py` (the pass), `narrate_scan.py` (words) |
+| `integrations/` | `unit/` (`leases.py`) |
+"""
+
+
+def test_the_layout_rule_catches_an_unnamed_module() -> None:
+    modules = [
+        "errors.py",
+        "phase.py",
+        "host/__init__.py",
+        "host/scan.py",
+        "host/narrate.py",
+        "host/scan_watch.py",
+        "integrations/unit/leases.py",
+        "integrations/slurm/leases.py",
+        "report/narrate.py",
+    ]
+    assert unnamed_modules(BROKEN_LAYOUT, modules) == [
+        f"`{name}` is not named in CONTRIBUTING's Layout table"
+        for name in (
+            "phase.py",
+            "host/narrate.py",
+            "host/scan_watch.py",
+            "integrations/slurm/leases.py",
+            "report/narrate.py",
+        )
+    ]

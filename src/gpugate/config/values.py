@@ -46,7 +46,7 @@ GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run
 GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; "auto" is resolved by gpu_source
 
 
-# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/core/test_sweep.py checks they agree)
+# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/commands/test_sweep.py checks they agree)
 SWEEP_INTERVAL_S = 60
 MAX_SWEEP_AGE_S = 30 * 86400
 

@@ -4,7 +4,7 @@ pipx's layout); the parser stores with each command the function that calls it (
 main() dispatches without looking a name up.
 
 Only the parser is imported up front: `--help`, `--version` and a usage error import no
-pydantic, no pynvml, no psutil (issue 30; tests/core/test_cli.py checks it). Each command's
+pydantic, no pynvml, no psutil (issue 30; tests/commands/test_cli.py checks it). Each command's
 module, and everything it needs, is imported once the command line is parsed.
 """
 

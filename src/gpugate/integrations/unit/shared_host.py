@@ -339,7 +339,7 @@ def _no_environment(unit: str) -> UnitEnvironment | None:
 
 # Manual runs: `gpugate pre|post UNIT` typed in a shell against a running unit. systemd runs
 # a unit's ExecStartPre= and ExecStopPost= in the unit's own cgroup with INVOCATION_ID set; a
-# run that has neither is not the unit's hook. Against a unit that is active or activating
+# run that lacks either is not the unit's hook. Against a unit that is active or activating
 # such a run would kill the running service, so it refuses unless given --force. --dry-run
 # is always allowed.
 

@@ -53,6 +53,7 @@ def private_shm_child() -> Iterator[int]:
         child.wait()
 
 
+@pytest.mark.root("a mount namespace of its own")
 def test_a_process_with_its_own_dev_shm_shows_its_size_and_use(private_shm_child: int) -> None:
     found = own_shm(Path("/proc"), private_shm_child, {HOST_SHM_DEV})
     assert found is not None

@@ -34,7 +34,7 @@ from gpugate.host.shm import (
 )
 from tests.fakes import FakeHost, alive
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: drops to other accounts")
+needs_root = pytest.mark.root("drops to other accounts")
 UID, GID, GROUP = 64021, 64021, 64022  # accounts no one on the machine has
 OTHER_FLAGS = [0o0, 0o1, 0o2, 0o100, 0o200, 0o400, 0o2000, 0o4000, 0o40000, 0o100000, 0o2000000]
 

@@ -16,7 +16,7 @@ from gpugate.front.cli import main
 from gpugate.integrations.metrics import GpuSeries, RunRecord, record_run, render
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from tests.core.test_oci_hook_run import A_ID, A_SCOPE, hook
+from tests.commands.test_oci_hook_run import A_ID, A_SCOPE, hook
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]

@@ -2,7 +2,7 @@
 stand-in /proc): restricted to some PIDs, and `status --watch`'s rescans
 (new PIDs, known holders, NVML's PIDs; a full scan now and then). Each must find exactly what
 the full scan of the same table finds, mapped-only holders, leaderless thread groups and
-watchers (an fd, no NVML listing) included. The real-process cases are tests/core/test_scan.py.
+watchers (an fd, no NVML listing) included. The real-process cases are tests/unit/test_scan.py.
 """
 
 from __future__ import annotations

@@ -74,6 +74,7 @@ PROBE = (
         ("ro", False, "Read-only file system"),
     ],
 )
+@pytest.mark.root("a private tmpfs in a mount namespace of its own")
 def test_a_full_or_read_only_file_system_is_exit_73(
     tmp_path: Path, options: str, fill: bool, cause: str
 ) -> None:
@@ -84,6 +85,7 @@ def test_a_full_or_read_only_file_system_is_exit_73(
     assert "\n" not in message
 
 
+@pytest.mark.root("a private tmpfs in a mount namespace of its own")
 def test_space_freed_is_writable_again(tmp_path: Path) -> None:
     code = (
         "from gpugate.host.state_dirs import check_writable\n"
@@ -265,6 +267,7 @@ LOCK_DIRS = ["full", "full-no-lock-file", "read-only", "missing"]
 
 @pytest.mark.parametrize("lock_dir", LOCK_DIRS)
 @pytest.mark.parametrize("phase", ["pre", "post", "epilog"])
+@pytest.mark.root("a private tmpfs in a mount namespace of its own")
 def test_a_full_read_only_or_missing_lock_dir(host: FakeHost, phase: str, lock_dir: str) -> None:
     """pre refuses before the kill (exit 73, its lease could not be recorded); post and
     epilog kill the unit's leftovers all the same, with the result they would have had (0),
@@ -302,6 +305,7 @@ def test_a_full_read_only_or_missing_lock_dir(host: FakeHost, phase: str, lock_d
 
 @pytest.mark.parametrize("phase", ["pre", "post"])
 @pytest.mark.parametrize("kind", ["full", "read-only"])
+@pytest.mark.root("a private tmpfs in a mount namespace of its own")
 def test_a_full_or_read_only_metrics_folder_is_a_warning(
     host: FakeHost, phase: str, kind: str
 ) -> None:

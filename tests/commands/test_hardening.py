@@ -221,6 +221,7 @@ def test_driver_faults_through_real_pynvml(
         assert warned.returncode == 0, warned.stderr  # on_nvml_error = "warn": it went on
 
 
+@pytest.mark.root("as root it sees every process and drops to another account")
 def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
     host.pool.holder(host.gpu_files(0))
 
@@ -241,6 +242,7 @@ def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
     )
 
 
+@pytest.mark.root("as root it sees every process and drops to another account")
 def test_gpu_listed_by_nvml_but_invisible_in_proc_is_reported(host: FakeHost) -> None:
     host.memory.listed_without_memory[1] = [4194303]  # a PID no process here has
     summary = host.run_phase(
@@ -362,7 +364,7 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(
 FREEZER = Path("/sys/fs/cgroup/freezer")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to create a freezer cgroup")
+@pytest.mark.root("create a freezer cgroup")
 @pytest.mark.skipif(
     not (FREEZER / "cgroup.procs").exists(),
     reason="no cgroup v1 freezer mounted at /sys/fs/cgroup/freezer",

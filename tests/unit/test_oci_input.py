@@ -236,7 +236,7 @@ def test_huge_config_is_refused(tmp_path: Path) -> None:
     assert len(read_config(bundle, limit=MAX_CONFIG_BYTES + 10)) == MAX_CONFIG_BYTES + 10
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make a file another user owns")
+@pytest.mark.root("make a file another user owns")
 def test_config_of_another_owner_is_refused(tmp_path: Path) -> None:
     bundle = bundle_dir(tmp_path, spec())
     os.chown(Path(bundle, "config.json"), 1000, 1000)

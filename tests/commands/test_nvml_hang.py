@@ -161,6 +161,7 @@ def test_post_of_that_start_does_not_ask_nvml_again(driver: Driver) -> None:
 
 
 @pytest.mark.parametrize("fault", ["hang = 1", "hang_gpus = 5"])
+@pytest.mark.root("not root, status first warns that holders may be missing")
 def test_status_ends_with_what_it_could_read(driver: Driver, fault: str) -> None:
     holder = subprocess.Popen(
         [

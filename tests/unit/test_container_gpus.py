@@ -21,7 +21,7 @@ from gpugate.host.oci import GpuRequest, spec_gpu_request
 from gpugate.host.oci_gpus import OciInputError, Toolkit
 from gpugate.integrations.container import gpu_selection
 
-ROOT = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a 195:N node needs root")
+ROOT = pytest.mark.root("mknod of a 195:N node")
 HOOK = {"prestart": [{"path": "/usr/bin/nvidia-container-runtime-hook", "args": ["prestart"]}]}
 DEFAULTS = Toolkit()
 STRICT = Toolkit(envvar_unprivileged=False)
@@ -109,7 +109,7 @@ def test_an_entry_without_numbers_at_a_link_is_refused(tmp_path: Path) -> None:
 def dev(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A stand-in for the host's /dev: nvidia0..2 as 195:0..2, nvidiactl, a null-like node."""
     if os.geteuid() != 0:
-        pytest.skip("mknod of a 195:N node needs root")
+        pytest.skip("mknod of a 195:N node")
     folder = tmp_path / "host" / "dev"
     folder.mkdir(parents=True)
     for minor in range(3):
@@ -144,6 +144,7 @@ def bind(source: str, target: str = "/x", **extra: object) -> dict[str, object]:
         ([bind("{dev}/absent"), bind("relative"), {"source": 7}, None], ()),
     ],
 )
+@pytest.mark.root("mknod of a 195:N node")
 def test_bind_mounts_by_their_source(
     dev: Path, mounts: list[object], minors: tuple[int, ...]
 ) -> None:
@@ -156,6 +157,7 @@ def test_bind_mounts_by_their_source(
     assert request(mounts=shaped).minors == minors
 
 
+@pytest.mark.root("mknod of a 195:N node")
 def test_a_folder_elsewhere_on_devs_filesystem_is_read_one_level(dev: Path) -> None:
     sub = dev / "dri"
     sub.mkdir()
@@ -165,6 +167,7 @@ def test_a_folder_elsewhere_on_devs_filesystem_is_read_one_level(dev: Path) -> N
     assert request(mounts=[bind(str(sub))]).minors == (1,)
 
 
+@pytest.mark.root("mknod of a 195:N node")
 def test_a_huge_folder_is_refused(dev: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(oci_gpus, "MAX_FOLDER_ENTRIES", 3)
     assert refusal(mounts=[bind(str(dev))])

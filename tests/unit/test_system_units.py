@@ -24,7 +24,7 @@ from gpugate.host.systemd import (
     unit_of_cgroup,
 )
 from gpugate.phase import Phase
-from tests.core.test_decide import Table, discovery, proc
+from tests.unit.test_decide import Table, discovery, proc
 
 ID = "3f2a1b0c4d5e" + "a" * 52
 PROTECTED = ("nvidia-persistenced.service", "nvidia-fabricmanager.service", "dcgm.service")

@@ -32,7 +32,7 @@ from gpugate.host.safe_files import (
 from gpugate.integrations.metrics import RunRecord, record_run
 
 OTHER = 65534  # nobody: an account that is neither root nor the one running the tests
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
+needs_root = pytest.mark.root("chown to another account")
 
 
 def expected(entries: list[tuple[int, int]]) -> Exposure | None:

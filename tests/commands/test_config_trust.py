@@ -19,7 +19,7 @@ from gpugate.integrations.config_files import load_config
 from tests.fakes import FakeHost, alive
 
 OTHER = 65534
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
+needs_root = pytest.mark.root("chown to another account")
 STEER = 'gpus = "all"\nkill_other_units = true\n'
 HAS_SYSTEMD_RUN = any(os.access(p, os.X_OK) for p in ("/usr/bin/systemd-run", "/bin/systemd-run"))
 

@@ -20,8 +20,8 @@ from gpugate.host.containers import Container, ContainerNames, container_of_cgro
 from gpugate.host.nvml import Gpu
 from gpugate.phase import Phase
 from gpugate.report.reasons import reason_text
-from tests.core.test_decide import Table, proc
 from tests.fakes import FakeHost, alive
+from tests.unit.test_decide import Table, proc
 
 ID = "3f2a1b0c4d5e" + "a" * 52
 OTHER_ID = "9" * 64

@@ -320,7 +320,7 @@ def test_a_config_others_may_write_is_refused(host: ContainerHost, mode: int) ->
     assert config.read_text() == GPU_NODE_V2 and not host.runtime_record.exists()
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
+@pytest.mark.root("chown to another account")
 def test_a_config_of_another_account_is_refused(host: ContainerHost) -> None:
     config = host.containerd_config
     assert config is not None

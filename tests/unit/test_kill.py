@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import os
 import select
 import shutil
 import signal
@@ -153,7 +152,7 @@ print("ok")
 """
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root for a private PID namespace")
+@pytest.mark.root("a private PID namespace")
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs util-linux unshare")
 def test_real_pid_reuse_is_never_signalled() -> None:
     # In a private PID namespace with its own /proc, a dead target's PID is handed to a new

@@ -65,6 +65,7 @@ def started() -> Iterator[list[subprocess.Popen[bytes]]]:
 
 
 @pytest.mark.parametrize("mode", ["fd", "map"])
+@pytest.mark.root("a thread group's fds whose leader exited are root's to read")
 def test_thread_group_with_a_zombie_leader_is_found(
     mode: str, dev: Path, tmp_path: Path, started: list[subprocess.Popen[bytes]]
 ) -> None:

@@ -78,7 +78,7 @@ def test_a_program_in_the_system_folders_gets_a_clean_environment(
     assert seen["PATH"] == programs.SYSTEM_PATH
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="ownership checks apply when gpugate runs as root")
+@pytest.mark.root("ownership checks apply when gpugate runs as root")
 @pytest.mark.parametrize(
     ("owner", "mode"), [(65534, 0o755), (0, 0o777), (0, 0o775)], ids=["nobody", "o+w", "g+w"]
 )
@@ -147,7 +147,7 @@ def env_file_show(*paths: str) -> object:
     return lambda _: text
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give files to other accounts")
+@pytest.mark.root("give files to other accounts")
 @pytest.mark.parametrize(
     ("layout", "why"),
     [
@@ -183,7 +183,7 @@ def test_an_environment_file_others_may_change_is_named(
     assert f"EnvironmentFile={path}" in line and why in line and "LD_PRELOAD" in line
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root-owned files")
+@pytest.mark.root("root-owned files")
 def test_a_root_only_environment_file_is_not_named(tmp_path: Path) -> None:
     os.chmod(tmp_path, 0o755)
     path = tmp_path / "vllm.env"

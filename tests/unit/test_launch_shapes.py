@@ -398,7 +398,16 @@ def discovery_for(procfs: ProcFs) -> Discovery:
     )
 
 
-@pytest.mark.parametrize("shape", sorted(SHAPES))
+NEEDS_ROOT = {"cgroup-scope": "a cgroup of its own in the host's cgroup v2 tree"}
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param(name, marks=[pytest.mark.root(NEEDS_ROOT[name])] if name in NEEDS_ROOT else [])
+        for name in sorted(SHAPES)
+    ],
+)
 def test_launch_shape_is_taken_whole_and_alone(shape: str, launch: Launch) -> None:
     SHAPES[shape](launch)
     pids = launch.wait_ready()

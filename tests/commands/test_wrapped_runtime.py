@@ -17,7 +17,7 @@ import pytest
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.host import wrapped_runtime as wrapped
 
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="chown to another account needs root")
+needs_root = pytest.mark.root("chown to another account")
 
 
 def record(tmp_path: Path, text: str, mode: int = 0o644) -> Path:
@@ -173,6 +173,7 @@ def gpu_bundle(tmp_path: Path) -> Path:
     return bundle
 
 
+@pytest.mark.root("not the host's root, the wrapper adds no hooks")
 def test_the_wrapper_keeps_nvidia_s_runtime_in_the_chain(
     tmp_path: Path, runtimes: dict[str, Path]
 ) -> None:
@@ -238,6 +239,7 @@ def test_config_check_shows_what_the_wrapper_runs(
 
 
 @pytest.mark.parametrize(("recorded", "hooked"), [(wrapped.NVIDIA, True), (wrapped.RUNC, False)])
+@pytest.mark.root("not the host's root, the wrapper adds no hooks")
 def test_a_container_without_gpus_yet_is_hooked_where_nvidia_s_runtime_follows(
     tmp_path: Path, runtimes: dict[str, Path], recorded: str, hooked: bool
 ) -> None:

@@ -32,11 +32,11 @@ from gpugate.front.launch_unit import (
     systemd_run_argv,
 )
 from gpugate.phase import Phase
-from tests.core.test_decide import CGROUPS, UNIT_CG, Table, discovery, proc
 from tests.fakes import FakeHost, alive
+from tests.unit.test_decide import CGROUPS, UNIT_CG, Table, discovery, proc
 
 ARABIC_1000 = "\u0661\u0660\u0660\u0660"  # str.isdigit() and int() take it
-needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root: drops to other accounts")
+needs_root = pytest.mark.root("drops to other accounts")
 ALICE, BOB = 64031, 64032  # accounts no one on the machine has
 
 UID_LIKE = st.one_of(

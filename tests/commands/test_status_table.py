@@ -127,6 +127,7 @@ def test_table_cuts_long_unit_names_with_an_ellipsis() -> None:
     assert "0,2,4,6,8… " in row and "other unit" in row and "1h06m" in row
 
 
+@pytest.mark.root("not root, status first warns that holders may be missing")
 def test_status_into_a_closed_pipe_is_quiet(
     host: FakeHost, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
@@ -144,6 +145,7 @@ def test_status_into_a_closed_pipe_is_quiet(
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.root("drops to another user")
 def test_status_as_non_root_warns_that_holders_may_be_missing(host: FakeHost) -> None:
     if os.geteuid() != 0:
         pytest.skip("needs root to drop to another user")

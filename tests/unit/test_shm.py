@@ -147,6 +147,7 @@ def kept(host: FakeHost) -> dict[str, str]:
     return {e["GPUGATE_SHM_PATH"]: e["GPUGATE_REASON"] for e in host.journal.events("shm_kept")}
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_segments_of_a_stale_app_go_and_nothing_else(host: FakeHost, shm: Path) -> None:
     (shm / "sub" / "dir").mkdir(parents=True)
     theirs = [
@@ -190,6 +191,7 @@ def test_segments_of_a_stale_app_go_and_nothing_else(host: FakeHost, shm: Path) 
     assert not host.journal.events("shm_kept")
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_the_rest_of_the_application_counts_too(host: FakeHost, shm: Path) -> None:
     """A process that holds no GPU, taken with its application (the API server, the resource
     tracker): its segments are the killed's as well."""
@@ -215,6 +217,7 @@ def test_the_rest_of_the_application_counts_too(host: FakeHost, shm: Path) -> No
     assert removed_paths(host) == {str(tracker_file)}
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_a_segment_also_held_by_a_process_not_killed_stays(host: FakeHost, shm: Path) -> None:
     shared, with_other_unit, own = shm / "psm_shared", shm / "psm_other", shm / "psm_own"
     worker = gpu_holder(host, f"open:{shared}", f"open:{with_other_unit}", f"open:{own}")
@@ -241,6 +244,7 @@ def test_a_segment_also_held_by_a_process_not_killed_stays(host: FakeHost, shm: 
     assert removed_paths(host) == {str(own)}
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_a_worker_whose_leader_thread_exited_is_read_from_its_threads(
     host: FakeHost, shm: Path
 ) -> None:
@@ -261,6 +265,7 @@ def test_a_worker_whose_leader_thread_exited_is_read_from_its_threads(
     assert removed_paths(host) == {str(segment), str(mapped)}
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_a_deleted_mapping_is_shown_and_a_new_file_of_its_name_stays(
     host: FakeHost, shm: Path
 ) -> None:
@@ -314,6 +319,7 @@ def test_remove_shm_false_leaves_every_file(host: FakeHost, shm: Path, phase: st
     assert not host.journal.events("shm_removed") and not host.journal.events("shm_kept")
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_post_removes_the_units_own_segments(host: FakeHost, shm: Path) -> None:
     segment = shm / "psm_unit"
     worker = gpu_holder(host, f"mapped:{segment}")
@@ -372,6 +378,7 @@ def meddling(host: FakeHost, meddle: Callable[[], None]) -> Callable[[list[ShmAr
     return lambda areas: Meddling(HostShm(areas, Path("/proc")), meddle)  # type: ignore[return-value]
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_a_segment_reopened_after_the_kill_stays(host: FakeHost, shm: Path) -> None:
     reopened, other = shm / "psm_reopened", shm / "psm_other"
     worker = gpu_holder(host, f"open:{reopened}", f"open:{other}")
@@ -389,6 +396,7 @@ def test_a_segment_reopened_after_the_kill_stays(host: FakeHost, shm: Path) -> N
     assert entry["GPUGATE_SHM_HOLDERS"] == str(worker)  # the killed holder; the new one lives
 
 
+@pytest.mark.root("the killed's fds and maps are read as root reads them")
 def test_a_segment_replaced_under_its_name_after_the_kill_stays(host: FakeHost, shm: Path) -> None:
     replaced = shm / "psm_replaced"
     worker = gpu_holder(host, f"open:{replaced}")
@@ -427,6 +435,7 @@ def test_unlink_checks_the_inode_and_never_follows_a_swapped_folder(tmp_path: Pa
     assert unlink_if_same([ShmArea(str(folder), info.st_dev + 1)], file).facts is None
 
 
+@pytest.mark.root("a tmpfs in a private mount namespace")
 def test_a_container_s_own_dev_shm_is_another_device(host: FakeHost, shm: Path) -> None:
     """A process in another mount namespace with its own tmpfs at the same path: its fd names
     the same path as a host file, but the device differs; the host's file stays."""

@@ -16,7 +16,7 @@ from gpugate.errors import ExitCode, GateError, UnknownUnit
 from gpugate.front.cli import main
 from gpugate.report.lines import CHANGE_NOTES
 from gpugate.untrusted import LINE_CHARS
-from tests.core.test_report import make
+from tests.unit.test_report import make
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpugate"
 HOSTILE = "\x1b[2Jx\ny\rz\u202e\x00" + "w" * 20_000  # controls, bidi, NUL, length

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -252,7 +251,7 @@ def test_entry_leaves_a_container_without_gpus_alone(tmp_path: Path) -> None:
         {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=all", "CUDA_VERSION=12.2"]}},
     ],
 )
-@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the hook leaves every one alone")
+@pytest.mark.root("as another user the hook leaves every one alone")
 def test_entry_leaves_a_container_that_reaches_no_gpu_alone(
     tmp_path: Path, spec_body: dict[str, object]
 ) -> None:
@@ -264,7 +263,7 @@ def test_entry_leaves_a_container_that_reaches_no_gpu_alone(
     assert (done.returncode, done.stderr) == (0, b"")
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="as another user the hook leaves it alone")
+@pytest.mark.root("as another user the hook leaves it alone")
 def test_entry_refuses_a_gpu_request_it_cannot_resolve_with_one_line(tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"
     bundle.mkdir(mode=0o700)
@@ -277,6 +276,7 @@ def test_entry_refuses_a_gpu_request_it_cannot_resolve_with_one_line(tmp_path: P
     assert done.stderr.startswith(b"gpugate: oci-hook createRuntime: config.json: ")
 
 
+@pytest.mark.root("as another user the hook leaves every container alone")
 def test_entry_refuses_bad_input_with_one_line() -> None:
     done = run_entry("createRuntime", b"{not json")
     assert done.returncode == ExitCode.USAGE
@@ -285,9 +285,7 @@ def test_entry_refuses_bad_input_with_one_line() -> None:
     assert run_entry("bogus", b"{}").returncode == ExitCode.USAGE
 
 
-@pytest.mark.skipif(
-    os.geteuid() != 0, reason="as another user the hook leaves every container alone"
-)
+@pytest.mark.root("as another user the hook leaves every container alone")
 def test_entry_at_poststop_with_the_bundle_gone_is_quiet() -> None:
     raw = json.dumps({"id": A_ID, "pid": 0, "bundle": "/nonexistent/gone"}).encode()
     assert run_entry("poststop", raw).returncode == 0

@@ -69,6 +69,7 @@ def with_gpus(host: FakeHost, gpus: list[int], **fields: object) -> LoadedConfig
 # --- leases ---------------------------------------------------------------------------
 
 
+@pytest.mark.root("not root, a run warns of the open files it cannot read")
 def test_overlapping_unit_is_refused_until_the_lease_holder_stops(host: FakeHost) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(4))
     host.memory.claim(orphan, {4}, 3000)
@@ -217,6 +218,7 @@ def test_a_lost_gpu_the_unit_does_not_own_is_a_warning(host: FakeHost, lost: set
     assert all(e["PRIORITY"] == str(PRIORITY_WARNING) for e in warnings)
 
 
+@pytest.mark.root("not root, a run warns of the open files it cannot read")
 def test_a_failing_query_on_another_gpu_is_a_warning(host: FakeHost) -> None:
     host.memory.failing_usage = {5}
     assert run(host, "post", loaded=with_gpus(host, [0])).exit_code is ExitCode.OK
@@ -394,6 +396,7 @@ def test_a_uuid_prefix_names_the_one_gpu_it_starts(host: FakeHost) -> None:
 # --- hand runs (gpugate run) -------------------------------------------------------------
 
 
+@pytest.mark.root("not root, a run warns of the open files it cannot read")
 def test_a_hand_runs_lease_says_who_started_it_and_force_runs_onto_it(host: FakeHost) -> None:
     hand = "gpugate-run-vllm-ab12cd.service"
     by = {"GPUGATE_STARTED_BY": "alice (uid 1000, /dev/pts/3)"}
