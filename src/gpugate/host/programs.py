@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 import pwd
-import stat
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gpugate.errors import ProgramNotAnswering, ProgramNotFound
+from gpugate.host.safe_files import first_root_executable
 
 # Root-owned folders where Debian, Ubuntu, RHEL, Slurm's and Docker's packages put their
 # programs, searched in this order. Nothing a unit sets adds to them.
@@ -48,24 +48,8 @@ class Result:
 def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
     """NAME's absolute path in the first of the system folders that has it as an executable
     file; as root, only one owned by root that no other account may rewrite. None if none."""
-    for folder in SYSTEM_DIRS if dirs is None else dirs:
-        path = os.path.join(folder, name)
-        try:
-            info = os.stat(path)
-        except OSError:
-            continue
-        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
-            continue
-        if os.geteuid() == 0 and not _only_root_may_change(info):
-            continue
-        return path
-    return None
-
-
-def _only_root_may_change(info: os.stat_result) -> bool:
-    if info.st_uid != 0 or info.st_mode & stat.S_IWOTH:
-        return False
-    return not (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+    folders = SYSTEM_DIRS if dirs is None else dirs
+    return first_root_executable(os.path.join(folder, name) for folder in folders)
 
 
 def clean_environment() -> dict[str, str]:

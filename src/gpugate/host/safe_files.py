@@ -22,7 +22,7 @@ import errno
 import os
 import secrets
 import stat
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -343,3 +343,25 @@ def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
     # The rename itself is on disk only once the folder is.
     with contextlib.suppress(OSError):
         os.fsync(folder_fd)
+
+
+def first_root_executable(paths: Iterable[str]) -> str | None:
+    """The first of paths that is an executable regular file; as root, only one owned by root
+    that no other account may rewrite. None if none is."""
+    for path in paths:
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
+            continue
+        if os.geteuid() == 0 and not _only_root_may_change(info):
+            continue
+        return path
+    return None
+
+
+def _only_root_may_change(info: os.stat_result) -> bool:
+    if info.st_uid != 0 or info.st_mode & stat.S_IWOTH:
+        return False
+    return not (info.st_mode & stat.S_IWGRP and info.st_gid != 0)

@@ -15,8 +15,6 @@ wrapper run under that mark runs runc, so the chain ends.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +22,7 @@ from pathlib import Path
 from gpugate.compat import tomllib
 from gpugate.errors import ConfigError
 from gpugate.host import trust_text
-from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.host.safe_files import first_root_executable, read_capped, untrusted
 from gpugate.untrusted import echo
 
 RECORD = Path("/etc/gpugate/oci-runtime.toml")
@@ -93,23 +91,7 @@ def record_text(name: str) -> str:
 def find(name: str) -> str | None:
     """The first of the name's fixed paths that is an executable regular file (as root: one
     only root may change)."""
-    for path in PATHS[name]:
-        try:
-            info = os.stat(path)
-        except OSError:
-            continue
-        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
-            continue
-        if os.geteuid() == 0 and not _root_only(info):
-            continue
-        return path
-    return None
-
-
-def _root_only(info: os.stat_result) -> bool:
-    if info.st_uid != 0 or info.st_mode & stat.S_IWOTH:
-        return False
-    return not (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+    return first_root_executable(PATHS[name])
 
 
 def choose(recorded: str, environ: Mapping[str, str]) -> Wrapped:

@@ -58,13 +58,19 @@ def gres_conf_path(slurm_conf: str | None) -> Path:
 
 def read_gres_conf(path: Path) -> str:
     """root's file: root-owned, in folders only root may change, a regular file, capped."""
+    return read_root_file(path, MAX_GRES_BYTES)
+
+
+def read_root_file(path: Path, limit: int) -> str:
+    """A file of Slurm's, root's: GresUnresolved where another account may change it, or it
+    is missing, no regular file, over limit bytes, not UTF-8."""
     where = untrusted(path)
     if where is not None:
         raise GresUnresolved(
             f"{path}: not read, {where.path} may be changed by an account other than root"
         )
     try:
-        data = read_capped(path, MAX_GRES_BYTES, follow_links=True)
+        data = read_capped(path, limit, follow_links=True)
     except FileNotFoundError:
         raise GresUnresolved(f"{path}: no such file") from None
     except (NotRegularFile, TooLarge, OSError) as exc:

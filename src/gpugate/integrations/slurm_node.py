@@ -12,8 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped, untrusted
-from gpugate.integrations.gres_conf import GresUnresolved
+from gpugate.integrations.gres_conf import read_root_file
 
 TMPFS = "job_container/tmpfs"
 JOB_CONTAINER_CONF = "job_container.conf"
@@ -32,27 +31,6 @@ class ShmPrivacy:
         return self.plugin == TMPFS and SHM in [d.strip().rstrip("/") for d in self.dirs.split(",")]
 
 
-def read_root_file(path: Path) -> str:
-    """A file of Slurm's, root's: GresUnresolved where another account may change it, or it
-    is missing, no regular file, too large, not UTF-8."""
-    where = untrusted(path)
-    if where is not None:
-        raise GresUnresolved(
-            f"{path}: not read, {where.path} may be changed by an account other than root"
-        )
-    try:
-        data = read_capped(path, MAX_CONF_BYTES, follow_links=True)
-    except FileNotFoundError:
-        raise GresUnresolved(f"{path}: no such file") from None
-    except (NotRegularFile, TooLarge, OSError) as exc:
-        cause = exc.strerror or str(exc)
-        raise GresUnresolved(f"{path}: cannot read it: {cause}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise GresUnresolved(f"{path}: cannot read it: not UTF-8") from None
-
-
 def last_value(text: str, key: str) -> str:
     """The last `KEY=VALUE` of a Slurm config file (keys in any case, comments dropped)."""
     found = ""
@@ -64,9 +42,9 @@ def last_value(text: str, key: str) -> str:
 
 
 def shm_privacy(slurm_conf: Path) -> ShmPrivacy:
-    plugin = last_value(read_root_file(slurm_conf), "JobContainerType")
+    plugin = last_value(read_root_file(slurm_conf, MAX_CONF_BYTES), "JobContainerType")
     if plugin != TMPFS:
         return ShmPrivacy(plugin, "")
     path = slurm_conf.parent / JOB_CONTAINER_CONF
-    dirs = last_value(read_root_file(path), "Dirs") if path.exists() else ""
+    dirs = last_value(read_root_file(path, MAX_CONF_BYTES), "Dirs") if path.exists() else ""
     return ShmPrivacy(plugin, dirs or DEFAULT_DIRS)
