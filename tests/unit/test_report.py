@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
-from gpugate.report.narrate_unit import lease_refusal_text
+from gpugate.report.narrate import lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 

@@ -35,10 +35,9 @@ from gpugate.host.containers import Container, StopResult
 from gpugate.host.procfs import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
 from gpugate.integrations.unit.shared_host import refusal
-from gpugate.report.holder_text import describe
 from gpugate.report.journal import Event, FieldValue, Reporter
-from gpugate.report.narrate import Narrator
-from gpugate.report.narrate_unit import UnitNarration
+from gpugate.report.narrate import Narrator, UnitNarration
+from gpugate.report.reasons import describe
 from gpugate.untrusted import (
     COMM,
     COMMAND,

@@ -98,7 +98,7 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
     try:
         return run.run()  # an error is told to the surroundings first (core/run.py)
     except Interrupted as exc:
-        from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
+        from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
 
         raise interrupted(exc, run.progress) from None
 
@@ -124,7 +124,7 @@ def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> No
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return
     from gpugate.host.own_shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
-    from gpugate.report.own_shm_text import say_own_shm_gone  # noqa: PLC0415
+    from gpugate.report.lines import say_own_shm_gone  # noqa: PLC0415
 
     devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
     if not is_own_tmpfs(str(roots.dev / "shm"), devs):

@@ -44,7 +44,7 @@ from gpugate.host.systemd import UnitState, query_unit, systemd_running, validat
 from gpugate.host.unit_settings import parse as parse_unit_settings
 from gpugate.host.unit_settings import read_unit
 from gpugate.report import lines
-from gpugate.report.narrate_install import kept_lines
+from gpugate.report.lines import kept_lines
 from gpugate.untrusted import echo
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")

@@ -51,7 +51,7 @@ from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, 
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
-from gpugate.report import lines, reasons
+from gpugate.report import lines
 from gpugate.untrusted import COMMAND, echo, shown
 
 if TYPE_CHECKING:
@@ -134,7 +134,7 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
             raise LaunchError(
-                reasons.sudo_variables_text(
+                lines.sudo_variables_text(
                     {k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ}
                 )
             )
@@ -278,7 +278,7 @@ def refuse_other_accounts(
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
         raise HeldByOthers(
-            reasons.other_account_refusal(unit, others)
+            lines.other_account_refusal(unit, others)
             if others
             else f"not starting {unit}: another account's process holds its GPUs"
         )

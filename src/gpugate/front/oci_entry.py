@@ -67,7 +67,7 @@ def main(
             raise
         spec = parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
     except OciInputError as exc:
-        from gpugate.report.oci_text import hook_failed  # noqa: PLC0415 (a failure's words)
+        from gpugate.report.lines import hook_failed  # noqa: PLC0415 (a failure's words)
 
         print(hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
@@ -95,7 +95,7 @@ def not_gated(stage: str, why: str) -> int:
     if spec.gpus:
         # Loaded only here: a rootless GPU container's start, not every container's.
         from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
-        from gpugate.report.oci_text import not_gated_text  # noqa: PLC0415
+        from gpugate.report.lines import not_gated_text  # noqa: PLC0415
 
         reporter = Reporter(
             f"container-{state.id}", stage, echo=False, fields={"GPUGATE_OCI_CONTAINER": state.id}

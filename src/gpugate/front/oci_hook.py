@@ -43,7 +43,7 @@ from gpugate.integrations.unit.gpu_source import GpuChoice
 from gpugate.integrations.unit.leases import read_leases
 from gpugate.integrations.unit.shared_host import UnitContext
 from gpugate.phase import Phase
-from gpugate.report import lines, oci_text
+from gpugate.report import lines
 from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator
 
@@ -172,13 +172,13 @@ def run_from_hook(
             phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver_factory
         )
     except GateError as exc:
-        print(oci_text.hook_failed(stage, exc.message), file=sys.stderr)
+        print(lines.hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
     except Exception as exc:
         if os.environ.get("GPUGATE_DEBUG"):
             raise
         print(
-            oci_text.hook_failed(stage, lines.internal_error_text(exc)),
+            lines.hook_failed(stage, lines.internal_error_text(exc)),
             file=sys.stderr,
         )
         return int(ExitCode.INTERNAL)

@@ -19,7 +19,7 @@ from gpugate.host.namespaces import not_host_root
 from gpugate.host.oci import read_config, spec_gpu_request
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
-from gpugate.report import oci_text
+from gpugate.report import lines
 
 # runc's global options that take a value (`runc --help`): the command is the first word
 # that is neither an option nor such an option's value.
@@ -123,12 +123,12 @@ def main(argv: Sequence[str]) -> int:
         recorded = read_record()
     except ConfigError as exc:
         if creating:  # a GPU container must not start without the runtime the host chose
-            print(oci_text.runtime_failed(exc.message), file=sys.stderr)
+            print(lines.runtime_failed(exc.message), file=sys.stderr)
             return int(exc.exit_code)
         recorded = RUNC  # state, kill, delete: NVIDIA's runtime passes them to runc unchanged
     wrapped = choose(recorded, os.environ)
     if wrapped.path is None:
-        print(oci_text.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
+        print(lines.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
     # A rootless runtime (its user's namespace) gets its runtime as it is: its hooks would
     # gate nothing (front/oci_entry.py), and its bundle is its user's to write, not gpugate's.

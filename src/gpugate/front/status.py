@@ -35,12 +35,8 @@ from gpugate.integrations.sweep_state import Seen, read_unowned
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
 from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
 from gpugate.phase import Phase
-from gpugate.report.lines import unreadable_holders
-from gpugate.report.narrate import cut_short_text
-from gpugate.report.narrate_shm import size_text
-from gpugate.report.narrate_sweep import unowned_line
-from gpugate.report.narrate_unit import unreadable_record_text
-from gpugate.report.own_shm_text import own_shm_line
+from gpugate.report.lines import own_shm_line, unowned_line, unreadable_holders
+from gpugate.report.narrate import cut_short_text, size_text, unreadable_record_text
 from gpugate.untrusted import (
     CGROUP,
     COMM,

@@ -41,14 +41,14 @@ from gpugate.integrations.unit.leases import RUNNING_STATES, read_leases
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate import Narrator
-from gpugate.report.narrate_sweep import (
+from gpugate.report.lines import (
     state_refused,
     state_unwritable,
     sweep_status,
     unowned_gone,
     unowned_seen,
 )
+from gpugate.report.narrate import Narrator
 
 SWEEP_UNIT = "gpugate-sweep.service"  # the journal's GPUGATE_UNIT, OBJECT_SYSTEMD_UNIT
 SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothing is in it

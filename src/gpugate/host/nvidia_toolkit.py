@@ -15,7 +15,7 @@ from gpugate.host.safe_files import read_capped, untrusted
 CONFIG = Path("/etc/nvidia-container-runtime/config.toml")
 ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
 MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
-# Why NVIDIA's defaults stand in for the file (report/oci_text words them).
+# Why NVIDIA's defaults stand in for the file (report/lines words them).
 UNTRUSTED = "untrusted"  # another account than root may change it or a folder above it
 UNREADABLE = "unreadable"  # not a regular file of at most 1 MiB, not UTF-8 TOML
 NOT_BOOLEAN = "not-boolean"  # one of the two keys is not true or false

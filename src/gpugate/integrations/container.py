@@ -44,10 +44,10 @@ from gpugate.integrations.unit.gpu_source import GpuChoice
 from gpugate.integrations.unit.leases import Lease, LeaseCheck, new_lease
 from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
 from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
-from gpugate.report import oci_text
+from gpugate.report import lines
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate_unit import UnitNarration
-from gpugate.report.oci_text import container_label
+from gpugate.report.lines import container_label
+from gpugate.report.narrate import UnitNarration
 from gpugate.untrusted import CONTAINER, echo, exact, shown
 
 CONFIG_NAME = "containers.toml"
@@ -123,9 +123,7 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
     own = own_cgroup(cgroup, state.id)
     if own is None:
-        raise OciInputError(
-            oci_text.no_own_cgroup(cgroup or "", state.id), code="oci-no-own-cgroup"
-        )
+        raise OciInputError(lines.no_own_cgroup(cgroup or "", state.id), code="oci-no-own-cgroup")
     runtime = own.runtime
     name = runtime_name(state, spec, runtime) if runtime else None
     if name is None and runtime in (None, "docker"):
@@ -249,7 +247,7 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
 
 def request_text(request: GpuRequest) -> str:
     """Where the GPUs came from, for the run's first entry."""
-    return oci_text.request_text(
+    return lines.request_text(
         request.minors, request.refs, request.all_gpus, request.origins, request.note
     )
 

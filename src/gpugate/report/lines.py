@@ -1,21 +1,40 @@
-"""Lines more than one command prints beside a run's journal: the `gpugate:` and warning
-prefixes, install's plan, a failed job's detail, an internal error. A line printed in one
-place is written where it is printed."""
+"""Lines the commands print beside a run's journal (warnings, install's plan, Slurm's and the
+containers' lines, a failed job's detail), and the narration of paths a plain pre never takes:
+`sweep`, post's own /dev/shm, an interrupted run. A line printed in one place is written there."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from gpugate.core.outcome import UNKILLABLE
-from gpugate.untrusted import CGROUP, MARK, REASON, Kind, line, shown
+from gpugate.core.decide import Choice
+from gpugate.core.discover import Holder
+from gpugate.core.outcome import UNKILLABLE, Progress, Stage
+from gpugate.errors import Interrupted
+from gpugate.host.own_shm import OwnShm
+from gpugate.host.procfs import ProcessId
+from gpugate.host.trust_text import account
+from gpugate.host.unit_settings import Setting, UnitSettings
+from gpugate.report.journal import PRIORITY_INFO, PRIORITY_WARNING, Event, Reporter
+from gpugate.report.narrate import size_text, unreadable_text
+from gpugate.report.reasons import held_text
+from gpugate.untrusted import (
+    CGROUP,
+    COMM,
+    COMMAND,
+    CONTAINER,
+    REASON,
+    Kind,
+    escape,
+    exact,
+    line,
+    shown,
+)
 
 if TYPE_CHECKING:
-    from gpugate.core.outcome import BusyGpu, Held, RunSummary
+    from gpugate.core.outcome import Held, RunSummary
 
-MAX_LISTED_PIDS = 10  # PIDs a line lists before "..."
-MAX_LISTED_HOLDERS = 3  # processes named as a file's other holders
 MAX_REASON_HOLDERS = 3  # processes a drain reason names
 SLURM_JOB_CGROUP = re.compile(r"slurmstepd\.scope/job_([0-9]{1,10})(?:/|$)")
 HELD_RULES = {
@@ -24,11 +43,6 @@ HELD_RULES = {
     "other-account": "another account's",
     "watcher": "a watcher",
 }
-
-
-def gpu_list(indices: Iterable[int]) -> str:
-    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
-    return ", ".join(str(index) for index in sorted(indices)) or "none"
 
 
 def error(text: str) -> str:
@@ -50,42 +64,38 @@ def failure_detail(summary: RunSummary | None) -> str:
     memory stayed used; only those GPUs."""
     if summary is None:
         return "failed"
-    parts = [held_text(item) for item in summary.held[:MAX_REASON_HOLDERS]]
+    parts = []
+    for item in summary.held[:MAX_REASON_HOLDERS]:
+        gpus = f" on GPU {','.join(map(str, item.gpus))}" if item.gpus else ""
+        parts.append(f"PID {item.pid} ({item.user or '?'}){gpus}: {held_rule(item)}")
     if len(summary.held) > MAX_REASON_HOLDERS:
         parts.append(f"{len(summary.held) - MAX_REASON_HOLDERS} more PID(s)")
-    parts.extend(busy_text(item) for item in summary.busy)
+    for busy in summary.busy:
+        pids = ", ".join(map(str, busy.pids[:MAX_REASON_HOLDERS]))
+        listed = f", NVML lists PID {pids}" if pids else ""
+        parts.append(
+            f"GPU {busy.gpu.shown} ({busy.gpu.uuid}) still {busy.used_mib} MiB used: "
+            f"memory not freed{listed}"
+        )
     if parts:
         return "; ".join(parts)
     gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
     return f"GPU {gpus}: {summary.exit_code.name.lower()}"
 
 
-def held_text(item: Held) -> str:
-    gpus = f" on GPU {','.join(map(str, item.gpus))}" if item.gpus else ""
-    return f"PID {item.pid} ({item.user or '?'}){gpus}: {held_rule(item)}"
-
-
 def held_rule(item: Held) -> str:
     """The rule in an admin's words: why gpugate left the process alive."""
-    if item.rule == UNKILLABLE:
+    rule = item.rule
+    if rule == UNKILLABLE:
         return "unkillable (survived SIGKILL)"
-    if item.rule == "straddles":
+    if rule == "straddles":
         return f"straddles GPU {','.join(map(str, item.foreign))}, not this job's"
-    if item.rule in ("other-unit", "other-container"):
+    if rule in ("other-unit", "other-container"):
         job = SLURM_JOB_CGROUP.search(item.cgroup or "")
         if job:
             return f"in another job ({job.group(1)})"
         return f"in another unit ({shown(item.other or item.cgroup, CGROUP)})"
-    return HELD_RULES.get(item.rule, item.rule)
-
-
-def busy_text(item: BusyGpu) -> str:
-    pids = ", ".join(map(str, item.pids[:MAX_REASON_HOLDERS]))
-    listed = f", NVML lists PID {pids}" if pids else ""
-    return (
-        f"GPU {item.gpu.shown} ({item.gpu.uuid}) still {item.used_mib} MiB used: "
-        f"memory not freed{listed}"
-    )
+    return HELD_RULES.get(rule, rule)
 
 
 def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
@@ -146,8 +156,8 @@ def slurm_gpu_number(number: int, file: str | None, gpu: str) -> str:
 
 
 def lease_overridden(indices: Sequence[int], holder: str) -> str:
-    shown = ", ".join(map(str, indices))
-    return warning(f"GPU {shown} leased to {holder}; --force: running anyway")
+    gpus = ", ".join(map(str, indices))
+    return warning(f"GPU {gpus} leased to {holder}; --force: running anyway")
 
 
 def reloaded(done: bool) -> str:
@@ -189,6 +199,38 @@ def change(action: str, path: object, note: str, *, dry_run: bool, detail: str =
     return f"{verb} {path}{shown}"
 
 
+def kept_lines(unit: UnitSettings, private_shm: str, hook_timeout_s: int) -> list[str]:
+    """install: each setting of the unit its drop-in keeps, and what it adds of its own."""
+
+    def kept(setting: Setting, why: str) -> str:
+        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
+
+    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
+    timeouts = {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
+    said = [kept(setting, extends) for setting in timeouts.values() if setting is not None]
+    unset = [name for name, setting in timeouts.items() if setting is None]
+    if unset:
+        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {hook_timeout_s}s")
+    notify = unit.notify_access
+    if notify is not None and notify.value == "all":
+        said.append(kept(notify, "it lets the hooks notify too"))
+    elif notify is not None:
+        said.append(
+            f"the unit's NotifyAccess={notify.value} ({notify.path}) "
+            "is replaced by NotifyAccess=exec: the hooks must notify systemd"
+        )
+    if unit.own_shm is not None:
+        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
+    elif private_shm == "off":
+        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
+    else:
+        said.append(
+            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
+            "its segments go with its last process"
+        )
+    return said
+
+
 def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
     """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
     runs = path or f"no {name} installed"
@@ -208,14 +250,8 @@ def unit_or_containers(command: str) -> str:
     return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
 
 
-def unreadable_holders(pids: Sequence[int], limit: int = MAX_LISTED_PIDS) -> str:
-    """Not root: holders among the processes whose open files it may not read are missing."""
-    shown = ", ".join(map(str, pids[:limit]))
-    more = f", {MARK}" if len(pids) > limit else ""
-    return warning(
-        f"not permitted to read the open files of {len(pids)} process(es) (PID {shown}{more}): "
-        "GPU holders among them are not shown; run as root"
-    )
+def unreadable_holders(pids: Sequence[int]) -> str:
+    return warning(f"{unreadable_text(pids)}: GPU holders among them are not shown; run as root")
 
 
 def sweep_timer(*, enabled: bool) -> str:
@@ -224,15 +260,250 @@ def sweep_timer(*, enabled: bool) -> str:
     return "disabled gpugate-sweep.timer: no more sweeps"
 
 
-def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
-    """scontrol's Reason= for a node whose GPU memory nobody has owned for long (at most
-    slurm.MAX_REASON characters: the PIDs are cut first)."""
+def pids_within(head: str, pids: Sequence[int]) -> str:
+    """head and the PIDs, within scontrol's 250 characters of Reason= (the PIDs cut first)."""
     listed = ",".join(map(str, pids))
-    head = f"gpugate: GPU {','.join(map(str, gpus))} held by nobody for {seconds:.0f}s, PID "
     return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+
+
+def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
+    """scontrol's Reason= for a node whose GPU memory nobody has owned for long."""
+    gpu_text = ",".join(map(str, gpus))
+    return pids_within(f"gpugate: GPU {gpu_text} held by nobody for {seconds:.0f}s, PID ", pids)
 
 
 def sweep_unkillable_reason(gpus: Sequence[int], pids: Sequence[int]) -> str:
-    listed = ",".join(map(str, pids))
-    head = f"gpugate: sweep's reap on GPU {','.join(map(str, gpus))} left unkillable PID "
-    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+    gpu_text = ",".join(map(str, gpus))
+    return pids_within(f"gpugate: sweep's reap on GPU {gpu_text} left unkillable PID ", pids)
+
+
+def sweep_gpus(indices: Sequence[int]) -> str:
+    return ",".join(str(index) for index in sorted(indices)) or "-"
+
+
+def unowned_seen(reporter: Reporter, holder: Holder, mib: int | None) -> None:
+    """`gpugate sweep`: a holder first seen unowned (said once, not once a minute)."""
+    info = holder.info
+    used = "unknown MiB" if mib is None else f"{mib} MiB"
+    reporter.event(
+        Event.UNOWNED_SEEN,
+        f"PID {info.pid} ({info.user}) holds GPU {sweep_gpus(sorted(holder.gpus))} ({used}) and "
+        f"no unit, job or container owns it: {shown(info.command, COMMAND)}",
+        priority=PRIORITY_WARNING,
+        pid=info.pid,
+        gpus=sorted(holder.gpus),
+        used_mib=mib,
+        start_time=info.start_time,
+        account=info.user,
+        command=exact(info.command, COMMAND),
+    )
+
+
+def unowned_gone(reporter: Reporter, ident: ProcessId, gpus: Sequence[int], seconds: float) -> None:
+    reporter.event(
+        Event.UNOWNED_GONE,
+        f"PID {ident.pid}, unowned on GPU {sweep_gpus(gpus)} for {seconds:.0f} s, holds no GPU now",
+        priority=PRIORITY_INFO,
+        pid=ident.pid,
+        gpus=list(gpus),
+        start_time=ident.start_time,
+        unowned_s=f"{seconds:.0f}",
+    )
+
+
+def sweep_status(
+    reporter: Reporter, unowned: int, gpus: Sequence[int], reaped: Sequence[int]
+) -> None:
+    """The sweep unit's STATUS= (`systemctl status gpugate-sweep`)."""
+    if not unowned:
+        text = "no process holds a GPU unowned"
+    else:
+        text = f"{unowned} unowned holder(s) on GPU {sweep_gpus(gpus)}"
+    reporter.status(text + (f"; reaped GPU {sweep_gpus(reaped)}" if reaped else ""))
+
+
+def state_refused(path: object, why: str) -> str:
+    return warning(f"{path}: not the sweep's state ({why}): every unowned holder is new again")
+
+
+def state_unwritable(path: object, cause: str) -> str:
+    return warning(f"sweep state not written to {path}: {cause}")
+
+
+def unowned_line(pid: int, seconds: int | None) -> str:
+    """`status`'s note under the table."""
+    since = "?" if seconds is None else f"{seconds} s"
+    return f"(PID {pid}: held by nobody, seen unowned by gpugate sweep for {since})"
+
+
+def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
+    """post, in a unit with a /dev/shm of its own: it goes with the unit's last process.
+    seen: what it held, read through a process of the unit still there when post began."""
+    if seen is None:
+        held = "its processes were gone when post began"
+        sized: dict[str, Any] = {}
+    else:
+        held = (
+            f"{seen.files} file(s), {size_text(seen.used_bytes)} in use, "
+            f"seen through PID {seen.pid}"
+        )
+        sized = {"shm_files": seen.files, "shm_bytes": seen.used_bytes, "pid": seen.pid}
+    reporter.event(
+        Event.SHM_OWN,
+        f"the unit's own /dev/shm ({held}) goes with its last process: "
+        "none of it is in the host's /dev/shm",
+        priority=PRIORITY_INFO,
+        **sized,
+    )
+
+
+def own_shm_line(entry: dict[str, Any], shown: Any) -> str:
+    """status's table: `/dev/shm of vllm.service (its own): 8.0K used of 64.0G, 2 file(s)`.
+    shown: the table's byte formatter."""
+    return (
+        f"/dev/shm of {entry['unit']} (its own, through PID {entry['pid']}): "
+        f"{shown(entry['used_bytes'])} used of {shown(entry['total_bytes'])}, "
+        f"{entry['files']} file(s)"
+    )
+
+
+def doing(progress: Progress) -> str:
+    """What an interrupted run was doing, after "while"."""
+    stage = progress.stage
+    if stage is Stage.STOPPING:
+        return f"stopping {progress.processes} process(es) (round {progress.round_number})"
+    if stage is Stage.LOCKING:
+        if progress.lock_gpu is None:
+            return "taking the GPUs' locks"
+        return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
+    if stage is Stage.WAITING:
+        if not progress.waiting_on:
+            return "waiting for the GPUs and ports to be free"
+        shown = ", ".join(
+            f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
+        )
+        return f"waiting for the driver to free memory ({shown})"
+    if stage is Stage.FINISHING:
+        return "finishing"
+    return "looking for the GPUs' holders"
+
+
+def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
+    """The interruption as the run's error: what it was doing, and what it left."""
+    return Interrupted(
+        f"stopped by {error.signal_name} while {doing(progress)}; it left no GPU lock or lease",
+        error.signal_name,
+        progress.stage.value,
+    )
+
+
+def other_account_refusal(unit: str, choices: list[Choice]) -> str:
+    """gpugate run's one line before it starts anything (exit 22)."""
+    first = choices[0]
+    holder = first.holder
+    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
+    return (
+        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
+        f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
+        f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
+        "nothing was killed; ask that account (or root) to stop it"
+    )
+
+
+def sudo_variables_text(environ: Mapping[str, str]) -> str:
+    """gpugate run under root with SUDO_UID or SUDO_GID that sudo would not have written."""
+    shown = ", ".join(
+        f"{name}={environ[name][:20]!r}" for name in ("SUDO_UID", "SUDO_GID") if name in environ
+    )
+    return (
+        f"{shown}: not a uid and gid as sudo sets them (decimal digits); gpugate run under "
+        "root acts for the account SUDO_UID names and will not guess: unset them, or run it "
+        "through sudo"
+    )
+
+
+def container_label(
+    runtime: str, container_id: str, name: str | None, claimed: tuple[str, str] | None = None
+) -> str:
+    """`podman container vllm (3f2a1b0c4d5e)` with the runtime's own name; with only a name
+    its author set, `podman container 3f2a1b0c4d5e ("vllm" by its annotation KEY)`; else
+    `podman container 3f2a1b0c4d5e`. Names shown escaped."""
+    short = container_id[:12]
+    if name:
+        return f"{runtime} container {shown(name, CONTAINER)} ({short})"
+    if claimed:
+        key, said = claimed
+        return f'{runtime} container {short} ("{shown(said, CONTAINER)}" by its annotation {key})'
+    return f"{runtime} container {short}"
+
+
+# Why NVIDIA's config defaults stood in for its file (host/nvidia_toolkit.py's codes).
+TOOLKIT_NOTES = {
+    "untrusted": "another account than root may change it",
+    "unreadable": "not a regular file of at most 1 MiB of TOML",
+    "not-boolean": "its accept-nvidia-visible-devices-* keys are not true or false",
+}
+
+
+def request_text(
+    minors: Sequence[int],
+    refs: Sequence[str],
+    all_gpus: bool,
+    origins: Sequence[str] = (),
+    note: str = "",
+) -> str:
+    """Where a container's GPUs came from, for the run's first entry: `the container's
+    config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from linux.devices, mounts)`."""
+    parts = []
+    if minors:
+        parts.append("devices " + ", ".join(f"195:{m}" for m in minors))
+    if all_gpus:
+        parts.append("NVIDIA's list: all")
+    elif refs:
+        parts.append("NVIDIA's list: " + ",".join(escape(ref) for ref in refs))
+    if origins:
+        parts.append("from " + ", ".join(escape(origin) for origin in origins))
+    if note in TOOLKIT_NOTES:
+        parts.append(
+            "NVIDIA's defaults assumed: /etc/nvidia-container-runtime/config.toml: "
+            + TOOLKIT_NOTES[note]
+        )
+    return "the container's config.json (" + "; ".join(parts) + ")"
+
+
+def hook_failed(stage: str, text: str) -> str:
+    """`gpugate oci-hook STAGE`'s one line on stderr: the runtime shows it as the hook's error."""
+    return f"gpugate: oci-hook {stage}: {text}"
+
+
+def no_own_cgroup(cgroup: str, container_id: str) -> str:
+    """The refusal of a container whose cgroup its runtime did not make for it alone."""
+    where = f"cgroup {shown(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
+    return (
+        f"container {container_id[:12]} runs in {where}, not in one of its own (a runtime's "
+        "scope or folder named after its id): gated, it would be the unit around it; not "
+        "started (docs/containers.md)"
+    )
+
+
+def not_gated_text(why: str) -> str:
+    """The one journal line of a hook run by a runtime that is not the host's root."""
+    return (
+        f"not gated: the container's runtime is not the host's root ({why}); gpugate gates "
+        "only containers of root's runtimes (docs/containers.md)"
+    )
+
+
+def runtime_failed(text: str) -> str:
+    return f"gpugate-oci-runtime: {text}"
+
+
+def runtime_no_runc(paths: Sequence[str]) -> str:
+    return runtime_failed(f"no runc in {', '.join(paths)}")
+
+
+NOTHING_TO_SET_UP = "no podman, CRI-O, docker or containerd here: nothing to do"
+CONTAINERD_RESTART = (
+    "containerd reads its config only when it starts: systemctl restart containerd "
+    "(running containers keep running)"
+)

@@ -1,21 +1,24 @@
-"""What a run tells the operator: the wording and fields of its journal entries and STATUS=
-lines. The pipeline says what happened (`Narrator.signal_sent(choice, signum)`); this module
-says it in words, so the run's sequence and its narration can each be read on their own. The
-wait's wording is `narrate_wait`; how a holder is named in words, `holder_text`."""
+"""What a run tells the operator: the words and fields of its journal entries and STATUS=
+lines. The run says what happened (`Narrator.signal_sent(choice, signum)`); this says it."""
 
 from __future__ import annotations
 
+import pwd
 import signal
-from typing import TextIO
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
 
 from gpugate.core.decide import Choice, Decision
 from gpugate.core.discover import Discovery
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.respawn import Respawner
 from gpugate.core.roles import Role
-from gpugate.errors import GateError
+from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
+from gpugate.errors import ExitCode, GateError
 from gpugate.host.containers import StopResult
-from gpugate.host.nvml import GpuFault
-from gpugate.report.holder_text import container_fields, container_text, describe
+from gpugate.host.nvml import Gpu, GpuFault
+from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -25,11 +28,11 @@ from gpugate.report.journal import (
     Reporter,
     WaitingReports,
 )
-from gpugate.report.lines import MAX_LISTED_PIDS, gpu_list
-from gpugate.report.narrate_shm import ShmNarration
-from gpugate.report.narrate_wait import WaitNarration
-from gpugate.report.reasons import reason_text
-from gpugate.untrusted import COMM, COMMAND, exact
+from gpugate.report.reasons import container_fields, container_text, describe, gpu_list, reason_text
+from gpugate.untrusted import COMM, COMMAND, FILE, STATE, exact, shown
+
+MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
+MIB = 1024 * 1024
 
 
 def watcher_evidence(discovery: Discovery) -> str:
@@ -38,24 +41,71 @@ def watcher_evidence(discovery: Discovery) -> str:
     return "NVML lists no processes here: device files alone name the holders (no watchers)"
 
 
-def cut_short_text(pids: list[int]) -> str:
-    """Processes whose open files the run's deadline left unread (millions of descriptors)."""
-    shown = ", ".join(map(str, pids[:MAX_LISTED_PIDS]))
+def pid_list(pids: Sequence[int]) -> str:
+    """`PID 1, 2, …`: at most MAX_LISTED_PIDS of them."""
     more = ", …" if len(pids) > MAX_LISTED_PIDS else ""
+    return f"PID {', '.join(map(str, pids[:MAX_LISTED_PIDS]))}{more}"
+
+
+def unreadable_text(pids: Sequence[int]) -> str:
+    """Not root: holders among the processes whose open files it may not read are missing."""
+    return f"not permitted to read the open files of {len(pids)} process(es) ({pid_list(pids)})"
+
+
+def cut_short_text(pids: Sequence[int]) -> str:
+    """Processes whose open files the run's deadline left unread (millions of descriptors)."""
     return (
-        f"the open files of {len(pids)} process(es) (PID {shown}{more}) were not all read "
+        f"the open files of {len(pids)} process(es) ({pid_list(pids)}) were not all read "
         "before the deadline"
     )
 
 
-def stop_failure(result: StopResult) -> str:
-    """Why a runtime's stop failed, in words."""
-    if result.no_cli:
-        return f"no {result.container.runtime} CLI found"
-    return result.error.message if result.error is not None else result.detail
+def size_text(count: int, *, column: bool = False) -> str:
+    """Bytes for a person: 812 B, 4.0 KiB, 1.5 MiB, 3.2 GiB; column (status's narrow one):
+    -, 812B, 4.0K, 1.5M, 3.2G."""
+    if column and count == 0:
+        return "-"
+    units = ("B", "K", "M", "G") if column else ("B", "KiB", "MiB", "GiB")
+    gap = "" if column else " "
+    value = float(count)
+    for unit in units:
+        if value < 1024 or unit == units[-1]:
+            return f"{count}{gap}B" if unit == "B" else f"{value:.1f}{gap}{unit}"
+        value /= 1024
+    return f"{count}{gap}B"
 
 
-class Narrator(WaitNarration, ShmNarration):
+def user_name(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def quoted(path: str) -> str:
+    """A file's name between quotes, shown (any account may name a file in /dev/shm)."""
+    return f"'{shown(path, FILE)}'"
+
+
+def kept_text(item: ShmRemoval) -> str:
+    """Why a file of the killed stays, in words (its code is GPUGATE_REASON)."""
+    by = ", ".join(item.kept_by)
+    facts = item.facts
+    owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
+    words = {
+        Kept.ALSO_HELD: f"also held by {by}, not killed",
+        Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
+        "account may take on any file it can name: no evidence it was theirs",
+        Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
+        Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
+        Kept.HELD_NOW: f"open or mapped now by {by}",
+        Kept.GONE: "gone already, or replaced since",
+        Kept.UNLINK_FAILED: f"unlink: {item.detail}",
+    }
+    return words.get(item.kept, "") if item.kept is not None else ""
+
+
+class Narrator:
     """One run's journal entries and STATUS= lines, through the run's Reporter."""
 
     def __init__(self, reporter: Reporter) -> None:
@@ -63,6 +113,9 @@ class Narrator(WaitNarration, ShmNarration):
         self.reporter = reporter
         self.dry_run = reporter.dry_run
         self.waiting = WaitingReports(reporter)
+
+    def status(self, text: str) -> None:
+        self.reporter.status(text)
 
     def looking(self) -> None:
         self.status("looking for processes holding the GPUs")
@@ -95,12 +148,9 @@ class Narrator(WaitNarration, ShmNarration):
     def blind_spots(self, discovery: Discovery) -> None:
         """What this run cannot see: other users' open files, another PID namespace."""
         if discovery.unreadable:
-            shown = ", ".join(map(str, discovery.unreadable[:MAX_LISTED_PIDS]))
-            more = ", …" if len(discovery.unreadable) > MAX_LISTED_PIDS else ""
             self.reporter.event(
                 Event.WARNING,
-                f"not permitted to read the open files of {len(discovery.unreadable)} "
-                f"process(es) (PID {shown}{more}): GPU holders among them are invisible; "
+                f"{unreadable_text(discovery.unreadable)}: GPU holders among them are invisible; "
                 "run gpugate as root",
                 priority=PRIORITY_WARNING,
                 reason="unreadable",
@@ -112,9 +162,8 @@ class Narrator(WaitNarration, ShmNarration):
                 priority=PRIORITY_WARNING,
                 reason="scan-cut-short",
             )
-        owned = discovery.owned_indices
         for gpu_index, pid in discovery.invisible:
-            if gpu_index in owned:
+            if gpu_index in discovery.owned_indices:
                 self.reporter.event(
                     Event.WARNING,
                     f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
@@ -188,9 +237,14 @@ class Narrator(WaitNarration, ShmNarration):
 
     def container_stopped(self, result: StopResult) -> None:
         verb = f"{result.container.runtime} stop"
-        outcome = (
-            "stopped" if result.ok else f"failed ({stop_failure(result)}); signalling its processes"
-        )
+        if result.ok:
+            outcome = "stopped"
+        else:
+            if result.no_cli:
+                why = f"no {result.container.runtime} CLI found"
+            else:
+                why = result.error.message if result.error is not None else result.detail
+            outcome = f"failed ({why}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
             f"{verb} {container_text(result.container)}: {outcome}",
@@ -255,17 +309,165 @@ class Narrator(WaitNarration, ShmNarration):
             reason="nvml-not-answering",
         )
 
+    def lock_wait(self, gpu: Gpu, left_s: float) -> None:
+        self.status(f"waiting for another gpugate run on {gpu.label}")
+        self.waiting.lock(gpu.label, gpu.index, left_s)
+
+    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
+        first = busy[0]
+        self.status(
+            f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
+            f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
+        )
+        self.waiting.memory({item.gpu.index: item.used_mib for item in busy}, free_mib, left_s)
+
+    def memory_timeout(
+        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
+    ) -> None:
+        holders = ", ".join(str(pid) for pid in item.pids) or "no process"
+        self.reporter.event(
+            Event.TIMEOUT,
+            f"{item.gpu.label} still has {item.used_mib} MiB used (free at {free_mib} MiB)"
+            f" after {timeout_s:g} s; NVML lists: {holders}",
+            priority=PRIORITY_ERR if failing else PRIORITY_WARNING,
+            gpus=[item.gpu.index],
+            used_mib=item.used_mib,
+            gpu_uuid=item.gpu.uuid,
+        )
+
+    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None:
+        for respawner in respawners:
+            info = respawner.info
+            self.reporter.event(
+                Event.TIMEOUT,
+                f"PID {info.pid} ({info.user}): {shown(info.command, COMMAND)} respawned the "
+                f"holders {respawner.respawns} time(s) and was still respawning after "
+                f"{timeout_s:g} s; it is not part of the application (a login shell, a "
+                "supervisor): stop it, or run the server under the unit",
+                priority=PRIORITY_ERR,
+                pid=info.pid,
+                command=exact(info.command, COMMAND),
+                respawns=respawner.respawns,
+                reason="respawning",
+            )
+        self.status("failed: the holders keep respawning")
+
+    def respawned(self, respawner: Respawner) -> None:
+        info = respawner.info
+        self.reporter.event(
+            Event.HOLDER_FOUND,
+            f"PID {info.pid} ({info.user}): {shown(info.command, COMMAND)} respawned the holders "
+            f"{respawner.respawns} time(s) during the wait; each respawn was killed",
+            priority=PRIORITY_WARNING,
+            pid=info.pid,
+            command=exact(info.command, COMMAND),
+            respawns=respawner.respawns,
+            reason="respawned",
+        )
+
+    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None:
+        self.reporter.event(
+            Event.TIMEOUT,
+            f"TCP port {', '.join(map(str, ports))} still listened on after {timeout_s:g} s "
+            "by a process gpugate cannot see (not root, or its fds are unreadable)",
+            priority=PRIORITY_ERR,
+            ports=",".join(map(str, ports)),
+        )
+
+    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:
+        self.reporter.event(
+            Event.MEMORY_FREED,
+            f"GPU {', '.join(gpu.shown for gpu in sorted(owned, key=lambda g: g.index))} free "
+            f"(at or below {free_mib} MiB) after {seconds:.2f} s",
+            gpus=[gpu.index for gpu in owned],
+        )
+
+    def shm_files(self, removals: list[ShmRemoval]) -> None:
+        for item in removals:
+            if item.removed and item.facts is not None:
+                self._removed(item, item.facts)
+            else:
+                self._kept(item)
+
+    def _removed(self, item: ShmRemoval, facts: FileFacts) -> None:
+        holders = ", ".join(map(str, item.holders))
+        whose = f"PID {holders}, which would be killed" if self.dry_run else f"killed PID {holders}"
+        self.reporter.event(
+            Event.SHM_REMOVED,
+            f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
+            f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of {whose}",
+            priority=PRIORITY_NOTICE,
+            shm_path=exact(facts.path, FILE),
+            shm_bytes=facts.bytes,
+            shm_size=facts.size,
+            shm_holders=holders,
+        )
+
+    def _kept(self, item: ShmRemoval) -> None:
+        path = item.facts.path if item.facts else item.file.path
+        sized: dict[str, Any] = {} if item.facts is None else {"shm_bytes": item.facts.bytes}
+        holders = ", ".join(map(str, item.holders))
+        why = kept_text(item)
+        self.reporter.event(
+            Event.SHM_KEPT,
+            f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
+            f"killed PID {holders}: {why}",
+            priority=PRIORITY_INFO,
+            shm_path=exact(path, FILE),
+            shm_holders=holders,
+            shm_kept=why,
+            reason=str(item.kept or ""),
+            **sized,
+        )
+
+    def shm_short(
+        self,
+        short: SpaceShort,
+        holders: Mapping[ShmKey, list[int]],
+        label: Callable[[int], str],
+    ) -> None:
+        """holders: PIDs holding each of the largest files."""
+        parts = []
+        for key, facts in short.largest:
+            held = holders.get(key, [])
+            by = ", ".join(label(pid) for pid in held[:2]) if held else "no process"
+            parts.append(
+                f"{quoted(facts.path)} {size_text(facts.bytes)} (owner {user_name(facts.uid)}, "
+                f"held by {by})"
+            )
+        largest = "; largest: " + "; ".join(parts) if parts else ""
+        would = "would have" if self.dry_run else "has"
+        self.reporter.event(
+            Event.ERROR,
+            f"{short.space.area.path} {would} {size_text(short.free_bytes)} free after the "
+            f"cleanup, less than shm_min_free_mib = {short.needed_bytes // MIB}{largest}",
+            priority=PRIORITY_ERR,
+            exit_code=int(ExitCode.SHM_SPACE),
+            shm_path=short.space.area.path,
+            shm_free_bytes=short.free_bytes,
+            shm_needed_bytes=short.needed_bytes,
+        )
+        self.status(f"{short.space.area.path} short of free space")
+
     def finished(self, summary: RunSummary) -> None:
         result = summary.result
         if self.dry_run:
-            self.dry_run_finished(summary)
+            verdict = "would succeed" if result == "success" else f"would fail: {result}"
+            self.reporter.event(
+                Event.RUN_FINISHED,
+                f"dry run: would kill {summary.would_kill} process(es); the run {verdict}; "
+                "nothing was killed",
+                priority=PRIORITY_NOTICE,
+                result=result,
+                would_kill=summary.would_kill,
+            )
             return
         self.reporter.event(
             Event.RUN_FINISHED,
             f"{result}: {len(summary.killed)} process(es) stopped in {summary.rounds} round(s);"
             f" discover {summary.seconds_discover * 1000:.0f} ms, kill {summary.seconds_kill:.2f}"
             f" s, wait {summary.seconds_wait:.2f} s",
-            priority=PRIORITY_NOTICE if summary.result == "success" else PRIORITY_ERR,
+            priority=PRIORITY_NOTICE if result == "success" else PRIORITY_ERR,
             result=result,
             killed=len(summary.killed),
             seconds_wait=f"{summary.seconds_wait:.3f}",
@@ -276,23 +478,8 @@ class Narrator(WaitNarration, ShmNarration):
         else:
             self.status(f"done: {result}")
 
-    def dry_run_finished(self, summary: RunSummary) -> None:
-        """A dry run's last line, also when nothing would be killed."""
-        result = summary.result
-        verdict = (
-            "the run would succeed" if result == "success" else f"the run would fail: {result}"
-        )
-        self.reporter.event(
-            Event.RUN_FINISHED,
-            f"dry run: would kill {summary.would_kill} process(es); {verdict}; nothing was killed",
-            priority=PRIORITY_NOTICE,
-            result=result,
-            would_kill=summary.would_kill,
-        )
-
     def state_unwritable(self, error: GateError) -> None:
-        """A phase after a stop found its state folder unwritable (full, read-only, missing):
-        it goes on; what it then cannot record it says as it comes."""
+        """After a stop, the state folder unwritable: the run goes on."""
         self.reporter.event(
             Event.WARNING,
             f"{error.message}; {self.reporter.phase} goes on: killing what is left and "
@@ -311,8 +498,7 @@ class Narrator(WaitNarration, ShmNarration):
         )
 
     def metrics_not_written(self, path: object, cause: str) -> None:
-        """Metrics are never a run's failure (docs/metrics.md): a warning, the run's exit as
-        it was."""
+        """Metrics are never a run's failure (docs/metrics.md)."""
         self.reporter.event(
             Event.WARNING,
             f"metrics not written to {path}: {cause}; the run's result stands",
@@ -321,6 +507,140 @@ class Narrator(WaitNarration, ShmNarration):
         )
 
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
-        """A run that ended in an error: one entry (with its code where it has
-        one), and one line on error_stream (default stderr) where it is not the journal already."""
+        """One entry, and one line on error_stream (default stderr) unless it is the journal."""
         self.reporter.fail(error.message, int(error.exit_code), error_stream, error.code)
+
+
+class UnitNarration:
+    """What a systemd unit's surroundings say: its GPU leases, this start's failed pre."""
+
+    def __init__(self, reporter: Reporter) -> None:
+        self.reporter = reporter
+
+    def not_recorded(self, error: GateError) -> None:
+        """After a stop: a lease or failed-start record that could not be removed."""
+        self.reporter.event(
+            Event.WARNING,
+            f"{error.message}; not recorded, {self.reporter.phase} goes on",
+            priority=PRIORITY_WARNING,
+            reason="state-not-recorded",
+            problem=error.code,
+        )
+
+    def lease_unreadable(self, path: Path, why: str = "") -> None:
+        self.reporter.event(
+            Event.WARNING,
+            unreadable_record_text(path, "a gpugate lease", why),
+            priority=PRIORITY_WARNING,
+            reason="lease-unreadable",
+        )
+
+    def failed_start_unreadable(self, path: Path, why: str) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            unreadable_record_text(path, "a gpugate failed-start record", why),
+            priority=PRIORITY_WARNING,
+            reason="failed-start-unreadable",
+        )
+
+    def lease_stale(
+        self, lease_unit: str, gpus: Sequence[int], state: str, *, dry_run: bool
+    ) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"GPU lease of {shown(lease_unit, STATE)} on GPU {gpu_list(gpus)} is stale "
+            f"({shown(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
+            "it over",
+            priority=PRIORITY_WARNING,
+            gpus=list(gpus),
+            reason="lease-stale",
+            lease_unit=lease_unit,
+            lease_unit_state=state,
+        )
+
+    def gpus_shared(self, lease_unit: str, gpus: Sequence[int]) -> None:
+        self.reporter.event(
+            Event.PROCESS_SPARED,
+            f"GPU {gpu_list(gpus)} shared with {shown(lease_unit, STATE)} (share_gpus in both)",
+            gpus=list(gpus),
+            reason="shared",
+            lease_unit=lease_unit,
+        )
+
+    def lease_refused(self, refusal: str, gpus: Sequence[int], *, first: bool = True) -> None:
+        """first: the run's refusal (STATUS= says it); False: another unit's processes refused
+        the run already (the narrator set STATUS=), and its lease holds the GPUs too."""
+        self.reporter.event(
+            Event.REFUSED,
+            f"not starting {self.reporter.unit}: {refusal}",
+            priority=PRIORITY_ERR,
+            gpus=sorted(gpus),
+            reason="leased",
+        )
+        if first:
+            self.reporter.status(f"refused: {refusal}")
+
+    def lease_overridden(self, lease_unit: str, holder: str, gpus: Sequence[int]) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"GPU {gpu_list(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
+            "(gpugate run --force)",
+            priority=PRIORITY_WARNING,
+            gpus=list(gpus),
+            reason="lease-forced",
+            lease_unit=lease_unit,
+        )
+
+    def start_failed_earlier(self, reason: str) -> None:
+        # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
+        text = f"start failed in gpugate pre: {reason}"
+        self.reporter.event(
+            Event.ERROR, text, priority=PRIORITY_ERR, reason="failed-start", failed_start=reason
+        )
+        self.reporter.status(text)
+
+    def waiting_skipped(self, gpus: Sequence[Gpu]) -> None:
+        self.reporter.event(
+            Event.TIMEOUT,
+            f"not waiting again on GPU {gpu_list(g.index for g in gpus)}: this start's pre "
+            "already waited its wait_timeout_s for that memory",
+            priority=PRIORITY_WARNING,
+            gpus=[gpu.index for gpu in gpus],
+            reason="failed-start",
+        )
+
+
+def unreadable_record_text(path: Path, what: str, why: str) -> str:
+    """A state file gpugate reads back that is not one of its records: said once, ignored."""
+    because = f" ({why})" if why else ""
+    return f"{shown(str(path), FILE)}: not {what}{because}; ignored"
+
+
+def failed_start_text(
+    exit_code: int, exit_name: str, busy: Sequence[tuple[str, int, Sequence[int]]], timeout_s: float
+) -> str:
+    """What a failed pre records for its post to say: busy is (GPU label, MiB used, PIDs)."""
+    if busy:
+        return "; ".join(
+            f"{label} still {used_mib} MiB used after {timeout_s:g} s"
+            f" (PIDs {', '.join(map(str, pids)) or 'none listed'})"
+            for label, used_mib, pids in busy
+        )
+    return f"exit {exit_code} ({exit_name.lower()}); see journalctl for its entries"
+
+
+def lease_refusal_text(
+    conflicts: Sequence[tuple[Sequence[int], str]], *, containers: bool = False
+) -> str:
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease); containers:
+    every lease is a running container's."""
+    parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
+    if containers:
+        return "; ".join(parts) + (
+            ": that container is still running and holds them until it stops;"
+            " stop it first, or set share_gpus = true in both configs"
+        )
+    return (
+        "; ".join(parts) + ": that unit is still active or activating and holds them until"
+        " its post; stop it first, or set share_gpus = true in both units' configs"
+    )

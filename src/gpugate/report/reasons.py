@@ -1,13 +1,50 @@
-"""A choice's rule in words: what the journal's holder entries say after the holder."""
+"""A holder in words, as every journal entry about it names it, and its choice's rule in words."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable
+from typing import Any
 
 from gpugate.core.decide import Choice, Rule, Verdict
+from gpugate.host.containers import Container
 from gpugate.host.trust_text import account
-from gpugate.report.holder_text import container_handle, container_text
-from gpugate.untrusted import CGROUP, COMM, shown
+from gpugate.untrusted import CGROUP, COMMAND, CONTAINER, exact, shown
+
+
+def gpu_list(indices: Iterable[int]) -> str:
+    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
+    return ", ".join(str(index) for index in sorted(indices)) or "none"
+
+
+def describe(choice: Choice) -> str:
+    info = choice.holder.info
+    gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
+    sources = ",".join(sorted(choice.holder.sources))
+    command = shown(info.command, COMMAND)
+    where = f", {container_text(choice.holder.container)}" if choice.holder.container else ""
+    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
+
+
+def container_text(container: Container) -> str:
+    """`docker container vllm (3f2a1b0c4d5e)`: Container.label with its creator's name shown."""
+    if container.name:
+        name = shown(container.name, CONTAINER)
+        return f"{container.runtime} container {name} ({container.short_id})"
+    return container.label
+
+
+def container_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
+    container = choice.holder.container
+    if container is None:
+        return {}
+    fields: dict[str, Any] = {
+        "container": exact(container.id, CONTAINER),
+        "container_runtime": container.runtime,
+    }
+    if container.name:
+        fields["container_name"] = exact(container.name, CONTAINER)
+    return fields
 
 
 def held_text(choice: Choice) -> str:
@@ -18,7 +55,7 @@ def held_text(choice: Choice) -> str:
 
 
 def reason_text(choice: Choice, unit: str, phase: str) -> str:
-    """unit: the run's unit; phase: its phase (named in the setting that blocked)."""
+    """What the journal says after the holder; phase: named in the setting that blocked."""
     held = held_text(choice)
     holder = choice.holder
     rule = choice.rule
@@ -39,7 +76,10 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
     if rule is Rule.APP_TREE:
         return f"same application as PID {choice.seed_pid}"
     if rule is Rule.OTHER_ACCOUNT:
-        return other_account(choice, held)
+        return (
+            f"{account(holder.info.uid)}'s process holds {held or 'them'}; this "
+            f"`gpugate run` acts for {account(choice.for_uid)} and kills only its processes"
+        )
     if rule is Rule.ORPHAN:
         kept = choice.verdict is Verdict.BLOCK
         return f"orphan holding {held}" + (f" ({phase}.kill_orphans = false)" if kept else "")
@@ -52,41 +92,9 @@ def other_unit_text(choice: Choice, unit: str, held: str) -> str:
         return f"{container_text(container) if container else other} holds {held}"
     if container is None:
         return f"active unit {other} holds {held} (kill_other_units = false)"
-    handle = container_handle(container)
+    handle = shown(container.handle, CONTAINER)
     return (
         f"{container_text(container)} holds {held} (scope {other}; kill_other_units = false); "
         f'if it is {unit}\'s, set containers = ["{handle}"] in its gpugate config '
         f"(gpugate install {unit} --container {handle})"
-    )
-
-
-def other_account(choice: Choice, held: str) -> str:
-    return (
-        f"{account(choice.holder.info.uid)}'s process holds {held or 'them'}; this "
-        f"`gpugate run` acts for {account(choice.for_uid)} and kills only its processes"
-    )
-
-
-def other_account_refusal(unit: str, choices: list[Choice]) -> str:
-    """gpugate run's one line before it starts anything (exit 22)."""
-    first = choices[0]
-    holder = first.holder
-    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
-    return (
-        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
-        f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
-        f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
-        "nothing was killed; ask that account (or root) to stop it"
-    )
-
-
-def sudo_variables_text(environ: Mapping[str, str]) -> str:
-    """gpugate run under root with SUDO_UID or SUDO_GID that sudo would not have written."""
-    shown = ", ".join(
-        f"{name}={environ[name][:20]!r}" for name in ("SUDO_UID", "SUDO_GID") if name in environ
-    )
-    return (
-        f"{shown}: not a uid and gid as sudo sets them (decimal digits); gpugate run under "
-        "root acts for the account SUDO_UID names and will not guess: unset them, or run it "
-        "through sudo"
     )

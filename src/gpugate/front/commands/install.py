@@ -108,14 +108,14 @@ def containers_setup(
     changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
     changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
-        from gpugate.report.oci_text import NOTHING_TO_SET_UP  # noqa: PLC0415
+        from gpugate.report.lines import NOTHING_TO_SET_UP  # noqa: PLC0415
 
         print(NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     plan.apply(changes, dry_run=dry_run, reload=lambda: False)
     written = {c.path for c in changes if c.action in (plan.Action.WRITE, plan.Action.REMOVE)}
     if host.containerd_config in written and not dry_run:
-        from gpugate.report.oci_text import CONTAINERD_RESTART  # noqa: PLC0415
+        from gpugate.report.lines import CONTAINERD_RESTART  # noqa: PLC0415
 
         print(CONTAINERD_RESTART)
     if host.daemon_json in written and not dry_run and not no_reload:

@@ -21,7 +21,7 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import write_atomically
 from gpugate.integrations import records
 from gpugate.integrations.records import BadRecord
-from gpugate.report.narrate_unit import lease_refusal_text
+from gpugate.report.narrate import lease_refusal_text
 from gpugate.untrusted import STATE, shown
 
 LEASE_FOLDER = "leases"

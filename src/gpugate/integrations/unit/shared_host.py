@@ -59,9 +59,9 @@ from gpugate.integrations.unit.start_failure import (
     record_failed_pre,
 )
 from gpugate.phase import Phase
-from gpugate.report.holder_text import describe
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate_unit import UnitNarration, failed_start_text
+from gpugate.report.narrate import UnitNarration, failed_start_text
+from gpugate.report.reasons import describe
 from gpugate.untrusted import cut
 
 
@@ -231,7 +231,7 @@ class UnitSurroundings:
         waiting for need no second wait in post."""
         busy: Sequence[BusyGpu] = ()
         if isinstance(error, Interrupted):
-            from gpugate.report.stage_text import interrupted  # noqa: PLC0415 (a stopped run's)
+            from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
 
             error, busy = interrupted(error, progress), progress.last_busy
         self._ended(error.exit_code, error.message, busy, ended_by=error)
