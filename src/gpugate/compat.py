@@ -1,9 +1,5 @@
-"""What Python 3.11 added that gpugate uses, for 3.9 and 3.10: `StrEnum` and `tomllib`.
-
-On 3.11+ these are the standard library's own; on older interpreters `StrEnum` is a `str` enum
-whose `str()` and `format()` give the value (as 3.11's does, where a plain `(str, Enum)` gives
-`Class.MEMBER` from 3.12 on), and TOML is parsed by `tomli`, the library `tomllib` was made from.
-"""
+"""What Python 3.11 added, for 3.9 and 3.10: `tomllib` (through tomli, which it was made
+from) and `StrEnum` (whose str() and format() give the value, as a `(str, Enum)` does not)."""
 
 from __future__ import annotations
 
@@ -18,8 +14,6 @@ else:
     import tomli as tomllib
 
     class StrEnum(str, Enum):
-        """A string enum: its members are strings and print as their values."""
-
         def __str__(self) -> str:
             return str(self.value)
 

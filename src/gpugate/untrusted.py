@@ -1,24 +1,11 @@
 """What processes say about themselves, made fit to show: escaped and bounded.
 
-A command line, comm, cgroup path, container name or file name is text that any
-account can set (a process title, a file in /dev/shm, a cgroup under its own user@.service).
-It reaches gpugate's output only through this module:
-
-- `shown(value, KIND)`: text for an operator (journal MESSAGE, STATUS=, stderr, the dry run,
-  the status table, `status --json`): control characters escaped as systemd's journalctl
-  shows them (`\\n`, `\\a`, `\\x1b`), bytes that are not UTF-8 (Python's surrogateescape'd
-  strings from /proc) as `\\xff`, any other character that is not printable (DEL, C1 controls,
-  bidi overrides, line separators) as its UTF-8 bytes, `\\xc2\\x85`; then cut to the kind's
-  bound, the cut marked `…`. Printable text, backslashes included, passes unchanged, so the
-  escaping is idempotent: text escaped twice reads as text escaped once.
-- `exact(value, KIND)`: a structured journal field's value: the very bytes (the journal is
-  binary safe), cut to the kind's byte bound.
-- `shown_args(argv)`: a command line as `status --json` lists it: each argument shown, the
-  whole within the command bound.
-- `line(text)`: the last guard of every channel (Reporter, the error line of `main`): a
-  sentence gpugate made, escaped as above, never raises, and at most LINE_CHARS long.
-
-Nothing here raises on any str: every code point, lone surrogates too, has a rendering.
+A command line, comm, cgroup path, container name or file name is text any account can set;
+it reaches gpugate's output only through this module. Shown text escapes control characters
+as journalctl shows them (`\\n`, `\\x1b`), bytes that are not UTF-8 (surrogateescape'd) as
+`\\xff`, any other unprintable character (DEL, C1, bidi overrides) as its UTF-8 bytes; printable
+text, backslashes included, passes unchanged, so escaping twice reads as once. No function here
+raises on any str.
 """
 
 from __future__ import annotations
@@ -33,8 +20,8 @@ LINE_CHARS = 8192  # one journal MESSAGE, STATUS= text or stderr line, at most
 
 @dataclass(frozen=True)
 class Kind:
-    """A kind of untrusted field and its bounds: `chars` for shown text (escaped, the mark
-    included), `exact_bytes` for a structured journal field's exact bytes."""
+    """A kind of untrusted field: `chars` for shown text (escaped, the mark included),
+    `exact_bytes` for a structured journal field's exact bytes."""
 
     name: str
     chars: int
@@ -77,8 +64,8 @@ def cut(text: str, chars: int) -> str:
 
 
 def shown(value: str | None, kind: Kind) -> str:
-    """value escaped and cut to the kind's bound; "" for None. Reads at most chars + 1
-    characters of value, however long it is; never splits an escape."""
+    """For an operator (MESSAGE, STATUS=, stderr, status): escaped, cut to the kind's bound
+    (reading at most chars + 1 characters of value), never splitting an escape."""
     return _shown(value or "", kind.chars)[0]
 
 
@@ -104,9 +91,8 @@ def _shown(value: str, chars: int) -> tuple[str, bool]:
 
 
 def shown_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bool]:
-    """A command line's arguments, each shown, together within kind.chars (the spaces that
-    would join them counted); True where an argument was cut or left out (the last one kept
-    then ends in the mark)."""
+    """A command line as `status --json` lists it: each argument shown, all together (and the
+    spaces that would join them) within kind.chars; True where one was cut or left out."""
     result: list[str] = []
     left = kind.chars
     for arg in argv:
@@ -124,8 +110,8 @@ def shown_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bo
 
 
 def exact(value: str | None, kind: Kind) -> str | bytes:
-    """The value's own bytes for a structured journal field, cut to kind.exact_bytes: a str
-    where they are UTF-8, else bytes (never re-encoded, never raising)."""
+    """A structured journal field's value: its own bytes cut to kind.exact_bytes, a str where
+    they are UTF-8 (the journal is binary safe)."""
     if not value:
         return ""
     head = value[: kind.exact_bytes]
@@ -141,7 +127,7 @@ def exact(value: str | None, kind: Kind) -> str | bytes:
 
 
 def line(text: str) -> str:
-    """A sentence gpugate made, fit for any channel: escaped, at most LINE_CHARS."""
+    """Every channel's last guard: a sentence gpugate made, escaped, at most LINE_CHARS."""
     return shown(text, Kind("line", LINE_CHARS, LINE_CHARS))
 
 
@@ -149,8 +135,7 @@ ECHO_MAX = 60  # characters of a value (or key) an error message repeats
 
 
 def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
-    """A value as an error message repeats it: repr'd (quote) or shown, and cut short (a 10 MB
-    value in a config file must not become a 10 MB stderr line)."""
+    """A value as an error message repeats it: repr'd (quote) or shown, and cut short."""
     if quote:
         return cut(repr(value), limit)
     return shown(str(value), Kind("value", limit, limit))
