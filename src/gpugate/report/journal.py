@@ -1,8 +1,5 @@
-"""Reporting: structured journald entries, sd_notify STATUS= lines, readable stderr.
-
-The journal and notify channels are injected (python-systemd by default), so tests capture
-exactly what an operator's `journalctl` would show.
-"""
+"""Structured journald entries, sd_notify STATUS= lines, readable stderr. The journal and
+notifier are injected (python-systemd by default): tests capture what `journalctl` shows."""
 
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ FieldValue = Union[str, bytes]  # bytes: a field's exact bytes (untrusted.exact)
 
 
 class Event(Enum):
-    """Each kind of event has a MESSAGE_ID, documented in packaging/gpugate.catalog."""
+    """Each kind's MESSAGE_ID, documented in packaging/gpugate.catalog."""
 
     RUN_STARTED = "7d1f3a0c2b7e4c1e9a1b6f0d3e5a8c21"
     HOLDER_FOUND = "2c9a6e4b1d3f4a7e8b0c5d2e6f1a9b34"
@@ -48,6 +45,15 @@ class Event(Enum):
 
 
 PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 3, 4, 5, 6
+KIND_PRIORITY = {  # an entry's priority where its call names none; else PRIORITY_INFO
+    Event.WARNING: PRIORITY_WARNING,
+    Event.ERROR: PRIORITY_ERR,
+    Event.REFUSED: PRIORITY_ERR,
+    Event.SURVIVOR: PRIORITY_ERR,
+    Event.TIMEOUT: PRIORITY_ERR,
+    Event.SIGNAL_SENT: PRIORITY_NOTICE,
+    Event.SHM_REMOVED: PRIORITY_NOTICE,
+}
 SYSLOG_IDENTIFIER = "gpugate"  # `journalctl -t gpugate`; the stderr systemd captures has it too
 WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
@@ -75,8 +81,7 @@ class SystemdJournal:
 
 
 def as_field(value: str | bytes | int) -> FieldValue:
-    """A field's value as every Journal takes it: a str that is UTF-8, else its bytes (a
-    process's text the caller did not pass through untrusted.exact: still never raising)."""
+    """A field's value as every Journal takes it: a str that is UTF-8, else its bytes."""
     if isinstance(value, int):
         return str(value)
     if isinstance(value, bytes):
@@ -90,7 +95,7 @@ def as_field(value: str | bytes | int) -> FieldValue:
 
 def _field(name: str, value: FieldValue) -> str | bytes:
     """NAME=value for sendv: a str where it is UTF-8, else bytes (python-systemd encodes a str
-    strictly; a process's own bytes go as they are, in the journal's binary form)."""
+    strictly)."""
     value = as_field(value)
     if isinstance(value, str):
         return f"{name}={value}"
@@ -159,9 +164,8 @@ class Reporter:
         self.dry_run = False
 
     def as_dry_run(self, stream: TextIO | None = None) -> Reporter:
-        """This reporter's dry-run twin: every entry says GPUGATE_DRY_RUN=1 and the report goes
-        to stdout (so that `gpugate pre --dry-run UNIT | less` works), also from a shell whose
-        stderr is a file. The same journal and notifier; this reporter is left as it is."""
+        """This reporter's dry-run twin: every entry says GPUGATE_DRY_RUN=1 and goes to stdout
+        (`gpugate pre --dry-run UNIT | less`); the same journal and notifier."""
         twin = copy.copy(self)
         twin.fields = dict(self.fields)
         twin.dry_run = True
@@ -174,28 +178,30 @@ class Reporter:
         kind: Event,
         message: str,
         *,
-        priority: int = PRIORITY_INFO,
+        priority: int | None = None,
         pid: int | None = None,
         gpus: list[int] | None = None,
         used_mib: int | None = None,
         **extra: str | bytes | int,
     ) -> None:
-        """message: gpugate's sentence (its process text shown through untrusted.shown);
-        escaped once more (untrusted.line), so that no channel carries a raw control character.
-        extra: GPUGATE_* fields; bytes or str from untrusted.exact go as they are."""
-        fields = self._fields(kind, priority, pid=pid, gpus=gpus, used_mib=used_mib, extra=extra)
-        self._send(message, fields, echo=True)
+        """message: gpugate's sentence (process text in it through untrusted.shown), escaped
+        once more (untrusted.line); extra: GPUGATE_* fields, untrusted.exact's as they are."""
+        if priority is None:
+            priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
+        self._send(kind, message, priority, pid, gpus, used_mib, extra, echo=True)
 
-    def _fields(
+    def _send(
         self,
         kind: Event,
+        message: str,
         priority: int,
-        *,
         pid: int | None,
         gpus: list[int] | None,
         used_mib: int | None,
         extra: Mapping[str, str | bytes | int],
-    ) -> dict[str, FieldValue]:
+        *,
+        echo: bool,
+    ) -> None:
         fields: dict[str, FieldValue] = {
             "MESSAGE_ID": kind.message_id,
             "PRIORITY": str(priority),
@@ -218,9 +224,6 @@ class Reporter:
         for key, value in extra.items():
             fields[f"GPUGATE_{key.upper()}"] = as_field(value)
         fields.update(self.fields)
-        return fields
-
-    def _send(self, message: str, fields: dict[str, FieldValue], *, echo: bool) -> None:
         message = line(message)
         self.journal.send(message, fields)
         if echo and self.echo:
@@ -238,18 +241,14 @@ class Reporter:
         error_stream: TextIO | None = None,
         problem: str = "",
     ) -> None:
-        """An error that ends the run: one structured entry, one STATUS=, and the one-line
-        `gpugate: message` on error_stream (default stderr) unless it is the journal (it would
-        be there twice); the entry is not echoed besides. problem: the error's code
-        (GateError.code, docs/journal.md), GPUGATE_PROBLEM."""
+        """An error that ends the run: one entry (GPUGATE_PROBLEM: problem, GateError.code),
+        one STATUS=, and `gpugate: message` on error_stream (stderr) unless that is the
+        journal already; the entry is not echoed besides."""
         extra: dict[str, str | int] = {"exit_code": exit_code}
         if problem:
             extra["problem"] = problem
+        self._send(Event.ERROR, message, PRIORITY_ERR, None, None, None, extra, echo=False)
         message = line(message)
-        fields = self._fields(
-            Event.ERROR, PRIORITY_ERR, pid=None, gpus=None, used_mib=None, extra=extra
-        )
-        self._send(message, fields, echo=False)
         error_stream = error_stream if error_stream is not None else sys.stderr
         if not stderr_is_journal(error_stream):
             with contextlib.suppress(OSError):  # a closed terminal: the journal has it
@@ -260,8 +259,7 @@ class Reporter:
         self.notifier.notify(f"STATUS=gpugate {self.phase}: {line(text)}")
 
     def clear_status(self) -> None:
-        """After a successful run: an empty STATUS= clears the text, so a running service does
-        not show gpugate's last words for the rest of its life."""
+        """An empty STATUS=: a service that runs on shows none of gpugate's words."""
         self.notifier.notify("STATUS=")
 
     def extend_timeout(self, seconds: float) -> None:

@@ -16,7 +16,7 @@ from gpugate.host.own_shm import OwnShm
 from gpugate.host.procfs import ProcessId
 from gpugate.host.trust_text import account
 from gpugate.host.unit_settings import Setting, UnitSettings
-from gpugate.report.journal import PRIORITY_INFO, PRIORITY_WARNING, Event, Reporter
+from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text, unreadable_text
 from gpugate.report.reasons import held_text
 from gpugate.untrusted import (
@@ -303,7 +303,6 @@ def unowned_gone(reporter: Reporter, ident: ProcessId, gpus: Sequence[int], seco
     reporter.event(
         Event.UNOWNED_GONE,
         f"PID {ident.pid}, unowned on GPU {sweep_gpus(gpus)} for {seconds:.0f} s, holds no GPU now",
-        priority=PRIORITY_INFO,
         pid=ident.pid,
         gpus=list(gpus),
         start_time=ident.start_time,
@@ -352,7 +351,6 @@ def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
         Event.SHM_OWN,
         f"the unit's own /dev/shm ({held}) goes with its last process: "
         "none of it is in the host's /dev/shm",
-        priority=PRIORITY_INFO,
         **sized,
     )
 

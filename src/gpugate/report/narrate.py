@@ -152,14 +152,12 @@ class Narrator:
                 Event.WARNING,
                 f"{unreadable_text(discovery.unreadable)}: GPU holders among them are invisible; "
                 "run gpugate as root",
-                priority=PRIORITY_WARNING,
                 reason="unreadable",
             )
         if discovery.cut_short:
             self.reporter.event(
                 Event.WARNING,
                 f"{cut_short_text(discovery.cut_short)}: GPU holders among them may be missed",
-                priority=PRIORITY_WARNING,
                 reason="scan-cut-short",
             )
         for gpu_index, pid in discovery.invisible:
@@ -169,7 +167,6 @@ class Narrator:
                     f"NVML lists PID {pid} on GPU {gpu_index}, but this /proc has no such "
                     "process: gpugate runs in another PID namespace (a container without "
                     "the host's PIDs) and cannot kill it",
-                    priority=PRIORITY_WARNING,
                     pid=pid,
                     gpus=[gpu_index],
                     reason="other-pid-namespace",
@@ -177,32 +174,17 @@ class Narrator:
 
     def choices(self, decision: Decision) -> None:
         would = self.dry_run
-        for choices, event, priority, verb in (
-            (
-                decision.targets,
-                Event.HOLDER_FOUND,
-                PRIORITY_INFO,
-                "would kill" if would else "will kill",
-            ),
-            (
-                decision.blockers,
-                Event.REFUSED,
-                PRIORITY_ERR,
-                "would not kill" if would else "not killing",
-            ),
-            (
-                [c for c in decision.spared if c.holder.gpus],
-                Event.PROCESS_SPARED,
-                PRIORITY_INFO,
-                "would spare" if would else "sparing",
-            ),
+        spared = [c for c in decision.spared if c.holder.gpus]
+        for choices, event, verb in (
+            (decision.targets, Event.HOLDER_FOUND, "would kill" if would else "will kill"),
+            (decision.blockers, Event.REFUSED, "would not kill" if would else "not killing"),
+            (spared, Event.PROCESS_SPARED, "would spare" if would else "sparing"),
         ):
             for choice in choices:
                 self.reporter.event(
                     event,
                     f"{verb} {describe(choice)}: "
                     f"{reason_text(choice, self.reporter.unit, self.reporter.phase)}",
-                    priority=priority,
                     pid=choice.holder.pid,
                     gpus=sorted(choice.holder.gpus),
                     role=choice.role,
@@ -222,7 +204,6 @@ class Narrator:
         self.reporter.event(
             Event.SIGNAL_SENT,
             f"{name} to {describe(choice)}",
-            priority=PRIORITY_NOTICE,
             pid=choice.holder.pid,
             gpus=sorted(choice.holder.gpus),
             signal=name,
@@ -260,7 +241,6 @@ class Narrator:
             Event.SURVIVOR,
             f"{describe(choice)} is still alive after SIGKILL "
             f"(state {state}, wchan {wchan}); waiting until the deadline",
-            priority=PRIORITY_ERR,
             pid=choice.holder.pid,
             state=state,
             wchan=wchan,
@@ -270,7 +250,6 @@ class Narrator:
         self.reporter.event(
             Event.SURVIVOR,
             f"{describe(choice)} survived SIGKILL until the deadline",
-            priority=PRIORITY_ERR,
             pid=choice.holder.pid,
         )
 
@@ -287,7 +266,6 @@ class Narrator:
         self.reporter.event(
             Event.WARNING,
             f"{fault.error}; not a GPU of {unit}: going on with its own GPUs",
-            priority=PRIORITY_WARNING,
             gpus=[fault.index],
             reason="gpu-fault",
         )
@@ -296,7 +274,6 @@ class Narrator:
         self.reporter.event(
             Event.WARNING,
             f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
-            priority=PRIORITY_WARNING,
             reason="nvml-degraded",
         )
 
@@ -305,7 +282,6 @@ class Narrator:
             Event.WARNING,
             f"not asking NVML: this start's pre found it not answering ({why}); {phase} "
             "cleans the unit's cgroup only",
-            priority=PRIORITY_WARNING,
             reason="nvml-not-answering",
         )
 
@@ -344,7 +320,6 @@ class Narrator:
                 f"holders {respawner.respawns} time(s) and was still respawning after "
                 f"{timeout_s:g} s; it is not part of the application (a login shell, a "
                 "supervisor): stop it, or run the server under the unit",
-                priority=PRIORITY_ERR,
                 pid=info.pid,
                 command=exact(info.command, COMMAND),
                 respawns=respawner.respawns,
@@ -370,7 +345,6 @@ class Narrator:
             Event.TIMEOUT,
             f"TCP port {', '.join(map(str, ports))} still listened on after {timeout_s:g} s "
             "by a process gpugate cannot see (not root, or its fds are unreadable)",
-            priority=PRIORITY_ERR,
             ports=",".join(map(str, ports)),
         )
 
@@ -396,7 +370,6 @@ class Narrator:
             Event.SHM_REMOVED,
             f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
             f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of {whose}",
-            priority=PRIORITY_NOTICE,
             shm_path=exact(facts.path, FILE),
             shm_bytes=facts.bytes,
             shm_size=facts.size,
@@ -412,7 +385,6 @@ class Narrator:
             Event.SHM_KEPT,
             f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
             f"killed PID {holders}: {why}",
-            priority=PRIORITY_INFO,
             shm_path=exact(path, FILE),
             shm_holders=holders,
             shm_kept=why,
@@ -441,7 +413,6 @@ class Narrator:
             Event.ERROR,
             f"{short.space.area.path} {would} {size_text(short.free_bytes)} free after the "
             f"cleanup, less than shm_min_free_mib = {short.needed_bytes // MIB}{largest}",
-            priority=PRIORITY_ERR,
             exit_code=int(ExitCode.SHM_SPACE),
             shm_path=short.space.area.path,
             shm_free_bytes=short.free_bytes,
@@ -484,7 +455,6 @@ class Narrator:
             Event.WARNING,
             f"{error.message}; {self.reporter.phase} goes on: killing what is left and "
             "removing its files need no space",
-            priority=PRIORITY_WARNING,
             reason="state-unwritable",
             problem=error.code,
         )
@@ -493,7 +463,6 @@ class Narrator:
         self.reporter.event(
             Event.WARNING,
             f"{path}: GPU lock not taken ({cause}); {self.reporter.phase} goes on without it",
-            priority=PRIORITY_WARNING,
             reason="lock-not-taken",
         )
 
@@ -502,7 +471,6 @@ class Narrator:
         self.reporter.event(
             Event.WARNING,
             f"metrics not written to {path}: {cause}; the run's result stands",
-            priority=PRIORITY_WARNING,
             reason="metrics-unwritable",
         )
 
@@ -522,7 +490,6 @@ class UnitNarration:
         self.reporter.event(
             Event.WARNING,
             f"{error.message}; not recorded, {self.reporter.phase} goes on",
-            priority=PRIORITY_WARNING,
             reason="state-not-recorded",
             problem=error.code,
         )
@@ -531,7 +498,6 @@ class UnitNarration:
         self.reporter.event(
             Event.WARNING,
             unreadable_record_text(path, "a gpugate lease", why),
-            priority=PRIORITY_WARNING,
             reason="lease-unreadable",
         )
 
@@ -539,7 +505,6 @@ class UnitNarration:
         self.reporter.event(
             Event.WARNING,
             unreadable_record_text(path, "a gpugate failed-start record", why),
-            priority=PRIORITY_WARNING,
             reason="failed-start-unreadable",
         )
 
@@ -551,7 +516,6 @@ class UnitNarration:
             f"GPU lease of {shown(lease_unit, STATE)} on GPU {gpu_list(gpus)} is stale "
             f"({shown(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
             "it over",
-            priority=PRIORITY_WARNING,
             gpus=list(gpus),
             reason="lease-stale",
             lease_unit=lease_unit,
@@ -573,7 +537,6 @@ class UnitNarration:
         self.reporter.event(
             Event.REFUSED,
             f"not starting {self.reporter.unit}: {refusal}",
-            priority=PRIORITY_ERR,
             gpus=sorted(gpus),
             reason="leased",
         )
@@ -585,7 +548,6 @@ class UnitNarration:
             Event.WARNING,
             f"GPU {gpu_list(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
             "(gpugate run --force)",
-            priority=PRIORITY_WARNING,
             gpus=list(gpus),
             reason="lease-forced",
             lease_unit=lease_unit,
@@ -594,9 +556,7 @@ class UnitNarration:
     def start_failed_earlier(self, reason: str) -> None:
         # Last, so that `systemctl status` (STATUS= and the journal's tail) shows it.
         text = f"start failed in gpugate pre: {reason}"
-        self.reporter.event(
-            Event.ERROR, text, priority=PRIORITY_ERR, reason="failed-start", failed_start=reason
-        )
+        self.reporter.event(Event.ERROR, text, reason="failed-start", failed_start=reason)
         self.reporter.status(text)
 
     def waiting_skipped(self, gpus: Sequence[Gpu]) -> None:
