@@ -58,7 +58,6 @@ SYSEXITS_NAMES = {
     77: "NOPERM",
     78: "CONFIG",
 }
-EXIT_MEANINGS = {code: code.meaning for code in ExitCode}
 
 
 def exit_code_summary() -> str:
