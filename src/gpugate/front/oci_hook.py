@@ -20,8 +20,7 @@ from typing import TextIO
 from gpugate.config.models import LoadedConfig
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Deps, Hook, run_hook
-from gpugate.front.interrupt import stopped_by_signals
+from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
 from gpugate.host.cgroups import on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState

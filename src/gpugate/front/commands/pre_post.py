@@ -7,8 +7,7 @@ from pathlib import Path
 from gpugate.core.run import RunDeps
 from gpugate.errors import UnknownUnit
 from gpugate.front.commands import Front
-from gpugate.front.hook import Deps, Hook, run_hook
-from gpugate.front.interrupt import stopped_by_signals
+from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings

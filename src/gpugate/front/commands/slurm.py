@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gpugate.core.run import RunDeps
 from gpugate.front.commands import Front
-from gpugate.front.interrupt import stopped_by_signals
+from gpugate.front.hook import stopped_by_signals
 from gpugate.front.slurm_hook import SlurmDeps, run_slurm_hook
 from gpugate.phase import Phase
 
