@@ -1,19 +1,22 @@
 """`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/owners),
 tell what nobody owns (the journal once when first seen and once when gone, the metrics
-textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules.
+textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules: one
+pre-phase run over the GPUs whose every unowned holder has been unowned that long, on which no
+process of a unit, job or container runs and nothing holds a lease.
 
-The look is `status`'s (front/status.collect, no unit); what the sweep remembers between runs
-is integrations/sweep_state; the reap is one `pre`-phase run (core's PhaseRun, through
-front/hook.run_phase) over the GPUs whose every unowned holder has been unowned that long, on
-which no process of a unit, job or container runs and nothing holds a lease."""
+`[sweep] drain_after_s`, where slurmd runs: drain the node (never resume it) once a GPU holds
+memory of a process nobody has owned that long, or once a reap left a holder SIGKILL cannot
+end; once for each holder (the state's `drained`), so an operator's own reason stays."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TextIO
 
 from gpugate.config.models import LoadedConfig, replaced, replaced_policy
 from gpugate.core.discover import Discovery
@@ -22,20 +25,13 @@ from gpugate.core.run import RunDeps, RunScope
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
+from gpugate.front.commands.status import collect
 from gpugate.front.hook import Deps, Hook, run_phase
-from gpugate.front.status import collect
-from gpugate.front.sweep_drain import (
-    drain_unkillable,
-    drain_unowned,
-    due,
-    mark_drained,
-    slurmd_runs,
-    still_alive,
-)
 from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.slurm import set_drain_reason
 from gpugate.integrations.sweep_state import STATE_NAME, Seen, locked_state, write_state
 from gpugate.integrations.unit.leases import RUNNING_STATES, read_leases
 from gpugate.phase import Phase
@@ -285,3 +281,63 @@ def keep_state(
     except OSError as exc:
         print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
+
+
+SLURMD_UNIT = "slurmd.service"
+
+
+def slurmd_runs(unit_state: Callable[[str], str | None]) -> bool:
+    return unit_state(SLURMD_UNIT) in RUNNING_STATES
+
+
+def node_name() -> str:
+    """slurmd's own default NodeName: the short host name."""
+    return socket.gethostname().split(".")[0]
+
+
+def due(
+    holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float, after_s: float
+) -> dict[ProcessId, Seen]:
+    """Unowned holders NVML lists on a GPU, unowned at least after_s, not drained for yet."""
+    listed = {
+        h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
+    }
+    return {
+        ident: entry
+        for ident, entry in seen.items()
+        if ident in listed and not entry.drained and now - entry.since >= after_s
+    }
+
+
+def drain_unowned(found: Mapping[ProcessId, Seen], now: float, stream: TextIO) -> None:
+    gpus = sorted({gpu for entry in found.values() for gpu in entry.gpus})
+    pids = sorted(ident.pid for ident in found)
+    oldest = max(now - entry.since for entry in found.values())
+    set_drain_reason(node_name(), lines.sweep_drain_reason(gpus, pids, oldest), stream)
+
+
+def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:
+    """The unowned holders of gpus that are still the processes they were."""
+    procfs = ProcFs(proc)
+    alive = []
+    for holding in holdings:
+        info = holding.holder.info
+        if holding.owner is Owner.NOBODY and holding.holder.using & set(gpus):
+            now = procfs.info(info.pid)
+            if now is not None and now.start_time == info.start_time:
+                alive.append(info.pid)
+    return alive
+
+
+def drain_unkillable(gpus: Sequence[int], pids: Sequence[int], stream: TextIO) -> None:
+    set_drain_reason(node_name(), lines.sweep_unkillable_reason(gpus, pids), stream)
+
+
+def mark_drained(lock_dir: Path, idents: Collection[ProcessId]) -> None:
+    """OSError where the state cannot be kept (then the next sweep drains again)."""
+    with locked_state(lock_dir) as (folder_fd, state):
+        marked = {
+            ident: Seen(entry.since, entry.gpus, entry.drained or ident in idents)
+            for ident, entry in state.unowned.items()
+        }
+        write_state(folder_fd, marked)
