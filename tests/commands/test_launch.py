@@ -283,7 +283,7 @@ def test_names_that_only_look_like_loader_variables_pass(name: str) -> None:
 def test_the_hooks_it_writes_run_python_isolated(argv0: str | None) -> None:
     """-I: a PYTHON* variable that got through anyway (systemd's own DefaultEnvironment=, a
     unit's file) changes nothing in root's hooks; /usr/bin/gpugate's shebang says -I itself."""
-    from gpugate.front.self_command import gpugate_command, isolates
+    from gpugate.front.install import gpugate_command, isolates
 
     command = gpugate_command(argv0=argv0 or "/nonexistent/gpugate", executable="/usr/bin/python3")
     argv = systemd_run_argv(plan(gpugate=command), SYSTEMD_RUN)

@@ -410,8 +410,8 @@ def _uninstall(args: argparse.Namespace, front: Front) -> int:
 def _sweep_setup(
     args: argparse.Namespace, *, installing: bool, gpugate_path: Path | None = None
 ) -> int:
-    """`gpugate install|uninstall --sweep` (front/install_sweep.py)."""
-    from gpugate.front.install_sweep import sweep_setup  # noqa: PLC0415
+    """`gpugate install|uninstall --sweep` (front/install.py)."""
+    from gpugate.front.install import sweep_setup  # noqa: PLC0415
 
     return sweep_setup(
         installing,

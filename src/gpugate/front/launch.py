@@ -31,6 +31,7 @@ from gpugate.errors import (
     PermissionDenied,
     StateUnwritable,
 )
+from gpugate.front.install import gpugate_command
 from gpugate.front.launch_unit import (
     HOOK_TIMEOUT_S,
     Caller,
@@ -42,7 +43,6 @@ from gpugate.front.launch_unit import (
     parse_uid,
     systemd_run_argv,
 )
-from gpugate.front.self_command import gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.roots import HostRoots

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.install_files import SHM_OPTIONS
+from gpugate.front.install import SHM_OPTIONS
 from gpugate.host.systemd import ENV_NAME, unit_argument
 from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
@@ -140,7 +140,7 @@ class LaunchPlan:
     gpus_env: str  # CUDA_VISIBLE_DEVICES for the unit
     environment: tuple[tuple[str, str], ...]  # the caller's variables passed on
     pty: bool
-    gpugate: tuple[str, ...]  # self_command.gpugate_command(): this very gpugate, -I
+    gpugate: tuple[str, ...]  # install.gpugate_command(): this very gpugate, -I
     config: Path | None = None  # the hooks' --config
     started_by: str = ""
     force: bool = False
