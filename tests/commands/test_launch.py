@@ -19,23 +19,21 @@ from gpugate.config.schema import GateConfig
 from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (
-    hook_config,
-    invoking_user,
-    refuse_leased,
-    resolve_gpus,
-    supervise,
-    wait_until_gone,
-)
-from gpugate.front.launch_unit import (
     Caller,
     LaunchError,
     LaunchPlan,
     caller_environment,
     command_status,
     derive_unit_name,
+    hook_config,
+    invoking_user,
     passed_environment,
+    refuse_leased,
+    resolve_gpus,
     sanitise,
+    supervise,
     systemd_run_argv,
+    wait_until_gone,
 )
 from gpugate.host.systemd import validate_unit_name
 from gpugate.integrations.unit.leases import new_lease, write_lease
