@@ -26,13 +26,7 @@ from gpugate.config.models import LoadedConfig, validated
 from gpugate.config.toml_text import to_toml
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.owned_gpus import as_refs, owned_gpus
-from gpugate.errors import (
-    ExitCode,
-    GateError,
-    NvmlUnavailable,
-    PermissionDenied,
-    StateUnwritable,
-)
+from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.programs import find_program, run_program

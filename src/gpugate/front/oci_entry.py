@@ -9,12 +9,7 @@ import sys
 
 from gpugate.errors import ExitCode
 from gpugate.host.namespaces import not_host_root
-from gpugate.host.oci import (
-    parse_config,
-    parse_state,
-    read_config,
-    read_stdin_bounded,
-)
+from gpugate.host.oci import parse_config, parse_state, read_config, read_stdin_bounded
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.pods import is_sandbox
 

@@ -51,16 +51,7 @@ from gpugate.report.narrate_shm import size_text
 from gpugate.report.narrate_sweep import unowned_line
 from gpugate.report.narrate_unit import unreadable_record_text
 from gpugate.report.own_shm_text import own_shm_line
-from gpugate.untrusted import (
-    CGROUP,
-    COMM,
-    CONTAINER,
-    FILE,
-    STATE,
-    cut,
-    shown,
-    shown_args,
-)
+from gpugate.untrusted import CGROUP, COMM, CONTAINER, FILE, STATE, cut, shown, shown_args
 
 JSON_VERSION = 1
 STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
