@@ -58,14 +58,13 @@ RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
 
 
 def checked_command(args: argparse.Namespace) -> list[str]:
-    """COMMAND and its arguments, once the command line is known to be usable."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
-        # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
+        # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
         raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
     return command
@@ -106,7 +105,6 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     try:
         return supervise(systemd_run_argv(plan, Path(systemd_run)), unit)
     finally:
-        # The unit's last ExecStopPost= removes it; this covers a unit that never started.
         for path in cleanup:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -114,11 +112,8 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
 
 def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tuple[Caller, bool]:
     """The account COMMAND runs as, and that its hooks act for: gpugate's own real uid; under
-    sudo (gpugate's real uid 0 and SUDO_UID set) the account that typed sudo. sudo itself
-    sets SUDO_UID and SUDO_GID for the command it runs (also under -E, which keeps the rest of
-    the caller's environment); an account that is not root gets no say in them: without
-    sudo its gpugate runs with its own real uid, and SUDO_UID is not read at all. A SUDO_UID
-    that is not a uid in sudo's form is refused, never read as root."""
+    sudo (real uid 0 and SUDO_UID set, by sudo itself, also under -E) the account that typed
+    sudo. Without sudo SUDO_UID is not read at all; one not in sudo's form is refused."""
     uid = os.getuid() if real_uid is None else real_uid
     under_sudo = uid == 0 and "SUDO_UID" in environ
     gid: int | None = None
@@ -189,9 +184,8 @@ def resolve_gpus(
 def refuse_before_start(
     loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
 ) -> None:
-    """What the unit's pre would refuse, found before anything starts: a running lease on the
-    GPUs (--force: root's alone), and for a caller that is not root another account's
-    process on them."""
+    """What the unit's pre would refuse, before anything starts: a running lease on the GPUs
+    (--force: root's alone), and for a caller that is not root another account's process."""
     roots = front.host_roots()
     refuse_leased(
         loaded,
@@ -216,10 +210,8 @@ def refuse_leased(
     unit_state: Callable[[str], str | None],
     caller_is_root: bool = True,
 ) -> None:
-    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would.
-    --force overrides it for root alone: a caller that is not root (under sudo, SUDO_UID's)
-    may not start onto GPUs another run, unit or container holds, whoever's it is (exit 77),
-    and its unit's pre gets no --ignore-leases."""
+    """A running unit's lease on these GPUs refuses, as its pre would; --force overrides it
+    for root alone (a caller that is not root: exit 77, and its pre gets no --ignore-leases)."""
     config = loaded.config
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
@@ -245,9 +237,8 @@ def refuse_other_accounts(
     roots: HostRoots,
     driver_factory: Callable[[], GpuDriver],
 ) -> None:
-    """Before systemd-run, for a caller that is not root: a process of another account on
-    these GPUs refuses the run (exit 22, one line naming it), as the unit's pre would under
-    the GPU locks (`--for-uid`); nothing is started or killed."""
+    """For a caller that is not root: a process of another account on these GPUs refuses the
+    run (exit 22), as the unit's pre would (`--for-uid`); nothing is started or killed."""
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.procfs import ProcFs  # noqa: PLC0415
@@ -270,11 +261,7 @@ def refuse_other_accounts(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(
-            reasons.other_account_refusal(unit, others)
-            if others
-            else f"not starting {unit}: another account's process holds its GPUs"
-        )
+        raise HeldByOthers(reasons.other_account_refusal(unit, others))
 
 
 class HeldByOthers(GateError):
@@ -285,8 +272,7 @@ def hook_config(
     loaded: LoadedConfig, unit: str, given: Path | None, ports: Sequence[int] | None
 ) -> tuple[Path | None, tuple[Path, ...]]:
     """The hooks' --config: with --port, LOCK_DIR/run/UNIT.toml (the effective config and
-    the ports; removed after post); else --config PATH as given (absolute), else none: the
-    hooks look up /etc/gpugate/UNIT.toml, then default.toml, as for any unit."""
+    the ports; removed after post); else --config PATH as given (absolute), else none."""
     if not ports:
         return (given.resolve() if given else None), ()
     config = validated(loaded.config).changed(ports=tuple(sorted(set(ports))))
@@ -301,7 +287,7 @@ def hook_config(
             f"{path}: permission denied writing the run's config (--port): run gpugate run "
             "as root (sudo)"
         ) from None
-    except OSError as exc:  # no space, read-only: before anything starts, as a pre would
+    except OSError as exc:
         raise StateUnwritable(
             path,
             "run-config",
@@ -327,8 +313,7 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
 
 def supervise(argv: list[str], unit: str) -> int:
     """Run systemd-run, relay its messages, and return COMMAND's status. A hangup, SIGTERM or
-    SIGINT reaching gpugate itself (a closed terminal, kill, Ctrl-C without a pty) stops the
-    unit: systemd stops its whole cgroup, then post frees the GPUs."""
+    SIGINT reaching gpugate itself (a closed terminal, Ctrl-C without a pty) stops the unit."""
     stopped = threading.Event()
 
     def stop_unit(signum: int, frame: FrameType | None) -> None:
@@ -366,8 +351,8 @@ def wait_until_gone(
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> bool:
-    """Poll the unit's ActiveState until it is neither running nor stopping (a collected
-    unit reads inactive); False at the deadline."""
+    """Poll the unit's ActiveState until it is neither running nor stopping; False at the
+    deadline."""
     state = state or active_state
     while clock() < deadline:
         if state(unit) not in STOPPING_OR_RUNNING:
@@ -377,7 +362,6 @@ def wait_until_gone(
 
 
 def relay(source: IO[bytes], target: IO[str]) -> str:
-    """Copy systemd-run's stderr through, line by line; return it all."""
     seen: list[str] = []
     for raw in iter(source.readline, b""):
         line = raw.decode("utf-8", "replace")
@@ -394,7 +378,6 @@ def stop_without_waiting(unit: str) -> None:
     systemctl = find_program("systemctl")
     if systemctl is None:
         return
-    # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
     with contextlib.suppress(GateError):
         run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
 
@@ -498,8 +481,6 @@ class LaunchError(GateError):
 
 @dataclass(frozen=True)
 class Caller:
-    """Whom the command runs as: the invoking user (SUDO_UID's under sudo)."""
-
     uid: int
     gid: int
     user: str
@@ -512,8 +493,6 @@ class Caller:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """Everything the systemd-run call needs; `systemd_run_argv` turns it into argv."""
-
     unit: str
     command: tuple[str, ...]  # COMMAND[0] resolved to an absolute path
     caller: Caller
@@ -531,7 +510,6 @@ class LaunchPlan:
 
 
 def sanitise(name: str) -> str:
-    """A command's basename as a piece of a unit name: systemd's characters only."""
     base = NAME_CHAR.sub("_", os.path.basename(name.rstrip("/"))).strip("._-")
     return base[:BASE_MAX].strip("._-") or "command"
 
@@ -558,9 +536,8 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
 
 
 def parse_uid(text: str) -> int | None:
-    """A uid written in decimal ASCII digits, as sudo writes SUDO_UID: no sign, blank, leading
-    zero or other script's digits (str.isdigit and int() take Arabic-Indic ones), and not
-    (uid_t)-1."""
+    """A uid in decimal ASCII digits, as sudo writes SUDO_UID: no sign, blank, leading zero or
+    other script's digits (int() takes Arabic-Indic ones), and not (uid_t)-1."""
     if not UID_TEXT.fullmatch(text):
         return None
     uid = int(text)
@@ -568,7 +545,6 @@ def parse_uid(text: str) -> int | None:
 
 
 def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
-    """The caller's variables that make sense in the unit (NOT_PASSED says which do not)."""
     kept = []
     for key in sorted(environ):
         value = environ[key]
@@ -597,18 +573,15 @@ def caller_environment(
 
 def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     config = f" --config {plan.config}" if plan.config else ""
-    # --force: pre warns about a lease instead of refusing. On the command line, which only
-    # root writes, never in the environment, which the unit's own files may set.
-    # Root's alone: a caller that is not root (--for-uid) never overrides a lease.
+    # On the command line, which only root writes, never in the environment, which the unit's
+    # own files may set; root's alone.
     overrides = plan.force and plan.for_uid is None
     force = " --ignore-leases" if overrides and phase.traits.takes_lease else ""
-    # A caller that is not root: the hooks kill only its processes (rule 5, hardening.md).
     account = f" --for-uid {plan.for_uid}" if plan.for_uid is not None else ""
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
 
 def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
-    """The systemd-run command line for the plan (a pure function: tests check it whole)."""
     argv = [
         str(systemd_run),
         f"--unit={plan.unit}",

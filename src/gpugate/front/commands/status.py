@@ -69,15 +69,12 @@ def collect(
     scanner: DeviceScanner = full_scan,
 ) -> Discovery:
     """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
-    `faults`, and its device files still name its holders. procfs: the one the look reads
-    with (inside its oneshot(), so that as_dict reads nothing again); scanner: --watch's."""
+    `faults`, and its device files still name its holders."""
     roots = roots or HostRoots()
+    cgroup = NO_UNIT_CGROUP
     if unit is not None:
         environment = None if roots.ask_systemd else (lambda _: None)
         loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
-    if unit is None:
-        cgroup = NO_UNIT_CGROUP
-    else:
         cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
     wanted = "all" if unit is None else loaded.config.selection()
     return discover(
@@ -183,8 +180,7 @@ def as_dict(
 
 def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
     """The /dev/shm of its own that each unit shown has (the unit asked about, and each
-    holder's), read through one of its processes: size, use, files. A unit without one
-    (it shares the host's /dev/shm) is not listed."""
+    holder's), read through one of its processes; a unit that shares the host's is not listed."""
     devs = {area.dev for area in discovery.shm_areas}
     by_unit: dict[str, set[int]] = {}
     if discovery.unit:
@@ -466,7 +462,6 @@ def holder_table(data: dict[str, Any]) -> list[str]:
 
 
 def state_warnings(loaded: LoadedConfig) -> list[str]:
-    """Lease files that are not gpugate's leases: `status` shows the others."""
     files = read_leases(loaded.config.lock_dir)
     return [
         f"gpugate: warning: {unreadable_record_text(path, 'a gpugate lease', files.why[path])}"
@@ -475,8 +470,7 @@ def state_warnings(loaded: LoadedConfig) -> list[str]:
 
 
 def unreadable_warning(discovery: Discovery) -> str | None:
-    """Not root: holders among the processes whose open files it may not read are missing.
-    Also those whose files were not all read within STATUS_SCAN_S."""
+    """Not root, or not all read within STATUS_SCAN_S: holders may be missing."""
     if discovery.cut_short:
         return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
     if not discovery.unreadable:
@@ -492,20 +486,19 @@ def status(
     as_json: bool = False,
     watch: bool = False,
 ) -> int:
-    """as_json: stable JSON (docs/status-json.md); watch: redraw every second, as watch(1)."""
     roots = front.host_roots()
     unit = validate_unit_name(unit_argument(unit_given)) if unit_given else None
     loaded = load_config(unit, config)
     driver = front.driver_factory()
     try:
         warned: list[str] = []
-        look = Look(unit, loaded, driver, roots, warned)
+        scanner: DeviceScanner = full_scan
         if watch:
             from gpugate.host.scan_watch import WatchScan  # noqa: PLC0415
 
-            look.scanner = WatchScan()
+            scanner = WatchScan()
         while True:
-            data = look()
+            data = look(unit, loaded, driver, roots, warned, scanner)
             hung = driver.not_answering()
             if not watch:
                 print(render_json(data) if as_json else render_table(data), flush=True)
@@ -515,15 +508,14 @@ def status(
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:
                 raise hung  # --watch: no next look can answer
-            # Home and clear the screen, then the table, as watch(1) draws it.
             header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
             print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends
     except BrokenPipeError:
-        # `gpugate status | head`: the reader has all it wanted. Point stdout at /dev/null so
-        # that the interpreter's last flush does not fail once more.
+        # `gpugate status | head`: stdout to /dev/null, so that the interpreter's last flush
+        # does not fail once more.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return int(ExitCode.OK)
@@ -531,40 +523,26 @@ def status(
         driver.close()
 
 
-class Look:
-    """One look for `status`, again at each --watch tick; a warning about unreadable holders is
-    said once (warned). Each look reads /proc with one ProcFs, in one oneshot(): discovery and
-    the JSON's rules share what it read."""
-
-    def __init__(
-        self,
-        unit: str | None,
-        loaded: LoadedConfig,
-        driver: GpuDriver,
-        roots: HostRoots,
-        warned: list[str],
-    ) -> None:
-        self.unit = unit
-        self.loaded = loaded
-        self.driver = driver
-        self.roots = roots
-        self.warned = warned
-        self.scanner: DeviceScanner = full_scan
-
-    def __call__(self) -> dict[str, Any]:
-        unit, loaded, roots = self.unit, self.loaded, self.roots
-        procfs = ProcFs(roots.proc)
-        with procfs.oneshot():
-            try:
-                discovery = collect(
-                    unit, loaded, self.driver, roots, procfs=procfs, scanner=self.scanner
-                )
-            except NvmlNotAnswering as exc:
-                # Hung before it named a GPU: what /dev and /proc show, without NVML.
-                driver = NotAnswering(exc, device_minors(roots))
-                discovery = collect(unit, loaded, driver, roots, procfs=procfs)
-            for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
-                if warning and warning not in self.warned:  # once, also in --watch
-                    print(warning, file=sys.stderr, flush=True)
-                    self.warned.append(warning)
-            return as_dict(discovery, loaded, roots, procfs)
+def look(
+    unit: str | None,
+    loaded: LoadedConfig,
+    driver: GpuDriver,
+    roots: HostRoots,
+    warned: list[str],
+    scanner: DeviceScanner,
+) -> dict[str, Any]:
+    """One look, again at each --watch tick, in one ProcFs.oneshot(): discovery and the JSON's
+    rules share what it read; a warning is said once (warned), also in --watch."""
+    procfs = ProcFs(roots.proc)
+    with procfs.oneshot():
+        try:
+            discovery = collect(unit, loaded, driver, roots, procfs=procfs, scanner=scanner)
+        except NvmlNotAnswering as exc:
+            # Hung before it named a GPU: what /dev and /proc show, without NVML.
+            hung = NotAnswering(exc, device_minors(roots))
+            discovery = collect(unit, loaded, hung, roots, procfs=procfs)
+        for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+            if warning and warning not in warned:
+                print(warning, file=sys.stderr, flush=True)
+                warned.append(warning)
+        return as_dict(discovery, loaded, roots, procfs)
