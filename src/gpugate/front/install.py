@@ -49,7 +49,7 @@ from gpugate.errors import (
     PermissionDenied,
     UnknownUnit,
 )
-from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
+from gpugate.host.programs import SYSTEM_PATH, Result, find_program, run_program
 from gpugate.host.safe_files import write_atomically
 from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
 from gpugate.host.unit_settings import UnitSettings, read_unit
@@ -58,7 +58,7 @@ from gpugate.report import lines
 from gpugate.report.narrate_install import kept_lines
 from gpugate.untrusted import echo
 
-FALLBACK = ("/usr/bin/gpugate",)
+DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 SHEBANG_BYTES = 256
 
 
@@ -70,7 +70,7 @@ def gpugate_command(argv0: str | None = None, executable: str | None = None) -> 
         return (script,)
     python = executable if executable is not None else sys.executable
     if not python or not os.path.isabs(python):
-        return FALLBACK
+        return (str(DEFAULT_GPUGATE),)
     return (python, "-I", "-m", "gpugate")
 
 
@@ -103,9 +103,6 @@ def isolates(path: str) -> bool:
     """The shebang runs Python with -I (alone or among other one-letter flags: -sI, -IS)."""
     words = shebang(path) or []
     return any(w.startswith("-") and not w.startswith("--") and "I" in w for w in words[1:])
-
-
-DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 
 
 # The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
@@ -153,7 +150,6 @@ TemporaryFileSystem=/dev/shm:@OPTIONS@
 SHM_OPTIONS = "mode=1777,nosuid,nodev,size={size}"
 HOOK_TIMEOUT_S = 300
 
-
 # The fields the skeleton shows, each with its model's description as the comment above it.
 CONFIG_FIELDS = (
     "gpus",
@@ -166,29 +162,19 @@ CONFIG_FIELDS = (
     "containers",
     "private_shm",
 )
-
-
 PHASE_TEXT = {
     "pre": "ExecStartPre=: before the unit starts.",
     "post": "ExecStopPost=: after the unit stopped.",
 }
-
-
 POLICY_FIELDS = tuple(field.name for field in dataclasses.fields(DefaultPolicy))
 
-
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
-
-
 HEADER_TEXT = (
     "# Written by gpugate install (sha256:{digest}).\n"
     "# Edit freely: install and uninstall then leave it alone unless given --force.\n"
 )
-
-
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
 SAFE_FLAG = re.compile(r"^(-I|-m|gpugate)$")  # the words gpugate_command adds
-
 
 Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
 
@@ -239,7 +225,7 @@ def render_config(
     ports: Sequence[int] | None = None,
 ) -> str:
     """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
-    and ports given."""
+    and ports given (gpus: "auto" unless given)."""
     model = pydantic_config()  # the fields' descriptions
     defaults = model()
     lines = [
@@ -249,7 +235,7 @@ def render_config(
     ]
     for name in CONFIG_FIELDS:
         lines.append(f"# {model.model_fields[name].description}")
-        if name == "gpus":  # written out: "auto" unless --gpus named them
+        if name == "gpus":
             lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
         elif name == "containers" and containers:
             lines.append(f"containers = {toml_value(list(containers))}")
@@ -290,6 +276,7 @@ def ownership(path: Path) -> Ownership:
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
 RELOAD_TIMEOUT_S = 120
+SYSTEMCTL_TIMEOUT_S = 60
 
 
 class Action(Enum):
@@ -311,16 +298,9 @@ class Change:
     keep_folder: bool = False  # REMOVE: leave the folder even where it is left empty
 
 
-@dataclass(frozen=True)
-class Targets:
-    """Where install writes for one unit."""
-
-    dropin: Path
-    config: Path
-
-    @classmethod
-    def of(cls, unit: str, systemd_dir: Path, config_dir: Path) -> Targets:
-        return cls(systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml")
+def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]:
+    """Where install writes for one unit: the drop-in, the config."""
+    return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
 def validate_install_unit(unit: str) -> str:
@@ -335,33 +315,35 @@ def validate_install_unit(unit: str) -> str:
 
 
 def parse_gpus(value: str) -> Gpus:
-    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`. Raises InvalidValue
-    (a ValueError)."""
+    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`; InvalidValue."""
     if value.strip() == "all":
         return "all"
     return list(parse_gpu_text(value))
 
 
 def parse_container(value: str) -> str:
-    """`--container vllm` (a name or id) into one item of the config's `containers`."""
     if not CONTAINER_NAME.fullmatch(value):
         raise InvalidValue(f"{echo(value)} is not a container name or id (letters, digits, _.-)")
     return value
+
+
+def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> Result:
+    program = find_program("systemctl")
+    if program is None:
+        raise InstallError(
+            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
+        )
+    try:
+        return run_program([program, *words], timeout_s)
+    except GateError as exc:
+        raise InstallError(f"files written, but {exc}; run it yourself") from None
 
 
 def systemctl_daemon_reload() -> bool:
     """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
     if not systemd_running():
         return False
-    systemctl = find_program("systemctl")
-    if systemctl is None:
-        raise InstallError(
-            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
-        )
-    try:
-        result = run_program([systemctl, "daemon-reload"], RELOAD_TIMEOUT_S)
-    except GateError as exc:
-        raise InstallError(f"files written, but {exc}; run it yourself") from None
+    result = systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
     if result.returncode != 0:
         raise InstallError(
             f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
@@ -392,23 +374,23 @@ def plan_install(
         query = query_unit
     if query is not None:
         refuse_unknown_unit(unit, force=force, query=query, stream=stream)
-    targets = Targets.of(unit, systemd_dir, config_dir)
-    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, targets.config)
+    dropin_path, config_path = targets(unit, systemd_dir, config_dir)
+    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, config_path)
     wanted = {
-        targets.dropin: dropin,
-        targets.config: with_header(render_config(unit, gpus, containers, ports)),
+        dropin_path: dropin,
+        config_path: with_header(render_config(unit, gpus, containers, ports)),
     }
     changes: list[Change] = []
     refused: list[str] = []
     for path, content in wanted.items():
         owner = ownership(path)
         if owner is Ownership.OPERATORS and not force:
-            if path == targets.config and gpus is None and not containers and not ports:
+            if path == config_path and gpus is None and not containers and not ports:
                 changes.append(Change(path, Action.KEEP, note="edited"))
                 continue
             refused.append(str(path))
             continue
-        shown = said if path == targets.dropin else ()
+        shown = said if path == dropin_path else ()
         if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
             changes.append(Change(path, Action.UNCHANGED, said=shown))
         else:
@@ -428,8 +410,6 @@ def planned_dropin(
     systemd_dir: Path,
     config: Path,
 ) -> tuple[str, tuple[str, ...]]:
-    """The drop-in for what the unit sets itself and the config's private_shm, with the lines
-    that say which of the unit's settings it keeps."""
     text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
     settings = parse_unit_settings(text, DROPIN_NAME)
     private_shm = configured_private_shm(config)
@@ -438,9 +418,7 @@ def planned_dropin(
 
 
 def configured_private_shm(config: Path) -> str:
-    """private_shm from the unit's config where it has one (the operator's: `"off"` takes the
-    private /dev/shm away at the next install), else the default. A config that does not
-    parse: its one-line error, nothing changed."""
+    """private_shm from the unit's config where it has one, else the default."""
     try:
         text = config.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -458,22 +436,16 @@ def refuse_unknown_unit(
     stream: TextIO | None = None,
 ) -> None:
     """A drop-in for a unit systemd does not know is most likely a typo: warn, and refuse
-    without --force (a unit file installed later would still pick the drop-in up)."""
+    without --force."""
     if unit.endswith("@.service"):
         return  # systemd shows instances, not templates; the template's file may be anywhere
     state = query(unit)
     if state is None or state.load_state != "not-found":
         return
+    said = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
     if not force:
-        raise UnknownUnit(
-            f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); nothing "
-            "changed; --force installs anyway"
-        )
-    said = (
-        f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); installing "
-        "anyway (--force)"
-    )
-    print(lines.warning(said), file=stream or sys.stderr)
+        raise UnknownUnit(f"{said}; nothing changed; --force installs anyway")
+    print(lines.warning(f"{said}; installing anyway (--force)"), file=stream or sys.stderr)
 
 
 def plan_uninstall(
@@ -486,15 +458,15 @@ def plan_uninstall(
     """What uninstall would do; InstallError (nothing done) where the drop-in is the
     operator's and not force. An edited config is kept (it does nothing without the hooks)."""
     validate_install_unit(unit)
-    targets = Targets.of(unit, systemd_dir, config_dir)
+    dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     changes: list[Change] = []
-    for path in (targets.dropin, targets.config):
+    for path in (dropin_path, config_path):
         owner = ownership(path)
         if owner is Ownership.ABSENT:
             changes.append(Change(path, Action.ABSENT))
         elif owner is Ownership.OURS or force:
             changes.append(Change(path, Action.REMOVE))
-        elif path == targets.config:
+        elif path == config_path:
             changes.append(Change(path, Action.KEEP, note="edited-removable"))
         else:
             raise InstallError(
@@ -511,9 +483,8 @@ def apply(
     reload: Callable[[], bool] = systemctl_daemon_reload,
     out: TextIO | None = None,
 ) -> bool:
-    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed.
-
-    reload: reloads systemd; False where there was none to reload."""
+    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed; reload:
+    False where there was no systemd to reload."""
     stream = out if out is not None else sys.stdout
     for change in changes:
         _describe(change, dry_run, stream)
@@ -552,7 +523,6 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
 
 
 def _mode_of(path: Path) -> int:
-    """A file's permissions, kept where it is replaced (0644 for a new one)."""
     try:
         return stat.S_IMODE(os.lstat(path).st_mode)
     except OSError:  # missing: a new file
@@ -567,7 +537,6 @@ def _remove_empty_dir(directory: Path) -> None:
 SERVICE = "gpugate-sweep.service"
 TIMER = "gpugate-sweep.timer"
 PACKAGED_DIR = Path("/usr/lib/systemd/system")
-SYSTEMCTL_TIMEOUT_S = 60
 
 SERVICE_TEMPLATE = """\
 # gpugate sweep: between starts, find GPU memory that no unit, job or container owns, say so
@@ -641,16 +610,8 @@ def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -
     return changes
 
 
-def systemctl(*words: str) -> None:
-    program = find_program("systemctl")
-    if program is None:
-        raise InstallError(
-            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
-        )
-    try:
-        result = run_program([program, *words], SYSTEMCTL_TIMEOUT_S)
-    except GateError as exc:
-        raise InstallError(f"files written, but {exc}; run it yourself") from None
+def timer_systemctl(*words: str) -> None:
+    result = systemctl(*words)
     if result.returncode != 0:
         detail = (result.stderr or result.stdout or "").strip().splitlines()
         said = echo(detail[-1] if detail else "", quote=False)
@@ -670,7 +631,7 @@ def sweep_setup(
     now = ["--now"] if systemd_running() else []
     there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, systemd_dir))
     if not installing and not dry_run and there:  # none there: nothing to disable
-        systemctl("disable", *now, TIMER)
+        timer_systemctl("disable", *now, TIMER)
         print(lines.sweep_timer(enabled=False))
     apply(changes, dry_run=dry_run, reload=lambda: False)
     if dry_run:
@@ -679,6 +640,6 @@ def sweep_setup(
     if written and not no_reload:
         print(lines.reloaded(systemctl_daemon_reload()))
     if installing:
-        systemctl("enable", *now, TIMER)
+        timer_systemctl("enable", *now, TIMER)
         print(lines.sweep_timer(enabled=True))
     return int(ExitCode.OK)
