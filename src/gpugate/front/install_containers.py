@@ -61,8 +61,6 @@ CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
 
 @dataclass(frozen=True)
 class ContainerHost:
-    """What the host has, and where things go; tests point these elsewhere."""
-
     hooks_dirs: tuple[Path, ...] = ()  # where podman / CRI-O read hook files
     daemon_json: Path | None = None  # docker's, where docker is installed
     containerd_config: Path | None = None  # containerd's config.toml, where it is installed
@@ -70,7 +68,6 @@ class ContainerHost:
 
 
 def detect(root: Path = Path("/")) -> ContainerHost:
-    """The runtimes installed here: podman's hooks folders, CRI-O's, docker's daemon.json."""
     dirs: list[Path] = []
     if find_program("podman") is not None:
         dirs.extend(podman_hooks_dirs(CONTAINERS_CONFS))
@@ -111,7 +108,6 @@ def hook_file(gpugate: str | Sequence[str], stage: str) -> str:
 
 
 def is_our_hook(path: Path) -> bool:
-    """A hook file gpugate wrote (any version, any path to gpugate)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
         args = data["hook"]["args"]
@@ -143,7 +139,6 @@ def plan_hooks(
 
 
 def read_daemon_json(path: Path) -> dict[str, object]:
-    """docker's daemon.json as an object ({} where absent); InstallError where it is not one."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -195,28 +190,16 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
 
 def containerd_default_config() -> str:
     """`containerd config default`: the config containerd runs with where the file is missing."""
+    failed = f"{CONTAINERD_CONFIG} is missing and `containerd config default` failed"
     containerd = find_program("containerd")
-    path = CONTAINERD_CONFIG
     if containerd is None:
-        raise InstallError(
-            f"{path} is missing and `containerd config default` failed: no containerd in the "
-            "system folders; nothing changed"
-        )
+        raise InstallError(f"{failed}: no containerd in the system folders; nothing changed")
     try:
         result = run_program([containerd, "config", "default"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(
-            f"{path} is missing and `containerd config default` failed: "
-            + (f"{exc}" if exc else "")
-            + "; nothing changed"
-        ) from None
+        raise InstallError(f"{failed}: {exc}; nothing changed") from None
     if result.returncode != 0:
-        said = result.first_line()
-        raise InstallError(
-            f"{path} is missing and `containerd config default` failed: "
-            + f"{said}"
-            + "; nothing changed"
-        )
+        raise InstallError(f"{failed}: {result.first_line()}; nothing changed")
     return result.stdout
 
 
@@ -228,7 +211,6 @@ def plan_containerd(
     default: bool = False,
     default_config: Callable[[], str] = containerd_default_config,
 ) -> list[Change]:
-    """containerd's config with (or without) the runtime gpugate."""
     path = host.containerd_config
     if path is None:
         return []
@@ -274,7 +256,6 @@ def nvidia_in_place(host: ContainerHost) -> bool:
 
 
 def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Change]:
-    """The record of what gpugate-oci-runtime runs, where docker or containerd use it."""
     if host.daemon_json is None and host.containerd_config is None:
         return []
     path = host.runtime_record
@@ -296,7 +277,6 @@ def wrapper_beside(gpugate: str) -> str:
 
 
 def reload_docker() -> str:
-    """`systemctl reload docker` where docker runs; what was done, in words."""
     systemctl = find_program("systemctl")
     if systemctl is None:
         return "docker not reloaded (no systemctl): run `systemctl reload docker`"
@@ -345,8 +325,6 @@ Table = dict[str, object]
 
 @dataclass(frozen=True)
 class Wrapped:
-    """The runtime whose options the gpugate runtime copies, and the program it ran."""
-
     name: str
     binary: str  # its options' BinaryName ("" where runc's own)
 
@@ -389,7 +367,6 @@ def cri_keys(data: Table, path: Path) -> tuple[str, ...]:
 
 
 def table_at(data: Table, keys: tuple[str, ...], *, make: bool = False) -> Table:
-    """The table at keys ({} where missing; made there where make)."""
     here = data
     for key in keys:
         found = here.get(key)
@@ -461,8 +438,6 @@ def wrapped_of(cri: Table) -> tuple[Wrapped, Table]:
 
 
 def runtime_table(source: Table, wrapper: str) -> Table:
-    """The gpugate runtime: the wrapped one's settings and runc options, runc's shim, the
-    wrapper as its binary."""
     table: Table = {"runtime_type": RUNC_V2}
     table.update({k: v for k, v in source.items() if k not in ("runtime_type", "options")})
     options = source.get("options")
@@ -527,7 +502,6 @@ def pruned(data: object) -> object:
 
 
 def same_settings(text: str, expected: Table) -> bool:
-    """text parses to expected (empty tables aside)."""
     try:
         return pruned(tomllib.loads(text)) == pruned(expected)
     except tomllib.TOMLDecodeError:  # a table the file defined inline or by dotted keys
@@ -571,10 +545,7 @@ def installed(
     if default:
         table_at(expected, cri, make=True)["default_runtime_name"] = RUNTIME_NAME
     if not same_settings(text, expected):
-        raise InstallError(
-            f"{path}: adding {dotted(cri)} as a table would change other settings (inline "
-            "or dotted tables there); add it by hand (docs/containers.md); nothing changed"
-        )
+        raise not_as_tables(path, cri)
     return text, wrapped
 
 
@@ -600,18 +571,21 @@ def uninstalled(current: str, *, path: Path) -> str | None:
     if default is not None:
         cri_table["default_runtime_name"] = default
     if pruned(before) != pruned(expected):
-        raise InstallError(
-            f"{path}: adding {dotted(cri)} as a table would change other settings (inline "
-            "or dotted tables there); add it by hand (docs/containers.md); nothing changed"
-        )
+        raise not_as_tables(path, cri)
     first, _, rest = base.partition("\n")
     if first.startswith(MADE):
         return None if first == f"{MADE}{digest(rest)})" else rest
     return base
 
 
+def not_as_tables(path: Path, cri: tuple[str, ...]) -> InstallError:
+    return InstallError(
+        f"{path}: adding {dotted(cri)} as a table would change other settings (inline or "
+        "dotted tables there); add it by hand (docs/containers.md); nothing changed"
+    )
+
+
 def nvidia_binaries(data: Table) -> list[str]:
-    """Every runtime's BinaryName in the CRI tables (where NVIDIA's runtime is set up)."""
     found = []
     for cri in CRI.values():
         for runtime in table_at(data, (*cri, "runtimes")).values():
