@@ -35,9 +35,8 @@ def main(
     config: Path | None = None,
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """argv: what follows `oci-hook`; roots, config and driver_factory: `gpugate --host-roots
-    R --nvml-library L oci-hook --config C STAGE` (the bench, tests), through the full
-    command line."""
+    """roots, config and driver_factory: `gpugate --host-roots R --nvml-library L oci-hook
+    --config C STAGE` (the bench, tests), through the full command line."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -70,11 +69,7 @@ def main(
         return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
-    if driver_factory is None:
-        return run_from_hook(stage, state, spec, roots=roots, config=config)
-    return run_from_hook(
-        stage, state, spec, roots=roots, config=config, driver_factory=driver_factory
-    )
+    return run_from_hook(stage, state, spec, roots=roots, config=config, driver=driver_factory)
 
 
 def not_gated(stage: str, why: str) -> int:

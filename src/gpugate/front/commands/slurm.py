@@ -98,7 +98,6 @@ def run_slurm_hook(
 
 
 def say_no_gpus(phase: Phase, job: SlurmJob, deps: SlurmDeps) -> None:
-    """One journal entry: the job has no GPU to gate (NoDevFiles, an empty list)."""
     reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
     reporter.event(Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success")
 
@@ -107,8 +106,8 @@ def job_config(
     config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
 ) -> tuple[LoadedConfig, RunDeps]:
     """The config with the job's GPUs as NVML's UUIDs (slurmd's numbers through gres.conf and
-    the device files), and the run's deps with the driver opened for it. Numbers that cannot
-    be resolved for certain: one line, and no GPU (the job's cgroup alone)."""
+    the device files), and the run's deps with the driver opened for it. Numbers not resolved
+    for certain: one line, and no GPU (the job's cgroup alone)."""
     driver: GpuDriver | None = None
     numbers = ",".join(map(str, job.gpus))
     try:
@@ -137,7 +136,6 @@ def job_config(
 def run_job(
     phase: Phase, job: SlurmJob, loaded: LoadedConfig, *, dry_run: bool, deps: SlurmDeps
 ) -> tuple[ExitCode, RunSummary | None, str]:
-    """The job's hook run: its exit code, summary and what a drain reason would say."""
     job_id, node_name, cgroup_root = job.job_id, job.node_name, deps.run.roots.cgroup
     hook = Hook(
         phase,
@@ -163,8 +161,8 @@ def drain(
     stream: TextIO,
     said: bool,
 ) -> None:
-    """A failed prolog or epilog: the drain reason, on stderr (unless an error said its one
-    line already) and to slurmctld where the node is named."""
+    """A failed prolog or epilog: the drain reason, on stderr (unless said already) and to
+    slurmctld where the node is named."""
     reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
     if not said:
         print(lines.error(f"drain: {reason}"), file=stream, flush=True)
