@@ -145,7 +145,7 @@ def record_metrics(
     from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
     record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-    narrator = Narrator(run_reporter(deps.reporter, hook.dry_run))
+    narrator = Narrator(deps.reporter)
     record_after_run(textfile, record, stream=deps.stream, on_failure=narrator.metrics_not_written)
 
 

@@ -3,6 +3,7 @@ table or stable JSON (docs/status-json.md)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -317,20 +318,11 @@ def render_json(data: dict[str, Any]) -> str:
 
 def gpu_ranges(indices: Iterable[int]) -> str:
     """0,1,2,3,5 as 0-3,5."""
-    parts: list[str] = []
-    run: list[int] = []
-    for index in sorted(indices):
-        if run and index != run[-1] + 1:
-            parts.append(_span(run))
-            run = []
-        run.append(index)
-    if run:
-        parts.append(_span(run))
+    parts = []
+    for _, run in itertools.groupby(enumerate(sorted(indices)), lambda pair: pair[1] - pair[0]):
+        span = [index for _, index in run]
+        parts.append(str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}")
     return ",".join(parts)
-
-
-def _span(run: list[int]) -> str:
-    return str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}"
 
 
 def held_for(seconds: int | None) -> str:
