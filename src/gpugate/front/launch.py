@@ -41,7 +41,7 @@ from gpugate.host.systemd import (
     unit_argument,
 )
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
+from gpugate.integrations.unit.gpu_source import parse_visible_devices
 from gpugate.integrations.unit.leases import RUNNING_STATES, STARTED_BY_VARIABLE, check_leases
 from gpugate.phase import Phase
 from gpugate.report import lines, reasons
@@ -163,17 +163,14 @@ def resolve_gpus(
     if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
         where = "CUDA_VISIBLE_DEVICES"
         wanted = parse_visible_devices(where, environ[where], "your environment")
-    choice = GpuChoice(
-        "all" if wanted is None else wanted,  # type: ignore[arg-type]
-        "--gpus" if wanted is not None else "all GPUs",
-    )
-    source = choice.source
+    source = "--gpus" if wanted is not None else "all GPUs"
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
         raise NvmlUnavailable(f"gpugate run: {exc}") from None
     try:
-        gpus = owned_gpus(choice.gpus, driver.gpus(), source)
+        selection = "all" if wanted is None else wanted
+        gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
     finally:
         driver.close()
     if not gpus:
