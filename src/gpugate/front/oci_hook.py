@@ -41,16 +41,7 @@ from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator
 
 METRICS_UNIT = "container"  # every container counts as one label in the metrics
-START_STAGES = frozenset({"createRuntime", "prestart"})
-STOP_STAGES = frozenset({"poststop"})
-
-
-def stage_phase(stage: str) -> Phase | None:
-    if stage in START_STAGES:
-        return Phase.PRE
-    if stage in STOP_STAGES:
-        return Phase.POST
-    return None
+STAGE_PHASES = {"createRuntime": Phase.PRE, "prestart": Phase.PRE, "poststop": Phase.POST}
 
 
 def run_container_hook(
@@ -148,7 +139,7 @@ def run_from_hook(
     driver: Callable[[], GpuDriver] | None = None,
 ) -> int:
     """The runtime's call, past the fast path: an error is one line and its exit code."""
-    phase = stage_phase(stage)
+    phase = STAGE_PHASES.get(stage)
     if phase is None:
         return int(ExitCode.OK)
     try:
