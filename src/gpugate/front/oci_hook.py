@@ -95,10 +95,8 @@ def run_container_hook(
 def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
     """After the stop the container's GPUs are those its start leased, where its lease is
     still there."""
-    for lease in read_leases(loaded.config.lock_dir).leases:
-        if lease.unit == unit and lease.gpus:
-            return lease.gpus
-    return None
+    leases = read_leases(loaded.config.lock_dir).leases
+    return next((lease.gpus for lease in leases if lease.unit == unit and lease.gpus), None)
 
 
 def identified(
