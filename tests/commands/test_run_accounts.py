@@ -21,6 +21,7 @@ from gpugate.core.decide import Rule, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.errors import ExitCode
 from gpugate.front.cli import build_parser
+from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.launch import (
     Caller,
     LaunchError,
@@ -28,7 +29,6 @@ from gpugate.front.launch import (
     derive_unit_name,
     hook_line,
     invoking_user,
-    parse_uid,
     systemd_run_argv,
 )
 from gpugate.phase import Phase

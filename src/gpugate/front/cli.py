@@ -482,7 +482,7 @@ def _path(value: str) -> Path:
 
 
 def _uid(value: str) -> int:
-    from gpugate.front.launch import parse_uid  # noqa: PLC0415
+    from gpugate.front.commands.pre_post import parse_uid  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:

@@ -27,6 +27,7 @@ from gpugate.config.toml_text import to_toml
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
+from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.programs import find_program, run_program
@@ -468,8 +469,6 @@ NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 # would make the hooks act for prod-vllm.service. Nor may it start with "-" (an option to the
 # hooks' command line) or ".". 255 characters at most, as systemd allows.
 PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
-UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
-NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 
 
 class LaunchError(GateError):
@@ -530,15 +529,6 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     if not command:
         raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
-
-
-def parse_uid(text: str) -> int | None:
-    """A uid in decimal ASCII digits, as sudo writes SUDO_UID: no sign, blank, leading zero or
-    other script's digits (int() takes Arabic-Indic ones), and not (uid_t)-1."""
-    if not UID_TEXT.fullmatch(text):
-        return None
-    uid = int(text)
-    return uid if uid < NO_UID else None
 
 
 def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
