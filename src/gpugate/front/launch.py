@@ -56,6 +56,95 @@ GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
 STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
+RM = Path("/bin/rm")
+PREFIX = "gpugate-run-"
+BASE_MAX = 40  # characters of the command's name kept in a derived unit name
+
+# Not passed to the unit (the rest of the caller's environment is):
+# - set by systemd for each service, or describing the caller's own service or terminal
+#   (wrong in another unit; systemd-run --pty sets TERM itself);
+# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
+#   caller's to choose);
+# - what changes the programs root's `+` hooks load, or how they start (they run with the
+#   unit's environment): LOADER_NAMES and LOADER_PREFIXES below;
+# - sudo's and the shell's bookkeeping.
+NOT_PASSED = frozenset(
+    {
+        "INVOCATION_ID",
+        "JOURNAL_STREAM",
+        "NOTIFY_SOCKET",
+        "LISTEN_PID",
+        "LISTEN_FDS",
+        "LISTEN_FDNAMES",
+        "WATCHDOG_PID",
+        "WATCHDOG_USEC",
+        "MANAGERPID",
+        "SYSTEMD_EXEC_PID",
+        "MAINPID",
+        "SERVICE_RESULT",
+        "EXIT_CODE",
+        "EXIT_STATUS",
+        "TERM",
+        "TMUX",
+        "TMUX_PANE",
+        "STY",
+        "WINDOW",
+        "SSH_TTY",
+        "SSH_AUTH_SOCK",
+        "SSH_AGENT_PID",
+        "XDG_SESSION_ID",
+        "XDG_SESSION_TYPE",
+        "XDG_SESSION_CLASS",
+        "XDG_VTNR",
+        "XDG_SEAT",
+        "PWD",
+        "OLDPWD",
+        "SHLVL",
+        "_",
+        "SUDO_COMMAND",
+        "SUDO_USER",
+        "SUDO_UID",
+        "SUDO_GID",
+        "SUDO_PS1",
+        "MAIL",
+        "PS1",
+        "PS2",
+        "PS4",
+        "PROMPT_COMMAND",
+        "COLUMNS",
+        "LINES",
+        "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
+    }
+)
+# The dynamic loader's and glibc's: every LD_* (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...),
+# GLIBC_TUNABLES, MALLOC_*, GCONV_*, and the rest of glibc's own list of what it drops for a
+# setuid program (sysdeps/generic/unsecvars.h); an interpreter's start-up: PYTHON* (the hooks
+# run Python -I, which reads none of them, but not every interpreter a hook may run does),
+# a shell's, Perl's, Ruby's, Node's.
+LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
+LOADER_NAMES = frozenset(
+    {
+        "GETCONF_DIR",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TMPDIR",
+        "TZDIR",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+NOT_PASSED_PREFIXES = ("GPUGATE_", "BASH_FUNC_", *LOADER_PREFIXES)
+NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
+# systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
+# character: systemd-run unescapes the Exec lines the name is written on, so `prod\x2dvllm`
+# would make the hooks act for prod-vllm.service. Nor may it start with "-" (an option to the
+# hooks' command line) or ".". 255 characters at most, as systemd allows.
+PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 
 
 def checked_command(args: argparse.Namespace) -> list[str]:
@@ -378,97 +467,6 @@ def stop_without_waiting(unit: str) -> None:
         return
     with contextlib.suppress(GateError):
         run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
-
-
-RM = Path("/bin/rm")
-PREFIX = "gpugate-run-"
-BASE_MAX = 40  # characters of the command's name kept in a derived unit name
-
-# Not passed to the unit (the rest of the caller's environment is):
-# - set by systemd for each service, or describing the caller's own service or terminal
-#   (wrong in another unit; systemd-run --pty sets TERM itself);
-# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
-#   caller's to choose);
-# - what changes the programs root's `+` hooks load, or how they start (they run with the
-#   unit's environment): LOADER_NAMES and LOADER_PREFIXES below;
-# - sudo's and the shell's bookkeeping.
-NOT_PASSED = frozenset(
-    {
-        "INVOCATION_ID",
-        "JOURNAL_STREAM",
-        "NOTIFY_SOCKET",
-        "LISTEN_PID",
-        "LISTEN_FDS",
-        "LISTEN_FDNAMES",
-        "WATCHDOG_PID",
-        "WATCHDOG_USEC",
-        "MANAGERPID",
-        "SYSTEMD_EXEC_PID",
-        "MAINPID",
-        "SERVICE_RESULT",
-        "EXIT_CODE",
-        "EXIT_STATUS",
-        "TERM",
-        "TMUX",
-        "TMUX_PANE",
-        "STY",
-        "WINDOW",
-        "SSH_TTY",
-        "SSH_AUTH_SOCK",
-        "SSH_AGENT_PID",
-        "XDG_SESSION_ID",
-        "XDG_SESSION_TYPE",
-        "XDG_SESSION_CLASS",
-        "XDG_VTNR",
-        "XDG_SEAT",
-        "PWD",
-        "OLDPWD",
-        "SHLVL",
-        "_",
-        "SUDO_COMMAND",
-        "SUDO_USER",
-        "SUDO_UID",
-        "SUDO_GID",
-        "SUDO_PS1",
-        "MAIL",
-        "PS1",
-        "PS2",
-        "PS4",
-        "PROMPT_COMMAND",
-        "COLUMNS",
-        "LINES",
-        "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
-    }
-)
-# The dynamic loader's and glibc's: every LD_* (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...),
-# GLIBC_TUNABLES, MALLOC_*, GCONV_*, and the rest of glibc's own list of what it drops for a
-# setuid program (sysdeps/generic/unsecvars.h); an interpreter's start-up: PYTHON* (the hooks
-# run Python -I, which reads none of them, but not every interpreter a hook may run does),
-# a shell's, Perl's, Ruby's, Node's.
-LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
-LOADER_NAMES = frozenset(
-    {
-        "GETCONF_DIR",
-        "HOSTALIASES",
-        "LOCALDOMAIN",
-        "LOCPATH",
-        "NIS_PATH",
-        "NLSPATH",
-        "RESOLV_HOST_CONF",
-        "RES_OPTIONS",
-        "TMPDIR",
-        "TZDIR",
-        "BASH_ENV",
-        "ENV",
-    }
-)
-NOT_PASSED_PREFIXES = ("GPUGATE_", "BASH_FUNC_", *LOADER_PREFIXES)
-NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
-# systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
-# character: systemd-run unescapes the Exec lines the name is written on, so `prod\x2dvllm`
-# would make the hooks act for prod-vllm.service. Nor may it start with "-" (an option to the
-# hooks' command line) or ".". 255 characters at most, as systemd allows.
-PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 
 
 class LaunchError(GateError):
