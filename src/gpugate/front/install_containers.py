@@ -67,7 +67,7 @@ class ContainerHost:
     runtime_record: Path = wrapped_runtime.RECORD  # what gpugate-oci-runtime runs
 
 
-def detect(root: Path = Path("/")) -> ContainerHost:
+def detect() -> ContainerHost:
     dirs: list[Path] = []
     if find_program("podman") is not None:
         dirs.extend(podman_hooks_dirs(CONTAINERS_CONFS))
