@@ -334,8 +334,8 @@ def test_launcher_refuses_a_python_it_does_not_carry(rpm_and_tree: tuple[Path, P
 def test_the_packaged_launcher_runs_python_isolated(tmp_path: Path) -> None:
     """packaging/stage's /usr/bin/gpugate (the .deb's and the RPM's) says `#!PYTHON -I`: a
     unit's PYTHONPATH imports nothing into root's hook, and `gpugate install` and `gpugate run`
-    put that very launcher on the hook lines (front/self_command.py: it already isolates)."""
-    from gpugate.front.self_command import gpugate_command
+    put that very launcher on the hook lines (front/install.py: it already isolates)."""
+    from gpugate.front.install import gpugate_command
 
     stage = (PACKAGING / "stage").read_text()
     # One launcher for each of pyproject's scripts (gpugate, gpugate-oci-runtime).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.front.install_files import DEFAULT_GPUGATE, render_dropin
+from gpugate.front.install import DEFAULT_GPUGATE, render_dropin
 
 UNITS = Path(__file__).resolve().parents[1] / "units"
 VLLM = "/opt/vllm/bin/vllm"

@@ -1,4 +1,4 @@
-"""containerd's config.toml with the runtime gpugate (front/containerd_config.py and
+"""containerd's config.toml with the runtime gpugate (front/install_containers.py and
 install_containers.plan_containerd): versions 2 and 3, a GPU node's config (NVIDIA's runtime
 as the CRI default), comments, quoting, no trailing newline, a missing file; every variant
 installs idempotently, keeps every other setting, and uninstalls to the very bytes it had;
@@ -14,7 +14,7 @@ import pytest
 
 from gpugate.compat import tomllib
 from gpugate.errors import ExitCode, InstallError
-from gpugate.front import containerd_config as cc
+from gpugate.front import install_containers as cc
 from gpugate.front.install import Action, apply
 from gpugate.front.install_containers import (
     ContainerHost,

@@ -13,8 +13,7 @@ import pytest
 
 from gpugate.config.file import parse_config
 from gpugate.errors import ConfigError
-from gpugate.front.install import apply, plan_install
-from gpugate.front.install_files import DEFAULT_GPUGATE, render_dropin
+from gpugate.front.install import DEFAULT_GPUGATE, apply, plan_install, render_dropin
 from gpugate.host.unit_settings import UnitSettings, files_text, parse
 
 UNIT = "vllm.service"

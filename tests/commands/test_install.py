@@ -16,11 +16,15 @@ import pytest
 from gpugate.config.file import parse_config
 from gpugate.config.models import validated
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
-from gpugate.front.install import Action, apply, parse_gpus, plan_install, plan_uninstall
-from gpugate.front.install_files import (
+from gpugate.front.install import (
     DEFAULT_GPUGATE,
+    Action,
     Ownership,
+    apply,
     ownership,
+    parse_gpus,
+    plan_install,
+    plan_uninstall,
     render_dropin,
     with_header,
 )

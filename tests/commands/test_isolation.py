@@ -1,5 +1,5 @@
 """Rule 6 (docs/hardening.md): interpreter and libraries from fixed places. The hook command
-(front/self_command.py) runs Python isolated, so a unit's PYTHONPATH imports nothing into root's
+(front/install.py) runs Python isolated, so a unit's PYTHONPATH imports nothing into root's
 hook; NVML is loaded by the driver's own path, never through LD_LIBRARY_PATH; a stand-in is
 given by the hidden --nvml-library, never by the environment."""
 
@@ -15,8 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from gpugate.errors import NvmlUnavailable
-from gpugate.front.install_files import render_dropin
-from gpugate.front.self_command import command_for, gpugate_command
+from gpugate.front.install import command_for, gpugate_command, render_dropin
 from gpugate.host.nvml import find_nvml_library, load_nvml_library
 from tests.fake_nvml.build import BuildError, build_fake_nvml
 

@@ -19,23 +19,21 @@ from gpugate.config.schema import GateConfig
 from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (
-    hook_config,
-    invoking_user,
-    refuse_leased,
-    resolve_gpus,
-    supervise,
-    wait_until_gone,
-)
-from gpugate.front.launch_unit import (
     Caller,
     LaunchError,
     LaunchPlan,
     caller_environment,
     command_status,
     derive_unit_name,
+    hook_config,
+    invoking_user,
     passed_environment,
+    refuse_leased,
+    resolve_gpus,
     sanitise,
+    supervise,
     systemd_run_argv,
+    wait_until_gone,
 )
 from gpugate.host.systemd import validate_unit_name
 from gpugate.integrations.unit.leases import new_lease, write_lease
@@ -283,7 +281,7 @@ def test_names_that_only_look_like_loader_variables_pass(name: str) -> None:
 def test_the_hooks_it_writes_run_python_isolated(argv0: str | None) -> None:
     """-I: a PYTHON* variable that got through anyway (systemd's own DefaultEnvironment=, a
     unit's file) changes nothing in root's hooks; /usr/bin/gpugate's shebang says -I itself."""
-    from gpugate.front.self_command import gpugate_command, isolates
+    from gpugate.front.install import gpugate_command, isolates
 
     command = gpugate_command(argv0=argv0 or "/nonexistent/gpugate", executable="/usr/bin/python3")
     argv = systemd_run_argv(plan(gpugate=command), SYSTEMD_RUN)

@@ -21,14 +21,14 @@ from gpugate.core.decide import Rule, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.errors import ExitCode
 from gpugate.front.cli import build_parser
-from gpugate.front.launch import invoking_user
-from gpugate.front.launch_unit import (
+from gpugate.front.commands.pre_post import parse_uid
+from gpugate.front.launch import (
     Caller,
     LaunchError,
     LaunchPlan,
     derive_unit_name,
     hook_line,
-    parse_uid,
+    invoking_user,
     systemd_run_argv,
 )
 from gpugate.phase import Phase

@@ -20,7 +20,7 @@ import pytest
 
 from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode
-from gpugate.front.status import as_dict, collect, render_table
+from gpugate.front.commands.status import as_dict, collect, render_table
 from tests.fakes import FakeHost, alive
 
 LISTENER = textwrap.dedent(

@@ -24,7 +24,7 @@ from gpugate.core.discover import Discovery
 from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
-from gpugate.front.status import unreadable_warning
+from gpugate.front.commands.status import unreadable_warning
 from gpugate.host.scan import Deadline, scan_device_users
 from gpugate.host.shm import MAX_WALK_DEPTH, ShmArea, inode_index, largest_files, regular_files
 from gpugate.integrations.metrics import load_state

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import sys
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from gpugate.front.cli import main
 from gpugate.front.commands import status as status_command
-from gpugate.front.status import cut, gpu_ranges, held_for, mib_shown, render_table
+from gpugate.front.commands.status import cut, gpu_ranges, held_for, mib_shown, render_table
 from tests.fakes import UNIT, FakeHost, as_nobody
 
 
@@ -202,7 +203,8 @@ def test_watch_rescans_show_new_holders_and_drop_gone_ones(
             raise KeyboardInterrupt
 
     # Only the watch's own sleep (the holders' start waits on time.sleep as well).
-    monkeypatch.setattr(status_command, "time", SimpleNamespace(sleep=sleep))
+    watch_time = SimpleNamespace(sleep=sleep, monotonic=time.monotonic, time=time.time)
+    monkeypatch.setattr(status_command, "time", watch_time)
     assert run_status(host, "--watch") == 0
     frames = capsys.readouterr().out.split("\x1b[H\x1b[J")[1:]
     pids = [

@@ -20,8 +20,7 @@ from gpugate.core.owners import Holding, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands import Front
-from gpugate.front.install_files import DEFAULT_GPUGATE
-from gpugate.front.install_sweep import render_service, render_timer
+from gpugate.front.install import DEFAULT_GPUGATE, render_service, render_timer
 from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
@@ -441,28 +440,28 @@ def test_where_slurmd_runs_the_node_is_drained_once_past_drain_after_s(
 def test_install_sweep_writes_its_units_and_uninstall_takes_back_only_its_own(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gpugate.front import install_sweep
+    from gpugate.front import install
     from gpugate.front.install import Action
 
-    monkeypatch.setattr(install_sweep, "PACKAGED_DIR", tmp_path / "packaged")
+    monkeypatch.setattr(install, "PACKAGED_DIR", tmp_path / "packaged")
     systemd = tmp_path / "system"
     command = ["/usr/bin/gpugate"]
-    planned = install_sweep.plan(systemd, command, installing=True)
+    planned = install.plan_sweep(systemd, command, installing=True)
     assert [(c.path.name, c.action) for c in planned] == [
         ("gpugate-sweep.service", Action.WRITE),
         ("gpugate-sweep.timer", Action.WRITE),
     ]
-    install_sweep.install.apply(planned, reload=lambda: False)
-    again = install_sweep.plan(systemd, command, installing=True)
+    install.apply(planned, reload=lambda: False)
+    again = install.plan_sweep(systemd, command, installing=True)
     assert {c.action for c in again} == {Action.UNCHANGED}
     timer = systemd / "gpugate-sweep.timer"
     timer.write_text(timer.read_text() + "# mine\n")
-    removed = install_sweep.plan(systemd, command, installing=False)
+    removed = install.plan_sweep(systemd, command, installing=False)
     assert [(c.path.name, c.action) for c in removed] == [
         ("gpugate-sweep.service", Action.REMOVE),
         ("gpugate-sweep.timer", Action.KEEP),
     ]
-    assert [c.action for c in install_sweep.plan(systemd, command, installing=True)] == [
+    assert [c.action for c in install.plan_sweep(systemd, command, installing=True)] == [
         Action.UNCHANGED,
         Action.KEEP,
     ]
@@ -470,15 +469,15 @@ def test_install_sweep_writes_its_units_and_uninstall_takes_back_only_its_own(
     packaged.mkdir()
     for name in ("gpugate-sweep.service", "gpugate-sweep.timer"):
         (packaged / name).write_text("packaged")
-    assert install_sweep.plan(systemd, command, installing=True) == []
+    assert install.plan_sweep(systemd, command, installing=True) == []
 
 
 def test_install_sweep_dry_run_changes_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from gpugate.front import install_sweep
+    from gpugate.front import install
 
-    monkeypatch.setattr(install_sweep, "PACKAGED_DIR", tmp_path / "packaged")
+    monkeypatch.setattr(install, "PACKAGED_DIR", tmp_path / "packaged")
     code = main(["install", "--sweep", "--dry-run", "--systemd-dir", str(tmp_path / "system")])
     assert code == ExitCode.OK
     assert not (tmp_path / "system").exists()

@@ -12,7 +12,7 @@ import pytest
 
 from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
 from gpugate.errors import ExitCode
-from gpugate.front.slurm_check import slurm_check
+from gpugate.front.commands.slurm import slurm_check
 from gpugate.host.nvml import Gpu
 from gpugate.integrations.gres_conf import (
     GpuLayout,

@@ -16,7 +16,7 @@ from gpugate.core.outcome import Stage, Transition
 from gpugate.core.run import PhaseRun, RunDeps, RunScope
 from gpugate.core.surroundings import NullSurroundings, Surroundings, run_state_to_write
 from gpugate.errors import Interrupted, NvmlUnavailable
-from gpugate.front.interrupt import stopped_by_signals
+from gpugate.front.hook import stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.integrations.slurm import JobSurroundings, SlurmJob, with_job_gpus
 from gpugate.phase import Phase

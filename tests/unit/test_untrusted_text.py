@@ -30,7 +30,7 @@ from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
-from gpugate.front.status import as_dict, render_json, render_table
+from gpugate.front.commands.status import as_dict, render_json, render_table
 from gpugate.host.containers import Container, StopResult
 from gpugate.host.procfs import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
@@ -467,7 +467,7 @@ PASSES = {"shown", "exact", "shown_args", "container_text", "container_handle", 
 # Functions that take process text as data and return a fact, not a word: their result is
 # still text an account may have picked (a unit name), shown through PASSES where it is shown.
 AS_DATA = {"unit_of_cgroup"}
-OUTPUTS = [*sorted((SRC / "report").glob("*.py")), SRC / "front" / "status.py"]
+OUTPUTS = [*sorted((SRC / "report").glob("*.py")), SRC / "front" / "commands" / "status.py"]
 
 
 def untrusted_reads(tree: ast.AST) -> Iterator[ast.Attribute]:

@@ -107,7 +107,6 @@ def gate_error_classes() -> set[str]:
 def test_every_error_class_keeps_a_documented_exit_code() -> None:
     """Each class's exit code is one of ExitCode's (README lists them; tests/test_docs.py)."""
     import gpugate.front.launch
-    import gpugate.front.launch_unit
     import gpugate.host.nvml
     import gpugate.host.oci
     import gpugate.integrations.records

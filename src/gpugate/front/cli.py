@@ -331,7 +331,7 @@ def _slurm(args: argparse.Namespace, front: Front) -> int:
 
 
 def _slurm_check(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.slurm_check import slurm_check  # noqa: PLC0415
+    from gpugate.front.commands.slurm import slurm_check  # noqa: PLC0415
     from gpugate.integrations.slurm_gpus import DeviceNodes  # noqa: PLC0415
 
     nodes = DeviceNodes(front.host_roots().dev)
@@ -410,8 +410,8 @@ def _uninstall(args: argparse.Namespace, front: Front) -> int:
 def _sweep_setup(
     args: argparse.Namespace, *, installing: bool, gpugate_path: Path | None = None
 ) -> int:
-    """`gpugate install|uninstall --sweep` (front/install_sweep.py)."""
-    from gpugate.front.install_sweep import sweep_setup  # noqa: PLC0415
+    """`gpugate install|uninstall --sweep` (front/install.py)."""
+    from gpugate.front.install import sweep_setup  # noqa: PLC0415
 
     return sweep_setup(
         installing,
@@ -482,7 +482,7 @@ def _path(value: str) -> Path:
 
 
 def _uid(value: str) -> int:
-    from gpugate.front.launch_unit import parse_uid  # noqa: PLC0415
+    from gpugate.front.commands.pre_post import parse_uid  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:

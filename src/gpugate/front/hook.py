@@ -1,16 +1,22 @@
-"""One hook run, the same for systemd's ExecStartPre=/ExecStopPost= and Slurm's
-Prolog=/Epilog=: locate the cgroup, run the phase, say a failure once, record the metrics.
+"""One hook run, the same for systemd's ExecStartPre=/ExecStopPost=, Slurm's Prolog=/Epilog=
+and an OCI hook: locate the cgroup, run the phase, say a failure once, record the metrics.
 
-The front builds what the run needs once: the `Hook` (what it is about, and how its
-surroundings are made) and the `Deps` (the reporter, the host through `RunDeps`, stderr),
-and passes them whole."""
+SIGTERM (`systemctl stop` during a start, a stop job's timeout) or SIGINT ends a hook at once:
+the signal becomes `Interrupted` in the main thread. Every wait of a run is a sleep, a poll or
+a lock wait with a timeout in the main thread, and Python retries none of them when a handler
+raises (PEP 475); the `finally` blocks then close the GPU locks. A second signal is ignored so
+that the cleanup runs to its end (systemd's SIGKILL after TimeoutStopSec= still ends it)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from types import FrameType
 from typing import TextIO
 
 from gpugate.config.models import LoadedConfig
@@ -26,8 +32,6 @@ from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
 
-# How a hook's surroundings are made, once the run's scope and config are known; they
-# narrate through the run's reporter.
 SurroundingsFactory = Callable[[RunScope, LoadedConfig, Reporter], Surroundings]
 
 
@@ -44,8 +48,6 @@ class Hook:
 
 @dataclass(frozen=True)
 class Deps:
-    """Everything a hook run reaches outside itself through, built once by the front."""
-
     reporter: Reporter  # the run's; a dry run uses its as_dry_run() twin
     run: RunDeps = field(default_factory=RunDeps)  # the host: roots, driver, pinner, clock
     stream: TextIO = field(default_factory=lambda: sys.stderr)  # errors, metrics warnings
@@ -75,15 +77,12 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
 
 
 def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
-    """The run's reporter: a dry run's says so on every entry (Reporter.as_dry_run)."""
     return reporter.as_dry_run() if dry_run and not reporter.dry_run else reporter
 
 
 def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
-    """The phase run with its surroundings made, its state folders checked (not in a dry
-    run: a start that cannot record its lease does not begin; a phase after a stop whose
-    traits do not require its state warns and goes on); an interruption names what the run
-    was doing."""
+    """The phase run with its state folders checked (not in a dry run): a start that cannot
+    record its lease does not begin; a phase after a stop warns and goes on."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
     narrator = first_words(scope, loaded, reporter)
     surroundings = hook.surroundings(scope, loaded, reporter)
@@ -106,8 +105,7 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
 def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Narrator:
     """The run's narrator, having asked systemd for the run's time first thing: the unit's own
     TimeoutStartSec=/TimeoutStopSec= (kept by install) may be shorter than this run's deadline;
-    systemd honours EXTEND_TIMEOUT_USEC= from the hook (NotifyAccess=exec) in start-pre and
-    stop-post alike, on 247 to 257."""
+    systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post alike."""
     narrator = Narrator(reporter)
     narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
     return narrator
@@ -115,11 +113,9 @@ def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Na
 
 def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> None:
     """After a unit's stop, where it has a /dev/shm of its own: say what that held, read
-    through a process of the unit still there (it goes with the unit's last process). systemd
-    gives the hook a fresh tmpfs of its own on /dev/shm in a namespace other than PID 1's
-    where the unit sets TemporaryFileSystem=/dev/shm: that is how the hook tells. Nothing is
-    said where the unit shares the host's (the kernel frees the unit's own with its last
-    process, whatever post does)."""
+    through a process of the unit still there. systemd gives the hook a fresh tmpfs of its own
+    on /dev/shm, in a namespace other than PID 1's, where the unit sets
+    TemporaryFileSystem=/dev/shm: that is how the hook tells."""
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return
@@ -145,9 +141,33 @@ def record_metrics(
 ) -> None:
     textfile = loaded.config.metrics_textfile
     if textfile is None:
-        return  # no textfile: the metrics module is not even imported (start-up time)
+        return
     from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
     record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-    narrator = Narrator(run_reporter(deps.reporter, hook.dry_run))
+    narrator = Narrator(deps.reporter)
     record_after_run(textfile, record, stream=deps.stream, on_failure=narrator.metrics_not_written)
+
+
+@contextlib.contextmanager
+def stopped_by_signals() -> Iterator[None]:
+    """Within the block, SIGTERM and SIGINT raise Interrupted (once); outside, as before."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+    fired: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if fired:
+            return
+        fired.append(signum)
+        name = signal.Signals(signum).name
+        raise Interrupted(f"stopped by {name}", name)
+
+    signals = (signal.SIGTERM, signal.SIGINT)
+    previous = {signum: signal.signal(signum, on_signal) for signum in signals}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

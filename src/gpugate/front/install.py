@@ -1,55 +1,282 @@
 """`gpugate install|uninstall UNIT`: put gpugate on a unit (a drop-in and a config skeleton)
-and take it off again.
+and take it off again; `install|uninstall --sweep`: the gpugate-sweep.timer on, or off again.
 
-Plans the changes and applies them. The texts and their ownership header are `install_files`:
-a file that is the operator's is never replaced or removed without `force` (the drop-in), and
-the config (meant to be edited) is kept.
-"""
+Every file install writes starts with a header that records the SHA-256 of the rest; a file
+whose rest no longer matches, or that has no such header, is the operator's: never replaced or
+removed without `force` (the drop-in), and the config (meant to be edited) is kept.
+
+The hook lines run this very gpugate, isolated (docs/hardening.md, rules 5 and 6): Python -I
+reads no PYTHON* variable, adds neither the current folder nor the script's to its path, and
+skips the user's site folder, so a unit's Environment=PYTHONPATH= imports nothing into root's
+hook. A pip or pipx console script's shebang has no -I: the hooks run its interpreter as
+`PYTHON -I -m gpugate`; the packages' /usr/bin/gpugate already says `#!/usr/bin/python3 -I`.
+
+The packages carry gpugate-sweep.service and .timer in /usr/lib/systemd/system, disabled.
+Without them (gpugate from pip), `--sweep` writes both into the systemd folder, marked as
+install's own, and uninstall removes them where unchanged."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import hashlib
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import TextIO
+from typing import Literal, TextIO, Union
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config
 from gpugate.config.gpulist import parse_gpu_text
-from gpugate.config.values import CONTAINER_NAME, DEFAULT_PRIVATE_SHM
+from gpugate.config.models import pydantic_config
+from gpugate.config.toml_text import toml_value
+from gpugate.config.values import (
+    CONTAINER_NAME,
+    DEFAULT_PRIVATE_SHM,
+    PRIVATE_SHM_OFF,
+    SWEEP_INTERVAL_S,
+    DefaultPolicy,
+)
 from gpugate.errors import (
+    ExitCode,
     GateError,
     InstallError,
     InvalidValue,
     PermissionDenied,
     UnknownUnit,
 )
-from gpugate.front.install_files import (
-    DEFAULT_GPUGATE,
-    HOOK_TIMEOUT_S,
-    Gpus,
-    Ownership,
-    ownership,
-    render_config,
-    render_dropin,
-    with_header,
-)
-from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
+from gpugate.host.programs import SYSTEM_PATH, Result, find_program, run_program
 from gpugate.host.safe_files import write_atomically
 from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
+from gpugate.host.unit_settings import UnitSettings, read_unit
 from gpugate.host.unit_settings import parse as parse_unit_settings
-from gpugate.host.unit_settings import read_unit
 from gpugate.report import lines
 from gpugate.report.lines import kept_lines
 from gpugate.untrusted import echo
 
+DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
+SHEBANG_BYTES = 256
+
+
+def gpugate_command(argv0: str | None = None, executable: str | None = None) -> tuple[str, ...]:
+    """This gpugate: the launcher that was run where its shebang already isolates Python,
+    else this interpreter with -I -m gpugate."""
+    script = os.path.abspath(argv0 if argv0 is not None else sys.argv[0])
+    if shebang(script) is not None and isolates(script):
+        return (script,)
+    python = executable if executable is not None else sys.executable
+    if not python or not os.path.isabs(python):
+        return (str(DEFAULT_GPUGATE),)
+    return (python, "-I", "-m", "gpugate")
+
+
+def command_for(path: str) -> tuple[str, ...]:
+    """An operator's --gpugate-path: as it is where it isolates Python itself (or is not a
+    Python script); a console script whose shebang lacks -I is run by its interpreter, -I."""
+    line = shebang(path)
+    if line is None or isolates(path):
+        return (path,)
+    interpreter = line[0]
+    if os.path.basename(interpreter).startswith("python") and os.path.isabs(interpreter):
+        return (interpreter, "-I", path)
+    return (path,)
+
+
+def shebang(path: str) -> list[str] | None:
+    """The words of path's `#!` line; None where it has none or cannot be read."""
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(SHEBANG_BYTES)
+    except OSError:
+        return None
+    if not head.startswith(b"#!"):
+        return None
+    words = head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
+    return words or None
+
+
+def isolates(path: str) -> bool:
+    """The shebang runs Python with -I (alone or among other one-letter flags: -sI, -IS)."""
+    words = shebang(path) or []
+    return any(w.startswith("-") and not w.startswith("--") and "I" in w for w in words[1:])
+
+
+# The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
+# Every setting in it means the same on systemd 247 (Debian 11) to 257 (Debian 13): the "+"
+# prefix dates from 231, NotifyAccess=exec from 232, EXTEND_TIMEOUT_USEC= from 236, and drop-in
+# directories (UNIT.d/, TEMPLATE@.service.d/ for every instance) are older still
+# (docs/install.md, "systemd 247 to 257").
+DROPIN_TEMPLATE = """\
+# gpugate on a GPU service: before each start and after each stop, find every process that
+# holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.
+# `gpugate install UNIT` puts it at /etc/systemd/system/UNIT.d/gpugate.conf; settings for the
+# unit go to /etc/gpugate/UNIT.toml (`gpugate config check --unit UNIT`; man gpugate).
+[Service]
+# "+": run with full privileges even when the unit sets User=, ProtectSystem= or
+# ProtectProc=: gpugate must see and signal other users' processes. %n: the unit's name.
+ExecStartPre=+@GPUGATE@ pre %n
+# Runs after every stop, a crash or a failed start included: reaps workers that outlived the
+# main process and waits for the driver to release their memory before the unit is "inactive".
+ExecStopPost=+@GPUGATE@ post %n
+"""
+
+
+# What follows the hooks, each block left out where the unit sets that itself
+# (host/unit_settings.py); `gpugate install` says which it kept.
+NOTIFY_BLOCK = """\
+# Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
+# STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose
+# own children must notify sets NotifyAccess=all itself: install then keeps it.)
+NotifyAccess=exec
+"""
+TIMEOUT_COMMENT = """\
+# Each covers a hook: SIGTERM grace + SIGKILL wait + the driver's release (gpugate's
+# wait_timeout_s, 120 s by default) with room to spare. gpugate asks systemd for more time
+# (EXTEND_TIMEOUT_USEC=) while it works, so a unit's own shorter timeout is kept, not replaced.
+"""
+START_TIMEOUT = "TimeoutStartSec=@SECONDS@\n"
+STOP_TIMEOUT = "TimeoutStopSec=@SECONDS@\n"
+SHM_BLOCK = """\
+# The unit's own /dev/shm (private_shm in /etc/gpugate/UNIT.toml): the server's segments live
+# in a tmpfs the kernel frees when the unit's last process ends, however it ends (a SIGKILL
+# after TimeoutStopSec=, systemctl kill, a crash, a restart). private_shm = "off" and
+# `gpugate install` again: the unit shares the host's /dev/shm (docs/shared-memory.md).
+TemporaryFileSystem=/dev/shm:@OPTIONS@
+"""
+SHM_OPTIONS = "mode=1777,nosuid,nodev,size={size}"
+HOOK_TIMEOUT_S = 300
+
+# The fields the skeleton shows, each with its model's description as the comment above it.
+CONFIG_FIELDS = (
+    "gpus",
+    "ports",
+    "free_mib",
+    "kill_other_units",
+    "share_gpus",
+    "protected_executables",
+    "protected_units",
+    "containers",
+    "private_shm",
+)
+PHASE_TEXT = {
+    "pre": "ExecStartPre=: before the unit starts.",
+    "post": "ExecStopPost=: after the unit stopped.",
+}
+POLICY_FIELDS = tuple(field.name for field in dataclasses.fields(DefaultPolicy))
+
+HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
+HEADER_TEXT = (
+    "# Written by gpugate install (sha256:{digest}).\n"
+    "# Edit freely: install and uninstall then leave it alone unless given --force.\n"
+)
+SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
+SAFE_FLAG = re.compile(r"^(-I|-m|gpugate)$")  # the words gpugate_command adds
+
+Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
+
+
+class Ownership(Enum):
+    ABSENT = "absent"
+    OURS = "ours"  # written by gpugate install, unchanged since
+    OPERATORS = "operator's"  # edited since, or never written by gpugate
+
+
+def render_dropin(
+    gpugate: Path | Sequence[str],
+    unit: UnitSettings | None = None,
+    private_shm: str = DEFAULT_PRIVATE_SHM,
+) -> str:
+    """The drop-in: the hooks, and what the unit does not set itself (unit: what it sets;
+    None: nothing), with a /dev/shm of its own unless private_shm is "off". gpugate: the
+    command that runs gpugate (gpugate_command), or one path."""
+    words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
+    for text in words:
+        if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
+            raise InstallError(
+                f"--gpugate-path {text!r}: an absolute path of letters, digits and _.+/- only "
+                "(it goes into ExecStartPre= unquoted)"
+            )
+    if not words or not SAFE_PATH.match(words[0]):
+        raise InstallError(f"--gpugate-path {' '.join(words)!r}: not an absolute path")
+    unit = unit or UnitSettings()
+    parts = [DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))]
+    if unit.notify_access is None or unit.notify_access.value != "all":
+        parts.append(NOTIFY_BLOCK)
+    timeouts = [
+        line.replace("@SECONDS@", str(HOOK_TIMEOUT_S))
+        for line, kept in ((START_TIMEOUT, unit.start_timeout), (STOP_TIMEOUT, unit.stop_timeout))
+        if kept is None
+    ]
+    if timeouts:
+        parts += [TIMEOUT_COMMENT, *timeouts]
+    if private_shm != PRIVATE_SHM_OFF and unit.own_shm is None:
+        parts.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
+    return "".join(parts)
+
+
+def render_config(
+    unit: str,
+    gpus: Gpus | None,
+    containers: Sequence[str] = (),
+    ports: Sequence[int] | None = None,
+) -> str:
+    """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
+    and ports given (gpus: "auto" unless given)."""
+    model = pydantic_config()  # the fields' descriptions
+    defaults = model()
+    lines = [
+        f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
+        "# uncomment what you change. Check it: gpugate config check --unit " + unit,
+        "",
+    ]
+    for name in CONFIG_FIELDS:
+        lines.append(f"# {model.model_fields[name].description}")
+        if name == "gpus":
+            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
+        elif name == "containers" and containers:
+            lines.append(f"containers = {toml_value(list(containers))}")
+        elif name == "ports" and ports:
+            lines.append(f"ports = {toml_value(list(ports))}")
+        else:
+            lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
+    for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
+        lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
+        for name in POLICY_FIELDS:
+            text = type(policy).model_fields[name].description
+            lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
+    return "\n".join(lines) + "\n"
+
+
+def with_header(body: str) -> str:
+    return HEADER_TEXT.format(digest=hashlib.sha256(body.encode()).hexdigest()) + body
+
+
+def ownership(path: Path) -> Ownership:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return Ownership.ABSENT
+    except UnicodeDecodeError:
+        return Ownership.OPERATORS
+    except PermissionError:
+        raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
+    match = HEADER.match(text)
+    header_lines = HEADER_TEXT.count("\n")
+    parts = text.split("\n", header_lines)
+    if match is None or len(parts) <= header_lines:
+        return Ownership.OPERATORS
+    unchanged = hashlib.sha256(parts[header_lines].encode()).hexdigest() == match[1]
+    return Ownership.OURS if unchanged else Ownership.OPERATORS
+
+
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
 RELOAD_TIMEOUT_S = 120
+SYSTEMCTL_TIMEOUT_S = 60
 
 
 class Action(Enum):
@@ -71,16 +298,9 @@ class Change:
     keep_folder: bool = False  # REMOVE: leave the folder even where it is left empty
 
 
-@dataclass(frozen=True)
-class Targets:
-    """Where install writes for one unit."""
-
-    dropin: Path
-    config: Path
-
-    @classmethod
-    def of(cls, unit: str, systemd_dir: Path, config_dir: Path) -> Targets:
-        return cls(systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml")
+def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]:
+    """Where install writes for one unit: the drop-in, the config."""
+    return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
 def validate_install_unit(unit: str) -> str:
@@ -95,33 +315,35 @@ def validate_install_unit(unit: str) -> str:
 
 
 def parse_gpus(value: str) -> Gpus:
-    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`. Raises InvalidValue
-    (a ValueError)."""
+    """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`; InvalidValue."""
     if value.strip() == "all":
         return "all"
     return list(parse_gpu_text(value))
 
 
 def parse_container(value: str) -> str:
-    """`--container vllm` (a name or id) into one item of the config's `containers`."""
     if not CONTAINER_NAME.fullmatch(value):
         raise InvalidValue(f"{echo(value)} is not a container name or id (letters, digits, _.-)")
     return value
+
+
+def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> Result:
+    program = find_program("systemctl")
+    if program is None:
+        raise InstallError(
+            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
+        )
+    try:
+        return run_program([program, *words], timeout_s)
+    except GateError as exc:
+        raise InstallError(f"files written, but {exc}; run it yourself") from None
 
 
 def systemctl_daemon_reload() -> bool:
     """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
     if not systemd_running():
         return False
-    systemctl = find_program("systemctl")
-    if systemctl is None:
-        raise InstallError(
-            f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
-        )
-    try:
-        result = run_program([systemctl, "daemon-reload"], RELOAD_TIMEOUT_S)
-    except GateError as exc:
-        raise InstallError(f"files written, but {exc}; run it yourself") from None
+    result = systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
     if result.returncode != 0:
         raise InstallError(
             f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
@@ -152,23 +374,23 @@ def plan_install(
         query = query_unit
     if query is not None:
         refuse_unknown_unit(unit, force=force, query=query, stream=stream)
-    targets = Targets.of(unit, systemd_dir, config_dir)
-    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, targets.config)
+    dropin_path, config_path = targets(unit, systemd_dir, config_dir)
+    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, config_path)
     wanted = {
-        targets.dropin: dropin,
-        targets.config: with_header(render_config(unit, gpus, containers, ports)),
+        dropin_path: dropin,
+        config_path: with_header(render_config(unit, gpus, containers, ports)),
     }
     changes: list[Change] = []
     refused: list[str] = []
     for path, content in wanted.items():
         owner = ownership(path)
         if owner is Ownership.OPERATORS and not force:
-            if path == targets.config and gpus is None and not containers and not ports:
+            if path == config_path and gpus is None and not containers and not ports:
                 changes.append(Change(path, Action.KEEP, note="edited"))
                 continue
             refused.append(str(path))
             continue
-        shown = said if path == targets.dropin else ()
+        shown = said if path == dropin_path else ()
         if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
             changes.append(Change(path, Action.UNCHANGED, said=shown))
         else:
@@ -188,8 +410,6 @@ def planned_dropin(
     systemd_dir: Path,
     config: Path,
 ) -> tuple[str, tuple[str, ...]]:
-    """The drop-in for what the unit sets itself and the config's private_shm, with the lines
-    that say which of the unit's settings it keeps."""
     text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
     settings = parse_unit_settings(text, DROPIN_NAME)
     private_shm = configured_private_shm(config)
@@ -198,9 +418,7 @@ def planned_dropin(
 
 
 def configured_private_shm(config: Path) -> str:
-    """private_shm from the unit's config where it has one (the operator's: `"off"` takes the
-    private /dev/shm away at the next install), else the default. A config that does not
-    parse: its one-line error, nothing changed."""
+    """private_shm from the unit's config where it has one, else the default."""
     try:
         text = config.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -218,22 +436,16 @@ def refuse_unknown_unit(
     stream: TextIO | None = None,
 ) -> None:
     """A drop-in for a unit systemd does not know is most likely a typo: warn, and refuse
-    without --force (a unit file installed later would still pick the drop-in up)."""
+    without --force."""
     if unit.endswith("@.service"):
         return  # systemd shows instances, not templates; the template's file may be anywhere
     state = query(unit)
     if state is None or state.load_state != "not-found":
         return
+    said = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
     if not force:
-        raise UnknownUnit(
-            f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); nothing "
-            "changed; --force installs anyway"
-        )
-    said = (
-        f"unit {unit}: systemd knows no such unit (systemctl list-unit-files); installing "
-        "anyway (--force)"
-    )
-    print(lines.warning(said), file=stream or sys.stderr)
+        raise UnknownUnit(f"{said}; nothing changed; --force installs anyway")
+    print(lines.warning(f"{said}; installing anyway (--force)"), file=stream or sys.stderr)
 
 
 def plan_uninstall(
@@ -246,15 +458,15 @@ def plan_uninstall(
     """What uninstall would do; InstallError (nothing done) where the drop-in is the
     operator's and not force. An edited config is kept (it does nothing without the hooks)."""
     validate_install_unit(unit)
-    targets = Targets.of(unit, systemd_dir, config_dir)
+    dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     changes: list[Change] = []
-    for path in (targets.dropin, targets.config):
+    for path in (dropin_path, config_path):
         owner = ownership(path)
         if owner is Ownership.ABSENT:
             changes.append(Change(path, Action.ABSENT))
         elif owner is Ownership.OURS or force:
             changes.append(Change(path, Action.REMOVE))
-        elif path == targets.config:
+        elif path == config_path:
             changes.append(Change(path, Action.KEEP, note="edited-removable"))
         else:
             raise InstallError(
@@ -271,9 +483,8 @@ def apply(
     reload: Callable[[], bool] = systemctl_daemon_reload,
     out: TextIO | None = None,
 ) -> bool:
-    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed.
-
-    reload: reloads systemd; False where there was none to reload."""
+    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed; reload:
+    False where there was no systemd to reload."""
     stream = out if out is not None else sys.stdout
     for change in changes:
         _describe(change, dry_run, stream)
@@ -312,7 +523,6 @@ def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
 
 
 def _mode_of(path: Path) -> int:
-    """A file's permissions, kept where it is replaced (0644 for a new one)."""
     try:
         return stat.S_IMODE(os.lstat(path).st_mode)
     except OSError:  # missing: a new file
@@ -322,3 +532,114 @@ def _mode_of(path: Path) -> int:
 def _remove_empty_dir(directory: Path) -> None:
     with contextlib.suppress(OSError):  # not empty (other drop-ins, other configs): stays
         directory.rmdir()
+
+
+SERVICE = "gpugate-sweep.service"
+TIMER = "gpugate-sweep.timer"
+PACKAGED_DIR = Path("/usr/lib/systemd/system")
+
+SERVICE_TEMPLATE = """\
+# gpugate sweep: between starts, find GPU memory that no unit, job or container owns, say so
+# in the journal and the metrics textfile, and reap it where [sweep] reap_after_s allows.
+# Started by gpugate-sweep.timer; `gpugate install --sweep` enables that (man gpugate).
+[Unit]
+# What `systemctl status` shows.
+Description=gpugate sweep: GPU memory nobody owns
+Documentation=man:gpugate(1)
+
+[Service]
+# One sweep, then exit: the timer starts the next.
+Type=oneshot
+ExecStart=@GPUGATE@ sweep
+# The sweep's own STATUS= line (how many unowned holders, on which GPUs).
+NotifyAccess=main
+# A reap waits as pre does (wait_timeout_s, 120 s by default); a look takes seconds.
+TimeoutStartSec=300
+"""
+
+TIMER_TEMPLATE = f"""\
+# Runs gpugate-sweep.service once a minute. reap_after_s and drain_after_s below this
+# interval are config errors: a holder must be seen unowned by two sweeps.
+[Unit]
+# What `systemctl list-timers` shows.
+Description=gpugate sweep once a minute
+Documentation=man:gpugate(1)
+
+[Timer]
+# A minute after boot, then a minute after each sweep began.
+OnBootSec={SWEEP_INTERVAL_S}
+OnUnitActiveSec={SWEEP_INTERVAL_S}
+# The default AccuracySec= (a minute) would let sweeps drift up to two minutes apart.
+AccuracySec=1s
+
+[Install]
+# Enabled by `gpugate install --sweep`, not by the package.
+WantedBy=timers.target
+"""
+
+
+def render_service(command: Sequence[str]) -> str:
+    return SERVICE_TEMPLATE.replace("@GPUGATE@", " ".join(command))
+
+
+def render_timer() -> str:
+    return TIMER_TEMPLATE
+
+
+def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
+    """The unit files in systemd_dir: none where the package carries them."""
+    if (PACKAGED_DIR / TIMER).exists() and (PACKAGED_DIR / SERVICE).exists():
+        return []
+    changes = []
+    for name, body in ((SERVICE, render_service(command)), (TIMER, render_timer())):
+        path = systemd_dir / name
+        owner = ownership(path)
+        if installing:
+            text = with_header(body)
+            if owner is Ownership.OPERATORS:
+                changes.append(Change(path, Action.KEEP, note="edited"))
+            else:
+                same = owner is Ownership.OURS and path.read_text() == text
+                changes.append(Change(path, Action.UNCHANGED if same else Action.WRITE, text))
+        elif owner is Ownership.OURS:
+            changes.append(Change(path, Action.REMOVE))
+        elif owner is Ownership.ABSENT:
+            changes.append(Change(path, Action.ABSENT))
+        else:
+            changes.append(Change(path, Action.KEEP, note="edited-removable"))
+    return changes
+
+
+def timer_systemctl(*words: str) -> None:
+    result = systemctl(*words)
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout or "").strip().splitlines()
+        said = echo(detail[-1] if detail else "", quote=False)
+        raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
+
+
+def sweep_setup(
+    installing: bool,
+    *,
+    systemd_dir: Path,
+    dry_run: bool = False,
+    no_reload: bool = False,
+    gpugate_path: Path | None = None,
+) -> int:
+    command = command_for(str(gpugate_path)) if gpugate_path else gpugate_command()
+    changes = plan_sweep(systemd_dir, command, installing=installing)
+    now = ["--now"] if systemd_running() else []
+    there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, systemd_dir))
+    if not installing and not dry_run and there:  # none there: nothing to disable
+        timer_systemctl("disable", *now, TIMER)
+        print(lines.sweep_timer(enabled=False))
+    apply(changes, dry_run=dry_run, reload=lambda: False)
+    if dry_run:
+        return int(ExitCode.OK)
+    written = any(c.action in (Action.WRITE, Action.REMOVE) for c in changes)
+    if written and not no_reload:
+        print(lines.reloaded(systemctl_daemon_reload()))
+    if installing:
+        timer_systemctl("enable", *now, TIMER)
+        print(lines.sweep_timer(enabled=True))
+    return int(ExitCode.OK)

@@ -1,7 +1,7 @@
 """`gpugate run [--gpus LIST] [--port N]... [--name NAME] [--config PATH] [--force] -- COMMAND`:
-COMMAND as a transient service with gpugate's hooks on it (launch_unit.py builds the unit), so a
-hand-started server is tied to a unit: its GPUs leased, its whole cgroup stopped and its GPUs
-freed when the terminal goes, Ctrl-C, or `systemctl stop`."""
+COMMAND as a transient service with gpugate's hooks on it, so a hand-started server is tied to
+a unit: its GPUs leased, its whole cgroup stopped and its GPUs freed when the terminal goes,
+Ctrl-C, or `systemctl stop`."""
 
 from __future__ import annotations
 
@@ -17,40 +17,34 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
 from gpugate.config.models import LoadedConfig, validated
 from gpugate.config.toml_text import to_toml
+from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.owned_gpus import as_refs, owned_gpus
-from gpugate.errors import (
-    ExitCode,
-    GateError,
-    NvmlUnavailable,
-    PermissionDenied,
-    StateUnwritable,
-)
-from gpugate.front.launch_unit import (
-    HOOK_TIMEOUT_S,
-    Caller,
-    LaunchError,
-    LaunchPlan,
-    caller_environment,
-    command_status,
-    derive_unit_name,
-    parse_uid,
-    systemd_run_argv,
-)
-from gpugate.front.self_command import gpugate_command
+from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
+from gpugate.front.commands.pre_post import parse_uid
+from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.programs import find_program, run_program
 from gpugate.host.roots import HostRoots
 from gpugate.host.safe_files import write_atomically
-from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
+from gpugate.host.systemd import (
+    ENV_NAME,
+    SYSTEMCTL_TIMEOUT_S,
+    active_state,
+    query_unit,
+    unit_active_state,
+    unit_argument,
+)
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
-from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
+from gpugate.integrations.unit.gpu_source import parse_visible_devices
+from gpugate.integrations.unit.leases import RUNNING_STATES, STARTED_BY_VARIABLE, check_leases
+from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.untrusted import COMMAND, echo, shown
 
@@ -62,17 +56,105 @@ GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
 STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
+RM = Path("/bin/rm")
+PREFIX = "gpugate-run-"
+BASE_MAX = 40  # characters of the command's name kept in a derived unit name
+
+# Not passed to the unit (the rest of the caller's environment is):
+# - set by systemd for each service, or describing the caller's own service or terminal
+#   (wrong in another unit; systemd-run --pty sets TERM itself);
+# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
+#   caller's to choose);
+# - what changes the programs root's `+` hooks load, or how they start (they run with the
+#   unit's environment): LOADER_NAMES and LOADER_PREFIXES below;
+# - sudo's and the shell's bookkeeping.
+NOT_PASSED = frozenset(
+    {
+        "INVOCATION_ID",
+        "JOURNAL_STREAM",
+        "NOTIFY_SOCKET",
+        "LISTEN_PID",
+        "LISTEN_FDS",
+        "LISTEN_FDNAMES",
+        "WATCHDOG_PID",
+        "WATCHDOG_USEC",
+        "MANAGERPID",
+        "SYSTEMD_EXEC_PID",
+        "MAINPID",
+        "SERVICE_RESULT",
+        "EXIT_CODE",
+        "EXIT_STATUS",
+        "TERM",
+        "TMUX",
+        "TMUX_PANE",
+        "STY",
+        "WINDOW",
+        "SSH_TTY",
+        "SSH_AUTH_SOCK",
+        "SSH_AGENT_PID",
+        "XDG_SESSION_ID",
+        "XDG_SESSION_TYPE",
+        "XDG_SESSION_CLASS",
+        "XDG_VTNR",
+        "XDG_SEAT",
+        "PWD",
+        "OLDPWD",
+        "SHLVL",
+        "_",
+        "SUDO_COMMAND",
+        "SUDO_USER",
+        "SUDO_UID",
+        "SUDO_GID",
+        "SUDO_PS1",
+        "MAIL",
+        "PS1",
+        "PS2",
+        "PS4",
+        "PROMPT_COMMAND",
+        "COLUMNS",
+        "LINES",
+        "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
+    }
+)
+# The dynamic loader's and glibc's: every LD_* (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...),
+# GLIBC_TUNABLES, MALLOC_*, GCONV_*, and the rest of glibc's own list of what it drops for a
+# setuid program (sysdeps/generic/unsecvars.h); an interpreter's start-up: PYTHON* (the hooks
+# run Python -I, which reads none of them, but not every interpreter a hook may run does),
+# a shell's, Perl's, Ruby's, Node's.
+LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
+LOADER_NAMES = frozenset(
+    {
+        "GETCONF_DIR",
+        "HOSTALIASES",
+        "LOCALDOMAIN",
+        "LOCPATH",
+        "NIS_PATH",
+        "NLSPATH",
+        "RESOLV_HOST_CONF",
+        "RES_OPTIONS",
+        "TMPDIR",
+        "TZDIR",
+        "BASH_ENV",
+        "ENV",
+    }
+)
+NOT_PASSED_PREFIXES = ("GPUGATE_", "BASH_FUNC_", *LOADER_PREFIXES)
+NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
+# systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
+# character: systemd-run unescapes the Exec lines the name is written on, so `prod\x2dvllm`
+# would make the hooks act for prod-vllm.service. Nor may it start with "-" (an option to the
+# hooks' command line) or ".". 255 characters at most, as systemd allows.
+PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 
 
 def checked_command(args: argparse.Namespace) -> list[str]:
-    """COMMAND and its arguments, once the command line is known to be usable."""
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
     if not command:
         raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
-        # it goes on the Exec lines, where systemd splits on blanks and expands $ and quotes
+        # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
         raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
     return command
@@ -113,7 +195,6 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     try:
         return supervise(systemd_run_argv(plan, Path(systemd_run)), unit)
     finally:
-        # The unit's last ExecStopPost= removes it; this covers a unit that never started.
         for path in cleanup:
             with contextlib.suppress(OSError):
                 path.unlink()
@@ -121,11 +202,8 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
 
 def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tuple[Caller, bool]:
     """The account COMMAND runs as, and that its hooks act for: gpugate's own real uid; under
-    sudo (gpugate's real uid 0 and SUDO_UID set) the account that typed sudo. sudo itself
-    sets SUDO_UID and SUDO_GID for the command it runs (also under -E, which keeps the rest of
-    the caller's environment); an account that is not root gets no say in them: without
-    sudo its gpugate runs with its own real uid, and SUDO_UID is not read at all. A SUDO_UID
-    that is not a uid in sudo's form is refused, never read as root."""
+    sudo (real uid 0 and SUDO_UID set, by sudo itself, also under -E) the account that typed
+    sudo. Without sudo SUDO_UID is not read at all; one not in sudo's form is refused."""
     uid = os.getuid() if real_uid is None else real_uid
     under_sudo = uid == 0 and "SUDO_UID" in environ
     gid: int | None = None
@@ -175,17 +253,14 @@ def resolve_gpus(
     if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
         where = "CUDA_VISIBLE_DEVICES"
         wanted = parse_visible_devices(where, environ[where], "your environment")
-    choice = GpuChoice(
-        "all" if wanted is None else wanted,  # type: ignore[arg-type]
-        "--gpus" if wanted is not None else "all GPUs",
-    )
-    source = choice.source
+    source = "--gpus" if wanted is not None else "all GPUs"
     try:
         driver = driver_factory()
     except NvmlUnavailable as exc:
         raise NvmlUnavailable(f"gpugate run: {exc}") from None
     try:
-        gpus = owned_gpus(choice.gpus, driver.gpus(), source)
+        selection = "all" if wanted is None else wanted
+        gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
     finally:
         driver.close()
     if not gpus:
@@ -196,9 +271,8 @@ def resolve_gpus(
 def refuse_before_start(
     loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
 ) -> None:
-    """What the unit's pre would refuse, found before anything starts: a running lease on the
-    GPUs (--force: root's alone), and for a caller that is not root another account's
-    process on them."""
+    """What the unit's pre would refuse, before anything starts: a running lease on the GPUs
+    (--force: root's alone), and for a caller that is not root another account's process."""
     roots = front.host_roots()
     refuse_leased(
         loaded,
@@ -223,10 +297,8 @@ def refuse_leased(
     unit_state: Callable[[str], str | None],
     caller_is_root: bool = True,
 ) -> None:
-    """Before systemd-run: a running unit's lease on these GPUs refuses, as its pre would.
-    --force overrides it for root alone: a caller that is not root (under sudo, SUDO_UID's)
-    may not start onto GPUs another run, unit or container holds, whoever's it is (exit 77),
-    and its unit's pre gets no --ignore-leases."""
+    """A running unit's lease on these GPUs refuses, as its pre would; --force overrides it
+    for root alone (a caller that is not root: exit 77, and its pre gets no --ignore-leases)."""
     config = loaded.config
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
@@ -252,9 +324,8 @@ def refuse_other_accounts(
     roots: HostRoots,
     driver_factory: Callable[[], GpuDriver],
 ) -> None:
-    """Before systemd-run, for a caller that is not root: a process of another account on
-    these GPUs refuses the run (exit 22, one line naming it), as the unit's pre would under
-    the GPU locks (`--for-uid`); nothing is started or killed."""
+    """For a caller that is not root: a process of another account on these GPUs refuses the
+    run (exit 22), as the unit's pre would (`--for-uid`); nothing is started or killed."""
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.procfs import ProcFs  # noqa: PLC0415
@@ -277,11 +348,7 @@ def refuse_other_accounts(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(
-            lines.other_account_refusal(unit, others)
-            if others
-            else f"not starting {unit}: another account's process holds its GPUs"
-        )
+        raise HeldByOthers(lines.other_account_refusal(unit, others))
 
 
 class HeldByOthers(GateError):
@@ -292,8 +359,7 @@ def hook_config(
     loaded: LoadedConfig, unit: str, given: Path | None, ports: Sequence[int] | None
 ) -> tuple[Path | None, tuple[Path, ...]]:
     """The hooks' --config: with --port, LOCK_DIR/run/UNIT.toml (the effective config and
-    the ports; removed after post); else --config PATH as given (absolute), else none: the
-    hooks look up /etc/gpugate/UNIT.toml, then default.toml, as for any unit."""
+    the ports; removed after post); else --config PATH as given (absolute), else none."""
     if not ports:
         return (given.resolve() if given else None), ()
     config = validated(loaded.config).changed(ports=tuple(sorted(set(ports))))
@@ -308,7 +374,7 @@ def hook_config(
             f"{path}: permission denied writing the run's config (--port): run gpugate run "
             "as root (sudo)"
         ) from None
-    except OSError as exc:  # no space, read-only: before anything starts, as a pre would
+    except OSError as exc:
         raise StateUnwritable(
             path,
             "run-config",
@@ -334,8 +400,7 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
 
 def supervise(argv: list[str], unit: str) -> int:
     """Run systemd-run, relay its messages, and return COMMAND's status. A hangup, SIGTERM or
-    SIGINT reaching gpugate itself (a closed terminal, kill, Ctrl-C without a pty) stops the
-    unit: systemd stops its whole cgroup, then post frees the GPUs."""
+    SIGINT reaching gpugate itself (a closed terminal, Ctrl-C without a pty) stops the unit."""
     stopped = threading.Event()
 
     def stop_unit(signum: int, frame: FrameType | None) -> None:
@@ -373,8 +438,8 @@ def wait_until_gone(
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> bool:
-    """Poll the unit's ActiveState until it is neither running nor stopping (a collected
-    unit reads inactive); False at the deadline."""
+    """Poll the unit's ActiveState until it is neither running nor stopping; False at the
+    deadline."""
     state = state or active_state
     while clock() < deadline:
         if state(unit) not in STOPPING_OR_RUNNING:
@@ -384,7 +449,6 @@ def wait_until_gone(
 
 
 def relay(source: IO[bytes], target: IO[str]) -> str:
-    """Copy systemd-run's stderr through, line by line; return it all."""
     seen: list[str] = []
     for raw in iter(source.readline, b""):
         line = raw.decode("utf-8", "replace")
@@ -401,6 +465,160 @@ def stop_without_waiting(unit: str) -> None:
     systemctl = find_program("systemctl")
     if systemctl is None:
         return
-    # Failing, systemd-run's own end (the pty hung up) still stops a --pty unit.
     with contextlib.suppress(GateError):
         run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
+
+
+class LaunchError(GateError):
+    exit_code = ExitCode.USAGE
+
+
+@dataclass(frozen=True)
+class Caller:
+    uid: int
+    gid: int
+    user: str
+    home: str | None = None
+    shell: str | None = None
+
+    def started_by(self, tty: str | None) -> str:
+        return f"{self.user} (uid {self.uid}{', ' + tty if tty else ''})"
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    unit: str
+    command: tuple[str, ...]  # COMMAND[0] resolved to an absolute path
+    caller: Caller
+    gpus_env: str  # CUDA_VISIBLE_DEVICES for the unit
+    environment: tuple[tuple[str, str], ...]  # the caller's variables passed on
+    pty: bool
+    gpugate: tuple[str, ...]  # install.gpugate_command(): this very gpugate, -I
+    config: Path | None = None  # the hooks' --config
+    started_by: str = ""
+    force: bool = False
+    cleanup: tuple[Path, ...] = field(default=())  # files removed after post (root's)
+    as_root_caller: bool = False  # the caller is root itself: no --uid/--gid
+    private_shm: str = DEFAULT_PRIVATE_SHM  # the unit's own /dev/shm: its size, or "off"
+    for_uid: int | None = None  # the hooks' --for-uid: a caller that is not root
+
+
+def sanitise(name: str) -> str:
+    base = NAME_CHAR.sub("_", os.path.basename(name.rstrip("/"))).strip("._-")
+    return base[:BASE_MAX].strip("._-") or "command"
+
+
+def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) -> str:
+    """--name NAME (a service; `.service` added as systemctl does), else
+    gpugate-run-<command's basename>-<short id>.service."""
+    if name:
+        unit = unit_argument(name)
+        given = echo(str(name), limit=80)
+        if not unit.endswith(".service"):
+            raise LaunchError(f"--name {given}: gpugate run makes a service; name it NAME.service")
+        if "@" in unit:
+            raise LaunchError(f"--name {given}: a transient unit cannot be a template instance")
+        if not PLAIN_SERVICE.fullmatch(unit):
+            raise LaunchError(
+                f"--name {given}: not a plain unit name (letters, digits and :_.- "
+                "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
+            )
+        return unit
+    if not command:
+        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+    return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
+
+
+def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
+    kept = []
+    for key in sorted(environ):
+        value = environ[key]
+        if key in NOT_PASSED or key in LOADER_NAMES or key.startswith(NOT_PASSED_PREFIXES):
+            continue
+        if not ENV_NAME.fullmatch(key) or "\n" in value or "\0" in value:
+            continue  # systemd would refuse it (an exported function, a multi-line value)
+        kept.append((key, value))
+    return kept
+
+
+def caller_environment(
+    environ: Mapping[str, str], caller: Caller, under_sudo: bool
+) -> list[tuple[str, str]]:
+    """passed_environment, and under sudo the invoking user's HOME, USER, LOGNAME, SHELL
+    (sudo's own would name root)."""
+    kept = dict(passed_environment(environ))
+    if under_sudo:
+        kept["USER"] = kept["LOGNAME"] = caller.user
+        if caller.home:
+            kept["HOME"] = caller.home
+        if caller.shell:
+            kept["SHELL"] = caller.shell
+    return sorted(kept.items())
+
+
+def hook_line(plan: LaunchPlan, phase: Phase) -> str:
+    config = f" --config {plan.config}" if plan.config else ""
+    # On the command line, which only root writes, never in the environment, which the unit's
+    # own files may set; root's alone.
+    overrides = plan.force and plan.for_uid is None
+    force = " --ignore-leases" if overrides and phase.traits.takes_lease else ""
+    account = f" --for-uid {plan.for_uid}" if plan.for_uid is not None else ""
+    return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
+
+
+def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
+    argv = [
+        str(systemd_run),
+        f"--unit={plan.unit}",
+        "--pty" if plan.pty else "--pipe",
+        "--same-dir",
+        "--wait",
+        "--collect",
+        "--service-type=exec",
+        f"--description=gpugate run by {plan.started_by}: {' '.join(plan.command)[:200]}",
+    ]
+    if not plan.as_root_caller:
+        argv += [f"--uid={plan.caller.uid}", f"--gid={plan.caller.gid}"]
+    # %n is not expanded in properties set over D-Bus: the name is written out.
+    argv += [
+        f"--property=ExecStartPre={hook_line(plan, Phase.PRE)}",
+        f"--property=ExecStopPost={hook_line(plan, Phase.POST)}",
+    ]
+    for path in plan.cleanup:
+        argv.append(f"--property=ExecStopPost=+{RM} -f -- {path}")
+    argv += [
+        "--property=NotifyAccess=exec",
+        f"--property=TimeoutStartSec={HOOK_TIMEOUT_S}",
+        f"--property=TimeoutStopSec={HOOK_TIMEOUT_S}",
+        "--property=KillMode=control-group",
+    ]
+    if plan.private_shm != PRIVATE_SHM_OFF:  # the same own /dev/shm as install's drop-in
+        options = SHM_OPTIONS.format(size=plan.private_shm)
+        argv.append(f"--property=TemporaryFileSystem=/dev/shm:{options}")
+    setenv = [*plan.environment, ("CUDA_VISIBLE_DEVICES", plan.gpus_env)]
+    setenv.append((STARTED_BY_VARIABLE, plan.started_by))
+    argv += [f"--setenv={key}={value}" for key, value in setenv]
+    # systemd substitutes $NAME and ${NAME} in a service's command line; $$ is a literal $.
+    argv += ["--", *(arg.replace("$", "$$") for arg in plan.command)]
+    return argv
+
+
+MAIN_EXIT = re.compile(r"Main processes terminated with: code=(\w+)/status=(\w+)")
+
+
+def command_status(systemd_run_code: int, messages: str) -> int:
+    """COMMAND's exit status as a shell reports it: its code, or 128 + N for a signal.
+
+    systemd-run --wait returns the service's exit code, but 0 for the signals systemd counts
+    as a clean end (SIGHUP, SIGINT, SIGTERM, SIGPIPE) and 255 for any other signal; its last
+    lines ("Main processes terminated with: code=killed/status=INT") say what happened."""
+    found = MAIN_EXIT.findall(messages)
+    if not found:
+        return systemd_run_code
+    code, status = found[-1]
+    if code == "exited":
+        return int(status) if status.isdigit() else systemd_run_code
+    if status.isdigit():
+        return 128 + int(status)
+    number = getattr(signal.Signals, "SIG" + status.upper().removeprefix("SIG"), None)
+    return 128 + number if number and number <= signal.SIGTERM else systemd_run_code

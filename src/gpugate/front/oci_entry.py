@@ -9,12 +9,7 @@ import sys
 
 from gpugate.errors import ExitCode
 from gpugate.host.namespaces import not_host_root
-from gpugate.host.oci import (
-    parse_config,
-    parse_state,
-    read_config,
-    read_stdin_bounded,
-)
+from gpugate.host.oci import parse_config, parse_state, read_config, read_stdin_bounded
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.pods import is_sandbox
 
@@ -40,9 +35,8 @@ def main(
     config: Path | None = None,
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """argv: what follows `oci-hook`; roots, config and driver_factory: `gpugate --host-roots
-    R --nvml-library L oci-hook --config C STAGE` (the bench, tests), through the full
-    command line."""
+    """roots, config and driver_factory: `gpugate --host-roots R --nvml-library L oci-hook
+    --config C STAGE` (the bench, tests), through the full command line."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -75,11 +69,7 @@ def main(
         return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
     from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
 
-    if driver_factory is None:
-        return run_from_hook(stage, state, spec, roots=roots, config=config)
-    return run_from_hook(
-        stage, state, spec, roots=roots, config=config, driver_factory=driver_factory
-    )
+    return run_from_hook(stage, state, spec, roots=roots, config=config, driver=driver_factory)
 
 
 def not_gated(stage: str, why: str) -> int:

@@ -1,13 +1,7 @@
 """`gpugate oci-hook STAGE` for a container that asks for GPUs (front/oci_entry.py decided
-that, cheaply): the unit's pre before the container starts, its post after it stopped, with
-the container's scope as the unit (integrations/container.py).
-
-Before the start (createRuntime, or prestart): a stale holder of its GPUs is killed, one of
-another running unit or container refused (exit 22: the runtime does not start it), then the
-hook waits until NVML says the GPUs are free, and the container's lease is taken. After the
-stop (poststop): its lease goes, what is left in its scope dies, and the hook waits, bounded,
-until the GPUs are free.
-"""
+that, cheaply): the unit's pre before the container starts (createRuntime, or prestart), its
+post after it stopped (poststop), with the container's scope as the unit
+(integrations/container.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ from typing import TextIO
 from gpugate.config.models import LoadedConfig
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Deps, Hook, run_hook
-from gpugate.front.interrupt import stopped_by_signals
+from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
 from gpugate.host.cgroups import on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
@@ -48,18 +41,7 @@ from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator
 
 METRICS_UNIT = "container"  # every container counts as one label in the metrics
-# The stages gpugate acts at: before the container's process starts, and after it stopped.
-START_STAGES = frozenset({"createRuntime", "prestart"})
-STOP_STAGES = frozenset({"poststop"})
-
-
-def stage_phase(stage: str) -> Phase | None:
-    """The unit phase a stage runs as; None for the stages gpugate has nothing to do at."""
-    if stage in START_STAGES:
-        return Phase.PRE
-    if stage in STOP_STAGES:
-        return Phase.POST
-    return None
+STAGE_PHASES = {"createRuntime": Phase.PRE, "prestart": Phase.PRE, "poststop": Phase.POST}
 
 
 def run_container_hook(
@@ -74,8 +56,7 @@ def run_container_hook(
     loaded: LoadedConfig | None = None,
     unit_state: Callable[[str], str | None] | None = None,
 ) -> int:
-    """loaded: the config (tests); default /etc/gpugate/containers.toml; unit_state stands in
-    for systemd's answer on a lease's scope (tests)."""
+    """loaded: default /etc/gpugate/containers.toml."""
     stream = stream or sys.stderr
     identity = identified(phase, state, spec, roots, reporter_factory, stream)
     if isinstance(identity, int):
@@ -83,8 +64,7 @@ def run_container_hook(
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():
-        # The container's GPUs as the config's: a device minor is a GPU only NVML can name
-        # (each call within NVML's own limit: no run deadline yet).
+        # A device minor is a GPU only NVML can name (each call within NVML's own limit).
         driver: GpuDriver | None = None
         try:
             driver = driver_factory()
@@ -113,12 +93,10 @@ def run_container_hook(
 
 
 def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
-    """After the stop the container's GPUs are those its start leased (what it resolved
-    then), where its lease is still there."""
-    for lease in read_leases(loaded.config.lock_dir).leases:
-        if lease.unit == unit and lease.gpus:
-            return lease.gpus
-    return None
+    """After the stop the container's GPUs are those its start leased, where its lease is
+    still there."""
+    leases = read_leases(loaded.config.lock_dir).leases
+    return next((lease.gpus for lease in leases if lease.unit == unit and lease.gpus), None)
 
 
 def identified(
@@ -130,8 +108,7 @@ def identified(
     stream: TextIO,
 ) -> ContainerIdentity | int:
     """The container's identity, or the hook's exit code where it has no cgroup of its own:
-    never gated as the unit around it; refused before its start (one line, one entry), and
-    its poststop has no lease of its own to give back."""
+    refused before its start, never gated as the unit around it."""
     try:
         return identify(state, spec, ProcFs(roots.proc))
     except OciInputError as exc:
@@ -145,8 +122,7 @@ def identified(
 
 def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:
     """The run's unit cgroup. Before the start nothing in the scope is the container's yet
-    (its init waits there): a cgroup below it that never exists; after the stop whatever is
-    left in the scope is the container's."""
+    (its init waits there): a cgroup below it that never exists."""
     top = identity.cgroup or ""
     return f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
 
@@ -158,18 +134,17 @@ def run_from_hook(
     *,
     roots: HostRoots | None = None,
     config: Path | None = None,
-    driver_factory: Callable[[], GpuDriver] = NvmlDriver,
+    driver: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """The runtime's call, past the fast path: an error is one line and its exit code.
-    driver_factory: NVML's, or `--nvml-library`'s through the full command line (the bench)."""
-    phase = stage_phase(stage)
+    """The runtime's call, past the fast path: an error is one line and its exit code."""
+    phase = STAGE_PHASES.get(stage)
     if phase is None:
         return int(ExitCode.OK)
     try:
         loaded = load_config(None, config) if config is not None else None
         roots = roots or on_units_tree(HostRoots())
         return run_container_hook(
-            phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver_factory
+            phase, state, spec, roots=roots, loaded=loaded, driver_factory=driver or NvmlDriver
         )
     except GateError as exc:
         print(lines.hook_failed(stage, exc.message), file=sys.stderr)
@@ -177,8 +152,5 @@ def run_from_hook(
     except Exception as exc:
         if os.environ.get("GPUGATE_DEBUG"):
             raise
-        print(
-            lines.hook_failed(stage, lines.internal_error_text(exc)),
-            file=sys.stderr,
-        )
+        print(lines.hook_failed(stage, lines.internal_error_text(exc)), file=sys.stderr)
         return int(ExitCode.INTERNAL)

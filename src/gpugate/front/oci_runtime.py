@@ -29,7 +29,6 @@ GPUGATE_PATHS = ("/usr/bin/gpugate", "/usr/local/bin/gpugate")
 
 
 def command_of(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    """runc's command and the arguments after it."""
     skip = False
     for position, word in enumerate(argv):
         if skip:
@@ -53,8 +52,7 @@ def bundle_of(args: Sequence[str]) -> str:
 
 
 def own_gpugate() -> tuple[str, ...]:
-    """This very gpugate: the `gpugate` beside this wrapper (a venv's bin/, /usr/bin), else
-    the packaged one."""
+    """The `gpugate` beside this wrapper (a venv's bin/, /usr/bin), else the packaged one."""
     beside = Path(sys.argv[0]).absolute().parent / "gpugate"
     if os.access(beside, os.X_OK):
         return (str(beside),)
@@ -116,7 +114,7 @@ def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> b
 
 
 def main(argv: Sequence[str]) -> int:
-    """argv: runc's arguments. Returns only where the wrapped runtime cannot be run."""
+    """Returns only where the wrapped runtime cannot be run."""
     command, args = command_of(argv)
     creating = command in ("create", "run")
     try:
@@ -143,6 +141,5 @@ def main(argv: Sequence[str]) -> int:
     environment = dict(os.environ)
     if wrapped.name != RUNC:
         environment[CHAIN] = wrapped.name  # NVIDIA's runtime may run this wrapper again
-    # A runtime at a fixed path, its arguments as given.
     os.execve(wrapped.path, [wrapped.path, *argv], environment)  # noqa: S606
     return int(ExitCode.INTERNAL)  # not reached: execve replaced this process

@@ -1,17 +1,19 @@
 """`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/owners),
 tell what nobody owns (the journal once when first seen and once when gone, the metrics
-textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules.
+textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules: one
+pre-phase run over the GPUs whose every unowned holder has been unowned that long, on which no
+process of a unit, job or container runs and nothing holds a lease.
 
-The look is `status`'s (front/status.collect, no unit); what the sweep remembers between runs
-is integrations/sweep_state; the reap is one `pre`-phase run (core's PhaseRun, through
-front/hook.run_phase) over the GPUs whose every unowned holder has been unowned that long, on
-which no process of a unit, job or container runs and nothing holds a lease."""
+`[sweep] drain_after_s`, where slurmd runs: drain the node (never resume it) once a GPU holds
+memory of a process nobody has owned that long, or once a reap left a holder SIGKILL cannot
+end; once for each holder (the state's `drained`), so an operator's own reason stays."""
 
 from __future__ import annotations
 
+import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -22,20 +24,13 @@ from gpugate.core.run import RunDeps, RunScope
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
+from gpugate.front.commands.status import collect
 from gpugate.front.hook import Deps, Hook, run_phase
-from gpugate.front.status import collect
-from gpugate.front.sweep_drain import (
-    drain_unkillable,
-    drain_unowned,
-    due,
-    mark_drained,
-    slurmd_runs,
-    still_alive,
-)
 from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.slurm import set_drain_reason
 from gpugate.integrations.sweep_state import STATE_NAME, Seen, locked_state, write_state
 from gpugate.integrations.unit.leases import RUNNING_STATES, read_leases
 from gpugate.phase import Phase
@@ -50,13 +45,13 @@ from gpugate.report.lines import (
 )
 from gpugate.report.narrate import Narrator
 
+SLURMD_UNIT = "slurmd.service"
 SWEEP_UNIT = "gpugate-sweep.service"  # the journal's GPUGATE_UNIT, OBJECT_SYSTEMD_UNIT
 SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothing is in it
 UNLISTED = "unlisted"  # memory NVML lists no process for (a dead PID's, a MIG slice's)
 
 
 def classify(discovery: Discovery, loaded: LoadedConfig) -> list[Holding]:
-    """Every process holding a GPU (not control devices only), with its owner."""
     return [
         Holding(holder, owner_of(holder, discovery, loaded.config))
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
@@ -71,7 +66,7 @@ def remember(
     reporter: Reporter | None,
 ) -> dict[ProcessId, Seen]:
     """The unowned holders now, each with since when; says who is new and who is gone
-    (reporter None: says nothing, where no state could be kept: not once a sweep)."""
+    (reporter None: says nothing)."""
     seen: dict[ProcessId, Seen] = {}
     for holding in holdings:
         if holding.owner is not Owner.NOBODY:
@@ -92,7 +87,6 @@ def remember(
 def gauges(
     discovery: Discovery, holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float
 ) -> Samples:
-    """The textfile's sweep gauges: every owner kind of every GPU, 0 where none."""
     samples: Samples = {name: {} for name in ("gpugate_gpu_memory_mib",)}
     memory = samples["gpugate_gpu_memory_mib"]
     counts: dict[tuple[tuple[str, str], ...], float] = {}
@@ -136,8 +130,6 @@ def reapable(
     after_s: float,
     leased: set[str],
 ) -> list[Gpu]:
-    """The GPUs a reap may free: held by an unowned process, each unowned holder there unowned
-    at least after_s, no unit's, job's or container's process on it, no lease on it."""
     owned_kinds = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
     found = []
     for gpu in discovery.gpus:
@@ -155,8 +147,7 @@ def reapable(
 
 @dataclass(frozen=True)
 class LeaseRecheck(NullSurroundings):
-    """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks
-    (as an overlapping pre checks leases)."""
+    """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks."""
 
     unit_state: Callable[[str], str | None] = lambda unit: None
 
@@ -166,8 +157,7 @@ class LeaseRecheck(NullSurroundings):
 
 
 def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
-    """One pre-phase run over gpus: its rules, its kill, its /dev/shm step, its wait; orphans
-    killed whatever [pre] kill_orphans says (reaping them is what reap_after_s asks)."""
+    """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
     pre = replaced_policy(loaded.config.pre, kill_orphans=True)
     config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
     reaping = replace(loaded, config=config)
@@ -219,7 +209,7 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
         except OSError as exc:
             print(lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=sys.stderr)
     code, reaped = reap_due(loaded, front, reporter, (discovery, holdings, seen, now))
-    if slurmd_runs(front.unit_state):
+    if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
         drain_due(loaded, front, (holdings, seen, now), (reaped, code))
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
     sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
@@ -232,7 +222,6 @@ Looked = tuple[Discovery, Sequence[Holding], Mapping[ProcessId, Seen], float]
 def reap_due(
     loaded: LoadedConfig, front: Front, reporter: Reporter, looked: Looked
 ) -> tuple[int, list[int]]:
-    """The reap where [sweep] reap_after_s asks for one: its exit code and the GPUs it ran on."""
     discovery, holdings, seen, now = looked
     after_s = loaded.config.sweep.reap_after_s
     if after_s is None:
@@ -250,30 +239,37 @@ def drain_due(
     state: tuple[Sequence[Holding], Mapping[ProcessId, Seen], float],
     reaped_by: tuple[list[int], int],
 ) -> None:
-    """Where slurmd runs: drain for memory unowned past drain_after_s, once per holder, and
-    for a reap that left a holder SIGKILL could not end."""
     holdings, seen, now = state
     reaped, code = reaped_by
+    node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
     if code == ExitCode.UNKILLABLE:
         pids = still_alive(holdings, reaped, front.host_roots().proc)
-        drain_unkillable(reaped, pids, sys.stderr)
+        set_drain_reason(node, lines.sweep_unkillable_reason(reaped, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
     found = {} if after_s is None else due(holdings, seen, now, after_s)
     if not found:
         return
-    drain_unowned(found, now, sys.stderr)
+    gpus = sorted({gpu for entry in found.values() for gpu in entry.gpus})
+    oldest = max(now - entry.since for entry in found.values())
+    reason = lines.sweep_drain_reason(gpus, sorted(ident.pid for ident in found), oldest)
+    set_drain_reason(node, reason, sys.stderr)
+    lock_dir = loaded.config.lock_dir
     try:
-        mark_drained(loaded.config.lock_dir, set(found))
-    except OSError as exc:
-        lock_dir = loaded.config.lock_dir
+        with locked_state(lock_dir) as (folder_fd, kept):
+            marked = {
+                ident: Seen(entry.since, entry.gpus, entry.drained or ident in found)
+                for ident, entry in kept.unowned.items()
+            }
+            write_state(folder_fd, marked)
+    except OSError as exc:  # the next sweep drains again
         print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
 
 
 def keep_state(
     loaded: LoadedConfig, holdings: Sequence[Holding], now: float, reporter: Reporter
 ) -> dict[ProcessId, Seen]:
-    """remember(), against the state under lock_dir; a state that cannot be kept is a warning
-    (the journal then hears nothing of this sweep's holders), never the sweep's failure."""
+    """remember(), against the state under lock_dir; a state that cannot be kept is a warning,
+    never the sweep's failure."""
     lock_dir = loaded.config.lock_dir
     seen: dict[ProcessId, Seen] | None = None
     try:
@@ -285,3 +281,29 @@ def keep_state(
     except OSError as exc:
         print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
+
+
+def due(
+    holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float, after_s: float
+) -> dict[ProcessId, Seen]:
+    listed = {
+        h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
+    }
+    return {
+        ident: entry
+        for ident, entry in seen.items()
+        if ident in listed and not entry.drained and now - entry.since >= after_s
+    }
+
+
+def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:
+    """The unowned holders of gpus that are still the processes they were."""
+    procfs = ProcFs(proc)
+    alive = []
+    for holding in holdings:
+        info = holding.holder.info
+        if holding.owner is Owner.NOBODY and holding.holder.using & set(gpus):
+            now = procfs.info(info.pid)
+            if now is not None and now.start_time == info.start_time:
+                alive.append(info.pid)
+    return alive

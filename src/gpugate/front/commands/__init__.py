@@ -1,6 +1,5 @@
 """The commands, one module each (pipx's layout): a typed function per command, called by
-`cli` with the parsed command line's values; each returns the exit code. `Front` is what a
-command may touch, production's real defaults, each injected by tests."""
+`cli` with the parsed command line's values; each returns the exit code."""
 
 from __future__ import annotations
 
@@ -27,11 +26,8 @@ class Front:
         unit_state: Callable[[str], str | None] | None = None,
         cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
     ) -> None:
-        """roots: injected by tests (or --host-roots), never read from the environment;
-        unit_state: a unit's ActiveState for the manual-run check (default: systemd's);
-        cgroup_layout: the host's cgroup layout for these roots (default: the real
-        /proc/self/mountinfo's where the cgroup root is the real one; a stand-in tree, None,
-        is used as it is)."""
+        """roots: given by tests (or --host-roots), never read from the environment;
+        cgroup_layout: a stand-in tree's None is used as it is."""
         self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
         self.reporter_factory: ReporterFactory = reporter_factory or Reporter
         self.environ = os.environ if environ is None else environ
@@ -41,6 +37,5 @@ class Front:
 
     def host_roots(self) -> HostRoots:
         """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
-        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host. Read afresh on
-        each call: a command asks once, first, where it needs the host."""
+        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
         return on_units_tree(self.given_roots, self.cgroup_layout)

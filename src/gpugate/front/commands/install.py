@@ -12,8 +12,7 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import ExitCode
 from gpugate.front import install as plan
 from gpugate.front.commands.config_check import warn_environment_files
-from gpugate.front.install import DEFAULT_SYSTEMD_DIR
-from gpugate.front.install_files import Gpus
+from gpugate.front.install import DEFAULT_SYSTEMD_DIR, Gpus
 from gpugate.host.systemd import systemd_running, unit_argument
 from gpugate.report import lines
 
@@ -33,10 +32,8 @@ def install(
 ) -> int:
     """gpugate_path: the gpugate the hook lines run (default: /usr/bin/gpugate, else the one
     on PATH)."""
-    from gpugate.front.self_command import command_for, gpugate_command  # noqa: PLC0415
-
     unit = unit_argument(unit_given)  # `install vllm` is vllm.service, as for systemctl
-    command = command_for(str(gpugate_path)) if gpugate_path else gpugate_command()
+    command = plan.command_for(str(gpugate_path)) if gpugate_path else plan.gpugate_command()
     changes = plan.plan_install(
         unit,
         gpus=gpus,

@@ -1,23 +1,469 @@
-"""`gpugate status [UNIT] [--json|--watch]`: the GPUs and the processes holding them."""
+"""`gpugate status [UNIT] [--json|--watch]`: every GPU and every process holding one, as a
+table or stable JSON (docs/status-json.md)."""
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import re
 import sys
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpugate.errors import ExitCode, NvmlNotAnswering
+from gpugate.config.models import LoadedConfig
+from gpugate.core.decide import decide
+from gpugate.core.discover import (
+    DeviceScanner,
+    Discovery,
+    Holder,
+    Sought,
+    cgroup_members,
+    discover,
+    full_scan,
+)
+from gpugate.core.owners import Owner, owner_of
+from gpugate.core.roles import Role, holder_role
+from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
-from gpugate.host.nvml import GpuDriver, NotAnswering
+from gpugate.host.nvml import Gpu, GpuDriver, NotAnswering
+from gpugate.host.own_shm import own_shm_of_any
+from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
-from gpugate.host.systemd import unit_argument, validate_unit_name
+from gpugate.host.scan import Deadline
+from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
+from gpugate.host.systemd import (
+    resolve_unit_cgroup,
+    unit_argument,
+    unit_of_cgroup,
+    validate_unit_name,
+)
+from gpugate.integrations.config_files import load_config
+from gpugate.integrations.sweep_state import Seen, read_unowned
+from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
+from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
+from gpugate.phase import Phase
 from gpugate.report import lines
+from gpugate.report.lines import own_shm_line, unowned_line, unreadable_holders
+from gpugate.report.narrate import cut_short_text, size_text, unreadable_record_text
+from gpugate.untrusted import CGROUP, COMM, CONTAINER, FILE, STATE, cut, shown, shown_args
 
-if TYPE_CHECKING:
-    from gpugate.config.models import LoadedConfig
-    from gpugate.core.discover import DeviceScanner
+JSON_VERSION = 1
+STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
+MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
+NO_UNIT_CGROUP = "/gpugate-status-no-unit"
+
+
+def collect(
+    unit: str | None,
+    loaded: LoadedConfig,
+    driver: GpuDriver,
+    roots: HostRoots | None = None,
+    *,
+    procfs: ProcFs | None = None,
+    scanner: DeviceScanner = full_scan,
+) -> Discovery:
+    """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
+    `faults`, and its device files still name its holders."""
+    roots = roots or HostRoots()
+    cgroup = NO_UNIT_CGROUP
+    if unit is not None:
+        environment = None if roots.ask_systemd else (lambda _: None)
+        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
+        cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
+    wanted = "all" if unit is None else loaded.config.selection()
+    return discover(
+        Sought(unit or "", cgroup, wanted, loaded.source),
+        driver=driver,
+        procfs=procfs or ProcFs(roots.proc),
+        roots=roots,
+        ports=() if unit is None else loaded.config.ports,
+        containers=loaded.config.containers,
+        strict_faults=False,
+        deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
+        scanner=scanner,
+    )
+
+
+def device_minors(roots: HostRoots) -> list[int]:
+    """N of every /dev/nvidiaN: the GPUs' device files, where NVML cannot name the GPUs."""
+    try:
+        names = os.listdir(roots.dev)
+    except OSError:
+        return []
+    return sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
+
+
+def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
+    """A holder's files in /dev/shm: path and allocated bytes (null: unlinked already, still
+    mapped; the path then ends in " (deleted)")."""
+    used = []
+    index: dict[ShmKey, list[str]] | None = None
+    for file in sorted(files, key=lambda f: f.path):
+        found = facts(areas, file)
+        if found is None:  # a semaphore's maps name is a temporary one (shm._candidate_names)
+            index = inode_index(areas) if index is None else index
+            found = facts(areas, file, index)
+        used.append(
+            {
+                "path": shown(found.path if found else file.names[0], FILE),
+                "bytes": found.bytes if found else None,
+            }
+        )
+    return used
+
+
+def uptime_s(proc_root: Path) -> float | None:
+    """Seconds since boot, the clock /proc/PID/stat's start times count in."""
+    try:
+        return float((proc_root / "uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def as_dict(
+    discovery: Discovery,
+    loaded: LoadedConfig,
+    roots: HostRoots | None = None,
+    procfs: ProcFs | None = None,
+) -> dict[str, Any]:
+    roots = roots or HostRoots()
+    now = uptime_s(roots.proc)
+    leases = read_leases(loaded.config.lock_dir).leases
+    rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
+    unowned = read_unowned(loaded.config.lock_dir)
+    holders = [
+        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
+        | owner_dict(holder, discovery, loaded, unowned)
+        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+    ]
+    return {
+        "version": JSON_VERSION,
+        "unit": discovery.unit or None,
+        "unit_cgroup": shown(discovery.unit_cgroup, CGROUP) if discovery.unit else None,
+        "config": loaded.source,
+        "free_mib": loaded.config.free_mib,
+        "gpus": gpu_dicts(discovery, leases),
+        "holders": holders,
+        "leases": [
+            {
+                "unit": shown(lease.unit, STATE),
+                "gpus": list(lease.gpus),
+                "since": lease.since,
+                "started_by": shown(lease.started_by, STATE) or None,
+                "container": shown(lease.container, STATE) or None,
+            }
+            for lease in leases
+        ],
+        "shm": [
+            {
+                "path": found.area.path,
+                "total_bytes": found.total_bytes,
+                "free_bytes": found.free_bytes,
+            }
+            for area in discovery.shm_areas
+            if (found := space(area)) is not None
+        ],
+        "unit_shm": unit_shm(discovery, roots),
+        "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
+        "unreadable_gpus": [
+            {"index": fault.index, "uuid": fault.uuid, "error": fault.error.message}
+            for fault in discovery.faults
+        ],
+    }
+
+
+def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
+    """The /dev/shm of its own that each unit shown has (the unit asked about, and each
+    holder's), read through one of its processes; a unit that shares the host's is not listed."""
+    devs = {area.dev for area in discovery.shm_areas}
+    by_unit: dict[str, set[int]] = {}
+    if discovery.unit:
+        try:
+            by_unit[discovery.unit] = set(cgroup_members(roots.cgroup, discovery.unit_cgroup))
+        except GateError:
+            by_unit[discovery.unit] = set()
+    for holder in discovery.holders.values():
+        unit = unit_of_cgroup(holder.info.cgroup or "/")
+        if unit:
+            by_unit.setdefault(unit, set()).add(holder.pid)
+    found = []
+    for unit, pids in sorted(by_unit.items()):
+        own = own_shm_of_any(roots.proc, pids, devs)
+        if own is not None:
+            found.append(
+                {
+                    "unit": shown(unit, CGROUP),  # a name an account may have picked
+                    "pid": own.pid,
+                    "path": "/dev/shm",
+                    "total_bytes": own.total_bytes,
+                    "used_bytes": own.used_bytes,
+                    "files": own.files,
+                }
+            )
+    return found
+
+
+def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dict[int, str]:
+    """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
+    if not discovery.unit:
+        return {}
+    decision = decide(discovery, loaded.config, Phase.PRE, procfs)
+    return {choice.holder.pid: choice.rule.value for choice in decision.choices}
+
+
+def holder_dict(
+    holder: Holder, discovery: Discovery, loaded: LoadedConfig, now: float | None, rule: str | None
+) -> dict[str, Any]:
+    info = holder.info
+    role = holder_role(holder, discovery, loaded.config)
+    container = holder.container
+    ticks = os.sysconf("SC_CLK_TCK")
+    shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
+    command, command_cut = shown_args(info.cmdline)
+    return {
+        "pid": info.pid,
+        "start_time": info.start_time,
+        "user": info.user,
+        "uid": info.uid,
+        "unit": shown(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
+        "cgroup": shown(info.cgroup, CGROUP) or None,
+        "state": info.state,
+        "comm": shown(info.comm, COMM),
+        "command": command,
+        "command_cut": command_cut,
+        "gpus": sorted(holder.gpus),
+        "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
+        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+        "control_devices": sorted(holder.control_devices),
+        "sources": sorted(holder.sources),
+        "role": str(role) if discovery.unit else None,
+        "reason": rule,
+        "orphan": role is Role.ORPHAN,
+        "protected": role is Role.PROTECTED,
+        # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
+        # (decide's rule: never killed, never a blocker).
+        "watcher": role is Role.WATCHER,
+        "shm": shm[:MAX_SHM_LISTED],
+        "shm_bytes": sum(item["bytes"] or 0 for item in shm),
+        "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
+        "container": None
+        if container is None
+        else {
+            "runtime": container.runtime,
+            "id": container.id,
+            "name": shown(container.name, CONTAINER) or None,
+        },
+    }
+
+
+def owner_dict(
+    holder: Holder, discovery: Discovery, loaded: LoadedConfig, unowned: dict[Any, Seen]
+) -> dict[str, Any]:
+    """What owns the holder (core/owners: `gpugate sweep`'s kinds) and, where it is nobody's
+    and a sweep has seen it so, for how many seconds."""
+    owner = owner_of(holder, discovery, loaded.config)
+    seen = unowned.get(holder.info.ident) if owner is Owner.NOBODY else None
+    return {
+        "owner": str(owner),
+        "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
+    }
+
+
+def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, Any]]:
+    owned = discovery.owned_indices
+    leased = leases_by_gpu(leases)
+    return [
+        {
+            "index": gpu.index,
+            "shown": gpu.shown,
+            "uuid": gpu.uuid,
+            "minor": gpu.minor,
+            "name": gpu.name,
+            "used_mib": discovery.usage[gpu.index].used_mib,
+            "total_mib": gpu.total_mib,
+            "owned": gpu.index in owned,
+            "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
+            "mig_mode": gpu.mig_mode,
+            "mig": mig_dict(gpu, discovery),
+        }
+        for gpu in discovery.gpus
+    ]
+
+
+def mig_dict(gpu: Gpu, discovery: Discovery) -> dict[str, Any] | None:
+    """A MIG slice's place and the processes NVML lists on it; None for a whole GPU."""
+    if gpu.mig is None:
+        return None
+    return {
+        "gpu": gpu.mig.parent,
+        "gpu_uuid": gpu.mig.parent_uuid,
+        "mig_index": gpu.mig.mig_index,
+        "gpu_instance": gpu.mig.gpu_instance,
+        "compute_instance": gpu.mig.compute_instance,
+        "profile": gpu.mig.profile,
+        "pids": [process.pid for process in discovery.usage[gpu.index].processes],
+    }
+
+
+def render_json(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=2, sort_keys=True)
+
+
+def gpu_ranges(indices: Iterable[int]) -> str:
+    """0,1,2,3,5 as 0-3,5."""
+    parts = []
+    for _, run in itertools.groupby(enumerate(sorted(indices)), lambda pair: pair[1] - pair[0]):
+        span = [index for _, index in run]
+        parts.append(str(span[0]) if len(span) == 1 else f"{span[0]}-{span[-1]}")
+    return ",".join(parts)
+
+
+def held_for(seconds: int | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+
+
+def mib_shown(used: dict[str, int | None]) -> str:
+    """NVML's MiB for the holder: `-` where NVML does not list it, `unknown` where the
+    driver does not say (None), `N+?` where it says for some GPUs only."""
+    if not used:
+        return "-"
+    known = [mib for mib in used.values() if mib is not None]
+    if not known:
+        return "unknown"
+    return str(sum(known)) + ("+?" if len(known) < len(used) else "")
+
+
+def table_role(holder: dict[str, Any], has_unit: bool) -> str:
+    if holder["protected"]:
+        return "protected"
+    if has_unit and holder["role"] == "unit":
+        return "unit"
+    if holder["watcher"]:
+        return "watcher"
+    if holder["orphan"]:
+        return "orphan"
+    return "other unit" if has_unit else "unit"  # without UNIT, every service is just a unit
+
+
+def render_table(data: dict[str, Any]) -> str:
+    return "\n".join([*gpu_table(data), "", *holder_table(data)])
+
+
+def gpu_table(data: dict[str, Any]) -> list[str]:
+    lines = [f"{'GPU':>3}  {'UUID':<42} {'USED/TOTAL MiB':>16}  {'LEASE':<20} NAME"]
+    rows: list[tuple[tuple[int, int], str]] = []
+    for gpu in data["gpus"]:
+        mark = "*" if data["unit"] and gpu["owned"] else " "
+        used = f"{gpu['used_mib']}/{gpu['total_mib']}"
+        lease = ",".join(gpu["leased_to"]) or "-"
+        mig = gpu.get("mig")
+        if mig is None:
+            first, name, order = f"{gpu['index']:>3}", gpu["name"], (gpu["index"], -1)
+        else:  # a slice, under its GPU
+            first, order = "  -", (mig["gpu"], mig["mig_index"])
+            pids = ",".join(str(pid) for pid in mig["pids"]) or "-"
+            name = f"MIG {gpu['shown']} {mig['profile']} (PIDs {pids})"
+        rows.append(
+            (order, f"{first}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} {name}")
+        )
+    for fault in data["unreadable_gpus"]:
+        uuid = fault["uuid"] or "?"
+        rows.append(
+            (
+                (fault["index"], -1),
+                f"{fault['index']:>3}! {uuid:<42} {'ERR!':>16}  {fault['error']}",
+            )
+        )
+    lines += [row for _, row in sorted(rows)]
+    if data["unit"]:
+        lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
+    for lease in data.get("leases", ()):
+        if lease["started_by"]:
+            lines.append(
+                f"({lease['unit']}: started by hand with `gpugate run` by {lease['started_by']},"
+                f" GPU {gpu_ranges(lease['gpus'])})"
+            )
+        if lease.get("container"):
+            lines.append(
+                f"({lease['unit']}: {lease['container']}, GPU {gpu_ranges(lease['gpus'])})"
+            )
+    if data["unreadable_gpus"]:
+        lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
+    for area in data.get("shm", ()):
+        lines.append(
+            f"{area['path']}: {size_text(area['free_bytes'], column=True)} free of "
+            f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
+        )
+    lines += [
+        own_shm_line(entry, lambda count: size_text(count, column=True))
+        for entry in data.get("unit_shm", ())
+    ]
+    return lines
+
+
+def holder_table(data: dict[str, Any]) -> list[str]:
+    if not data["holders"]:
+        lines = ["no process holds a GPU"]
+    else:
+        lines = [
+            f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
+            f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
+        ]
+    slices = {gpu["index"]: gpu["shown"] for gpu in data["gpus"] if gpu.get("mig")}
+    for holder in data["holders"]:
+        whole = gpu_ranges(index for index in holder["gpus"] if index not in slices)
+        on_slices = [slices[index] for index in holder["gpus"] if index in slices]
+        gpus = ",".join(filter(None, [whole, *on_slices]))
+        gpus = gpus or ("ctl" if holder["control_devices"] else "-")
+        unit = holder["unit"] or "-"
+        if holder["container"]:
+            found = holder["container"]
+            unit = f"{found['runtime']}:{found['name'] or found['id'][:12]}"
+        command = " ".join(holder["command"]) or f"[{holder['comm']}]"
+        ports = ",".join(str(port) for port in holder.get("ports", ())) or "-"
+        lines.append(
+            f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
+            f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
+            f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
+            f"{size_text(holder.get('shm_bytes', 0), column=True):>6} "
+            f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {command}"
+        )
+    for item in data["invisible"]:
+        lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
+    lines += [
+        unowned_line(holder["pid"], holder["unowned_s"])
+        for holder in data["holders"]
+        if holder.get("unowned_s") is not None
+    ]
+    return lines
+
+
+def state_warnings(loaded: LoadedConfig) -> list[str]:
+    files = read_leases(loaded.config.lock_dir)
+    return [
+        f"gpugate: warning: {unreadable_record_text(path, 'a gpugate lease', files.why[path])}"
+        for path in files.unreadable
+    ]
+
+
+def unreadable_warning(discovery: Discovery) -> str | None:
+    """Not root, or not all read within STATUS_SCAN_S: holders may be missing."""
+    if discovery.cut_short:
+        return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
+    if not discovery.unreadable:
+        return None
+    return unreadable_holders(discovery.unreadable)
 
 
 def status(
@@ -28,23 +474,19 @@ def status(
     as_json: bool = False,
     watch: bool = False,
 ) -> int:
-    """as_json: stable JSON (docs/status-json.md); watch: redraw every second, as watch(1)."""
-    from gpugate.front.status import render_json, render_table  # noqa: PLC0415
-    from gpugate.integrations.config_files import load_config  # noqa: PLC0415
-
     roots = front.host_roots()
     unit = validate_unit_name(unit_argument(unit_given)) if unit_given else None
     loaded = load_config(unit, config)
     driver = front.driver_factory()
     try:
         warned: list[str] = []
-        look = Look(unit, loaded, driver, roots, warned)
+        scanner: DeviceScanner = full_scan
         if watch:
             from gpugate.host.scan_watch import WatchScan  # noqa: PLC0415
 
-            look.scanner = WatchScan()
+            scanner = WatchScan()
         while True:
-            data = look()
+            data = look(unit, loaded, driver, roots, warned, scanner)
             hung = driver.not_answering()
             if not watch:
                 print(render_json(data) if as_json else render_table(data), flush=True)
@@ -54,15 +496,14 @@ def status(
                 return int(ExitCode.GPU_UNREADABLE if data["unreadable_gpus"] else ExitCode.OK)
             if hung is not None:
                 raise hung  # --watch: no next look can answer
-            # Home and clear the screen, then the table, as watch(1) draws it.
             header = f"every 1 s: gpugate status{' ' + unit if unit else ''}    (Ctrl-C ends)"
             print(f"\x1b[H\x1b[J{header}\n\n{render_table(data)}", flush=True)
             time.sleep(1)
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends
     except BrokenPipeError:
-        # `gpugate status | head`: the reader has all it wanted. Point stdout at /dev/null so
-        # that the interpreter's last flush does not fail once more.
+        # `gpugate status | head`: stdout to /dev/null, so that the interpreter's last flush
+        # does not fail once more.
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return int(ExitCode.OK)
@@ -70,51 +511,26 @@ def status(
         driver.close()
 
 
-class Look:
-    """One look for `status`, again at each --watch tick; a warning about unreadable holders is
-    said once (warned). Each look reads /proc with one ProcFs, in one oneshot(): discovery and
-    the JSON's rules share what it read."""
-
-    def __init__(
-        self,
-        unit: str | None,
-        loaded: LoadedConfig,
-        driver: GpuDriver,
-        roots: HostRoots,
-        warned: list[str],
-    ) -> None:
-        from gpugate.core.discover import full_scan  # noqa: PLC0415
-
-        self.unit = unit
-        self.loaded = loaded
-        self.driver = driver
-        self.roots = roots
-        self.warned = warned
-        self.scanner: DeviceScanner = full_scan
-
-    def __call__(self) -> dict[str, Any]:
-        from gpugate.front.status import (  # noqa: PLC0415
-            as_dict,
-            collect,
-            device_minors,
-            state_warnings,
-            unreadable_warning,
-        )
-        from gpugate.host.procfs import ProcFs  # noqa: PLC0415
-
-        unit, loaded, roots = self.unit, self.loaded, self.roots
-        procfs = ProcFs(roots.proc)
-        with procfs.oneshot():
-            try:
-                discovery = collect(
-                    unit, loaded, self.driver, roots, procfs=procfs, scanner=self.scanner
-                )
-            except NvmlNotAnswering as exc:
-                # Hung before it named a GPU: what /dev and /proc show, without NVML.
-                driver = NotAnswering(exc, device_minors(roots))
-                discovery = collect(unit, loaded, driver, roots, procfs=procfs)
-            for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
-                if warning and warning not in self.warned:  # once, also in --watch
-                    print(warning, file=sys.stderr, flush=True)
-                    self.warned.append(warning)
-            return as_dict(discovery, loaded, roots, procfs)
+def look(
+    unit: str | None,
+    loaded: LoadedConfig,
+    driver: GpuDriver,
+    roots: HostRoots,
+    warned: list[str],
+    scanner: DeviceScanner,
+) -> dict[str, Any]:
+    """One look, again at each --watch tick, in one ProcFs.oneshot(): discovery and the JSON's
+    rules share what it read; a warning is said once (warned), also in --watch."""
+    procfs = ProcFs(roots.proc)
+    with procfs.oneshot():
+        try:
+            discovery = collect(unit, loaded, driver, roots, procfs=procfs, scanner=scanner)
+        except NvmlNotAnswering as exc:
+            # Hung before it named a GPU: what /dev and /proc show, without NVML.
+            hung = NotAnswering(exc, device_minors(roots))
+            discovery = collect(unit, loaded, hung, roots, procfs=procfs)
+        for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+            if warning and warning not in warned:
+                print(warning, file=sys.stderr, flush=True)
+                warned.append(warning)
+        return as_dict(discovery, loaded, roots, procfs)
