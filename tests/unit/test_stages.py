@@ -182,6 +182,28 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
     assert caught.value.stage == Stage.WAITING.value
 
 
+@pytest.mark.message
+def test_an_interrupted_run_says_what_it_was_doing() -> None:
+    from gpugate.core.outcome import BusyGpu, Progress
+    from gpugate.report.stage_text import doing, interrupted
+
+    gpu = FakeGpuMemory(count=2).gpus()[1]
+    assert doing(Progress(Stage.STOPPING, processes=1, round_number=2)) == (
+        "stopping 1 process(es) (round 2)"
+    )
+    assert doing(Progress(Stage.LOCKING, lock_gpu=gpu)) == (
+        f"waiting for another gpugate run's lock on {gpu.label}"
+    )
+    assert doing(Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),))) == (
+        "waiting for the driver to free memory (GPU 1 50000 MiB)"
+    )
+    error = interrupted(Interrupted("", "SIGINT"), Progress())
+    assert (error.message, error.stage) == (
+        "stopped by SIGINT while looking for the GPUs' holders; it left no GPU lock or lease",
+        Stage.LOOKING.value,
+    )
+
+
 def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     host: FakeHost, tmp_path: Path
 ) -> None:
