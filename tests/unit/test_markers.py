@@ -72,7 +72,7 @@ def literal_prose(node: ast.AST) -> str | None:
         if isinstance(sub, ast.Constant) and isinstance(sub.value, str):
             text = sub.value
         elif isinstance(sub, ast.JoinedStr):
-            text = "".join(part.value for part in sub.values if isinstance(part, ast.Constant))
+            text = "".join(str(part.value) for part in sub.values if isinstance(part, ast.Constant))
         else:
             continue
         if is_prose(text):
