@@ -171,8 +171,8 @@ def test_podman_container_kills_stale_holder_leases_gpu_then_unit_starts(box: Bo
     refused = sim.run(podman_run("gpu-two", 1), check=False)
     assert refused.returncode != 0
     assert "gpu-one" in refused.stderr, refused.stderr
-    running = {c["Names"][0]: c["State"] for c in json.loads(box.sh("podman ps -a --format json"))}
-    assert running["gpu-one"] == "running" and running.get("gpu-two") != "running", running
+    states = {c["Names"][0]: c["State"] for c in json.loads(box.sh("podman ps -a --format json"))}
+    assert states["gpu-one"] == "running" and states.get("gpu-two") != "running", states
     box.sh("podman rm -f gpu-two", check=False)
 
     # So is a unit's start on GPU 1.
