@@ -171,6 +171,7 @@ def install(tmp_path: Path, gpus: list[int | str] | None = None) -> str:
     return out.getvalue()
 
 
+@pytest.mark.message
 def test_install_says_what_it_kept_and_follows_the_config(tmp_path: Path) -> None:
     systemd = tmp_path / "systemd"
     systemd.mkdir()

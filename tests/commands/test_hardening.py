@@ -221,6 +221,7 @@ def test_driver_faults_through_real_pynvml(
         assert warned.returncode == 0, warned.stderr  # on_nvml_error = "warn": it went on
 
 
+@pytest.mark.message
 @pytest.mark.root("as root it sees every process and drops to another account")
 def test_not_root_says_what_it_cannot_see(host: FakeHost) -> None:
     host.pool.holder(host.gpu_files(0))

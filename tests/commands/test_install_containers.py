@@ -26,21 +26,21 @@ GPUGATE = "/usr/bin/gpugate"
 WRAPPER = "/usr/bin/gpugate-oci-runtime"
 
 
-def install(host: ContainerHost, *, force: bool = False) -> list[str]:
+def install(host: ContainerHost, *, force: bool = False) -> list[tuple[Action, str]]:
     changes = plan_hooks(host, GPUGATE, install=True, force=force)
     changes += plan_daemon_json(host, WRAPPER, install=True)
     return _applied(changes)
 
 
-def uninstall(host: ContainerHost, *, force: bool = False) -> list[str]:
+def uninstall(host: ContainerHost, *, force: bool = False) -> list[tuple[Action, str]]:
     changes = plan_hooks(host, GPUGATE, install=False, force=force)
     changes += plan_daemon_json(host, WRAPPER, install=False)
     return _applied(changes)
 
 
-def _applied(changes: list) -> list[str]:  # type: ignore[type-arg]
+def _applied(changes: list) -> list[tuple[Action, str]]:  # type: ignore[type-arg]
     apply(changes, reload=lambda: False, out=_Sink())
-    return [f"{c.action.value} {c.path.name}" for c in changes]
+    return [(c.action, c.path.name) for c in changes]
 
 
 class _Sink:
@@ -96,7 +96,7 @@ def test_daemon_json_keeps_every_key_and_gains_the_runtime(
             assert runtimes[name] == entry
     # Again: nothing changes.
     text = host.daemon_json.read_text()
-    assert "unchanged daemon.json" in install(host)
+    assert (Action.UNCHANGED, "daemon.json") in install(host)
     assert host.daemon_json.read_text() == text
     # Uninstall: what was there before, less gpugate's runtime.
     uninstall(host)
@@ -105,7 +105,7 @@ def test_daemon_json_keeps_every_key_and_gains_the_runtime(
     if others:
         expected["runtimes"] = others
     assert daemon(host) == expected
-    assert "unchanged daemon.json" in uninstall(host)
+    assert (Action.UNCHANGED, "daemon.json") in uninstall(host)
 
 
 def test_absent_daemon_json_is_made(host: ContainerHost) -> None:
@@ -154,7 +154,7 @@ def test_uninstall_refuses_while_gpugate_is_the_default_runtime(host: ContainerH
 
 def test_hook_files_idempotent_and_removed(host: ContainerHost) -> None:
     first = install(host)
-    assert sorted(first) == sorted([f"write {n}" for n in HOOK_FILES] + ["write daemon.json"])
+    assert sorted(first) == sorted((Action.WRITE, n) for n in [*HOOK_FILES, "daemon.json"])
     folder = host.hooks_dirs[0]
     start = json.loads((folder / "gpugate-start.json").read_text())
     assert start == {
@@ -165,10 +165,10 @@ def test_hook_files_idempotent_and_removed(host: ContainerHost) -> None:
     }
     stop = json.loads((folder / "gpugate-stop.json").read_text())
     assert stop["stages"] == ["poststop"] and stop["hook"]["args"][-1] == "poststop"
-    assert all(a.startswith("unchanged") for a in install(host))
+    assert all(a is Action.UNCHANGED for a, _ in install(host))
     uninstall(host)
     assert not any(folder.glob("gpugate-*.json"))
-    assert all(a.startswith(("absent", "unchanged")) for a in uninstall(host))
+    assert all(a in (Action.ABSENT, Action.UNCHANGED) for a, _ in uninstall(host))
 
 
 def test_an_older_gpugate_hook_is_replaced(host: ContainerHost) -> None:
@@ -325,7 +325,7 @@ def test_a_venv_gpugate_runs_isolated_in_the_hook(host: ContainerHost) -> None:
         "args": ["python3", "-I", "-m", "gpugate", "oci-hook", "createRuntime"],
     }
     # Recognised as gpugate's: a later install replaces it, uninstall removes it.
-    assert all(a.startswith("write") for a in install(host))
+    assert all(a is Action.WRITE for a, _ in install(host))
     uninstall(host)
     assert not any(host.hooks_dirs[0].glob("gpugate-*.json"))
 
@@ -340,6 +340,7 @@ def test_wrapper_hooks_with_a_command() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.message
 def test_the_daemon_json_notes_are_worded_with_the_runtimes_path() -> None:
     from gpugate.report import lines
 

@@ -186,6 +186,7 @@ def test_ld_library_path_does_not_choose_nvml(tmp_path: Path, fake_lib: Path) ->
     assert by_path.stdout.splitlines()[-1] != "0", by_path.stdout + by_path.stderr
 
 
+@pytest.mark.message
 def test_install_warns_about_a_units_steering_environment(tmp_path: Path) -> None:
     from gpugate.integrations.unit.env_files import unit_environment_warnings
 

@@ -130,6 +130,7 @@ def test_hang_at_init_ends_pre_at_its_deadline_then_a_start_succeeds(driver: Dri
     assert code == ExitCode.OK, err
 
 
+@pytest.mark.message
 def test_hang_mid_run_names_the_call_and_the_gpu(driver: Driver) -> None:
     (driver.state / "leak" / "1").write_text("50000")  # pre waits for this memory
     proc = driver.gpugate("pre", UNIT, "--config", str(driver.config(wait_s=4)))
@@ -181,7 +182,6 @@ def test_status_ends_with_what_it_could_read(driver: Driver, fault: str) -> None
         holder.kill()
         holder.wait()
     assert code == ExitCode.NVML_NOT_ANSWERING, err
-    assert err.strip().startswith("gpugate: NVML is not answering: ")
     assert len(err.strip().splitlines()) == 1
     rows = {row.split()[0]: row for row in out.splitlines() if row.strip()}
     assert "3!" in rows  # the GPU NVML did not answer for is marked, its row kept
@@ -200,8 +200,3 @@ def test_sigterm_while_nvml_hangs_stops_at_once(driver: Driver) -> None:
     proc.send_signal(signal.SIGTERM)
     code, _, err = finish(proc)
     assert code == ExitCode.INTERRUPTED, err
-    assert (
-        err.strip()
-        .splitlines()[-1]
-        .startswith("gpugate: stopped by SIGTERM while looking for the GPUs' holders")
-    )

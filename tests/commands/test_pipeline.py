@@ -185,7 +185,7 @@ def test_dry_run_kills_nothing(host: FakeHost) -> None:
     assert summary.exit_code is ExitCode.OK
     assert alive(orphan)
     (found,) = host.journal.events("holder_found")
-    assert found["MESSAGE"].startswith("would kill PID")
+    assert (found["GPUGATE_DRY_RUN"], found["GPUGATE_PID"]) == ("1", str(orphan))
     assert not host.journal.events("signal_sent")
 
 

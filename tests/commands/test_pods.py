@@ -123,6 +123,7 @@ HOSTILE = [
 ]
 
 
+@pytest.mark.message
 @pytest.mark.parametrize("text", HOSTILE)
 def test_hostile_pod_names_are_escaped_and_bounded(text: str) -> None:
     annotations = {
@@ -172,7 +173,7 @@ def test_a_pod_s_container_is_named_in_its_lease_journal_and_refusals(host: Fake
     assert not alive(stale)
     (lease,) = read_leases(host.root / "locks").leases
     assert lease.unit == unit_a
-    assert lease.container == f"containerd container ml/vllm-0/server ({A_ID[:12]})"
+    assert "ml/vllm-0/server" in lease.container and A_ID[:12] in lease.container
     started = host.journal.events("run_started")[0]
     assert started["GPUGATE_OCI_POD_NAMESPACE"] == "ml"
     assert started["GPUGATE_OCI_POD"] == "vllm-0"

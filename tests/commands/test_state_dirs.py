@@ -94,14 +94,14 @@ def test_space_freed_is_writable_again(tmp_path: Path) -> None:
         "try:\n"
         "    check_writable(FOLDER / 'sub', 'GPU locks')\n"
         "except StateUnwritable as exc:\n"
-        "    print('full:', exc.code)\n"
+        "    print(exc.code)\n"
         "(FOLDER / 'filler').unlink()\n"
         "check_writable(FOLDER / 'sub', 'GPU locks')\n"
         "print('freed:', sorted(p.name for p in (FOLDER / 'sub').iterdir()))\n"
     )
     # The folder is made before the filler: a full tmpfs has no inode-free page for mkdir.
     said = in_private_tmpfs(tmp_path, "rw", True, code).splitlines()
-    assert said[0] == "full: state-os-error", said  # ENOSPC: the OS's own error
+    assert said[0] == "state-os-error", said  # ENOSPC: the OS's own error
     assert said[1] == "freed: []", "the probe leaves nothing behind"
 
 
@@ -109,10 +109,11 @@ def test_space_freed_is_writable_again(tmp_path: Path) -> None:
 def test_a_file_where_a_folder_should_be(tmp_path: Path, below: str) -> None:
     (tmp_path / "leases").write_text("")
     folder = tmp_path / "leases" / below if below else tmp_path / "leases"
+    what = "GPU leases"
     with pytest.raises(StateUnwritable) as raised:
-        check_writable(folder, "GPU leases")
+        check_writable(folder, what)
     assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
-    assert (raised.value.path, raised.value.what) == (folder, "GPU leases")
+    assert (raised.value.path, raised.value.what) == (folder, what)
 
 
 @pytest.mark.parametrize(

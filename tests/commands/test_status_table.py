@@ -97,6 +97,7 @@ def test_table_roles_ellipses_and_unknown_mib(
     assert rows[watcher].split()[2] == "watcher" and " - " in rows[watcher]
 
 
+@pytest.mark.message
 def test_table_cuts_long_unit_names_with_an_ellipsis() -> None:
     holder: dict[str, Any] = {
         "pid": 42,
@@ -146,6 +147,7 @@ def test_status_into_a_closed_pipe_is_quiet(
     assert capfd.readouterr().err == ""
 
 
+@pytest.mark.message
 @pytest.mark.root("drops to another user")
 def test_status_as_non_root_warns_that_holders_may_be_missing(host: FakeHost) -> None:
     if os.geteuid() != 0:
@@ -179,7 +181,6 @@ def test_watch_redraws_until_interrupted(
     assert run_status(host, "--watch") == 0
     out = capsys.readouterr().out
     assert out.count("\x1b[H\x1b[J") == 3 and draws == [1, 1, 1]
-    assert "every 1 s: gpugate status" in out
     with pytest.raises(SystemExit) as exited:
         run_status(host, "--watch", "--json")
     assert exited.value.code == 64

@@ -362,7 +362,6 @@ def test_a_second_sweep_says_nothing_new_and_reaping_waits_for_its_time(host: Fa
 
     assert sweep(config, front(host), clock=lambda: 1121.0) == ExitCode.OK
     assert not alive(server) and alive(watcher)
-    assert host.notifier.states[-1].endswith("; reaped GPU 2")
     killed = host.journal.events("holder_found")
     assert [(e["GPUGATE_PID"], e["GPUGATE_REASON"]) for e in killed] == [(str(server), "orphan")]
     assert {e["GPUGATE_UNIT"] for e in killed} == {SWEEP_UNIT}

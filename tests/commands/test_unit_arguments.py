@@ -61,9 +61,7 @@ def test_install_on_a_unit_systemd_does_not_know_refuses_without_force(
     warned = io.StringIO()
     changes = plan_install(unit, query=known.get, force=True, stream=warned, **dirs)
     assert len(changes) == 2
-    assert warned.getvalue().startswith(f"gpugate: warning: unit {unit}: ") and (
-        warned.getvalue().count("\n") == 1
-    )
+    assert unit in warned.getvalue() and warned.getvalue().count("\n") == 1  # one warning
 
 
 @pytest.mark.parametrize("load_state", ["loaded", "masked", "bad-setting"])

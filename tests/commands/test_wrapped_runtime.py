@@ -160,8 +160,10 @@ def run_wrapper(
     return subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
 
 
-def calls(runtimes: dict[str, Path]) -> list[list[str]]:
-    return [line.split(" ", 2) for line in runtimes["log"].read_text().splitlines()]
+def calls(runtimes: dict[str, Path]) -> list[tuple[str, str, list[str]]]:
+    """Each runtime run: its name, the chain's mark, its argv."""
+    logged = [line.split(" ", 2) for line in runtimes["log"].read_text().splitlines()]
+    return [(name, chain, argv.split()) for name, chain, argv in logged]
 
 
 def gpu_bundle(tmp_path: Path) -> Path:
@@ -183,8 +185,8 @@ def test_the_wrapper_keeps_nvidia_s_runtime_in_the_chain(
     done = run_wrapper(tmp_path, runtimes, argv)
     assert done.returncode == 0, done.stderr
     assert calls(runtimes) == [
-        ["nvidia-container-runtime", wrapped.NVIDIA, " ".join(argv)],
-        ["runc", wrapped.NVIDIA, " ".join(argv)],
+        ("nvidia-container-runtime", wrapped.NVIDIA, argv),
+        ("runc", wrapped.NVIDIA, argv),
     ]
     hooks = json.loads((bundle / "config.json").read_text())["hooks"]
     assert set(hooks) == {"createRuntime", "poststop"}
@@ -193,7 +195,7 @@ def test_the_wrapper_keeps_nvidia_s_runtime_in_the_chain(
 def test_without_a_record_the_wrapper_runs_runc(tmp_path: Path, runtimes: dict[str, Path]) -> None:
     done = run_wrapper(tmp_path, runtimes, ["state", "abc"])
     assert done.returncode == 0, done.stderr
-    assert calls(runtimes) == [["runc", "", "state abc"]]
+    assert calls(runtimes) == [("runc", "", ["state", "abc"])]
 
 
 def test_a_chain_back_to_the_wrapper_ends_at_runc(
@@ -204,7 +206,7 @@ def test_a_chain_back_to_the_wrapper_ends_at_runc(
     record(tmp_path, wrapped.record_text(wrapped.NVIDIA))
     done = run_wrapper(tmp_path, runtimes, ["delete", "abc"], {wrapped.CHAIN: wrapped.NVIDIA})
     assert done.returncode == 0, done.stderr
-    assert calls(runtimes) == [["runc", wrapped.NVIDIA, "delete abc"]]
+    assert calls(runtimes) == [("runc", wrapped.NVIDIA, ["delete", "abc"])]
 
 
 def test_a_bad_record_fails_the_create_but_not_the_delete(
@@ -218,7 +220,7 @@ def test_a_bad_record_fails_the_create_but_not_the_delete(
     assert not runtimes["log"].exists()
     deleted = run_wrapper(tmp_path, runtimes, ["delete", "abc"])
     assert deleted.returncode == 0, deleted.stderr
-    assert calls(runtimes) == [["runc", "", "delete abc"]]
+    assert calls(runtimes) == [("runc", "", ["delete", "abc"])]
 
 
 def test_config_check_shows_what_the_wrapper_runs(

@@ -198,6 +198,7 @@ def test_build_script_cli(tmp_path: Path, lib_dir: Path) -> None:
     assert (tmp_path / "out" / "libnvidia-ml.so.1").is_file()
 
 
+@pytest.mark.message
 def test_build_without_gcc_raises_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -79,6 +79,7 @@ def no_raw(text: str) -> bool:
     return not any(mark in text for mark in RAW)
 
 
+@pytest.mark.message
 def test_hostile_process_text_cannot_end_a_run_or_forge_a_line(host: Host) -> None:
     host.reset()
     host.install(UNIT, unit_text(UNIT, (4, 5), 8070), "gpus = [4, 5]\n" + FAST)

@@ -215,7 +215,7 @@ def test_a_pod_s_gpu_container_is_gated_through_the_runtime_s_binary(node: Node)
     killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
     assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
     (lease,) = node.leases()
-    assert lease["container"] == f"containerd container ml/vllm-0/server ({A_ID[:12]})", lease
+    assert "ml/vllm-0/server" in lease["container"] and A_ID[:12] in lease["container"], lease
     assert lease["unit"] == f"cri-containerd-{A_ID}.scope", lease
     assert lease["gpus"] == [1]
     node.claim_task(A_ID, [1])
@@ -293,7 +293,7 @@ def test_docker_s_gpugate_runtime_keeps_nvidia_s_runtime_in_the_chain(node: Node
     created = [c for c in calls if " create " in c and full in c]
     assert created and all(c.startswith("chain=nvidia-container-runtime ") for c in created), calls
     (lease,) = node.leases()
-    assert lease["container"] == f"docker container dgpu ({full[:12]})", lease
+    assert "dgpu" in lease["container"] and full[:12] in lease["container"], lease
     node.sh("docker rm -f dgpu")
     wait_for("the lease given up", lambda: not node.leases())
 

@@ -256,6 +256,7 @@ def test_orphan_outside_the_job_cgroup_is_killed_other_jobs_untouched(clean: Nod
     assert clean.sh(f"squeue -h -j {other} -o %T").strip() == "RUNNING"
 
 
+@pytest.mark.message
 def test_leaked_memory_fails_the_epilog_and_drains_with_gpugates_reason(clean: Node) -> None:
     # The driver keeps 7000 MiB of the job's GPUs used with no process left.
     job = clean.sbatch(
@@ -412,6 +413,7 @@ def test_epilog_kills_its_own_leftovers_by_slurmds_numbers_not_nvmls(
             gres_order(node, list(range(8)))
 
 
+@pytest.mark.message
 def test_straddling_leftover_drains_naming_the_held_gpu_pid_and_rule(
     reversed_minors: Node,
 ) -> None:

@@ -79,7 +79,8 @@ def test_an_account_config_is_refused_and_kills_nothing(host: Host, how: str) ->
         assert "status=78/CONFIG" in logged
         assert "status=70" not in logged  # never an internal error (exit 70)
         assert all(host.alive(pid) for pid in holders), "another unit's holder was killed"
-        assert host.sh(f"systemctl is-active {OTHER}", check=False).strip() == "active"
+        state = host.sim.systemctl("is-active", OTHER, check=False).stdout.strip()
+        assert state == "active"
         assert host.events_after(cursor, GPUGATE_EVENT="signal_sent") == []
     finally:
         host.sh(f"systemctl stop {OTHER} {STEERED}; systemctl reset-failed", check=False)

@@ -284,7 +284,7 @@ def test_unknown_unit_and_template_instance_with_escapes(host: Host) -> None:
     host.reset()
     missing = host.sim.run(["gpugate", "pre", "no-such-unit.service"], check=False)
     assert missing.returncode == ExitCode.UNKNOWN_UNIT
-    assert missing.stderr.startswith("gpugate: unit no-such-unit.service: ")
+    assert "no-such-unit.service" in missing.stderr
     assert missing.stderr.count("\n") == 1
     template = host.sim.run(["gpugate", "pre", "vllm@.service"], check=False)
     assert template.returncode == ExitCode.UNKNOWN_UNIT, template.stderr

@@ -172,6 +172,7 @@ def test_a_hand_typed_pre_on_an_active_unit_kills_nothing(host: Host) -> None:
     host.sim.systemctl("stop", unit)
 
 
+@pytest.mark.message
 def test_a_failed_start_pays_one_deadline_and_says_why(host: Host) -> None:
     host.reset()
     unit = "vllm-leak.service"

@@ -189,6 +189,7 @@ def test_epilog_reaps_leftovers_frees_memory_and_passes(slurm: Host) -> None:
     assert sorted(reclaimed.values()) == [JOB_MIB, JOB_MIB + 90000]
 
 
+@pytest.mark.message
 def test_epilog_with_leaked_memory_drains_naming_gpu_and_mib(slurm: Host) -> None:
     host = slurm
     host.sh("mkdir -p /run/fake-nvml/leak && echo 50000 > /run/fake-nvml/leak/3")

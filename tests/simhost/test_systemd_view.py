@@ -231,7 +231,7 @@ def test_journal_tag_lists_a_successful_run_whole(host: Host) -> None:
 def test_unit_names_as_systemctl_reads_them(host: Host) -> None:
     nosuch = host.sim.run(["gpugate", "install", "nosuch", "--no-reload"], check=False)
     assert nosuch.returncode == ExitCode.UNKNOWN_UNIT
-    assert nosuch.stderr.startswith("gpugate: unit nosuch.service: ")
+    assert "nosuch.service" in nosuch.stderr
     assert nosuch.stderr.count("\n") == 1
     assert not host.sim.exists("/etc/systemd/system/nosuch.service.d/gpugate.conf")
     forced = host.sim.run(["gpugate", "install", "nosuch", "--force", "--no-reload"], check=False)

@@ -224,12 +224,16 @@ def test_f_sudo_gpugate_run_force_over_another_accounts_lease_is_refused(
     units = host.sh("systemctl list-units --all --plain --no-legend 'gpugate-run-*'", False)
     assert not units.strip(), units
     assert host.sh(f"cat {lease}") == before
-    assert host.sh("systemctl is-active bobs-run.service", False).strip() == "active"
+    assert host.sim.systemctl("is-active", "bobs-run.service", check=False).stdout.strip() == (
+        "active"
+    )
 
     # root may still force (bob's sleep holds no GPU: nothing of bob's is killed)
     forced = host.sim.run(
         ["/usr/bin/gpugate", "run", "--gpus", "3", "--force", "--", "/bin/true"], check=False
     )
     assert forced.returncode == 0, forced.stdout + forced.stderr
-    assert host.sh("systemctl is-active bobs-run.service", False).strip() == "active"
+    assert host.sim.systemctl("is-active", "bobs-run.service", check=False).stdout.strip() == (
+        "active"
+    )
     host.sh("systemctl stop bobs-shell.service bobs-run.service", False)

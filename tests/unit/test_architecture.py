@@ -164,9 +164,8 @@ def test_only_the_core_reads_the_stage_machine() -> None:
         and not (isinstance(node.value, ast.Name) and node.value.id == "self")
     ]
     assert not found and not private, found + private
-    assert list(machine_imports(ast.parse("from gpugate.core.stages import Looking"))) == [
-        (1, "gpugate.core.stages")
-    ]
+    importing = ast.parse("from gpugate.core.stages import Looking")
+    assert list(machine_imports(importing)) == [(1, "gpugate.core.stages")]
 
 
 def test_no_core_class_is_longer_than_the_limit() -> None:

@@ -40,10 +40,10 @@ def test_the_process_exits_while_a_call_hangs() -> None:
         try:
             CallThread("test").call(time.monotonic() + 0.1, threading.Event().wait)
         except CallTimedOut:
-            print("timed out", flush=True)
+            raise SystemExit(7)
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
     )
-    assert (done.returncode, done.stdout.strip()) == (0, "timed out"), done.stderr
+    assert done.returncode == 7, done.stderr  # CallTimedOut, the hung thread left behind

@@ -125,11 +125,16 @@ def test_names_ids_and_prefixes_match() -> None:
     assert not named.matches(["vllm2", ID[:11], "VLLM", OTHER_ID[:12]])
     unnamed = Container("podman", ID, "/s")
     assert unnamed.matches([ID[:16]]) and not unnamed.matches(["vllm"])
+    assert (named.handle, unnamed.handle) == ("vllm", ID[:12])
+
+
+@pytest.mark.message
+def test_a_label_names_the_runtime_the_name_and_the_short_id() -> None:
+    named, unnamed = Container("docker", ID, "/s", "vllm"), Container("podman", ID, "/s")
     assert (named.label, unnamed.label) == (
         f"docker container vllm ({ID[:12]})",
         f"podman container {ID[:12]}",
     )
-    assert (named.handle, unnamed.handle) == ("vllm", ID[:12])
 
 
 def test_names_come_from_one_inspect_per_runtime(cli: Path) -> None:
@@ -142,10 +147,11 @@ def test_names_come_from_one_inspect_per_runtime(cli: Path) -> None:
     names = ContainerNames()
     assert [c.name for c in names.named(containers)] == ["vllm", None, None]
     assert [c.name for c in names.named(containers)] == ["vllm", None, None]  # asked once
-    calls = (cli / "calls.log").read_text().splitlines()
+    calls = [line.split() for line in (cli / "calls.log").read_text().splitlines()]
+    inspect = ["inspect", "--type", "container", "--format", "{{.Id}}", "{{.Name}}"]
     assert calls == [
-        f"docker inspect --type container --format {{{{.Id}}}} {{{{.Name}}}} {ID} {OTHER_ID}",
-        f"podman inspect --type container --format {{{{.Id}}}} {{{{.Name}}}} {OTHER_ID[:-1]}8",
+        ["docker", *inspect, ID, OTHER_ID],
+        ["podman", *inspect, OTHER_ID[:-1] + "8"],
     ]
 
 
@@ -164,6 +170,7 @@ def test_no_cli_no_name() -> None:
     assert names.named([Container("docker", ID, "/a")])[0].name is None
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("cgroup", "runtime"),
     [

@@ -58,6 +58,7 @@ def test_the_documented_order_is_the_codes() -> None:
 HUGE = "GPU-" + "a" * 10_000_000
 
 
+@pytest.mark.message
 def test_an_unknown_uuid_in_the_config_is_cut(
     host: FakeHost, capsys: pytest.CaptureFixture[str]
 ) -> None:

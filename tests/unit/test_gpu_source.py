@@ -148,7 +148,7 @@ def test_fall_back_to_all_without_a_config_file_warns() -> None:
 def test_explicit_gpus_are_kept_and_the_choice_applies() -> None:
     fixed = loaded(gpus=[3])
     choice = choose_gpus("a.service", fixed, env_of("Environment=CUDA_VISIBLE_DEVICES=4\n"))
-    assert choice.gpus == (3,) and choice.source.startswith("gpus in")
+    assert choice.gpus == (3,) and fixed.source in choice.source
     auto = choose_gpus("a.service", loaded(), env_of("Environment=CUDA_VISIBLE_DEVICES=4\n"))
     applied = with_chosen_gpus(loaded(), auto)
     assert applied.config.gpus == (4,) and applied.source == loaded().source

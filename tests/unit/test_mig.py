@@ -142,6 +142,7 @@ def test_unresolved_mig_reference_is_a_config_error(ref: str, problem: str) -> N
     assert "\n" not in line and line.startswith("/etc/gpugate/vllm.toml: gpus: ")
 
 
+@pytest.mark.message
 def test_no_gpu_in_mig_mode_is_said() -> None:
     gpus = FakeGpuMemory(count=2).gpus()
     with pytest.raises(ConfigError) as caught:

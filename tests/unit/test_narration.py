@@ -19,6 +19,7 @@ def dry_reporter(host: FakeHost, phase: str = "pre") -> Reporter:
     return Reporter("vllm.service", phase, journal=host.journal, notifier=host.notifier)
 
 
+@pytest.mark.message
 @pytest.mark.parametrize("holders", [0, 1, 3])
 def test_dry_run_marks_every_entry_says_would_and_ends_in_a_summary_on_stdout(
     host: FakeHost, holders: int, capsys: pytest.CaptureFixture[str]
@@ -50,6 +51,7 @@ def test_dry_run_marks_every_entry_says_would_and_ends_in_a_summary_on_stdout(
     assert not host.journal.events("signal_sent")
 
 
+@pytest.mark.message
 def test_dry_run_that_would_be_refused_says_so(host: FakeHost) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(0))  # post may not kill an orphan
     host.memory.claim(orphan, {0}, 1000)
@@ -86,6 +88,7 @@ def test_status_is_cleared_after_success_and_kept_after_failure(host: FakeHost) 
     assert host.notifier.states[-1] == "STATUS=gpugate pre: done: memory_timeout"
 
 
+@pytest.mark.message
 def test_memory_wait_sends_the_waiting_event_with_gpus_mib_and_time_left(
     host: FakeHost,
 ) -> None:
@@ -107,6 +110,7 @@ def test_memory_wait_sends_the_waiting_event_with_gpus_mib_and_time_left(
     assert "GPU 3 7000 MiB, GPU 5 2000 MiB used" in first["MESSAGE"]
 
 
+@pytest.mark.message
 def test_lock_wait_sends_the_waiting_event(host: FakeHost, tmp_path: Path) -> None:
     config = host.config(pre={"wait_timeout_s": 0.4})
     gpu = host.memory.gpus()[0]

@@ -49,6 +49,7 @@ def test_every_entry_is_gpugate_and_names_its_real_call_site(kind: Event) -> Non
     assert all("GPUGATE_DRY_RUN" not in f for _, f in journal.entries)
 
 
+@pytest.mark.message
 def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -73,6 +74,7 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
     assert "boom" not in stream.getvalue()
 
 
+@pytest.mark.message
 def test_dry_run_marks_every_entry_and_reports_to_stdout(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -97,6 +99,7 @@ def test_clear_status_sends_an_empty_status() -> None:
     assert notifier.states == ["STATUS=gpugate pre: waiting", "STATUS="]
 
 
+@pytest.mark.message
 def test_waiting_memory_event_at_once_then_every_10_s() -> None:
     reporter, journal, _, _ = make()
     now = [100.0]
@@ -115,6 +118,7 @@ def test_waiting_memory_event_at_once_then_every_10_s() -> None:
     assert "GPU 1 700 MiB, GPU 3 5000 MiB used (free at 1024 MiB); 60 s left" in first["MESSAGE"]
 
 
+@pytest.mark.message
 def test_waiting_lock_event() -> None:
     reporter, journal, _, _ = make()
     WaitingReports(reporter).lock("GPU 2 (GPU-abc)", 2, 42.4)
@@ -162,6 +166,7 @@ def test_a_failed_run_names_its_problem_by_code() -> None:
     assert notifier.states == [f"STATUS=gpugate pre: failed: {message}"]
 
 
+@pytest.mark.message
 def test_a_lease_refusal_names_each_holder_and_what_frees_them() -> None:
     conflicts = [([0, 1], "vllm.service (since 10:00)"), ([3], "tgi.service (since 11:00)")]
     unit = lease_refusal_text(conflicts)

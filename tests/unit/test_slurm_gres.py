@@ -378,6 +378,7 @@ def test_drain_detail_names_pid_account_gpu_and_rule(item: Held, words: str) -> 
     assert lines.failure_detail(summary) == words
 
 
+@pytest.mark.message
 def test_drain_detail_names_memory_not_freed_and_only_those_gpus() -> None:
     summary = RunSummary(
         exit_code=ExitCode.MEMORY_TIMEOUT,
@@ -389,6 +390,7 @@ def test_drain_detail_names_memory_not_freed_and_only_those_gpus() -> None:
     )
 
 
+@pytest.mark.message
 def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
     hostile = Held(
         12, "eve", (3,), "other-unit", other='x"\n' + "y" * 400, cgroup="/system.slice/x.service"

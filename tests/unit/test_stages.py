@@ -180,7 +180,28 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
             unit_state=lambda _: "inactive",
         )
     assert caught.value.stage == Stage.WAITING.value
-    assert caught.value.message.startswith("stopped by SIGTERM while waiting for the driver")
+
+
+@pytest.mark.message
+def test_an_interrupted_run_says_what_it_was_doing() -> None:
+    from gpugate.core.outcome import BusyGpu, Progress
+    from gpugate.report.stage_text import doing, interrupted
+
+    gpu = FakeGpuMemory(count=2).gpus()[1]
+    assert doing(Progress(Stage.STOPPING, processes=1, round_number=2)) == (
+        "stopping 1 process(es) (round 2)"
+    )
+    assert doing(Progress(Stage.LOCKING, lock_gpu=gpu)) == (
+        f"waiting for another gpugate run's lock on {gpu.label}"
+    )
+    assert doing(Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),))) == (
+        "waiting for the driver to free memory (GPU 1 50000 MiB)"
+    )
+    error = interrupted(Interrupted("", "SIGINT"), Progress())
+    assert (error.message, error.stage) == (
+        "stopped by SIGINT while looking for the GPUs' holders; it left no GPU lock or lease",
+        Stage.LOOKING.value,
+    )
 
 
 def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
@@ -191,7 +212,7 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     assert null.state_to_write() == run_state_to_write(loaded.config)
     folders, files = null.state_to_write()
     # Not the metrics textfile: metrics are never a run's failure (a warning after the run).
-    assert [what for _, what in folders] == ["GPU locks"] and files == []
+    assert [folder for folder, _ in folders] == [loaded.config.lock_dir] and files == []
     assert not null.refuses_start([], dry_run=False)
     assert null.not_to_wait_on([]) == [] and null.driver_hung_earlier() is None
     job = SlurmJob(42, 1000, (0, 1), "SLURM_JOB_GPUS", "node1")
@@ -200,5 +221,4 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     )
     slurm = JobSurroundings.of(job_loaded, job)
     assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
-    assert slurm.gpu_source == f"gpus in {job_loaded.source}"
-    assert "SLURM_JOB_GPUS" in slurm.gpu_source
+    assert job_loaded.source in slurm.gpu_source and "SLURM_JOB_GPUS" in slurm.gpu_source

@@ -41,6 +41,7 @@ def test_own_unit_reads_proc_self_cgroup(tmp_path: Path) -> None:
     assert own_unit(tmp_path) is None
 
 
+@pytest.mark.message
 def test_reporter_fields_and_channels() -> None:
     journal, notifier, stream = RecordingJournal(), RecordingNotifier(), io.StringIO()
     reporter = Reporter(

@@ -269,6 +269,7 @@ def check_channels(
         assert not printed.startswith(FORGED)
 
 
+@pytest.mark.message
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=hostile)
 def test_every_narration_escapes_and_bounds_process_text(text: str) -> None:
@@ -358,6 +359,7 @@ def hostile_host(host: FakeHost) -> Iterator[tuple[FakeHost, list[int]]]:
     yield host, pids
 
 
+@pytest.mark.message
 def test_status_and_dry_run_of_hostile_holders(
     hostile_host: tuple[FakeHost, list[int]], capsys: pytest.CaptureFixture[str]
 ) -> None:
