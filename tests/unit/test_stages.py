@@ -185,7 +185,7 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
 @pytest.mark.message
 def test_an_interrupted_run_says_what_it_was_doing() -> None:
     from gpugate.core.outcome import BusyGpu, Progress
-    from gpugate.report.stage_text import doing, interrupted
+    from gpugate.report.lines import doing, interrupted
 
     gpu = FakeGpuMemory(count=2).gpus()[1]
     assert doing(Progress(Stage.STOPPING, processes=1, round_number=2)) == (
