@@ -11,7 +11,7 @@ run past the imports and the scan is the rest: config, NVML, cgroup, locks, repo
 With --no-config, `pre` reads no config file and takes the built-in lock_dir, /run/gpugate: run
 it as root in a private mount namespace with a tmpfs on /run (bench/config_startup.py's way):
 
-    unshare -m --propagation private sh -c 'mount -t tmpfs tmpfs /run && \\
+    unshare -m --propagation private sh -c 'mount -t tmpfs -o mode=755 tmpfs /run && \\
         exec .venv/bin/python -m bench.startup --no-config'
 """
 
