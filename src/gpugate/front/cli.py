@@ -61,23 +61,24 @@ class Parser(argparse.ArgumentParser):
 
 def _width() -> int:
     """The width argparse gives its help (shutil.get_terminal_size's columns, less 2) without
-    importing shutil, whose bz2 and lzma would cost a --help a tenth of its time."""
+    importing shutil, whose bz2 and lzma cost a --help 2 ms."""
     try:
         columns = int(os.environ["COLUMNS"])
     except (KeyError, ValueError):
         columns = 0
-    if columns <= 0:
+    stdout = sys.__stdout__
+    if columns <= 0 and stdout is not None:
         try:
-            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
-        except (AttributeError, ValueError, OSError):  # no stdout, closed, not a terminal
+            columns = os.get_terminal_size(stdout.fileno()).columns
+        except (ValueError, OSError):  # closed, detached, not a terminal
             columns = 0
     return (columns if columns > 0 else 80) - 2
 
 
 class Commands(SubParsers):
-    """A parser's COMMAND: --help lists each command by its help line alone, and a command's
-    parser is built (argparse's add_parser, by the command's build) once the command line
-    names it; with lazy False, at once (the tests and docs that walk every parser)."""
+    """A parser's COMMAND: its --help lists each command by the line add_parser(help=) would
+    make, and a command's parser is built (add_parser, by the command's build) once argparse
+    hands it the command line; with lazy False, at once (tests and docs walk every parser)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,7 +90,7 @@ class Commands(SubParsers):
         if not self.lazy:
             build(self, name, text)
             return
-        self._name_parser_map[name] = None  # type: ignore[assignment]  # a name to accept
+        self._name_parser_map[name] = None  # type: ignore[assignment]  # accepted, not built
         self.later[name] = (build, text)
 
     def __call__(
