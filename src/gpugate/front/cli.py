@@ -198,7 +198,7 @@ def _status_parser(commands: Commands, name: str, text: str) -> None:
 
 def _sweep_parser(commands: Commands, name: str, text: str) -> None:
     sweep = commands.add_parser(name)
-    sweep.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+    _config(sweep)
     sweep.set_defaults(run=_sweep)
 
 
@@ -241,7 +241,7 @@ def _slurm_parser(commands: Commands, name: str, text: str) -> None:
 
 def _slurm_phase_parser(commands: Commands, name: str, text: str) -> None:
     sub = commands.add_parser(name, description=text, epilog=EPILOG)
-    sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+    _config(sub)
     _dry_run(sub)
     sub.set_defaults(run=_slurm)
 
@@ -271,19 +271,10 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
         return
     sub.set_defaults(run=_install)
     sub.add_argument("--default", action="store_true", help=DEFAULT_HELP)
-    sub.add_argument(
-        "--gpus",
-        type=_gpus,
-        metavar="LIST",
-        help="the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
-    )
-    sub.add_argument(
-        "--port",
-        type=_port,
-        action="append",
-        dest="ports",
-        metavar="N",
-        help="a TCP port of the unit for the config (repeatable): pre frees it before the start",
+    _gpus_and_ports(
+        sub,
+        "the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
+        "a TCP port of the unit for the config (repeatable): pre frees it before the start",
     )
     sub.add_argument(
         "--container",
@@ -324,20 +315,10 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
         "[--force] -- COMMAND [ARGS...]",
         epilog=EPILOG,
     )
-    run.add_argument(
-        "--gpus",
-        type=_gpus,
-        metavar="LIST",
-        help="the GPUs (indices and/or UUIDs, or all); default: your CUDA_VISIBLE_DEVICES, "
-        "else all",
-    )
-    run.add_argument(
-        "--port",
-        type=_port,
-        action="append",
-        dest="ports",
-        metavar="N",
-        help="a TCP port the command listens on (repeatable): pre frees it (needs root)",
+    _gpus_and_ports(
+        run,
+        "the GPUs (indices and/or UUIDs, or all); default: your CUDA_VISIBLE_DEVICES, else all",
+        "a TCP port the command listens on (repeatable): pre frees it (needs root)",
     )
     run.add_argument("--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)")
     run.add_argument("--config", type=_path, help="config file for the hooks (default: lookup)")
@@ -360,7 +341,16 @@ def _unit_and_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
     )
+    _config(parser)
+
+
+def _config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+
+
+def _gpus_and_ports(parser: argparse.ArgumentParser, gpus: str, port: str) -> None:
+    parser.add_argument("--gpus", type=_gpus, metavar="LIST", help=gpus)
+    parser.add_argument("--port", type=_port, action="append", dest="ports", metavar="N", help=port)
 
 
 def main(
@@ -395,8 +385,9 @@ def main(
         return command(args, front)
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
+        from gpugate.untrusted import line  # noqa: PLC0415
 
-        print(lines.error(_line(exc.message)), file=sys.stderr)
+        print(lines.error(line(exc.message)), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -558,12 +549,6 @@ def _gpus(value: str) -> object:
         return parse_gpus(value)
     except InvalidValue as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _line(text: str) -> str:
-    from gpugate.untrusted import line  # noqa: PLC0415 (an error's words only)
-
-    return line(text)
 
 
 def _path(value: str) -> Path:
