@@ -4,14 +4,14 @@ pipx's layout); the parser stores with each command the function that calls it (
 main() dispatches without looking a name up.
 
 Only the parser is imported up front: `--help`, `--version` and a usage error import no
-pydantic, no pynvml, no psutil (issue 30; tests/commands/test_cli.py checks it). Each command's
-module, and everything it needs, is imported once the command line is parsed.
+pydantic, no pynvml, no psutil (tests/commands/test_cli.py checks it). main() builds only the
+parser of the command the command line names (`Commands`); that command's module, and
+everything it needs, is imported once the command line is parsed.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
@@ -20,19 +20,22 @@ import textwrap
 from gpugate import __version__
 from gpugate.errors import ExitCode, GateError, InvalidValue, exit_code_summary
 
-# Loaded with the package (gpugate/__init__.py: every error's message is its words).
-
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy knows the name)
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
     from pathlib import Path
-    from typing import NoReturn
+    from typing import Any, NoReturn
 
     from gpugate.front.commands import Front
     from gpugate.host.cgroups import CgroupLayout
     from gpugate.host.nvml import GpuDriver
     from gpugate.host.roots import HostRoots
     from gpugate.report.journal import ReporterFactory
+
+    SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
+    Build = Callable[["Commands", str, str], None]
+else:
+    SubParsers = argparse._SubParsersAction  # not subscriptable at run time
 
 HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli
 
@@ -44,62 +47,146 @@ EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2."""
+    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2; raw: the
+    description's line breaks kept."""
+
+    def __init__(self, *, raw: bool = False, **kwargs: Any) -> None:
+        formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
+        super().__init__(formatter_class=functools.partial(formatter, width=_width()), **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(int(ExitCode.USAGE), f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser: argparse.ArgumentParser = Parser(
+def _width() -> int:
+    """The width argparse gives its help (shutil.get_terminal_size's columns, less 2) without
+    importing shutil, whose bz2 and lzma cost a --help 2 ms."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    stdout = sys.__stdout__
+    if columns <= 0 and stdout is not None:
+        try:
+            columns = os.get_terminal_size(stdout.fileno()).columns
+        except (ValueError, OSError):  # closed, detached, not a terminal
+            columns = 0
+    return (columns if columns > 0 else 80) - 2
+
+
+class Commands(SubParsers):
+    """A parser's COMMAND: its --help lists each command by the line add_parser(help=) would
+    make, and a command's parser is built (add_parser, by the command's build) once argparse
+    hands it the command line; with lazy False, at once (tests and docs walk every parser)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lazy = False
+        self.later: dict[str, tuple[Build, str]] = {}
+
+    def add_command(self, name: str, text: str, build: Build) -> None:
+        self._choices_actions.append(self._ChoicesPseudoAction(name, (), text))
+        if not self.lazy:
+            build(self, name, text)
+            return
+        self._name_parser_map[name] = None  # type: ignore[assignment]  # accepted, not built
+        self.later[name] = (build, text)
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
+        name = values[0] if isinstance(values, list) else ""
+        if name in self.later:
+            build, text = self.later.pop(name)
+            del self._name_parser_map[name]  # add_parser refuses a name it holds
+            build(self, name, text)
+        super().__call__(parser, namespace, values, option_string)
+
+
+def _commands(parser: argparse.ArgumentParser, lazy: bool, **kwargs: Any) -> Commands:
+    commands = parser.add_subparsers(action=Commands, **kwargs)
+    assert isinstance(commands, Commands)
+    commands.lazy = lazy
+    return commands
+
+
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """lazy: each command's parser built once the command line names it (main's); else
+    every command's now."""
+    parser = Parser(
         prog="gpugate",
+        raw=True,
         description="Leave a systemd unit's GPUs truly free: find every holder, kill exactly "
         "those, wait until NVML reports the memory freed.",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
     _stand_in_options(parser)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for phase, text in (
-        ("pre", "ExecStartPre=: make the unit's GPUs free before it starts"),
-        ("post", "ExecStopPost=: reap what is left after the unit stopped, and wait"),
+    commands = _commands(parser, lazy, dest="command", required=True, metavar="COMMAND")
+    for name, text, build in (
+        ("pre", "ExecStartPre=: make the unit's GPUs free before it starts", _phase_parser),
+        (
+            "post",
+            "ExecStopPost=: reap what is left after the unit stopped, and wait",
+            _phase_parser,
+        ),
+        ("status", "GPUs and the processes holding them", _status_parser),
+        ("sweep", "between starts: GPU memory nobody owns, said/reaped", _sweep_parser),
+        ("config", "configuration tools", _config_parser),
+        (
+            "install",
+            "put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
+            "/etc/gpugate/UNIT.toml, daemon-reload",
+            _install_parser,
+        ),
+        ("uninstall", "take gpugate off a unit (install, reversed)", _install_parser),
+        (
+            "oci-hook",
+            "OCI runtime hook: free a container's GPUs before it starts, after it stops",
+            _oci_hook_parser,
+        ),
+        (
+            "oci-runtime",
+            "runc with gpugate's hooks added to GPU containers (docker's runtime)",
+            _oci_runtime_parser,
+        ),
+        (
+            "run",
+            "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its "
+            "whole cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop",
+            _launch_parser,
+        ),
+        ("slurm", "slurm.conf's Prolog= and Epilog= (see README)", _slurm_parser),
     ):
-        sub = commands.add_parser(phase, help=text, description=text, epilog=EPILOG)
-        _unit_and_config(sub)
-        _dry_run(sub)
-        sub.add_argument(
-            "--force",
-            action="store_true",
-            help="run by hand even while the unit is active (kills the running service)",
-        )
-        # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
-        # warned about, not refused. Hidden: not for hand use, never from the environment.
-        sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
-        # `gpugate run` by an account that is not root writes it on both hook lines: kill only
-        # that account's processes (it narrows, never widens; docs/gpugate-run.md).
-        sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
-        sub.set_defaults(run=_pre_post)
-    _status_parser(commands)
-    sweep = commands.add_parser("sweep", help="between starts: GPU memory nobody owns, said/reaped")
-    sweep.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
-    sweep.set_defaults(run=_sweep)
-    config = commands.add_parser("config", help="configuration tools")
-    config_commands = config.add_subparsers(dest="config_command", required=True)
-    check = config_commands.add_parser("check", help="validate and print the effective config")
-    check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
-    check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
-    check.set_defaults(run=_config_check)
-    _install_parsers(commands)
-    _oci_parsers(commands)
-    _launch_parser(commands)
-    _slurm_parsers(commands)
+        commands.add_command(name, text, build)
     return parser
 
 
-def _status_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    status = commands.add_parser("status", help="GPUs and the processes holding them")
+def _phase_parser(commands: Commands, name: str, text: str) -> None:
+    sub = commands.add_parser(name, description=text, epilog=EPILOG)
+    _unit_and_config(sub)
+    _dry_run(sub)
+    sub.add_argument(
+        "--force",
+        action="store_true",
+        help="run by hand even while the unit is active (kills the running service)",
+    )
+    # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
+    # warned about, not refused. Hidden: not for hand use, never from the environment.
+    sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
+    # `gpugate run` by an account that is not root writes it on both hook lines: kill only
+    # that account's processes (it narrows, never widens; docs/gpugate-run.md).
+    sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
+    sub.set_defaults(run=_pre_post)
+
+
+def _status_parser(commands: Commands, name: str, text: str) -> None:
+    status = commands.add_parser(name)
     _unit_and_config(status)
     shown = status.add_mutually_exclusive_group()
     shown.add_argument("--json", action="store_true", help="stable JSON (see README)")
@@ -109,28 +196,58 @@ def _status_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     status.set_defaults(run=_status)
 
 
+def _sweep_parser(commands: Commands, name: str, text: str) -> None:
+    sweep = commands.add_parser(name)
+    _config(sweep)
+    sweep.set_defaults(run=_sweep)
+
+
+def _config_parser(commands: Commands, name: str, text: str) -> None:
+    config = commands.add_parser(name)
+    tools = _commands(config, commands.lazy, dest="config_command", required=True)
+    tools.add_command("check", "validate and print the effective config", _config_check_parser)
+
+
+def _config_check_parser(commands: Commands, name: str, text: str) -> None:
+    check = commands.add_parser(name)
+    check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
+    check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
+    check.set_defaults(run=_config_check)
+
+
 def _dry_run(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="report what would be killed; kill nothing"
     )
 
 
-def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    slurm = commands.add_parser("slurm", help="slurm.conf's Prolog= and Epilog= (see README)")
-    phases = slurm.add_subparsers(dest="slurm_phase", required=True, metavar="PHASE")
-    for phase, text in (
-        ("prolog", "Prolog=: make the job's GPUs free before it starts"),
-        ("epilog", "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain"),
-    ):
-        sub = phases.add_parser(phase, help=text, description=text, epilog=EPILOG)
-        sub.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
-        _dry_run(sub)
-        sub.set_defaults(run=_slurm)
-    text = (
+def _slurm_parser(commands: Commands, name: str, text: str) -> None:
+    slurm = commands.add_parser(name)
+    phases = _commands(slurm, commands.lazy, dest="slurm_phase", required=True, metavar="PHASE")
+    phases.add_command(
+        "prolog", "Prolog=: make the job's GPUs free before it starts", _slurm_phase_parser
+    )
+    phases.add_command(
+        "epilog",
+        "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain",
+        _slurm_phase_parser,
+    )
+    check = (
         "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
         "gres.conf resolves every GPU to an NVML GPU"
     )
-    check = phases.add_parser("check", help=text, description=text, epilog=EPILOG)
+    phases.add_command("check", check, _slurm_check_parser)
+
+
+def _slurm_phase_parser(commands: Commands, name: str, text: str) -> None:
+    sub = commands.add_parser(name, description=text, epilog=EPILOG)
+    _config(sub)
+    _dry_run(sub)
+    sub.set_defaults(run=_slurm)
+
+
+def _slurm_check_parser(commands: Commands, name: str, text: str) -> None:
+    check = commands.add_parser(name, description=text, epilog=EPILOG)
     check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
     check.set_defaults(run=_slurm_check)
 
@@ -138,42 +255,28 @@ def _slurm_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]
 DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
 
 
-def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    install = commands.add_parser(
-        "install",
-        help="put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
-        "/etc/gpugate/UNIT.toml, daemon-reload",
+def _install_parser(commands: Commands, name: str, text: str) -> None:
+    """install, or uninstall: install's options less those for the config it writes."""
+    sub = commands.add_parser(name)
+    sub.add_argument("unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)")
+    sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
+    sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
+    sub.add_argument("--force", action="store_true", help="replace or remove edited files")
+    sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
+    sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
+    sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
+    sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
+    if name == "uninstall":
+        sub.set_defaults(run=_uninstall)
+        return
+    sub.set_defaults(run=_install)
+    sub.add_argument("--default", action="store_true", help=DEFAULT_HELP)
+    _gpus_and_ports(
+        sub,
+        "the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
+        "a TCP port of the unit for the config (repeatable): pre frees it before the start",
     )
-    uninstall = commands.add_parser("uninstall", help="take gpugate off a unit (install, reversed)")
-    for sub in (install, uninstall):
-        sub.add_argument(
-            "unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)"
-        )
-        sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
-        sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
-        sub.add_argument("--force", action="store_true", help="replace or remove edited files")
-        sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
-        sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
-        sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
-        sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
-    install.set_defaults(run=_install)
-    uninstall.set_defaults(run=_uninstall)
-    install.add_argument("--default", action="store_true", help=DEFAULT_HELP)
-    install.add_argument(
-        "--gpus",
-        type=_gpus,
-        metavar="LIST",
-        help="the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
-    )
-    install.add_argument(
-        "--port",
-        type=_port,
-        action="append",
-        dest="ports",
-        metavar="N",
-        help="a TCP port of the unit for the config (repeatable): pre frees it before the start",
-    )
-    install.add_argument(
+    sub.add_argument(
         "--container",
         dest="containers",
         action="append",
@@ -183,56 +286,39 @@ def _install_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParse
         help="a container (name or id) whose processes are the unit's own, as `docker run "
         "--name NAME` in its ExecStart=; repeat for more",
     )
-    install.add_argument(
+    sub.add_argument(
         "--gpugate-path",
         type=_path,
         help="the gpugate ExecStartPre= runs (default: /usr/bin/gpugate, else the one on PATH)",
     )
 
 
-def _oci_parsers(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _oci_hook_parser(commands: Commands, name: str, text: str) -> None:
     """Shown in --help; the command itself never reaches this parser (front/entry.py)."""
-    hook = commands.add_parser(
-        "oci-hook",
-        help="OCI runtime hook: free a container's GPUs before it starts, after it stops",
-    )
+    hook = commands.add_parser(name)
     hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
     hook.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
     hook.set_defaults(run=_oci_hook)
-    runtime = commands.add_parser(
-        "oci-runtime", help="runc with gpugate's hooks added to GPU containers (docker's runtime)"
-    )
+
+
+def _oci_runtime_parser(commands: Commands, name: str, text: str) -> None:
+    runtime = commands.add_parser(name)
     runtime.add_argument("args", nargs=argparse.REMAINDER, help="runc's arguments")
     runtime.set_defaults(run=_oci_runtime)
 
 
-def _launch_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    text = (
-        "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its whole "
-        "cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop"
-    )
+def _launch_parser(commands: Commands, name: str, text: str) -> None:
     run = commands.add_parser(
-        "run",
-        help=text,
+        name,
         description=text + " (see docs/gpugate-run.md)",
         usage="gpugate run [-h] [--gpus LIST] [--port N]... [--name NAME] [--config PATH] "
         "[--force] -- COMMAND [ARGS...]",
         epilog=EPILOG,
     )
-    run.add_argument(
-        "--gpus",
-        type=_gpus,
-        metavar="LIST",
-        help="the GPUs (indices and/or UUIDs, or all); default: your CUDA_VISIBLE_DEVICES, "
-        "else all",
-    )
-    run.add_argument(
-        "--port",
-        type=_port,
-        action="append",
-        dest="ports",
-        metavar="N",
-        help="a TCP port the command listens on (repeatable): pre frees it (needs root)",
+    _gpus_and_ports(
+        run,
+        "the GPUs (indices and/or UUIDs, or all); default: your CUDA_VISIBLE_DEVICES, else all",
+        "a TCP port the command listens on (repeatable): pre frees it (needs root)",
     )
     run.add_argument("--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)")
     run.add_argument("--config", type=_path, help="config file for the hooks (default: lookup)")
@@ -255,7 +341,16 @@ def _unit_and_config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "unit", nargs="?", help="the unit (%%n in a unit file); default: the unit gpugate runs in"
     )
+    _config(parser)
+
+
+def _config(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=_path, help="config file (default: /etc/gpugate lookup)")
+
+
+def _gpus_and_ports(parser: argparse.ArgumentParser, gpus: str, port: str) -> None:
+    parser.add_argument("--gpus", type=_gpus, metavar="LIST", help=gpus)
+    parser.add_argument("--port", type=_port, action="append", dest="ports", metavar="N", help=port)
 
 
 def main(
@@ -268,7 +363,7 @@ def main(
     cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
     """driver_factory, reporter_factory: injected by tests; None: NVML's and journald's."""
-    args = build_parser().parse_args(argv)
+    args = build_parser(lazy=True).parse_args(argv)
     try:
         from gpugate.front.commands import Front  # noqa: PLC0415
         from gpugate.host.roots import HostRoots  # noqa: PLC0415
@@ -290,8 +385,9 @@ def main(
         return command(args, front)
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
+        from gpugate.untrusted import line  # noqa: PLC0415
 
-        print(lines.error(_line(exc.message)), file=sys.stderr)
+        print(lines.error(line(exc.message)), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -446,20 +542,6 @@ def _launch(args: argparse.Namespace, front: Front) -> int:
     return launch_command(args, front)
 
 
-def run() -> None:
-    """The `gpugate` command: main(), then exit without tearing the interpreter down.
-
-    Freeing pydantic's and pynvml's modules one by one takes ~40 ms, all of it after the GPUs
-    are free and before systemd may start the unit. Everything gpugate reports is already sent
-    (journald, sd_notify) or written; only Python's own stream buffers need flushing.
-    """
-    code = main()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # closed or broken: nothing to say there
-            stream.flush()
-    os._exit(code)
-
-
 def _gpus(value: str) -> object:
     from gpugate.front.install import parse_gpus  # noqa: PLC0415
 
@@ -467,12 +549,6 @@ def _gpus(value: str) -> object:
         return parse_gpus(value)
     except InvalidValue as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _line(text: str) -> str:
-    from gpugate.untrusted import line  # noqa: PLC0415 (an error's words only)
-
-    return line(text)
 
 
 def _path(value: str) -> Path:
