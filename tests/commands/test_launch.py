@@ -38,7 +38,7 @@ from gpugate.front.launch_unit import (
     systemd_run_argv,
 )
 from gpugate.host.systemd import validate_unit_name
-from gpugate.integrations.unit.leases import new_lease, write_lease
+from gpugate.integrations.records import new_lease, write_lease
 from tests.fakes import FakeHost, raises_error
 
 SYSTEMD_RUN = Path("/usr/bin/systemd-run")

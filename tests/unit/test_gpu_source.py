@@ -20,7 +20,7 @@ from gpugate.host.systemd import (
     parse_environment_file,
     unit_environment,
 )
-from gpugate.integrations.unit.gpu_source import (
+from gpugate.integrations.unit import (
     choose_gpus,
     parse_visible_devices,
     with_chosen_gpus,

@@ -1,6 +1,6 @@
 """What one run asks of the world around what it frees (a systemd unit, a Slurm job, a
 container), as a protocol: the core and the front call these and know nothing of who
-answers. Four answer today: a systemd unit's (`gpugate.integrations.unit.shared_host.
+answers. Four answer today: a systemd unit's (`gpugate.integrations.unit.
 UnitSurroundings`: manual-run guard, GPU leases, failed-start records, asking the phase's
 traits what applies), a Slurm job's (`gpugate.integrations.slurm.JobSurroundings`: Slurm
 gives out its GPUs itself), a container's (`gpugate.integrations.container.

@@ -49,8 +49,8 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.safe_files import write_atomically
 from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices
-from gpugate.integrations.unit.leases import RUNNING_STATES, check_leases
+from gpugate.integrations.records import RUNNING_STATES, check_leases
+from gpugate.integrations.unit import GpuChoice, parse_visible_devices
 from gpugate.report import lines, reasons
 from gpugate.untrusted import COMMAND, echo, shown
 

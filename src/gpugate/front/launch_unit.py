@@ -13,7 +13,7 @@ from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.install_files import SHM_OPTIONS
 from gpugate.host.systemd import ENV_NAME, unit_argument
-from gpugate.integrations.unit.leases import STARTED_BY_VARIABLE
+from gpugate.integrations.records import STARTED_BY_VARIABLE
 from gpugate.phase import Phase
 from gpugate.untrusted import echo
 

@@ -39,9 +39,8 @@ from gpugate.integrations.container import (
     identify,
     request_text,
 )
-from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.leases import read_leases
-from gpugate.integrations.unit.shared_host import UnitContext
+from gpugate.integrations.records import read_leases
+from gpugate.integrations.unit import GpuChoice, UnitContext
 from gpugate.phase import Phase
 from gpugate.report import lines, oci_text
 from gpugate.report.journal import Reporter, ReporterFactory

@@ -36,8 +36,8 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.records import RUNNING_STATES, read_leases
 from gpugate.integrations.sweep_state import STATE_NAME, Seen, locked_state, write_state
-from gpugate.integrations.unit.leases import RUNNING_STATES, read_leases
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter

@@ -40,10 +40,8 @@ from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.leases import Lease, LeaseCheck, new_lease
-from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
-from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
+from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
+from gpugate.integrations.unit import GpuChoice, UnitContext, UnitSurroundings
 from gpugate.report import oci_text
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate_unit import UnitNarration

@@ -27,7 +27,7 @@ from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.host.programs import find_program, run_program
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
+from gpugate.integrations.unit import GpuChoice, with_chosen_gpus
 from gpugate.report import lines
 from gpugate.untrusted import echo
 

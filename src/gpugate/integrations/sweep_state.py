@@ -17,19 +17,16 @@ from pathlib import Path
 
 from gpugate.host.locks import flock_by
 from gpugate.host.procfs import ProcessId
-from gpugate.host.safe_files import NotRegularFile, TooLarge, folder, open_in, read_capped, write_in
+from gpugate.host.safe_files import folder, open_in, write_in
 from gpugate.integrations import records
-from gpugate.integrations.records import BadRecord
+from gpugate.integrations.records import MAX_GPU_INDEX, MAX_PID, MAX_SINCE, BadRecord
 
 STATE_NAME = "sweep.json"
 LOCK_NAME = "sweep.lock"
 STATE_VERSION = 1
 MAX_ENTRIES = 512  # each about 90 bytes: the record stays under records.MAX_RECORD_BYTES
 LOCK_TIMEOUT_S = 10.0
-MAX_PID = 2**22
 MAX_TICKS = 2**63 - 1
-MAX_SINCE = 2.0**40
-MAX_GPU_INDEX = 4095
 
 
 @dataclass(frozen=True)
@@ -88,25 +85,11 @@ def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
 
 def read_state(folder_fd: int) -> SweepState:
     try:
-        data = read_capped(STATE_NAME, records.MAX_RECORD_BYTES, dir_fd=folder_fd)
+        return SweepState(parse_state(records.read_text(STATE_NAME, dir_fd=folder_fd)))
     except FileNotFoundError:
         return SweepState()
-    except OSError as exc:
-        return SweepState(refused=_unreadable(exc))
-    try:
-        return SweepState(parse_state(data.decode("utf-8")))
-    except UnicodeDecodeError:
-        return SweepState(refused=BadRecord("not UTF-8").why)
     except BadRecord as exc:
         return SweepState(refused=exc.why)
-
-
-def _unreadable(exc: OSError) -> str:
-    if isinstance(exc, NotRegularFile):
-        return BadRecord("not a regular file").why
-    if isinstance(exc, TooLarge):
-        return BadRecord(f"larger than {records.MAX_RECORD_BYTES // 1024} KiB").why
-    return BadRecord(f"cannot be read ({exc.strerror or str(exc)})").why
 
 
 def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
