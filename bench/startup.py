@@ -18,7 +18,7 @@ from bench.timing import Samples, run_timed
 
 PRE = "gpugate pre (whole run)"
 INTERPRETER = "python -c pass"
-CONFIG_IMPORT = "import gpugate.config.models (pydantic)"
+CONFIG_IMPORT = "import gpugate.config.schema (pydantic)"
 ALL_IMPORTS = "import everything pre needs"
 
 
@@ -54,7 +54,7 @@ def measure_startup(
     cases = {
         PRE: [*command, *stage.roots_args(), "pre", UNIT, "--config", str(stage.config)],
         INTERPRETER: [python, "-c", "pass"],
-        CONFIG_IMPORT: [python, "-c", f"import gpugate.config.models; {exit_now}"],
+        CONFIG_IMPORT: [python, "-c", f"import gpugate.config.schema; {exit_now}"],
         ALL_IMPORTS: [
             python,
             "-c",

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpugate.config.file import parse_config
-from gpugate.config.models import validated
+from gpugate.config.file import parse_config, validated
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
 from gpugate.front.install import Action, apply, parse_gpus, plan_install, plan_uninstall
 from gpugate.front.install_files import (

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import parse_config
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig, parse_config
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.core.outcome import RunSummary
 from gpugate.core.owned_gpus import owned_gpus

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import load_config, parse_config
-from gpugate.config.models import pydantic_config, validated
+from gpugate.config.file import load_config, parse_config, pydantic_config, validated
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig
 from gpugate.phase import Phase
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.gpulist import gpu_ref, legacy_mig, parse_gpu_text
+from gpugate.config.values import gpu_ref, legacy_mig, parse_gpu_text
 from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue

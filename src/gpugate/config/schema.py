@@ -1,7 +1,6 @@
-"""pydantic's models of a config file's fields: strict (TOML has real types), frozen, no key
-it does not know. Built on first use (`config.models.pydantic_config`, with pydantic's plugin
-scan off), only where a file sets something; the defaults are `config.values`'.
-"""
+"""pydantic's models of a config file: strict (TOML has real types), frozen, no unknown key.
+Loaded on first use (`config.file.pydantic_config`), only where a file sets something; the
+defaults are `config.values`'."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from pydantic import (
     model_validator,
 )
 
-from gpugate.config.gpulist import gpu_refs
 from gpugate.config.values import (
     CONTAINER_NAME,
     DEFAULTS,
@@ -30,6 +28,7 @@ from gpugate.config.values import (
     DefaultSweep,
     GpuSelection,
     GpusSetting,
+    gpu_refs,
 )
 from gpugate.errors import GateError, InvalidValue
 from gpugate.host.systemd import validate_unit_name

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from gpugate.config.models import Config, LoadedConfig
+from gpugate.config.file import Config, LoadedConfig
 
 if TYPE_CHECKING:
     from gpugate.core.decide import Choice, Decision

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.compat import tomllib
-from gpugate.config.toml_text import toml_value
+from gpugate.config.file import toml_value
 from gpugate.errors import InstallError
 from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted

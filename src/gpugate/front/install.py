@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config
-from gpugate.config.gpulist import parse_gpu_text
-from gpugate.config.values import CONTAINER_NAME, DEFAULT_PRIVATE_SHM
+from gpugate.config.values import CONTAINER_NAME, DEFAULT_PRIVATE_SHM, parse_gpu_text
 from gpugate.errors import (
     GateError,
     InstallError,

@@ -15,8 +15,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, Union
 
-from gpugate.config.models import pydantic_config
-from gpugate.config.toml_text import toml_value
+from gpugate.config.file import pydantic_config, toml_value
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF, DefaultPolicy
 from gpugate.errors import InstallError, PermissionDenied
 from gpugate.host.unit_settings import UnitSettings

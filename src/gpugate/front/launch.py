@@ -21,8 +21,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
-from gpugate.config.models import LoadedConfig, validated
-from gpugate.config.toml_text import to_toml
+from gpugate.config.file import LoadedConfig, to_toml, validated
 from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.errors import (
     ExitCode,

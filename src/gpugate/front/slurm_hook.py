@@ -10,8 +10,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError

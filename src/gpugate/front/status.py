@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import decide
 from gpugate.core.discover import (
     DeviceScanner,

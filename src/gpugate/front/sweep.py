@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.config.models import LoadedConfig, replaced, replaced_policy
+from gpugate.config.file import LoadedConfig, replaced, replaced_policy
 from gpugate.core.discover import Discovery
 from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope

@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 
 from gpugate.config import file
-from gpugate.config.models import LoadedConfig, fields_set, replaced
+from gpugate.config.file import LoadedConfig, fields_set, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError
 from gpugate.host import trust_text

@@ -20,8 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection
 from gpugate.core.run import RunScope
 from gpugate.host.containers import own_cgroup
@@ -230,7 +229,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
 
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
     """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
-    from gpugate.config.gpulist import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
+    from gpugate.config.values import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
     from gpugate.core.owned_gpus import owned_gpus  # noqa: PLC0415
 
     minors: set[int] = set()

@@ -13,9 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.config.gpulist import GpuRef, parse_gpu_text
-from gpugate.config.models import LoadedConfig
-from gpugate.config.values import BUILTIN_SOURCE, GpuSelection
+from gpugate.config.file import LoadedConfig
+from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, Progress, RunSummary
 from gpugate.core.run import RunScope

@@ -6,8 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpugate.config.models import validated
-from gpugate.config.toml_text import to_toml
+from gpugate.config.file import to_toml, validated
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.host.systemd import unit_argument, validate_unit_name

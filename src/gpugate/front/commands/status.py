@@ -16,7 +16,7 @@ from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.report import lines
 
 if TYPE_CHECKING:
-    from gpugate.config.models import LoadedConfig
+    from gpugate.config.file import LoadedConfig
     from gpugate.core.discover import DeviceScanner
 
 
