@@ -14,14 +14,15 @@ from gpugate.errors import ExitCode, GateError
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
+    DeviceNodes,
     GpuLayout,
     GresUnresolved,
+    gpu_order,
     gres_conf_path,
     parse_gres_conf,
     read_gres_conf,
+    shm_privacy,
 )
-from gpugate.integrations.slurm_gpus import DeviceNodes, gpu_order
-from gpugate.integrations.slurm_node import shm_privacy
 from gpugate.report import lines
 
 

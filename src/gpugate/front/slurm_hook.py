@@ -17,8 +17,11 @@ from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Deps, Hook, run_hook
 from gpugate.host.nvml import GpuDriver
 from gpugate.integrations.gres_conf import (
+    DeviceNodes,
     GresUnresolved,
+    StatFn,
     gres_conf_path,
+    job_gpus,
     parse_gres_conf,
     read_gres_conf,
 )
@@ -33,7 +36,6 @@ from gpugate.integrations.slurm import (
     set_drain_reason,
     with_job_gpus,
 )
-from gpugate.integrations.slurm_gpus import DeviceNodes, StatFn, job_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Event, Reporter, ReporterFactory

@@ -2,7 +2,7 @@
 
 slurmd runs them as root with the job in the environment and no PATH. The job's GPUs are
 slurmd's numbers in SLURM_JOB_GPUS (else SLURM_STEP_GPUS, the same numbers in a task):
-positions in the node's gres.conf device list, not NVML indices (integrations.slurm_gpus turns
+positions in the node's gres.conf device list, not NVML indices (integrations.gres_conf turns
 them into NVML's GPUs). The job's cgroup (cgroup v2: /system.slice/NODE_slurmstepd.scope/job_ID
 as Debian's multiple-slurmd build names it, or /system.slice/slurmstepd.scope/job_ID, with
 step_*/ below) takes the place of the unit's cgroup. At Prolog= and Epilog= time that cgroup
