@@ -26,14 +26,15 @@ from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
 from gpugate.host.procfs import ProcessId, ProcInfo
-from gpugate.integrations.records import new_lease, write_lease
-from gpugate.integrations.sweep_state import (
+from gpugate.integrations.records import (
     MAX_ENTRIES,
     STATE_NAME,
     Seen,
     dump_state,
     locked_state,
+    new_lease,
     read_state,
+    write_lease,
     write_state,
 )
 from gpugate.report.journal import Reporter

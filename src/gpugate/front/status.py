@@ -31,8 +31,7 @@ from gpugate.host.roots import HostRoots
 from gpugate.host.scan import Deadline
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
-from gpugate.integrations.records import Lease, leases_by_gpu, read_leases
-from gpugate.integrations.sweep_state import Seen, read_unowned
+from gpugate.integrations.records import Lease, Seen, leases_by_gpu, read_leases, read_unowned
 from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
 from gpugate.report.lines import unreadable_holders

@@ -3,7 +3,7 @@ tell what nobody owns (the journal once when first seen and once when gone, the 
 textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules.
 
 The look is `status`'s (front/status.collect, no unit); what the sweep remembers between runs
-is integrations/sweep_state; the reap is one `pre`-phase run (core's PhaseRun, through
+is integrations/records; the reap is one `pre`-phase run (core's PhaseRun, through
 front/hook.run_phase) over the GPUs whose every unowned holder has been unowned that long, on
 which no process of a unit, job or container runs and nothing holds a lease."""
 
@@ -36,8 +36,14 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.metrics import Samples, record_sweep
-from gpugate.integrations.records import RUNNING_STATES, read_leases
-from gpugate.integrations.sweep_state import STATE_NAME, Seen, locked_state, write_state
+from gpugate.integrations.records import (
+    RUNNING_STATES,
+    STATE_NAME,
+    Seen,
+    locked_state,
+    read_leases,
+    write_state,
+)
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter

@@ -13,9 +13,8 @@ from typing import TextIO
 
 from gpugate.core.owners import Holding, Owner
 from gpugate.host.procfs import ProcessId, ProcFs
-from gpugate.integrations.records import RUNNING_STATES
+from gpugate.integrations.records import RUNNING_STATES, Seen, locked_state, write_state
 from gpugate.integrations.slurm import set_drain_reason
-from gpugate.integrations.sweep_state import Seen, locked_state, write_state
 from gpugate.report import lines
 
 SLURMD_UNIT = "slurmd.service"

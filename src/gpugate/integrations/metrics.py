@@ -14,27 +14,22 @@ the unit's last run of each phase from its very first run on.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.locks import flock_by
-from gpugate.host.safe_files import folder, open_in, read_capped, untrusted, write_in
+from gpugate.host.safe_files import folder, read_capped, untrusted, write_in
 from gpugate.host.trust_text import metrics_folder_warning
-from gpugate.integrations.records import parse_record
+from gpugate.integrations.records import flocked, parse_record
 from gpugate.report import lines
 
 STATE_VERSION = 1
-LOCK_TIMEOUT_S = 10.0
 # A unit's phases come in pairs: the first write for one writes the other's counters too.
 PHASE_PAIRS = {"pre": ("pre", "post"), "post": ("pre", "post")}
 SLURM_PHASES = ("prolog", "epilog")
@@ -254,46 +249,32 @@ def dump_state(samples: Samples) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-@contextlib.contextmanager
-def _locked(
-    folder_fd: int, path: Path, clock: Callable[[], float] = time.monotonic
-) -> Iterator[None]:
-    fd = open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
-    try:
-        if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
-            raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
-        yield
-    finally:
-        os.close(fd)
+def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
+    """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock. The folder
+    may be another account's (the exporter's): all through its descriptor, no link followed
+    (safe_files). Raises OSError."""
+    state, lock = (textfile.with_name(textfile.name + suffix) for suffix in (".state", ".lock"))
+    with folder(textfile.parent) as folder_fd, flocked(folder_fd, lock.name, lock):
+        samples = load_state(state, folder_fd)
+        change(samples)
+        # State first: after a crash between the two renames the next run rewrites the
+        # textfile from it.
+        write_in(folder_fd, state.name, dump_state(samples).encode())
+        write_in(folder_fd, textfile.name, render(samples).encode())
 
 
 def record_run(textfile: Path, record: RunRecord) -> None:
-    """Add one run to the counters and rewrite the textfile. Raises OSError.
-
-    The folder may be another account's (the exporter's): everything is done through its
-    descriptor, no name there is followed as a symbolic link (safe_files, atomic)."""
-    state = textfile.with_name(textfile.name + ".state")
-    lock = textfile.with_name(textfile.name + ".lock")
-    with folder(textfile.parent) as folder_fd, _locked(folder_fd, lock):
-        samples = load_state(state, folder_fd)
-        apply(samples, record)
-        # State first: a crash between the two renames loses nothing, the next run rewrites
-        # the textfile from it.
-        write_in(folder_fd, state.name, dump_state(samples).encode())
-        write_in(folder_fd, textfile.name, render(samples).encode())
+    _rewrite(textfile, lambda samples: apply(samples, record))
 
 
 def record_sweep(textfile: Path, gauges: Samples) -> None:
-    """Replace the sweep's gauges (SWEEP_FAMILIES) and rewrite the textfile, as record_run
-    does: the runs' counters are kept. Raises OSError."""
-    state = textfile.with_name(textfile.name + ".state")
-    lock = textfile.with_name(textfile.name + ".lock")
-    with folder(textfile.parent) as folder_fd, _locked(folder_fd, lock):
-        samples = load_state(state, folder_fd)
+    """Replace the sweep's gauges (SWEEP_FAMILIES); the runs' counters are kept."""
+
+    def replace(samples: Samples) -> None:
         for name in SWEEP_FAMILIES:
             samples[name] = dict(gauges.get(name, {}))
-        write_in(folder_fd, state.name, dump_state(samples).encode())
-        write_in(folder_fd, textfile.name, render(samples).encode())
+
+    _rewrite(textfile, replace)
 
 
 def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:

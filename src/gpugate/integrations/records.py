@@ -22,18 +22,29 @@ memory `pre` waited for, and repeats pre's reason last, where `systemctl status`
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gpugate.errors import InvalidValue, PermissionDenied, StateUnwritable
+from gpugate.host.locks import flock_by
 from gpugate.host.nvml import Gpu
-from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped, write_atomically
+from gpugate.host.procfs import ProcessId
+from gpugate.host.safe_files import (
+    NotRegularFile,
+    TooLarge,
+    folder,
+    open_in,
+    read_capped,
+    write_atomically,
+    write_in,
+)
 from gpugate.report.narrate_unit import lease_refusal_text
 from gpugate.untrusted import STATE, shown
 
@@ -43,6 +54,7 @@ MAX_ITEMS = 1024  # a list in a record: GPUs, UUIDs
 MAX_GPU_INDEX = 4095
 MAX_PID = 2**22  # the kernel's largest pid_max
 MAX_SINCE = 2.0**40  # Unix time: some 30000 years from now
+LOCK_TIMEOUT_S = 10.0
 
 LEASE_FOLDER = "leases"
 FAILED_FOLDER = "failed"
@@ -58,6 +70,19 @@ class BadRecord(InvalidValue):
     @property
     def why(self) -> str:
         return str(self)
+
+
+@contextlib.contextmanager
+def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
+    """name in the folder, made where missing, held under an flock: writers take turns.
+    TimeoutError after LOCK_TIMEOUT_S."""
+    fd = open_in(folder_fd, name, os.O_RDWR | os.O_CREAT)
+    try:
+        if not flock_by(fd, time.monotonic() + LOCK_TIMEOUT_S):
+            raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(what))
+        yield
+    finally:
+        os.close(fd)
 
 
 def read_text(path: Path | str, limit: int = MAX_RECORD_BYTES, dir_fd: int | None = None) -> str:
@@ -427,3 +452,99 @@ def failed_pre_of_this_start(
     if environ.get("SERVICE_RESULT", "") == "success":
         return None  # not this start's: it began after pre succeeded
     return failed
+
+
+# What `gpugate sweep` remembers between sweeps (LOCK_DIR/sweep.json): each holder it has seen
+# unowned, pinned by (pid, start time), and since when; the oldest MAX_ENTRIES. A record it
+# refuses makes every unowned holder count as first seen again, which says more, never less.
+
+STATE_NAME = "sweep.json"
+LOCK_NAME = "sweep.lock"
+STATE_VERSION = 1
+MAX_ENTRIES = 512  # each about 90 bytes: the record stays under records.MAX_RECORD_BYTES
+MAX_TICKS = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Seen:
+    since: float  # Unix time it was first seen unowned
+    gpus: tuple[int, ...]
+    drained: bool = False  # the node was drained for it ([sweep] drain_after_s): not again
+
+
+@dataclass
+class SweepState:
+    unowned: dict[ProcessId, Seen] = field(default_factory=dict)
+    refused: str | None = None  # why the file on disk was not taken (report/'s phrase)
+
+
+def parse_state(text: str) -> dict[ProcessId, Seen]:
+    """BadRecord where the record, or any entry of it, is not what gpugate writes."""
+    data = parse_record(text)
+    integer(data, "version", STATE_VERSION, STATE_VERSION)
+    entries = data.get("unowned")
+    if not isinstance(entries, list):
+        raise BadRecord("unowned is not a list")
+    if len(entries) > MAX_ENTRIES:
+        raise BadRecord(f"unowned has more than {MAX_ENTRIES} items")
+    found: dict[ProcessId, Seen] = {}
+    for entry in entries:
+        if not isinstance(entry, dict):
+            raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
+        ident = ProcessId(
+            integer(entry, "pid", 1, MAX_PID),
+            integer(entry, "start_time", 0, MAX_TICKS),
+        )
+        found[ident] = Seen(
+            number(entry, "since", 0, MAX_SINCE),
+            integers(entry, "gpus", 0, MAX_GPU_INDEX),
+            flag({"drained": False, **entry}, "drained"),
+        )
+    return found
+
+
+def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
+    kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
+    entries = [
+        {
+            "pid": ident.pid,
+            "start_time": ident.start_time,
+            "since": seen.since,
+            "gpus": list(seen.gpus),
+            "drained": seen.drained,
+        }
+        for ident, seen in kept
+    ]
+    data = {"version": STATE_VERSION, "unowned": entries}
+    return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+def read_state(folder_fd: int) -> SweepState:
+    try:
+        return SweepState(parse_state(read_text(STATE_NAME, dir_fd=folder_fd)))
+    except FileNotFoundError:
+        return SweepState()
+    except BadRecord as exc:
+        return SweepState(refused=exc.why)
+
+
+def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
+    """The last sweep's unowned holders, for `status` (no lock, nothing made); {} where none
+    is kept or it is not the sweep's."""
+    try:
+        with folder(lock_dir, make=False) as folder_fd:
+            return read_state(folder_fd).unowned
+    except OSError:
+        return {}
+
+
+@contextlib.contextmanager
+def locked_state(lock_dir: Path) -> Iterator[tuple[int, SweepState]]:
+    """lock_dir's descriptor and the sweep's state, under its flock (two sweeps take turns);
+    write_state within it. OSError (TimeoutError where another sweep holds it)."""
+    with folder(lock_dir) as folder_fd, flocked(folder_fd, LOCK_NAME, lock_dir):
+        yield folder_fd, read_state(folder_fd)
+
+
+def write_state(folder_fd: int, unowned: Mapping[ProcessId, Seen]) -> None:
+    write_in(folder_fd, STATE_NAME, dump_state(unowned).encode(), 0o600)
