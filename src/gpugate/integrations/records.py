@@ -22,6 +22,7 @@ memory `pre` waited for, and repeats pre's reason last, where `systemctl status`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import math
@@ -142,6 +143,10 @@ def read_record(path: Path) -> dict[str, Any]:
     return parse_record(read_text(path))
 
 
+def _json(record: Lease | FailedPre) -> str:
+    return json.dumps(dataclasses.asdict(record), sort_keys=True) + "\n"
+
+
 def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = False) -> str | None:
     """A string field; None where optional and absent, null or empty."""
     value = data.get(key)
@@ -211,19 +216,6 @@ class Lease:
     def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
         mine = {uuid.lower() for uuid in self.uuids}
         return [gpu for gpu in gpus if gpu.uuid.lower() in mine]
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "unit": self.unit,
-            "gpus": list(self.gpus),
-            "uuids": list(self.uuids),
-            "share": self.share,
-            "since": self.since,
-            "invocation_id": self.invocation_id,
-            "pid": self.pid,
-            "started_by": self.started_by,
-            "container": self.container,
-        }
 
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
@@ -308,7 +300,7 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
 def write_lease(lock_dir: Path, lease: Lease) -> Path:
     target = lease_path(lock_dir, lease.unit)
     try:
-        write_atomically(target, json.dumps(lease.as_json(), sort_keys=True) + "\n")
+        write_atomically(target, _json(lease))
     except PermissionError:
         raise PermissionDenied(f"{target}: permission denied writing the GPU lease there") from None
     except OSError as exc:  # no space, read-only, a file where the folder should be
@@ -394,15 +386,6 @@ class FailedPre:
     exit_code: int
     busy_uuids: tuple[str, ...]  # GPUs pre waited on in vain
 
-    def as_json(self) -> dict[str, object]:
-        return {
-            "unit": self.unit,
-            "invocation_id": self.invocation_id,
-            "reason": self.reason,
-            "exit_code": self.exit_code,
-            "busy_uuids": list(self.busy_uuids),
-        }
-
 
 def failure_path(lock_dir: Path, unit: str) -> Path:
     return lock_dir / FAILED_FOLDER / f"{unit}.json"
@@ -411,8 +394,7 @@ def failure_path(lock_dir: Path, unit: str) -> Path:
 def record_failed_pre(lock_dir: Path, failed: FailedPre) -> None:
     """Best effort: without it post waits again."""
     with contextlib.suppress(OSError):
-        text = json.dumps(failed.as_json(), sort_keys=True) + "\n"
-        write_atomically(failure_path(lock_dir, failed.unit), text)
+        write_atomically(failure_path(lock_dir, failed.unit), _json(failed))
 
 
 def clear_failed_pre(lock_dir: Path, unit: str) -> None:
@@ -506,13 +488,7 @@ def parse_state(text: str) -> dict[ProcessId, Seen]:
 def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
     kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
     entries = [
-        {
-            "pid": ident.pid,
-            "start_time": ident.start_time,
-            "since": seen.since,
-            "gpus": list(seen.gpus),
-            "drained": seen.drained,
-        }
+        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
         for ident, seen in kept
     ]
     data = {"version": STATE_VERSION, "unowned": entries}
