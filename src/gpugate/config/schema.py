@@ -273,18 +273,13 @@ class GateConfig(_Frozen):
         return value
 
     def selection(self) -> GpuSelection:
-        """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
+        """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
 
     def changed(self, **changes: object) -> GateConfig:
-        """A copy with these fields changed, validated as a file's are (strict: a tuple field
-        takes a tuple). pydantic's model_copy(update=) validates nothing: a list kept in a
-        tuple field made every dump warn (`gpugate run --port`)."""
+        """A copy with these fields changed, validated as a file's are (model_copy validates
+        nothing)."""
         return GateConfig.model_validate({**dict(self), **changes})
-
-    def with_gpus(self, gpus: GpuSelection) -> GateConfig:
-        """A copy owning these GPUs (a selection the one GPU-list parser or NVML made)."""
-        return self.model_copy(update={"gpus": gpus})
 
     def policy(self, phase: Phase) -> PhasePolicy:
         policies = {

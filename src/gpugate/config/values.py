@@ -12,7 +12,6 @@ the older `MIG-GPU-<uuid>/<gi>/<ci>` form (CUDA before 11.1, NVIDIA_VISIBLE_DEVI
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,7 +115,7 @@ PRIVATE_SHM_OFF = "off"
 PRIVATE_SHM_SIZE = re.compile(r"(?:[1-9][0-9]?%|100%|[1-9][0-9]{0,8}[kmg])")
 
 GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run owns
-GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; "auto" is resolved by gpu_source
+GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; integrations.unit resolves "auto"
 
 
 # gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/commands/test_sweep.py checks they agree)
@@ -126,7 +125,7 @@ MAX_SWEEP_AGE_S = 30 * 86400
 
 @dataclass(frozen=True)
 class DefaultSweep:
-    """`gpugate sweep`'s policy as built in (config.schema.SweepPolicy's fields and defaults)."""
+    """config.schema.SweepPolicy's fields and defaults."""
 
     reap_after_s: Optional[float] = None
     drain_after_s: Optional[float] = None
@@ -134,7 +133,7 @@ class DefaultSweep:
 
 @dataclass(frozen=True)
 class DefaultPolicy:
-    """One phase's policy as built in (config.schema.PhasePolicy's fields and defaults)."""
+    """config.schema.PhasePolicy's fields and defaults."""
 
     kill_orphans: bool = True
     kill_app_tree: bool = True
@@ -156,7 +155,7 @@ _BUILT_IN = {phase: DefaultPolicy.of(phase) for phase in Phase}
 
 @dataclass(frozen=True)
 class DefaultConfig:
-    """The config as built in (config.schema.GateConfig's fields and defaults)."""
+    """config.schema.GateConfig's fields and defaults."""
 
     gpus: GpusSetting = "auto"
     free_mib: int = 1024
@@ -177,12 +176,8 @@ class DefaultConfig:
     private_shm: str = DEFAULT_PRIVATE_SHM
 
     def selection(self) -> GpuSelection:
-        """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
+        """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
-
-    def with_gpus(self, gpus: GpuSelection) -> DefaultConfig:
-        """A copy owning these GPUs (a selection the one GPU-list parser or NVML made)."""
-        return dataclasses.replace(self, gpus=gpus)
 
     def policy(self, phase: Phase) -> DefaultPolicy:
         return {

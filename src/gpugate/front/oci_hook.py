@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import LoadedConfig
+from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Deps, Hook, run_hook
@@ -98,7 +98,7 @@ def run_container_hook(
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
         opened = driver
-        loaded = LoadedConfig(loaded.config.with_gpus(selection), loaded.source)
+        loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
         hook = Hook(
             phase,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.config.file import LoadedConfig
+from gpugate.config.file import LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, Progress, RunSummary
@@ -130,7 +130,7 @@ def choose_gpus(
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
     """The config with gpus replaced by the choice, its source noted where the choice says
     (a Slurm job's "gpus from SLURM_JOB_GPUS")."""
-    config = loaded.config.with_gpus(choice.gpus)
+    config = replaced(loaded.config, gpus=choice.gpus)
     note = f" ({choice.config_note})" if choice.config_note else ""
     return LoadedConfig(config, f"{loaded.source}{note}")
 
@@ -164,10 +164,6 @@ class UnitSurroundings:
     refusal: str | None = None  # why another unit's lease refused this start
 
     @property
-    def environ(self) -> Mapping[str, str]:
-        return self.context.environ
-
-    @property
     def phase(self) -> Phase:
         return self.scope.phase
 
@@ -188,7 +184,7 @@ class UnitSurroundings:
         if not context.guard_manual_run:
             return
         state = manual_run_guard(
-            self.phase, self.unit, context.active_state, self.environ, context.roots.proc
+            self.phase, self.unit, context.active_state, context.environ, context.roots.proc
         )
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
@@ -237,8 +233,8 @@ class UnitSurroundings:
             self.unit,
             owned,
             share=self.loaded.config.share_gpus,
-            invocation_id=self.environ.get("INVOCATION_ID"),
-            started_by=self.environ.get(STARTED_BY_VARIABLE),
+            invocation_id=self.context.environ.get("INVOCATION_ID"),
+            started_by=self.context.environ.get(STARTED_BY_VARIABLE),
         )
 
     def state_to_write(self) -> StateToWrite:
@@ -323,7 +319,7 @@ class UnitSurroundings:
                 release_lease(lock_dir, self.unit)  # an error: the run's own is the one to say
             failed = FailedPre(
                 unit=self.unit,
-                invocation_id=self.environ.get("INVOCATION_ID") or None,
+                invocation_id=self.context.environ.get("INVOCATION_ID") or None,
                 reason=reason,
                 exit_code=int(code),
                 busy_uuids=tuple(item.gpu.uuid for item in busy),
