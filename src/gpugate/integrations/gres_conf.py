@@ -126,10 +126,14 @@ def pairs(number: int, text: str, path: str) -> list[tuple[str, str]]:
     items: list[tuple[str, str]] = []
     rest = PAIR.sub("", text).strip()
     if rest:
-        raise GresUnresolved(f"{path} line {number}: {echo(rest)} not read for certain")
+        raise _uncertain(path, number, rest)
     for key, value in PAIR.findall(text):
         items.append((key.lower(), value[1:-1] if value.startswith('"') else value))
     return items
+
+
+def _uncertain(path: str, number: int, text: str) -> GresUnresolved:
+    return GresUnresolved(f"{path} line {number}: {echo(text)} not read for certain")
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -189,9 +193,7 @@ def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> 
     keys = dict(items)
     first = items[0][0]
     if first == "include":
-        raise GresUnresolved(
-            f"{reading.path} line {number}: {echo('Include')} not read for certain"
-        )
+        raise _uncertain(reading.path, number, "Include")
     if first == "autodetect" and len(items) == 1:
         reading.global_autodetect = items[0][1].lower()
         return
@@ -206,16 +208,14 @@ def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> 
     if first == "name":
         reading.general.append((number, keys))
         return
-    raise GresUnresolved(f"{reading.path} line {number}: {echo(first)} not read for certain")
+    raise _uncertain(reading.path, number, first)
 
 
 def _names_node(reading: _Reading, number: int, value: str) -> bool:
     try:
         nodes = expand_hostlist(value)
     except ValueError:
-        raise GresUnresolved(
-            f"{reading.path} line {number}: {echo(f'NodeName={value}')} not read for certain"
-        ) from None
+        raise _uncertain(reading.path, number, f"NodeName={value}") from None
     if reading.node is None:
         raise GresUnresolved(
             f"{reading.path} line {number}: NodeName= lines, and slurmd named no node "
@@ -262,18 +262,14 @@ def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
         if keys.get("name") != GPU:
             continue
         if "multiplefiles" in keys:
-            raise GresUnresolved(
-                f"{path} line {number}: {echo('MultipleFiles')} not read for certain"
-            )
+            raise _uncertain(path, number, "MultipleFiles")
         if "file" not in keys:
             fileless = fileless or "count" in keys or "type" in keys
             continue
         try:
             files.extend(expand_hostlist(keys["file"]))
         except ValueError:
-            raise GresUnresolved(
-                f"""{path} line {number}: {echo(f"File={keys['file']}")} not read for certain"""
-            ) from None
+            raise _uncertain(path, number, f"File={keys['file']}") from None
     if len(set(files)) != len(files):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in files if files.count(name) > 1)
         raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")

@@ -46,6 +46,7 @@ class Family:
     name: str
     kind: str  # counter, gauge or histogram
     help: str
+    sweep: bool = False  # rewritten whole by each `gpugate sweep`, not added to
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -84,26 +85,31 @@ FAMILIES = (
         "histogram",
         "seconds from the first signal to the GPU memory being free, runs that killed",
     ),
-    # Rewritten whole by each `gpugate sweep` (SWEEP_FAMILIES), not added to.
     Family(
         "gpugate_gpu_memory_mib",
         "gauge",
         "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
         "container; unlisted: no process NVML lists), at the last sweep",
+        sweep=True,
     ),
-    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
+    Family(
+        "gpugate_unowned_processes",
+        "gauge",
+        "processes holding the GPU that nothing owns",
+        sweep=True,
+    ),
     Family(
         "gpugate_unowned_seconds",
         "gauge",
         "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
+        sweep=True,
     ),
-    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
-)
-SWEEP_FAMILIES = (
-    "gpugate_gpu_memory_mib",
-    "gpugate_unowned_processes",
-    "gpugate_unowned_seconds",
-    "gpugate_sweep_timestamp_seconds",
+    Family(
+        "gpugate_sweep_timestamp_seconds",
+        "gauge",
+        "Unix time of the last gpugate sweep",
+        sweep=True,
+    ),
 )
 
 
@@ -268,11 +274,12 @@ def record_run(textfile: Path, record: RunRecord) -> None:
 
 
 def record_sweep(textfile: Path, gauges: Samples) -> None:
-    """Replace the sweep's gauges (SWEEP_FAMILIES); the runs' counters are kept."""
+    """Replace the sweep's gauges; the runs' counters are kept."""
 
     def replace(samples: Samples) -> None:
-        for name in SWEEP_FAMILIES:
-            samples[name] = dict(gauges.get(name, {}))
+        for family in FAMILIES:
+            if family.sweep:
+                samples[family.name] = dict(gauges.get(family.name, {}))
 
     _rewrite(textfile, replace)
 

@@ -192,12 +192,12 @@ def texts(data: Mapping[str, Any], key: str, limit: int) -> tuple[str, ...]:
     return tuple(str(text({key: item}, key, limit)) for item in _items(data, key))
 
 
-def _items(data: Mapping[str, Any], key: str) -> list[Any]:
+def _items(data: Mapping[str, Any], key: str, limit: int = MAX_ITEMS) -> list[Any]:
     value = data.get(key)
     if not isinstance(value, list):
         raise BadRecord(f"{key} is not a list")
-    if len(value) > MAX_ITEMS:
-        raise BadRecord(f"{key} has more than {MAX_ITEMS} items")
+    if len(value) > limit:
+        raise BadRecord(f"{key} has more than {limit} items")
     return value
 
 
@@ -443,7 +443,7 @@ def failed_pre_of_this_start(
 STATE_NAME = "sweep.json"
 LOCK_NAME = "sweep.lock"
 STATE_VERSION = 1
-MAX_ENTRIES = 512  # each about 90 bytes: the record stays under records.MAX_RECORD_BYTES
+MAX_ENTRIES = 512  # each about 90 bytes: the record stays under MAX_RECORD_BYTES
 MAX_TICKS = 2**63 - 1
 
 
@@ -464,13 +464,8 @@ def parse_state(text: str) -> dict[ProcessId, Seen]:
     """BadRecord where the record, or any entry of it, is not what gpugate writes."""
     data = parse_record(text)
     integer(data, "version", STATE_VERSION, STATE_VERSION)
-    entries = data.get("unowned")
-    if not isinstance(entries, list):
-        raise BadRecord("unowned is not a list")
-    if len(entries) > MAX_ENTRIES:
-        raise BadRecord(f"unowned has more than {MAX_ENTRIES} items")
     found: dict[ProcessId, Seen] = {}
-    for entry in entries:
+    for entry in _items(data, "unowned", MAX_ENTRIES):
         if not isinstance(entry, dict):
             raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
         ident = ProcessId(
