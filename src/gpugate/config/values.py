@@ -118,8 +118,7 @@ GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run
 GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; integrations.unit resolves "auto"
 
 
-# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/commands/test_sweep.py checks they agree)
-SWEEP_INTERVAL_S = 60
+SWEEP_INTERVAL_S = 60  # gpugate-sweep.timer's OnUnitActiveSec=
 MAX_SWEEP_AGE_S = 30 * 86400
 
 

@@ -115,8 +115,7 @@ FAMILIES = (
 
 @dataclass(frozen=True)
 class GpuSeries:
-    """A GPU as the per-GPU series label it (`gpu`, `uuid`); not config's GpuRef, which is
-    how a config or environment names a GPU (an index or a UUID)."""
+    """A GPU as the per-GPU series label it (`gpu`, `uuid`)."""
 
     index: int
     uuid: str
@@ -221,8 +220,7 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     never a FIFO or a file over safe_files.MAX_BYTES. folder_fd: path's folder, opened."""
     try:
         name = path if folder_fd is None else path.name
-        # Sane numbers, no deep nesting (records.BadRecord is a ValueError, so is a text
-        # that is not UTF-8).
+        # BadRecord is a ValueError, so is a text that is not UTF-8.
         data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
     except (OSError, ValueError):
         return {}
@@ -310,8 +308,8 @@ def record_after_run(
     stream: TextIO | None = None,
     on_failure: Callable[[Path, str], None] | None = None,
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning, never the run's failure
-    (on_failure(textfile, cause) says it; without, a line on stream)."""
+    """Best effort: metrics that cannot be written are a warning (on_failure(textfile,
+    cause), else a line on stream), never the run's failure."""
     if textfile is None:
         return
     found = untrusted(textfile.parent)

@@ -1,4 +1,4 @@
-"""The wording of what a systemd unit's surroundings do (integrations/unit/): its GPU leases,
+"""The wording of what a systemd unit's surroundings do (integrations/unit.py): its GPU leases,
 this start's failed pre. The steps say what happened; this module says it in words."""
 
 from __future__ import annotations
