@@ -336,6 +336,9 @@ class LeaseCheck:
     unreadable: list[Path]
     why: dict[Path, str] = field(default_factory=dict)
 
+    def conflicted(self) -> list[int]:
+        return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
+
     def refusal(self) -> str:
         conflicts = [
             ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts

@@ -39,6 +39,7 @@ from gpugate.host.systemd import (
     unit_environment,
 )
 from gpugate.integrations.records import (
+    FAILED_FOLDER,
     RUNNING_STATES,
     STARTED_BY_VARIABLE,
     FailedPre,
@@ -47,7 +48,6 @@ from gpugate.integrations.records import (
     check_leases,
     clear_failed_pre,
     failed_pre_of_this_start,
-    failure_path,
     lease_dir,
     new_lease,
     record_failed_pre,
@@ -216,8 +216,7 @@ class UnitSurroundings:
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
             return None
-        conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
-        self.narration.lease_refused(check.refusal(), sorted(conflicted))
+        self.narration.lease_refused(check.refusal(), check.conflicted())
         return check.refusal()
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
@@ -245,7 +244,7 @@ class UnitSurroundings:
         if traits.takes_lease:
             unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
         if traits.records_failed_start:
-            unit_folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+            unit_folders.append((config.lock_dir / FAILED_FOLDER, "failed-start records"))
         return [folders[0], *unit_folders, *folders[1:]], files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
@@ -255,8 +254,7 @@ class UnitSurroundings:
             return
         check = self._check_leases(owned)
         if check.conflicts:
-            conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
-            self.narration.lease_refused(check.refusal(), sorted(conflicted), first=False)
+            self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
         config = self.loaded.config
