@@ -158,25 +158,6 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in {"int", "str"})
 
 
-def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:
-    paths: list[Path] = []
-    if unit:
-        paths.append(config_dir / f"{unit}.toml")
-        prefix, at, rest = unit.partition("@")
-        if at and "." in rest:
-            paths.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
-    paths.append(config_dir / "default.toml")
-    return paths
-
-
-def find_config(
-    unit: str | None, explicit: Path | None = None, config_dir: Path = DEFAULT_CONFIG_DIR
-) -> Path | None:
-    if explicit is not None:
-        return explicit
-    return next((p for p in candidate_paths(unit, config_dir) if os.path.lexists(p)), None)
-
-
 def load_config(
     unit: str | None,
     explicit: Path | None = None,
@@ -185,7 +166,14 @@ def load_config(
 ) -> LoadedConfig:
     """The lookup, read and parsed. Production reads through
     integrations.config_files.load_config, which judges who may change the file first."""
-    path = find_config(unit, explicit, config_dir)
+    path = explicit
+    if path is None:
+        candidates = [config_dir / f"{unit}.toml"] if unit else []
+        prefix, at, rest = (unit or "").partition("@")
+        if at and "." in rest:
+            candidates.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
+        candidates.append(config_dir / "default.toml")
+        path = next((p for p in candidates if os.path.lexists(p)), None)
     if path is None:
         loaded = LoadedConfig(DEFAULTS, BUILTIN_SOURCE)
     else:
