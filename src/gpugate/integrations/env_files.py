@@ -5,7 +5,6 @@ warn, naming the EnvironmentFile= another account may change and each such varia
 
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 import stat
@@ -14,7 +13,7 @@ from pathlib import Path
 
 from gpugate.errors import GateError
 from gpugate.host.systemd import systemctl_show, unit_environment
-from gpugate.host.trust_text import environment_warnings
+from gpugate.host.trust_text import environment_warnings, group
 
 STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
 STEERING_PREFIXES = ("PYTHON",)
@@ -60,7 +59,7 @@ def _others_may_change(path: Path, info: os.stat_result) -> str | None:
     if mode & stat.S_IWOTH and not sticky_folder:
         return f"{path} is writable by every account"
     if mode & stat.S_IWGRP and gid != 0 and not sticky_folder:
-        return f"{path} is writable by group {_group(gid)}"
+        return f"{path} is writable by group {group(gid)}"
     return None
 
 
@@ -115,10 +114,3 @@ def _user(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"UID {uid}"
-
-
-def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return f"GID {gid}"
