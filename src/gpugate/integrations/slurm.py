@@ -17,13 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import GpuRef, parse_gpu_text
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.host.programs import find_program, run_program
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit import GpuChoice, with_chosen_gpus
 from gpugate.report import lines
 from gpugate.untrusted import echo
 
@@ -141,7 +140,7 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
 def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
     """The config with the job's GPUs: their UUIDs, or () where slurmd's numbers could not be
     resolved (the job's cgroup only)."""
-    return with_chosen_gpus(loaded, GpuChoice(gpus, note, config_note=note))
+    return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
 @dataclass(frozen=True)

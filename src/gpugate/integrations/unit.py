@@ -73,7 +73,6 @@ class GpuChoice:
     source: str  # said in the run's first journal entry and by `config check --unit`
     warn: bool = False  # all GPUs only because nothing named them, and no config file
     named: bool = True  # False: every GPU by default, because nothing named the unit's
-    config_note: str = ""  # added to the config's source where the choice overrode its gpus
 
 
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
@@ -128,11 +127,7 @@ def choose_gpus(
 
 
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
-    """The config with gpus replaced by the choice, its source noted where the choice says
-    (a Slurm job's "gpus from SLURM_JOB_GPUS")."""
-    config = replaced(loaded.config, gpus=choice.gpus)
-    note = f" ({choice.config_note})" if choice.config_note else ""
-    return LoadedConfig(config, f"{loaded.source}{note}")
+    return LoadedConfig(replaced(loaded.config, gpus=choice.gpus), loaded.source)
 
 
 @dataclass(frozen=True)
