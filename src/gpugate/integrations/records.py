@@ -66,11 +66,7 @@ RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
 class BadRecord(InvalidValue):
-    """Why a state file is not one of gpugate's records: one phrase, no path (`why`)."""
-
-    @property
-    def why(self) -> str:
-        return str(self)
+    """Why a state file is not one of gpugate's records: one phrase, no path."""
 
 
 @contextlib.contextmanager
@@ -291,7 +287,7 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
             continue  # released while we listed
         except BadRecord as exc:
             found.unreadable.append(path)
-            found.why[path] = exc.why
+            found.why[path] = str(exc)
         else:
             found.leases.append(lease)
     return found
@@ -430,7 +426,7 @@ def failed_pre_of_this_start(
     except FileNotFoundError:
         return None
     except BadRecord as exc:
-        unreadable(path, exc.why)
+        unreadable(path, str(exc))
         return None
     if failed.unit != unit or failed.invocation_id != (environ.get("INVOCATION_ID") or None):
         return None
@@ -499,7 +495,7 @@ def read_state(folder_fd: int) -> SweepState:
     except FileNotFoundError:
         return SweepState()
     except BadRecord as exc:
-        return SweepState(refused=exc.why)
+        return SweepState(refused=str(exc))
 
 
 def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
