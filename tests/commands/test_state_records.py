@@ -251,7 +251,8 @@ def test_post_goes_on_past_a_hostile_failed_start_record(host: FakeHost, member:
 
 
 def test_a_hostile_metrics_state_restarts_the_counters(tmp_path: Path) -> None:
-    for text in ("Infinity", "[" * 100_000, '{"version": 1, "samples": {"x": [{"value": NaN}]}}'):
+    hostile = ("Infinity", "[" * 100_000, '{"version": 1, "samples": {"x": [{"value": NaN}]}}')
+    for text in (*hostile, '{"version": 1, "samples": []}'):
         state = tmp_path / "m.prom.state"
         state.write_text(text)
         assert load_state(state) == {}

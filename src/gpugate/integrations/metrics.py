@@ -224,11 +224,12 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
         data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
     except (OSError, ValueError):
         return {}
+    found = data.get("samples")
+    if data.get("version") != STATE_VERSION or not isinstance(found, dict):
+        return {}
     samples: Samples = {}
-    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-        return samples
     known = {name for family in FAMILIES for name in family.sample_names}
-    for name, entries in data.get("samples", {}).items():
+    for name, entries in found.items():
         if name not in known or not isinstance(entries, list):
             continue
         for entry in entries:
