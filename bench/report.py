@@ -229,7 +229,7 @@ def judge_startup(report: Report) -> None:
     )
     report.bounds.append(
         f"- Start-up: of {ms(pre)}, the interpreter takes {ms(interpreter)}, importing "
-        f"gpugate.config.models (pydantic, and gpugate's models built with it) "
+        f"gpugate.config.schema (pydantic, and gpugate's models built with it) "
         f"{ms(config - interpreter)} more, the other imports (pynvml, python-systemd, "
         f"gpugate's modules) "
         f"{ms(imports - config)}, and the run itself {ms(pre - imports)}, of which discovery "

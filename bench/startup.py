@@ -32,7 +32,7 @@ from bench.timing import Samples, run_timed
 
 PRE = "gpugate pre (whole run)"
 INTERPRETER = "python -c pass"
-CONFIG_IMPORT = "import gpugate.config.models (pydantic)"
+CONFIG_IMPORT = "import gpugate.config.schema (pydantic)"
 ALL_IMPORTS = "import every module pre loads"
 SCAN = "the scan alone (in-process, bench/probe.py)"
 # Run by the interpreter gpugate runs on: a pre, in-process, then the modules it loaded.
@@ -104,7 +104,7 @@ def measure_startup(
     cases = {
         PRE: [*command, *pre_args],
         INTERPRETER: [python, "-c", "pass"],
-        CONFIG_IMPORT: [python, "-c", f"import gpugate.config.models; {exit_now}"],
+        CONFIG_IMPORT: [python, "-c", f"import gpugate.config.schema; {exit_now}"],
     }
     result = StartupResult(processes, mix.describe(processes), " ".join(command[:1]))
     result.samples = {name: Samples() for name in [*cases, ALL_IMPORTS, SCAN]}

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig
 from gpugate.config.schema import GateConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps, RunScope
@@ -26,7 +26,7 @@ from gpugate.errors import GateError
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
 from gpugate.host.roots import HostRoots
-from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings
+from gpugate.integrations.unit import UnitContext, unit_surroundings
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 

@@ -16,7 +16,7 @@ from gpugate.front.oci_hook import run_container_hook
 from gpugate.host.containers import OwnCgroup, own_cgroup
 from gpugate.host.oci import ContainerState, OciInputError, parse_config
 from gpugate.integrations.container import identify
-from gpugate.integrations.unit.leases import new_lease, read_leases, write_lease
+from gpugate.integrations.records import new_lease, read_leases, write_lease
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import UNIT, FakeHost

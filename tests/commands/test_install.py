@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpugate.config.file import parse_config
-from gpugate.config.models import validated
+from gpugate.config.file import parse_config, validated
 from gpugate.errors import ExitCode, InstallError, UnknownUnit
 from gpugate.front.install import (
     DEFAULT_GPUGATE,

@@ -188,7 +188,7 @@ def test_ld_library_path_does_not_choose_nvml(tmp_path: Path, fake_lib: Path) ->
 
 @pytest.mark.message
 def test_install_warns_about_a_units_steering_environment(tmp_path: Path) -> None:
-    from gpugate.integrations.unit.env_files import unit_environment_warnings
+    from gpugate.integrations.env_files import unit_environment_warnings
 
     env_file = tmp_path / "vllm.env"
     env_file.write_text("LD_LIBRARY_PATH=/usr/local/cuda/lib64\nHF_HOME=/srv/hf\n")

@@ -36,7 +36,7 @@ from gpugate.front.launch import (
     wait_until_gone,
 )
 from gpugate.host.systemd import validate_unit_name
-from gpugate.integrations.unit.leases import new_lease, write_lease
+from gpugate.integrations.records import new_lease, write_lease
 from tests.fakes import FakeHost, raises_error
 
 SYSTEMD_RUN = Path("/usr/bin/systemd-run")

@@ -17,7 +17,7 @@ from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import STAGE_PHASES, run_container_hook
 from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
 from gpugate.host.oci_gpus import OciInputError
-from gpugate.integrations.unit.leases import read_leases
+from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import UNIT, FakeGpuMemory, FakeHost, alive

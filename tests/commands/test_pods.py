@@ -19,7 +19,7 @@ from gpugate.host.oci import ContainerState, parse_config
 from gpugate.host.pods import PodName, is_sandbox, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.integrations.container import identify
-from gpugate.integrations.unit.leases import read_leases
+from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.untrusted import CONTAINER

@@ -17,7 +17,7 @@ from gpugate.front.cli import main
 from gpugate.host import programs, systemd
 from gpugate.host.containers import Container, ContainerNames, stop_containers
 from gpugate.integrations import slurm
-from gpugate.integrations.unit.env_files import environment_file_warnings, who_else_may_write
+from gpugate.integrations.env_files import environment_file_warnings, who_else_may_write
 from tests.fakes import FakeHost, alive
 
 PLANTED = ("systemctl", "docker", "podman", "scontrol")

@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import parse_config
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig, parse_config
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.core.outcome import RunSummary
 from gpugate.core.owned_gpus import owned_gpus
@@ -19,8 +18,8 @@ from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
-from gpugate.integrations.unit.leases import read_leases
-from gpugate.integrations.unit.shared_host import in_own_hook, manual_run_guard
+from gpugate.integrations.records import read_leases
+from gpugate.integrations.unit import in_own_hook, manual_run_guard
 from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import (
@@ -189,7 +188,7 @@ def test_config_check_shows_the_resolved_gpus(
     host: FakeHost, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(
-        "gpugate.integrations.unit.gpu_source.unit_environment",
+        "gpugate.integrations.unit.unit_environment",
         env("Environment=CUDA_VISIBLE_DEVICES=4,5\n"),
     )
     config = host.root / "c.toml"

@@ -14,7 +14,7 @@ from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.host.nvml import mig_key
 from gpugate.host.procfs import ProcFs
-from gpugate.integrations.unit.leases import new_lease, write_lease
+from gpugate.integrations.records import new_lease, write_lease
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
 
 SCHEMA_DOC = Path(__file__).resolve().parents[2] / "docs" / "status-json.md"

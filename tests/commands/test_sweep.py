@@ -25,16 +25,17 @@ from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
 from gpugate.host.procfs import ProcessId, ProcInfo
-from gpugate.integrations.sweep_state import (
+from gpugate.integrations.records import (
     MAX_ENTRIES,
     STATE_NAME,
     Seen,
     dump_state,
     locked_state,
+    new_lease,
     read_state,
+    write_lease,
     write_state,
 )
-from gpugate.integrations.unit.leases import new_lease, write_lease
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeHost, RecordingJournal, RecordingNotifier, alive, raises_error
 

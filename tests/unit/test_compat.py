@@ -41,9 +41,9 @@ def test_model_annotations_evaluate_on_python_3_9() -> None:
     import ast
     from pathlib import Path
 
-    from gpugate.config import models
+    from gpugate.config import schema
 
-    tree = ast.parse(Path(models.__file__).read_text())
+    tree = ast.parse(Path(schema.__file__).read_text())
     offenders = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.ClassDef):
@@ -60,7 +60,7 @@ def test_model_annotations_evaluate_on_python_3_9() -> None:
 def test_a_string_as_toml_parses_back_and_stays_one_line(text: str) -> None:
     """Found by the property test on Python 3.12: an echoed string with a newline broke the
     one-line error. TOML's own escapes keep it on one line, on every interpreter."""
-    from gpugate.config.toml_text import toml_value
+    from gpugate.config.file import toml_value
 
     written = toml_value(text)
     assert "\n" not in written and "\r" not in written

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import load_config, parse_config
-from gpugate.config.models import pydantic_config, validated
+from gpugate.config.file import load_config, parse_config, pydantic_config, replaced, validated
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig
 from gpugate.phase import Phase
 
@@ -55,7 +54,7 @@ def test_no_file_is_the_defaults(tmp_path: Path) -> None:
 
 
 def test_defaults_with_gpus_and_validated() -> None:
-    chosen = DEFAULTS.with_gpus((1, 0))
+    chosen = replaced(DEFAULTS, gpus=(1, 0))
     assert isinstance(chosen, DefaultConfig)
     assert (chosen.gpus, chosen.selection(), DEFAULTS.selection()) == ((1, 0), (1, 0), "all")
     model = validated(chosen)

@@ -14,7 +14,7 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.oci import ContainerState, parse_config
 from gpugate.integrations import container
 from gpugate.integrations.container import ContainerIdentity, identify
-from gpugate.integrations.unit.leases import new_lease, read_leases, write_lease
+from gpugate.integrations.records import new_lease, read_leases, write_lease
 
 A = "a" * 64
 KUBE = "/kubepods.slice/kubepods-pod1.slice"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.gpulist import GpuListError, gpu_refs
+from gpugate.config.values import GpuListError, gpu_refs
 from gpugate.core.outcome import PRECEDENCE, RunFacts, exit_code_for
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main

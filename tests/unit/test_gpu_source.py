@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import parse_config
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig, parse_config
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.errors import ConfigError, UnknownUnit
@@ -20,7 +19,7 @@ from gpugate.host.systemd import (
     parse_environment_file,
     unit_environment,
 )
-from gpugate.integrations.unit.gpu_source import (
+from gpugate.integrations.unit import (
     choose_gpus,
     parse_visible_devices,
     with_chosen_gpus,

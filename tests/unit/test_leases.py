@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.host.systemd import unit_active_state
-from gpugate.integrations.unit.leases import (
+from gpugate.integrations.records import (
     check_leases,
     lease_path,
     leases_by_gpu,
@@ -124,7 +124,7 @@ def test_lease_written_by_a_process_that_then_crashes_survives(
 ) -> None:
     locks = tmp_path / "locks"
     code = (
-        "import sys, os; from pathlib import Path; from gpugate.integrations.unit.leases import new_lease, write_lease;"
+        "import sys, os; from pathlib import Path; from gpugate.integrations.records import new_lease, write_lease;"
         "from gpugate.host.nvml import Gpu;"
         "write_lease(Path(sys.argv[1]), new_lease('a.service', [Gpu(3, 'GPU-fa4e5a11-0000-0000-0000-000000000003', 3, 'x', 1)], share=False));"
         "os.abort()"

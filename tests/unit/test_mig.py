@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.gpulist import gpu_ref, legacy_mig, parse_gpu_text
+from gpugate.config.values import gpu_ref, legacy_mig, parse_gpu_text
 from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue
@@ -18,9 +18,9 @@ from gpugate.host import mig_caps
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import GpuRequest
 from gpugate.integrations.container import gpu_selection
+from gpugate.integrations.records import read_leases
 from gpugate.integrations.slurm import job_from_env
-from gpugate.integrations.unit.gpu_source import parse_visible_devices
-from gpugate.integrations.unit.leases import read_leases
+from gpugate.integrations.unit import parse_visible_devices
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeGpuMemory, FakeHost, alive, mig_uuid, run_unit_phase

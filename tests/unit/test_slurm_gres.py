@@ -1,5 +1,5 @@
 """A node's gres.conf as slurmd reads it (integrations.gres_conf), slurmd's GPU numbers as
-NVML's GPUs by device number (integrations.slurm_gpus), and the drain reason's words."""
+NVML's GPUs by device number (integrations.gres_conf), and the drain reason's words."""
 
 from __future__ import annotations
 
@@ -15,14 +15,15 @@ from gpugate.errors import ExitCode
 from gpugate.front.commands.slurm import slurm_check
 from gpugate.host.nvml import Gpu
 from gpugate.integrations.gres_conf import (
+    DeviceNodes,
     GpuLayout,
     GresUnresolved,
     expand_hostlist,
     gres_conf_path,
+    job_gpus,
     parse_gres_conf,
     read_gres_conf,
 )
-from gpugate.integrations.slurm_gpus import DeviceNodes, job_gpus
 from gpugate.report import lines
 
 PATH = "/etc/slurm/gres.conf"

@@ -34,7 +34,7 @@ from gpugate.front.commands.status import as_dict, render_json, render_table
 from gpugate.host.containers import Container, StopResult
 from gpugate.host.procfs import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
-from gpugate.integrations.unit.shared_host import refusal
+from gpugate.integrations.unit import refusal
 from gpugate.report.journal import Event, FieldValue, Reporter
 from gpugate.report.narrate import Narrator, UnitNarration
 from gpugate.report.reasons import describe

@@ -1,34 +1,94 @@
-"""Where the unit's configuration file is found, how it is read and parsed, and the one-line
-error that names the file and field when it is wrong.
+"""The unit's configuration as a run reads it: the lookup, the parse, the one-line error that
+names the file and field, and enough TOML writing to print it back.
 
 Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
 instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
+Where no file sets anything the config is `config.values.DEFAULTS` (no pydantic); else
+pydantic's model of the file (`config.schema.GateConfig`, built on first use).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Union
 
 from gpugate.compat import tomllib
-from gpugate.config.models import Config, LoadedConfig, pydantic_config
-from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS
+from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig, DefaultPolicy
 from gpugate.errors import ConfigError, InvalidValue
 from gpugate.untrusted import echo
 
-DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 if TYPE_CHECKING:
     from pydantic import ValidationError
 
+    from gpugate.config.schema import GateConfig, PhasePolicy
+
+Config = Union["GateConfig", DefaultConfig]
+Policy = Union["PhasePolicy", DefaultPolicy]
+
+DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
+# pydantic v2 reads it each time it builds a model's validator: "__all__" loads no plugin and
+# skips the scan of every installed distribution's entry points (importlib.metadata).
+NO_PLUGINS = "PYDANTIC_DISABLE_PLUGINS"
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    config: Config
+    source: str  # the file it came from, or BUILTIN_SOURCE
+
+
+def pydantic_config() -> type[GateConfig]:
+    """pydantic's model of a config file, built at the first call with the plugin scan off;
+    the variable is put back at once, so that nothing gpugate starts inherits it."""
+    saved = os.environ.get(NO_PLUGINS)
+    os.environ[NO_PLUGINS] = "__all__"
+    try:
+        from gpugate.config.schema import GateConfig  # noqa: PLC0415 - pydantic on demand
+    finally:
+        if saved is None:
+            del os.environ[NO_PLUGINS]
+        else:
+            os.environ[NO_PLUGINS] = saved
+    return GateConfig
+
+
+def validated(config: Config) -> GateConfig:
+    """The config as pydantic's model (to change a field as a file would, or dump it)."""
+    if isinstance(config, DefaultConfig):
+        return pydantic_config().model_validate(dataclasses.asdict(config))
+    return config
+
+
+def replaced(config: Config, **changes: Any) -> Config:
+    """A copy with these fields changed, not validated (the code chose them): the defaults
+    stay the defaults' type, a file's config pydantic's."""
+    if isinstance(config, DefaultConfig):
+        return dataclasses.replace(config, **changes)
+    return config.model_copy(update=changes)
+
+
+def replaced_policy(policy: Policy, **changes: Any) -> Policy:
+    if isinstance(policy, DefaultPolicy):
+        return dataclasses.replace(policy, **changes)
+    return policy.model_copy(update=changes)
+
+
+def fields_set(config: Config) -> frozenset[str]:
+    """The fields the file set (none: the built-in defaults)."""
+    if isinstance(config, DefaultConfig):
+        return frozenset()
+    return frozenset(config.model_fields_set)
 
 
 def parse_config(text: str, source: str) -> Config:
-    """The file's config: the built-in defaults where it sets nothing (empty, or comments
-    only: nothing to validate, and pydantic is not loaded), else pydantic's model of it."""
+    """The built-in defaults where the file sets nothing (pydantic is not loaded), else
+    pydantic's model of it."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -45,8 +105,7 @@ def parse_config(text: str, source: str) -> Config:
 
 
 def _config_error(source: str, exc: ValidationError) -> ConfigError:
-    """The first of pydantic's errors as gpugate's (pydantic's own words for a type it wanted
-    as they are); how many more there were."""
+    """The first of pydantic's errors as gpugate's, and how many more there were."""
     first = exc.errors()[0]
     loc = first["loc"]
     # A key the file names comes first (it may look like a tag: `"a[b" = 1`); tags follow it.
@@ -66,8 +125,6 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     if first["type"] in STRICT_TYPE_ERRORS:
         shown = first["input"]
         if isinstance(shown, (bool, int, float, str)):
-            from gpugate.config.toml_text import toml_value  # noqa: PLC0415 (an error's)
-
             shown = toml_value(shown)
         problem = f"{detail}, not {_toml_type(first['input'])} {echo(shown, quote=False)}"
         return ConfigError(source, field, problem, more=more)
@@ -101,26 +158,6 @@ def _is_union_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in {"int", "str"})
 
 
-def candidate_paths(unit: str | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> list[Path]:
-    paths: list[Path] = []
-    if unit:
-        paths.append(config_dir / f"{unit}.toml")
-        prefix, at, rest = unit.partition("@")
-        if at and "." in rest:
-            paths.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
-    paths.append(config_dir / "default.toml")
-    return paths
-
-
-def find_config(
-    unit: str | None, explicit: Path | None = None, config_dir: Path = DEFAULT_CONFIG_DIR
-) -> Path | None:
-    """The file the lookup reads: --config PATH, else the first candidate there is."""
-    if explicit is not None:
-        return explicit
-    return next((p for p in candidate_paths(unit, config_dir) if os.path.lexists(p)), None)
-
-
 def load_config(
     unit: str | None,
     explicit: Path | None = None,
@@ -129,7 +166,14 @@ def load_config(
 ) -> LoadedConfig:
     """The lookup, read and parsed. Production reads through
     integrations.config_files.load_config, which judges who may change the file first."""
-    path = find_config(unit, explicit, config_dir)
+    path = explicit
+    if path is None:
+        candidates = [config_dir / f"{unit}.toml"] if unit else []
+        prefix, at, rest = (unit or "").partition("@")
+        if at and "." in rest:
+            candidates.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
+        candidates.append(config_dir / "default.toml")
+        path = next((p for p in candidates if os.path.lexists(p)), None)
     if path is None:
         loaded = LoadedConfig(DEFAULTS, BUILTIN_SOURCE)
     else:
@@ -139,8 +183,7 @@ def load_config(
 
 
 def check_lock_dir(loaded: LoadedConfig) -> None:
-    """lock_dir must be, or be able to become, a folder (it is made at the first run);
-    whether gpugate may write there is the run's to find out (a permission error)."""
+    """lock_dir must be, or be able to become, a folder (it is made at the first run)."""
     lock_dir = existing = loaded.config.lock_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -161,3 +204,48 @@ def _read(path: Path) -> str:
         raise ConfigError(str(path), "", "is not UTF-8 text") from None
     except OSError as exc:
         raise ConfigError(str(path), "", exc.strerror or str(exc)) from None
+
+
+_SHORT_ESCAPES = {
+    "\\": "\\\\",
+    '"': '\\"',
+    "\b": "\\b",
+    "\t": "\\t",
+    "\n": "\\n",
+    "\f": "\\f",
+    "\r": "\\r",
+}
+
+
+def toml_value(value: object) -> str:
+    """One value as TOML (scalars and flat lists); a string always one line."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(item) for item in value) + "]"
+    return '"' + "".join(_escaped(char) for char in str(value)) + '"'
+
+
+def _escaped(char: str) -> str:
+    if char in _SHORT_ESCAPES:
+        return _SHORT_ESCAPES[char]
+    if ord(char) < 0x20 or ord(char) == 0x7F:
+        return f"\\u{ord(char):04X}"
+    return char
+
+
+def to_toml(data: dict[str, object], prefix: str = "") -> str:
+    """Enough TOML for gpugate's config: scalars, lists and nested tables."""
+    lines: list[str] = []
+    tables: list[str] = []
+    for key, value in data.items():
+        if value is None:
+            lines.append(f"# {key}: not set")
+        elif isinstance(value, dict):
+            name = f"{prefix}{key}"
+            tables.append(f"\n\n[{name}]\n" + to_toml(value, f"{name}."))
+        else:
+            lines.append(f"{key} = {toml_value(value)}")
+    return "\n".join(lines) + "".join(tables)

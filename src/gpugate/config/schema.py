@@ -1,7 +1,6 @@
-"""pydantic's models of a config file's fields: strict (TOML has real types), frozen, no key
-it does not know. Built on first use (`config.models.pydantic_config`, with pydantic's plugin
-scan off), only where a file sets something; the defaults are `config.values`'.
-"""
+"""pydantic's models of a config file: strict (TOML has real types), frozen, no unknown key.
+Loaded on first use (`config.file.pydantic_config`), only where a file sets something; the
+defaults are `config.values`'."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ from pydantic import (
     model_validator,
 )
 
-from gpugate.config.gpulist import gpu_refs
 from gpugate.config.values import (
     CONTAINER_NAME,
     DEFAULTS,
@@ -30,6 +28,7 @@ from gpugate.config.values import (
     DefaultSweep,
     GpuSelection,
     GpusSetting,
+    gpu_refs,
 )
 from gpugate.errors import GateError, InvalidValue
 from gpugate.host.systemd import validate_unit_name
@@ -274,18 +273,13 @@ class GateConfig(_Frozen):
         return value
 
     def selection(self) -> GpuSelection:
-        """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
+        """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
 
     def changed(self, **changes: object) -> GateConfig:
-        """A copy with these fields changed, validated as a file's are (strict: a tuple field
-        takes a tuple). pydantic's model_copy(update=) validates nothing: a list kept in a
-        tuple field made every dump warn (`gpugate run --port`)."""
+        """A copy with these fields changed, validated as a file's are (model_copy validates
+        nothing)."""
         return GateConfig.model_validate({**dict(self), **changes})
-
-    def with_gpus(self, gpus: GpuSelection) -> GateConfig:
-        """A copy owning these GPUs (a selection the one GPU-list parser or NVML made)."""
-        return self.model_copy(update={"gpus": gpus})
 
     def policy(self, phase: Phase) -> PhasePolicy:
         policies = {

@@ -1,21 +1,93 @@
 """The config's built-in defaults and the forms of its values, without pydantic: what a run
 reads when no file sets anything (most units), at no cost beyond this module.
 
-`DefaultConfig` has the attribute names and types of `config.schema.GateConfig`, pydantic's
-model of a file, and its defaults are the model's (the model takes them from here); where a
-file sets anything the model validates it (`config.file`).
+`DefaultConfig` has the attribute names, types and defaults of `config.schema.GateConfig`,
+pydantic's model of a file (the model takes them from here).
+
+GPU lists as operators and schedulers write them: one parser for the config's `gpus`,
+`gpugate install --gpus` and Slurm's SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES. A GPU is an
+index, a GPU UUID (or a prefix of one), or a MIG slice: its UUID (`MIG-...`, or a prefix) or
+the older `MIG-GPU-<uuid>/<gi>/<ci>` form (CUDA before 11.1, NVIDIA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from gpugate.config.gpulist import GpuRef
+from gpugate.errors import InvalidValue
 from gpugate.phase import Phase
+from gpugate.untrusted import echo
+
+# A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
+UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
+MIG_PREFIX = "MIG-"
+MIG_UUID_PATTERN = re.compile(r"MIG-[0-9a-fA-F][0-9a-fA-F-]{7,}")
+LEGACY_MIG_PATTERN = re.compile(r"MIG-(GPU-[0-9a-fA-F][0-9a-fA-F-]{7,})/([0-9]{1,4})/([0-9]{1,4})")
+MAX_GPU_INDEX = 1023
+
+GpuRef = Union[int, str]  # an NVML index, a GPU UUID or a MIG slice's (either form)
+GpuListError = InvalidValue  # what the parser raises; the caller names where
+
+
+def gpu_ref(item: object) -> GpuRef:
+    """One GPU: an index 0-1023, a GPU UUID or a MIG slice. Text of digits is an index."""
+    if isinstance(item, bool):
+        raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
+    if isinstance(item, str) and item.isascii() and item.isdigit():
+        item = int(item)
+    if isinstance(item, int):
+        if not 0 <= item <= MAX_GPU_INDEX:
+            raise InvalidValue(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
+        return item
+    if isinstance(item, str):
+        if UUID_PATTERN.fullmatch(item) or MIG_UUID_PATTERN.fullmatch(item):
+            return item
+        if LEGACY_MIG_PATTERN.fullmatch(item):
+            return item
+        if item.upper().startswith(MIG_PREFIX):
+            raise InvalidValue(
+                f"{echo(item)} is not a MIG device UUID (MIG-xxxxxxxx-...) or "
+                "MIG-GPU-<uuid>/<gi>/<ci>"
+            )
+        raise InvalidValue(
+            f"{echo(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
+        )
+    raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
+
+
+def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
+    """A list of GPUs: at least one, none twice (a UUID is compared case-insensitively)."""
+    if not items:
+        raise InvalidValue("must name at least one GPU")
+    refs: list[GpuRef] = []
+    seen: set[GpuRef] = set()
+    for item in items:
+        ref = gpu_ref(item)
+        key = ref.lower() if isinstance(ref, str) else ref
+        if key in seen:
+            raise InvalidValue(f"lists GPU {echo(ref, quote=False)} twice")
+        seen.add(key)
+        refs.append(ref)
+    return tuple(refs)
+
+
+def legacy_mig(ref: str) -> tuple[str, int, int] | None:
+    """A `MIG-GPU-<uuid>/<gi>/<ci>` reference's GPU UUID (or prefix), GPU and compute
+    instance; None for any other reference."""
+    match = LEGACY_MIG_PATTERN.fullmatch(ref)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2)), int(match.group(3))
+
+
+def parse_gpu_text(text: str) -> tuple[GpuRef, ...]:
+    """Comma-separated, as `--gpus 0,1`, SLURM_JOB_GPUS and CUDA_VISIBLE_DEVICES write them."""
+    return gpu_refs([part.strip() for part in text.split(",")])
+
 
 DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
@@ -43,17 +115,16 @@ PRIVATE_SHM_OFF = "off"
 PRIVATE_SHM_SIZE = re.compile(r"(?:[1-9][0-9]?%|100%|[1-9][0-9]{0,8}[kmg])")
 
 GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run owns
-GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; "auto" is resolved by gpu_source
+GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; integrations.unit resolves "auto"
 
 
-# gpugate-sweep.timer's OnUnitActiveSec= (units/; tests/commands/test_sweep.py checks they agree)
-SWEEP_INTERVAL_S = 60
+SWEEP_INTERVAL_S = 60  # gpugate-sweep.timer's OnUnitActiveSec=
 MAX_SWEEP_AGE_S = 30 * 86400
 
 
 @dataclass(frozen=True)
 class DefaultSweep:
-    """`gpugate sweep`'s policy as built in (config.schema.SweepPolicy's fields and defaults)."""
+    """config.schema.SweepPolicy's fields and defaults."""
 
     reap_after_s: Optional[float] = None
     drain_after_s: Optional[float] = None
@@ -61,7 +132,7 @@ class DefaultSweep:
 
 @dataclass(frozen=True)
 class DefaultPolicy:
-    """One phase's policy as built in (config.schema.PhasePolicy's fields and defaults)."""
+    """config.schema.PhasePolicy's fields and defaults."""
 
     kill_orphans: bool = True
     kill_app_tree: bool = True
@@ -83,7 +154,7 @@ _BUILT_IN = {phase: DefaultPolicy.of(phase) for phase in Phase}
 
 @dataclass(frozen=True)
 class DefaultConfig:
-    """The config as built in (config.schema.GateConfig's fields and defaults)."""
+    """config.schema.GateConfig's fields and defaults."""
 
     gpus: GpusSetting = "auto"
     free_mib: int = 1024
@@ -104,12 +175,8 @@ class DefaultConfig:
     private_shm: str = DEFAULT_PRIVATE_SHM
 
     def selection(self) -> GpuSelection:
-        """The GPUs once gpu_source resolved them ("auto" left unresolved: every GPU)."""
+        """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
-
-    def with_gpus(self, gpus: GpuSelection) -> DefaultConfig:
-        """A copy owning these GPUs (a selection the one GPU-list parser or NVML made)."""
-        return dataclasses.replace(self, gpus=gpus)
 
     def policy(self, phase: Phase) -> DefaultPolicy:
         return {

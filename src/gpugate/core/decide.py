@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
-from gpugate.config.models import Config
+from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import ProcessTree, Role, app_tree, stable_role
 from gpugate.host.procfs import ProcessId

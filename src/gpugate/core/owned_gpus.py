@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from gpugate.config.gpulist import MIG_PREFIX, GpuRef, legacy_mig
-from gpugate.config.values import GpuSelection
+from gpugate.config.values import MIG_PREFIX, GpuRef, GpuSelection, legacy_mig
 from gpugate.errors import ConfigError, NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuFault
 from gpugate.untrusted import echo

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass
 
 from gpugate.compat import StrEnum
-from gpugate.config.models import Config
+from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder
 from gpugate.core.roles import Role, holder_role
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig
 from gpugate.config.values import GpuSelection
 from gpugate.core.decide import Choice, Decision, decide
 from gpugate.core.discover import Discovery, Sought, discover

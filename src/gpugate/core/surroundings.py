@@ -1,6 +1,6 @@
 """What one run asks of the world around what it frees (a systemd unit, a Slurm job, a
 container), as a protocol: the core and the front call these and know nothing of who
-answers. Four answer today: a systemd unit's (`gpugate.integrations.unit.shared_host.
+answers. Four answer today: a systemd unit's (`gpugate.integrations.unit.
 UnitSurroundings`: manual-run guard, GPU leases, failed-start records, asking the phase's
 traits what applies), a Slurm job's (`gpugate.integrations.slurm.JobSurroundings`: Slurm
 gives out its GPUs itself), a container's (`gpugate.integrations.container.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from gpugate.config.models import Config, LoadedConfig
+from gpugate.config.file import Config, LoadedConfig
 
 if TYPE_CHECKING:
     from gpugate.core.decide import Choice, Decision

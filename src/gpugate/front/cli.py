@@ -428,7 +428,7 @@ def _slurm(args: argparse.Namespace, front: Front) -> int:
 
 def _slurm_check(args: argparse.Namespace, front: Front) -> int:
     from gpugate.front.commands.slurm import slurm_check  # noqa: PLC0415
-    from gpugate.integrations.slurm_gpus import DeviceNodes  # noqa: PLC0415
+    from gpugate.integrations.gres_conf import DeviceNodes  # noqa: PLC0415
 
     nodes = DeviceNodes(front.host_roots().dev)
     return slurm_check(front.environ, args.node, front.driver_factory, nodes)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import TextIO
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig
 from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope

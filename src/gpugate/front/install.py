@@ -30,16 +30,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, TextIO, Union
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config
-from gpugate.config.gpulist import parse_gpu_text
-from gpugate.config.models import pydantic_config
-from gpugate.config.toml_text import toml_value
+from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, pydantic_config, toml_value
 from gpugate.config.values import (
     CONTAINER_NAME,
     DEFAULT_PRIVATE_SHM,
     PRIVATE_SHM_OFF,
     SWEEP_INTERVAL_S,
     DefaultPolicy,
+    parse_gpu_text,
 )
 from gpugate.errors import (
     ExitCode,

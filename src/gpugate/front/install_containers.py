@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.compat import tomllib
-from gpugate.config.toml_text import toml_value
+from gpugate.config.file import toml_value
 from gpugate.errors import GateError, InstallError
 from gpugate.front.install import Action, Change
 from gpugate.front.oci_runtime import hook_entry

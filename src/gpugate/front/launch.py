@@ -22,8 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO, TYPE_CHECKING
 
-from gpugate.config.models import LoadedConfig, validated
-from gpugate.config.toml_text import to_toml
+from gpugate.config.file import LoadedConfig, to_toml, validated
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
@@ -42,8 +41,8 @@ from gpugate.host.systemd import (
     unit_argument,
 )
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import parse_visible_devices
-from gpugate.integrations.unit.leases import RUNNING_STATES, STARTED_BY_VARIABLE, check_leases
+from gpugate.integrations.records import RUNNING_STATES, STARTED_BY_VARIABLE, check_leases
+from gpugate.integrations.unit import parse_visible_devices
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.untrusted import COMMAND, echo, shown

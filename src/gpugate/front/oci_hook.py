@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
@@ -32,9 +32,8 @@ from gpugate.integrations.container import (
     identify,
     request_text,
 )
-from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.leases import read_leases
-from gpugate.integrations.unit.shared_host import UnitContext
+from gpugate.integrations.records import read_leases
+from gpugate.integrations.unit import GpuChoice, UnitContext
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter, ReporterFactory
@@ -79,7 +78,7 @@ def run_container_hook(
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
         opened = driver
-        loaded = LoadedConfig(loaded.config.with_gpus(selection), loaded.source)
+        loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
         hook = Hook(
             phase,

@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.config.models import LoadedConfig, replaced, replaced_policy
+from gpugate.config.file import LoadedConfig, replaced, replaced_policy
 from gpugate.core.discover import Discovery
 from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
@@ -30,9 +30,15 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.records import (
+    RUNNING_STATES,
+    STATE_NAME,
+    Seen,
+    locked_state,
+    read_leases,
+    write_state,
+)
 from gpugate.integrations.slurm import set_drain_reason
-from gpugate.integrations.sweep_state import STATE_NAME, Seen, locked_state, write_state
-from gpugate.integrations.unit.leases import RUNNING_STATES, read_leases
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter

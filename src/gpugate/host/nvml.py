@@ -23,7 +23,7 @@ from gpugate.host.safe_files import untrusted
 
 MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
 # A MIG slice is keyed, where GPUs are keyed by index, by MIG_KEY_BASE + MIG_PER_GPU * (its GPU's
-# index) + its MIG index: above any index a config may name (config.gpulist.MAX_GPU_INDEX).
+# index) + its MIG index: above any index a config may name (config.values.MAX_GPU_INDEX).
 MIG_KEY_BASE = 1024
 MIG_PER_GPU = 16
 NOT_AVAILABLE = 0xFFFFFFFF  # NVML's gpuInstanceId of a process on no MIG slice

@@ -1,17 +1,12 @@
-"""The config lookup as root reads it (docs/hardening.md, rule 2): a file another account may
-change (its owner, group or other write, or any folder above it), or a `lock_dir` another
-account may change, is refused with exit 78 and one line naming the path, its owner and mode;
-a path that is not a regular file (a FIFO, a device) or is absurdly large is refused without
-reading it. Every command that reads a config (pre, post, slurm prolog/epilog, run, status,
-config check) reads it here.
+"""The config lookup as root reads it, for every command that reads a config (docs/hardening.md,
+rule 2): a file, or a `lock_dir`, another account may change (owner, group or other write, or
+any folder above it) is refused with exit 78, one line naming the path, its owner and mode; a
+path that is no regular file or is absurdly large is refused unread.
 
-One lock_dir for every lease on a host (docs/hardening.md, "One lock_dir for every lease"):
-the host's is `default.toml`'s `lock_dir` (CONFIG_DIR/default.toml), else the built-in
-/run/gpugate. A file
-that leaves `lock_dir` out gets the host's; a file of the lookup (UNIT.toml, the template's,
-containers.toml, slurm.toml: any file in CONFIG_DIR) that names another is refused with exit
-78 naming it and `lock_dir`. `--config PATH` outside CONFIG_DIR is a configuration of its own
-(tests, trials): its `lock_dir` stands."""
+One lock_dir for every lease on a host: `default.toml`'s `lock_dir`, else the built-in
+/run/gpugate. A file that leaves `lock_dir` out gets the host's; a file in CONFIG_DIR that
+names another is refused (exit 78). `--config PATH` outside CONFIG_DIR is a configuration of
+its own (tests, trials): its `lock_dir` stands."""
 
 from __future__ import annotations
 
@@ -19,12 +14,11 @@ import os
 from pathlib import Path
 
 from gpugate.config import file
-from gpugate.config.models import LoadedConfig, fields_set, replaced
+from gpugate.config.file import LoadedConfig, fields_set, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError
-from gpugate.host import trust_text
 from gpugate.host.safe_files import read_capped, untrusted
-from gpugate.host.trust_text import unreadable
+from gpugate.host.trust_text import unreadable, untrusted_text
 
 HOST_FILE = "default.toml"  # its lock_dir is the host's
 
@@ -37,34 +31,22 @@ def load_config(
     )
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
-        raise ConfigError(
-            loaded.source,
-            "lock_dir",
-            trust_text.untrusted_text(found, state=True)
-            if found
-            else "another account may change it",
-        )
+        raise ConfigError(loaded.source, "lock_dir", untrusted_text(found, state=True))
     return loaded
-
-
-def host_lock_dir(config_dir: Path) -> tuple[Path, str]:
-    """The host's lock_dir and the file that says so (default.toml; its own leaving it out
-    means the built-in), else the built-in and BUILTIN_SOURCE."""
-    path = config_dir / HOST_FILE
-    if not os.path.lexists(path):
-        return DEFAULT_LOCK_DIR, BUILTIN_SOURCE
-    return file.parse_config(read_trusted(path), str(path)).lock_dir, str(path)
 
 
 def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
     """loaded with the host's lock_dir where it leaves it out; ConfigError where a file of
-    the lookup names another (module docstring)."""
+    the lookup names another."""
     if loaded.source == BUILTIN_SOURCE:
         return loaded
     source = Path(loaded.source)
     if source.name == HOST_FILE and _same(source.parent, config_dir):
         return loaded
-    host, where = host_lock_dir(config_dir)
+    host, where = DEFAULT_LOCK_DIR, BUILTIN_SOURCE
+    if os.path.lexists(config_dir / HOST_FILE):
+        where = str(config_dir / HOST_FILE)
+        host = file.parse_config(read_trusted(Path(where)), where).lock_dir
     mine = loaded.config.lock_dir
     if "lock_dir" not in fields_set(loaded.config):
         if mine == host:
@@ -95,11 +77,7 @@ def read_trusted(path: Path) -> str:
         raise ConfigError(str(path), "", "no such file")
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(
-            str(path),
-            "",
-            trust_text.untrusted_text(found) if found else "another account may change it",
-        )
+        raise ConfigError(str(path), "", untrusted_text(found))
     try:
         data = read_capped(path.resolve())
     except FileNotFoundError:
@@ -107,7 +85,7 @@ def read_trusted(path: Path) -> str:
     except PermissionError:
         raise ConfigError(str(path), "", "permission denied reading it") from None
     except OSError as exc:
-        raise ConfigError(str(path), "", f"{unreadable(exc)}") from None
+        raise ConfigError(str(path), "", unreadable(exc)) from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -1,14 +1,12 @@
-"""A container's surroundings for `gpugate oci-hook`: who the container is, its cgroup, its
-GPUs as config, and its GPU lease (a unit's surroundings, with the container's scope as
-the unit).
+"""A container's surroundings for `gpugate oci-hook`: who it is, its cgroup, its GPUs as
+config, and its GPU lease: a unit's surroundings, with the container's scope as the unit.
 
 The lease is named after the container's own systemd scope (`libpod-ID.scope`,
-`docker-ID.scope`, `crio-ID.scope`, `cri-containerd-ID.scope`): the systemd cgroup driver makes
-that a transient unit, active exactly while the container runs, so every unit's pre, `gpugate
-run` and other container reads it as it reads a unit's lease, and one whose container died
-without its poststop is stale as soon as the scope is gone. A container whose own cgroup is
-no such scope (the cgroupfs driver, podman's --cgroups=split) leases as `container-ID`; one
-in no cgroup of its own is refused: it is never the unit around it (docs/containers.md).
+`docker-ID.scope`, `crio-ID.scope`, `cri-containerd-ID.scope`), a transient unit active
+exactly while the container runs: others read it as a unit's lease, and it is stale once the
+scope is gone. A container whose own cgroup is no such scope (the cgroupfs driver, podman's
+--cgroups=split) leases as `container-ID`; one in no cgroup of its own is refused: it is never
+the unit around it (docs/containers.md).
 """
 
 from __future__ import annotations
@@ -20,8 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection
 from gpugate.core.run import RunScope
 from gpugate.host.containers import own_cgroup
@@ -40,10 +37,8 @@ from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice
-from gpugate.integrations.unit.leases import Lease, LeaseCheck, new_lease
-from gpugate.integrations.unit.shared_host import UnitContext, UnitSurroundings
-from gpugate.integrations.unit.start_failure import failed_pre_of_this_start
+from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
+from gpugate.integrations.unit import GpuChoice, UnitContext, UnitSurroundings
 from gpugate.report import lines
 from gpugate.report.journal import Reporter
 from gpugate.report.lines import container_label
@@ -57,9 +52,7 @@ MAX_STORAGE_RECORDS = 32 << 20  # one record per container on the host
 # Before it starts a container owns no process: its runtime's init waiting in its scope is
 # not a holder to kill. A cgroup below the scope that never exists stands for "none yet".
 NOT_STARTED = "gpugate-before-start"
-# The lease of a container whose own cgroup is no systemd scope (the cgroupfs driver, podman's
-# --cgroups=split): `container-ID`, never a unit's name (a unit's has a suffix; ID is hex).
-OWN_LEASE_PREFIX = "container-"
+OWN_LEASE_PREFIX = "container-"  # never a unit's name: a unit's has a suffix
 
 
 @dataclass(frozen=True)
@@ -67,13 +60,13 @@ class ContainerIdentity:
     id: str  # the identity everywhere: a name only says it in words
     name: str | None  # from the runtime's own fields (its record, the annotations it writes)
     runtime: str  # podman, docker, cri-o, containerd, nerdctl, or "container" where none says
-    cgroup: str | None  # the cgroup of its own its processes run in
+    cgroup: str | None  # its own cgroup
     unit: str  # what its lease is named after: its own systemd scope, else container-ID
     claimed: tuple[str, str] | None = None  # (annotation, name) its author may have set
     # The system unit its own cgroup lies in (podman --cgroups=split in a Quadlet unit,
     # --cgroup-parent below a service): the container is part of it, by the kernel's tree.
     around: str | None = None
-    pod: PodName | None = None  # a CRI container's namespace/pod/container (host/pods.py)
+    pod: PodName | None = None  # a CRI container's namespace/pod/container
 
     @property
     def label(self) -> str:
@@ -84,8 +77,8 @@ class ContainerIdentity:
         return container_label(self.runtime, self.id, self.name, self.claimed)
 
     def fields(self) -> dict[str, str | bytes]:
-        """The journal fields every entry of this run carries (docs/journal.md)."""
-        # Not GPUGATE_CONTAINER: that is a holder's container, in the entries about holders.
+        """The journal fields every entry of this run carries (not GPUGATE_CONTAINER: that is
+        a holder's)."""
         found: dict[str, str | bytes] = {
             "GPUGATE_OCI_CONTAINER": self.id,
             "GPUGATE_OCI_RUNTIME": self.runtime,
@@ -95,27 +88,20 @@ class ContainerIdentity:
         if self.claimed:
             found["GPUGATE_OCI_ANNOTATED_NAME"] = exact(self.claimed[1], CONTAINER)
         if self.pod is not None:
-            found.update(pod_fields(self.pod))
+            named = {
+                "GPUGATE_OCI_POD_NAMESPACE": self.pod.namespace,
+                "GPUGATE_OCI_POD": self.pod.pod,
+                "GPUGATE_OCI_POD_CONTAINER": self.pod.container,
+            }
+            found.update((key, shown(value, CONTAINER)) for key, value in named.items() if value)
         return found
 
 
-def pod_fields(pod: PodName) -> dict[str, str]:
-    """GPUGATE_OCI_POD_*: the pod author's names, escaped as every untrusted text is."""
-    named = {
-        "GPUGATE_OCI_POD_NAMESPACE": pod.namespace,
-        "GPUGATE_OCI_POD": pod.pod,
-        "GPUGATE_OCI_POD_CONTAINER": pod.container,
-    }
-    return {field: shown(value, CONTAINER) for field, value in named.items() if value}
-
-
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
-    """The container's cgroup from its init's /proc/PID/cgroup (the runtime made it before
-    the hook), else from the spec's cgroupsPath; it must be a cgroup of its own, a folder its
-    runtime named after its id (host.containers.own_cgroup), else OciInputError: a container
-    is never its enclosing unit, whose lease it would take and its poststop release. Its
-    lease is named after its own systemd scope, else `container-ID`. Its name from the
-    runtime's annotations, else (docker) from docker's own record of it."""
+    """The container's cgroup from its init's /proc/PID/cgroup, else the spec's cgroupsPath;
+    one of its own (host.containers.own_cgroup), else OciInputError: a container is never its
+    enclosing unit, whose lease it would take. Its name from the runtime's annotations, else
+    from the runtime's own record of it."""
     cgroup = None
     if state.pid > 0:
         info = procfs.info(state.pid)
@@ -139,7 +125,6 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
         unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
         claimed=claimed_name(state, spec),
         around=None if own.unit else system_unit_of_cgroup(own.cgroup),
-        # The CRI names only where the cgroup says the runtime is one that writes them.
         pod=(
             pod_name({**spec.annotations, **state.annotations})
             if runtime in ("containerd", "cri-o")
@@ -191,15 +176,14 @@ def _owned_json(path: Path, limit: int) -> object:
 
 
 def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
-    """/etc/gpugate/containers.toml, read and checked as a unit's file is; the built-in
-    defaults where it is absent."""
+    """/etc/gpugate/containers.toml, else the lookup's default."""
     path = config_dir / CONFIG_NAME
     return load_config(None, path if path.exists() else None, config_dir)
 
 
 def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelection:
-    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. A device
-    minor, index or UUID NVML does not know is refused (exit 64), never guessed."""
+    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. One NVML
+    does not know is refused, never guessed."""
     if request.all_gpus:
         return "all"
     by_minor = {gpu.minor: gpu for gpu in gpus if gpu.mig is None}
@@ -230,7 +214,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
 
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
     """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
-    from gpugate.config.gpulist import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
+    from gpugate.config.values import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
     from gpugate.core.owned_gpus import owned_gpus  # noqa: PLC0415
 
     minors: set[int] = set()
@@ -246,7 +230,6 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
 
 
 def request_text(request: GpuRequest) -> str:
-    """Where the GPUs came from, for the run's first entry."""
     return lines.request_text(
         request.minors, request.refs, request.all_gpus, request.origins, request.note
     )
@@ -254,15 +237,14 @@ def request_text(request: GpuRequest) -> str:
 
 @dataclass
 class ContainerSurroundings(UnitSurroundings):
-    """A unit's surroundings where the unit is the container's scope: its lease carries the
-    container in words; no manual-run guard (the runtime runs the hook), no environment."""
+    """A unit's surroundings where the unit is the container's scope: its lease names the
+    container; no manual-run guard (the runtime runs the hook), no environment."""
 
     identity: ContainerIdentity | None = None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
-        """The unit its cgroup lies in holds its GPUs for it: that lease neither refuses it
-        nor is ever taken over or removed by it (the unit's own processes on the GPUs are
-        still another running unit's, refused by the holder rule)."""
+        """The unit its cgroup lies in holds its GPUs for it: that lease neither refuses it nor
+        is ever taken over or removed by it."""
         check = super()._check_leases(owned)
         around = self.identity.around if self.identity else None
         if around is None:
@@ -287,8 +269,7 @@ class ContainerSurroundings(UnitSurroundings):
 def container_surroundings(
     identity: ContainerIdentity, choice: GpuChoice, context: UnitContext
 ) -> Callable[[RunScope, LoadedConfig, Reporter], ContainerSurroundings]:
-    """How the hook's surroundings are made once the run's scope and config are known: the
-    config already has the container's GPUs (choice)."""
+    """How the hook's surroundings are made; the config already has the container's GPUs."""
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
         surroundings = ContainerSurroundings(

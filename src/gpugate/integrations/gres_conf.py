@@ -1,26 +1,35 @@
-"""A node's gres.conf as slurmd reads it for gres/gpu: which device files, in which order.
+"""What a Slurm node's own configuration gives a job: gres.conf's GPUs in slurmd's order, as
+NVML's GPUs; a private /dev/shm from job_container/tmpfs. Each file root's, read capped.
 
-slurmd numbers a node's GPUs 0, 1, ... in the order it lists their device files, and those
-numbers are what it writes in SLURM_JOB_GPUS (Slurm 22.05-24.x; docs/slurm.md has the source
-references): every `Name=gpu` line without `NodeName=` first, in the file's order, then every
-`NodeName=` line that names this node, in the file's order; each `File=` expanded as Slurm's
-hostlist expands it (`/dev/nvidia[0-3,6]`, `/dev/nvidia2,/dev/nvidia0`), in the order written.
-With `AutoDetect=nvml` slurmd sorts the GPUs by NVML's enumeration instead.
+slurmd numbers a node's GPUs 0, 1, ... in the order it lists their device files, and writes
+those numbers in SLURM_JOB_GPUS (Slurm 22.05-24.x; docs/slurm.md has the source references):
+every `Name=gpu` line without `NodeName=` first, in the file's order, then every `NodeName=`
+line that names this node; each `File=` expanded as Slurm's hostlist expands it
+(`/dev/nvidia[0-3,6]`), in the order written. With `AutoDetect=nvml` slurmd sorts the GPUs
+by NVML's enumeration instead. A device file is a GPU where it is the device node
+/dev/nvidiaM itself: the same device number (195:M on a real host); its name says nothing.
 
-What this module cannot read for certain (`Include`, `MultipleFiles`, a form of hostlist it
-does not know, an AutoDetect other than nvml/off, a node name it is not told) is a
+What cannot be read for certain (`Include`, `MultipleFiles`, an unknown hostlist form, an
+AutoDetect other than nvml/off, a node name it is not told, a File that is no GPU) is a
 GresUnresolved: why, in words; the caller treats the job's GPUs as unknown.
+
+job_container/tmpfs (slurm.conf `JobContainerType=job_container/tmpfs`) mounts a private
+/tmp and /dev/shm for each job in 22.05; from 23.02 the dirs are job_container.conf's `Dirs=`
+(default `/tmp,/dev/shm`).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import stat
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.errors import InvalidValue
-from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped, untrusted
+from gpugate.host.nvml import Gpu
+from gpugate.host.safe_files import NotRegularFile, TooLarge, kind_of, read_capped, untrusted
 from gpugate.untrusted import echo
 
 GRES_NAME = "gres.conf"
@@ -32,6 +41,15 @@ GPU = "gpu"
 PAIR = re.compile(r'([A-Za-z]+)=("[^"]*"|[^\s"]+)')
 RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 KNOWN_AUTODETECT = {"nvml", "off"}
+NVIDIA_MAJOR = 195  # the driver's character devices /dev/nvidia0..N (nvidiactl is 195:255)
+GPU_NODE = re.compile(r"nvidia([0-9]{1,4})")
+
+StatFn = Callable[[str], os.stat_result]
+TMPFS = "job_container/tmpfs"
+JOB_CONTAINER_CONF = "job_container.conf"
+DEFAULT_DIRS = "/tmp,/dev/shm"  # read_jcconf.h SLURM_TMPFS_DEF_DIRS
+MAX_CONF_BYTES = 1 << 20
+SHM = "/dev/shm"
 
 
 class GresUnresolved(InvalidValue):
@@ -108,10 +126,14 @@ def pairs(number: int, text: str, path: str) -> list[tuple[str, str]]:
     items: list[tuple[str, str]] = []
     rest = PAIR.sub("", text).strip()
     if rest:
-        raise GresUnresolved(f"{path} line {number}: {echo(rest)} not read for certain")
+        raise _uncertain(path, number, rest)
     for key, value in PAIR.findall(text):
         items.append((key.lower(), value[1:-1] if value.startswith('"') else value))
     return items
+
+
+def _uncertain(path: str, number: int, text: str) -> GresUnresolved:
+    return GresUnresolved(f"{path} line {number}: {echo(text)} not read for certain")
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -171,9 +193,7 @@ def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> 
     keys = dict(items)
     first = items[0][0]
     if first == "include":
-        raise GresUnresolved(
-            f"{reading.path} line {number}: {echo('Include')} not read for certain"
-        )
+        raise _uncertain(reading.path, number, "Include")
     if first == "autodetect" and len(items) == 1:
         reading.global_autodetect = items[0][1].lower()
         return
@@ -188,16 +208,14 @@ def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> 
     if first == "name":
         reading.general.append((number, keys))
         return
-    raise GresUnresolved(f"{reading.path} line {number}: {echo(first)} not read for certain")
+    raise _uncertain(reading.path, number, first)
 
 
 def _names_node(reading: _Reading, number: int, value: str) -> bool:
     try:
         nodes = expand_hostlist(value)
     except ValueError:
-        raise GresUnresolved(
-            f"{reading.path} line {number}: {echo(f'NodeName={value}')} not read for certain"
-        ) from None
+        raise _uncertain(reading.path, number, f"NodeName={value}") from None
     if reading.node is None:
         raise GresUnresolved(
             f"{reading.path} line {number}: NodeName= lines, and slurmd named no node "
@@ -244,19 +262,154 @@ def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
         if keys.get("name") != GPU:
             continue
         if "multiplefiles" in keys:
-            raise GresUnresolved(
-                f"{path} line {number}: {echo('MultipleFiles')} not read for certain"
-            )
+            raise _uncertain(path, number, "MultipleFiles")
         if "file" not in keys:
             fileless = fileless or "count" in keys or "type" in keys
             continue
         try:
             files.extend(expand_hostlist(keys["file"]))
         except ValueError:
-            raise GresUnresolved(
-                f"""{path} line {number}: {echo(f"File={keys['file']}")} not read for certain"""
-            ) from None
+            raise _uncertain(path, number, f"File={keys['file']}") from None
     if len(set(files)) != len(files):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in files if files.count(name) > 1)
         raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")
     return files, fileless
+
+
+@dataclass(frozen=True)
+class DeviceNodes:
+    """The /dev/nvidiaM nodes of this host (dev: the device root; stat: os.stat by default,
+    a test's stand-in otherwise)."""
+
+    dev: Path = Path("/dev")
+    stat: StatFn = os.stat
+
+    def by_number(self) -> dict[tuple[bool, int], int]:
+        """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node."""
+        found: dict[tuple[bool, int], int] = {}
+        try:
+            names = os.listdir(self.dev)
+        except OSError:
+            return found
+        for name in names:
+            match = GPU_NODE.fullmatch(name)
+            if match is None:
+                continue
+            try:
+                info = self.stat(str(self.dev / name))
+            except OSError:
+                continue
+            minor, is_char = int(match.group(1)), stat.S_ISCHR(info.st_mode)
+            if is_char and os.major(info.st_rdev) == NVIDIA_MAJOR:
+                if os.minor(info.st_rdev) == minor:  # else not the node the driver made
+                    found[(True, info.st_rdev)] = minor
+            elif is_char or stat.S_ISBLK(info.st_mode):  # a stand-in of another number
+                found[(is_char, info.st_rdev)] = minor
+        return found
+
+    def file_path(self, file: str) -> str:
+        """A gres.conf File under this device root (the real /dev: as written)."""
+        if self.dev == Path("/dev") or not file.startswith("/dev/"):
+            return file
+        return str(self.dev / file[len("/dev/") :])
+
+
+def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str) -> int:
+    """M of the /dev/nvidiaM that File is (followed as slurmd's stat follows it)."""
+    try:
+        info = nodes.stat(nodes.file_path(file))
+    except OSError as exc:
+        raise GresUnresolved(_not_gpu(path, file, f"({exc.strerror or exc})")) from None
+    is_char = stat.S_ISCHR(info.st_mode)
+    if not (is_char or stat.S_ISBLK(info.st_mode)):
+        raise GresUnresolved(_not_gpu(path, file, f"(a {kind_of(info.st_mode)} file)"))
+    minor = known.get((is_char, info.st_rdev))
+    if minor is None:
+        why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
+        raise GresUnresolved(_not_gpu(path, file, why))
+    return minor
+
+
+def _not_gpu(path: str, file: str, why: str) -> str:
+    return f"{path}: File {echo(file)} is no GPU device node {why}"
+
+
+def gpu_order(
+    layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, count: int, unreadable: int = 0
+) -> list[Gpu]:
+    """The node's GPUs in slurmd's order, the first `count` of them at least (each device
+    file before them must be a GPU: slurmd skips one it cannot stat, and numbers the rest
+    one lower). unreadable: GPUs NVML counts but cannot read (NVML's order has gaps)."""
+    known = nodes.by_number()
+    by_minor = {gpu.minor: gpu for gpu in gpus}
+    if layout.nvml_order:
+        if unreadable:
+            raise GresUnresolved(
+                f"{layout.path}: AutoDetect=nvml, and NVML cannot read {unreadable} GPU(s): "
+                "slurmd's order has gaps gpugate cannot place"
+            )
+        ordered = sorted(gpus, key=lambda gpu: gpu.index)
+        if layout.files:
+            minors = {minor_of(file, nodes, known, layout.path) for file in layout.files}
+            ordered = [gpu for gpu in ordered if gpu.minor in minors]
+        return ordered
+    found: list[Gpu] = []
+    for file in layout.files[:count]:
+        minor = minor_of(file, nodes, known, layout.path)
+        gpu = by_minor.get(minor)
+        if gpu is None:
+            raise GresUnresolved(
+                f"{layout.path}: File {echo(file)} is /dev/nvidia{minor}, and NVML lists no "
+                f"GPU with minor number {minor}"
+            )
+        found.append(gpu)
+    return found
+
+
+def job_gpus(
+    numbers: Sequence[int],
+    layout: GpuLayout,
+    gpus: Sequence[Gpu],
+    nodes: DeviceNodes,
+    unreadable: int = 0,
+) -> tuple[Gpu, ...]:
+    """The GPUs slurmd's numbers name (numbers: SLURM_JOB_GPUS's)."""
+    if not numbers:
+        return ()
+    ordered = gpu_order(layout, gpus, nodes, max(numbers) + 1, unreadable)
+    past = [n for n in numbers if n >= len(ordered)]
+    if past:
+        raise GresUnresolved(
+            f"{layout.path}: GPU number {past[0]} past the {len(ordered)} GPU(s) it lists "
+            "for this node"
+        )
+    return tuple(ordered[n] for n in numbers)
+
+
+@dataclass(frozen=True)
+class ShmPrivacy:
+    plugin: str  # slurm.conf's JobContainerType, "" where unset
+    dirs: str  # job_container.conf's Dirs (or the default)
+
+    @property
+    def private(self) -> bool:
+        return self.plugin == TMPFS and SHM in [d.strip().rstrip("/") for d in self.dirs.split(",")]
+
+
+def last_value(text: str, key: str) -> str:
+    """The last `KEY=VALUE` of a Slurm config file (keys in any case, comments dropped)."""
+    found = ""
+    pattern = re.compile(rf"(?:^|\s){key}=(\"[^\"]*\"|\S+)", re.IGNORECASE)
+    for raw in text.splitlines():
+        for match in pattern.finditer(raw.split("#", 1)[0]):
+            found = match.group(1).strip('"')
+    return found
+
+
+def shm_privacy(slurm_conf: Path) -> ShmPrivacy:
+    plugin = last_value(read_root_file(slurm_conf, MAX_CONF_BYTES), "JobContainerType")
+    if plugin != TMPFS:
+        return ShmPrivacy(plugin, "")
+    path = slurm_conf.parent / JOB_CONTAINER_CONF
+    dirs = last_value(read_root_file(path, MAX_CONF_BYTES), "Dirs") if path.exists() else ""
+    return ShmPrivacy(plugin, dirs or DEFAULT_DIRS)

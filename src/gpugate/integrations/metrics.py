@@ -14,27 +14,22 @@ the unit's last run of each phase from its very first run on.
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
-import os
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.locks import flock_by
-from gpugate.host.safe_files import folder, open_in, read_capped, untrusted, write_in
+from gpugate.host.safe_files import folder, read_capped, untrusted, write_in
 from gpugate.host.trust_text import metrics_folder_warning
-from gpugate.integrations.records import parse_record
+from gpugate.integrations.records import flocked, parse_record
 from gpugate.report import lines
 
 STATE_VERSION = 1
-LOCK_TIMEOUT_S = 10.0
 # A unit's phases come in pairs: the first write for one writes the other's counters too.
 PHASE_PAIRS = {"pre": ("pre", "post"), "post": ("pre", "post")}
 SLURM_PHASES = ("prolog", "epilog")
@@ -51,6 +46,7 @@ class Family:
     name: str
     kind: str  # counter, gauge or histogram
     help: str
+    sweep: bool = False  # rewritten whole by each `gpugate sweep`, not added to
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -89,33 +85,37 @@ FAMILIES = (
         "histogram",
         "seconds from the first signal to the GPU memory being free, runs that killed",
     ),
-    # Rewritten whole by each `gpugate sweep` (SWEEP_FAMILIES), not added to.
     Family(
         "gpugate_gpu_memory_mib",
         "gauge",
         "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
         "container; unlisted: no process NVML lists), at the last sweep",
+        sweep=True,
     ),
-    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
+    Family(
+        "gpugate_unowned_processes",
+        "gauge",
+        "processes holding the GPU that nothing owns",
+        sweep=True,
+    ),
     Family(
         "gpugate_unowned_seconds",
         "gauge",
         "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
+        sweep=True,
     ),
-    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
-)
-SWEEP_FAMILIES = (
-    "gpugate_gpu_memory_mib",
-    "gpugate_unowned_processes",
-    "gpugate_unowned_seconds",
-    "gpugate_sweep_timestamp_seconds",
+    Family(
+        "gpugate_sweep_timestamp_seconds",
+        "gauge",
+        "Unix time of the last gpugate sweep",
+        sweep=True,
+    ),
 )
 
 
 @dataclass(frozen=True)
 class GpuSeries:
-    """A GPU as the per-GPU series label it (`gpu`, `uuid`); not config's GpuRef, which is
-    how a config or environment names a GPU (an index or a UUID)."""
+    """A GPU as the per-GPU series label it (`gpu`, `uuid`)."""
 
     index: int
     uuid: str
@@ -220,16 +220,16 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     never a FIFO or a file over safe_files.MAX_BYTES. folder_fd: path's folder, opened."""
     try:
         name = path if folder_fd is None else path.name
-        # Sane numbers, no deep nesting (records.BadRecord is a ValueError, so is a text
-        # that is not UTF-8).
+        # BadRecord is a ValueError, so is a text that is not UTF-8.
         data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
     except (OSError, ValueError):
         return {}
+    found = data.get("samples")
+    if data.get("version") != STATE_VERSION or not isinstance(found, dict):
+        return {}
     samples: Samples = {}
-    if not isinstance(data, dict) or data.get("version") != STATE_VERSION:
-        return samples
     known = {name for family in FAMILIES for name in family.sample_names}
-    for name, entries in data.get("samples", {}).items():
+    for name, entries in found.items():
         if name not in known or not isinstance(entries, list):
             continue
         for entry in entries:
@@ -254,46 +254,33 @@ def dump_state(samples: Samples) -> str:
     return json.dumps(data, indent=1, sort_keys=True) + "\n"
 
 
-@contextlib.contextmanager
-def _locked(
-    folder_fd: int, path: Path, clock: Callable[[], float] = time.monotonic
-) -> Iterator[None]:
-    fd = open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
-    try:
-        if not flock_by(fd, clock() + LOCK_TIMEOUT_S, clock=clock):
-            raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(path))
-        yield
-    finally:
-        os.close(fd)
+def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
+    """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock. The folder
+    may be another account's (the exporter's): all through its descriptor, no link followed
+    (safe_files). Raises OSError."""
+    state, lock = (textfile.with_name(textfile.name + suffix) for suffix in (".state", ".lock"))
+    with folder(textfile.parent) as folder_fd, flocked(folder_fd, lock.name, lock):
+        samples = load_state(state, folder_fd)
+        change(samples)
+        # State first: after a crash between the two renames the next run rewrites the
+        # textfile from it.
+        write_in(folder_fd, state.name, dump_state(samples).encode())
+        write_in(folder_fd, textfile.name, render(samples).encode())
 
 
 def record_run(textfile: Path, record: RunRecord) -> None:
-    """Add one run to the counters and rewrite the textfile. Raises OSError.
-
-    The folder may be another account's (the exporter's): everything is done through its
-    descriptor, no name there is followed as a symbolic link (safe_files, atomic)."""
-    state = textfile.with_name(textfile.name + ".state")
-    lock = textfile.with_name(textfile.name + ".lock")
-    with folder(textfile.parent) as folder_fd, _locked(folder_fd, lock):
-        samples = load_state(state, folder_fd)
-        apply(samples, record)
-        # State first: a crash between the two renames loses nothing, the next run rewrites
-        # the textfile from it.
-        write_in(folder_fd, state.name, dump_state(samples).encode())
-        write_in(folder_fd, textfile.name, render(samples).encode())
+    _rewrite(textfile, lambda samples: apply(samples, record))
 
 
 def record_sweep(textfile: Path, gauges: Samples) -> None:
-    """Replace the sweep's gauges (SWEEP_FAMILIES) and rewrite the textfile, as record_run
-    does: the runs' counters are kept. Raises OSError."""
-    state = textfile.with_name(textfile.name + ".state")
-    lock = textfile.with_name(textfile.name + ".lock")
-    with folder(textfile.parent) as folder_fd, _locked(folder_fd, lock):
-        samples = load_state(state, folder_fd)
-        for name in SWEEP_FAMILIES:
-            samples[name] = dict(gauges.get(name, {}))
-        write_in(folder_fd, state.name, dump_state(samples).encode())
-        write_in(folder_fd, textfile.name, render(samples).encode())
+    """Replace the sweep's gauges; the runs' counters are kept."""
+
+    def replace(samples: Samples) -> None:
+        for family in FAMILIES:
+            if family.sweep:
+                samples[family.name] = dict(gauges.get(family.name, {}))
+
+    _rewrite(textfile, replace)
 
 
 def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:
@@ -322,8 +309,8 @@ def record_after_run(
     stream: TextIO | None = None,
     on_failure: Callable[[Path, str], None] | None = None,
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning, never the run's failure
-    (on_failure(textfile, cause) says it; without, a line on stream)."""
+    """Best effort: metrics that cannot be written are a warning (on_failure(textfile,
+    cause), else a line on stream), never the run's failure."""
     if textfile is None:
         return
     found = untrusted(textfile.parent)

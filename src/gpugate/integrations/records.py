@@ -1,44 +1,92 @@
-"""gpugate's own state read back (leases, failed-start records, the metrics counters): read
-with a size cap and parsed into sane values, or refused with why.
+"""gpugate's own state, read back with a size cap into sane values or refused with why: GPU
+leases (LOCK_DIR/leases/UNIT.json), failed-start records (LOCK_DIR/failed/UNIT.json), and
+the parsing the sweep's state and the metrics counters share.
 
-A record that is not what gpugate wrote (edited, truncated, or left by another version) must
-never end a run: every fault here is a `BadRecord`, which the caller reports once and
-ignores. Refused: more than MAX_RECORD_BYTES, not a regular file, not UTF-8, not JSON,
-`NaN` and `Infinity` (Python's json takes them by default), numbers of more than MAX_DIGITS
-digits, nesting deeper than the decoder allows, and, field by field, wrong types and values
-out of range (`bool` is not taken for an int).
+A record that is not what gpugate wrote (edited, truncated, another version's) never ends a
+run: every fault is a `BadRecord`, reported once and ignored. Refused: over MAX_RECORD_BYTES,
+not a regular file, not UTF-8 or JSON, `NaN` and `Infinity` (Python's json takes them),
+numbers of more than MAX_DIGITS digits, too deep nesting, wrong types, values out of range
+(`bool` is no int).
+
+Leases: from a unit's successful `pre` until its `post`, the unit holds its GPUs. Each file is
+replaced atomically, so a crash leaves the old lease or the new one; lock_dir is on /run, so a
+reboot clears them. Readers and writers on overlapping GPUs hold the per-GPU flocks, so a
+lease is checked and written in one turn. A lease whose unit systemd no longer calls running
+is stale.
+
+Failed starts: systemd runs ExecStopPost= after a failed ExecStartPre= too, with the same
+INVOCATION_ID. `pre` records why it failed; that start's `post` does not wait again on the
+memory `pre` waited for, and repeats pre's reason last, where `systemctl status` shows it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import errno
 import json
 import math
-from collections.abc import Mapping
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpugate.errors import InvalidValue
-from gpugate.host.safe_files import NotRegularFile, TooLarge, read_capped
+from gpugate.errors import InvalidValue, PermissionDenied, StateUnwritable
+from gpugate.host.locks import flock_by
+from gpugate.host.nvml import Gpu
+from gpugate.host.procfs import ProcessId
+from gpugate.host.safe_files import (
+    NotRegularFile,
+    TooLarge,
+    folder,
+    open_in,
+    read_capped,
+    write_atomically,
+    write_in,
+)
+from gpugate.report.narrate import lease_refusal_text
+from gpugate.untrusted import STATE, shown
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
 MAX_DIGITS = 20  # a JSON number longer than this is no count, PID or time of gpugate's
 MAX_ITEMS = 1024  # a list in a record: GPUs, UUIDs
+MAX_GPU_INDEX = 4095
+MAX_PID = 2**22  # the kernel's largest pid_max
+MAX_SINCE = 2.0**40  # Unix time: some 30000 years from now
+LOCK_TIMEOUT_S = 10.0
+
+LEASE_FOLDER = "leases"
+FAILED_FOLDER = "failed"
+# Set by `gpugate run` on its transient unit, read by the unit's pre from the environment
+# systemd gives it. A forced run only skips the lease refusal; it widens no kill.
+STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
+RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
 class BadRecord(InvalidValue):
-    """Why a state file is not one of gpugate's records: one phrase, no path (`why`)."""
-
-    @property
-    def why(self) -> str:
-        return str(self)
+    """Why a state file is not one of gpugate's records: one phrase, no path."""
 
 
-def read_text(path: Path, limit: int = MAX_RECORD_BYTES) -> str:
-    """The file's text. FileNotFoundError where it is gone; BadRecord where it is not a
-    regular file of at most limit bytes of UTF-8 (host/safe_files.read_capped: a FIFO is not
-    opened for a read that would block, a link is not followed)."""
+@contextlib.contextmanager
+def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
+    """name in the folder, made where missing, held under an flock: writers take turns.
+    TimeoutError after LOCK_TIMEOUT_S."""
+    fd = open_in(folder_fd, name, os.O_RDWR | os.O_CREAT)
     try:
-        data = read_capped(path, limit)
+        if not flock_by(fd, time.monotonic() + LOCK_TIMEOUT_S):
+            raise TimeoutError(errno.EBUSY, os.strerror(errno.EBUSY), str(what))
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_text(path: Path | str, limit: int = MAX_RECORD_BYTES, dir_fd: int | None = None) -> str:
+    """The file's text. FileNotFoundError where it is gone; BadRecord where it is not a
+    regular file of at most limit bytes of UTF-8 (no FIFO opened, no link followed)."""
+    try:
+        data = read_capped(path, limit, dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except NotRegularFile:
@@ -91,9 +139,12 @@ def read_record(path: Path) -> dict[str, Any]:
     return parse_record(read_text(path))
 
 
+def _json(record: Lease | FailedPre) -> str:
+    return json.dumps(dataclasses.asdict(record), sort_keys=True) + "\n"
+
+
 def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = False) -> str | None:
-    """A string field of at most limit characters; None where optional and absent, null or
-    empty."""
+    """A string field; None where optional and absent, null or empty."""
     value = data.get(key)
     if optional and (value is None or value == ""):
         return None
@@ -130,19 +181,340 @@ def flag(data: Mapping[str, Any], key: str) -> bool:
 
 
 def integers(data: Mapping[str, Any], key: str, low: int, high: int) -> tuple[int, ...]:
-    items = _items(data, key)
-    return tuple(integer({key: item}, key, low, high) for item in items)
+    return tuple(integer({key: item}, key, low, high) for item in _items(data, key))
 
 
 def texts(data: Mapping[str, Any], key: str, limit: int) -> tuple[str, ...]:
-    items = _items(data, key)
-    return tuple(str(text({key: item}, key, limit)) for item in items)
+    return tuple(str(text({key: item}, key, limit)) for item in _items(data, key))
 
 
-def _items(data: Mapping[str, Any], key: str) -> list[Any]:
+def _items(data: Mapping[str, Any], key: str, limit: int = MAX_ITEMS) -> list[Any]:
     value = data.get(key)
     if not isinstance(value, list):
         raise BadRecord(f"{key} is not a list")
-    if len(value) > MAX_ITEMS:
-        raise BadRecord(f"{key} has more than {MAX_ITEMS} items")
+    if len(value) > limit:
+        raise BadRecord(f"{key} has more than {limit} items")
     return value
+
+
+@dataclass(frozen=True)
+class Lease:
+    unit: str
+    gpus: tuple[int, ...]  # NVML indices when the lease was taken
+    uuids: tuple[str, ...]  # what overlap is decided on: indices move when a GPU falls off
+    share: bool  # the unit's share_gpus
+    since: float  # Unix time
+    invocation_id: str | None = None
+    pid: int = 0  # the gpugate pre that took it
+    started_by: str | None = None  # `gpugate run`'s caller ("alice (uid 1000)")
+    container: str | None = None  # an OCI hook's container in words; the unit is its scope
+
+    def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
+        mine = {uuid.lower() for uuid in self.uuids}
+        return [gpu for gpu in gpus if gpu.uuid.lower() in mine]
+
+    def holder_text(self) -> str:
+        """The lease's unit in words, for refusals: who started it and when."""
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        by = f"`gpugate run` by {shown(self.started_by, STATE)}, " if self.started_by else ""
+        return f"{shown(self.container or self.unit, STATE)} ({by}since {when})"
+
+
+def lease_dir(lock_dir: Path) -> Path:
+    return lock_dir / LEASE_FOLDER
+
+
+def lease_path(lock_dir: Path, unit: str) -> Path:
+    return lease_dir(lock_dir) / f"{unit}.json"
+
+
+def new_lease(
+    unit: str,
+    gpus: Sequence[Gpu],
+    *,
+    share: bool,
+    invocation_id: str | None = None,
+    started_by: str | None = None,
+    container: str | None = None,
+) -> Lease:
+    return Lease(
+        unit=unit,
+        gpus=tuple(gpu.index for gpu in gpus),
+        uuids=tuple(gpu.uuid for gpu in gpus),
+        share=share,
+        since=time.time(),
+        invocation_id=invocation_id or None,
+        pid=os.getpid(),
+        started_by=started_by or None,
+        container=container,
+    )
+
+
+def lease_from(data: dict[str, object]) -> Lease:
+    started_by = text(data, "started_by", 4096, optional=True)
+    return Lease(
+        unit=str(text(data, "unit", 256)),
+        gpus=integers(data, "gpus", 0, MAX_GPU_INDEX),
+        uuids=texts(data, "uuids", 128),
+        share=flag(data, "share"),
+        since=number(data, "since", 0, MAX_SINCE),
+        invocation_id=text(data, "invocation_id", 128, optional=True),
+        pid=integer(data, "pid", 0, MAX_PID, default=0),
+        started_by=started_by[:200] if started_by else None,
+        container=text(data, "container", 300, optional=True),
+    )
+
+
+@dataclass
+class LeaseFiles:
+    leases: list[Lease] = field(default_factory=list)
+    unreadable: list[Path] = field(default_factory=list)  # not a lease: reported, ignored
+    why: dict[Path, str] = field(default_factory=dict)
+
+
+def read_leases(lock_dir: Path) -> LeaseFiles:
+    found = LeaseFiles()
+    try:
+        entries = sorted(lease_dir(lock_dir).glob("*.json"))
+    except OSError:
+        return found
+    for path in entries:
+        try:
+            lease = lease_from(read_record(path))
+            if path.name != f"{lease.unit}.json":
+                raise BadRecord(f"its unit is not {path.name[: -len('.json')]}")
+        except FileNotFoundError:
+            continue  # released while we listed
+        except BadRecord as exc:
+            found.unreadable.append(path)
+            found.why[path] = str(exc)
+        else:
+            found.leases.append(lease)
+    return found
+
+
+def write_lease(lock_dir: Path, lease: Lease) -> Path:
+    target = lease_path(lock_dir, lease.unit)
+    try:
+        write_atomically(target, _json(lease))
+    except PermissionError:
+        raise PermissionDenied(f"{target}: permission denied writing the GPU lease there") from None
+    except OSError as exc:  # no space, read-only, a file where the folder should be
+        raise _unwritable(target, exc) from None
+    return target
+
+
+def release_lease(lock_dir: Path, unit: str) -> bool:
+    """Remove the unit's lease; False where it held none."""
+    path = lease_path(lock_dir, unit)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise _unwritable(path, exc) from None
+    return True
+
+
+def _unwritable(path: Path, exc: OSError) -> StateUnwritable:
+    return StateUnwritable(
+        path, "gpu-lease", f"{path}: cannot write the GPU lease there: {exc.strerror or str(exc)}"
+    )
+
+
+@dataclass(frozen=True)
+class LeaseCheck:
+    """What the leases of other units say about a run on `gpus`."""
+
+    conflicts: list[tuple[Lease, list[Gpu]]]  # live leases on our GPUs: the run refuses
+    shared: list[tuple[Lease, list[Gpu]]]  # live leases both sides agreed to share
+    stale: list[tuple[Lease, str]]  # leases of units no longer running, with their state
+    unreadable: list[Path]
+    why: dict[Path, str] = field(default_factory=dict)
+
+    def conflicted(self) -> list[int]:
+        return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
+
+    def refusal(self) -> str:
+        conflicts = [
+            ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts
+        ]
+        containers = all(lease.container for lease, _ in self.conflicts)
+        return lease_refusal_text(conflicts, containers=containers)
+
+
+def check_leases(
+    lock_dir: Path,
+    unit: str,
+    gpus: Sequence[Gpu],
+    *,
+    share: bool,
+    unit_state: Callable[[str], str | None],
+) -> LeaseCheck:
+    """unit_state: the unit's ActiveState (None: unknown, taken as still running)."""
+    files = read_leases(lock_dir)
+    check = LeaseCheck([], [], [], files.unreadable, files.why)
+    for lease in files.leases:
+        overlap = lease.overlap(gpus)
+        if lease.unit == unit or not overlap:
+            continue  # the unit's own, from an earlier start, is replaced
+        state = unit_state(lease.unit)
+        if state is not None and state not in RUNNING_STATES:
+            check.stale.append((lease, state))
+        elif share and lease.share:
+            check.shared.append((lease, overlap))
+        else:
+            check.conflicts.append((lease, overlap))
+    return check
+
+
+def leases_by_gpu(leases: Sequence[Lease]) -> dict[str, list[str]]:
+    """UUID (lower case) to the units leasing it, for `status`."""
+    by_uuid: dict[str, list[str]] = {}
+    for lease in leases:
+        for uuid in lease.uuids:
+            by_uuid.setdefault(uuid.lower(), []).append(lease.unit)
+    return by_uuid
+
+
+@dataclass(frozen=True)
+class FailedPre:
+    unit: str
+    invocation_id: str | None
+    reason: str  # one line: the GPU, the MiB, the PIDs
+    exit_code: int
+    busy_uuids: tuple[str, ...]  # GPUs pre waited on in vain
+
+
+def failure_path(lock_dir: Path, unit: str) -> Path:
+    return lock_dir / FAILED_FOLDER / f"{unit}.json"
+
+
+def record_failed_pre(lock_dir: Path, failed: FailedPre) -> None:
+    """Best effort: without it post waits again."""
+    with contextlib.suppress(OSError):
+        write_atomically(failure_path(lock_dir, failed.unit), _json(failed))
+
+
+def clear_failed_pre(lock_dir: Path, unit: str) -> None:
+    with contextlib.suppress(OSError):
+        failure_path(lock_dir, unit).unlink()
+
+
+def failed_pre_from(data: dict[str, object]) -> FailedPre:
+    return FailedPre(
+        unit=str(text(data, "unit", 256)),
+        invocation_id=text(data, "invocation_id", 128, optional=True),
+        reason=str(text(data, "reason", 4096)),
+        exit_code=integer(data, "exit_code", 0, 255),
+        busy_uuids=texts(data, "busy_uuids", 128),
+    )
+
+
+def failed_pre_of_this_start(
+    lock_dir: Path,
+    unit: str,
+    environ: Mapping[str, str],
+    unreadable: Callable[[Path, str], None] = lambda path, why: None,
+) -> FailedPre | None:
+    """pre's failure record where it belongs to the start this post ends: the same
+    INVOCATION_ID, and SERVICE_RESULT not success. unreadable(path, why): told of a record
+    that is not sane, which is then ignored."""
+    path = failure_path(lock_dir, unit)
+    try:
+        failed = failed_pre_from(read_record(path))
+    except FileNotFoundError:
+        return None
+    except BadRecord as exc:
+        unreadable(path, str(exc))
+        return None
+    if failed.unit != unit or failed.invocation_id != (environ.get("INVOCATION_ID") or None):
+        return None
+    if environ.get("SERVICE_RESULT", "") == "success":
+        return None  # not this start's: it began after pre succeeded
+    return failed
+
+
+# What `gpugate sweep` remembers between sweeps (LOCK_DIR/sweep.json): each holder it has seen
+# unowned, pinned by (pid, start time), and since when; the oldest MAX_ENTRIES. A record it
+# refuses makes every unowned holder count as first seen again, which says more, never less.
+
+STATE_NAME = "sweep.json"
+LOCK_NAME = "sweep.lock"
+STATE_VERSION = 1
+MAX_ENTRIES = 512  # each about 90 bytes: the record stays under MAX_RECORD_BYTES
+MAX_TICKS = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class Seen:
+    since: float  # Unix time it was first seen unowned
+    gpus: tuple[int, ...]
+    drained: bool = False  # the node was drained for it ([sweep] drain_after_s): not again
+
+
+@dataclass
+class SweepState:
+    unowned: dict[ProcessId, Seen] = field(default_factory=dict)
+    refused: str | None = None  # why the file on disk was not taken (report/'s phrase)
+
+
+def parse_state(text: str) -> dict[ProcessId, Seen]:
+    """BadRecord where the record, or any entry of it, is not what gpugate writes."""
+    data = parse_record(text)
+    integer(data, "version", STATE_VERSION, STATE_VERSION)
+    found: dict[ProcessId, Seen] = {}
+    for entry in _items(data, "unowned", MAX_ENTRIES):
+        if not isinstance(entry, dict):
+            raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
+        ident = ProcessId(
+            integer(entry, "pid", 1, MAX_PID),
+            integer(entry, "start_time", 0, MAX_TICKS),
+        )
+        found[ident] = Seen(
+            number(entry, "since", 0, MAX_SINCE),
+            integers(entry, "gpus", 0, MAX_GPU_INDEX),
+            flag({"drained": False, **entry}, "drained"),
+        )
+    return found
+
+
+def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
+    kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
+    entries = [
+        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
+        for ident, seen in kept
+    ]
+    data = {"version": STATE_VERSION, "unowned": entries}
+    return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
+
+
+def read_state(folder_fd: int) -> SweepState:
+    try:
+        return SweepState(parse_state(read_text(STATE_NAME, dir_fd=folder_fd)))
+    except FileNotFoundError:
+        return SweepState()
+    except BadRecord as exc:
+        return SweepState(refused=str(exc))
+
+
+def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
+    """The last sweep's unowned holders, for `status` (no lock, nothing made); {} where none
+    is kept or it is not the sweep's."""
+    try:
+        with folder(lock_dir, make=False) as folder_fd:
+            return read_state(folder_fd).unowned
+    except OSError:
+        return {}
+
+
+@contextlib.contextmanager
+def locked_state(lock_dir: Path) -> Iterator[tuple[int, SweepState]]:
+    """lock_dir's descriptor and the sweep's state, under its flock (two sweeps take turns);
+    write_state within it. OSError (TimeoutError where another sweep holds it)."""
+    with folder(lock_dir) as folder_fd, flocked(folder_fd, LOCK_NAME, lock_dir):
+        yield folder_fd, read_state(folder_fd)
+
+
+def write_state(folder_fd: int, unowned: Mapping[ProcessId, Seen]) -> None:
+    write_in(folder_fd, STATE_NAME, dump_state(unowned).encode(), 0o600)

@@ -1,15 +1,12 @@
-"""`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node.
+"""`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node, run by
+slurmd as root with the job in the environment and no PATH.
 
-slurmd runs them as root with the job in the environment and no PATH. The job's GPUs are
-slurmd's numbers in SLURM_JOB_GPUS (else SLURM_STEP_GPUS, the same numbers in a task):
-positions in the node's gres.conf device list, not NVML indices (integrations.slurm_gpus turns
-them into NVML's GPUs). The job's cgroup (cgroup v2: /system.slice/NODE_slurmstepd.scope/job_ID
-as Debian's multiple-slurmd build names it, or /system.slice/slurmstepd.scope/job_ID, with
-step_*/ below) takes the place of the unit's cgroup. At Prolog= and Epilog= time that cgroup
-often does not exist (not yet, or no longer): then it holds no process, and every holder of
-the job's GPUs is found by its device files and by NVML, and judged by the orphan rules.
-A non-zero exit makes slurmd drain the node; where slurmd names the node (SLURMD_NODENAME)
-and scontrol is there, the drain reason says which GPU is held by what.
+The job's GPUs are slurmd's numbers in SLURM_JOB_GPUS (else SLURM_STEP_GPUS): positions in
+the node's gres.conf device list, not NVML indices (integrations.gres_conf). The job's cgroup
+(/system.slice/[NODE_]slurmstepd.scope/job_ID) takes the place of the unit's; at Prolog= and
+Epilog= time it often does not exist, and every holder of the job's GPUs is found by its
+device files and NVML and judged by the orphan rules. A non-zero exit makes slurmd drain the
+node; gpugate's drain reason says which GPU is held by what.
 """
 
 from __future__ import annotations
@@ -20,14 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.gpulist import GpuRef, parse_gpu_text
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
+from gpugate.config.values import GpuRef, parse_gpu_text
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.host.programs import find_program, run_program
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 from gpugate.report import lines
 from gpugate.untrusted import echo
 
@@ -37,13 +32,10 @@ CONFIG_NAME = "slurm.toml"
 JOB_ID = re.compile(r"[1-9][0-9]{0,9}")
 UID = re.compile(r"[0-9]{1,10}")
 MAX_JOB_ID = 2**32 - 1
-# Where slurmd says which GPUs a job has: the prolog/epilog see SLURM_JOB_GPUS (slurmd's own
-# environment for them), an srun task SLURM_STEP_GPUS. CUDA_VISIBLE_DEVICES is not read: in
-# the hooks slurmd writes the same numbers there (or a GPU's unique ID), in a task it is the
-# task's own numbering, and alone it is not slurmd's.
+# The prolog/epilog see SLURM_JOB_GPUS, an srun task SLURM_STEP_GPUS. Not CUDA_VISIBLE_DEVICES:
+# in a task it is the task's own numbering, and alone it is not slurmd's.
 GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
-# Slurm before 15.08 wrote this where a gres had no device files; no GPU to gate.
-NO_DEVICE_FILES = "NoDevFiles"
+NO_DEVICE_FILES = "NoDevFiles"  # Slurm before 15.08, for a gres without device files
 SCONTROL_TIMEOUT_S = 15
 
 
@@ -146,16 +138,15 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
 
 
 def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
-    """The config with the job's GPUs (gpu_source.with_chosen_gpus, the one step): their
-    UUIDs, or () where slurmd's numbers could not be resolved (the job's cgroup only)."""
-    return with_chosen_gpus(loaded, GpuChoice(gpus, note, config_note=note))
+    """The config with the job's GPUs: their UUIDs, or () where slurmd's numbers could not be
+    resolved (the job's cgroup only)."""
+    return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
 @dataclass(frozen=True)
 class JobSurroundings(NullSurroundings):
-    """A Slurm job's surroundings (core.surroundings.Surroundings). Slurm gives out its GPUs
-    itself and drains a node whose prolog or epilog fails: no claim is checked, taken or
-    recorded; the run is about the job's GPUs (with_job_gpus), named in its first entry."""
+    """A Slurm job's surroundings. Slurm gives out its GPUs itself and drains a node whose
+    prolog or epilog fails: no lease is checked, taken or recorded."""
 
     job_id: int = 0
 
@@ -166,8 +157,7 @@ class JobSurroundings(NullSurroundings):
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:
-    """On every journal entry of the job's run. OBJECT_SYSTEMD_UNIT names the scope that holds
-    all jobs, so `journalctl -u slurmstepd.scope` lists gpugate's Slurm runs."""
+    """On every journal entry of the job's run (`journalctl -u slurmstepd.scope` lists them)."""
     fields = {"GPUGATE_SLURM_JOB": str(job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
     if job.uid is not None:
         fields["GPUGATE_SLURM_JOB_UID"] = str(job.uid)
@@ -175,9 +165,9 @@ def job_fields(job: SlurmJob) -> dict[str, str]:
 
 
 def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
-    """Best effort: drain the node first with gpugate's reason, so slurmctld keeps it when
-    the failed prolog/epilog drains it too. slurmd drains the node anyway. scontrol is found
-    in the system folders (slurmd gives no PATH; the job's must not choose it)."""
+    """Best effort: drain the node first with gpugate's reason, which slurmctld keeps when
+    the failed hook drains it too. scontrol from the system folders: the job's PATH must not
+    choose it."""
     scontrol = find_program("scontrol")
     if scontrol is None:
         return

@@ -6,8 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpugate.config.models import validated
-from gpugate.config.toml_text import to_toml
+from gpugate.config.file import to_toml, validated
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.host.systemd import unit_argument, validate_unit_name
@@ -20,7 +19,7 @@ def config_check(front: Front, path: Path | None, unit_given: str | None) -> int
     loaded = load_config(unit, path)
     print(f"# effective configuration, from {loaded.source}")
     if unit is not None:
-        from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus  # noqa: PLC0415
+        from gpugate.integrations.unit import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
         environment = None if front.given_roots.ask_systemd else (lambda _: None)
         choice = choose_gpus(unit, loaded, environment)
@@ -53,7 +52,7 @@ def show_wrapped_runtime(record: Path | None = None) -> None:
 
 def warn_environment_files(unit: str) -> None:
     """What the unit's EnvironmentFile= lines would let another account change (stderr)."""
-    from gpugate.integrations.unit.env_files import unit_environment_warnings  # noqa: PLC0415
+    from gpugate.integrations.env_files import unit_environment_warnings  # noqa: PLC0415
 
     for line in unit_environment_warnings(unit):
         print(lines.error(line), file=sys.stderr)

@@ -11,7 +11,7 @@ from gpugate.front.commands import Front
 from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit.shared_host import UnitContext, unit_surroundings
+from gpugate.integrations.unit import UnitContext, unit_surroundings
 from gpugate.phase import Phase
 
 UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
@@ -24,11 +23,16 @@ from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
+    DeviceNodes,
     GpuLayout,
     GresUnresolved,
+    StatFn,
+    gpu_order,
     gres_conf_path,
+    job_gpus,
     parse_gres_conf,
     read_gres_conf,
+    shm_privacy,
 )
 from gpugate.integrations.slurm import (
     METRICS_UNIT,
@@ -41,8 +45,6 @@ from gpugate.integrations.slurm import (
     set_drain_reason,
     with_job_gpus,
 )
-from gpugate.integrations.slurm_gpus import DeviceNodes, StatFn, gpu_order, job_gpus
-from gpugate.integrations.slurm_node import shm_privacy
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Event, Reporter, ReporterFactory

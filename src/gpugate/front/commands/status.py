@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import decide
 from gpugate.core.discover import (
     DeviceScanner,
@@ -41,9 +41,8 @@ from gpugate.host.systemd import (
     validate_unit_name,
 )
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.sweep_state import Seen, read_unowned
-from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus
-from gpugate.integrations.unit.leases import Lease, leases_by_gpu, read_leases
+from gpugate.integrations.records import Lease, Seen, leases_by_gpu, read_leases, read_unowned
+from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.lines import own_shm_line, unowned_line, unreadable_holders

@@ -1,11 +1,10 @@
-"""A unit's EnvironmentFile= that an account other than root may change hands out root:
-gpugate's hooks (`ExecStartPre=+`, `ExecStopPost=+`) run as root with that environment, and
-LD_PRELOAD, LD_LIBRARY_PATH or PYTHONPATH set there run code in the root process before
-gpugate can look. `install` and `config check --unit` warn, naming the file."""
+"""A unit's environment that steers root's hooks: gpugate's hooks (`ExecStartPre=+`,
+`ExecStopPost=+`) run as root with it, and LD_PRELOAD, LD_LIBRARY_PATH or PYTHONPATH set there
+run code in the root process before gpugate can look. `install` and `config check --unit`
+warn, naming the EnvironmentFile= another account may change and each such variable."""
 
 from __future__ import annotations
 
-import grp
 import os
 import pwd
 import stat
@@ -14,16 +13,15 @@ from pathlib import Path
 
 from gpugate.errors import GateError
 from gpugate.host.systemd import systemctl_show, unit_environment
-from gpugate.host.trust_text import environment_warnings
+from gpugate.host.trust_text import environment_warnings, group
 
-# What chooses the code root's hooks load: the dynamic loader's and Python's own variables.
 STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
 STEERING_PREFIXES = ("PYTHON",)
 
 
 def environment_files(unit: str, show: Callable[[str], str | None] | None = None) -> list[str]:
-    """The unit's EnvironmentFile= paths as systemd has them loaded (`systemctl show`)."""
-    text = (show or _show_environment_files)(unit)
+    """The unit's EnvironmentFile= paths as systemd has them loaded."""
+    text = (show or (lambda name: systemctl_show(name, "EnvironmentFiles")))(unit)
     files: list[str] = []
     for line in (text or "").splitlines():
         key, _, value = line.partition("=")
@@ -33,14 +31,9 @@ def environment_files(unit: str, show: Callable[[str], str | None] | None = None
     return files
 
 
-def _show_environment_files(unit: str) -> str | None:
-    return systemctl_show(unit, "EnvironmentFiles")
-
-
 def who_else_may_write(path: Path) -> str | None:
-    """Why an account other than root may change path (or put one there, where it is
-    missing): the file or a folder above it belongs to another account, or a non-root group or
-    everyone may write it. None where only root may."""
+    """Why an account other than root may change path (or put one there): the file or a
+    folder above it is another account's, or a non-root group or everyone may write it."""
     current = path
     while True:
         try:
@@ -66,7 +59,7 @@ def _others_may_change(path: Path, info: os.stat_result) -> str | None:
     if mode & stat.S_IWOTH and not sticky_folder:
         return f"{path} is writable by every account"
     if mode & stat.S_IWGRP and gid != 0 and not sticky_folder:
-        return f"{path} is writable by group {_group(gid)}"
+        return f"{path} is writable by group {group(gid)}"
     return None
 
 
@@ -89,10 +82,9 @@ def environment_file_warnings(
 def steering_variables(
     unit: str, show: Callable[[str], str | None] | None = None
 ) -> list[tuple[str, str]]:
-    """(variable, where it is set) for each of the unit's Environment= and EnvironmentFile=
-    settings that chooses code root's hooks load: LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT,
-    PYTHON*. The hooks' Python is isolated (-I) and NVML is loaded by its path, but the
-    dynamic loader reads LD_* before gpugate's first line: only the operator can drop them."""
+    """(variable, where it is set) for each setting that chooses the code root's hooks load.
+    The hooks' Python is isolated (-I) and NVML is loaded by its path, but the dynamic loader
+    reads LD_* before gpugate's first line: only the operator can drop them."""
     try:
         environment = unit_environment(unit, show)
     except GateError:
@@ -109,8 +101,7 @@ def steering_variables(
 def unit_environment_warnings(
     unit: str, show: Callable[[str], str | None] | None = None
 ) -> list[str]:
-    """install's and `config check --unit`'s warnings about the unit's environment: each
-    EnvironmentFile= another account may change, each variable that steers root's hooks."""
+    """install's and `config check --unit`'s warnings about the unit's environment."""
     if show is None:
         shown = systemctl_show(unit, "Environment,EnvironmentFiles")  # one call for both
         show = lambda _unit: shown  # noqa: E731
@@ -123,10 +114,3 @@ def _user(uid: int) -> str:
         return pwd.getpwuid(uid).pw_name
     except KeyError:
         return f"UID {uid}"
-
-
-def _group(gid: int) -> str:
-    try:
-        return grp.getgrgid(gid).gr_name
-    except KeyError:
-        return f"GID {gid}"

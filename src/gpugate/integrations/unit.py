@@ -1,14 +1,9 @@
-"""A systemd unit's surroundings on a host that other units share: what the core run asks of
-them (core/surroundings.py), for the phases whose traits say they apply.
-
-- the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
-- a hand-typed pre/post against a running unit: refused before anything is killed
-  (manual_run_guard, below);
-- GPU leases (leases.py): checked and written under the per-GPU locks before the first
-  kill; kept on pre's success; given up when pre fails, ends in an error or is interrupted
-  (its reason recorded for post: start_failure.py, post does not wait on that memory again),
-  and by post (`_ended`: the lease's end, whatever ended the run).
-"""
+"""A systemd unit's surroundings on a host other units share (core.surroundings.Surroundings),
+for the phases whose traits say they apply: the unit's GPUs when `gpus = "auto"`; a
+hand-typed pre/post against a running unit refused before anything is killed; GPU leases
+checked and written under the per-GPU locks before the first kill, kept on pre's success,
+given up (with the reason recorded for post) when pre fails, errs or is interrupted, and
+ended by post."""
 
 from __future__ import annotations
 
@@ -18,15 +13,18 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.config.models import LoadedConfig
+from gpugate.config.file import LoadedConfig, replaced
+from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.outcome import BusyGpu, Progress, RunSummary
 from gpugate.core.run import RunScope
 from gpugate.core.surroundings import StateToWrite, run_state_to_write
 from gpugate.errors import (
+    ConfigError,
     ExitCode,
     GateError,
     Interrupted,
+    InvalidValue,
     ManualRunRefused,
     PermissionDenied,
     StateUnwritable,
@@ -40,42 +38,108 @@ from gpugate.host.systemd import (
     unit_active_state,
     unit_environment,
 )
-from gpugate.integrations.unit.gpu_source import GpuChoice, choose_gpus, with_chosen_gpus
-from gpugate.integrations.unit.leases import (
+from gpugate.integrations.records import (
+    FAILED_FOLDER,
+    RUNNING_STATES,
     STARTED_BY_VARIABLE,
+    FailedPre,
     Lease,
     LeaseCheck,
     check_leases,
-    lease_dir,
-    new_lease,
-    release_lease,
-    write_lease,
-)
-from gpugate.integrations.unit.start_failure import (
-    FailedPre,
     clear_failed_pre,
     failed_pre_of_this_start,
-    failure_path,
+    lease_dir,
+    new_lease,
     record_failed_pre,
+    release_lease,
+    write_lease,
 )
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import UnitNarration, failed_start_text
 from gpugate.report.reasons import describe
-from gpugate.untrusted import cut
+from gpugate.untrusted import cut, echo
+
+VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
+NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
+NVIDIA_NO_GPU = {"", "none", "void"}
+MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
+MAX_LISTED_TEXT = 120  # characters of each
+
+
+@dataclass(frozen=True)
+class GpuChoice:
+    gpus: GpuSelection  # "all", or the GPUs ((): the unit uses none)
+    source: str  # said in the run's first journal entry and by `config check --unit`
+    warn: bool = False  # all GPUs only because nothing named them, and no config file
+    named: bool = True  # False: every GPU by default, because nothing named the unit's
+
+
+def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
+    """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
+    text = value.strip()
+    lowered = text.lower()
+    if variable == "NVIDIA_VISIBLE_DEVICES":
+        if lowered == "all":
+            return "all"
+        if lowered in NVIDIA_NO_GPU:
+            return ()
+    if text in NO_GPU or text.split(",")[0].strip() == "-1":
+        return ()
+    try:
+        gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
+    except InvalidValue as exc:
+        raise ConfigError(where, variable, f"{echo(value)}: {exc}") from None
+    return gpus
+
+
+def choose_gpus(
+    unit: str | None,
+    loaded: LoadedConfig,
+    environment: Callable[[str], UnitEnvironment | None] | None = None,
+) -> GpuChoice:
+    """`gpus = "auto"`: the unit's CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES, as
+    systemd gives them to the unit (never gpugate's own environment), else every GPU.
+    environment: the unit's (default: ask systemd)."""
+    config = loaded.config
+    environment = environment or unit_environment
+    if config.gpus != "auto":
+        return GpuChoice(config.gpus, f"gpus in {loaded.source}")
+    env = environment(unit) if unit else None
+    if env is not None:
+        for variable in VARIABLES:
+            if variable in env.variables:
+                where = f"unit {unit}: {env.origin(variable)}"
+                gpus = parse_visible_devices(variable, env.variables[variable], where)
+                return GpuChoice(gpus, f"{variable} of {unit} ({env.origin(variable)})")
+    why = f"{unit} sets neither {' nor '.join(VARIABLES)}" if unit else "no unit"
+    if env is None and unit:
+        why = "systemd cannot be asked for the unit's environment"
+    if loaded.source == BUILTIN_SOURCE:
+        return GpuChoice(
+            "all",
+            f"all GPUs: {why} and no config file names gpus (set gpus, or the unit's "
+            "CUDA_VISIBLE_DEVICES)",
+            warn=True,
+            named=False,
+        )
+    return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})', named=False)
+
+
+def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
+    return LoadedConfig(replaced(loaded.config, gpus=choice.gpus), loaded.source)
 
 
 @dataclass(frozen=True)
 class UnitContext:
-    """What the front knows of the unit's hook, for its surroundings: the hook's
-    environment, the options; systemd's answers (tests give stand-ins)."""
+    """What the front knows of the unit's hook: its environment, the options; systemd's
+    answers (tests give stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
-    # `gpugate pre|post` without --force or --dry-run: refused against a running unit
-    # unless it is the unit's own hook (manual_run_guard); never for a container's hook.
+    # `gpugate pre|post` without --force or --dry-run; never for a container's hook.
     guard_manual_run: bool = False
-    active_state: Callable[[str], str | None] = active_state  # the guard's: systemd's
+    active_state: Callable[[str], str | None] = active_state  # the guard's
     ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     environment: Callable[[str], UnitEnvironment | None] | None = None  # default: systemd's
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
@@ -85,7 +149,7 @@ class UnitContext:
 class UnitSurroundings:
     """What one run knows about the host around its unit; implements core's Surroundings."""
 
-    scope: RunScope  # the phase and the unit
+    scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext
     choice: GpuChoice
@@ -93,10 +157,6 @@ class UnitSurroundings:
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
     refusal: str | None = None  # why another unit's lease refused this start
-
-    @property
-    def environ(self) -> Mapping[str, str]:
-        return self.context.environ
 
     @property
     def phase(self) -> Phase:
@@ -119,7 +179,7 @@ class UnitSurroundings:
         if not context.guard_manual_run:
             return
         state = manual_run_guard(
-            self.phase, self.unit, context.active_state, self.environ, context.roots.proc
+            self.phase, self.unit, context.active_state, context.environ, context.roots.proc
         )
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
@@ -133,7 +193,6 @@ class UnitSurroundings:
         """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
         if not self.phase.traits.takes_lease or not owned:
             return None
-        config = self.loaded.config
         check = self._check_leases(owned)
         for path in check.unreadable:
             self.narration.lease_unreadable(path, check.why.get(path, ""))
@@ -141,25 +200,23 @@ class UnitSurroundings:
             # Said once: the stale lease is removed (not in a dry run) and never seen again.
             self.narration.lease_stale(lease.unit, lease.gpus, state, dry_run=dry_run)
             if not dry_run:
-                release_lease(config.lock_dir, lease.unit)
+                release_lease(self.loaded.config.lock_dir, lease.unit)
         for lease, gpus in check.shared:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
         if not check.conflicts:
             return None
-        if self.context.ignore_leases:  # gpugate run --force
+        if self.context.ignore_leases:
             for lease, gpus in check.conflicts:
                 self.narration.lease_overridden(
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
             return None
-        conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
-        self.narration.lease_refused(check.refusal(), sorted(conflicted))
+        self.narration.lease_refused(check.refusal(), check.conflicted())
         return check.refusal()
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
-        """pre, before it kills: the lease it will hold on success, written now, so that a
-        lease that cannot be written (no space, read-only) stops the run before anything
-        dies. A run that then fails releases it (after_run)."""
+        """pre, before it kills: the lease it will hold on success, written now, so that one
+        that cannot be written stops the run before anything dies."""
         if not self.phase.traits.takes_lease or not owned or not self.choice.named:
             return
         write_lease(self.loaded.config.lock_dir, self._lease(owned))
@@ -170,8 +227,8 @@ class UnitSurroundings:
             self.unit,
             owned,
             share=self.loaded.config.share_gpus,
-            invocation_id=self.environ.get("INVOCATION_ID"),
-            started_by=self.environ.get(STARTED_BY_VARIABLE),
+            invocation_id=self.context.environ.get("INVOCATION_ID"),
+            started_by=self.context.environ.get(STARTED_BY_VARIABLE),
         )
 
     def state_to_write(self) -> StateToWrite:
@@ -182,18 +239,17 @@ class UnitSurroundings:
         if traits.takes_lease:
             unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
         if traits.records_failed_start:
-            unit_folders.append((failure_path(config.lock_dir, "-").parent, "failed-start records"))
+            unit_folders.append((config.lock_dir / FAILED_FOLDER, "failed-start records"))
         return [folders[0], *unit_folders, *folders[1:]], files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """pre refused because another running unit holds the GPUs: where that unit also
-        holds a lease on them, say so too (it names who started a `gpugate run` unit)."""
+        leases them, say so too (it names who started a `gpugate run` unit)."""
         if not self.phase.traits.takes_lease or not owned:
             return
         check = self._check_leases(owned)
         if check.conflicts:
-            conflicted = {g.index for _, gpus in check.conflicts for g in gpus}
-            self.narration.lease_refused(check.refusal(), sorted(conflicted), first=False)
+            self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
         config = self.loaded.config
@@ -246,34 +302,39 @@ class UnitSurroundings:
         ended_by: GateError | None = None,
     ) -> None:
         """The lease's end, whatever ended the run: pre keeps it on success; a failed pre
-        (an exit code, an error, an interruption) gives it up and records why; post ends it
-        (but for an error before it was over: the unit may still run)."""
+        gives it up and records why; post ends it (but for an error before it was over: the
+        unit may still run)."""
         lock_dir, traits = self.loaded.config.lock_dir, self.phase.traits
         if traits.takes_lease and ended_by is None and code is ExitCode.OK:
             self._started(owned)
         elif traits.records_failed_start:
             with contextlib.suppress(StateUnwritable) if ended_by else contextlib.nullcontext():
                 release_lease(lock_dir, self.unit)  # an error: the run's own is the one to say
-            uuids = tuple(item.gpu.uuid for item in busy)
-            self._record_failure(reason, int(code), uuids)
+            failed = FailedPre(
+                unit=self.unit,
+                invocation_id=self.context.environ.get("INVOCATION_ID") or None,
+                reason=reason,
+                exit_code=int(code),
+                busy_uuids=tuple(item.gpu.uuid for item in busy),
+            )
+            record_failed_pre(lock_dir, failed)
         if traits.releases_lease and not (ended_by and not isinstance(ended_by, Interrupted)):
             self._release()
 
     def _started(self, owned: Sequence[Gpu]) -> None:
         lock_dir = self.loaded.config.lock_dir
         if not self.choice.named or not owned:
-            # Every GPU only because nothing named the unit's: a lease on all of them would
-            # lock every other unit out. The run's first entry said where the GPUs came from.
-            # (No GPU at all: NVML failed with on_nvml_error = warn, or the unit uses none.)
+            # A lease on every GPU only because nothing named the unit's would lock every
+            # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
             release_lease(lock_dir, self.unit)
         elif not self.lease_written:
             write_lease(lock_dir, self._lease(owned))
         clear_failed_pre(lock_dir, self.unit)
 
     def _release(self) -> None:
-        """After a stop: the unit's lease and this start's failed-start record go. Where
-        lock_dir will not let them (read-only), a phase whose state is not required says so
-        and its result stands: the lease is stale once the unit is inactive."""
+        """After a stop: the lease and this start's failed-start record go. Where lock_dir
+        will not let them, a phase whose state is not required says so and its result
+        stands: the lease is stale once the unit is inactive."""
         lock_dir = self.loaded.config.lock_dir
         for remove in (release_lease, clear_failed_pre):
             try:
@@ -290,62 +351,36 @@ class UnitSurroundings:
             return None
         return failed.reason
 
-    def _record_failure(self, reason: str, exit_code: int, busy_uuids: tuple[str, ...]) -> None:
-        failed = FailedPre(
-            unit=self.unit,
-            invocation_id=self.environ.get("INVOCATION_ID") or None,
-            reason=reason,
-            exit_code=exit_code,
-            busy_uuids=busy_uuids,
-        )
-        record_failed_pre(self.loaded.config.lock_dir, failed)
-
-
-def prepare(
-    scope: RunScope, loaded: LoadedConfig, narration: UnitNarration, context: UnitContext
-) -> UnitSurroundings:
-    """The unit's surroundings, its config's GPUs resolved. Without context.environment and
-    unit_state (tests' stand-ins) systemd is asked where it runs."""
-    environment = context.environment
-    if environment is None:
-        environment = unit_environment if context.roots.ask_systemd else _no_environment
-    choice = choose_gpus(scope.unit, loaded, environment)
-    surroundings = UnitSurroundings(
-        scope, with_chosen_gpus(loaded, choice), context, choice, narration
-    )
-    if scope.phase.traits.reads_failed_start:
-        lock_dir = loaded.config.lock_dir
-        surroundings.failed_pre = failed_pre_of_this_start(
-            lock_dir, scope.unit, context.environ, narration.failed_start_unreadable
-        )
-    return surroundings
-
 
 def unit_surroundings(
     context: UnitContext,
 ) -> Callable[[RunScope, LoadedConfig, Reporter], UnitSurroundings]:
-    """How the hook's surroundings are made once the run's scope and config are known."""
+    """How the hook's surroundings are made once the run's scope and config are known.
+    Without context.environment and unit_state (tests' stand-ins) systemd is asked where it
+    runs."""
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
-        return prepare(scope, loaded, UnitNarration(reporter), context)
+        narration = UnitNarration(reporter)
+        environment = context.environment
+        if environment is None:
+            environment = unit_environment if context.roots.ask_systemd else lambda _unit: None
+        choice = choose_gpus(scope.unit, loaded, environment)
+        made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), context, choice, narration)
+        if scope.phase.traits.reads_failed_start:
+            made.failed_pre = failed_pre_of_this_start(
+                loaded.config.lock_dir,
+                scope.unit,
+                context.environ,
+                narration.failed_start_unreadable,
+            )
+        return made
 
     return make
 
 
-def _no_environment(unit: str) -> UnitEnvironment | None:
-    """Systemd is not asked (a root that is not the running host's)."""
-    return None
-
-
-# Manual runs: `gpugate pre|post UNIT` typed in a shell against a running unit. systemd runs
-# a unit's ExecStartPre= and ExecStopPost= in the unit's own cgroup with INVOCATION_ID set; a
-# run that lacks either is not the unit's hook. Against a unit that is active or activating
-# such a run would kill the running service, so it refuses unless given --force. --dry-run
-# is always allowed.
-
-RUNNING = frozenset({"active", "activating", "reloading", "refreshing"})
-MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
-MAX_LISTED_TEXT = 120  # characters of each
+# A manual run: `gpugate pre|post UNIT` typed in a shell. systemd runs a unit's ExecStartPre=
+# and ExecStopPost= in the unit's own cgroup with INVOCATION_ID set; a run that lacks either
+# is not the unit's hook, and against a running unit it refuses unless given --force.
 
 
 def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
@@ -359,23 +394,16 @@ def manual_run_guard(
     environ: Mapping[str, str],
     proc_root: Path = Path("/proc"),
 ) -> str | None:
-    """The running unit's ActiveState where this hand-typed run (not --force, not --dry-run)
-    must not kill (the refusal's fact; the words are report/'s), or None where it may: the
-    unit's own hook (systemd is not even asked), or a unit that is not running."""
-    if not phase.traits.guards_manual_run:
+    """The running unit's ActiveState where this hand-typed run must not kill, or None where
+    it may: the unit's own hook (systemd is not even asked), or a unit that is not running."""
+    if not phase.traits.guards_manual_run or in_own_hook(unit, environ, proc_root):
         return None
-    if in_own_hook(unit, environ, proc_root):
-        return None
-    active_state = unit_state(unit)
-    if active_state not in RUNNING:
-        return None
-    return active_state
+    state = unit_state(unit)
+    return state if state in RUNNING_STATES else None
 
 
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
-    """state: the unit's ActiveState, as manual_run_guard found it; would_kill: each target
-    as the journal names it."""
-    # Each already shown (escaped) by describe(); one line, each short.
+    """would_kill: each target as the journal names it (already escaped by describe)."""
     shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
     listed = "; ".join(shown[:MAX_LISTED]) + (
         f"; and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
