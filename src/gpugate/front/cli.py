@@ -29,9 +29,8 @@ if TYPE_CHECKING:
     from typing import NoReturn
 
     from gpugate.front.commands import Front
-    from gpugate.host.cgroups import CgroupLayout
     from gpugate.host.nvml import GpuDriver
-    from gpugate.host.roots import HostRoots
+    from gpugate.host.roots import CgroupLayout, HostRoots
     from gpugate.report.journal import ReporterFactory
 
 HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli

@@ -28,8 +28,7 @@ from pathlib import Path
 from gpugate.compat import tomllib
 from gpugate.config.toml_text import toml_value
 from gpugate.errors import InstallError
-from gpugate.host import trust_text
-from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.host.safe_files import read_capped, untrusted, untrusted_text
 from gpugate.untrusted import echo
 
 CONFIG = Path("/etc/containerd/config.toml")
@@ -65,9 +64,7 @@ def read_text(path: Path) -> str | None:
     not a regular file (a link, a FIFO), larger than 1 MiB, not UTF-8."""
     found = untrusted(path)
     if found is not None:
-        raise InstallError(
-            f"{path}: " + (trust_text.untrusted_text(found) if found else "refused: untrusted")
-        )
+        raise InstallError(f"{path}: " + (untrusted_text(found) if found else "refused: untrusted"))
     try:
         raw = read_capped(path, MAX_CONFIG)
     except FileNotFoundError:

@@ -19,9 +19,9 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.core.surroundings import Surroundings
 from gpugate.errors import ExitCode, GateError, Interrupted
+from gpugate.host.locks import check_all
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
-from gpugate.host.state_dirs import check_all
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator

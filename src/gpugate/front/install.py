@@ -38,8 +38,7 @@ from gpugate.front.install_files import (
     render_dropin,
     with_header,
 )
-from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
-from gpugate.host.safe_files import write_atomically
+from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program, write_atomically
 from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
 from gpugate.host.unit_settings import parse as parse_unit_settings
 from gpugate.host.unit_settings import read_unit

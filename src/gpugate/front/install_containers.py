@@ -27,7 +27,7 @@ from gpugate.errors import GateError, InstallError
 from gpugate.front import containerd_config
 from gpugate.front.install import Action, Change
 from gpugate.host import wrapped_runtime
-from gpugate.host.programs import find_program, run_program
+from gpugate.host.safe_files import find_program, run_program
 
 PODMAN_HOOKS = Path("/usr/share/containers/oci/hooks.d")
 CRIO_HOOKS = Path("/etc/containers/oci/hooks.d")

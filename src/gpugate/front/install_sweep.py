@@ -16,7 +16,7 @@ from gpugate.front import install
 from gpugate.front.install import Action, Change
 from gpugate.front.install_files import Ownership, ownership, with_header
 from gpugate.front.self_command import command_for, gpugate_command
-from gpugate.host.programs import SYSTEM_PATH, find_program, run_program
+from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program
 from gpugate.host.systemd import systemd_running
 from gpugate.report import lines
 from gpugate.untrusted import echo

@@ -44,9 +44,8 @@ from gpugate.front.launch_unit import (
 )
 from gpugate.front.self_command import gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.programs import find_program, run_program
 from gpugate.host.roots import HostRoots
-from gpugate.host.safe_files import write_atomically
+from gpugate.host.safe_files import find_program, run_program, write_atomically
 from gpugate.host.systemd import SYSTEMCTL_TIMEOUT_S, active_state, query_unit, unit_active_state
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, parse_visible_devices

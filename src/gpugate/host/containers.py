@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.errors import GateError
-from gpugate.host.programs import Result, find_program, run_program
+from gpugate.host.safe_files import Result, find_program, run_program
 from gpugate.host.systemd import cgroup_parts, is_user_cgroup
 
 SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")

@@ -1,8 +1,6 @@
-"""The only module that talks to NVIDIA's driver (through pynvml).
-
-Everything else sees `Gpu` and `GpuUsage` values through the `GpuDriver` protocol, so tests can
-inject a driver and production uses `NvmlDriver`.
-"""
+"""The only module that talks to NVIDIA's driver (through pynvml), and the MIG capability
+devices under /proc/driver/nvidia. Everything else sees `Gpu` and `GpuUsage` through the
+`GpuDriver` protocol: tests inject a driver, production uses `NvmlDriver`."""
 
 from __future__ import annotations
 
@@ -10,18 +8,20 @@ import contextlib
 import ctypes
 import os
 import queue
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
 from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
-from gpugate.host.programs import find_program, run_program
-from gpugate.host.safe_files import untrusted
+from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
 
-MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
+MIB = 1024 * 1024
 # A MIG slice is keyed, where GPUs are keyed by index, by MIG_KEY_BASE + MIG_PER_GPU * (its GPU's
 # index) + its MIG index: above any index a config may name (config.gpulist.MAX_GPU_INDEX).
 MIG_KEY_BASE = 1024
@@ -114,17 +114,15 @@ class GpuError(NvmlUnavailable):
 
 
 class GpuDriver(Protocol):
-    """What the run and `status` ask of the GPU driver; every part declared (a driver with
-    nothing to say for one returns the empty answer: no faults, no deadline, answering)."""
+    """What the run and `status` ask of the GPU driver."""
 
-    def gpus(self) -> Sequence[Gpu]:
-        """The GPUs the driver can read."""
+    def gpus(self) -> Sequence[Gpu]: ...
 
     def faults(self) -> Sequence[GpuFault]:
         """The GPUs it counts but cannot read (lost, an unsupported query)."""
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        """A GPU's memory and processes; may raise GpuError (that GPU) or NvmlUnavailable."""
+        """May raise GpuError (that GPU) or NvmlUnavailable."""
 
     def answer_by(self, deadline: float) -> None:
         """Wait for each later query until this time.monotonic() deadline (the run's)."""
@@ -132,8 +130,7 @@ class GpuDriver(Protocol):
     def not_answering(self) -> NvmlNotAnswering | None:
         """Why the driver stopped answering, where it did (it is asked nothing more)."""
 
-    def close(self) -> None:
-        """Done with the driver (a hung one is left as it is)."""
+    def close(self) -> None: ...
 
 
 # NVML is loaded by the driver's own path, never by bare name: dlopen("libnvidia-ml.so.1")
@@ -168,7 +165,6 @@ def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
 
 
 def _ldconfig_paths() -> list[str]:
-    """`ldconfig -p`'s paths for libnvidia-ml.so.1 (its cache, /etc/ld.so.cache)."""
     ldconfig = find_program("ldconfig", LDCONFIG_DIRS)
     if ldconfig is None:
         return []
@@ -176,12 +172,8 @@ def _ldconfig_paths() -> list[str]:
         listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S)
     except GateError:
         return []
-    found = []
-    for line in listed.stdout.splitlines():
-        name, _, path = line.partition(" => ")
-        if name.strip().split(" ", 1)[0] == NVML_LIBRARY:
-            found.append(path.strip())
-    return found
+    lines = (line.partition(" => ") for line in listed.stdout.splitlines())
+    return [path.strip() for name, _, path in lines if name.split(" ", 1)[0] == NVML_LIBRARY]
 
 
 def load_nvml_library(nv: Any, library: str | None) -> None:
@@ -232,8 +224,7 @@ class NvmlDriver:
     def __init__(
         self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
     ) -> None:
-        """library: the path of libnvidia-ml.so.1 (tests' stand-in, by the hidden
-        --nvml-library); default find_nvml_library()."""
+        """library: tests' stand-in libnvidia-ml.so.1 (the hidden --nvml-library)."""
         self._nv = _pynvml()
         self._library = os.path.abspath(library) if library else None
         self._thread = CallThread("nvml")
@@ -248,7 +239,6 @@ class NvmlDriver:
         self._faults: list[GpuFault] = []
 
     def answer_by(self, deadline: float) -> None:
-        """Wait for each query until this time.monotonic() deadline (the run's)."""
         self._until = deadline
 
     def not_answering(self) -> NvmlNotAnswering | None:
@@ -276,7 +266,7 @@ class NvmlDriver:
             raise self._stuck from None
 
     def _raw(self, index: int | None, function: Any, *args: Any, **kwargs: Any) -> Any:
-        """On the NVML thread: one call, noted first, so that a hang can be named."""
+        """On the NVML thread: one call, noted first so that a hang can be named."""
         self._calling = (_name(function), index)
         return function(*args, **kwargs)
 
@@ -341,36 +331,29 @@ class NvmlDriver:
 
     def _read_slices(self, gpu: Gpu) -> list[Gpu]:
         """The MIG devices of a GPU in MIG mode, as NVML numbers them (a free index: none)."""
-        nv = self._nv
-        parent = self._handles[gpu.index]
-        most = int(self._call(gpu.index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
+        nv, index = self._nv, gpu.index
+        parent = self._handles[index]
+        most = int(self._call(index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
         slices: list[Gpu] = []
         for mig_index in range(min(most, MIG_PER_GPU)):
+            get = nv.nvmlDeviceGetMigDeviceHandleByIndex
             try:
-                handle = self._raw(
-                    gpu.index, nv.nvmlDeviceGetMigDeviceHandleByIndex, parent, mig_index
-                )
+                handle = self._call(index, get, parent, mig_index, keep=nv.NVMLError_NotFound)
             except nv.NVMLError_NotFound:
                 continue
-            except nv.NVMLError:
-                handle = self._call(
-                    gpu.index, nv.nvmlDeviceGetMigDeviceHandleByIndex, parent, mig_index
-                )
-            key = mig_key(gpu.index, mig_index)
+            key = mig_key(index, mig_index)
             self._handles[key] = handle
-            name = _text(self._call(gpu.index, nv.nvmlDeviceGetName, handle))
-            memory = self._call(gpu.index, nv.nvmlDeviceGetMemoryInfo, handle)
+            name = _text(self._call(index, nv.nvmlDeviceGetName, handle))
+            memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
             mig = MigSlice(
-                parent=gpu.index,
+                parent=index,
                 parent_uuid=gpu.uuid,
                 mig_index=mig_index,
-                gpu_instance=int(self._call(gpu.index, nv.nvmlDeviceGetGpuInstanceId, handle)),
-                compute_instance=int(
-                    self._call(gpu.index, nv.nvmlDeviceGetComputeInstanceId, handle)
-                ),
+                gpu_instance=int(self._call(index, nv.nvmlDeviceGetGpuInstanceId, handle)),
+                compute_instance=int(self._call(index, nv.nvmlDeviceGetComputeInstanceId, handle)),
                 profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
             )
-            uuid = _text(self._call(gpu.index, nv.nvmlDeviceGetUUID, handle))
+            uuid = _text(self._call(index, nv.nvmlDeviceGetUUID, handle))
             slices.append(Gpu(key, uuid, gpu.minor, name, int(memory.total) // MIB, mig=mig))
         return slices
 
@@ -411,12 +394,10 @@ class NvmlDriver:
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
             try:
-                procs = self._raw(index, query, handle)
+                procs = self._call(index, query, handle, keep=nv.NVMLError_NotSupported)
             except nv.NVMLError_NotSupported:
                 listed = False  # the memory figure still stands; the device files decide
                 continue
-            except nv.NVMLError:
-                procs = self._call(index, query, handle)  # raises the run's error
             for proc in procs:
                 mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
                 previous = by_pid.get(int(proc.pid))
@@ -450,10 +431,13 @@ class NvmlDriver:
                 pass  # the v1 call below reports it, in the words every other call uses
         return int(self._call(index, nv.nvmlDeviceGetMemoryInfo, handle).used)
 
-    def _call(self, index: int, function: Any, *args: Any) -> Any:
+    def _call(self, index: int, function: Any, *args: Any, keep: Any = ()) -> Any:
+        """One call on the NVML thread, its NVMLError as gpugate's (but those of keep)."""
         nv = self._nv
         try:
             return self._raw(index, function, *args)
+        except keep:
+            raise
         except nv.NVMLError_GpuIsLost:
             raise GpuError(
                 index,
@@ -592,3 +576,48 @@ class CallThread:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
                 request.error = exc
             request.done.set()
+
+
+# MIG capability devices. The driver grants access to a GPU instance and to a compute instance
+# by device files: /proc/driver/nvidia/capabilities/gpuN/mig/giG/access (N: the GPU's minor) and
+# .../giG/ciC/access say, as "DeviceFileMinor: K", which /dev/nvidia-caps/nvidia-capK stands for
+# it. A process on a slice holds them open from its start to its exit, also while NVML does not
+# list it. The compute instance's names one slice; the GPU instance's names one where its GPU
+# instance holds that slice alone. Hosts with nv_cap_enable_devfs=0 have none, and a process
+# with CAP_SYS_ADMIN may use every capability without holding one.
+CAPABILITIES = Path("driver/nvidia/capabilities")  # under the proc root
+CAP_DEVICE = re.compile(r"nvidia-caps/nvidia-cap([0-9]+)$")
+MINOR_LINE = re.compile(rb"^DeviceFileMinor:\s*([0-9]+)\s*$", re.MULTILINE)
+MAX_ACCESS_BYTES = 4096
+
+
+def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
+    """The minor K of each capability device that ties a process to one slice -> the slice's
+    key. Empty where the host has none."""
+    slices = [(gpu, gpu.mig) for gpu in gpus if gpu.mig is not None]
+    per_instance = Counter((mig.parent, mig.gpu_instance) for _, mig in slices)
+    found: dict[int, int] = {}
+    for gpu, mig in slices:
+        folder = proc_root / CAPABILITIES / f"gpu{gpu.minor}" / "mig" / f"gi{mig.gpu_instance}"
+        ci_minor = _device_minor(folder / f"ci{mig.compute_instance}" / "access")
+        if ci_minor is not None:
+            found[ci_minor] = gpu.index
+        gi_minor = _device_minor(folder / "access")
+        if gi_minor is not None and per_instance[(mig.parent, mig.gpu_instance)] == 1:
+            found[gi_minor] = gpu.index
+    return found
+
+
+def cap_minor(path: str) -> int | None:
+    """K of a held /dev/nvidia-caps/nvidia-capK, else None."""
+    match = CAP_DEVICE.search(path)
+    return int(match.group(1)) if match else None
+
+
+def _device_minor(access: Path) -> int | None:
+    try:
+        text = read_capped(access, MAX_ACCESS_BYTES)
+    except OSError:
+        return None
+    match = MINOR_LINE.search(text)
+    return int(match.group(1)) if match else None

@@ -20,6 +20,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpugate.host.roots import unescape_mountinfo
 from gpugate.host.safe_files import read_at
 
 DELETED_SUFFIX = " (deleted)"
@@ -98,13 +99,6 @@ def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
         opened = seen.opened or file.opened
         merged[file.key] = ShmFile(file.key, names, opened, seen.holder or file.holder)
     return merged
-
-
-def unescape_mountinfo(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (\\040, \\011, \\012, \\134)."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
 
 
 def mount_points(proc_root: Path, pid: str = "self") -> set[str]:

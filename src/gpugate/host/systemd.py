@@ -11,8 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import UnknownUnit
-from gpugate.host.programs import find_program, run_program
-from gpugate.host.safe_files import read_capped
+from gpugate.host.safe_files import find_program, read_capped, run_program
 from gpugate.untrusted import CGROUP, FILE, echo, shown
 
 UNIT_SUFFIXES = (".service", ".scope")
@@ -100,7 +99,7 @@ def system_unit_of_cgroup(cgroup: str) -> str | None:
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
     """The unit whose cgroup this process runs in: systemd runs ExecStartPre= there (in its
     `.control` sub-cgroup where the unit has Delegate=yes: the innermost unit name counts).
-    The `0::` line names the unified tree, also on a hybrid host (host/cgroups.py)."""
+    The `0::` line names the unified tree, also on a hybrid host (host/roots.py)."""
     try:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:

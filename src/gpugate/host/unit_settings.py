@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import GateError
-from gpugate.host.programs import find_program, run_program
+from gpugate.host.safe_files import find_program, run_program
 from gpugate.host.systemd import systemd_running
 
 CAT_TIMEOUT_S = 30

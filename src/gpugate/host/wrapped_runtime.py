@@ -21,8 +21,7 @@ from pathlib import Path
 
 from gpugate.compat import tomllib
 from gpugate.errors import ConfigError
-from gpugate.host import trust_text
-from gpugate.host.safe_files import first_root_executable, read_capped, untrusted
+from gpugate.host.safe_files import first_root_executable, read_capped, untrusted, untrusted_text
 from gpugate.untrusted import echo
 
 RECORD = Path("/etc/gpugate/oci-runtime.toml")
@@ -56,7 +55,7 @@ def read_record(path: Path | None = None) -> str:
         raise ConfigError(
             str(path),
             "",
-            trust_text.untrusted_text(found) if found else "another account may change it",
+            untrusted_text(found) if found else "another account may change it",
         )
     try:
         raw = read_capped(path, MAX_RECORD)

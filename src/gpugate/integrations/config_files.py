@@ -22,9 +22,7 @@ from gpugate.config import file
 from gpugate.config.models import LoadedConfig, fields_set, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError
-from gpugate.host import trust_text
-from gpugate.host.safe_files import read_capped, untrusted
-from gpugate.host.trust_text import unreadable
+from gpugate.host.safe_files import read_capped, unreadable, untrusted, untrusted_text
 
 HOST_FILE = "default.toml"  # its lock_dir is the host's
 
@@ -40,9 +38,7 @@ def load_config(
         raise ConfigError(
             loaded.source,
             "lock_dir",
-            trust_text.untrusted_text(found, state=True)
-            if found
-            else "another account may change it",
+            untrusted_text(found, state=True) if found else "another account may change it",
         )
     return loaded
 
@@ -98,7 +94,7 @@ def read_trusted(path: Path) -> str:
         raise ConfigError(
             str(path),
             "",
-            trust_text.untrusted_text(found) if found else "another account may change it",
+            untrusted_text(found) if found else "another account may change it",
         )
     try:
         data = read_capped(path.resolve())

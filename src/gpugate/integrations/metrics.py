@@ -28,8 +28,14 @@ from typing import TextIO
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
 from gpugate.host.locks import flock_by
-from gpugate.host.safe_files import folder, open_in, read_capped, untrusted, write_in
-from gpugate.host.trust_text import metrics_folder_warning
+from gpugate.host.safe_files import (
+    folder,
+    metrics_folder_warning,
+    open_in,
+    read_capped,
+    untrusted,
+    write_in,
+)
 from gpugate.integrations.records import parse_record
 from gpugate.report import lines
 

@@ -25,7 +25,7 @@ from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
 from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue
-from gpugate.host.programs import find_program, run_program
+from gpugate.host.safe_files import find_program, run_program
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit.gpu_source import GpuChoice, with_chosen_gpus
 from gpugate.report import lines

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from gpugate.core.decide import Choice, Rule, Verdict
-from gpugate.host.trust_text import account
+from gpugate.host.safe_files import account
 from gpugate.report.holder_text import container_handle, container_text
 from gpugate.untrusted import CGROUP, COMM, shown
 

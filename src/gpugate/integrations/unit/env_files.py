@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpugate.errors import GateError
+from gpugate.host.safe_files import environment_warnings
 from gpugate.host.systemd import systemctl_show, unit_environment
-from gpugate.host.trust_text import environment_warnings
 
 # What chooses the code root's hooks load: the dynamic loader's and Python's own variables.
 STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
