@@ -87,7 +87,7 @@ class Holder:
 
 class DeviceScanner(Protocol):
     """The device-file scan discovery uses: the full one (`full_scan`), or `status --watch`'s,
-    which rescans what changed (host.scan_watch.WatchScan)."""
+    which rescans what changed (host.scan.WatchScan)."""
 
     def __call__(
         self,

@@ -123,7 +123,7 @@ def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> No
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return
-    from gpugate.host.own_shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
+    from gpugate.host.shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
     from gpugate.report.own_shm_text import say_own_shm_gone  # noqa: PLC0415
 
     devs = {area.dev for area in find_areas(roots.dev, roots.proc)}

@@ -25,11 +25,10 @@ from gpugate.core.owners import Owner, owner_of
 from gpugate.core.roles import Role, holder_role
 from gpugate.errors import GateError
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.own_shm import own_shm_of_any
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import Deadline
-from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
+from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import resolve_unit_cgroup, unit_of_cgroup
 from gpugate.integrations.sweep_state import Seen, read_unowned
 from gpugate.integrations.unit.gpu_source import choose_gpus, with_chosen_gpus

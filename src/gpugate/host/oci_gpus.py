@@ -18,7 +18,7 @@ container's creator chose:
   CDI mode injects them).
 195:254 (nvidia-modeset) and 195:255 (nvidiactl) are no GPU; nvidia-uvm and nvidia-caps have
 majors of their own (dynamic) and are no GPU by themselves. Standard library only (the hook's
-fast path); NVIDIA's config file is read only for a spec with NVIDIA's hook.
+fast path); NVIDIA's config file is read only for a spec with NVIDIA's hook (read_toolkit).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from pathlib import Path
 
 from gpugate.errors import ExitCode, GateError
 from gpugate.untrusted import echo
@@ -346,3 +347,32 @@ def visible_words(env: object) -> list[str]:
         if word in ("all", "none"):
             return ["all"] if word == "all" else []
     return list(dict.fromkeys(words))
+
+
+# NVIDIA Container Toolkit's config.toml, as far as it decides which list NVIDIA's hook reads
+# (api/config/v1/config.go). Read only where root owns it and its folders and no one else may
+# write them, at most 1 MiB; otherwise NVIDIA's defaults stand, with a note saying why.
+TOOLKIT_CONFIG = Path("/etc/nvidia-container-runtime/config.toml")
+ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
+MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
+UNTRUSTED = "untrusted"  # another account than root may change it or a folder above it
+UNREADABLE = "unreadable"  # not a regular file of at most 1 MiB, not UTF-8 TOML
+NOT_BOOLEAN = "not-boolean"  # one of the two keys is not true or false
+
+
+def read_toolkit(path: Path = TOOLKIT_CONFIG) -> Toolkit:
+    from gpugate.compat import tomllib  # noqa: PLC0415 (GPU path only)
+    from gpugate.host.safe_files import read_capped, untrusted  # noqa: PLC0415
+
+    if not path.exists() and not path.is_symlink():
+        return Toolkit()
+    if untrusted(path) is not None:
+        return Toolkit(note=UNTRUSTED)
+    try:
+        data = tomllib.loads(read_capped(path).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return Toolkit(note=UNREADABLE)
+    envvar, mounts = data.get(ENVVAR_KEY, True), data.get(MOUNTS_KEY, False)
+    if not isinstance(envvar, bool) or not isinstance(mounts, bool):
+        return Toolkit(note=NOT_BOOLEAN)
+    return Toolkit(envvar_unprivileged=envvar, volume_mounts=mounts)

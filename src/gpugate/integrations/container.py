@@ -30,13 +30,14 @@ from gpugate.host.oci import (
     ContainerSpec,
     ContainerState,
     GpuRequest,
+    PodName,
     bounded,
     cgroup_of_spec,
     claimed_name,
+    pod_name,
     runtime_name,
 )
 from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
-from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
@@ -73,7 +74,7 @@ class ContainerIdentity:
     # The system unit its own cgroup lies in (podman --cgroups=split in a Quadlet unit,
     # --cgroup-parent below a service): the container is part of it, by the kernel's tree.
     around: str | None = None
-    pod: PodName | None = None  # a CRI container's namespace/pod/container (host/pods.py)
+    pod: PodName | None = None  # a CRI container's namespace/pod/container (host/oci.py)
 
     @property
     def label(self) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpugate.host.own_shm import OwnShm
+from gpugate.host.shm import OwnShm
 from gpugate.report.journal import PRIORITY_INFO, Event, Reporter
 from gpugate.report.narrate_shm import size_text
 

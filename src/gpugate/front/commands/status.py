@@ -40,7 +40,7 @@ def status(
         warned: list[str] = []
         look = Look(unit, loaded, driver, roots, warned)
         if watch:
-            from gpugate.host.scan_watch import WatchScan  # noqa: PLC0415
+            from gpugate.host.scan import WatchScan  # noqa: PLC0415
 
             look.scanner = WatchScan()
         while True:
