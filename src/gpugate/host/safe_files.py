@@ -36,8 +36,7 @@ from pathlib import Path
 
 from gpugate.errors import ProgramNotAnswering, ProgramNotFound
 
-# Configs, leases, records and the metrics state are a few KiB; a MiB is absurd for any.
-MAX_BYTES = 1 << 20
+MAX_BYTES = 1 << 20  # configs, leases, records and the metrics state are a few KiB
 MAX_LINK_HOPS = 40  # as the kernel's
 
 
@@ -51,8 +50,7 @@ class Exposure(Enum):
 
 @dataclass(frozen=True)
 class Untrusted:
-    """Why another account may change `path` (the file, or the folder `path` names, above
-    `of`, the path asked about)."""
+    """Why another account may change `path` (`of`, the path asked about, or a folder above)."""
 
     path: str
     of: str
@@ -63,8 +61,6 @@ class Untrusted:
 
 
 class NotRegularFile(OSError):
-    """A FIFO, socket, device, folder or symbolic link where a file was expected."""
-
     def __init__(self, path: object, kind: str) -> None:
         super().__init__(errno.EINVAL, f"not a regular file ({kind})", str(path))
         self.kind = kind
@@ -78,8 +74,6 @@ class TooLarge(OSError):
 
 
 class UnsafeLink(OSError):
-    """A symbolic link in a folder another account may change: never followed."""
-
     def __init__(self, path: str, folder: Untrusted) -> None:
         super().__init__(errno.ELOOP, "a symbolic link in a folder another account may change")
         self.filename = path
@@ -107,7 +101,7 @@ def _judge(
     path: str, of: str, info: os.stat_result, below_trusted: bool, uids: Collection[int]
 ) -> Untrusted | None:
     """One component: below_trusted, the entry under this folder (if any) is a trusted
-    account's, which a sticky folder protects from every other account."""
+    account's, which a sticky folder protects."""
 
     def found(problem: Exposure) -> Untrusted:
         return Untrusted(path, of, problem, info.st_uid, info.st_gid, info.st_mode)
@@ -161,14 +155,17 @@ def read_at(dir_fd: int, name: str, size: int | None = None) -> bytes:
     every byte to the end (/proc makes maps a page at a time)."""
     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        if size is not None:
-            return os.read(fd, size)
-        chunks: list[bytes] = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return os.read(fd, size) if size is not None else _read_up_to(fd, 1 << 62)
     finally:
         os.close(fd)
+
+
+def _read_up_to(fd: int, most: int) -> bytes:
+    chunks: list[bytes] = []
+    while most > 0 and (chunk := os.read(fd, min(most, 1 << 16))):
+        chunks.append(chunk)
+        most -= len(chunk)
+    return b"".join(chunks)
 
 
 def read_capped(
@@ -180,8 +177,7 @@ def read_capped(
 ) -> bytes:
     """The bytes of a regular file of at most limit bytes; never follows a symbolic link in
     its last component (unless follow_links: a file another program reads through its links,
-    as systemd reads EnvironmentFile=), never blocks on a FIFO or device. OSError
-    (FileNotFoundError, NotRegularFile, TooLarge, ...)."""
+    as systemd reads EnvironmentFile=), never blocks on a FIFO or device."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     flags |= 0 if follow_links else os.O_NOFOLLOW
     try:
@@ -194,15 +190,7 @@ def read_capped(
             raise NotRegularFile(path, kind_of(info.st_mode))
         if info.st_size > limit:
             raise TooLarge(path, info.st_size, limit)
-        chunks: list[bytes] = []
-        left = limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        data = _read_up_to(fd, limit + 1)
         if len(data) > limit:  # grew since fstat
             raise TooLarge(path, len(data), limit)
         return data
@@ -211,8 +199,8 @@ def read_capped(
 
 
 def _what_is_there(path: Path | str, exc: OSError, dir_fd: int | None) -> OSError:
-    """An open that failed because of what is there (a link: ELOOP; a socket: ENXIO; ...)
-    as NotRegularFile; any other cause as it was."""
+    """An open that failed because of what is there (a link: ELOOP; a socket: ENXIO; ...) as
+    NotRegularFile."""
     if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):
         return exc
     try:
@@ -228,10 +216,8 @@ def _folder_trusted(fd: int, link_uid: int, uids: Collection[int]) -> Untrusted 
 
 
 def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> int:
-    """path's folder as an O_DIRECTORY descriptor (the caller closes it), made where missing
-    (make). A symbolic link on the way is followed only where the folder holding it is
-    trusted (untrusted() of it is None); else UnsafeLink. NotADirectoryError where a file is
-    in the way."""
+    """path's folder as an O_DIRECTORY descriptor, made where missing (make). A symbolic link
+    on the way is followed only where the folder holding it is trusted; else UnsafeLink."""
     uids = trusted_uids()
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     queue = list(Path(os.path.abspath(path)).parts[1:])
@@ -291,7 +277,7 @@ def _open_component(fd: int, name: str, flags: int, *, make: bool, mode: int) ->
 
 def open_in(folder_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
     """name in the folder (open_folder's), never through a symbolic link, a regular file or
-    NotRegularFile (never blocking on a FIFO on the way). flags: O_RDWR | O_CREAT, ..."""
+    NotRegularFile (never blocking on a FIFO on the way)."""
     all_flags = flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
         fd = os.open(name, all_flags, mode, dir_fd=folder_fd)
@@ -341,14 +327,13 @@ def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary, dir_fd=folder_fd)
         raise
-    # The rename itself is on disk only once the folder is.
     with contextlib.suppress(OSError):
         os.fsync(folder_fd)
 
 
 def first_root_executable(paths: Iterable[str]) -> str | None:
     """The first of paths that is an executable regular file; as root, only one owned by root
-    that no other account may rewrite. None if none is."""
+    that no other account may rewrite."""
     for path in paths:
         try:
             info = os.stat(path)
@@ -390,7 +375,7 @@ class Result:
     stderr: str
 
     def first_line(self) -> str:
-        """What the program said first (stderr, else stdout): for a one-line error."""
+        """What the program said first (stderr, else stdout)."""
         said = (self.stderr or self.stdout).strip().splitlines()
         return said[0] if said else ""
 
@@ -402,7 +387,7 @@ def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
 
 def clean_environment() -> dict[str, str]:
     """All a child gets: the system folders as PATH, the C locale (its output is parsed), and
-    the home of the account gpugate runs as (docker's and podman's configuration)."""
+    the home of gpugate's account (docker's and podman's configuration)."""
     try:
         home = pwd.getpwuid(os.geteuid()).pw_dir
     except KeyError:
@@ -450,7 +435,7 @@ KINDS = {
 
 
 def account(uid: int | None) -> str:
-    """An account as operators read it: `alice (uid 1000)`."""
+    """`alice (uid 1000)`."""
     if uid is None:
         return "an account gpugate could not read"
     try:
@@ -505,7 +490,6 @@ def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
 
 
 def unreadable(exc: OSError) -> str:
-    """A config path that is not a regular file or is absurdly large: not read."""
     if isinstance(exc, NotRegularFile):
         return f"refused: {KINDS.get(exc.kind, exc.kind)}, not a regular file; not read"
     if isinstance(exc, TooLarge):
@@ -522,8 +506,8 @@ def metrics_folder_warning(textfile: Path, found: Untrusted) -> str:
 
 
 def environment_warnings(unit: str, names: Sequence[tuple[str, str]]) -> list[str]:
-    """One line per variable of the unit's Environment= (where: "Environment=" or the
-    EnvironmentFile=) that changes what root's hooks load (docs/hardening.md, rule 6)."""
+    """One line per variable of the unit's environment (where: "Environment=" or the
+    EnvironmentFile=) that changes what root's hooks load."""
     return [
         f"warning: {unit}: {where} sets {name}: gpugate's hooks run as root with the unit's "
         f"environment, and {name} chooses code they load (docs/hardening.md, rule 6); set it "
