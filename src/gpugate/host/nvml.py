@@ -177,8 +177,8 @@ def _ldconfig_paths() -> list[str]:
 
 
 def load_nvml_library(nv: Any, library: str | None) -> None:
-    """Put the library, loaded by its absolute path, into pynvml's module-level handle under
-    pynvml's own lock, before nvmlInit (which then loads nothing by name)."""
+    """The library, loaded by its absolute path, as pynvml's handle (under pynvml's lock)
+    before nvmlInit, which then loads nothing by name."""
     with nv.libLoadLock:
         if nv.nvmlLib is not None:
             return
@@ -211,15 +211,11 @@ MIN_ANSWER_S = 1.0
 
 
 class NvmlDriver:
-    """GpuDriver backed by libnvidia-ml.so.1.
-
-    Every NVML call is made on one worker thread (CallThread, below), a whole query (a GPU's
-    usage, the list of GPUs) at a time, and waited for until the run's deadline (answer_by),
-    else ANSWER_WITHIN_S: a driver that stops answering (NVML blocks, as a hanging
-    `nvidia-smi` does) ends the run with NvmlNotAnswering, which names the call, the GPU and
-    how long it waited. From then on the driver is stuck: no further call is made (it would
-    queue behind the hung one), not even nvmlShutdown. NVML is initialised at the first query,
-    so that the deadline is known by then."""
+    """GpuDriver backed by libnvidia-ml.so.1. Each query (a GPU's usage, the list of GPUs)
+    runs on one worker thread (CallThread) and is waited for until the run's deadline
+    (answer_by), else ANSWER_WITHIN_S: a driver that stops answering (as a hanging nvidia-smi)
+    ends the run with NvmlNotAnswering, naming the call and the GPU, and is asked nothing more,
+    not even nvmlShutdown. NVML is initialised at the first query, once the deadline is known."""
 
     def __init__(
         self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
@@ -462,33 +458,6 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class NotAnswering:
-    """Stands in for a driver that hung before it named its GPUs (`status`): no GPU can be
-    read; each /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
-
-    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
-        self.error = error
-        self.minors = list(minors)
-
-    def gpus(self) -> Sequence[Gpu]:
-        return []
-
-    def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
-
-    def not_answering(self) -> NvmlNotAnswering:
-        return self.error
-
-    def answer_by(self, deadline: float) -> None:
-        pass  # it is asked nothing
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        raise self.error
-
-    def close(self) -> None:
-        pass
-
-
 class NoGpus:
     """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only."""
 
@@ -511,12 +480,29 @@ class NoGpus:
         pass
 
 
-# Each NVML call with its deadline (bounded calls): Calls into a library that may never return (a
-# hung GPU driver), made on one worker thread and waited for with a deadline. ctypes releases the
-# GIL for the call, so the main thread keeps running: it waits on an Event with a timeout (a wait
-# a signal handler's exception interrupts) and gives up at the deadline. The call itself cannot be
-# cancelled: the thread is a daemon, so the process can still exit, and once a call has hung the
-# caller must make no further call (they would queue behind it).
+class NotAnswering(NoGpus):
+    """Stands in for a driver that hung before it named its GPUs (`status`): each
+    /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
+
+    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
+        self.error = error
+        self.minors = list(minors)
+
+    def faults(self) -> Sequence[GpuFault]:
+        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
+
+    def not_answering(self) -> NvmlNotAnswering:
+        return self.error
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        raise self.error
+
+
+# Calls into a library that may never return (a hung GPU driver) are made on one daemon thread
+# and waited for until a deadline. ctypes releases the GIL for the call, so the main thread
+# waits on an Event with a timeout (a wait a signal handler's exception interrupts). A hung call
+# cannot be cancelled: the daemon thread lets the process exit, and the caller must make no
+# further call (it would queue behind the hung one).
 
 
 class CallTimedOut(Exception):

@@ -20,7 +20,7 @@ import select
 import stat
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gpugate.host.oci_gpus import (
     OciInputError,
@@ -59,94 +59,42 @@ CLAIMED_NAME_ANNOTATIONS = (
 )
 
 
-class _Record:
-    """A small immutable record (dataclasses costs the no-GPU path an import)."""
-
-    __slots__ = ()
-
-    def _values(self) -> tuple[object, ...]:
-        names: tuple[str, ...] = self.__slots__
-        return tuple(getattr(self, name) for name in names)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Record)
-            and type(other) is type(self)
-            and (other._values() == self._values())
-        )
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        names: tuple[str, ...] = self.__slots__
-        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in names)
-        return f"{type(self).__name__}({shown})"
-
-
-class GpuRequest(_Record):
+@dataclass(frozen=True)
+class GpuRequest:
     """What the container reaches. Empty: no GPU, the hook has nothing to do."""
 
-    __slots__ = ("all_gpus", "minors", "note", "origins", "refs", "unresolved")
-
-    def __init__(
-        self,
-        minors: tuple[int, ...] = (),
-        refs: tuple[str, ...] = (),
-        all_gpus: bool = False,
-        origins: tuple[str, ...] = (),
-        note: str = "",
-        unresolved: OciInputError | None = None,
-    ) -> None:
-        self.minors = minors  # minors of the 195:N device nodes it reaches
-        self.refs = refs  # indices and UUIDs of NVIDIA's lists, as written
-        self.all_gpus = all_gpus  # NVIDIA's `all`
-        self.origins = origins  # where in the spec each came from
-        self.note = note  # why NVIDIA's config defaults stood in (oci_gpus.read_toolkit's codes)
-        # After the stop (parse_config's lenient): why the request could not be resolved; the
-        # container's lease then says which GPUs it had.
-        self.unresolved = unresolved
+    minors: tuple[int, ...] = ()  # minors of the 195:N device nodes it reaches
+    refs: tuple[str, ...] = ()  # indices and UUIDs of NVIDIA's lists, as written
+    all_gpus: bool = False  # NVIDIA's `all`
+    origins: tuple[str, ...] = ()  # where in the spec each came from
+    note: str = ""  # why NVIDIA's config defaults stood in (oci_gpus.read_toolkit's codes)
+    # After the stop (parse_config's lenient): why the request could not be resolved; the
+    # container's lease then says which GPUs it had.
+    unresolved: OciInputError | None = None
 
     def __bool__(self) -> bool:
         return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
 
 
-class ContainerState(_Record):
+@dataclass(frozen=True)
+class ContainerState:
     """The OCI state a hook gets on stdin (runtime-spec's state.json)."""
 
-    __slots__ = ("annotations", "bundle", "id", "pid", "status")
-
-    def __init__(
-        self,
-        id: str,
-        pid: int,  # 0 where the runtime gave none (poststop)
-        bundle: str,
-        status: str,
-        annotations: dict[str, str] | None = None,
-    ) -> None:
-        self.id = id
-        self.pid = pid
-        self.bundle = bundle
-        self.status = status
-        self.annotations = annotations or {}
+    id: str
+    pid: int  # 0 where the runtime gave none (poststop)
+    bundle: str
+    status: str
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
-class ContainerSpec(_Record):
+@dataclass(frozen=True)
+class ContainerSpec:
     """What gpugate needs from config.json."""
 
-    __slots__ = ("annotations", "cgroups_path", "gpus", "hostname")
-
-    def __init__(
-        self,
-        gpus: GpuRequest,
-        cgroups_path: str | None,  # linux.cgroupsPath, as the runtime wrote it
-        annotations: dict[str, str],
-        hostname: str | None,
-    ) -> None:
-        self.gpus = gpus
-        self.cgroups_path = cgroups_path
-        self.annotations = annotations
-        self.hostname = hostname
+    gpus: GpuRequest
+    cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
+    annotations: dict[str, str]
+    hostname: str | None
 
 
 def read_stdin_bounded(

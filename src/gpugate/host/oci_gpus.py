@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import ExitCode, GateError
@@ -54,27 +55,23 @@ class OciInputError(GateError):
     exit_code = ExitCode.USAGE
 
 
+@dataclass(frozen=True)
 class Toolkit:
     """What of NVIDIA's config.toml decides which list its hook reads (its defaults)."""
 
-    __slots__ = ("envvar_unprivileged", "note", "volume_mounts")
-
-    def __init__(
-        self, envvar_unprivileged: bool = True, volume_mounts: bool = False, note: str = ""
-    ) -> None:
-        self.envvar_unprivileged = envvar_unprivileged
-        self.volume_mounts = volume_mounts
-        self.note = note  # why the defaults stand in for the file, where they do
+    envvar_unprivileged: bool = True
+    volume_mounts: bool = False
+    note: str = ""  # why the defaults stand in for the file, where they do
 
 
+@dataclass
 class Reach:
     """What a spec reaches: device minors of major 195, NVIDIA indices/UUIDs, all."""
 
-    def __init__(self) -> None:
-        self.minors: list[int] = []
-        self.refs: list[str] = []
-        self.all_gpus = False
-        self.origins: list[str] = []
+    minors: list[int] = field(default_factory=list)
+    refs: list[str] = field(default_factory=list)
+    all_gpus: bool = False
+    origins: list[str] = field(default_factory=list)
 
     def minor(self, minor: int, origin: str) -> None:
         if minor not in self.minors:
