@@ -40,7 +40,7 @@ UNIT_TYPE_SUFFIXES = (
 
 def unit_argument(name: str) -> str:
     """A unit named on the command line, read as systemctl reads it: `vllm` is
-    `vllm.service`, `vllm@a` is `vllm@a.service`; a name with a unit type suffix stays."""
+    `vllm.service`; a name with a unit type suffix stays."""
     if name and not name.endswith(UNIT_TYPE_SUFFIXES):
         return name + ".service"
     return name
@@ -67,10 +67,8 @@ def cgroup_parts(cgroup: str) -> list[str]:
 def unit_of_cgroup(cgroup: str) -> str | None:
     """The system unit whose cgroup holds this one: the first component that is not a slice,
     where every one above it is a slice; None for the root, a slice, or a folder that is no
-    unit. Only PID 1 makes slices and the units in them (those cgroups are root's); below a
-    unit the tree is the unit's own: its `.control` and Delegate= subtree, a user manager's
-    units (`user@1000.service/app.slice/x.service`), a container runtime's. A name found down
-    there was picked by whoever runs the unit: it names no system unit."""
+    unit. Only PID 1 makes slices and the units in them; below a unit the tree is the unit's
+    own (its Delegate= subtree, a user manager's units): a name there names no system unit."""
     for part in cgroup_parts(cgroup):
         if not part.endswith(".slice"):
             return part if part.endswith(UNIT_SUFFIXES) else None
@@ -78,9 +76,8 @@ def unit_of_cgroup(cgroup: str) -> str | None:
 
 
 def is_user_cgroup(cgroup: str) -> bool:
-    """Login sessions and user managers: where an account's own processes live. A slice on
-    the way is `user.slice` or `user-UID.slice`, or the unit is a user manager
-    (`user@UID.service`), wherever systemd put it."""
+    """Login sessions and user managers: where an account's own processes live (a slice on
+    the way is `user.slice` or `user-UID.slice`, or the unit is `user@UID.service`)."""
     for part in cgroup_parts(cgroup):
         if part == "user.slice" or USER_SLICE_NAME.fullmatch(part):
             return True
@@ -90,16 +87,13 @@ def is_user_cgroup(cgroup: str) -> bool:
 
 
 def system_unit_of_cgroup(cgroup: str) -> str | None:
-    """unit_of_cgroup for a cgroup outside every account's own tree: the unit a name in
-    `protected_units`, or another unit's refusal, may speak of. None under user.slice (a login
-    session's scope, a user manager and every unit it runs)."""
+    """unit_of_cgroup for a cgroup outside every account's own tree (None under user.slice)."""
     return None if is_user_cgroup(cgroup) else unit_of_cgroup(cgroup)
 
 
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
-    """The unit whose cgroup this process runs in: systemd runs ExecStartPre= there (in its
-    `.control` sub-cgroup where the unit has Delegate=yes: the innermost unit name counts).
-    The `0::` line names the unified tree, also on a hybrid host (host/roots.py)."""
+    """The unit whose cgroup this process runs in (systemd runs ExecStartPre= there), from
+    the `0::` line: the unified tree, also on a hybrid host."""
     try:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:
@@ -130,9 +124,7 @@ ENVIRONMENT_FILE_MAX_BYTES = 1 << 20  # an EnvironmentFile= read for its warning
 
 def systemctl_show(name: str, properties: str) -> str | None:
     """`systemctl show --property=PROPERTIES -- NAME`'s output; None where no systemd runs,
-    systemctl is missing, or it failed; ProgramNotAnswering where it does not answer in
-    SYSTEMCTL_TIMEOUT_S. Its `Name=value` lines are the same on systemd 247 to 257; an unknown
-    unit is `LoadState=not-found` with exit status 0 on each."""
+    systemctl is missing, or it failed. An unknown unit is `LoadState=not-found`, exit 0."""
     systemctl = find_program("systemctl")
     if not systemd_running() or systemctl is None:
         return None
@@ -143,7 +135,6 @@ def systemctl_show(name: str, properties: str) -> str | None:
 
 
 def query_unit(name: str) -> UnitState | None:
-    """Ask systemd about a unit; None where no systemd runs or systemctl is missing."""
     shown = systemctl_show(name, "LoadState,ActiveState,ControlGroup")
     if shown is None:
         return None
@@ -159,15 +150,13 @@ def query_unit(name: str) -> UnitState | None:
 
 
 def active_state(name: str) -> str | None:
-    """systemd's ActiveState for the unit; None where systemd cannot be asked."""
     state = query_unit(name)
     return state.active_state if state is not None else None
 
 
 def find_unit_cgroup(name: str, cgroup_root: Path) -> str | None:
-    """Search the cgroup tree for the system unit's cgroup (where systemd is not there to
-    ask): through slices only, so no cgroup below a unit (a user manager's unit of the same
-    name, a Delegate= subtree) is taken for it."""
+    """The system unit's cgroup, searched through slices only (where systemd is not there to
+    ask), so no cgroup below a unit (a user manager's unit of the same name) is taken for it."""
     pending = [cgroup_root]
     while pending:
         folder = pending.pop()
@@ -204,8 +193,8 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
 
 
 def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
-    """systemd's ActiveState for the unit. Where systemd cannot be asked (stand-in roots):
-    "active" while processes are in its cgroup, else "inactive"."""
+    """systemd's ActiveState; where it cannot be asked, "active" while processes are in its
+    cgroup, else "inactive"."""
     if ask_systemd:
         state = query_unit(name)
         if state is not None:
@@ -238,7 +227,7 @@ def unit_environment(
     name: str, show: Callable[[str], str | None] | None = None
 ) -> UnitEnvironment | None:
     """The unit's environment from `systemctl show -p Environment,EnvironmentFiles`; None
-    where systemd cannot be asked. show: the command's output (tests give it)."""
+    where systemd cannot be asked. show: the command's output (tests')."""
     text = (show or _systemctl_show_environment)(name)
     if text is None:
         return None
@@ -255,7 +244,6 @@ def unit_environment(
                     origins[variable] = "Environment="
         elif key == "EnvironmentFiles" and value:
             # "PATH (ignore_errors=no)"; a leading "-" in the unit shows as ignore_errors=yes.
-            # One line per file, this format unchanged from systemd 247 to 257.
             path, _, flags = value.rpartition(" (ignore_errors=")
             path = path or value
             ignore = flags.startswith("yes")
@@ -282,10 +270,8 @@ def _systemctl_show_environment(name: str) -> str | None:
 
 
 def _split_quoted(value: str) -> list[str]:
-    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside:
-    # since systemd 246 (systemd PR #15345), so on every supported version (247+). Before
-    # that, assignments were joined by bare spaces; shlex reads those the same where no value
-    # holds a space.
+    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside
+    # (systemd 246+).
     try:
         return shlex.split(value, posix=True)
     except ValueError:
