@@ -71,8 +71,8 @@ def gpu_locks(
     on_unlocked: Unlocked | None = None,
 ) -> Iterator[None]:
     """The GPUs' locks, in UUID order. on_unlocked given (a phase after a stop): a lock_dir or
-    lock file that cannot be made (full, read-only) is told to it and the run goes on; an
-    existing lock file on a read-only file system is still taken (flock needs no write)."""
+    lock file that cannot be made is told to it and the run goes on; an existing lock file on
+    a read-only file system is still taken (flock needs no write)."""
     held: list[int] = []
     try:
         folder_fd = _lock_folder(lock_dir, on_unlocked)

@@ -40,8 +40,6 @@ def mig_parent(key: int) -> int | None:
 
 @dataclass(frozen=True)
 class MigSlice:
-    """What makes a Gpu a MIG slice: its GPU (index, UUID), and its instance ids."""
-
     parent: int
     parent_uuid: str
     mig_index: int  # for nvmlDeviceGetMigDeviceHandleByIndex
@@ -97,10 +95,8 @@ class GpuUsage:
 
 @dataclass(frozen=True)
 class GpuFault:
-    """A GPU NVML counts but cannot read (lost, unsupported query, ...)."""
-
     index: int
-    error: GateError  # what failed (report/ words it for the journal and `status`)
+    error: GateError
     uuid: str | None = None  # where NVML still gave it
     minor: int | None = None
 
@@ -134,9 +130,7 @@ class GpuDriver(Protocol):
 
 
 # NVML is loaded by the driver's own path, never by bare name: dlopen("libnvidia-ml.so.1")
-# would search the unit's LD_LIBRARY_PATH first (a CUDA compat folder, the server's venv), and
-# root's hook would load whatever is there. First the folders the driver installs into, then
-# the dynamic loader's cache as ldconfig lists it (a driver in a folder of its own).
+# would search the unit's LD_LIBRARY_PATH first, and root's hook would load whatever is there.
 NVML_LIBRARY = "libnvidia-ml.so.1"
 NVML_DIRS = (
     "/usr/lib/x86_64-linux-gnu",
@@ -152,8 +146,8 @@ LDCONFIG_TIMEOUT_S = 5.0
 
 
 def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
-    """The absolute path of libnvidia-ml.so.1: in the driver's folders, else from the dynamic
-    loader's cache; only a file that no account but root (and gpugate's own) may change."""
+    """libnvidia-ml.so.1 in the driver's folders, else in the dynamic loader's cache (ldconfig
+    -p); only a file that no account but root (and gpugate's own) may change."""
     for folder in dirs:
         path = os.path.join(folder, NVML_LIBRARY)
         if os.path.isfile(path) and untrusted(path) is None:
@@ -205,8 +199,8 @@ def _pynvml() -> ModuleType:
 
 
 ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`status`)
-# Each call may take this long even at or past the deadline (the run's last looks): a healthy
-# call answers in milliseconds; a hung one costs the run this much more, once.
+# Each call may take this long even past the deadline (the run's last looks): a healthy call
+# answers in milliseconds; a hung one costs the run this much more, once.
 MIN_ANSWER_S = 1.0
 
 
@@ -316,8 +310,7 @@ class NvmlDriver:
         return found
 
     def _mig_mode(self, index: int, handle: Any) -> bool:
-        """Whether the GPU is in MIG mode now. A GPU or a driver without MIG is not; nor is
-        one whose mode NVML cannot say (the GPU is then read whole, as before MIG)."""
+        """In MIG mode now; a GPU whose mode NVML cannot say is read whole."""
         nv = self._nv
         try:
             current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
@@ -376,8 +369,7 @@ class NvmlDriver:
         return usage
 
     def _usage(self, gpu: Gpu) -> GpuUsage:
-        """A GPU's or a MIG slice's (its own handle: its memory, the processes on it).
-        Errors on a slice are its GPU's (GpuError names the GPU's index)."""
+        """A GPU's or a MIG slice's (its own handle); errors on a slice are its GPU's."""
         nv = self._nv
         handle = self._handles[gpu.index]
         index = gpu.index if gpu.mig is None else gpu.mig.parent
@@ -407,8 +399,8 @@ class NvmlDriver:
         return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
     def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
-        """whole: a GPU's handle. A MIG slice's handle that refuses v2 falls back to v1 for
-        that call alone: v2 stays on for the GPUs."""
+        """A MIG slice's handle (not whole) that refuses v2 falls back to v1 for that call
+        alone: v2 stays on for the GPUs."""
         nv = self._nv
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.

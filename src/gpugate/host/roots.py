@@ -38,7 +38,7 @@ class HostRoots:
 
     @property
     def ask_systemd(self) -> bool:
-        """systemd's answers (a unit's ControlGroup) name paths in the real cgroup tree only."""
+        """systemd's answers (a unit's ControlGroup) name paths in the real tree only."""
         return self.cgroup in (SYSTEM_CGROUP_ROOT, HYBRID_UNIFIED_ROOT)
 
     @classmethod
@@ -85,8 +85,7 @@ def unescape_mountinfo(field: str) -> str:
 
 
 def cgroup_layout(mountinfo: str) -> CgroupLayout:
-    """The layout /proc/self/mountinfo shows: a later mount on the same point hides an
-    earlier one, as the kernel lists them in mount order."""
+    """The layout mountinfo shows (a later mount on the same point hides an earlier one)."""
     fstype_at: dict[PurePosixPath, str] = {}
     for line in mountinfo.splitlines():
         fields = line.split()
@@ -119,9 +118,8 @@ def read_cgroup_layout(proc_root: Path) -> CgroupLayout:
 
 
 def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
-    """roots with the cgroup root moved to the tree systemd tracks units in. roots.cgroup
-    stands for /sys/fs/cgroup (a test's stand-in folder, or the real one): on a hybrid host
-    the tree is its `unified` folder. A legacy host: HostUnsupported, before anything runs."""
+    """roots with the cgroup root (/sys/fs/cgroup or a test's stand-in) moved to the tree
+    systemd tracks units in: on a hybrid host its `unified` folder."""
     if layout.kind == LEGACY or layout.unified_mount is None:
         raise HostUnsupported(
             f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
@@ -141,8 +139,7 @@ def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
 
 
 def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
-    """This host's layout where the cgroup root is the real one; None for a stand-in tree
-    (tests, a root that is not this host's), used as it is."""
+    """This host's layout where the cgroup root is the real one; None for a stand-in tree."""
     if roots.cgroup != SYSTEM_CGROUP_ROOT:
         return None
     return read_cgroup_layout(roots.proc)
@@ -151,7 +148,5 @@ def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
 def on_units_tree(
     given: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
 ) -> HostRoots:
-    """The roots with the cgroup root on the tree systemd tracks units in (a hybrid host's
-    /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
     found = layout(given)
     return given if found is None else on_unified_hierarchy(given, found)

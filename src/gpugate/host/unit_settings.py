@@ -2,12 +2,10 @@
 of its own, read from its files without gpugate's own drop-in, so that the drop-in adds only
 what the unit leaves unset.
 
-The text read is what `systemctl cat UNIT` shows (each file after a `# PATH` line, in the
-order systemd applies them: the unit file, then its drop-ins). Where systemd does not run (an
-image being built) or does not answer, the same text is made from the unit folders here.
-`systemctl show` is not used: it answers the effective values, in which a unit's own
-`TimeoutStopSec=90` and systemd's default of 90 s look the same, and which include the drop-in
-gpugate wrote last time.
+The text read is what `systemctl cat UNIT` shows (each file after a `# PATH` line, in the order
+systemd applies them); where systemd does not run or answer, the same text is made from the
+unit folders. Not `systemctl show`: its effective values cannot tell a unit's own
+`TimeoutStopSec=90` from systemd's default, and include gpugate's last drop-in.
 """
 
 from __future__ import annotations
@@ -39,8 +37,6 @@ DEV_SHM = "/dev/shm"
 
 @dataclass(frozen=True)
 class Setting:
-    """One assignment the unit makes: its key as written, its value, and the file."""
-
     key: str
     value: str
     path: str
@@ -58,9 +54,8 @@ class UnitSettings:
 
 
 def parse(text: str, own_dropin: str = OWN_DROPIN) -> UnitSettings:
-    """The settings in `systemctl cat` text. Later assignments win, an empty one resets (as
-    systemd reads them); gpugate's own drop-in (a file named own_dropin in a `.d` folder) is
-    left out."""
+    """The settings in `systemctl cat` text. Later assignments win, an empty one resets;
+    gpugate's own drop-in (own_dropin in a `.d` folder) is left out."""
     start: Setting | None = None
     stop: Setting | None = None
     notify: Setting | None = None
@@ -119,9 +114,8 @@ def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str
 
 
 def read_unit(unit: str, systemd_dir: Path, *, ask_systemd: bool) -> str:
-    """The unit's files as `systemctl cat` shows them. ask_systemd (systemd_dir is the real
-    /etc/systemd/system): systemd's answer where it runs, else the files in every unit
-    folder; otherwise (tests, an image's tree) the files in systemd_dir only."""
+    """The unit's files as `systemctl cat` shows them: systemd's answer where it runs, else
+    the files in every unit folder; without ask_systemd, the files in systemd_dir only."""
     if not ask_systemd:
         return files_text(unit, [str(systemd_dir)])
     if systemd_running():
@@ -143,9 +137,9 @@ def _systemctl_cat(unit: str) -> str | None:
 
 
 def files_text(unit: str, dirs: Sequence[str]) -> str:
-    """`systemctl cat` made by hand: the first unit file found (an instance's template's where
-    it has none), then the drop-ins of UNIT.d/ (and the template's), by file name, a name in
-    an earlier folder hiding the same name in later ones."""
+    """`systemctl cat` made by hand: the first unit file found (else an instance's
+    template's), then the drop-ins of UNIT.d/ and the template's, by file name, a name in an
+    earlier folder hiding the same name in later ones."""
     names = [unit]
     if "@" in unit and not unit.endswith("@.service"):
         names.append(unit.split("@", 1)[0] + "@.service")
