@@ -147,17 +147,13 @@ def container_scopes(cgroup_root: Path) -> list[Container]:
     return found
 
 
-def find_cli(runtime: str) -> str | None:
-    return find_program(runtime)
-
-
 class ContainerNames:
     """Asks each runtime's CLI for its containers' names, once per runtime per run."""
 
     def __init__(
         self,
         *,
-        cli: Callable[[str], str | None] = find_cli,
+        cli: Callable[[str], str | None] = find_program,
         runner: Runner = run_program,
         timeout_s: float = INSPECT_TIMEOUT_S,
     ) -> None:
@@ -206,7 +202,7 @@ def stop_containers(
     containers: Sequence[Container],
     grace_s: float,
     *,
-    cli: Callable[[str], str | None] = find_cli,
+    cli: Callable[[str], str | None] = find_program,
     runner: Runner = run_program,
 ) -> list[StopResult]:
     """`docker stop --time N ID` / `podman stop`: the runtime signals, waits, SIGKILLs, and

@@ -47,16 +47,6 @@ def flock_by(
             time.sleep(0.02)
 
 
-def open_lock(folder_fd: int, path: Path) -> int:
-    """path's lock file in its folder: made where missing, never through a link."""
-    try:
-        return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
-    except PermissionError:
-        raise PermissionDenied(f"{path}: permission denied") from None
-    except OSError as exc:
-        raise _os_error(path, "gpu-lock", "a GPU lock", exc) from None
-
-
 # Told where a phase that goes on without its state could not take a lock: the path, and why.
 Unlocked = Callable[[Path, str], None]
 
@@ -111,7 +101,12 @@ def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
 
 def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:
     if on_unlocked is None:
-        return open_lock(folder_fd, path)
+        try:
+            return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
+        except PermissionError:
+            raise PermissionDenied(f"{path}: permission denied") from None
+        except OSError as exc:
+            raise _os_error(path, "gpu-lock", "a GPU lock", exc) from None
     causes = []
     # It may exist: a lock taken through a read-only descriptor is still one.
     for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):

@@ -30,7 +30,7 @@ import secrets
 import stat
 import subprocess
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
@@ -119,16 +119,6 @@ def _judge(
     return None
 
 
-def _chain(path: str) -> Iterator[str]:
-    current = path
-    while True:
-        yield current
-        parent = os.path.dirname(current)
-        if parent == current:
-            return
-        current = parent
-
-
 def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untrusted | None:
     """The first component of path (as written, then as resolved) that another account may
     change; None where only trusted accounts may. A missing path is judged by the folders
@@ -137,7 +127,7 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
     written = os.path.abspath(path)
     for candidate in dict.fromkeys((written, os.path.realpath(written))):
         below_trusted = True  # nothing below the path itself
-        for component in _chain(candidate):
+        for component in (candidate, *map(str, Path(candidate).parents)):
             try:
                 info = os.lstat(component)
             except OSError:  # missing: whoever may write the folder above may make it
@@ -232,7 +222,8 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
                 why = _folder_trusted(fd, link.uid, uids)
                 if why is not None or hops > MAX_LINK_HOPS:
                     folder = why or Untrusted(here, here, Exposure.OWNER, -1, -1, 0)
-                    raise UnsafeLink(os.path.join(here, name), _named(folder, here)) from None
+                    named = replace(folder, path=here, of=here)
+                    raise UnsafeLink(os.path.join(here, name), named) from None
                 target = os.path.normpath(os.path.join(here, link.target))
                 queue = list(Path(target).parts[1:]) + queue
                 os.close(fd)
@@ -244,10 +235,6 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
         os.close(fd)
         raise
     return fd
-
-
-def _named(found: Untrusted, path: str) -> Untrusted:
-    return Untrusted(path, path, found.problem, found.uid, found.gid, found.mode)
 
 
 class _Link(Exception):

@@ -228,7 +228,7 @@ def unit_environment(
 ) -> UnitEnvironment | None:
     """The unit's environment from `systemctl show -p Environment,EnvironmentFiles`; None
     where systemd cannot be asked. show: the command's output (tests')."""
-    text = (show or _systemctl_show_environment)(name)
+    text = show(name) if show else systemctl_show(name, "Environment,EnvironmentFiles")
     if text is None:
         return None
     variables: dict[str, str] = {}
@@ -263,10 +263,6 @@ def unit_environment(
                 variables[variable] = setting
                 origins[variable] = f"EnvironmentFile={path}"
     return UnitEnvironment(variables, tuple(files), origins)
-
-
-def _systemctl_show_environment(name: str) -> str | None:
-    return systemctl_show(name, "Environment,EnvironmentFiles")
 
 
 def _split_quoted(value: str) -> list[str]:

@@ -50,11 +50,7 @@ def read_record(path: Path | None = None) -> str:
     path = RECORD if path is None else path
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(
-            str(path),
-            "",
-            untrusted_text(found) if found else "another account may change it",
-        )
+        raise ConfigError(str(path), "", untrusted_text(found))
     try:
         raw = read_capped(path, MAX_RECORD)
     except FileNotFoundError:
