@@ -15,7 +15,7 @@ from gpugate.config.file import parse_config
 from gpugate.errors import ConfigError
 from gpugate.front.install import apply, plan_install
 from gpugate.front.install_files import DEFAULT_GPUGATE, render_dropin
-from gpugate.host.unit_settings import UnitSettings, files_text, parse
+from gpugate.host.systemd import UnitSettings, files_text, parse_unit_settings
 
 UNIT = "vllm.service"
 OURS = "# /etc/systemd/system/vllm.service.d/gpugate.conf\n[Service]\nTimeoutStopSec=300\n"
@@ -83,7 +83,9 @@ SHAPES = [
 def test_the_units_own_timeouts_are_kept_and_the_rest_added(
     files: list[tuple[str, str]], start: str | None, stop: str | None
 ) -> None:
-    settings = parse(cat(*files) + OURS)  # gpugate's own drop-in is never the unit's setting
+    settings = parse_unit_settings(
+        cat(*files) + OURS
+    )  # gpugate's own drop-in is never the unit's setting
     assert (settings.start_timeout and settings.start_timeout.value) == start
     assert (settings.stop_timeout and settings.stop_timeout.value) == stop
     text = render_dropin(DEFAULT_GPUGATE, settings)
@@ -104,7 +106,7 @@ def test_the_units_own_timeouts_are_kept_and_the_rest_added(
     ],
 )
 def test_a_unit_with_its_own_dev_shm_keeps_it(body: str, kept: str | None) -> None:
-    settings = parse(cat(unit_file(body)))
+    settings = parse_unit_settings(cat(unit_file(body)))
     assert (settings.own_shm and settings.own_shm.value) == kept
     text = render_dropin(DEFAULT_GPUGATE, settings)
     ours = lines(text, "TemporaryFileSystem")
@@ -115,7 +117,7 @@ def test_a_unit_with_its_own_dev_shm_keeps_it(body: str, kept: str | None) -> No
 
 @pytest.mark.parametrize(("access", "written"), [("all", False), ("main", True), ("exec", True)])
 def test_notify_access_all_is_kept(access: str, written: bool) -> None:
-    settings = parse(cat(unit_file(f"NotifyAccess={access}\n")))
+    settings = parse_unit_settings(cat(unit_file(f"NotifyAccess={access}\n")))
     text = render_dropin(DEFAULT_GPUGATE, settings)
     assert lines(text, "NotifyAccess") == (["NotifyAccess=exec"] if written else [])
 
@@ -157,7 +159,7 @@ def test_files_read_by_hand_as_systemctl_cat_would(tmp_path: Path) -> None:
     (tmp_path / "vllm@.service.d" / "gpugate.conf").write_text("[Service]\nTimeoutSec=300\n")
     (tmp_path / "vllm@1.service.d").mkdir()
     (tmp_path / "vllm@1.service.d" / "60-b.conf").write_text("[Service]\nTimeoutStopSec=\n")
-    settings = parse(files_text("vllm@1.service", [str(tmp_path)]))
+    settings = parse_unit_settings(files_text("vllm@1.service", [str(tmp_path)]))
     assert settings.start_timeout is not None and settings.start_timeout.value == "70"
     assert settings.stop_timeout is None  # the instance's 60-b.conf reset it
     assert str(tmp_path / "vllm@.service.d" / "gpugate.conf") not in settings.read_from
@@ -211,6 +213,6 @@ def test_a_comment_naming_a_path_is_not_a_file_header() -> None:
             "# /etc/systemd/system/vllm.service.d/gpugate.conf is gpugate's\nTimeoutStopSec=4\n"
         )
     )
-    settings = parse(text)
+    settings = parse_unit_settings(text)
     assert settings.stop_timeout is not None and settings.stop_timeout.value == "4"
     assert settings.stop_timeout.path == "/etc/systemd/system/vllm.service"

@@ -39,9 +39,14 @@ from gpugate.front.install_files import (
     with_header,
 )
 from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program, write_atomically
-from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
-from gpugate.host.unit_settings import parse as parse_unit_settings
-from gpugate.host.unit_settings import read_unit
+from gpugate.host.systemd import (
+    UnitState,
+    parse_unit_settings,
+    query_unit,
+    read_unit,
+    systemd_running,
+    validate_unit_name,
+)
 from gpugate.report import lines
 from gpugate.report.narrate_install import kept_lines
 from gpugate.untrusted import echo

@@ -19,7 +19,7 @@ from gpugate.config.models import pydantic_config
 from gpugate.config.toml_text import toml_value
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF, DefaultPolicy
 from gpugate.errors import InstallError, PermissionDenied
-from gpugate.host.unit_settings import UnitSettings
+from gpugate.host.systemd import UnitSettings
 
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 
@@ -45,7 +45,7 @@ ExecStopPost=+@GPUGATE@ post %n
 
 
 # What follows the hooks, each block left out where the unit sets that itself
-# (host/unit_settings.py); `gpugate install` says which it kept.
+# (host/systemd.py); `gpugate install` says which it kept.
 NOTIFY_BLOCK = """\
 # Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
 # STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose

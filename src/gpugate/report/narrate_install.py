@@ -3,7 +3,7 @@ NotifyAccess=, a /dev/shm of the unit's own), and of the /dev/shm it gives the u
 
 from __future__ import annotations
 
-from gpugate.host.unit_settings import Setting, UnitSettings
+from gpugate.host.systemd import Setting, UnitSettings
 
 OFF = "off"
 
