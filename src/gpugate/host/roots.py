@@ -77,29 +77,30 @@ class CgroupLayout:
     unified_mount: PurePosixPath | None
 
 
-def unescape_mountinfo(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (\\040, \\011, \\012, \\134)."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
+def mount_table(mountinfo: str) -> dict[str, str]:
+    """Mount point -> file system type of each mountinfo line (a later mount on the same point
+    hides an earlier one). Points are unescaped: mountinfo writes space, tab, newline and
+    backslash as octal (\\040, \\011, \\012, \\134)."""
+    table: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        before, _, after = line.partition(" - ")
+        fields, fstype = before.split(), after.split()[:1]
+        if len(fields) < 5 or not fstype:
+            continue
+        point = fields[4]
+        for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(code, char)
+        table[point] = fstype[0]
+    return table
 
 
 def cgroup_layout(mountinfo: str) -> CgroupLayout:
-    """The layout mountinfo shows (a later mount on the same point hides an earlier one)."""
-    fstype_at: dict[PurePosixPath, str] = {}
-    for line in mountinfo.splitlines():
-        fields = line.split()
-        if " - " not in line or len(fields) < 5:
-            continue
-        after = line.split(" - ", 1)[1].split()
-        if not after:
-            continue
-        fstype_at[PurePosixPath(unescape_mountinfo(fields[4]))] = after[0]
+    fstype_at = mount_table(mountinfo)
     system = PurePosixPath(str(SYSTEM_CGROUP_ROOT))
     hybrid = PurePosixPath(str(HYBRID_UNIFIED_ROOT))
-    if fstype_at.get(system) == "cgroup2":
+    if fstype_at.get(str(system)) == "cgroup2":
         return CgroupLayout(UNIFIED, system)
-    if fstype_at.get(hybrid) == "cgroup2":
+    if fstype_at.get(str(hybrid)) == "cgroup2":
         return CgroupLayout(HYBRID, hybrid)
     # A cgroup2 mounted anywhere else (by hand, by a container runtime) is no tree systemd
     # puts units in: its paths would name no unit.

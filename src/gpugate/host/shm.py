@@ -25,7 +25,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
-from gpugate.host.roots import unescape_mountinfo
+from gpugate.host.roots import mount_table
 from gpugate.host.safe_files import read_at
 
 DELETED_SUFFIX = " (deleted)"
@@ -102,15 +102,9 @@ def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
 def mount_points(proc_root: Path, pid: str = "self") -> set[str]:
     """Every mount point PROC/PID/mountinfo lists; none where it cannot be read."""
     try:
-        text = (proc_root / pid / "mountinfo").read_text(errors="replace")
+        return set(mount_table((proc_root / pid / "mountinfo").read_text(errors="replace")))
     except OSError:
         return set()
-    points: set[str] = set()
-    for line in text.splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            points.add(unescape_mountinfo(fields[4]))
-    return points
 
 
 def host_root(dev_root: Path, proc_root: Path) -> str | None:
