@@ -141,6 +141,11 @@ class ProcFs:
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
+        return self._remember(pid, self._facts(base))
+
+    def _facts(self, base: ProcInfo) -> ProcInfo | None:
+        """None where the process is gone, or its PID reused since stat was read."""
+        pid = base.pid
         cgroup_text = self._read(pid, "cgroup")
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
@@ -149,18 +154,16 @@ class ProcFs:
             exe = None
         status = self._read(pid, "status") or ""
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
-        # gone, or the PID reused since stat was read
         gone = self._start_time(pid) != base.start_time and base.state != "Z"
         if gone or cgroup_text is None:
-            return self._remember(pid, None)
-        info = replace(
+            return None
+        return replace(
             base,
             uid=int(uids[0]) if uids else None,
             cgroup=parse_cgroup(cgroup_text) or "/",
             cmdline=tuple(arg for arg in cmdline if arg),
             exe=exe or None,
         )
-        return self._remember(pid, info)
 
     def _start_time(self, pid: int) -> int | None:
         text = self._read(pid, "stat")
