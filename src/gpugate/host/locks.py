@@ -131,7 +131,7 @@ def check_writable(folder: Path, what: str) -> None:
             f"{folder}: permission denied creating it (for {what})", code="no-permission-creating"
         ) from None
     except OSError as exc:
-        raise _unwritable(folder, what, exc) from None
+        raise _unwritable(folder, what, exc, opening=True) from None
     try:
         _probe(folder_fd, folder, what)
     finally:
@@ -189,8 +189,8 @@ def check_all(
                 on_unwritable(exc)
 
 
-def _unwritable(folder: Path, what: str, exc: OSError) -> StateUnwritable:
-    if isinstance(exc, (FileExistsError, NotADirectoryError)) or exc.errno == errno.ENOTDIR:
+def _unwritable(folder: Path, what: str, exc: OSError, *, opening: bool = False) -> StateUnwritable:
+    if exc.errno == errno.ENOTDIR or (opening and exc.errno == errno.EEXIST):
         return StateUnwritable(
             folder,
             what,
