@@ -166,8 +166,12 @@ def _ldconfig_paths() -> list[str]:
         listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S)
     except GateError:
         return []
-    lines = (line.partition(" => ") for line in listed.stdout.splitlines())
-    return [path.strip() for name, _, path in lines if name.split(" ", 1)[0] == NVML_LIBRARY]
+    found = []
+    for line in listed.stdout.splitlines():
+        name, _, path = line.partition(" => ")
+        if name.strip().split(" ", 1)[0] == NVML_LIBRARY:
+            found.append(path.strip())
+    return found
 
 
 def load_nvml_library(nv: Any, library: str | None) -> None:
