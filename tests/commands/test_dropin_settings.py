@@ -14,7 +14,8 @@ import pytest
 from gpugate.config.file import parse_config
 from gpugate.errors import ConfigError
 from gpugate.front.install import DEFAULT_GPUGATE, apply, plan_install, render_dropin
-from gpugate.host.unit_settings import UnitSettings, files_text, parse
+from gpugate.host.systemd import UnitSettings, files_text
+from gpugate.host.systemd import parse_unit_settings as parse
 
 UNIT = "vllm.service"
 OURS = "# /etc/systemd/system/vllm.service.d/gpugate.conf\n[Service]\nTimeoutStopSec=300\n"

@@ -1,4 +1,4 @@
-"""Pods named as Kubernetes names them (host/pods.py): containerd's and CRI-O's annotations
+"""Pods named as Kubernetes names them (host/oci.py): containerd's and CRI-O's annotations
 into namespace/pod/container in the journal fields, the lease and the refusal, escaped and
 bounded whatever a pod author wrote; the sandbox (pause) container never gated, and a
 container that only claims to be one still gated."""
@@ -15,8 +15,7 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.front.oci_hook import run_container_hook
-from gpugate.host.oci import ContainerState, parse_config
-from gpugate.host.pods import PodName, is_sandbox, pod_name
+from gpugate.host.oci import ContainerState, PodName, is_sandbox, parse_config, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.integrations.container import identify
 from gpugate.integrations.records import read_leases

@@ -14,7 +14,7 @@ import pytest
 
 from gpugate.errors import ExitCode, ProgramNotAnswering
 from gpugate.front.cli import main
-from gpugate.host import programs, systemd
+from gpugate.host import safe_files, systemd
 from gpugate.host.containers import Container, ContainerNames, stop_containers
 from gpugate.integrations import slurm
 from gpugate.integrations.env_files import environment_file_warnings, who_else_may_write
@@ -44,14 +44,14 @@ def planted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         script.chmod(0o755)
     empty = tmp_path / "system"
     empty.mkdir()
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(empty),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(empty),))
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ.get('PATH', '')}")
     monkeypatch.setattr(systemd, "systemd_running", lambda: True)
     return tmp_path
 
 
 def test_no_program_on_the_callers_path_is_run(planted: Path) -> None:
-    assert all(programs.find_program(name) is None for name in PLANTED)
+    assert all(safe_files.find_program(name) is None for name in PLANTED)
     assert systemd.systemctl_show("vllm.service", "ActiveState") is None
     container = Container("docker", "a" * 64, "/system.slice/docker-x.scope")
     ContainerNames().named([container, Container("podman", "b" * 64, "/m")])
@@ -67,15 +67,15 @@ def test_a_program_in_the_system_folders_gets_a_clean_environment(
     system.mkdir()
     (system / "printenv-all").write_text(f"#!/bin/sh\nenv > {tmp_path}/env\n")
     (system / "printenv-all").chmod(0o755)
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(system),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(system),))
     for name, value in STEERING.items():
         monkeypatch.setenv(name, value)
-    found = programs.find_program("printenv-all")
+    found = safe_files.find_program("printenv-all")
     assert found == str(system / "printenv-all")
-    assert programs.run_program([found], 10).returncode == 0
+    assert safe_files.run_program([found], 10).returncode == 0
     seen = dict(line.split("=", 1) for line in (tmp_path / "env").read_text().splitlines())
     assert not set(STEERING) & set(seen), seen
-    assert seen["PATH"] == programs.SYSTEM_PATH
+    assert seen["PATH"] == safe_files.SYSTEM_PATH
 
 
 @pytest.mark.root("ownership checks apply when gpugate runs as root")
@@ -89,8 +89,8 @@ def test_root_runs_no_program_another_account_may_rewrite(
     program.write_text("#!/bin/sh\n")
     os.chown(program, owner, 100 if mode == 0o775 else 0)
     program.chmod(mode)
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(tmp_path),))
-    assert programs.find_program("systemctl") is None
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(tmp_path),))
+    assert safe_files.find_program("systemctl") is None
 
 
 def test_a_program_that_does_not_answer_is_a_documented_error(
@@ -98,7 +98,7 @@ def test_a_program_that_does_not_answer_is_a_documented_error(
 ) -> None:
     (tmp_path / "systemctl").write_text("#!/bin/sh\nexec sleep 30\n")
     (tmp_path / "systemctl").chmod(0o755)
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(tmp_path),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(tmp_path),))
     monkeypatch.setattr(systemd, "systemd_running", lambda: True)
     monkeypatch.setattr(systemd, "SYSTEMCTL_TIMEOUT_S", 0.3)
     with pytest.raises(ProgramNotAnswering) as raised:
@@ -208,7 +208,7 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     system.mkdir()
     (system / "systemctl").write_text("#!/bin/sh\nexec sleep 30\n")
     (system / "systemctl").chmod(0o755)
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(system),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(system),))
     monkeypatch.setattr(systemd, "systemd_running", lambda: True)
     monkeypatch.setattr(systemd, "SYSTEMCTL_TIMEOUT_S", 0.3)
     (orphan,) = host.pool.holder(host.gpu_files(0))

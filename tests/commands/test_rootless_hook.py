@@ -1,6 +1,6 @@
 """Issue 34, rule 2: a hook (or the runc wrapper) that is not the host's root gates nothing
 and breaks nothing. "Not the host's root" is the kernel's word: euid, then the user
-namespace's uid_map, then PID 1's namespace where it can be read (host/namespaces.py)."""
+namespace's uid_map, then PID 1's namespace where it can be read (host/oci.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.front import oci_entry, oci_runtime
-from gpugate.host.namespaces import not_host_root
+from gpugate.host.oci import not_host_root
 from gpugate.host.wrapped_runtime import RUNC, Wrapped
 from gpugate.report import journal
 
@@ -118,7 +118,7 @@ def in_user_namespace(*argv: str, stdin: bytes = b"") -> subprocess.CompletedPro
 
 
 def test_a_process_in_a_user_namespace_is_not_the_hosts_root() -> None:
-    code = "from gpugate.host.namespaces import not_host_root as n; print(n())"
+    code = "from gpugate.host.oci import not_host_root as n; print(n())"
     done = in_user_namespace(sys.executable, "-c", code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.decode().strip() != "None"  # a reason: not the host's root

@@ -153,17 +153,17 @@ def test_job_cgroup_missing_at_hook_time_names_the_nodes_scope(tmp_path: Path) -
 
 def test_scontrol_found_without_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """slurmd gives the hooks no PATH: scontrol is looked for where Slurm installs it."""
-    from gpugate.host import programs
+    from gpugate.host import safe_files
 
     found = tmp_path / "sbin" / "scontrol"
     found.parent.mkdir()
     found.write_text("#!/bin/sh\n")
     found.chmod(0o755)
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(tmp_path / "bin"), str(found.parent)))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(tmp_path / "bin"), str(found.parent)))
     monkeypatch.setenv("PATH", "")
-    assert programs.find_program("scontrol") == str(found)
+    assert safe_files.find_program("scontrol") == str(found)
     found.chmod(0o644)
-    assert programs.find_program("scontrol") is None
+    assert safe_files.find_program("scontrol") is None
 
 
 # ---------------------------------------------------------------- the runs
@@ -191,9 +191,9 @@ def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
         "SLURMD_NODENAME": "gpu07",
         "SLURM_CONF": str(etc / "slurm.conf"),
     }
-    from gpugate.host import programs
+    from gpugate.host import safe_files
 
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(bin_dir),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(bin_dir),))
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     return env

@@ -18,7 +18,7 @@ import pytest
 
 from gpugate.errors import ExitCode, GateError, StateUnwritable
 from gpugate.front.cli import main
-from gpugate.host.state_dirs import check_writable
+from gpugate.host.locks import check_writable
 from gpugate.integrations.records import Lease, lease_path, write_lease
 from gpugate.phase import Phase
 from tests.fakes import UNIT, FakeHost, alive

@@ -413,9 +413,9 @@ def test_where_slurmd_runs_the_node_is_drained_once_past_drain_after_s(
     scontrol = bin_dir / "scontrol"
     scontrol.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {args}\n')
     scontrol.chmod(0o755)
-    from gpugate.host import programs
+    from gpugate.host import safe_files
 
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(bin_dir),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(bin_dir),))
     (server,) = host.pool.holder(host.gpu_files(2))
     host.memory.claim(server, {2}, 4000)
     config = sweep_config(host, "drain_after_s = 60")

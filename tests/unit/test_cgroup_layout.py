@@ -10,16 +10,16 @@ import pytest
 
 from gpugate.errors import ExitCode, HostUnsupported
 from gpugate.front.cli import main
-from gpugate.host.cgroups import (
+from gpugate.host.roots import (
     HYBRID,
     LEGACY,
     UNIFIED,
     CgroupLayout,
+    HostRoots,
     cgroup_layout,
     on_unified_hierarchy,
     read_cgroup_layout,
 )
-from gpugate.host.roots import HostRoots
 from tests.fakes import UNIT_CGROUP, FakeHost, alive, raises_error
 
 # What /proc/self/mountinfo shows (only the lines that matter, plus a few that do not).

@@ -15,10 +15,16 @@ from hypothesis import strategies as st
 from gpugate.errors import ExitCode
 from gpugate.front.oci_runtime import with_hooks
 from gpugate.host import oci_gpus
-from gpugate.host.nvidia_toolkit import NOT_BOOLEAN, UNREADABLE, UNTRUSTED, read_toolkit
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import GpuRequest, spec_gpu_request
-from gpugate.host.oci_gpus import OciInputError, Toolkit
+from gpugate.host.oci_gpus import (
+    NOT_BOOLEAN,
+    UNREADABLE,
+    UNTRUSTED,
+    OciInputError,
+    Toolkit,
+    read_toolkit,
+)
 from gpugate.integrations.container import gpu_selection
 
 ROOT = pytest.mark.root("mknod of a 195:N node")

@@ -15,7 +15,7 @@ from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role
 from gpugate.errors import ConfigError, ExitCode, ProgramNotAnswering
-from gpugate.host import programs
+from gpugate.host import safe_files
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
 from gpugate.phase import Phase
@@ -59,7 +59,7 @@ def cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
         (bin_dir / runtime).write_text(FAKE_CLI)
         (bin_dir / runtime).chmod(0o755)
     (bin_dir / "cgroup_root").write_text(str(tmp_path / "cgroup"))
-    monkeypatch.setattr(programs, "SYSTEM_DIRS", (str(bin_dir),))
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(bin_dir),))
     yield bin_dir
 
 

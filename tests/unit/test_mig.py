@@ -14,7 +14,7 @@ from gpugate.core.owned_gpus import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue
 from gpugate.front.launch import resolve_gpus
-from gpugate.host import mig_caps
+from gpugate.host import nvml
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import GpuRequest
 from gpugate.integrations.container import gpu_selection
@@ -411,18 +411,18 @@ def test_capability_minors_name_slices(tmp_path: Path, monkeypatch: pytest.Monke
             "gpu1/mig/gi1/ci0": 99,  # GPU 1 is not in MIG mode
         },
     )
-    monkeypatch.setattr(mig_caps, "CAPABILITIES", caps)
-    assert mig_caps.slice_of_cap_minor(Path("/proc"), gpus) == {
+    monkeypatch.setattr(nvml, "CAPABILITIES", caps)
+    assert nvml.slice_of_cap_minor(Path("/proc"), gpus) == {
         11: mig_key(0, 0),
         12: mig_key(0, 0),
         21: mig_key(0, 1),
         22: mig_key(0, 2),
     }
-    assert mig_caps.cap_minor("/dev/nvidia-caps/nvidia-cap12") == 12
-    assert mig_caps.cap_minor("/dev/nvidia-caps/nvidia-cap12x") is None
-    assert mig_caps.cap_minor("/dev/nvidia1") is None
+    assert nvml.cap_minor("/dev/nvidia-caps/nvidia-cap12") == 12
+    assert nvml.cap_minor("/dev/nvidia-caps/nvidia-cap12x") is None
+    assert nvml.cap_minor("/dev/nvidia1") is None
     (caps / "gpu0/mig/gi1/ci0/access").write_text("DeviceFileMode: 292\n")  # no minor line
-    assert 12 not in mig_caps.slice_of_cap_minor(Path("/proc"), gpus)
+    assert 12 not in nvml.slice_of_cap_minor(Path("/proc"), gpus)
 
 
 def test_a_capability_device_ties_an_unlisted_process_to_its_slice(
@@ -432,7 +432,7 @@ def test_a_capability_device_ties_an_unlisted_process_to_its_slice(
     its capability device says which slice it was on. The neighbour's is spared."""
     host.memory.mig = {0: list(SLICES)}
     caps = capabilities(tmp_path / "caps", {"gpu0/mig/gi1/ci0": 31, "gpu0/mig/gi2/ci0": 32})
-    monkeypatch.setattr(mig_caps, "CAPABILITIES", caps)
+    monkeypatch.setattr(nvml, "CAPABILITIES", caps)
     (host.dev / "nvidia-caps").mkdir()
     for minor in (31, 32):
         (host.dev / "nvidia-caps" / f"nvidia-cap{minor}").write_bytes(b"")

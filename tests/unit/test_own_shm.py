@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.host.own_shm import own_shm, own_shm_of_any
 from gpugate.host.shm import (
     ShmFile,
     ShmKey,
@@ -22,6 +21,8 @@ from gpugate.host.shm import (
     host_root,
     inode_index,
     largest_files,
+    own_shm,
+    own_shm_of_any,
     space,
     unlink_if_same,
 )

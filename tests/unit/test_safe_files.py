@@ -253,7 +253,7 @@ def test_an_exporters_folder_is_written_safely_with_one_warning(
 
 @needs_root
 def test_the_state_probe_never_writes_through_a_planted_folder_link(tmp_path: Path) -> None:
-    from gpugate.host.state_dirs import check_writable
+    from gpugate.host.locks import check_writable
 
     theirs, _ = plant(tmp_path)
     elsewhere = tmp_path / "etc"

@@ -17,8 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpugate.host.scan import DeviceScan, scan_device_users
-from gpugate.host.scan_watch import WatchScan
+from gpugate.host.scan import DeviceScan, WatchScan, scan_device_users
 from gpugate.host.shm import ShmArea
 from tests.fakes import FakeProcess, fake_proc
 

@@ -7,7 +7,7 @@ application, is chosen in `decide`, which walks the tree.) Which GPUs are the un
 `owned_gpus`.
 
 A MIG slice is a GPU of its own here (keyed by host.nvml.mig_key): its holders are those NVML
-lists on it, and those holding its capability device (host.mig_caps). Every process on every
+lists on it, and those holding its capability device (host.nvml). Every process on every
 slice opens its GPU's /dev/nvidiaN, so that device file ties a process to the whole GPU only,
 never to a slice; a process on a slice is on that slice alone (the whole GPU's aggregate list,
 which names it too, is not counted for it).
@@ -27,8 +27,16 @@ from gpugate.config.values import GpuSelection
 from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
 from gpugate.errors import NvmlNotAnswering, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
-from gpugate.host.mig_caps import cap_minor, slice_of_cap_minor
-from gpugate.host.nvml import Gpu, GpuDriver, GpuError, GpuFault, GpuUsage, mig_parent
+from gpugate.host.nvml import (
+    Gpu,
+    GpuDriver,
+    GpuError,
+    GpuFault,
+    GpuUsage,
+    cap_minor,
+    mig_parent,
+    slice_of_cap_minor,
+)
 from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import (
@@ -79,7 +87,7 @@ class Holder:
 
 class DeviceScanner(Protocol):
     """The device-file scan discovery uses: the full one (`full_scan`), or `status --watch`'s,
-    which rescans what changed (host.scan_watch.WatchScan)."""
+    which rescans what changed (host.scan.WatchScan)."""
 
     def __call__(
         self,

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from gpugate.host.shm import ShmKey
 
 
-# (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
+# (folder, what it holds) pairs and (file, what it is) pairs: host.locks.check_all's input
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
@@ -48,7 +48,7 @@ class Surroundings(Protocol):
 
     def state_to_write(self) -> StateToWrite:
         """Every folder this run writes its state in, with what goes there, and the files it
-        replaces whole: checked before the run kills anything (host.state_dirs); a problem
+        replaces whole: checked before the run kills anything (host.locks); a problem
         stops a phase whose state is required, else it is a warning."""
 
     def driver_hung_earlier(self) -> str | None:

@@ -27,9 +27,8 @@ if TYPE_CHECKING:
     from typing import Any, NoReturn
 
     from gpugate.front.commands import Front
-    from gpugate.host.cgroups import CgroupLayout
     from gpugate.host.nvml import GpuDriver
-    from gpugate.host.roots import HostRoots
+    from gpugate.host.roots import CgroupLayout, HostRoots
     from gpugate.report.journal import ReporterFactory
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]

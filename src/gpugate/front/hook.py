@@ -25,9 +25,9 @@ from gpugate.core.outcome import RunSummary
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.core.surroundings import Surroundings
 from gpugate.errors import ExitCode, GateError, Interrupted
+from gpugate.host.locks import check_all
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
-from gpugate.host.state_dirs import check_all
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
@@ -119,7 +119,7 @@ def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> No
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return
-    from gpugate.host.own_shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
+    from gpugate.host.shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
     from gpugate.report.lines import say_own_shm_gone  # noqa: PLC0415
 
     devs = {area.dev for area in find_areas(roots.dev, roots.proc)}

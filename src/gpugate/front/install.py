@@ -47,11 +47,16 @@ from gpugate.errors import (
     PermissionDenied,
     UnknownUnit,
 )
-from gpugate.host.programs import SYSTEM_PATH, Result, find_program, run_program
-from gpugate.host.safe_files import write_atomically
-from gpugate.host.systemd import UnitState, query_unit, systemd_running, validate_unit_name
-from gpugate.host.unit_settings import UnitSettings, read_unit
-from gpugate.host.unit_settings import parse as parse_unit_settings
+from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
+from gpugate.host.systemd import (
+    UnitSettings,
+    UnitState,
+    parse_unit_settings,
+    query_unit,
+    read_unit,
+    systemd_running,
+    validate_unit_name,
+)
 from gpugate.report import lines
 from gpugate.report.lines import kept_lines
 from gpugate.untrusted import echo

@@ -40,9 +40,8 @@ from gpugate.config.file import toml_value
 from gpugate.errors import GateError, InstallError
 from gpugate.front.install import Action, Change
 from gpugate.front.oci_runtime import hook_entry
-from gpugate.host import trust_text, wrapped_runtime
-from gpugate.host.programs import find_program, run_program
-from gpugate.host.safe_files import read_capped, untrusted
+from gpugate.host import safe_files, wrapped_runtime
+from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
 from gpugate.untrusted import echo
 
 PODMAN_HOOKS = Path("/usr/share/containers/oci/hooks.d")
@@ -335,7 +334,7 @@ def read_containerd_config(path: Path) -> str | None:
     found = untrusted(path)
     if found is not None:
         raise InstallError(
-            f"{path}: " + (trust_text.untrusted_text(found) if found else "refused: untrusted")
+            f"{path}: " + (safe_files.untrusted_text(found) if found else "refused: untrusted")
         )
     try:
         raw = read_capped(path, MAX_CONFIG)

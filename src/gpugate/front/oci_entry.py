@@ -8,10 +8,15 @@ from __future__ import annotations
 import sys
 
 from gpugate.errors import ExitCode
-from gpugate.host.namespaces import not_host_root
-from gpugate.host.oci import parse_config, parse_state, read_config, read_stdin_bounded
+from gpugate.host.oci import (
+    is_sandbox,
+    not_host_root,
+    parse_config,
+    parse_state,
+    read_config,
+    read_stdin_bounded,
+)
 from gpugate.host.oci_gpus import OciInputError
-from gpugate.host.pods import is_sandbox
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:

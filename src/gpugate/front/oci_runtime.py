@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ConfigError, ExitCode
-from gpugate.host.namespaces import not_host_root
-from gpugate.host.oci import read_config, spec_gpu_request
+from gpugate.host.oci import not_host_root, read_config, spec_gpu_request
 from gpugate.host.oci_gpus import OciInputError
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 from gpugate.report import lines

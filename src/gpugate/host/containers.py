@@ -2,14 +2,12 @@
 
 Docker (systemd cgroup driver) puts a container's processes in
 `/system.slice/docker-ID.scope` (under Kubernetes, `/kubepods.slice/.../docker-ID.scope`),
-podman in `/machine.slice/libpod-ID.scope` (runc) or `.../libpod-ID.scope/container` (crun);
-ID is the container's 64-hex id. A scope counts only as the system unit of the cgroup (only
-slices above it, the first of them the runtime's own parent): a scope of that name anywhere
-else (an account's own `systemd-run --user --scope --unit=docker-ID`, a rootless podman's,
-which root's CLI does not know) is no container of the runtimes gpugate asks. The name comes from
-the runtime's CLI (`docker inspect` / `podman inspect`), one call per runtime and bounded in
-time; where the CLI is missing or slow the container is shown by its id alone. The CLIs are
-found and run as `programs` runs every program: in the system folders, with a clean environment.
+podman in `/machine.slice/libpod-ID.scope` (runc) or `.../libpod-ID.scope/container` (crun).
+A scope counts only as the system unit of the cgroup (only slices above it, the first the
+runtime's own parent): a scope of that name elsewhere (an account's own `systemd-run --user
+--scope`, a rootless podman's) is no container of the runtimes gpugate asks. The name comes from
+the runtime's CLI (`docker inspect`), one bounded call per runtime; where the CLI is missing or
+slow the container is shown by its id alone.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.errors import GateError
-from gpugate.host.programs import Result, find_program, run_program
+from gpugate.host.safe_files import Result, find_program, run_program
 from gpugate.host.systemd import cgroup_parts, is_user_cgroup
 
 SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")
@@ -48,7 +46,7 @@ class Container:
 
     @property
     def label(self) -> str:
-        """`docker container vllm (3f2a1b0c4d5e)`, or without a name `docker container 3f2a…`."""
+        """`docker container vllm (3f2a1b0c4d5e)`."""
         if self.name:
             return f"{self.runtime} container {self.name} ({self.short_id})"
         return f"{self.runtime} container {self.short_id}"
@@ -69,13 +67,11 @@ class Container:
 
 
 # A container's own cgroup, for its OCI hook (docs/containers.md, "Which cgroup is the
-# container's"): a folder its runtime named after the container's own 64-hex id. The systemd
-# driver's scopes: podman `libpod-ID.scope`, docker `docker-ID.scope`, CRI-O `crio-ID.scope`,
-# containerd's CRI `cri-containerd-ID.scope`, nerdctl `nerdctl-ID.scope`; the cgroupfs
-# driver's folders: docker `/docker/ID`, podman `/libpod_parent/libpod-ID`, CRI-O `crio-ID`,
-# containerd `.../podUID/ID`; podman's `--cgroups=split` (Quadlet's default)
-# `.../NAME.service/libpod-payload-ID`. Not
-# `crio-conmon-ID.scope`: CRI-O's monitor, not the container.
+# container's"): a folder its runtime named after the container's 64-hex id: the systemd
+# driver's scopes (`libpod-ID.scope`, `docker-ID.scope`, `crio-ID.scope`,
+# `cri-containerd-ID.scope`, `nerdctl-ID.scope`), the cgroupfs driver's folders (`/docker/ID`,
+# `libpod-ID`, `crio-ID`, `.../podUID/ID`), podman's `--cgroups=split`
+# (`.../NAME.service/libpod-payload-ID`). Not `crio-conmon-ID.scope`: CRI-O's monitor.
 OWN_FOLDER = re.compile(
     r"(?:(?P<kind>libpod-payload|libpod|docker|crio|cri-containerd|nerdctl)-)?"
     r"(?P<id>[0-9a-f]{64})(?P<scope>\.scope)?"
@@ -102,9 +98,8 @@ class OwnCgroup:
 
 
 def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
-    """The first folder of cgroup named after container_id in one of OWN_FOLDER's forms, or
-    None where no folder is (the runtime put the container in a cgroup that is not its own:
-    `--cgroups=disabled`, a scope of another id, a slice, the root)."""
+    """The first folder of cgroup named after container_id in one of OWN_FOLDER's forms; None
+    where the container's cgroup is not its own (`--cgroups=disabled`, a slice, the root)."""
     if not cgroup:
         return None
     parts = cgroup_parts(cgroup)
@@ -143,7 +138,6 @@ def container_of_cgroup(cgroup: str | None) -> Container | None:
 
 
 def container_scopes(cgroup_root: Path) -> list[Container]:
-    """Every container scope in the cgroup tree, running or not yet reaped."""
     found: list[Container] = []
     for pattern in SCOPE_GLOBS:
         for path in sorted(cgroup_root.glob(pattern)):
@@ -153,17 +147,13 @@ def container_scopes(cgroup_root: Path) -> list[Container]:
     return found
 
 
-def find_cli(runtime: str) -> str | None:
-    return find_program(runtime)
-
-
 class ContainerNames:
     """Asks each runtime's CLI for its containers' names, once per runtime per run."""
 
     def __init__(
         self,
         *,
-        cli: Callable[[str], str | None] = find_cli,
+        cli: Callable[[str], str | None] = find_program,
         runner: Runner = run_program,
         timeout_s: float = INSPECT_TIMEOUT_S,
     ) -> None:
@@ -212,12 +202,11 @@ def stop_containers(
     containers: Sequence[Container],
     grace_s: float,
     *,
-    cli: Callable[[str], str | None] = find_cli,
+    cli: Callable[[str], str | None] = find_program,
     runner: Runner = run_program,
 ) -> list[StopResult]:
-    """`docker stop --time N ID` / `podman stop --time N ID`: the runtime sends the stop
-    signal, waits, then SIGKILLs, and records the container as stopped (its restart policy
-    does not bring it back). The caller's pinned signals still follow for what survives."""
+    """`docker stop --time N ID` / `podman stop`: the runtime signals, waits, SIGKILLs, and
+    records the container as stopped (its restart policy does not bring it back)."""
     results: list[StopResult] = []
     seconds = max(int(grace_s + 0.999), 1)
     for container in containers:

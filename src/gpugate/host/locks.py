@@ -1,20 +1,26 @@
-"""Per-GPU locks under /run/gpugate: two runs on overlapping GPUs take turns.
+"""gpugate's state folders and per-GPU locks.
 
-flock(2) locks die with their holder, so a crashed gpugate never blocks the next one.
-Locks are taken in UUID order, so two runs can never wait on each other in a cycle.
+Before a run kills anything, its state folders (locks, leases, failed-start records) are
+probed: a folder that cannot be made, is not a folder, is read-only or full is StateUnwritable
+(exit 73), not a kill followed by a crash; for a phase after a stop (state_required false), a
+warning, and the run goes on. The per-GPU locks under /run/gpugate make two runs on overlapping
+GPUs take turns: flock(2) locks die with their holder, and are taken in UUID order, so two runs
+never wait on each other in a cycle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import functools
 import os
+import secrets
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
-from gpugate.errors import LockTimeout, PermissionDenied, StateUnwritable
+from gpugate.errors import GateError, LockTimeout, PermissionDenied, StateUnwritable
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import open_folder, open_in
 
@@ -25,8 +31,8 @@ def flock_by(
     on_wait: Callable[[], None] = lambda: None,
     clock: Callable[[], float] = time.monotonic,
 ) -> bool:
-    """Take an exclusive flock on fd, polling until the deadline; False if it never came.
-    on_wait runs once, the first time the lock is found taken."""
+    """An exclusive flock on fd, polled until the deadline; False if it never came. on_wait
+    runs the first time the lock is found taken."""
     waited = False
     while True:
         try:
@@ -41,24 +47,7 @@ def flock_by(
             time.sleep(0.02)
 
 
-def open_lock(folder_fd: int, path: Path) -> int:
-    """path's lock file in its folder's descriptor: made where missing, never through a
-    symbolic link, a regular file or StateUnwritable."""
-    try:
-        return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
-    except PermissionError:
-        raise PermissionDenied(f"{path}: permission denied") from None
-    except OSError as exc:
-        raise StateUnwritable(
-            path,
-            "gpu-lock",
-            f"{path}: cannot write a GPU lock there: {exc.strerror or str(exc)}",
-            code="state-os-error",
-        ) from None
-
-
-# Told where a phase that goes on without its state (its traits' state_required false)
-# could not take a lock: the path, and why.
+# Told where a phase that goes on without its state could not take a lock: the path, and why.
 Unlocked = Callable[[Path, str], None]
 
 
@@ -72,8 +61,8 @@ def gpu_locks(
     on_unlocked: Unlocked | None = None,
 ) -> Iterator[None]:
     """The GPUs' locks, in UUID order. on_unlocked given (a phase after a stop): a lock_dir or
-    lock file that cannot be made (full, read-only) is told to it and the run goes on; an
-    existing lock file on a read-only file system is still taken (flock needs no write)."""
+    lock file that cannot be made is told to it and the run goes on; an existing lock file on
+    a read-only file system is still taken (flock needs no write)."""
     held: list[int] = []
     try:
         folder_fd = _lock_folder(lock_dir, on_unlocked)
@@ -107,17 +96,17 @@ def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
                 f"{lock_dir}: permission denied creating it (for GPU locks)",
                 code="no-permission-creating",
             ) from None
-        raise StateUnwritable(
-            lock_dir,
-            "gpu-locks",
-            f"{lock_dir}: cannot write GPU locks there: {exc.strerror or str(exc)}",
-            code="state-os-error",
-        ) from None
+        raise _os_error(lock_dir, "gpu-locks", "GPU locks", exc) from None
 
 
 def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:
     if on_unlocked is None:
-        return open_lock(folder_fd, path)
+        try:
+            return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
+        except PermissionError:
+            raise PermissionDenied(f"{path}: permission denied") from None
+        except OSError as exc:
+            raise _os_error(path, "gpu-lock", "a GPU lock", exc) from None
     causes = []
     # It may exist: a lock taken through a read-only descriptor is still one.
     for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
@@ -127,3 +116,94 @@ def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int 
             causes.append(exc.strerror or str(exc))
     on_unlocked(path, causes[0])
     return None
+
+
+PROBE_BYTES = 4096  # a page: more than any lease, record or lock gpugate writes needs
+
+
+def check_writable(folder: Path, what: str) -> None:
+    """Make folder where missing, then write and remove a probe file of PROBE_BYTES in it,
+    through the folder's descriptor. what: the state that goes there ("GPU leases")."""
+    try:
+        folder_fd = open_folder(folder)
+    except PermissionError:
+        raise PermissionDenied(
+            f"{folder}: permission denied creating it (for {what})", code="no-permission-creating"
+        ) from None
+    except OSError as exc:
+        raise _unwritable(folder, what, exc, opening=True) from None
+    try:
+        _probe(folder_fd, folder, what)
+    finally:
+        os.close(folder_fd)
+
+
+def _probe(folder_fd: int, folder: Path, what: str) -> None:
+    name = f".gpugate-probe.{secrets.token_hex(6)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
+    except PermissionError:
+        raise PermissionDenied(
+            f"{folder}: permission denied writing {what} there", code="no-permission-writing"
+        ) from None
+    except OSError as exc:
+        raise _unwritable(folder, what, exc) from None
+    try:
+        if os.write(fd, bytes(PROBE_BYTES)) < PROBE_BYTES:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    except OSError as exc:
+        raise _unwritable(folder, what, exc) from None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=folder_fd)
+
+
+def check_file_slot(path: Path, what: str) -> None:
+    """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
+    if path.is_dir() or (path.exists() and not path.is_file()):
+        raise StateUnwritable(
+            path,
+            what,
+            f"{path}: cannot write {what} there: a folder is in the way (not a file)",
+            code="state-folder-in-the-way",
+        )
+
+
+def check_all(
+    folders: Iterable[tuple[Path, str]],
+    files: Iterable[tuple[Path, str]] = (),
+    on_unwritable: Callable[[GateError], None] | None = None,
+) -> None:
+    """Each folder and file slot checked; a problem raised, or, given on_unwritable, passed to
+    it and the rest checked too (a run that goes on)."""
+    checks = [(check_writable, folders), (check_file_slot, files)]
+    for check, items in checks:
+        for path, what in items:
+            try:
+                check(path, what)
+            except (StateUnwritable, PermissionDenied) as exc:
+                if on_unwritable is None:
+                    raise
+                on_unwritable(exc)
+
+
+def _unwritable(folder: Path, what: str, exc: OSError, *, opening: bool = False) -> StateUnwritable:
+    if exc.errno == errno.ENOTDIR or (opening and exc.errno == errno.EEXIST):
+        return StateUnwritable(
+            folder,
+            what,
+            f"{folder}: cannot write {what} there: a file is in the way (not a folder)",
+            code="state-file-in-the-way",
+        )
+    return _os_error(folder, what, what, exc)
+
+
+def _os_error(path: Path, what: str, words: str, exc: OSError) -> StateUnwritable:
+    return StateUnwritable(
+        path,
+        what,
+        f"{path}: cannot write {words} there: {exc.strerror or str(exc)}",
+        code="state-os-error",
+    )

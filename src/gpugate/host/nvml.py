@@ -1,8 +1,6 @@
-"""The only module that talks to NVIDIA's driver (through pynvml).
-
-Everything else sees `Gpu` and `GpuUsage` values through the `GpuDriver` protocol, so tests can
-inject a driver and production uses `NvmlDriver`.
-"""
+"""The only module that talks to NVIDIA's driver (through pynvml), and the MIG capability
+devices under /proc/driver/nvidia. Everything else sees `Gpu` and `GpuUsage` through the
+`GpuDriver` protocol: tests inject a driver, production uses `NvmlDriver`."""
 
 from __future__ import annotations
 
@@ -10,18 +8,20 @@ import contextlib
 import ctypes
 import os
 import queue
+import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol
 
 from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
-from gpugate.host.programs import find_program, run_program
-from gpugate.host.safe_files import untrusted
+from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
 
-MIB = 1024 * 1024  # bytes in a MiB: gpugate's one unit of memory, in NVML's and /dev/shm's figures
+MIB = 1024 * 1024
 # A MIG slice is keyed, where GPUs are keyed by index, by MIG_KEY_BASE + MIG_PER_GPU * (its GPU's
 # index) + its MIG index: above any index a config may name (config.values.MAX_GPU_INDEX).
 MIG_KEY_BASE = 1024
@@ -40,8 +40,6 @@ def mig_parent(key: int) -> int | None:
 
 @dataclass(frozen=True)
 class MigSlice:
-    """What makes a Gpu a MIG slice: its GPU (index, UUID), and its instance ids."""
-
     parent: int
     parent_uuid: str
     mig_index: int  # for nvmlDeviceGetMigDeviceHandleByIndex
@@ -97,10 +95,8 @@ class GpuUsage:
 
 @dataclass(frozen=True)
 class GpuFault:
-    """A GPU NVML counts but cannot read (lost, unsupported query, ...)."""
-
     index: int
-    error: GateError  # what failed (report/ words it for the journal and `status`)
+    error: GateError
     uuid: str | None = None  # where NVML still gave it
     minor: int | None = None
 
@@ -114,17 +110,15 @@ class GpuError(NvmlUnavailable):
 
 
 class GpuDriver(Protocol):
-    """What the run and `status` ask of the GPU driver; every part declared (a driver with
-    nothing to say for one returns the empty answer: no faults, no deadline, answering)."""
+    """What the run and `status` ask of the GPU driver."""
 
-    def gpus(self) -> Sequence[Gpu]:
-        """The GPUs the driver can read."""
+    def gpus(self) -> Sequence[Gpu]: ...
 
     def faults(self) -> Sequence[GpuFault]:
         """The GPUs it counts but cannot read (lost, an unsupported query)."""
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        """A GPU's memory and processes; may raise GpuError (that GPU) or NvmlUnavailable."""
+        """May raise GpuError (that GPU) or NvmlUnavailable."""
 
     def answer_by(self, deadline: float) -> None:
         """Wait for each later query until this time.monotonic() deadline (the run's)."""
@@ -132,14 +126,11 @@ class GpuDriver(Protocol):
     def not_answering(self) -> NvmlNotAnswering | None:
         """Why the driver stopped answering, where it did (it is asked nothing more)."""
 
-    def close(self) -> None:
-        """Done with the driver (a hung one is left as it is)."""
+    def close(self) -> None: ...
 
 
 # NVML is loaded by the driver's own path, never by bare name: dlopen("libnvidia-ml.so.1")
-# would search the unit's LD_LIBRARY_PATH first (a CUDA compat folder, the server's venv), and
-# root's hook would load whatever is there. First the folders the driver installs into, then
-# the dynamic loader's cache as ldconfig lists it (a driver in a folder of its own).
+# would search the unit's LD_LIBRARY_PATH first, and root's hook would load whatever is there.
 NVML_LIBRARY = "libnvidia-ml.so.1"
 NVML_DIRS = (
     "/usr/lib/x86_64-linux-gnu",
@@ -155,8 +146,8 @@ LDCONFIG_TIMEOUT_S = 5.0
 
 
 def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
-    """The absolute path of libnvidia-ml.so.1: in the driver's folders, else from the dynamic
-    loader's cache; only a file that no account but root (and gpugate's own) may change."""
+    """libnvidia-ml.so.1 in the driver's folders, else in the dynamic loader's cache (ldconfig
+    -p); only a file that no account but root (and gpugate's own) may change."""
     for folder in dirs:
         path = os.path.join(folder, NVML_LIBRARY)
         if os.path.isfile(path) and untrusted(path) is None:
@@ -168,7 +159,6 @@ def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
 
 
 def _ldconfig_paths() -> list[str]:
-    """`ldconfig -p`'s paths for libnvidia-ml.so.1 (its cache, /etc/ld.so.cache)."""
     ldconfig = find_program("ldconfig", LDCONFIG_DIRS)
     if ldconfig is None:
         return []
@@ -185,8 +175,8 @@ def _ldconfig_paths() -> list[str]:
 
 
 def load_nvml_library(nv: Any, library: str | None) -> None:
-    """Put the library, loaded by its absolute path, into pynvml's module-level handle under
-    pynvml's own lock, before nvmlInit (which then loads nothing by name)."""
+    """The library, loaded by its absolute path, as pynvml's handle (under pynvml's lock)
+    before nvmlInit, which then loads nothing by name."""
     with nv.libLoadLock:
         if nv.nvmlLib is not None:
             return
@@ -213,27 +203,22 @@ def _pynvml() -> ModuleType:
 
 
 ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`status`)
-# Each call may take this long even at or past the deadline (the run's last looks): a healthy
-# call answers in milliseconds; a hung one costs the run this much more, once.
+# Each call may take this long even past the deadline (the run's last looks): a healthy call
+# answers in milliseconds; a hung one costs the run this much more, once.
 MIN_ANSWER_S = 1.0
 
 
 class NvmlDriver:
-    """GpuDriver backed by libnvidia-ml.so.1.
-
-    Every NVML call is made on one worker thread (CallThread, below), a whole query (a GPU's
-    usage, the list of GPUs) at a time, and waited for until the run's deadline (answer_by),
-    else ANSWER_WITHIN_S: a driver that stops answering (NVML blocks, as a hanging
-    `nvidia-smi` does) ends the run with NvmlNotAnswering, which names the call, the GPU and
-    how long it waited. From then on the driver is stuck: no further call is made (it would
-    queue behind the hung one), not even nvmlShutdown. NVML is initialised at the first query,
-    so that the deadline is known by then."""
+    """GpuDriver backed by libnvidia-ml.so.1. Each query (a GPU's usage, the list of GPUs)
+    runs on one worker thread (CallThread) and is waited for until the run's deadline
+    (answer_by), else ANSWER_WITHIN_S: a driver that stops answering (as a hanging nvidia-smi)
+    ends the run with NvmlNotAnswering, naming the call and the GPU, and is asked nothing more,
+    not even nvmlShutdown. NVML is initialised at the first query, once the deadline is known."""
 
     def __init__(
         self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
     ) -> None:
-        """library: the path of libnvidia-ml.so.1 (tests' stand-in, by the hidden
-        --nvml-library); default find_nvml_library()."""
+        """library: tests' stand-in libnvidia-ml.so.1 (the hidden --nvml-library)."""
         self._nv = _pynvml()
         self._library = os.path.abspath(library) if library else None
         self._thread = CallThread("nvml")
@@ -248,7 +233,6 @@ class NvmlDriver:
         self._faults: list[GpuFault] = []
 
     def answer_by(self, deadline: float) -> None:
-        """Wait for each query until this time.monotonic() deadline (the run's)."""
         self._until = deadline
 
     def not_answering(self) -> NvmlNotAnswering | None:
@@ -276,7 +260,7 @@ class NvmlDriver:
             raise self._stuck from None
 
     def _raw(self, index: int | None, function: Any, *args: Any, **kwargs: Any) -> Any:
-        """On the NVML thread: one call, noted first, so that a hang can be named."""
+        """On the NVML thread: one call, noted first so that a hang can be named."""
         self._calling = (_name(function), index)
         return function(*args, **kwargs)
 
@@ -330,8 +314,7 @@ class NvmlDriver:
         return found
 
     def _mig_mode(self, index: int, handle: Any) -> bool:
-        """Whether the GPU is in MIG mode now. A GPU or a driver without MIG is not; nor is
-        one whose mode NVML cannot say (the GPU is then read whole, as before MIG)."""
+        """In MIG mode now; a GPU whose mode NVML cannot say is read whole."""
         nv = self._nv
         try:
             current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
@@ -341,36 +324,29 @@ class NvmlDriver:
 
     def _read_slices(self, gpu: Gpu) -> list[Gpu]:
         """The MIG devices of a GPU in MIG mode, as NVML numbers them (a free index: none)."""
-        nv = self._nv
-        parent = self._handles[gpu.index]
-        most = int(self._call(gpu.index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
+        nv, index = self._nv, gpu.index
+        parent = self._handles[index]
+        most = int(self._call(index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
         slices: list[Gpu] = []
         for mig_index in range(min(most, MIG_PER_GPU)):
+            get = nv.nvmlDeviceGetMigDeviceHandleByIndex
             try:
-                handle = self._raw(
-                    gpu.index, nv.nvmlDeviceGetMigDeviceHandleByIndex, parent, mig_index
-                )
+                handle = self._call(index, get, parent, mig_index, keep=nv.NVMLError_NotFound)
             except nv.NVMLError_NotFound:
                 continue
-            except nv.NVMLError:
-                handle = self._call(
-                    gpu.index, nv.nvmlDeviceGetMigDeviceHandleByIndex, parent, mig_index
-                )
-            key = mig_key(gpu.index, mig_index)
+            key = mig_key(index, mig_index)
             self._handles[key] = handle
-            name = _text(self._call(gpu.index, nv.nvmlDeviceGetName, handle))
-            memory = self._call(gpu.index, nv.nvmlDeviceGetMemoryInfo, handle)
+            name = _text(self._call(index, nv.nvmlDeviceGetName, handle))
+            memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
             mig = MigSlice(
-                parent=gpu.index,
+                parent=index,
                 parent_uuid=gpu.uuid,
                 mig_index=mig_index,
-                gpu_instance=int(self._call(gpu.index, nv.nvmlDeviceGetGpuInstanceId, handle)),
-                compute_instance=int(
-                    self._call(gpu.index, nv.nvmlDeviceGetComputeInstanceId, handle)
-                ),
+                gpu_instance=int(self._call(index, nv.nvmlDeviceGetGpuInstanceId, handle)),
+                compute_instance=int(self._call(index, nv.nvmlDeviceGetComputeInstanceId, handle)),
                 profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
             )
-            uuid = _text(self._call(gpu.index, nv.nvmlDeviceGetUUID, handle))
+            uuid = _text(self._call(index, nv.nvmlDeviceGetUUID, handle))
             slices.append(Gpu(key, uuid, gpu.minor, name, int(memory.total) // MIB, mig=mig))
         return slices
 
@@ -397,8 +373,7 @@ class NvmlDriver:
         return usage
 
     def _usage(self, gpu: Gpu) -> GpuUsage:
-        """A GPU's or a MIG slice's (its own handle: its memory, the processes on it).
-        Errors on a slice are its GPU's (GpuError names the GPU's index)."""
+        """A GPU's or a MIG slice's (its own handle); errors on a slice are its GPU's."""
         nv = self._nv
         handle = self._handles[gpu.index]
         index = gpu.index if gpu.mig is None else gpu.mig.parent
@@ -411,12 +386,10 @@ class NvmlDriver:
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
             try:
-                procs = self._raw(index, query, handle)
+                procs = self._call(index, query, handle, keep=nv.NVMLError_NotSupported)
             except nv.NVMLError_NotSupported:
                 listed = False  # the memory figure still stands; the device files decide
                 continue
-            except nv.NVMLError:
-                procs = self._call(index, query, handle)  # raises the run's error
             for proc in procs:
                 mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
                 previous = by_pid.get(int(proc.pid))
@@ -430,8 +403,8 @@ class NvmlDriver:
         return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
     def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
-        """whole: a GPU's handle. A MIG slice's handle that refuses v2 falls back to v1 for
-        that call alone: v2 stays on for the GPUs."""
+        """A MIG slice's handle (not whole) that refuses v2 falls back to v1 for that call
+        alone: v2 stays on for the GPUs."""
         nv = self._nv
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
@@ -450,10 +423,13 @@ class NvmlDriver:
                 pass  # the v1 call below reports it, in the words every other call uses
         return int(self._call(index, nv.nvmlDeviceGetMemoryInfo, handle).used)
 
-    def _call(self, index: int, function: Any, *args: Any) -> Any:
+    def _call(self, index: int, function: Any, *args: Any, keep: Any = ()) -> Any:
+        """One call on the NVML thread, its NVMLError as gpugate's (but those of keep)."""
         nv = self._nv
         try:
             return self._raw(index, function, *args)
+        except keep:
+            raise
         except nv.NVMLError_GpuIsLost:
             raise GpuError(
                 index,
@@ -478,33 +454,6 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class NotAnswering:
-    """Stands in for a driver that hung before it named its GPUs (`status`): no GPU can be
-    read; each /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
-
-    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
-        self.error = error
-        self.minors = list(minors)
-
-    def gpus(self) -> Sequence[Gpu]:
-        return []
-
-    def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
-
-    def not_answering(self) -> NvmlNotAnswering:
-        return self.error
-
-    def answer_by(self, deadline: float) -> None:
-        pass  # it is asked nothing
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        raise self.error
-
-    def close(self) -> None:
-        pass
-
-
 class NoGpus:
     """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only."""
 
@@ -527,12 +476,29 @@ class NoGpus:
         pass
 
 
-# Each NVML call with its deadline (bounded calls): Calls into a library that may never return (a
-# hung GPU driver), made on one worker thread and waited for with a deadline. ctypes releases the
-# GIL for the call, so the main thread keeps running: it waits on an Event with a timeout (a wait
-# a signal handler's exception interrupts) and gives up at the deadline. The call itself cannot be
-# cancelled: the thread is a daemon, so the process can still exit, and once a call has hung the
-# caller must make no further call (they would queue behind it).
+class NotAnswering(NoGpus):
+    """Stands in for a driver that hung before it named its GPUs (`status`): each
+    /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
+
+    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
+        self.error = error
+        self.minors = list(minors)
+
+    def faults(self) -> Sequence[GpuFault]:
+        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
+
+    def not_answering(self) -> NvmlNotAnswering:
+        return self.error
+
+    def usage(self, gpu: Gpu) -> GpuUsage:
+        raise self.error
+
+
+# Calls into a library that may never return (a hung GPU driver) are made on one daemon thread
+# and waited for until a deadline. ctypes releases the GIL for the call, so the main thread
+# waits on an Event with a timeout (a wait a signal handler's exception interrupts). A hung call
+# cannot be cancelled: the daemon thread lets the process exit, and the caller must make no
+# further call (it would queue behind the hung one).
 
 
 class CallTimedOut(Exception):
@@ -592,3 +558,48 @@ class CallThread:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
                 request.error = exc
             request.done.set()
+
+
+# MIG capability devices. The driver grants access to a GPU instance and to a compute instance
+# by device files: /proc/driver/nvidia/capabilities/gpuN/mig/giG/access (N: the GPU's minor) and
+# .../giG/ciC/access say, as "DeviceFileMinor: K", which /dev/nvidia-caps/nvidia-capK stands for
+# it. A process on a slice holds them open from its start to its exit, also while NVML does not
+# list it. The compute instance's names one slice; the GPU instance's names one where its GPU
+# instance holds that slice alone. Hosts with nv_cap_enable_devfs=0 have none, and a process
+# with CAP_SYS_ADMIN may use every capability without holding one.
+CAPABILITIES = Path("driver/nvidia/capabilities")  # under the proc root
+CAP_DEVICE = re.compile(r"nvidia-caps/nvidia-cap([0-9]+)$")
+MINOR_LINE = re.compile(rb"^DeviceFileMinor:\s*([0-9]+)\s*$", re.MULTILINE)
+MAX_ACCESS_BYTES = 4096
+
+
+def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
+    """The minor K of each capability device that ties a process to one slice -> the slice's
+    key. Empty where the host has none."""
+    slices = [(gpu, gpu.mig) for gpu in gpus if gpu.mig is not None]
+    per_instance = Counter((mig.parent, mig.gpu_instance) for _, mig in slices)
+    found: dict[int, int] = {}
+    for gpu, mig in slices:
+        folder = proc_root / CAPABILITIES / f"gpu{gpu.minor}" / "mig" / f"gi{mig.gpu_instance}"
+        ci_minor = _device_minor(folder / f"ci{mig.compute_instance}" / "access")
+        if ci_minor is not None:
+            found[ci_minor] = gpu.index
+        gi_minor = _device_minor(folder / "access")
+        if gi_minor is not None and per_instance[(mig.parent, mig.gpu_instance)] == 1:
+            found[gi_minor] = gpu.index
+    return found
+
+
+def cap_minor(path: str) -> int | None:
+    """K of a held /dev/nvidia-caps/nvidia-capK, else None."""
+    match = CAP_DEVICE.search(path)
+    return int(match.group(1)) if match else None
+
+
+def _device_minor(access: Path) -> int | None:
+    try:
+        text = read_capped(access, MAX_ACCESS_BYTES)
+    except OSError:
+        return None
+    match = MINOR_LINE.search(text)
+    return int(match.group(1)) if match else None

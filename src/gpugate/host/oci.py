@@ -1,4 +1,5 @@
-"""An OCI runtime hook's input: the container's state on stdin and its bundle's config.json.
+"""An OCI runtime hook's input: the container's state on stdin and its bundle's config.json,
+a CRI container's pod, and whether the hook runs as the host's root.
 
 Both come from the runtime, but what is in them comes from whoever made the container
 (its environment, its annotations, its name): read bounded in size and time, parsed without
@@ -18,6 +19,8 @@ import re
 import select
 import stat
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from gpugate.host.oci_gpus import (
     OciInputError,
@@ -28,6 +31,7 @@ from gpugate.host.oci_gpus import (
     has_nvidia_hook,
     mounts_reach,
     nvidia_reach,
+    read_toolkit,
 )
 from gpugate.untrusted import FILE, shown
 
@@ -55,94 +59,42 @@ CLAIMED_NAME_ANNOTATIONS = (
 )
 
 
-class _Record:
-    """A small immutable record (dataclasses costs the no-GPU path an import)."""
-
-    __slots__ = ()
-
-    def _values(self) -> tuple[object, ...]:
-        names: tuple[str, ...] = self.__slots__
-        return tuple(getattr(self, name) for name in names)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, _Record)
-            and type(other) is type(self)
-            and (other._values() == self._values())
-        )
-
-    def __hash__(self) -> int:
-        return hash(self._values())
-
-    def __repr__(self) -> str:
-        names: tuple[str, ...] = self.__slots__
-        shown = ", ".join(f"{n}={getattr(self, n)!r}" for n in names)
-        return f"{type(self).__name__}({shown})"
-
-
-class GpuRequest(_Record):
+@dataclass(frozen=True)
+class GpuRequest:
     """What the container reaches. Empty: no GPU, the hook has nothing to do."""
 
-    __slots__ = ("all_gpus", "minors", "note", "origins", "refs", "unresolved")
-
-    def __init__(
-        self,
-        minors: tuple[int, ...] = (),
-        refs: tuple[str, ...] = (),
-        all_gpus: bool = False,
-        origins: tuple[str, ...] = (),
-        note: str = "",
-        unresolved: OciInputError | None = None,
-    ) -> None:
-        self.minors = minors  # minors of the 195:N device nodes it reaches
-        self.refs = refs  # indices and UUIDs of NVIDIA's lists, as written
-        self.all_gpus = all_gpus  # NVIDIA's `all`
-        self.origins = origins  # where in the spec each came from
-        self.note = note  # why NVIDIA's config defaults stood in (nvidia_toolkit's codes)
-        # After the stop (parse_config's lenient): why the request could not be resolved; the
-        # container's lease then says which GPUs it had.
-        self.unresolved = unresolved
+    minors: tuple[int, ...] = ()  # minors of the 195:N device nodes it reaches
+    refs: tuple[str, ...] = ()  # indices and UUIDs of NVIDIA's lists, as written
+    all_gpus: bool = False  # NVIDIA's `all`
+    origins: tuple[str, ...] = ()  # where in the spec each came from
+    note: str = ""  # why NVIDIA's config defaults stood in (oci_gpus.read_toolkit's codes)
+    # After the stop (parse_config's lenient): why the request could not be resolved; the
+    # container's lease then says which GPUs it had.
+    unresolved: OciInputError | None = None
 
     def __bool__(self) -> bool:
         return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
 
 
-class ContainerState(_Record):
+@dataclass(frozen=True)
+class ContainerState:
     """The OCI state a hook gets on stdin (runtime-spec's state.json)."""
 
-    __slots__ = ("annotations", "bundle", "id", "pid", "status")
-
-    def __init__(
-        self,
-        id: str,
-        pid: int,  # 0 where the runtime gave none (poststop)
-        bundle: str,
-        status: str,
-        annotations: dict[str, str] | None = None,
-    ) -> None:
-        self.id = id
-        self.pid = pid
-        self.bundle = bundle
-        self.status = status
-        self.annotations = annotations or {}
+    id: str
+    pid: int  # 0 where the runtime gave none (poststop)
+    bundle: str
+    status: str
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
-class ContainerSpec(_Record):
+@dataclass(frozen=True)
+class ContainerSpec:
     """What gpugate needs from config.json."""
 
-    __slots__ = ("annotations", "cgroups_path", "gpus", "hostname")
-
-    def __init__(
-        self,
-        gpus: GpuRequest,
-        cgroups_path: str | None,  # linux.cgroupsPath, as the runtime wrote it
-        annotations: dict[str, str],
-        hostname: str | None,
-    ) -> None:
-        self.gpus = gpus
-        self.cgroups_path = cgroups_path
-        self.annotations = annotations
-        self.hostname = hostname
+    gpus: GpuRequest
+    cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
+    annotations: dict[str, str]
+    hostname: str | None
 
 
 def read_stdin_bounded(
@@ -271,8 +223,6 @@ def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) ->
     note = ""
     if has_nvidia_hook(spec.get("hooks")):
         if toolkit is None:
-            from gpugate.host.nvidia_toolkit import read_toolkit  # noqa: PLC0415 (GPU path)
-
             toolkit = read_toolkit()
         note = toolkit.note
         nvidia_reach(spec, toolkit, reach)
@@ -366,3 +316,102 @@ def _string_map(value: object) -> dict[str, str]:
 
 def _first_line(exc: Exception) -> str:
     return str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+
+
+# A CRI container as Kubernetes names it, and its pod's sandbox, from the annotations its
+# runtime writes: containerd's CRI plugin (`io.kubernetes.cri.*`) and CRI-O
+# (`io.kubernetes.pod.*`, `io.kubernetes.cri-o.*`). The names are the pod author's text: shown
+# only escaped, beside the container's id. The sandbox (the pause container holding a pod's
+# namespaces) is the container whose annotations say `sandbox` *and* whose sandbox id is its own
+# id: the runtime sets both, and no one who starts a container can know its id in advance.
+SANDBOX = "sandbox"
+
+
+@dataclass(frozen=True)
+class CriKeys:
+    kind: str  # "sandbox" or "container"
+    sandbox_id: str
+    namespace: str
+    pod: str
+    container: str
+
+
+CONTAINERD = CriKeys(
+    kind="io.kubernetes.cri.container-type",
+    sandbox_id="io.kubernetes.cri.sandbox-id",
+    namespace="io.kubernetes.cri.sandbox-namespace",
+    pod="io.kubernetes.cri.sandbox-name",
+    container="io.kubernetes.cri.container-name",
+)
+CRIO = CriKeys(
+    kind="io.kubernetes.cri-o.ContainerType",
+    sandbox_id="io.kubernetes.cri-o.SandboxID",
+    namespace="io.kubernetes.pod.namespace",
+    pod="io.kubernetes.pod.name",
+    container="io.kubernetes.container.name",
+)
+CRI_RUNTIMES = (CONTAINERD, CRIO)
+
+
+@dataclass(frozen=True)
+class PodName:
+    """Raw, as the annotations have it: escape before showing."""
+
+    namespace: str
+    pod: str
+    container: str  # "" where the runtime names none
+
+    @property
+    def text(self) -> str:
+        """`ml/vllm-0/server`, as kubectl names a pod's container."""
+        return "/".join(part for part in (self.namespace, self.pod, self.container) if part)
+
+
+def pod_name(annotations: Mapping[str, str]) -> PodName | None:
+    for keys in CRI_RUNTIMES:
+        namespace = annotations.get(keys.namespace, "")
+        pod = annotations.get(keys.pod, "")
+        if namespace and pod:
+            return PodName(namespace, pod, annotations.get(keys.container, ""))
+    return None
+
+
+def is_sandbox(container_id: str, annotations: Mapping[str, str]) -> bool:
+    """A pod's sandbox (pause) container: never gated, it holds no GPU."""
+    return any(
+        annotations.get(keys.kind) == SANDBOX and annotations.get(keys.sandbox_id) == container_id
+        for keys in CRI_RUNTIMES
+    )
+
+
+# Is this process the host's root? A rootless runtime (podman run by alice, rootless docker)
+# runs its hooks and its runtime wrapper as uid 0 inside the user namespace it made: that root
+# owns nothing of the host's, so the euid alone cannot tell. The initial user namespace, and
+# only it in practice, maps every uid onto itself (`/proc/self/uid_map`: `0 0 4294967295`); a
+# namespace made by a user maps a small range (`0 1000 1`). Where root made one with the full
+# identity map, `/proc/self/ns/user` differing from PID 1's still says so.
+INITIAL_UID_MAP = ("0", "0", "4294967295")
+MAX_UID_MAP = 4096  # the kernel allows 340 lines of at most 36 bytes
+
+
+def not_host_root(proc: str = "/proc") -> str | None:
+    """None where this process is the host's root; else why not (`euid 1000`, `user namespace,
+    uid_map 0 1000 1`). A uid_map that cannot be read leaves the euid to decide; a PID 1 whose
+    namespace cannot be read leaves the uid_map to decide."""
+    euid = os.geteuid()
+    if euid != 0:
+        return f"euid {euid}"
+    try:
+        with open(f"{proc}/self/uid_map", encoding="ascii", errors="replace") as stream:
+            fields = stream.read(MAX_UID_MAP).split()
+    except OSError:
+        return None
+    if tuple(fields) != INITIAL_UID_MAP:
+        return "user namespace, uid_map " + " ".join(fields[:6])
+    try:
+        mine, init = os.stat(f"{proc}/self/ns/user"), os.stat(f"{proc}/1/ns/user")
+    except OSError:
+        return None
+    if (mine.st_dev, mine.st_ino) != (init.st_dev, init.st_ino):
+        return "user namespace other than PID 1's"
+    return None

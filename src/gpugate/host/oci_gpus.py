@@ -18,7 +18,7 @@ container's creator chose:
   CDI mode injects them).
 195:254 (nvidia-modeset) and 195:255 (nvidiactl) are no GPU; nvidia-uvm and nvidia-caps have
 majors of their own (dynamic) and are no GPU by themselves. Standard library only (the hook's
-fast path); NVIDIA's config file is read only for a spec with NVIDIA's hook.
+fast path); NVIDIA's config file is read only for a spec with NVIDIA's hook (read_toolkit).
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from __future__ import annotations
 import os
 import re
 import stat
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from gpugate.errors import ExitCode, GateError
 from gpugate.untrusted import echo
@@ -53,27 +55,23 @@ class OciInputError(GateError):
     exit_code = ExitCode.USAGE
 
 
+@dataclass(frozen=True)
 class Toolkit:
     """What of NVIDIA's config.toml decides which list its hook reads (its defaults)."""
 
-    __slots__ = ("envvar_unprivileged", "note", "volume_mounts")
-
-    def __init__(
-        self, envvar_unprivileged: bool = True, volume_mounts: bool = False, note: str = ""
-    ) -> None:
-        self.envvar_unprivileged = envvar_unprivileged
-        self.volume_mounts = volume_mounts
-        self.note = note  # why the defaults stand in for the file, where they do
+    envvar_unprivileged: bool = True
+    volume_mounts: bool = False
+    note: str = ""  # why the defaults stand in for the file, where they do
 
 
+@dataclass
 class Reach:
     """What a spec reaches: device minors of major 195, NVIDIA indices/UUIDs, all."""
 
-    def __init__(self) -> None:
-        self.minors: list[int] = []
-        self.refs: list[str] = []
-        self.all_gpus = False
-        self.origins: list[str] = []
+    minors: list[int] = field(default_factory=list)
+    refs: list[str] = field(default_factory=list)
+    all_gpus: bool = False
+    origins: list[str] = field(default_factory=list)
 
     def minor(self, minor: int, origin: str) -> None:
         if minor not in self.minors:
@@ -346,3 +344,32 @@ def visible_words(env: object) -> list[str]:
         if word in ("all", "none"):
             return ["all"] if word == "all" else []
     return list(dict.fromkeys(words))
+
+
+# NVIDIA Container Toolkit's config.toml, as far as it decides which list NVIDIA's hook reads
+# (api/config/v1/config.go). Read only where root owns it and its folders and no one else may
+# write them, at most 1 MiB; otherwise NVIDIA's defaults stand, with a note saying why.
+TOOLKIT_CONFIG = Path("/etc/nvidia-container-runtime/config.toml")
+ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
+MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
+UNTRUSTED = "untrusted"  # another account than root may change it or a folder above it
+UNREADABLE = "unreadable"  # not a regular file of at most 1 MiB, not UTF-8 TOML
+NOT_BOOLEAN = "not-boolean"  # one of the two keys is not true or false
+
+
+def read_toolkit(path: Path = TOOLKIT_CONFIG) -> Toolkit:
+    from gpugate.compat import tomllib  # noqa: PLC0415 (GPU path only)
+    from gpugate.host.safe_files import read_capped, untrusted  # noqa: PLC0415
+
+    if not path.exists() and not path.is_symlink():
+        return Toolkit()
+    if untrusted(path) is not None:
+        return Toolkit(note=UNTRUSTED)
+    try:
+        data = tomllib.loads(read_capped(path).decode("utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return Toolkit(note=UNREADABLE)
+    envvar, mounts = data.get(ENVVAR_KEY, True), data.get(MOUNTS_KEY, False)
+    if not isinstance(envvar, bool) or not isinstance(mounts, bool):
+        return Toolkit(note=NOT_BOOLEAN)
+    return Toolkit(envvar_unprivileged=envvar, volume_mounts=mounts)

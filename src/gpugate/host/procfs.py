@@ -1,10 +1,7 @@
-"""Reading /proc: one process's facts, pinned by (pid, start time), and the device-file scan.
-
-A process's facts are read from its /proc files by hand, under any proc root (psutil's one
-knob for another root, the module-global psutil.PROCFS_PATH, would change it for the whole
-process, and psutil has no API for the session, process group, cgroup, wchan or the kernel's
-children lists); the device-fd and maps scan is `gpugate.host.scan`. Everything here returns
-None for a process that vanished mid-read; nothing here decides or signals.
+"""One process's facts from /proc, pinned by (pid, start time), None for a process that
+vanished mid-read. Read by hand, under any proc root: psutil's one knob for another root, the
+module-global psutil.PROCFS_PATH, would change it for the whole process, and psutil has no API
+for the session, process group, cgroup, wchan or the kernel's children lists.
 """
 
 from __future__ import annotations
@@ -13,9 +10,8 @@ import os
 import pwd
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import NamedTuple
 
 PF_KTHREAD = 0x00200000
 DEFAULT_PROC = Path("/proc")
@@ -63,12 +59,6 @@ class ProcInfo:
             return str(self.uid)
 
 
-class _Facts(NamedTuple):
-    uid: int | None
-    cmdline: list[str]
-    exe: str | None
-
-
 def parse_stat(text: str) -> ProcInfo | None:
     # comm may hold spaces and parentheses: it ends at the last ')'.
     open_paren, close_paren = text.find("("), text.rfind(")")
@@ -98,10 +88,9 @@ def parse_cgroup(text: str) -> str | None:
 
 
 class ProcFs:
-    """Reads /proc under `root`. Outside `oneshot()` every read is fresh; inside it, a process's
-    facts are read once and kept until the block ends (psutil's `oneshot()` is the model): the
-    run opens one per discovery round, so a round sees one consistent table and the next round,
-    or the kill that follows, sees the processes as they are now."""
+    """Reads /proc under `root`. Inside `oneshot()` (psutil's is the model) a process's facts
+    are read once and kept until the block ends: one per discovery round, so a round sees one
+    consistent table and the next round, or the kill, sees the processes as they are now."""
 
     def __init__(self, root: Path = DEFAULT_PROC) -> None:
         self.root = Path(root)
@@ -140,8 +129,7 @@ class ProcFs:
         return info
 
     def stat(self, pid: int) -> ProcInfo | None:
-        """The cheap facts (one read): enough to walk the tree. By hand: psutil has no API for
-        the session, process group, tty number or PF_KTHREAD, and reads more files for less."""
+        """The cheap facts (one read): enough to walk the tree."""
         if self._cache is not None and pid in self._cache:
             return self._cache[pid]
         text = self._read(pid, "stat")
@@ -153,38 +141,29 @@ class ProcFs:
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
-        cgroup_text = self._read(pid, "cgroup")
-        facts = self._facts(base)
-        if facts is None or cgroup_text is None:
-            return self._remember(pid, None)
-        uid, cmdline, exe = facts
-        info = ProcInfo(
-            **{
-                **base.__dict__,
-                "uid": uid,
-                "cgroup": parse_cgroup(cgroup_text) or "/",
-                "cmdline": tuple(arg for arg in cmdline if arg),
-                "exe": exe or None,
-            }
-        )
-        return self._remember(pid, info)
+        return self._remember(pid, self._facts(base))
 
-    def _facts(self, base: ProcInfo) -> _Facts | None:
+    def _facts(self, base: ProcInfo) -> ProcInfo | None:
+        """None where the process is gone, or its PID reused since stat was read."""
         pid = base.pid
+        cgroup_text = self._read(pid, "cgroup")
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
             exe: str | None = os.readlink(f"{self.root}/{pid}/exe")
         except OSError:  # another user's (not root), a zombie's, a kernel thread's
             exe = None
-        uid = self._uid(pid)
-        if self._start_time(pid) != base.start_time and base.state != "Z":
-            return None  # gone, or the PID was reused since stat was read
-        return _Facts(uid, cmdline, exe)
-
-    def _uid(self, pid: int) -> int | None:
         status = self._read(pid, "status") or ""
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
-        return int(uids[0]) if uids else None
+        gone = self._start_time(pid) != base.start_time and base.state != "Z"
+        if gone or cgroup_text is None:
+            return None
+        return replace(
+            base,
+            uid=int(uids[0]) if uids else None,
+            cgroup=parse_cgroup(cgroup_text) or "/",
+            cmdline=tuple(arg for arg in cmdline if arg),
+            exe=exe or None,
+        )
 
     def _start_time(self, pid: int) -> int | None:
         text = self._read(pid, "stat")
@@ -195,8 +174,8 @@ class ProcFs:
         return (self._read(pid, "wchan") or "?").strip() or "?"
 
     def children(self, pid: int) -> list[int]:
-        """Children of every thread of pid (needs CONFIG_PROC_CHILDREN, as Debian kernels have).
-        By hand: psutil's children() reads the parent of every process on the host."""
+        """Children of every thread of pid (CONFIG_PROC_CHILDREN). By hand: psutil's children()
+        reads the parent of every process on the host."""
         result: list[int] = []
         try:
             tasks = os.listdir(f"{self.root}/{pid}/task")

@@ -1,21 +1,30 @@
-"""Where gpugate looks: the roots of /dev, /proc and the cgroup tree, and whether to ask systemd.
+"""Where gpugate looks: the roots of /dev, /proc and the cgroup tree, whether to ask systemd,
+and which cgroup tree the host tracks units in.
 
-Production uses the real ones. Tests point them at stand-ins with an injected `HostRoots`, or,
+Production uses the real roots. Tests point them at stand-ins with an injected `HostRoots`, or,
 for gpugate run as a command, the hidden `--host-roots dev=DIR,proc=DIR,cgroup=DIR` option,
 which the unit drop-in never carries. Never from the environment: the hooks run as root with
 the unit's environment, and a root chosen there would choose what root kills.
+
+systemd mounts one of three cgroup layouts (systemd.unified_cgroup_hierarchy=):
+- unified: cgroup2 at /sys/fs/cgroup (Debian 11+, Ubuntu 21.10+, RHEL 9);
+- hybrid: v1 controllers under a tmpfs at /sys/fs/cgroup, and cgroup2 at /sys/fs/cgroup/unified,
+  the tree systemd tracks every unit's processes in (Ubuntu 20.04, Debian 10): the same unit
+  paths, `0::` lines of /proc/PID/cgroup name them;
+- legacy: v1 only (RHEL 8): no tree where a process's `0::` line says which unit it is in.
+gpugate works from the unified tree of the first two and refuses the third before it kills.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path, PurePosixPath
 
-from gpugate.errors import ConfigError
+from gpugate.errors import ConfigError, HostUnsupported
 from gpugate.untrusted import echo
 
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
-# the unified tree of a hybrid host (host/cgroups.py), where systemd tracks units there
 HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
 OPTION = "--host-roots"
 NAMES = ("dev", "proc", "cgroup")
@@ -29,7 +38,7 @@ class HostRoots:
 
     @property
     def ask_systemd(self) -> bool:
-        """systemd's answers (a unit's ControlGroup) name paths in the real cgroup tree only."""
+        """systemd's answers (a unit's ControlGroup) name paths in the real tree only."""
         return self.cgroup in (SYSTEM_CGROUP_ROOT, HYBRID_UNIFIED_ROOT)
 
     @classmethod
@@ -54,3 +63,91 @@ class HostRoots:
             path: Path = getattr(self, name)
             if not path.is_dir():
                 raise ConfigError(OPTION, name, f"{echo(str(path), quote=False)}: no such folder")
+
+
+UNIFIED = "unified"
+HYBRID = "hybrid"
+LEGACY = "legacy"
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    kind: str  # UNIFIED, HYBRID or LEGACY
+    # where the tree systemd tracks units in is mounted; None on a legacy host
+    unified_mount: PurePosixPath | None
+
+
+def mount_table(mountinfo: str) -> dict[str, str]:
+    """Mount point -> file system type of each mountinfo line (a later mount on the same point
+    hides an earlier one). Points are unescaped: mountinfo writes space, tab, newline and
+    backslash as octal (\\040, \\011, \\012, \\134)."""
+    table: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        before, _, after = line.partition(" - ")
+        fields, fstype = before.split(), after.split()[:1]
+        if len(fields) < 5 or not fstype:
+            continue
+        point = fields[4]
+        for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(code, char)
+        table[point] = fstype[0]
+    return table
+
+
+def cgroup_layout(mountinfo: str) -> CgroupLayout:
+    fstype_at = mount_table(mountinfo)
+    system = PurePosixPath(str(SYSTEM_CGROUP_ROOT))
+    hybrid = PurePosixPath(str(HYBRID_UNIFIED_ROOT))
+    if fstype_at.get(str(system)) == "cgroup2":
+        return CgroupLayout(UNIFIED, system)
+    if fstype_at.get(str(hybrid)) == "cgroup2":
+        return CgroupLayout(HYBRID, hybrid)
+    # A cgroup2 mounted anywhere else (by hand, by a container runtime) is no tree systemd
+    # puts units in: its paths would name no unit.
+    return CgroupLayout(LEGACY, None)
+
+
+def read_cgroup_layout(proc_root: Path) -> CgroupLayout:
+    try:
+        text = (proc_root / "self" / "mountinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise HostUnsupported(
+            f"cannot read {proc_root / 'self' / 'mountinfo'} ({exc.strerror}): gpugate cannot "
+            "tell which cgroup tree this host tracks its units in; nothing was killed"
+        ) from None
+    return cgroup_layout(text)
+
+
+def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
+    """roots with the cgroup root (/sys/fs/cgroup or a test's stand-in) moved to the tree
+    systemd tracks units in: on a hybrid host its `unified` folder."""
+    if layout.kind == LEGACY or layout.unified_mount is None:
+        raise HostUnsupported(
+            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
+            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
+            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
+            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
+            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
+        )
+    relative = layout.unified_mount.relative_to(PurePosixPath(str(SYSTEM_CGROUP_ROOT)))
+    unified = roots.cgroup / relative
+    if not unified.is_dir():
+        raise HostUnsupported(
+            f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
+            "cannot find its units' processes; nothing was killed"
+        )
+    return replace(roots, cgroup=unified)
+
+
+def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
+    """This host's layout where the cgroup root is the real one; None for a stand-in tree."""
+    if roots.cgroup != SYSTEM_CGROUP_ROOT:
+        return None
+    return read_cgroup_layout(roots.proc)
+
+
+def on_units_tree(
+    given: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
+) -> HostRoots:
+    found = layout(given)
+    return given if found is None else on_unified_hierarchy(given, found)

@@ -1,34 +1,42 @@
-"""Files root reads and writes where another account may have been first: the one place that
-opens gpugate's config and state files (configs, leases, failed-start records, locks, the
-metrics textfile) and judges who may change a path.
+"""Files and programs root uses where another account may have been first: the one place that
+opens gpugate's config and state files (configs, leases, records, locks, the metrics textfile),
+judges who may change a path (and says so in words), and runs programs.
 
 - `untrusted(path)`: the first of a path and the folders above it (to `/`) that an account
   other than root (and, not running as root, the running account) may change: its owner, or
   group or other write permission. A sticky folder writable by all (`/tmp`) counts as safe for
   an entry below it that is itself a trusted account's: the sticky bit lets no other account
-  rename, remove or replace that entry. Facts only; the words are report/'s.
+  rename, remove or replace that entry.
 - `read_capped(path)`: O_NONBLOCK|O_NOFOLLOW, fstat, a regular file of at most `limit` bytes,
   else NotRegularFile or TooLarge, without reading a byte (a FIFO never blocks the hook).
 - `open_folder(path)`: a folder as a descriptor, reached one component at a time (openat, no
   symbolic link followed unless the folder holding it is trusted); what is opened, made or
   renamed is opened, made or renamed relative to it, so no name can be swapped meanwhile.
 - `open_in(folder_fd, name)`: a lock or state file, O_NOFOLLOW, a regular file or refused.
+- `find_program`, `run_program`: systemctl, docker, scontrol, ... from a fixed list of system
+  folders, never the caller's PATH, run with a clean environment under a deadline. gpugate runs
+  as root with the unit's (or the Slurm job's) environment: a PATH, LD_PRELOAD or PYTHONPATH
+  set there must not choose what root runs.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import os
+import pwd
 import secrets
 import stat
-from collections.abc import Collection, Iterable, Iterator
-from dataclasses import dataclass
+import subprocess
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 
-# Configs, leases, records and the metrics state are a few KiB; a MiB is absurd for any.
-MAX_BYTES = 1 << 20
+from gpugate.errors import ProgramNotAnswering, ProgramNotFound
+
+MAX_BYTES = 1 << 20  # configs, leases, records and the metrics state are a few KiB
 MAX_LINK_HOPS = 40  # as the kernel's
 
 
@@ -42,8 +50,7 @@ class Exposure(Enum):
 
 @dataclass(frozen=True)
 class Untrusted:
-    """Why another account may change `path` (the file, or the folder `path` names, above
-    `of`, the path asked about)."""
+    """Why another account may change `path` (`of`, the path asked about, or a folder above)."""
 
     path: str
     of: str
@@ -54,8 +61,6 @@ class Untrusted:
 
 
 class NotRegularFile(OSError):
-    """A FIFO, socket, device, folder or symbolic link where a file was expected."""
-
     def __init__(self, path: object, kind: str) -> None:
         super().__init__(errno.EINVAL, f"not a regular file ({kind})", str(path))
         self.kind = kind
@@ -69,8 +74,6 @@ class TooLarge(OSError):
 
 
 class UnsafeLink(OSError):
-    """A symbolic link in a folder another account may change: never followed."""
-
     def __init__(self, path: str, folder: Untrusted) -> None:
         super().__init__(errno.ELOOP, "a symbolic link in a folder another account may change")
         self.filename = path
@@ -83,7 +86,6 @@ def trusted_uids() -> frozenset[int]:
 
 
 def kind_of(mode: int) -> str:
-    """A file type as the facts name it: fifo, socket, character-device, ..."""
     kinds = (
         (stat.S_ISFIFO, "fifo"),
         (stat.S_ISSOCK, "socket"),
@@ -99,7 +101,7 @@ def _judge(
     path: str, of: str, info: os.stat_result, below_trusted: bool, uids: Collection[int]
 ) -> Untrusted | None:
     """One component: below_trusted, the entry under this folder (if any) is a trusted
-    account's, which a sticky folder protects from every other account."""
+    account's, which a sticky folder protects."""
 
     def found(problem: Exposure) -> Untrusted:
         return Untrusted(path, of, problem, info.st_uid, info.st_gid, info.st_mode)
@@ -117,16 +119,6 @@ def _judge(
     return None
 
 
-def _chain(path: str) -> Iterator[str]:
-    current = path
-    while True:
-        yield current
-        parent = os.path.dirname(current)
-        if parent == current:
-            return
-        current = parent
-
-
 def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untrusted | None:
     """The first component of path (as written, then as resolved) that another account may
     change; None where only trusted accounts may. A missing path is judged by the folders
@@ -135,7 +127,7 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
     written = os.path.abspath(path)
     for candidate in dict.fromkeys((written, os.path.realpath(written))):
         below_trusted = True  # nothing below the path itself
-        for component in _chain(candidate):
+        for component in (candidate, *map(str, Path(candidate).parents)):
             try:
                 info = os.lstat(component)
             except OSError:  # missing: whoever may write the folder above may make it
@@ -149,19 +141,21 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
 
 
 def read_at(dir_fd: int, name: str, size: int | None = None) -> bytes:
-    """NAME's bytes under the folder descriptor, in one open, read and close: one read of at
-    most SIZE bytes, or (None) every byte to the end: /proc makes maps a page at a time.
-    OSError as os.open and os.read raise it."""
+    """NAME's bytes under the folder descriptor: one read of at most SIZE bytes, or (None)
+    every byte to the end (/proc makes maps a page at a time)."""
     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
-        if size is not None:
-            return os.read(fd, size)
-        chunks: list[bytes] = []
-        while chunk := os.read(fd, 65536):
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return os.read(fd, size) if size is not None else _read_up_to(fd, 1 << 62)
     finally:
         os.close(fd)
+
+
+def _read_up_to(fd: int, most: int) -> bytes:
+    chunks: list[bytes] = []
+    while most > 0 and (chunk := os.read(fd, min(most, 1 << 16))):
+        chunks.append(chunk)
+        most -= len(chunk)
+    return b"".join(chunks)
 
 
 def read_capped(
@@ -173,8 +167,7 @@ def read_capped(
 ) -> bytes:
     """The bytes of a regular file of at most limit bytes; never follows a symbolic link in
     its last component (unless follow_links: a file another program reads through its links,
-    as systemd reads EnvironmentFile=), never blocks on a FIFO or device. OSError
-    (FileNotFoundError, NotRegularFile, TooLarge, ...)."""
+    as systemd reads EnvironmentFile=), never blocks on a FIFO or device."""
     flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     flags |= 0 if follow_links else os.O_NOFOLLOW
     try:
@@ -187,15 +180,7 @@ def read_capped(
             raise NotRegularFile(path, kind_of(info.st_mode))
         if info.st_size > limit:
             raise TooLarge(path, info.st_size, limit)
-        chunks: list[bytes] = []
-        left = limit + 1
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 16))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
+        data = _read_up_to(fd, limit + 1)
         if len(data) > limit:  # grew since fstat
             raise TooLarge(path, len(data), limit)
         return data
@@ -204,8 +189,8 @@ def read_capped(
 
 
 def _what_is_there(path: Path | str, exc: OSError, dir_fd: int | None) -> OSError:
-    """An open that failed because of what is there (a link: ELOOP; a socket: ENXIO; ...)
-    as NotRegularFile; any other cause as it was."""
+    """An open that failed because of what is there (a link: ELOOP; a socket: ENXIO; ...) as
+    NotRegularFile."""
     if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):
         return exc
     try:
@@ -221,10 +206,8 @@ def _folder_trusted(fd: int, link_uid: int, uids: Collection[int]) -> Untrusted 
 
 
 def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> int:
-    """path's folder as an O_DIRECTORY descriptor (the caller closes it), made where missing
-    (make). A symbolic link on the way is followed only where the folder holding it is
-    trusted (untrusted() of it is None); else UnsafeLink. NotADirectoryError where a file is
-    in the way."""
+    """path's folder as an O_DIRECTORY descriptor, made where missing (make). A symbolic link
+    on the way is followed only where the folder holding it is trusted; else UnsafeLink."""
     uids = trusted_uids()
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     queue = list(Path(os.path.abspath(path)).parts[1:])
@@ -239,7 +222,8 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
                 why = _folder_trusted(fd, link.uid, uids)
                 if why is not None or hops > MAX_LINK_HOPS:
                     folder = why or Untrusted(here, here, Exposure.OWNER, -1, -1, 0)
-                    raise UnsafeLink(os.path.join(here, name), _named(folder, here)) from None
+                    named = replace(folder, path=here, of=here)
+                    raise UnsafeLink(os.path.join(here, name), named) from None
                 target = os.path.normpath(os.path.join(here, link.target))
                 queue = list(Path(target).parts[1:]) + queue
                 os.close(fd)
@@ -251,10 +235,6 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
         os.close(fd)
         raise
     return fd
-
-
-def _named(found: Untrusted, path: str) -> Untrusted:
-    return Untrusted(path, path, found.problem, found.uid, found.gid, found.mode)
 
 
 class _Link(Exception):
@@ -284,7 +264,7 @@ def _open_component(fd: int, name: str, flags: int, *, make: bool, mode: int) ->
 
 def open_in(folder_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
     """name in the folder (open_folder's), never through a symbolic link, a regular file or
-    NotRegularFile (never blocking on a FIFO on the way). flags: O_RDWR | O_CREAT, ..."""
+    NotRegularFile (never blocking on a FIFO on the way)."""
     all_flags = flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
         fd = os.open(name, all_flags, mode, dir_fd=folder_fd)
@@ -307,22 +287,16 @@ def folder(path: Path | str, *, make: bool = True) -> Iterator[int]:
         os.close(fd)
 
 
-# Files replaced whole (write_atomically): written beside the target,
-# flushed to disk, then renamed over it, so a reader (systemd, node_exporter, the next gpugate
-# run) sees the old file or the new one, never half of one, also after a crash or a power cut.
-# Everything is done relative to the folder's descriptor (folder(), above): the temporary is
-# made with O_EXCL|O_NOFOLLOW under a name of its own, its mode set with fchmod on the descriptor,
-# and it is renamed into place; a symbolic link another account planted in the folder is never
-# followed, so root never creates, writes or chmods the link's target.
-
-
 def write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     with folder(path.parent) as folder_fd:
         write_in(folder_fd, path.name, text.encode("utf-8"), mode)
 
 
 def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
-    """Replace name in the folder (a descriptor from safe_files.open_folder) with data."""
+    """Replace name in the folder (open_folder's descriptor) with data: written beside it under
+    a name of its own (O_EXCL|O_NOFOLLOW), flushed, fchmod'ed, renamed over it, so a reader sees
+    the old file or the new one, also after a crash; a link another account planted in the
+    folder is never followed."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     temporary = f".{name}.{secrets.token_hex(6)}.tmp"
     fd = os.open(temporary, flags, 0o600, dir_fd=folder_fd)
@@ -340,14 +314,13 @@ def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
         with contextlib.suppress(OSError):
             os.unlink(temporary, dir_fd=folder_fd)
         raise
-    # The rename itself is on disk only once the folder is.
     with contextlib.suppress(OSError):
         os.fsync(folder_fd)
 
 
 def first_root_executable(paths: Iterable[str]) -> str | None:
     """The first of paths that is an executable regular file; as root, only one owned by root
-    that no other account may rewrite. None if none is."""
+    that no other account may rewrite."""
     for path in paths:
         try:
             info = os.stat(path)
@@ -365,3 +338,166 @@ def _only_root_may_change(info: os.stat_result) -> bool:
     if info.st_uid != 0 or info.st_mode & stat.S_IWOTH:
         return False
     return not (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
+
+
+# Root-owned folders where Debian, Ubuntu, RHEL, Slurm's and Docker's packages put their
+# programs, searched in this order. Nothing a unit sets adds to them.
+SYSTEM_DIRS: tuple[str, ...] = (
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+    "/opt/slurm/bin",
+    "/snap/bin",
+)
+SYSTEM_PATH = ":".join(SYSTEM_DIRS[:6])
+
+
+@dataclass(frozen=True)
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def first_line(self) -> str:
+        """What the program said first (stderr, else stdout)."""
+        said = (self.stderr or self.stdout).strip().splitlines()
+        return said[0] if said else ""
+
+
+def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
+    folders = SYSTEM_DIRS if dirs is None else dirs
+    return first_root_executable(os.path.join(folder, name) for folder in folders)
+
+
+def clean_environment() -> dict[str, str]:
+    """All a child gets: the system folders as PATH, the C locale (its output is parsed), and
+    the home of gpugate's account (docker's and podman's configuration)."""
+    try:
+        home = pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        home = "/"
+    return {"PATH": SYSTEM_PATH, "LC_ALL": "C", "HOME": home}
+
+
+def run_program(argv: Sequence[str], timeout_s: float) -> Result:
+    """argv (argv[0] from find_program) with the clean environment and no stdin.
+    ProgramNotAnswering where it outlives timeout_s (it is killed); ProgramNotFound where it
+    cannot be started; a non-zero exit is the caller's to judge."""
+    if not os.path.isabs(argv[0]):
+        raise ValueError(f"{argv[0]!r}: not an absolute path (find_program)")
+    name = os.path.basename(argv[0])
+    try:
+        done = subprocess.run(
+            list(argv),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=timeout_s,
+            check=False,
+            stdin=subprocess.DEVNULL,
+            env=clean_environment(),
+        )
+    except subprocess.TimeoutExpired:
+        raise ProgramNotAnswering(
+            f"{name} {' '.join(argv[1:2])} did not answer within {timeout_s:g} s (killed)"
+        ) from None
+    except OSError as exc:
+        raise ProgramNotFound(f"{argv[0]}: cannot run it: {exc.strerror or str(exc)}") from None
+    return Result(done.returncode, done.stdout, done.stderr)
+
+
+# What root will not read or follow, in words (docs/hardening.md, rules 2 and 6).
+RULE = "docs/hardening.md, rule 2"
+KINDS = {
+    "fifo": "a FIFO",
+    "socket": "a socket",
+    "character-device": "a character device",
+    "block-device": "a block device",
+    "folder": "a folder",
+    "symlink": "a symbolic link",
+}
+
+
+def account(uid: int | None) -> str:
+    """`alice (uid 1000)`."""
+    if uid is None:
+        return "an account gpugate could not read"
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def group(gid: int) -> str:
+    try:
+        return grp.getgrgid(gid).gr_name
+    except KeyError:
+        return f"gid {gid}"
+
+
+def _facts(found: Untrusted) -> str:
+    return f"owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o}"
+
+
+def _why(found: Untrusted) -> str:
+    what = "folder " if stat.S_ISDIR(found.mode) else ""
+    where = "it" if found.path == found.of else f"its {what}{found.path}"
+    problem = {
+        Exposure.OWNER: f"{where} belongs to another account",
+        Exposure.GROUP_WRITABLE: f"{where} is writable by group {group(found.gid)}",
+        Exposure.WORLD_WRITABLE: f"{where} is writable by every account",
+    }[found.problem]
+    if found.path != found.of:
+        problem += f" ({_facts(found)})"
+    return problem
+
+
+def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
+    """A path another account may change, refused: a config file (after `PATH: `), or
+    gpugate's own state folder, lock_dir (after `lock_dir: `; state)."""
+    mine = f" ({_facts(found)})" if found.path == found.of else ""
+    euid = os.geteuid()
+    accounts = "root" if euid == 0 else f"root or {account(euid)}"
+    if state:
+        where = f"{found.of}: "
+        rule = (
+            f"gpugate's state folder and the folders above it must belong to {accounts} and "
+            "be writable by no group or other account"
+        )
+    else:
+        where = ""
+        rule = (
+            "gpugate reads only a config file that it and every folder above it belong to "
+            f"{accounts} and no group or other account may write"
+        )
+    return f"{where}refused: {_why(found)}{mine}; {rule} ({RULE}); nothing was done"
+
+
+def unreadable(exc: OSError) -> str:
+    if isinstance(exc, NotRegularFile):
+        return f"refused: {KINDS.get(exc.kind, exc.kind)}, not a regular file; not read"
+    if isinstance(exc, TooLarge):
+        return f"refused: {exc.size} bytes, more than a config file ({exc.limit}); not read"
+    return exc.strerror or str(exc)
+
+
+def metrics_folder_warning(textfile: Path, found: Untrusted) -> str:
+    return (
+        f"warning: metrics_textfile {textfile}: {_why(found)}: gpugate writes there only "
+        "through the folder's descriptor, never following a link and replacing files by "
+        f"rename ({RULE})"
+    )
+
+
+def environment_warnings(unit: str, names: Sequence[tuple[str, str]]) -> list[str]:
+    """One line per variable of the unit's environment (where: "Environment=" or the
+    EnvironmentFile=) that changes what root's hooks load."""
+    return [
+        f"warning: {unit}: {where} sets {name}: gpugate's hooks run as root with the unit's "
+        f"environment, and {name} chooses code they load (docs/hardening.md, rule 6); set it "
+        "in the server's own ExecStart= (env NAME=... COMMAND) instead"
+        for name, where in names
+    ]

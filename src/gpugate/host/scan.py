@@ -1,5 +1,6 @@
 """The device-file scan: every process with an NVIDIA device file open or mapped, in one pass
-over /proc, also reading the fds and maps of the threads of a thread group whose leader exited.
+over /proc, also reading the fds and maps of the threads of a thread group whose leader exited;
+and `status --watch`'s rescans (WatchScan).
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ from gpugate.host.shm import (
 
 @dataclass(frozen=True)
 class DeviceUse:
-    """Which NVIDIA device files one process has open or mapped."""
-
     fd_paths: frozenset[str]
     mapped_paths: frozenset[str]
     sockets: frozenset[int] = frozenset()  # inodes of the asked-for sockets it has open
@@ -51,11 +50,9 @@ class DeviceUse:
 class DeviceScan:
     users: dict[int, DeviceUse]
     unreadable: list[int]  # PIDs whose fds we may not read (not root): holders may hide there
-    # Every process's files in the shm areas asked for, open or mapped (any process, holder or
-    # not: the rest of an application is chosen later, from the tree).
+    # Every process's files in the shm areas asked for, open or mapped, holder or not.
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
-    # PIDs whose fds were not all read by the deadline (a process holding millions of them),
-    # or not read at all: holders may hide there too.
+    # PIDs whose fds were not all read by the deadline: holders may hide there too.
     cut_short: list[int] = field(default_factory=list)
 
 
@@ -64,8 +61,6 @@ CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
 
 @dataclass(frozen=True)
 class Deadline:
-    """When the scan stops reading (a monotonic time), and the clock it is read on."""
-
     at: float | None = None
     clock: Callable[[], float] = time.monotonic
 
@@ -78,8 +73,6 @@ NO_DEADLINE = Deadline()
 
 @dataclass(frozen=True)
 class _Wanted:
-    """What one scan looks for, worked out once per scan rather than once per process."""
-
     prefix: str | None
     prefix_bytes: bytes | None
     socket_inodes: Collection[int]
@@ -98,19 +91,14 @@ def scan_device_users(
     pids: Collection[int] | None = None,
 ) -> DeviceScan:
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
-    (None: no device files, the shm files alone), or an fd on one of the sockets named by inode,
-    and every process's files in the shm areas (read from the same fd links and maps: no second
-    pass). pids: only these processes (`WatchScan`'s rescans). One thread: with two idle
-    cores, two threads took 8% more wall time and 17% more CPU than one (the GIL: each
-    syscall's release and re-take costs more than the syscall overlaps; docs/benchmarks.md).
+    (None: the shm files alone), or an fd on one of the sockets named by inode, and every
+    process's files in the shm areas, from the same fd links and maps. pids: only these
+    processes (`WatchScan`'s rescans). One thread: two were slower (the GIL; docs/benchmarks.md).
 
-    psutil's open_files() skips device files, so this reads /proc/PID/fd links itself. The
-    kernel's work per process is most of the cost on a host with thousands of them, so every
-    name is resolved relative to a directory fd (/proc, then /proc/PID/fd), and a process with
-    no address space (kernel thread, zombie) costs one read of its maps and one listing of its
-    threads: a thread group whose leader exited (pthread_exit in main) shows an empty maps and
-    fd table under /proc/PID while its live threads still hold files, under /proc/PID/task/TID.
-    Nothing is read past the deadline (`_scan_part`, `_names`): what is left is in `cut_short`.
+    psutil's open_files() skips device files, so this reads /proc/PID/fd links itself, each
+    name relative to a directory fd. A thread group whose leader exited (pthread_exit in main)
+    shows an empty maps and fd table under /proc/PID while its live threads still hold files,
+    under /proc/PID/task/TID. Nothing is read past the deadline: what is left is in `cut_short`.
     """
     wanted = _Wanted(
         device_prefix or None,
@@ -132,7 +120,6 @@ def scan_device_users(
 
 
 def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> None:
-    """A process's shm files, with its credentials: what it may remove (core.shm_cleanup)."""
     if shm:
         holder = read_credentials(proc_fd, name)
         scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
@@ -169,7 +156,7 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
 
 def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
     """A live thread of a thread group whose leader is a zombie; None for a kernel thread, a
-    zombie process or a process that is gone. (Threads share one fd table and address space.)"""
+    zombie process or a process that is gone."""
     try:
         task_fd = os.open(f"{pid_name}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except OSError:
@@ -192,8 +179,7 @@ class _Fds:
 
 
 def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
-    """The fd targets under the prefix, the asked-for sockets and the files in the shm areas;
-    None where we may not read them (not root)."""
+    """The fd targets wanted; None where we may not read them (not root)."""
     found = _Fds()
     prefix, socket_inodes, shm_prefixes = wanted.prefix, wanted.socket_inodes, wanted.shm_prefixes
     try:
@@ -224,8 +210,8 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
 
 
 def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
-    """The names in a folder, read a batch at a time (a million fds are not one list), until
-    the deadline (then found.cut_short)."""
+    """The names in a folder, a batch at a time (a million fds are not one list), until the
+    deadline (then found.cut_short)."""
     with os.scandir(dir_fd) as entries:
         for count, entry in enumerate(entries, 1):
             if count % CHECK_EVERY == 0 and deadline.passed():
@@ -241,7 +227,7 @@ def _add_shm(
     target: str,
     shm_areas: Sequence[ShmArea],
 ) -> None:
-    """where: /proc's fd and the process's folder in it; fd: its fd folder's fd and the name."""
+    """where: /proc's fd and the process's folder; fd: its fd folder's fd and the name."""
     area = area_of(shm_areas, target)
     shm = None if area is None else _fd_shm_file(*fd, target, area)
     if shm is not None:
@@ -249,7 +235,6 @@ def _add_shm(
 
 
 def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
-    """The fd opened the file for reading or writing (fdinfo's flags): not O_PATH."""
     try:
         return fd_opens_file(
             read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096).decode("ascii", "replace")
@@ -259,9 +244,8 @@ def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
 
 
 def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:
-    """The file behind the fd link (stat follows it to the open file, also once unlinked);
-    None where it is on another device: another mount namespace's /dev/shm (a container's),
-    whose files show the same names."""
+    """The file behind the fd link (stat follows it, also once unlinked); None on another
+    device: another mount namespace's /dev/shm (a container's) shows the same names."""
     try:
         info = os.stat(fd_name, dir_fd=dir_fd)
     except OSError:
@@ -272,12 +256,9 @@ def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFi
 
 
 def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
-    """/proc/PID/maps; None for a process that is gone or has no address space.
-
-    Kernel threads and zombies have empty maps, and no open files either: a zombie closed them
-    before it died, and a process between the two steps of exiting is past holding anything.
-    An unreadable maps (not root) counts as no mappings: the fd check reports the process.
-    """
+    """/proc/PID/maps; None for a process that is gone or has no address space (a kernel
+    thread, a zombie: no open files either). Unreadable (not root): no mappings, and the fd
+    check reports the process."""
     try:
         return read_at(proc_fd, f"{pid_name}/maps") or None
     except PermissionError:  # (at the open: the kernel checks access there)
@@ -299,7 +280,6 @@ def _names_under(data: bytes, prefix: bytes) -> Iterator[tuple[int, int, int]]:
 
 
 def _mapped_paths(data: bytes, prefix: bytes | None) -> set[str]:
-    """Mapped files under the prefix."""
     if not prefix:
         return set()
     return {
@@ -322,13 +302,12 @@ def _mapped_shm(data: bytes, areas: Sequence[ShmArea]) -> list[ShmFile]:
     return files
 
 
-# Listening TCP sockets on given ports, from /proc/net/tcp and /proc/net/tcp6 (the reading
-# process's network namespace): socket inode -> port. The fd scan then finds who holds each one.
 TCP_LISTEN = "0A"
 
 
 def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]:
-    """Inode -> port of every socket in LISTEN state bound to one of the ports (any address)."""
+    """Inode -> port of every socket in LISTEN state on one of the ports, from /proc/net/tcp
+    and tcp6 (this process's network namespace)."""
     found: dict[int, int] = {}
     if not ports:
         return found
@@ -348,13 +327,10 @@ def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]
     return found
 
 
-# The real host behind `core.shm_cleanup.ShmHost` (HostShm): a fresh pass over /proc limited
-# to the shm files, their facts, unlinks and free space.
-
-
 @dataclass
 class HostShm:
-    """One cleanup's view: the inode index of the areas is read once, when first needed."""
+    """The host behind `core.shm_cleanup.ShmHost`: a pass over /proc limited to the shm files,
+    their facts, unlinks and free space; the areas' inode index read once, when first needed."""
 
     areas: Sequence[ShmArea]
     proc_root: Path
@@ -387,3 +363,69 @@ class HostShm:
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
         return largest_files(self.areas, count)
+
+
+# `status --watch`: each look rescans what can have changed (the processes new since the last
+# look, the holders it knows, the PIDs NVML lists now), and a full scan every FULL_SCAN_EVERY_S
+# finds the rest. A process that was there, held nothing and is not listed by NVML is trusted
+# to hold nothing still: one that opens a device file later without a CUDA context (a watcher
+# starting to poll) shows at the next full scan; one with a context is listed by NVML at once.
+# A new socket inode or shm area asked for makes the look a full one; a process the last look's
+# deadline left unread is read again. A PID reused between two looks is read as the process it
+# was until the next full scan.
+FULL_SCAN_EVERY_S = 30.0
+
+
+class WatchScan:
+    """A scan that remembers its last look; called as `scan_device_users`, plus the PIDs NVML
+    lists now."""
+
+    def __init__(
+        self,
+        full_every_s: float = FULL_SCAN_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.full_every_s = full_every_s
+        self.clock = clock
+        self.full_scans = 0
+        self.rescans = 0
+        self._last: DeviceScan | None = None
+        self._asked: tuple[object, ...] = ()
+        self._listed: set[int] = set()
+        self._full_at = 0.0
+
+    def __call__(
+        self,
+        proc_root: Path,
+        device_prefix: str | None,
+        socket_inodes: Collection[int] = frozenset(),
+        shm_areas: Sequence[ShmArea] = (),
+        listed_by_nvml: Collection[int] = (),
+        deadline: Deadline = NO_DEADLINE,
+    ) -> DeviceScan:
+        asked = (proc_root, device_prefix, frozenset(socket_inodes), tuple(shm_areas))
+        listed = {int(name) for name in os.listdir(proc_root) if name.isdigit()}
+        now = self.clock()
+        last = self._last
+        if last is None or asked != self._asked or now - self._full_at >= self.full_every_s:
+            scan = scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
+            self._full_at = now
+            self.full_scans += 1
+        else:
+            known = set(last.users) | set(last.shm) | set(last.cut_short)  # (not all read)
+            again = (known | set(listed_by_nvml)) & listed
+            new = listed - self._listed
+            scan = scan_device_users(
+                proc_root,
+                device_prefix,
+                socket_inodes,
+                shm_areas,
+                deadline,
+                pids=sorted(again | new),
+            )
+            # Still there and not readable then: not readable now (no second try per look).
+            kept = [pid for pid in last.unreadable if pid in listed and pid not in new]
+            scan.unreadable = sorted({*scan.unreadable, *kept})
+            self.rescans += 1
+        self._last, self._asked, self._listed = scan, asked, listed
+        return scan

@@ -7,6 +7,11 @@ tmpfs whose files show the same names in its processes' fd links and maps, a fil
 under the same name is another inode, and a name in /proc/PID/maps is escaped ("\012" for a
 newline) and may end in " (deleted)". Nothing here decides which files go; that is
 `core.shm_cleanup`.
+
+A unit's own /dev/shm (TemporaryFileSystem=/dev/shm) is read through one of its processes
+(`/proc/PID/root/dev/shm`): systemd gives every process it starts for the unit, `+` hooks
+included, a mount namespace with a fresh tmpfs there, so a hook never sees the unit's files at
+its own /dev/shm. The walk from that root follows no symlink (the process may have made one).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
+from gpugate.host.roots import mount_table
 from gpugate.host.safe_files import read_at
 
 DELETED_SUFFIX = " (deleted)"
@@ -28,8 +34,7 @@ RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or bot
 
 @dataclass(frozen=True)
 class FreshHolders:
-    """Who holds the shm files now: PIDs by file, and the PIDs whose files could not be read
-    (what the host side of a cleanup answers core.shm_cleanup)."""
+    """Who holds the shm files now, and the PIDs whose files could not be read."""
 
     by_key: Mapping[ShmKey, Collection[int]]
     unreadable: Collection[int] = ()
@@ -37,18 +42,15 @@ class FreshHolders:
 
 @dataclass(frozen=True, order=True)
 class ShmKey:
-    """One file: the device and inode its holders' fds and mappings name."""
-
     dev: int
     ino: int
 
 
 @dataclass(frozen=True)
 class ShmArea:
-    """A folder where shm_open puts files: its path as the host's processes name it (what
-    their fd links and maps lines show), its device, and where gpugate opens it: the same
-    path, or under /proc/1/root where gpugate runs in a mount namespace of its own (a hook of
-    a unit with TemporaryFileSystem=/dev/shm sees the unit's own /dev/shm there)."""
+    """A folder where shm_open puts files: its path as the host's processes name it, its
+    device, and where gpugate opens it: under /proc/1/root where gpugate runs in a mount
+    namespace of its own (a hook of a unit with TemporaryFileSystem=/dev/shm)."""
 
     path: str
     dev: int
@@ -68,22 +70,19 @@ class ShmArea:
 
 @dataclass(frozen=True)
 class ShmFile:
-    """A file in an shm area that a process holds; names: what /proc showed for it (a maps name
-    is read both as written and with the kernel's "\\012" as a newline: which one is the file
-    is told by the inode). opened: held open for reading or writing, or mapped (False: only
-    through O_PATH descriptors, which need no permission on the file); holder: the holding
-    process's credentials as the scan read them (None: not read)."""
+    """A file in an shm area that a process holds; names: what /proc showed for it (a maps
+    name both as written and with "\\012" as a newline: the inode tells which is the file).
+    opened: held open for reading or writing, or mapped (False: only through O_PATH
+    descriptors, which need no permission on the file)."""
 
     key: ShmKey
     names: tuple[str, ...]
     opened: bool = True
-    holder: Credentials | None = None
+    holder: Credentials | None = None  # as the scan read it (None: not read)
 
     @property
     def path(self) -> str:
-        """The name to show: the first one, without a " (deleted)" the kernel added."""
-        name = self.names[0]
-        return name[: -len(DELETED_SUFFIX)] if name.endswith(DELETED_SUFFIX) else name
+        return self.names[0].removesuffix(DELETED_SUFFIX)
 
 
 def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
@@ -100,33 +99,18 @@ def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
     return merged
 
 
-def unescape_mountinfo(field: str) -> str:
-    """mountinfo escapes space, tab, newline and backslash as octal (\\040, \\011, \\012, \\134)."""
-    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
-        field = field.replace(code, char)
-    return field
-
-
 def mount_points(proc_root: Path, pid: str = "self") -> set[str]:
-    """Every mount point /proc/PID/mountinfo (under the proc root) lists; none where it cannot
-    be read (a stand-in proc root)."""
+    """Every mount point PROC/PID/mountinfo lists; none where it cannot be read."""
     try:
-        text = (proc_root / pid / "mountinfo").read_text(errors="replace")
+        return set(mount_table((proc_root / pid / "mountinfo").read_text(errors="replace")))
     except OSError:
         return set()
-    points: set[str] = set()
-    for line in text.splitlines():
-        fields = line.split(" ")
-        if len(fields) > 4:
-            points.add(unescape_mountinfo(fields[4]))
-    return points
 
 
 def host_root(dev_root: Path, proc_root: Path) -> str | None:
-    """Where the host's files are when gpugate runs in a mount namespace other than PID 1's
-    (the hook of a unit with TemporaryFileSystem=/dev/shm: systemd runs `+` hooks in the
-    unit's namespace): PROC/1/root. None where it shares PID 1's, cannot tell, or reads
-    stand-in roots (tests)."""
+    """PROC/1/root where gpugate runs in a mount namespace other than PID 1's (systemd runs a
+    unit's `+` hooks in the unit's); None where it shares PID 1's, cannot tell, or reads
+    stand-in roots."""
     if dev_root != Path("/dev"):
         return None
     try:
@@ -140,48 +124,40 @@ def host_root(dev_root: Path, proc_root: Path) -> str | None:
 
 
 def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
-    """DEV/shm, where glibc's shm_open and sem_open put their files (also where it is a plain
-    folder, or a symlink: then its target), and /run/shm where mountinfo lists a mount of its
-    own there. Each is identified by the device its files have (stat of the folder). Always
-    the host's (PID 1's) folders: in a mount namespace of gpugate's own they are reached
-    through PROC/1/root (host_root)."""
-    root = host_root(dev_root, proc_root)
-    if root is not None:
-        return _host_areas(root, proc_root)
+    """DEV/shm, where glibc's shm_open and sem_open put their files (a symlink: its target),
+    and /run/shm where mountinfo lists a mount of its own there, each known by its device.
+    Always the host's (PID 1's): in a mount namespace of gpugate's own, through PROC/1/root."""
+    return _host_areas(host_root(dev_root, proc_root), proc_root, dev_root)
+
+
+def _host_areas(root: str | None, proc_root: Path, dev_root: Path = Path("/dev")) -> list[ShmArea]:
+    if root is None:
+        names, mounts = [os.path.realpath(dev_root / "shm")], mount_points(proc_root)
+    else:
+        names, mounts = ["/dev/shm"], mount_points(proc_root, "1")
+    if RUN_SHM in mounts:
+        names.append(RUN_SHM if root else os.path.realpath(RUN_SHM))
     areas: dict[int, ShmArea] = {}
-    candidates = [os.path.realpath(dev_root / "shm")]
-    if RUN_SHM in mount_points(proc_root):
-        candidates.append(os.path.realpath(RUN_SHM))
-    for path in candidates:
+    for name in names:
+        path, at = (name, "") if root is None else _through_root(root, name)
         try:
-            info = os.stat(path)
+            info = os.lstat(at) if at else os.stat(path)
         except OSError:
             continue
         if stat.S_ISDIR(info.st_mode):
-            areas.setdefault(info.st_dev, ShmArea(path, info.st_dev))
+            areas.setdefault(info.st_dev, ShmArea(path, info.st_dev, at))
     return list(areas.values())
 
 
-def _host_areas(root: str, proc_root: Path) -> list[ShmArea]:
-    """find_areas through PID 1's root. realpath cannot be used there (it would read the
-    /proc/1/root link itself): a /dev/shm that is a symlink is followed one step by hand."""
-    areas: dict[int, ShmArea] = {}
-    candidates = ["/dev/shm"]
-    if RUN_SHM in mount_points(proc_root, "1"):
-        candidates.append(RUN_SHM)
-    for named in candidates:
-        path = named
-        with contextlib.suppress(OSError):
-            if stat.S_ISLNK(os.lstat(root + named).st_mode):
-                target = os.readlink(root + named)
-                path = os.path.normpath(os.path.join(os.path.dirname(named), target))
-        try:
-            info = os.lstat(root + path)
-        except OSError:
-            continue
-        if stat.S_ISDIR(info.st_mode):
-            areas.setdefault(info.st_dev, ShmArea(path, info.st_dev, root + path))
-    return list(areas.values())
+def _through_root(root: str, named: str) -> tuple[str, str]:
+    """named as the host names it, a symlink followed one step by hand (realpath would read
+    the /proc/1/root link itself), and where gpugate reaches it."""
+    path = named
+    with contextlib.suppress(OSError):
+        if stat.S_ISLNK(os.lstat(root + named).st_mode):
+            target = os.readlink(root + named)
+            path = os.path.normpath(os.path.join(os.path.dirname(named), target))
+    return path, root + path
 
 
 def area_of(areas: Sequence[ShmArea], path: str) -> ShmArea | None:
@@ -189,7 +165,6 @@ def area_of(areas: Sequence[ShmArea], path: str) -> ShmArea | None:
 
 
 def maps_names(raw: str) -> tuple[str, ...]:
-    """A maps name as written, and read with the kernel's escape of a newline ("\\012")."""
     unescaped = raw.replace("\\012", "\n")
     return (raw,) if unescaped == raw else (raw, unescaped)
 
@@ -235,10 +210,9 @@ class FileFacts:
 
 
 def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
-    """An fd of the folder holding path inside the area, walked one component at a time without
-    following symlinks (the area is world-writable: a folder swapped for a symlink between a
-    check and an unlink must not lead outside it), and the last component. None where a
-    component is missing, not a folder, or a symlink."""
+    """An fd of the folder holding path in the area, walked one component at a time following
+    no symlink (the area is world-writable: a folder swapped for a symlink between a check and
+    an unlink must not lead outside it), and the last component; None where that fails."""
     relative = path[len(area.path.rstrip("/")) + 1 :]
     parts = relative.split("/")
     if not relative or any(part in ("", ".", "..") for part in parts):
@@ -268,10 +242,9 @@ MAX_WALK_ENTRIES = 200_000  # names a walk looks at, in all, per area
 
 
 def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
-    """Each regular file of the area's own device in it (named as the host's processes name
-    it), with its lstat (symlinks not followed): without recursion, at most MAX_WALK_DEPTH
-    folders deep and MAX_WALK_ENTRIES names, so that no account can make the walk endless
-    (the area is world-writable)."""
+    """Each regular file of the area's own device in it, with its lstat: at most
+    MAX_WALK_DEPTH folders deep and MAX_WALK_ENTRIES names, so that no account can make the
+    walk endless (the area is world-writable)."""
     folders = [(area.where, 0)]
     seen = 0
     while folders:
@@ -297,7 +270,6 @@ def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
 
 
 def inode_index(areas: Sequence[ShmArea]) -> dict[ShmKey, list[str]]:
-    """Every regular file's names in the areas, by device and inode (symlinks not followed)."""
     index: dict[ShmKey, list[str]] = {}
     for area in areas:
         for path, info in regular_files(area):
@@ -309,8 +281,7 @@ def facts(
     areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None = None
 ) -> FileFacts | None:
     """The file's size and owner, by whichever of its names is this very inode now; None where
-    none is (deleted, replaced, or outside every area). index: where the names /proc showed are
-    not the file's (see _candidate_names)."""
+    none is (deleted, replaced, or outside every area)."""
     with closing(_own_names(areas, file, index)) as names:
         for _, _, found in names:
             return found
@@ -320,9 +291,9 @@ def facts(
 def _own_names(
     areas: Sequence[ShmArea], file: ShmFile, index: InodeIndex | None
 ) -> Generator[tuple[int, str, FileFacts], None, None]:
-    """Each name that is this very file now (a regular file of its device and inode, checked
-    through the folder's fd, symlinks not followed), with that folder's fd, open while the
-    caller acts on the name, the name's last part, and the file's facts."""
+    """Each name that is this very file now (its device and inode, checked through the
+    folder's fd), with that fd, open while the caller acts on the name, the name's last part,
+    and the file's facts."""
     for name in _candidate_names(file, index):
         area = area_of(areas, name)
         if area is None or area.dev != file.key.dev:
@@ -375,7 +346,7 @@ def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
 
 @dataclass(frozen=True)
 class Unlinked:
-    facts: FileFacts | None  # None: no name is this file any more (gone, or replaced)
+    facts: FileFacts | None  # None: no name is this file any more
     error: str | None = None  # the unlink failed (the file is still there)
     refused: bool = False  # `allowed` said no to the facts read right before: left alone
 
@@ -388,9 +359,7 @@ def unlink_if_same(
 ) -> Unlinked:
     """Remove the name that is this very file (device and inode checked right before, through
     the folder's fd); a name that now holds another file is left alone, and so is one whose
-    facts (owner, mode, the folder's) `allowed` refuses, read in the same look. (A file with
-    several names, hard links, loses the first that is found; its space comes back with the
-    last.)"""
+    facts `allowed` refuses, read in the same look. (Of hard links, the first found goes.)"""
     with closing(_own_names(areas, file, index)) as names:
         for fd, last, found in names:
             if not allowed(found):
@@ -406,25 +375,21 @@ def unlink_if_same(
 
 
 def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, FileFacts]]:
-    """The COUNT largest regular files in the areas (by allocated bytes), symlinks not followed."""
-    found: list[tuple[ShmKey, FileFacts]] = []
-    for area in areas:
-        for path, info in regular_files(area):
-            found.append(
-                (
-                    ShmKey(info.st_dev, info.st_ino),
-                    FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
-                )
-            )
+    """The COUNT largest regular files in the areas, by allocated bytes."""
+    found = [
+        (
+            ShmKey(info.st_dev, info.st_ino),
+            FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
+        )
+        for area in areas
+        for path, info in regular_files(area)
+    ]
     found.sort(key=lambda item: (-item[1].bytes, item[1].path))
     return found[:count]
 
 
-# Who may remove a file: a process's credentials as /proc/PID/status
-# shows them: real uid and gid, supplementary groups, and whether it runs as root with the
-# capabilities that pass over file modes. What gpugate removes for a killed process it removes
-# only where that process's account could have done so itself (core.shm_cleanup): these are the
-# facts that rule is decided on.
+# Who may remove a file: gpugate removes a killed process's file only where that process's
+# account could have done so itself (core.shm_cleanup), judged on its /proc/PID/status.
 
 
 CAP_DAC_OVERRIDE = 1
@@ -444,7 +409,7 @@ class Credentials:
 
 def parse_status(text: str) -> Credentials | None:
     """Uid:, Gid:, Groups: and CapEff: of /proc/PID/status; None where a line is missing or
-    malformed (a process that is exiting, a stand-in file)."""
+    malformed (an exiting process)."""
     fields: dict[str, list[str]] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -471,7 +436,7 @@ def read_credentials(proc_fd: int, pid_name: str) -> Credentials | None:
 
 def fd_opens_file(fdinfo: str) -> bool:
     """An fd that opened the file for reading or writing: not O_PATH (which any account may
-    take on any file it can name). False where the flags cannot be read: no evidence."""
+    take on any file it can name). False where the flags cannot be read."""
     for line in fdinfo.splitlines():
         key, _, value = line.partition(":")
         if key == "flags":
@@ -480,3 +445,69 @@ def fd_opens_file(fdinfo: str) -> bool:
             except ValueError:
                 return False
     return False
+
+
+MAX_ENTRIES = 10_000  # files counted at most (the sizes come from statvfs whatever the count)
+
+
+@dataclass(frozen=True)
+class OwnShm:
+    pid: int  # the process it was read through
+    dev: int
+    total_bytes: int
+    used_bytes: int  # what the tmpfs holds now (statvfs: blocks less free blocks)
+    files: int  # regular files at its top level (MAX_ENTRIES at most)
+
+
+def own_shm(proc_root: Path, pid: int, host_devs: Collection[int]) -> OwnShm | None:
+    """PID's /dev/shm where it is a tmpfs of its own (another device than its /dev and the
+    host's shm areas); None where it is not, or cannot be read."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    fds: list[int] = []
+    try:
+        fds.append(os.open(proc_root / str(pid) / "root", flags))
+        fds.append(os.open("dev", flags | os.O_NOFOLLOW, dir_fd=fds[-1]))
+        dev_info = os.fstat(fds[-1])
+        fds.append(os.open("shm", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
+        info = os.fstat(fds[-1])
+        if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
+            return None
+        vfs = os.fstatvfs(fds[-1])
+        files = _count_files(fds[-1])
+    except OSError:
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+    used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+    return OwnShm(pid, info.st_dev, vfs.f_blocks * vfs.f_frsize, used, files)
+
+
+def _count_files(fd: int) -> int:
+    count = 0
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            if entry.is_file(follow_symlinks=False):
+                count += 1
+                if count >= MAX_ENTRIES:
+                    break
+    return count
+
+
+def own_shm_of_any(
+    proc_root: Path, pids: Collection[int], host_devs: Collection[int]
+) -> OwnShm | None:
+    for pid in sorted(pids):
+        found = own_shm(proc_root, pid, host_devs)
+        if found is not None:
+            return found
+    return None
+
+
+def is_own_tmpfs(path: str, host_devs: Collection[int]) -> bool:
+    """PATH (gpugate's own /dev/shm) is a folder on a device other than the host's areas."""
+    try:
+        info = os.stat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_dev not in host_devs

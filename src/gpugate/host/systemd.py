@@ -1,4 +1,13 @@
-"""systemd units: names, the cgroup each one owns, and which unit a cgroup belongs to."""
+"""systemd units: names, the cgroup each one owns, which unit a cgroup belongs to, a unit's
+environment, and what a unit sets itself (for `gpugate install`).
+
+What a unit sets itself: its timeouts, NotifyAccess= and a /dev/shm of its own, read from its
+files without gpugate's own drop-in, so that the drop-in adds only what the unit leaves unset.
+The text read is what `systemctl cat UNIT` shows (each file after a `# PATH` line, in the order
+systemd applies them); where systemd does not run or answer, the same text is made from the
+unit folders. Not `systemctl show`: its effective values cannot tell a unit's own
+`TimeoutStopSec=90` from systemd's default, and include gpugate's last drop-in.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +15,12 @@ import contextlib
 import os
 import re
 import shlex
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import UnknownUnit
-from gpugate.host.programs import find_program, run_program
-from gpugate.host.safe_files import read_capped
+from gpugate.errors import GateError, UnknownUnit
+from gpugate.host.safe_files import find_program, read_capped, run_program
 from gpugate.untrusted import CGROUP, FILE, echo, shown
 
 UNIT_SUFFIXES = (".service", ".scope")
@@ -41,7 +49,7 @@ UNIT_TYPE_SUFFIXES = (
 
 def unit_argument(name: str) -> str:
     """A unit named on the command line, read as systemctl reads it: `vllm` is
-    `vllm.service`, `vllm@a` is `vllm@a.service`; a name with a unit type suffix stays."""
+    `vllm.service`; a name with a unit type suffix stays."""
     if name and not name.endswith(UNIT_TYPE_SUFFIXES):
         return name + ".service"
     return name
@@ -68,10 +76,8 @@ def cgroup_parts(cgroup: str) -> list[str]:
 def unit_of_cgroup(cgroup: str) -> str | None:
     """The system unit whose cgroup holds this one: the first component that is not a slice,
     where every one above it is a slice; None for the root, a slice, or a folder that is no
-    unit. Only PID 1 makes slices and the units in them (those cgroups are root's); below a
-    unit the tree is the unit's own: its `.control` and Delegate= subtree, a user manager's
-    units (`user@1000.service/app.slice/x.service`), a container runtime's. A name found down
-    there was picked by whoever runs the unit: it names no system unit."""
+    unit. Only PID 1 makes slices and the units in them; below a unit the tree is the unit's
+    own (its Delegate= subtree, a user manager's units): a name there names no system unit."""
     for part in cgroup_parts(cgroup):
         if not part.endswith(".slice"):
             return part if part.endswith(UNIT_SUFFIXES) else None
@@ -79,9 +85,8 @@ def unit_of_cgroup(cgroup: str) -> str | None:
 
 
 def is_user_cgroup(cgroup: str) -> bool:
-    """Login sessions and user managers: where an account's own processes live. A slice on
-    the way is `user.slice` or `user-UID.slice`, or the unit is a user manager
-    (`user@UID.service`), wherever systemd put it."""
+    """Login sessions and user managers: where an account's own processes live (a slice on
+    the way is `user.slice` or `user-UID.slice`, or the unit is `user@UID.service`)."""
     for part in cgroup_parts(cgroup):
         if part == "user.slice" or USER_SLICE_NAME.fullmatch(part):
             return True
@@ -91,16 +96,13 @@ def is_user_cgroup(cgroup: str) -> bool:
 
 
 def system_unit_of_cgroup(cgroup: str) -> str | None:
-    """unit_of_cgroup for a cgroup outside every account's own tree: the unit a name in
-    `protected_units`, or another unit's refusal, may speak of. None under user.slice (a login
-    session's scope, a user manager and every unit it runs)."""
+    """unit_of_cgroup for a cgroup outside every account's own tree (None under user.slice)."""
     return None if is_user_cgroup(cgroup) else unit_of_cgroup(cgroup)
 
 
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
-    """The unit whose cgroup this process runs in: systemd runs ExecStartPre= there (in its
-    `.control` sub-cgroup where the unit has Delegate=yes: the innermost unit name counts).
-    The `0::` line names the unified tree, also on a hybrid host (host/cgroups.py)."""
+    """The unit whose cgroup this process runs in (systemd runs ExecStartPre= there), from
+    the `0::` line: the unified tree, also on a hybrid host."""
     try:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:
@@ -131,20 +133,19 @@ ENVIRONMENT_FILE_MAX_BYTES = 1 << 20  # an EnvironmentFile= read for its warning
 
 def systemctl_show(name: str, properties: str) -> str | None:
     """`systemctl show --property=PROPERTIES -- NAME`'s output; None where no systemd runs,
-    systemctl is missing, or it failed; ProgramNotAnswering where it does not answer in
-    SYSTEMCTL_TIMEOUT_S. Its `Name=value` lines are the same on systemd 247 to 257; an unknown
-    unit is `LoadState=not-found` with exit status 0 on each."""
+    systemctl is missing, or it failed. An unknown unit is `LoadState=not-found`, exit 0."""
+    return _systemctl("show", f"--property={properties}", "--", name)
+
+
+def _systemctl(*args: str) -> str | None:
     systemctl = find_program("systemctl")
     if not systemd_running() or systemctl is None:
         return None
-    result = run_program(
-        [systemctl, "show", f"--property={properties}", "--", name], SYSTEMCTL_TIMEOUT_S
-    )
+    result = run_program([systemctl, *args], SYSTEMCTL_TIMEOUT_S)
     return result.stdout if result.returncode == 0 else None
 
 
 def query_unit(name: str) -> UnitState | None:
-    """Ask systemd about a unit; None where no systemd runs or systemctl is missing."""
     shown = systemctl_show(name, "LoadState,ActiveState,ControlGroup")
     if shown is None:
         return None
@@ -160,15 +161,13 @@ def query_unit(name: str) -> UnitState | None:
 
 
 def active_state(name: str) -> str | None:
-    """systemd's ActiveState for the unit; None where systemd cannot be asked."""
     state = query_unit(name)
     return state.active_state if state is not None else None
 
 
 def find_unit_cgroup(name: str, cgroup_root: Path) -> str | None:
-    """Search the cgroup tree for the system unit's cgroup (where systemd is not there to
-    ask): through slices only, so no cgroup below a unit (a user manager's unit of the same
-    name, a Delegate= subtree) is taken for it."""
+    """The system unit's cgroup, searched through slices only (where systemd is not there to
+    ask), so no cgroup below a unit (a user manager's unit of the same name) is taken for it."""
     pending = [cgroup_root]
     while pending:
         folder = pending.pop()
@@ -205,8 +204,8 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
 
 
 def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
-    """systemd's ActiveState for the unit. Where systemd cannot be asked (stand-in roots):
-    "active" while processes are in its cgroup, else "inactive"."""
+    """systemd's ActiveState; where it cannot be asked, "active" while processes are in its
+    cgroup, else "inactive"."""
     if ask_systemd:
         state = query_unit(name)
         if state is not None:
@@ -239,8 +238,8 @@ def unit_environment(
     name: str, show: Callable[[str], str | None] | None = None
 ) -> UnitEnvironment | None:
     """The unit's environment from `systemctl show -p Environment,EnvironmentFiles`; None
-    where systemd cannot be asked. show: the command's output (tests give it)."""
-    text = (show or _systemctl_show_environment)(name)
+    where systemd cannot be asked. show: the command's output (tests')."""
+    text = show(name) if show else systemctl_show(name, "Environment,EnvironmentFiles")
     if text is None:
         return None
     variables: dict[str, str] = {}
@@ -256,7 +255,6 @@ def unit_environment(
                     origins[variable] = "Environment="
         elif key == "EnvironmentFiles" and value:
             # "PATH (ignore_errors=no)"; a leading "-" in the unit shows as ignore_errors=yes.
-            # One line per file, this format unchanged from systemd 247 to 257.
             path, _, flags = value.rpartition(" (ignore_errors=")
             path = path or value
             ignore = flags.startswith("yes")
@@ -278,15 +276,9 @@ def unit_environment(
     return UnitEnvironment(variables, tuple(files), origins)
 
 
-def _systemctl_show_environment(name: str) -> str | None:
-    return systemctl_show(name, "Environment,EnvironmentFiles")
-
-
 def _split_quoted(value: str) -> list[str]:
-    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside:
-    # since systemd 246 (systemd PR #15345), so on every supported version (247+). Before
-    # that, assignments were joined by bare spaces; shlex reads those the same where no value
-    # holds a space.
+    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside
+    # (systemd 246+).
     try:
         return shlex.split(value, posix=True)
     except ValueError:
@@ -333,3 +325,140 @@ def _env_value(value: str, earlier: dict[str, str]) -> str:
     else:
         value = value.split(" #", 1)[0].rstrip()
     return _ENV_REFERENCE.sub(lambda m: earlier.get(m.group(1) or m.group(2), ""), value)
+
+
+# Where systemd looks for system units, highest priority first (systemd.unit(5)).
+UNIT_DIRS = (
+    "/etc/systemd/system.control",
+    "/run/systemd/system.control",
+    "/run/systemd/transient",
+    "/etc/systemd/system",
+    "/run/systemd/system",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
+)
+OWN_DROPIN = "gpugate.conf"
+DEV_SHM = "/dev/shm"
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    value: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """The [Service] assignments of the unit that gpugate's drop-in would otherwise set."""
+
+    start_timeout: Setting | None = None  # TimeoutStartSec= or TimeoutSec=
+    stop_timeout: Setting | None = None  # TimeoutStopSec= or TimeoutSec=
+    notify_access: Setting | None = None
+    own_shm: Setting | None = None  # a TemporaryFileSystem= entry on /dev/shm
+    read_from: tuple[str, ...] = field(default=())  # the files read
+
+
+def parse_unit_settings(text: str, own_dropin: str = OWN_DROPIN) -> UnitSettings:
+    """The settings in `systemctl cat` text. Later assignments win, an empty one resets;
+    gpugate's own drop-in (own_dropin in a `.d` folder) is left out."""
+    start: Setting | None = None
+    stop: Setting | None = None
+    notify: Setting | None = None
+    shm: Setting | None = None
+    files: list[str] = []
+    for path, key, value in _assignments(text, own_dropin, files):
+        found = Setting(key, value, path) if value else None
+        if key in ("TimeoutStartSec", "TimeoutSec"):
+            start = found
+        if key in ("TimeoutStopSec", "TimeoutSec"):
+            stop = found
+        if key == "NotifyAccess":
+            notify = found
+        if key == "TemporaryFileSystem":
+            shm = _shm_entry(value, path, shm)
+    return UnitSettings(start, stop, notify, shm, tuple(files))
+
+
+def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
+    """TemporaryFileSystem= is a list: an empty assignment clears it, others add to it."""
+    if not value:
+        return None
+    for entry in value.split():
+        point = entry.split(":", 1)[0].lstrip("-")
+        if os.path.normpath(point) == DEV_SHM:
+            return Setting("TemporaryFileSystem", entry, path)
+    return before
+
+
+def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str, str, str]]:
+    """(file, key, value) of each [Service] assignment, continuation lines joined."""
+    found: list[tuple[str, str, str]] = []
+    path, section, skip, pending, previous = "", "", False, "", ""
+    for raw in text.splitlines():
+        header = raw.startswith("# /") and " " not in raw[2:] and not previous.strip()
+        previous = raw
+        if header and not pending:  # systemctl cat's file header: after a blank line
+            path, section = raw[2:].strip(), ""
+            skip = os.path.basename(path) == own_dropin and path.rsplit("/", 2)[-2].endswith(".d")
+            if not skip:
+                files.append(path)
+            continue
+        line = pending + raw.strip()
+        if line.endswith("\\"):
+            pending = line[:-1] + " "
+            continue
+        pending = ""
+        if skip or not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("[") and line.endswith("]"):
+            section = line[1:-1]
+        elif section == "Service" and "=" in line:
+            key, _, value = line.partition("=")
+            found.append((path, key.strip(), value.strip()))
+    return found
+
+
+def read_unit(unit: str, systemd_dir: Path, *, ask_systemd: bool) -> str:
+    """The unit's files as `systemctl cat` shows them: systemd's answer where it runs, else
+    the files in every unit folder; without ask_systemd, the files in systemd_dir only."""
+    if not ask_systemd:
+        return files_text(unit, [str(systemd_dir)])
+    with contextlib.suppress(GateError):
+        answer = _systemctl("cat", "--no-pager", "--", unit)
+        if answer is not None:
+            return answer
+    return files_text(unit, UNIT_DIRS)
+
+
+def files_text(unit: str, dirs: Sequence[str]) -> str:
+    """`systemctl cat` made by hand: the first unit file found (else an instance's
+    template's), then the drop-ins of UNIT.d/ and the template's, by file name, a name in an
+    earlier folder hiding the same name in later ones."""
+    names = [unit]
+    if "@" in unit and not unit.endswith("@.service"):
+        names.append(unit.split("@", 1)[0] + "@.service")
+    chunks: list[str] = []
+    main = next(
+        (f"{d}/{n}" for n in names for d in dirs if os.path.isfile(f"{d}/{n}")),
+        None,
+    )
+    if main is not None:
+        chunks.append(_chunk(main))
+    dropins: dict[str, str] = {}
+    for name in reversed(names):  # the template's drop-ins apply before the instance's
+        for folder in dirs:
+            for path in sorted(Path(folder, name + ".d").glob("*.conf")):
+                dropins.setdefault(f"{name}/{path.name}", str(path))
+    ordered = sorted(dropins.items(), key=lambda item: item[0].rsplit("/", 1)[1])
+    chunks.extend(_chunk(path) for _, path in ordered)
+    return "".join(chunks)
+
+
+def _chunk(path: str) -> str:
+    try:
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return f"# {path}\n{text}\n"

@@ -1,15 +1,13 @@
 """The runtime `gpugate-oci-runtime` runs once it has added its hooks: runc, or NVIDIA's
-`nvidia-container-runtime` where the host had NVIDIA's runtime in place (so a GPU container
-keeps what NVIDIA's runtime adds: CDI edits, the driver's libraries, its prestart hook).
+`nvidia-container-runtime` where the host had it in place (so a GPU container keeps what
+NVIDIA's runtime adds: CDI edits, the driver's libraries, its prestart hook).
 
-`gpugate install --containers` records the choice, a name, in /etc/gpugate/oci-runtime.toml
-(`runtime = "nvidia-container-runtime"`); the wrapper maps the name to fixed paths only, each
-an executable file that only root may change. The record is read as every config root reads
-is (safe_files): root's, in folders only root may write, a regular file of a few bytes.
+`gpugate install --containers` records the choice, a name, in /etc/gpugate/oci-runtime.toml;
+the wrapper maps the name to fixed paths only, each an executable file only root may change.
+The record is read as every config root reads is (safe_files).
 
-NVIDIA's runtime itself runs a low-level runtime (`runtimes` in its config.toml, runc by
-default). Where an operator put gpugate's wrapper there, NVIDIA's runtime runs gpugate's
-wrapper again: CHAIN marks the environment the wrapper passes to NVIDIA's runtime, and the
+Where an operator put gpugate's wrapper in NVIDIA's runtime's `runtimes`, NVIDIA's runtime runs
+the wrapper again: CHAIN marks the environment the wrapper passes to NVIDIA's runtime, and the
 wrapper run under that mark runs runc, so the chain ends.
 """
 
@@ -21,8 +19,7 @@ from pathlib import Path
 
 from gpugate.compat import tomllib
 from gpugate.errors import ConfigError
-from gpugate.host import trust_text
-from gpugate.host.safe_files import first_root_executable, read_capped, untrusted
+from gpugate.host.safe_files import first_root_executable, read_capped, untrusted, untrusted_text
 from gpugate.untrusted import echo
 
 RECORD = Path("/etc/gpugate/oci-runtime.toml")
@@ -48,16 +45,12 @@ class Wrapped:
 
 
 def read_record(path: Path | None = None) -> str:
-    """The recorded runtime's name (RECORD's); runc where there is no record. ConfigError
-    where the record is another account's, not a regular file, or names neither runtime."""
+    """The recorded runtime's name; runc where there is no record. ConfigError where the
+    record is another account's, not a regular file, or names neither runtime."""
     path = RECORD if path is None else path
     found = untrusted(path)
     if found is not None:
-        raise ConfigError(
-            str(path),
-            "",
-            trust_text.untrusted_text(found) if found else "another account may change it",
-        )
+        raise ConfigError(str(path), "", untrusted_text(found))
     try:
         raw = read_capped(path, MAX_RECORD)
     except FileNotFoundError:
@@ -80,7 +73,6 @@ def read_record(path: Path | None = None) -> str:
 
 
 def record_text(name: str) -> str:
-    """The record install writes."""
     return (
         "# Written by gpugate install --containers: the runtime gpugate-oci-runtime runs after\n"
         "# adding gpugate's hooks (runc, or nvidia-container-runtime where it was in place).\n"
@@ -89,14 +81,12 @@ def record_text(name: str) -> str:
 
 
 def find(name: str) -> str | None:
-    """The first of the name's fixed paths that is an executable regular file (as root: one
-    only root may change)."""
     return first_root_executable(PATHS[name])
 
 
 def choose(recorded: str, environ: Mapping[str, str]) -> Wrapped:
-    """What runs: the recorded runtime where it is installed and the chain has not passed
-    through it already, else runc."""
+    """The recorded runtime where it is installed and the chain has not passed through it
+    already, else runc."""
     name = recorded
     if name != RUNC and (environ.get(CHAIN) or find(name) is None):
         name = RUNC

@@ -17,8 +17,7 @@ from gpugate.config import file
 from gpugate.config.file import LoadedConfig, fields_set, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError
-from gpugate.host.safe_files import read_capped, untrusted
-from gpugate.host.trust_text import unreadable, untrusted_text
+from gpugate.host.safe_files import read_capped, unreadable, untrusted, untrusted_text
 
 HOST_FILE = "default.toml"  # its lock_dir is the host's
 

@@ -27,13 +27,14 @@ from gpugate.host.oci import (
     ContainerSpec,
     ContainerState,
     GpuRequest,
+    PodName,
     bounded,
     cgroup_of_spec,
     claimed_name,
+    pod_name,
     runtime_name,
 )
 from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
-from gpugate.host.pods import PodName, pod_name
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config

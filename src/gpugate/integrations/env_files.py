@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpugate.errors import GateError
+from gpugate.host.safe_files import environment_warnings, group
 from gpugate.host.systemd import systemctl_show, unit_environment
-from gpugate.host.trust_text import environment_warnings, group
 
 STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
 STEERING_PREFIXES = ("PYTHON",)

@@ -24,8 +24,7 @@ from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.safe_files import folder, read_capped, untrusted, write_in
-from gpugate.host.trust_text import metrics_folder_warning
+from gpugate.host.safe_files import folder, metrics_folder_warning, read_capped, untrusted, write_in
 from gpugate.integrations.records import flocked, parse_record
 from gpugate.report import lines
 

@@ -12,10 +12,10 @@ from gpugate.core.decide import Choice
 from gpugate.core.discover import Holder
 from gpugate.core.outcome import UNKILLABLE, Progress, Stage
 from gpugate.errors import Interrupted
-from gpugate.host.own_shm import OwnShm
 from gpugate.host.procfs import ProcessId
-from gpugate.host.trust_text import account
-from gpugate.host.unit_settings import Setting, UnitSettings
+from gpugate.host.safe_files import account
+from gpugate.host.shm import OwnShm
+from gpugate.host.systemd import Setting, UnitSettings
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text, unreadable_text
 from gpugate.report.reasons import held_text

@@ -7,7 +7,7 @@ from typing import Any
 
 from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.host.containers import Container
-from gpugate.host.trust_text import account
+from gpugate.host.safe_files import account
 from gpugate.untrusted import CGROUP, COMMAND, CONTAINER, exact, shown
 
 

@@ -6,9 +6,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-from gpugate.host.cgroups import CgroupLayout, host_cgroup_layout, on_units_tree
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.roots import HostRoots
+from gpugate.host.roots import CgroupLayout, HostRoots, host_cgroup_layout, on_units_tree
 from gpugate.host.systemd import active_state
 from gpugate.report.journal import Reporter, ReporterFactory
 

@@ -29,11 +29,10 @@ from gpugate.core.roles import Role, holder_role
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
 from gpugate.host.nvml import Gpu, GpuDriver, NotAnswering
-from gpugate.host.own_shm import own_shm_of_any
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import Deadline
-from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, space
+from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import (
     resolve_unit_cgroup,
     unit_argument,
@@ -481,7 +480,7 @@ def status(
         warned: list[str] = []
         scanner: DeviceScanner = full_scan
         if watch:
-            from gpugate.host.scan_watch import WatchScan  # noqa: PLC0415
+            from gpugate.host.scan import WatchScan  # noqa: PLC0415
 
             scanner = WatchScan()
         while True:
