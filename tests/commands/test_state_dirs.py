@@ -57,7 +57,7 @@ def _quote(text: str) -> str:
 
 
 PROBE = (
-    "from gpugate.host.state_dirs import check_writable\n"
+    "from gpugate.host.locks import check_writable\n"
     "from gpugate.errors import StateUnwritable\n"
     "try:\n"
     "    check_writable(FOLDER / 'sub', 'GPU leases')\n"
@@ -88,7 +88,7 @@ def test_a_full_or_read_only_file_system_is_exit_73(
 @pytest.mark.root("a private tmpfs in a mount namespace of its own")
 def test_space_freed_is_writable_again(tmp_path: Path) -> None:
     code = (
-        "from gpugate.host.state_dirs import check_writable\n"
+        "from gpugate.host.locks import check_writable\n"
         "from gpugate.errors import StateUnwritable\n"
         "(FOLDER / 'sub').mkdir()\n"
         "try:\n"

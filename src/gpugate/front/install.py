@@ -129,7 +129,7 @@ ExecStopPost=+@GPUGATE@ post %n
 
 
 # What follows the hooks, each block left out where the unit sets that itself
-# (host/unit_settings.py); `gpugate install` says which it kept.
+# (host/systemd.py); `gpugate install` says which it kept.
 NOTIFY_BLOCK = """\
 # Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
 # STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose
