@@ -12,8 +12,8 @@ import pytest
 from gpugate.config.file import parse_config
 from gpugate.config.models import LoadedConfig
 from gpugate.config.values import BUILTIN_SOURCE
+from gpugate.core.discover import owned_gpus
 from gpugate.core.outcome import RunSummary
-from gpugate.core.owned_gpus import owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
 from gpugate.front.cli import main

@@ -3,7 +3,7 @@
 
 A GPU is an index, a GPU UUID (or a prefix of one), or a MIG slice: its UUID (`MIG-...`, or
 a prefix of one) or the older `MIG-GPU-<uuid>/<gi>/<ci>` form (CUDA before 11.1, and
-NVIDIA_VISIBLE_DEVICES). Which GPU or slice each names is core.owned_gpus's to find."""
+NVIDIA_VISIBLE_DEVICES). Which GPU or slice each names is core.discover's to find."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""Who kept the run's GPUs at its end (RunSummary.held): the blockers it refused or spared,
-and the targets that outlived SIGKILL, each with the run's GPUs it holds and its rule."""
+"""Who kept the run's GPUs at its end (RunSummary.held): loaded only where some process did."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from gpugate.core.decide import Choice
-from gpugate.core.outcome import UNKILLABLE, Held
+from gpugate.core.outcome import Held
 
 
 def held(choice: Choice, rule: str | None = None) -> Held:
@@ -20,11 +17,3 @@ def held(choice: Choice, rule: str | None = None) -> Held:
         other=choice.other_unit,
         cgroup=holder.info.cgroup,
     )
-
-
-def blockers_held(choices: Iterable[Choice]) -> list[Held]:
-    return [held(choice) for choice in choices]
-
-
-def survivors_held(choices: Iterable[Choice]) -> list[Held]:
-    return [held(choice, UNKILLABLE) for choice in choices]

@@ -15,9 +15,8 @@ from typing import TextIO
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.discover import cgroup_members
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import RunSummary, Surroundings
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
-from gpugate.core.surroundings import Surroundings
 from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root

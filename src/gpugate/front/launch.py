@@ -23,7 +23,7 @@ from typing import IO, TYPE_CHECKING
 
 from gpugate.config.models import LoadedConfig, validated
 from gpugate.config.toml_text import to_toml
-from gpugate.core.owned_gpus import as_refs, owned_gpus
+from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.errors import (
     ExitCode,
     GateError,

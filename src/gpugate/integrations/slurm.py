@@ -23,7 +23,7 @@ from typing import TextIO
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.config.gpulist import GpuRef, parse_gpu_text
 from gpugate.config.models import LoadedConfig
-from gpugate.core.surroundings import NullSurroundings
+from gpugate.core.outcome import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.host.programs import find_program, run_program
 from gpugate.integrations.config_files import load_config
@@ -153,7 +153,7 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
 
 @dataclass(frozen=True)
 class JobSurroundings(NullSurroundings):
-    """A Slurm job's surroundings (core.surroundings.Surroundings). Slurm gives out its GPUs
+    """A Slurm job's surroundings (core.outcome.Surroundings). Slurm gives out its GPUs
     itself and drains a node whose prolog or epilog fails: no claim is checked, taken or
     recorded; the run is about the job's GPUs (with_job_gpus), named in its first entry."""
 

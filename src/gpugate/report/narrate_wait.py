@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gpugate.core.kill import Respawner
 from gpugate.core.outcome import BusyGpu
-from gpugate.core.respawn import Respawner
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import PRIORITY_ERR, PRIORITY_WARNING, Event, Reporter, WaitingReports
 from gpugate.untrusted import COMMAND, exact, shown

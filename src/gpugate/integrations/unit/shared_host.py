@@ -1,5 +1,5 @@
 """A systemd unit's surroundings on a host that other units share: what the core run asks of
-them (core/surroundings.py), for the phases whose traits say they apply.
+them (core/outcome.py), for the phases whose traits say they apply.
 
 - the unit's GPUs when `gpus = "auto"` (gpu_source.py), named in the run's first entry;
 - a hand-typed pre/post against a running unit: refused before anything is killed
@@ -20,9 +20,8 @@ from pathlib import Path
 
 from gpugate.config.models import LoadedConfig
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import BusyGpu, Progress, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, run_state_to_write
 from gpugate.core.run import RunScope
-from gpugate.core.surroundings import StateToWrite, run_state_to_write
 from gpugate.errors import (
     ExitCode,
     GateError,
