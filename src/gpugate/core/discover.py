@@ -65,17 +65,14 @@ class Holder:
 
     @property
     def using(self) -> set[int]:
-        """The GPUs it really uses. CUDA opens /dev/nvidiaN for every visible GPU, so where
-        NVML lists the process, its list is the better answer than the device files. On a
-        MIG slice (NVML's list, or its capability device) it uses that slice, not the whole
-        GPU whose /dev/nvidiaN every slice's process holds."""
+        """The GPUs it really uses: NVML's list where it names the process (CUDA opens
+        /dev/nvidiaN for every visible GPU), and on a MIG slice the slice, not its GPU."""
         found = set(self.used_mib) or self.gpus
         return found - {mig_parent(key) for key in found}
 
 
 class DeviceScanner(Protocol):
-    """The device-file scan discovery uses: the full one (`full_scan`), or `status --watch`'s,
-    which rescans what changed (host.scan_watch.WatchScan)."""
+    """`full_scan`, or `status --watch`'s, which rescans what changed (host.scan_watch)."""
 
     def __call__(
         self,
@@ -96,9 +93,8 @@ def full_scan(
     listed_by_nvml: Collection[int],
     deadline: Deadline,
 ) -> DeviceScan:
-    """Every process on the host: what a hook's round and a one-shot `status` read. (NVML's
-    list cannot stand in for the scan: a watcher, a mapped-only holder and a holder of a GPU
-    NVML cannot read are on no list.)"""
+    """Every process on the host (a watcher, a mapped-only holder and a holder of a GPU NVML
+    cannot read are on no NVML list)."""
     del listed_by_nvml
     return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
 
@@ -113,16 +109,14 @@ class Discovery:
     holders: dict[int, Holder]  # by PID
     self_chain: frozenset[int]  # gpugate and its ancestors: never targets
     unreadable: list[int]  # PIDs whose fds could not be read
-    invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
-    # but /proc does not show: another PID namespace (a container without host PIDs)
+    # (GPU, PID) NVML lists but /proc does not show: another PID namespace
+    invisible: list[tuple[int, int]] = field(default_factory=list)
     unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
     faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
-    # Files in /dev/shm (and /run/shm where it is a mount of its own) that each process has
-    # open or mapped, by PID: every process, from the same pass over /proc.
+    # The /dev/shm (and /run/shm) files each process holds, by PID, from the same pass
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
     shm_areas: list[ShmArea] = field(default_factory=list)
-    # PIDs whose fds were not all read by the run's deadline (millions of them): holders may hide
-    cut_short: list[int] = field(default_factory=list)
+    cut_short: list[int] = field(default_factory=list)  # PIDs the deadline cut: holders may hide
 
     @property
     def owned_indices(self) -> set[int]:
@@ -130,8 +124,8 @@ class Discovery:
 
     @property
     def nvml_lists_processes(self) -> bool:
-        """NVML's process lists are complete and name PIDs this /proc shows: then a device
-        holder it lists nowhere uses no GPU (a watcher). Otherwise device files are the proof."""
+        """NVML's lists are complete and name PIDs this /proc shows (a device holder they
+        name nowhere is then a watcher)."""
         return (
             bool(self.usage)
             and not self.invisible
@@ -168,7 +162,7 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
 
 
 class HolderTable:
-    """The holders found so far, by PID; a process is read (and added) when first named."""
+    """The holders found so far, by PID; a process is read when first named."""
 
     def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
         self.procfs = procfs
@@ -190,9 +184,6 @@ class HolderTable:
 
 @dataclass
 class GpuState:
-    """What one discovery read of the devices: the GPUs and, from the same pass over /proc,
-    the shm files each process holds."""
-
     gpus: list[Gpu]  # those NVML could read
     usage: dict[int, GpuUsage]
     faults: list[GpuFault]
@@ -228,8 +219,7 @@ def read_gpus(
 
 @dataclass(frozen=True)
 class Sought:
-    """What a discovery looks for: the unit (or the label standing for it), its cgroup, its
-    GPUs as configured ("all", indices, UUIDs; None for none) and where that was said."""
+    """The unit (or its label), its cgroup, its configured GPUs and where they were said."""
 
     unit: str
     unit_cgroup: str
@@ -250,12 +240,8 @@ def discover(
     deadline: Deadline = NO_DEADLINE,
     scanner: DeviceScanner = full_scan,
 ) -> Discovery:
-    """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
-    on the others are recorded in `faults` either way); `status` passes False.
-    containers: the config's `containers`, whose processes are the unit's too.
-    ports: the unit's TCP ports, whose listeners are holders too.
-    deadline: the run's; the pass over /proc stops reading there (`cut_short`).
-    scanner: the device-file scan (`status --watch` passes one that rescans what changed)."""
+    """strict_faults: an NVML error on a GPU of the unit's fails the run (`status`: False);
+    containers and ports: the config's, whose processes and listeners are the unit's too."""
     unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
     state.shm_areas = find_areas(roots.dev, roots.proc)
@@ -294,8 +280,7 @@ def _add_device_users(
     ports: Collection[int],
     scan_with: tuple[DeviceScanner, Deadline],
 ) -> list[int]:
-    """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
-    the PIDs whose files could not be read."""
+    """Holders of /dev/nvidia* and listeners on the unit's ports; returns the unreadable."""
     index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
     for fault in state.faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
@@ -356,7 +341,9 @@ def _containers(
     """Names every holder's container; adds every process of the containers WANTED names
     as the unit's, GPU holders or not. Returns those containers."""
     holders = table.by_pid
-    found = _containers_of(holders)
+    found: dict[str, Container] = {}
+    for container in filter(None, (container_of_cgroup(h.info.cgroup) for h in holders.values())):
+        found.setdefault(container.id, container)
     if wanted:
         for container in container_scopes(roots.cgroup):
             found.setdefault(container.id, container)
@@ -375,18 +362,8 @@ def _containers(
     return own
 
 
-def _containers_of(holders: dict[int, Holder]) -> dict[str, Container]:
-    """The containers the holders are in, by id (the first holder's reading of each)."""
-    found: dict[str, Container] = {}
-    for each in holders.values():
-        if (container := container_of_cgroup(each.info.cgroup)) is not None:
-            found.setdefault(container.id, container)
-    return found
-
-
 def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
-    """The GPUs a selection names, and the slices of each whole GPU among them; None names
-    none (NVML failed, the cgroup alone is cleaned)."""
+    """The GPUs a selection names, with each whole GPU's slices; None names none."""
     if wanted is None:
         return []
     whole = [gpu for gpu in gpus if gpu.mig is None]
@@ -420,8 +397,8 @@ def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
 
 
 def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
-    """The GPUs as a config or CUDA_VISIBLE_DEVICES names them: a whole GPU by its index, a
-    slice by its UUID, a slice of a whole GPU among them not at all (the GPU names it)."""
+    """As a config names them: a whole GPU by index, a slice by UUID (not where its GPU is
+    among them)."""
     whole = {gpu.index for gpu in gpus if gpu.mig is None}
     return tuple(
         gpu.index if gpu.mig is None else gpu.uuid

@@ -33,7 +33,6 @@ class Pinned(Protocol):
 
 
 def _deliver(ident: ProcessId, send: Callable[[], None]) -> bool:
-    """True if the signal was delivered, False if the process is already gone."""
     try:
         send()
     except ProcessLookupError:
@@ -121,7 +120,7 @@ Clock = Callable[[], float]
 
 
 def wait_exited(processes: Iterable[Pinned], until: float, clock: Clock = time.monotonic) -> None:
-    """Block until every process has exited or `until` passes (pidfds poll, others sleep)."""
+    """Until every process has exited or `until` passes (pidfds poll, others sleep)."""
     pending = [proc for proc in processes if not proc.exited()]
     delay = 0.005
     while pending:
@@ -189,26 +188,21 @@ MAX_ANCESTRY = 16
 
 
 @dataclass
-class Watched:
-    """A parent of a killed target, left alive."""
+class Respawner:
+    """A parent of a killed target, left alive and watched: a respawner once respawns > 0."""
 
     info: ProcInfo
+    respawns: int = 0
     executables: set[str] = field(default_factory=set)  # of its killed children
     newest_killed_start: int = 0  # start time of its newest killed child
-    respawns: int = 0
-
-
-@dataclass(frozen=True)
-class Respawner:
-    info: ProcInfo
-    respawns: int
 
 
 class RespawnWatch:
-    """The parents of this run's targets that were not targets themselves."""
+    """The parents of this run's targets that were not targets themselves; a new target
+    below one counts as one respawn."""
 
     def __init__(self) -> None:
-        self.watched: dict[ProcessId, Watched] = {}
+        self.watched: dict[ProcessId, Respawner] = {}
 
     def killed(
         self,
@@ -218,8 +212,7 @@ class RespawnWatch:
         *,
         self_chain: Collection[int],
     ) -> None:
-        """After a kill round (or the first ones): count respawns, then watch the parents
-        (never gpugate or its ancestors: self_chain)."""
+        """After a kill round: count respawns, then watch the parents (never self_chain)."""
         choices = list(choices)
         counted: set[ProcessId] = set()
         for choice in choices:
@@ -237,12 +230,12 @@ class RespawnWatch:
                 or parent_info.ident in taken
             ):
                 continue
-            watched = self.watched.setdefault(parent_info.ident, Watched(parent_info))
+            watched = self.watched.setdefault(parent_info.ident, Respawner(parent_info))
             if info.exe:
                 watched.executables.add(info.exe)
             watched.newest_killed_start = max(watched.newest_killed_start, info.start_time)
 
-    def _watched_ancestor(self, info: ProcInfo, tree: ProcessTree) -> Watched | None:
+    def _watched_ancestor(self, info: ProcInfo, tree: ProcessTree) -> Respawner | None:
         current: ProcInfo | None = info
         for _ in range(MAX_ANCESTRY):
             if current is None or current.pid <= 1:
@@ -257,8 +250,8 @@ class RespawnWatch:
         return None
 
     def pending(self, tree: ProcessTree) -> list[int]:
-        """New children of watched parents running a killed child's executable: a respawn
-        under way that holds nothing yet."""
+        """Respawns under way that hold nothing yet: new children of watched parents running
+        a killed child's executable."""
         found: list[int] = []
         for watched in self.watched.values():
             for child_pid in tree.children(watched.info.pid):
@@ -274,8 +267,4 @@ class RespawnWatch:
         return found
 
     def respawners(self, alive: Callable[[ProcessId], bool]) -> list[Respawner]:
-        return [
-            Respawner(w.info, w.respawns)
-            for w in self.watched.values()
-            if w.respawns and alive(w.info.ident)
-        ]
+        return [w for w in self.watched.values() if w.respawns and alive(w.info.ident)]

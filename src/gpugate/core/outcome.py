@@ -171,8 +171,8 @@ class Surroundings(Protocol):
         stops a phase whose state is required, else it is a warning."""
 
     def driver_hung_earlier(self) -> str | None:
-        """Why the driver is not to be asked at all (the same start's earlier phase waited
-        its deadline on it); None: ask it."""
+        """Why the driver is not to be asked (the same start's earlier phase waited its
+        deadline on it); None: ask it."""
 
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""

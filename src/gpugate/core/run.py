@@ -1,13 +1,9 @@
 """One pre, post, prolog or epilog run, as a stage machine: looking -> locking -> stopping ->
 waiting -> finishing, each a small object whose `step()` does the stage's work and returns the
-transition it took (a code, core/outcome.py) and the next stage (None: the run is over).
-`RunState.enter` is the one way the stage changes (supervisor's change_state); it records
-each transition. Outside the core a run is `PhaseRun(...).run()` and its `progress`.
-
-Discovery and killing repeat (bounded in rounds and by the deadline), so that a holder that
-forks while it is being killed is found and killed too. NVML failing, at the start or in any
-stage, with `on_nvml_error = "warn"` is a transition back to looking with the unit's cgroup
-alone: same deadline, same summary.
+transition it took and the next stage (None: the end). `RunState.enter` is the one way the
+stage changes (supervisor's change_state). Discovery and killing repeat, bounded in rounds and
+by the deadline, so that a holder that forks while it is killed dies too. NVML failing with
+`on_nvml_error = "warn"` is a transition back to looking, with the unit's cgroup alone.
 """
 
 from __future__ import annotations
@@ -77,15 +73,6 @@ class RunDeps:
     shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
 
 
-@dataclass
-class ShmSeen:
-    """Who held which /dev/shm file, from every discovery, and names for the PIDs."""
-
-    ledger: ShmLedger = field(default_factory=ShmLedger)
-    areas: list[ShmArea] = field(default_factory=list)
-    labels: dict[int, str] = field(default_factory=dict)
-
-
 class RunState:
     """What the stages share: the config and deadline fixed when the run is made, the facts
     and summary they fill in, who was signalled, one discovery round (`find`), the stage."""
@@ -123,7 +110,9 @@ class RunState:
         # Each process's role when first judged: a watcher stays one while the driver frees a
         # killed holder's memory (roles.stable_role).
         self.judged: dict[ProcessId, Role] = {}
-        self.shm = ShmSeen()
+        self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
+        self.shm_areas: list[ShmArea] = []
+        self.shm_labels: dict[int, str] = {}  # names for the PIDs
         self._progress = Progress()
         self._transitions: list[tuple[Stage, Transition]] = []
         self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
@@ -137,8 +126,7 @@ class RunState:
         return list(self._transitions)
 
     def enter(self, stage: Stage, via: Transition | None = None) -> None:
-        """The one way the run changes stage; via: the edge it leaves the current one by
-        (None: the first stage). The new stage's facts start empty."""
+        """The one way the run changes stage; via: the edge it leaves by (None: the first)."""
         if via is not None:
             self._transitions.append((self._progress.stage, via))
         self._progress = Progress(stage, last_busy=self._progress.last_busy)
@@ -188,11 +176,11 @@ class RunState:
                 self.judged,
                 for_uid=self.scope.for_uid,
             )
-        self.shm.ledger.note(found.shm)
-        self.shm.areas = found.shm_areas
+        self.shm_ledger.note(found.shm)
+        self.shm_areas = found.shm_areas
         for choice in decision.choices:
             self.judged.setdefault(choice.holder.info.ident, choice.role)
-            self.shm.labels[choice.holder.pid] = (
+            self.shm_labels[choice.holder.pid] = (
                 f"PID {choice.holder.pid} ({choice.holder.info.comm}, {choice.role})"
             )
         return found, decision
@@ -213,8 +201,7 @@ class PhaseRun(RunState):
     """The machine over its state (as supervisor's Subprocess is)."""
 
     def run(self) -> RunSummary:
-        """An error (but a manual run's refusal, where nothing began) is told to the
-        surroundings (not in a dry run), after the locks are released."""
+        """An error but a manual run's refusal is told to the surroundings, locks released."""
         try:
             self._run()
         except ManualRunRefused:
@@ -572,16 +559,16 @@ def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
     """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
     before a start, the free space the next start needs."""
     deps = state.deps
-    host = deps.shm_host(state.shm.areas, deps.roots.proc)
+    host = deps.shm_host(state.shm_areas, deps.roots.proc)
     freed = 0
     if state.policy.remove_shm:
         label = functools.partial(shm_label, state)
         if would_kill is not None:
-            removals = plan(state.shm.ledger, would_kill, host, label)
+            removals = plan(state.shm_ledger, would_kill, host, label)
             freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
         else:
             killed = {ident.pid for ident in state.signalled}
-            removals = remove(state.shm.ledger, killed, host, label)
+            removals = remove(state.shm_ledger, killed, host, label)
         state.narrator.shm_files(removals)
     check_shm_space(state, host, freed)
 
@@ -605,8 +592,8 @@ def check_shm_space(state: RunState, host: ShmHost, freed: int) -> None:
 
 
 def shm_label(state: RunState, pid: int) -> str:
-    if pid in state.shm.labels:
-        return state.shm.labels[pid]
+    if pid in state.shm_labels:
+        return state.shm_labels[pid]
     info = state.procfs.info(pid)
     if info is None:
         return f"PID {pid}"

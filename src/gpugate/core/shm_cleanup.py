@@ -1,17 +1,9 @@
-"""The shared memory a killed application leaves behind: which files in /dev/shm go, by evidence.
-
-The rule: a file is removed only if a process this run killed held it open for reading or
-writing (not only through O_PATH, which needs no permission on the file) or mapped it, seen in
-the same pass over /proc that found the holders; one such process's account could have
-removed it itself (owner, mode and the folder's sticky bit, decided on the credentials read at
-discovery: `could_remove`); no process this run did not kill was seen holding it (a protected
-daemon, another unit, a bystander); no process holds it now (a fresh look, after the targets
-are gone, right before the unlinks); and its name still is that very file (device and inode,
-checked through the folder's fd right before the unlink, with the owner and mode read in the
-same look). Never by name alone, never a file no killed process held. Why a file of theirs
-stays is a `Kept` code (worded in report/). The host side (reading /proc, stat, unlink) is
-injected.
-"""
+"""Which /dev/shm files a killed application leaves go, by evidence, never by name: a file
+goes only if a process this run killed held it open (not only through O_PATH) or mapped it,
+one such process's account could have removed it itself (`could_remove`), no other process
+was seen holding it, none holds it on a fresh look after the kill, and its name is still that
+file (device and inode, checked through the folder's fd right before the unlink). Why a file
+stays is a `Kept` code. The host side (reading /proc, stat, unlink) is injected."""
 
 from __future__ import annotations
 
@@ -58,7 +50,7 @@ class Kept(StrEnum):
 
 @dataclass(frozen=True)
 class ShmRemoval:
-    """One file of the killed: removed (or, in a dry run, would be), or kept and why."""
+    """One file of the killed: removed (a dry run: would be), or kept and why."""
 
     file: ShmFile
     holders: tuple[int, ...]  # the killed PIDs that held it
@@ -82,9 +74,8 @@ def _class_bits(who: Credentials, uid: int, gid: int, mode: int) -> int:
 
 
 def could_remove(who: Credentials, facts: FileFacts) -> bool:
-    """Could that account have written this file and removed its name itself? It owns the
-    file or its mode lets it write; the folder lets it write and search; in a sticky folder
-    (/dev/shm is 1777) it owns the file or the folder. Root with its capabilities may."""
+    """Could that account have removed the file itself: it may write the file, the folder
+    lets it write and search, and in a sticky folder (/dev/shm) it owns the file or folder."""
     if who.privileged:
         return True
     writes = who.uid == facts.uid or bool(_class_bits(who, facts.uid, facts.gid, facts.mode) & 2)
@@ -111,8 +102,7 @@ class Wanted:
 
 @dataclass
 class ShmLedger:
-    """What each discovery showed of the shm files: who held which, and how. Fed by every
-    discovery of a run (kill rounds, looks during the wait), read once the targets are gone."""
+    """Who held which shm file, and how: fed by every discovery of a run."""
 
     files: dict[ShmKey, ShmFile] = field(default_factory=dict)
     holders: dict[ShmKey, set[int]] = field(default_factory=dict)  # every PID seen holding it
@@ -130,8 +120,7 @@ class ShmLedger:
                     seen[pid] = seen.get(pid) or file.holder
 
     def of_the_killed(self, killed: Collection[int], label: Callable[[int], str]) -> list[Wanted]:
-        """Each file a killed PID held, and why it must stay already (another process was
-        seen holding it; the killed held it through O_PATH only). label names a PID."""
+        """Each file a killed PID held, and why it must stay already."""
         found: list[Wanted] = []
         for key, pids in sorted(self.holders.items()):
             by_killed = tuple(sorted(pids & set(killed)))
@@ -170,8 +159,7 @@ def plan(
 def remove(
     ledger: ShmLedger, killed: Collection[int], host: ShmHost, label: Callable[[int], str]
 ) -> list[ShmRemoval]:
-    """After the targets are gone: unlink each file of the killed that nobody else holds and
-    that a killed holder's account could have removed."""
+    """After the targets are gone: unlink the files of the killed that may go."""
     wanted = ledger.of_the_killed(killed, label)
     if not wanted:
         return []
@@ -223,8 +211,8 @@ class SpaceShort:
 def short_of_space(
     host: ShmHost, needed_bytes: int, freed_bytes: int = 0, count: int = 3
 ) -> SpaceShort | None:
-    """The first area with less than needed_bytes free (plus freed_bytes: what a dry run would
-    have removed), with its COUNT largest files; None where every area has room."""
+    """The first area with less than needed_bytes free (plus what a dry run would have
+    removed), with its COUNT largest files; None where every area has room."""
     for space in host.spaces():
         free = space.free_bytes + freed_bytes
         if free < needed_bytes:
