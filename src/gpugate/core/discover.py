@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Optional
 
 from gpugate.compat import StrEnum
 from gpugate.config.gpulist import MIG_PREFIX, GpuRef, legacy_mig
@@ -71,18 +71,11 @@ class Holder:
         return found - {mig_parent(key) for key in found}
 
 
-class DeviceScanner(Protocol):
-    """`full_scan`, or `status --watch`'s, which rescans what changed (host.scan_watch)."""
-
-    def __call__(
-        self,
-        proc_root: Path,
-        device_prefix: str | None,
-        socket_inodes: Collection[int],
-        shm_areas: Sequence[ShmArea],
-        listed_by_nvml: Collection[int],
-        deadline: Deadline,
-    ) -> DeviceScan: ...
+# (proc root, device prefix, socket inodes, shm areas, PIDs NVML lists, deadline): `full_scan`,
+# or `status --watch`'s, which rescans what changed (host.scan_watch)
+DeviceScanner = Callable[
+    [Path, Optional[str], Collection[int], Sequence[ShmArea], Collection[int], Deadline], DeviceScan
+]
 
 
 def full_scan(
@@ -188,8 +181,6 @@ class GpuState:
     usage: dict[int, GpuUsage]
     faults: list[GpuFault]
     shm_areas: list[ShmArea] = field(default_factory=list)
-    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
-    cut_short: list[int] = field(default_factory=list)  # PIDs whose fds the deadline cut
 
 
 def read_gpus(
@@ -250,7 +241,7 @@ def discover(
         for pid in cgroup_members(roots.cgroup, unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        unreadable = _add_device_users(table, roots, state, ports, (scanner, deadline))
+        scan = _add_device_users(table, roots, state, ports, (scanner, deadline))
         invisible = _add_nvml_processes(table, state.usage)
         unit_containers = _containers(
             table, roots=roots, wanted=containers, names=container_names or ContainerNames()
@@ -263,13 +254,13 @@ def discover(
         usage=state.usage,
         holders=table.by_pid,
         self_chain=table.self_chain,
-        unreadable=unreadable,
+        unreadable=scan.unreadable,
         invisible=invisible,
         unit_containers=unit_containers,
         faults=state.faults,
-        shm=state.shm,
+        shm=scan.shm,
         shm_areas=state.shm_areas,
-        cut_short=state.cut_short,
+        cut_short=scan.cut_short,
     )
 
 
@@ -279,8 +270,8 @@ def _add_device_users(
     state: GpuState,
     ports: Collection[int],
     scan_with: tuple[DeviceScanner, Deadline],
-) -> list[int]:
-    """Holders of /dev/nvidia* and listeners on the unit's ports; returns the unreadable."""
+) -> DeviceScan:
+    """Holders of /dev/nvidia* and listeners on the unit's ports."""
     index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
     for fault in state.faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
@@ -312,9 +303,7 @@ def _add_device_users(
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
                 found.control_devices.add(name)
-    state.shm = scan.shm
-    state.cut_short = scan.cut_short
-    return scan.unreadable
+    return scan
 
 
 def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:

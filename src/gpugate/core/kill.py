@@ -32,63 +32,45 @@ class Pinned(Protocol):
     def close(self) -> None: ...
 
 
-def _deliver(ident: ProcessId, send: Callable[[], None]) -> bool:
-    try:
-        send()
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        raise PermissionDenied(
-            f"not permitted to signal PID {ident.pid} (run gpugate as root)"
-        ) from None
-    return True
+class PinnedProcess:
+    """A process held by pidfd: signals reach it or nothing, never a PID's next owner. Without
+    pidfd (kernel < 5.3, fd None) its start time is checked before each signal instead."""
 
-
-class PidfdProcess:
-    """A process held by pidfd: signals reach it or nothing, never a PID's next owner."""
-
-    def __init__(self, ident: ProcessId, fd: int) -> None:
-        self.ident = ident
-        self._fd = fd
+    def __init__(self, ident: ProcessId, procfs: ProcFs, fd: int | None) -> None:
+        self.ident, self._procfs, self._fd = ident, procfs, fd
 
     def send(self, signum: int) -> bool:
-        return _deliver(self.ident, lambda: signal.pidfd_send_signal(self._fd, signum))
-
-    def exited(self) -> bool:
-        ready, _, _ = select.select([self._fd], [], [], 0)
-        return bool(ready)
-
-    def fileno(self) -> int | None:
-        return self._fd
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-
-class CheckedProcess:
-    """Fallback without pidfd (kernel < 5.3): the start time is checked before each signal."""
-
-    def __init__(self, ident: ProcessId, procfs: ProcFs) -> None:
-        self.ident = ident
-        self._procfs = procfs
-
-    def send(self, signum: int) -> bool:
-        if not self._procfs.still_same(self.ident):
+        """True if the signal was delivered, False if the process is already gone."""
+        try:
+            if self._fd is not None:
+                signal.pidfd_send_signal(self._fd, signum)
+            elif self._procfs.still_same(self.ident):
+                os.kill(self.ident.pid, signum)
+            else:
+                return False
+        except ProcessLookupError:
             return False
-        return _deliver(self.ident, lambda: os.kill(self.ident.pid, signum))
+        except PermissionError:
+            raise PermissionDenied(
+                f"not permitted to signal PID {self.ident.pid} (run gpugate as root)"
+            ) from None
+        return True
 
     def exited(self) -> bool:
+        if self._fd is not None:
+            return bool(select.select([self._fd], [], [], 0)[0])
         if not self._procfs.still_same(self.ident):
             return True
         stat = self._procfs.stat(self.ident.pid)  # fresh: outside any oneshot()
         return stat is None or stat.state in ("Z", "X")
 
     def fileno(self) -> int | None:
-        return None
+        return self._fd
 
     def close(self) -> None:
-        pass
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
 
 
 def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
@@ -100,12 +82,12 @@ def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     except (AttributeError, OSError):
         if not procfs.still_same(ident):
             return None
-        return CheckedProcess(ident, procfs)
+        return PinnedProcess(ident, procfs, None)
     # The pidfd now names whichever process has the PID; keep it only if that is ours.
     if not procfs.still_same(ident):
         os.close(fd)
         return None
-    return PidfdProcess(ident, fd)
+    return PinnedProcess(ident, procfs, fd)
 
 
 @dataclass

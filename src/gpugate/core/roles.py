@@ -3,7 +3,7 @@ another unit, protected, or a watcher. Pure logic over what `discover` found."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from gpugate.compat import StrEnum
@@ -185,7 +185,7 @@ def app_tree(
     queue: list[ProcInfo] = [top]
     while queue:
         current = queue.pop()
-        for child_pid in _unique(tree.children(current.pid)):
+        for child_pid in dict.fromkeys(tree.children(current.pid)):
             if child_pid in members:
                 continue
             child = tree.info(child_pid)
@@ -201,7 +201,3 @@ def app_tree(
             members[child_pid] = child
             queue.append(child)
     return members
-
-
-def _unique(pids: Iterable[int]) -> list[int]:
-    return list(dict.fromkeys(pids))
