@@ -47,6 +47,19 @@ class Held:
     other: str | None = None  # OTHER_UNIT / OTHER_CONTAINER: the unit its cgroup is in
     cgroup: str | None = None
 
+    @classmethod
+    def of(cls, choice: Choice, rule: str | None = None) -> Held:
+        holder = choice.holder
+        return cls(
+            pid=holder.pid,
+            user=holder.info.user if holder.info.uid is not None else None,
+            gpus=tuple(sorted(choice.on_owned or holder.using)),
+            rule=rule or choice.rule.value,
+            foreign=tuple(sorted(choice.foreign)),
+            other=choice.other_unit,
+            cgroup=holder.info.cgroup,
+        )
+
 
 UNKILLABLE = "unkillable"  # Held.rule of a process that outlived SIGKILL
 

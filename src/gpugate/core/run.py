@@ -304,7 +304,7 @@ class Looking:
         if decision.refused:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
-            s.summary.held = blockers_held(decision.blockers)
+            s.summary.held = [Held.of(c) for c in decision.blockers]
             s.facts.held_by_others = True
             return Transition.REFUSED, Finishing(s, clean_shm=False)
         if s.dry_run:
@@ -362,10 +362,10 @@ class Stopping:
         discovery, decision, survivors = kill_rounds(s, self.discovery, self.decision)
         if survivors:
             survived(s, survivors)
-            s.summary.held += blockers_held(decision.blockers)
+            s.summary.held += [Held.of(c) for c in decision.blockers]
             return Transition.SURVIVED, Finishing(s, clean_shm=True)
         if decision.blockers:
-            s.summary.held = blockers_held(decision.blockers)
+            s.summary.held = [Held.of(c) for c in decision.blockers]
             s.facts.held_by_others = True
             s.narrator.still_held()
             return Transition.STILL_HELD, Finishing(s, clean_shm=True)
@@ -464,16 +464,8 @@ def kill_round(
     return result.survivors
 
 
-def blockers_held(choices: list[Choice]) -> list[Held]:
-    from gpugate.core.held import held  # noqa: PLC0415 (only where GPUs are kept)
-
-    return [held(choice) for choice in choices]
-
-
 def survived(state: RunState, survivors: list[ProcessId]) -> None:
-    from gpugate.core.held import held  # noqa: PLC0415 (only where GPUs are kept)
-
-    state.summary.held = [held(state.signalled[ident], UNKILLABLE) for ident in survivors]
+    state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
     state.facts.survivors = True
     state.narrator.survived(len(survivors))
 
