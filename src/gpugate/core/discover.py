@@ -106,9 +106,8 @@ class Discovery:
     invisible: list[tuple[int, int]] = field(default_factory=list)
     unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
     faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
-    # The /dev/shm (and /run/shm) files each process holds, by PID, from the same pass
-    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
-    shm_areas: list[ShmArea] = field(default_factory=list)
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)  # by PID: its shm files
+    shm_areas: list[ShmArea] = field(default_factory=list)  # /dev/shm (and /run/shm)
     cut_short: list[int] = field(default_factory=list)  # PIDs the deadline cut: holders may hide
 
     @property

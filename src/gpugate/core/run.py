@@ -103,13 +103,9 @@ class RunState:
         self.signalled: dict[ProcessId, Choice] = {}
         self.ports = self.config.ports if scope.phase.traits.checks_ports else ()
         self.watch = RespawnWatch()
-        # Spared for good (protected, holding no GPU of the unit): not waited on. A watcher is
-        # not among them: NVML listing it later means it became a GPU user.
-        self.spared_pids: set[int] = set()
+        self.spared_pids: set[int] = set()  # protected, or on no GPU of the unit: not waited on
         self.reported_faults: set[int] = set()
-        # Each process's role when first judged: a watcher stays one while the driver frees a
-        # killed holder's memory (roles.stable_role).
-        self.judged: dict[ProcessId, Role] = {}
+        self.judged: dict[ProcessId, Role] = {}  # first roles, for roles.stable_role
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
@@ -593,13 +589,10 @@ def shm_label(state: RunState, pid: int) -> str:
     return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
 
 
-# The wait's loop: poll NVML until every owned GPU is at or below the free level and lists no
-# process, the unit's ports are free, and no respawn is under way. Polls back off from 5 ms to
-# 50 ms, so the exit follows the driver's release closely without spinning. What turns up
-# meanwhile (NVML lists a PID not known, a port is held, a watched parent starts the killed
-# child's executable again) is looked for with a new discovery, at most every
-# LOOK_AGAIN_EVERY_S. While parents of killed holders are watched, success needs two clear
-# looks in a row: a respawned holder NVML does not list yet is caught, and a loop that
+# The wait polls (5 ms backing off to 50 ms) until the owned GPUs are free and list no process,
+# the ports are free and no respawn is under way. What turns up (an unknown PID on NVML's list,
+# a held port, a respawn) is looked for with a new discovery, at most every LOOK_AGAIN_EVERY_S.
+# While parents of the killed are watched, success needs two clear looks in a row: a loop that
 # respawns between two polls cannot end the run as a success.
 
 FIRST_POLL_S = 0.005
