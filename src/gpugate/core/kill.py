@@ -196,12 +196,9 @@ class RespawnWatch:
     ) -> None:
         """After a kill round: count respawns, then watch the parents (never self_chain)."""
         choices = list(choices)
-        counted: set[ProcessId] = set()
-        for choice in choices:
-            parent = self._watched_ancestor(choice.holder.info, tree)
-            if parent is not None and parent.info.ident not in counted:
-                counted.add(parent.info.ident)
-                parent.respawns += 1
+        parents = (self._watched_ancestor(c.holder.info, tree) for c in choices)
+        for parent in {p.info.ident: p for p in parents if p is not None}.values():
+            parent.respawns += 1
         for choice in choices:
             info = choice.holder.info
             parent_info = tree.info(info.ppid)
