@@ -376,8 +376,21 @@ class Waiting:
     code: Stage = Stage.WAITING
 
     def step(self) -> Step:
-        wait(self.state, self.discovery, self.decision)
-        return Transition.SETTLED, Finishing(self.state, clean_shm=True)
+        """For free GPUs and ports, killing what turns up meanwhile; then its outcome."""
+        s = self.state
+        skipped = s.surroundings.not_to_wait_on(self.discovery.owned)
+        owned = [gpu for gpu in self.discovery.owned if gpu not in skipped]
+        if owned or s.ports:
+            wait_started = s.clock()
+            s.spared_pids = spared_for_good(self.decision)
+            settled = wait_settled(s, owned)
+            s.summary.seconds_wait = s.clock() - wait_started
+            s.summary.busy = settled.busy
+            for gpu in owned:
+                freed = s.used_before.get(gpu.index, 0) - s.driver.usage(gpu).used_mib
+                s.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
+            judge_wait(s, settled, owned)
+        return Transition.SETTLED, Finishing(s, clean_shm=True)
 
 
 @dataclass(frozen=True)
@@ -481,25 +494,6 @@ def on_stuck(state: RunState, choices: list[Choice]) -> None:
         stat = state.procfs.stat(choice.holder.pid)
         process_state = stat.state if stat else "?"
         state.narrator.stuck(choice, process_state, state.procfs.wchan(choice.holder.pid))
-
-
-def wait(state: RunState, discovery: Discovery, decision: Decision) -> None:
-    """Wait for free GPUs and ports, killing what turns up meanwhile; then its outcome."""
-    skipped = state.surroundings.not_to_wait_on(discovery.owned)
-    owned = [gpu for gpu in discovery.owned if gpu not in skipped]
-    if not owned and not state.ports:
-        return
-    wait_started = state.clock()
-    state.spared_pids = spared_for_good(decision)
-    settled = wait_settled(state, owned)
-    summary = state.summary
-    summary.seconds_wait = state.clock() - wait_started
-    summary.busy = settled.busy
-    for gpu in owned:
-        used_after = state.driver.usage(gpu).used_mib
-        freed = max(state.used_before.get(gpu.index, 0) - used_after, 0)
-        summary.freed_mib_by_gpu[gpu.index] = freed
-    judge_wait(state, settled, owned)
 
 
 def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
