@@ -231,19 +231,16 @@ class RespawnWatch:
     def pending(self, tree: ProcessTree) -> list[int]:
         """Respawns under way that hold nothing yet: new children of watched parents running
         a killed child's executable."""
-        found: list[int] = []
-        for watched in self.watched.values():
-            for child_pid in tree.children(watched.info.pid):
-                child = tree.info(child_pid)
-                if (
-                    child is not None
-                    and child.state not in ("Z", "X")
-                    and child.start_time > watched.newest_killed_start
-                    # the killed child's program again, or a fork not yet exec'd
-                    and (child.exe in watched.executables or child.exe == watched.info.exe)
-                ):
-                    found.append(child_pid)
-        return found
+        return [
+            child.pid
+            for watched in self.watched.values()
+            for child in map(tree.info, tree.children(watched.info.pid))
+            if child is not None
+            and child.state not in ("Z", "X")
+            and child.start_time > watched.newest_killed_start
+            # the killed child's program again, or a fork not yet exec'd
+            and (child.exe in watched.executables or child.exe == watched.info.exe)
+        ]
 
     def respawners(self, alive: Callable[[ProcessId], bool]) -> list[Respawner]:
         return [w for w in self.watched.values() if w.respawns and alive(w.info.ident)]

@@ -180,26 +180,22 @@ class Surroundings(Protocol):
         """True: every GPU only because nothing named the GPUs (a warning)."""
 
     def state_to_write(self) -> StateToWrite:
-        """The folders and files this run writes, checked before it kills anything; a problem
-        stops a phase whose state is required, else it is a warning."""
+        """The folders and files this run writes: checked before it kills anything."""
 
     def driver_hung_earlier(self) -> str | None:
-        """Why the driver is not to be asked (the same start's earlier phase waited its
-        deadline on it); None: ask it."""
+        """Why not to ask the driver (this start's earlier phase waited on it); None: ask."""
 
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
-        """Under the GPU locks, before any kill: whether this start must not go on (another
-        workload's claim on the GPUs; said here, kept for after_run)."""
+        """Under the GPU locks, before any kill: another workload's claim refuses the start."""
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """The run refuses: says what else is known of the others' hold."""
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
-        """Under the GPU locks, before the first kill: what the start will hold, written now,
-        so that state that cannot be written stops the run before anything dies."""
+        """Under the GPU locks, before the first kill: what the start will hold, written now."""
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """The GPUs whose memory need not be waited for again."""
@@ -208,8 +204,7 @@ class Surroundings(Protocol):
         """After a run that was not a dry run, still under the locks."""
 
     def after_error(self, error: GateError, progress: Progress) -> None:
-        """The run (not a dry run) ended in an error, the locks released; progress: what it
-        was doing, and the GPUs it still waited for."""
+        """The run (not a dry run) ended in an error; progress: what it was doing."""
 
 
 def run_state_to_write(config: Config) -> StateToWrite:

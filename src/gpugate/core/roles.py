@@ -132,11 +132,8 @@ def _leads_terminal_session(info: ProcInfo) -> bool:
 
 def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
     """A tmux or screen server, sshd, login: a child of it leads a session on a terminal."""
-    for child_pid in tree.children(info.pid):
-        child = tree.info(child_pid)
-        if child is not None and _leads_terminal_session(child):
-            return True
-    return False
+    children = (tree.info(pid) for pid in tree.children(info.pid))
+    return any(child is not None and _leads_terminal_session(child) for child in children)
 
 
 def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
@@ -149,11 +146,9 @@ def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
         return child.pgrp != parent.pgrp
     if child.pid != child.session:
         return True  # child is in a session it does not lead: parent adopted an orphan
-    for sibling_pid in tree.children(parent.pid):
-        sibling = tree.info(sibling_pid)
-        if sibling is not None and sibling.pid != child.pid and sibling.pid == sibling.session:
-            return True  # several sessions of its own: a supervisor, not one app's launcher
-    return False
+    # several sessions of its own: a supervisor, not one application's launcher
+    siblings = (tree.info(pid) for pid in tree.children(parent.pid))
+    return any(s is not None and s.pid != child.pid and s.pid == s.session for s in siblings)
 
 
 def app_tree(
