@@ -194,13 +194,10 @@ def read_gpus(
     for gpu in list(gpus):
         try:
             usage[gpu.index] = driver.usage(gpu)
-        except GpuError as exc:
-            gpus.remove(gpu)
-            faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
-        except NvmlNotAnswering as exc:
-            if strict_faults:
+        except (GpuError, NvmlNotAnswering) as exc:
+            if strict_faults and isinstance(exc, NvmlNotAnswering):
                 raise
-            gpus.remove(gpu)  # status: shown as unreadable, with what else could be read
+            gpus.remove(gpu)  # status shows one that does not answer as unreadable
             faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
