@@ -58,10 +58,14 @@ class ShmRemoval:
     kept: Kept | None = None  # why it stays; None: removed (or would be)
     kept_by: tuple[str, ...] = ()  # ALSO_HELD, HELD_NOW, UNREADABLE: the processes (labels)
     detail: str = ""  # UNLINK_FAILED: the error's name
+    accounts: tuple[Credentials, ...] = ()  # of the killed that held it open or mapped
 
     @property
     def removed(self) -> bool:
         return self.kept is None and self.facts is not None
+
+    def allowed(self, facts: FileFacts) -> bool:
+        return any(could_remove(who, facts) for who in self.accounts)
 
 
 def _class_bits(who: Credentials, uid: int, gid: int, mode: int) -> int:
@@ -86,20 +90,6 @@ def could_remove(who: Credentials, facts: FileFacts) -> bool:
     return not sticky or who.uid in (facts.uid, facts.folder_uid)
 
 
-@dataclass(frozen=True)
-class Wanted:
-    """A file a killed process held, before the fresh look."""
-
-    file: ShmFile
-    holders: tuple[int, ...]  # the killed PIDs that held it (any way)
-    accounts: tuple[Credentials, ...]  # of those that held it open or mapped
-    kept: Kept | None = None
-    kept_by: tuple[str, ...] = ()
-
-    def allowed(self, facts: FileFacts) -> bool:
-        return any(could_remove(who, facts) for who in self.accounts)
-
-
 @dataclass
 class ShmLedger:
     """Who held which shm file, and how: fed by every discovery of a run."""
@@ -119,9 +109,11 @@ class ShmLedger:
                     seen = self.opened.setdefault(key, {})
                     seen[pid] = seen.get(pid) or file.holder
 
-    def of_the_killed(self, killed: Collection[int], label: Callable[[int], str]) -> list[Wanted]:
+    def of_the_killed(
+        self, killed: Collection[int], label: Callable[[int], str]
+    ) -> list[ShmRemoval]:
         """Each file a killed PID held, and why it must stay already."""
-        found: list[Wanted] = []
+        found: list[ShmRemoval] = []
         for key, pids in sorted(self.holders.items()):
             by_killed = tuple(sorted(pids & set(killed)))
             if not by_killed:
@@ -129,7 +121,7 @@ class ShmLedger:
             opened = self.opened.get(key, {})
             accounts = tuple(who for pid in by_killed if (who := opened.get(pid)) is not None)
             others = sorted(pids - set(killed))
-            wanted = Wanted(self.files[key], by_killed, accounts)
+            wanted = ShmRemoval(self.files[key], by_killed, None, accounts=accounts)
             if others:
                 wanted = replace(wanted, kept=Kept.ALSO_HELD, kept_by=_labels(others, label))
             elif not any(pid in opened for pid in by_killed):
@@ -152,7 +144,7 @@ def plan(
         kept = item.kept
         if kept is None and facts is not None and not item.allowed(facts):
             kept = Kept.NOT_THEIRS
-        results.append(ShmRemoval(item.file, item.holders, facts, kept, item.kept_by))
+        results.append(replace(item, facts=facts, kept=kept))
     return results
 
 
@@ -168,14 +160,15 @@ def remove(
     for wanted_item in wanted:
         item = _after_fresh_look(wanted_item, fresh, label)
         if item.kept is not None:
-            facts = host.facts(item.file)
-            results.append(ShmRemoval(item.file, item.holders, facts, item.kept, item.kept_by))
+            results.append(replace(item, facts=host.facts(item.file)))
             continue
         results.append(_unlinked(item, host.unlink(item.file, item.allowed)))
     return results
 
 
-def _after_fresh_look(item: Wanted, fresh: FreshHolders, label: Callable[[int], str]) -> Wanted:
+def _after_fresh_look(
+    item: ShmRemoval, fresh: FreshHolders, label: Callable[[int], str]
+) -> ShmRemoval:
     if item.kept is not None:
         return item
     if fresh.unreadable:
@@ -186,16 +179,14 @@ def _after_fresh_look(item: Wanted, fresh: FreshHolders, label: Callable[[int], 
     return item
 
 
-def _unlinked(item: Wanted, done: Unlinked) -> ShmRemoval:
+def _unlinked(item: ShmRemoval, done: Unlinked) -> ShmRemoval:
     if done.facts is None:
-        return ShmRemoval(item.file, item.holders, None, Kept.GONE)
+        return replace(item, kept=Kept.GONE)
     if done.refused:
-        return ShmRemoval(item.file, item.holders, done.facts, Kept.NOT_THEIRS)
+        return replace(item, facts=done.facts, kept=Kept.NOT_THEIRS)
     if done.error is not None:
-        return ShmRemoval(
-            item.file, item.holders, done.facts, Kept.UNLINK_FAILED, detail=done.error
-        )
-    return ShmRemoval(item.file, item.holders, done.facts)
+        return replace(item, facts=done.facts, kept=Kept.UNLINK_FAILED, detail=done.error)
+    return replace(item, facts=done.facts)
 
 
 @dataclass(frozen=True)
