@@ -137,18 +137,20 @@ def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
 
 
 def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
-    """parent launches more than one application: a job-control shell, a terminal host
-    (by any of its children), an orphan-adopting subreaper, a supervisor of sessions."""
+    """parent launches more than one application: a job-control shell or a terminal host (by
+    any of its children), an orphan-adopting subreaper, a supervisor of sessions."""
     if _hosts_terminals(parent, tree):
         return True
+    kids = [kid for kid in map(tree.info, tree.children(parent.pid)) if kid is not None]
+    # A job-control shell starts each job in a process group of its own: any child says so.
+    if any(k.session == parent.session and k.pgrp != parent.pgrp for k in [child, *kids]):
+        return True
     if child.session == parent.session:
-        # A job-control shell starts each job in a process group of its own.
-        return child.pgrp != parent.pgrp
+        return False
     if child.pid != child.session:
         return True  # child is in a session it does not lead: parent adopted an orphan
     # several sessions of its own: a supervisor, not one application's launcher
-    siblings = (tree.info(pid) for pid in tree.children(parent.pid))
-    return any(s is not None and s.pid != child.pid and s.pid == s.session for s in siblings)
+    return any(k.pid != child.pid and k.pid == k.session for k in kids)
 
 
 def app_tree(
