@@ -274,5 +274,5 @@ def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
     assert code == ExitCode.OK, result.stderr
     assert len(loaded) <= PRE_MODULE_BUDGET, loaded
     unneeded_here = ("report.lines", "front.commands.status", "front.launch")
-    for unneeded in (*unneeded_here, "core.held"):  # core.held: only GPUs kept at the end
+    for unneeded in unneeded_here:
         assert f"gpugate.{unneeded}" not in loaded

@@ -200,8 +200,8 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not an internal error (70): exit 69 and one journal entry naming systemctl."""
+    from gpugate.core.outcome import NullSurroundings
     from gpugate.core.run import RunDeps
-    from gpugate.core.surroundings import NullSurroundings
     from gpugate.front.hook import Deps, Hook, run_hook
 
     system = tmp_path / "sbin"

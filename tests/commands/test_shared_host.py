@@ -11,8 +11,8 @@ import pytest
 
 from gpugate.config.file import LoadedConfig, parse_config
 from gpugate.config.values import BUILTIN_SOURCE
+from gpugate.core.discover import owned_gpus
 from gpugate.core.outcome import RunSummary
-from gpugate.core.owned_gpus import owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, GateError, NvmlUnavailable
 from gpugate.front.cli import main

@@ -7,7 +7,7 @@ import pytest
 from gpugate.config.file import load_config, parse_config
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import BUILTIN_SOURCE
-from gpugate.core.owned_gpus import owned_gpus
+from gpugate.core.discover import owned_gpus
 from gpugate.errors import ConfigError
 from tests.fakes import FakeGpuMemory, raises_error
 

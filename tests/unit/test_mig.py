@@ -10,7 +10,7 @@ import pytest
 
 from gpugate.config.file import parse_config
 from gpugate.config.values import gpu_ref, legacy_mig, parse_gpu_text
-from gpugate.core.owned_gpus import as_refs, owned_gpus
+from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue
 from gpugate.front.launch import resolve_gpus

@@ -1,4 +1,4 @@
-"""The phase run as a stage machine (core/stages.py): each path through it is a sequence of
+"""The phase run as a stage machine (core/run.py): each path through it is a sequence of
 stage and transition codes, asserted as codes; NVML failing is a transition back to looking;
 an interrupted run names its stage as a code; the null surroundings are the plain case."""
 
@@ -12,9 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.core.outcome import Stage, Transition
+from gpugate.core.outcome import (
+    NullSurroundings,
+    Stage,
+    Surroundings,
+    Transition,
+    run_state_to_write,
+)
 from gpugate.core.run import PhaseRun, RunDeps, RunScope
-from gpugate.core.surroundings import NullSurroundings, Surroundings, run_state_to_write
 from gpugate.errors import Interrupted, NvmlUnavailable
 from gpugate.front.hook import stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuUsage

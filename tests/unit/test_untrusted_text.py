@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from gpugate.core.decide import Choice, Decision, Rule, Verdict
 from gpugate.core.discover import Discovery, Holder, Source
+from gpugate.core.kill import Respawner
 from gpugate.core.outcome import RunSummary
-from gpugate.core.respawn import Respawner
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode

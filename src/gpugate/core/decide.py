@@ -1,9 +1,5 @@
-"""Decision: which holders gpugate kills, which it spares, and which stop it, and by which rule.
-
-Pure logic over what `discover` found and a view of the process tree; nothing here reads
-/proc or signals, so the rules can be tested over arbitrary process tables. Each holder's
-role is `roles`; where an application ends (kill_app_tree) is `app_tree`.
-"""
+"""Decision: which holders gpugate kills, spares, or is stopped by, and by which rule: pure
+logic over what `discover` found and a view of the process tree."""
 
 from __future__ import annotations
 
@@ -26,8 +22,7 @@ class Verdict(Enum):
 
 
 class Rule(Enum):
-    """Which rule chose a holder's verdict: the journal's GPUGATE_REASON and `status --json`'s
-    holder "reason". The words for each are the narration's (report/reasons.py)."""
+    """The journal's GPUGATE_REASON and `status --json`'s "reason" (words: report/reasons.py)."""
 
     PROTECTED = "protected"  # protected_executables / protected_units
     WATCHER = "watcher"  # device files open, NVML lists it nowhere (nvidia-smi -l, nvtop)
@@ -79,8 +74,7 @@ class Decision:
 
     @property
     def refused(self) -> bool:
-        """Another unit, or another account than the one the run acts for, holds the GPUs:
-        kill nothing at all."""
+        """Another unit, or another account than the run's, holds the GPUs: kill nothing."""
         return any(
             choice.role is Role.OTHER_UNIT or choice.rule is Rule.OTHER_ACCOUNT
             for choice in self.blockers
@@ -96,9 +90,8 @@ def decide(
     *,
     for_uid: int | None = None,
 ) -> Decision:
-    """earlier: the roles given in this run's previous decisions (see roles.stable_role);
-    for_uid: the account a `gpugate run` by an account that is not root acts for (its hooks'
-    hidden --for-uid): only that account's processes may be killed (`for_account`)."""
+    """earlier: this run's earlier roles (roles.stable_role); for_uid: the account a
+    `gpugate run` acts for (`for_account`)."""
     policy = config.policy(phase)
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
@@ -115,11 +108,9 @@ def decide(
 
 
 def for_account(choice: Choice, uid: int) -> Choice:
-    """A run that acts for an account kills only what that account could kill itself: a
-    process whose real uid is its own (kill(2) lets an account signal those). Anything else
-    it would kill is refused instead. The unit's own cgroup stays the unit's: only systemd
-    puts processes there (the account's command and what it started; systemd stops them all
-    with the unit anyway). It only narrows: a choice that kills nobody is left as it is."""
+    """A run for an account kills only what kill(2) lets that account signal (its real uid);
+    anything else is refused. The unit's own cgroup stays the unit's: only systemd puts
+    processes there."""
     if choice.verdict is not Verdict.KILL or choice.rule is Rule.CGROUP:
         return choice
     if choice.holder.info.uid == uid:

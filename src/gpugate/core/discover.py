@@ -1,31 +1,25 @@
-"""Discovery: every process that holds the unit's GPUs, and how each one was found.
-
-Four sources, each recorded on the holder: the unit's cgroup (and the cgroups of the
-containers its config names), /proc/PID/fd links and /proc/PID/maps entries naming
-/dev/nvidiaN, and NVML's process lists. (The fourth kind of target, the rest of a stale
-application, is chosen in `decide`, which walks the tree.) Which GPUs are the unit's is
-`owned_gpus`.
+"""Discovery: every process that holds the unit's GPUs, and how each one was found: the
+unit's cgroup (and its config's containers), /proc/PID/fd and /proc/PID/maps naming
+/dev/nvidiaN, NVML's process lists. Which GPUs are the unit's: `owned_gpus`.
 
 A MIG slice is a GPU of its own here (keyed by host.nvml.mig_key): its holders are those NVML
-lists on it, and those holding its capability device (host.nvml). Every process on every
-slice opens its GPU's /dev/nvidiaN, so that device file ties a process to the whole GPU only,
-never to a slice; a process on a slice is on that slice alone (the whole GPU's aggregate list,
-which names it too, is not counted for it).
+lists on it and those holding its capability device (host.nvml). Every process on a slice
+opens its GPU's /dev/nvidiaN, so that file ties a process to the whole GPU only. Owning a whole
+GPU owns each of its slices too (their holders, locks and leases).
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Optional
 
 from gpugate.compat import StrEnum
-from gpugate.config.values import GpuSelection
-from gpugate.core.owned_gpus import fail_on_owned_faults, owned_gpus
-from gpugate.errors import NvmlNotAnswering, PermissionDenied
+from gpugate.config.values import MIG_PREFIX, GpuRef, GpuSelection, legacy_mig
+from gpugate.errors import ConfigError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import (
     Gpu,
@@ -47,6 +41,7 @@ from gpugate.host.scan import (
     scan_device_users,
 )
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
+from gpugate.untrusted import echo
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
@@ -77,27 +72,17 @@ class Holder:
 
     @property
     def using(self) -> set[int]:
-        """The GPUs it really uses. CUDA opens /dev/nvidiaN for every visible GPU, so where
-        NVML lists the process, its list is the better answer than the device files. On a
-        MIG slice (NVML's list, or its capability device) it uses that slice, not the whole
-        GPU whose /dev/nvidiaN every slice's process holds."""
+        """The GPUs it really uses: NVML's list where it names the process (CUDA opens
+        /dev/nvidiaN for every visible GPU), and on a MIG slice the slice, not its GPU."""
         found = set(self.used_mib) or self.gpus
         return found - {mig_parent(key) for key in found}
 
 
-class DeviceScanner(Protocol):
-    """The device-file scan discovery uses: the full one (`full_scan`), or `status --watch`'s,
-    which rescans what changed (host.scan.WatchScan)."""
-
-    def __call__(
-        self,
-        proc_root: Path,
-        device_prefix: str | None,
-        socket_inodes: Collection[int],
-        shm_areas: Sequence[ShmArea],
-        listed_by_nvml: Collection[int],
-        deadline: Deadline,
-    ) -> DeviceScan: ...
+# (proc root, device prefix, socket inodes, shm areas, PIDs NVML lists, deadline): `full_scan`,
+# or `status --watch`'s, which rescans what changed (host.scan)
+DeviceScanner = Callable[
+    [Path, Optional[str], Collection[int], Sequence[ShmArea], Collection[int], Deadline], DeviceScan
+]
 
 
 def full_scan(
@@ -108,9 +93,8 @@ def full_scan(
     listed_by_nvml: Collection[int],
     deadline: Deadline,
 ) -> DeviceScan:
-    """Every process on the host: what a hook's round and a one-shot `status` read. (NVML's
-    list cannot stand in for the scan: a watcher, a mapped-only holder and a holder of a GPU
-    NVML cannot read are on no list.)"""
+    """Every process on the host (a watcher, a mapped-only holder and a holder of a GPU NVML
+    cannot read are on no NVML list)."""
     del listed_by_nvml
     return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
 
@@ -125,16 +109,13 @@ class Discovery:
     holders: dict[int, Holder]  # by PID
     self_chain: frozenset[int]  # gpugate and its ancestors: never targets
     unreadable: list[int]  # PIDs whose fds could not be read
-    invisible: list[tuple[int, int]] = field(default_factory=list)  # (GPU, PID) NVML lists
-    # but /proc does not show: another PID namespace (a container without host PIDs)
+    # (GPU, PID) NVML lists but /proc does not show: another PID namespace
+    invisible: list[tuple[int, int]] = field(default_factory=list)
     unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
     faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
-    # Files in /dev/shm (and /run/shm where it is a mount of its own) that each process has
-    # open or mapped, by PID: every process, from the same pass over /proc.
-    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
-    shm_areas: list[ShmArea] = field(default_factory=list)
-    # PIDs whose fds were not all read by the run's deadline (millions of them): holders may hide
-    cut_short: list[int] = field(default_factory=list)
+    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)  # by PID: its shm files
+    shm_areas: list[ShmArea] = field(default_factory=list)  # /dev/shm (and /run/shm)
+    cut_short: list[int] = field(default_factory=list)  # PIDs the deadline cut: holders may hide
 
     @property
     def owned_indices(self) -> set[int]:
@@ -142,8 +123,8 @@ class Discovery:
 
     @property
     def nvml_lists_processes(self) -> bool:
-        """NVML's process lists are complete and name PIDs this /proc shows: then a device
-        holder it lists nowhere uses no GPU (a watcher). Otherwise device files are the proof."""
+        """NVML's lists are complete and name PIDs this /proc shows (a device holder they
+        name nowhere is then a watcher)."""
         return (
             bool(self.usage)
             and not self.invisible
@@ -180,7 +161,7 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
 
 
 class HolderTable:
-    """The holders found so far, by PID; a process is read (and added) when first named."""
+    """The holders found so far, by PID; a process is read when first named."""
 
     def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
         self.procfs = procfs
@@ -202,15 +183,10 @@ class HolderTable:
 
 @dataclass
 class GpuState:
-    """What one discovery read of the devices: the GPUs and, from the same pass over /proc,
-    the shm files each process holds."""
-
     gpus: list[Gpu]  # those NVML could read
     usage: dict[int, GpuUsage]
     faults: list[GpuFault]
     shm_areas: list[ShmArea] = field(default_factory=list)
-    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
-    cut_short: list[int] = field(default_factory=list)  # PIDs whose fds the deadline cut
 
 
 def read_gpus(
@@ -225,13 +201,10 @@ def read_gpus(
     for gpu in list(gpus):
         try:
             usage[gpu.index] = driver.usage(gpu)
-        except GpuError as exc:
-            gpus.remove(gpu)
-            faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
-        except NvmlNotAnswering as exc:
-            if strict_faults:
+        except (GpuError, NvmlNotAnswering) as exc:
+            if strict_faults and isinstance(exc, NvmlNotAnswering):
                 raise
-            gpus.remove(gpu)  # status: shown as unreadable, with what else could be read
+            gpus.remove(gpu)  # status shows one that does not answer as unreadable
             faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
@@ -240,8 +213,7 @@ def read_gpus(
 
 @dataclass(frozen=True)
 class Sought:
-    """What a discovery looks for: the unit (or the label standing for it), its cgroup, its
-    GPUs as configured ("all", indices, UUIDs; None for none) and where that was said."""
+    """The unit (or its label), its cgroup, its configured GPUs and where they were said."""
 
     unit: str
     unit_cgroup: str
@@ -262,12 +234,8 @@ def discover(
     deadline: Deadline = NO_DEADLINE,
     scanner: DeviceScanner = full_scan,
 ) -> Discovery:
-    """strict_faults: an NVML error on one of the unit's own GPUs fails the run (NVML errors
-    on the others are recorded in `faults` either way); `status` passes False.
-    containers: the config's `containers`, whose processes are the unit's too.
-    ports: the unit's TCP ports, whose listeners are holders too.
-    deadline: the run's; the pass over /proc stops reading there (`cut_short`).
-    scanner: the device-file scan (`status --watch` passes one that rescans what changed)."""
+    """strict_faults: an NVML error on a GPU of the unit's fails the run (`status`: False);
+    containers and ports: the config's, whose processes and listeners are the unit's too."""
     unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
     state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
     state.shm_areas = find_areas(roots.dev, roots.proc)
@@ -276,7 +244,7 @@ def discover(
         for pid in cgroup_members(roots.cgroup, unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        unreadable = _add_device_users(table, roots, state, ports, (scanner, deadline))
+        scan = _add_device_users(table, roots, state, ports, (scanner, deadline))
         invisible = _add_nvml_processes(table, state.usage)
         unit_containers = _containers(
             table, roots=roots, wanted=containers, names=container_names or ContainerNames()
@@ -289,13 +257,13 @@ def discover(
         usage=state.usage,
         holders=table.by_pid,
         self_chain=table.self_chain,
-        unreadable=unreadable,
+        unreadable=scan.unreadable,
         invisible=invisible,
         unit_containers=unit_containers,
         faults=state.faults,
-        shm=state.shm,
+        shm=scan.shm,
         shm_areas=state.shm_areas,
-        cut_short=state.cut_short,
+        cut_short=scan.cut_short,
     )
 
 
@@ -305,9 +273,8 @@ def _add_device_users(
     state: GpuState,
     ports: Collection[int],
     scan_with: tuple[DeviceScanner, Deadline],
-) -> list[int]:
-    """Holders of /dev/nvidia* (open or mapped) and listeners on the unit's ports. Returns
-    the PIDs whose files could not be read."""
+) -> DeviceScan:
+    """Holders of /dev/nvidia* and listeners on the unit's ports."""
     index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
     for fault in state.faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
@@ -339,9 +306,7 @@ def _add_device_users(
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
                 found.control_devices.add(name)
-    state.shm = scan.shm
-    state.cut_short = scan.cut_short
-    return scan.unreadable
+    return scan
 
 
 def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:
@@ -368,7 +333,9 @@ def _containers(
     """Names every holder's container; adds every process of the containers WANTED names
     as the unit's, GPU holders or not. Returns those containers."""
     holders = table.by_pid
-    found = _containers_of(holders)
+    found: dict[str, Container] = {}
+    for container in filter(None, (container_of_cgroup(h.info.cgroup) for h in holders.values())):
+        found.setdefault(container.id, container)
     if wanted:
         for container in container_scopes(roots.cgroup):
             found.setdefault(container.id, container)
@@ -387,10 +354,131 @@ def _containers(
     return own
 
 
-def _containers_of(holders: dict[int, Holder]) -> dict[str, Container]:
-    """The containers the holders are in, by id (the first holder's reading of each)."""
-    found: dict[str, Container] = {}
-    for each in holders.values():
-        if (container := container_of_cgroup(each.info.cgroup)) is not None:
-            found.setdefault(container.id, container)
-    return found
+def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) -> list[Gpu]:
+    """The GPUs a selection names, with each whole GPU's slices; None names none."""
+    if wanted is None:
+        return []
+    whole = [gpu for gpu in gpus if gpu.mig is None]
+    if wanted == "all":
+        return covered(whole, gpus)
+    by_index = {gpu.index: gpu for gpu in whole}  # a GPU NVML cannot read is not among them
+    owned: list[Gpu] = []
+    for ref in wanted:
+        if isinstance(ref, int):
+            if ref not in by_index:
+                listed = _index_list([gpu.index for gpu in whole])
+                raise ConfigError(
+                    source, "gpus", f"GPU index {ref} does not exist; NVML lists {listed}"
+                )
+            gpu = by_index[ref]
+        else:
+            gpu = _by_uuid(ref, gpus, source)
+        if gpu not in owned:
+            owned.append(gpu)
+    return covered(owned, gpus)
+
+
+def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
+    """What owning these takes, in the order named: each, then its slices (a whole GPU)."""
+    taken: list[Gpu] = []
+    for mine in owned:
+        for gpu in [mine, *(gpu for gpu in gpus if gpu != mine and mine.covers(gpu))]:
+            if gpu not in taken:
+                taken.append(gpu)
+    return taken
+
+
+def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
+    """As a config names them: a whole GPU by index, a slice by UUID (not where its GPU is
+    among them)."""
+    whole = {gpu.index for gpu in gpus if gpu.mig is None}
+    return tuple(
+        gpu.index if gpu.mig is None else gpu.uuid
+        for gpu in gpus
+        if gpu.mig is None or gpu.mig.parent not in whole
+    )
+
+
+def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
+    """A GPU UUID names a whole GPU, a MIG UUID a slice; either as a prefix too."""
+    legacy = legacy_mig(ref)
+    if legacy is not None:
+        return _by_legacy_mig(ref, legacy, gpus, source)
+    is_mig = ref.upper().startswith(MIG_PREFIX)
+    among = [gpu for gpu in gpus if (gpu.mig is not None) == is_mig]
+    exact = [gpu for gpu in among if gpu.uuid.lower() == ref.lower()]
+    if exact:
+        return exact[0]
+    if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
+        mig_gpus = [gpu.index for gpu in gpus if gpu.mig_mode]
+        raise ConfigError(
+            source,
+            "gpus",
+            (f"no MIG device has UUID {echo(ref, quote=False)}")
+            + ("" if mig_gpus else " (no GPU is in MIG mode)"),
+        )
+    return _by_prefix(ref, among, source)
+
+
+def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], source: str) -> Gpu:
+    """MIG-GPU-<uuid>/<gi>/<ci>: the slice of that GPU with those instance ids."""
+    parent_uuid, gi, ci = legacy
+    parent = _by_prefix(parent_uuid, [gpu for gpu in gpus if gpu.mig is None], source)
+    if not parent.mig_mode:
+        raise ConfigError(
+            source, "gpus", (f"{echo(ref, quote=False)}: GPU {parent.index} is not in MIG mode")
+        )
+    slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
+    for gpu in slices:
+        if gpu.shown == f"{parent.index}/{gi}/{ci}":
+            return gpu
+    raise ConfigError(
+        source,
+        "gpus",
+        f"{echo(ref, quote=False)}: GPU {parent.index} has no MIG device with GPU instance "
+        f"{gi} and compute instance {ci} (it has {', '.join(g.shown for g in slices) or 'none'})",
+    )
+
+
+def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
+    """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
+    matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    if not matches:
+        raise ConfigError(source, "gpus", f"no GPU has UUID {echo(ref, quote=False)}")
+    if len(matches) > 1:
+        raise ConfigError(
+            source, "gpus", f"{echo(ref, quote=False)} is the start of more than one GPU's UUID"
+        )
+    return matches[0]
+
+
+def fail_on_owned_faults(
+    wanted: GpuSelection | None, gpus: Sequence[Gpu], faults: Sequence[GpuFault], unit: str
+) -> None:
+    """An NVML error on a GPU the unit owns fails the run; on any other GPU it is a warning."""
+    if not faults or wanted is None:
+        return
+    who = unit or "this run"
+    if wanted == "all":
+        raise NvmlUnavailable(f"{faults[0].error} (a GPU of {who}: gpus = all)")
+    uuids = {gpu.uuid.lower(): gpu.index for gpu in gpus}
+    owned_indices = {uuids.get(ref.lower()) if isinstance(ref, str) else ref for ref in wanted}
+    owned_uuids = {ref.lower() for ref in wanted if isinstance(ref, str)}
+    for fault in faults:
+        if fault.index in owned_indices or (fault.uuid or "").lower() in owned_uuids:
+            raise NvmlUnavailable(f"{fault.error} (a GPU of {who})")
+    unknown = [ref for ref in owned_uuids if not any(uuid.startswith(ref) for uuid in uuids)]
+    nameless = [fault for fault in faults if fault.uuid is None]
+    if unknown and nameless:
+        raise NvmlUnavailable(
+            f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} is not among "
+            "those NVML can read"
+        )
+
+
+def _index_list(indices: list[int]) -> str:
+    if not indices:
+        return "no GPUs"
+    if indices == list(range(indices[0], indices[-1] + 1)):
+        return f"GPUs {indices[0]}-{indices[-1]}"
+    return "GPUs " + ", ".join(map(str, indices))

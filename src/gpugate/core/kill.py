@@ -1,8 +1,7 @@
 """Killing: SIGCONT and SIGTERM to every target at once, SIGKILL after the grace, then wait.
-
-Each target is pinned before the first signal: a pidfd opened and then checked against the
-start time seen at discovery, so a PID recycled since then is never signalled.
-"""
+Each target is pinned first (a pidfd, checked against the start time seen at discovery), so a
+recycled PID is never signalled. And respawners: parents, not taken themselves, whose killed
+children come back (a `while true` loop, a supervisor)."""
 
 from __future__ import annotations
 
@@ -11,12 +10,14 @@ import os
 import select
 import signal
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gpugate.core.decide import Choice
+from gpugate.core.roles import ProcessTree
 from gpugate.errors import PermissionDenied
-from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.procfs import ProcessId, ProcFs, ProcInfo
 
 
 class Pinned(Protocol):
@@ -31,64 +32,45 @@ class Pinned(Protocol):
     def close(self) -> None: ...
 
 
-def _deliver(ident: ProcessId, send: Callable[[], None]) -> bool:
-    """True if the signal was delivered, False if the process is already gone."""
-    try:
-        send()
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        raise PermissionDenied(
-            f"not permitted to signal PID {ident.pid} (run gpugate as root)"
-        ) from None
-    return True
+class PinnedProcess:
+    """A process held by pidfd: signals reach it or nothing, never a PID's next owner. Without
+    pidfd (kernel < 5.3, fd None) its start time is checked before each signal instead."""
 
-
-class PidfdProcess:
-    """A process held by pidfd: signals reach it or nothing, never a PID's next owner."""
-
-    def __init__(self, ident: ProcessId, fd: int) -> None:
-        self.ident = ident
-        self._fd = fd
+    def __init__(self, ident: ProcessId, procfs: ProcFs, fd: int | None) -> None:
+        self.ident, self._procfs, self._fd = ident, procfs, fd
 
     def send(self, signum: int) -> bool:
-        return _deliver(self.ident, lambda: signal.pidfd_send_signal(self._fd, signum))
-
-    def exited(self) -> bool:
-        ready, _, _ = select.select([self._fd], [], [], 0)
-        return bool(ready)
-
-    def fileno(self) -> int | None:
-        return self._fd
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._fd)
-
-
-class CheckedProcess:
-    """Fallback without pidfd (kernel < 5.3): the start time is checked before each signal."""
-
-    def __init__(self, ident: ProcessId, procfs: ProcFs) -> None:
-        self.ident = ident
-        self._procfs = procfs
-
-    def send(self, signum: int) -> bool:
-        if not self._procfs.still_same(self.ident):
+        """True if the signal was delivered, False if the process is already gone."""
+        try:
+            if self._fd is not None:
+                signal.pidfd_send_signal(self._fd, signum)
+            elif self._procfs.still_same(self.ident):
+                os.kill(self.ident.pid, signum)
+            else:
+                return False
+        except ProcessLookupError:
             return False
-        return _deliver(self.ident, lambda: os.kill(self.ident.pid, signum))
+        except PermissionError:
+            raise PermissionDenied(
+                f"not permitted to signal PID {self.ident.pid} (run gpugate as root)"
+            ) from None
+        return True
 
     def exited(self) -> bool:
+        if self._fd is not None:
+            return bool(select.select([self._fd], [], [], 0)[0])
         if not self._procfs.still_same(self.ident):
             return True
         stat = self._procfs.stat(self.ident.pid)  # fresh: outside any oneshot()
         return stat is None or stat.state in ("Z", "X")
 
     def fileno(self) -> int | None:
-        return None
+        return self._fd
 
     def close(self) -> None:
-        pass
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
 
 
 def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
@@ -100,12 +82,12 @@ def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     except (AttributeError, OSError):
         if not procfs.still_same(ident):
             return None
-        return CheckedProcess(ident, procfs)
+        return PinnedProcess(ident, procfs, None)
     # The pidfd now names whichever process has the PID; keep it only if that is ours.
     if not procfs.still_same(ident):
         os.close(fd)
         return None
-    return PidfdProcess(ident, fd)
+    return PinnedProcess(ident, procfs, fd)
 
 
 @dataclass
@@ -120,7 +102,7 @@ Clock = Callable[[], float]
 
 
 def wait_exited(processes: Iterable[Pinned], until: float, clock: Clock = time.monotonic) -> None:
-    """Block until every process has exited or `until` passes (pidfds poll, others sleep)."""
+    """Until every process has exited or `until` passes (pidfds poll, others sleep)."""
     pending = [proc for proc in processes if not proc.exited()]
     delay = 0.005
     while pending:
@@ -182,3 +164,83 @@ def terminate(
         for proc in pinned:
             proc.close()
     return result
+
+
+MAX_ANCESTRY = 16
+
+
+@dataclass
+class Respawner:
+    """A parent of a killed target, left alive and watched: a respawner once respawns > 0."""
+
+    info: ProcInfo
+    respawns: int = 0
+    executables: set[str] = field(default_factory=set)  # of its killed children
+    newest_killed_start: int = 0  # start time of its newest killed child
+
+
+class RespawnWatch:
+    """The parents of this run's targets that were not targets themselves; a new target
+    below one counts as one respawn."""
+
+    def __init__(self) -> None:
+        self.watched: dict[ProcessId, Respawner] = {}
+
+    def killed(
+        self,
+        choices: Iterable[Choice],
+        taken: Collection[ProcessId],
+        tree: ProcessTree,
+        *,
+        self_chain: Collection[int],
+    ) -> None:
+        """After a kill round: count respawns, then watch the parents (never self_chain)."""
+        choices = list(choices)
+        parents = (self._watched_ancestor(c.holder.info, tree) for c in choices)
+        for parent in {p.info.ident: p for p in parents if p is not None}.values():
+            parent.respawns += 1
+        for choice in choices:
+            info = choice.holder.info
+            parent_info = tree.info(info.ppid)
+            if (
+                parent_info is None
+                or parent_info.pid <= 1
+                or parent_info.pid in self_chain
+                or parent_info.ident in taken
+            ):
+                continue
+            watched = self.watched.setdefault(parent_info.ident, Respawner(parent_info))
+            if info.exe:
+                watched.executables.add(info.exe)
+            watched.newest_killed_start = max(watched.newest_killed_start, info.start_time)
+
+    def _watched_ancestor(self, info: ProcInfo, tree: ProcessTree) -> Respawner | None:
+        current: ProcInfo | None = info
+        for _ in range(MAX_ANCESTRY):
+            if current is None or current.pid <= 1:
+                return None
+            parent = tree.info(current.ppid)
+            if parent is None:
+                return None
+            watched = self.watched.get(parent.ident)
+            if watched is not None and info.start_time > watched.newest_killed_start:
+                return watched
+            current = parent
+        return None
+
+    def pending(self, tree: ProcessTree) -> list[int]:
+        """Respawns under way that hold nothing yet: new children of watched parents running
+        a killed child's executable."""
+        return [
+            child.pid
+            for watched in self.watched.values()
+            for child in map(tree.info, tree.children(watched.info.pid))
+            if child is not None
+            and child.state not in ("Z", "X")
+            and child.start_time > watched.newest_killed_start
+            # the killed child's program again, or a fork not yet exec'd
+            and (child.exe in watched.executables or child.exe == watched.info.exe)
+        ]
+
+    def respawners(self, alive: Callable[[ProcessId], bool]) -> list[Respawner]:
+        return [w for w in self.watched.values() if w.respawns and alive(w.info.ident)]

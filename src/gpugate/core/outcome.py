@@ -1,19 +1,31 @@
-"""What a run ended with: its exit code and what it did, in terms every reporter shares; and
-where a run is: its stage and transition codes and its `Progress` (what an interruption
-names).
-
-Low in the stack (beside `errors`): the pipeline fills it in; the narration, the metrics and
-the Slurm drain reason read it.
-"""
+"""A run seen from outside the core: where it is (`Stage`,
+`Transition`, `Progress`), what it ended with (`RunSummary`, the exit precedence), and the
+protocols of what surrounds it: `Surroundings` (a unit's, a job's or a container's:
+integrations/ implements them; `NullSurroundings`, the plain case) and `Narration` (what it
+tells, worded by report.narrate.Narrator, which the front passes in)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId
+
+if TYPE_CHECKING:
+    from gpugate.config.file import Config, LoadedConfig
+    from gpugate.core.decide import Choice, Decision
+    from gpugate.core.discover import Discovery
+    from gpugate.core.kill import Respawner
+    from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
+    from gpugate.errors import GateError
+    from gpugate.host.containers import StopResult
+    from gpugate.host.nvml import GpuFault
+    from gpugate.host.shm import ShmKey
 
 
 @dataclass(frozen=True)
@@ -30,10 +42,23 @@ class Held:
     pid: int
     user: str | None  # its account's name (or uid), where /proc said
     gpus: tuple[int, ...]  # the run's GPUs it holds
-    rule: str  # decide.Rule's value, or UNKILLABLE: why it was not killed
+    rule: str  # decide.Rule's value, or UNKILLABLE
     foreign: tuple[int, ...] = ()  # STRADDLES: the GPUs it holds that are not the run's
     other: str | None = None  # OTHER_UNIT / OTHER_CONTAINER: the unit its cgroup is in
-    cgroup: str | None = None  # its cgroup (a Slurm job's names the job)
+    cgroup: str | None = None
+
+    @classmethod
+    def of(cls, choice: Choice, rule: str | None = None) -> Held:
+        holder = choice.holder
+        return cls(
+            pid=holder.pid,
+            user=holder.info.user if holder.info.uid is not None else None,
+            gpus=tuple(sorted(choice.on_owned or holder.using)),
+            rule=rule or choice.rule.value,
+            foreign=tuple(sorted(choice.foreign)),
+            other=choice.other_unit,
+            cgroup=holder.info.cgroup,
+        )
 
 
 UNKILLABLE = "unkillable"  # Held.rule of a process that outlived SIGKILL
@@ -50,24 +75,21 @@ class RunFacts:
     shm_short: bool = False  # before a start: /dev/shm has less free than shm_min_free_mib
 
 
-# First the cause the operator must remove before anything else helps: a respawner (a loop, a
-# supervisor) makes every kill futile, and the respawn it started last, killed at the
-# deadline, had no time to die (it would read as a survivor). Then a survivor of SIGKILL (a GPU
-# reset or a reboot, whatever else holds); then a holder gpugate may not kill (its owner's to
-# stop); then memory no process holds (the driver's to free); last, /dev/shm short of space
-# for the next start (looked at only when all else went well).
+# First the cause the operator must remove before anything else helps: a respawner makes
+# every kill futile (and its last respawn, killed at the deadline, would read as a survivor).
+# Then a survivor of SIGKILL (a GPU reset or a reboot); then a holder gpugate may not kill;
+# then memory no process holds; last, /dev/shm short of space for the next start.
 PRECEDENCE = (
     ("respawning", ExitCode.RESPAWNING),
     ("survivors", ExitCode.UNKILLABLE),
     ("held_by_others", ExitCode.HELD_BY_OTHERS),
     ("memory_busy", ExitCode.MEMORY_TIMEOUT),
-    ("shm_short", ExitCode.SHM_SPACE),  # looked at only where nothing above holds
+    ("shm_short", ExitCode.SHM_SPACE),
 )
 
 
 def exit_code_for(facts: RunFacts) -> ExitCode:
-    """The run's exit code: the first of PRECEDENCE whose fact holds, else OK. (Errors that
-    end a run early, GateError, carry their own code and are not facts.)"""
+    """The first of PRECEDENCE whose fact holds, else OK."""
     for name, code in PRECEDENCE:
         if getattr(facts, name):
             return code
@@ -85,7 +107,7 @@ class RunSummary:
     busy: list[BusyGpu] = field(default_factory=list)  # still used at the deadline
     owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
     held: list[Held] = field(default_factory=list)  # who kept them: refused, spared, survived
-    freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)  # by GPU index
+    freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)
     degraded: bool = False  # NVML failed and on_nvml_error = warn: the cgroup only
     would_kill: int = 0  # a dry run: how many targets it would have killed
 
@@ -103,12 +125,6 @@ def result_label(exit_code: ExitCode) -> str:
     return "success" if exit_code is ExitCode.OK else exit_code.name.lower()
 
 
-# Where a run is: the phase run's stages and transitions, as codes (after supervisor's
-# process states), and the one public view of a run under way: `Progress`, what it is doing
-# now. The front reads `Progress` (an interruption's "while ..." is its stage, worded in
-# report/); nothing outside the core reads a stage's internals.
-
-
 class Stage(StrEnum):
     LOOKING = "looking"  # discovery and decision
     LOCKING = "locking"  # waiting for another gpugate run's lock on a GPU
@@ -118,11 +134,11 @@ class Stage(StrEnum):
 
 
 class Transition(StrEnum):
-    """How a stage ended: the edge the run took (the run's `transitions` lists them)."""
+    """How a stage ended: the edge the run took."""
 
-    FOUND = "found"  # looking -> locking: there is something to do under the locks
+    FOUND = "found"  # looking -> locking
     REFUSED = "refused"  # looking -> finishing: another unit's processes hold the GPUs
-    DRY_RUN = "dry-run"  # looking -> finishing: a dry run stops after the decision
+    DRY_RUN = "dry-run"  # looking -> finishing
     LOCKED = "locked"  # locking -> stopping
     START_REFUSED = "start-refused"  # locking -> finishing: the surroundings refuse the start
     STOPPED = "stopped"  # stopping -> waiting: every target is gone
@@ -136,12 +152,149 @@ class Transition(StrEnum):
 
 @dataclass(frozen=True)
 class Progress:
-    """What the run is doing: its stage (set only by entering one: `RunState.enter`) and the
-    facts that stage is about."""
+    """What the run is doing: its stage (set only by `RunState.enter`) and that stage's facts."""
 
     stage: Stage = Stage.LOOKING
     processes: int = 0  # STOPPING: how many this round
-    round_number: int = 0  # STOPPING: which round
+    round_number: int = 0  # STOPPING
     lock_gpu: Gpu | None = None  # LOCKING: the GPU whose lock another run holds
     waiting_on: tuple[BusyGpu, ...] = ()  # WAITING: the GPUs still busy
     last_busy: tuple[BusyGpu, ...] = ()  # the GPUs last seen busy (post need not wait again)
+
+
+# (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
+StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
+
+
+class Surroundings(Protocol):
+    @property
+    def loaded(self) -> LoadedConfig:
+        """The config the run uses: its GPUs resolved to what this run is about."""
+
+    @property
+    def gpu_source(self) -> str:
+        """Where the GPUs came from, said in the run's first entry."""
+
+    @property
+    def gpu_source_warns(self) -> bool:
+        """True: every GPU only because nothing named the GPUs (a warning)."""
+
+    def state_to_write(self) -> StateToWrite:
+        """The folders and files this run writes: checked before it kills anything."""
+
+    def driver_hung_earlier(self) -> str | None:
+        """Why not to ask the driver (this start's earlier phase waited on it); None: ask."""
+
+    def before_kill(self, decision: Decision) -> None:
+        """Raise (ManualRunRefused) where this run must not kill at all."""
+
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        """Under the GPU locks, before any kill: another workload's claim refuses the start."""
+
+    def held_by_others(self, owned: Sequence[Gpu]) -> None:
+        """The run refuses: says what else is known of the others' hold."""
+
+    def reserve(self, owned: Sequence[Gpu]) -> None:
+        """Under the GPU locks, before the first kill: what the start will hold, written now."""
+
+    def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
+        """The GPUs whose memory need not be waited for again."""
+
+    def after_run(self, summary: RunSummary) -> None:
+        """After a run that was not a dry run, still under the locks."""
+
+    def after_error(self, error: GateError, progress: Progress) -> None:
+        """The run (not a dry run) ended in an error; progress: what it was doing."""
+
+
+def run_state_to_write(config: Config) -> StateToWrite:
+    """What every run writes: its GPU locks (the metrics textfile is never a run's failure)."""
+    return [(config.lock_dir, "GPU locks")], []
+
+
+@dataclass(frozen=True)
+class NullSurroundings:
+    """Nothing around the run: no claims, no records, nothing refused; the config's GPUs."""
+
+    loaded: LoadedConfig
+    gpu_source: str = ""
+    gpu_source_warns: bool = False
+
+    def state_to_write(self) -> StateToWrite:
+        return run_state_to_write(self.loaded.config)
+
+    def driver_hung_earlier(self) -> str | None:
+        return None
+
+    def before_kill(self, decision: Decision) -> None:
+        return None
+
+    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
+        return False
+
+    def held_by_others(self, owned: Sequence[Gpu]) -> None:
+        return None
+
+    def reserve(self, owned: Sequence[Gpu]) -> None:
+        return None
+
+    def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
+        return []
+
+    def after_run(self, summary: RunSummary) -> None:
+        return None
+
+    def after_error(self, error: GateError, progress: Progress) -> None:
+        return None
+
+
+class Narration(Protocol):
+    # the run's start, what it found and chose
+    def run_started(
+        self,
+        discovery: Discovery,
+        config_source: str,
+        used_mib: int,
+        *,
+        gpu_source: str = "",
+        gpu_source_warns: bool = False,
+    ) -> None: ...
+    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None: ...
+    def degraded(self, error: GateError, phase: str) -> None: ...
+    def nvml_skipped(self, why: str, phase: str) -> None: ...
+    def blind_spots(self, discovery: Discovery) -> None: ...
+    def choices(self, decision: Decision) -> None: ...
+    def refused(self) -> None: ...
+    def extend_timeout(self, seconds: float) -> None: ...
+    def lock_wait(self, gpu: Gpu, left_s: float) -> None: ...
+    def lock_not_taken(self, path: object, cause: str) -> None: ...
+
+    # the kill
+    def stopping(self, count: int, round_number: int) -> None: ...
+    def container_stopping(self, count: int) -> None: ...
+    def container_stopped(self, result: StopResult) -> None: ...
+    def signal_sent(self, choice: Choice, signum: int) -> None: ...
+    def stuck(self, choice: Choice, state: str, wchan: str) -> None: ...
+    def survivor(self, choice: Choice) -> None: ...
+    def survived(self, count: int) -> None: ...
+    def still_held(self) -> None: ...
+
+    # the wait and the end
+    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None: ...
+    def memory_timeout(
+        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
+    ) -> None: ...
+    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None: ...
+    def respawned(self, respawner: Respawner) -> None: ...
+    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None: ...
+    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None: ...
+    def finished(self, summary: RunSummary) -> None: ...
+
+    # the shared memory of the killed
+    def shm_files(self, removals: list[ShmRemoval]) -> None: ...
+    def shm_short(
+        self,
+        short: SpaceShort,
+        holders: Mapping[ShmKey, list[int]],
+        label: Callable[[int], str],
+    ) -> None: ...

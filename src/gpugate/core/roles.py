@@ -3,7 +3,7 @@ another unit, protected, or a watcher. Pure logic over what `discover` found."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Protocol
 
 from gpugate.compat import StrEnum
@@ -34,11 +34,9 @@ def role_of(
     member: bool = False,
     own_container: bool = False,
 ) -> Role:
-    """member: found in the unit's cgroup.procs (which is what counts, also under a stand-in
-    cgroup root whose paths /proc does not show); own_container: in the cgroup of a container
-    the unit's config names."""
-    # A unit name counts only where PID 1 made the unit (slices above it) outside every
-    # account's own tree: a user unit may take any name, nvidia-persistenced.service too.
+    """member: listed in the unit's cgroup.procs; own_container: in a container the unit's
+    config names."""
+    # A unit name counts only where PID 1 made it: a user unit may take any name.
     cgroup = info.cgroup or "/"
     unit = system_unit_of_cgroup(cgroup)
     if (info.exe is not None and info.exe in config.protected_executables) or (
@@ -70,11 +68,9 @@ def holder_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
 def stable_role(
     holder: Holder, discovery: Discovery, config: Config, earlier: Mapping[ProcessId, Role]
 ) -> Role:
-    """holder_role, kept stable within a run: a process judged a watcher earlier in this run
-    stays one while NVML lists it on no GPU. After a holder is killed the driver frees its
-    memory late (seconds); meanwhile that memory is listed for nobody and the watcher test
-    (memory accounted for by the listed processes) cannot pass, though the watcher did not
-    change. Once NVML lists it, it uses a GPU and is judged again."""
+    """holder_role, but a watcher earlier in this run stays one while NVML lists it on no
+    GPU: the driver frees a killed holder's memory late (seconds), listed for nobody
+    meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
     role = holder_role(holder, discovery, config)
     if (
         role in (Role.ORPHAN, Role.OTHER_UNIT)
@@ -87,10 +83,9 @@ def stable_role(
 
 
 def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
-    """Holds NVIDIA device files only (nvidia-smi -l, nvtop, an exporter): NVML's complete
-    process lists name it on no GPU, and on each GPU whose file it holds the memory used is
-    accounted for by the processes NVML lists (a forked child that kept a dead parent's
-    context holds memory that nobody is listed for: not a watcher)."""
+    """Holds device files only (nvidia-smi -l, nvtop): NVML's complete lists name it on no
+    GPU, and each GPU's memory is accounted for by the listed processes (a fork that kept a
+    dead parent's context holds memory listed for nobody: not a watcher)."""
     if (
         not discovery.nvml_lists_processes
         or Source.NVML in holder.sources
@@ -110,11 +105,6 @@ def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
     return True
 
 
-# An application's tree, where an application ends: from a holder, the ancestors that only
-# launched it and their descendants, stopping at hosts of other things (shells, terminal hosts,
-# subreapers, supervisors). Pure logic over a view of the process tree.
-
-
 class ProcessTree(Protocol):
     def info(self, pid: int) -> ProcInfo | None: ...
 
@@ -124,7 +114,6 @@ class ProcessTree(Protocol):
 def _outside(
     candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: Config
 ) -> bool:
-    """Never part of a holder's application, whatever the tree looks like."""
     return (
         candidate is None
         or candidate.pid <= 1
@@ -143,43 +132,34 @@ def _leads_terminal_session(info: ProcInfo) -> bool:
 
 def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
     """A tmux or screen server, sshd, login: a child of it leads a session on a terminal."""
-    for child_pid in tree.children(info.pid):
-        child = tree.info(child_pid)
-        if child is not None and _leads_terminal_session(child):
-            return True
-    return False
+    children = (tree.info(pid) for pid in tree.children(info.pid))
+    return any(child is not None and _leads_terminal_session(child) for child in children)
 
 
 def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
-    """parent is the launcher of something other than one application: a job-control shell, a
-    terminal host (sshd, tmux or screen server, login), an orphan-adopting subreaper, or a
-    process running several sessions (a supervisor). A terminal host is one by any of its
-    children, not only the one on the way up from the holder."""
+    """parent launches more than one application: a job-control shell or a terminal host (by
+    any of its children), an orphan-adopting subreaper, a supervisor of sessions."""
     if _hosts_terminals(parent, tree):
         return True
+    kids = [kid for kid in map(tree.info, tree.children(parent.pid)) if kid is not None]
+    # A job-control shell starts each job in a process group of its own: any child says so.
+    if any(k.session == parent.session and k.pgrp != parent.pgrp for k in [child, *kids]):
+        return True
     if child.session == parent.session:
-        # A job-control shell starts each job in a process group of its own.
-        return child.pgrp != parent.pgrp
+        return False
     if child.pid != child.session:
         return True  # child is in a session it does not lead: parent adopted an orphan
-    for sibling_pid in tree.children(parent.pid):
-        sibling = tree.info(sibling_pid)
-        if sibling is not None and sibling.pid != child.pid and sibling.pid == sibling.session:
-            return True  # several sessions of its own: a supervisor, not one app's launcher
-    return False
+    # several sessions of its own: a supervisor, not one application's launcher
+    return any(k.pid != child.pid and k.pid == k.session for k in kids)
 
 
 def app_tree(
     holder: ProcInfo, tree: ProcessTree, discovery: Discovery, config: Config
 ) -> dict[int, ProcInfo]:
-    """The holder's application: its ancestors up to the nearest host, and their descendants.
-
-    An ancestor is taken while it only launched this application: same cgroup and user, not
-    protected, not PID 1 or gpugate, and not a host of other things (see `_hosts`). A launcher
-    that started the application in a session of its own is left out while its process group's
-    leader lives and is not taken (sshd's user process sits in its root monitor's group). Below
-    the top every descendant is taken except what leaves the cgroup or user, a session on a
-    terminal, and a terminal's host (a pane, a login, a tmux server started from inside)."""
+    """The holder's application: its ancestors up to the nearest host (`_hosts`; same cgroup
+    and user, not protected), and their descendants but a session on a terminal or a
+    terminal's host. A launcher that started it in a session of its own is left out while its
+    process group's leader lives and is not taken (sshd's user process, in its monitor's)."""
     chain = [holder]
     while True:
         top = chain[-1]
@@ -202,7 +182,7 @@ def app_tree(
     queue: list[ProcInfo] = [top]
     while queue:
         current = queue.pop()
-        for child_pid in _unique(tree.children(current.pid)):
+        for child_pid in dict.fromkeys(tree.children(current.pid)):
             if child_pid in members:
                 continue
             child = tree.info(child_pid)
@@ -218,7 +198,3 @@ def app_tree(
             members[child_pid] = child
             queue.append(child)
     return members
-
-
-def _unique(pids: Iterable[int]) -> list[int]:
-    return list(dict.fromkeys(pids))

@@ -1,34 +1,203 @@
-"""One pre, post, prolog or epilog run, as a small stage machine (core/stages.py): looking ->
-locking -> stopping -> waiting -> finishing, each transition a code (core/outcome.py).
-
-Discovery and killing repeat (bounded in rounds and by the deadline) so that a holder that
-forks while it is being killed is found and killed too. NVML failing (at the start or mid-run)
-with `on_nvml_error = "warn"` is a transition back to looking, with the unit's cgroup alone:
-same deadline, same summary. What the run says goes through `Narration` (worded in
-gpugate.report); what the unit's surroundings add (leases, the manual-run guard) comes through
-`Surroundings`. Outside the core, a run is `PhaseRun(...).run()` and its
-`progress` (what it is doing, for an interruption to say).
+"""One pre, post, prolog or epilog run, as a stage machine: looking -> locking -> stopping ->
+waiting -> finishing, each a small object whose `step()` does the stage's work and returns the
+transition it took and the next stage (None: the end). `RunState.enter` is the one way the
+stage changes (supervisor's change_state). Discovery and killing repeat, bounded in rounds and
+by the deadline, so that a holder that forks while it is killed dies too. NVML failing with
+`on_nvml_error = "warn"` is a transition back to looking, with the unit's cgroup alone.
 """
 
 from __future__ import annotations
 
-from gpugate.core.outcome import RunSummary, Transition
-from gpugate.core.run_state import TIMEOUT_MARGIN_S, RunDeps, RunScope, RunState
-from gpugate.core.stages import Looking, StageStep
-from gpugate.errors import GateError, ManualRunRefused, NvmlUnavailable
-from gpugate.host.nvml import GpuDriver, NoGpus
+import contextlib
+import functools
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional, Protocol
 
-__all__ = ["TIMEOUT_MARGIN_S", "PhaseRun", "RunDeps", "RunScope"]
+from gpugate.config.file import LoadedConfig
+from gpugate.config.values import GpuSelection
+from gpugate.core.decide import Choice, Decision, decide, spared_for_good
+from gpugate.core.discover import Discovery, Sought, discover
+from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
+from gpugate.core.outcome import (
+    UNKILLABLE,
+    BusyGpu,
+    Held,
+    Narration,
+    Progress,
+    RunFacts,
+    RunSummary,
+    Stage,
+    Surroundings,
+    Transition,
+    exit_code_for,
+)
+from gpugate.core.roles import Role
+from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
+from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.host.containers import stop_containers
+from gpugate.host.locks import gpu_locks
+from gpugate.host.nvml import MIB, Gpu, GpuDriver, NoGpus, NvmlDriver
+from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.roots import HostRoots
+from gpugate.host.scan import Deadline, HostShm, listening_sockets
+from gpugate.host.shm import ShmArea, ShmKey
+from gpugate.host.systemd import unit_of_cgroup
+from gpugate.phase import Phase
+
+TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
+MAX_ROUNDS = 5
+
+
+@dataclass(frozen=True)
+class RunScope:
+    """What one run is about; the one object that carries the phase and the unit."""
+
+    phase: Phase
+    unit: str  # the unit, or the label standing for it (a Slurm job's)
+    unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
+    # `gpugate run` by an account that is not root: only that account's processes die
+    for_uid: int | None = None
+
+
+@dataclass(frozen=True)
+class RunDeps:
+    """What the run reaches the host through: production's defaults, each a test's stand-in."""
+
+    roots: HostRoots = field(default_factory=HostRoots)
+    driver_factory: Callable[[], GpuDriver] = NvmlDriver  # opened by the run, closed after
+    pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin
+    clock: Callable[[], float] = time.monotonic
+    shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
+
+
+class RunState:
+    """What the stages share: the config and deadline fixed when the run is made, the facts
+    and summary they fill in, who was signalled, one discovery round (`find`), the stage."""
+
+    def __init__(
+        self,
+        scope: RunScope,
+        narrator: Narration,
+        surroundings: Surroundings,
+        deps: RunDeps,
+        *,
+        dry_run: bool,
+    ) -> None:
+        self.scope, self.narrator, self.surroundings = scope, narrator, surroundings
+        self.deps, self.dry_run = deps, dry_run
+        self.loaded: LoadedConfig = surroundings.loaded  # the unit's GPUs resolved
+        self.config = self.loaded.config
+        self.policy = self.config.policy(scope.phase)
+        self.procfs = ProcFs(deps.roots.proc)  # cached only inside a round's oneshot()
+        self.clock = deps.clock
+        self.started = self.clock()
+        self.deadline = self.started + self.policy.wait_timeout_s
+        self.summary = RunSummary()
+        self.facts = RunFacts()
+        self.wanted: GpuSelection | None = self.config.selection()  # None: no GPU (degraded)
+        self.driver: GpuDriver = NoGpus()
+        self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
+        self.signalled: dict[ProcessId, Choice] = {}
+        self.ports = self.config.ports if scope.phase.traits.checks_ports else ()
+        self.watch = RespawnWatch()
+        self.spared_pids: set[int] = set()  # protected, or on no GPU of the unit: not waited on
+        self.reported_faults: set[int] = set()
+        self.judged: dict[ProcessId, Role] = {}  # first roles, for roles.stable_role
+        self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
+        self.shm_areas: list[ShmArea] = []
+        self.shm_labels: dict[int, str] = {}  # names for the PIDs
+        self._progress = Progress()
+        self._transitions: list[tuple[Stage, Transition]] = []
+        self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
+
+    @property
+    def progress(self) -> Progress:
+        return self._progress
+
+    @property
+    def transitions(self) -> list[tuple[Stage, Transition]]:
+        return list(self._transitions)
+
+    def enter(self, stage: Stage, via: Transition | None = None) -> None:
+        """The one way the run changes stage; via: the edge it leaves by (None: the first)."""
+        if via is not None:
+            self._transitions.append((self._progress.stage, via))
+        self._progress = Progress(stage, last_busy=self._progress.last_busy)
+
+    def end(self, via: Transition) -> None:
+        self._transitions.append((self._progress.stage, via))
+
+    def note(self, **facts: Any) -> None:
+        """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
+        self._progress = replace(self._progress, stage=self._progress.stage, **facts)
+
+    def on_lock_wait(self, gpu: Gpu) -> None:
+        self.note(lock_gpu=gpu)
+        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+
+    def without_nvml(self, error: NvmlUnavailable | None = None) -> None:
+        """The unit's cgroup alone, no GPU. error: NVML failed here (on_nvml_error = fail, or
+        a second time: the run's error)."""
+        if error is not None:
+            if self.policy.on_nvml_error == "fail" or self.summary.degraded:
+                raise error
+            self.narrator.degraded(error, self.scope.phase.value)
+        self.summary.degraded = True
+        self.wanted = None
+        self.driver = NoGpus()
+
+    def find(self) -> tuple[Discovery, Decision]:
+        """One round: discovery and decision over one consistent reading of /proc."""
+        with self.procfs.oneshot():
+            sought = Sought(
+                self.scope.unit, self.scope.unit_cgroup, self.wanted, self.loaded.source
+            )
+            found = discover(
+                sought,
+                driver=self.driver,
+                procfs=self.procfs,
+                roots=self.deps.roots,
+                ports=self.ports,
+                containers=self.config.containers,
+                deadline=Deadline(self.deadline, self.clock),
+            )
+            decision = decide(
+                found,
+                self.config,
+                self.scope.phase,
+                self.procfs,
+                self.judged,
+                for_uid=self.scope.for_uid,
+            )
+        self.shm_ledger.note(found.shm)
+        self.shm_areas = found.shm_areas
+        for choice in decision.choices:
+            self.judged.setdefault(choice.holder.info.ident, choice.role)
+            self.shm_labels[choice.holder.pid] = (
+                f"PID {choice.holder.pid} ({choice.holder.info.comm}, {choice.role})"
+            )
+        return found, decision
+
+    def report_faults(self, discovery: Discovery) -> None:
+        """Faults on GPUs the unit does not own (its own fail the run in discover): once."""
+        for fault in discovery.faults:
+            if fault.index not in self.reported_faults:
+                self.reported_faults.add(fault.index)
+                self.narrator.fault_elsewhere(fault, self.scope.unit)
+
+    def fresh(self, decision: Decision) -> list[Choice]:
+        """The decision's targets this run has not signalled yet."""
+        return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
 
 class PhaseRun(RunState):
-    """The machine over its state (as supervisor's Subprocess is): made with the run's
-    scope, narrator, surroundings and deps; `progress` and `transitions` are what the front
-    reads of it."""
+    """The machine over its state (as supervisor's Subprocess is)."""
 
     def run(self) -> RunSummary:
-        """The run; an error (but a manual run's refusal, where nothing began) is told to the
-        surroundings first (not in a dry run), after the locks are released."""
+        """An error but a manual run's refusal is told to the surroundings, locks released."""
         try:
             self._run()
         except ManualRunRefused:
@@ -60,7 +229,7 @@ class PhaseRun(RunState):
         try:
             return self.deps.driver_factory()
         except NvmlUnavailable as exc:
-            self.without_nvml(exc)  # raises unless the run may go on without NVML
+            self.without_nvml(exc)
             return NoGpus()
 
     def _go(self, first: StageStep) -> None:
@@ -72,11 +241,433 @@ class PhaseRun(RunState):
                 transition, stage = current.step()
             except NvmlUnavailable as exc:
                 self.locks.close()  # released before the run goes on without NVML
-                self.without_nvml(exc)  # raises unless the run may go on without NVML
-                # Looking again, with the unit's cgroup alone; announced once only.
+                self.without_nvml(exc)
                 announce = isinstance(current, Looking) and current.announce
                 transition, stage = Transition.NVML_FAILED, Looking(self, announce=announce)
             if stage is None:
                 self.end(transition)
             else:
                 self.enter(stage.code, transition)
+
+
+Step = tuple[Transition, Optional["StageStep"]]
+
+
+class StageStep(Protocol):
+    @property
+    def code(self) -> Stage: ...
+
+    def step(self) -> Step: ...
+
+
+@dataclass(frozen=True)
+class Looking:
+    """Discovery and decision (announce: not again after NVML failed once it was made)."""
+
+    state: RunState
+    announce: bool
+    code: Stage = Stage.LOOKING
+
+    def step(self) -> Step:
+        s = self.state
+        discovery, decision = s.find()  # the only NVML use in this stage: before announcing
+        s.summary.seconds_discover = s.clock() - s.started
+        s.summary.owned = list(discovery.owned)
+        # Before any kill: later rounds rediscover, and by then memory may already be freed.
+        s.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        busy = tuple(
+            BusyGpu(g, s.used_before[g.index], ())
+            for g in discovery.owned
+            if s.used_before[g.index] > s.config.free_mib
+        )
+        s.note(last_busy=busy)
+        s.surroundings.before_kill(decision)  # one line, before any other
+        if self.announce:
+            s.narrator.run_started(
+                discovery,
+                s.loaded.source,
+                sum(s.used_before.values()),
+                gpu_source=s.surroundings.gpu_source,
+                gpu_source_warns=s.surroundings.gpu_source_warns,
+            )
+        s.report_faults(discovery)
+        s.narrator.blind_spots(discovery)
+        s.narrator.choices(decision)
+        return self.next_stage(discovery, decision)
+
+    def next_stage(self, discovery: Discovery, decision: Decision) -> Step:
+        s = self.state
+        if decision.refused:
+            s.surroundings.held_by_others(discovery.owned)
+            s.narrator.refused()
+            s.summary.held = [Held.of(c) for c in decision.blockers]
+            s.facts.held_by_others = True
+            return Transition.REFUSED, Finishing(s, clean_shm=False)
+        if s.dry_run:
+            refused = s.surroundings.refuses_start(discovery.owned, dry_run=True)
+            s.facts.held_by_others = bool(decision.blockers) or refused
+            would_kill = frozenset(c.holder.pid for c in decision.targets)
+            s.summary.would_kill = len(decision.targets)
+            return Transition.DRY_RUN, Finishing(s, clean_shm=True, would_kill=would_kill)
+        return Transition.FOUND, Locking(s, discovery, decision)
+
+
+@dataclass(frozen=True)
+class Locking:
+    """The per-GPU locks, held until the run is over; under them the surroundings may refuse
+    the start, else reserve what it will hold."""
+
+    state: RunState
+    discovery: Discovery
+    decision: Decision
+    code: Stage = Stage.LOCKING
+
+    def step(self) -> Step:
+        s, owned = self.state, self.discovery.owned
+        # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
+        s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
+        # After a stop (state not required), a lock that cannot be made is said, not fatal.
+        unlocked = None if s.scope.phase.traits.state_required else s.narrator.lock_not_taken
+        s.locks.enter_context(
+            gpu_locks(
+                s.config.lock_dir,
+                owned,
+                s.deadline,
+                on_wait=s.on_lock_wait,
+                clock=s.clock,
+                on_unlocked=unlocked,
+            )
+        )
+        # Checked and taken in one turn on the locks: an overlapping pre waits for it.
+        if s.surroundings.refuses_start(owned, dry_run=False):
+            s.facts.held_by_others = True
+            return Transition.START_REFUSED, Finishing(s, clean_shm=False)
+        s.surroundings.reserve(owned)
+        return Transition.LOCKED, Stopping(s, self.discovery, self.decision)
+
+
+@dataclass(frozen=True)
+class Stopping:
+    state: RunState
+    discovery: Discovery
+    decision: Decision
+    code: Stage = Stage.STOPPING
+
+    def step(self) -> Step:
+        s = self.state
+        discovery, decision, survivors = kill_rounds(s, self.discovery, self.decision)
+        if survivors:
+            survived(s, survivors)
+            s.summary.held += [Held.of(c) for c in decision.blockers]
+            return Transition.SURVIVED, Finishing(s, clean_shm=True)
+        if decision.blockers:
+            s.summary.held = [Held.of(c) for c in decision.blockers]
+            s.facts.held_by_others = True
+            s.narrator.still_held()
+            return Transition.STILL_HELD, Finishing(s, clean_shm=True)
+        return Transition.STOPPED, Waiting(s, discovery, decision)
+
+
+@dataclass(frozen=True)
+class Waiting:
+    state: RunState
+    discovery: Discovery
+    decision: Decision
+    code: Stage = Stage.WAITING
+
+    def step(self) -> Step:
+        """For free GPUs and ports, killing what turns up meanwhile; then its outcome."""
+        s = self.state
+        skipped = s.surroundings.not_to_wait_on(self.discovery.owned)
+        owned = [gpu for gpu in self.discovery.owned if gpu not in skipped]
+        if owned or s.ports:
+            wait_started = s.clock()
+            s.spared_pids = spared_for_good(self.decision)
+            settled = wait_settled(s, owned)
+            s.summary.seconds_wait = s.clock() - wait_started
+            s.summary.busy = settled.busy
+            for gpu in owned:
+                freed = s.used_before.get(gpu.index, 0) - s.driver.usage(gpu).used_mib
+                s.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
+            judge_wait(s, settled, owned)
+        return Transition.SETTLED, Finishing(s, clean_shm=True)
+
+
+@dataclass(frozen=True)
+class Finishing:
+    """The shm step, the exit code, the surroundings' records (still under the locks) and
+    the run's last entry."""
+
+    state: RunState
+    clean_shm: bool
+    would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would have killed
+    code: Stage = Stage.FINISHING
+
+    def step(self) -> Step:
+        s = self.state
+        if self.clean_shm:
+            clean_shm(s, None if self.would_kill is None else set(self.would_kill))
+        s.summary.exit_code = exit_code_for(s.facts)
+        if s.dry_run:
+            s.narrator.finished(s.summary)
+            return Transition.FINISHED, None
+        # A lease first: one that cannot be written is the run's error (exit 73), never a
+        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
+        lease_first = s.scope.phase.traits.takes_lease
+        if not lease_first:
+            s.narrator.finished(s.summary)
+        s.surroundings.after_run(s.summary)
+        if lease_first:
+            s.narrator.finished(s.summary)
+        return Transition.FINISHED, None
+
+
+def kill_rounds(
+    state: RunState, discovery: Discovery, decision: Decision
+) -> tuple[Discovery, Decision, list[ProcessId]]:
+    """Kill the targets; rediscover and repeat while new ones appear (forks)."""
+    kill_started = state.clock()
+    if state.scope.phase.traits.stops_containers and discovery.unit_containers:
+        stop_unit_containers(state, discovery, decision)
+    survivors: list[ProcessId] = []
+    for round_number in range(1, MAX_ROUNDS + 1):
+        fresh = state.fresh(decision)
+        if not fresh:
+            break
+        survivors = kill_round(state, discovery, fresh, round_number)
+        if survivors or state.clock() >= state.deadline:
+            break
+        discovery, decision = state.find()
+        state.report_faults(discovery)
+    state.summary.seconds_kill += state.clock() - kill_started
+    for ident in survivors:
+        state.narrator.survivor(state.signalled[ident])
+    return discovery, decision, survivors
+
+
+def kill_round(
+    state: RunState, discovery: Discovery, fresh: list[Choice], round_number: int
+) -> list[ProcessId]:
+    by_ident = state.signalled
+    state.summary.rounds += 1  # counted over the run: the wait may kill respawns too
+    if round_number > 1:
+        state.narrator.choices(Decision(fresh))
+    state.narrator.stopping(len(fresh), round_number)
+    state.note(processes=len(fresh), round_number=round_number)
+    by_ident.update((c.holder.info.ident, c) for c in fresh)
+    with state.procfs.oneshot():
+        state.watch.killed(fresh, by_ident, state.procfs, self_chain=discovery.self_chain)
+    policy = state.policy
+    result = terminate(
+        [c.holder.info.ident for c in fresh],
+        grace_s=policy.sigterm_grace_s,
+        sigkill_wait_s=policy.sigkill_wait_s,
+        deadline=state.deadline,
+        procfs=state.procfs,  # outside any oneshot(): every check reads /proc afresh
+        on_signal=lambda ident, signum: state.narrator.signal_sent(by_ident[ident], signum),
+        on_sigkill_wait=lambda idents: on_stuck(state, [by_ident[i] for i in idents]),
+        pinner=state.deps.pinner,
+        clock=state.clock,
+    )
+    state.summary.killed.extend(result.terminated + result.killed)
+    return result.survivors
+
+
+def survived(state: RunState, survivors: list[ProcessId]) -> None:
+    state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
+    state.facts.survivors = True
+    state.narrator.survived(len(survivors))
+
+
+def stop_unit_containers(state: RunState, discovery: Discovery, decision: Decision) -> None:
+    """The unit's own containers stop through their runtime first (it records them as
+    stopped); the pinned signals follow for any process that outlived it."""
+    wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
+    containers = [c for c in discovery.unit_containers if c.id in wanted]
+    state.narrator.container_stopping(len(containers))
+    for result in stop_containers(containers, state.policy.sigterm_grace_s):
+        state.narrator.container_stopped(result)
+
+
+def on_stuck(state: RunState, choices: list[Choice]) -> None:
+    for choice in choices:
+        stat = state.procfs.stat(choice.holder.pid)
+        process_state = stat.state if stat else "?"
+        state.narrator.stuck(choice, process_state, state.procfs.wchan(choice.holder.pid))
+
+
+def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
+    """The wait's outcome: respawning, ports or memory still held, or all free."""
+    busy, timeout_s = settled.busy, state.policy.wait_timeout_s
+    narrator, facts, free_mib = state.narrator, state.facts, state.config.free_mib
+    respawners = state.watch.respawners(state.procfs.still_same)
+    if settled.held and respawners:
+        narrator.respawning(respawners, timeout_s)
+        facts.respawning = True
+        return
+    for respawner in respawners:
+        narrator.respawned(respawner)
+    failing = state.policy.on_timeout == "fail"
+    for item in busy:
+        narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
+    if settled.ports:
+        narrator.ports_held(settled.ports, timeout_s)
+        facts.held_by_others = True
+    if not busy:
+        if owned and not settled.ports:
+            narrator.memory_freed(owned, free_mib, state.summary.seconds_wait)
+    elif failing:
+        facts.memory_busy = True
+
+
+def look_again(state: RunState) -> bool:
+    """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
+    discovery, decision = state.find()
+    state.spared_pids |= spared_for_good(decision)
+    fresh = state.fresh(decision)
+    if not fresh:
+        return False
+    state.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
+    state.enter(Stage.STOPPING, Transition.RESPAWNED)
+    _, _, survivors = kill_rounds(state, discovery, decision)
+    if survivors:
+        survived(state, survivors)
+    # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
+    state.enter(Stage.WAITING, Transition.SURVIVED if survivors else Transition.STOPPED)
+    return True
+
+
+def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
+    """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
+    before a start, the free space the next start needs."""
+    deps = state.deps
+    host = deps.shm_host(state.shm_areas, deps.roots.proc)
+    freed = 0
+    if state.policy.remove_shm:
+        label = functools.partial(shm_label, state)
+        if would_kill is not None:
+            removals = plan(state.shm_ledger, would_kill, host, label)
+            freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
+        else:
+            killed = {ident.pid for ident in state.signalled}
+            removals = remove(state.shm_ledger, killed, host, label)
+        state.narrator.shm_files(removals)
+    check_shm_space(state, host, freed)
+
+
+def check_shm_space(state: RunState, host: ShmHost, freed: int) -> None:
+    needed_mib = state.config.shm_min_free_mib
+    if (
+        needed_mib is None
+        or not state.scope.phase.traits.before_start
+        or exit_code_for(state.facts) is not ExitCode.OK
+    ):
+        return
+    short = short_of_space(host, needed_mib * MIB, freed)
+    if short is None:
+        return
+    holders: dict[ShmKey, list[int]] = {}
+    if short.largest:
+        holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
+    state.narrator.shm_short(short, holders, functools.partial(shm_label, state))
+    state.facts.shm_short = True
+
+
+def shm_label(state: RunState, pid: int) -> str:
+    if pid in state.shm_labels:
+        return state.shm_labels[pid]
+    info = state.procfs.info(pid)
+    if info is None:
+        return f"PID {pid}"
+    unit = unit_of_cgroup(info.cgroup or "/")
+    return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
+
+
+# The wait polls (5 ms backing off to 50 ms) until the owned GPUs are free and list no process,
+# the ports are free and no respawn is under way. What turns up (an unknown PID on NVML's list,
+# a held port, a respawn) is looked for with a new discovery, at most every LOOK_AGAIN_EVERY_S.
+# While parents of the killed are watched, success needs two clear looks in a row: a loop that
+# respawns between two polls cannot end the run as a success.
+
+FIRST_POLL_S = 0.005
+MAX_POLL_S = 0.05
+PROGRESS_EVERY_S = 1.0
+LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
+
+
+def busy_gpus(
+    driver: GpuDriver, gpus: Sequence[Gpu], free_mib: int, ignored_pids: Collection[int]
+) -> list[BusyGpu]:
+    busy: list[BusyGpu] = []
+    for gpu in gpus:
+        usage = driver.usage(gpu)
+        pids = tuple(p.pid for p in usage.processes if p.pid not in ignored_pids)
+        if usage.used_mib > free_mib or pids:
+            busy.append(BusyGpu(gpu, usage.used_mib, pids))
+    return busy
+
+
+@dataclass
+class Settled:
+    busy: list[BusyGpu]  # GPUs still used at the deadline
+    ports: list[int]  # the unit's ports still listened on at the deadline
+    pending: list[int]  # respawned children at the deadline
+    stable: bool = True  # False: parents are watched and no two looks in a row found it clear
+
+    @property
+    def held(self) -> bool:
+        return bool(self.busy or self.ports or self.pending or not self.stable)
+
+
+def look(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], list[int]]:
+    """One poll: the busy GPUs (also the progress's), the held ports, respawns under way."""
+    busy = busy_gpus(state.driver, owned, state.config.free_mib, state.spared_pids)
+    if busy:
+        state.note(waiting_on=tuple(busy))
+    state.note(last_busy=tuple(busy))
+    ports = sorted(set(listening_sockets(state.deps.roots.proc, state.ports).values()))
+    under_way = state.watch.pending(state.procfs) if state.watch.watched else []
+    return busy, ports, under_way
+
+
+def waited_on(state: RunState, busy: list[BusyGpu], left_s: float) -> None:
+    if busy:
+        state.narrator.memory_wait(busy, state.config.free_mib, left_s)
+    state.narrator.extend_timeout(left_s + TIMEOUT_MARGIN_S)
+
+
+def wait_settled(
+    state: RunState, owned: list[Gpu], sleep: Callable[[float], None] = time.sleep
+) -> Settled:
+    """Poll until the GPUs and ports are free and no respawn is under way, or the deadline."""
+    clock, deadline = state.clock, state.deadline
+    interval = FIRST_POLL_S
+    next_progress = next_look = clock()
+    clear_since: float | None = None
+    while True:
+        busy, ports, under_way = look(state, owned)
+        watched = bool(state.watch.watched)
+        now = clock()
+        known = {i.pid for i in state.signalled} | state.spared_pids
+        unexplained = any(pid not in known for item in busy for pid in item.pids)
+        clear = not busy and not ports and not under_way
+        if not clear:
+            clear_since = None
+        if clear and not watched:
+            return Settled(busy, ports, under_way)
+        if (unexplained or ports or under_way or clear) and now >= next_look:
+            next_look = now + LOOK_AGAIN_EVERY_S
+            if look_again(state):
+                clear_since = None
+                continue
+            if clear:
+                if clear_since is not None:
+                    return Settled(busy, ports, under_way)
+                clear_since = now
+        if now >= deadline:
+            return Settled(busy, ports, under_way, stable=not watched and clear)
+        if now >= next_progress:
+            waited_on(state, busy, deadline - now)
+            next_progress = now + PROGRESS_EVERY_S
+        sleep(min(interval, max(deadline - now, 0)))
+        interval = min(interval * 1.5, MAX_POLL_S)

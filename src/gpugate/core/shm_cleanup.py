@@ -1,17 +1,9 @@
-"""The shared memory a killed application leaves behind: which files in /dev/shm go, by evidence.
-
-The rule: a file is removed only if a process this run killed held it open for reading or
-writing (not only through O_PATH, which needs no permission on the file) or mapped it, seen in
-the same pass over /proc that found the holders; one such process's account could have
-removed it itself (owner, mode and the folder's sticky bit, decided on the credentials read at
-discovery: `could_remove`); no process this run did not kill was seen holding it (a protected
-daemon, another unit, a bystander); no process holds it now (a fresh look, after the targets
-are gone, right before the unlinks); and its name still is that very file (device and inode,
-checked through the folder's fd right before the unlink, with the owner and mode read in the
-same look). Never by name alone, never a file no killed process held. Why a file of theirs
-stays is a `Kept` code (worded in report/). The host side (reading /proc, stat, unlink) is
-injected.
-"""
+"""Which /dev/shm files a killed application leaves go, by evidence, never by name: a file
+goes only if a process this run killed held it open (not only through O_PATH) or mapped it,
+one such process's account could have removed it itself (`could_remove`), no other process
+was seen holding it, none holds it on a fresh look after the kill, and its name is still that
+file (device and inode, checked through the folder's fd right before the unlink). Why a file
+stays is a `Kept` code. The host side (reading /proc, stat, unlink) is injected."""
 
 from __future__ import annotations
 
@@ -58,7 +50,7 @@ class Kept(StrEnum):
 
 @dataclass(frozen=True)
 class ShmRemoval:
-    """One file of the killed: removed (or, in a dry run, would be), or kept and why."""
+    """One file of the killed: removed (a dry run: would be), or kept and why."""
 
     file: ShmFile
     holders: tuple[int, ...]  # the killed PIDs that held it
@@ -66,10 +58,14 @@ class ShmRemoval:
     kept: Kept | None = None  # why it stays; None: removed (or would be)
     kept_by: tuple[str, ...] = ()  # ALSO_HELD, HELD_NOW, UNREADABLE: the processes (labels)
     detail: str = ""  # UNLINK_FAILED: the error's name
+    accounts: tuple[Credentials, ...] = ()  # of the killed that held it open or mapped
 
     @property
     def removed(self) -> bool:
         return self.kept is None and self.facts is not None
+
+    def allowed(self, facts: FileFacts) -> bool:
+        return any(could_remove(who, facts) for who in self.accounts)
 
 
 def _class_bits(who: Credentials, uid: int, gid: int, mode: int) -> int:
@@ -82,9 +78,8 @@ def _class_bits(who: Credentials, uid: int, gid: int, mode: int) -> int:
 
 
 def could_remove(who: Credentials, facts: FileFacts) -> bool:
-    """Could that account have written this file and removed its name itself? It owns the
-    file or its mode lets it write; the folder lets it write and search; in a sticky folder
-    (/dev/shm is 1777) it owns the file or the folder. Root with its capabilities may."""
+    """Could that account have removed the file itself: it may write the file, the folder
+    lets it write and search, and in a sticky folder (/dev/shm) it owns the file or folder."""
     if who.privileged:
         return True
     writes = who.uid == facts.uid or bool(_class_bits(who, facts.uid, facts.gid, facts.mode) & 2)
@@ -95,24 +90,9 @@ def could_remove(who: Credentials, facts: FileFacts) -> bool:
     return not sticky or who.uid in (facts.uid, facts.folder_uid)
 
 
-@dataclass(frozen=True)
-class Wanted:
-    """A file a killed process held, before the fresh look."""
-
-    file: ShmFile
-    holders: tuple[int, ...]  # the killed PIDs that held it (any way)
-    accounts: tuple[Credentials, ...]  # of those that held it open or mapped
-    kept: Kept | None = None
-    kept_by: tuple[str, ...] = ()
-
-    def allowed(self, facts: FileFacts) -> bool:
-        return any(could_remove(who, facts) for who in self.accounts)
-
-
 @dataclass
 class ShmLedger:
-    """What each discovery showed of the shm files: who held which, and how. Fed by every
-    discovery of a run (kill rounds, looks during the wait), read once the targets are gone."""
+    """Who held which shm file, and how: fed by every discovery of a run."""
 
     files: dict[ShmKey, ShmFile] = field(default_factory=dict)
     holders: dict[ShmKey, set[int]] = field(default_factory=dict)  # every PID seen holding it
@@ -129,10 +109,11 @@ class ShmLedger:
                     seen = self.opened.setdefault(key, {})
                     seen[pid] = seen.get(pid) or file.holder
 
-    def of_the_killed(self, killed: Collection[int], label: Callable[[int], str]) -> list[Wanted]:
-        """Each file a killed PID held, and why it must stay already (another process was
-        seen holding it; the killed held it through O_PATH only). label names a PID."""
-        found: list[Wanted] = []
+    def of_the_killed(
+        self, killed: Collection[int], label: Callable[[int], str]
+    ) -> list[ShmRemoval]:
+        """Each file a killed PID held, and why it must stay already."""
+        found: list[ShmRemoval] = []
         for key, pids in sorted(self.holders.items()):
             by_killed = tuple(sorted(pids & set(killed)))
             if not by_killed:
@@ -140,7 +121,7 @@ class ShmLedger:
             opened = self.opened.get(key, {})
             accounts = tuple(who for pid in by_killed if (who := opened.get(pid)) is not None)
             others = sorted(pids - set(killed))
-            wanted = Wanted(self.files[key], by_killed, accounts)
+            wanted = ShmRemoval(self.files[key], by_killed, None, accounts=accounts)
             if others:
                 wanted = replace(wanted, kept=Kept.ALSO_HELD, kept_by=_labels(others, label))
             elif not any(pid in opened for pid in by_killed):
@@ -163,15 +144,14 @@ def plan(
         kept = item.kept
         if kept is None and facts is not None and not item.allowed(facts):
             kept = Kept.NOT_THEIRS
-        results.append(ShmRemoval(item.file, item.holders, facts, kept, item.kept_by))
+        results.append(replace(item, facts=facts, kept=kept))
     return results
 
 
 def remove(
     ledger: ShmLedger, killed: Collection[int], host: ShmHost, label: Callable[[int], str]
 ) -> list[ShmRemoval]:
-    """After the targets are gone: unlink each file of the killed that nobody else holds and
-    that a killed holder's account could have removed."""
+    """After the targets are gone: unlink the files of the killed that may go."""
     wanted = ledger.of_the_killed(killed, label)
     if not wanted:
         return []
@@ -180,14 +160,15 @@ def remove(
     for wanted_item in wanted:
         item = _after_fresh_look(wanted_item, fresh, label)
         if item.kept is not None:
-            facts = host.facts(item.file)
-            results.append(ShmRemoval(item.file, item.holders, facts, item.kept, item.kept_by))
+            results.append(replace(item, facts=host.facts(item.file)))
             continue
         results.append(_unlinked(item, host.unlink(item.file, item.allowed)))
     return results
 
 
-def _after_fresh_look(item: Wanted, fresh: FreshHolders, label: Callable[[int], str]) -> Wanted:
+def _after_fresh_look(
+    item: ShmRemoval, fresh: FreshHolders, label: Callable[[int], str]
+) -> ShmRemoval:
     if item.kept is not None:
         return item
     if fresh.unreadable:
@@ -198,16 +179,14 @@ def _after_fresh_look(item: Wanted, fresh: FreshHolders, label: Callable[[int], 
     return item
 
 
-def _unlinked(item: Wanted, done: Unlinked) -> ShmRemoval:
+def _unlinked(item: ShmRemoval, done: Unlinked) -> ShmRemoval:
     if done.facts is None:
-        return ShmRemoval(item.file, item.holders, None, Kept.GONE)
+        return replace(item, kept=Kept.GONE)
     if done.refused:
-        return ShmRemoval(item.file, item.holders, done.facts, Kept.NOT_THEIRS)
+        return replace(item, facts=done.facts, kept=Kept.NOT_THEIRS)
     if done.error is not None:
-        return ShmRemoval(
-            item.file, item.holders, done.facts, Kept.UNLINK_FAILED, detail=done.error
-        )
-    return ShmRemoval(item.file, item.holders, done.facts)
+        return replace(item, facts=done.facts, kept=Kept.UNLINK_FAILED, detail=done.error)
+    return replace(item, facts=done.facts)
 
 
 @dataclass(frozen=True)
@@ -223,8 +202,8 @@ class SpaceShort:
 def short_of_space(
     host: ShmHost, needed_bytes: int, freed_bytes: int = 0, count: int = 3
 ) -> SpaceShort | None:
-    """The first area with less than needed_bytes free (plus freed_bytes: what a dry run would
-    have removed), with its COUNT largest files; None where every area has room."""
+    """The first area with less than needed_bytes free (plus what a dry run would have
+    removed), with its COUNT largest files; None where every area has room."""
     for space in host.spaces():
         free = space.free_bytes + freed_bytes
         if free < needed_bytes:

@@ -21,9 +21,8 @@ from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.discover import cgroup_members
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import RunSummary, Surroundings
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
-from gpugate.core.surroundings import Surroundings
 from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.locks import check_all
 from gpugate.host.roots import HostRoots

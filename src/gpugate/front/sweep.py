@@ -19,9 +19,9 @@ from pathlib import Path
 
 from gpugate.config.file import LoadedConfig, replaced, replaced_policy
 from gpugate.core.discover import Discovery
+from gpugate.core.outcome import NullSurroundings
 from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
-from gpugate.core.surroundings import NullSurroundings
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.front.commands.status import collect

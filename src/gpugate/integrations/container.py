@@ -216,7 +216,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
     """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
     from gpugate.config.values import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
-    from gpugate.core.owned_gpus import owned_gpus  # noqa: PLC0415
+    from gpugate.core.discover import owned_gpus  # noqa: PLC0415
 
     minors: set[int] = set()
     for ref in refs:

@@ -19,7 +19,7 @@ from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import GpuRef, parse_gpu_text
-from gpugate.core.surroundings import NullSurroundings
+from gpugate.core.outcome import NullSurroundings
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.host.safe_files import find_program, run_program
 from gpugate.integrations.config_files import load_config

@@ -1,4 +1,4 @@
-"""A systemd unit's surroundings on a host other units share (core.surroundings.Surroundings),
+"""A systemd unit's surroundings on a host other units share (core.outcome.Surroundings),
 for the phases whose traits say they apply: the unit's GPUs when `gpus = "auto"`; a
 hand-typed pre/post against a running unit refused before anything is killed; GPU leases
 checked and written under the per-GPU locks before the first kill, kept on pre's success,
@@ -16,9 +16,8 @@ from pathlib import Path
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import BusyGpu, Progress, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, run_state_to_write
 from gpugate.core.run import RunScope
-from gpugate.core.surroundings import StateToWrite, run_state_to_write
 from gpugate.errors import (
     ConfigError,
     ExitCode,

@@ -11,8 +11,8 @@ from typing import Any, TextIO
 
 from gpugate.core.decide import Choice, Decision
 from gpugate.core.discover import Discovery
+from gpugate.core.kill import Respawner
 from gpugate.core.outcome import BusyGpu, RunSummary
-from gpugate.core.respawn import Respawner
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode, GateError
