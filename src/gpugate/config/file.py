@@ -1,11 +1,6 @@
-"""The unit's configuration as a run reads it: the lookup, the parse, the one-line error that
-names the file and field, and enough TOML writing to print it back.
-
-Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
-instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
-Where no file sets anything the config is `config.values.DEFAULTS` (no pydantic); else
-pydantic's model of the file (`config.schema.GateConfig`, built on first use).
-"""
+"""The unit's configuration as a run reads it: the lookup (--config, /etc/gpugate/UNIT.toml,
+NAME@.service.toml, default.toml, built-in defaults), the parse, the one-line error naming
+file and field, and enough TOML writing to print it back."""
 
 from __future__ import annotations
 

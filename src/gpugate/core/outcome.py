@@ -1,8 +1,6 @@
-"""A run seen from outside the core: where it is (`Stage`,
-`Transition`, `Progress`), what it ended with (`RunSummary`, the exit precedence), and the
-protocols of what surrounds it: `Surroundings` (a unit's, a job's or a container's:
-integrations/ implements them; `NullSurroundings`, the plain case) and `Narration` (what it
-tells, worded by report.narrate.Narrator, which the front passes in)."""
+"""A run seen from outside the core: where it is (`Stage`, `Transition`, `Progress`), what
+it ended with (`RunSummary`, the exit precedence), and the protocols of what surrounds it
+(`Surroundings`, implemented in integrations/) and what it tells (`Narration`, report.narrate)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""A container's surroundings for `gpugate oci-hook`: who it is, its cgroup, its GPUs as
-config, and its GPU lease: a unit's surroundings, with the container's scope as the unit.
-
-The lease is named after the container's own systemd scope (`libpod-ID.scope`,
-`docker-ID.scope`, `crio-ID.scope`, `cri-containerd-ID.scope`), a transient unit active
-exactly while the container runs: others read it as a unit's lease, and it is stale once the
-scope is gone. A container whose own cgroup is no such scope (the cgroupfs driver, podman's
---cgroups=split) leases as `container-ID`; one in no cgroup of its own is refused: it is never
-the unit around it (docs/containers.md).
-"""
+"""A container's surroundings for `gpugate oci-hook`: a unit's, with the container's own
+systemd scope (`libpod-ID.scope`, ...) as the unit and its lease's name (`container-ID` where
+its cgroup is no such scope); one in no cgroup of its own is refused (docs/containers.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
-"""Prometheus metrics: a node_exporter textfile rewritten after each run.
-
-Each run knows only itself, so the counters live in a JSON state file beside the textfile
-(`PATH.state`; node_exporter reads only `*.prom`) and every run adds to them under an flock
-on `PATH.lock`: runs of different units may end at the same moment. Both files are replaced
-atomically (a temporary file in the same folder, then rename), so node_exporter never reads
-half a file.
-
-Alerts must fire on the first failure: Prometheus's increase() sees nothing in a counter
-series that is born at 1. So the first write for a unit puts every result of each of its
-phases (pre and post, or prolog and epilog) at 0, and gpugate_last_run_failed says 1 or 0 for
-the unit's last run of each phase from its very first run on.
-"""
+"""Prometheus metrics: a node_exporter textfile rewritten after each run, its counters kept
+in `PATH.state` under an flock on `PATH.lock`. A unit's first write puts every result at 0:
+increase() sees nothing in a series born at 1 (docs/metrics.md)."""
 
 from __future__ import annotations
 

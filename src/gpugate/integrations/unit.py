@@ -1,9 +1,7 @@
-"""A systemd unit's surroundings on a host other units share (core.outcome.Surroundings),
-for the phases whose traits say they apply: the unit's GPUs when `gpus = "auto"`; a
-hand-typed pre/post against a running unit refused before anything is killed; GPU leases
-checked and written under the per-GPU locks before the first kill, kept on pre's success,
-given up (with the reason recorded for post) when pre fails, errs or is interrupted, and
-ended by post."""
+"""A systemd unit's surroundings (core.outcome.Surroundings): its GPUs for `gpus = "auto"`,
+a hand-typed pre/post against a running unit refused, and its GPU lease: written under the
+GPU locks before the first kill, kept on pre's success, given up with the reason recorded
+when pre fails, ended by post."""
 
 from __future__ import annotations
 
