@@ -186,7 +186,6 @@ class RunState:
                 self.narrator.fault_elsewhere(fault, self.scope.unit)
 
     def fresh(self, decision: Decision) -> list[Choice]:
-        """The decision's targets this run has not signalled yet."""
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
 
