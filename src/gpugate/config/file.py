@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from gpugate.compat import tomllib
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig, DefaultPolicy
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
 Config = Union["GateConfig", DefaultConfig]
 Policy = Union["PhasePolicy", DefaultPolicy]
+ConfigOrPolicy = TypeVar("ConfigOrPolicy", Config, Policy)
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
@@ -60,18 +61,12 @@ def validated(config: Config) -> GateConfig:
     return config
 
 
-def replaced(config: Config, **changes: Any) -> Config:
+def replaced(config: ConfigOrPolicy, **changes: Any) -> ConfigOrPolicy:
     """A copy with these fields changed, not validated (the code chose them): the defaults
     stay the defaults' type, a file's config pydantic's."""
-    if isinstance(config, DefaultConfig):
+    if isinstance(config, (DefaultConfig, DefaultPolicy)):
         return dataclasses.replace(config, **changes)
     return config.model_copy(update=changes)
-
-
-def replaced_policy(policy: Policy, **changes: Any) -> Policy:
-    if isinstance(policy, DefaultPolicy):
-        return dataclasses.replace(policy, **changes)
-    return policy.model_copy(update=changes)
 
 
 def fields_set(config: Config) -> frozenset[str]:

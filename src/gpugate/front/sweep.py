@@ -17,7 +17,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.config.file import LoadedConfig, replaced, replaced_policy
+from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import NullSurroundings
 from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
@@ -164,7 +164,7 @@ class LeaseRecheck(NullSurroundings):
 
 def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
     """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
-    pre = replaced_policy(loaded.config.pre, kill_orphans=True)
+    pre = replaced(loaded.config.pre, kill_orphans=True)
     config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
     reaping = replace(loaded, config=config)
     hook = Hook(
