@@ -136,17 +136,10 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
     return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
-@dataclass(frozen=True)
-class JobSurroundings(NullSurroundings):
-    """A Slurm job's surroundings. Slurm gives out its GPUs itself and drains a node whose
-    prolog or epilog fails: no lease is checked, taken or recorded."""
-
-    job_id: int = 0
-
-    @classmethod
-    def of(cls, loaded: LoadedConfig, job: SlurmJob) -> JobSurroundings:
-        """loaded: with_job_gpus's."""
-        return cls(loaded, gpu_source=f"gpus in {loaded.source}", job_id=job.job_id)
+def job_surroundings(loaded: LoadedConfig) -> NullSurroundings:
+    """A Slurm job's (loaded: with_job_gpus's). Slurm gives out its GPUs itself and drains a
+    node whose prolog or epilog fails: no lease is checked, taken or recorded."""
+    return NullSurroundings(loaded, gpu_source=f"gpus in {loaded.source}")
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:
