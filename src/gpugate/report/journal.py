@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Mapping
 from enum import Enum
 from types import FrameType
-from typing import Any, Protocol, TextIO, Union
+from typing import Protocol, TextIO, Union
 
 from gpugate.untrusted import line
 
@@ -182,14 +182,26 @@ class Reporter:
         pid: int | None = None,
         gpus: list[int] | None = None,
         used_mib: int | None = None,
-        echo: bool = True,
         **extra: str | bytes | int,
     ) -> None:
         """message: gpugate's sentence (process text in it through untrusted.shown), escaped
-        once more (untrusted.line); extra: GPUGATE_* fields, untrusted.exact's as they are;
-        echo: False where the caller prints the line itself."""
+        once more (untrusted.line); extra: GPUGATE_* fields, untrusted.exact's as they are."""
         if priority is None:
             priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
+        self._send(kind, message, priority, pid, gpus, used_mib, extra, echo=True)
+
+    def _send(
+        self,
+        kind: Event,
+        message: str,
+        priority: int,
+        pid: int | None,
+        gpus: list[int] | None,
+        used_mib: int | None,
+        extra: Mapping[str, str | bytes | int],
+        *,
+        echo: bool,
+    ) -> None:
         fields: dict[str, FieldValue] = {
             "MESSAGE_ID": kind.message_id,
             "PRIORITY": str(priority),
@@ -232,10 +244,10 @@ class Reporter:
         """An error that ends the run: one entry (GPUGATE_PROBLEM: problem, GateError.code),
         one STATUS=, and `gpugate: message` on error_stream (stderr) unless that is the
         journal already; the entry is not echoed besides."""
-        extra: dict[str, Any] = {"exit_code": exit_code}  # not pid, gpus or used_mib
+        extra: dict[str, str | int] = {"exit_code": exit_code}
         if problem:
             extra["problem"] = problem
-        self.event(Event.ERROR, message, priority=PRIORITY_ERR, echo=False, **extra)
+        self._send(Event.ERROR, message, PRIORITY_ERR, None, None, None, extra, echo=False)
         message = line(message)
         error_stream = error_stream if error_stream is not None else sys.stderr
         if not stderr_is_journal(error_stream):
