@@ -1,4 +1,4 @@
-"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/owners),
+"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/roles),
 tell what nobody owns (the journal once when first seen and once when gone, the metrics
 textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules: one
 pre-phase run over the GPUs whose every unowned holder has been unowned that long, on which no
@@ -20,7 +20,7 @@ from pathlib import Path
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import NullSurroundings
-from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
+from gpugate.core.roles import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
