@@ -98,9 +98,12 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     """The first of pydantic's errors as gpugate's, and how many more there were."""
     first = exc.errors()[0]
     loc = first["loc"]
-    # A key the file names comes first (it may look like a tag: `"a[b" = 1`); tags follow it.
+    # A key the file names comes first (it may look like a tag: `"a[b" = 1`); pydantic adds
+    # the union branch ("literal['all']", "tuple[...]") to the location after it.
     parts = [str(part) for part in loc[:1]] + [
-        str(part) for part in loc[1:] if not _is_union_tag(part)
+        str(part)
+        for part in loc[1:]
+        if not (isinstance(part, str) and ("[" in part or part in {"int", "str"}))
     ]
     field = echo(".".join(parts), quote=False) or "(top level)"
     more = exc.error_count() - 1
@@ -141,11 +144,6 @@ def _did_you_mean(parts: list[str]) -> str:
         model = annotation
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
     return close[0] if close else ""
-
-
-def _is_union_tag(part: object) -> bool:
-    # pydantic adds the union branch ("literal['all']", "tuple[...]") to the error location.
-    return isinstance(part, str) and ("[" in part or part in {"int", "str"})
 
 
 def load_config(

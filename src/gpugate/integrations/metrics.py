@@ -26,6 +26,7 @@ RESULTS = ("success", *(code.name.lower() for code in ExitCode if code is not Ex
 RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RELEASE = "gpugate_memory_release_seconds"
 
+ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})  # a label value's
 Labels = tuple[tuple[str, str], ...]
 _WARNED: set[Path] = set()
 
@@ -180,7 +181,7 @@ def render(samples: Samples) -> str:
             for labels, value in samples.get(name, {}).items()
         ]
         for labels, name, value in sorted(rows, key=_row_order):
-            text = ",".join(f'{key}="{_escape(v)}"' for key, v in labels)
+            text = ",".join(f'{key}="{v.translate(ESCAPES)}"' for key, v in labels)
             lines.append(
                 f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}"
             )
@@ -193,10 +194,6 @@ def _row_order(row: tuple[Labels, str, float]) -> tuple[object, ...]:
     rest = tuple(item for item in labels if item[0] != "le")
     le = dict(labels).get("le")
     return (rest, name.endswith("_bucket") is False, name, float(le) if le else 0.0)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _number(value: float) -> str:
