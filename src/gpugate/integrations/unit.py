@@ -14,7 +14,7 @@ from pathlib import Path
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, run_state_to_write
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Surroundings
 from gpugate.core.run import RunScope
 from gpugate.errors import (
     ConfigError,
@@ -143,8 +143,8 @@ class UnitContext:
 
 
 @dataclass
-class UnitSurroundings:
-    """What one run knows about the host around its unit; implements core's Surroundings."""
+class UnitSurroundings(Surroundings):
+    """What one run knows about the host around its unit."""
 
     scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
@@ -231,7 +231,7 @@ class UnitSurroundings:
     def state_to_write(self) -> StateToWrite:
         """The run's own (locks, metrics), and this phase's leases and failed-start records."""
         config, traits = self.loaded.config, self.phase.traits
-        folders, files = run_state_to_write(config)
+        folders, files = super().state_to_write()
         unit_folders = []
         if traits.takes_lease:
             unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
