@@ -34,7 +34,7 @@ from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
 from gpugate.integrations.unit import GpuChoice, UnitContext, UnitSurroundings
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate import UnitNarration
+from gpugate.report.narrate import Narrator
 from gpugate.untrusted import CGROUP, CONTAINER, echo, escape, exact, shown
 
 CONFIG_NAME = "containers.toml"
@@ -299,7 +299,7 @@ def container_surroundings(
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
         surroundings = ContainerSurroundings(
-            scope, loaded, context, choice, UnitNarration(reporter), identity=identity
+            scope, loaded, context, choice, Narrator(reporter), identity=identity
         )
         if scope.phase.traits.reads_failed_start:
             lock_dir = loaded.config.lock_dir

@@ -53,7 +53,7 @@ from gpugate.integrations.records import (
 )
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate import UnitNarration, failed_start_text
+from gpugate.report.narrate import Narrator, failed_start_text
 from gpugate.report.reasons import describe
 from gpugate.untrusted import cut, echo
 
@@ -150,7 +150,7 @@ class UnitSurroundings(Surroundings):
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext
     choice: GpuChoice
-    narration: UnitNarration
+    narration: Narrator
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
     refusal: str | None = None  # why another unit's lease refused this start
@@ -357,7 +357,7 @@ def unit_surroundings(
     runs."""
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
-        narration = UnitNarration(reporter)
+        narration = Narrator(reporter)
         environment = context.environment
         if environment is None:
             environment = unit_environment if context.roots.ask_systemd else lambda _unit: None

@@ -82,7 +82,8 @@ def quoted(path: str) -> str:
 
 
 class Narrator:
-    """One run's journal entries and STATUS= lines, through the run's Reporter."""
+    """One run's journal entries and STATUS= lines, through the run's Reporter; also those of
+    its surroundings (integrations/)."""
 
     def __init__(self, reporter: Reporter) -> None:
         self.reporter = reporter
@@ -470,12 +471,7 @@ class Narrator:
         """One entry, and one line on error_stream (default stderr) unless it is the journal."""
         self.reporter.fail(error.message, int(error.exit_code), error_stream, error.code)
 
-
-class UnitNarration:
-    """What a systemd unit's surroundings say: its GPU leases, this start's failed pre."""
-
-    def __init__(self, reporter: Reporter) -> None:
-        self.reporter = reporter
+    # What a systemd unit's surroundings say: its GPU leases, this start's failed pre.
 
     def not_recorded(self, error: GateError) -> None:
         """After a stop: a lease or failed-start record that could not be removed."""
