@@ -36,9 +36,7 @@ def gpu_ref(item: object) -> GpuRef:
             raise InvalidValue(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
         return item
     if isinstance(item, str):
-        if UUID_PATTERN.fullmatch(item) or MIG_UUID_PATTERN.fullmatch(item):
-            return item
-        if LEGACY_MIG_PATTERN.fullmatch(item):
+        if any(p.fullmatch(item) for p in (UUID_PATTERN, MIG_UUID_PATTERN, LEGACY_MIG_PATTERN)):
             return item
         if item.upper().startswith(MIG_PREFIX):
             raise InvalidValue(
@@ -171,12 +169,8 @@ class DefaultConfig:
         return "all" if self.gpus == "auto" else self.gpus
 
     def policy(self, phase: Phase) -> DefaultPolicy:
-        return {
-            Phase.PRE: self.pre,
-            Phase.POST: self.post,
-            Phase.PROLOG: self.prolog,
-            Phase.EPILOG: self.epilog,
-        }[phase]
+        policy: DefaultPolicy = getattr(self, phase.value)  # a field per phase, named after it
+        return policy
 
 
 DEFAULTS = DefaultConfig()
