@@ -1,8 +1,5 @@
-"""The four phases and what each one does; the only place that tells one phase from another.
-
-Code asks a phase's traits (`phase.traits.takes_lease`), never its name; `Phase("prestart")`
-raises ValueError: there is no unknown phase to fall back from.
-"""
+"""The four phases and what each one does: code asks a phase's traits
+(`phase.traits.takes_lease`), never its name."""
 
 from __future__ import annotations
 

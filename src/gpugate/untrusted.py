@@ -1,12 +1,6 @@
-"""What processes say about themselves, made fit to show: escaped and bounded.
-
-A command line, comm, cgroup path, container name or file name is text any account can set;
-it reaches gpugate's output only through this module. Shown text escapes control characters
-as journalctl shows them (`\\n`, `\\x1b`), bytes that are not UTF-8 (surrogateescape'd) as
-`\\xff`, any other unprintable character (DEL, C1, bidi overrides) as its UTF-8 bytes; printable
-text, backslashes included, passes unchanged, so escaping twice reads as once. No function here
-raises on any str.
-"""
+"""What processes say about themselves, made fit to show: escaped as journalctl shows it and
+bounded. Any account may set a command line, comm, cgroup, container or file name: it reaches
+gpugate's output only through this module, whose functions never raise on any str."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import SWEEP_INTERVAL_S
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.owners import Holding, Owner, owner_of
+from gpugate.core.roles import Holding, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands import Front

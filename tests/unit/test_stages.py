@@ -17,13 +17,12 @@ from gpugate.core.outcome import (
     Stage,
     Surroundings,
     Transition,
-    run_state_to_write,
 )
 from gpugate.core.run import PhaseRun, RunDeps, RunScope
 from gpugate.errors import Interrupted, NvmlUnavailable
 from gpugate.front.hook import stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuUsage
-from gpugate.integrations.slurm import JobSurroundings, SlurmJob, with_job_gpus
+from gpugate.integrations.slurm import job_surroundings, with_job_gpus
 from gpugate.phase import Phase
 from gpugate.report.narrate import Narrator
 from tests.fakes import UNIT, UNIT_CGROUP, FakeGpuMemory, FakeHost, RecordingJournal, alive
@@ -214,16 +213,14 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
 ) -> None:
     loaded = host.config(metrics_textfile=tmp_path / "m" / "gpugate.prom")
     null = NullSurroundings(loaded)
-    assert null.state_to_write() == run_state_to_write(loaded.config)
     folders, files = null.state_to_write()
     # Not the metrics textfile: metrics are never a run's failure (a warning after the run).
     assert [folder for folder, _ in folders] == [loaded.config.lock_dir] and files == []
     assert not null.refuses_start([], dry_run=False)
     assert null.not_to_wait_on([]) == [] and null.driver_hung_earlier() is None
-    job = SlurmJob(42, 1000, (0, 1), "SLURM_JOB_GPUS", "node1")
     job_loaded = with_job_gpus(
         loaded, ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000"), "gpus from SLURM_JOB_GPUS=0,1"
     )
-    slurm = JobSurroundings.of(job_loaded, job)
+    slurm = job_surroundings(job_loaded)
     assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
     assert job_loaded.source in slurm.gpu_source and "SLURM_JOB_GPUS" in slurm.gpu_source

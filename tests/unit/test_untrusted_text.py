@@ -36,7 +36,7 @@ from gpugate.host.procfs import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
 from gpugate.integrations.unit import refusal
 from gpugate.report.journal import Event, FieldValue, Reporter
-from gpugate.report.narrate import Narrator, UnitNarration
+from gpugate.report.narrate import Narrator
 from gpugate.report.reasons import describe
 from gpugate.untrusted import (
     COMM,
@@ -240,7 +240,7 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     )
     space = Space(ShmArea("/dev/shm", 1), 100, 1)
     narrator.shm_short(SpaceShort(space, 1, 2, [(file.key, facts)]), {file.key: [4242]}, str)
-    units = UnitNarration(reporter)
+    units = Narrator(reporter)
     units.lease_stale(text, [0], "inactive", dry_run=True)
     units.gpus_shared(text, [0])
     units.lease_refused(text, [0])

@@ -1,11 +1,6 @@
-"""The unit's configuration as a run reads it: the lookup, the parse, the one-line error that
-names the file and field, and enough TOML writing to print it back.
-
-Lookup for UNIT (first that exists): --config PATH, /etc/gpugate/UNIT.toml, for a template
-instance /etc/gpugate/NAME@.service.toml, /etc/gpugate/default.toml, else built-in defaults.
-Where no file sets anything the config is `config.values.DEFAULTS` (no pydantic); else
-pydantic's model of the file (`config.schema.GateConfig`, built on first use).
-"""
+"""The unit's configuration as a run reads it: the lookup (--config, /etc/gpugate/UNIT.toml,
+NAME@.service.toml, default.toml, built-in defaults), the parse, the one-line error naming
+file and field, and enough TOML writing to print it back."""
 
 from __future__ import annotations
 
@@ -15,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, TypeVar, Union
 
 from gpugate.compat import tomllib
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig, DefaultPolicy
@@ -29,6 +24,7 @@ if TYPE_CHECKING:
 
 Config = Union["GateConfig", DefaultConfig]
 Policy = Union["PhasePolicy", DefaultPolicy]
+ConfigOrPolicy = TypeVar("ConfigOrPolicy", Config, Policy)
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
@@ -65,18 +61,12 @@ def validated(config: Config) -> GateConfig:
     return config
 
 
-def replaced(config: Config, **changes: Any) -> Config:
+def replaced(config: ConfigOrPolicy, **changes: Any) -> ConfigOrPolicy:
     """A copy with these fields changed, not validated (the code chose them): the defaults
     stay the defaults' type, a file's config pydantic's."""
-    if isinstance(config, DefaultConfig):
+    if isinstance(config, (DefaultConfig, DefaultPolicy)):
         return dataclasses.replace(config, **changes)
     return config.model_copy(update=changes)
-
-
-def replaced_policy(policy: Policy, **changes: Any) -> Policy:
-    if isinstance(policy, DefaultPolicy):
-        return dataclasses.replace(policy, **changes)
-    return policy.model_copy(update=changes)
 
 
 def fields_set(config: Config) -> frozenset[str]:
@@ -108,9 +98,12 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     """The first of pydantic's errors as gpugate's, and how many more there were."""
     first = exc.errors()[0]
     loc = first["loc"]
-    # A key the file names comes first (it may look like a tag: `"a[b" = 1`); tags follow it.
+    # A key the file names comes first (it may look like a tag: `"a[b" = 1`); pydantic adds
+    # the union branch ("literal['all']", "tuple[...]") to the location after it.
     parts = [str(part) for part in loc[:1]] + [
-        str(part) for part in loc[1:] if not _is_union_tag(part)
+        str(part)
+        for part in loc[1:]
+        if not (isinstance(part, str) and ("[" in part or part in {"int", "str"}))
     ]
     field = echo(".".join(parts), quote=False) or "(top level)"
     more = exc.error_count() - 1
@@ -151,11 +144,6 @@ def _did_you_mean(parts: list[str]) -> str:
         model = annotation
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
     return close[0] if close else ""
-
-
-def _is_union_tag(part: object) -> bool:
-    # pydantic adds the union branch ("literal['all']", "tuple[...]") to the error location.
-    return isinstance(part, str) and ("[" in part or part in {"int", "str"})
 
 
 def load_config(

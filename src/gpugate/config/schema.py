@@ -282,10 +282,5 @@ class GateConfig(_Frozen):
         return GateConfig.model_validate({**dict(self), **changes})
 
     def policy(self, phase: Phase) -> PhasePolicy:
-        policies = {
-            Phase.PRE: self.pre,
-            Phase.POST: self.post,
-            Phase.PROLOG: self.prolog,
-            Phase.EPILOG: self.epilog,
-        }
-        return policies[phase]
+        policy: PhasePolicy = getattr(self, phase.value)  # a field per phase, named after it
+        return policy

@@ -1,14 +1,6 @@
 """The config's built-in defaults and the forms of its values, without pydantic: what a run
-reads when no file sets anything (most units), at no cost beyond this module.
-
-`DefaultConfig` has the attribute names, types and defaults of `config.schema.GateConfig`,
-pydantic's model of a file (the model takes them from here).
-
-GPU lists as operators and schedulers write them: one parser for the config's `gpus`,
-`gpugate install --gpus` and Slurm's SLURM_JOB_GPUS / CUDA_VISIBLE_DEVICES. A GPU is an
-index, a GPU UUID (or a prefix of one), or a MIG slice: its UUID (`MIG-...`, or a prefix) or
-the older `MIG-GPU-<uuid>/<gi>/<ci>` form (CUDA before 11.1, NVIDIA_VISIBLE_DEVICES).
-"""
+reads when no file sets anything. `DefaultConfig` gives `config.schema.GateConfig` its names,
+types and defaults; one GPU-list parser serves `gpus`, `install --gpus` and Slurm's lists."""
 
 from __future__ import annotations
 
@@ -44,9 +36,7 @@ def gpu_ref(item: object) -> GpuRef:
             raise InvalidValue(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
         return item
     if isinstance(item, str):
-        if UUID_PATTERN.fullmatch(item) or MIG_UUID_PATTERN.fullmatch(item):
-            return item
-        if LEGACY_MIG_PATTERN.fullmatch(item):
+        if any(p.fullmatch(item) for p in (UUID_PATTERN, MIG_UUID_PATTERN, LEGACY_MIG_PATTERN)):
             return item
         if item.upper().startswith(MIG_PREFIX):
             raise InvalidValue(
@@ -179,12 +169,8 @@ class DefaultConfig:
         return "all" if self.gpus == "auto" else self.gpus
 
     def policy(self, phase: Phase) -> DefaultPolicy:
-        return {
-            Phase.PRE: self.pre,
-            Phase.POST: self.post,
-            Phase.PROLOG: self.prolog,
-            Phase.EPILOG: self.epilog,
-        }[phase]
+        policy: DefaultPolicy = getattr(self, phase.value)  # a field per phase, named after it
+        return policy
 
 
 DEFAULTS = DefaultConfig()

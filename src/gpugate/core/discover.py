@@ -1,12 +1,6 @@
-"""Discovery: every process that holds the unit's GPUs, and how each one was found: the
-unit's cgroup (and its config's containers), /proc/PID/fd and /proc/PID/maps naming
-/dev/nvidiaN, NVML's process lists. Which GPUs are the unit's: `owned_gpus`.
-
-A MIG slice is a GPU of its own here (keyed by host.nvml.mig_key): its holders are those NVML
-lists on it and those holding its capability device (host.nvml). Every process on a slice
-opens its GPU's /dev/nvidiaN, so that file ties a process to the whole GPU only. Owning a whole
-GPU owns each of its slices too (their holders, locks and leases).
-"""
+"""Discovery: every process that holds the unit's GPUs, and how each one was found (the
+unit's cgroup and containers, /proc/PID/fd and maps naming /dev/nvidiaN, NVML's lists). A MIG
+slice is a GPU of its own (host.nvml.mig_key); its /dev/nvidiaN ties a process to the whole GPU."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""A run seen from outside the core: where it is (`Stage`,
-`Transition`, `Progress`), what it ended with (`RunSummary`, the exit precedence), and the
-protocols of what surrounds it: `Surroundings` (a unit's, a job's or a container's:
-integrations/ implements them; `NullSurroundings`, the plain case) and `Narration` (what it
-tells, worded by report.narrate.Narrator, which the front passes in)."""
+"""A run seen from outside the core: where it is (`Stage`, `Transition`, `Progress`), what
+it ended with (`RunSummary`, the exit precedence), and the protocols of what surrounds it
+(`Surroundings`, implemented in integrations/) and what it tells (`Narration`, report.narrate)."""
 
 from __future__ import annotations
 
@@ -17,7 +15,7 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.procfs import ProcessId
 
 if TYPE_CHECKING:
-    from gpugate.config.file import Config, LoadedConfig
+    from gpugate.config.file import LoadedConfig
     from gpugate.core.decide import Choice, Decision
     from gpugate.core.discover import Discovery
     from gpugate.core.kill import Respawner
@@ -166,30 +164,37 @@ class Progress:
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
-class Surroundings(Protocol):
-    @property
-    def loaded(self) -> LoadedConfig:
-        """The config the run uses: its GPUs resolved to what this run is about."""
+class Surroundings:
+    """What surrounds a run (integrations/: a unit's, a job's, a container's). Each default is
+    the plain case: nothing around the run, no claims, no records, nothing refused."""
+
+    loaded: LoadedConfig  # the config the run uses: its GPUs resolved to what it is about
 
     @property
     def gpu_source(self) -> str:
         """Where the GPUs came from, said in the run's first entry."""
+        return ""
 
     @property
     def gpu_source_warns(self) -> bool:
         """True: every GPU only because nothing named the GPUs (a warning)."""
+        return False
 
     def state_to_write(self) -> StateToWrite:
-        """The folders and files this run writes: checked before it kills anything."""
+        """The folders and files this run writes, checked before it kills anything: every
+        run's GPU locks (the metrics textfile is never a run's failure)."""
+        return [(self.loaded.config.lock_dir, "GPU locks")], []
 
     def driver_hung_earlier(self) -> str | None:
         """Why not to ask the driver (this start's earlier phase waited on it); None: ask."""
+        return None
 
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         """Under the GPU locks, before any kill: another workload's claim refuses the start."""
+        return False
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """The run refuses: says what else is known of the others' hold."""
@@ -199,6 +204,7 @@ class Surroundings(Protocol):
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """The GPUs whose memory need not be waited for again."""
+        return []
 
     def after_run(self, summary: RunSummary) -> None:
         """After a run that was not a dry run, still under the locks."""
@@ -207,45 +213,11 @@ class Surroundings(Protocol):
         """The run (not a dry run) ended in an error; progress: what it was doing."""
 
 
-def run_state_to_write(config: Config) -> StateToWrite:
-    """What every run writes: its GPU locks (the metrics textfile is never a run's failure)."""
-    return [(config.lock_dir, "GPU locks")], []
-
-
 @dataclass(frozen=True)
-class NullSurroundings:
-    """Nothing around the run: no claims, no records, nothing refused; the config's GPUs."""
-
+class NullSurroundings(Surroundings):
     loaded: LoadedConfig
     gpu_source: str = ""
     gpu_source_warns: bool = False
-
-    def state_to_write(self) -> StateToWrite:
-        return run_state_to_write(self.loaded.config)
-
-    def driver_hung_earlier(self) -> str | None:
-        return None
-
-    def before_kill(self, decision: Decision) -> None:
-        return None
-
-    def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
-        return False
-
-    def held_by_others(self, owned: Sequence[Gpu]) -> None:
-        return None
-
-    def reserve(self, owned: Sequence[Gpu]) -> None:
-        return None
-
-    def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
-        return []
-
-    def after_run(self, summary: RunSummary) -> None:
-        return None
-
-    def after_error(self, error: GateError, progress: Progress) -> None:
-        return None
 
 
 class Narration(Protocol):

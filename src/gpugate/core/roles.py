@@ -1,9 +1,12 @@
 """Where each holder stands: in the unit's cgroup, in one of its containers, an orphan, in
-another unit, protected, or a watcher. Pure logic over what `discover` found."""
+another unit, protected, or a watcher; and between starts (`gpugate sweep`, `status`), what
+owns it. Pure logic over what `discover` found."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Protocol
 
 from gpugate.compat import StrEnum
@@ -198,3 +201,52 @@ def app_tree(
             members[child_pid] = child
             queue.append(child)
     return members
+
+
+# Slurm's cgroup/v2 plugin: /system.slice/slurmstepd.scope/job_ID, or NODE_slurmstepd.scope
+# (Debian's multiple-slurmd build), with step_*/ below (integrations/slurm.py).
+JOB_CGROUP = re.compile(r"/system\.slice/(?:[^/]+_)?slurmstepd\.scope/job_[0-9]+(?:/.*)?")
+
+
+class Owner(StrEnum):
+    """Who owns a holder between starts: holder_role with no unit asked about, read once
+    more for what owns the process."""
+
+    UNIT = "unit"  # an active systemd unit's cgroup (a leased one, `gpugate run`'s)
+    JOB = "job"  # a Slurm job's cgroup
+    CONTAINER = "container"  # a docker or podman container's scope
+    PROTECTED = "protected"  # protected_executables / protected_units
+    WATCHER = "watcher"  # device files only: NVML lists it on no GPU
+    NOBODY = "nobody"  # a login session, a user's scope, init.scope: nothing to stop it
+
+
+OWNERS = tuple(Owner)
+
+
+def owner_of(holder: Holder, discovery: Discovery, config: Config) -> Owner:
+    """discovery: one made without a unit (status's, the sweep's)."""
+    role = holder_role(holder, discovery, config)
+    if role is Role.PROTECTED:
+        return Owner.PROTECTED
+    if role is Role.WATCHER:
+        return Owner.WATCHER
+    if holder.container is not None:
+        return Owner.CONTAINER
+    if JOB_CGROUP.fullmatch(holder.info.cgroup or "/"):
+        return Owner.JOB
+    if role is Role.ORPHAN:
+        return Owner.NOBODY
+    return Owner.UNIT
+
+
+@dataclass(frozen=True)
+class Holding:
+    """A holder and its owner; mib: NVML's MiB for it over every GPU (None: not said)."""
+
+    holder: Holder
+    owner: Owner
+
+    @property
+    def mib(self) -> int | None:
+        known = [mib for mib in self.holder.used_mib.values() if mib is not None]
+        return sum(known) if known else None

@@ -1,10 +1,7 @@
 """One pre, post, prolog or epilog run, as a stage machine: looking -> locking -> stopping ->
-waiting -> finishing, each a small object whose `step()` does the stage's work and returns the
-transition it took and the next stage (None: the end). `RunState.enter` is the one way the
-stage changes (supervisor's change_state). Discovery and killing repeat, bounded in rounds and
-by the deadline, so that a holder that forks while it is killed dies too. NVML failing with
-`on_nvml_error = "warn"` is a transition back to looking, with the unit's cgroup alone.
-"""
+waiting -> finishing, each stage's `step()` returning its transition and the next stage;
+`RunState.enter` is the one way the stage changes. NVML failing with `on_nvml_error = "warn"`
+goes back to looking, with the unit's cgroup alone."""
 
 from __future__ import annotations
 
@@ -189,7 +186,6 @@ class RunState:
                 self.narrator.fault_elsewhere(fault, self.scope.unit)
 
     def fresh(self, decision: Decision) -> list[Choice]:
-        """The decision's targets this run has not signalled yet."""
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
 

@@ -1,9 +1,6 @@
-"""Which /dev/shm files a killed application leaves go, by evidence, never by name: a file
-goes only if a process this run killed held it open (not only through O_PATH) or mapped it,
-one such process's account could have removed it itself (`could_remove`), no other process
-was seen holding it, none holds it on a fresh look after the kill, and its name is still that
-file (device and inode, checked through the folder's fd right before the unlink). Why a file
-stays is a `Kept` code. The host side (reading /proc, stat, unlink) is injected."""
+"""Which /dev/shm files a killed application leaves go, by evidence, never by name: held
+or mapped by a process this run killed, removable by its account, held by no one else, and
+still the same file (device and inode) right before the unlink. Why a file stays is a `Kept`."""
 
 from __future__ import annotations
 

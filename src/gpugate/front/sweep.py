@@ -1,4 +1,4 @@
-"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/owners),
+"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/roles),
 tell what nobody owns (the journal once when first seen and once when gone, the metrics
 textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules: one
 pre-phase run over the GPUs whose every unowned holder has been unowned that long, on which no
@@ -17,10 +17,10 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.config.file import LoadedConfig, replaced, replaced_policy
+from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import NullSurroundings
-from gpugate.core.owners import OWNERS, Holding, Owner, owner_of
+from gpugate.core.roles import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
@@ -164,7 +164,7 @@ class LeaseRecheck(NullSurroundings):
 
 def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
     """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
-    pre = replaced_policy(loaded.config.pre, kill_orphans=True)
+    pre = replaced(loaded.config.pre, kill_orphans=True)
     config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
     reaping = replace(loaded, config=config)
     hook = Hook(

@@ -1,12 +1,6 @@
-"""The config lookup as root reads it, for every command that reads a config (docs/hardening.md,
-rule 2): a file, or a `lock_dir`, another account may change (owner, group or other write, or
-any folder above it) is refused with exit 78, one line naming the path, its owner and mode; a
-path that is no regular file or is absurdly large is refused unread.
-
-One lock_dir for every lease on a host: `default.toml`'s `lock_dir`, else the built-in
-/run/gpugate. A file that leaves `lock_dir` out gets the host's; a file in CONFIG_DIR that
-names another is refused (exit 78). `--config PATH` outside CONFIG_DIR is a configuration of
-its own (tests, trials): its `lock_dir` stands."""
+"""The config lookup as root reads it (docs/hardening.md, rule 2): a file or `lock_dir`
+another account may change is refused (exit 78), and one lock_dir serves every lease on a host
+(`default.toml`'s, else /run/gpugate); `--config PATH` outside CONFIG_DIR keeps its own."""
 
 from __future__ import annotations
 

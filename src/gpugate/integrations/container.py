@@ -1,13 +1,6 @@
-"""A container's surroundings for `gpugate oci-hook`: who it is, its cgroup, its GPUs as
-config, and its GPU lease: a unit's surroundings, with the container's scope as the unit.
-
-The lease is named after the container's own systemd scope (`libpod-ID.scope`,
-`docker-ID.scope`, `crio-ID.scope`, `cri-containerd-ID.scope`), a transient unit active
-exactly while the container runs: others read it as a unit's lease, and it is stale once the
-scope is gone. A container whose own cgroup is no such scope (the cgroupfs driver, podman's
---cgroups=split) leases as `container-ID`; one in no cgroup of its own is refused: it is never
-the unit around it (docs/containers.md).
-"""
+"""A container's surroundings for `gpugate oci-hook`: a unit's, with the container's own
+systemd scope (`libpod-ID.scope`, ...) as the unit and its lease's name (`container-ID` where
+its cgroup is no such scope); one in no cgroup of its own is refused (docs/containers.md)."""
 
 from __future__ import annotations
 
@@ -40,11 +33,9 @@ from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
 from gpugate.integrations.unit import GpuChoice, UnitContext, UnitSurroundings
-from gpugate.report import lines
 from gpugate.report.journal import Reporter
-from gpugate.report.lines import container_label
-from gpugate.report.narrate import UnitNarration
-from gpugate.untrusted import CONTAINER, echo, exact, shown
+from gpugate.report.narrate import Narrator
+from gpugate.untrusted import CGROUP, CONTAINER, echo, escape, exact, shown
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -71,11 +62,17 @@ class ContainerIdentity:
 
     @property
     def label(self) -> str:
-        """`podman container vllm (3f2a1b0c4d5e)`; an author's name marked as such; a pod's
-        `containerd container ml/vllm-0/server (3f2a1b0c4d5e)`."""
-        if self.pod is not None:
-            return container_label(self.runtime, self.id, shown(self.pod.text, CONTAINER))
-        return container_label(self.runtime, self.id, self.name, self.claimed)
+        """`podman container vllm (3f2a1b0c4d5e)`; a pod's `containerd container
+        ml/vllm-0/server (3f2a1b0c4d5e)`; with only a name its author set, `podman container
+        3f2a1b0c4d5e ("vllm" by its annotation KEY)`. Names shown escaped."""
+        short, runtime = self.id[:12], f"{self.runtime} container"
+        name = self.pod.text if self.pod is not None else self.name
+        if name:
+            return f"{runtime} {shown(name, CONTAINER)} ({short})"
+        if self.claimed and self.pod is None:
+            key, said = self.claimed
+            return f'{runtime} {short} ("{shown(said, CONTAINER)}" by its annotation {key})'
+        return f"{runtime} {short}"
 
     def fields(self) -> dict[str, str | bytes]:
         """The journal fields every entry of this run carries (not GPUGATE_CONTAINER: that is
@@ -110,7 +107,13 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
     own = own_cgroup(cgroup, state.id)
     if own is None:
-        raise OciInputError(lines.no_own_cgroup(cgroup or "", state.id), code="oci-no-own-cgroup")
+        where = f"cgroup {shown(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
+        raise OciInputError(
+            f"container {state.id[:12]} runs in {where}, not in one of its own (a runtime's "
+            "scope or folder named after its id): gated, it would be the unit around it; not "
+            "started (docs/containers.md)",
+            code="oci-no-own-cgroup",
+        )
     runtime = own.runtime
     name = runtime_name(state, spec, runtime) if runtime else None
     if name is None and runtime in (None, "docker"):
@@ -230,10 +233,32 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
     return minors
 
 
+# Why NVIDIA's config defaults stood in for its file (host/oci_gpus.py's codes).
+TOOLKIT_NOTES = {
+    "untrusted": "another account than root may change it",
+    "unreadable": "not a regular file of at most 1 MiB of TOML",
+    "not-boolean": "its accept-nvidia-visible-devices-* keys are not true or false",
+}
+
+
 def request_text(request: GpuRequest) -> str:
-    return lines.request_text(
-        request.minors, request.refs, request.all_gpus, request.origins, request.note
-    )
+    """Where a container's GPUs came from, for the run's first entry: `the container's
+    config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from linux.devices, mounts)`."""
+    parts = []
+    if request.minors:
+        parts.append("devices " + ", ".join(f"195:{m}" for m in request.minors))
+    if request.all_gpus:
+        parts.append("NVIDIA's list: all")
+    elif request.refs:
+        parts.append("NVIDIA's list: " + ",".join(escape(ref) for ref in request.refs))
+    if request.origins:
+        parts.append("from " + ", ".join(escape(origin) for origin in request.origins))
+    if request.note in TOOLKIT_NOTES:
+        parts.append(
+            "NVIDIA's defaults assumed: /etc/nvidia-container-runtime/config.toml: "
+            + TOOLKIT_NOTES[request.note]
+        )
+    return "the container's config.json (" + "; ".join(parts) + ")"
 
 
 @dataclass
@@ -274,7 +299,7 @@ def container_surroundings(
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
         surroundings = ContainerSurroundings(
-            scope, loaded, context, choice, UnitNarration(reporter), identity=identity
+            scope, loaded, context, choice, Narrator(reporter), identity=identity
         )
         if scope.phase.traits.reads_failed_start:
             lock_dir = loaded.config.lock_dir

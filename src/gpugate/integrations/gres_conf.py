@@ -1,22 +1,6 @@
-"""What a Slurm node's own configuration gives a job: gres.conf's GPUs in slurmd's order, as
-NVML's GPUs; a private /dev/shm from job_container/tmpfs. Each file root's, read capped.
-
-slurmd numbers a node's GPUs 0, 1, ... in the order it lists their device files, and writes
-those numbers in SLURM_JOB_GPUS (Slurm 22.05-24.x; docs/slurm.md has the source references):
-every `Name=gpu` line without `NodeName=` first, in the file's order, then every `NodeName=`
-line that names this node; each `File=` expanded as Slurm's hostlist expands it
-(`/dev/nvidia[0-3,6]`), in the order written. With `AutoDetect=nvml` slurmd sorts the GPUs
-by NVML's enumeration instead. A device file is a GPU where it is the device node
-/dev/nvidiaM itself: the same device number (195:M on a real host); its name says nothing.
-
-What cannot be read for certain (`Include`, `MultipleFiles`, an unknown hostlist form, an
-AutoDetect other than nvml/off, a node name it is not told, a File that is no GPU) is a
-GresUnresolved: why, in words; the caller treats the job's GPUs as unknown.
-
-job_container/tmpfs (slurm.conf `JobContainerType=job_container/tmpfs`) mounts a private
-/tmp and /dev/shm for each job in 22.05; from 23.02 the dirs are job_container.conf's `Dirs=`
-(default `/tmp,/dev/shm`).
-"""
+"""What a Slurm node's configuration gives a job: gres.conf's GPUs in slurmd's order, as
+NVML's GPUs, and a private /dev/shm from job_container/tmpfs; each file root's, read capped.
+What cannot be read for certain is a GresUnresolved (docs/slurm.md has slurmd's rules)."""
 
 from __future__ import annotations
 

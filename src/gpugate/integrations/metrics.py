@@ -1,16 +1,6 @@
-"""Prometheus metrics: a node_exporter textfile rewritten after each run.
-
-Each run knows only itself, so the counters live in a JSON state file beside the textfile
-(`PATH.state`; node_exporter reads only `*.prom`) and every run adds to them under an flock
-on `PATH.lock`: runs of different units may end at the same moment. Both files are replaced
-atomically (a temporary file in the same folder, then rename), so node_exporter never reads
-half a file.
-
-Alerts must fire on the first failure: Prometheus's increase() sees nothing in a counter
-series that is born at 1. So the first write for a unit puts every result of each of its
-phases (pre and post, or prolog and epilog) at 0, and gpugate_last_run_failed says 1 or 0 for
-the unit's last run of each phase from its very first run on.
-"""
+"""Prometheus metrics: a node_exporter textfile rewritten after each run, its counters kept
+in `PATH.state` under an flock on `PATH.lock`. A unit's first write puts every result at 0:
+increase() sees nothing in a series born at 1 (docs/metrics.md)."""
 
 from __future__ import annotations
 
@@ -36,6 +26,7 @@ RESULTS = ("success", *(code.name.lower() for code in ExitCode if code is not Ex
 RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RELEASE = "gpugate_memory_release_seconds"
 
+ESCAPES = str.maketrans({"\\": "\\\\", '"': '\\"', "\n": "\\n"})  # a label value's
 Labels = tuple[tuple[str, str], ...]
 _WARNED: set[Path] = set()
 
@@ -190,7 +181,7 @@ def render(samples: Samples) -> str:
             for labels, value in samples.get(name, {}).items()
         ]
         for labels, name, value in sorted(rows, key=_row_order):
-            text = ",".join(f'{key}="{_escape(v)}"' for key, v in labels)
+            text = ",".join(f'{key}="{v.translate(ESCAPES)}"' for key, v in labels)
             lines.append(
                 f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}"
             )
@@ -203,10 +194,6 @@ def _row_order(row: tuple[Labels, str, float]) -> tuple[object, ...]:
     rest = tuple(item for item in labels if item[0] != "le")
     le = dict(labels).get("le")
     return (rest, name.endswith("_bucket") is False, name, float(le) if le else 0.0)
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _number(value: float) -> str:

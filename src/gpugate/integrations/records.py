@@ -1,23 +1,6 @@
-"""gpugate's own state, read back with a size cap into sane values or refused with why: GPU
-leases (LOCK_DIR/leases/UNIT.json), failed-start records (LOCK_DIR/failed/UNIT.json), and
-the parsing the sweep's state and the metrics counters share.
-
-A record that is not what gpugate wrote (edited, truncated, another version's) never ends a
-run: every fault is a `BadRecord`, reported once and ignored. Refused: over MAX_RECORD_BYTES,
-not a regular file, not UTF-8 or JSON, `NaN` and `Infinity` (Python's json takes them),
-numbers of more than MAX_DIGITS digits, too deep nesting, wrong types, values out of range
-(`bool` is no int).
-
-Leases: from a unit's successful `pre` until its `post`, the unit holds its GPUs. Each file is
-replaced atomically, so a crash leaves the old lease or the new one; lock_dir is on /run, so a
-reboot clears them. Readers and writers on overlapping GPUs hold the per-GPU flocks, so a
-lease is checked and written in one turn. A lease whose unit systemd no longer calls running
-is stale.
-
-Failed starts: systemd runs ExecStopPost= after a failed ExecStartPre= too, with the same
-INVOCATION_ID. `pre` records why it failed; that start's `post` does not wait again on the
-memory `pre` waited for, and repeats pre's reason last, where `systemctl status` shows it.
-"""
+"""gpugate's own state read back (GPU leases, failed-start records, the sweep's and metrics'
+counters), capped and checked: a record gpugate did not write is a `BadRecord`, said once and
+ignored, never a run's end. Files are replaced atomically under the per-GPU flocks."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
-"""`gpugate slurm prolog|epilog`: slurm.conf's Prolog= and Epilog= on a GPU node, run by
-slurmd as root with the job in the environment and no PATH.
-
-The job's GPUs are slurmd's numbers in SLURM_JOB_GPUS (else SLURM_STEP_GPUS): positions in
-the node's gres.conf device list, not NVML indices (integrations.gres_conf). The job's cgroup
-(/system.slice/[NODE_]slurmstepd.scope/job_ID) takes the place of the unit's; at Prolog= and
-Epilog= time it often does not exist, and every holder of the job's GPUs is found by its
-device files and NVML and judged by the orphan rules. A non-zero exit makes slurmd drain the
-node; gpugate's drain reason says which GPU is held by what.
-"""
+"""`gpugate slurm prolog|epilog` (slurm.conf's Prolog=/Epilog=, run by slurmd as root): the
+job's GPUs are slurmd's numbers (integrations.gres_conf), its cgroup stands for the unit's, and
+a non-zero exit drains the node with a reason naming what holds which GPU (docs/slurm.md)."""
 
 from __future__ import annotations
 
@@ -143,17 +136,10 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
     return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
-@dataclass(frozen=True)
-class JobSurroundings(NullSurroundings):
-    """A Slurm job's surroundings. Slurm gives out its GPUs itself and drains a node whose
-    prolog or epilog fails: no lease is checked, taken or recorded."""
-
-    job_id: int = 0
-
-    @classmethod
-    def of(cls, loaded: LoadedConfig, job: SlurmJob) -> JobSurroundings:
-        """loaded: with_job_gpus's."""
-        return cls(loaded, gpu_source=f"gpus in {loaded.source}", job_id=job.job_id)
+def job_surroundings(loaded: LoadedConfig) -> NullSurroundings:
+    """A Slurm job's (loaded: with_job_gpus's). Slurm gives out its GPUs itself and drains a
+    node whose prolog or epilog fails: no lease is checked, taken or recorded."""
+    return NullSurroundings(loaded, gpu_source=f"gpus in {loaded.source}")
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:

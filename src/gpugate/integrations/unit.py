@@ -1,9 +1,7 @@
-"""A systemd unit's surroundings on a host other units share (core.outcome.Surroundings),
-for the phases whose traits say they apply: the unit's GPUs when `gpus = "auto"`; a
-hand-typed pre/post against a running unit refused before anything is killed; GPU leases
-checked and written under the per-GPU locks before the first kill, kept on pre's success,
-given up (with the reason recorded for post) when pre fails, errs or is interrupted, and
-ended by post."""
+"""A systemd unit's surroundings (core.outcome.Surroundings): its GPUs for `gpus = "auto"`,
+a hand-typed pre/post against a running unit refused, and its GPU lease: written under the
+GPU locks before the first kill, kept on pre's success, given up with the reason recorded
+when pre fails, ended by post."""
 
 from __future__ import annotations
 
@@ -16,7 +14,7 @@ from pathlib import Path
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
-from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, run_state_to_write
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Surroundings
 from gpugate.core.run import RunScope
 from gpugate.errors import (
     ConfigError,
@@ -55,7 +53,7 @@ from gpugate.integrations.records import (
 )
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate import UnitNarration, failed_start_text
+from gpugate.report.narrate import Narrator, failed_start_text
 from gpugate.report.reasons import describe
 from gpugate.untrusted import cut, echo
 
@@ -145,14 +143,14 @@ class UnitContext:
 
 
 @dataclass
-class UnitSurroundings:
-    """What one run knows about the host around its unit; implements core's Surroundings."""
+class UnitSurroundings(Surroundings):
+    """What one run knows about the host around its unit."""
 
     scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext
     choice: GpuChoice
-    narration: UnitNarration
+    narration: Narrator
     failed_pre: FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
     refusal: str | None = None  # why another unit's lease refused this start
@@ -233,7 +231,7 @@ class UnitSurroundings:
     def state_to_write(self) -> StateToWrite:
         """The run's own (locks, metrics), and this phase's leases and failed-start records."""
         config, traits = self.loaded.config, self.phase.traits
-        folders, files = run_state_to_write(config)
+        folders, files = super().state_to_write()
         unit_folders = []
         if traits.takes_lease:
             unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
@@ -359,7 +357,7 @@ def unit_surroundings(
     runs."""
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
-        narration = UnitNarration(reporter)
+        narration = Narrator(reporter)
         environment = context.environment
         if environment is None:
             environment = unit_environment if context.roots.ask_systemd else lambda _unit: None

@@ -89,7 +89,9 @@ def as_field(value: str | bytes | int) -> FieldValue:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        return value.encode("utf-8", "surrogateescape" if _escapable(value) else "replace")
+        # surrogateescape where every surrogate in value stands for a byte it can give back
+        escapable = all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
+        return value.encode("utf-8", "surrogateescape" if escapable else "replace")
     return value
 
 
@@ -100,11 +102,6 @@ def _field(name: str, value: FieldValue) -> str | bytes:
     if isinstance(value, str):
         return f"{name}={value}"
     return name.encode("ascii", "replace") + b"=" + value
-
-
-def _escapable(value: str) -> bool:
-    """Every surrogate in value stands for a byte (surrogateescape can give it back)."""
-    return all(not 0xD800 <= ord(c) <= 0xDFFF or 0xDC80 <= ord(c) <= 0xDCFF for c in value)
 
 
 class SystemdNotifier:

@@ -35,12 +35,6 @@ MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
 MIB = 1024 * 1024
 
 
-def watcher_evidence(discovery: Discovery) -> str:
-    if discovery.nvml_lists_processes:
-        return "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
-    return "NVML lists no processes here: device files alone name the holders (no watchers)"
-
-
 def pid_list(pids: Sequence[int]) -> str:
     """`PID 1, 2, …`: at most MAX_LISTED_PIDS of them."""
     more = ", …" if len(pids) > MAX_LISTED_PIDS else ""
@@ -87,29 +81,11 @@ def quoted(path: str) -> str:
     return f"'{shown(path, FILE)}'"
 
 
-def kept_text(item: ShmRemoval) -> str:
-    """Why a file of the killed stays, in words (its code is GPUGATE_REASON)."""
-    by = ", ".join(item.kept_by)
-    facts = item.facts
-    owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
-    words = {
-        Kept.ALSO_HELD: f"also held by {by}, not killed",
-        Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
-        "account may take on any file it can name: no evidence it was theirs",
-        Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
-        Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
-        Kept.HELD_NOW: f"open or mapped now by {by}",
-        Kept.GONE: "gone already, or replaced since",
-        Kept.UNLINK_FAILED: f"unlink: {item.detail}",
-    }
-    return words.get(item.kept, "") if item.kept is not None else ""
-
-
 class Narrator:
-    """One run's journal entries and STATUS= lines, through the run's Reporter."""
+    """One run's journal entries and STATUS= lines, through the run's Reporter; also those of
+    its surroundings (integrations/)."""
 
     def __init__(self, reporter: Reporter) -> None:
-        """reporter: a dry run's is Reporter.as_dry_run()'s (its words say "would")."""
         self.reporter = reporter
         self.dry_run = reporter.dry_run
         self.waiting = WaitingReports(reporter)
@@ -132,11 +108,16 @@ class Narrator:
         """gpu_source: where the unit's GPUs came from (gpu_source.GpuChoice.source)."""
         owned = [gpu.index for gpu in discovery.owned]
         source = f"GPUs from {gpu_source}; " if gpu_source else ""
+        evidence = (
+            "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
+            if discovery.nvml_lists_processes
+            else "NVML lists no processes here: device files alone name the holders (no watchers)"
+        )
         self.reporter.event(
             Event.RUN_STARTED,
             f"{'dry run: ' if self.dry_run else ''}{len(owned)} GPU(s) [{gpu_list(owned)}], "
             f"{used_mib} MiB used; {source}config {config_source}; "
-            f"cgroup {discovery.unit_cgroup}; {watcher_evidence(discovery)}",
+            f"cgroup {discovery.unit_cgroup}; {evidence}",
             priority=PRIORITY_WARNING if gpu_source_warns else PRIORITY_INFO,
             gpus=owned,
             used_mib=used_mib,
@@ -220,11 +201,10 @@ class Narrator:
         verb = f"{result.container.runtime} stop"
         if result.ok:
             outcome = "stopped"
+        elif result.no_cli:
+            outcome = f"failed (no {result.container.runtime} CLI found); signalling its processes"
         else:
-            if result.no_cli:
-                why = f"no {result.container.runtime} CLI found"
-            else:
-                why = result.error.message if result.error is not None else result.detail
+            why = result.error.message if result.error is not None else result.detail
             outcome = f"failed ({why}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
@@ -377,10 +357,23 @@ class Narrator:
         )
 
     def _kept(self, item: ShmRemoval) -> None:
-        path = item.facts.path if item.facts else item.file.path
-        sized: dict[str, Any] = {} if item.facts is None else {"shm_bytes": item.facts.bytes}
+        """A file of the killed that stays: why in words (its code is GPUGATE_REASON)."""
+        facts, by = item.facts, ", ".join(item.kept_by)
+        path = facts.path if facts else item.file.path
+        sized: dict[str, Any] = {} if facts is None else {"shm_bytes": facts.bytes}
         holders = ", ".join(map(str, item.holders))
-        why = kept_text(item)
+        owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
+        words = {
+            Kept.ALSO_HELD: f"also held by {by}, not killed",
+            Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
+            "account may take on any file it can name: no evidence it was theirs",
+            Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
+            Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
+            Kept.HELD_NOW: f"open or mapped now by {by}",
+            Kept.GONE: "gone already, or replaced since",
+            Kept.UNLINK_FAILED: f"unlink: {item.detail}",
+        }
+        why = words.get(item.kept, "") if item.kept else ""
         self.reporter.event(
             Event.SHM_KEPT,
             f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
@@ -478,12 +471,7 @@ class Narrator:
         """One entry, and one line on error_stream (default stderr) unless it is the journal."""
         self.reporter.fail(error.message, int(error.exit_code), error_stream, error.code)
 
-
-class UnitNarration:
-    """What a systemd unit's surroundings say: its GPU leases, this start's failed pre."""
-
-    def __init__(self, reporter: Reporter) -> None:
-        self.reporter = reporter
+    # What a systemd unit's surroundings say: its GPU leases, this start's failed pre.
 
     def not_recorded(self, error: GateError) -> None:
         """After a stop: a lease or failed-start record that could not be removed."""

@@ -36,11 +36,11 @@ from gpugate.integrations.gres_conf import (
 )
 from gpugate.integrations.slurm import (
     METRICS_UNIT,
-    JobSurroundings,
     SlurmJob,
     job_cgroup,
     job_fields,
     job_from_env,
+    job_surroundings,
     load_slurm_config,
     set_drain_reason,
     with_job_gpus,
@@ -144,7 +144,7 @@ def run_job(
         job.label,
         lambda: job_cgroup(job_id, cgroup_root, node_name),
         metrics_unit=METRICS_UNIT,
-        surroundings=lambda scope, loaded, reporter: JobSurroundings.of(loaded, job),
+        surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
         dry_run=dry_run,
     )
     reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))

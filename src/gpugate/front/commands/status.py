@@ -24,8 +24,7 @@ from gpugate.core.discover import (
     discover,
     full_scan,
 )
-from gpugate.core.owners import Owner, owner_of
-from gpugate.core.roles import Role, holder_role
+from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
 from gpugate.host.nvml import Gpu, GpuDriver, NotAnswering
@@ -260,7 +259,7 @@ def holder_dict(
 def owner_dict(
     holder: Holder, discovery: Discovery, loaded: LoadedConfig, unowned: dict[Any, Seen]
 ) -> dict[str, Any]:
-    """What owns the holder (core/owners: `gpugate sweep`'s kinds) and, where it is nobody's
+    """What owns the holder (core/roles: `gpugate sweep`'s kinds) and, where it is nobody's
     and a sweep has seen it so, for how many seconds."""
     owner = owner_of(holder, discovery, loaded.config)
     seen = unowned.get(holder.info.ident) if owner is Owner.NOBODY else None
