@@ -1,14 +1,6 @@
-"""Containers: which runtime and container a cgroup belongs to, its name, and its own stop.
-
-Docker (systemd cgroup driver) puts a container's processes in
-`/system.slice/docker-ID.scope` (under Kubernetes, `/kubepods.slice/.../docker-ID.scope`),
-podman in `/machine.slice/libpod-ID.scope` (runc) or `.../libpod-ID.scope/container` (crun).
-A scope counts only as the system unit of the cgroup (only slices above it, the first the
-runtime's own parent): a scope of that name elsewhere (an account's own `systemd-run --user
---scope`, a rootless podman's) is no container of the runtimes gpugate asks. The name comes from
-the runtime's CLI (`docker inspect`), one bounded call per runtime; where the CLI is missing or
-slow the container is shown by its id alone.
-"""
+"""Docker and podman containers: which container a cgroup belongs to (a `docker-ID.scope` or
+`libpod-ID.scope` directly under the runtime's slices), a container's own cgroup for its OCI
+hook, its name from the runtime's CLI (one bounded call per runtime), and its stop."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The only module that talks to NVIDIA's driver (through pynvml), and the MIG capability
-devices under /proc/driver/nvidia. Everything else sees `Gpu` and `GpuUsage` through the
-`GpuDriver` protocol: tests inject a driver, production uses `NvmlDriver`."""
+"""The only module that talks to NVIDIA's driver (pynvml), and the MIG capability devices
+under /proc/driver/nvidia. Everything else sees `Gpu` and `GpuUsage` through `GpuDriver`."""
 
 from __future__ import annotations
 

@@ -1,15 +1,7 @@
-"""An OCI runtime hook's input: the container's state on stdin and its bundle's config.json,
-a CRI container's pod, and whether the hook runs as the host's root.
-
-Both come from the runtime, but what is in them comes from whoever made the container
-(its environment, its annotations, its name): read bounded in size and time, parsed without
-trusting a field's type, and never more than facts. This module is the hook's fast path
-(`gpugate oci-hook` for a container without GPUs ends here), so it imports only the standard
-library and `gpugate.errors`.
-
-The container's GPUs (docs/containers.md) are what it can reach, by device number:
-host/oci_gpus.py.
-"""
+"""An OCI runtime hook's input: the container's state on stdin, its bundle's config.json, a CRI
+container's pod, and whether the hook runs as the host's root. What is in them comes from
+whoever made the container: read bounded in size and time, never trusting a field's type. The
+hook's fast path: standard library and `gpugate.errors` only."""
 
 from __future__ import annotations
 

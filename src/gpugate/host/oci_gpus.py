@@ -1,25 +1,8 @@
-"""Which GPUs a container's spec lets it reach (docs/containers.md, "The container's GPUs").
-
-A GPU is a device number, major 195 and a minor NVML names, never a path or a name the
-container's creator chose:
-- every `linux.devices` entry of type c (or u) with major 195, whatever its `path` inside;
-  an entry without major and minor is the host node at its path (lstat: a symbolic link there
-  is refused, not followed);
-- every bind mount whose source on the host is such a node (a link as source is followed, as
-  the mount follows it), or a folder of the host's /dev filesystem (its nodes, one level), or
-  a folder /dev lies in (`/`: every node in /dev);
-- where NVIDIA's prestart hook is in the spec (it injects devices after gpugate has read the
-  spec), what that hook itself reads (NVIDIA/nvidia-container-toolkit,
-  internal/config/image/cuda_image.go `VisibleDevices`): the volume-mounts list where its
-  config accepts it, else NVIDIA_VISIBLE_DEVICES where the container is privileged (CAP_SYS_ADMIN
-  in process.capabilities.bounding, internal/config/image/privileged.go) or its config accepts
-  the variable when unprivileged;
-- CDI's `cdi.k8s.io/*` annotations of kind nvidia.com/gpu (the engine or NVIDIA's runtime in
-  CDI mode injects them).
-195:254 (nvidia-modeset) and 195:255 (nvidiactl) are no GPU; nvidia-uvm and nvidia-caps have
-majors of their own (dynamic) and are no GPU by themselves. Standard library only (the hook's
-fast path); NVIDIA's config file is read only for a spec with NVIDIA's hook (read_toolkit).
-"""
+"""Which GPUs a container's spec lets it reach (docs/containers.md, "The container's GPUs"), by
+device number (major 195), never by a path or name the container's creator chose: its
+linux.devices, bind mounts of NVIDIA nodes or of folders holding them, what NVIDIA's prestart
+hook will read (volume mounts or NVIDIA_VISIBLE_DEVICES), and CDI annotations. Standard
+library only (the hook's fast path)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
 """One process's facts from /proc, pinned by (pid, start time), None for a process that
-vanished mid-read. Read by hand, under any proc root: psutil's one knob for another root, the
-module-global psutil.PROCFS_PATH, would change it for the whole process, and psutil has no API
-for the session, process group, cgroup, wchan or the kernel's children lists.
-"""
+vanished mid-read. Read by hand under any proc root: psutil's PROCFS_PATH is process-global,
+and psutil has no session, process group, cgroup, wchan or children lists."""
 
 from __future__ import annotations
 

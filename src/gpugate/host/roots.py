@@ -1,19 +1,7 @@
-"""Where gpugate looks: the roots of /dev, /proc and the cgroup tree, whether to ask systemd,
-and which cgroup tree the host tracks units in.
-
-Production uses the real roots. Tests point them at stand-ins with an injected `HostRoots`, or,
-for gpugate run as a command, the hidden `--host-roots dev=DIR,proc=DIR,cgroup=DIR` option,
-which the unit drop-in never carries. Never from the environment: the hooks run as root with
-the unit's environment, and a root chosen there would choose what root kills.
-
-systemd mounts one of three cgroup layouts (systemd.unified_cgroup_hierarchy=):
-- unified: cgroup2 at /sys/fs/cgroup (Debian 11+, Ubuntu 21.10+, RHEL 9);
-- hybrid: v1 controllers under a tmpfs at /sys/fs/cgroup, and cgroup2 at /sys/fs/cgroup/unified,
-  the tree systemd tracks every unit's processes in (Ubuntu 20.04, Debian 10): the same unit
-  paths, `0::` lines of /proc/PID/cgroup name them;
-- legacy: v1 only (RHEL 8): no tree where a process's `0::` line says which unit it is in.
-gpugate works from the unified tree of the first two and refuses the third before it kills.
-"""
+"""Where gpugate looks: the roots of /dev, /proc and the cgroup tree (tests: the hidden
+`--host-roots`, never the environment, which the unit sets), and the cgroup tree systemd tracks
+units in: cgroup2 at /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified (hybrid); a v1-only
+host (legacy) is refused before anything is killed."""
 
 from __future__ import annotations
 

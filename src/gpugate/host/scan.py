@@ -93,7 +93,7 @@ def scan_device_users(
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: the shm files alone), or an fd on one of the sockets named by inode, and every
     process's files in the shm areas, from the same fd links and maps. pids: only these
-    processes (`WatchScan`'s rescans). One thread: two were slower (the GIL; docs/benchmarks.md).
+    processes (`WatchScan`'s rescans).
 
     psutil's open_files() skips device files, so this reads /proc/PID/fd links itself, each
     name relative to a directory fd. A thread group whose leader exited (pthread_exit in main)
@@ -117,12 +117,6 @@ def scan_device_users(
         return _scan_part(proc_fd, names, wanted)
     finally:
         os.close(proc_fd)
-
-
-def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> None:
-    if shm:
-        holder = read_credentials(proc_fd, name)
-        scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
 
 
 def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
@@ -150,7 +144,9 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
                 frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
             )
         shm = fds.shm + _mapped_shm(maps, wanted.shm_areas) if wanted.shm_areas else fds.shm
-        _note_shm(scan, proc_fd, name, shm)
+        if shm:
+            holder = read_credentials(proc_fd, name)
+            scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
     return scan
 
 
@@ -201,7 +197,9 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
                 if inode in socket_inodes:
                     found.sockets.add(inode)
             elif shm_prefixes and target.startswith(shm_prefixes):
-                _add_shm(found, (proc_fd, pid_name), (dir_fd, fd_name), target, wanted.shm_areas)
+                found.shm += _fd_shm_file(
+                    proc_fd, pid_name, dir_fd, fd_name, target, wanted.shm_areas
+                )
     except OSError:
         pass
     finally:
@@ -220,39 +218,24 @@ def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
             yield entry.name
 
 
-def _add_shm(
-    found: _Fds,
-    where: tuple[int, str],
-    fd: tuple[int, str],
-    target: str,
-    shm_areas: Sequence[ShmArea],
-) -> None:
-    """where: /proc's fd and the process's folder; fd: its fd folder's fd and the name."""
-    area = area_of(shm_areas, target)
-    shm = None if area is None else _fd_shm_file(*fd, target, area)
-    if shm is not None:
-        found.shm.append(replace(shm, opened=_opens_file(*where, fd[1])))
-
-
-def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
-    try:
-        return fd_opens_file(
-            read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096).decode("ascii", "replace")
-        )
-    except OSError:
-        return False  # closed since: no evidence
-
-
-def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:
-    """The file behind the fd link (stat follows it, also once unlinked); None on another
+def _fd_shm_file(
+    proc_fd: int, pid_name: str, dir_fd: int, fd_name: str, target: str, areas: Sequence[ShmArea]
+) -> list[ShmFile]:
+    """The file behind the fd link (stat follows it, also once unlinked); none on another
     device: another mount namespace's /dev/shm (a container's) shows the same names."""
+    area = area_of(areas, target)
     try:
         info = os.stat(fd_name, dir_fd=dir_fd)
     except OSError:
-        return None  # closed since the readlink
-    if info.st_dev != area.dev or not stat.S_ISREG(info.st_mode):
-        return None  # (a folder or FIFO open there is no segment)
-    return ShmFile(ShmKey(info.st_dev, info.st_ino), (target,))
+        return []  # closed since the readlink
+    if area is None or info.st_dev != area.dev or not stat.S_ISREG(info.st_mode):
+        return []  # (a folder or FIFO open there is no segment)
+    try:
+        fdinfo = read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096)
+        opened = fd_opens_file(fdinfo.decode("ascii", "replace"))
+    except OSError:
+        opened = False  # closed since: no evidence
+    return [ShmFile(ShmKey(info.st_dev, info.st_ino), (target,), opened)]
 
 
 def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
@@ -365,20 +348,13 @@ class HostShm:
         return largest_files(self.areas, count)
 
 
-# `status --watch`: each look rescans what can have changed (the processes new since the last
-# look, the holders it knows, the PIDs NVML lists now), and a full scan every FULL_SCAN_EVERY_S
-# finds the rest. A process that was there, held nothing and is not listed by NVML is trusted
-# to hold nothing still: one that opens a device file later without a CUDA context (a watcher
-# starting to poll) shows at the next full scan; one with a context is listed by NVML at once.
-# A new socket inode or shm area asked for makes the look a full one; a process the last look's
-# deadline left unread is read again. A PID reused between two looks is read as the process it
-# was until the next full scan.
 FULL_SCAN_EVERY_S = 30.0
 
 
 class WatchScan:
-    """A scan that remembers its last look; called as `scan_device_users`, plus the PIDs NVML
-    lists now."""
+    """`status --watch`'s scan: each look rescans the processes new since the last, the
+    holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
+    what is asked changes) finds a process that opened a device file without a CUDA context."""
 
     def __init__(
         self,

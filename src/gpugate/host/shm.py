@@ -1,18 +1,7 @@
-"""POSIX shared memory on the host: where it lives (/dev/shm, and /run/shm where that is a
-mount of its own), which file a process's fd or mapping names, how big a file is, and removing
-one file only while it is still the very file that was seen (device and inode).
-
-Files are identified by (device, inode), never by name alone: a container's /dev/shm is another
-tmpfs whose files show the same names in its processes' fd links and maps, a file replaced
-under the same name is another inode, and a name in /proc/PID/maps is escaped ("\012" for a
-newline) and may end in " (deleted)". Nothing here decides which files go; that is
-`core.shm_cleanup`.
-
-A unit's own /dev/shm (TemporaryFileSystem=/dev/shm) is read through one of its processes
-(`/proc/PID/root/dev/shm`): systemd gives every process it starts for the unit, `+` hooks
-included, a mount namespace with a fresh tmpfs there, so a hook never sees the unit's files at
-its own /dev/shm. The walk from that root follows no symlink (the process may have made one).
-"""
+"""POSIX shared memory on the host: its areas (/dev/shm, /run/shm), the files processes hold
+there, known by (device, inode), never by name alone (a container's /dev/shm shows the same
+names), and removing a file only while it is still the very inode that was seen. A unit's own
+/dev/shm (TemporaryFileSystem=) is read through one of its processes' /proc/PID/root."""
 
 from __future__ import annotations
 

@@ -1,13 +1,6 @@
 """systemd units: names, the cgroup each one owns, which unit a cgroup belongs to, a unit's
-environment, and what a unit sets itself (for `gpugate install`).
-
-What a unit sets itself: its timeouts, NotifyAccess= and a /dev/shm of its own, read from its
-files without gpugate's own drop-in, so that the drop-in adds only what the unit leaves unset.
-The text read is what `systemctl cat UNIT` shows (each file after a `# PATH` line, in the order
-systemd applies them); where systemd does not run or answer, the same text is made from the
-unit folders. Not `systemctl show`: its effective values cannot tell a unit's own
-`TimeoutStopSec=90` from systemd's default, and include gpugate's last drop-in.
-"""
+environment, and what a unit sets itself, read from `systemctl cat` (or its unit folders)
+without gpugate's own drop-in: `systemctl show` cannot tell a unit's own value from a default."""
 
 from __future__ import annotations
 
