@@ -24,9 +24,11 @@ from gpugate.core.run import RunScope
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
+    NVIDIA_MAJOR,
     ContainerSpec,
     ContainerState,
     GpuRequest,
+    OciInputError,
     PodName,
     bounded,
     cgroup_of_spec,
@@ -34,7 +36,6 @@ from gpugate.host.oci import (
     pod_name,
     runtime_name,
 )
-from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
 from gpugate.host.procfs import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config

@@ -435,7 +435,7 @@ def container_label(
     return f"{runtime} container {short}"
 
 
-# Why NVIDIA's config defaults stood in for its file (host/oci_gpus.py's codes).
+# Why NVIDIA's config defaults stood in for its file (host/oci.py's codes).
 TOOLKIT_NOTES = {
     "untrusted": "another account than root may change it",
     "unreadable": "not a regular file of at most 1 MiB of TOML",
