@@ -620,12 +620,9 @@ def _json_object(raw: bytes, source: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        detail = _first_line(exc)
-        raise OciInputError(
-            f"{shown(source, FILE)}: not JSON ({detail})"
-            if detail
-            else f"{shown(source, FILE)}: not JSON"
-        ) from None
+        detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+        said = f" ({detail})" if detail else ""
+        raise OciInputError(f"{shown(source, FILE)}: not JSON{said}") from None
     if not isinstance(data, dict):
         raise OciInputError(f"{shown(source, FILE)}: not a JSON object")
     return data
@@ -639,10 +636,6 @@ def _string_map(value: object) -> dict[str, str]:
         for k, v in list(value.items())[:1024]
         if isinstance(v, str)
     }
-
-
-def _first_line(exc: Exception) -> str:
-    return str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
 
 
 # A CRI container as Kubernetes names it, and its pod's sandbox, from the annotations its

@@ -12,6 +12,7 @@ import stat
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 from gpugate.host.roots import mount_table
@@ -462,7 +463,9 @@ def own_shm(proc_root: Path, pid: int, host_devs: Collection[int]) -> OwnShm | N
         if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
             return None
         vfs = os.fstatvfs(fds[-1])
-        files = _count_files(fds[-1])
+        with os.scandir(fds[-1]) as entries:
+            found = (entry for entry in entries if entry.is_file(follow_symlinks=False))
+            files = len(list(islice(found, MAX_ENTRIES)))
     except OSError:
         return None
     finally:
@@ -472,25 +475,11 @@ def own_shm(proc_root: Path, pid: int, host_devs: Collection[int]) -> OwnShm | N
     return OwnShm(pid, info.st_dev, vfs.f_blocks * vfs.f_frsize, used, files)
 
 
-def _count_files(fd: int) -> int:
-    count = 0
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            if entry.is_file(follow_symlinks=False):
-                count += 1
-                if count >= MAX_ENTRIES:
-                    break
-    return count
-
-
 def own_shm_of_any(
     proc_root: Path, pids: Collection[int], host_devs: Collection[int]
 ) -> OwnShm | None:
-    for pid in sorted(pids):
-        found = own_shm(proc_root, pid, host_devs)
-        if found is not None:
-            return found
-    return None
+    found = (own_shm(proc_root, pid, host_devs) for pid in sorted(pids))
+    return next((shm for shm in found if shm is not None), None)
 
 
 def is_own_tmpfs(path: str, host_devs: Collection[int]) -> bool:

@@ -350,28 +350,27 @@ class UnitSettings:
     stop_timeout: Setting | None = None  # TimeoutStopSec= or TimeoutSec=
     notify_access: Setting | None = None
     own_shm: Setting | None = None  # a TemporaryFileSystem= entry on /dev/shm
-    read_from: tuple[str, ...] = field(default=())  # the files read
+
+
+# Which of UnitSettings' fields each key sets.
+SETTING_FIELDS = {
+    "TimeoutStartSec": ("start_timeout",),
+    "TimeoutStopSec": ("stop_timeout",),
+    "TimeoutSec": ("start_timeout", "stop_timeout"),
+    "NotifyAccess": ("notify_access",),
+}
 
 
 def parse_unit_settings(text: str, own_dropin: str = OWN_DROPIN) -> UnitSettings:
     """The settings in `systemctl cat` text. Later assignments win, an empty one resets;
     gpugate's own drop-in (own_dropin in a `.d` folder) is left out."""
-    start: Setting | None = None
-    stop: Setting | None = None
-    notify: Setting | None = None
-    shm: Setting | None = None
-    files: list[str] = []
-    for path, key, value in _assignments(text, own_dropin, files):
-        found = Setting(key, value, path) if value else None
-        if key in ("TimeoutStartSec", "TimeoutSec"):
-            start = found
-        if key in ("TimeoutStopSec", "TimeoutSec"):
-            stop = found
-        if key == "NotifyAccess":
-            notify = found
+    found: dict[str, Setting | None] = {}
+    for path, key, value in _assignments(text, own_dropin):
+        for name in SETTING_FIELDS.get(key, ()):
+            found[name] = Setting(key, value, path) if value else None
         if key == "TemporaryFileSystem":
-            shm = _shm_entry(value, path, shm)
-    return UnitSettings(start, stop, notify, shm, tuple(files))
+            found["own_shm"] = _shm_entry(value, path, found.get("own_shm"))
+    return UnitSettings(**found)
 
 
 def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
@@ -385,7 +384,7 @@ def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
     return before
 
 
-def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str, str, str]]:
+def _assignments(text: str, own_dropin: str) -> list[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
     found: list[tuple[str, str, str]] = []
     path, section, skip, pending, previous = "", "", False, "", ""
@@ -395,8 +394,6 @@ def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str
         if header and not pending:  # systemctl cat's file header: after a blank line
             path, section = raw[2:].strip(), ""
             skip = os.path.basename(path) == own_dropin and path.rsplit("/", 2)[-2].endswith(".d")
-            if not skip:
-                files.append(path)
             continue
         line = pending + raw.strip()
         if line.endswith("\\"):
