@@ -11,7 +11,7 @@ from pathlib import Path
 
 from gpugate.errors import GateError
 from gpugate.host.safe_files import Result, find_program, run_program
-from gpugate.host.systemd import cgroup_parts, is_user_cgroup
+from gpugate.host.systemd import cgroup_parts, is_user_cgroup, system_unit_of_cgroup
 
 SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")
 RUNTIMES = {"docker": "docker", "libpod": "podman"}
@@ -113,19 +113,15 @@ def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
 
 
 def container_of_cgroup(cgroup: str | None) -> Container | None:
-    if not cgroup or is_user_cgroup(cgroup):
-        return None
-    parts = cgroup_parts(cgroup)
-    depth = next((n for n, part in enumerate(parts) if not part.endswith(".slice")), len(parts))
-    if depth == 0 or depth == len(parts):
-        return None  # the root, a slice, or a folder PID 1 did not make
-    match = SCOPE.fullmatch(parts[depth])
+    unit = system_unit_of_cgroup(cgroup) if cgroup else None
+    match = SCOPE.fullmatch(unit or "")
+    parts = cgroup_parts(cgroup or "")
     if match is None or parts[0] not in PARENTS[match.group("kind")]:
-        return None
+        return None  # also a scope at the top: none of the runtimes' parents
     return Container(
         runtime=RUNTIMES[match.group("kind")],
         id=match.group("id"),
-        scope="/" + "/".join(parts[: depth + 1]),
+        scope="/" + "/".join(parts[: parts.index(match.group(0)) + 1]),
     )
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import GateError, UnknownUnit
+from gpugate.host.procfs import parse_cgroup
 from gpugate.host.safe_files import find_program, read_capped, run_program
 from gpugate.untrusted import CGROUP, FILE, echo, shown
 
@@ -100,12 +101,8 @@ def own_unit(proc_root: Path = Path("/proc")) -> str | None:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            unit = system_unit_of_cgroup(line[3:])
-            if unit and unit.endswith(".service"):
-                return unit
-    return None
+    unit = system_unit_of_cgroup(parse_cgroup(text) or "/")
+    return unit if unit and unit.endswith(".service") else None
 
 
 def systemd_running() -> bool:
