@@ -249,13 +249,6 @@ def has_nvidia_hook(hooks: object) -> bool:
     return False
 
 
-def privileged(process: object) -> bool:
-    """NVIDIA's test: CAP_SYS_ADMIN in the bounding set."""
-    caps = process.get("capabilities") if isinstance(process, dict) else None
-    bounding = caps.get("bounding") if isinstance(caps, dict) else None
-    return isinstance(bounding, list) and "CAP_SYS_ADMIN" in bounding
-
-
 def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> None:
     """What NVIDIA's hook reads, by its precedence: the volume-mounts list (where its config
     accepts it and the list is not empty), else the variable (privileged, or accepted)."""
@@ -270,7 +263,10 @@ def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> Non
                     reach.ref(_gpu_word(word, origin), origin)
             return
     process = spec.get("process")
-    if not toolkit.envvar_unprivileged and not privileged(process):
+    caps = process.get("capabilities") if isinstance(process, dict) else None
+    bounding = caps.get("bounding") if isinstance(caps, dict) else None
+    privileged = isinstance(bounding, list) and "CAP_SYS_ADMIN" in bounding  # NVIDIA's test
+    if not toolkit.envvar_unprivileged and not privileged:
         return
     env = process.get("env") if isinstance(process, dict) else None
     for word in visible_words(env):

@@ -74,7 +74,6 @@ NO_DEADLINE = Deadline()
 @dataclass(frozen=True)
 class _Wanted:
     prefix: str | None
-    prefix_bytes: bytes | None
     socket_inodes: Collection[int]
     shm_areas: Sequence[ShmArea]
     shm_prefixes: tuple[str, ...]
@@ -102,7 +101,6 @@ def scan_device_users(
     """
     wanted = _Wanted(
         device_prefix or None,
-        device_prefix.encode() if device_prefix else None,
         socket_inodes,
         shm_areas,
         tuple(area.path.rstrip("/") + "/" for area in shm_areas),
@@ -138,7 +136,7 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
             scan.unreadable.append(int(name))
             continue
         scan.cut_short.extend([int(name)] if fds.cut_short else [])
-        mapped = _mapped_paths(maps, wanted.prefix_bytes)
+        mapped = _mapped_paths(maps, wanted.prefix)
         if fds.paths or fds.sockets or mapped:
             scan.users[int(name)] = DeviceUse(
                 frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
@@ -262,12 +260,12 @@ def _names_under(data: bytes, prefix: bytes) -> Iterator[tuple[int, int, int]]:
         start = data.find(prefix, line_end)
 
 
-def _mapped_paths(data: bytes, prefix: bytes | None) -> set[str]:
+def _mapped_paths(data: bytes, prefix: str | None) -> set[str]:
     if not prefix:
         return set()
     return {
         data[start:end].decode(errors="replace").removesuffix(" (deleted)")
-        for _, start, end in _names_under(data, prefix)
+        for _, start, end in _names_under(data, prefix.encode())
     }
 
 
