@@ -51,30 +51,6 @@ class Toolkit:
     note: str = ""  # why the defaults stand in for the file, where they do
 
 
-@dataclass
-class Reach:
-    """What a spec reaches: device minors of major 195, NVIDIA indices/UUIDs, all."""
-
-    minors: list[int] = field(default_factory=list)
-    refs: list[str] = field(default_factory=list)
-    all_gpus: bool = False
-    origins: list[str] = field(default_factory=list)
-
-    def minor(self, minor: int, origin: str) -> None:
-        if minor not in self.minors:
-            self.minors.append(minor)
-        if origin not in self.origins:
-            self.origins.append(origin)
-
-    def ref(self, ref: str, origin: str) -> None:
-        if ref == "all":
-            self.all_gpus = True
-        elif ref not in self.refs:
-            self.refs.append(ref)
-        if origin not in self.origins:
-            self.origins.append(origin)
-
-
 def device_number(major: object, minor: object) -> tuple[int, int] | None:
     if not _is_int(major) or not _is_int(minor):
         return None
@@ -95,7 +71,7 @@ def node_number(info: os.stat_result) -> tuple[int, int] | None:
     return os.major(info.st_rdev), os.minor(info.st_rdev)
 
 
-def devices_reach(devices: object, reach: Reach) -> None:
+def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
     """linux.devices: each entry's own major and minor, else its host node's (lstat)."""
     for entry in devices if isinstance(devices, list) else ():
         if not isinstance(entry, dict) or entry.get("type", "c") not in ("c", "u"):
@@ -105,7 +81,7 @@ def devices_reach(devices: object, reach: Reach) -> None:
         if number is None and isinstance(path, str) and path.startswith("/") and "\0" not in path:
             number = _lstat_number(path)
         if is_gpu_number(number):
-            reach.minor(number[1], "linux.devices")  # type: ignore[index]
+            found.append((number[1], "linux.devices"))  # type: ignore[index]
 
 
 def _lstat_number(path: str) -> tuple[int, int] | None:
@@ -121,7 +97,7 @@ def _lstat_number(path: str) -> tuple[int, int] | None:
     return node_number(info)
 
 
-def mounts_reach(mounts: object, reach: Reach) -> None:
+def mounts_reach(mounts: object, found: list[tuple[int | str, str]]) -> None:
     """Bind mounts whose source is an NVIDIA device node (or a folder holding some)."""
     for entry in mounts if isinstance(mounts, list) else ():
         if not isinstance(entry, dict) or not _is_bind(entry):
@@ -130,7 +106,7 @@ def mounts_reach(mounts: object, reach: Reach) -> None:
         if not isinstance(source, str) or not source.startswith("/") or "\0" in source:
             continue
         for minor in _source_minors(source):
-            reach.minor(minor, "mounts")
+            found.append((minor, "mounts"))
 
 
 def _is_bind(entry: dict[object, object]) -> bool:
@@ -189,7 +165,7 @@ def _folder_minors(folder: str) -> list[int]:
     return sorted(found)
 
 
-def cdi_reach(annotations: object, reach: Reach) -> None:
+def cdi_reach(annotations: object, found: list[tuple[int | str, str]]) -> None:
     """`cdi.k8s.io/*` annotations: comma-separated fully-qualified CDI device names; those
     of kind nvidia.com/gpu name GPUs (an index, a UUID, all), others no GPU."""
     if not isinstance(annotations, dict):
@@ -205,10 +181,10 @@ def cdi_reach(annotations: object, reach: Reach) -> None:
             )
         for name in (part.strip() for part in value.split(",")):
             if name:
-                _cdi_name(name, origin, reach)
+                _cdi_name(name, origin, found)
 
 
-def _cdi_name(name: str, origin: str, reach: Reach) -> None:
+def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> None:
     if not CDI_NAME.fullmatch(name):
         raise OciInputError(
             f"config.json: {echo(origin)}: {echo(name[:128])} is not a CDI device name "
@@ -216,7 +192,7 @@ def _cdi_name(name: str, origin: str, reach: Reach) -> None:
         )
     kind, _, device = name.partition("=")
     if kind == CDI_GPU_KIND:
-        reach.ref(_gpu_word(device, origin), origin)
+        found.append((_gpu_word(device, origin), origin))
 
 
 def _gpu_word(word: str, origin: str) -> str:
@@ -249,7 +225,9 @@ def has_nvidia_hook(hooks: object) -> bool:
     return False
 
 
-def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> None:
+def nvidia_reach(
+    spec: dict[str, object], toolkit: Toolkit, found: list[tuple[int | str, str]]
+) -> None:
     """What NVIDIA's hook reads, by its precedence: the volume-mounts list (where its config
     accepts it and the list is not empty), else the variable (privileged, or accepted)."""
     if toolkit.volume_mounts:
@@ -258,9 +236,9 @@ def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> Non
             origin = "volume-mounts " + DEVICE_LIST_ROOT
             for word in listed:
                 if word.startswith("cdi/"):
-                    _cdi_name(_cdi_mount_name(word[len("cdi/") :]), origin, reach)
+                    _cdi_name(_cdi_mount_name(word[len("cdi/") :]), origin, found)
                 else:
-                    reach.ref(_gpu_word(word, origin), origin)
+                    found.append((_gpu_word(word, origin), origin))
             return
     process = spec.get("process")
     caps = process.get("capabilities") if isinstance(process, dict) else None
@@ -270,7 +248,7 @@ def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, reach: Reach) -> Non
         return
     env = process.get("env") if isinstance(process, dict) else None
     for word in visible_words(env):
-        reach.ref(_gpu_word(word, VISIBLE), VISIBLE)
+        found.append((_gpu_word(word, VISIBLE), VISIBLE))
 
 
 def volume_mount_devices(mounts: object) -> list[str]:
@@ -536,24 +514,25 @@ def parse_config(
 
 
 def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) -> GpuRequest:
-    """A parsed config.json's GPUs (host/oci_gpus.py, docs/containers.md). toolkit: NVIDIA's
+    """A parsed config.json's GPUs (docs/containers.md). toolkit: NVIDIA's
     config as read (tests); by default read from /etc only for a spec with NVIDIA's hook."""
-    reach = Reach()
+    found: list[tuple[int | str, str]] = []  # (a minor, or an index, UUID or all; its origin)
     linux = spec.get("linux")
-    devices_reach(linux.get("devices") if isinstance(linux, dict) else None, reach)
-    mounts_reach(spec.get("mounts"), reach)
-    cdi_reach(spec.get("annotations"), reach)
+    devices_reach(linux.get("devices") if isinstance(linux, dict) else None, found)
+    mounts_reach(spec.get("mounts"), found)
+    cdi_reach(spec.get("annotations"), found)
     note = ""
     if has_nvidia_hook(spec.get("hooks")):
         if toolkit is None:
             toolkit = read_toolkit()
         note = toolkit.note
-        nvidia_reach(spec, toolkit, reach)
+        nvidia_reach(spec, toolkit, found)
+    values = list(dict.fromkeys(value for value, _ in found))
     return GpuRequest(
-        minors=tuple(reach.minors),
-        refs=tuple(reach.refs),
-        all_gpus=reach.all_gpus,
-        origins=tuple(reach.origins),
+        minors=tuple(value for value in values if isinstance(value, int)),
+        refs=tuple(value for value in values if isinstance(value, str) and value != "all"),
+        all_gpus="all" in values,
+        origins=tuple(dict.fromkeys(origin for _, origin in found)),
         note=note,
     )
 
