@@ -31,12 +31,13 @@ from gpugate.host.nvml import (
     mig_parent,
     slice_of_cap_minor,
 )
-from gpugate.host.procfs import ProcFs, ProcInfo
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import (
     NO_DEADLINE,
     Deadline,
     DeviceScan,
+    ProcFs,
+    ProcInfo,
     listening_sockets,
     scan_device_users,
 )

@@ -326,7 +326,7 @@ def refuse_other_accounts(
     run (exit 22), as the unit's pre would (`--for-uid`); nothing is started or killed."""
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
-    from gpugate.host.procfs import ProcFs  # noqa: PLC0415
+    from gpugate.host.scan import ProcFs  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
     procfs = ProcFs(roots.proc)

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import GateError, UnknownUnit
-from gpugate.host.procfs import parse_cgroup
 from gpugate.host.safe_files import find_program, read_capped, run_program
 from gpugate.untrusted import CGROUP, FILE, echo, shown
 
@@ -65,6 +64,14 @@ def validate_unit_name(name: str) -> str:
 
 def cgroup_parts(cgroup: str) -> list[str]:
     return [part for part in cgroup.split("/") if part]
+
+
+def parse_cgroup(text: str) -> str | None:
+    """The cgroup v2 path of a /proc/PID/cgroup text (its `0::` line)."""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].removesuffix(" (deleted)")
+    return None
 
 
 def unit_of_cgroup(cgroup: str) -> str | None:

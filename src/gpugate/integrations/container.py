@@ -36,7 +36,7 @@ from gpugate.host.oci import (
     pod_name,
     runtime_name,
 )
-from gpugate.host.procfs import ProcFs
+from gpugate.host.scan import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
