@@ -69,16 +69,19 @@ def trusted_uids() -> frozenset[int]:
     return frozenset({0, os.geteuid()})
 
 
+# What is not a regular file: its test, its name (NotRegularFile.kind) and in words.
+KINDS = (
+    (stat.S_ISFIFO, "fifo", "a FIFO"),
+    (stat.S_ISSOCK, "socket", "a socket"),
+    (stat.S_ISCHR, "character-device", "a character device"),
+    (stat.S_ISBLK, "block-device", "a block device"),
+    (stat.S_ISDIR, "folder", "a folder"),
+    (stat.S_ISLNK, "symlink", "a symbolic link"),
+)
+
+
 def kind_of(mode: int) -> str:
-    kinds = (
-        (stat.S_ISFIFO, "fifo"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character-device"),
-        (stat.S_ISBLK, "block-device"),
-        (stat.S_ISDIR, "folder"),
-        (stat.S_ISLNK, "symlink"),
-    )
-    return next((name for test, name in kinds if test(mode)), "regular")
+    return next((name for test, name, _ in KINDS if test(mode)), "regular")
 
 
 def _judge(
@@ -381,14 +384,6 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
 
 # What root will not read or follow, in words (docs/hardening.md, rules 2 and 6).
 RULE = "docs/hardening.md, rule 2"
-KINDS = {
-    "fifo": "a FIFO",
-    "socket": "a socket",
-    "character-device": "a character device",
-    "block-device": "a block device",
-    "folder": "a folder",
-    "symlink": "a symbolic link",
-}
 
 
 def account(uid: int | None) -> str:
@@ -448,7 +443,8 @@ def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
 
 def unreadable(exc: OSError) -> str:
     if isinstance(exc, NotRegularFile):
-        return f"refused: {KINDS.get(exc.kind, exc.kind)}, not a regular file; not read"
+        words = next((words for _, name, words in KINDS if name == exc.kind), exc.kind)
+        return f"refused: {words}, not a regular file; not read"
     if isinstance(exc, TooLarge):
         return f"refused: {exc.size} bytes, more than a config file ({exc.limit}); not read"
     return exc.strerror or str(exc)
