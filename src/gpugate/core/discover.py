@@ -31,7 +31,6 @@ from gpugate.host.nvml import (
     mig_parent,
     slice_of_cap_minor,
 )
-from gpugate.host.roots import HostRoots
 from gpugate.host.scan import (
     NO_DEADLINE,
     Deadline,
@@ -42,6 +41,7 @@ from gpugate.host.scan import (
     scan_device_users,
 )
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
+from gpugate.host.systemd import HostRoots
 from gpugate.untrusted import echo
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gpugate.host.nvml import GpuDriver
-    from gpugate.host.roots import HostRoots
+    from gpugate.host.systemd import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
 ACTING = ("createRuntime", "prestart", "poststop")

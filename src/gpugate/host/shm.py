@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 
-from gpugate.host.roots import mount_table
 from gpugate.host.safe_files import read_at
+from gpugate.host.systemd import mount_table
 
 DELETED_SUFFIX = " (deleted)"
 RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
