@@ -14,7 +14,6 @@ from gpugate.host.safe_files import Result, find_program, run_program
 from gpugate.host.systemd import cgroup_parts, is_user_cgroup, system_unit_of_cgroup
 
 SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")
-RUNTIMES = {"docker": "docker", "libpod": "podman"}
 # The top slice each runtime puts its scopes under (its default cgroup parent, and kubelet's).
 PARENTS = {"docker": ("system.slice", "kubepods.slice"), "libpod": ("machine.slice",)}
 SCOPE_GLOBS = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
@@ -119,7 +118,7 @@ def container_of_cgroup(cgroup: str | None) -> Container | None:
     if match is None or parts[0] not in PARENTS[match.group("kind")]:
         return None  # also a scope at the top: none of the runtimes' parents
     return Container(
-        runtime=RUNTIMES[match.group("kind")],
+        runtime=OWN_RUNTIMES[match.group("kind")],
         id=match.group("id"),
         scope="/" + "/".join(parts[: parts.index(match.group(0)) + 1]),
     )

@@ -555,24 +555,20 @@ class WatchScan:
         now = self.clock()
         last = self._last
         if last is None or asked != self._asked or now - self._full_at >= self.full_every_s:
-            scan = scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
+            last, pids, new = None, None, set()
             self._full_at = now
             self.full_scans += 1
         else:
             known = set(last.users) | set(last.shm) | set(last.cut_short)  # (not all read)
-            again = (known | set(listed_by_nvml)) & listed
             new = listed - self._listed
-            scan = scan_device_users(
-                proc_root,
-                device_prefix,
-                socket_inodes,
-                shm_areas,
-                deadline,
-                pids=sorted(again | new),
-            )
+            pids = sorted(((known | set(listed_by_nvml)) & listed) | new)
+            self.rescans += 1
+        scan = scan_device_users(
+            proc_root, device_prefix, socket_inodes, shm_areas, deadline, pids=pids
+        )
+        if last is not None:
             # Still there and not readable then: not readable now (no second try per look).
             kept = [pid for pid in last.unreadable if pid in listed and pid not in new]
             scan.unreadable = sorted({*scan.unreadable, *kept})
-            self.rescans += 1
         self._last, self._asked, self._listed = scan, asked, listed
         return scan
