@@ -38,7 +38,6 @@ from gpugate.host.shm import (
 from gpugate.host.systemd import parse_cgroup
 
 PF_KTHREAD = 0x00200000
-DEFAULT_PROC = Path("/proc")
 
 
 @dataclass(frozen=True, order=True)
@@ -109,7 +108,7 @@ class ProcFs:
     are read once and kept until the block ends: one per discovery round, so a round sees one
     consistent table and the next round, or the kill, sees the processes as they are now."""
 
-    def __init__(self, root: Path = DEFAULT_PROC) -> None:
+    def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = Path(root)
         self._cache: dict[int, ProcInfo | None] | None = None  # set inside oneshot() only
 

@@ -10,7 +10,6 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from contextlib import closing
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
@@ -272,7 +271,7 @@ def facts(
 ) -> FileFacts | None:
     """The file's size and owner, by whichever of its names is this very inode now; None where
     none is (deleted, replaced, or outside every area)."""
-    with closing(_own_names(areas, file, index)) as names:
+    with contextlib.closing(_own_names(areas, file, index)) as names:
         for _, _, found in names:
             return found
     return None
@@ -350,7 +349,7 @@ def unlink_if_same(
     """Remove the name that is this very file (device and inode checked right before, through
     the folder's fd); a name that now holds another file is left alone, and so is one whose
     facts `allowed` refuses, read in the same look. (Of hard links, the first found goes.)"""
-    with closing(_own_names(areas, file, index)) as names:
+    with contextlib.closing(_own_names(areas, file, index)) as names:
         for fd, last, found in names:
             if not allowed(found):
                 return Unlinked(found, refused=True)
