@@ -368,7 +368,7 @@ class GpuRequest:
     refs: tuple[str, ...] = ()  # indices and UUIDs of NVIDIA's lists, as written
     all_gpus: bool = False  # NVIDIA's `all`
     origins: tuple[str, ...] = ()  # where in the spec each came from
-    note: str = ""  # why NVIDIA's config defaults stood in (oci_gpus.read_toolkit's codes)
+    note: str = ""  # why NVIDIA's config defaults stood in (read_toolkit's codes)
     # After the stop (parse_config's lenient): why the request could not be resolved; the
     # container's lease then says which GPUs it had.
     unresolved: OciInputError | None = None
