@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.stage import load_by_path
-from gpugate.host.procfs import ProcFs
+from gpugate.host.scan import ProcFs
 
 RUNS = 7
 

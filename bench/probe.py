@@ -19,9 +19,8 @@ from pathlib import Path
 
 from gpugate.core.discover import GPU_DEVICE, Sought, discover
 from gpugate.host.nvml import NvmlDriver
-from gpugate.host.procfs import ProcFs
-from gpugate.host.roots import HostRoots
-from gpugate.host.scan import scan_device_users
+from gpugate.host.scan import ProcFs, scan_device_users
+from gpugate.host.systemd import HostRoots
 
 UNIT = "bench.service"
 

@@ -25,7 +25,7 @@ from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import GateError
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
-from gpugate.host.roots import HostRoots
+from gpugate.host.systemd import HostRoots
 from gpugate.integrations.unit import UnitContext, unit_surroundings
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter

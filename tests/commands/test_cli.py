@@ -204,10 +204,10 @@ def test_reading_a_config_builds_the_models(tmp_path: Path) -> None:
 
 
 def test_the_hidden_roots_option_is_the_one_host_roots_parses() -> None:
-    from gpugate.front.cli import HOST_ROOTS_OPTION
-    from gpugate.host.roots import OPTION
+    from gpugate.front import cli
+    from gpugate.host import systemd
 
-    assert HOST_ROOTS_OPTION == OPTION
+    assert cli.HOST_ROOTS_OPTION == systemd.HOST_ROOTS_OPTION
 
 
 def _leaf_parsers(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:

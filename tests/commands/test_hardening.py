@@ -21,7 +21,7 @@ from gpugate.errors import ConfigError, ExitCode, LockTimeout, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu, GpuUsage
-from gpugate.host.roots import HostRoots
+from gpugate.host.systemd import HostRoots
 from tests.fake_nvml.build import BuildError, build_fake_nvml
 from tests.fakes import FakeGpuMemory, FakeHost, RecordingJournal, alive, as_nobody
 

@@ -15,8 +15,7 @@ import pytest
 
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import STAGE_PHASES, run_container_hook
-from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
-from gpugate.host.oci_gpus import OciInputError
+from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError, parse_config
 from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter

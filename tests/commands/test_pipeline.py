@@ -14,7 +14,7 @@ import pytest
 from gpugate.core.kill import Pinned
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.host.nvml import Gpu, GpuUsage
-from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.scan import ProcessId, ProcFs
 from tests.fakes import FakeGpuMemory, FakeHost, alive
 
 

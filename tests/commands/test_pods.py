@@ -16,7 +16,7 @@ import pytest
 from gpugate.errors import ExitCode
 from gpugate.front.oci_hook import run_container_hook
 from gpugate.host.oci import ContainerState, PodName, is_sandbox, parse_config, pod_name
-from gpugate.host.procfs import ProcFs
+from gpugate.host.scan import ProcFs
 from gpugate.integrations.container import identify
 from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase

@@ -13,7 +13,7 @@ import pytest
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.host.nvml import mig_key
-from gpugate.host.procfs import ProcFs
+from gpugate.host.scan import ProcFs
 from gpugate.integrations.records import new_lease, write_lease
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost
 

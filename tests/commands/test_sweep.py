@@ -24,7 +24,7 @@ from gpugate.front.install import DEFAULT_GPUGATE, render_service, render_timer
 from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
-from gpugate.host.procfs import ProcessId, ProcInfo
+from gpugate.host.scan import ProcessId, ProcInfo
 from gpugate.integrations.records import (
     MAX_ENTRIES,
     STATE_NAME,

@@ -10,7 +10,7 @@ import pytest
 
 from gpugate.errors import ExitCode, HostUnsupported
 from gpugate.front.cli import main
-from gpugate.host.roots import (
+from gpugate.host.systemd import (
     HYBRID,
     LEGACY,
     UNIFIED,

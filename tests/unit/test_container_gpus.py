@@ -1,5 +1,5 @@
 """A container's GPUs are the NVIDIA devices it can reach, by device number (195:minor),
-never by a path or a name it chose (host/oci_gpus.py, docs/containers.md): linux.devices,
+never by a path or a name it chose (host/oci.py, docs/containers.md): linux.devices,
 bind mounts of device nodes (real nodes made with mknod, as root), NVIDIA's own lists by
 NVIDIA's precedence, CDI annotations; and what gpugate cannot resolve is refused."""
 
@@ -14,16 +14,17 @@ from hypothesis import strategies as st
 
 from gpugate.errors import ExitCode
 from gpugate.front.oci_runtime import with_hooks
-from gpugate.host import oci_gpus
+from gpugate.host import oci
 from gpugate.host.nvml import Gpu
-from gpugate.host.oci import GpuRequest, spec_gpu_request
-from gpugate.host.oci_gpus import (
+from gpugate.host.oci import (
     NOT_BOOLEAN,
     UNREADABLE,
     UNTRUSTED,
+    GpuRequest,
     OciInputError,
     Toolkit,
     read_toolkit,
+    spec_gpu_request,
 )
 from gpugate.integrations.container import gpu_selection
 
@@ -123,7 +124,7 @@ def dev(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     os.mknod(folder / "nvidiactl", 0o666 | 0o020000, os.makedev(195, 255))
     os.mknod(folder / "null", 0o666 | 0o020000, os.makedev(1, 3))
     (folder / "gpu-link").symlink_to(folder / "nvidia2")
-    monkeypatch.setattr(oci_gpus, "HOST_DEV", str(folder))
+    monkeypatch.setattr(oci, "HOST_DEV", str(folder))
     return folder
 
 
@@ -175,7 +176,7 @@ def test_a_folder_elsewhere_on_devs_filesystem_is_read_one_level(dev: Path) -> N
 
 @pytest.mark.root("mknod of a 195:N node")
 def test_a_huge_folder_is_refused(dev: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(oci_gpus, "MAX_FOLDER_ENTRIES", 3)
+    monkeypatch.setattr(oci, "MAX_FOLDER_ENTRIES", 3)
     assert refusal(mounts=[bind(str(dev))])
 
 

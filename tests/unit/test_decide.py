@@ -17,7 +17,7 @@ from gpugate.core.decide import Decision, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role, in_cgroup
 from gpugate.host.nvml import Gpu
-from gpugate.host.procfs import ProcInfo
+from gpugate.host.scan import ProcInfo
 from gpugate.phase import Phase
 
 UNIT_CG = "/system.slice/vllm.service"

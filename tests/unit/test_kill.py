@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from gpugate.core.kill import pin, terminate
-from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.scan import ProcessId, ProcFs
 from tests.fakes import alive, start_time_of
 
 Sleeper = Callable[..., subprocess.Popen[bytes]]
@@ -104,7 +104,7 @@ def test_all_targets_signalled_before_waiting(sleeper: Sleeper) -> None:
 REUSE_SCRIPT = """
 import os, signal, sys, time
 from gpugate.core.kill import pin, terminate
-from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.scan import ProcessId, ProcFs
 
 def start_sleeper() -> int:
     pid = os.fork()

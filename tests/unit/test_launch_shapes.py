@@ -24,7 +24,7 @@ import pytest
 from gpugate.config.schema import GateConfig
 from gpugate.core.discover import Discovery, self_and_ancestors
 from gpugate.core.roles import app_tree
-from gpugate.host.procfs import ProcFs
+from gpugate.host.scan import ProcFs
 
 FAKE_VLLM = Path(__file__).parents[1] / "simhost" / "workload" / "fake_vllm.py"
 PY = sys.executable

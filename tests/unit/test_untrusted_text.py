@@ -32,7 +32,7 @@ from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands.status import as_dict, render_json, render_table
 from gpugate.host.containers import Container, StopResult
-from gpugate.host.procfs import ProcInfo
+from gpugate.host.scan import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
 from gpugate.integrations.unit import refusal
 from gpugate.report.journal import Event, FieldValue, Reporter

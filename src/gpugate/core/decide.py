@@ -10,7 +10,7 @@ from enum import Enum
 from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import ProcessTree, Role, app_tree, stable_role
-from gpugate.host.procfs import ProcessId
+from gpugate.host.scan import ProcessId
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.phase import Phase
 

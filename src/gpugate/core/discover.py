@@ -25,16 +25,17 @@ from gpugate.host.nvml import (
     mig_parent,
     slice_of_cap_minor,
 )
-from gpugate.host.procfs import ProcFs, ProcInfo
-from gpugate.host.roots import HostRoots
 from gpugate.host.scan import (
     NO_DEADLINE,
     Deadline,
     DeviceScan,
+    ProcFs,
+    ProcInfo,
     listening_sockets,
     scan_device_users,
 )
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
+from gpugate.host.systemd import HostRoots
 from gpugate.untrusted import echo
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")

@@ -17,7 +17,7 @@ from typing import Protocol
 from gpugate.core.decide import Choice
 from gpugate.core.roles import ProcessTree
 from gpugate.errors import PermissionDenied
-from gpugate.host.procfs import ProcessId, ProcFs, ProcInfo
+from gpugate.host.scan import ProcessId, ProcFs, ProcInfo
 
 
 class Pinned(Protocol):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from gpugate.compat import StrEnum
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import Gpu
-from gpugate.host.procfs import ProcessId
+from gpugate.host.scan import ProcessId
 
 if TYPE_CHECKING:
     from gpugate.config.file import LoadedConfig

@@ -12,7 +12,7 @@ from typing import Protocol
 from gpugate.compat import StrEnum
 from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.host.procfs import ProcessId, ProcInfo
+from gpugate.host.scan import ProcessId, ProcInfo
 from gpugate.host.systemd import system_unit_of_cgroup
 
 

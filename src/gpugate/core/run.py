@@ -37,11 +37,9 @@ from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailabl
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import MIB, Gpu, GpuDriver, NoGpus, NvmlDriver
-from gpugate.host.procfs import ProcessId, ProcFs
-from gpugate.host.roots import HostRoots
-from gpugate.host.scan import Deadline, HostShm, listening_sockets
+from gpugate.host.scan import Deadline, HostShm, ProcessId, ProcFs, listening_sockets
 from gpugate.host.shm import ShmArea, ShmKey
-from gpugate.host.systemd import unit_of_cgroup
+from gpugate.host.systemd import HostRoots, unit_of_cgroup
 from gpugate.phase import Phase
 
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
     from gpugate.front.commands import Front
     from gpugate.host.nvml import GpuDriver
-    from gpugate.host.roots import CgroupLayout, HostRoots
+    from gpugate.host.systemd import CgroupLayout, HostRoots
     from gpugate.report.journal import ReporterFactory
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 else:
     SubParsers = argparse._SubParsersAction  # not subscriptable at run time
 
-HOST_ROOTS_OPTION = "--host-roots"  # host.roots.OPTION; not imported (its dataclasses), test_cli
+HOST_ROOTS_OPTION = "--host-roots"  # host.systemd.HOST_ROOTS_OPTION; not imported
 
 CONTAINERS_HELP = (
     "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d files, "
@@ -365,7 +365,7 @@ def main(
     args = build_parser(lazy=True).parse_args(argv)
     try:
         from gpugate.front.commands import Front  # noqa: PLC0415
-        from gpugate.host.roots import HostRoots  # noqa: PLC0415
+        from gpugate.host.systemd import HostRoots  # noqa: PLC0415
 
         command: Callable[[argparse.Namespace, Front], int] = args.run
         if args.host_roots is not None:

@@ -25,8 +25,8 @@ from gpugate.core.outcome import RunSummary, Surroundings
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.locks import check_all
-from gpugate.host.roots import HostRoots
 from gpugate.host.shm import find_areas, host_root
+from gpugate.host.systemd import HostRoots
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator

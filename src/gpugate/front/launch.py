@@ -29,11 +29,11 @@ from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenie
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.roots import HostRoots
 from gpugate.host.safe_files import find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     ENV_NAME,
     SYSTEMCTL_TIMEOUT_S,
+    HostRoots,
     active_state,
     query_unit,
     unit_active_state,
@@ -326,7 +326,7 @@ def refuse_other_accounts(
     run (exit 22), as the unit's pre would (`--for-uid`); nothing is started or killed."""
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
-    from gpugate.host.procfs import ProcFs  # noqa: PLC0415
+    from gpugate.host.scan import ProcFs  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
     procfs = ProcFs(roots.proc)

@@ -9,6 +9,7 @@ import sys
 
 from gpugate.errors import ExitCode
 from gpugate.host.oci import (
+    OciInputError,
     is_sandbox,
     not_host_root,
     parse_config,
@@ -16,7 +17,6 @@ from gpugate.host.oci import (
     read_config,
     read_stdin_bounded,
 )
-from gpugate.host.oci_gpus import OciInputError
 
 TYPE_CHECKING = False  # typing's own costs the no-GPU path an import
 if TYPE_CHECKING:
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gpugate.host.nvml import GpuDriver
-    from gpugate.host.roots import HostRoots
+    from gpugate.host.systemd import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
 ACTING = ("createRuntime", "prestart", "poststop")

@@ -16,10 +16,9 @@ from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.oci import ContainerSpec, ContainerState
-from gpugate.host.oci_gpus import OciInputError
-from gpugate.host.procfs import ProcFs
-from gpugate.host.roots import HostRoots, on_units_tree
+from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError
+from gpugate.host.scan import ProcFs
+from gpugate.host.systemd import HostRoots, on_units_tree
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import (
     NOT_STARTED,

@@ -1,6 +1,6 @@
 """`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
 containerd, which run only the hooks in a container's spec. On `create` of a container that
-reaches GPUs (host/oci_gpus.py: the hook's own rule) it adds gpugate's createRuntime and
+reaches GPUs (host/oci.py: the hook's own rule) it adds gpugate's createRuntime and
 poststop hooks to the bundle's config.json; then, for every command, it execs the runtime it
 wraps with all its arguments unchanged, as NVIDIA's nvidia-container-runtime does: runc, or
 NVIDIA's runtime where install recorded it (host/wrapped_runtime.py), each found at fixed
@@ -15,8 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ConfigError, ExitCode
-from gpugate.host.oci import not_host_root, read_config, spec_gpu_request
-from gpugate.host.oci_gpus import OciInputError
+from gpugate.host.oci import OciInputError, not_host_root, read_config, spec_gpu_request
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 from gpugate.report import lines
 

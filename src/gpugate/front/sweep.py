@@ -27,7 +27,7 @@ from gpugate.front.commands import Front
 from gpugate.front.commands.status import collect
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu
-from gpugate.host.procfs import ProcessId, ProcFs
+from gpugate.host.scan import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.metrics import Samples, record_sweep
 from gpugate.integrations.records import (

@@ -1,14 +1,6 @@
-"""Containers: which runtime and container a cgroup belongs to, its name, and its own stop.
-
-Docker (systemd cgroup driver) puts a container's processes in
-`/system.slice/docker-ID.scope` (under Kubernetes, `/kubepods.slice/.../docker-ID.scope`),
-podman in `/machine.slice/libpod-ID.scope` (runc) or `.../libpod-ID.scope/container` (crun).
-A scope counts only as the system unit of the cgroup (only slices above it, the first the
-runtime's own parent): a scope of that name elsewhere (an account's own `systemd-run --user
---scope`, a rootless podman's) is no container of the runtimes gpugate asks. The name comes from
-the runtime's CLI (`docker inspect`), one bounded call per runtime; where the CLI is missing or
-slow the container is shown by its id alone.
-"""
+"""Docker and podman containers: which container a cgroup belongs to (a `docker-ID.scope` or
+`libpod-ID.scope` directly under the runtime's slices), a container's own cgroup for its OCI
+hook, its name from the runtime's CLI (one bounded call per runtime), and its stop."""
 
 from __future__ import annotations
 
@@ -19,10 +11,9 @@ from pathlib import Path
 
 from gpugate.errors import GateError
 from gpugate.host.safe_files import Result, find_program, run_program
-from gpugate.host.systemd import cgroup_parts, is_user_cgroup
+from gpugate.host.systemd import cgroup_parts, is_user_cgroup, system_unit_of_cgroup
 
 SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")
-RUNTIMES = {"docker": "docker", "libpod": "podman"}
 # The top slice each runtime puts its scopes under (its default cgroup parent, and kubelet's).
 PARENTS = {"docker": ("system.slice", "kubepods.slice"), "libpod": ("machine.slice",)}
 SCOPE_GLOBS = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
@@ -121,19 +112,15 @@ def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
 
 
 def container_of_cgroup(cgroup: str | None) -> Container | None:
-    if not cgroup or is_user_cgroup(cgroup):
-        return None
-    parts = cgroup_parts(cgroup)
-    depth = next((n for n, part in enumerate(parts) if not part.endswith(".slice")), len(parts))
-    if depth == 0 or depth == len(parts):
-        return None  # the root, a slice, or a folder PID 1 did not make
-    match = SCOPE.fullmatch(parts[depth])
+    unit = system_unit_of_cgroup(cgroup) if cgroup else None
+    match = SCOPE.fullmatch(unit or "")
+    parts = cgroup_parts(cgroup or "")
     if match is None or parts[0] not in PARENTS[match.group("kind")]:
-        return None
+        return None  # also a scope at the top: none of the runtimes' parents
     return Container(
-        runtime=RUNTIMES[match.group("kind")],
+        runtime=OWN_RUNTIMES[match.group("kind")],
         id=match.group("id"),
-        scope="/" + "/".join(parts[: depth + 1]),
+        scope="/" + "/".join(parts[: parts.index(match.group(0)) + 1]),
     )
 
 

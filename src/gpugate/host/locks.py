@@ -1,12 +1,6 @@
-"""gpugate's state folders and per-GPU locks.
-
-Before a run kills anything, its state folders (locks, leases, failed-start records) are
-probed: a folder that cannot be made, is not a folder, is read-only or full is StateUnwritable
-(exit 73), not a kill followed by a crash; for a phase after a stop (state_required false), a
-warning, and the run goes on. The per-GPU locks under /run/gpugate make two runs on overlapping
-GPUs take turns: flock(2) locks die with their holder, and are taken in UUID order, so two runs
-never wait on each other in a cycle.
-"""
+"""gpugate's state folders and per-GPU locks: folders probed writable before a run kills
+anything (StateUnwritable, exit 73), and flock(2) locks per GPU, taken in UUID order so two
+runs never wait on each other in a cycle; a flock dies with its holder."""
 
 from __future__ import annotations
 

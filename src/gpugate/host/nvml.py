@@ -1,6 +1,5 @@
-"""The only module that talks to NVIDIA's driver (through pynvml), and the MIG capability
-devices under /proc/driver/nvidia. Everything else sees `Gpu` and `GpuUsage` through the
-`GpuDriver` protocol: tests inject a driver, production uses `NvmlDriver`."""
+"""The only module that talks to NVIDIA's driver (pynvml), and the MIG capability devices
+under /proc/driver/nvidia. Everything else sees `Gpu` and `GpuUsage` through `GpuDriver`."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Protocol
 
 from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
@@ -195,13 +193,6 @@ def load_nvml_library(nv: Any, library: str | None) -> None:
             ) from None
 
 
-def _pynvml() -> ModuleType:
-    import pynvml  # noqa: PLC0415 - costs ~30 ms; only runs that need the driver pay it
-
-    module: ModuleType = pynvml
-    return module
-
-
 ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`status`)
 # Each call may take this long even past the deadline (the run's last looks): a healthy call
 # answers in milliseconds; a hung one costs the run this much more, once.
@@ -219,7 +210,9 @@ class NvmlDriver:
         self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
     ) -> None:
         """library: tests' stand-in libnvidia-ml.so.1 (the hidden --nvml-library)."""
-        self._nv = _pynvml()
+        import pynvml  # noqa: PLC0415 - only runs that need the driver pay its import
+
+        self._nv: Any = pynvml
         self._library = os.path.abspath(library) if library else None
         self._thread = CallThread("nvml")
         self._answer_within_s = answer_within_s

@@ -1,23 +1,7 @@
-"""Files and programs root uses where another account may have been first: the one place that
-opens gpugate's config and state files (configs, leases, records, locks, the metrics textfile),
-judges who may change a path (and says so in words), and runs programs.
-
-- `untrusted(path)`: the first of a path and the folders above it (to `/`) that an account
-  other than root (and, not running as root, the running account) may change: its owner, or
-  group or other write permission. A sticky folder writable by all (`/tmp`) counts as safe for
-  an entry below it that is itself a trusted account's: the sticky bit lets no other account
-  rename, remove or replace that entry.
-- `read_capped(path)`: O_NONBLOCK|O_NOFOLLOW, fstat, a regular file of at most `limit` bytes,
-  else NotRegularFile or TooLarge, without reading a byte (a FIFO never blocks the hook).
-- `open_folder(path)`: a folder as a descriptor, reached one component at a time (openat, no
-  symbolic link followed unless the folder holding it is trusted); what is opened, made or
-  renamed is opened, made or renamed relative to it, so no name can be swapped meanwhile.
-- `open_in(folder_fd, name)`: a lock or state file, O_NOFOLLOW, a regular file or refused.
-- `find_program`, `run_program`: systemctl, docker, scontrol, ... from a fixed list of system
-  folders, never the caller's PATH, run with a clean environment under a deadline. gpugate runs
-  as root with the unit's (or the Slurm job's) environment: a PATH, LD_PRELOAD or PYTHONPATH
-  set there must not choose what root runs.
-"""
+"""Files and programs root uses where another account may have been first: who may change a
+path (`untrusted`), bounded reads that never follow a link nor block on a FIFO, folders walked
+by descriptor so no name can be swapped meanwhile, and programs run from fixed system folders
+with a clean environment under a deadline (the unit's PATH or LD_PRELOAD never chooses them)."""
 
 from __future__ import annotations
 
@@ -85,16 +69,19 @@ def trusted_uids() -> frozenset[int]:
     return frozenset({0, os.geteuid()})
 
 
+# What is not a regular file: its test, its name (NotRegularFile.kind) and in words.
+KINDS = (
+    (stat.S_ISFIFO, "fifo", "a FIFO"),
+    (stat.S_ISSOCK, "socket", "a socket"),
+    (stat.S_ISCHR, "character-device", "a character device"),
+    (stat.S_ISBLK, "block-device", "a block device"),
+    (stat.S_ISDIR, "folder", "a folder"),
+    (stat.S_ISLNK, "symlink", "a symbolic link"),
+)
+
+
 def kind_of(mode: int) -> str:
-    kinds = (
-        (stat.S_ISFIFO, "fifo"),
-        (stat.S_ISSOCK, "socket"),
-        (stat.S_ISCHR, "character-device"),
-        (stat.S_ISBLK, "block-device"),
-        (stat.S_ISDIR, "folder"),
-        (stat.S_ISLNK, "symlink"),
-    )
-    return next((name for test, name in kinds if test(mode)), "regular")
+    return next((name for test, name, _ in KINDS if test(mode)), "regular")
 
 
 def _judge(
@@ -200,11 +187,6 @@ def _what_is_there(path: Path | str, exc: OSError, dir_fd: int | None) -> OSErro
     return exc if stat.S_ISREG(info.st_mode) else NotRegularFile(path, kind_of(info.st_mode))
 
 
-def _folder_trusted(fd: int, link_uid: int, uids: Collection[int]) -> Untrusted | None:
-    info = os.fstat(fd)
-    return _judge(f"/proc/self/fd/{fd}", "", info, link_uid in uids, uids)
-
-
 def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> int:
     """path's folder as an O_DIRECTORY descriptor, made where missing (make). A symbolic link
     on the way is followed only where the folder holding it is trusted; else UnsafeLink."""
@@ -219,7 +201,7 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
                 next_fd = _open_component(fd, name, flags, make=make, mode=mode)
             except _Link as link:
                 hops += 1
-                why = _folder_trusted(fd, link.uid, uids)
+                why = _judge(f"/proc/self/fd/{fd}", "", os.fstat(fd), link.uid in uids, uids)
                 if why is not None or hops > MAX_LINK_HOPS:
                     folder = why or Untrusted(here, here, Exposure.OWNER, -1, -1, 0)
                     named = replace(folder, path=here, of=here)
@@ -328,16 +310,13 @@ def first_root_executable(paths: Iterable[str]) -> str | None:
             continue
         if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
             continue
-        if os.geteuid() == 0 and not _only_root_may_change(info):
+        others_may_write = info.st_mode & stat.S_IWOTH or (
+            info.st_mode & stat.S_IWGRP and info.st_gid != 0
+        )
+        if os.geteuid() == 0 and (info.st_uid != 0 or others_may_write):
             continue
         return path
     return None
-
-
-def _only_root_may_change(info: os.stat_result) -> bool:
-    if info.st_uid != 0 or info.st_mode & stat.S_IWOTH:
-        return False
-    return not (info.st_mode & stat.S_IWGRP and info.st_gid != 0)
 
 
 # Root-owned folders where Debian, Ubuntu, RHEL, Slurm's and Docker's packages put their
@@ -372,16 +351,6 @@ def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
     return first_root_executable(os.path.join(folder, name) for folder in folders)
 
 
-def clean_environment() -> dict[str, str]:
-    """All a child gets: the system folders as PATH, the C locale (its output is parsed), and
-    the home of gpugate's account (docker's and podman's configuration)."""
-    try:
-        home = pwd.getpwuid(os.geteuid()).pw_dir
-    except KeyError:
-        home = "/"
-    return {"PATH": SYSTEM_PATH, "LC_ALL": "C", "HOME": home}
-
-
 def run_program(argv: Sequence[str], timeout_s: float) -> Result:
     """argv (argv[0] from find_program) with the clean environment and no stdin.
     ProgramNotAnswering where it outlives timeout_s (it is killed); ProgramNotFound where it
@@ -389,6 +358,10 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
     if not os.path.isabs(argv[0]):
         raise ValueError(f"{argv[0]!r}: not an absolute path (find_program)")
     name = os.path.basename(argv[0])
+    try:  # the home of gpugate's account: docker's and podman's configuration
+        home = pwd.getpwuid(os.geteuid()).pw_dir
+    except KeyError:
+        home = "/"
     try:
         done = subprocess.run(
             list(argv),
@@ -398,7 +371,7 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
             timeout=timeout_s,
             check=False,
             stdin=subprocess.DEVNULL,
-            env=clean_environment(),
+            env={"PATH": SYSTEM_PATH, "LC_ALL": "C", "HOME": home},
         )
     except subprocess.TimeoutExpired:
         raise ProgramNotAnswering(
@@ -411,14 +384,6 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
 
 # What root will not read or follow, in words (docs/hardening.md, rules 2 and 6).
 RULE = "docs/hardening.md, rule 2"
-KINDS = {
-    "fifo": "a FIFO",
-    "socket": "a socket",
-    "character-device": "a character device",
-    "block-device": "a block device",
-    "folder": "a folder",
-    "symlink": "a symbolic link",
-}
 
 
 def account(uid: int | None) -> str:
@@ -478,7 +443,8 @@ def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
 
 def unreadable(exc: OSError) -> str:
     if isinstance(exc, NotRegularFile):
-        return f"refused: {KINDS.get(exc.kind, exc.kind)}, not a regular file; not read"
+        words = next((words for _, name, words in KINDS if name == exc.kind), exc.kind)
+        return f"refused: {words}, not a regular file; not read"
     if isinstance(exc, TooLarge):
         return f"refused: {exc.size} bytes, more than a config file ({exc.limit}); not read"
     return exc.strerror or str(exc)

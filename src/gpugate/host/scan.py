@@ -1,14 +1,16 @@
-"""The device-file scan: every process with an NVIDIA device file open or mapped, in one pass
-over /proc, also reading the fds and maps of the threads of a thread group whose leader exited;
-and `status --watch`'s rescans (WatchScan).
-"""
+"""/proc: one process's facts (ProcFs), pinned by (pid, start time), read by hand under any
+proc root (psutil's PROCFS_PATH is process-global, and psutil has no session, process group,
+cgroup, wchan or children lists); and the device-file scan, one pass over /proc for every
+process with an NVIDIA device file or shm file open or mapped, and `status --watch`'s rescans."""
 
 from __future__ import annotations
 
 import os
+import pwd
 import stat
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -33,6 +35,176 @@ from gpugate.host.shm import (
     space,
     unlink_if_same,
 )
+from gpugate.host.systemd import parse_cgroup
+
+PF_KTHREAD = 0x00200000
+
+
+@dataclass(frozen=True, order=True)
+class ProcessId:
+    """A process, not a PID: the start time tells a recycled PID from the original."""
+
+    pid: int
+    start_time: int  # clock ticks after boot, field 22 of /proc/PID/stat
+
+
+@dataclass(frozen=True)
+class ProcInfo:
+    pid: int
+    start_time: int
+    comm: str
+    state: str  # R, S, D, Z, T, ...
+    ppid: int
+    pgrp: int
+    session: int
+    tty_nr: int
+    kernel_thread: bool
+    uid: int | None = None
+    cgroup: str | None = None  # the cgroup v2 path, "/system.slice/vllm.service"
+    cmdline: tuple[str, ...] = ()
+    exe: str | None = None
+
+    @property
+    def ident(self) -> ProcessId:
+        return ProcessId(self.pid, self.start_time)
+
+    @property
+    def command(self) -> str:
+        return " ".join(self.cmdline) if self.cmdline else f"[{self.comm}]"
+
+    @property
+    def user(self) -> str:
+        if self.uid is None:
+            return "?"
+        try:
+            return pwd.getpwuid(self.uid).pw_name
+        except KeyError:
+            return str(self.uid)
+
+
+def parse_stat(text: str) -> ProcInfo | None:
+    # comm may hold spaces and parentheses: it ends at the last ')'.
+    open_paren, close_paren = text.find("("), text.rfind(")")
+    if open_paren < 0 or close_paren < 0:
+        return None
+    fields = text[close_paren + 2 :].split()
+    if len(fields) < 20:
+        return None
+    return ProcInfo(
+        pid=int(text[:open_paren]),
+        comm=text[open_paren + 1 : close_paren],
+        state=fields[0],
+        ppid=int(fields[1]),
+        pgrp=int(fields[2]),
+        session=int(fields[3]),
+        tty_nr=int(fields[4]),
+        kernel_thread=bool(int(fields[6]) & PF_KTHREAD),
+        start_time=int(fields[19]),
+    )
+
+
+class ProcFs:
+    """Reads /proc under `root`. Inside `oneshot()` (psutil's is the model) a process's facts
+    are read once and kept until the block ends: one per discovery round, so a round sees one
+    consistent table and the next round, or the kill, sees the processes as they are now."""
+
+    def __init__(self, root: Path = Path("/proc")) -> None:
+        self.root = Path(root)
+        self._cache: dict[int, ProcInfo | None] | None = None  # set inside oneshot() only
+
+    @contextmanager
+    def oneshot(self) -> Iterator[None]:
+        """Cache facts for the block (nested blocks share the outermost one's cache)."""
+        if self._cache is not None:
+            yield
+            return
+        self._cache = {}
+        try:
+            yield
+        finally:
+            self._cache = None
+
+    def pids(self) -> Iterator[int]:
+        for name in os.listdir(self.root):
+            if name.isdigit():
+                yield int(name)
+
+    def _read(self, pid: int, name: str) -> str | None:
+        try:
+            # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (untrusted.py)
+            with open(
+                f"{self.root}/{pid}/{name}", encoding="utf-8", errors="surrogateescape"
+            ) as handle:
+                return handle.read()
+        except (FileNotFoundError, ProcessLookupError):
+            return None
+
+    def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
+        if self._cache is not None:
+            self._cache[pid] = info
+        return info
+
+    def stat(self, pid: int) -> ProcInfo | None:
+        """The cheap facts (one read): enough to walk the tree."""
+        if self._cache is not None and pid in self._cache:
+            return self._cache[pid]
+        text = self._read(pid, "stat")
+        return self._remember(pid, parse_stat(text) if text else None)
+
+    def info(self, pid: int) -> ProcInfo | None:
+        """All facts gpugate shows and decides on, read once: identity, uid, command line,
+        executable and cgroup."""
+        base = self.stat(pid)
+        if base is None or base.cgroup is not None or base.kernel_thread:
+            return base
+        return self._remember(pid, self._facts(base))
+
+    def _facts(self, base: ProcInfo) -> ProcInfo | None:
+        """None where the process is gone, or its PID reused since stat was read."""
+        pid = base.pid
+        cgroup_text = self._read(pid, "cgroup")
+        cmdline = (self._read(pid, "cmdline") or "").split("\0")
+        try:
+            exe: str | None = os.readlink(f"{self.root}/{pid}/exe")
+        except OSError:  # another user's (not root), a zombie's, a kernel thread's
+            exe = None
+        status = self._read(pid, "status") or ""
+        uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
+        gone = self._start_time(pid) != base.start_time and base.state != "Z"
+        if gone or cgroup_text is None:
+            return None
+        return replace(
+            base,
+            uid=int(uids[0]) if uids else None,
+            cgroup=parse_cgroup(cgroup_text) or "/",
+            cmdline=tuple(arg for arg in cmdline if arg),
+            exe=exe or None,
+        )
+
+    def _start_time(self, pid: int) -> int | None:
+        text = self._read(pid, "stat")
+        info = parse_stat(text) if text else None
+        return info.start_time if info else None
+
+    def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
+        return (self._read(pid, "wchan") or "?").strip() or "?"
+
+    def children(self, pid: int) -> list[int]:
+        """Children of every thread of pid (CONFIG_PROC_CHILDREN). By hand: psutil's children()
+        reads the parent of every process on the host."""
+        result: list[int] = []
+        try:
+            tasks = os.listdir(f"{self.root}/{pid}/task")
+        except OSError:
+            return result
+        for tid in tasks:
+            text = self._read(pid, f"task/{tid}/children")
+            if text:
+                result.extend(int(child) for child in text.split())
+        return result
+
+    def still_same(self, ident: ProcessId) -> bool:
+        return self._start_time(ident.pid) == ident.start_time
 
 
 @dataclass(frozen=True)
@@ -74,7 +246,6 @@ NO_DEADLINE = Deadline()
 @dataclass(frozen=True)
 class _Wanted:
     prefix: str | None
-    prefix_bytes: bytes | None
     socket_inodes: Collection[int]
     shm_areas: Sequence[ShmArea]
     shm_prefixes: tuple[str, ...]
@@ -93,7 +264,7 @@ def scan_device_users(
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: the shm files alone), or an fd on one of the sockets named by inode, and every
     process's files in the shm areas, from the same fd links and maps. pids: only these
-    processes (`WatchScan`'s rescans). One thread: two were slower (the GIL; docs/benchmarks.md).
+    processes (`WatchScan`'s rescans).
 
     psutil's open_files() skips device files, so this reads /proc/PID/fd links itself, each
     name relative to a directory fd. A thread group whose leader exited (pthread_exit in main)
@@ -102,7 +273,6 @@ def scan_device_users(
     """
     wanted = _Wanted(
         device_prefix or None,
-        device_prefix.encode() if device_prefix else None,
         socket_inodes,
         shm_areas,
         tuple(area.path.rstrip("/") + "/" for area in shm_areas),
@@ -117,12 +287,6 @@ def scan_device_users(
         return _scan_part(proc_fd, names, wanted)
     finally:
         os.close(proc_fd)
-
-
-def _note_shm(scan: DeviceScan, proc_fd: int, name: str, shm: list[ShmFile]) -> None:
-    if shm:
-        holder = read_credentials(proc_fd, name)
-        scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
 
 
 def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
@@ -144,13 +308,15 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
             scan.unreadable.append(int(name))
             continue
         scan.cut_short.extend([int(name)] if fds.cut_short else [])
-        mapped = _mapped_paths(maps, wanted.prefix_bytes)
+        mapped = _mapped_paths(maps, wanted.prefix)
         if fds.paths or fds.sockets or mapped:
             scan.users[int(name)] = DeviceUse(
                 frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
             )
         shm = fds.shm + _mapped_shm(maps, wanted.shm_areas) if wanted.shm_areas else fds.shm
-        _note_shm(scan, proc_fd, name, shm)
+        if shm:
+            holder = read_credentials(proc_fd, name)
+            scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
     return scan
 
 
@@ -201,7 +367,9 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
                 if inode in socket_inodes:
                     found.sockets.add(inode)
             elif shm_prefixes and target.startswith(shm_prefixes):
-                _add_shm(found, (proc_fd, pid_name), (dir_fd, fd_name), target, wanted.shm_areas)
+                found.shm += _fd_shm_file(
+                    proc_fd, pid_name, dir_fd, fd_name, target, wanted.shm_areas
+                )
     except OSError:
         pass
     finally:
@@ -220,39 +388,24 @@ def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
             yield entry.name
 
 
-def _add_shm(
-    found: _Fds,
-    where: tuple[int, str],
-    fd: tuple[int, str],
-    target: str,
-    shm_areas: Sequence[ShmArea],
-) -> None:
-    """where: /proc's fd and the process's folder; fd: its fd folder's fd and the name."""
-    area = area_of(shm_areas, target)
-    shm = None if area is None else _fd_shm_file(*fd, target, area)
-    if shm is not None:
-        found.shm.append(replace(shm, opened=_opens_file(*where, fd[1])))
-
-
-def _opens_file(proc_fd: int, pid_name: str, fd_name: str) -> bool:
-    try:
-        return fd_opens_file(
-            read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096).decode("ascii", "replace")
-        )
-    except OSError:
-        return False  # closed since: no evidence
-
-
-def _fd_shm_file(dir_fd: int, fd_name: str, target: str, area: ShmArea) -> ShmFile | None:
-    """The file behind the fd link (stat follows it, also once unlinked); None on another
+def _fd_shm_file(
+    proc_fd: int, pid_name: str, dir_fd: int, fd_name: str, target: str, areas: Sequence[ShmArea]
+) -> list[ShmFile]:
+    """The file behind the fd link (stat follows it, also once unlinked); none on another
     device: another mount namespace's /dev/shm (a container's) shows the same names."""
+    area = area_of(areas, target)
     try:
         info = os.stat(fd_name, dir_fd=dir_fd)
     except OSError:
-        return None  # closed since the readlink
-    if info.st_dev != area.dev or not stat.S_ISREG(info.st_mode):
-        return None  # (a folder or FIFO open there is no segment)
-    return ShmFile(ShmKey(info.st_dev, info.st_ino), (target,))
+        return []  # closed since the readlink
+    if area is None or info.st_dev != area.dev or not stat.S_ISREG(info.st_mode):
+        return []  # (a folder or FIFO open there is no segment)
+    try:
+        fdinfo = read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096)
+        opened = fd_opens_file(fdinfo.decode("ascii", "replace"))
+    except OSError:
+        opened = False  # closed since: no evidence
+    return [ShmFile(ShmKey(info.st_dev, info.st_ino), (target,), opened)]
 
 
 def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
@@ -279,12 +432,12 @@ def _names_under(data: bytes, prefix: bytes) -> Iterator[tuple[int, int, int]]:
         start = data.find(prefix, line_end)
 
 
-def _mapped_paths(data: bytes, prefix: bytes | None) -> set[str]:
+def _mapped_paths(data: bytes, prefix: str | None) -> set[str]:
     if not prefix:
         return set()
     return {
         data[start:end].decode(errors="replace").removesuffix(" (deleted)")
-        for _, start, end in _names_under(data, prefix)
+        for _, start, end in _names_under(data, prefix.encode())
     }
 
 
@@ -365,20 +518,13 @@ class HostShm:
         return largest_files(self.areas, count)
 
 
-# `status --watch`: each look rescans what can have changed (the processes new since the last
-# look, the holders it knows, the PIDs NVML lists now), and a full scan every FULL_SCAN_EVERY_S
-# finds the rest. A process that was there, held nothing and is not listed by NVML is trusted
-# to hold nothing still: one that opens a device file later without a CUDA context (a watcher
-# starting to poll) shows at the next full scan; one with a context is listed by NVML at once.
-# A new socket inode or shm area asked for makes the look a full one; a process the last look's
-# deadline left unread is read again. A PID reused between two looks is read as the process it
-# was until the next full scan.
 FULL_SCAN_EVERY_S = 30.0
 
 
 class WatchScan:
-    """A scan that remembers its last look; called as `scan_device_users`, plus the PIDs NVML
-    lists now."""
+    """`status --watch`'s scan: each look rescans the processes new since the last, the
+    holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
+    what is asked changes) finds a process that opened a device file without a CUDA context."""
 
     def __init__(
         self,
@@ -408,24 +554,20 @@ class WatchScan:
         now = self.clock()
         last = self._last
         if last is None or asked != self._asked or now - self._full_at >= self.full_every_s:
-            scan = scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
+            last, pids, new = None, None, set()
             self._full_at = now
             self.full_scans += 1
         else:
             known = set(last.users) | set(last.shm) | set(last.cut_short)  # (not all read)
-            again = (known | set(listed_by_nvml)) & listed
             new = listed - self._listed
-            scan = scan_device_users(
-                proc_root,
-                device_prefix,
-                socket_inodes,
-                shm_areas,
-                deadline,
-                pids=sorted(again | new),
-            )
+            pids = sorted(((known | set(listed_by_nvml)) & listed) | new)
+            self.rescans += 1
+        scan = scan_device_users(
+            proc_root, device_prefix, socket_inodes, shm_areas, deadline, pids=pids
+        )
+        if last is not None:
             # Still there and not readable then: not readable now (no second try per look).
             kept = [pid for pid in last.unreadable if pid in listed and pid not in new]
             scan.unreadable = sorted({*scan.unreadable, *kept})
-            self.rescans += 1
         self._last, self._asked, self._listed = scan, asked, listed
         return scan

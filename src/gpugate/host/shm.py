@@ -1,18 +1,7 @@
-"""POSIX shared memory on the host: where it lives (/dev/shm, and /run/shm where that is a
-mount of its own), which file a process's fd or mapping names, how big a file is, and removing
-one file only while it is still the very file that was seen (device and inode).
-
-Files are identified by (device, inode), never by name alone: a container's /dev/shm is another
-tmpfs whose files show the same names in its processes' fd links and maps, a file replaced
-under the same name is another inode, and a name in /proc/PID/maps is escaped ("\012" for a
-newline) and may end in " (deleted)". Nothing here decides which files go; that is
-`core.shm_cleanup`.
-
-A unit's own /dev/shm (TemporaryFileSystem=/dev/shm) is read through one of its processes
-(`/proc/PID/root/dev/shm`): systemd gives every process it starts for the unit, `+` hooks
-included, a mount namespace with a fresh tmpfs there, so a hook never sees the unit's files at
-its own /dev/shm. The walk from that root follows no symlink (the process may have made one).
-"""
+"""POSIX shared memory on the host: its areas (/dev/shm, /run/shm), the files processes hold
+there, known by (device, inode), never by name alone (a container's /dev/shm shows the same
+names), and removing a file only while it is still the very inode that was seen. A unit's own
+/dev/shm (TemporaryFileSystem=) is read through one of its processes' /proc/PID/root."""
 
 from __future__ import annotations
 
@@ -21,12 +10,12 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from contextlib import closing
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
-from gpugate.host.roots import mount_table
 from gpugate.host.safe_files import read_at
+from gpugate.host.systemd import mount_table
 
 DELETED_SUFFIX = " (deleted)"
 RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
@@ -282,7 +271,7 @@ def facts(
 ) -> FileFacts | None:
     """The file's size and owner, by whichever of its names is this very inode now; None where
     none is (deleted, replaced, or outside every area)."""
-    with closing(_own_names(areas, file, index)) as names:
+    with contextlib.closing(_own_names(areas, file, index)) as names:
         for _, _, found in names:
             return found
     return None
@@ -360,7 +349,7 @@ def unlink_if_same(
     """Remove the name that is this very file (device and inode checked right before, through
     the folder's fd); a name that now holds another file is left alone, and so is one whose
     facts `allowed` refuses, read in the same look. (Of hard links, the first found goes.)"""
-    with closing(_own_names(areas, file, index)) as names:
+    with contextlib.closing(_own_names(areas, file, index)) as names:
         for fd, last, found in names:
             if not allowed(found):
                 return Unlinked(found, refused=True)
@@ -473,7 +462,9 @@ def own_shm(proc_root: Path, pid: int, host_devs: Collection[int]) -> OwnShm | N
         if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
             return None
         vfs = os.fstatvfs(fds[-1])
-        files = _count_files(fds[-1])
+        with os.scandir(fds[-1]) as entries:
+            found = (entry for entry in entries if entry.is_file(follow_symlinks=False))
+            files = len(list(islice(found, MAX_ENTRIES)))
     except OSError:
         return None
     finally:
@@ -483,25 +474,11 @@ def own_shm(proc_root: Path, pid: int, host_devs: Collection[int]) -> OwnShm | N
     return OwnShm(pid, info.st_dev, vfs.f_blocks * vfs.f_frsize, used, files)
 
 
-def _count_files(fd: int) -> int:
-    count = 0
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            if entry.is_file(follow_symlinks=False):
-                count += 1
-                if count >= MAX_ENTRIES:
-                    break
-    return count
-
-
 def own_shm_of_any(
     proc_root: Path, pids: Collection[int], host_devs: Collection[int]
 ) -> OwnShm | None:
-    for pid in sorted(pids):
-        found = own_shm(proc_root, pid, host_devs)
-        if found is not None:
-            return found
-    return None
+    found = (own_shm(proc_root, pid, host_devs) for pid in sorted(pids))
+    return next((shm for shm in found if shm is not None), None)
 
 
 def is_own_tmpfs(path: str, host_devs: Collection[int]) -> bool:

@@ -1,13 +1,10 @@
 """systemd units: names, the cgroup each one owns, which unit a cgroup belongs to, a unit's
-environment, and what a unit sets itself (for `gpugate install`).
-
-What a unit sets itself: its timeouts, NotifyAccess= and a /dev/shm of its own, read from its
-files without gpugate's own drop-in, so that the drop-in adds only what the unit leaves unset.
-The text read is what `systemctl cat UNIT` shows (each file after a `# PATH` line, in the order
-systemd applies them); where systemd does not run or answer, the same text is made from the
-unit folders. Not `systemctl show`: its effective values cannot tell a unit's own
-`TimeoutStopSec=90` from systemd's default, and include gpugate's last drop-in.
-"""
+environment, and what a unit sets itself, read from `systemctl cat` (or its unit folders)
+without gpugate's own drop-in (`systemctl show` cannot tell a unit's own value from a default).
+And where gpugate looks: the roots of /dev, /proc and the cgroup tree (tests: the hidden
+`--host-roots`, never the environment, which the unit sets), and the cgroup tree systemd tracks
+units in: cgroup2 at /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified (hybrid); a v1-only
+host (legacy) is refused before anything is killed."""
 
 from __future__ import annotations
 
@@ -16,10 +13,10 @@ import os
 import re
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
 
-from gpugate.errors import GateError, UnknownUnit
+from gpugate.errors import ConfigError, GateError, HostUnsupported, UnknownUnit
 from gpugate.host.safe_files import find_program, read_capped, run_program
 from gpugate.untrusted import CGROUP, FILE, echo, shown
 
@@ -73,6 +70,14 @@ def cgroup_parts(cgroup: str) -> list[str]:
     return [part for part in cgroup.split("/") if part]
 
 
+def parse_cgroup(text: str) -> str | None:
+    """The cgroup v2 path of a /proc/PID/cgroup text (its `0::` line)."""
+    for line in text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].removesuffix(" (deleted)")
+    return None
+
+
 def unit_of_cgroup(cgroup: str) -> str | None:
     """The system unit whose cgroup holds this one: the first component that is not a slice,
     where every one above it is a slice; None for the root, a slice, or a folder that is no
@@ -107,12 +112,8 @@ def own_unit(proc_root: Path = Path("/proc")) -> str | None:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:
         return None
-    for line in text.splitlines():
-        if line.startswith("0::"):
-            unit = system_unit_of_cgroup(line[3:])
-            if unit and unit.endswith(".service"):
-                return unit
-    return None
+    unit = system_unit_of_cgroup(parse_cgroup(text) or "/")
+    return unit if unit and unit.endswith(".service") else None
 
 
 def systemd_running() -> bool:
@@ -357,28 +358,27 @@ class UnitSettings:
     stop_timeout: Setting | None = None  # TimeoutStopSec= or TimeoutSec=
     notify_access: Setting | None = None
     own_shm: Setting | None = None  # a TemporaryFileSystem= entry on /dev/shm
-    read_from: tuple[str, ...] = field(default=())  # the files read
+
+
+# Which of UnitSettings' fields each key sets.
+SETTING_FIELDS = {
+    "TimeoutStartSec": ("start_timeout",),
+    "TimeoutStopSec": ("stop_timeout",),
+    "TimeoutSec": ("start_timeout", "stop_timeout"),
+    "NotifyAccess": ("notify_access",),
+}
 
 
 def parse_unit_settings(text: str, own_dropin: str = OWN_DROPIN) -> UnitSettings:
     """The settings in `systemctl cat` text. Later assignments win, an empty one resets;
     gpugate's own drop-in (own_dropin in a `.d` folder) is left out."""
-    start: Setting | None = None
-    stop: Setting | None = None
-    notify: Setting | None = None
-    shm: Setting | None = None
-    files: list[str] = []
-    for path, key, value in _assignments(text, own_dropin, files):
-        found = Setting(key, value, path) if value else None
-        if key in ("TimeoutStartSec", "TimeoutSec"):
-            start = found
-        if key in ("TimeoutStopSec", "TimeoutSec"):
-            stop = found
-        if key == "NotifyAccess":
-            notify = found
+    found: dict[str, Setting | None] = {}
+    for path, key, value in _assignments(text, own_dropin):
+        for name in SETTING_FIELDS.get(key, ()):
+            found[name] = Setting(key, value, path) if value else None
         if key == "TemporaryFileSystem":
-            shm = _shm_entry(value, path, shm)
-    return UnitSettings(start, stop, notify, shm, tuple(files))
+            found["own_shm"] = _shm_entry(value, path, found.get("own_shm"))
+    return UnitSettings(**found)
 
 
 def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
@@ -392,7 +392,7 @@ def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
     return before
 
 
-def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str, str, str]]:
+def _assignments(text: str, own_dropin: str) -> list[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
     found: list[tuple[str, str, str]] = []
     path, section, skip, pending, previous = "", "", False, "", ""
@@ -402,8 +402,6 @@ def _assignments(text: str, own_dropin: str, files: list[str]) -> list[tuple[str
         if header and not pending:  # systemctl cat's file header: after a blank line
             path, section = raw[2:].strip(), ""
             skip = os.path.basename(path) == own_dropin and path.rsplit("/", 2)[-2].endswith(".d")
-            if not skip:
-                files.append(path)
             continue
         line = pending + raw.strip()
         if line.endswith("\\"):
@@ -462,3 +460,136 @@ def _chunk(path: str) -> str:
     except OSError:
         return ""
     return f"# {path}\n{text}\n"
+
+
+SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
+HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
+HOST_ROOTS_OPTION = "--host-roots"
+ROOT_NAMES = ("dev", "proc", "cgroup")
+
+
+@dataclass(frozen=True)
+class HostRoots:
+    dev: Path = Path("/dev")
+    proc: Path = Path("/proc")
+    cgroup: Path = SYSTEM_CGROUP_ROOT
+
+    @property
+    def ask_systemd(self) -> bool:
+        """systemd's answers (a unit's ControlGroup) name paths in the real tree only."""
+        return self.cgroup in (SYSTEM_CGROUP_ROOT, HYBRID_UNIFIED_ROOT)
+
+    @classmethod
+    def parse(cls, text: str) -> HostRoots:
+        """`dev=DIR,proc=DIR,cgroup=DIR` (any of them; the rest stay the real ones)."""
+        roots: dict[str, Path] = {}
+        for item in text.split(","):
+            name, eq, value = item.partition("=")
+            if not eq or name not in ROOT_NAMES:
+                raise ConfigError(
+                    HOST_ROOTS_OPTION, "", f"{echo(item)}: not dev=DIR, proc=DIR or cgroup=DIR"
+                )
+            path = Path(value)
+            if not path.is_absolute():
+                raise ConfigError(HOST_ROOTS_OPTION, name, f"{echo(value)} is not an absolute path")
+            roots[name] = path
+        found = cls(**roots)
+        found.check()
+        return found
+
+    def check(self) -> None:
+        """A root that is not there is a configuration error, not a crash mid-run."""
+        for name in ROOT_NAMES:
+            path: Path = getattr(self, name)
+            if not path.is_dir():
+                raise ConfigError(
+                    HOST_ROOTS_OPTION, name, f"{echo(str(path), quote=False)}: no such folder"
+                )
+
+
+UNIFIED = "unified"
+HYBRID = "hybrid"
+LEGACY = "legacy"
+
+
+@dataclass(frozen=True)
+class CgroupLayout:
+    kind: str  # UNIFIED, HYBRID or LEGACY
+    # where the tree systemd tracks units in is mounted; None on a legacy host
+    unified_mount: PurePosixPath | None
+
+
+def mount_table(mountinfo: str) -> dict[str, str]:
+    """Mount point -> file system type of each mountinfo line (a later mount on the same point
+    hides an earlier one). Points are unescaped: mountinfo writes space, tab, newline and
+    backslash as octal (\\040, \\011, \\012, \\134)."""
+    table: dict[str, str] = {}
+    for line in mountinfo.splitlines():
+        before, _, after = line.partition(" - ")
+        fields, fstype = before.split(), after.split()[:1]
+        if len(fields) < 5 or not fstype:
+            continue
+        point = fields[4]
+        for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+            point = point.replace(code, char)
+        table[point] = fstype[0]
+    return table
+
+
+def cgroup_layout(mountinfo: str) -> CgroupLayout:
+    fstype_at = mount_table(mountinfo)
+    system = PurePosixPath(str(SYSTEM_CGROUP_ROOT))
+    hybrid = PurePosixPath(str(HYBRID_UNIFIED_ROOT))
+    if fstype_at.get(str(system)) == "cgroup2":
+        return CgroupLayout(UNIFIED, system)
+    if fstype_at.get(str(hybrid)) == "cgroup2":
+        return CgroupLayout(HYBRID, hybrid)
+    # A cgroup2 mounted anywhere else (by hand, by a container runtime) is no tree systemd
+    # puts units in: its paths would name no unit.
+    return CgroupLayout(LEGACY, None)
+
+
+def read_cgroup_layout(proc_root: Path) -> CgroupLayout:
+    try:
+        text = (proc_root / "self" / "mountinfo").read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise HostUnsupported(
+            f"cannot read {proc_root / 'self' / 'mountinfo'} ({exc.strerror}): gpugate cannot "
+            "tell which cgroup tree this host tracks its units in; nothing was killed"
+        ) from None
+    return cgroup_layout(text)
+
+
+def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
+    """roots with the cgroup root (/sys/fs/cgroup or a test's stand-in) moved to the tree
+    systemd tracks units in: on a hybrid host its `unified` folder."""
+    if layout.kind == LEGACY or layout.unified_mount is None:
+        raise HostUnsupported(
+            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
+            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
+            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
+            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
+            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
+        )
+    relative = layout.unified_mount.relative_to(PurePosixPath(str(SYSTEM_CGROUP_ROOT)))
+    unified = roots.cgroup / relative
+    if not unified.is_dir():
+        raise HostUnsupported(
+            f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
+            "cannot find its units' processes; nothing was killed"
+        )
+    return replace(roots, cgroup=unified)
+
+
+def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
+    """This host's layout where the cgroup root is the real one; None for a stand-in tree."""
+    if roots.cgroup != SYSTEM_CGROUP_ROOT:
+        return None
+    return read_cgroup_layout(roots.proc)
+
+
+def on_units_tree(
+    given: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
+) -> HostRoots:
+    found = layout(given)
+    return given if found is None else on_unified_hierarchy(given, found)

@@ -1,15 +1,7 @@
 """The runtime `gpugate-oci-runtime` runs once it has added its hooks: runc, or NVIDIA's
-`nvidia-container-runtime` where the host had it in place (so a GPU container keeps what
-NVIDIA's runtime adds: CDI edits, the driver's libraries, its prestart hook).
-
-`gpugate install --containers` records the choice, a name, in /etc/gpugate/oci-runtime.toml;
-the wrapper maps the name to fixed paths only, each an executable file only root may change.
-The record is read as every config root reads is (safe_files).
-
-Where an operator put gpugate's wrapper in NVIDIA's runtime's `runtimes`, NVIDIA's runtime runs
-the wrapper again: CHAIN marks the environment the wrapper passes to NVIDIA's runtime, and the
-wrapper run under that mark runs runc, so the chain ends.
-"""
+`nvidia-container-runtime`, as recorded by `gpugate install --containers`, mapped to fixed
+paths only root may change. CHAIN marks the environment passed to NVIDIA's runtime, so a
+wrapper that NVIDIA's runtime runs again runs runc and the chain ends."""
 
 from __future__ import annotations
 

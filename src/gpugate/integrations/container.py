@@ -17,9 +17,11 @@ from gpugate.core.run import RunScope
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
+    NVIDIA_MAJOR,
     ContainerSpec,
     ContainerState,
     GpuRequest,
+    OciInputError,
     PodName,
     bounded,
     cgroup_of_spec,
@@ -27,8 +29,7 @@ from gpugate.host.oci import (
     pod_name,
     runtime_name,
 )
-from gpugate.host.oci_gpus import NVIDIA_MAJOR, OciInputError
-from gpugate.host.procfs import ProcFs
+from gpugate.host.scan import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
@@ -233,7 +234,7 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
     return minors
 
 
-# Why NVIDIA's config defaults stood in for its file (host/oci_gpus.py's codes).
+# Why NVIDIA's config defaults stood in for its file (host/oci.py's codes).
 TOOLKIT_NOTES = {
     "untrusted": "another account than root may change it",
     "unreadable": "not a regular file of at most 1 MiB of TOML",

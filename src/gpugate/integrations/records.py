@@ -19,7 +19,6 @@ from typing import Any
 from gpugate.errors import InvalidValue, PermissionDenied, StateUnwritable
 from gpugate.host.locks import flock_by
 from gpugate.host.nvml import Gpu
-from gpugate.host.procfs import ProcessId
 from gpugate.host.safe_files import (
     NotRegularFile,
     TooLarge,
@@ -29,6 +28,7 @@ from gpugate.host.safe_files import (
     write_atomically,
     write_in,
 )
+from gpugate.host.scan import ProcessId
 from gpugate.report.narrate import lease_refusal_text
 from gpugate.untrusted import STATE, shown
 

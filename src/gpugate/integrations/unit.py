@@ -27,8 +27,8 @@ from gpugate.errors import (
     StateUnwritable,
 )
 from gpugate.host.nvml import Gpu
-from gpugate.host.roots import HostRoots
 from gpugate.host.systemd import (
+    HostRoots,
     UnitEnvironment,
     active_state,
     own_unit,

@@ -12,8 +12,8 @@ from gpugate.core.decide import Choice
 from gpugate.core.discover import Holder
 from gpugate.core.outcome import UNKILLABLE, Progress, Stage
 from gpugate.errors import Interrupted
-from gpugate.host.procfs import ProcessId
 from gpugate.host.safe_files import account
+from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.host.systemd import Setting, UnitSettings
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter

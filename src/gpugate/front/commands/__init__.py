@@ -7,8 +7,13 @@ import os
 from collections.abc import Callable, Mapping
 
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.roots import CgroupLayout, HostRoots, host_cgroup_layout, on_units_tree
-from gpugate.host.systemd import active_state
+from gpugate.host.systemd import (
+    CgroupLayout,
+    HostRoots,
+    active_state,
+    host_cgroup_layout,
+    on_units_tree,
+)
 from gpugate.report.journal import Reporter, ReporterFactory
 
 

@@ -28,11 +28,10 @@ from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
 from gpugate.host.nvml import Gpu, GpuDriver, NotAnswering
-from gpugate.host.procfs import ProcFs
-from gpugate.host.roots import HostRoots
-from gpugate.host.scan import Deadline
+from gpugate.host.scan import Deadline, ProcFs
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import (
+    HostRoots,
     resolve_unit_cgroup,
     unit_argument,
     unit_of_cgroup,
