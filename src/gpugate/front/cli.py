@@ -1,13 +1,6 @@
-"""Command line: `gpugate pre|post|status|config check|install|uninstall|run|slurm`: the
-parser and main(). Each command is a typed function in a module of its own (`front/commands/`,
-pipx's layout); the parser stores with each command the function that calls it (`run=`), so
-main() dispatches without looking a name up.
-
-Only the parser is imported up front: `--help`, `--version` and a usage error import no
-pydantic, no pynvml, no psutil (tests/commands/test_cli.py checks it). main() builds only the
-parser of the command the command line names (`Commands`); that command's module, and
-everything it needs, is imported once the command line is parsed.
-"""
+"""Command line: the parser and main(). Only the parser is imported up front (--help,
+--version and a usage error import no pydantic, pynvml or psutil); main() builds only the named
+command's parser, and imports that command's module once the command line is parsed."""
 
 from __future__ import annotations
 
@@ -75,9 +68,8 @@ def _width() -> int:
 
 
 class Commands(SubParsers):
-    """A parser's COMMAND: its --help lists each command by the line add_parser(help=) would
-    make, and a command's parser is built (add_parser, by the command's build) once argparse
-    hands it the command line; with lazy False, at once (tests and docs walk every parser)."""
+    """Subcommands whose parsers are built once argparse reaches them (lazy), else at once
+    (tests and docs walk every parser)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -115,8 +107,6 @@ def _commands(parser: argparse.ArgumentParser, lazy: bool, **kwargs: Any) -> Com
 
 
 def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
-    """lazy: each command's parser built once the command line names it (main's); else
-    every command's now."""
     parser = Parser(
         prog="gpugate",
         raw=True,
@@ -255,7 +245,6 @@ DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime
 
 
 def _install_parser(commands: Commands, name: str, text: str) -> None:
-    """install, or uninstall: install's options less those for the config it writes."""
     sub = commands.add_parser(name)
     sub.add_argument("unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)")
     sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
@@ -265,10 +254,9 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
     sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
     sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
-    if name == "uninstall":
-        sub.set_defaults(run=_uninstall)
-        return
     sub.set_defaults(run=_install)
+    if name == "uninstall":
+        return
     sub.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     _gpus_and_ports(
         sub,
@@ -293,7 +281,6 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
 
 
 def _oci_hook_parser(commands: Commands, name: str, text: str) -> None:
-    """Shown in --help; the command itself never reaches this parser (front/entry.py)."""
     hook = commands.add_parser(name)
     hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
     hook.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
@@ -361,7 +348,6 @@ def main(
     unit_state: Callable[[str], str | None] | None = None,
     cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
-    """driver_factory, reporter_factory: injected by tests; None: NVML's and journald's."""
     args = build_parser(lazy=True).parse_args(argv)
     try:
         from gpugate.front.commands import Front  # noqa: PLC0415
@@ -397,9 +383,6 @@ def main(
 
         print(lines.error(lines.internal_error_text(exc)), file=sys.stderr)
         return int(ExitCode.INTERNAL)
-
-
-# Each command's call: its module imported now, its function given the command line's values.
 
 
 def _pre_post(args: argparse.Namespace, front: Front) -> int:
@@ -452,73 +435,37 @@ def _config_check(args: argparse.Namespace, front: Front) -> int:
 
 
 def _install(args: argparse.Namespace, front: Front) -> int:
+    """install and uninstall (uninstall's parser has no --gpugate-path, --default)."""
     from gpugate.front.commands import install as command  # noqa: PLC0415
 
+    installing = args.command == "install"
+    given = args.gpugate_path if installing else None
+    flags = {"force": args.force, "dry_run": args.dry_run, "no_reload": args.no_reload}
     if args.sweep and args.unit is None and not args.oci:
-        return _sweep_setup(args, installing=True, gpugate_path=args.gpugate_path)
+        from gpugate.front.install import sweep_setup  # noqa: PLC0415
+
+        del flags["force"]
+        return sweep_setup(installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags)
     if args.oci != (args.unit is None) or args.sweep:
-        return command.unit_or_containers("install")
+        return command.unit_or_containers(args.command)
     if args.oci:
-        return command.containers_setup(
-            True,
-            force=args.force,
-            dry_run=args.dry_run,
-            no_reload=args.no_reload,
-            given=args.gpugate_path,
-            default=args.default,
-        )
+        default = installing and args.default
+        return command.containers_setup(installing, given=given, default=default, **flags)
+    folders = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
+    if not installing:
+        return command.uninstall(args.unit, **flags, **folders)
     return command.install(
         args.unit,
-        force=args.force,
-        dry_run=args.dry_run,
-        no_reload=args.no_reload,
-        systemd_dir=args.systemd_dir,
-        config_dir=args.config_dir,
+        **flags,
+        **folders,
         gpus=args.gpus,
         ports=args.ports,
         containers=args.containers,
-        gpugate_path=args.gpugate_path,
-    )
-
-
-def _uninstall(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.commands import install as command  # noqa: PLC0415
-
-    if args.sweep and args.unit is None and not args.oci:
-        return _sweep_setup(args, installing=False)
-    if args.oci != (args.unit is None) or args.sweep:
-        return command.unit_or_containers("uninstall")
-    if args.oci:
-        return command.containers_setup(
-            False, force=args.force, dry_run=args.dry_run, no_reload=args.no_reload
-        )
-    return command.uninstall(
-        args.unit,
-        force=args.force,
-        dry_run=args.dry_run,
-        no_reload=args.no_reload,
-        systemd_dir=args.systemd_dir,
-        config_dir=args.config_dir,
-    )
-
-
-def _sweep_setup(
-    args: argparse.Namespace, *, installing: bool, gpugate_path: Path | None = None
-) -> int:
-    """`gpugate install|uninstall --sweep` (front/install.py)."""
-    from gpugate.front.install import sweep_setup  # noqa: PLC0415
-
-    return sweep_setup(
-        installing,
-        systemd_dir=args.systemd_dir,
-        dry_run=args.dry_run,
-        no_reload=args.no_reload,
-        gpugate_path=gpugate_path,
+        gpugate_path=given,
     )
 
 
 def _oci_hook(args: argparse.Namespace, front: Front) -> int:
-    """`gpugate [--host-roots ...] oci-hook STAGE` where the fast entry did not take it."""
     from gpugate.front.oci_entry import main as oci_hook  # noqa: PLC0415
 
     return oci_hook(

@@ -1,11 +1,7 @@
-"""One hook run, the same for systemd's ExecStartPre=/ExecStopPost=, Slurm's Prolog=/Epilog=
-and an OCI hook: locate the cgroup, run the phase, say a failure once, record the metrics.
-
-SIGTERM (`systemctl stop` during a start, a stop job's timeout) or SIGINT ends a hook at once:
-the signal becomes `Interrupted` in the main thread. Every wait of a run is a sleep, a poll or
-a lock wait with a timeout in the main thread, and Python retries none of them when a handler
-raises (PEP 475); the `finally` blocks then close the GPU locks. A second signal is ignored so
-that the cleanup runs to its end (systemd's SIGKILL after TimeoutStopSec= still ends it)."""
+"""One hook run, the same for ExecStartPre=/ExecStopPost=, Slurm's Prolog=/Epilog= and an OCI
+hook: locate the cgroup, run the phase, say a failure once, record the metrics. SIGTERM or
+SIGINT becomes `Interrupted` in the main thread (every wait there is a timed sleep, poll or
+lock wait, PEP 475); a second signal is ignored so that the cleanup runs to its end."""
 
 from __future__ import annotations
 

@@ -1,19 +1,7 @@
 """`gpugate install|uninstall UNIT`: put gpugate on a unit (a drop-in and a config skeleton)
-and take it off again; `install|uninstall --sweep`: the gpugate-sweep.timer on, or off again.
-
-Every file install writes starts with a header that records the SHA-256 of the rest; a file
-whose rest no longer matches, or that has no such header, is the operator's: never replaced or
-removed without `force` (the drop-in), and the config (meant to be edited) is kept.
-
-The hook lines run this very gpugate, isolated (docs/hardening.md, rules 5 and 6): Python -I
-reads no PYTHON* variable, adds neither the current folder nor the script's to its path, and
-skips the user's site folder, so a unit's Environment=PYTHONPATH= imports nothing into root's
-hook. A pip or pipx console script's shebang has no -I: the hooks run its interpreter as
-`PYTHON -I -m gpugate`; the packages' /usr/bin/gpugate already says `#!/usr/bin/python3 -I`.
-
-The packages carry gpugate-sweep.service and .timer in /usr/lib/systemd/system, disabled.
-Without them (gpugate from pip), `--sweep` writes both into the systemd folder, marked as
-install's own, and uninstall removes them where unchanged."""
+and take it off again; `--sweep`: gpugate-sweep.timer on or off. A file install wrote records
+the SHA-256 of its rest in a header; one that no longer matches is the operator's: kept, or
+replaced/removed only with --force. The hook lines run Python -I (docs/hardening.md)."""
 
 from __future__ import annotations
 

@@ -1,28 +1,6 @@
-"""`gpugate install|uninstall --containers`: gpugate's OCI hook where the host's container
-runtimes find it (docs/containers.md).
-
-- podman (and CRI-O) read hook files from hooks.d folders: `gpugate-start.json`
-  (createRuntime) and `gpugate-stop.json` (poststop) go in the folder the host's podman reads
-  (containers.conf's `hooks_dir`, else /usr/share/containers/oci/hooks.d) and CRI-O's
-  (/etc/containers/oci/hooks.d), where those runtimes are installed;
-- docker runs only the hooks in a container's spec: a runtime named `gpugate` in
-  /etc/docker/daemon.json (every other key kept as it is), the wrapper that adds them, then
-  `systemctl reload docker` where docker runs.
-
-- containerd: the runtime `gpugate` in its config.toml, edited by its text, never rewritten
-  (a parse-and-dump would lose the operator's comments, order and quoting): one marked block
-  of tables appended (the wrapped runtime's runc options, `BinaryName` = gpugate's wrapper),
-  and `--default` replaces the CRI plugin's `default_runtime_name` line with a marked pair that
-  keeps the original line verbatim; uninstall takes out exactly those marked lines. Every
-  result is parsed and compared with the original's parse plus exactly the intended change: a
-  file where tables cannot be added that way (inline or dotted tables) is refused. A missing
-  file is made from `containerd config default` and marked so, and uninstall removes it again
-  while the rest is as it was made. CRI's tables: `plugins."io.containerd.grpc.v1.cri"
-  .containerd` in config version 2 (containerd 1.6, 1.7), `plugins."io.containerd.cri.v1
-  .runtime".containerd` in version 3 (2.x).
-
-Each change is planned first (install.Change), then applied and said; a second install
-changes nothing. A file of the operator's is not replaced without --force."""
+"""`gpugate install|uninstall --containers`: gpugate's OCI hook where podman and CRI-O
+(hooks.d files), docker (a `gpugate` runtime in daemon.json) and containerd (a marked block
+in config.toml, edited as text so the operator's comments stay) find it (docs/containers.md)."""
 
 from __future__ import annotations
 

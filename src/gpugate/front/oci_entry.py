@@ -1,7 +1,6 @@
-"""`gpugate oci-hook STAGE`, the part every container pays for: the state on stdin and the
-bundle's config.json read and parsed with the standard library alone; a container that asks
-for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
-(front/oci_hook.py). bench/oci_hook.py measures both."""
+"""`gpugate oci-hook STAGE`, the part every container pays for: stdin's state and the bundle's
+config.json read with the standard library alone; only a container that asks for a GPU loads
+the rest of gpugate (front/oci_hook.py)."""
 
 from __future__ import annotations
 

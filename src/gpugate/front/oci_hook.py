@@ -1,7 +1,6 @@
-"""`gpugate oci-hook STAGE` for a container that asks for GPUs (front/oci_entry.py decided
-that, cheaply): the unit's pre before the container starts (createRuntime, or prestart), its
-post after it stopped (poststop), with the container's scope as the unit
-(integrations/container.py)."""
+"""`gpugate oci-hook STAGE` for a container that asks for GPUs: the unit's pre before it
+starts (createRuntime, prestart), its post after it stopped (poststop), the container's scope
+standing for the unit."""
 
 from __future__ import annotations
 

@@ -1,10 +1,7 @@
-"""`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
-containerd, which run only the hooks in a container's spec. On `create` of a container that
-reaches GPUs (host/oci_gpus.py: the hook's own rule) it adds gpugate's createRuntime and
-poststop hooks to the bundle's config.json; then, for every command, it execs the runtime it
-wraps with all its arguments unchanged, as NVIDIA's nvidia-container-runtime does: runc, or
-NVIDIA's runtime where install recorded it (host/wrapped_runtime.py), each found at fixed
-paths only."""
+"""`gpugate-oci-runtime`: an OCI runtime for docker and containerd, which run only the hooks in
+a container's spec. On `create` of a GPU container it adds gpugate's createRuntime and poststop
+hooks to config.json, then execs the runtime it wraps (runc, or NVIDIA's where install recorded
+it) with its arguments unchanged."""
 
 from __future__ import annotations
 

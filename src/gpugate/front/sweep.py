@@ -1,12 +1,6 @@
-"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/owners),
-tell what nobody owns (the journal once when first seen and once when gone, the metrics
-textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules: one
-pre-phase run over the GPUs whose every unowned holder has been unowned that long, on which no
-process of a unit, job or container runs and nothing holds a lease.
-
-`[sweep] drain_after_s`, where slurmd runs: drain the node (never resume it) once a GPU holds
-memory of a process nobody has owned that long, or once a reap left a holder SIGKILL cannot
-end; once for each holder (the state's `drained`), so an operator's own reason stays."""
+"""`gpugate sweep`: between starts, sort every GPU holder by its owner, tell what nobody owns
+(journal, metrics, STATUS=), reap it with pre's rules after `[sweep] reap_after_s`, and drain
+a Slurm node after `drain_after_s` (once per holder)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""`gpugate slurm prolog|epilog`: a Slurm job's hook run, and the drain reason when it fails
-(what a job is and where its cgroup lives: gpugate.integrations.slurm); `gpugate slurm check`:
-whether this node's Slurm gives each job a private /dev/shm, and whether gres.conf resolves
-every GPU slurmd numbers to an NVML GPU (exit 0 where it does, 78 where it does not: the hooks
-would clean such a job's cgroup only)."""
+"""`gpugate slurm prolog|epilog`: a Slurm job's hook run, and the drain reason when it fails;
+`gpugate slurm check`: whether each job gets a private /dev/shm and gres.conf resolves every GPU
+to an NVML GPU (exit 78 where not)."""
 
 from __future__ import annotations
 
