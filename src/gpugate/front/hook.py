@@ -66,8 +66,13 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
     except GateError as exc:
         error, code = exc, exc.exit_code
         Narrator(deps.reporter).failed(exc, deps.stream)  # says it on stderr itself, once
-    if not hook.dry_run:  # never the run's failure: a warning at most, the code stands
-        record_metrics(loaded, hook, code, summary, deps)
+    textfile = loaded.config.metrics_textfile
+    if not hook.dry_run and textfile is not None:  # a failure to record: a warning at most
+        from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
+
+        record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
+        failed = Narrator(deps.reporter).metrics_not_written
+        record_after_run(textfile, record, stream=deps.stream, on_failure=failed)
     return HookOutcome(code, summary, error)
 
 
@@ -79,7 +84,10 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
     """The phase run with its state folders checked (not in a dry run): a start that cannot
     record its lease does not begin; a phase after a stop warns and goes on."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
-    narrator = first_words(scope, loaded, reporter)
+    narrator = Narrator(reporter)
+    # First thing: the unit's own TimeoutStartSec=/TimeoutStopSec= may be shorter than this
+    # run's deadline; systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post.
+    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
     surroundings = hook.surroundings(scope, loaded, reporter)
     if not hook.dry_run:
         required = scope.phase.traits.state_required
@@ -95,15 +103,6 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
 
         raise interrupted(exc, run.progress) from None
-
-
-def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Narrator:
-    """The run's narrator, having asked systemd for the run's time first thing: the unit's own
-    TimeoutStartSec=/TimeoutStopSec= (kept by install) may be shorter than this run's deadline;
-    systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post alike."""
-    narrator = Narrator(reporter)
-    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
-    return narrator
 
 
 def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> None:
@@ -125,23 +124,6 @@ def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> No
     except GateError:
         pids = set()
     say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
-
-
-def record_metrics(
-    loaded: LoadedConfig,
-    hook: Hook,
-    code: ExitCode,
-    summary: RunSummary | None,
-    deps: Deps,
-) -> None:
-    textfile = loaded.config.metrics_textfile
-    if textfile is None:
-        return
-    from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
-
-    record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-    narrator = Narrator(deps.reporter)
-    record_after_run(textfile, record, stream=deps.stream, on_failure=narrator.metrics_not_written)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from gpugate.config.file import LoadedConfig, to_toml, validated
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
@@ -171,8 +171,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
     refuse_before_start(loaded, unit, gpus, caller, args.force, front)
-    tty = terminal_name()
-    started_by = caller.started_by(tty)
+    started_by = caller.started_by()
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
     plan = LaunchPlan(
         unit=unit,
@@ -221,15 +220,6 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         return Caller(uid, os.getgid() if gid is None else gid, str(uid)), under_sudo
     gid = entry.pw_gid if gid is None else gid
     return Caller(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell), under_sudo
-
-
-def terminal_name() -> str | None:
-    for stream in (sys.stdin, sys.stdout):
-        try:
-            return os.ttyname(stream.fileno())
-        except (OSError, ValueError):
-            continue
-    return None
 
 
 def refuse_known_unit(unit: str, *, explicit: bool) -> None:
@@ -402,9 +392,12 @@ def supervise(argv: list[str], unit: str) -> int:
     stopped = threading.Event()
 
     def stop_unit(signum: int, frame: FrameType | None) -> None:
-        if not stopped.is_set():
-            stopped.set()
-            stop_without_waiting(unit)
+        systemctl = find_program("systemctl")
+        if stopped.is_set() or systemctl is None:
+            return
+        stopped.set()
+        with contextlib.suppress(GateError):
+            run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
 
     previous = {
         sig: signal.signal(sig, stop_unit) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
@@ -415,7 +408,14 @@ def supervise(argv: list[str], unit: str) -> int:
         raise LaunchError(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
-        messages = relay(child.stderr, sys.stderr)
+        seen: list[str] = []
+        for raw in iter(child.stderr.readline, b""):
+            seen.append(raw.decode("utf-8", "replace"))
+            try:
+                sys.stderr.write(seen[-1])
+                sys.stderr.flush()
+            except OSError:
+                pass  # the terminal is gone: keep draining, the status is still wanted
         code = child.wait()
         if stopped.is_set():
             # systemd-run may have ended with us (Ctrl-C reaches the whole process group):
@@ -426,7 +426,7 @@ def supervise(argv: list[str], unit: str) -> int:
             signal.signal(sig, handler)
     if code < 0:  # systemd-run itself was killed by a signal
         code = 128 - code
-    return command_status(code, messages)
+    return command_status(code, "".join(seen))
 
 
 def wait_until_gone(
@@ -446,27 +446,6 @@ def wait_until_gone(
     return False
 
 
-def relay(source: IO[bytes], target: IO[str]) -> str:
-    seen: list[str] = []
-    for raw in iter(source.readline, b""):
-        line = raw.decode("utf-8", "replace")
-        seen.append(line)
-        try:
-            target.write(line)
-            target.flush()
-        except OSError:
-            pass  # the terminal is gone: keep draining, the status is still wanted
-    return "".join(seen)
-
-
-def stop_without_waiting(unit: str) -> None:
-    systemctl = find_program("systemctl")
-    if systemctl is None:
-        return
-    with contextlib.suppress(GateError):
-        run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
-
-
 class LaunchError(GateError):
     exit_code = ExitCode.USAGE
 
@@ -479,8 +458,11 @@ class Caller:
     home: str | None = None
     shell: str | None = None
 
-    def started_by(self, tty: str | None) -> str:
-        return f"{self.user} (uid {self.uid}{', ' + tty if tty else ''})"
+    def started_by(self) -> str:
+        for stream in (sys.stdin, sys.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                return f"{self.user} (uid {self.uid}, {os.ttyname(stream.fileno())})"
+        return f"{self.user} (uid {self.uid})"
 
 
 @dataclass(frozen=True)
