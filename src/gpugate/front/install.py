@@ -371,28 +371,46 @@ def plan_install(
         dropin_path: dropin,
         config_path: with_header(render_config(unit, gpus, containers, ports)),
     }
-    changes: list[Change] = []
-    refused: list[str] = []
-    for path, content in wanted.items():
-        owner = ownership(path)
-        if owner is Ownership.OPERATORS and not force:
-            if path == config_path and gpus is None and not containers and not ports:
-                changes.append(Change(path, Action.KEEP, note="edited"))
-                continue
-            refused.append(str(path))
-            continue
-        shown = said if path == dropin_path else ()
-        if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
-            changes.append(Change(path, Action.UNCHANGED, said=shown))
-        else:
-            note = "edited-forced" if owner is Ownership.OPERATORS else ""
-            changes.append(Change(path, Action.WRITE, content, note, shown))
+    untouched = gpus is None and not containers and not ports
+    planned = {
+        path: file_change(
+            path,
+            content,
+            force=force,
+            keep_edited=path == config_path and untouched,
+            said=said if path == dropin_path else (),
+        )
+        for path, content in wanted.items()
+    }
+    refused = [str(path) for path, change in planned.items() if change is None]
     if refused:
         raise InstallError(
             f"{', '.join(refused)}: edited by you (or not written by gpugate install); nothing "
             "changed; --force replaces it"
         )
-    return changes
+    return [change for change in planned.values() if change is not None]
+
+
+def file_change(
+    path: Path,
+    content: str | None,
+    *,
+    force: bool,
+    keep_edited: bool,
+    said: tuple[str, ...] = (),
+) -> Change | None:
+    """Writing content to path (None: removing it), by its ownership; None where the file is
+    the operator's, not keep_edited and not force (refused)."""
+    owner = ownership(path)
+    if owner is Ownership.OPERATORS and not force:
+        note = "edited" if content is not None else "edited-removable"
+        return Change(path, Action.KEEP, note=note) if keep_edited else None
+    if content is None:
+        return Change(path, Action.ABSENT if owner is Ownership.ABSENT else Action.REMOVE)
+    if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
+        return Change(path, Action.UNCHANGED, said=said)
+    note = "edited-forced" if owner is Ownership.OPERATORS else ""
+    return Change(path, Action.WRITE, content, note, said)
 
 
 def planned_dropin(
@@ -450,20 +468,15 @@ def plan_uninstall(
     operator's and not force. An edited config is kept (it does nothing without the hooks)."""
     validate_install_unit(unit)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
-    changes: list[Change] = []
+    changes = []
     for path in (dropin_path, config_path):
-        owner = ownership(path)
-        if owner is Ownership.ABSENT:
-            changes.append(Change(path, Action.ABSENT))
-        elif owner is Ownership.OURS or force:
-            changes.append(Change(path, Action.REMOVE))
-        elif path == config_path:
-            changes.append(Change(path, Action.KEEP, note="edited-removable"))
-        else:
+        change = file_change(path, None, force=force, keep_edited=path == config_path)
+        if change is None:
             raise InstallError(
                 f"{path}: edited by you (or not written by gpugate install); nothing changed; "
                 "--force removes it"
             )
+        changes.append(change)
     return changes
 
 
@@ -583,21 +596,10 @@ def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -
         return []
     changes = []
     for name, body in ((SERVICE, render_service(command)), (TIMER, render_timer())):
-        path = systemd_dir / name
-        owner = ownership(path)
-        if installing:
-            text = with_header(body)
-            if owner is Ownership.OPERATORS:
-                changes.append(Change(path, Action.KEEP, note="edited"))
-            else:
-                same = owner is Ownership.OURS and path.read_text() == text
-                changes.append(Change(path, Action.UNCHANGED if same else Action.WRITE, text))
-        elif owner is Ownership.OURS:
-            changes.append(Change(path, Action.REMOVE))
-        elif owner is Ownership.ABSENT:
-            changes.append(Change(path, Action.ABSENT))
-        else:
-            changes.append(Change(path, Action.KEEP, note="edited-removable"))
+        content = with_header(body) if installing else None
+        change = file_change(systemd_dir / name, content, force=False, keep_edited=True)
+        assert change is not None  # kept where edited
+        changes.append(change)
     return changes
 
 
