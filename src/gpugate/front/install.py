@@ -500,8 +500,9 @@ def apply(
                 write_atomically(change.path, change.content, _mode_of(change.path))
             elif change.action is Action.REMOVE:
                 change.path.unlink(missing_ok=True)
-                if not change.keep_folder:
-                    _remove_empty_dir(change.path.parent)
+                if not change.keep_folder:  # not empty (other drop-ins, configs): stays
+                    with contextlib.suppress(OSError):
+                        change.path.parent.rmdir()
         except PermissionError as exc:
             raise PermissionDenied(
                 f"{exc.filename or change.path}: permission denied (run as root)"
@@ -531,11 +532,6 @@ def _mode_of(path: Path) -> int:
         return stat.S_IMODE(os.lstat(path).st_mode)
     except OSError:  # missing: a new file
         return 0o644
-
-
-def _remove_empty_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not empty (other drop-ins, other configs): stays
-        directory.rmdir()
 
 
 SERVICE = "gpugate-sweep.service"

@@ -210,10 +210,6 @@ def plan_containerd(
     return [Change(path, Action.WRITE, text, note, detail=wrapped.name)]
 
 
-def uses_wrapper(host: ContainerHost) -> bool:
-    return host.daemon_json is not None or host.containerd_config is not None
-
-
 def nvidia_in_place(host: ContainerHost) -> bool:
     """NVIDIA's runtime installed at its fixed path and set up as a runtime of docker's or of
     containerd's CRI plugin (gpugate's own runtime aside)."""

@@ -51,14 +51,6 @@ SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothi
 UNLISTED = "unlisted"  # memory NVML lists no process for (a dead PID's, a MIG slice's)
 
 
-def classify(discovery: Discovery, loaded: LoadedConfig) -> list[Holding]:
-    return [
-        Holding(holder, owner_of(holder, discovery, loaded.config))
-        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
-        if holder.gpus or holder.used_mib
-    ]
-
-
 def remember(
     holdings: Sequence[Holding],
     earlier: Mapping[ProcessId, Seen],
@@ -199,7 +191,11 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
     loaded = load_config(None, config)
     reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
     discovery = look(loaded, front)
-    holdings = classify(discovery, loaded)
+    holdings = [
+        Holding(holder, owner_of(holder, discovery, loaded.config))
+        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+        if holder.gpus or holder.used_mib
+    ]
     now = clock()
     seen = keep_state(loaded, holdings, now, reporter)
     textfile = loaded.config.metrics_textfile
@@ -246,7 +242,17 @@ def drain_due(
         pids = still_alive(holdings, reaped, front.host_roots().proc)
         set_drain_reason(node, lines.sweep_unkillable_reason(reaped, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
-    found = {} if after_s is None else due(holdings, seen, now, after_s)
+    listed = {
+        h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
+    }
+    found = {
+        ident: entry
+        for ident, entry in seen.items()
+        if after_s is not None
+        and ident in listed
+        and not entry.drained
+        and now - entry.since >= after_s
+    }
     if not found:
         return
     gpus = sorted({gpu for entry in found.values() for gpu in entry.gpus})
@@ -281,19 +287,6 @@ def keep_state(
     except OSError as exc:
         print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
-
-
-def due(
-    holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float, after_s: float
-) -> dict[ProcessId, Seen]:
-    listed = {
-        h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
-    }
-    return {
-        ident: entry
-        for ident, entry in seen.items()
-        if ident in listed and not entry.drained and now - entry.since >= after_s
-    }
 
 
 def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:

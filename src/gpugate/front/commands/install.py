@@ -98,7 +98,8 @@ def containers_setup(
     script = str(given) if given else os.path.abspath(sys.argv[0])
     command = (script,)
     changes = oci.plan_hooks(host, command, install=installing, force=force)
-    wrapper = oci.wrapper_beside(script) if installing and oci.uses_wrapper(host) else ""
+    wrapped = host.daemon_json is not None or host.containerd_config is not None
+    wrapper = oci.wrapper_beside(script) if installing and wrapped else ""
     nvidia = installing and oci.nvidia_in_place(host)
     if host.daemon_json is not None:
         changes += oci.plan_daemon_json(host, wrapper, install=installing)

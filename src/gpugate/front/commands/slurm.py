@@ -79,7 +79,11 @@ def run_slurm_hook(
         job = job_from_env(environ)
         if not job.gpus:
             if job.no_gpus:  # Slurm's own words for "no GPU here"
-                say_no_gpus(phase, job, deps)
+                fields = job_fields(job)
+                reporter = deps.reporter_factory(job.label, phase.value, fields=fields)
+                reporter.event(
+                    Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success"
+                )
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
         config = load_slurm_config(config_path, deps.config_dir)
         loaded, run_deps = job_config(config, job, deps)
@@ -95,11 +99,6 @@ def run_slurm_hook(
         return int(code)  # stopped: slurmd, which stopped it, drains the node itself
     drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
     return int(code)
-
-
-def say_no_gpus(phase: Phase, job: SlurmJob, deps: SlurmDeps) -> None:
-    reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
-    reporter.event(Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success")
 
 
 def job_config(

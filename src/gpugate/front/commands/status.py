@@ -28,7 +28,7 @@ from gpugate.core.owners import Owner, owner_of
 from gpugate.core.roles import Role, holder_role
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
-from gpugate.host.nvml import Gpu, GpuDriver, NotAnswering
+from gpugate.host.nvml import GpuDriver, NotAnswering
 from gpugate.host.procfs import ProcFs
 from gpugate.host.roots import HostRoots
 from gpugate.host.scan import Deadline
@@ -52,6 +52,7 @@ JSON_VERSION = 1
 STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's start times count in these
 
 
 def collect(
@@ -83,15 +84,6 @@ def collect(
         deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
         scanner=scanner,
     )
-
-
-def device_minors(roots: HostRoots) -> list[int]:
-    """N of every /dev/nvidiaN: the GPUs' device files, where NVML cannot name the GPUs."""
-    try:
-        names = os.listdir(roots.dev)
-    except OSError:
-        return []
-    return sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
 
 
 def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
@@ -133,8 +125,7 @@ def as_dict(
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     unowned = read_unowned(loaded.config.lock_dir)
     holders = [
-        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
-        | owner_dict(holder, discovery, loaded, unowned)
+        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned)
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
     ]
     return {
@@ -213,12 +204,19 @@ def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dic
 
 
 def holder_dict(
-    holder: Holder, discovery: Discovery, loaded: LoadedConfig, now: float | None, rule: str | None
+    holder: Holder,
+    discovery: Discovery,
+    loaded: LoadedConfig,
+    now: float | None,
+    rule: str | None,
+    unowned: dict[Any, Seen],
 ) -> dict[str, Any]:
+    """owner: core/owners' kind; unowned_s: since when a sweep has seen it nobody's."""
     info = holder.info
+    owner = owner_of(holder, discovery, loaded.config)
+    seen = unowned.get(info.ident) if owner is Owner.NOBODY else None
     role = holder_role(holder, discovery, loaded.config)
     container = holder.container
-    ticks = os.sysconf("SC_CLK_TCK")
     shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
     command, command_cut = shown_args(info.cmdline)
     return {
@@ -241,12 +239,10 @@ def holder_dict(
         "reason": rule,
         "orphan": role is Role.ORPHAN,
         "protected": role is Role.PROTECTED,
-        # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
-        # (decide's rule: never killed, never a blocker).
-        "watcher": role is Role.WATCHER,
+        "watcher": role is Role.WATCHER,  # nvidia-smi -l, nvtop, DCGM: never killed
         "shm": shm[:MAX_SHM_LISTED],
         "shm_bytes": sum(item["bytes"] or 0 for item in shm),
-        "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
+        "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
         "container": None
         if container is None
         else {
@@ -254,17 +250,6 @@ def holder_dict(
             "id": container.id,
             "name": shown(container.name, CONTAINER) or None,
         },
-    }
-
-
-def owner_dict(
-    holder: Holder, discovery: Discovery, loaded: LoadedConfig, unowned: dict[Any, Seen]
-) -> dict[str, Any]:
-    """What owns the holder (core/owners: `gpugate sweep`'s kinds) and, where it is nobody's
-    and a sweep has seen it so, for how many seconds."""
-    owner = owner_of(holder, discovery, loaded.config)
-    seen = unowned.get(holder.info.ident) if owner is Owner.NOBODY else None
-    return {
         "owner": str(owner),
         "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
     }
@@ -285,25 +270,20 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
             "owned": gpu.index in owned,
             "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
             "mig_mode": gpu.mig_mode,
-            "mig": mig_dict(gpu, discovery),
+            "mig": None
+            if gpu.mig is None
+            else {  # a MIG slice's place and the processes NVML lists on it
+                "gpu": gpu.mig.parent,
+                "gpu_uuid": gpu.mig.parent_uuid,
+                "mig_index": gpu.mig.mig_index,
+                "gpu_instance": gpu.mig.gpu_instance,
+                "compute_instance": gpu.mig.compute_instance,
+                "profile": gpu.mig.profile,
+                "pids": [process.pid for process in discovery.usage[gpu.index].processes],
+            },
         }
         for gpu in discovery.gpus
     ]
-
-
-def mig_dict(gpu: Gpu, discovery: Discovery) -> dict[str, Any] | None:
-    """A MIG slice's place and the processes NVML lists on it; None for a whole GPU."""
-    if gpu.mig is None:
-        return None
-    return {
-        "gpu": gpu.mig.parent,
-        "gpu_uuid": gpu.mig.parent_uuid,
-        "mig_index": gpu.mig.mig_index,
-        "gpu_instance": gpu.mig.gpu_instance,
-        "compute_instance": gpu.mig.compute_instance,
-        "profile": gpu.mig.profile,
-        "pids": [process.pid for process in discovery.usage[gpu.index].processes],
-    }
 
 
 def render_json(data: dict[str, Any]) -> str:
@@ -447,14 +427,6 @@ def holder_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def state_warnings(loaded: LoadedConfig) -> list[str]:
-    files = read_leases(loaded.config.lock_dir)
-    return [
-        f"gpugate: warning: {unreadable_record_text(path, 'a gpugate lease', files.why[path])}"
-        for path in files.unreadable
-    ]
-
-
 def unreadable_warning(discovery: Discovery) -> str | None:
     """Not root, or not all read within STATUS_SCAN_S: holders may be missing."""
     if discovery.cut_short:
@@ -525,9 +497,19 @@ def look(
             discovery = collect(unit, loaded, driver, roots, procfs=procfs, scanner=scanner)
         except NvmlNotAnswering as exc:
             # Hung before it named a GPU: what /dev and /proc show, without NVML.
-            hung = NotAnswering(exc, device_minors(roots))
+            try:  # N of every /dev/nvidiaN: the GPUs' device files
+                names = os.listdir(roots.dev)
+            except OSError:
+                names = []
+            minors = sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
+            hung = NotAnswering(exc, minors)
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
-        for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+        files = read_leases(loaded.config.lock_dir)
+        unreadable = [
+            "gpugate: warning: " + unreadable_record_text(path, "a gpugate lease", files.why[path])
+            for path in files.unreadable
+        ]
+        for warning in [unreadable_warning(discovery), *unreadable]:
             if warning and warning not in warned:
                 print(warning, file=sys.stderr, flush=True)
                 warned.append(warning)
