@@ -39,8 +39,7 @@ EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2; raw: the
-    description's line breaks kept."""
+    """argparse, but a bad command line exits 64 (EX_USAGE); raw: line breaks kept."""
 
     def __init__(self, *, raw: bool = False, **kwargs: Any) -> None:
         formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
@@ -52,8 +51,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _width() -> int:
-    """The width argparse gives its help (shutil.get_terminal_size's columns, less 2) without
-    importing shutil, whose bz2 and lzma cost a --help 2 ms."""
+    """argparse's help width without importing shutil (its bz2, lzma cost --help 2 ms)."""
     try:
         columns = int(os.environ["COLUMNS"])
     except (KeyError, ValueError):

@@ -81,8 +81,7 @@ def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
 
 
 def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
-    """The phase run with its state folders checked (not in a dry run): a start that cannot
-    record its lease does not begin; a phase after a stop warns and goes on."""
+    """The phase run, state folders checked first: a start that cannot record its lease fails."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
     narrator = Narrator(reporter)
     # First thing: the unit's own TimeoutStartSec=/TimeoutStopSec= may be shorter than this

@@ -54,8 +54,7 @@ SHEBANG_BYTES = 256
 
 
 def gpugate_command(argv0: str | None = None, executable: str | None = None) -> tuple[str, ...]:
-    """This gpugate: the launcher that was run where its shebang already isolates Python,
-    else this interpreter with -I -m gpugate."""
+    """This gpugate: its launcher where the shebang isolates Python, else `PYTHON -I -m gpugate`."""
     script = os.path.abspath(argv0 if argv0 is not None else sys.argv[0])
     if shebang(script) is not None and isolates(script):
         return (script,)
@@ -66,8 +65,7 @@ def gpugate_command(argv0: str | None = None, executable: str | None = None) -> 
 
 
 def command_for(path: str) -> tuple[str, ...]:
-    """An operator's --gpugate-path: as it is where it isolates Python itself (or is not a
-    Python script); a console script whose shebang lacks -I is run by its interpreter, -I."""
+    """--gpugate-path: a console script whose shebang lacks -I is run by its interpreter, -I."""
     line = shebang(path)
     if line is None or isolates(path):
         return (path,)
@@ -215,8 +213,7 @@ def render_config(
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
 ) -> str:
-    """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
-    and ports given (gpus: "auto" unless given)."""
+    """A commented skeleton of the defaults; the GPUs, containers and ports given set."""
     model = pydantic_config()  # the fields' descriptions
     defaults = model()
     lines = [
@@ -399,8 +396,7 @@ def file_change(
     keep_edited: bool,
     said: tuple[str, ...] = (),
 ) -> Change | None:
-    """Writing content to path (None: removing it), by its ownership; None where the file is
-    the operator's, not keep_edited and not force (refused)."""
+    """Writing content (None: removing the file); None: the operator's file, refused."""
     owner = ownership(path)
     if owner is Ownership.OPERATORS and not force:
         note = "edited" if content is not None else "edited-removable"
@@ -444,8 +440,7 @@ def refuse_unknown_unit(
     query: Callable[[str], UnitState | None],
     stream: TextIO | None = None,
 ) -> None:
-    """A drop-in for a unit systemd does not know is most likely a typo: warn, and refuse
-    without --force."""
+    """A unit systemd does not know is most likely a typo: warn, and refuse without --force."""
     if unit.endswith("@.service"):
         return  # systemd shows instances, not templates; the template's file may be anywhere
     state = query(unit)
@@ -464,8 +459,7 @@ def plan_uninstall(
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
 ) -> list[Change]:
-    """What uninstall would do; InstallError (nothing done) where the drop-in is the
-    operator's and not force. An edited config is kept (it does nothing without the hooks)."""
+    """What uninstall would do; InstallError where the drop-in is the operator's (no force)."""
     validate_install_unit(unit)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     changes = []
@@ -487,8 +481,7 @@ def apply(
     reload: Callable[[], bool] = systemctl_daemon_reload,
     out: TextIO | None = None,
 ) -> bool:
-    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed; reload:
-    False where there was no systemd to reload."""
+    """Carry out a plan (dry_run: print it); True when the drop-in changed."""
     stream = out if out is not None else sys.stdout
     for change in changes:
         _describe(change, dry_run, stream)

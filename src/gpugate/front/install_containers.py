@@ -56,8 +56,7 @@ def detect() -> ContainerHost:
 
 
 def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
-    """containers.conf's [engine] hooks_dir (the first file that sets it), else podman's
-    built-in folder."""
+    """containers.conf's [engine] hooks_dir (the first that sets it), else podman's own."""
     for conf in confs:
         try:
             data = tomllib.loads(conf.read_text(encoding="utf-8"))
@@ -211,8 +210,7 @@ def plan_containerd(
 
 
 def nvidia_in_place(host: ContainerHost) -> bool:
-    """NVIDIA's runtime installed at its fixed path and set up as a runtime of docker's or of
-    containerd's CRI plugin (gpugate's own runtime aside)."""
+    """NVIDIA's runtime installed and set up as a runtime of docker's or containerd's CRI."""
     if wrapped_runtime.find(wrapped_runtime.NVIDIA) is None:
         return False
     programs: list[str] = []
@@ -523,8 +521,7 @@ def installed(
 
 
 def uninstalled(current: str, *, path: Path) -> str | None:
-    """The config as it was before install (None: remove it, install made it); the same text
-    where gpugate's block is not there."""
+    """The config as before install; None: install made it, remove it."""
     base = strip(current, path)
     data = parse(current, path)
     cri = cri_keys(data, path)

@@ -236,8 +236,7 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
 def resolve_gpus(
     wanted: object, environ: Mapping[str, str], driver_factory: Callable[[], GpuDriver]
 ) -> list[Gpu]:
-    """--gpus, else the caller's CUDA_VISIBLE_DEVICES, else every GPU: NVML's GPUs, so that
-    the unit names them (and takes a lease on them) even for "all"."""
+    """--gpus, else the caller's CUDA_VISIBLE_DEVICES, else all: NVML's GPUs, to lease."""
     if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
         where = "CUDA_VISIBLE_DEVICES"
         wanted = parse_visible_devices(where, environ[where], "your environment")
@@ -259,8 +258,7 @@ def resolve_gpus(
 def refuse_before_start(
     loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
 ) -> None:
-    """What the unit's pre would refuse, before anything starts: a running lease on the GPUs
-    (--force: root's alone), and for a caller that is not root another account's process."""
+    """What the unit's pre would refuse (a lease, another account's process), before the start."""
     roots = front.host_roots()
     refuse_leased(
         loaded,
@@ -285,8 +283,7 @@ def refuse_leased(
     unit_state: Callable[[str], str | None],
     caller_is_root: bool = True,
 ) -> None:
-    """A running unit's lease on these GPUs refuses, as its pre would; --force overrides it
-    for root alone (a caller that is not root: exit 77, and its pre gets no --ignore-leases)."""
+    """A running unit's lease on these GPUs refuses, as pre would; --force is root's alone."""
     config = loaded.config
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
@@ -312,8 +309,7 @@ def refuse_other_accounts(
     roots: HostRoots,
     driver_factory: Callable[[], GpuDriver],
 ) -> None:
-    """For a caller that is not root: a process of another account on these GPUs refuses the
-    run (exit 22), as the unit's pre would (`--for-uid`); nothing is started or killed."""
+    """A caller that is not root: another account's process on the GPUs refuses (exit 22)."""
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
     from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.procfs import ProcFs  # noqa: PLC0415
@@ -387,8 +383,7 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
 
 
 def supervise(argv: list[str], unit: str) -> int:
-    """Run systemd-run, relay its messages, and return COMMAND's status. A hangup, SIGTERM or
-    SIGINT reaching gpugate itself (a closed terminal, Ctrl-C without a pty) stops the unit."""
+    """systemd-run, relayed; a hangup, SIGTERM or SIGINT reaching gpugate stops the unit."""
     stopped = threading.Event()
 
     def stop_unit(signum: int, frame: FrameType | None) -> None:
@@ -436,8 +431,7 @@ def wait_until_gone(
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> bool:
-    """Poll the unit's ActiveState until it is neither running nor stopping; False at the
-    deadline."""
+    """Poll until the unit is neither running nor stopping; False at the deadline."""
     state = state or active_state
     while clock() < deadline:
         if state(unit) not in STOPPING_OR_RUNNING:
@@ -524,8 +518,7 @@ def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
 def caller_environment(
     environ: Mapping[str, str], caller: Caller, under_sudo: bool
 ) -> list[tuple[str, str]]:
-    """passed_environment, and under sudo the invoking user's HOME, USER, LOGNAME, SHELL
-    (sudo's own would name root)."""
+    """The environment passed on; under sudo the caller's HOME, USER, LOGNAME, SHELL."""
     kept = dict(passed_environment(environ))
     if under_sudo:
         kept["USER"] = kept["LOGNAME"] = caller.user

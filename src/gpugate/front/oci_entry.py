@@ -39,8 +39,7 @@ def main(
     config: Path | None = None,
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """roots, config and driver_factory: `gpugate --host-roots R --nvml-library L oci-hook
-    --config C STAGE` (the bench, tests), through the full command line."""
+    """roots, config, driver_factory: from the full command line (the bench, tests)."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)

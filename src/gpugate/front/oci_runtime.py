@@ -85,8 +85,7 @@ def with_hooks(
 
 
 def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
-    """config.json rewritten in place (a new file renamed over it, same mode). always: for
-    every container (NVIDIA's runtime follows), not only one that asks for GPUs now."""
+    """config.json rewritten in place (a new file renamed over it, same mode)."""
     raw = read_config(bundle)
     try:
         spec = json.loads(raw)

@@ -57,8 +57,7 @@ def remember(
     now: float,
     reporter: Reporter | None,
 ) -> dict[ProcessId, Seen]:
-    """The unowned holders now, each with since when; says who is new and who is gone
-    (reporter None: says nothing)."""
+    """The unowned holders now, each with since when; says who is new and who is gone."""
     seen: dict[ProcessId, Seen] = {}
     for holding in holdings:
         if holding.owner is not Owner.NOBODY:
@@ -274,8 +273,7 @@ def drain_due(
 def keep_state(
     loaded: LoadedConfig, holdings: Sequence[Holding], now: float, reporter: Reporter
 ) -> dict[ProcessId, Seen]:
-    """remember(), against the state under lock_dir; a state that cannot be kept is a warning,
-    never the sweep's failure."""
+    """remember(), against the state under lock_dir; a state not kept is only a warning."""
     lock_dir = loaded.config.lock_dir
     seen: dict[ProcessId, Seen] | None = None
     try:

@@ -30,8 +30,6 @@ def install(
     containers: Sequence[str] = (),
     gpugate_path: Path | None = None,
 ) -> int:
-    """gpugate_path: the gpugate the hook lines run (default: /usr/bin/gpugate, else the one
-    on PATH)."""
     unit = unit_argument(unit_given)  # `install vllm` is vllm.service, as for systemctl
     command = plan.command_for(str(gpugate_path)) if gpugate_path else plan.gpugate_command()
     changes = plan.plan_install(
@@ -88,8 +86,7 @@ def containers_setup(
     given: Path | None = None,
     default: bool = False,
 ) -> int:
-    """`gpugate install|uninstall --containers` (front/install_containers.py); default:
-    install's --default (gpugate containerd's CRI default runtime)."""
+    """`gpugate install|uninstall --containers`; default: gpugate containerd's CRI default."""
     from gpugate.front import install_containers as oci  # noqa: PLC0415
 
     host = oci.detect()

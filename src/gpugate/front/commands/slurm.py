@@ -160,8 +160,7 @@ def drain(
     stream: TextIO,
     said: bool,
 ) -> None:
-    """A failed prolog or epilog: the drain reason, on stderr (unless said already) and to
-    slurmctld where the node is named."""
+    """A failed prolog or epilog: the drain reason on stderr (unless said) and to slurmctld."""
     reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
     if not said:
         print(lines.error(f"drain: {reason}"), file=stream, flush=True)

@@ -64,8 +64,7 @@ def collect(
     procfs: ProcFs | None = None,
     scanner: DeviceScanner = full_scan,
 ) -> Discovery:
-    """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
-    `faults`, and its device files still name its holders."""
+    """As nvidia-smi: a GPU NVML cannot read is listed in `faults`, not hiding the others."""
     roots = roots or HostRoots()
     cgroup = NO_UNIT_CGROUP
     if unit is not None:
@@ -87,8 +86,7 @@ def collect(
 
 
 def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
-    """A holder's files in /dev/shm: path and allocated bytes (null: unlinked already, still
-    mapped; the path then ends in " (deleted)")."""
+    """A holder's /dev/shm files; bytes null: unlinked, still mapped (path " (deleted)")."""
     used = []
     index: dict[ShmKey, list[str]] | None = None
     for file in sorted(files, key=lambda f: f.path):
@@ -312,8 +310,7 @@ def held_for(seconds: int | None) -> str:
 
 
 def mib_shown(used: dict[str, int | None]) -> str:
-    """NVML's MiB for the holder: `-` where NVML does not list it, `unknown` where the
-    driver does not say (None), `N+?` where it says for some GPUs only."""
+    """`-`: NVML lists it nowhere; `unknown`: the driver does not say; `N+?`: for some GPUs."""
     if not used:
         return "-"
     known = [mib for mib in used.values() if mib is not None]
@@ -489,8 +486,7 @@ def look(
     warned: list[str],
     scanner: DeviceScanner,
 ) -> dict[str, Any]:
-    """One look, again at each --watch tick, in one ProcFs.oneshot(): discovery and the JSON's
-    rules share what it read; a warning is said once (warned), also in --watch."""
+    """One look (each --watch tick) in one ProcFs.oneshot(); each warning said once (warned)."""
     procfs = ProcFs(roots.proc)
     with procfs.oneshot():
         try:
