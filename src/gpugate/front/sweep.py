@@ -203,29 +203,18 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
             record_sweep(textfile, gauges(discovery, holdings, seen, now))
         except OSError as exc:
             print(lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=sys.stderr)
-    code, reaped = reap_due(loaded, front, reporter, (discovery, holdings, seen, now))
+    code, reaped = int(ExitCode.OK), []
+    after_s = loaded.config.sweep.reap_after_s
+    if after_s is not None:
+        leased = live_leased(loaded, front.unit_state)
+        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
+        if gpus:
+            code, reaped = reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
     if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
         drain_due(loaded, front, (holdings, seen, now), (reaped, code))
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
     sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
     return code
-
-
-Looked = tuple[Discovery, Sequence[Holding], Mapping[ProcessId, Seen], float]
-
-
-def reap_due(
-    loaded: LoadedConfig, front: Front, reporter: Reporter, looked: Looked
-) -> tuple[int, list[int]]:
-    discovery, holdings, seen, now = looked
-    after_s = loaded.config.sweep.reap_after_s
-    if after_s is None:
-        return int(ExitCode.OK), []
-    leased = live_leased(loaded, front.unit_state)
-    gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
-    if not gpus:
-        return int(ExitCode.OK), []
-    return reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
 
 
 def drain_due(

@@ -66,12 +66,6 @@ def uninstall(
     return int(ExitCode.OK)
 
 
-def unit_or_containers(command: str) -> int:
-    """install|uninstall given both a UNIT and --containers, or neither."""
-    print(lines.unit_or_containers(command), file=sys.stderr)
-    return int(ExitCode.USAGE)
-
-
 def _apply(changes: list[plan.Change], *, dry_run: bool, no_reload: bool) -> bool:
     reload = (lambda: False) if no_reload else plan.systemctl_daemon_reload
     return plan.apply(changes, dry_run=dry_run, reload=reload)
