@@ -309,14 +309,10 @@ def read_containerd_config(path: Path) -> str | None:
             f"{path}: " + (safe_files.untrusted_text(found) if found else "refused: untrusted")
         )
     try:
-        raw = read_capped(path, MAX_CONFIG)
+        return read_capped(path, MAX_CONFIG).decode("utf-8")
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
 
 

@@ -171,7 +171,6 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
     refuse_before_start(loaded, unit, gpus, caller, args.force, front)
-    started_by = caller.started_by()
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
     plan = LaunchPlan(
         unit=unit,
@@ -182,7 +181,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         pty=sys.stdin.isatty() and sys.stdout.isatty(),
         gpugate=gpugate_command(),
         config=config_path,
-        started_by=started_by,
+        started_by=caller.started_by(),
         force=args.force,
         cleanup=cleanup,
         as_root_caller=caller.uid == 0,
@@ -498,8 +497,6 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
                 "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
             )
         return unit
-    if not command:
-        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 

@@ -353,13 +353,8 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             (order, f"{first}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} {name}")
         )
     for fault in data["unreadable_gpus"]:
-        uuid = fault["uuid"] or "?"
-        rows.append(
-            (
-                (fault["index"], -1),
-                f"{fault['index']:>3}! {uuid:<42} {'ERR!':>16}  {fault['error']}",
-            )
-        )
+        row = f"{fault['index']:>3}! {fault['uuid'] or '?':<42} {'ERR!':>16}  {fault['error']}"
+        rows.append(((fault["index"], -1), row))
     lines += [row for _, row in sorted(rows)]
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
