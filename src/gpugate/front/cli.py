@@ -163,11 +163,9 @@ def _phase_parser(commands: Commands, name: str, text: str) -> None:
         action="store_true",
         help="run by hand even while the unit is active (kills the running service)",
     )
-    # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
-    # warned about, not refused. Hidden: not for hand use, never from the environment.
+    # Hidden, written by `gpugate run` on its hook lines: --force's leases warned about, not
+    # refused; a caller that is not root: kill only its processes (docs/gpugate-run.md).
     sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
-    # `gpugate run` by an account that is not root writes it on both hook lines: kill only
-    # that account's processes (it narrows, never widens; docs/gpugate-run.md).
     sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
     sub.set_defaults(run=_pre_post)
 
@@ -314,10 +312,9 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
 
 
 def _stand_in_options(parser: argparse.ArgumentParser) -> None:
-    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
-    # shown in --help, never in the unit drop-in, and never taken from the environment.
+    # Stand-in /dev, /proc, cgroup tree and libnvidia-ml.so.1 for tests and the bench
+    # (docs/hardening.md): hidden, never in the drop-in, never from the environment.
     parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
-    # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
     parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
 
 

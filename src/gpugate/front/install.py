@@ -94,11 +94,8 @@ def isolates(path: str) -> bool:
     return any(w.startswith("-") and not w.startswith("--") and "I" in w for w in words[1:])
 
 
-# The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
-# Every setting in it means the same on systemd 247 (Debian 11) to 257 (Debian 13): the "+"
-# prefix dates from 231, NotifyAccess=exec from 232, EXTEND_TIMEOUT_USEC= from 236, and drop-in
-# directories (UNIT.d/, TEMPLATE@.service.d/ for every instance) are older still
-# (docs/install.md, "systemd 247 to 257").
+# The drop-in (units/gpugate.conf with @GPUGATE@ = /usr/bin/gpugate); every setting means the
+# same on systemd 247 to 257 (docs/install.md).
 DROPIN_TEMPLATE = """\
 # gpugate on a GPU service: before each start and after each stop, find every process that
 # holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.
@@ -114,8 +111,7 @@ ExecStopPost=+@GPUGATE@ post %n
 """
 
 
-# What follows the hooks, each block left out where the unit sets that itself
-# (host/systemd.py); `gpugate install` says which it kept.
+# What follows the hooks, each left out where the unit sets it itself (install says which).
 NOTIFY_BLOCK = """\
 # Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
 # STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose

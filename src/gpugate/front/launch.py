@@ -58,14 +58,9 @@ RM = Path("/bin/rm")
 PREFIX = "gpugate-run-"
 BASE_MAX = 40  # characters of the command's name kept in a derived unit name
 
-# Not passed to the unit (the rest of the caller's environment is):
-# - set by systemd for each service, or describing the caller's own service or terminal
-#   (wrong in another unit; systemd-run --pty sets TERM itself);
-# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
-#   caller's to choose);
-# - what changes the programs root's `+` hooks load, or how they start (they run with the
-#   unit's environment): LOADER_NAMES and LOADER_PREFIXES below;
-# - sudo's and the shell's bookkeeping.
+# Not passed to the unit: systemd's per-service variables and those of the caller's own
+# service or terminal; GPUGATE_* (GPUGATE_STARTED_BY is gpugate's to set); what changes what
+# root's `+` hooks load (they run with the unit's environment); sudo's and the shell's.
 NOT_PASSED = frozenset(
     {
         "INVOCATION_ID",
@@ -114,11 +109,8 @@ NOT_PASSED = frozenset(
         "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
     }
 )
-# The dynamic loader's and glibc's: every LD_* (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...),
-# GLIBC_TUNABLES, MALLOC_*, GCONV_*, and the rest of glibc's own list of what it drops for a
-# setuid program (sysdeps/generic/unsecvars.h); an interpreter's start-up: PYTHON* (the hooks
-# run Python -I, which reads none of them, but not every interpreter a hook may run does),
-# a shell's, Perl's, Ruby's, Node's.
+# The loader's and glibc's (LD_*, glibc's setuid list in sysdeps/generic/unsecvars.h), and
+# interpreters' start-up variables (not every program a hook runs is Python -I).
 LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
 LOADER_NAMES = frozenset(
     {

@@ -123,8 +123,7 @@ def main(argv: Sequence[str]) -> int:
     if wrapped.path is None:
         print(lines.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
-    # A rootless runtime (its user's namespace) gets its runtime as it is: its hooks would
-    # gate nothing (front/oci_entry.py), and its bundle is its user's to write, not gpugate's.
+    # A rootless runtime's hooks would gate nothing, and its bundle is its user's to write.
     if creating and not_host_root() is None:
         try:
             add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)

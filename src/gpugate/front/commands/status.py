@@ -464,8 +464,7 @@ def status(
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends
     except BrokenPipeError:
-        # `gpugate status | head`: stdout to /dev/null, so that the interpreter's last flush
-        # does not fail once more.
+        # `gpugate status | head`: stdout to /dev/null, or the interpreter's last flush fails
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return int(ExitCode.OK)
