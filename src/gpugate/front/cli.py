@@ -489,9 +489,10 @@ def _port(value: str) -> int:
 
 
 def _container(value: str) -> str:
-    from gpugate.front.install import parse_container  # noqa: PLC0415
+    from gpugate.config.values import CONTAINER_NAME  # noqa: PLC0415
+    from gpugate.untrusted import echo  # noqa: PLC0415
 
-    try:
-        return parse_container(value)
-    except InvalidValue as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not CONTAINER_NAME.fullmatch(value):
+        what = "is not a container name or id (letters, digits, _.-)"
+        raise argparse.ArgumentTypeError(f"{echo(value)} {what}")
+    return value

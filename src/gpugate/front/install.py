@@ -20,7 +20,6 @@ from typing import Literal, TextIO, Union
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, pydantic_config, toml_value
 from gpugate.config.values import (
-    CONTAINER_NAME,
     DEFAULT_PRIVATE_SHM,
     PRIVATE_SHM_OFF,
     SWEEP_INTERVAL_S,
@@ -31,7 +30,6 @@ from gpugate.errors import (
     ExitCode,
     GateError,
     InstallError,
-    InvalidValue,
     PermissionDenied,
     UnknownUnit,
 )
@@ -303,12 +301,6 @@ def parse_gpus(value: str) -> Gpus:
     if value.strip() == "all":
         return "all"
     return list(parse_gpu_text(value))
-
-
-def parse_container(value: str) -> str:
-    if not CONTAINER_NAME.fullmatch(value):
-        raise InvalidValue(f"{echo(value)} is not a container name or id (letters, digits, _.-)")
-    return value
 
 
 def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> Result:
