@@ -29,7 +29,6 @@ from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenie
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.roots import HostRoots
 from gpugate.host.safe_files import find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     ENV_NAME,
@@ -249,7 +248,8 @@ def resolve_gpus(
 def refuse_before_start(
     loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
 ) -> None:
-    """What the unit's pre would refuse (a lease, another account's process), before the start."""
+    """What the unit's pre would refuse, before the start: a lease on the GPUs, and for a
+    caller that is not root another account's process on them (exit 22)."""
     roots = front.host_roots()
     refuse_leased(
         loaded,
@@ -261,8 +261,30 @@ def refuse_before_start(
             name, roots.cgroup, ask_systemd=roots.ask_systemd
         ),
     )
-    if caller.uid != 0:
-        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
+    if caller.uid == 0:
+        return
+    from gpugate.core.decide import Rule, decide  # noqa: PLC0415
+    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
+    from gpugate.host.procfs import ProcFs  # noqa: PLC0415
+
+    procfs = ProcFs(roots.proc)
+    driver = front.driver_factory()
+    try:
+        found = discover(
+            # not started yet: no process is in its cgroup
+            Sought(unit, f"/system.slice/{unit}", as_refs(gpus), loaded.source),
+            driver=driver,
+            procfs=procfs,
+            roots=roots,
+            containers=loaded.config.containers,
+            ports=loaded.config.ports,
+        )
+    finally:
+        driver.close()
+    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
+    others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
+    if others:
+        raise HeldByOthers(lines.other_account_refusal(unit, others))
 
 
 def refuse_leased(
@@ -290,40 +312,6 @@ def refuse_leased(
             lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
             file=sys.stderr,
         )
-
-
-def refuse_other_accounts(
-    loaded: LoadedConfig,
-    unit: str,
-    gpus: Sequence[Gpu],
-    uid: int,
-    roots: HostRoots,
-    driver_factory: Callable[[], GpuDriver],
-) -> None:
-    """A caller that is not root: another account's process on the GPUs refuses (exit 22)."""
-    from gpugate.core.decide import Rule, decide  # noqa: PLC0415
-    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
-    from gpugate.host.procfs import ProcFs  # noqa: PLC0415
-    from gpugate.phase import Phase  # noqa: PLC0415
-
-    procfs = ProcFs(roots.proc)
-    driver = driver_factory()
-    try:
-        found = discover(
-            # not started yet: no process is in its cgroup
-            Sought(unit, f"/system.slice/{unit}", as_refs(gpus), loaded.source),
-            driver=driver,
-            procfs=procfs,
-            roots=roots,
-            containers=loaded.config.containers,
-            ports=loaded.config.ports,
-        )
-    finally:
-        driver.close()
-    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
-    others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
-    if others:
-        raise HeldByOthers(lines.other_account_refusal(unit, others))
 
 
 class HeldByOthers(GateError):
