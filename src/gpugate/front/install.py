@@ -289,10 +289,8 @@ def validate_install_unit(unit: str) -> str:
     """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
     if not unit.endswith(".service"):
         raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
-    if unit.endswith("@.service"):
-        validate_unit_name(unit.removesuffix("@.service") + "@instance.service")
-    else:
-        validate_unit_name(unit)
+    template = unit.endswith("@.service")
+    validate_unit_name(unit.removesuffix("@.service") + "@instance.service" if template else unit)
     return unit
 
 

@@ -136,21 +136,14 @@ NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 
 
-def checked_command(args: argparse.Namespace) -> list[str]:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+def launch_command(args: argparse.Namespace, front: Front) -> int:
+    command = list(args.command)[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
         raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
         raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
-    return command
-
-
-def launch_command(args: argparse.Namespace, front: Front) -> int:
-    command = checked_command(args)
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:

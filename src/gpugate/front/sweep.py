@@ -279,11 +279,11 @@ def keep_state(
 def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:
     """The unowned holders of gpus that are still the processes they were."""
     procfs = ProcFs(proc)
-    alive = []
-    for holding in holdings:
-        info = holding.holder.info
-        if holding.owner is Owner.NOBODY and holding.holder.using & set(gpus):
-            now = procfs.info(info.pid)
-            if now is not None and now.start_time == info.start_time:
-                alive.append(info.pid)
-    return alive
+    unowned = [
+        h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & set(gpus)
+    ]
+    return [
+        info.pid
+        for info in unowned
+        if (now := procfs.info(info.pid)) is not None and now.start_time == info.start_time
+    ]
