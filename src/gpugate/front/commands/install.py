@@ -75,26 +75,20 @@ def containers_setup(
     # This very gpugate: the script it was run as (the packages' launcher isolates Python
     # itself; a venv's console script is run as it is, see docs/containers.md).
     script = str(given) if given else os.path.abspath(sys.argv[0])
-    command = (script,)
-    changes = oci.plan_hooks(host, command, install=installing, force=force)
+    changes = oci.plan_hooks(host, script, install=installing, force=force)
     wrapped = host.daemon_json is not None or host.containerd_config is not None
     wrapper = oci.wrapper_beside(script) if installing and wrapped else ""
     nvidia = installing and oci.nvidia_in_place(host)
-    if host.daemon_json is not None:
-        changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    changes += oci.plan_daemon_json(host, wrapper, install=installing)
     changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
     changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
-        from gpugate.report.lines import NOTHING_TO_SET_UP  # noqa: PLC0415
-
-        print(NOTHING_TO_SET_UP)
+        print(lines.NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     plan.apply(changes, dry_run=dry_run, reload=lambda: False)
     written = {c.path for c in changes if c.action in (plan.Action.WRITE, plan.Action.REMOVE)}
     if host.containerd_config in written and not dry_run:
-        from gpugate.report.lines import CONTAINERD_RESTART  # noqa: PLC0415
-
-        print(CONTAINERD_RESTART)
+        print(lines.CONTAINERD_RESTART)
     if host.daemon_json in written and not dry_run and not no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)
