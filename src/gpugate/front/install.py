@@ -561,16 +561,12 @@ def render_service(command: Sequence[str]) -> str:
     return SERVICE_TEMPLATE.replace("@GPUGATE@", " ".join(command))
 
 
-def render_timer() -> str:
-    return TIMER_TEMPLATE
-
-
 def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
     """The unit files in systemd_dir: none where the package carries them."""
     if (PACKAGED_DIR / TIMER).exists() and (PACKAGED_DIR / SERVICE).exists():
         return []
     changes = []
-    for name, body in ((SERVICE, render_service(command)), (TIMER, render_timer())):
+    for name, body in ((SERVICE, render_service(command)), (TIMER, TIMER_TEMPLATE)):
         content = with_header(body) if installing else None
         change = file_change(systemd_dir / name, content, force=False, keep_edited=True)
         assert change is not None  # kept where edited
