@@ -47,14 +47,6 @@ def bundle_of(args: Sequence[str]) -> str:
     return os.getcwd()
 
 
-def own_gpugate() -> tuple[str, ...]:
-    """The `gpugate` beside this wrapper (a venv's bin/, /usr/bin), else the packaged one."""
-    beside = Path(sys.argv[0]).absolute().parent / "gpugate"
-    if os.access(beside, os.X_OK):
-        return (str(beside),)
-    return (next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0]),)
-
-
 def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
     command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
     args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
@@ -125,8 +117,11 @@ def main(argv: Sequence[str]) -> int:
         return int(ExitCode.NVML_UNAVAILABLE)
     # A rootless runtime's hooks would gate nothing, and its bundle is its user's to write.
     if creating and not_host_root() is None:
+        beside = Path(sys.argv[0]).absolute().parent / "gpugate"  # a venv's bin/, /usr/bin
+        packaged = next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0])
+        gpugate = str(beside) if os.access(beside, os.X_OK) else packaged
         try:
-            add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
+            add_hooks(bundle_of(args), (gpugate,), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:
             said = exc.message if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
