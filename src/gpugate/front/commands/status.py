@@ -122,10 +122,6 @@ def as_dict(
     leases = read_leases(loaded.config.lock_dir).leases
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     unowned = read_unowned(loaded.config.lock_dir)
-    holders = [
-        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned)
-        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
-    ]
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
@@ -133,7 +129,10 @@ def as_dict(
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
         "gpus": gpu_dicts(discovery, leases),
-        "holders": holders,
+        "holders": [
+            holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned)
+            for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+        ],
         "leases": [
             {
                 "unit": shown(lease.unit, STATE),
@@ -176,21 +175,21 @@ def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
         unit = unit_of_cgroup(holder.info.cgroup or "/")
         if unit:
             by_unit.setdefault(unit, set()).add(holder.pid)
-    found = []
-    for unit, pids in sorted(by_unit.items()):
-        own = own_shm_of_any(roots.proc, pids, devs)
-        if own is not None:
-            found.append(
-                {
-                    "unit": shown(unit, CGROUP),  # a name an account may have picked
-                    "pid": own.pid,
-                    "path": "/dev/shm",
-                    "total_bytes": own.total_bytes,
-                    "used_bytes": own.used_bytes,
-                    "files": own.files,
-                }
-            )
-    return found
+    owns = (
+        (unit, own_shm_of_any(roots.proc, pids, devs)) for unit, pids in sorted(by_unit.items())
+    )
+    return [
+        {
+            "unit": shown(unit, CGROUP),  # a name an account may have picked
+            "pid": own.pid,
+            "path": "/dev/shm",
+            "total_bytes": own.total_bytes,
+            "used_bytes": own.used_bytes,
+            "files": own.files,
+        }
+        for unit, own in owns
+        if own is not None
+    ]
 
 
 def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dict[int, str]:
