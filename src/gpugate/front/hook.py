@@ -105,10 +105,8 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
 
 
 def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> None:
-    """After a unit's stop, where it has a /dev/shm of its own: say what that held, read
-    through a process of the unit still there. systemd gives the hook a fresh tmpfs of its own
-    on /dev/shm, in a namespace other than PID 1's, where the unit sets
-    TemporaryFileSystem=/dev/shm: that is how the hook tells."""
+    """After a stop, say what the unit's own /dev/shm held. systemd gives the hook a fresh
+    tmpfs of its own there (not PID 1's) where the unit has one: that is how it tells."""
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return

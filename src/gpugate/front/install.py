@@ -173,9 +173,8 @@ def render_dropin(
     unit: UnitSettings | None = None,
     private_shm: str = DEFAULT_PRIVATE_SHM,
 ) -> str:
-    """The drop-in: the hooks, and what the unit does not set itself (unit: what it sets;
-    None: nothing), with a /dev/shm of its own unless private_shm is "off". gpugate: the
-    command that runs gpugate (gpugate_command), or one path."""
+    """The drop-in: the hooks, and what the unit (its settings) does not set itself, with a
+    /dev/shm of its own unless private_shm is "off"."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
     for text in words:
         if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
@@ -339,10 +338,8 @@ def plan_install(
     query: Callable[[str], UnitState | None] | None = None,
     stream: TextIO | None = None,
 ) -> list[Change]:
-    """What install would do; InstallError (nothing done) where it would replace the
-    operator's drop-in, or change the GPUs or containers of the operator's config, without
-    force. What the unit sets itself is read from systemd (`systemctl cat`) where systemd_dir
-    is the real one, else from the files in systemd_dir (tests, an image's tree)."""
+    """What install would do; InstallError (nothing done) where it would change the operator's
+    files without force. The unit's settings: `systemctl cat` for the real systemd_dir."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit

@@ -181,9 +181,8 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tuple[Caller, bool]:
-    """The account COMMAND runs as, and that its hooks act for: gpugate's own real uid; under
-    sudo (real uid 0 and SUDO_UID set, by sudo itself, also under -E) the account that typed
-    sudo. Without sudo SUDO_UID is not read at all; one not in sudo's form is refused."""
+    """The account COMMAND runs as: the real uid, or under sudo (real uid 0) SUDO_UID's, which
+    is read only then and refused unless in sudo's form."""
     uid = os.getuid() if real_uid is None else real_uid
     under_sudo = uid == 0 and "SUDO_UID" in environ
     gid: int | None = None

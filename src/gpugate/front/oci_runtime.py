@@ -56,9 +56,8 @@ def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
 def with_hooks(
     spec: dict[str, object], gpugate: str | Sequence[str], *, always: bool = False
 ) -> bool:
-    """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
-    them already. always: whatever the spec asks for now, since NVIDIA's runtime, run next,
-    may add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
+    """Add gpugate's hooks to a GPU container's spec; False where it has them already. always:
+    whatever it asks for now (NVIDIA's runtime, run next, may add GPUs)."""
     if not always and not spec_gpu_request(spec):
         return False
     hooks = spec.setdefault("hooks", {})

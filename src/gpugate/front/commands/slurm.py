@@ -104,9 +104,8 @@ def run_slurm_hook(
 def job_config(
     config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
 ) -> tuple[LoadedConfig, RunDeps]:
-    """The config with the job's GPUs as NVML's UUIDs (slurmd's numbers through gres.conf and
-    the device files), and the run's deps with the driver opened for it. Numbers not resolved
-    for certain: one line, and no GPU (the job's cgroup alone)."""
+    """The config with the job's GPUs as NVML's UUIDs (through gres.conf), and the deps with
+    the driver opened; numbers not resolved for certain: no GPU, the job's cgroup alone."""
     driver: GpuDriver | None = None
     numbers = ",".join(map(str, job.gpus))
     try:
