@@ -398,22 +398,17 @@ def planned_dropin(
     systemd_dir: Path,
     config: Path,
 ) -> tuple[str, tuple[str, ...]]:
+    """The drop-in and the lines saying what it keeps; private_shm from the unit's config."""
     text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
     settings = parse_unit_settings(text, DROPIN_NAME)
-    private_shm = configured_private_shm(config)
-    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
-    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
-
-
-def configured_private_shm(config: Path) -> str:
-    """private_shm from the unit's config where it has one, else the default."""
     try:
-        text = config.read_text(encoding="utf-8")
+        private_shm = parse_config(config.read_text(encoding="utf-8"), str(config)).private_shm
     except FileNotFoundError:
-        return DEFAULT_PRIVATE_SHM
+        private_shm = DEFAULT_PRIVATE_SHM
     except OSError as exc:
         raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
-    return parse_config(text, str(config)).private_shm
+    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
+    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
 
 
 def refuse_unknown_unit(
