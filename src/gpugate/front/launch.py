@@ -358,12 +358,13 @@ def supervise(argv: list[str], unit: str) -> int:
     stopped = threading.Event()
 
     def stop_unit(signum: int, frame: FrameType | None) -> None:
-        systemctl = find_program("systemctl")
-        if stopped.is_set() or systemctl is None:
+        if stopped.is_set():
             return
         stopped.set()
+        systemctl = find_program("systemctl")
         with contextlib.suppress(GateError):
-            run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
+            if systemctl is not None:
+                run_program([systemctl, "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
 
     previous = {
         sig: signal.signal(sig, stop_unit) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
