@@ -20,7 +20,7 @@ from gpugate.core.roles import Holding, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands import Front
-from gpugate.front.install import DEFAULT_GPUGATE, render_service, render_timer
+from gpugate.front.install import DEFAULT_GPUGATE, TIMER_TEMPLATE, render_service
 from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
@@ -300,7 +300,7 @@ def test_reap_at_the_interval_is_taken() -> None:
 def test_the_shipped_units_are_what_install_writes_and_the_interval_is_the_configs() -> None:
     assert (UNITS / "gpugate-sweep.service").read_text() == render_service([str(DEFAULT_GPUGATE)])
     timer = (UNITS / "gpugate-sweep.timer").read_text()
-    assert timer == render_timer()
+    assert timer == TIMER_TEMPLATE
     assert re.search(rf"^OnUnitActiveSec={SWEEP_INTERVAL_S}$", timer, re.M)
 
 

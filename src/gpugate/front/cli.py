@@ -1,13 +1,6 @@
-"""Command line: `gpugate pre|post|status|config check|install|uninstall|run|slurm`: the
-parser and main(). Each command is a typed function in a module of its own (`front/commands/`,
-pipx's layout); the parser stores with each command the function that calls it (`run=`), so
-main() dispatches without looking a name up.
-
-Only the parser is imported up front: `--help`, `--version` and a usage error import no
-pydantic, no pynvml, no psutil (tests/commands/test_cli.py checks it). main() builds only the
-parser of the command the command line names (`Commands`); that command's module, and
-everything it needs, is imported once the command line is parsed.
-"""
+"""Command line: the parser and main(). Only the parser is imported up front (--help,
+--version and a usage error import no pydantic, pynvml or psutil); main() builds only the named
+command's parser, and imports that command's module once the command line is parsed."""
 
 from __future__ import annotations
 
@@ -46,8 +39,7 @@ EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad command line exits 64 (EX_USAGE), not argparse's 2; raw: the
-    description's line breaks kept."""
+    """argparse, but a bad command line exits 64 (EX_USAGE); raw: line breaks kept."""
 
     def __init__(self, *, raw: bool = False, **kwargs: Any) -> None:
         formatter = argparse.RawDescriptionHelpFormatter if raw else argparse.HelpFormatter
@@ -59,8 +51,7 @@ class Parser(argparse.ArgumentParser):
 
 
 def _width() -> int:
-    """The width argparse gives its help (shutil.get_terminal_size's columns, less 2) without
-    importing shutil, whose bz2 and lzma cost a --help 2 ms."""
+    """argparse's help width without importing shutil (its bz2, lzma cost --help 2 ms)."""
     try:
         columns = int(os.environ["COLUMNS"])
     except (KeyError, ValueError):
@@ -75,9 +66,8 @@ def _width() -> int:
 
 
 class Commands(SubParsers):
-    """A parser's COMMAND: its --help lists each command by the line add_parser(help=) would
-    make, and a command's parser is built (add_parser, by the command's build) once argparse
-    hands it the command line; with lazy False, at once (tests and docs walk every parser)."""
+    """Subcommands whose parsers are built once argparse reaches them (lazy), else at once
+    (tests and docs walk every parser)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -115,8 +105,6 @@ def _commands(parser: argparse.ArgumentParser, lazy: bool, **kwargs: Any) -> Com
 
 
 def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
-    """lazy: each command's parser built once the command line names it (main's); else
-    every command's now."""
     parser = Parser(
         prog="gpugate",
         raw=True,
@@ -175,11 +163,9 @@ def _phase_parser(commands: Commands, name: str, text: str) -> None:
         action="store_true",
         help="run by hand even while the unit is active (kills the running service)",
     )
-    # `gpugate run --force` writes it on its unit's ExecStartPre=: other units' leases are
-    # warned about, not refused. Hidden: not for hand use, never from the environment.
+    # Hidden, written by `gpugate run` on its hook lines: --force's leases warned about, not
+    # refused; a caller that is not root: kill only its processes (docs/gpugate-run.md).
     sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
-    # `gpugate run` by an account that is not root writes it on both hook lines: kill only
-    # that account's processes (it narrows, never widens; docs/gpugate-run.md).
     sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
     sub.set_defaults(run=_pre_post)
 
@@ -255,7 +241,6 @@ DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime
 
 
 def _install_parser(commands: Commands, name: str, text: str) -> None:
-    """install, or uninstall: install's options less those for the config it writes."""
     sub = commands.add_parser(name)
     sub.add_argument("unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)")
     sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
@@ -265,10 +250,9 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
     sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
     sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
-    if name == "uninstall":
-        sub.set_defaults(run=_uninstall)
-        return
     sub.set_defaults(run=_install)
+    if name == "uninstall":
+        return
     sub.add_argument("--default", action="store_true", help=DEFAULT_HELP)
     _gpus_and_ports(
         sub,
@@ -293,7 +277,6 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
 
 
 def _oci_hook_parser(commands: Commands, name: str, text: str) -> None:
-    """Shown in --help; the command itself never reaches this parser (front/entry.py)."""
     hook = commands.add_parser(name)
     hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
     hook.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
@@ -329,10 +312,9 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
 
 
 def _stand_in_options(parser: argparse.ArgumentParser) -> None:
-    # Stand-in /dev, /proc and cgroup tree for tests and the bench (docs/hardening.md); not
-    # shown in --help, never in the unit drop-in, and never taken from the environment.
+    # Stand-in /dev, /proc, cgroup tree and libnvidia-ml.so.1 for tests and the bench
+    # (docs/hardening.md): hidden, never in the drop-in, never from the environment.
     parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
-    # A stand-in libnvidia-ml.so.1 by its path (tests, the bench); never LD_LIBRARY_PATH.
     parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
 
 
@@ -361,7 +343,6 @@ def main(
     unit_state: Callable[[str], str | None] | None = None,
     cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
 ) -> int:
-    """driver_factory, reporter_factory: injected by tests; None: NVML's and journald's."""
     args = build_parser(lazy=True).parse_args(argv)
     try:
         from gpugate.front.commands import Front  # noqa: PLC0415
@@ -397,9 +378,6 @@ def main(
 
         print(lines.error(lines.internal_error_text(exc)), file=sys.stderr)
         return int(ExitCode.INTERNAL)
-
-
-# Each command's call: its module imported now, its function given the command line's values.
 
 
 def _pre_post(args: argparse.Namespace, front: Front) -> int:
@@ -452,73 +430,12 @@ def _config_check(args: argparse.Namespace, front: Front) -> int:
 
 
 def _install(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.commands import install as command  # noqa: PLC0415
+    from gpugate.front.commands.install import install_command  # noqa: PLC0415
 
-    if args.sweep and args.unit is None and not args.oci:
-        return _sweep_setup(args, installing=True, gpugate_path=args.gpugate_path)
-    if args.oci != (args.unit is None) or args.sweep:
-        return command.unit_or_containers("install")
-    if args.oci:
-        return command.containers_setup(
-            True,
-            force=args.force,
-            dry_run=args.dry_run,
-            no_reload=args.no_reload,
-            given=args.gpugate_path,
-            default=args.default,
-        )
-    return command.install(
-        args.unit,
-        force=args.force,
-        dry_run=args.dry_run,
-        no_reload=args.no_reload,
-        systemd_dir=args.systemd_dir,
-        config_dir=args.config_dir,
-        gpus=args.gpus,
-        ports=args.ports,
-        containers=args.containers,
-        gpugate_path=args.gpugate_path,
-    )
-
-
-def _uninstall(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.commands import install as command  # noqa: PLC0415
-
-    if args.sweep and args.unit is None and not args.oci:
-        return _sweep_setup(args, installing=False)
-    if args.oci != (args.unit is None) or args.sweep:
-        return command.unit_or_containers("uninstall")
-    if args.oci:
-        return command.containers_setup(
-            False, force=args.force, dry_run=args.dry_run, no_reload=args.no_reload
-        )
-    return command.uninstall(
-        args.unit,
-        force=args.force,
-        dry_run=args.dry_run,
-        no_reload=args.no_reload,
-        systemd_dir=args.systemd_dir,
-        config_dir=args.config_dir,
-    )
-
-
-def _sweep_setup(
-    args: argparse.Namespace, *, installing: bool, gpugate_path: Path | None = None
-) -> int:
-    """`gpugate install|uninstall --sweep` (front/install.py)."""
-    from gpugate.front.install import sweep_setup  # noqa: PLC0415
-
-    return sweep_setup(
-        installing,
-        systemd_dir=args.systemd_dir,
-        dry_run=args.dry_run,
-        no_reload=args.no_reload,
-        gpugate_path=gpugate_path,
-    )
+    return install_command(args)
 
 
 def _oci_hook(args: argparse.Namespace, front: Front) -> int:
-    """`gpugate [--host-roots ...] oci-hook STAGE` where the fast entry did not take it."""
     from gpugate.front.oci_entry import main as oci_hook  # noqa: PLC0415
 
     return oci_hook(
@@ -572,9 +489,10 @@ def _port(value: str) -> int:
 
 
 def _container(value: str) -> str:
-    from gpugate.front.install import parse_container  # noqa: PLC0415
+    from gpugate.config.values import CONTAINER_NAME  # noqa: PLC0415
+    from gpugate.untrusted import echo  # noqa: PLC0415
 
-    try:
-        return parse_container(value)
-    except InvalidValue as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not CONTAINER_NAME.fullmatch(value):
+        what = "is not a container name or id (letters, digits, _.-)"
+        raise argparse.ArgumentTypeError(f"{echo(value)} {what}")
+    return value

@@ -1,11 +1,7 @@
-"""One hook run, the same for systemd's ExecStartPre=/ExecStopPost=, Slurm's Prolog=/Epilog=
-and an OCI hook: locate the cgroup, run the phase, say a failure once, record the metrics.
-
-SIGTERM (`systemctl stop` during a start, a stop job's timeout) or SIGINT ends a hook at once:
-the signal becomes `Interrupted` in the main thread. Every wait of a run is a sleep, a poll or
-a lock wait with a timeout in the main thread, and Python retries none of them when a handler
-raises (PEP 475); the `finally` blocks then close the GPU locks. A second signal is ignored so
-that the cleanup runs to its end (systemd's SIGKILL after TimeoutStopSec= still ends it)."""
+"""One hook run, the same for ExecStartPre=/ExecStopPost=, Slurm's Prolog=/Epilog= and an OCI
+hook: locate the cgroup, run the phase, say a failure once, record the metrics. SIGTERM or
+SIGINT becomes `Interrupted` in the main thread (every wait there is a timed sleep, poll or
+lock wait, PEP 475); a second signal is ignored so that the cleanup runs to its end."""
 
 from __future__ import annotations
 
@@ -70,8 +66,13 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
     except GateError as exc:
         error, code = exc, exc.exit_code
         Narrator(deps.reporter).failed(exc, deps.stream)  # says it on stderr itself, once
-    if not hook.dry_run:  # never the run's failure: a warning at most, the code stands
-        record_metrics(loaded, hook, code, summary, deps)
+    textfile = loaded.config.metrics_textfile
+    if not hook.dry_run and textfile is not None:  # a failure to record: a warning at most
+        from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
+
+        record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
+        failed = Narrator(deps.reporter).metrics_not_written
+        record_after_run(textfile, record, stream=deps.stream, on_failure=failed)
     return HookOutcome(code, summary, error)
 
 
@@ -80,10 +81,12 @@ def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
 
 
 def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
-    """The phase run with its state folders checked (not in a dry run): a start that cannot
-    record its lease does not begin; a phase after a stop warns and goes on."""
+    """The phase run, state folders checked first: a start that cannot record its lease fails."""
     reporter = run_reporter(deps.reporter, hook.dry_run)
-    narrator = first_words(scope, loaded, reporter)
+    narrator = Narrator(reporter)
+    # First thing: the unit's own TimeoutStartSec=/TimeoutStopSec= may be shorter than this
+    # run's deadline; systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post.
+    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
     surroundings = hook.surroundings(scope, loaded, reporter)
     if not hook.dry_run:
         required = scope.phase.traits.state_required
@@ -101,20 +104,9 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         raise interrupted(exc, run.progress) from None
 
 
-def first_words(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> Narrator:
-    """The run's narrator, having asked systemd for the run's time first thing: the unit's own
-    TimeoutStartSec=/TimeoutStopSec= (kept by install) may be shorter than this run's deadline;
-    systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post alike."""
-    narrator = Narrator(reporter)
-    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
-    return narrator
-
-
 def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> None:
-    """After a unit's stop, where it has a /dev/shm of its own: say what that held, read
-    through a process of the unit still there. systemd gives the hook a fresh tmpfs of its own
-    on /dev/shm, in a namespace other than PID 1's, where the unit sets
-    TemporaryFileSystem=/dev/shm: that is how the hook tells."""
+    """After a stop, say what the unit's own /dev/shm held. systemd gives the hook a fresh
+    tmpfs of its own there (not PID 1's) where the unit has one: that is how it tells."""
     traits = scope.phase.traits
     if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
         return
@@ -129,23 +121,6 @@ def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> No
     except GateError:
         pids = set()
     say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
-
-
-def record_metrics(
-    loaded: LoadedConfig,
-    hook: Hook,
-    code: ExitCode,
-    summary: RunSummary | None,
-    deps: Deps,
-) -> None:
-    textfile = loaded.config.metrics_textfile
-    if textfile is None:
-        return
-    from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
-
-    record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-    narrator = Narrator(deps.reporter)
-    record_after_run(textfile, record, stream=deps.stream, on_failure=narrator.metrics_not_written)
 
 
 @contextlib.contextmanager

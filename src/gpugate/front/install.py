@@ -1,19 +1,7 @@
 """`gpugate install|uninstall UNIT`: put gpugate on a unit (a drop-in and a config skeleton)
-and take it off again; `install|uninstall --sweep`: the gpugate-sweep.timer on, or off again.
-
-Every file install writes starts with a header that records the SHA-256 of the rest; a file
-whose rest no longer matches, or that has no such header, is the operator's: never replaced or
-removed without `force` (the drop-in), and the config (meant to be edited) is kept.
-
-The hook lines run this very gpugate, isolated (docs/hardening.md, rules 5 and 6): Python -I
-reads no PYTHON* variable, adds neither the current folder nor the script's to its path, and
-skips the user's site folder, so a unit's Environment=PYTHONPATH= imports nothing into root's
-hook. A pip or pipx console script's shebang has no -I: the hooks run its interpreter as
-`PYTHON -I -m gpugate`; the packages' /usr/bin/gpugate already says `#!/usr/bin/python3 -I`.
-
-The packages carry gpugate-sweep.service and .timer in /usr/lib/systemd/system, disabled.
-Without them (gpugate from pip), `--sweep` writes both into the systemd folder, marked as
-install's own, and uninstall removes them where unchanged."""
+and take it off again; `--sweep`: gpugate-sweep.timer on or off. A file install wrote records
+the SHA-256 of its rest in a header; one that no longer matches is the operator's: kept, or
+replaced/removed only with --force. The hook lines run Python -I (docs/hardening.md)."""
 
 from __future__ import annotations
 
@@ -32,7 +20,6 @@ from typing import Literal, TextIO, Union
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, pydantic_config, toml_value
 from gpugate.config.values import (
-    CONTAINER_NAME,
     DEFAULT_PRIVATE_SHM,
     PRIVATE_SHM_OFF,
     SWEEP_INTERVAL_S,
@@ -43,7 +30,6 @@ from gpugate.errors import (
     ExitCode,
     GateError,
     InstallError,
-    InvalidValue,
     PermissionDenied,
     UnknownUnit,
 )
@@ -66,8 +52,7 @@ SHEBANG_BYTES = 256
 
 
 def gpugate_command(argv0: str | None = None, executable: str | None = None) -> tuple[str, ...]:
-    """This gpugate: the launcher that was run where its shebang already isolates Python,
-    else this interpreter with -I -m gpugate."""
+    """This gpugate: its launcher where the shebang isolates Python, else `PYTHON -I -m gpugate`."""
     script = os.path.abspath(argv0 if argv0 is not None else sys.argv[0])
     if shebang(script) is not None and isolates(script):
         return (script,)
@@ -78,8 +63,7 @@ def gpugate_command(argv0: str | None = None, executable: str | None = None) -> 
 
 
 def command_for(path: str) -> tuple[str, ...]:
-    """An operator's --gpugate-path: as it is where it isolates Python itself (or is not a
-    Python script); a console script whose shebang lacks -I is run by its interpreter, -I."""
+    """--gpugate-path: a console script whose shebang lacks -I is run by its interpreter, -I."""
     line = shebang(path)
     if line is None or isolates(path):
         return (path,)
@@ -108,11 +92,8 @@ def isolates(path: str) -> bool:
     return any(w.startswith("-") and not w.startswith("--") and "I" in w for w in words[1:])
 
 
-# The drop-in; units/gpugate.conf is this text with @GPUGATE@ = /usr/bin/gpugate.
-# Every setting in it means the same on systemd 247 (Debian 11) to 257 (Debian 13): the "+"
-# prefix dates from 231, NotifyAccess=exec from 232, EXTEND_TIMEOUT_USEC= from 236, and drop-in
-# directories (UNIT.d/, TEMPLATE@.service.d/ for every instance) are older still
-# (docs/install.md, "systemd 247 to 257").
+# The drop-in (units/gpugate.conf with @GPUGATE@ = /usr/bin/gpugate); every setting means the
+# same on systemd 247 to 257 (docs/install.md).
 DROPIN_TEMPLATE = """\
 # gpugate on a GPU service: before each start and after each stop, find every process that
 # holds the unit's GPUs, kill exactly those, and wait until NVML reports the memory freed.
@@ -128,8 +109,7 @@ ExecStopPost=+@GPUGATE@ post %n
 """
 
 
-# What follows the hooks, each block left out where the unit sets that itself
-# (host/systemd.py); `gpugate install` says which it kept.
+# What follows the hooks, each left out where the unit sets it itself (install says which).
 NOTIFY_BLOCK = """\
 # Accept sd_notify messages from the hook processes, not only the main one: gpugate sends
 # STATUS= (shown by `systemctl status`) and EXTEND_TIMEOUT_USEC= while it waits. (A unit whose
@@ -193,9 +173,8 @@ def render_dropin(
     unit: UnitSettings | None = None,
     private_shm: str = DEFAULT_PRIVATE_SHM,
 ) -> str:
-    """The drop-in: the hooks, and what the unit does not set itself (unit: what it sets;
-    None: nothing), with a /dev/shm of its own unless private_shm is "off". gpugate: the
-    command that runs gpugate (gpugate_command), or one path."""
+    """The drop-in: the hooks, and what the unit (its settings) does not set itself, with a
+    /dev/shm of its own unless private_shm is "off"."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
     for text in words:
         if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
@@ -227,8 +206,7 @@ def render_config(
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
 ) -> str:
-    """A commented skeleton: the built-in defaults, commented out, except the GPUs, containers
-    and ports given (gpus: "auto" unless given)."""
+    """A commented skeleton of the defaults; the GPUs, containers and ports given set."""
     model = pydantic_config()  # the fields' descriptions
     defaults = model()
     lines = [
@@ -310,10 +288,8 @@ def validate_install_unit(unit: str) -> str:
     """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
     if not unit.endswith(".service"):
         raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
-    if unit.endswith("@.service"):
-        validate_unit_name(unit.removesuffix("@.service") + "@instance.service")
-    else:
-        validate_unit_name(unit)
+    template = unit.endswith("@.service")
+    validate_unit_name(unit.removesuffix("@.service") + "@instance.service" if template else unit)
     return unit
 
 
@@ -322,12 +298,6 @@ def parse_gpus(value: str) -> Gpus:
     if value.strip() == "all":
         return "all"
     return list(parse_gpu_text(value))
-
-
-def parse_container(value: str) -> str:
-    if not CONTAINER_NAME.fullmatch(value):
-        raise InvalidValue(f"{echo(value)} is not a container name or id (letters, digits, _.-)")
-    return value
 
 
 def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> Result:
@@ -368,10 +338,8 @@ def plan_install(
     query: Callable[[str], UnitState | None] | None = None,
     stream: TextIO | None = None,
 ) -> list[Change]:
-    """What install would do; InstallError (nothing done) where it would replace the
-    operator's drop-in, or change the GPUs or containers of the operator's config, without
-    force. What the unit sets itself is read from systemd (`systemctl cat`) where systemd_dir
-    is the real one, else from the files in systemd_dir (tests, an image's tree)."""
+    """What install would do; InstallError (nothing done) where it would change the operator's
+    files without force. The unit's settings: `systemctl cat` for the real systemd_dir."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit
@@ -383,28 +351,45 @@ def plan_install(
         dropin_path: dropin,
         config_path: with_header(render_config(unit, gpus, containers, ports)),
     }
-    changes: list[Change] = []
-    refused: list[str] = []
-    for path, content in wanted.items():
-        owner = ownership(path)
-        if owner is Ownership.OPERATORS and not force:
-            if path == config_path and gpus is None and not containers and not ports:
-                changes.append(Change(path, Action.KEEP, note="edited"))
-                continue
-            refused.append(str(path))
-            continue
-        shown = said if path == dropin_path else ()
-        if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
-            changes.append(Change(path, Action.UNCHANGED, said=shown))
-        else:
-            note = "edited-forced" if owner is Ownership.OPERATORS else ""
-            changes.append(Change(path, Action.WRITE, content, note, shown))
+    untouched = gpus is None and not containers and not ports
+    planned = {
+        path: file_change(
+            path,
+            content,
+            force=force,
+            keep_edited=path == config_path and untouched,
+            said=said if path == dropin_path else (),
+        )
+        for path, content in wanted.items()
+    }
+    refused = [str(path) for path, change in planned.items() if change is None]
     if refused:
         raise InstallError(
             f"{', '.join(refused)}: edited by you (or not written by gpugate install); nothing "
             "changed; --force replaces it"
         )
-    return changes
+    return [change for change in planned.values() if change is not None]
+
+
+def file_change(
+    path: Path,
+    content: str | None,
+    *,
+    force: bool,
+    keep_edited: bool,
+    said: tuple[str, ...] = (),
+) -> Change | None:
+    """Writing content (None: removing the file); None: the operator's file, refused."""
+    owner = ownership(path)
+    if owner is Ownership.OPERATORS and not force:
+        note = "edited" if content is not None else "edited-removable"
+        return Change(path, Action.KEEP, note=note) if keep_edited else None
+    if content is None:
+        return Change(path, Action.ABSENT if owner is Ownership.ABSENT else Action.REMOVE)
+    if owner is Ownership.OURS and path.read_text(encoding="utf-8") == content:
+        return Change(path, Action.UNCHANGED, said=said)
+    note = "edited-forced" if owner is Ownership.OPERATORS else ""
+    return Change(path, Action.WRITE, content, note, said)
 
 
 def planned_dropin(
@@ -413,22 +398,17 @@ def planned_dropin(
     systemd_dir: Path,
     config: Path,
 ) -> tuple[str, tuple[str, ...]]:
+    """The drop-in and the lines saying what it keeps; private_shm from the unit's config."""
     text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
     settings = parse_unit_settings(text, DROPIN_NAME)
-    private_shm = configured_private_shm(config)
-    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
-    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
-
-
-def configured_private_shm(config: Path) -> str:
-    """private_shm from the unit's config where it has one, else the default."""
     try:
-        text = config.read_text(encoding="utf-8")
+        private_shm = parse_config(config.read_text(encoding="utf-8"), str(config)).private_shm
     except FileNotFoundError:
-        return DEFAULT_PRIVATE_SHM
+        private_shm = DEFAULT_PRIVATE_SHM
     except OSError as exc:
         raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
-    return parse_config(text, str(config)).private_shm
+    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
+    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
 
 
 def refuse_unknown_unit(
@@ -438,8 +418,7 @@ def refuse_unknown_unit(
     query: Callable[[str], UnitState | None],
     stream: TextIO | None = None,
 ) -> None:
-    """A drop-in for a unit systemd does not know is most likely a typo: warn, and refuse
-    without --force."""
+    """A unit systemd does not know is most likely a typo: warn, and refuse without --force."""
     if unit.endswith("@.service"):
         return  # systemd shows instances, not templates; the template's file may be anywhere
     state = query(unit)
@@ -458,24 +437,18 @@ def plan_uninstall(
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
 ) -> list[Change]:
-    """What uninstall would do; InstallError (nothing done) where the drop-in is the
-    operator's and not force. An edited config is kept (it does nothing without the hooks)."""
+    """What uninstall would do; InstallError where the drop-in is the operator's (no force)."""
     validate_install_unit(unit)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
-    changes: list[Change] = []
+    changes = []
     for path in (dropin_path, config_path):
-        owner = ownership(path)
-        if owner is Ownership.ABSENT:
-            changes.append(Change(path, Action.ABSENT))
-        elif owner is Ownership.OURS or force:
-            changes.append(Change(path, Action.REMOVE))
-        elif path == config_path:
-            changes.append(Change(path, Action.KEEP, note="edited-removable"))
-        else:
+        change = file_change(path, None, force=force, keep_edited=path == config_path)
+        if change is None:
             raise InstallError(
                 f"{path}: edited by you (or not written by gpugate install); nothing changed; "
                 "--force removes it"
             )
+        changes.append(change)
     return changes
 
 
@@ -486,8 +459,7 @@ def apply(
     reload: Callable[[], bool] = systemctl_daemon_reload,
     out: TextIO | None = None,
 ) -> bool:
-    """Carry out a plan (or, with dry_run, print it). True when the drop-in changed; reload:
-    False where there was no systemd to reload."""
+    """Carry out a plan (dry_run: print it); True when the drop-in changed."""
     stream = out if out is not None else sys.stdout
     for change in changes:
         _describe(change, dry_run, stream)
@@ -499,8 +471,9 @@ def apply(
                 write_atomically(change.path, change.content, _mode_of(change.path))
             elif change.action is Action.REMOVE:
                 change.path.unlink(missing_ok=True)
-                if not change.keep_folder:
-                    _remove_empty_dir(change.path.parent)
+                if not change.keep_folder:  # not empty (other drop-ins, configs): stays
+                    with contextlib.suppress(OSError):
+                        change.path.parent.rmdir()
         except PermissionError as exc:
             raise PermissionDenied(
                 f"{exc.filename or change.path}: permission denied (run as root)"
@@ -530,11 +503,6 @@ def _mode_of(path: Path) -> int:
         return stat.S_IMODE(os.lstat(path).st_mode)
     except OSError:  # missing: a new file
         return 0o644
-
-
-def _remove_empty_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):  # not empty (other drop-ins, other configs): stays
-        directory.rmdir()
 
 
 SERVICE = "gpugate-sweep.service"
@@ -585,31 +553,16 @@ def render_service(command: Sequence[str]) -> str:
     return SERVICE_TEMPLATE.replace("@GPUGATE@", " ".join(command))
 
 
-def render_timer() -> str:
-    return TIMER_TEMPLATE
-
-
 def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
     """The unit files in systemd_dir: none where the package carries them."""
     if (PACKAGED_DIR / TIMER).exists() and (PACKAGED_DIR / SERVICE).exists():
         return []
     changes = []
-    for name, body in ((SERVICE, render_service(command)), (TIMER, render_timer())):
-        path = systemd_dir / name
-        owner = ownership(path)
-        if installing:
-            text = with_header(body)
-            if owner is Ownership.OPERATORS:
-                changes.append(Change(path, Action.KEEP, note="edited"))
-            else:
-                same = owner is Ownership.OURS and path.read_text() == text
-                changes.append(Change(path, Action.UNCHANGED if same else Action.WRITE, text))
-        elif owner is Ownership.OURS:
-            changes.append(Change(path, Action.REMOVE))
-        elif owner is Ownership.ABSENT:
-            changes.append(Change(path, Action.ABSENT))
-        else:
-            changes.append(Change(path, Action.KEEP, note="edited-removable"))
+    for name, body in ((SERVICE, render_service(command)), (TIMER, TIMER_TEMPLATE)):
+        content = with_header(body) if installing else None
+        change = file_change(systemd_dir / name, content, force=False, keep_edited=True)
+        assert change is not None  # kept where edited
+        changes.append(change)
     return changes
 
 

@@ -1,28 +1,6 @@
-"""`gpugate install|uninstall --containers`: gpugate's OCI hook where the host's container
-runtimes find it (docs/containers.md).
-
-- podman (and CRI-O) read hook files from hooks.d folders: `gpugate-start.json`
-  (createRuntime) and `gpugate-stop.json` (poststop) go in the folder the host's podman reads
-  (containers.conf's `hooks_dir`, else /usr/share/containers/oci/hooks.d) and CRI-O's
-  (/etc/containers/oci/hooks.d), where those runtimes are installed;
-- docker runs only the hooks in a container's spec: a runtime named `gpugate` in
-  /etc/docker/daemon.json (every other key kept as it is), the wrapper that adds them, then
-  `systemctl reload docker` where docker runs.
-
-- containerd: the runtime `gpugate` in its config.toml, edited by its text, never rewritten
-  (a parse-and-dump would lose the operator's comments, order and quoting): one marked block
-  of tables appended (the wrapped runtime's runc options, `BinaryName` = gpugate's wrapper),
-  and `--default` replaces the CRI plugin's `default_runtime_name` line with a marked pair that
-  keeps the original line verbatim; uninstall takes out exactly those marked lines. Every
-  result is parsed and compared with the original's parse plus exactly the intended change: a
-  file where tables cannot be added that way (inline or dotted tables) is refused. A missing
-  file is made from `containerd config default` and marked so, and uninstall removes it again
-  while the rest is as it was made. CRI's tables: `plugins."io.containerd.grpc.v1.cri"
-  .containerd` in config version 2 (containerd 1.6, 1.7), `plugins."io.containerd.cri.v1
-  .runtime".containerd` in version 3 (2.x).
-
-Each change is planned first (install.Change), then applied and said; a second install
-changes nothing. A file of the operator's is not replaced without --force."""
+"""`gpugate install|uninstall --containers`: gpugate's OCI hook where podman and CRI-O
+(hooks.d files), docker (a `gpugate` runtime in daemon.json) and containerd (a marked block
+in config.toml, edited as text so the operator's comments stay) find it (docs/containers.md)."""
 
 from __future__ import annotations
 
@@ -78,8 +56,7 @@ def detect() -> ContainerHost:
 
 
 def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
-    """containers.conf's [engine] hooks_dir (the first file that sets it), else podman's
-    built-in folder."""
+    """containers.conf's [engine] hooks_dir (the first that sets it), else podman's own."""
     for conf in confs:
         try:
             data = tomllib.loads(conf.read_text(encoding="utf-8"))
@@ -232,13 +209,8 @@ def plan_containerd(
     return [Change(path, Action.WRITE, text, note, detail=wrapped.name)]
 
 
-def uses_wrapper(host: ContainerHost) -> bool:
-    return host.daemon_json is not None or host.containerd_config is not None
-
-
 def nvidia_in_place(host: ContainerHost) -> bool:
-    """NVIDIA's runtime installed at its fixed path and set up as a runtime of docker's or of
-    containerd's CRI plugin (gpugate's own runtime aside)."""
+    """NVIDIA's runtime installed and set up as a runtime of docker's or containerd's CRI."""
     if wrapped_runtime.find(wrapped_runtime.NVIDIA) is None:
         return False
     programs: list[str] = []
@@ -337,14 +309,10 @@ def read_containerd_config(path: Path) -> str | None:
             f"{path}: " + (safe_files.untrusted_text(found) if found else "refused: untrusted")
         )
     try:
-        raw = read_capped(path, MAX_CONFIG)
+        return read_capped(path, MAX_CONFIG).decode("utf-8")
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
+    except (OSError, UnicodeDecodeError) as exc:
         raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
 
 
@@ -549,8 +517,7 @@ def installed(
 
 
 def uninstalled(current: str, *, path: Path) -> str | None:
-    """The config as it was before install (None: remove it, install made it); the same text
-    where gpugate's block is not there."""
+    """The config as before install; None: install made it, remove it."""
     base = strip(current, path)
     data = parse(current, path)
     cri = cri_keys(data, path)

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO, TYPE_CHECKING
+from typing import TYPE_CHECKING
 
 from gpugate.config.file import LoadedConfig, to_toml, validated
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
@@ -33,7 +33,6 @@ from gpugate.host.safe_files import find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     ENV_NAME,
     SYSTEMCTL_TIMEOUT_S,
-    HostRoots,
     active_state,
     query_unit,
     unit_active_state,
@@ -58,14 +57,9 @@ RM = Path("/bin/rm")
 PREFIX = "gpugate-run-"
 BASE_MAX = 40  # characters of the command's name kept in a derived unit name
 
-# Not passed to the unit (the rest of the caller's environment is):
-# - set by systemd for each service, or describing the caller's own service or terminal
-#   (wrong in another unit; systemd-run --pty sets TERM itself);
-# - GPUGATE_* (gpugate sets its own: GPUGATE_STARTED_BY, recorded in the lease, is not the
-#   caller's to choose);
-# - what changes the programs root's `+` hooks load, or how they start (they run with the
-#   unit's environment): LOADER_NAMES and LOADER_PREFIXES below;
-# - sudo's and the shell's bookkeeping.
+# Not passed to the unit: systemd's per-service variables and those of the caller's own
+# service or terminal; GPUGATE_* (GPUGATE_STARTED_BY is gpugate's to set); what changes what
+# root's `+` hooks load (they run with the unit's environment); sudo's and the shell's.
 NOT_PASSED = frozenset(
     {
         "INVOCATION_ID",
@@ -114,11 +108,8 @@ NOT_PASSED = frozenset(
         "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
     }
 )
-# The dynamic loader's and glibc's: every LD_* (LD_PRELOAD, LD_LIBRARY_PATH, LD_AUDIT, ...),
-# GLIBC_TUNABLES, MALLOC_*, GCONV_*, and the rest of glibc's own list of what it drops for a
-# setuid program (sysdeps/generic/unsecvars.h); an interpreter's start-up: PYTHON* (the hooks
-# run Python -I, which reads none of them, but not every interpreter a hook may run does),
-# a shell's, Perl's, Ruby's, Node's.
+# The loader's and glibc's (LD_*, glibc's setuid list in sysdeps/generic/unsecvars.h), and
+# interpreters' start-up variables (not every program a hook runs is Python -I).
 LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
 LOADER_NAMES = frozenset(
     {
@@ -145,21 +136,14 @@ NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 
 
-def checked_command(args: argparse.Namespace) -> list[str]:
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+def launch_command(args: argparse.Namespace, front: Front) -> int:
+    command = list(args.command)[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
         raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
         raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
-    return command
-
-
-def launch_command(args: argparse.Namespace, front: Front) -> int:
-    command = checked_command(args)
     program = resolve_command(command[0], front.environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
@@ -171,8 +155,6 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
     refuse_before_start(loaded, unit, gpus, caller, args.force, front)
-    tty = terminal_name()
-    started_by = caller.started_by(tty)
     config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
     plan = LaunchPlan(
         unit=unit,
@@ -183,7 +165,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         pty=sys.stdin.isatty() and sys.stdout.isatty(),
         gpugate=gpugate_command(),
         config=config_path,
-        started_by=started_by,
+        started_by=caller.started_by(),
         force=args.force,
         cleanup=cleanup,
         as_root_caller=caller.uid == 0,
@@ -199,9 +181,8 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
 
 
 def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tuple[Caller, bool]:
-    """The account COMMAND runs as, and that its hooks act for: gpugate's own real uid; under
-    sudo (real uid 0 and SUDO_UID set, by sudo itself, also under -E) the account that typed
-    sudo. Without sudo SUDO_UID is not read at all; one not in sudo's form is refused."""
+    """The account COMMAND runs as: the real uid, or under sudo (real uid 0) SUDO_UID's, which
+    is read only then and refused unless in sudo's form."""
     uid = os.getuid() if real_uid is None else real_uid
     under_sudo = uid == 0 and "SUDO_UID" in environ
     gid: int | None = None
@@ -223,15 +204,6 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
     return Caller(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell), under_sudo
 
 
-def terminal_name() -> str | None:
-    for stream in (sys.stdin, sys.stdout):
-        try:
-            return os.ttyname(stream.fileno())
-        except (OSError, ValueError):
-            continue
-    return None
-
-
 def refuse_known_unit(unit: str, *, explicit: bool) -> None:
     """A name systemd already has (loaded, active, or a unit file): systemd-run would fail."""
     state = query_unit(unit)
@@ -246,8 +218,7 @@ def refuse_known_unit(unit: str, *, explicit: bool) -> None:
 def resolve_gpus(
     wanted: object, environ: Mapping[str, str], driver_factory: Callable[[], GpuDriver]
 ) -> list[Gpu]:
-    """--gpus, else the caller's CUDA_VISIBLE_DEVICES, else every GPU: NVML's GPUs, so that
-    the unit names them (and takes a lease on them) even for "all"."""
+    """--gpus, else the caller's CUDA_VISIBLE_DEVICES, else all: NVML's GPUs, to lease."""
     if wanted is None and "CUDA_VISIBLE_DEVICES" in environ:
         where = "CUDA_VISIBLE_DEVICES"
         wanted = parse_visible_devices(where, environ[where], "your environment")
@@ -269,8 +240,8 @@ def resolve_gpus(
 def refuse_before_start(
     loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
 ) -> None:
-    """What the unit's pre would refuse, before anything starts: a running lease on the GPUs
-    (--force: root's alone), and for a caller that is not root another account's process."""
+    """What the unit's pre would refuse, before the start: a lease on the GPUs, and for a
+    caller that is not root another account's process on them (exit 22)."""
     roots = front.host_roots()
     refuse_leased(
         loaded,
@@ -282,8 +253,30 @@ def refuse_before_start(
             name, roots.cgroup, ask_systemd=roots.ask_systemd
         ),
     )
-    if caller.uid != 0:
-        refuse_other_accounts(loaded, unit, gpus, caller.uid, roots, front.driver_factory)
+    if caller.uid == 0:
+        return
+    from gpugate.core.decide import Rule, decide  # noqa: PLC0415
+    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
+    from gpugate.host.scan import ProcFs  # noqa: PLC0415
+
+    procfs = ProcFs(roots.proc)
+    driver = front.driver_factory()
+    try:
+        found = discover(
+            # not started yet: no process is in its cgroup
+            Sought(unit, f"/system.slice/{unit}", as_refs(gpus), loaded.source),
+            driver=driver,
+            procfs=procfs,
+            roots=roots,
+            containers=loaded.config.containers,
+            ports=loaded.config.ports,
+        )
+    finally:
+        driver.close()
+    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
+    others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
+    if others:
+        raise HeldByOthers(lines.other_account_refusal(unit, others))
 
 
 def refuse_leased(
@@ -295,8 +288,7 @@ def refuse_leased(
     unit_state: Callable[[str], str | None],
     caller_is_root: bool = True,
 ) -> None:
-    """A running unit's lease on these GPUs refuses, as its pre would; --force overrides it
-    for root alone (a caller that is not root: exit 77, and its pre gets no --ignore-leases)."""
+    """A running unit's lease on these GPUs refuses, as pre would; --force is root's alone."""
     config = loaded.config
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
@@ -312,41 +304,6 @@ def refuse_leased(
             lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
             file=sys.stderr,
         )
-
-
-def refuse_other_accounts(
-    loaded: LoadedConfig,
-    unit: str,
-    gpus: Sequence[Gpu],
-    uid: int,
-    roots: HostRoots,
-    driver_factory: Callable[[], GpuDriver],
-) -> None:
-    """For a caller that is not root: a process of another account on these GPUs refuses the
-    run (exit 22), as the unit's pre would (`--for-uid`); nothing is started or killed."""
-    from gpugate.core.decide import Rule, decide  # noqa: PLC0415
-    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
-    from gpugate.host.scan import ProcFs  # noqa: PLC0415
-    from gpugate.phase import Phase  # noqa: PLC0415
-
-    procfs = ProcFs(roots.proc)
-    driver = driver_factory()
-    try:
-        found = discover(
-            # not started yet: no process is in its cgroup
-            Sought(unit, f"/system.slice/{unit}", as_refs(gpus), loaded.source),
-            driver=driver,
-            procfs=procfs,
-            roots=roots,
-            containers=loaded.config.containers,
-            ports=loaded.config.ports,
-        )
-    finally:
-        driver.close()
-    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=uid)
-    others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
-    if others:
-        raise HeldByOthers(lines.other_account_refusal(unit, others))
 
 
 class HeldByOthers(GateError):
@@ -397,14 +354,17 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
 
 
 def supervise(argv: list[str], unit: str) -> int:
-    """Run systemd-run, relay its messages, and return COMMAND's status. A hangup, SIGTERM or
-    SIGINT reaching gpugate itself (a closed terminal, Ctrl-C without a pty) stops the unit."""
+    """systemd-run, relayed; a hangup, SIGTERM or SIGINT reaching gpugate stops the unit."""
     stopped = threading.Event()
 
     def stop_unit(signum: int, frame: FrameType | None) -> None:
-        if not stopped.is_set():
-            stopped.set()
-            stop_without_waiting(unit)
+        if stopped.is_set():
+            return
+        stopped.set()
+        systemctl = find_program("systemctl")
+        with contextlib.suppress(GateError):
+            if systemctl is not None:
+                run_program([systemctl, "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
 
     previous = {
         sig: signal.signal(sig, stop_unit) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
@@ -415,7 +375,14 @@ def supervise(argv: list[str], unit: str) -> int:
         raise LaunchError(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
-        messages = relay(child.stderr, sys.stderr)
+        seen: list[str] = []
+        for raw in iter(child.stderr.readline, b""):
+            seen.append(raw.decode("utf-8", "replace"))
+            try:
+                sys.stderr.write(seen[-1])
+                sys.stderr.flush()
+            except OSError:
+                pass  # the terminal is gone: keep draining, the status is still wanted
         code = child.wait()
         if stopped.is_set():
             # systemd-run may have ended with us (Ctrl-C reaches the whole process group):
@@ -426,7 +393,7 @@ def supervise(argv: list[str], unit: str) -> int:
             signal.signal(sig, handler)
     if code < 0:  # systemd-run itself was killed by a signal
         code = 128 - code
-    return command_status(code, messages)
+    return command_status(code, "".join(seen))
 
 
 def wait_until_gone(
@@ -436,35 +403,13 @@ def wait_until_gone(
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> bool:
-    """Poll the unit's ActiveState until it is neither running nor stopping; False at the
-    deadline."""
+    """Poll until the unit is neither running nor stopping; False at the deadline."""
     state = state or active_state
     while clock() < deadline:
         if state(unit) not in STOPPING_OR_RUNNING:
             return True
         pause(0.2)
     return False
-
-
-def relay(source: IO[bytes], target: IO[str]) -> str:
-    seen: list[str] = []
-    for raw in iter(source.readline, b""):
-        line = raw.decode("utf-8", "replace")
-        seen.append(line)
-        try:
-            target.write(line)
-            target.flush()
-        except OSError:
-            pass  # the terminal is gone: keep draining, the status is still wanted
-    return "".join(seen)
-
-
-def stop_without_waiting(unit: str) -> None:
-    systemctl = find_program("systemctl")
-    if systemctl is None:
-        return
-    with contextlib.suppress(GateError):
-        run_program([str(systemctl), "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
 
 
 class LaunchError(GateError):
@@ -479,8 +424,11 @@ class Caller:
     home: str | None = None
     shell: str | None = None
 
-    def started_by(self, tty: str | None) -> str:
-        return f"{self.user} (uid {self.uid}{', ' + tty if tty else ''})"
+    def started_by(self) -> str:
+        for stream in (sys.stdin, sys.stdout):
+            with contextlib.suppress(OSError, ValueError):
+                return f"{self.user} (uid {self.uid}, {os.ttyname(stream.fileno())})"
+        return f"{self.user} (uid {self.uid})"
 
 
 @dataclass(frozen=True)
@@ -522,8 +470,6 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
                 "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
             )
         return unit
-    if not command:
-        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
 
 
@@ -542,8 +488,7 @@ def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
 def caller_environment(
     environ: Mapping[str, str], caller: Caller, under_sudo: bool
 ) -> list[tuple[str, str]]:
-    """passed_environment, and under sudo the invoking user's HOME, USER, LOGNAME, SHELL
-    (sudo's own would name root)."""
+    """The environment passed on; under sudo the caller's HOME, USER, LOGNAME, SHELL."""
     kept = dict(passed_environment(environ))
     if under_sudo:
         kept["USER"] = kept["LOGNAME"] = caller.user

@@ -1,7 +1,6 @@
-"""`gpugate oci-hook STAGE`, the part every container pays for: the state on stdin and the
-bundle's config.json read and parsed with the standard library alone; a container that asks
-for no GPU ends here (exit 0) and only one that does loads the rest of gpugate
-(front/oci_hook.py). bench/oci_hook.py measures both."""
+"""`gpugate oci-hook STAGE`, the part every container pays for: stdin's state and the bundle's
+config.json read with the standard library alone; only a container that asks for a GPU loads
+the rest of gpugate (front/oci_hook.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def main(
     config: Path | None = None,
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """roots, config and driver_factory: `gpugate --host-roots R --nvml-library L oci-hook
-    --config C STAGE` (the bench, tests), through the full command line."""
+    """roots, config, driver_factory: from the full command line (the bench, tests)."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)

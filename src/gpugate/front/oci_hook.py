@@ -1,7 +1,6 @@
-"""`gpugate oci-hook STAGE` for a container that asks for GPUs (front/oci_entry.py decided
-that, cheaply): the unit's pre before the container starts (createRuntime, or prestart), its
-post after it stopped (poststop), with the container's scope as the unit
-(integrations/container.py)."""
+"""`gpugate oci-hook STAGE` for a container that asks for GPUs: the unit's pre before it
+starts (createRuntime, prestart), its post after it stopped (poststop), the container's scope
+standing for the unit."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ def run_container_hook(
     loaded: LoadedConfig | None = None,
     unit_state: Callable[[str], str | None] | None = None,
 ) -> int:
-    """loaded: default /etc/gpugate/containers.toml."""
     stream = stream or sys.stderr
     identity = identified(phase, state, spec, roots, reporter_factory, stream)
     if isinstance(identity, int):
@@ -66,7 +64,9 @@ def run_container_hook(
         try:
             driver = driver_factory()
             source = request_text(spec.gpus)
-            leased = leased_gpus(loaded, identity.unit) if phase is Phase.POST else None
+            # After the stop: the GPUs its start leased, where the lease is still there.
+            leases = read_leases(loaded.config.lock_dir).leases if phase is Phase.POST else []
+            leased = next((x.gpus for x in leases if x.unit == identity.unit and x.gpus), None)
             if leased is None and spec.gpus.unresolved is not None:
                 raise spec.gpus.unresolved
             selection = leased or gpu_selection(spec.gpus, list(driver.gpus()), source)
@@ -78,22 +78,18 @@ def run_container_hook(
         opened = driver
         loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
+        # Before the start the scope holds only its waiting init: a cgroup below that never is.
+        top = identity.cgroup or ""
+        cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(
             phase,
             identity.unit,
-            lambda: container_cgroup(phase, identity),
+            lambda: cgroup,
             metrics_unit=METRICS_UNIT,
             surroundings=container_surroundings(identity, GpuChoice(selection, source), context),
         )
         deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: opened), stream)
         return int(run_hook(hook, loaded, deps).exit_code)
-
-
-def leased_gpus(loaded: LoadedConfig, unit: str) -> tuple[int, ...] | None:
-    """After the stop the container's GPUs are those its start leased, where its lease is
-    still there."""
-    leases = read_leases(loaded.config.lock_dir).leases
-    return next((lease.gpus for lease in leases if lease.unit == unit and lease.gpus), None)
 
 
 def identified(
@@ -115,13 +111,6 @@ def identified(
         reporter = reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
         Narrator(reporter).failed(exc, stream)
         return int(exc.exit_code)
-
-
-def container_cgroup(phase: Phase, identity: ContainerIdentity) -> str:
-    """The run's unit cgroup. Before the start nothing in the scope is the container's yet
-    (its init waits there): a cgroup below it that never exists."""
-    top = identity.cgroup or ""
-    return f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
 
 
 def run_from_hook(

@@ -1,10 +1,7 @@
-"""`gpugate-oci-runtime` (also `gpugate oci-runtime`): an OCI runtime for docker and
-containerd, which run only the hooks in a container's spec. On `create` of a container that
-reaches GPUs (host/oci.py: the hook's own rule) it adds gpugate's createRuntime and
-poststop hooks to the bundle's config.json; then, for every command, it execs the runtime it
-wraps with all its arguments unchanged, as NVIDIA's nvidia-container-runtime does: runc, or
-NVIDIA's runtime where install recorded it (host/wrapped_runtime.py), each found at fixed
-paths only."""
+"""`gpugate-oci-runtime`: an OCI runtime for docker and containerd, which run only the hooks in
+a container's spec. On `create` of a GPU container it adds gpugate's createRuntime and poststop
+hooks to config.json, then execs the runtime it wraps (runc, or NVIDIA's where install recorded
+it) with its arguments unchanged."""
 
 from __future__ import annotations
 
@@ -49,14 +46,6 @@ def bundle_of(args: Sequence[str]) -> str:
     return os.getcwd()
 
 
-def own_gpugate() -> tuple[str, ...]:
-    """The `gpugate` beside this wrapper (a venv's bin/, /usr/bin), else the packaged one."""
-    beside = Path(sys.argv[0]).absolute().parent / "gpugate"
-    if os.access(beside, os.X_OK):
-        return (str(beside),)
-    return (next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0]),)
-
-
 def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
     command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
     args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
@@ -66,9 +55,8 @@ def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
 def with_hooks(
     spec: dict[str, object], gpugate: str | Sequence[str], *, always: bool = False
 ) -> bool:
-    """Add gpugate's hooks to a GPU container's spec; False where it asks for no GPU or has
-    them already. always: whatever the spec asks for now, since NVIDIA's runtime, run next,
-    may add GPUs (its hook, CDI edits) that the hook then reads at createRuntime."""
+    """Add gpugate's hooks to a GPU container's spec; False where it has them already. always:
+    whatever it asks for now (NVIDIA's runtime, run next, may add GPUs)."""
     if not always and not spec_gpu_request(spec):
         return False
     hooks = spec.setdefault("hooks", {})
@@ -87,8 +75,7 @@ def with_hooks(
 
 
 def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
-    """config.json rewritten in place (a new file renamed over it, same mode). always: for
-    every container (NVIDIA's runtime follows), not only one that asks for GPUs now."""
+    """config.json rewritten in place (a new file renamed over it, same mode)."""
     raw = read_config(bundle)
     try:
         spec = json.loads(raw)
@@ -126,11 +113,13 @@ def main(argv: Sequence[str]) -> int:
     if wrapped.path is None:
         print(lines.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
-    # A rootless runtime (its user's namespace) gets its runtime as it is: its hooks would
-    # gate nothing (front/oci_entry.py), and its bundle is its user's to write, not gpugate's.
+    # A rootless runtime's hooks would gate nothing, and its bundle is its user's to write.
     if creating and not_host_root() is None:
+        beside = Path(sys.argv[0]).absolute().parent / "gpugate"  # a venv's bin/, /usr/bin
+        packaged = next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0])
+        gpugate = str(beside) if os.access(beside, os.X_OK) else packaged
         try:
-            add_hooks(bundle_of(args), own_gpugate(), always=wrapped.name != RUNC)
+            add_hooks(bundle_of(args), (gpugate,), always=wrapped.name != RUNC)
         except (OciInputError, OSError) as exc:
             said = exc.message if isinstance(exc, OciInputError) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.

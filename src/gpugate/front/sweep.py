@@ -1,12 +1,6 @@
-"""`gpugate sweep`: between starts, sort every process holding a GPU by its owner (core/roles),
-tell what nobody owns (the journal once when first seen and once when gone, the metrics
-textfile, STATUS=), and, where `[sweep] reap_after_s` is set, reap it with pre's rules: one
-pre-phase run over the GPUs whose every unowned holder has been unowned that long, on which no
-process of a unit, job or container runs and nothing holds a lease.
-
-`[sweep] drain_after_s`, where slurmd runs: drain the node (never resume it) once a GPU holds
-memory of a process nobody has owned that long, or once a reap left a holder SIGKILL cannot
-end; once for each holder (the state's `drained`), so an operator's own reason stays."""
+"""`gpugate sweep`: between starts, sort every GPU holder by its owner, tell what nobody owns
+(journal, metrics, STATUS=), reap it with pre's rules after `[sweep] reap_after_s`, and drain
+a Slurm node after `drain_after_s` (once per holder)."""
 
 from __future__ import annotations
 
@@ -57,22 +51,13 @@ SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothi
 UNLISTED = "unlisted"  # memory NVML lists no process for (a dead PID's, a MIG slice's)
 
 
-def classify(discovery: Discovery, loaded: LoadedConfig) -> list[Holding]:
-    return [
-        Holding(holder, owner_of(holder, discovery, loaded.config))
-        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
-        if holder.gpus or holder.used_mib
-    ]
-
-
 def remember(
     holdings: Sequence[Holding],
     earlier: Mapping[ProcessId, Seen],
     now: float,
     reporter: Reporter | None,
 ) -> dict[ProcessId, Seen]:
-    """The unowned holders now, each with since when; says who is new and who is gone
-    (reporter None: says nothing)."""
+    """The unowned holders now, each with since when; says who is new and who is gone."""
     seen: dict[ProcessId, Seen] = {}
     for holding in holdings:
         if holding.owner is not Owner.NOBODY:
@@ -205,7 +190,11 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
     loaded = load_config(None, config)
     reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
     discovery = look(loaded, front)
-    holdings = classify(discovery, loaded)
+    holdings = [
+        Holding(holder, owner_of(holder, discovery, loaded.config))
+        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+        if holder.gpus or holder.used_mib
+    ]
     now = clock()
     seen = keep_state(loaded, holdings, now, reporter)
     textfile = loaded.config.metrics_textfile
@@ -214,29 +203,18 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
             record_sweep(textfile, gauges(discovery, holdings, seen, now))
         except OSError as exc:
             print(lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=sys.stderr)
-    code, reaped = reap_due(loaded, front, reporter, (discovery, holdings, seen, now))
+    code, reaped = int(ExitCode.OK), []
+    after_s = loaded.config.sweep.reap_after_s
+    if after_s is not None:
+        leased = live_leased(loaded, front.unit_state)
+        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
+        if gpus:
+            code, reaped = reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
     if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
         drain_due(loaded, front, (holdings, seen, now), (reaped, code))
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
     sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
     return code
-
-
-Looked = tuple[Discovery, Sequence[Holding], Mapping[ProcessId, Seen], float]
-
-
-def reap_due(
-    loaded: LoadedConfig, front: Front, reporter: Reporter, looked: Looked
-) -> tuple[int, list[int]]:
-    discovery, holdings, seen, now = looked
-    after_s = loaded.config.sweep.reap_after_s
-    if after_s is None:
-        return int(ExitCode.OK), []
-    leased = live_leased(loaded, front.unit_state)
-    gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
-    if not gpus:
-        return int(ExitCode.OK), []
-    return reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
 
 
 def drain_due(
@@ -252,7 +230,17 @@ def drain_due(
         pids = still_alive(holdings, reaped, front.host_roots().proc)
         set_drain_reason(node, lines.sweep_unkillable_reason(reaped, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
-    found = {} if after_s is None else due(holdings, seen, now, after_s)
+    listed = {
+        h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
+    }
+    found = {
+        ident: entry
+        for ident, entry in seen.items()
+        if after_s is not None
+        and ident in listed
+        and not entry.drained
+        and now - entry.since >= after_s
+    }
     if not found:
         return
     gpus = sorted({gpu for entry in found.values() for gpu in entry.gpus})
@@ -274,8 +262,7 @@ def drain_due(
 def keep_state(
     loaded: LoadedConfig, holdings: Sequence[Holding], now: float, reporter: Reporter
 ) -> dict[ProcessId, Seen]:
-    """remember(), against the state under lock_dir; a state that cannot be kept is a warning,
-    never the sweep's failure."""
+    """remember(), against the state under lock_dir; a state not kept is only a warning."""
     lock_dir = loaded.config.lock_dir
     seen: dict[ProcessId, Seen] | None = None
     try:
@@ -289,27 +276,14 @@ def keep_state(
     return remember(holdings, {}, now, None) if seen is None else seen
 
 
-def due(
-    holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float, after_s: float
-) -> dict[ProcessId, Seen]:
-    listed = {
-        h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
-    }
-    return {
-        ident: entry
-        for ident, entry in seen.items()
-        if ident in listed and not entry.drained and now - entry.since >= after_s
-    }
-
-
 def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:
     """The unowned holders of gpus that are still the processes they were."""
     procfs = ProcFs(proc)
-    alive = []
-    for holding in holdings:
-        info = holding.holder.info
-        if holding.owner is Owner.NOBODY and holding.holder.using & set(gpus):
-            now = procfs.info(info.pid)
-            if now is not None and now.start_time == info.start_time:
-                alive.append(info.pid)
-    return alive
+    unowned = [
+        h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & set(gpus)
+    ]
+    return [
+        info.pid
+        for info in unowned
+        if (now := procfs.info(info.pid)) is not None and now.start_time == info.start_time
+    ]

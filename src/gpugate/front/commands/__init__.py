@@ -30,8 +30,6 @@ class Front:
         unit_state: Callable[[str], str | None] | None = None,
         cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
     ) -> None:
-        """roots: given by tests (or --host-roots), never read from the environment;
-        cgroup_layout: a stand-in tree's None is used as it is."""
         self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
         self.reporter_factory: ReporterFactory = reporter_factory or Reporter
         self.environ = os.environ if environ is None else environ
@@ -40,6 +38,5 @@ class Front:
         self.cgroup_layout = cgroup_layout or host_cgroup_layout
 
     def host_roots(self) -> HostRoots:
-        """The roots with the cgroup root on the tree systemd tracks units in (a hybrid
-        host's /sys/fs/cgroup/unified); HostUnsupported on a v1-only host."""
+        """The roots on the cgroup tree systemd tracks units in; HostUnsupported on v1 only."""
         return on_units_tree(self.given_roots, self.cgroup_layout)

@@ -3,75 +3,55 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import ExitCode
 from gpugate.front import install as plan
 from gpugate.front.commands.config_check import warn_environment_files
-from gpugate.front.install import DEFAULT_SYSTEMD_DIR, Gpus
 from gpugate.host.systemd import systemd_running, unit_argument
 from gpugate.report import lines
 
 
-def install(
-    unit_given: str,
-    *,
-    force: bool = False,
-    dry_run: bool = False,
-    no_reload: bool = False,
-    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-    gpus: Gpus | None = None,
-    ports: Sequence[int] | None = None,
-    containers: Sequence[str] = (),
-    gpugate_path: Path | None = None,
-) -> int:
-    """gpugate_path: the gpugate the hook lines run (default: /usr/bin/gpugate, else the one
-    on PATH)."""
-    unit = unit_argument(unit_given)  # `install vllm` is vllm.service, as for systemctl
-    command = plan.command_for(str(gpugate_path)) if gpugate_path else plan.gpugate_command()
+def install_command(args: argparse.Namespace) -> int:
+    """A unit, --containers or --sweep; uninstall's parser has no --gpugate-path, --default."""
+    installing = args.command == "install"
+    given = args.gpugate_path if installing else None
+    flags = {"dry_run": args.dry_run, "no_reload": args.no_reload}
+    if args.sweep and args.unit is None and not args.oci:
+        return plan.sweep_setup(
+            installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags
+        )
+    if args.oci != (args.unit is None) or args.sweep:
+        print(lines.unit_or_containers(args.command), file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if args.oci:
+        default = installing and args.default
+        return containers_setup(installing, force=args.force, given=given, default=default, **flags)
+    unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
+    folders = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
+    if not installing:
+        _apply(plan.plan_uninstall(unit, force=args.force, **folders), **flags)
+        return int(ExitCode.OK)
+    command = plan.command_for(str(given)) if given else plan.gpugate_command()
     changes = plan.plan_install(
         unit,
-        gpus=gpus,
-        ports=ports,
-        containers=containers,
+        gpus=args.gpus,
+        ports=args.ports,
+        containers=args.containers,
         gpugate_path=command,
-        force=force,
-        systemd_dir=systemd_dir,
-        config_dir=config_dir,
+        force=args.force,
+        **folders,
     )
-    if not os.access(command[0], os.X_OK) and not dry_run:
+    if not os.access(command[0], os.X_OK) and not args.dry_run:
         print(lines.warning(f"{command[0]} is not an executable here"), file=sys.stderr)
     if systemd_running():
         warn_environment_files(unit)
-    if _apply(changes, dry_run=dry_run, no_reload=no_reload):
+    if _apply(changes, **flags):
         print(f"takes effect at the next start: systemctl restart {unit}")
     return int(ExitCode.OK)
-
-
-def uninstall(
-    unit_given: str,
-    *,
-    force: bool = False,
-    dry_run: bool = False,
-    no_reload: bool = False,
-    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-) -> int:
-    unit = unit_argument(unit_given)
-    changes = plan.plan_uninstall(unit, force=force, systemd_dir=systemd_dir, config_dir=config_dir)
-    _apply(changes, dry_run=dry_run, no_reload=no_reload)
-    return int(ExitCode.OK)
-
-
-def unit_or_containers(command: str) -> int:
-    """install|uninstall given both a UNIT and --containers, or neither."""
-    print(lines.unit_or_containers(command), file=sys.stderr)
-    return int(ExitCode.USAGE)
 
 
 def _apply(changes: list[plan.Change], *, dry_run: bool, no_reload: bool) -> bool:
@@ -88,33 +68,27 @@ def containers_setup(
     given: Path | None = None,
     default: bool = False,
 ) -> int:
-    """`gpugate install|uninstall --containers` (front/install_containers.py); default:
-    install's --default (gpugate containerd's CRI default runtime)."""
+    """`gpugate install|uninstall --containers`; default: gpugate containerd's CRI default."""
     from gpugate.front import install_containers as oci  # noqa: PLC0415
 
     host = oci.detect()
     # This very gpugate: the script it was run as (the packages' launcher isolates Python
     # itself; a venv's console script is run as it is, see docs/containers.md).
     script = str(given) if given else os.path.abspath(sys.argv[0])
-    command = (script,)
-    changes = oci.plan_hooks(host, command, install=installing, force=force)
-    wrapper = oci.wrapper_beside(script) if installing and oci.uses_wrapper(host) else ""
+    changes = oci.plan_hooks(host, script, install=installing, force=force)
+    wrapped = host.daemon_json is not None or host.containerd_config is not None
+    wrapper = oci.wrapper_beside(script) if installing and wrapped else ""
     nvidia = installing and oci.nvidia_in_place(host)
-    if host.daemon_json is not None:
-        changes += oci.plan_daemon_json(host, wrapper, install=installing)
+    changes += oci.plan_daemon_json(host, wrapper, install=installing)
     changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
     changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
-        from gpugate.report.lines import NOTHING_TO_SET_UP  # noqa: PLC0415
-
-        print(NOTHING_TO_SET_UP)
+        print(lines.NOTHING_TO_SET_UP)
         return int(ExitCode.OK)
     plan.apply(changes, dry_run=dry_run, reload=lambda: False)
     written = {c.path for c in changes if c.action in (plan.Action.WRITE, plan.Action.REMOVE)}
     if host.containerd_config in written and not dry_run:
-        from gpugate.report.lines import CONTAINERD_RESTART  # noqa: PLC0415
-
-        print(CONTAINERD_RESTART)
+        print(lines.CONTAINERD_RESTART)
     if host.daemon_json in written and not dry_run and not no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)

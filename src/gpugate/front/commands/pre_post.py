@@ -29,8 +29,7 @@ def pre_post(
     ignore_leases: bool = False,
     for_uid: int | None = None,
 ) -> int:
-    """unit_given: None, the unit gpugate runs in; force: run by hand against a running unit;
-    ignore_leases: `gpugate run --force`'s hook; for_uid: kill only this account's processes."""
+    """force: run by hand against a running unit; for_uid: kill only this account's."""
     roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
     unit = unit_argument(unit_given) if unit_given else own_unit(roots.proc)
     if unit is None:

@@ -1,8 +1,6 @@
-"""`gpugate slurm prolog|epilog`: a Slurm job's hook run, and the drain reason when it fails
-(what a job is and where its cgroup lives: gpugate.integrations.slurm); `gpugate slurm check`:
-whether this node's Slurm gives each job a private /dev/shm, and whether gres.conf resolves
-every GPU slurmd numbers to an NVML GPU (exit 0 where it does, 78 where it does not: the hooks
-would clean such a job's cgroup only)."""
+"""`gpugate slurm prolog|epilog`: a Slurm job's hook run, and the drain reason when it fails;
+`gpugate slurm check`: whether each job gets a private /dev/shm and gres.conf resolves every GPU
+to an NVML GPU (exit 78 where not)."""
 
 from __future__ import annotations
 
@@ -81,7 +79,11 @@ def run_slurm_hook(
         job = job_from_env(environ)
         if not job.gpus:
             if job.no_gpus:  # Slurm's own words for "no GPU here"
-                say_no_gpus(phase, job, deps)
+                fields = job_fields(job)
+                reporter = deps.reporter_factory(job.label, phase.value, fields=fields)
+                reporter.event(
+                    Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success"
+                )
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
         config = load_slurm_config(config_path, deps.config_dir)
         loaded, run_deps = job_config(config, job, deps)
@@ -99,17 +101,11 @@ def run_slurm_hook(
     return int(code)
 
 
-def say_no_gpus(phase: Phase, job: SlurmJob, deps: SlurmDeps) -> None:
-    reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
-    reporter.event(Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success")
-
-
 def job_config(
     config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
 ) -> tuple[LoadedConfig, RunDeps]:
-    """The config with the job's GPUs as NVML's UUIDs (slurmd's numbers through gres.conf and
-    the device files), and the run's deps with the driver opened for it. Numbers not resolved
-    for certain: one line, and no GPU (the job's cgroup alone)."""
+    """The config with the job's GPUs as NVML's UUIDs (through gres.conf), and the deps with
+    the driver opened; numbers not resolved for certain: no GPU, the job's cgroup alone."""
     driver: GpuDriver | None = None
     numbers = ",".join(map(str, job.gpus))
     try:
@@ -163,8 +159,7 @@ def drain(
     stream: TextIO,
     said: bool,
 ) -> None:
-    """A failed prolog or epilog: the drain reason, on stderr (unless said already) and to
-    slurmctld where the node is named."""
+    """A failed prolog or epilog: the drain reason on stderr (unless said) and to slurmctld."""
     reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
     if not said:
         print(lines.error(f"drain: {reason}"), file=stream, flush=True)

@@ -27,7 +27,7 @@ from gpugate.core.discover import (
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
-from gpugate.host.nvml import Gpu, GpuDriver, NotAnswering
+from gpugate.host.nvml import GpuDriver, NotAnswering
 from gpugate.host.scan import Deadline, ProcFs
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import (
@@ -50,6 +50,7 @@ JSON_VERSION = 1
 STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
+TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's start times count in these
 
 
 def collect(
@@ -61,8 +62,7 @@ def collect(
     procfs: ProcFs | None = None,
     scanner: DeviceScanner = full_scan,
 ) -> Discovery:
-    """Like nvidia-smi, a GPU NVML cannot read does not hide the others: it is listed in
-    `faults`, and its device files still name its holders."""
+    """As nvidia-smi: a GPU NVML cannot read is listed in `faults`, not hiding the others."""
     roots = roots or HostRoots()
     cgroup = NO_UNIT_CGROUP
     if unit is not None:
@@ -83,18 +83,8 @@ def collect(
     )
 
 
-def device_minors(roots: HostRoots) -> list[int]:
-    """N of every /dev/nvidiaN: the GPUs' device files, where NVML cannot name the GPUs."""
-    try:
-        names = os.listdir(roots.dev)
-    except OSError:
-        return []
-    return sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
-
-
 def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
-    """A holder's files in /dev/shm: path and allocated bytes (null: unlinked already, still
-    mapped; the path then ends in " (deleted)")."""
+    """A holder's /dev/shm files; bytes null: unlinked, still mapped (path " (deleted)")."""
     used = []
     index: dict[ShmKey, list[str]] | None = None
     for file in sorted(files, key=lambda f: f.path):
@@ -130,11 +120,6 @@ def as_dict(
     leases = read_leases(loaded.config.lock_dir).leases
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     unowned = read_unowned(loaded.config.lock_dir)
-    holders = [
-        holder_dict(holder, discovery, loaded, now, rules.get(holder.pid))
-        | owner_dict(holder, discovery, loaded, unowned)
-        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
-    ]
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
@@ -142,7 +127,10 @@ def as_dict(
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
         "gpus": gpu_dicts(discovery, leases),
-        "holders": holders,
+        "holders": [
+            holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned)
+            for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+        ],
         "leases": [
             {
                 "unit": shown(lease.unit, STATE),
@@ -185,21 +173,21 @@ def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
         unit = unit_of_cgroup(holder.info.cgroup or "/")
         if unit:
             by_unit.setdefault(unit, set()).add(holder.pid)
-    found = []
-    for unit, pids in sorted(by_unit.items()):
-        own = own_shm_of_any(roots.proc, pids, devs)
-        if own is not None:
-            found.append(
-                {
-                    "unit": shown(unit, CGROUP),  # a name an account may have picked
-                    "pid": own.pid,
-                    "path": "/dev/shm",
-                    "total_bytes": own.total_bytes,
-                    "used_bytes": own.used_bytes,
-                    "files": own.files,
-                }
-            )
-    return found
+    owns = (
+        (unit, own_shm_of_any(roots.proc, pids, devs)) for unit, pids in sorted(by_unit.items())
+    )
+    return [
+        {
+            "unit": shown(unit, CGROUP),  # a name an account may have picked
+            "pid": own.pid,
+            "path": "/dev/shm",
+            "total_bytes": own.total_bytes,
+            "used_bytes": own.used_bytes,
+            "files": own.files,
+        }
+        for unit, own in owns
+        if own is not None
+    ]
 
 
 def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dict[int, str]:
@@ -211,12 +199,19 @@ def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dic
 
 
 def holder_dict(
-    holder: Holder, discovery: Discovery, loaded: LoadedConfig, now: float | None, rule: str | None
+    holder: Holder,
+    discovery: Discovery,
+    loaded: LoadedConfig,
+    now: float | None,
+    rule: str | None,
+    unowned: dict[Any, Seen],
 ) -> dict[str, Any]:
+    """owner: core/owners' kind; unowned_s: since when a sweep has seen it nobody's."""
     info = holder.info
+    owner = owner_of(holder, discovery, loaded.config)
+    seen = unowned.get(info.ident) if owner is Owner.NOBODY else None
     role = holder_role(holder, discovery, loaded.config)
     container = holder.container
-    ticks = os.sysconf("SC_CLK_TCK")
     shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
     command, command_cut = shown_args(info.cmdline)
     return {
@@ -239,12 +234,10 @@ def holder_dict(
         "reason": rule,
         "orphan": role is Role.ORPHAN,
         "protected": role is Role.PROTECTED,
-        # Holds GPU device files, but NVML lists it nowhere: nvidia-smi -l, nvtop, DCGM
-        # (decide's rule: never killed, never a blocker).
-        "watcher": role is Role.WATCHER,
+        "watcher": role is Role.WATCHER,  # nvidia-smi -l, nvtop, DCGM: never killed
         "shm": shm[:MAX_SHM_LISTED],
         "shm_bytes": sum(item["bytes"] or 0 for item in shm),
-        "seconds_held": None if now is None else max(int(now - info.start_time / ticks), 0),
+        "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
         "container": None
         if container is None
         else {
@@ -252,17 +245,6 @@ def holder_dict(
             "id": container.id,
             "name": shown(container.name, CONTAINER) or None,
         },
-    }
-
-
-def owner_dict(
-    holder: Holder, discovery: Discovery, loaded: LoadedConfig, unowned: dict[Any, Seen]
-) -> dict[str, Any]:
-    """What owns the holder (core/roles: `gpugate sweep`'s kinds) and, where it is nobody's
-    and a sweep has seen it so, for how many seconds."""
-    owner = owner_of(holder, discovery, loaded.config)
-    seen = unowned.get(holder.info.ident) if owner is Owner.NOBODY else None
-    return {
         "owner": str(owner),
         "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
     }
@@ -283,25 +265,20 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
             "owned": gpu.index in owned,
             "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
             "mig_mode": gpu.mig_mode,
-            "mig": mig_dict(gpu, discovery),
+            "mig": None
+            if gpu.mig is None
+            else {  # a MIG slice's place and the processes NVML lists on it
+                "gpu": gpu.mig.parent,
+                "gpu_uuid": gpu.mig.parent_uuid,
+                "mig_index": gpu.mig.mig_index,
+                "gpu_instance": gpu.mig.gpu_instance,
+                "compute_instance": gpu.mig.compute_instance,
+                "profile": gpu.mig.profile,
+                "pids": [process.pid for process in discovery.usage[gpu.index].processes],
+            },
         }
         for gpu in discovery.gpus
     ]
-
-
-def mig_dict(gpu: Gpu, discovery: Discovery) -> dict[str, Any] | None:
-    """A MIG slice's place and the processes NVML lists on it; None for a whole GPU."""
-    if gpu.mig is None:
-        return None
-    return {
-        "gpu": gpu.mig.parent,
-        "gpu_uuid": gpu.mig.parent_uuid,
-        "mig_index": gpu.mig.mig_index,
-        "gpu_instance": gpu.mig.gpu_instance,
-        "compute_instance": gpu.mig.compute_instance,
-        "profile": gpu.mig.profile,
-        "pids": [process.pid for process in discovery.usage[gpu.index].processes],
-    }
 
 
 def render_json(data: dict[str, Any]) -> str:
@@ -330,8 +307,7 @@ def held_for(seconds: int | None) -> str:
 
 
 def mib_shown(used: dict[str, int | None]) -> str:
-    """NVML's MiB for the holder: `-` where NVML does not list it, `unknown` where the
-    driver does not say (None), `N+?` where it says for some GPUs only."""
+    """`-`: NVML lists it nowhere; `unknown`: the driver does not say; `N+?`: for some GPUs."""
     if not used:
         return "-"
     known = [mib for mib in used.values() if mib is not None]
@@ -374,13 +350,8 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             (order, f"{first}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} {name}")
         )
     for fault in data["unreadable_gpus"]:
-        uuid = fault["uuid"] or "?"
-        rows.append(
-            (
-                (fault["index"], -1),
-                f"{fault['index']:>3}! {uuid:<42} {'ERR!':>16}  {fault['error']}",
-            )
-        )
+        row = f"{fault['index']:>3}! {fault['uuid'] or '?':<42} {'ERR!':>16}  {fault['error']}"
+        rows.append(((fault["index"], -1), row))
     lines += [row for _, row in sorted(rows)]
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
@@ -445,14 +416,6 @@ def holder_table(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def state_warnings(loaded: LoadedConfig) -> list[str]:
-    files = read_leases(loaded.config.lock_dir)
-    return [
-        f"gpugate: warning: {unreadable_record_text(path, 'a gpugate lease', files.why[path])}"
-        for path in files.unreadable
-    ]
-
-
 def unreadable_warning(discovery: Discovery) -> str | None:
     """Not root, or not all read within STATUS_SCAN_S: holders may be missing."""
     if discovery.cut_short:
@@ -498,8 +461,7 @@ def status(
     except KeyboardInterrupt:
         return int(ExitCode.OK)  # how --watch ends
     except BrokenPipeError:
-        # `gpugate status | head`: stdout to /dev/null, so that the interpreter's last flush
-        # does not fail once more.
+        # `gpugate status | head`: stdout to /dev/null, or the interpreter's last flush fails
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return int(ExitCode.OK)
@@ -515,17 +477,26 @@ def look(
     warned: list[str],
     scanner: DeviceScanner,
 ) -> dict[str, Any]:
-    """One look, again at each --watch tick, in one ProcFs.oneshot(): discovery and the JSON's
-    rules share what it read; a warning is said once (warned), also in --watch."""
+    """One look (each --watch tick) in one ProcFs.oneshot(); each warning said once (warned)."""
     procfs = ProcFs(roots.proc)
     with procfs.oneshot():
         try:
             discovery = collect(unit, loaded, driver, roots, procfs=procfs, scanner=scanner)
         except NvmlNotAnswering as exc:
             # Hung before it named a GPU: what /dev and /proc show, without NVML.
-            hung = NotAnswering(exc, device_minors(roots))
+            try:  # N of every /dev/nvidiaN: the GPUs' device files
+                names = os.listdir(roots.dev)
+            except OSError:
+                names = []
+            minors = sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
+            hung = NotAnswering(exc, minors)
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
-        for warning in [unreadable_warning(discovery), *state_warnings(loaded)]:
+        files = read_leases(loaded.config.lock_dir)
+        unreadable = [
+            "gpugate: warning: " + unreadable_record_text(path, "a gpugate lease", files.why[path])
+            for path in files.unreadable
+        ]
+        for warning in [unreadable_warning(discovery), *unreadable]:
             if warning and warning not in warned:
                 print(warning, file=sys.stderr, flush=True)
                 warned.append(warning)
