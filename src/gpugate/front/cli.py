@@ -430,9 +430,37 @@ def _config_check(args: argparse.Namespace, front: Front) -> int:
 
 
 def _install(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.commands.install import install_command  # noqa: PLC0415
+    """install and uninstall (uninstall's parser has no --gpugate-path, --default)."""
+    from gpugate.front.commands import install as command  # noqa: PLC0415
 
-    return install_command(args)
+    installing = args.command == "install"
+    given = args.gpugate_path if installing else None
+    flags = {"force": args.force, "dry_run": args.dry_run, "no_reload": args.no_reload}
+    if args.sweep and args.unit is None and not args.oci:
+        from gpugate.front.install import sweep_setup  # noqa: PLC0415
+
+        del flags["force"]
+        return sweep_setup(installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags)
+    if args.oci != (args.unit is None) or args.sweep:
+        from gpugate.report.lines import unit_or_containers  # noqa: PLC0415
+
+        print(unit_or_containers(args.command), file=sys.stderr)
+        return int(ExitCode.USAGE)
+    if args.oci:
+        default = installing and args.default
+        return command.containers_setup(installing, given=given, default=default, **flags)
+    folders = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
+    if not installing:
+        return command.uninstall(args.unit, **flags, **folders)
+    return command.install(
+        args.unit,
+        **flags,
+        **folders,
+        gpus=args.gpus,
+        ports=args.ports,
+        containers=args.containers,
+        gpugate_path=given,
+    )
 
 
 def _oci_hook(args: argparse.Namespace, front: Front) -> int:

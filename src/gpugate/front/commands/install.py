@@ -3,54 +3,66 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
+from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import ExitCode
 from gpugate.front import install as plan
 from gpugate.front.commands.config_check import warn_environment_files
+from gpugate.front.install import DEFAULT_SYSTEMD_DIR, Gpus
 from gpugate.host.systemd import systemd_running, unit_argument
 from gpugate.report import lines
 
 
-def install_command(args: argparse.Namespace) -> int:
-    """A unit, --containers or --sweep; uninstall's parser has no --gpugate-path, --default."""
-    installing = args.command == "install"
-    given = args.gpugate_path if installing else None
-    flags = {"dry_run": args.dry_run, "no_reload": args.no_reload}
-    if args.sweep and args.unit is None and not args.oci:
-        return plan.sweep_setup(
-            installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags
-        )
-    if args.oci != (args.unit is None) or args.sweep:
-        print(lines.unit_or_containers(args.command), file=sys.stderr)
-        return int(ExitCode.USAGE)
-    if args.oci:
-        default = installing and args.default
-        return containers_setup(installing, force=args.force, given=given, default=default, **flags)
-    unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
-    folders = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
-    if not installing:
-        _apply(plan.plan_uninstall(unit, force=args.force, **folders), **flags)
-        return int(ExitCode.OK)
-    command = plan.command_for(str(given)) if given else plan.gpugate_command()
+def install(
+    unit_given: str,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    no_reload: bool = False,
+    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
+    config_dir: Path = DEFAULT_CONFIG_DIR,
+    gpus: Gpus | None = None,
+    ports: Sequence[int] | None = None,
+    containers: Sequence[str] = (),
+    gpugate_path: Path | None = None,
+) -> int:
+    unit = unit_argument(unit_given)  # `install vllm` is vllm.service, as for systemctl
+    command = plan.command_for(str(gpugate_path)) if gpugate_path else plan.gpugate_command()
     changes = plan.plan_install(
         unit,
-        gpus=args.gpus,
-        ports=args.ports,
-        containers=args.containers,
+        gpus=gpus,
+        ports=ports,
+        containers=containers,
         gpugate_path=command,
-        force=args.force,
-        **folders,
+        force=force,
+        systemd_dir=systemd_dir,
+        config_dir=config_dir,
     )
-    if not os.access(command[0], os.X_OK) and not args.dry_run:
+    if not os.access(command[0], os.X_OK) and not dry_run:
         print(lines.warning(f"{command[0]} is not an executable here"), file=sys.stderr)
     if systemd_running():
         warn_environment_files(unit)
-    if _apply(changes, **flags):
+    if _apply(changes, dry_run=dry_run, no_reload=no_reload):
         print(f"takes effect at the next start: systemctl restart {unit}")
+    return int(ExitCode.OK)
+
+
+def uninstall(
+    unit_given: str,
+    *,
+    force: bool = False,
+    dry_run: bool = False,
+    no_reload: bool = False,
+    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
+    config_dir: Path = DEFAULT_CONFIG_DIR,
+) -> int:
+    unit = unit_argument(unit_given)
+    changes = plan.plan_uninstall(unit, force=force, systemd_dir=systemd_dir, config_dir=config_dir)
+    _apply(changes, dry_run=dry_run, no_reload=no_reload)
     return int(ExitCode.OK)
 
 
