@@ -12,7 +12,7 @@ import pytest
 
 from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
 from gpugate.errors import ExitCode
-from gpugate.front.commands.slurm import slurm_check
+from gpugate.front.commands.slurm import drain_reason, failure_detail, slurm_check
 from gpugate.host.nvml import Gpu
 from gpugate.integrations.gres_conf import (
     DeviceNodes,
@@ -24,7 +24,6 @@ from gpugate.integrations.gres_conf import (
     parse_gres_conf,
     read_gres_conf,
 )
-from gpugate.report import lines
 
 PATH = "/etc/slurm/gres.conf"
 
@@ -376,7 +375,7 @@ GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
 )
 def test_drain_detail_names_pid_account_gpu_and_rule(item: Held, words: str) -> None:
     summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=[item])
-    assert lines.failure_detail(summary) == words
+    assert failure_detail(summary) == words
 
 
 @pytest.mark.message
@@ -386,7 +385,7 @@ def test_drain_detail_names_memory_not_freed_and_only_those_gpus() -> None:
         owned=[GPU3, Gpu(4, "GPU-4", 4, "Fake", 1000)],
         busy=[BusyGpu(GPU3, 700, (88, 89))],
     )
-    assert lines.failure_detail(summary) == (
+    assert failure_detail(summary) == (
         "GPU 3 (GPU-3) still 700 MiB used: memory not freed, NVML lists PID 88, 89"
     )
 
@@ -399,14 +398,14 @@ def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
     many = [Held(100 + i, "bob", (3,), "straddles", foreign=(5,)) for i in range(6)]
     for held in ([hostile], many, [hostile, *many]):
         summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=held)
-        reason = lines.drain_reason("epilog", 4294967295, lines.failure_detail(summary), 22)
+        reason = drain_reason("epilog", 4294967295, failure_detail(summary), 22)
         assert len(reason) <= 250
         assert reason.startswith("gpugate epilog job 4294967295: PID 1")
         assert reason.endswith(" (exit 22)")
         assert '"' not in reason and "\n" not in reason and reason.isprintable()
     summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=many)
-    assert lines.failure_detail(summary).endswith("; 3 more PID(s)")
-    assert lines.failure_detail(summary).count("PID 10") == 3
+    assert failure_detail(summary).endswith("; 3 more PID(s)")
+    assert failure_detail(summary).count("PID 10") == 3
 
 
 # ---------------------------------------------------------------- gpugate slurm check

@@ -4,13 +4,12 @@ containers' lines, a failed job's detail), and the narration of paths a plain pr
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpugate.core.decide import Choice
 from gpugate.core.discover import Holder
-from gpugate.core.outcome import UNKILLABLE, Progress, Stage
+from gpugate.core.outcome import Progress, Stage
 from gpugate.errors import Interrupted
 from gpugate.host.safe_files import account
 from gpugate.host.scan import ProcessId
@@ -20,27 +19,12 @@ from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text, unreadable_text
 from gpugate.report.reasons import held_text
 from gpugate.untrusted import (
-    CGROUP,
     COMM,
     COMMAND,
-    REASON,
-    Kind,
     exact,
     line,
     shown,
 )
-
-if TYPE_CHECKING:
-    from gpugate.core.outcome import Held, RunSummary
-
-MAX_REASON_HOLDERS = 3  # processes a drain reason names
-SLURM_JOB_CGROUP = re.compile(r"slurmstepd\.scope/job_([0-9]{1,10})(?:/|$)")
-HELD_RULES = {
-    "protected": "protected (protected_executables/protected_units)",
-    "orphan": "an orphan gpugate may not kill here",
-    "other-account": "another account's",
-    "watcher": "a watcher",
-}
 
 
 def error(text: str) -> str:
@@ -54,103 +38,6 @@ def warning(text: str) -> str:
 
 def metrics_not_written(path: object, cause: str) -> str:
     return warning(f"metrics not written to {path}: {cause}")
-
-
-def failure_detail(summary: RunSummary | None) -> str:
-    """What still holds the run's GPUs, for a Slurm node's drain reason: each process that
-    kept one (up to MAX_REASON_HOLDERS: PID, account, the GPUs, the rule), each GPU whose
-    memory stayed used; only those GPUs."""
-    if summary is None:
-        return "failed"
-    parts = []
-    for item in summary.held[:MAX_REASON_HOLDERS]:
-        gpus = f" on GPU {','.join(map(str, item.gpus))}" if item.gpus else ""
-        parts.append(f"PID {item.pid} ({item.user or '?'}){gpus}: {held_rule(item)}")
-    if len(summary.held) > MAX_REASON_HOLDERS:
-        parts.append(f"{len(summary.held) - MAX_REASON_HOLDERS} more PID(s)")
-    for busy in summary.busy:
-        pids = ", ".join(map(str, busy.pids[:MAX_REASON_HOLDERS]))
-        listed = f", NVML lists PID {pids}" if pids else ""
-        parts.append(
-            f"GPU {busy.gpu.shown} ({busy.gpu.uuid}) still {busy.used_mib} MiB used: "
-            f"memory not freed{listed}"
-        )
-    if parts:
-        return "; ".join(parts)
-    gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
-    return f"GPU {gpus}: {summary.exit_code.name.lower()}"
-
-
-def held_rule(item: Held) -> str:
-    """The rule in an admin's words: why gpugate left the process alive."""
-    rule = item.rule
-    if rule == UNKILLABLE:
-        return "unkillable (survived SIGKILL)"
-    if rule == "straddles":
-        return f"straddles GPU {','.join(map(str, item.foreign))}, not this job's"
-    if rule in ("other-unit", "other-container"):
-        job = SLURM_JOB_CGROUP.search(item.cgroup or "")
-        if job:
-            return f"in another job ({job.group(1)})"
-        return f"in another unit ({shown(item.other or item.cgroup, CGROUP)})"
-    return HELD_RULES.get(rule, rule)
-
-
-def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
-    """A failed prolog's or epilog's reason for `scontrol update State=DRAIN`: escaped, no
-    double quote (scontrol strips one at either end), at most REASON.chars; the exit code
-    stays whole where the detail is cut."""
-    who = f" job {job_id}" if job_id is not None else ""
-    head, tail = f"gpugate {phase}{who}: ", f" (exit {code})"
-    room = REASON.chars - len(head) - len(tail)
-    return head + shown(detail.replace('"', "'"), Kind("drain detail", room, room)) + tail
-
-
-def slurm_no_gpus(said: str) -> str:
-    return f"no GPUs to gate ({said})"
-
-
-def slurm_gpus_unresolved(variable: str, numbers: str, why: str) -> str:
-    return (
-        f"{variable}={numbers}: slurmd's GPU numbers not resolved ({why}); "
-        "only the job's own cgroup is cleaned, nothing outside it is killed"
-    )
-
-
-def slurm_shm(private: bool, plugin: str, dirs: str) -> str:
-    if private:
-        return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
-    if plugin:
-        return (
-            f"/dev/shm: shared by the node's jobs (JobContainerType={plugin}, Dirs={dirs or '-'}); "
-            "gpugate removes only the segments of processes it killed"
-        )
-    return (
-        "/dev/shm: shared by the node's jobs (no JobContainerType); gpugate removes only the "
-        "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
-        "its own"
-    )
-
-
-def slurm_shm_unknown(why: str) -> str:
-    return f"/dev/shm: not known ({why})"
-
-
-def slurm_gres_unresolved(node: str, why: str) -> str:
-    return (
-        f"GPUs of node {node}: slurmd's numbers not resolved ({why}); the hooks clean only a "
-        "job's own cgroup"
-    )
-
-
-def slurm_gres_resolved(node: str, path: str, nvml_order: bool) -> str:
-    order = "AutoDetect=nvml: NVML's order" if nvml_order else "File= order"
-    return f"GPUs of node {node}, as slurmd numbers them ({path}, {order}):"
-
-
-def slurm_gpu_number(number: int, file: str | None, gpu: str) -> str:
-    where = f" {file} =" if file else ""
-    return f"  {number} ={where} {gpu}"
 
 
 def lease_overridden(indices: Sequence[int], holder: str) -> str:

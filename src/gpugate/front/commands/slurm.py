@@ -5,6 +5,7 @@ to an NVML GPU (exit 78 where not)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import UNKILLABLE, Held, RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
@@ -24,6 +25,7 @@ from gpugate.integrations.gres_conf import (
     DeviceNodes,
     GpuLayout,
     GresUnresolved,
+    ShmPrivacy,
     StatFn,
     gpu_order,
     gres_conf_path,
@@ -46,7 +48,16 @@ from gpugate.integrations.slurm import (
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Event, Reporter, ReporterFactory
-from gpugate.report.lines import failure_detail
+from gpugate.untrusted import CGROUP, REASON, Kind, shown
+
+MAX_REASON_HOLDERS = 3  # processes a drain reason names
+SLURM_JOB_CGROUP = re.compile(r"slurmstepd\.scope/job_([0-9]{1,10})(?:/|$)")
+HELD_RULES = {
+    "protected": "protected (protected_executables/protected_units)",
+    "orphan": "an orphan gpugate may not kill here",
+    "other-account": "another account's",
+    "watcher": "a watcher",
+}
 
 
 def slurm(front: Front, phase: Phase, config: Path | None, *, dry_run: bool = False) -> int:
@@ -82,7 +93,7 @@ def run_slurm_hook(
                 fields = job_fields(job)
                 reporter = deps.reporter_factory(job.label, phase.value, fields=fields)
                 reporter.event(
-                    Event.RUN_FINISHED, lines.slurm_no_gpus(job.no_gpus), result="success"
+                    Event.RUN_FINISHED, f"no GPUs to gate ({job.no_gpus})", result="success"
                 )
             return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
         config = load_slurm_config(config_path, deps.config_dir)
@@ -120,7 +131,10 @@ def job_config(
             driver.close()
         why = exc.message if isinstance(exc, GateError) else str(exc)
         print(
-            lines.warning(lines.slurm_gpus_unresolved(job.gpus_from, numbers, why)),
+            lines.warning(
+                f"{job.gpus_from}={numbers}: slurmd's GPU numbers not resolved ({why}); "
+                "only the job's own cgroup is cleaned, nothing outside it is killed"
+            ),
             file=deps.stream,
         )
         note = f"{job.gpus_from}={numbers} not resolved: the job's cgroup only"
@@ -149,6 +163,56 @@ def run_job(
     return outcome.exit_code, outcome.summary, detail
 
 
+def failure_detail(summary: RunSummary | None) -> str:
+    """What still holds the run's GPUs, for a Slurm node's drain reason: each process that
+    kept one (up to MAX_REASON_HOLDERS: PID, account, the GPUs, the rule), each GPU whose
+    memory stayed used; only those GPUs."""
+    if summary is None:
+        return "failed"
+    parts = []
+    for item in summary.held[:MAX_REASON_HOLDERS]:
+        gpus = f" on GPU {','.join(map(str, item.gpus))}" if item.gpus else ""
+        parts.append(f"PID {item.pid} ({item.user or '?'}){gpus}: {held_rule(item)}")
+    if len(summary.held) > MAX_REASON_HOLDERS:
+        parts.append(f"{len(summary.held) - MAX_REASON_HOLDERS} more PID(s)")
+    for busy in summary.busy:
+        pids = ", ".join(map(str, busy.pids[:MAX_REASON_HOLDERS]))
+        listed = f", NVML lists PID {pids}" if pids else ""
+        parts.append(
+            f"GPU {busy.gpu.shown} ({busy.gpu.uuid}) still {busy.used_mib} MiB used: "
+            f"memory not freed{listed}"
+        )
+    if parts:
+        return "; ".join(parts)
+    gpus = ",".join(str(gpu.index) for gpu in summary.owned) or "none"
+    return f"GPU {gpus}: {summary.exit_code.name.lower()}"
+
+
+def held_rule(item: Held) -> str:
+    """The rule in an admin's words: why gpugate left the process alive."""
+    rule = item.rule
+    if rule == UNKILLABLE:
+        return "unkillable (survived SIGKILL)"
+    if rule == "straddles":
+        return f"straddles GPU {','.join(map(str, item.foreign))}, not this job's"
+    if rule in ("other-unit", "other-container"):
+        job = SLURM_JOB_CGROUP.search(item.cgroup or "")
+        if job:
+            return f"in another job ({job.group(1)})"
+        return f"in another unit ({shown(item.other or item.cgroup, CGROUP)})"
+    return HELD_RULES.get(rule, rule)
+
+
+def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
+    """A failed prolog's or epilog's reason for `scontrol update State=DRAIN`: escaped, no
+    double quote (scontrol strips one at either end), at most REASON.chars; the exit code
+    stays whole where the detail is cut."""
+    who = f" job {job_id}" if job_id is not None else ""
+    head, tail = f"gpugate {phase}{who}: ", f" (exit {code})"
+    room = REASON.chars - len(head) - len(tail)
+    return head + shown(detail.replace('"', "'"), Kind("drain detail", room, room)) + tail
+
+
 def drain(
     phase: Phase,
     job: SlurmJob | None,
@@ -160,7 +224,7 @@ def drain(
     said: bool,
 ) -> None:
     """A failed prolog or epilog: the drain reason on stderr (unless said) and to slurmctld."""
-    reason = lines.drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
     if not said:
         print(lines.error(f"drain: {reason}"), file=stream, flush=True)
     node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
@@ -180,17 +244,36 @@ def slurm_check(
     slurm_conf = environ.get("SLURM_CONF") or DEFAULT_SLURM_CONF
     try:
         gres_conf_path(slurm_conf)  # SLURM_CONF an absolute path, or GresUnresolved
-        privacy = shm_privacy(Path(slurm_conf))
-        print(lines.slurm_shm(privacy.private, privacy.plugin, privacy.dirs), file=out)
+        print(shm_line(shm_privacy(Path(slurm_conf))), file=out)
     except GresUnresolved as exc:
-        print(lines.slurm_shm_unknown(str(exc)), file=out)
+        print(f"/dev/shm: not known ({exc})", file=out)
     try:
         path = gres_conf_path(slurm_conf)
         layout = parse_gres_conf(read_gres_conf(path), str(path), node)
+        return check_gpus(layout, node, driver_factory, nodes, out)
     except GresUnresolved as exc:
-        print(lines.slurm_gres_unresolved(node, str(exc)), file=out)
+        print(
+            f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
+            "a job's own cgroup",
+            file=out,
+        )
         return int(ExitCode.CONFIG)
-    return check_gpus(layout, node, driver_factory, nodes, out)
+
+
+def shm_line(privacy: ShmPrivacy) -> str:
+    private, plugin, dirs = privacy.private, privacy.plugin, privacy.dirs
+    if private:
+        return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
+    if plugin:
+        return (
+            f"/dev/shm: shared by the node's jobs (JobContainerType={plugin}, Dirs={dirs or '-'}); "
+            "gpugate removes only the segments of processes it killed"
+        )
+    return (
+        "/dev/shm: shared by the node's jobs (no JobContainerType); gpugate removes only the "
+        "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
+        "its own"
+    )
 
 
 def check_gpus(
@@ -211,13 +294,12 @@ def check_gpus(
     finally:
         if driver is not None:
             driver.close()
-    try:
-        ordered: list[Gpu] = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
-    except GresUnresolved as exc:
-        print(lines.slurm_gres_unresolved(node, str(exc)), file=out)
-        return int(ExitCode.CONFIG)
+    ordered: list[Gpu] = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
     files = list(layout.files) if not layout.nvml_order else []
-    print(lines.slurm_gres_resolved(node, layout.path, layout.nvml_order), file=out)
+    order = "AutoDetect=nvml: NVML's order" if layout.nvml_order else "File= order"
+    print(f"GPUs of node {node}, as slurmd numbers them ({layout.path}, {order}):", file=out)
     for number, gpu in enumerate(ordered):
-        print(lines.slurm_gpu_number(number, files[number] if files else None, gpu.label), file=out)
+        file = files[number] if files else None
+        where = f" {file} =" if file else ""
+        print(f"  {number} ={where} {gpu.label}", file=out)
     return int(ExitCode.OK)
