@@ -36,13 +36,7 @@ from gpugate.integrations.slurm import set_drain_reason
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter
-from gpugate.report.lines import (
-    state_refused,
-    state_unwritable,
-    sweep_status,
-    unowned_gone,
-    unowned_seen,
-)
+from gpugate.report.lines import sweep_status, unowned_gone, unowned_seen
 from gpugate.report.narrate import Narrator
 
 SLURMD_UNIT = "slurmd.service"
@@ -228,7 +222,8 @@ def drain_due(
     node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
     if code == ExitCode.UNKILLABLE:
         pids = still_alive(holdings, reaped, front.host_roots().proc)
-        set_drain_reason(node, lines.sweep_unkillable_reason(reaped, pids), sys.stderr)
+        head = f"gpugate: sweep's reap on GPU {','.join(map(str, reaped))} left unkillable PID "
+        set_drain_reason(node, pids_within(head, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
     listed = {
         h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
@@ -245,8 +240,8 @@ def drain_due(
         return
     gpus = sorted({gpu for entry in found.values() for gpu in entry.gpus})
     oldest = max(now - entry.since for entry in found.values())
-    reason = lines.sweep_drain_reason(gpus, sorted(ident.pid for ident in found), oldest)
-    set_drain_reason(node, reason, sys.stderr)
+    head = f"gpugate: GPU {','.join(map(str, gpus))} held by nobody for {oldest:.0f}s, PID "
+    set_drain_reason(node, pids_within(head, sorted(ident.pid for ident in found)), sys.stderr)
     lock_dir = loaded.config.lock_dir
     try:
         with locked_state(lock_dir) as (folder_fd, kept):
@@ -256,7 +251,19 @@ def drain_due(
             }
             write_state(folder_fd, marked)
     except OSError as exc:  # the next sweep drains again
-        print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
+        print(unwritten(lock_dir, exc), file=sys.stderr)
+
+
+def pids_within(head: str, pids: Sequence[int]) -> str:
+    """head and the PIDs, within scontrol's 250 characters of Reason= (the PIDs cut first)."""
+    listed = ",".join(map(str, pids))
+    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
+
+
+def unwritten(lock_dir: Path, exc: OSError) -> str:
+    return lines.warning(
+        f"sweep state not written to {lock_dir / STATE_NAME}: {exc.strerror or exc}"
+    )
 
 
 def keep_state(
@@ -268,11 +275,14 @@ def keep_state(
     try:
         with locked_state(lock_dir) as (folder_fd, state):
             if state.refused is not None:
-                print(state_refused(lock_dir / STATE_NAME, state.refused), file=sys.stderr)
+                refused = f"{lock_dir / STATE_NAME}: not the sweep's state ({state.refused})"
+                print(
+                    lines.warning(f"{refused}: every unowned holder is new again"), file=sys.stderr
+                )
             seen = remember(holdings, state.unowned, now, reporter)
             write_state(folder_fd, seen)
     except OSError as exc:
-        print(state_unwritable(lock_dir / STATE_NAME, exc.strerror or str(exc)), file=sys.stderr)
+        print(unwritten(lock_dir, exc), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
 
 

@@ -145,23 +145,6 @@ def sweep_timer(*, enabled: bool) -> str:
     return "disabled gpugate-sweep.timer: no more sweeps"
 
 
-def pids_within(head: str, pids: Sequence[int]) -> str:
-    """head and the PIDs, within scontrol's 250 characters of Reason= (the PIDs cut first)."""
-    listed = ",".join(map(str, pids))
-    return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
-
-
-def sweep_drain_reason(gpus: Sequence[int], pids: Sequence[int], seconds: float) -> str:
-    """scontrol's Reason= for a node whose GPU memory nobody has owned for long."""
-    gpu_text = ",".join(map(str, gpus))
-    return pids_within(f"gpugate: GPU {gpu_text} held by nobody for {seconds:.0f}s, PID ", pids)
-
-
-def sweep_unkillable_reason(gpus: Sequence[int], pids: Sequence[int]) -> str:
-    gpu_text = ",".join(map(str, gpus))
-    return pids_within(f"gpugate: sweep's reap on GPU {gpu_text} left unkillable PID ", pids)
-
-
 def sweep_gpus(indices: Sequence[int]) -> str:
     return ",".join(str(index) for index in sorted(indices)) or "-"
 
@@ -204,14 +187,6 @@ def sweep_status(
     else:
         text = f"{unowned} unowned holder(s) on GPU {sweep_gpus(gpus)}"
     reporter.status(text + (f"; reaped GPU {sweep_gpus(reaped)}" if reaped else ""))
-
-
-def state_refused(path: object, why: str) -> str:
-    return warning(f"{path}: not the sweep's state ({why}): every unowned holder is new again")
-
-
-def state_unwritable(path: object, cause: str) -> str:
-    return warning(f"sweep state not written to {path}: {cause}")
 
 
 def unowned_line(pid: int, seconds: int | None) -> str:
