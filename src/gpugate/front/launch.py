@@ -29,7 +29,7 @@ from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenie
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.safe_files import find_program, run_program, write_atomically
+from gpugate.host.safe_files import account, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     ENV_NAME,
     SYSTEMCTL_TIMEOUT_S,
@@ -43,9 +43,11 @@ from gpugate.integrations.records import RUNNING_STATES, STARTED_BY_VARIABLE, ch
 from gpugate.integrations.unit import parse_visible_devices
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.untrusted import COMMAND, echo, shown
+from gpugate.report.reasons import held_text
+from gpugate.untrusted import COMM, COMMAND, echo, shown
 
 if TYPE_CHECKING:
+    from gpugate.core.decide import Choice
     from gpugate.front.commands import Front
 
 # The unit's stop, then each ExecStopPost=, may take TimeoutStopSec (the drop-in's 300 s).
@@ -190,10 +192,15 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         found = parse_uid(environ["SUDO_UID"])
         group = parse_uid(environ.get("SUDO_GID", ""))
         if found is None or ("SUDO_GID" in environ and group is None):
+            given = ", ".join(
+                f"{name}={environ[name][:20]!r}"
+                for name in ("SUDO_UID", "SUDO_GID")
+                if name in environ
+            )
             raise LaunchError(
-                lines.sudo_variables_text(
-                    {k: environ[k] for k in ("SUDO_UID", "SUDO_GID") if k in environ}
-                )
+                f"{given}: not a uid and gid as sudo sets them (decimal digits); gpugate run "
+                "under root acts for the account SUDO_UID names and will not guess: unset them, "
+                "or run it through sudo"
             )
         uid, gid = found, group
     try:
@@ -276,7 +283,20 @@ def refuse_before_start(
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if others:
-        raise HeldByOthers(lines.other_account_refusal(unit, others))
+        raise HeldByOthers(other_account_refusal(unit, others))
+
+
+def other_account_refusal(unit: str, choices: list[Choice]) -> str:
+    """gpugate run's one line before it starts anything (exit 22)."""
+    first = choices[0]
+    holder = first.holder
+    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
+    return (
+        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
+        f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
+        f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
+        "nothing was killed; ask that account (or root) to stop it"
+    )
 
 
 def refuse_leased(
@@ -300,8 +320,11 @@ def refuse_leased(
     if check.conflicts and not force:
         raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
     for lease, overlap in check.conflicts:
+        gpus_text = ", ".join(str(gpu.index) for gpu in overlap)
         print(
-            lines.lease_overridden([gpu.index for gpu in overlap], lease.holder_text()),
+            lines.warning(
+                f"GPU {gpus_text} leased to {lease.holder_text()}; --force: running anyway"
+            ),
             file=sys.stderr,
         )
 

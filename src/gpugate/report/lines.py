@@ -4,22 +4,18 @@ containers' lines, a failed job's detail), and the narration of paths a plain pr
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from gpugate.core.decide import Choice
 from gpugate.core.discover import Holder
 from gpugate.core.outcome import Progress, Stage
 from gpugate.errors import Interrupted
-from gpugate.host.safe_files import account
 from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.host.systemd import Setting, UnitSettings
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text, unreadable_text
-from gpugate.report.reasons import held_text
 from gpugate.untrusted import (
-    COMM,
     COMMAND,
     exact,
     line,
@@ -38,11 +34,6 @@ def warning(text: str) -> str:
 
 def metrics_not_written(path: object, cause: str) -> str:
     return warning(f"metrics not written to {path}: {cause}")
-
-
-def lease_overridden(indices: Sequence[int], holder: str) -> str:
-    gpus = ", ".join(map(str, indices))
-    return warning(f"GPU {gpus} leased to {holder}; --force: running anyway")
 
 
 def reloaded(done: bool) -> str:
@@ -252,31 +243,6 @@ def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
         f"stopped by {error.signal_name} while {doing(progress)}; it left no GPU lock or lease",
         error.signal_name,
         progress.stage.value,
-    )
-
-
-def other_account_refusal(unit: str, choices: list[Choice]) -> str:
-    """gpugate run's one line before it starts anything (exit 22)."""
-    first = choices[0]
-    holder = first.holder
-    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
-    return (
-        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
-        f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
-        f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
-        "nothing was killed; ask that account (or root) to stop it"
-    )
-
-
-def sudo_variables_text(environ: Mapping[str, str]) -> str:
-    """gpugate run under root with SUDO_UID or SUDO_GID that sudo would not have written."""
-    shown = ", ".join(
-        f"{name}={environ[name][:20]!r}" for name in ("SUDO_UID", "SUDO_GID") if name in environ
-    )
-    return (
-        f"{shown}: not a uid and gid as sudo sets them (decimal digits); gpugate run under "
-        "root acts for the account SUDO_UID names and will not guess: unset them, or run it "
-        "through sudo"
     )
 
 
