@@ -88,14 +88,17 @@ def not_gated(stage: str, why: str) -> int:
     if spec.gpus:
         # Loaded only here: a rootless GPU container's start, not every container's.
         from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
-        from gpugate.report.lines import not_gated_text  # noqa: PLC0415
 
         reporter = Reporter(
             f"container-{state.id}", stage, echo=False, fields={"GPUGATE_OCI_CONTAINER": state.id}
         )
         try:
             reporter.event(
-                Event.WARNING, not_gated_text(why), priority=PRIORITY_NOTICE, reason=NOT_ROOT
+                Event.WARNING,
+                f"not gated: the container's runtime is not the host's root ({why}); gpugate "
+                "gates only containers of root's runtimes (docs/containers.md)",
+                priority=PRIORITY_NOTICE,
+                reason=NOT_ROOT,
             )
         except Exception:  # noqa: BLE001 - no journal (python-systemd missing): still exit 0
             return int(ExitCode.OK)

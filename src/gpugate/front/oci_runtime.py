@@ -14,7 +14,6 @@ from pathlib import Path
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.host.oci import OciInputError, not_host_root, read_config, spec_gpu_request
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
-from gpugate.report import lines
 
 # runc's global options that take a value (`runc --help`): the command is the first word
 # that is neither an option nor such an option's value.
@@ -106,12 +105,12 @@ def main(argv: Sequence[str]) -> int:
         recorded = read_record()
     except ConfigError as exc:
         if creating:  # a GPU container must not start without the runtime the host chose
-            print(lines.runtime_failed(exc.message), file=sys.stderr)
+            print(f"gpugate-oci-runtime: {exc.message}", file=sys.stderr)
             return int(exc.exit_code)
         recorded = RUNC  # state, kill, delete: NVIDIA's runtime passes them to runc unchanged
     wrapped = choose(recorded, os.environ)
     if wrapped.path is None:
-        print(lines.runtime_no_runc(PATHS[RUNC]), file=sys.stderr)
+        print(f"gpugate-oci-runtime: no runc in {', '.join(PATHS[RUNC])}", file=sys.stderr)
         return int(ExitCode.NVML_UNAVAILABLE)
     # A rootless runtime's hooks would gate nothing, and its bundle is its user's to write.
     if creating and not_host_root() is None:

@@ -251,22 +251,6 @@ def hook_failed(stage: str, text: str) -> str:
     return f"gpugate: oci-hook {stage}: {text}"
 
 
-def not_gated_text(why: str) -> str:
-    """The one journal line of a hook run by a runtime that is not the host's root."""
-    return (
-        f"not gated: the container's runtime is not the host's root ({why}); gpugate gates "
-        "only containers of root's runtimes (docs/containers.md)"
-    )
-
-
-def runtime_failed(text: str) -> str:
-    return f"gpugate-oci-runtime: {text}"
-
-
-def runtime_no_runc(paths: Sequence[str]) -> str:
-    return runtime_failed(f"no runc in {', '.join(paths)}")
-
-
 NOTHING_TO_SET_UP = "no podman, CRI-O, docker or containerd here: nothing to do"
 CONTAINERD_RESTART = (
     "containerd reads its config only when it starts: systemctl restart containerd "
