@@ -14,7 +14,7 @@ from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.host.systemd import Setting, UnitSettings
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
-from gpugate.report.narrate import size_text, unreadable_text
+from gpugate.report.narrate import size_text
 from gpugate.untrusted import (
     COMMAND,
     exact,
@@ -126,10 +126,6 @@ def unit_or_containers(command: str) -> str:
     return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
 
 
-def unreadable_holders(pids: Sequence[int]) -> str:
-    return warning(f"{unreadable_text(pids)}: GPU holders among them are not shown; run as root")
-
-
 def sweep_timer(*, enabled: bool) -> str:
     if enabled:
         return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
@@ -180,12 +176,6 @@ def sweep_status(
     reporter.status(text + (f"; reaped GPU {sweep_gpus(reaped)}" if reaped else ""))
 
 
-def unowned_line(pid: int, seconds: int | None) -> str:
-    """`status`'s note under the table."""
-    since = "?" if seconds is None else f"{seconds} s"
-    return f"(PID {pid}: held by nobody, seen unowned by gpugate sweep for {since})"
-
-
 def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
     """post, in a unit with a /dev/shm of its own: it goes with the unit's last process.
     seen: what it held, read through a process of the unit still there when post began."""
@@ -203,16 +193,6 @@ def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
         f"the unit's own /dev/shm ({held}) goes with its last process: "
         "none of it is in the host's /dev/shm",
         **sized,
-    )
-
-
-def own_shm_line(entry: dict[str, Any], shown: Any) -> str:
-    """status's table: `/dev/shm of vllm.service (its own): 8.0K used of 64.0G, 2 file(s)`.
-    shown: the table's byte formatter."""
-    return (
-        f"/dev/shm of {entry['unit']} (its own, through PID {entry['pid']}): "
-        f"{shown(entry['used_bytes'])} used of {shown(entry['total_bytes'])}, "
-        f"{entry['files']} file(s)"
     )
 
 

@@ -42,8 +42,12 @@ from gpugate.integrations.records import Lease, Seen, leases_by_gpu, read_leases
 from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.lines import own_shm_line, unowned_line, unreadable_holders
-from gpugate.report.narrate import cut_short_text, size_text, unreadable_record_text
+from gpugate.report.narrate import (
+    cut_short_text,
+    size_text,
+    unreadable_record_text,
+    unreadable_text,
+)
 from gpugate.untrusted import CGROUP, COMM, CONTAINER, FILE, STATE, cut, shown, shown_args
 
 JSON_VERSION = 1
@@ -373,7 +377,9 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
         )
     lines += [
-        own_shm_line(entry, lambda count: size_text(count, column=True))
+        f"/dev/shm of {entry['unit']} (its own, through PID {entry['pid']}): "
+        f"{size_text(entry['used_bytes'], column=True)} used of "
+        f"{size_text(entry['total_bytes'], column=True)}, {entry['files']} file(s)"
         for entry in data.get("unit_shm", ())
     ]
     return lines
@@ -409,7 +415,8 @@ def holder_table(data: dict[str, Any]) -> list[str]:
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
     lines += [
-        unowned_line(holder["pid"], holder["unowned_s"])
+        f"(PID {holder['pid']}: held by nobody, seen unowned by gpugate sweep for "
+        f"{holder['unowned_s']} s)"
         for holder in data["holders"]
         if holder.get("unowned_s") is not None
     ]
@@ -422,7 +429,10 @@ def unreadable_warning(discovery: Discovery) -> str | None:
         return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
     if not discovery.unreadable:
         return None
-    return unreadable_holders(discovery.unreadable)
+    return (
+        f"gpugate: warning: {unreadable_text(discovery.unreadable)}: GPU holders among them are "
+        "not shown; run as root"
+    )
 
 
 def status(
