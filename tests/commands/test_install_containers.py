@@ -4,13 +4,14 @@ ways; and the runtime wrapper's reading of runc's command line and the spec it e
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import pytest
 
 from gpugate.errors import ExitCode, InstallError
-from gpugate.front.install import Action, apply
+from gpugate.front.install import Action, Change, apply
 from gpugate.front.install_containers import (
     HOOK_FILES,
     ContainerHost,
@@ -342,15 +343,17 @@ def test_wrapper_hooks_with_a_command() -> None:
 
 @pytest.mark.message
 def test_the_daemon_json_notes_are_worded_with_the_runtimes_path() -> None:
-    from gpugate.report import lines
-
     wrapper = "/usr/bin/gpugate-oci-runtime"
-    said = lines.change(
-        "write", "/etc/docker/daemon.json", "runtime-added", dry_run=True, detail=wrapper
+    daemon_json = Path("/etc/docker/daemon.json")
+    out = io.StringIO()
+    apply(
+        [Change(daemon_json, Action.WRITE, None, "runtime-added", detail=wrapper)],
+        dry_run=True,
+        out=out,
     )
-    assert said == (
-        f"would write /etc/docker/daemon.json (runtime gpugate: {wrapper}; every other key kept)"
+    assert out.getvalue() == (
+        f"would write /etc/docker/daemon.json (runtime gpugate: {wrapper}; every other key kept)\n"
     )
-    assert lines.change("unchanged", "/x", "runtime-absent", dry_run=False) == (
-        "unchanged /x (no runtime gpugate)"
-    )
+    out = io.StringIO()
+    apply([Change(Path("/x"), Action.UNCHANGED, None, "runtime-absent")], out=out)
+    assert out.getvalue() == "unchanged /x (no runtime gpugate)\n"

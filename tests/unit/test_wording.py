@@ -14,7 +14,7 @@ import pytest
 
 from gpugate.errors import ExitCode, GateError, UnknownUnit
 from gpugate.front.cli import main
-from gpugate.report.lines import CHANGE_NOTES
+from gpugate.front.install import CHANGE_NOTES
 from gpugate.untrusted import LINE_CHARS
 from tests.unit.test_report import make
 
@@ -129,7 +129,7 @@ def called_name(call: ast.Call) -> str:
 
 def test_every_install_note_code_is_worded() -> None:
     """install's plan carries its notes as codes (Change's fourth argument or note=, or a
-    variable `note` passed there): each one used in src is in report.lines.CHANGE_NOTES,
+    variable `note` passed there): each one used in src is in front.install.CHANGE_NOTES,
     which words it (a missing one would end install with an internal error)."""
     used: set[str] = set()
     for path in SRC.rglob("*.py"):

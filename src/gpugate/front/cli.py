@@ -442,9 +442,10 @@ def _install(args: argparse.Namespace, front: Front) -> int:
         del flags["force"]
         return sweep_setup(installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags)
     if args.oci != (args.unit is None) or args.sweep:
-        from gpugate.report.lines import unit_or_containers  # noqa: PLC0415
-
-        print(unit_or_containers(args.command), file=sys.stderr)
+        print(
+            f"gpugate {args.command}: give a UNIT or --containers (or --sweep), one of them",
+            file=sys.stderr,
+        )
         return int(ExitCode.USAGE)
     if args.oci:
         default = installing and args.default

@@ -35,6 +35,7 @@ from gpugate.errors import (
 )
 from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
+    Setting,
     UnitSettings,
     UnitState,
     parse_unit_settings,
@@ -44,7 +45,6 @@ from gpugate.host.systemd import (
     validate_unit_name,
 )
 from gpugate.report import lines
-from gpugate.report.lines import kept_lines
 from gpugate.untrusted import echo
 
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
@@ -273,7 +273,7 @@ class Change:
     path: Path
     action: Action
     content: str | None = None  # what WRITE writes
-    note: str = ""  # a code: report.lines.CHANGE_NOTES words it
+    note: str = ""  # a code: CHANGE_NOTES words it
     said: tuple[str, ...] = ()  # lines under it (the unit's settings the drop-in keeps)
     detail: str = ""  # the note's fact (the runtime's path)
     keep_folder: bool = False  # REMOVE: leave the folder even where it is left empty
@@ -407,8 +407,40 @@ def planned_dropin(
         private_shm = DEFAULT_PRIVATE_SHM
     except OSError as exc:
         raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
-    said = tuple(kept_lines(settings, private_shm, HOOK_TIMEOUT_S))
+    said = tuple(kept_lines(settings, private_shm))
     return with_header(render_dropin(gpugate_path, settings, private_shm)), said
+
+
+def kept_lines(unit: UnitSettings, private_shm: str) -> list[str]:
+    """Each setting of the unit its drop-in keeps, and what it adds of its own."""
+
+    def kept(setting: Setting, why: str) -> str:
+        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
+
+    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
+    timeouts = {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
+    said = [kept(setting, extends) for setting in timeouts.values() if setting is not None]
+    unset = [name for name, setting in timeouts.items() if setting is None]
+    if unset:
+        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {HOOK_TIMEOUT_S}s")
+    notify = unit.notify_access
+    if notify is not None and notify.value == "all":
+        said.append(kept(notify, "it lets the hooks notify too"))
+    elif notify is not None:
+        said.append(
+            f"the unit's NotifyAccess={notify.value} ({notify.path}) "
+            "is replaced by NotifyAccess=exec: the hooks must notify systemd"
+        )
+    if unit.own_shm is not None:
+        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
+    elif private_shm == "off":
+        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
+    else:
+        said.append(
+            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
+            "its segments go with its last process"
+        )
+    return said
 
 
 def refuse_unknown_unit(
@@ -483,15 +515,45 @@ def apply(
     )
     if dry_run or not unit_files_changed:
         return False
-    print(lines.reloaded(reload()), file=stream)
+    print(reloaded(reload()), file=stream)
     return True
 
 
+def reloaded(done: bool) -> str:
+    if done:
+        return "reloaded systemd (systemctl daemon-reload)"
+    return "systemd not reloaded (not running here, or --no-reload)"
+
+
+CHANGE_VERBS = {
+    "write": ("would write", "wrote"),
+    "unchanged": ("unchanged", "unchanged"),
+    "keep": ("would keep", "kept"),
+    "remove": ("would remove", "removed"),
+    "absent": ("not there", "not there"),
+}
+CHANGE_NOTES = {
+    "edited": "yours (edited): kept",
+    "edited-removable": "yours (edited): kept; --force removes",
+    "edited-forced": "replacing your edited file (--force)",
+    "runtime-there": "runtime gpugate there",
+    "runtime-added": "runtime gpugate: {detail}; every other key kept",
+    "runtime-absent": "no runtime gpugate",
+    "runtime-removed": "runtime gpugate taken out; every other key kept",
+    "containerd-runtime-added": "runtime gpugate with {detail}'s settings; every other line kept",
+    "containerd-runtime-default": (
+        "runtime gpugate with {detail}'s settings, the CRI default; every other line kept"
+    ),
+    "containerd-runtime-removed": "runtime gpugate taken out; every other line as it was",
+    "containerd-made": "made by gpugate install from `containerd config default`",
+    "runs": "gpugate-oci-runtime runs {detail}",
+}
+
+
 def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
-    shown = lines.change(
-        change.action.value, change.path, change.note, dry_run=dry_run, detail=change.detail
-    )
-    print(shown, file=stream)
+    verb = CHANGE_VERBS[change.action.value][0 if dry_run else 1]
+    noted = f" ({CHANGE_NOTES[change.note].format(detail=change.detail)})" if change.note else ""
+    print(f"{verb} {change.path}{noted}", file=stream)
     for said in change.said:
         print(f"  {said}", file=stream)
     if dry_run and change.action is Action.WRITE and change.content is not None:
@@ -588,14 +650,14 @@ def sweep_setup(
     there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, systemd_dir))
     if not installing and not dry_run and there:  # none there: nothing to disable
         timer_systemctl("disable", *now, TIMER)
-        print(lines.sweep_timer(enabled=False))
+        print("disabled gpugate-sweep.timer: no more sweeps")
     apply(changes, dry_run=dry_run, reload=lambda: False)
     if dry_run:
         return int(ExitCode.OK)
     written = any(c.action in (Action.WRITE, Action.REMOVE) for c in changes)
     if written and not no_reload:
-        print(lines.reloaded(systemctl_daemon_reload()))
+        print(reloaded(systemctl_daemon_reload()))
     if installing:
         timer_systemctl("enable", *now, TIMER)
-        print(lines.sweep_timer(enabled=True))
+        print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
     return int(ExitCode.OK)

@@ -12,7 +12,6 @@ from gpugate.core.outcome import Progress, Stage
 from gpugate.errors import Interrupted
 from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
-from gpugate.host.systemd import Setting, UnitSettings
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text
 from gpugate.untrusted import (
@@ -36,100 +35,11 @@ def metrics_not_written(path: object, cause: str) -> str:
     return warning(f"metrics not written to {path}: {cause}")
 
 
-def reloaded(done: bool) -> str:
-    if done:
-        return "reloaded systemd (systemctl daemon-reload)"
-    return "systemd not reloaded (not running here, or --no-reload)"
-
-
-CHANGE_VERBS = {
-    "write": ("would write", "wrote"),
-    "unchanged": ("unchanged", "unchanged"),
-    "keep": ("would keep", "kept"),
-    "remove": ("would remove", "removed"),
-    "absent": ("not there", "not there"),
-}
-CHANGE_NOTES = {
-    "edited": "yours (edited): kept",
-    "edited-removable": "yours (edited): kept; --force removes",
-    "edited-forced": "replacing your edited file (--force)",
-    "runtime-there": "runtime gpugate there",
-    "runtime-added": "runtime gpugate: {detail}; every other key kept",
-    "runtime-absent": "no runtime gpugate",
-    "runtime-removed": "runtime gpugate taken out; every other key kept",
-    "containerd-runtime-added": "runtime gpugate with {detail}'s settings; every other line kept",
-    "containerd-runtime-default": (
-        "runtime gpugate with {detail}'s settings, the CRI default; every other line kept"
-    ),
-    "containerd-runtime-removed": "runtime gpugate taken out; every other line as it was",
-    "containerd-made": "made by gpugate install from `containerd config default`",
-    "runs": "gpugate-oci-runtime runs {detail}",
-}
-
-
-def change(action: str, path: object, note: str, *, dry_run: bool, detail: str = "") -> str:
-    """One file of install's or uninstall's plan: action and note are install's codes, detail
-    the note's fact."""
-    verb = CHANGE_VERBS[action][0 if dry_run else 1]
-    shown = f" ({CHANGE_NOTES[note].format(detail=detail)})" if note else ""
-    return f"{verb} {path}{shown}"
-
-
-def kept_lines(unit: UnitSettings, private_shm: str, hook_timeout_s: int) -> list[str]:
-    """install: each setting of the unit its drop-in keeps, and what it adds of its own."""
-
-    def kept(setting: Setting, why: str) -> str:
-        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
-
-    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
-    timeouts = {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
-    said = [kept(setting, extends) for setting in timeouts.values() if setting is not None]
-    unset = [name for name, setting in timeouts.items() if setting is None]
-    if unset:
-        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {hook_timeout_s}s")
-    notify = unit.notify_access
-    if notify is not None and notify.value == "all":
-        said.append(kept(notify, "it lets the hooks notify too"))
-    elif notify is not None:
-        said.append(
-            f"the unit's NotifyAccess={notify.value} ({notify.path}) "
-            "is replaced by NotifyAccess=exec: the hooks must notify systemd"
-        )
-    if unit.own_shm is not None:
-        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
-    elif private_shm == "off":
-        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
-    else:
-        said.append(
-            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
-            "its segments go with its last process"
-        )
-    return said
-
-
-def wrapped_runtime(record: object, recorded: str, name: str, path: str | None) -> str:
-    """`config check`'s line on the runtime gpugate-oci-runtime runs (host/wrapped_runtime)."""
-    runs = path or f"no {name} installed"
-    instead = "" if name == recorded else f"; {recorded} is not installed or is the caller"
-    where = f'runtime = "{recorded}" in {record}{instead}'
-    return f"# containers: gpugate-oci-runtime runs {runs} ({where})"
-
-
 def internal_error_text(exc: BaseException) -> str:
     return (
         f"internal error: {type(exc).__name__}: {line(str(exc))} "
         "(set GPUGATE_DEBUG=1 for a traceback, and please report it)"
     )
-
-
-def unit_or_containers(command: str) -> str:
-    return f"gpugate {command}: give a UNIT or --containers (or --sweep), one of them"
-
-
-def sweep_timer(*, enabled: bool) -> str:
-    if enabled:
-        return "enabled gpugate-sweep.timer: a gpugate sweep every minute"
-    return "disabled gpugate-sweep.timer: no more sweeps"
 
 
 def sweep_gpus(indices: Sequence[int]) -> str:
@@ -229,10 +139,3 @@ def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
 def hook_failed(stage: str, text: str) -> str:
     """`gpugate oci-hook STAGE`'s one line on stderr: the runtime shows it as the hook's error."""
     return f"gpugate: oci-hook {stage}: {text}"
-
-
-NOTHING_TO_SET_UP = "no podman, CRI-O, docker or containerd here: nothing to do"
-CONTAINERD_RESTART = (
-    "containerd reads its config only when it starts: systemctl restart containerd "
-    "(running containers keep running)"
-)

@@ -47,7 +47,10 @@ def show_wrapped_runtime(record: Path | None = None) -> None:
         print(lines.warning(exc.message), file=sys.stderr)
         return
     chosen = wrapped.choose(recorded, {})
-    print(lines.wrapped_runtime(record, recorded, chosen.name, chosen.path))
+    runs = chosen.path or f"no {chosen.name} installed"
+    instead = "" if chosen.name == recorded else f"; {recorded} is not installed or is the caller"
+    where = f'runtime = "{recorded}" in {record}{instead}'
+    print(f"# containers: gpugate-oci-runtime runs {runs} ({where})")
 
 
 def warn_environment_files(unit: str) -> None:

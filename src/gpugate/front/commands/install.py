@@ -95,12 +95,15 @@ def containers_setup(
     changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
     changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
-        print(lines.NOTHING_TO_SET_UP)
+        print("no podman, CRI-O, docker or containerd here: nothing to do")
         return int(ExitCode.OK)
     plan.apply(changes, dry_run=dry_run, reload=lambda: False)
     written = {c.path for c in changes if c.action in (plan.Action.WRITE, plan.Action.REMOVE)}
     if host.containerd_config in written and not dry_run:
-        print(lines.CONTAINERD_RESTART)
+        print(
+            "containerd reads its config only when it starts: systemctl restart containerd "
+            "(running containers keep running)"
+        )
     if host.daemon_json in written and not dry_run and not no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)
