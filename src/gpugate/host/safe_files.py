@@ -407,7 +407,7 @@ def _facts(found: Untrusted) -> str:
     return f"owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o}"
 
 
-def _why(found: Untrusted) -> str:
+def why_untrusted(found: Untrusted) -> str:
     what = "folder " if stat.S_ISDIR(found.mode) else ""
     where = "it" if found.path == found.of else f"its {what}{found.path}"
     problem = {
@@ -438,7 +438,7 @@ def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
             "gpugate reads only a config file that it and every folder above it belong to "
             f"{accounts} and no group or other account may write"
         )
-    return f"{where}refused: {_why(found)}{mine}; {rule} ({RULE}); nothing was done"
+    return f"{where}refused: {why_untrusted(found)}{mine}; {rule} ({RULE}); nothing was done"
 
 
 def unreadable(exc: OSError) -> str:
@@ -448,22 +448,3 @@ def unreadable(exc: OSError) -> str:
     if isinstance(exc, TooLarge):
         return f"refused: {exc.size} bytes, more than a config file ({exc.limit}); not read"
     return exc.strerror or str(exc)
-
-
-def metrics_folder_warning(textfile: Path, found: Untrusted) -> str:
-    return (
-        f"warning: metrics_textfile {textfile}: {_why(found)}: gpugate writes there only "
-        "through the folder's descriptor, never following a link and replacing files by "
-        f"rename ({RULE})"
-    )
-
-
-def environment_warnings(unit: str, names: Sequence[tuple[str, str]]) -> list[str]:
-    """One line per variable of the unit's environment (where: "Environment=" or the
-    EnvironmentFile=) that changes what root's hooks load."""
-    return [
-        f"warning: {unit}: {where} sets {name}: gpugate's hooks run as root with the unit's "
-        f"environment, and {name} chooses code they load (docs/hardening.md, rule 6); set it "
-        "in the server's own ExecStart= (env NAME=... COMMAND) instead"
-        for name, where in names
-    ]

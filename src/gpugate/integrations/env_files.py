@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from gpugate.errors import GateError
-from gpugate.host.safe_files import environment_warnings, group
+from gpugate.host.safe_files import group
 from gpugate.host.systemd import systemctl_show, unit_environment
 
 STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
@@ -105,8 +105,12 @@ def unit_environment_warnings(
     if show is None:
         shown = systemctl_show(unit, "Environment,EnvironmentFiles")  # one call for both
         show = lambda _unit: shown  # noqa: E731
-    lines = environment_file_warnings(unit, show)
-    return lines + environment_warnings(unit, steering_variables(unit, show))
+    return environment_file_warnings(unit, show) + [
+        f"warning: {unit}: {where} sets {name}: gpugate's hooks run as root with the unit's "
+        f"environment, and {name} chooses code they load (docs/hardening.md, rule 6); set it "
+        "in the server's own ExecStart= (env NAME=... COMMAND) instead"
+        for name, where in steering_variables(unit, show)
+    ]
 
 
 def _user(uid: int) -> str:

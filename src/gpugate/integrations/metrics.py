@@ -14,7 +14,14 @@ from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.safe_files import folder, metrics_folder_warning, read_capped, untrusted, write_in
+from gpugate.host.safe_files import (
+    RULE,
+    folder,
+    read_capped,
+    untrusted,
+    why_untrusted,
+    write_in,
+)
 from gpugate.integrations.records import flocked, parse_record
 from gpugate.report import lines
 
@@ -302,7 +309,12 @@ def record_after_run(
     found = untrusted(textfile.parent)
     if found is not None and textfile not in _WARNED:
         _WARNED.add(textfile)  # once per run: every write there is safe, this says why
-        print(f"gpugate: {metrics_folder_warning(textfile, found)}", file=stream or sys.stderr)
+        print(
+            f"gpugate: warning: metrics_textfile {textfile}: {why_untrusted(found)}: gpugate "
+            "writes there only through the folder's descriptor, never following a link and "
+            f"replacing files by rename ({RULE})",
+            file=stream or sys.stderr,
+        )
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
