@@ -473,7 +473,12 @@ PASSES = {"shown", "exact", "shown_args", "container_text", "container_handle", 
 # Functions that take process text as data and return a fact, not a word: their result is
 # still text an account may have picked (a unit name), shown through PASSES where it is shown.
 AS_DATA = {"unit_of_cgroup"}
-OUTPUTS = [*sorted((SRC / "report").glob("*.py")), SRC / "front" / "commands" / "status.py"]
+# report/, and the commands that word a process's text where they print it (status's table,
+# run's refusal, a Slurm node's drain reason).
+OUTPUTS = [
+    *sorted((SRC / "report").glob("*.py")),
+    *(SRC / "front" / name for name in ("commands/status.py", "launch.py", "commands/slurm.py")),
+]
 
 
 def untrusted_reads(tree: ast.AST) -> Iterator[ast.Attribute]:
@@ -490,7 +495,7 @@ def untrusted_reads(tree: ast.AST) -> Iterator[ast.Attribute]:
 
 @pytest.mark.parametrize("path", OUTPUTS, ids=lambda p: p.name)
 def test_process_text_reaches_output_only_through_untrusted(path: Path) -> None:
-    """In report/ and status, a process's text is read only as the argument of a function of
+    """In OUTPUTS, a process's text is read only as the argument of a function of
     untrusted.py (or a helper made of them): it cannot be shown raw by forgetting."""
     tree = ast.parse(path.read_text())
     allowed: set[int] = set()

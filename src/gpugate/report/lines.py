@@ -1,6 +1,6 @@
-"""Lines the commands print beside a run's journal (warnings, install's plan, Slurm's and the
-containers' lines, a failed job's detail), and the narration of paths a plain pre never takes:
-`sweep`, post's own /dev/shm, an interrupted run. A line printed in one place is written there."""
+"""An error's and a warning's prefix, the lines more than one command prints, and the
+narration of paths a plain pre never takes: `sweep`, post's own /dev/shm, an interrupted run.
+A line printed in one place is written there."""
 
 from __future__ import annotations
 
@@ -14,12 +14,7 @@ from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text
-from gpugate.untrusted import (
-    COMMAND,
-    exact,
-    line,
-    shown,
-)
+from gpugate.untrusted import COMMAND, exact, line, shown
 
 
 def error(text: str) -> str:
