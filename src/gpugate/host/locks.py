@@ -9,7 +9,6 @@ import errno
 import fcntl
 import functools
 import os
-import secrets
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -133,7 +132,7 @@ def check_writable(folder: Path, what: str) -> None:
 
 
 def _probe(folder_fd: int, folder: Path, what: str) -> None:
-    name = f".gpugate-probe.{secrets.token_hex(6)}"
+    name = f".gpugate-probe.{os.urandom(6).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(name, flags, 0o600, dir_fd=folder_fd)

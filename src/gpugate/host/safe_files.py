@@ -10,7 +10,6 @@ import errno
 import grp
 import os
 import pwd
-import secrets
 import stat
 import subprocess
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -280,7 +279,8 @@ def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
     the old file or the new one, also after a crash; a link another account planted in the
     folder is never followed."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-    temporary = f".{name}.{secrets.token_hex(6)}.tmp"
+    # os.urandom, not secrets: that imports hashlib and hmac on every run, for the same bytes
+    temporary = f".{name}.{os.urandom(6).hex()}.tmp"
     fd = os.open(temporary, flags, 0o600, dir_fd=folder_fd)
     try:
         try:

@@ -210,7 +210,7 @@ def holder_dict(
     rule: str | None,
     unowned: dict[Any, Seen],
 ) -> dict[str, Any]:
-    """owner: core/owners' kind; unowned_s: since when a sweep has seen it nobody's."""
+    """owner: core/roles' kind; unowned_s: since when a sweep has seen it nobody's."""
     info = holder.info
     owner = owner_of(holder, discovery, loaded.config)
     seen = unowned.get(info.ident) if owner is Owner.NOBODY else None
