@@ -358,9 +358,9 @@ def unit_surroundings(
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
         narration = Narrator(reporter)
-        environment = context.environment
-        if environment is None:
-            environment = unit_environment if context.roots.ask_systemd else lambda _unit: None
+        environment = context.environment or (
+            None if context.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
+        )
         choice = choose_gpus(scope.unit, loaded, environment)
         made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), context, choice, narration)
         if scope.phase.traits.reads_failed_start:
