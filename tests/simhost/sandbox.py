@@ -31,6 +31,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import tempfile
 import threading
 import time
 import uuid
@@ -314,7 +315,8 @@ def _newest_source_mtime(repo: Path) -> float:
     src = repo / "src"
     if src.is_dir():
         for path in src.rglob("*"):
-            if "__pycache__" in path.parts or not path.is_file():
+            # folders too: a module deleted changes its folder's mtime, nothing else's
+            if "__pycache__" in path.parts or path.name.endswith(".egg-info"):
                 continue
             newest = max(newest, path.stat().st_mtime)
     return newest
@@ -344,12 +346,23 @@ def build_wheelhouse(repo: Path, wheelhouse: Path | None = None) -> Path:
             if old.name.lower().startswith(normalized + "-"):
                 old.unlink()
         started = time.monotonic()
-        result = subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "--wheel-dir", str(wheelhouse), str(repo)],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
+        with tempfile.TemporaryDirectory(prefix="gpugate-wheel-") as scratch:
+            # From a clean copy, as packaging/stage builds: setuptools reuses the checkout's
+            # build/lib and keeps in the wheel every module deleted since it was filled.
+            source = Path(scratch)
+            for name in ("pyproject.toml", "README.md"):
+                shutil.copy2(repo / name, source / name)
+            shutil.copytree(
+                repo / "src",
+                source / "src",
+                ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"),
+            )
+            result = subprocess.run(
+                [sys.executable, "-m", "pip", "wheel", "--wheel-dir", str(wheelhouse), str(source)],
+                capture_output=True,
+                text=True,
+                check=False,
+            )
         if result.returncode != 0:
             raise SimHostError(
                 f"pip wheel {repo} failed ({result.returncode}):\n"
