@@ -350,8 +350,9 @@ def build_wheelhouse(repo: Path, wheelhouse: Path | None = None) -> Path:
             # From a clean copy, as packaging/stage builds: setuptools reuses the checkout's
             # build/lib and keeps in the wheel every module deleted since it was filled.
             source = Path(scratch)
-            for name in ("pyproject.toml", "README.md"):
-                shutil.copy2(repo / name, source / name)
+            for top in repo.iterdir():  # pyproject.toml, the readme it names, a licence
+                if top.is_file():
+                    shutil.copy2(top, source / top.name)
             shutil.copytree(
                 repo / "src",
                 source / "src",
