@@ -35,7 +35,7 @@ def alive(pid: int, start_time: int | None = None) -> bool:
     try:
         with open(f"/proc/{pid}/stat", errors="replace") as handle:
             text = handle.read()
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited as we opened it
         return False
     fields = text[text.rfind(")") + 2 :].split()
     if fields[0] in ("Z", "X"):

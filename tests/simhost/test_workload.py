@@ -62,7 +62,7 @@ def settled_alive(pid: int) -> bool:
     nothing else ends these processes (no parent-death signal, no reads of a closed pipe)."""
     try:
         fields = status_fields(pid)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited as we opened it
         return False
     pending = int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
     return fields["State"][0] not in "ZX" and pending == 0
