@@ -15,6 +15,7 @@ import pytest
 
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import STAGE_PHASES, run_container_hook
+from gpugate.host.nvml import mig_key
 from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError, parse_config
 from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase
@@ -204,7 +205,34 @@ def test_a_gpu_request_nvml_cannot_meet_fails_the_start(
     assert not read_leases(host.root / "locks").leases
 
 
-@pytest.mark.parametrize("value", ["MIG-1234", "gpu0", "0:1", "ALL"])
+def test_a_slice_named_by_its_gpu_mig_index_pair_is_gated_alone(host: FakeHost) -> None:
+    # GPU 0 in MIG mode, its MIG devices at NVML's indexes 0 and 1; the container is given the
+    # second, with its GPU's /dev/nvidia0 as CDI gives every slice's container.
+    host.memory.mig = {0: [(1, 0, 20000), (2, 0, 20000)]}
+    (on_first,) = host.pool.holder(host.gpu_files(0))
+    (on_second,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(on_first, {mig_key(0, 0)}, 9000)
+    host.memory.claim(on_second, {mig_key(0, 1)}, 7000)
+    env = ["NVIDIA_VISIBLE_DEVICES=0:1"]
+    assert hook(host, Phase.PRE, A_ID, env, {A_SCOPE: "active"}, devices=[0]) == ExitCode.OK
+    assert not alive(on_second)
+    assert alive(on_first)  # the other slice's: GPU 0 itself is not the container's
+    (lease,) = read_leases(host.root / "locks").leases
+    assert lease.gpus == (mig_key(0, 1),)
+
+
+@pytest.mark.parametrize("ref", ["0:2", "1:0", "9:0"])
+def test_a_pair_nvml_does_not_know_fails_the_start(host: FakeHost, ref: str) -> None:
+    host.memory.mig = {0: [(1, 0, 20000), (2, 0, 20000)]}
+    (holder,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(holder, {mig_key(0, 0)}, 9000)
+    code = hook(host, Phase.PRE, A_ID, [f"NVIDIA_VISIBLE_DEVICES={ref}"], {A_SCOPE: "active"})
+    assert code == ExitCode.USAGE
+    assert alive(holder)
+    assert not read_leases(host.root / "locks").leases
+
+
+@pytest.mark.parametrize("value", ["MIG-1234", "gpu0", "0:1:0", "ALL"])
 def test_a_gpu_request_gpugate_cannot_read_is_refused_before_nvml(value: str) -> None:
     with pytest.raises(OciInputError) as caught:
         spec(A_ID, [f"NVIDIA_VISIBLE_DEVICES={value}"])

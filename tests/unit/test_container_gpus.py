@@ -198,6 +198,8 @@ PRIVILEGED = {"bounding": ["CAP_CHOWN", "CAP_SYS_ADMIN"]}
         ("3,3", GpuRequest(refs=("3",))),
         (UUIDS[1], GpuRequest(refs=(UUIDS[1],))),
         ("0," + UUIDS[2], GpuRequest(refs=("0", UUIDS[2]))),
+        ("0:1", GpuRequest(refs=("0:1",))),  # a MIG device by NVIDIA's GPU:MIG index pair
+        ("1,0:0,12:3", GpuRequest(refs=("1", "0:0", "12:3"))),
         ("all", GpuRequest(all_gpus=True)),
         ("0,all", GpuRequest(all_gpus=True)),  # NVIDIA: the first all or none decides
         ("none,all", GpuRequest()),
@@ -290,6 +292,8 @@ def test_the_volume_mounts_list_wins_where_accepted() -> None:
     [
         ("cdi/nvidia.com/gpu=1", ("1",)),
         ("cdi/nvidia.com/gpu/2", ("2",)),
+        ("cdi/nvidia.com/gpu=0:1", ("0:1",)),
+        ("0:2", ("0:2",)),
         ("cdi/vendor.com/fpga/0", ()),
     ],
 )
@@ -320,6 +324,7 @@ def test_only_dev_null_mounts_under_the_folder_are_the_list() -> None:
             GpuRequest(refs=("1", UUIDS[2])),
         ),
         ({"cdi.k8s.io/a": "nvidia.com/gpu=all"}, GpuRequest(all_gpus=True)),
+        ({"cdi.k8s.io/a": "nvidia.com/gpu=0:1"}, GpuRequest(refs=("0:1",))),  # nvidia-ctk's name
         (
             {"cdi.k8s.io/a": "nvidia.com/gpu=1", "cdi.k8s.io/b": "nvidia.com/gpu=1"},
             GpuRequest(refs=("1",)),
@@ -339,7 +344,8 @@ def test_cdi_annotations(annotations: dict[str, object], expected: GpuRequest) -
         ("gpu0", "OCI_CDI_NAME"),
         ("nvidia.com/gpu", "OCI_CDI_NAME"),
         ("nvidia.com/gpu=", "OCI_CDI_NAME"),
-        ("nvidia.com/gpu=0:1", "OCI_GPU_MIG"),
+        ("nvidia.com/gpu=0:1:0", "OCI_GPU_MIG"),
+        ("nvidia.com/gpu=0:", "OCI_GPU_MIG"),
         ("nvidia.com/gpu=MIG-1234", "OCI_GPU_MIG"),
         ("nvidia.com/gpu=first", "OCI_GPU_WORD"),
         ("nvidia.com/gpu=1," * 400 + "nvidia.com/gpu=12", "OCI_ANNOTATION_TOO_LONG"),
@@ -355,7 +361,14 @@ def test_junk_cdi_names_are_refused(value: str, problem: str) -> None:
         ("gpu0", "OCI_GPU_WORD"),
         ("ALL", "OCI_GPU_WORD"),  # NVIDIA's `all` is exact: this is a device it fails on
         ("MIG-1234", "OCI_GPU_MIG"),
-        ("0:1", "OCI_GPU_MIG"),
+        ("0:1:2", "OCI_GPU_MIG"),
+        (":1", "OCI_GPU_MIG"),
+        ("1:", "OCI_GPU_MIG"),
+        ("0:x", "OCI_GPU_MIG"),
+        ("0:-1", "OCI_GPU_MIG"),
+        ("12345:0", "OCI_GPU_MIG"),
+        ("0:\u0661", "OCI_GPU_MIG"),  # an Arabic-Indic one: a digit to Python, not to NVIDIA
+        ("GPU-1:0", "OCI_GPU_MIG"),
         ("/var/run/nvidia-container-devices", "OCI_GPU_WORD"),
         ("1," * 3000, "OCI_ENV_TOO_LONG"),
     ],

@@ -16,7 +16,7 @@ from gpugate.errors import ConfigError, ExitCode, InvalidValue
 from gpugate.front.launch import resolve_gpus
 from gpugate.host import nvml
 from gpugate.host.nvml import mig_key
-from gpugate.host.oci import GpuRequest
+from gpugate.host.oci import GpuRequest, OciInputError
 from gpugate.integrations.container import gpu_selection
 from gpugate.integrations.records import read_leases
 from gpugate.integrations.slurm import job_from_env
@@ -365,6 +365,38 @@ def test_a_containers_slice_is_the_slice_not_its_gpu() -> None:
     with pytest.raises(ConfigError) as caught:
         gpu_selection(GpuRequest(minors=(0,), refs=(mig_uuid(0, 3, 0),)), gpus, "oci")
     assert caught.value.exit_code is ExitCode.CONFIG
+
+
+@pytest.mark.parametrize(
+    ("pair", "slice_gi"),
+    [("0:0", 1), ("0:1", 2), ("0:2", 5), ("0:0002", 5)],  # NVML's MIG index on GPU 0
+)
+def test_nvidias_gpu_mig_index_pair_is_that_slice(pair: str, slice_gi: int) -> None:
+    gpus = list(mig_host().gpus())
+    named = mig_uuid(0, slice_gi, 0)
+    assert gpu_selection(GpuRequest(minors=(0,), refs=(pair,)), gpus, "oci") == (named,)
+    both = GpuRequest(minors=(0,), refs=(pair, named.upper()))  # one slice, named twice
+    assert gpu_selection(both, gpus, "oci") == (named,)
+    whole = [gpu for gpu in gpus if gpu.mig is None]
+    by_minor, by_index = {g.minor: g.uuid for g in whole}, {g.index: g.uuid for g in whole}
+    with_whole = GpuRequest(minors=(0, 1), refs=(pair, "3"))  # minor 0: the slice's GPU
+    assert gpu_selection(with_whole, gpus, "oci") == (by_minor[1], named, by_index[3])
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [
+        "0:3",  # GPU 0 has no MIG device at index 3
+        "1:0",  # GPU 1 is not in MIG mode
+        "2:0",  # GPU 2 is, with no MIG device
+        "9:0",  # no GPU 9
+    ],
+)
+def test_a_pair_nvml_does_not_know_is_refused(pair: str) -> None:
+    gpus = list(mig_host().gpus())
+    with pytest.raises(OciInputError) as caught:
+        gpu_selection(GpuRequest(minors=(0,), refs=(pair,)), gpus, "oci")
+    assert caught.value.exit_code is ExitCode.USAGE
 
 
 @pytest.mark.parametrize(

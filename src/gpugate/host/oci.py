@@ -196,17 +196,20 @@ def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> Non
 
 
 def _gpu_word(word: str, origin: str) -> str:
-    """One of NVIDIA's device words: all, an index, a GPU UUID, a MIG device's UUID (its
-    `GPU:MIG` index form is refused)."""
+    """One of NVIDIA's device words: all, an index, a GPU UUID, a MIG device's UUID (either
+    form) or its `GPU:MIG` index pair."""
     if word == "all" or (word.isascii() and word.isdigit() and len(word) <= 4):
         return word
     if word.startswith("GPU-") and re.fullmatch(r"GPU-[0-9a-fA-F-]{8,64}", word):
         return word
     if word.startswith("MIG-") and re.fullmatch(r"MIG-[0-9A-Za-z][0-9A-Za-z/-]{7,127}", word):
         return word  # a MIG slice: resolved against NVML's slices (integrations/container.py)
+    if re.fullmatch(r"[0-9]{1,4}:[0-9]{1,4}", word):
+        return word  # the same, by NVML's index of the GPU and of the MIG device on it
     if word.startswith("MIG-") or ":" in word:
         raise OciInputError(
-            f"config.json: {echo(origin)}: {echo(word[:128])} is a MIG device: name whole GPUs"
+            f"config.json: {echo(origin)}: {echo(word[:128])} is not a MIG device's UUID "
+            "(MIG-...) or GPU:MIG index pair (0:1)"
         )
     raise OciInputError(
         f"config.json: {echo(origin)}: {echo(word[:128])} is not a GPU index, a GPU UUID or all"

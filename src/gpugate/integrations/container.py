@@ -194,7 +194,8 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     by_minor = {gpu.minor: gpu for gpu in gpus if gpu.mig is None}
     by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus if gpu.mig is None}
     by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus if gpu.mig is None)
-    sliced = _sliced_minors(request.refs, gpus, source)
+    refs = [_indexed_slice(ref, gpus, request) if ":" in ref else ref for ref in request.refs]
+    sliced = _sliced_minors(refs, gpus, source)
     chosen: dict[str, str] = {}
     for minor in request.minors:
         if minor in sliced:
@@ -205,7 +206,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
                 f"{source}: the device {NVIDIA_MAJOR}:{minor} it reaches is no GPU NVML knows"
             )
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
-    for ref in request.refs:
+    for ref in refs:
         if ref.upper().startswith("MIG-"):  # a slice, resolved by _sliced_minors above
             chosen.setdefault(ref.lower(), ref)
             continue
@@ -215,6 +216,18 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no GPU NVML knows")
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
+
+
+def _indexed_slice(ref: str, gpus: list[Gpu], request: GpuRequest) -> str:
+    """NVIDIA's `GPU:MIG` pair as its MIG device's UUID: the GPU at that NVML index, the MIG
+    device at that index of nvmlDeviceGetMigDeviceHandleByIndex on it (what the toolkit's
+    libnvidia-container and its CDI specs both mean by it)."""
+    parent, _, index = ref.partition(":")
+    for gpu in gpus:
+        if gpu.mig is not None and (gpu.mig.parent, gpu.mig.mig_index) == (int(parent), int(index)):
+            return gpu.uuid
+    where = ", ".join(request.origins) or "config.json"
+    raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no MIG device NVML knows")
 
 
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
