@@ -38,7 +38,14 @@ from gpugate.host.systemd import (
     validate_unit_name,
 )
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.records import Lease, Seen, leases_by_gpu, read_leases, read_unowned
+from gpugate.integrations.records import (
+    Lease,
+    LeaseFiles,
+    Seen,
+    leases_by_gpu,
+    read_leases,
+    read_unowned,
+)
 from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
@@ -118,10 +125,14 @@ def as_dict(
     loaded: LoadedConfig,
     roots: HostRoots | None = None,
     procfs: ProcFs | None = None,
+    lease_files: LeaseFiles | None = None,
 ) -> dict[str, Any]:
+    """lease_files: the look's one read of the leases (None: read them now)."""
     roots = roots or HostRoots()
     now = uptime_s(roots.proc)
-    leases = read_leases(loaded.config.lock_dir).leases
+    if lease_files is None:
+        lease_files = read_leases(loaded.config.lock_dir)
+    leases = lease_files.leases
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     unowned = read_unowned(loaded.config.lock_dir)
     return {
@@ -510,4 +521,4 @@ def look(
             if warning and warning not in warned:
                 print(warning, file=sys.stderr, flush=True)
                 warned.append(warning)
-        return as_dict(discovery, loaded, roots, procfs)
+        return as_dict(discovery, loaded, roots, procfs, files)
