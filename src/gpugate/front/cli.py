@@ -435,11 +435,10 @@ def _install(args: argparse.Namespace, front: Front) -> int:
 
     installing = args.command == "install"
     given = args.gpugate_path if installing else None
-    flags = {"force": args.force, "dry_run": args.dry_run, "no_reload": args.no_reload}
+    flags = {"dry_run": args.dry_run, "no_reload": args.no_reload}
     if args.sweep and args.unit is None and not args.oci:
         from gpugate.front.install import sweep_setup  # noqa: PLC0415
 
-        del flags["force"]
         return sweep_setup(installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags)
     if args.oci != (args.unit is None) or args.sweep:
         print(
@@ -449,12 +448,15 @@ def _install(args: argparse.Namespace, front: Front) -> int:
         return int(ExitCode.USAGE)
     if args.oci:
         default = installing and args.default
-        return command.containers_setup(installing, given=given, default=default, **flags)
+        return command.containers_setup(
+            installing, force=args.force, given=given, default=default, **flags
+        )
     folders = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
     if not installing:
-        return command.uninstall(args.unit, **flags, **folders)
+        return command.uninstall(args.unit, force=args.force, **flags, **folders)
     return command.install(
         args.unit,
+        force=args.force,
         **flags,
         **folders,
         gpus=args.gpus,
