@@ -225,16 +225,15 @@ def drain_due(
         head = f"gpugate: sweep's reap on GPU {','.join(map(str, reaped))} left unkillable PID "
         set_drain_reason(node, pids_within(head, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
+    if after_s is None:
+        return
     listed = {
         h.holder.info.ident for h in holdings if h.owner is Owner.NOBODY and h.holder.used_mib
     }
     found = {
         ident: entry
         for ident, entry in seen.items()
-        if after_s is not None
-        and ident in listed
-        and not entry.drained
-        and now - entry.since >= after_s
+        if ident in listed and not entry.drained and now - entry.since >= after_s
     }
     if not found:
         return
