@@ -130,9 +130,7 @@ def as_dict(
     """lease_files: the look's one read of the leases (None: read them now)."""
     roots = roots or HostRoots()
     now = uptime_s(roots.proc)
-    if lease_files is None:
-        lease_files = read_leases(loaded.config.lock_dir)
-    leases = lease_files.leases
+    leases = (read_leases(loaded.config.lock_dir) if lease_files is None else lease_files).leases
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     unowned = read_unowned(loaded.config.lock_dir)
     return {
