@@ -1,5 +1,5 @@
 """What Python 3.11 added, for 3.9 and 3.10: `tomllib` (through tomli, which it was made
-from) and `StrEnum` (whose str() and format() give the value, as a `(str, Enum)` does not)."""
+from) and `StrEnum`, whose str() gives the value (format() of a str mix-in already does)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,6 @@ else:
     class StrEnum(str, Enum):
         def __str__(self) -> str:
             return str(self.value)
-
-        def __format__(self, format_spec: str) -> str:
-            return format(str(self.value), format_spec)
 
 
 __all__ = ["StrEnum", "tomllib"]

@@ -7,26 +7,28 @@ from enum import IntEnum
 
 
 class ExitCode(IntEnum):
-    """A BSD sysexits code where it means the same (systemd names it: `status=78/CONFIG`); for
-    gpugate's own outcomes, codes systemd has no name for (`status=21/n/a`), never a false LSB
-    label such as `7/NOTRUNNING`. Each with its meaning (--help's epilog, README's table)."""
+    """A BSD sysexits code where it means the same, with systemd's name for it (`status=78/CONFIG`;
+    the same on systemd 247 to 257); for gpugate's own outcomes, codes systemd has no name for
+    (`status=21/n/a`), never a false LSB label such as `7/NOTRUNNING`. Each with its meaning."""
 
     meaning: str
+    sysexits_name: str
 
-    def __new__(cls, code: int, meaning: str) -> ExitCode:
+    def __new__(cls, code: int, meaning: str, sysexits_name: str = "") -> ExitCode:
         member = int.__new__(cls, code)
         member._value_ = code
         member.meaning = meaning
+        member.sysexits_name = sysexits_name
         return member
 
-    OK = 0, "ok"
-    USAGE = 64, "usage"
-    NVML_UNAVAILABLE = 69, "NVML (or systemctl) unavailable"
-    INTERNAL = 70, "internal error"
-    STATE_UNWRITABLE = 73, "gpugate's state cannot be written"
-    LOCK_TIMEOUT = 75, "GPU lock timeout"
-    PERMISSION = 77, "permission"
-    CONFIG = 78, "config"
+    OK = 0, "ok", "SUCCESS"
+    USAGE = 64, "usage", "USAGE"
+    NVML_UNAVAILABLE = 69, "NVML (or systemctl) unavailable", "UNAVAILABLE"
+    INTERNAL = 70, "internal error", "SOFTWARE"
+    STATE_UNWRITABLE = 73, "gpugate's state cannot be written", "CANTCREAT"
+    LOCK_TIMEOUT = 75, "GPU lock timeout", "TEMPFAIL"
+    PERMISSION = 77, "permission", "NOPERM"
+    CONFIG = 78, "config", "CONFIG"
     UNKILLABLE = 20, "holders survived SIGKILL"
     MEMORY_TIMEOUT = 21, "memory not freed in time"
     HELD_BY_OTHERS = 22, "GPUs held by processes gpugate may not kill or leased"
@@ -43,21 +45,10 @@ class ExitCode(IntEnum):
     @property
     def systemd_label(self) -> str:
         """How systemd logs this code (`status=78/CONFIG`, `status=21/n/a`)."""
-        return f"{int(self)}/{SYSEXITS_NAMES.get(int(self), 'n/a')}"
+        return f"{int(self)}/{self.sysexits_name or 'n/a'}"
 
 
-# systemd's names for the codes gpugate shares with it (`systemd-analyze exit-status`), the
-# same on systemd 247 to 257: only its own range (200 and up), which gpugate never uses, grew.
-SYSEXITS_NAMES = {
-    0: "SUCCESS",
-    64: "USAGE",
-    69: "UNAVAILABLE",
-    70: "SOFTWARE",
-    73: "CANTCREAT",
-    75: "TEMPFAIL",
-    77: "NOPERM",
-    78: "CONFIG",
-}
+SYSEXITS_NAMES = {int(code): code.sysexits_name for code in ExitCode if code.sysexits_name}
 
 
 def exit_code_summary() -> str:
@@ -67,7 +58,7 @@ def exit_code_summary() -> str:
 
 class GateError(Exception):
     """A failure with its exit code and its one line, formed where it is raised (what another
-    account could have written goes in through `gpugate.untrusted`). code: the journal's
+    account could have written goes through `gpugate.untrusted`). code: the journal's
     GPUGATE_PROBLEM where docs/journal.md names one."""
 
     exit_code: ExitCode = ExitCode.INTERNAL
@@ -77,21 +68,19 @@ class GateError(Exception):
         self.message = message
         self.code = code
 
-    def __str__(self) -> str:
-        return self.message
-
 
 class InvalidValue(ValueError):
     """A value a validator refuses, in words; the caller says where in a ConfigError."""
 
 
 class ConfigError(GateError):
+    """`SOURCE: FIELD: problem (and N more)`: more, the other fields refused besides."""
+
     exit_code = ExitCode.CONFIG
 
     def __init__(
         self, source: str, field: str, problem: str, *, more: int = 0, code: str = ""
     ) -> None:
-        """`SOURCE: FIELD: problem (and N more)`: more, the other fields refused besides."""
         where = f"{source}: {field}" if field else source
         super().__init__(f"{where}: {problem}" + (f" (and {more} more)" if more else ""), code=code)
         self.source = source
@@ -110,8 +99,7 @@ class NvmlNotAnswering(GateError):
 
 
 class Interrupted(GateError):
-    """SIGTERM (systemctl stop, a stop job's timeout) or SIGINT (Ctrl-C). stage: the run's
-    stage then (core.outcome.Stage's code), "" unknown."""
+    """SIGTERM or SIGINT; stage: the run's stage then (core.outcome.Stage's code), "" unknown."""
 
     exit_code = ExitCode.INTERRUPTED
 
@@ -134,8 +122,7 @@ class ProgramNotFound(GateError):
 
 
 class StateUnwritable(GateError):
-    """gpugate's own state (locks, leases, records, metrics) cannot be written. what: that
-    state in words ("metrics", "GPU locks")."""
+    """gpugate's own state (what: "metrics", "GPU locks", ...) cannot be written at path."""
 
     exit_code = ExitCode.STATE_UNWRITABLE
 

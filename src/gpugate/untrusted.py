@@ -10,27 +10,27 @@ from dataclasses import dataclass
 MARK = "…"  # the one mark of a cut, in every output
 NAMED = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r"}
 LINE_CHARS = 8192  # one journal MESSAGE, STATUS= text or stderr line, at most
+ECHO_MAX = 60  # characters of a value (or key) an error message repeats
 
 
 @dataclass(frozen=True)
 class Kind:
-    """A kind of untrusted field: `chars` for shown text (escaped, the mark included),
-    `exact_bytes` for a structured journal field's exact bytes."""
+    """A kind of untrusted field's bounds: shown text's (escaped, the mark included) and a
+    structured journal field's exact bytes."""
 
-    name: str
     chars: int
     exact_bytes: int
 
 
-COMMAND = Kind("command line", 200, 4096)
-COMM = Kind("comm", 64, 64)  # the kernel keeps 15 bytes: 60 once each is escaped
-CGROUP = Kind("cgroup", 200, 4096)  # also a unit named after a cgroup
-CONTAINER = Kind("container name", 100, 256)
-FILE = Kind("file name", 200, 4096)
-STATE = Kind("state record text", 200, 1024)  # what gpugate reads back: a lease's unit, ...
+COMMAND = Kind(200, 4096)
+COMM = Kind(64, 64)  # the kernel keeps 15 bytes: 60 once each is escaped
+CGROUP = Kind(200, 4096)  # also a unit named after a cgroup
+CONTAINER = Kind(100, 256)  # a container's name
+FILE = Kind(200, 4096)  # a file's name
+STATE = Kind(200, 1024)  # what gpugate reads back from its state: a lease's unit, ...
 # A Slurm node's drain reason (`scontrol update Reason=`): scontrol and slurmctld take any
 # length, `sinfo -R` shows it on one line; gpugate keeps it to this.
-REASON = Kind("drain reason", 250, 250)
+REASON = Kind(250, 250)
 KINDS = (COMMAND, COMM, CGROUP, CONTAINER, FILE, STATE)
 
 
@@ -47,8 +47,6 @@ def _escaped(char: str) -> str:
 
 def escape(text: str) -> str:
     """All of text, escaped (no bound: for text already bounded)."""
-    if text.isprintable():
-        return text
     return "".join(map(_escaped, text))
 
 
@@ -122,14 +120,11 @@ def exact(value: str | None, kind: Kind) -> str | bytes:
 
 def line(text: str) -> str:
     """Every channel's last guard: a sentence gpugate made, escaped, at most LINE_CHARS."""
-    return shown(text, Kind("line", LINE_CHARS, LINE_CHARS))
-
-
-ECHO_MAX = 60  # characters of a value (or key) an error message repeats
+    return shown(text, Kind(LINE_CHARS, LINE_CHARS))
 
 
 def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
     """A value as an error message repeats it: repr'd (quote) or shown, and cut short."""
     if quote:
         return cut(repr(value), limit)
-    return shown(str(value), Kind("value", limit, limit))
+    return shown(str(value), Kind(limit, limit))

@@ -14,7 +14,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gpugate.config.file import load_config
 from gpugate.config.schema import GateConfig
 from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
@@ -36,6 +35,7 @@ from gpugate.front.launch import (
     wait_until_gone,
 )
 from gpugate.host.systemd import validate_unit_name
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import new_lease, write_lease
 from tests.fakes import FakeHost, raises_error
 

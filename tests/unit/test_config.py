@@ -4,11 +4,12 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import load_config, parse_config
+from gpugate.config.file import parse_config
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.core.discover import owned_gpus
 from gpugate.errors import ConfigError
+from gpugate.integrations.config_files import load_config
 from tests.fakes import FakeGpuMemory, raises_error
 
 BAD = [

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.config.file import load_config, parse_config, pydantic_config, replaced, validated
+from gpugate.config.file import parse_config, pydantic_config, replaced, validated
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig
+from gpugate.integrations.config_files import load_config
 from gpugate.phase import Phase
 
 
@@ -71,7 +72,7 @@ from pathlib import Path
 scans = []
 real = importlib.metadata.entry_points
 importlib.metadata.entry_points = lambda **kw: scans.append(kw) or real(**kw)
-from gpugate.config.file import load_config
+from gpugate.integrations.config_files import load_config
 explicit = Path(sys.argv[2]) if sys.argv[2] else None
 loaded = load_config("x.service", explicit, config_dir=Path(sys.argv[1]))
 print(json.dumps({

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from gpugate.config.file import parse_config
-from gpugate.config.values import GpuListError, gpu_refs
+from gpugate.config.values import gpu_refs
 from gpugate.core.outcome import PRECEDENCE, RunFacts, exit_code_for
-from gpugate.errors import ConfigError, ExitCode
+from gpugate.errors import ConfigError, ExitCode, InvalidValue
 from gpugate.front.cli import main
 from gpugate.untrusted import ECHO_MAX
 from tests.fakes import FakeHost
@@ -82,7 +82,7 @@ def test_an_unknown_uuid_in_the_config_is_cut(
     [[HUGE, HUGE], ["GPU-" + "z" * 1000], [{"x": "y" * 1000}]],
 )
 def test_gpu_list_errors_are_cut(items: list[object]) -> None:
-    with pytest.raises(GpuListError) as raised:
+    with pytest.raises(InvalidValue) as raised:
         gpu_refs(items)
     assert len(str(raised.value)) < 2 * ECHO_MAX + 80
 

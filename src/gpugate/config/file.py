@@ -28,6 +28,7 @@ ConfigOrPolicy = TypeVar("ConfigOrPolicy", Config, Policy)
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
+TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
 # pydantic v2 reads it each time it builds a model's validator: "__all__" loads no plugin and
 # skips the scan of every installed distribution's entry points (importlib.metadata).
 NO_PLUGINS = "PYDANTIC_DISABLE_PLUGINS"
@@ -47,9 +48,8 @@ def pydantic_config() -> type[GateConfig]:
     try:
         from gpugate.config.schema import GateConfig  # noqa: PLC0415 - pydantic on demand
     finally:
-        if saved is None:
-            del os.environ[NO_PLUGINS]
-        else:
+        del os.environ[NO_PLUGINS]
+        if saved is not None:
             os.environ[NO_PLUGINS] = saved
     return GateConfig
 
@@ -119,14 +119,10 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
         shown = first["input"]
         if isinstance(shown, (bool, int, float, str)):
             shown = toml_value(shown)
-        problem = f"{detail}, not {_toml_type(first['input'])} {echo(shown, quote=False)}"
+        kind = TOML_TYPES.get(type(first["input"]), "a " + type(first["input"]).__name__)
+        problem = f"{detail}, not {kind} {echo(shown, quote=False)}"
         return ConfigError(source, field, problem, more=more)
     return ConfigError(source, field, detail, more=more)
-
-
-def _toml_type(value: object) -> str:
-    names = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
-    return names.get(type(value), "a " + type(value).__name__)
 
 
 def _did_you_mean(parts: list[str]) -> str:
@@ -136,9 +132,7 @@ def _did_you_mean(parts: list[str]) -> str:
     if not parts:
         return ""
     for part in parts[:-1]:
-        annotation: Any = (
-            model.model_fields[part].annotation if part in model.model_fields else None
-        )
+        annotation: Any = getattr(model.model_fields.get(part), "annotation", None)
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         model = annotation
@@ -150,10 +144,11 @@ def load_config(
     unit: str | None,
     explicit: Path | None = None,
     config_dir: Path = DEFAULT_CONFIG_DIR,
-    read: Callable[[Path], str] | None = None,
+    *,
+    read: Callable[[Path], str],
 ) -> LoadedConfig:
-    """The lookup, read and parsed. Production reads through
-    integrations.config_files.load_config, which judges who may change the file first."""
+    """The lookup, read (by integrations.config_files, which judges who may change the file
+    first) and parsed."""
     path = explicit
     if path is None:
         candidates = [config_dir / f"{unit}.toml"] if unit else []
@@ -165,44 +160,23 @@ def load_config(
     if path is None:
         loaded = LoadedConfig(DEFAULTS, BUILTIN_SOURCE)
     else:
-        loaded = LoadedConfig(parse_config((read or _read)(path), str(path)), str(path))
+        loaded = LoadedConfig(parse_config(read(path), str(path)), str(path))
     check_lock_dir(loaded)
     return loaded
 
 
 def check_lock_dir(loaded: LoadedConfig) -> None:
     """lock_dir must be, or be able to become, a folder (it is made at the first run)."""
-    lock_dir = existing = loaded.config.lock_dir
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
+    lock_dir = loaded.config.lock_dir
+    existing = next(path for path in (lock_dir, *lock_dir.parents) if path.exists())
     if not existing.is_dir():
         raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
 
 
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(str(path), "", "no such file") from None
-    except PermissionError:
-        raise ConfigError(str(path), "", "permission denied reading it") from None
-    except IsADirectoryError:
-        raise ConfigError(str(path), "", "is a directory, not a TOML file") from None
-    except UnicodeDecodeError:
-        raise ConfigError(str(path), "", "is not UTF-8 text") from None
-    except OSError as exc:
-        raise ConfigError(str(path), "", exc.strerror or str(exc)) from None
-
-
-_SHORT_ESCAPES = {
-    "\\": "\\\\",
-    '"': '\\"',
-    "\b": "\\b",
-    "\t": "\\t",
-    "\n": "\\n",
-    "\f": "\\f",
-    "\r": "\\r",
-}
+# A TOML basic string's short escapes, and \uXXXX for each other control character.
+TOML_ESCAPES = {code: f"\\u{code:04X}" for code in [*range(0x20), 0x7F]} | str.maketrans(
+    {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+)
 
 
 def toml_value(value: object) -> str:
@@ -213,15 +187,7 @@ def toml_value(value: object) -> str:
         return repr(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(toml_value(item) for item in value) + "]"
-    return '"' + "".join(_escaped(char) for char in str(value)) + '"'
-
-
-def _escaped(char: str) -> str:
-    if char in _SHORT_ESCAPES:
-        return _SHORT_ESCAPES[char]
-    if ord(char) < 0x20 or ord(char) == 0x7F:
-        return f"\\u{ord(char):04X}"
-    return char
+    return '"' + str(value).translate(TOML_ESCAPES) + '"'
 
 
 def to_toml(data: dict[str, object], prefix: str = "") -> str:

@@ -8,35 +8,23 @@ import dataclasses
 from pathlib import Path
 from typing import Annotated, Literal, Optional
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
 
-from gpugate.config.values import (
-    CONTAINER_NAME,
-    DEFAULTS,
-    MAX_SWEEP_AGE_S,
-    PRIVATE_SHM_OFF,
-    PRIVATE_SHM_SIZE,
-    SWEEP_INTERVAL_S,
-    DefaultConfig,
-    DefaultPolicy,
-    DefaultSweep,
-    GpuSelection,
-    GpusSetting,
-    gpu_refs,
-)
+from gpugate.config import values
 from gpugate.errors import GateError, InvalidValue
 from gpugate.host.systemd import validate_unit_name
 from gpugate.phase import Phase
 from gpugate.untrusted import echo
 
-_P = DefaultPolicy  # each field's default is the built-in one
-_C = DefaultConfig
+_P = values.DefaultPolicy  # each field's default is the built-in one
+_S = values.DefaultSweep
+_C = values.DefaultConfig
+# Not strict: a TOML list becomes the tuple, a TOML string the Path.
+_Names = Annotated[tuple[str, ...], Strict(False)]
+_Path = Annotated[Path, Strict(False)]
+_Seconds = Annotated[float, Field(gt=0, le=3600)]
+_MiB = Annotated[int, Field(ge=1)]
+_SweepAge = Optional[Annotated[float, Field(le=values.MAX_SWEEP_AGE_S)]]
 
 
 class _Frozen(BaseModel):
@@ -55,16 +43,11 @@ class PhasePolicy(_Frozen):
         default=_P.kill_app_tree,
         description="Also kill the rest of such a holder's application (never a login shell).",
     )
-    sigterm_grace_s: float = Field(
-        default=_P.sigterm_grace_s,
-        gt=0,
-        le=3600,
-        description="Seconds between SIGTERM and SIGKILL.",
+    sigterm_grace_s: _Seconds = Field(
+        default=_P.sigterm_grace_s, description="Seconds between SIGTERM and SIGKILL."
     )
-    sigkill_wait_s: float = Field(
+    sigkill_wait_s: _Seconds = Field(
         default=_P.sigkill_wait_s,
-        gt=0,
-        le=3600,
         description="Seconds after SIGKILL before a survivor is reported.",
     )
     wait_timeout_s: float = Field(
@@ -98,21 +81,16 @@ class PhasePolicy(_Frozen):
         return self
 
 
-_S = DefaultSweep
-
-
 class SweepPolicy(_Frozen):
     """`gpugate sweep` (the gpugate-sweep.timer): what it may do to GPU memory nobody owns."""
 
-    reap_after_s: Optional[float] = Field(
+    reap_after_s: _SweepAge = Field(
         default=_S.reap_after_s,
-        le=MAX_SWEEP_AGE_S,
         description="Kill a holder unowned this many seconds, with pre's rules, on GPUs "
         "nothing holds a lease on (not set: report only).",
     )
-    drain_after_s: Optional[float] = Field(
+    drain_after_s: _SweepAge = Field(
         default=_S.drain_after_s,
-        le=MAX_SWEEP_AGE_S,
         description="Where slurmd runs: drain the node once a GPU holds memory unowned this "
         "many seconds (not set: never).",
     )
@@ -120,28 +98,27 @@ class SweepPolicy(_Frozen):
     @field_validator("reap_after_s", "drain_after_s")
     @classmethod
     def _not_below_interval(cls, value: float | None) -> float | None:
-        if value is not None and value < SWEEP_INTERVAL_S:
+        if value is not None and value < values.SWEEP_INTERVAL_S:
             raise InvalidValue(
-                f"{value} s is below the sweep timer's interval ({SWEEP_INTERVAL_S} s): a holder "
-                "could not be seen unowned that long by two sweeps"
+                f"{value} s is below the sweep timer's interval ({values.SWEEP_INTERVAL_S} s): "
+                "a holder could not be seen unowned that long by two sweeps"
             )
         return value
 
 
-def _built_in(policy: DefaultPolicy) -> PhasePolicy:
+def _built_in(policy: values.DefaultPolicy) -> PhasePolicy:
     return PhasePolicy(**dataclasses.asdict(policy))
 
 
 class GateConfig(_Frozen):
-    gpus: GpusSetting = Field(
+    gpus: values.GpusSetting = Field(
         default=_C.gpus,
         description='The unit\'s GPUs: "auto" (its own CUDA_VISIBLE_DEVICES, else '
         'NVIDIA_VISIBLE_DEVICES, else all), "all", or indices, UUIDs and MIG slices, e.g. '
         '[0, 1] or ["MIG-..."].',
     )
-    free_mib: int = Field(
+    free_mib: _MiB = Field(
         default=_C.free_mib,
-        ge=1,
         description="Per GPU, MiB used at or below which the GPU counts as free (drivers keep "
         "some).",
     )
@@ -153,15 +130,11 @@ class GateConfig(_Frozen):
         default=_C.share_gpus,
         description="May this unit hold its GPUs together with another unit that also shares?",
     )
-    protected_executables: tuple[str, ...] = Field(
-        default=_C.protected_executables,
-        strict=False,  # a TOML list becomes the tuple
-        description="Never killed, by exact /proc/PID/exe path.",
+    protected_executables: _Names = Field(
+        default=_C.protected_executables, description="Never killed, by exact /proc/PID/exe path."
     )
-    protected_units: tuple[str, ...] = Field(
-        default=_C.protected_units,
-        strict=False,
-        description="Never killed, by the unit their cgroup belongs to.",
+    protected_units: _Names = Field(
+        default=_C.protected_units, description="Never killed, by the unit their cgroup belongs to."
     )
     ports: tuple[Annotated[int, Field(strict=True, ge=1, le=65535)], ...] = Field(
         default=_C.ports,
@@ -169,33 +142,28 @@ class GateConfig(_Frozen):
         description="The unit's TCP ports: before it starts (pre), a process listening on one "
         "is a holder like a GPU holder, and pre returns once they are free.",
     )
-    pre: PhasePolicy = _built_in(DEFAULTS.pre)
-    post: PhasePolicy = _built_in(DEFAULTS.post)
-    prolog: PhasePolicy = _built_in(DEFAULTS.prolog)  # Slurm's Prolog= and Epilog=
-    epilog: PhasePolicy = _built_in(DEFAULTS.epilog)
+    pre: PhasePolicy = _built_in(values.DEFAULTS.pre)
+    post: PhasePolicy = _built_in(values.DEFAULTS.post)
+    prolog: PhasePolicy = _built_in(values.DEFAULTS.prolog)  # Slurm's Prolog= and Epilog=
+    epilog: PhasePolicy = _built_in(values.DEFAULTS.epilog)
     sweep: SweepPolicy = SweepPolicy()
-    lock_dir: Path = Field(
+    lock_dir: _Path = Field(
         default=_C.lock_dir,
-        strict=False,  # a TOML string becomes the Path
         description="Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
     )
-    metrics_textfile: Optional[Path] = Field(
+    metrics_textfile: Optional[_Path] = Field(
         default=_C.metrics_textfile,
-        strict=False,
         description="node_exporter textfile rewritten after each run (not set: no metrics).",
     )
-    containers: tuple[str, ...] = Field(
+    containers: _Names = Field(
         default=_C.containers,
-        strict=False,  # a TOML list becomes the tuple
         description="Containers (names or ids) that are the unit's own (`docker run --name`).",
     )
-    shm_min_free_mib: Optional[int] = Field(
+    shm_min_free_mib: Optional[_MiB] = Field(
         default=_C.shm_min_free_mib,
-        ge=1,
         description="pre (and prolog) fail with exit 29 when /dev/shm has less free after their "
         "cleanup (not set: no check).",
     )
-
     private_shm: str = Field(
         default=_C.private_shm,
         description="The unit's own /dev/shm, which the kernel frees when its last process ends: "
@@ -207,7 +175,7 @@ class GateConfig(_Frozen):
     @classmethod
     def _tmpfs_size(cls, value: str) -> str:
         # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
-        if value != PRIVATE_SHM_OFF and not PRIVATE_SHM_SIZE.fullmatch(value):
+        if value != values.PRIVATE_SHM_OFF and not values.PRIVATE_SHM_SIZE.fullmatch(value):
             raise InvalidValue(
                 f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
             )
@@ -218,7 +186,7 @@ class GateConfig(_Frozen):
     def _post_defaults(cls, value: object) -> object:
         # A partial [post] table keeps post's own defaults for the keys it leaves out.
         if isinstance(value, dict):
-            return {**dataclasses.asdict(DEFAULTS.post), **value}
+            return {**dataclasses.asdict(values.DEFAULTS.post), **value}
         return value
 
     @field_validator("gpus", mode="before")
@@ -230,7 +198,7 @@ class GateConfig(_Frozen):
             raise InvalidValue(
                 'must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]'
             )
-        return gpu_refs(value)
+        return values.gpu_refs(value)
 
     @field_validator("protected_executables")
     @classmethod
@@ -259,7 +227,7 @@ class GateConfig(_Frozen):
     @classmethod
     def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         for item in value:
-            if not CONTAINER_NAME.fullmatch(item):
+            if not values.CONTAINER_NAME.fullmatch(item):
                 raise InvalidValue(f"{echo(item)} is not a container name or id")
         if len(set(value)) != len(value):
             raise InvalidValue("lists a container twice")
@@ -272,13 +240,12 @@ class GateConfig(_Frozen):
             raise InvalidValue("must be an absolute path")
         return value
 
-    def selection(self) -> GpuSelection:
+    def selection(self) -> values.GpuSelection:
         """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
 
     def changed(self, **changes: object) -> GateConfig:
-        """A copy with these fields changed, validated as a file's are (model_copy validates
-        nothing)."""
+        """A copy with these fields changed, validated as a file's are (model_copy does not)."""
         return GateConfig.model_validate({**dict(self), **changes})
 
     def policy(self, phase: Phase) -> PhasePolicy:

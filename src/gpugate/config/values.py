@@ -1,6 +1,5 @@
-"""The config's built-in defaults and the forms of its values, without pydantic: what a run
-reads when no file sets anything. `DefaultConfig` gives `config.schema.GateConfig` its names,
-types and defaults; one GPU-list parser serves `gpus`, `install --gpus` and Slurm's lists."""
+"""The config's built-in defaults (config.schema's fields, types and defaults, without pydantic:
+what a run reads when no file sets anything) and the GPU-list parser of `gpus`, `--gpus`, Slurm."""
 
 from __future__ import annotations
 
@@ -14,39 +13,32 @@ from gpugate.errors import InvalidValue
 from gpugate.phase import Phase
 from gpugate.untrusted import echo
 
-# A whole UUID or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
-UUID_PATTERN = re.compile(r"GPU-[0-9a-fA-F][0-9a-fA-F-]{7,}")
+# A whole GPU or MIG UUID, or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
+UUID_PATTERN = re.compile(r"(?:GPU|MIG)-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 MIG_PREFIX = "MIG-"
-MIG_UUID_PATTERN = re.compile(r"MIG-[0-9a-fA-F][0-9a-fA-F-]{7,}")
 LEGACY_MIG_PATTERN = re.compile(r"MIG-(GPU-[0-9a-fA-F][0-9a-fA-F-]{7,})/([0-9]{1,4})/([0-9]{1,4})")
 MAX_GPU_INDEX = 1023
 
 GpuRef = Union[int, str]  # an NVML index, a GPU UUID or a MIG slice's (either form)
-GpuListError = InvalidValue  # what the parser raises; the caller names where
 
 
 def gpu_ref(item: object) -> GpuRef:
     """One GPU: an index 0-1023, a GPU UUID or a MIG slice. Text of digits is an index."""
-    if isinstance(item, bool):
-        raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
     if isinstance(item, str) and item.isascii() and item.isdigit():
         item = int(item)
-    if isinstance(item, int):
+    if isinstance(item, int) and not isinstance(item, bool):
         if not 0 <= item <= MAX_GPU_INDEX:
             raise InvalidValue(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
         return item
-    if isinstance(item, str):
-        if any(p.fullmatch(item) for p in (UUID_PATTERN, MIG_UUID_PATTERN, LEGACY_MIG_PATTERN)):
-            return item
-        if item.upper().startswith(MIG_PREFIX):
-            raise InvalidValue(
-                f"{echo(item)} is not a MIG device UUID (MIG-xxxxxxxx-...) or "
-                "MIG-GPU-<uuid>/<gi>/<ci>"
-            )
+    if not isinstance(item, str):
+        raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
+    if UUID_PATTERN.fullmatch(item) or LEGACY_MIG_PATTERN.fullmatch(item):
+        return item
+    if item.upper().startswith(MIG_PREFIX):
         raise InvalidValue(
-            f"{echo(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
+            f"{echo(item)} is not a MIG device UUID (MIG-xxxxxxxx-...) or MIG-GPU-<uuid>/<gi>/<ci>"
         )
-    raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
+    raise InvalidValue(f"{echo(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)")
 
 
 def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
@@ -66,8 +58,7 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
 
 
 def legacy_mig(ref: str) -> tuple[str, int, int] | None:
-    """A `MIG-GPU-<uuid>/<gi>/<ci>` reference's GPU UUID (or prefix), GPU and compute
-    instance; None for any other reference."""
+    """A `MIG-GPU-<uuid>/<gi>/<ci>` reference's GPU UUID (or prefix), GPU and compute instance."""
     match = LEGACY_MIG_PATTERN.fullmatch(ref)
     if match is None:
         return None
@@ -83,22 +74,6 @@ DEFAULT_LOCK_DIR = Path("/run/gpugate")
 BUILTIN_SOURCE = "built-in defaults"
 CONTAINER_NAME = re.compile(r"[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}")  # docker's and podman's rule
 
-DEFAULT_PROTECTED_EXECUTABLES = (
-    "/usr/bin/nvidia-persistenced",
-    "/usr/bin/nv-hostengine",
-    "/usr/bin/dcgm-exporter",
-    "/usr/bin/nvidia-smi",
-    "/usr/bin/Xorg",
-    "/usr/lib/xorg/Xorg",
-)
-DEFAULT_PROTECTED_UNITS = (
-    "nvidia-persistenced.service",
-    "nvidia-dcgm.service",
-    "dcgm-exporter.service",
-    "nvidia-fabricmanager.service",
-    "display-manager.service",
-)
-
 # private_shm: tmpfs's size= (a percentage of RAM, or k/m/g), or "off".
 DEFAULT_PRIVATE_SHM = "50%"
 PRIVATE_SHM_OFF = "off"
@@ -107,23 +82,18 @@ PRIVATE_SHM_SIZE = re.compile(r"(?:[1-9][0-9]?%|100%|[1-9][0-9]{0,8}[kmg])")
 GpuSelection = Union[Literal["all"], tuple[GpuRef, ...]]  # resolved: what a run owns
 GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; integrations.unit resolves "auto"
 
-
 SWEEP_INTERVAL_S = 60  # gpugate-sweep.timer's OnUnitActiveSec=
 MAX_SWEEP_AGE_S = 30 * 86400
 
 
 @dataclass(frozen=True)
 class DefaultSweep:
-    """config.schema.SweepPolicy's fields and defaults."""
-
     reap_after_s: Optional[float] = None
     drain_after_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
 class DefaultPolicy:
-    """config.schema.PhasePolicy's fields and defaults."""
-
     kill_orphans: bool = True
     kill_app_tree: bool = True
     sigterm_grace_s: float = 10.0
@@ -144,14 +114,25 @@ _BUILT_IN = {phase: DefaultPolicy.of(phase) for phase in Phase}
 
 @dataclass(frozen=True)
 class DefaultConfig:
-    """config.schema.GateConfig's fields and defaults."""
-
     gpus: GpusSetting = "auto"
     free_mib: int = 1024
     kill_other_units: bool = False
     share_gpus: bool = False
-    protected_executables: tuple[str, ...] = DEFAULT_PROTECTED_EXECUTABLES
-    protected_units: tuple[str, ...] = DEFAULT_PROTECTED_UNITS
+    protected_executables: tuple[str, ...] = (
+        "/usr/bin/nvidia-persistenced",
+        "/usr/bin/nv-hostengine",
+        "/usr/bin/dcgm-exporter",
+        "/usr/bin/nvidia-smi",
+        "/usr/bin/Xorg",
+        "/usr/lib/xorg/Xorg",
+    )
+    protected_units: tuple[str, ...] = (
+        "nvidia-persistenced.service",
+        "nvidia-dcgm.service",
+        "dcgm-exporter.service",
+        "nvidia-fabricmanager.service",
+        "display-manager.service",
+    )
     ports: tuple[int, ...] = ()
     pre: DefaultPolicy = _BUILT_IN[Phase.PRE]
     post: DefaultPolicy = _BUILT_IN[Phase.POST]

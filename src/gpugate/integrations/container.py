@@ -14,6 +14,7 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection
 from gpugate.core.run import RunScope
+from gpugate.errors import InvalidValue
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
@@ -232,7 +233,7 @@ def _indexed_slice(ref: str, gpus: list[Gpu], request: GpuRequest) -> str:
 
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
     """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
-    from gpugate.config.values import MIG_PREFIX, GpuListError, gpu_ref  # noqa: PLC0415
+    from gpugate.config.values import MIG_PREFIX, gpu_ref  # noqa: PLC0415
     from gpugate.core.discover import owned_gpus  # noqa: PLC0415
 
     minors: set[int] = set()
@@ -241,7 +242,7 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
             continue
         try:
             gpu_ref(ref)
-        except GpuListError:
+        except InvalidValue:
             continue  # refused with the rest of the list
         minors.update(gpu.minor for gpu in owned_gpus((ref,), gpus, source))
     return minors

@@ -210,7 +210,7 @@ def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
     who = f" job {job_id}" if job_id is not None else ""
     head, tail = f"gpugate {phase}{who}: ", f" (exit {code})"
     room = REASON.chars - len(head) - len(tail)
-    return head + shown(detail.replace('"', "'"), Kind("drain detail", room, room)) + tail
+    return head + shown(detail.replace('"', "'"), Kind(room, room)) + tail
 
 
 def drain(
