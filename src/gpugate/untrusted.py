@@ -15,8 +15,7 @@ ECHO_MAX = 60  # characters of a value (or key) an error message repeats
 
 @dataclass(frozen=True)
 class Kind:
-    """A kind of untrusted field's bounds: shown text's (escaped, the mark included) and a
-    structured journal field's exact bytes."""
+    """Bounds: of shown text (escaped, the mark included), of a journal field's exact bytes."""
 
     chars: int
     exact_bytes: int
@@ -65,7 +64,7 @@ def _shown(value: str, chars: int) -> tuple[str, bool]:
     """(value shown in chars, True where it was cut)."""
     head = value[: chars + 1]
     if head.isprintable():
-        return (head, False) if len(head) <= chars else (head[: chars - 1] + MARK, True)
+        return cut(head, chars), len(head) > chars
     parts: list[str] = []
     used = 0
     for char in head:

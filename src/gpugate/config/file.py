@@ -1,6 +1,5 @@
-"""The unit's configuration as a run reads it: the lookup (--config, /etc/gpugate/UNIT.toml,
-NAME@.service.toml, default.toml, built-in defaults), the parse, the one-line error naming
-file and field, and enough TOML writing to print it back."""
+"""The config lookup (--config, /etc/gpugate/UNIT.toml, NAME@.service.toml, default.toml, built-in
+defaults), its parse, its one-line error naming file and field; enough TOML to print it back."""
 
 from __future__ import annotations
 
@@ -62,8 +61,7 @@ def validated(config: Config) -> GateConfig:
 
 
 def replaced(config: ConfigOrPolicy, **changes: Any) -> ConfigOrPolicy:
-    """A copy with these fields changed, not validated (the code chose them): the defaults
-    stay the defaults' type, a file's config pydantic's."""
+    """A copy of the same type with these fields changed, not validated (the code chose them)."""
     if isinstance(config, (DefaultConfig, DefaultPolicy)):
         return dataclasses.replace(config, **changes)
     return config.model_copy(update=changes)
@@ -77,8 +75,7 @@ def fields_set(config: Config) -> frozenset[str]:
 
 
 def parse_config(text: str, source: str) -> Config:
-    """The built-in defaults where the file sets nothing (pydantic is not loaded), else
-    pydantic's model of it."""
+    """The built-in defaults where the file sets nothing (no pydantic), else pydantic's model."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -128,14 +125,11 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
 def _did_you_mean(parts: list[str]) -> str:
     from pydantic import BaseModel  # noqa: PLC0415 - loaded with the model
 
-    model: type[BaseModel] = pydantic_config()
-    if not parts:
-        return ""
+    model: Any = pydantic_config()  # the table holding the key: the file's, or [pre], [sweep]...
     for part in parts[:-1]:
-        annotation: Any = getattr(model.model_fields.get(part), "annotation", None)
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+        model = getattr(model.model_fields.get(part), "annotation", None)
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
             return ""
-        model = annotation
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
     return close[0] if close else ""
 
@@ -147,8 +141,7 @@ def load_config(
     *,
     read: Callable[[Path], str],
 ) -> LoadedConfig:
-    """The lookup, read (by integrations.config_files, which judges who may change the file
-    first) and parsed."""
+    """The lookup, read by integrations.config_files (which judges the file first), parsed."""
     path = explicit
     if path is None:
         candidates = [config_dir / f"{unit}.toml"] if unit else []

@@ -1,6 +1,5 @@
-"""pydantic's models of a config file: strict (TOML has real types), frozen, no unknown key.
-Loaded on first use (`config.file.pydantic_config`), only where a file sets something; the
-defaults are `config.values`'."""
+"""pydantic's models of a config file: strict (TOML has real types), frozen, no unknown key; loaded
+only where a file sets something (`config.file.pydantic_config`), with `config.values`' defaults."""
 
 from __future__ import annotations
 
