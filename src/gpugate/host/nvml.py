@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import itertools
 import os
 import queue
 import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -108,22 +109,16 @@ class GpuError(NvmlUnavailable):
 
 
 class GpuDriver(Protocol):
-    """What the run and `status` ask of the GPU driver."""
+    """What the run and `status` ask of the GPU driver. faults: the GPUs it counts but cannot
+    read (lost, an unsupported query); usage may raise GpuError (that GPU) or NvmlUnavailable;
+    answer_by: each later query is waited for until this time.monotonic() deadline (the run's);
+    not_answering: why the driver stopped answering, where it did (it is asked nothing more)."""
 
     def gpus(self) -> Sequence[Gpu]: ...
-
-    def faults(self) -> Sequence[GpuFault]:
-        """The GPUs it counts but cannot read (lost, an unsupported query)."""
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        """May raise GpuError (that GPU) or NvmlUnavailable."""
-
-    def answer_by(self, deadline: float) -> None:
-        """Wait for each later query until this time.monotonic() deadline (the run's)."""
-
-    def not_answering(self) -> NvmlNotAnswering | None:
-        """Why the driver stopped answering, where it did (it is asked nothing more)."""
-
+    def faults(self) -> Sequence[GpuFault]: ...
+    def usage(self, gpu: Gpu) -> GpuUsage: ...
+    def answer_by(self, deadline: float) -> None: ...
+    def not_answering(self) -> NvmlNotAnswering | None: ...
     def close(self) -> None: ...
 
 
@@ -146,30 +141,24 @@ LDCONFIG_TIMEOUT_S = 5.0
 def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
     """libnvidia-ml.so.1 in the driver's folders, else in the dynamic loader's cache (ldconfig
     -p); only a file that no account but root (and gpugate's own) may change."""
-    for folder in dirs:
-        path = os.path.join(folder, NVML_LIBRARY)
+    in_dirs = (os.path.join(folder, NVML_LIBRARY) for folder in dirs)
+    for path in itertools.chain(in_dirs, _ldconfig_paths()):
         if os.path.isfile(path) and untrusted(path) is None:
-            return path
-    for path in _ldconfig_paths():
-        if os.path.isabs(path) and os.path.isfile(path) and untrusted(path) is None:
             return path
     return None
 
 
-def _ldconfig_paths() -> list[str]:
+def _ldconfig_paths() -> Iterator[str]:
+    """The absolute paths `ldconfig -p` lists for libnvidia-ml.so.1, run when first asked."""
     ldconfig = find_program("ldconfig", LDCONFIG_DIRS)
-    if ldconfig is None:
-        return []
     try:
-        listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S)
+        listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S) if ldconfig else None
     except GateError:
-        return []
-    found = []
-    for line in listed.stdout.splitlines():
+        return
+    for line in listed.stdout.splitlines() if listed else ():
         name, _, path = line.partition(" => ")
-        if name.strip().split(" ", 1)[0] == NVML_LIBRARY:
-            found.append(path.strip())
-    return found
+        if name.strip().split(" ", 1)[0] == NVML_LIBRARY and os.path.isabs(path.strip()):
+            yield path.strip()
 
 
 def load_nvml_library(nv: Any, library: str | None) -> None:
@@ -200,16 +189,15 @@ MIN_ANSWER_S = 1.0
 
 
 class NvmlDriver:
-    """GpuDriver backed by libnvidia-ml.so.1. Each query (a GPU's usage, the list of GPUs)
-    runs on one worker thread (CallThread) and is waited for until the run's deadline
-    (answer_by), else ANSWER_WITHIN_S: a driver that stops answering (as a hanging nvidia-smi)
-    ends the run with NvmlNotAnswering, naming the call and the GPU, and is asked nothing more,
-    not even nvmlShutdown. NVML is initialised at the first query, once the deadline is known."""
+    """GpuDriver backed by libnvidia-ml.so.1. Each query runs on one worker thread (CallThread)
+    and is waited for until the run's deadline (answer_by), else ANSWER_WITHIN_S: a driver
+    that stops answering (as a hanging nvidia-smi) ends the run with NvmlNotAnswering, naming
+    the call and the GPU, and is asked nothing more, not even nvmlShutdown. NVML is initialised
+    at the first query. library: tests' stand-in libnvidia-ml.so.1 (--nvml-library)."""
 
     def __init__(
         self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
     ) -> None:
-        """library: tests' stand-in libnvidia-ml.so.1 (the hidden --nvml-library)."""
         import pynvml  # noqa: PLC0415 - only runs that need the driver pay its import
 
         self._nv: Any = pynvml
@@ -306,15 +294,6 @@ class NvmlDriver:
             found += [gpu, *slices]
         return found
 
-    def _mig_mode(self, index: int, handle: Any) -> bool:
-        """In MIG mode now; a GPU whose mode NVML cannot say is read whole."""
-        nv = self._nv
-        try:
-            current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
-        except nv.NVMLError:
-            return False
-        return int(current) == 1
-
     def _read_slices(self, gpu: Gpu) -> list[Gpu]:
         """The MIG devices of a GPU in MIG mode, as NVML numbers them (a free index: none)."""
         nv, index = self._nv, gpu.index
@@ -352,14 +331,18 @@ class NvmlDriver:
         handle = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
         self._handles[index] = handle
         memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
-        return Gpu(
+        gpu = Gpu(
             index=index,
             uuid=_text(self._call(index, nv.nvmlDeviceGetUUID, handle)),
             minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
             name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
             total_mib=int(memory.total) // MIB,
-            mig_mode=self._mig_mode(index, handle),
         )
+        try:
+            current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
+        except nv.NVMLError:
+            return gpu  # a GPU whose MIG mode NVML cannot say is read whole
+        return replace(gpu, mig_mode=int(current) == 1)
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         usage: GpuUsage = self._bounded(self._usage, gpu)
@@ -515,9 +498,8 @@ class _Request:
 class CallThread:
     """One daemon thread that makes the calls, in order."""
 
-    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, name: str) -> None:
         self._name = name
-        self._clock = clock
         self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._last: _Request | None = None
@@ -535,10 +517,10 @@ class CallThread:
             self._thread.start()
         request = _Request(function, args, kwargs)
         self._last = request
-        started = self._clock()
+        started = time.monotonic()
         self._requests.put(request)
         if not request.done.wait(max(until - started, 0.0)):
-            raise CallTimedOut(self._clock() - started)
+            raise CallTimedOut(time.monotonic() - started)
         if request.error is not None:
             raise request.error
         return request.value

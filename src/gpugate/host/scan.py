@@ -5,6 +5,7 @@ process with an NVIDIA device file or shm file open or mapped, and `status --wat
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import stat
@@ -42,10 +43,8 @@ PF_KTHREAD = 0x00200000
 
 @dataclass(frozen=True, order=True)
 class ProcessId:
-    """A process, not a PID: the start time tells a recycled PID from the original."""
-
     pid: int
-    start_time: int  # clock ticks after boot, field 22 of /proc/PID/stat
+    start_time: int  # /proc/PID/stat's field 22: tells a recycled PID from the original
 
 
 @dataclass(frozen=True)
@@ -114,8 +113,7 @@ class ProcFs:
 
     @contextmanager
     def oneshot(self) -> Iterator[None]:
-        """Cache facts for the block (nested blocks share the outermost one's cache)."""
-        if self._cache is not None:
+        if self._cache is not None:  # a nested block shares the outermost one's cache
             yield
             return
         self._cache = {}
@@ -123,11 +121,6 @@ class ProcFs:
             yield
         finally:
             self._cache = None
-
-    def pids(self) -> Iterator[int]:
-        for name in os.listdir(self.root):
-            if name.isdigit():
-                yield int(name)
 
     def _read(self, pid: int, name: str) -> str | None:
         try:
@@ -153,15 +146,10 @@ class ProcFs:
 
     def info(self, pid: int) -> ProcInfo | None:
         """All facts gpugate shows and decides on, read once: identity, uid, command line,
-        executable and cgroup."""
+        executable and cgroup; None where the process is gone, or its PID reused since."""
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
-        return self._remember(pid, self._facts(base))
-
-    def _facts(self, base: ProcInfo) -> ProcInfo | None:
-        """None where the process is gone, or its PID reused since stat was read."""
-        pid = base.pid
         cgroup_text = self._read(pid, "cgroup")
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
@@ -170,21 +158,16 @@ class ProcFs:
             exe = None
         status = self._read(pid, "status") or ""
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
-        gone = self._start_time(pid) != base.start_time and base.state != "Z"
-        if gone or cgroup_text is None:
-            return None
-        return replace(
+        if cgroup_text is None or (base.state != "Z" and not self.still_same(base.ident)):
+            return self._remember(pid, None)
+        facts = replace(
             base,
             uid=int(uids[0]) if uids else None,
             cgroup=parse_cgroup(cgroup_text) or "/",
             cmdline=tuple(arg for arg in cmdline if arg),
             exe=exe or None,
         )
-
-    def _start_time(self, pid: int) -> int | None:
-        text = self._read(pid, "stat")
-        info = parse_stat(text) if text else None
-        return info.start_time if info else None
+        return self._remember(pid, facts)
 
     def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"
@@ -204,7 +187,9 @@ class ProcFs:
         return result
 
     def still_same(self, ident: ProcessId) -> bool:
-        return self._start_time(ident.pid) == ident.start_time
+        text = self._read(ident.pid, "stat")
+        info = parse_stat(text) if text else None
+        return info is not None and info.start_time == ident.start_time
 
 
 @dataclass(frozen=True)
@@ -264,20 +249,10 @@ def scan_device_users(
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: the shm files alone), or an fd on one of the sockets named by inode, and every
     process's files in the shm areas, from the same fd links and maps. pids: only these
-    processes (`WatchScan`'s rescans).
-
-    psutil's open_files() skips device files, so this reads /proc/PID/fd links itself, each
-    name relative to a directory fd. A thread group whose leader exited (pthread_exit in main)
-    shows an empty maps and fd table under /proc/PID while its live threads still hold files,
-    under /proc/PID/task/TID. Nothing is read past the deadline: what is left is in `cut_short`.
-    """
-    wanted = _Wanted(
-        device_prefix or None,
-        socket_inodes,
-        shm_areas,
-        tuple(area.path.rstrip("/") + "/" for area in shm_areas),
-        deadline,
-    )
+    processes (`WatchScan`'s rescans). Nothing is read past the deadline: what is left is in
+    `cut_short`. psutil's open_files() skips device files: this reads /proc/PID/fd itself."""
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
+    wanted = _Wanted(device_prefix or None, socket_inodes, shm_areas, shm_prefixes, deadline)
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if pids is None:
@@ -297,6 +272,8 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
             break
         maps = _read_maps(proc_fd, name)
         where = name
+        # A thread group whose leader exited (pthread_exit in main) shows an empty maps and fd
+        # table under /proc/PID while its live threads still hold files (/proc/PID/task/TID).
         if maps is None:
             thread = _live_thread_of_dead_leader(proc_fd, name)
             if thread is None:
@@ -378,8 +355,7 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
 
 
 def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
-    """The names in a folder, a batch at a time (a million fds are not one list), until the
-    deadline (then found.cut_short)."""
+    """A folder's names, read as they come (not a million in one list), until the deadline."""
     with os.scandir(dir_fd) as entries:
         for count, entry in enumerate(entries, 1):
             if count % CHECK_EVERY == 0 and deadline.passed():
@@ -409,9 +385,8 @@ def _fd_shm_file(
 
 
 def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
-    """/proc/PID/maps; None for a process that is gone or has no address space (a kernel
-    thread, a zombie: no open files either). Unreadable (not root): no mappings, and the fd
-    check reports the process."""
+    """None for a process that is gone or has no address space (a kernel thread, a zombie: no
+    open files either); unreadable (not root): none, and the fd check reports the process."""
     try:
         return read_at(proc_fd, f"{pid_name}/maps") or None
     except PermissionError:  # (at the open: the kernel checks access there)
@@ -487,12 +462,10 @@ class HostShm:
 
     areas: Sequence[ShmArea]
     proc_root: Path
-    _index: dict[ShmKey, list[str]] | None = None
 
+    @functools.cached_property
     def index(self) -> dict[ShmKey, list[str]]:
-        if self._index is None:
-            self._index = inode_index(self.areas)
-        return self._index
+        return inode_index(self.areas)
 
     def holders(self) -> FreshHolders:
         scan = scan_device_users(self.proc_root, None, shm_areas=self.areas)
@@ -503,12 +476,12 @@ class HostShm:
         return FreshHolders(by_key, scan.unreadable)
 
     def facts(self, file: ShmFile) -> FileFacts | None:
-        return facts(self.areas, file) or facts(self.areas, file, self.index())
+        return facts(self.areas, file) or facts(self.areas, file, self.index)
 
     def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
         done = unlink_if_same(self.areas, file, allowed=allowed)
         if done.facts is None:
-            done = unlink_if_same(self.areas, file, self.index(), allowed)
+            done = unlink_if_same(self.areas, file, self.index, allowed)
         return done
 
     def spaces(self) -> list[Space]:

@@ -22,9 +22,7 @@ RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or bot
 
 
 @dataclass(frozen=True)
-class FreshHolders:
-    """Who holds the shm files now, and the PIDs whose files could not be read."""
-
+class FreshHolders:  # who holds the shm files now, and the PIDs whose files could not be read
     by_key: Mapping[ShmKey, Collection[int]]
     unreadable: Collection[int] = ()
 
@@ -78,10 +76,7 @@ def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
     """One ShmFile per key, with every name seen for it."""
     merged: dict[ShmKey, ShmFile] = {}
     for file in files:
-        seen = merged.get(file.key)
-        if seen is None:
-            merged[file.key] = file
-            continue
+        seen = merged.get(file.key, file)
         names = tuple(dict.fromkeys(seen.names + file.names))
         opened = seen.opened or file.opened
         merged[file.key] = ShmFile(file.key, names, opened, seen.holder or file.holder)
@@ -210,16 +205,15 @@ def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
         fd = os.open(area.where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
-    for part in parts[:-1]:
-        try:
-            next_fd = os.open(
-                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-            )
-        except OSError:
+    try:
+        for part in parts[:-1]:
+            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            next_fd = os.open(part, flags, dir_fd=fd)
             os.close(fd)
-            return None
+            fd = next_fd
+    except OSError:
         os.close(fd)
-        fd = next_fd
+        return None
     return fd, parts[-1]
 
 
@@ -272,9 +266,7 @@ def facts(
     """The file's size and owner, by whichever of its names is this very inode now; None where
     none is (deleted, replaced, or outside every area)."""
     with contextlib.closing(_own_names(areas, file, index)) as names:
-        for _, _, found in names:
-            return found
-    return None
+        return next((found for _, _, found in names), None)
 
 
 def _own_names(
@@ -296,10 +288,7 @@ def _own_names(
                 info = os.stat(last, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (
-                file.key.dev,
-                file.key.ino,
-            ):
+            if stat.S_ISREG(info.st_mode) and ShmKey(info.st_dev, info.st_ino) == file.key:
                 yield fd, last, _facts(name, info, os.fstat(fd))
         finally:
             os.close(fd)
