@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import itertools
 import os
 import queue
@@ -431,43 +432,32 @@ def _text(value: str | bytes) -> str:
 
 
 class NoGpus:
-    """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only."""
+    """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only. Given
+    the error of a driver that hung before it named its GPUs (`status`), each /dev/nvidiaN
+    minor is a fault saying why, so its holders are still shown."""
+
+    def __init__(self, error: NvmlNotAnswering | None = None, minors: Sequence[int] = ()) -> None:
+        self.error = error
+        self.minors = list(minors)
 
     def gpus(self) -> Sequence[Gpu]:
         return []
 
     def faults(self) -> Sequence[GpuFault]:
-        return []
+        error = self.error
+        return [GpuFault(minor, error, minor=minor) for minor in self.minors] if error else []
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        raise AssertionError(gpu)  # a bug: the run asked for a GPU it was not given
+        raise self.error or AssertionError(gpu)  # no error: a bug, a GPU it was not given
 
     def answer_by(self, deadline: float) -> None:
         pass  # it is asked nothing
 
     def not_answering(self) -> NvmlNotAnswering | None:
-        return None
+        return self.error
 
     def close(self) -> None:
         pass
-
-
-class NotAnswering(NoGpus):
-    """Stands in for a driver that hung before it named its GPUs (`status`): each
-    /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
-
-    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
-        self.error = error
-        self.minors = list(minors)
-
-    def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
-
-    def not_answering(self) -> NvmlNotAnswering:
-        return self.error
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        raise self.error
 
 
 # Calls into a library that may never return (a hung GPU driver) are made on one daemon thread
@@ -477,9 +467,7 @@ class NotAnswering(NoGpus):
 # further call (it would queue behind the hung one).
 
 
-class CallTimedOut(Exception):
-    """The call did not return by its deadline; it may still be running."""
-
+class CallTimedOut(Exception):  # the call may still be running
     def __init__(self, waited_s: float) -> None:
         super().__init__(f"no answer after {waited_s:.1f} s")
         self.waited_s = waited_s
@@ -487,9 +475,7 @@ class CallTimedOut(Exception):
 
 @dataclass
 class _Request:
-    function: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    job: Callable[[], Any]
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: BaseException | None = None
@@ -515,7 +501,7 @@ class CallThread:
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
-        request = _Request(function, args, kwargs)
+        request = _Request(functools.partial(function, *args, **kwargs))
         self._last = request
         started = time.monotonic()
         self._requests.put(request)
@@ -529,7 +515,7 @@ class CallThread:
         while True:
             request = self._requests.get()
             try:
-                request.value = request.function(*request.args, **request.kwargs)
+                request.value = request.job()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
                 request.error = exc
             request.done.set()

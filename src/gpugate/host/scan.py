@@ -175,16 +175,12 @@ class ProcFs:
     def children(self, pid: int) -> list[int]:
         """Children of every thread of pid (CONFIG_PROC_CHILDREN). By hand: psutil's children()
         reads the parent of every process on the host."""
-        result: list[int] = []
         try:
             tasks = os.listdir(f"{self.root}/{pid}/task")
         except OSError:
-            return result
-        for tid in tasks:
-            text = self._read(pid, f"task/{tid}/children")
-            if text:
-                result.extend(int(child) for child in text.split())
-        return result
+            return []
+        texts = (self._read(pid, f"task/{tid}/children") or "" for tid in tasks)
+        return [int(child) for text in texts for child in text.split()]
 
     def still_same(self, ident: ProcessId) -> bool:
         text = self._read(ident.pid, "stat")

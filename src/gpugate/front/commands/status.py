@@ -27,7 +27,7 @@ from gpugate.core.discover import (
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
-from gpugate.host.nvml import GpuDriver, NotAnswering
+from gpugate.host.nvml import GpuDriver, NoGpus
 from gpugate.host.scan import Deadline, ProcFs
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import (
@@ -508,7 +508,7 @@ def look(
             except OSError:
                 names = []
             minors = sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
-            hung = NotAnswering(exc, minors)
+            hung = NoGpus(exc, minors)
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
         unreadable = [
