@@ -323,41 +323,34 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     prefix, socket_inodes, shm_prefixes = wanted.prefix, wanted.socket_inodes, wanted.shm_prefixes
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
-    except PermissionError:
-        return None
-    except OSError:
-        return found  # gone
+    except OSError as exc:  # not ours to read (not root), or gone
+        return None if isinstance(exc, PermissionError) else found
+    # The names read as they come (a million fds are not one list), until the deadline.
     try:
-        for fd_name in _names(dir_fd, wanted.deadline, found):
-            try:
-                target = os.readlink(fd_name, dir_fd=dir_fd)
-            except OSError:
-                continue  # closed since the listing
-            if prefix and target.startswith(prefix):
-                found.paths.add(target)
-            elif socket_inodes and target.startswith("socket:["):
-                inode = int(target[8:-1])
-                if inode in socket_inodes:
-                    found.sockets.add(inode)
-            elif shm_prefixes and target.startswith(shm_prefixes):
-                found.shm += _fd_shm_file(
-                    proc_fd, pid_name, dir_fd, fd_name, target, wanted.shm_areas
-                )
+        with os.scandir(dir_fd) as entries:
+            for count, entry in enumerate(entries, 1):
+                if count % CHECK_EVERY == 0 and wanted.deadline.passed():
+                    found.cut_short = True
+                    break
+                try:
+                    target = os.readlink(entry.name, dir_fd=dir_fd)
+                except OSError:
+                    continue  # closed since the listing
+                if prefix and target.startswith(prefix):
+                    found.paths.add(target)
+                elif socket_inodes and target.startswith("socket:["):
+                    inode = int(target[8:-1])
+                    if inode in socket_inodes:
+                        found.sockets.add(inode)
+                elif shm_prefixes and target.startswith(shm_prefixes):
+                    found.shm += _fd_shm_file(
+                        proc_fd, pid_name, dir_fd, entry.name, target, wanted.shm_areas
+                    )
     except OSError:
         pass
     finally:
         os.close(dir_fd)
     return found
-
-
-def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
-    """A folder's names, read as they come (not a million in one list), until the deadline."""
-    with os.scandir(dir_fd) as entries:
-        for count, entry in enumerate(entries, 1):
-            if count % CHECK_EVERY == 0 and deadline.passed():
-                found.cut_short = True
-                return
-            yield entry.name
 
 
 def _fd_shm_file(
