@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -102,9 +103,7 @@ def host_root(dev_root: Path, proc_root: Path) -> str | None:
         init = os.stat(proc_root / "1" / "ns" / "mnt")
     except OSError:
         return None
-    if (ours.st_dev, ours.st_ino) == (init.st_dev, init.st_ino):
-        return None
-    return str(proc_root / "1" / "root")
+    return None if os.path.samestat(ours, init) else str(proc_root / "1" / "root")
 
 
 def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
@@ -274,8 +273,13 @@ def _own_names(
 ) -> Generator[tuple[int, str, FileFacts], None, None]:
     """Each name that is this very file now (its device and inode, checked through the
     folder's fd), with that fd, open while the caller acts on the name, the name's last part,
-    and the file's facts."""
-    for name in _candidate_names(file, index):
+    and the file's facts. Tried: the names /proc showed, then the file's names by inode. A
+    name may not be the file's: glibc's sem_open creates a temporary file, maps it, links it
+    to sem.NAME and unlinks the temporary name, so maps shows "/dev/shm/sem.XXXXXX (deleted)"
+    for a semaphore that is very much there; a name may also have been renamed since."""
+    # " (deleted)" is the kernel's, or part of a real name: both are tried.
+    shown = [tried for name in file.names for tried in (name, name.removesuffix(DELETED_SUFFIX))]
+    for name in dict.fromkeys([*shown, *(index or {}).get(file.key, ())]):
         area = area_of(areas, name)
         if area is None or area.dev != file.key.dev:
             continue
@@ -306,20 +310,6 @@ def _facts(name: str, info: os.stat_result, folder: os.stat_result) -> FileFacts
         folder.st_gid,
         stat.S_IMODE(folder.st_mode),
     )
-
-
-def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
-    """The names /proc showed, then the file's names by inode. A name may not be the file's:
-    glibc's sem_open creates a temporary file, maps it, links it to sem.NAME and unlinks the
-    temporary name, so maps shows "/dev/shm/sem.XXXXXX (deleted)" for a semaphore that is
-    very much there; a name may also have been renamed since."""
-    names: list[str] = []
-    for name in file.names:
-        names.append(name)
-        if name.endswith(DELETED_SUFFIX):  # the kernel's, or part of a real name: try both
-            names.append(name[: -len(DELETED_SUFFIX)])
-    names.extend((index or {}).get(file.key, ()))
-    return list(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -373,6 +363,7 @@ def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, Fi
 CAP_DAC_OVERRIDE = 1
 CAP_FOWNER = 3
 O_PATH = 0o10000000  # fdinfo's `flags:` are octal; an O_PATH fd needs no permission on the file
+FLAGS_LINE = re.compile(r"^flags:[ \t]*([0-7]+)[ \t]*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -405,24 +396,17 @@ def parse_status(text: str) -> Credentials | None:
 
 def read_credentials(proc_fd: int, pid_name: str) -> Credentials | None:
     try:
-        return parse_status(
-            read_at(proc_fd, f"{pid_name}/status", 16384).decode("ascii", "replace")
-        )
+        text = read_at(proc_fd, f"{pid_name}/status", 16384)
     except OSError:
         return None
+    return parse_status(text.decode("ascii", "replace"))
 
 
 def fd_opens_file(fdinfo: str) -> bool:
     """An fd that opened the file for reading or writing: not O_PATH (which any account may
     take on any file it can name). False where the flags cannot be read."""
-    for line in fdinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key == "flags":
-            try:
-                return not int(value.strip(), 8) & O_PATH
-            except ValueError:
-                return False
-    return False
+    match = FLAGS_LINE.search(fdinfo)
+    return match is not None and not int(match.group(1), 8) & O_PATH
 
 
 MAX_ENTRIES = 10_000  # files counted at most (the sizes come from statvfs whatever the count)

@@ -100,7 +100,7 @@ def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, An
     index: dict[ShmKey, list[str]] | None = None
     for file in sorted(files, key=lambda f: f.path):
         found = facts(areas, file)
-        if found is None:  # a semaphore's maps name is a temporary one (shm._candidate_names)
+        if found is None:  # a semaphore's maps name is a temporary one (shm._own_names)
             index = inode_index(areas) if index is None else index
             found = facts(areas, file, index)
         used.append(
