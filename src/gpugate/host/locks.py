@@ -166,8 +166,7 @@ def check_all(
     files: Iterable[tuple[Path, str]] = (),
     on_unwritable: Callable[[GateError], None] | None = None,
 ) -> None:
-    """Each folder and file slot checked; a problem raised, or, given on_unwritable, passed to
-    it and the rest checked too (a run that goes on)."""
+    """Each folder and file slot checked; a problem raised, or passed to on_unwritable."""
     for check, items in ((check_writable, folders), (check_file_slot, files)):
         for path, what in items:
             try:

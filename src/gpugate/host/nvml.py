@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
@@ -196,15 +196,12 @@ class NvmlDriver:
     the call and the GPU, and is asked nothing more, not even nvmlShutdown. NVML is initialised
     at the first query. library: tests' stand-in libnvidia-ml.so.1 (--nvml-library)."""
 
-    def __init__(
-        self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
-    ) -> None:
+    def __init__(self, *, library: str | None = None) -> None:
         import pynvml  # noqa: PLC0415 - only runs that need the driver pay its import
 
         self._nv: Any = pynvml
         self._library = os.path.abspath(library) if library else None
         self._thread = CallThread("nvml")
-        self._answer_within_s = answer_within_s
         self._until: float | None = None  # the run's deadline (time.monotonic)
         self._stuck: NvmlNotAnswering | None = None
         self._calling: tuple[str, int | None] = ("", None)  # the NVML call under way, its GPU
@@ -226,7 +223,7 @@ class NvmlDriver:
             raise self._stuck
         now = time.monotonic()
         if self._until is None:
-            until = now + self._answer_within_s
+            until = now + ANSWER_WITHIN_S
         else:
             until = max(self._until, now + MIN_ANSWER_S)
         try:
@@ -346,8 +343,7 @@ class NvmlDriver:
         return replace(gpu, mig_mode=int(current) == 1)
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        usage: GpuUsage = self._bounded(self._usage, gpu)
-        return usage
+        return cast(GpuUsage, self._bounded(self._usage, gpu))
 
     def _usage(self, gpu: Gpu) -> GpuUsage:
         """A GPU's or a MIG slice's (its own handle); errors on a slice are its GPU's."""
@@ -380,8 +376,7 @@ class NvmlDriver:
         return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
     def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
-        """A MIG slice's handle (not whole) that refuses v2 falls back to v1 for that call
-        alone: v2 stays on for the GPUs."""
+        """A slice (not whole) whose handle refuses v2 falls back to v1 for that call alone."""
         nv = self._nv
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
@@ -496,8 +491,7 @@ class CallThread:
         return self._last is not None and not self._last.done.is_set()
 
     def call(self, until: float, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """function(*args, **kwargs) on the thread; its value or exception, or CallTimedOut
-        once `until` (on this clock) passes without an answer."""
+        """function(*args, **kwargs)'s value or exception, or CallTimedOut once `until` passes."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
             self._thread.start()
@@ -535,8 +529,7 @@ MAX_ACCESS_BYTES = 4096
 
 
 def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
-    """The minor K of each capability device that ties a process to one slice -> the slice's
-    key. Empty where the host has none."""
+    """The minor K of each capability device that ties a process to one slice -> its key."""
     slices = [(gpu, gpu.mig) for gpu in gpus if gpu.mig is not None]
     per_instance = Counter((mig.parent, mig.gpu_instance) for _, mig in slices)
     found: dict[int, int] = {}

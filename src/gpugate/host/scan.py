@@ -103,9 +103,8 @@ def parse_stat(text: str) -> ProcInfo | None:
 
 
 class ProcFs:
-    """Reads /proc under `root`. Inside `oneshot()` (psutil's is the model) a process's facts
-    are read once and kept until the block ends: one per discovery round, so a round sees one
-    consistent table and the next round, or the kill, sees the processes as they are now."""
+    """Reads /proc under `root`. Inside `oneshot()` (psutil's model: one per discovery round)
+    a process's facts are read once, so a round sees one consistent table."""
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = Path(root)
@@ -145,8 +144,7 @@ class ProcFs:
         return self._remember(pid, parse_stat(text) if text else None)
 
     def info(self, pid: int) -> ProcInfo | None:
-        """All facts gpugate shows and decides on, read once: identity, uid, command line,
-        executable and cgroup; None where the process is gone, or its PID reused since."""
+        """All facts gpugate decides on, read once; None where gone, or its PID reused since."""
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
@@ -294,8 +292,7 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
 
 
 def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
-    """A live thread of a thread group whose leader is a zombie; None for a kernel thread, a
-    zombie process or a process that is gone."""
+    """A live thread of a group whose leader is a zombie; None for a kernel thread or zombie."""
     try:
         task_fd = os.open(f"{pid_name}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except OSError:
@@ -423,8 +420,7 @@ TCP_LISTEN = "0A"
 
 
 def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]:
-    """Inode -> port of every socket in LISTEN state on one of the ports, from /proc/net/tcp
-    and tcp6 (this process's network namespace)."""
+    """Inode -> port of each LISTEN socket on the ports (this network namespace's tcp, tcp6)."""
     found: dict[int, int] = {}
     if not ports:
         return found
@@ -446,8 +442,7 @@ def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]
 
 @dataclass
 class HostShm:
-    """The host behind `core.shm_cleanup.ShmHost`: a pass over /proc limited to the shm files,
-    their facts, unlinks and free space; the areas' inode index read once, when first needed."""
+    """`core.shm_cleanup.ShmHost`: the shm files' holders (a /proc pass), facts and unlinks."""
 
     areas: Sequence[ShmArea]
     proc_root: Path

@@ -94,8 +94,7 @@ def mount_points(proc_root: Path, pid: str = "self") -> set[str]:
 
 def host_root(dev_root: Path, proc_root: Path) -> str | None:
     """PROC/1/root where gpugate runs in a mount namespace other than PID 1's (systemd runs a
-    unit's `+` hooks in the unit's); None where it shares PID 1's, cannot tell, or reads
-    stand-in roots."""
+    unit's `+` hooks in the unit's); None where it shares it, cannot tell, or reads stand-ins."""
     if dev_root != Path("/dev"):
         return None
     try:
@@ -377,8 +376,7 @@ class Credentials:
 
 
 def parse_status(text: str) -> Credentials | None:
-    """Uid:, Gid:, Groups: and CapEff: of /proc/PID/status; None where a line is missing or
-    malformed (an exiting process)."""
+    """Uid, Gid, Groups and CapEff of /proc/PID/status; None where one is missing or malformed."""
     fields: dict[str, list[str]] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
