@@ -476,14 +476,14 @@ class _Request:
     error: BaseException | None = None
 
 
+@dataclass(eq=False)
 class CallThread:
     """One daemon thread that makes the calls, in order."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._last: _Request | None = None
+    name: str
+    _requests: queue.SimpleQueue[_Request] = field(default_factory=queue.SimpleQueue)
+    _thread: threading.Thread | None = None
+    _last: _Request | None = None
 
     @property
     def busy(self) -> bool:
@@ -493,7 +493,7 @@ class CallThread:
     def call(self, until: float, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """function(*args, **kwargs)'s value or exception, or CallTimedOut once `until` passes."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
         request = _Request(functools.partial(function, *args, **kwargs))
         self._last = request

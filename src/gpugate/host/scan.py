@@ -478,24 +478,20 @@ class HostShm:
 FULL_SCAN_EVERY_S = 30.0
 
 
+@dataclass(eq=False)
 class WatchScan:
     """`status --watch`'s scan: each look rescans the processes new since the last, the
     holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
     what is asked changes) finds a process that opened a device file without a CUDA context."""
 
-    def __init__(
-        self,
-        full_every_s: float = FULL_SCAN_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.full_every_s = full_every_s
-        self.clock = clock
-        self.full_scans = 0
-        self.rescans = 0
-        self._last: DeviceScan | None = None
-        self._asked: tuple[object, ...] = ()
-        self._listed: set[int] = set()
-        self._full_at = 0.0
+    full_every_s: float = FULL_SCAN_EVERY_S
+    clock: Callable[[], float] = time.monotonic
+    full_scans: int = 0
+    rescans: int = 0
+    _last: DeviceScan | None = None
+    _asked: tuple[object, ...] = ()
+    _listed: set[int] = field(default_factory=set)
+    _full_at: float = 0.0
 
     def __call__(
         self,
