@@ -552,8 +552,7 @@ def cap_minor(path: str) -> int | None:
 
 def _device_minor(access: Path) -> int | None:
     try:
-        text = read_capped(access, MAX_ACCESS_BYTES)
+        match = MINOR_LINE.search(read_capped(access, MAX_ACCESS_BYTES))
     except OSError:
         return None
-    match = MINOR_LINE.search(text)
     return int(match.group(1)) if match else None

@@ -429,12 +429,10 @@ def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]
             text = (proc_root / "net" / name).read_text()
         except FileNotFoundError:
             continue  # no IPv6 on this kernel
-        for line in text.splitlines()[1:]:
-            fields = line.split()
+        for fields in (line.split() for line in text.splitlines()[1:]):
             if len(fields) < 10 or fields[3] != TCP_LISTEN:
                 continue
-            port = int(fields[1].rsplit(":", 1)[1], 16)
-            inode = int(fields[9])
+            port, inode = int(fields[1].rsplit(":", 1)[1], 16), int(fields[9])
             if port in ports and inode:
                 found[inode] = port
     return found
