@@ -455,13 +455,6 @@ class NoGpus:
         pass
 
 
-# Calls into a library that may never return (a hung GPU driver) are made on one daemon thread
-# and waited for until a deadline. ctypes releases the GIL for the call, so the main thread
-# waits on an Event with a timeout (a wait a signal handler's exception interrupts). A hung call
-# cannot be cancelled: the daemon thread lets the process exit, and the caller must make no
-# further call (it would queue behind the hung one).
-
-
 class CallTimedOut(Exception):  # the call may still be running
     def __init__(self, waited_s: float) -> None:
         super().__init__(f"no answer after {waited_s:.1f} s")
@@ -478,7 +471,11 @@ class _Request:
 
 @dataclass(eq=False)
 class CallThread:
-    """One daemon thread that makes the calls, in order."""
+    """One daemon thread that makes, in order, calls into a library that may never return (a
+    hung GPU driver), each waited for until a deadline. ctypes releases the GIL for the call,
+    so the caller waits on an Event with a timeout (a wait a signal handler's exception
+    interrupts). A hung call cannot be cancelled: the daemon thread lets the process exit, and
+    the caller must make no further call (it would queue behind the hung one)."""
 
     name: str
     _requests: queue.SimpleQueue[_Request] = field(default_factory=queue.SimpleQueue)
