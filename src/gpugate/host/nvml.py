@@ -193,8 +193,8 @@ class NvmlDriver:
     """GpuDriver backed by libnvidia-ml.so.1. Each query runs on one worker thread (CallThread)
     and is waited for until the run's deadline (answer_by), else ANSWER_WITHIN_S: a driver
     that stops answering (as a hanging nvidia-smi) ends the run with NvmlNotAnswering, naming
-    the call and the GPU, and is asked nothing more, not even nvmlShutdown. NVML is initialised
-    at the first query. library: tests' stand-in libnvidia-ml.so.1 (--nvml-library)."""
+    the call and GPU, and is asked nothing more, not even nvmlShutdown. NVML is initialised at
+    the first query, once the deadline is known. library: tests' stand-in (--nvml-library)."""
 
     def __init__(self, *, library: str | None = None) -> None:
         import pynvml  # noqa: PLC0415 - only runs that need the driver pay its import

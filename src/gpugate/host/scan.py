@@ -104,7 +104,7 @@ def parse_stat(text: str) -> ProcInfo | None:
 
 class ProcFs:
     """Reads /proc under `root`. Inside `oneshot()` (psutil's model: one per discovery round)
-    a process's facts are read once, so a round sees one consistent table."""
+    a process's facts are read once, so a round sees one consistent table; outside, afresh."""
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = Path(root)
@@ -158,14 +158,14 @@ class ProcFs:
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
         if cgroup_text is None or (base.state != "Z" and not self.still_same(base.ident)):
             return self._remember(pid, None)
-        facts = replace(
+        found = replace(
             base,
             uid=int(uids[0]) if uids else None,
             cgroup=parse_cgroup(cgroup_text) or "/",
             cmdline=tuple(arg for arg in cmdline if arg),
             exe=exe or None,
         )
-        return self._remember(pid, facts)
+        return self._remember(pid, found)
 
     def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"

@@ -203,9 +203,9 @@ def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
         fd = os.open(area.where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         for part in parts[:-1]:
-            flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
             next_fd = os.open(part, flags, dir_fd=fd)
             os.close(fd)
             fd = next_fd
