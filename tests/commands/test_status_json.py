@@ -241,13 +241,14 @@ def test_one_look_reads_each_process_once(
     """Issue 30: discovery and the JSON's rules (pre's decision, its application walks) share
     one reading of each process's facts."""
     reads: list[int] = []
-    original = ProcFs._facts
+    original = ProcFs._read
 
-    def counted(self: ProcFs, base: Any) -> Any:
-        reads.append(base.pid)
-        return original(self, base)
+    def counted(self: ProcFs, pid: int, name: str) -> Any:
+        if name == "cmdline":  # read once per full reading of a process's facts
+            reads.append(pid)
+        return original(self, pid, name)
 
-    monkeypatch.setattr(ProcFs, "_facts", counted)
+    monkeypatch.setattr(ProcFs, "_read", counted)
     pids = host.pool.holder(host.gpu_files(1), children=2)  # an orphan application
     for pid in pids:
         host.memory.claim(pid, {1}, 1000)

@@ -93,22 +93,19 @@ def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
 
 
 def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:
-    if on_unlocked is None:
-        try:
-            return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
-        except PermissionError:
+    try:
+        return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
+    except OSError as exc:
+        if on_unlocked is None and isinstance(exc, PermissionError):
             raise PermissionDenied(f"{path}: permission denied") from None
-        except OSError as exc:
+        if on_unlocked is None:
             raise _os_error(path, "gpu-lock", "a GPU lock", exc) from None
-    causes = []
-    # It may exist: a lock taken through a read-only descriptor is still one.
-    for flags in (os.O_RDWR | os.O_CREAT, os.O_RDONLY):
-        try:
-            return open_in(folder_fd, path.name, flags)
-        except OSError as exc:
-            causes.append(exc.strerror or str(exc))
-    on_unlocked(path, causes[0])
-    return None
+        cause = exc.strerror or str(exc)
+    try:  # it may exist: a lock taken through a read-only descriptor is still one
+        return open_in(folder_fd, path.name, os.O_RDONLY)
+    except OSError:
+        on_unlocked(path, cause)
+        return None
 
 
 PROBE_BYTES = 4096  # a page: more than any lease, record or lock gpugate writes needs
@@ -169,10 +166,8 @@ def check_all(
     files: Iterable[tuple[Path, str]] = (),
     on_unwritable: Callable[[GateError], None] | None = None,
 ) -> None:
-    """Each folder and file slot checked; a problem raised, or, given on_unwritable, passed to
-    it and the rest checked too (a run that goes on)."""
-    checks = [(check_writable, folders), (check_file_slot, files)]
-    for check, items in checks:
+    """Each folder and file slot checked; a problem raised, or passed to on_unwritable."""
+    for check, items in ((check_writable, folders), (check_file_slot, files)):
         for path, what in items:
             try:
                 check(path, what)

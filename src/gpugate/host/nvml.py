@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
+import itertools
 import os
 import queue
 import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
@@ -108,22 +110,16 @@ class GpuError(NvmlUnavailable):
 
 
 class GpuDriver(Protocol):
-    """What the run and `status` ask of the GPU driver."""
+    """What the run and `status` ask of the GPU driver. faults: the GPUs it counts but cannot
+    read (lost, an unsupported query); usage may raise GpuError (that GPU) or NvmlUnavailable;
+    answer_by: each later query is waited for until this time.monotonic() deadline (the run's);
+    not_answering: why the driver stopped answering, where it did (it is asked nothing more)."""
 
     def gpus(self) -> Sequence[Gpu]: ...
-
-    def faults(self) -> Sequence[GpuFault]:
-        """The GPUs it counts but cannot read (lost, an unsupported query)."""
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        """May raise GpuError (that GPU) or NvmlUnavailable."""
-
-    def answer_by(self, deadline: float) -> None:
-        """Wait for each later query until this time.monotonic() deadline (the run's)."""
-
-    def not_answering(self) -> NvmlNotAnswering | None:
-        """Why the driver stopped answering, where it did (it is asked nothing more)."""
-
+    def faults(self) -> Sequence[GpuFault]: ...
+    def usage(self, gpu: Gpu) -> GpuUsage: ...
+    def answer_by(self, deadline: float) -> None: ...
+    def not_answering(self) -> NvmlNotAnswering | None: ...
     def close(self) -> None: ...
 
 
@@ -146,30 +142,24 @@ LDCONFIG_TIMEOUT_S = 5.0
 def find_nvml_library(dirs: Sequence[str] = NVML_DIRS) -> str | None:
     """libnvidia-ml.so.1 in the driver's folders, else in the dynamic loader's cache (ldconfig
     -p); only a file that no account but root (and gpugate's own) may change."""
-    for folder in dirs:
-        path = os.path.join(folder, NVML_LIBRARY)
+    in_dirs = (os.path.join(folder, NVML_LIBRARY) for folder in dirs)
+    for path in itertools.chain(in_dirs, _ldconfig_paths()):
         if os.path.isfile(path) and untrusted(path) is None:
-            return path
-    for path in _ldconfig_paths():
-        if os.path.isabs(path) and os.path.isfile(path) and untrusted(path) is None:
             return path
     return None
 
 
-def _ldconfig_paths() -> list[str]:
+def _ldconfig_paths() -> Iterator[str]:
+    """The absolute paths `ldconfig -p` lists for libnvidia-ml.so.1, run when first asked."""
     ldconfig = find_program("ldconfig", LDCONFIG_DIRS)
-    if ldconfig is None:
-        return []
     try:
-        listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S)
+        listed = run_program([ldconfig, "-p"], LDCONFIG_TIMEOUT_S) if ldconfig else None
     except GateError:
-        return []
-    found = []
-    for line in listed.stdout.splitlines():
+        return
+    for line in listed.stdout.splitlines() if listed else ():
         name, _, path = line.partition(" => ")
-        if name.strip().split(" ", 1)[0] == NVML_LIBRARY:
-            found.append(path.strip())
-    return found
+        if name.strip().split(" ", 1)[0] == NVML_LIBRARY and os.path.isabs(path.strip()):
+            yield path.strip()
 
 
 def load_nvml_library(nv: Any, library: str | None) -> None:
@@ -200,22 +190,18 @@ MIN_ANSWER_S = 1.0
 
 
 class NvmlDriver:
-    """GpuDriver backed by libnvidia-ml.so.1. Each query (a GPU's usage, the list of GPUs)
-    runs on one worker thread (CallThread) and is waited for until the run's deadline
-    (answer_by), else ANSWER_WITHIN_S: a driver that stops answering (as a hanging nvidia-smi)
-    ends the run with NvmlNotAnswering, naming the call and the GPU, and is asked nothing more,
-    not even nvmlShutdown. NVML is initialised at the first query, once the deadline is known."""
+    """GpuDriver backed by libnvidia-ml.so.1. Each query runs on one worker thread (CallThread)
+    and is waited for until the run's deadline (answer_by), else ANSWER_WITHIN_S: a driver
+    that stops answering (as a hanging nvidia-smi) ends the run with NvmlNotAnswering, naming
+    the call and GPU, and is asked nothing more, not even nvmlShutdown. NVML is initialised at
+    the first query, once the deadline is known. library: tests' stand-in (--nvml-library)."""
 
-    def __init__(
-        self, *, answer_within_s: float = ANSWER_WITHIN_S, library: str | None = None
-    ) -> None:
-        """library: tests' stand-in libnvidia-ml.so.1 (the hidden --nvml-library)."""
+    def __init__(self, *, library: str | None = None) -> None:
         import pynvml  # noqa: PLC0415 - only runs that need the driver pay its import
 
         self._nv: Any = pynvml
         self._library = os.path.abspath(library) if library else None
         self._thread = CallThread("nvml")
-        self._answer_within_s = answer_within_s
         self._until: float | None = None  # the run's deadline (time.monotonic)
         self._stuck: NvmlNotAnswering | None = None
         self._calling: tuple[str, int | None] = ("", None)  # the NVML call under way, its GPU
@@ -237,7 +223,7 @@ class NvmlDriver:
             raise self._stuck
         now = time.monotonic()
         if self._until is None:
-            until = now + self._answer_within_s
+            until = now + ANSWER_WITHIN_S
         else:
             until = max(self._until, now + MIN_ANSWER_S)
         try:
@@ -306,15 +292,6 @@ class NvmlDriver:
             found += [gpu, *slices]
         return found
 
-    def _mig_mode(self, index: int, handle: Any) -> bool:
-        """In MIG mode now; a GPU whose mode NVML cannot say is read whole."""
-        nv = self._nv
-        try:
-            current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
-        except nv.NVMLError:
-            return False
-        return int(current) == 1
-
     def _read_slices(self, gpu: Gpu) -> list[Gpu]:
         """The MIG devices of a GPU in MIG mode, as NVML numbers them (a free index: none)."""
         nv, index = self._nv, gpu.index
@@ -352,18 +329,21 @@ class NvmlDriver:
         handle = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
         self._handles[index] = handle
         memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
-        return Gpu(
+        gpu = Gpu(
             index=index,
             uuid=_text(self._call(index, nv.nvmlDeviceGetUUID, handle)),
             minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
             name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
             total_mib=int(memory.total) // MIB,
-            mig_mode=self._mig_mode(index, handle),
         )
+        try:
+            current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
+        except nv.NVMLError:
+            return gpu  # a GPU whose MIG mode NVML cannot say is read whole
+        return replace(gpu, mig_mode=int(current) == 1)
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        usage: GpuUsage = self._bounded(self._usage, gpu)
-        return usage
+        return cast(GpuUsage, self._bounded(self._usage, gpu))
 
     def _usage(self, gpu: Gpu) -> GpuUsage:
         """A GPU's or a MIG slice's (its own handle); errors on a slice are its GPU's."""
@@ -396,8 +376,7 @@ class NvmlDriver:
         return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
 
     def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
-        """A MIG slice's handle (not whole) that refuses v2 falls back to v1 for that call
-        alone: v2 stays on for the GPUs."""
+        """A slice (not whole) whose handle refuses v2 falls back to v1 for that call alone."""
         nv = self._nv
         if self._memory_v2:
             # v2 reports reserved memory apart; v1's "used" includes it and is never 0.
@@ -448,55 +427,35 @@ def _text(value: str | bytes) -> str:
 
 
 class NoGpus:
-    """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only."""
+    """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only. Given
+    the error of a driver that hung before it named its GPUs (`status`), each /dev/nvidiaN
+    minor is a fault saying why, so its holders are still shown."""
+
+    def __init__(self, error: NvmlNotAnswering | None = None, minors: Sequence[int] = ()) -> None:
+        self.error = error
+        self.minors = list(minors)
 
     def gpus(self) -> Sequence[Gpu]:
         return []
 
     def faults(self) -> Sequence[GpuFault]:
-        return []
+        error = self.error
+        return [GpuFault(minor, error, minor=minor) for minor in self.minors] if error else []
 
     def usage(self, gpu: Gpu) -> GpuUsage:
-        raise AssertionError(gpu)  # a bug: the run asked for a GPU it was not given
+        raise self.error or AssertionError(gpu)  # no error: a bug, a GPU it was not given
 
     def answer_by(self, deadline: float) -> None:
         pass  # it is asked nothing
 
     def not_answering(self) -> NvmlNotAnswering | None:
-        return None
+        return self.error
 
     def close(self) -> None:
         pass
 
 
-class NotAnswering(NoGpus):
-    """Stands in for a driver that hung before it named its GPUs (`status`): each
-    /dev/nvidiaN minor is a fault saying why, so its holders are still shown."""
-
-    def __init__(self, error: NvmlNotAnswering, minors: Sequence[int]) -> None:
-        self.error = error
-        self.minors = list(minors)
-
-    def faults(self) -> Sequence[GpuFault]:
-        return [GpuFault(minor, self.error, minor=minor) for minor in self.minors]
-
-    def not_answering(self) -> NvmlNotAnswering:
-        return self.error
-
-    def usage(self, gpu: Gpu) -> GpuUsage:
-        raise self.error
-
-
-# Calls into a library that may never return (a hung GPU driver) are made on one daemon thread
-# and waited for until a deadline. ctypes releases the GIL for the call, so the main thread
-# waits on an Event with a timeout (a wait a signal handler's exception interrupts). A hung call
-# cannot be cancelled: the daemon thread lets the process exit, and the caller must make no
-# further call (it would queue behind the hung one).
-
-
-class CallTimedOut(Exception):
-    """The call did not return by its deadline; it may still be running."""
-
+class CallTimedOut(Exception):  # the call may still be running
     def __init__(self, waited_s: float) -> None:
         super().__init__(f"no answer after {waited_s:.1f} s")
         self.waited_s = waited_s
@@ -504,23 +463,24 @@ class CallTimedOut(Exception):
 
 @dataclass
 class _Request:
-    function: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+    job: Callable[[], Any]
     done: threading.Event = field(default_factory=threading.Event)
     value: Any = None
     error: BaseException | None = None
 
 
+@dataclass(eq=False)
 class CallThread:
-    """One daemon thread that makes the calls, in order."""
+    """One daemon thread that makes, in order, calls into a library that may never return (a
+    hung GPU driver), each waited for until a deadline. ctypes releases the GIL for the call,
+    so the caller waits on an Event with a timeout (a wait a signal handler's exception
+    interrupts). A hung call cannot be cancelled: the daemon thread lets the process exit, and
+    the caller must make no further call (it would queue behind the hung one)."""
 
-    def __init__(self, name: str, clock: Callable[[], float] = time.monotonic) -> None:
-        self._name = name
-        self._clock = clock
-        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._last: _Request | None = None
+    name: str
+    _requests: queue.SimpleQueue[_Request] = field(default_factory=queue.SimpleQueue)
+    _thread: threading.Thread | None = None
+    _last: _Request | None = None
 
     @property
     def busy(self) -> bool:
@@ -528,17 +488,16 @@ class CallThread:
         return self._last is not None and not self._last.done.is_set()
 
     def call(self, until: float, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """function(*args, **kwargs) on the thread; its value or exception, or CallTimedOut
-        once `until` (on this clock) passes without an answer."""
+        """function(*args, **kwargs)'s value or exception, or CallTimedOut once `until` passes."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._serve, name=self._name, daemon=True)
+            self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
-        request = _Request(function, args, kwargs)
+        request = _Request(functools.partial(function, *args, **kwargs))
         self._last = request
-        started = self._clock()
+        started = time.monotonic()
         self._requests.put(request)
         if not request.done.wait(max(until - started, 0.0)):
-            raise CallTimedOut(self._clock() - started)
+            raise CallTimedOut(time.monotonic() - started)
         if request.error is not None:
             raise request.error
         return request.value
@@ -547,7 +506,7 @@ class CallThread:
         while True:
             request = self._requests.get()
             try:
-                request.value = request.function(*request.args, **request.kwargs)
+                request.value = request.job()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
                 request.error = exc
             request.done.set()
@@ -567,8 +526,7 @@ MAX_ACCESS_BYTES = 4096
 
 
 def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
-    """The minor K of each capability device that ties a process to one slice -> the slice's
-    key. Empty where the host has none."""
+    """The minor K of each capability device that ties a process to one slice -> its key."""
     slices = [(gpu, gpu.mig) for gpu in gpus if gpu.mig is not None]
     per_instance = Counter((mig.parent, mig.gpu_instance) for _, mig in slices)
     found: dict[int, int] = {}
@@ -591,8 +549,7 @@ def cap_minor(path: str) -> int | None:
 
 def _device_minor(access: Path) -> int | None:
     try:
-        text = read_capped(access, MAX_ACCESS_BYTES)
+        match = MINOR_LINE.search(read_capped(access, MAX_ACCESS_BYTES))
     except OSError:
         return None
-    match = MINOR_LINE.search(text)
     return int(match.group(1)) if match else None

@@ -5,6 +5,7 @@ process with an NVIDIA device file or shm file open or mapped, and `status --wat
 
 from __future__ import annotations
 
+import functools
 import os
 import pwd
 import stat
@@ -42,10 +43,8 @@ PF_KTHREAD = 0x00200000
 
 @dataclass(frozen=True, order=True)
 class ProcessId:
-    """A process, not a PID: the start time tells a recycled PID from the original."""
-
     pid: int
-    start_time: int  # clock ticks after boot, field 22 of /proc/PID/stat
+    start_time: int  # /proc/PID/stat's field 22: tells a recycled PID from the original
 
 
 @dataclass(frozen=True)
@@ -104,9 +103,8 @@ def parse_stat(text: str) -> ProcInfo | None:
 
 
 class ProcFs:
-    """Reads /proc under `root`. Inside `oneshot()` (psutil's is the model) a process's facts
-    are read once and kept until the block ends: one per discovery round, so a round sees one
-    consistent table and the next round, or the kill, sees the processes as they are now."""
+    """Reads /proc under `root`. Inside `oneshot()` (psutil's model: one per discovery round)
+    a process's facts are read once, so a round sees one consistent table; outside, afresh."""
 
     def __init__(self, root: Path = Path("/proc")) -> None:
         self.root = Path(root)
@@ -114,8 +112,7 @@ class ProcFs:
 
     @contextmanager
     def oneshot(self) -> Iterator[None]:
-        """Cache facts for the block (nested blocks share the outermost one's cache)."""
-        if self._cache is not None:
+        if self._cache is not None:  # a nested block shares the outermost one's cache
             yield
             return
         self._cache = {}
@@ -123,11 +120,6 @@ class ProcFs:
             yield
         finally:
             self._cache = None
-
-    def pids(self) -> Iterator[int]:
-        for name in os.listdir(self.root):
-            if name.isdigit():
-                yield int(name)
 
     def _read(self, pid: int, name: str) -> str | None:
         try:
@@ -152,16 +144,10 @@ class ProcFs:
         return self._remember(pid, parse_stat(text) if text else None)
 
     def info(self, pid: int) -> ProcInfo | None:
-        """All facts gpugate shows and decides on, read once: identity, uid, command line,
-        executable and cgroup."""
+        """All facts gpugate decides on, read once; None where gone, or its PID reused since."""
         base = self.stat(pid)
         if base is None or base.cgroup is not None or base.kernel_thread:
             return base
-        return self._remember(pid, self._facts(base))
-
-    def _facts(self, base: ProcInfo) -> ProcInfo | None:
-        """None where the process is gone, or its PID reused since stat was read."""
-        pid = base.pid
         cgroup_text = self._read(pid, "cgroup")
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
@@ -170,21 +156,16 @@ class ProcFs:
             exe = None
         status = self._read(pid, "status") or ""
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
-        gone = self._start_time(pid) != base.start_time and base.state != "Z"
-        if gone or cgroup_text is None:
-            return None
-        return replace(
+        if cgroup_text is None or (base.state != "Z" and not self.still_same(base.ident)):
+            return self._remember(pid, None)
+        found = replace(
             base,
             uid=int(uids[0]) if uids else None,
             cgroup=parse_cgroup(cgroup_text) or "/",
             cmdline=tuple(arg for arg in cmdline if arg),
             exe=exe or None,
         )
-
-    def _start_time(self, pid: int) -> int | None:
-        text = self._read(pid, "stat")
-        info = parse_stat(text) if text else None
-        return info.start_time if info else None
+        return self._remember(pid, found)
 
     def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"
@@ -192,19 +173,17 @@ class ProcFs:
     def children(self, pid: int) -> list[int]:
         """Children of every thread of pid (CONFIG_PROC_CHILDREN). By hand: psutil's children()
         reads the parent of every process on the host."""
-        result: list[int] = []
         try:
             tasks = os.listdir(f"{self.root}/{pid}/task")
         except OSError:
-            return result
-        for tid in tasks:
-            text = self._read(pid, f"task/{tid}/children")
-            if text:
-                result.extend(int(child) for child in text.split())
-        return result
+            return []
+        texts = (self._read(pid, f"task/{tid}/children") or "" for tid in tasks)
+        return [int(child) for text in texts for child in text.split()]
 
     def still_same(self, ident: ProcessId) -> bool:
-        return self._start_time(ident.pid) == ident.start_time
+        text = self._read(ident.pid, "stat")
+        info = parse_stat(text) if text else None
+        return info is not None and info.start_time == ident.start_time
 
 
 @dataclass(frozen=True)
@@ -264,20 +243,10 @@ def scan_device_users(
     """Every process with an fd on, or a mapping of, a file whose path starts with the prefix
     (None: the shm files alone), or an fd on one of the sockets named by inode, and every
     process's files in the shm areas, from the same fd links and maps. pids: only these
-    processes (`WatchScan`'s rescans).
-
-    psutil's open_files() skips device files, so this reads /proc/PID/fd links itself, each
-    name relative to a directory fd. A thread group whose leader exited (pthread_exit in main)
-    shows an empty maps and fd table under /proc/PID while its live threads still hold files,
-    under /proc/PID/task/TID. Nothing is read past the deadline: what is left is in `cut_short`.
-    """
-    wanted = _Wanted(
-        device_prefix or None,
-        socket_inodes,
-        shm_areas,
-        tuple(area.path.rstrip("/") + "/" for area in shm_areas),
-        deadline,
-    )
+    processes (`WatchScan`'s rescans). Nothing is read past the deadline: what is left is in
+    `cut_short`. psutil's open_files() skips device files: this reads /proc/PID/fd itself."""
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
+    wanted = _Wanted(device_prefix or None, socket_inodes, shm_areas, shm_prefixes, deadline)
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if pids is None:
@@ -297,6 +266,8 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
             break
         maps = _read_maps(proc_fd, name)
         where = name
+        # A thread group whose leader exited (pthread_exit in main) shows an empty maps and fd
+        # table under /proc/PID while its live threads still hold files (/proc/PID/task/TID).
         if maps is None:
             thread = _live_thread_of_dead_leader(proc_fd, name)
             if thread is None:
@@ -321,8 +292,7 @@ def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceSca
 
 
 def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
-    """A live thread of a thread group whose leader is a zombie; None for a kernel thread, a
-    zombie process or a process that is gone."""
+    """A live thread of a group whose leader is a zombie; None for a kernel thread or zombie."""
     try:
         task_fd = os.open(f"{pid_name}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except OSError:
@@ -350,42 +320,34 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     prefix, socket_inodes, shm_prefixes = wanted.prefix, wanted.socket_inodes, wanted.shm_prefixes
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
-    except PermissionError:
-        return None
-    except OSError:
-        return found  # gone
+    except OSError as exc:  # not ours to read (not root), or gone
+        return None if isinstance(exc, PermissionError) else found
+    # The names read as they come (a million fds are not one list), until the deadline.
     try:
-        for fd_name in _names(dir_fd, wanted.deadline, found):
-            try:
-                target = os.readlink(fd_name, dir_fd=dir_fd)
-            except OSError:
-                continue  # closed since the listing
-            if prefix and target.startswith(prefix):
-                found.paths.add(target)
-            elif socket_inodes and target.startswith("socket:["):
-                inode = int(target[8:-1])
-                if inode in socket_inodes:
-                    found.sockets.add(inode)
-            elif shm_prefixes and target.startswith(shm_prefixes):
-                found.shm += _fd_shm_file(
-                    proc_fd, pid_name, dir_fd, fd_name, target, wanted.shm_areas
-                )
+        with os.scandir(dir_fd) as entries:
+            for count, entry in enumerate(entries, 1):
+                if count % CHECK_EVERY == 0 and wanted.deadline.passed():
+                    found.cut_short = True
+                    break
+                try:
+                    target = os.readlink(entry.name, dir_fd=dir_fd)
+                except OSError:
+                    continue  # closed since the listing
+                if prefix and target.startswith(prefix):
+                    found.paths.add(target)
+                elif socket_inodes and target.startswith("socket:["):
+                    inode = int(target[8:-1])
+                    if inode in socket_inodes:
+                        found.sockets.add(inode)
+                elif shm_prefixes and target.startswith(shm_prefixes):
+                    found.shm += _fd_shm_file(
+                        proc_fd, pid_name, dir_fd, entry.name, target, wanted.shm_areas
+                    )
     except OSError:
         pass
     finally:
         os.close(dir_fd)
     return found
-
-
-def _names(dir_fd: int, deadline: Deadline, found: _Fds) -> Iterator[str]:
-    """The names in a folder, a batch at a time (a million fds are not one list), until the
-    deadline (then found.cut_short)."""
-    with os.scandir(dir_fd) as entries:
-        for count, entry in enumerate(entries, 1):
-            if count % CHECK_EVERY == 0 and deadline.passed():
-                found.cut_short = True
-                return
-            yield entry.name
 
 
 def _fd_shm_file(
@@ -409,9 +371,8 @@ def _fd_shm_file(
 
 
 def _read_maps(proc_fd: int, pid_name: str) -> bytes | None:
-    """/proc/PID/maps; None for a process that is gone or has no address space (a kernel
-    thread, a zombie: no open files either). Unreadable (not root): no mappings, and the fd
-    check reports the process."""
+    """None for a process that is gone or has no address space (a kernel thread, a zombie: no
+    open files either); unreadable (not root): none, and the fd check reports the process."""
     try:
         return read_at(proc_fd, f"{pid_name}/maps") or None
     except PermissionError:  # (at the open: the kernel checks access there)
@@ -459,8 +420,7 @@ TCP_LISTEN = "0A"
 
 
 def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]:
-    """Inode -> port of every socket in LISTEN state on one of the ports, from /proc/net/tcp
-    and tcp6 (this process's network namespace)."""
+    """Inode -> port of each LISTEN socket on the ports (this network namespace's tcp, tcp6)."""
     found: dict[int, int] = {}
     if not ports:
         return found
@@ -469,12 +429,10 @@ def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]
             text = (proc_root / "net" / name).read_text()
         except FileNotFoundError:
             continue  # no IPv6 on this kernel
-        for line in text.splitlines()[1:]:
-            fields = line.split()
+        for fields in (line.split() for line in text.splitlines()[1:]):
             if len(fields) < 10 or fields[3] != TCP_LISTEN:
                 continue
-            port = int(fields[1].rsplit(":", 1)[1], 16)
-            inode = int(fields[9])
+            port, inode = int(fields[1].rsplit(":", 1)[1], 16), int(fields[9])
             if port in ports and inode:
                 found[inode] = port
     return found
@@ -482,17 +440,14 @@ def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]
 
 @dataclass
 class HostShm:
-    """The host behind `core.shm_cleanup.ShmHost`: a pass over /proc limited to the shm files,
-    their facts, unlinks and free space; the areas' inode index read once, when first needed."""
+    """`core.shm_cleanup.ShmHost`: the shm files' holders (a /proc pass), facts and unlinks."""
 
     areas: Sequence[ShmArea]
     proc_root: Path
-    _index: dict[ShmKey, list[str]] | None = None
 
+    @functools.cached_property
     def index(self) -> dict[ShmKey, list[str]]:
-        if self._index is None:
-            self._index = inode_index(self.areas)
-        return self._index
+        return inode_index(self.areas)
 
     def holders(self) -> FreshHolders:
         scan = scan_device_users(self.proc_root, None, shm_areas=self.areas)
@@ -503,12 +458,12 @@ class HostShm:
         return FreshHolders(by_key, scan.unreadable)
 
     def facts(self, file: ShmFile) -> FileFacts | None:
-        return facts(self.areas, file) or facts(self.areas, file, self.index())
+        return facts(self.areas, file) or facts(self.areas, file, self.index)
 
     def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
         done = unlink_if_same(self.areas, file, allowed=allowed)
         if done.facts is None:
-            done = unlink_if_same(self.areas, file, self.index(), allowed)
+            done = unlink_if_same(self.areas, file, self.index, allowed)
         return done
 
     def spaces(self) -> list[Space]:
@@ -521,24 +476,20 @@ class HostShm:
 FULL_SCAN_EVERY_S = 30.0
 
 
+@dataclass(eq=False)
 class WatchScan:
     """`status --watch`'s scan: each look rescans the processes new since the last, the
     holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
     what is asked changes) finds a process that opened a device file without a CUDA context."""
 
-    def __init__(
-        self,
-        full_every_s: float = FULL_SCAN_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.full_every_s = full_every_s
-        self.clock = clock
-        self.full_scans = 0
-        self.rescans = 0
-        self._last: DeviceScan | None = None
-        self._asked: tuple[object, ...] = ()
-        self._listed: set[int] = set()
-        self._full_at = 0.0
+    full_every_s: float = FULL_SCAN_EVERY_S
+    clock: Callable[[], float] = time.monotonic
+    full_scans: int = 0
+    rescans: int = 0
+    _last: DeviceScan | None = None
+    _asked: tuple[object, ...] = ()
+    _listed: set[int] = field(default_factory=set)
+    _full_at: float = 0.0
 
     def __call__(
         self,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import stat
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -22,9 +23,7 @@ RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or bot
 
 
 @dataclass(frozen=True)
-class FreshHolders:
-    """Who holds the shm files now, and the PIDs whose files could not be read."""
-
+class FreshHolders:  # who holds the shm files now, and the PIDs whose files could not be read
     by_key: Mapping[ShmKey, Collection[int]]
     unreadable: Collection[int] = ()
 
@@ -78,10 +77,7 @@ def merge(files: Iterable[ShmFile]) -> dict[ShmKey, ShmFile]:
     """One ShmFile per key, with every name seen for it."""
     merged: dict[ShmKey, ShmFile] = {}
     for file in files:
-        seen = merged.get(file.key)
-        if seen is None:
-            merged[file.key] = file
-            continue
+        seen = merged.get(file.key, file)
         names = tuple(dict.fromkeys(seen.names + file.names))
         opened = seen.opened or file.opened
         merged[file.key] = ShmFile(file.key, names, opened, seen.holder or file.holder)
@@ -98,8 +94,7 @@ def mount_points(proc_root: Path, pid: str = "self") -> set[str]:
 
 def host_root(dev_root: Path, proc_root: Path) -> str | None:
     """PROC/1/root where gpugate runs in a mount namespace other than PID 1's (systemd runs a
-    unit's `+` hooks in the unit's); None where it shares PID 1's, cannot tell, or reads
-    stand-in roots."""
+    unit's `+` hooks in the unit's); None where it shares it, cannot tell, or reads stand-ins."""
     if dev_root != Path("/dev"):
         return None
     try:
@@ -107,9 +102,7 @@ def host_root(dev_root: Path, proc_root: Path) -> str | None:
         init = os.stat(proc_root / "1" / "ns" / "mnt")
     except OSError:
         return None
-    if (ours.st_dev, ours.st_ino) == (init.st_dev, init.st_ino):
-        return None
-    return str(proc_root / "1" / "root")
+    return None if os.path.samestat(ours, init) else str(proc_root / "1" / "root")
 
 
 def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
@@ -210,16 +203,15 @@ def _parent_fd(area: ShmArea, path: str) -> tuple[int, str] | None:
         fd = os.open(area.where, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return None
-    for part in parts[:-1]:
-        try:
-            next_fd = os.open(
-                part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-            )
-        except OSError:
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        for part in parts[:-1]:
+            next_fd = os.open(part, flags, dir_fd=fd)
             os.close(fd)
-            return None
+            fd = next_fd
+    except OSError:
         os.close(fd)
-        fd = next_fd
+        return None
     return fd, parts[-1]
 
 
@@ -272,9 +264,7 @@ def facts(
     """The file's size and owner, by whichever of its names is this very inode now; None where
     none is (deleted, replaced, or outside every area)."""
     with contextlib.closing(_own_names(areas, file, index)) as names:
-        for _, _, found in names:
-            return found
-    return None
+        return next((found for _, _, found in names), None)
 
 
 def _own_names(
@@ -282,8 +272,13 @@ def _own_names(
 ) -> Generator[tuple[int, str, FileFacts], None, None]:
     """Each name that is this very file now (its device and inode, checked through the
     folder's fd), with that fd, open while the caller acts on the name, the name's last part,
-    and the file's facts."""
-    for name in _candidate_names(file, index):
+    and the file's facts. Tried: the names /proc showed, then the file's names by inode. A
+    name may not be the file's: glibc's sem_open creates a temporary file, maps it, links it
+    to sem.NAME and unlinks the temporary name, so maps shows "/dev/shm/sem.XXXXXX (deleted)"
+    for a semaphore that is very much there; a name may also have been renamed since."""
+    # " (deleted)" is the kernel's, or part of a real name: both are tried.
+    shown = [tried for name in file.names for tried in (name, name.removesuffix(DELETED_SUFFIX))]
+    for name in dict.fromkeys([*shown, *(index or {}).get(file.key, ())]):
         area = area_of(areas, name)
         if area is None or area.dev != file.key.dev:
             continue
@@ -296,10 +291,7 @@ def _own_names(
                 info = os.stat(last, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            if stat.S_ISREG(info.st_mode) and (info.st_dev, info.st_ino) == (
-                file.key.dev,
-                file.key.ino,
-            ):
+            if stat.S_ISREG(info.st_mode) and ShmKey(info.st_dev, info.st_ino) == file.key:
                 yield fd, last, _facts(name, info, os.fstat(fd))
         finally:
             os.close(fd)
@@ -317,20 +309,6 @@ def _facts(name: str, info: os.stat_result, folder: os.stat_result) -> FileFacts
         folder.st_gid,
         stat.S_IMODE(folder.st_mode),
     )
-
-
-def _candidate_names(file: ShmFile, index: InodeIndex | None) -> list[str]:
-    """The names /proc showed, then the file's names by inode. A name may not be the file's:
-    glibc's sem_open creates a temporary file, maps it, links it to sem.NAME and unlinks the
-    temporary name, so maps shows "/dev/shm/sem.XXXXXX (deleted)" for a semaphore that is
-    very much there; a name may also have been renamed since."""
-    names: list[str] = []
-    for name in file.names:
-        names.append(name)
-        if name.endswith(DELETED_SUFFIX):  # the kernel's, or part of a real name: try both
-            names.append(name[: -len(DELETED_SUFFIX)])
-    names.extend((index or {}).get(file.key, ()))
-    return list(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -384,6 +362,7 @@ def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, Fi
 CAP_DAC_OVERRIDE = 1
 CAP_FOWNER = 3
 O_PATH = 0o10000000  # fdinfo's `flags:` are octal; an O_PATH fd needs no permission on the file
+FLAGS_LINE = re.compile(r"^flags:[ \t]*([0-7]+)[ \t]*$", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -397,8 +376,7 @@ class Credentials:
 
 
 def parse_status(text: str) -> Credentials | None:
-    """Uid:, Gid:, Groups: and CapEff: of /proc/PID/status; None where a line is missing or
-    malformed (an exiting process)."""
+    """Uid, Gid, Groups and CapEff of /proc/PID/status; None where one is missing or malformed."""
     fields: dict[str, list[str]] = {}
     for line in text.splitlines():
         key, sep, value = line.partition(":")
@@ -416,24 +394,17 @@ def parse_status(text: str) -> Credentials | None:
 
 def read_credentials(proc_fd: int, pid_name: str) -> Credentials | None:
     try:
-        return parse_status(
-            read_at(proc_fd, f"{pid_name}/status", 16384).decode("ascii", "replace")
-        )
+        text = read_at(proc_fd, f"{pid_name}/status", 16384)
     except OSError:
         return None
+    return parse_status(text.decode("ascii", "replace"))
 
 
 def fd_opens_file(fdinfo: str) -> bool:
     """An fd that opened the file for reading or writing: not O_PATH (which any account may
     take on any file it can name). False where the flags cannot be read."""
-    for line in fdinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key == "flags":
-            try:
-                return not int(value.strip(), 8) & O_PATH
-            except ValueError:
-                return False
-    return False
+    match = FLAGS_LINE.search(fdinfo)
+    return match is not None and not int(match.group(1), 8) & O_PATH
 
 
 MAX_ENTRIES = 10_000  # files counted at most (the sizes come from statvfs whatever the count)

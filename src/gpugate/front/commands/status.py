@@ -27,7 +27,7 @@ from gpugate.core.discover import (
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
-from gpugate.host.nvml import GpuDriver, NotAnswering
+from gpugate.host.nvml import GpuDriver, NoGpus
 from gpugate.host.scan import Deadline, ProcFs
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import (
@@ -100,7 +100,7 @@ def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, An
     index: dict[ShmKey, list[str]] | None = None
     for file in sorted(files, key=lambda f: f.path):
         found = facts(areas, file)
-        if found is None:  # a semaphore's maps name is a temporary one (shm._candidate_names)
+        if found is None:  # a semaphore's maps name is a temporary one (shm._own_names)
             index = inode_index(areas) if index is None else index
             found = facts(areas, file, index)
         used.append(
@@ -508,7 +508,7 @@ def look(
             except OSError:
                 names = []
             minors = sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
-            hung = NotAnswering(exc, minors)
+            hung = NoGpus(exc, minors)
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
         unreadable = [
