@@ -11,8 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
-from gpugate.report.narrate import lease_refusal_text
+from gpugate.core.outcome import BusyGpu
+from gpugate.host.nvml import Gpu
+from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
+from gpugate.report.narrate import Narrator, lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -103,16 +105,19 @@ def test_clear_status_sends_an_empty_status() -> None:
 def test_waiting_memory_event_at_once_then_every_10_s() -> None:
     reporter, journal, _, _ = make()
     now = [100.0]
-    waiting = WaitingReports(reporter, clock=lambda: now[0])
+    narrator = Narrator(reporter, clock=lambda: now[0])
+    busy = [BusyGpu(Gpu(i, f"GPU-{i}", i, "x", 80000), mib, ()) for i, mib in ((3, 5000), (1, 700))]
     sent = []
     for step in range(31):  # 30 s of a wait, polled every second
-        sent.append(waiting.memory({3: 5000, 1: 700}, 1024, 60 - step))
+        before = len(journal.events("waiting"))
+        narrator.memory_wait(busy, 1024, 60 - step)
+        sent.append(len(journal.events("waiting")) > before)
         now[0] += 1.0
     assert sent.count(True) == 4 and sent[0] and sent[10] and sent[20] and sent[30]
     entries = journal.events("waiting")
     assert len(entries) == 4
     first = entries[0]
-    assert first["MESSAGE_ID"] == Event.WAITING.message_id
+    assert first["MESSAGE_ID"] == Event.WAITING.value
     assert first["GPUGATE_GPU"] == "1,3" and first["GPUGATE_USED_MIB"] == "5700"
     assert first["GPUGATE_WAITING_FOR"] == "memory" and first["GPUGATE_SECONDS_LEFT"] == "60"
     assert "GPU 1 700 MiB, GPU 3 5000 MiB used (free at 1024 MiB); 60 s left" in first["MESSAGE"]
@@ -121,7 +126,7 @@ def test_waiting_memory_event_at_once_then_every_10_s() -> None:
 @pytest.mark.message
 def test_waiting_lock_event() -> None:
     reporter, journal, _, _ = make()
-    WaitingReports(reporter).lock("GPU 2 (GPU-abc)", 2, 42.4)
+    Narrator(reporter).lock_wait(Gpu(2, "GPU-abc", 2, "x", 80000), 42.4)
     (entry,) = journal.events("waiting")
     assert entry["GPUGATE_WAITING_FOR"] == "lock" and entry["GPUGATE_GPU"] == "2"
     assert "lock of GPU 2 (GPU-abc); 42 s left" in entry["MESSAGE"]
