@@ -505,7 +505,7 @@ def test_process_text_reaches_output_only_through_untrusted(path: Path) -> None:
             if name in PASSES | AS_DATA:
                 for arg in node.args:
                     allowed.update(id(sub) for sub in ast.walk(arg))
-        if isinstance(node, ast.FunctionDef) and node.name in PASSES | {"container_fields"}:
+        if isinstance(node, ast.FunctionDef) and node.name in PASSES | {"choice_fields"}:
             allowed.update(id(sub) for sub in ast.walk(node))
     raw = [
         f"{path.name}:{node.lineno}: {ast.unparse(node)}"

@@ -27,7 +27,7 @@ from gpugate.report.journal import (
     Event,
     Reporter,
 )
-from gpugate.report.reasons import container_fields, container_text, describe, gpu_list, reason_text
+from gpugate.report.reasons import choice_fields, container_text, describe, gpu_list, reason_text
 from gpugate.untrusted import COMM, COMMAND, FILE, STATE, exact, shown
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
@@ -154,12 +154,8 @@ class Narrator:
                     event,
                     f"{verb} {describe(choice)}: "
                     f"{reason_text(choice, self.reporter.unit, self.reporter.phase)}",
-                    pid=choice.holder.pid,
-                    gpus=sorted(choice.holder.gpus),
-                    role=choice.role,
-                    command=exact(choice.holder.info.command, COMMAND),
                     reason=choice.rule.value,
-                    **container_fields(choice),
+                    **choice_fields(choice),
                 )
 
     def refused(self) -> None:
@@ -173,13 +169,9 @@ class Narrator:
         self.reporter.event(
             Event.SIGNAL_SENT,
             f"{name} to {describe(choice)}",
-            pid=choice.holder.pid,
-            gpus=sorted(choice.holder.gpus),
             signal=name,
-            command=exact(choice.holder.info.command, COMMAND),
             comm=exact(choice.holder.info.comm, COMM),
-            role=choice.role,
-            **container_fields(choice),
+            **choice_fields(choice),
         )
 
     def container_stopping(self, count: int) -> None:

@@ -33,16 +33,20 @@ def container_text(container: Container) -> str:
     return container.label
 
 
-def container_fields(choice: Choice) -> dict[str, Any]:
-    """GPUGATE_CONTAINER (the id), _RUNTIME and _NAME for a holder in a container."""
-    container = choice.holder.container
-    if container is None:
-        return {}
+def choice_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_PID, _GPU, _ROLE, _COMMAND of every entry about a holder; in a container, also
+    GPUGATE_CONTAINER (the id), _CONTAINER_RUNTIME and _CONTAINER_NAME."""
+    holder, container = choice.holder, choice.holder.container
     fields: dict[str, Any] = {
-        "container": exact(container.id, CONTAINER),
-        "container_runtime": container.runtime,
+        "pid": holder.pid,
+        "gpus": sorted(holder.gpus),
+        "role": choice.role,
+        "command": exact(holder.info.command, COMMAND),
     }
-    if container.name:
+    if container is not None:
+        fields["container"] = exact(container.id, CONTAINER)
+        fields["container_runtime"] = container.runtime
+    if container is not None and container.name:
         fields["container_name"] = exact(container.name, CONTAINER)
     return fields
 
