@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.core.outcome import BusyGpu
+from gpugate.errors import ConfigError, GateError
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
 from gpugate.report.narrate import Narrator, lease_refusal_text
@@ -38,15 +39,14 @@ def test_every_entry_is_gpugate_and_names_its_real_call_site(kind: Event) -> Non
     line = sys._getframe().f_lineno + 1
     reporter.event(kind, "x")
     line_2 = emit_here(reporter)
-    reporter.fail("boom", 78)  # sent from report.py's own fail(): the caller is named
-    line_3 = sys._getframe().f_lineno - 1
+    Narrator(reporter).failed(GateError("boom"))  # the narrator's failed() is named
     sites = [(f["CODE_FILE"], f["CODE_LINE"], f["CODE_FUNC"]) for _, f in journal.entries]
     here = __file__
-    assert sites == [
+    assert sites[:2] == [
         (here, str(line), "test_every_entry_is_gpugate_and_names_its_real_call_site"),
         (here, str(line_2), "emit_here"),
-        (here, str(line_3), "test_every_entry_is_gpugate_and_names_its_real_call_site"),
     ]
+    assert Path(sites[2][0]).name == "narrate.py" and sites[2][2] == "failed"
     assert all(f["SYSLOG_IDENTIFIER"] == SYSLOG_IDENTIFIER == "gpugate" for _, f in journal.entries)
     assert all("GPUGATE_DRY_RUN" not in f for _, f in journal.entries)
 
@@ -57,7 +57,9 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
 ) -> None:
     reporter, journal, notifier, stream = make()
     with tempfile.TemporaryFile("w+") as err:
-        reporter.fail("/etc/gpugate/x.toml: free_mib: must be at least 1", 78, err)
+        Narrator(reporter).failed(
+            ConfigError("/etc/gpugate/x.toml", "free_mib", "must be at least 1"), err
+        )
         err.seek(0)
         assert err.read() == "gpugate: /etc/gpugate/x.toml: free_mib: must be at least 1\n"
         ((message, fields),) = journal.entries
@@ -69,7 +71,7 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
         monkeypatch.setenv("JOURNAL_STREAM", f"{info.st_dev}:{info.st_ino}")
         err.seek(0)
         err.truncate()
-        reporter.fail("again", 69, err)
+        Narrator(reporter).failed(GateError("again"), err)
         err.seek(0)
         assert err.read() == ""
         assert len(journal.entries) == 2
@@ -156,8 +158,6 @@ def test_a_failed_run_names_its_problem_by_code() -> None:
     """The error entry carries the code docs/journal.md names beside its words: what to match
     on (an unknown key in a config file: config-unknown-key)."""
     from gpugate.config.file import parse_config
-    from gpugate.errors import ConfigError
-    from gpugate.report.narrate import Narrator
 
     reporter, journal, notifier, _ = make()
     reporter.error_stream = io.StringIO()

@@ -247,7 +247,7 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     units.start_failed_earlier(text)
     units.lease_unreadable(Path(f"/run/gpugate/leases/{text}.json"), text)
     error = refusal("active", "pre", UNIT, [describe(c) for c in decision.choices])
-    reporter.fail(error.message, int(error.exit_code), errors)
+    Narrator(reporter).failed(error, errors)
     narrator.finished(RunSummary())
 
 

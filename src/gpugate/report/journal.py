@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping
 from enum import Enum
 from types import FrameType
-from typing import Any, Protocol, TextIO, Union
+from typing import Protocol, TextIO, Union
 
 from gpugate.untrusted import line
 
@@ -208,25 +208,6 @@ class Reporter:
                 # `gpugate pre --dry-run UNIT | head` (EPIPE), or a `gpugate run` unit's
                 # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
-
-    def fail(
-        self,
-        message: str,
-        exit_code: int,
-        error_stream: TextIO | None = None,
-        problem: str = "",
-    ) -> None:
-        """An error that ends the run: one entry (GPUGATE_PROBLEM: problem, GateError.code),
-        one STATUS=, and `gpugate: message` on error_stream (stderr) unless that is the
-        journal already; the entry is not echoed besides."""
-        named: dict[str, Any] = {"problem": problem} if problem else {}
-        self.event(Event.ERROR, message, echo=False, exit_code=exit_code, **named)
-        message = line(message)
-        error_stream = error_stream if error_stream is not None else sys.stderr
-        if not stderr_is_journal(error_stream):
-            with contextlib.suppress(OSError):  # a closed terminal: the journal has it
-                print(f"gpugate: {message}", file=error_stream, flush=True)
-        self.status(f"failed: {message}")
 
     def status(self, text: str) -> None:
         self.notifier.notify(f"STATUS=gpugate {self.phase}: {line(text)}")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -26,9 +28,10 @@ from gpugate.report.journal import (
     PRIORITY_WARNING,
     Event,
     Reporter,
+    stderr_is_journal,
 )
 from gpugate.report.reasons import choice_fields, container_text, describe, gpu_list, reason_text
-from gpugate.untrusted import COMM, COMMAND, FILE, STATE, exact, shown
+from gpugate.untrusted import COMM, COMMAND, FILE, STATE, exact, line, shown
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
 MIB = 1024 * 1024
@@ -466,7 +469,17 @@ class Narrator:
         )
 
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
-        self.reporter.fail(error.message, int(error.exit_code), error_stream, error.code)
+        """An error that ends the run: one entry (GPUGATE_PROBLEM: error.code), one STATUS=, and
+        `gpugate: message` on error_stream (stderr) unless that is the journal already."""
+        named: dict[str, Any] = {"problem": error.code} if error.code else {}
+        exit_code = int(error.exit_code)
+        self.reporter.event(Event.ERROR, error.message, echo=False, exit_code=exit_code, **named)
+        message = line(error.message)
+        error_stream = error_stream if error_stream is not None else sys.stderr
+        if not stderr_is_journal(error_stream):
+            with contextlib.suppress(OSError):  # a closed terminal: the journal has it
+                print(f"gpugate: {message}", file=error_stream, flush=True)
+        self.reporter.status(f"failed: {message}")
 
     # What a systemd unit's surroundings say: its GPU leases, this start's failed pre.
 
