@@ -19,7 +19,7 @@ from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.containers import StopResult
-from gpugate.host.nvml import Gpu, GpuFault
+from gpugate.host.nvml import MIB, Gpu, GpuFault
 from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -34,7 +34,6 @@ from gpugate.report.reasons import choice_fields, container_text, describe, gpu_
 from gpugate.untrusted import COMM, COMMAND, FILE, STATE, exact, line, shown
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
-MIB = 1024 * 1024
 WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
 
@@ -181,21 +180,19 @@ class Narrator:
         self.reporter.status(f"stopping {count} container(s) through their runtime")
 
     def container_stopped(self, result: StopResult) -> None:
-        verb = f"{result.container.runtime} stop"
-        if result.ok:
-            outcome = "stopped"
-        elif result.no_cli:
-            outcome = f"failed (no {result.container.runtime} CLI found); signalling its processes"
+        runtime = result.container.runtime
+        if result.no_cli:
+            why = f"no {runtime} CLI found"
         else:
             why = result.error.message if result.error is not None else result.detail
-            outcome = f"failed ({why}); signalling its processes"
+        outcome = "stopped" if result.ok else f"failed ({why}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{verb} {container_text(result.container)}: {outcome}",
+            f"{runtime} stop {container_text(result.container)}: {outcome}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
-            signal=verb,
+            signal=f"{runtime} stop",
             container=result.container.id,
-            container_runtime=result.container.runtime,
+            container_runtime=runtime,
             role=Role.UNIT_CONTAINER,
         )
 
