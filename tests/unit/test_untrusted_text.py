@@ -36,8 +36,7 @@ from gpugate.host.scan import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
 from gpugate.integrations.unit import refusal
 from gpugate.report.journal import Event, FieldValue, Reporter
-from gpugate.report.narrate import Narrator
-from gpugate.report.reasons import describe
+from gpugate.report.narrate import Narrator, describe
 from gpugate.untrusted import (
     COMM,
     COMMAND,
