@@ -45,7 +45,7 @@ def catalog_entries() -> dict[str, str]:
 
 def test_catalog_explains_every_event() -> None:
     entries = catalog_entries()
-    assert set(entries) == {event.message_id for event in Event}
+    assert set(entries) == {event.value for event in Event}
     for message_id, body in entries.items():
         fields = dict(
             line.split(": ", 1) for line in body.split("\n\n")[0].splitlines() if ": " in line
@@ -68,7 +68,7 @@ def test_catalog_compiles_and_lists(tmp_path: Path) -> None:
         text=True,
         check=True,
     ).stdout
-    assert {line.split()[0] for line in listed.splitlines()} == {e.message_id for e in Event}
+    assert {line.split()[0] for line in listed.splitlines()} == {e.value for e in Event}
 
 
 def test_man_page_names_every_command_exit_code_and_event() -> None:

@@ -19,7 +19,7 @@ from gpugate.host import safe_files
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
 from gpugate.phase import Phase
-from gpugate.report.reasons import reason_text
+from gpugate.report.narrate import reason_text
 from tests.fakes import FakeHost, alive
 from tests.unit.test_decide import Table, proc
 

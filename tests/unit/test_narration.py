@@ -103,7 +103,7 @@ def test_memory_wait_sends_the_waiting_event_with_gpus_mib_and_time_left(
     waiting = host.journal.events("waiting")
     assert waiting, "no waiting event during a memory wait"
     first = waiting[0]
-    assert first["MESSAGE_ID"] == Event.WAITING.message_id
+    assert first["MESSAGE_ID"] == Event.WAITING.value
     assert first["GPUGATE_WAITING_FOR"] == "memory"
     assert first["GPUGATE_GPU"] == "3,5" and first["GPUGATE_USED_MIB"] == "9000"
     assert int(first["GPUGATE_SECONDS_LEFT"]) >= 0

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter, WaitingReports
-from gpugate.report.narrate import lease_refusal_text
+from gpugate.core.outcome import BusyGpu
+from gpugate.errors import ConfigError, GateError
+from gpugate.host.nvml import Gpu
+from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
+from gpugate.report.narrate import Narrator, lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -36,15 +39,14 @@ def test_every_entry_is_gpugate_and_names_its_real_call_site(kind: Event) -> Non
     line = sys._getframe().f_lineno + 1
     reporter.event(kind, "x")
     line_2 = emit_here(reporter)
-    reporter.fail("boom", 78)  # sent from report.py's own fail(): the caller is named
-    line_3 = sys._getframe().f_lineno - 1
+    Narrator(reporter).failed(GateError("boom"))  # the narrator's failed() is named
     sites = [(f["CODE_FILE"], f["CODE_LINE"], f["CODE_FUNC"]) for _, f in journal.entries]
     here = __file__
-    assert sites == [
+    assert sites[:2] == [
         (here, str(line), "test_every_entry_is_gpugate_and_names_its_real_call_site"),
         (here, str(line_2), "emit_here"),
-        (here, str(line_3), "test_every_entry_is_gpugate_and_names_its_real_call_site"),
     ]
+    assert Path(sites[2][0]).name == "narrate.py" and sites[2][2] == "failed"
     assert all(f["SYSLOG_IDENTIFIER"] == SYSLOG_IDENTIFIER == "gpugate" for _, f in journal.entries)
     assert all("GPUGATE_DRY_RUN" not in f for _, f in journal.entries)
 
@@ -55,7 +57,9 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
 ) -> None:
     reporter, journal, notifier, stream = make()
     with tempfile.TemporaryFile("w+") as err:
-        reporter.fail("/etc/gpugate/x.toml: free_mib: must be at least 1", 78, err)
+        Narrator(reporter).failed(
+            ConfigError("/etc/gpugate/x.toml", "free_mib", "must be at least 1"), err
+        )
         err.seek(0)
         assert err.read() == "gpugate: /etc/gpugate/x.toml: free_mib: must be at least 1\n"
         ((message, fields),) = journal.entries
@@ -67,7 +71,7 @@ def test_fail_is_one_entry_one_status_and_stderr_unless_stderr_is_the_journal(
         monkeypatch.setenv("JOURNAL_STREAM", f"{info.st_dev}:{info.st_ino}")
         err.seek(0)
         err.truncate()
-        reporter.fail("again", 69, err)
+        Narrator(reporter).failed(GateError("again"), err)
         err.seek(0)
         assert err.read() == ""
         assert len(journal.entries) == 2
@@ -103,16 +107,19 @@ def test_clear_status_sends_an_empty_status() -> None:
 def test_waiting_memory_event_at_once_then_every_10_s() -> None:
     reporter, journal, _, _ = make()
     now = [100.0]
-    waiting = WaitingReports(reporter, clock=lambda: now[0])
+    narrator = Narrator(reporter, clock=lambda: now[0])
+    busy = [BusyGpu(Gpu(i, f"GPU-{i}", i, "x", 80000), mib, ()) for i, mib in ((3, 5000), (1, 700))]
     sent = []
     for step in range(31):  # 30 s of a wait, polled every second
-        sent.append(waiting.memory({3: 5000, 1: 700}, 1024, 60 - step))
+        before = len(journal.events("waiting"))
+        narrator.memory_wait(busy, 1024, 60 - step)
+        sent.append(len(journal.events("waiting")) > before)
         now[0] += 1.0
     assert sent.count(True) == 4 and sent[0] and sent[10] and sent[20] and sent[30]
     entries = journal.events("waiting")
     assert len(entries) == 4
     first = entries[0]
-    assert first["MESSAGE_ID"] == Event.WAITING.message_id
+    assert first["MESSAGE_ID"] == Event.WAITING.value
     assert first["GPUGATE_GPU"] == "1,3" and first["GPUGATE_USED_MIB"] == "5700"
     assert first["GPUGATE_WAITING_FOR"] == "memory" and first["GPUGATE_SECONDS_LEFT"] == "60"
     assert "GPU 1 700 MiB, GPU 3 5000 MiB used (free at 1024 MiB); 60 s left" in first["MESSAGE"]
@@ -121,7 +128,7 @@ def test_waiting_memory_event_at_once_then_every_10_s() -> None:
 @pytest.mark.message
 def test_waiting_lock_event() -> None:
     reporter, journal, _, _ = make()
-    WaitingReports(reporter).lock("GPU 2 (GPU-abc)", 2, 42.4)
+    Narrator(reporter).lock_wait(Gpu(2, "GPU-abc", 2, "x", 80000), 42.4)
     (entry,) = journal.events("waiting")
     assert entry["GPUGATE_WAITING_FOR"] == "lock" and entry["GPUGATE_GPU"] == "2"
     assert "lock of GPU 2 (GPU-abc); 42 s left" in entry["MESSAGE"]
@@ -151,8 +158,6 @@ def test_a_failed_run_names_its_problem_by_code() -> None:
     """The error entry carries the code docs/journal.md names beside its words: what to match
     on (an unknown key in a config file: config-unknown-key)."""
     from gpugate.config.file import parse_config
-    from gpugate.errors import ConfigError
-    from gpugate.report.narrate import Narrator
 
     reporter, journal, notifier, _ = make()
     reporter.error_stream = io.StringIO()

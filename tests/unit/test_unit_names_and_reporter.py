@@ -54,7 +54,7 @@ def test_reporter_fields_and_channels() -> None:
     reporter.extend_timeout(2.5)
     ((message, fields),) = journal.entries
     assert message == "SIGTERM to PID 5"
-    assert fields["MESSAGE_ID"] == Event.SIGNAL_SENT.message_id
+    assert fields["MESSAGE_ID"] == Event.SIGNAL_SENT.value
     assert fields["GPUGATE_UNIT"] == "vllm.service"
     assert fields["GPUGATE_PHASE"] == "pre"
     assert fields["GPUGATE_PID"] == "5"
@@ -66,6 +66,6 @@ def test_reporter_fields_and_channels() -> None:
 
 
 def test_message_ids_are_distinct_128_bit() -> None:
-    ids = [event.message_id for event in Event]
+    ids = [event.value for event in Event]
     assert len(set(ids)) == len(ids)
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

@@ -36,8 +36,7 @@ from gpugate.host.scan import ProcInfo
 from gpugate.host.shm import FileFacts, ShmArea, ShmFile, ShmKey, Space
 from gpugate.integrations.unit import refusal
 from gpugate.report.journal import Event, FieldValue, Reporter
-from gpugate.report.narrate import Narrator
-from gpugate.report.reasons import describe
+from gpugate.report.narrate import Narrator, describe
 from gpugate.untrusted import (
     COMM,
     COMMAND,
@@ -247,7 +246,7 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     units.start_failed_earlier(text)
     units.lease_unreadable(Path(f"/run/gpugate/leases/{text}.json"), text)
     error = refusal("active", "pre", UNIT, [describe(c) for c in decision.choices])
-    reporter.fail(error.message, int(error.exit_code), errors)
+    Narrator(reporter).failed(error, errors)
     narrator.finished(RunSummary())
 
 
@@ -505,7 +504,7 @@ def test_process_text_reaches_output_only_through_untrusted(path: Path) -> None:
             if name in PASSES | AS_DATA:
                 for arg in node.args:
                     allowed.update(id(sub) for sub in ast.walk(arg))
-        if isinstance(node, ast.FunctionDef) and node.name in PASSES | {"container_fields"}:
+        if isinstance(node, ast.FunctionDef) and node.name in PASSES | {"choice_fields"}:
             allowed.update(id(sub) for sub in ast.walk(node))
     raw = [
         f"{path.name}:{node.lineno}: {ast.unparse(node)}"

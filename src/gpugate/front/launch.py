@@ -43,7 +43,7 @@ from gpugate.integrations.records import RUNNING_STATES, STARTED_BY_VARIABLE, ch
 from gpugate.integrations.unit import parse_visible_devices
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.reasons import held_text
+from gpugate.report.narrate import held_text
 from gpugate.untrusted import COMM, COMMAND, echo, shown
 
 if TYPE_CHECKING:

@@ -53,8 +53,7 @@ from gpugate.integrations.records import (
 )
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate import Narrator, failed_start_text
-from gpugate.report.reasons import describe
+from gpugate.report.narrate import Narrator, describe, failed_start_text
 from gpugate.untrusted import cut, echo
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")

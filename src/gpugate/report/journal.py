@@ -1,5 +1,4 @@
-"""Structured journald entries, sd_notify STATUS= lines, readable stderr. The journal and
-notifier are injected (python-systemd by default): tests capture what `journalctl` shows."""
+"""journald entries, sd_notify STATUS= lines, stderr; the journal and notifier are injected."""
 
 from __future__ import annotations
 
@@ -7,8 +6,7 @@ import contextlib
 import copy
 import os
 import sys
-import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import Enum
 from types import FrameType
 from typing import Protocol, TextIO, Union
@@ -39,10 +37,6 @@ class Event(Enum):
     UNOWNED_SEEN = "67a7b86b0eb14a48afeee82507bda001"  # `gpugate sweep`: first seen unowned
     UNOWNED_GONE = "8a522dc541354b6e902fd4ee450558b0"  # `gpugate sweep`: ... and gone since
 
-    @property
-    def message_id(self) -> str:
-        return self.value
-
 
 PRIORITY_ERR, PRIORITY_WARNING, PRIORITY_NOTICE, PRIORITY_INFO = 3, 4, 5, 6
 KIND_PRIORITY = {  # an entry's priority where its call names none; else PRIORITY_INFO
@@ -55,7 +49,6 @@ KIND_PRIORITY = {  # an entry's priority where its call names none; else PRIORIT
     Event.SHM_REMOVED: PRIORITY_NOTICE,
 }
 SYSLOG_IDENTIFIER = "gpugate"  # `journalctl -t gpugate`; the stderr systemd captures has it too
-WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
 
 class Journal(Protocol):
@@ -96,8 +89,7 @@ def as_field(value: str | bytes | int) -> FieldValue:
 
 
 def _field(name: str, value: FieldValue) -> str | bytes:
-    """NAME=value for sendv: a str where it is UTF-8, else bytes (python-systemd encodes a str
-    strictly)."""
+    """NAME=value for sendv: bytes where not UTF-8 (python-systemd encodes a str strictly)."""
     value = as_field(value)
     if isinstance(value, str):
         return f"{name}={value}"
@@ -161,10 +153,9 @@ class Reporter:
         self.dry_run = False
 
     def as_dry_run(self, stream: TextIO | None = None) -> Reporter:
-        """This reporter's dry-run twin: every entry says GPUGATE_DRY_RUN=1 and goes to stdout
-        (`gpugate pre --dry-run UNIT | less`); the same journal and notifier."""
+        """Every entry says GPUGATE_DRY_RUN=1 and goes to stdout (`gpugate pre --dry-run UNIT |
+        less`); the same journal and notifier."""
         twin = copy.copy(self)
-        twin.fields = dict(self.fields)
         twin.dry_run = True
         twin.stream = stream if stream is not None else sys.stdout
         twin.echo = not stderr_is_journal(twin.stream)
@@ -179,28 +170,15 @@ class Reporter:
         pid: int | None = None,
         gpus: list[int] | None = None,
         used_mib: int | None = None,
+        echo: bool = True,
         **extra: str | bytes | int,
     ) -> None:
         """message: gpugate's sentence (process text in it through untrusted.shown), escaped
         once more (untrusted.line); extra: GPUGATE_* fields, untrusted.exact's as they are."""
         if priority is None:
             priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
-        self._send(kind, message, priority, pid, gpus, used_mib, extra, echo=True)
-
-    def _send(
-        self,
-        kind: Event,
-        message: str,
-        priority: int,
-        pid: int | None,
-        gpus: list[int] | None,
-        used_mib: int | None,
-        extra: Mapping[str, str | bytes | int],
-        *,
-        echo: bool,
-    ) -> None:
         fields: dict[str, FieldValue] = {
-            "MESSAGE_ID": kind.message_id,
+            "MESSAGE_ID": kind.value,
             "PRIORITY": str(priority),
             "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
             **call_site(sys._getframe(1)),
@@ -231,27 +209,6 @@ class Reporter:
                 # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
-    def fail(
-        self,
-        message: str,
-        exit_code: int,
-        error_stream: TextIO | None = None,
-        problem: str = "",
-    ) -> None:
-        """An error that ends the run: one entry (GPUGATE_PROBLEM: problem, GateError.code),
-        one STATUS=, and `gpugate: message` on error_stream (stderr) unless that is the
-        journal already; the entry is not echoed besides."""
-        extra: dict[str, str | int] = {"exit_code": exit_code}
-        if problem:
-            extra["problem"] = problem
-        self._send(Event.ERROR, message, PRIORITY_ERR, None, None, None, extra, echo=False)
-        message = line(message)
-        error_stream = error_stream if error_stream is not None else sys.stderr
-        if not stderr_is_journal(error_stream):
-            with contextlib.suppress(OSError):  # a closed terminal: the journal has it
-                print(f"gpugate: {message}", file=error_stream, flush=True)
-        self.status(f"failed: {message}")
-
     def status(self, text: str) -> None:
         self.notifier.notify(f"STATUS=gpugate {self.phase}: {line(text)}")
 
@@ -261,49 +218,6 @@ class Reporter:
 
     def extend_timeout(self, seconds: float) -> None:
         self.notifier.notify(f"EXTEND_TIMEOUT_USEC={int(seconds * 1_000_000)}")
-
-
-class WaitingReports:
-    """The `waiting` event during a memory wait: at once, then about every WAITING_EVERY_S."""
-
-    def __init__(
-        self,
-        reporter: Reporter,
-        every_s: float = WAITING_EVERY_S,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.reporter = reporter
-        self.every_s = every_s
-        self.clock = clock
-        self.next_at: float | None = None
-
-    def memory(self, gpus: dict[int, int], free_mib: int, seconds_left: float) -> bool:
-        """gpus: used MiB by GPU index, of those still busy. True if an event went out."""
-        now = self.clock()
-        if self.next_at is not None and now < self.next_at:
-            return False
-        self.next_at = now + self.every_s
-        used = ", ".join(f"GPU {index} {mib} MiB" for index, mib in sorted(gpus.items()))
-        self.reporter.event(
-            Event.WAITING,
-            f"waiting for the driver to free memory: {used} used (free at {free_mib} MiB); "
-            f"{seconds_left:.0f} s left",
-            gpus=sorted(gpus),
-            used_mib=sum(gpus.values()),
-            waiting_for="memory",
-            seconds_left=f"{seconds_left:.0f}",
-        )
-        return True
-
-    def lock(self, gpu_label: str, gpu_index: int, seconds_left: float) -> None:
-        self.reporter.event(
-            Event.WAITING,
-            f"waiting for another gpugate run that holds the lock of {gpu_label}; "
-            f"{seconds_left:.0f} s left",
-            gpus=[gpu_index],
-            waiting_for="lock",
-            seconds_left=f"{seconds_left:.0f}",
-        )
 
 
 class ReporterFactory(Protocol):

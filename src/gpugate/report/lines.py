@@ -1,6 +1,5 @@
-"""An error's and a warning's prefix, the lines more than one command prints, and the
-narration of paths a plain pre never takes: `sweep`, post's own /dev/shm, an interrupted run.
-A line printed in one place is written there."""
+"""Lines more than one command prints, and the narration off a plain pre's path: `sweep`,
+post's own /dev/shm, an interrupted run."""
 
 from __future__ import annotations
 
@@ -18,7 +17,6 @@ from gpugate.untrusted import COMMAND, exact, line, shown
 
 
 def error(text: str) -> str:
-    """The one line of an error that ends a command."""
     return f"gpugate: {text}"
 
 
@@ -82,8 +80,7 @@ def sweep_status(
 
 
 def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
-    """post, in a unit with a /dev/shm of its own: it goes with the unit's last process.
-    seen: what it held, read through a process of the unit still there when post began."""
+    """post, in a unit with a /dev/shm of its own; seen: read through a process of the unit."""
     if seen is None:
         held = "its processes were gone when post began"
         sized: dict[str, Any] = {}
@@ -102,7 +99,6 @@ def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
 
 
 def doing(progress: Progress) -> str:
-    """What an interrupted run was doing, after "while"."""
     stage = progress.stage
     if stage is Stage.STOPPING:
         return f"stopping {progress.processes} process(es) (round {progress.round_number})"

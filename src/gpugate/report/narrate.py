@@ -1,23 +1,27 @@
-"""What a run tells the operator: the words and fields of its journal entries and STATUS=
-lines. The run says what happened (`Narrator.signal_sent(choice, signum)`); this says it."""
+"""A run's journal entries and STATUS= lines: the run says what happened, this words it; a
+holder in words, as every entry about it names it, and its rule in words."""
 
 from __future__ import annotations
 
+import contextlib
 import pwd
 import signal
-from collections.abc import Callable, Mapping, Sequence
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpugate.core.decide import Choice, Decision
+from gpugate.core.decide import Choice, Decision, Rule, Verdict
 from gpugate.core.discover import Discovery
 from gpugate.core.kill import Respawner
 from gpugate.core.outcome import BusyGpu, RunSummary
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode, GateError
-from gpugate.host.containers import StopResult
-from gpugate.host.nvml import Gpu, GpuFault
+from gpugate.host.containers import Container, StopResult
+from gpugate.host.nvml import MIB, Gpu, GpuFault
+from gpugate.host.safe_files import account
 from gpugate.host.shm import FileFacts, ShmKey
 from gpugate.report.journal import (
     PRIORITY_ERR,
@@ -26,47 +30,39 @@ from gpugate.report.journal import (
     PRIORITY_WARNING,
     Event,
     Reporter,
-    WaitingReports,
+    stderr_is_journal,
 )
-from gpugate.report.reasons import container_fields, container_text, describe, gpu_list, reason_text
-from gpugate.untrusted import COMM, COMMAND, FILE, STATE, exact, shown
+from gpugate.untrusted import CGROUP, COMM, COMMAND, CONTAINER, FILE, STATE, exact, line, shown
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
-MIB = 1024 * 1024
+WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
 
 
-def pid_list(pids: Sequence[int]) -> str:
-    """`PID 1, 2, …`: at most MAX_LISTED_PIDS of them."""
+def processes(pids: Sequence[int]) -> str:
+    """`3 process(es) (PID 1, 2, 3)`, listing at most MAX_LISTED_PIDS."""
     more = ", …" if len(pids) > MAX_LISTED_PIDS else ""
-    return f"PID {', '.join(map(str, pids[:MAX_LISTED_PIDS]))}{more}"
+    return f"{len(pids)} process(es) (PID {', '.join(map(str, pids[:MAX_LISTED_PIDS]))}{more})"
 
 
 def unreadable_text(pids: Sequence[int]) -> str:
-    """Not root: holders among the processes whose open files it may not read are missing."""
-    return f"not permitted to read the open files of {len(pids)} process(es) ({pid_list(pids)})"
+    return f"not permitted to read the open files of {processes(pids)}"
 
 
 def cut_short_text(pids: Sequence[int]) -> str:
-    """Processes whose open files the run's deadline left unread (millions of descriptors)."""
-    return (
-        f"the open files of {len(pids)} process(es) ({pid_list(pids)}) were not all read "
-        "before the deadline"
-    )
+    return f"the open files of {processes(pids)} were not all read before the deadline"
 
 
 def size_text(count: int, *, column: bool = False) -> str:
-    """Bytes for a person: 812 B, 4.0 KiB, 1.5 MiB, 3.2 GiB; column (status's narrow one):
-    -, 812B, 4.0K, 1.5M, 3.2G."""
+    """812 B, 4.0 KiB, 1.5 MiB, 3.2 GiB; column (status's): -, 812B, 4.0K, 1.5M, 3.2G."""
     if column and count == 0:
         return "-"
-    units = ("B", "K", "M", "G") if column else ("B", "KiB", "MiB", "GiB")
-    gap = "" if column else " "
-    value = float(count)
-    for unit in units:
-        if value < 1024 or unit == units[-1]:
-            return f"{count}{gap}B" if unit == "B" else f"{value:.1f}{gap}{unit}"
-        value /= 1024
-    return f"{count}{gap}B"
+    gap, units = ("", "KMG") if column else (" ", ("KiB", "MiB", "GiB"))
+    value, unit = float(count), "B"
+    for larger in units:
+        if value < 1024:
+            break
+        value, unit = value / 1024, larger
+    return f"{count}{gap}B" if unit == "B" else f"{value:.1f}{gap}{unit}"
 
 
 def user_name(uid: int) -> str:
@@ -81,20 +77,110 @@ def quoted(path: str) -> str:
     return f"'{shown(path, FILE)}'"
 
 
-class Narrator:
-    """One run's journal entries and STATUS= lines, through the run's Reporter; also those of
-    its surroundings (integrations/)."""
+def gpu_list(indices: Iterable[int]) -> str:
+    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
+    return ", ".join(str(index) for index in sorted(indices)) or "none"
 
-    def __init__(self, reporter: Reporter) -> None:
+
+def describe(choice: Choice) -> str:
+    info = choice.holder.info
+    gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
+    sources = ",".join(sorted(choice.holder.sources))
+    command = shown(info.command, COMMAND)
+    where = f", {container_text(choice.holder.container)}" if choice.holder.container else ""
+    return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
+
+
+def container_text(container: Container) -> str:
+    """`docker container vllm (3f2a1b0c4d5e)`: Container.label with its creator's name shown."""
+    if container.name:
+        name = shown(container.name, CONTAINER)
+        return f"{container.runtime} container {name} ({container.short_id})"
+    return container.label
+
+
+def choice_fields(choice: Choice) -> dict[str, Any]:
+    """GPUGATE_PID, _GPU, _ROLE, _COMMAND of every entry about a holder; in a container, also
+    GPUGATE_CONTAINER (the id), _CONTAINER_RUNTIME and _CONTAINER_NAME."""
+    holder, container = choice.holder, choice.holder.container
+    fields: dict[str, Any] = {
+        "pid": holder.pid,
+        "gpus": sorted(holder.gpus),
+        "role": choice.role,
+        "command": exact(holder.info.command, COMMAND),
+    }
+    if container is not None:
+        fields["container"] = exact(container.id, CONTAINER)
+        fields["container_runtime"] = container.runtime
+    if container is not None and container.name:
+        fields["container_name"] = exact(container.name, CONTAINER)
+    return fields
+
+
+def held_text(choice: Choice) -> str:
+    gpus = ", ".join(map(str, choice.on_owned))
+    ports = ", ".join(map(str, sorted(choice.holder.ports)))
+    parts = (f"GPU {gpus}" if gpus else "", f"port {ports}" if ports else "")
+    return " and ".join(part for part in parts if part)
+
+
+def reason_text(choice: Choice, unit: str, phase: str) -> str:
+    """What the journal says after the holder; phase: named in the setting that blocked."""
+    held = held_text(choice)
+    holder = choice.holder
+    rule = choice.rule
+    if rule is Rule.PROTECTED:
+        return "protected by configuration"
+    if rule is Rule.WATCHER:
+        return "a watcher: NVML lists it on no GPU, with no memory"
+    if rule is Rule.CGROUP:
+        return f"in {unit}'s cgroup"
+    if rule is Rule.UNIT_CONTAINER and holder.container is not None:
+        return f"in {container_text(holder.container)}, one of {unit}'s (containers)"
+    if rule is Rule.NOT_OWNED:
+        why = "holds only control devices" if holder.control_devices else "holds no GPU"
+        return f"{why} of {unit}"
+    if rule is Rule.STRADDLES:
+        foreign = ", ".join(map(str, choice.foreign))
+        return f"holds {held or 'no GPU of it'} but also GPU {foreign}, which {unit} does not own"
+    if rule is Rule.APP_TREE:
+        return f"same application as PID {choice.seed_pid}"
+    if rule is Rule.OTHER_ACCOUNT:
+        return (
+            f"{account(holder.info.uid)}'s process holds {held or 'them'}; this "
+            f"`gpugate run` acts for {account(choice.for_uid)} and kills only its processes"
+        )
+    if rule is Rule.ORPHAN:
+        kept = choice.verdict is Verdict.BLOCK
+        return f"orphan holding {held}" + (f" ({phase}.kill_orphans = false)" if kept else "")
+    return other_unit_text(choice, unit, held)
+
+
+def other_unit_text(choice: Choice, unit: str, held: str) -> str:
+    container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
+    if choice.verdict is Verdict.KILL:
+        return f"{container_text(container) if container else other} holds {held}"
+    if container is None:
+        return f"active unit {other} holds {held} (kill_other_units = false)"
+    handle = shown(container.handle, CONTAINER)
+    return (
+        f"{container_text(container)} holds {held} (scope {other}; kill_other_units = false); "
+        f'if it is {unit}\'s, set containers = ["{handle}"] in its gpugate config '
+        f"(gpugate install {unit} --container {handle})"
+    )
+
+
+class Narrator:
+    """One run's journal entries and STATUS= lines; also those of its surroundings."""
+
+    def __init__(self, reporter: Reporter, clock: Callable[[], float] = time.monotonic) -> None:
         self.reporter = reporter
         self.dry_run = reporter.dry_run
-        self.waiting = WaitingReports(reporter)
-
-    def status(self, text: str) -> None:
-        self.reporter.status(text)
+        self.clock = clock
+        self.waiting_next_at: float | None = None  # the next memory wait's `waiting` event
 
     def looking(self) -> None:
-        self.status("looking for processes holding the GPUs")
+        self.reporter.status("looking for processes holding the GPUs")
 
     def run_started(
         self,
@@ -105,7 +191,6 @@ class Narrator:
         gpu_source: str = "",
         gpu_source_warns: bool = False,
     ) -> None:
-        """gpu_source: where the unit's GPUs came from (gpu_source.GpuChoice.source)."""
         owned = [gpu.index for gpu in discovery.owned]
         source = f"GPUs from {gpu_source}; " if gpu_source else ""
         evidence = (
@@ -127,7 +212,6 @@ class Narrator:
         )
 
     def blind_spots(self, discovery: Discovery) -> None:
-        """What this run cannot see: other users' open files, another PID namespace."""
         if discovery.unreadable:
             self.reporter.event(
                 Event.WARNING,
@@ -166,53 +250,43 @@ class Narrator:
                     event,
                     f"{verb} {describe(choice)}: "
                     f"{reason_text(choice, self.reporter.unit, self.reporter.phase)}",
-                    pid=choice.holder.pid,
-                    gpus=sorted(choice.holder.gpus),
-                    role=choice.role,
-                    command=exact(choice.holder.info.command, COMMAND),
                     reason=choice.rule.value,
-                    **container_fields(choice),
+                    **choice_fields(choice),
                 )
 
     def refused(self) -> None:
-        self.status("refused: another unit or account holds the GPUs")
+        self.reporter.status("refused: another unit or account holds the GPUs")
 
     def stopping(self, count: int, round_number: int) -> None:
-        self.status(f"stopping {count} process(es), round {round_number}")
+        self.reporter.status(f"stopping {count} process(es), round {round_number}")
 
     def signal_sent(self, choice: Choice, signum: int) -> None:
         name = signal.Signals(signum).name
         self.reporter.event(
             Event.SIGNAL_SENT,
             f"{name} to {describe(choice)}",
-            pid=choice.holder.pid,
-            gpus=sorted(choice.holder.gpus),
             signal=name,
-            command=exact(choice.holder.info.command, COMMAND),
             comm=exact(choice.holder.info.comm, COMM),
-            role=choice.role,
-            **container_fields(choice),
+            **choice_fields(choice),
         )
 
     def container_stopping(self, count: int) -> None:
-        self.status(f"stopping {count} container(s) through their runtime")
+        self.reporter.status(f"stopping {count} container(s) through their runtime")
 
     def container_stopped(self, result: StopResult) -> None:
-        verb = f"{result.container.runtime} stop"
-        if result.ok:
-            outcome = "stopped"
-        elif result.no_cli:
-            outcome = f"failed (no {result.container.runtime} CLI found); signalling its processes"
+        runtime = result.container.runtime
+        if result.no_cli:
+            why = f"no {runtime} CLI found"
         else:
             why = result.error.message if result.error is not None else result.detail
-            outcome = f"failed ({why}); signalling its processes"
+        outcome = "stopped" if result.ok else f"failed ({why}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{verb} {container_text(result.container)}: {outcome}",
+            f"{runtime} stop {container_text(result.container)}: {outcome}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
-            signal=verb,
+            signal=f"{runtime} stop",
             container=result.container.id,
-            container_runtime=result.container.runtime,
+            container_runtime=runtime,
             role=Role.UNIT_CONTAINER,
         )
 
@@ -234,10 +308,10 @@ class Narrator:
         )
 
     def survived(self, count: int) -> None:
-        self.status(f"{count} process(es) survived SIGKILL")
+        self.reporter.status(f"{count} process(es) survived SIGKILL")
 
     def still_held(self) -> None:
-        self.status("GPUs still held by processes gpugate may not kill")
+        self.reporter.status("GPUs still held by processes gpugate may not kill")
 
     def extend_timeout(self, seconds: float) -> None:
         self.reporter.extend_timeout(seconds)
@@ -266,16 +340,38 @@ class Narrator:
         )
 
     def lock_wait(self, gpu: Gpu, left_s: float) -> None:
-        self.status(f"waiting for another gpugate run on {gpu.label}")
-        self.waiting.lock(gpu.label, gpu.index, left_s)
+        self.reporter.status(f"waiting for another gpugate run on {gpu.label}")
+        self.reporter.event(
+            Event.WAITING,
+            f"waiting for another gpugate run that holds the lock of {gpu.label}; "
+            f"{left_s:.0f} s left",
+            gpus=[gpu.index],
+            waiting_for="lock",
+            seconds_left=f"{left_s:.0f}",
+        )
 
     def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
+        """STATUS= each poll; the `waiting` event at once, then about every WAITING_EVERY_S."""
         first = busy[0]
-        self.status(
+        self.reporter.status(
             f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
             f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
         )
-        self.waiting.memory({item.gpu.index: item.used_mib for item in busy}, free_mib, left_s)
+        now = self.clock()
+        if self.waiting_next_at is not None and now < self.waiting_next_at:
+            return
+        self.waiting_next_at = now + WAITING_EVERY_S
+        used = {item.gpu.index: item.used_mib for item in busy}
+        listed = ", ".join(f"GPU {index} {mib} MiB" for index, mib in sorted(used.items()))
+        self.reporter.event(
+            Event.WAITING,
+            f"waiting for the driver to free memory: {listed} used (free at {free_mib} MiB); "
+            f"{left_s:.0f} s left",
+            gpus=sorted(used),
+            used_mib=sum(used.values()),
+            waiting_for="memory",
+            seconds_left=f"{left_s:.0f}",
+        )
 
     def memory_timeout(
         self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
@@ -305,7 +401,7 @@ class Narrator:
                 respawns=respawner.respawns,
                 reason="respawning",
             )
-        self.status("failed: the holders keep respawning")
+        self.reporter.status("failed: the holders keep respawning")
 
     def respawned(self, respawner: Respawner) -> None:
         info = respawner.info
@@ -357,7 +453,6 @@ class Narrator:
         )
 
     def _kept(self, item: ShmRemoval) -> None:
-        """A file of the killed that stays: why in words (its code is GPUGATE_REASON)."""
         facts, by = item.facts, ", ".join(item.kept_by)
         path = facts.path if facts else item.file.path
         sized: dict[str, Any] = {} if facts is None else {"shm_bytes": facts.bytes}
@@ -391,7 +486,6 @@ class Narrator:
         holders: Mapping[ShmKey, list[int]],
         label: Callable[[int], str],
     ) -> None:
-        """holders: PIDs holding each of the largest files."""
         parts = []
         for key, facts in short.largest:
             held = holders.get(key, [])
@@ -411,7 +505,7 @@ class Narrator:
             shm_free_bytes=short.free_bytes,
             shm_needed_bytes=short.needed_bytes,
         )
-        self.status(f"{short.space.area.path} short of free space")
+        self.reporter.status(f"{short.space.area.path} short of free space")
 
     def finished(self, summary: RunSummary) -> None:
         result = summary.result
@@ -440,10 +534,9 @@ class Narrator:
         if result == "success":
             self.reporter.clear_status()  # the service runs on: no gpugate words under it
         else:
-            self.status(f"done: {result}")
+            self.reporter.status(f"done: {result}")
 
     def state_unwritable(self, error: GateError) -> None:
-        """After a stop, the state folder unwritable: the run goes on."""
         self.reporter.event(
             Event.WARNING,
             f"{error.message}; {self.reporter.phase} goes on: killing what is left and "
@@ -460,7 +553,6 @@ class Narrator:
         )
 
     def metrics_not_written(self, path: object, cause: str) -> None:
-        """Metrics are never a run's failure (docs/metrics.md)."""
         self.reporter.event(
             Event.WARNING,
             f"metrics not written to {path}: {cause}; the run's result stands",
@@ -468,13 +560,21 @@ class Narrator:
         )
 
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
-        """One entry, and one line on error_stream (default stderr) unless it is the journal."""
-        self.reporter.fail(error.message, int(error.exit_code), error_stream, error.code)
+        """An error that ends the run: one entry (GPUGATE_PROBLEM: error.code), one STATUS=, and
+        `gpugate: message` on error_stream (stderr) unless that is the journal already."""
+        named: dict[str, Any] = {"problem": error.code} if error.code else {}
+        exit_code = int(error.exit_code)
+        self.reporter.event(Event.ERROR, error.message, echo=False, exit_code=exit_code, **named)
+        message = line(error.message)
+        error_stream = error_stream if error_stream is not None else sys.stderr
+        if not stderr_is_journal(error_stream):
+            with contextlib.suppress(OSError):  # a closed terminal: the journal has it
+                print(f"gpugate: {message}", file=error_stream, flush=True)
+        self.reporter.status(f"failed: {message}")
 
     # What a systemd unit's surroundings say: its GPU leases, this start's failed pre.
 
     def not_recorded(self, error: GateError) -> None:
-        """After a stop: a lease or failed-start record that could not be removed."""
         self.reporter.event(
             Event.WARNING,
             f"{error.message}; not recorded, {self.reporter.phase} goes on",
@@ -520,8 +620,7 @@ class Narrator:
         )
 
     def lease_refused(self, refusal: str, gpus: Sequence[int], *, first: bool = True) -> None:
-        """first: the run's refusal (STATUS= says it); False: another unit's processes refused
-        the run already (the narrator set STATUS=), and its lease holds the GPUs too."""
+        """first: False where the run was refused already (STATUS= said it)."""
         self.reporter.event(
             Event.REFUSED,
             f"not starting {self.reporter.unit}: {refusal}",
@@ -559,7 +658,6 @@ class Narrator:
 
 
 def unreadable_record_text(path: Path, what: str, why: str) -> str:
-    """A state file gpugate reads back that is not one of its records: said once, ignored."""
     because = f" ({why})" if why else ""
     return f"{shown(str(path), FILE)}: not {what}{because}; ignored"
 
@@ -567,7 +665,7 @@ def unreadable_record_text(path: Path, what: str, why: str) -> str:
 def failed_start_text(
     exit_code: int, exit_name: str, busy: Sequence[tuple[str, int, Sequence[int]]], timeout_s: float
 ) -> str:
-    """What a failed pre records for its post to say: busy is (GPU label, MiB used, PIDs)."""
+    """What a failed pre records for its post: busy is (GPU label, MiB used, PIDs)."""
     if busy:
         return "; ".join(
             f"{label} still {used_mib} MiB used after {timeout_s:g} s"
@@ -580,15 +678,13 @@ def failed_start_text(
 def lease_refusal_text(
     conflicts: Sequence[tuple[Sequence[int], str]], *, containers: bool = False
 ) -> str:
-    """Why a start is refused: conflicts are (GPU indices, who holds their lease); containers:
-    every lease is a running container's."""
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease)."""
     parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
-    if containers:
-        return "; ".join(parts) + (
-            ": that container is still running and holds them until it stops;"
-            " stop it first, or set share_gpus = true in both configs"
-        )
-    return (
-        "; ".join(parts) + ": that unit is still active or activating and holds them until"
-        " its post; stop it first, or set share_gpus = true in both units' configs"
+    held = (
+        "container is still running and holds them until it stops"
+        if containers
+        else "unit is still active or activating and holds them until its post"
     )
+    configs = "configs" if containers else "units' configs"
+    share = f"stop it first, or set share_gpus = true in both {configs}"
+    return f"{'; '.join(parts)}: that {held}; {share}"

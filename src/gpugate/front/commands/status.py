@@ -28,7 +28,7 @@ from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
 from gpugate.host.nvml import GpuDriver, NoGpus
-from gpugate.host.scan import Deadline, ProcFs
+from gpugate.host.scan import Deadline, ProcFs, WatchScan
 from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
 from gpugate.host.systemd import (
     HostRoots,
@@ -173,8 +173,7 @@ def as_dict(
 
 
 def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
-    """The /dev/shm of its own that each unit shown has (the unit asked about, and each
-    holder's), read through one of its processes; a unit that shares the host's is not listed."""
+    """Each shown unit's own /dev/shm, read through one of its processes (none: the host's)."""
     devs = {area.dev for area in discovery.shm_areas}
     by_unit: dict[str, set[int]] = {}
     if discovery.unit:
@@ -435,13 +434,11 @@ def holder_table(data: dict[str, Any]) -> list[str]:
 def unreadable_warning(discovery: Discovery) -> str | None:
     """Not root, or not all read within STATUS_SCAN_S: holders may be missing."""
     if discovery.cut_short:
-        return f"gpugate: warning: {cut_short_text(discovery.cut_short)}: holders may be missing"
-    if not discovery.unreadable:
-        return None
-    return (
-        f"gpugate: warning: {unreadable_text(discovery.unreadable)}: GPU holders among them are "
-        "not shown; run as root"
-    )
+        return lines.warning(f"{cut_short_text(discovery.cut_short)}: holders may be missing")
+    if discovery.unreadable:
+        why = f"{unreadable_text(discovery.unreadable)}: GPU holders among them are not shown"
+        return lines.warning(f"{why}; run as root")
+    return None
 
 
 def status(
@@ -458,11 +455,7 @@ def status(
     driver = front.driver_factory()
     try:
         warned: list[str] = []
-        scanner: DeviceScanner = full_scan
-        if watch:
-            from gpugate.host.scan import WatchScan  # noqa: PLC0415
-
-            scanner = WatchScan()
+        scanner: DeviceScanner = WatchScan() if watch else full_scan
         while True:
             data = look(unit, loaded, driver, roots, warned, scanner)
             hung = driver.not_answering()
@@ -512,7 +505,7 @@ def look(
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
         unreadable = [
-            "gpugate: warning: " + unreadable_record_text(path, "a gpugate lease", files.why[path])
+            lines.warning(unreadable_record_text(path, "a gpugate lease", files.why[path]))
             for path in files.unreadable
         ]
         for warning in [unreadable_warning(discovery), *unreadable]:
