@@ -296,20 +296,16 @@ def test_every_journal_field_and_reason_code_is_documented() -> None:
 
 
 def layout_rows(text: str) -> dict[str, str]:
-    """CONTRIBUTING's Layout table: each row's whole text, by its first cell."""
-    return {
-        row[0]: " | ".join(row)
-        for table in tables(section(text, "Layout"))
-        for _, row in table.rows
-        if row
-    }
+    """CONTRIBUTING's Layout: each `### ` subsection's whole text, by its heading."""
+    parts = section(text, "Layout").split("\n### ")[1:]
+    return {part.split("\n", 1)[0]: part for part in parts}
 
 
 def unnamed_modules(text: str, modules: list[str]) -> list[str]:
-    """Modules (`host/scan.py`, `integrations/unit/leases.py`, `errors.py`) that the Layout row
-    of their top folder (or, for a top-level module, the row whose first cell names it) does not
-    name; a module in a subfolder is named beside the subfolder (`unit/`). A package's
-    `__init__.py` is named by its folder."""
+    """Modules (`host/scan.py`, `integrations/unit/leases.py`, `errors.py`) that the Layout
+    subsection of their top folder (or, for a top-level module, the subsection whose heading names
+    it) does not name; a module in a subfolder is named beside the subfolder (`unit/`). A
+    package's `__init__.py` is named by its folder."""
     rows = layout_rows(text)
     problems = []
     for module in modules:
@@ -320,7 +316,7 @@ def unnamed_modules(text: str, modules: list[str]) -> list[str]:
         row = next((whole for cell, whole in rows.items() if first in cell), "")
         needed = [parts[-1], *(f"{sub}/" for sub in parts[1:-1])]
         if not row or not all(re.search(rf"(?<![\w/]){re.escape(n)}", row) for n in needed):
-            problems.append(f"`{module}` is not named in CONTRIBUTING's Layout table")
+            problems.append(f"`{module}` is not named in CONTRIBUTING's Layout")
     return problems
 
 
@@ -339,11 +335,18 @@ def test_the_layout_names_every_module() -> None:
 BROKEN_LAYOUT = """
 ## Layout
 
-| folder | what it holds |
-| --- | --- |
-| `errors.py` | exit codes |
-| `host/` | `scan.py` (the pass), `narrate_scan.py` (words) |
-| `integrations/` | `unit/` (`leases.py`) |
+### The base: `errors.py`
+
+- `errors.py`: exit codes
+
+### `host/`: the machine
+
+- `scan.py`: the pass
+- `narrate_scan.py`: words
+
+### `integrations/`
+
+- `unit/`: `leases.py`
 """
 
 
@@ -360,7 +363,7 @@ def test_the_layout_rule_catches_an_unnamed_module() -> None:
         "report/narrate.py",
     ]
     assert unnamed_modules(BROKEN_LAYOUT, modules) == [
-        f"`{name}` is not named in CONTRIBUTING's Layout table"
+        f"`{name}` is not named in CONTRIBUTING's Layout"
         for name in (
             "phase.py",
             "host/narrate.py",
