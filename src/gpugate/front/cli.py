@@ -31,10 +31,6 @@ else:
 
 HOST_ROOTS_OPTION = "--host-roots"  # host.systemd.HOST_ROOTS_OPTION; not imported
 
-CONTAINERS_HELP = (
-    "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d files, "
-    "docker's gpugate runtime; see docs/containers.md)"
-)
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
@@ -217,10 +213,8 @@ def _slurm_parser(commands: Commands, name: str, text: str) -> None:
         "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain",
         _slurm_phase_parser,
     )
-    check = (
-        "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
-        "gres.conf resolves every GPU to an NVML GPU"
-    )
+    check = "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
+    check += "gres.conf resolves every GPU to an NVML GPU"
     phases.add_command("check", check, _slurm_check_parser)
 
 
@@ -237,13 +231,12 @@ def _slurm_check_parser(commands: Commands, name: str, text: str) -> None:
     check.set_defaults(run=_slurm_check)
 
 
-DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
-
-
 def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub = commands.add_parser(name)
     sub.add_argument("unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)")
-    sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
+    containers = "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d "
+    containers += "files, docker's gpugate runtime; see docs/containers.md)"
+    sub.add_argument("--containers", dest="oci", action="store_true", help=containers)
     sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
     sub.add_argument("--force", action="store_true", help="replace or remove edited files")
     sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
@@ -253,7 +246,8 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub.set_defaults(run=_install)
     if name == "uninstall":
         return
-    sub.add_argument("--default", action="store_true", help=DEFAULT_HELP)
+    default = "with --containers: make gpugate containerd's CRI default runtime"
+    sub.add_argument("--default", action="store_true", help=default)
     _gpus_and_ports(
         sub,
         "the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
