@@ -68,7 +68,7 @@ class Commands(SubParsers):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy = False
-        self.later: dict[str, tuple[Build, str]] = {}
+        self.later: dict[str, Callable[[], None]] = {}
 
     def add_command(self, name: str, text: str, build: Build) -> None:
         self._choices_actions.append(self._ChoicesPseudoAction(name, (), text))
@@ -76,7 +76,7 @@ class Commands(SubParsers):
             build(self, name, text)
             return
         self._name_parser_map[name] = None  # type: ignore[assignment]  # accepted, not built
-        self.later[name] = (build, text)
+        self.later[name] = functools.partial(build, self, name, text)
 
     def __call__(
         self,
@@ -87,9 +87,8 @@ class Commands(SubParsers):
     ) -> None:
         name = values[0] if isinstance(values, list) else ""
         if name in self.later:
-            build, text = self.later.pop(name)
             del self._name_parser_map[name]  # add_parser refuses a name it holds
-            build(self, name, text)
+            self.later.pop(name)()
         super().__call__(parser, namespace, values, option_string)
 
 

@@ -87,14 +87,19 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
         raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
-    program = resolve_command(command[0], front.environ)
+    environ = front.environ
+    program = resolve_command(command[0], environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
         raise LaunchError("systemd-run not found in the system folders: gpugate run needs systemd")
-    environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
-    refuse_known_unit(unit, explicit=bool(args.name))
+    known = query_unit(unit)  # loaded, active, or a unit file: systemd-run would fail
+    if known is not None and (known.load_state, known.active_state) != ("not-found", "inactive"):
+        again = "; choose another --name" if args.name else "; run it again"
+        raise LaunchError(
+            f"systemd already has {unit} ({known.load_state}, {known.active_state})" + again
+        )
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
     refuse_before_start(loaded, unit, gpus, caller, args.force, front)
@@ -148,17 +153,6 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
         return Caller(uid, os.getgid() if gid is None else gid, str(uid)), under_sudo
     gid = entry.pw_gid if gid is None else gid
     return Caller(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell), under_sudo
-
-
-def refuse_known_unit(unit: str, *, explicit: bool) -> None:
-    """A name systemd already has (loaded, active, or a unit file): systemd-run would fail."""
-    state = query_unit(unit)
-    if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
-        return
-    raise LaunchError(
-        f"systemd already has {unit} ({state.load_state}, {state.active_state})"
-        + ("; choose another --name" if explicit else "; run it again")
-    )
 
 
 def resolve_gpus(
@@ -336,11 +330,9 @@ def supervise(argv: list[str], unit: str) -> int:
         seen: list[str] = []
         for raw in iter(child.stderr.readline, b""):
             seen.append(raw.decode("utf-8", "replace"))
-            try:
+            with contextlib.suppress(OSError):  # the terminal is gone: the status is still wanted
                 sys.stderr.write(seen[-1])
                 sys.stderr.flush()
-            except OSError:
-                pass  # the terminal is gone: keep draining, the status is still wanted
         code = child.wait()
         if stopped.is_set():
             # systemd-run may have ended with us (Ctrl-C reaches the whole process group):
@@ -358,12 +350,11 @@ def supervise(argv: list[str], unit: str) -> int:
 def wait_until_gone(
     unit: str,
     deadline: float,
-    state: Callable[[str], str | None] | None = None,
+    state: Callable[[str], str | None] = active_state,
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> bool:
     """Poll until the unit is neither running nor stopping; False at the deadline."""
-    state = state or active_state
     while clock() < deadline:
         if state(unit) not in RUNNING_STATES | {"deactivating"}:
             return True
