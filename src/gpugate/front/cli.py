@@ -183,13 +183,8 @@ def _sweep_parser(commands: Commands, name: str, text: str) -> None:
 
 
 def _config_parser(commands: Commands, name: str, text: str) -> None:
-    config = commands.add_parser(name)
-    tools = _commands(config, commands.lazy, dest="config_command", required=True)
-    tools.add_command("check", "validate and print the effective config", _config_check_parser)
-
-
-def _config_check_parser(commands: Commands, name: str, text: str) -> None:
-    check = commands.add_parser(name)
+    tools = commands.add_parser(name).add_subparsers(dest="config_command", required=True)
+    check = tools.add_parser("check", help="validate and print the effective config")
     check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
     check.set_defaults(run=_config_check)
@@ -203,29 +198,20 @@ def _dry_run(parser: argparse.ArgumentParser) -> None:
 
 def _slurm_parser(commands: Commands, name: str, text: str) -> None:
     slurm = commands.add_parser(name)
-    phases = _commands(slurm, commands.lazy, dest="slurm_phase", required=True, metavar="PHASE")
-    phases.add_command(
-        "prolog", "Prolog=: make the job's GPUs free before it starts", _slurm_phase_parser
+    phases = slurm.add_subparsers(dest="slurm_phase", required=True, metavar="PHASE")
+    for phase, about in (
+        ("prolog", "Prolog=: make the job's GPUs free before it starts"),
+        ("epilog", "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain"),
+    ):
+        sub = phases.add_parser(phase, help=about, description=about, epilog=EPILOG)
+        _config(sub)
+        _dry_run(sub)
+        sub.set_defaults(run=_slurm)
+    about = (
+        "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
+        "gres.conf resolves every GPU to an NVML GPU"
     )
-    phases.add_command(
-        "epilog",
-        "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain",
-        _slurm_phase_parser,
-    )
-    check = "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
-    check += "gres.conf resolves every GPU to an NVML GPU"
-    phases.add_command("check", check, _slurm_check_parser)
-
-
-def _slurm_phase_parser(commands: Commands, name: str, text: str) -> None:
-    sub = commands.add_parser(name, description=text, epilog=EPILOG)
-    _config(sub)
-    _dry_run(sub)
-    sub.set_defaults(run=_slurm)
-
-
-def _slurm_check_parser(commands: Commands, name: str, text: str) -> None:
-    check = commands.add_parser(name, description=text, epilog=EPILOG)
+    check = phases.add_parser("check", help=about, description=about, epilog=EPILOG)
     check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
     check.set_defaults(run=_slurm_check)
 

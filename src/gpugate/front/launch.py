@@ -10,6 +10,7 @@ import os
 import pwd
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -46,7 +47,6 @@ from gpugate.report.reasons import held_text
 from gpugate.untrusted import COMM, COMMAND, echo, shown
 
 if TYPE_CHECKING:
-    from gpugate.core.decide import Choice
     from gpugate.front.commands import Front
 
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
@@ -215,16 +215,11 @@ def refuse_before_start(
         driver.close()
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
-    if others:
-        raise HeldByOthers(other_account_refusal(unit, others))
-
-
-def other_account_refusal(unit: str, choices: list[Choice]) -> str:
-    """gpugate run's one line before it starts anything (exit 22)."""
-    first = choices[0]
-    holder = first.holder
-    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
-    return (
+    if not others:
+        return
+    first, holder = others[0], others[0].holder
+    more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+    raise HeldByOthers(
         f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
         f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
         f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
@@ -292,8 +287,6 @@ def hook_config(
 
 def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     """COMMAND[0] as an absolute path, found on the caller's PATH as the shell would."""
-    import shutil  # noqa: PLC0415
-
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
