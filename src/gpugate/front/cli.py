@@ -62,8 +62,8 @@ def _width() -> int:
 
 
 class Commands(SubParsers):
-    """Subcommands whose parsers are built once argparse reaches them (lazy), else at once
-    (tests and docs walk every parser)."""
+    """The commands, each parser built once argparse reaches it (lazy), else at once (tests and
+    docs walk every parser)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -92,13 +92,6 @@ class Commands(SubParsers):
         super().__call__(parser, namespace, values, option_string)
 
 
-def _commands(parser: argparse.ArgumentParser, lazy: bool, **kwargs: Any) -> Commands:
-    commands = parser.add_subparsers(action=Commands, **kwargs)
-    assert isinstance(commands, Commands)
-    commands.lazy = lazy
-    return commands
-
-
 def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
     parser = Parser(
         prog="gpugate",
@@ -108,43 +101,16 @@ def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
-    _stand_in_options(parser)
-    commands = _commands(parser, lazy, dest="command", required=True, metavar="COMMAND")
-    for name, text, build in (
-        ("pre", "ExecStartPre=: make the unit's GPUs free before it starts", _phase_parser),
-        (
-            "post",
-            "ExecStopPost=: reap what is left after the unit stopped, and wait",
-            _phase_parser,
-        ),
-        ("status", "GPUs and the processes holding them", _status_parser),
-        ("sweep", "between starts: GPU memory nobody owns, said/reaped", _sweep_parser),
-        ("config", "configuration tools", _config_parser),
-        (
-            "install",
-            "put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
-            "/etc/gpugate/UNIT.toml, daemon-reload",
-            _install_parser,
-        ),
-        ("uninstall", "take gpugate off a unit (install, reversed)", _install_parser),
-        (
-            "oci-hook",
-            "OCI runtime hook: free a container's GPUs before it starts, after it stops",
-            _oci_hook_parser,
-        ),
-        (
-            "oci-runtime",
-            "runc with gpugate's hooks added to GPU containers (docker's runtime)",
-            _oci_runtime_parser,
-        ),
-        (
-            "run",
-            "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its "
-            "whole cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop",
-            _launch_parser,
-        ),
-        ("slurm", "slurm.conf's Prolog= and Epilog= (see README)", _slurm_parser),
-    ):
+    # Stand-in /dev, /proc, cgroup tree and libnvidia-ml.so.1 for tests and the bench
+    # (docs/hardening.md): hidden, never in the drop-in, never from the environment.
+    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(
+        action=Commands, dest="command", required=True, metavar="COMMAND"
+    )
+    assert isinstance(commands, Commands)
+    commands.lazy = lazy
+    for name, text, build in COMMANDS:
         commands.add_command(name, text, build)
     return parser
 
@@ -290,11 +256,41 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
     run.set_defaults(run=_launch)
 
 
-def _stand_in_options(parser: argparse.ArgumentParser) -> None:
-    # Stand-in /dev, /proc, cgroup tree and libnvidia-ml.so.1 for tests and the bench
-    # (docs/hardening.md): hidden, never in the drop-in, never from the environment.
-    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
-    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+COMMANDS = (
+    ("pre", "ExecStartPre=: make the unit's GPUs free before it starts", _phase_parser),
+    (
+        "post",
+        "ExecStopPost=: reap what is left after the unit stopped, and wait",
+        _phase_parser,
+    ),
+    ("status", "GPUs and the processes holding them", _status_parser),
+    ("sweep", "between starts: GPU memory nobody owns, said/reaped", _sweep_parser),
+    ("config", "configuration tools", _config_parser),
+    (
+        "install",
+        "put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
+        "/etc/gpugate/UNIT.toml, daemon-reload",
+        _install_parser,
+    ),
+    ("uninstall", "take gpugate off a unit (install, reversed)", _install_parser),
+    (
+        "oci-hook",
+        "OCI runtime hook: free a container's GPUs before it starts, after it stops",
+        _oci_hook_parser,
+    ),
+    (
+        "oci-runtime",
+        "runc with gpugate's hooks added to GPU containers (docker's runtime)",
+        _oci_runtime_parser,
+    ),
+    (
+        "run",
+        "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its "
+        "whole cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop",
+        _launch_parser,
+    ),
+    ("slurm", "slurm.conf's Prolog= and Epilog= (see README)", _slurm_parser),
+)
 
 
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:
