@@ -258,11 +258,7 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
 
 COMMANDS = (
     ("pre", "ExecStartPre=: make the unit's GPUs free before it starts", _phase_parser),
-    (
-        "post",
-        "ExecStopPost=: reap what is left after the unit stopped, and wait",
-        _phase_parser,
-    ),
+    ("post", "ExecStopPost=: reap what is left after the unit stopped, and wait", _phase_parser),
     ("status", "GPUs and the processes holding them", _status_parser),
     ("sweep", "between starts: GPU memory nobody owns, said/reaped", _sweep_parser),
     ("config", "configuration tools", _config_parser),
