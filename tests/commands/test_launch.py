@@ -29,7 +29,6 @@ from gpugate.front.launch import (
     passed_environment,
     refuse_leased,
     resolve_gpus,
-    sanitise,
     supervise,
     systemd_run_argv,
     wait_until_gone,
@@ -71,8 +70,10 @@ def test_the_whole_command_line_for_a_terminal() -> None:
         "/opt/venv/bin/vllm serve m --port 8000",
         "--uid=1000",
         "--gid=1000",
-        "--property=ExecStartPre=+/usr/bin/gpugate pre gpugate-run-vllm-0a1b2c.service",
-        "--property=ExecStopPost=+/usr/bin/gpugate post gpugate-run-vllm-0a1b2c.service",
+        "--property=ExecStartPre=+/usr/bin/gpugate pre gpugate-run-vllm-0a1b2c.service "
+        "--for-uid 1000",
+        "--property=ExecStopPost=+/usr/bin/gpugate post gpugate-run-vllm-0a1b2c.service "
+        "--for-uid 1000",
         "--property=NotifyAccess=exec",
         "--property=TimeoutStartSec=300",
         "--property=TimeoutStopSec=300",
@@ -96,7 +97,7 @@ def test_pipe_root_config_cleanup_force_and_dollars() -> None:
     argv = systemd_run_argv(
         plan(
             pty=False,
-            as_root_caller=True,
+            caller=Caller(0, 0, "root"),
             config=config,
             cleanup=(config,),
             force=True,
@@ -153,7 +154,7 @@ def test_derived_names_are_valid_unique_units(command: str, expected: str) -> No
 def test_any_command_gives_a_valid_unit_name(command: str) -> None:
     name = derive_unit_name([command], None, "ffffff")
     assert validate_unit_name(name) == name and len(name) < 100
-    assert re.fullmatch(r"[A-Za-z0-9_.-]+", sanitise(command))
+    assert re.fullmatch(r"gpugate-run-[A-Za-z0-9_.-]+-ffffff\.service", name)
 
 
 @pytest.mark.parametrize(
@@ -506,12 +507,12 @@ def test_force_over_a_lease_is_roots_alone(
     )
 
 
-@pytest.mark.parametrize(("for_uid", "ignores"), [(None, True), (1000, False), (0, False)])
-def test_the_pre_line_ignores_leases_only_for_root(for_uid: int | None, ignores: bool) -> None:
+@pytest.mark.parametrize(("uid", "ignores"), [(0, True), (1000, False)])
+def test_the_pre_line_ignores_leases_only_for_root(uid: int, ignores: bool) -> None:
     """A plan for a caller that is not root (its hooks act --for-uid) never carries
     --ignore-leases, whatever its force says: a lease taken after gpugate run looked is
     refused by the unit's pre."""
-    argv = systemd_run_argv(plan(force=True, for_uid=for_uid), SYSTEMD_RUN)
+    argv = systemd_run_argv(plan(force=True, caller=Caller(uid, uid, "x")), SYSTEMD_RUN)
     pre = next(a for a in argv if a.startswith("--property=ExecStartPre="))
     post = next(a for a in argv if a.startswith("--property=ExecStopPost="))
     assert ("--ignore-leases" in pre) is ignores

@@ -100,8 +100,6 @@ def plan(uid: int, *, force: bool = False) -> LaunchPlan:
         pty=False,
         gpugate=("/usr/bin/python3", "-I", "-m", "gpugate"),
         force=force,
-        as_root_caller=uid == 0,
-        for_uid=None if uid == 0 else uid,
     )
 
 

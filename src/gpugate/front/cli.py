@@ -31,10 +31,6 @@ else:
 
 HOST_ROOTS_OPTION = "--host-roots"  # host.systemd.HOST_ROOTS_OPTION; not imported
 
-CONTAINERS_HELP = (
-    "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d files, "
-    "docker's gpugate runtime; see docs/containers.md)"
-)
 EPILOG = "\n".join(textwrap.wrap("exit codes: " + exit_code_summary(), 92))
 
 
@@ -66,13 +62,13 @@ def _width() -> int:
 
 
 class Commands(SubParsers):
-    """Subcommands whose parsers are built once argparse reaches them (lazy), else at once
-    (tests and docs walk every parser)."""
+    """The commands, each parser built once argparse reaches it (lazy), else at once (tests and
+    docs walk every parser)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lazy = False
-        self.later: dict[str, tuple[Build, str]] = {}
+        self.later: dict[str, Callable[[], None]] = {}
 
     def add_command(self, name: str, text: str, build: Build) -> None:
         self._choices_actions.append(self._ChoicesPseudoAction(name, (), text))
@@ -80,7 +76,7 @@ class Commands(SubParsers):
             build(self, name, text)
             return
         self._name_parser_map[name] = None  # type: ignore[assignment]  # accepted, not built
-        self.later[name] = (build, text)
+        self.later[name] = functools.partial(build, self, name, text)
 
     def __call__(
         self,
@@ -91,17 +87,9 @@ class Commands(SubParsers):
     ) -> None:
         name = values[0] if isinstance(values, list) else ""
         if name in self.later:
-            build, text = self.later.pop(name)
             del self._name_parser_map[name]  # add_parser refuses a name it holds
-            build(self, name, text)
+            self.later.pop(name)()
         super().__call__(parser, namespace, values, option_string)
-
-
-def _commands(parser: argparse.ArgumentParser, lazy: bool, **kwargs: Any) -> Commands:
-    commands = parser.add_subparsers(action=Commands, **kwargs)
-    assert isinstance(commands, Commands)
-    commands.lazy = lazy
-    return commands
 
 
 def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
@@ -113,43 +101,16 @@ def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
         epilog=EPILOG,
     )
     parser.add_argument("--version", action="version", version=f"gpugate {__version__}")
-    _stand_in_options(parser)
-    commands = _commands(parser, lazy, dest="command", required=True, metavar="COMMAND")
-    for name, text, build in (
-        ("pre", "ExecStartPre=: make the unit's GPUs free before it starts", _phase_parser),
-        (
-            "post",
-            "ExecStopPost=: reap what is left after the unit stopped, and wait",
-            _phase_parser,
-        ),
-        ("status", "GPUs and the processes holding them", _status_parser),
-        ("sweep", "between starts: GPU memory nobody owns, said/reaped", _sweep_parser),
-        ("config", "configuration tools", _config_parser),
-        (
-            "install",
-            "put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
-            "/etc/gpugate/UNIT.toml, daemon-reload",
-            _install_parser,
-        ),
-        ("uninstall", "take gpugate off a unit (install, reversed)", _install_parser),
-        (
-            "oci-hook",
-            "OCI runtime hook: free a container's GPUs before it starts, after it stops",
-            _oci_hook_parser,
-        ),
-        (
-            "oci-runtime",
-            "runc with gpugate's hooks added to GPU containers (docker's runtime)",
-            _oci_runtime_parser,
-        ),
-        (
-            "run",
-            "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its "
-            "whole cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop",
-            _launch_parser,
-        ),
-        ("slurm", "slurm.conf's Prolog= and Epilog= (see README)", _slurm_parser),
-    ):
+    # Stand-in /dev, /proc, cgroup tree and libnvidia-ml.so.1 for tests and the bench
+    # (docs/hardening.md): hidden, never in the drop-in, never from the environment.
+    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
+    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+    commands = parser.add_subparsers(
+        action=Commands, dest="command", required=True, metavar="COMMAND"
+    )
+    assert isinstance(commands, Commands)
+    commands.lazy = lazy
+    for name, text, build in COMMANDS:
         commands.add_command(name, text, build)
     return parser
 
@@ -188,13 +149,8 @@ def _sweep_parser(commands: Commands, name: str, text: str) -> None:
 
 
 def _config_parser(commands: Commands, name: str, text: str) -> None:
-    config = commands.add_parser(name)
-    tools = _commands(config, commands.lazy, dest="config_command", required=True)
-    tools.add_command("check", "validate and print the effective config", _config_check_parser)
-
-
-def _config_check_parser(commands: Commands, name: str, text: str) -> None:
-    check = commands.add_parser(name)
+    tools = commands.add_parser(name).add_subparsers(dest="config_command", required=True)
+    check = tools.add_parser("check", help="validate and print the effective config")
     check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
     check.set_defaults(run=_config_check)
@@ -208,42 +164,30 @@ def _dry_run(parser: argparse.ArgumentParser) -> None:
 
 def _slurm_parser(commands: Commands, name: str, text: str) -> None:
     slurm = commands.add_parser(name)
-    phases = _commands(slurm, commands.lazy, dest="slurm_phase", required=True, metavar="PHASE")
-    phases.add_command(
-        "prolog", "Prolog=: make the job's GPUs free before it starts", _slurm_phase_parser
-    )
-    phases.add_command(
-        "epilog",
-        "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain",
-        _slurm_phase_parser,
-    )
-    check = (
+    phases = slurm.add_subparsers(dest="slurm_phase", required=True, metavar="PHASE")
+    for phase, about in (
+        ("prolog", "Prolog=: make the job's GPUs free before it starts"),
+        ("epilog", "Epilog=: kill the job's leftovers on its GPUs and wait; fail to drain"),
+    ):
+        sub = phases.add_parser(phase, help=about, description=about, epilog=EPILOG)
+        _config(sub)
+        _dry_run(sub)
+        sub.set_defaults(run=_slurm)
+    about = (
         "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
         "gres.conf resolves every GPU to an NVML GPU"
     )
-    phases.add_command("check", check, _slurm_check_parser)
-
-
-def _slurm_phase_parser(commands: Commands, name: str, text: str) -> None:
-    sub = commands.add_parser(name, description=text, epilog=EPILOG)
-    _config(sub)
-    _dry_run(sub)
-    sub.set_defaults(run=_slurm)
-
-
-def _slurm_check_parser(commands: Commands, name: str, text: str) -> None:
-    check = commands.add_parser(name, description=text, epilog=EPILOG)
+    check = phases.add_parser("check", help=about, description=about, epilog=EPILOG)
     check.add_argument("--node", help="the node's Slurm name (default: the short host name)")
     check.set_defaults(run=_slurm_check)
-
-
-DEFAULT_HELP = "with --containers: make gpugate containerd's CRI default runtime"
 
 
 def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub = commands.add_parser(name)
     sub.add_argument("unit", nargs="?", help="a service (vllm.service) or template (vllm@.service)")
-    sub.add_argument("--containers", dest="oci", action="store_true", help=CONTAINERS_HELP)
+    containers = "instead of a unit: gpugate's OCI hook for podman, CRI-O and docker (hooks.d "
+    containers += "files, docker's gpugate runtime; see docs/containers.md)"
+    sub.add_argument("--containers", dest="oci", action="store_true", help=containers)
     sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
     sub.add_argument("--force", action="store_true", help="replace or remove edited files")
     sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
@@ -253,7 +197,8 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub.set_defaults(run=_install)
     if name == "uninstall":
         return
-    sub.add_argument("--default", action="store_true", help=DEFAULT_HELP)
+    default = "with --containers: make gpugate containerd's CRI default runtime"
+    sub.add_argument("--default", action="store_true", help=default)
     _gpus_and_ports(
         sub,
         "the unit's GPUs for the config: indices and/or UUIDs, comma-separated, or all",
@@ -311,11 +256,37 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
     run.set_defaults(run=_launch)
 
 
-def _stand_in_options(parser: argparse.ArgumentParser) -> None:
-    # Stand-in /dev, /proc, cgroup tree and libnvidia-ml.so.1 for tests and the bench
-    # (docs/hardening.md): hidden, never in the drop-in, never from the environment.
-    parser.add_argument(HOST_ROOTS_OPTION, dest="host_roots", help=argparse.SUPPRESS)
-    parser.add_argument("--nvml-library", dest="nvml_library", help=argparse.SUPPRESS)
+COMMANDS = (
+    ("pre", "ExecStartPre=: make the unit's GPUs free before it starts", _phase_parser),
+    ("post", "ExecStopPost=: reap what is left after the unit stopped, and wait", _phase_parser),
+    ("status", "GPUs and the processes holding them", _status_parser),
+    ("sweep", "between starts: GPU memory nobody owns, said/reaped", _sweep_parser),
+    ("config", "configuration tools", _config_parser),
+    (
+        "install",
+        "put gpugate on a unit: /etc/systemd/system/UNIT.d/gpugate.conf, "
+        "/etc/gpugate/UNIT.toml, daemon-reload",
+        _install_parser,
+    ),
+    ("uninstall", "take gpugate off a unit (install, reversed)", _install_parser),
+    (
+        "oci-hook",
+        "OCI runtime hook: free a container's GPUs before it starts, after it stops",
+        _oci_hook_parser,
+    ),
+    (
+        "oci-runtime",
+        "runc with gpugate's hooks added to GPU containers (docker's runtime)",
+        _oci_runtime_parser,
+    ),
+    (
+        "run",
+        "run COMMAND as a transient service with gpugate's hooks: its GPUs leased, its "
+        "whole cgroup stopped and GPUs freed on Ctrl-C, a closed terminal or systemctl stop",
+        _launch_parser,
+    ),
+    ("slurm", "slurm.conf's Prolog= and Epilog= (see README)", _slurm_parser),
+)
 
 
 def _unit_and_config(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,5 @@
-"""One hook run, the same for ExecStartPre=/ExecStopPost=, Slurm's Prolog=/Epilog= and an OCI
-hook: locate the cgroup, run the phase, say a failure once, record the metrics. SIGTERM or
-SIGINT becomes `Interrupted` in the main thread (every wait there is a timed sleep, poll or
-lock wait, PEP 475); a second signal is ignored so that the cleanup runs to its end."""
+"""One hook run, the same for a unit's, a Slurm job's and an OCI hook: locate the cgroup, run
+the phase, say a failure once, record the metrics."""
 
 from __future__ import annotations
 
@@ -22,12 +20,9 @@ from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.locks import check_all
 from gpugate.host.shm import find_areas, host_root
-from gpugate.host.systemd import HostRoots
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
-
-SurroundingsFactory = Callable[[RunScope, LoadedConfig, Reporter], Surroundings]
 
 
 @dataclass(frozen=True)
@@ -36,7 +31,8 @@ class Hook:
     unit: str  # the unit, or the label standing for it (slurm-job-42)
     locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
     metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
-    surroundings: SurroundingsFactory  # a unit's, a Slurm job's, or none (NullSurroundings)
+    # a unit's, a Slurm job's, or none (NullSurroundings)
+    surroundings: Callable[[RunScope, LoadedConfig, Reporter], Surroundings]
     dry_run: bool = False
     for_uid: int | None = None  # the hidden --for-uid: kill only this account's processes
 
@@ -57,6 +53,7 @@ class HookOutcome:
 
 def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
     deps = replace(deps, reporter=run_reporter(deps.reporter, hook.dry_run))
+    narrator = Narrator(deps.reporter)
     summary: RunSummary | None = None
     error: GateError | None = None
     try:
@@ -65,13 +62,13 @@ def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
         code = summary.exit_code
     except GateError as exc:
         error, code = exc, exc.exit_code
-        Narrator(deps.reporter).failed(exc, deps.stream)  # says it on stderr itself, once
+        narrator.failed(exc, deps.stream)  # says it on stderr itself, once
     textfile = loaded.config.metrics_textfile
     if not hook.dry_run and textfile is not None:  # a failure to record: a warning at most
         from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
         record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-        failed = Narrator(deps.reporter).metrics_not_written
+        failed = narrator.metrics_not_written
         record_after_run(textfile, record, stream=deps.stream, on_failure=failed)
     return HookOutcome(code, summary, error)
 
@@ -93,8 +90,22 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         warn = None if required else narrator.state_unwritable  # after a stop: it goes on
         check_all(*surroundings.state_to_write(), on_unwritable=warn)
     narrator.looking()
-    if not hook.dry_run:  # read before post kills what is left of the unit
-        own_shm_at_stop(scope, deps.run.roots, reporter)
+    roots, traits = deps.run.roots, scope.phase.traits
+    # After a stop (read before post kills what is left of the unit), say what the unit's own
+    # /dev/shm held. systemd gives the hook a fresh tmpfs of its own there (not PID 1's) where
+    # the unit has one: that is how it tells.
+    after_stop = traits.systemd and traits.releases_lease and not hook.dry_run
+    if after_stop and host_root(roots.dev, roots.proc) is not None:
+        from gpugate.host.shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
+        from gpugate.report.lines import say_own_shm_gone  # noqa: PLC0415
+
+        devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
+        if is_own_tmpfs(str(roots.dev / "shm"), devs):
+            try:
+                pids = set(cgroup_members(roots.cgroup, scope.unit_cgroup)) - {os.getpid()}
+            except GateError:
+                pids = set()
+            say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
     run = PhaseRun(scope, narrator, surroundings, deps.run, dry_run=hook.dry_run)
     try:
         return run.run()  # an error is told to the surroundings first (core/run.py)
@@ -104,28 +115,11 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         raise interrupted(exc, run.progress) from None
 
 
-def own_shm_at_stop(scope: RunScope, roots: HostRoots, reporter: Reporter) -> None:
-    """After a stop, say what the unit's own /dev/shm held. systemd gives the hook a fresh
-    tmpfs of its own there (not PID 1's) where the unit has one: that is how it tells."""
-    traits = scope.phase.traits
-    if not (traits.systemd and traits.releases_lease) or host_root(roots.dev, roots.proc) is None:
-        return
-    from gpugate.host.shm import is_own_tmpfs, own_shm_of_any  # noqa: PLC0415 (post's)
-    from gpugate.report.lines import say_own_shm_gone  # noqa: PLC0415
-
-    devs = {area.dev for area in find_areas(roots.dev, roots.proc)}
-    if not is_own_tmpfs(str(roots.dev / "shm"), devs):
-        return
-    try:
-        pids = set(cgroup_members(roots.cgroup, scope.unit_cgroup)) - {os.getpid()}
-    except GateError:
-        pids = set()
-    say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
-
-
 @contextlib.contextmanager
 def stopped_by_signals() -> Iterator[None]:
-    """Within the block, SIGTERM and SIGINT raise Interrupted (once); outside, as before."""
+    """Within the block, SIGTERM and SIGINT raise Interrupted in the main thread (every wait
+    there is a timed sleep, poll or lock wait, PEP 475); a second signal is ignored so that the
+    cleanup runs to its end."""
     if threading.current_thread() is not threading.main_thread():
         yield  # signal handlers can only be set from the main thread
         return

@@ -1,23 +1,23 @@
-"""`gpugate run [--gpus LIST] [--port N]... [--name NAME] [--config PATH] [--force] -- COMMAND`:
-COMMAND as a transient service with gpugate's hooks on it, so a hand-started server is tied to
-a unit: its GPUs leased, its whole cgroup stopped and its GPUs freed when the terminal goes,
-Ctrl-C, or `systemctl stop`."""
+"""`gpugate run [OPTIONS] -- COMMAND`: COMMAND as a transient service with gpugate's hooks on
+it (docs/gpugate-run.md)."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import pwd
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
@@ -47,88 +47,29 @@ from gpugate.report.narrate import held_text
 from gpugate.untrusted import COMM, COMMAND, echo, shown
 
 if TYPE_CHECKING:
-    from gpugate.core.decide import Choice
     from gpugate.front.commands import Front
 
-# The unit's stop, then each ExecStopPost=, may take TimeoutStopSec (the drop-in's 300 s).
-GONE_DEADLINE_S = 2 * HOOK_TIMEOUT_S + 30
-STOPPING_OR_RUNNING = RUNNING_STATES | {"deactivating"}
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
-RUN_FOLDER = "run"  # lock_dir/run/UNIT.toml: a transient unit's config (--port)
-RM = Path("/bin/rm")
-PREFIX = "gpugate-run-"
-BASE_MAX = 40  # characters of the command's name kept in a derived unit name
 
-# Not passed to the unit: systemd's per-service variables and those of the caller's own
-# service or terminal; GPUGATE_* (GPUGATE_STARTED_BY is gpugate's to set); what changes what
-# root's `+` hooks load (they run with the unit's environment); sudo's and the shell's.
-NOT_PASSED = frozenset(
-    {
-        "INVOCATION_ID",
-        "JOURNAL_STREAM",
-        "NOTIFY_SOCKET",
-        "LISTEN_PID",
-        "LISTEN_FDS",
-        "LISTEN_FDNAMES",
-        "WATCHDOG_PID",
-        "WATCHDOG_USEC",
-        "MANAGERPID",
-        "SYSTEMD_EXEC_PID",
-        "MAINPID",
-        "SERVICE_RESULT",
-        "EXIT_CODE",
-        "EXIT_STATUS",
-        "TERM",
-        "TMUX",
-        "TMUX_PANE",
-        "STY",
-        "WINDOW",
-        "SSH_TTY",
-        "SSH_AUTH_SOCK",
-        "SSH_AGENT_PID",
-        "XDG_SESSION_ID",
-        "XDG_SESSION_TYPE",
-        "XDG_SESSION_CLASS",
-        "XDG_VTNR",
-        "XDG_SEAT",
-        "PWD",
-        "OLDPWD",
-        "SHLVL",
-        "_",
-        "SUDO_COMMAND",
-        "SUDO_USER",
-        "SUDO_UID",
-        "SUDO_GID",
-        "SUDO_PS1",
-        "MAIL",
-        "PS1",
-        "PS2",
-        "PS4",
-        "PROMPT_COMMAND",
-        "COLUMNS",
-        "LINES",
-        "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
-    }
-)
-# The loader's and glibc's (LD_*, glibc's setuid list in sysdeps/generic/unsecvars.h), and
-# interpreters' start-up variables (not every program a hook runs is Python -I).
+# Not passed to the unit (besides GPUGATE_*, GPUGATE_STARTED_BY being gpugate's to set).
+NOT_PASSED = frozenset({
+    # systemd's per-service variables, of the caller's own service
+    "INVOCATION_ID", "JOURNAL_STREAM", "NOTIFY_SOCKET", "LISTEN_PID", "LISTEN_FDS",
+    "LISTEN_FDNAMES", "WATCHDOG_PID", "WATCHDOG_USEC", "MANAGERPID", "SYSTEMD_EXEC_PID",
+    "MAINPID", "SERVICE_RESULT", "EXIT_CODE", "EXIT_STATUS",
+    # the caller's terminal, sudo's and the shell's
+    "TERM", "TMUX", "TMUX_PANE", "STY", "WINDOW", "SSH_TTY", "SSH_AUTH_SOCK", "SSH_AGENT_PID",
+    "XDG_SESSION_ID", "XDG_SESSION_TYPE", "XDG_SESSION_CLASS", "XDG_VTNR", "XDG_SEAT", "PWD",
+    "OLDPWD", "SHLVL", "_", "SUDO_COMMAND", "SUDO_USER", "SUDO_UID", "SUDO_GID", "SUDO_PS1",
+    "MAIL", "PS1", "PS2", "PS4", "PROMPT_COMMAND", "COLUMNS", "LINES",
+    "CUDA_VISIBLE_DEVICES",  # set from --gpus (or the caller's, resolved) by gpugate
+    # What changes what root's `+` hooks load (they run with the unit's environment): the
+    # loader's and glibc's (LD_*, glibc's setuid list in sysdeps/generic/unsecvars.h), and
+    # interpreters' start-up variables (not every program a hook runs is Python -I).
+    "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "NIS_PATH", "NLSPATH",
+    "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR", "BASH_ENV", "ENV",
+})  # fmt: skip
 LOADER_PREFIXES = ("LD_", "GLIBC_", "MALLOC_", "GCONV_", "PYTHON", "PERL", "RUBY", "NODE_")
-LOADER_NAMES = frozenset(
-    {
-        "GETCONF_DIR",
-        "HOSTALIASES",
-        "LOCALDOMAIN",
-        "LOCPATH",
-        "NIS_PATH",
-        "NLSPATH",
-        "RESOLV_HOST_CONF",
-        "RES_OPTIONS",
-        "TMPDIR",
-        "TZDIR",
-        "BASH_ENV",
-        "ENV",
-    }
-)
 NOT_PASSED_PREFIXES = ("GPUGATE_", "BASH_FUNC_", *LOADER_PREFIXES)
 NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 # systemd's unit name grammar (unit_name_is_valid, a plain name: no "@") without its escape
@@ -146,14 +87,19 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
         raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
-    program = resolve_command(command[0], front.environ)
+    environ = front.environ
+    program = resolve_command(command[0], environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
         raise LaunchError("systemd-run not found in the system folders: gpugate run needs systemd")
-    environ = front.environ
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
-    refuse_known_unit(unit, explicit=bool(args.name))
+    known = query_unit(unit)  # loaded, active, or a unit file: systemd-run would fail
+    if known is not None and (known.load_state, known.active_state) != ("not-found", "inactive"):
+        again = "; choose another --name" if args.name else "; run it again"
+        raise LaunchError(
+            f"systemd already has {unit} ({known.load_state}, {known.active_state})" + again
+        )
     loaded = load_config(unit, args.config)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
     refuse_before_start(loaded, unit, gpus, caller, args.force, front)
@@ -170,9 +116,7 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
         started_by=caller.started_by(),
         force=args.force,
         cleanup=cleanup,
-        as_root_caller=caller.uid == 0,
         private_shm=loaded.config.private_shm,
-        for_uid=None if caller.uid == 0 else caller.uid,
     )
     try:
         return supervise(systemd_run_argv(plan, Path(systemd_run)), unit)
@@ -211,17 +155,6 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
     return Caller(uid, gid, entry.pw_name, entry.pw_dir, entry.pw_shell), under_sudo
 
 
-def refuse_known_unit(unit: str, *, explicit: bool) -> None:
-    """A name systemd already has (loaded, active, or a unit file): systemd-run would fail."""
-    state = query_unit(unit)
-    if state is None or (state.load_state == "not-found" and state.active_state == "inactive"):
-        return
-    raise LaunchError(
-        f"systemd already has {unit} ({state.load_state}, {state.active_state})"
-        + ("; choose another --name" if explicit else "; run it again")
-    )
-
-
 def resolve_gpus(
     wanted: object, environ: Mapping[str, str], driver_factory: Callable[[], GpuDriver]
 ) -> list[Gpu]:
@@ -256,8 +189,8 @@ def refuse_before_start(
         gpus,
         force=force,
         caller_is_root=caller.uid == 0,
-        unit_state=lambda name: unit_active_state(
-            name, roots.cgroup, ask_systemd=roots.ask_systemd
+        unit_state=functools.partial(
+            unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         ),
     )
     if caller.uid == 0:
@@ -282,16 +215,11 @@ def refuse_before_start(
         driver.close()
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
-    if others:
-        raise HeldByOthers(other_account_refusal(unit, others))
-
-
-def other_account_refusal(unit: str, choices: list[Choice]) -> str:
-    """gpugate run's one line before it starts anything (exit 22)."""
-    first = choices[0]
-    holder = first.holder
-    more = f" (and {len(choices) - 1} more)" if len(choices) > 1 else ""
-    return (
+    if not others:
+        return
+    first, holder = others[0], others[0].holder
+    more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
+    raise HeldByOthers(
         f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
         f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
         f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
@@ -321,12 +249,8 @@ def refuse_leased(
         raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
     for lease, overlap in check.conflicts:
         gpus_text = ", ".join(str(gpu.index) for gpu in overlap)
-        print(
-            lines.warning(
-                f"GPU {gpus_text} leased to {lease.holder_text()}; --force: running anyway"
-            ),
-            file=sys.stderr,
-        )
+        warning = f"GPU {gpus_text} leased to {lease.holder_text()}; --force: running anyway"
+        print(lines.warning(warning), file=sys.stderr)
 
 
 class HeldByOthers(GateError):
@@ -341,7 +265,7 @@ def hook_config(
     if not ports:
         return (given.resolve() if given else None), ()
     config = validated(loaded.config).changed(ports=tuple(sorted(set(ports))))
-    path = loaded.config.lock_dir / RUN_FOLDER / f"{unit}.toml"
+    path = loaded.config.lock_dir / "run" / f"{unit}.toml"
     text = f"# gpugate run {unit}: from {loaded.source}, with --port\n"
     text += to_toml(config.model_dump(mode="json", exclude_defaults=True))
     try:
@@ -363,8 +287,6 @@ def hook_config(
 
 def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     """COMMAND[0] as an absolute path, found on the caller's PATH as the shell would."""
-    import shutil  # noqa: PLC0415
-
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
@@ -401,16 +323,15 @@ def supervise(argv: list[str], unit: str) -> int:
         seen: list[str] = []
         for raw in iter(child.stderr.readline, b""):
             seen.append(raw.decode("utf-8", "replace"))
-            try:
+            with contextlib.suppress(OSError):  # the terminal is gone: the status is still wanted
                 sys.stderr.write(seen[-1])
                 sys.stderr.flush()
-            except OSError:
-                pass  # the terminal is gone: keep draining, the status is still wanted
         code = child.wait()
         if stopped.is_set():
             # systemd-run may have ended with us (Ctrl-C reaches the whole process group):
             # return only once the unit is gone, its post done and the GPUs free.
-            wait_until_gone(unit, time.monotonic() + GONE_DEADLINE_S)
+            # The unit's stop, then each ExecStopPost=, may take TimeoutStopSec (300 s).
+            wait_until_gone(unit, time.monotonic() + 2 * HOOK_TIMEOUT_S + 30)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -422,14 +343,13 @@ def supervise(argv: list[str], unit: str) -> int:
 def wait_until_gone(
     unit: str,
     deadline: float,
-    state: Callable[[str], str | None] | None = None,
+    state: Callable[[str], str | None] = active_state,
     clock: Callable[[], float] = time.monotonic,
     pause: Callable[[float], None] = time.sleep,
 ) -> bool:
     """Poll until the unit is neither running nor stopping; False at the deadline."""
-    state = state or active_state
     while clock() < deadline:
-        if state(unit) not in STOPPING_OR_RUNNING:
+        if state(unit) not in RUNNING_STATES | {"deactivating"}:
             return True
         pause(0.2)
     return False
@@ -458,7 +378,7 @@ class Caller:
 class LaunchPlan:
     unit: str
     command: tuple[str, ...]  # COMMAND[0] resolved to an absolute path
-    caller: Caller
+    caller: Caller  # root: no --uid/--gid; another account: the hooks act --for-uid it
     gpus_env: str  # CUDA_VISIBLE_DEVICES for the unit
     environment: tuple[tuple[str, str], ...]  # the caller's variables passed on
     pty: bool
@@ -466,15 +386,8 @@ class LaunchPlan:
     config: Path | None = None  # the hooks' --config
     started_by: str = ""
     force: bool = False
-    cleanup: tuple[Path, ...] = field(default=())  # files removed after post (root's)
-    as_root_caller: bool = False  # the caller is root itself: no --uid/--gid
+    cleanup: tuple[Path, ...] = ()  # files removed after post (root's)
     private_shm: str = DEFAULT_PRIVATE_SHM  # the unit's own /dev/shm: its size, or "off"
-    for_uid: int | None = None  # the hooks' --for-uid: a caller that is not root
-
-
-def sanitise(name: str) -> str:
-    base = NAME_CHAR.sub("_", os.path.basename(name.rstrip("/"))).strip("._-")
-    return base[:BASE_MAX].strip("._-") or "command"
 
 
 def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) -> str:
@@ -493,26 +406,29 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
                 "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
             )
         return unit
-    return f"{PREFIX}{sanitise(command[0])}-{short_id}.service"
+    base = NAME_CHAR.sub("_", os.path.basename(command[0].rstrip("/"))).strip("._-")
+    base = base[:40].strip("._-") or "command"  # 40 characters of the name at most
+    return f"gpugate-run-{base}-{short_id}.service"
 
 
-def passed_environment(environ: Mapping[str, str]) -> list[tuple[str, str]]:
-    kept = []
-    for key in sorted(environ):
-        value = environ[key]
-        if key in NOT_PASSED or key in LOADER_NAMES or key.startswith(NOT_PASSED_PREFIXES):
-            continue
-        if not ENV_NAME.fullmatch(key) or "\n" in value or "\0" in value:
-            continue  # systemd would refuse it (an exported function, a multi-line value)
-        kept.append((key, value))
-    return kept
+def passed_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    return {
+        key: value
+        for key, value in environ.items()
+        if key not in NOT_PASSED
+        and not key.startswith(NOT_PASSED_PREFIXES)
+        # what systemd would refuse: an exported function, a multi-line value
+        and ENV_NAME.fullmatch(key)
+        and "\n" not in value
+        and "\0" not in value
+    }
 
 
 def caller_environment(
     environ: Mapping[str, str], caller: Caller, under_sudo: bool
 ) -> list[tuple[str, str]]:
     """The environment passed on; under sudo the caller's HOME, USER, LOGNAME, SHELL."""
-    kept = dict(passed_environment(environ))
+    kept = passed_environment(environ)
     if under_sudo:
         kept["USER"] = kept["LOGNAME"] = caller.user
         if caller.home:
@@ -524,11 +440,12 @@ def caller_environment(
 
 def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     config = f" --config {plan.config}" if plan.config else ""
-    # On the command line, which only root writes, never in the environment, which the unit's
-    # own files may set; root's alone.
-    overrides = plan.force and plan.for_uid is None
-    force = " --ignore-leases" if overrides and phase.traits.takes_lease else ""
-    account = f" --for-uid {plan.for_uid}" if plan.for_uid is not None else ""
+    uid = plan.caller.uid
+    # --force on the command line, which only root writes, never in the environment, which
+    # the unit's own files may set; root's alone.
+    overrides = plan.force and uid == 0 and phase.traits.takes_lease
+    force = " --ignore-leases" if overrides else ""
+    account = f" --for-uid {uid}" if uid != 0 else ""
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
 
@@ -543,7 +460,7 @@ def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
         "--service-type=exec",
         f"--description=gpugate run by {plan.started_by}: {' '.join(plan.command)[:200]}",
     ]
-    if not plan.as_root_caller:
+    if plan.caller.uid != 0:
         argv += [f"--uid={plan.caller.uid}", f"--gid={plan.caller.gid}"]
     # %n is not expanded in properties set over D-Bus: the name is written out.
     argv += [
@@ -551,7 +468,7 @@ def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
         f"--property=ExecStopPost={hook_line(plan, Phase.POST)}",
     ]
     for path in plan.cleanup:
-        argv.append(f"--property=ExecStopPost=+{RM} -f -- {path}")
+        argv.append(f"--property=ExecStopPost=+/bin/rm -f -- {path}")
     argv += [
         "--property=NotifyAccess=exec",
         f"--property=TimeoutStartSec={HOOK_TIMEOUT_S}",

@@ -26,13 +26,12 @@ class Front:
         driver_factory: Callable[[], GpuDriver] | None = None,
         reporter_factory: ReporterFactory | None = None,
         roots: HostRoots | None = None,
-        environ: Mapping[str, str] | None = None,
         unit_state: Callable[[str], str | None] | None = None,
         cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
     ) -> None:
         self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
         self.reporter_factory: ReporterFactory = reporter_factory or Reporter
-        self.environ = os.environ if environ is None else environ
+        self.environ: Mapping[str, str] = os.environ
         self.given_roots = roots or HostRoots()
         self.unit_state = unit_state or active_state
         self.cgroup_layout = cgroup_layout or host_cgroup_layout
