@@ -1,17 +1,15 @@
-"""One pre, post, prolog or epilog run, as a stage machine: looking -> locking -> stopping ->
-waiting -> finishing, each stage's `step()` returning its transition and the next stage;
-`RunState.enter` is the one way the stage changes. NVML failing with `on_nvml_error = "warn"`
-goes back to looking, with the unit's cgroup alone."""
+"""One phase run as a stage machine: looking -> locking -> stopping -> waiting -> finishing, each
+stage's `step()` returning its transition and the next stage; `RunState.enter` changes the stage."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Union
 
 from gpugate.config.file import LoadedConfig
 from gpugate.config.values import GpuSelection
@@ -48,8 +46,6 @@ MAX_ROUNDS = 5
 
 @dataclass(frozen=True)
 class RunScope:
-    """What one run is about; the one object that carries the phase and the unit."""
-
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
@@ -69,8 +65,7 @@ class RunDeps:
 
 
 class RunState:
-    """What the stages share: the config and deadline fixed when the run is made, the facts
-    and summary they fill in, who was signalled, one discovery round (`find`), the stage."""
+    """What the stages share; one discovery round (`find`); the stage (`enter`)."""
 
     def __init__(
         self,
@@ -116,14 +111,13 @@ class RunState:
     def transitions(self) -> list[tuple[Stage, Transition]]:
         return list(self._transitions)
 
-    def enter(self, stage: Stage, via: Transition | None = None) -> None:
-        """The one way the run changes stage; via: the edge it leaves by (None: the first)."""
+    def enter(self, stage: Stage | None, via: Transition | None = None) -> None:
+        """The one way the run changes stage; via: the edge it leaves by (None: the first);
+        stage None: the run ends."""
         if via is not None:
             self._transitions.append((self._progress.stage, via))
-        self._progress = Progress(stage, last_busy=self._progress.last_busy)
-
-    def end(self, via: Transition) -> None:
-        self._transitions.append((self._progress.stage, via))
+        if stage is not None:
+            self._progress = Progress(stage, last_busy=self._progress.last_busy)
 
     def note(self, **facts: Any) -> None:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
@@ -203,7 +197,18 @@ class PhaseRun(RunState):
         return self.summary
 
     def _run(self) -> None:
-        driver = self._open()
+        driver: GpuDriver = NoGpus()
+        hung = self.surroundings.driver_hung_earlier()
+        if hung is not None:
+            # This start's pre waited its deadline on a driver that did not answer: asking
+            # again would hang post too. The cgroup still dies.
+            self.narrator.nvml_skipped(hung, self.scope.phase.value)
+            self.without_nvml()
+        else:
+            try:
+                driver = self.deps.driver_factory()
+            except NvmlUnavailable as exc:
+                self.without_nvml(exc)
         try:
             driver.answer_by(self.deadline)  # one that stops answering ends the run
             self.driver = driver
@@ -211,20 +216,6 @@ class PhaseRun(RunState):
                 self._go(Looking(self, announce=True))
         finally:
             driver.close()
-
-    def _open(self) -> GpuDriver:
-        hung = self.surroundings.driver_hung_earlier()
-        if hung is not None:
-            # This start's pre waited its deadline on a driver that did not answer: asking
-            # again would hang post too. The cgroup still dies.
-            self.narrator.nvml_skipped(hung, self.scope.phase.value)
-            self.without_nvml()
-            return NoGpus()
-        try:
-            return self.deps.driver_factory()
-        except NvmlUnavailable as exc:
-            self.without_nvml(exc)
-            return NoGpus()
 
     def _go(self, first: StageStep) -> None:
         self.enter(first.code)
@@ -238,20 +229,11 @@ class PhaseRun(RunState):
                 self.without_nvml(exc)
                 announce = isinstance(current, Looking) and current.announce
                 transition, stage = Transition.NVML_FAILED, Looking(self, announce=announce)
-            if stage is None:
-                self.end(transition)
-            else:
-                self.enter(stage.code, transition)
+            self.enter(None if stage is None else stage.code, transition)
 
 
-Step = tuple[Transition, Optional["StageStep"]]
-
-
-class StageStep(Protocol):
-    @property
-    def code(self) -> Stage: ...
-
-    def step(self) -> Step: ...
+StageStep = Union["Looking", "Locking", "Stopping", "Waiting", "Finishing"]
+Step = tuple[Transition, Optional[StageStep]]
 
 
 @dataclass(frozen=True)
@@ -377,13 +359,13 @@ class Waiting:
         if owned or s.ports:
             wait_started = s.clock()
             s.spared_pids = spared_for_good(self.decision)
-            settled = wait_settled(s, owned)
+            busy, ports, held = wait_settled(s, owned)
             s.summary.seconds_wait = s.clock() - wait_started
-            s.summary.busy = settled.busy
+            s.summary.busy = busy
             for gpu in owned:
                 freed = s.used_before.get(gpu.index, 0) - s.driver.usage(gpu).used_mib
                 s.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
-            judge_wait(s, settled, owned)
+            judge_wait(s, owned, busy, ports, held=held)
         return Transition.SETTLED, Finishing(s, clean_shm=True)
 
 
@@ -422,7 +404,13 @@ def kill_rounds(
     """Kill the targets; rediscover and repeat while new ones appear (forks)."""
     kill_started = state.clock()
     if state.scope.phase.traits.stops_containers and discovery.unit_containers:
-        stop_unit_containers(state, discovery, decision)
+        # The unit's own containers stop through their runtime first (it records them as
+        # stopped); the pinned signals follow for any process that outlived it.
+        wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
+        containers = [c for c in discovery.unit_containers if c.id in wanted]
+        state.narrator.container_stopping(len(containers))
+        for stopped in stop_containers(containers, state.policy.sigterm_grace_s):
+            state.narrator.container_stopped(stopped)
     survivors: list[ProcessId] = []
     for round_number in range(1, MAX_ROUNDS + 1):
         fresh = state.fresh(decision)
@@ -473,16 +461,6 @@ def survived(state: RunState, survivors: list[ProcessId]) -> None:
     state.narrator.survived(len(survivors))
 
 
-def stop_unit_containers(state: RunState, discovery: Discovery, decision: Decision) -> None:
-    """The unit's own containers stop through their runtime first (it records them as
-    stopped); the pinned signals follow for any process that outlived it."""
-    wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
-    containers = [c for c in discovery.unit_containers if c.id in wanted]
-    state.narrator.container_stopping(len(containers))
-    for result in stop_containers(containers, state.policy.sigterm_grace_s):
-        state.narrator.container_stopped(result)
-
-
 def on_stuck(state: RunState, choices: list[Choice]) -> None:
     for choice in choices:
         stat = state.procfs.stat(choice.holder.pid)
@@ -490,12 +468,14 @@ def on_stuck(state: RunState, choices: list[Choice]) -> None:
         state.narrator.stuck(choice, process_state, state.procfs.wchan(choice.holder.pid))
 
 
-def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
+def judge_wait(
+    state: RunState, owned: list[Gpu], busy: list[BusyGpu], ports: list[int], *, held: bool
+) -> None:
     """The wait's outcome: respawning, ports or memory still held, or all free."""
-    busy, timeout_s = settled.busy, state.policy.wait_timeout_s
     narrator, facts, free_mib = state.narrator, state.facts, state.config.free_mib
+    timeout_s = state.policy.wait_timeout_s
     respawners = state.watch.respawners(state.procfs.still_same)
-    if settled.held and respawners:
+    if held and respawners:
         narrator.respawning(respawners, timeout_s)
         facts.respawning = True
         return
@@ -504,11 +484,11 @@ def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
     failing = state.policy.on_timeout == "fail"
     for item in busy:
         narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
-    if settled.ports:
-        narrator.ports_held(settled.ports, timeout_s)
+    if ports:
+        narrator.ports_held(ports, timeout_s)
         facts.held_by_others = True
     if not busy:
-        if owned and not settled.ports:
+        if owned and not ports:
             narrator.memory_freed(owned, free_mib, state.summary.seconds_wait)
     elif failing:
         facts.memory_busy = True
@@ -534,11 +514,10 @@ def look_again(state: RunState) -> bool:
 def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
     """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
     before a start, the free space the next start needs."""
-    deps = state.deps
-    host = deps.shm_host(state.shm_areas, deps.roots.proc)
+    host = state.deps.shm_host(state.shm_areas, state.deps.roots.proc)
+    label = functools.partial(shm_label, state)
     freed = 0
     if state.policy.remove_shm:
-        label = functools.partial(shm_label, state)
         if would_kill is not None:
             removals = plan(state.shm_ledger, would_kill, host, label)
             freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
@@ -546,10 +525,6 @@ def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
             killed = {ident.pid for ident in state.signalled}
             removals = remove(state.shm_ledger, killed, host, label)
         state.narrator.shm_files(removals)
-    check_shm_space(state, host, freed)
-
-
-def check_shm_space(state: RunState, host: ShmHost, freed: int) -> None:
     needed_mib = state.config.shm_min_free_mib
     if (
         needed_mib is None
@@ -558,13 +533,12 @@ def check_shm_space(state: RunState, host: ShmHost, freed: int) -> None:
     ):
         return
     short = short_of_space(host, needed_mib * MIB, freed)
-    if short is None:
-        return
-    holders: dict[ShmKey, list[int]] = {}
-    if short.largest:
-        holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
-    state.narrator.shm_short(short, holders, functools.partial(shm_label, state))
-    state.facts.shm_short = True
+    if short is not None:
+        holders: dict[ShmKey, list[int]] = {}
+        if short.largest:
+            holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
+        state.narrator.shm_short(short, holders, label)
+        state.facts.shm_short = True
 
 
 def shm_label(state: RunState, pid: int) -> str:
@@ -577,11 +551,9 @@ def shm_label(state: RunState, pid: int) -> str:
     return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
 
 
-# The wait polls (5 ms backing off to 50 ms) until the owned GPUs are free and list no process,
-# the ports are free and no respawn is under way. What turns up (an unknown PID on NVML's list,
-# a held port, a respawn) is looked for with a new discovery, at most every LOOK_AGAIN_EVERY_S.
-# While parents of the killed are watched, success needs two clear looks in a row: a loop that
-# respawns between two polls cannot end the run as a success.
+# What turns up in the wait (an unknown PID on NVML's list, a held port, a respawn) is looked
+# for with a new discovery. While parents of the killed are watched, success needs two clear
+# looks in a row: a loop that respawns between two polls cannot end the run as a success.
 
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.05
@@ -589,33 +561,14 @@ PROGRESS_EVERY_S = 1.0
 LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
 
 
-def busy_gpus(
-    driver: GpuDriver, gpus: Sequence[Gpu], free_mib: int, ignored_pids: Collection[int]
-) -> list[BusyGpu]:
-    busy: list[BusyGpu] = []
-    for gpu in gpus:
-        usage = driver.usage(gpu)
-        pids = tuple(p.pid for p in usage.processes if p.pid not in ignored_pids)
-        if usage.used_mib > free_mib or pids:
-            busy.append(BusyGpu(gpu, usage.used_mib, pids))
-    return busy
-
-
-@dataclass
-class Settled:
-    busy: list[BusyGpu]  # GPUs still used at the deadline
-    ports: list[int]  # the unit's ports still listened on at the deadline
-    pending: list[int]  # respawned children at the deadline
-    stable: bool = True  # False: parents are watched and no two looks in a row found it clear
-
-    @property
-    def held(self) -> bool:
-        return bool(self.busy or self.ports or self.pending or not self.stable)
-
-
 def look(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], list[int]]:
     """One poll: the busy GPUs (also the progress's), the held ports, respawns under way."""
-    busy = busy_gpus(state.driver, owned, state.config.free_mib, state.spared_pids)
+    busy: list[BusyGpu] = []
+    for gpu in owned:
+        usage = state.driver.usage(gpu)
+        pids = tuple(p.pid for p in usage.processes if p.pid not in state.spared_pids)
+        if usage.used_mib > state.config.free_mib or pids:
+            busy.append(BusyGpu(gpu, usage.used_mib, pids))
     if busy:
         state.note(waiting_on=tuple(busy))
     state.note(last_busy=tuple(busy))
@@ -632,8 +585,9 @@ def waited_on(state: RunState, busy: list[BusyGpu], left_s: float) -> None:
 
 def wait_settled(
     state: RunState, owned: list[Gpu], sleep: Callable[[float], None] = time.sleep
-) -> Settled:
-    """Poll until the GPUs and ports are free and no respawn is under way, or the deadline."""
+) -> tuple[list[BusyGpu], list[int], bool]:
+    """Poll (5 ms backing off to 50 ms) until the GPUs and ports are free and no respawn is
+    under way, or the deadline: the GPUs and ports still held, and whether any is."""
     clock, deadline = state.clock, state.deadline
     interval = FIRST_POLL_S
     next_progress = next_look = clock()
@@ -648,7 +602,7 @@ def wait_settled(
         if not clear:
             clear_since = None
         if clear and not watched:
-            return Settled(busy, ports, under_way)
+            return busy, ports, False
         if (unexplained or ports or under_way or clear) and now >= next_look:
             next_look = now + LOOK_AGAIN_EVERY_S
             if look_again(state):
@@ -656,10 +610,10 @@ def wait_settled(
                 continue
             if clear:
                 if clear_since is not None:
-                    return Settled(busy, ports, under_way)
+                    return busy, ports, False
                 clear_since = now
         if now >= deadline:
-            return Settled(busy, ports, under_way, stable=not watched and clear)
+            return busy, ports, watched or not clear
         if now >= next_progress:
             waited_on(state, busy, deadline - now)
             next_progress = now + PROGRESS_EVERY_S
