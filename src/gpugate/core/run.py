@@ -269,10 +269,6 @@ class Looking:
         s.report_faults(discovery)
         s.narrator.blind_spots(discovery)
         s.narrator.choices(decision)
-        return self.next_stage(discovery, decision)
-
-    def next_stage(self, discovery: Discovery, decision: Decision) -> Step:
-        s = self.state
         if decision.refused:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
@@ -382,17 +378,15 @@ class Finishing:
     def step(self) -> Step:
         s = self.state
         if self.clean_shm:
-            clean_shm(s, None if self.would_kill is None else set(self.would_kill))
+            clean_shm(s, self.would_kill)
         s.summary.exit_code = exit_code_for(s.facts)
-        if s.dry_run:
-            s.narrator.finished(s.summary)
-            return Transition.FINISHED, None
         # A lease first: one that cannot be written is the run's error (exit 73), never a
         # "success" and then an error. post's failed-pre reason comes last (systemctl status).
-        lease_first = s.scope.phase.traits.takes_lease
+        lease_first = s.scope.phase.traits.takes_lease and not s.dry_run
         if not lease_first:
             s.narrator.finished(s.summary)
-        s.surroundings.after_run(s.summary)
+        if not s.dry_run:
+            s.surroundings.after_run(s.summary)
         if lease_first:
             s.narrator.finished(s.summary)
         return Transition.FINISHED, None
@@ -511,7 +505,7 @@ def look_again(state: RunState) -> bool:
     return True
 
 
-def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
+def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None:
     """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
     before a start, the free space the next start needs."""
     host = state.deps.shm_host(state.shm_areas, state.deps.roots.proc)
