@@ -1,6 +1,5 @@
-"""Discovery: every process that holds the unit's GPUs, and how each one was found (the
-unit's cgroup and containers, /proc/PID/fd and maps naming /dev/nvidiaN, NVML's lists). A MIG
-slice is a GPU of its own (host.nvml.mig_key); its /dev/nvidiaN ties a process to the whole GPU."""
+"""Every process that holds the unit's GPUs and how it was found (the unit's cgroup and
+containers, /proc/PID/fd and maps naming /dev/nvidiaN, NVML's lists); the GPUs the unit owns."""
 
 from __future__ import annotations
 
@@ -127,9 +126,9 @@ class Discovery:
         )
 
 
-def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:
+def self_and_ancestors(procfs: ProcFs) -> frozenset[int]:
     chain: set[int] = set()
-    current: int | None = os.getpid() if pid is None else pid
+    current: int | None = os.getpid()
     while current and current not in chain:
         chain.add(current)
         info = procfs.stat(current)
@@ -223,7 +222,6 @@ def discover(
     procfs: ProcFs,
     roots: HostRoots,
     containers: Sequence[str] = (),
-    container_names: ContainerNames | None = None,
     strict_faults: bool = True,
     ports: Collection[int] = (),
     deadline: Deadline = NO_DEADLINE,
@@ -241,9 +239,7 @@ def discover(
                 found.sources.add(Source.CGROUP)
         scan = _add_device_users(table, roots, state, ports, (scanner, deadline))
         invisible = _add_nvml_processes(table, state.usage)
-        unit_containers = _containers(
-            table, roots=roots, wanted=containers, names=container_names or ContainerNames()
-        )
+        unit_containers = _containers(table, roots.cgroup, containers)
     return Discovery(
         unit=unit,
         unit_cgroup=unit_cgroup,
@@ -322,9 +318,7 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
     return invisible
 
 
-def _containers(
-    table: HolderTable, *, roots: HostRoots, wanted: Sequence[str], names: ContainerNames
-) -> list[Container]:
+def _containers(table: HolderTable, cgroup_root: Path, wanted: Sequence[str]) -> list[Container]:
     """Names every holder's container; adds every process of the containers WANTED names
     as the unit's, GPU holders or not. Returns those containers."""
     holders = table.by_pid
@@ -332,14 +326,14 @@ def _containers(
     for container in filter(None, (container_of_cgroup(h.info.cgroup) for h in holders.values())):
         found.setdefault(container.id, container)
     if wanted:
-        for container in container_scopes(roots.cgroup):
+        for container in container_scopes(cgroup_root):
             found.setdefault(container.id, container)
     if not found:
         return []
-    named = {container.id: container for container in names.named(list(found.values()))}
+    named = {c.id: c for c in ContainerNames().named(list(found.values()))}
     own = [c for c in named.values() if c.matches(wanted)]
     for container in own:
-        for pid in cgroup_members(roots.cgroup, container.scope):
+        for pid in cgroup_members(cgroup_root, container.scope):
             if (member := table.get(pid)) is not None:
                 member.sources.add(Source.CONTAINER)
                 member.container = container
@@ -361,7 +355,10 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
     for ref in wanted:
         if isinstance(ref, int):
             if ref not in by_index:
-                listed = _index_list([gpu.index for gpu in whole])
+                indices = [gpu.index for gpu in whole]
+                listed = "GPUs " + ", ".join(map(str, indices)) if indices else "no GPUs"
+                if indices and indices == list(range(indices[0], indices[-1] + 1)):
+                    listed = f"GPUs {indices[0]}-{indices[-1]}"
                 raise ConfigError(
                     source, "gpus", f"GPU index {ref} does not exist; NVML lists {listed}"
                 )
@@ -469,11 +466,3 @@ def fail_on_owned_faults(
             f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} is not among "
             "those NVML can read"
         )
-
-
-def _index_list(indices: list[int]) -> str:
-    if not indices:
-        return "no GPUs"
-    if indices == list(range(indices[0], indices[-1] + 1)):
-        return f"GPUs {indices[0]}-{indices[-1]}"
-    return "GPUs " + ", ".join(map(str, indices))

@@ -213,7 +213,7 @@ class PhaseRun(RunState):
             driver.answer_by(self.deadline)  # one that stops answering ends the run
             self.driver = driver
             with self.locks:
-                self._go(Looking(self, announce=True))
+                self._go(Looking(announce=True))
         finally:
             driver.close()
 
@@ -223,12 +223,12 @@ class PhaseRun(RunState):
         while stage is not None:
             current = stage
             try:
-                transition, stage = current.step()
+                transition, stage = current.step(self)
             except NvmlUnavailable as exc:
                 self.locks.close()  # released before the run goes on without NVML
                 self.without_nvml(exc)
                 announce = isinstance(current, Looking) and current.announce
-                transition, stage = Transition.NVML_FAILED, Looking(self, announce=announce)
+                transition, stage = Transition.NVML_FAILED, Looking(announce=announce)
             self.enter(None if stage is None else stage.code, transition)
 
 
@@ -240,12 +240,10 @@ Step = tuple[Transition, Optional[StageStep]]
 class Looking:
     """Discovery and decision (announce: not again after NVML failed once it was made)."""
 
-    state: RunState
     announce: bool
     code: Stage = Stage.LOOKING
 
-    def step(self) -> Step:
-        s = self.state
+    def step(self, s: RunState) -> Step:
         discovery, decision = s.find()  # the only NVML use in this stage: before announcing
         s.summary.seconds_discover = s.clock() - s.started
         s.summary.owned = list(discovery.owned)
@@ -274,14 +272,14 @@ class Looking:
             s.narrator.refused()
             s.summary.held = [Held.of(c) for c in decision.blockers]
             s.facts.held_by_others = True
-            return Transition.REFUSED, Finishing(s, clean_shm=False)
+            return Transition.REFUSED, Finishing(clean_shm=False)
         if s.dry_run:
             refused = s.surroundings.refuses_start(discovery.owned, dry_run=True)
             s.facts.held_by_others = bool(decision.blockers) or refused
             would_kill = frozenset(c.holder.pid for c in decision.targets)
             s.summary.would_kill = len(decision.targets)
-            return Transition.DRY_RUN, Finishing(s, clean_shm=True, would_kill=would_kill)
-        return Transition.FOUND, Locking(s, discovery, decision)
+            return Transition.DRY_RUN, Finishing(clean_shm=True, would_kill=would_kill)
+        return Transition.FOUND, Locking(discovery, decision)
 
 
 @dataclass(frozen=True)
@@ -289,13 +287,12 @@ class Locking:
     """The per-GPU locks, held until the run is over; under them the surroundings may refuse
     the start, else reserve what it will hold."""
 
-    state: RunState
     discovery: Discovery
     decision: Decision
     code: Stage = Stage.LOCKING
 
-    def step(self) -> Step:
-        s, owned = self.state, self.discovery.owned
+    def step(self, s: RunState) -> Step:
+        owned = self.discovery.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
         # After a stop (state not required), a lock that cannot be made is said, not fatal.
@@ -313,43 +310,39 @@ class Locking:
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
         if s.surroundings.refuses_start(owned, dry_run=False):
             s.facts.held_by_others = True
-            return Transition.START_REFUSED, Finishing(s, clean_shm=False)
+            return Transition.START_REFUSED, Finishing(clean_shm=False)
         s.surroundings.reserve(owned)
-        return Transition.LOCKED, Stopping(s, self.discovery, self.decision)
+        return Transition.LOCKED, Stopping(self.discovery, self.decision)
 
 
 @dataclass(frozen=True)
 class Stopping:
-    state: RunState
     discovery: Discovery
     decision: Decision
     code: Stage = Stage.STOPPING
 
-    def step(self) -> Step:
-        s = self.state
+    def step(self, s: RunState) -> Step:
         discovery, decision, survivors = kill_rounds(s, self.discovery, self.decision)
         if survivors:
             survived(s, survivors)
             s.summary.held += [Held.of(c) for c in decision.blockers]
-            return Transition.SURVIVED, Finishing(s, clean_shm=True)
+            return Transition.SURVIVED, Finishing(clean_shm=True)
         if decision.blockers:
             s.summary.held = [Held.of(c) for c in decision.blockers]
             s.facts.held_by_others = True
             s.narrator.still_held()
-            return Transition.STILL_HELD, Finishing(s, clean_shm=True)
-        return Transition.STOPPED, Waiting(s, discovery, decision)
+            return Transition.STILL_HELD, Finishing(clean_shm=True)
+        return Transition.STOPPED, Waiting(discovery, decision)
 
 
 @dataclass(frozen=True)
 class Waiting:
-    state: RunState
     discovery: Discovery
     decision: Decision
     code: Stage = Stage.WAITING
 
-    def step(self) -> Step:
+    def step(self, s: RunState) -> Step:
         """For free GPUs and ports, killing what turns up meanwhile; then its outcome."""
-        s = self.state
         skipped = s.surroundings.not_to_wait_on(self.discovery.owned)
         owned = [gpu for gpu in self.discovery.owned if gpu not in skipped]
         if owned or s.ports:
@@ -362,7 +355,7 @@ class Waiting:
                 freed = s.used_before.get(gpu.index, 0) - s.driver.usage(gpu).used_mib
                 s.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
             judge_wait(s, owned, busy, ports, held=held)
-        return Transition.SETTLED, Finishing(s, clean_shm=True)
+        return Transition.SETTLED, Finishing(clean_shm=True)
 
 
 @dataclass(frozen=True)
@@ -370,13 +363,11 @@ class Finishing:
     """The shm step, the exit code, the surroundings' records (still under the locks) and
     the run's last entry."""
 
-    state: RunState
     clean_shm: bool
     would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would have killed
     code: Stage = Stage.FINISHING
 
-    def step(self) -> Step:
-        s = self.state
+    def step(self, s: RunState) -> Step:
         if self.clean_shm:
             clean_shm(s, self.would_kill)
         s.summary.exit_code = exit_code_for(s.facts)
