@@ -175,18 +175,11 @@ class HolderTable:
         return self.by_pid[pid]
 
 
-@dataclass
-class GpuState:
-    gpus: list[Gpu]  # those NVML could read
-    usage: dict[int, GpuUsage]
-    faults: list[GpuFault]
-    shm_areas: list[ShmArea] = field(default_factory=list)
-
-
 def read_gpus(
     driver: GpuDriver, wanted: GpuSelection | None, unit: str, *, strict_faults: bool
-) -> GpuState:
-    """Every GPU and its usage; a fault on one of the unit's own fails the run (strict)."""
+) -> tuple[list[Gpu], dict[int, GpuUsage], list[GpuFault]]:
+    """The GPUs NVML could read, their usage, the faults; a fault on one of the unit's own
+    fails the run (strict)."""
     gpus = list(driver.gpus())
     faults = list(driver.faults())
     if strict_faults:
@@ -202,7 +195,7 @@ def read_gpus(
             faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
-    return GpuState(gpus, usage, sorted(faults, key=lambda fault: fault.index))
+    return gpus, usage, sorted(faults, key=lambda fault: fault.index)
 
 
 @dataclass(frozen=True)
@@ -229,54 +222,53 @@ def discover(
 ) -> Discovery:
     """strict_faults: an NVML error on a GPU of the unit's fails the run (`status`: False);
     containers and ports: the config's, whose processes and listeners are the unit's too."""
-    unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
-    state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
-    state.shm_areas = find_areas(roots.dev, roots.proc)
+    gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
+    shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
         table = HolderTable(procfs, self_and_ancestors(procfs))
-        for pid in cgroup_members(roots.cgroup, unit_cgroup):
+        for pid in cgroup_members(roots.cgroup, sought.unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        scan = _add_device_users(table, roots, state, ports, (scanner, deadline))
-        invisible = _add_nvml_processes(table, state.usage)
+        listening = listening_sockets(roots.proc, ports)
+        listed = {process.pid for each in usage.values() for process in each.processes}
+        dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
+        scan = scanner(roots.proc, dev_prefix, listening, shm_areas, listed, deadline)
+        _add_device_users(table, roots.proc, gpus, faults, listening, scan)
+        invisible = _add_nvml_processes(table, usage)
         unit_containers = _containers(table, roots.cgroup, containers)
     return Discovery(
-        unit=unit,
-        unit_cgroup=unit_cgroup,
-        gpus=state.gpus,
-        owned=owned_gpus(wanted, state.gpus, sought.config_source),
-        usage=state.usage,
+        unit=sought.unit,
+        unit_cgroup=sought.unit_cgroup,
+        gpus=gpus,
+        owned=owned_gpus(sought.wanted, gpus, sought.config_source),
+        usage=usage,
         holders=table.by_pid,
         self_chain=table.self_chain,
         unreadable=scan.unreadable,
         invisible=invisible,
         unit_containers=unit_containers,
-        faults=state.faults,
+        faults=faults,
         shm=scan.shm,
-        shm_areas=state.shm_areas,
+        shm_areas=shm_areas,
         cut_short=scan.cut_short,
     )
 
 
 def _add_device_users(
     table: HolderTable,
-    roots: HostRoots,
-    state: GpuState,
-    ports: Collection[int],
-    scan_with: tuple[DeviceScanner, Deadline],
-) -> DeviceScan:
+    proc_root: Path,
+    gpus: list[Gpu],
+    faults: list[GpuFault],
+    listening: dict[int, int],
+    scan: DeviceScan,
+) -> None:
     """Holders of /dev/nvidia* and listeners on the unit's ports."""
-    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
-    for fault in state.faults:
+    index_by_minor = {gpu.minor: gpu.index for gpu in gpus if gpu.mig is None}
+    for fault in faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
         minor = fault.index if fault.minor is None else fault.minor
         index_by_minor.setdefault(minor, fault.index)
-    slice_by_cap = slice_of_cap_minor(roots.proc, state.gpus)
-    dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
-    listening = listening_sockets(roots.proc, ports)
-    scanner, deadline = scan_with
-    listed = {process.pid for usage in state.usage.values() for process in usage.processes}
-    scan = scanner(roots.proc, dev_prefix, listening, state.shm_areas, listed, deadline)
+    slice_by_cap = slice_of_cap_minor(proc_root, gpus)
     for pid, use in scan.users.items():
         if (found := table.get(pid)) is None:
             continue
@@ -297,7 +289,6 @@ def _add_device_users(
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
                 found.control_devices.add(name)
-    return scan
 
 
 def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:

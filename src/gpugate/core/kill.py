@@ -1,7 +1,6 @@
-"""Killing: SIGCONT and SIGTERM to every target at once, SIGKILL after the grace, then wait.
-Each target is pinned first (a pidfd, checked against the start time seen at discovery), so a
-recycled PID is never signalled. And respawners: parents, not taken themselves, whose killed
-children come back (a `while true` loop, a supervisor)."""
+"""SIGCONT and SIGTERM to every target at once, SIGKILL after the grace, each pinned first (a
+pidfd checked against the start time seen at discovery: a recycled PID is never signalled); and
+respawners, parents not taken themselves whose killed children come back (a `while true` loop)."""
 
 from __future__ import annotations
 
@@ -76,16 +75,15 @@ class PinnedProcess:
 def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     """Hold the process seen at discovery, or None if it is gone or its PID was reused."""
     try:
-        fd = os.pidfd_open(ident.pid)
+        fd: int | None = os.pidfd_open(ident.pid)
     except ProcessLookupError:
         return None
     except (AttributeError, OSError):
-        if not procfs.still_same(ident):
-            return None
-        return PinnedProcess(ident, procfs, None)
-    # The pidfd now names whichever process has the PID; keep it only if that is ours.
+        fd = None  # no pidfd: PinnedProcess checks the start time before each signal
+    # A pidfd names whichever process has the PID now; keep it only if that is ours.
     if not procfs.still_same(ident):
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         return None
     return PinnedProcess(ident, procfs, fd)
 
