@@ -87,8 +87,7 @@ def decide(
     *,
     for_uid: int | None = None,
 ) -> Decision:
-    """earlier: this run's earlier roles (roles.holder_role); for_uid: the account a
-    `gpugate run` acts for."""
+    """earlier: this run's first roles (roles.holder_role); for_uid: `gpugate run`'s account."""
     policy = config.policy(phase)
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):

@@ -178,8 +178,7 @@ class HolderTable:
 def read_gpus(
     driver: GpuDriver, wanted: GpuSelection | None, unit: str, *, strict_faults: bool
 ) -> tuple[list[Gpu], dict[int, GpuUsage], list[GpuFault]]:
-    """The GPUs NVML could read, their usage, the faults; a fault on one of the unit's own
-    fails the run (strict)."""
+    """The GPUs NVML can read, their usage, the faults (strict: one of the unit's fails)."""
     gpus = list(driver.gpus())
     faults = list(driver.faults())
     if strict_faults:
@@ -310,8 +309,7 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
 
 
 def _containers(table: HolderTable, cgroup_root: Path, wanted: Sequence[str]) -> list[Container]:
-    """Names every holder's container; adds every process of the containers WANTED names
-    as the unit's, GPU holders or not. Returns those containers."""
+    """Names each holder's container; every process of a container WANTED names is the unit's."""
     holders = table.by_pid
     found: dict[str, Container] = {}
     for container in filter(None, (container_of_cgroup(h.info.cgroup) for h in holders.values())):
@@ -372,8 +370,7 @@ def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
 
 
 def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
-    """As a config names them: a whole GPU by index, a slice by UUID (not where its GPU is
-    among them)."""
+    """As a config names them: a whole GPU by index, a slice by UUID (unless its GPU is there)."""
     whole = {gpu.index for gpu in gpus if gpu.mig is None}
     return tuple(
         gpu.index if gpu.mig is None else gpu.uuid

@@ -178,8 +178,7 @@ class Respawner:
 
 
 class RespawnWatch:
-    """The parents of this run's targets that were not targets themselves; a new target
-    below one counts as one respawn."""
+    """Parents of the run's targets, not targets themselves; a new target below one respawns."""
 
     def __init__(self) -> None:
         self.watched: dict[ProcessId, Respawner] = {}

@@ -36,8 +36,7 @@ def role_of(
     member: bool = False,
     own_container: bool = False,
 ) -> Role:
-    """member: listed in the unit's cgroup.procs; own_container: in a container the unit's
-    config names."""
+    """member: in the unit's cgroup.procs; own_container: in a container its config names."""
     # A unit name counts only where PID 1 made it: a user unit may take any name.
     cgroup = info.cgroup or "/"
     unit = system_unit_of_cgroup(cgroup)

@@ -112,8 +112,7 @@ class RunState:
         return list(self._transitions)
 
     def enter(self, stage: Stage | None, via: Transition | None = None) -> None:
-        """The one way the run changes stage; via: the edge it leaves by (None: the first);
-        stage None: the run ends."""
+        """The one way the stage changes; via: the edge left (None: the first); None: the end."""
         if via is not None:
             self._transitions.append((self._progress.stage, via))
         if stage is not None:
@@ -284,8 +283,7 @@ class Looking:
 
 @dataclass(frozen=True)
 class Locking:
-    """The per-GPU locks, held until the run is over; under them the surroundings may refuse
-    the start, else reserve what it will hold."""
+    """The per-GPU locks, held to the run's end; under them a start is refused or reserved."""
 
     discovery: Discovery
     decision: Decision
@@ -360,8 +358,7 @@ class Waiting:
 
 @dataclass(frozen=True)
 class Finishing:
-    """The shm step, the exit code, the surroundings' records (still under the locks) and
-    the run's last entry."""
+    """The shm step, the exit code, the surroundings' records (locks held), the last entry."""
 
     clean_shm: bool
     would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would have killed
