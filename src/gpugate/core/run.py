@@ -4,7 +4,6 @@ stage's `step()` returning its transition and the next stage; `RunState.enter` c
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -12,7 +11,6 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from gpugate.config.file import LoadedConfig
-from gpugate.config.values import GpuSelection
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
@@ -87,7 +85,8 @@ class RunState:
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
         self.facts = RunFacts()
-        self.wanted: GpuSelection | None = self.config.selection()  # None: no GPU (degraded)
+        selection = self.config.selection()  # None when degraded: no GPU
+        self.sought = Sought(scope.unit, scope.unit_cgroup, selection, self.loaded.source)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
@@ -134,17 +133,14 @@ class RunState:
                 raise error
             self.narrator.degraded(error, self.scope.phase.value)
         self.summary.degraded = True
-        self.wanted = None
+        self.sought = replace(self.sought, wanted=None)
         self.driver = NoGpus()
 
     def find(self) -> tuple[Discovery, Decision]:
         """One round: discovery and decision over one consistent reading of /proc."""
         with self.procfs.oneshot():
-            sought = Sought(
-                self.scope.unit, self.scope.unit_cgroup, self.wanted, self.loaded.source
-            )
             found = discover(
-                sought,
+                self.sought,
                 driver=self.driver,
                 procfs=self.procfs,
                 roots=self.deps.roots,
@@ -178,6 +174,15 @@ class RunState:
 
     def fresh(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
+
+    def shm_label(self, pid: int) -> str:
+        if pid in self.shm_labels:
+            return self.shm_labels[pid]
+        info = self.procfs.info(pid)
+        if info is None:
+            return f"PID {pid}"
+        unit = unit_of_cgroup(info.cgroup or "/")
+        return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
 
 
 class PhaseRun(RunState):
@@ -497,7 +502,7 @@ def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None
     """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
     before a start, the free space the next start needs."""
     host = state.deps.shm_host(state.shm_areas, state.deps.roots.proc)
-    label = functools.partial(shm_label, state)
+    label = state.shm_label
     freed = 0
     if state.policy.remove_shm:
         if would_kill is not None:
@@ -521,16 +526,6 @@ def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None
             holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
         state.narrator.shm_short(short, holders, label)
         state.facts.shm_short = True
-
-
-def shm_label(state: RunState, pid: int) -> str:
-    if pid in state.shm_labels:
-        return state.shm_labels[pid]
-    info = state.procfs.info(pid)
-    if info is None:
-        return f"PID {pid}"
-    unit = unit_of_cgroup(info.cgroup or "/")
-    return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
 
 
 # What turns up in the wait (an unknown PID on NVML's list, a held port, a respawn) is looked
