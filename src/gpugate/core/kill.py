@@ -96,10 +96,9 @@ class KillResult:
     survivors: list[ProcessId] = field(default_factory=list)  # alive at the deadline
 
 
-Clock = Callable[[], float]
-
-
-def wait_exited(processes: Iterable[Pinned], until: float, clock: Clock = time.monotonic) -> None:
+def wait_exited(
+    processes: Iterable[Pinned], until: float, clock: Callable[[], float] = time.monotonic
+) -> None:
     """Until every process has exited or `until` passes (pidfds poll, others sleep)."""
     pending = [proc for proc in processes if not proc.exited()]
     delay = 0.005
@@ -129,7 +128,7 @@ def terminate(
     on_sigkill_wait: Callable[[list[ProcessId]], None] = lambda idents: None,
     sigkill_wait_s: float = 5.0,
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
-    clock: Clock = time.monotonic,
+    clock: Callable[[], float] = time.monotonic,
 ) -> KillResult:
     result = KillResult()
     pinned: list[Pinned] = []
@@ -185,14 +184,13 @@ class RespawnWatch:
 
     def killed(
         self,
-        choices: Iterable[Choice],
+        choices: list[Choice],
         taken: Collection[ProcessId],
         tree: ProcessTree,
         *,
         self_chain: Collection[int],
     ) -> None:
         """After a kill round: count respawns, then watch the parents (never self_chain)."""
-        choices = list(choices)
         parents = (self._watched_ancestor(c.holder.info, tree) for c in choices)
         for parent in {p.info.ident: p for p in parents if p is not None}.values():
             parent.respawns += 1
@@ -212,11 +210,9 @@ class RespawnWatch:
             watched.newest_killed_start = max(watched.newest_killed_start, info.start_time)
 
     def _watched_ancestor(self, info: ProcInfo, tree: ProcessTree) -> Respawner | None:
-        current: ProcInfo | None = info
+        current = info
         for _ in range(MAX_ANCESTRY):
-            if current is None or current.pid <= 1:
-                return None
-            parent = tree.info(current.ppid)
+            parent = tree.info(current.ppid) if current.pid > 1 else None
             if parent is None:
                 return None
             watched = self.watched.get(parent.ident)

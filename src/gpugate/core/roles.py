@@ -108,12 +108,9 @@ class ProcessTree(Protocol):
     def children(self, pid: int) -> list[int]: ...
 
 
-def _outside(
-    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: Config
-) -> bool:
+def _outside(candidate: ProcInfo, holder: ProcInfo, discovery: Discovery, config: Config) -> bool:
     return (
-        candidate is None
-        or candidate.pid <= 1
+        candidate.pid <= 1
         or candidate.kernel_thread
         or candidate.pid in discovery.self_chain
         or candidate.cgroup != holder.cgroup
@@ -136,9 +133,9 @@ def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
 def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
     """parent launches more than one application: a job-control shell or a terminal host (by
     any of its children), an orphan-adopting subreaper, a supervisor of sessions."""
-    if _hosts_terminals(parent, tree):
-        return True
     kids = [kid for kid in map(tree.info, tree.children(parent.pid)) if kid is not None]
+    if any(_leads_terminal_session(kid) for kid in kids):
+        return True
     # A job-control shell starts each job in a process group of its own: any child says so.
     if any(k.session == parent.session and k.pgrp != parent.pgrp for k in [child, *kids]):
         return True
