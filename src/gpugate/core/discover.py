@@ -142,14 +142,13 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
     pids: list[int] = []
     for directory, _, files in os.walk(top):
         if "cgroup.procs" in files:
+            procs = Path(directory, "cgroup.procs")
             try:
-                text = Path(directory, "cgroup.procs").read_text()
+                text = procs.read_text()
             except FileNotFoundError:
                 continue  # removed while we walked
             except PermissionError:
-                raise PermissionDenied(
-                    f"{Path(directory, 'cgroup.procs')}: permission denied"
-                ) from None
+                raise PermissionDenied(f"{procs}: permission denied") from None
             pids.extend(int(line) for line in text.split())
     return pids
 
@@ -390,12 +389,9 @@ def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     if exact:
         return exact[0]
     if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
-        mig_gpus = [gpu.index for gpu in gpus if gpu.mig_mode]
+        no_mig = "" if any(gpu.mig_mode for gpu in gpus) else " (no GPU is in MIG mode)"
         raise ConfigError(
-            source,
-            "gpus",
-            (f"no MIG device has UUID {echo(ref, quote=False)}")
-            + ("" if mig_gpus else " (no GPU is in MIG mode)"),
+            source, "gpus", f"no MIG device has UUID {echo(ref, quote=False)}{no_mig}"
         )
     return _by_prefix(ref, among, source)
 
@@ -404,10 +400,9 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     """MIG-GPU-<uuid>/<gi>/<ci>: the slice of that GPU with those instance ids."""
     parent_uuid, gi, ci = legacy
     parent = _by_prefix(parent_uuid, [gpu for gpu in gpus if gpu.mig is None], source)
+    shown = echo(ref, quote=False)
     if not parent.mig_mode:
-        raise ConfigError(
-            source, "gpus", (f"{echo(ref, quote=False)}: GPU {parent.index} is not in MIG mode")
-        )
+        raise ConfigError(source, "gpus", f"{shown}: GPU {parent.index} is not in MIG mode")
     slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
     for gpu in slices:
         if gpu.shown == f"{parent.index}/{gi}/{ci}":
@@ -415,7 +410,7 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     raise ConfigError(
         source,
         "gpus",
-        f"{echo(ref, quote=False)}: GPU {parent.index} has no MIG device with GPU instance "
+        f"{shown}: GPU {parent.index} has no MIG device with GPU instance "
         f"{gi} and compute instance {ci} (it has {', '.join(g.shown for g in slices) or 'none'})",
     )
 
@@ -423,12 +418,11 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
 def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    shown = echo(ref, quote=False)
     if not matches:
-        raise ConfigError(source, "gpus", f"no GPU has UUID {echo(ref, quote=False)}")
+        raise ConfigError(source, "gpus", f"no GPU has UUID {shown}")
     if len(matches) > 1:
-        raise ConfigError(
-            source, "gpus", f"{echo(ref, quote=False)} is the start of more than one GPU's UUID"
-        )
+        raise ConfigError(source, "gpus", f"{shown} is the start of more than one GPU's UUID")
     return matches[0]
 
 
