@@ -192,10 +192,8 @@ class PhaseRun(RunState):
         """An error but a manual run's refusal is told to the surroundings, locks released."""
         try:
             self._run()
-        except ManualRunRefused:
-            raise
         except GateError as exc:
-            if not self.dry_run:
+            if not self.dry_run and not isinstance(exc, ManualRunRefused):
                 self.surroundings.after_error(exc, self.progress)
             raise
         return self.summary
@@ -560,9 +558,7 @@ def waited_on(state: RunState, busy: list[BusyGpu], left_s: float) -> None:
     state.narrator.extend_timeout(left_s + TIMEOUT_MARGIN_S)
 
 
-def wait_settled(
-    state: RunState, owned: list[Gpu], sleep: Callable[[float], None] = time.sleep
-) -> tuple[list[BusyGpu], list[int], bool]:
+def wait_settled(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], bool]:
     """Poll (5 ms backing off to 50 ms) until the GPUs and ports are free and no respawn is
     under way, or the deadline: the GPUs and ports still held, and whether any is."""
     clock, deadline = state.clock, state.deadline
@@ -594,5 +590,5 @@ def wait_settled(
         if now >= next_progress:
             waited_on(state, busy, deadline - now)
             next_progress = now + PROGRESS_EVERY_S
-        sleep(min(interval, max(deadline - now, 0)))
+        time.sleep(min(interval, max(deadline - now, 0)))
         interval = min(interval * 1.5, MAX_POLL_S)
