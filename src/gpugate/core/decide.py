@@ -159,15 +159,13 @@ def _add_app_trees(
     ]
     for seed in seeds:
         members = app_tree(seed.holder.info, tree, discovery, config)
-        foreign = [
-            pid
-            for pid in members
-            if pid in discovery.holders
+        # Not where taking the rest of this application would reach GPUs the unit does not own.
+        if any(
+            pid in discovery.holders
             and pid not in watchers
             and discovery.holders[pid].using - owned
-        ]
-        if foreign:
-            # Taking the rest of this application would reach GPUs the unit does not own.
+            for pid in members
+        ):
             continue
         for pid, info in members.items():
             if pid in chosen:
