@@ -90,7 +90,6 @@ def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
 
 @dataclass
 class KillResult:
-    gone_before: list[ProcessId] = field(default_factory=list)  # exited or PID reused first
     terminated: list[ProcessId] = field(default_factory=list)  # ended within the grace
     killed: list[ProcessId] = field(default_factory=list)  # needed SIGKILL
     survivors: list[ProcessId] = field(default_factory=list)  # alive at the deadline
@@ -130,14 +129,8 @@ def terminate(
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
 ) -> KillResult:
-    result = KillResult()
-    pinned: list[Pinned] = []
-    for ident in targets:
-        proc = pinner(ident, procfs)
-        if proc is None:
-            result.gone_before.append(ident)
-        else:
-            pinned.append(proc)
+    result = KillResult()  # a target gone or its PID reused before pinning is in no list
+    pinned = [proc for ident in targets if (proc := pinner(ident, procfs)) is not None]
     try:
         # A stopped process cannot act on SIGTERM: continue it first (psutil does the same).
         for proc in pinned:
