@@ -325,7 +325,6 @@ class Stopping:
     def step(self, s: RunState) -> Step:
         discovery, decision, survivors = kill_rounds(s, self.discovery, self.decision)
         if survivors:
-            survived(s, survivors)
             s.summary.held += [Held.of(c) for c in decision.blockers]
             return Transition.SURVIVED, Finishing(clean_shm=True)
         if decision.blockers:
@@ -386,7 +385,7 @@ class Finishing:
 def kill_rounds(
     state: RunState, discovery: Discovery, decision: Decision
 ) -> tuple[Discovery, Decision, list[ProcessId]]:
-    """Kill the targets; rediscover and repeat while new ones appear (forks)."""
+    """Kill the targets; rediscover and repeat while new ones appear (forks); the survivors."""
     kill_started = state.clock()
     if state.scope.phase.traits.stops_containers and discovery.unit_containers:
         # The unit's own containers stop through their runtime first (it records them as
@@ -409,6 +408,10 @@ def kill_rounds(
     state.summary.seconds_kill += state.clock() - kill_started
     for ident in survivors:
         state.narrator.survivor(state.signalled[ident])
+    if survivors:
+        state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
+        state.facts.survivors = True
+        state.narrator.survived(len(survivors))
     return discovery, decision, survivors
 
 
@@ -438,12 +441,6 @@ def kill_round(
     )
     state.summary.killed.extend(result.terminated + result.killed)
     return result.survivors
-
-
-def survived(state: RunState, survivors: list[ProcessId]) -> None:
-    state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
-    state.facts.survivors = True
-    state.narrator.survived(len(survivors))
 
 
 def on_stuck(state: RunState, choices: list[Choice]) -> None:
@@ -489,8 +486,6 @@ def look_again(state: RunState) -> bool:
     state.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
     state.enter(Stage.STOPPING, Transition.RESPAWNED)
     _, _, survivors = kill_rounds(state, discovery, decision)
-    if survivors:
-        survived(state, survivors)
     # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
     state.enter(Stage.WAITING, Transition.SURVIVED if survivors else Transition.STOPPED)
     return True
