@@ -81,7 +81,7 @@ def test_progress_is_the_stage_last_entered_on_every_path(host: FakeHost) -> Non
 
 class RespawnsInTheWait(FakeGpuMemory):
     """Once the unit's first process is gone, a new one of the unit takes GPU 0 (once), when
-    the wait asks (core.wait.busy_gpus): a respawn the kill rounds did not see."""
+    the wait asks (core.run.look): a respawn the kill rounds did not see."""
 
     host: FakeHost | None = None
     first: int = 0
