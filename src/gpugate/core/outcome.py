@@ -158,8 +158,7 @@ StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
 class Surroundings:
-    """What surrounds a run (integrations/: a unit's, a job's, a container's). Each default is
-    the plain case: nothing around the run, no claims, no records, nothing refused."""
+    """What surrounds a run (integrations/); each default is the plain case: nothing refused."""
 
     loaded: LoadedConfig  # the config the run uses: its GPUs resolved to what it is about
 

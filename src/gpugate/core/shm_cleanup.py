@@ -1,6 +1,5 @@
-"""Which /dev/shm files a killed application leaves go, by evidence, never by name: held
-or mapped by a process this run killed, removable by its account, held by no one else, and
-still the same file (device and inode) right before the unlink. Why a file stays is a `Kept`."""
+"""A killed application's /dev/shm files go by evidence, never by name: held or mapped by one it
+killed, removable by its account, held by no one else, the same inode right before the unlink."""
 
 from __future__ import annotations
 
