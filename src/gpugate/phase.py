@@ -1,5 +1,4 @@
-"""The four phases and what each one does: code asks a phase's traits
-(`phase.traits.takes_lease`), never its name."""
+"""The four phases and what each does: code asks a phase's traits, never its name."""
 
 from __future__ import annotations
 
@@ -9,8 +8,6 @@ from enum import Enum
 
 @dataclass(frozen=True)
 class PhaseTraits:
-    """What a phase does; a trait a phase does not name is False."""
-
     before_start: bool = False  # the workload starts next: /dev/shm must have its shm_min_free_mib
     kills_orphans: bool = False  # the default of [phase].kill_orphans (and of kill_app_tree)
     checks_ports: bool = False  # the unit's `ports` are holders too: only before a unit starts

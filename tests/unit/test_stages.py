@@ -81,7 +81,7 @@ def test_progress_is_the_stage_last_entered_on_every_path(host: FakeHost) -> Non
 
 class RespawnsInTheWait(FakeGpuMemory):
     """Once the unit's first process is gone, a new one of the unit takes GPU 0 (once), when
-    the wait asks (core.wait.busy_gpus): a respawn the kill rounds did not see."""
+    the wait asks (core.run.look): a respawn the kill rounds did not see."""
 
     host: FakeHost | None = None
     first: int = 0
@@ -90,7 +90,7 @@ class RespawnsInTheWait(FakeGpuMemory):
     def usage(self, gpu: Gpu) -> GpuUsage:
         host = self.host
         asker = sys._getframe(1).f_code.co_name
-        if host and not self.second and asker == "busy_gpus" and not alive(self.first):
+        if host and not self.second and asker == "look" and not alive(self.first):
             (self.second,) = host.pool.holder(host.gpu_files(0))
             host.put_in_unit(self.second)
             self.claim(self.second, {0}, 3000)

@@ -9,7 +9,7 @@ from enum import Enum
 
 from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.roles import ProcessTree, Role, app_tree, stable_role
+from gpugate.core.roles import ProcessTree, Role, app_tree, holder_role
 from gpugate.host.scan import ProcessId
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.phase import Phase
@@ -57,20 +57,17 @@ class Choice:
 class Decision:
     choices: list[Choice] = field(default_factory=list)
 
-    def _with(self, verdict: Verdict) -> list[Choice]:
-        return [choice for choice in self.choices if choice.verdict is verdict]
-
     @property
     def targets(self) -> list[Choice]:
-        return self._with(Verdict.KILL)
+        return [choice for choice in self.choices if choice.verdict is Verdict.KILL]
 
     @property
     def blockers(self) -> list[Choice]:
-        return self._with(Verdict.BLOCK)
+        return [choice for choice in self.choices if choice.verdict is Verdict.BLOCK]
 
     @property
     def spared(self) -> list[Choice]:
-        return self._with(Verdict.SPARE)
+        return [choice for choice in self.choices if choice.verdict is Verdict.SPARE]
 
     @property
     def refused(self) -> bool:
@@ -90,32 +87,30 @@ def decide(
     *,
     for_uid: int | None = None,
 ) -> Decision:
-    """earlier: this run's earlier roles (roles.stable_role); for_uid: the account a
-    `gpugate run` acts for (`for_account`)."""
+    """earlier: this run's first roles (roles.holder_role); for_uid: `gpugate run`'s account."""
     policy = config.policy(phase)
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
-        role = stable_role(holder, discovery, config, earlier or {})
+        role = holder_role(holder, discovery, config, earlier)
         decision.choices.append(choose(holder, role, discovery, config, policy.kill_orphans))
     if policy.kill_app_tree:
         _add_app_trees(decision, discovery, config, tree)
     if for_uid is not None:
-        decision.choices = [for_account(choice, for_uid) for choice in decision.choices]
+        # A run for an account kills only what kill(2) lets that account signal (its real
+        # uid); anything else is refused. The unit's own cgroup stays the unit's: only
+        # systemd puts processes there.
+        decision.choices = [
+            replace(choice, verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=for_uid)
+            if choice.verdict is Verdict.KILL
+            and choice.rule is not Rule.CGROUP
+            and choice.holder.info.uid != for_uid
+            else choice
+            for choice in decision.choices
+        ]
     return decision
-
-
-def for_account(choice: Choice, uid: int) -> Choice:
-    """A run for an account kills only what kill(2) lets that account signal (its real uid);
-    anything else is refused. The unit's own cgroup stays the unit's: only systemd puts
-    processes there."""
-    if choice.verdict is not Verdict.KILL or choice.rule is Rule.CGROUP:
-        return choice
-    if choice.holder.info.uid == uid:
-        return choice
-    return replace(choice, verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=uid)
 
 
 def choose(
@@ -164,15 +159,13 @@ def _add_app_trees(
     ]
     for seed in seeds:
         members = app_tree(seed.holder.info, tree, discovery, config)
-        foreign = [
-            pid
-            for pid in members
-            if pid in discovery.holders
+        # Not where taking the rest of this application would reach GPUs the unit does not own.
+        if any(
+            pid in discovery.holders
             and pid not in watchers
             and discovery.holders[pid].using - owned
-        ]
-        if foreign:
-            # Taking the rest of this application would reach GPUs the unit does not own.
+            for pid in members
+        ):
             continue
         for pid, info in members.items():
             if pid in chosen:
@@ -183,16 +176,10 @@ def _add_app_trees(
             holder = discovery.holders.get(pid) or Holder(info)
             holder.sources.add(Source.APP_TREE)
             on_owned = tuple(sorted(holder.using & owned))
-            decision.choices.append(
-                Choice(
-                    holder,
-                    seed.role,
-                    Verdict.KILL,
-                    Rule.APP_TREE,
-                    on_owned,
-                    seed_pid=seed.holder.pid,
-                )
+            member = Choice(
+                holder, seed.role, Verdict.KILL, Rule.APP_TREE, on_owned, seed_pid=seed.holder.pid
             )
+            decision.choices.append(member)
 
 
 def spared_for_good(decision: Decision) -> set[int]:

@@ -1,6 +1,5 @@
-"""Discovery: every process that holds the unit's GPUs, and how each one was found (the
-unit's cgroup and containers, /proc/PID/fd and maps naming /dev/nvidiaN, NVML's lists). A MIG
-slice is a GPU of its own (host.nvml.mig_key); its /dev/nvidiaN ties a process to the whole GPU."""
+"""Every process that holds the unit's GPUs and how it was found (the unit's cgroup and
+containers, /proc/PID/fd and maps naming /dev/nvidiaN, NVML's lists); the GPUs the unit owns."""
 
 from __future__ import annotations
 
@@ -127,9 +126,9 @@ class Discovery:
         )
 
 
-def self_and_ancestors(procfs: ProcFs, pid: int | None = None) -> frozenset[int]:
+def self_and_ancestors(procfs: ProcFs) -> frozenset[int]:
     chain: set[int] = set()
-    current: int | None = os.getpid() if pid is None else pid
+    current: int | None = os.getpid()
     while current and current not in chain:
         chain.add(current)
         info = procfs.stat(current)
@@ -143,14 +142,13 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
     pids: list[int] = []
     for directory, _, files in os.walk(top):
         if "cgroup.procs" in files:
+            procs = Path(directory, "cgroup.procs")
             try:
-                text = Path(directory, "cgroup.procs").read_text()
+                text = procs.read_text()
             except FileNotFoundError:
                 continue  # removed while we walked
             except PermissionError:
-                raise PermissionDenied(
-                    f"{Path(directory, 'cgroup.procs')}: permission denied"
-                ) from None
+                raise PermissionDenied(f"{procs}: permission denied") from None
             pids.extend(int(line) for line in text.split())
     return pids
 
@@ -176,18 +174,10 @@ class HolderTable:
         return self.by_pid[pid]
 
 
-@dataclass
-class GpuState:
-    gpus: list[Gpu]  # those NVML could read
-    usage: dict[int, GpuUsage]
-    faults: list[GpuFault]
-    shm_areas: list[ShmArea] = field(default_factory=list)
-
-
 def read_gpus(
     driver: GpuDriver, wanted: GpuSelection | None, unit: str, *, strict_faults: bool
-) -> GpuState:
-    """Every GPU and its usage; a fault on one of the unit's own fails the run (strict)."""
+) -> tuple[list[Gpu], dict[int, GpuUsage], list[GpuFault]]:
+    """The GPUs NVML can read, their usage, the faults (strict: one of the unit's fails)."""
     gpus = list(driver.gpus())
     faults = list(driver.faults())
     if strict_faults:
@@ -203,7 +193,7 @@ def read_gpus(
             faults.append(GpuFault(gpu.index, exc, gpu.uuid, gpu.minor))
     if strict_faults:
         fail_on_owned_faults(wanted, gpus, faults, unit)
-    return GpuState(gpus, usage, sorted(faults, key=lambda fault: fault.index))
+    return gpus, usage, sorted(faults, key=lambda fault: fault.index)
 
 
 @dataclass(frozen=True)
@@ -223,7 +213,6 @@ def discover(
     procfs: ProcFs,
     roots: HostRoots,
     containers: Sequence[str] = (),
-    container_names: ContainerNames | None = None,
     strict_faults: bool = True,
     ports: Collection[int] = (),
     deadline: Deadline = NO_DEADLINE,
@@ -231,56 +220,53 @@ def discover(
 ) -> Discovery:
     """strict_faults: an NVML error on a GPU of the unit's fails the run (`status`: False);
     containers and ports: the config's, whose processes and listeners are the unit's too."""
-    unit, unit_cgroup, wanted = sought.unit, sought.unit_cgroup, sought.wanted
-    state = read_gpus(driver, wanted, unit, strict_faults=strict_faults)
-    state.shm_areas = find_areas(roots.dev, roots.proc)
+    gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
+    shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
         table = HolderTable(procfs, self_and_ancestors(procfs))
-        for pid in cgroup_members(roots.cgroup, unit_cgroup):
+        for pid in cgroup_members(roots.cgroup, sought.unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        scan = _add_device_users(table, roots, state, ports, (scanner, deadline))
-        invisible = _add_nvml_processes(table, state.usage)
-        unit_containers = _containers(
-            table, roots=roots, wanted=containers, names=container_names or ContainerNames()
-        )
+        listening = listening_sockets(roots.proc, ports)
+        listed = {process.pid for each in usage.values() for process in each.processes}
+        dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
+        scan = scanner(roots.proc, dev_prefix, listening, shm_areas, listed, deadline)
+        _add_device_users(table, roots.proc, gpus, faults, listening, scan)
+        invisible = _add_nvml_processes(table, usage)
+        unit_containers = _containers(table, roots.cgroup, containers)
     return Discovery(
-        unit=unit,
-        unit_cgroup=unit_cgroup,
-        gpus=state.gpus,
-        owned=owned_gpus(wanted, state.gpus, sought.config_source),
-        usage=state.usage,
+        unit=sought.unit,
+        unit_cgroup=sought.unit_cgroup,
+        gpus=gpus,
+        owned=owned_gpus(sought.wanted, gpus, sought.config_source),
+        usage=usage,
         holders=table.by_pid,
         self_chain=table.self_chain,
         unreadable=scan.unreadable,
         invisible=invisible,
         unit_containers=unit_containers,
-        faults=state.faults,
+        faults=faults,
         shm=scan.shm,
-        shm_areas=state.shm_areas,
+        shm_areas=shm_areas,
         cut_short=scan.cut_short,
     )
 
 
 def _add_device_users(
     table: HolderTable,
-    roots: HostRoots,
-    state: GpuState,
-    ports: Collection[int],
-    scan_with: tuple[DeviceScanner, Deadline],
-) -> DeviceScan:
+    proc_root: Path,
+    gpus: list[Gpu],
+    faults: list[GpuFault],
+    listening: dict[int, int],
+    scan: DeviceScan,
+) -> None:
     """Holders of /dev/nvidia* and listeners on the unit's ports."""
-    index_by_minor = {gpu.minor: gpu.index for gpu in state.gpus if gpu.mig is None}
-    for fault in state.faults:
+    index_by_minor = {gpu.minor: gpu.index for gpu in gpus if gpu.mig is None}
+    for fault in faults:
         # NVML may not even say a lost GPU's minor: the driver numbers them in index order.
         minor = fault.index if fault.minor is None else fault.minor
         index_by_minor.setdefault(minor, fault.index)
-    slice_by_cap = slice_of_cap_minor(roots.proc, state.gpus)
-    dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
-    listening = listening_sockets(roots.proc, ports)
-    scanner, deadline = scan_with
-    listed = {process.pid for usage in state.usage.values() for process in usage.processes}
-    scan = scanner(roots.proc, dev_prefix, listening, state.shm_areas, listed, deadline)
+    slice_by_cap = slice_of_cap_minor(proc_root, gpus)
     for pid, use in scan.users.items():
         if (found := table.get(pid)) is None:
             continue
@@ -301,7 +287,6 @@ def _add_device_users(
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
                 found.control_devices.add(name)
-    return scan
 
 
 def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:
@@ -322,24 +307,21 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
     return invisible
 
 
-def _containers(
-    table: HolderTable, *, roots: HostRoots, wanted: Sequence[str], names: ContainerNames
-) -> list[Container]:
-    """Names every holder's container; adds every process of the containers WANTED names
-    as the unit's, GPU holders or not. Returns those containers."""
+def _containers(table: HolderTable, cgroup_root: Path, wanted: Sequence[str]) -> list[Container]:
+    """Names each holder's container; every process of a container WANTED names is the unit's."""
     holders = table.by_pid
     found: dict[str, Container] = {}
     for container in filter(None, (container_of_cgroup(h.info.cgroup) for h in holders.values())):
         found.setdefault(container.id, container)
     if wanted:
-        for container in container_scopes(roots.cgroup):
+        for container in container_scopes(cgroup_root):
             found.setdefault(container.id, container)
     if not found:
         return []
-    named = {container.id: container for container in names.named(list(found.values()))}
+    named = {c.id: c for c in ContainerNames().named(list(found.values()))}
     own = [c for c in named.values() if c.matches(wanted)]
     for container in own:
-        for pid in cgroup_members(roots.cgroup, container.scope):
+        for pid in cgroup_members(cgroup_root, container.scope):
             if (member := table.get(pid)) is not None:
                 member.sources.add(Source.CONTAINER)
                 member.container = container
@@ -361,7 +343,10 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
     for ref in wanted:
         if isinstance(ref, int):
             if ref not in by_index:
-                listed = _index_list([gpu.index for gpu in whole])
+                indices = [gpu.index for gpu in whole]
+                listed = "GPUs " + ", ".join(map(str, indices)) if indices else "no GPUs"
+                if indices and indices == list(range(indices[0], indices[-1] + 1)):
+                    listed = f"GPUs {indices[0]}-{indices[-1]}"
                 raise ConfigError(
                     source, "gpus", f"GPU index {ref} does not exist; NVML lists {listed}"
                 )
@@ -384,8 +369,7 @@ def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
 
 
 def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
-    """As a config names them: a whole GPU by index, a slice by UUID (not where its GPU is
-    among them)."""
+    """As a config names them: a whole GPU by index, a slice by UUID (unless its GPU is there)."""
     whole = {gpu.index for gpu in gpus if gpu.mig is None}
     return tuple(
         gpu.index if gpu.mig is None else gpu.uuid
@@ -405,12 +389,9 @@ def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     if exact:
         return exact[0]
     if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
-        mig_gpus = [gpu.index for gpu in gpus if gpu.mig_mode]
+        no_mig = "" if any(gpu.mig_mode for gpu in gpus) else " (no GPU is in MIG mode)"
         raise ConfigError(
-            source,
-            "gpus",
-            (f"no MIG device has UUID {echo(ref, quote=False)}")
-            + ("" if mig_gpus else " (no GPU is in MIG mode)"),
+            source, "gpus", f"no MIG device has UUID {echo(ref, quote=False)}{no_mig}"
         )
     return _by_prefix(ref, among, source)
 
@@ -419,10 +400,9 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     """MIG-GPU-<uuid>/<gi>/<ci>: the slice of that GPU with those instance ids."""
     parent_uuid, gi, ci = legacy
     parent = _by_prefix(parent_uuid, [gpu for gpu in gpus if gpu.mig is None], source)
+    shown = echo(ref, quote=False)
     if not parent.mig_mode:
-        raise ConfigError(
-            source, "gpus", (f"{echo(ref, quote=False)}: GPU {parent.index} is not in MIG mode")
-        )
+        raise ConfigError(source, "gpus", f"{shown}: GPU {parent.index} is not in MIG mode")
     slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
     for gpu in slices:
         if gpu.shown == f"{parent.index}/{gi}/{ci}":
@@ -430,7 +410,7 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     raise ConfigError(
         source,
         "gpus",
-        f"{echo(ref, quote=False)}: GPU {parent.index} has no MIG device with GPU instance "
+        f"{shown}: GPU {parent.index} has no MIG device with GPU instance "
         f"{gi} and compute instance {ci} (it has {', '.join(g.shown for g in slices) or 'none'})",
     )
 
@@ -438,12 +418,11 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
 def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    shown = echo(ref, quote=False)
     if not matches:
-        raise ConfigError(source, "gpus", f"no GPU has UUID {echo(ref, quote=False)}")
+        raise ConfigError(source, "gpus", f"no GPU has UUID {shown}")
     if len(matches) > 1:
-        raise ConfigError(
-            source, "gpus", f"{echo(ref, quote=False)} is the start of more than one GPU's UUID"
-        )
+        raise ConfigError(source, "gpus", f"{shown} is the start of more than one GPU's UUID")
     return matches[0]
 
 
@@ -469,11 +448,3 @@ def fail_on_owned_faults(
             f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} is not among "
             "those NVML can read"
         )
-
-
-def _index_list(indices: list[int]) -> str:
-    if not indices:
-        return "no GPUs"
-    if indices == list(range(indices[0], indices[-1] + 1)):
-        return f"GPUs {indices[0]}-{indices[-1]}"
-    return "GPUs " + ", ".join(map(str, indices))

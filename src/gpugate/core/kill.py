@@ -1,7 +1,6 @@
-"""Killing: SIGCONT and SIGTERM to every target at once, SIGKILL after the grace, then wait.
-Each target is pinned first (a pidfd, checked against the start time seen at discovery), so a
-recycled PID is never signalled. And respawners: parents, not taken themselves, whose killed
-children come back (a `while true` loop, a supervisor)."""
+"""SIGCONT and SIGTERM to every target at once, SIGKILL after the grace, each pinned first (a
+pidfd checked against the start time seen at discovery: a recycled PID is never signalled); and
+respawners, parents not taken themselves whose killed children come back (a `while true` loop)."""
 
 from __future__ import annotations
 
@@ -76,32 +75,29 @@ class PinnedProcess:
 def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     """Hold the process seen at discovery, or None if it is gone or its PID was reused."""
     try:
-        fd = os.pidfd_open(ident.pid)
+        fd: int | None = os.pidfd_open(ident.pid)
     except ProcessLookupError:
         return None
     except (AttributeError, OSError):
-        if not procfs.still_same(ident):
-            return None
-        return PinnedProcess(ident, procfs, None)
-    # The pidfd now names whichever process has the PID; keep it only if that is ours.
+        fd = None  # no pidfd: PinnedProcess checks the start time before each signal
+    # A pidfd names whichever process has the PID now; keep it only if that is ours.
     if not procfs.still_same(ident):
-        os.close(fd)
+        if fd is not None:
+            os.close(fd)
         return None
     return PinnedProcess(ident, procfs, fd)
 
 
 @dataclass
 class KillResult:
-    gone_before: list[ProcessId] = field(default_factory=list)  # exited or PID reused first
     terminated: list[ProcessId] = field(default_factory=list)  # ended within the grace
     killed: list[ProcessId] = field(default_factory=list)  # needed SIGKILL
     survivors: list[ProcessId] = field(default_factory=list)  # alive at the deadline
 
 
-Clock = Callable[[], float]
-
-
-def wait_exited(processes: Iterable[Pinned], until: float, clock: Clock = time.monotonic) -> None:
+def wait_exited(
+    processes: Iterable[Pinned], until: float, clock: Callable[[], float] = time.monotonic
+) -> None:
     """Until every process has exited or `until` passes (pidfds poll, others sleep)."""
     pending = [proc for proc in processes if not proc.exited()]
     delay = 0.005
@@ -131,16 +127,10 @@ def terminate(
     on_sigkill_wait: Callable[[list[ProcessId]], None] = lambda idents: None,
     sigkill_wait_s: float = 5.0,
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
-    clock: Clock = time.monotonic,
+    clock: Callable[[], float] = time.monotonic,
 ) -> KillResult:
-    result = KillResult()
-    pinned: list[Pinned] = []
-    for ident in targets:
-        proc = pinner(ident, procfs)
-        if proc is None:
-            result.gone_before.append(ident)
-        else:
-            pinned.append(proc)
+    result = KillResult()  # a target gone or its PID reused before pinning is in no list
+    pinned = [proc for ident in targets if (proc := pinner(ident, procfs)) is not None]
     try:
         # A stopped process cannot act on SIGTERM: continue it first (psutil does the same).
         for proc in pinned:
@@ -180,22 +170,20 @@ class Respawner:
 
 
 class RespawnWatch:
-    """The parents of this run's targets that were not targets themselves; a new target
-    below one counts as one respawn."""
+    """Parents of the run's targets, not targets themselves; a new target below one respawns."""
 
     def __init__(self) -> None:
         self.watched: dict[ProcessId, Respawner] = {}
 
     def killed(
         self,
-        choices: Iterable[Choice],
+        choices: list[Choice],
         taken: Collection[ProcessId],
         tree: ProcessTree,
         *,
         self_chain: Collection[int],
     ) -> None:
         """After a kill round: count respawns, then watch the parents (never self_chain)."""
-        choices = list(choices)
         parents = (self._watched_ancestor(c.holder.info, tree) for c in choices)
         for parent in {p.info.ident: p for p in parents if p is not None}.values():
             parent.respawns += 1
@@ -215,11 +203,9 @@ class RespawnWatch:
             watched.newest_killed_start = max(watched.newest_killed_start, info.start_time)
 
     def _watched_ancestor(self, info: ProcInfo, tree: ProcessTree) -> Respawner | None:
-        current: ProcInfo | None = info
+        current = info
         for _ in range(MAX_ANCESTRY):
-            if current is None or current.pid <= 1:
-                return None
-            parent = tree.info(current.ppid)
+            parent = tree.info(current.ppid) if current.pid > 1 else None
             if parent is None:
                 return None
             watched = self.watched.get(parent.ident)

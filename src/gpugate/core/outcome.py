@@ -1,6 +1,5 @@
-"""A run seen from outside the core: where it is (`Stage`, `Transition`, `Progress`), what
-it ended with (`RunSummary`, the exit precedence), and the protocols of what surrounds it
-(`Surroundings`, implemented in integrations/) and what it tells (`Narration`, report.narrate)."""
+"""A run seen from outside the core: where it is, what it ended with (the exit precedence), and
+what surrounds it (`Surroundings`, in integrations/) and what it tells (`Narration`, report/)."""
 
 from __future__ import annotations
 
@@ -87,11 +86,7 @@ PRECEDENCE = (
 
 
 def exit_code_for(facts: RunFacts) -> ExitCode:
-    """The first of PRECEDENCE whose fact holds, else OK."""
-    for name, code in PRECEDENCE:
-        if getattr(facts, name):
-            return code
-    return ExitCode.OK
+    return next((code for name, code in PRECEDENCE if getattr(facts, name)), ExitCode.OK)
 
 
 @dataclass
@@ -131,9 +126,7 @@ class Stage(StrEnum):
     FINISHING = "finishing"  # the shm step, the surroundings' records, the last entry
 
 
-class Transition(StrEnum):
-    """How a stage ended: the edge the run took."""
-
+class Transition(StrEnum):  # how a stage ended: the edge the run took
     FOUND = "found"  # looking -> locking
     REFUSED = "refused"  # looking -> finishing: another unit's processes hold the GPUs
     DRY_RUN = "dry-run"  # looking -> finishing
@@ -165,8 +158,7 @@ StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
 class Surroundings:
-    """What surrounds a run (integrations/: a unit's, a job's, a container's). Each default is
-    the plain case: nothing around the run, no claims, no records, nothing refused."""
+    """What surrounds a run (integrations/); each default is the plain case: nothing refused."""
 
     loaded: LoadedConfig  # the config the run uses: its GPUs resolved to what it is about
 

@@ -1,6 +1,5 @@
-"""Where each holder stands: in the unit's cgroup, in one of its containers, an orphan, in
-another unit, protected, or a watcher; and between starts (`gpugate sweep`, `status`), what
-owns it. Pure logic over what `discover` found."""
+"""Where each holder stands (the unit's cgroup or containers, an orphan, another unit,
+protected, a watcher) and, between starts (`gpugate sweep`, `status`), what owns it."""
 
 from __future__ import annotations
 
@@ -37,8 +36,7 @@ def role_of(
     member: bool = False,
     own_container: bool = False,
 ) -> Role:
-    """member: listed in the unit's cgroup.procs; own_container: in a container the unit's
-    config names."""
+    """member: in the unit's cgroup.procs; own_container: in a container its config names."""
     # A unit name counts only where PID 1 made it: a user unit may take any name.
     cgroup = info.cgroup or "/"
     unit = system_unit_of_cgroup(cgroup)
@@ -55,7 +53,15 @@ def role_of(
     return Role.ORPHAN
 
 
-def holder_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
+def holder_role(
+    holder: Holder,
+    discovery: Discovery,
+    config: Config,
+    earlier: Mapping[ProcessId, Role] | None = None,
+) -> Role:
+    """earlier: this run's first roles. A watcher earlier in this run stays one while NVML
+    lists it on no GPU: the driver frees a killed holder's memory late (seconds), listed for
+    nobody meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
     role = role_of(
         holder.info,
         discovery,
@@ -63,24 +69,12 @@ def holder_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
         member=Source.CGROUP in holder.sources,
         own_container=Source.CONTAINER in holder.sources and holder.container is not None,
     )
-    if role in (Role.ORPHAN, Role.OTHER_UNIT) and is_watcher(holder, discovery, config.free_mib):
+    if role not in (Role.ORPHAN, Role.OTHER_UNIT):
+        return role
+    if is_watcher(holder, discovery, config.free_mib):
         return Role.WATCHER
-    return role
-
-
-def stable_role(
-    holder: Holder, discovery: Discovery, config: Config, earlier: Mapping[ProcessId, Role]
-) -> Role:
-    """holder_role, but a watcher earlier in this run stays one while NVML lists it on no
-    GPU: the driver frees a killed holder's memory late (seconds), listed for nobody
-    meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
-    role = holder_role(holder, discovery, config)
-    if (
-        role in (Role.ORPHAN, Role.OTHER_UNIT)
-        and earlier.get(holder.info.ident) is Role.WATCHER
-        and Source.NVML not in holder.sources
-        and not holder.ports
-    ):
+    was_watcher = earlier is not None and earlier.get(holder.info.ident) is Role.WATCHER
+    if was_watcher and Source.NVML not in holder.sources and not holder.ports:
         return Role.WATCHER
     return role
 
@@ -114,12 +108,9 @@ class ProcessTree(Protocol):
     def children(self, pid: int) -> list[int]: ...
 
 
-def _outside(
-    candidate: ProcInfo | None, holder: ProcInfo, discovery: Discovery, config: Config
-) -> bool:
+def _outside(candidate: ProcInfo, holder: ProcInfo, discovery: Discovery, config: Config) -> bool:
     return (
-        candidate is None
-        or candidate.pid <= 1
+        candidate.pid <= 1
         or candidate.kernel_thread
         or candidate.pid in discovery.self_chain
         or candidate.cgroup != holder.cgroup
@@ -142,9 +133,9 @@ def _hosts_terminals(info: ProcInfo, tree: ProcessTree) -> bool:
 def _hosts(parent: ProcInfo, child: ProcInfo, tree: ProcessTree) -> bool:
     """parent launches more than one application: a job-control shell or a terminal host (by
     any of its children), an orphan-adopting subreaper, a supervisor of sessions."""
-    if _hosts_terminals(parent, tree):
-        return True
     kids = [kid for kid in map(tree.info, tree.children(parent.pid)) if kid is not None]
+    if any(_leads_terminal_session(kid) for kid in kids):
+        return True
     # A job-control shell starts each job in a process group of its own: any child says so.
     if any(k.session == parent.session and k.pgrp != parent.pgrp for k in [child, *kids]):
         return True
@@ -209,8 +200,7 @@ JOB_CGROUP = re.compile(r"/system\.slice/(?:[^/]+_)?slurmstepd\.scope/job_[0-9]+
 
 
 class Owner(StrEnum):
-    """Who owns a holder between starts: holder_role with no unit asked about, read once
-    more for what owns the process."""
+    """Who owns a holder between starts: holder_role with no unit asked about."""
 
     UNIT = "unit"  # an active systemd unit's cgroup (a leased one, `gpugate run`'s)
     JOB = "job"  # a Slurm job's cgroup

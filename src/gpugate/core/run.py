@@ -1,20 +1,16 @@
-"""One pre, post, prolog or epilog run, as a stage machine: looking -> locking -> stopping ->
-waiting -> finishing, each stage's `step()` returning its transition and the next stage;
-`RunState.enter` is the one way the stage changes. NVML failing with `on_nvml_error = "warn"`
-goes back to looking, with the unit's cgroup alone."""
+"""One phase run as a stage machine: looking -> locking -> stopping -> waiting -> finishing, each
+stage's `step()` returning its transition and the next stage; `RunState.enter` changes the stage."""
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Union
 
 from gpugate.config.file import LoadedConfig
-from gpugate.config.values import GpuSelection
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
@@ -48,8 +44,6 @@ MAX_ROUNDS = 5
 
 @dataclass(frozen=True)
 class RunScope:
-    """What one run is about; the one object that carries the phase and the unit."""
-
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
@@ -69,8 +63,7 @@ class RunDeps:
 
 
 class RunState:
-    """What the stages share: the config and deadline fixed when the run is made, the facts
-    and summary they fill in, who was signalled, one discovery round (`find`), the stage."""
+    """What the stages share; one discovery round (`find`); the stage (`enter`)."""
 
     def __init__(
         self,
@@ -92,7 +85,8 @@ class RunState:
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
         self.facts = RunFacts()
-        self.wanted: GpuSelection | None = self.config.selection()  # None: no GPU (degraded)
+        selection = self.config.selection()  # None when degraded: no GPU
+        self.sought = Sought(scope.unit, scope.unit_cgroup, selection, self.loaded.source)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
@@ -100,7 +94,7 @@ class RunState:
         self.watch = RespawnWatch()
         self.spared_pids: set[int] = set()  # protected, or on no GPU of the unit: not waited on
         self.reported_faults: set[int] = set()
-        self.judged: dict[ProcessId, Role] = {}  # first roles, for roles.stable_role
+        self.judged: dict[ProcessId, Role] = {}  # first roles, for roles.holder_role
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
@@ -116,14 +110,12 @@ class RunState:
     def transitions(self) -> list[tuple[Stage, Transition]]:
         return list(self._transitions)
 
-    def enter(self, stage: Stage, via: Transition | None = None) -> None:
-        """The one way the run changes stage; via: the edge it leaves by (None: the first)."""
+    def enter(self, stage: Stage | None, via: Transition | None = None) -> None:
+        """The one way the stage changes; via: the edge left (None: the first); None: the end."""
         if via is not None:
             self._transitions.append((self._progress.stage, via))
-        self._progress = Progress(stage, last_busy=self._progress.last_busy)
-
-    def end(self, via: Transition) -> None:
-        self._transitions.append((self._progress.stage, via))
+        if stage is not None:
+            self._progress = Progress(stage, last_busy=self._progress.last_busy)
 
     def note(self, **facts: Any) -> None:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
@@ -141,17 +133,14 @@ class RunState:
                 raise error
             self.narrator.degraded(error, self.scope.phase.value)
         self.summary.degraded = True
-        self.wanted = None
+        self.sought = replace(self.sought, wanted=None)
         self.driver = NoGpus()
 
     def find(self) -> tuple[Discovery, Decision]:
         """One round: discovery and decision over one consistent reading of /proc."""
         with self.procfs.oneshot():
-            sought = Sought(
-                self.scope.unit, self.scope.unit_cgroup, self.wanted, self.loaded.source
-            )
             found = discover(
-                sought,
+                self.sought,
                 driver=self.driver,
                 procfs=self.procfs,
                 roots=self.deps.roots,
@@ -186,6 +175,15 @@ class RunState:
     def fresh(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
+    def shm_label(self, pid: int) -> str:
+        if pid in self.shm_labels:
+            return self.shm_labels[pid]
+        info = self.procfs.info(pid)
+        if info is None:
+            return f"PID {pid}"
+        unit = unit_of_cgroup(info.cgroup or "/")
+        return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
+
 
 class PhaseRun(RunState):
     """The machine over its state (as supervisor's Subprocess is)."""
@@ -194,37 +192,32 @@ class PhaseRun(RunState):
         """An error but a manual run's refusal is told to the surroundings, locks released."""
         try:
             self._run()
-        except ManualRunRefused:
-            raise
         except GateError as exc:
-            if not self.dry_run:
+            if not self.dry_run and not isinstance(exc, ManualRunRefused):
                 self.surroundings.after_error(exc, self.progress)
             raise
         return self.summary
 
     def _run(self) -> None:
-        driver = self._open()
-        try:
-            driver.answer_by(self.deadline)  # one that stops answering ends the run
-            self.driver = driver
-            with self.locks:
-                self._go(Looking(self, announce=True))
-        finally:
-            driver.close()
-
-    def _open(self) -> GpuDriver:
+        driver: GpuDriver = NoGpus()
         hung = self.surroundings.driver_hung_earlier()
         if hung is not None:
             # This start's pre waited its deadline on a driver that did not answer: asking
             # again would hang post too. The cgroup still dies.
             self.narrator.nvml_skipped(hung, self.scope.phase.value)
             self.without_nvml()
-            return NoGpus()
+        else:
+            try:
+                driver = self.deps.driver_factory()
+            except NvmlUnavailable as exc:
+                self.without_nvml(exc)
         try:
-            return self.deps.driver_factory()
-        except NvmlUnavailable as exc:
-            self.without_nvml(exc)
-            return NoGpus()
+            driver.answer_by(self.deadline)  # one that stops answering ends the run
+            self.driver = driver
+            with self.locks:
+                self._go(Looking(announce=True))
+        finally:
+            driver.close()
 
     def _go(self, first: StageStep) -> None:
         self.enter(first.code)
@@ -232,38 +225,27 @@ class PhaseRun(RunState):
         while stage is not None:
             current = stage
             try:
-                transition, stage = current.step()
+                transition, stage = current.step(self)
             except NvmlUnavailable as exc:
                 self.locks.close()  # released before the run goes on without NVML
                 self.without_nvml(exc)
                 announce = isinstance(current, Looking) and current.announce
-                transition, stage = Transition.NVML_FAILED, Looking(self, announce=announce)
-            if stage is None:
-                self.end(transition)
-            else:
-                self.enter(stage.code, transition)
+                transition, stage = Transition.NVML_FAILED, Looking(announce=announce)
+            self.enter(None if stage is None else stage.code, transition)
 
 
-Step = tuple[Transition, Optional["StageStep"]]
-
-
-class StageStep(Protocol):
-    @property
-    def code(self) -> Stage: ...
-
-    def step(self) -> Step: ...
+StageStep = Union["Looking", "Locking", "Stopping", "Waiting", "Finishing"]
+Step = tuple[Transition, Optional[StageStep]]
 
 
 @dataclass(frozen=True)
 class Looking:
     """Discovery and decision (announce: not again after NVML failed once it was made)."""
 
-    state: RunState
     announce: bool
     code: Stage = Stage.LOOKING
 
-    def step(self) -> Step:
-        s = self.state
+    def step(self, s: RunState) -> Step:
         discovery, decision = s.find()  # the only NVML use in this stage: before announcing
         s.summary.seconds_discover = s.clock() - s.started
         s.summary.owned = list(discovery.owned)
@@ -287,37 +269,31 @@ class Looking:
         s.report_faults(discovery)
         s.narrator.blind_spots(discovery)
         s.narrator.choices(decision)
-        return self.next_stage(discovery, decision)
-
-    def next_stage(self, discovery: Discovery, decision: Decision) -> Step:
-        s = self.state
         if decision.refused:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
             s.summary.held = [Held.of(c) for c in decision.blockers]
             s.facts.held_by_others = True
-            return Transition.REFUSED, Finishing(s, clean_shm=False)
+            return Transition.REFUSED, Finishing(clean_shm=False)
         if s.dry_run:
             refused = s.surroundings.refuses_start(discovery.owned, dry_run=True)
             s.facts.held_by_others = bool(decision.blockers) or refused
             would_kill = frozenset(c.holder.pid for c in decision.targets)
             s.summary.would_kill = len(decision.targets)
-            return Transition.DRY_RUN, Finishing(s, clean_shm=True, would_kill=would_kill)
-        return Transition.FOUND, Locking(s, discovery, decision)
+            return Transition.DRY_RUN, Finishing(clean_shm=True, would_kill=would_kill)
+        return Transition.FOUND, Locking(discovery, decision)
 
 
 @dataclass(frozen=True)
 class Locking:
-    """The per-GPU locks, held until the run is over; under them the surroundings may refuse
-    the start, else reserve what it will hold."""
+    """The per-GPU locks, held to the run's end; under them a start is refused or reserved."""
 
-    state: RunState
     discovery: Discovery
     decision: Decision
     code: Stage = Stage.LOCKING
 
-    def step(self) -> Step:
-        s, owned = self.state, self.discovery.owned
+    def step(self, s: RunState) -> Step:
+        owned = self.discovery.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
         # After a stop (state not required), a lock that cannot be made is said, not fatal.
@@ -335,82 +311,72 @@ class Locking:
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
         if s.surroundings.refuses_start(owned, dry_run=False):
             s.facts.held_by_others = True
-            return Transition.START_REFUSED, Finishing(s, clean_shm=False)
+            return Transition.START_REFUSED, Finishing(clean_shm=False)
         s.surroundings.reserve(owned)
-        return Transition.LOCKED, Stopping(s, self.discovery, self.decision)
+        return Transition.LOCKED, Stopping(self.discovery, self.decision)
 
 
 @dataclass(frozen=True)
 class Stopping:
-    state: RunState
     discovery: Discovery
     decision: Decision
     code: Stage = Stage.STOPPING
 
-    def step(self) -> Step:
-        s = self.state
+    def step(self, s: RunState) -> Step:
         discovery, decision, survivors = kill_rounds(s, self.discovery, self.decision)
         if survivors:
-            survived(s, survivors)
             s.summary.held += [Held.of(c) for c in decision.blockers]
-            return Transition.SURVIVED, Finishing(s, clean_shm=True)
+            return Transition.SURVIVED, Finishing(clean_shm=True)
         if decision.blockers:
             s.summary.held = [Held.of(c) for c in decision.blockers]
             s.facts.held_by_others = True
             s.narrator.still_held()
-            return Transition.STILL_HELD, Finishing(s, clean_shm=True)
-        return Transition.STOPPED, Waiting(s, discovery, decision)
+            return Transition.STILL_HELD, Finishing(clean_shm=True)
+        return Transition.STOPPED, Waiting(discovery, decision)
 
 
 @dataclass(frozen=True)
 class Waiting:
-    state: RunState
     discovery: Discovery
     decision: Decision
     code: Stage = Stage.WAITING
 
-    def step(self) -> Step:
+    def step(self, s: RunState) -> Step:
         """For free GPUs and ports, killing what turns up meanwhile; then its outcome."""
-        s = self.state
         skipped = s.surroundings.not_to_wait_on(self.discovery.owned)
         owned = [gpu for gpu in self.discovery.owned if gpu not in skipped]
         if owned or s.ports:
             wait_started = s.clock()
             s.spared_pids = spared_for_good(self.decision)
-            settled = wait_settled(s, owned)
+            busy, ports, held = wait_settled(s, owned)
             s.summary.seconds_wait = s.clock() - wait_started
-            s.summary.busy = settled.busy
+            s.summary.busy = busy
             for gpu in owned:
                 freed = s.used_before.get(gpu.index, 0) - s.driver.usage(gpu).used_mib
                 s.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
-            judge_wait(s, settled, owned)
-        return Transition.SETTLED, Finishing(s, clean_shm=True)
+            judge_wait(s, owned, busy, ports, held=held)
+        return Transition.SETTLED, Finishing(clean_shm=True)
 
 
 @dataclass(frozen=True)
 class Finishing:
-    """The shm step, the exit code, the surroundings' records (still under the locks) and
-    the run's last entry."""
+    """The shm step, the exit code, the surroundings' records (locks held), the last entry."""
 
-    state: RunState
     clean_shm: bool
     would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would have killed
     code: Stage = Stage.FINISHING
 
-    def step(self) -> Step:
-        s = self.state
+    def step(self, s: RunState) -> Step:
         if self.clean_shm:
-            clean_shm(s, None if self.would_kill is None else set(self.would_kill))
+            clean_shm(s, self.would_kill)
         s.summary.exit_code = exit_code_for(s.facts)
-        if s.dry_run:
-            s.narrator.finished(s.summary)
-            return Transition.FINISHED, None
         # A lease first: one that cannot be written is the run's error (exit 73), never a
         # "success" and then an error. post's failed-pre reason comes last (systemctl status).
-        lease_first = s.scope.phase.traits.takes_lease
+        lease_first = s.scope.phase.traits.takes_lease and not s.dry_run
         if not lease_first:
             s.narrator.finished(s.summary)
-        s.surroundings.after_run(s.summary)
+        if not s.dry_run:
+            s.surroundings.after_run(s.summary)
         if lease_first:
             s.narrator.finished(s.summary)
         return Transition.FINISHED, None
@@ -419,10 +385,16 @@ class Finishing:
 def kill_rounds(
     state: RunState, discovery: Discovery, decision: Decision
 ) -> tuple[Discovery, Decision, list[ProcessId]]:
-    """Kill the targets; rediscover and repeat while new ones appear (forks)."""
+    """Kill the targets; rediscover and repeat while new ones appear (forks); the survivors."""
     kill_started = state.clock()
     if state.scope.phase.traits.stops_containers and discovery.unit_containers:
-        stop_unit_containers(state, discovery, decision)
+        # The unit's own containers stop through their runtime first (it records them as
+        # stopped); the pinned signals follow for any process that outlived it.
+        wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
+        containers = [c for c in discovery.unit_containers if c.id in wanted]
+        state.narrator.container_stopping(len(containers))
+        for stopped in stop_containers(containers, state.policy.sigterm_grace_s):
+            state.narrator.container_stopped(stopped)
     survivors: list[ProcessId] = []
     for round_number in range(1, MAX_ROUNDS + 1):
         fresh = state.fresh(decision)
@@ -436,6 +408,10 @@ def kill_rounds(
     state.summary.seconds_kill += state.clock() - kill_started
     for ident in survivors:
         state.narrator.survivor(state.signalled[ident])
+    if survivors:
+        state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
+        state.facts.survivors = True
+        state.narrator.survived(len(survivors))
     return discovery, decision, survivors
 
 
@@ -467,22 +443,6 @@ def kill_round(
     return result.survivors
 
 
-def survived(state: RunState, survivors: list[ProcessId]) -> None:
-    state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
-    state.facts.survivors = True
-    state.narrator.survived(len(survivors))
-
-
-def stop_unit_containers(state: RunState, discovery: Discovery, decision: Decision) -> None:
-    """The unit's own containers stop through their runtime first (it records them as
-    stopped); the pinned signals follow for any process that outlived it."""
-    wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
-    containers = [c for c in discovery.unit_containers if c.id in wanted]
-    state.narrator.container_stopping(len(containers))
-    for result in stop_containers(containers, state.policy.sigterm_grace_s):
-        state.narrator.container_stopped(result)
-
-
 def on_stuck(state: RunState, choices: list[Choice]) -> None:
     for choice in choices:
         stat = state.procfs.stat(choice.holder.pid)
@@ -490,12 +450,14 @@ def on_stuck(state: RunState, choices: list[Choice]) -> None:
         state.narrator.stuck(choice, process_state, state.procfs.wchan(choice.holder.pid))
 
 
-def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
+def judge_wait(
+    state: RunState, owned: list[Gpu], busy: list[BusyGpu], ports: list[int], *, held: bool
+) -> None:
     """The wait's outcome: respawning, ports or memory still held, or all free."""
-    busy, timeout_s = settled.busy, state.policy.wait_timeout_s
     narrator, facts, free_mib = state.narrator, state.facts, state.config.free_mib
+    timeout_s = state.policy.wait_timeout_s
     respawners = state.watch.respawners(state.procfs.still_same)
-    if settled.held and respawners:
+    if held and respawners:
         narrator.respawning(respawners, timeout_s)
         facts.respawning = True
         return
@@ -504,11 +466,11 @@ def judge_wait(state: RunState, settled: Settled, owned: list[Gpu]) -> None:
     failing = state.policy.on_timeout == "fail"
     for item in busy:
         narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
-    if settled.ports:
-        narrator.ports_held(settled.ports, timeout_s)
+    if ports:
+        narrator.ports_held(ports, timeout_s)
         facts.held_by_others = True
     if not busy:
-        if owned and not settled.ports:
+        if owned and not ports:
             narrator.memory_freed(owned, free_mib, state.summary.seconds_wait)
     elif failing:
         facts.memory_busy = True
@@ -524,21 +486,18 @@ def look_again(state: RunState) -> bool:
     state.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
     state.enter(Stage.STOPPING, Transition.RESPAWNED)
     _, _, survivors = kill_rounds(state, discovery, decision)
-    if survivors:
-        survived(state, survivors)
     # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
     state.enter(Stage.WAITING, Transition.SURVIVED if survivors else Transition.STOPPED)
     return True
 
 
-def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
+def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None:
     """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
     before a start, the free space the next start needs."""
-    deps = state.deps
-    host = deps.shm_host(state.shm_areas, deps.roots.proc)
+    host = state.deps.shm_host(state.shm_areas, state.deps.roots.proc)
+    label = state.shm_label
     freed = 0
     if state.policy.remove_shm:
-        label = functools.partial(shm_label, state)
         if would_kill is not None:
             removals = plan(state.shm_ledger, would_kill, host, label)
             freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
@@ -546,10 +505,6 @@ def clean_shm(state: RunState, would_kill: set[int] | None = None) -> None:
             killed = {ident.pid for ident in state.signalled}
             removals = remove(state.shm_ledger, killed, host, label)
         state.narrator.shm_files(removals)
-    check_shm_space(state, host, freed)
-
-
-def check_shm_space(state: RunState, host: ShmHost, freed: int) -> None:
     needed_mib = state.config.shm_min_free_mib
     if (
         needed_mib is None
@@ -558,30 +513,17 @@ def check_shm_space(state: RunState, host: ShmHost, freed: int) -> None:
     ):
         return
     short = short_of_space(host, needed_mib * MIB, freed)
-    if short is None:
-        return
-    holders: dict[ShmKey, list[int]] = {}
-    if short.largest:
-        holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
-    state.narrator.shm_short(short, holders, functools.partial(shm_label, state))
-    state.facts.shm_short = True
+    if short is not None:
+        holders: dict[ShmKey, list[int]] = {}
+        if short.largest:
+            holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
+        state.narrator.shm_short(short, holders, label)
+        state.facts.shm_short = True
 
 
-def shm_label(state: RunState, pid: int) -> str:
-    if pid in state.shm_labels:
-        return state.shm_labels[pid]
-    info = state.procfs.info(pid)
-    if info is None:
-        return f"PID {pid}"
-    unit = unit_of_cgroup(info.cgroup or "/")
-    return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
-
-
-# The wait polls (5 ms backing off to 50 ms) until the owned GPUs are free and list no process,
-# the ports are free and no respawn is under way. What turns up (an unknown PID on NVML's list,
-# a held port, a respawn) is looked for with a new discovery, at most every LOOK_AGAIN_EVERY_S.
-# While parents of the killed are watched, success needs two clear looks in a row: a loop that
-# respawns between two polls cannot end the run as a success.
+# What turns up in the wait (an unknown PID on NVML's list, a held port, a respawn) is looked
+# for with a new discovery. While parents of the killed are watched, success needs two clear
+# looks in a row: a loop that respawns between two polls cannot end the run as a success.
 
 FIRST_POLL_S = 0.005
 MAX_POLL_S = 0.05
@@ -589,33 +531,14 @@ PROGRESS_EVERY_S = 1.0
 LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
 
 
-def busy_gpus(
-    driver: GpuDriver, gpus: Sequence[Gpu], free_mib: int, ignored_pids: Collection[int]
-) -> list[BusyGpu]:
-    busy: list[BusyGpu] = []
-    for gpu in gpus:
-        usage = driver.usage(gpu)
-        pids = tuple(p.pid for p in usage.processes if p.pid not in ignored_pids)
-        if usage.used_mib > free_mib or pids:
-            busy.append(BusyGpu(gpu, usage.used_mib, pids))
-    return busy
-
-
-@dataclass
-class Settled:
-    busy: list[BusyGpu]  # GPUs still used at the deadline
-    ports: list[int]  # the unit's ports still listened on at the deadline
-    pending: list[int]  # respawned children at the deadline
-    stable: bool = True  # False: parents are watched and no two looks in a row found it clear
-
-    @property
-    def held(self) -> bool:
-        return bool(self.busy or self.ports or self.pending or not self.stable)
-
-
 def look(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], list[int]]:
     """One poll: the busy GPUs (also the progress's), the held ports, respawns under way."""
-    busy = busy_gpus(state.driver, owned, state.config.free_mib, state.spared_pids)
+    busy: list[BusyGpu] = []
+    for gpu in owned:
+        usage = state.driver.usage(gpu)
+        pids = tuple(p.pid for p in usage.processes if p.pid not in state.spared_pids)
+        if usage.used_mib > state.config.free_mib or pids:
+            busy.append(BusyGpu(gpu, usage.used_mib, pids))
     if busy:
         state.note(waiting_on=tuple(busy))
     state.note(last_busy=tuple(busy))
@@ -630,10 +553,9 @@ def waited_on(state: RunState, busy: list[BusyGpu], left_s: float) -> None:
     state.narrator.extend_timeout(left_s + TIMEOUT_MARGIN_S)
 
 
-def wait_settled(
-    state: RunState, owned: list[Gpu], sleep: Callable[[float], None] = time.sleep
-) -> Settled:
-    """Poll until the GPUs and ports are free and no respawn is under way, or the deadline."""
+def wait_settled(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], bool]:
+    """Poll (5 ms backing off to 50 ms) until the GPUs and ports are free and no respawn is
+    under way, or the deadline: the GPUs and ports still held, and whether any is."""
     clock, deadline = state.clock, state.deadline
     interval = FIRST_POLL_S
     next_progress = next_look = clock()
@@ -648,7 +570,7 @@ def wait_settled(
         if not clear:
             clear_since = None
         if clear and not watched:
-            return Settled(busy, ports, under_way)
+            return busy, ports, False
         if (unexplained or ports or under_way or clear) and now >= next_look:
             next_look = now + LOOK_AGAIN_EVERY_S
             if look_again(state):
@@ -656,12 +578,12 @@ def wait_settled(
                 continue
             if clear:
                 if clear_since is not None:
-                    return Settled(busy, ports, under_way)
+                    return busy, ports, False
                 clear_since = now
         if now >= deadline:
-            return Settled(busy, ports, under_way, stable=not watched and clear)
+            return busy, ports, watched or not clear
         if now >= next_progress:
             waited_on(state, busy, deadline - now)
             next_progress = now + PROGRESS_EVERY_S
-        sleep(min(interval, max(deadline - now, 0)))
+        time.sleep(min(interval, max(deadline - now, 0)))
         interval = min(interval * 1.5, MAX_POLL_S)

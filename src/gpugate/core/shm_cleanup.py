@@ -1,6 +1,5 @@
-"""Which /dev/shm files a killed application leaves go, by evidence, never by name: held
-or mapped by a process this run killed, removable by its account, held by no one else, and
-still the same file (device and inode) right before the unlink. Why a file stays is a `Kept`."""
+"""A killed application's /dev/shm files go by evidence, never by name: held or mapped by one it
+killed, removable by its account, held by no one else, the same inode right before the unlink."""
 
 from __future__ import annotations
 
@@ -154,36 +153,25 @@ def remove(
         return []
     fresh = host.holders()  # one fresh look for all of them, right before the unlinks
     results: list[ShmRemoval] = []
-    for wanted_item in wanted:
-        item = _after_fresh_look(wanted_item, fresh, label)
+    for found in wanted:
+        item = found
+        if item.kept is None and fresh.unreadable:
+            shown = tuple(f"PID {pid}" for pid in sorted(fresh.unreadable)[:3])
+            item = replace(item, kept=Kept.UNREADABLE, kept_by=shown)
+        elif item.kept is None and (now := fresh.by_key.get(item.file.key, ())):
+            item = replace(item, kept=Kept.HELD_NOW, kept_by=_labels(now, label))
         if item.kept is not None:
             results.append(replace(item, facts=host.facts(item.file)))
             continue
-        results.append(_unlinked(item, host.unlink(item.file, item.allowed)))
+        done = host.unlink(item.file, item.allowed)
+        if done.facts is None:
+            results.append(replace(item, kept=Kept.GONE))
+        elif done.refused:
+            results.append(replace(item, facts=done.facts, kept=Kept.NOT_THEIRS))
+        else:
+            kept = None if done.error is None else Kept.UNLINK_FAILED
+            results.append(replace(item, facts=done.facts, kept=kept, detail=done.error or ""))
     return results
-
-
-def _after_fresh_look(
-    item: ShmRemoval, fresh: FreshHolders, label: Callable[[int], str]
-) -> ShmRemoval:
-    if item.kept is not None:
-        return item
-    if fresh.unreadable:
-        shown = tuple(f"PID {pid}" for pid in sorted(fresh.unreadable)[:3])
-        return replace(item, kept=Kept.UNREADABLE, kept_by=shown)
-    if now := fresh.by_key.get(item.file.key, ()):
-        return replace(item, kept=Kept.HELD_NOW, kept_by=_labels(now, label))
-    return item
-
-
-def _unlinked(item: ShmRemoval, done: Unlinked) -> ShmRemoval:
-    if done.facts is None:
-        return replace(item, kept=Kept.GONE)
-    if done.refused:
-        return replace(item, facts=done.facts, kept=Kept.NOT_THEIRS)
-    if done.error is not None:
-        return replace(item, facts=done.facts, kept=Kept.UNLINK_FAILED, detail=done.error)
-    return replace(item, facts=done.facts)
 
 
 @dataclass(frozen=True)
