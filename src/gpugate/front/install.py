@@ -26,13 +26,7 @@ from gpugate.config.values import (
     DefaultPolicy,
     parse_gpu_text,
 )
-from gpugate.errors import (
-    ExitCode,
-    GateError,
-    InstallError,
-    PermissionDenied,
-    UnknownUnit,
-)
+from gpugate.errors import ExitCode, GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     Setting,
@@ -145,10 +139,6 @@ CONFIG_FIELDS = (
     "containers",
     "private_shm",
 )
-PHASE_TEXT = {
-    "pre": "ExecStartPre=: before the unit starts.",
-    "post": "ExecStopPost=: after the unit stopped.",
-}
 POLICY_FIELDS = tuple(field.name for field in dataclasses.fields(DefaultPolicy))
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
@@ -224,8 +214,11 @@ def render_config(
             lines.append(f"ports = {toml_value(list(ports))}")
         else:
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
-    for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
-        lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
+    for phase, policy, when in (
+        ("pre", defaults.pre, "ExecStartPre=: before the unit starts."),
+        ("post", defaults.post, "ExecStopPost=: after the unit stopped."),
+    ):
+        lines += ["", f"[{phase}]", f"# {when}"]
         for name in POLICY_FIELDS:
             text = type(policy).model_fields[name].description
             lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
@@ -261,11 +254,13 @@ SYSTEMCTL_TIMEOUT_S = 60
 
 
 class Action(Enum):
-    WRITE = "write"
-    UNCHANGED = "unchanged"
-    KEEP = "keep"  # the operator's file, left as it is
-    REMOVE = "remove"
-    ABSENT = "absent"
+    """What apply does to a file; its value: the verb for a dry run and for the deed."""
+
+    WRITE = ("would write", "wrote")
+    UNCHANGED = ("unchanged", "unchanged")
+    KEEP = ("would keep", "kept")  # the operator's file, left as it is
+    REMOVE = ("would remove", "removed")
+    ABSENT = ("not there", "not there")
 
 
 @dataclass(frozen=True)
@@ -284,13 +279,12 @@ def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]
     return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
-def validate_install_unit(unit: str) -> str:
+def validate_install_unit(unit: str) -> None:
     """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
     if not unit.endswith(".service"):
         raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
     template = unit.endswith("@.service")
     validate_unit_name(unit.removesuffix("@.service") + "@instance.service" if template else unit)
-    return unit
 
 
 def parse_gpus(value: str) -> Gpus:
@@ -347,20 +341,11 @@ def plan_install(
         refuse_unknown_unit(unit, force=force, query=query, stream=stream)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, config_path)
-    wanted = {
-        dropin_path: dropin,
-        config_path: with_header(render_config(unit, gpus, containers, ports)),
-    }
+    config = with_header(render_config(unit, gpus, containers, ports))
     untouched = gpus is None and not containers and not ports
     planned = {
-        path: file_change(
-            path,
-            content,
-            force=force,
-            keep_edited=path == config_path and untouched,
-            said=said if path == dropin_path else (),
-        )
-        for path, content in wanted.items()
+        dropin_path: file_change(dropin_path, dropin, force=force, keep_edited=False, said=said),
+        config_path: file_change(config_path, config, force=force, keep_edited=untouched),
     }
     refused = [str(path) for path, change in planned.items() if change is None]
     if refused:
@@ -472,16 +457,15 @@ def plan_uninstall(
     """What uninstall would do; InstallError where the drop-in is the operator's (no force)."""
     validate_install_unit(unit)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
-    changes = []
-    for path in (dropin_path, config_path):
-        change = file_change(path, None, force=force, keep_edited=path == config_path)
-        if change is None:
-            raise InstallError(
-                f"{path}: edited by you (or not written by gpugate install); nothing changed; "
-                "--force removes it"
-            )
-        changes.append(change)
-    return changes
+    dropin = file_change(dropin_path, None, force=force, keep_edited=False)
+    if dropin is None:
+        raise InstallError(
+            f"{dropin_path}: edited by you (or not written by gpugate install); nothing changed; "
+            "--force removes it"
+        )
+    config = file_change(config_path, None, force=force, keep_edited=True)
+    assert config is not None  # kept where edited
+    return [dropin, config]
 
 
 def apply(
@@ -525,13 +509,6 @@ def reloaded(done: bool) -> str:
     return "systemd not reloaded (not running here, or --no-reload)"
 
 
-CHANGE_VERBS = {
-    "write": ("would write", "wrote"),
-    "unchanged": ("unchanged", "unchanged"),
-    "keep": ("would keep", "kept"),
-    "remove": ("would remove", "removed"),
-    "absent": ("not there", "not there"),
-}
 CHANGE_NOTES = {
     "edited": "yours (edited): kept",
     "edited-removable": "yours (edited): kept; --force removes",
@@ -551,7 +528,7 @@ CHANGE_NOTES = {
 
 
 def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
-    verb = CHANGE_VERBS[change.action.value][0 if dry_run else 1]
+    verb = change.action.value[0 if dry_run else 1]
     noted = f" ({CHANGE_NOTES[change.note].format(detail=change.detail)})" if change.note else ""
     print(f"{verb} {change.path}{noted}", file=stream)
     for said in change.said:

@@ -104,7 +104,6 @@ def systemd_running() -> bool:
 
 @dataclass(frozen=True)
 class UnitState:
-    name: str
     load_state: str  # loaded, not-found, masked, ...
     active_state: str
     control_group: str | None
@@ -135,7 +134,7 @@ def query_unit(name: str) -> UnitState | None:
     props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
     # An inactive unit's "ControlGroup=" (named with --property) and a missing line: unset.
     group = props.get("ControlGroup") or None
-    return UnitState(name, props.get("LoadState", ""), props.get("ActiveState", ""), group)
+    return UnitState(props.get("LoadState", ""), props.get("ActiveState", ""), group)
 
 
 def active_state(name: str) -> str | None:
@@ -270,26 +269,19 @@ def parse_environment_file(text: str) -> dict[str, str]:
     `export `, single or double quotes, a backslash at the end of a line continues it, and
     ${KEY} or $KEY naming a variable set earlier in the same file."""
     variables: dict[str, str] = {}
-    logical: list[str] = []
     pending = ""
-    for raw in text.splitlines():
+    for raw in [*text.splitlines(), ""]:  # the "": a last line left continued ends there
         if raw.endswith("\\") and not raw.endswith("\\\\"):
             pending += raw[:-1]
             continue
-        logical.append(pending + raw)
+        line = (pending + raw).strip()
         pending = ""
-    if pending:
-        logical.append(pending)
-    for line in logical:
-        stripped = line.strip()
-        if not stripped or stripped[0] in "#;":
+        if not line or line[0] in "#;":
             continue
-        stripped = stripped.removeprefix("export ").lstrip()
-        key, eq, value = stripped.partition("=")
+        key, eq, value = line.removeprefix("export ").lstrip().partition("=")
         key = key.strip()
-        if not eq or not ENV_NAME.fullmatch(key):
-            continue
-        variables[key] = _env_value(value.strip(), variables)
+        if eq and ENV_NAME.fullmatch(key):
+            variables[key] = _env_value(value.strip(), variables)
     return variables
 
 
