@@ -333,12 +333,18 @@ def plan_install(
     stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would change the operator's
-    files without force. The unit's settings: `systemctl cat` for the real systemd_dir."""
+    files without force. The unit's settings: `systemctl cat` for the real systemd_dir. A unit
+    systemd does not know is most likely a typo: a warning with force, else UnknownUnit."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit
-    if query is not None:
-        refuse_unknown_unit(unit, force=force, query=query, stream=stream)
+    # systemd shows instances, not templates; the template's file may be anywhere
+    state = query(unit) if query is not None and not unit.endswith("@.service") else None
+    if state is not None and state.load_state == "not-found":
+        unknown = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
+        if not force:
+            raise UnknownUnit(f"{unknown}; nothing changed; --force installs anyway")
+        print(lines.warning(f"{unknown}; installing anyway (--force)"), file=stream or sys.stderr)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, config_path)
     config = with_header(render_config(unit, gpus, containers, ports))
@@ -426,25 +432,6 @@ def kept_lines(unit: UnitSettings, private_shm: str) -> list[str]:
             "its segments go with its last process"
         )
     return said
-
-
-def refuse_unknown_unit(
-    unit: str,
-    *,
-    force: bool,
-    query: Callable[[str], UnitState | None],
-    stream: TextIO | None = None,
-) -> None:
-    """A unit systemd does not know is most likely a typo: warn, and refuse without --force."""
-    if unit.endswith("@.service"):
-        return  # systemd shows instances, not templates; the template's file may be anywhere
-    state = query(unit)
-    if state is None or state.load_state != "not-found":
-        return
-    said = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
-    if not force:
-        raise UnknownUnit(f"{said}; nothing changed; --force installs anyway")
-    print(lines.warning(f"{said}; installing anyway (--force)"), file=stream or sys.stderr)
 
 
 def plan_uninstall(

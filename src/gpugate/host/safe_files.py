@@ -156,17 +156,6 @@ def read_capped(
         os.close(fd)
 
 
-def _what_is_there(path: Path | str, exc: OSError, dir_fd: int | None) -> OSError:
-    """An open that failed because of what is there (a link: ELOOP, a socket: ENXIO...)."""
-    if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):
-        return exc
-    try:
-        info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return exc
-    return exc if stat.S_ISREG(info.st_mode) else NotRegularFile(path, kind_of(info.st_mode))
-
-
 def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> int:
     """path's folder as an O_DIRECTORY descriptor, made where missing (make). A symbolic link
     on the way is followed only where the folder holding it is trusted; else UnsafeLink."""
@@ -229,8 +218,14 @@ def open_in(
     flags |= os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | (0 if follow_links else os.O_NOFOLLOW)
     try:
         fd = os.open(name, flags, 0o644, dir_fd=folder_fd)
-    except OSError as exc:
-        raise _what_is_there(name, exc, folder_fd) from None
+    except OSError as exc:  # refused for what is there (a link: ELOOP, a socket: ENXIO...)?
+        mode = stat.S_IFREG
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):
+            with contextlib.suppress(OSError):
+                mode = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(name, kind_of(mode)) from None
+        raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)

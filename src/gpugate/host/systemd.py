@@ -233,10 +233,15 @@ def unit_environment(
     variables: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition("=")
-        if key == "Environment":
-            for variable, eq, setting in (item.partition("=") for item in _split_quoted(value)):
-                if eq and variable:
-                    variables[variable] = setting
+        if key != "Environment":
+            continue
+        try:  # systemctl show quotes an assignment holding spaces or quotes, C-style (246+)
+            items = shlex.split(value, posix=True)
+        except ValueError:
+            items = value.split()
+        for variable, eq, setting in (item.partition("=") for item in items):
+            if eq and variable:
+                variables[variable] = setting
     origins: dict[str, str] = {}
     for path, ignore in environment_files(text):
         try:
@@ -253,15 +258,6 @@ def unit_environment(
         variables.update(parsed)
         origins.update(dict.fromkeys(parsed, f"EnvironmentFile={path}"))
     return UnitEnvironment(variables, origins)
-
-
-def _split_quoted(value: str) -> list[str]:
-    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside
-    # (systemd 246+).
-    try:
-        return shlex.split(value, posix=True)
-    except ValueError:
-        return value.split()
 
 
 def parse_environment_file(text: str) -> dict[str, str]:
@@ -408,13 +404,8 @@ def files_text(unit: str, dirs: Sequence[str]) -> str:
     names = [unit]
     if "@" in unit and not unit.endswith("@.service"):
         names.append(unit.split("@", 1)[0] + "@.service")
-    chunks: list[str] = []
-    main = next(
-        (f"{d}/{n}" for n in names for d in dirs if os.path.isfile(f"{d}/{n}")),
-        None,
-    )
-    if main is not None:
-        chunks.append(_chunk(main))
+    mains = [f"{d}/{n}" for n in names for d in dirs if os.path.isfile(f"{d}/{n}")]
+    chunks = [_chunk(main) for main in mains[:1]]
     dropins: dict[str, str] = {}
     for name in reversed(names):  # the template's drop-ins apply before the instance's
         for folder in dirs:
@@ -465,17 +456,13 @@ class HostRoots:
                 raise ConfigError(HOST_ROOTS_OPTION, name, f"{echo(value)} is not an absolute path")
             roots[name] = path
         found = cls(**roots)
-        found.check()
-        return found
-
-    def check(self) -> None:
-        """A root that is not there is a configuration error, not a crash mid-run."""
-        for name in ROOT_NAMES:
-            path: Path = getattr(self, name)
-            if not path.is_dir():
+        for name in ROOT_NAMES:  # a root not there: a configuration error, not a crash mid-run
+            root: Path = getattr(found, name)
+            if not root.is_dir():
                 raise ConfigError(
-                    HOST_ROOTS_OPTION, name, f"{echo(str(path), quote=False)}: no such folder"
+                    HOST_ROOTS_OPTION, name, f"{echo(str(root), quote=False)}: no such folder"
                 )
+        return found
 
 
 UNIFIED = "unified"
