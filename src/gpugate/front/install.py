@@ -48,7 +48,7 @@ SHEBANG_BYTES = 256
 def gpugate_command(argv0: str | None = None, executable: str | None = None) -> tuple[str, ...]:
     """This gpugate: its launcher where the shebang isolates Python, else `PYTHON -I -m gpugate`."""
     script = os.path.abspath(argv0 if argv0 is not None else sys.argv[0])
-    if shebang(script) is not None and isolates(script):
+    if isolates(script):
         return (script,)
     python = executable if executable is not None else sys.executable
     if not python or not os.path.isabs(python):
@@ -163,8 +163,7 @@ def render_dropin(
     unit: UnitSettings | None = None,
     private_shm: str = DEFAULT_PRIVATE_SHM,
 ) -> str:
-    """The drop-in: the hooks, and what the unit (its settings) does not set itself, with a
-    /dev/shm of its own unless private_shm is "off"."""
+    """The hooks, and what the unit does not set itself; its own /dev/shm unless "off"."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
     for text in words:
         if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
@@ -391,7 +390,7 @@ def planned_dropin(
 ) -> tuple[str, tuple[str, ...]]:
     """The drop-in and the lines saying what it keeps; private_shm from the unit's config."""
     text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
-    settings = parse_unit_settings(text, DROPIN_NAME)
+    settings = parse_unit_settings(text)
     try:
         private_shm = parse_config(config.read_text(encoding="utf-8"), str(config)).private_shm
     except FileNotFoundError:

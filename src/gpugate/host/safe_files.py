@@ -324,9 +324,8 @@ def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
 
 
 def run_program(argv: Sequence[str], timeout_s: float) -> Result:
-    """argv (argv[0] from find_program) with the clean environment and no stdin.
-    ProgramNotAnswering where it outlives timeout_s (it is killed); ProgramNotFound where it
-    cannot be started; a non-zero exit is the caller's to judge."""
+    """argv (argv[0] from find_program), clean environment, no stdin; ProgramNotAnswering past
+    timeout_s (killed), ProgramNotFound where it cannot start; a non-zero exit: the caller's."""
     if not os.path.isabs(argv[0]):
         raise ValueError(f"{argv[0]!r}: not an absolute path (find_program)")
     name = os.path.basename(argv[0])
@@ -393,24 +392,20 @@ def why_untrusted(found: Untrusted) -> str:
 
 
 def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
-    """A path another account may change, refused: a config file (after `PATH: `), or
-    gpugate's own state folder, lock_dir (after `lock_dir: `; state)."""
+    """A config file (after `PATH: `) or (state) the lock_dir others may change, refused."""
     mine = f" ({_facts(found)})" if found.path == found.of else ""
     euid = os.geteuid()
     accounts = "root" if euid == 0 else f"root or {account(euid)}"
+    why = f"refused: {why_untrusted(found)}{mine}"
     if state:
-        where = f"{found.of}: "
-        rule = (
-            f"gpugate's state folder and the folders above it must belong to {accounts} and "
-            "be writable by no group or other account"
+        return (
+            f"{found.of}: {why}; gpugate's state folder and the folders above it must belong to "
+            f"{accounts} and be writable by no group or other account ({RULE}); nothing was done"
         )
-    else:
-        where = ""
-        rule = (
-            "gpugate reads only a config file that it and every folder above it belong to "
-            f"{accounts} and no group or other account may write"
-        )
-    return f"{where}refused: {why_untrusted(found)}{mine}; {rule} ({RULE}); nothing was done"
+    return (
+        f"{why}; gpugate reads only a config file that it and every folder above it belong to "
+        f"{accounts} and no group or other account may write ({RULE}); nothing was done"
+    )
 
 
 def unreadable(exc: OSError) -> str:

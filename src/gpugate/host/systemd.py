@@ -181,8 +181,7 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
 
 
 def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
-    """systemd's ActiveState; where it cannot be asked, "active" while processes are in its
-    cgroup, else "inactive"."""
+    """systemd's ActiveState; unasked, "active" while its cgroup holds a process."""
     if ask_systemd:
         state = query_unit(name)
         if state is not None:
@@ -225,8 +224,7 @@ def environment_files(shown: str) -> list[tuple[str, bool]]:
 def unit_environment(
     name: str, show: Callable[[str], str | None] | None = None
 ) -> UnitEnvironment | None:
-    """The unit's environment from `systemctl show -p Environment,EnvironmentFiles`; None
-    where systemd cannot be asked. show: the command's output (tests')."""
+    """From `systemctl show`; None where systemd cannot be asked. show: its output (tests')."""
     text = show(name) if show else systemctl_show(name, "Environment,EnvironmentFiles")
     if text is None:
         return None
@@ -336,11 +334,11 @@ SETTING_FIELDS = {
 }
 
 
-def parse_unit_settings(text: str, own_dropin: str = OWN_DROPIN) -> UnitSettings:
+def parse_unit_settings(text: str) -> UnitSettings:
     """The settings in `systemctl cat` text. Later assignments win, an empty one resets;
-    gpugate's own drop-in (own_dropin in a `.d` folder) is left out."""
+    gpugate's own drop-in (OWN_DROPIN in a `.d` folder) is left out."""
     found: dict[str, Setting | None] = {}
-    for path, key, value in _assignments(text, own_dropin):
+    for path, key, value in _assignments(text):
         for name in SETTING_FIELDS.get(key, ()):
             found[name] = Setting(key, value, path) if value else None
         if key == "TemporaryFileSystem":
@@ -359,7 +357,7 @@ def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
     return before
 
 
-def _assignments(text: str, own_dropin: str) -> list[tuple[str, str, str]]:
+def _assignments(text: str) -> list[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
     found: list[tuple[str, str, str]] = []
     path, section, skip, pending, previous = "", "", False, "", ""
@@ -368,7 +366,7 @@ def _assignments(text: str, own_dropin: str) -> list[tuple[str, str, str]]:
         previous = raw
         if header and not pending:  # systemctl cat's file header: after a blank line
             path, section = raw[2:].strip(), ""
-            skip = os.path.basename(path) == own_dropin and path.rsplit("/", 2)[-2].endswith(".d")
+            skip = os.path.basename(path) == OWN_DROPIN and path.rsplit("/", 2)[-2].endswith(".d")
             continue
         line = pending + raw.strip()
         if line.endswith("\\"):
@@ -505,8 +503,7 @@ def cgroup_layout(mountinfo: str) -> CgroupLayout:
 
 
 def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
-    """roots with the cgroup root (/sys/fs/cgroup or a test's stand-in) moved to the tree
-    systemd tracks units in: on a hybrid host its `unified` folder."""
+    """roots with the cgroup root moved to the tree systemd tracks units in (hybrid: `unified`)."""
     if layout.unified_mount is None:  # LEGACY
         raise HostUnsupported(
             f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
