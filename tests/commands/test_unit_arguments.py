@@ -45,7 +45,7 @@ def test_trailing_or_leading_newline_is_no_unit_name(name: str) -> None:
 
 def states(load_state: str) -> dict[str, UnitState]:
     return {
-        name: UnitState(name, load_state, "inactive", None)
+        name: UnitState(load_state, "inactive", None)
         for name in ("nosuch.service", "vllm.service", "vllm@a.service")
     }
 

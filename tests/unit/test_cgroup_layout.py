@@ -17,8 +17,8 @@ from gpugate.host.systemd import (
     CgroupLayout,
     HostRoots,
     cgroup_layout,
+    host_cgroup_layout,
     on_unified_hierarchy,
-    read_cgroup_layout,
 )
 from tests.fakes import UNIT_CGROUP, FakeHost, alive, raises_error
 
@@ -110,8 +110,8 @@ def test_layout_from_mountinfo(mountinfo: str, kind: str, mount: str | None) -> 
 
 def test_this_machines_own_mountinfo_parses() -> None:
     """Whatever this machine is, its real mountinfo gives one of the three layouts."""
-    layout = read_cgroup_layout(Path("/proc"))
-    assert layout.kind in (UNIFIED, HYBRID, LEGACY)
+    layout = host_cgroup_layout(HostRoots())
+    assert layout is not None and layout.kind in (UNIFIED, HYBRID, LEGACY)
 
 
 def stand_in(tmp_path: Path, mountinfo: str) -> Path:
@@ -153,7 +153,7 @@ def test_a_hybrid_layout_without_its_unified_folder_is_refused(tmp_path: Path) -
 
 def test_unreadable_mountinfo_is_one_line(tmp_path: Path) -> None:
     with raises_error(HostUnsupported):
-        read_cgroup_layout(tmp_path)
+        host_cgroup_layout(HostRoots(proc=tmp_path))
 
 
 def run(
@@ -172,7 +172,7 @@ def run(
         driver_factory=lambda: host.memory,
         roots=HostRoots(dev=host.dev, cgroup=sys_fs_cgroup or host.cgroup_root),
         reporter_factory=lambda unit, phase: host.reporter(phase),
-        cgroup_layout=lambda roots: read_cgroup_layout(proc),
+        cgroup_layout=lambda roots: host_cgroup_layout(HostRoots(proc=proc)),
     )
     return code, capsys.readouterr().err
 
@@ -232,7 +232,7 @@ def test_status_on_a_hybrid_host_names_the_units_cgroup(
         ["status", "vllm.service", "--json", "--config", str(config)],
         driver_factory=lambda: host.memory,
         roots=HostRoots(dev=host.dev, cgroup=sys_fs_cgroup),
-        cgroup_layout=lambda roots: read_cgroup_layout(proc),
+        cgroup_layout=lambda roots: host_cgroup_layout(HostRoots(proc=proc)),
     )
     assert code == 0
     data = json.loads(capsys.readouterr().out)

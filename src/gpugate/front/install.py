@@ -26,13 +26,7 @@ from gpugate.config.values import (
     DefaultPolicy,
     parse_gpu_text,
 )
-from gpugate.errors import (
-    ExitCode,
-    GateError,
-    InstallError,
-    PermissionDenied,
-    UnknownUnit,
-)
+from gpugate.errors import ExitCode, GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     Setting,
@@ -54,7 +48,7 @@ SHEBANG_BYTES = 256
 def gpugate_command(argv0: str | None = None, executable: str | None = None) -> tuple[str, ...]:
     """This gpugate: its launcher where the shebang isolates Python, else `PYTHON -I -m gpugate`."""
     script = os.path.abspath(argv0 if argv0 is not None else sys.argv[0])
-    if shebang(script) is not None and isolates(script):
+    if isolates(script):
         return (script,)
     python = executable if executable is not None else sys.executable
     if not python or not os.path.isabs(python):
@@ -145,10 +139,6 @@ CONFIG_FIELDS = (
     "containers",
     "private_shm",
 )
-PHASE_TEXT = {
-    "pre": "ExecStartPre=: before the unit starts.",
-    "post": "ExecStopPost=: after the unit stopped.",
-}
 POLICY_FIELDS = tuple(field.name for field in dataclasses.fields(DefaultPolicy))
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
@@ -173,8 +163,7 @@ def render_dropin(
     unit: UnitSettings | None = None,
     private_shm: str = DEFAULT_PRIVATE_SHM,
 ) -> str:
-    """The drop-in: the hooks, and what the unit (its settings) does not set itself, with a
-    /dev/shm of its own unless private_shm is "off"."""
+    """The hooks, and what the unit does not set itself; its own /dev/shm unless "off"."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
     for text in words:
         if not (SAFE_PATH.match(text) or SAFE_FLAG.match(text)) or "/../" in text:
@@ -224,8 +213,11 @@ def render_config(
             lines.append(f"ports = {toml_value(list(ports))}")
         else:
             lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
-    for phase, policy in (("pre", defaults.pre), ("post", defaults.post)):
-        lines += ["", f"[{phase}]", f"# {PHASE_TEXT[phase]}"]
+    for phase, policy, when in (
+        ("pre", defaults.pre, "ExecStartPre=: before the unit starts."),
+        ("post", defaults.post, "ExecStopPost=: after the unit stopped."),
+    ):
+        lines += ["", f"[{phase}]", f"# {when}"]
         for name in POLICY_FIELDS:
             text = type(policy).model_fields[name].description
             lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
@@ -261,11 +253,13 @@ SYSTEMCTL_TIMEOUT_S = 60
 
 
 class Action(Enum):
-    WRITE = "write"
-    UNCHANGED = "unchanged"
-    KEEP = "keep"  # the operator's file, left as it is
-    REMOVE = "remove"
-    ABSENT = "absent"
+    """What apply does to a file; its value: the verb for a dry run and for the deed."""
+
+    WRITE = ("would write", "wrote")
+    UNCHANGED = ("unchanged", "unchanged")
+    KEEP = ("would keep", "kept")  # the operator's file, left as it is
+    REMOVE = ("would remove", "removed")
+    ABSENT = ("not there", "not there")
 
 
 @dataclass(frozen=True)
@@ -284,13 +278,12 @@ def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]
     return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
-def validate_install_unit(unit: str) -> str:
+def validate_install_unit(unit: str) -> None:
     """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
     if not unit.endswith(".service"):
         raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
     template = unit.endswith("@.service")
     validate_unit_name(unit.removesuffix("@.service") + "@instance.service" if template else unit)
-    return unit
 
 
 def parse_gpus(value: str) -> Gpus:
@@ -339,28 +332,25 @@ def plan_install(
     stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would change the operator's
-    files without force. The unit's settings: `systemctl cat` for the real systemd_dir."""
+    files without force. The unit's settings: `systemctl cat` for the real systemd_dir. A unit
+    systemd does not know is most likely a typo: a warning with force, else UnknownUnit."""
     validate_install_unit(unit)
     if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
         query = query_unit
-    if query is not None:
-        refuse_unknown_unit(unit, force=force, query=query, stream=stream)
+    # systemd shows instances, not templates; the template's file may be anywhere
+    state = query(unit) if query is not None and not unit.endswith("@.service") else None
+    if state is not None and state.load_state == "not-found":
+        unknown = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
+        if not force:
+            raise UnknownUnit(f"{unknown}; nothing changed; --force installs anyway")
+        print(lines.warning(f"{unknown}; installing anyway (--force)"), file=stream or sys.stderr)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, config_path)
-    wanted = {
-        dropin_path: dropin,
-        config_path: with_header(render_config(unit, gpus, containers, ports)),
-    }
+    config = with_header(render_config(unit, gpus, containers, ports))
     untouched = gpus is None and not containers and not ports
     planned = {
-        path: file_change(
-            path,
-            content,
-            force=force,
-            keep_edited=path == config_path and untouched,
-            said=said if path == dropin_path else (),
-        )
-        for path, content in wanted.items()
+        dropin_path: file_change(dropin_path, dropin, force=force, keep_edited=False, said=said),
+        config_path: file_change(config_path, config, force=force, keep_edited=untouched),
     }
     refused = [str(path) for path, change in planned.items() if change is None]
     if refused:
@@ -400,7 +390,7 @@ def planned_dropin(
 ) -> tuple[str, tuple[str, ...]]:
     """The drop-in and the lines saying what it keeps; private_shm from the unit's config."""
     text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
-    settings = parse_unit_settings(text, DROPIN_NAME)
+    settings = parse_unit_settings(text)
     try:
         private_shm = parse_config(config.read_text(encoding="utf-8"), str(config)).private_shm
     except FileNotFoundError:
@@ -443,25 +433,6 @@ def kept_lines(unit: UnitSettings, private_shm: str) -> list[str]:
     return said
 
 
-def refuse_unknown_unit(
-    unit: str,
-    *,
-    force: bool,
-    query: Callable[[str], UnitState | None],
-    stream: TextIO | None = None,
-) -> None:
-    """A unit systemd does not know is most likely a typo: warn, and refuse without --force."""
-    if unit.endswith("@.service"):
-        return  # systemd shows instances, not templates; the template's file may be anywhere
-    state = query(unit)
-    if state is None or state.load_state != "not-found":
-        return
-    said = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
-    if not force:
-        raise UnknownUnit(f"{said}; nothing changed; --force installs anyway")
-    print(lines.warning(f"{said}; installing anyway (--force)"), file=stream or sys.stderr)
-
-
 def plan_uninstall(
     unit: str,
     *,
@@ -472,16 +443,15 @@ def plan_uninstall(
     """What uninstall would do; InstallError where the drop-in is the operator's (no force)."""
     validate_install_unit(unit)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
-    changes = []
-    for path in (dropin_path, config_path):
-        change = file_change(path, None, force=force, keep_edited=path == config_path)
-        if change is None:
-            raise InstallError(
-                f"{path}: edited by you (or not written by gpugate install); nothing changed; "
-                "--force removes it"
-            )
-        changes.append(change)
-    return changes
+    dropin = file_change(dropin_path, None, force=force, keep_edited=False)
+    if dropin is None:
+        raise InstallError(
+            f"{dropin_path}: edited by you (or not written by gpugate install); nothing changed; "
+            "--force removes it"
+        )
+    config = file_change(config_path, None, force=force, keep_edited=True)
+    assert config is not None  # kept where edited
+    return [dropin, config]
 
 
 def apply(
@@ -525,13 +495,6 @@ def reloaded(done: bool) -> str:
     return "systemd not reloaded (not running here, or --no-reload)"
 
 
-CHANGE_VERBS = {
-    "write": ("would write", "wrote"),
-    "unchanged": ("unchanged", "unchanged"),
-    "keep": ("would keep", "kept"),
-    "remove": ("would remove", "removed"),
-    "absent": ("not there", "not there"),
-}
 CHANGE_NOTES = {
     "edited": "yours (edited): kept",
     "edited-removable": "yours (edited): kept; --force removes",
@@ -551,7 +514,7 @@ CHANGE_NOTES = {
 
 
 def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
-    verb = CHANGE_VERBS[change.action.value][0 if dry_run else 1]
+    verb = change.action.value[0 if dry_run else 1]
     noted = f" ({CHANGE_NOTES[change.note].format(detail=change.detail)})" if change.note else ""
     print(f"{verb} {change.path}{noted}", file=stream)
     for said in change.said:

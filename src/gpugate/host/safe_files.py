@@ -13,7 +13,7 @@ import pwd
 import stat
 import subprocess
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -57,15 +57,9 @@ class TooLarge(OSError):
 
 
 class UnsafeLink(OSError):
-    def __init__(self, path: str, folder: Untrusted) -> None:
+    def __init__(self, path: str) -> None:
         super().__init__(errno.ELOOP, "a symbolic link in a folder another account may change")
         self.filename = path
-        self.folder = folder
-
-
-def trusted_uids() -> frozenset[int]:
-    """Root, and the account gpugate runs as (tests, `config check` by a user)."""
-    return frozenset({0, os.geteuid()})
 
 
 # What is not a regular file: its test, its name (NotRegularFile.kind) and in words.
@@ -86,30 +80,26 @@ def kind_of(mode: int) -> str:
 def _judge(
     path: str, of: str, info: os.stat_result, below_trusted: bool, uids: Collection[int]
 ) -> Untrusted | None:
-    """One component: below_trusted, the entry under this folder (if any) is a trusted
-    account's, which a sticky folder protects."""
-
-    def found(problem: Exposure) -> Untrusted:
-        return Untrusted(path, of, problem, info.st_uid, info.st_gid, info.st_mode)
-
+    """One component; below_trusted: the entry under it is trusted, which a sticky folder guards."""
     mode = info.st_mode
-    if info.st_uid not in uids:
-        return found(Exposure.OWNER)
-    if stat.S_ISLNK(mode):
-        return None  # a link's own mode bits mean nothing; its folder decides who may change it
     sticky = stat.S_ISDIR(mode) and bool(mode & stat.S_ISVTX) and below_trusted
-    if mode & stat.S_IWOTH and not sticky:
-        return found(Exposure.WORLD_WRITABLE)
-    if mode & stat.S_IWGRP and not sticky:
-        return found(Exposure.GROUP_WRITABLE)
-    return None
+    if info.st_uid not in uids:
+        problem = Exposure.OWNER
+    elif stat.S_ISLNK(mode) or sticky:  # a link's own mode bits mean nothing; its folder decides
+        return None
+    elif mode & stat.S_IWOTH:
+        problem = Exposure.WORLD_WRITABLE
+    elif mode & stat.S_IWGRP:
+        problem = Exposure.GROUP_WRITABLE
+    else:
+        return None
+    return Untrusted(path, of, problem, info.st_uid, info.st_gid, mode)
 
 
 def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untrusted | None:
-    """The first component of path (as written, then as resolved) that another account may
-    change; None where only trusted accounts may. A missing path is judged by the folders
-    that would hold it (whoever may write the nearest one may put it there)."""
-    uids = trusted_uids() if uids is None else uids
+    """The first component of path (as written, then as resolved) that an account other than
+    uids (root and gpugate's own) may change; a missing one is judged by the folders above."""
+    uids = frozenset({0, os.geteuid()}) if uids is None else uids
     written = os.path.abspath(path)
     for candidate in dict.fromkeys((written, os.path.realpath(written))):
         below_trusted = True  # nothing below the path itself
@@ -127,8 +117,7 @@ def untrusted(path: Path | str, uids: Collection[int] | None = None) -> Untruste
 
 
 def read_at(dir_fd: int, name: str, size: int | None = None) -> bytes:
-    """NAME's bytes under the folder descriptor: one read of at most SIZE bytes, or (None)
-    every byte to the end (/proc makes maps a page at a time)."""
+    """One read of at most size bytes, or (None) every byte (/proc makes maps a page at a time)."""
     fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         return os.read(fd, size) if size is not None else _read_up_to(fd, 1 << 62)
@@ -154,18 +143,11 @@ def read_capped(
     """The bytes of a regular file of at most limit bytes; never follows a symbolic link in
     its last component (unless follow_links: a file another program reads through its links,
     as systemd reads EnvironmentFile=), never blocks on a FIFO or device."""
-    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-    flags |= 0 if follow_links else os.O_NOFOLLOW
+    fd = open_in(dir_fd, path, os.O_RDONLY, follow_links=follow_links)
     try:
-        fd = os.open(path, flags, dir_fd=dir_fd)
-    except OSError as exc:
-        raise _what_is_there(path, exc, dir_fd) from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise NotRegularFile(path, kind_of(info.st_mode))
-        if info.st_size > limit:
-            raise TooLarge(path, info.st_size, limit)
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise TooLarge(path, size, limit)
         data = _read_up_to(fd, limit + 1)
         if len(data) > limit:  # grew since fstat
             raise TooLarge(path, len(data), limit)
@@ -174,22 +156,10 @@ def read_capped(
         os.close(fd)
 
 
-def _what_is_there(path: Path | str, exc: OSError, dir_fd: int | None) -> OSError:
-    """An open that failed because of what is there (a link: ELOOP; a socket: ENXIO; ...) as
-    NotRegularFile."""
-    if exc.errno not in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):
-        return exc
-    try:
-        info = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
-    except OSError:
-        return exc
-    return exc if stat.S_ISREG(info.st_mode) else NotRegularFile(path, kind_of(info.st_mode))
-
-
 def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> int:
     """path's folder as an O_DIRECTORY descriptor, made where missing (make). A symbolic link
     on the way is followed only where the folder holding it is trusted; else UnsafeLink."""
-    uids = trusted_uids()
+    uids = frozenset({0, os.geteuid()})
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
     queue = list(Path(os.path.abspath(path)).parts[1:])
     here, fd, hops = "/", os.open("/", flags), 0
@@ -200,11 +170,9 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
                 next_fd = _open_component(fd, name, flags, make=make, mode=mode)
             except _Link as link:
                 hops += 1
-                why = _judge(f"/proc/self/fd/{fd}", "", os.fstat(fd), link.uid in uids, uids)
+                why = _judge(here, here, os.fstat(fd), link.uid in uids, uids)
                 if why is not None or hops > MAX_LINK_HOPS:
-                    folder = why or Untrusted(here, here, Exposure.OWNER, -1, -1, 0)
-                    named = replace(folder, path=here, of=here)
-                    raise UnsafeLink(os.path.join(here, name), named) from None
+                    raise UnsafeLink(os.path.join(here, name)) from None
                 target = os.path.normpath(os.path.join(here, link.target))
                 queue = list(Path(target).parts[1:]) + queue
                 os.close(fd)
@@ -225,32 +193,39 @@ class _Link(Exception):
 
 
 def _open_component(fd: int, name: str, flags: int, *, make: bool, mode: int) -> int:
-    for _ in range(2):
-        try:
-            return os.open(name, flags, dir_fd=fd)
-        except FileNotFoundError:
-            if not make:
-                raise
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(name, mode, dir_fd=fd)
-        except OSError as exc:
-            if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
-                raise
-            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            if not stat.S_ISLNK(info.st_mode):
-                raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), name) from None
-            raise _Link(os.readlink(name, dir_fd=fd), info.st_uid) from None
-    return os.open(name, flags, dir_fd=fd)
-
-
-def open_in(folder_fd: int, name: str, flags: int, mode: int = 0o644) -> int:
-    """name in the folder (open_folder's), never through a symbolic link, a regular file or
-    NotRegularFile (never blocking on a FIFO on the way)."""
-    all_flags = flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
     try:
-        fd = os.open(name, all_flags, mode, dir_fd=folder_fd)
+        return os.open(name, flags, dir_fd=fd)
+    except FileNotFoundError:
+        if not make:
+            raise
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(name, mode, dir_fd=fd)
+        return _open_component(fd, name, flags, make=False, mode=mode)
     except OSError as exc:
-        raise _what_is_there(name, exc, folder_fd) from None
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+        if not stat.S_ISLNK(info.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), name) from None
+        raise _Link(os.readlink(name, dir_fd=fd), info.st_uid) from None
+
+
+def open_in(
+    folder_fd: int | None, name: Path | str, flags: int, *, follow_links: bool = False
+) -> int:
+    """name in the folder (open_folder's; None: the working one), a regular file or
+    NotRegularFile: never through a symbolic link (unless follow_links), nor blocking on a FIFO."""
+    flags |= os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY | (0 if follow_links else os.O_NOFOLLOW)
+    try:
+        fd = os.open(name, flags, 0o644, dir_fd=folder_fd)
+    except OSError as exc:  # refused for what is there (a link: ELOOP, a socket: ENXIO...)?
+        mode = stat.S_IFREG
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EOPNOTSUPP, errno.ENODEV):
+            with contextlib.suppress(OSError):
+                mode = os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise NotRegularFile(name, kind_of(mode)) from None
+        raise
     info = os.fstat(fd)
     if not stat.S_ISREG(info.st_mode):
         os.close(fd)
@@ -283,14 +258,11 @@ def write_in(folder_fd: int, name: str, data: bytes, mode: int = 0o644) -> None:
     temporary = f".{name}.{os.urandom(6).hex()}.tmp"
     fd = os.open(temporary, flags, 0o600, dir_fd=folder_fd)
     try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+        with open(fd, "wb") as handle:  # closes fd; write() writes every byte
+            handle.write(data)
+            handle.flush()
             os.fsync(fd)
             os.fchmod(fd, mode)
-        finally:
-            os.close(fd)
         os.replace(temporary, name, src_dir_fd=folder_fd, dst_dir_fd=folder_fd)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -352,9 +324,8 @@ def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
 
 
 def run_program(argv: Sequence[str], timeout_s: float) -> Result:
-    """argv (argv[0] from find_program) with the clean environment and no stdin.
-    ProgramNotAnswering where it outlives timeout_s (it is killed); ProgramNotFound where it
-    cannot be started; a non-zero exit is the caller's to judge."""
+    """argv (argv[0] from find_program), clean environment, no stdin; ProgramNotAnswering past
+    timeout_s (killed), ProgramNotFound where it cannot start; a non-zero exit: the caller's."""
     if not os.path.isabs(argv[0]):
         raise ValueError(f"{argv[0]!r}: not an absolute path (find_program)")
     name = os.path.basename(argv[0])
@@ -421,24 +392,20 @@ def why_untrusted(found: Untrusted) -> str:
 
 
 def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
-    """A path another account may change, refused: a config file (after `PATH: `), or
-    gpugate's own state folder, lock_dir (after `lock_dir: `; state)."""
+    """A config file (after `PATH: `) or (state) the lock_dir others may change, refused."""
     mine = f" ({_facts(found)})" if found.path == found.of else ""
     euid = os.geteuid()
     accounts = "root" if euid == 0 else f"root or {account(euid)}"
+    why = f"refused: {why_untrusted(found)}{mine}"
     if state:
-        where = f"{found.of}: "
-        rule = (
-            f"gpugate's state folder and the folders above it must belong to {accounts} and "
-            "be writable by no group or other account"
+        return (
+            f"{found.of}: {why}; gpugate's state folder and the folders above it must belong to "
+            f"{accounts} and be writable by no group or other account ({RULE}); nothing was done"
         )
-    else:
-        where = ""
-        rule = (
-            "gpugate reads only a config file that it and every folder above it belong to "
-            f"{accounts} and no group or other account may write"
-        )
-    return f"{where}refused: {why_untrusted(found)}{mine}; {rule} ({RULE}); nothing was done"
+    return (
+        f"{why}; gpugate reads only a config file that it and every folder above it belong to "
+        f"{accounts} and no group or other account may write ({RULE}); nothing was done"
+    )
 
 
 def unreadable(exc: OSError) -> str:

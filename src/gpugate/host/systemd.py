@@ -1,10 +1,7 @@
-"""systemd units: names, the cgroup each one owns, which unit a cgroup belongs to, a unit's
-environment, and what a unit sets itself, read from `systemctl cat` (or its unit folders)
-without gpugate's own drop-in (`systemctl show` cannot tell a unit's own value from a default).
-And where gpugate looks: the roots of /dev, /proc and the cgroup tree (tests: the hidden
-`--host-roots`, never the environment, which the unit sets), and the cgroup tree systemd tracks
-units in: cgroup2 at /sys/fs/cgroup (unified) or /sys/fs/cgroup/unified (hybrid); a v1-only
-host (legacy) is refused before anything is killed."""
+"""systemd units: names, cgroups, environment, and what a unit sets itself, from `systemctl cat`
+(`systemctl show` cannot tell a unit's own value from a default). Where gpugate looks (tests: the
+hidden `--host-roots`, never the environment, which the unit sets), and the cgroup2 tree systemd
+tracks units in: unified or hybrid; a v1-only host is refused before anything is killed."""
 
 from __future__ import annotations
 
@@ -29,24 +26,12 @@ USER_MANAGER = re.compile(r"user@[0-9]+\.service")
 
 
 # Every unit type systemd knows: a name ending in none of them is a service to systemctl.
-UNIT_TYPE_SUFFIXES = (
-    ".service",
-    ".socket",
-    ".target",
-    ".device",
-    ".mount",
-    ".automount",
-    ".swap",
-    ".timer",
-    ".path",
-    ".slice",
-    ".scope",
-)
+UNIT_TYPES = "service socket target device mount automount swap timer path slice scope"
+UNIT_TYPE_SUFFIXES = tuple(f".{kind}" for kind in UNIT_TYPES.split())
 
 
 def unit_argument(name: str) -> str:
-    """A unit named on the command line, read as systemctl reads it: `vllm` is
-    `vllm.service`; a name with a unit type suffix stays."""
+    """A unit named on the command line, as systemctl reads it: `vllm` is `vllm.service`."""
     if name and not name.endswith(UNIT_TYPE_SUFFIXES):
         return name + ".service"
     return name
@@ -79,10 +64,9 @@ def parse_cgroup(text: str) -> str | None:
 
 
 def unit_of_cgroup(cgroup: str) -> str | None:
-    """The system unit whose cgroup holds this one: the first component that is not a slice,
-    where every one above it is a slice; None for the root, a slice, or a folder that is no
-    unit. Only PID 1 makes slices and the units in them; below a unit the tree is the unit's
-    own (its Delegate= subtree, a user manager's units): a name there names no system unit."""
+    """The system unit whose cgroup holds this one: the first component that is not a slice.
+    Only PID 1 makes slices and the units in them; below a unit the tree is the unit's own (its
+    Delegate= subtree, a user manager's units): a name there names no system unit."""
     for part in cgroup_parts(cgroup):
         if not part.endswith(".slice"):
             return part if part.endswith(UNIT_SUFFIXES) else None
@@ -90,8 +74,7 @@ def unit_of_cgroup(cgroup: str) -> str | None:
 
 
 def is_user_cgroup(cgroup: str) -> bool:
-    """Login sessions and user managers: where an account's own processes live (a slice on
-    the way is `user.slice` or `user-UID.slice`, or the unit is `user@UID.service`)."""
+    """Login sessions and user managers (`user.slice`, `user-UID.slice`, `user@UID.service`)."""
     for part in cgroup_parts(cgroup):
         if part == "user.slice" or USER_SLICE_NAME.fullmatch(part):
             return True
@@ -106,8 +89,7 @@ def system_unit_of_cgroup(cgroup: str) -> str | None:
 
 
 def own_unit(proc_root: Path = Path("/proc")) -> str | None:
-    """The unit whose cgroup this process runs in (systemd runs ExecStartPre= there), from
-    the `0::` line: the unified tree, also on a hybrid host."""
+    """The service whose cgroup this process runs in (systemd runs ExecStartPre= there)."""
     try:
         text = (proc_root / "self" / "cgroup").read_text()
     except OSError:
@@ -122,7 +104,6 @@ def systemd_running() -> bool:
 
 @dataclass(frozen=True)
 class UnitState:
-    name: str
     load_state: str  # loaded, not-found, masked, ...
     active_state: str
     control_group: str | None
@@ -151,14 +132,9 @@ def query_unit(name: str) -> UnitState | None:
     if shown is None:
         return None
     props = dict(line.split("=", 1) for line in shown.splitlines() if "=" in line)
-    # An empty property (ControlGroup of an inactive unit) is printed as "ControlGroup=" when
-    # named with --property; read a missing line the same, as unset.
-    return UnitState(
-        name=name,
-        load_state=props.get("LoadState", ""),
-        active_state=props.get("ActiveState", ""),
-        control_group=props.get("ControlGroup") or None,
-    )
+    # An inactive unit's "ControlGroup=" (named with --property) and a missing line: unset.
+    group = props.get("ControlGroup") or None
+    return UnitState(props.get("LoadState", ""), props.get("ActiveState", ""), group)
 
 
 def active_state(name: str) -> str | None:
@@ -205,8 +181,7 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
 
 
 def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
-    """systemd's ActiveState; where it cannot be asked, "active" while processes are in its
-    cgroup, else "inactive"."""
+    """systemd's ActiveState; unasked, "active" while its cgroup holds a process."""
     if ask_systemd:
         state = query_unit(name)
         if state is not None:
@@ -228,62 +203,59 @@ class UnitEnvironment:
     EnvironmentFile= in order (later settings win), as `systemctl show` resolves them."""
 
     variables: dict[str, str]
-    files: tuple[str, ...]  # the EnvironmentFile= paths that were read
-    origins: dict[str, str] = field(default_factory=dict)  # variable -> where it was set
+    origins: dict[str, str] = field(default_factory=dict)  # variable -> its EnvironmentFile=
 
     def origin(self, variable: str) -> str:
         return self.origins.get(variable, "Environment=")
 
 
+def environment_files(shown: str) -> list[tuple[str, bool]]:
+    """(path, ignore_errors) of each EnvironmentFile= in `systemctl show`'s "PATH
+    (ignore_errors=no)" lines; a leading "-" in the unit shows as ignore_errors=yes."""
+    found = []
+    for line in shown.splitlines():
+        key, _, value = line.partition("=")
+        if key == "EnvironmentFiles" and value:
+            path, _, flags = value.rpartition(" (ignore_errors=")
+            found.append((path or value, flags.startswith("yes")))
+    return found
+
+
 def unit_environment(
     name: str, show: Callable[[str], str | None] | None = None
 ) -> UnitEnvironment | None:
-    """The unit's environment from `systemctl show -p Environment,EnvironmentFiles`; None
-    where systemd cannot be asked. show: the command's output (tests')."""
+    """From `systemctl show`; None where systemd cannot be asked. show: its output (tests')."""
     text = show(name) if show else systemctl_show(name, "Environment,EnvironmentFiles")
     if text is None:
         return None
     variables: dict[str, str] = {}
-    origins: dict[str, str] = {}
-    files: list[str] = []
     for line in text.splitlines():
         key, _, value = line.partition("=")
-        if key == "Environment":
-            for item in _split_quoted(value):
-                variable, eq, setting = item.partition("=")
-                if eq and variable:
-                    variables[variable] = setting
-                    origins[variable] = "Environment="
-        elif key == "EnvironmentFiles" and value:
-            # "PATH (ignore_errors=no)"; a leading "-" in the unit shows as ignore_errors=yes.
-            path, _, flags = value.rpartition(" (ignore_errors=")
-            path = path or value
-            ignore = flags.startswith("yes")
-            try:
-                # systemd follows the file's links; a FIFO or a huge file is refused, not read.
-                data = read_capped(path, ENVIRONMENT_FILE_MAX_BYTES, follow_links=True)
-                parsed = parse_environment_file(data.decode("utf-8"))
-            except (OSError, UnicodeDecodeError) as exc:
-                if ignore:
-                    continue
-                raise UnknownUnit(
-                    f"unit {name}: EnvironmentFile={shown(str(path), FILE)}: cannot read it "
-                    f"({exc}); systemd would not start the unit either"
-                ) from None
-            files.append(path)
-            for variable, setting in parsed.items():
+        if key != "Environment":
+            continue
+        try:  # systemctl show quotes an assignment holding spaces or quotes, C-style (246+)
+            items = shlex.split(value, posix=True)
+        except ValueError:
+            items = value.split()
+        for variable, eq, setting in (item.partition("=") for item in items):
+            if eq and variable:
                 variables[variable] = setting
-                origins[variable] = f"EnvironmentFile={path}"
-    return UnitEnvironment(variables, tuple(files), origins)
-
-
-def _split_quoted(value: str) -> list[str]:
-    # systemctl show quotes an assignment that holds spaces or quotes, C-style escapes inside
-    # (systemd 246+).
-    try:
-        return shlex.split(value, posix=True)
-    except ValueError:
-        return value.split()
+    origins: dict[str, str] = {}
+    for path, ignore in environment_files(text):
+        try:
+            # systemd follows the file's links; a FIFO or a huge file is refused, not read.
+            data = read_capped(path, ENVIRONMENT_FILE_MAX_BYTES, follow_links=True)
+            parsed = parse_environment_file(data.decode("utf-8"))
+        except (OSError, UnicodeDecodeError) as exc:
+            if ignore:
+                continue
+            raise UnknownUnit(
+                f"unit {name}: EnvironmentFile={shown(str(path), FILE)}: cannot read it "
+                f"({exc}); systemd would not start the unit either"
+            ) from None
+        variables.update(parsed)
+        origins.update(dict.fromkeys(parsed, f"EnvironmentFile={path}"))
+    return UnitEnvironment(variables, origins)
 
 
 def parse_environment_file(text: str) -> dict[str, str]:
@@ -291,26 +263,19 @@ def parse_environment_file(text: str) -> dict[str, str]:
     `export `, single or double quotes, a backslash at the end of a line continues it, and
     ${KEY} or $KEY naming a variable set earlier in the same file."""
     variables: dict[str, str] = {}
-    logical: list[str] = []
     pending = ""
-    for raw in text.splitlines():
+    for raw in [*text.splitlines(), ""]:  # the "": a last line left continued ends there
         if raw.endswith("\\") and not raw.endswith("\\\\"):
             pending += raw[:-1]
             continue
-        logical.append(pending + raw)
+        line = (pending + raw).strip()
         pending = ""
-    if pending:
-        logical.append(pending)
-    for line in logical:
-        stripped = line.strip()
-        if not stripped or stripped[0] in "#;":
+        if not line or line[0] in "#;":
             continue
-        stripped = stripped.removeprefix("export ").lstrip()
-        key, eq, value = stripped.partition("=")
+        key, eq, value = line.removeprefix("export ").lstrip().partition("=")
         key = key.strip()
-        if not eq or not ENV_NAME.fullmatch(key):
-            continue
-        variables[key] = _env_value(value.strip(), variables)
+        if eq and ENV_NAME.fullmatch(key):
+            variables[key] = _env_value(value.strip(), variables)
     return variables
 
 
@@ -369,11 +334,11 @@ SETTING_FIELDS = {
 }
 
 
-def parse_unit_settings(text: str, own_dropin: str = OWN_DROPIN) -> UnitSettings:
+def parse_unit_settings(text: str) -> UnitSettings:
     """The settings in `systemctl cat` text. Later assignments win, an empty one resets;
-    gpugate's own drop-in (own_dropin in a `.d` folder) is left out."""
+    gpugate's own drop-in (OWN_DROPIN in a `.d` folder) is left out."""
     found: dict[str, Setting | None] = {}
-    for path, key, value in _assignments(text, own_dropin):
+    for path, key, value in _assignments(text):
         for name in SETTING_FIELDS.get(key, ()):
             found[name] = Setting(key, value, path) if value else None
         if key == "TemporaryFileSystem":
@@ -392,7 +357,7 @@ def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
     return before
 
 
-def _assignments(text: str, own_dropin: str) -> list[tuple[str, str, str]]:
+def _assignments(text: str) -> list[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
     found: list[tuple[str, str, str]] = []
     path, section, skip, pending, previous = "", "", False, "", ""
@@ -401,7 +366,7 @@ def _assignments(text: str, own_dropin: str) -> list[tuple[str, str, str]]:
         previous = raw
         if header and not pending:  # systemctl cat's file header: after a blank line
             path, section = raw[2:].strip(), ""
-            skip = os.path.basename(path) == own_dropin and path.rsplit("/", 2)[-2].endswith(".d")
+            skip = os.path.basename(path) == OWN_DROPIN and path.rsplit("/", 2)[-2].endswith(".d")
             continue
         line = pending + raw.strip()
         if line.endswith("\\"):
@@ -437,13 +402,8 @@ def files_text(unit: str, dirs: Sequence[str]) -> str:
     names = [unit]
     if "@" in unit and not unit.endswith("@.service"):
         names.append(unit.split("@", 1)[0] + "@.service")
-    chunks: list[str] = []
-    main = next(
-        (f"{d}/{n}" for n in names for d in dirs if os.path.isfile(f"{d}/{n}")),
-        None,
-    )
-    if main is not None:
-        chunks.append(_chunk(main))
+    mains = [f"{d}/{n}" for n in names for d in dirs if os.path.isfile(f"{d}/{n}")]
+    chunks = [_chunk(main) for main in mains[:1]]
     dropins: dict[str, str] = {}
     for name in reversed(names):  # the template's drop-ins apply before the instance's
         for folder in dirs:
@@ -494,17 +454,13 @@ class HostRoots:
                 raise ConfigError(HOST_ROOTS_OPTION, name, f"{echo(value)} is not an absolute path")
             roots[name] = path
         found = cls(**roots)
-        found.check()
-        return found
-
-    def check(self) -> None:
-        """A root that is not there is a configuration error, not a crash mid-run."""
-        for name in ROOT_NAMES:
-            path: Path = getattr(self, name)
-            if not path.is_dir():
+        for name in ROOT_NAMES:  # a root not there: a configuration error, not a crash mid-run
+            root: Path = getattr(found, name)
+            if not root.is_dir():
                 raise ConfigError(
-                    HOST_ROOTS_OPTION, name, f"{echo(str(path), quote=False)}: no such folder"
+                    HOST_ROOTS_OPTION, name, f"{echo(str(root), quote=False)}: no such folder"
                 )
+        return found
 
 
 UNIFIED = "unified"
@@ -537,33 +493,18 @@ def mount_table(mountinfo: str) -> dict[str, str]:
 
 
 def cgroup_layout(mountinfo: str) -> CgroupLayout:
+    """A cgroup2 mounted anywhere else (by hand, by a container runtime) is no tree systemd puts
+    units in: its paths would name no unit."""
     fstype_at = mount_table(mountinfo)
-    system = PurePosixPath(str(SYSTEM_CGROUP_ROOT))
-    hybrid = PurePosixPath(str(HYBRID_UNIFIED_ROOT))
-    if fstype_at.get(str(system)) == "cgroup2":
-        return CgroupLayout(UNIFIED, system)
-    if fstype_at.get(str(hybrid)) == "cgroup2":
-        return CgroupLayout(HYBRID, hybrid)
-    # A cgroup2 mounted anywhere else (by hand, by a container runtime) is no tree systemd
-    # puts units in: its paths would name no unit.
+    for kind, root in ((UNIFIED, SYSTEM_CGROUP_ROOT), (HYBRID, HYBRID_UNIFIED_ROOT)):
+        if fstype_at.get(str(root)) == "cgroup2":
+            return CgroupLayout(kind, PurePosixPath(root))
     return CgroupLayout(LEGACY, None)
 
 
-def read_cgroup_layout(proc_root: Path) -> CgroupLayout:
-    try:
-        text = (proc_root / "self" / "mountinfo").read_text(encoding="utf-8", errors="replace")
-    except OSError as exc:
-        raise HostUnsupported(
-            f"cannot read {proc_root / 'self' / 'mountinfo'} ({exc.strerror}): gpugate cannot "
-            "tell which cgroup tree this host tracks its units in; nothing was killed"
-        ) from None
-    return cgroup_layout(text)
-
-
 def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
-    """roots with the cgroup root (/sys/fs/cgroup or a test's stand-in) moved to the tree
-    systemd tracks units in: on a hybrid host its `unified` folder."""
-    if layout.kind == LEGACY or layout.unified_mount is None:
+    """roots with the cgroup root moved to the tree systemd tracks units in (hybrid: `unified`)."""
+    if layout.unified_mount is None:  # LEGACY
         raise HostUnsupported(
             f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
             f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
@@ -571,8 +512,7 @@ def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
             "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
             '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
         )
-    relative = layout.unified_mount.relative_to(PurePosixPath(str(SYSTEM_CGROUP_ROOT)))
-    unified = roots.cgroup / relative
+    unified = roots.cgroup / layout.unified_mount.relative_to(SYSTEM_CGROUP_ROOT)
     if not unified.is_dir():
         raise HostUnsupported(
             f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
@@ -585,7 +525,15 @@ def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
     """This host's layout where the cgroup root is the real one; None for a stand-in tree."""
     if roots.cgroup != SYSTEM_CGROUP_ROOT:
         return None
-    return read_cgroup_layout(roots.proc)
+    mountinfo = roots.proc / "self" / "mountinfo"
+    try:
+        text = mountinfo.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        raise HostUnsupported(
+            f"cannot read {mountinfo} ({exc.strerror}): gpugate cannot tell which cgroup tree "
+            "this host tracks its units in; nothing was killed"
+        ) from None
+    return cgroup_layout(text)
 
 
 def on_units_tree(
