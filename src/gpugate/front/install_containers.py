@@ -74,12 +74,8 @@ def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
 def hook_file(gpugate: str | Sequence[str], stage: str) -> str:
     """oci-hooks(5), version 1.0.0: every container, at one stage (the hook itself leaves a
     container without GPUs at once). gpugate: a path, or the command that runs it."""
-    body = {
-        "version": "1.0.0",
-        "hook": hook_entry(gpugate, stage),
-        "when": {"always": True},
-        "stages": [stage],
-    }
+    hook = hook_entry(gpugate, stage)
+    body = {"version": "1.0.0", "hook": hook, "when": {"always": True}, "stages": [stage]}
     return json.dumps(body, indent=2) + "\n"
 
 
@@ -101,8 +97,7 @@ def plan_hooks(
             path = folder / name
             text = hook_file(gpugate, stage)
             exists = path.exists()
-            ours = is_our_hook(path)
-            if exists and not ours and not force:
+            if exists and not is_our_hook(path) and not force:
                 raise InstallError(
                     f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
                 )
@@ -206,7 +201,7 @@ def plan_containerd(
     if text == current:
         return [Change(path, Action.UNCHANGED, note="runtime-there")]
     note = "containerd-runtime-default" if default else "containerd-runtime-added"
-    return [Change(path, Action.WRITE, text, note, detail=wrapped.name)]
+    return [Change(path, Action.WRITE, text, note, detail=wrapped)]
 
 
 def nvidia_in_place(host: ContainerHost) -> bool:
@@ -257,12 +252,12 @@ def reload_docker() -> str:
             return "docker is not running: it reads daemon.json when it starts"
         result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(_reload_failed(str(exc))) from None
-    if result.returncode != 0:
-        raise InstallError(
-            _reload_failed(f"`systemctl reload docker` failed: {result.first_line()}")
-        )
-    return "reloaded docker (systemctl reload docker)"
+        detail = str(exc)
+    else:
+        if result.returncode == 0:
+            return "reloaded docker (systemctl reload docker)"
+        detail = f"`systemctl reload docker` failed: {result.first_line()}"
+    raise InstallError(f"daemon.json written, but {detail}; run `systemctl reload docker`")
 
 
 def _read(path: Path) -> str | None:
@@ -270,10 +265,6 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def _reload_failed(detail: str) -> str:
-    return f"daemon.json written, but {detail}; run `systemctl reload docker`"
 
 
 RUNC_V2 = "io.containerd.runc.v2"
@@ -292,12 +283,6 @@ BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 MAX_CONFIG = 1 << 20
 
 Table = dict[str, object]
-
-
-@dataclass(frozen=True)
-class Wrapped:
-    name: str
-    binary: str  # its options' BinaryName ("" where runc's own)
 
 
 def read_containerd_config(path: Path) -> str | None:
@@ -391,25 +376,20 @@ def header_of(line: str) -> tuple[str, ...] | None:
     return tuple(keys)
 
 
-def wrapped_of(cri: Table) -> tuple[Wrapped, Table]:
-    """The CRI default runtime where it is runc's shim (NVIDIA's runtime is), else `runc`."""
+def wrapped_of(cri: Table, wrapper: str) -> tuple[str, Table]:
+    """The CRI default runtime where it is runc's shim (NVIDIA's runtime is), else `runc`, and
+    the runtime gpugate's table: a copy of it that runs the wrapper."""
     runtimes = table_at(cri, ("runtimes",))
     name = cri.get("default_runtime_name") or "runc"
     source = runtimes.get(str(name))
     if not isinstance(source, dict) or source.get("runtime_type", RUNC_V2) != RUNC_V2:
         name, source = "runc", runtimes.get("runc")
     source = source if isinstance(source, dict) else {}
-    options = source.get("options")
-    binary = options.get("BinaryName", "") if isinstance(options, dict) else ""
-    return Wrapped(str(name), str(binary)), source
-
-
-def runtime_table(source: Table, wrapper: str) -> Table:
     table: Table = {"runtime_type": RUNC_V2}
     table.update({k: v for k, v in source.items() if k not in ("runtime_type", "options")})
     options = source.get("options")
     table["options"] = {**(options if isinstance(options, dict) else {}), "BinaryName": wrapper}
-    return table
+    return str(name), table
 
 
 def dotted(keys: tuple[str, ...]) -> str:
@@ -468,13 +448,6 @@ def pruned(data: object) -> object:
     return {k: v for k, v in kept.items() if v != {}}
 
 
-def same_settings(text: str, expected: Table) -> bool:
-    try:
-        return pruned(tomllib.loads(text)) == pruned(expected)
-    except tomllib.TOMLDecodeError:  # a table the file defined inline or by dotted keys
-        return False
-
-
 def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -486,7 +459,7 @@ def installed(
     path: Path,
     default: bool,
     default_config: Callable[[], str],
-) -> tuple[str, Wrapped]:
+) -> tuple[str, str]:
     """The config with the runtime gpugate (the same text for a config that has it already,
     so a second install changes nothing), and the runtime it wraps."""
     base = default_config() if current is None else strip(current, path)
@@ -498,8 +471,7 @@ def installed(
             f"{path}: a runtime {RUNTIME_NAME} that gpugate install did not write is there; take "
             "it out first; nothing changed"
         )
-    wrapped, source = wrapped_of(cri_table)
-    table = runtime_table(source, wrapper)
+    wrapped, table = wrapped_of(cri_table, wrapper)
     lines = base.splitlines(keepends=True)
     default_table = default and not set_default(lines, cri)
     body = "".join(lines)
@@ -511,7 +483,11 @@ def installed(
     table_at(expected, (*cri, "runtimes"), make=True)[RUNTIME_NAME] = table
     if default:
         table_at(expected, cri, make=True)["default_runtime_name"] = RUNTIME_NAME
-    if not same_settings(text, expected):
+    try:
+        same = pruned(tomllib.loads(text)) == pruned(expected)
+    except tomllib.TOMLDecodeError:  # a table the file defined inline or by dotted keys
+        same = False
+    if not same:
         raise not_as_tables(path, cri)
     return text, wrapped
 
