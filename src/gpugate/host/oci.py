@@ -381,7 +381,7 @@ def read_stdin_bounded(
 
 
 def parse_state(raw: bytes) -> ContainerState:
-    data = _json_object(raw, "the container state on stdin")
+    data = json_object(raw, "the container state on stdin")
     container_id = data.get("id")
     if not isinstance(container_id, str) or not CONTAINER_ID.fullmatch(container_id):
         raise OciInputError("the container state on stdin: id: missing or not a container id")
@@ -452,7 +452,7 @@ def parse_config(
 ) -> ContainerSpec:
     """lenient (after the stop): a GPU request that cannot be resolved (NVIDIA's config may
     have changed since the start) is kept as such, for the lease to answer."""
-    data = _json_object(raw, source)
+    data = json_object(raw, source)
     linux = data.get("linux")
     cgroups_path = linux.get("cgroupsPath") if isinstance(linux, dict) else None
     hostname = data.get("hostname")
@@ -535,7 +535,7 @@ def cgroup_of_spec(cgroups_path: str | None, container_id: str) -> str | None:
     return nested + "/" + (name if name.endswith(".slice") else f"{prefix}-{name}.scope")
 
 
-def _json_object(raw: bytes, source: str) -> dict[str, object]:
+def json_object(raw: bytes, source: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:

@@ -63,9 +63,8 @@ class ContainerIdentity:
 
     @property
     def label(self) -> str:
-        """`podman container vllm (3f2a1b0c4d5e)`; a pod's `containerd container
-        ml/vllm-0/server (3f2a1b0c4d5e)`; with only a name its author set, `podman container
-        3f2a1b0c4d5e ("vllm" by its annotation KEY)`. Names shown escaped."""
+        """`podman container vllm (3f2a1b0c4d5e)`, `containerd container ml/vllm-0/server
+        (3f2a1b0c4d5e)`, `podman container 3f2a1b0c4d5e ("vllm" by its annotation KEY)`."""
         short, runtime = self.id[:12], f"{self.runtime} container"
         name = self.pod.text if self.pod is not None else self.name
         if name:
@@ -76,8 +75,7 @@ class ContainerIdentity:
         return f"{runtime} {short}"
 
     def fields(self) -> dict[str, str | bytes]:
-        """The journal fields every entry of this run carries (not GPUGATE_CONTAINER: that is
-        a holder's)."""
+        """The journal fields of every entry of this run (GPUGATE_CONTAINER is a holder's)."""
         found: dict[str, str | bytes] = {
             "GPUGATE_OCI_CONTAINER": self.id,
             "GPUGATE_OCI_RUNTIME": self.runtime,
@@ -97,14 +95,11 @@ class ContainerIdentity:
 
 
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
-    """The container's cgroup from its init's /proc/PID/cgroup, else the spec's cgroupsPath;
-    one of its own (host.containers.own_cgroup), else OciInputError: a container is never its
-    enclosing unit, whose lease it would take. Its name from the runtime's annotations, else
-    from the runtime's own record of it."""
-    cgroup = None
-    if state.pid > 0:
-        info = procfs.info(state.pid)
-        cgroup = info.cgroup if info is not None else None
+    """The container's cgroup from its init's /proc/PID/cgroup, else the spec's cgroupsPath,
+    one of its own, else OciInputError: a container is never its enclosing unit, whose lease
+    it would take. Its name from the runtime's annotations, else its own record of it."""
+    info = procfs.info(state.pid) if state.pid > 0 else None
+    cgroup = info.cgroup if info is not None else None
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
     own = own_cgroup(cgroup, state.id)
     if own is None:
@@ -146,9 +141,8 @@ def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:
 
 
 def storage_name(container_id: str, bundle: str) -> str | None:
-    """podman's (and CRI-O's) name for it: containers/storage records every container with
-    its names in DRIVER-containers/containers.json, two folders above the bundle
-    (DRIVER-containers/ID/userdata)."""
+    """podman's and CRI-O's: containers/storage's DRIVER-containers/containers.json, two
+    folders above the bundle (DRIVER-containers/ID/userdata), lists each container's names."""
     folder = Path(bundle)
     if folder.name != "userdata" or folder.parent.name != container_id:
         return None
@@ -191,10 +185,11 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     does not know is refused, never guessed."""
     if request.all_gpus:
         return "all"
-    by_minor = {gpu.minor: gpu for gpu in gpus if gpu.mig is None}
-    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus if gpu.mig is None}
-    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus if gpu.mig is None)
-    refs = [_indexed_slice(ref, gpus, request) if ":" in ref else ref for ref in request.refs]
+    whole = [gpu for gpu in gpus if gpu.mig is None]
+    by_minor = {gpu.minor: gpu for gpu in whole}
+    by_ref = {**{str(gpu.index): gpu for gpu in whole}, **{gpu.uuid.lower(): gpu for gpu in whole}}
+    where = echo(", ".join(request.origins) or "config.json")
+    refs = [_indexed_slice(ref, gpus, where) if ":" in ref else ref for ref in request.refs]
     sliced = _sliced_minors(refs, gpus, source)
     chosen: dict[str, str] = {}
     for minor in request.minors:
@@ -212,13 +207,12 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             continue
         gpu = by_ref.get(ref.lower())
         if gpu is None:
-            where = ", ".join(request.origins) or "config.json"
-            raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no GPU NVML knows")
+            raise OciInputError(f"config.json: {where}: {echo(ref)} is no GPU NVML knows")
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
 
 
-def _indexed_slice(ref: str, gpus: list[Gpu], request: GpuRequest) -> str:
+def _indexed_slice(ref: str, gpus: list[Gpu], where: str) -> str:
     """NVIDIA's `GPU:MIG` pair as its MIG device's UUID: the GPU at that NVML index, the MIG
     device at that index of nvmlDeviceGetMigDeviceHandleByIndex on it (what the toolkit's
     libnvidia-container and its CDI specs both mean by it)."""
@@ -226,8 +220,7 @@ def _indexed_slice(ref: str, gpus: list[Gpu], request: GpuRequest) -> str:
     for gpu in gpus:
         if gpu.mig is not None and (gpu.mig.parent, gpu.mig.mig_index) == (int(parent), int(index)):
             return gpu.uuid
-    where = ", ".join(request.origins) or "config.json"
-    raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no MIG device NVML knows")
+    raise OciInputError(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows")
 
 
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
@@ -256,8 +249,8 @@ TOOLKIT_NOTES = {
 
 
 def request_text(request: GpuRequest) -> str:
-    """Where a container's GPUs came from, for the run's first entry: `the container's
-    config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from linux.devices, mounts)`."""
+    """`the container's config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from
+    linux.devices, mounts)`, for the run's first entry."""
     parts = []
     if request.minors:
         parts.append("devices " + ", ".join(f"195:{m}" for m in request.minors))
@@ -277,8 +270,7 @@ def request_text(request: GpuRequest) -> str:
 
 @dataclass
 class ContainerSurroundings(UnitSurroundings):
-    """A unit's surroundings where the unit is the container's scope: its lease names the
-    container; no manual-run guard (the runtime runs the hook), no environment."""
+    """The unit is the container's scope; its lease names the container."""
 
     identity: ContainerIdentity | None = None
 
@@ -309,8 +301,6 @@ class ContainerSurroundings(UnitSurroundings):
 def container_surroundings(
     identity: ContainerIdentity, choice: GpuChoice, context: UnitContext
 ) -> Callable[[RunScope, LoadedConfig, Reporter], ContainerSurroundings]:
-    """How the hook's surroundings are made; the config already has the container's GPUs."""
-
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
         surroundings = ContainerSurroundings(
             scope, loaded, context, choice, Narrator(reporter), identity=identity
