@@ -216,8 +216,7 @@ def nvidia_in_place(host: ContainerHost) -> bool:
     if host.containerd_config is not None:
         text = read_containerd_config(host.containerd_config)
         if text is not None:
-            data = parse(text, host.containerd_config)
-            programs += nvidia_binaries(data)
+            programs += nvidia_binaries(parse(text, host.containerd_config))
     return any(os.path.basename(p) == wrapped_runtime.NVIDIA for p in programs)
 
 
@@ -229,8 +228,8 @@ def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Cha
         return [Change(path, Action.REMOVE if path.exists() else Action.ABSENT)]
     name = wrapped_runtime.NVIDIA if nvidia else wrapped_runtime.RUNC
     text = wrapped_runtime.record_text(name)
-    same = _read(path) == text
-    return [Change(path, Action.UNCHANGED if same else Action.WRITE, text, "runs", detail=name)]
+    action = Action.UNCHANGED if _read(path) == text else Action.WRITE
+    return [Change(path, action, text, "runs", detail=name)]
 
 
 def wrapper_beside(gpugate: str) -> str:
@@ -290,9 +289,7 @@ def read_containerd_config(path: Path) -> str | None:
     not a regular file (a link, a FIFO), larger than 1 MiB, not UTF-8."""
     found = untrusted(path)
     if found is not None:
-        raise InstallError(
-            f"{path}: " + (safe_files.untrusted_text(found) if found else "refused: untrusted")
-        )
+        raise InstallError(f"{path}: {safe_files.untrusted_text(found)}")
     try:
         return read_capped(path, MAX_CONFIG).decode("utf-8")
     except FileNotFoundError:
@@ -332,31 +329,24 @@ def table_at(data: Table, keys: tuple[str, ...], *, make: bool = False) -> Table
 
 def strip(text: str, path: Path) -> str:
     """The text without gpugate's marks: its block taken out, a replaced line put back."""
-    lines = text.splitlines(keepends=True)
     kept: list[str] = []
-    index = 0
-    while index < len(lines):
-        line = lines[index]
+    lines = enumerate(text.splitlines(keepends=True), 1)
+    for number, line in lines:
         if line.startswith(BEGIN):
-            end = next(
-                (n for n in range(index + 1, len(lines)) if lines[n].rstrip("\n") == END), None
-            )
-            if end is None:
+            if not any(rest.rstrip("\n") == END for _, rest in lines):  # to the block's end
                 raise InstallError(
-                    f"{path}: line {index + 1}: gpugate's block is opened and never closed "
+                    f"{path}: line {number}: gpugate's block is opened and never closed "
                     f"(`{END}`); mend it by hand; nothing changed"
                 )
-            if NO_EOL in line and kept:
-                kept[-1] = kept[-1][:-1] if kept[-1].endswith("\n") else kept[-1]
-            index = end + 1
+            if NO_EOL in line and kept and kept[-1].endswith("\n"):
+                kept[-1] = kept[-1][:-1]
         elif line.startswith(WAS):
             kept.append(line[len(WAS) :])
-            index += 2
+            next(lines, None)
         elif line.rstrip("\n") == WAS_NONE:
-            index += 2
+            next(lines, None)
         else:
             kept.append(line)
-            index += 1
     return "".join(kept)
 
 

@@ -33,7 +33,9 @@ HOST_DEV = "/dev"
 MAX_FOLDER_ENTRIES = 65536
 MAX_VALUE = 4096  # no list of GPUs is this long
 
-Found = list[tuple[int | str, str]]  # (a minor, or an index, UUID or all; its origin)
+TYPE_CHECKING = False  # typing's own costs the hook's fast path an import
+if TYPE_CHECKING:
+    Found = list[tuple[int | str, str]]  # (a minor, or an index, UUID or all; its origin)
 
 
 class OciInputError(GateError):
