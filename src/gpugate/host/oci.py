@@ -281,9 +281,9 @@ def visible_words(env: object) -> list[str]:
 TOOLKIT_CONFIG = Path("/etc/nvidia-container-runtime/config.toml")
 ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
 MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
-UNTRUSTED = "untrusted"  # another account than root may change it or a folder above it
-UNREADABLE = "unreadable"  # not a regular file of at most 1 MiB, not UTF-8 TOML
-NOT_BOOLEAN = "not-boolean"  # one of the two keys is not true or false
+UNTRUSTED = "another account than root may change it"
+UNREADABLE = "not a regular file of at most 1 MiB of TOML"
+NOT_BOOLEAN = "its accept-nvidia-visible-devices-* keys are not true or false"
 
 
 def read_toolkit(path: Path = TOOLKIT_CONFIG) -> Toolkit:
@@ -335,7 +335,7 @@ class GpuRequest:
     refs: tuple[str, ...] = ()  # indices and UUIDs of NVIDIA's lists, as written
     all_gpus: bool = False  # NVIDIA's `all`
     origins: tuple[str, ...] = ()  # where in the spec each came from
-    note: str = ""  # why NVIDIA's config defaults stood in (read_toolkit's codes)
+    note: str = ""  # why NVIDIA's config defaults stood in (read_toolkit's words)
     # After the stop (parse_config's lenient): why the request could not be resolved; the
     # container's lease then says which GPUs it had.
     unresolved: OciInputError | None = None
@@ -351,7 +351,6 @@ class ContainerState:
     id: str
     pid: int  # 0 where the runtime gave none (poststop)
     bundle: str
-    status: str
     annotations: dict[str, str] = field(default_factory=dict)
 
 
@@ -360,7 +359,6 @@ class ContainerSpec:
     gpus: GpuRequest
     cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
     annotations: dict[str, str]
-    hostname: str | None
 
 
 def read_stdin_bounded(
@@ -393,14 +391,7 @@ def parse_state(raw: bytes) -> ContainerState:
     pid = data.get("pid", 0)
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 22:
         pid = 0
-    status = data.get("status")
-    return ContainerState(
-        id=container_id,
-        pid=pid,
-        bundle=bundle,
-        status=status[:MAX_FIELD] if isinstance(status, str) else "",
-        annotations=_string_map(data.get("annotations")),
-    )
+    return ContainerState(container_id, pid, bundle, _string_map(data.get("annotations")))
 
 
 def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
@@ -457,7 +448,6 @@ def parse_config(
     data = json_object(raw, source)
     linux = data.get("linux")
     cgroups_path = linux.get("cgroupsPath") if isinstance(linux, dict) else None
-    hostname = data.get("hostname")
     try:
         gpus = spec_gpu_request(data)
     except OciInputError as exc:
@@ -468,7 +458,6 @@ def parse_config(
         gpus=gpus,
         cgroups_path=cgroups_path if isinstance(cgroups_path, str) else None,
         annotations=_string_map(data.get("annotations")),
-        hostname=hostname[:MAX_FIELD] if isinstance(hostname, str) else None,
     )
 
 
@@ -495,21 +484,19 @@ def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) ->
     )
 
 
-def runtime_name(state: ContainerState, spec: ContainerSpec, runtime: str) -> str | None:
+def runtime_name(annotations: Mapping[str, str], runtime: str) -> str | None:
     """The name runtime itself wrote into the annotations (RUNTIME_NAME_ANNOTATIONS), with its
     pod's (`pod/container`); None for a runtime that writes none."""
     keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
     if keys is None:
         return None
-    annotations = {**spec.annotations, **state.annotations}
     name = bounded(annotations.get(keys[0], "").lstrip("/"))
     pod = bounded(annotations.get(keys[1], ""))
     return bounded(f"{pod}/{name}") if name and pod else name
 
 
-def claimed_name(state: ContainerState, spec: ContainerSpec) -> tuple[str, str] | None:
+def claimed_name(annotations: Mapping[str, str]) -> tuple[str, str] | None:
     """(annotation, name) of the first name the container's author may have set."""
-    annotations = {**spec.annotations, **state.annotations}
     named = ((key, bounded(annotations.get(key, ""))) for key in CLAIMED_NAME_ANNOTATIONS)
     return next(((key, name) for key, name in named if name), None)
 
@@ -566,28 +553,23 @@ def _string_map(value: object) -> dict[str, str]:
 SANDBOX = "sandbox"
 
 
-@dataclass(frozen=True)
-class CriKeys:
-    kind: str  # "sandbox" or "container"
-    sandbox_id: str
-    namespace: str
-    pod: str
-    container: str
-
-
-CONTAINERD = CriKeys(
-    kind="io.kubernetes.cri.container-type",
-    sandbox_id="io.kubernetes.cri.sandbox-id",
-    namespace="io.kubernetes.cri.sandbox-namespace",
-    pod="io.kubernetes.cri.sandbox-name",
-    container="io.kubernetes.cri.container-name",
-)
-CRIO = CriKeys(
-    kind="io.kubernetes.cri-o.ContainerType",
-    sandbox_id="io.kubernetes.cri-o.SandboxID",
-    namespace="io.kubernetes.pod.namespace",
-    pod="io.kubernetes.pod.name",
-    container="io.kubernetes.container.name",
+# The annotations of containerd's CRI plugin, then CRI-O's: (the container's type,
+# `sandbox` or `container`; its sandbox's id; its pod's namespace; its pod; its own name).
+CRI_KEYS = (
+    (
+        "io.kubernetes.cri.container-type",
+        "io.kubernetes.cri.sandbox-id",
+        "io.kubernetes.cri.sandbox-namespace",
+        "io.kubernetes.cri.sandbox-name",
+        "io.kubernetes.cri.container-name",
+    ),
+    (
+        "io.kubernetes.cri-o.ContainerType",
+        "io.kubernetes.cri-o.SandboxID",
+        "io.kubernetes.pod.namespace",
+        "io.kubernetes.pod.name",
+        "io.kubernetes.container.name",
+    ),
 )
 
 
@@ -606,19 +588,19 @@ class PodName:
 
 
 def pod_name(annotations: Mapping[str, str]) -> PodName | None:
-    for keys in (CONTAINERD, CRIO):
-        namespace = annotations.get(keys.namespace, "")
-        pod = annotations.get(keys.pod, "")
+    for _, _, namespace_key, pod_key, container_key in CRI_KEYS:
+        namespace = annotations.get(namespace_key, "")
+        pod = annotations.get(pod_key, "")
         if namespace and pod:
-            return PodName(namespace, pod, annotations.get(keys.container, ""))
+            return PodName(namespace, pod, annotations.get(container_key, ""))
     return None
 
 
 def is_sandbox(container_id: str, annotations: Mapping[str, str]) -> bool:
     """A pod's sandbox (pause) container: never gated, it holds no GPU."""
     return any(
-        annotations.get(keys.kind) == SANDBOX and annotations.get(keys.sandbox_id) == container_id
-        for keys in (CONTAINERD, CRIO)
+        annotations.get(kind) == SANDBOX and annotations.get(sandbox_id) == container_id
+        for kind, sandbox_id, *_ in CRI_KEYS
     )
 
 

@@ -18,6 +18,7 @@ from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
     NVIDIA_MAJOR,
+    TOOLKIT_CONFIG,
     ContainerSpec,
     ContainerState,
     GpuRequest,
@@ -111,7 +112,8 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
             code="oci-no-own-cgroup",
         )
     runtime = own.runtime
-    name = runtime_name(state, spec, runtime) if runtime else None
+    annotations = {**spec.annotations, **state.annotations}
+    name = runtime_name(annotations, runtime) if runtime else None
     if name is None and runtime in (None, "docker"):
         name = docker_name(state.id)
         runtime = runtime or ("docker" if name else None)
@@ -123,13 +125,9 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
         runtime=runtime or "container",
         cgroup=own.cgroup,
         unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
-        claimed=claimed_name(state, spec),
+        claimed=claimed_name(annotations),
         around=None if own.unit else system_unit_of_cgroup(own.cgroup),
-        pod=(
-            pod_name({**spec.annotations, **state.annotations})
-            if runtime in ("containerd", "cri-o")
-            else None
-        ),
+        pod=pod_name(annotations) if runtime in ("containerd", "cri-o") else None,
     )
 
 
@@ -240,14 +238,6 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
     return minors
 
 
-# Why NVIDIA's config defaults stood in for its file (host/oci.py's codes).
-TOOLKIT_NOTES = {
-    "untrusted": "another account than root may change it",
-    "unreadable": "not a regular file of at most 1 MiB of TOML",
-    "not-boolean": "its accept-nvidia-visible-devices-* keys are not true or false",
-}
-
-
 def request_text(request: GpuRequest) -> str:
     """`the container's config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from
     linux.devices, mounts)`, for the run's first entry."""
@@ -260,11 +250,8 @@ def request_text(request: GpuRequest) -> str:
         parts.append("NVIDIA's list: " + ",".join(escape(ref) for ref in request.refs))
     if request.origins:
         parts.append("from " + ", ".join(escape(origin) for origin in request.origins))
-    if request.note in TOOLKIT_NOTES:
-        parts.append(
-            "NVIDIA's defaults assumed: /etc/nvidia-container-runtime/config.toml: "
-            + TOOLKIT_NOTES[request.note]
-        )
+    if request.note:
+        parts.append(f"NVIDIA's defaults assumed: {TOOLKIT_CONFIG}: {request.note}")
     return "the container's config.json (" + "; ".join(parts) + ")"
 
 
