@@ -125,8 +125,7 @@ def read_daemon_json(path: Path) -> dict[str, object]:
         raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
     if not isinstance(data, dict):
         raise InstallError(f"{path}: not a JSON object; nothing changed")
-    runtimes = data.get("runtimes", {})
-    if not isinstance(runtimes, dict):
+    if not isinstance(data.get("runtimes", {}), dict):
         raise InstallError(f"{path}: runtimes: not a JSON object; nothing changed")
     return data
 
@@ -137,12 +136,10 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
         return []
     data = read_daemon_json(path)
     runtimes = dict(data.get("runtimes", {}))  # type: ignore[call-overload]
-    wanted = {"path": wrapper}
     if install:
-        if runtimes.get(RUNTIME_NAME) == wanted:
+        if runtimes.get(RUNTIME_NAME) == {"path": wrapper}:
             return [Change(path, Action.UNCHANGED, note="runtime-there")]
-        runtimes[RUNTIME_NAME] = wanted
-        data["runtimes"] = runtimes
+        data["runtimes"] = {**runtimes, RUNTIME_NAME: {"path": wrapper}}
         text = json.dumps(data, indent=2) + "\n"
         return [Change(path, Action.WRITE, text, "runtime-added", detail=wrapper)]
     if RUNTIME_NAME not in runtimes:

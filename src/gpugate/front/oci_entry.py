@@ -1,6 +1,5 @@
-"""`gpugate oci-hook STAGE`, the part every container pays for: stdin's state and the bundle's
-config.json read with the standard library alone; only a container that asks for a GPU loads
-the rest of gpugate (front/oci_hook.py)."""
+"""`gpugate oci-hook STAGE`, the part every container pays for: the standard library alone;
+only a container that asks for a GPU loads the rest of gpugate (front/oci_hook.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ def main(
     config: Path | None = None,
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """roots, config, driver_factory: from the full command line (the bench, tests)."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)

@@ -121,13 +121,9 @@ def container_of_cgroup(cgroup: str | None) -> Container | None:
 
 
 def container_scopes(cgroup_root: Path) -> list[Container]:
-    found: list[Container] = []
-    for pattern in SCOPE_GLOBS:
-        for path in sorted(cgroup_root.glob(pattern)):
-            container = container_of_cgroup("/" + str(path.relative_to(cgroup_root)))
-            if container is not None:
-                found.append(container)
-    return found
+    paths = [path for pattern in SCOPE_GLOBS for path in sorted(cgroup_root.glob(pattern))]
+    found = [container_of_cgroup("/" + str(path.relative_to(cgroup_root))) for path in paths]
+    return [container for container in found if container is not None]
 
 
 class ContainerNames:
