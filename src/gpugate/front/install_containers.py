@@ -282,8 +282,7 @@ Table = dict[str, object]
 
 
 def read_containerd_config(path: Path) -> str | None:
-    """The config's text; None where it is missing. Refused: another account may change it,
-    not a regular file (a link, a FIFO), larger than 1 MiB, not UTF-8."""
+    """The config's text; None where missing; refused where untrusted, odd, large, not UTF-8."""
     found = untrusted(path)
     if found is not None:
         raise InstallError(f"{path}: {safe_files.untrusted_text(found)}")
@@ -447,8 +446,7 @@ def installed(
     default: bool,
     default_config: Callable[[], str],
 ) -> tuple[str, str]:
-    """The config with the runtime gpugate (the same text for a config that has it already,
-    so a second install changes nothing), and the runtime it wraps."""
+    """The config with the runtime gpugate (idempotent), and the runtime that one wraps."""
     base = default_config() if current is None else strip(current, path)
     data = parse(base, path)
     cri = cri_keys(data, path)

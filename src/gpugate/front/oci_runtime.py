@@ -60,8 +60,7 @@ def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
 def with_hooks(
     spec: dict[str, object], gpugate: str | Sequence[str], *, always: bool = False
 ) -> bool:
-    """Add gpugate's hooks to a GPU container's spec; False where it has them already. always:
-    whatever it asks for now (NVIDIA's runtime, run next, may add GPUs)."""
+    """False where it has them already; always: even without GPUs (NVIDIA's may add some)."""
     if not always and not spec_gpu_request(spec):
         return False
     hooks = spec.setdefault("hooks", {})

@@ -85,8 +85,7 @@ class OwnCgroup:
 
 
 def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
-    """The first folder of cgroup named after container_id in one of OWN_FOLDER's forms; None
-    where the container's cgroup is not its own (`--cgroups=disabled`, a slice, the root)."""
+    """The first folder of cgroup named after container_id (OWN_FOLDER), else None."""
     if not cgroup:
         return None
     parts = cgroup_parts(cgroup)

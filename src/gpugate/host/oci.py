@@ -145,8 +145,7 @@ def _folder_minors(folder: str) -> list[int]:
 
 
 def cdi_reach(annotations: object, found: Found) -> None:
-    """`cdi.k8s.io/*` annotations: comma-separated fully-qualified CDI device names; those
-    of kind nvidia.com/gpu name GPUs (an index, a UUID, all), others no GPU."""
+    """`cdi.k8s.io/*` annotations: CDI device names; those of kind nvidia.com/gpu name GPUs."""
     if not isinstance(annotations, dict):
         return
     for key in sorted(k for k in annotations if isinstance(k, str) and k.startswith(CDI_PREFIX)):
@@ -174,8 +173,7 @@ def _cdi_name(name: str, origin: str, found: Found) -> None:
 
 
 def _gpu_word(word: str, origin: str) -> str:
-    """One of NVIDIA's device words: all, an index, a GPU UUID, a MIG device's UUID (either
-    form) or its `GPU:MIG` index pair."""
+    """all, an index, a GPU UUID, a MIG device's UUID (either form) or `GPU:MIG` pair."""
     if word == "all" or (word.isascii() and word.isdigit() and len(word) <= 4):
         return word
     if word.startswith("GPU-") and re.fullmatch(r"GPU-[0-9a-fA-F-]{8,64}", word):
@@ -395,8 +393,7 @@ def parse_state(raw: bytes) -> ContainerState:
 
 
 def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
-    """BUNDLE/config.json: a regular file, not a link, in a folder and of an owner that is
-    this process's user (root's runtime: root's bundle), not writable by others."""
+    """BUNDLE/config.json: a regular file, it and its folder this user's, not others'."""
     try:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -462,8 +459,7 @@ def parse_config(
 
 
 def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) -> GpuRequest:
-    """A parsed config.json's GPUs (docs/containers.md). toolkit: NVIDIA's config as read
-    (tests); by default read from /etc only for a spec with NVIDIA's hook."""
+    """A parsed config.json's GPUs (docs/containers.md); NVIDIA's config read where needed."""
     found: Found = []
     linux = spec.get("linux")
     devices_reach(linux.get("devices") if isinstance(linux, dict) else None, found)
@@ -485,8 +481,7 @@ def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) ->
 
 
 def runtime_name(annotations: Mapping[str, str], runtime: str) -> str | None:
-    """The name runtime itself wrote into the annotations (RUNTIME_NAME_ANNOTATIONS), with its
-    pod's (`pod/container`); None for a runtime that writes none."""
+    """The name (`pod/container`) runtime itself wrote; None for a runtime that writes none."""
     keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
     if keys is None:
         return None
@@ -614,8 +609,7 @@ MAX_UID_MAP = 4096  # the kernel allows 340 lines of at most 36 bytes
 
 
 def not_host_root(proc: str = "/proc") -> str | None:
-    """None where this process is the host's root; else why not (`euid 1000`, `user namespace,
-    uid_map 0 1000 1`). What cannot be read leaves the rest to decide."""
+    """None where this process is the host's root; else why not (`euid 1000`, ...)."""
     euid = os.geteuid()
     if euid != 0:
         return f"euid {euid}"

@@ -35,8 +35,7 @@ class Wrapped:
 
 
 def read_record(path: Path | None = None) -> str:
-    """The recorded runtime's name (runc where there is no record); ConfigError where the
-    record is another account's, not a regular file, or names neither runtime."""
+    """The recorded runtime's name (runc where there is no record), else ConfigError."""
     path = RECORD if path is None else path
     found = untrusted(path)
     if found is not None:

@@ -179,8 +179,7 @@ def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
 
 
 def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelection:
-    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. One NVML
-    does not know is refused, never guessed."""
+    """The UUIDs of the GPUs the container reaches; one NVML does not know is refused."""
     if request.all_gpus:
         return "all"
     whole = [gpu for gpu in gpus if gpu.mig is None]
@@ -239,8 +238,7 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
 
 
 def request_text(request: GpuRequest) -> str:
-    """`the container's config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from
-    linux.devices, mounts)`, for the run's first entry."""
+    """`the container's config.json (devices 195:1; NVIDIA's list 0; from linux.devices)`."""
     parts = []
     if request.minors:
         parts.append("devices " + ", ".join(f"195:{m}" for m in request.minors))
@@ -262,8 +260,7 @@ class ContainerSurroundings(UnitSurroundings):
     identity: ContainerIdentity | None = None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
-        """The unit its cgroup lies in holds its GPUs for it: that lease neither refuses it nor
-        is ever taken over or removed by it."""
+        """The lease of the unit around it never refuses it, nor is taken over or removed."""
         check = super()._check_leases(owned)
         around = self.identity.around if self.identity else None
         if around is None:
