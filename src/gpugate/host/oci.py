@@ -288,7 +288,7 @@ def read_toolkit(path: Path = TOOLKIT_CONFIG) -> Toolkit:
     from gpugate.compat import tomllib  # noqa: PLC0415 (GPU path only)
     from gpugate.host.safe_files import read_capped, untrusted  # noqa: PLC0415
 
-    if not path.exists() and not path.is_symlink():
+    if not os.path.lexists(path):
         return Toolkit()
     if untrusted(path) is not None:
         return Toolkit(note=UNTRUSTED)
@@ -532,13 +532,8 @@ def json_object(raw: bytes, source: str) -> dict[str, object]:
 
 
 def _string_map(value: object) -> dict[str, str]:
-    if not isinstance(value, dict):
-        return {}
-    return {
-        str(k)[:MAX_FIELD]: v[:MAX_FIELD]
-        for k, v in list(value.items())[:1024]
-        if isinstance(v, str)
-    }
+    items = list(value.items())[:1024] if isinstance(value, dict) else []
+    return {str(k)[:MAX_FIELD]: v[:MAX_FIELD] for k, v in items if isinstance(v, str)}
 
 
 # A CRI container as Kubernetes names it, from its runtime's annotations: containerd's CRI
