@@ -47,8 +47,7 @@ def main(
     stage = argv[0]
     why = not_host_root()
     if why is not None:
-        # A rootless runtime reads the same hooks.d: its containers are its user's, whom
-        # gpugate does not gate (its state and the host's processes are root's).
+        # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
         return not_gated(stage, why)
     try:
         state = parse_state(read_stdin_bounded())

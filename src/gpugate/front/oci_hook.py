@@ -81,7 +81,6 @@ def run_container_hook(
         loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
         made = container_surroundings(identity, GpuChoice(selection, source), context)
-        # Before the start the scope holds only its waiting init: a cgroup below that never is.
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(

@@ -536,15 +536,12 @@ def _string_map(value: object) -> dict[str, str]:
     return {str(k)[:MAX_FIELD]: v[:MAX_FIELD] for k, v in items if isinstance(v, str)}
 
 
-# A CRI container as Kubernetes names it, from its runtime's annotations: containerd's CRI
-# plugin's and CRI-O's. The names are the pod author's text: shown only escaped, beside the id.
-# A pod's sandbox (the pause container) is one whose annotations say `sandbox` *and* whose
-# sandbox id is its own id: the runtime sets both, and no one can know an id in advance.
+# A CRI container's names as Kubernetes has them (the pod author's text: shown escaped), from
+# the annotations of containerd's CRI plugin, then CRI-O's: (the container's type, `sandbox` or
+# `container`; its sandbox's id; its pod's namespace; its pod; its own name). A pod's sandbox
+# (pause) container says `sandbox` *and* has its own id as the sandbox's: the runtime sets both,
+# and no one can know an id in advance.
 SANDBOX = "sandbox"
-
-
-# The annotations of containerd's CRI plugin, then CRI-O's: (the container's type,
-# `sandbox` or `container`; its sandbox's id; its pod's namespace; its pod; its own name).
 CRI_KEYS = (
     (
         "io.kubernetes.cri.container-type",
