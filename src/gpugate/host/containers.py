@@ -47,12 +47,11 @@ class Container:
 
     def matches(self, wanted: Iterable[str]) -> bool:
         """Named in `containers`: by name, by full id, or by an id prefix of 12 or more."""
-        for item in wanted:
-            if item in (self.name, self.id):
-                return True
-            if len(item) >= MIN_ID_PREFIX and self.id.startswith(item.lower()):
-                return True
-        return False
+        return any(
+            item in (self.name, self.id)
+            or (len(item) >= MIN_ID_PREFIX and self.id.startswith(item.lower()))
+            for item in wanted
+        )
 
 
 # A container's own cgroup, for its OCI hook (docs/containers.md, "Which cgroup is the

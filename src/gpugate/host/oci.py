@@ -194,14 +194,10 @@ def _gpu_word(word: str, origin: str) -> str:
 
 def has_nvidia_hook(hooks: object) -> bool:
     """NVIDIA's prestart hook is in the spec: it injects devices once gpugate has read it."""
-    if not isinstance(hooks, dict):
-        return False
-    for entries in hooks.values():
-        for entry in entries if isinstance(entries, list) else ():
-            path = entry.get("path") if isinstance(entry, dict) else None
-            if isinstance(path, str) and path.rpartition("/")[2] in NVIDIA_HOOKS:
-                return True
-    return False
+    stages = hooks.values() if isinstance(hooks, dict) else ()
+    entries = [entry for entries in stages if isinstance(entries, list) for entry in entries]
+    paths = [entry.get("path") for entry in entries if isinstance(entry, dict)]
+    return any(isinstance(path, str) and path.rpartition("/")[2] in NVIDIA_HOOKS for path in paths)
 
 
 def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, found: Found) -> None:
