@@ -127,7 +127,7 @@ def test_identity_from_the_kernel_first_then_the_spec(
     kernel: str | None, spec_path: str | None, unit: str, cgroup: str
 ) -> None:
     procs = Procs({42: kernel} if kernel else {})
-    state = ContainerState(A, 42 if kernel else 0, "/nonexistent", "creating")
+    state = ContainerState(A, 42 if kernel else 0, "/nonexistent")
     identity = identify(state, parse_config(spec_with(spec_path)), procs)  # type: ignore[arg-type]
     assert (identity.unit, identity.cgroup) == (unit, cgroup)
 
@@ -146,7 +146,7 @@ def test_identity_refused_without_a_cgroup_of_its_own(
     kernel: str | None, spec_path: str | None
 ) -> None:
     procs = Procs({42: kernel} if kernel else {})
-    state = ContainerState(A, 42 if kernel else 0, "/nonexistent", "creating")
+    state = ContainerState(A, 42 if kernel else 0, "/nonexistent")
     with pytest.raises(OciInputError) as caught:
         identify(state, parse_config(spec_with(spec_path)), procs)  # type: ignore[arg-type]
     assert caught.value.code == "oci-no-own-cgroup"
@@ -157,7 +157,7 @@ def test_the_refusal_shows_a_hostile_cgroup_escaped_on_one_line() -> None:
     cgroup = "/system.slice/\x1b[2J\nvllm.service"
     with pytest.raises(OciInputError) as caught:
         identify(
-            ContainerState(A, 0, "/nonexistent", "creating"),
+            ContainerState(A, 0, "/nonexistent"),
             parse_config(spec_with(cgroup)),
             Procs({}),  # type: ignore[arg-type]
         )
@@ -174,7 +174,7 @@ def hook(host: FakeHost, phase: Phase, cgroups_path: str, running: dict[str, str
 
     return run_container_hook(
         phase,
-        ContainerState(A, 0, "/nonexistent/bundle", "creating"),
+        ContainerState(A, 0, "/nonexistent/bundle"),
         parse_config(spec_with(cgroups_path)),
         roots=host.roots,
         driver_factory=lambda: host.memory,

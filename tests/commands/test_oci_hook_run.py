@@ -43,7 +43,7 @@ def spec(container_id: str, env: list[str], devices: list[int] = ()) -> Containe
 
 
 def state(container_id: str) -> ContainerState:
-    return ContainerState(container_id, 0, "/nonexistent/bundle", "creating")
+    return ContainerState(container_id, 0, "/nonexistent/bundle")
 
 
 def hook(

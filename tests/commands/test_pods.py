@@ -132,7 +132,7 @@ def test_hostile_pod_names_are_escaped_and_bounded(text: str) -> None:
         "io.kubernetes.cri.container-name": text,
     }
     spec = parse_config(spec_with(annotations))
-    state = ContainerState(A_ID, 0, "/nonexistent", "creating", annotations)
+    state = ContainerState(A_ID, 0, "/nonexistent", annotations)
     identity = identify(state, spec, ProcFs(Path("/proc")))
     assert identity.id == A_ID and identity.unit == f"cri-containerd-{A_ID}.scope"
     label = identity.label
@@ -158,7 +158,7 @@ def test_a_pod_s_container_is_named_in_its_lease_journal_and_refusals(host: Fake
 
         return run_container_hook(
             Phase.PRE,
-            ContainerState(container_id, 0, "/nonexistent/bundle", "creating"),
+            ContainerState(container_id, 0, "/nonexistent/bundle"),
             parse_config(spec_with(annotations, container_id)),
             roots=host.roots,
             driver_factory=lambda: host.memory,

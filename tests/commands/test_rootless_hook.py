@@ -218,7 +218,7 @@ def run_wrapper(monkeypatch: pytest.MonkeyPatch, argv: list[str], why: str | Non
 
     monkeypatch.setattr(oci_runtime, "read_record", lambda: RUNC)
     monkeypatch.setattr(
-        oci_runtime, "choose", lambda recorded, environ: Wrapped(RUNC, RUNC, "/usr/bin/runc")
+        oci_runtime, "choose", lambda recorded, environ: Wrapped(RUNC, "/usr/bin/runc")
     )
     monkeypatch.setattr(oci_runtime, "not_host_root", lambda: why)
     monkeypatch.setattr(oci_runtime.os, "execve", execve)

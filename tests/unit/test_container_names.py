@@ -31,7 +31,7 @@ def who(
 ) -> ContainerIdentity:
     body = {"linux": {"cgroupsPath": cgroups_path}, "annotations": annotations}
     spec = parse_config(json.dumps(body).encode())
-    state = ContainerState(A, 0, bundle, "creating", annotations)
+    state = ContainerState(A, 0, bundle, annotations)
     return identify(state, spec, NoProcs())  # type: ignore[arg-type]
 
 

@@ -48,9 +48,7 @@ def env(*items: str) -> list[str]:
 
 def test_state_as_runc_writes_it() -> None:
     got = parse_state(state(annotations={"io.podman.annotations.name": "vllm"}))
-    assert got == ContainerState(
-        ID, 4242, "/run/bundle", "creating", {"io.podman.annotations.name": "vllm"}
-    )
+    assert got == ContainerState(ID, 4242, "/run/bundle", {"io.podman.annotations.name": "vllm"})
 
 
 @pytest.mark.parametrize(

@@ -74,12 +74,8 @@ def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
 def hook_file(gpugate: str | Sequence[str], stage: str) -> str:
     """oci-hooks(5), version 1.0.0: every container, at one stage (the hook itself leaves a
     container without GPUs at once). gpugate: a path, or the command that runs it."""
-    body = {
-        "version": "1.0.0",
-        "hook": hook_entry(gpugate, stage),
-        "when": {"always": True},
-        "stages": [stage],
-    }
+    hook = hook_entry(gpugate, stage)
+    body = {"version": "1.0.0", "hook": hook, "when": {"always": True}, "stages": [stage]}
     return json.dumps(body, indent=2) + "\n"
 
 
@@ -101,8 +97,7 @@ def plan_hooks(
             path = folder / name
             text = hook_file(gpugate, stage)
             exists = path.exists()
-            ours = is_our_hook(path)
-            if exists and not ours and not force:
+            if exists and not is_our_hook(path) and not force:
                 raise InstallError(
                     f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
                 )
@@ -130,8 +125,7 @@ def read_daemon_json(path: Path) -> dict[str, object]:
         raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
     if not isinstance(data, dict):
         raise InstallError(f"{path}: not a JSON object; nothing changed")
-    runtimes = data.get("runtimes", {})
-    if not isinstance(runtimes, dict):
+    if not isinstance(data.get("runtimes", {}), dict):
         raise InstallError(f"{path}: runtimes: not a JSON object; nothing changed")
     return data
 
@@ -142,12 +136,10 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
         return []
     data = read_daemon_json(path)
     runtimes = dict(data.get("runtimes", {}))  # type: ignore[call-overload]
-    wanted = {"path": wrapper}
     if install:
-        if runtimes.get(RUNTIME_NAME) == wanted:
+        if runtimes.get(RUNTIME_NAME) == {"path": wrapper}:
             return [Change(path, Action.UNCHANGED, note="runtime-there")]
-        runtimes[RUNTIME_NAME] = wanted
-        data["runtimes"] = runtimes
+        data["runtimes"] = {**runtimes, RUNTIME_NAME: {"path": wrapper}}
         text = json.dumps(data, indent=2) + "\n"
         return [Change(path, Action.WRITE, text, "runtime-added", detail=wrapper)]
     if RUNTIME_NAME not in runtimes:
@@ -206,7 +198,7 @@ def plan_containerd(
     if text == current:
         return [Change(path, Action.UNCHANGED, note="runtime-there")]
     note = "containerd-runtime-default" if default else "containerd-runtime-added"
-    return [Change(path, Action.WRITE, text, note, detail=wrapped.name)]
+    return [Change(path, Action.WRITE, text, note, detail=wrapped)]
 
 
 def nvidia_in_place(host: ContainerHost) -> bool:
@@ -221,8 +213,7 @@ def nvidia_in_place(host: ContainerHost) -> bool:
     if host.containerd_config is not None:
         text = read_containerd_config(host.containerd_config)
         if text is not None:
-            data = parse(text, host.containerd_config)
-            programs += nvidia_binaries(data)
+            programs += nvidia_binaries(parse(text, host.containerd_config))
     return any(os.path.basename(p) == wrapped_runtime.NVIDIA for p in programs)
 
 
@@ -234,8 +225,8 @@ def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Cha
         return [Change(path, Action.REMOVE if path.exists() else Action.ABSENT)]
     name = wrapped_runtime.NVIDIA if nvidia else wrapped_runtime.RUNC
     text = wrapped_runtime.record_text(name)
-    same = _read(path) == text
-    return [Change(path, Action.UNCHANGED if same else Action.WRITE, text, "runs", detail=name)]
+    action = Action.UNCHANGED if _read(path) == text else Action.WRITE
+    return [Change(path, action, text, "runs", detail=name)]
 
 
 def wrapper_beside(gpugate: str) -> str:
@@ -257,12 +248,12 @@ def reload_docker() -> str:
             return "docker is not running: it reads daemon.json when it starts"
         result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
     except GateError as exc:
-        raise InstallError(_reload_failed(str(exc))) from None
-    if result.returncode != 0:
-        raise InstallError(
-            _reload_failed(f"`systemctl reload docker` failed: {result.first_line()}")
-        )
-    return "reloaded docker (systemctl reload docker)"
+        detail = str(exc)
+    else:
+        if result.returncode == 0:
+            return "reloaded docker (systemctl reload docker)"
+        detail = f"`systemctl reload docker` failed: {result.first_line()}"
+    raise InstallError(f"daemon.json written, but {detail}; run `systemctl reload docker`")
 
 
 def _read(path: Path) -> str | None:
@@ -270,10 +261,6 @@ def _read(path: Path) -> str | None:
         return path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
         return None
-
-
-def _reload_failed(detail: str) -> str:
-    return f"daemon.json written, but {detail}; run `systemctl reload docker`"
 
 
 RUNC_V2 = "io.containerd.runc.v2"
@@ -294,20 +281,11 @@ MAX_CONFIG = 1 << 20
 Table = dict[str, object]
 
 
-@dataclass(frozen=True)
-class Wrapped:
-    name: str
-    binary: str  # its options' BinaryName ("" where runc's own)
-
-
 def read_containerd_config(path: Path) -> str | None:
-    """The config's text; None where it is missing. Refused: another account may change it,
-    not a regular file (a link, a FIFO), larger than 1 MiB, not UTF-8."""
+    """The config's text; None where missing; refused where untrusted, odd, large, not UTF-8."""
     found = untrusted(path)
     if found is not None:
-        raise InstallError(
-            f"{path}: " + (safe_files.untrusted_text(found) if found else "refused: untrusted")
-        )
+        raise InstallError(f"{path}: {safe_files.untrusted_text(found)}")
     try:
         return read_capped(path, MAX_CONFIG).decode("utf-8")
     except FileNotFoundError:
@@ -347,31 +325,24 @@ def table_at(data: Table, keys: tuple[str, ...], *, make: bool = False) -> Table
 
 def strip(text: str, path: Path) -> str:
     """The text without gpugate's marks: its block taken out, a replaced line put back."""
-    lines = text.splitlines(keepends=True)
     kept: list[str] = []
-    index = 0
-    while index < len(lines):
-        line = lines[index]
+    lines = enumerate(text.splitlines(keepends=True), 1)
+    for number, line in lines:
         if line.startswith(BEGIN):
-            end = next(
-                (n for n in range(index + 1, len(lines)) if lines[n].rstrip("\n") == END), None
-            )
-            if end is None:
+            if not any(rest.rstrip("\n") == END for _, rest in lines):  # to the block's end
                 raise InstallError(
-                    f"{path}: line {index + 1}: gpugate's block is opened and never closed "
+                    f"{path}: line {number}: gpugate's block is opened and never closed "
                     f"(`{END}`); mend it by hand; nothing changed"
                 )
-            if NO_EOL in line and kept:
-                kept[-1] = kept[-1][:-1] if kept[-1].endswith("\n") else kept[-1]
-            index = end + 1
+            if NO_EOL in line and kept and kept[-1].endswith("\n"):
+                kept[-1] = kept[-1][:-1]
         elif line.startswith(WAS):
             kept.append(line[len(WAS) :])
-            index += 2
+            next(lines, None)
         elif line.rstrip("\n") == WAS_NONE:
-            index += 2
+            next(lines, None)
         else:
             kept.append(line)
-            index += 1
     return "".join(kept)
 
 
@@ -391,25 +362,20 @@ def header_of(line: str) -> tuple[str, ...] | None:
     return tuple(keys)
 
 
-def wrapped_of(cri: Table) -> tuple[Wrapped, Table]:
-    """The CRI default runtime where it is runc's shim (NVIDIA's runtime is), else `runc`."""
+def wrapped_of(cri: Table, wrapper: str) -> tuple[str, Table]:
+    """The CRI default runtime where it is runc's shim (NVIDIA's runtime is), else `runc`, and
+    the runtime gpugate's table: a copy of it that runs the wrapper."""
     runtimes = table_at(cri, ("runtimes",))
     name = cri.get("default_runtime_name") or "runc"
     source = runtimes.get(str(name))
     if not isinstance(source, dict) or source.get("runtime_type", RUNC_V2) != RUNC_V2:
         name, source = "runc", runtimes.get("runc")
     source = source if isinstance(source, dict) else {}
-    options = source.get("options")
-    binary = options.get("BinaryName", "") if isinstance(options, dict) else ""
-    return Wrapped(str(name), str(binary)), source
-
-
-def runtime_table(source: Table, wrapper: str) -> Table:
     table: Table = {"runtime_type": RUNC_V2}
     table.update({k: v for k, v in source.items() if k not in ("runtime_type", "options")})
     options = source.get("options")
     table["options"] = {**(options if isinstance(options, dict) else {}), "BinaryName": wrapper}
-    return table
+    return str(name), table
 
 
 def dotted(keys: tuple[str, ...]) -> str:
@@ -468,13 +434,6 @@ def pruned(data: object) -> object:
     return {k: v for k, v in kept.items() if v != {}}
 
 
-def same_settings(text: str, expected: Table) -> bool:
-    try:
-        return pruned(tomllib.loads(text)) == pruned(expected)
-    except tomllib.TOMLDecodeError:  # a table the file defined inline or by dotted keys
-        return False
-
-
 def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -486,9 +445,8 @@ def installed(
     path: Path,
     default: bool,
     default_config: Callable[[], str],
-) -> tuple[str, Wrapped]:
-    """The config with the runtime gpugate (the same text for a config that has it already,
-    so a second install changes nothing), and the runtime it wraps."""
+) -> tuple[str, str]:
+    """The config with the runtime gpugate (idempotent), and the runtime that one wraps."""
     base = default_config() if current is None else strip(current, path)
     data = parse(base, path)
     cri = cri_keys(data, path)
@@ -498,8 +456,7 @@ def installed(
             f"{path}: a runtime {RUNTIME_NAME} that gpugate install did not write is there; take "
             "it out first; nothing changed"
         )
-    wrapped, source = wrapped_of(cri_table)
-    table = runtime_table(source, wrapper)
+    wrapped, table = wrapped_of(cri_table, wrapper)
     lines = base.splitlines(keepends=True)
     default_table = default and not set_default(lines, cri)
     body = "".join(lines)
@@ -511,7 +468,11 @@ def installed(
     table_at(expected, (*cri, "runtimes"), make=True)[RUNTIME_NAME] = table
     if default:
         table_at(expected, cri, make=True)["default_runtime_name"] = RUNTIME_NAME
-    if not same_settings(text, expected):
+    try:
+        same = pruned(tomllib.loads(text)) == pruned(expected)
+    except tomllib.TOMLDecodeError:  # a table the file defined inline or by dotted keys
+        same = False
+    if not same:
         raise not_as_tables(path, cri)
     return text, wrapped
 

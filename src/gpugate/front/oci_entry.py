@@ -1,6 +1,5 @@
-"""`gpugate oci-hook STAGE`, the part every container pays for: stdin's state and the bundle's
-config.json read with the standard library alone; only a container that asks for a GPU loads
-the rest of gpugate (front/oci_hook.py)."""
+"""`gpugate oci-hook STAGE`, the part every container pays for: the standard library alone;
+only a container that asks for a GPU loads the rest of gpugate (front/oci_hook.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +38,6 @@ def main(
     config: Path | None = None,
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
-    """roots, config, driver_factory: from the full command line (the bench, tests)."""
     if len(argv) != 1 or argv[0] not in STAGES:
         if argv[:1] in (["-h"], ["--help"]):
             print(USAGE)
@@ -49,8 +47,7 @@ def main(
     stage = argv[0]
     why = not_host_root()
     if why is not None:
-        # A rootless runtime reads the same hooks.d: its containers are its user's, whom
-        # gpugate does not gate (its state and the host's processes are root's).
+        # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
         return not_gated(stage, why)
     try:
         state = parse_state(read_stdin_bounded())

@@ -22,7 +22,6 @@ from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import (
     NOT_STARTED,
     OWN_LEASE_PREFIX,
-    ContainerIdentity,
     container_config,
     container_surroundings,
     gpu_selection,
@@ -53,13 +52,17 @@ def run_container_hook(
     unit_state: Callable[[str], str | None] | None = None,
 ) -> int:
     stream = stream or sys.stderr
-    identity = identified(phase, state, spec, roots, reporter_factory, stream)
-    if isinstance(identity, int):
-        return identity
+    try:
+        identity = identify(state, spec, ProcFs(roots.proc))
+    except OciInputError as exc:  # no cgroup of its own: refused before its start
+        if not phase.traits.before_start:
+            return int(ExitCode.OK)
+        unit, fields = f"{OWN_LEASE_PREFIX}{state.id}", {"GPUGATE_OCI_CONTAINER": state.id}
+        Narrator(reporter_factory(unit, phase.value, fields=fields)).failed(exc, stream)
+        return int(exc.exit_code)
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
     loaded = loaded or container_config()
     with stopped_by_signals():
-        # A device minor is a GPU only NVML can name (each call within NVML's own limit).
         driver: GpuDriver | None = None
         try:
             driver = driver_factory()
@@ -75,42 +78,16 @@ def run_container_hook(
                 driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
-        opened = driver
         loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
         context = UnitContext({}, roots, unit_state=unit_state)
-        # Before the start the scope holds only its waiting init: a cgroup below that never is.
+        made = container_surroundings(identity, GpuChoice(selection, source), context)
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(
-            phase,
-            identity.unit,
-            lambda: cgroup,
-            metrics_unit=METRICS_UNIT,
-            surroundings=container_surroundings(identity, GpuChoice(selection, source), context),
+            phase, identity.unit, lambda: cgroup, metrics_unit=METRICS_UNIT, surroundings=made
         )
-        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: opened), stream)
+        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: driver), stream)
         return int(run_hook(hook, loaded, deps).exit_code)
-
-
-def identified(
-    phase: Phase,
-    state: ContainerState,
-    spec: ContainerSpec,
-    roots: HostRoots,
-    reporter_factory: ReporterFactory,
-    stream: TextIO,
-) -> ContainerIdentity | int:
-    """The container's identity, or the hook's exit code where it has no cgroup of its own:
-    refused before its start, never gated as the unit around it."""
-    try:
-        return identify(state, spec, ProcFs(roots.proc))
-    except OciInputError as exc:
-        if not phase.traits.before_start:
-            return int(ExitCode.OK)
-        fields = {"GPUGATE_OCI_CONTAINER": state.id}
-        reporter = reporter_factory(f"{OWN_LEASE_PREFIX}{state.id}", phase.value, fields=fields)
-        Narrator(reporter).failed(exc, stream)
-        return int(exc.exit_code)
 
 
 def run_from_hook(
@@ -123,9 +100,7 @@ def run_from_hook(
     driver: Callable[[], GpuDriver] | None = None,
 ) -> int:
     """The runtime's call, past the fast path: an error is one line and its exit code."""
-    phase = STAGE_PHASES.get(stage)
-    if phase is None:
-        return int(ExitCode.OK)
+    phase = STAGE_PHASES[stage]  # one of oci_entry's ACTING stages
     try:
         loaded = load_config(None, config) if config is not None else None
         roots = roots or on_units_tree(HostRoots())

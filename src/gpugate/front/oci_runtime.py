@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import ConfigError, ExitCode
-from gpugate.host.oci import OciInputError, not_host_root, read_config, spec_gpu_request
+from gpugate.host.oci import (
+    OciInputError,
+    json_object,
+    not_host_root,
+    read_config,
+    spec_gpu_request,
+)
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -54,8 +60,7 @@ def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
 def with_hooks(
     spec: dict[str, object], gpugate: str | Sequence[str], *, always: bool = False
 ) -> bool:
-    """Add gpugate's hooks to a GPU container's spec; False where it has them already. always:
-    whatever it asks for now (NVIDIA's runtime, run next, may add GPUs)."""
+    """False where it has them already; always: even without GPUs (NVIDIA's may add some)."""
     if not always and not spec_gpu_request(spec):
         return False
     hooks = spec.setdefault("hooks", {})
@@ -75,15 +80,8 @@ def with_hooks(
 
 def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
     """config.json rewritten in place (a new file renamed over it, same mode)."""
-    raw = read_config(bundle)
-    try:
-        spec = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise OciInputError(f"{bundle}/config.json: not JSON") from None
-    if not isinstance(spec, dict):
-        raise OciInputError(f"{bundle}/config.json: not a JSON object")
-    added = with_hooks(spec, gpugate, always=always)
-    if not added:
+    spec = json_object(read_config(bundle), f"{bundle}/config.json")
+    if not with_hooks(spec, gpugate, always=always):
         return False
     path = Path(bundle, "config.json")
     temporary = Path(bundle, f".config.json.gpugate-{os.getpid()}")

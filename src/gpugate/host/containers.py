@@ -36,25 +36,22 @@ class Container:
         return self.id[:12]
 
     @property
-    def label(self) -> str:
-        """`docker container vllm (3f2a1b0c4d5e)`."""
+    def label(self) -> str:  # `docker container vllm (3f2a1b0c4d5e)`
         if self.name:
             return f"{self.runtime} container {self.name} ({self.short_id})"
         return f"{self.runtime} container {self.short_id}"
 
     @property
-    def handle(self) -> str:
-        """What to write in `containers = [...]`: the name, else the short id."""
+    def handle(self) -> str:  # what to write in `containers = [...]`
         return self.name or self.short_id
 
     def matches(self, wanted: Iterable[str]) -> bool:
         """Named in `containers`: by name, by full id, or by an id prefix of 12 or more."""
-        for item in wanted:
-            if item in (self.name, self.id):
-                return True
-            if len(item) >= MIN_ID_PREFIX and self.id.startswith(item.lower()):
-                return True
-        return False
+        return any(
+            item in (self.name, self.id)
+            or (len(item) >= MIN_ID_PREFIX and self.id.startswith(item.lower()))
+            for item in wanted
+        )
 
 
 # A container's own cgroup, for its OCI hook (docs/containers.md, "Which cgroup is the
@@ -79,8 +76,6 @@ OWN_RUNTIMES = {
 
 @dataclass(frozen=True)
 class OwnCgroup:
-    """The cgroup a container's runtime made for it alone."""
-
     cgroup: str  # "/machine.slice/libpod-ID.scope"; what is below it is the container's too
     runtime: str | None  # from the folder's prefix; None for a bare ID
     # The folder is a systemd scope of its own (only slices above it): a unit that systemd
@@ -89,8 +84,7 @@ class OwnCgroup:
 
 
 def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
-    """The first folder of cgroup named after container_id in one of OWN_FOLDER's forms; None
-    where the container's cgroup is not its own (`--cgroups=disabled`, a slice, the root)."""
+    """The first folder of cgroup named after container_id (OWN_FOLDER), else None."""
     if not cgroup:
         return None
     parts = cgroup_parts(cgroup)
@@ -125,13 +119,9 @@ def container_of_cgroup(cgroup: str | None) -> Container | None:
 
 
 def container_scopes(cgroup_root: Path) -> list[Container]:
-    found: list[Container] = []
-    for pattern in SCOPE_GLOBS:
-        for path in sorted(cgroup_root.glob(pattern)):
-            container = container_of_cgroup("/" + str(path.relative_to(cgroup_root)))
-            if container is not None:
-                found.append(container)
-    return found
+    paths = [path for pattern in SCOPE_GLOBS for path in sorted(cgroup_root.glob(pattern))]
+    found = [container_of_cgroup("/" + str(path.relative_to(cgroup_root))) for path in paths]
+    return [container for container in found if container is not None]
 
 
 class ContainerNames:
@@ -154,26 +144,22 @@ class ContainerNames:
         todo = [c for c in containers if c.id not in self.known]
         for runtime in sorted({c.runtime for c in todo}):
             ids = [c.id for c in todo if c.runtime == runtime]
-            self.known.update(self._inspect(runtime, ids))
+            self.known.update(dict.fromkeys(ids))
+            cli = self.cli(runtime)
+            if cli is None:
+                continue
+            argv = [cli, "inspect", "--type", "container", "--format", "{{.Id}} {{.Name}}", *ids]
+            try:
+                result = self.runner(argv, self.timeout_s)
+            except GateError as exc:  # did not answer in time, or could not be started
+                self.warnings.append(exc)
+                continue
+            # Exit 1 where one of the ids is gone already; the others are still printed.
+            for line in result.stdout.splitlines():
+                full_id, _, name = line.strip().partition(" ")
+                if full_id in ids and name.strip("/"):
+                    self.known[full_id] = name.strip().lstrip("/")
         return [replace(c, name=self.known.get(c.id)) for c in containers]
-
-    def _inspect(self, runtime: str, ids: list[str]) -> dict[str, str | None]:
-        names: dict[str, str | None] = dict.fromkeys(ids)
-        cli = self.cli(runtime)
-        if cli is None:
-            return names
-        argv = [cli, "inspect", "--type", "container", "--format", "{{.Id}} {{.Name}}", *ids]
-        try:
-            result = self.runner(argv, self.timeout_s)
-        except GateError as exc:  # did not answer in time, or could not be started
-            self.warnings.append(exc)
-            return names
-        # Exit 1 where one of the ids is gone already; the others are still printed.
-        for line in result.stdout.splitlines():
-            full_id, _, name = line.strip().partition(" ")
-            if full_id in names and name.strip("/"):
-                names[full_id] = name.strip().lstrip("/")
-        return names
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,7 @@
-"""An OCI runtime hook's input: the container's state on stdin, its bundle's config.json, a CRI
-container's pod, whether the hook runs as the host's root, and which GPUs the spec lets the
-container reach (docs/containers.md), by device number (major 195), never by a path or name
-its creator chose. What is in them comes from whoever made the container: read bounded in size
-and time, never trusting a field's type. The hook's fast path: the standard library only."""
+"""An OCI runtime hook's input (the state on stdin, the bundle's config.json) and which GPUs the
+spec lets the container reach, by device number (major 195), never by a path or name its creator
+chose (docs/containers.md). All of it untrusted: read bounded in size and time, never trusting a
+field's type. The hook's fast path: the standard library only."""
 
 from __future__ import annotations
 
@@ -34,10 +33,13 @@ HOST_DEV = "/dev"
 MAX_FOLDER_ENTRIES = 65536
 MAX_VALUE = 4096  # no list of GPUs is this long
 
+TYPE_CHECKING = False  # typing's own costs the hook's fast path an import
+if TYPE_CHECKING:
+    Found = list[tuple[int | str, str]]  # (a minor, or an index, UUID or all; its origin)
+
 
 class OciInputError(GateError):
-    """The runtime's state or config.json cannot be read as one, or names GPUs gpugate cannot
-    resolve (refused, never guessed): the hook fails, the container does not start."""
+    """The state or config.json is unreadable, or names GPUs gpugate cannot resolve."""
 
     exit_code = ExitCode.USAGE
 
@@ -51,16 +53,6 @@ class Toolkit:
     note: str = ""  # why the defaults stand in for the file, where they do
 
 
-def device_number(major: object, minor: object) -> tuple[int, int] | None:
-    if not _is_int(major) or not _is_int(minor):
-        return None
-    return int(major), int(minor)  # type: ignore[call-overload]
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
-
-
 def is_gpu_number(number: tuple[int, int] | None) -> bool:
     return number is not None and number[0] == NVIDIA_MAJOR and number[1] not in NOT_GPU_MINORS
 
@@ -71,80 +63,67 @@ def node_number(info: os.stat_result) -> tuple[int, int] | None:
     return os.major(info.st_rdev), os.minor(info.st_rdev)
 
 
-def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
+def devices_reach(devices: object, found: Found) -> None:
     """linux.devices: each entry's own major and minor, else its host node's (lstat)."""
     for entry in devices if isinstance(devices, list) else ():
         if not isinstance(entry, dict) or entry.get("type", "c") not in ("c", "u"):
             continue
-        number = device_number(entry.get("major"), entry.get("minor"))
-        path = entry.get("path")
+        number, path = _device_number(entry), entry.get("path")
         if number is None and isinstance(path, str) and path.startswith("/") and "\0" not in path:
-            number = _lstat_number(path)
+            try:
+                info = os.lstat(path)
+            except (OSError, ValueError):
+                continue
+            if stat.S_ISLNK(info.st_mode):
+                raise OciInputError(
+                    f"config.json: linux.devices: {echo(path[:256])} has no major and minor, and "
+                    "on the host it is a symbolic link: which device it is cannot be told"
+                )
+            number = node_number(info)
         if is_gpu_number(number):
             found.append((number[1], "linux.devices"))  # type: ignore[index]
 
 
-def _lstat_number(path: str) -> tuple[int, int] | None:
-    try:
-        info = os.lstat(path)
-    except (OSError, ValueError):
-        return None
-    if stat.S_ISLNK(info.st_mode):
-        raise OciInputError(
-            f"config.json: linux.devices: {echo(path[:256])} has no major and minor, and on the "
-            "host it is a symbolic link: which device it is cannot be told"
-        )
-    return node_number(info)
+def _device_number(entry: dict[object, object]) -> tuple[int, int] | None:
+    numbers = (entry.get("major"), entry.get("minor"))
+    if all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 32 for n in numbers):
+        return numbers  # type: ignore[return-value]
+    return None
 
 
-def mounts_reach(mounts: object, found: list[tuple[int | str, str]]) -> None:
+def mounts_reach(mounts: object, found: Found) -> None:
     """Bind mounts whose source is an NVIDIA device node (or a folder holding some)."""
     for entry in mounts if isinstance(mounts, list) else ():
-        if not isinstance(entry, dict) or not _is_bind(entry):
+        if not isinstance(entry, dict):
             continue
-        source = entry.get("source")
-        if not isinstance(source, str) or not source.startswith("/") or "\0" in source:
+        options, source = entry.get("options"), entry.get("source")
+        words = options if isinstance(options, list) else []
+        if entry.get("type") != "bind" and "bind" not in words and "rbind" not in words:
             continue
-        for minor in _source_minors(source):
-            found.append((minor, "mounts"))
-
-
-def _is_bind(entry: dict[object, object]) -> bool:
-    options = entry.get("options")
-    words = options if isinstance(options, list) else []
-    return entry.get("type") == "bind" or "bind" in words or "rbind" in words
+        if isinstance(source, str) and source.startswith("/") and "\0" not in source:
+            found.extend((minor, "mounts") for minor in _source_minors(source))
 
 
 def _source_minors(source: str) -> list[int]:
     try:
         info = os.stat(source)  # the mount follows a link as its source: so does this
+        dev = os.stat(HOST_DEV) if stat.S_ISDIR(info.st_mode) else None
+        # /dev is this folder or lies below it (a bind of `/` reaches every node in /dev).
+        folder = os.path.realpath(source) if dev else ""
     except (OSError, ValueError):
         return []
     number = node_number(info)
     if number is not None:
         return [number[1]] if is_gpu_number(number) else []
-    if not stat.S_ISDIR(info.st_mode):
+    if dev is None:
         return []
-    try:
-        dev = os.stat(HOST_DEV)
-    except OSError:
-        return []
-    if _holds_dev(source):
+    if folder in ("/", HOST_DEV) or HOST_DEV.startswith(folder.rstrip("/") + "/"):
         return _folder_minors(HOST_DEV)
     return _folder_minors(source) if info.st_dev == dev.st_dev else []
 
 
-def _holds_dev(source: str) -> bool:
-    """/dev is this folder or lies below it (a bind of `/` reaches every node in /dev)."""
-    try:
-        folder = os.path.realpath(source)
-    except (OSError, ValueError):
-        return False
-    return folder in ("/", HOST_DEV) or HOST_DEV.startswith(folder.rstrip("/") + "/")
-
-
 def _folder_minors(folder: str) -> list[int]:
-    found: list[int] = []
+    found: set[int] = set()
     try:
         with os.scandir(folder) as entries:
             for count, entry in enumerate(entries):
@@ -158,33 +137,31 @@ def _folder_minors(folder: str) -> list[int]:
                     number = node_number(entry.stat(follow_symlinks=False))
                 except OSError:
                     continue
-                if is_gpu_number(number) and number[1] not in found:  # type: ignore[index]
-                    found.append(number[1])  # type: ignore[index]
+                if is_gpu_number(number):
+                    found.add(number[1])  # type: ignore[index]
     except OSError:
-        return found
+        pass
     return sorted(found)
 
 
-def cdi_reach(annotations: object, found: list[tuple[int | str, str]]) -> None:
-    """`cdi.k8s.io/*` annotations: comma-separated fully-qualified CDI device names; those
-    of kind nvidia.com/gpu name GPUs (an index, a UUID, all), others no GPU."""
+def cdi_reach(annotations: object, found: Found) -> None:
+    """`cdi.k8s.io/*` annotations: CDI device names; those of kind nvidia.com/gpu name GPUs."""
     if not isinstance(annotations, dict):
         return
     for key in sorted(k for k in annotations if isinstance(k, str) and k.startswith(CDI_PREFIX)):
         value = annotations[key]
         if not isinstance(value, str):
             continue
-        origin = f"annotation {key[:128]}"
         if len(value) > MAX_VALUE:  # refused, not cut: a cut name could be another GPU's
             raise OciInputError(
                 f"config.json: annotations: {echo(key[:128])} is over {MAX_VALUE} characters"
             )
         for name in (part.strip() for part in value.split(",")):
             if name:
-                _cdi_name(name, origin, found)
+                _cdi_name(name, f"annotation {key[:128]}", found)
 
 
-def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> None:
+def _cdi_name(name: str, origin: str, found: Found) -> None:
     if not CDI_NAME.fullmatch(name):
         raise OciInputError(
             f"config.json: {echo(origin)}: {echo(name[:128])} is not a CDI device name "
@@ -196,8 +173,7 @@ def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> Non
 
 
 def _gpu_word(word: str, origin: str) -> str:
-    """One of NVIDIA's device words: all, an index, a GPU UUID, a MIG device's UUID (either
-    form) or its `GPU:MIG` index pair."""
+    """all, an index, a GPU UUID, a MIG device's UUID (either form) or `GPU:MIG` pair."""
     if word == "all" or (word.isascii() and word.isdigit() and len(word) <= 4):
         return word
     if word.startswith("GPU-") and re.fullmatch(r"GPU-[0-9a-fA-F-]{8,64}", word):
@@ -218,31 +194,30 @@ def _gpu_word(word: str, origin: str) -> str:
 
 def has_nvidia_hook(hooks: object) -> bool:
     """NVIDIA's prestart hook is in the spec: it injects devices once gpugate has read it."""
-    if not isinstance(hooks, dict):
-        return False
-    for entries in hooks.values():
-        for entry in entries if isinstance(entries, list) else ():
-            path = entry.get("path") if isinstance(entry, dict) else None
-            if isinstance(path, str) and path.rpartition("/")[2] in NVIDIA_HOOKS:
-                return True
-    return False
+    stages = hooks.values() if isinstance(hooks, dict) else ()
+    entries = [entry for entries in stages if isinstance(entries, list) for entry in entries]
+    paths = [entry.get("path") for entry in entries if isinstance(entry, dict)]
+    return any(isinstance(path, str) and path.rpartition("/")[2] in NVIDIA_HOOKS for path in paths)
 
 
-def nvidia_reach(
-    spec: dict[str, object], toolkit: Toolkit, found: list[tuple[int | str, str]]
-) -> None:
+def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, found: Found) -> None:
     """What NVIDIA's hook reads, by its precedence: the volume-mounts list (where its config
     accepts it and the list is not empty), else the variable (privileged, or accepted)."""
-    if toolkit.volume_mounts:
-        listed = volume_mount_devices(spec.get("mounts"))
-        if listed:
-            origin = "volume-mounts " + DEVICE_LIST_ROOT
-            for word in listed:
-                if word.startswith("cdi/"):
-                    _cdi_name(_cdi_mount_name(word[len("cdi/") :]), origin, found)
-                else:
-                    found.append((_gpu_word(word, origin), origin))
-            return
+    listed = volume_mount_devices(spec.get("mounts")) if toolkit.volume_mounts else []
+    origin = "volume-mounts " + DEVICE_LIST_ROOT
+    for word in listed:
+        if word.startswith("cdi/"):
+            # NVIDIA's `cdiDeviceMountRequest`: `vendor/class=device` or `vendor/class/device`.
+            name = word[len("cdi/") :]
+            if "=" not in name:
+                vendor, _, tail = name.partition("/")
+                kind, _, device = tail.partition("/")
+                name = f"{vendor}/{kind}={device}"
+            _cdi_name(name, origin, found)
+        else:
+            found.append((_gpu_word(word, origin), origin))
+    if listed:
+        return
     process = spec.get("process")
     caps = process.get("capabilities") if isinstance(process, dict) else None
     bounding = caps.get("bounding") if isinstance(caps, dict) else None
@@ -250,39 +225,23 @@ def nvidia_reach(
     if not toolkit.envvar_unprivileged and not privileged:
         return
     env = process.get("env") if isinstance(process, dict) else None
-    for word in visible_words(env):
-        found.append((_gpu_word(word, VISIBLE), VISIBLE))
+    found.extend((_gpu_word(word, VISIBLE), VISIBLE) for word in visible_words(env))
 
 
 def volume_mount_devices(mounts: object) -> list[str]:
     """Mounts of /dev/null at /var/run/nvidia-container-devices/<device> (NVIDIA's
     `requestsFromMounts`; its imex/ entries are no GPU, its cdi/ entries CDI names)."""
     found: list[str] = []
+    root = DEVICE_LIST_ROOT + "/"
     for entry in mounts if isinstance(mounts, list) else ():
-        if not isinstance(entry, dict):
-            continue
-        source, target = entry.get("source"), entry.get("destination")
+        source = entry.get("source") if isinstance(entry, dict) else None
+        target = entry.get("destination") if isinstance(entry, dict) else None
         if not isinstance(source, str) or not isinstance(target, str):
             continue
-        if os.path.normpath(source) != "/dev/null":
-            continue
         target = os.path.normpath(target)
-        if not target.startswith(DEVICE_LIST_ROOT + "/"):
-            continue
-        word = target[len(DEVICE_LIST_ROOT) + 1 :].strip("/")
-        if word.startswith("imex/") or word in found:
-            continue
-        found.append(word)
-    return found
-
-
-def _cdi_mount_name(rest: str) -> str:
-    """NVIDIA's `cdiDeviceMountRequest`: `vendor/class=device` or `vendor/class/device`."""
-    if "=" in rest:
-        return rest
-    vendor, _, tail = rest.partition("/")
-    kind, _, device = tail.partition("/")
-    return f"{vendor}/{kind}={device}"
+        if os.path.normpath(source) == "/dev/null" and target.startswith(root):
+            found.append(target[len(root) :].strip("/"))
+    return list(dict.fromkeys(word for word in found if not word.startswith("imex/")))
 
 
 def visible_words(env: object) -> list[str]:
@@ -316,16 +275,16 @@ def visible_words(env: object) -> list[str]:
 TOOLKIT_CONFIG = Path("/etc/nvidia-container-runtime/config.toml")
 ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
 MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
-UNTRUSTED = "untrusted"  # another account than root may change it or a folder above it
-UNREADABLE = "unreadable"  # not a regular file of at most 1 MiB, not UTF-8 TOML
-NOT_BOOLEAN = "not-boolean"  # one of the two keys is not true or false
+UNTRUSTED = "another account than root may change it"
+UNREADABLE = "not a regular file of at most 1 MiB of TOML"
+NOT_BOOLEAN = "its accept-nvidia-visible-devices-* keys are not true or false"
 
 
 def read_toolkit(path: Path = TOOLKIT_CONFIG) -> Toolkit:
     from gpugate.compat import tomllib  # noqa: PLC0415 (GPU path only)
     from gpugate.host.safe_files import read_capped, untrusted  # noqa: PLC0415
 
-    if not path.exists() and not path.is_symlink():
+    if not os.path.lexists(path):
         return Toolkit()
     if untrusted(path) is not None:
         return Toolkit(note=UNTRUSTED)
@@ -344,10 +303,9 @@ MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is s
 STATE_TIMEOUT_S = 5.0
 MAX_FIELD = 256  # characters of an id or a name kept
 CONTAINER_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
-# The container's name as the runtime itself writes it into the spec's annotations, over
-# any a container's author passes: CRI-O's (with kubelet's pod name) and containerd's CRI
-# plugin's. Read only where the container's cgroup says the runtime is that one
-# (integrations/container.py): elsewhere anyone may set these keys.
+# The container's name as the runtime itself writes it into the spec's annotations (with its
+# pod's): read only where the container's cgroup says the runtime is that one, for elsewhere
+# anyone may set these keys.
 RUNTIME_NAME_ANNOTATIONS = {
     "cri-o": ("io.kubernetes.cri-o.ContainerName", "io.kubernetes.pod.name"),
     "containerd": ("io.kubernetes.cri.container-name", "io.kubernetes.cri.sandbox-name"),
@@ -371,7 +329,7 @@ class GpuRequest:
     refs: tuple[str, ...] = ()  # indices and UUIDs of NVIDIA's lists, as written
     all_gpus: bool = False  # NVIDIA's `all`
     origins: tuple[str, ...] = ()  # where in the spec each came from
-    note: str = ""  # why NVIDIA's config defaults stood in (read_toolkit's codes)
+    note: str = ""  # why NVIDIA's config defaults stood in (read_toolkit's words)
     # After the stop (parse_config's lenient): why the request could not be resolved; the
     # container's lease then says which GPUs it had.
     unresolved: OciInputError | None = None
@@ -387,24 +345,19 @@ class ContainerState:
     id: str
     pid: int  # 0 where the runtime gave none (poststop)
     bundle: str
-    status: str
     annotations: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class ContainerSpec:
-    """What gpugate needs from config.json."""
-
     gpus: GpuRequest
     cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
     annotations: dict[str, str]
-    hostname: str | None
 
 
 def read_stdin_bounded(
     fd: int = 0, limit: int = MAX_STATE_BYTES, timeout_s: float = STATE_TIMEOUT_S
 ) -> bytes:
-    """Everything on fd until end of file: at most limit bytes, within timeout_s."""
     deadline = time.monotonic() + timeout_s
     chunks: list[bytes] = []
     size = 0
@@ -422,7 +375,7 @@ def read_stdin_bounded(
 
 
 def parse_state(raw: bytes) -> ContainerState:
-    data = _json_object(raw, "the container state on stdin")
+    data = json_object(raw, "the container state on stdin")
     container_id = data.get("id")
     if not isinstance(container_id, str) or not CONTAINER_ID.fullmatch(container_id):
         raise OciInputError("the container state on stdin: id: missing or not a container id")
@@ -432,20 +385,11 @@ def parse_state(raw: bytes) -> ContainerState:
     pid = data.get("pid", 0)
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 22:
         pid = 0
-    status = data.get("status")
-    return ContainerState(
-        id=container_id,
-        pid=pid,
-        bundle=bundle,
-        status=status[:MAX_FIELD] if isinstance(status, str) else "",
-        annotations=_string_map(data.get("annotations")),
-    )
+    return ContainerState(container_id, pid, bundle, _string_map(data.get("annotations")))
 
 
 def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
-    """BUNDLE/config.json: a regular file, not a link, in a folder and of an owner that is
-    this process's user (root's runtime: root's bundle), not writable by others."""
-    euid = os.geteuid()
+    """BUNDLE/config.json: a regular file, it and its folder this user's, not others'."""
     try:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -453,7 +397,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
             f"{shown(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
         ) from None
     try:
-        _check_owner(os.fstat(dir_fd), bundle, euid)
+        _check_owner(os.fstat(dir_fd), bundle)
         try:
             # O_NONBLOCK: a FIFO in its place must not stall the container's start.
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -469,22 +413,19 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise OciInputError(f"{shown(path, FILE)}: not a regular file")
-        _check_owner(info, path, euid)
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit and (chunk := os.read(fd, 1 << 20)):
-            chunks.append(chunk)
-            size += len(chunk)
+        _check_owner(info, path)
+        data = b""
+        while len(data) <= limit and (chunk := os.read(fd, 1 << 20)):
+            data += chunk
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     if len(data) > limit:
         raise OciInputError(f"{shown(path, FILE)}: over {limit} bytes")
     return data
 
 
-def _check_owner(info: os.stat_result, path: str, euid: int) -> None:
-    if info.st_uid != euid:
+def _check_owner(info: os.stat_result, path: str) -> None:
+    if info.st_uid != os.geteuid():
         raise OciInputError(
             f"{shown(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"
         )
@@ -497,11 +438,9 @@ def parse_config(
 ) -> ContainerSpec:
     """lenient (after the stop): a GPU request that cannot be resolved (NVIDIA's config may
     have changed since the start) is kept as such, for the lease to answer."""
-    data = _json_object(raw, source)
+    data = json_object(raw, source)
     linux = data.get("linux")
-    linux = linux if isinstance(linux, dict) else {}
-    cgroups_path = linux.get("cgroupsPath")
-    hostname = data.get("hostname")
+    cgroups_path = linux.get("cgroupsPath") if isinstance(linux, dict) else None
     try:
         gpus = spec_gpu_request(data)
     except OciInputError as exc:
@@ -512,22 +451,19 @@ def parse_config(
         gpus=gpus,
         cgroups_path=cgroups_path if isinstance(cgroups_path, str) else None,
         annotations=_string_map(data.get("annotations")),
-        hostname=hostname[:MAX_FIELD] if isinstance(hostname, str) else None,
     )
 
 
 def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) -> GpuRequest:
-    """A parsed config.json's GPUs (docs/containers.md). toolkit: NVIDIA's
-    config as read (tests); by default read from /etc only for a spec with NVIDIA's hook."""
-    found: list[tuple[int | str, str]] = []  # (a minor, or an index, UUID or all; its origin)
+    """A parsed config.json's GPUs (docs/containers.md); NVIDIA's config read where needed."""
+    found: Found = []
     linux = spec.get("linux")
     devices_reach(linux.get("devices") if isinstance(linux, dict) else None, found)
     mounts_reach(spec.get("mounts"), found)
     cdi_reach(spec.get("annotations"), found)
     note = ""
     if has_nvidia_hook(spec.get("hooks")):
-        if toolkit is None:
-            toolkit = read_toolkit()
+        toolkit = toolkit or read_toolkit()
         note = toolkit.note
         nvidia_reach(spec, toolkit, found)
     values = list(dict.fromkeys(value for value, _ in found))
@@ -540,61 +476,46 @@ def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) ->
     )
 
 
-def runtime_name(state: ContainerState, spec: ContainerSpec, runtime: str) -> str | None:
-    """The name runtime itself wrote into the annotations (RUNTIME_NAME_ANNOTATIONS), with its
-    pod's (`pod/container`); None for a runtime that writes none."""
+def runtime_name(annotations: Mapping[str, str], runtime: str) -> str | None:
+    """The name (`pod/container`) runtime itself wrote; None for a runtime that writes none."""
     keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
     if keys is None:
         return None
-    annotations = {**spec.annotations, **state.annotations}
     name = bounded(annotations.get(keys[0], "").lstrip("/"))
     pod = bounded(annotations.get(keys[1], ""))
     return bounded(f"{pod}/{name}") if name and pod else name
 
 
-def claimed_name(state: ContainerState, spec: ContainerSpec) -> tuple[str, str] | None:
+def claimed_name(annotations: Mapping[str, str]) -> tuple[str, str] | None:
     """(annotation, name) of the first name the container's author may have set."""
-    annotations = {**spec.annotations, **state.annotations}
-    for key in CLAIMED_NAME_ANNOTATIONS:
-        name = bounded(annotations.get(key, ""))
-        if name:
-            return key, name
-    return None
+    named = ((key, bounded(annotations.get(key, ""))) for key in CLAIMED_NAME_ANNOTATIONS)
+    return next(((key, name) for key, name in named if name), None)
 
 
 def bounded(text: str) -> str | None:
-    """A name as given, at most MAX_FIELD characters, without the blanks around it; None where
-    nothing is left. Its escaping is report/untrusted's, where it is shown."""
+    """At most MAX_FIELD characters, without the blanks around them; None where none is left."""
     return text[:MAX_FIELD].strip() or None
 
 
 def cgroup_of_spec(cgroups_path: str | None, container_id: str) -> str | None:
     """linux.cgroupsPath as a cgroup: `slice:prefix:name` (the systemd driver) is the scope
-    `/slice/prefix-name.scope`; an absolute path (cgroupfs) is itself."""
-    if not cgroups_path:
-        return None
-    if cgroups_path.startswith("/"):
-        return cgroups_path
+    `/slice/prefix-name.scope` (`a-b.slice` nests as `/a.slice/a-b.slice`); an absolute path
+    (cgroupfs) is itself."""
+    if not cgroups_path or cgroups_path.startswith("/"):
+        return cgroups_path or None
     parts = cgroups_path.split(":")
     if len(parts) != 3 or not all(parts[1:]):
         return None
     slice_name, prefix, name = parts
-    scope = name if name.endswith(".slice") else f"{prefix}-{name}.scope"
-    nested = _slice_path(slice_name or "system.slice")
-    return f"{nested}/{scope}" if nested else None
-
-
-def _slice_path(name: str) -> str | None:
-    """`machine.slice` -> `/machine.slice`; `a-b.slice` -> `/a.slice/a-b.slice`."""
-    if not name.endswith(".slice") or "/" in name:
+    slice_name = slice_name or "system.slice"
+    if not slice_name.endswith(".slice") or "/" in slice_name or slice_name == "-.slice":
         return None
-    if name == "-.slice":
-        return ""
-    parts = name[: -len(".slice")].split("-")
-    return "".join("/" + "-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
+    words = slice_name[: -len(".slice")].split("-")
+    nested = "".join("/" + "-".join(words[: i + 1]) + ".slice" for i in range(len(words)))
+    return nested + "/" + (name if name.endswith(".slice") else f"{prefix}-{name}.scope")
 
 
-def _json_object(raw: bytes, source: str) -> dict[str, object]:
+def json_object(raw: bytes, source: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:
@@ -607,48 +528,32 @@ def _json_object(raw: bytes, source: str) -> dict[str, object]:
 
 
 def _string_map(value: object) -> dict[str, str]:
-    if not isinstance(value, dict):
-        return {}
-    return {
-        str(k)[:MAX_FIELD]: v[:MAX_FIELD]
-        for k, v in list(value.items())[:1024]
-        if isinstance(v, str)
-    }
+    items = list(value.items())[:1024] if isinstance(value, dict) else []
+    return {str(k)[:MAX_FIELD]: v[:MAX_FIELD] for k, v in items if isinstance(v, str)}
 
 
-# A CRI container as Kubernetes names it, and its pod's sandbox, from the annotations its
-# runtime writes: containerd's CRI plugin (`io.kubernetes.cri.*`) and CRI-O
-# (`io.kubernetes.pod.*`, `io.kubernetes.cri-o.*`). The names are the pod author's text: shown
-# only escaped, beside the container's id. The sandbox (the pause container holding a pod's
-# namespaces) is the container whose annotations say `sandbox` *and* whose sandbox id is its own
-# id: the runtime sets both, and no one who starts a container can know its id in advance.
+# A CRI container's names as Kubernetes has them (the pod author's text: shown escaped), from
+# the annotations of containerd's CRI plugin, then CRI-O's: (the container's type, `sandbox` or
+# `container`; its sandbox's id; its pod's namespace; its pod; its own name). A pod's sandbox
+# (pause) container says `sandbox` *and* has its own id as the sandbox's: the runtime sets both,
+# and no one can know an id in advance.
 SANDBOX = "sandbox"
-
-
-@dataclass(frozen=True)
-class CriKeys:
-    kind: str  # "sandbox" or "container"
-    sandbox_id: str
-    namespace: str
-    pod: str
-    container: str
-
-
-CONTAINERD = CriKeys(
-    kind="io.kubernetes.cri.container-type",
-    sandbox_id="io.kubernetes.cri.sandbox-id",
-    namespace="io.kubernetes.cri.sandbox-namespace",
-    pod="io.kubernetes.cri.sandbox-name",
-    container="io.kubernetes.cri.container-name",
+CRI_KEYS = (
+    (
+        "io.kubernetes.cri.container-type",
+        "io.kubernetes.cri.sandbox-id",
+        "io.kubernetes.cri.sandbox-namespace",
+        "io.kubernetes.cri.sandbox-name",
+        "io.kubernetes.cri.container-name",
+    ),
+    (
+        "io.kubernetes.cri-o.ContainerType",
+        "io.kubernetes.cri-o.SandboxID",
+        "io.kubernetes.pod.namespace",
+        "io.kubernetes.pod.name",
+        "io.kubernetes.container.name",
+    ),
 )
-CRIO = CriKeys(
-    kind="io.kubernetes.cri-o.ContainerType",
-    sandbox_id="io.kubernetes.cri-o.SandboxID",
-    namespace="io.kubernetes.pod.namespace",
-    pod="io.kubernetes.pod.name",
-    container="io.kubernetes.container.name",
-)
-CRI_RUNTIMES = (CONTAINERD, CRIO)
 
 
 @dataclass(frozen=True)
@@ -666,36 +571,33 @@ class PodName:
 
 
 def pod_name(annotations: Mapping[str, str]) -> PodName | None:
-    for keys in CRI_RUNTIMES:
-        namespace = annotations.get(keys.namespace, "")
-        pod = annotations.get(keys.pod, "")
+    for _, _, namespace_key, pod_key, container_key in CRI_KEYS:
+        namespace = annotations.get(namespace_key, "")
+        pod = annotations.get(pod_key, "")
         if namespace and pod:
-            return PodName(namespace, pod, annotations.get(keys.container, ""))
+            return PodName(namespace, pod, annotations.get(container_key, ""))
     return None
 
 
 def is_sandbox(container_id: str, annotations: Mapping[str, str]) -> bool:
     """A pod's sandbox (pause) container: never gated, it holds no GPU."""
     return any(
-        annotations.get(keys.kind) == SANDBOX and annotations.get(keys.sandbox_id) == container_id
-        for keys in CRI_RUNTIMES
+        annotations.get(kind) == SANDBOX and annotations.get(sandbox_id) == container_id
+        for kind, sandbox_id, *_ in CRI_KEYS
     )
 
 
-# Is this process the host's root? A rootless runtime (podman run by alice, rootless docker)
-# runs its hooks and its runtime wrapper as uid 0 inside the user namespace it made: that root
-# owns nothing of the host's, so the euid alone cannot tell. The initial user namespace, and
-# only it in practice, maps every uid onto itself (`/proc/self/uid_map`: `0 0 4294967295`); a
-# namespace made by a user maps a small range (`0 1000 1`). Where root made one with the full
-# identity map, `/proc/self/ns/user` differing from PID 1's still says so.
+# A rootless runtime (podman run by alice, rootless docker) runs its hooks and its runtime
+# wrapper as uid 0 of a user namespace it made, owning nothing of the host's: the euid alone
+# cannot tell. The initial user namespace, and only it in practice, maps every uid onto itself
+# (`0 0 4294967295`); a user's maps a small range (`0 1000 1`). Where root made one with the
+# full identity map, `/proc/self/ns/user` differing from PID 1's still says so.
 INITIAL_UID_MAP = ("0", "0", "4294967295")
 MAX_UID_MAP = 4096  # the kernel allows 340 lines of at most 36 bytes
 
 
 def not_host_root(proc: str = "/proc") -> str | None:
-    """None where this process is the host's root; else why not (`euid 1000`, `user namespace,
-    uid_map 0 1000 1`). A uid_map that cannot be read leaves the euid to decide; a PID 1 whose
-    namespace cannot be read leaves the uid_map to decide."""
+    """None where this process is the host's root; else why not (`euid 1000`, ...)."""
     euid = os.geteuid()
     if euid != 0:
         return f"euid {euid}"

@@ -1,7 +1,6 @@
-"""The runtime `gpugate-oci-runtime` runs once it has added its hooks: runc, or NVIDIA's
-`nvidia-container-runtime`, as recorded by `gpugate install --containers`, mapped to fixed
-paths only root may change. CHAIN marks the environment passed to NVIDIA's runtime, so a
-wrapper that NVIDIA's runtime runs again runs runc and the chain ends."""
+"""The runtime `gpugate-oci-runtime` runs after adding its hooks: runc, or NVIDIA's, as
+`gpugate install --containers` recorded, at fixed paths only root may change. CHAIN marks the
+environment passed to NVIDIA's runtime: a wrapper it runs again runs runc, ending the chain."""
 
 from __future__ import annotations
 
@@ -31,14 +30,12 @@ MAX_RECORD = 4096
 
 @dataclass(frozen=True)
 class Wrapped:
-    recorded: str  # the record's choice (runc where there is none)
     name: str  # what runs: the recorded one, or runc where it is missing or the chain ends
     path: str | None  # its fixed path; None where none is installed
 
 
 def read_record(path: Path | None = None) -> str:
-    """The recorded runtime's name; runc where there is no record. ConfigError where the
-    record is another account's, not a regular file, or names neither runtime."""
+    """The recorded runtime's name (runc where there is no record), else ConfigError."""
     path = RECORD if path is None else path
     found = untrusted(path)
     if found is not None:
@@ -77,9 +74,8 @@ def find(name: str) -> str | None:
 
 
 def choose(recorded: str, environ: Mapping[str, str]) -> Wrapped:
-    """The recorded runtime where it is installed and the chain has not passed through it
-    already, else runc."""
+    """The recorded runtime where it is installed and not yet in the chain, else runc."""
     name = recorded
     if name != RUNC and (environ.get(CHAIN) or find(name) is None):
         name = RUNC
-    return Wrapped(recorded, name, find(name))
+    return Wrapped(name, find(name))

@@ -19,6 +19,7 @@ from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
     NVIDIA_MAJOR,
+    TOOLKIT_CONFIG,
     ContainerSpec,
     ContainerState,
     GpuRequest,
@@ -64,9 +65,8 @@ class ContainerIdentity:
 
     @property
     def label(self) -> str:
-        """`podman container vllm (3f2a1b0c4d5e)`; a pod's `containerd container
-        ml/vllm-0/server (3f2a1b0c4d5e)`; with only a name its author set, `podman container
-        3f2a1b0c4d5e ("vllm" by its annotation KEY)`. Names shown escaped."""
+        """`podman container vllm (3f2a1b0c4d5e)`, `containerd container ml/vllm-0/server
+        (3f2a1b0c4d5e)`, `podman container 3f2a1b0c4d5e ("vllm" by its annotation KEY)`."""
         short, runtime = self.id[:12], f"{self.runtime} container"
         name = self.pod.text if self.pod is not None else self.name
         if name:
@@ -77,8 +77,7 @@ class ContainerIdentity:
         return f"{runtime} {short}"
 
     def fields(self) -> dict[str, str | bytes]:
-        """The journal fields every entry of this run carries (not GPUGATE_CONTAINER: that is
-        a holder's)."""
+        """The journal fields of every entry of this run (GPUGATE_CONTAINER is a holder's)."""
         found: dict[str, str | bytes] = {
             "GPUGATE_OCI_CONTAINER": self.id,
             "GPUGATE_OCI_RUNTIME": self.runtime,
@@ -98,14 +97,11 @@ class ContainerIdentity:
 
 
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
-    """The container's cgroup from its init's /proc/PID/cgroup, else the spec's cgroupsPath;
-    one of its own (host.containers.own_cgroup), else OciInputError: a container is never its
-    enclosing unit, whose lease it would take. Its name from the runtime's annotations, else
-    from the runtime's own record of it."""
-    cgroup = None
-    if state.pid > 0:
-        info = procfs.info(state.pid)
-        cgroup = info.cgroup if info is not None else None
+    """The container's cgroup from its init's /proc/PID/cgroup, else the spec's cgroupsPath,
+    one of its own, else OciInputError: a container is never its enclosing unit, whose lease
+    it would take. Its name from the runtime's annotations, else its own record of it."""
+    info = procfs.info(state.pid) if state.pid > 0 else None
+    cgroup = info.cgroup if info is not None else None
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
     own = own_cgroup(cgroup, state.id)
     if own is None:
@@ -117,7 +113,8 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
             code="oci-no-own-cgroup",
         )
     runtime = own.runtime
-    name = runtime_name(state, spec, runtime) if runtime else None
+    annotations = {**spec.annotations, **state.annotations}
+    name = runtime_name(annotations, runtime) if runtime else None
     if name is None and runtime in (None, "docker"):
         name = docker_name(state.id)
         runtime = runtime or ("docker" if name else None)
@@ -129,13 +126,9 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
         runtime=runtime or "container",
         cgroup=own.cgroup,
         unit=own.unit or f"{OWN_LEASE_PREFIX}{state.id}",
-        claimed=claimed_name(state, spec),
+        claimed=claimed_name(annotations),
         around=None if own.unit else system_unit_of_cgroup(own.cgroup),
-        pod=(
-            pod_name({**spec.annotations, **state.annotations})
-            if runtime in ("containerd", "cri-o")
-            else None
-        ),
+        pod=pod_name(annotations) if runtime in ("containerd", "cri-o") else None,
     )
 
 
@@ -147,9 +140,8 @@ def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:
 
 
 def storage_name(container_id: str, bundle: str) -> str | None:
-    """podman's (and CRI-O's) name for it: containers/storage records every container with
-    its names in DRIVER-containers/containers.json, two folders above the bundle
-    (DRIVER-containers/ID/userdata)."""
+    """podman's and CRI-O's: containers/storage's DRIVER-containers/containers.json, two
+    folders above the bundle (DRIVER-containers/ID/userdata), lists each container's names."""
     folder = Path(bundle)
     if folder.name != "userdata" or folder.parent.name != container_id:
         return None
@@ -188,14 +180,14 @@ def container_config(config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
 
 
 def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelection:
-    """The container's GPUs as the config's `gpus`: the UUIDs of the GPUs it reaches. One NVML
-    does not know is refused, never guessed."""
+    """The UUIDs of the GPUs the container reaches; one NVML does not know is refused."""
     if request.all_gpus:
         return "all"
-    by_minor = {gpu.minor: gpu for gpu in gpus if gpu.mig is None}
-    by_ref: dict[str, Gpu] = {str(gpu.index): gpu for gpu in gpus if gpu.mig is None}
-    by_ref.update((gpu.uuid.lower(), gpu) for gpu in gpus if gpu.mig is None)
-    refs = [_indexed_slice(ref, gpus, request) if ":" in ref else ref for ref in request.refs]
+    whole = [gpu for gpu in gpus if gpu.mig is None]
+    by_minor = {gpu.minor: gpu for gpu in whole}
+    by_ref = {**{str(gpu.index): gpu for gpu in whole}, **{gpu.uuid.lower(): gpu for gpu in whole}}
+    where = echo(", ".join(request.origins) or "config.json")
+    refs = [_indexed_slice(ref, gpus, where) if ":" in ref else ref for ref in request.refs]
     sliced = _sliced_minors(refs, gpus, source)
     chosen: dict[str, str] = {}
     for minor in request.minors:
@@ -213,13 +205,12 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             continue
         gpu = by_ref.get(ref.lower())
         if gpu is None:
-            where = ", ".join(request.origins) or "config.json"
-            raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no GPU NVML knows")
+            raise OciInputError(f"config.json: {where}: {echo(ref)} is no GPU NVML knows")
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
 
 
-def _indexed_slice(ref: str, gpus: list[Gpu], request: GpuRequest) -> str:
+def _indexed_slice(ref: str, gpus: list[Gpu], where: str) -> str:
     """NVIDIA's `GPU:MIG` pair as its MIG device's UUID: the GPU at that NVML index, the MIG
     device at that index of nvmlDeviceGetMigDeviceHandleByIndex on it (what the toolkit's
     libnvidia-container and its CDI specs both mean by it)."""
@@ -227,8 +218,7 @@ def _indexed_slice(ref: str, gpus: list[Gpu], request: GpuRequest) -> str:
     for gpu in gpus:
         if gpu.mig is not None and (gpu.mig.parent, gpu.mig.mig_index) == (int(parent), int(index)):
             return gpu.uuid
-    where = ", ".join(request.origins) or "config.json"
-    raise OciInputError(f"config.json: {echo(where)}: {echo(ref)} is no MIG device NVML knows")
+    raise OciInputError(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows")
 
 
 def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
@@ -248,17 +238,8 @@ def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int
     return minors
 
 
-# Why NVIDIA's config defaults stood in for its file (host/oci.py's codes).
-TOOLKIT_NOTES = {
-    "untrusted": "another account than root may change it",
-    "unreadable": "not a regular file of at most 1 MiB of TOML",
-    "not-boolean": "its accept-nvidia-visible-devices-* keys are not true or false",
-}
-
-
 def request_text(request: GpuRequest) -> str:
-    """Where a container's GPUs came from, for the run's first entry: `the container's
-    config.json (devices 195:1, 195:2; NVIDIA's list 0,GPU-…; from linux.devices, mounts)`."""
+    """`the container's config.json (devices 195:1; NVIDIA's list 0; from linux.devices)`."""
     parts = []
     if request.minors:
         parts.append("devices " + ", ".join(f"195:{m}" for m in request.minors))
@@ -268,24 +249,19 @@ def request_text(request: GpuRequest) -> str:
         parts.append("NVIDIA's list: " + ",".join(escape(ref) for ref in request.refs))
     if request.origins:
         parts.append("from " + ", ".join(escape(origin) for origin in request.origins))
-    if request.note in TOOLKIT_NOTES:
-        parts.append(
-            "NVIDIA's defaults assumed: /etc/nvidia-container-runtime/config.toml: "
-            + TOOLKIT_NOTES[request.note]
-        )
+    if request.note:
+        parts.append(f"NVIDIA's defaults assumed: {TOOLKIT_CONFIG}: {request.note}")
     return "the container's config.json (" + "; ".join(parts) + ")"
 
 
 @dataclass
 class ContainerSurroundings(UnitSurroundings):
-    """A unit's surroundings where the unit is the container's scope: its lease names the
-    container; no manual-run guard (the runtime runs the hook), no environment."""
+    """The unit is the container's scope; its lease names the container."""
 
     identity: ContainerIdentity | None = None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
-        """The unit its cgroup lies in holds its GPUs for it: that lease neither refuses it nor
-        is ever taken over or removed by it."""
+        """The lease of the unit around it never refuses it, nor is taken over or removed."""
         check = super()._check_leases(owned)
         around = self.identity.around if self.identity else None
         if around is None:
@@ -310,8 +286,6 @@ class ContainerSurroundings(UnitSurroundings):
 def container_surroundings(
     identity: ContainerIdentity, choice: GpuChoice, context: UnitContext
 ) -> Callable[[RunScope, LoadedConfig, Reporter], ContainerSurroundings]:
-    """How the hook's surroundings are made; the config already has the container's GPUs."""
-
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
         surroundings = ContainerSurroundings(
             scope, loaded, context, choice, Narrator(reporter), identity=identity
