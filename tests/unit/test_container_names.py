@@ -6,6 +6,7 @@ as the author's, and never replaces the id, which stays the identity (lease, jou
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,43 @@ def test_docker_name_from_dockerds_record(tmp_path: Path, monkeypatch: pytest.Mo
     for path in (f"system.slice:docker:{A}", f"/docker/{A}"):
         identity = who(path, {"nerdctl/name": "other"})
         assert (identity.runtime, identity.name) == ("docker", "dgpu"), path
+
+
+@pytest.mark.parametrize("shape", ["folder", "fifo", "link", "oversized", "not json"])
+def test_a_runtime_record_that_is_no_plain_json_file_gives_no_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """A folder, a FIFO or a link where the record should be, or a record past its cap: the
+    container goes on without a name (no error, no exit 70)."""
+    record = tmp_path / A / "config.v2.json"
+    bundle = tmp_path / "overlay-containers" / A / "userdata"
+    bundle.mkdir(parents=True)
+    listing = tmp_path / "overlay-containers" / "containers.json"
+    (tmp_path / A).mkdir()
+    good = {record: {"Name": "/dgpu"}, listing: [{"id": A, "names": ["vllm"]}]}
+    for path, body in good.items():
+        text = json.dumps(body)
+        if shape == "folder":
+            path.mkdir()
+        elif shape == "fifo":
+            os.mkfifo(path)
+        elif shape == "link":
+            (tmp_path / f"real-{path.name}").write_text(text)
+            path.symlink_to(tmp_path / f"real-{path.name}")
+        else:
+            path.write_text(text if shape == "oversized" else text[:-1])
+    monkeypatch.setattr(container, "MAX_DOCKER_CONFIG", 8 if shape == "oversized" else 1 << 20)
+    monkeypatch.setattr(container, "MAX_STORAGE_RECORDS", 8 if shape == "oversized" else 1 << 20)
+    assert container.docker_name(A, root=tmp_path) is None
+    assert container.storage_name(A, str(bundle)) is None
+
+
+def test_the_runtime_records_read_when_plain(tmp_path: Path) -> None:
+    """The control for the shapes above: the same records as plain files give the names."""
+    (tmp_path / A).mkdir()
+    (tmp_path / A / "config.v2.json").write_text(json.dumps({"Name": "/dgpu"}))
+    assert container.docker_name(A, root=tmp_path) == "dgpu"
+    assert container.storage_name(A, storage_bundle(tmp_path, ["vllm"])) == "vllm"
 
 
 @pytest.mark.parametrize(

@@ -160,10 +160,11 @@ def _owned_json(path: Path, limit: int) -> object:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError:
         return None
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
+        os.close(fd)  # checked before fdopen, which refuses a folder with IsADirectoryError
+        return None
     with os.fdopen(fd, "rb") as stream:
-        info = os.fstat(stream.fileno())
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-            return None
         raw = stream.read(limit + 1)
     if len(raw) > limit:
         return None
