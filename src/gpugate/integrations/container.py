@@ -294,7 +294,6 @@ class ContainerSurroundings(UnitSurroundings):
             [item for item in check.shared if item[0].unit != around],
             [item for item in check.stale if item[0].unit != around],
             check.unreadable,
-            check.why,
         )
 
     def _lease(self, owned: Sequence[Gpu]) -> Lease:

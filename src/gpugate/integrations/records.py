@@ -1,6 +1,5 @@
-"""gpugate's own state read back (GPU leases, failed-start records, the sweep's and metrics'
-counters), capped and checked: a record gpugate did not write is a `BadRecord`, said once and
-ignored, never a run's end. Files are replaced atomically under the per-GPU flocks."""
+"""gpugate's own state (GPU leases, failed-start records, the sweep's and metrics' counters):
+written whole, read back capped; a record gpugate did not write is a `BadRecord`, said once."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class BadRecord(InvalidValue):
 
 @contextlib.contextmanager
 def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
-    """name in the folder, made where missing, held under an flock: writers take turns.
-    TimeoutError after LOCK_TIMEOUT_S."""
+    """name in the folder, made where missing, flocked (TimeoutError after LOCK_TIMEOUT_S)."""
     fd = open_in(folder_fd, name, os.O_RDWR | os.O_CREAT)
     try:
         if not flock_by(fd, time.monotonic() + LOCK_TIMEOUT_S):
@@ -66,8 +64,7 @@ def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
 
 
 def read_text(path: Path | str, limit: int = MAX_RECORD_BYTES, dir_fd: int | None = None) -> str:
-    """The file's text. FileNotFoundError where it is gone; BadRecord where it is not a
-    regular file of at most limit bytes of UTF-8 (no FIFO opened, no link followed)."""
+    """FileNotFoundError, or BadRecord: no regular file of at most limit bytes of UTF-8."""
     try:
         data = read_capped(path, limit, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -127,7 +124,6 @@ def _json(record: Lease | FailedPre) -> str:
 
 
 def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = False) -> str | None:
-    """A string field; None where optional and absent, null or empty."""
     value = data.get(key)
     if optional and (value is None or value == ""):
         return None
@@ -149,10 +145,8 @@ def integer(
 
 def number(data: Mapping[str, Any], key: str, low: float, high: float) -> float:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRecord(f"{key} is not a number")
-    if not low <= value <= high:
-        raise BadRecord(f"{key} is out of range")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRecord(f"{key} is not a number from {low:g} to {high:g}")
     return float(value)
 
 
@@ -251,8 +245,7 @@ def lease_from(data: dict[str, object]) -> Lease:
 @dataclass
 class LeaseFiles:
     leases: list[Lease] = field(default_factory=list)
-    unreadable: list[Path] = field(default_factory=list)  # not a lease: reported, ignored
-    why: dict[Path, str] = field(default_factory=dict)
+    unreadable: dict[Path, str] = field(default_factory=dict)  # not a lease, why: said, ignored
 
 
 def read_leases(lock_dir: Path) -> LeaseFiles:
@@ -269,8 +262,7 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
         except FileNotFoundError:
             continue  # released while we listed
         except BadRecord as exc:
-            found.unreadable.append(path)
-            found.why[path] = str(exc)
+            found.unreadable[path] = str(exc)
         else:
             found.leases.append(lease)
     return found
@@ -312,8 +304,7 @@ class LeaseCheck:
     conflicts: list[tuple[Lease, list[Gpu]]]  # live leases on our GPUs: the run refuses
     shared: list[tuple[Lease, list[Gpu]]]  # live leases both sides agreed to share
     stale: list[tuple[Lease, str]]  # leases of units no longer running, with their state
-    unreadable: list[Path]
-    why: dict[Path, str] = field(default_factory=dict)
+    unreadable: dict[Path, str]
 
     def conflicted(self) -> list[int]:
         return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
@@ -336,7 +327,7 @@ def check_leases(
 ) -> LeaseCheck:
     """unit_state: the unit's ActiveState (None: unknown, taken as still running)."""
     files = read_leases(lock_dir)
-    check = LeaseCheck([], [], [], files.unreadable, files.why)
+    check = LeaseCheck([], [], [], files.unreadable)
     for lease in files.leases:
         overlap = lease.overlap(gpus)
         if lease.unit == unit or not overlap:
@@ -400,9 +391,8 @@ def failed_pre_of_this_start(
     environ: Mapping[str, str],
     unreadable: Callable[[Path, str], None] = lambda path, why: None,
 ) -> FailedPre | None:
-    """pre's failure record where it belongs to the start this post ends: the same
-    INVOCATION_ID, and SERVICE_RESULT not success. unreadable(path, why): told of a record
-    that is not sane, which is then ignored."""
+    """pre's failure record of the start this post ends: the same INVOCATION_ID, and
+    SERVICE_RESULT not success. unreadable(path, why): told of a record that is not sane."""
     path = failure_path(lock_dir, unit)
     try:
         failed = failed_pre_from(read_record(path))
@@ -411,11 +401,9 @@ def failed_pre_of_this_start(
     except BadRecord as exc:
         unreadable(path, str(exc))
         return None
-    if failed.unit != unit or failed.invocation_id != (environ.get("INVOCATION_ID") or None):
-        return None
-    if environ.get("SERVICE_RESULT", "") == "success":
-        return None  # not this start's: it began after pre succeeded
-    return failed
+    ours = failed.unit == unit and failed.invocation_id == (environ.get("INVOCATION_ID") or None)
+    # SERVICE_RESULT=success: not this start's failure, the start began after pre succeeded
+    return failed if ours and environ.get("SERVICE_RESULT") != "success" else None
 
 
 # What `gpugate sweep` remembers between sweeps (LOCK_DIR/sweep.json): each holder it has seen
@@ -442,24 +430,28 @@ class SweepState:
     refused: str | None = None  # why the file on disk was not taken (report/'s phrase)
 
 
-def parse_state(text: str) -> dict[ProcessId, Seen]:
-    """BadRecord where the record, or any entry of it, is not what gpugate writes."""
-    data = parse_record(text)
-    integer(data, "version", STATE_VERSION, STATE_VERSION)
+def read_state(folder_fd: int) -> SweepState:
+    """The state, or refused: the record, or an entry of it, is not what gpugate writes."""
     found: dict[ProcessId, Seen] = {}
-    for entry in _items(data, "unowned", MAX_ENTRIES):
-        if not isinstance(entry, dict):
-            raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
-        ident = ProcessId(
-            integer(entry, "pid", 1, MAX_PID),
-            integer(entry, "start_time", 0, MAX_TICKS),
-        )
-        found[ident] = Seen(
-            number(entry, "since", 0, MAX_SINCE),
-            integers(entry, "gpus", 0, MAX_GPU_INDEX),
-            flag({"drained": False, **entry}, "drained"),
-        )
-    return found
+    try:
+        data = parse_record(read_text(STATE_NAME, dir_fd=folder_fd))
+        integer(data, "version", STATE_VERSION, STATE_VERSION)
+        for entry in _items(data, "unowned", MAX_ENTRIES):
+            if not isinstance(entry, dict):
+                raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
+            ident = ProcessId(
+                integer(entry, "pid", 1, MAX_PID), integer(entry, "start_time", 0, MAX_TICKS)
+            )
+            found[ident] = Seen(
+                number(entry, "since", 0, MAX_SINCE),
+                integers(entry, "gpus", 0, MAX_GPU_INDEX),
+                flag({"drained": False, **entry}, "drained"),
+            )
+    except FileNotFoundError:
+        return SweepState()
+    except BadRecord as exc:
+        return SweepState(refused=str(exc))
+    return SweepState(found)
 
 
 def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
@@ -472,18 +464,8 @@ def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
 
 
-def read_state(folder_fd: int) -> SweepState:
-    try:
-        return SweepState(parse_state(read_text(STATE_NAME, dir_fd=folder_fd)))
-    except FileNotFoundError:
-        return SweepState()
-    except BadRecord as exc:
-        return SweepState(refused=str(exc))
-
-
 def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
-    """The last sweep's unowned holders, for `status` (no lock, nothing made); {} where none
-    is kept or it is not the sweep's."""
+    """The last sweep's unowned holders, for `status` (no lock, nothing made), or {}."""
     try:
         with folder(lock_dir, make=False) as folder_fd:
             return read_state(folder_fd).unowned
@@ -493,8 +475,7 @@ def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
 
 @contextlib.contextmanager
 def locked_state(lock_dir: Path) -> Iterator[tuple[int, SweepState]]:
-    """lock_dir's descriptor and the sweep's state, under its flock (two sweeps take turns);
-    write_state within it. OSError (TimeoutError where another sweep holds it)."""
+    """lock_dir's descriptor and the sweep's state, under its flock (OSError, TimeoutError)."""
     with folder(lock_dir) as folder_fd, flocked(folder_fd, LOCK_NAME, lock_dir):
         yield folder_fd, read_state(folder_fd)
 

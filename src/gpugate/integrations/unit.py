@@ -1,7 +1,5 @@
 """A systemd unit's surroundings (core.outcome.Surroundings): its GPUs for `gpus = "auto"`,
-a hand-typed pre/post against a running unit refused, and its GPU lease: written under the
-GPU locks before the first kill, kept on pre's success, given up with the reason recorded
-when pre fails, ended by post."""
+a hand-typed pre/post against a running unit refused, and its GPU lease's life."""
 
 from __future__ import annotations
 
@@ -96,8 +94,7 @@ def choose_gpus(
     environment: Callable[[str], UnitEnvironment | None] | None = None,
 ) -> GpuChoice:
     """`gpus = "auto"`: the unit's CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES, as
-    systemd gives them to the unit (never gpugate's own environment), else every GPU.
-    environment: the unit's (default: ask systemd)."""
+    systemd gives them to the unit (environment; never gpugate's own), else every GPU."""
     config = loaded.config
     environment = environment or unit_environment
     if config.gpus != "auto":
@@ -129,8 +126,7 @@ def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
 
 @dataclass(frozen=True)
 class UnitContext:
-    """What the front knows of the unit's hook: its environment, the options; systemd's
-    answers (tests give stand-ins)."""
+    """The unit's hook: its environment, the options; systemd's answers (tests: stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
@@ -144,8 +140,6 @@ class UnitContext:
 
 @dataclass
 class UnitSurroundings(Surroundings):
-    """What one run knows about the host around its unit."""
-
     scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext
@@ -183,16 +177,12 @@ class UnitSurroundings(Surroundings):
             raise refusal(state, self.phase.value, self.unit, would_kill)
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
-        self.refusal = self._lease_refusal(owned, dry_run=dry_run)
-        return self.refusal is not None
-
-    def _lease_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
-        """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
+        """Before pre kills: a running unit's lease covers its GPUs."""
         if not self.phase.traits.takes_lease or not owned:
-            return None
+            return False
         check = self._check_leases(owned)
-        for path in check.unreadable:
-            self.narration.lease_unreadable(path, check.why.get(path, ""))
+        for path, why in check.unreadable.items():
+            self.narration.lease_unreadable(path, why)
         for lease, state in check.stale:
             # Said once: the stale lease is removed (not in a dry run) and never seen again.
             self.narration.lease_stale(lease.unit, lease.gpus, state, dry_run=dry_run)
@@ -200,20 +190,18 @@ class UnitSurroundings(Surroundings):
                 release_lease(self.loaded.config.lock_dir, lease.unit)
         for lease, gpus in check.shared:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
-        if not check.conflicts:
-            return None
-        if self.context.ignore_leases:
+        if check.conflicts and self.context.ignore_leases:
             for lease, gpus in check.conflicts:
                 self.narration.lease_overridden(
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
-            return None
-        self.narration.lease_refused(check.refusal(), check.conflicted())
-        return check.refusal()
+        elif check.conflicts:
+            self.refusal = check.refusal()
+            self.narration.lease_refused(self.refusal, check.conflicted())
+        return self.refusal is not None
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
-        """pre, before it kills: the lease it will hold on success, written now, so that one
-        that cannot be written stops the run before anything dies."""
+        """pre's lease, written before it kills: one that cannot be written stops the run."""
         if not self.phase.traits.takes_lease or not owned or not self.choice.named:
             return
         write_lease(self.loaded.config.lock_dir, self._lease(owned))
@@ -240,8 +228,7 @@ class UnitSurroundings(Surroundings):
         return [folders[0], *unit_folders, *folders[1:]], files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
-        """pre refused because another running unit holds the GPUs: where that unit also
-        leases them, say so too (it names who started a `gpugate run` unit)."""
+        """Where the unit holding the GPUs also leases them, say so (it names who started it)."""
         if not self.phase.traits.takes_lease or not owned:
             return
         check = self._check_leases(owned)
@@ -249,16 +236,15 @@ class UnitSurroundings(Surroundings):
             self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
 
     def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
-        config = self.loaded.config
-        return check_leases(
-            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=self._state
+        config, context = self.loaded.config, self.context
+        unit_state = context.unit_state or (
+            lambda name: unit_active_state(
+                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
+            )
         )
-
-    def _state(self, name: str) -> str | None:
-        if self.context.unit_state is not None:
-            return self.context.unit_state(name)
-        roots = self.context.roots
-        return unit_active_state(name, roots.cgroup, ask_systemd=roots.ask_systemd)
+        return check_leases(
+            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=unit_state
+        )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """post after a failed pre: the GPUs whose memory pre already waited for in vain."""
@@ -271,51 +257,30 @@ class UnitSurroundings(Surroundings):
         return skipped
 
     def after_run(self, summary: RunSummary) -> None:
-        code = summary.exit_code
-        busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
-        timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
-        reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
-        self._ended(code, reason, summary.busy, owned=summary.owned)
-        if self.phase.traits.reads_failed_start and self.failed_pre is not None:
+        code, traits = summary.exit_code, self.phase.traits
+        if traits.takes_lease and code is ExitCode.OK:
+            self._started(summary.owned)
+        else:
+            busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
+            timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
+            reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
+            self._failed(code, reason, summary.busy, error=False)
+        if traits.releases_lease:
+            self._release()
+        if traits.reads_failed_start and self.failed_pre is not None:
             self.narration.start_failed_earlier(self.failed_pre.reason)
 
     def after_error(self, error: GateError, progress: Progress) -> None:
         """An interruption's reason says what the run was doing; the GPUs it was still
-        waiting for need no second wait in post."""
+        waiting for need no second wait in post. post ends the lease only when interrupted:
+        after another error the unit may still run."""
         busy: Sequence[BusyGpu] = ()
         if isinstance(error, Interrupted):
             from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
 
             error, busy = interrupted(error, progress), progress.last_busy
-        self._ended(error.exit_code, error.message, busy, ended_by=error)
-
-    def _ended(
-        self,
-        code: ExitCode,
-        reason: str,
-        busy: Sequence[BusyGpu],
-        *,
-        owned: Sequence[Gpu] = (),
-        ended_by: GateError | None = None,
-    ) -> None:
-        """The lease's end, whatever ended the run: pre keeps it on success; a failed pre
-        gives it up and records why; post ends it (but for an error before it was over: the
-        unit may still run)."""
-        lock_dir, traits = self.loaded.config.lock_dir, self.phase.traits
-        if traits.takes_lease and ended_by is None and code is ExitCode.OK:
-            self._started(owned)
-        elif traits.records_failed_start:
-            with contextlib.suppress(StateUnwritable) if ended_by else contextlib.nullcontext():
-                release_lease(lock_dir, self.unit)  # an error: the run's own is the one to say
-            failed = FailedPre(
-                unit=self.unit,
-                invocation_id=self.context.environ.get("INVOCATION_ID") or None,
-                reason=reason,
-                exit_code=int(code),
-                busy_uuids=tuple(item.gpu.uuid for item in busy),
-            )
-            record_failed_pre(lock_dir, failed)
-        if traits.releases_lease and not (ended_by and not isinstance(ended_by, Interrupted)):
+        self._failed(error.exit_code, error.message, busy, error=True)
+        if self.phase.traits.releases_lease and isinstance(error, Interrupted):
             self._release()
 
     def _started(self, owned: Sequence[Gpu]) -> None:
@@ -327,6 +292,23 @@ class UnitSurroundings(Surroundings):
         elif not self.lease_written:
             write_lease(lock_dir, self._lease(owned))
         clear_failed_pre(lock_dir, self.unit)
+
+    def _failed(self, code: ExitCode, reason: str, busy: Sequence[BusyGpu], *, error: bool) -> None:
+        """A failed pre gives its lease up and records why (after an error, the run's own
+        error is the one to say)."""
+        if not self.phase.traits.records_failed_start:
+            return
+        lock_dir = self.loaded.config.lock_dir
+        with contextlib.suppress(StateUnwritable) if error else contextlib.nullcontext():
+            release_lease(lock_dir, self.unit)
+        failed = FailedPre(
+            unit=self.unit,
+            invocation_id=self.context.environ.get("INVOCATION_ID") or None,
+            reason=reason,
+            exit_code=int(code),
+            busy_uuids=tuple(item.gpu.uuid for item in busy),
+        )
+        record_failed_pre(lock_dir, failed)
 
     def _release(self) -> None:
         """After a stop: the lease and this start's failed-start record go. Where lock_dir
@@ -344,17 +326,15 @@ class UnitSurroundings(Surroundings):
     def driver_hung_earlier(self) -> str | None:
         """post after a pre that NVML did not answer: pre's words, or None."""
         failed = self.failed_pre
-        if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
-            return None
-        return failed.reason
+        if failed is not None and failed.exit_code == ExitCode.NVML_NOT_ANSWERING:
+            return failed.reason
+        return None
 
 
 def unit_surroundings(
     context: UnitContext,
 ) -> Callable[[RunScope, LoadedConfig, Reporter], UnitSurroundings]:
-    """How the hook's surroundings are made once the run's scope and config are known.
-    Without context.environment and unit_state (tests' stand-ins) systemd is asked where it
-    runs."""
+    """How the hook's surroundings are made once the run's scope and config are known."""
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
         narration = Narrator(reporter)
@@ -380,10 +360,6 @@ def unit_surroundings(
 # is not the unit's hook, and against a running unit it refuses unless given --force.
 
 
-def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
-    return bool(environ.get("INVOCATION_ID")) and own_unit(proc_root) == unit
-
-
 def manual_run_guard(
     phase: Phase,
     unit: str,
@@ -393,7 +369,9 @@ def manual_run_guard(
 ) -> str | None:
     """The running unit's ActiveState where this hand-typed run must not kill, or None where
     it may: the unit's own hook (systemd is not even asked), or a unit that is not running."""
-    if not phase.traits.guards_manual_run or in_own_hook(unit, environ, proc_root):
+    if not phase.traits.guards_manual_run:
+        return None
+    if environ.get("INVOCATION_ID") and own_unit(proc_root) == unit:
         return None
     state = unit_state(unit)
     return state if state in RUNNING_STATES else None

@@ -25,13 +25,12 @@ from gpugate.integrations.gres_conf import (
     DeviceNodes,
     GpuLayout,
     GresUnresolved,
-    ShmPrivacy,
     StatFn,
     gpu_order,
     gres_conf_path,
     job_gpus,
     parse_gres_conf,
-    read_gres_conf,
+    read_root_file,
     shm_privacy,
 )
 from gpugate.integrations.slurm import (
@@ -121,7 +120,7 @@ def job_config(
     numbers = ",".join(map(str, job.gpus))
     try:
         path = gres_conf_path(deps.environ.get("SLURM_CONF"))
-        layout = parse_gres_conf(read_gres_conf(path), str(path), job.node_name)
+        layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
         driver = deps.run.driver_factory()
         nodes = DeviceNodes(deps.run.roots.dev, deps.device_stat)
         unreadable = len(driver.faults())
@@ -244,12 +243,12 @@ def slurm_check(
     slurm_conf = environ.get("SLURM_CONF") or DEFAULT_SLURM_CONF
     try:
         gres_conf_path(slurm_conf)  # SLURM_CONF an absolute path, or GresUnresolved
-        print(shm_line(shm_privacy(Path(slurm_conf))), file=out)
+        print(shm_line(*shm_privacy(Path(slurm_conf))), file=out)
     except GresUnresolved as exc:
         print(f"/dev/shm: not known ({exc})", file=out)
     try:
         path = gres_conf_path(slurm_conf)
-        layout = parse_gres_conf(read_gres_conf(path), str(path), node)
+        layout = parse_gres_conf(read_root_file(path), str(path), node)
         return check_gpus(layout, node, driver_factory, nodes, out)
     except GresUnresolved as exc:
         print(
@@ -260,8 +259,7 @@ def slurm_check(
         return int(ExitCode.CONFIG)
 
 
-def shm_line(privacy: ShmPrivacy) -> str:
-    private, plugin, dirs = privacy.private, privacy.plugin, privacy.dirs
+def shm_line(plugin: str, dirs: str, private: bool) -> str:
     if private:
         return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
     if plugin:
