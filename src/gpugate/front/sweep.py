@@ -18,6 +18,7 @@ from gpugate.core.roles import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
+from gpugate.front.commands.slurm import set_drain_reason
 from gpugate.front.commands.status import collect
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu
@@ -32,7 +33,6 @@ from gpugate.integrations.records import (
     read_leases,
     write_state,
 )
-from gpugate.integrations.slurm import set_drain_reason
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter

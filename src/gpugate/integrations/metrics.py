@@ -5,7 +5,6 @@ increase() sees nothing in a series born at 1 (docs/metrics.md)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -23,7 +22,6 @@ from gpugate.host.safe_files import (
     write_in,
 )
 from gpugate.integrations.records import flocked, parse_record
-from gpugate.report import lines
 
 STATE_VERSION = 1
 # A unit's phases come in pairs: the first write for one writes the other's counters too.
@@ -111,17 +109,13 @@ FAMILIES = (
 
 
 @dataclass(frozen=True)
-class GpuSeries:
-    """A GPU as the per-GPU series label it (`gpu`, `uuid`)."""
-
+class GpuSeries:  # a GPU as the per-GPU series label it (`gpu`, `uuid`)
     index: int
     uuid: str
 
 
 @dataclass
 class RunRecord:
-    """What one run did, in the terms the metrics count."""
-
     phase: str
     unit: str  # the metrics label: a Slurm job's runs all count under "slurm"
     result: str  # "success", or the exit code's name in lower case
@@ -163,11 +157,8 @@ def apply(samples: Samples, record: RunRecord) -> None:
     for gpu, mib in record.reclaimed_mib.items():
         add("gpugate_reclaimed_mib_total", _gpu_labels(record.unit, gpu), mib)
     for gpu in record.freed_gpus:
-        put(
-            "gpugate_last_success_timestamp_seconds",
-            _gpu_labels(record.unit, gpu),
-            record.finished_at,
-        )
+        labels = _gpu_labels(record.unit, gpu)
+        put("gpugate_last_success_timestamp_seconds", labels, record.finished_at)
 
 
 def _gpu_labels(unit: str, gpu: GpuSeries) -> dict[str, str]:
@@ -189,9 +180,8 @@ def render(samples: Samples) -> str:
         ]
         for labels, name, value in sorted(rows, key=_row_order):
             text = ",".join(f'{key}="{v.translate(ESCAPES)}"' for key, v in labels)
-            lines.append(
-                f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}"
-            )
+            series = f"{name}{{{text}}}" if text else name
+            lines.append(f"{series} {_number(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -209,8 +199,7 @@ def _number(value: float) -> str:
 
 def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     """The counters so far; a missing or unreadable state starts them again from zero
-    (Prometheus takes a counter that goes down as a reset). Never through a symbolic link,
-    never a FIFO or a file over safe_files.MAX_BYTES. folder_fd: path's folder, opened."""
+    (Prometheus takes a counter that goes down as a reset). folder_fd: path's folder."""
     try:
         name = path if folder_fd is None else path.name
         # BadRecord is a ValueError, so is a text that is not UTF-8.
@@ -296,16 +285,10 @@ def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary |
 
 
 def record_after_run(
-    textfile: Path | None,
-    record: RunRecord,
-    *,
-    stream: TextIO | None = None,
-    on_failure: Callable[[Path, str], None] | None = None,
+    textfile: Path, record: RunRecord, *, stream: TextIO, on_failure: Callable[[Path, str], None]
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning (on_failure(textfile,
-    cause), else a line on stream), never the run's failure."""
-    if textfile is None:
-        return
+    """Best effort: metrics that cannot be written are on_failure(textfile, cause), a
+    warning, never the run's failure."""
     found = untrusted(textfile.parent)
     if found is not None and textfile not in _WARNED:
         _WARNED.add(textfile)  # once per run: every write there is safe, this says why
@@ -313,13 +296,9 @@ def record_after_run(
             f"gpugate: warning: metrics_textfile {textfile}: {why_untrusted(found)}: gpugate "
             "writes there only through the folder's descriptor, never following a link and "
             f"replacing files by rename ({RULE})",
-            file=stream or sys.stderr,
+            file=stream,
         )
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
-        cause = exc.strerror or str(exc)
-        if on_failure is not None:
-            on_failure(textfile, cause)
-        else:
-            print(lines.metrics_not_written(textfile, cause), file=stream or sys.stderr)
+        on_failure(textfile, exc.strerror or str(exc))
