@@ -4,6 +4,7 @@ a Slurm node after `drain_after_s` (once per holder)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import time
@@ -24,7 +25,7 @@ from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.metrics import Labels, Samples, record_sweep
 from gpugate.integrations.records import (
     RUNNING_STATES,
     STATE_NAME,
@@ -72,10 +73,9 @@ def remember(
 def gauges(
     discovery: Discovery, holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float
 ) -> Samples:
-    samples: Samples = {name: {} for name in ("gpugate_gpu_memory_mib",)}
-    memory = samples["gpugate_gpu_memory_mib"]
-    counts: dict[tuple[tuple[str, str], ...], float] = {}
-    ages: dict[tuple[tuple[str, str], ...], float] = {}
+    memory: dict[Labels, float] = {}
+    counts: dict[Labels, float] = {}
+    ages: dict[Labels, float] = {}
     for gpu in discovery.gpus:
         by_owner = {str(owner): 0 for owner in OWNERS}
         for holding in holdings:
@@ -90,10 +90,12 @@ def gauges(
         counts[key] = len(unowned)
         sinces = [seen[h.holder.info.ident].since for h in unowned if h.holder.info.ident in seen]
         ages[key] = max(now - min(sinces), 0.0) if sinces else 0
-    samples["gpugate_unowned_processes"] = counts
-    samples["gpugate_unowned_seconds"] = ages
-    samples["gpugate_sweep_timestamp_seconds"] = {(): now}
-    return samples
+    return {
+        "gpugate_gpu_memory_mib": memory,
+        "gpugate_unowned_processes": counts,
+        "gpugate_unowned_seconds": ages,
+        "gpugate_sweep_timestamp_seconds": {(): now},
+    }
 
 
 def live_leased(loaded: LoadedConfig, unit_state: Callable[[str], str | None]) -> set[str]:
@@ -115,17 +117,14 @@ def reapable(
     after_s: float,
     leased: set[str],
 ) -> list[Gpu]:
-    owned_kinds = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
+    owned = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
     found = []
     for gpu in discovery.gpus:
         on = [h for h in holdings if gpu.index in h.holder.using]
         unowned = [h for h in on if h.owner is Owner.NOBODY]
-        if not unowned or gpu.uuid.lower() in leased:
+        if not unowned or gpu.uuid.lower() in leased or any(h.owner in owned for h in on):
             continue
-        if any(h.owner in owned_kinds for h in on):
-            continue
-        ages = [now - seen[h.holder.info.ident].since for h in unowned]
-        if min(ages) >= after_s:
+        if min(now - seen[h.holder.info.ident].since for h in unowned) >= after_s:
             found.append(gpu)
     return found
 
@@ -166,17 +165,14 @@ def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Repo
 
 def look(loaded: LoadedConfig, front: Front) -> Discovery:
     roots = front.host_roots()
-    driver = front.driver_factory()
-    try:
-        procfs = ProcFs(roots.proc)
+    procfs = ProcFs(roots.proc)
+    with contextlib.closing(front.driver_factory()) as driver:
         with procfs.oneshot():
             discovery = collect(None, loaded, driver, roots, procfs=procfs)
         hung = driver.not_answering()
         if hung is not None:
             raise hung
         return discovery
-    finally:
-        driver.close()
 
 
 def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.time) -> int:

@@ -298,7 +298,7 @@ class ContainerSurroundings(UnitSurroundings):
 
     def _lease(self, owned: Sequence[Gpu]) -> Lease:
         return new_lease(
-            self.unit,
+            self.scope.unit,
             owned,
             share=self.loaded.config.share_gpus,
             container=self.identity.label if self.identity else None,

@@ -80,11 +80,10 @@ def read_root_file(path: Path, limit: int = MAX_GRES_BYTES) -> str:
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, text) of each line, a trailing backslash joining the next, without
-    comments and blank lines."""
+    """(first line number, text) of each line a trailing backslash joins; no comments, no blanks."""
     found: list[tuple[int, str]] = []
     pending, start = "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
+    for number, raw in enumerate([*text.splitlines(), ""], 1):  # "": the last one ends
         body = raw.split("#", 1)[0].rstrip()
         if not pending:
             start = number
@@ -95,8 +94,6 @@ def logical_lines(text: str) -> list[tuple[int, str]]:
         pending = ""
         if joined:
             found.append((start, joined))
-    if pending.strip():
-        found.append((start, pending.strip()))
     return found
 
 
@@ -226,8 +223,7 @@ def _gpu_files(path: str, lines: Lines) -> tuple[list[str], bool]:
 
 @dataclass(frozen=True)
 class DeviceNodes:
-    """The /dev/nvidiaM nodes of this host (dev: the device root; stat: os.stat by default,
-    a test's stand-in otherwise)."""
+    """This host's /dev/nvidiaM nodes (dev: the device root; stat: a test's stand-in)."""
 
     dev: Path = Path("/dev")
     stat: StatFn = os.stat

@@ -13,14 +13,7 @@ from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.safe_files import (
-    RULE,
-    folder,
-    read_capped,
-    untrusted,
-    why_untrusted,
-    write_in,
-)
+from gpugate.host.safe_files import RULE, folder, read_capped, untrusted, why_untrusted, write_in
 from gpugate.integrations.records import flocked, parse_record
 
 STATE_VERSION = 1
@@ -237,9 +230,8 @@ def dump_state(samples: Samples) -> str:
 
 
 def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
-    """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock. The folder
-    may be another account's (the exporter's): all through its descriptor, no link followed
-    (safe_files). Raises OSError."""
+    """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock (OSError).
+    The folder may be the exporter's: all through its descriptor, no link followed."""
     state, lock = (textfile.with_name(textfile.name + suffix) for suffix in (".state", ".lock"))
     with folder(textfile.parent) as folder_fd, flocked(folder_fd, lock.name, lock):
         samples = load_state(state, folder_fd)
@@ -287,8 +279,7 @@ def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary |
 def record_after_run(
     textfile: Path, record: RunRecord, *, stream: TextIO, on_failure: Callable[[Path, str], None]
 ) -> None:
-    """Best effort: metrics that cannot be written are on_failure(textfile, cause), a
-    warning, never the run's failure."""
+    """Best effort: metrics not written are on_failure(textfile, cause), never a failure."""
     found = untrusted(textfile.parent)
     if found is not None and textfile not in _WARNED:
         _WARNED.add(textfile)  # once per run: every write there is safe, this says why

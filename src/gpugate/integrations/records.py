@@ -63,24 +63,6 @@ def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
         os.close(fd)
 
 
-def read_text(path: Path | str, limit: int = MAX_RECORD_BYTES, dir_fd: int | None = None) -> str:
-    """FileNotFoundError, or BadRecord: no regular file of at most limit bytes of UTF-8."""
-    try:
-        data = read_capped(path, limit, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except NotRegularFile:
-        raise BadRecord("not a regular file") from None
-    except TooLarge:
-        raise BadRecord(f"larger than {limit // 1024} KiB") from None
-    except OSError as exc:
-        raise BadRecord(f"cannot be read ({exc.strerror or str(exc)})") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRecord("not UTF-8") from None
-
-
 def _constant(name: str) -> float:
     raise BadRecord(f"{name} is not a number gpugate writes")
 
@@ -115,8 +97,22 @@ def parse_record(text: str) -> dict[str, Any]:
     return data
 
 
-def read_record(path: Path) -> dict[str, Any]:
-    return parse_record(read_text(path))
+def read_record(path: Path | str, dir_fd: int | None = None) -> dict[str, Any]:
+    """FileNotFoundError, or BadRecord: not a capped regular file of UTF-8 sane JSON."""
+    try:
+        data = read_capped(path, MAX_RECORD_BYTES, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except NotRegularFile:
+        raise BadRecord("not a regular file") from None
+    except TooLarge:
+        raise BadRecord(f"larger than {MAX_RECORD_BYTES // 1024} KiB") from None
+    except OSError as exc:
+        raise BadRecord(f"cannot be read ({exc.strerror or str(exc)})") from None
+    try:
+        return parse_record(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadRecord("not UTF-8") from None
 
 
 def _json(record: Lease | FailedPre) -> str:
@@ -434,7 +430,7 @@ def read_state(folder_fd: int) -> SweepState:
     """The state, or refused: the record, or an entry of it, is not what gpugate writes."""
     found: dict[ProcessId, Seen] = {}
     try:
-        data = parse_record(read_text(STATE_NAME, dir_fd=folder_fd))
+        data = read_record(STATE_NAME, dir_fd=folder_fd)
         integer(data, "version", STATE_VERSION, STATE_VERSION)
         for entry in _items(data, "unowned", MAX_ENTRIES):
             if not isinstance(entry, dict):

@@ -150,14 +150,6 @@ class UnitSurroundings(Surroundings):
     refusal: str | None = None  # why another unit's lease refused this start
 
     @property
-    def phase(self) -> Phase:
-        return self.scope.phase
-
-    @property
-    def unit(self) -> str:
-        return self.scope.unit
-
-    @property
     def gpu_source(self) -> str:
         return self.choice.source
 
@@ -166,19 +158,19 @@ class UnitSurroundings(Surroundings):
         return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
-        context = self.context
+        context, scope = self.context, self.scope
         if not context.guard_manual_run:
             return
         state = manual_run_guard(
-            self.phase, self.unit, context.active_state, context.environ, context.roots.proc
+            scope.phase, scope.unit, context.active_state, context.environ, context.roots.proc
         )
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
-            raise refusal(state, self.phase.value, self.unit, would_kill)
+            raise refusal(state, scope.phase.value, scope.unit, would_kill)
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         """Before pre kills: a running unit's lease covers its GPUs."""
-        if not self.phase.traits.takes_lease or not owned:
+        if not self.scope.phase.traits.takes_lease or not owned:
             return False
         check = self._check_leases(owned)
         for path, why in check.unreadable.items():
@@ -202,14 +194,14 @@ class UnitSurroundings(Surroundings):
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
         """pre's lease, written before it kills: one that cannot be written stops the run."""
-        if not self.phase.traits.takes_lease or not owned or not self.choice.named:
+        if not self.scope.phase.traits.takes_lease or not owned or not self.choice.named:
             return
         write_lease(self.loaded.config.lock_dir, self._lease(owned))
         self.lease_written = True
 
     def _lease(self, owned: Sequence[Gpu]) -> Lease:
         return new_lease(
-            self.unit,
+            self.scope.unit,
             owned,
             share=self.loaded.config.share_gpus,
             invocation_id=self.context.environ.get("INVOCATION_ID"),
@@ -218,7 +210,7 @@ class UnitSurroundings(Surroundings):
 
     def state_to_write(self) -> StateToWrite:
         """The run's own (locks, metrics), and this phase's leases and failed-start records."""
-        config, traits = self.loaded.config, self.phase.traits
+        config, traits = self.loaded.config, self.scope.phase.traits
         folders, files = super().state_to_write()
         unit_folders = []
         if traits.takes_lease:
@@ -229,7 +221,7 @@ class UnitSurroundings(Surroundings):
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
         """Where the unit holding the GPUs also leases them, say so (it names who started it)."""
-        if not self.phase.traits.takes_lease or not owned:
+        if not self.scope.phase.traits.takes_lease or not owned:
             return
         check = self._check_leases(owned)
         if check.conflicts:
@@ -243,7 +235,7 @@ class UnitSurroundings(Surroundings):
             )
         )
         return check_leases(
-            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=unit_state
+            config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
         )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
@@ -257,12 +249,12 @@ class UnitSurroundings(Surroundings):
         return skipped
 
     def after_run(self, summary: RunSummary) -> None:
-        code, traits = summary.exit_code, self.phase.traits
+        code, traits = summary.exit_code, self.scope.phase.traits
         if traits.takes_lease and code is ExitCode.OK:
             self._started(summary.owned)
         else:
             busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
-            timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
+            timeout_s = self.loaded.config.policy(self.scope.phase).wait_timeout_s
             reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
             self._failed(code, reason, summary.busy, error=False)
         if traits.releases_lease:
@@ -280,7 +272,7 @@ class UnitSurroundings(Surroundings):
 
             error, busy = interrupted(error, progress), progress.last_busy
         self._failed(error.exit_code, error.message, busy, error=True)
-        if self.phase.traits.releases_lease and isinstance(error, Interrupted):
+        if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
             self._release()
 
     def _started(self, owned: Sequence[Gpu]) -> None:
@@ -288,21 +280,20 @@ class UnitSurroundings(Surroundings):
         if not self.choice.named or not owned:
             # A lease on every GPU only because nothing named the unit's would lock every
             # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
-            release_lease(lock_dir, self.unit)
+            release_lease(lock_dir, self.scope.unit)
         elif not self.lease_written:
             write_lease(lock_dir, self._lease(owned))
-        clear_failed_pre(lock_dir, self.unit)
+        clear_failed_pre(lock_dir, self.scope.unit)
 
     def _failed(self, code: ExitCode, reason: str, busy: Sequence[BusyGpu], *, error: bool) -> None:
-        """A failed pre gives its lease up and records why (after an error, the run's own
-        error is the one to say)."""
-        if not self.phase.traits.records_failed_start:
+        """A failed pre gives its lease up (after an error, quietly) and records why."""
+        if not self.scope.phase.traits.records_failed_start:
             return
         lock_dir = self.loaded.config.lock_dir
         with contextlib.suppress(StateUnwritable) if error else contextlib.nullcontext():
-            release_lease(lock_dir, self.unit)
+            release_lease(lock_dir, self.scope.unit)
         failed = FailedPre(
-            unit=self.unit,
+            unit=self.scope.unit,
             invocation_id=self.context.environ.get("INVOCATION_ID") or None,
             reason=reason,
             exit_code=int(code),
@@ -317,9 +308,9 @@ class UnitSurroundings(Surroundings):
         lock_dir = self.loaded.config.lock_dir
         for remove in (release_lease, clear_failed_pre):
             try:
-                remove(lock_dir, self.unit)
+                remove(lock_dir, self.scope.unit)
             except (StateUnwritable, PermissionDenied) as exc:
-                if self.phase.traits.state_required:
+                if self.scope.phase.traits.state_required:
                     raise
                 self.narration.not_recorded(exc)
 
@@ -380,16 +371,11 @@ def manual_run_guard(
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
     """would_kill: each target as the journal names it (already escaped by describe)."""
     shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
-    listed = "; ".join(shown[:MAX_LISTED]) + (
-        f"; and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
-    )
-    what = (
-        f"it would kill {len(shown)} process(es): {listed}"
-        if shown
-        else "it would kill nothing now"
-    )
+    more = [f"and {len(shown) - MAX_LISTED} more"] if len(shown) > MAX_LISTED else []
+    listed = "; ".join(shown[:MAX_LISTED] + more)
+    what = f"{len(shown)} process(es): {listed}" if shown else "nothing now"
     return ManualRunRefused(
         f"{unit} is {state} and this `gpugate {phase}` is not its {phase} hook "
-        f"(not in the unit's cgroup with INVOCATION_ID set); {what}; nothing killed. To do it "
-        f"on purpose: gpugate {phase} {unit} --force"
+        f"(not in the unit's cgroup with INVOCATION_ID set); it would kill {what}; nothing "
+        f"killed. To do it on purpose: gpugate {phase} {unit} --force"
     )

@@ -6,6 +6,7 @@ to an NVML GPU (exit 78 where not)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -119,24 +120,18 @@ def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
     return tuple(ref for ref in refs if isinstance(ref, int))
 
 
-def stepd_scopes(cgroup_root: Path) -> list[Path]:
-    """Every slurmstepd scope: `slurmstepd.scope`, or `NODE_slurmstepd.scope` (Debian builds
-    Slurm with multiple-slurmd support, and the scope carries the node's name)."""
-    scopes: list[Path] = []
-    for parent in [cgroup_root, *sorted(cgroup_root.glob("*.slice"))]:
-        scopes.extend(
-            scope
-            for scope in sorted(parent.glob(f"*{JOB_SCOPE}"))
-            if scope.name == JOB_SCOPE or scope.name.endswith("_" + JOB_SCOPE)
-        )
-    return scopes
-
-
 def job_cgroup(job_id: int, cgroup_root: Path, node_name: str | None = None) -> str:
     """The job's cgroup (cgroup v2). slurmd creates it after the prolog and removes it before
-    the epilog; then the path it would have stands for it, and matches no process."""
+    the epilog; then the path it would have stands for it, and matches no process. Under
+    `slurmstepd.scope`, or `NODE_slurmstepd.scope` (Debian builds Slurm with multiple-slurmd
+    support, and the scope carries the node's name)."""
     name = f"job_{job_id}"
-    scopes = stepd_scopes(cgroup_root)
+    scopes = [
+        scope
+        for parent in [cgroup_root, *sorted(cgroup_root.glob("*.slice"))]
+        for scope in sorted(parent.glob(f"*{JOB_SCOPE}"))
+        if scope.name == JOB_SCOPE or scope.name.endswith("_" + JOB_SCOPE)
+    ]
     for scope in scopes:
         if (scope / name).is_dir():
             return "/" + str((scope / name).relative_to(cgroup_root))
@@ -155,14 +150,12 @@ def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_D
 
 
 def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
-    """The config with the job's GPUs: their UUIDs, or () where slurmd's numbers could not be
-    resolved (the job's cgroup only)."""
+    """The config with the job's GPUs: their UUIDs, or () (the job's cgroup only)."""
     return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
 def job_surroundings(loaded: LoadedConfig) -> NullSurroundings:
-    """A Slurm job's (loaded: with_job_gpus's). Slurm gives out its GPUs itself and drains a
-    node whose prolog or epilog fails: no lease is checked, taken or recorded."""
+    """Slurm gives out GPUs and drains a failed node itself: no lease checked or taken."""
     return NullSurroundings(loaded, gpu_source=f"gpus in {loaded.source}")
 
 
@@ -176,8 +169,7 @@ def job_fields(job: SlurmJob) -> dict[str, str]:
 
 def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
     """Best effort: drain the node first with gpugate's reason, which slurmctld keeps when
-    the failed hook drains it too. scontrol from the system folders: the job's PATH must not
-    choose it."""
+    the failed hook drains it too. scontrol from the system folders, never the job's PATH."""
     scontrol = find_program("scontrol")
     if scontrol is None:
         return
@@ -252,17 +244,23 @@ def run_slurm_hook(
         )
     if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
         return int(code)  # stopped: slurmd, which stopped it, drains the node itself
-    drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
+    # The drain reason on stderr (unless the error said it already) and to slurmctld.
+    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+    if summary is not None:
+        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
+    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
+    if node:
+        set_drain_reason(node, reason, stream)
     return int(code)
 
 
 def job_config(
     config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
 ) -> tuple[LoadedConfig, RunDeps]:
-    """The config with the job's GPUs as NVML's UUIDs (through gres.conf), and the deps with
-    the driver opened; numbers not resolved for certain: no GPU, the job's cgroup alone."""
+    """The config with the job's GPUs as NVML's UUIDs, the driver opened; numbers not
+    resolved for certain: no GPU, the job's cgroup alone."""
     driver: GpuDriver | None = None
-    numbers = ",".join(map(str, job.gpus))
+    given = f"{job.gpus_from}={','.join(map(str, job.gpus))}"
     try:
         path = gres_conf_path(deps.environ.get("SLURM_CONF"))
         layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
@@ -273,20 +271,18 @@ def job_config(
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
-        why = exc.message if isinstance(exc, GateError) else str(exc)
         print(
             lines.warning(
-                f"{job.gpus_from}={numbers}: slurmd's GPU numbers not resolved ({why}); "
+                f"{given}: slurmd's GPU numbers not resolved ({exc}); "
                 "only the job's own cgroup is cleaned, nothing outside it is killed"
             ),
             file=deps.stream,
         )
-        note = f"{job.gpus_from}={numbers} not resolved: the job's cgroup only"
-        return with_job_gpus(config, (), note), deps.run
+        return with_job_gpus(config, (), f"{given} not resolved: the job's cgroup only"), deps.run
     opened = driver
-    note = f"gpus from {job.gpus_from}={numbers} through {layout.path}"
     uuids = tuple(gpu.uuid for gpu in gpus)
-    return with_job_gpus(config, uuids, note), replace(deps.run, driver_factory=lambda: opened)
+    loaded = with_job_gpus(config, uuids, f"gpus from {given} through {layout.path}")
+    return loaded, replace(deps.run, driver_factory=lambda: opened)
 
 
 def run_job(
@@ -308,9 +304,7 @@ def run_job(
 
 
 def failure_detail(summary: RunSummary | None) -> str:
-    """What still holds the run's GPUs, for a Slurm node's drain reason: each process that
-    kept one (up to MAX_REASON_HOLDERS: PID, account, the GPUs, the rule), each GPU whose
-    memory stayed used; only those GPUs."""
+    """A drain reason's detail: each process that kept a GPU, each GPU still used."""
     if summary is None:
         return "failed"
     parts = []
@@ -355,25 +349,6 @@ def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
     head, tail = f"gpugate {phase}{who}: ", f" (exit {code})"
     room = REASON.chars - len(head) - len(tail)
     return head + shown(detail.replace('"', "'"), Kind("drain detail", room, room)) + tail
-
-
-def drain(
-    phase: Phase,
-    job: SlurmJob | None,
-    detail: str,
-    code: ExitCode,
-    *,
-    environ: Mapping[str, str],
-    stream: TextIO,
-    said: bool,
-) -> None:
-    """A failed prolog or epilog: the drain reason on stderr (unless said) and to slurmctld."""
-    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
-    if not said:
-        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
-    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
-    if node:
-        set_drain_reason(node, reason, stream)
 
 
 def slurm_check(
@@ -426,23 +401,16 @@ def check_gpus(
     nodes: DeviceNodes,
     out: TextIO,
 ) -> int:
-    driver: GpuDriver | None = None
     try:
-        driver = driver_factory()
-        gpus = list(driver.gpus())
-        faults = list(driver.faults())
+        with contextlib.closing(driver_factory()) as driver:
+            gpus, faults = list(driver.gpus()), list(driver.faults())
     except GateError as exc:
         print(lines.error(exc.message), file=sys.stderr)
         return int(exc.exit_code)
-    finally:
-        if driver is not None:
-            driver.close()
     ordered: list[Gpu] = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
-    files = list(layout.files) if not layout.nvml_order else []
     order = "AutoDetect=nvml: NVML's order" if layout.nvml_order else "File= order"
     print(f"GPUs of node {node}, as slurmd numbers them ({layout.path}, {order}):", file=out)
     for number, gpu in enumerate(ordered):
-        file = files[number] if files else None
-        where = f" {file} =" if file else ""
+        where = "" if layout.nvml_order else f" {layout.files[number]} ="
         print(f"  {number} ={where} {gpu.label}", file=out)
     return int(ExitCode.OK)
