@@ -8,7 +8,7 @@ import contextlib
 import socket
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -61,9 +61,7 @@ def remember(
         before = earlier.get(ident)
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
-        seen[ident] = (
-            Seen(now, gpus) if before is None else Seen(before.since, gpus, before.drained)
-        )
+        seen[ident] = Seen(now, gpus) if before is None else replace(before, gpus=gpus)
     for ident, before in sorted(earlier.items(), key=lambda item: item[0].pid):
         if ident not in seen and reporter is not None:
             unowned_gone(reporter, ident, before.gpus, max(now - before.since, 0.0))
@@ -216,8 +214,14 @@ def drain_due(
     holdings, seen, now = state
     reaped, code = reaped_by
     node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
-    if code == ExitCode.UNKILLABLE:
-        pids = still_alive(holdings, reaped, front.host_roots().proc)
+    if code == ExitCode.UNKILLABLE:  # the reaped GPUs' unowned holders, still the same processes
+        procfs, on = ProcFs(front.host_roots().proc), set(reaped)
+        infos = [h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & on]
+        pids = [
+            info.pid
+            for info in infos
+            if (again := procfs.info(info.pid)) is not None and again.start_time == info.start_time
+        ]
         head = f"gpugate: sweep's reap on GPU {','.join(map(str, reaped))} left unkillable PID "
         set_drain_reason(node, pids_within(head, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
@@ -279,16 +283,3 @@ def keep_state(
     except OSError as exc:
         print(unwritten(lock_dir, exc), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
-
-
-def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:
-    """The unowned holders of gpus that are still the processes they were."""
-    procfs = ProcFs(proc)
-    unowned = [
-        h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & set(gpus)
-    ]
-    return [
-        info.pid
-        for info in unowned
-        if (now := procfs.info(info.pid)) is not None and now.start_time == info.start_time
-    ]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpugate.errors import InvalidValue
 from gpugate.host.nvml import Gpu
-from gpugate.host.safe_files import NotRegularFile, TooLarge, kind_of, read_capped, untrusted
+from gpugate.host.safe_files import kind_of, read_capped, untrusted
 from gpugate.untrusted import echo
 
 GRES_NAME = "gres.conf"
@@ -70,9 +70,8 @@ def read_root_file(path: Path, limit: int = MAX_GRES_BYTES) -> str:
         data = read_capped(path, limit, follow_links=True)
     except FileNotFoundError:
         raise GresUnresolved(f"{path}: no such file") from None
-    except (NotRegularFile, TooLarge, OSError) as exc:
-        cause = exc.strerror or str(exc)
-        raise GresUnresolved(f"{path}: cannot read it: {cause}") from None
+    except OSError as exc:  # NotRegularFile and TooLarge too
+        raise GresUnresolved(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:

@@ -182,10 +182,6 @@ class Lease:
     started_by: str | None = None  # `gpugate run`'s caller ("alice (uid 1000)")
     container: str | None = None  # an OCI hook's container in words; the unit is its scope
 
-    def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
-        mine = {uuid.lower() for uuid in self.uuids}
-        return [gpu for gpu in gpus if gpu.uuid.lower() in mine]
-
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
@@ -325,7 +321,8 @@ def check_leases(
     files = read_leases(lock_dir)
     check = LeaseCheck([], [], [], files.unreadable)
     for lease in files.leases:
-        overlap = lease.overlap(gpus)
+        leased = {uuid.lower() for uuid in lease.uuids}
+        overlap = [gpu for gpu in gpus if gpu.uuid.lower() in leased]
         if lease.unit == unit or not overlap:
             continue  # the unit's own, from an earlier start, is replaced
         state = unit_state(lease.unit)

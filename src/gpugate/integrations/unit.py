@@ -33,22 +33,7 @@ from gpugate.host.systemd import (
     unit_active_state,
     unit_environment,
 )
-from gpugate.integrations.records import (
-    FAILED_FOLDER,
-    RUNNING_STATES,
-    STARTED_BY_VARIABLE,
-    FailedPre,
-    Lease,
-    LeaseCheck,
-    check_leases,
-    clear_failed_pre,
-    failed_pre_of_this_start,
-    lease_dir,
-    new_lease,
-    record_failed_pre,
-    release_lease,
-    write_lease,
-)
+from gpugate.integrations import records
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator, failed_start_text
@@ -145,7 +130,7 @@ class UnitSurroundings(Surroundings):
     context: UnitContext
     choice: GpuChoice
     narration: Narrator
-    failed_pre: FailedPre | None = None  # post: this start's failed pre
+    failed_pre: records.FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
     refusal: str | None = None  # why another unit's lease refused this start
 
@@ -179,7 +164,7 @@ class UnitSurroundings(Surroundings):
             # Said once: the stale lease is removed (not in a dry run) and never seen again.
             self.narration.lease_stale(lease.unit, lease.gpus, state, dry_run=dry_run)
             if not dry_run:
-                release_lease(self.loaded.config.lock_dir, lease.unit)
+                records.release_lease(self.loaded.config.lock_dir, lease.unit)
         for lease, gpus in check.shared:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
         if check.conflicts and self.context.ignore_leases:
@@ -196,16 +181,16 @@ class UnitSurroundings(Surroundings):
         """pre's lease, written before it kills: one that cannot be written stops the run."""
         if not self.scope.phase.traits.takes_lease or not owned or not self.choice.named:
             return
-        write_lease(self.loaded.config.lock_dir, self._lease(owned))
+        records.write_lease(self.loaded.config.lock_dir, self._lease(owned))
         self.lease_written = True
 
-    def _lease(self, owned: Sequence[Gpu]) -> Lease:
-        return new_lease(
+    def _lease(self, owned: Sequence[Gpu]) -> records.Lease:
+        return records.new_lease(
             self.scope.unit,
             owned,
             share=self.loaded.config.share_gpus,
             invocation_id=self.context.environ.get("INVOCATION_ID"),
-            started_by=self.context.environ.get(STARTED_BY_VARIABLE),
+            started_by=self.context.environ.get(records.STARTED_BY_VARIABLE),
         )
 
     def state_to_write(self) -> StateToWrite:
@@ -214,9 +199,9 @@ class UnitSurroundings(Surroundings):
         folders, files = super().state_to_write()
         unit_folders = []
         if traits.takes_lease:
-            unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
+            unit_folders.append((records.lease_dir(config.lock_dir), "GPU leases"))
         if traits.records_failed_start:
-            unit_folders.append((config.lock_dir / FAILED_FOLDER, "failed-start records"))
+            unit_folders.append((config.lock_dir / records.FAILED_FOLDER, "failed-start records"))
         return [folders[0], *unit_folders, *folders[1:]], files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
@@ -227,14 +212,14 @@ class UnitSurroundings(Surroundings):
         if check.conflicts:
             self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
 
-    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
+    def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
         config, context = self.loaded.config, self.context
         unit_state = context.unit_state or (
             lambda name: unit_active_state(
                 name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
             )
         )
-        return check_leases(
+        return records.check_leases(
             config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
         )
 
@@ -280,10 +265,10 @@ class UnitSurroundings(Surroundings):
         if not self.choice.named or not owned:
             # A lease on every GPU only because nothing named the unit's would lock every
             # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
-            release_lease(lock_dir, self.scope.unit)
+            records.release_lease(lock_dir, self.scope.unit)
         elif not self.lease_written:
-            write_lease(lock_dir, self._lease(owned))
-        clear_failed_pre(lock_dir, self.scope.unit)
+            records.write_lease(lock_dir, self._lease(owned))
+        records.clear_failed_pre(lock_dir, self.scope.unit)
 
     def _failed(self, code: ExitCode, reason: str, busy: Sequence[BusyGpu], *, error: bool) -> None:
         """A failed pre gives its lease up (after an error, quietly) and records why."""
@@ -291,22 +276,22 @@ class UnitSurroundings(Surroundings):
             return
         lock_dir = self.loaded.config.lock_dir
         with contextlib.suppress(StateUnwritable) if error else contextlib.nullcontext():
-            release_lease(lock_dir, self.scope.unit)
-        failed = FailedPre(
+            records.release_lease(lock_dir, self.scope.unit)
+        failed = records.FailedPre(
             unit=self.scope.unit,
             invocation_id=self.context.environ.get("INVOCATION_ID") or None,
             reason=reason,
             exit_code=int(code),
             busy_uuids=tuple(item.gpu.uuid for item in busy),
         )
-        record_failed_pre(lock_dir, failed)
+        records.record_failed_pre(lock_dir, failed)
 
     def _release(self) -> None:
         """After a stop: the lease and this start's failed-start record go. Where lock_dir
         will not let them, a phase whose state is not required says so and its result
         stands: the lease is stale once the unit is inactive."""
         lock_dir = self.loaded.config.lock_dir
-        for remove in (release_lease, clear_failed_pre):
+        for remove in (records.release_lease, records.clear_failed_pre):
             try:
                 remove(lock_dir, self.scope.unit)
             except (StateUnwritable, PermissionDenied) as exc:
@@ -335,7 +320,7 @@ def unit_surroundings(
         choice = choose_gpus(scope.unit, loaded, environment)
         made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), context, choice, narration)
         if scope.phase.traits.reads_failed_start:
-            made.failed_pre = failed_pre_of_this_start(
+            made.failed_pre = records.failed_pre_of_this_start(
                 loaded.config.lock_dir,
                 scope.unit,
                 context.environ,
@@ -365,7 +350,7 @@ def manual_run_guard(
     if environ.get("INVOCATION_ID") and own_unit(proc_root) == unit:
         return None
     state = unit_state(unit)
-    return state if state in RUNNING_STATES else None
+    return state if state in records.RUNNING_STATES else None
 
 
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:

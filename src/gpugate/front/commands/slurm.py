@@ -23,13 +23,12 @@ from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.front.commands import Front
 from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
-from gpugate.host.nvml import Gpu, GpuDriver
+from gpugate.host.nvml import GpuDriver
 from gpugate.host.safe_files import find_program, run_program
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
     DeviceNodes,
-    GpuLayout,
     GresUnresolved,
     StatFn,
     gpu_order,
@@ -369,7 +368,9 @@ def slurm_check(
     try:
         path = gres_conf_path(slurm_conf)
         layout = parse_gres_conf(read_root_file(path), str(path), node)
-        return check_gpus(layout, node, driver_factory, nodes, out)
+        with contextlib.closing(driver_factory()) as driver:
+            gpus, faults = list(driver.gpus()), list(driver.faults())
+        ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
     except GresUnresolved as exc:
         print(
             f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
@@ -377,6 +378,15 @@ def slurm_check(
             file=out,
         )
         return int(ExitCode.CONFIG)
+    except GateError as exc:
+        print(lines.error(exc.message), file=sys.stderr)
+        return int(exc.exit_code)
+    order = "AutoDetect=nvml: NVML's order" if layout.nvml_order else "File= order"
+    print(f"GPUs of node {node}, as slurmd numbers them ({layout.path}, {order}):", file=out)
+    for number, gpu in enumerate(ordered):
+        where = "" if layout.nvml_order else f" {layout.files[number]} ="
+        print(f"  {number} ={where} {gpu.label}", file=out)
+    return int(ExitCode.OK)
 
 
 def shm_line(plugin: str, dirs: str, private: bool) -> str:
@@ -392,25 +402,3 @@ def shm_line(plugin: str, dirs: str, private: bool) -> str:
         "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
         "its own"
     )
-
-
-def check_gpus(
-    layout: GpuLayout,
-    node: str,
-    driver_factory: Callable[[], GpuDriver],
-    nodes: DeviceNodes,
-    out: TextIO,
-) -> int:
-    try:
-        with contextlib.closing(driver_factory()) as driver:
-            gpus, faults = list(driver.gpus()), list(driver.faults())
-    except GateError as exc:
-        print(lines.error(exc.message), file=sys.stderr)
-        return int(exc.exit_code)
-    ordered: list[Gpu] = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
-    order = "AutoDetect=nvml: NVML's order" if layout.nvml_order else "File= order"
-    print(f"GPUs of node {node}, as slurmd numbers them ({layout.path}, {order}):", file=out)
-    for number, gpu in enumerate(ordered):
-        where = "" if layout.nvml_order else f" {layout.files[number]} ="
-        print(f"  {number} ={where} {gpu.label}", file=out)
-    return int(ExitCode.OK)
