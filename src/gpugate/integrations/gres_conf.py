@@ -182,19 +182,18 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
             f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
         )
     files, fileless = _gpu_files(path, lines)
-    if autodetect == "nvml":
-        # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
-        # order of its own: which GPUs it took is not knowable from here.
-        if fileless:
-            raise GresUnresolved(
-                f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
-                "matched to it is not knowable here"
-            )
-        return GpuLayout(path, tuple(files), nvml_order=True)
-    if not files:
+    nvml = autodetect == "nvml"
+    # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
+    # order of its own: which GPUs it took is not knowable from here.
+    if nvml and fileless:
+        raise GresUnresolved(
+            f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
+            "matched to it is not knowable here"
+        )
+    if not nvml and not files:
         named = echo(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=False)
+    return GpuLayout(path, tuple(files), nvml_order=nvml)
 
 
 def _gpu_files(path: str, lines: Lines) -> tuple[list[str], bool]:

@@ -34,7 +34,6 @@ class Family:
     name: str
     kind: str  # counter, gauge or histogram
     help: str
-    sweep: bool = False  # rewritten whole by each `gpugate sweep`, not added to
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -43,6 +42,21 @@ class Family:
         return (self.name,)
 
 
+SWEEP_FAMILIES = (  # rewritten whole by each `gpugate sweep`, not added to
+    Family(
+        "gpugate_gpu_memory_mib",
+        "gauge",
+        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
+        "container; unlisted: no process NVML lists), at the last sweep",
+    ),
+    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
+    Family(
+        "gpugate_unowned_seconds",
+        "gauge",
+        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
+    ),
+    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
+)
 FAMILIES = (
     Family("gpugate_runs_total", "counter", "gpugate runs, by phase, unit and result"),
     Family(
@@ -73,31 +87,7 @@ FAMILIES = (
         "histogram",
         "seconds from the first signal to the GPU memory being free, runs that killed",
     ),
-    Family(
-        "gpugate_gpu_memory_mib",
-        "gauge",
-        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
-        "container; unlisted: no process NVML lists), at the last sweep",
-        sweep=True,
-    ),
-    Family(
-        "gpugate_unowned_processes",
-        "gauge",
-        "processes holding the GPU that nothing owns",
-        sweep=True,
-    ),
-    Family(
-        "gpugate_unowned_seconds",
-        "gauge",
-        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
-        sweep=True,
-    ),
-    Family(
-        "gpugate_sweep_timestamp_seconds",
-        "gauge",
-        "Unix time of the last gpugate sweep",
-        sweep=True,
-    ),
+    *SWEEP_FAMILIES,
 )
 
 
@@ -250,9 +240,8 @@ def record_sweep(textfile: Path, gauges: Samples) -> None:
     """Replace the sweep's gauges; the runs' counters are kept."""
 
     def replace(samples: Samples) -> None:
-        for family in FAMILIES:
-            if family.sweep:
-                samples[family.name] = dict(gauges.get(family.name, {}))
+        for family in SWEEP_FAMILIES:
+            samples[family.name] = dict(gauges.get(family.name, {}))
 
     _rewrite(textfile, replace)
 

@@ -189,12 +189,8 @@ class Lease:
         return f"{shown(self.container or self.unit, STATE)} ({by}since {when})"
 
 
-def lease_dir(lock_dir: Path) -> Path:
-    return lock_dir / LEASE_FOLDER
-
-
 def lease_path(lock_dir: Path, unit: str) -> Path:
-    return lease_dir(lock_dir) / f"{unit}.json"
+    return lock_dir / LEASE_FOLDER / f"{unit}.json"
 
 
 def new_lease(
@@ -243,7 +239,7 @@ class LeaseFiles:
 def read_leases(lock_dir: Path) -> LeaseFiles:
     found = LeaseFiles()
     try:
-        entries = sorted(lease_dir(lock_dir).glob("*.json"))
+        entries = sorted((lock_dir / LEASE_FOLDER).glob("*.json"))
     except OSError:
         return found
     for path in entries:
@@ -447,16 +443,6 @@ def read_state(folder_fd: int) -> SweepState:
     return SweepState(found)
 
 
-def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
-    kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
-    entries = [
-        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
-        for ident, seen in kept
-    ]
-    data = {"version": STATE_VERSION, "unowned": entries}
-    return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
-
-
 def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
     """The last sweep's unowned holders, for `status` (no lock, nothing made), or {}."""
     try:
@@ -474,4 +460,12 @@ def locked_state(lock_dir: Path) -> Iterator[tuple[int, SweepState]]:
 
 
 def write_state(folder_fd: int, unowned: Mapping[ProcessId, Seen]) -> None:
-    write_in(folder_fd, STATE_NAME, dump_state(unowned).encode(), 0o600)
+    """The oldest MAX_ENTRIES, compact JSON."""
+    kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
+    entries = [
+        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
+        for ident, seen in kept
+    ]
+    data = {"version": STATE_VERSION, "unowned": entries}
+    text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
+    write_in(folder_fd, STATE_NAME, text.encode(), 0o600)

@@ -80,11 +80,9 @@ def choose_gpus(
 ) -> GpuChoice:
     """`gpus = "auto"`: the unit's CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES, as
     systemd gives them to the unit (environment; never gpugate's own), else every GPU."""
-    config = loaded.config
-    environment = environment or unit_environment
-    if config.gpus != "auto":
-        return GpuChoice(config.gpus, f"gpus in {loaded.source}")
-    env = environment(unit) if unit else None
+    if loaded.config.gpus != "auto":
+        return GpuChoice(loaded.config.gpus, f"gpus in {loaded.source}")
+    env = (environment or unit_environment)(unit) if unit else None
     if env is not None:
         for variable in VARIABLES:
             if variable in env.variables:
@@ -94,15 +92,12 @@ def choose_gpus(
     why = f"{unit} sets neither {' nor '.join(VARIABLES)}" if unit else "no unit"
     if env is None and unit:
         why = "systemd cannot be asked for the unit's environment"
-    if loaded.source == BUILTIN_SOURCE:
-        return GpuChoice(
-            "all",
-            f"all GPUs: {why} and no config file names gpus (set gpus, or the unit's "
-            "CUDA_VISIBLE_DEVICES)",
-            warn=True,
-            named=False,
-        )
-    return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})', named=False)
+    builtin = loaded.source == BUILTIN_SOURCE
+    if builtin:
+        why += " and no config file names gpus (set gpus, or the unit's CUDA_VISIBLE_DEVICES)"
+    else:
+        why += f' (gpus = "auto" in {loaded.source})'
+    return GpuChoice("all", f"all GPUs: {why}", warn=builtin, named=False)
 
 
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
@@ -199,7 +194,7 @@ class UnitSurroundings(Surroundings):
         folders, files = super().state_to_write()
         unit_folders = []
         if traits.takes_lease:
-            unit_folders.append((records.lease_dir(config.lock_dir), "GPU leases"))
+            unit_folders.append((config.lock_dir / records.LEASE_FOLDER, "GPU leases"))
         if traits.records_failed_start:
             unit_folders.append((config.lock_dir / records.FAILED_FOLDER, "failed-start records"))
         return [folders[0], *unit_folders, *folders[1:]], files

@@ -225,8 +225,7 @@ def run_slurm_hook(
         job = job_from_env(environ)
         if not job.gpus:
             if job.no_gpus:  # Slurm's own words for "no GPU here"
-                fields = job_fields(job)
-                reporter = deps.reporter_factory(job.label, phase.value, fields=fields)
+                reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
                 reporter.event(
                     Event.RUN_FINISHED, f"no GPUs to gate ({job.no_gpus})", result="success"
                 )
@@ -392,13 +391,9 @@ def slurm_check(
 def shm_line(plugin: str, dirs: str, private: bool) -> str:
     if private:
         return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
-    if plugin:
-        return (
-            f"/dev/shm: shared by the node's jobs (JobContainerType={plugin}, Dirs={dirs or '-'}); "
-            "gpugate removes only the segments of processes it killed"
-        )
+    setting = f"JobContainerType={plugin}, Dirs={dirs or '-'}" if plugin else "no JobContainerType"
+    advice = "" if plugin else ": JobContainerType=job_container/tmpfs gives each job its own"
     return (
-        "/dev/shm: shared by the node's jobs (no JobContainerType); gpugate removes only the "
-        "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
-        "its own"
+        f"/dev/shm: shared by the node's jobs ({setting}); gpugate removes only the segments "
+        f"of processes it killed{advice}"
     )
