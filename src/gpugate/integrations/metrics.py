@@ -110,8 +110,7 @@ class RunRecord:
     finished_at: float = field(default_factory=time.time)
 
 
-# name -> label set -> value
-Samples = dict[str, dict[Labels, float]]
+Samples = dict[str, dict[Labels, float]]  # name -> label set -> value
 
 
 def apply(samples: Samples, record: RunRecord) -> None:

@@ -256,7 +256,7 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
     return found
 
 
-def write_lease(lock_dir: Path, lease: Lease) -> Path:
+def write_lease(lock_dir: Path, lease: Lease) -> None:
     target = lease_path(lock_dir, lease.unit)
     try:
         write_atomically(target, _json(lease))
@@ -264,19 +264,14 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
         raise PermissionDenied(f"{target}: permission denied writing the GPU lease there") from None
     except OSError as exc:  # no space, read-only, a file where the folder should be
         raise _unwritable(target, exc) from None
-    return target
 
 
-def release_lease(lock_dir: Path, unit: str) -> bool:
-    """Remove the unit's lease; False where it held none."""
+def release_lease(lock_dir: Path, unit: str) -> None:
     path = lease_path(lock_dir, unit)
     try:
-        path.unlink()
-    except FileNotFoundError:
-        return False
+        path.unlink(missing_ok=True)
     except OSError as exc:
         raise _unwritable(path, exc) from None
-    return True
 
 
 def _unwritable(path: Path, exc: OSError) -> StateUnwritable:
