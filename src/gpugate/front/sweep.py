@@ -274,10 +274,8 @@ def keep_state(
     try:
         with locked_state(lock_dir) as (folder_fd, state):
             if state.refused is not None:
-                refused = f"{lock_dir / STATE_NAME}: not the sweep's state ({state.refused})"
-                print(
-                    lines.warning(f"{refused}: every unowned holder is new again"), file=sys.stderr
-                )
+                why = f"not the sweep's state ({state.refused}): every unowned holder is new again"
+                print(lines.warning(f"{lock_dir / STATE_NAME}: {why}"), file=sys.stderr)
             seen = remember(holdings, state.unowned, now, reporter)
             write_state(folder_fd, seen)
     except OSError as exc:

@@ -261,19 +261,17 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
     try:
         info = nodes.stat(nodes.file_path(file))
     except OSError as exc:
-        raise GresUnresolved(_not_gpu(path, file, f"({exc.strerror or exc})")) from None
-    is_char = stat.S_ISCHR(info.st_mode)
-    if not (is_char or stat.S_ISBLK(info.st_mode)):
-        raise GresUnresolved(_not_gpu(path, file, f"(a {kind_of(info.st_mode)} file)"))
-    minor = known.get((is_char, info.st_rdev))
-    if minor is None:
-        why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
-        raise GresUnresolved(_not_gpu(path, file, why))
-    return minor
-
-
-def _not_gpu(path: str, file: str, why: str) -> str:
-    return f"{path}: File {echo(file)} is no GPU device node {why}"
+        why = f"({exc.strerror or exc})"
+    else:
+        is_char = stat.S_ISCHR(info.st_mode)
+        minor = known.get((is_char, info.st_rdev))
+        if not (is_char or stat.S_ISBLK(info.st_mode)):
+            why = f"(a {kind_of(info.st_mode)} file)"
+        elif minor is None:
+            why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
+        else:
+            return minor
+    raise GresUnresolved(f"{path}: File {echo(file)} is no GPU device node {why}")
 
 
 def gpu_order(

@@ -4,6 +4,7 @@ a hand-typed pre/post against a running unit refused, and its GPU lease's life."
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -208,11 +209,9 @@ class UnitSurroundings(Surroundings):
             self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
-        config, context = self.loaded.config, self.context
-        unit_state = context.unit_state or (
-            lambda name: unit_active_state(
-                name, context.roots.cgroup, ask_systemd=context.roots.ask_systemd
-            )
+        config, roots = self.loaded.config, self.context.roots
+        unit_state = self.context.unit_state or functools.partial(
+            unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         )
         return records.check_leases(
             config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
@@ -282,9 +281,8 @@ class UnitSurroundings(Surroundings):
         records.record_failed_pre(lock_dir, failed)
 
     def _release(self) -> None:
-        """After a stop: the lease and this start's failed-start record go. Where lock_dir
-        will not let them, a phase whose state is not required says so and its result
-        stands: the lease is stale once the unit is inactive."""
+        """After a stop: the lease and the failed-start record go; where they cannot, a phase
+        whose state is not required says so and stands (the lease is stale once inactive)."""
         lock_dir = self.loaded.config.lock_dir
         for remove in (records.release_lease, records.clear_failed_pre):
             try:

@@ -286,11 +286,10 @@ def job_config(
 def run_job(
     phase: Phase, job: SlurmJob, loaded: LoadedConfig, *, dry_run: bool, deps: SlurmDeps
 ) -> tuple[ExitCode, RunSummary | None, str]:
-    job_id, node_name, cgroup_root = job.job_id, job.node_name, deps.run.roots.cgroup
     hook = Hook(
         phase,
         job.label,
-        lambda: job_cgroup(job_id, cgroup_root, node_name),
+        lambda: job_cgroup(job.job_id, deps.run.roots.cgroup, job.node_name),
         metrics_unit=METRICS_UNIT,
         surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
         dry_run=dry_run,
