@@ -237,9 +237,18 @@ def run_slurm_hook(
         print(lines.error(detail), file=stream)
         code = exc.exit_code
     else:
-        code, summary, detail = run_job(
-            phase, job, loaded, dry_run=dry_run, deps=replace(deps, run=run_deps)
+        hook = Hook(
+            phase,
+            job.label,
+            lambda: job_cgroup(job.job_id, run_deps.roots.cgroup, job.node_name),
+            metrics_unit=METRICS_UNIT,
+            surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
+            dry_run=dry_run,
         )
+        reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
+        outcome = run_hook(hook, loaded, Deps(reporter, run_deps, stream))
+        code, summary = outcome.exit_code, outcome.summary
+        detail = outcome.error.message if outcome.error else failure_detail(summary)
     if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
         return int(code)  # stopped: slurmd, which stopped it, drains the node itself
     # The drain reason on stderr (unless the error said it already) and to slurmctld.
@@ -281,23 +290,6 @@ def job_config(
     uuids = tuple(gpu.uuid for gpu in gpus)
     loaded = with_job_gpus(config, uuids, f"gpus from {given} through {layout.path}")
     return loaded, replace(deps.run, driver_factory=lambda: opened)
-
-
-def run_job(
-    phase: Phase, job: SlurmJob, loaded: LoadedConfig, *, dry_run: bool, deps: SlurmDeps
-) -> tuple[ExitCode, RunSummary | None, str]:
-    hook = Hook(
-        phase,
-        job.label,
-        lambda: job_cgroup(job.job_id, deps.run.roots.cgroup, job.node_name),
-        metrics_unit=METRICS_UNIT,
-        surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
-        dry_run=dry_run,
-    )
-    reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
-    outcome = run_hook(hook, loaded, Deps(reporter, deps.run, deps.stream))
-    detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
-    return outcome.exit_code, outcome.summary, detail
 
 
 def failure_detail(summary: RunSummary | None) -> str:
