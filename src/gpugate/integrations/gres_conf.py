@@ -79,7 +79,7 @@ def read_root_file(path: Path, limit: int = MAX_GRES_BYTES) -> str:
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, text) of each line a trailing backslash joins; no comments, no blanks."""
+    """(first line number, text) per line, a trailing backslash joining the next; no comments."""
     found: list[tuple[int, str]] = []
     pending, start = "", 0
     for number, raw in enumerate([*text.splitlines(), ""], 1):  # "": the last one ends
