@@ -14,9 +14,9 @@ import pytest
 
 from gpugate.errors import ExitCode, ProgramNotAnswering
 from gpugate.front.cli import main
+from gpugate.front.commands import slurm
 from gpugate.host import safe_files, systemd
 from gpugate.host.containers import Container, ContainerNames, stop_containers
-from gpugate.integrations import slurm
 from gpugate.integrations.env_files import environment_file_warnings, who_else_may_write
 from tests.fakes import FakeHost, alive
 

@@ -19,7 +19,7 @@ from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import unit_environment
 from gpugate.integrations.records import read_leases
-from gpugate.integrations.unit import in_own_hook, manual_run_guard
+from gpugate.integrations.unit import manual_run_guard
 from gpugate.phase import Phase
 from gpugate.report.journal import PRIORITY_WARNING, Reporter
 from tests.fakes import (
@@ -292,16 +292,18 @@ def test_the_units_own_hook_is_told_apart(tmp_path: Path) -> None:
     (proc / "self").mkdir(parents=True)
     (proc / "self" / "cgroup").write_text("0::/system.slice/vllm.service\n")
     hook = {"INVOCATION_ID": "0123"}
-    assert in_own_hook(UNIT, hook, proc)
-    assert not in_own_hook(UNIT, {}, proc), "no INVOCATION_ID: not a hook"
-    assert not in_own_hook("other.service", hook, proc), "another unit's hook"
+
+    def refused(unit: str, environ: dict[str, str]) -> bool:
+        return manual_run_guard(Phase.PRE, unit, lambda _: "active", environ, proc) is not None
+
+    assert not refused(UNIT, hook)
+    assert refused(UNIT, {}), "no INVOCATION_ID: not a hook"
+    assert refused("other.service", hook), "another unit's hook"
     (proc / "self" / "cgroup").write_text("0::/user.slice/user-0.slice/session-3.scope\n")
-    assert not in_own_hook(UNIT, hook, proc), "a shell that copied INVOCATION_ID"
-    args = {"proc_root": proc}
-    assert manual_run_guard(Phase.PRE, UNIT, lambda _: "active", hook, **args) is not None  # type: ignore[arg-type]
+    assert refused(UNIT, hook), "a shell that copied INVOCATION_ID"
     (proc / "self" / "cgroup").write_text("0::/system.slice/vllm.service\n")
     asked: list[str] = []
-    assert manual_run_guard(Phase.PRE, UNIT, asked.append, hook, **args) is None  # type: ignore[arg-type]
+    assert manual_run_guard(Phase.PRE, UNIT, asked.append, hook, proc) is None  # type: ignore[arg-type]
     assert asked == [], "the unit's own hook does not ask systemd"
 
 

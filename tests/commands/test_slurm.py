@@ -15,8 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode
-from gpugate.front.commands.slurm import SlurmDeps, run_slurm_hook
-from gpugate.integrations.slurm import SlurmEnvError, job_cgroup, job_from_env
+from gpugate.front.commands.slurm import (
+    SlurmDeps,
+    SlurmEnvError,
+    job_cgroup,
+    job_from_env,
+    run_slurm_hook,
+)
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeHost, alive

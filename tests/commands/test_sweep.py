@@ -29,7 +29,6 @@ from gpugate.integrations.records import (
     MAX_ENTRIES,
     STATE_NAME,
     Seen,
-    dump_state,
     locked_state,
     new_lease,
     read_state,
@@ -245,7 +244,9 @@ def test_a_link_fifo_or_huge_file_in_its_place_is_not_followed_read_or_blocked_o
     tmp_path: Path,
 ) -> None:
     target = tmp_path / "elsewhere"
-    target.write_text(dump_state({ProcessId(7, 7): Seen(1.0, (0,))}))
+    target.write_text(
+        '{"unowned":[{"drained":false,"gpus":[0],"pid":7,"since":1.0,"start_time":7}]}'
+    )
     state_dir = tmp_path / "locks"
     state_dir.mkdir()
     for make in (

@@ -177,6 +177,6 @@ def test_a_marked_name_survives_the_lease_file(tmp_path: Path, hostile: str) -> 
     gpu = Gpu(index=0, uuid="GPU-0", minor=0, name="stand-in", total_mib=1)
     write_lease(tmp_path, new_lease(identity.unit, [gpu], share=False, container=identity.label))
     files = read_leases(tmp_path)
-    assert files.unreadable == []
+    assert files.unreadable == {}
     (lease,) = files.leases
     assert lease.container == identity.label and lease.unit == f"libpod-{A}.scope"

@@ -13,13 +13,13 @@ from gpugate.config.values import gpu_ref, legacy_mig, parse_gpu_text
 from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import ConfigError, ExitCode, InvalidValue
+from gpugate.front.commands.slurm import job_from_env
 from gpugate.front.launch import resolve_gpus
 from gpugate.host import nvml
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import GpuRequest, OciInputError
 from gpugate.integrations.container import gpu_selection
 from gpugate.integrations.records import read_leases
-from gpugate.integrations.slurm import job_from_env
 from gpugate.integrations.unit import parse_visible_devices
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
@@ -493,7 +493,7 @@ def test_a_capability_device_ties_an_unlisted_process_to_its_slice(
 def test_a_slurm_jobs_variables_never_name_slices() -> None:
     """slurmd writes only its own GPU numbers (docs/slurm.md): a MIG UUID in SLURM_JOB_GPUS
     is not slurmd's (exit 64), and CUDA_VISIBLE_DEVICES is not read at all."""
-    from gpugate.integrations.slurm import SlurmEnvError
+    from gpugate.front.commands.slurm import SlurmEnvError
 
     for value in (mig_uuid(0, 1, 0), f"MIG-{GPU0}/2/0"):
         with pytest.raises(SlurmEnvError) as caught:

@@ -11,9 +11,9 @@ import pytest
 
 from gpugate.config.values import DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError, ExitCode
+from gpugate.front.commands.slurm import load_slurm_config
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import container_config
-from gpugate.integrations.slurm import load_slurm_config
 
 
 @pytest.fixture

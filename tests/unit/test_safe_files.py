@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -243,8 +244,9 @@ def test_an_exporters_folder_is_written_safely_with_one_warning(
 
     theirs, victim = plant(tmp_path)  # Debian's /var/lib/prometheus is prometheus's
     (theirs / "gpugate.prom").symlink_to(victim)
-    record_after_run(theirs / "gpugate.prom", RunRecord("pre", "vllm.service", "success"))
-    record_after_run(theirs / "gpugate.prom", RunRecord("post", "vllm.service", "success"))
+    for phase in ("pre", "post"):
+        record = RunRecord(phase, "vllm.service", "success")
+        record_after_run(theirs / "gpugate.prom", record, stream=sys.stderr, on_failure=print)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(theirs) in err  # one warning, naming the folder
     assert_untouched(victim)

@@ -22,7 +22,7 @@ from gpugate.integrations.gres_conf import (
     gres_conf_path,
     job_gpus,
     parse_gres_conf,
-    read_gres_conf,
+    read_root_file,
 )
 
 PATH = "/etc/slurm/gres.conf"
@@ -175,20 +175,20 @@ def test_gres_conf_read_only_as_roots_file(tmp_path: Path) -> None:
     folder.mkdir()
     path = folder / "gres.conf"
     with pytest.raises(GresUnresolved):
-        read_gres_conf(path)
+        read_root_file(path)
     path.write_text("Name=gpu File=/dev/nvidia0\n")
-    assert read_gres_conf(path) == "Name=gpu File=/dev/nvidia0\n"
+    assert read_root_file(path) == "Name=gpu File=/dev/nvidia0\n"
     path.chmod(0o666)
     with pytest.raises(GresUnresolved):
-        read_gres_conf(path)
+        read_root_file(path)
     path.chmod(0o644)
     path.write_bytes(b"#" * (300 * 1024))
     with pytest.raises(GresUnresolved):
-        read_gres_conf(path)
+        read_root_file(path)
     path.unlink()
     os.mkfifo(path, 0o600)
     with pytest.raises(GresUnresolved):
-        read_gres_conf(path)  # never blocks on a FIFO
+        read_root_file(path)  # never blocks on a FIFO
 
 
 # ---------------------------------------------------------------- numbers to GPUs

@@ -20,9 +20,9 @@ from gpugate.core.outcome import (
 )
 from gpugate.core.run import PhaseRun, RunDeps, RunScope
 from gpugate.errors import Interrupted, NvmlUnavailable
+from gpugate.front.commands.slurm import job_surroundings, with_job_gpus
 from gpugate.front.hook import stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuUsage
-from gpugate.integrations.slurm import job_surroundings, with_job_gpus
 from gpugate.phase import Phase
 from gpugate.report.narrate import Narrator
 from tests.fakes import UNIT, UNIT_CGROUP, FakeGpuMemory, FakeHost, RecordingJournal, alive

@@ -4,10 +4,11 @@ a Slurm node after `drain_after_s` (once per holder)."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import sys
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -18,12 +19,13 @@ from gpugate.core.roles import OWNERS, Holding, Owner, owner_of
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
+from gpugate.front.commands.slurm import set_drain_reason
 from gpugate.front.commands.status import collect
 from gpugate.front.hook import Deps, Hook, run_phase
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.metrics import Samples, record_sweep
+from gpugate.integrations.metrics import Labels, Samples, record_sweep
 from gpugate.integrations.records import (
     RUNNING_STATES,
     STATE_NAME,
@@ -32,7 +34,6 @@ from gpugate.integrations.records import (
     read_leases,
     write_state,
 )
-from gpugate.integrations.slurm import set_drain_reason
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter
@@ -60,9 +61,7 @@ def remember(
         before = earlier.get(ident)
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
-        seen[ident] = (
-            Seen(now, gpus) if before is None else Seen(before.since, gpus, before.drained)
-        )
+        seen[ident] = Seen(now, gpus) if before is None else replace(before, gpus=gpus)
     for ident, before in sorted(earlier.items(), key=lambda item: item[0].pid):
         if ident not in seen and reporter is not None:
             unowned_gone(reporter, ident, before.gpus, max(now - before.since, 0.0))
@@ -72,10 +71,9 @@ def remember(
 def gauges(
     discovery: Discovery, holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float
 ) -> Samples:
-    samples: Samples = {name: {} for name in ("gpugate_gpu_memory_mib",)}
-    memory = samples["gpugate_gpu_memory_mib"]
-    counts: dict[tuple[tuple[str, str], ...], float] = {}
-    ages: dict[tuple[tuple[str, str], ...], float] = {}
+    memory: dict[Labels, float] = {}
+    counts: dict[Labels, float] = {}
+    ages: dict[Labels, float] = {}
     for gpu in discovery.gpus:
         by_owner = {str(owner): 0 for owner in OWNERS}
         for holding in holdings:
@@ -90,10 +88,12 @@ def gauges(
         counts[key] = len(unowned)
         sinces = [seen[h.holder.info.ident].since for h in unowned if h.holder.info.ident in seen]
         ages[key] = max(now - min(sinces), 0.0) if sinces else 0
-    samples["gpugate_unowned_processes"] = counts
-    samples["gpugate_unowned_seconds"] = ages
-    samples["gpugate_sweep_timestamp_seconds"] = {(): now}
-    return samples
+    return {
+        "gpugate_gpu_memory_mib": memory,
+        "gpugate_unowned_processes": counts,
+        "gpugate_unowned_seconds": ages,
+        "gpugate_sweep_timestamp_seconds": {(): now},
+    }
 
 
 def live_leased(loaded: LoadedConfig, unit_state: Callable[[str], str | None]) -> set[str]:
@@ -115,17 +115,14 @@ def reapable(
     after_s: float,
     leased: set[str],
 ) -> list[Gpu]:
-    owned_kinds = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
+    owned = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
     found = []
     for gpu in discovery.gpus:
         on = [h for h in holdings if gpu.index in h.holder.using]
         unowned = [h for h in on if h.owner is Owner.NOBODY]
-        if not unowned or gpu.uuid.lower() in leased:
+        if not unowned or gpu.uuid.lower() in leased or any(h.owner in owned for h in on):
             continue
-        if any(h.owner in owned_kinds for h in on):
-            continue
-        ages = [now - seen[h.holder.info.ident].since for h in unowned]
-        if min(ages) >= after_s:
+        if min(now - seen[h.holder.info.ident].since for h in unowned) >= after_s:
             found.append(gpu)
     return found
 
@@ -166,17 +163,14 @@ def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Repo
 
 def look(loaded: LoadedConfig, front: Front) -> Discovery:
     roots = front.host_roots()
-    driver = front.driver_factory()
-    try:
-        procfs = ProcFs(roots.proc)
+    procfs = ProcFs(roots.proc)
+    with contextlib.closing(front.driver_factory()) as driver:
         with procfs.oneshot():
             discovery = collect(None, loaded, driver, roots, procfs=procfs)
         hung = driver.not_answering()
         if hung is not None:
             raise hung
         return discovery
-    finally:
-        driver.close()
 
 
 def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.time) -> int:
@@ -220,8 +214,14 @@ def drain_due(
     holdings, seen, now = state
     reaped, code = reaped_by
     node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
-    if code == ExitCode.UNKILLABLE:
-        pids = still_alive(holdings, reaped, front.host_roots().proc)
+    if code == ExitCode.UNKILLABLE:  # the reaped GPUs' unowned holders, still the same processes
+        procfs, on = ProcFs(front.host_roots().proc), set(reaped)
+        infos = [h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & on]
+        pids = [
+            info.pid
+            for info in infos
+            if (again := procfs.info(info.pid)) is not None and again.start_time == info.start_time
+        ]
         head = f"gpugate: sweep's reap on GPU {','.join(map(str, reaped))} left unkillable PID "
         set_drain_reason(node, pids_within(head, pids), sys.stderr)
     after_s = loaded.config.sweep.drain_after_s
@@ -274,25 +274,10 @@ def keep_state(
     try:
         with locked_state(lock_dir) as (folder_fd, state):
             if state.refused is not None:
-                refused = f"{lock_dir / STATE_NAME}: not the sweep's state ({state.refused})"
-                print(
-                    lines.warning(f"{refused}: every unowned holder is new again"), file=sys.stderr
-                )
+                why = f"not the sweep's state ({state.refused}): every unowned holder is new again"
+                print(lines.warning(f"{lock_dir / STATE_NAME}: {why}"), file=sys.stderr)
             seen = remember(holdings, state.unowned, now, reporter)
             write_state(folder_fd, seen)
     except OSError as exc:
         print(unwritten(lock_dir, exc), file=sys.stderr)
     return remember(holdings, {}, now, None) if seen is None else seen
-
-
-def still_alive(holdings: Sequence[Holding], gpus: Collection[int], proc: Path) -> list[int]:
-    """The unowned holders of gpus that are still the processes they were."""
-    procfs = ProcFs(proc)
-    unowned = [
-        h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & set(gpus)
-    ]
-    return [
-        info.pid
-        for info in unowned
-        if (now := procfs.info(info.pid)) is not None and now.start_time == info.start_time
-    ]

@@ -272,12 +272,11 @@ class ContainerSurroundings(UnitSurroundings):
             [item for item in check.shared if item[0].unit != around],
             [item for item in check.stale if item[0].unit != around],
             check.unreadable,
-            check.why,
         )
 
     def _lease(self, owned: Sequence[Gpu]) -> Lease:
         return new_lease(
-            self.unit,
+            self.scope.unit,
             owned,
             share=self.loaded.config.share_gpus,
             container=self.identity.label if self.identity else None,

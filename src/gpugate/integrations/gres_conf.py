@@ -1,6 +1,6 @@
-"""What a Slurm node's configuration gives a job: gres.conf's GPUs in slurmd's order, as
-NVML's GPUs, and a private /dev/shm from job_container/tmpfs; each file root's, read capped.
-What cannot be read for certain is a GresUnresolved (docs/slurm.md has slurmd's rules)."""
+"""A Slurm node's configuration: gres.conf's GPUs in slurmd's order, as NVML's GPUs, and a
+job's private /dev/shm; root's files, read capped; GresUnresolved where not certain
+(docs/slurm.md has slurmd's rules)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gpugate.errors import InvalidValue
 from gpugate.host.nvml import Gpu
-from gpugate.host.safe_files import NotRegularFile, TooLarge, kind_of, read_capped, untrusted
+from gpugate.host.safe_files import kind_of, read_capped, untrusted
 from gpugate.untrusted import echo
 
 GRES_NAME = "gres.conf"
@@ -58,12 +58,7 @@ def gres_conf_path(slurm_conf: str | None) -> Path:
     return Path(os.path.dirname(conf)) / GRES_NAME
 
 
-def read_gres_conf(path: Path) -> str:
-    """root's file: root-owned, in folders only root may change, a regular file, capped."""
-    return read_root_file(path, MAX_GRES_BYTES)
-
-
-def read_root_file(path: Path, limit: int) -> str:
+def read_root_file(path: Path, limit: int = MAX_GRES_BYTES) -> str:
     """A file of Slurm's, root's: GresUnresolved where another account may change it, or it
     is missing, no regular file, over limit bytes, not UTF-8."""
     where = untrusted(path)
@@ -75,9 +70,8 @@ def read_root_file(path: Path, limit: int) -> str:
         data = read_capped(path, limit, follow_links=True)
     except FileNotFoundError:
         raise GresUnresolved(f"{path}: no such file") from None
-    except (NotRegularFile, TooLarge, OSError) as exc:
-        cause = exc.strerror or str(exc)
-        raise GresUnresolved(f"{path}: cannot read it: {cause}") from None
+    except OSError as exc:  # NotRegularFile and TooLarge too
+        raise GresUnresolved(f"{path}: cannot read it: {exc.strerror or exc}") from None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -85,11 +79,10 @@ def read_root_file(path: Path, limit: int) -> str:
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:
-    """(first line number, text) of each line, a trailing backslash joining the next, without
-    comments and blank lines."""
+    """(first line number, text) per line, a trailing backslash joining the next; no comments."""
     found: list[tuple[int, str]] = []
     pending, start = "", 0
-    for number, raw in enumerate(text.splitlines(), 1):
+    for number, raw in enumerate([*text.splitlines(), ""], 1):  # "": the last one ends
         body = raw.split("#", 1)[0].rstrip()
         if not pending:
             start = number
@@ -100,20 +93,15 @@ def logical_lines(text: str) -> list[tuple[int, str]]:
         pending = ""
         if joined:
             found.append((start, joined))
-    if pending.strip():
-        found.append((start, pending.strip()))
     return found
 
 
 def pairs(number: int, text: str, path: str) -> list[tuple[str, str]]:
     """KEY=VALUE pairs of one line, keys lowercased; anything else is not read for certain."""
-    items: list[tuple[str, str]] = []
     rest = PAIR.sub("", text).strip()
     if rest:
         raise _uncertain(path, number, rest)
-    for key, value in PAIR.findall(text):
-        items.append((key.lower(), value[1:-1] if value.startswith('"') else value))
-    return items
+    return [(key.lower(), value.strip('"')) for key, value in PAIR.findall(text)]
 
 
 def _uncertain(path: str, number: int, text: str) -> GresUnresolved:
@@ -124,7 +112,10 @@ def expand_hostlist(text: str) -> list[str]:
     """Slurm's hostlist, in the order written: `a[0-3,6]b,c`; ValueError where it is a form
     this reader does not know (two bracket groups, a descending range)."""
     names: list[str] = []
-    for item in split_top(text):
+    items = re.split(r",(?![^\[]*\])", text)  # commas outside brackets
+    if not all(items):
+        raise ValueError(text)
+    for item in items:
         if "[" not in item and "]" not in item:
             names.append(item)
             continue
@@ -147,102 +138,70 @@ def expand_hostlist(text: str) -> list[str]:
     return names
 
 
-def split_top(text: str) -> list[str]:
-    """Commas outside brackets separate hostlist items."""
-    items, depth, current = [], 0, ""
-    for char in text:
-        depth += (char == "[") - (char == "]")
-        if char == "," and depth == 0:
-            items.append(current)
-            current = ""
-        else:
-            current += char
-    items.append(current)
-    if depth != 0 or any(not item for item in items):
-        raise ValueError(text)
-    return items
+Lines = list[tuple[int, dict[str, str]]]  # (line number, its keys)
 
 
-@dataclass
-class _Reading:
-    path: str
-    node: str | None
-    general: list[tuple[int, dict[str, str]]]
-    for_node: list[tuple[int, dict[str, str]]]
-    global_autodetect: str | None = None
-    local_autodetect: str | None = None
+def _node_lines(text: str, path: str, node: str | None) -> tuple[Lines, str]:
+    """The Name= lines for this node (the general ones first), and its AutoDetect."""
+    general: Lines = []
+    for_node: Lines = []
+    found = {"global": "", "local": ""}  # AutoDetect= alone on a line, and on the node's
+    for number, line_text in logical_lines(text):
+        items = pairs(number, line_text, path)
+        first, keys = (items[0][0], dict(items)) if items else ("", {})
+        if first == "autodetect" and len(items) == 1:
+            found["global"] = keys["autodetect"].lower()
+        elif first == "nodename" and _names_node(path, node, number, items[0][1]):
+            found["local"] = keys.get("autodetect", found["local"]).lower()
+            if "name" in keys:
+                for_node.append((number, keys))
+        elif first == "name":
+            general.append((number, keys))
+        elif first not in ("", "nodename"):
+            raise _uncertain(path, number, "Include" if first == "include" else first)
+    return general + for_node, found["local"] or found["global"] or "off"
 
 
-def _take_line(reading: _Reading, number: int, items: list[tuple[str, str]]) -> None:
-    keys = dict(items)
-    first = items[0][0]
-    if first == "include":
-        raise _uncertain(reading.path, number, "Include")
-    if first == "autodetect" and len(items) == 1:
-        reading.global_autodetect = items[0][1].lower()
-        return
-    if first == "nodename":
-        if not _names_node(reading, number, items[0][1]):
-            return
-        if "autodetect" in keys:
-            reading.local_autodetect = keys["autodetect"].lower()
-        if "name" in keys:
-            reading.for_node.append((number, keys))
-        return
-    if first == "name":
-        reading.general.append((number, keys))
-        return
-    raise _uncertain(reading.path, number, first)
-
-
-def _names_node(reading: _Reading, number: int, value: str) -> bool:
+def _names_node(path: str, node: str | None, number: int, value: str) -> bool:
     try:
         nodes = expand_hostlist(value)
     except ValueError:
-        raise _uncertain(reading.path, number, f"NodeName={value}") from None
-    if reading.node is None:
+        raise _uncertain(path, number, f"NodeName={value}") from None
+    if node is None:
         raise GresUnresolved(
-            f"{reading.path} line {number}: NodeName= lines, and slurmd named no node "
-            "(SLURMD_NODENAME)"
+            f"{path} line {number}: NodeName= lines, and slurmd named no node (SLURMD_NODENAME)"
         )
-    return reading.node in nodes
+    return node in nodes
 
 
 def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
     """This node's gres/gpu in slurmd's order. node: slurmd's name for it (SLURMD_NODENAME)."""
-    reading = _Reading(path, node, [], [])
-    for number, line_text in logical_lines(text):
-        items = pairs(number, line_text, path)
-        if items:
-            _take_line(reading, number, items)
-    autodetect = reading.local_autodetect or reading.global_autodetect or "off"
+    lines, autodetect = _node_lines(text, path, node)
     if autodetect not in KNOWN_AUTODETECT:
         raise GresUnresolved(
             f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
         )
-    files, fileless = _gpu_files(reading)
-    if autodetect == "nvml":
-        # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
-        # order of its own: which GPUs it took is not knowable from here.
-        if fileless:
-            raise GresUnresolved(
-                f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
-                "matched to it is not knowable here"
-            )
-        return GpuLayout(path, tuple(files), nvml_order=True)
-    if not files:
+    files, fileless = _gpu_files(path, lines)
+    nvml = autodetect == "nvml"
+    # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
+    # order of its own: which GPUs it took is not knowable from here.
+    if nvml and fileless:
+        raise GresUnresolved(
+            f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
+            "matched to it is not knowable here"
+        )
+    if not nvml and not files:
         named = echo(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=False)
+    return GpuLayout(path, tuple(files), nvml_order=nvml)
 
 
-def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
+def _gpu_files(path: str, lines: Lines) -> tuple[list[str], bool]:
     """The Name=gpu lines' File= in slurmd's order, and whether a line without File= names
     a Type= or Count= (what AutoDetect matches by)."""
-    path = reading.path
     files: list[str] = []
     fileless = False
-    for number, keys in reading.general + reading.for_node:
+    for number, keys in lines:
         if keys.get("name") != GPU:
             continue
         if "multiplefiles" in keys:
@@ -262,8 +221,7 @@ def _gpu_files(reading: _Reading) -> tuple[list[str], bool]:
 
 @dataclass(frozen=True)
 class DeviceNodes:
-    """The /dev/nvidiaM nodes of this host (dev: the device root; stat: os.stat by default,
-    a test's stand-in otherwise)."""
+    """This host's /dev/nvidiaM nodes (dev: the device root; stat: a test's stand-in)."""
 
     dev: Path = Path("/dev")
     stat: StatFn = os.stat
@@ -303,19 +261,17 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
     try:
         info = nodes.stat(nodes.file_path(file))
     except OSError as exc:
-        raise GresUnresolved(_not_gpu(path, file, f"({exc.strerror or exc})")) from None
-    is_char = stat.S_ISCHR(info.st_mode)
-    if not (is_char or stat.S_ISBLK(info.st_mode)):
-        raise GresUnresolved(_not_gpu(path, file, f"(a {kind_of(info.st_mode)} file)"))
-    minor = known.get((is_char, info.st_rdev))
-    if minor is None:
-        why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
-        raise GresUnresolved(_not_gpu(path, file, why))
-    return minor
-
-
-def _not_gpu(path: str, file: str, why: str) -> str:
-    return f"{path}: File {echo(file)} is no GPU device node {why}"
+        why = f"({exc.strerror or exc})"
+    else:
+        is_char = stat.S_ISCHR(info.st_mode)
+        minor = known.get((is_char, info.st_rdev))
+        if not (is_char or stat.S_ISBLK(info.st_mode)):
+            why = f"(a {kind_of(info.st_mode)} file)"
+        elif minor is None:
+            why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
+        else:
+            return minor
+    raise GresUnresolved(f"{path}: File {echo(file)} is no GPU device node {why}")
 
 
 def gpu_order(
@@ -370,16 +326,6 @@ def job_gpus(
     return tuple(ordered[n] for n in numbers)
 
 
-@dataclass(frozen=True)
-class ShmPrivacy:
-    plugin: str  # slurm.conf's JobContainerType, "" where unset
-    dirs: str  # job_container.conf's Dirs (or the default)
-
-    @property
-    def private(self) -> bool:
-        return self.plugin == TMPFS and SHM in [d.strip().rstrip("/") for d in self.dirs.split(",")]
-
-
 def last_value(text: str, key: str) -> str:
     """The last `KEY=VALUE` of a Slurm config file (keys in any case, comments dropped)."""
     found = ""
@@ -390,10 +336,13 @@ def last_value(text: str, key: str) -> str:
     return found
 
 
-def shm_privacy(slurm_conf: Path) -> ShmPrivacy:
+def shm_privacy(slurm_conf: Path) -> tuple[str, str, bool]:
+    """slurm.conf's JobContainerType ("" where unset), job_container.conf's Dirs (or the
+    default), and whether /dev/shm is among them: private to each job."""
     plugin = last_value(read_root_file(slurm_conf, MAX_CONF_BYTES), "JobContainerType")
     if plugin != TMPFS:
-        return ShmPrivacy(plugin, "")
+        return plugin, "", False
     path = slurm_conf.parent / JOB_CONTAINER_CONF
     dirs = last_value(read_root_file(path, MAX_CONF_BYTES), "Dirs") if path.exists() else ""
-    return ShmPrivacy(plugin, dirs or DEFAULT_DIRS)
+    dirs = dirs or DEFAULT_DIRS
+    return plugin, dirs, SHM in [d.strip().rstrip("/") for d in dirs.split(",")]

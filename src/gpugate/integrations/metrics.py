@@ -5,7 +5,6 @@ increase() sees nothing in a series born at 1 (docs/metrics.md)."""
 from __future__ import annotations
 
 import json
-import sys
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -14,16 +13,8 @@ from typing import TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
-from gpugate.host.safe_files import (
-    RULE,
-    folder,
-    read_capped,
-    untrusted,
-    why_untrusted,
-    write_in,
-)
+from gpugate.host.safe_files import RULE, folder, read_capped, untrusted, why_untrusted, write_in
 from gpugate.integrations.records import flocked, parse_record
-from gpugate.report import lines
 
 STATE_VERSION = 1
 # A unit's phases come in pairs: the first write for one writes the other's counters too.
@@ -43,7 +34,6 @@ class Family:
     name: str
     kind: str  # counter, gauge or histogram
     help: str
-    sweep: bool = False  # rewritten whole by each `gpugate sweep`, not added to
 
     @property
     def sample_names(self) -> tuple[str, ...]:
@@ -52,6 +42,21 @@ class Family:
         return (self.name,)
 
 
+SWEEP_FAMILIES = (  # rewritten whole by each `gpugate sweep`, not added to
+    Family(
+        "gpugate_gpu_memory_mib",
+        "gauge",
+        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
+        "container; unlisted: no process NVML lists), at the last sweep",
+    ),
+    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
+    Family(
+        "gpugate_unowned_seconds",
+        "gauge",
+        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
+    ),
+    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
+)
 FAMILIES = (
     Family("gpugate_runs_total", "counter", "gpugate runs, by phase, unit and result"),
     Family(
@@ -82,46 +87,18 @@ FAMILIES = (
         "histogram",
         "seconds from the first signal to the GPU memory being free, runs that killed",
     ),
-    Family(
-        "gpugate_gpu_memory_mib",
-        "gauge",
-        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
-        "container; unlisted: no process NVML lists), at the last sweep",
-        sweep=True,
-    ),
-    Family(
-        "gpugate_unowned_processes",
-        "gauge",
-        "processes holding the GPU that nothing owns",
-        sweep=True,
-    ),
-    Family(
-        "gpugate_unowned_seconds",
-        "gauge",
-        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
-        sweep=True,
-    ),
-    Family(
-        "gpugate_sweep_timestamp_seconds",
-        "gauge",
-        "Unix time of the last gpugate sweep",
-        sweep=True,
-    ),
+    *SWEEP_FAMILIES,
 )
 
 
 @dataclass(frozen=True)
-class GpuSeries:
-    """A GPU as the per-GPU series label it (`gpu`, `uuid`)."""
-
+class GpuSeries:  # a GPU as the per-GPU series label it (`gpu`, `uuid`)
     index: int
     uuid: str
 
 
 @dataclass
 class RunRecord:
-    """What one run did, in the terms the metrics count."""
-
     phase: str
     unit: str  # the metrics label: a Slurm job's runs all count under "slurm"
     result: str  # "success", or the exit code's name in lower case
@@ -133,8 +110,7 @@ class RunRecord:
     finished_at: float = field(default_factory=time.time)
 
 
-# name -> label set -> value
-Samples = dict[str, dict[Labels, float]]
+Samples = dict[str, dict[Labels, float]]  # name -> label set -> value
 
 
 def apply(samples: Samples, record: RunRecord) -> None:
@@ -163,11 +139,8 @@ def apply(samples: Samples, record: RunRecord) -> None:
     for gpu, mib in record.reclaimed_mib.items():
         add("gpugate_reclaimed_mib_total", _gpu_labels(record.unit, gpu), mib)
     for gpu in record.freed_gpus:
-        put(
-            "gpugate_last_success_timestamp_seconds",
-            _gpu_labels(record.unit, gpu),
-            record.finished_at,
-        )
+        labels = _gpu_labels(record.unit, gpu)
+        put("gpugate_last_success_timestamp_seconds", labels, record.finished_at)
 
 
 def _gpu_labels(unit: str, gpu: GpuSeries) -> dict[str, str]:
@@ -189,9 +162,8 @@ def render(samples: Samples) -> str:
         ]
         for labels, name, value in sorted(rows, key=_row_order):
             text = ",".join(f'{key}="{v.translate(ESCAPES)}"' for key, v in labels)
-            lines.append(
-                f"{name}{{{text}}} {_number(value)}" if text else f"{name} {_number(value)}"
-            )
+            series = f"{name}{{{text}}}" if text else name
+            lines.append(f"{series} {_number(value)}")
     return "\n".join(lines) + "\n"
 
 
@@ -209,8 +181,7 @@ def _number(value: float) -> str:
 
 def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     """The counters so far; a missing or unreadable state starts them again from zero
-    (Prometheus takes a counter that goes down as a reset). Never through a symbolic link,
-    never a FIFO or a file over safe_files.MAX_BYTES. folder_fd: path's folder, opened."""
+    (Prometheus takes a counter that goes down as a reset). folder_fd: path's folder."""
     try:
         name = path if folder_fd is None else path.name
         # BadRecord is a ValueError, so is a text that is not UTF-8.
@@ -248,9 +219,8 @@ def dump_state(samples: Samples) -> str:
 
 
 def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
-    """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock. The folder
-    may be another account's (the exporter's): all through its descriptor, no link followed
-    (safe_files). Raises OSError."""
+    """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock (OSError).
+    The folder may be the exporter's: all through its descriptor, no link followed."""
     state, lock = (textfile.with_name(textfile.name + suffix) for suffix in (".state", ".lock"))
     with folder(textfile.parent) as folder_fd, flocked(folder_fd, lock.name, lock):
         samples = load_state(state, folder_fd)
@@ -269,9 +239,8 @@ def record_sweep(textfile: Path, gauges: Samples) -> None:
     """Replace the sweep's gauges; the runs' counters are kept."""
 
     def replace(samples: Samples) -> None:
-        for family in FAMILIES:
-            if family.sweep:
-                samples[family.name] = dict(gauges.get(family.name, {}))
+        for family in SWEEP_FAMILIES:
+            samples[family.name] = dict(gauges.get(family.name, {}))
 
     _rewrite(textfile, replace)
 
@@ -296,16 +265,9 @@ def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary |
 
 
 def record_after_run(
-    textfile: Path | None,
-    record: RunRecord,
-    *,
-    stream: TextIO | None = None,
-    on_failure: Callable[[Path, str], None] | None = None,
+    textfile: Path, record: RunRecord, *, stream: TextIO, on_failure: Callable[[Path, str], None]
 ) -> None:
-    """Best effort: metrics that cannot be written are a warning (on_failure(textfile,
-    cause), else a line on stream), never the run's failure."""
-    if textfile is None:
-        return
+    """Best effort: metrics not written are on_failure(textfile, cause), never a failure."""
     found = untrusted(textfile.parent)
     if found is not None and textfile not in _WARNED:
         _WARNED.add(textfile)  # once per run: every write there is safe, this says why
@@ -313,13 +275,9 @@ def record_after_run(
             f"gpugate: warning: metrics_textfile {textfile}: {why_untrusted(found)}: gpugate "
             "writes there only through the folder's descriptor, never following a link and "
             f"replacing files by rename ({RULE})",
-            file=stream or sys.stderr,
+            file=stream,
         )
     try:
         record_run(textfile, record)
     except OSError as exc:  # TimeoutError (the lock) is one too
-        cause = exc.strerror or str(exc)
-        if on_failure is not None:
-            on_failure(textfile, cause)
-        else:
-            print(lines.metrics_not_written(textfile, cause), file=stream or sys.stderr)
+        on_failure(textfile, exc.strerror or str(exc))

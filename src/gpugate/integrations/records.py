@@ -1,6 +1,5 @@
-"""gpugate's own state read back (GPU leases, failed-start records, the sweep's and metrics'
-counters), capped and checked: a record gpugate did not write is a `BadRecord`, said once and
-ignored, never a run's end. Files are replaced atomically under the per-GPU flocks."""
+"""gpugate's own state (GPU leases, failed-start records, the sweep's and metrics' counters):
+written whole, read back capped; a record gpugate did not write is a `BadRecord`, said once."""
 
 from __future__ import annotations
 
@@ -54,8 +53,7 @@ class BadRecord(InvalidValue):
 
 @contextlib.contextmanager
 def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
-    """name in the folder, made where missing, held under an flock: writers take turns.
-    TimeoutError after LOCK_TIMEOUT_S."""
+    """name in the folder, made where missing, flocked (TimeoutError after LOCK_TIMEOUT_S)."""
     fd = open_in(folder_fd, name, os.O_RDWR | os.O_CREAT)
     try:
         if not flock_by(fd, time.monotonic() + LOCK_TIMEOUT_S):
@@ -63,25 +61,6 @@ def flocked(folder_fd: int, name: str, what: object) -> Iterator[None]:
         yield
     finally:
         os.close(fd)
-
-
-def read_text(path: Path | str, limit: int = MAX_RECORD_BYTES, dir_fd: int | None = None) -> str:
-    """The file's text. FileNotFoundError where it is gone; BadRecord where it is not a
-    regular file of at most limit bytes of UTF-8 (no FIFO opened, no link followed)."""
-    try:
-        data = read_capped(path, limit, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise
-    except NotRegularFile:
-        raise BadRecord("not a regular file") from None
-    except TooLarge:
-        raise BadRecord(f"larger than {limit // 1024} KiB") from None
-    except OSError as exc:
-        raise BadRecord(f"cannot be read ({exc.strerror or str(exc)})") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise BadRecord("not UTF-8") from None
 
 
 def _constant(name: str) -> float:
@@ -118,8 +97,22 @@ def parse_record(text: str) -> dict[str, Any]:
     return data
 
 
-def read_record(path: Path) -> dict[str, Any]:
-    return parse_record(read_text(path))
+def read_record(path: Path | str, dir_fd: int | None = None) -> dict[str, Any]:
+    """FileNotFoundError, or BadRecord: not a capped regular file of UTF-8 sane JSON."""
+    try:
+        data = read_capped(path, MAX_RECORD_BYTES, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except NotRegularFile:
+        raise BadRecord("not a regular file") from None
+    except TooLarge:
+        raise BadRecord(f"larger than {MAX_RECORD_BYTES // 1024} KiB") from None
+    except OSError as exc:
+        raise BadRecord(f"cannot be read ({exc.strerror or str(exc)})") from None
+    try:
+        return parse_record(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise BadRecord("not UTF-8") from None
 
 
 def _json(record: Lease | FailedPre) -> str:
@@ -127,7 +120,6 @@ def _json(record: Lease | FailedPre) -> str:
 
 
 def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = False) -> str | None:
-    """A string field; None where optional and absent, null or empty."""
     value = data.get(key)
     if optional and (value is None or value == ""):
         return None
@@ -149,10 +141,8 @@ def integer(
 
 def number(data: Mapping[str, Any], key: str, low: float, high: float) -> float:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise BadRecord(f"{key} is not a number")
-    if not low <= value <= high:
-        raise BadRecord(f"{key} is out of range")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise BadRecord(f"{key} is not a number from {low:g} to {high:g}")
     return float(value)
 
 
@@ -192,10 +182,6 @@ class Lease:
     started_by: str | None = None  # `gpugate run`'s caller ("alice (uid 1000)")
     container: str | None = None  # an OCI hook's container in words; the unit is its scope
 
-    def overlap(self, gpus: Sequence[Gpu]) -> list[Gpu]:
-        mine = {uuid.lower() for uuid in self.uuids}
-        return [gpu for gpu in gpus if gpu.uuid.lower() in mine]
-
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
@@ -203,12 +189,8 @@ class Lease:
         return f"{shown(self.container or self.unit, STATE)} ({by}since {when})"
 
 
-def lease_dir(lock_dir: Path) -> Path:
-    return lock_dir / LEASE_FOLDER
-
-
 def lease_path(lock_dir: Path, unit: str) -> Path:
-    return lease_dir(lock_dir) / f"{unit}.json"
+    return lock_dir / LEASE_FOLDER / f"{unit}.json"
 
 
 def new_lease(
@@ -251,14 +233,13 @@ def lease_from(data: dict[str, object]) -> Lease:
 @dataclass
 class LeaseFiles:
     leases: list[Lease] = field(default_factory=list)
-    unreadable: list[Path] = field(default_factory=list)  # not a lease: reported, ignored
-    why: dict[Path, str] = field(default_factory=dict)
+    unreadable: dict[Path, str] = field(default_factory=dict)  # not a lease, why: said, ignored
 
 
 def read_leases(lock_dir: Path) -> LeaseFiles:
     found = LeaseFiles()
     try:
-        entries = sorted(lease_dir(lock_dir).glob("*.json"))
+        entries = sorted((lock_dir / LEASE_FOLDER).glob("*.json"))
     except OSError:
         return found
     for path in entries:
@@ -269,14 +250,13 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
         except FileNotFoundError:
             continue  # released while we listed
         except BadRecord as exc:
-            found.unreadable.append(path)
-            found.why[path] = str(exc)
+            found.unreadable[path] = str(exc)
         else:
             found.leases.append(lease)
     return found
 
 
-def write_lease(lock_dir: Path, lease: Lease) -> Path:
+def write_lease(lock_dir: Path, lease: Lease) -> None:
     target = lease_path(lock_dir, lease.unit)
     try:
         write_atomically(target, _json(lease))
@@ -284,19 +264,14 @@ def write_lease(lock_dir: Path, lease: Lease) -> Path:
         raise PermissionDenied(f"{target}: permission denied writing the GPU lease there") from None
     except OSError as exc:  # no space, read-only, a file where the folder should be
         raise _unwritable(target, exc) from None
-    return target
 
 
-def release_lease(lock_dir: Path, unit: str) -> bool:
-    """Remove the unit's lease; False where it held none."""
+def release_lease(lock_dir: Path, unit: str) -> None:
     path = lease_path(lock_dir, unit)
     try:
-        path.unlink()
-    except FileNotFoundError:
-        return False
+        path.unlink(missing_ok=True)
     except OSError as exc:
         raise _unwritable(path, exc) from None
-    return True
 
 
 def _unwritable(path: Path, exc: OSError) -> StateUnwritable:
@@ -312,8 +287,7 @@ class LeaseCheck:
     conflicts: list[tuple[Lease, list[Gpu]]]  # live leases on our GPUs: the run refuses
     shared: list[tuple[Lease, list[Gpu]]]  # live leases both sides agreed to share
     stale: list[tuple[Lease, str]]  # leases of units no longer running, with their state
-    unreadable: list[Path]
-    why: dict[Path, str] = field(default_factory=dict)
+    unreadable: dict[Path, str]
 
     def conflicted(self) -> list[int]:
         return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
@@ -336,9 +310,10 @@ def check_leases(
 ) -> LeaseCheck:
     """unit_state: the unit's ActiveState (None: unknown, taken as still running)."""
     files = read_leases(lock_dir)
-    check = LeaseCheck([], [], [], files.unreadable, files.why)
+    check = LeaseCheck([], [], [], files.unreadable)
     for lease in files.leases:
-        overlap = lease.overlap(gpus)
+        leased = {uuid.lower() for uuid in lease.uuids}
+        overlap = [gpu for gpu in gpus if gpu.uuid.lower() in leased]
         if lease.unit == unit or not overlap:
             continue  # the unit's own, from an earlier start, is replaced
         state = unit_state(lease.unit)
@@ -400,9 +375,8 @@ def failed_pre_of_this_start(
     environ: Mapping[str, str],
     unreadable: Callable[[Path, str], None] = lambda path, why: None,
 ) -> FailedPre | None:
-    """pre's failure record where it belongs to the start this post ends: the same
-    INVOCATION_ID, and SERVICE_RESULT not success. unreadable(path, why): told of a record
-    that is not sane, which is then ignored."""
+    """pre's failure record of the start this post ends: the same INVOCATION_ID, and
+    SERVICE_RESULT not success. unreadable(path, why): told of a record that is not sane."""
     path = failure_path(lock_dir, unit)
     try:
         failed = failed_pre_from(read_record(path))
@@ -411,11 +385,9 @@ def failed_pre_of_this_start(
     except BadRecord as exc:
         unreadable(path, str(exc))
         return None
-    if failed.unit != unit or failed.invocation_id != (environ.get("INVOCATION_ID") or None):
-        return None
-    if environ.get("SERVICE_RESULT", "") == "success":
-        return None  # not this start's: it began after pre succeeded
-    return failed
+    ours = failed.unit == unit and failed.invocation_id == (environ.get("INVOCATION_ID") or None)
+    # SERVICE_RESULT=success: not this start's failure, the start began after pre succeeded
+    return failed if ours and environ.get("SERVICE_RESULT") != "success" else None
 
 
 # What `gpugate sweep` remembers between sweeps (LOCK_DIR/sweep.json): each holder it has seen
@@ -442,48 +414,32 @@ class SweepState:
     refused: str | None = None  # why the file on disk was not taken (report/'s phrase)
 
 
-def parse_state(text: str) -> dict[ProcessId, Seen]:
-    """BadRecord where the record, or any entry of it, is not what gpugate writes."""
-    data = parse_record(text)
-    integer(data, "version", STATE_VERSION, STATE_VERSION)
-    found: dict[ProcessId, Seen] = {}
-    for entry in _items(data, "unowned", MAX_ENTRIES):
-        if not isinstance(entry, dict):
-            raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
-        ident = ProcessId(
-            integer(entry, "pid", 1, MAX_PID),
-            integer(entry, "start_time", 0, MAX_TICKS),
-        )
-        found[ident] = Seen(
-            number(entry, "since", 0, MAX_SINCE),
-            integers(entry, "gpus", 0, MAX_GPU_INDEX),
-            flag({"drained": False, **entry}, "drained"),
-        )
-    return found
-
-
-def dump_state(unowned: Mapping[ProcessId, Seen]) -> str:
-    kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
-    entries = [
-        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
-        for ident, seen in kept
-    ]
-    data = {"version": STATE_VERSION, "unowned": entries}
-    return json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
-
-
 def read_state(folder_fd: int) -> SweepState:
+    """The state, or refused: the record, or an entry of it, is not what gpugate writes."""
+    found: dict[ProcessId, Seen] = {}
     try:
-        return SweepState(parse_state(read_text(STATE_NAME, dir_fd=folder_fd)))
+        data = read_record(STATE_NAME, dir_fd=folder_fd)
+        integer(data, "version", STATE_VERSION, STATE_VERSION)
+        for entry in _items(data, "unowned", MAX_ENTRIES):
+            if not isinstance(entry, dict):
+                raise BadRecord(f"a JSON {type(entry).__name__}, not an object")
+            ident = ProcessId(
+                integer(entry, "pid", 1, MAX_PID), integer(entry, "start_time", 0, MAX_TICKS)
+            )
+            found[ident] = Seen(
+                number(entry, "since", 0, MAX_SINCE),
+                integers(entry, "gpus", 0, MAX_GPU_INDEX),
+                flag({"drained": False, **entry}, "drained"),
+            )
     except FileNotFoundError:
         return SweepState()
     except BadRecord as exc:
         return SweepState(refused=str(exc))
+    return SweepState(found)
 
 
 def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
-    """The last sweep's unowned holders, for `status` (no lock, nothing made); {} where none
-    is kept or it is not the sweep's."""
+    """The last sweep's unowned holders, for `status` (no lock, nothing made), or {}."""
     try:
         with folder(lock_dir, make=False) as folder_fd:
             return read_state(folder_fd).unowned
@@ -493,11 +449,18 @@ def read_unowned(lock_dir: Path) -> dict[ProcessId, Seen]:
 
 @contextlib.contextmanager
 def locked_state(lock_dir: Path) -> Iterator[tuple[int, SweepState]]:
-    """lock_dir's descriptor and the sweep's state, under its flock (two sweeps take turns);
-    write_state within it. OSError (TimeoutError where another sweep holds it)."""
+    """lock_dir's descriptor and the sweep's state, under its flock (OSError, TimeoutError)."""
     with folder(lock_dir) as folder_fd, flocked(folder_fd, LOCK_NAME, lock_dir):
         yield folder_fd, read_state(folder_fd)
 
 
 def write_state(folder_fd: int, unowned: Mapping[ProcessId, Seen]) -> None:
-    write_in(folder_fd, STATE_NAME, dump_state(unowned).encode(), 0o600)
+    """The oldest MAX_ENTRIES, compact JSON."""
+    kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
+    entries = [
+        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
+        for ident, seen in kept
+    ]
+    data = {"version": STATE_VERSION, "unowned": entries}
+    text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"
+    write_in(folder_fd, STATE_NAME, text.encode(), 0o600)

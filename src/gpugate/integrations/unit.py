@@ -1,11 +1,10 @@
 """A systemd unit's surroundings (core.outcome.Surroundings): its GPUs for `gpus = "auto"`,
-a hand-typed pre/post against a running unit refused, and its GPU lease: written under the
-GPU locks before the first kill, kept on pre's success, given up with the reason recorded
-when pre fails, ended by post."""
+a hand-typed pre/post against a running unit refused, and its GPU lease's life."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,22 +34,7 @@ from gpugate.host.systemd import (
     unit_active_state,
     unit_environment,
 )
-from gpugate.integrations.records import (
-    FAILED_FOLDER,
-    RUNNING_STATES,
-    STARTED_BY_VARIABLE,
-    FailedPre,
-    Lease,
-    LeaseCheck,
-    check_leases,
-    clear_failed_pre,
-    failed_pre_of_this_start,
-    lease_dir,
-    new_lease,
-    record_failed_pre,
-    release_lease,
-    write_lease,
-)
+from gpugate.integrations import records
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator, describe, failed_start_text
@@ -95,13 +79,10 @@ def choose_gpus(
     environment: Callable[[str], UnitEnvironment | None] | None = None,
 ) -> GpuChoice:
     """`gpus = "auto"`: the unit's CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES, as
-    systemd gives them to the unit (never gpugate's own environment), else every GPU.
-    environment: the unit's (default: ask systemd)."""
-    config = loaded.config
-    environment = environment or unit_environment
-    if config.gpus != "auto":
-        return GpuChoice(config.gpus, f"gpus in {loaded.source}")
-    env = environment(unit) if unit else None
+    systemd gives them to the unit (environment; never gpugate's own), else every GPU."""
+    if loaded.config.gpus != "auto":
+        return GpuChoice(loaded.config.gpus, f"gpus in {loaded.source}")
+    env = (environment or unit_environment)(unit) if unit else None
     if env is not None:
         for variable in VARIABLES:
             if variable in env.variables:
@@ -111,15 +92,12 @@ def choose_gpus(
     why = f"{unit} sets neither {' nor '.join(VARIABLES)}" if unit else "no unit"
     if env is None and unit:
         why = "systemd cannot be asked for the unit's environment"
-    if loaded.source == BUILTIN_SOURCE:
-        return GpuChoice(
-            "all",
-            f"all GPUs: {why} and no config file names gpus (set gpus, or the unit's "
-            "CUDA_VISIBLE_DEVICES)",
-            warn=True,
-            named=False,
-        )
-    return GpuChoice("all", f'all GPUs: {why} (gpus = "auto" in {loaded.source})', named=False)
+    builtin = loaded.source == BUILTIN_SOURCE
+    if builtin:
+        why += " and no config file names gpus (set gpus, or the unit's CUDA_VISIBLE_DEVICES)"
+    else:
+        why += f' (gpus = "auto" in {loaded.source})'
+    return GpuChoice("all", f"all GPUs: {why}", warn=builtin, named=False)
 
 
 def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
@@ -128,8 +106,7 @@ def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
 
 @dataclass(frozen=True)
 class UnitContext:
-    """What the front knows of the unit's hook: its environment, the options; systemd's
-    answers (tests give stand-ins)."""
+    """The unit's hook: its environment, the options; systemd's answers (tests: stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
     roots: HostRoots = field(default_factory=HostRoots)
@@ -143,24 +120,14 @@ class UnitContext:
 
 @dataclass
 class UnitSurroundings(Surroundings):
-    """What one run knows about the host around its unit."""
-
     scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext
     choice: GpuChoice
     narration: Narrator
-    failed_pre: FailedPre | None = None  # post: this start's failed pre
+    failed_pre: records.FailedPre | None = None  # post: this start's failed pre
     lease_written: bool = False  # pre wrote its lease before the kill (reserve)
     refusal: str | None = None  # why another unit's lease refused this start
-
-    @property
-    def phase(self) -> Phase:
-        return self.scope.phase
-
-    @property
-    def unit(self) -> str:
-        return self.scope.unit
 
     @property
     def gpu_source(self) -> str:
@@ -171,93 +138,83 @@ class UnitSurroundings(Surroundings):
         return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
-        context = self.context
+        context, scope = self.context, self.scope
         if not context.guard_manual_run:
             return
         state = manual_run_guard(
-            self.phase, self.unit, context.active_state, context.environ, context.roots.proc
+            scope.phase, scope.unit, context.active_state, context.environ, context.roots.proc
         )
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
-            raise refusal(state, self.phase.value, self.unit, would_kill)
+            raise refusal(state, scope.phase.value, scope.unit, would_kill)
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
-        self.refusal = self._lease_refusal(owned, dry_run=dry_run)
-        return self.refusal is not None
-
-    def _lease_refusal(self, owned: Sequence[Gpu], *, dry_run: bool) -> str | None:
-        """Before pre kills: why it refuses, where a running unit's lease covers its GPUs."""
-        if not self.phase.traits.takes_lease or not owned:
-            return None
+        """Before pre kills: a running unit's lease covers its GPUs."""
+        if not self.scope.phase.traits.takes_lease or not owned:
+            return False
         check = self._check_leases(owned)
-        for path in check.unreadable:
-            self.narration.lease_unreadable(path, check.why.get(path, ""))
+        for path, why in check.unreadable.items():
+            self.narration.lease_unreadable(path, why)
         for lease, state in check.stale:
             # Said once: the stale lease is removed (not in a dry run) and never seen again.
             self.narration.lease_stale(lease.unit, lease.gpus, state, dry_run=dry_run)
             if not dry_run:
-                release_lease(self.loaded.config.lock_dir, lease.unit)
+                records.release_lease(self.loaded.config.lock_dir, lease.unit)
         for lease, gpus in check.shared:
             self.narration.gpus_shared(lease.unit, [g.index for g in gpus])
-        if not check.conflicts:
-            return None
-        if self.context.ignore_leases:
+        if check.conflicts and self.context.ignore_leases:
             for lease, gpus in check.conflicts:
                 self.narration.lease_overridden(
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
-            return None
-        self.narration.lease_refused(check.refusal(), check.conflicted())
-        return check.refusal()
+        elif check.conflicts:
+            self.refusal = check.refusal()
+            self.narration.lease_refused(self.refusal, check.conflicted())
+        return self.refusal is not None
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
-        """pre, before it kills: the lease it will hold on success, written now, so that one
-        that cannot be written stops the run before anything dies."""
-        if not self.phase.traits.takes_lease or not owned or not self.choice.named:
+        """pre's lease, written before it kills: one that cannot be written stops the run."""
+        if not self.scope.phase.traits.takes_lease or not owned or not self.choice.named:
             return
-        write_lease(self.loaded.config.lock_dir, self._lease(owned))
+        records.write_lease(self.loaded.config.lock_dir, self._lease(owned))
         self.lease_written = True
 
-    def _lease(self, owned: Sequence[Gpu]) -> Lease:
-        return new_lease(
-            self.unit,
+    def _lease(self, owned: Sequence[Gpu]) -> records.Lease:
+        return records.new_lease(
+            self.scope.unit,
             owned,
             share=self.loaded.config.share_gpus,
             invocation_id=self.context.environ.get("INVOCATION_ID"),
-            started_by=self.context.environ.get(STARTED_BY_VARIABLE),
+            started_by=self.context.environ.get(records.STARTED_BY_VARIABLE),
         )
 
     def state_to_write(self) -> StateToWrite:
         """The run's own (locks, metrics), and this phase's leases and failed-start records."""
-        config, traits = self.loaded.config, self.phase.traits
+        config, traits = self.loaded.config, self.scope.phase.traits
         folders, files = super().state_to_write()
         unit_folders = []
         if traits.takes_lease:
-            unit_folders.append((lease_dir(config.lock_dir), "GPU leases"))
+            unit_folders.append((config.lock_dir / records.LEASE_FOLDER, "GPU leases"))
         if traits.records_failed_start:
-            unit_folders.append((config.lock_dir / FAILED_FOLDER, "failed-start records"))
+            unit_folders.append((config.lock_dir / records.FAILED_FOLDER, "failed-start records"))
         return [folders[0], *unit_folders, *folders[1:]], files
 
     def held_by_others(self, owned: Sequence[Gpu]) -> None:
-        """pre refused because another running unit holds the GPUs: where that unit also
-        leases them, say so too (it names who started a `gpugate run` unit)."""
-        if not self.phase.traits.takes_lease or not owned:
+        """Where the unit holding the GPUs also leases them, say so (it names who started it)."""
+        if not self.scope.phase.traits.takes_lease or not owned:
             return
         check = self._check_leases(owned)
         if check.conflicts:
             self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
 
-    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
-        config = self.loaded.config
-        return check_leases(
-            config.lock_dir, self.unit, owned, share=config.share_gpus, unit_state=self._state
+    def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
+        config, roots = self.loaded.config, self.context.roots
+        unit_state = self.context.unit_state or functools.partial(
+            unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         )
-
-    def _state(self, name: str) -> str | None:
-        if self.context.unit_state is not None:
-            return self.context.unit_state(name)
-        roots = self.context.roots
-        return unit_active_state(name, roots.cgroup, ask_systemd=roots.ask_systemd)
+        return records.check_leases(
+            config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
+        )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
         """post after a failed pre: the GPUs whose memory pre already waited for in vain."""
@@ -270,51 +227,30 @@ class UnitSurroundings(Surroundings):
         return skipped
 
     def after_run(self, summary: RunSummary) -> None:
-        code = summary.exit_code
-        busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
-        timeout_s = self.loaded.config.policy(self.phase).wait_timeout_s
-        reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
-        self._ended(code, reason, summary.busy, owned=summary.owned)
-        if self.phase.traits.reads_failed_start and self.failed_pre is not None:
+        code, traits = summary.exit_code, self.scope.phase.traits
+        if traits.takes_lease and code is ExitCode.OK:
+            self._started(summary.owned)
+        else:
+            busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
+            timeout_s = self.loaded.config.policy(self.scope.phase).wait_timeout_s
+            reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
+            self._failed(code, reason, summary.busy, error=False)
+        if traits.releases_lease:
+            self._release()
+        if traits.reads_failed_start and self.failed_pre is not None:
             self.narration.start_failed_earlier(self.failed_pre.reason)
 
     def after_error(self, error: GateError, progress: Progress) -> None:
         """An interruption's reason says what the run was doing; the GPUs it was still
-        waiting for need no second wait in post."""
+        waiting for need no second wait in post. post ends the lease only when interrupted:
+        after another error the unit may still run."""
         busy: Sequence[BusyGpu] = ()
         if isinstance(error, Interrupted):
             from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
 
             error, busy = interrupted(error, progress), progress.last_busy
-        self._ended(error.exit_code, error.message, busy, ended_by=error)
-
-    def _ended(
-        self,
-        code: ExitCode,
-        reason: str,
-        busy: Sequence[BusyGpu],
-        *,
-        owned: Sequence[Gpu] = (),
-        ended_by: GateError | None = None,
-    ) -> None:
-        """The lease's end, whatever ended the run: pre keeps it on success; a failed pre
-        gives it up and records why; post ends it (but for an error before it was over: the
-        unit may still run)."""
-        lock_dir, traits = self.loaded.config.lock_dir, self.phase.traits
-        if traits.takes_lease and ended_by is None and code is ExitCode.OK:
-            self._started(owned)
-        elif traits.records_failed_start:
-            with contextlib.suppress(StateUnwritable) if ended_by else contextlib.nullcontext():
-                release_lease(lock_dir, self.unit)  # an error: the run's own is the one to say
-            failed = FailedPre(
-                unit=self.unit,
-                invocation_id=self.context.environ.get("INVOCATION_ID") or None,
-                reason=reason,
-                exit_code=int(code),
-                busy_uuids=tuple(item.gpu.uuid for item in busy),
-            )
-            record_failed_pre(lock_dir, failed)
-        if traits.releases_lease and not (ended_by and not isinstance(ended_by, Interrupted)):
+        self._failed(error.exit_code, error.message, busy, error=True)
+        if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
             self._release()
 
     def _started(self, owned: Sequence[Gpu]) -> None:
@@ -322,38 +258,51 @@ class UnitSurroundings(Surroundings):
         if not self.choice.named or not owned:
             # A lease on every GPU only because nothing named the unit's would lock every
             # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
-            release_lease(lock_dir, self.unit)
+            records.release_lease(lock_dir, self.scope.unit)
         elif not self.lease_written:
-            write_lease(lock_dir, self._lease(owned))
-        clear_failed_pre(lock_dir, self.unit)
+            records.write_lease(lock_dir, self._lease(owned))
+        records.clear_failed_pre(lock_dir, self.scope.unit)
+
+    def _failed(self, code: ExitCode, reason: str, busy: Sequence[BusyGpu], *, error: bool) -> None:
+        """A failed pre gives its lease up (after an error, quietly) and records why."""
+        if not self.scope.phase.traits.records_failed_start:
+            return
+        lock_dir = self.loaded.config.lock_dir
+        with contextlib.suppress(StateUnwritable) if error else contextlib.nullcontext():
+            records.release_lease(lock_dir, self.scope.unit)
+        failed = records.FailedPre(
+            unit=self.scope.unit,
+            invocation_id=self.context.environ.get("INVOCATION_ID") or None,
+            reason=reason,
+            exit_code=int(code),
+            busy_uuids=tuple(item.gpu.uuid for item in busy),
+        )
+        records.record_failed_pre(lock_dir, failed)
 
     def _release(self) -> None:
-        """After a stop: the lease and this start's failed-start record go. Where lock_dir
-        will not let them, a phase whose state is not required says so and its result
-        stands: the lease is stale once the unit is inactive."""
+        """After a stop: the lease and the failed-start record go; where they cannot, a phase
+        whose state is not required says so and stands (the lease is stale once inactive)."""
         lock_dir = self.loaded.config.lock_dir
-        for remove in (release_lease, clear_failed_pre):
+        for remove in (records.release_lease, records.clear_failed_pre):
             try:
-                remove(lock_dir, self.unit)
+                remove(lock_dir, self.scope.unit)
             except (StateUnwritable, PermissionDenied) as exc:
-                if self.phase.traits.state_required:
+                if self.scope.phase.traits.state_required:
                     raise
                 self.narration.not_recorded(exc)
 
     def driver_hung_earlier(self) -> str | None:
         """post after a pre that NVML did not answer: pre's words, or None."""
         failed = self.failed_pre
-        if failed is None or failed.exit_code != ExitCode.NVML_NOT_ANSWERING:
-            return None
-        return failed.reason
+        if failed is not None and failed.exit_code == ExitCode.NVML_NOT_ANSWERING:
+            return failed.reason
+        return None
 
 
 def unit_surroundings(
     context: UnitContext,
 ) -> Callable[[RunScope, LoadedConfig, Reporter], UnitSurroundings]:
-    """How the hook's surroundings are made once the run's scope and config are known.
-    Without context.environment and unit_state (tests' stand-ins) systemd is asked where it
-    runs."""
+    """How the hook's surroundings are made once the run's scope and config are known."""
 
     def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
         narration = Narrator(reporter)
@@ -363,7 +312,7 @@ def unit_surroundings(
         choice = choose_gpus(scope.unit, loaded, environment)
         made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), context, choice, narration)
         if scope.phase.traits.reads_failed_start:
-            made.failed_pre = failed_pre_of_this_start(
+            made.failed_pre = records.failed_pre_of_this_start(
                 loaded.config.lock_dir,
                 scope.unit,
                 context.environ,
@@ -379,10 +328,6 @@ def unit_surroundings(
 # is not the unit's hook, and against a running unit it refuses unless given --force.
 
 
-def in_own_hook(unit: str, environ: Mapping[str, str], proc_root: Path = Path("/proc")) -> bool:
-    return bool(environ.get("INVOCATION_ID")) and own_unit(proc_root) == unit
-
-
 def manual_run_guard(
     phase: Phase,
     unit: str,
@@ -392,25 +337,22 @@ def manual_run_guard(
 ) -> str | None:
     """The running unit's ActiveState where this hand-typed run must not kill, or None where
     it may: the unit's own hook (systemd is not even asked), or a unit that is not running."""
-    if not phase.traits.guards_manual_run or in_own_hook(unit, environ, proc_root):
+    if not phase.traits.guards_manual_run:
+        return None
+    if environ.get("INVOCATION_ID") and own_unit(proc_root) == unit:
         return None
     state = unit_state(unit)
-    return state if state in RUNNING_STATES else None
+    return state if state in records.RUNNING_STATES else None
 
 
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
     """would_kill: each target as the journal names it (already escaped by describe)."""
     shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
-    listed = "; ".join(shown[:MAX_LISTED]) + (
-        f"; and {len(shown) - MAX_LISTED} more" if len(shown) > MAX_LISTED else ""
-    )
-    what = (
-        f"it would kill {len(shown)} process(es): {listed}"
-        if shown
-        else "it would kill nothing now"
-    )
+    more = [f"and {len(shown) - MAX_LISTED} more"] if len(shown) > MAX_LISTED else []
+    listed = "; ".join(shown[:MAX_LISTED] + more)
+    what = f"{len(shown)} process(es): {listed}" if shown else "nothing now"
     return ManualRunRefused(
         f"{unit} is {state} and this `gpugate {phase}` is not its {phase} hook "
-        f"(not in the unit's cgroup with INVOCATION_ID set); {what}; nothing killed. To do it "
-        f"on purpose: gpugate {phase} {unit} --force"
+        f"(not in the unit's cgroup with INVOCATION_ID set); it would kill {what}; nothing "
+        f"killed. To do it on purpose: gpugate {phase} {unit} --force"
     )

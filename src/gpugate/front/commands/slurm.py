@@ -1,9 +1,12 @@
-"""`gpugate slurm prolog|epilog`: a Slurm job's hook run, and the drain reason when it fails;
+"""`gpugate slurm prolog|epilog` (slurm.conf's Prolog=/Epilog=, run by slurmd as root): the
+job's GPUs are slurmd's numbers (integrations.gres_conf), its cgroup stands for the unit's, and
+a non-zero exit drains the node with a reason naming what holds which GPU (docs/slurm.md);
 `gpugate slurm check`: whether each job gets a private /dev/shm and gres.conf resolves every GPU
 to an NVML GPU (exit 78 where not)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -13,42 +16,174 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
-from gpugate.core.outcome import UNKILLABLE, Held, RunSummary
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
+from gpugate.config.values import GpuRef, parse_gpu_text
+from gpugate.core.outcome import UNKILLABLE, Held, NullSurroundings, RunSummary
 from gpugate.core.run import RunDeps
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.front.commands import Front
 from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
-from gpugate.host.nvml import Gpu, GpuDriver
+from gpugate.host.nvml import GpuDriver
+from gpugate.host.safe_files import find_program, run_program
+from gpugate.integrations.config_files import load_config
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
     DeviceNodes,
-    GpuLayout,
     GresUnresolved,
-    ShmPrivacy,
     StatFn,
     gpu_order,
     gres_conf_path,
     job_gpus,
     parse_gres_conf,
-    read_gres_conf,
+    read_root_file,
     shm_privacy,
-)
-from gpugate.integrations.slurm import (
-    METRICS_UNIT,
-    SlurmJob,
-    job_cgroup,
-    job_fields,
-    job_from_env,
-    job_surroundings,
-    load_slurm_config,
-    set_drain_reason,
-    with_job_gpus,
 )
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Event, Reporter, ReporterFactory
-from gpugate.untrusted import CGROUP, REASON, Kind, shown
+from gpugate.untrusted import CGROUP, REASON, Kind, echo, shown
+
+JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
+METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
+CONFIG_NAME = "slurm.toml"
+JOB_ID = re.compile(r"[1-9][0-9]{0,9}")
+UID = re.compile(r"[0-9]{1,10}")
+MAX_JOB_ID = 2**32 - 1
+# The prolog/epilog see SLURM_JOB_GPUS, an srun task SLURM_STEP_GPUS. Not CUDA_VISIBLE_DEVICES:
+# in a task it is the task's own numbering, and alone it is not slurmd's.
+GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
+NO_DEVICE_FILES = "NoDevFiles"  # Slurm before 15.08, for a gres without device files
+SCONTROL_TIMEOUT_S = 15
+
+
+class SlurmEnvError(GateError):
+    """The environment slurmd gave is not a job gpugate understands; nothing was touched."""
+
+    exit_code = ExitCode.USAGE
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: int
+    uid: int | None
+    gpus: tuple[int, ...]  # slurmd's numbers (gres.conf's order); () where it has no GPU here
+    gpus_from: str  # the variable they came from
+    node_name: str | None  # SLURMD_NODENAME: Slurm's name for this node
+    no_gpus: str = ""  # the value that said "no GPU" (NoDevFiles, an empty list): said once
+
+    @property
+    def label(self) -> str:
+        """Stands for the unit in reports: GPUGATE_UNIT, stderr lines, decision reasons."""
+        return f"slurm-job-{self.job_id}"
+
+
+def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
+    raw_id = environ.get("SLURM_JOB_ID", "")
+    if not JOB_ID.fullmatch(raw_id) or int(raw_id) > MAX_JOB_ID:
+        raise SlurmEnvError(
+            f"SLURM_JOB_ID {(echo(raw_id) if raw_id else 'not set')}: not a Slurm job ID (a "
+            "positive integer)"
+        )
+    raw_uid = environ.get("SLURM_JOB_UID")
+    if raw_uid is not None and not UID.fullmatch(raw_uid):
+        raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
+    gpus: tuple[int, ...] = ()
+    source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
+    said = "" if source else next((f"{n}=" for n in GPU_VARIABLES if n in environ), "")
+    if source and environ[source].strip() == NO_DEVICE_FILES:
+        said = f"{source}={NO_DEVICE_FILES}"
+    elif source:
+        gpus = gpu_numbers(source, environ[source])
+    return SlurmJob(
+        job_id=int(raw_id),
+        uid=int(raw_uid) if raw_uid is not None else None,
+        gpus=gpus,
+        gpus_from=source,
+        node_name=environ.get("SLURMD_NODENAME") or None,
+        no_gpus=said,
+    )
+
+
+def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
+    """slurmd's numbers: `0,1,5`, each once (a UUID or a range is none of slurmd's)."""
+    try:
+        refs = parse_gpu_text(value)
+        text = next((ref for ref in refs if isinstance(ref, str)), None)
+        if text is not None:
+            raise InvalidValue(
+                f"{echo(text)} is not a GPU number slurmd writes (0, 1, ... as gres.conf lists "
+                "them)"
+            )
+    except InvalidValue as exc:
+        raise SlurmEnvError(f"{variable} {echo(value)}: {exc}") from None
+    return tuple(ref for ref in refs if isinstance(ref, int))
+
+
+def job_cgroup(job_id: int, cgroup_root: Path, node_name: str | None = None) -> str:
+    """The job's cgroup (cgroup v2). slurmd creates it after the prolog and removes it before
+    the epilog; then the path it would have stands for it, and matches no process. Under
+    `slurmstepd.scope`, or `NODE_slurmstepd.scope` (Debian builds Slurm with multiple-slurmd
+    support, and the scope carries the node's name)."""
+    name = f"job_{job_id}"
+    scopes = [
+        scope
+        for parent in [cgroup_root, *sorted(cgroup_root.glob("*.slice"))]
+        for scope in sorted(parent.glob(f"*{JOB_SCOPE}"))
+        if scope.name == JOB_SCOPE or scope.name.endswith("_" + JOB_SCOPE)
+    ]
+    for scope in scopes:
+        if (scope / name).is_dir():
+            return "/" + str((scope / name).relative_to(cgroup_root))
+    names = [f"{node_name}_{JOB_SCOPE}"] if node_name else []
+    preferred = [s for name in [*names, JOB_SCOPE] for s in scopes if s.name == name]
+    for scope in preferred[:1] or scopes[:1]:
+        return "/" + str((scope / name).relative_to(cgroup_root))
+    return f"/system.slice/{JOB_SCOPE}/{name}"
+
+
+def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
+    """--config PATH, else /etc/gpugate/slurm.toml, else default.toml, else built-in."""
+    if explicit is None and (config_dir / CONFIG_NAME).exists():
+        explicit = config_dir / CONFIG_NAME
+    return load_config(None, explicit, config_dir)
+
+
+def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
+    """The config with the job's GPUs: their UUIDs, or () (the job's cgroup only)."""
+    return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
+
+
+def job_surroundings(loaded: LoadedConfig) -> NullSurroundings:
+    """Slurm gives out GPUs and drains a failed node itself: no lease checked or taken."""
+    return NullSurroundings(loaded, gpu_source=f"gpus in {loaded.source}")
+
+
+def job_fields(job: SlurmJob) -> dict[str, str]:
+    """On every journal entry of the job's run (`journalctl -u slurmstepd.scope` lists them)."""
+    fields = {"GPUGATE_SLURM_JOB": str(job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
+    if job.uid is not None:
+        fields["GPUGATE_SLURM_JOB_UID"] = str(job.uid)
+    return fields
+
+
+def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
+    """Best effort: drain the node first with gpugate's reason, which slurmctld keeps when
+    the failed hook drains it too. scontrol from the system folders, never the job's PATH."""
+    scontrol = find_program("scontrol")
+    if scontrol is None:
+        return
+    try:
+        result = run_program(
+            [scontrol, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
+            SCONTROL_TIMEOUT_S,
+        )
+    except GateError as exc:
+        print(lines.warning(exc.message), file=stream)
+        return
+    if result.returncode != 0:
+        said = f"scontrol exited {result.returncode}: {result.first_line()}"
+        print(lines.warning(said), file=stream)
+
 
 MAX_REASON_HOLDERS = 3  # processes a drain reason names
 SLURM_JOB_CGROUP = re.compile(r"slurmstepd\.scope/job_([0-9]{1,10})(?:/|$)")
@@ -90,8 +225,7 @@ def run_slurm_hook(
         job = job_from_env(environ)
         if not job.gpus:
             if job.no_gpus:  # Slurm's own words for "no GPU here"
-                fields = job_fields(job)
-                reporter = deps.reporter_factory(job.label, phase.value, fields=fields)
+                reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
                 reporter.event(
                     Event.RUN_FINISHED, f"no GPUs to gate ({job.no_gpus})", result="success"
                 )
@@ -103,25 +237,40 @@ def run_slurm_hook(
         print(lines.error(detail), file=stream)
         code = exc.exit_code
     else:
-        code, summary, detail = run_job(
-            phase, job, loaded, dry_run=dry_run, deps=replace(deps, run=run_deps)
+        hook = Hook(
+            phase,
+            job.label,
+            lambda: job_cgroup(job.job_id, run_deps.roots.cgroup, job.node_name),
+            metrics_unit=METRICS_UNIT,
+            surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
+            dry_run=dry_run,
         )
+        reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
+        outcome = run_hook(hook, loaded, Deps(reporter, run_deps, stream))
+        code, summary = outcome.exit_code, outcome.summary
+        detail = outcome.error.message if outcome.error else failure_detail(summary)
     if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
         return int(code)  # stopped: slurmd, which stopped it, drains the node itself
-    drain(phase, job, detail, code, environ=environ, stream=stream, said=summary is None)
+    # The drain reason on stderr (unless the error said it already) and to slurmctld.
+    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+    if summary is not None:
+        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
+    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
+    if node:
+        set_drain_reason(node, reason, stream)
     return int(code)
 
 
 def job_config(
     config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
 ) -> tuple[LoadedConfig, RunDeps]:
-    """The config with the job's GPUs as NVML's UUIDs (through gres.conf), and the deps with
-    the driver opened; numbers not resolved for certain: no GPU, the job's cgroup alone."""
+    """The config with the job's GPUs as NVML's UUIDs, the driver opened; numbers not
+    resolved for certain: no GPU, the job's cgroup alone."""
     driver: GpuDriver | None = None
-    numbers = ",".join(map(str, job.gpus))
+    given = f"{job.gpus_from}={','.join(map(str, job.gpus))}"
     try:
         path = gres_conf_path(deps.environ.get("SLURM_CONF"))
-        layout = parse_gres_conf(read_gres_conf(path), str(path), job.node_name)
+        layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
         driver = deps.run.driver_factory()
         nodes = DeviceNodes(deps.run.roots.dev, deps.device_stat)
         unreadable = len(driver.faults())
@@ -129,44 +278,22 @@ def job_config(
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
-        why = exc.message if isinstance(exc, GateError) else str(exc)
         print(
             lines.warning(
-                f"{job.gpus_from}={numbers}: slurmd's GPU numbers not resolved ({why}); "
+                f"{given}: slurmd's GPU numbers not resolved ({exc}); "
                 "only the job's own cgroup is cleaned, nothing outside it is killed"
             ),
             file=deps.stream,
         )
-        note = f"{job.gpus_from}={numbers} not resolved: the job's cgroup only"
-        return with_job_gpus(config, (), note), deps.run
+        return with_job_gpus(config, (), f"{given} not resolved: the job's cgroup only"), deps.run
     opened = driver
-    note = f"gpus from {job.gpus_from}={numbers} through {layout.path}"
     uuids = tuple(gpu.uuid for gpu in gpus)
-    return with_job_gpus(config, uuids, note), replace(deps.run, driver_factory=lambda: opened)
-
-
-def run_job(
-    phase: Phase, job: SlurmJob, loaded: LoadedConfig, *, dry_run: bool, deps: SlurmDeps
-) -> tuple[ExitCode, RunSummary | None, str]:
-    job_id, node_name, cgroup_root = job.job_id, job.node_name, deps.run.roots.cgroup
-    hook = Hook(
-        phase,
-        job.label,
-        lambda: job_cgroup(job_id, cgroup_root, node_name),
-        metrics_unit=METRICS_UNIT,
-        surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
-        dry_run=dry_run,
-    )
-    reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
-    outcome = run_hook(hook, loaded, Deps(reporter, deps.run, deps.stream))
-    detail = outcome.error.message if outcome.error else failure_detail(outcome.summary)
-    return outcome.exit_code, outcome.summary, detail
+    loaded = with_job_gpus(config, uuids, f"gpus from {given} through {layout.path}")
+    return loaded, replace(deps.run, driver_factory=lambda: opened)
 
 
 def failure_detail(summary: RunSummary | None) -> str:
-    """What still holds the run's GPUs, for a Slurm node's drain reason: each process that
-    kept one (up to MAX_REASON_HOLDERS: PID, account, the GPUs, the rule), each GPU whose
-    memory stayed used; only those GPUs."""
+    """A drain reason's detail: each process that kept a GPU, each GPU still used."""
     if summary is None:
         return "failed"
     parts = []
@@ -213,25 +340,6 @@ def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
     return head + shown(detail.replace('"', "'"), Kind(room, room)) + tail
 
 
-def drain(
-    phase: Phase,
-    job: SlurmJob | None,
-    detail: str,
-    code: ExitCode,
-    *,
-    environ: Mapping[str, str],
-    stream: TextIO,
-    said: bool,
-) -> None:
-    """A failed prolog or epilog: the drain reason on stderr (unless said) and to slurmctld."""
-    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
-    if not said:
-        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
-    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
-    if node:
-        set_drain_reason(node, reason, stream)
-
-
 def slurm_check(
     environ: Mapping[str, str],
     node: str | None,
@@ -244,13 +352,15 @@ def slurm_check(
     slurm_conf = environ.get("SLURM_CONF") or DEFAULT_SLURM_CONF
     try:
         gres_conf_path(slurm_conf)  # SLURM_CONF an absolute path, or GresUnresolved
-        print(shm_line(shm_privacy(Path(slurm_conf))), file=out)
+        print(shm_line(*shm_privacy(Path(slurm_conf))), file=out)
     except GresUnresolved as exc:
         print(f"/dev/shm: not known ({exc})", file=out)
     try:
         path = gres_conf_path(slurm_conf)
-        layout = parse_gres_conf(read_gres_conf(path), str(path), node)
-        return check_gpus(layout, node, driver_factory, nodes, out)
+        layout = parse_gres_conf(read_root_file(path), str(path), node)
+        with contextlib.closing(driver_factory()) as driver:
+            gpus, faults = list(driver.gpus()), list(driver.faults())
+        ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
     except GresUnresolved as exc:
         print(
             f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
@@ -258,48 +368,23 @@ def slurm_check(
             file=out,
         )
         return int(ExitCode.CONFIG)
-
-
-def shm_line(privacy: ShmPrivacy) -> str:
-    private, plugin, dirs = privacy.private, privacy.plugin, privacy.dirs
-    if private:
-        return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
-    if plugin:
-        return (
-            f"/dev/shm: shared by the node's jobs (JobContainerType={plugin}, Dirs={dirs or '-'}); "
-            "gpugate removes only the segments of processes it killed"
-        )
-    return (
-        "/dev/shm: shared by the node's jobs (no JobContainerType); gpugate removes only the "
-        "segments of processes it killed: JobContainerType=job_container/tmpfs gives each job "
-        "its own"
-    )
-
-
-def check_gpus(
-    layout: GpuLayout,
-    node: str,
-    driver_factory: Callable[[], GpuDriver],
-    nodes: DeviceNodes,
-    out: TextIO,
-) -> int:
-    driver: GpuDriver | None = None
-    try:
-        driver = driver_factory()
-        gpus = list(driver.gpus())
-        faults = list(driver.faults())
     except GateError as exc:
         print(lines.error(exc.message), file=sys.stderr)
         return int(exc.exit_code)
-    finally:
-        if driver is not None:
-            driver.close()
-    ordered: list[Gpu] = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
-    files = list(layout.files) if not layout.nvml_order else []
     order = "AutoDetect=nvml: NVML's order" if layout.nvml_order else "File= order"
     print(f"GPUs of node {node}, as slurmd numbers them ({layout.path}, {order}):", file=out)
     for number, gpu in enumerate(ordered):
-        file = files[number] if files else None
-        where = f" {file} =" if file else ""
+        where = "" if layout.nvml_order else f" {layout.files[number]} ="
         print(f"  {number} ={where} {gpu.label}", file=out)
     return int(ExitCode.OK)
+
+
+def shm_line(plugin: str, dirs: str, private: bool) -> str:
+    if private:
+        return f"/dev/shm: private to each job (JobContainerType={plugin}, Dirs={dirs})"
+    setting = f"JobContainerType={plugin}, Dirs={dirs or '-'}" if plugin else "no JobContainerType"
+    advice = "" if plugin else ": JobContainerType=job_container/tmpfs gives each job its own"
+    return (
+        f"/dev/shm: shared by the node's jobs ({setting}); gpugate removes only the segments "
+        f"of processes it killed{advice}"
+    )

@@ -505,8 +505,8 @@ def look(
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
         unreadable = [
-            lines.warning(unreadable_record_text(path, "a gpugate lease", files.why[path]))
-            for path in files.unreadable
+            lines.warning(unreadable_record_text(path, "a gpugate lease", why))
+            for path, why in files.unreadable.items()
         ]
         for warning in [unreadable_warning(discovery), *unreadable]:
             if warning and warning not in warned:
