@@ -22,7 +22,7 @@ class Verdict(Enum):
 
 
 class Rule(Enum):
-    """The journal's GPUGATE_REASON and `status --json`'s "reason" (words: report/reasons.py)."""
+    """The journal's GPUGATE_REASON and `status --json`'s "reason" (words: report/narrate.py)."""
 
     PROTECTED = "protected"  # protected_executables / protected_units
     WATCHER = "watcher"  # device files open, NVML lists it nowhere (nvidia-smi -l, nvtop)

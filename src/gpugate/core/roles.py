@@ -195,7 +195,7 @@ def app_tree(
 
 
 # Slurm's cgroup/v2 plugin: /system.slice/slurmstepd.scope/job_ID, or NODE_slurmstepd.scope
-# (Debian's multiple-slurmd build), with step_*/ below (integrations/slurm.py).
+# (Debian's multiple-slurmd build), with step_*/ below (front/commands/slurm.py).
 JOB_CGROUP = re.compile(r"/system\.slice/(?:[^/]+_)?slurmstepd\.scope/job_[0-9]+(?:/.*)?")
 
 
