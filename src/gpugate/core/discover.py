@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 from gpugate.compat import StrEnum
 from gpugate.config.values import MIG_PREFIX, GpuRef, GpuSelection, legacy_mig
@@ -30,6 +29,7 @@ from gpugate.host.scan import (
     DeviceScan,
     ProcFs,
     ProcInfo,
+    WatchScan,
     listening_sockets,
     scan_device_users,
 )
@@ -70,27 +70,6 @@ class Holder:
         /dev/nvidiaN for every visible GPU), and on a MIG slice the slice, not its GPU."""
         found = set(self.used_mib) or self.gpus
         return found - {mig_parent(key) for key in found}
-
-
-# (proc root, device prefix, socket inodes, shm areas, PIDs NVML lists, deadline): `full_scan`,
-# or `status --watch`'s, which rescans what changed (host.scan)
-DeviceScanner = Callable[
-    [Path, Optional[str], Collection[int], Sequence[ShmArea], Collection[int], Deadline], DeviceScan
-]
-
-
-def full_scan(
-    proc_root: Path,
-    device_prefix: str | None,
-    socket_inodes: Collection[int],
-    shm_areas: Sequence[ShmArea],
-    listed_by_nvml: Collection[int],
-    deadline: Deadline,
-) -> DeviceScan:
-    """Every process on the host (a watcher, a mapped-only holder and a holder of a GPU NVML
-    cannot read are on no NVML list)."""
-    del listed_by_nvml
-    return scan_device_users(proc_root, device_prefix, socket_inodes, shm_areas, deadline)
 
 
 @dataclass
@@ -216,10 +195,12 @@ def discover(
     strict_faults: bool = True,
     ports: Collection[int] = (),
     deadline: Deadline = NO_DEADLINE,
-    scanner: DeviceScanner = full_scan,
+    watch: WatchScan | None = None,
 ) -> Discovery:
     """strict_faults: an NVML error on a GPU of the unit's fails the run (`status`: False);
-    containers and ports: the config's, whose processes and listeners are the unit's too."""
+    containers and ports: the config's, whose processes and listeners are the unit's too;
+    watch: `status --watch`'s rescans (None: every process on the host, as a watcher, a
+    mapped-only holder and a holder of a GPU NVML cannot read are on no NVML list)."""
     gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
     shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
@@ -228,9 +209,12 @@ def discover(
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
         listening = listening_sockets(roots.proc, ports)
-        listed = {process.pid for each in usage.values() for process in each.processes}
         dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
-        scan = scanner(roots.proc, dev_prefix, listening, shm_areas, listed, deadline)
+        if watch is None:
+            scan = scan_device_users(roots.proc, dev_prefix, listening, shm_areas, deadline)
+        else:
+            listed = {process.pid for each in usage.values() for process in each.processes}
+            scan = watch(roots.proc, dev_prefix, listening, shm_areas, listed, deadline)
         _add_device_users(table, roots.proc, gpus, faults, listening, scan)
         invisible = _add_nvml_processes(table, usage)
         unit_containers = _containers(table, roots.cgroup, containers)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -16,20 +15,19 @@ from typing import Any
 from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import decide
 from gpugate.core.discover import (
-    DeviceScanner,
+    GPU_DEVICE,
     Discovery,
     Holder,
     Sought,
     cgroup_members,
     discover,
-    full_scan,
 )
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
 from gpugate.host.nvml import GpuDriver, NoGpus
-from gpugate.host.scan import Deadline, ProcFs, WatchScan
-from gpugate.host.shm import ShmArea, ShmFile, ShmKey, facts, inode_index, own_shm_of_any, space
+from gpugate.host.scan import Deadline, HostShm, ProcFs, WatchScan
+from gpugate.host.shm import ShmFile, own_shm_of_any
 from gpugate.host.systemd import (
     HostRoots,
     resolve_unit_cgroup,
@@ -71,7 +69,7 @@ def collect(
     roots: HostRoots | None = None,
     *,
     procfs: ProcFs | None = None,
-    scanner: DeviceScanner = full_scan,
+    watch: WatchScan | None = None,
 ) -> Discovery:
     """As nvidia-smi: a GPU NVML cannot read is listed in `faults`, not hiding the others."""
     roots = roots or HostRoots()
@@ -90,25 +88,17 @@ def collect(
         containers=loaded.config.containers,
         strict_faults=False,
         deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
-        scanner=scanner,
+        watch=watch,
     )
 
 
-def shm_use(areas: list[ShmArea], files: Iterable[ShmFile]) -> list[dict[str, Any]]:
+def shm_use(host: HostShm, files: Iterable[ShmFile]) -> list[dict[str, Any]]:
     """A holder's /dev/shm files; bytes null: unlinked, still mapped (path " (deleted)")."""
     used = []
-    index: dict[ShmKey, list[str]] | None = None
     for file in sorted(files, key=lambda f: f.path):
-        found = facts(areas, file)
-        if found is None:  # a semaphore's maps name is a temporary one (shm._own_names)
-            index = inode_index(areas) if index is None else index
-            found = facts(areas, file, index)
-        used.append(
-            {
-                "path": shown(found.path if found else file.names[0], FILE),
-                "bytes": found.bytes if found else None,
-            }
-        )
+        found = host.facts(file)
+        path = found.path if found else file.names[0]
+        used.append({"path": shown(path, FILE), "bytes": found.bytes if found else None})
     return used
 
 
@@ -133,6 +123,7 @@ def as_dict(
     leases = (read_leases(loaded.config.lock_dir) if lease_files is None else lease_files).leases
     rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
     unowned = read_unowned(loaded.config.lock_dir)
+    shm_host = HostShm(discovery.shm_areas, roots.proc)
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
@@ -141,7 +132,7 @@ def as_dict(
         "free_mib": loaded.config.free_mib,
         "gpus": gpu_dicts(discovery, leases),
         "holders": [
-            holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned)
+            holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned, shm_host)
             for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
         ],
         "leases": [
@@ -160,8 +151,7 @@ def as_dict(
                 "total_bytes": found.total_bytes,
                 "free_bytes": found.free_bytes,
             }
-            for area in discovery.shm_areas
-            if (found := space(area)) is not None
+            for found in shm_host.spaces()
         ],
         "unit_shm": unit_shm(discovery, roots),
         "invisible": [{"gpu": gpu, "pid": pid} for gpu, pid in discovery.invisible],
@@ -217,14 +207,14 @@ def holder_dict(
     now: float | None,
     rule: str | None,
     unowned: dict[Any, Seen],
+    shm_host: HostShm,
 ) -> dict[str, Any]:
     """owner: core/roles' kind; unowned_s: since when a sweep has seen it nobody's."""
     info = holder.info
     owner = owner_of(holder, discovery, loaded.config)
     seen = unowned.get(info.ident) if owner is Owner.NOBODY else None
     role = holder_role(holder, discovery, loaded.config)
-    container = holder.container
-    shm = shm_use(discovery.shm_areas, discovery.shm.get(info.pid, ()))
+    shm = shm_use(shm_host, discovery.shm.get(info.pid, ()))
     command, command_cut = shown_args(info.cmdline)
     return {
         "pid": info.pid,
@@ -251,11 +241,11 @@ def holder_dict(
         "shm_bytes": sum(item["bytes"] or 0 for item in shm),
         "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
         "container": None
-        if container is None
+        if holder.container is None
         else {
-            "runtime": container.runtime,
-            "id": container.id,
-            "name": shown(container.name, CONTAINER) or None,
+            "runtime": holder.container.runtime,
+            "id": holder.container.id,
+            "name": shown(holder.container.name, CONTAINER) or None,
         },
         "owner": str(owner),
         "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
@@ -455,7 +445,7 @@ def status(
     driver = front.driver_factory()
     try:
         warned: list[str] = []
-        scanner: DeviceScanner = WatchScan() if watch else full_scan
+        scanner = WatchScan() if watch else None
         while True:
             data = look(unit, loaded, driver, roots, warned, scanner)
             hung = driver.not_answering()
@@ -487,20 +477,20 @@ def look(
     driver: GpuDriver,
     roots: HostRoots,
     warned: list[str],
-    scanner: DeviceScanner,
+    scanner: WatchScan | None,
 ) -> dict[str, Any]:
     """One look (each --watch tick) in one ProcFs.oneshot(); each warning said once (warned)."""
     procfs = ProcFs(roots.proc)
     with procfs.oneshot():
         try:
-            discovery = collect(unit, loaded, driver, roots, procfs=procfs, scanner=scanner)
+            discovery = collect(unit, loaded, driver, roots, procfs=procfs, watch=scanner)
         except NvmlNotAnswering as exc:
             # Hung before it named a GPU: what /dev and /proc show, without NVML.
             try:  # N of every /dev/nvidiaN: the GPUs' device files
                 names = os.listdir(roots.dev)
             except OSError:
                 names = []
-            minors = sorted(int(name[6:]) for name in names if re.fullmatch(r"nvidia\d+", name))
+            minors = sorted(int(name[6:]) for name in names if GPU_DEVICE.fullmatch(name))
             hung = NoGpus(exc, minors)
             discovery = collect(unit, loaded, hung, roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
