@@ -21,7 +21,6 @@ from gpugate.host.shm import (
     host_root,
     inode_index,
     largest_files,
-    own_shm,
     own_shm_of_any,
     space,
     unlink_if_same,
@@ -56,7 +55,7 @@ def private_shm_child() -> Iterator[int]:
 
 @pytest.mark.root("a mount namespace of its own")
 def test_a_process_with_its_own_dev_shm_shows_its_size_and_use(private_shm_child: int) -> None:
-    found = own_shm(Path("/proc"), private_shm_child, {HOST_SHM_DEV})
+    found = own_shm_of_any(Path("/proc"), {private_shm_child}, {HOST_SHM_DEV})
     assert found is not None
     assert found.pid == private_shm_child and found.dev != HOST_SHM_DEV
     assert found.total_bytes == 1 << 20
@@ -66,8 +65,8 @@ def test_a_process_with_its_own_dev_shm_shows_its_size_and_use(private_shm_child
 
 
 def test_a_process_sharing_the_hosts_dev_shm_has_none() -> None:
-    assert own_shm(Path("/proc"), os.getpid(), {HOST_SHM_DEV}) is None
-    assert own_shm(Path("/proc"), 2**22 + 3, {HOST_SHM_DEV}) is None  # no such process
+    assert own_shm_of_any(Path("/proc"), {os.getpid()}, {HOST_SHM_DEV}) is None
+    assert own_shm_of_any(Path("/proc"), {2**22 + 3}, {HOST_SHM_DEV}) is None  # no such process
 
 
 def test_a_dev_shm_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
@@ -78,7 +77,7 @@ def test_a_dev_shm_that_is_a_symlink_is_not_followed(tmp_path: Path) -> None:
     (root / "dev").mkdir(parents=True)
     (root / "dev" / "shm").symlink_to("/dev/shm")
     (proc / "77" / "root").symlink_to(root)
-    assert own_shm(proc, 77, set()) is None
+    assert own_shm_of_any(proc, {77}, set()) is None
 
 
 def hostlike(tmp_path: Path) -> Path:

@@ -85,8 +85,6 @@ class RunState:
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
         self.facts = RunFacts()
-        selection = self.config.selection()  # None when degraded: no GPU
-        self.sought = Sought(scope.unit, scope.unit_cgroup, selection, self.loaded.source)
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
@@ -133,14 +131,14 @@ class RunState:
                 raise error
             self.narrator.degraded(error, self.scope.phase.value)
         self.summary.degraded = True
-        self.sought = replace(self.sought, wanted=None)
         self.driver = NoGpus()
 
     def find(self) -> tuple[Discovery, Decision]:
         """One round: discovery and decision over one consistent reading of /proc."""
+        wanted = None if self.summary.degraded else self.config.selection()  # degraded: no GPU
         with self.procfs.oneshot():
             found = discover(
-                self.sought,
+                Sought(self.scope.unit, self.scope.unit_cgroup, wanted, self.loaded.source),
                 driver=self.driver,
                 procfs=self.procfs,
                 roots=self.deps.roots,

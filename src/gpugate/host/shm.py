@@ -419,37 +419,35 @@ class OwnShm:
     files: int  # regular files at its top level (MAX_ENTRIES at most)
 
 
-def own_shm(proc_root: Path, pid: int, host_devs: Collection[int]) -> OwnShm | None:
-    """PID's /dev/shm where it is a tmpfs of its own (another device than its /dev and the
-    host's shm areas); None where it is not, or cannot be read."""
-    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
-    fds: list[int] = []
-    try:
-        fds.append(os.open(proc_root / str(pid) / "root", flags))
-        fds.append(os.open("dev", flags | os.O_NOFOLLOW, dir_fd=fds[-1]))
-        dev_info = os.fstat(fds[-1])
-        fds.append(os.open("shm", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
-        info = os.fstat(fds[-1])
-        if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
-            return None
-        vfs = os.fstatvfs(fds[-1])
-        with os.scandir(fds[-1]) as entries:
-            found = (entry for entry in entries if entry.is_file(follow_symlinks=False))
-            files = len(list(islice(found, MAX_ENTRIES)))
-    except OSError:
-        return None
-    finally:
-        for fd in fds:
-            os.close(fd)
-    used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
-    return OwnShm(pid, info.st_dev, vfs.f_blocks * vfs.f_frsize, used, files)
-
-
 def own_shm_of_any(
     proc_root: Path, pids: Collection[int], host_devs: Collection[int]
 ) -> OwnShm | None:
-    found = (own_shm(proc_root, pid, host_devs) for pid in sorted(pids))
-    return next((shm for shm in found if shm is not None), None)
+    """The /dev/shm of the first of PIDS where it is a tmpfs of its own (another device than
+    its /dev and the host's shm areas); None where it is none's, or cannot be read."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC
+    for pid in sorted(pids):
+        fds: list[int] = []
+        try:
+            fds.append(os.open(proc_root / str(pid) / "root", flags))
+            fds.append(os.open("dev", flags | os.O_NOFOLLOW, dir_fd=fds[-1]))
+            dev_info = os.fstat(fds[-1])
+            shm_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+            fds.append(os.open("shm", shm_flags, dir_fd=fds[-1]))
+            info = os.fstat(fds[-1])
+            if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
+                continue
+            vfs = os.fstatvfs(fds[-1])
+            with os.scandir(fds[-1]) as entries:
+                found = (entry for entry in entries if entry.is_file(follow_symlinks=False))
+                files = len(list(islice(found, MAX_ENTRIES)))
+        except OSError:
+            continue
+        finally:
+            for fd in fds:
+                os.close(fd)
+        used = (vfs.f_blocks - vfs.f_bfree) * vfs.f_frsize
+        return OwnShm(pid, info.st_dev, vfs.f_blocks * vfs.f_frsize, used, files)
+    return None
 
 
 def is_own_tmpfs(path: str, host_devs: Collection[int]) -> bool:
