@@ -13,7 +13,7 @@ from typing import TextIO
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError
 from gpugate.host.scan import ProcFs
@@ -84,10 +84,16 @@ def run_container_hook(
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(
-            phase, identity.unit, lambda: cgroup, metrics_unit=METRICS_UNIT, surroundings=made
+            phase,
+            identity.unit,
+            lambda: cgroup,
+            made,
+            reporter,
+            RunDeps(roots=roots, driver_factory=lambda: driver),
+            metrics_unit=METRICS_UNIT,
+            stream=stream,
         )
-        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: driver), stream)
-        return int(run_hook(hook, loaded, deps).exit_code)
+        return int(run_hook(hook, loaded).exit_code)
 
 
 def run_from_hook(

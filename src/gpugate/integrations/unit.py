@@ -117,6 +117,25 @@ class UnitContext:
     environment: Callable[[str], UnitEnvironment | None] | None = None  # default: systemd's
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
 
+    def surroundings(
+        self, scope: RunScope, loaded: LoadedConfig, reporter: Reporter
+    ) -> UnitSurroundings:
+        """Made once the run's scope and config are known (Hook.surroundings)."""
+        narration = Narrator(reporter)
+        environment = self.environment or (
+            None if self.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
+        )
+        choice = choose_gpus(scope.unit, loaded, environment)
+        made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), self, choice, narration)
+        if scope.phase.traits.reads_failed_start:
+            made.failed_pre = records.failed_pre_of_this_start(
+                loaded.config.lock_dir,
+                scope.unit,
+                self.environ,
+                narration.failed_start_unreadable,
+            )
+        return made
+
 
 @dataclass
 class UnitSurroundings(Surroundings):
@@ -297,30 +316,6 @@ class UnitSurroundings(Surroundings):
         if failed is not None and failed.exit_code == ExitCode.NVML_NOT_ANSWERING:
             return failed.reason
         return None
-
-
-def unit_surroundings(
-    context: UnitContext,
-) -> Callable[[RunScope, LoadedConfig, Reporter], UnitSurroundings]:
-    """How the hook's surroundings are made once the run's scope and config are known."""
-
-    def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
-        narration = Narrator(reporter)
-        environment = context.environment or (
-            None if context.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
-        )
-        choice = choose_gpus(scope.unit, loaded, environment)
-        made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), context, choice, narration)
-        if scope.phase.traits.reads_failed_start:
-            made.failed_pre = records.failed_pre_of_this_start(
-                loaded.config.lock_dir,
-                scope.unit,
-                context.environ,
-                narration.failed_start_unreadable,
-            )
-        return made
-
-    return make
 
 
 # A manual run: `gpugate pre|post UNIT` typed in a shell. systemd runs a unit's ExecStartPre=
