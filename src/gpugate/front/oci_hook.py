@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import LoadedConfig, replaced
+from gpugate.config.file import LoadedConfig
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Hook, run_hook, stopped_by_signals
@@ -23,7 +23,6 @@ from gpugate.integrations.container import (
     NOT_STARTED,
     OWN_LEASE_PREFIX,
     container_config,
-    container_surroundings,
     gpu_selection,
     identify,
     request_text,
@@ -78,16 +77,21 @@ def run_container_hook(
                 driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
-        loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
-        context = UnitContext({}, roots, unit_state=unit_state)
-        made = container_surroundings(identity, GpuChoice(selection, source), context)
+        context = UnitContext(
+            {},
+            roots,
+            unit_state=unit_state,
+            choice=GpuChoice(selection, source),
+            container=identity.label,
+            around=identity.around,
+        )
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(
             phase,
             identity.unit,
             lambda: cgroup,
-            made,
+            context.surroundings,
             reporter,
             RunDeps(roots=roots, driver_factory=lambda: driver),
             metrics_unit=METRICS_UNIT,
