@@ -191,7 +191,7 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
         if gpus:
             code, reaped = reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
     if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
-        drain_due(loaded, front, (holdings, seen, now), (reaped, code))
+        drain_due(loaded, front, holdings, seen, now, reaped, code)
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
     sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
     return code
@@ -200,11 +200,12 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
 def drain_due(
     loaded: LoadedConfig,
     front: Front,
-    state: tuple[Sequence[Holding], Mapping[ProcessId, Seen], float],
-    reaped_by: tuple[list[int], int],
+    holdings: Sequence[Holding],
+    seen: Mapping[ProcessId, Seen],
+    now: float,
+    reaped: list[int],
+    code: int,
 ) -> None:
-    holdings, seen, now = state
-    reaped, code = reaped_by
     node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
     if code == ExitCode.UNKILLABLE:  # the reaped GPUs' unowned holders, still the same processes
         procfs, on = ProcFs(front.host_roots().proc), set(reaped)
