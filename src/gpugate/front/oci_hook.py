@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -65,26 +66,14 @@ def run_container_hook(
         driver: GpuDriver | None = None
         try:
             driver = driver_factory()
-            source = request_text(spec.gpus)
-            # After the stop: the GPUs its start leased, where the lease is still there.
-            leases = read_leases(loaded.config.lock_dir).leases if phase is Phase.POST else []
-            leased = next((x.gpus for x in leases if x.unit == identity.unit and x.gpus), None)
-            if leased is None and spec.gpus.unresolved is not None:
-                raise spec.gpus.unresolved
-            selection = leased or gpu_selection(spec.gpus, list(driver.gpus()), source)
+            choice = container_gpus(phase, spec, identity.unit, loaded, driver)
         except GateError as exc:
             if driver is not None:
                 driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
-        context = UnitContext(
-            {},
-            roots,
-            unit_state=unit_state,
-            choice=GpuChoice(selection, source),
-            container=identity.label,
-            around=identity.around,
-        )
+        context = UnitContext({}, roots, unit_state=unit_state, choice=choice)
+        context = replace(context, container=identity.label, around=identity.around)
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(
@@ -98,6 +87,18 @@ def run_container_hook(
             stream=stream,
         )
         return int(run_hook(hook, loaded).exit_code)
+
+
+def container_gpus(
+    phase: Phase, spec: ContainerSpec, unit: str, loaded: LoadedConfig, driver: GpuDriver
+) -> GpuChoice:
+    """The GPUs its spec reaches; after the stop, those its start leased (lease still there)."""
+    source = request_text(spec.gpus)
+    leases = read_leases(loaded.config.lock_dir).leases if phase is Phase.POST else []
+    leased = next((x.gpus for x in leases if x.unit == unit and x.gpus), None)
+    if leased is None and spec.gpus.unresolved is not None:
+        raise spec.gpus.unresolved
+    return GpuChoice(leased or gpu_selection(spec.gpus, list(driver.gpus()), source), source)
 
 
 def run_from_hook(
