@@ -23,10 +23,10 @@ from gpugate.config.schema import GateConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps, RunScope
 from gpugate.errors import GateError
-from gpugate.front.hook import Deps, Hook, run_phase
+from gpugate.front.hook import Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
 from gpugate.host.systemd import HostRoots
-from gpugate.integrations.unit import UnitContext, unit_surroundings
+from gpugate.integrations.unit import UnitContext
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 
@@ -366,11 +366,13 @@ def run_unit_phase(
         scope.phase,
         scope.unit,
         lambda: scope.unit_cgroup,
-        metrics_unit=scope.unit,
-        surroundings=unit_surroundings(context),
+        context.surroundings,
+        reporter,
+        RunDeps(roots=roots, **run_deps),
         dry_run=dry_run,
+        for_uid=scope.for_uid,
     )
-    return run_phase(hook, scope, loaded, Deps(reporter, RunDeps(roots=roots, **run_deps)))
+    return run_phase(hook, loaded)
 
 
 NOBODY = 65534

@@ -202,7 +202,8 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     """Not an internal error (70): exit 69 and one journal entry naming systemctl."""
     from gpugate.core.outcome import NullSurroundings
     from gpugate.core.run import RunDeps
-    from gpugate.front.hook import Deps, Hook, run_hook
+    from gpugate.front.hook import Hook, run_hook
+    from gpugate.phase import Phase
 
     system = tmp_path / "sbin"
     system.mkdir()
@@ -213,17 +214,16 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     monkeypatch.setattr(systemd, "SYSTEMCTL_TIMEOUT_S", 0.3)
     (orphan,) = host.pool.holder(host.gpu_files(0))
     hook = Hook(
-        "pre",
+        Phase.PRE,
         "vllm.service",
         lambda: systemd.resolve_unit_cgroup("vllm.service", host.cgroup_root),
+        lambda scope, loaded, reporter: NullSurroundings(loaded),
+        host.reporter("pre"),
+        RunDeps(roots=host.roots, driver_factory=lambda: host.memory),
         metrics_unit="vllm.service",
-        surroundings=lambda scope, loaded, reporter: NullSurroundings(loaded),
+        stream=io.StringIO(),
     )
-    stream = io.StringIO()
-    deps = Deps(
-        host.reporter("pre"), RunDeps(roots=host.roots, driver_factory=lambda: host.memory), stream
-    )
-    outcome = run_hook(hook, host.config(gpus=[0]), deps)
+    outcome = run_hook(hook, host.config(gpus=[0]))
     assert outcome.exit_code is ExitCode.NVML_UNAVAILABLE
     (entry,) = host.journal.events("error")
     assert entry["GPUGATE_EXIT_CODE"] == str(int(ExitCode.NVML_UNAVAILABLE))

@@ -13,15 +13,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode
-from gpugate.front.commands.slurm import (
-    SlurmDeps,
-    SlurmEnvError,
-    job_cgroup,
-    job_from_env,
-    run_slurm_hook,
-)
+from gpugate.front.commands import Front
+from gpugate.front.commands.slurm import SlurmEnvError, job_cgroup, job_from_env
+from gpugate.front.commands.slurm import slurm as slurm_hook
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeHost, alive
@@ -245,13 +240,9 @@ def slurm(host: FakeHost, phase: str, config: Path, driver: object = None) -> in
         )
 
     factory = (lambda: host.memory) if driver is None else driver
-    deps = SlurmDeps(
-        os.environ,
-        reporter,
-        RunDeps(roots=host.roots, driver_factory=factory),  # type: ignore[arg-type]
-        device_stat=device_stat(host.dev),
-    )
-    return run_slurm_hook(Phase(phase), config, dry_run=False, deps=deps)
+    front = Front(driver_factory=factory, reporter_factory=reporter, roots=host.roots)  # type: ignore[arg-type]
+    front.device_stat = device_stat(host.dev)
+    return slurm_hook(front, Phase(phase), config)
 
 
 def test_epilog_reaps_the_jobs_leftovers_and_passes(

@@ -1,5 +1,5 @@
-"""One hook run, the same for a unit's, a Slurm job's and an OCI hook: locate the cgroup, run
-the phase, say a failure once, record the metrics."""
+"""One hook run, the same for a unit's, a Slurm job's, an OCI hook's and the sweep's reap:
+locate the cgroup, run the phase, say a failure once, record the metrics."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import TextIO
 
@@ -17,7 +17,7 @@ from gpugate.config.file import LoadedConfig
 from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary, Surroundings
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
-from gpugate.errors import ExitCode, GateError, Interrupted
+from gpugate.errors import GateError, Interrupted
 from gpugate.host.locks import check_all
 from gpugate.host.shm import find_areas, host_root
 from gpugate.phase import Phase
@@ -27,60 +27,50 @@ from gpugate.report.narrate import Narrator
 
 @dataclass(frozen=True)
 class Hook:
+    """Built once by the command and passed whole: what the run is about, how its
+    surroundings are made, what it reaches the host through."""
+
     phase: Phase
     unit: str  # the unit, or the label standing for it (slurm-job-42)
     locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
-    metrics_unit: str  # the metrics' unit label (every Slurm job counts as "slurm")
     # a unit's, a Slurm job's, or none (NullSurroundings)
     surroundings: Callable[[RunScope, LoadedConfig, Reporter], Surroundings]
-    dry_run: bool = False
-    for_uid: int | None = None  # the hidden --for-uid: kill only this account's processes
-
-
-@dataclass(frozen=True)
-class Deps:
     reporter: Reporter  # the run's; a dry run uses its as_dry_run() twin
     run: RunDeps = field(default_factory=RunDeps)  # the host: roots, driver, pinner, clock
+    metrics_unit: str | None = None  # the metrics' unit label ("slurm"); None: no record
+    dry_run: bool = False
+    for_uid: int | None = None  # the hidden --for-uid: kill only this account's processes
     stream: TextIO = field(default_factory=lambda: sys.stderr)  # errors, metrics warnings
 
-
-@dataclass(frozen=True)
-class HookOutcome:
-    exit_code: ExitCode
-    summary: RunSummary | None  # None where the run ended in an error
-    error: GateError | None
+    def narrator(self) -> Narrator:
+        dry = self.dry_run and not self.reporter.dry_run
+        return Narrator(self.reporter.as_dry_run() if dry else self.reporter)
 
 
-def run_hook(hook: Hook, loaded: LoadedConfig, deps: Deps) -> HookOutcome:
-    deps = replace(deps, reporter=run_reporter(deps.reporter, hook.dry_run))
-    narrator = Narrator(deps.reporter)
-    summary: RunSummary | None = None
-    error: GateError | None = None
+def run_hook(hook: Hook, loaded: LoadedConfig) -> RunSummary | GateError:
+    """The run's summary, or the error that ended it (said once, on stderr too)."""
+    result: RunSummary | GateError
     try:
-        scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup(), hook.for_uid)
-        summary = run_phase(hook, scope, loaded, deps)
-        code = summary.exit_code
+        result = run_phase(hook, loaded)
     except GateError as exc:
-        error, code = exc, exc.exit_code
-        narrator.failed(exc, deps.stream)  # says it on stderr itself, once
+        result = exc
+        hook.narrator().failed(exc, hook.stream)
     textfile = loaded.config.metrics_textfile
-    if not hook.dry_run and textfile is not None:  # a failure to record: a warning at most
+    if hook.metrics_unit and not hook.dry_run and textfile is not None:
         from gpugate.integrations.metrics import record_after_run, run_record  # noqa: PLC0415
 
-        record = run_record(hook.phase.value, hook.metrics_unit, code, summary)
-        failed = narrator.metrics_not_written
-        record_after_run(textfile, record, stream=deps.stream, on_failure=failed)
-    return HookOutcome(code, summary, error)
+        summary = result if isinstance(result, RunSummary) else None
+        record = run_record(hook.phase.value, hook.metrics_unit, result.exit_code, summary)
+        failed = hook.narrator().metrics_not_written  # a failure to record: a warning at most
+        record_after_run(textfile, record, stream=hook.stream, on_failure=failed)
+    return result
 
 
-def run_reporter(reporter: Reporter, dry_run: bool) -> Reporter:
-    return reporter.as_dry_run() if dry_run and not reporter.dry_run else reporter
-
-
-def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> RunSummary:
+def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
     """The phase run, state folders checked first: a start that cannot record its lease fails."""
-    reporter = run_reporter(deps.reporter, hook.dry_run)
-    narrator = Narrator(reporter)
+    scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup(), hook.for_uid)
+    narrator = hook.narrator()
+    reporter = narrator.reporter
     # First thing: the unit's own TimeoutStartSec=/TimeoutStopSec= may be shorter than this
     # run's deadline; systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post.
     narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
@@ -90,7 +80,7 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
         warn = None if required else narrator.state_unwritable  # after a stop: it goes on
         check_all(*surroundings.state_to_write(), on_unwritable=warn)
     narrator.looking()
-    roots, traits = deps.run.roots, scope.phase.traits
+    roots, traits = hook.run.roots, scope.phase.traits
     # After a stop (read before post kills what is left of the unit), say what the unit's own
     # /dev/shm held. systemd gives the hook a fresh tmpfs of its own there (not PID 1's) where
     # the unit has one: that is how it tells.
@@ -106,7 +96,7 @@ def run_phase(hook: Hook, scope: RunScope, loaded: LoadedConfig, deps: Deps) -> 
             except GateError:
                 pids = set()
             say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
-    run = PhaseRun(scope, narrator, surroundings, deps.run, dry_run=hook.dry_run)
+    run = PhaseRun(scope, narrator, surroundings, hook.run, dry_run=hook.dry_run)
     try:
         return run.run()  # an error is told to the surroundings first (core/run.py)
     except Interrupted as exc:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
-from gpugate.config.file import LoadedConfig, replaced
+from gpugate.config.file import LoadedConfig
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError
 from gpugate.host.scan import ProcFs
@@ -23,7 +24,6 @@ from gpugate.integrations.container import (
     NOT_STARTED,
     OWN_LEASE_PREFIX,
     container_config,
-    container_surroundings,
     gpu_selection,
     identify,
     request_text,
@@ -66,28 +66,39 @@ def run_container_hook(
         driver: GpuDriver | None = None
         try:
             driver = driver_factory()
-            source = request_text(spec.gpus)
-            # After the stop: the GPUs its start leased, where the lease is still there.
-            leases = read_leases(loaded.config.lock_dir).leases if phase is Phase.POST else []
-            leased = next((x.gpus for x in leases if x.unit == identity.unit and x.gpus), None)
-            if leased is None and spec.gpus.unresolved is not None:
-                raise spec.gpus.unresolved
-            selection = leased or gpu_selection(spec.gpus, list(driver.gpus()), source)
+            choice = container_gpus(phase, spec, identity.unit, loaded, driver)
         except GateError as exc:
             if driver is not None:
                 driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
-        loaded = LoadedConfig(replaced(loaded.config, gpus=selection), loaded.source)
-        context = UnitContext({}, roots, unit_state=unit_state)
-        made = container_surroundings(identity, GpuChoice(selection, source), context)
+        context = UnitContext({}, roots, unit_state=unit_state, choice=choice)
+        context = replace(context, container=identity.label, around=identity.around)
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(
-            phase, identity.unit, lambda: cgroup, metrics_unit=METRICS_UNIT, surroundings=made
+            phase,
+            identity.unit,
+            lambda: cgroup,
+            context.surroundings,
+            reporter,
+            RunDeps(roots=roots, driver_factory=lambda: driver),
+            metrics_unit=METRICS_UNIT,
+            stream=stream,
         )
-        deps = Deps(reporter, RunDeps(roots=roots, driver_factory=lambda: driver), stream)
-        return int(run_hook(hook, loaded, deps).exit_code)
+        return int(run_hook(hook, loaded).exit_code)
+
+
+def container_gpus(
+    phase: Phase, spec: ContainerSpec, unit: str, loaded: LoadedConfig, driver: GpuDriver
+) -> GpuChoice:
+    """The GPUs its spec reaches; after the stop, those its start leased (lease still there)."""
+    source = request_text(spec.gpus)
+    leases = read_leases(loaded.config.lock_dir).leases if phase is Phase.POST else []
+    leased = next((x.gpus for x in leases if x.unit == unit and x.gpus), None)
+    if leased is None and spec.gpus.unresolved is not None:
+        raise spec.gpus.unresolved
+    return GpuChoice(leased or gpu_selection(spec.gpus, list(driver.gpus()), source), source)
 
 
 def run_from_hook(

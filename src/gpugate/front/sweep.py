@@ -16,12 +16,12 @@ from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import NullSurroundings
 from gpugate.core.roles import OWNERS, Holding, Owner, owner_of
-from gpugate.core.run import RunDeps, RunScope
-from gpugate.errors import ExitCode, GateError
+from gpugate.core.run import RunDeps
+from gpugate.errors import ExitCode
 from gpugate.front.commands import Front
 from gpugate.front.commands.slurm import set_drain_reason
 from gpugate.front.commands.status import collect
-from gpugate.front.hook import Deps, Hook, run_phase
+from gpugate.front.hook import Hook, run_hook
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
@@ -38,7 +38,6 @@ from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Reporter
 from gpugate.report.lines import sweep_status, unowned_gone, unowned_seen
-from gpugate.report.narrate import Narrator
 
 SLURMD_UNIT = "slurmd.service"
 SWEEP_UNIT = "gpugate-sweep.service"  # the journal's GPUGATE_UNIT, OBJECT_SYSTEMD_UNIT
@@ -147,18 +146,11 @@ def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Repo
         Phase.PRE,
         SWEEP_UNIT,
         lambda: SWEEP_CGROUP,
-        metrics_unit=SWEEP_UNIT,
-        surroundings=lambda _scope, loaded, _reporter: LeaseRecheck(
-            loaded, "", False, front.unit_state
-        ),
+        lambda _scope, loaded, _reporter: LeaseRecheck(loaded, "", False, front.unit_state),
+        reporter,
+        RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory),
     )
-    deps = Deps(reporter, RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory))
-    try:
-        summary = run_phase(hook, RunScope(Phase.PRE, SWEEP_UNIT, SWEEP_CGROUP), reaping, deps)
-    except GateError as exc:
-        Narrator(reporter).failed(exc, deps.stream)
-        return int(exc.exit_code)
-    return int(summary.exit_code)
+    return int(run_hook(hook, reaping).exit_code)  # no run record: the sweep's gauges say it
 
 
 def look(loaded: LoadedConfig, front: Front) -> Discovery:
@@ -199,7 +191,7 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
         if gpus:
             code, reaped = reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
     if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
-        drain_due(loaded, front, (holdings, seen, now), (reaped, code))
+        drain_due(loaded, front, holdings, seen, now, reaped, code)
     unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
     sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
     return code
@@ -208,11 +200,12 @@ def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.t
 def drain_due(
     loaded: LoadedConfig,
     front: Front,
-    state: tuple[Sequence[Holding], Mapping[ProcessId, Seen], float],
-    reaped_by: tuple[list[int], int],
+    holdings: Sequence[Holding],
+    seen: Mapping[ProcessId, Seen],
+    now: float,
+    reaped: list[int],
+    code: int,
 ) -> None:
-    holdings, seen, now = state
-    reaped, code = reaped_by
     node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
     if code == ExitCode.UNKILLABLE:  # the reaped GPUs' unowned holders, still the same processes
         procfs, on = ProcFs(front.host_roots().proc), set(reaped)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection
-from gpugate.core.run import RunScope
 from gpugate.errors import InvalidValue
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
@@ -34,10 +33,6 @@ from gpugate.host.oci import (
 from gpugate.host.scan import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.records import Lease, LeaseCheck, failed_pre_of_this_start, new_lease
-from gpugate.integrations.unit import GpuChoice, UnitContext, UnitSurroundings
-from gpugate.report.journal import Reporter
-from gpugate.report.narrate import Narrator
 from gpugate.untrusted import CGROUP, CONTAINER, echo, escape, exact, shown
 
 CONFIG_NAME = "containers.toml"
@@ -253,46 +248,3 @@ def request_text(request: GpuRequest) -> str:
     if request.note:
         parts.append(f"NVIDIA's defaults assumed: {TOOLKIT_CONFIG}: {request.note}")
     return "the container's config.json (" + "; ".join(parts) + ")"
-
-
-@dataclass
-class ContainerSurroundings(UnitSurroundings):
-    """The unit is the container's scope; its lease names the container."""
-
-    identity: ContainerIdentity | None = None
-
-    def _check_leases(self, owned: Sequence[Gpu]) -> LeaseCheck:
-        """The lease of the unit around it never refuses it, nor is taken over or removed."""
-        check = super()._check_leases(owned)
-        around = self.identity.around if self.identity else None
-        if around is None:
-            return check
-        return LeaseCheck(
-            [item for item in check.conflicts if item[0].unit != around],
-            [item for item in check.shared if item[0].unit != around],
-            [item for item in check.stale if item[0].unit != around],
-            check.unreadable,
-        )
-
-    def _lease(self, owned: Sequence[Gpu]) -> Lease:
-        return new_lease(
-            self.scope.unit,
-            owned,
-            share=self.loaded.config.share_gpus,
-            container=self.identity.label if self.identity else None,
-        )
-
-
-def container_surroundings(
-    identity: ContainerIdentity, choice: GpuChoice, context: UnitContext
-) -> Callable[[RunScope, LoadedConfig, Reporter], ContainerSurroundings]:
-    def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> ContainerSurroundings:
-        surroundings = ContainerSurroundings(
-            scope, loaded, context, choice, Narrator(reporter), identity=identity
-        )
-        if scope.phase.traits.reads_failed_start:
-            lock_dir = loaded.config.lock_dir
-            surroundings.failed_pre = failed_pre_of_this_start(lock_dir, scope.unit, {})
-        return surroundings
-
-    return make

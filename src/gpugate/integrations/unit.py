@@ -116,6 +116,28 @@ class UnitContext:
     ignore_leases: bool = False  # pre --ignore-leases (gpugate run --force): warn, not refuse
     environment: Callable[[str], UnitEnvironment | None] | None = None  # default: systemd's
     unit_state: Callable[[str], str | None] | None = None  # default: unit_active_state
+    # A container's hook (integrations.container): its GPUs from its spec, its label on its
+    # lease, the system unit around it (whose lease never refuses it, nor is taken or removed).
+    choice: GpuChoice | None = None  # None: `gpus = "auto"` asks the unit's environment
+    container: str | None = None
+    around: str | None = None
+
+    def surroundings(
+        self, scope: RunScope, loaded: LoadedConfig, reporter: Reporter
+    ) -> UnitSurroundings:
+        """Made once the run's scope and config are known (Hook.surroundings)."""
+        narration = Narrator(reporter)
+        environment = self.environment or (
+            None if self.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
+        )
+        choice = self.choice or choose_gpus(scope.unit, loaded, environment)
+        made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), self, choice, narration)
+        if scope.phase.traits.reads_failed_start:
+            told = narration.failed_start_unreadable if self.container is None else None
+            made.failed_pre = records.failed_pre_of_this_start(
+                loaded.config.lock_dir, scope.unit, self.environ, told or (lambda path, why: None)
+            )
+        return made
 
 
 @dataclass
@@ -186,6 +208,7 @@ class UnitSurroundings(Surroundings):
             share=self.loaded.config.share_gpus,
             invocation_id=self.context.environ.get("INVOCATION_ID"),
             started_by=self.context.environ.get(records.STARTED_BY_VARIABLE),
+            container=self.context.container,
         )
 
     def state_to_write(self) -> StateToWrite:
@@ -212,8 +235,17 @@ class UnitSurroundings(Surroundings):
         unit_state = self.context.unit_state or functools.partial(
             unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         )
-        return records.check_leases(
+        check = records.check_leases(
             config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
+        )
+        around = self.context.around
+        if around is None:
+            return check
+        return records.LeaseCheck(
+            [item for item in check.conflicts if item[0].unit != around],
+            [item for item in check.shared if item[0].unit != around],
+            [item for item in check.stale if item[0].unit != around],
+            check.unreadable,
         )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
@@ -297,30 +329,6 @@ class UnitSurroundings(Surroundings):
         if failed is not None and failed.exit_code == ExitCode.NVML_NOT_ANSWERING:
             return failed.reason
         return None
-
-
-def unit_surroundings(
-    context: UnitContext,
-) -> Callable[[RunScope, LoadedConfig, Reporter], UnitSurroundings]:
-    """How the hook's surroundings are made once the run's scope and config are known."""
-
-    def make(scope: RunScope, loaded: LoadedConfig, reporter: Reporter) -> UnitSurroundings:
-        narration = Narrator(reporter)
-        environment = context.environment or (
-            None if context.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
-        )
-        choice = choose_gpus(scope.unit, loaded, environment)
-        made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), context, choice, narration)
-        if scope.phase.traits.reads_failed_start:
-            made.failed_pre = records.failed_pre_of_this_start(
-                loaded.config.lock_dir,
-                scope.unit,
-                context.environ,
-                narration.failed_start_unreadable,
-            )
-        return made
-
-    return make
 
 
 # A manual run: `gpugate pre|post UNIT` typed in a shell. systemd runs a unit's ExecStartPre=

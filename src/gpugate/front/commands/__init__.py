@@ -32,6 +32,7 @@ class Front:
         self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
         self.reporter_factory: ReporterFactory = reporter_factory or Reporter
         self.environ: Mapping[str, str] = os.environ
+        self.device_stat: Callable[[str], os.stat_result] = os.stat  # gres.conf's File= (slurm)
         self.given_roots = roots or HostRoots()
         self.unit_state = unit_state or active_state
         self.cgroup_layout = cgroup_layout or host_cgroup_layout

@@ -8,10 +8,10 @@ from pathlib import Path
 from gpugate.core.run import RunDeps
 from gpugate.errors import UnknownUnit
 from gpugate.front.commands import Front
-from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
-from gpugate.integrations.unit import UnitContext, unit_surroundings
+from gpugate.integrations.unit import UnitContext
 from gpugate.phase import Phase
 
 UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
@@ -50,18 +50,15 @@ def pre_post(
         phase,
         unit,
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
+        context.surroundings,
+        front.reporter_factory(unit, phase.value),
+        RunDeps(roots=roots, driver_factory=front.driver_factory),
         metrics_unit=unit,
-        surroundings=unit_surroundings(context),
         dry_run=dry_run,
         for_uid=for_uid,
     )
-    deps = Deps(
-        front.reporter_factory(unit, phase.value),
-        RunDeps(roots=roots, driver_factory=front.driver_factory),
-    )
     with stopped_by_signals():
-        outcome = run_hook(hook, loaded, deps)
-    return int(outcome.exit_code)
+        return int(run_hook(hook, loaded).exit_code)
 
 
 def parse_uid(text: str) -> int | None:

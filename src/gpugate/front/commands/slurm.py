@@ -7,12 +7,11 @@ to an NVML GPU (exit 78 where not)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -22,15 +21,15 @@ from gpugate.core.outcome import UNKILLABLE, Held, NullSurroundings, RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError, InvalidValue
 from gpugate.front.commands import Front
-from gpugate.front.hook import Deps, Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.safe_files import find_program, run_program
+from gpugate.host.systemd import HostRoots
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
     DeviceNodes,
     GresUnresolved,
-    StatFn,
     gpu_order,
     gres_conf_path,
     job_gpus,
@@ -40,7 +39,7 @@ from gpugate.integrations.gres_conf import (
 )
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.journal import Event, Reporter, ReporterFactory
+from gpugate.report.journal import Event
 from gpugate.untrusted import CGROUP, REASON, Kind, echo, shown
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
@@ -195,84 +194,68 @@ HELD_RULES = {
 }
 
 
-def slurm(front: Front, phase: Phase, config: Path | None, *, dry_run: bool = False) -> int:
+def slurm(front: Front, phase: Phase, config_path: Path | None, *, dry_run: bool = False) -> int:
     with stopped_by_signals():
-        deps = SlurmDeps(
-            front.environ,
-            front.reporter_factory,
-            RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory),
-        )
-        return run_slurm_hook(phase, config, dry_run=dry_run, deps=deps)
+        roots = front.host_roots()
+        job: SlurmJob | None = None
+        result: RunSummary | GateError
+        try:
+            job = job_from_env(front.environ)
+            reporter = front.reporter_factory(job.label, phase.value, fields=job_fields(job))
+            if not job.gpus:
+                if job.no_gpus:  # Slurm's own words for "no GPU here"
+                    said = f"no GPUs to gate ({job.no_gpus})"
+                    reporter.event(Event.RUN_FINISHED, said, result="success")
+                return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
+            config = load_slurm_config(config_path)
+            loaded, driver_factory = job_config(config, job, front, roots)
+        except GateError as exc:
+            print(lines.error(exc.message), file=sys.stderr)
+            result = exc
+        else:
+            hook = Hook(
+                phase,
+                job.label,
+                lambda: job_cgroup(job.job_id, roots.cgroup, job.node_name),
+                lambda scope, loaded, reporter: job_surroundings(loaded),
+                reporter,
+                RunDeps(roots=roots, driver_factory=driver_factory),
+                metrics_unit=METRICS_UNIT,
+                dry_run=dry_run,
+            )
+            result = run_hook(hook, loaded)
+        stopped = result.exit_code in (ExitCode.OK, ExitCode.INTERRUPTED)
+        if not (dry_run or stopped):  # stopped: slurmd, which stopped it, drains the node itself
+            drain(phase, job, result, front.environ.get("SLURMD_NODENAME"))
+        return int(result.exit_code)
 
 
-@dataclass(frozen=True)
-class SlurmDeps:
-    environ: Mapping[str, str]  # slurmd's: the job
-    reporter_factory: ReporterFactory = Reporter
-    run: RunDeps = field(default_factory=RunDeps)
-    stream: TextIO = field(default_factory=lambda: sys.stderr)
-    config_dir: Path = DEFAULT_CONFIG_DIR
-    device_stat: StatFn = os.stat  # how gres.conf's File= are looked at (tests: a stand-in)
-
-
-def run_slurm_hook(
-    phase: Phase, config_path: Path | None, *, dry_run: bool, deps: SlurmDeps
-) -> int:
-    environ, stream = deps.environ, deps.stream
-    job: SlurmJob | None = None
-    summary: RunSummary | None = None
-    try:
-        job = job_from_env(environ)
-        if not job.gpus:
-            if job.no_gpus:  # Slurm's own words for "no GPU here"
-                reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
-                reporter.event(
-                    Event.RUN_FINISHED, f"no GPUs to gate ({job.no_gpus})", result="success"
-                )
-            return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
-        config = load_slurm_config(config_path, deps.config_dir)
-        loaded, run_deps = job_config(config, job, deps)
-    except GateError as exc:
-        detail = exc.message
-        print(lines.error(detail), file=stream)
-        code = exc.exit_code
-    else:
-        hook = Hook(
-            phase,
-            job.label,
-            lambda: job_cgroup(job.job_id, run_deps.roots.cgroup, job.node_name),
-            metrics_unit=METRICS_UNIT,
-            surroundings=lambda scope, loaded, reporter: job_surroundings(loaded),
-            dry_run=dry_run,
-        )
-        reporter = deps.reporter_factory(job.label, phase.value, fields=job_fields(job))
-        outcome = run_hook(hook, loaded, Deps(reporter, run_deps, stream))
-        code, summary = outcome.exit_code, outcome.summary
-        detail = outcome.error.message if outcome.error else failure_detail(summary)
-    if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):
-        return int(code)  # stopped: slurmd, which stopped it, drains the node itself
-    # The drain reason on stderr (unless the error said it already) and to slurmctld.
-    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
-    if summary is not None:
-        print(lines.error(f"drain: {reason}"), file=stream, flush=True)
-    node = job.node_name if job is not None else environ.get("SLURMD_NODENAME")
+def drain(
+    phase: Phase, job: SlurmJob | None, result: RunSummary | GateError, node: str | None
+) -> None:
+    """The drain reason on stderr (unless the error said it already) and to slurmctld."""
+    detail = result.message if isinstance(result, GateError) else failure_detail(result)
+    code = int(result.exit_code)
+    reason = drain_reason(phase.value, job.job_id if job else None, detail, code)
+    if isinstance(result, RunSummary):
+        print(lines.error(f"drain: {reason}"), file=sys.stderr, flush=True)
+    node = job.node_name if job is not None else node
     if node:
-        set_drain_reason(node, reason, stream)
-    return int(code)
+        set_drain_reason(node, reason, sys.stderr)
 
 
 def job_config(
-    config: LoadedConfig, job: SlurmJob, deps: SlurmDeps
-) -> tuple[LoadedConfig, RunDeps]:
+    config: LoadedConfig, job: SlurmJob, front: Front, roots: HostRoots
+) -> tuple[LoadedConfig, Callable[[], GpuDriver]]:
     """The config with the job's GPUs as NVML's UUIDs, the driver opened; numbers not
     resolved for certain: no GPU, the job's cgroup alone."""
     driver: GpuDriver | None = None
     given = f"{job.gpus_from}={','.join(map(str, job.gpus))}"
     try:
-        path = gres_conf_path(deps.environ.get("SLURM_CONF"))
+        path = gres_conf_path(front.environ.get("SLURM_CONF"))
         layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
-        driver = deps.run.driver_factory()
-        nodes = DeviceNodes(deps.run.roots.dev, deps.device_stat)
+        driver = front.driver_factory()
+        nodes = DeviceNodes(roots.dev, front.device_stat)
         unreadable = len(driver.faults())
         gpus = job_gpus(job.gpus, layout, driver.gpus(), nodes, unreadable)
     except (GresUnresolved, GateError) as exc:
@@ -283,19 +266,18 @@ def job_config(
                 f"{given}: slurmd's GPU numbers not resolved ({exc}); "
                 "only the job's own cgroup is cleaned, nothing outside it is killed"
             ),
-            file=deps.stream,
+            file=sys.stderr,
         )
-        return with_job_gpus(config, (), f"{given} not resolved: the job's cgroup only"), deps.run
+        unresolved = f"{given} not resolved: the job's cgroup only"
+        return with_job_gpus(config, (), unresolved), front.driver_factory
     opened = driver
     uuids = tuple(gpu.uuid for gpu in gpus)
     loaded = with_job_gpus(config, uuids, f"gpus from {given} through {layout.path}")
-    return loaded, replace(deps.run, driver_factory=lambda: opened)
+    return loaded, lambda: opened
 
 
-def failure_detail(summary: RunSummary | None) -> str:
+def failure_detail(summary: RunSummary) -> str:
     """A drain reason's detail: each process that kept a GPU, each GPU still used."""
-    if summary is None:
-        return "failed"
     parts = []
     for item in summary.held[:MAX_REASON_HOLDERS]:
         gpus = f" on GPU {','.join(map(str, item.gpus))}" if item.gpus else ""
