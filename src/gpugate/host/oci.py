@@ -35,7 +35,10 @@ MAX_VALUE = 4096  # no list of GPUs is this long
 
 TYPE_CHECKING = False  # typing's own costs the hook's fast path an import
 if TYPE_CHECKING:
-    Found = list[tuple[int | str, str]]  # (a minor, or an index, UUID or all; its origin)
+    from typing import Union
+
+    # (a minor, or an index, UUID or all; its origin); Union: an alias is evaluated on 3.9
+    Found = list[tuple[Union[int, str], str]]
 
 
 class OciInputError(GateError):
