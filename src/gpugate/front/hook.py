@@ -4,6 +4,7 @@ locate the cgroup, run the phase, say a failure once, record the metrics."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -42,9 +43,15 @@ class Hook:
     for_uid: int | None = None  # the hidden --for-uid: kill only this account's processes
     stream: TextIO = field(default_factory=lambda: sys.stderr)  # errors, metrics warnings
 
-    def narrator(self) -> Narrator:
+    @functools.cached_property
+    def run_reporter(self) -> Reporter:
+        """The one the run and its failure share (a dry run's twin, made once: its echo, off
+        after a closed pipe, stays off)."""
         dry = self.dry_run and not self.reporter.dry_run
-        return Narrator(self.reporter.as_dry_run() if dry else self.reporter)
+        return self.reporter.as_dry_run() if dry else self.reporter
+
+    def narrator(self) -> Narrator:
+        return Narrator(self.run_reporter)
 
 
 def run_hook(hook: Hook, loaded: LoadedConfig) -> RunSummary | GateError:
