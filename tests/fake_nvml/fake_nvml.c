@@ -31,6 +31,11 @@
  *                    ("NAME MIG PROFILE").  A slice's UUID is "MIG-" + uuid_prefix without its
  *                    "GPU-" + 4 hex digits each of INDEX, GI and CI.  Every other GPU is MIG
  *                    capable with MIG disabled (0, 0) and no MIG devices.
+ *   mps_error = 0                 (an NVML return code for the MPS client list calls to return,
+ *                                  e.g. 13 FUNCTION_NOT_FOUND or 3 NOT_SUPPORTED: a driver
+ *                                  that cannot list MPS clients)
+ *   mps_clients_compute = 0       (1: an MPS client is on the compute list too, with the same
+ *                                  memory, as nvidia-smi's "M+C" shows on some drivers)
  *   MIG device handles answer nvmlDeviceGetUUID, GetName, GetMemoryInfo(_v2), the process
  *   lists, IsMigDeviceHandle, GetGpuInstanceId, GetComputeInstanceId and
  *   GetDeviceHandleFromMigDeviceHandle; the calls made of a whole GPU (GetIndex,
@@ -38,7 +43,7 @@
  *   INVALID_ARGUMENT for them.  nvmlDeviceGetHandleByUUID takes MIG UUIDs too.
  *
  * Model (STATE_DIR):
- *   claims/PID       "MIB STARTTIME N[,N...]": PID uses MIB MiB on each GPU whose minor is
+ *   claims/PID       "MIB STARTTIME N[,N...] [mps]": PID uses MIB MiB on each GPU whose minor is
  *                    N.  An entry "N/GI/CI" is a MIG slice of that GPU: PID uses MIB MiB of
  *                    it, and is listed on that slice's handle alone (and on its parent's, with
  *                    GI and CI, as NVML aggregates a MIG GPU's processes for root).  The claim is live while /proc/PID/stat's starttime (field 22)
@@ -47,6 +52,11 @@
  *                    process on every claimed GPU whose device file it has open, and counts
  *                    as used on all claimed GPUs.  (A reader that may not read PID's fds,
  *                    e.g. not root, takes all claimed devices as open, as the driver knows.)
+ *                    With "mps", PID is a CUDA MPS client: listed by
+ *                    nvmlDeviceGetMPSComputeRunningProcesses(_v2,_v3) instead of the compute
+ *                    list (a Volta+ client has its own address space and opens the device
+ *                    files itself; its memory counts as used like any claim's).  The MPS
+ *                    server is an ordinary claim: on the compute list with its own memory.
  *   claims/PID.gone  CLOCK_REALTIME ns when a claim was first seen not live.  Its memory
  *                    stays used (the PID is not listed) until release_delay_ms later; then
  *                    the claim and .gone files are deleted and "UNIX_NS PID N[,N...]" is
@@ -140,6 +150,8 @@ struct config {
     int init_error;
     unsigned char lost[MAX_GPUS];
     int memory_not_supported;
+    int mps_error;
+    int mps_clients_compute;
     int hang;
     unsigned char hang_gpu[MAX_GPUS];
     unsigned char mig[MAX_GPUS];      /* in MIG mode */
@@ -273,6 +285,10 @@ static void load_config(struct config *c)
                     c->lost[idx[i]] = 1;
         } else if (!strcmp(key, "memory_not_supported")) {
             c->memory_not_supported = (int)strtol(val, NULL, 10) != 0;
+        } else if (!strcmp(key, "mps_error")) {
+            c->mps_error = (int)strtol(val, NULL, 10);
+        } else if (!strcmp(key, "mps_clients_compute")) {
+            c->mps_clients_compute = (int)strtol(val, NULL, 10) != 0;
         } else if (!strcmp(key, "hang")) {
             c->hang = (int)strtol(val, NULL, 10) != 0;
         } else if (!strcmp(key, "hang_gpus")) {
@@ -564,6 +580,7 @@ struct listed {
     unsigned pid;
     unsigned long long bytes;
     unsigned gi, ci; /* NVML_VALUE_NOT_AVAILABLE_UINT: not on a MIG slice */
+    int mps;         /* an MPS client */
 };
 
 /* What a usage is asked of: a GPU (slice -1), or one of its MIG devices (gi, ci). */
@@ -617,7 +634,7 @@ struct gpu_usage {
 static void apply_claim(const struct config *c, const char *dev_root, unsigned pid,
                         const struct target *t, struct gpu_usage *u)
 {
-    char path[PATH_MAX + 64], gone[PATH_MAX + 96], buf[512], devices[256];
+    char path[PATH_MAX + 64], gone[PATH_MAX + 96], buf[512], devices[256], kind[8] = "";
     unsigned long long mib, start;
     snprintf(path, sizeof(path), "%s/claims/%u", c->state_dir, pid);
     snprintf(gone, sizeof(gone), "%s.gone", path);
@@ -630,8 +647,10 @@ static void apply_claim(const struct config *c, const char *dev_root, unsigned p
     if (n <= 0)
         return;
     buf[n] = '\0';
-    if (sscanf(buf, "%llu %llu %255s", &mib, &start, devices) != 3)
+    int fields = sscanf(buf, "%llu %llu %255s %7s", &mib, &start, devices, kind);
+    if (fields < 3 || (fields == 4 && strcmp(kind, "mps") != 0))
         return; /* malformed (or half-written by a careless writer): ignored */
+    int mps = fields == 4;
 
     struct entry entries[MAX_GPUS];
     unsigned minors[MAX_GPUS];
@@ -657,7 +676,7 @@ static void apply_claim(const struct config *c, const char *dev_root, unsigned p
             if (held[i]) {
                 if (u->nlisted < MAX_LISTED)
                     u->listed[u->nlisted] =
-                        (struct listed){pid, bytes, entries[i].gi, entries[i].ci};
+                        (struct listed){pid, bytes, entries[i].gi, entries[i].ci, mps};
                 u->nlisted++;
             }
         }
@@ -1090,12 +1109,23 @@ API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memo
     return NVML_SUCCESS;
 }
 
+enum list_kind { LIST_COMPUTE, LIST_GRAPHICS, LIST_MPS };
+
+/* Whether a live holder is on this list: an MPS client on the MPS list (and on the compute
+ * list where mps_clients_compute says), any other on the compute list; graphics is empty. */
+static int on_list(const struct config *c, const struct listed *l, enum list_kind kind)
+{
+    if (kind == LIST_MPS)
+        return l->mps;
+    return kind == LIST_COMPUTE && (!l->mps || c->mps_clients_compute);
+}
+
 /*
  * Process lists.  *count in: capacity of infos; out: the number of processes.  A NULL
  * array or a too small count gives INSUFFICIENT_SIZE (with the count), unless there
- * are no processes.  `compute` selects the live holders; graphics and MPS are empty.
+ * are no processes.
  */
-static nvmlReturn_t process_list(nvmlDevice_t device, int compute, unsigned int *count,
+static nvmlReturn_t process_list(nvmlDevice_t device, enum list_kind kind, unsigned int *count,
                                  nvmlProcessInfo_t *infos, nvmlProcessInfo_v1_t *infos_v1)
 {
     struct config c;
@@ -1107,10 +1137,15 @@ static nvmlReturn_t process_list(nvmlDevice_t device, int compute, unsigned int 
         return ret;
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    if (kind == LIST_MPS && c.mps_error != NVML_SUCCESS)
+        return c.mps_error;
     u.nlisted = 0;
-    if (compute)
+    if (kind != LIST_GRAPHICS)
         gpu_usage(&c, i, slice, &u);
-    unsigned n = u.nlisted < MAX_LISTED ? u.nlisted : MAX_LISTED;
+    unsigned stored = u.nlisted < MAX_LISTED ? u.nlisted : MAX_LISTED, n = 0;
+    for (unsigned k = 0; k < stored; k++)
+        if (on_list(&c, &u.listed[k], kind))
+            u.listed[n++] = u.listed[k];
     if (n == 0) {
         *count = 0;
         return NVML_SUCCESS;
@@ -1130,21 +1165,21 @@ static nvmlReturn_t process_list(nvmlDevice_t device, int compute, unsigned int 
     return NVML_SUCCESS;
 }
 
-#define PROCESS_CALLS(NAME, COMPUTE)                                                           \
+#define PROCESS_CALLS(NAME, KIND)                                                              \
     API nvmlReturn_t NAME##_v3(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos)  \
     {                                                                                          \
-        return process_list(d, COMPUTE, count, infos, NULL);                                   \
+        return process_list(d, KIND, count, infos, NULL);                                      \
     }                                                                                          \
     API nvmlReturn_t NAME##_v2(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_t *infos)  \
     {                                                                                          \
-        return process_list(d, COMPUTE, count, infos, NULL);                                   \
+        return process_list(d, KIND, count, infos, NULL);                                      \
     }                                                                                          \
     /* the unversioned symbol keeps NVML's original two-field struct */                        \
     API nvmlReturn_t NAME(nvmlDevice_t d, unsigned int *count, nvmlProcessInfo_v1_t *infos)    \
     {                                                                                          \
-        return process_list(d, COMPUTE, count, NULL, infos);                                   \
+        return process_list(d, KIND, count, NULL, infos);                                      \
     }
 
-PROCESS_CALLS(nvmlDeviceGetComputeRunningProcesses, 1)
-PROCESS_CALLS(nvmlDeviceGetGraphicsRunningProcesses, 0)
-PROCESS_CALLS(nvmlDeviceGetMPSComputeRunningProcesses, 0)
+PROCESS_CALLS(nvmlDeviceGetComputeRunningProcesses, LIST_COMPUTE)
+PROCESS_CALLS(nvmlDeviceGetGraphicsRunningProcesses, LIST_GRAPHICS)
+PROCESS_CALLS(nvmlDeviceGetMPSComputeRunningProcesses, LIST_MPS)

@@ -112,6 +112,14 @@ class DefaultPolicy:
 _BUILT_IN = {phase: DefaultPolicy.of(phase) for phase in Phase}
 
 
+# Where NVIDIA's driver packages (Debian's and Ubuntu's nvidia-compute-utils, RHEL's
+# nvidia-driver-cuda, the .run installer) put MPS: root's /usr/bin, never a user's folder.
+MPS_CONTROL = "/usr/bin/nvidia-cuda-mps-control"
+MPS_SERVER = "/usr/bin/nvidia-cuda-mps-server"
+MPS_EXECUTABLES = (MPS_CONTROL, MPS_SERVER)
+MPS_SERVER_NAME = "nvidia-cuda-mps-server"  # a protected executable of this name serves MPS
+
+
 @dataclass(frozen=True)
 class DefaultConfig:
     gpus: GpusSetting = "auto"
@@ -120,6 +128,8 @@ class DefaultConfig:
     share_gpus: bool = False
     protected_executables: tuple[str, ...] = (
         "/usr/bin/nvidia-persistenced",
+        # CUDA MPS (docs/mps.md): the control daemon and the server it starts for a client
+        *MPS_EXECUTABLES,
         "/usr/bin/nv-hostengine",
         "/usr/bin/dcgm-exporter",
         "/usr/bin/nvidia-smi",

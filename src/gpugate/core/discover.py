@@ -59,6 +59,7 @@ class Holder:
     used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
     ports: set[int] = field(default_factory=set)  # the unit's TCP ports it listens on
     container: Container | None = None  # where its cgroup is a container's scope
+    mps_client: set[int] = field(default_factory=set)  # GPUs NVML lists it on as an MPS client
 
     @property
     def pid(self) -> int:
@@ -288,6 +289,8 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
             found.sources.add(Source.NVML)
             found.gpus.add(index)
             found.used_mib[index] = process.used_mib
+            if process.mps_client:
+                found.mps_client.add(index)
     return invisible
 
 

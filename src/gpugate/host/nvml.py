@@ -83,6 +83,7 @@ class GpuProcess:
     pid: int
     used_mib: int | None  # None where the driver does not say
     on_slice: bool = False  # listed with a MIG GPU instance (its slice lists it too)
+    mps_client: bool = False  # on NVML's MPS client list (docs/mps.md)
 
 
 @dataclass(frozen=True)
@@ -351,8 +352,7 @@ class NvmlDriver:
         handle = self._handles[gpu.index]
         index = gpu.index if gpu.mig is None else gpu.mig.parent
         used = self._used_bytes(index, handle, whole=gpu.mig is None)
-        by_pid: dict[int, int | None] = {}
-        on_slice: set[int] = set()
+        listing = _Listing()
         listed = True
         for query in (
             nv.nvmlDeviceGetComputeRunningProcesses,
@@ -363,17 +363,32 @@ class NvmlDriver:
             except nv.NVMLError_NotSupported:
                 listed = False  # the memory figure still stands; the device files decide
                 continue
-            for proc in procs:
-                mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
-                previous = by_pid.get(int(proc.pid))
-                by_pid[int(proc.pid)] = mib if previous is None else previous + (mib or 0)
-                instance = getattr(proc, "gpuInstanceId", None)
-                if isinstance(instance, int) and instance != NOT_AVAILABLE:
-                    on_slice.add(int(proc.pid))
-        processes = tuple(
-            GpuProcess(pid, mib, on_slice=pid in on_slice) for pid, mib in sorted(by_pid.items())
-        )
-        return GpuUsage(gpu, used // MIB, processes, processes_listed=listed)
+            listing.add(procs)
+        listing.add(self._mps_clients(index, handle), mps=True)
+        return GpuUsage(gpu, used // MIB, listing.processes(), processes_listed=listed)
+
+    def _mps_clients(self, index: int, handle: Any) -> list[Any]:
+        """NVML's list of MPS clients (the server itself is on the compute list). A driver
+        without the call, or a GPU that does not support it, serves no MPS client."""
+        nv = self._nv
+        for name in MPS_QUERIES:
+            query = getattr(nv, name, None)
+            if query is None:
+                continue
+            try:
+                return list(
+                    self._call(
+                        index,
+                        query,
+                        handle,
+                        keep=(nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported),
+                    )
+                )
+            except nv.NVMLError_FunctionNotFound:
+                continue  # a driver older than this version of the call: the one before
+            except nv.NVMLError_NotSupported:
+                return []
+        return []
 
     def _used_bytes(self, index: int, handle: Any, *, whole: bool = True) -> int:
         """A slice (not whole) whose handle refuses v2 falls back to v1 for that call alone."""
@@ -416,6 +431,46 @@ class NvmlDriver:
             raise NvmlUnavailable(f"NVML: {_name(function)}: {exc}") from None
         except nv.NVMLError as exc:
             raise GpuError(index, f"NVML: {_name(function)} on GPU {index}: {exc}") from None
+
+
+# The MPS client list, newest version first (pynvml's unversioned name is v3 and says a
+# missing symbol in words of its own); a client NVML lists as compute too is one process.
+MPS_QUERIES = (
+    "nvmlDeviceGetMPSComputeRunningProcesses_v3",
+    "nvmlDeviceGetMPSComputeRunningProcesses_v2",
+)
+
+
+@dataclass
+class _Listing:
+    """NVML's process lists of one GPU merged by PID: a process on the compute and the
+    graphics list uses the sum; an MPS client on the compute list too (nvidia-smi's "M+C")
+    is one context listed twice: the larger figure."""
+
+    mib: dict[int, int | None] = field(default_factory=dict)
+    on_slice: set[int] = field(default_factory=set)
+    mps: set[int] = field(default_factory=set)
+
+    def add(self, procs: Sequence[Any], *, mps: bool = False) -> None:
+        for proc in procs:
+            pid = int(proc.pid)
+            mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
+            previous = self.mib.get(pid)
+            if previous is None:
+                self.mib[pid] = mib
+            elif mib is not None:
+                self.mib[pid] = max(previous, mib) if mps else previous + mib
+            instance = getattr(proc, "gpuInstanceId", None)
+            if isinstance(instance, int) and instance != NOT_AVAILABLE:
+                self.on_slice.add(pid)
+            if mps:
+                self.mps.add(pid)
+
+    def processes(self) -> tuple[GpuProcess, ...]:
+        return tuple(
+            GpuProcess(pid, mib, on_slice=pid in self.on_slice, mps_client=pid in self.mps)
+            for pid, mib in sorted(self.mib.items())
+        )
 
 
 def _name(function: Any) -> str:

@@ -100,8 +100,9 @@ def container_text(container: Container) -> str:
 
 
 def choice_fields(choice: Choice) -> dict[str, Any]:
-    """GPUGATE_PID, _GPU, _ROLE, _COMMAND of every entry about a holder; in a container, also
-    GPUGATE_CONTAINER (the id), _CONTAINER_RUNTIME and _CONTAINER_NAME."""
+    """GPUGATE_PID, _GPU, _ROLE, _COMMAND of every entry about a holder, _USED_MIB where NVML
+    says, _MPS_CLIENT (its GPUs) for an MPS client; in a container, also GPUGATE_CONTAINER (the
+    id), _CONTAINER_RUNTIME and _CONTAINER_NAME."""
     holder, container = choice.holder, choice.holder.container
     fields: dict[str, Any] = {
         "pid": holder.pid,
@@ -109,6 +110,11 @@ def choice_fields(choice: Choice) -> dict[str, Any]:
         "role": choice.role,
         "command": exact(holder.info.command, COMMAND),
     }
+    known = [mib for mib in holder.used_mib.values() if mib is not None]
+    if known:
+        fields["used_mib"] = sum(known)  # NVML's, an MPS client's included
+    if holder.mps_client:
+        fields["mps_client"] = ",".join(map(str, sorted(holder.mps_client)))
     if container is not None:
         fields["container"] = exact(container.id, CONTAINER)
         fields["container_runtime"] = container.runtime

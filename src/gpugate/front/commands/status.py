@@ -22,6 +22,7 @@ from gpugate.core.discover import (
     cgroup_members,
     discover,
 )
+from gpugate.core.mps import is_mps_server
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
@@ -237,6 +238,8 @@ def holder_dict(
         "orphan": role is Role.ORPHAN,
         "protected": role is Role.PROTECTED,
         "watcher": role is Role.WATCHER,  # nvidia-smi -l, nvtop, DCGM: never killed
+        "mps_server": is_mps_server(info, loaded.config),
+        "mps_client": sorted(holder.mps_client),  # the GPUs NVML lists it on as an MPS client
         "shm": shm[:MAX_SHM_LISTED],
         "shm_bytes": sum(item["bytes"] or 0 for item in shm),
         "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
@@ -397,6 +400,7 @@ def holder_table(data: dict[str, Any]) -> list[str]:
         on_slices = [slices[index] for index in holder["gpus"] if index in slices]
         gpus = ",".join(filter(None, [whole, *on_slices]))
         gpus = gpus or ("ctl" if holder["control_devices"] else "-")
+        gpus += " mps" if holder.get("mps_client") or holder.get("mps_server") else ""
         unit = holder["unit"] or "-"
         if holder["container"]:
             found = holder["container"]
