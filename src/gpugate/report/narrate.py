@@ -164,6 +164,9 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
 
 def other_unit_text(choice: Choice, unit: str, held: str) -> str:
     container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
+    if choice.rule is Rule.SHARER:
+        whose = container_text(container) if container else other
+        return f"{whose} shares {held} with {unit} on purpose: a sharer, left alone"
     if choice.verdict is Verdict.KILL:
         return f"{container_text(container) if container else other} holds {held}"
     if container is None:
