@@ -4,7 +4,6 @@ run shares on purpose (docs/what-gets-killed.md, GPUs shared on purpose, rule (c
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
 
 from gpugate.config.file import Config
 from gpugate.config.values import MPS_SERVER_NAME
@@ -23,12 +22,13 @@ def is_mps_server(info: ProcInfo, config: Config) -> bool:
     )
 
 
-def mps_served(discovery: Discovery, config: Config, among: Iterable[int]) -> frozenset[int]:
-    """The GPU keys among `among` (a run's owned GPUs) that an MPS server holds: NVML's list
-    where it names the server, else its device files (Holder.using)."""
-    wanted = set(among)
+def mps_served(discovery: Discovery, config: Config) -> frozenset[int]:
+    """The run's owned GPU keys that an MPS server holds (NVML's list where it names the
+    server, else its device files: Holder.using): shared on purpose for every run, beside
+    what its Surroundings share (rule (c) of docs/what-gets-killed.md)."""
+    owned = discovery.owned_indices
     served: set[int] = set()
     for holder in discovery.holders.values():
         if is_mps_server(holder.info, config):
-            served |= holder.using & wanted
+            served |= holder.using & owned
     return frozenset(served)

@@ -14,6 +14,7 @@ from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
+from gpugate.core.mps import mps_served
 from gpugate.core.outcome import (
     UNKILLABLE,
     BusyGpu,
@@ -154,7 +155,7 @@ class RunState:
                 self.procfs,
                 self.judged,
                 for_uid=self.scope.for_uid,
-                shared=self.surroundings.shared_gpus(found),
+                shared=self.surroundings.shared_gpus(found) | mps_served(found, self.config),
             )
         self.shm_ledger.note(found.shm)
         self.shm_areas = found.shm_areas

@@ -22,7 +22,7 @@ from gpugate.core.discover import (
     cgroup_members,
     discover,
 )
-from gpugate.core.mps import is_mps_server
+from gpugate.core.mps import is_mps_server, mps_served
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
@@ -197,7 +197,8 @@ def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dic
     """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
     if not discovery.unit:
         return {}
-    decision = decide(discovery, loaded.config, Phase.PRE, procfs)
+    shared = mps_served(discovery, loaded.config)  # what a unit's own settings share: unknown here
+    decision = decide(discovery, loaded.config, Phase.PRE, procfs, shared=shared)
     return {choice.holder.pid: choice.rule.value for choice in decision.choices}
 
 
@@ -230,7 +231,7 @@ def holder_dict(
         "command_cut": command_cut,
         "gpus": sorted(holder.gpus),
         "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
-        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+        **nvml_fields(holder, loaded),
         "control_devices": sorted(holder.control_devices),
         "sources": sorted(holder.sources),
         "role": str(role) if discovery.unit else None,
@@ -238,8 +239,6 @@ def holder_dict(
         "orphan": role is Role.ORPHAN,
         "protected": role is Role.PROTECTED,
         "watcher": role is Role.WATCHER,  # nvidia-smi -l, nvtop, DCGM: never killed
-        "mps_server": is_mps_server(info, loaded.config),
-        "mps_client": sorted(holder.mps_client),  # the GPUs NVML lists it on as an MPS client
         "shm": shm[:MAX_SHM_LISTED],
         "shm_bytes": sum(item["bytes"] or 0 for item in shm),
         "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
@@ -252,6 +251,16 @@ def holder_dict(
         },
         "owner": str(owner),
         "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
+    }
+
+
+def nvml_fields(holder: Holder, loaded: LoadedConfig) -> dict[str, Any]:
+    """Its MiB per GPU (an MPS client's included); an MPS server (its GPUs are shared on
+    purpose); the GPUs NVML lists it on as an MPS client (docs/mps.md)."""
+    return {
+        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+        "mps_server": is_mps_server(holder.info, loaded.config),
+        "mps_client": sorted(holder.mps_client),
     }
 
 
