@@ -75,6 +75,7 @@ class FakeGpuMemory:
     # GPUs in MIG mode: index -> its slices' (GI, CI, MiB); a slice is claimed by its mig_key,
     # and its GPU lists the slice's processes too (on_slice), as NVML aggregates them
     mig: dict[int, list[tuple[int, int, int]]] = field(default_factory=dict)
+    mps_clients: set[int] = field(default_factory=set)  # PIDs NVML lists as MPS clients
 
     def _self_claims(self) -> None:
         if self.claim_dir is None:
@@ -133,7 +134,8 @@ class FakeGpuMemory:
                 continue
             if alive(*key):
                 used += mib
-                processes.append(GpuProcess(key[0], mib, on_slice=on_slice))
+                client = key[0] in self.mps_clients
+                processes.append(GpuProcess(key[0], mib, on_slice=on_slice, mps_client=client))
             else:
                 gone = self.gone_at.setdefault(key, now)
                 if now - gone < self.release_lag_s:

@@ -69,6 +69,8 @@ HOLDER = {
     "gpus": list,
     "ports": list,
     "used_mib": dict,
+    "mps_server": bool,
+    "mps_client": list,
     "control_devices": list,
     "sources": list,
     "role": (str, type(None)),
