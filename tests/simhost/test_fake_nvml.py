@@ -763,3 +763,109 @@ def test_gpugates_driver_reads_slices(sim: Sim) -> None:
             [[on_slice.pid, 500, True]],
         ],
     ]
+
+
+def test_mps_clients_are_on_the_mps_list_and_the_server_on_the_compute_list(sim: Sim) -> None:
+    server = sim.hold("nvidiactl", "nvidia0", "nvidia1")
+    sim.claim(server.pid, 300, "0,1")
+    client = sim.hold("nvidiactl", "nvidia-uvm", "nvidia0")
+    with_mps = sim.claim(client.pid, 4000, "0")
+    with_mps.write_text(with_mps.read_text().rstrip() + " mps\n")
+    both = sim.hold("nvidia0", "nvidia1")
+    sim.claim(both.pid, 2000, "0,1")
+    path = sim.state / "claims" / str(both.pid)
+    path.write_text(path.read_text().rstrip() + " mps\n")
+    stranger = sim.hold("nvidia2")
+    bad = sim.claim(stranger.pid, 100, "2")
+    bad.write_text(bad.read_text().rstrip() + " mpx\n")  # not a kind the stand-in knows
+
+    gpus = sim.snapshot()
+    assert gpus[0]["compute"] == [[server.pid, 300 * MIB, NA, NA]]
+    assert gpus[0]["mps"] == sorted(
+        [[client.pid, 4000 * MIB, NA, NA], [both.pid, 2000 * MIB, NA, NA]]
+    )
+    assert gpus[0]["v2"][4] == (300 + 4000 + 2000) * MIB  # every context's memory is used
+    assert gpus[1]["compute"] == [[server.pid, 300 * MIB, NA, NA]]
+    assert gpus[1]["mps"] == [[both.pid, 2000 * MIB, NA, NA]]
+    assert gpus[2]["compute"] == gpus[2]["mps"] == [] and gpus[2]["v2"][4] == 0
+    v2 = sim.run("""
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        print(json.dumps(sorted(p.pid for p in n.nvmlDeviceGetMPSComputeRunningProcesses_v2(h))))
+    """)
+    assert v2 == sorted([client.pid, both.pid])
+
+    sim.configure(mps_clients_compute=1)  # nvidia-smi's M+C: on both lists
+    gpus = sim.snapshot()
+    assert {p[0] for p in gpus[0]["compute"]} == {server.pid, client.pid, both.pid}
+    assert {p[0] for p in gpus[0]["mps"]} == {client.pid, both.pid}
+
+
+@pytest.mark.parametrize(("code", "error"), [(13, "FunctionNotFound"), (3, "NotSupported")])
+def test_a_driver_that_cannot_list_mps_clients(sim: Sim, code: int, error: str) -> None:
+    client = sim.hold("nvidia0")
+    path = sim.claim(client.pid, 4000, "0")
+    path.write_text(path.read_text().rstrip() + " mps\n")
+    sim.configure(mps_error=code)
+    out = sim.run("""
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        try:
+            n.nvmlDeviceGetMPSComputeRunningProcesses_v3(h)
+            print(json.dumps(None))
+        except n.NVMLError as e:
+            print(json.dumps(type(e).__name__))
+    """)
+    assert out == f"NVMLError_{error}"
+
+
+GPUGATE_USAGE = """
+from gpugate.host.nvml import NvmlDriver
+d = NvmlDriver(library={lib!r})
+rows = []
+for g in d.gpus():
+    u = d.usage(g)
+    rows.append([g.index, u.used_mib, u.processes_listed,
+                 [[p.pid, p.used_mib, p.on_slice, p.mps_client] for p in u.processes]])
+d.close()
+print(json.dumps(rows))
+"""
+
+
+def test_gpugates_driver_reads_mps_clients_with_their_memory(sim: Sim) -> None:
+    """host.nvml.NvmlDriver: the server from the compute list, each client from the MPS list
+    with its MiB and marked, on a GPU and on a MIG slice; a client on both lists counted once;
+    a driver without the MPS call lists the rest, as readable as before."""
+    sim.configure(gpu_count=2, mig="1 3/0/10000")
+    server = sim.hold("nvidia0", "nvidia1")
+    sim.claim(server.pid, 300, "0,1/3/0")
+    client = sim.hold("nvidia0")
+    path = sim.claim(client.pid, 4000, "0")
+    path.write_text(path.read_text().rstrip() + " mps\n")
+    on_slice = sim.hold("nvidia1")
+    path = sim.claim(on_slice.pid, 700, "1/3/0")
+    path.write_text(path.read_text().rstrip() + " mps\n")
+    code = GPUGATE_USAGE.format(lib=str(sim.lib_dir / "libnvidia-ml.so.1"))
+    key = 1024 + 16
+
+    rows = sim.run(code)
+    assert rows[0] == [
+        0,
+        4300,
+        True,
+        sorted([[server.pid, 300, False, False], [client.pid, 4000, False, True]]),
+    ]
+    assert rows[2] == [
+        key,
+        1000,
+        True,
+        sorted([[server.pid, 300, True, False], [on_slice.pid, 700, True, True]]),
+    ]
+
+    sim.configure(gpu_count=2, mig="1 3/0/10000", mps_clients_compute=1)
+    assert sim.run(code)[0] == rows[0]  # the larger figure, not the sum
+
+    for missing in (13, 3):
+        sim.configure(gpu_count=2, mig="1 3/0/10000", mps_error=missing)
+        rows = sim.run(code)
+        assert rows[0] == [0, 4300, True, [[server.pid, 300, False, False]]]
