@@ -222,38 +222,21 @@ def discover(
     containers and ports: the config's, whose processes and listeners are the unit's too;
     watch: `status --watch`'s rescans (None: every process on the host, as a watcher, a
     mapped-only holder and a holder of a GPU NVML cannot read are on no NVML list);
-    listed_within_mib: where NVML's lists account for every GPU's memory within this many MiB
-    (`memory_accounted`), read only the fds of the processes NVML lists and of the unit's
-    (`gpugate sweep`); elsewhere, or where NVML names a PID this /proc does not show, all."""
+    listed_within_mib (the sweep's): see `_read_holders`."""
     gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
-    listed_only = (
-        listed_within_mib is not None
-        and watch is None
-        and not ports
-        and memory_accounted(usage, faults, listed_within_mib)
-    )
+    within = listed_within_mib
+    listed_only = within is not None and memory_accounted(usage, faults, within) and not ports
     shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
         table = HolderTable(procfs, self_and_ancestors(procfs))
         for pid in cgroup_members(roots.cgroup, sought.unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        listening = listening_sockets(roots.proc, ports)
-        dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
-        listed = {process.pid for each in usage.values() for process in each.processes}
-        if watch is not None:
-            scan = watch(roots.proc, dev_prefix, listening, shm_areas, listed, deadline)
-        else:
-            pids = sorted(listed | set(table.by_pid)) if listed_only else None
-            scan = scan_device_users(
-                roots.proc, dev_prefix, listening, shm_areas, deadline, pids=pids
-            )
-        _add_device_users(table, roots.proc, gpus, faults, listening, scan)
-        invisible = _add_nvml_processes(table, usage)
-        if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
-            listed_only = False
-            scan = scan_device_users(roots.proc, dev_prefix, listening, shm_areas, deadline)
-            _add_device_users(table, roots.proc, gpus, faults, listening, scan)
+        prefix, listening = os.path.join(roots.dev, "nvidia"), listening_sockets(roots.proc, ports)
+        reading = _FdReading(roots.proc, prefix, listening, shm_areas, deadline)
+        scan, invisible, listed_only = _read_holders(
+            table, reading, gpus, usage, faults, watch, listed_only=listed_only
+        )
         unit_containers = _containers(table, roots.cgroup, containers)
     return Discovery(
         unit=sought.unit,
@@ -272,6 +255,50 @@ def discover(
         cut_short=scan.cut_short,
         fd_scan=not listed_only,
     )
+
+
+@dataclass(frozen=True)
+class _FdReading:
+    """What discover reads the fds of processes for: device files, the unit's listening
+    sockets, the shm areas' files; until the deadline."""
+
+    proc: Path
+    dev_prefix: str
+    listening: dict[int, int]
+    shm_areas: Sequence[ShmArea]
+    deadline: Deadline
+
+    def scan(self, pids: Collection[int] | None = None) -> DeviceScan:
+        return scan_device_users(
+            self.proc, self.dev_prefix, self.listening, self.shm_areas, self.deadline, pids=pids
+        )
+
+
+def _read_holders(
+    table: HolderTable,
+    reading: _FdReading,
+    gpus: list[Gpu],
+    usage: dict[int, GpuUsage],
+    faults: list[GpuFault],
+    watch: WatchScan | None,
+    *,
+    listed_only: bool,
+) -> tuple[DeviceScan, list[tuple[int, int]], bool]:
+    """The device files' holders and NVML's into the table: the scan, the PIDs NVML lists that
+    /proc does not show, and whether the fds read were only those of the listed and the
+    table's processes (listed_only, unless NVML lists a PID not shown here: then everyone's)."""
+    listed = {process.pid for each in usage.values() for process in each.processes}
+    if watch is not None:
+        r, listed_only = reading, False
+        scan = watch(r.proc, r.dev_prefix, r.listening, r.shm_areas, listed, r.deadline)
+    else:
+        scan = reading.scan(sorted(listed | set(table.by_pid)) if listed_only else None)
+    _add_device_users(table, reading.proc, gpus, faults, reading.listening, scan)
+    invisible = _add_nvml_processes(table, usage)
+    if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
+        listed_only, scan = False, reading.scan()
+        _add_device_users(table, reading.proc, gpus, faults, reading.listening, scan)
+    return scan, invisible, listed_only
 
 
 def _add_device_users(
