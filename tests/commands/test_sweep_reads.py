@@ -20,7 +20,7 @@ from gpugate.front.commands import Front
 from gpugate.front.commands.status import collect
 from gpugate.front.sweep import gauges, look, sweep
 from gpugate.host import scan
-from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage
+from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, mig_key
 from gpugate.integrations.config_files import load_config
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeGpuMemory, FakeHost
@@ -171,6 +171,28 @@ def test_with_memory_listed_for_nobody_every_process_fds_are_read(
     assert {found.watcher, found.idle} <= set(discovery.holders)
     assert discovery.holders[found.watcher].gpus == {0, 1}
     assert Source.DEVICE_FD in discovery.holders[found.idle].sources
+
+
+@pytest.mark.parametrize("leaked", [False, True])
+def test_mig_slices_memory_accounted_for_as_each_slice_lists_it(
+    host: FakeHost, fds_read: list[int], leaked: bool
+) -> None:
+    host.memory.mig = {0: [(1, 0, 20000), (2, 0, 20000)]}
+    (on_second,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(on_second, {mig_key(0, 1)}, 7000)
+    (watcher,) = host.pool.holder(host.gpu_files(0))
+    if leaked:
+        host.memory.leaked_mib[mig_key(0, 0)] = 9000  # a slice's memory listed for nobody
+    loaded = load_config(None, config_file(host))
+    cheap = look(loaded, front(host))
+    full = collect(None, loaded, host.memory, host.roots)
+    assert cheap.fd_scan is leaked
+    assert (watcher in cheap.holders) is leaked and watcher in full.holders
+    assert cheap.holders[on_second] == full.holders[on_second]
+    assert cheap.holders[on_second].using == {mig_key(0, 1)}
+    assert gauges(cheap, holdings(cheap, host), {}, 1.0) == gauges(
+        full, holdings(full, host), {}, 1.0
+    )
 
 
 def test_memory_within_free_mib_is_accounted_for(host: FakeHost, fds_read: list[int]) -> None:
