@@ -257,16 +257,21 @@ def discover(
     )
 
 
-@dataclass(frozen=True)
 class _FdReading:
     """What discover reads the fds of processes for: device files, the unit's listening
-    sockets, the shm areas' files; until the deadline."""
+    sockets, the shm areas' files; until the deadline. (Not a dataclass: each costs the
+    sweep's start-up about 1 ms, docs/benchmarks.md.)"""
 
-    proc: Path
-    dev_prefix: str
-    listening: dict[int, int]
-    shm_areas: Sequence[ShmArea]
-    deadline: Deadline
+    def __init__(
+        self,
+        proc: Path,
+        dev_prefix: str,
+        listening: dict[int, int],
+        shm_areas: Sequence[ShmArea],
+        deadline: Deadline,
+    ) -> None:
+        self.proc, self.dev_prefix, self.listening = proc, dev_prefix, listening
+        self.shm_areas, self.deadline = shm_areas, deadline
 
     def scan(self, pids: Collection[int] | None = None) -> DeviceScan:
         return scan_device_users(
