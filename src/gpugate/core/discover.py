@@ -289,9 +289,11 @@ def _read_holders(
     *,
     listed_only: bool,
 ) -> tuple[DeviceScan, list[tuple[int, int]], bool]:
-    """The device files' holders and NVML's into the table: the scan, the PIDs NVML lists that
-    /proc does not show, and whether the fds read were only those of the listed and the
-    table's processes (listed_only, unless NVML lists a PID not shown here: then everyone's)."""
+    """The device files' holders and NVML's into the table; returns the scan, the PIDs NVML
+    lists that /proc does not show, and whether only some processes' fds were read. listed_only
+    (NVML accounts for every GPU's memory within discover's listed_within_mib, the sweep's
+    free_mib: `memory_accounted`): only the fds of the listed and the table's (the unit's)
+    processes, unless NVML lists a PID not shown here: then every process's, as otherwise."""
     listed = {process.pid for each in usage.values() for process in each.processes}
     if watch is not None:
         r, listed_only = reading, False
