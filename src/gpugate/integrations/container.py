@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
