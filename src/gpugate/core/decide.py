@@ -35,6 +35,7 @@ class Rule(Enum):
     ORPHAN = "orphan"  # outside any unit (kill_orphans)
     APP_TREE = "app-tree"  # the rest of an orphan's or other unit's application
     OTHER_ACCOUNT = "other-account"  # not the account a `gpugate run` acts for (--for-uid)
+    SHARER = "sharer"  # another workload's process on a GPU the run shares on purpose
 
     def __str__(self) -> str:
         return self.value
@@ -86,8 +87,10 @@ def decide(
     earlier: Mapping[ProcessId, Role] | None = None,
     *,
     for_uid: int | None = None,
+    shared: frozenset[int] = frozenset(),
 ) -> Decision:
-    """earlier: this run's first roles (roles.holder_role); for_uid: `gpugate run`'s account."""
+    """earlier: this run's first roles (roles.holder_role); for_uid: `gpugate run`'s account;
+    shared: the owned GPU keys the run shares on purpose (docs/what-gets-killed.md)."""
     policy = config.policy(phase)
     decision = Decision()
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
@@ -95,7 +98,9 @@ def decide(
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:
             continue
         role = holder_role(holder, discovery, config, earlier)
-        decision.choices.append(choose(holder, role, discovery, config, policy.kill_orphans))
+        decision.choices.append(
+            choose(holder, role, discovery, config, policy.kill_orphans, shared)
+        )
     if policy.kill_app_tree:
         _add_app_trees(decision, discovery, config, tree)
     if for_uid is not None:
@@ -113,8 +118,21 @@ def decide(
     return decision
 
 
+# Roles whose verdict the role alone gives.
+BY_ROLE = {
+    Role.PROTECTED: (Verdict.SPARE, Rule.PROTECTED),
+    Role.WATCHER: (Verdict.SPARE, Rule.WATCHER),
+    Role.UNIT: (Verdict.KILL, Rule.CGROUP),
+}
+
+
 def choose(
-    holder: Holder, role: Role, discovery: Discovery, config: Config, kill_orphans: bool
+    holder: Holder,
+    role: Role,
+    discovery: Discovery,
+    config: Config,
+    kill_orphans: bool,
+    shared: frozenset[int] = frozenset(),
 ) -> Choice:
     """One holder's verdict: the first rule that applies, in this order."""
     owned = discovery.owned_indices
@@ -123,16 +141,15 @@ def choose(
     def choice(verdict: Verdict, rule: Rule, other_unit: str | None = None) -> Choice:
         return Choice(holder, role, verdict, rule, on_owned, foreign, other_unit)
 
-    if role is Role.PROTECTED:
-        return choice(Verdict.SPARE, Rule.PROTECTED)
-    if role is Role.WATCHER:
-        return choice(Verdict.SPARE, Rule.WATCHER)
-    if role is Role.UNIT:
-        return choice(Verdict.KILL, Rule.CGROUP)
+    fixed = BY_ROLE.get(role)
+    if fixed is not None:
+        return choice(*fixed)
     if role is Role.UNIT_CONTAINER and holder.container is not None:
         return choice(Verdict.KILL, Rule.UNIT_CONTAINER)
     if not on_owned and not holder.ports:
         return choice(Verdict.SPARE, Rule.NOT_OWNED)
+    if role is Role.OTHER_UNIT and on_owned and set(on_owned) <= shared and not holder.ports:
+        return choice(Verdict.SPARE, Rule.SHARER, system_unit_of_cgroup(holder.info.cgroup or "/"))
     if foreign:
         return choice(Verdict.BLOCK, Rule.STRADDLES)
     if role is Role.OTHER_UNIT:

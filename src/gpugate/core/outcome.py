@@ -184,6 +184,11 @@ class Surroundings:
     def before_kill(self, decision: Decision) -> None:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
+    def shared_gpus(self, discovery: Discovery) -> frozenset[int]:
+        """The owned GPUs' keys the run shares on purpose (docs/what-gets-killed.md): another
+        workload's processes there are sharers. The plain case shares none."""
+        return frozenset()
+
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         """Under the GPU locks, before any kill: another workload's claim refuses the start."""
         return False

@@ -90,7 +90,8 @@ class RunState:
         self.signalled: dict[ProcessId, Choice] = {}
         self.ports = self.config.ports if scope.phase.traits.checks_ports else ()
         self.watch = RespawnWatch()
-        self.spared_pids: set[int] = set()  # protected, or on no GPU of the unit: not waited on
+        # protected, sharers, or on no GPU of the unit: neither they nor their memory waited on
+        self.spared_pids: set[int] = set()
         self.reported_faults: set[int] = set()
         self.judged: dict[ProcessId, Role] = {}  # first roles, for roles.holder_role
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
@@ -153,6 +154,7 @@ class RunState:
                 self.procfs,
                 self.judged,
                 for_uid=self.scope.for_uid,
+                shared=self.surroundings.shared_gpus(found),
             )
         self.shm_ledger.note(found.shm)
         self.shm_areas = found.shm_areas
@@ -534,8 +536,11 @@ def look(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], l
     busy: list[BusyGpu] = []
     for gpu in owned:
         usage = state.driver.usage(gpu)
+        spared = [p for p in usage.processes if p.pid in state.spared_pids]
         pids = tuple(p.pid for p in usage.processes if p.pid not in state.spared_pids)
-        if usage.used_mib > state.config.free_mib or pids:
+        # What the spared (sharers, protected) hold is theirs, not the run's to wait for.
+        used_mib = usage.used_mib - sum(p.used_mib or 0 for p in spared)
+        if used_mib > state.config.free_mib or pids:
             busy.append(BusyGpu(gpu, usage.used_mib, pids))
     if busy:
         state.note(waiting_on=tuple(busy))

@@ -13,6 +13,7 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
+from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Surroundings
 from gpugate.core.run import RunScope
 from gpugate.errors import (
@@ -169,6 +170,12 @@ class UnitSurroundings(Surroundings):
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
             raise refusal(state, scope.phase.value, scope.unit, would_kill)
+
+    def shared_gpus(self, discovery: Discovery) -> frozenset[int]:
+        """`share_gpus = true`: every GPU the unit owns is shared on purpose."""
+        if not self.loaded.config.share_gpus:
+            return frozenset()
+        return frozenset(gpu.index for gpu in discovery.owned)
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         """Before pre kills: a running unit's lease covers its GPUs."""

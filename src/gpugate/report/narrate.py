@@ -169,6 +169,9 @@ def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = No
     """named: the other workload in words where its lease says (a pod: namespace/pod/container,
     shown escaped already), else its unit."""
     container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
+    if choice.rule is Rule.SHARER:
+        whose = container_text(container) if container else other
+        return f"{whose} shares {held} with {unit} on purpose: a sharer, left alone"
     if choice.verdict is Verdict.KILL:
         return f"{container_text(container) if container else named or other} holds {held}"
     if container is None and named:
