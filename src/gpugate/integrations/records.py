@@ -317,9 +317,12 @@ class LeaseCheck:
     def conflicted(self) -> list[int]:
         return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
 
-    def refusal(self, place: str | None = None, ours: str | None = None) -> str:
+    def refusal(
+        self, place: str | None = None, ours: str | None = None, *, container: bool = False
+    ) -> str:
         """place: where this workload's share_gpus is set; ours: how it would share, in words
-        (default: set share_gpus = true in place). None: both sides' configs, unnamed."""
+        (default: set share_gpus = true in place), None: both sides' configs, unnamed;
+        container: this workload is a container (containers read one config)."""
         conflicts = [
             ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts
         ]
@@ -333,7 +336,7 @@ class LeaseCheck:
             ours=ours or f"set share_gpus = true in {place}",
             sharing=self.share,
             where=where,
-            one_place=where == place,
+            one_place=where == place or (container and containers),
         )
         return lease_refusal_text(conflicts, containers=containers, share=terms)
 

@@ -197,8 +197,9 @@ class UnitSurroundings(Surroundings):
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
         elif check.conflicts:
-            self.refusal = check.refusal(*self._share_setting())
-            self.narration.lease_refused(self.refusal, check.conflicted())
+            container = self.context.container
+            self.refusal = check.refusal(*self._share_setting(), container=container is not None)
+            self.narration.lease_refused(self.refusal, check.conflicted(), who=container)
         return self.refusal is not None
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
@@ -235,8 +236,9 @@ class UnitSurroundings(Surroundings):
             return
         check = self._check_leases(owned)
         if check.conflicts:
-            refusal = check.refusal(*self._share_setting())
-            self.narration.lease_refused(refusal, check.conflicted(), first=False)
+            container = self.context.container
+            refusal = check.refusal(*self._share_setting(), container=container is not None)
+            self.narration.lease_refused(refusal, check.conflicted(), first=False, who=container)
 
     def _share_setting(self) -> tuple[str, str | None]:
         """Where this workload's share_gpus is set, and how it would share, in words."""

@@ -170,7 +170,7 @@ def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = No
     shown escaped already), else its unit."""
     container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
     if choice.rule is Rule.SHARER:
-        whose = container_text(container) if container else other
+        whose = container_text(container) if container else named or other
         return f"{whose} shares {held} with {unit} on purpose: a sharer, left alone"
     if choice.verdict is Verdict.KILL:
         return f"{container_text(container) if container else named or other} holds {held}"
@@ -638,11 +638,14 @@ class Narrator:
             lease_unit=lease_unit,
         )
 
-    def lease_refused(self, refusal: str, gpus: Sequence[int], *, first: bool = True) -> None:
-        """first: False where the run was refused already (STATUS= said it)."""
+    def lease_refused(
+        self, refusal: str, gpus: Sequence[int], *, first: bool = True, who: str | None = None
+    ) -> None:
+        """first: False where the run was refused already (STATUS= said it); who: the
+        workload in words where not its unit (a container's label: a pod as a pod)."""
         self.reporter.event(
             Event.REFUSED,
-            f"not starting {self.reporter.unit}: {refusal}",
+            f"not starting {who or self.reporter.unit}: {refusal}",
             gpus=sorted(gpus),
             reason="leased",
         )
