@@ -61,7 +61,14 @@ def annotations(pod: str, name: str) -> dict[str, str]:
     }
 
 
-def unit(host: FakeHost, phase: str, name: str, loaded: LoadedConfig, running: dict[str, str]):  # type: ignore[no-untyped-def]
+def unit(  # type: ignore[no-untyped-def]
+    host: FakeHost,
+    phase: str,
+    name: str,
+    loaded: LoadedConfig,
+    running: dict[str, str],
+    environ: dict[str, str] | None = None,
+):
     reporter = Reporter(name, phase, journal=host.journal, notifier=host.notifier, echo=False)
     return run_unit_phase(
         RunScope(Phase(phase), name, f"/system.slice/{name}"),
@@ -69,7 +76,7 @@ def unit(host: FakeHost, phase: str, name: str, loaded: LoadedConfig, running: d
         reporter,
         roots=host.roots,
         driver_factory=lambda: host.memory,
-        environ={},
+        environ=environ or {},
         unit_state=running.get,
     )
 
@@ -222,6 +229,31 @@ def test_a_workload_straddling_a_shared_gpu_and_one_the_run_does_not_own(host: F
     assert held == {(straddler, "straddles")}
     host.memory.claim(straddler, {1}, 0)
     host.pool.cleanup()
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_a_gpugate_run_beside_a_sharing_unit(host: FakeHost, *, share: bool) -> None:
+    """A `gpugate run` unit's hooks (GPUGATE_STARTED_BY in its environment, --share-gpus in
+    its config): beside a sharing unit with --share-gpus; without, refused naming the option."""
+    run_unit = "gpugate-run-vllm-3f9a1c.service"
+    running = {A: "active", run_unit: "activating"}
+    environ = {"GPUGATE_STARTED_BY": "alice (uid 1000)", "INVOCATION_ID": "1"}
+    unit(host, "pre", A, host.config(gpus=[1], share_gpus=True), running)
+    server_a = serving(host, f"/system.slice/{A}", {1})
+    summary = unit(host, "pre", run_unit, host.config(gpus=[1], share_gpus=share), running, environ)
+    assert alive(server_a)
+    if share:
+        assert summary.exit_code is ExitCode.OK
+        running[run_unit] = "deactivating"
+        post = unit(
+            host, "post", run_unit, host.config(gpus=[1], share_gpus=True), running, environ
+        )
+        assert post.exit_code is ExitCode.OK and alive(server_a)
+        return
+    assert summary.exit_code is ExitCode.HELD_BY_OTHERS
+    refusals = messages(host, "refused", run_unit)
+    assert any("start it with gpugate run --share-gpus" in m for m in refusals), refusals
+    assert not any("kill_other_units" in m for m in refusals)
 
 
 # --- containers and pods ---------------------------------------------------------------------

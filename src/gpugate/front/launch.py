@@ -217,7 +217,9 @@ def refuse_before_start(
         )
     finally:
         driver.close()
-    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
+    # With share_gpus, another running workload's process there is a sharer, as in its pre.
+    shared = frozenset(found.owned_indices) if loaded.config.share_gpus else frozenset()
+    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid, shared=shared)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if not others:
         return

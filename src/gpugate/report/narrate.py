@@ -739,4 +739,4 @@ class ShareTerms:
             )
         if self.one_place or not self.theirs:
             return f"stop it first, or {self.ours} to share them"
-        return f"stop it first, or to share them, {self.ours} and in {self.where}"
+        return f"stop it first, or, to share them, {self.ours} and set share_gpus = true in {self.where} too"
