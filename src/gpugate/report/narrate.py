@@ -739,4 +739,5 @@ class ShareTerms:
             )
         if self.one_place or not self.theirs:
             return f"stop it first, or {self.ours} to share them"
-        return f"stop it first, or, to share them, {self.ours} and set share_gpus = true in {self.where} too"
+        both = f"{self.ours} and set share_gpus = true in {self.where} too"
+        return f"stop it first, or, to share them, {both}"
