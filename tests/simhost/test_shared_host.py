@@ -173,6 +173,7 @@ def test_two_units_that_share_gpus_restart_independently(host: Host) -> None:
 
     # a restarts: its post and pre both succeed, b's server untouched.
     cursor = host.cursor()
+    host.sh(f"rm -f /run/ready-{a}.json")
     host.sim.systemctl("restart", a)
     again = host.wait_ready(f"/run/ready-{a}.json")
     assert active(host, a) == active(host, b) == "active"
@@ -184,9 +185,13 @@ def test_two_units_that_share_gpus_restart_independently(host: Host) -> None:
     ], finished
 
     # b stops: exit 0 (inactive, not failed); a runs on with its lease.
+    cursor = host.cursor()
     host.sim.systemctl("stop", b)
     assert active(host, b) == "inactive"
+    assert again["workers"] != first["workers"]
     assert all(host.alive(pid) for pid in again["workers"])
+    spared = host.events_after(cursor, _SYSTEMD_UNIT=b, GPUGATE_REASON="sharer")
+    assert {e["GPUGATE_PID"] for e in spared} >= {str(again["workers"][0])}, spared
     leases = host.sh("ls /run/gpugate/leases/").split()
     assert leases == [f"{a}.json"], leases
     host.sim.systemctl("stop", a)
