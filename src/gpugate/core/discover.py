@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +89,9 @@ class Discovery:
     shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)  # by PID: its shm files
     shm_areas: list[ShmArea] = field(default_factory=list)  # /dev/shm (and /run/shm)
     cut_short: list[int] = field(default_factory=list)  # PIDs the deadline cut: holders may hide
+    # Every process's fds were read; False: only those NVML lists and the unit's, NVML's lists
+    # accounting for every GPU's memory (`memory_accounted`): a device-file-only holder unseen
+    fd_scan: bool = True
 
     @property
     def owned_indices(self) -> set[int]:
@@ -103,6 +106,23 @@ class Discovery:
             and not self.invisible
             and all(usage.processes_listed for usage in self.usage.values())
         )
+
+
+def memory_accounted(
+    usage: Mapping[int, GpuUsage], faults: Sequence[GpuFault], free_mib: int
+) -> bool:
+    """NVML lists every GPU's processes, each with its memory, and on every GPU they account
+    for the memory used within free_mib; no GPU it cannot read. Where this holds, a process
+    NVML lists nowhere holds no memory of any GPU that NVML does not attribute to another."""
+    if faults or not usage:
+        return False
+    for gpu_usage in usage.values():
+        listed = [process.used_mib for process in gpu_usage.processes]
+        if not gpu_usage.processes_listed or any(mib is None for mib in listed):
+            return False
+        if gpu_usage.used_mib - sum(mib or 0 for mib in listed) > free_mib:
+            return False
+    return True
 
 
 def self_and_ancestors(procfs: ProcFs) -> frozenset[int]:
@@ -196,27 +216,27 @@ def discover(
     ports: Collection[int] = (),
     deadline: Deadline = NO_DEADLINE,
     watch: WatchScan | None = None,
+    listed_within_mib: int | None = None,
 ) -> Discovery:
     """strict_faults: an NVML error on a GPU of the unit's fails the run (`status`: False);
     containers and ports: the config's, whose processes and listeners are the unit's too;
     watch: `status --watch`'s rescans (None: every process on the host, as a watcher, a
-    mapped-only holder and a holder of a GPU NVML cannot read are on no NVML list)."""
+    mapped-only holder and a holder of a GPU NVML cannot read are on no NVML list);
+    listed_within_mib (the sweep's): see `_read_holders`."""
     gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
+    within = listed_within_mib
+    listed_only = within is not None and memory_accounted(usage, faults, within) and not ports
     shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
         table = HolderTable(procfs, self_and_ancestors(procfs))
         for pid in cgroup_members(roots.cgroup, sought.unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
-        listening = listening_sockets(roots.proc, ports)
-        dev_prefix = os.path.join(os.fspath(roots.dev), "nvidia")
-        if watch is None:
-            scan = scan_device_users(roots.proc, dev_prefix, listening, shm_areas, deadline)
-        else:
-            listed = {process.pid for each in usage.values() for process in each.processes}
-            scan = watch(roots.proc, dev_prefix, listening, shm_areas, listed, deadline)
-        _add_device_users(table, roots.proc, gpus, faults, listening, scan)
-        invisible = _add_nvml_processes(table, usage)
+        prefix, listening = os.path.join(roots.dev, "nvidia"), listening_sockets(roots.proc, ports)
+        reading = _FdReading(roots.proc, prefix, listening, shm_areas, deadline)
+        scan, invisible, listed_only = _read_holders(
+            table, reading, gpus, usage, faults, watch, listed_only=listed_only
+        )
         unit_containers = _containers(table, roots.cgroup, containers)
     return Discovery(
         unit=sought.unit,
@@ -233,7 +253,59 @@ def discover(
         shm=scan.shm,
         shm_areas=shm_areas,
         cut_short=scan.cut_short,
+        fd_scan=not listed_only,
     )
+
+
+class _FdReading:
+    """What discover reads the fds of processes for: device files, the unit's listening
+    sockets, the shm areas' files; until the deadline. (Not a dataclass: each costs the
+    sweep's start-up about 1 ms, docs/benchmarks.md.)"""
+
+    def __init__(
+        self,
+        proc: Path,
+        dev_prefix: str,
+        listening: dict[int, int],
+        shm_areas: Sequence[ShmArea],
+        deadline: Deadline,
+    ) -> None:
+        self.proc, self.dev_prefix, self.listening = proc, dev_prefix, listening
+        self.shm_areas, self.deadline = shm_areas, deadline
+
+    def scan(self, pids: Collection[int] | None = None) -> DeviceScan:
+        return scan_device_users(
+            self.proc, self.dev_prefix, self.listening, self.shm_areas, self.deadline, pids=pids
+        )
+
+
+def _read_holders(
+    table: HolderTable,
+    reading: _FdReading,
+    gpus: list[Gpu],
+    usage: dict[int, GpuUsage],
+    faults: list[GpuFault],
+    watch: WatchScan | None,
+    *,
+    listed_only: bool,
+) -> tuple[DeviceScan, list[tuple[int, int]], bool]:
+    """The device files' holders and NVML's into the table; returns the scan, the PIDs NVML
+    lists that /proc does not show, and whether only some processes' fds were read. listed_only
+    (NVML accounts for every GPU's memory within discover's listed_within_mib, the sweep's
+    free_mib: `memory_accounted`): only the fds of the listed and the table's (the unit's)
+    processes, unless NVML lists a PID not shown here: then every process's, as otherwise."""
+    listed = {process.pid for each in usage.values() for process in each.processes}
+    if watch is not None:
+        r, listed_only = reading, False
+        scan = watch(r.proc, r.dev_prefix, r.listening, r.shm_areas, listed, r.deadline)
+    else:
+        scan = reading.scan(sorted(listed | set(table.by_pid)) if listed_only else None)
+    _add_device_users(table, reading.proc, gpus, faults, reading.listening, scan)
+    invisible = _add_nvml_processes(table, usage)
+    if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
+        listed_only, scan = False, reading.scan()
+        _add_device_users(table, reading.proc, gpus, faults, reading.listening, scan)
+    return scan, invisible, listed_only
 
 
 def _add_device_users(

@@ -158,7 +158,7 @@ def look(loaded: LoadedConfig, front: Front) -> Discovery:
     procfs = ProcFs(roots.proc)
     with contextlib.closing(front.driver_factory()) as driver:
         with procfs.oneshot():
-            discovery = collect(None, loaded, driver, roots, procfs=procfs)
+            discovery = collect(None, loaded, driver, roots, procfs=procfs, listed_first=True)
         hung = driver.not_answering()
         if hung is not None:
             raise hung

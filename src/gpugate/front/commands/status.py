@@ -70,8 +70,11 @@ def collect(
     *,
     procfs: ProcFs | None = None,
     watch: WatchScan | None = None,
+    listed_first: bool = False,
 ) -> Discovery:
-    """As nvidia-smi: a GPU NVML cannot read is listed in `faults`, not hiding the others."""
+    """As nvidia-smi: a GPU NVML cannot read is listed in `faults`, not hiding the others.
+    listed_first (the sweep's): every process's fds only where NVML's lists do not account for
+    the GPUs' memory within free_mib (`discover`'s listed_within_mib); status reads them all."""
     roots = roots or HostRoots()
     cgroup = NO_UNIT_CGROUP
     if unit is not None:
@@ -89,6 +92,7 @@ def collect(
         strict_faults=False,
         deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
         watch=watch,
+        listed_within_mib=loaded.config.free_mib if listed_first else None,
     )
 
 
