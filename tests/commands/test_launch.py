@@ -561,3 +561,51 @@ def test_port_with_a_lock_dir_it_cannot_write_is_one_line_before_anything_starts
     assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
     assert raised.value.message.startswith(f"{loaded.config.lock_dir / 'run'}")
     assert "\n" not in raised.value.message
+
+
+@pytest.mark.parametrize(("ours", "theirs"), [(True, True), (True, False), (False, True)])
+def test_share_gpus_lets_a_run_start_beside_a_sharing_lease_only(
+    host: FakeHost, *, ours: bool, theirs: bool
+) -> None:
+    """`gpugate run --share-gpus` beside a unit or run that shares: no refusal. One side not
+    sharing: exit 22, the line naming the setting that would let it share, never
+    kill_other_units."""
+    gpus = host.memory.gpus()
+    loaded = host.config(share_gpus=ours)
+    write_lease(loaded.config.lock_dir, new_lease("vllm.service", gpus[0:1], share=theirs))
+    if ours and theirs:
+        refuse_leased(
+            loaded, "gpugate-run-x-1.service", gpus[0:1], force=False, unit_state=lambda _: "active"
+        )
+        return
+    with pytest.raises(GateError) as refused:
+        refuse_leased(
+            loaded, "gpugate-run-x-1.service", gpus[0:1], force=False, unit_state=lambda _: "active"
+        )
+    assert refused.value.exit_code is ExitCode.HELD_BY_OTHERS
+    message = refused.value.message
+    assert "kill_other_units" not in message
+    if theirs:
+        assert "to run beside it, start it with gpugate run --share-gpus" in message
+    else:
+        assert "does not share them" in message and "its gpugate config too" in message
+
+
+def test_share_gpus_is_written_into_the_hooks_config(host: FakeHost) -> None:
+    """--share-gpus: the hooks' config says share_gpus = true (both hooks read it), with the
+    ports where --port is given too; without either, no file."""
+    loaded = host.config()
+    assert hook_config(loaded, "gpugate-run-x-1.service", None, None) == (None, ())
+    path, cleanup = hook_config(loaded, "gpugate-run-x-1.service", None, None, share=True)
+    assert path is not None and cleanup == (path,)
+    assert load_config(None, path).config.share_gpus
+    path, _ = hook_config(loaded, "gpugate-run-x-1.service", None, [8000], share=True)
+    assert path is not None
+    reread = load_config(None, path).config
+    assert reread.share_gpus and reread.ports == (8000,)
+
+
+def test_share_gpus_is_an_option_of_run() -> None:
+    args = build_parser().parse_args(["run", "--share-gpus", "--", "true"])
+    assert args.share_gpus
+    assert not build_parser().parse_args(["run", "--", "true"]).share_gpus

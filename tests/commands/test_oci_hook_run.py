@@ -232,6 +232,30 @@ def test_a_pair_nvml_does_not_know_fails_the_start(host: FakeHost, ref: str) -> 
     assert not read_leases(host.root / "locks").leases
 
 
+@pytest.mark.parametrize(
+    "ref",
+    [
+        "MIG-zzzzzzzz-not-a-uuid",  # malformed: the container's bad input, not gpugate's config
+        "MIG-12345678-1234-1234-1234-123456789abc",  # well formed, no such slice
+        "MIG-GPU-99999999-0000-0000-0000-000000000000/1/0",  # no such GPU
+    ],
+)
+def test_a_mig_reference_nvml_cannot_resolve_is_the_containers_bad_input(
+    host: FakeHost, ref: str
+) -> None:
+    """issue 47: exit 64 naming the container's variable, never 78 naming a config's gpus."""
+    host.memory.mig = {0: [(1, 0, 20000), (2, 0, 20000)]}
+    (holder,) = host.pool.holder(host.gpu_files(0))
+    host.memory.claim(holder, {mig_key(0, 0)}, 9000)
+    code = hook(host, Phase.PRE, A_ID, [f"NVIDIA_VISIBLE_DEVICES={ref}"], {A_SCOPE: "active"})
+    assert code == ExitCode.USAGE
+    (error,) = host.journal.events("error")
+    assert error["MESSAGE"].startswith("config.json: 'NVIDIA_VISIBLE_DEVICES': "), error
+    assert ": gpus:" not in error["MESSAGE"] and "built-in" not in error["MESSAGE"]
+    assert alive(holder)
+    assert not read_leases(host.root / "locks").leases
+
+
 @pytest.mark.parametrize("value", ["MIG-1234", "gpu0", "0:1:0", "ALL"])
 def test_a_gpu_request_gpugate_cannot_read_is_refused_before_nvml(value: str) -> None:
     with pytest.raises(OciInputError) as caught:

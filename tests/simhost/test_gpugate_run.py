@@ -256,6 +256,35 @@ def test_run_onto_leased_gpus_is_refused_unless_forced(host: Host) -> None:
         host.sh("systemctl stop idle.service vllm.service", False)
 
 
+def test_a_run_with_share_gpus_runs_beside_a_sharing_unit(host: Host) -> None:
+    """issue 46: `gpugate run --share-gpus` onto a GPU that a unit with share_gpus = true
+    serves on starts beside it, and its post (exit 0) leaves the unit alone; without it, the
+    run is refused (22) naming the option; the unit's server never touched."""
+    host.reset()
+    unit = "vllm-shared.service"
+    host.install(unit, unit_text(unit, (2,), 8003), f"gpus = [2]\nshare_gpus = true\n{CONFIG}")
+    host.start(unit)
+    ready = host.wait_ready(f"/run/ready-{unit}.json")
+    try:
+        refused = gpugate_run(host, "--gpus 2 -- true")
+        assert refused.returncode == 22, refused.stderr
+        assert "gpugate run --share-gpus" in refused.stderr, refused.stderr
+        assert "kill_other_units" not in refused.stderr
+        beside = gpugate_run(host, "--gpus 2 --share-gpus --name share-run -- sh -c 'exit 3'")
+        assert beside.returncode == 3, beside.stderr
+        posts = [e for e in journal_of(host, "share-run.service") if e.get("GPUGATE_PHASE")]
+        finished = [e for e in posts if e["GPUGATE_EVENT"] == "run_finished"]
+        assert [(e["GPUGATE_PHASE"], e["GPUGATE_RESULT"]) for e in finished] == [
+            ("pre", "success"),
+            ("post", "success"),
+        ], finished
+        assert all(host.alive(pid) for pid in ready["workers"])
+        assert host.sim.systemctl("is-active", unit).stdout.strip() == "active"
+        assert not host.sh("ls /run/gpugate/run/ 2>/dev/null", False).strip()  # config removed
+    finally:
+        host.sh(f"systemctl stop {unit}", False)
+
+
 def test_port_is_freed_by_the_runs_pre(host: Host) -> None:
     host.reset()
     listener = host.sim.spawn_scope(

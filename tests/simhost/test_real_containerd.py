@@ -82,6 +82,7 @@ def container_id(name: str) -> str:
 
 
 A_ID, B_ID, C_ID, D_ID, E_ID = map(container_id, ("gpu-a", "gpu-b", "plain-c", "gpu-d", "gpu-e"))
+F_ID, G_ID = map(container_id, ("sliced-f", "sliced-g"))
 # kubelet's cgroup parent of a BestEffort pod (systemd driver: the pod UID's dashes as
 # underscores); the CRI plugin passes its last slice to runc as `SLICE:cri-containerd:ID`.
 POD_SLICE = "kubepods-besteffort-pod6b1f0c52_9a3e_4d7b_8f21_0c4d5e6f7a8b.slice"
@@ -93,7 +94,9 @@ DOCKER_NVIDIA = json.dumps({**json.loads(DAEMON_JSON), "runtimes": {"nvidia": {"
 class Node(Box):
     wrapper = ""
 
-    def ctr_run(self, cid: str, gpu: int | None, *, detach: bool = True) -> list[str]:
+    def ctr_run(
+        self, cid: str, gpu: int | None, *, detach: bool = True, pod: dict[str, str] = POD
+    ) -> list[str]:
         argv = ["ctr", "run", "-d" if detach else "--rm", "--runc-binary", self.wrapper]
         argv += ["--runc-systemd-cgroup", "--cgroup", f"{POD_SLICE}:cri-containerd:{cid}"]
         argv += ["--cpu-shares", "0"]  # runc and this machine's hybrid cgroups: no cpu.weight
@@ -104,7 +107,7 @@ class Node(Box):
                 f"type=bind,src=/dev/nvidia{gpu},dst=/dev/nvidia{gpu},options=rbind:rw",
             ]
             argv += [
-                arg for key, value in POD.items() for arg in ("--annotation", f"{key}={value}")
+                arg for key, value in pod.items() for arg in ("--annotation", f"{key}={value}")
             ]
         command = hold([gpu]) if gpu is not None else "echo plain"
         return [*argv, "--rootfs", ROOTFS, cid, "/bin/sh", "-c", command]
@@ -296,6 +299,76 @@ def test_docker_s_gpugate_runtime_keeps_nvidia_s_runtime_in_the_chain(node: Node
     assert "dgpu" in lease["container"] and full[:12] in lease["container"], lease
     node.sh("docker rm -f dgpu")
     wait_for("the lease given up", lambda: not node.leases())
+
+
+def test_two_time_sliced_pods_share_a_gpu_across_restarts(node: Node) -> None:
+    """containers.toml's share_gpus = true beside the device plugin's time-slicing: two pods
+    given GPU 5 both start, each restarts (delete, then a new create) and stops without
+    touching the other, a stale orphan there is freed at the start that finds it, and each
+    poststop exits 0 (issue 46, item 3)."""
+    sim = node.sim
+    assert node.wrapper, "the install test ran first"
+    pods = {
+        F_ID: {**POD, "io.kubernetes.cri.sandbox-name": "sliced-0"},
+        G_ID: {**POD, "io.kubernetes.cri.sandbox-name": "sliced-1"},
+    }
+
+    def start(cid: str) -> int:
+        node.sh(shlex.join(node.ctr_run(cid, 5, pod=pods[cid])))
+        wait_for(f"{cid[:12]} running", lambda: node.task(cid)[1] == "RUNNING")
+        node.claim_task(cid, [5])
+        return node.task(cid)[0]
+
+    def stop(cid: str) -> None:
+        node.sh(f"ctr task kill -s KILL {cid}")
+        wait_for(f"{cid[:12]} stopped", lambda: node.task(cid)[1] == "STOPPED")
+        node.sh(f"ctr task delete {cid} && ctr container delete {cid}")
+
+    def leased() -> set[str]:
+        return {lease["unit"] for lease in node.leases()}
+
+    sim.write_file("/etc/gpugate/containers.toml", "share_gpus = true\n" + FAST)
+    try:
+        stale = node.stale_holder(5)
+        cursor = node.cursor()
+        f_pid = start(F_ID)
+        assert not node.alive(stale), "the stale orphan on the time-sliced GPU outlived F's start"
+        g_pid = start(G_ID)
+        assert node.alive(f_pid) and node.task(F_ID) == (f_pid, "RUNNING")
+        assert leased() == {f"cri-containerd-{F_ID}.scope", f"cri-containerd-{G_ID}.scope"}
+        spared = [
+            e
+            for e in node.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+            if e.get("GPUGATE_OCI_CONTAINER") == G_ID and e.get("GPUGATE_REASON") == "sharer"
+        ]
+        assert str(f_pid) in {e.get("GPUGATE_PID") for e in spared}, spared
+
+        # F restarts, with a new stale orphan on the GPU meanwhile: G untouched throughout.
+        cursor = node.cursor()
+        stop(F_ID)
+        wait_for("F's lease given up", lambda: leased() == {f"cri-containerd-{G_ID}.scope"})
+        stale = node.stale_holder(5)
+        f_pid = start(F_ID)
+        assert not node.alive(stale)
+        assert node.task(G_ID) == (g_pid, "RUNNING")
+        entries = node.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
+        finished = [e for e in entries if e.get("GPUGATE_EVENT") == "run_finished"]
+        assert {(e["GPUGATE_PHASE"], e["GPUGATE_RESULT"]) for e in finished} == {
+            ("post", "success"),
+            ("pre", "success"),
+        }, finished
+        killed = {e["GPUGATE_PID"] for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"}
+        assert str(g_pid) not in killed and str(stale) in killed, killed
+
+        # G stops: F runs on, its lease kept.
+        stop(G_ID)
+        wait_for("G's lease given up", lambda: leased() == {f"cri-containerd-{F_ID}.scope"})
+        assert node.task(F_ID) == (f_pid, "RUNNING")
+    finally:
+        for cid in (F_ID, G_ID):
+            node.sh(f"ctr task delete -f {cid}; ctr container delete {cid}", check=False)
+        sim.write_file("/etc/gpugate/containers.toml", FAST)
+    wait_for("no lease left", lambda: not node.leases())
 
 
 def test_uninstall_leaves_the_file_as_it_was(node: Node) -> None:

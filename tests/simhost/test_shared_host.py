@@ -1,5 +1,6 @@
 """Units that share a host, on the simulated GPU host (real systemd 252, the stand-in driver,
-the vLLM-like workload): the five scenarios of issue 11.
+the vLLM-like workload): the five scenarios of issue 11, and two units that share a GPU on
+purpose (issue 46).
 
 1. two units on overlapping GPUs started by one `systemctl start`: one active, the other
    refused naming it, 5 trials out of 5;
@@ -148,6 +149,53 @@ def test_a_lost_gpu_of_another_unit_stops_nothing(host: Host) -> None:
     finally:
         restore_driver(host)
     host.sim.systemctl("stop", unit)
+
+
+def test_two_units_that_share_gpus_restart_independently(host: Host) -> None:
+    """issue 46: two units with share_gpus = true on GPU 2 each start, restart and stop beside
+    the other (their post exits 0: the unit ends inactive, not failed), and a stale server
+    started by hand on the shared GPU is freed by the start that finds it."""
+    host.reset()
+    a, b = "vllm-share-a.service", "vllm-share-b.service"
+    for unit, port in ((a, 8040), (b, 8041)):
+        env = "CUDA_VISIBLE_DEVICES=2"
+        host.install(unit, unit_on(unit, (2,), port, env), "share_gpus = true\n" + FAST)
+    host.start(a)
+    first = host.wait_ready(f"/run/ready-{a}.json")
+    stale, _ = host.hand_start((2,), 8042, "hand-stale2")
+    cursor = host.cursor()
+    host.start(b)
+    second = host.wait_ready(f"/run/ready-{b}.json")
+    assert all(host.alive(pid) for pid in first["workers"]), "a sharer is never killed"
+    assert not any(host.alive(pid) for pid in stale["workers"]), "the orphan on GPU 2 dies"
+    spared = host.events_after(cursor, _SYSTEMD_UNIT=b, GPUGATE_REASON="sharer")
+    assert {e["GPUGATE_PID"] for e in spared} >= {str(first["workers"][0])}, spared
+
+    # a restarts: its post and pre both succeed, b's server untouched.
+    cursor = host.cursor()
+    host.sh(f"rm -f /run/ready-{a}.json")
+    host.sim.systemctl("restart", a)
+    again = host.wait_ready(f"/run/ready-{a}.json")
+    assert active(host, a) == active(host, b) == "active"
+    assert all(host.alive(pid) for pid in second["workers"])
+    finished = host.events_after(cursor, _SYSTEMD_UNIT=a, GPUGATE_EVENT="run_finished")
+    assert [(e["GPUGATE_PHASE"], e["GPUGATE_RESULT"]) for e in finished] == [
+        ("post", "success"),
+        ("pre", "success"),
+    ], finished
+
+    # b stops: exit 0 (inactive, not failed); a runs on with its lease.
+    cursor = host.cursor()
+    host.sim.systemctl("stop", b)
+    assert active(host, b) == "inactive"
+    assert again["workers"] != first["workers"]
+    assert all(host.alive(pid) for pid in again["workers"])
+    spared = host.events_after(cursor, _SYSTEMD_UNIT=b, GPUGATE_REASON="sharer")
+    assert {e["GPUGATE_PID"] for e in spared} >= {str(again["workers"][0])}, spared
+    leases = host.sh("ls /run/gpugate/leases/").split()
+    assert leases == [f"{a}.json"], leases
+    host.sim.systemctl("stop", a)
+    assert active(host, a) == "inactive"
 
 
 def test_a_hand_typed_pre_on_an_active_unit_kills_nothing(host: Host) -> None:

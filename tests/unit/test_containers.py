@@ -204,6 +204,8 @@ def test_refusal_names_the_container_and_the_field(cgroup: str, runtime: str) ->
     assert reason.startswith(f"{runtime} container vllm ({ID[:12]}) holds GPU 0")
     assert 'set containers = ["vllm"]' in reason
     assert "gpugate install vllm.service --container vllm" in reason
+    # never the setting that would kill it; the one that would let both run
+    assert "kill_other_units" not in reason and "share_gpus = true" in reason
     # named in the config: the unit's own, killed also where it holds another GPU too
     holder.sources.add(Source.CONTAINER)
     holder.gpus.add(5)

@@ -362,9 +362,10 @@ def test_a_containers_slice_is_the_slice_not_its_gpu() -> None:
     assert gpu_selection(legacy, gpus, "oci") == (f"MIG-{GPU0}/5/0",)
     whole = GpuRequest(minors=(0,), refs=())
     assert gpu_selection(whole, gpus, "oci") == (GPU0,)
-    with pytest.raises(ConfigError) as caught:
+    # a slice NVML does not have: the container's bad input (64), as an unknown index is
+    with pytest.raises(OciInputError) as caught:
         gpu_selection(GpuRequest(minors=(0,), refs=(mig_uuid(0, 3, 0),)), gpus, "oci")
-    assert caught.value.exit_code is ExitCode.CONFIG
+    assert caught.value.exit_code is ExitCode.USAGE
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ from gpugate.config.schema import GateConfig
 from gpugate.config.values import DEFAULTS, MPS_CONTROL, MPS_SERVER
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Holder, Source
-from gpugate.core.mps import is_mps_server, mps_served
+from gpugate.core.mps import config_shares, is_mps_server, mps_served
 from gpugate.core.roles import Owner, Role, owner_of, role_of
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import MIB, NOT_AVAILABLE, GpuProcess, _Listing
@@ -181,3 +181,12 @@ def test_a_start_beside_the_server_frees_a_stale_client_and_never_signals_the_se
     assert found["GPUGATE_USED_MIB"] == "9000"
     (spared,) = host.journal.events("process_spared")
     assert (spared["GPUGATE_PID"], spared["GPUGATE_REASON"]) == (str(server), "protected")
+
+
+def test_what_a_config_alone_shares_is_share_gpus_and_the_servers_gpus() -> None:
+    table = Table({10: proc(10, 1, SERVICE, exe=MPS_SERVER)})
+    found = discovery(table, holders(table, {10: {1}}), [0, 1, 2])
+    assert config_shares(found, GateConfig()) == frozenset({1})
+    assert config_shares(found, GateConfig(share_gpus=True)) == frozenset({0, 1, 2})
+    del table.procs[10]
+    assert config_shares(discovery(table, {}, [0]), GateConfig()) == frozenset()

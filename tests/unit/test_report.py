@@ -15,7 +15,7 @@ from gpugate.core.outcome import BusyGpu
 from gpugate.errors import ConfigError, GateError
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
-from gpugate.report.narrate import Narrator, lease_refusal_text
+from gpugate.report.narrate import Narrator, ShareTerms, lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -180,3 +180,36 @@ def test_a_lease_refusal_names_each_holder_and_what_frees_them() -> None:
     container = lease_refusal_text(conflicts[:1], containers=True)
     assert container.startswith("GPU 0, 1 leased to vllm.service (since 10:00): that container")
     assert "until it stops" in container and "still active" not in container
+
+
+@pytest.mark.message
+@pytest.mark.parametrize(
+    ("terms", "hint"),
+    [
+        (  # it shares, this one does not: this one's setting
+            ShareTerms((True,), "set share_gpus = true in /etc/gpugate/b.service.toml"),
+            "it shares them on purpose (share_gpus = true): to run beside it, set share_gpus"
+            " = true in /etc/gpugate/b.service.toml",
+        ),
+        (  # this one shares, it does not: its setting
+            ShareTerms((False,), "set share_gpus = true in x", sharing=True),
+            "it does not share them (share_gpus = false): stop it first, or set share_gpus ="
+            " true in its config too",
+        ),
+        (  # neither: both
+            ShareTerms((False,), "start it with gpugate run --share-gpus"),
+            "stop it first, or, to share them, start it with gpugate run --share-gpus and set"
+            " share_gpus = true in its config too",
+        ),
+        (  # two containers: one config
+            ShareTerms((False,), "set share_gpus = true in c.toml", one_place=True),
+            "stop it first, or set share_gpus = true in c.toml to share them",
+        ),
+    ],
+)
+def test_a_lease_refusal_names_the_setting_that_would_let_them_share(
+    terms: ShareTerms, hint: str
+) -> None:
+    text = lease_refusal_text([([1], "a.service (since 10:00)")], share=terms)
+    assert text.endswith("; " + hint)
+    assert "kill_other_units" not in text

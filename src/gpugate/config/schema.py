@@ -123,11 +123,13 @@ class GateConfig(_Frozen):
     )
     kill_other_units: bool = Field(
         default=_C.kill_other_units,
-        description="May processes of another active unit holding these GPUs be killed?",
+        description="May processes of another active unit holding these GPUs be killed? "
+        "(Never a way to share a GPU: that is share_gpus.)",
     )
     share_gpus: bool = Field(
         default=_C.share_gpus,
-        description="May this unit hold its GPUs together with another unit that also shares?",
+        description="Share these GPUs on purpose with other units, runs and containers that "
+        "share them: their processes are never killed or waited for; orphans still are.",
     )
     protected_executables: _Names = Field(
         default=_C.protected_executables, description="Never killed, by exact /proc/PID/exe path."

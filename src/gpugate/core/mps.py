@@ -32,3 +32,11 @@ def mps_served(discovery: Discovery, config: Config) -> frozenset[int]:
         if is_mps_server(holder.info, config):
             served |= holder.using & owned
     return frozenset(served)
+
+
+def config_shares(discovery: Discovery, config: Config) -> frozenset[int]:
+    """What a run's config alone shares, where its surroundings are not at hand (`status`,
+    `gpugate run`'s check before the start): with share_gpus every owned GPU, and the GPUs an
+    MPS server holds."""
+    owned = frozenset(discovery.owned_indices) if config.share_gpus else frozenset()
+    return owned | mps_served(discovery, config)

@@ -239,7 +239,7 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
         name,
         description=text + " (see docs/gpugate-run.md)",
         usage="gpugate run [-h] [--gpus LIST] [--port N]... [--name NAME] [--config PATH] "
-        "[--force] -- COMMAND [ARGS...]",
+        "[--share-gpus] [--force] -- COMMAND [ARGS...]",
         epilog=EPILOG,
     )
     _gpus_and_ports(
@@ -249,6 +249,11 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
     )
     run.add_argument("--name", help="the unit's name (default: gpugate-run-COMMAND-ID.service)")
     run.add_argument("--config", type=_path, help="config file for the hooks (default: lookup)")
+    run.add_argument(
+        "--share-gpus",
+        action="store_true",
+        help="share the GPUs on purpose with other workloads that share them (needs root)",
+    )
     run.add_argument(
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"
     )

@@ -21,6 +21,7 @@ from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.errors import GateError, Interrupted
 from gpugate.host.locks import check_all
 from gpugate.host.shm import find_areas, host_root
+from gpugate.integrations.records import workload_words
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator
@@ -77,6 +78,7 @@ def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
     """The phase run, state folders checked first: a start that cannot record its lease fails."""
     scope = RunScope(hook.phase, hook.unit, hook.locate_cgroup(), hook.for_uid)
     narrator = hook.narrator()
+    narrator.workloads = workload_words(loaded.config.lock_dir)
     reporter = narrator.reporter
     # First thing: the unit's own TimeoutStartSec=/TimeoutStopSec= may be shorter than this
     # run's deadline; systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post.

@@ -22,9 +22,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from gpugate.config.file import LoadedConfig, to_toml, validated
+from gpugate.config.file import LoadedConfig, replaced, to_toml, validated
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.discover import as_refs, owned_gpus
+from gpugate.core.mps import config_shares
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
@@ -49,6 +50,7 @@ from gpugate.untrusted import COMM, COMMAND, echo, shown
 if TYPE_CHECKING:
     from gpugate.front.commands import Front
 
+SHARE_OPTION = "--share-gpus"
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
 
 # Not passed to the unit (besides GPUGATE_*, GPUGATE_STARTED_BY being gpugate's to set).
@@ -101,9 +103,12 @@ def launch_command(args: argparse.Namespace, front: Front) -> int:
             f"systemd already has {unit} ({known.load_state}, {known.active_state})" + again
         )
     loaded = load_config(unit, args.config)
+    share = args.share_gpus and not loaded.config.share_gpus
+    if share:  # written into the hooks' config below
+        loaded = LoadedConfig(replaced(loaded.config, share_gpus=True), loaded.source)
     gpus = resolve_gpus(args.gpus, environ, front.driver_factory)
     refuse_before_start(loaded, unit, gpus, caller, args.force, front)
-    config_path, cleanup = hook_config(loaded, unit, args.config, args.ports)
+    config_path, cleanup = hook_config(loaded, unit, args.config, args.ports, share=share)
     plan = LaunchPlan(
         unit=unit,
         command=(program, *command[1:]),
@@ -213,7 +218,9 @@ def refuse_before_start(
         )
     finally:
         driver.close()
-    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid)
+    # With share_gpus or an MPS server there, another workload's process is a sharer (its pre).
+    shared = config_shares(found, loaded.config)
+    decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid, shared=shared)
     others = [c for c in decision.blockers if c.rule is Rule.OTHER_ACCOUNT]
     if not others:
         return
@@ -241,12 +248,13 @@ def refuse_leased(
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
+    refusal = check.refusal(SHARE_OPTION, f"start it with gpugate run {SHARE_OPTION}")
     if check.conflicts and force and not caller_is_root:
         raise PermissionDenied(
-            f"not starting {unit}: {check.refusal()}; --force over a lease is root's alone"
+            f"not starting {unit}: {refusal}; --force over a lease is root's alone"
         )
     if check.conflicts and not force:
-        raise HeldByOthers(f"not starting {unit}: {check.refusal()}; --force runs it anyway")
+        raise HeldByOthers(f"not starting {unit}: {refusal}; --force runs it anyway")
     for lease, overlap in check.conflicts:
         gpus_text = ", ".join(str(gpu.index) for gpu in overlap)
         warning = f"GPU {gpus_text} leased to {lease.holder_text()}; --force: running anyway"
@@ -258,29 +266,39 @@ class HeldByOthers(GateError):
 
 
 def hook_config(
-    loaded: LoadedConfig, unit: str, given: Path | None, ports: Sequence[int] | None
+    loaded: LoadedConfig,
+    unit: str,
+    given: Path | None,
+    ports: Sequence[int] | None,
+    *,
+    share: bool = False,
 ) -> tuple[Path | None, tuple[Path, ...]]:
-    """The hooks' --config: with --port, LOCK_DIR/run/UNIT.toml (the effective config and
-    the ports; removed after post); else --config PATH as given (absolute), else none."""
-    if not ports:
+    """The hooks' --config: with --port or --share-gpus, LOCK_DIR/run/UNIT.toml (the effective
+    config, its ports and share_gpus; removed after post); else --config PATH as given
+    (absolute), else none."""
+    if not ports and not share:
         return (given.resolve() if given else None), ()
-    config = validated(loaded.config).changed(ports=tuple(sorted(set(ports))))
+    changes: dict[str, object] = {"share_gpus": True} if share else {}
+    if ports:
+        changes["ports"] = tuple(sorted(set(ports)))
+    config = validated(loaded.config).changed(**changes)
     path = loaded.config.lock_dir / "run" / f"{unit}.toml"
-    text = f"# gpugate run {unit}: from {loaded.source}, with --port\n"
+    why = " and ".join(name for name, on in (("--port", ports), (SHARE_OPTION, share)) if on)
+    text = f"# gpugate run {unit}: from {loaded.source}, with {why}\n"
     text += to_toml(config.model_dump(mode="json", exclude_defaults=True))
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         write_atomically(path, text)
     except PermissionError:
         raise PermissionDenied(
-            f"{path}: permission denied writing the run's config (--port): run gpugate run "
+            f"{path}: permission denied writing the run's config ({why}): run gpugate run "
             "as root (sudo)"
         ) from None
     except OSError as exc:
         raise StateUnwritable(
             path,
             "run-config",
-            f"{path}: cannot write gpugate run's config (--port) there: {exc.strerror or str(exc)}",
+            f"{path}: cannot write gpugate run's config ({why}) there: {exc.strerror or str(exc)}",
         ) from None
     return path, (path,)
 

@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection
-from gpugate.errors import InvalidValue
+from gpugate.errors import ConfigError, InvalidValue
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
@@ -184,11 +183,13 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     by_ref = {**{str(gpu.index): gpu for gpu in whole}, **{gpu.uuid.lower(): gpu for gpu in whole}}
     where = echo(", ".join(request.origins) or "config.json")
     refs = [_indexed_slice(ref, gpus, where) if ":" in ref else ref for ref in request.refs]
-    sliced = _sliced_minors(refs, gpus, source)
+    slices = {ref: _slice(ref, gpus, where) for ref in refs if ref.upper().startswith("MIG-")}
+    # A slice's container gets its GPU's /dev/nvidiaN too: the slice is what it asks for.
+    sliced = {gpu.minor for found in slices.values() for gpu in found}
     chosen: dict[str, str] = {}
     for minor in request.minors:
         if minor in sliced:
-            continue  # a slice's container gets its GPU's /dev/nvidiaN: the slice is what it asks
+            continue
         gpu = by_minor.get(minor)
         if gpu is None:
             raise OciInputError(
@@ -196,7 +197,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             )
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     for ref in refs:
-        if ref.upper().startswith("MIG-"):  # a slice, resolved by _sliced_minors above
+        if ref in slices:
             chosen.setdefault(ref.lower(), ref)
             continue
         gpu = by_ref.get(ref.lower())
@@ -217,21 +218,21 @@ def _indexed_slice(ref: str, gpus: list[Gpu], where: str) -> str:
     raise OciInputError(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows")
 
 
-def _sliced_minors(refs: Sequence[str], gpus: list[Gpu], source: str) -> set[int]:
-    """The device minors of the GPUs whose MIG slices the refs name (unresolved: 78)."""
-    from gpugate.config.values import MIG_PREFIX, gpu_ref  # noqa: PLC0415
+def _slice(ref: str, gpus: list[Gpu], where: str) -> list[Gpu]:
+    """A MIG device's UUID (either form) as NVML's slice: bad input from the container (64,
+    naming its variable) where it is malformed or names no MIG device NVML has."""
+    from gpugate.config.values import gpu_ref  # noqa: PLC0415
     from gpugate.core.discover import owned_gpus  # noqa: PLC0415
 
-    minors: set[int] = set()
-    for ref in refs:
-        if not ref.upper().startswith(MIG_PREFIX):
-            continue
-        try:
-            gpu_ref(ref)
-        except InvalidValue:
-            continue  # refused with the rest of the list
-        minors.update(gpu.minor for gpu in owned_gpus((ref,), gpus, source))
-    return minors
+    try:
+        gpu_ref(ref)
+        return owned_gpus((ref,), gpus, where)
+    except InvalidValue as exc:
+        raise OciInputError(f"config.json: {where}: {exc}") from None
+    except ConfigError:
+        raise OciInputError(
+            f"config.json: {where}: {echo(ref)} is no MIG device NVML knows"
+        ) from None
 
 
 def request_text(request: GpuRequest) -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import InvalidValue, PermissionDenied, StateUnwritable
 from gpugate.host.locks import flock_by
 from gpugate.host.nvml import Gpu
@@ -28,7 +29,7 @@ from gpugate.host.safe_files import (
     write_in,
 )
 from gpugate.host.scan import ProcessId
-from gpugate.report.narrate import lease_refusal_text
+from gpugate.report.narrate import ShareTerms, lease_refusal_text
 from gpugate.untrusted import STATE, shown
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
@@ -44,6 +45,7 @@ FAILED_FOLDER = "failed"
 # Set by `gpugate run` on its transient unit, read by the unit's pre from the environment
 # systemd gives it. A forced run only skips the lease refusal; it widens no kill.
 STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
+CONTAINERS_CONFIG = str(DEFAULT_CONFIG_DIR / "containers.toml")  # the OCI hook's config
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
 
 
@@ -182,6 +184,12 @@ class Lease:
     started_by: str | None = None  # `gpugate run`'s caller ("alice (uid 1000)")
     container: str | None = None  # an OCI hook's container in words; the unit is its scope
 
+    def share_place(self) -> str:
+        """Where the lease holder's share_gpus is set, in words."""
+        if self.container:
+            return CONTAINERS_CONFIG
+        return "its gpugate run (--share-gpus)" if self.started_by else "its gpugate config"
+
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
@@ -256,6 +264,22 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
     return found
 
 
+def workload_words(lock_dir: Path) -> Callable[[str], str | None]:
+    """A unit's words where its lease names a container (a pod as namespace/pod/container,
+    not its scope), for the refusals that name it; the leases read once, when first asked."""
+    found: dict[str, str] = {}
+    read: list[bool] = []
+
+    def words(unit: str) -> str | None:
+        if not read:
+            read.append(True)
+            leases = read_leases(lock_dir).leases
+            found.update((x.unit, shown(x.container, STATE)) for x in leases if x.container)
+        return found.get(unit)
+
+    return words
+
+
 def write_lease(lock_dir: Path, lease: Lease) -> None:
     target = lease_path(lock_dir, lease.unit)
     try:
@@ -288,16 +312,33 @@ class LeaseCheck:
     shared: list[tuple[Lease, list[Gpu]]]  # live leases both sides agreed to share
     stale: list[tuple[Lease, str]]  # leases of units no longer running, with their state
     unreadable: dict[Path, str]
+    share: bool = False  # the run's own share_gpus
 
     def conflicted(self) -> list[int]:
         return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
 
-    def refusal(self) -> str:
+    def refusal(
+        self, place: str | None = None, ours: str | None = None, *, container: bool = False
+    ) -> str:
+        """place: where this workload's share_gpus is set; ours: how it would share, in words
+        (default: set share_gpus = true in place), None: both sides' configs, unnamed;
+        container: this workload is a container (containers read one config)."""
         conflicts = [
             ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts
         ]
         containers = all(lease.container for lease, _ in self.conflicts)
-        return lease_refusal_text(conflicts, containers=containers)
+        if place is None:
+            return lease_refusal_text(conflicts, containers=containers)
+        places = {lease.share_place() for lease, _ in self.conflicts}
+        where = places.pop() if len(places) == 1 else "their configs"
+        terms = ShareTerms(
+            theirs=tuple(lease.share for lease, _ in self.conflicts),
+            ours=ours or f"set share_gpus = true in {place}",
+            sharing=self.share,
+            where=where,
+            one_place=where == place or (container and containers),
+        )
+        return lease_refusal_text(conflicts, containers=containers, share=terms)
 
 
 def check_leases(
@@ -310,7 +351,7 @@ def check_leases(
 ) -> LeaseCheck:
     """unit_state: the unit's ActiveState (None: unknown, taken as still running)."""
     files = read_leases(lock_dir)
-    check = LeaseCheck([], [], [], files.unreadable)
+    check = LeaseCheck([], [], [], files.unreadable, share=share)
     for lease in files.leases:
         leased = {uuid.lower() for uuid in lease.uuids}
         overlap = [gpu for gpu in gpus if gpu.uuid.lower() in leased]

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.config.file import LoadedConfig, replaced
+from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.discover import Discovery
@@ -197,8 +197,9 @@ class UnitSurroundings(Surroundings):
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
         elif check.conflicts:
-            self.refusal = check.refusal()
-            self.narration.lease_refused(self.refusal, check.conflicted())
+            container = self.context.container
+            self.refusal = check.refusal(*self._share_setting(), container=container is not None)
+            self.narration.lease_refused(self.refusal, check.conflicted(), who=container)
         return self.refusal is not None
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
@@ -235,7 +236,20 @@ class UnitSurroundings(Surroundings):
             return
         check = self._check_leases(owned)
         if check.conflicts:
-            self.narration.lease_refused(check.refusal(), check.conflicted(), first=False)
+            container = self.context.container
+            refusal = check.refusal(*self._share_setting(), container=container is not None)
+            self.narration.lease_refused(refusal, check.conflicted(), first=False, who=container)
+
+    def _share_setting(self) -> tuple[str, str | None]:
+        """Where this workload's share_gpus is set, and how it would share, in words."""
+        context, source = self.context, self.loaded.source
+        if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
+            return "--share-gpus", "start it with gpugate run --share-gpus"
+        if source == BUILTIN_SOURCE and context.container is not None:
+            source = records.CONTAINERS_CONFIG
+        elif source == BUILTIN_SOURCE:
+            source = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
+        return source, None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
         config, roots = self.loaded.config, self.context.roots
@@ -253,6 +267,7 @@ class UnitSurroundings(Surroundings):
             [item for item in check.shared if item[0].unit != around],
             [item for item in check.stale if item[0].unit != around],
             check.unreadable,
+            share=check.share,
         )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:

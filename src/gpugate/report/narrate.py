@@ -9,6 +9,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -130,8 +131,11 @@ def held_text(choice: Choice) -> str:
     return " and ".join(part for part in parts if part)
 
 
-def reason_text(choice: Choice, unit: str, phase: str) -> str:
-    """What the journal says after the holder; phase: named in the setting that blocked."""
+def reason_text(
+    choice: Choice, unit: str, phase: str, workloads: Callable[[str], str | None] | None = None
+) -> str:
+    """What the journal says after the holder; phase: named in the setting that blocked;
+    workloads: another workload's unit in words (a pod's container from its lease), or None."""
     held = held_text(choice)
     holder = choice.holder
     rule = choice.rule
@@ -159,23 +163,32 @@ def reason_text(choice: Choice, unit: str, phase: str) -> str:
     if rule is Rule.ORPHAN:
         kept = choice.verdict is Verdict.BLOCK
         return f"orphan holding {held}" + (f" ({phase}.kill_orphans = false)" if kept else "")
-    return other_unit_text(choice, unit, held)
+    named = workloads(choice.other_unit) if workloads and choice.other_unit else None
+    return other_unit_text(choice, unit, held, named)
 
 
-def other_unit_text(choice: Choice, unit: str, held: str) -> str:
+# Never kill_other_units: set to run beside another workload, it kills that workload.
+SHARE_HINT = "to run beside it, set share_gpus = true for both (docs/what-gets-killed.md)"
+
+
+def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = None) -> str:
+    """named: the other workload in words where its lease says (a pod: namespace/pod/container,
+    shown escaped already), else its unit."""
     container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
     if choice.rule is Rule.SHARER:
-        whose = container_text(container) if container else other
+        whose = container_text(container) if container else named or other
         return f"{whose} shares {held} with {unit} on purpose: a sharer, left alone"
     if choice.verdict is Verdict.KILL:
-        return f"{container_text(container) if container else other} holds {held}"
+        return f"{container_text(container) if container else named or other} holds {held}"
+    if container is None and named:
+        return f"{named} holds {held} (scope {other}); {SHARE_HINT}"
     if container is None:
-        return f"active unit {other} holds {held} (kill_other_units = false)"
+        return f"active unit {other} holds {held}; {SHARE_HINT}"
     handle = shown(container.handle, CONTAINER)
     return (
-        f"{container_text(container)} holds {held} (scope {other}; kill_other_units = false); "
+        f"{container_text(container)} holds {held} (scope {other}); "
         f'if it is {unit}\'s, set containers = ["{handle}"] in its gpugate config '
-        f"(gpugate install {unit} --container {handle})"
+        f"(gpugate install {unit} --container {handle}); else {SHARE_HINT}"
     )
 
 
@@ -187,6 +200,9 @@ class Narrator:
         self.dry_run = reporter.dry_run
         self.clock = clock
         self.waiting_next_at: float | None = None  # the next memory wait's `waiting` event
+        # Another workload's unit in words where its lease names it (a pod's scope as
+        # namespace/pod/container), for the refusals that name it; None: its unit.
+        self.workloads: Callable[[str], str | None] | None = None
 
     def looking(self) -> None:
         self.reporter.status("looking for processes holding the GPUs")
@@ -247,7 +263,7 @@ class Narrator:
                 )
 
     def choices(self, decision: Decision) -> None:
-        would = self.dry_run
+        would, unit, phase = self.dry_run, self.reporter.unit, self.reporter.phase
         spared = [c for c in decision.spared if c.holder.gpus]
         for choices, event, verb in (
             (decision.targets, Event.HOLDER_FOUND, "would kill" if would else "will kill"),
@@ -258,7 +274,7 @@ class Narrator:
                 self.reporter.event(
                     event,
                     f"{verb} {describe(choice)}: "
-                    f"{reason_text(choice, self.reporter.unit, self.reporter.phase)}",
+                    f"{reason_text(choice, unit, phase, self.workloads)}",
                     reason=choice.rule.value,
                     **choice_fields(choice),
                 )
@@ -628,11 +644,14 @@ class Narrator:
             lease_unit=lease_unit,
         )
 
-    def lease_refused(self, refusal: str, gpus: Sequence[int], *, first: bool = True) -> None:
-        """first: False where the run was refused already (STATUS= said it)."""
+    def lease_refused(
+        self, refusal: str, gpus: Sequence[int], *, first: bool = True, who: str | None = None
+    ) -> None:
+        """first: False where the run was refused already (STATUS= said it); who: the
+        workload in words where not its unit (a container's label: a pod as a pod)."""
         self.reporter.event(
             Event.REFUSED,
-            f"not starting {self.reporter.unit}: {refusal}",
+            f"not starting {who or self.reporter.unit}: {refusal}",
             gpus=sorted(gpus),
             reason="leased",
         )
@@ -685,15 +704,46 @@ def failed_start_text(
 
 
 def lease_refusal_text(
-    conflicts: Sequence[tuple[Sequence[int], str]], *, containers: bool = False
+    conflicts: Sequence[tuple[Sequence[int], str]],
+    *,
+    containers: bool = False,
+    share: ShareTerms | None = None,
 ) -> str:
-    """Why a start is refused: conflicts are (GPU indices, who holds their lease)."""
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease); share, which
+    setting would let both run (never kill_other_units: that would kill the other)."""
     parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
     held = (
         "container is still running and holds them until it stops"
         if containers
         else "unit is still active or activating and holds them until its post"
     )
-    configs = "configs" if containers else "units' configs"
-    share = f"stop it first, or set share_gpus = true in both {configs}"
-    return f"{'; '.join(parts)}: that {held}; {share}"
+    terms = share or ShareTerms(
+        theirs=(False,) * len(conflicts),
+        ours="set share_gpus = true in both " + ("configs" if containers else "units' configs"),
+        one_place=True,
+    )
+    return f"{'; '.join(parts)}: that {held}; {terms.hint()}"
+
+
+@dataclass(frozen=True)
+class ShareTerms:
+    """What a refused start and the leases in its way say about sharing."""
+
+    theirs: Sequence[bool]  # each conflicting lease's share_gpus
+    ours: str  # how this workload shares: "set share_gpus = true in /etc/gpugate/b.service.toml"
+    sharing: bool = False  # this workload's share_gpus
+    where: str = "its config"  # where the lease holders' setting is
+    one_place: bool = False  # both settings are one file's (two containers: containers.toml)
+
+    def hint(self) -> str:
+        if self.theirs and all(self.theirs) and not self.sharing:
+            return f"it shares them on purpose (share_gpus = true): to run beside it, {self.ours}"
+        if self.sharing and not any(self.theirs):
+            return (
+                "it does not share them (share_gpus = false): stop it first, or set "
+                f"share_gpus = true in {self.where} too"
+            )
+        if self.one_place or not self.theirs:
+            return f"stop it first, or {self.ours} to share them"
+        both = f"{self.ours} and set share_gpus = true in {self.where} too"
+        return f"stop it first, or, to share them, {both}"

@@ -22,7 +22,7 @@ from gpugate.core.discover import (
     cgroup_members,
     discover,
 )
-from gpugate.core.mps import is_mps_server, mps_served
+from gpugate.core.mps import config_shares, is_mps_server
 from gpugate.core.roles import Owner, Role, holder_role, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
@@ -201,7 +201,7 @@ def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dic
     """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
     if not discovery.unit:
         return {}
-    shared = mps_served(discovery, loaded.config)  # what a unit's own settings share: unknown here
+    shared = config_shares(discovery, loaded.config)
     decision = decide(discovery, loaded.config, Phase.PRE, procfs, shared=shared)
     return {choice.holder.pid: choice.rule.value for choice in decision.choices}
 
