@@ -12,6 +12,8 @@ from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
+import pynvml
+
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import DEFAULTS, MPS_CONTROL, MPS_SERVER
 from gpugate.core.decide import Rule, Verdict, decide
@@ -19,7 +21,7 @@ from gpugate.core.discover import Holder, Source
 from gpugate.core.mps import config_shares, is_mps_server, mps_served
 from gpugate.core.roles import Owner, Role, owner_of, role_of
 from gpugate.errors import ExitCode
-from gpugate.host.nvml import MIB, NOT_AVAILABLE, GpuProcess, _Listing
+from gpugate.host.nvml import MIB, NOT_AVAILABLE, GpuProcess, NvmlDriver, _Listing
 from gpugate.phase import Phase
 from tests.fakes import HOLDER_SCRIPT, FakeHost, alive
 from tests.unit.test_decide import Table, discovery, proc
@@ -190,3 +192,31 @@ def test_what_a_config_alone_shares_is_share_gpus_and_the_servers_gpus() -> None
     assert config_shares(found, GateConfig(share_gpus=True)) == frozenset({0, 1, 2})
     del table.procs[10]
     assert config_shares(discovery(table, {}, [0]), GateConfig()) == frozenset()
+
+
+def driver_with(**functions: object) -> NvmlDriver:
+    """gpugate's NVML driver over pynvml with these functions in place of pynvml's own."""
+    driver = NvmlDriver()
+    driver._nv = SimpleNamespace(**{**vars(pynvml), **functions})
+    return driver
+
+
+def test_an_older_driver_lists_clients_through_v2_and_one_without_any_lists_none() -> None:
+    def missing(_handle: object) -> list[object]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+
+    def unsupported(_handle: object) -> list[object]:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def listed(_handle: object) -> list[object]:
+        return [entry(7, 300)]
+
+    name = "nvmlDeviceGetMPSComputeRunningProcesses"
+    for v3, v2, expected in (
+        (listed, missing, [7]),
+        (missing, listed, [7]),  # a driver older than v3
+        (missing, missing, []),  # older than the MPS call: no client
+        (unsupported, listed, []),  # the GPU does not support it
+    ):
+        driver = driver_with(**{f"{name}_v3": v3, f"{name}_v2": v2})
+        assert [p.pid for p in driver._mps_clients(0, object())] == expected
