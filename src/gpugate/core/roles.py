@@ -83,8 +83,9 @@ def holder_role(
 
 def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
     """Holds device files only (nvidia-smi -l, nvtop): NVML's complete lists name it on no
-    GPU, and each GPU's memory is accounted for by the listed processes (a fork that kept a
-    dead parent's context holds memory listed for nobody: not a watcher)."""
+    GPU, and the memory of each GPU of the run's it holds is accounted for by the listed
+    processes (a fork that kept a dead parent's context holds memory listed for nobody: not a
+    watcher). A GPU the run does not own is not asked: a leak there is no reason to stop it."""
     if (
         not discovery.nvml_lists_processes
         or Source.NVML in holder.sources
@@ -92,7 +93,7 @@ def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
         or holder.ports
     ):
         return False
-    for index in holder.gpus:
+    for index in holder.gpus & discovery.owned_indices:
         usage = discovery.usage.get(index)
         if usage is None:
             return False
