@@ -382,3 +382,26 @@ def test_a_state_not_written_is_a_journal_warning(host: FakeHost) -> None:
 def test_the_boot_clock_is_the_kernels() -> None:
     first = boot_time()
     assert 0 < first <= boot_time()
+
+
+def test_the_reaps_run_keeps_the_sweeps_watchers_on_a_gpu_whose_memory_is_not_all_listed(
+    host: FakeHost,
+) -> None:
+    """The reaped GPU also has memory NVML lists for nobody: pre's own test would call nvtop
+    an orphan straddling every GPU (exit 22); the sweep's watcher stays one, the orphan goes."""
+    (server,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(server, {2}, 4000)
+    host.memory.leaked_mib[2] = 3000  # more than free_mib
+    (nvtop,) = host.pool.holder(host.gpu_files(*range(8)))
+    config = host.root / "sweep.toml"
+    config.write_text(
+        f'lock_dir = "{host.root / "locks"}"\n'
+        "[pre]\nsigterm_grace_s = 0.5\nsigkill_wait_s = 0.5\nwait_timeout_s = 2.0\n"
+        "[sweep]\nreap_after_s = 60\n"
+    )
+    assert sweep_at(host, config, 1000.0) == ExitCode.OK
+    code = sweep_at(host, config, 1061.0)
+    assert code == ExitCode.MEMORY_TIMEOUT  # the leak stays: the reap says so, refuses nothing
+    assert not alive(server) and alive(nvtop)
+    spared = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("process_spared")}
+    assert spared[str(nvtop)] == "watcher"
