@@ -91,10 +91,11 @@ def gauges(
     seen: Mapping[ProcessId, Seen],
     now: float,
     *,
-    wall: float,
+    wall: float | None = None,
     kinds: Collection[Owner] = (Owner.NOBODY,),
 ) -> Samples:
-    """now: boot time, what the state's sinces count in; wall: Unix time, the timestamp."""
+    """now: boot time, what the state's sinces count in; wall: Unix time, the timestamp (None:
+    now, where one clock stands for both)."""
     memory: dict[Labels, float] = {}
     counts: dict[Labels, float] = {}
     sessions: dict[Labels, float] = {}
@@ -120,7 +121,7 @@ def gauges(
         "gpugate_unowned_processes": counts,
         "gpugate_unowned_seconds": ages,
         "gpugate_session_processes": sessions,
-        "gpugate_sweep_timestamp_seconds": {(): wall},
+        "gpugate_sweep_timestamp_seconds": {(): now if wall is None else wall},
     }
 
 
