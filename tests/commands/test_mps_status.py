@@ -12,7 +12,7 @@ import pytest
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
 from gpugate.front.sweep import sweep
-from tests.commands.test_sweep import front, metric
+from tests.commands.test_sweep import at, front, metric
 from tests.fakes import FakeHost, alive
 from tests.unit.test_mps import start_server
 
@@ -51,7 +51,7 @@ def test_status_and_the_sweep_name_an_orphaned_client_with_its_mib(
     assert (holders[server]["owner"], holders[server]["mps_server"]) == ("protected", True)
     assert holders[server]["mps_client"] == []
 
-    assert sweep(path, front(host), clock=lambda: 1000.0) == ExitCode.OK
+    assert sweep(path, front(host), **at(1000.0)) == ExitCode.OK
     assert metric(host, "gpugate_gpu_memory_mib", gpu="0", owner="nobody") == 9000
     assert metric(host, "gpugate_gpu_memory_mib", gpu="0", owner="protected") == 300
     assert metric(host, "gpugate_gpu_memory_mib", gpu="0", owner="unlisted") == 0
@@ -59,7 +59,7 @@ def test_status_and_the_sweep_name_an_orphaned_client_with_its_mib(
     assert (seen["GPUGATE_PID"], seen["GPUGATE_USED_MIB"]) == (str(client), "9000")
 
     path = config(host, tmp_path / "bin" / "nvidia-cuda-mps-server", "reap_after_s = 60")
-    assert sweep(path, front(host), clock=lambda: 1061.0) == ExitCode.OK
+    assert sweep(path, front(host), **at(1061.0)) == ExitCode.OK
     assert not alive(client) and alive(server)
     assert {e["GPUGATE_PID"] for e in host.journal.events("signal_sent")} == {str(client)}
 

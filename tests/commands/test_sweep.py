@@ -8,6 +8,7 @@ import json
 import os
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from gpugate.integrations.records import (
     MAX_ENTRIES,
     STATE_NAME,
     Seen,
+    boot_time,
     locked_state,
     new_lease,
     read_state,
@@ -219,14 +221,14 @@ def test_the_state_round_trips_and_keeps_at_most_the_oldest_entries(tmp_path: Pa
     [
         "not json",
         "[]",
-        '{"version": 2, "unowned": []}',
-        '{"version": 1, "unowned": {}}',
-        '{"version": 1, "unowned": [{"pid": 0, "start_time": 1, "since": 1, "gpus": []}]}',
-        '{"version": 1, "unowned": [{"pid": 5, "start_time": 1, "since": NaN, "gpus": []}]}',
-        '{"version": 1, "unowned": [{"pid": 5, "start_time": true, "since": 1, "gpus": []}]}',
-        '{"version": 1, "unowned": [{"pid": 5, "start_time": 1, "since": 1, "gpus": [-1]}]}',
-        '{"version": 1, "unowned": ["x"]}',
-        '{"version": 1, "unowned": [' + ",".join(["{}"] * (MAX_ENTRIES + 1)) + "]}",
+        '{"version": 3, "unowned": []}',
+        '{"version": 2, "unowned": {}}',
+        '{"version": 2, "unowned": [{"pid": 0, "start_time": 1, "since": 1, "gpus": []}]}',
+        '{"version": 2, "unowned": [{"pid": 5, "start_time": 1, "since": NaN, "gpus": []}]}',
+        '{"version": 2, "unowned": [{"pid": 5, "start_time": true, "since": 1, "gpus": []}]}',
+        '{"version": 2, "unowned": [{"pid": 5, "start_time": 1, "since": 1, "gpus": [-1]}]}',
+        '{"version": 2, "unowned": ["x"]}',
+        '{"version": 2, "unowned": [' + ",".join(["{}"] * (MAX_ENTRIES + 1)) + "]}",
         "[" * 100000,
     ],
 )
@@ -331,6 +333,11 @@ def front(host: FakeHost, slurmd: str = "inactive") -> Front:
     )
 
 
+def at(seconds: float) -> dict[str, Callable[[], float]]:
+    """The sweep's two clocks: wall (the timestamp) and boot time (unowned time), both here."""
+    return {"clock": lambda: seconds, "boot_clock": lambda: seconds}
+
+
 def metric(host: FakeHost, name: str, **labels: str) -> float:
     text = (host.root / "metrics" / "gpugate.prom").read_text()
     for line in text.splitlines():
@@ -346,7 +353,7 @@ def test_a_second_sweep_says_nothing_new_and_reaping_waits_for_its_time(host: Fa
     (watcher,) = host.pool.holder(host.gpu_files(0, 1))
     config = sweep_config(host)
 
-    assert sweep(config, front(host), clock=lambda: 1000.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1000.0)) == ExitCode.OK
     assert [e["GPUGATE_PID"] for e in host.journal.events("unowned_seen")] == [str(server)]
     assert metric(host, "gpugate_gpu_memory_mib", gpu="2", owner="nobody") == 4000
     assert metric(host, "gpugate_gpu_memory_mib", gpu="2", owner="unit") == 0
@@ -354,21 +361,21 @@ def test_a_second_sweep_says_nothing_new_and_reaping_waits_for_its_time(host: Fa
     assert metric(host, "gpugate_unowned_processes", gpu="0") == 0
     assert metric(host, "gpugate_sweep_timestamp_seconds") == 1000
 
-    assert sweep(config, front(host), clock=lambda: 1090.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1090.0)) == ExitCode.OK
     assert len(host.journal.events("unowned_seen")) == 1
     assert metric(host, "gpugate_unowned_seconds", gpu="2") == 90
 
     config = sweep_config(host, "reap_after_s = 120")
-    assert sweep(config, front(host), clock=lambda: 1100.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1100.0)) == ExitCode.OK
     assert alive(server) and not host.journal.events("signal_sent")
 
-    assert sweep(config, front(host), clock=lambda: 1121.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1121.0)) == ExitCode.OK
     assert not alive(server) and alive(watcher)
     killed = host.journal.events("holder_found")
     assert [(e["GPUGATE_PID"], e["GPUGATE_REASON"]) for e in killed] == [(str(server), "orphan")]
     assert {e["GPUGATE_UNIT"] for e in killed} == {SWEEP_UNIT}
 
-    assert sweep(config, front(host), clock=lambda: 1180.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1180.0)) == ExitCode.OK
     gone = host.journal.events("unowned_gone")
     assert [e["GPUGATE_PID"] for e in gone] == [str(server)]
     assert metric(host, "gpugate_gpu_memory_mib", gpu="2", owner="nobody") == 0
@@ -380,8 +387,8 @@ def test_a_leased_gpu_is_reported_not_reaped(host: FakeHost) -> None:
     gpu = host.memory.gpus()[2]
     write_lease(host.root / "locks", new_lease("other.service", [gpu], share=False))
     config = sweep_config(host, "reap_after_s = 60")
-    assert sweep(config, front(host), clock=lambda: 1000.0) == ExitCode.OK
-    assert sweep(config, front(host), clock=lambda: 2000.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1000.0)) == ExitCode.OK
+    assert sweep(config, front(host), **at(2000.0)) == ExitCode.OK
     assert alive(server)
     assert not host.journal.events("signal_sent")
     assert len(host.journal.events("unowned_seen")) == 1
@@ -393,7 +400,7 @@ def test_status_shows_the_owner_and_time_unowned(
     (server,) = host.pool.holder(host.gpu_files(2))
     host.memory.claim(server, {2}, 4000)
     config = sweep_config(host)
-    assert sweep(config, front(host), clock=lambda: 1000.0) == ExitCode.OK
+    assert sweep(config, front(host), boot_clock=lambda: boot_time() - 5) == ExitCode.OK
     code = main(
         ["status", "--json", "--config", str(config)],
         driver_factory=lambda: host.memory,
@@ -421,19 +428,19 @@ def test_where_slurmd_runs_the_node_is_drained_once_past_drain_after_s(
     host.memory.claim(server, {2}, 4000)
     config = sweep_config(host, "drain_after_s = 60")
 
-    assert sweep(config, front(host, slurmd="inactive"), clock=lambda: 900.0) == ExitCode.OK
-    assert sweep(config, front(host, slurmd="inactive"), clock=lambda: 2000.0) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="inactive"), **at(900.0)) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="inactive"), **at(2000.0)) == ExitCode.OK
     assert not args.exists(), "no slurmd: never drained"
     (host.root / "locks" / STATE_NAME).unlink()
-    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1000.0) == ExitCode.OK
-    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1059.0) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="active"), **at(1000.0)) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="active"), **at(1059.0)) == ExitCode.OK
     assert not args.exists()
-    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1061.0) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="active"), **at(1061.0)) == ExitCode.OK
     words = args.read_text().splitlines()
     assert words[:3] == ["update", f"NodeName={socket.gethostname().split('.')[0]}", "State=DRAIN"]
     assert words[3].startswith("Reason=gpugate: GPU 2 ") and words[3].endswith(f"PID {server}")
     args.unlink()
-    assert sweep(config, front(host, slurmd="active"), clock=lambda: 1200.0) == ExitCode.OK
+    assert sweep(config, front(host, slurmd="active"), **at(1200.0)) == ExitCode.OK
     assert not args.exists(), "drained once for a holder, not at every sweep"
     assert alive(server), "a drain kills nothing"
 
@@ -493,7 +500,7 @@ def test_a_reap_kills_orphans_whatever_pre_kill_orphans_says(host: FakeHost) -> 
     host.memory.claim(server, {5}, 1500)
     config = sweep_config(host, "reap_after_s = 60")
     config.write_text(config.read_text().replace("[pre]\n", "[pre]\nkill_orphans = false\n"))
-    assert sweep(config, front(host), clock=lambda: 1000.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1000.0)) == ExitCode.OK
     assert alive(server)
-    assert sweep(config, front(host), clock=lambda: 1060.0) == ExitCode.OK
+    assert sweep(config, front(host), **at(1060.0)) == ExitCode.OK
     assert not alive(server)

@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from incident import Host, prepare, unit_text
+from incident import Host, prepare, server_cmd, unit_text
 from sandbox import SimHost
+from test_stale_apps import Login
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
@@ -33,7 +34,11 @@ LEASE = "/run/gpugate/leases/nvidia-persistenced.service.json"
 def host(simhost: SimHost) -> Iterator[Host]:
     h = prepare(simhost)
     yield h
-    h.sh(f"systemctl stop {UNIT} hand-watcher.scope 2>/dev/null; rm -f {LEASE}", check=False)
+    h.sh(
+        f"systemctl stop {UNIT} hand-watcher.scope hand-monitor.scope 2>/dev/null; "
+        f"rm -f {LEASE} /etc/gpugate/default.toml",
+        check=False,
+    )
     h.reset()
 
 
@@ -167,3 +172,172 @@ def timer_cycle(host: Host, *, packaged: bool) -> None:
 
 def is_enabled(host: Host) -> str:
     return host.sim.systemctl("is-enabled", "gpugate-sweep.timer", check=False).stdout.strip()
+
+
+DEVICES = [f"nvidia{i}" for i in range(8)] + ["nvidiactl", "nvidia-uvm"]
+REAP = "[sweep]\nreap_after_s = 60\n[pre]\nsigterm_grace_s = 2\nwait_timeout_s = 20\n"
+
+
+def hold_devices(host: Host, unit: str, names: list[str]) -> int:
+    """A process holding these device files open only (nvtop, nvitop --only N)."""
+    redirects = " ".join(f"{3 + i}</dev/{name}" for i, name in enumerate(names))
+    host.sim.spawn_scope(["bash", "-c", f"exec {redirects} sleep 36003"], unit=unit)
+    return int(host.sh(f"cat /sys/fs/cgroup/user.slice/{unit}/cgroup.procs").split()[0])
+
+
+def owners(host: Host) -> dict[int, str]:
+    return {pid: h["owner"] for pid, h in holders(host).items() if h["gpus"]}
+
+
+def test_watchers_stay_watchers_across_a_leak_and_a_late_free_and_nothing_without_memory_is_reaped(
+    host: Host,
+) -> None:
+    host.reset()
+    host.sh(f"rm -f {STATE} {LEASE}")
+    host.sim.write_file(SWEEP_CONFIG, REAP)
+    nvtop = hold_devices(host, "hand-watcher.scope", DEVICES)
+    monitor = hold_devices(host, "hand-monitor.scope", ["nvidia4", "nvidiactl"])
+    try:
+        host.sim.write_file("/run/fake-nvml/leak/4", "30000\n")  # a driver leak, no process
+        cursor = host.cursor()
+        sweep(host)
+        found = owners(host)
+        assert found[nvtop] == "watcher" and found[monitor] == "watcher"
+        backdate_state(host, 600)
+        sweep(host)
+        assert host.alive(nvtop) and host.alive(monitor)
+        assert host.events_after(cursor, GPUGATE_EVENT="unowned_seen") == []
+        assert host.events_after(cursor, GPUGATE_EVENT="signal_sent") == []
+
+        # a late free: a server on GPU 2 killed (as a start's pre would), its memory still used
+        host.sh("sed -i 's/^release_delay_ms.*/release_delay_ms = 600000/' /etc/fake-nvml.conf")
+        hand, _shell = host.hand_start((2,), 8104, "hand-late")
+        for pid in (hand["api_server"], *hand["workers"]):
+            host.sh(f"kill -KILL {pid}", check=False)
+        host.sh("systemctl stop hand-late.scope", check=False)
+        assert host.used()[2] > 0
+        cursor = host.cursor()
+        sweep(host)
+        found = owners(host)
+        assert found[nvtop] == "watcher" and found[monitor] == "watcher"
+        backdate_state(host, 600)
+        sweep(host)
+        assert host.alive(nvtop) and host.alive(monitor)
+        assert host.events_after(cursor, GPUGATE_EVENT="unowned_seen") == []
+        assert host.events_after(cursor, GPUGATE_EVENT="signal_sent") == []
+    finally:
+        host.sh("systemctl stop hand-watcher.scope hand-monitor.scope", check=False)
+        host.reset()
+
+
+def session_state(host: Host, session: str) -> str:
+    return host.sh(f"loginctl show-session -P State {session} 2>/dev/null", False).strip()
+
+
+def test_an_attended_sessions_server_lives_and_a_closed_ones_is_reaped(host: Host) -> None:
+    host.reset()
+    host.sh(f"rm -f {STATE} {LEASE}")
+    host.sim.write_file(SWEEP_CONFIG, REAP)
+    login = Login(host, "alice")
+    try:
+        ready = "/run/ready-alice.json"
+        host.sh(f"rm -f {ready}")
+        # started so that it outlives the login (nohup setsid), as a tmux server would
+        login.type(f"nohup setsid {server_cmd((3,), 8105, ready)} >/dev/null 2>&1 &")
+        served = host.wait_ready(ready)
+        pids = {served["api_server"], *served["workers"]}
+        assert session_state(host, login.session) in ("active", "online")
+        cursor = host.cursor()
+        sweep(host)
+        found = owners(host)
+        assert {found[pid] for pid in served["workers"]} == {"session"}
+        assert host.events_after(cursor, GPUGATE_EVENT="unowned_seen") == []
+        sweep(host)  # nothing of it in the state to backdate: never unowned
+        assert all(host.alive(pid) for pid in pids)
+
+        login.type("exit")  # logged out; the server stays in the session's scope
+        deadline = time.monotonic() + 30
+        while session_state(host, login.session) not in ("closing", ""):
+            assert time.monotonic() < deadline, "the session did not close"
+            time.sleep(0.2)
+        cursor = host.cursor()
+        sweep(host)
+        found = owners(host)
+        assert {found[pid] for pid in served["workers"]} == {"nobody"}
+        seen = {
+            int(e["GPUGATE_PID"]) for e in host.events_after(cursor, GPUGATE_EVENT="unowned_seen")
+        }
+        assert set(served["workers"]) <= seen
+        backdate_state(host, 600)
+        sweep(host)
+        assert not any(host.alive(pid) for pid in served["workers"])
+        assert host.used()[3] == 0
+    finally:
+        login.close()
+        host.reset()
+
+
+def test_a_wall_clock_step_of_an_hour_reaps_nothing(host: Host) -> None:
+    """The sweep's wall clock stepped by +1 h (injected: the machine's clock is not touched)."""
+    host.reset()
+    host.sh(f"rm -f {STATE} {LEASE}")
+    host.sim.write_file(SWEEP_CONFIG, REAP)
+    hand, _shell = host.hand_start((5,), 8106, "hand-clock")
+    try:
+        sweep(host)
+        interpreter = host.sh('head -1 "$(command -v gpugate)"').strip().lstrip("#!")
+        stepped = (
+            "import sys, time; real = time.time; time.time = lambda: real() + 3600; "
+            "from gpugate.front.entry import run; "
+            f"sys.argv = ['gpugate', 'sweep', '--config', '{SWEEP_CONFIG}']; run()"
+        )
+        cursor = host.cursor()
+        result = host.sim.run([interpreter, "-c", stepped], check=False, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert all(host.alive(pid) for pid in (hand["api_server"], *hand["workers"]))
+        assert host.events_after(cursor, GPUGATE_EVENT="signal_sent") == []
+    finally:
+        host.sh("systemctl stop hand-clock.scope", check=False)
+        host.reset()
+
+
+def gpugate_entries(host: Host, cursor: str) -> list[dict[str, Any]]:
+    """The sweep service's entries after cursor, as `journalctl -t gpugate` lists them
+    (matched here: journalctl 252 with --after-cursor skips the first match of a field)."""
+    listed = {e["__CURSOR"] for e in host.journal_json("-t", "gpugate", "-n", "50")}
+    return [
+        e
+        for e in host.journal_json(f"--after-cursor={cursor}")
+        if e["__CURSOR"] in listed and e.get("GPUGATE_UNIT") == "gpugate-sweep.service"
+    ]
+
+
+def test_under_the_timers_service_config_errors_and_state_warnings_are_gpugates_entries(
+    host: Host,
+) -> None:
+    host.reset()
+    host.sim.run(["gpugate", "install", "--sweep"], timeout=120)
+    try:
+        host.sim.systemctl("stop", "gpugate-sweep.timer")
+        host.sim.write_file("/etc/gpugate/default.toml", "[sweep]\nreap_after_s = 5\n")
+        cursor = host.cursor()
+        host.sim.systemctl("start", "gpugate-sweep.service", check=False)
+        entries = gpugate_entries(host, cursor)
+        errors = [e for e in entries if e.get("GPUGATE_EVENT") == "error"]
+        assert len(errors) == 1
+        assert errors[0]["GPUGATE_EXIT_CODE"] == "78"
+        assert "sweep.reap_after_s" in errors[0]["MESSAGE"]
+        assert errors[0]["MESSAGE_ID"] == "b7d2f9a4c1e34a5b8d6c0e3f9a7b2d23"
+        said = [e for e in entries if "reap_after_s" in e.get("MESSAGE", "")]
+        assert said == errors, "said once, as the structured entry"
+
+        host.sh("rm -f /etc/gpugate/default.toml")
+        host.sim.write_file(STATE, "not json\n", 0o600)
+        cursor = host.cursor()
+        host.sim.systemctl("start", "gpugate-sweep.service")
+        warnings = [e for e in gpugate_entries(host, cursor) if e.get("GPUGATE_EVENT") == "warning"]
+        assert [e["GPUGATE_REASON"] for e in warnings] == ["sweep-state-refused"]
+        assert warnings[0]["MESSAGE_ID"] == "e4a9c6b2d8f14e3a9c5b7d1f0a6e2c34"
+    finally:
+        host.sh("rm -f /etc/gpugate/default.toml", check=False)
+        host.sim.run(["gpugate", "uninstall", "--sweep"], timeout=120)

@@ -110,3 +110,32 @@ def test_watcher_that_starts_using_a_gpu_is_judged_again(host: FakeHost) -> None
     assert spared_reasons(host, watcher) == {"watcher"}  # the first round spared it
     judged = [e for e in host.journal.events("holder_found") if e["GPUGATE_PID"] == str(watcher)]
     assert [e["GPUGATE_REASON"] for e in judged] == ["orphan"]
+
+
+@pytest.mark.parametrize("leak_on", [4, 6, 7])
+def test_a_leak_on_a_gpu_the_unit_does_not_own_leaves_watchers_watchers(
+    host: FakeHost, leak_on: int
+) -> None:
+    """A driver leak (memory NVML lists for no process) elsewhere says nothing of the unit's
+    GPUs: nvtop on every GPU is spared, not an orphan straddling them (exit 22)."""
+    (watcher,) = host.pool.holder(host.gpu_files(*range(8)))
+    stale = stale_server(host)
+    host.memory.leaked_mib[leak_on] = 30000
+    summary = run(host, gpus=[0, 1, 2, 3])
+    assert summary.exit_code is ExitCode.OK
+    assert alive(watcher) and not any(alive(pid) for pid in stale)
+    assert spared_reasons(host, watcher) == {"watcher"}
+
+
+def test_memory_listed_for_nobody_on_the_units_gpu_still_makes_a_device_holder_an_orphan(
+    host: FakeHost,
+) -> None:
+    """The fork that kept a dead parent's context: device files only, memory on the unit's
+    GPU listed for nobody: killed, as before."""
+    (fork,) = host.pool.holder(host.gpu_files(0))
+    host.memory.leaked_mib[0] = 8000
+    summary = run(host, gpus=[0], pre={"wait_timeout_s": 2.0})
+    assert not alive(fork)
+    found = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
+    assert found[str(fork)] == "orphan"
+    assert summary.exit_code is not ExitCode.HELD_BY_OTHERS

@@ -93,6 +93,11 @@ class SweepPolicy(_Frozen):
         description="Where slurmd runs: drain the node once a GPU holds memory unowned this "
         "many seconds (not set: never).",
     )
+    reap_sessions: bool = Field(
+        default=_S.reap_sessions,
+        description="Reap (reap_after_s) a holder in a logind session its user is still logged "
+        "in to, as one nobody owns (not set: shown as owner `session`, never reaped).",
+    )
 
     @field_validator("reap_after_s", "drain_after_s")
     @classmethod

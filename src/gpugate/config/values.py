@@ -90,6 +90,7 @@ MAX_SWEEP_AGE_S = 30 * 86400
 class DefaultSweep:
     reap_after_s: Optional[float] = None
     drain_after_s: Optional[float] = None
+    reap_sessions: bool = False
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class Holder:
     gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
     control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
     used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
+    mapped: set[int] = field(default_factory=set)  # GPUs whose /dev/nvidiaN it maps (memory)
     ports: set[int] = field(default_factory=set)  # the unit's TCP ports it listens on
     container: Container | None = None  # where its cgroup is a container's scope
     mps_client: set[int] = field(default_factory=set)  # GPUs NVML lists it on as an MPS client
@@ -334,6 +335,7 @@ def _add_device_users(
             found.sources.add(Source.DEVICE_FD)
         if use.mapped_paths:
             found.sources.add(Source.DEVICE_MAP)
+            found.mapped.update(_gpus_of(use.mapped_paths, index_by_minor))
         for path in use.paths:
             name = os.path.basename(path)
             match = GPU_DEVICE.fullmatch(name)
@@ -344,6 +346,14 @@ def _add_device_users(
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
                 found.control_devices.add(name)
+
+
+def _gpus_of(paths: Collection[str], index_by_minor: dict[int, int]) -> set[int]:
+    """The GPUs whose /dev/nvidiaN are among paths."""
+    minors = (GPU_DEVICE.fullmatch(os.path.basename(path)) for path in paths)
+    return {
+        index_by_minor[int(m.group(1))] for m in minors if m and int(m.group(1)) in index_by_minor
+    }
 
 
 def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:

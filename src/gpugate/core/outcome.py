@@ -177,6 +177,12 @@ class Surroundings:
         run's GPU locks (the metrics textfile is never a run's failure)."""
         return [(self.loaded.config.lock_dir, "GPU locks")], []
 
+    def known_watchers(self) -> Sequence[ProcessId]:
+        """Processes a look before this run judged watchers (the sweep's reap, whose owners
+        do not depend on the GPUs' memory): watchers from the start while NVML lists them on
+        no GPU, as a watcher of this run's first look stays one."""
+        return ()
+
     def driver_hung_earlier(self) -> str | None:
         """Why not to ask the driver (this start's earlier phase waited on it); None: ask."""
         return None

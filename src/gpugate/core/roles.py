@@ -11,6 +11,8 @@ from typing import Protocol
 from gpugate.compat import StrEnum
 from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder, Source
+from gpugate.host.logind import Logind, SessionState, session_of_cgroup
+from gpugate.host.nvml import mig_parent
 from gpugate.host.scan import ProcessId, ProcInfo
 from gpugate.host.systemd import system_unit_of_cgroup
 
@@ -81,8 +83,9 @@ def holder_role(
 
 def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
     """Holds device files only (nvidia-smi -l, nvtop): NVML's complete lists name it on no
-    GPU, and each GPU's memory is accounted for by the listed processes (a fork that kept a
-    dead parent's context holds memory listed for nobody: not a watcher)."""
+    GPU, and the memory of each GPU of the run's it holds is accounted for by the listed
+    processes (a fork that kept a dead parent's context holds memory listed for nobody: not a
+    watcher). A GPU the run does not own is not asked: a leak there is no reason to stop it."""
     if (
         not discovery.nvml_lists_processes
         or Source.NVML in holder.sources
@@ -90,7 +93,7 @@ def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
         or holder.ports
     ):
         return False
-    for index in holder.gpus:
+    for index in holder.gpus & discovery.owned_indices:
         usage = discovery.usage.get(index)
         if usage is None:
             return False
@@ -206,27 +209,64 @@ class Owner(StrEnum):
     JOB = "job"  # a Slurm job's cgroup
     CONTAINER = "container"  # a docker or podman container's scope
     PROTECTED = "protected"  # protected_executables / protected_units
-    WATCHER = "watcher"  # device files only: NVML lists it on no GPU
-    NOBODY = "nobody"  # a login session, a user's scope, init.scope: nothing to stop it
+    WATCHER = "watcher"  # device files only: NVML lists it on no GPU, it maps no GPU's memory
+    SESSION = "session"  # in a logind session its user is still logged in to (attended)
+    NOBODY = "nobody"  # a closed session's scope, a user's scope, init.scope: nothing to stop it
 
 
 OWNERS = tuple(Owner)
 
 
-def owner_of(holder: Holder, discovery: Discovery, config: Config) -> Owner:
-    """discovery: one made without a unit (status's, the sweep's)."""
-    role = holder_role(holder, discovery, config)
+def owner_of(
+    holder: Holder, discovery: Discovery, config: Config, logind: Logind | None = None
+) -> Owner:
+    """discovery: one made without a unit (status's, the sweep's); logind: where sessions'
+    states are read (None: the host's)."""
+    role = role_of(
+        holder.info,
+        discovery,
+        config,
+        member=Source.CGROUP in holder.sources,
+        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
+    )
     if role is Role.PROTECTED:
         return Owner.PROTECTED
-    if role is Role.WATCHER:
+    if role in (Role.ORPHAN, Role.OTHER_UNIT) and holds_device_files_only(holder, discovery):
         return Owner.WATCHER
     if holder.container is not None:
         return Owner.CONTAINER
     if JOB_CGROUP.fullmatch(holder.info.cgroup or "/"):
         return Owner.JOB
     if role is Role.ORPHAN:
+        session = session_of_cgroup(holder.info.cgroup)
+        if session is not None and (logind or Logind()).state(session) is not SessionState.CLOSED:
+            return Owner.SESSION
         return Owner.NOBODY
     return Owner.UNIT
+
+
+def holds_device_files_only(holder: Holder, discovery: Discovery) -> bool:
+    """The sweep's watcher, whatever the GPUs' memory says: NVML's complete lists name it on
+    no GPU, it maps no GPU's memory and listens on no port. Where NVML cannot list processes,
+    device files are all the evidence: no watchers."""
+    return (
+        discovery.nvml_lists_processes
+        and Source.NVML not in holder.sources
+        and bool(holder.sources & {Source.DEVICE_FD, Source.DEVICE_MAP})
+        and not holder.mapped
+        and not holder.ports
+    )
+
+
+def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
+    """Evidence that holder has memory on GPU (or slice) key: NVML lists it there with memory
+    (or with an amount it does not say), or it maps the GPU's /dev/nvidiaN. Where NVML cannot
+    list processes, holding the GPU's device files is the evidence."""
+    if not discovery.nvml_lists_processes:
+        return key in holder.gpus
+    if key in holder.mapped or mig_parent(key) in holder.mapped:
+        return True
+    return key in holder.used_mib and holder.used_mib[key] != 0
 
 
 @dataclass(frozen=True)

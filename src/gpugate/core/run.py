@@ -94,7 +94,10 @@ class RunState:
         # protected, sharers, or on no GPU of the unit: neither they nor their memory waited on
         self.spared_pids: set[int] = set()
         self.reported_faults: set[int] = set()
-        self.judged: dict[ProcessId, Role] = {}  # first roles, for roles.holder_role
+        # first roles, for roles.holder_role
+        self.judged: dict[ProcessId, Role] = dict.fromkeys(
+            surroundings.known_watchers(), Role.WATCHER
+        )
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs

@@ -8,20 +8,21 @@ import contextlib
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import NullSurroundings
-from gpugate.core.roles import OWNERS, Holding, Owner, owner_of
+from gpugate.core.roles import OWNERS, Holding, Owner, holds_memory, owner_of
 from gpugate.core.run import RunDeps
-from gpugate.errors import ExitCode
+from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.front.commands.slurm import set_drain_reason
 from gpugate.front.commands.status import collect
 from gpugate.front.hook import Hook, run_hook
+from gpugate.host.logind import Logind
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
 from gpugate.integrations.config_files import load_config
@@ -30,14 +31,21 @@ from gpugate.integrations.records import (
     RUNNING_STATES,
     STATE_NAME,
     Seen,
+    boot_time,
     locked_state,
     read_leases,
     write_state,
 )
 from gpugate.phase import Phase
-from gpugate.report import lines
 from gpugate.report.journal import Reporter
-from gpugate.report.lines import sweep_status, unowned_gone, unowned_seen
+from gpugate.report.lines import (
+    sweep_state_refused,
+    sweep_state_unwritten,
+    sweep_status,
+    unowned_gone,
+    unowned_seen,
+)
+from gpugate.report.narrate import Narrator
 
 SLURMD_UNIT = "slurmd.service"
 SWEEP_UNIT = "gpugate-sweep.service"  # the journal's GPUGATE_UNIT, OBJECT_SYSTEMD_UNIT
@@ -45,19 +53,29 @@ SWEEP_CGROUP = "/gpugate-sweep-no-unit"  # the reap's "unit cgroup": none, nothi
 UNLISTED = "unlisted"  # memory NVML lists no process for (a dead PID's, a MIG slice's)
 
 
+def tracked(config_reap_sessions: bool) -> frozenset[Owner]:
+    """The owners whose holders the sweep times and may reap: nobody's, and an attended
+    session's where `[sweep] reap_sessions` says so."""
+    return frozenset({Owner.NOBODY, Owner.SESSION} if config_reap_sessions else {Owner.NOBODY})
+
+
 def remember(
     holdings: Sequence[Holding],
     earlier: Mapping[ProcessId, Seen],
     now: float,
     reporter: Reporter | None,
+    kinds: Collection[Owner] = (Owner.NOBODY,),
 ) -> dict[ProcessId, Seen]:
-    """The unowned holders now, each with since when; says who is new and who is gone."""
+    """The unowned holders now (owners in kinds), each with since when (boot time); says who is
+    new and who is gone. A since after now was counted on another boot: new again."""
     seen: dict[ProcessId, Seen] = {}
     for holding in holdings:
-        if holding.owner is not Owner.NOBODY:
+        if holding.owner not in kinds:
             continue
         ident, gpus = holding.holder.info.ident, tuple(sorted(holding.holder.using))
         before = earlier.get(ident)
+        if before is not None and before.since > now:
+            before = None
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
         seen[ident] = Seen(now, gpus) if before is None else replace(before, gpus=gpus)
@@ -68,10 +86,19 @@ def remember(
 
 
 def gauges(
-    discovery: Discovery, holdings: Sequence[Holding], seen: Mapping[ProcessId, Seen], now: float
+    discovery: Discovery,
+    holdings: Sequence[Holding],
+    seen: Mapping[ProcessId, Seen],
+    now: float,
+    *,
+    wall: float | None = None,
+    kinds: Collection[Owner] = (Owner.NOBODY,),
 ) -> Samples:
+    """now: boot time, what the state's sinces count in; wall: Unix time, the timestamp (None:
+    now, where one clock stands for both)."""
     memory: dict[Labels, float] = {}
     counts: dict[Labels, float] = {}
+    sessions: dict[Labels, float] = {}
     ages: dict[Labels, float] = {}
     for gpu in discovery.gpus:
         by_owner = {str(owner): 0 for owner in OWNERS}
@@ -82,16 +109,19 @@ def gauges(
         by_owner[UNLISTED] = max((usage.used_mib if usage else 0) - listed, 0)
         for owner, mib in by_owner.items():
             memory[(("gpu", str(gpu.index)), ("owner", owner), ("uuid", gpu.uuid))] = mib
-        unowned = [h for h in holdings if h.owner is Owner.NOBODY and gpu.index in h.holder.using]
+        on = [h for h in holdings if gpu.index in h.holder.using]
+        unowned = [h for h in on if h.owner in kinds]
         key = (("gpu", str(gpu.index)),)
         counts[key] = len(unowned)
+        sessions[key] = sum(1 for h in on if h.owner is Owner.SESSION)
         sinces = [seen[h.holder.info.ident].since for h in unowned if h.holder.info.ident in seen]
         ages[key] = max(now - min(sinces), 0.0) if sinces else 0
     return {
         "gpugate_gpu_memory_mib": memory,
         "gpugate_unowned_processes": counts,
         "gpugate_unowned_seconds": ages,
-        "gpugate_sweep_timestamp_seconds": {(): now},
+        "gpugate_session_processes": sessions,
+        "gpugate_sweep_timestamp_seconds": {(): now if wall is None else wall},
     }
 
 
@@ -113,31 +143,50 @@ def reapable(
     *,
     after_s: float,
     leased: set[str],
+    kinds: Collection[Owner] = (Owner.NOBODY,),
 ) -> list[Gpu]:
-    owned = (Owner.UNIT, Owner.JOB, Owner.CONTAINER)
+    """The GPUs whose unowned holders (owners in kinds) have all been so after_s and all show
+    memory there (holds_memory): never one a unit, job, container or (not in kinds) an
+    attended session holds, nor a leased one, nor one only holders without memory hold."""
+    keep_off = {Owner.UNIT, Owner.JOB, Owner.CONTAINER, Owner.SESSION} - set(kinds)
     found = []
     for gpu in discovery.gpus:
         on = [h for h in holdings if gpu.index in h.holder.using]
-        unowned = [h for h in on if h.owner is Owner.NOBODY]
-        if not unowned or gpu.uuid.lower() in leased or any(h.owner in owned for h in on):
+        unowned = [h for h in on if h.owner in kinds]
+        if not unowned or gpu.uuid.lower() in leased or any(h.owner in keep_off for h in on):
             continue
-        if min(now - seen[h.holder.info.ident].since for h in unowned) >= after_s:
+        if not all(holds_memory(h.holder, gpu.index, discovery) for h in unowned):
+            continue  # a holder without memory there: in doubt, not reaped
+        idents = [h.holder.info.ident for h in unowned]
+        ages = [now - seen[ident].since for ident in idents if ident in seen]
+        if len(ages) == len(unowned) and min(ages) >= after_s:
             found.append(gpu)
     return found
 
 
 @dataclass(frozen=True)
 class LeaseRecheck(NullSurroundings):
-    """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks."""
+    """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks;
+    the look's watchers stay watchers (owners that do not depend on the GPUs' memory)."""
 
     unit_state: Callable[[str], str | None] = lambda unit: None
+    watchers: tuple[ProcessId, ...] = ()
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         leased = live_leased(self.loaded, self.unit_state)
         return any(gpu.uuid.lower() in leased for gpu in owned)
 
+    def known_watchers(self) -> Sequence[ProcessId]:
+        return self.watchers
 
-def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Reporter) -> int:
+
+def reap(
+    gpus: Sequence[Gpu],
+    loaded: LoadedConfig,
+    front: Front,
+    reporter: Reporter,
+    watchers: Sequence[ProcessId] = (),
+) -> int:
     """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
     pre = replaced(loaded.config.pre, kill_orphans=True)
     config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
@@ -146,7 +195,9 @@ def reap(gpus: Sequence[Gpu], loaded: LoadedConfig, front: Front, reporter: Repo
         Phase.PRE,
         SWEEP_UNIT,
         lambda: SWEEP_CGROUP,
-        lambda _scope, loaded, _reporter: LeaseRecheck(loaded, "", False, front.unit_state),
+        lambda _scope, loaded, _reporter: LeaseRecheck(
+            loaded, "", False, front.unit_state, tuple(watchers)
+        ),
         reporter,
         RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory),
     )
@@ -165,34 +216,51 @@ def look(loaded: LoadedConfig, front: Front) -> Discovery:
         return discovery
 
 
-def sweep(config: Path | None, front: Front, clock: Callable[[], float] = time.time) -> int:
-    """One sweep; the exit code: 0, or the reap's where one ran and failed."""
-    loaded = load_config(None, config)
+def sweep(
+    config: Path | None,
+    front: Front,
+    clock: Callable[[], float] = time.time,
+    boot_clock: Callable[[], float] = boot_time,
+) -> int:
+    """One sweep; the exit code: 0, the error's (said as the sweep's journal entry), or the
+    reap's where one ran and failed. clock: the gauges' timestamp; boot_clock: unowned time,
+    on a clock no step of the wall clock moves."""
     reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
+    try:
+        return swept(load_config(None, config), front, reporter, clock(), boot_clock())
+    except GateError as exc:
+        Narrator(reporter).failed(exc)
+        return int(exc.exit_code)
+
+
+def swept(loaded: LoadedConfig, front: Front, reporter: Reporter, wall: float, now: float) -> int:
     discovery = look(loaded, front)
+    logind = Logind(front.sessions_dir)
     holdings = [
-        Holding(holder, owner_of(holder, discovery, loaded.config))
+        Holding(holder, owner_of(holder, discovery, loaded.config, logind))
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
         if holder.gpus or holder.used_mib
     ]
-    now = clock()
-    seen = keep_state(loaded, holdings, now, reporter)
+    kinds = tracked(loaded.config.sweep.reap_sessions)
+    seen = keep_state(loaded, holdings, now, reporter, kinds)
     textfile = loaded.config.metrics_textfile
     if textfile is not None:
         try:
-            record_sweep(textfile, gauges(discovery, holdings, seen, now))
+            record_sweep(textfile, gauges(discovery, holdings, seen, now, wall=wall, kinds=kinds))
         except OSError as exc:
-            print(lines.metrics_not_written(textfile, exc.strerror or str(exc)), file=sys.stderr)
+            Narrator(reporter).metrics_not_written(textfile, exc.strerror or str(exc))
     code, reaped = int(ExitCode.OK), []
     after_s = loaded.config.sweep.reap_after_s
     if after_s is not None:
         leased = live_leased(loaded, front.unit_state)
-        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased)
+        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased, kinds=kinds)
         if gpus:
-            code, reaped = reap(gpus, loaded, front, reporter), [gpu.index for gpu in gpus]
+            watchers = [h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER]
+            code = reap(gpus, loaded, front, reporter, watchers)
+            reaped = [gpu.index for gpu in gpus]
     if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
-        drain_due(loaded, front, holdings, seen, now, reaped, code)
-    unowned_gpus = sorted({i for h in holdings if h.owner is Owner.NOBODY for i in h.holder.using})
+        drain_due(loaded, front, holdings, seen, now, reaped, code, reporter)
+    unowned_gpus = sorted({i for h in holdings if h.owner in kinds for i in h.holder.using})
     sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
     return code
 
@@ -205,11 +273,13 @@ def drain_due(
     now: float,
     reaped: list[int],
     code: int,
+    reporter: Reporter,
 ) -> None:
     node = socket.gethostname().split(".")[0]  # slurmd's own default NodeName
     if code == ExitCode.UNKILLABLE:  # the reaped GPUs' unowned holders, still the same processes
         procfs, on = ProcFs(front.host_roots().proc), set(reaped)
-        infos = [h.holder.info for h in holdings if h.owner is Owner.NOBODY and h.holder.using & on]
+        kinds = tracked(loaded.config.sweep.reap_sessions)
+        infos = [h.holder.info for h in holdings if h.owner in kinds and h.holder.using & on]
         pids = [
             info.pid
             for info in infos
@@ -243,7 +313,7 @@ def drain_due(
             }
             write_state(folder_fd, marked)
     except OSError as exc:  # the next sweep drains again
-        print(unwritten(lock_dir, exc), file=sys.stderr)
+        sweep_state_unwritten(reporter, lock_dir / STATE_NAME, exc.strerror or str(exc))
 
 
 def pids_within(head: str, pids: Sequence[int]) -> str:
@@ -252,25 +322,22 @@ def pids_within(head: str, pids: Sequence[int]) -> str:
     return head + (listed if len(head) + len(listed) <= 250 else listed[: 249 - len(head)] + "+")
 
 
-def unwritten(lock_dir: Path, exc: OSError) -> str:
-    return lines.warning(
-        f"sweep state not written to {lock_dir / STATE_NAME}: {exc.strerror or exc}"
-    )
-
-
 def keep_state(
-    loaded: LoadedConfig, holdings: Sequence[Holding], now: float, reporter: Reporter
+    loaded: LoadedConfig,
+    holdings: Sequence[Holding],
+    now: float,
+    reporter: Reporter,
+    kinds: Collection[Owner] = (Owner.NOBODY,),
 ) -> dict[ProcessId, Seen]:
     """remember(), against the state under lock_dir; a state not kept is only a warning."""
-    lock_dir = loaded.config.lock_dir
+    path = loaded.config.lock_dir / STATE_NAME
     seen: dict[ProcessId, Seen] | None = None
     try:
-        with locked_state(lock_dir) as (folder_fd, state):
+        with locked_state(loaded.config.lock_dir) as (folder_fd, state):
             if state.refused is not None:
-                why = f"not the sweep's state ({state.refused}): every unowned holder is new again"
-                print(lines.warning(f"{lock_dir / STATE_NAME}: {why}"), file=sys.stderr)
-            seen = remember(holdings, state.unowned, now, reporter)
+                sweep_state_refused(reporter, path, state.refused)
+            seen = remember(holdings, state.unowned, now, reporter, kinds)
             write_state(folder_fd, seen)
     except OSError as exc:
-        print(unwritten(lock_dir, exc), file=sys.stderr)
-    return remember(holdings, {}, now, None) if seen is None else seen
+        sweep_state_unwritten(reporter, path, exc.strerror or str(exc))
+    return remember(holdings, {}, now, None, kinds) if seen is None else seen

@@ -55,6 +55,11 @@ SWEEP_FAMILIES = (  # rewritten whole by each `gpugate sweep`, not added to
         "gauge",
         "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
     ),
+    Family(
+        "gpugate_session_processes",
+        "gauge",
+        "processes holding the GPU in a login session whose user is still logged in",
+    ),
     Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
 )
 FAMILIES = (

@@ -437,14 +437,14 @@ def failed_pre_of_this_start(
 
 STATE_NAME = "sweep.json"
 LOCK_NAME = "sweep.lock"
-STATE_VERSION = 1
+STATE_VERSION = 2  # 1: since in Unix time, before unowned time was counted in boot time
 MAX_ENTRIES = 512  # each about 90 bytes: the record stays under MAX_RECORD_BYTES
 MAX_TICKS = 2**63 - 1
 
 
 @dataclass(frozen=True)
 class Seen:
-    since: float  # Unix time it was first seen unowned
+    since: float  # when it was first seen unowned: seconds after boot (boot_time)
     gpus: tuple[int, ...]
     drained: bool = False  # the node was drained for it ([sweep] drain_after_s): not again
 
@@ -455,11 +455,18 @@ class SweepState:
     refused: str | None = None  # why the file on disk was not taken (report/'s phrase)
 
 
+def boot_time() -> float:
+    """Seconds since boot, suspend included (CLOCK_BOOTTIME): no wall-clock step moves it."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 def read_state(folder_fd: int) -> SweepState:
     """The state, or refused: the record, or an entry of it, is not what gpugate writes."""
     found: dict[ProcessId, Seen] = {}
     try:
         data = read_record(STATE_NAME, dir_fd=folder_fd)
+        if data.get("version") == 1:
+            raise BadRecord("version 1, counted in Unix time, not in time since boot")
         integer(data, "version", STATE_VERSION, STATE_VERSION)
         for entry in _items(data, "unowned", MAX_ENTRIES):
             if not isinstance(entry, dict):

@@ -45,11 +45,11 @@ def unowned_seen(reporter: Reporter, holder: Holder, mib: int | None) -> None:
     used = "unknown MiB" if mib is None else f"{mib} MiB"
     reporter.event(
         Event.UNOWNED_SEEN,
-        f"PID {info.pid} ({info.user}) holds GPU {sweep_gpus(sorted(holder.gpus))} ({used}) and "
+        f"PID {info.pid} ({info.user}) holds GPU {sweep_gpus(sorted(holder.using))} ({used}) and "
         f"no unit, job or container owns it: {shown(info.command, COMMAND)}",
         priority=PRIORITY_WARNING,
         pid=info.pid,
-        gpus=sorted(holder.gpus),
+        gpus=sorted(holder.using),
         used_mib=mib,
         start_time=info.start_time,
         account=info.user,
@@ -65,6 +65,22 @@ def unowned_gone(reporter: Reporter, ident: ProcessId, gpus: Sequence[int], seco
         gpus=list(gpus),
         start_time=ident.start_time,
         unowned_s=f"{seconds:.0f}",
+    )
+
+
+def sweep_state_refused(reporter: Reporter, path: object, why: str) -> None:
+    reporter.event(
+        Event.WARNING,
+        f"{path}: not the sweep's state ({why}): every unowned holder is new again",
+        reason="sweep-state-refused",
+    )
+
+
+def sweep_state_unwritten(reporter: Reporter, path: object, cause: str) -> None:
+    reporter.event(
+        Event.WARNING,
+        f"sweep state not written to {path}: {cause}; unowned time starts again next sweep",
+        reason="sweep-state-unwritten",
     )
 
 

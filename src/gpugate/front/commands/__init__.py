@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from pathlib import Path
 
+from gpugate.host.logind import SESSIONS_DIR
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.systemd import (
     CgroupLayout,
@@ -36,6 +38,7 @@ class Front:
         self.given_roots = roots or HostRoots()
         self.unit_state = unit_state or active_state
         self.cgroup_layout = cgroup_layout or host_cgroup_layout
+        self.sessions_dir: Path = SESSIONS_DIR  # logind's state files (the sweep's owners)
 
     def host_roots(self) -> HostRoots:
         """The roots on the cgroup tree systemd tracks units in; HostUnsupported on v1 only."""

@@ -41,6 +41,7 @@ from gpugate.integrations.records import (
     Lease,
     LeaseFiles,
     Seen,
+    boot_time,
     leases_by_gpu,
     read_leases,
     read_unowned,
@@ -218,7 +219,7 @@ def holder_dict(
     """owner: core/roles' kind; unowned_s: since when a sweep has seen it nobody's."""
     info = holder.info
     owner = owner_of(holder, discovery, loaded.config)
-    seen = unowned.get(info.ident) if owner is Owner.NOBODY else None
+    seen = unowned.get(info.ident) if owner in (Owner.NOBODY, Owner.SESSION) else None
     role = holder_role(holder, discovery, loaded.config)
     shm = shm_use(shm_host, discovery.shm.get(info.pid, ()))
     command, command_cut = shown_args(info.cmdline)
@@ -254,7 +255,7 @@ def holder_dict(
             "name": shown(holder.container.name, CONTAINER) or None,
         },
         "owner": str(owner),
-        "unowned_s": None if seen is None else max(int(time.time() - seen.since), 0),
+        "unowned_s": None if seen is None else max(int(boot_time() - seen.since), 0),
     }
 
 

@@ -1,0 +1,94 @@
+"""logind's sessions: which login session a process's cgroup is in (its session-N.scope under
+user.slice, where PID 1 put it) and whether that session is still open, from logind's own
+state file, /run/systemd/sessions/N (systemd's src/login/logind-session.c, session_save():
+`STATE=online|active|closing`, `ACTIVE=0|1`)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gpugate.compat import StrEnum
+from gpugate.host.safe_files import open_in
+
+SESSIONS_DIR = Path("/run/systemd/sessions")
+MAX_SESSION_FILE = 1 << 14  # a few hundred bytes: UID=, USER=, STATE=, SCOPE=, ...
+# pam_systemd's sessions: /user.slice/user-UID.slice/session-ID.scope (IDs: [a-zA-Z0-9]+,
+# logind's session_id_valid); a user's own units live under user@UID.service, never here.
+SESSION_SCOPE = re.compile(r"/user\.slice/user-[0-9]+\.slice/session-([A-Za-z0-9]{1,64})\.scope")
+
+
+def session_of_cgroup(cgroup: str | None) -> str | None:
+    """The logind session ID whose scope holds this cgroup (or one below it), else None."""
+    if cgroup is None:
+        return None
+    top = "/".join(cgroup.split("/")[:4])
+    match = SESSION_SCOPE.fullmatch(top)
+    return match.group(1) if match else None
+
+
+class SessionState(StrEnum):
+    OPEN = "open"  # STATE=active or online: its user is logged in
+    CLOSED = "closed"  # STATE=closing (logged out, its scope left behind), or no file: gone
+    UNKNOWN = "unknown"  # a file root did not write, too large, unreadable or unparsable
+
+
+def parse_state(text: str) -> SessionState:
+    values = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+    state = values.get("STATE")
+    if state in ("active", "online"):
+        return SessionState.OPEN
+    if state == "closing":
+        return SessionState.CLOSED
+    return SessionState.UNKNOWN
+
+
+@dataclass
+class Logind:
+    """Session states, each read once per instance (one sweep, one status)."""
+
+    folder: Path = SESSIONS_DIR
+    _known: dict[str, SessionState] = field(default_factory=dict)
+
+    def state(self, session: str) -> SessionState:
+        if session not in self._known:
+            self._known[session] = self._read(session)
+        return self._known[session]
+
+    def _read(self, session: str) -> SessionState:
+        try:
+            folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return SessionState.UNKNOWN  # no logind here: nothing said either way
+        except OSError:
+            return SessionState.UNKNOWN
+        try:
+            if not _root_only(os.fstat(folder_fd)):
+                return SessionState.UNKNOWN
+            fd = open_in(folder_fd, session, os.O_RDONLY)
+        except OSError as exc:
+            missing = exc.errno == errno.ENOENT
+            return SessionState.CLOSED if missing else SessionState.UNKNOWN
+        finally:
+            os.close(folder_fd)
+        try:
+            info = os.fstat(fd)
+            if not _root_only(info) or info.st_size > MAX_SESSION_FILE:
+                return SessionState.UNKNOWN
+            data = os.read(fd, MAX_SESSION_FILE + 1)
+        except OSError:
+            return SessionState.UNKNOWN
+        finally:
+            os.close(fd)
+        if len(data) > MAX_SESSION_FILE:
+            return SessionState.UNKNOWN
+        return parse_state(data.decode("utf-8", errors="replace"))
+
+
+def _root_only(info: os.stat_result) -> bool:
+    """Owned by root and writable by no one else (logind's files are 0644 root)."""
+    return info.st_uid == 0 and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
