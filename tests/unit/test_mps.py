@@ -18,8 +18,15 @@ from gpugate.config.schema import GateConfig
 from gpugate.config.values import DEFAULTS, MPS_CONTROL, MPS_SERVER
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Holder, Source
-from gpugate.core.mps import config_shares, is_mps_server, mps_served
-from gpugate.core.roles import Owner, Role, owner_of, role_of
+from gpugate.core.roles import (
+    Owner,
+    Role,
+    config_shares,
+    is_mps_server,
+    mps_served,
+    owner_of,
+    role_of,
+)
 from gpugate.errors import ExitCode
 from gpugate.host.nvml import MIB, NOT_AVAILABLE, GpuProcess, NvmlDriver, _Listing
 from gpugate.phase import Phase

@@ -14,7 +14,6 @@ from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
-from gpugate.core.mps import mps_served
 from gpugate.core.outcome import (
     UNKILLABLE,
     BusyGpu,
@@ -28,7 +27,7 @@ from gpugate.core.outcome import (
     Transition,
     exit_code_for,
 )
-from gpugate.core.roles import Role
+from gpugate.core.roles import Role, mps_served
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
 from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
 from gpugate.host.containers import stop_containers

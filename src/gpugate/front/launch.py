@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from gpugate.config.file import LoadedConfig, replaced, to_toml, validated
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.discover import as_refs, owned_gpus
-from gpugate.core.mps import config_shares
+from gpugate.core.roles import config_shares
 from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command

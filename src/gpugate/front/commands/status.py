@@ -22,8 +22,7 @@ from gpugate.core.discover import (
     cgroup_members,
     discover,
 )
-from gpugate.core.mps import config_shares, is_mps_server
-from gpugate.core.roles import Owner, Role, holder_role, owner_of
+from gpugate.core.roles import Owner, Role, config_shares, holder_role, is_mps_server, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.commands import Front
 from gpugate.host.nvml import GpuDriver, NoGpus
