@@ -10,7 +10,7 @@ on the machine changes least) and wall time, each also as a ratio to the floor. 
 root inside a private mount namespace with a tmpfs on /run, so that the run without a config
 takes its built-in lock_dir (/run/gpugate) there and not on the host:
 
-    unshare -m --propagation private sh -c 'mount -t tmpfs tmpfs /run && \\
+    unshare -m --propagation private sh -c 'mount -t tmpfs -o mode=755 tmpfs /run && \\
         exec .venv/bin/python -m bench.config_startup /tmp/before/src src'
 """
 
@@ -29,12 +29,26 @@ from bench.timing import run_timed
 FLOOR = "python3 -I -c pass"  # this interpreter, the one gpugate runs on
 
 
+def installed_config(stage: Stage) -> Path:
+    """The unit's file as `gpugate install --gpus 0` writes it (this tree's skeleton), with the
+    stage's lock_dir (the bench host's /run is not the stage's)."""
+    from gpugate.front.install import render_config  # noqa: PLC0415
+
+    path = stage.root / "installed.toml"
+    text = render_config(UNIT, [0]).replace("# lock_dir = ", "lock_dir = ")
+    path.write_text(text.replace('lock_dir = "/run/gpugate"', f'lock_dir = "{stage.locks}"'))
+    return path
+
+
 def cases(stage: Stage) -> dict[str, list[str]]:
     gpugate = [sys.executable, "-m", "gpugate"]
     pre = [*gpugate, *stage.roots_args(), "pre", UNIT]
+    installed = str(installed_config(stage))
     return {
         "pre, no config file": pre,  # /etc/gpugate: none on the bench host
         "pre, a file setting lock_dir": [*pre, "--config", str(stage.config)],
+        "pre, install's config file": [*pre, "--config", installed],
+        "config check FILE (install's)": [*gpugate, "config", "check", installed],
         "--help": [*gpugate, "--help"],
     }
 
@@ -54,6 +68,9 @@ def measure(trees: dict[str, Path], runs: int, processes: int) -> dict[str, dict
                 label = key.split(":", 1)[0]
                 if label in trees:
                     env["PYTHONPATH"] = str(trees[label])
+                    # bytecode cached as an installed gpugate's is, apart for each tree
+                    env.pop("PYTHONDONTWRITEBYTECODE", None)
+                    env["PYTHONPYCACHEPREFIX"] = f"{tmp}/pycache-{label}"
                 run = run_timed(argv, env=env)
                 if run.returncode != 0:
                     raise RuntimeError(f"{key} exited {run.returncode}: {run.stderr[-2000:]}")

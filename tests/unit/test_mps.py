@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import pynvml
 
-from gpugate.config.schema import GateConfig
-from gpugate.config.values import DEFAULTS, MPS_CONTROL, MPS_SERVER
+from gpugate.config.schema import DEFAULTS, GateConfig
+from gpugate.config.values import MPS_CONTROL, MPS_SERVER
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.core.roles import (

@@ -1,1 +1,2 @@
-"""Configuration: the pydantic models, the file and its errors, TOML writing, GPU lists."""
+"""Configuration: the one model (validated by pydantic_core), the file and its errors, TOML
+writing, GPU lists."""

@@ -3,34 +3,29 @@ defaults), its parse, its one-line error naming file and field; enough TOML to p
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, Union
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpugate.compat import tomllib
-from gpugate.config.values import BUILTIN_SOURCE, DEFAULTS, DefaultConfig, DefaultPolicy
+from gpugate.config.schema import DEFAULTS, GateConfig, Model, PhasePolicy
+from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.errors import ConfigError, InvalidValue
 from gpugate.untrusted import echo
 
 if TYPE_CHECKING:
-    from pydantic import ValidationError
+    from pydantic_core import ValidationError
 
-    from gpugate.config.schema import GateConfig, PhasePolicy
-
-Config = Union["GateConfig", DefaultConfig]
-Policy = Union["PhasePolicy", DefaultPolicy]
-ConfigOrPolicy = TypeVar("ConfigOrPolicy", Config, Policy)
+Config = GateConfig
+Policy = PhasePolicy
+ConfigOrPolicy = TypeVar("ConfigOrPolicy", bound=Model)
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
 TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
-# pydantic v2 reads it each time it builds a model's validator: "__all__" loads no plugin and
-# skips the scan of every installed distribution's entry points (importlib.metadata).
-NO_PLUGINS = "PYDANTIC_DISABLE_PLUGINS"
 
 
 @dataclass(frozen=True)
@@ -39,54 +34,29 @@ class LoadedConfig:
     source: str  # the file it came from, or BUILTIN_SOURCE
 
 
-def pydantic_config() -> type[GateConfig]:
-    """pydantic's model of a config file, built at the first call with the plugin scan off;
-    the variable is put back at once, so that nothing gpugate starts inherits it."""
-    saved = os.environ.get(NO_PLUGINS)
-    os.environ[NO_PLUGINS] = "__all__"
-    try:
-        from gpugate.config.schema import GateConfig  # noqa: PLC0415 - pydantic on demand
-    finally:
-        del os.environ[NO_PLUGINS]
-        if saved is not None:
-            os.environ[NO_PLUGINS] = saved
-    return GateConfig
-
-
-def validated(config: Config) -> GateConfig:
-    """The config as pydantic's model (to change a field as a file would, or dump it)."""
-    if isinstance(config, DefaultConfig):
-        return pydantic_config().model_validate(dataclasses.asdict(config))
-    return config
-
-
 def replaced(config: ConfigOrPolicy, **changes: Any) -> ConfigOrPolicy:
     """A copy of the same type with these fields changed, not validated (the code chose them)."""
-    if isinstance(config, (DefaultConfig, DefaultPolicy)):
-        return dataclasses.replace(config, **changes)
     return config.model_copy(update=changes)
 
 
 def fields_set(config: Config) -> frozenset[str]:
     """The fields the file set (none: the built-in defaults)."""
-    if isinstance(config, DefaultConfig):
-        return frozenset()
-    return frozenset(config.model_fields_set)
+    return config.model_fields_set
 
 
 def parse_config(text: str, source: str) -> Config:
-    """The built-in defaults where the file sets nothing (no pydantic), else pydantic's model."""
+    """The built-in defaults where the file sets nothing (no pydantic_core), else the file's
+    values validated by pydantic_core."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(source, "", f"not valid TOML: {exc}") from None
     if not data:
         return DEFAULTS
-    model = pydantic_config()
-    from pydantic import ValidationError  # noqa: PLC0415 - loaded with the model
+    from pydantic_core import ValidationError  # noqa: PLC0415 - loaded with the validator
 
     try:
-        return model.model_validate(data)
+        return GateConfig.model_validate(data)
     except ValidationError as exc:
         raise _config_error(source, exc) from None
 
@@ -94,14 +64,7 @@ def parse_config(text: str, source: str) -> Config:
 def _config_error(source: str, exc: ValidationError) -> ConfigError:
     """The first of pydantic's errors as gpugate's, and how many more there were."""
     first = exc.errors()[0]
-    loc = first["loc"]
-    # A key the file names comes first (it may look like a tag: `"a[b" = 1`); pydantic adds
-    # the union branch ("literal['all']", "tuple[...]") to the location after it.
-    parts = [str(part) for part in loc[:1]] + [
-        str(part)
-        for part in loc[1:]
-        if not (isinstance(part, str) and ("[" in part or part in {"int", "str"}))
-    ]
+    parts = [str(part) for part in first["loc"]]
     field = echo(".".join(parts), quote=False) or "(top level)"
     more = exc.error_count() - 1
     refused = (first.get("ctx") or {}).get("error")
@@ -123,12 +86,10 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
 
 
 def _did_you_mean(parts: list[str]) -> str:
-    from pydantic import BaseModel  # noqa: PLC0415 - loaded with the model
-
-    model: Any = pydantic_config()  # the table holding the key: the file's, or [pre], [sweep]...
+    model: Any = DEFAULTS  # the table holding the key: the file's, or [pre], [sweep]...
     for part in parts[:-1]:
-        model = getattr(model.model_fields.get(part), "annotation", None)
-        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+        model = getattr(model, part, None)
+        if not isinstance(model, Model):
             return ""
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
     return close[0] if close else ""

@@ -1,13 +1,15 @@
-"""pydantic's models of a config file: strict (TOML has real types), frozen, no unknown key; loaded
-only where a file sets something (`config.file.pydantic_config`), with `config.values`' defaults."""
+"""The config's one model: each setting declared once, as a class attribute whose annotation is
+its type and whose `setting(...)` holds its default, bounds, check and description. Strict (TOML
+has real types: "yes" is no bool, "2048" no number), frozen, no unknown key. A file's values are
+validated by pydantic's engine, `pydantic_core.SchemaValidator`, over a core schema made from
+these declarations at the first file that sets something (CONTRIBUTING: why not BaseModel); the
+built-in defaults need neither."""
 
 from __future__ import annotations
 
-import dataclasses
-from pathlib import Path
-from typing import Annotated, Literal, Optional
-
-from pydantic import BaseModel, ConfigDict, Field, Strict, field_validator, model_validator
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, TypeVar, get_args
 
 from gpugate.config import values
 from gpugate.errors import GateError, InvalidValue
@@ -15,62 +17,318 @@ from gpugate.host.systemd import validate_unit_name
 from gpugate.phase import Phase
 from gpugate.untrusted import echo
 
-_P = values.DefaultPolicy  # each field's default is the built-in one
-_S = values.DefaultSweep
-_C = values.DefaultConfig
-# Not strict: a TOML list becomes the tuple, a TOML string the Path.
-_Names = Annotated[tuple[str, ...], Strict(False)]
-_Path = Annotated[Path, Strict(False)]
-_Seconds = Annotated[float, Field(gt=0, le=3600)]
-_MiB = Annotated[int, Field(ge=1)]
-_SweepAge = Optional[Annotated[float, Field(le=values.MAX_SWEEP_AGE_S)]]
+if TYPE_CHECKING:
+    from pydantic_core import SchemaValidator
+
+OnFailure = Literal["fail", "warn"]
+ModelT = TypeVar("ModelT", bound="Model")
 
 
-class _Frozen(BaseModel):
-    # strict: TOML has real types, so "yes" is no bool and "2048" no number (an int is a float).
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+class Setting:
+    """One field: its name and type (from the annotation), default, bounds, check and words."""
+
+    __slots__ = ("annotation", "bounds", "check", "default", "description", "name")
+
+    def __init__(
+        self,
+        default: Any,
+        description: str,
+        check: Callable[[Any], Any] | None,
+        bounds: dict[str, float],
+    ) -> None:
+        self.name = ""
+        self.annotation = ""
+        self.default = default
+        self.description = description
+        self.check = check
+        self.bounds = bounds
 
 
-class PhasePolicy(_Frozen):
+def setting(
+    default: Any,
+    description: str,
+    *,
+    check: Callable[[Any], Any] | None = None,
+    **bounds: float,
+) -> Any:
+    """A field's declaration: `name: type = setting(default, "what it does", ge=1)`; `check`
+    sees the typed value and returns it or raises InvalidValue (bounds: gt, ge, le)."""
+    return Setting(default, description, check, bounds)
+
+
+class Model:
+    """A frozen table of settings; `model_fields` lists its `Setting`s in declaration order."""
+
+    model_fields: ClassVar[dict[str, Setting]] = {}
+    model_fields_set: frozenset[str]
+
+    def __init_subclass__(cls) -> None:
+        fields = {}
+        # The class's own annotations, as written (strings: `from __future__ import annotations`).
+        for name, annotation in cls.__dict__.get("__annotations__", {}).items():  # noqa: RUF063
+            declared = cls.__dict__.get(name)
+            if isinstance(declared, Setting):
+                declared.name, declared.annotation = name, annotation
+                fields[name] = declared
+        cls.model_fields = fields
+        _MODELS[cls.__name__] = cls
+
+    def __init__(self, **changes: Any) -> None:
+        """The defaults (no pydantic), or with these fields validated as a file's are."""
+        made = type(self).model_validate(changes) if changes else type(self).built_in()
+        self.__dict__.update(made.__dict__)
+
+    @classmethod
+    def built_in(cls: type[ModelT]) -> ModelT:
+        return cls._made({name: field.default for name, field in cls.model_fields.items()}, ())
+
+    @classmethod
+    def _made(cls: type[ModelT], fields: dict[str, Any], given: Any) -> ModelT:
+        made = object.__new__(cls)
+        made.__dict__.update(fields)
+        made.__dict__["model_fields_set"] = frozenset(given)
+        return made
+
+    @classmethod
+    def model_validate(cls: type[ModelT], data: object) -> ModelT:
+        """data validated; pydantic_core.ValidationError names the first field refused."""
+        made: ModelT = _validator(cls).validate_python(data)
+        return made
+
+    def checked(self: ModelT) -> ModelT:
+        """Once every field passed: a rule across fields, raising InvalidValue."""
+        return self
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise ValueError(f"{type(self).__name__} is frozen: {name} cannot be set")
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return ((name, self.__dict__[name]) for name in self.model_fields)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Model) and type(other) is type(self) and dict(self) == dict(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(dict(self).values()))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self)})"
+
+    def model_copy(self: ModelT, *, update: dict[str, Any]) -> ModelT:
+        """A copy with these fields changed, not validated (the code chose them)."""
+        return self._made({**dict(self), **update}, self.model_fields_set | set(update))
+
+    def model_dump(
+        self,
+        *,
+        mode: Literal["python", "json"] = "python",
+        exclude: set[str] | frozenset[str] = frozenset(),
+        exclude_defaults: bool = False,
+    ) -> dict[str, Any]:
+        """The fields as a dict (json: lists and text for tuples and paths), tables included."""
+        dumped: dict[str, Any] = {}
+        for name, value in self:
+            default = self.model_fields[name].default
+            if name in exclude or (exclude_defaults and value == default):
+                continue
+            shown = value
+            if isinstance(value, Model):
+                shown = value.model_dump(mode=mode, exclude_defaults=exclude_defaults)
+            elif mode == "json" and isinstance(value, tuple):
+                shown = list(value)
+            elif mode == "json" and isinstance(value, PurePath):
+                shown = str(value)
+            dumped[name] = shown
+        return dumped
+
+
+_MODELS: dict[str, type[Model]] = {}
+_VALIDATORS: dict[type[Model], SchemaValidator] = {}
+
+
+def _validator(model: type[Model]) -> SchemaValidator:
+    """pydantic's engine over the model's core schema, built once (0.35 ms here)."""
+    if model not in _VALIDATORS:
+        from pydantic_core import SchemaValidator  # noqa: PLC0415 - only where a file sets
+
+        _VALIDATORS[model] = SchemaValidator(
+            _table_schema(model, model.built_in()), {"strict": True}
+        )
+    return _VALIDATORS[model]
+
+
+def _table_schema(model: type[Model], defaults: Model) -> Any:
+    """A table: its keys, each defaulting to `defaults`' value (a phase keeps its own), none
+    other; an instance of the model (changed(), tests) passes as its fields."""
+    from pydantic_core import core_schema as cs  # noqa: PLC0415
+
+    fields = {
+        name: cs.typed_dict_field(
+            cs.with_default_schema(
+                _field_schema(field, getattr(defaults, name)), default=getattr(defaults, name)
+            ),
+            required=False,
+        )
+        for name, field in model.model_fields.items()
+    }
+    table = cs.typed_dict_schema(fields, strict=True, extra_behavior="forbid")
+
+    def made_from(value: Any, handler: Any) -> Model:
+        if isinstance(value, Model):
+            value = dict(value)
+        given = frozenset(value) if isinstance(value, dict) else ()
+        return model._made(handler(value), given).checked()
+
+    return cs.no_info_wrap_validator_function(made_from, table)
+
+
+def _field_schema(field: Setting, default: Any) -> Any:
+    from pydantic_core import core_schema as cs  # noqa: PLC0415
+
+    annotation = field.annotation
+    optional = annotation.startswith("Optional[")
+    inner = annotation[len("Optional[") : -1] if optional else annotation
+    if inner in _MODELS:
+        schema = _table_schema(_MODELS[inner], default)
+    elif inner in _SCHEMAS:
+        schema = _SCHEMAS[inner](cs, field.bounds)
+    else:
+        raise TypeError(f"{field.name}: {annotation}: no core schema for it in _SCHEMAS")
+    if field.check is not None:
+        schema = cs.no_info_after_validator_function(field.check, schema)
+    return cs.nullable_schema(schema) if optional else schema
+
+
+def _path(value: object) -> object:
+    return str(value) if isinstance(value, PurePath) else value
+
+
+# Each annotation a field may have, as pydantic's core schema (strict unless said).
+_SCHEMAS: dict[str, Callable[[Any, dict[str, float]], Any]] = {
+    "bool": lambda cs, bounds: cs.bool_schema(strict=True),
+    "int": lambda cs, bounds: cs.int_schema(strict=True, **bounds),
+    "float": lambda cs, bounds: cs.float_schema(strict=True, **bounds),  # an int is a float
+    "str": lambda cs, bounds: cs.str_schema(strict=True),
+    "OnFailure": lambda cs, bounds: cs.literal_schema(list(get_args(OnFailure))),
+    # A TOML string; a Path where the code passes one.
+    "Path": lambda cs, bounds: cs.no_info_before_validator_function(
+        _path, cs.no_info_after_validator_function(Path, cs.str_schema(strict=True))
+    ),
+    # A TOML array (a tuple where the code passes one), each item strict.
+    "tuple[str, ...]": lambda cs, bounds: cs.no_info_after_validator_function(
+        tuple, cs.list_schema(cs.str_schema(strict=True), strict=False)
+    ),
+    "tuple[int, ...]": lambda cs, bounds: cs.no_info_after_validator_function(
+        tuple, cs.list_schema(cs.int_schema(strict=True, **bounds), strict=False)
+    ),
+    # "auto", "all" or a list of GPUs, in values.gpu_refs' words.
+    "values.GpusSetting": lambda cs, bounds: cs.no_info_plain_validator_function(_gpus),
+}
+
+
+def _gpus(value: object) -> values.GpusSetting:
+    if value == "all":
+        return "all"
+    if value == "auto":
+        return "auto"
+    if not isinstance(value, (list, tuple)):
+        raise InvalidValue('must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]')
+    return values.gpu_refs(value)
+
+
+def _not_below_interval(value: float) -> float:
+    if value < values.SWEEP_INTERVAL_S:
+        raise InvalidValue(
+            f"{value} s is below the sweep timer's interval ({values.SWEEP_INTERVAL_S} s): "
+            "a holder could not be seen unowned that long by two sweeps"
+        )
+    return value
+
+
+def _tmpfs_size(value: str) -> str:
+    # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
+    if value != values.PRIVATE_SHM_OFF and not values.PRIVATE_SHM_SIZE.fullmatch(value):
+        raise InvalidValue(
+            f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
+        )
+    return value
+
+
+def _absolute_executables(value: tuple[str, ...]) -> tuple[str, ...]:
+    for path in value:
+        if not path.startswith("/"):
+            raise InvalidValue(
+                f"{echo(path)} is not an absolute path" if path else "must be an absolute path"
+            )
+    return value
+
+
+def _unit_names(value: tuple[str, ...]) -> tuple[str, ...]:
+    for name in value:
+        try:
+            validate_unit_name(name)
+        except GateError:
+            raise InvalidValue(
+                f"{echo(name)} is not a service or scope unit name with its suffix (e.g. "
+                "nvidia-persistenced.service)"
+            ) from None
+    return value
+
+
+def _container_names(value: tuple[str, ...]) -> tuple[str, ...]:
+    for item in value:
+        if not values.CONTAINER_NAME.fullmatch(item):
+            raise InvalidValue(f"{echo(item)} is not a container name or id")
+    if len(set(value)) != len(value):
+        raise InvalidValue("lists a container twice")
+    return value
+
+
+def _absolute_path(value: Path) -> Path:
+    if not value.is_absolute():
+        raise InvalidValue("must be an absolute path")
+    return value
+
+
+class PhasePolicy(Model):
     """What one phase (pre, post, prolog, epilog) may kill and how long it waits."""
 
-    kill_orphans: bool = Field(
-        default=_P.kill_orphans,
-        description="Kill holders outside any unit (a server started by hand from ssh)?",
+    kill_orphans: bool = setting(
+        True, "Kill holders outside any unit (a server started by hand from ssh)?"
     )
-    kill_app_tree: bool = Field(
-        default=_P.kill_app_tree,
-        description="Also kill the rest of such a holder's application (never a login shell).",
+    kill_app_tree: bool = setting(
+        True, "Also kill the rest of such a holder's application (never a login shell)."
     )
-    sigterm_grace_s: _Seconds = Field(
-        default=_P.sigterm_grace_s, description="Seconds between SIGTERM and SIGKILL."
+    sigterm_grace_s: float = setting(10.0, "Seconds between SIGTERM and SIGKILL.", gt=0, le=3600)
+    sigkill_wait_s: float = setting(
+        5.0, "Seconds after SIGKILL before a survivor is reported.", gt=0, le=3600
     )
-    sigkill_wait_s: _Seconds = Field(
-        default=_P.sigkill_wait_s,
-        description="Seconds after SIGKILL before a survivor is reported.",
-    )
-    wait_timeout_s: float = Field(
-        default=_P.wait_timeout_s,
+    wait_timeout_s: float = setting(
+        120.0,
+        "Deadline for the whole run (kill and memory wait), in seconds.",
         gt=0,
         le=86400,
-        description="Deadline for the whole run (kill and memory wait), in seconds.",
     )
-    on_timeout: Literal["fail", "warn"] = Field(
-        default=_P.on_timeout,
-        description='Memory not freed by the deadline: "fail" (the run fails) or "warn".',
+    on_timeout: OnFailure = setting(
+        "fail", 'Memory not freed by the deadline: "fail" (the run fails) or "warn".'
     )
-    on_nvml_error: Literal["fail", "warn"] = Field(
-        default=_P.on_nvml_error,
-        description='NVML unusable: "fail" (the run fails) or "warn" (clean the cgroup only).',
+    on_nvml_error: OnFailure = setting(
+        "fail", 'NVML unusable: "fail" (the run fails) or "warn" (clean the cgroup only).'
     )
-    remove_shm: bool = Field(
-        default=_P.remove_shm,
-        description="Remove the /dev/shm files the killed processes held open or mapped, once "
-        "they are gone, where no other process holds them (docs/shared-memory.md).",
+    remove_shm: bool = setting(
+        True,
+        "Remove the /dev/shm files the killed processes held open or mapped, once they are "
+        "gone, where no other process holds them (docs/shared-memory.md).",
     )
 
-    @model_validator(mode="after")
-    def _kill_fits_in_deadline(self) -> PhasePolicy:
+    @classmethod
+    def of(cls, phase: Phase) -> PhasePolicy:
+        """A phase's built-in policy: post alone spares holders outside any unit."""
+        kills = phase.traits.kills_orphans
+        fields = {**dict(cls.built_in()), "kill_orphans": kills, "kill_app_tree": kills}
+        return cls._made(fields, ())
+
+    def checked(self) -> PhasePolicy:
         kill_s = self.sigterm_grace_s + self.sigkill_wait_s
         if kill_s >= self.wait_timeout_s:
             raise InvalidValue(
@@ -80,180 +338,132 @@ class PhasePolicy(_Frozen):
         return self
 
 
-class SweepPolicy(_Frozen):
+class SweepPolicy(Model):
     """`gpugate sweep` (the gpugate-sweep.timer): what it may do to GPU memory nobody owns."""
 
-    reap_after_s: _SweepAge = Field(
-        default=_S.reap_after_s,
-        description="Kill a holder unowned this many seconds, with pre's rules, on GPUs "
-        "nothing holds a lease on (not set: report only).",
+    reap_after_s: Optional[float] = setting(
+        None,
+        "Kill a holder unowned this many seconds, with pre's rules, on GPUs nothing holds a "
+        "lease on (not set: report only).",
+        check=_not_below_interval,
+        le=values.MAX_SWEEP_AGE_S,
     )
-    drain_after_s: _SweepAge = Field(
-        default=_S.drain_after_s,
-        description="Where slurmd runs: drain the node once a GPU holds memory unowned this "
-        "many seconds (not set: never).",
+    drain_after_s: Optional[float] = setting(
+        None,
+        "Where slurmd runs: drain the node once a GPU holds memory unowned this many seconds "
+        "(not set: never).",
+        check=_not_below_interval,
+        le=values.MAX_SWEEP_AGE_S,
     )
-    reap_sessions: bool = Field(
-        default=_S.reap_sessions,
-        description="Reap (reap_after_s) a holder in a logind session its user is still logged "
-        "in to, as one nobody owns (not set: shown as owner `session`, never reaped).",
+    reap_sessions: bool = setting(
+        False,
+        "Reap (reap_after_s) a holder in a logind session its user is still logged in to, as "
+        "one nobody owns (not set: shown as owner `session`, never reaped).",
     )
 
-    @field_validator("reap_after_s", "drain_after_s")
-    @classmethod
-    def _not_below_interval(cls, value: float | None) -> float | None:
-        if value is not None and value < values.SWEEP_INTERVAL_S:
-            raise InvalidValue(
-                f"{value} s is below the sweep timer's interval ({values.SWEEP_INTERVAL_S} s): "
-                "a holder could not be seen unowned that long by two sweeps"
-            )
-        return value
 
+class GateConfig(Model):
+    """A unit's, a job's or a container's config: the file's tables are its fields."""
 
-def _built_in(policy: values.DefaultPolicy) -> PhasePolicy:
-    return PhasePolicy(**dataclasses.asdict(policy))
-
-
-class GateConfig(_Frozen):
-    gpus: values.GpusSetting = Field(
-        default=_C.gpus,
-        description='The unit\'s GPUs: "auto" (its own CUDA_VISIBLE_DEVICES, else '
-        'NVIDIA_VISIBLE_DEVICES, else all), "all", or indices, UUIDs and MIG slices, e.g. '
-        '[0, 1] or ["MIG-..."].',
+    gpus: values.GpusSetting = setting(
+        "auto",
+        'The unit\'s GPUs: "auto" (its own CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES, '
+        'else all), "all", or indices, UUIDs and MIG slices, e.g. [0, 1] or ["MIG-..."].',
     )
-    free_mib: _MiB = Field(
-        default=_C.free_mib,
-        description="Per GPU, MiB used at or below which the GPU counts as free (drivers keep "
-        "some).",
+    free_mib: int = setting(
+        1024,
+        "Per GPU, MiB used at or below which the GPU counts as free (drivers keep some).",
+        ge=1,
     )
-    kill_other_units: bool = Field(
-        default=_C.kill_other_units,
-        description="May processes of another active unit holding these GPUs be killed? "
+    kill_other_units: bool = setting(
+        False,
+        "May processes of another active unit holding these GPUs be killed? "
         "(Never a way to share a GPU: that is share_gpus.)",
     )
-    share_gpus: bool = Field(
-        default=_C.share_gpus,
-        description="Share these GPUs on purpose with other units, runs and containers that "
-        "share them: their processes are never killed or waited for; orphans still are.",
+    share_gpus: bool = setting(
+        False,
+        "Share these GPUs on purpose with other units, runs and containers that share them: "
+        "their processes are never killed or waited for; orphans still are.",
     )
-    protected_executables: _Names = Field(
-        default=_C.protected_executables, description="Never killed, by exact /proc/PID/exe path."
+    protected_executables: tuple[str, ...] = setting(
+        (
+            "/usr/bin/nvidia-persistenced",
+            # CUDA MPS (docs/mps.md): the control daemon and the server it starts for a client
+            *values.MPS_EXECUTABLES,
+            "/usr/bin/nv-hostengine",
+            "/usr/bin/dcgm-exporter",
+            "/usr/bin/nvidia-smi",
+            "/usr/bin/Xorg",
+            "/usr/lib/xorg/Xorg",
+        ),
+        "Never killed, by exact /proc/PID/exe path.",
+        check=_absolute_executables,
     )
-    protected_units: _Names = Field(
-        default=_C.protected_units, description="Never killed, by the unit their cgroup belongs to."
+    protected_units: tuple[str, ...] = setting(
+        (
+            "nvidia-persistenced.service",
+            "nvidia-dcgm.service",
+            "dcgm-exporter.service",
+            "nvidia-fabricmanager.service",
+            "display-manager.service",
+        ),
+        "Never killed, by the unit their cgroup belongs to.",
+        check=_unit_names,
     )
-    ports: tuple[Annotated[int, Field(strict=True, ge=1, le=65535)], ...] = Field(
-        default=_C.ports,
-        strict=False,  # a TOML list becomes the tuple; each port stays a strict int
-        description="The unit's TCP ports: before it starts (pre), a process listening on one "
-        "is a holder like a GPU holder, and pre returns once they are free.",
+    ports: tuple[int, ...] = setting(
+        (),
+        "The unit's TCP ports: before it starts (pre), a process listening on one is a holder "
+        "like a GPU holder, and pre returns once they are free.",
+        ge=1,
+        le=65535,
     )
-    pre: PhasePolicy = _built_in(values.DEFAULTS.pre)
-    post: PhasePolicy = _built_in(values.DEFAULTS.post)
-    prolog: PhasePolicy = _built_in(values.DEFAULTS.prolog)  # Slurm's Prolog= and Epilog=
-    epilog: PhasePolicy = _built_in(values.DEFAULTS.epilog)
-    sweep: SweepPolicy = SweepPolicy()
-    lock_dir: _Path = Field(
-        default=_C.lock_dir,
-        description="Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
+    pre: PhasePolicy = setting(PhasePolicy.of(Phase.PRE), "ExecStartPre=: before the unit starts.")
+    post: PhasePolicy = setting(
+        PhasePolicy.of(Phase.POST), "ExecStopPost=: after the unit stopped."
     )
-    metrics_textfile: Optional[_Path] = Field(
-        default=_C.metrics_textfile,
-        description="node_exporter textfile rewritten after each run (not set: no metrics).",
+    prolog: PhasePolicy = setting(PhasePolicy.of(Phase.PROLOG), "Slurm's Prolog=.")
+    epilog: PhasePolicy = setting(PhasePolicy.of(Phase.EPILOG), "Slurm's Epilog=.")
+    sweep: SweepPolicy = setting(SweepPolicy.built_in(), "gpugate sweep, the timer's.")
+    lock_dir: Path = setting(
+        values.DEFAULT_LOCK_DIR,
+        "Folder of gpugate's per-GPU locks (best on a tmpfs such as /run).",
+        check=_absolute_path,
     )
-    containers: _Names = Field(
-        default=_C.containers,
-        description="Containers (names or ids) that are the unit's own (`docker run --name`).",
+    metrics_textfile: Optional[Path] = setting(
+        None,
+        "node_exporter textfile rewritten after each run (not set: no metrics).",
+        check=_absolute_path,
     )
-    shm_min_free_mib: Optional[_MiB] = Field(
-        default=_C.shm_min_free_mib,
-        description="pre (and prolog) fail with exit 29 when /dev/shm has less free after their "
-        "cleanup (not set: no check).",
+    containers: tuple[str, ...] = setting(
+        (),
+        "Containers (names or ids) that are the unit's own (`docker run --name`).",
+        check=_container_names,
     )
-    private_shm: str = Field(
-        default=_C.private_shm,
-        description="The unit's own /dev/shm, which the kernel frees when its last process ends: "
-        'its size ("50%" of RAM, "64g", "16384m"; what `gpugate install` and `gpugate run` '
-        'write as TemporaryFileSystem=/dev/shm), or "off": the unit shares the host\'s.',
+    shm_min_free_mib: Optional[int] = setting(
+        None,
+        "pre (and prolog) fail with exit 29 when /dev/shm has less free after their cleanup "
+        "(not set: no check).",
+        ge=1,
     )
-
-    @field_validator("private_shm")
-    @classmethod
-    def _tmpfs_size(cls, value: str) -> str:
-        # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
-        if value != values.PRIVATE_SHM_OFF and not values.PRIVATE_SHM_SIZE.fullmatch(value):
-            raise InvalidValue(
-                f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
-            )
-        return value
-
-    @field_validator("post", mode="before")
-    @classmethod
-    def _post_defaults(cls, value: object) -> object:
-        # A partial [post] table keeps post's own defaults for the keys it leaves out.
-        if isinstance(value, dict):
-            return {**dataclasses.asdict(values.DEFAULTS.post), **value}
-        return value
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _gpu_list(cls, value: object) -> object:
-        if value in ("all", "auto"):
-            return value
-        if not isinstance(value, (list, tuple)):
-            raise InvalidValue(
-                'must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]'
-            )
-        return values.gpu_refs(value)
-
-    @field_validator("protected_executables")
-    @classmethod
-    def _absolute_executables(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for path in value:
-            if not path.startswith("/"):
-                raise InvalidValue(
-                    f"{echo(path)} is not an absolute path" if path else "must be an absolute path"
-                )
-        return value
-
-    @field_validator("protected_units")
-    @classmethod
-    def _unit_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for name in value:
-            try:
-                validate_unit_name(name)
-            except GateError:
-                raise InvalidValue(
-                    f"{echo(name)} is not a service or scope unit name with its suffix (e.g. "
-                    "nvidia-persistenced.service)"
-                ) from None
-        return value
-
-    @field_validator("containers")
-    @classmethod
-    def _container_names(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        for item in value:
-            if not values.CONTAINER_NAME.fullmatch(item):
-                raise InvalidValue(f"{echo(item)} is not a container name or id")
-        if len(set(value)) != len(value):
-            raise InvalidValue("lists a container twice")
-        return value
-
-    @field_validator("metrics_textfile", "lock_dir")
-    @classmethod
-    def _absolute_path(cls, value: Path | None) -> Path | None:
-        if value is not None and not value.is_absolute():
-            raise InvalidValue("must be an absolute path")
-        return value
+    private_shm: str = setting(
+        values.DEFAULT_PRIVATE_SHM,
+        "The unit's own /dev/shm, which the kernel frees when its last process ends: its size "
+        '("50%" of RAM, "64g", "16384m"; what `gpugate install` and `gpugate run` write as '
+        'TemporaryFileSystem=/dev/shm), or "off": the unit shares the host\'s.',
+        check=_tmpfs_size,
+    )
 
     def selection(self) -> values.GpuSelection:
         """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
         return "all" if self.gpus == "auto" else self.gpus
 
     def changed(self, **changes: object) -> GateConfig:
-        """A copy with these fields changed, validated as a file's are (model_copy does not)."""
+        """A copy with these fields changed, validated as a file's are (model_copy is not)."""
         return GateConfig.model_validate({**dict(self), **changes})
 
     def policy(self, phase: Phase) -> PhasePolicy:
         policy: PhasePolicy = getattr(self, phase.value)  # a field per phase, named after it
         return policy
+
+
+DEFAULTS = GateConfig.built_in()

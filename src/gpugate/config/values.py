@@ -1,16 +1,14 @@
-"""The config's built-in defaults (config.schema's fields, types and defaults, without pydantic:
-what a run reads when no file sets anything) and the GPU-list parser of `gpus`, `--gpus`, Slurm."""
+"""The forms of the config's values (config.schema declares the fields) and the GPU-list parser of
+`gpus`, `--gpus`, Slurm."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal, Union
 
 from gpugate.errors import InvalidValue
-from gpugate.phase import Phase
 from gpugate.untrusted import echo
 
 # A whole GPU or MIG UUID, or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
@@ -85,84 +83,9 @@ GpusSetting = Union[Literal["auto"], GpuSelection]  # as written; integrations.u
 SWEEP_INTERVAL_S = 60  # gpugate-sweep.timer's OnUnitActiveSec=
 MAX_SWEEP_AGE_S = 30 * 86400
 
-
-@dataclass(frozen=True)
-class DefaultSweep:
-    reap_after_s: Optional[float] = None
-    drain_after_s: Optional[float] = None
-    reap_sessions: bool = False
-
-
-@dataclass(frozen=True)
-class DefaultPolicy:
-    kill_orphans: bool = True
-    kill_app_tree: bool = True
-    sigterm_grace_s: float = 10.0
-    sigkill_wait_s: float = 5.0
-    wait_timeout_s: float = 120.0
-    on_timeout: Literal["fail", "warn"] = "fail"
-    on_nvml_error: Literal["fail", "warn"] = "fail"
-    remove_shm: bool = True
-
-    @classmethod
-    def of(cls, phase: Phase) -> DefaultPolicy:
-        kills = phase.traits.kills_orphans
-        return cls(kill_orphans=kills, kill_app_tree=kills)
-
-
-_BUILT_IN = {phase: DefaultPolicy.of(phase) for phase in Phase}
-
-
 # Where NVIDIA's driver packages (Debian's and Ubuntu's nvidia-compute-utils, RHEL's
 # nvidia-driver-cuda, the .run installer) put MPS: root's /usr/bin, never a user's folder.
 MPS_CONTROL = "/usr/bin/nvidia-cuda-mps-control"
 MPS_SERVER = "/usr/bin/nvidia-cuda-mps-server"
 MPS_EXECUTABLES = (MPS_CONTROL, MPS_SERVER)
 MPS_SERVER_NAME = "nvidia-cuda-mps-server"  # a protected executable of this name serves MPS
-
-
-@dataclass(frozen=True)
-class DefaultConfig:
-    gpus: GpusSetting = "auto"
-    free_mib: int = 1024
-    kill_other_units: bool = False
-    share_gpus: bool = False
-    protected_executables: tuple[str, ...] = (
-        "/usr/bin/nvidia-persistenced",
-        # CUDA MPS (docs/mps.md): the control daemon and the server it starts for a client
-        *MPS_EXECUTABLES,
-        "/usr/bin/nv-hostengine",
-        "/usr/bin/dcgm-exporter",
-        "/usr/bin/nvidia-smi",
-        "/usr/bin/Xorg",
-        "/usr/lib/xorg/Xorg",
-    )
-    protected_units: tuple[str, ...] = (
-        "nvidia-persistenced.service",
-        "nvidia-dcgm.service",
-        "dcgm-exporter.service",
-        "nvidia-fabricmanager.service",
-        "display-manager.service",
-    )
-    ports: tuple[int, ...] = ()
-    pre: DefaultPolicy = _BUILT_IN[Phase.PRE]
-    post: DefaultPolicy = _BUILT_IN[Phase.POST]
-    prolog: DefaultPolicy = _BUILT_IN[Phase.PROLOG]
-    epilog: DefaultPolicy = _BUILT_IN[Phase.EPILOG]
-    sweep: DefaultSweep = DefaultSweep()
-    lock_dir: Path = DEFAULT_LOCK_DIR
-    metrics_textfile: Optional[Path] = None
-    containers: tuple[str, ...] = ()
-    shm_min_free_mib: Optional[int] = None
-    private_shm: str = DEFAULT_PRIVATE_SHM
-
-    def selection(self) -> GpuSelection:
-        """The GPUs once "auto" is resolved (left unresolved: every GPU)."""
-        return "all" if self.gpus == "auto" else self.gpus
-
-    def policy(self, phase: Phase) -> DefaultPolicy:
-        policy: DefaultPolicy = getattr(self, phase.value)  # a field per phase, named after it
-        return policy
-
-
-DEFAULTS = DefaultConfig()

@@ -6,7 +6,6 @@ replaced/removed only with --force. The hook lines run Python -I (docs/hardening
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import os
 import re
@@ -18,12 +17,12 @@ from enum import Enum
 from pathlib import Path
 from typing import Literal, TextIO, Union
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, pydantic_config, toml_value
+from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, toml_value
+from gpugate.config.schema import DEFAULTS, GateConfig, PhasePolicy
 from gpugate.config.values import (
     DEFAULT_PRIVATE_SHM,
     PRIVATE_SHM_OFF,
     SWEEP_INTERVAL_S,
-    DefaultPolicy,
     parse_gpu_text,
 )
 from gpugate.errors import ExitCode, GateError, InstallError, PermissionDenied, UnknownUnit
@@ -139,7 +138,7 @@ CONFIG_FIELDS = (
     "containers",
     "private_shm",
 )
-POLICY_FIELDS = tuple(field.name for field in dataclasses.fields(DefaultPolicy))
+POLICY_FIELDS = tuple(PhasePolicy.model_fields)
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
 HEADER_TEXT = (
@@ -196,8 +195,7 @@ def render_config(
     ports: Sequence[int] | None = None,
 ) -> str:
     """A commented skeleton of the defaults; the GPUs, containers and ports given set."""
-    model = pydantic_config()  # the fields' descriptions
-    defaults = model()
+    model, defaults = GateConfig, DEFAULTS
     lines = [
         f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
         "# uncomment what you change. Check it: gpugate config check --unit " + unit,
@@ -219,7 +217,7 @@ def render_config(
     ):
         lines += ["", f"[{phase}]", f"# {when}"]
         for name in POLICY_FIELDS:
-            text = type(policy).model_fields[name].description
+            text = PhasePolicy.model_fields[name].description
             lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from gpugate.config.file import LoadedConfig, replaced, to_toml, validated
+from gpugate.config.file import LoadedConfig, replaced, to_toml
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.core.roles import config_shares
@@ -281,7 +281,7 @@ def hook_config(
     changes: dict[str, object] = {"share_gpus": True} if share else {}
     if ports:
         changes["ports"] = tuple(sorted(set(ports)))
-    config = validated(loaded.config).changed(**changes)
+    config = loaded.config.changed(**changes)
     path = loaded.config.lock_dir / "run" / f"{unit}.toml"
     why = " and ".join(name for name, on in (("--port", ports), (SHARE_OPTION, share)) if on)
     text = f"# gpugate run {unit}: from {loaded.source}, with {why}\n"

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpugate.config.file import to_toml, validated
+from gpugate.config.file import to_toml
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.commands import Front
 from gpugate.host.systemd import unit_argument, validate_unit_name
@@ -30,7 +30,7 @@ def config_check(front: Front, path: Path | None, unit_given: str | None) -> int
         if front.given_roots.ask_systemd:
             warn_environment_files(unit)
     show_wrapped_runtime()
-    print(to_toml(validated(loaded.config).model_dump(mode="json")))
+    print(to_toml(loaded.config.model_dump(mode="json")))
     return int(ExitCode.OK)
 
 
