@@ -13,7 +13,7 @@ import pytest
 from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
 from gpugate.errors import ExitCode
 from gpugate.front.commands.slurm import drain_reason, failure_detail, slurm_check
-from gpugate.host.nvml import Gpu
+from gpugate.host.nvml import Gpu, mig_key
 from gpugate.integrations.gres_conf import (
     DeviceNodes,
     GpuLayout,
@@ -23,7 +23,9 @@ from gpugate.integrations.gres_conf import (
     job_gpus,
     parse_gres_conf,
     read_root_file,
+    slices_by_unique_id,
 )
+from tests.fakes import FakeGpuMemory, mig_uuid
 
 PATH = "/etc/slurm/gres.conf"
 
@@ -431,6 +433,7 @@ def check(
     gres_text: str | None,
     job_container: str | None = None,
     faults: int = 0,
+    found: list[Gpu] | None = None,
 ) -> tuple[int, str]:
     etc = tmp_path / "etc"
     etc.mkdir(exist_ok=True)
@@ -443,7 +446,7 @@ def check(
     code = slurm_check(
         {"SLURM_CONF": str(etc / "slurm.conf")},
         "gpu07",
-        lambda: Driver(gpus(), faults),  # type: ignore[arg-type,return-value]
+        lambda: Driver(gpus() if found is None else found, faults),  # type: ignore[arg-type,return-value]
         nodes(tmp_path),
         out,
     )
@@ -497,3 +500,155 @@ def test_check_exits_78_where_a_number_is_not_resolved(
     code, said = check(tmp_path, "", gres_text, faults=faults)
     assert code == ExitCode.CONFIG
     assert len(said.splitlines()) > 1  # the node's numbers: not resolved, and why
+
+
+# ---------------------------------------------------------------- MIG slices
+
+
+def mig_gpus() -> list[Gpu]:
+    """GPU 0 in MIG mode with slices 0/1/0, 0/2/0, 0/5/0; GPU 1 whole (the stand-in's)."""
+    return list(FakeGpuMemory(count=2, mig={0: [(1, 0, 1), (2, 0, 1), (5, 0, 1)]}).gpus())
+
+
+@pytest.mark.parametrize(
+    "gres_text",
+    [
+        "AutoDetect=nvml\n",
+        "NodeName=gpu07 AutoDetect=nvml\n",
+        "AutoDetect=nvml\nName=gpu File=/dev/nvidia[0-1]\n",
+        "AutoDetect=nvml\nName=gpu File=/dev/nvidia0\n",
+        "Name=gpu File=/dev/nvidia[0-1]\n",
+        "AutoDetect=off\nName=gpu Type=a100 File=/dev/nvidia0 Cores=0-3\n",
+        "NodeName=gpu07 Name=gpu File=/dev/nvidia0\n",
+    ],
+)
+def test_check_never_prints_a_gpu_in_mig_mode_as_one_number(tmp_path: Path, gres_text: str) -> None:
+    """slurmd numbers a MIG-mode GPU's slices (AutoDetect=nvml), or gives the whole GPU to
+    one job (File=): gpugate prints no guess, exits 78 and says why."""
+    code, said = check(tmp_path, "", gres_text, found=mig_gpus())
+    assert code == ExitCode.CONFIG
+    assert "MIG mode" in said.splitlines()[1]
+    assert " = MIG " not in said and " = GPU 0 " not in said
+
+
+def test_check_lists_gpus_beside_a_mig_gpu_slurmd_does_not_number(tmp_path: Path) -> None:
+    """File= naming only whole GPUs not in MIG mode: numbered as ever (no slice among them)."""
+    code, said = check(tmp_path, "", "Name=gpu File=/dev/nvidia1\n", found=mig_gpus())
+    assert code == ExitCode.OK
+    assert (
+        said.splitlines()[2]
+        == "  0 = /dev/nvidia1 = GPU 1 (GPU-fa4e5a11-0000-0000-0000-000000000001)"
+    )
+
+
+SLICE_GPUS = mig_gpus()
+
+
+@pytest.mark.parametrize(
+    ("numbers", "visible", "keys"),
+    [
+        ((0,), (mig_uuid(0, 1, 0),), (mig_key(0, 0),)),
+        ((0, 1, 2), (mig_uuid(0, 5, 0), mig_uuid(0, 1, 0), mig_uuid(0, 2, 0)), (1026, 1024, 1025)),
+        ((4,), ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/2/0",), (mig_key(0, 1),)),
+    ],
+)
+def test_slices_named_by_the_unique_ids_slurmd_writes(
+    numbers: tuple[int, ...], visible: tuple[str, ...], keys: tuple[int, ...]
+) -> None:
+    found = slices_by_unique_id(numbers, visible, SLICE_GPUS, "SLURM_JOB_GPUS")
+    assert found is not None and tuple(gpu.index for gpu in found) == keys
+
+
+def test_numbers_alone_name_no_slice() -> None:
+    assert slices_by_unique_id((0, 1), ("0", "1"), SLICE_GPUS, "SLURM_JOB_GPUS") is None
+    assert slices_by_unique_id((0,), (), SLICE_GPUS, "SLURM_JOB_GPUS") is None
+
+
+@pytest.mark.parametrize(
+    ("numbers", "visible"),
+    [
+        ((0, 1), (mig_uuid(0, 1, 0),)),  # not one ID per number
+        ((0, 1), (mig_uuid(0, 1, 0), "1")),  # a whole GPU beside slices
+        ((0,), (mig_uuid(0, 3, 0),)),  # no such slice
+        ((0,), (mig_uuid(0, 1, 0)[:-2],)),  # a prefix is not slurmd's (it writes whole IDs)
+        ((0,), ("MIG-GPU-fa4e5a11-0000-0000-0000-000000000001/1/0",)),  # GPU 1 has no slices
+        ((0,), ("MIG-\x1b[2J",)),
+    ],
+)
+def test_unique_ids_that_do_not_name_a_slice_for_certain(
+    numbers: tuple[int, ...], visible: tuple[str, ...]
+) -> None:
+    with pytest.raises(GresUnresolved) as caught:
+        slices_by_unique_id(numbers, visible, SLICE_GPUS, "SLURM_JOB_GPUS")
+    assert "\n" not in str(caught.value) and "\x1b" not in str(caught.value)
+
+
+# ---------------------------------------------------------------- gres/shard
+
+
+@pytest.mark.parametrize(
+    ("text", "files", "every"),
+    [
+        ("Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=64\n", (), True),
+        ("NodeName=gpu07 Name=shard Count=8\nName=gpu File=/dev/nvidia0\n", (), True),
+        (
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=16 File=/dev/nvidia[0-1]\n",
+            ("/dev/nvidia0", "/dev/nvidia1"),
+            False,
+        ),
+        # Count / files each (gres_c_s.c _build_shared_list): 0 each where fewer
+        ("Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=1 File=/dev/nvidia[0-1]\n", None, False),
+        ("Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=0\n", None, False),
+        (
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=2k File=/dev/nvidia3\n",
+            ("/dev/nvidia3",),
+            False,
+        ),
+        ("Name=gpu File=/dev/nvidia[0-3]\nNodeName=gpu08 Name=shard Count=8\n", None, False),
+        ("Name=gpu File=/dev/nvidia[0-3]\nName=mps Count=100\n", None, False),
+        ("AutoDetect=nvml\nName=shard Count=64\n", (), True),
+    ],
+)
+def test_gres_conf_says_which_gpus_carry_shards(
+    text: str, files: tuple[str, ...] | None, every: bool
+) -> None:
+    shards = layout(text).shards
+    if files is None:
+        assert shards is None
+    else:
+        assert shards is not None and (shards.files, shards.every_gpu) == (files, every)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Name=gpu File=/dev/nvidia0\nName=shard Count=lots\n",
+        "Name=gpu File=/dev/nvidia0\nName=shard Count=8 File=/dev/nvidia[1-0]\n",
+    ],
+)
+def test_shard_lines_not_read_for_certain(text: str) -> None:
+    assert "\n" not in str(unresolved(text))
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "gres_text", "shared"),
+    [
+        ("GresTypes=gpu,shard\n", "Name=gpu File=/dev/nvidia[0-1]\nName=shard Count=16\n", [0, 1]),
+        (
+            "GresTypes=gpu,shard\n",
+            "Name=gpu File=/dev/nvidia[0-1]\nName=shard Count=8 File=/dev/nvidia1\n",
+            [1],
+        ),
+        ("GresTypes=gpu\n", "Name=gpu File=/dev/nvidia[0-1]\nName=shard Count=16\n", []),
+        ("GresTypes=gpu,shard\n", "Name=gpu File=/dev/nvidia[0-1]\n", []),
+    ],
+)
+def test_check_says_which_gpus_are_shared_and_why(
+    tmp_path: Path, slurm_conf: str, gres_text: str, shared: list[int]
+) -> None:
+    code, said = check(tmp_path, slurm_conf, gres_text)
+    assert code == ExitCode.OK
+    rows = said.splitlines()[2:]
+    assert [n for n, row in enumerate(rows) if "shared: carries gres/shard" in row] == shared
+    for n in shared:
+        assert rows[n].endswith("gres.conf line 2)")

@@ -21,6 +21,7 @@ DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
 MAX_GRES_BYTES = 256 * 1024  # a gres.conf is a few lines; thousands of nodes fit in this
 MAX_FILES = 1024  # device files one hostlist may name (a node has at most a few dozen GPUs)
 GPU = "gpu"
+SHARD = "shard"
 # Slurm's config parser: KEY=VALUE, the value bare or in double quotes; keys in any case.
 PAIR = re.compile(r'([A-Za-z]+)=("[^"]*"|[^\s"]+)')
 RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
@@ -47,6 +48,16 @@ class GpuLayout:
     path: str  # the gres.conf read
     files: tuple[str, ...]  # the GPUs' device files, in slurmd's order (AutoDetect: the filter)
     nvml_order: bool  # AutoDetect=nvml: slurmd orders the GPUs as NVML enumerates them
+    shards: Shards | None = None  # gres/shard: which GPUs carry shards (None: none do)
+
+
+@dataclass(frozen=True)
+class Shards:
+    """gres.conf's gres/shard for this node, as gres_c_s.c spreads it over the GPU files."""
+
+    line: int  # the first Name=shard line
+    files: tuple[str, ...]  # the GPU files given shards (File= with Count >= its files)
+    every_gpu: bool  # a Name=shard line without File=: Count spread over every GPU
 
 
 def gres_conf_path(slurm_conf: str | None) -> Path:
@@ -182,6 +193,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
             f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
         )
     files, fileless = _gpu_files(path, lines)
+    shards = _shard_files(path, lines)
     nvml = autodetect == "nvml"
     # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
     # order of its own: which GPUs it took is not knowable from here.
@@ -193,7 +205,49 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
     if not nvml and not files:
         named = echo(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=nvml)
+    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards)
+
+
+COUNT = re.compile(r"([0-9]{1,12})(?:([KMGTP])(IB|B)?)?", re.IGNORECASE)
+
+
+def _count(path: str, number: int, text: str) -> int:
+    """A Count=, with slurmd's suffixes (suffix_mult: K or KiB 1024, KB 1000, ... to P)."""
+    match = COUNT.fullmatch(text)
+    if match is None:
+        raise _uncertain(path, number, f"Count={text}")
+    digits, unit, kind = match.groups()
+    if unit is None:
+        return int(digits)
+    base = 1000 if (kind or "").upper() == "B" else 1024
+    return int(digits) * base ** ("KMGTP".index(unit.upper()) + 1)
+
+
+def _shard_files(path: str, lines: Lines) -> Shards | None:
+    """Which GPU files carry shards (gres_c_s.c, 22.05: a shard record without File= spreads
+    its Count over every gres/gpu file; with File=, Count / its files each, 0 where fewer)."""
+    files: list[str] = []
+    first = 0
+    every = False
+    for number, keys in lines:
+        if keys.get("name") != SHARD:
+            continue
+        count = _count(path, number, keys.get("count", "1"))
+        if count <= 0:
+            continue
+        first = first or number
+        if "file" not in keys:
+            every = True
+            continue
+        try:
+            named = expand_hostlist(keys["file"])
+        except ValueError:
+            raise _uncertain(path, number, f"File={keys['file']}") from None
+        if count >= len(named):
+            files.extend(named)
+    if not first or not (every or files):
+        return None
+    return Shards(first, tuple(files), every)
 
 
 def _gpu_files(path: str, lines: Lines) -> tuple[list[str], bool]:
@@ -281,17 +335,27 @@ def gpu_order(
     file before them must be a GPU: slurmd skips one it cannot stat, and numbers the rest
     one lower). unreadable: GPUs NVML counts but cannot read (NVML's order has gaps)."""
     known = nodes.by_number()
-    by_minor = {gpu.minor: gpu for gpu in gpus}
+    whole = [gpu for gpu in gpus if gpu.mig is None]  # a slice shares its GPU's minor
+    by_minor = {gpu.minor: gpu for gpu in whole}
     if layout.nvml_order:
         if unreadable:
             raise GresUnresolved(
                 f"{layout.path}: AutoDetect=nvml, and NVML cannot read {unreadable} GPU(s): "
                 "slurmd's order has gaps gpugate cannot place"
             )
-        ordered = sorted(gpus, key=lambda gpu: gpu.index)
+        ordered = sorted(whole, key=lambda gpu: gpu.index)
         if layout.files:
             minors = {minor_of(file, nodes, known, layout.path) for file in layout.files}
             ordered = [gpu for gpu in ordered if gpu.minor in minors]
+        in_mig = next((gpu for gpu in ordered if gpu.mig_mode), None)
+        if in_mig is not None:
+            raise GresUnresolved(
+                f"{layout.path}: AutoDetect=nvml, and GPU {in_mig.index} is in MIG mode: "
+                "slurmd numbers its MIG slices, not the GPU, in an order that rests on its "
+                "version and on qsort's order of equal keys (gres_gpu.c "
+                "_sort_gpu_by_links_order); a job's slices are taken from the MIG UUIDs "
+                "slurmd writes into its CUDA_VISIBLE_DEVICES"
+            )
         return ordered
     found: list[Gpu] = []
     for file in layout.files[:count]:
@@ -301,6 +365,11 @@ def gpu_order(
             raise GresUnresolved(
                 f"{layout.path}: File {echo(file)} is /dev/nvidia{minor}, and NVML lists no "
                 f"GPU with minor number {minor}"
+            )
+        if gpu.mig_mode:
+            raise GresUnresolved(
+                f"{layout.path}: File {echo(file)} is GPU {gpu.index}, which is in MIG mode: "
+                "a whole-GPU number would take every slice's processes, other jobs' too"
             )
         found.append(gpu)
     return found
@@ -324,6 +393,70 @@ def job_gpus(
             "for this node"
         )
     return tuple(ordered[n] for n in numbers)
+
+
+MIG_LEGACY = re.compile(r"MIG-(GPU-[0-9A-Fa-f-]{1,64})/([0-9]{1,3})/([0-9]{1,3})")
+MIG_UUID = re.compile(r"MIG-[0-9A-Fa-f-]{1,64}")
+
+
+def slices_by_unique_id(
+    numbers: Sequence[int], visible: Sequence[str], gpus: Sequence[Gpu], variable: str
+) -> tuple[Gpu, ...] | None:
+    """The MIG slices slurmd names by unique ID beside its numbers (gres_common.c
+    gres_common_epilog_set_env / _prep_set_env: CUDA_VISIBLE_DEVICES takes a device's
+    unique_id, set only for an AutoDetect=nvml MIG slice, else its number); None where it
+    names no slice. A whole GPU beside slices, or lists that do not pair: GresUnresolved."""
+    if not any(entry.startswith("MIG-") for entry in visible):
+        return None
+    if len(visible) != len(numbers):
+        raise GresUnresolved(
+            f"CUDA_VISIBLE_DEVICES names {len(visible)} device(s), {variable} {len(numbers)}"
+        )
+    found: list[Gpu] = []
+    for number, entry in zip(numbers, visible):
+        if not entry.startswith("MIG-"):
+            raise GresUnresolved(
+                f"{variable} number {number} is a whole GPU beside MIG slices: its place in "
+                "slurmd's order is not knowable here"
+            )
+        found.append(_slice_named(entry, gpus))
+    return tuple(found)
+
+
+def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
+    legacy = MIG_LEGACY.fullmatch(entry)
+    for gpu in gpus:
+        mig = gpu.mig
+        if mig is None:
+            continue
+        if legacy is not None:
+            parent, gi, ci = legacy.group(1), int(legacy.group(2)), int(legacy.group(3))
+            if (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == (parent, gi, ci):
+                return gpu
+        elif MIG_UUID.fullmatch(entry) and gpu.uuid == entry:
+            return gpu
+    raise GresUnresolved(f"CUDA_VISIBLE_DEVICES {echo(entry)}: NVML lists no such MIG slice")
+
+
+def shard_minors(
+    layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, slurm_conf: Path
+) -> frozenset[int]:
+    """The minor numbers of the GPUs that carry gres/shard on this node; none where
+    slurm.conf's GresTypes leaves shard out (slurmd loads no shard plugin then)."""
+    if layout.shards is None:
+        return frozenset()
+    types = last_value(read_root_file(slurm_conf, MAX_CONF_BYTES), "GresTypes")
+    if types and SHARD not in [name.strip().lower() for name in types.split(",")]:
+        return frozenset()
+    if layout.shards.every_gpu:
+        if layout.files:
+            files: Sequence[str] = layout.files
+        else:
+            return frozenset(gpu.minor for gpu in gpus if gpu.mig is None)
+    else:
+        files = layout.shards.files
+    known = nodes.by_number()
+    return frozenset(minor_of(file, nodes, known, layout.path) for file in files)
 
 
 def last_value(text: str, key: str) -> str:
