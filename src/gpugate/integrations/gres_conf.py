@@ -216,11 +216,13 @@ def _count(path: str, number: int, text: str) -> int:
     match = COUNT.fullmatch(text)
     if match is None:
         raise _uncertain(path, number, f"Count={text}")
-    digits, unit, kind = match.groups()
+    digits: str = match.group(1)
+    unit: str | None = match.group(2)
+    kind: str = match.group(3) or ""
     if unit is None:
         return int(digits)
-    base = 1000 if (kind or "").upper() == "B" else 1024
-    return int(digits) * base ** ("KMGTP".index(unit.upper()) + 1)
+    base = 1000 if kind.upper() == "B" else 1024
+    return int(digits) * int(base ** ("KMGTP".index(unit.upper()) + 1))
 
 
 def _shard_files(path: str, lines: Lines) -> Shards | None:
