@@ -394,6 +394,26 @@ def signalled(host: FakeHost) -> set[int]:
         # AutoDetect=nvml: NVML's enumeration, whatever the files' order
         ("AutoDetect=nvml\nName=gpu File=/dev/nvidia[0-7]\n", "0,1", (7, 6), {0, 1}),
         ("NodeName=gpu[01-08] AutoDetect=nvml\n", "2", (5,), {2}),
+        # several Types: slurm.conf's Gres= order of types (a100 first), each cut at its count
+        (
+            "Name=gpu Type=H100 File=/dev/nvidia[4-7]\nName=gpu Type=a100 File=/dev/nvidia[0-1]\n",
+            "0,2",
+            (0, 4),
+            {7, 3},
+        ),
+        (
+            "Name=gpu Type=a100 File=/dev/nvidia[0-3]\nName=gpu Type=h100 File=/dev/nvidia[4-5]\n",
+            "2,3",
+            (4, 5),
+            {3, 2},
+        ),
+        (
+            "Name=gpu Type=a100 File=/dev/nvidia0\nName=gpu Type=l4 File=/dev/nvidia7\n"
+            "Name=gpu Type=h100 Files=/dev/nvidia[4-5]\n",
+            "1",
+            (4,),
+            {3},
+        ),
     ],
 )
 def test_epilog_finds_the_jobs_gpus_as_slurmd_numbers_them(
@@ -407,8 +427,10 @@ def test_epilog_finds_the_jobs_gpus_as_slurmd_numbers_them(
 ) -> None:
     """Device minors in another order than NVML's indices (nvidia7 is NVML's GPU 0): the
     job's own leftovers on its device files die, a server on any other survives."""
+    slurm_conf = "GresTypes=gpu\nNodeName=DEFAULT Gres=gpu:a100:2,gpu:h100:2\nNodeName=gpu07\n"
     host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
     gres(slurm_env, gres_text)
+    Path(slurm_env["SLURM_CONF"]).write_text(slurm_conf)
     monkeypatch.setenv("SLURM_JOB_GPUS", job_gpus)
     own = {}
     for minor in files:

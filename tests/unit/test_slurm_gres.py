@@ -20,6 +20,7 @@ from gpugate.integrations.gres_conf import (
     GresUnresolved,
     expand_hostlist,
     gres_conf_path,
+    in_slurm_conf_order,
     job_gpus,
     parse_gres_conf,
     read_root_file,
@@ -652,3 +653,61 @@ def test_check_says_which_gpus_are_shared_and_why(
     assert [n for n, row in enumerate(rows) if "shared: carries gres/shard" in row] == shared
     for n in shared:
         assert rows[n].endswith("gres.conf line 2)")
+
+
+# ---------------------------------------------------------------- slurm.conf's order of types
+
+MIXED = "Name=gpu Type=h100 File=/dev/nvidia[4-5]\nName=gpu Type=a100 File=/dev/nvidia[0-1]\n"
+
+
+def merged(tmp_path: Path, slurm_conf: str, gres_text: str = MIXED) -> list[str]:
+    path = tmp_path / "slurm.conf"
+    path.write_text(slurm_conf)
+    return list(in_slurm_conf_order(layout(gres_text), path, "gpu07").files)
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "files"),
+    [
+        ("NodeName=gpu07 Gres=gpu:a100:2,gpu:h100:2\n", [0, 1, 4, 5]),
+        ("NodeName=gpu07 Gres=gpu:h100:2,gpu:a100:2 CPUs=8\n", [4, 5, 0, 1]),
+        ("NodeName=gpu[01-08] Gres=gpu:A100:1,gpu:h100:2(S:0-1)\n", [0, 4, 5]),
+        ("NodeName=DEFAULT Gres=gpu:a100:2,gpu:h100:1\nNodeName=gpu07 CPUs=8\n", [0, 1, 4]),
+        ("NodeName=gpu07 Gres=gpu:4\n", [4, 5, 0, 1]),  # untyped: gres.conf's order
+        ("NodeName=gpu07 Gres=gpu:a100:2,shard:64\n", [0, 1]),  # h100 not on this node
+        ('NodeName=gpu07 Gres="gpu:a100:2,gpu:h100:2"\n', [0, 1, 4, 5]),
+        ("NodeSet=ns Nodes=gpu07\nnodename=gpu07 \\\n  Gres=gpu:h100:1,gpu:a100:1\n", [4, 0]),
+    ],
+)
+def test_several_types_numbered_in_slurm_confs_order(
+    tmp_path: Path, slurm_conf: str, files: list[int]
+) -> None:
+    assert merged(tmp_path, "GresTypes=gpu\n" + slurm_conf) == [f"/dev/nvidia{n}" for n in files]
+
+
+def test_one_type_needs_no_slurm_conf(tmp_path: Path) -> None:
+    one = "Name=gpu Type=a100 File=/dev/nvidia[4-5]\nName=gpu Type=A100 File=/dev/nvidia0\n"
+    missing = tmp_path / "none" / "slurm.conf"
+    found = in_slurm_conf_order(layout(one), missing, "gpu07")
+    assert list(found.files) == ["/dev/nvidia4", "/dev/nvidia5", "/dev/nvidia0"]
+
+
+@pytest.mark.parametrize(
+    "slurm_conf",
+    [
+        "Include /etc/slurm/nodes.conf\n",
+        "include nodes.conf\nNodeName=gpu07 Gres=gpu:a100:2,gpu:h100:2\n",
+        "NodeName=gpu08 Gres=gpu:a100:2,gpu:h100:2\n",
+        "NodeName=gpu07 Gres=gpu:a100:2\nNodeName=gpu[06-07] Gres=gpu:h100:2\n",
+        "NodeName=gpu07 Gres=gpu:2,gpu:a100:2\n",
+        "NodeName=gpu[07 Gres=gpu:a100:2\n",
+    ],
+)
+def test_several_types_without_slurm_confs_order_are_not_resolved(
+    tmp_path: Path, slurm_conf: str
+) -> None:
+    with pytest.raises(GresUnresolved) as caught:
+        merged(tmp_path, slurm_conf)
+    assert "\n" not in str(caught.value) and "several GPU Types" in str(caught.value)
+    with pytest.raises(GresUnresolved):
+        in_slurm_conf_order(layout(MIXED), tmp_path / "missing.conf", "gpu07")

@@ -8,7 +8,7 @@ import os
 import re
 import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.errors import InvalidValue
@@ -49,6 +49,12 @@ class GpuLayout:
     files: tuple[str, ...]  # the GPUs' device files, in slurmd's order (AutoDetect: the filter)
     nvml_order: bool  # AutoDetect=nvml: slurmd orders the GPUs as NVML enumerates them
     shards: Shards | None = None  # gres/shard: which GPUs carry shards (None: none do)
+    types: tuple[str, ...] = ()  # each file's line's Type= (lowercased, "" for none)
+
+    @property
+    def mixed_types(self) -> bool:
+        """Lines of several Types: slurmd numbers them in slurm.conf's order of types."""
+        return not self.nvml_order and len(set(self.types)) > 1
 
 
 @dataclass(frozen=True)
@@ -192,7 +198,9 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
         raise GresUnresolved(
             f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
         )
-    files, fileless = _gpu_files(path, lines)
+    typed, fileless = _gpu_files(path, lines)
+    files = [name for name, _ in typed]
+    types = tuple(kind for _, kind in typed)
     shards = _shard_files(path, lines)
     nvml = autodetect == "nvml"
     # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
@@ -205,7 +213,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
     if not nvml and not files:
         named = echo(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards)
+    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=types)
 
 
 COUNT = re.compile(r"([0-9]{1,12})(?:([KMGTP])(IB|B)?)?", re.IGNORECASE)
@@ -252,25 +260,29 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
     return Shards(first, tuple(files), every)
 
 
-def _gpu_files(path: str, lines: Lines) -> tuple[list[str], bool]:
-    """The Name=gpu lines' File= in slurmd's order, and whether a line without File= names
-    a Type= or Count= (what AutoDetect matches by)."""
-    files: list[str] = []
+def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
+    """The Name=gpu lines' files in gres.conf's order, each with its line's Type (lowercased;
+    "" for none), and whether a line without File= names a Type= or Count= (what AutoDetect
+    matches by). `Files=` is slurmd's other spelling of `File=`."""
+    files: list[tuple[str, str]] = []
     fileless = False
     for number, keys in lines:
         if keys.get("name") != GPU:
             continue
         if "multiplefiles" in keys:
             raise _uncertain(path, number, "MultipleFiles")
-        if "file" not in keys:
+        written = keys.get("file", keys.get("files"))
+        if written is None:
             fileless = fileless or "count" in keys or "type" in keys
             continue
         try:
-            files.extend(expand_hostlist(keys["file"]))
+            named = expand_hostlist(written)
         except ValueError:
-            raise _uncertain(path, number, f"File={keys['file']}") from None
-    if len(set(files)) != len(files):  # slurmd refuses to start ("duplicate device file name")
-        twice = next(name for name in files if files.count(name) > 1)
+            raise _uncertain(path, number, f"File={written}") from None
+        files.extend((name, keys.get("type", "").lower()) for name in named)
+    names = [name for name, _ in files]
+    if len(set(names)) != len(names):  # slurmd refuses to start ("duplicate device file name")
+        twice = next(name for name in names if names.count(name) > 1)
         raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")
     return files, fileless
 
@@ -459,6 +471,77 @@ def shard_minors(
         files = layout.shards.files
     known = nodes.by_number()
     return frozenset(minor_of(file, nodes, known, layout.path) for file in files)
+
+
+def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -> GpuLayout:
+    """gres.conf's files as slurmd merges them with slurm.conf (gres.c `_merge_config`,
+    `_merge_gres2`, 22.05; interfaces/gres.c 23.02-24.11): where the node's Gres= names GPU
+    types, each type in the order Gres= first names it, that type's files in gres.conf's
+    order, cut at its count; a file of no type Gres= names is dropped. Untyped Gres=gpu:N:
+    gres.conf's order."""
+    if not layout.mixed_types:
+        return layout
+    why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
+    try:
+        text = read_root_file(slurm_conf, MAX_CONF_BYTES)
+    except GresUnresolved as exc:
+        raise GresUnresolved(f"{why} ({exc})") from None
+    counts = node_gpu_types(text, node, why)
+    if not counts:
+        return layout
+    ordered: list[tuple[str, str]] = []
+    for kind, count in counts.items():
+        taken = [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
+        ordered.extend(taken)
+    return replace(layout, files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
+
+
+def node_gpu_types(text: str, node: str | None, why: str) -> dict[str, int]:
+    """The node's Gres= GPU types with their counts, in the order written ({} untyped), as
+    slurm.conf's NodeName= lines give it (a NodeName=DEFAULT line's Gres= for those after)."""
+    default, found = "", None
+    for number, line in logical_lines(text):
+        head = line.split(None, 1)[0].lower()
+        if head.startswith("include"):
+            raise GresUnresolved(f"{why} (line {number}: {echo(line[:40])} not followed)")
+        if not head.startswith("nodename="):
+            continue
+        keys = {key.lower(): value.strip('"') for key, value in PAIR.findall(line)}
+        names = keys.get("nodename", "")
+        if names.upper() == "DEFAULT":
+            default = keys.get("gres", default)
+            continue
+        try:
+            listed = expand_hostlist(names)
+        except ValueError:
+            raise GresUnresolved(f"{why} (line {number}: NodeName={echo(names)})") from None
+        if node is not None and node in listed:
+            if found is not None:
+                raise GresUnresolved(f"{why} (node {echo(node)} on two lines)")
+            found = keys.get("gres", default)
+    if found is None:
+        raise GresUnresolved(f"{why} (no NodeName= line for {echo(node or '(unnamed)')})")
+    return _gpu_types(found, why)
+
+
+def _gpu_types(gres: str, why: str) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    untyped = False
+    for token in gres.split(","):
+        parts = token.split("(", 1)[0].strip().split(":")
+        if parts[0] != GPU:
+            continue
+        count = 1
+        if len(parts) > 1 and parts[-1][:1].isdigit():
+            count = _count("slurm.conf", 0, parts.pop())
+        if len(parts) == 1:
+            untyped = True
+            continue
+        for kind in parts[1:]:
+            counts[kind.lower()] = counts.get(kind.lower(), 0) + count
+    if untyped and counts:
+        raise GresUnresolved(f"{why} (Gres={echo(gres)}: typed and untyped GPUs)")
+    return counts
 
 
 def last_value(text: str, key: str) -> str:

@@ -33,6 +33,7 @@ from gpugate.integrations.gres_conf import (
     GresUnresolved,
     gpu_order,
     gres_conf_path,
+    in_slurm_conf_order,
     job_gpus,
     parse_gres_conf,
     read_root_file,
@@ -287,6 +288,9 @@ def job_config(
         slices = slices_by_unique_id(job.gpus, job.visible, every, job.gpus_from)
         try:
             layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
+            layout = in_slurm_conf_order(
+                layout, Path(slurm_conf or DEFAULT_SLURM_CONF), job.node_name
+            )
         except GresUnresolved:
             if slices is None:
                 raise
@@ -381,6 +385,7 @@ def slurm_check(
     try:
         path = gres_conf_path(slurm_conf)
         layout = parse_gres_conf(read_root_file(path), str(path), node)
+        layout = in_slurm_conf_order(layout, Path(slurm_conf), node)
         with contextlib.closing(driver_factory()) as driver:
             gpus, faults = list(driver.gpus()), list(driver.faults())
         ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
