@@ -25,6 +25,7 @@ from gpugate.integrations.gres_conf import (
     parse_gres_conf,
     read_root_file,
     slices_by_unique_id,
+    spread,
 )
 from tests.fakes import FakeGpuMemory, mig_uuid
 
@@ -711,3 +712,55 @@ def test_several_types_without_slurm_confs_order_are_not_resolved(
     assert "\n" not in str(caught.value) and "several GPU Types" in str(caught.value)
     with pytest.raises(GresUnresolved):
         in_slurm_conf_order(layout(MIXED), tmp_path / "missing.conf", "gpu07")
+
+
+def test_a_shard_count_spreads_as_slurmd_spreads_it() -> None:
+    """_distribute_count: each GPU in turn gets what is left over the GPUs left."""
+    assert spread(64, 8) == [8] * 8
+    assert spread(3, 4) == [0, 1, 1, 1]
+    assert spread(10, 4) == [2, 2, 3, 3]
+    assert spread(0, 2) == [0, 0]
+    assert sum(spread(1000, 7)) == 1000
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "gres_text", "shared"),
+    [
+        # Count below the GPUs: the first GPUs get none
+        (
+            "GresTypes=gpu,shard\nNodeName=gpu07 Gres=gpu:4,shard:3\n",
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=3\n",
+            [1, 2, 3],
+        ),
+        # slurm.conf's count cuts gres.conf's
+        (
+            "GresTypes=gpu,shard\nNodeName=gpu07 Gres=gpu:4,shard:2\n",
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=64\n",
+            [2, 3],
+        ),
+        # the node's Gres= without shard: none, whatever gres.conf says
+        (
+            "GresTypes=gpu,shard\nNodeName=gpu07 Gres=gpu:4\n",
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=64\n",
+            [],
+        ),
+        (
+            "GresTypes=gpu,shard\nNodeName=DEFAULT Gres=gpu:4,shard:8\nNodeName=gpu[06-07]\n",
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=8\n",
+            [0, 1, 2, 3],
+        ),
+        # slurm.conf not read for certain (an Include): gres.conf alone says (more shared)
+        (
+            "GresTypes=gpu,shard\nInclude nodes.conf\n",
+            "Name=gpu File=/dev/nvidia[0-3]\nName=shard Count=64\n",
+            [0, 1, 2, 3],
+        ),
+    ],
+)
+def test_slurm_conf_gives_or_takes_a_nodes_shards(
+    tmp_path: Path, slurm_conf: str, gres_text: str, shared: list[int]
+) -> None:
+    code, said = check(tmp_path, slurm_conf, gres_text)
+    assert code == ExitCode.OK
+    rows = said.splitlines()[2:]
+    assert [n for n, row in enumerate(rows) if "shared: carries gres/shard" in row] == shared

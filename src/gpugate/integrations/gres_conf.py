@@ -64,6 +64,7 @@ class Shards:
     line: int  # the first Name=shard line
     files: tuple[str, ...]  # the GPU files given shards (File= with Count >= its files)
     every_gpu: bool  # a Name=shard line without File=: Count spread over every GPU
+    count: int = 0  # that line's Count
 
 
 def gres_conf_path(slurm_conf: str | None) -> Path:
@@ -237,8 +238,7 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
     """Which GPU files carry shards (gres_c_s.c, 22.05: a shard record without File= spreads
     its Count over every gres/gpu file; with File=, Count / its files each, 0 where fewer)."""
     files: list[str] = []
-    first = 0
-    every = False
+    first = every = 0
     for number, keys in lines:
         if keys.get("name") != SHARD:
             continue
@@ -247,7 +247,7 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
             continue
         first = first or number
         if "file" not in keys:
-            every = True
+            every = count
             continue
         try:
             named = expand_hostlist(keys["file"])
@@ -257,7 +257,7 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
             files.extend(named)
     if not first or not (every or files):
         return None
-    return Shards(first, tuple(files), every)
+    return Shards(first, tuple(files), bool(every), every)
 
 
 def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
@@ -453,24 +453,44 @@ def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
 
 
 def shard_minors(
-    layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, slurm_conf: Path
+    layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, slurm_conf: Path, node: str | None
 ) -> frozenset[int]:
-    """The minor numbers of the GPUs that carry gres/shard on this node; none where
-    slurm.conf's GresTypes leaves shard out (slurmd loads no shard plugin then)."""
-    if layout.shards is None:
+    """The minor numbers of the GPUs that carry gres/shard on this node. slurm.conf, where
+    gpugate reads it for certain, may take them away (no `shard` in GresTypes: no plugin; the
+    node's Gres= without shard: a count of 0, `_merge_config`) or cut a Count; where it does
+    not, gres.conf alone says (more GPUs shared, never fewer)."""
+    shards = layout.shards
+    if shards is None:
         return frozenset()
-    types = last_value(read_root_file(slurm_conf, MAX_CONF_BYTES), "GresTypes")
-    if types and SHARD not in [name.strip().lower() for name in types.split(",")]:
-        return frozenset()
-    if layout.shards.every_gpu:
-        if layout.files:
-            files: Sequence[str] = layout.files
-        else:
-            return frozenset(gpu.minor for gpu in gpus if gpu.mig is None)
-    else:
-        files = layout.shards.files
+    count = shards.count
+    try:
+        text = read_root_file(slurm_conf, MAX_CONF_BYTES)
+        types = last_value(text, "GresTypes")
+        if types and SHARD not in [name.strip().lower() for name in types.split(",")]:
+            return frozenset()
+        given = sum(_gres_counts(_node_gres(text, node, "shards"), SHARD).values())
+        if not given:
+            return frozenset()
+        count = min(count, given)
+    except GresUnresolved:
+        pass
     known = nodes.by_number()
-    return frozenset(minor_of(file, nodes, known, layout.path) for file in files)
+    if not shards.every_gpu:
+        return frozenset(minor_of(file, nodes, known, layout.path) for file in shards.files)
+    minors = [minor_of(file, nodes, known, layout.path) for file in layout.files]
+    if not layout.files:  # AutoDetect=nvml: every GPU, in NVML's order
+        minors = [gpu.minor for gpu in sorted(gpus, key=lambda g: g.index) if gpu.mig is None]
+    return frozenset(m for m, share in zip(minors, spread(count, len(minors))) if share)
+
+
+def spread(count: int, gpus: int) -> list[int]:
+    """A fileless shard Count over the GPU files, as `_distribute_count` does: each in turn
+    gets what is left over the GPUs left (so the first get 0 where Count < GPUs)."""
+    shares = []
+    for left in range(gpus, 0, -1):
+        shares.append(count // left)
+        count -= shares[-1]
+    return shares
 
 
 def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -> GpuLayout:
@@ -497,16 +517,26 @@ def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -
 
 
 def node_gpu_types(text: str, node: str | None, why: str) -> dict[str, int]:
-    """The node's Gres= GPU types with their counts, in the order written ({} untyped), as
-    slurm.conf's NodeName= lines give it (a NodeName=DEFAULT line's Gres= for those after)."""
-    default, found = "", None
+    """The node's Gres= GPU types with their counts, in the order written ({} untyped)."""
+    counts = _gres_counts(_node_gres(text, node, why), GPU)
+    if "" in counts and len(counts) > 1:
+        raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
+    counts.pop("", None)
+    return counts
+
+
+def _node_gres(text: str, node: str | None, why: str) -> str:
+    """The node's Gres= as slurm.conf's NodeName= lines give it (a NodeName=DEFAULT line's
+    Gres= for those after it)."""
+    default: str = ""
+    found: str | None = None
     for number, line in logical_lines(text):
         head = line.split(None, 1)[0].lower()
         if head.startswith("include"):
             raise GresUnresolved(f"{why} (line {number}: {echo(line[:40])} not followed)")
         if not head.startswith("nodename="):
             continue
-        keys = {key.lower(): value.strip('"') for key, value in PAIR.findall(line)}
+        keys: dict[str, str] = {k.lower(): v.strip('"') for k, v in PAIR.findall(line)}
         names = keys.get("nodename", "")
         if names.upper() == "DEFAULT":
             default = keys.get("gres", default)
@@ -521,26 +551,22 @@ def node_gpu_types(text: str, node: str | None, why: str) -> dict[str, int]:
             found = keys.get("gres", default)
     if found is None:
         raise GresUnresolved(f"{why} (no NodeName= line for {echo(node or '(unnamed)')})")
-    return _gpu_types(found, why)
+    return found
 
 
-def _gpu_types(gres: str, why: str) -> dict[str, int]:
+def _gres_counts(gres: str, name: str) -> dict[str, int]:
+    """NAME's counts in a Gres= by type ("" untyped), in the order written (gres.c
+    `_get_gres_cnt`: `name[:type...][:count]`, a `(S:...)` binding ignored)."""
     counts: dict[str, int] = {}
-    untyped = False
     for token in gres.split(","):
         parts = token.split("(", 1)[0].strip().split(":")
-        if parts[0] != GPU:
+        if parts[0] != name:
             continue
         count = 1
         if len(parts) > 1 and parts[-1][:1].isdigit():
             count = _count("slurm.conf", 0, parts.pop())
-        if len(parts) == 1:
-            untyped = True
-            continue
-        for kind in parts[1:]:
+        for kind in parts[1:] or [""]:
             counts[kind.lower()] = counts.get(kind.lower(), 0) + count
-    if untyped and counts:
-        raise GresUnresolved(f"{why} (Gres={echo(gres)}: typed and untyped GPUs)")
     return counts
 
 

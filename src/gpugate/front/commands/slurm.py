@@ -301,7 +301,8 @@ def job_config(
             gpus = slices or ()
         shards: frozenset[int] = frozenset()
         if layout is not None:
-            shards = shard_minors(layout, every, nodes, Path(slurm_conf or DEFAULT_SLURM_CONF))
+            where = Path(slurm_conf or DEFAULT_SLURM_CONF)
+            shards = shard_minors(layout, every, nodes, where, job.node_name)
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
@@ -389,7 +390,7 @@ def slurm_check(
         with contextlib.closing(driver_factory()) as driver:
             gpus, faults = list(driver.gpus()), list(driver.faults())
         ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
-        shards = shard_minors(layout, gpus, nodes, Path(slurm_conf))
+        shards = shard_minors(layout, gpus, nodes, Path(slurm_conf), node)
     except GresUnresolved as exc:
         print(
             f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
