@@ -225,9 +225,12 @@ def device_stat(dev: Path) -> Callable[[str], os.stat_result]:
     def stat_(path: str) -> os.stat_result:
         real = Path(os.path.realpath(path))
         match = re.fullmatch(r"nvidia([0-9]+)", real.name)
+        cap = re.fullmatch(r"nvidia-cap([0-9]+)", real.name)
+        fields = (stat.S_IFCHR | 0o444, 0, 0, 1, 0, 0, 0, 0, 0, 0)
         if real.parent == dev and match and real.is_file():
-            fields = (stat.S_IFCHR | 0o666, 0, 0, 1, 0, 0, 0, 0, 0, 0)
             return os.stat_result(fields, {"st_rdev": os.makedev(195, int(match.group(1)))})
+        if real.parent == dev / "nvidia-caps" and cap and real.is_file():  # major: dynamic
+            return os.stat_result(fields, {"st_rdev": os.makedev(508, int(cap.group(1)))})
         return os.stat(path)
 
     return stat_
@@ -708,13 +711,14 @@ def test_epilog_on_a_slice_slurmd_named_kills_only_that_slices_process(
         ("Name=gpu File=/dev/nvidia[0-7]\n", "0", None, "GPU 0, which is in MIG mode"),
         ("AutoDetect=off\nName=gpu File=/dev/nvidia0\n", "0", None, "in MIG mode"),
         ("Name=gpu Type=a100 File=/dev/nvidia[0-1] Cores=0-7\n", "0", None, "in MIG mode"),
-        # the manual MIG form: each record a slice by capability files (not read for certain)
+        # the manual MIG form whose files are not one slice's for certain
         (
             "Name=gpu MultipleFiles=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21\n",
             "0",
             None,
-            "MultipleFiles",
+            "nvidia-cap21",
         ),
+        ("Name=gpu MultipleFiles=/dev/nvidia[0-1]\n", "0", None, "MultipleFiles"),
         # other vendors' detection: not NVML's order
         ("AutoDetect=rsmi\n", "0", None, "AutoDetect='rsmi'"),
         ("AutoDetect=oneapi\n", "0", None, "AutoDetect='oneapi'"),
@@ -894,3 +898,115 @@ def test_a_gpu_without_shards_keeps_the_whole_gpu_guarantee(
     assert "in another job (43)" in capsys.readouterr().err
     args = scontrol_args(host)
     assert args is not None and args[2] == "State=DRAIN"
+
+
+# GPU 0's slices' capability devices, as /proc/driver/nvidia/capabilities names them
+CAPS = {"gpu0/mig/gi1": 21, "gpu0/mig/gi1/ci0": 22, "gpu0/mig/gi2": 30, "gpu0/mig/gi2/ci0": 31}
+CAPS.update({"gpu0/mig/gi5": 57, "gpu0/mig/gi5/ci0": 58})
+
+
+@pytest.fixture
+def capability_devices(host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpugate.host import nvml
+
+    root = tmp_path / "capabilities"
+    for relative, minor in CAPS.items():
+        access = root / relative / "access"
+        access.parent.mkdir(parents=True, exist_ok=True)
+        access.write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
+    monkeypatch.setattr(nvml, "CAPABILITIES", root)
+    (host.dev / "nvidia-caps").mkdir()
+    for minor in CAPS.values():
+        (host.dev / "nvidia-caps" / f"nvidia-cap{minor}").write_bytes(b"")
+
+
+def multiple(gi_cap: int, ci_cap: int, gpu: str = "/dev/nvidia0") -> str:
+    return f"{gpu},/dev/nvidia-caps/nvidia-cap{gi_cap},/dev/nvidia-caps/nvidia-cap{ci_cap}"
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "number", "mine"),
+    [
+        # slurmd's number N: the N-th record (one per MultipleFiles line), in gres.conf's order
+        (
+            f"Name=gpu MultipleFiles={multiple(30, 31)}\nName=gpu MultipleFiles={multiple(21, 22)}\n"
+            f"Name=gpu MultipleFiles={multiple(57, 58)}\n",
+            1,
+            0,
+        ),
+        (
+            f"Name=gpu MultipleFiles={multiple(57, 58)}\nName=gpu MultipleFiles={multiple(30, 31)}\n",
+            0,
+            2,
+        ),
+        # a record of the GPU and its compute instance's device alone; whole GPUs before it
+        (
+            "Name=gpu File=/dev/nvidia[1-2]\n"
+            "Name=gpu MultipleFiles=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap31\n",
+            2,
+            1,
+        ),
+        # NodeName= lines after Name= lines; Type= in slurm.conf's order of types
+        (
+            f"NodeName=gpu07 Name=gpu Type=2g MultipleFiles={multiple(21, 22)}\n"
+            f"Name=gpu Type=3g MultipleFiles={multiple(57, 58)}\n"
+            f"NodeName=gpu[06-07] Name=gpu Type=2g MultipleFiles={multiple(30, 31)}\n",
+            1,
+            1,
+        ),
+    ],
+)
+def test_multiple_files_records_are_slices_by_capability_device(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    capability_devices: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gres_text: str,
+    number: int,
+    mine: int,
+) -> None:
+    """The manual MIG form: each MultipleFiles line one number, the slice whose capability
+    devices it lists; the epilog kills only that slice's processes."""
+    gres(slurm_env, gres_text)
+    Path(slurm_env["SLURM_CONF"]).write_text("NodeName=gpu07 Gres=gpu:2g:2,gpu:3g:1\n")
+    on_slice = mig_node(host)
+    monkeypatch.setenv("SLURM_JOB_GPUS", str(number))
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert signalled(host) == {on_slice[mine]}
+    assert all(alive(pid) for k, pid in on_slice.items() if k != mine)
+    assert run_started(host)["GPUGATE_GPU"] == str(mig_key(0, mine))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        multiple(21, 31),  # two slices' devices
+        "/dev/nvidia1,/dev/nvidia-caps/nvidia-cap22",  # GPU 1 with a slice of GPU 0
+        "/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21",  # the GPU instance alone: no slice
+        "/dev/nvidia0,/dev/nvidia1",  # two GPUs
+        "/dev/nvidia0,/dev/null",
+        "/dev/nvidia0,/dev/nvidia-caps/nvidia-cap99",  # no such capability device
+    ],
+)
+def test_multiple_files_not_one_slice_touch_nothing_outside_the_job(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    capability_devices: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    record: str,
+) -> None:
+    gres(slurm_env, f"Name=gpu MultipleFiles={record}\n")
+    on_slice = mig_node(host)
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert all(alive(pid) for pid in on_slice.values())
+    assert signalled(host) == set()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not resolved" in err, err

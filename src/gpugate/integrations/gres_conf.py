@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.errors import InvalidValue
-from gpugate.host.nvml import Gpu
+from gpugate.host.nvml import Gpu, slice_capabilities
 from gpugate.host.safe_files import kind_of, read_capped, untrusted
 from gpugate.untrusted import echo
 
@@ -22,12 +22,14 @@ MAX_GRES_BYTES = 256 * 1024  # a gres.conf is a few lines; thousands of nodes fi
 MAX_FILES = 1024  # device files one hostlist may name (a node has at most a few dozen GPUs)
 GPU = "gpu"
 SHARD = "shard"
+MULTIPLE = ","  # a MultipleFiles record's files, joined as slurmd keeps them
 # Slurm's config parser: KEY=VALUE, the value bare or in double quotes; keys in any case.
 PAIR = re.compile(r'([A-Za-z]+)=("[^"]*"|[^\s"]+)')
 RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 KNOWN_AUTODETECT = {"nvml", "off"}
 NVIDIA_MAJOR = 195  # the driver's character devices /dev/nvidia0..N (nvidiactl is 195:255)
 GPU_NODE = re.compile(r"nvidia([0-9]{1,4})")
+CAP_NODE = re.compile(r"nvidia-cap([0-9]{1,6})")  # a MIG capability device
 
 StatFn = Callable[[str], os.stat_result]
 TMPFS = "job_container/tmpfs"
@@ -269,18 +271,21 @@ def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
     for number, keys in lines:
         if keys.get("name") != GPU:
             continue
-        if "multiplefiles" in keys:
-            raise _uncertain(path, number, "MultipleFiles")
         written = keys.get("file", keys.get("files"))
-        if written is None:
+        several = keys.get("multiplefiles")
+        if written is None and several is None:
             fileless = fileless or "count" in keys or "type" in keys
             continue
         try:
-            named = expand_hostlist(written)
+            named = expand_hostlist(written or several or "")
         except ValueError:
-            raise _uncertain(path, number, f"File={written}") from None
+            raise _uncertain(path, number, f"File={written or several}") from None
+        if written is not None and several is not None:  # slurmd: fatal
+            raise _uncertain(path, number, "File and MultipleFiles")
+        if several is not None:  # one GPU (a MIG slice) of several files: one number
+            named = [MULTIPLE.join(named)]
         files.extend((name, keys.get("type", "").lower()) for name in named)
-    names = [name for name, _ in files]
+    names = [name for name, _ in files if MULTIPLE not in name]
     if len(set(names)) != len(names):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in names if names.count(name) > 1)
         raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")
@@ -293,24 +298,35 @@ class DeviceNodes:
 
     dev: Path = Path("/dev")
     stat: StatFn = os.stat
+    proc: Path = Path("/proc")  # its driver/nvidia/capabilities name each slice's devices
 
     def by_number(self) -> dict[tuple[bool, int], int]:
         """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node."""
+        return self._nodes(self.dev, GPU_NODE, NVIDIA_MAJOR)
+
+    def caps_by_number(self) -> dict[tuple[bool, int], int]:
+        """(is a character device, st_rdev) -> K, for each /dev/nvidia-caps/nvidia-capK."""
+        return self._nodes(self.dev / "nvidia-caps", CAP_NODE, None)
+
+    def _nodes(
+        self, folder: Path, names: re.Pattern[str], major: int | None
+    ) -> dict[tuple[bool, int], int]:
         found: dict[tuple[bool, int], int] = {}
         try:
-            names = os.listdir(self.dev)
+            listed = os.listdir(folder)
         except OSError:
             return found
-        for name in names:
-            match = GPU_NODE.fullmatch(name)
+        for name in listed:
+            match = names.fullmatch(name)
             if match is None:
                 continue
             try:
-                info = self.stat(str(self.dev / name))
+                info = self.stat(str(folder / name))
             except OSError:
                 continue
             minor, is_char = int(match.group(1)), stat.S_ISCHR(info.st_mode)
-            if is_char and os.major(info.st_rdev) == NVIDIA_MAJOR:
+            driver_made = major is None or os.major(info.st_rdev) == major
+            if is_char and driver_made:
                 if os.minor(info.st_rdev) == minor:  # else not the node the driver made
                     found[(True, info.st_rdev)] = minor
             elif is_char or stat.S_ISBLK(info.st_mode):  # a stand-in of another number
@@ -373,6 +389,9 @@ def gpu_order(
         return ordered
     found: list[Gpu] = []
     for file in layout.files[:count]:
+        if MULTIPLE in file:
+            found.append(_slice_of_files(file, gpus, nodes, known, layout.path))
+            continue
         minor = minor_of(file, nodes, known, layout.path)
         gpu = by_minor.get(minor)
         if gpu is None:
@@ -387,6 +406,51 @@ def gpu_order(
             )
         found.append(gpu)
     return found
+
+
+def _slice_of_files(
+    record: str,
+    gpus: Sequence[Gpu],
+    nodes: DeviceNodes,
+    known: dict[tuple[bool, int], int],
+    path: str,
+) -> Gpu:
+    """The slice a MultipleFiles record is: its GPU's /dev/nvidiaM and the capability devices
+    of one slice of it (the driver's capabilities files name each slice's, by minor)."""
+    caps_known = nodes.caps_by_number()
+    minors: set[int] = set()
+    caps: set[int] = set()
+    for file in record.split(MULTIPLE):
+        try:
+            minors.add(minor_of(file, nodes, known, path))
+        except GresUnresolved:
+            caps.add(_cap_of(file, nodes, caps_known, path))
+    # CUDA needs both: the compute instance's device names the slice, its GPU instance's
+    # may come with it; any other capability is another slice's
+    owned = slice_capabilities(nodes.proc, gpus)
+    chosen = [gpu for gpu in gpus if gpu.index in owned and owned[gpu.index][1] in caps]
+    if (
+        len(minors) != 1
+        or len(chosen) != 1
+        or chosen[0].minor not in minors
+        or not caps <= set(owned[chosen[0].index])
+    ):
+        raise GresUnresolved(
+            f"{path}: MultipleFiles {echo(record)} is not one GPU's device and the "
+            "capability devices of one MIG slice of it"
+        )
+    return chosen[0]
+
+
+def _cap_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str) -> int:
+    try:
+        info = nodes.stat(nodes.file_path(file))
+    except OSError as exc:
+        raise GresUnresolved(f"{path}: File {echo(file)}: {exc.strerror or exc}") from None
+    cap = known.get((stat.S_ISCHR(info.st_mode), info.st_rdev))
+    if cap is None:
+        raise GresUnresolved(f"{path}: File {echo(file)} is neither a GPU nor a MIG capability")
+    return cap
 
 
 def job_gpus(
@@ -477,10 +541,22 @@ def shard_minors(
     known = nodes.by_number()
     if not shards.every_gpu:
         return frozenset(minor_of(file, nodes, known, layout.path) for file in shards.files)
-    minors = [minor_of(file, nodes, known, layout.path) for file in layout.files]
+    minors = [_gpu_minor(file, nodes, known, layout.path) for file in layout.files]
     if not layout.files:  # AutoDetect=nvml: every GPU, in NVML's order
         minors = [gpu.minor for gpu in sorted(gpus, key=lambda g: g.index) if gpu.mig is None]
     return frozenset(m for m, share in zip(minors, spread(count, len(minors))) if share)
+
+
+def _gpu_minor(
+    record: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str
+) -> int:
+    """M of the GPU a File (or a MultipleFiles record, by its /dev/nvidiaM) is."""
+    for file in record.split(MULTIPLE)[:-1]:
+        try:
+            return minor_of(file, nodes, known, path)
+        except GresUnresolved:
+            continue
+    return minor_of(record.rsplit(MULTIPLE, maxsplit=1)[-1], nodes, known, path)
 
 
 def spread(count: int, gpus: int) -> list[int]:

@@ -279,7 +279,7 @@ def job_config(
     driver: GpuDriver | None = None
     given = f"{job.gpus_from}={','.join(map(str, job.gpus))}"
     slurm_conf = front.environ.get("SLURM_CONF")
-    nodes = DeviceNodes(roots.dev, front.device_stat)
+    nodes = DeviceNodes(roots.dev, front.device_stat, roots.proc)
     try:
         path = gres_conf_path(slurm_conf)
         driver = front.driver_factory()
