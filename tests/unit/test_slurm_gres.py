@@ -765,3 +765,52 @@ def test_slurm_conf_gives_or_takes_a_nodes_shards(
     assert code == ExitCode.OK
     rows = said.splitlines()[2:]
     assert [n for n, row in enumerate(rows) if "shared: carries gres/shard" in row] == shared
+
+
+def test_check_prints_the_slice_of_each_multiple_files_line(tmp_path: Path) -> None:
+    """The manual MIG form: each line one number, the slice its capability devices name."""
+    proc = tmp_path / "proc"
+    dev = tmp_path / "dev"
+    minors = {"gi1": 21, "gi1/ci0": 22, "gi2": 30, "gi2/ci0": 31, "gi5": 57, "gi5/ci0": 58}
+    for relative, minor in minors.items():
+        access = proc / "driver/nvidia/capabilities/gpu0/mig" / relative / "access"
+        access.parent.mkdir(parents=True)
+        access.write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
+    (dev / "nvidia-caps").mkdir(parents=True)
+    table = {f"nvidia{i}": (195, i) for i in range(2)}
+    table.update({f"nvidia-cap{m}": (508, m) for m in minors.values()})
+    for name in table:
+        (dev / ("nvidia-caps" if "cap" in name else "") / name).write_bytes(b"")
+
+    def stat_(path: str) -> os.stat_result:
+        name = Path(path).name
+        if name in table:
+            fields = (stat.S_IFCHR | 0o444, 0, 0, 1, 0, 0, 0, 0, 0, 0)
+            return os.stat_result(fields, {"st_rdev": os.makedev(*table[name])})
+        return os.stat(path)
+
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "slurm.conf").write_text("GresTypes=gpu\n")
+    caps = "/dev/nvidia-caps/nvidia-cap"
+    (etc / "gres.conf").write_text(
+        f"Name=gpu MultipleFiles=/dev/nvidia0,{caps}57,{caps}58\n"
+        f"Name=gpu MultipleFiles=/dev/nvidia0,{caps}[21-22]\n"
+        "Name=gpu File=/dev/nvidia1\n"
+    )
+    out = io.StringIO()
+    code = slurm_check(
+        {"SLURM_CONF": str(etc / "slurm.conf")},
+        "gpu07",
+        lambda: Driver(mig_gpus()),  # type: ignore[arg-type,return-value]
+        DeviceNodes(dev, stat_, proc),
+        out,
+    )
+    assert code == ExitCode.OK, out.getvalue()
+    rows = out.getvalue().splitlines()[2:]
+    assert [row.split(" = ")[-1].split(" (")[0] for row in rows] == [
+        "MIG 0/5/0",
+        "MIG 0/1/0",
+        "GPU 1",
+    ]
+    assert rows[0].startswith(f"  0 = /dev/nvidia0,{caps}57,{caps}58 = ")
