@@ -144,6 +144,13 @@ def test_autodetect_nvml_orders_by_nvml(text: str, files: list[str]) -> None:
         ("AutoDetect=oneapi\nName=gpu File=/dev/nvidia0\n", "gpu07", "GRES_AUTODETECT"),
         ("NodeName=gpu07 AutoDetect=nvidia\n", "gpu07", "GRES_AUTODETECT"),
         ("AutoDetect=nvml\nName=gpu Type=a100 Count=4\n", "gpu07", "GRES_AUTODETECT_MATCH"),
+        ("AutoDetect=nvml\nName=gpu File=/dev/nvidia[0-1] Cores=0-3\n", "gpu07", "GRES_BOUND"),
+        ("AutoDetect=nvml\nName=gpu File=/dev/nvidia0 Links=-1,0\n", "gpu07", "GRES_BOUND"),
+        (
+            "NodeName=gpu07 AutoDetect=nvml Name=gpu File=/dev/nvidia0 CPUs=0\n",
+            "gpu07",
+            "GRES_BOUND",
+        ),
         ("Name=gpu Count=8\n", "gpu07", "GRES_NO_FILES"),
         ("", "gpu07", "GRES_NO_FILES"),
         ("NodeName=gpu08 Name=gpu File=/dev/nvidia0\n", "gpu07", "GRES_NO_FILES"),

@@ -27,6 +27,7 @@ MULTIPLE = ","  # a MultipleFiles record's files, joined as slurmd keeps them
 PAIR = re.compile(r'([A-Za-z]+)=("[^"]*"|[^\s"]+)')
 RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 KNOWN_AUTODETECT = {"nvml", "off"}
+BINDINGS = {"cores", "cpus", "links", "link"}  # what AutoDetect checks against NVML's
 NVIDIA_MAJOR = 195  # the driver's character devices /dev/nvidia0..N (nvidiactl is 195:255)
 GPU_NODE = re.compile(r"nvidia([0-9]{1,4})")
 CAP_NODE = re.compile(r"nvidia-cap([0-9]{1,6})")  # a MIG capability device
@@ -212,6 +213,12 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
         raise GresUnresolved(
             f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
             "matched to it is not knowable here"
+        )
+    bound = next((n for n, keys in lines if keys.get("name") == GPU and BINDINGS & set(keys)), 0)
+    if nvml and bound:  # _merge_system_gres_conf: "mismatching Cores or Links ... Ignoring it"
+        raise GresUnresolved(
+            f"{path} line {bound}: AutoDetect=nvml with Cores=/Links= on a GPU line: slurmd "
+            "drops a GPU whose detected cores or links differ, which gpugate cannot compare"
         )
     if not nvml and not files:
         named = echo(node) if node else "(unnamed)"
