@@ -186,6 +186,7 @@ def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
     etc = tmp_path / "etc-slurm"
     etc.mkdir()
     (etc / "gres.conf").write_text("Name=gpu File=/dev/nvidia[0-7]\n")
+    (etc / "slurm.conf").write_text("GresTypes=gpu\nNodeName=gpu07 Gres=gpu:8\n")
     env = {
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_UID": "1000",
@@ -430,7 +431,9 @@ def test_epilog_finds_the_jobs_gpus_as_slurmd_numbers_them(
 ) -> None:
     """Device minors in another order than NVML's indices (nvidia7 is NVML's GPU 0): the
     job's own leftovers on its device files die, a server on any other survives."""
-    slurm_conf = "GresTypes=gpu\nNodeName=DEFAULT Gres=gpu:a100:2,gpu:h100:2\nNodeName=gpu07\n"
+    slurm_conf = "GresTypes=gpu\nNodeName=gpu07 Gres=gpu:8\n"
+    if "Type=" in gres_text:
+        slurm_conf = "GresTypes=gpu\nNodeName=DEFAULT Gres=gpu:a100:2,gpu:h100:2\nNodeName=gpu07\n"
     host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
     gres(slurm_env, gres_text)
     Path(slurm_env["SLURM_CONF"]).write_text(slurm_conf)

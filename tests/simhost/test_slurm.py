@@ -259,7 +259,7 @@ def slice_uuid(gi: int) -> str:
 def mig(slurm: Host) -> Iterator[Host]:
     """GPU 0 in MIG mode (slices 0/1/0, 0/2/0, 0/5/0), as on a one-A100 node."""
     slurm.sh(f"printf '%s' '{MIG_CONF}' >> {NVML_CONF}; mkdir -p {MIG_SLURM}")
-    slurm.sim.write_file(f"{MIG_SLURM}/slurm.conf", "GresTypes=gpu\n")
+    slurm.sim.write_file(f"{MIG_SLURM}/slurm.conf", "GresTypes=gpu\nNodeName=simnode Gres=gpu:3\n")
     yield slurm
     slurm.sh(
         "systemctl stop slurmstepd.scope 'hand-*.scope' 2>/dev/null; "
@@ -310,7 +310,15 @@ def test_mig_epilog_never_signals_a_process_on_another_slice(mig: Host) -> None:
     for gres_text, env, resolved in MIG_FORMS:
         host.sim.write_file(f"{MIG_SLURM}/gres.conf", gres_text)
         check = host.sim.run(
-            ["env", f"SLURM_CONF={MIG_SLURM}/slurm.conf", "gpugate", "slurm", "check"],
+            [
+                "env",
+                f"SLURM_CONF={MIG_SLURM}/slurm.conf",
+                "gpugate",
+                "slurm",
+                "check",
+                "--node",
+                "simnode",
+            ],
             check=False,
         )
         assert check.returncode == ExitCode.CONFIG, (gres_text, check.stdout)

@@ -423,6 +423,9 @@ def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
 # ---------------------------------------------------------------- gpugate slurm check
 
 
+NODE_GPUS = "NodeName=gpu07 Gres=gpu:8\n"
+
+
 class Driver:
     def __init__(self, found: list[Gpu], faults: int = 0) -> None:
         self.found, self.fault_count = found, faults
@@ -491,7 +494,7 @@ def test_check_lists_each_number_as_a_gpu(tmp_path: Path) -> None:
         "  0 = /dev/nvidia1 = GPU 6 (GPU-6)",
         "  1 = /dev/nvidia0 = GPU 7 (GPU-7)",
     ]
-    code, said = check(tmp_path, "", "AutoDetect=nvml\n")
+    code, said = check(tmp_path, NODE_GPUS, "AutoDetect=nvml\n")
     assert code == ExitCode.OK and said.splitlines()[2] == "  0 = GPU 0 (GPU-0)"
 
 
@@ -507,9 +510,10 @@ def test_check_lists_each_number_as_a_gpu(tmp_path: Path) -> None:
 def test_check_exits_78_where_a_number_is_not_resolved(
     tmp_path: Path, gres_text: str | None, faults: int, words: str
 ) -> None:
-    code, said = check(tmp_path, "", gres_text, faults=faults)
+    code, said = check(tmp_path, NODE_GPUS, gres_text, faults=faults)
     assert code == ExitCode.CONFIG
     assert len(said.splitlines()) > 1  # the node's numbers: not resolved, and why
+    assert words in said
 
 
 # ---------------------------------------------------------------- MIG slices
@@ -535,7 +539,7 @@ def mig_gpus() -> list[Gpu]:
 def test_check_never_prints_a_gpu_in_mig_mode_as_one_number(tmp_path: Path, gres_text: str) -> None:
     """slurmd numbers a MIG-mode GPU's slices (AutoDetect=nvml), or gives the whole GPU to
     one job (File=): gpugate prints no guess, exits 78 and says why."""
-    code, said = check(tmp_path, "", gres_text, found=mig_gpus())
+    code, said = check(tmp_path, NODE_GPUS, gres_text, found=mig_gpus())
     assert code == ExitCode.CONFIG
     assert "MIG mode" in said.splitlines()[1]
     assert " = MIG " not in said and " = GPU 0 " not in said
@@ -821,3 +825,41 @@ def test_check_prints_the_slice_of_each_multiple_files_line(tmp_path: Path) -> N
         "GPU 1",
     ]
     assert rows[0].startswith(f"  0 = /dev/nvidia0,{caps}57,{caps}58 = ")
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "indices"),
+    [
+        ("NodeName=gpu07 Gres=gpu:8\n", [0, 1, 2, 3, 4, 5, 6, 7]),
+        ("NodeName=gpu07 Gres=gpu:16\n", [0, 1, 2, 3, 4, 5, 6, 7]),
+        # fewer than detected: slurmd takes the first by file name (/dev/nvidia0..), in
+        # NVML's order (MINORS: NVML's GPU i is /dev/nvidia(7-i))
+        ("NodeName=gpu07 Gres=gpu:2\n", [6, 7]),
+        ("NodeName=gpu07 Gres=gpu:fake:8\n", [0, 1, 2, 3, 4, 5, 6, 7]),  # "Fake GPU" names
+    ],
+)
+def test_autodetect_takes_the_gpus_slurm_conf_gives(
+    tmp_path: Path, slurm_conf: str, indices: list[int]
+) -> None:
+    code, said = check(tmp_path, slurm_conf, "AutoDetect=nvml\n")
+    assert code == ExitCode.OK, said
+    rows = said.splitlines()[2:]
+    assert [int(row.split("GPU ")[1].split(" ")[0]) for row in rows] == indices
+
+
+@pytest.mark.parametrize(
+    ("slurm_conf", "words"),
+    [
+        ("", "no NodeName= line for "),
+        ("Include nodes.conf\n", "not followed"),
+        ("NodeName=gpu07 Gres=gpu:a100:8\n", "not of exactly one Gres= type"),
+        ("NodeName=gpu07 Gres=gpu:fake:4\n", "more 'fake' GPUs than Gres="),
+        ("NodeName=gpu07 Gres=gpu:fa:8,gpu:ke:8\n", "not of exactly one Gres= type"),
+    ],
+)
+def test_autodetect_without_slurm_confs_count_for_certain_is_not_resolved(
+    tmp_path: Path, slurm_conf: str, words: str
+) -> None:
+    code, said = check(tmp_path, slurm_conf, "AutoDetect=nvml\n")
+    assert code == ExitCode.CONFIG
+    assert words in said, said

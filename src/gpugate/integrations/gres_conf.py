@@ -53,6 +53,8 @@ class GpuLayout:
     nvml_order: bool  # AutoDetect=nvml: slurmd orders the GPUs as NVML enumerates them
     shards: Shards | None = None  # gres/shard: which GPUs carry shards (None: none do)
     types: tuple[str, ...] = ()  # each file's line's Type= (lowercased, "" for none)
+    # AutoDetect=nvml: slurm.conf's Gres= for the node, (type or "", count) each; None: unread
+    given: tuple[tuple[str, int], ...] | None = None
 
     @property
     def mixed_types(self) -> bool:
@@ -384,6 +386,7 @@ def gpu_order(
         if layout.files:
             minors = {minor_of(file, nodes, known, layout.path) for file in layout.files}
             ordered = [gpu for gpu in ordered if gpu.minor in minors]
+        ordered = _given_by_slurm_conf(layout, ordered, nodes, known)
         in_mig = next((gpu for gpu in ordered if gpu.mig_mode), None)
         if in_mig is not None:
             raise GresUnresolved(
@@ -413,6 +416,44 @@ def gpu_order(
             )
         found.append(gpu)
     return found
+
+
+def _given_by_slurm_conf(
+    layout: GpuLayout, ordered: list[Gpu], nodes: DeviceNodes, known: dict[tuple[bool, int], int]
+) -> list[Gpu]:
+    """The detected GPUs slurm.conf's count gives the node (`_merge_system_gres_conf`: each
+    of its Count records takes the first unmatched GPU by file name; gres.conf's File= cut at
+    the count), in NVML's order. Typed: each GPU's NVML name must hold exactly one of the
+    types (slurmd matches by that) and each type's count cover its GPUs."""
+    if layout.given is None:
+        return ordered
+    given = dict(layout.given)
+    if "" in given:
+        count = given[""]
+        if count >= len(ordered):
+            return ordered
+        if layout.files:
+            kept = {minor_of(file, nodes, known, layout.path) for file in layout.files[:count]}
+        else:
+            kept = {gpu.minor for gpu in sorted(ordered, key=lambda gpu: gpu.minor)[:count]}
+        return [gpu for gpu in ordered if gpu.minor in kept]
+    per_type: dict[str, int] = {}
+    for gpu in ordered:
+        name = gpu.name.lower().replace(" ", "_")
+        kinds = [kind for kind in given if kind in name]
+        if len(kinds) != 1 or (layout.files and set(layout.types) - {kinds[0]}):
+            raise GresUnresolved(
+                f"{layout.path}: AutoDetect=nvml, and GPU {gpu.index} ({echo(gpu.name)}) is not "
+                f"of exactly one Gres= type ({', '.join(map(echo, given))}) for certain"
+            )
+        per_type[kinds[0]] = per_type.get(kinds[0], 0) + 1
+    short = [kind for kind, found in per_type.items() if found > given[kind]]
+    if short:
+        raise GresUnresolved(
+            f"{layout.path}: AutoDetect=nvml finds more {echo(short[0])} GPUs than Gres= "
+            "gives the node: which slurmd takes is not knowable here"
+        )
+    return ordered
 
 
 def _slice_of_files(
@@ -582,6 +623,14 @@ def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -
     types, each type in the order Gres= first names it, that type's files in gres.conf's
     order, cut at its count; a file of no type Gres= names is dropped. Untyped Gres=gpu:N:
     gres.conf's order."""
+    if layout.nvml_order:
+        why = f"{layout.path}: AutoDetect=nvml takes the GPUs {slurm_conf}'s Gres= gives the node"
+        try:
+            text = read_root_file(slurm_conf, MAX_CONF_BYTES)
+        except GresUnresolved as exc:
+            raise GresUnresolved(f"{why} ({exc})") from None
+        given = node_gpu_types(text, node, why, untyped=True)
+        return replace(layout, given=tuple(given.items()))
     if not layout.mixed_types:
         return layout
     why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
@@ -599,12 +648,16 @@ def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -
     return replace(layout, files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
 
 
-def node_gpu_types(text: str, node: str | None, why: str) -> dict[str, int]:
-    """The node's Gres= GPU types with their counts, in the order written ({} untyped)."""
+def node_gpu_types(
+    text: str, node: str | None, why: str, *, untyped: bool = False
+) -> dict[str, int]:
+    """The node's Gres= GPU types with their counts, in the order written ({} untyped;
+    untyped=True: {"": N} for `gpu:N`)."""
     counts = _gres_counts(_node_gres(text, node, why), GPU)
     if "" in counts and len(counts) > 1:
         raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
-    counts.pop("", None)
+    if not untyped:
+        counts.pop("", None)
     return counts
 
 
