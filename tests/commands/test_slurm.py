@@ -17,13 +17,15 @@ from gpugate.errors import ExitCode
 from gpugate.front.commands import Front
 from gpugate.front.commands.slurm import SlurmEnvError, job_cgroup, job_from_env
 from gpugate.front.commands.slurm import slurm as slurm_hook
+from gpugate.host.nvml import mig_key
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from tests.fakes import FakeHost, alive
+from tests.fakes import FakeHost, alive, mig_uuid
 
 JOB_CGROUP = "/system.slice/slurmstepd.scope/job_42"
 TASK_CGROUP = f"{JOB_CGROUP}/step_0/user/task_0"
 UUID_3 = "GPU-fa4e5a11-0000-0000-0000-000000000003"
+GPU_0 = "GPU-fa4e5a11-0000-0000-0000-000000000000"
 
 
 # ---------------------------------------------------------------- the environment
@@ -184,6 +186,7 @@ def slurm_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, str]
     etc = tmp_path / "etc-slurm"
     etc.mkdir()
     (etc / "gres.conf").write_text("Name=gpu File=/dev/nvidia[0-7]\n")
+    (etc / "slurm.conf").write_text("GresTypes=gpu\nNodeName=gpu07 Gres=gpu:8\n")
     env = {
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_UID": "1000",
@@ -223,9 +226,12 @@ def device_stat(dev: Path) -> Callable[[str], os.stat_result]:
     def stat_(path: str) -> os.stat_result:
         real = Path(os.path.realpath(path))
         match = re.fullmatch(r"nvidia([0-9]+)", real.name)
+        cap = re.fullmatch(r"nvidia-cap([0-9]+)", real.name)
+        fields = (stat.S_IFCHR | 0o444, 0, 0, 1, 0, 0, 0, 0, 0, 0)
         if real.parent == dev and match and real.is_file():
-            fields = (stat.S_IFCHR | 0o666, 0, 0, 1, 0, 0, 0, 0, 0, 0)
             return os.stat_result(fields, {"st_rdev": os.makedev(195, int(match.group(1)))})
+        if real.parent == dev / "nvidia-caps" and cap and real.is_file():  # major: dynamic
+            return os.stat_result(fields, {"st_rdev": os.makedev(508, int(cap.group(1)))})
         return os.stat(path)
 
     return stat_
@@ -392,6 +398,26 @@ def signalled(host: FakeHost) -> set[int]:
         # AutoDetect=nvml: NVML's enumeration, whatever the files' order
         ("AutoDetect=nvml\nName=gpu File=/dev/nvidia[0-7]\n", "0,1", (7, 6), {0, 1}),
         ("NodeName=gpu[01-08] AutoDetect=nvml\n", "2", (5,), {2}),
+        # several Types: slurm.conf's Gres= order of types (a100 first), each cut at its count
+        (
+            "Name=gpu Type=H100 File=/dev/nvidia[4-7]\nName=gpu Type=a100 File=/dev/nvidia[0-1]\n",
+            "0,2",
+            (0, 4),
+            {7, 3},
+        ),
+        (
+            "Name=gpu Type=a100 File=/dev/nvidia[0-3]\nName=gpu Type=h100 File=/dev/nvidia[4-5]\n",
+            "2,3",
+            (4, 5),
+            {3, 2},
+        ),
+        (
+            "Name=gpu Type=a100 File=/dev/nvidia0\nName=gpu Type=l4 File=/dev/nvidia7\n"
+            "Name=gpu Type=h100 Files=/dev/nvidia[4-5]\n",
+            "1",
+            (4,),
+            {3},
+        ),
     ],
 )
 def test_epilog_finds_the_jobs_gpus_as_slurmd_numbers_them(
@@ -405,8 +431,12 @@ def test_epilog_finds_the_jobs_gpus_as_slurmd_numbers_them(
 ) -> None:
     """Device minors in another order than NVML's indices (nvidia7 is NVML's GPU 0): the
     job's own leftovers on its device files die, a server on any other survives."""
+    slurm_conf = "GresTypes=gpu\nNodeName=gpu07 Gres=gpu:8\n"
+    if "Type=" in gres_text:
+        slurm_conf = "GresTypes=gpu\nNodeName=DEFAULT Gres=gpu:a100:2,gpu:h100:2\nNodeName=gpu07\n"
     host.memory.minors = [7, 6, 5, 4, 3, 2, 1, 0]
     gres(slurm_env, gres_text)
+    Path(slurm_env["SLURM_CONF"]).write_text(slurm_conf)
     monkeypatch.setenv("SLURM_JOB_GPUS", job_gpus)
     own = {}
     for minor in files:
@@ -606,3 +636,380 @@ def test_hostile_gres_text_is_one_escaped_line_and_kills_nothing(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and shown in err, err
     assert "\x1b" not in err and "\x07" not in err and "\u202e" not in err
+
+
+# ---------------------------------------------------------------- MIG slices
+
+
+MIG_SLICES = [(1, 0, 20000), (2, 0, 20000), (5, 0, 40000)]  # GPU 0's slices 0, 1, 2
+
+
+def mig_node(host: FakeHost) -> dict[int, int]:
+    """GPU 0 in MIG mode with three slices: on each an orphan (in no job's cgroup) holding
+    /dev/nvidia0, as every process on any slice does; NVML lists each on its slice."""
+    host.memory.mig = {0: list(MIG_SLICES)}
+    on_slice = {}
+    for k in range(3):
+        (pid,) = host.pool.holder(host.gpu_files(0))
+        host.memory.claim(pid, {mig_key(0, k)}, 1000)
+        on_slice[k] = pid
+    return on_slice
+
+
+@pytest.mark.parametrize(
+    "gres_text",
+    [
+        "AutoDetect=nvml\n",
+        "NodeName=gpu07 AutoDetect=nvml\n",
+        "AutoDetect=nvml\nName=gpu Type=a100_1g.10gb Count=3\n",
+        "AutoDetect=nvml\nNodeName=gpu07 Name=gpu File=/dev/nvidia0\n",
+        "AutoDetect=nvml\nName=gpu Type=a100_1g.10gb Count=2 Cores=0-3\n"
+        "Name=gpu Type=a100_3g.40gb Count=1\n",
+        "AutoDetect=nvml\nName=gpu MultipleFiles=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21\n",
+        None,  # no gres.conf at all: CUDA_VISIBLE_DEVICES's IDs are slurmd's alone
+    ],
+)
+@pytest.mark.parametrize("form", ["uuid", "legacy"])
+@pytest.mark.parametrize(("number", "mine"), [(0, 1), (1, 0), (2, 2), (5, 1)])
+def test_epilog_on_a_slice_slurmd_named_kills_only_that_slices_process(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gres_text: str | None,
+    form: str,
+    number: int,
+    mine: int,
+) -> None:
+    """slurmd (AutoDetect=nvml) writes each MIG slice's unique ID beside its number: that,
+    not gres.conf nor a guess at slurmd's order, names the job's slice."""
+    if gres_text is None:
+        (Path(slurm_env["SLURM_CONF"]).parent / "gres.conf").unlink(missing_ok=True)
+    else:
+        gres(slurm_env, gres_text)
+    on_slice = mig_node(host)
+    gi, ci, _ = MIG_SLICES[mine]
+    unique = mig_uuid(0, gi, ci) if form == "uuid" else f"MIG-{GPU_0}/{gi}/{ci}"
+    monkeypatch.setenv("SLURM_JOB_GPUS", str(number))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", unique)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert signalled(host) == {on_slice[mine]}
+    assert not alive(on_slice[mine])
+    assert all(alive(pid) for k, pid in on_slice.items() if k != mine)
+    assert run_started(host)["GPUGATE_GPU"] == str(mig_key(0, mine))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "job_gpus", "visible", "problem"),
+    [
+        # slurmd numbers the slices, not the GPU, in an order gpugate cannot know for certain
+        ("AutoDetect=nvml\n", "0", None, "GPU 0 is in MIG mode"),
+        ("AutoDetect=nvml\n", "1", "1", "GPU 0 is in MIG mode"),
+        ("NodeName=gpu07 AutoDetect=nvml\n", "0,1", "0,1", "GPU 0 is in MIG mode"),
+        ("AutoDetect=nvml\nName=gpu File=/dev/nvidia[0-1]\n", "0", None, "in MIG mode"),
+        # a whole-GPU File= on a GPU in MIG mode: every slice, other jobs' too
+        ("Name=gpu File=/dev/nvidia[0-7]\n", "0", None, "GPU 0, which is in MIG mode"),
+        ("AutoDetect=off\nName=gpu File=/dev/nvidia0\n", "0", None, "in MIG mode"),
+        ("Name=gpu Type=a100 File=/dev/nvidia[0-1] Cores=0-7\n", "0", None, "in MIG mode"),
+        # the manual MIG form whose files are not one slice's for certain
+        (
+            "Name=gpu MultipleFiles=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21\n",
+            "0",
+            None,
+            "nvidia-cap21",
+        ),
+        ("Name=gpu MultipleFiles=/dev/nvidia[0-1]\n", "0", None, "MultipleFiles"),
+        # other vendors' detection: not NVML's order
+        ("AutoDetect=rsmi\n", "0", None, "AutoDetect='rsmi'"),
+        ("AutoDetect=oneapi\n", "0", None, "AutoDetect='oneapi'"),
+        ("AutoDetect=nrt\n", "0", None, "AutoDetect='nrt'"),
+        # slurmd's IDs that do not pair with its numbers, or a slice NVML does not list
+        ("AutoDetect=nvml\n", "0,1", f"{mig_uuid(0, 1, 0)}", "names 1 device(s)"),
+        ("AutoDetect=nvml\n", "0,1", f"{mig_uuid(0, 1, 0)},1", "whole GPU beside MIG"),
+        ("AutoDetect=nvml\n", "0", mig_uuid(0, 9, 0), "no such MIG slice"),
+        ("AutoDetect=nvml\n", "0", "MIG-GPU-fa4e5a11-0000-0000-0000-000000000000/9/0", "no such"),
+        ("AutoDetect=nvml\n", "0", "MIG-not-a-uuid!", "no such MIG slice"),
+    ],
+)
+def test_slices_not_known_for_certain_kill_nothing_outside_the_job(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gres_text: str,
+    job_gpus: str,
+    visible: str | None,
+    problem: str,
+) -> None:
+    """Never a process on a slice that is not the job's: the job's cgroup only, one warning."""
+    gres(slurm_env, gres_text)
+    on_slice = mig_node(host)
+    member, worker = host.pool.holder(host.gpu_files(0), children=1)
+    host.put_in_unit(member, worker, cgroup=TASK_CGROUP)
+    monkeypatch.setenv("SLURM_JOB_GPUS", job_gpus)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert not alive(member) and not alive(worker)  # the job's own cgroup is still cleaned
+    assert all(alive(pid) for pid in on_slice.values())
+    assert signalled(host) <= {member, worker}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gpugate: warning: SLURM_JOB_GPUS="), err
+    assert problem in err, err
+    assert "GPUGATE_GPU" not in run_started(host)
+    assert scontrol_args(host) is None
+
+
+def test_a_tasks_cuda_visible_devices_is_not_slurmds(
+    host: FakeHost, slurm_env: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SLURM_STEP_GPUS (an srun task's): its CUDA_VISIBLE_DEVICES is the task's own, never
+    taken as slurmd's unique IDs."""
+    job = job_from_env(
+        {"SLURM_JOB_ID": "4", "SLURM_STEP_GPUS": "0", "CUDA_VISIBLE_DEVICES": mig_uuid(0, 1, 0)}
+    )
+    assert job.visible == ()
+    job = job_from_env(
+        {"SLURM_JOB_ID": "4", "SLURM_JOB_GPUS": "0,3", "CUDA_VISIBLE_DEVICES": "MIG-a, 3"}
+    )
+    assert job.visible == ("MIG-a", "3")
+
+
+# ---------------------------------------------------------------- gres/shard
+
+SHARDED = "GresTypes=gpu,shard\nNodeName=gpu07 Gres=gpu:8,shard:64\n"
+
+
+OTHER_JOB = "/system.slice/slurmstepd.scope/job_43/step_0/user/task_0"
+
+
+@pytest.fixture
+def kernel_cgroups(monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """The cgroup the kernel reports for a PID (/proc/PID/cgroup), for processes a test puts
+    in another job: its stand-in for moving them into slurmstepd.scope/job_43."""
+    from gpugate.host import scan
+
+    moved: dict[int, str] = {}
+    real = scan.ProcFs._read
+
+    def read(self: scan.ProcFs, pid: int, name: str) -> str | None:
+        if name == "cgroup" and pid in moved:
+            return f"0::{moved[pid]}\n"
+        return real(self, pid, name)
+
+    monkeypatch.setattr(scan.ProcFs, "_read", read)
+    return moved
+
+
+def shard_node(
+    host: FakeHost,
+    env: dict[str, str],
+    moved: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    gres_text: str,
+    slurm_conf: str,
+) -> dict[str, int]:
+    """Job 42 on GPU 2, beside job 43's process there and its process on GPU 3, and an
+    escaped leftover of job 42 on GPU 2 (in no job's cgroup)."""
+    gres(env, gres_text)
+    Path(env["SLURM_CONF"]).write_text(slurm_conf)
+    monkeypatch.setenv("SLURM_JOB_GPUS", "2")
+    (sharer,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(sharer, {2}, 30000)
+    (elsewhere,) = host.pool.holder(host.gpu_files(3))
+    host.memory.claim(elsewhere, {3}, 30000)
+    moved.update({sharer: OTHER_JOB, elsewhere: OTHER_JOB})
+    (leftover,) = host.pool.holder(host.gpu_files(2))
+    host.memory.claim(leftover, {2}, 5000)
+    return {"sharer": sharer, "elsewhere": elsewhere, "leftover": leftover}
+
+
+@pytest.mark.parametrize("phase", ["prolog", "epilog"])
+@pytest.mark.parametrize(
+    "gres_text",
+    [
+        "Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=64\n",
+        "Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=64 File=/dev/nvidia[0-7]\n",
+        "Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=8 File=/dev/nvidia2\n",
+        "Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=1K File=/dev/nvidia[2-3]\n",
+        "NodeName=gpu07 Name=gpu File=/dev/nvidia[0-7]\nNodeName=gpu[01-08] Name=shard Count=64\n",
+        "AutoDetect=nvml\nName=shard Count=64\n",
+        "AutoDetect=nvml\nName=shard Count=16 File=/dev/nvidia[2,5]\n",
+    ],
+)
+def test_shard_jobs_share_a_gpu_without_a_drain_and_leftovers_still_die(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    kernel_cgroups: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    phase: str,
+    gres_text: str,
+) -> None:
+    """GPU 2 carries gres/shard: job 43's process there is a sharer (never killed, never a
+    refusal, its memory not waited for); job 42's escaped leftover is still killed."""
+    pids = shard_node(host, slurm_env, kernel_cgroups, monkeypatch, gres_text, SHARDED)
+
+    assert slurm(host, phase, slurm_config(host, epilog_wait_s=5)) == 0
+
+    assert alive(pids["sharer"]) and alive(pids["elsewhere"])
+    assert not alive(pids["leftover"])
+    assert signalled(host) == {pids["leftover"]}
+    assert scontrol_args(host) is None
+    assert capsys.readouterr().err == ""
+    reasons = {e["GPUGATE_PID"]: e["GPUGATE_REASON"] for e in host.journal.events("holder_found")}
+    assert reasons.get(str(pids["sharer"])) in (None, "sharer")
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "slurm_conf"),
+    [
+        ("Name=gpu File=/dev/nvidia[0-7]\n", SHARDED),
+        # shards on other GPUs only, or too few to give each file one (Count / files = 0)
+        ("Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=8 File=/dev/nvidia3\n", SHARDED),
+        ("Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=4 File=/dev/nvidia[0-7]\n", SHARDED),
+        ("Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=0\n", SHARDED),
+        # another node's shards; slurmd without the shard plugin (GresTypes)
+        (
+            "Name=gpu File=/dev/nvidia[0-7]\nNodeName=gpu08 Name=shard Count=64\n",
+            SHARDED,
+        ),
+        ("Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=64\n", "GresTypes=gpu\n"),
+    ],
+)
+def test_a_gpu_without_shards_keeps_the_whole_gpu_guarantee(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    kernel_cgroups: dict[int, str],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gres_text: str,
+    slurm_conf: str,
+) -> None:
+    """gpu:1 on a GPU that carries no shard: another job's process there refuses (exit 22,
+    the node drains) and nothing is killed, as before shards."""
+    pids = shard_node(host, slurm_env, kernel_cgroups, monkeypatch, gres_text, slurm_conf)
+
+    assert slurm(host, "epilog", slurm_config(host)) == ExitCode.HELD_BY_OTHERS
+
+    assert all(alive(pid) for pid in pids.values())
+    assert "in another job (43)" in capsys.readouterr().err
+    args = scontrol_args(host)
+    assert args is not None and args[2] == "State=DRAIN"
+
+
+# GPU 0's slices' capability devices, as /proc/driver/nvidia/capabilities names them
+CAPS = {"gpu0/mig/gi1": 21, "gpu0/mig/gi1/ci0": 22, "gpu0/mig/gi2": 30, "gpu0/mig/gi2/ci0": 31}
+CAPS.update({"gpu0/mig/gi5": 57, "gpu0/mig/gi5/ci0": 58})
+
+
+@pytest.fixture
+def capability_devices(host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpugate.host import nvml
+
+    root = tmp_path / "capabilities"
+    for relative, minor in CAPS.items():
+        access = root / relative / "access"
+        access.parent.mkdir(parents=True, exist_ok=True)
+        access.write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\n")
+    monkeypatch.setattr(nvml, "CAPABILITIES", root)
+    (host.dev / "nvidia-caps").mkdir()
+    for minor in CAPS.values():
+        (host.dev / "nvidia-caps" / f"nvidia-cap{minor}").write_bytes(b"")
+
+
+def multiple(gi_cap: int, ci_cap: int, gpu: str = "/dev/nvidia0") -> str:
+    return f"{gpu},/dev/nvidia-caps/nvidia-cap{gi_cap},/dev/nvidia-caps/nvidia-cap{ci_cap}"
+
+
+@pytest.mark.parametrize(
+    ("gres_text", "number", "mine"),
+    [
+        # slurmd's number N: the N-th record (one per MultipleFiles line), in gres.conf's order
+        (
+            f"Name=gpu MultipleFiles={multiple(30, 31)}\nName=gpu MultipleFiles={multiple(21, 22)}\n"
+            f"Name=gpu MultipleFiles={multiple(57, 58)}\n",
+            1,
+            0,
+        ),
+        (
+            f"Name=gpu MultipleFiles={multiple(57, 58)}\nName=gpu MultipleFiles={multiple(30, 31)}\n",
+            0,
+            2,
+        ),
+        # a record of the GPU and its compute instance's device alone; whole GPUs before it
+        (
+            "Name=gpu File=/dev/nvidia[1-2]\n"
+            "Name=gpu MultipleFiles=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap31\n",
+            2,
+            1,
+        ),
+        # NodeName= lines after Name= lines; Type= in slurm.conf's order of types
+        (
+            f"NodeName=gpu07 Name=gpu Type=2g MultipleFiles={multiple(21, 22)}\n"
+            f"Name=gpu Type=3g MultipleFiles={multiple(57, 58)}\n"
+            f"NodeName=gpu[06-07] Name=gpu Type=2g MultipleFiles={multiple(30, 31)}\n",
+            1,
+            1,
+        ),
+    ],
+)
+def test_multiple_files_records_are_slices_by_capability_device(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    capability_devices: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    gres_text: str,
+    number: int,
+    mine: int,
+) -> None:
+    """The manual MIG form: each MultipleFiles line one number, the slice whose capability
+    devices it lists; the epilog kills only that slice's processes."""
+    gres(slurm_env, gres_text)
+    Path(slurm_env["SLURM_CONF"]).write_text("NodeName=gpu07 Gres=gpu:2g:2,gpu:3g:1\n")
+    on_slice = mig_node(host)
+    monkeypatch.setenv("SLURM_JOB_GPUS", str(number))
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert signalled(host) == {on_slice[mine]}
+    assert all(alive(pid) for k, pid in on_slice.items() if k != mine)
+    assert run_started(host)["GPUGATE_GPU"] == str(mig_key(0, mine))
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        multiple(21, 31),  # two slices' devices
+        "/dev/nvidia1,/dev/nvidia-caps/nvidia-cap22",  # GPU 1 with a slice of GPU 0
+        "/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21",  # the GPU instance alone: no slice
+        "/dev/nvidia0,/dev/nvidia1",  # two GPUs
+        "/dev/nvidia0,/dev/null",
+        "/dev/nvidia0,/dev/nvidia-caps/nvidia-cap99",  # no such capability device
+    ],
+)
+def test_multiple_files_not_one_slice_touch_nothing_outside_the_job(
+    host: FakeHost,
+    slurm_env: dict[str, str],
+    capability_devices: None,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    record: str,
+) -> None:
+    gres(slurm_env, f"Name=gpu MultipleFiles={record}\n")
+    on_slice = mig_node(host)
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0")
+
+    assert slurm(host, "epilog", slurm_config(host)) == 0
+
+    assert all(alive(pid) for pid in on_slice.values())
+    assert signalled(host) == set()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "not resolved" in err, err

@@ -458,3 +458,110 @@ def test_no_dev_files_gates_nothing_and_drains_nothing(clean: Node, phase: str) 
         assert said == ["no GPUs to gate (SLURM_JOB_GPUS=NoDevFiles)"]
     finally:
         clean.sh(f"kill {bystander}", check=False)
+
+
+# ---------------------------------------------------------------- gres/shard
+
+SHARD_CONF = SLURM_CONF.replace("GresTypes=gpu\n", "GresTypes=gpu,shard\n").replace(
+    "Gres=gpu:8 ", "Gres=gpu:8,shard:64 "
+)
+SHARD_GRES = "Name=gpu File=/dev/nvidia[0-7]\nName=shard Count=64\n"  # 8 per GPU
+# A shard job: a process of its own on its GPU (in the job's cgroup), and one more that waits
+# to be moved out of the job's cgroup (the escaped leftover), then waits for go-TAG.
+SHARD_JOB = """\
+hold-gpus $SLURM_JOB_GPUS {own} &
+hold-gpus $SLURM_JOB_GPUS {left} &
+echo $! > {dir}/leftover-{tag}.pid
+while [ ! -e {dir}/go-{tag} ]; do sleep 0.2; done
+"""
+
+
+def restart_slurm(node: Node, slurm_conf: str, gres_conf: str) -> None:
+    node.sim.write_file("/etc/slurm/slurm.conf", slurm_conf)
+    slurm_gres_conf(node.sim, gres_conf)
+    node.sim.systemctl("restart", "slurmctld.service", "slurmd.service")
+    wait_for("node idle", lambda: node.state() == "idle", timeout=60)
+
+
+@pytest.fixture
+def sharded(clean: Node) -> Iterator[Node]:
+    """The node's GPUs in shards (Slurm's documented layout), and alice to submit jobs."""
+    clean.sh("id alice >/dev/null 2>&1 || useradd -m alice")
+    clean.sh(
+        "mkdir -p /run/fake-nvml/claims /sys/fs/cgroup/stray && chmod 1777 /run/fake-nvml/claims"
+    )
+    restart_slurm(clean, SHARD_CONF, SHARD_GRES)
+    try:
+        yield clean
+    finally:
+        clean.sh("scancel --user=root; scancel --user=alice; touch /tmp/go-r /tmp/go-a", False)
+        clean.settle()
+        clean.sh("rm -f /tmp/go-* /tmp/leftover-*", check=False)
+        restart_slurm(clean, SLURM_CONF, "Name=gpu File=/dev/nvidia[0-7]\n")
+
+
+def shard_job(node: Node, user: str, tag: str, own: int, left: int) -> tuple[int, int]:
+    """A `--gres=shard:2` job of USER; its leftover moved out of its cgroup by root (only root
+    may move a process between cgroups; a root job does it itself in the tests above)."""
+    script = f"/tmp/shard-{tag}.sh"
+    node.sim.write_file(
+        script, "#!/bin/sh\n" + SHARD_JOB.format(own=own, left=left, dir="/tmp", tag=tag), 0o755
+    )
+    out = node.sh(
+        f"cd /tmp && runuser -u {user} -- sbatch --parsable --gres=shard:2 -o /tmp/%j.out {script}"
+    )
+    job = int(out.strip().split(";")[0])
+    wait_for(f"job {job} running", lambda: running(node, job), timeout=60)
+    wait_for(f"job {job}'s leftover", lambda: node.exists_file(f"/tmp/leftover-{tag}.pid"))
+    return job, int(node.sh(f"cat /tmp/leftover-{tag}.pid").strip())
+
+
+def end(node: Node, job: int, tag: str) -> None:
+    node.sh(f"touch /tmp/go-{tag}")
+    wait_for("job done", lambda: not node.sh(f"squeue -h -j {job}", check=False).strip())
+    wait_for("node done completing", lambda: "comp" not in node.state())
+
+
+def escape(node: Node, pid: int) -> None:
+    node.sh(f"echo {pid} > /sys/fs/cgroup/stray/cgroup.procs")
+
+
+def gpus_of(node: Node, job: int) -> str:
+    """The job's GPU in its hooks' environment, as the prolog's journal entry names it."""
+    started = [e for e in node.journal(job) if e.get("GPUGATE_EVENT") == "run_started"]
+    return str(started[0].get("GPUGATE_GPU", ""))
+
+
+def test_two_users_shard_jobs_share_a_gpu_no_drain_each_leftover_killed(sharded: Node) -> None:
+    node = sharded
+    check = node.sim.run("gpugate slurm check", check=False)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert check.stdout.count("shared: carries gres/shard (/etc/slurm/gres.conf line 2)") == 8
+    root_job, root_left = shard_job(node, "root", "r", 1000, 3000)
+    alice_job, alice_left = shard_job(node, "alice", "a", 2000, 4000)
+    # both on one GPU, and both hooks saw a gpu:1 job's environment
+    assert gpus_of(node, root_job) == gpus_of(node, alice_job) == "0"
+    assert node.state() in ("mixed", "allocated") and node.reason() == ""
+    wait_for("both jobs' memory", lambda: node.used()[0] == 10000)
+
+    escape(node, root_left)
+    end(node, root_job, "r")
+    # the root job's epilog: its leftover killed, alice's job (a sharer) untouched, no drain
+    assert not node.alive(root_left)
+    assert node.alive(alice_left) and running(node, alice_job)
+    assert node.reason() == ""
+    wait_for("alice's memory alone", lambda: node.used()[0] == 6000)
+    signalled = [e for e in node.journal(root_job) if e.get("GPUGATE_EVENT") == "signal_sent"]
+    assert {e["GPUGATE_PID"] for e in signalled} == {str(root_left)}
+
+    escape(node, alice_left)
+    end(node, alice_job, "a")
+    assert not node.alive(alice_left)
+    assert node.settle() == "idle" and node.reason() == ""
+    assert node.used()[0] == 0
+    signalled = [e for e in node.journal(alice_job) if e.get("GPUGATE_EVENT") == "signal_sent"]
+    assert {e["GPUGATE_PID"] for e in signalled} == {str(alice_left)}
+    for job in (root_job, alice_job):
+        finished = [e for e in node.journal(job) if e.get("GPUGATE_EVENT") == "run_finished"]
+        assert {e["GPUGATE_PHASE"] for e in finished} == {"prolog", "epilog"}
+        assert all(e["GPUGATE_RESULT"] == "success" for e in finished)

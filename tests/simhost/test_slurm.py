@@ -115,16 +115,17 @@ def job_pids(host: Host, job: int) -> list[int]:
 
 
 def run_slurmd_hook(
-    host: Host, phase: str, job: int, gpus: str
+    host: Host, phase: str, job: int, gpus: str, **more: str
 ) -> tuple[int, str]:  # (exit status, stderr)
     """As slurmd runs Prolog=/Epilog=: as root, from a system service, with the job's
-    environment and no terminal."""
+    environment (and MORE of slurmd's variables) and no terminal."""
     env = {
         "SLURM_JOB_ID": str(job),
         "SLURM_JOB_UID": "0",
         "SLURM_JOB_USER": "root",
         "SLURM_JOB_GPUS": gpus,
         "SLURMD_NODENAME": "simnode",
+        **more,
     }
     argv = [
         "systemd-run",
@@ -238,3 +239,119 @@ def test_prolog_kills_stale_servers_but_never_another_job(slurm: Host) -> None:
     assert all(host.alive(pid) for pid in pids[43]["workers"])
     assert host.used()[4] == 0
     assert not host.sim.exists("/run/scontrol.args")
+
+
+# ---------------------------------------------------------------- MIG slices
+
+NVML_CONF = "/etc/fake-nvml.conf"
+MIG_CONF = "mig = 0 1/0/20000/2g.20gb 2/0/20000/2g.20gb 5/0/40000/3g.40gb\n"
+GPU0 = "GPU-fa4e5a11-0000-0000-0000-000000000000"
+MIG_SLURM = "/etc/slurm-mig"  # a copy's folder: SLURM_CONF=/etc/slurm-mig/slurm.conf
+SLICE_SERVER = ("--mib", "3000")
+
+
+def slice_uuid(gi: int) -> str:
+    """The stand-in's UUID of GPU 0's slice with GPU instance GI (compute instance 0)."""
+    return f"MIG-fa4e5a11-0000-0000-0000-0000{gi:04x}0000"
+
+
+@pytest.fixture
+def mig(slurm: Host) -> Iterator[Host]:
+    """GPU 0 in MIG mode (slices 0/1/0, 0/2/0, 0/5/0), as on a one-A100 node."""
+    slurm.sh(f"printf '%s' '{MIG_CONF}' >> {NVML_CONF}; mkdir -p {MIG_SLURM}")
+    slurm.sim.write_file(f"{MIG_SLURM}/slurm.conf", "GresTypes=gpu\nNodeName=simnode Gres=gpu:3\n")
+    yield slurm
+    slurm.sh(
+        "systemctl stop slurmstepd.scope 'hand-*.scope' 2>/dev/null; "
+        f"sed -i '/^mig/d' {NVML_CONF}; rm -rf {MIG_SLURM}",
+        check=False,
+    )
+
+
+# gres.conf forms slurmd accepts on such a node, each with what slurmd writes in the hooks'
+# environment for a job on slice 0/1/0 (its MIG index 0); None: the slice is not known for
+# certain (the job's cgroup only)
+MIG_FORMS = [
+    ("AutoDetect=nvml\n", {"CUDA_VISIBLE_DEVICES": slice_uuid(1)}, True),
+    ("AutoDetect=nvml\n", {"CUDA_VISIBLE_DEVICES": f"MIG-{GPU0}/1/0"}, True),
+    ("NodeName=simnode AutoDetect=nvml\n", {"CUDA_VISIBLE_DEVICES": slice_uuid(1)}, True),
+    (
+        "AutoDetect=nvml\nName=gpu Type=a100_2g.20gb Count=2\nName=gpu Type=a100_3g.40gb Count=1\n",
+        {"CUDA_VISIBLE_DEVICES": slice_uuid(1)},
+        True,
+    ),
+    ("AutoDetect=nvml\n", {}, False),  # numbers alone: slurmd's order is not knowable
+    ("AutoDetect=nvml\n", {"CUDA_VISIBLE_DEVICES": "0"}, False),
+    ("NodeName=simnode AutoDetect=nvml Name=gpu File=/dev/nvidia0\n", {}, False),
+    ("Name=gpu File=/dev/nvidia[0-7]\n", {}, False),  # the whole GPU: every slice
+    ("AutoDetect=off\nName=gpu Type=a100 File=/dev/nvidia0 Cores=0\n", {}, False),
+    (
+        "Name=gpu Type=2g.20gb MultipleFiles=/dev/nvidia0,/dev/nvidia-caps/nvidia-cap21\n",
+        {},
+        False,
+    ),
+    ("AutoDetect=rsmi\n", {}, False),
+    ("AutoDetect=oneapi\n", {}, False),
+    ("AutoDetect=nrt\n", {}, False),
+]
+
+
+def test_mig_epilog_never_signals_a_process_on_another_slice(mig: Host) -> None:
+    """Job 51 on slice 0/1/0 (its leftover outside its cgroup there), job 52 on slice 0/2/0,
+    another user's notebook on slice 0/5/0; each holds /dev/nvidia0. For every gres.conf
+    form, job 51's epilog signals only job 51's own: its slice where slurmd named it, else
+    its cgroup alone."""
+    host = mig
+    jobs = start_jobs(host, {52: server(52, "0/2/0", 8152)})
+    notebook, _ = host.hand_start((0,), 8155, "hand-notebook", "--gpus", "0/5/0", *SLICE_SERVER)
+    leftover, _ = host.hand_start((0,), 8151, "hand-left51", "--gpus", "0/1/0", *SLICE_SERVER)
+    others = [*jobs[52]["workers"], jobs[52]["api_server"], *notebook["workers"]]
+    mine = [leftover["api_server"], *leftover["workers"]]
+    for gres_text, env, resolved in MIG_FORMS:
+        host.sim.write_file(f"{MIG_SLURM}/gres.conf", gres_text)
+        check = host.sim.run(
+            [
+                "env",
+                f"SLURM_CONF={MIG_SLURM}/slurm.conf",
+                "gpugate",
+                "slurm",
+                "check",
+                "--node",
+                "simnode",
+            ],
+            check=False,
+        )
+        assert check.returncode == ExitCode.CONFIG, (gres_text, check.stdout)
+        if resolved:
+            continue  # killed once, below
+        cursor = host.cursor()
+        code, stderr = run_slurmd_hook(
+            host, "epilog", 51, "0", SLURM_CONF=f"{MIG_SLURM}/slurm.conf", **env
+        )
+        assert code == 0, (gres_text, stderr)
+        assert "slurmd's GPU numbers not resolved" in stderr, (gres_text, stderr)
+        assert not host.events_after(cursor, GPUGATE_EVENT="signal_sent"), gres_text
+        assert all(host.alive(pid) for pid in [*mine, *others]), gres_text
+    round_ = 0
+    for gres_text, env, resolved in MIG_FORMS:
+        if not resolved:
+            continue
+        host.sim.write_file(f"{MIG_SLURM}/gres.conf", gres_text)
+        cursor = host.cursor()
+        code, stderr = run_slurmd_hook(
+            host, "epilog", 51, "0", SLURM_CONF=f"{MIG_SLURM}/slurm.conf", **env
+        )
+        assert code == 0, (gres_text, stderr)
+        assert all(host.alive(pid) for pid in others), gres_text
+        signalled = {
+            int(e["GPUGATE_PID"]) for e in host.events_after(cursor, GPUGATE_EVENT="signal_sent")
+        }
+        assert not signalled & set(others), gres_text
+        assert not any(host.alive(pid) for pid in mine), gres_text
+        assert host.used().get(1024, 0) == 0  # slice 0/1/0's memory (host.nvml.mig_key(0, 0))
+        round_ += 1
+        leftover, _ = host.hand_start(
+            (0,), 8160 + round_, f"hand-left51-{round_}", "--gpus", "0/1/0", *SLICE_SERVER
+        )
+        mine = [leftover["api_server"], *leftover["workers"]]
+    assert not host.sim.exists("/run/scontrol.args"), "drained"

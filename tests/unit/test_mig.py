@@ -493,7 +493,8 @@ def test_a_capability_device_ties_an_unlisted_process_to_its_slice(
 
 def test_a_slurm_jobs_variables_never_name_slices() -> None:
     """slurmd writes only its own GPU numbers (docs/slurm.md): a MIG UUID in SLURM_JOB_GPUS
-    is not slurmd's (exit 64), and CUDA_VISIBLE_DEVICES is not read at all."""
+    is not slurmd's (exit 64), and CUDA_VISIBLE_DEVICES alone names no GPU (beside
+    SLURM_JOB_GPUS it is read for the slices' IDs slurmd writes there: test_slurm.py)."""
     from gpugate.front.commands.slurm import SlurmEnvError
 
     for value in (mig_uuid(0, 1, 0), f"MIG-{GPU0}/2/0"):
@@ -501,4 +502,4 @@ def test_a_slurm_jobs_variables_never_name_slices() -> None:
             job_from_env({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": value})
         assert caught.value.exit_code is ExitCode.USAGE
     job = job_from_env({"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": mig_uuid(0, 1, 0)})
-    assert job.gpus == ()
+    assert (job.gpus, job.visible) == ((), ())

@@ -221,6 +221,6 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     job_loaded = with_job_gpus(
         loaded, ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000"), "gpus from SLURM_JOB_GPUS=0,1"
     )
-    slurm = job_surroundings(job_loaded)
+    slurm = job_surroundings(job_loaded, frozenset())
     assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
     assert job_loaded.source in slurm.gpu_source and "SLURM_JOB_GPUS" in slurm.gpu_source

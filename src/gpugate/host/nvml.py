@@ -596,6 +596,22 @@ def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
     return found
 
 
+def slice_capabilities(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, tuple[int, int]]:
+    """Each slice's key -> the minors of its GPU instance's and compute instance's capability
+    devices, where the driver names both."""
+    found: dict[int, tuple[int, int]] = {}
+    for gpu in gpus:
+        mig = gpu.mig
+        if mig is None:
+            continue
+        folder = proc_root / CAPABILITIES / f"gpu{gpu.minor}" / "mig" / f"gi{mig.gpu_instance}"
+        gi_minor = _device_minor(folder / "access")
+        ci_minor = _device_minor(folder / f"ci{mig.compute_instance}" / "access")
+        if gi_minor is not None and ci_minor is not None:
+            found[gpu.index] = (gi_minor, ci_minor)
+    return found
+
+
 def cap_minor(path: str) -> int | None:
     """K of a held /dev/nvidia-caps/nvidia-capK, else None."""
     match = CAP_DEVICE.search(path)

@@ -8,11 +8,11 @@ import os
 import re
 import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.errors import InvalidValue
-from gpugate.host.nvml import Gpu
+from gpugate.host.nvml import Gpu, slice_capabilities
 from gpugate.host.safe_files import kind_of, read_capped, untrusted
 from gpugate.untrusted import echo
 
@@ -21,12 +21,16 @@ DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
 MAX_GRES_BYTES = 256 * 1024  # a gres.conf is a few lines; thousands of nodes fit in this
 MAX_FILES = 1024  # device files one hostlist may name (a node has at most a few dozen GPUs)
 GPU = "gpu"
+SHARD = "shard"
+MULTIPLE = ","  # a MultipleFiles record's files, joined as slurmd keeps them
 # Slurm's config parser: KEY=VALUE, the value bare or in double quotes; keys in any case.
 PAIR = re.compile(r'([A-Za-z]+)=("[^"]*"|[^\s"]+)')
 RANGE = re.compile(r"([0-9]+)(?:-([0-9]+))?")
 KNOWN_AUTODETECT = {"nvml", "off"}
+BINDINGS = {"cores", "cpus", "links", "link"}  # what AutoDetect checks against NVML's
 NVIDIA_MAJOR = 195  # the driver's character devices /dev/nvidia0..N (nvidiactl is 195:255)
 GPU_NODE = re.compile(r"nvidia([0-9]{1,4})")
+CAP_NODE = re.compile(r"nvidia-cap([0-9]{1,6})")  # a MIG capability device
 
 StatFn = Callable[[str], os.stat_result]
 TMPFS = "job_container/tmpfs"
@@ -47,6 +51,25 @@ class GpuLayout:
     path: str  # the gres.conf read
     files: tuple[str, ...]  # the GPUs' device files, in slurmd's order (AutoDetect: the filter)
     nvml_order: bool  # AutoDetect=nvml: slurmd orders the GPUs as NVML enumerates them
+    shards: Shards | None = None  # gres/shard: which GPUs carry shards (None: none do)
+    types: tuple[str, ...] = ()  # each file's line's Type= (lowercased, "" for none)
+    # AutoDetect=nvml: slurm.conf's Gres= for the node, (type or "", count) each; None: unread
+    given: tuple[tuple[str, int], ...] | None = None
+
+    @property
+    def mixed_types(self) -> bool:
+        """Lines of several Types: slurmd numbers them in slurm.conf's order of types."""
+        return not self.nvml_order and len(set(self.types)) > 1
+
+
+@dataclass(frozen=True)
+class Shards:
+    """gres.conf's gres/shard for this node, as gres_c_s.c spreads it over the GPU files."""
+
+    line: int  # the first Name=shard line
+    files: tuple[str, ...]  # the GPU files given shards (File= with Count >= its files)
+    every_gpu: bool  # a Name=shard line without File=: Count spread over every GPU
+    count: int = 0  # that line's Count
 
 
 def gres_conf_path(slurm_conf: str | None) -> Path:
@@ -181,7 +204,10 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
         raise GresUnresolved(
             f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
         )
-    files, fileless = _gpu_files(path, lines)
+    typed, fileless = _gpu_files(path, lines)
+    files = [name for name, _ in typed]
+    types = tuple(kind for _, kind in typed)
+    shards = _shard_files(path, lines)
     nvml = autodetect == "nvml"
     # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
     # order of its own: which GPUs it took is not knowable from here.
@@ -190,31 +216,87 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
             f"{path}: AutoDetect=nvml with a Name=gpu line without File=: which GPUs slurmd "
             "matched to it is not knowable here"
         )
+    bound = next((n for n, keys in lines if keys.get("name") == GPU and BINDINGS & set(keys)), 0)
+    if nvml and bound:  # _merge_system_gres_conf: "mismatching Cores or Links ... Ignoring it"
+        raise GresUnresolved(
+            f"{path} line {bound}: AutoDetect=nvml with Cores=/Links= on a GPU line: slurmd "
+            "drops a GPU whose detected cores or links differ, which gpugate cannot compare"
+        )
     if not nvml and not files:
         named = echo(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=nvml)
+    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=types)
 
 
-def _gpu_files(path: str, lines: Lines) -> tuple[list[str], bool]:
-    """The Name=gpu lines' File= in slurmd's order, and whether a line without File= names
-    a Type= or Count= (what AutoDetect matches by)."""
+COUNT = re.compile(r"([0-9]{1,12})(?:([KMGTP])(IB|B)?)?", re.IGNORECASE)
+
+
+def _count(path: str, number: int, text: str) -> int:
+    """A Count=, with slurmd's suffixes (suffix_mult: K or KiB 1024, KB 1000, ... to P)."""
+    match = COUNT.fullmatch(text)
+    if match is None:
+        raise _uncertain(path, number, f"Count={text}")
+    digits: str = match.group(1)
+    unit: str | None = match.group(2)
+    kind: str = match.group(3) or ""
+    if unit is None:
+        return int(digits)
+    base = 1000 if kind.upper() == "B" else 1024
+    return int(digits) * int(base ** ("KMGTP".index(unit.upper()) + 1))
+
+
+def _shard_files(path: str, lines: Lines) -> Shards | None:
+    """Which GPU files carry shards (gres_c_s.c, 22.05: a shard record without File= spreads
+    its Count over every gres/gpu file; with File=, Count / its files each, 0 where fewer)."""
     files: list[str] = []
+    first = every = 0
+    for number, keys in lines:
+        if keys.get("name") != SHARD:
+            continue
+        count = _count(path, number, keys.get("count", "1"))
+        if count <= 0:
+            continue
+        first = first or number
+        if "file" not in keys:
+            every = count
+            continue
+        try:
+            named = expand_hostlist(keys["file"])
+        except ValueError:
+            raise _uncertain(path, number, f"File={keys['file']}") from None
+        if count >= len(named):
+            files.extend(named)
+    if not first or not (every or files):
+        return None
+    return Shards(first, tuple(files), bool(every), every)
+
+
+def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
+    """The Name=gpu lines' files in gres.conf's order, each with its line's Type (lowercased;
+    "" for none), and whether a line without File= names a Type= or Count= (what AutoDetect
+    matches by). `Files=` is slurmd's other spelling of `File=`."""
+    files: list[tuple[str, str]] = []
     fileless = False
     for number, keys in lines:
         if keys.get("name") != GPU:
             continue
-        if "multiplefiles" in keys:
-            raise _uncertain(path, number, "MultipleFiles")
-        if "file" not in keys:
+        written = keys.get("file", keys.get("files"))
+        several = keys.get("multiplefiles")
+        if written is None and several is None:
             fileless = fileless or "count" in keys or "type" in keys
             continue
         try:
-            files.extend(expand_hostlist(keys["file"]))
+            named = expand_hostlist(written or several or "")
         except ValueError:
-            raise _uncertain(path, number, f"File={keys['file']}") from None
-    if len(set(files)) != len(files):  # slurmd refuses to start ("duplicate device file name")
-        twice = next(name for name in files if files.count(name) > 1)
+            raise _uncertain(path, number, f"File={written or several}") from None
+        if written is not None and several is not None:  # slurmd: fatal
+            raise _uncertain(path, number, "File and MultipleFiles")
+        if several is not None:  # one GPU (a MIG slice) of several files: one number
+            named = [MULTIPLE.join(named)]
+        files.extend((name, keys.get("type", "").lower()) for name in named)
+    names = [name for name, _ in files if MULTIPLE not in name]
+    if len(set(names)) != len(names):  # slurmd refuses to start ("duplicate device file name")
+        twice = next(name for name in names if names.count(name) > 1)
         raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")
     return files, fileless
 
@@ -225,24 +307,35 @@ class DeviceNodes:
 
     dev: Path = Path("/dev")
     stat: StatFn = os.stat
+    proc: Path = Path("/proc")  # its driver/nvidia/capabilities name each slice's devices
 
     def by_number(self) -> dict[tuple[bool, int], int]:
         """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node."""
+        return self._nodes(self.dev, GPU_NODE, NVIDIA_MAJOR)
+
+    def caps_by_number(self) -> dict[tuple[bool, int], int]:
+        """(is a character device, st_rdev) -> K, for each /dev/nvidia-caps/nvidia-capK."""
+        return self._nodes(self.dev / "nvidia-caps", CAP_NODE, None)
+
+    def _nodes(
+        self, folder: Path, names: re.Pattern[str], major: int | None
+    ) -> dict[tuple[bool, int], int]:
         found: dict[tuple[bool, int], int] = {}
         try:
-            names = os.listdir(self.dev)
+            listed = os.listdir(folder)
         except OSError:
             return found
-        for name in names:
-            match = GPU_NODE.fullmatch(name)
+        for name in listed:
+            match = names.fullmatch(name)
             if match is None:
                 continue
             try:
-                info = self.stat(str(self.dev / name))
+                info = self.stat(str(folder / name))
             except OSError:
                 continue
             minor, is_char = int(match.group(1)), stat.S_ISCHR(info.st_mode)
-            if is_char and os.major(info.st_rdev) == NVIDIA_MAJOR:
+            driver_made = major is None or os.major(info.st_rdev) == major
+            if is_char and driver_made:
                 if os.minor(info.st_rdev) == minor:  # else not the node the driver made
                     found[(True, info.st_rdev)] = minor
             elif is_char or stat.S_ISBLK(info.st_mode):  # a stand-in of another number
@@ -281,20 +374,34 @@ def gpu_order(
     file before them must be a GPU: slurmd skips one it cannot stat, and numbers the rest
     one lower). unreadable: GPUs NVML counts but cannot read (NVML's order has gaps)."""
     known = nodes.by_number()
-    by_minor = {gpu.minor: gpu for gpu in gpus}
+    whole = [gpu for gpu in gpus if gpu.mig is None]  # a slice shares its GPU's minor
+    by_minor = {gpu.minor: gpu for gpu in whole}
     if layout.nvml_order:
         if unreadable:
             raise GresUnresolved(
                 f"{layout.path}: AutoDetect=nvml, and NVML cannot read {unreadable} GPU(s): "
                 "slurmd's order has gaps gpugate cannot place"
             )
-        ordered = sorted(gpus, key=lambda gpu: gpu.index)
+        ordered = sorted(whole, key=lambda gpu: gpu.index)
         if layout.files:
             minors = {minor_of(file, nodes, known, layout.path) for file in layout.files}
             ordered = [gpu for gpu in ordered if gpu.minor in minors]
+        ordered = _given_by_slurm_conf(layout, ordered, nodes, known)
+        in_mig = next((gpu for gpu in ordered if gpu.mig_mode), None)
+        if in_mig is not None:
+            raise GresUnresolved(
+                f"{layout.path}: AutoDetect=nvml, and GPU {in_mig.index} is in MIG mode: "
+                "slurmd numbers its MIG slices, not the GPU, in an order that rests on its "
+                "version and on qsort's order of equal keys (gres_gpu.c "
+                "_sort_gpu_by_links_order); a job's slices are taken from the MIG UUIDs "
+                "slurmd writes into its CUDA_VISIBLE_DEVICES"
+            )
         return ordered
     found: list[Gpu] = []
     for file in layout.files[:count]:
+        if MULTIPLE in file:
+            found.append(_slice_of_files(file, gpus, nodes, known, layout.path))
+            continue
         minor = minor_of(file, nodes, known, layout.path)
         gpu = by_minor.get(minor)
         if gpu is None:
@@ -302,8 +409,96 @@ def gpu_order(
                 f"{layout.path}: File {echo(file)} is /dev/nvidia{minor}, and NVML lists no "
                 f"GPU with minor number {minor}"
             )
+        if gpu.mig_mode:
+            raise GresUnresolved(
+                f"{layout.path}: File {echo(file)} is GPU {gpu.index}, which is in MIG mode: "
+                "a whole-GPU number would take every slice's processes, other jobs' too"
+            )
         found.append(gpu)
     return found
+
+
+def _given_by_slurm_conf(
+    layout: GpuLayout, ordered: list[Gpu], nodes: DeviceNodes, known: dict[tuple[bool, int], int]
+) -> list[Gpu]:
+    """The detected GPUs slurm.conf's count gives the node (`_merge_system_gres_conf`: each
+    of its Count records takes the first unmatched GPU by file name; gres.conf's File= cut at
+    the count), in NVML's order. Typed: each GPU's NVML name must hold exactly one of the
+    types (slurmd matches by that) and each type's count cover its GPUs."""
+    if layout.given is None:
+        return ordered
+    given = dict(layout.given)
+    if "" in given:
+        count = given[""]
+        if count >= len(ordered):
+            return ordered
+        if layout.files:
+            kept = {minor_of(file, nodes, known, layout.path) for file in layout.files[:count]}
+        else:
+            kept = {gpu.minor for gpu in sorted(ordered, key=lambda gpu: gpu.minor)[:count]}
+        return [gpu for gpu in ordered if gpu.minor in kept]
+    per_type: dict[str, int] = {}
+    for gpu in ordered:
+        name = gpu.name.lower().replace(" ", "_")
+        kinds = [kind for kind in given if kind in name]
+        if len(kinds) != 1 or (layout.files and set(layout.types) - {kinds[0]}):
+            raise GresUnresolved(
+                f"{layout.path}: AutoDetect=nvml, and GPU {gpu.index} ({echo(gpu.name)}) is not "
+                f"of exactly one Gres= type ({', '.join(map(echo, given))}) for certain"
+            )
+        per_type[kinds[0]] = per_type.get(kinds[0], 0) + 1
+    short = [kind for kind, found in per_type.items() if found > given[kind]]
+    if short:
+        raise GresUnresolved(
+            f"{layout.path}: AutoDetect=nvml finds more {echo(short[0])} GPUs than Gres= "
+            "gives the node: which slurmd takes is not knowable here"
+        )
+    return ordered
+
+
+def _slice_of_files(
+    record: str,
+    gpus: Sequence[Gpu],
+    nodes: DeviceNodes,
+    known: dict[tuple[bool, int], int],
+    path: str,
+) -> Gpu:
+    """The slice a MultipleFiles record is: its GPU's /dev/nvidiaM and the capability devices
+    of one slice of it (the driver's capabilities files name each slice's, by minor)."""
+    caps_known = nodes.caps_by_number()
+    minors: set[int] = set()
+    caps: set[int] = set()
+    for file in record.split(MULTIPLE):
+        try:
+            minors.add(minor_of(file, nodes, known, path))
+        except GresUnresolved:
+            caps.add(_cap_of(file, nodes, caps_known, path))
+    # CUDA needs both: the compute instance's device names the slice, its GPU instance's
+    # may come with it; any other capability is another slice's
+    owned = slice_capabilities(nodes.proc, gpus)
+    chosen = [gpu for gpu in gpus if gpu.index in owned and owned[gpu.index][1] in caps]
+    if (
+        len(minors) != 1
+        or len(chosen) != 1
+        or chosen[0].minor not in minors
+        or not caps <= set(owned[chosen[0].index])
+    ):
+        raise GresUnresolved(
+            f"{path}: MultipleFiles {echo(record)} is not one GPU's device and the "
+            "capability devices of one MIG slice of it"
+        )
+    return chosen[0]
+
+
+def _cap_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str) -> int:
+    try:
+        info = nodes.stat(nodes.file_path(file))
+    except OSError as exc:
+        raise GresUnresolved(f"{path}: File {echo(file)}: {exc.strerror or exc}") from None
+    cap = known.get((stat.S_ISCHR(info.st_mode), info.st_rdev))
+    if cap is None:
+        raise GresUnresolved(f"{path}: File {echo(file)} is neither a GPU nor a MIG capability")
+    return cap
 
 
 def job_gpus(
@@ -324,6 +519,191 @@ def job_gpus(
             "for this node"
         )
     return tuple(ordered[n] for n in numbers)
+
+
+MIG_LEGACY = re.compile(r"MIG-(GPU-[0-9A-Fa-f-]{1,64})/([0-9]{1,3})/([0-9]{1,3})")
+MIG_UUID = re.compile(r"MIG-[0-9A-Fa-f-]{1,64}")
+
+
+def slices_by_unique_id(
+    numbers: Sequence[int], visible: Sequence[str], gpus: Sequence[Gpu], variable: str
+) -> tuple[Gpu, ...] | None:
+    """The MIG slices slurmd names by unique ID beside its numbers (gres_common.c
+    gres_common_epilog_set_env / _prep_set_env: CUDA_VISIBLE_DEVICES takes a device's
+    unique_id, set only for an AutoDetect=nvml MIG slice, else its number); None where it
+    names no slice. A whole GPU beside slices, or lists that do not pair: GresUnresolved."""
+    if not any(entry.startswith("MIG-") for entry in visible):
+        return None
+    if len(visible) != len(numbers):
+        raise GresUnresolved(
+            f"CUDA_VISIBLE_DEVICES names {len(visible)} device(s), {variable} {len(numbers)}"
+        )
+    found: list[Gpu] = []
+    for number, entry in zip(numbers, visible):
+        if not entry.startswith("MIG-"):
+            raise GresUnresolved(
+                f"{variable} number {number} is a whole GPU beside MIG slices: its place in "
+                "slurmd's order is not knowable here"
+            )
+        found.append(_slice_named(entry, gpus))
+    return tuple(found)
+
+
+def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
+    legacy = MIG_LEGACY.fullmatch(entry)
+    for gpu in gpus:
+        mig = gpu.mig
+        if mig is None:
+            continue
+        if legacy is not None:
+            parent, gi, ci = legacy.group(1), int(legacy.group(2)), int(legacy.group(3))
+            if (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == (parent, gi, ci):
+                return gpu
+        elif MIG_UUID.fullmatch(entry) and gpu.uuid == entry:
+            return gpu
+    raise GresUnresolved(f"CUDA_VISIBLE_DEVICES {echo(entry)}: NVML lists no such MIG slice")
+
+
+def shard_minors(
+    layout: GpuLayout, gpus: Sequence[Gpu], nodes: DeviceNodes, slurm_conf: Path, node: str | None
+) -> frozenset[int]:
+    """The minor numbers of the GPUs that carry gres/shard on this node. slurm.conf, where
+    gpugate reads it for certain, may take them away (no `shard` in GresTypes: no plugin; the
+    node's Gres= without shard: a count of 0, `_merge_config`) or cut a Count; where it does
+    not, gres.conf alone says (more GPUs shared, never fewer)."""
+    shards = layout.shards
+    if shards is None:
+        return frozenset()
+    count = shards.count
+    try:
+        text = read_root_file(slurm_conf, MAX_CONF_BYTES)
+        types = last_value(text, "GresTypes")
+        if types and SHARD not in [name.strip().lower() for name in types.split(",")]:
+            return frozenset()
+        given = sum(_gres_counts(_node_gres(text, node, "shards"), SHARD).values())
+        if not given:
+            return frozenset()
+        count = min(count, given)
+    except GresUnresolved:
+        pass
+    known = nodes.by_number()
+    if not shards.every_gpu:
+        return frozenset(minor_of(file, nodes, known, layout.path) for file in shards.files)
+    minors = [_gpu_minor(file, nodes, known, layout.path) for file in layout.files]
+    if not layout.files:  # AutoDetect=nvml: every GPU, in NVML's order
+        minors = [gpu.minor for gpu in sorted(gpus, key=lambda g: g.index) if gpu.mig is None]
+    return frozenset(m for m, share in zip(minors, spread(count, len(minors))) if share)
+
+
+def _gpu_minor(
+    record: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str
+) -> int:
+    """M of the GPU a File (or a MultipleFiles record, by its /dev/nvidiaM) is."""
+    for file in record.split(MULTIPLE)[:-1]:
+        try:
+            return minor_of(file, nodes, known, path)
+        except GresUnresolved:
+            continue
+    return minor_of(record.rsplit(MULTIPLE, maxsplit=1)[-1], nodes, known, path)
+
+
+def spread(count: int, gpus: int) -> list[int]:
+    """A fileless shard Count over the GPU files, as `_distribute_count` does: each in turn
+    gets what is left over the GPUs left (so the first get 0 where Count < GPUs)."""
+    shares = []
+    for left in range(gpus, 0, -1):
+        shares.append(count // left)
+        count -= shares[-1]
+    return shares
+
+
+def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -> GpuLayout:
+    """gres.conf's files as slurmd merges them with slurm.conf (gres.c `_merge_config`,
+    `_merge_gres2`, 22.05; interfaces/gres.c 23.02-24.11): where the node's Gres= names GPU
+    types, each type in the order Gres= first names it, that type's files in gres.conf's
+    order, cut at its count; a file of no type Gres= names is dropped. Untyped Gres=gpu:N:
+    gres.conf's order."""
+    if layout.nvml_order:
+        why = f"{layout.path}: AutoDetect=nvml takes the GPUs {slurm_conf}'s Gres= gives the node"
+        try:
+            text = read_root_file(slurm_conf, MAX_CONF_BYTES)
+        except GresUnresolved as exc:
+            raise GresUnresolved(f"{why} ({exc})") from None
+        given = node_gpu_types(text, node, why, untyped=True)
+        return replace(layout, given=tuple(given.items()))
+    if not layout.mixed_types:
+        return layout
+    why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
+    try:
+        text = read_root_file(slurm_conf, MAX_CONF_BYTES)
+    except GresUnresolved as exc:
+        raise GresUnresolved(f"{why} ({exc})") from None
+    counts = node_gpu_types(text, node, why)
+    if not counts:
+        return layout
+    ordered: list[tuple[str, str]] = []
+    for kind, count in counts.items():
+        taken = [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
+        ordered.extend(taken)
+    return replace(layout, files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
+
+
+def node_gpu_types(
+    text: str, node: str | None, why: str, *, untyped: bool = False
+) -> dict[str, int]:
+    """The node's Gres= GPU types with their counts, in the order written ({} untyped;
+    untyped=True: {"": N} for `gpu:N`)."""
+    counts = _gres_counts(_node_gres(text, node, why), GPU)
+    if "" in counts and len(counts) > 1:
+        raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
+    if not untyped:
+        counts.pop("", None)
+    return counts
+
+
+def _node_gres(text: str, node: str | None, why: str) -> str:
+    """The node's Gres= as slurm.conf's NodeName= lines give it (a NodeName=DEFAULT line's
+    Gres= for those after it)."""
+    default: str = ""
+    found: str | None = None
+    for number, line in logical_lines(text):
+        head = line.split(None, 1)[0].lower()
+        if head.startswith("include"):
+            raise GresUnresolved(f"{why} (line {number}: {echo(line[:40])} not followed)")
+        if not head.startswith("nodename="):
+            continue
+        keys: dict[str, str] = {k.lower(): v.strip('"') for k, v in PAIR.findall(line)}
+        names = keys.get("nodename", "")
+        if names.upper() == "DEFAULT":
+            default = keys.get("gres", default)
+            continue
+        try:
+            listed = expand_hostlist(names)
+        except ValueError:
+            raise GresUnresolved(f"{why} (line {number}: NodeName={echo(names)})") from None
+        if node is not None and node in listed:
+            if found is not None:
+                raise GresUnresolved(f"{why} (node {echo(node)} on two lines)")
+            found = keys.get("gres", default)
+    if found is None:
+        raise GresUnresolved(f"{why} (no NodeName= line for {echo(node or '(unnamed)')})")
+    return found
+
+
+def _gres_counts(gres: str, name: str) -> dict[str, int]:
+    """NAME's counts in a Gres= by type ("" untyped), in the order written (gres.c
+    `_get_gres_cnt`: `name[:type...][:count]`, a `(S:...)` binding ignored)."""
+    counts: dict[str, int] = {}
+    for token in gres.split(","):
+        parts = token.split("(", 1)[0].strip().split(":")
+        if parts[0] != name:
+            continue
+        count = 1
+        if len(parts) > 1 and parts[-1][:1].isdigit():
+            count = _count("slurm.conf", 0, parts.pop())
+        for kind in parts[1:] or [""]:
+            counts[kind.lower()] = counts.get(kind.lower(), 0) + count
+    return counts
 
 
 def last_value(text: str, key: str) -> str:

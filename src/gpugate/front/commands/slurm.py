@@ -17,6 +17,7 @@ from typing import TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import GpuRef, parse_gpu_text
+from gpugate.core.discover import Discovery
 from gpugate.core.outcome import UNKILLABLE, Held, NullSurroundings, RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError, InvalidValue
@@ -32,10 +33,13 @@ from gpugate.integrations.gres_conf import (
     GresUnresolved,
     gpu_order,
     gres_conf_path,
+    in_slurm_conf_order,
     job_gpus,
     parse_gres_conf,
     read_root_file,
+    shard_minors,
     shm_privacy,
+    slices_by_unique_id,
 )
 from gpugate.phase import Phase
 from gpugate.report import lines
@@ -53,6 +57,7 @@ MAX_JOB_ID = 2**32 - 1
 GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
 NO_DEVICE_FILES = "NoDevFiles"  # Slurm before 15.08, for a gres without device files
 SCONTROL_TIMEOUT_S = 15
+MAX_VISIBLE_CHARS = 8192  # 64 slices' unique IDs with room to spare
 
 
 class SlurmEnvError(GateError):
@@ -69,6 +74,7 @@ class SlurmJob:
     gpus_from: str  # the variable they came from
     node_name: str | None  # SLURMD_NODENAME: Slurm's name for this node
     no_gpus: str = ""  # the value that said "no GPU" (NoDevFiles, an empty list): said once
+    visible: tuple[str, ...] = ()  # the hooks' CUDA_VISIBLE_DEVICES: a MIG slice's unique ID
 
     @property
     def label(self) -> str:
@@ -100,7 +106,17 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         gpus_from=source,
         node_name=environ.get("SLURMD_NODENAME") or None,
         no_gpus=said,
+        visible=visible_devices(environ) if source == GPU_VARIABLES[0] else (),
     )
+
+
+def visible_devices(environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The hooks' CUDA_VISIBLE_DEVICES, which slurmd writes beside SLURM_JOB_GPUS (one entry
+    per number: the number, or the device's unique ID); () where unset or out of bounds."""
+    value = environ.get("CUDA_VISIBLE_DEVICES", "")
+    if not value or len(value) > MAX_VISIBLE_CHARS:
+        return ()
+    return tuple(entry.strip() for entry in value.split(","))
 
 
 def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
@@ -152,9 +168,19 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
     return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
-def job_surroundings(loaded: LoadedConfig) -> NullSurroundings:
-    """Slurm gives out GPUs and drains a failed node itself: no lease checked or taken."""
-    return NullSurroundings(loaded, gpu_source=f"gpus in {loaded.source}")
+@dataclass(frozen=True)
+class JobSurroundings(NullSurroundings):
+    """Slurm gives out GPUs and drains a failed node itself: no lease checked or taken. A
+    GPU that carries gres/shard is shared by every job on it (docs/slurm.md)."""
+
+    shard_minors: frozenset[int] = frozenset()
+
+    def shared_gpus(self, discovery: Discovery) -> frozenset[int]:
+        return frozenset(gpu.index for gpu in discovery.owned if gpu.minor in self.shard_minors)
+
+
+def job_surroundings(loaded: LoadedConfig, shard_minors: frozenset[int]) -> JobSurroundings:
+    return JobSurroundings(loaded, gpu_source=f"gpus in {loaded.source}", shard_minors=shard_minors)
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:
@@ -208,7 +234,7 @@ def slurm(front: Front, phase: Phase, config_path: Path | None, *, dry_run: bool
                     reporter.event(Event.RUN_FINISHED, said, result="success")
                 return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
             config = load_slurm_config(config_path)
-            loaded, driver_factory = job_config(config, job, front, roots)
+            loaded, driver_factory, shards = job_config(config, job, front, roots)
         except GateError as exc:
             print(lines.error(exc.message), file=sys.stderr)
             result = exc
@@ -217,7 +243,7 @@ def slurm(front: Front, phase: Phase, config_path: Path | None, *, dry_run: bool
                 phase,
                 job.label,
                 lambda: job_cgroup(job.job_id, roots.cgroup, job.node_name),
-                lambda scope, loaded, reporter: job_surroundings(loaded),
+                lambda scope, loaded, reporter: job_surroundings(loaded, shards),
                 reporter,
                 RunDeps(roots=roots, driver_factory=driver_factory),
                 metrics_unit=METRICS_UNIT,
@@ -246,18 +272,37 @@ def drain(
 
 def job_config(
     config: LoadedConfig, job: SlurmJob, front: Front, roots: HostRoots
-) -> tuple[LoadedConfig, Callable[[], GpuDriver]]:
-    """The config with the job's GPUs as NVML's UUIDs, the driver opened; numbers not
-    resolved for certain: no GPU, the job's cgroup alone."""
+) -> tuple[LoadedConfig, Callable[[], GpuDriver], frozenset[int]]:
+    """The config with the job's GPUs as NVML's UUIDs, the driver opened, and the minors of
+    the GPUs that carry shards; numbers not resolved for certain: no GPU, the job's cgroup
+    alone."""
     driver: GpuDriver | None = None
     given = f"{job.gpus_from}={','.join(map(str, job.gpus))}"
+    slurm_conf = front.environ.get("SLURM_CONF")
+    nodes = DeviceNodes(roots.dev, front.device_stat, roots.proc)
     try:
-        path = gres_conf_path(front.environ.get("SLURM_CONF"))
-        layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
+        path = gres_conf_path(slurm_conf)
         driver = front.driver_factory()
-        nodes = DeviceNodes(roots.dev, front.device_stat)
-        unreadable = len(driver.faults())
-        gpus = job_gpus(job.gpus, layout, driver.gpus(), nodes, unreadable)
+        every = driver.gpus()
+        # slurmd named each slice by its MIG UUID: that is certain without gres.conf
+        slices = slices_by_unique_id(job.gpus, job.visible, every, job.gpus_from)
+        try:
+            layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
+            layout = in_slurm_conf_order(
+                layout, Path(slurm_conf or DEFAULT_SLURM_CONF), job.node_name
+            )
+        except GresUnresolved:
+            if slices is None:
+                raise
+            layout = None
+        if slices is None and layout is not None:
+            gpus = job_gpus(job.gpus, layout, every, nodes, len(driver.faults()))
+        else:
+            gpus = slices or ()
+        shards: frozenset[int] = frozenset()
+        if layout is not None:
+            where = Path(slurm_conf or DEFAULT_SLURM_CONF)
+            shards = shard_minors(layout, every, nodes, where, job.node_name)
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
@@ -269,11 +314,12 @@ def job_config(
             file=sys.stderr,
         )
         unresolved = f"{given} not resolved: the job's cgroup only"
-        return with_job_gpus(config, (), unresolved), front.driver_factory
+        return with_job_gpus(config, (), unresolved), front.driver_factory, frozenset()
     opened = driver
     uuids = tuple(gpu.uuid for gpu in gpus)
-    loaded = with_job_gpus(config, uuids, f"gpus from {given} through {layout.path}")
-    return loaded, lambda: opened
+    through = str(path) if slices is None else "CUDA_VISIBLE_DEVICES's MIG unique IDs"
+    loaded = with_job_gpus(config, uuids, f"gpus from {given} through {through}")
+    return loaded, lambda: opened, shards
 
 
 def failure_detail(summary: RunSummary) -> str:
@@ -340,9 +386,11 @@ def slurm_check(
     try:
         path = gres_conf_path(slurm_conf)
         layout = parse_gres_conf(read_root_file(path), str(path), node)
+        layout = in_slurm_conf_order(layout, Path(slurm_conf), node)
         with contextlib.closing(driver_factory()) as driver:
             gpus, faults = list(driver.gpus()), list(driver.faults())
         ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
+        shards = shard_minors(layout, gpus, nodes, Path(slurm_conf), node)
     except GresUnresolved as exc:
         print(
             f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
@@ -355,9 +403,12 @@ def slurm_check(
         return int(exc.exit_code)
     order = "AutoDetect=nvml: NVML's order" if layout.nvml_order else "File= order"
     print(f"GPUs of node {node}, as slurmd numbers them ({layout.path}, {order}):", file=out)
+    shared = ""
+    if layout.shards is not None:
+        shared = f", shared: carries gres/shard ({layout.path} line {layout.shards.line})"
     for number, gpu in enumerate(ordered):
         where = "" if layout.nvml_order else f" {layout.files[number]} ="
-        print(f"  {number} ={where} {gpu.label}", file=out)
+        print(f"  {number} ={where} {gpu.label}{shared if gpu.minor in shards else ''}", file=out)
     return int(ExitCode.OK)
 
 
