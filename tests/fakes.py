@@ -22,9 +22,9 @@ from gpugate.config.file import LoadedConfig
 from gpugate.config.schema import GateConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunDeps, RunScope
-from gpugate.errors import GateError
+from gpugate.errors import GateError, GpuError
 from gpugate.front.hook import Hook, run_phase
-from gpugate.host.nvml import Gpu, GpuError, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
+from gpugate.host.nvml import Gpu, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
 from gpugate.host.systemd import HostRoots
 from gpugate.integrations.unit import UnitContext
 from gpugate.phase import Phase

@@ -1,8 +1,12 @@
-"""Exit codes and the errors that carry them: each a `GateError` with one exit code and a
-one-line message; the CLI prints the message and exits with the code, never a traceback."""
+"""Exit codes and every exception gpugate defines. Each `GateError` has one exit code and a
+one-line message; the CLI prints the message and exits with the code, never a traceback. A
+finished run's outcome reaches its code through the same table (`RUN_OUTCOMES`). This module
+imports nothing of gpugate: every layer may raise what it defines."""
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Collection
 from enum import IntEnum
 
 
@@ -51,6 +55,25 @@ class ExitCode(IntEnum):
 SYSEXITS_NAMES = {int(code): code.sysexits_name for code in ExitCode if code.sysexits_name}
 
 
+# A finished run may meet several of these outcomes at once; it exits with the first found, in
+# this order. First the cause the operator must remove before anything else helps: a respawner
+# makes every kill futile (and its last respawn, killed at the deadline, would read as a
+# survivor). Then a survivor of SIGKILL (a GPU reset or a reboot); then a holder gpugate may not
+# kill; then memory no process holds; last, /dev/shm short of space for the next start.
+RUN_OUTCOMES = (
+    ExitCode.RESPAWNING,
+    ExitCode.UNKILLABLE,
+    ExitCode.HELD_BY_OTHERS,
+    ExitCode.MEMORY_TIMEOUT,
+    ExitCode.SHM_SPACE,
+)
+
+
+def outcome_code(found: Collection[ExitCode]) -> ExitCode:
+    """A finished run's exit code: the first of RUN_OUTCOMES it found, else OK."""
+    return next((code for code in RUN_OUTCOMES if code in found), ExitCode.OK)
+
+
 def exit_code_summary() -> str:
     """`0 ok, 20 holders survived SIGKILL, ...`: for --help, from the codes themselves."""
     return ", ".join(f"{int(code)} {code.meaning}" for code in sorted(ExitCode))
@@ -91,6 +114,14 @@ class NvmlUnavailable(GateError):
     exit_code = ExitCode.NVML_UNAVAILABLE
 
 
+class GpuError(NvmlUnavailable):
+    """NVML failed on one GPU; the others may still answer."""
+
+    def __init__(self, index: int, message: str, *, code: str = "") -> None:
+        super().__init__(message, code=code)
+        self.index = index
+
+
 class NvmlNotAnswering(GateError):
     """An NVML call did not return in time: the driver is hung (as `nvidia-smi` hangs). Not an
     NvmlUnavailable: its time is spent, so on_nvml_error = "warn" cannot go on without it."""
@@ -109,14 +140,10 @@ class Interrupted(GateError):
         self.stage = stage
 
 
-class ProgramNotAnswering(GateError):
-    """systemctl (or another program gpugate asks) outlived its deadline."""
-
-    exit_code = ExitCode.NVML_UNAVAILABLE
-
-
-class ProgramNotFound(GateError):
-    """A program gpugate asks is not in the system folders, or cannot run."""
+class ProgramUnavailable(GateError):
+    """systemctl (or another program gpugate asks) cannot run, or outlived its deadline. The
+    code of NvmlUnavailable, but never one: on_nvml_error = "warn" goes on without NVML, never
+    without systemctl."""
 
     exit_code = ExitCode.NVML_UNAVAILABLE
 
@@ -154,3 +181,61 @@ class HostUnsupported(GateError):
 
 class ManualRunRefused(GateError):
     exit_code = ExitCode.MANUAL_RUN_REFUSED
+
+
+class BadInput(GateError):
+    """What the command was given cannot be used, nothing was touched: `gpugate run`'s arguments
+    or account; the environment slurmd gave (not a job gpugate understands); a container's state
+    or config.json (unreadable, or naming GPUs gpugate cannot resolve)."""
+
+    exit_code = ExitCode.USAGE
+
+
+class HeldByOthers(GateError):
+    """`gpugate run` refused to start: the GPUs are held or leased by another workload."""
+
+    exit_code = ExitCode.HELD_BY_OTHERS
+
+
+# Not GateErrors: each is caught where it is raised, or turned into one there.
+
+
+class BadRecord(InvalidValue):
+    """Why a state file is not one of gpugate's records: one phrase, no path."""
+
+
+class GresUnresolved(InvalidValue):
+    """Why the job's GPU numbers cannot be turned into device files for certain."""
+
+
+class NotRegularFile(OSError):
+    def __init__(self, path: object, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"not a regular file ({kind})", str(path))
+        self.kind = kind
+
+
+class TooLarge(OSError):
+    def __init__(self, path: object, size: int, limit: int) -> None:
+        super().__init__(errno.EFBIG, f"larger than {limit} bytes", str(path))
+        self.size = size
+        self.limit = limit
+
+
+class UnsafeLink(OSError):
+    def __init__(self, path: str) -> None:
+        super().__init__(errno.ELOOP, "a symbolic link in a folder another account may change")
+        self.filename = path
+
+
+class LinkOnPath(Exception):
+    """safe_files: a component of a path is a symbolic link (its target, its owner's uid)."""
+
+    def __init__(self, target: str, uid: int) -> None:
+        self.target = target
+        self.uid = uid
+
+
+class CallTimedOut(Exception):  # the call may still be running
+    def __init__(self, waited_s: float) -> None:
+        super().__init__(f"no answer after {waited_s:.1f} s")
+        self.waited_s = waited_s

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from gpugate.errors import ExitCode
+from gpugate.errors import BadInput, ExitCode
 from gpugate.front.oci_hook import run_container_hook
 from gpugate.host.containers import OwnCgroup, own_cgroup
-from gpugate.host.oci import ContainerState, OciInputError, parse_config
+from gpugate.host.oci import ContainerState, parse_config
 from gpugate.integrations.container import identify
 from gpugate.integrations.records import new_lease, read_leases, write_lease
 from gpugate.phase import Phase
@@ -147,7 +147,7 @@ def test_identity_refused_without_a_cgroup_of_its_own(
 ) -> None:
     procs = Procs({42: kernel} if kernel else {})
     state = ContainerState(A, 42 if kernel else 0, "/nonexistent")
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         identify(state, parse_config(spec_with(spec_path)), procs)  # type: ignore[arg-type]
     assert caught.value.code == "oci-no-own-cgroup"
     assert caught.value.exit_code == ExitCode.USAGE
@@ -155,7 +155,7 @@ def test_identity_refused_without_a_cgroup_of_its_own(
 
 def test_the_refusal_shows_a_hostile_cgroup_escaped_on_one_line() -> None:
     cgroup = "/system.slice/\x1b[2J\nvllm.service"
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         identify(
             ContainerState(A, 0, "/nonexistent"),
             parse_config(spec_with(cgroup)),

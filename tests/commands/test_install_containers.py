@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode, InstallError
+from gpugate.errors import BadInput, ExitCode, InstallError
 from gpugate.front.install import Action, Change, apply
 from gpugate.front.install_containers import (
     HOOK_FILES,
@@ -21,7 +21,6 @@ from gpugate.front.install_containers import (
     podman_hooks_dirs,
 )
 from gpugate.front.oci_runtime import bundle_of, command_of, with_hooks
-from gpugate.host.oci import OciInputError
 
 GPUGATE = "/usr/bin/gpugate"
 WRAPPER = "/usr/bin/gpugate-oci-runtime"
@@ -288,9 +287,9 @@ def test_wrapper_adds_hooks_only_to_gpu_containers() -> None:
 
 
 def test_wrapper_refuses_a_spec_whose_hooks_it_cannot_extend() -> None:
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         with_hooks(gpu_spec([], hooks=[1], device=True), GPUGATE)
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         with_hooks(gpu_spec([], hooks={"poststop": "x"}, device=True), GPUGATE)
 
 

@@ -15,11 +15,10 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gpugate.config.schema import GateConfig
-from gpugate.errors import ConfigError, ExitCode, GateError
+from gpugate.errors import BadInput, ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
 from gpugate.front.launch import (
     Caller,
-    LaunchError,
     LaunchPlan,
     caller_environment,
     command_status,
@@ -177,7 +176,7 @@ def test_a_given_name_is_a_service(given_name: str, expected: str) -> None:
     ],
 )
 def test_a_bad_name_is_a_usage_error(given_name: str, text: str) -> None:
-    with pytest.raises(LaunchError) as raised:
+    with pytest.raises(BadInput) as raised:
         derive_unit_name(["x"], given_name, "000000")
     assert text in raised.value.message and raised.value.exit_code is ExitCode.USAGE
 
@@ -376,7 +375,7 @@ def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> 
     with pytest.raises(ConfigError) as unknown:
         indices([9], {})
     assert unknown.value.exit_code is ExitCode.CONFIG and unknown.value.field == "gpus"
-    with raises_error(LaunchError):
+    with raises_error(BadInput):
         indices(None, {"CUDA_VISIBLE_DEVICES": ""})
 
 
@@ -394,7 +393,7 @@ def test_the_invoking_user_is_sudos_caller(monkeypatch: pytest.MonkeyPatch) -> N
     )
     # Not sudo's own digits: refused, never read as root (issue 26, rule 5; more members in
     # test_run_accounts.py).
-    with pytest.raises(LaunchError):
+    with pytest.raises(BadInput):
         invoking_user({"SUDO_UID": "x"})
 
 

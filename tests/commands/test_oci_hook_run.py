@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import BadInput, ExitCode, NvmlUnavailable
 from gpugate.front.oci_hook import STAGE_PHASES, run_container_hook
 from gpugate.host.nvml import mig_key
-from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError, parse_config
+from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
 from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
@@ -128,7 +128,7 @@ def unresolvable(container_id: str) -> ContainerSpec:
             "linux": {"cgroupsPath": f"machine.slice:libpod:{container_id}"},
         }
     )
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         parse_config(text.encode())
     got = parse_config(text.encode(), lenient=True)
     assert got.gpus and got.gpus.unresolved is not None
@@ -258,7 +258,7 @@ def test_a_mig_reference_nvml_cannot_resolve_is_the_containers_bad_input(
 
 @pytest.mark.parametrize("value", ["MIG-1234", "gpu0", "0:1:0", "ALL"])
 def test_a_gpu_request_gpugate_cannot_read_is_refused_before_nvml(value: str) -> None:
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         spec(A_ID, [f"NVIDIA_VISIBLE_DEVICES={value}"])
     assert caught.value.exit_code == ExitCode.USAGE
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode, ProgramNotAnswering
+from gpugate.errors import ExitCode, ProgramUnavailable
 from gpugate.front.cli import main
 from gpugate.front.commands import slurm
 from gpugate.host import safe_files, systemd
@@ -101,7 +101,7 @@ def test_a_program_that_does_not_answer_is_a_documented_error(
     monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(tmp_path),))
     monkeypatch.setattr(systemd, "systemd_running", lambda: True)
     monkeypatch.setattr(systemd, "SYSTEMCTL_TIMEOUT_S", 0.3)
-    with pytest.raises(ProgramNotAnswering) as raised:
+    with pytest.raises(ProgramUnavailable) as raised:
         systemd.systemctl_show("vllm.service", "ActiveState")
     assert raised.value.exit_code is ExitCode.NVML_UNAVAILABLE
 

@@ -19,12 +19,11 @@ from hypothesis import strategies as st
 from gpugate.config.schema import GateConfig
 from gpugate.core.decide import Rule, decide
 from gpugate.core.discover import Holder, Source
-from gpugate.errors import ExitCode
+from gpugate.errors import BadInput, ExitCode
 from gpugate.front.cli import build_parser
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.launch import (
     Caller,
-    LaunchError,
     LaunchPlan,
     derive_unit_name,
     hook_line,
@@ -80,7 +79,7 @@ def test_the_caller_is_sudos_only_under_root(environ: dict[str, str], real_uid: 
     if real_uid == 0 and "SUDO_UID" in environ:
         uid, gid = parse_uid(environ["SUDO_UID"]), parse_uid(environ.get("SUDO_GID", "0"))
         if uid is None or gid is None:
-            with pytest.raises(LaunchError) as raised:
+            with pytest.raises(BadInput) as raised:
                 invoking_user(environ, real_uid=real_uid)
             assert raised.value.exit_code is ExitCode.USAGE
             return
@@ -155,7 +154,7 @@ def test_a_name_is_a_plain_unit_name(name: str) -> None:
     if plain:
         assert derive_unit_name(["x"], name, "000000") == unit
     else:
-        with pytest.raises(LaunchError) as raised:
+        with pytest.raises(BadInput) as raised:
             derive_unit_name(["x"], name, "000000")
         assert raised.value.exit_code is ExitCode.USAGE
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpugate.errors import ExitCode
+from gpugate.errors import BadInput, ExitCode
 from gpugate.front.commands import Front
-from gpugate.front.commands.slurm import SlurmEnvError, job_cgroup, job_from_env
+from gpugate.front.commands.slurm import job_cgroup, job_from_env
 from gpugate.front.commands.slurm import slurm as slurm_hook
 from gpugate.host.nvml import mig_key
 from gpugate.phase import Phase
@@ -108,7 +108,7 @@ def test_job_gpus_as_slurmd_writes_them(
     ],
 )
 def test_bad_environment_is_refused(environ: Mapping[str, str], message: str) -> None:
-    with pytest.raises(SlurmEnvError) as caught:
+    with pytest.raises(BadInput) as caught:
         job_from_env(environ)
     assert caught.value.message.startswith(message), caught.value.message
     assert caught.value.exit_code is ExitCode.USAGE

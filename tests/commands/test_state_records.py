@@ -22,14 +22,13 @@ from hypothesis import strategies as st
 
 from gpugate.core.discover import Discovery
 from gpugate.core.run import RunScope
-from gpugate.errors import ExitCode
+from gpugate.errors import BadRecord, ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands.status import unreadable_warning
 from gpugate.host.scan import Deadline, scan_device_users
 from gpugate.host.shm import MAX_WALK_DEPTH, ShmArea, inode_index, largest_files, regular_files
 from gpugate.integrations.metrics import load_state
 from gpugate.integrations.records import (
-    BadRecord,
     Lease,
     failed_pre_from,
     failed_pre_of_this_start,

@@ -5,10 +5,16 @@ short enough to read. The rules are CONTRIBUTING.md's "Layout"."""
 from __future__ import annotations
 
 import ast
+import builtins
+import importlib
+import pkgutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import gpugate
+from gpugate.errors import ExitCode, GateError
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gpugate"
 # beside every layer: exit codes, phases, back-ports, the escaping of untrusted text
@@ -281,3 +287,119 @@ def test_the_cycle_rule_catches_a_cycle_in_a_fixture_tree(tmp_path: Path) -> Non
     ]
     del trees["gpugate.front.b"]
     assert len(import_cycles(import_graph(trees))) == 1
+
+
+# One exception family: every class gpugate raises is defined in errors.py, so each exit code
+# has one class and each class one code (CONTRIBUTING.md, "Adding an exit code").
+BUILTIN_EXCEPTIONS = {
+    name
+    for name, value in vars(builtins).items()
+    if isinstance(value, type) and issubclass(value, BaseException)
+}
+
+
+def base_names(node: ast.ClassDef) -> set[str]:
+    names = set()
+    for base in node.bases:
+        if isinstance(base, ast.Name):
+            names.add(base.id)
+        elif isinstance(base, ast.Attribute):
+            names.add(base.attr)
+    return names
+
+
+def exception_classes(trees: dict[str, ast.Module]) -> set[tuple[str, str]]:
+    """(module, class) of every class deriving, in these trees, from a built-in exception."""
+    classes = [
+        (name, node)
+        for name, tree in trees.items()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    ]
+    known = set(BUILTIN_EXCEPTIONS)
+    found: set[tuple[str, str]] = set()
+    while True:
+        new = {(name, node.name) for name, node in classes if base_names(node) & known}
+        if new <= found:
+            return found
+        found |= new
+        known |= {cls for _, cls in new}
+
+
+def test_every_exception_class_is_defined_in_errors() -> None:
+    trees = {module_name(path): tree for path, tree in modules()}
+    elsewhere = {(m, c) for m, c in exception_classes(trees) if m != "gpugate.errors"}
+    assert not elsewhere, sorted(elsewhere)
+
+
+def gate_errors() -> list[type[GateError]]:
+    """GateError and its subclasses, every gpugate module loaded."""
+    for info in pkgutil.walk_packages(gpugate.__path__, "gpugate."):
+        if not info.name.endswith("__main__"):
+            importlib.import_module(info.name)
+    pending, seen = [GateError], []
+    while pending:
+        cls = pending.pop()
+        seen.append(cls)
+        pending.extend(cls.__subclasses__())
+    return [cls for cls in seen if cls.__module__.startswith("gpugate")]
+
+
+def test_every_gate_error_is_defined_in_errors() -> None:
+    """At run time too: a subclass made under another name (an alias, a base by attribute)."""
+    found = gate_errors()
+    assert len(found) > 10
+    assert [cls for cls in found if cls.__module__ != "gpugate.errors"] == []
+
+
+# Two classes share a code only where a caller must tell them apart: on_nvml_error = "warn"
+# goes on without NVML, never without systemctl. A subclass that keeps its base's code (GpuError:
+# which GPU) is its base's refinement, not a second class for the code.
+SHARED_CODES = {ExitCode.NVML_UNAVAILABLE: {"NvmlUnavailable", "ProgramUnavailable"}}
+
+
+def shared_codes(classes: list[type[GateError]]) -> dict[ExitCode, set[str]]:
+    """The codes that more than one class sets for itself."""
+    by_code: dict[ExitCode, set[str]] = {}
+    for cls in classes:
+        if "exit_code" in vars(cls):
+            by_code.setdefault(cls.exit_code, set()).add(cls.__name__)
+    return {code: names for code, names in by_code.items() if len(names) > 1}
+
+
+def test_one_class_per_exit_code() -> None:
+    assert shared_codes(gate_errors()) == SHARED_CODES
+
+
+def test_the_one_class_rule_catches_a_second_class_for_a_code() -> None:
+    class OciInput(GateError):
+        exit_code = ExitCode.USAGE
+
+    class SlurmEnv(GateError):
+        exit_code = ExitCode.USAGE
+
+    class Refined(OciInput):
+        pass
+
+    assert shared_codes([OciInput, SlurmEnv, Refined]) == {ExitCode.USAGE: {"OciInput", "SlurmEnv"}}
+
+
+def test_the_exception_rule_catches_a_class_in_a_fixture_tree() -> None:
+    errors = ast.parse("class GateError(Exception): ...\nclass Fine(GateError): ...\n")
+    broken = ast.parse(
+        "from gpugate import errors\n"
+        "from gpugate.errors import GateError\n"
+        "class Mine(GateError): ...\n"
+        "class Deeper(Mine): ...\n"
+        "class ByAttribute(errors.GateError): ...\n"
+        "class Own(OSError): ...\n"
+        "class Plain: ...\n"
+        "class Derived(Plain): ...\n"
+    )
+    found = exception_classes({"gpugate.errors": errors, "gpugate.host.x": broken})
+    assert {c for m, c in found if m != "gpugate.errors"} == {
+        "Mine",
+        "Deeper",
+        "ByAttribute",
+        "Own",
+    }

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from gpugate.host.nvml import CallThread, CallTimedOut
+from gpugate.errors import CallTimedOut
+from gpugate.host.nvml import CallThread
 
 
 def test_answers_and_exceptions_come_back_as_they_are() -> None:

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpugate.errors import ExitCode
+from gpugate.errors import BadInput, ExitCode
 from gpugate.front.oci_runtime import with_hooks
 from gpugate.host import oci
 from gpugate.host.nvml import Gpu
@@ -21,7 +21,6 @@ from gpugate.host.oci import (
     UNREADABLE,
     UNTRUSTED,
     GpuRequest,
-    OciInputError,
     Toolkit,
     read_toolkit,
     spec_gpu_request,
@@ -48,7 +47,7 @@ def request(toolkit: Toolkit = DEFAULTS, **spec: object) -> GpuRequest:
 
 def refusal(toolkit: Toolkit = DEFAULTS, **spec: object) -> bool:
     """Refused as bad input (exit 64, one line); the class is the code, not the words."""
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         spec_gpu_request(spec, toolkit)
     assert caught.value.exit_code == ExitCode.USAGE
     return bool(caught.value.message) and "\n" not in caught.value.message
@@ -382,7 +381,7 @@ def test_junk_variable_values_are_refused(value: str, problem: str) -> None:
 def test_any_env_list_resolves_or_is_refused_with_one_line(items: list[object]) -> None:
     try:
         got = request(hooks=HOOK, process={"env": items})
-    except OciInputError as exc:
+    except BadInput as exc:
         assert "\n" not in exc.message
     else:
         assert all(ref.strip() == ref and ref for ref in got.refs)
@@ -423,7 +422,7 @@ def test_the_same_gpu_by_every_name_is_one() -> None:
     ],
 )
 def test_what_nvml_does_not_know_is_refused(got: GpuRequest, problem: str) -> None:
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         gpu_selection(got, GPUS, "s")
     assert caught.value.exit_code == ExitCode.USAGE
 

@@ -14,7 +14,7 @@ from gpugate.config.file import parse_config
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role
-from gpugate.errors import ConfigError, ExitCode, ProgramNotAnswering
+from gpugate.errors import ConfigError, ExitCode, ProgramUnavailable
 from gpugate.host import safe_files
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import Gpu
@@ -162,7 +162,7 @@ def test_a_hanging_cli_is_cut_off_and_the_id_shown(cli: Path) -> None:
     (found,) = names.named([Container("docker", ID, "/a")])
     assert found.name is None and found.label.endswith(ID[:12])  # the id stands for the name
     (warning,) = names.warnings
-    assert isinstance(warning, ProgramNotAnswering)
+    assert isinstance(warning, ProgramUnavailable)
 
 
 def test_no_cli_no_name() -> None:

@@ -12,14 +12,12 @@ import pytest
 
 from gpugate.config.file import parse_config
 from gpugate.config.values import gpu_refs
-from gpugate.core.outcome import PRECEDENCE, RunFacts, exit_code_for
-from gpugate.errors import ConfigError, ExitCode, InvalidValue
+from gpugate.errors import RUN_OUTCOMES, ConfigError, ExitCode, InvalidValue, outcome_code
 from gpugate.front.cli import main
 from gpugate.untrusted import ECHO_MAX
 from tests.fakes import FakeHost
 
 REPO = Path(__file__).resolve().parents[2]
-FACTS = [name for name, _ in PRECEDENCE]
 ORDER = [
     ExitCode.RESPAWNING,
     ExitCode.UNKILLABLE,
@@ -29,28 +27,38 @@ ORDER = [
 ]
 
 
-@pytest.mark.parametrize("held", list(itertools.product([False, True], repeat=len(FACTS))))
-def test_every_combination_of_facts_gives_the_most_severe_code(held: tuple[bool, ...]) -> None:
-    facts = RunFacts(**{name: held[i] for i, name in enumerate(FACTS)})
-    expected = next((code for i, code in enumerate(ORDER) if held[i]), ExitCode.OK)
-    assert exit_code_for(facts) is expected
+@pytest.mark.parametrize("held", list(itertools.product([False, True], repeat=len(ORDER))))
+def test_every_combination_of_outcomes_gives_the_most_severe_code(held: tuple[bool, ...]) -> None:
+    found = {code for i, code in enumerate(reversed(ORDER)) if held[i]}
+    expected = next((code for code in ORDER if code in found), ExitCode.OK)
+    assert outcome_code(found) is expected
+
+
+def test_the_precedence_is_the_order_of_today() -> None:
+    assert list(RUN_OUTCOMES) == ORDER
 
 
 def test_unkillable_beats_memory_timeout() -> None:
     """The case the issue names: a survivor found during the wait, memory still used after."""
-    assert exit_code_for(RunFacts(survivors=True, memory_busy=True)) is ExitCode.UNKILLABLE
-    assert exit_code_for(RunFacts(survivors=True, held_by_others=True)) is ExitCode.UNKILLABLE
+    unkillable = ExitCode.UNKILLABLE
+    assert outcome_code({ExitCode.MEMORY_TIMEOUT, unkillable}) is unkillable
+    assert outcome_code({ExitCode.HELD_BY_OTHERS, unkillable}) is unkillable
 
 
 def test_a_respawner_is_named_before_the_respawn_it_left_dying() -> None:
-    assert exit_code_for(RunFacts(respawning=True, survivors=True)) is ExitCode.RESPAWNING
+    found = {ExitCode.UNKILLABLE, ExitCode.RESPAWNING}
+    assert outcome_code(found) is ExitCode.RESPAWNING
+
+
+def test_an_error_code_is_no_run_outcome() -> None:
+    assert outcome_code({ExitCode.CONFIG}) is ExitCode.OK
 
 
 def test_the_documented_order_is_the_codes() -> None:
     text = (REPO / "docs" / "hardening.md").read_text()
     (line,) = [ln for ln in text.splitlines() if ln.startswith("Precedence:")]
     named = [int(n) for n in re.findall(r"\b(\d+) [A-Z_]+", line)]
-    assert named == [int(code) for _, code in PRECEDENCE]
+    assert named == [int(code) for code in RUN_OUTCOMES]
 
 
 # --- bounded echo --------------------------------------------------------------------------

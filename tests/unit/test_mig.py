@@ -12,12 +12,12 @@ from gpugate.config.file import parse_config
 from gpugate.config.values import gpu_ref, legacy_mig, parse_gpu_text
 from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.core.run import RunScope
-from gpugate.errors import ConfigError, ExitCode, InvalidValue
+from gpugate.errors import BadInput, ConfigError, ExitCode, InvalidValue
 from gpugate.front.commands.slurm import job_from_env
 from gpugate.front.launch import resolve_gpus
 from gpugate.host import nvml
 from gpugate.host.nvml import mig_key
-from gpugate.host.oci import GpuRequest, OciInputError
+from gpugate.host.oci import GpuRequest
 from gpugate.integrations.container import gpu_selection
 from gpugate.integrations.records import read_leases
 from gpugate.integrations.unit import parse_visible_devices
@@ -363,7 +363,7 @@ def test_a_containers_slice_is_the_slice_not_its_gpu() -> None:
     whole = GpuRequest(minors=(0,), refs=())
     assert gpu_selection(whole, gpus, "oci") == (GPU0,)
     # a slice NVML does not have: the container's bad input (64), as an unknown index is
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         gpu_selection(GpuRequest(minors=(0,), refs=(mig_uuid(0, 3, 0),)), gpus, "oci")
     assert caught.value.exit_code is ExitCode.USAGE
 
@@ -395,7 +395,7 @@ def test_nvidias_gpu_mig_index_pair_is_that_slice(pair: str, slice_gi: int) -> N
 )
 def test_a_pair_nvml_does_not_know_is_refused(pair: str) -> None:
     gpus = list(mig_host().gpus())
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         gpu_selection(GpuRequest(minors=(0,), refs=(pair,)), gpus, "oci")
     assert caught.value.exit_code is ExitCode.USAGE
 
@@ -495,10 +495,10 @@ def test_a_slurm_jobs_variables_never_name_slices() -> None:
     """slurmd writes only its own GPU numbers (docs/slurm.md): a MIG UUID in SLURM_JOB_GPUS
     is not slurmd's (exit 64), and CUDA_VISIBLE_DEVICES alone names no GPU (beside
     SLURM_JOB_GPUS it is read for the slices' IDs slurmd writes there: test_slurm.py)."""
-    from gpugate.front.commands.slurm import SlurmEnvError
+    from gpugate.errors import BadInput
 
     for value in (mig_uuid(0, 1, 0), f"MIG-{GPU0}/2/0"):
-        with pytest.raises(SlurmEnvError) as caught:
+        with pytest.raises(BadInput) as caught:
             job_from_env({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": value})
         assert caught.value.exit_code is ExitCode.USAGE
     job = job_from_env({"SLURM_JOB_ID": "42", "CUDA_VISIBLE_DEVICES": mig_uuid(0, 1, 0)})

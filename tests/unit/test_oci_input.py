@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.errors import ExitCode
+from gpugate.errors import BadInput, ExitCode
 from gpugate.host.oci import (
     MAX_CONFIG_BYTES,
     ContainerState,
     GpuRequest,
-    OciInputError,
     cgroup_of_spec,
     parse_config,
     parse_state,
@@ -71,7 +70,7 @@ def test_state_as_runc_writes_it() -> None:
     ],
 )
 def test_bad_states_are_one_line_errors(raw: bytes, words: str) -> None:
-    with pytest.raises(OciInputError) as caught:
+    with pytest.raises(BadInput) as caught:
         parse_state(raw)
     assert words in caught.value.message
     assert "\n" not in caught.value.message and len(caught.value.message) < 300
@@ -102,14 +101,14 @@ def test_stdin_read_is_bounded_in_size_and_time() -> None:
     read_end, write_end = os.pipe()
     writer = threading.Thread(target=lambda: os.write(write_end, b"y" * 5000))
     writer.start()
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_stdin_bounded(read_end, limit=1000)
     writer.join()
     os.close(read_end)
     os.close(write_end)
 
     read_end, write_end = os.pipe()  # a runtime that never closes stdin
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_stdin_bounded(read_end, timeout_s=0.05)
     os.close(read_end)
     os.close(write_end)
@@ -190,28 +189,28 @@ def test_config_that_is_a_link_is_refused(tmp_path: Path) -> None:
     bundle.mkdir(mode=0o700)
     (tmp_path / "elsewhere.json").write_bytes(spec())
     (bundle / "config.json").symlink_to(tmp_path / "elsewhere.json")
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(str(bundle))
 
 
 def test_config_writable_by_others_is_refused(tmp_path: Path) -> None:
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(bundle_dir(tmp_path, spec(), mode=0o666))
 
 
 def test_bundle_writable_by_others_is_refused(tmp_path: Path) -> None:
     bundle = bundle_dir(tmp_path, spec())
     os.chmod(bundle, 0o777)
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(bundle)
 
 
 def test_missing_bundle_and_config(tmp_path: Path) -> None:
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(str(tmp_path / "nope"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(str(empty))
 
 
@@ -219,17 +218,17 @@ def test_config_that_is_a_folder_or_fifo_is_refused_without_blocking(tmp_path: P
     bundle = tmp_path / "b"
     bundle.mkdir()
     os.mkfifo(bundle / "config.json")
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(str(bundle))
     os.unlink(bundle / "config.json")
     (bundle / "config.json").mkdir()
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(str(bundle))
 
 
 def test_huge_config_is_refused(tmp_path: Path) -> None:
     bundle = bundle_dir(tmp_path, b" " * (MAX_CONFIG_BYTES + 10))
-    with pytest.raises(OciInputError, match="over"):
+    with pytest.raises(BadInput, match="over"):
         read_config(bundle)
     assert len(read_config(bundle, limit=MAX_CONFIG_BYTES + 10)) == MAX_CONFIG_BYTES + 10
 
@@ -238,5 +237,5 @@ def test_huge_config_is_refused(tmp_path: Path) -> None:
 def test_config_of_another_owner_is_refused(tmp_path: Path) -> None:
     bundle = bundle_dir(tmp_path, spec())
     os.chown(Path(bundle, "config.json"), 1000, 1000)
-    with pytest.raises(OciInputError):
+    with pytest.raises(BadInput):
         read_config(bundle)

@@ -16,15 +16,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpugate.errors import StateUnwritable
+from gpugate.errors import NotRegularFile, StateUnwritable, TooLarge, UnsafeLink
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import (
     MAX_BYTES,
     Exposure,
-    NotRegularFile,
-    TooLarge,
-    UnsafeLink,
     open_folder,
     read_capped,
     untrusted,

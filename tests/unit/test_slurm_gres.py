@@ -11,13 +11,12 @@ from pathlib import Path
 import pytest
 
 from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
-from gpugate.errors import ExitCode
+from gpugate.errors import ExitCode, GresUnresolved
 from gpugate.front.commands.slurm import drain_reason, failure_detail, slurm_check
 from gpugate.host.nvml import Gpu, mig_key
 from gpugate.integrations.gres_conf import (
     DeviceNodes,
     GpuLayout,
-    GresUnresolved,
     expand_hostlist,
     gres_conf_path,
     in_slurm_conf_order,

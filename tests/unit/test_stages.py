@@ -189,7 +189,8 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
 @pytest.mark.message
 def test_an_interrupted_run_says_what_it_was_doing() -> None:
     from gpugate.core.outcome import BusyGpu, Progress
-    from gpugate.report.lines import doing, interrupted
+    from gpugate.report.journal import Reporter
+    from gpugate.report.narrate import doing
 
     gpu = FakeGpuMemory(count=2).gpus()[1]
     assert doing(Progress(Stage.STOPPING, processes=1, round_number=2)) == (
@@ -201,7 +202,8 @@ def test_an_interrupted_run_says_what_it_was_doing() -> None:
     assert doing(Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),))) == (
         "waiting for the driver to free memory (GPU 1 50000 MiB)"
     )
-    error = interrupted(Interrupted("", "SIGINT"), Progress())
+    narrator = Narrator(Reporter(UNIT, "pre", journal=RecordingJournal(), echo=False))
+    error = narrator.interrupted(Interrupted("", "SIGINT"), Progress())
     assert (error.message, error.stage) == (
         "stopped by SIGINT while looking for the GPUs' holders; it left no GPU lock or lease",
         Stage.LOOKING.value,

@@ -85,7 +85,7 @@ def test_each_channel_carries_an_error_as_one_escaped_bounded_line(message: str)
 
 
 def gate_error_classes() -> set[str]:
-    """GateError and every subclass defined in src (LaunchError, SlurmEnvError, ...)."""
+    """GateError and every subclass defined in src (BadInput, HeldByOthers, ...)."""
     names = {"GateError"}
     classes = [
         node

@@ -11,12 +11,17 @@ from pathlib import Path
 
 from gpugate.compat import StrEnum
 from gpugate.config.values import MIG_PREFIX, GpuRef, GpuSelection, legacy_mig
-from gpugate.errors import ConfigError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
+from gpugate.errors import (
+    ConfigError,
+    GpuError,
+    NvmlNotAnswering,
+    NvmlUnavailable,
+    PermissionDenied,
+)
 from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
 from gpugate.host.nvml import (
     Gpu,
     GpuDriver,
-    GpuError,
     GpuFault,
     GpuUsage,
     cap_minor,

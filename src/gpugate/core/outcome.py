@@ -1,5 +1,6 @@
-"""A run seen from outside the core: where it is, what it ended with (the exit precedence), and
-what surrounds it (`Surroundings`, in integrations/) and what it tells (`Narration`, report/)."""
+"""A run seen from outside the core: where it is, what it ended with (its code by
+`errors.outcome_code`), what surrounds it (`Surroundings`, in integrations/) and what it
+tells (`Narration`, report/)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from gpugate.core.discover import Discovery
     from gpugate.core.kill import Respawner
     from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
-    from gpugate.errors import GateError
+    from gpugate.errors import GateError, Interrupted
     from gpugate.host.containers import StopResult
     from gpugate.host.nvml import GpuFault
     from gpugate.host.shm import ShmKey
@@ -59,34 +60,6 @@ class Held:
 
 
 UNKILLABLE = "unkillable"  # Held.rule of a process that outlived SIGKILL
-
-
-@dataclass
-class RunFacts:
-    """What a run found that decides its exit code; several can hold at once."""
-
-    survivors: bool = False  # a target outlived SIGKILL (D state)
-    respawning: bool = False  # a process gpugate may not take kept respawning holders
-    held_by_others: bool = False  # refused, leased, a blocker or a port held by another
-    memory_busy: bool = False  # memory still used at the deadline, with on_timeout = "fail"
-    shm_short: bool = False  # before a start: /dev/shm has less free than shm_min_free_mib
-
-
-# First the cause the operator must remove before anything else helps: a respawner makes
-# every kill futile (and its last respawn, killed at the deadline, would read as a survivor).
-# Then a survivor of SIGKILL (a GPU reset or a reboot); then a holder gpugate may not kill;
-# then memory no process holds; last, /dev/shm short of space for the next start.
-PRECEDENCE = (
-    ("respawning", ExitCode.RESPAWNING),
-    ("survivors", ExitCode.UNKILLABLE),
-    ("held_by_others", ExitCode.HELD_BY_OTHERS),
-    ("memory_busy", ExitCode.MEMORY_TIMEOUT),
-    ("shm_short", ExitCode.SHM_SPACE),
-)
-
-
-def exit_code_for(facts: RunFacts) -> ExitCode:
-    return next((code for name, code in PRECEDENCE if getattr(facts, name)), ExitCode.OK)
 
 
 @dataclass
@@ -240,6 +213,7 @@ class Narration(Protocol):
     def blind_spots(self, discovery: Discovery) -> None: ...
     def choices(self, decision: Decision) -> None: ...
     def refused(self) -> None: ...
+    def interrupted(self, error: Interrupted, progress: Progress) -> Interrupted: ...
     def extend_timeout(self, seconds: float) -> None: ...
     def lock_wait(self, gpu: Gpu, left_s: float) -> None: ...
     def lock_not_taken(self, path: object, cause: str) -> None: ...

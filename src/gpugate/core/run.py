@@ -20,16 +20,21 @@ from gpugate.core.outcome import (
     Held,
     Narration,
     Progress,
-    RunFacts,
     RunSummary,
     Stage,
     Surroundings,
     Transition,
-    exit_code_for,
 )
 from gpugate.core.roles import Role, mps_served
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
-from gpugate.errors import ExitCode, GateError, ManualRunRefused, NvmlUnavailable
+from gpugate.errors import (
+    ExitCode,
+    GateError,
+    Interrupted,
+    ManualRunRefused,
+    NvmlUnavailable,
+    outcome_code,
+)
 from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import MIB, Gpu, GpuDriver, NoGpus, NvmlDriver
@@ -84,7 +89,7 @@ class RunState:
         self.started = self.clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
-        self.facts = RunFacts()
+        self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
         self.driver: GpuDriver = NoGpus()
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
@@ -192,9 +197,15 @@ class PhaseRun(RunState):
     """The machine over its state (as supervisor's Subprocess is)."""
 
     def run(self) -> RunSummary:
-        """An error but a manual run's refusal is told to the surroundings, locks released."""
+        """An error but a manual run's refusal is told to the surroundings, locks released; an
+        interruption as the narrator words it."""
         try:
             self._run()
+        except Interrupted as exc:
+            worded = self.narrator.interrupted(exc, self.progress)
+            if not self.dry_run:
+                self.surroundings.after_error(worded, self.progress)
+            raise worded from None
         except GateError as exc:
             if not self.dry_run and not isinstance(exc, ManualRunRefused):
                 self.surroundings.after_error(exc, self.progress)
@@ -276,11 +287,12 @@ class Looking:
             s.surroundings.held_by_others(discovery.owned)
             s.narrator.refused()
             s.summary.held = [Held.of(c) for c in decision.blockers]
-            s.facts.held_by_others = True
+            s.found.add(ExitCode.HELD_BY_OTHERS)
             return Transition.REFUSED, Finishing(clean_shm=False)
         if s.dry_run:
             refused = s.surroundings.refuses_start(discovery.owned, dry_run=True)
-            s.facts.held_by_others = bool(decision.blockers) or refused
+            if decision.blockers or refused:
+                s.found.add(ExitCode.HELD_BY_OTHERS)
             would_kill = frozenset(c.holder.pid for c in decision.targets)
             s.summary.would_kill = len(decision.targets)
             return Transition.DRY_RUN, Finishing(clean_shm=True, would_kill=would_kill)
@@ -313,7 +325,7 @@ class Locking:
         )
         # Checked and taken in one turn on the locks: an overlapping pre waits for it.
         if s.surroundings.refuses_start(owned, dry_run=False):
-            s.facts.held_by_others = True
+            s.found.add(ExitCode.HELD_BY_OTHERS)
             return Transition.START_REFUSED, Finishing(clean_shm=False)
         s.surroundings.reserve(owned)
         return Transition.LOCKED, Stopping(self.discovery, self.decision)
@@ -332,7 +344,7 @@ class Stopping:
             return Transition.SURVIVED, Finishing(clean_shm=True)
         if decision.blockers:
             s.summary.held = [Held.of(c) for c in decision.blockers]
-            s.facts.held_by_others = True
+            s.found.add(ExitCode.HELD_BY_OTHERS)
             s.narrator.still_held()
             return Transition.STILL_HELD, Finishing(clean_shm=True)
         return Transition.STOPPED, Waiting(discovery, decision)
@@ -372,7 +384,7 @@ class Finishing:
     def step(self, s: RunState) -> Step:
         if self.clean_shm:
             clean_shm(s, self.would_kill)
-        s.summary.exit_code = exit_code_for(s.facts)
+        s.summary.exit_code = outcome_code(s.found)
         # A lease first: one that cannot be written is the run's error (exit 73), never a
         # "success" and then an error. post's failed-pre reason comes last (systemctl status).
         lease_first = s.scope.phase.traits.takes_lease and not s.dry_run
@@ -413,7 +425,7 @@ def kill_rounds(
         state.narrator.survivor(state.signalled[ident])
     if survivors:
         state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
-        state.facts.survivors = True
+        state.found.add(ExitCode.UNKILLABLE)
         state.narrator.survived(len(survivors))
     return discovery, decision, survivors
 
@@ -457,12 +469,12 @@ def judge_wait(
     state: RunState, owned: list[Gpu], busy: list[BusyGpu], ports: list[int], *, held: bool
 ) -> None:
     """The wait's outcome: respawning, ports or memory still held, or all free."""
-    narrator, facts, free_mib = state.narrator, state.facts, state.config.free_mib
+    narrator, found, free_mib = state.narrator, state.found, state.config.free_mib
     timeout_s = state.policy.wait_timeout_s
     respawners = state.watch.respawners(state.procfs.still_same)
     if held and respawners:
         narrator.respawning(respawners, timeout_s)
-        facts.respawning = True
+        found.add(ExitCode.RESPAWNING)
         return
     for respawner in respawners:
         narrator.respawned(respawner)
@@ -471,12 +483,12 @@ def judge_wait(
         narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
     if ports:
         narrator.ports_held(ports, timeout_s)
-        facts.held_by_others = True
+        found.add(ExitCode.HELD_BY_OTHERS)
     if not busy:
         if owned and not ports:
             narrator.memory_freed(owned, free_mib, state.summary.seconds_wait)
     elif failing:
-        facts.memory_busy = True
+        found.add(ExitCode.MEMORY_TIMEOUT)
 
 
 def look_again(state: RunState) -> bool:
@@ -512,7 +524,7 @@ def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None
     if (
         needed_mib is None
         or not state.scope.phase.traits.before_start
-        or exit_code_for(state.facts) is not ExitCode.OK
+        or outcome_code(state.found) is not ExitCode.OK
     ):
         return
     short = short_of_space(host, needed_mib * MIB, freed)
@@ -521,7 +533,7 @@ def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None
         if short.largest:
             holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
         state.narrator.shm_short(short, holders, label)
-        state.facts.shm_short = True
+        state.found.add(ExitCode.SHM_SPACE)
 
 
 # What turns up in the wait (an unknown PID on NVML's list, a held port, a respawn) is looked

@@ -106,12 +106,7 @@ def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
                 pids = set()
             say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
     run = PhaseRun(scope, narrator, surroundings, hook.run, dry_run=hook.dry_run)
-    try:
-        return run.run()  # an error is told to the surroundings first (core/run.py)
-    except Interrupted as exc:
-        from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
-
-        raise interrupted(exc, run.progress) from None
+    return run.run()  # an error is told to the surroundings first (core/run.py)
 
 
 @contextlib.contextmanager

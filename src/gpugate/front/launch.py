@@ -26,7 +26,14 @@ from gpugate.config.file import LoadedConfig, replaced, to_toml
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
 from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.core.roles import config_shares
-from gpugate.errors import ExitCode, GateError, NvmlUnavailable, PermissionDenied, StateUnwritable
+from gpugate.errors import (
+    BadInput,
+    GateError,
+    HeldByOthers,
+    NvmlUnavailable,
+    PermissionDenied,
+    StateUnwritable,
+)
 from gpugate.front.commands.pre_post import parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
@@ -84,22 +91,22 @@ PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 def launch_command(args: argparse.Namespace, front: Front) -> int:
     command = list(args.command)[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
-        raise LaunchError("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
+        raise BadInput("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # on the Exec lines, where systemd splits on blanks and expands $ and quotes
         given = echo(str(args.config), limit=80)
-        raise LaunchError(f"--config {given}: use a path of letters, digits and _.+@:,-/")
+        raise BadInput(f"--config {given}: use a path of letters, digits and _.+@:,-/")
     environ = front.environ
     program = resolve_command(command[0], environ)
     systemd_run = find_program("systemd-run")
     if systemd_run is None:
-        raise LaunchError("systemd-run not found in the system folders: gpugate run needs systemd")
+        raise BadInput("systemd-run not found in the system folders: gpugate run needs systemd")
     caller, under_sudo = invoking_user(environ)
     unit = derive_unit_name(command, args.name, secrets.token_hex(3))
     known = query_unit(unit)  # loaded, active, or a unit file: systemd-run would fail
     if known is not None and (known.load_state, known.active_state) != ("not-found", "inactive"):
         again = "; choose another --name" if args.name else "; run it again"
-        raise LaunchError(
+        raise BadInput(
             f"systemd already has {unit} ({known.load_state}, {known.active_state})" + again
         )
     loaded = load_config(unit, args.config)
@@ -146,7 +153,7 @@ def invoking_user(environ: Mapping[str, str], real_uid: int | None = None) -> tu
                 for name in ("SUDO_UID", "SUDO_GID")
                 if name in environ
             )
-            raise LaunchError(
+            raise BadInput(
                 f"{given}: not a uid and gid as sudo sets them (decimal digits); gpugate run "
                 "under root acts for the account SUDO_UID names and will not guess: unset them, "
                 "or run it through sudo"
@@ -178,7 +185,7 @@ def resolve_gpus(
     finally:
         driver.close()
     if not gpus:
-        raise LaunchError(f"{source}: names no GPU; gpugate run is for GPU programs")
+        raise BadInput(f"{source}: names no GPU; gpugate run is for GPU programs")
     return gpus
 
 
@@ -261,10 +268,6 @@ def refuse_leased(
         print(lines.warning(warning), file=sys.stderr)
 
 
-class HeldByOthers(GateError):
-    exit_code = ExitCode.HELD_BY_OTHERS
-
-
 def hook_config(
     loaded: LoadedConfig,
     unit: str,
@@ -308,11 +311,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise LaunchError(f"{shown(program, COMMAND)}: not an executable file")
+            raise BadInput(f"{shown(program, COMMAND)}: not an executable file")
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise LaunchError(f"{shown(program, COMMAND)}: command not found on PATH")
+        raise BadInput(f"{shown(program, COMMAND)}: command not found on PATH")
     return os.path.abspath(found)
 
 
@@ -335,7 +338,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise LaunchError(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
+        raise BadInput(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
         seen: list[str] = []
@@ -371,10 +374,6 @@ def wait_until_gone(
             return True
         pause(0.2)
     return False
-
-
-class LaunchError(GateError):
-    exit_code = ExitCode.USAGE
 
 
 @dataclass(frozen=True)
@@ -415,11 +414,11 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
         unit = unit_argument(name)
         given = echo(str(name), limit=80)
         if not unit.endswith(".service"):
-            raise LaunchError(f"--name {given}: gpugate run makes a service; name it NAME.service")
+            raise BadInput(f"--name {given}: gpugate run makes a service; name it NAME.service")
         if "@" in unit:
-            raise LaunchError(f"--name {given}: a transient unit cannot be a template instance")
+            raise BadInput(f"--name {given}: a transient unit cannot be a template instance")
         if not PLAIN_SERVICE.fullmatch(unit):
-            raise LaunchError(
+            raise BadInput(
                 f"--name {given}: not a plain unit name (letters, digits and :_.- "
                 "only, not first a - or ., no \\ escapes; at most 255 characters with .service)"
             )

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from gpugate.errors import ExitCode
+from gpugate.errors import BadInput, ExitCode
 from gpugate.host.oci import (
-    OciInputError,
     is_sandbox,
     not_host_root,
     parse_config,
@@ -55,12 +54,12 @@ def main(
             return int(ExitCode.OK)
         try:
             raw = read_config(state.bundle)
-        except OciInputError:
+        except BadInput:
             if stage == "poststop":  # the runtime may have removed the bundle already;
                 return int(ExitCode.OK)  # the lease is stale once the scope is gone
             raise
         spec = parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
-    except OciInputError as exc:
+    except BadInput as exc:
         from gpugate.report.lines import hook_failed  # noqa: PLC0415 (a failure's words)
 
         print(hook_failed(stage, exc.message), file=sys.stderr)
@@ -80,7 +79,7 @@ def not_gated(stage: str, why: str) -> int:
     try:
         state = parse_state(read_stdin_bounded())
         spec = parse_config(read_config(state.bundle), f"{state.bundle}/config.json")
-    except OciInputError:
+    except BadInput:
         return int(ExitCode.OK)
     if spec.gpus:
         # Loaded only here: a rootless GPU container's start, not every container's.

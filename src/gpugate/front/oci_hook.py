@@ -13,10 +13,10 @@ from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.run import RunDeps
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import BadInput, ExitCode, GateError
 from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NvmlDriver
-from gpugate.host.oci import ContainerSpec, ContainerState, OciInputError
+from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.scan import ProcFs
 from gpugate.host.systemd import HostRoots, on_units_tree
 from gpugate.integrations.config_files import load_config
@@ -54,7 +54,7 @@ def run_container_hook(
     stream = stream or sys.stderr
     try:
         identity = identify(state, spec, ProcFs(roots.proc))
-    except OciInputError as exc:  # no cgroup of its own: refused before its start
+    except BadInput as exc:  # no cgroup of its own: refused before its start
         if not phase.traits.before_start:
             return int(ExitCode.OK)
         unit, fields = f"{OWN_LEASE_PREFIX}{state.id}", {"GPUGATE_OCI_CONTAINER": state.id}

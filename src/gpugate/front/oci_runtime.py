@@ -11,14 +11,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.errors import ConfigError, ExitCode
-from gpugate.host.oci import (
-    OciInputError,
-    json_object,
-    not_host_root,
-    read_config,
-    spec_gpu_request,
-)
+from gpugate.errors import BadInput, ConfigError, ExitCode
+from gpugate.host.oci import json_object, not_host_root, read_config, spec_gpu_request
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -65,12 +59,12 @@ def with_hooks(
         return False
     hooks = spec.setdefault("hooks", {})
     if not isinstance(hooks, dict):
-        raise OciInputError("config.json: hooks: not a JSON object")
+        raise BadInput("config.json: hooks: not a JSON object")
     changed = False
     for stage in HOOK_STAGES:
         entries = hooks.setdefault(stage, [])
         if not isinstance(entries, list):
-            raise OciInputError(f"config.json: hooks.{stage}: not a list")
+            raise BadInput(f"config.json: hooks.{stage}: not a list")
         entry = hook_entry(gpugate, stage)
         if not any(isinstance(e, dict) and e.get("args") == entry["args"] for e in entries):
             entries.append(entry)
@@ -117,8 +111,8 @@ def main(argv: Sequence[str]) -> int:
         gpugate = str(beside) if os.access(beside, os.X_OK) else packaged
         try:
             add_hooks(bundle_of(args), (gpugate,), always=wrapped.name != RUNC)
-        except (OciInputError, OSError) as exc:
-            said = exc.message if isinstance(exc, OciInputError) else str(exc)
+        except (BadInput, OSError) as exc:
+            said = exc.message if isinstance(exc, BadInput) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
             print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))

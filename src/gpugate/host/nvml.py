@@ -18,7 +18,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, cast
 
-from gpugate.errors import GateError, NvmlNotAnswering, NvmlUnavailable, PermissionDenied
+from gpugate.errors import (
+    CallTimedOut,
+    GateError,
+    GpuError,
+    NvmlNotAnswering,
+    NvmlUnavailable,
+    PermissionDenied,
+)
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
 
 MIB = 1024 * 1024
@@ -100,14 +107,6 @@ class GpuFault:
     error: GateError
     uuid: str | None = None  # where NVML still gave it
     minor: int | None = None
-
-
-class GpuError(NvmlUnavailable):
-    """NVML failed on one GPU; the others may still answer."""
-
-    def __init__(self, index: int, message: str, *, code: str = "") -> None:
-        super().__init__(message, code=code)
-        self.index = index
 
 
 class GpuDriver(Protocol):
@@ -508,12 +507,6 @@ class NoGpus:
 
     def close(self) -> None:
         pass
-
-
-class CallTimedOut(Exception):  # the call may still be running
-    def __init__(self, waited_s: float) -> None:
-        super().__init__(f"no answer after {waited_s:.1f} s")
-        self.waited_s = waited_s
 
 
 @dataclass

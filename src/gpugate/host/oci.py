@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import BadInput
 from gpugate.untrusted import FILE, echo, shown
 
 NVIDIA_MAJOR = 195
@@ -39,12 +39,6 @@ if TYPE_CHECKING:
 
     # (a minor, or an index, UUID or all; its origin); Union: an alias is evaluated on 3.9
     Found = list[tuple[Union[int, str], str]]
-
-
-class OciInputError(GateError):
-    """The state or config.json is unreadable, or names GPUs gpugate cannot resolve."""
-
-    exit_code = ExitCode.USAGE
 
 
 @dataclass(frozen=True)
@@ -78,7 +72,7 @@ def devices_reach(devices: object, found: Found) -> None:
             except (OSError, ValueError):
                 continue
             if stat.S_ISLNK(info.st_mode):
-                raise OciInputError(
+                raise BadInput(
                     f"config.json: linux.devices: {echo(path[:256])} has no major and minor, and "
                     "on the host it is a symbolic link: which device it is cannot be told"
                 )
@@ -131,7 +125,7 @@ def _folder_minors(folder: str) -> list[int]:
         with os.scandir(folder) as entries:
             for count, entry in enumerate(entries):
                 if count >= MAX_FOLDER_ENTRIES:
-                    raise OciInputError(
+                    raise BadInput(
                         f"config.json: mounts: {echo(folder[:256])} holds over "
                         f"{MAX_FOLDER_ENTRIES} entries: which GPUs a bind mount of it reaches "
                         "cannot be told"
@@ -156,7 +150,7 @@ def cdi_reach(annotations: object, found: Found) -> None:
         if not isinstance(value, str):
             continue
         if len(value) > MAX_VALUE:  # refused, not cut: a cut name could be another GPU's
-            raise OciInputError(
+            raise BadInput(
                 f"config.json: annotations: {echo(key[:128])} is over {MAX_VALUE} characters"
             )
         for name in (part.strip() for part in value.split(",")):
@@ -166,7 +160,7 @@ def cdi_reach(annotations: object, found: Found) -> None:
 
 def _cdi_name(name: str, origin: str, found: Found) -> None:
     if not CDI_NAME.fullmatch(name):
-        raise OciInputError(
+        raise BadInput(
             f"config.json: {echo(origin)}: {echo(name[:128])} is not a CDI device name "
             "(vendor/class=device)"
         )
@@ -186,11 +180,11 @@ def _gpu_word(word: str, origin: str) -> str:
     if re.fullmatch(r"[0-9]{1,4}:[0-9]{1,4}", word):
         return word  # the same, by NVML's index of the GPU and of the MIG device on it
     if word.startswith("MIG-") or ":" in word:
-        raise OciInputError(
+        raise BadInput(
             f"config.json: {echo(origin)}: {echo(word[:128])} is not a MIG device's UUID "
             "(MIG-...) or GPU:MIG index pair (0:1)"
         )
-    raise OciInputError(
+    raise BadInput(
         f"config.json: {echo(origin)}: {echo(word[:128])} is not a GPU index, a GPU UUID or all"
     )
 
@@ -262,7 +256,7 @@ def visible_words(env: object) -> list[str]:
         return ["all"] if legacy else []
     value = values[VISIBLE]
     if len(value) > MAX_VALUE:
-        raise OciInputError(f"config.json: process.env: {VISIBLE} is over {MAX_VALUE} characters")
+        raise BadInput(f"config.json: process.env: {VISIBLE} is over {MAX_VALUE} characters")
     words = [word.strip() for word in value.split(",") if word.strip()]
     if not words or "void" in words:
         return []
@@ -335,7 +329,7 @@ class GpuRequest:
     note: str = ""  # why NVIDIA's config defaults stood in (read_toolkit's words)
     # After the stop (parse_config's lenient): why the request could not be resolved; the
     # container's lease then says which GPUs it had.
-    unresolved: OciInputError | None = None
+    unresolved: BadInput | None = None
 
     def __bool__(self) -> bool:
         return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
@@ -367,13 +361,13 @@ def read_stdin_bounded(
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
-            raise OciInputError(f"the container state on stdin did not end within {timeout_s:g} s")
+            raise BadInput(f"the container state on stdin did not end within {timeout_s:g} s")
         chunk = os.read(fd, 65536)
         if not chunk:
             return b"".join(chunks)
         size += len(chunk)
         if size > limit:
-            raise OciInputError(f"the container state on stdin is over {limit} bytes")
+            raise BadInput(f"the container state on stdin is over {limit} bytes")
         chunks.append(chunk)
 
 
@@ -381,10 +375,10 @@ def parse_state(raw: bytes) -> ContainerState:
     data = json_object(raw, "the container state on stdin")
     container_id = data.get("id")
     if not isinstance(container_id, str) or not CONTAINER_ID.fullmatch(container_id):
-        raise OciInputError("the container state on stdin: id: missing or not a container id")
+        raise BadInput("the container state on stdin: id: missing or not a container id")
     bundle = data.get("bundle")
     if not isinstance(bundle, str) or not bundle.startswith("/") or "\0" in bundle:
-        raise OciInputError("the container state on stdin: bundle: missing or not absolute")
+        raise BadInput("the container state on stdin: bundle: missing or not absolute")
     pid = data.get("pid", 0)
     if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < 1 << 22:
         pid = 0
@@ -396,7 +390,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise OciInputError(
+        raise BadInput(
             f"{shown(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
         ) from None
     try:
@@ -406,7 +400,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
             flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
             fd = os.open("config.json", flags, dir_fd=dir_fd)
         except OSError as exc:
-            raise OciInputError(
+            raise BadInput(
                 f"{shown(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
             ) from None
     finally:
@@ -415,7 +409,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise OciInputError(f"{shown(path, FILE)}: not a regular file")
+            raise BadInput(f"{shown(path, FILE)}: not a regular file")
         _check_owner(info, path)
         data = b""
         while len(data) <= limit and (chunk := os.read(fd, 1 << 20)):
@@ -423,17 +417,17 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise OciInputError(f"{shown(path, FILE)}: over {limit} bytes")
+        raise BadInput(f"{shown(path, FILE)}: over {limit} bytes")
     return data
 
 
 def _check_owner(info: os.stat_result, path: str) -> None:
     if info.st_uid != os.geteuid():
-        raise OciInputError(
+        raise BadInput(
             f"{shown(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"
         )
     if info.st_mode & 0o022:
-        raise OciInputError(f"{shown(path, FILE)}: writable by others than its owner")
+        raise BadInput(f"{shown(path, FILE)}: writable by others than its owner")
 
 
 def parse_config(
@@ -446,7 +440,7 @@ def parse_config(
     cgroups_path = linux.get("cgroupsPath") if isinstance(linux, dict) else None
     try:
         gpus = spec_gpu_request(data)
-    except OciInputError as exc:
+    except BadInput as exc:
         if not lenient:
             raise
         gpus = GpuRequest(unresolved=exc)
@@ -524,9 +518,9 @@ def json_object(raw: bytes, source: str) -> dict[str, object]:
     except (ValueError, RecursionError) as exc:
         detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         said = f" ({detail})" if detail else ""
-        raise OciInputError(f"{shown(source, FILE)}: not JSON{said}") from None
+        raise BadInput(f"{shown(source, FILE)}: not JSON{said}") from None
     if not isinstance(data, dict):
-        raise OciInputError(f"{shown(source, FILE)}: not a JSON object")
+        raise BadInput(f"{shown(source, FILE)}: not a JSON object")
     return data
 
 

@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from gpugate.errors import ProgramNotAnswering, ProgramNotFound
+from gpugate.errors import (
+    LinkOnPath,
+    NotRegularFile,
+    ProgramUnavailable,
+    TooLarge,
+    UnsafeLink,
+)
 
 MAX_BYTES = 1 << 20  # configs, leases, records and the metrics state are a few KiB
 MAX_LINK_HOPS = 40  # as the kernel's
@@ -41,25 +47,6 @@ class Untrusted:
     uid: int
     gid: int
     mode: int  # st_mode
-
-
-class NotRegularFile(OSError):
-    def __init__(self, path: object, kind: str) -> None:
-        super().__init__(errno.EINVAL, f"not a regular file ({kind})", str(path))
-        self.kind = kind
-
-
-class TooLarge(OSError):
-    def __init__(self, path: object, size: int, limit: int) -> None:
-        super().__init__(errno.EFBIG, f"larger than {limit} bytes", str(path))
-        self.size = size
-        self.limit = limit
-
-
-class UnsafeLink(OSError):
-    def __init__(self, path: str) -> None:
-        super().__init__(errno.ELOOP, "a symbolic link in a folder another account may change")
-        self.filename = path
 
 
 # What is not a regular file: its test, its name (NotRegularFile.kind) and in words.
@@ -168,7 +155,7 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
             name = queue.pop(0)
             try:
                 next_fd = _open_component(fd, name, flags, make=make, mode=mode)
-            except _Link as link:
+            except LinkOnPath as link:
                 hops += 1
                 why = _judge(here, here, os.fstat(fd), link.uid in uids, uids)
                 if why is not None or hops > MAX_LINK_HOPS:
@@ -186,12 +173,6 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
     return fd
 
 
-class _Link(Exception):
-    def __init__(self, target: str, uid: int) -> None:
-        self.target = target
-        self.uid = uid
-
-
 def _open_component(fd: int, name: str, flags: int, *, make: bool, mode: int) -> int:
     try:
         return os.open(name, flags, dir_fd=fd)
@@ -207,7 +188,7 @@ def _open_component(fd: int, name: str, flags: int, *, make: bool, mode: int) ->
         info = os.stat(name, dir_fd=fd, follow_symlinks=False)
         if not stat.S_ISLNK(info.st_mode):
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), name) from None
-        raise _Link(os.readlink(name, dir_fd=fd), info.st_uid) from None
+        raise LinkOnPath(os.readlink(name, dir_fd=fd), info.st_uid) from None
 
 
 def open_in(
@@ -324,8 +305,8 @@ def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
 
 
 def run_program(argv: Sequence[str], timeout_s: float) -> Result:
-    """argv (argv[0] from find_program), clean environment, no stdin; ProgramNotAnswering past
-    timeout_s (killed), ProgramNotFound where it cannot start; a non-zero exit: the caller's."""
+    """argv (argv[0] from find_program), clean environment, no stdin; ProgramUnavailable past
+    timeout_s (killed) or where it cannot start; a non-zero exit: the caller's."""
     if not os.path.isabs(argv[0]):
         raise ValueError(f"{argv[0]!r}: not an absolute path (find_program)")
     name = os.path.basename(argv[0])
@@ -345,11 +326,11 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
             env={"PATH": SYSTEM_PATH, "LC_ALL": "C", "HOME": home},
         )
     except subprocess.TimeoutExpired:
-        raise ProgramNotAnswering(
+        raise ProgramUnavailable(
             f"{name} {' '.join(argv[1:2])} did not answer within {timeout_s:g} s (killed)"
         ) from None
     except OSError as exc:
-        raise ProgramNotFound(f"{argv[0]}: cannot run it: {exc.strerror or str(exc)}") from None
+        raise ProgramUnavailable(f"{argv[0]}: cannot run it: {exc.strerror or str(exc)}") from None
     return Result(done.returncode, done.stdout, done.stderr)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection
-from gpugate.errors import ConfigError, InvalidValue
+from gpugate.errors import BadInput, ConfigError, InvalidValue
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
@@ -21,7 +21,6 @@ from gpugate.host.oci import (
     ContainerSpec,
     ContainerState,
     GpuRequest,
-    OciInputError,
     PodName,
     bounded,
     cgroup_of_spec,
@@ -92,7 +91,7 @@ class ContainerIdentity:
 
 def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> ContainerIdentity:
     """The container's cgroup from its init's /proc/PID/cgroup, else the spec's cgroupsPath,
-    one of its own, else OciInputError: a container is never its enclosing unit, whose lease
+    one of its own, else BadInput: a container is never its enclosing unit, whose lease
     it would take. Its name from the runtime's annotations, else its own record of it."""
     info = procfs.info(state.pid) if state.pid > 0 else None
     cgroup = info.cgroup if info is not None else None
@@ -100,7 +99,7 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     own = own_cgroup(cgroup, state.id)
     if own is None:
         where = f"cgroup {shown(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
-        raise OciInputError(
+        raise BadInput(
             f"container {state.id[:12]} runs in {where}, not in one of its own (a runtime's "
             "scope or folder named after its id): gated, it would be the unit around it; not "
             "started (docs/containers.md)",
@@ -192,7 +191,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             continue
         gpu = by_minor.get(minor)
         if gpu is None:
-            raise OciInputError(
+            raise BadInput(
                 f"{source}: the device {NVIDIA_MAJOR}:{minor} it reaches is no GPU NVML knows"
             )
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
@@ -202,7 +201,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             continue
         gpu = by_ref.get(ref.lower())
         if gpu is None:
-            raise OciInputError(f"config.json: {where}: {echo(ref)} is no GPU NVML knows")
+            raise BadInput(f"config.json: {where}: {echo(ref)} is no GPU NVML knows")
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
 
@@ -215,7 +214,7 @@ def _indexed_slice(ref: str, gpus: list[Gpu], where: str) -> str:
     for gpu in gpus:
         if gpu.mig is not None and (gpu.mig.parent, gpu.mig.mig_index) == (int(parent), int(index)):
             return gpu.uuid
-    raise OciInputError(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows")
+    raise BadInput(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows")
 
 
 def _slice(ref: str, gpus: list[Gpu], where: str) -> list[Gpu]:
@@ -228,11 +227,9 @@ def _slice(ref: str, gpus: list[Gpu], where: str) -> list[Gpu]:
         gpu_ref(ref)
         return owned_gpus((ref,), gpus, where)
     except InvalidValue as exc:
-        raise OciInputError(f"config.json: {where}: {exc}") from None
+        raise BadInput(f"config.json: {where}: {exc}") from None
     except ConfigError:
-        raise OciInputError(
-            f"config.json: {where}: {echo(ref)} is no MIG device NVML knows"
-        ) from None
+        raise BadInput(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows") from None
 
 
 def request_text(request: GpuRequest) -> str:

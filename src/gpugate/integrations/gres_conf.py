@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.errors import InvalidValue
+from gpugate.errors import GresUnresolved
 from gpugate.host.nvml import Gpu, slice_capabilities
 from gpugate.host.safe_files import kind_of, read_capped, untrusted
 from gpugate.untrusted import echo
@@ -38,10 +38,6 @@ JOB_CONTAINER_CONF = "job_container.conf"
 DEFAULT_DIRS = "/tmp,/dev/shm"  # read_jcconf.h SLURM_TMPFS_DEF_DIRS
 MAX_CONF_BYTES = 1 << 20
 SHM = "/dev/shm"
-
-
-class GresUnresolved(InvalidValue):
-    """Why the job's GPU numbers cannot be turned into device files for certain."""
 
 
 @dataclass(frozen=True)

@@ -16,18 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR
-from gpugate.errors import InvalidValue, PermissionDenied, StateUnwritable
+from gpugate.errors import BadRecord, NotRegularFile, PermissionDenied, StateUnwritable, TooLarge
 from gpugate.host.locks import flock_by
 from gpugate.host.nvml import Gpu
-from gpugate.host.safe_files import (
-    NotRegularFile,
-    TooLarge,
-    folder,
-    open_in,
-    read_capped,
-    write_atomically,
-    write_in,
-)
+from gpugate.host.safe_files import folder, open_in, read_capped, write_atomically, write_in
 from gpugate.host.scan import ProcessId
 from gpugate.report.narrate import ShareTerms, lease_refusal_text
 from gpugate.untrusted import STATE, shown
@@ -47,10 +39,6 @@ FAILED_FOLDER = "failed"
 STARTED_BY_VARIABLE = "GPUGATE_STARTED_BY"
 CONTAINERS_CONFIG = str(DEFAULT_CONFIG_DIR / "containers.toml")  # the OCI hook's config
 RUNNING_STATES = frozenset({"active", "activating", "reloading", "refreshing"})
-
-
-class BadRecord(InvalidValue):
-    """Why a state file is not one of gpugate's records: one phrase, no path."""
 
 
 @contextlib.contextmanager

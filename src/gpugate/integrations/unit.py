@@ -299,10 +299,8 @@ class UnitSurroundings(Surroundings):
         waiting for need no second wait in post. post ends the lease only when interrupted:
         after another error the unit may still run."""
         busy: Sequence[BusyGpu] = ()
-        if isinstance(error, Interrupted):
-            from gpugate.report.lines import interrupted  # noqa: PLC0415 (a stopped run's)
-
-            error, busy = interrupted(error, progress), progress.last_busy
+        if isinstance(error, Interrupted):  # worded by the narrator (core/run.py)
+            busy = progress.last_busy
         self._failed(error.exit_code, error.message, busy, error=True)
         if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
             self._release()

@@ -1,5 +1,5 @@
 """Lines more than one command prints, and the narration off a plain pre's path: `sweep`,
-post's own /dev/shm, an interrupted run."""
+post's own /dev/shm."""
 
 from __future__ import annotations
 
@@ -7,8 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpugate.core.discover import Holder
-from gpugate.core.outcome import Progress, Stage
-from gpugate.errors import Interrupted
 from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
@@ -111,35 +109,6 @@ def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:
         f"the unit's own /dev/shm ({held}) goes with its last process: "
         "none of it is in the host's /dev/shm",
         **sized,
-    )
-
-
-def doing(progress: Progress) -> str:
-    stage = progress.stage
-    if stage is Stage.STOPPING:
-        return f"stopping {progress.processes} process(es) (round {progress.round_number})"
-    if stage is Stage.LOCKING:
-        if progress.lock_gpu is None:
-            return "taking the GPUs' locks"
-        return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
-    if stage is Stage.WAITING:
-        if not progress.waiting_on:
-            return "waiting for the GPUs and ports to be free"
-        shown = ", ".join(
-            f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
-        )
-        return f"waiting for the driver to free memory ({shown})"
-    if stage is Stage.FINISHING:
-        return "finishing"
-    return "looking for the GPUs' holders"
-
-
-def interrupted(error: Interrupted, progress: Progress) -> Interrupted:
-    """The interruption as the run's error: what it was doing, and what it left."""
-    return Interrupted(
-        f"stopped by {error.signal_name} while {doing(progress)}; it left no GPU lock or lease",
-        error.signal_name,
-        progress.stage.value,
     )
 
 

@@ -16,10 +16,10 @@ from typing import Any, TextIO
 from gpugate.core.decide import Choice, Decision, Rule, Verdict
 from gpugate.core.discover import Discovery
 from gpugate.core.kill import Respawner
-from gpugate.core.outcome import BusyGpu, RunSummary
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary, Stage
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
-from gpugate.errors import ExitCode, GateError
+from gpugate.errors import ExitCode, GateError, Interrupted
 from gpugate.host.containers import Container, StopResult
 from gpugate.host.nvml import MIB, Gpu, GpuFault
 from gpugate.host.safe_files import account
@@ -192,6 +192,26 @@ def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = No
     )
 
 
+def doing(progress: Progress) -> str:
+    stage = progress.stage
+    if stage is Stage.STOPPING:
+        return f"stopping {progress.processes} process(es) (round {progress.round_number})"
+    if stage is Stage.LOCKING:
+        if progress.lock_gpu is None:
+            return "taking the GPUs' locks"
+        return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
+    if stage is Stage.WAITING:
+        if not progress.waiting_on:
+            return "waiting for the GPUs and ports to be free"
+        shown = ", ".join(
+            f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
+        )
+        return f"waiting for the driver to free memory ({shown})"
+    if stage is Stage.FINISHING:
+        return "finishing"
+    return "looking for the GPUs' holders"
+
+
 class Narrator:
     """One run's journal entries and STATUS= lines; also those of its surroundings."""
 
@@ -281,6 +301,14 @@ class Narrator:
 
     def refused(self) -> None:
         self.reporter.status("refused: another unit or account holds the GPUs")
+
+    def interrupted(self, error: Interrupted, progress: Progress) -> Interrupted:
+        """The interruption as the run's error, worded once: what it was doing, what it left."""
+        return Interrupted(
+            f"stopped by {error.signal_name} while {doing(progress)}; it left no GPU lock or lease",
+            error.signal_name,
+            progress.stage.value,
+        )
 
     def stopping(self, count: int, round_number: int) -> None:
         self.reporter.status(f"stopping {count} process(es), round {round_number}")

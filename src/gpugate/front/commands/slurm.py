@@ -20,7 +20,7 @@ from gpugate.config.values import GpuRef, parse_gpu_text
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import UNKILLABLE, Held, NullSurroundings, RunSummary
 from gpugate.core.run import RunDeps
-from gpugate.errors import ExitCode, GateError, InvalidValue
+from gpugate.errors import BadInput, ExitCode, GateError, GresUnresolved, InvalidValue
 from gpugate.front.commands import Front
 from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver
@@ -30,7 +30,6 @@ from gpugate.integrations.config_files import load_config
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
     DeviceNodes,
-    GresUnresolved,
     gpu_order,
     gres_conf_path,
     in_slurm_conf_order,
@@ -60,12 +59,6 @@ SCONTROL_TIMEOUT_S = 15
 MAX_VISIBLE_CHARS = 8192  # 64 slices' unique IDs with room to spare
 
 
-class SlurmEnvError(GateError):
-    """The environment slurmd gave is not a job gpugate understands; nothing was touched."""
-
-    exit_code = ExitCode.USAGE
-
-
 @dataclass(frozen=True)
 class SlurmJob:
     job_id: int
@@ -85,13 +78,13 @@ class SlurmJob:
 def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     raw_id = environ.get("SLURM_JOB_ID", "")
     if not JOB_ID.fullmatch(raw_id) or int(raw_id) > MAX_JOB_ID:
-        raise SlurmEnvError(
+        raise BadInput(
             f"SLURM_JOB_ID {(echo(raw_id) if raw_id else 'not set')}: not a Slurm job ID (a "
             "positive integer)"
         )
     raw_uid = environ.get("SLURM_JOB_UID")
     if raw_uid is not None and not UID.fullmatch(raw_uid):
-        raise SlurmEnvError(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
+        raise BadInput(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
     gpus: tuple[int, ...] = ()
     source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
     said = "" if source else next((f"{n}=" for n in GPU_VARIABLES if n in environ), "")
@@ -130,7 +123,7 @@ def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
                 "them)"
             )
     except InvalidValue as exc:
-        raise SlurmEnvError(f"{variable} {echo(value)}: {exc}") from None
+        raise BadInput(f"{variable} {echo(value)}: {exc}") from None
     return tuple(ref for ref in refs if isinstance(ref, int))
 
 
