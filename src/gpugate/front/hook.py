@@ -18,13 +18,13 @@ from gpugate.config.file import LoadedConfig
 from gpugate.core.discover import cgroup_members
 from gpugate.core.outcome import RunSummary, Surroundings
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
-from gpugate.errors import GateError, Interrupted
+from gpugate.errors import GateError
 from gpugate.host.locks import check_all
 from gpugate.host.shm import find_areas, host_root
 from gpugate.integrations.records import workload_words
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
-from gpugate.report.narrate import Narrator
+from gpugate.report.narrate import Narrator, interrupted
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def stopped_by_signals() -> Iterator[None]:
             return
         fired.append(signum)
         name = signal.Signals(signum).name
-        raise Interrupted(f"stopped by {name}", name)
+        raise interrupted(name)
 
     signals = (signal.SIGTERM, signal.SIGINT)
     previous = {signum: signal.signal(signum, on_signal) for signum in signals}

@@ -212,6 +212,18 @@ def doing(progress: Progress) -> str:
     return "looking for the GPUs' holders"
 
 
+def interrupted(signal_name: str, progress: Progress | None = None) -> Interrupted:
+    """Interrupted in words, the one place: as the signal arrives, or as a run's error (what it
+    was doing, what it left)."""
+    if progress is None:
+        return Interrupted(f"stopped by {signal_name}", signal_name)
+    return Interrupted(
+        f"stopped by {signal_name} while {doing(progress)}; it left no GPU lock or lease",
+        signal_name,
+        progress.stage.value,
+    )
+
+
 class Narrator:
     """One run's journal entries and STATUS= lines; also those of its surroundings."""
 
@@ -303,12 +315,8 @@ class Narrator:
         self.reporter.status("refused: another unit or account holds the GPUs")
 
     def interrupted(self, error: Interrupted, progress: Progress) -> Interrupted:
-        """The interruption as the run's error, worded once: what it was doing, what it left."""
-        return Interrupted(
-            f"stopped by {error.signal_name} while {doing(progress)}; it left no GPU lock or lease",
-            error.signal_name,
-            progress.stage.value,
-        )
+        """The interruption as the run's error: what it was doing, what it left."""
+        return interrupted(error.signal_name, progress)
 
     def stopping(self, count: int, round_number: int) -> None:
         self.reporter.status(f"stopping {count} process(es), round {round_number}")
