@@ -148,9 +148,14 @@ def test_uninstall_refuses_while_gpugate_is_the_default_runtime(host: ContainerH
     install(host)
     data = daemon(host)
     data["default-runtime"] = "gpugate"
-    host.daemon_json.write_text(json.dumps(data))
-    with pytest.raises(InstallError, match="default-runtime"):
+    text = json.dumps(data)
+    host.daemon_json.write_text(text)
+    hooks = sorted(path.name for path in host.hooks_dirs[0].iterdir())
+    with pytest.raises(InstallError) as refused:
         uninstall(host)
+    assert refused.value.exit_code is ExitCode.INSTALL
+    assert host.daemon_json.read_text() == text, "daemon.json changed by a refused uninstall"
+    assert sorted(path.name for path in host.hooks_dirs[0].iterdir()) == hooks
 
 
 def test_hook_files_idempotent_and_removed(host: ContainerHost) -> None:

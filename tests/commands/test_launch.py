@@ -563,6 +563,7 @@ def test_port_with_a_lock_dir_it_cannot_write_is_one_line_before_anything_starts
     assert "\n" not in raised.value.message
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(("ours", "theirs"), [(True, True), (True, False), (False, True)])
 def test_share_gpus_lets_a_run_start_beside_a_sharing_lease_only(
     host: FakeHost, *, ours: bool, theirs: bool
