@@ -196,6 +196,7 @@ def test_a_root_only_environment_file_is_not_named(tmp_path: Path) -> None:
     assert environment_file_warnings("vllm.service", env_file_show(str(path))) == []  # type: ignore[arg-type]
 
 
+@pytest.mark.message
 def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -137,6 +137,7 @@ def test_autodetect_nvml_orders_by_nvml(text: str, files: list[str]) -> None:
     assert (list(found.files), found.nvml_order) == (files, True)
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("text", "node", "problem"),
     [
@@ -266,6 +267,7 @@ def test_a_file_named_like_a_gpu_is_the_gpu_its_device_number_says(tmp_path: Pat
     assert [gpu.index for gpu in found] == [4]
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("text", "numbers", "extra", "problem"),
     [
@@ -524,6 +526,7 @@ def mig_gpus() -> list[Gpu]:
     return list(FakeGpuMemory(count=2, mig={0: [(1, 0, 1), (2, 0, 1), (5, 0, 1)]}).gpus())
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     "gres_text",
     [
@@ -644,6 +647,7 @@ def test_shard_lines_not_read_for_certain(text: str) -> None:
     assert "\n" not in str(unresolved(text))
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("slurm_conf", "gres_text", "shared"),
     [
@@ -705,6 +709,7 @@ def test_one_type_needs_no_slurm_conf(tmp_path: Path) -> None:
     assert list(found.files) == ["/dev/nvidia4", "/dev/nvidia5", "/dev/nvidia0"]
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     "slurm_conf",
     [
