@@ -82,35 +82,30 @@ def test_job_gpus_as_slurmd_writes_them(
 
 
 @pytest.mark.parametrize(
-    ("environ", "message"),
+    ("environ", "named"),
     [
-        ({}, "SLURM_JOB_ID not set: not a Slurm job ID"),
-        ({"SLURM_JOB_ID": "0"}, "SLURM_JOB_ID '0': not a Slurm job ID"),
-        ({"SLURM_JOB_ID": "-4"}, "SLURM_JOB_ID '-4': not a Slurm job ID"),
-        ({"SLURM_JOB_ID": "42x"}, "SLURM_JOB_ID '42x': not a Slurm job ID"),
-        ({"SLURM_JOB_ID": "99999999999"}, "SLURM_JOB_ID '99999999999': not a Slurm job ID"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "root"}, "SLURM_JOB_UID 'root': not a user ID"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,,3"}, "SLURM_JOB_GPUS '2,,3': '' is not"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2-3"}, "SLURM_JOB_GPUS '2-3': '2-3' is not"),
-        ({"SLURM_JOB_ID": "42", "SLURM_STEP_GPUS": "x"}, "SLURM_STEP_GPUS 'x': 'x' is not a GPU"),
-        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "-1"}, "SLURM_JOB_GPUS '-1': '-1' is not"),
+        ({}, "SLURM_JOB_ID"),
+        ({"SLURM_JOB_ID": "0"}, "SLURM_JOB_ID '0'"),
+        ({"SLURM_JOB_ID": "-4"}, "SLURM_JOB_ID '-4'"),
+        ({"SLURM_JOB_ID": "42x"}, "SLURM_JOB_ID '42x'"),
+        ({"SLURM_JOB_ID": "99999999999"}, "SLURM_JOB_ID '99999999999'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "root"}, "SLURM_JOB_UID 'root'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,,3"}, "SLURM_JOB_GPUS '2,,3'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2-3"}, "SLURM_JOB_GPUS '2-3'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_STEP_GPUS": "x"}, "SLURM_STEP_GPUS 'x'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "-1"}, "SLURM_JOB_GPUS '-1'"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "4294967296"}, "SLURM_JOB_GPUS '4294967296'"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "nodevfiles"}, "SLURM_JOB_GPUS 'nodevfiles'"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "0\n1"}, "SLURM_JOB_GPUS '0\\n1'"),
-        (
-            {"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,2"},
-            "SLURM_JOB_GPUS '2,2': lists GPU 2 twice",
-        ),
-        (
-            {"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": f"{UUID_3},4"},
-            f"SLURM_JOB_GPUS '{UUID_3},4': '{UUID_3}' is not a GPU number slurmd writes",
-        ),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,2"}, "SLURM_JOB_GPUS '2,2'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": f"{UUID_3},4"}, f"SLURM_JOB_GPUS '{UUID_3},4'"),
     ],
 )
-def test_bad_environment_is_refused(environ: Mapping[str, str], message: str) -> None:
+def test_bad_environment_is_refused(environ: Mapping[str, str], named: str) -> None:
+    """Exit 64, the one line naming the variable and its value as slurmd set it."""
     with pytest.raises(SlurmEnvError) as caught:
         job_from_env(environ)
-    assert caught.value.message.startswith(message), caught.value.message
+    assert caught.value.message.startswith(named), caught.value.message
     assert caught.value.exit_code is ExitCode.USAGE
 
 
