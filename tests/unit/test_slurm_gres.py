@@ -500,6 +500,7 @@ def test_check_lists_each_number_as_a_gpu(tmp_path: Path) -> None:
     assert code == ExitCode.OK and said.splitlines()[2] == "  0 = GPU 0 (GPU-0)"
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("gres_text", "faults", "words"),
     [
@@ -852,6 +853,7 @@ def test_autodetect_takes_the_gpus_slurm_conf_gives(
     assert [int(row.split("GPU ")[1].split(" ")[0]) for row in rows] == indices
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("slurm_conf", "words"),
     [
