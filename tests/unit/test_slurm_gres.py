@@ -741,6 +741,7 @@ def test_a_shard_count_spreads_as_slurmd_spreads_it() -> None:
     assert sum(spread(1000, 7)) == 1000
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("slurm_conf", "gres_text", "shared"),
     [
