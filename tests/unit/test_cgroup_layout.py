@@ -136,6 +136,7 @@ def test_roots_follow_the_layout(tmp_path: Path) -> None:
     assert not hybrid.ask_systemd
 
 
+@pytest.mark.message
 @pytest.mark.parametrize("layout", [cgroup_layout(LEGACY_HOST), CgroupLayout(HYBRID, None)])
 def test_a_v1_only_host_is_refused(tmp_path: Path, layout: CgroupLayout) -> None:
     with pytest.raises(HostUnsupported) as raised:

@@ -8,32 +8,33 @@ from gpugate.config.file import parse_config
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.core.discover import owned_gpus
-from gpugate.errors import ConfigError
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.integrations.config_files import load_config
 from tests.fakes import FakeGpuMemory, raises_error
 
+# Bad files: the field each error names ("": the file as a whole).
 BAD = [
-    ("gpus = [", "f.toml: not valid TOML"),
-    ("bogus = 1", "f.toml: bogus: unknown key"),
-    ('gpus = "some"', 'f.toml: gpus: must be "all"'),
-    ("gpus = 3", 'f.toml: gpus: must be "all"'),
-    ("gpus = []", "f.toml: gpus: must name at least one GPU"),
-    ("gpus = [0, 0]", "f.toml: gpus: lists GPU 0 twice"),
-    ('gpus = [1, "1"]', "f.toml: gpus: lists GPU 1 twice"),
-    ('gpus = ["GPU-x"]', "f.toml: gpus: 'GPU-x' is not a GPU index (0, 1, ...) or UUID"),
-    ('gpus = ["MIG-9f1e"]', "f.toml: gpus: 'MIG-9f1e' is not a MIG device UUID (MIG-xxxxxxxx-...)"),
-    ("gpus = [1024]", "f.toml: gpus: GPU index 1024 is out of range (0-1023)"),
-    ("gpus = [true]", "f.toml: gpus: True is not a GPU index or UUID"),
-    ("gpus = [-1]", "f.toml: gpus"),
-    ("free_mib = -5", "f.toml: free_mib: Input should be greater than or equal to 1"),
-    ('free_mib = "lots"', "f.toml: free_mib: Input should be a valid integer"),
-    ("[pre]\nsigterm_grace_s = 0", "f.toml: pre.sigterm_grace_s: Input should be greater than 0"),
-    ("[post]\nwait_timeout_s = -1", "f.toml: post.wait_timeout_s"),
-    ('[pre]\non_timeout = "explode"', "f.toml: pre.on_timeout: Input should be 'fail' or 'warn'"),
-    ("[pre]\nkill_orphans = 2", "f.toml: pre.kill_orphans: Input should be a valid boolean"),
-    ("[pre]\ntypo = true", "f.toml: pre.typo: unknown key"),
-    ('lock_dir = "locks"', "f.toml: lock_dir: must be an absolute path"),
-    ('protected_executables = ["sleep"]', "f.toml: protected_executables"),
+    ("gpus = [", ""),
+    ("bogus = 1", "bogus"),
+    ('gpus = "some"', "gpus"),
+    ("gpus = 3", "gpus"),
+    ("gpus = []", "gpus"),
+    ("gpus = [0, 0]", "gpus"),
+    ('gpus = [1, "1"]', "gpus"),
+    ('gpus = ["GPU-x"]', "gpus"),
+    ('gpus = ["MIG-9f1e"]', "gpus"),
+    ("gpus = [1024]", "gpus"),
+    ("gpus = [true]", "gpus"),
+    ("gpus = [-1]", "gpus"),
+    ("free_mib = -5", "free_mib"),
+    ('free_mib = "lots"', "free_mib"),
+    ("[pre]\nsigterm_grace_s = 0", "pre.sigterm_grace_s"),
+    ("[post]\nwait_timeout_s = -1", "post.wait_timeout_s"),
+    ('[pre]\non_timeout = "explode"', "pre.on_timeout"),
+    ("[pre]\nkill_orphans = 2", "pre.kill_orphans"),
+    ("[pre]\ntypo = true", "pre.typo"),
+    ('lock_dir = "locks"', "lock_dir"),
+    ('protected_executables = ["sleep"]', "protected_executables"),
 ]
 
 
@@ -110,9 +111,14 @@ STRICT = [
 ]
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(("text", "message"), STRICT)
 def test_strict_config_rules(text: str, message: str) -> None:
-    test_bad_config_names_file_and_field_on_one_line(text, message)
+    """The words an operator reads for a bad file: the field, what it should be, what it is."""
+    with pytest.raises(ConfigError) as raised:
+        parse_config(text, "f.toml")
+    assert str(raised.value).startswith(message)
+    assert "\n" not in str(raised.value)
 
 
 @pytest.mark.message
@@ -162,12 +168,13 @@ def test_lock_dir_that_is_no_folder_is_a_config_error(tmp_path: Path) -> None:
     assert load_config(None, config).config.lock_dir == tmp_path / "not" / "yet"
 
 
-@pytest.mark.parametrize(("text", "message"), BAD)
-def test_bad_config_names_file_and_field_on_one_line(text: str, message: str) -> None:
+@pytest.mark.parametrize(("text", "field"), BAD)
+def test_bad_config_names_file_and_field_on_one_line(text: str, field: str) -> None:
     with pytest.raises(ConfigError) as raised:
         parse_config(text, "f.toml")
-    assert str(raised.value).startswith(message)
-    assert "\n" not in str(raised.value)
+    refused = raised.value
+    assert (refused.source, refused.field, refused.exit_code) == ("f.toml", field, ExitCode.CONFIG)
+    assert "\n" not in refused.message
 
 
 def test_partial_phase_table_keeps_that_phases_defaults() -> None:
@@ -179,8 +186,11 @@ def test_partial_phase_table_keeps_that_phases_defaults() -> None:
 
 
 def test_config_is_frozen() -> None:
-    with pytest.raises(ValueError, match="frozen"):
-        GateConfig().free_mib = 5  # type: ignore[misc]
+    config = GateConfig()
+    before = config.free_mib
+    with pytest.raises(ValueError):
+        config.free_mib = before + 5  # type: ignore[misc]
+    assert config.free_mib == before
 
 
 def test_lookup_order(tmp_path: Path) -> None:

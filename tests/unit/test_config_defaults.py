@@ -66,8 +66,9 @@ def test_a_type_without_a_core_schema_is_refused_when_the_validator_is_built() -
 def test_a_config_is_frozen_and_copies_keep_what_the_file_set() -> None:
     config = parse_config("free_mib = 5\n", "f.toml")
     assert config.model_fields_set == {"free_mib"}
-    with pytest.raises(ValueError, match="frozen"):
+    with pytest.raises(ValueError):
         config.free_mib = 6  # type: ignore[misc]
+    assert config.free_mib == 5
     chosen = replaced(config, gpus=(1, 0))
     assert (chosen.gpus, chosen.free_mib, config.gpus) == ((1, 0), 5, "auto")
     assert chosen.model_fields_set == {"free_mib", "gpus"}

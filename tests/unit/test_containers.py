@@ -216,19 +216,20 @@ def test_refusal_names_the_container_and_the_field(cgroup: str, runtime: str) ->
 
 
 @pytest.mark.parametrize(
-    ("text", "message"),
+    "text",
     [
-        ('containers = ["-x"]', "containers: '-x' is not a container name or id"),
-        ('containers = ["a b"]', "containers: 'a b' is not a container name or id"),
-        ('containers = ["vllm", "vllm"]', "containers: lists a container twice"),
-        ('containers = "vllm"', "containers: Input should be a valid"),
+        'containers = ["-x"]',
+        'containers = ["a b"]',
+        'containers = ["vllm", "vllm"]',
+        'containers = "vllm"',
     ],
 )
-def test_bad_containers_field_names_file_and_field(text: str, message: str) -> None:
+def test_bad_containers_field_names_file_and_field(text: str) -> None:
     with pytest.raises(ConfigError) as caught:
         parse_config(text, "/etc/gpugate/vllm.service.toml")
-    assert message in str(caught.value)
-    assert caught.value.exit_code is ExitCode.CONFIG
+    refused = caught.value
+    assert (refused.source, refused.field) == ("/etc/gpugate/vllm.service.toml", "containers")
+    assert refused.exit_code is ExitCode.CONFIG
 
 
 def put_in_container(host: FakeHost, pid: int, kind: str, container_id: str) -> str:

@@ -3,6 +3,8 @@ the setting that would let both run, never kill_other_units; a sharer in words."
 
 from __future__ import annotations
 
+import pytest
+
 from gpugate.config.schema import GateConfig
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Holder, Source
@@ -13,6 +15,7 @@ from tests.unit.test_decide import Table, discovery, proc
 POD = "/kubepods.slice/kubepods-besteffort.slice/cri-containerd-" + "a" * 64 + ".scope"
 SCOPE = "cri-containerd-" + "a" * 64 + ".scope"
 LABEL = "containerd container ml/vllm-0/server (aaaaaaaaaaaa)"
+pytestmark = pytest.mark.message
 
 
 def refusal(cgroup: str, shared: frozenset[int] = frozenset()):  # type: ignore[no-untyped-def]

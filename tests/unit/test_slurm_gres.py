@@ -136,6 +136,7 @@ def test_autodetect_nvml_orders_by_nvml(text: str, files: list[str]) -> None:
     assert (list(found.files), found.nvml_order) == (files, True)
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("text", "node", "problem"),
     [
@@ -265,6 +266,7 @@ def test_a_file_named_like_a_gpu_is_the_gpu_its_device_number_says(tmp_path: Pat
     assert [gpu.index for gpu in found] == [4]
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("text", "numbers", "extra", "problem"),
     [
@@ -497,6 +499,7 @@ def test_check_lists_each_number_as_a_gpu(tmp_path: Path) -> None:
     assert code == ExitCode.OK and said.splitlines()[2] == "  0 = GPU 0 (GPU-0)"
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("gres_text", "faults", "words"),
     [
@@ -523,6 +526,7 @@ def mig_gpus() -> list[Gpu]:
     return list(FakeGpuMemory(count=2, mig={0: [(1, 0, 1), (2, 0, 1), (5, 0, 1)]}).gpus())
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     "gres_text",
     [
@@ -643,6 +647,7 @@ def test_shard_lines_not_read_for_certain(text: str) -> None:
     assert "\n" not in str(unresolved(text))
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("slurm_conf", "gres_text", "shared"),
     [
@@ -704,6 +709,7 @@ def test_one_type_needs_no_slurm_conf(tmp_path: Path) -> None:
     assert list(found.files) == ["/dev/nvidia4", "/dev/nvidia5", "/dev/nvidia0"]
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     "slurm_conf",
     [
@@ -734,6 +740,7 @@ def test_a_shard_count_spreads_as_slurmd_spreads_it() -> None:
     assert sum(spread(1000, 7)) == 1000
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("slurm_conf", "gres_text", "shared"),
     [
@@ -846,6 +853,7 @@ def test_autodetect_takes_the_gpus_slurm_conf_gives(
     assert [int(row.split("GPU ")[1].split(" ")[0]) for row in rows] == indices
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("slurm_conf", "words"),
     [
