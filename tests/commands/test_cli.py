@@ -271,6 +271,6 @@ def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
     code, loaded = json.loads(result.stdout.strip().splitlines()[-1])
     assert code == ExitCode.OK, result.stderr
     assert len(loaded) <= PRE_MODULE_BUDGET, loaded
-    unneeded_here = ("report.lines", "front.commands.status", "front.launch")
+    unneeded_here = ("report.lines", "front.commands.status", "front.commands.run")
     for unneeded in unneeded_here:
         assert f"gpugate.{unneeded}" not in loaded

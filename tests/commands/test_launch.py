@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from gpugate.config.schema import GateConfig
 from gpugate.errors import ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
-from gpugate.front.launch import (
+from gpugate.front.commands.run import (
     Caller,
     LaunchError,
     LaunchPlan,

@@ -14,6 +14,7 @@ from pathlib import Path
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.host.oci import (
     OciInputError,
+    hook_entry,
     json_object,
     not_host_root,
     read_config,
@@ -49,12 +50,6 @@ def bundle_of(args: Sequence[str]) -> str:
             if word.startswith(prefix):
                 return word[len(prefix) :]
     return os.getcwd()
-
-
-def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
-    command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
-    args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
-    return {"path": command[0], "args": args}
 
 
 def with_hooks(
