@@ -4,7 +4,7 @@
 
 Every container start on a host with gpugate's hooks.d file runs the hook, GPUs or not:
 - no GPU: the state on stdin, the bundle's config.json read and parsed, exit 0 (the fast
-  path, front/oci_entry.py; target: well under 50 ms of wall time);
+  path, front/commands/oci_hook.py; target: well under 50 ms of wall time);
 - one GPU (195:1 in linux.devices) on a stand-in host (stand-in devices, cgroup tree and
   NVML, bench/stage.py): the whole start gate, config, NVML, discovery, lease, wait;
 next to `python -c pass` and `python -I -S -c pass` with the interpreter gpugate's command

@@ -15,7 +15,7 @@ from gpugate.config.file import LoadedConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode
-from gpugate.front.oci_hook import run_container_hook
+from gpugate.front.container_hook import run_container_hook
 from gpugate.host.oci import ContainerState, parse_config
 from gpugate.host.scan import ProcFs
 from gpugate.integrations.records import read_leases

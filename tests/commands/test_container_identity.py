@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 
 from gpugate.errors import BadInput, ExitCode
-from gpugate.front.oci_hook import run_container_hook
+from gpugate.front.container_hook import run_container_hook
 from gpugate.host.containers import OwnCgroup, own_cgroup
 from gpugate.host.oci import ContainerState, parse_config
 from gpugate.integrations.container import identify

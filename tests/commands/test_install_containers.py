@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import BadInput, ExitCode, InstallError
+from gpugate.front.commands.oci_runtime import bundle_of, command_of, with_hooks
 from gpugate.front.install import Action, Change, apply
 from gpugate.front.install_containers import (
     HOOK_FILES,
@@ -20,7 +21,6 @@ from gpugate.front.install_containers import (
     plan_hooks,
     podman_hooks_dirs,
 )
-from gpugate.front.oci_runtime import bundle_of, command_of, with_hooks
 
 GPUGATE = "/usr/bin/gpugate"
 WRAPPER = "/usr/bin/gpugate-oci-runtime"

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from gpugate.config.schema import GateConfig
 from gpugate.errors import BadInput, ConfigError, ExitCode, GateError
 from gpugate.front.cli import build_parser, main
-from gpugate.front.launch import (
+from gpugate.front.commands.run import (
     Caller,
     LaunchPlan,
     caller_environment,
@@ -360,7 +360,7 @@ def test_no_command_is_one_line_and_64(capsys: pytest.CaptureFixture[str]) -> No
     assert err.count("\n") == 1 and err.startswith("gpugate: ")
 
 
-# --- the I/O around it (launch.py), with stand-ins ---------------------------------
+# --- the I/O around it (commands/run.py), with stand-ins ---------------------------------
 
 
 def test_gpus_from_the_option_the_callers_environment_or_all(host: FakeHost) -> None:

@@ -11,7 +11,7 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.front.cli import main
-from gpugate.front.sweep import sweep
+from gpugate.front.commands.sweep import sweep
 from tests.commands.test_sweep import at, front, metric
 from tests.fakes import FakeHost, alive
 from tests.unit.test_mps import start_server

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import BadInput, ExitCode, NvmlUnavailable
-from gpugate.front.oci_hook import STAGE_PHASES, run_container_hook
+from gpugate.front.container_hook import STAGE_PHASES, run_container_hook
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import ContainerSpec, ContainerState, parse_config
 from gpugate.integrations.records import read_leases

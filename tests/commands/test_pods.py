@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import ExitCode
-from gpugate.front.oci_hook import run_container_hook
+from gpugate.front.container_hook import run_container_hook
 from gpugate.host.oci import ContainerState, PodName, is_sandbox, parse_config, pod_name
 from gpugate.host.scan import ProcFs
 from gpugate.integrations.container import identify

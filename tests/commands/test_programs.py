@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import ExitCode, ProgramUnavailable
+from gpugate.front import hook
 from gpugate.front.cli import main
-from gpugate.front.commands import slurm
 from gpugate.host import safe_files, systemd
 from gpugate.host.containers import Container, ContainerNames, stop_containers
 from gpugate.integrations.env_files import environment_file_warnings, who_else_may_write
@@ -56,7 +56,7 @@ def test_no_program_on_the_callers_path_is_run(planted: Path) -> None:
     container = Container("docker", "a" * 64, "/system.slice/docker-x.scope")
     ContainerNames().named([container, Container("podman", "b" * 64, "/m")])
     stop_containers([container], 1.0)
-    slurm.set_drain_reason("gpu07", "reason", io.StringIO())
+    hook.set_drain_reason("gpu07", "reason", io.StringIO())
     assert sorted(p.name for p in planted.glob("ran-*")) == []
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from gpugate.errors import ExitCode
-from gpugate.front import oci_entry, oci_runtime
+from gpugate.front.commands import oci_hook, oci_runtime
 from gpugate.host.oci import not_host_root
 from gpugate.host.wrapped_runtime import RUNC, Wrapped
 from gpugate.report import journal
@@ -172,8 +172,8 @@ def run_not_gated(
 ) -> tuple[int, Sent]:
     sent = Sent()
     monkeypatch.setattr(journal.SystemdJournal, "send", lambda _self, m, f: sent.send(m, f))
-    monkeypatch.setattr(oci_entry, "read_stdin_bounded", lambda: state)
-    return oci_entry.not_gated(stage, why), sent
+    monkeypatch.setattr(oci_hook, "read_stdin_bounded", lambda: state)
+    return oci_hook.not_gated(stage, why), sent
 
 
 @pytest.mark.parametrize("stage", ["createRuntime", "prestart"])
@@ -185,7 +185,7 @@ def test_one_journal_line_for_a_rootless_gpu_containers_start(
     code, sent = run_not_gated(monkeypatch, stage, raw, "user namespace, uid_map 0 1000 1")
     assert code == ExitCode.OK
     ((message, fields),) = sent.entries
-    assert fields["GPUGATE_REASON"] == oci_entry.NOT_ROOT
+    assert fields["GPUGATE_REASON"] == oci_hook.NOT_ROOT
     assert fields["GPUGATE_OCI_CONTAINER"] == A_ID
     assert fields["GPUGATE_EVENT"] == "warning"
     assert "uid_map 0 1000 1" in message

@@ -21,8 +21,7 @@ from gpugate.core.decide import Rule, decide
 from gpugate.core.discover import Holder, Source
 from gpugate.errors import BadInput, ExitCode
 from gpugate.front.cli import build_parser
-from gpugate.front.commands.pre_post import parse_uid
-from gpugate.front.launch import (
+from gpugate.front.commands.run import (
     Caller,
     LaunchPlan,
     derive_unit_name,
@@ -30,6 +29,7 @@ from gpugate.front.launch import (
     invoking_user,
     systemd_run_argv,
 )
+from gpugate.front.hook import parse_uid
 from gpugate.phase import Phase
 from tests.fakes import FakeHost, alive
 from tests.unit.test_decide import CGROUPS, UNIT_CG, Table, discovery, proc
@@ -274,7 +274,7 @@ def test_a_run_config_another_account_may_write_is_refused(tmp_path: Path) -> No
     load_config (integrations.config_files), as root; a file alice owns must be refused
     (exit 78), not followed."""
     from gpugate.errors import ConfigError
-    from gpugate.front import launch
+    from gpugate.front.commands import run as launch
     from gpugate.integrations.config_files import load_config
 
     assert launch.load_config is load_config

@@ -14,9 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpugate.errors import BadInput, ExitCode
-from gpugate.front.commands import Front
 from gpugate.front.commands.slurm import job_cgroup, job_from_env
 from gpugate.front.commands.slurm import slurm as slurm_hook
+from gpugate.front.hook import Front
 from gpugate.host.nvml import mig_key
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter

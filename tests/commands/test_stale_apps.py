@@ -20,7 +20,8 @@ import pytest
 
 from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode
-from gpugate.front.commands.status import as_dict, collect, render_table
+from gpugate.front.commands.status import as_dict, render_table
+from gpugate.front.hook import collect
 from tests.fakes import FakeHost, alive
 
 LISTENER = textwrap.dedent(

@@ -20,9 +20,9 @@ from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Holding, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
-from gpugate.front.commands import Front
+from gpugate.front.commands.sweep import SWEEP_UNIT, reapable, remember, sweep
+from gpugate.front.hook import Front
 from gpugate.front.install import DEFAULT_GPUGATE, TIMER_TEMPLATE, render_service
-from gpugate.front.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
 from gpugate.host.scan import ProcessId, ProcInfo

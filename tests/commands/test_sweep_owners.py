@@ -17,7 +17,7 @@ from gpugate.config.schema import GateConfig
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Holding, Owner, holds_memory, owner_of
 from gpugate.errors import ExitCode
-from gpugate.front.sweep import reapable, remember, tracked
+from gpugate.front.commands.sweep import reapable, remember, tracked
 from gpugate.host.logind import Logind, SessionState, session_of_cgroup
 from gpugate.host.nvml import GpuProcess, GpuUsage, mig_key
 from gpugate.host.scan import ProcessId
@@ -295,7 +295,7 @@ def test_watchers_stay_watchers_while_a_killed_holder_is_freed_late(host: FakeHo
 
 
 def sweep_at(host: FakeHost, config: Path, boot: float, wall: float | None = None) -> int:
-    from gpugate.front.sweep import sweep
+    from gpugate.front.commands.sweep import sweep
 
     return sweep(
         config, front(host), clock=lambda: boot if wall is None else wall, boot_clock=lambda: boot

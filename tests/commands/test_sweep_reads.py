@@ -16,9 +16,8 @@ import pytest
 from gpugate.core.discover import Discovery, Source, memory_accounted
 from gpugate.core.roles import Holding, Owner, owner_of
 from gpugate.errors import ExitCode, GpuError
-from gpugate.front.commands import Front
-from gpugate.front.commands.status import collect
-from gpugate.front.sweep import gauges, look, sweep
+from gpugate.front.commands.sweep import gauges, look, sweep
+from gpugate.front.hook import Front, collect
 from gpugate.host import scan
 from gpugate.host.nvml import Gpu, GpuFault, GpuProcess, GpuUsage, mig_key
 from gpugate.integrations.config_files import load_config

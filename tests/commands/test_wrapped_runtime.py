@@ -141,7 +141,7 @@ from pathlib import Path
 from gpugate.host import wrapped_runtime
 wrapped_runtime.RECORD = Path(sys.argv[1])
 wrapped_runtime.PATHS = {"runc": (sys.argv[2],), "nvidia-container-runtime": (sys.argv[3],)}
-from gpugate.front.oci_runtime import main
+from gpugate.front.commands.oci_runtime import main
 sys.exit(main(sys.argv[4:]))
 """
 

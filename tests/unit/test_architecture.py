@@ -321,3 +321,64 @@ def test_the_exception_rule_catches_a_class_in_a_fixture_tree() -> None:
         "ByAttribute",
         "Own",
     }
+
+
+# The command line's modules: the parser and the console scripts call the commands; every
+# command is a module (or package) of front/commands; what two commands share is below them.
+COMMANDS = "gpugate.front.commands"
+ABOVE_COMMANDS = {"gpugate.front.cli", "gpugate.front.entry"}
+
+
+def command_of(module: str) -> str | None:
+    """The command whose module (or package) this is; None: no command's."""
+    prefix = COMMANDS + "."
+    return module[len(prefix) :].split(".", maxsplit=1)[0] if module.startswith(prefix) else None
+
+
+def commands_crossed(graph: dict[str, set[str]]) -> list[str]:
+    """A command importing another command, and a module below the commands (front's shared
+    helpers, every layer under front) importing any command."""
+    wrong = []
+    for name, targets in sorted(graph.items()):
+        if name in ABOVE_COMMANDS:
+            continue
+        own = command_of(name)
+        for target in sorted(targets):
+            command = command_of(target)
+            if command is not None and command != own:
+                wrong.append(f"{name} imports {target}")
+    return wrong
+
+
+def test_no_command_imports_another_and_no_helper_imports_a_command() -> None:
+    trees = {module_name(path): tree for path, tree in modules()}
+    wrong = commands_crossed(import_graph(trees))
+    assert not wrong, "\n".join(wrong)
+    assert {command_of(name) for name in trees} >= {"pre_post", "run", "sweep", "oci_hook"}
+
+
+def test_the_command_rule_catches_a_command_and_a_helper_importing_commands(
+    tmp_path: Path,
+) -> None:
+    files = {
+        "front/__init__.py": "",
+        "front/cli.py": "from gpugate.front.commands import a\nimport gpugate.front.commands.b\n",
+        "front/helper.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+        "    from gpugate.front.commands.a import f\n",
+        "front/commands/__init__.py": "",
+        "front/commands/a.py": "from gpugate.front.helper import g\n",
+        "front/commands/b.py": "def h():\n    from gpugate.front.commands import a\n",
+        "front/commands/c/__init__.py": "from gpugate.front.commands.c import run\n",
+        "front/commands/c/run.py": "import gpugate.front.helper\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    trees = {
+        module_name(path, tmp_path): ast.parse(path.read_text())
+        for path in sorted(tmp_path.rglob("*.py"))
+    }
+    assert commands_crossed(import_graph(trees)) == [
+        "gpugate.front.commands.b imports gpugate.front.commands.a",
+        "gpugate.front.helper imports gpugate.front.commands.a",
+    ]

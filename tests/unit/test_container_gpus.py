@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpugate.errors import BadInput, ExitCode
-from gpugate.front.oci_runtime import with_hooks
+from gpugate.front.commands.oci_runtime import with_hooks
 from gpugate.host import oci
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (

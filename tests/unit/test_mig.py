@@ -13,8 +13,8 @@ from gpugate.config.values import gpu_ref, legacy_mig, parse_gpu_text
 from gpugate.core.discover import as_refs, owned_gpus
 from gpugate.core.run import RunScope
 from gpugate.errors import BadInput, ConfigError, ExitCode, InvalidValue
+from gpugate.front.commands.run import resolve_gpus
 from gpugate.front.commands.slurm import job_from_env
-from gpugate.front.launch import resolve_gpus
 from gpugate.host import nvml
 from gpugate.host.nvml import mig_key
 from gpugate.host.oci import GpuRequest

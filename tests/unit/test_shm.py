@@ -22,7 +22,8 @@ from gpugate.config.schema import GateConfig
 from gpugate.core.outcome import RunSummary
 from gpugate.core.shm_cleanup import FreshHolders, Kept, ShmHost
 from gpugate.errors import ConfigError, ExitCode
-from gpugate.front.commands.status import as_dict, collect, render_table
+from gpugate.front.commands.status import as_dict, render_table
+from gpugate.front.hook import collect
 from gpugate.host.scan import HostShm, scan_device_users
 from gpugate.host.shm import (
     FileFacts,

@@ -106,8 +106,8 @@ def gate_error_classes() -> set[str]:
 
 def test_every_error_class_keeps_a_documented_exit_code() -> None:
     """Each class's exit code is one of ExitCode's (README lists them; tests/test_docs.py)."""
+    import gpugate.front.commands.run
     import gpugate.front.commands.slurm
-    import gpugate.front.launch
     import gpugate.host.nvml
     import gpugate.host.oci
     import gpugate.integrations.records  # noqa: F401  (their error classes)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any, NoReturn
 
-    from gpugate.front.commands import Front
+    from gpugate.front.hook import Front
     from gpugate.host.nvml import GpuDriver
     from gpugate.host.systemd import CgroupLayout, HostRoots
     from gpugate.report.journal import ReporterFactory
@@ -321,7 +321,7 @@ def main(
 ) -> int:
     args = build_parser(lazy=True).parse_args(argv)
     try:
-        from gpugate.front.commands import Front  # noqa: PLC0415
+        from gpugate.front.hook import Front  # noqa: PLC0415
         from gpugate.host.systemd import HostRoots  # noqa: PLC0415
 
         command: Callable[[argparse.Namespace, Front], int] = args.run
@@ -388,7 +388,7 @@ def _slurm_check(args: argparse.Namespace, front: Front) -> int:
 
 
 def _sweep(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.sweep import sweep  # noqa: PLC0415
+    from gpugate.front.commands.sweep import sweep  # noqa: PLC0415
 
     return sweep(args.config, front)
 
@@ -443,7 +443,7 @@ def _install(args: argparse.Namespace, front: Front) -> int:
 
 
 def _oci_hook(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.oci_entry import main as oci_hook  # noqa: PLC0415
+    from gpugate.front.commands.oci_hook import main as oci_hook  # noqa: PLC0415
 
     return oci_hook(
         [args.stage],
@@ -454,13 +454,13 @@ def _oci_hook(args: argparse.Namespace, front: Front) -> int:
 
 
 def _oci_runtime(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.oci_runtime import main as oci_runtime  # noqa: PLC0415
+    from gpugate.front.commands.oci_runtime import main as oci_runtime  # noqa: PLC0415
 
     return oci_runtime(args.args)
 
 
 def _launch(args: argparse.Namespace, front: Front) -> int:
-    from gpugate.front.launch import launch_command  # noqa: PLC0415
+    from gpugate.front.commands.run import launch_command  # noqa: PLC0415
 
     return launch_command(args, front)
 
@@ -481,7 +481,7 @@ def _path(value: str) -> Path:
 
 
 def _uid(value: str) -> int:
-    from gpugate.front.commands.pre_post import parse_uid  # noqa: PLC0415
+    from gpugate.front.hook import parse_uid  # noqa: PLC0415
 
     uid = parse_uid(value)
     if uid is None:

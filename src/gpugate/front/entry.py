@@ -10,7 +10,7 @@ import sys
 def run() -> None:
     argv = sys.argv[1:]
     if argv[:1] == ["oci-hook"]:
-        from gpugate.front.oci_entry import main  # noqa: PLC0415
+        from gpugate.front.commands.oci_hook import main  # noqa: PLC0415
 
         _exit(main(argv[1:]))
     if argv[:1] == ["oci-runtime"]:
@@ -22,7 +22,7 @@ def run() -> None:
 
 def oci_runtime(argv: list[str] | None = None) -> None:
     """`gpugate-oci-runtime ARGS...`: runc's arguments, passed on unchanged."""
-    from gpugate.front.oci_runtime import main  # noqa: PLC0415
+    from gpugate.front.commands.oci_runtime import main  # noqa: PLC0415
 
     _exit(main(sys.argv[1:] if argv is None else argv))
 

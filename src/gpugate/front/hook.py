@@ -1,30 +1,80 @@
-"""One hook run, the same for a unit's, a Slurm job's, an OCI hook's and the sweep's reap:
-locate the cgroup, run the phase, say a failure once, record the metrics."""
+"""What the commands share, below them: `Front`, what a command may touch; one hook run, the
+same for a unit's, a Slurm job's, an OCI hook's and the sweep's reap (locate the cgroup, run the
+phase, say a failure once, record the metrics); `collect`, the one discovery of `status`, the
+sweep and `gpugate run`'s check; a Slurm node's drain; a uid as sudo writes it."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
 import os
+import re
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
-from gpugate.core.discover import cgroup_members
+from gpugate.core.discover import Discovery, Sought, as_refs, cgroup_members, discover
 from gpugate.core.outcome import RunSummary, Surroundings
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.errors import GateError
 from gpugate.host.locks import check_all
+from gpugate.host.logind import SESSIONS_DIR
+from gpugate.host.nvml import Gpu, GpuDriver, NvmlDriver
+from gpugate.host.safe_files import find_program, run_program
+from gpugate.host.scan import Deadline, ProcFs, WatchScan
 from gpugate.host.shm import find_areas, host_root
+from gpugate.host.systemd import (
+    CgroupLayout,
+    HostRoots,
+    active_state,
+    host_cgroup_layout,
+    on_units_tree,
+    resolve_unit_cgroup,
+)
 from gpugate.integrations.records import workload_words
+from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
-from gpugate.report.journal import Reporter
+from gpugate.report.journal import Reporter, ReporterFactory
 from gpugate.report.narrate import Narrator, interrupted
+
+UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
+NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
+STATUS_SCAN_S = 10.0  # status's pass over /proc, at most (processes with millions of fds)
+NO_UNIT_CGROUP = "/gpugate-status-no-unit"
+SCONTROL_TIMEOUT_S = 15
+
+
+class Front:
+    """What a command may touch, injected by tests; production's real defaults."""
+
+    def __init__(
+        self,
+        *,
+        driver_factory: Callable[[], GpuDriver] | None = None,
+        reporter_factory: ReporterFactory | None = None,
+        roots: HostRoots | None = None,
+        unit_state: Callable[[str], str | None] | None = None,
+        cgroup_layout: Callable[[HostRoots], CgroupLayout | None] | None = None,
+    ) -> None:
+        self.driver_factory: Callable[[], GpuDriver] = driver_factory or NvmlDriver
+        self.reporter_factory: ReporterFactory = reporter_factory or Reporter
+        self.environ: Mapping[str, str] = os.environ
+        self.device_stat: Callable[[str], os.stat_result] = os.stat  # gres.conf's File= (slurm)
+        self.given_roots = roots or HostRoots()
+        self.unit_state = unit_state or active_state
+        self.cgroup_layout = cgroup_layout or host_cgroup_layout
+        self.sessions_dir: Path = SESSIONS_DIR  # logind's state files (the sweep's owners)
+
+    def host_roots(self) -> HostRoots:
+        """The roots on the cgroup tree systemd tracks units in; HostUnsupported on v1 only."""
+        return on_units_tree(self.given_roots, self.cgroup_layout)
 
 
 @dataclass(frozen=True)
@@ -133,3 +183,93 @@ def stopped_by_signals() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def collect(
+    unit: str | None,
+    loaded: LoadedConfig,
+    driver: GpuDriver,
+    roots: HostRoots | None = None,
+    *,
+    procfs: ProcFs | None = None,
+    watch: WatchScan | None = None,
+    listed_first: bool = False,
+    starting: Sequence[Gpu] | None = None,
+) -> Discovery:
+    """The commands' one discovery. `status` (unit None: the whole host), as nvidia-smi: a GPU
+    NVML cannot read is listed in `faults`, not hiding the others. listed_first (the sweep's):
+    every process's fds only where NVML's lists do not account for the GPUs' memory within
+    free_mib (`discover`'s listed_within_mib); status reads them all. starting (`gpugate run`'s
+    check before the start): the unit's GPUs; no process is in its cgroup yet, and an NVML
+    error on them fails the check, as it fails the unit's pre."""
+    roots = roots or HostRoots()
+    procfs = procfs or ProcFs(roots.proc)
+    config = loaded.config
+    if starting is not None and unit is not None:
+        return discover(
+            Sought(unit, f"/system.slice/{unit}", as_refs(starting), loaded.source),
+            driver=driver,
+            procfs=procfs,
+            roots=roots,
+            containers=config.containers,
+            ports=config.ports,
+        )
+    cgroup = NO_UNIT_CGROUP
+    if unit is not None:
+        environment = None if roots.ask_systemd else (lambda _: None)
+        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
+        cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
+    return discover(
+        Sought(
+            unit or "", cgroup, "all" if unit is None else loaded.config.selection(), loaded.source
+        ),
+        driver=driver,
+        procfs=procfs,
+        roots=roots,
+        ports=() if unit is None else loaded.config.ports,
+        containers=loaded.config.containers,
+        strict_faults=False,
+        deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
+        watch=watch,
+        listed_within_mib=loaded.config.free_mib if listed_first else None,
+    )
+
+
+def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
+    """Best effort: drain the node first with gpugate's reason, which slurmctld keeps when
+    the failed hook drains it too. scontrol from the system folders, never the job's PATH."""
+    from gpugate.report import lines  # noqa: PLC0415 (a drain's words; not on pre's path)
+
+    scontrol = find_program("scontrol")
+    if scontrol is None:
+        return
+    try:
+        result = run_program(
+            [scontrol, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
+            SCONTROL_TIMEOUT_S,
+        )
+    except GateError as exc:
+        print(lines.warning(exc.message), file=stream)
+        return
+    if result.returncode != 0:
+        said = f"scontrol exited {result.returncode}: {result.first_line()}"
+        print(lines.warning(said), file=stream)
+
+
+def warn_environment_files(unit: str) -> None:
+    """What the unit's EnvironmentFile= lines would let another account change (stderr)."""
+    from gpugate.integrations.env_files import unit_environment_warnings  # noqa: PLC0415
+    from gpugate.report import lines  # noqa: PLC0415
+
+    for line in unit_environment_warnings(unit):
+        print(lines.error(line), file=sys.stderr)
+
+
+def parse_uid(text: str) -> int | None:
+    """A uid in decimal ASCII digits, as sudo writes SUDO_UID (and `--for-uid`): no sign,
+    blank, leading zero or other script's digits (int() takes Arabic-Indic ones), and not
+    (uid_t)-1."""
+    if not UID_TEXT.fullmatch(text):
+        return None
+    uid = int(text)
+    return uid if uid < NO_UID else None

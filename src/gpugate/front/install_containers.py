@@ -17,8 +17,8 @@ from gpugate.compat import tomllib
 from gpugate.config.file import toml_value
 from gpugate.errors import GateError, InstallError
 from gpugate.front.install import Action, Change
-from gpugate.front.oci_runtime import hook_entry
 from gpugate.host import safe_files, wrapped_runtime
+from gpugate.host.oci import hook_entry
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
 from gpugate.untrusted import echo
 

@@ -11,7 +11,7 @@ import re
 import select
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -612,3 +612,11 @@ def not_host_root(proc: str = "/proc") -> str | None:
     if (mine.st_dev, mine.st_ino) != (init.st_dev, init.st_ino):
         return "user namespace other than PID 1's"
     return None
+
+
+def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
+    """gpugate's hook at stage, as a spec's hooks list (the runtime wrapper) and hooks.d
+    files (install) write it."""
+    command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
+    args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
+    return {"path": command[0], "args": args}

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from gpugate.config.file import to_toml
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.commands import Front
+from gpugate.front.hook import Front, warn_environment_files
 from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.report import lines
@@ -51,11 +51,3 @@ def show_wrapped_runtime(record: Path | None = None) -> None:
     instead = "" if chosen.name == recorded else f"; {recorded} is not installed or is the caller"
     where = f'runtime = "{recorded}" in {record}{instead}'
     print(f"# containers: gpugate-oci-runtime runs {runs} ({where})")
-
-
-def warn_environment_files(unit: str) -> None:
-    """What the unit's EnvironmentFile= lines would let another account change (stderr)."""
-    from gpugate.integrations.env_files import unit_environment_warnings  # noqa: PLC0415
-
-    for line in unit_environment_warnings(unit):
-        print(lines.error(line), file=sys.stderr)

@@ -11,7 +11,7 @@ from pathlib import Path
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import ExitCode
 from gpugate.front import install as plan
-from gpugate.front.commands.config_check import warn_environment_files
+from gpugate.front.hook import warn_environment_files
 from gpugate.front.install import DEFAULT_SYSTEMD_DIR, Gpus
 from gpugate.host.systemd import systemd_running, unit_argument
 from gpugate.report import lines

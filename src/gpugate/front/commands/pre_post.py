@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from gpugate.core.run import RunDeps
 from gpugate.errors import UnknownUnit
-from gpugate.front.commands import Front
-from gpugate.front.hook import Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Front, Hook, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit import UnitContext
 from gpugate.phase import Phase
-
-UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
-NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 
 
 def pre_post(
@@ -59,13 +54,3 @@ def pre_post(
     )
     with stopped_by_signals():
         return int(run_hook(hook, loaded).exit_code)
-
-
-def parse_uid(text: str) -> int | None:
-    """A uid in decimal ASCII digits, as sudo writes SUDO_UID (and `--for-uid`): no sign,
-    blank, leading zero or other script's digits (int() takes Arabic-Indic ones), and not
-    (uid_t)-1."""
-    if not UID_TEXT.fullmatch(text):
-        return None
-    uid = int(text)
-    return uid if uid < NO_UID else None

@@ -21,10 +21,8 @@ from gpugate.core.discover import Discovery
 from gpugate.core.outcome import UNKILLABLE, Held, NullSurroundings, RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import BadInput, ExitCode, GateError, GresUnresolved, InvalidValue
-from gpugate.front.commands import Front
-from gpugate.front.hook import Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Front, Hook, run_hook, set_drain_reason, stopped_by_signals
 from gpugate.host.nvml import GpuDriver
-from gpugate.host.safe_files import find_program, run_program
 from gpugate.host.systemd import HostRoots
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.gres_conf import (
@@ -55,7 +53,6 @@ MAX_JOB_ID = 2**32 - 1
 # in a task it is the task's own numbering, and alone it is not slurmd's.
 GPU_VARIABLES = ("SLURM_JOB_GPUS", "SLURM_STEP_GPUS")
 NO_DEVICE_FILES = "NoDevFiles"  # Slurm before 15.08, for a gres without device files
-SCONTROL_TIMEOUT_S = 15
 MAX_VISIBLE_CHARS = 8192  # 64 slices' unique IDs with room to spare
 
 
@@ -182,25 +179,6 @@ def job_fields(job: SlurmJob) -> dict[str, str]:
     if job.uid is not None:
         fields["GPUGATE_SLURM_JOB_UID"] = str(job.uid)
     return fields
-
-
-def set_drain_reason(node: str, reason: str, stream: TextIO) -> None:
-    """Best effort: drain the node first with gpugate's reason, which slurmctld keeps when
-    the failed hook drains it too. scontrol from the system folders, never the job's PATH."""
-    scontrol = find_program("scontrol")
-    if scontrol is None:
-        return
-    try:
-        result = run_program(
-            [scontrol, "update", f"NodeName={node}", "State=DRAIN", f"Reason={reason}"],
-            SCONTROL_TIMEOUT_S,
-        )
-    except GateError as exc:
-        print(lines.warning(exc.message), file=stream)
-        return
-    if result.returncode != 0:
-        said = f"scontrol exited {result.returncode}: {result.first_line()}"
-        print(lines.warning(said), file=stream)
 
 
 MAX_REASON_HOLDERS = 3  # processes a drain reason names

@@ -18,19 +18,16 @@ from gpugate.core.discover import (
     GPU_DEVICE,
     Discovery,
     Holder,
-    Sought,
     cgroup_members,
-    discover,
 )
 from gpugate.core.roles import Owner, Role, config_shares, holder_role, is_mps_server, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
-from gpugate.front.commands import Front
+from gpugate.front.hook import Front, collect
 from gpugate.host.nvml import GpuDriver, NoGpus
-from gpugate.host.scan import Deadline, HostShm, ProcFs, WatchScan
+from gpugate.host.scan import HostShm, ProcFs, WatchScan
 from gpugate.host.shm import ShmFile, own_shm_of_any
 from gpugate.host.systemd import (
     HostRoots,
-    resolve_unit_cgroup,
     unit_argument,
     unit_of_cgroup,
     validate_unit_name,
@@ -45,7 +42,6 @@ from gpugate.integrations.records import (
     read_leases,
     read_unowned,
 )
-from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.narrate import (
@@ -57,44 +53,8 @@ from gpugate.report.narrate import (
 from gpugate.untrusted import CGROUP, COMM, CONTAINER, FILE, STATE, cut, shown, shown_args
 
 JSON_VERSION = 1
-STATUS_SCAN_S = 10.0  # the pass over /proc, at most (processes with millions of fds)
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
-NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's start times count in these
-
-
-def collect(
-    unit: str | None,
-    loaded: LoadedConfig,
-    driver: GpuDriver,
-    roots: HostRoots | None = None,
-    *,
-    procfs: ProcFs | None = None,
-    watch: WatchScan | None = None,
-    listed_first: bool = False,
-) -> Discovery:
-    """As nvidia-smi: a GPU NVML cannot read is listed in `faults`, not hiding the others.
-    listed_first (the sweep's): every process's fds only where NVML's lists do not account for
-    the GPUs' memory within free_mib (`discover`'s listed_within_mib); status reads them all."""
-    roots = roots or HostRoots()
-    cgroup = NO_UNIT_CGROUP
-    if unit is not None:
-        environment = None if roots.ask_systemd else (lambda _: None)
-        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
-        cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
-    wanted = "all" if unit is None else loaded.config.selection()
-    return discover(
-        Sought(unit or "", cgroup, wanted, loaded.source),
-        driver=driver,
-        procfs=procfs or ProcFs(roots.proc),
-        roots=roots,
-        ports=() if unit is None else loaded.config.ports,
-        containers=loaded.config.containers,
-        strict_faults=False,
-        deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
-        watch=watch,
-        listed_within_mib=loaded.config.free_mib if listed_first else None,
-    )
 
 
 def shm_use(host: HostShm, files: Iterable[ShmFile]) -> list[dict[str, Any]]:

@@ -12,7 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import BadInput, ConfigError, ExitCode
-from gpugate.host.oci import json_object, not_host_root, read_config, spec_gpu_request
+from gpugate.host.oci import (
+    hook_entry,
+    json_object,
+    not_host_root,
+    read_config,
+    spec_gpu_request,
+)
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -43,12 +49,6 @@ def bundle_of(args: Sequence[str]) -> str:
             if word.startswith(prefix):
                 return word[len(prefix) :]
     return os.getcwd()
-
-
-def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:
-    command = (gpugate,) if isinstance(gpugate, str) else tuple(gpugate)
-    args = [os.path.basename(command[0]), *command[1:], "oci-hook", stage]
-    return {"path": command[0], "args": args}
 
 
 def with_hooks(

@@ -1,5 +1,5 @@
 """`gpugate oci-hook STAGE`, the part every container pays for: the standard library alone;
-only a container that asks for a GPU loads the rest of gpugate (front/oci_hook.py)."""
+only a container that asks for a GPU loads the rest of gpugate (front/container_hook.py)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from gpugate.host.nvml import GpuDriver
     from gpugate.host.systemd import HostRoots
 
-# OCI runtime-spec's hook stages; gpugate acts at the first two and the last (oci_hook.py).
+# OCI runtime-spec's hook stages; gpugate acts at the first two and the last (container_hook.py).
 ACTING = ("createRuntime", "prestart", "poststop")
 STAGES = (*ACTING, "createContainer", "startContainer", "poststart")
 NOT_ROOT = "not-host-root"  # GPUGATE_REASON of the one line a hook that is not root sends
@@ -66,7 +66,7 @@ def main(
         return int(exc.exit_code)
     if not spec.gpus or is_sandbox(state.id, {**spec.annotations, **state.annotations}):
         return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
-    from gpugate.front.oci_hook import run_from_hook  # noqa: PLC0415
+    from gpugate.front.container_hook import run_from_hook  # noqa: PLC0415
 
     return run_from_hook(stage, state, spec, roots=roots, config=config, driver=driver_factory)
 

@@ -111,7 +111,7 @@ def run_from_hook(
     driver: Callable[[], GpuDriver] | None = None,
 ) -> int:
     """The runtime's call, past the fast path: an error is one line and its exit code."""
-    phase = STAGE_PHASES[stage]  # one of oci_entry's ACTING stages
+    phase = STAGE_PHASES[stage]  # one of commands/oci_hook.py's ACTING stages
     try:
         loaded = load_config(None, config) if config is not None else None
         roots = roots or on_units_tree(HostRoots())

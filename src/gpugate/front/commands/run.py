@@ -34,7 +34,7 @@ from gpugate.errors import (
     PermissionDenied,
     StateUnwritable,
 )
-from gpugate.front.commands.pre_post import parse_uid
+from gpugate.front.hook import collect, parse_uid
 from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
 from gpugate.host.safe_files import account, find_program, run_program, write_atomically
@@ -55,7 +55,7 @@ from gpugate.report.narrate import held_text
 from gpugate.untrusted import COMM, COMMAND, echo, shown
 
 if TYPE_CHECKING:
-    from gpugate.front.commands import Front
+    from gpugate.front.hook import Front
 
 SHARE_OPTION = "--share-gpus"
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
@@ -208,23 +208,11 @@ def refuse_before_start(
     if caller.uid == 0:
         return
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
-    from gpugate.core.discover import Sought, discover  # noqa: PLC0415
     from gpugate.host.scan import ProcFs  # noqa: PLC0415
 
     procfs = ProcFs(roots.proc)
-    driver = front.driver_factory()
-    try:
-        found = discover(
-            # not started yet: no process is in its cgroup
-            Sought(unit, f"/system.slice/{unit}", as_refs(gpus), loaded.source),
-            driver=driver,
-            procfs=procfs,
-            roots=roots,
-            containers=loaded.config.containers,
-            ports=loaded.config.ports,
-        )
-    finally:
-        driver.close()
+    with contextlib.closing(front.driver_factory()) as driver:
+        found = collect(unit, loaded, driver, roots, procfs=procfs, starting=gpus)
     # With share_gpus or an MPS server there, another workload's process is a sharer (its pre).
     shared = config_shares(found, loaded.config)
     decision = decide(found, loaded.config, Phase.PRE, procfs, for_uid=caller.uid, shared=shared)

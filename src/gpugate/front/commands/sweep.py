@@ -18,10 +18,7 @@ from gpugate.core.outcome import NullSurroundings
 from gpugate.core.roles import OWNERS, Holding, Owner, holds_memory, owner_of
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.commands import Front
-from gpugate.front.commands.slurm import set_drain_reason
-from gpugate.front.commands.status import collect
-from gpugate.front.hook import Hook, run_hook
+from gpugate.front.hook import Front, Hook, collect, run_hook, set_drain_reason
 from gpugate.host.logind import Logind
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
