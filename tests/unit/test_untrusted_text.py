@@ -476,7 +476,10 @@ AS_DATA = {"unit_of_cgroup"}
 # run's refusal, a Slurm node's drain reason).
 OUTPUTS = [
     *sorted((SRC / "report").glob("*.py")),
-    *(SRC / "front" / name for name in ("commands/status.py", "commands/run.py", "commands/slurm.py")),
+    *(
+        SRC / "front" / name
+        for name in ("commands/status.py", "commands/run.py", "commands/slurm.py")
+    ),
 ]
 
 

@@ -114,9 +114,27 @@ class Transition(StrEnum):  # how a stage ended: the edge the run took
     FINISHED = "finished"  # finishing -> the end
 
 
+# Where each transition leads (None: the run's end). A respawn killed in the wait goes to
+# stopping and back to waiting (`stopped` or `survived`) inside the waiting stage.
+NEXT_STAGE: dict[Transition, Stage | None] = {
+    Transition.FOUND: Stage.LOCKING,
+    Transition.REFUSED: Stage.FINISHING,
+    Transition.DRY_RUN: Stage.FINISHING,
+    Transition.LOCKED: Stage.STOPPING,
+    Transition.START_REFUSED: Stage.FINISHING,
+    Transition.STOPPED: Stage.WAITING,
+    Transition.SURVIVED: Stage.FINISHING,
+    Transition.STILL_HELD: Stage.FINISHING,
+    Transition.SETTLED: Stage.FINISHING,
+    Transition.RESPAWNED: Stage.STOPPING,
+    Transition.NVML_FAILED: Stage.LOOKING,
+    Transition.FINISHED: None,
+}
+
+
 @dataclass(frozen=True)
 class Progress:
-    """What the run is doing: its stage (set only by `RunState.enter`) and that stage's facts."""
+    """What the run is doing: its stage (set only by `PhaseRun.enter`) and that stage's facts."""
 
     stage: Stage = Stage.LOOKING
     processes: int = 0  # STOPPING: how many this round

@@ -1,5 +1,7 @@
-"""One phase run as a stage machine: looking -> locking -> stopping -> waiting -> finishing, each
-stage's `step()` returning its transition and the next stage; `RunState.enter` changes the stage."""
+"""One phase run, read top to bottom: discover and decide, lock, the kill rounds, the wait,
+the killed's /dev/shm files, the lease. Its stage (looking -> locking -> stopping -> waiting ->
+finishing) changes only in `PhaseRun.enter`; each stage's method returns the transition it took,
+and `outcome.NEXT_STAGE` says where that leads."""
 
 from __future__ import annotations
 
@@ -8,13 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, Sought, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
 from gpugate.core.outcome import (
+    NEXT_STAGE,
     UNKILLABLE,
     BusyGpu,
     Held,
@@ -46,6 +49,14 @@ from gpugate.phase import Phase
 TIMEOUT_MARGIN_S = 10  # asked of systemd beyond our own deadline, for the exit itself
 MAX_ROUNDS = 5
 
+# What turns up in the wait (an unknown PID on NVML's list, a held port, a respawn) is looked
+# for with a new discovery. While parents of the killed are watched, success needs two clear
+# looks in a row: a loop that respawns between two polls cannot end the run as a success.
+FIRST_POLL_S = 0.005
+MAX_POLL_S = 0.05
+PROGRESS_EVERY_S = 1.0
+LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
+
 
 @dataclass(frozen=True)
 class RunScope:
@@ -67,8 +78,8 @@ class RunDeps:
     shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
 
 
-class RunState:
-    """What the stages share; one discovery round (`find`); the stage (`enter`)."""
+class PhaseRun:
+    """One run of a phase over its state (as supervisor's Subprocess is): `run()` once."""
 
     def __init__(
         self,
@@ -91,6 +102,10 @@ class RunState:
         self.summary = RunSummary()
         self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
         self.driver: GpuDriver = NoGpus()
+        self.announced = False  # the run's first entry is said once, even if NVML fails after
+        # the last round's discovery and decision
+        self.discovery: Discovery | None = None
+        self.decision = Decision([])
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
         self.ports = self.config.ports if scope.phase.traits.checks_ports else ()
@@ -102,12 +117,15 @@ class RunState:
         self.judged: dict[ProcessId, Role] = dict.fromkeys(
             surroundings.known_watchers(), Role.WATCHER
         )
+        self.would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would kill
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
         self._progress = Progress()
         self._transitions: list[tuple[Stage, Transition]] = []
         self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
+
+    # -- where the run is: the stage, its facts, the transitions taken
 
     @property
     def progress(self) -> Progress:
@@ -128,9 +146,64 @@ class RunState:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
         self._progress = replace(self._progress, stage=self._progress.stage, **facts)
 
-    def on_lock_wait(self, gpu: Gpu) -> None:
-        self.note(lock_gpu=gpu)
-        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+    # -- the run: its driver, its stages, its errors
+
+    def run(self) -> RunSummary:
+        """An error but a manual run's refusal is told to the surroundings, locks released; an
+        interruption as the narrator words it."""
+        try:
+            self._with_driver()
+        except Interrupted as exc:
+            worded = self.narrator.interrupted(exc, self.progress)
+            if not self.dry_run:
+                self.surroundings.after_error(worded, self.progress)
+            raise worded from None
+        except GateError as exc:
+            if not self.dry_run and not isinstance(exc, ManualRunRefused):
+                self.surroundings.after_error(exc, self.progress)
+            raise
+        return self.summary
+
+    def _with_driver(self) -> None:
+        driver: GpuDriver = NoGpus()
+        hung = self.surroundings.driver_hung_earlier()
+        if hung is not None:
+            # This start's pre waited its deadline on a driver that did not answer: asking
+            # again would hang post too. The cgroup still dies.
+            self.narrator.nvml_skipped(hung, self.scope.phase.value)
+            self.without_nvml()
+        else:
+            try:
+                driver = self.deps.driver_factory()
+            except NvmlUnavailable as exc:
+                self.without_nvml(exc)
+        try:
+            driver.answer_by(self.deadline)  # one that stops answering ends the run
+            self.driver = driver
+            with self.locks:
+                self._stages()
+        finally:
+            driver.close()
+
+    def _stages(self) -> None:
+        steps = {
+            Stage.LOOKING: self.looking,
+            Stage.LOCKING: self.locking,
+            Stage.STOPPING: self.stopping,
+            Stage.WAITING: self.waiting,
+            Stage.FINISHING: self.finishing,
+        }
+        stage: Stage | None = Stage.LOOKING
+        self.enter(stage)
+        while stage is not None:
+            try:
+                via = steps[stage]()
+            except NvmlUnavailable as exc:
+                self.locks.close()  # released before the run goes on without NVML
+                self.without_nvml(exc)
+                via = Transition.NVML_FAILED
+            stage = NEXT_STAGE[via]
+            self.enter(stage, via)
 
     def without_nvml(self, error: NvmlUnavailable | None = None) -> None:
         """The unit's cgroup alone, no GPU. error: NVML failed here (on_nvml_error = fail, or
@@ -142,8 +215,51 @@ class RunState:
         self.summary.degraded = True
         self.driver = NoGpus()
 
-    def find(self) -> tuple[Discovery, Decision]:
-        """One round: discovery and decision over one consistent reading of /proc."""
+    # -- looking: discover the holders, decide whom to kill
+
+    def looking(self) -> Transition:
+        discovery, decision = self.find_holders()  # the stage's only NVML use: before announcing
+        self.summary.seconds_discover = self.clock() - self.started
+        self.summary.owned = list(discovery.owned)
+        # Before any kill: later rounds rediscover, and by then memory may already be freed.
+        self.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
+        busy = tuple(
+            BusyGpu(g, self.used_before[g.index], ())
+            for g in discovery.owned
+            if self.used_before[g.index] > self.config.free_mib
+        )
+        self.note(last_busy=busy)
+        self.surroundings.before_kill(decision)  # one line, before any other
+        if not self.announced:
+            self.announced = True
+            self.narrator.run_started(
+                discovery,
+                self.loaded.source,
+                sum(self.used_before.values()),
+                gpu_source=self.surroundings.gpu_source,
+                gpu_source_warns=self.surroundings.gpu_source_warns,
+            )
+        self.report_faults(discovery)
+        self.narrator.blind_spots(discovery)
+        self.narrator.choices(decision)
+        if decision.refused:
+            self.surroundings.held_by_others(discovery.owned)
+            self.narrator.refused()
+            self.summary.held = [Held.of(c) for c in decision.blockers]
+            self.found.add(ExitCode.HELD_BY_OTHERS)
+            return Transition.REFUSED
+        if self.dry_run:
+            refused = self.surroundings.refuses_start(discovery.owned, dry_run=True)
+            if decision.blockers or refused:
+                self.found.add(ExitCode.HELD_BY_OTHERS)
+            self.would_kill = frozenset(c.holder.pid for c in decision.targets)
+            self.summary.would_kill = len(decision.targets)
+            return Transition.DRY_RUN
+        return Transition.FOUND
+
+    def find_holders(self) -> tuple[Discovery, Decision]:
+        """One round: discovery and decision over one consistent reading of /proc; the run's
+        latest from now on."""
         wanted = None if self.summary.degraded else self.config.selection()  # degraded: no GPU
         with self.procfs.oneshot():
             found = discover(
@@ -171,6 +287,7 @@ class RunState:
             self.shm_labels[choice.holder.pid] = (
                 f"PID {choice.holder.pid} ({choice.holder.info.comm}, {choice.role})"
             )
+        self.discovery, self.decision = found, decision
         return found, decision
 
     def report_faults(self, discovery: Discovery) -> None:
@@ -180,8 +297,281 @@ class RunState:
                 self.reported_faults.add(fault.index)
                 self.narrator.fault_elsewhere(fault, self.scope.unit)
 
-    def fresh(self, decision: Decision) -> list[Choice]:
+    def unsignalled(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
+
+    # -- locking: the per-GPU locks, held to the run's end; under them a start is refused or
+    # reserved
+
+    def locking(self) -> Transition:
+        owned = self.latest.owned
+        # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
+        self.narrator.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
+        # After a stop (state not required), a lock that cannot be made is said, not fatal.
+        unlocked = None if self.scope.phase.traits.state_required else self.narrator.lock_not_taken
+        self.locks.enter_context(
+            gpu_locks(
+                self.config.lock_dir,
+                owned,
+                self.deadline,
+                on_wait=self.on_lock_wait,
+                clock=self.clock,
+                on_unlocked=unlocked,
+            )
+        )
+        # Checked and taken in one turn on the locks: an overlapping pre waits for it.
+        if self.surroundings.refuses_start(owned, dry_run=False):
+            self.found.add(ExitCode.HELD_BY_OTHERS)
+            return Transition.START_REFUSED
+        self.surroundings.reserve(owned)
+        return Transition.LOCKED
+
+    @property
+    def latest(self) -> Discovery:
+        """The last round's discovery (looking made one before any other stage runs)."""
+        assert self.discovery is not None
+        return self.discovery
+
+    def on_lock_wait(self, gpu: Gpu) -> None:
+        self.note(lock_gpu=gpu)
+        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+
+    # -- stopping: the kill rounds
+
+    def stopping(self) -> Transition:
+        survivors = self.kill_rounds()
+        blockers = self.decision.blockers
+        if survivors:
+            self.summary.held += [Held.of(c) for c in blockers]
+            return Transition.SURVIVED
+        if blockers:
+            self.summary.held = [Held.of(c) for c in blockers]
+            self.found.add(ExitCode.HELD_BY_OTHERS)
+            self.narrator.still_held()
+            return Transition.STILL_HELD
+        return Transition.STOPPED
+
+    def kill_rounds(self) -> list[ProcessId]:
+        """Kill the latest decision's targets; rediscover and repeat while new ones appear
+        (forks); the survivors."""
+        kill_started = self.clock()
+        discovery = self.latest
+        if self.scope.phase.traits.stops_containers and discovery.unit_containers:
+            # The unit's own containers stop through their runtime first (it records them as
+            # stopped); the pinned signals follow for any process that outlived it.
+            wanted = {c.holder.container.id for c in self.decision.targets if c.holder.container}
+            containers = [c for c in discovery.unit_containers if c.id in wanted]
+            self.narrator.container_stopping(len(containers))
+            for stopped in stop_containers(containers, self.policy.sigterm_grace_s):
+                self.narrator.container_stopped(stopped)
+        survivors: list[ProcessId] = []
+        for round_number in range(1, MAX_ROUNDS + 1):
+            fresh = self.unsignalled(self.decision)
+            if not fresh:
+                break
+            survivors = self.kill_round(fresh, round_number)
+            if survivors or self.clock() >= self.deadline:
+                break
+            self.report_faults(self.find_holders()[0])
+        self.summary.seconds_kill += self.clock() - kill_started
+        for ident in survivors:
+            self.narrator.survivor(self.signalled[ident])
+        if survivors:
+            self.summary.held = [Held.of(self.signalled[i], UNKILLABLE) for i in survivors]
+            self.found.add(ExitCode.UNKILLABLE)
+            self.narrator.survived(len(survivors))
+        return survivors
+
+    def kill_round(self, fresh: list[Choice], round_number: int) -> list[ProcessId]:
+        by_ident = self.signalled
+        self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
+        if round_number > 1:
+            self.narrator.choices(Decision(fresh))
+        self.narrator.stopping(len(fresh), round_number)
+        self.note(processes=len(fresh), round_number=round_number)
+        by_ident.update((c.holder.info.ident, c) for c in fresh)
+        with self.procfs.oneshot():
+            self.watch.killed(fresh, by_ident, self.procfs, self_chain=self.latest.self_chain)
+        result = terminate(
+            [c.holder.info.ident for c in fresh],
+            grace_s=self.policy.sigterm_grace_s,
+            sigkill_wait_s=self.policy.sigkill_wait_s,
+            deadline=self.deadline,
+            procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
+            on_signal=lambda ident, signum: self.narrator.signal_sent(by_ident[ident], signum),
+            on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
+            pinner=self.deps.pinner,
+            clock=self.clock,
+        )
+        self.summary.killed.extend(result.terminated + result.killed)
+        return result.survivors
+
+    def on_stuck(self, choices: list[Choice]) -> None:
+        for choice in choices:
+            stat = self.procfs.stat(choice.holder.pid)
+            process_state = stat.state if stat else "?"
+            self.narrator.stuck(choice, process_state, self.procfs.wchan(choice.holder.pid))
+
+    # -- waiting: for free GPUs and ports, killing what turns up meanwhile
+
+    def waiting(self) -> Transition:
+        skipped = self.surroundings.not_to_wait_on(self.latest.owned)
+        owned = [gpu for gpu in self.latest.owned if gpu not in skipped]
+        if owned or self.ports:
+            wait_started = self.clock()
+            self.spared_pids = spared_for_good(self.decision)
+            busy, ports, held = self.wait_settled(owned)
+            self.summary.seconds_wait = self.clock() - wait_started
+            self.summary.busy = busy
+            for gpu in owned:
+                freed = self.used_before.get(gpu.index, 0) - self.driver.usage(gpu).used_mib
+                self.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
+            self.judge_wait(owned, busy, ports, held=held)
+        return Transition.SETTLED
+
+    def wait_settled(self, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], bool]:
+        """Poll (5 ms backing off to 50 ms) until the GPUs and ports are free and no respawn is
+        under way, or the deadline: the GPUs and ports still held, and whether any is."""
+        clock, deadline = self.clock, self.deadline
+        interval = FIRST_POLL_S
+        next_progress = next_look = clock()
+        clear_since: float | None = None
+        while True:
+            busy, ports, under_way = self.look(owned)
+            watched = bool(self.watch.watched)
+            now = clock()
+            known = {i.pid for i in self.signalled} | self.spared_pids
+            unexplained = any(pid not in known for item in busy for pid in item.pids)
+            clear = not busy and not ports and not under_way
+            if not clear:
+                clear_since = None
+            if clear and not watched:
+                return busy, ports, False
+            if (unexplained or ports or under_way or clear) and now >= next_look:
+                next_look = now + LOOK_AGAIN_EVERY_S
+                if self.look_again():
+                    clear_since = None
+                    continue
+                if clear:
+                    if clear_since is not None:
+                        return busy, ports, False
+                    clear_since = now
+            if now >= deadline:
+                return busy, ports, watched or not clear
+            if now >= next_progress:
+                self.waited_on(busy, deadline - now)
+                next_progress = now + PROGRESS_EVERY_S
+            time.sleep(min(interval, max(deadline - now, 0)))
+            interval = min(interval * 1.5, MAX_POLL_S)
+
+    def look(self, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], list[int]]:
+        """One poll: the busy GPUs (also the progress's), the held ports, respawns under way."""
+        busy: list[BusyGpu] = []
+        for gpu in owned:
+            usage = self.driver.usage(gpu)
+            spared = [p for p in usage.processes if p.pid in self.spared_pids]
+            pids = tuple(p.pid for p in usage.processes if p.pid not in self.spared_pids)
+            # What the spared (sharers, protected) hold is theirs, not the run's to wait for.
+            used_mib = usage.used_mib - sum(p.used_mib or 0 for p in spared)
+            if used_mib > self.config.free_mib or pids:
+                busy.append(BusyGpu(gpu, usage.used_mib, pids))
+        if busy:
+            self.note(waiting_on=tuple(busy))
+        self.note(last_busy=tuple(busy))
+        ports = sorted(set(listening_sockets(self.deps.roots.proc, self.ports).values()))
+        under_way = self.watch.pending(self.procfs) if self.watch.watched else []
+        return busy, ports, under_way
+
+    def look_again(self) -> bool:
+        """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
+        _, decision = self.find_holders()
+        self.spared_pids |= spared_for_good(decision)
+        fresh = self.unsignalled(decision)
+        if not fresh:
+            return False
+        self.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
+        self.enter(Stage.STOPPING, Transition.RESPAWNED)
+        survivors = self.kill_rounds()
+        # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
+        self.enter(Stage.WAITING, Transition.SURVIVED if survivors else Transition.STOPPED)
+        return True
+
+    def waited_on(self, busy: list[BusyGpu], left_s: float) -> None:
+        if busy:
+            self.narrator.memory_wait(busy, self.config.free_mib, left_s)
+        self.narrator.extend_timeout(left_s + TIMEOUT_MARGIN_S)
+
+    def judge_wait(
+        self, owned: list[Gpu], busy: list[BusyGpu], ports: list[int], *, held: bool
+    ) -> None:
+        """The wait's outcome: respawning, ports or memory still held, or all free."""
+        narrator, found, free_mib = self.narrator, self.found, self.config.free_mib
+        timeout_s = self.policy.wait_timeout_s
+        respawners = self.watch.respawners(self.procfs.still_same)
+        if held and respawners:
+            narrator.respawning(respawners, timeout_s)
+            found.add(ExitCode.RESPAWNING)
+            return
+        for respawner in respawners:
+            narrator.respawned(respawner)
+        failing = self.policy.on_timeout == "fail"
+        for item in busy:
+            narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
+        if ports:
+            narrator.ports_held(ports, timeout_s)
+            found.add(ExitCode.HELD_BY_OTHERS)
+        if not busy:
+            if owned and not ports:
+                narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
+        elif failing:
+            found.add(ExitCode.MEMORY_TIMEOUT)
+
+    # -- finishing: the /dev/shm step, the exit code, the lease (locks held), the last entry
+
+    def finishing(self) -> Transition:
+        # A refused run killed nothing: it has no /dev/shm files to remove.
+        if self._transitions[-1][1] not in (Transition.REFUSED, Transition.START_REFUSED):
+            self.clean_shm()
+        self.summary.exit_code = outcome_code(self.found)
+        # A lease first: one that cannot be written is the run's error (exit 73), never a
+        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
+        lease_first = self.scope.phase.traits.takes_lease and not self.dry_run
+        if not lease_first:
+            self.narrator.finished(self.summary)
+        if not self.dry_run:
+            self.surroundings.after_run(self.summary)
+        if lease_first:
+            self.narrator.finished(self.summary)
+        return Transition.FINISHED
+
+    def clean_shm(self) -> None:
+        """The killed's /dev/shm files (a dry run: those it would kill), once they are gone;
+        then, before a start, the free space the next start needs."""
+        host = self.deps.shm_host(self.shm_areas, self.deps.roots.proc)
+        label = self.shm_label
+        freed = 0
+        if self.policy.remove_shm:
+            if self.would_kill is not None:
+                removals = plan(self.shm_ledger, self.would_kill, host, label)
+                freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
+            else:
+                killed = {ident.pid for ident in self.signalled}
+                removals = remove(self.shm_ledger, killed, host, label)
+            self.narrator.shm_files(removals)
+        needed_mib = self.config.shm_min_free_mib
+        if (
+            needed_mib is None
+            or not self.scope.phase.traits.before_start
+            or outcome_code(self.found) is not ExitCode.OK
+        ):
+            return
+        short = short_of_space(host, needed_mib * MIB, freed)
+        if short is not None:
+            holders: dict[ShmKey, list[int]] = {}
+            if short.largest:
+                holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
+            self.narrator.shm_short(short, holders, label)
+            self.found.add(ExitCode.SHM_SPACE)
 
     def shm_label(self, pid: int) -> str:
         if pid in self.shm_labels:
@@ -191,417 +581,3 @@ class RunState:
             return f"PID {pid}"
         unit = unit_of_cgroup(info.cgroup or "/")
         return f"PID {pid} ({info.comm}, {unit})" if unit else f"PID {pid} ({info.comm})"
-
-
-class PhaseRun(RunState):
-    """The machine over its state (as supervisor's Subprocess is)."""
-
-    def run(self) -> RunSummary:
-        """An error but a manual run's refusal is told to the surroundings, locks released; an
-        interruption as the narrator words it."""
-        try:
-            self._run()
-        except Interrupted as exc:
-            worded = self.narrator.interrupted(exc, self.progress)
-            if not self.dry_run:
-                self.surroundings.after_error(worded, self.progress)
-            raise worded from None
-        except GateError as exc:
-            if not self.dry_run and not isinstance(exc, ManualRunRefused):
-                self.surroundings.after_error(exc, self.progress)
-            raise
-        return self.summary
-
-    def _run(self) -> None:
-        driver: GpuDriver = NoGpus()
-        hung = self.surroundings.driver_hung_earlier()
-        if hung is not None:
-            # This start's pre waited its deadline on a driver that did not answer: asking
-            # again would hang post too. The cgroup still dies.
-            self.narrator.nvml_skipped(hung, self.scope.phase.value)
-            self.without_nvml()
-        else:
-            try:
-                driver = self.deps.driver_factory()
-            except NvmlUnavailable as exc:
-                self.without_nvml(exc)
-        try:
-            driver.answer_by(self.deadline)  # one that stops answering ends the run
-            self.driver = driver
-            with self.locks:
-                self._go(Looking(announce=True))
-        finally:
-            driver.close()
-
-    def _go(self, first: StageStep) -> None:
-        self.enter(first.code)
-        stage: StageStep | None = first
-        while stage is not None:
-            current = stage
-            try:
-                transition, stage = current.step(self)
-            except NvmlUnavailable as exc:
-                self.locks.close()  # released before the run goes on without NVML
-                self.without_nvml(exc)
-                announce = isinstance(current, Looking) and current.announce
-                transition, stage = Transition.NVML_FAILED, Looking(announce=announce)
-            self.enter(None if stage is None else stage.code, transition)
-
-
-StageStep = Union["Looking", "Locking", "Stopping", "Waiting", "Finishing"]
-Step = tuple[Transition, Optional[StageStep]]
-
-
-@dataclass(frozen=True)
-class Looking:
-    """Discovery and decision (announce: not again after NVML failed once it was made)."""
-
-    announce: bool
-    code: Stage = Stage.LOOKING
-
-    def step(self, s: RunState) -> Step:
-        discovery, decision = s.find()  # the only NVML use in this stage: before announcing
-        s.summary.seconds_discover = s.clock() - s.started
-        s.summary.owned = list(discovery.owned)
-        # Before any kill: later rounds rediscover, and by then memory may already be freed.
-        s.used_before = {g.index: discovery.usage[g.index].used_mib for g in discovery.owned}
-        busy = tuple(
-            BusyGpu(g, s.used_before[g.index], ())
-            for g in discovery.owned
-            if s.used_before[g.index] > s.config.free_mib
-        )
-        s.note(last_busy=busy)
-        s.surroundings.before_kill(decision)  # one line, before any other
-        if self.announce:
-            s.narrator.run_started(
-                discovery,
-                s.loaded.source,
-                sum(s.used_before.values()),
-                gpu_source=s.surroundings.gpu_source,
-                gpu_source_warns=s.surroundings.gpu_source_warns,
-            )
-        s.report_faults(discovery)
-        s.narrator.blind_spots(discovery)
-        s.narrator.choices(decision)
-        if decision.refused:
-            s.surroundings.held_by_others(discovery.owned)
-            s.narrator.refused()
-            s.summary.held = [Held.of(c) for c in decision.blockers]
-            s.found.add(ExitCode.HELD_BY_OTHERS)
-            return Transition.REFUSED, Finishing(clean_shm=False)
-        if s.dry_run:
-            refused = s.surroundings.refuses_start(discovery.owned, dry_run=True)
-            if decision.blockers or refused:
-                s.found.add(ExitCode.HELD_BY_OTHERS)
-            would_kill = frozenset(c.holder.pid for c in decision.targets)
-            s.summary.would_kill = len(decision.targets)
-            return Transition.DRY_RUN, Finishing(clean_shm=True, would_kill=would_kill)
-        return Transition.FOUND, Locking(discovery, decision)
-
-
-@dataclass(frozen=True)
-class Locking:
-    """The per-GPU locks, held to the run's end; under them a start is refused or reserved."""
-
-    discovery: Discovery
-    decision: Decision
-    code: Stage = Stage.LOCKING
-
-    def step(self, s: RunState) -> Step:
-        owned = self.discovery.owned
-        # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
-        s.narrator.extend_timeout(s.deadline - s.clock() + TIMEOUT_MARGIN_S)
-        # After a stop (state not required), a lock that cannot be made is said, not fatal.
-        unlocked = None if s.scope.phase.traits.state_required else s.narrator.lock_not_taken
-        s.locks.enter_context(
-            gpu_locks(
-                s.config.lock_dir,
-                owned,
-                s.deadline,
-                on_wait=s.on_lock_wait,
-                clock=s.clock,
-                on_unlocked=unlocked,
-            )
-        )
-        # Checked and taken in one turn on the locks: an overlapping pre waits for it.
-        if s.surroundings.refuses_start(owned, dry_run=False):
-            s.found.add(ExitCode.HELD_BY_OTHERS)
-            return Transition.START_REFUSED, Finishing(clean_shm=False)
-        s.surroundings.reserve(owned)
-        return Transition.LOCKED, Stopping(self.discovery, self.decision)
-
-
-@dataclass(frozen=True)
-class Stopping:
-    discovery: Discovery
-    decision: Decision
-    code: Stage = Stage.STOPPING
-
-    def step(self, s: RunState) -> Step:
-        discovery, decision, survivors = kill_rounds(s, self.discovery, self.decision)
-        if survivors:
-            s.summary.held += [Held.of(c) for c in decision.blockers]
-            return Transition.SURVIVED, Finishing(clean_shm=True)
-        if decision.blockers:
-            s.summary.held = [Held.of(c) for c in decision.blockers]
-            s.found.add(ExitCode.HELD_BY_OTHERS)
-            s.narrator.still_held()
-            return Transition.STILL_HELD, Finishing(clean_shm=True)
-        return Transition.STOPPED, Waiting(discovery, decision)
-
-
-@dataclass(frozen=True)
-class Waiting:
-    discovery: Discovery
-    decision: Decision
-    code: Stage = Stage.WAITING
-
-    def step(self, s: RunState) -> Step:
-        """For free GPUs and ports, killing what turns up meanwhile; then its outcome."""
-        skipped = s.surroundings.not_to_wait_on(self.discovery.owned)
-        owned = [gpu for gpu in self.discovery.owned if gpu not in skipped]
-        if owned or s.ports:
-            wait_started = s.clock()
-            s.spared_pids = spared_for_good(self.decision)
-            busy, ports, held = wait_settled(s, owned)
-            s.summary.seconds_wait = s.clock() - wait_started
-            s.summary.busy = busy
-            for gpu in owned:
-                freed = s.used_before.get(gpu.index, 0) - s.driver.usage(gpu).used_mib
-                s.summary.freed_mib_by_gpu[gpu.index] = max(freed, 0)
-            judge_wait(s, owned, busy, ports, held=held)
-        return Transition.SETTLED, Finishing(clean_shm=True)
-
-
-@dataclass(frozen=True)
-class Finishing:
-    """The shm step, the exit code, the surroundings' records (locks held), the last entry."""
-
-    clean_shm: bool
-    would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would have killed
-    code: Stage = Stage.FINISHING
-
-    def step(self, s: RunState) -> Step:
-        if self.clean_shm:
-            clean_shm(s, self.would_kill)
-        s.summary.exit_code = outcome_code(s.found)
-        # A lease first: one that cannot be written is the run's error (exit 73), never a
-        # "success" and then an error. post's failed-pre reason comes last (systemctl status).
-        lease_first = s.scope.phase.traits.takes_lease and not s.dry_run
-        if not lease_first:
-            s.narrator.finished(s.summary)
-        if not s.dry_run:
-            s.surroundings.after_run(s.summary)
-        if lease_first:
-            s.narrator.finished(s.summary)
-        return Transition.FINISHED, None
-
-
-def kill_rounds(
-    state: RunState, discovery: Discovery, decision: Decision
-) -> tuple[Discovery, Decision, list[ProcessId]]:
-    """Kill the targets; rediscover and repeat while new ones appear (forks); the survivors."""
-    kill_started = state.clock()
-    if state.scope.phase.traits.stops_containers and discovery.unit_containers:
-        # The unit's own containers stop through their runtime first (it records them as
-        # stopped); the pinned signals follow for any process that outlived it.
-        wanted = {c.holder.container.id for c in decision.targets if c.holder.container}
-        containers = [c for c in discovery.unit_containers if c.id in wanted]
-        state.narrator.container_stopping(len(containers))
-        for stopped in stop_containers(containers, state.policy.sigterm_grace_s):
-            state.narrator.container_stopped(stopped)
-    survivors: list[ProcessId] = []
-    for round_number in range(1, MAX_ROUNDS + 1):
-        fresh = state.fresh(decision)
-        if not fresh:
-            break
-        survivors = kill_round(state, discovery, fresh, round_number)
-        if survivors or state.clock() >= state.deadline:
-            break
-        discovery, decision = state.find()
-        state.report_faults(discovery)
-    state.summary.seconds_kill += state.clock() - kill_started
-    for ident in survivors:
-        state.narrator.survivor(state.signalled[ident])
-    if survivors:
-        state.summary.held = [Held.of(state.signalled[ident], UNKILLABLE) for ident in survivors]
-        state.found.add(ExitCode.UNKILLABLE)
-        state.narrator.survived(len(survivors))
-    return discovery, decision, survivors
-
-
-def kill_round(
-    state: RunState, discovery: Discovery, fresh: list[Choice], round_number: int
-) -> list[ProcessId]:
-    by_ident = state.signalled
-    state.summary.rounds += 1  # counted over the run: the wait may kill respawns too
-    if round_number > 1:
-        state.narrator.choices(Decision(fresh))
-    state.narrator.stopping(len(fresh), round_number)
-    state.note(processes=len(fresh), round_number=round_number)
-    by_ident.update((c.holder.info.ident, c) for c in fresh)
-    with state.procfs.oneshot():
-        state.watch.killed(fresh, by_ident, state.procfs, self_chain=discovery.self_chain)
-    policy = state.policy
-    result = terminate(
-        [c.holder.info.ident for c in fresh],
-        grace_s=policy.sigterm_grace_s,
-        sigkill_wait_s=policy.sigkill_wait_s,
-        deadline=state.deadline,
-        procfs=state.procfs,  # outside any oneshot(): every check reads /proc afresh
-        on_signal=lambda ident, signum: state.narrator.signal_sent(by_ident[ident], signum),
-        on_sigkill_wait=lambda idents: on_stuck(state, [by_ident[i] for i in idents]),
-        pinner=state.deps.pinner,
-        clock=state.clock,
-    )
-    state.summary.killed.extend(result.terminated + result.killed)
-    return result.survivors
-
-
-def on_stuck(state: RunState, choices: list[Choice]) -> None:
-    for choice in choices:
-        stat = state.procfs.stat(choice.holder.pid)
-        process_state = stat.state if stat else "?"
-        state.narrator.stuck(choice, process_state, state.procfs.wchan(choice.holder.pid))
-
-
-def judge_wait(
-    state: RunState, owned: list[Gpu], busy: list[BusyGpu], ports: list[int], *, held: bool
-) -> None:
-    """The wait's outcome: respawning, ports or memory still held, or all free."""
-    narrator, found, free_mib = state.narrator, state.found, state.config.free_mib
-    timeout_s = state.policy.wait_timeout_s
-    respawners = state.watch.respawners(state.procfs.still_same)
-    if held and respawners:
-        narrator.respawning(respawners, timeout_s)
-        found.add(ExitCode.RESPAWNING)
-        return
-    for respawner in respawners:
-        narrator.respawned(respawner)
-    failing = state.policy.on_timeout == "fail"
-    for item in busy:
-        narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
-    if ports:
-        narrator.ports_held(ports, timeout_s)
-        found.add(ExitCode.HELD_BY_OTHERS)
-    if not busy:
-        if owned and not ports:
-            narrator.memory_freed(owned, free_mib, state.summary.seconds_wait)
-    elif failing:
-        found.add(ExitCode.MEMORY_TIMEOUT)
-
-
-def look_again(state: RunState) -> bool:
-    """During the wait: rediscover, and kill new targets (respawns) as in the kill rounds."""
-    discovery, decision = state.find()
-    state.spared_pids |= spared_for_good(decision)
-    fresh = state.fresh(decision)
-    if not fresh:
-        return False
-    state.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
-    state.enter(Stage.STOPPING, Transition.RESPAWNED)
-    _, _, survivors = kill_rounds(state, discovery, decision)
-    # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
-    state.enter(Stage.WAITING, Transition.SURVIVED if survivors else Transition.STOPPED)
-    return True
-
-
-def clean_shm(state: RunState, would_kill: frozenset[int] | None = None) -> None:
-    """The killed's /dev/shm files (a dry run: those it would kill), once they are gone; then,
-    before a start, the free space the next start needs."""
-    host = state.deps.shm_host(state.shm_areas, state.deps.roots.proc)
-    label = state.shm_label
-    freed = 0
-    if state.policy.remove_shm:
-        if would_kill is not None:
-            removals = plan(state.shm_ledger, would_kill, host, label)
-            freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
-        else:
-            killed = {ident.pid for ident in state.signalled}
-            removals = remove(state.shm_ledger, killed, host, label)
-        state.narrator.shm_files(removals)
-    needed_mib = state.config.shm_min_free_mib
-    if (
-        needed_mib is None
-        or not state.scope.phase.traits.before_start
-        or outcome_code(state.found) is not ExitCode.OK
-    ):
-        return
-    short = short_of_space(host, needed_mib * MIB, freed)
-    if short is not None:
-        holders: dict[ShmKey, list[int]] = {}
-        if short.largest:
-            holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
-        state.narrator.shm_short(short, holders, label)
-        state.found.add(ExitCode.SHM_SPACE)
-
-
-# What turns up in the wait (an unknown PID on NVML's list, a held port, a respawn) is looked
-# for with a new discovery. While parents of the killed are watched, success needs two clear
-# looks in a row: a loop that respawns between two polls cannot end the run as a success.
-
-FIRST_POLL_S = 0.005
-MAX_POLL_S = 0.05
-PROGRESS_EVERY_S = 1.0
-LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
-
-
-def look(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], list[int]]:
-    """One poll: the busy GPUs (also the progress's), the held ports, respawns under way."""
-    busy: list[BusyGpu] = []
-    for gpu in owned:
-        usage = state.driver.usage(gpu)
-        spared = [p for p in usage.processes if p.pid in state.spared_pids]
-        pids = tuple(p.pid for p in usage.processes if p.pid not in state.spared_pids)
-        # What the spared (sharers, protected) hold is theirs, not the run's to wait for.
-        used_mib = usage.used_mib - sum(p.used_mib or 0 for p in spared)
-        if used_mib > state.config.free_mib or pids:
-            busy.append(BusyGpu(gpu, usage.used_mib, pids))
-    if busy:
-        state.note(waiting_on=tuple(busy))
-    state.note(last_busy=tuple(busy))
-    ports = sorted(set(listening_sockets(state.deps.roots.proc, state.ports).values()))
-    under_way = state.watch.pending(state.procfs) if state.watch.watched else []
-    return busy, ports, under_way
-
-
-def waited_on(state: RunState, busy: list[BusyGpu], left_s: float) -> None:
-    if busy:
-        state.narrator.memory_wait(busy, state.config.free_mib, left_s)
-    state.narrator.extend_timeout(left_s + TIMEOUT_MARGIN_S)
-
-
-def wait_settled(state: RunState, owned: list[Gpu]) -> tuple[list[BusyGpu], list[int], bool]:
-    """Poll (5 ms backing off to 50 ms) until the GPUs and ports are free and no respawn is
-    under way, or the deadline: the GPUs and ports still held, and whether any is."""
-    clock, deadline = state.clock, state.deadline
-    interval = FIRST_POLL_S
-    next_progress = next_look = clock()
-    clear_since: float | None = None
-    while True:
-        busy, ports, under_way = look(state, owned)
-        watched = bool(state.watch.watched)
-        now = clock()
-        known = {i.pid for i in state.signalled} | state.spared_pids
-        unexplained = any(pid not in known for item in busy for pid in item.pids)
-        clear = not busy and not ports and not under_way
-        if not clear:
-            clear_since = None
-        if clear and not watched:
-            return busy, ports, False
-        if (unexplained or ports or under_way or clear) and now >= next_look:
-            next_look = now + LOOK_AGAIN_EVERY_S
-            if look_again(state):
-                clear_since = None
-                continue
-            if clear:
-                if clear_since is not None:
-                    return busy, ports, False
-                clear_since = now
-        if now >= deadline:
-            return busy, ports, watched or not clear
-        if now >= next_progress:
-            waited_on(state, busy, deadline - now)
-            next_progress = now + PROGRESS_EVERY_S
-        time.sleep(min(interval, max(deadline - now, 0)))
-        interval = min(interval * 1.5, MAX_POLL_S)
