@@ -216,3 +216,43 @@ def test_every_command_carries_the_function_that_runs_it() -> None:
     assert len(leaves) >= 10
     for leaf in leaves:
         assert callable(leaf.get_default("run")), leaf.prog
+
+
+PRE_MODULES = """
+import json, sys
+from gpugate.front.cli import main
+from gpugate.host.nvml import NoGpus
+code = main(sys.argv[1:], driver_factory=NoGpus)
+loaded = sorted(name for name in sys.modules if name.split(".")[0] == "gpugate")
+print(json.dumps([code, loaded]), file=sys.__stdout__)
+"""
+# What `pre` imports is what operators pay on every start (a promise with figures in
+# docs/benchmarks.md): issue 40 set 45 (76 were loaded then); 38 today, packages included,
+# with this test's config file. It may only go down.
+PRE_MODULE_BUDGET = 38
+
+
+def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
+    """A whole `gpugate pre` on a stand-in host: what it imports of gpugate stays in budget,
+    and what only errors, interruptions, post or `status` need is not among it."""
+    (tmp_path / "dev" / "shm").mkdir(parents=True)
+    unit_cgroup = tmp_path / "cgroup" / "system.slice" / "m.service"
+    unit_cgroup.mkdir(parents=True)
+    (unit_cgroup / "cgroup.procs").write_text("")
+    config = tmp_path / "c.toml"
+    config.write_text(f'lock_dir = "{tmp_path / "locks"}"\n')
+    roots = f"dev={tmp_path / 'dev'},cgroup={tmp_path / 'cgroup'}"
+    argv = ["--host-roots", roots, "pre", "m.service", "--config", str(config)]
+    result = subprocess.run(
+        [sys.executable, "-c", PRE_MODULES, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    code, loaded = json.loads(result.stdout.strip().splitlines()[-1])
+    assert code == ExitCode.OK, result.stderr
+    assert len(loaded) <= PRE_MODULE_BUDGET, loaded
+    unneeded_here = ("report.lines", "front.commands.status", "front.commands.run")
+    for unneeded in unneeded_here:
+        assert f"gpugate.{unneeded}" not in loaded
