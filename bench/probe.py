@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from gpugate.core.discover import GPU_DEVICE, Sought, discover
+from gpugate.core.discover import GPU_DEVICE, DiscoveryQuery, discover
 from gpugate.host.nvml import NvmlDriver
 from gpugate.host.scan import ProcFs, scan_device_users
 from gpugate.host.systemd import HostRoots
@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         wall, cpu = time.perf_counter(), time.process_time()
         if command == "discover":
             found = discover(
-                Sought(UNIT, f"/system.slice/{UNIT}", "all", "bench"),
+                DiscoveryQuery(UNIT, f"/system.slice/{UNIT}", "all", "bench"),
                 driver=driver,
                 procfs=ProcFs(Path("/proc")),
                 roots=roots,

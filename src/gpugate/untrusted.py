@@ -49,22 +49,22 @@ def escape(text: str) -> str:
     return "".join(map(_escaped, text))
 
 
-def cut(text: str, chars: int) -> str:
+def truncate(text: str, chars: int) -> str:
     """Fit escaped text in chars; the mark says where it was cut."""
     return text if len(text) <= chars else text[: chars - 1] + MARK
 
 
-def shown(value: str | None, kind: Kind) -> str:
+def printable(value: str | None, kind: Kind) -> str:
     """For an operator (MESSAGE, STATUS=, stderr, status): escaped, cut to the kind's bound
     (reading at most chars + 1 characters of value), never splitting an escape."""
-    return _shown(value or "", kind.chars)[0]
+    return _printable(value or "", kind.chars)[0]
 
 
-def _shown(value: str, chars: int) -> tuple[str, bool]:
+def _printable(value: str, chars: int) -> tuple[str, bool]:
     """(value shown in chars, True where it was cut)."""
     head = value[: chars + 1]
     if head.isprintable():
-        return cut(head, chars), len(head) > chars
+        return truncate(head, chars), len(head) > chars
     parts: list[str] = []
     used = 0
     for char in head:
@@ -81,7 +81,7 @@ def _shown(value: str, chars: int) -> tuple[str, bool]:
     return "".join(parts) + MARK, True
 
 
-def shown_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bool]:
+def printable_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bool]:
     """A command line as `status --json` lists it: each argument shown, all together (and the
     spaces that would join them) within kind.chars; True where one was cut or left out."""
     result: list[str] = []
@@ -92,7 +92,7 @@ def shown_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bo
             if result and not result[-1].endswith(MARK):
                 result[-1] = result[-1][:-1] + MARK
             return result, True
-        text, was_cut = _shown(arg, room)
+        text, was_cut = _printable(arg, room)
         result.append(text)
         if was_cut:
             return result, True
@@ -100,7 +100,7 @@ def shown_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bo
     return result, False
 
 
-def exact(value: str | None, kind: Kind) -> str | bytes:
+def field_bytes(value: str | None, kind: Kind) -> str | bytes:
     """A structured journal field's value: its own bytes cut to kind.exact_bytes, a str where
     they are UTF-8 (the journal is binary safe)."""
     if not value:
@@ -117,13 +117,13 @@ def exact(value: str | None, kind: Kind) -> str | bytes:
         return data
 
 
-def line(text: str) -> str:
+def safe_line(text: str) -> str:
     """Every channel's last guard: a sentence gpugate made, escaped, at most LINE_CHARS."""
-    return shown(text, Kind(LINE_CHARS, LINE_CHARS))
+    return printable(text, Kind(LINE_CHARS, LINE_CHARS))
 
 
-def echo(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
+def for_error(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
     """A value as an error message repeats it: repr'd (quote) or shown, and cut short."""
     if quote:
-        return cut(repr(value), limit)
-    return shown(str(value), Kind(limit, limit))
+        return truncate(repr(value), limit)
+    return printable(str(value), Kind(limit, limit))

@@ -194,7 +194,7 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     host: FakeHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Not an internal error (70): exit 69 and one journal entry naming systemctl."""
-    from gpugate.core.outcome import NullSurroundings
+    from gpugate.core.outcome import PlainWorkload
     from gpugate.core.run import RunDeps
     from gpugate.front.hook import Hook, run_hook
     from gpugate.phase import Phase
@@ -211,7 +211,7 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
         Phase.PRE,
         "vllm.service",
         lambda: systemd.resolve_unit_cgroup("vllm.service", host.cgroup_root),
-        lambda scope, loaded, reporter: NullSurroundings(loaded),
+        lambda scope, loaded, reporter: PlainWorkload(loaded),
         host.reporter("pre"),
         RunDeps(roots=host.roots, driver_factory=lambda: host.memory),
         metrics_unit="vllm.service",

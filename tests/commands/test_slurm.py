@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from gpugate.errors import BadInput, ExitCode
 from gpugate.front.commands.slurm import job_cgroup, job_from_env
 from gpugate.front.commands.slurm import slurm as slurm_hook
-from gpugate.front.hook import Front
+from gpugate.front.hook import HostAccess
 from gpugate.host.nvml import mig_key
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
@@ -241,7 +241,7 @@ def slurm(host: FakeHost, phase: str, config: Path, driver: object = None) -> in
         )
 
     factory = (lambda: host.memory) if driver is None else driver
-    front = Front(driver_factory=factory, reporter_factory=reporter, roots=host.roots)  # type: ignore[arg-type]
+    front = HostAccess(driver_factory=factory, reporter_factory=reporter, roots=host.roots)  # type: ignore[arg-type]
     front.device_stat = device_stat(host.dev)
     return slurm_hook(front, Phase(phase), config)
 

@@ -14,7 +14,7 @@ import pytest
 
 from gpugate.front.cli import main
 from gpugate.front.commands import status as status_command
-from gpugate.front.commands.status import cut, gpu_ranges, held_for, mib_shown, render_table
+from gpugate.front.commands.status import gpu_ranges, held_for, mib_shown, render_table, truncate
 from tests.fakes import UNIT, FakeHost, as_nobody
 
 
@@ -71,8 +71,8 @@ def test_time_held(seconds: int | None, shown: str) -> None:
 @pytest.mark.parametrize("width", [1, 5, 10, 28])
 def test_cut_marks_the_cut(width: int) -> None:
     long = "x" * 40
-    assert len(cut(long, width)) == width and cut(long, width).endswith("…")
-    assert cut("short", 28) == "short"
+    assert len(truncate(long, width)) == width and truncate(long, width).endswith("…")
+    assert truncate("short", 28) == "short"
 
 
 def test_table_roles_ellipses_and_unknown_mib(

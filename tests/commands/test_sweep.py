@@ -17,11 +17,11 @@ import pytest
 from gpugate.config.schema import GateConfig
 from gpugate.config.values import SWEEP_INTERVAL_S
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.roles import Holding, Owner, owner_of
+from gpugate.core.roles import HolderOwner, Owner, owner_of
 from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands.sweep import SWEEP_UNIT, reapable, remember, sweep
-from gpugate.front.hook import Front
+from gpugate.front.hook import HostAccess
 from gpugate.front.install import DEFAULT_GPUGATE, TIMER_TEMPLATE, render_service
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
@@ -140,8 +140,8 @@ def reporter() -> tuple[Reporter, RecordingJournal]:
 
 def test_first_seen_once_then_gone_once_and_a_reused_pid_is_another_process() -> None:
     report, journal = reporter()
-    server = Holding(nvml_holder(proc(20, "/"), gpu=2), Owner.NOBODY)
-    unit = Holding(nvml_holder(proc(21, "/system.slice/vllm.service")), Owner.UNIT)
+    server = HolderOwner(nvml_holder(proc(20, "/"), gpu=2), Owner.NOBODY)
+    unit = HolderOwner(nvml_holder(proc(21, "/system.slice/vllm.service")), Owner.UNIT)
     first = remember([server, unit], {}, 1000.0, report)
     assert [e["GPUGATE_PID"] for e in journal.events("unowned_seen")] == ["20"]
     seen = journal.events("unowned_seen")[0]
@@ -156,7 +156,7 @@ def test_first_seen_once_then_gone_once_and_a_reused_pid_is_another_process() ->
     assert second == first  # since when: kept
     assert len(journal.events("unowned_seen")) == 1 and not journal.events("unowned_gone")
 
-    reused = Holding(nvml_holder(replace(proc(20, "/"), start_time=999), gpu=2), Owner.NOBODY)
+    reused = HolderOwner(nvml_holder(replace(proc(20, "/"), start_time=999), gpu=2), Owner.NOBODY)
     third = remember([reused], second, 1120.0, report)
     assert third == {ProcessId(20, 999): Seen(1120.0, (2,))}
     gone = journal.events("unowned_gone")
@@ -166,7 +166,7 @@ def test_first_seen_once_then_gone_once_and_a_reused_pid_is_another_process() ->
 
 def test_without_a_state_nothing_is_said() -> None:
     _, journal = reporter()
-    server = Holding(nvml_holder(proc(20, "/")), Owner.NOBODY)
+    server = HolderOwner(nvml_holder(proc(20, "/")), Owner.NOBODY)
     assert remember([server], {ProcessId(5, 5): Seen(1.0, (0,))}, 9.0, None)
     assert journal.entries == []
 
@@ -175,7 +175,9 @@ def ages(**since: float) -> dict[ProcessId, Seen]:
     return {ProcessId(int(pid[1:]), 100 + int(pid[1:])): Seen(t, ()) for pid, t in since.items()}
 
 
-def reap_gpus(holdings: list[Holding], seen: dict[ProcessId, Seen], **kwargs: object) -> list[int]:
+def reap_gpus(
+    holdings: list[HolderOwner], seen: dict[ProcessId, Seen], **kwargs: object
+) -> list[int]:
     discovery = looked([h.holder for h in holdings])
     leased = set(kwargs.pop("leased", set()))  # type: ignore[call-overload]
     found = reapable(discovery, holdings, seen, 1000.0, after_s=300, leased=leased)
@@ -183,23 +185,23 @@ def reap_gpus(holdings: list[Holding], seen: dict[ProcessId, Seen], **kwargs: ob
 
 
 def test_a_gpu_is_reaped_only_when_every_unowned_holder_there_is_old_enough() -> None:
-    old = Holding(nvml_holder(proc(1, "/"), gpu=0), Owner.NOBODY)
-    young = Holding(nvml_holder(proc(2, "/"), gpu=0), Owner.NOBODY)
-    other = Holding(nvml_holder(proc(3, "/"), gpu=1), Owner.NOBODY)
+    old = HolderOwner(nvml_holder(proc(1, "/"), gpu=0), Owner.NOBODY)
+    young = HolderOwner(nvml_holder(proc(2, "/"), gpu=0), Owner.NOBODY)
+    other = HolderOwner(nvml_holder(proc(3, "/"), gpu=1), Owner.NOBODY)
     assert reap_gpus([old, young, other], ages(p1=100, p2=900, p3=700)) == [1]
     assert reap_gpus([old, young, other], ages(p1=100, p2=700, p3=700)) == [0, 1]
     assert reap_gpus([old, other], ages(p1=700.5, p3=701)) == []
 
 
 def test_never_a_leased_gpu_nor_one_a_unit_job_or_container_runs_on() -> None:
-    old = Holding(nvml_holder(proc(1, "/"), gpu=0), Owner.NOBODY)
+    old = HolderOwner(nvml_holder(proc(1, "/"), gpu=0), Owner.NOBODY)
     seen = ages(p1=0)
     assert reap_gpus([old], seen, leased={GPUS[0].uuid.lower()}) == []
     for kind in (Owner.UNIT, Owner.JOB, Owner.CONTAINER):
-        beside = Holding(nvml_holder(proc(9, "/system.slice/x.service"), gpu=0), kind)
+        beside = HolderOwner(nvml_holder(proc(9, "/system.slice/x.service"), gpu=0), kind)
         assert reap_gpus([old, beside], seen) == [], kind
     for kind in (Owner.PROTECTED, Owner.WATCHER):
-        beside = Holding(nvml_holder(proc(9, "/"), gpu=0), kind)
+        beside = HolderOwner(nvml_holder(proc(9, "/"), gpu=0), kind)
         assert reap_gpus([old, beside], seen) == [0], kind
         assert reap_gpus([beside], seen) == [], kind  # nothing unowned: nothing to reap
 
@@ -322,8 +324,8 @@ def sweep_config(host: FakeHost, reap: str = "") -> Path:
     return config
 
 
-def front(host: FakeHost, slurmd: str = "inactive") -> Front:
-    return Front(
+def front(host: FakeHost, slurmd: str = "inactive") -> HostAccess:
+    return HostAccess(
         driver_factory=lambda: host.memory,
         reporter_factory=lambda unit, phase, **_: Reporter(
             unit, phase, journal=host.journal, notifier=host.notifier, echo=False

@@ -15,7 +15,7 @@ import pytest
 
 from gpugate.config.schema import GateConfig
 from gpugate.core.discover import Discovery, Holder, Source
-from gpugate.core.roles import Holding, Owner, holds_memory, owner_of
+from gpugate.core.roles import HolderOwner, Owner, holds_memory, owner_of
 from gpugate.errors import ExitCode
 from gpugate.front.commands.sweep import reapable, remember, tracked
 from gpugate.host.logind import Logind, SessionState, session_of_cgroup
@@ -88,7 +88,7 @@ def test_a_device_holder_nvml_lists_nowhere_is_a_watcher_whatever_the_memory_say
     server.used_mib = {0: 4000}
     discovery = looked([watcher, server], usage_of({0: SERVER}, unlisted))
     assert owner_of(watcher, discovery, GateConfig()) is Owner.WATCHER
-    holdings = [Holding(watcher, Owner.WATCHER), Holding(server, Owner.UNIT)]
+    holdings = [HolderOwner(watcher, Owner.WATCHER), HolderOwner(server, Owner.UNIT)]
     seen = remember(holdings, {}, 0.0, None)
     assert seen == {}
     assert reapable(discovery, holdings, seen, 1e6, after_s=60, leased=set()) == []
@@ -150,13 +150,13 @@ def test_a_gpu_whose_unowned_holders_have_no_memory_there_is_never_reaped() -> N
     owners = {h.pid: owner_of(h, discovery, GateConfig()) for h in (server, zero, mapper)}
     assert set(owners.values()) == {Owner.NOBODY}
     seen = ages(30, 31, 32)
-    both = [Holding(h, Owner.NOBODY) for h in (server, zero, mapper)]
+    both = [HolderOwner(h, Owner.NOBODY) for h in (server, zero, mapper)]
     found = reapable(discovery, both, seen, 1000.0, after_s=60, leased=set())
     assert [gpu.index for gpu in found] == [2]
-    alone = [Holding(h, Owner.NOBODY) for h in (server, mapper)]
+    alone = [HolderOwner(h, Owner.NOBODY) for h in (server, mapper)]
     found = reapable(discovery, alone, seen, 1000.0, after_s=60, leased=set())
     assert [gpu.index for gpu in found] == [1, 2]
-    only_zero = [Holding(zero, Owner.NOBODY)]
+    only_zero = [HolderOwner(zero, Owner.NOBODY)]
     assert reapable(discovery, only_zero, seen, 1000.0, after_s=60, leased=set()) == []
 
 
@@ -228,7 +228,7 @@ def test_an_attended_sessions_gpu_is_not_reaped_unless_the_operator_says_so() ->
     attended = nvml_holder(proc(41, SESSION_CG), gpu=1)
     left = nvml_holder(proc(42, "/"), gpu=1)
     discovery = looked([attended, left], usage_of({1: [(41, 100), (42, 100)]}))
-    holdings = [Holding(attended, Owner.SESSION), Holding(left, Owner.NOBODY)]
+    holdings = [HolderOwner(attended, Owner.SESSION), HolderOwner(left, Owner.NOBODY)]
     seen = remember(holdings, {}, 0.0, None)
     assert list(seen) == [left.info.ident]
     assert reapable(discovery, holdings, seen, 1000.0, after_s=60, leased=set()) == []
@@ -246,7 +246,7 @@ def test_a_slice_holder_is_named_by_its_slice_alone() -> None:
     slice_key = mig_key(0, 1)
     orphan = Holder(proc(43, "/"), {Source.NVML, Source.DEVICE_FD}, {0, slice_key})
     orphan.used_mib = {slice_key: 5000}
-    seen = remember([Holding(orphan, Owner.NOBODY)], {}, 0.0, reporter)
+    seen = remember([HolderOwner(orphan, Owner.NOBODY)], {}, 0.0, reporter)
     (entry,) = journal.events("unowned_seen")
     assert entry["GPUGATE_GPU"] == str(slice_key)
     assert seen[orphan.info.ident].gpus == (slice_key,)

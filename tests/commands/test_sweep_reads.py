@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from gpugate.core.discover import Discovery, Source, memory_accounted
-from gpugate.core.roles import Holding, Owner, owner_of
+from gpugate.core.roles import HolderOwner, Owner, owner_of
 from gpugate.errors import ExitCode, GpuError
-from gpugate.front.commands.sweep import gauges, look, sweep
-from gpugate.front.hook import Front, collect
+from gpugate.front.commands.sweep import discover_host, gauges, sweep
+from gpugate.front.hook import HostAccess, collect
 from gpugate.host import scan
 from gpugate.host.nvml import Gpu, GpuFault, GpuProcess, GpuUsage, mig_key
 from gpugate.integrations.config_files import load_config
@@ -36,8 +36,8 @@ def config_file(host: FakeHost) -> Path:
     return path
 
 
-def front(host: FakeHost, driver: Callable[[], FakeGpuMemory] | None = None) -> Front:
-    return Front(
+def front(host: FakeHost, driver: Callable[[], FakeGpuMemory] | None = None) -> HostAccess:
+    return HostAccess(
         driver_factory=driver or (lambda: host.memory),
         reporter_factory=lambda unit, phase, **_: Reporter(
             unit, phase, journal=host.journal, notifier=host.notifier, echo=False
@@ -76,10 +76,10 @@ def scene(host: FakeHost) -> Scene:
     return Scene(server, watcher, idle)
 
 
-def holdings(discovery: Discovery, host: FakeHost) -> list[Holding]:
+def holdings(discovery: Discovery, host: FakeHost) -> list[HolderOwner]:
     config = load_config(None, config_file(host)).config
     return [
-        Holding(holder, owner_of(holder, discovery, config))
+        HolderOwner(holder, owner_of(holder, discovery, config))
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
         if holder.gpus or holder.used_mib
     ]
@@ -90,7 +90,7 @@ def test_with_the_memory_accounted_for_only_the_listed_processes_fds_are_read(
 ) -> None:
     found = scene(host)
     loaded = load_config(None, config_file(host))
-    cheap = look(loaded, front(host))
+    cheap = discover_host(loaded, front(host))
     assert not cheap.fd_scan
     assert set(fds_read) == {found.server}
     assert found.watcher not in cheap.holders and found.idle not in cheap.holders
@@ -164,7 +164,7 @@ def test_with_memory_listed_for_nobody_every_process_fds_are_read(
 ) -> None:
     found = scene(host)
     unaccounted(host, found)
-    discovery = look(load_config(None, config_file(host)), front(host))
+    discovery = discover_host(load_config(None, config_file(host)), front(host))
     assert discovery.fd_scan
     assert {found.server, found.watcher, found.idle} <= set(fds_read)
     assert {found.watcher, found.idle} <= set(discovery.holders)
@@ -183,7 +183,7 @@ def test_mig_slices_memory_accounted_for_as_each_slice_lists_it(
     if leaked:
         host.memory.leaked_mib[mig_key(0, 0)] = 9000  # a slice's memory listed for nobody
     loaded = load_config(None, config_file(host))
-    cheap = look(loaded, front(host))
+    cheap = discover_host(loaded, front(host))
     full = collect(None, loaded, host.memory, host.roots)
     assert cheap.fd_scan is leaked
     assert (watcher in cheap.holders) is leaked and watcher in full.holders
@@ -197,7 +197,7 @@ def test_mig_slices_memory_accounted_for_as_each_slice_lists_it(
 def test_memory_within_free_mib_is_accounted_for(host: FakeHost, fds_read: list[int]) -> None:
     found = scene(host)
     host.memory.leaked_mib[4] = 500  # free_mib: what a start would leave anyway
-    discovery = look(load_config(None, config_file(host)), front(host))
+    discovery = discover_host(load_config(None, config_file(host)), front(host))
     assert not discovery.fd_scan and set(fds_read) == {found.server}
 
 
@@ -227,7 +227,7 @@ def test_where_nvml_cannot_list_or_read_a_gpu_every_process_fds_are_read(
         driver.lost = {7}
     if how == "failing":
         driver.failing_usage = {7}
-    discovery = look(load_config(None, config_file(host)), front(host, lambda: driver))
+    discovery = discover_host(load_config(None, config_file(host)), front(host, lambda: driver))
     assert discovery.fd_scan
     assert {found.server, found.watcher, found.idle} <= set(fds_read)
     assert {found.watcher, found.idle} <= set(discovery.holders)

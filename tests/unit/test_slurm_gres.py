@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.core.outcome import UNKILLABLE, BusyGpu, Held, RunSummary
+from gpugate.core.outcome import UNKILLABLE, Blocker, BusyGpu, RunSummary
 from gpugate.errors import ExitCode, GresUnresolved
 from gpugate.front.commands.slurm import drain_reason, failure_detail, slurm_check
 from gpugate.host.nvml import Gpu, mig_key
@@ -343,11 +343,11 @@ GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
     ("item", "words"),
     [
         (
-            Held(11, "bob", (3,), "straddles", foreign=(5,)),
+            Blocker(11, "bob", (3,), "straddles", foreign=(5,)),
             "PID 11 (bob) on GPU 3: straddles GPU 5, not this job's",
         ),
         (
-            Held(
+            Blocker(
                 12,
                 "eve",
                 (3,),
@@ -358,7 +358,7 @@ GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
             "PID 12 (eve) on GPU 3: in another job (43)",
         ),
         (
-            Held(
+            Blocker(
                 13,
                 "root",
                 (3,),
@@ -369,7 +369,7 @@ GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
             "PID 13 (root) on GPU 3: in another unit (vllm.service)",
         ),
         (
-            Held(
+            Blocker(
                 14,
                 "root",
                 (3, 4),
@@ -379,14 +379,17 @@ GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
             ),
             "PID 14 (root) on GPU 3,4: in another unit (docker-ab.scope)",
         ),
-        (Held(15, "amy", (3,), UNKILLABLE), "PID 15 (amy) on GPU 3: unkillable (survived SIGKILL)"),
         (
-            Held(16, None, (), "protected"),
+            Blocker(15, "amy", (3,), UNKILLABLE),
+            "PID 15 (amy) on GPU 3: unkillable (survived SIGKILL)",
+        ),
+        (
+            Blocker(16, None, (), "protected"),
             "PID 16 (?): protected (protected_executables/protected_units)",
         ),
     ],
 )
-def test_drain_detail_names_pid_account_gpu_and_rule(item: Held, words: str) -> None:
+def test_drain_detail_names_pid_account_gpu_and_rule(item: Blocker, words: str) -> None:
     summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=[item])
     assert failure_detail(summary) == words
 
@@ -405,10 +408,10 @@ def test_drain_detail_names_memory_not_freed_and_only_those_gpus() -> None:
 
 @pytest.mark.message
 def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
-    hostile = Held(
+    hostile = Blocker(
         12, "eve", (3,), "other-unit", other='x"\n' + "y" * 400, cgroup="/system.slice/x.service"
     )
-    many = [Held(100 + i, "bob", (3,), "straddles", foreign=(5,)) for i in range(6)]
+    many = [Blocker(100 + i, "bob", (3,), "straddles", foreign=(5,)) for i in range(6)]
     for held in ([hostile], many, [hostile, *many]):
         summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=held)
         reason = drain_reason("epilog", 4294967295, failure_detail(summary), 22)

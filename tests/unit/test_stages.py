@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 
 from gpugate.core.outcome import (
-    NullSurroundings,
+    PlainWorkload,
     Stage,
-    Surroundings,
     Transition,
+    Workload,
 )
 from gpugate.core.run import PhaseRun, RunDeps, RunScope
 from gpugate.errors import Interrupted, NvmlUnavailable
-from gpugate.front.commands.slurm import job_surroundings, with_job_gpus
+from gpugate.front.commands.slurm import job_workload, with_job_gpus
 from gpugate.front.hook import stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.phase import Phase
@@ -35,7 +35,7 @@ def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **conf
     reporter = host.reporter(phase)
     if dry_run:
         reporter = reporter.as_dry_run()
-    surroundings: Surroundings = NullSurroundings(loaded)
+    surroundings: Workload = PlainWorkload(loaded)
     deps = RunDeps(roots=host.roots, driver_factory=lambda: host.memory)
     scope = RunScope(Phase(phase), UNIT, UNIT_CGROUP)
     return PhaseRun(scope, Narrator(reporter), surroundings, deps, dry_run=dry_run)
@@ -214,7 +214,7 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     host: FakeHost, tmp_path: Path
 ) -> None:
     loaded = host.config(metrics_textfile=tmp_path / "m" / "gpugate.prom")
-    null = NullSurroundings(loaded)
+    null = PlainWorkload(loaded)
     folders, files = null.state_to_write()
     # Not the metrics textfile: metrics are never a run's failure (a warning after the run).
     assert [folder for folder, _ in folders] == [loaded.config.lock_dir] and files == []
@@ -223,6 +223,6 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     job_loaded = with_job_gpus(
         loaded, ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000"), "gpus from SLURM_JOB_GPUS=0,1"
     )
-    slurm = job_surroundings(job_loaded, frozenset())
+    slurm = job_workload(job_loaded, frozenset())
     assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
     assert job_loaded.source in slurm.gpu_source and "SLURM_JOB_GPUS" in slurm.gpu_source

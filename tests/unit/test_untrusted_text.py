@@ -43,10 +43,10 @@ from gpugate.untrusted import (
     KINDS,
     LINE_CHARS,
     MARK,
-    exact,
-    line,
-    shown,
-    shown_args,
+    field_bytes,
+    printable,
+    printable_args,
+    safe_line,
 )
 from tests.fakes import UNIT, FakeHost, RecordingNotifier, alive
 
@@ -86,11 +86,11 @@ hostile = st.one_of(raw_bytes, any_text, long_text, st.sampled_from(HOSTILE))
 @settings(deadline=None)
 @given(value=hostile, kind=st.sampled_from(KINDS))
 def test_shown_is_printable_bounded_idempotent_and_never_raises(value: str, kind: Any) -> None:
-    text = shown(value, kind)
+    text = printable(value, kind)
     assert no_control(text)
     text.encode("utf-8")  # strictly
     assert len(text) <= kind.chars
-    assert shown(text, kind) == text  # escaping twice reads as escaping once
+    assert printable(text, kind) == text  # escaping twice reads as escaping once
     if value.isprintable() and len(value) <= kind.chars:
         assert text == value  # plain text passes unchanged
     if len(text) < len(value) and text.endswith(MARK) and not value.endswith(MARK):
@@ -98,7 +98,7 @@ def test_shown_is_printable_bounded_idempotent_and_never_raises(value: str, kind
 
 
 # Python counts every separator but the ASCII space as unprintable (U+00A0, U+1680, U+2000...):
-# shown() escapes those, so the printable alphabet is the space plus every other category.
+# printable() escapes those, so the printable alphabet is the space plus every other category.
 PRINTABLE = st.one_of(
     st.just(" "),
     st.characters(blacklist_categories=("Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp", "Zs")),
@@ -107,7 +107,7 @@ PRINTABLE = st.one_of(
 
 @given(value=st.text(PRINTABLE, max_size=200))
 def test_printable_text_passes_unchanged(value: str) -> None:
-    assert shown(value, COMMAND) == value
+    assert printable(value, COMMAND) == value
 
 
 @pytest.mark.parametrize(
@@ -124,20 +124,20 @@ def test_printable_text_passes_unchanged(value: str) -> None:
     ],
 )
 def test_escapes_are_systemds(value: str, expected: str) -> None:
-    assert shown(value, COMMAND) == expected
+    assert printable(value, COMMAND) == expected
 
 
 def test_a_cut_is_marked_and_never_splits_an_escape() -> None:
-    assert shown("x" * 1_200_000, COMMAND) == "x" * 199 + MARK
-    cut = shown("\x1b" * 1000, COMMAND)
+    assert printable("x" * 1_200_000, COMMAND) == "x" * 199 + MARK
+    cut = printable("\x1b" * 1000, COMMAND)
     assert cut.endswith("\\x1b" + MARK) and len(cut) <= COMMAND.chars
-    assert shown("a" * 200, COMMAND) == "a" * 200
+    assert printable("a" * 200, COMMAND) == "a" * 200
 
 
 @settings(deadline=None)
 @given(value=hostile, kind=st.sampled_from(KINDS))
 def test_exact_keeps_the_bytes_bounded(value: str, kind: Any) -> None:
-    data = exact(value, kind)
+    data = field_bytes(value, kind)
     raw = data.encode("utf-8") if isinstance(data, str) else data
     assert len(raw) <= kind.exact_bytes
     try:
@@ -152,7 +152,7 @@ def test_exact_keeps_the_bytes_bounded(value: str, kind: Any) -> None:
 @settings(deadline=None)
 @given(argv=st.lists(hostile, max_size=40))
 def test_shown_args_bounds_the_whole_command(argv: list[str]) -> None:
-    args, was_cut = shown_args(argv)
+    args, was_cut = printable_args(argv)
     assert all(no_control(arg) for arg in args)
     assert len(" ".join(args)) <= COMMAND.chars
     if all(a.isprintable() for a in argv) and len(" ".join(argv)) <= COMMAND.chars:
@@ -455,8 +455,8 @@ def test_the_real_journal_send_takes_bytes_that_are_not_utf8(
     reporter = Reporter(UNIT, "pre", notifier=StrictNotifier(), echo=False)
     reporter.event(
         Event.HOLDER_FOUND,
-        f"would kill {shown(HOSTILE[0], COMMAND)}",
-        command=exact("a\udcff", COMMAND),
+        f"would kill {printable(HOSTILE[0], COMMAND)}",
+        command=field_bytes("a\udcff", COMMAND),
         other="also \udcfe here",
     )
     (args,) = sent
@@ -468,7 +468,14 @@ def test_the_real_journal_send_takes_bytes_that_are_not_utf8(
 
 UNTRUSTED = {"command", "cmdline", "comm", "exe", "cgroup"}
 CONTAINER_TEXT = {"name", "label", "handle"}
-PASSES = {"shown", "exact", "shown_args", "container_text", "container_handle", "quoted"}
+PASSES = {
+    "printable",
+    "field_bytes",
+    "printable_args",
+    "container_text",
+    "container_handle",
+    "quoted",
+}
 # Functions that take process text as data and return a fact, not a word: their result is
 # still text an account may have picked (a unit name), shown through PASSES where it is shown.
 AS_DATA = {"unit_of_cgroup"}
@@ -525,5 +532,5 @@ def test_the_escaping_matches_systemd_escape_where_it_is_there() -> None:
     done = subprocess.run(
         ["/usr/bin/systemd-escape", "a\x1bb"], capture_output=True, text=True, check=True
     )
-    assert done.stdout.strip() == "a\\x1bb" and shown("a\x1bb", COMMAND) == done.stdout.strip()
-    assert line("a\nb") == "a\\nb"
+    assert done.stdout.strip() == "a\\x1bb" and printable("a\x1bb", COMMAND) == done.stdout.strip()
+    assert safe_line("a\nb") == "a\\nb"

@@ -1,7 +1,7 @@
 """Every error that reaches an operator is one line, escaped and bounded: on stderr (`gpugate:
 ...`), in the journal's error entry and in STATUS=. Each raise site forms its own words; what
 another account could have written in them (a unit name, a path, a value in a config file) is
-escaped by `gpugate.untrusted`, and the channels' last guard (`untrusted.line`) bounds the
+escaped by `gpugate.untrusted`, and the channels' last guard (`untrusted.safe_line`) bounds the
 whole. The tests here give hostile text to real raise sites and to each channel."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from gpugate.compat import tomllib
 from gpugate.config.schema import DEFAULTS, GateConfig, Model, PhasePolicy
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.errors import ConfigError, InvalidValue
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 if TYPE_CHECKING:
     from pydantic_core import ValidationError
@@ -65,7 +65,7 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
     """The first of pydantic's errors as gpugate's, and how many more there were."""
     first = exc.errors()[0]
     parts = [str(part) for part in first["loc"]]
-    field = echo(".".join(parts), quote=False) or "(top level)"
+    field = for_error(".".join(parts), quote=False) or "(top level)"
     more = exc.error_count() - 1
     refused = (first.get("ctx") or {}).get("error")
     if isinstance(refused, InvalidValue):
@@ -80,7 +80,7 @@ def _config_error(source: str, exc: ValidationError) -> ConfigError:
         if isinstance(shown, (bool, int, float, str)):
             shown = toml_value(shown)
         kind = TOML_TYPES.get(type(first["input"]), "a " + type(first["input"]).__name__)
-        problem = f"{detail}, not {kind} {echo(shown, quote=False)}"
+        problem = f"{detail}, not {kind} {for_error(shown, quote=False)}"
         return ConfigError(source, field, problem, more=more)
     return ConfigError(source, field, detail, more=more)
 

@@ -15,7 +15,7 @@ from gpugate.config import values
 from gpugate.errors import GateError, InvalidValue
 from gpugate.host.systemd import validate_unit_name
 from gpugate.phase import Phase
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 if TYPE_CHECKING:
     from pydantic_core import SchemaValidator
@@ -249,7 +249,7 @@ def _tmpfs_size(value: str) -> str:
     # It goes into the drop-in's TemporaryFileSystem= line: nothing but a size passes.
     if value != values.PRIVATE_SHM_OFF and not values.PRIVATE_SHM_SIZE.fullmatch(value):
         raise InvalidValue(
-            f'{echo(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
+            f'{for_error(value)}: "off", a percentage of RAM ("50%") or a size in k, m or g ("64g")'
         )
     return value
 
@@ -258,7 +258,7 @@ def _absolute_executables(value: tuple[str, ...]) -> tuple[str, ...]:
     for path in value:
         if not path.startswith("/"):
             raise InvalidValue(
-                f"{echo(path)} is not an absolute path" if path else "must be an absolute path"
+                f"{for_error(path)} is not an absolute path" if path else "must be an absolute path"
             )
     return value
 
@@ -269,7 +269,7 @@ def _unit_names(value: tuple[str, ...]) -> tuple[str, ...]:
             validate_unit_name(name)
         except GateError:
             raise InvalidValue(
-                f"{echo(name)} is not a service or scope unit name with its suffix (e.g. "
+                f"{for_error(name)} is not a service or scope unit name with its suffix (e.g. "
                 "nvidia-persistenced.service)"
             ) from None
     return value
@@ -278,7 +278,7 @@ def _unit_names(value: tuple[str, ...]) -> tuple[str, ...]:
 def _container_names(value: tuple[str, ...]) -> tuple[str, ...]:
     for item in value:
         if not values.CONTAINER_NAME.fullmatch(item):
-            raise InvalidValue(f"{echo(item)} is not a container name or id")
+            raise InvalidValue(f"{for_error(item)} is not a container name or id")
     if len(set(value)) != len(value):
         raise InvalidValue("lists a container twice")
     return value

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Literal, Union
 
 from gpugate.errors import InvalidValue
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 # A whole GPU or MIG UUID, or a prefix of one (CUDA_VISIBLE_DEVICES accepts unique prefixes).
 UUID_PATTERN = re.compile(r"(?:GPU|MIG)-[0-9a-fA-F][0-9a-fA-F-]{7,}")
@@ -29,14 +29,17 @@ def gpu_ref(item: object) -> GpuRef:
             raise InvalidValue(f"GPU index {item} is out of range (0-{MAX_GPU_INDEX})")
         return item
     if not isinstance(item, str):
-        raise InvalidValue(f"{echo(item)} is not a GPU index or UUID")
+        raise InvalidValue(f"{for_error(item)} is not a GPU index or UUID")
     if UUID_PATTERN.fullmatch(item) or LEGACY_MIG_PATTERN.fullmatch(item):
         return item
     if item.upper().startswith(MIG_PREFIX):
         raise InvalidValue(
-            f"{echo(item)} is not a MIG device UUID (MIG-xxxxxxxx-...) or MIG-GPU-<uuid>/<gi>/<ci>"
+            f"{for_error(item)} is not a MIG device UUID (MIG-xxxxxxxx-...) or "
+            "MIG-GPU-<uuid>/<gi>/<ci>"
         )
-    raise InvalidValue(f"{echo(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)")
+    raise InvalidValue(
+        f"{for_error(item)} is not a GPU index (0, 1, ...) or UUID (GPU-xxxxxxxx-...)"
+    )
 
 
 def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
@@ -49,7 +52,7 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
         ref = gpu_ref(item)
         key = ref.lower() if isinstance(ref, str) else ref
         if key in seen:
-            raise InvalidValue(f"lists GPU {echo(ref, quote=False)} twice")
+            raise InvalidValue(f"lists GPU {for_error(ref, quote=False)} twice")
         seen.add(key)
         refs.append(ref)
     return tuple(refs)

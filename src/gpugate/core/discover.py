@@ -40,7 +40,7 @@ from gpugate.host.scan import (
 )
 from gpugate.host.shm import ShmArea, ShmFile, find_areas
 from gpugate.host.systemd import HostRoots
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 GPU_DEVICE = re.compile(r"nvidia(\d+)$")
 
@@ -159,7 +159,7 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
     return pids
 
 
-class HolderTable:
+class HoldersByPid:
     """The holders found so far, by PID; a process is read when first named."""
 
     def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
@@ -203,7 +203,7 @@ def read_gpus(
 
 
 @dataclass(frozen=True)
-class Sought:
+class DiscoveryQuery:
     """The unit (or its label), its cgroup, its configured GPUs and where they were said."""
 
     unit: str
@@ -213,7 +213,7 @@ class Sought:
 
 
 def discover(
-    sought: Sought,
+    sought: DiscoveryQuery,
     *,
     driver: GpuDriver,
     procfs: ProcFs,
@@ -235,7 +235,7 @@ def discover(
     listed_only = within is not None and memory_accounted(usage, faults, within) and not ports
     shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
-        table = HolderTable(procfs, self_and_ancestors(procfs))
+        table = HoldersByPid(procfs, self_and_ancestors(procfs))
         for pid in cgroup_members(roots.cgroup, sought.unit_cgroup):
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
@@ -287,7 +287,7 @@ class _FdReading:
 
 
 def _read_holders(
-    table: HolderTable,
+    table: HoldersByPid,
     reading: _FdReading,
     gpus: list[Gpu],
     usage: dict[int, GpuUsage],
@@ -316,7 +316,7 @@ def _read_holders(
 
 
 def _add_device_users(
-    table: HolderTable,
+    table: HoldersByPid,
     proc_root: Path,
     gpus: list[Gpu],
     faults: list[GpuFault],
@@ -361,7 +361,7 @@ def _gpus_of(paths: Collection[str], index_by_minor: dict[int, int]) -> set[int]
     }
 
 
-def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:
+def _add_nvml_processes(table: HoldersByPid, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:
     """The processes NVML lists. Returns (GPU, PID) of those this /proc does not show."""
     invisible: list[tuple[int, int]] = []
     for index, gpu_usage in usage.items():
@@ -381,7 +381,7 @@ def _add_nvml_processes(table: HolderTable, usage: dict[int, GpuUsage]) -> list[
     return invisible
 
 
-def _containers(table: HolderTable, cgroup_root: Path, wanted: Sequence[str]) -> list[Container]:
+def _containers(table: HoldersByPid, cgroup_root: Path, wanted: Sequence[str]) -> list[Container]:
     """Names each holder's container; every process of a container WANTED names is the unit's."""
     holders = table.by_pid
     found: dict[str, Container] = {}
@@ -465,7 +465,7 @@ def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
         no_mig = "" if any(gpu.mig_mode for gpu in gpus) else " (no GPU is in MIG mode)"
         raise ConfigError(
-            source, "gpus", f"no MIG device has UUID {echo(ref, quote=False)}{no_mig}"
+            source, "gpus", f"no MIG device has UUID {for_error(ref, quote=False)}{no_mig}"
         )
     return _by_prefix(ref, among, source)
 
@@ -474,7 +474,7 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
     """MIG-GPU-<uuid>/<gi>/<ci>: the slice of that GPU with those instance ids."""
     parent_uuid, gi, ci = legacy
     parent = _by_prefix(parent_uuid, [gpu for gpu in gpus if gpu.mig is None], source)
-    shown = echo(ref, quote=False)
+    shown = for_error(ref, quote=False)
     if not parent.mig_mode:
         raise ConfigError(source, "gpus", f"{shown}: GPU {parent.index} is not in MIG mode")
     slices = [gpu for gpu in gpus if gpu.mig is not None and gpu.mig.parent == parent.index]
@@ -492,7 +492,7 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
 def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
     """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
-    shown = echo(ref, quote=False)
+    shown = for_error(ref, quote=False)
     if not matches:
         raise ConfigError(source, "gpus", f"no GPU has UUID {shown}")
     if len(matches) > 1:
@@ -519,6 +519,6 @@ def fail_on_owned_faults(
     nameless = [fault for fault in faults if fault.uuid is None]
     if unknown and nameless:
         raise NvmlUnavailable(
-            f"{nameless[0].error}; {who}'s GPU {echo(unknown[0], quote=False)} is not among "
+            f"{nameless[0].error}; {who}'s GPU {for_error(unknown[0], quote=False)} is not among "
             "those NVML can read"
         )

@@ -1,5 +1,5 @@
 """A run seen from outside the core: where it is, what it ended with (its code by
-`errors.outcome_code`), what surrounds it (`Surroundings`, in integrations/) and what it
+`errors.outcome_code`), what surrounds it (`Workload`, in integrations/) and what it
 tells (`Narration`, report/)."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class BusyGpu:
 
 
 @dataclass(frozen=True)
-class Held:
+class Blocker:
     """A process that kept the run's GPUs at its end: what an admin needs to act on it."""
 
     pid: int
@@ -46,7 +46,7 @@ class Held:
     cgroup: str | None = None
 
     @classmethod
-    def of(cls, choice: Choice, rule: str | None = None) -> Held:
+    def of(cls, choice: Choice, rule: str | None = None) -> Blocker:
         holder = choice.holder
         return cls(
             pid=holder.pid,
@@ -59,7 +59,7 @@ class Held:
         )
 
 
-UNKILLABLE = "unkillable"  # Held.rule of a process that outlived SIGKILL
+UNKILLABLE = "unkillable"  # Blocker.rule of a process that outlived SIGKILL
 
 
 @dataclass
@@ -72,7 +72,7 @@ class RunSummary:
     seconds_wait: float = 0.0
     busy: list[BusyGpu] = field(default_factory=list)  # still used at the deadline
     owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
-    held: list[Held] = field(default_factory=list)  # who kept them: refused, spared, survived
+    held: list[Blocker] = field(default_factory=list)  # who kept them: refused, spared, survived
     freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)
     degraded: bool = False  # NVML failed and on_nvml_error = warn: the cgroup only
     would_kill: int = 0  # a dry run: how many targets it would have killed
@@ -148,7 +148,7 @@ class Progress:
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
-class Surroundings:
+class Workload:
     """What surrounds a run (integrations/); each default is the plain case: nothing refused."""
 
     loaded: LoadedConfig  # the config the run uses: its GPUs resolved to what it is about
@@ -208,7 +208,7 @@ class Surroundings:
 
 
 @dataclass(frozen=True)
-class NullSurroundings(Surroundings):
+class PlainWorkload(Workload):
     loaded: LoadedConfig
     gpu_source: str = ""
     gpu_source_warns: bool = False

@@ -272,7 +272,7 @@ def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
 
 
 @dataclass(frozen=True)
-class Holding:
+class HolderOwner:
     """A holder and its owner; mib: NVML's MiB for it over every GPU (None: not said)."""
 
     holder: Holder
@@ -302,7 +302,7 @@ def is_mps_server(info: ProcInfo, config: Config) -> bool:
 def mps_served(discovery: Discovery, config: Config) -> frozenset[int]:
     """The run's owned GPU keys that an MPS server holds (NVML's list where it names the
     server, else its device files: Holder.using): shared on purpose for every run, beside
-    what its Surroundings share (rule (c) of docs/what-gets-killed.md)."""
+    what its Workload share (rule (c) of docs/what-gets-killed.md)."""
     owned = discovery.owned_indices
     served: set[int] = set()
     for holder in discovery.holders.values():

@@ -14,19 +14,19 @@ from typing import Any
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
-from gpugate.core.discover import Discovery, Sought, discover
+from gpugate.core.discover import Discovery, DiscoveryQuery, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
 from gpugate.core.outcome import (
     NEXT_STAGE,
     UNKILLABLE,
+    Blocker,
     BusyGpu,
-    Held,
     Narration,
     Progress,
     RunSummary,
     Stage,
-    Surroundings,
     Transition,
+    Workload,
 )
 from gpugate.core.roles import Role, mps_served
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
@@ -85,7 +85,7 @@ class PhaseRun:
         self,
         scope: RunScope,
         narrator: Narration,
-        surroundings: Surroundings,
+        surroundings: Workload,
         deps: RunDeps,
         *,
         dry_run: bool,
@@ -245,7 +245,7 @@ class PhaseRun:
         if decision.refused:
             self.surroundings.held_by_others(discovery.owned)
             self.narrator.refused()
-            self.summary.held = [Held.of(c) for c in decision.blockers]
+            self.summary.held = [Blocker.of(c) for c in decision.blockers]
             self.found.add(ExitCode.HELD_BY_OTHERS)
             return Transition.REFUSED
         if self.dry_run:
@@ -263,7 +263,7 @@ class PhaseRun:
         wanted = None if self.summary.degraded else self.config.selection()  # degraded: no GPU
         with self.procfs.oneshot():
             found = discover(
-                Sought(self.scope.unit, self.scope.unit_cgroup, wanted, self.loaded.source),
+                DiscoveryQuery(self.scope.unit, self.scope.unit_cgroup, wanted, self.loaded.source),
                 driver=self.driver,
                 procfs=self.procfs,
                 roots=self.deps.roots,
@@ -342,10 +342,10 @@ class PhaseRun:
         survivors = self.kill_rounds()
         blockers = self.decision.blockers
         if survivors:
-            self.summary.held += [Held.of(c) for c in blockers]
+            self.summary.held += [Blocker.of(c) for c in blockers]
             return Transition.SURVIVED
         if blockers:
-            self.summary.held = [Held.of(c) for c in blockers]
+            self.summary.held = [Blocker.of(c) for c in blockers]
             self.found.add(ExitCode.HELD_BY_OTHERS)
             self.narrator.still_held()
             return Transition.STILL_HELD
@@ -377,7 +377,7 @@ class PhaseRun:
         for ident in survivors:
             self.narrator.survivor(self.signalled[ident])
         if survivors:
-            self.summary.held = [Held.of(self.signalled[i], UNKILLABLE) for i in survivors]
+            self.summary.held = [Blocker.of(self.signalled[i], UNKILLABLE) for i in survivors]
             self.found.add(ExitCode.UNKILLABLE)
             self.narrator.survived(len(survivors))
         return survivors

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from pathlib import Path
     from typing import Any, NoReturn
 
-    from gpugate.front.hook import Front
+    from gpugate.front.hook import HostAccess
     from gpugate.host.nvml import GpuDriver
     from gpugate.host.systemd import CgroupLayout, HostRoots
     from gpugate.report.journal import ReporterFactory
@@ -321,17 +321,17 @@ def main(
 ) -> int:
     args = build_parser(lazy=True).parse_args(argv)
     try:
-        from gpugate.front.hook import Front  # noqa: PLC0415
+        from gpugate.front.hook import HostAccess  # noqa: PLC0415
         from gpugate.host.systemd import HostRoots  # noqa: PLC0415
 
-        command: Callable[[argparse.Namespace, Front], int] = args.run
+        command: Callable[[argparse.Namespace, HostAccess], int] = args.run
         if args.host_roots is not None:
             roots = HostRoots.parse(args.host_roots)
         if args.nvml_library is not None and driver_factory is None:
             from gpugate.host.nvml import NvmlDriver  # noqa: PLC0415
 
             driver_factory = functools.partial(NvmlDriver, library=args.nvml_library)
-        front = Front(
+        front = HostAccess(
             driver_factory=driver_factory,
             reporter_factory=reporter_factory,
             roots=roots,
@@ -341,9 +341,9 @@ def main(
         return command(args, front)
     except GateError as exc:
         from gpugate.report import lines  # noqa: PLC0415 (an error's words only)
-        from gpugate.untrusted import line  # noqa: PLC0415
+        from gpugate.untrusted import safe_line  # noqa: PLC0415
 
-        print(lines.error(line(exc.message)), file=sys.stderr)
+        print(lines.error(safe_line(exc.message)), file=sys.stderr)
         return int(exc.exit_code)
     except KeyboardInterrupt:
         return 130
@@ -356,7 +356,7 @@ def main(
         return int(ExitCode.INTERNAL)
 
 
-def _pre_post(args: argparse.Namespace, front: Front) -> int:
+def _pre_post(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.pre_post import pre_post  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
@@ -372,14 +372,14 @@ def _pre_post(args: argparse.Namespace, front: Front) -> int:
     )
 
 
-def _slurm(args: argparse.Namespace, front: Front) -> int:
+def _slurm(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.slurm import slurm  # noqa: PLC0415
     from gpugate.phase import Phase  # noqa: PLC0415
 
     return slurm(front, Phase(args.slurm_phase), args.config, dry_run=args.dry_run)
 
 
-def _slurm_check(args: argparse.Namespace, front: Front) -> int:
+def _slurm_check(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.slurm import slurm_check  # noqa: PLC0415
     from gpugate.integrations.gres_conf import DeviceNodes  # noqa: PLC0415
 
@@ -387,25 +387,25 @@ def _slurm_check(args: argparse.Namespace, front: Front) -> int:
     return slurm_check(front.environ, args.node, front.driver_factory, nodes)
 
 
-def _sweep(args: argparse.Namespace, front: Front) -> int:
+def _sweep(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.sweep import sweep  # noqa: PLC0415
 
     return sweep(args.config, front)
 
 
-def _status(args: argparse.Namespace, front: Front) -> int:
+def _status(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.status import status  # noqa: PLC0415
 
     return status(front, args.unit, args.config, as_json=args.json, watch=args.watch)
 
 
-def _config_check(args: argparse.Namespace, front: Front) -> int:
+def _config_check(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.config_check import config_check  # noqa: PLC0415
 
     return config_check(front, args.path, args.unit)
 
 
-def _install(args: argparse.Namespace, front: Front) -> int:
+def _install(args: argparse.Namespace, front: HostAccess) -> int:
     """install and uninstall (uninstall's parser has no --gpugate-path, --default)."""
     from gpugate.front.commands import install as command  # noqa: PLC0415
 
@@ -442,7 +442,7 @@ def _install(args: argparse.Namespace, front: Front) -> int:
     )
 
 
-def _oci_hook(args: argparse.Namespace, front: Front) -> int:
+def _oci_hook(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.oci_hook import main as oci_hook  # noqa: PLC0415
 
     return oci_hook(
@@ -453,13 +453,13 @@ def _oci_hook(args: argparse.Namespace, front: Front) -> int:
     )
 
 
-def _oci_runtime(args: argparse.Namespace, front: Front) -> int:
+def _oci_runtime(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.oci_runtime import main as oci_runtime  # noqa: PLC0415
 
     return oci_runtime(args.args)
 
 
-def _launch(args: argparse.Namespace, front: Front) -> int:
+def _launch(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.run import launch_command  # noqa: PLC0415
 
     return launch_command(args, front)
@@ -497,9 +497,9 @@ def _port(value: str) -> int:
 
 def _container(value: str) -> str:
     from gpugate.config.values import CONTAINER_NAME  # noqa: PLC0415
-    from gpugate.untrusted import echo  # noqa: PLC0415
+    from gpugate.untrusted import for_error  # noqa: PLC0415
 
     if not CONTAINER_NAME.fullmatch(value):
         what = "is not a container name or id (letters, digits, _.-)"
-        raise argparse.ArgumentTypeError(f"{echo(value)} {what}")
+        raise argparse.ArgumentTypeError(f"{for_error(value)} {what}")
     return value

@@ -1,4 +1,4 @@
-"""What the commands share, below them: `Front`, what a command may touch; one hook run, the
+"""What the commands share, below them: `HostAccess`, what a command may touch; one hook run, the
 same for a unit's, a Slurm job's, an OCI hook's and the sweep's reap (locate the cgroup, run the
 phase, say a failure once, record the metrics); `collect`, the one discovery of `status`, the
 sweep and `gpugate run`'s check; a Slurm node's drain; a uid as sudo writes it."""
@@ -20,8 +20,8 @@ from types import FrameType
 from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
-from gpugate.core.discover import Discovery, Sought, as_refs, cgroup_members, discover
-from gpugate.core.outcome import RunSummary, Surroundings
+from gpugate.core.discover import Discovery, DiscoveryQuery, as_refs, cgroup_members, discover
+from gpugate.core.outcome import RunSummary, Workload
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.errors import GateError
 from gpugate.host.locks import check_all
@@ -51,7 +51,7 @@ NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 SCONTROL_TIMEOUT_S = 15
 
 
-class Front:
+class HostAccess:
     """What a command may touch, injected by tests; production's real defaults."""
 
     def __init__(
@@ -85,8 +85,8 @@ class Hook:
     phase: Phase
     unit: str  # the unit, or the label standing for it (slurm-job-42)
     locate_cgroup: Callable[[], str]  # the cgroup whose processes all die
-    # a unit's, a Slurm job's, or none (NullSurroundings)
-    surroundings: Callable[[RunScope, LoadedConfig, Reporter], Surroundings]
+    # a unit's, a Slurm job's, or none (PlainWorkload)
+    surroundings: Callable[[RunScope, LoadedConfig, Reporter], Workload]
     reporter: Reporter  # the run's; a dry run uses its as_dry_run() twin
     run: RunDeps = field(default_factory=RunDeps)  # the host: roots, driver, pinner, clock
     metrics_unit: str | None = None  # the metrics' unit label ("slurm"); None: no record
@@ -207,7 +207,7 @@ def collect(
     config = loaded.config
     if starting is not None and unit is not None:
         return discover(
-            Sought(unit, f"/system.slice/{unit}", as_refs(starting), loaded.source),
+            DiscoveryQuery(unit, f"/system.slice/{unit}", as_refs(starting), loaded.source),
             driver=driver,
             procfs=procfs,
             roots=roots,
@@ -220,7 +220,7 @@ def collect(
         loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
         cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
     return discover(
-        Sought(
+        DiscoveryQuery(
             unit or "", cgroup, "all" if unit is None else loaded.config.selection(), loaded.source
         ),
         driver=driver,

@@ -38,7 +38,7 @@ from gpugate.host.systemd import (
     validate_unit_name,
 )
 from gpugate.report import lines
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 DEFAULT_GPUGATE = Path("/usr/bin/gpugate")
 SHEBANG_BYTES = 256
@@ -593,7 +593,7 @@ def timer_systemctl(*words: str) -> None:
     result = systemctl(*words)
     if result.returncode != 0:
         detail = (result.stderr or result.stdout or "").strip().splitlines()
-        said = echo(detail[-1] if detail else "", quote=False)
+        said = for_error(detail[-1] if detail else "", quote=False)
         raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
 
 

@@ -20,7 +20,7 @@ from gpugate.front.install import Action, Change
 from gpugate.host import safe_files, wrapped_runtime
 from gpugate.host.oci import hook_entry
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 PODMAN_HOOKS = Path("/usr/share/containers/oci/hooks.d")
 CRIO_HOOKS = Path("/etc/containers/oci/hooks.d")
@@ -305,7 +305,8 @@ def cri_keys(data: Table, path: Path) -> tuple[str, ...]:
     version = data.get("version", 1)
     if isinstance(version, bool) or not isinstance(version, int) or version not in CRI:
         raise InstallError(
-            f"{path}: config version {echo(str(version))}: gpugate edits versions 2 (containerd "
+            f"{path}: config version {for_error(str(version))}: gpugate edits versions 2 "
+            "(containerd "
             "1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
         )
     return CRI[version]

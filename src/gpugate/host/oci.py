@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.errors import BadInput
-from gpugate.untrusted import FILE, echo, shown
+from gpugate.untrusted import FILE, for_error, printable
 
 NVIDIA_MAJOR = 195
 NOT_GPU_MINORS = frozenset({254, 255})  # nvidia-modeset, nvidiactl
@@ -73,7 +73,8 @@ def devices_reach(devices: object, found: Found) -> None:
                 continue
             if stat.S_ISLNK(info.st_mode):
                 raise BadInput(
-                    f"config.json: linux.devices: {echo(path[:256])} has no major and minor, and "
+                    f"config.json: linux.devices: {for_error(path[:256])} has no major and minor, "
+                    "and "
                     "on the host it is a symbolic link: which device it is cannot be told"
                 )
             number = node_number(info)
@@ -126,7 +127,7 @@ def _folder_minors(folder: str) -> list[int]:
             for count, entry in enumerate(entries):
                 if count >= MAX_FOLDER_ENTRIES:
                     raise BadInput(
-                        f"config.json: mounts: {echo(folder[:256])} holds over "
+                        f"config.json: mounts: {for_error(folder[:256])} holds over "
                         f"{MAX_FOLDER_ENTRIES} entries: which GPUs a bind mount of it reaches "
                         "cannot be told"
                     )
@@ -151,7 +152,7 @@ def cdi_reach(annotations: object, found: Found) -> None:
             continue
         if len(value) > MAX_VALUE:  # refused, not cut: a cut name could be another GPU's
             raise BadInput(
-                f"config.json: annotations: {echo(key[:128])} is over {MAX_VALUE} characters"
+                f"config.json: annotations: {for_error(key[:128])} is over {MAX_VALUE} characters"
             )
         for name in (part.strip() for part in value.split(",")):
             if name:
@@ -161,7 +162,7 @@ def cdi_reach(annotations: object, found: Found) -> None:
 def _cdi_name(name: str, origin: str, found: Found) -> None:
     if not CDI_NAME.fullmatch(name):
         raise BadInput(
-            f"config.json: {echo(origin)}: {echo(name[:128])} is not a CDI device name "
+            f"config.json: {for_error(origin)}: {for_error(name[:128])} is not a CDI device name "
             "(vendor/class=device)"
         )
     kind, _, device = name.partition("=")
@@ -181,11 +182,12 @@ def _gpu_word(word: str, origin: str) -> str:
         return word  # the same, by NVML's index of the GPU and of the MIG device on it
     if word.startswith("MIG-") or ":" in word:
         raise BadInput(
-            f"config.json: {echo(origin)}: {echo(word[:128])} is not a MIG device's UUID "
+            f"config.json: {for_error(origin)}: {for_error(word[:128])} is not a MIG device's UUID "
             "(MIG-...) or GPU:MIG index pair (0:1)"
         )
     raise BadInput(
-        f"config.json: {echo(origin)}: {echo(word[:128])} is not a GPU index, a GPU UUID or all"
+        f"config.json: {for_error(origin)}: {for_error(word[:128])} is not a GPU index, a GPU UUID "
+        "or all"
     )
 
 
@@ -391,7 +393,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         dir_fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
         raise BadInput(
-            f"{shown(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
+            f"{printable(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
         ) from None
     try:
         _check_owner(os.fstat(dir_fd), bundle)
@@ -401,7 +403,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
             fd = os.open("config.json", flags, dir_fd=dir_fd)
         except OSError as exc:
             raise BadInput(
-                f"{shown(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
+                f"{printable(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
             ) from None
     finally:
         os.close(dir_fd)
@@ -409,7 +411,7 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise BadInput(f"{shown(path, FILE)}: not a regular file")
+            raise BadInput(f"{printable(path, FILE)}: not a regular file")
         _check_owner(info, path)
         data = b""
         while len(data) <= limit and (chunk := os.read(fd, 1 << 20)):
@@ -417,17 +419,17 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
     finally:
         os.close(fd)
     if len(data) > limit:
-        raise BadInput(f"{shown(path, FILE)}: over {limit} bytes")
+        raise BadInput(f"{printable(path, FILE)}: over {limit} bytes")
     return data
 
 
 def _check_owner(info: os.stat_result, path: str) -> None:
     if info.st_uid != os.geteuid():
         raise BadInput(
-            f"{shown(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"
+            f"{printable(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"
         )
     if info.st_mode & 0o022:
-        raise BadInput(f"{shown(path, FILE)}: writable by others than its owner")
+        raise BadInput(f"{printable(path, FILE)}: writable by others than its owner")
 
 
 def parse_config(
@@ -518,9 +520,9 @@ def json_object(raw: bytes, source: str) -> dict[str, object]:
     except (ValueError, RecursionError) as exc:
         detail = str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
         said = f" ({detail})" if detail else ""
-        raise BadInput(f"{shown(source, FILE)}: not JSON{said}") from None
+        raise BadInput(f"{printable(source, FILE)}: not JSON{said}") from None
     if not isinstance(data, dict):
-        raise BadInput(f"{shown(source, FILE)}: not a JSON object")
+        raise BadInput(f"{printable(source, FILE)}: not a JSON object")
     return data
 
 

@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 
 from gpugate.errors import ConfigError, GateError, HostUnsupported, UnknownUnit
 from gpugate.host.safe_files import find_program, read_capped, run_program
-from gpugate.untrusted import CGROUP, FILE, echo, shown
+from gpugate.untrusted import CGROUP, FILE, for_error, printable
 
 UNIT_SUFFIXES = (".service", ".scope")
 # systemd's allowed unit name characters; anything else arrives \xNN-escaped.
@@ -38,7 +38,7 @@ def unit_argument(name: str) -> str:
 
 
 def validate_unit_name(name: str) -> str:
-    given = echo(name, limit=CGROUP.chars)  # what the caller typed, escaped and bounded
+    given = for_error(name, limit=CGROUP.chars)  # what the caller typed, escaped and bounded
     if len(name) > 255 or not UNIT_NAME.match(name):
         raise UnknownUnit(
             f"unit {given}: not a valid service or scope unit name (pass %n from the unit file)"
@@ -250,7 +250,7 @@ def unit_environment(
             if ignore:
                 continue
             raise UnknownUnit(
-                f"unit {name}: EnvironmentFile={shown(str(path), FILE)}: cannot read it "
+                f"unit {name}: EnvironmentFile={printable(str(path), FILE)}: cannot read it "
                 f"({exc}); systemd would not start the unit either"
             ) from None
         variables.update(parsed)
@@ -447,18 +447,20 @@ class HostRoots:
             name, eq, value = item.partition("=")
             if not eq or name not in ROOT_NAMES:
                 raise ConfigError(
-                    HOST_ROOTS_OPTION, "", f"{echo(item)}: not dev=DIR, proc=DIR or cgroup=DIR"
+                    HOST_ROOTS_OPTION, "", f"{for_error(item)}: not dev=DIR, proc=DIR or cgroup=DIR"
                 )
             path = Path(value)
             if not path.is_absolute():
-                raise ConfigError(HOST_ROOTS_OPTION, name, f"{echo(value)} is not an absolute path")
+                raise ConfigError(
+                    HOST_ROOTS_OPTION, name, f"{for_error(value)} is not an absolute path"
+                )
             roots[name] = path
         found = cls(**roots)
         for name in ROOT_NAMES:  # a root not there: a configuration error, not a crash mid-run
             root: Path = getattr(found, name)
             if not root.is_dir():
                 raise ConfigError(
-                    HOST_ROOTS_OPTION, name, f"{echo(str(root), quote=False)}: no such folder"
+                    HOST_ROOTS_OPTION, name, f"{for_error(str(root), quote=False)}: no such folder"
                 )
         return found
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from gpugate.compat import tomllib
 from gpugate.errors import ConfigError
 from gpugate.host.safe_files import first_root_executable, read_capped, untrusted, untrusted_text
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 RECORD = Path("/etc/gpugate/oci-runtime.toml")
 RUNC = "runc"
@@ -55,7 +55,7 @@ def read_record(path: Path | None = None) -> str:
         raise ConfigError(
             str(path),
             "runtime",
-            f"{echo(str(value))}: not one of {', '.join(PATHS)} (gpugate install --containers "
+            f"{for_error(str(value))}: not one of {', '.join(PATHS)} (gpugate install --containers "
             "writes it)",
         )
     return str(value)

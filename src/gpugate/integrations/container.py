@@ -31,7 +31,7 @@ from gpugate.host.oci import (
 from gpugate.host.scan import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
-from gpugate.untrusted import CGROUP, CONTAINER, echo, escape, exact, shown
+from gpugate.untrusted import CGROUP, CONTAINER, escape, field_bytes, for_error, printable
 
 CONFIG_NAME = "containers.toml"
 DOCKER_CONFIG = Path("/var/lib/docker/containers")
@@ -63,10 +63,10 @@ class ContainerIdentity:
         short, runtime = self.id[:12], f"{self.runtime} container"
         name = self.pod.text if self.pod is not None else self.name
         if name:
-            return f"{runtime} {shown(name, CONTAINER)} ({short})"
+            return f"{runtime} {printable(name, CONTAINER)} ({short})"
         if self.claimed and self.pod is None:
             key, said = self.claimed
-            return f'{runtime} {short} ("{shown(said, CONTAINER)}" by its annotation {key})'
+            return f'{runtime} {short} ("{printable(said, CONTAINER)}" by its annotation {key})'
         return f"{runtime} {short}"
 
     def fields(self) -> dict[str, str | bytes]:
@@ -76,16 +76,18 @@ class ContainerIdentity:
             "GPUGATE_OCI_RUNTIME": self.runtime,
         }
         if self.name:
-            found["GPUGATE_OCI_CONTAINER_NAME"] = exact(self.name, CONTAINER)
+            found["GPUGATE_OCI_CONTAINER_NAME"] = field_bytes(self.name, CONTAINER)
         if self.claimed:
-            found["GPUGATE_OCI_ANNOTATED_NAME"] = exact(self.claimed[1], CONTAINER)
+            found["GPUGATE_OCI_ANNOTATED_NAME"] = field_bytes(self.claimed[1], CONTAINER)
         if self.pod is not None:
             named = {
                 "GPUGATE_OCI_POD_NAMESPACE": self.pod.namespace,
                 "GPUGATE_OCI_POD": self.pod.pod,
                 "GPUGATE_OCI_POD_CONTAINER": self.pod.container,
             }
-            found.update((key, shown(value, CONTAINER)) for key, value in named.items() if value)
+            found.update(
+                (key, printable(value, CONTAINER)) for key, value in named.items() if value
+            )
         return found
 
 
@@ -98,7 +100,7 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
     own = own_cgroup(cgroup, state.id)
     if own is None:
-        where = f"cgroup {shown(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
+        where = f"cgroup {printable(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
         raise BadInput(
             f"container {state.id[:12]} runs in {where}, not in one of its own (a runtime's "
             "scope or folder named after its id): gated, it would be the unit around it; not "
@@ -180,7 +182,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
     whole = [gpu for gpu in gpus if gpu.mig is None]
     by_minor = {gpu.minor: gpu for gpu in whole}
     by_ref = {**{str(gpu.index): gpu for gpu in whole}, **{gpu.uuid.lower(): gpu for gpu in whole}}
-    where = echo(", ".join(request.origins) or "config.json")
+    where = for_error(", ".join(request.origins) or "config.json")
     refs = [_indexed_slice(ref, gpus, where) if ":" in ref else ref for ref in request.refs]
     slices = {ref: _slice(ref, gpus, where) for ref in refs if ref.upper().startswith("MIG-")}
     # A slice's container gets its GPU's /dev/nvidiaN too: the slice is what it asks for.
@@ -201,7 +203,7 @@ def gpu_selection(request: GpuRequest, gpus: list[Gpu], source: str) -> GpuSelec
             continue
         gpu = by_ref.get(ref.lower())
         if gpu is None:
-            raise BadInput(f"config.json: {where}: {echo(ref)} is no GPU NVML knows")
+            raise BadInput(f"config.json: {where}: {for_error(ref)} is no GPU NVML knows")
         chosen.setdefault(gpu.uuid.lower(), gpu.uuid)
     return tuple(chosen.values())
 
@@ -214,7 +216,7 @@ def _indexed_slice(ref: str, gpus: list[Gpu], where: str) -> str:
     for gpu in gpus:
         if gpu.mig is not None and (gpu.mig.parent, gpu.mig.mig_index) == (int(parent), int(index)):
             return gpu.uuid
-    raise BadInput(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows")
+    raise BadInput(f"config.json: {where}: {for_error(ref)} is no MIG device NVML knows")
 
 
 def _slice(ref: str, gpus: list[Gpu], where: str) -> list[Gpu]:
@@ -229,7 +231,9 @@ def _slice(ref: str, gpus: list[Gpu], where: str) -> list[Gpu]:
     except InvalidValue as exc:
         raise BadInput(f"config.json: {where}: {exc}") from None
     except ConfigError:
-        raise BadInput(f"config.json: {where}: {echo(ref)} is no MIG device NVML knows") from None
+        raise BadInput(
+            f"config.json: {where}: {for_error(ref)} is no MIG device NVML knows"
+        ) from None
 
 
 def request_text(request: GpuRequest) -> str:

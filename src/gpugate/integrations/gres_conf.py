@@ -14,7 +14,7 @@ from pathlib import Path
 from gpugate.errors import GresUnresolved
 from gpugate.host.nvml import Gpu, slice_capabilities
 from gpugate.host.safe_files import kind_of, read_capped, untrusted
-from gpugate.untrusted import echo
+from gpugate.untrusted import for_error
 
 GRES_NAME = "gres.conf"
 DEFAULT_SLURM_CONF = "/etc/slurm/slurm.conf"
@@ -73,7 +73,7 @@ def gres_conf_path(slurm_conf: str | None) -> Path:
     SLURM_CONF in the prolog's and epilog's environment; without it, /etc/slurm."""
     conf = slurm_conf or DEFAULT_SLURM_CONF
     if not os.path.isabs(conf) or "\n" in conf or len(conf) > 4096:
-        raise GresUnresolved(f"SLURM_CONF {echo(conf)}: not an absolute path")
+        raise GresUnresolved(f"SLURM_CONF {for_error(conf)}: not an absolute path")
     return Path(os.path.dirname(conf)) / GRES_NAME
 
 
@@ -124,7 +124,7 @@ def pairs(number: int, text: str, path: str) -> list[tuple[str, str]]:
 
 
 def _uncertain(path: str, number: int, text: str) -> GresUnresolved:
-    return GresUnresolved(f"{path} line {number}: {echo(text)} not read for certain")
+    return GresUnresolved(f"{path} line {number}: {for_error(text)} not read for certain")
 
 
 def expand_hostlist(text: str) -> list[str]:
@@ -198,7 +198,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
     lines, autodetect = _node_lines(text, path, node)
     if autodetect not in KNOWN_AUTODETECT:
         raise GresUnresolved(
-            f"{path}: AutoDetect={echo(autodetect)}: slurmd's GPU order is not knowable here"
+            f"{path}: AutoDetect={for_error(autodetect)}: slurmd's GPU order is not knowable here"
         )
     typed, fileless = _gpu_files(path, lines)
     files = [name for name, _ in typed]
@@ -219,7 +219,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
             "drops a GPU whose detected cores or links differ, which gpugate cannot compare"
         )
     if not nvml and not files:
-        named = echo(node) if node else "(unnamed)"
+        named = for_error(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
     return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=types)
 
@@ -293,7 +293,7 @@ def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
     names = [name for name, _ in files if MULTIPLE not in name]
     if len(set(names)) != len(names):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in names if names.count(name) > 1)
-        raise GresUnresolved(f"{path}: File {echo(twice)} listed twice")
+        raise GresUnresolved(f"{path}: File {for_error(twice)} listed twice")
     return files, fileless
 
 
@@ -360,7 +360,7 @@ def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], 
             why = f"(device {os.major(info.st_rdev)}:{os.minor(info.st_rdev)} is no /dev/nvidiaN)"
         else:
             return minor
-    raise GresUnresolved(f"{path}: File {echo(file)} is no GPU device node {why}")
+    raise GresUnresolved(f"{path}: File {for_error(file)} is no GPU device node {why}")
 
 
 def gpu_order(
@@ -402,12 +402,12 @@ def gpu_order(
         gpu = by_minor.get(minor)
         if gpu is None:
             raise GresUnresolved(
-                f"{layout.path}: File {echo(file)} is /dev/nvidia{minor}, and NVML lists no "
+                f"{layout.path}: File {for_error(file)} is /dev/nvidia{minor}, and NVML lists no "
                 f"GPU with minor number {minor}"
             )
         if gpu.mig_mode:
             raise GresUnresolved(
-                f"{layout.path}: File {echo(file)} is GPU {gpu.index}, which is in MIG mode: "
+                f"{layout.path}: File {for_error(file)} is GPU {gpu.index}, which is in MIG mode: "
                 "a whole-GPU number would take every slice's processes, other jobs' too"
             )
         found.append(gpu)
@@ -439,14 +439,15 @@ def _given_by_slurm_conf(
         kinds = [kind for kind in given if kind in name]
         if len(kinds) != 1 or (layout.files and set(layout.types) - {kinds[0]}):
             raise GresUnresolved(
-                f"{layout.path}: AutoDetect=nvml, and GPU {gpu.index} ({echo(gpu.name)}) is not "
-                f"of exactly one Gres= type ({', '.join(map(echo, given))}) for certain"
+                f"{layout.path}: AutoDetect=nvml, and GPU {gpu.index} ({for_error(gpu.name)}) is "
+                "not "
+                f"of exactly one Gres= type ({', '.join(map(for_error, given))}) for certain"
             )
         per_type[kinds[0]] = per_type.get(kinds[0], 0) + 1
     short = [kind for kind, found in per_type.items() if found > given[kind]]
     if short:
         raise GresUnresolved(
-            f"{layout.path}: AutoDetect=nvml finds more {echo(short[0])} GPUs than Gres= "
+            f"{layout.path}: AutoDetect=nvml finds more {for_error(short[0])} GPUs than Gres= "
             "gives the node: which slurmd takes is not knowable here"
         )
     return ordered
@@ -480,7 +481,7 @@ def _slice_of_files(
         or not caps <= set(owned[chosen[0].index])
     ):
         raise GresUnresolved(
-            f"{path}: MultipleFiles {echo(record)} is not one GPU's device and the "
+            f"{path}: MultipleFiles {for_error(record)} is not one GPU's device and the "
             "capability devices of one MIG slice of it"
         )
     return chosen[0]
@@ -490,10 +491,12 @@ def _cap_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], p
     try:
         info = nodes.stat(nodes.file_path(file))
     except OSError as exc:
-        raise GresUnresolved(f"{path}: File {echo(file)}: {exc.strerror or exc}") from None
+        raise GresUnresolved(f"{path}: File {for_error(file)}: {exc.strerror or exc}") from None
     cap = known.get((stat.S_ISCHR(info.st_mode), info.st_rdev))
     if cap is None:
-        raise GresUnresolved(f"{path}: File {echo(file)} is neither a GPU nor a MIG capability")
+        raise GresUnresolved(
+            f"{path}: File {for_error(file)} is neither a GPU nor a MIG capability"
+        )
     return cap
 
 
@@ -557,7 +560,7 @@ def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
                 return gpu
         elif MIG_UUID.fullmatch(entry) and gpu.uuid == entry:
             return gpu
-    raise GresUnresolved(f"CUDA_VISIBLE_DEVICES {echo(entry)}: NVML lists no such MIG slice")
+    raise GresUnresolved(f"CUDA_VISIBLE_DEVICES {for_error(entry)}: NVML lists no such MIG slice")
 
 
 def shard_minors(
@@ -665,7 +668,7 @@ def _node_gres(text: str, node: str | None, why: str) -> str:
     for number, line in logical_lines(text):
         head = line.split(None, 1)[0].lower()
         if head.startswith("include"):
-            raise GresUnresolved(f"{why} (line {number}: {echo(line[:40])} not followed)")
+            raise GresUnresolved(f"{why} (line {number}: {for_error(line[:40])} not followed)")
         if not head.startswith("nodename="):
             continue
         keys: dict[str, str] = {k.lower(): v.strip('"') for k, v in PAIR.findall(line)}
@@ -676,13 +679,13 @@ def _node_gres(text: str, node: str | None, why: str) -> str:
         try:
             listed = expand_hostlist(names)
         except ValueError:
-            raise GresUnresolved(f"{why} (line {number}: NodeName={echo(names)})") from None
+            raise GresUnresolved(f"{why} (line {number}: NodeName={for_error(names)})") from None
         if node is not None and node in listed:
             if found is not None:
-                raise GresUnresolved(f"{why} (node {echo(node)} on two lines)")
+                raise GresUnresolved(f"{why} (node {for_error(node)} on two lines)")
             found = keys.get("gres", default)
     if found is None:
-        raise GresUnresolved(f"{why} (no NodeName= line for {echo(node or '(unnamed)')})")
+        raise GresUnresolved(f"{why} (no NodeName= line for {for_error(node or '(unnamed)')})")
     return found
 
 

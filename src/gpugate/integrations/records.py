@@ -22,7 +22,7 @@ from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import folder, open_in, read_capped, write_atomically, write_in
 from gpugate.host.scan import ProcessId
 from gpugate.report.narrate import ShareTerms, lease_refusal_text
-from gpugate.untrusted import STATE, shown
+from gpugate.untrusted import STATE, printable
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
 MAX_DIGITS = 20  # a JSON number longer than this is no count, PID or time of gpugate's
@@ -181,8 +181,8 @@ class Lease:
     def holder_text(self) -> str:
         """The lease's unit in words, for refusals: who started it and when."""
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        by = f"`gpugate run` by {shown(self.started_by, STATE)}, " if self.started_by else ""
-        return f"{shown(self.container or self.unit, STATE)} ({by}since {when})"
+        by = f"`gpugate run` by {printable(self.started_by, STATE)}, " if self.started_by else ""
+        return f"{printable(self.container or self.unit, STATE)} ({by}since {when})"
 
 
 def lease_path(lock_dir: Path, unit: str) -> Path:
@@ -262,7 +262,7 @@ def workload_words(lock_dir: Path) -> Callable[[str], str | None]:
         if not read:
             read.append(True)
             leases = read_leases(lock_dir).leases
-            found.update((x.unit, shown(x.container, STATE)) for x in leases if x.container)
+            found.update((x.unit, printable(x.container, STATE)) for x in leases if x.container)
         return found.get(unit)
 
     return words

@@ -1,4 +1,4 @@
-"""A systemd unit's surroundings (core.outcome.Surroundings): its GPUs for `gpus = "auto"`,
+"""A systemd unit's surroundings (core.outcome.Workload): its GPUs for `gpus = "auto"`,
 a hand-typed pre/post against a running unit refused, and its GPU lease's life."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.discover import Discovery
-from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Surroundings
+from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Workload
 from gpugate.core.run import RunScope
 from gpugate.errors import (
     ConfigError,
@@ -39,7 +39,7 @@ from gpugate.integrations import records
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from gpugate.report.narrate import Narrator, describe, failed_start_text
-from gpugate.untrusted import cut, echo
+from gpugate.untrusted import for_error, truncate
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
 NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
@@ -70,7 +70,7 @@ def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection
     try:
         gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
     except InvalidValue as exc:
-        raise ConfigError(where, variable, f"{echo(value)}: {exc}") from None
+        raise ConfigError(where, variable, f"{for_error(value)}: {exc}") from None
     return gpus
 
 
@@ -125,14 +125,14 @@ class UnitContext:
 
     def surroundings(
         self, scope: RunScope, loaded: LoadedConfig, reporter: Reporter
-    ) -> UnitSurroundings:
+    ) -> UnitWorkload:
         """Made once the run's scope and config are known (Hook.surroundings)."""
         narration = Narrator(reporter)
         environment = self.environment or (
             None if self.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
         )
         choice = self.choice or choose_gpus(scope.unit, loaded, environment)
-        made = UnitSurroundings(scope, with_chosen_gpus(loaded, choice), self, choice, narration)
+        made = UnitWorkload(scope, with_chosen_gpus(loaded, choice), self, choice, narration)
         if scope.phase.traits.reads_failed_start:
             told = narration.failed_start_unreadable if self.container is None else None
             made.failed_pre = records.failed_pre_of_this_start(
@@ -142,7 +142,7 @@ class UnitContext:
 
 
 @dataclass
-class UnitSurroundings(Surroundings):
+class UnitWorkload(Workload):
     scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext
@@ -375,7 +375,7 @@ def manual_run_guard(
 
 def refusal(state: str, phase: str, unit: str, would_kill: list[str]) -> GateError:
     """would_kill: each target as the journal names it (already escaped by describe)."""
-    shown = [cut(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
+    shown = [truncate(re.sub(r"\s+", " ", text), MAX_LISTED_TEXT) for text in would_kill]
     more = [f"and {len(shown) - MAX_LISTED} more"] if len(shown) > MAX_LISTED else []
     listed = "; ".join(shown[:MAX_LISTED] + more)
     what = f"{len(shown)} process(es): {listed}" if shown else "nothing now"

@@ -11,9 +11,9 @@ from enum import Enum
 from types import FrameType
 from typing import Protocol, TextIO, Union
 
-from gpugate.untrusted import line
+from gpugate.untrusted import safe_line
 
-FieldValue = Union[str, bytes]  # bytes: a field's exact bytes (untrusted.exact), not UTF-8
+FieldValue = Union[str, bytes]  # bytes: a field's exact bytes (untrusted.field_bytes), not UTF-8
 
 
 class Event(Enum):
@@ -173,8 +173,9 @@ class Reporter:
         echo: bool = True,
         **extra: str | bytes | int,
     ) -> None:
-        """message: gpugate's sentence (process text in it through untrusted.shown), escaped
-        once more (untrusted.line); extra: GPUGATE_* fields, untrusted.exact's as they are."""
+        """message: gpugate's sentence (process text in it through untrusted.printable), escaped
+        once more (untrusted.safe_line); extra: GPUGATE_* fields, untrusted.field_bytes's as they
+        are."""
         if priority is None:
             priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
         fields: dict[str, FieldValue] = {
@@ -199,7 +200,7 @@ class Reporter:
         for key, value in extra.items():
             fields[f"GPUGATE_{key.upper()}"] = as_field(value)
         fields.update(self.fields)
-        message = line(message)
+        message = safe_line(message)
         self.journal.send(message, fields)
         if echo and self.echo:
             try:
@@ -210,7 +211,7 @@ class Reporter:
                 self.echo = False
 
     def status(self, text: str) -> None:
-        self.notifier.notify(f"STATUS=gpugate {self.phase}: {line(text)}")
+        self.notifier.notify(f"STATUS=gpugate {self.phase}: {safe_line(text)}")
 
     def clear_status(self) -> None:
         """An empty STATUS=: a service that runs on shows none of gpugate's words."""

@@ -11,7 +11,7 @@ from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
 from gpugate.report.narrate import size_text
-from gpugate.untrusted import COMMAND, exact, line, shown
+from gpugate.untrusted import COMMAND, field_bytes, printable, safe_line
 
 
 def error(text: str) -> str:
@@ -28,7 +28,7 @@ def metrics_not_written(path: object, cause: str) -> str:
 
 def internal_error_text(exc: BaseException) -> str:
     return (
-        f"internal error: {type(exc).__name__}: {line(str(exc))} "
+        f"internal error: {type(exc).__name__}: {safe_line(str(exc))} "
         "(set GPUGATE_DEBUG=1 for a traceback, and please report it)"
     )
 
@@ -44,14 +44,14 @@ def unowned_seen(reporter: Reporter, holder: Holder, mib: int | None) -> None:
     reporter.event(
         Event.UNOWNED_SEEN,
         f"PID {info.pid} ({info.user}) holds GPU {sweep_gpus(sorted(holder.using))} ({used}) and "
-        f"no unit, job or container owns it: {shown(info.command, COMMAND)}",
+        f"no unit, job or container owns it: {printable(info.command, COMMAND)}",
         priority=PRIORITY_WARNING,
         pid=info.pid,
         gpus=sorted(holder.using),
         used_mib=mib,
         start_time=info.start_time,
         account=info.user,
-        command=exact(info.command, COMMAND),
+        command=field_bytes(info.command, COMMAND),
     )
 
 

@@ -33,7 +33,17 @@ from gpugate.report.journal import (
     Reporter,
     stderr_is_journal,
 )
-from gpugate.untrusted import CGROUP, COMM, COMMAND, CONTAINER, FILE, STATE, exact, line, shown
+from gpugate.untrusted import (
+    CGROUP,
+    COMM,
+    COMMAND,
+    CONTAINER,
+    FILE,
+    STATE,
+    field_bytes,
+    printable,
+    safe_line,
+)
 
 MAX_LISTED_PIDS = 10  # PIDs a line lists before "…"
 WAITING_EVERY_S = 10.0  # a memory wait sends the `waiting` event this often
@@ -75,7 +85,7 @@ def user_name(uid: int) -> str:
 
 def quoted(path: str) -> str:
     """A file's name between quotes, shown (any account may name a file in /dev/shm)."""
-    return f"'{shown(path, FILE)}'"
+    return f"'{printable(path, FILE)}'"
 
 
 def gpu_list(indices: Iterable[int]) -> str:
@@ -87,7 +97,7 @@ def describe(choice: Choice) -> str:
     info = choice.holder.info
     gpus = f" GPU {gpu_list(choice.holder.gpus)}" if choice.holder.gpus else ""
     sources = ",".join(sorted(choice.holder.sources))
-    command = shown(info.command, COMMAND)
+    command = printable(info.command, COMMAND)
     where = f", {container_text(choice.holder.container)}" if choice.holder.container else ""
     return f"PID {info.pid} ({info.user}, {choice.role}{gpus}{where}, via {sources}): {command}"
 
@@ -95,7 +105,7 @@ def describe(choice: Choice) -> str:
 def container_text(container: Container) -> str:
     """`docker container vllm (3f2a1b0c4d5e)`: Container.label with its creator's name shown."""
     if container.name:
-        name = shown(container.name, CONTAINER)
+        name = printable(container.name, CONTAINER)
         return f"{container.runtime} container {name} ({container.short_id})"
     return container.label
 
@@ -109,7 +119,7 @@ def choice_fields(choice: Choice) -> dict[str, Any]:
         "pid": holder.pid,
         "gpus": sorted(holder.gpus),
         "role": choice.role,
-        "command": exact(holder.info.command, COMMAND),
+        "command": field_bytes(holder.info.command, COMMAND),
     }
     known = [mib for mib in holder.used_mib.values() if mib is not None]
     if known:
@@ -117,10 +127,10 @@ def choice_fields(choice: Choice) -> dict[str, Any]:
     if holder.mps_client:
         fields["mps_client"] = ",".join(map(str, sorted(holder.mps_client)))
     if container is not None:
-        fields["container"] = exact(container.id, CONTAINER)
+        fields["container"] = field_bytes(container.id, CONTAINER)
         fields["container_runtime"] = container.runtime
     if container is not None and container.name:
-        fields["container_name"] = exact(container.name, CONTAINER)
+        fields["container_name"] = field_bytes(container.name, CONTAINER)
     return fields
 
 
@@ -174,7 +184,7 @@ SHARE_HINT = "to run beside it, set share_gpus = true for both (docs/what-gets-k
 def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = None) -> str:
     """named: the other workload in words where its lease says (a pod: namespace/pod/container,
     shown escaped already), else its unit."""
-    container, other = choice.holder.container, shown(choice.other_unit, CGROUP)
+    container, other = choice.holder.container, printable(choice.other_unit, CGROUP)
     if choice.rule is Rule.SHARER:
         whose = container_text(container) if container else named or other
         return f"{whose} shares {held} with {unit} on purpose: a sharer, left alone"
@@ -184,7 +194,7 @@ def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = No
         return f"{named} holds {held} (scope {other}); {SHARE_HINT}"
     if container is None:
         return f"active unit {other} holds {held}; {SHARE_HINT}"
-    handle = shown(container.handle, CONTAINER)
+    handle = printable(container.handle, CONTAINER)
     return (
         f"{container_text(container)} holds {held} (scope {other}); "
         f'if it is {unit}\'s, set containers = ["{handle}"] in its gpugate config '
@@ -327,7 +337,7 @@ class Narrator:
             Event.SIGNAL_SENT,
             f"{name} to {describe(choice)}",
             signal=name,
-            comm=exact(choice.holder.info.comm, COMM),
+            comm=field_bytes(choice.holder.info.comm, COMM),
             **choice_fields(choice),
         )
 
@@ -453,12 +463,12 @@ class Narrator:
             info = respawner.info
             self.reporter.event(
                 Event.TIMEOUT,
-                f"PID {info.pid} ({info.user}): {shown(info.command, COMMAND)} respawned the "
+                f"PID {info.pid} ({info.user}): {printable(info.command, COMMAND)} respawned the "
                 f"holders {respawner.respawns} time(s) and was still respawning after "
                 f"{timeout_s:g} s; it is not part of the application (a login shell, a "
                 "supervisor): stop it, or run the server under the unit",
                 pid=info.pid,
-                command=exact(info.command, COMMAND),
+                command=field_bytes(info.command, COMMAND),
                 respawns=respawner.respawns,
                 reason="respawning",
             )
@@ -468,11 +478,12 @@ class Narrator:
         info = respawner.info
         self.reporter.event(
             Event.HOLDER_FOUND,
-            f"PID {info.pid} ({info.user}): {shown(info.command, COMMAND)} respawned the holders "
+            f"PID {info.pid} ({info.user}): {printable(info.command, COMMAND)} respawned the "
+            "holders "
             f"{respawner.respawns} time(s) during the wait; each respawn was killed",
             priority=PRIORITY_WARNING,
             pid=info.pid,
-            command=exact(info.command, COMMAND),
+            command=field_bytes(info.command, COMMAND),
             respawns=respawner.respawns,
             reason="respawned",
         )
@@ -507,7 +518,7 @@ class Narrator:
             Event.SHM_REMOVED,
             f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
             f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of {whose}",
-            shm_path=exact(facts.path, FILE),
+            shm_path=field_bytes(facts.path, FILE),
             shm_bytes=facts.bytes,
             shm_size=facts.size,
             shm_holders=holders,
@@ -534,7 +545,7 @@ class Narrator:
             Event.SHM_KEPT,
             f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
             f"killed PID {holders}: {why}",
-            shm_path=exact(path, FILE),
+            shm_path=field_bytes(path, FILE),
             shm_holders=holders,
             shm_kept=why,
             reason=str(item.kept or ""),
@@ -626,7 +637,7 @@ class Narrator:
         named: dict[str, Any] = {"problem": error.code} if error.code else {}
         exit_code = int(error.exit_code)
         self.reporter.event(Event.ERROR, error.message, echo=False, exit_code=exit_code, **named)
-        message = line(error.message)
+        message = safe_line(error.message)
         error_stream = error_stream if error_stream is not None else sys.stderr
         if not stderr_is_journal(error_stream):
             with contextlib.suppress(OSError):  # a closed terminal: the journal has it
@@ -662,8 +673,8 @@ class Narrator:
     ) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"GPU lease of {shown(lease_unit, STATE)} on GPU {gpu_list(gpus)} is stale "
-            f"({shown(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
+            f"GPU lease of {printable(lease_unit, STATE)} on GPU {gpu_list(gpus)} is stale "
+            f"({printable(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
             "it over",
             gpus=list(gpus),
             reason="lease-stale",
@@ -674,7 +685,7 @@ class Narrator:
     def gpus_shared(self, lease_unit: str, gpus: Sequence[int]) -> None:
         self.reporter.event(
             Event.PROCESS_SPARED,
-            f"GPU {gpu_list(gpus)} shared with {shown(lease_unit, STATE)} (share_gpus in both)",
+            f"GPU {gpu_list(gpus)} shared with {printable(lease_unit, STATE)} (share_gpus in both)",
             gpus=list(gpus),
             reason="shared",
             lease_unit=lease_unit,
@@ -723,7 +734,7 @@ class Narrator:
 
 def unreadable_record_text(path: Path, what: str, why: str) -> str:
     because = f" ({why})" if why else ""
-    return f"{shown(str(path), FILE)}: not {what}{because}; ignored"
+    return f"{printable(str(path), FILE)}: not {what}{because}; ignored"
 
 
 def failed_start_text(

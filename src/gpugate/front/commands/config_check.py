@@ -8,13 +8,13 @@ from pathlib import Path
 
 from gpugate.config.file import to_toml
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Front, warn_environment_files
+from gpugate.front.hook import HostAccess, warn_environment_files
 from gpugate.host.systemd import unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.report import lines
 
 
-def config_check(front: Front, path: Path | None, unit_given: str | None) -> int:
+def config_check(front: HostAccess, path: Path | None, unit_given: str | None) -> int:
     unit = validate_unit_name(unit_argument(unit_given)) if unit_given else None
     loaded = load_config(unit, path)
     print(f"# effective configuration, from {loaded.source}")

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from gpugate.core.run import RunDeps
 from gpugate.errors import UnknownUnit
-from gpugate.front.hook import Front, Hook, run_hook, stopped_by_signals
+from gpugate.front.hook import Hook, HostAccess, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.unit import UnitContext
@@ -14,7 +14,7 @@ from gpugate.phase import Phase
 
 
 def pre_post(
-    front: Front,
+    front: HostAccess,
     phase: Phase,
     unit_given: str | None,
     config: Path | None,

@@ -52,10 +52,10 @@ from gpugate.integrations.unit import parse_visible_devices
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.narrate import held_text
-from gpugate.untrusted import COMM, COMMAND, echo, shown
+from gpugate.untrusted import COMM, COMMAND, for_error, printable
 
 if TYPE_CHECKING:
-    from gpugate.front.hook import Front
+    from gpugate.front.hook import HostAccess
 
 SHARE_OPTION = "--share-gpus"
 SAFE_PATH = re.compile(r"[A-Za-z0-9_./+@:,-]+")
@@ -88,13 +88,13 @@ NAME_CHAR = re.compile(r"[^A-Za-z0-9_.-]+")
 PLAIN_SERVICE = re.compile(r"[A-Za-z0-9:_][A-Za-z0-9:_.-]{0,246}\.service")
 
 
-def launch_command(args: argparse.Namespace, front: Front) -> int:
+def launch_command(args: argparse.Namespace, front: HostAccess) -> int:
     command = list(args.command)[1:] if args.command[:1] == ["--"] else list(args.command)
     if not command:
         raise BadInput("no COMMAND given: gpugate run [OPTIONS] -- COMMAND [ARGS...]")
     if args.config is not None and not SAFE_PATH.fullmatch(str(args.config.resolve())):
         # on the Exec lines, where systemd splits on blanks and expands $ and quotes
-        given = echo(str(args.config), limit=80)
+        given = for_error(str(args.config), limit=80)
         raise BadInput(f"--config {given}: use a path of letters, digits and _.+@:,-/")
     environ = front.environ
     program = resolve_command(command[0], environ)
@@ -190,7 +190,12 @@ def resolve_gpus(
 
 
 def refuse_before_start(
-    loaded: LoadedConfig, unit: str, gpus: Sequence[Gpu], caller: Caller, force: bool, front: Front
+    loaded: LoadedConfig,
+    unit: str,
+    gpus: Sequence[Gpu],
+    caller: Caller,
+    force: bool,
+    front: HostAccess,
 ) -> None:
     """What the unit's pre would refuse, before the start: a lease on the GPUs, and for a
     caller that is not root another account's process on them (exit 22)."""
@@ -222,7 +227,7 @@ def refuse_before_start(
     first, holder = others[0], others[0].holder
     more = f" (and {len(others) - 1} more)" if len(others) > 1 else ""
     raise HeldByOthers(
-        f"not starting {unit}: PID {holder.pid} ({shown(holder.info.comm, COMM)}) of "
+        f"not starting {unit}: PID {holder.pid} ({printable(holder.info.comm, COMM)}) of "
         f"{account(holder.info.uid)} holds {held_text(first) or 'its GPUs'}{more}; "
         f"`gpugate run` acts for {account(first.for_uid)} and kills only its processes: "
         "nothing was killed; ask that account (or root) to stop it"
@@ -299,11 +304,11 @@ def resolve_command(program: str, environ: Mapping[str, str]) -> str:
     if "/" in program:
         path = os.path.abspath(program)
         if not os.access(path, os.X_OK) or os.path.isdir(path):
-            raise BadInput(f"{shown(program, COMMAND)}: not an executable file")
+            raise BadInput(f"{printable(program, COMMAND)}: not an executable file")
         return path
     found = shutil.which(program, path=environ.get("PATH", os.defpath))
     if found is None:
-        raise BadInput(f"{shown(program, COMMAND)}: command not found on PATH")
+        raise BadInput(f"{printable(program, COMMAND)}: command not found on PATH")
     return os.path.abspath(found)
 
 
@@ -326,7 +331,7 @@ def supervise(argv: list[str], unit: str) -> int:
     try:
         child = subprocess.Popen(argv, stderr=subprocess.PIPE)
     except OSError as exc:
-        raise BadInput(f"{shown(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
+        raise BadInput(f"{printable(argv[0], COMMAND)}: cannot run it: {exc.strerror}") from None
     try:
         assert child.stderr is not None
         seen: list[str] = []
@@ -400,7 +405,7 @@ def derive_unit_name(command: Sequence[str], name: str | None, short_id: str) ->
     gpugate-run-<command's basename>-<short id>.service."""
     if name:
         unit = unit_argument(name)
-        given = echo(str(name), limit=80)
+        given = for_error(str(name), limit=80)
         if not unit.endswith(".service"):
             raise BadInput(f"--name {given}: gpugate run makes a service; name it NAME.service")
         if "@" in unit:

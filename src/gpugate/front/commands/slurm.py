@@ -18,10 +18,10 @@ from typing import TextIO
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import GpuRef, parse_gpu_text
 from gpugate.core.discover import Discovery
-from gpugate.core.outcome import UNKILLABLE, Held, NullSurroundings, RunSummary
+from gpugate.core.outcome import UNKILLABLE, Blocker, PlainWorkload, RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import BadInput, ExitCode, GateError, GresUnresolved, InvalidValue
-from gpugate.front.hook import Front, Hook, run_hook, set_drain_reason, stopped_by_signals
+from gpugate.front.hook import Hook, HostAccess, run_hook, set_drain_reason, stopped_by_signals
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.systemd import HostRoots
 from gpugate.integrations.config_files import load_config
@@ -41,7 +41,7 @@ from gpugate.integrations.gres_conf import (
 from gpugate.phase import Phase
 from gpugate.report import lines
 from gpugate.report.journal import Event
-from gpugate.untrusted import CGROUP, REASON, Kind, echo, shown
+from gpugate.untrusted import CGROUP, REASON, Kind, for_error, printable
 
 JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
@@ -76,7 +76,7 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
     raw_id = environ.get("SLURM_JOB_ID", "")
     if not JOB_ID.fullmatch(raw_id) or int(raw_id) > MAX_JOB_ID:
         raise BadInput(
-            f"SLURM_JOB_ID {(echo(raw_id) if raw_id else 'not set')}: not a Slurm job ID (a "
+            f"SLURM_JOB_ID {(for_error(raw_id) if raw_id else 'not set')}: not a Slurm job ID (a "
             "positive integer)"
         )
     raw_uid = environ.get("SLURM_JOB_UID")
@@ -116,11 +116,12 @@ def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
         text = next((ref for ref in refs if isinstance(ref, str)), None)
         if text is not None:
             raise InvalidValue(
-                f"{echo(text)} is not a GPU number slurmd writes (0, 1, ... as gres.conf lists "
+                f"{for_error(text)} is not a GPU number slurmd writes (0, 1, ... as gres.conf "
+                "lists "
                 "them)"
             )
     except InvalidValue as exc:
-        raise BadInput(f"{variable} {echo(value)}: {exc}") from None
+        raise BadInput(f"{variable} {for_error(value)}: {exc}") from None
     return tuple(ref for ref in refs if isinstance(ref, int))
 
 
@@ -159,7 +160,7 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
 
 
 @dataclass(frozen=True)
-class JobSurroundings(NullSurroundings):
+class JobWorkload(PlainWorkload):
     """Slurm gives out GPUs and drains a failed node itself: no lease checked or taken. A
     GPU that carries gres/shard is shared by every job on it (docs/slurm.md)."""
 
@@ -169,8 +170,8 @@ class JobSurroundings(NullSurroundings):
         return frozenset(gpu.index for gpu in discovery.owned if gpu.minor in self.shard_minors)
 
 
-def job_surroundings(loaded: LoadedConfig, shard_minors: frozenset[int]) -> JobSurroundings:
-    return JobSurroundings(loaded, gpu_source=f"gpus in {loaded.source}", shard_minors=shard_minors)
+def job_workload(loaded: LoadedConfig, shard_minors: frozenset[int]) -> JobWorkload:
+    return JobWorkload(loaded, gpu_source=f"gpus in {loaded.source}", shard_minors=shard_minors)
 
 
 def job_fields(job: SlurmJob) -> dict[str, str]:
@@ -191,7 +192,9 @@ HELD_RULES = {
 }
 
 
-def slurm(front: Front, phase: Phase, config_path: Path | None, *, dry_run: bool = False) -> int:
+def slurm(
+    front: HostAccess, phase: Phase, config_path: Path | None, *, dry_run: bool = False
+) -> int:
     with stopped_by_signals():
         roots = front.host_roots()
         job: SlurmJob | None = None
@@ -214,7 +217,7 @@ def slurm(front: Front, phase: Phase, config_path: Path | None, *, dry_run: bool
                 phase,
                 job.label,
                 lambda: job_cgroup(job.job_id, roots.cgroup, job.node_name),
-                lambda scope, loaded, reporter: job_surroundings(loaded, shards),
+                lambda scope, loaded, reporter: job_workload(loaded, shards),
                 reporter,
                 RunDeps(roots=roots, driver_factory=driver_factory),
                 metrics_unit=METRICS_UNIT,
@@ -242,7 +245,7 @@ def drain(
 
 
 def job_config(
-    config: LoadedConfig, job: SlurmJob, front: Front, roots: HostRoots
+    config: LoadedConfig, job: SlurmJob, front: HostAccess, roots: HostRoots
 ) -> tuple[LoadedConfig, Callable[[], GpuDriver], frozenset[int]]:
     """The config with the job's GPUs as NVML's UUIDs, the driver opened, and the minors of
     the GPUs that carry shards; numbers not resolved for certain: no GPU, the job's cgroup
@@ -314,7 +317,7 @@ def failure_detail(summary: RunSummary) -> str:
     return f"GPU {gpus}: {summary.exit_code.name.lower()}"
 
 
-def held_rule(item: Held) -> str:
+def held_rule(item: Blocker) -> str:
     """The rule in an admin's words: why gpugate left the process alive."""
     rule = item.rule
     if rule == UNKILLABLE:
@@ -325,7 +328,7 @@ def held_rule(item: Held) -> str:
         job = SLURM_JOB_CGROUP.search(item.cgroup or "")
         if job:
             return f"in another job ({job.group(1)})"
-        return f"in another unit ({shown(item.other or item.cgroup, CGROUP)})"
+        return f"in another unit ({printable(item.other or item.cgroup, CGROUP)})"
     return HELD_RULES.get(rule, rule)
 
 
@@ -336,7 +339,7 @@ def drain_reason(phase: str, job_id: int | None, detail: str, code: int) -> str:
     who = f" job {job_id}" if job_id is not None else ""
     head, tail = f"gpugate {phase}{who}: ", f" (exit {code})"
     room = REASON.chars - len(head) - len(tail)
-    return head + shown(detail.replace('"', "'"), Kind(room, room)) + tail
+    return head + printable(detail.replace('"', "'"), Kind(room, room)) + tail
 
 
 def slurm_check(

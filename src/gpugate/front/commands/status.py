@@ -22,7 +22,7 @@ from gpugate.core.discover import (
 )
 from gpugate.core.roles import Owner, Role, config_shares, holder_role, is_mps_server, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
-from gpugate.front.hook import Front, collect
+from gpugate.front.hook import HostAccess, collect
 from gpugate.host.nvml import GpuDriver, NoGpus
 from gpugate.host.scan import HostShm, ProcFs, WatchScan
 from gpugate.host.shm import ShmFile, own_shm_of_any
@@ -50,7 +50,16 @@ from gpugate.report.narrate import (
     unreadable_record_text,
     unreadable_text,
 )
-from gpugate.untrusted import CGROUP, COMM, CONTAINER, FILE, STATE, cut, shown, shown_args
+from gpugate.untrusted import (
+    CGROUP,
+    COMM,
+    CONTAINER,
+    FILE,
+    STATE,
+    printable,
+    printable_args,
+    truncate,
+)
 
 JSON_VERSION = 1
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
@@ -63,7 +72,7 @@ def shm_use(host: HostShm, files: Iterable[ShmFile]) -> list[dict[str, Any]]:
     for file in sorted(files, key=lambda f: f.path):
         found = host.facts(file)
         path = found.path if found else file.names[0]
-        used.append({"path": shown(path, FILE), "bytes": found.bytes if found else None})
+        used.append({"path": printable(path, FILE), "bytes": found.bytes if found else None})
     return used
 
 
@@ -92,7 +101,7 @@ def as_dict(
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
-        "unit_cgroup": shown(discovery.unit_cgroup, CGROUP) if discovery.unit else None,
+        "unit_cgroup": printable(discovery.unit_cgroup, CGROUP) if discovery.unit else None,
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
         "gpus": gpu_dicts(discovery, leases),
@@ -102,11 +111,11 @@ def as_dict(
         ],
         "leases": [
             {
-                "unit": shown(lease.unit, STATE),
+                "unit": printable(lease.unit, STATE),
                 "gpus": list(lease.gpus),
                 "since": lease.since,
-                "started_by": shown(lease.started_by, STATE) or None,
-                "container": shown(lease.container, STATE) or None,
+                "started_by": printable(lease.started_by, STATE) or None,
+                "container": printable(lease.container, STATE) or None,
             }
             for lease in leases
         ],
@@ -145,7 +154,7 @@ def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
     )
     return [
         {
-            "unit": shown(unit, CGROUP),  # a name an account may have picked
+            "unit": printable(unit, CGROUP),  # a name an account may have picked
             "pid": own.pid,
             "path": "/dev/shm",
             "total_bytes": own.total_bytes,
@@ -181,16 +190,16 @@ def holder_dict(
     seen = unowned.get(info.ident) if owner in (Owner.NOBODY, Owner.SESSION) else None
     role = holder_role(holder, discovery, loaded.config)
     shm = shm_use(shm_host, discovery.shm.get(info.pid, ()))
-    command, command_cut = shown_args(info.cmdline)
+    command, command_cut = printable_args(info.cmdline)
     return {
         "pid": info.pid,
         "start_time": info.start_time,
         "user": info.user,
         "uid": info.uid,
-        "unit": shown(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
-        "cgroup": shown(info.cgroup, CGROUP) or None,
+        "unit": printable(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
+        "cgroup": printable(info.cgroup, CGROUP) or None,
         "state": info.state,
-        "comm": shown(info.comm, COMM),
+        "comm": printable(info.comm, COMM),
         "command": command,
         "command_cut": command_cut,
         "gpus": sorted(holder.gpus),
@@ -211,7 +220,7 @@ def holder_dict(
         else {
             "runtime": holder.container.runtime,
             "id": holder.container.id,
-            "name": shown(holder.container.name, CONTAINER) or None,
+            "name": printable(holder.container.name, CONTAINER) or None,
         },
         "owner": str(owner),
         "unowned_s": None if seen is None else max(int(boot_time() - seen.since), 0),
@@ -241,7 +250,7 @@ def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, A
             "used_mib": discovery.usage[gpu.index].used_mib,
             "total_mib": gpu.total_mib,
             "owned": gpu.index in owned,
-            "leased_to": [shown(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
+            "leased_to": [printable(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
             "mig_mode": gpu.mig_mode,
             "mig": None
             if gpu.mig is None
@@ -325,7 +334,7 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             pids = ",".join(str(pid) for pid in mig["pids"]) or "-"
             name = f"MIG {gpu['shown']} {mig['profile']} (PIDs {pids})"
         rows.append(
-            (order, f"{first}{mark} {gpu['uuid']:<42} {used:>16}  {cut(lease, 20):<20} {name}")
+            (order, f"{first}{mark} {gpu['uuid']:<42} {used:>16}  {truncate(lease, 20):<20} {name}")
         )
     for fault in data["unreadable_gpus"]:
         row = f"{fault['index']:>3}! {fault['uuid'] or '?':<42} {'ERR!':>16}  {fault['error']}"
@@ -381,11 +390,11 @@ def holder_table(data: dict[str, Any]) -> list[str]:
         command = " ".join(holder["command"]) or f"[{holder['comm']}]"
         ports = ",".join(str(port) for port in holder.get("ports", ())) or "-"
         lines.append(
-            f"{holder['pid']:>7} {cut(holder['user'], 10):<10} "
-            f"{table_role(holder, bool(data['unit'])):<10} {cut(unit, 28):<28} "
-            f"{holder['state']:<2} {cut(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
+            f"{holder['pid']:>7} {truncate(holder['user'], 10):<10} "
+            f"{table_role(holder, bool(data['unit'])):<10} {truncate(unit, 28):<28} "
+            f"{holder['state']:<2} {truncate(gpus, 10):<10} {mib_shown(holder['used_mib']):>7} "
             f"{size_text(holder.get('shm_bytes', 0), column=True):>6} "
-            f"{held_for(holder['seconds_held']):>6} {cut(ports, 11):<11} {command}"
+            f"{held_for(holder['seconds_held']):>6} {truncate(ports, 11):<11} {command}"
         )
     for item in data["invisible"]:
         lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
@@ -409,7 +418,7 @@ def unreadable_warning(discovery: Discovery) -> str | None:
 
 
 def status(
-    front: Front,
+    front: HostAccess,
     unit_given: str | None,
     config: Path | None,
     *,
@@ -424,7 +433,7 @@ def status(
         warned: list[str] = []
         scanner = WatchScan() if watch else None
         while True:
-            data = look(unit, loaded, driver, roots, warned, scanner)
+            data = snapshot(unit, loaded, driver, roots, warned, scanner)
             hung = driver.not_answering()
             if not watch:
                 print(render_json(data) if as_json else render_table(data), flush=True)
@@ -448,7 +457,7 @@ def status(
         driver.close()
 
 
-def look(
+def snapshot(
     unit: str | None,
     loaded: LoadedConfig,
     driver: GpuDriver,

@@ -14,11 +14,11 @@ from pathlib import Path
 
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
-from gpugate.core.outcome import NullSurroundings
-from gpugate.core.roles import OWNERS, Holding, Owner, holds_memory, owner_of
+from gpugate.core.outcome import PlainWorkload
+from gpugate.core.roles import OWNERS, HolderOwner, Owner, holds_memory, owner_of
 from gpugate.core.run import RunDeps
 from gpugate.errors import ExitCode, GateError
-from gpugate.front.hook import Front, Hook, collect, run_hook, set_drain_reason
+from gpugate.front.hook import Hook, HostAccess, collect, run_hook, set_drain_reason
 from gpugate.host.logind import Logind
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
@@ -57,7 +57,7 @@ def tracked(config_reap_sessions: bool) -> frozenset[Owner]:
 
 
 def remember(
-    holdings: Sequence[Holding],
+    holdings: Sequence[HolderOwner],
     earlier: Mapping[ProcessId, Seen],
     now: float,
     reporter: Reporter | None,
@@ -84,7 +84,7 @@ def remember(
 
 def gauges(
     discovery: Discovery,
-    holdings: Sequence[Holding],
+    holdings: Sequence[HolderOwner],
     seen: Mapping[ProcessId, Seen],
     now: float,
     *,
@@ -134,7 +134,7 @@ def live_leased(loaded: LoadedConfig, unit_state: Callable[[str], str | None]) -
 
 def reapable(
     discovery: Discovery,
-    holdings: Sequence[Holding],
+    holdings: Sequence[HolderOwner],
     seen: Mapping[ProcessId, Seen],
     now: float,
     *,
@@ -162,7 +162,7 @@ def reapable(
 
 
 @dataclass(frozen=True)
-class LeaseRecheck(NullSurroundings):
+class LeaseRecheck(PlainWorkload):
     """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks;
     the look's watchers stay watchers (owners that do not depend on the GPUs' memory)."""
 
@@ -180,7 +180,7 @@ class LeaseRecheck(NullSurroundings):
 def reap(
     gpus: Sequence[Gpu],
     loaded: LoadedConfig,
-    front: Front,
+    front: HostAccess,
     reporter: Reporter,
     watchers: Sequence[ProcessId] = (),
 ) -> int:
@@ -201,7 +201,7 @@ def reap(
     return int(run_hook(hook, reaping).exit_code)  # no run record: the sweep's gauges say it
 
 
-def look(loaded: LoadedConfig, front: Front) -> Discovery:
+def discover_host(loaded: LoadedConfig, front: HostAccess) -> Discovery:
     roots = front.host_roots()
     procfs = ProcFs(roots.proc)
     with contextlib.closing(front.driver_factory()) as driver:
@@ -215,7 +215,7 @@ def look(loaded: LoadedConfig, front: Front) -> Discovery:
 
 def sweep(
     config: Path | None,
-    front: Front,
+    front: HostAccess,
     clock: Callable[[], float] = time.time,
     boot_clock: Callable[[], float] = boot_time,
 ) -> int:
@@ -230,11 +230,13 @@ def sweep(
         return int(exc.exit_code)
 
 
-def swept(loaded: LoadedConfig, front: Front, reporter: Reporter, wall: float, now: float) -> int:
-    discovery = look(loaded, front)
+def swept(
+    loaded: LoadedConfig, front: HostAccess, reporter: Reporter, wall: float, now: float
+) -> int:
+    discovery = discover_host(loaded, front)
     logind = Logind(front.sessions_dir)
     holdings = [
-        Holding(holder, owner_of(holder, discovery, loaded.config, logind))
+        HolderOwner(holder, owner_of(holder, discovery, loaded.config, logind))
         for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
         if holder.gpus or holder.used_mib
     ]
@@ -264,8 +266,8 @@ def swept(loaded: LoadedConfig, front: Front, reporter: Reporter, wall: float, n
 
 def drain_due(
     loaded: LoadedConfig,
-    front: Front,
-    holdings: Sequence[Holding],
+    front: HostAccess,
+    holdings: Sequence[HolderOwner],
     seen: Mapping[ProcessId, Seen],
     now: float,
     reaped: list[int],
@@ -321,7 +323,7 @@ def pids_within(head: str, pids: Sequence[int]) -> str:
 
 def keep_state(
     loaded: LoadedConfig,
-    holdings: Sequence[Holding],
+    holdings: Sequence[HolderOwner],
     now: float,
     reporter: Reporter,
     kinds: Collection[Owner] = (Owner.NOBODY,),
