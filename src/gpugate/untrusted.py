@@ -45,23 +45,25 @@ def _escaped(char: str) -> str:
 
 
 def escape(text: str) -> str:
-    """All of text, escaped (no bound: for text already bounded)."""
+    """Return all of text escaped as journalctl shows it, with no bound (for text that is
+    already bounded)."""
     return "".join(map(_escaped, text))
 
 
 def truncate(text: str, chars: int) -> str:
-    """Fit escaped text in chars; the mark says where it was cut."""
+    """Fit already escaped text in chars, ending in the mark (…) where it was cut."""
     return text if len(text) <= chars else text[: chars - 1] + MARK
 
 
 def printable(value: str | None, kind: Kind) -> str:
-    """For an operator (MESSAGE, STATUS=, stderr, status): escaped, cut to the kind's bound
-    (reading at most chars + 1 characters of value), never splitting an escape."""
+    """Return value as an operator may see it (MESSAGE, STATUS=, stderr, `status`): escaped
+    and cut to the kind's bound, never splitting an escape. At most kind.chars + 1
+    characters of value are read, so any length costs the same."""
     return _printable(value or "", kind.chars)[0]
 
 
 def _printable(value: str, chars: int) -> tuple[str, bool]:
-    """(value shown in chars, True where it was cut)."""
+    """Return value made printable within chars, and True where it was cut."""
     head = value[: chars + 1]
     if head.isprintable():
         return truncate(head, chars), len(head) > chars
@@ -82,8 +84,9 @@ def _printable(value: str, chars: int) -> tuple[str, bool]:
 
 
 def printable_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str], bool]:
-    """A command line as `status --json` lists it: each argument shown, all together (and the
-    spaces that would join them) within kind.chars; True where one was cut or left out."""
+    """Return a command line as `status --json` lists it, and True where an argument was cut
+    or left out. Each argument is made printable, and all of them together (with the spaces
+    that would join them) fit in kind.chars."""
     result: list[str] = []
     left = kind.chars
     for arg in argv:
@@ -101,8 +104,9 @@ def printable_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str]
 
 
 def field_bytes(value: str | None, kind: Kind) -> str | bytes:
-    """A structured journal field's value: its own bytes cut to kind.exact_bytes, a str where
-    they are UTF-8 (the journal is binary safe)."""
+    """Return a structured journal field's value: value's own bytes, not escaped, cut to
+    kind.exact_bytes. It is a str where those bytes are UTF-8, else bytes (the journal is
+    binary safe)."""
     if not value:
         return ""
     head = value[: kind.exact_bytes]
@@ -118,12 +122,14 @@ def field_bytes(value: str | None, kind: Kind) -> str | bytes:
 
 
 def safe_line(text: str) -> str:
-    """Every channel's last guard: a sentence gpugate made, escaped, at most LINE_CHARS."""
+    """Return a sentence gpugate made, escaped and at most LINE_CHARS long: every output
+    channel's last guard, so that no line can carry a newline or a terminal escape."""
     return printable(text, Kind(LINE_CHARS, LINE_CHARS))
 
 
 def for_error(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
-    """A value as an error message repeats it: repr'd (quote) or shown, and cut short."""
+    """Return a value as an error message repeats it: its repr (quote) or made printable,
+    and cut to limit characters."""
     if quote:
         return truncate(repr(value), limit)
     return printable(str(value), Kind(limit, limit))

@@ -57,6 +57,11 @@ class Source(StrEnum):
 
 @dataclass
 class Holder:
+    """A process found holding a GPU (by its device files, a mapping or NVML's list), in the
+    unit's cgroup or listening on one of the unit's ports. It records how it was found (its
+    sources), the GPUs and control devices it opens or maps, NVML's memory for it per GPU,
+    the ports and the container its cgroup belongs to."""
+
     info: ProcInfo
     sources: set[Source] = field(default_factory=set)
     gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
@@ -160,7 +165,8 @@ def cgroup_members(cgroup_root: Path, unit_cgroup: str) -> list[int]:
 
 
 class HoldersByPid:
-    """The holders found so far, by PID; a process is read when first named."""
+    """The holders found so far, keyed by PID. A process's facts are read from /proc when it
+    is first named; gpugate itself, its ancestors and kernel threads are never holders."""
 
     def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
         self.procfs = procfs
@@ -204,7 +210,8 @@ def read_gpus(
 
 @dataclass(frozen=True)
 class DiscoveryQuery:
-    """The unit (or its label), its cgroup, its configured GPUs and where they were said."""
+    """What one discovery looks for: the unit (or the label standing for it), the cgroup
+    whose processes are its own, the GPUs its config names and the config that named them."""
 
     unit: str
     unit_cgroup: str

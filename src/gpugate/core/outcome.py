@@ -35,7 +35,9 @@ class BusyGpu:
 
 @dataclass(frozen=True)
 class Blocker:
-    """A process that kept the run's GPUs at its end: what an admin needs to act on it."""
+    """A process that still held the run's GPUs when the run ended, because the run refused
+    to kill it, spared it or could not kill it. It carries what an admin needs to act on it:
+    its PID, account, GPUs and the rule that kept it."""
 
     pid: int
     user: str | None  # its account's name (or uid), where /proc said
@@ -47,6 +49,7 @@ class Blocker:
 
     @classmethod
     def of(cls, choice: Choice, rule: str | None = None) -> Blocker:
+        """Make the blocker of a decided holder; rule overrides the decision's (UNKILLABLE)."""
         holder = choice.holder
         return cls(
             pid=holder.pid,
@@ -149,7 +152,14 @@ StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
 class Workload:
-    """What surrounds a run (integrations/); each default is the plain case: nothing refused."""
+    """The workload a run cleans up for: a systemd unit's, a Slurm job's or a container's.
+
+    It holds the run's config (with its GPUs resolved) and answers what only the workload
+    knows: which GPUs it shares on purpose, whether another workload's lease refuses this
+    start, what this start reserves and what happens after the run. Each default here is the
+    plain case, in which nothing is refused, shared or recorded; integrations/ and the
+    commands subclass it.
+    """
 
     loaded: LoadedConfig  # the config the run uses: its GPUs resolved to what it is about
 
@@ -209,6 +219,9 @@ class Workload:
 
 @dataclass(frozen=True)
 class PlainWorkload(Workload):
+    """A workload with no rule of its own: it refuses nothing, shares nothing and records
+    nothing, so the run is decided by its config alone."""
+
     loaded: LoadedConfig
     gpu_source: str = ""
     gpu_source_warns: bool = False

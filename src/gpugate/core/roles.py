@@ -273,13 +273,15 @@ def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
 
 @dataclass(frozen=True)
 class HolderOwner:
-    """A holder and its owner; mib: NVML's MiB for it over every GPU (None: not said)."""
+    """A holder and the owner `gpugate sweep` attributes it to (unit, job, container,
+    protected, watcher, session or nobody)."""
 
     holder: Holder
     owner: Owner
 
     @property
     def mib(self) -> int | None:
+        """Return NVML's MiB for the holder over every GPU, or None where NVML said none."""
         known = [mib for mib in self.holder.used_mib.values() if mib is not None]
         return sum(known) if known else None
 

@@ -52,7 +52,11 @@ SCONTROL_TIMEOUT_S = 15
 
 
 class HostAccess:
-    """What a command may touch, injected by tests; production's real defaults."""
+    """Everything a command reaches the host through: NVML, the journal, the host's roots
+    (/proc, /dev, the cgroup tree), systemd's answers, the environment and logind's state.
+
+    The command line builds one with the real defaults; tests inject stand-ins for each part.
+    """
 
     def __init__(
         self,

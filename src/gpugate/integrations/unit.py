@@ -143,6 +143,11 @@ class UnitContext:
 
 @dataclass
 class UnitWorkload(Workload):
+    """A systemd unit as the workload of its pre or post: its GPUs come from its config or
+    its environment, its leases refuse a start on GPUs another running unit holds, and pre
+    writes this start's lease before the first kill. A container's hook uses it too, with
+    the GPUs from the container's spec and the container's label on its lease."""
+
     scope: RunScope
     loaded: LoadedConfig  # with the unit's GPUs resolved
     context: UnitContext

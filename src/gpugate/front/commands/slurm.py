@@ -161,8 +161,9 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
 
 @dataclass(frozen=True)
 class JobWorkload(PlainWorkload):
-    """Slurm gives out GPUs and drains a failed node itself: no lease checked or taken. A
-    GPU that carries gres/shard is shared by every job on it (docs/slurm.md)."""
+    """A Slurm job as the workload of its prolog or epilog. Slurm gives out the GPUs and
+    drains a failed node itself, so no lease is checked or taken. A GPU that carries
+    gres/shard is shared by every job on it (docs/slurm.md)."""
 
     shard_minors: frozenset[int] = frozenset()
 
@@ -171,6 +172,8 @@ class JobWorkload(PlainWorkload):
 
 
 def job_workload(loaded: LoadedConfig, shard_minors: frozenset[int]) -> JobWorkload:
+    """Make a Slurm job's workload from the config that holds the job's GPUs (job_config's);
+    shard_minors are the device numbers of those GPUs that carry gres/shard."""
     return JobWorkload(loaded, gpu_source=f"gpus in {loaded.source}", shard_minors=shard_minors)
 
 

@@ -465,7 +465,8 @@ def snapshot(
     warned: list[str],
     scanner: WatchScan | None,
 ) -> dict[str, Any]:
-    """One look (each --watch tick) in one ProcFs.oneshot(); each warning said once (warned)."""
+    """Return what `gpugate status` shows at one moment (once, or each --watch tick), read
+    in one ProcFs.oneshot(). Each warning is printed once: warned holds those already said."""
     procfs = ProcFs(roots.proc)
     with procfs.oneshot():
         try:

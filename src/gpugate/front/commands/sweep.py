@@ -202,6 +202,9 @@ def reap(
 
 
 def discover_host(loaded: LoadedConfig, front: HostAccess) -> Discovery:
+    """Discover every GPU holder on the host for the sweep. Every process's fds are read
+    only where NVML's process lists do not account for the GPUs' memory; NvmlNotAnswering is
+    raised where the driver hung during the discovery."""
     roots = front.host_roots()
     procfs = ProcFs(roots.proc)
     with contextlib.closing(front.driver_factory()) as driver:
