@@ -57,6 +57,18 @@ def role_of(
     return Role.ORPHAN
 
 
+def own_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
+    """role_of for a holder, its membership in the unit's cgroup and containers read from how
+    it was found."""
+    return role_of(
+        holder.info,
+        discovery,
+        config,
+        member=Source.CGROUP in holder.sources,
+        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
+    )
+
+
 def holder_role(
     holder: Holder,
     discovery: Discovery,
@@ -66,13 +78,7 @@ def holder_role(
     """earlier: this run's first roles. A watcher earlier in this run stays one while NVML
     lists it on no GPU: the driver frees a killed holder's memory late (seconds), listed for
     nobody meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
-    role = role_of(
-        holder.info,
-        discovery,
-        config,
-        member=Source.CGROUP in holder.sources,
-        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
-    )
+    role = own_role(holder, discovery, config)
     if role not in (Role.ORPHAN, Role.OTHER_UNIT):
         return role
     if is_watcher(holder, discovery, config.free_mib):
@@ -224,13 +230,7 @@ def owner_of(
 ) -> Owner:
     """discovery: one made without a unit (status's, the sweep's); logind: where sessions'
     states are read (None: the host's)."""
-    role = role_of(
-        holder.info,
-        discovery,
-        config,
-        member=Source.CGROUP in holder.sources,
-        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
-    )
+    role = own_role(holder, discovery, config)
     if role is Role.PROTECTED:
         return Owner.PROTECTED
     if role in (Role.ORPHAN, Role.OTHER_UNIT) and holds_device_files_only(holder, discovery):
