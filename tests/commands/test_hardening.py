@@ -35,6 +35,9 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
         import os, signal, time
         handle = open({str(host.dev / "nvidia0")!r}, "rb")
         def on_term(signum, frame):
+            # The child takes SIGTERM blocked: one sent before it has reset the parent's
+            # handler stays pending, so it dies of it rather than forking again.
+            signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGTERM}})
             if os.fork() == 0:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 with open({str(host.root / "child.pid")!r}, "w") as f:
@@ -42,6 +45,7 @@ def test_holder_that_forks_while_dying_is_found_in_a_later_round(host: FakeHost)
                 # it keeps the parent's context, and its memory, through the inherited fd
                 with open({str(host.root / "claims")!r} + f"/{{os.getpid()}}", "w") as f:
                     f.write("0 5000")
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGTERM}})
                 time.sleep(3600)
             os._exit(0)
         signal.signal(signal.SIGTERM, on_term)
