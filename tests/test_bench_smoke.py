@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import pre_cost
+from bench.crowd import REPO
 from bench.discovery import FUSER, GPUGATE, GPUGATE_SCAN, LSOF, measure_discovery
 from bench.stage import Stage
 
@@ -25,3 +27,15 @@ def test_gpugate_and_fuser_find_the_same_holders(tmp_path: Path) -> None:
     if with_lsof:
         assert result.holders[LSOF] == result.expected
     assert result.on_host >= 50 + len(result.expected)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc for the sleepers")
+@pytest.mark.skipif(shutil.which("fuser") is None, reason="needs fuser (psmisc)")
+@pytest.mark.skipif(
+    not (REPO / ".venv" / "bin" / "gpugate").exists(),
+    reason="needs the tree's .venv (scripts/setup) with its gpugate console script",
+)
+def test_pre_cost_runs_every_command_on_a_clean_stand_in_host() -> None:
+    cpu = pre_cost.measure(5, 1)  # raises where a command fails or pre kills anything
+    assert set(cpu) == {pre_cost.FLOOR, pre_cost.PRE, pre_cost.FUSER, pre_cost.PYNVML}
+    assert all(len(values) == 1 and values[0] > 0 for values in cpu.values())
