@@ -23,8 +23,6 @@ UNIT_SUFFIXES = (".service", ".scope")
 UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)\Z")
 USER_SLICE_NAME = re.compile(r"user-[0-9]+\.slice")
 USER_MANAGER = re.compile(r"user@[0-9]+\.service")
-
-
 # Every unit type systemd knows: a name ending in none of them is a service to systemctl.
 UNIT_TYPES = "service socket target device mount automount swap timer path slice scope"
 UNIT_TYPE_SUFFIXES = tuple(f".{kind}" for kind in UNIT_TYPES.split())
@@ -175,8 +173,7 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
     if found:
         return found
     if name.endswith(".service") and "@" in name:
-        template = name.split("@", 1)[0]
-        return f"/system.slice/system-{template}.slice/{name}"
+        return f"/system.slice/system-{name.split('@', 1)[0]}.slice/{name}"
     return f"/system.slice/{name}"
 
 
@@ -273,24 +270,22 @@ def parse_environment_file(text: str) -> dict[str, str]:
         if not line or line[0] in "#;":
             continue
         key, eq, value = line.removeprefix("export ").lstrip().partition("=")
-        key = key.strip()
-        if eq and ENV_NAME.fullmatch(key):
-            variables[key] = _env_value(value.strip(), variables)
+        key, value = key.strip(), value.strip()
+        if not eq or not ENV_NAME.fullmatch(key):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] == "'":
+            variables[key] = value[1:-1]
+            continue
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
+        else:
+            value = value.split(" #", 1)[0].rstrip()
+        variables[key] = ENV_REFERENCE.sub(lambda m: variables.get(m[1] or m[2], ""), value)
     return variables
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def _env_value(value: str, earlier: dict[str, str]) -> str:
-    if len(value) >= 2 and value[0] == value[-1] == "'":
-        return value[1:-1]
-    if len(value) >= 2 and value[0] == value[-1] == '"':
-        value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
-    else:
-        value = value.split(" #", 1)[0].rstrip()
-    return _ENV_REFERENCE.sub(lambda m: earlier.get(m.group(1) or m.group(2), ""), value)
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
 # Where systemd looks for system units, highest priority first (systemd.unit(5)).
@@ -341,20 +336,15 @@ def parse_unit_settings(text: str) -> UnitSettings:
     for path, key, value in _assignments(text):
         for name in SETTING_FIELDS.get(key, ()):
             found[name] = Setting(key, value, path) if value else None
-        if key == "TemporaryFileSystem":
-            found["own_shm"] = _shm_entry(value, path, found.get("own_shm"))
+        if key != "TemporaryFileSystem":
+            continue
+        if not value:  # a list: an empty assignment clears it, others add to it
+            found["own_shm"] = None
+        for entry in value.split():
+            if os.path.normpath(entry.split(":", 1)[0].lstrip("-")) == DEV_SHM:
+                found["own_shm"] = Setting(key, entry, path)
+                break
     return UnitSettings(**found)
-
-
-def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
-    """TemporaryFileSystem= is a list: an empty assignment clears it, others add to it."""
-    if not value:
-        return None
-    for entry in value.split():
-        point = entry.split(":", 1)[0].lstrip("-")
-        if os.path.normpath(point) == DEV_SHM:
-            return Setting("TemporaryFileSystem", entry, path)
-    return before
 
 
 def _assignments(text: str) -> list[tuple[str, str, str]]:
