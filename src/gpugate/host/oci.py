@@ -54,9 +54,7 @@ def is_gpu_number(number: tuple[int, int] | None) -> bool:
 
 
 def node_number(info: os.stat_result) -> tuple[int, int] | None:
-    if not stat.S_ISCHR(info.st_mode):
-        return None
-    return os.major(info.st_rdev), os.minor(info.st_rdev)
+    return (os.major(info.st_rdev), os.minor(info.st_rdev)) if stat.S_ISCHR(info.st_mode) else None
 
 
 def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
@@ -242,11 +240,8 @@ def visible_words(env: object) -> list[str]:
     `NewVisibleDevices`): the last setting; unset, empty or any `void`: none; the first `all`
     or `none`: every GPU or none; else its words. A legacy CUDA image (CUDA_VERSION set,
     NVIDIA_REQUIRE_CUDA not) without the variable: all."""
-    values: dict[str, str] = {}
-    for item in env if isinstance(env, list) else ():
-        if isinstance(item, str) and "=" in item:
-            name, _, value = item.partition("=")
-            values[name] = value
+    items = env if isinstance(env, list) else ()
+    values = dict(item.split("=", 1) for item in items if isinstance(item, str) and "=" in item)
     if VISIBLE not in values:
         legacy = values.get("CUDA_VERSION") and not values.get("NVIDIA_REQUIRE_CUDA")
         return ["all"] if legacy else []
@@ -353,7 +348,6 @@ def read_stdin_bounded(
 ) -> bytes:
     deadline = time.monotonic() + timeout_s
     chunks: list[bytes] = []
-    size = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -361,10 +355,9 @@ def read_stdin_bounded(
         chunk = os.read(fd, 65536)
         if not chunk:
             return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise BadInput(f"the container state on stdin is over {limit} bytes")
         chunks.append(chunk)
+        if sum(map(len, chunks)) > limit:
+            raise BadInput(f"the container state on stdin is over {limit} bytes")
 
 
 def parse_state(raw: bytes) -> ContainerState:

@@ -9,7 +9,7 @@ import contextlib
 import os
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
@@ -347,9 +347,8 @@ def parse_unit_settings(text: str) -> UnitSettings:
     return UnitSettings(**found)
 
 
-def _assignments(text: str) -> list[tuple[str, str, str]]:
+def _assignments(text: str) -> Iterator[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
-    found: list[tuple[str, str, str]] = []
     path, section, skip, pending, previous = "", "", False, "", ""
     for raw in text.splitlines():
         header = raw.startswith("# /") and " " not in raw[2:] and not previous.strip()
@@ -369,8 +368,7 @@ def _assignments(text: str) -> list[tuple[str, str, str]]:
             section = line[1:-1]
         elif section == "Service" and "=" in line:
             key, _, value = line.partition("=")
-            found.append((path, key.strip(), value.strip()))
-    return found
+            yield path, key.strip(), value.strip()
 
 
 def read_unit(unit: str, systemd_dir: Path, *, ask_systemd: bool) -> str:
