@@ -33,9 +33,8 @@ class Container:
 
     @property
     def label(self) -> str:  # `docker container vllm (3f2a1b0c4d5e)`
-        if self.name:
-            return f"{self.runtime} container {self.name} ({self.short_id})"
-        return f"{self.runtime} container {self.short_id}"
+        named = f"{self.name} ({self.short_id})" if self.name else self.short_id
+        return f"{self.runtime} container {named}"
 
     @property
     def handle(self) -> str:  # what to write in `containers = [...]`

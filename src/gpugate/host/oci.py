@@ -32,8 +32,7 @@ CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*=[A
 HOST_DEV = "/dev"
 MAX_FOLDER_ENTRIES = 65536
 MAX_VALUE = 4096  # no list of GPUs is this long
-# A MIG slice (by UUID, or NVML's indices of the GPU and of the MIG device on it) is resolved
-# against NVML's slices (integrations/container.py).
+# A MIG slice (by UUID or GPU:MIG index pair) is resolved against NVML's (container.py).
 GPU_WORD = (
     r"all|[0-9]{1,4}|[0-9]{1,4}:[0-9]{1,4}|GPU-[0-9a-fA-F-]{8,64}|"
     r"MIG-[0-9A-Za-z][0-9A-Za-z/-]{7,127}"

@@ -320,8 +320,7 @@ class UnitSettings:
     own_shm: Setting | None = None  # a TemporaryFileSystem= entry on /dev/shm
 
 
-# Which of UnitSettings' fields each key sets.
-SETTING_FIELDS = {
+SETTING_FIELDS = {  # the UnitSettings fields each key sets
     "TimeoutStartSec": ("start_timeout",),
     "TimeoutStopSec": ("stop_timeout",),
     "TimeoutSec": ("start_timeout", "stop_timeout"),
@@ -461,8 +460,7 @@ LEGACY = "legacy"
 @dataclass(frozen=True)
 class CgroupLayout:
     kind: str  # UNIFIED, HYBRID or LEGACY
-    # where the tree systemd tracks units in is mounted; None on a legacy host
-    unified_mount: PurePosixPath | None
+    unified_mount: PurePosixPath | None  # where systemd's unit tree is; None on a legacy host
 
 
 def mount_table(mountinfo: str) -> dict[str, str]:
