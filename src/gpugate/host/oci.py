@@ -383,14 +383,13 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         ) from None
     try:
         _check_owner(os.fstat(dir_fd), bundle)
-        try:
-            # O_NONBLOCK: a FIFO in its place must not stall the container's start.
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open("config.json", flags, dir_fd=dir_fd)
-        except OSError as exc:
-            raise BadInput(
-                f"{printable(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
-            ) from None
+        # O_NONBLOCK: a FIFO in its place must not stall the container's start.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open("config.json", flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise BadInput(
+            f"{printable(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
+        ) from None
     finally:
         os.close(dir_fd)
     path = f"{bundle}/config.json"
