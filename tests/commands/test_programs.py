@@ -16,7 +16,7 @@ from gpugate.errors import ExitCode, ProgramUnavailable
 from gpugate.front import hook
 from gpugate.front.cli import main
 from gpugate.host import safe_files, systemd
-from gpugate.host.containers import Container, ContainerNames, stop_containers
+from gpugate.host.containers import Container, container_names, stop_containers
 from gpugate.integrations.env_files import environment_file_warnings, who_else_may_write
 from tests.fakes import FakeHost, alive
 
@@ -54,7 +54,7 @@ def test_no_program_on_the_callers_path_is_run(planted: Path) -> None:
     assert all(safe_files.find_program(name) is None for name in PLANTED)
     assert systemd.systemctl_show("vllm.service", "ActiveState") is None
     container = Container("docker", "a" * 64, "/system.slice/docker-x.scope")
-    ContainerNames().named([container, Container("podman", "b" * 64, "/m")])
+    container_names([container, Container("podman", "b" * 64, "/m")])
     stop_containers([container], 1.0)
     hook.set_drain_reason("gpu07", "reason", io.StringIO())
     assert sorted(p.name for p in planted.glob("ran-*")) == []

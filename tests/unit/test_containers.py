@@ -14,9 +14,14 @@ from gpugate.config.file import parse_config
 from gpugate.core.decide import Rule, Verdict, decide
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import Role
-from gpugate.errors import ConfigError, ExitCode, ProgramUnavailable
+from gpugate.errors import ConfigError, ExitCode
 from gpugate.host import safe_files
-from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
+from gpugate.host.containers import (
+    Container,
+    container_names,
+    container_of_cgroup,
+    container_scopes,
+)
 from gpugate.host.nvml import Gpu
 from gpugate.phase import Phase
 from gpugate.report.narrate import reason_text
@@ -144,9 +149,7 @@ def test_names_come_from_one_inspect_per_runtime(cli: Path) -> None:
         Container("docker", OTHER_ID, "/b"),  # gone already: inspect exits 1, prints the rest
         Container("podman", OTHER_ID[:-1] + "8", "/c"),
     ]
-    names = ContainerNames()
-    assert [c.name for c in names.named(containers)] == ["vllm", None, None]
-    assert [c.name for c in names.named(containers)] == ["vllm", None, None]  # asked once
+    assert [c.name for c in container_names(containers)] == ["vllm", None, None]
     calls = [line.split() for line in (cli / "calls.log").read_text().splitlines()]
     inspect = ["inspect", "--type", "container", "--format", "{{.Id}}", "{{.Name}}"]
     assert calls == [
@@ -155,19 +158,19 @@ def test_names_come_from_one_inspect_per_runtime(cli: Path) -> None:
     ]
 
 
-def test_a_hanging_cli_is_cut_off_and_the_id_shown(cli: Path) -> None:
+def test_a_hanging_cli_is_cut_off_and_the_id_shown(
+    cli: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (cli / "names" / ID).write_text("vllm")
     (cli / "hang").write_text("")
-    names = ContainerNames(timeout_s=0.5)
-    (found,) = names.named([Container("docker", ID, "/a")])
+    monkeypatch.setattr("gpugate.host.containers.INSPECT_TIMEOUT_S", 0.5)
+    (found,) = container_names([Container("docker", ID, "/a")])  # ProgramUnavailable: no name
     assert found.name is None and found.label.endswith(ID[:12])  # the id stands for the name
-    (warning,) = names.warnings
-    assert isinstance(warning, ProgramUnavailable)
 
 
-def test_no_cli_no_name() -> None:
-    names = ContainerNames(cli=lambda runtime: None)
-    assert names.named([Container("docker", ID, "/a")])[0].name is None
+def test_no_cli_no_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(safe_files, "SYSTEM_DIRS", (str(tmp_path),))
+    assert container_names([Container("docker", ID, "/a")])[0].name is None
 
 
 @pytest.mark.message

@@ -18,7 +18,12 @@ from gpugate.errors import (
     NvmlUnavailable,
     PermissionDenied,
 )
-from gpugate.host.containers import Container, ContainerNames, container_of_cgroup, container_scopes
+from gpugate.host.containers import (
+    Container,
+    container_names,
+    container_of_cgroup,
+    container_scopes,
+)
 from gpugate.host.nvml import (
     Gpu,
     GpuDriver,
@@ -399,7 +404,7 @@ def _containers(table: HoldersByPid, cgroup_root: Path, wanted: Sequence[str]) -
             found.setdefault(container.id, container)
     if not found:
         return []
-    named = {c.id: c for c in ContainerNames().named(list(found.values()))}
+    named = {c.id: c for c in container_names(list(found.values()))}
     own = [c for c in named.values() if c.matches(wanted)]
     for container in own:
         for pid in cgroup_members(cgroup_root, container.scope):

@@ -5,23 +5,19 @@ hook, its name from the runtime's CLI (one bounded call per runtime), and its st
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 from gpugate.errors import GateError
-from gpugate.host.safe_files import Result, find_program, run_program
+from gpugate.host.safe_files import find_program, run_program
 from gpugate.host.systemd import cgroup_parts, is_user_cgroup, system_unit_of_cgroup
 
 SCOPE = re.compile(r"(?P<kind>docker|libpod)-(?P<id>[0-9a-f]{64})\.scope")
 # The top slice each runtime puts its scopes under (its default cgroup parent, and kubelet's).
 PARENTS = {"docker": ("system.slice", "kubepods.slice"), "libpod": ("machine.slice",)}
-SCOPE_GLOBS = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
-MIN_ID_PREFIX = 12
 INSPECT_TIMEOUT_S = 3.0
 STOP_MARGIN_S = 5.0
-
-Runner = Callable[[Sequence[str], float], Result]
 
 
 @dataclass(frozen=True)
@@ -37,9 +33,8 @@ class Container:
 
     @property
     def label(self) -> str:  # `docker container vllm (3f2a1b0c4d5e)`
-        if self.name:
-            return f"{self.runtime} container {self.name} ({self.short_id})"
-        return f"{self.runtime} container {self.short_id}"
+        named = f"{self.name} ({self.short_id})" if self.name else self.short_id
+        return f"{self.runtime} container {named}"
 
     @property
     def handle(self) -> str:  # what to write in `containers = [...]`
@@ -48,8 +43,7 @@ class Container:
     def matches(self, wanted: Iterable[str]) -> bool:
         """Named in `containers`: by name, by full id, or by an id prefix of 12 or more."""
         return any(
-            item in (self.name, self.id)
-            or (len(item) >= MIN_ID_PREFIX and self.id.startswith(item.lower()))
+            item in (self.name, self.id) or (len(item) >= 12 and self.id.startswith(item.lower()))
             for item in wanted
         )
 
@@ -119,47 +113,32 @@ def container_of_cgroup(cgroup: str | None) -> Container | None:
 
 
 def container_scopes(cgroup_root: Path) -> list[Container]:
-    paths = [path for pattern in SCOPE_GLOBS for path in sorted(cgroup_root.glob(pattern))]
+    globs = ("*.slice/docker-*.scope", "*.slice/libpod-*.scope")
+    paths = [path for pattern in globs for path in sorted(cgroup_root.glob(pattern))]
     found = [container_of_cgroup("/" + str(path.relative_to(cgroup_root))) for path in paths]
     return [container for container in found if container is not None]
 
 
-class ContainerNames:
-    """Asks each runtime's CLI for its containers' names, once per runtime per run."""
-
-    def __init__(
-        self,
-        *,
-        cli: Callable[[str], str | None] = find_program,
-        runner: Runner = run_program,
-        timeout_s: float = INSPECT_TIMEOUT_S,
-    ) -> None:
-        self.cli = cli
-        self.runner = runner
-        self.timeout_s = timeout_s
-        self.known: dict[str, str | None] = {}
-        self.warnings: list[GateError] = []  # what it could not learn (names stay unknown)
-
-    def named(self, containers: Iterable[Container]) -> list[Container]:
-        todo = [c for c in containers if c.id not in self.known]
-        for runtime in sorted({c.runtime for c in todo}):
-            ids = [c.id for c in todo if c.runtime == runtime]
-            self.known.update(dict.fromkeys(ids))
-            cli = self.cli(runtime)
-            if cli is None:
-                continue
-            argv = [cli, "inspect", "--type", "container", "--format", "{{.Id}} {{.Name}}", *ids]
-            try:
-                result = self.runner(argv, self.timeout_s)
-            except GateError as exc:  # did not answer in time, or could not be started
-                self.warnings.append(exc)
-                continue
-            # Exit 1 where one of the ids is gone already; the others are still printed.
-            for line in result.stdout.splitlines():
-                full_id, _, name = line.strip().partition(" ")
-                if full_id in ids and name.strip("/"):
-                    self.known[full_id] = name.strip().lstrip("/")
-        return [replace(c, name=self.known.get(c.id)) for c in containers]
+def container_names(containers: Sequence[Container]) -> list[Container]:
+    """containers with the names their runtime's CLI gives them: one bounded `inspect` per
+    runtime; a CLI that is missing, fails or does not answer in time leaves names unknown."""
+    known: dict[str, str] = {}
+    for runtime in sorted({c.runtime for c in containers}):
+        ids = [c.id for c in containers if c.runtime == runtime]
+        found = find_program(runtime)
+        if found is None:
+            continue
+        argv = [found, "inspect", "--type", "container", "--format", "{{.Id}} {{.Name}}", *ids]
+        try:
+            result = run_program(argv, INSPECT_TIMEOUT_S)
+        except GateError:  # did not answer in time, or could not be started
+            continue
+        # Exit 1 where one of the ids is gone already; the others are still printed.
+        for line in result.stdout.splitlines():
+            full_id, _, name = line.strip().partition(" ")
+            if full_id in ids and name.strip("/"):
+                known[full_id] = name.strip().lstrip("/")
+    return [replace(c, name=known.get(c.id)) for c in containers]
 
 
 @dataclass(frozen=True)
@@ -171,25 +150,19 @@ class StopResult:
     no_cli: bool = False  # no CLI of the runtime in the system folders
 
 
-def stop_containers(
-    containers: Sequence[Container],
-    grace_s: float,
-    *,
-    cli: Callable[[str], str | None] = find_program,
-    runner: Runner = run_program,
-) -> list[StopResult]:
+def stop_containers(containers: Sequence[Container], grace_s: float) -> list[StopResult]:
     """`docker stop --time N ID` / `podman stop`: the runtime signals, waits, SIGKILLs, and
     records the container as stopped (its restart policy does not bring it back)."""
     results: list[StopResult] = []
     seconds = max(int(grace_s + 0.999), 1)
     for container in containers:
-        found = cli(container.runtime)
+        found = find_program(container.runtime)
         if found is None:
             results.append(StopResult(container, False, no_cli=True))
             continue
         argv = [found, "stop", "--time", str(seconds), container.id]
         try:
-            result = runner(argv, seconds + STOP_MARGIN_S)
+            result = run_program(argv, seconds + STOP_MARGIN_S)
         except GateError as exc:  # did not answer in time, or could not be started
             results.append(StopResult(container, False, error=exc))
             continue

@@ -32,13 +32,11 @@ CDI_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*=[A
 HOST_DEV = "/dev"
 MAX_FOLDER_ENTRIES = 65536
 MAX_VALUE = 4096  # no list of GPUs is this long
-
-TYPE_CHECKING = False  # typing's own costs the hook's fast path an import
-if TYPE_CHECKING:
-    from typing import Union
-
-    # (a minor, or an index, UUID or all; its origin); Union: an alias is evaluated on 3.9
-    Found = list[tuple[Union[int, str], str]]
+# A MIG slice (by UUID or GPU:MIG index pair) is resolved against NVML's (container.py).
+GPU_WORD = (
+    r"all|[0-9]{1,4}|[0-9]{1,4}:[0-9]{1,4}|GPU-[0-9a-fA-F-]{8,64}|"
+    r"MIG-[0-9A-Za-z][0-9A-Za-z/-]{7,127}"
+)
 
 
 @dataclass(frozen=True)
@@ -55,12 +53,10 @@ def is_gpu_number(number: tuple[int, int] | None) -> bool:
 
 
 def node_number(info: os.stat_result) -> tuple[int, int] | None:
-    if not stat.S_ISCHR(info.st_mode):
-        return None
-    return os.major(info.st_rdev), os.minor(info.st_rdev)
+    return (os.major(info.st_rdev), os.minor(info.st_rdev)) if stat.S_ISCHR(info.st_mode) else None
 
 
-def devices_reach(devices: object, found: Found) -> None:
+def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
     """linux.devices: each entry's own major and minor, else its host node's (lstat)."""
     for entry in devices if isinstance(devices, list) else ():
         if not isinstance(entry, dict) or entry.get("type", "c") not in ("c", "u"):
@@ -74,8 +70,7 @@ def devices_reach(devices: object, found: Found) -> None:
             if stat.S_ISLNK(info.st_mode):
                 raise BadInput(
                     f"config.json: linux.devices: {for_error(path[:256])} has no major and minor, "
-                    "and "
-                    "on the host it is a symbolic link: which device it is cannot be told"
+                    "and on the host it is a symbolic link: which device it is cannot be told"
                 )
             number = node_number(info)
         if is_gpu_number(number):
@@ -89,7 +84,7 @@ def _device_number(entry: dict[object, object]) -> tuple[int, int] | None:
     return None
 
 
-def mounts_reach(mounts: object, found: Found) -> None:
+def mounts_reach(mounts: object, found: list[tuple[int | str, str]]) -> None:
     """Bind mounts whose source is an NVIDIA device node (or a folder holding some)."""
     for entry in mounts if isinstance(mounts, list) else ():
         if not isinstance(entry, dict):
@@ -142,7 +137,7 @@ def _folder_minors(folder: str) -> list[int]:
     return sorted(found)
 
 
-def cdi_reach(annotations: object, found: Found) -> None:
+def cdi_reach(annotations: object, found: list[tuple[int | str, str]]) -> None:
     """`cdi.k8s.io/*` annotations: CDI device names; those of kind nvidia.com/gpu name GPUs."""
     if not isinstance(annotations, dict):
         return
@@ -159,7 +154,7 @@ def cdi_reach(annotations: object, found: Found) -> None:
                 _cdi_name(name, f"annotation {key[:128]}", found)
 
 
-def _cdi_name(name: str, origin: str, found: Found) -> None:
+def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> None:
     if not CDI_NAME.fullmatch(name):
         raise BadInput(
             f"config.json: {for_error(origin)}: {for_error(name[:128])} is not a CDI device name "
@@ -172,14 +167,8 @@ def _cdi_name(name: str, origin: str, found: Found) -> None:
 
 def _gpu_word(word: str, origin: str) -> str:
     """all, an index, a GPU UUID, a MIG device's UUID (either form) or `GPU:MIG` pair."""
-    if word == "all" or (word.isascii() and word.isdigit() and len(word) <= 4):
+    if re.fullmatch(GPU_WORD, word):
         return word
-    if word.startswith("GPU-") and re.fullmatch(r"GPU-[0-9a-fA-F-]{8,64}", word):
-        return word
-    if word.startswith("MIG-") and re.fullmatch(r"MIG-[0-9A-Za-z][0-9A-Za-z/-]{7,127}", word):
-        return word  # a MIG slice: resolved against NVML's slices (integrations/container.py)
-    if re.fullmatch(r"[0-9]{1,4}:[0-9]{1,4}", word):
-        return word  # the same, by NVML's index of the GPU and of the MIG device on it
     if word.startswith("MIG-") or ":" in word:
         raise BadInput(
             f"config.json: {for_error(origin)}: {for_error(word[:128])} is not a MIG device's UUID "
@@ -199,7 +188,9 @@ def has_nvidia_hook(hooks: object) -> bool:
     return any(isinstance(path, str) and path.rpartition("/")[2] in NVIDIA_HOOKS for path in paths)
 
 
-def nvidia_reach(spec: dict[str, object], toolkit: Toolkit, found: Found) -> None:
+def nvidia_reach(
+    spec: dict[str, object], toolkit: Toolkit, found: list[tuple[int | str, str]]
+) -> None:
     """What NVIDIA's hook reads, by its precedence: the volume-mounts list (where its config
     accepts it and the list is not empty), else the variable (privileged, or accepted)."""
     listed = volume_mount_devices(spec.get("mounts")) if toolkit.volume_mounts else []
@@ -248,11 +239,8 @@ def visible_words(env: object) -> list[str]:
     `NewVisibleDevices`): the last setting; unset, empty or any `void`: none; the first `all`
     or `none`: every GPU or none; else its words. A legacy CUDA image (CUDA_VERSION set,
     NVIDIA_REQUIRE_CUDA not) without the variable: all."""
-    values: dict[str, str] = {}
-    for item in env if isinstance(env, list) else ():
-        if isinstance(item, str) and "=" in item:
-            name, _, value = item.partition("=")
-            values[name] = value
+    items = env if isinstance(env, list) else ()
+    values = dict(item.split("=", 1) for item in items if isinstance(item, str) and "=" in item)
     if VISIBLE not in values:
         legacy = values.get("CUDA_VERSION") and not values.get("NVIDIA_REQUIRE_CUDA")
         return ["all"] if legacy else []
@@ -359,7 +347,6 @@ def read_stdin_bounded(
 ) -> bytes:
     deadline = time.monotonic() + timeout_s
     chunks: list[bytes] = []
-    size = 0
     while True:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -367,10 +354,9 @@ def read_stdin_bounded(
         chunk = os.read(fd, 65536)
         if not chunk:
             return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise BadInput(f"the container state on stdin is over {limit} bytes")
         chunks.append(chunk)
+        if sum(map(len, chunks)) > limit:
+            raise BadInput(f"the container state on stdin is over {limit} bytes")
 
 
 def parse_state(raw: bytes) -> ContainerState:
@@ -397,14 +383,13 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         ) from None
     try:
         _check_owner(os.fstat(dir_fd), bundle)
-        try:
-            # O_NONBLOCK: a FIFO in its place must not stall the container's start.
-            flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open("config.json", flags, dir_fd=dir_fd)
-        except OSError as exc:
-            raise BadInput(
-                f"{printable(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
-            ) from None
+        # O_NONBLOCK: a FIFO in its place must not stall the container's start.
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open("config.json", flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise BadInput(
+            f"{printable(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
+        ) from None
     finally:
         os.close(dir_fd)
     path = f"{bundle}/config.json"
@@ -446,16 +431,13 @@ def parse_config(
         if not lenient:
             raise
         gpus = GpuRequest(unresolved=exc)
-    return ContainerSpec(
-        gpus=gpus,
-        cgroups_path=cgroups_path if isinstance(cgroups_path, str) else None,
-        annotations=_string_map(data.get("annotations")),
-    )
+    path = cgroups_path if isinstance(cgroups_path, str) else None
+    return ContainerSpec(gpus, path, _string_map(data.get("annotations")))
 
 
 def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) -> GpuRequest:
     """A parsed config.json's GPUs (docs/containers.md); NVIDIA's config read where needed."""
-    found: Found = []
+    found: list[tuple[int | str, str]] = []
     linux = spec.get("linux")
     devices_reach(linux.get("devices") if isinstance(linux, dict) else None, found)
     mounts_reach(spec.get("mounts"), found)

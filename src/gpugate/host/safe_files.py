@@ -17,13 +17,7 @@ from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from gpugate.errors import (
-    LinkOnPath,
-    NotRegularFile,
-    ProgramUnavailable,
-    TooLarge,
-    UnsafeLink,
-)
+from gpugate.errors import LinkOnPath, NotRegularFile, ProgramUnavailable, TooLarge, UnsafeLink
 
 MAX_BYTES = 1 << 20  # configs, leases, records and the metrics state are a few KiB
 MAX_LINK_HOPS = 40  # as the kernel's
@@ -143,7 +137,7 @@ def read_capped(
         os.close(fd)
 
 
-def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> int:
+def open_folder(path: Path | str, *, make: bool = True) -> int:
     """path's folder as an O_DIRECTORY descriptor, made where missing (make). A symbolic link
     on the way is followed only where the folder holding it is trusted; else UnsafeLink."""
     uids = frozenset({0, os.geteuid()})
@@ -154,7 +148,7 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
         while queue:
             name = queue.pop(0)
             try:
-                next_fd = _open_component(fd, name, flags, make=make, mode=mode)
+                next_fd = _open_component(fd, name, flags, make=make)
             except LinkOnPath as link:
                 hops += 1
                 why = _judge(here, here, os.fstat(fd), link.uid in uids, uids)
@@ -173,15 +167,15 @@ def open_folder(path: Path | str, *, make: bool = True, mode: int = 0o755) -> in
     return fd
 
 
-def _open_component(fd: int, name: str, flags: int, *, make: bool, mode: int) -> int:
+def _open_component(fd: int, name: str, flags: int, *, make: bool) -> int:
     try:
         return os.open(name, flags, dir_fd=fd)
     except FileNotFoundError:
         if not make:
             raise
         with contextlib.suppress(FileExistsError):
-            os.mkdir(name, mode, dir_fd=fd)
-        return _open_component(fd, name, flags, make=False, mode=mode)
+            os.mkdir(name, 0o755, dir_fd=fd)
+        return _open_component(fd, name, flags, make=False)
     except OSError as exc:
         if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
             raise
@@ -300,8 +294,7 @@ class Result:
 
 
 def find_program(name: str, dirs: Sequence[str] | None = None) -> str | None:
-    folders = SYSTEM_DIRS if dirs is None else dirs
-    return first_root_executable(os.path.join(folder, name) for folder in folders)
+    return first_root_executable(os.path.join(d, name) for d in dirs or SYSTEM_DIRS)
 
 
 def run_program(argv: Sequence[str], timeout_s: float) -> Result:

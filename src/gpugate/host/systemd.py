@@ -9,7 +9,7 @@ import contextlib
 import os
 import re
 import shlex
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 
@@ -23,8 +23,6 @@ UNIT_SUFFIXES = (".service", ".scope")
 UNIT_NAME = re.compile(r"^[A-Za-z0-9:_.\\@-]+\.(service|scope)\Z")
 USER_SLICE_NAME = re.compile(r"user-[0-9]+\.slice")
 USER_MANAGER = re.compile(r"user@[0-9]+\.service")
-
-
 # Every unit type systemd knows: a name ending in none of them is a service to systemctl.
 UNIT_TYPES = "service socket target device mount automount swap timer path slice scope"
 UNIT_TYPE_SUFFIXES = tuple(f".{kind}" for kind in UNIT_TYPES.split())
@@ -175,8 +173,7 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
     if found:
         return found
     if name.endswith(".service") and "@" in name:
-        template = name.split("@", 1)[0]
-        return f"/system.slice/system-{template}.slice/{name}"
+        return f"/system.slice/system-{name.split('@', 1)[0]}.slice/{name}"
     return f"/system.slice/{name}"
 
 
@@ -273,24 +270,22 @@ def parse_environment_file(text: str) -> dict[str, str]:
         if not line or line[0] in "#;":
             continue
         key, eq, value = line.removeprefix("export ").lstrip().partition("=")
-        key = key.strip()
-        if eq and ENV_NAME.fullmatch(key):
-            variables[key] = _env_value(value.strip(), variables)
+        key, value = key.strip(), value.strip()
+        if not eq or not ENV_NAME.fullmatch(key):
+            continue
+        if len(value) >= 2 and value[0] == value[-1] == "'":
+            variables[key] = value[1:-1]
+            continue
+        if len(value) >= 2 and value[0] == value[-1] == '"':
+            value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
+        else:
+            value = value.split(" #", 1)[0].rstrip()
+        variables[key] = ENV_REFERENCE.sub(lambda m: variables.get(m[1] or m[2], ""), value)
     return variables
 
 
 ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def _env_value(value: str, earlier: dict[str, str]) -> str:
-    if len(value) >= 2 and value[0] == value[-1] == "'":
-        return value[1:-1]
-    if len(value) >= 2 and value[0] == value[-1] == '"':
-        value = re.sub(r'\\(["\\`$])', r"\1", value[1:-1])
-    else:
-        value = value.split(" #", 1)[0].rstrip()
-    return _ENV_REFERENCE.sub(lambda m: earlier.get(m.group(1) or m.group(2), ""), value)
+ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0-9_]*)")
 
 
 # Where systemd looks for system units, highest priority first (systemd.unit(5)).
@@ -325,8 +320,7 @@ class UnitSettings:
     own_shm: Setting | None = None  # a TemporaryFileSystem= entry on /dev/shm
 
 
-# Which of UnitSettings' fields each key sets.
-SETTING_FIELDS = {
+SETTING_FIELDS = {  # the UnitSettings fields each key sets
     "TimeoutStartSec": ("start_timeout",),
     "TimeoutStopSec": ("stop_timeout",),
     "TimeoutSec": ("start_timeout", "stop_timeout"),
@@ -341,25 +335,19 @@ def parse_unit_settings(text: str) -> UnitSettings:
     for path, key, value in _assignments(text):
         for name in SETTING_FIELDS.get(key, ()):
             found[name] = Setting(key, value, path) if value else None
-        if key == "TemporaryFileSystem":
-            found["own_shm"] = _shm_entry(value, path, found.get("own_shm"))
+        if key != "TemporaryFileSystem":
+            continue
+        if not value:  # a list: an empty assignment clears it, others add to it
+            found["own_shm"] = None
+        for entry in value.split():
+            if os.path.normpath(entry.split(":", 1)[0].lstrip("-")) == DEV_SHM:
+                found["own_shm"] = Setting(key, entry, path)
+                break
     return UnitSettings(**found)
 
 
-def _shm_entry(value: str, path: str, before: Setting | None) -> Setting | None:
-    """TemporaryFileSystem= is a list: an empty assignment clears it, others add to it."""
-    if not value:
-        return None
-    for entry in value.split():
-        point = entry.split(":", 1)[0].lstrip("-")
-        if os.path.normpath(point) == DEV_SHM:
-            return Setting("TemporaryFileSystem", entry, path)
-    return before
-
-
-def _assignments(text: str) -> list[tuple[str, str, str]]:
+def _assignments(text: str) -> Iterator[tuple[str, str, str]]:
     """(file, key, value) of each [Service] assignment, continuation lines joined."""
-    found: list[tuple[str, str, str]] = []
     path, section, skip, pending, previous = "", "", False, "", ""
     for raw in text.splitlines():
         header = raw.startswith("# /") and " " not in raw[2:] and not previous.strip()
@@ -379,8 +367,7 @@ def _assignments(text: str) -> list[tuple[str, str, str]]:
             section = line[1:-1]
         elif section == "Service" and "=" in line:
             key, _, value = line.partition("=")
-            found.append((path, key.strip(), value.strip()))
-    return found
+            yield path, key.strip(), value.strip()
 
 
 def read_unit(unit: str, systemd_dir: Path, *, ask_systemd: bool) -> str:
@@ -473,8 +460,7 @@ LEGACY = "legacy"
 @dataclass(frozen=True)
 class CgroupLayout:
     kind: str  # UNIFIED, HYBRID or LEGACY
-    # where the tree systemd tracks units in is mounted; None on a legacy host
-    unified_mount: PurePosixPath | None
+    unified_mount: PurePosixPath | None  # where systemd's unit tree is; None on a legacy host
 
 
 def mount_table(mountinfo: str) -> dict[str, str]:

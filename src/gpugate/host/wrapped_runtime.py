@@ -37,27 +37,22 @@ class Wrapped:
 def read_record(path: Path | None = None) -> str:
     """The recorded runtime's name (runc where there is no record), else ConfigError."""
     path = RECORD if path is None else path
-    found = untrusted(path)
-    if found is not None:
+    if (found := untrusted(path)) is not None:
         raise ConfigError(str(path), "", untrusted_text(found))
     try:
         raw = read_capped(path, MAX_RECORD)
     except FileNotFoundError:
         return RUNC
     except OSError as exc:
-        raise ConfigError(str(path), "", f"{exc}") from None
+        raise ConfigError(str(path), "", str(exc)) from None
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(str(path), "", f"not valid TOML: {exc}") from None
     value = data.get("runtime", RUNC)
     if value not in PATHS:
-        raise ConfigError(
-            str(path),
-            "runtime",
-            f"{for_error(str(value))}: not one of {', '.join(PATHS)} (gpugate install --containers "
-            "writes it)",
-        )
+        why = f"{for_error(str(value))}: not one of {', '.join(PATHS)}"
+        raise ConfigError(str(path), "runtime", f"{why} (gpugate install --containers writes it)")
     return str(value)
 
 
@@ -75,7 +70,5 @@ def find(name: str) -> str | None:
 
 def choose(recorded: str, environ: Mapping[str, str]) -> Wrapped:
     """The recorded runtime where it is installed and not yet in the chain, else runc."""
-    name = recorded
-    if name != RUNC and (environ.get(CHAIN) or find(name) is None):
-        name = RUNC
+    name = RUNC if environ.get(CHAIN) or find(recorded) is None else recorded
     return Wrapped(name, find(name))
