@@ -8,19 +8,15 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 from gpugate.compat import tomllib
-from gpugate.config.schema import DEFAULTS, GateConfig, Model, PhasePolicy
+from gpugate.config.schema import DEFAULTS, GateConfig, Model
 from gpugate.config.values import BUILTIN_SOURCE
-from gpugate.errors import ConfigError, InvalidValue
+from gpugate.errors import ConfigError
 from gpugate.untrusted import for_error
 
-if TYPE_CHECKING:
-    from pydantic_core import ValidationError
-
 Config = GateConfig
-Policy = PhasePolicy
 ConfigOrPolicy = TypeVar("ConfigOrPolicy", bound=Model)
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
@@ -36,17 +32,13 @@ class LoadedConfig:
 
 def replaced(config: ConfigOrPolicy, **changes: Any) -> ConfigOrPolicy:
     """A copy of the same type with these fields changed, not validated (the code chose them)."""
-    return config.model_copy(update=changes)
-
-
-def fields_set(config: Config) -> frozenset[str]:
-    """The fields the file set (none: the built-in defaults)."""
-    return config.model_fields_set
+    return config._made({**dict(config), **changes}, config.model_fields_set | set(changes))
 
 
 def parse_config(text: str, source: str) -> Config:
     """The built-in defaults where the file sets nothing (no pydantic_core), else the file's
-    values validated by pydantic_core."""
+    values validated by pydantic_core; the first of its errors as gpugate's, and how many more
+    there were."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -58,31 +50,22 @@ def parse_config(text: str, source: str) -> Config:
     try:
         return GateConfig.model_validate(data)
     except ValidationError as exc:
-        raise _config_error(source, exc) from None
-
-
-def _config_error(source: str, exc: ValidationError) -> ConfigError:
-    """The first of pydantic's errors as gpugate's, and how many more there were."""
-    first = exc.errors()[0]
-    parts = [str(part) for part in first["loc"]]
-    field = for_error(".".join(parts), quote=False) or "(top level)"
-    more = exc.error_count() - 1
-    refused = (first.get("ctx") or {}).get("error")
-    if isinstance(refused, InvalidValue):
-        return ConfigError(source, field, str(refused), more=more)
-    if first["type"] == "extra_forbidden":
-        suggestion = _did_you_mean(parts)
-        problem = "unknown key" + (f"; did you mean {suggestion!r}?" if suggestion else "")
-        return ConfigError(source, field, problem, more=more, code="config-unknown-key")
-    detail = first["msg"].removeprefix("Value error, ")
-    if first["type"] in STRICT_TYPE_ERRORS:
-        shown = first["input"]
-        if isinstance(shown, (bool, int, float, str)):
-            shown = toml_value(shown)
-        kind = TOML_TYPES.get(type(first["input"]), "a " + type(first["input"]).__name__)
-        problem = f"{detail}, not {kind} {for_error(shown, quote=False)}"
-        return ConfigError(source, field, problem, more=more)
-    return ConfigError(source, field, detail, more=more)
+        first = exc.errors()[0]
+        parts = [str(part) for part in first["loc"]]
+        # An InvalidValue's words are the message itself: "Value error, WORDS".
+        problem, code = first["msg"].removeprefix("Value error, "), ""
+        if first["type"] == "extra_forbidden":
+            suggestion = _did_you_mean(parts)
+            problem = "unknown key" + (f"; did you mean {suggestion!r}?" if suggestion else "")
+            code = "config-unknown-key"
+        elif first["type"] in STRICT_TYPE_ERRORS:
+            shown = first["input"]
+            kind = TOML_TYPES.get(type(shown), "a " + type(shown).__name__)
+            if isinstance(shown, (bool, int, float, str)):
+                shown = toml_value(shown)
+            problem = f"{problem}, not {kind} {for_error(shown, quote=False)}"
+        field = for_error(".".join(parts), quote=False) or "(top level)"
+        raise ConfigError(source, field, problem, more=exc.error_count() - 1, code=code) from None
 
 
 def _did_you_mean(parts: list[str]) -> str:

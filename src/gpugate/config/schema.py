@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Optional, TypeVar, cast, get_args
 
 from gpugate.config import values
 from gpugate.errors import GateError, InvalidValue
@@ -25,7 +25,9 @@ ModelT = TypeVar("ModelT", bound="Model")
 
 
 class Setting:
-    """One field: its name and type (from the annotation), default, bounds, check and words."""
+    """A field's declaration, `name: type = setting(default, "what it does", ge=1)`: its name
+    and type (from the annotation), default, bounds (gt, ge, le), check (it sees the typed value
+    and returns it or raises InvalidValue) and words."""
 
     __slots__ = ("annotation", "bounds", "check", "default", "description", "name")
 
@@ -33,27 +35,20 @@ class Setting:
         self,
         default: Any,
         description: str,
-        check: Callable[[Any], Any] | None,
-        bounds: dict[str, float],
+        *,
+        check: Callable[[Any], Any] | None = None,
+        **bounds: float,
     ) -> None:
-        self.name = ""
-        self.annotation = ""
-        self.default = default
-        self.description = description
-        self.check = check
-        self.bounds = bounds
+        self.name = self.annotation = ""
+        self.default, self.description, self.check, self.bounds = (
+            default,
+            description,
+            check,
+            bounds,
+        )
 
 
-def setting(
-    default: Any,
-    description: str,
-    *,
-    check: Callable[[Any], Any] | None = None,
-    **bounds: float,
-) -> Any:
-    """A field's declaration: `name: type = setting(default, "what it does", ge=1)`; `check`
-    sees the typed value and returns it or raises InvalidValue (bounds: gt, ge, le)."""
-    return Setting(default, description, check, bounds)
+setting: Any = Setting  # typed Any: `free_mib: int = setting(...)` declares an int
 
 
 class Model:
@@ -92,8 +87,7 @@ class Model:
     @classmethod
     def model_validate(cls: type[ModelT], data: object) -> ModelT:
         """data validated; pydantic_core.ValidationError names the first field refused."""
-        made: ModelT = _validator(cls).validate_python(data)
-        return made
+        return cast(ModelT, _validator(cls).validate_python(data))
 
     def checked(self: ModelT) -> ModelT:
         """Once every field passed: a rule across fields, raising InvalidValue."""
@@ -114,10 +108,6 @@ class Model:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self)})"
 
-    def model_copy(self: ModelT, *, update: dict[str, Any]) -> ModelT:
-        """A copy with these fields changed, not validated (the code chose them)."""
-        return self._made({**dict(self), **update}, self.model_fields_set | set(update))
-
     def model_dump(
         self,
         *,
@@ -128,17 +118,13 @@ class Model:
         """The fields as a dict (json: lists and text for tuples and paths), tables included."""
         dumped: dict[str, Any] = {}
         for name, value in self:
-            default = self.model_fields[name].default
-            if name in exclude or (exclude_defaults and value == default):
+            if name in exclude or (exclude_defaults and value == self.model_fields[name].default):
                 continue
-            shown = value
+            dumped[name] = value
             if isinstance(value, Model):
-                shown = value.model_dump(mode=mode, exclude_defaults=exclude_defaults)
-            elif mode == "json" and isinstance(value, tuple):
-                shown = list(value)
-            elif mode == "json" and isinstance(value, PurePath):
-                shown = str(value)
-            dumped[name] = shown
+                dumped[name] = value.model_dump(mode=mode, exclude_defaults=exclude_defaults)
+            elif mode == "json" and isinstance(value, (tuple, PurePath)):
+                dumped[name] = list(value) if isinstance(value, tuple) else str(value)
         return dumped
 
 
@@ -162,15 +148,22 @@ def _table_schema(model: type[Model], defaults: Model) -> Any:
     other; an instance of the model (changed(), tests) passes as its fields."""
     from pydantic_core import core_schema as cs  # noqa: PLC0415
 
-    fields = {
-        name: cs.typed_dict_field(
-            cs.with_default_schema(
-                _field_schema(field, getattr(defaults, name)), default=getattr(defaults, name)
-            ),
-            required=False,
+    fields = {}
+    for name, field in model.model_fields.items():
+        default, optional = getattr(defaults, name), field.annotation.startswith("Optional[")
+        inner = field.annotation[len("Optional[") : -1] if optional else field.annotation
+        if inner in _MODELS:
+            schema = _table_schema(_MODELS[inner], default)
+        elif inner in _SCHEMAS:
+            schema = _SCHEMAS[inner](cs, field.bounds)
+        else:
+            raise TypeError(f"{name}: {field.annotation}: no core schema for it in _SCHEMAS")
+        if field.check is not None:
+            schema = cs.no_info_after_validator_function(field.check, schema)
+        schema = cs.nullable_schema(schema) if optional else schema
+        fields[name] = cs.typed_dict_field(
+            cs.with_default_schema(schema, default=default), required=False
         )
-        for name, field in model.model_fields.items()
-    }
     table = cs.typed_dict_schema(fields, strict=True, extra_behavior="forbid")
 
     def made_from(value: Any, handler: Any) -> Model:
@@ -182,27 +175,6 @@ def _table_schema(model: type[Model], defaults: Model) -> Any:
     return cs.no_info_wrap_validator_function(made_from, table)
 
 
-def _field_schema(field: Setting, default: Any) -> Any:
-    from pydantic_core import core_schema as cs  # noqa: PLC0415
-
-    annotation = field.annotation
-    optional = annotation.startswith("Optional[")
-    inner = annotation[len("Optional[") : -1] if optional else annotation
-    if inner in _MODELS:
-        schema = _table_schema(_MODELS[inner], default)
-    elif inner in _SCHEMAS:
-        schema = _SCHEMAS[inner](cs, field.bounds)
-    else:
-        raise TypeError(f"{field.name}: {annotation}: no core schema for it in _SCHEMAS")
-    if field.check is not None:
-        schema = cs.no_info_after_validator_function(field.check, schema)
-    return cs.nullable_schema(schema) if optional else schema
-
-
-def _path(value: object) -> object:
-    return str(value) if isinstance(value, PurePath) else value
-
-
 # Each annotation a field may have, as pydantic's core schema (strict unless said).
 _SCHEMAS: dict[str, Callable[[Any, dict[str, float]], Any]] = {
     "bool": lambda cs, bounds: cs.bool_schema(strict=True),
@@ -212,7 +184,8 @@ _SCHEMAS: dict[str, Callable[[Any, dict[str, float]], Any]] = {
     "OnFailure": lambda cs, bounds: cs.literal_schema(list(get_args(OnFailure))),
     # A TOML string; a Path where the code passes one.
     "Path": lambda cs, bounds: cs.no_info_before_validator_function(
-        _path, cs.no_info_after_validator_function(Path, cs.str_schema(strict=True))
+        lambda value: str(value) if isinstance(value, PurePath) else value,
+        cs.no_info_after_validator_function(Path, cs.str_schema(strict=True)),
     ),
     # A TOML array (a tuple where the code passes one), each item strict.
     "tuple[str, ...]": lambda cs, bounds: cs.no_info_after_validator_function(
@@ -227,10 +200,8 @@ _SCHEMAS: dict[str, Callable[[Any, dict[str, float]], Any]] = {
 
 
 def _gpus(value: object) -> values.GpusSetting:
-    if value == "all":
-        return "all"
-    if value == "auto":
-        return "auto"
+    if value in ("all", "auto"):
+        return cast(values.GpusSetting, value)
     if not isinstance(value, (list, tuple)):
         raise InvalidValue('must be "all", "auto" or a list of GPU indices or UUIDs, e.g. [0, 1]')
     return values.gpu_refs(value)
@@ -462,8 +433,7 @@ class GateConfig(Model):
         return GateConfig.model_validate({**dict(self), **changes})
 
     def policy(self, phase: Phase) -> PhasePolicy:
-        policy: PhasePolicy = getattr(self, phase.value)  # a field per phase, named after it
-        return policy
+        return cast(PhasePolicy, getattr(self, phase.value))  # a field per phase, named after it
 
 
 DEFAULTS = GateConfig.built_in()

@@ -241,10 +241,18 @@ def discover(
     containers and ports: the config's, whose processes and listeners are the unit's too;
     watch: `status --watch`'s rescans (None: every process on the host, as a watcher, a
     mapped-only holder and a holder of a GPU NVML cannot read are on no NVML list);
-    listed_within_mib (the sweep's): see `_read_holders`."""
+    listed_within_mib (the sweep's free_mib): where NVML accounts for every GPU's memory within
+    it (`memory_accounted`) and no port is asked, only the fds of the listed and the unit's
+    processes are read, unless NVML lists a PID not shown here: then every process's."""
     gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
     within = listed_within_mib
-    listed_only = within is not None and memory_accounted(usage, faults, within) and not ports
+    listed_only = (
+        watch is None
+        and within is not None
+        and memory_accounted(usage, faults, within)
+        and not ports
+    )
+    listed = {process.pid for each in usage.values() for process in each.processes}
     shm_areas = find_areas(roots.dev, roots.proc)
     with procfs.oneshot():  # one reading of every process for the whole discovery
         table = HoldersByPid(procfs, self_and_ancestors(procfs))
@@ -252,10 +260,17 @@ def discover(
             if (found := table.get(pid)) is not None:
                 found.sources.add(Source.CGROUP)
         prefix, listening = os.path.join(roots.dev, "nvidia"), listening_sockets(roots.proc, ports)
-        reading = _FdReading(roots.proc, prefix, listening, shm_areas, deadline)
-        scan, invisible, listed_only = _read_holders(
-            table, reading, gpus, usage, faults, watch, listed_only=listed_only
-        )
+        if watch is not None:
+            scan = watch(roots.proc, prefix, listening, shm_areas, listed, deadline)
+        else:
+            pids = sorted(listed | set(table.by_pid)) if listed_only else None
+            scan = scan_device_users(roots.proc, prefix, listening, shm_areas, deadline, pids=pids)
+        _add_device_users(table, roots.proc, gpus, faults, listening, scan)
+        invisible = _add_nvml_processes(table, usage)
+        if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
+            listed_only = False
+            scan = scan_device_users(roots.proc, prefix, listening, shm_areas, deadline)
+            _add_device_users(table, roots.proc, gpus, faults, listening, scan)
         unit_containers = _containers(table, roots.cgroup, containers)
     return Discovery(
         unit=sought.unit,
@@ -274,57 +289,6 @@ def discover(
         cut_short=scan.cut_short,
         fd_scan=not listed_only,
     )
-
-
-class _FdReading:
-    """What discover reads the fds of processes for: device files, the unit's listening
-    sockets, the shm areas' files; until the deadline. (Not a dataclass: each costs the
-    sweep's start-up about 1 ms, docs/benchmarks.md.)"""
-
-    def __init__(
-        self,
-        proc: Path,
-        dev_prefix: str,
-        listening: dict[int, int],
-        shm_areas: Sequence[ShmArea],
-        deadline: Deadline,
-    ) -> None:
-        self.proc, self.dev_prefix, self.listening = proc, dev_prefix, listening
-        self.shm_areas, self.deadline = shm_areas, deadline
-
-    def scan(self, pids: Collection[int] | None = None) -> DeviceScan:
-        return scan_device_users(
-            self.proc, self.dev_prefix, self.listening, self.shm_areas, self.deadline, pids=pids
-        )
-
-
-def _read_holders(
-    table: HoldersByPid,
-    reading: _FdReading,
-    gpus: list[Gpu],
-    usage: dict[int, GpuUsage],
-    faults: list[GpuFault],
-    watch: WatchScan | None,
-    *,
-    listed_only: bool,
-) -> tuple[DeviceScan, list[tuple[int, int]], bool]:
-    """The device files' holders and NVML's into the table; returns the scan, the PIDs NVML
-    lists that /proc does not show, and whether only some processes' fds were read. listed_only
-    (NVML accounts for every GPU's memory within discover's listed_within_mib, the sweep's
-    free_mib: `memory_accounted`): only the fds of the listed and the table's (the unit's)
-    processes, unless NVML lists a PID not shown here: then every process's, as otherwise."""
-    listed = {process.pid for each in usage.values() for process in each.processes}
-    if watch is not None:
-        r, listed_only = reading, False
-        scan = watch(r.proc, r.dev_prefix, r.listening, r.shm_areas, listed, r.deadline)
-    else:
-        scan = reading.scan(sorted(listed | set(table.by_pid)) if listed_only else None)
-    _add_device_users(table, reading.proc, gpus, faults, reading.listening, scan)
-    invisible = _add_nvml_processes(table, usage)
-    if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
-        listed_only, scan = False, reading.scan()
-        _add_device_users(table, reading.proc, gpus, faults, reading.listening, scan)
-    return scan, invisible, listed_only
 
 
 def _add_device_users(

@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from gpugate.config import file
-from gpugate.config.file import LoadedConfig, fields_set, replaced
+from gpugate.config.file import LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError
 from gpugate.host.safe_files import read_capped, unreadable, untrusted, untrusted_text
@@ -41,7 +41,7 @@ def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
         where = str(config_dir / HOST_FILE)
         host = file.parse_config(read_trusted(Path(where)), where).lock_dir
     mine = loaded.config.lock_dir
-    if "lock_dir" not in fields_set(loaded.config):
+    if "lock_dir" not in loaded.config.model_fields_set:
         if mine == host:
             return loaded
         inherited = LoadedConfig(replaced(loaded.config, lock_dir=host), loaded.source)
