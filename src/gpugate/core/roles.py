@@ -12,7 +12,7 @@ from typing import Protocol
 from gpugate.compat import StrEnum
 from gpugate.config.file import Config
 from gpugate.config.values import MPS_SERVER_NAME
-from gpugate.core.discover import Discovery, Holder, Source
+from gpugate.core.discover import Discovery, Holder, Source, memory_accounted
 from gpugate.host.logind import Logind, SessionState, session_of_cgroup
 from gpugate.host.nvml import mig_parent
 from gpugate.host.scan import ProcessId, ProcInfo
@@ -32,15 +32,7 @@ def in_cgroup(cgroup: str | None, top: str) -> bool:
     return cgroup is not None and (cgroup == top or cgroup.startswith(top.rstrip("/") + "/"))
 
 
-def role_of(
-    info: ProcInfo,
-    discovery: Discovery,
-    config: Config,
-    *,
-    member: bool = False,
-    own_container: bool = False,
-) -> Role:
-    """member: in the unit's cgroup.procs; own_container: in a container its config names."""
+def role_of(info: ProcInfo, discovery: Discovery, config: Config) -> Role:
     # A unit name counts only where PID 1 made it: a user unit may take any name.
     cgroup = info.cgroup or "/"
     unit = system_unit_of_cgroup(cgroup)
@@ -48,25 +40,24 @@ def role_of(
         unit is not None and unit in config.protected_units
     ):
         return Role.PROTECTED
-    if member or in_cgroup(cgroup, discovery.unit_cgroup):
+    if in_cgroup(cgroup, discovery.unit_cgroup):
         return Role.UNIT
-    if own_container:
-        return Role.UNIT_CONTAINER
     if unit is not None and unit != "init.scope":
         return Role.OTHER_UNIT
     return Role.ORPHAN
 
 
 def own_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
-    """role_of for a holder, its membership in the unit's cgroup and containers read from how
-    it was found."""
-    return role_of(
-        holder.info,
-        discovery,
-        config,
-        member=Source.CGROUP in holder.sources,
-        own_container=Source.CONTAINER in holder.sources and holder.container is not None,
-    )
+    """role_of for a holder, its membership in the unit's cgroup.procs and in a container its
+    config names read from how it was found."""
+    role = role_of(holder.info, discovery, config)
+    if role in (Role.PROTECTED, Role.UNIT):
+        return role
+    if Source.CGROUP in holder.sources:
+        return Role.UNIT
+    if Source.CONTAINER in holder.sources and holder.container is not None:
+        return Role.UNIT_CONTAINER
+    return role
 
 
 def holder_role(
@@ -75,13 +66,24 @@ def holder_role(
     config: Config,
     earlier: Mapping[ProcessId, Role] | None = None,
 ) -> Role:
-    """earlier: this run's first roles. A watcher earlier in this run stays one while NVML
+    """earlier: this run's first roles. A watcher holds device files only (nvidia-smi -l,
+    nvtop): NVML's complete lists name it on no GPU, and the memory of each GPU of the run's it
+    holds is accounted for by the listed processes (a fork that kept a dead parent's context
+    holds memory listed for nobody: not a watcher); a GPU the run does not own is not asked: a
+    leak there is no reason to stop it. A watcher earlier in this run stays one while NVML
     lists it on no GPU: the driver frees a killed holder's memory late (seconds), listed for
     nobody meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
     role = own_role(holder, discovery, config)
     if role not in (Role.ORPHAN, Role.OTHER_UNIT):
         return role
-    if is_watcher(holder, discovery, config.free_mib):
+    keys, usage = holder.gpus & discovery.owned_indices, discovery.usage
+    if _device_files_only(holder, discovery) and (
+        not keys
+        or (
+            keys <= usage.keys()
+            and memory_accounted({key: usage[key] for key in keys}, (), config.free_mib)
+        )
+    ):
         return Role.WATCHER
     was_watcher = earlier is not None and earlier.get(holder.info.ident) is Role.WATCHER
     if was_watcher and Source.NVML not in holder.sources and not holder.ports:
@@ -89,28 +91,15 @@ def holder_role(
     return role
 
 
-def is_watcher(holder: Holder, discovery: Discovery, free_mib: int) -> bool:
-    """Holds device files only (nvidia-smi -l, nvtop): NVML's complete lists name it on no
-    GPU, and the memory of each GPU of the run's it holds is accounted for by the listed
-    processes (a fork that kept a dead parent's context holds memory listed for nobody: not a
-    watcher). A GPU the run does not own is not asked: a leak there is no reason to stop it."""
-    if (
-        not discovery.nvml_lists_processes
-        or Source.NVML in holder.sources
-        or not holder.sources & {Source.DEVICE_FD, Source.DEVICE_MAP}
-        or holder.ports
-    ):
-        return False
-    for index in holder.gpus & discovery.owned_indices:
-        usage = discovery.usage.get(index)
-        if usage is None:
-            return False
-        listed = [process.used_mib for process in usage.processes]
-        if any(mib is None for mib in listed):
-            return False  # per-process memory not reported: cannot tell
-        if usage.used_mib - sum(mib or 0 for mib in listed) > free_mib:
-            return False
-    return True
+def _device_files_only(holder: Holder, discovery: Discovery) -> bool:
+    """NVML's complete lists name it on no GPU, it holds device files, listens on no port.
+    Where NVML cannot list processes, device files are all the evidence: no watchers."""
+    return (
+        discovery.nvml_lists_processes
+        and Source.NVML not in holder.sources
+        and bool(holder.sources & {Source.DEVICE_FD, Source.DEVICE_MAP})
+        and not holder.ports
+    )
 
 
 class ProcessTree(Protocol):
@@ -233,7 +222,9 @@ def owner_of(
     role = own_role(holder, discovery, config)
     if role is Role.PROTECTED:
         return Owner.PROTECTED
-    if role in (Role.ORPHAN, Role.OTHER_UNIT) and holds_device_files_only(holder, discovery):
+    # The sweep's watcher, whatever the GPUs' memory says: it maps no GPU's memory either.
+    watching = _device_files_only(holder, discovery) and not holder.mapped
+    if role in (Role.ORPHAN, Role.OTHER_UNIT) and watching:
         return Owner.WATCHER
     if holder.container is not None:
         return Owner.CONTAINER
@@ -245,19 +236,6 @@ def owner_of(
             return Owner.SESSION
         return Owner.NOBODY
     return Owner.UNIT
-
-
-def holds_device_files_only(holder: Holder, discovery: Discovery) -> bool:
-    """The sweep's watcher, whatever the GPUs' memory says: NVML's complete lists name it on
-    no GPU, it maps no GPU's memory and listens on no port. Where NVML cannot list processes,
-    device files are all the evidence: no watchers."""
-    return (
-        discovery.nvml_lists_processes
-        and Source.NVML not in holder.sources
-        and bool(holder.sources & {Source.DEVICE_FD, Source.DEVICE_MAP})
-        and not holder.mapped
-        and not holder.ports
-    )
 
 
 def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
