@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class PhaseTraits:
+class PhaseTraits(NamedTuple):
     before_start: bool = False  # the workload starts next: /dev/shm must have its shm_min_free_mib
     kills_orphans: bool = False  # the default of [phase].kill_orphans (and of kill_app_tree)
     checks_ports: bool = False  # the unit's `ports` are holders too: only before a unit starts

@@ -5,7 +5,7 @@ gpugate's output only through this module, whose functions never raise on any st
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 MARK = "…"  # the one mark of a cut, in every output
 NAMED = {"\a": "\\a", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\v": "\\v", "\f": "\\f", "\r": "\\r"}
@@ -13,8 +13,7 @@ LINE_CHARS = 8192  # one journal MESSAGE, STATUS= text or stderr line, at most
 ECHO_MAX = 60  # characters of a value (or key) an error message repeats
 
 
-@dataclass(frozen=True)
-class Kind:
+class Kind(NamedTuple):
     """Bounds: of shown text (escaped, the mark included), of a journal field's exact bytes."""
 
     chars: int
