@@ -29,8 +29,6 @@ class Setting:
     and type (from the annotation), default, bounds (gt, ge, le), check (it sees the typed value
     and returns it or raises InvalidValue) and words."""
 
-    __slots__ = ("annotation", "bounds", "check", "default", "description", "name")
-
     def __init__(
         self,
         default: Any,

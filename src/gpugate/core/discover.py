@@ -63,9 +63,7 @@ class Source(StrEnum):
 @dataclass
 class Holder:
     """A process found holding a GPU (by its device files, a mapping or NVML's list), in the
-    unit's cgroup or listening on one of the unit's ports. It records how it was found (its
-    sources), the GPUs and control devices it opens or maps, NVML's memory for it per GPU,
-    the ports and the container its cgroup belongs to."""
+    unit's cgroup or listening on one of the unit's ports, and how it was found."""
 
     info: ProcInfo
     sources: set[Source] = field(default_factory=set)
@@ -400,12 +398,10 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
                 raise ConfigError(
                     source, "gpus", f"GPU index {ref} does not exist; NVML lists {listed}"
                 )
-            gpu = by_index[ref]
+            owned.append(by_index[ref])
         else:
-            gpu = _by_uuid(ref, gpus, source)
-        if gpu not in owned:
-            owned.append(gpu)
-    return covered(owned, gpus)
+            owned.append(_by_uuid(ref, gpus, source))
+    return covered(owned, gpus)  # each once
 
 
 def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
