@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from enum import Enum
 
+from gpugate.compat import StrEnum
 from gpugate.config.file import Config
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.roles import ProcessTree, Role, app_tree, holder_role
@@ -21,7 +22,7 @@ class Verdict(Enum):
     BLOCK = "block"  # holds the unit's GPUs but policy forbids killing it
 
 
-class Rule(Enum):
+class Rule(StrEnum):
     """The journal's GPUGATE_REASON and `status --json`'s "reason" (words: report/narrate.py)."""
 
     PROTECTED = "protected"  # protected_executables / protected_units
@@ -36,9 +37,6 @@ class Rule(Enum):
     APP_TREE = "app-tree"  # the rest of an orphan's or other unit's application
     OTHER_ACCOUNT = "other-account"  # not the account a `gpugate run` acts for (--for-uid)
     SHARER = "sharer"  # another workload's process on a GPU the run shares on purpose
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True)
