@@ -38,12 +38,8 @@ class Setting:
         **bounds: float,
     ) -> None:
         self.name = self.annotation = ""
-        self.default, self.description, self.check, self.bounds = (
-            default,
-            description,
-            check,
-            bounds,
-        )
+        self.default, self.description = default, description
+        self.check, self.bounds = check, bounds
 
 
 setting: Any = Setting  # typed Any: `free_mib: int = setting(...)` declares an int
