@@ -423,7 +423,7 @@ class GateConfig(Model):
         return "all" if self.gpus == "auto" else self.gpus
 
     def changed(self, **changes: object) -> GateConfig:
-        """A copy with these fields changed, validated as a file's are (model_copy is not)."""
+        """A copy with these fields changed, validated as a file's are (file.replaced is not)."""
         return GateConfig.model_validate({**dict(self), **changes})
 
     def policy(self, phase: Phase) -> PhasePolicy:
