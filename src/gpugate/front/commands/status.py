@@ -312,15 +312,12 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
     for lease in data.get("leases", ()):
+        unit, gpus = lease["unit"], gpu_ranges(lease["gpus"])
         if lease["started_by"]:
-            lines.append(
-                f"({lease['unit']}: started by hand with `gpugate run` by {lease['started_by']},"
-                f" GPU {gpu_ranges(lease['gpus'])})"
-            )
+            by = lease["started_by"]
+            lines.append(f"({unit}: started by hand with `gpugate run` by {by}, GPU {gpus})")
         if lease.get("container"):
-            lines.append(
-                f"({lease['unit']}: {lease['container']}, GPU {gpu_ranges(lease['gpus'])})"
-            )
+            lines.append(f"({unit}: {lease['container']}, GPU {gpus})")
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
     for area in data.get("shm", ()):
@@ -447,8 +444,7 @@ def snapshot(
             except OSError:
                 names = []
             minors = sorted(int(name[6:]) for name in names if GPU_DEVICE.fullmatch(name))
-            hung = NoGpus(exc, minors)
-            discovery = collect(unit, loaded, hung, roots, procfs=procfs)
+            discovery = collect(unit, loaded, NoGpus(exc, minors), roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
         unreadable = [
             lines.warning(unreadable_record_text(path, "a gpugate lease", why))
