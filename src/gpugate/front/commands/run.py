@@ -451,8 +451,7 @@ def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     uid = plan.caller.uid
     # --force on the command line, which only root writes, never in the environment, which
     # the unit's own files may set; root's alone.
-    overrides = plan.force and uid == 0 and phase.traits.takes_lease
-    force = " --ignore-leases" if overrides else ""
+    force = " --ignore-leases" if plan.force and uid == 0 and phase.traits.takes_lease else ""
     account = f" --for-uid {uid}" if uid != 0 else ""
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
