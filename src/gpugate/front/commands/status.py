@@ -179,8 +179,7 @@ def holder_dict(
         "command_cut": command_cut,
         "gpus": sorted(holder.gpus),
         "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
-        # its MiB per GPU (an MPS client's included), whether an MPS server, on which GPUs
-        # NVML lists it as an MPS client (docs/mps.md)
+        # MiB per GPU, an MPS client's included (docs/mps.md)
         "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
         "mps_server": is_mps_server(holder.info, loaded.config),
         "mps_client": sorted(holder.mps_client),
