@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from gpugate.report.journal import ReporterFactory
 
     SubParsers = argparse._SubParsersAction[argparse.ArgumentParser]
-    Build = Callable[["Commands", str, str], None]
 else:
     SubParsers = argparse._SubParsersAction  # not subscriptable at run time
 
@@ -52,10 +51,9 @@ def _width() -> int:
         columns = int(os.environ["COLUMNS"])
     except (KeyError, ValueError):
         columns = 0
-    stdout = sys.__stdout__
-    if columns <= 0 and stdout is not None:
+    if columns <= 0 and sys.__stdout__ is not None:
         try:
-            columns = os.get_terminal_size(stdout.fileno()).columns
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns
         except (ValueError, OSError):  # closed, detached, not a terminal
             columns = 0
     return (columns if columns > 0 else 80) - 2
@@ -65,18 +63,12 @@ class Commands(SubParsers):
     """The commands, each parser built once argparse reaches it (lazy), else at once (tests and
     docs walk every parser)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.lazy = False
-        self.later: dict[str, Callable[[], None]] = {}
+    later: dict[str, Callable[[], None]]
 
-    def add_command(self, name: str, text: str, build: Build) -> None:
-        self._choices_actions.append(self._ChoicesPseudoAction(name, (), text))
-        if not self.lazy:
-            build(self, name, text)
-            return
-        self._name_parser_map[name] = None  # type: ignore[assignment]  # accepted, not built
-        self.later[name] = functools.partial(build, self, name, text)
+    def build(self, name: str) -> None:
+        if name in self.later:
+            del self._name_parser_map[name]  # add_parser refuses a name it holds
+            self.later.pop(name)()
 
     def __call__(
         self,
@@ -85,10 +77,7 @@ class Commands(SubParsers):
         values: str | Sequence[Any] | None,
         option_string: str | None = None,
     ) -> None:
-        name = values[0] if isinstance(values, list) else ""
-        if name in self.later:
-            del self._name_parser_map[name]  # add_parser refuses a name it holds
-            self.later.pop(name)()
+        self.build(values[0] if isinstance(values, list) else "")
         super().__call__(parser, namespace, values, option_string)
 
 
@@ -109,9 +98,13 @@ def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
         action=Commands, dest="command", required=True, metavar="COMMAND"
     )
     assert isinstance(commands, Commands)
-    commands.lazy = lazy
+    commands.later = {}
     for name, text, build in COMMANDS:
-        commands.add_command(name, text, build)
+        commands._choices_actions.append(commands._ChoicesPseudoAction(name, (), text))
+        commands._name_parser_map[name] = None  # type: ignore[assignment]  # accepted, not built
+        commands.later[name] = functools.partial(build, commands, name, text)
+    for name in () if lazy else list(commands.later):
+        commands.build(name)
     return parser
 
 

@@ -12,13 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from gpugate.errors import BadInput, ConfigError, ExitCode
-from gpugate.host.oci import (
-    hook_entry,
-    json_object,
-    not_host_root,
-    read_config,
-    spec_gpu_request,
-)
+from gpugate.host.oci import hook_entry, json_object, not_host_root, read_config, spec_gpu_request
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 
 # runc's global options that take a value (`runc --help`): the command is the first word

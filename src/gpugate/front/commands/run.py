@@ -179,11 +179,9 @@ def resolve_gpus(
         driver = driver_factory()
     except NvmlUnavailable as exc:
         raise NvmlUnavailable(f"gpugate run: {exc}") from None
-    try:
+    with contextlib.closing(driver):
         selection = "all" if wanted is None else wanted
         gpus = owned_gpus(selection, driver.gpus(), source)  # type: ignore[arg-type]
-    finally:
-        driver.close()
     if not gpus:
         raise BadInput(f"{source}: names no GPU; gpugate run is for GPU programs")
     return gpus
@@ -453,8 +451,7 @@ def hook_line(plan: LaunchPlan, phase: Phase) -> str:
     uid = plan.caller.uid
     # --force on the command line, which only root writes, never in the environment, which
     # the unit's own files may set; root's alone.
-    overrides = plan.force and uid == 0 and phase.traits.takes_lease
-    force = " --ignore-leases" if overrides else ""
+    force = " --ignore-leases" if plan.force and uid == 0 and phase.traits.takes_lease else ""
     account = f" --for-uid {uid}" if uid != 0 else ""
     return f"+{' '.join(plan.gpugate)} {phase} {plan.unit}{config}{force}{account}"
 
@@ -476,10 +473,7 @@ def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
     argv += [
         f"--property=ExecStartPre={hook_line(plan, Phase.PRE)}",
         f"--property=ExecStopPost={hook_line(plan, Phase.POST)}",
-    ]
-    for path in plan.cleanup:
-        argv.append(f"--property=ExecStopPost=+/bin/rm -f -- {path}")
-    argv += [
+        *(f"--property=ExecStopPost=+/bin/rm -f -- {path}" for path in plan.cleanup),
         "--property=NotifyAccess=exec",
         f"--property=TimeoutStartSec={HOOK_TIMEOUT_S}",
         f"--property=TimeoutStopSec={HOOK_TIMEOUT_S}",
@@ -488,9 +482,8 @@ def systemd_run_argv(plan: LaunchPlan, systemd_run: Path) -> list[str]:
     if plan.private_shm != PRIVATE_SHM_OFF:  # the same own /dev/shm as install's drop-in
         options = SHM_OPTIONS.format(size=plan.private_shm)
         argv.append(f"--property=TemporaryFileSystem=/dev/shm:{options}")
-    setenv = [*plan.environment, ("CUDA_VISIBLE_DEVICES", plan.gpus_env)]
-    setenv.append((STARTED_BY_VARIABLE, plan.started_by))
-    argv += [f"--setenv={key}={value}" for key, value in setenv]
+    setenv = [("CUDA_VISIBLE_DEVICES", plan.gpus_env), (STARTED_BY_VARIABLE, plan.started_by)]
+    argv += [f"--setenv={key}={value}" for key, value in [*plan.environment, *setenv]]
     # systemd substitutes $NAME and ${NAME} in a service's command line; $$ is a literal $.
     argv += ["--", *(arg.replace("$", "$$") for arg in plan.command)]
     return argv

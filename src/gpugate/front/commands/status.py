@@ -14,24 +14,14 @@ from typing import Any
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import decide
-from gpugate.core.discover import (
-    GPU_DEVICE,
-    Discovery,
-    Holder,
-    cgroup_members,
-)
+from gpugate.core.discover import GPU_DEVICE, Discovery, Holder, cgroup_members
 from gpugate.core.roles import Owner, Role, config_shares, holder_role, is_mps_server, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.hook import HostAccess, collect
 from gpugate.host.nvml import GpuDriver, NoGpus
 from gpugate.host.scan import HostShm, ProcFs, WatchScan
-from gpugate.host.shm import ShmFile, own_shm_of_any
-from gpugate.host.systemd import (
-    HostRoots,
-    unit_argument,
-    unit_of_cgroup,
-    validate_unit_name,
-)
+from gpugate.host.shm import own_shm_of_any
+from gpugate.host.systemd import HostRoots, unit_argument, unit_of_cgroup, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import (
     Lease,
@@ -66,24 +56,6 @@ MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's start times count in these
 
 
-def shm_use(host: HostShm, files: Iterable[ShmFile]) -> list[dict[str, Any]]:
-    """A holder's /dev/shm files; bytes null: unlinked, still mapped (path " (deleted)")."""
-    used = []
-    for file in sorted(files, key=lambda f: f.path):
-        found = host.facts(file)
-        path = found.path if found else file.names[0]
-        used.append({"path": printable(path, FILE), "bytes": found.bytes if found else None})
-    return used
-
-
-def uptime_s(proc_root: Path) -> float | None:
-    """Seconds since boot, the clock /proc/PID/stat's start times count in."""
-    try:
-        return float((proc_root / "uptime").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def as_dict(
     discovery: Discovery,
     loaded: LoadedConfig,
@@ -93,9 +65,17 @@ def as_dict(
 ) -> dict[str, Any]:
     """lease_files: the look's one read of the leases (None: read them now)."""
     roots = roots or HostRoots()
-    now = uptime_s(roots.proc)
+    try:  # seconds since boot, the clock /proc/PID/stat's start times count in
+        now: float | None = float((roots.proc / "uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        now = None
     leases = (read_leases(loaded.config.lock_dir) if lease_files is None else lease_files).leases
-    rules = pre_rules(discovery, loaded, procfs or ProcFs(roots.proc))
+    rules: dict[int, str] = {}  # the rule (decide.Rule) the unit's pre would judge each by
+    if discovery.unit:
+        shared = config_shares(discovery, loaded.config)
+        procfs = procfs or ProcFs(roots.proc)
+        decision = decide(discovery, loaded.config, Phase.PRE, procfs, shared=shared)
+        rules = {choice.holder.pid: choice.rule.value for choice in decision.choices}
     unowned = read_unowned(loaded.config.lock_dir)
     shm_host = HostShm(discovery.shm_areas, roots.proc)
     return {
@@ -166,15 +146,6 @@ def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
     ]
 
 
-def pre_rules(discovery: Discovery, loaded: LoadedConfig, procfs: ProcFs) -> dict[int, str]:
-    """The rule (decide.Rule) the unit's pre would judge each holder by; none without a unit."""
-    if not discovery.unit:
-        return {}
-    shared = config_shares(discovery, loaded.config)
-    decision = decide(discovery, loaded.config, Phase.PRE, procfs, shared=shared)
-    return {choice.holder.pid: choice.rule.value for choice in decision.choices}
-
-
 def holder_dict(
     holder: Holder,
     discovery: Discovery,
@@ -189,7 +160,11 @@ def holder_dict(
     owner = owner_of(holder, discovery, loaded.config)
     seen = unowned.get(info.ident) if owner in (Owner.NOBODY, Owner.SESSION) else None
     role = holder_role(holder, discovery, loaded.config)
-    shm = shm_use(shm_host, discovery.shm.get(info.pid, ()))
+    shm = []  # bytes null: unlinked, still mapped (path " (deleted)")
+    for file in sorted(discovery.shm.get(info.pid, ()), key=lambda f: f.path):
+        found = shm_host.facts(file)
+        path = found.path if found else file.names[0]
+        shm.append({"path": printable(path, FILE), "bytes": found.bytes if found else None})
     command, command_cut = printable_args(info.cmdline)
     return {
         "pid": info.pid,
@@ -204,7 +179,10 @@ def holder_dict(
         "command_cut": command_cut,
         "gpus": sorted(holder.gpus),
         "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
-        **nvml_fields(holder, loaded),
+        # MiB per GPU, an MPS client's included (docs/mps.md)
+        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+        "mps_server": is_mps_server(holder.info, loaded.config),
+        "mps_client": sorted(holder.mps_client),
         "control_devices": sorted(holder.control_devices),
         "sources": sorted(holder.sources),
         "role": str(role) if discovery.unit else None,
@@ -224,16 +202,6 @@ def holder_dict(
         },
         "owner": str(owner),
         "unowned_s": None if seen is None else max(int(boot_time() - seen.since), 0),
-    }
-
-
-def nvml_fields(holder: Holder, loaded: LoadedConfig) -> dict[str, Any]:
-    """Its MiB per GPU (an MPS client's included); an MPS server (its GPUs are shared on
-    purpose); the GPUs NVML lists it on as an MPS client (docs/mps.md)."""
-    return {
-        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
-        "mps_server": is_mps_server(holder.info, loaded.config),
-        "mps_client": sorted(holder.mps_client),
     }
 
 
@@ -343,15 +311,12 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
     if data["unit"]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
     for lease in data.get("leases", ()):
+        unit, gpus = lease["unit"], gpu_ranges(lease["gpus"])
         if lease["started_by"]:
-            lines.append(
-                f"({lease['unit']}: started by hand with `gpugate run` by {lease['started_by']},"
-                f" GPU {gpu_ranges(lease['gpus'])})"
-            )
+            by = lease["started_by"]
+            lines.append(f"({unit}: started by hand with `gpugate run` by {by}, GPU {gpus})")
         if lease.get("container"):
-            lines.append(
-                f"({lease['unit']}: {lease['container']}, GPU {gpu_ranges(lease['gpus'])})"
-            )
+            lines.append(f"({unit}: {lease['container']}, GPU {gpus})")
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
     for area in data.get("shm", ()):
@@ -478,8 +443,7 @@ def snapshot(
             except OSError:
                 names = []
             minors = sorted(int(name[6:]) for name in names if GPU_DEVICE.fullmatch(name))
-            hung = NoGpus(exc, minors)
-            discovery = collect(unit, loaded, hung, roots, procfs=procfs)
+            discovery = collect(unit, loaded, NoGpus(exc, minors), roots, procfs=procfs)
         files = read_leases(loaded.config.lock_dir)
         unreadable = [
             lines.warning(unreadable_record_text(path, "a gpugate lease", why))
