@@ -4,6 +4,7 @@ job's private /dev/shm; root's files, read capped; GresUnresolved where not cert
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -51,11 +52,6 @@ class GpuLayout:
     types: tuple[str, ...] = ()  # each file's line's Type= (lowercased, "" for none)
     # AutoDetect=nvml: slurm.conf's Gres= for the node, (type or "", count) each; None: unread
     given: tuple[tuple[str, int], ...] | None = None
-
-    @property
-    def mixed_types(self) -> bool:
-        """Lines of several Types: slurmd numbers them in slurm.conf's order of types."""
-        return not self.nvml_order and len(set(self.types)) > 1
 
 
 @dataclass(frozen=True)
@@ -164,33 +160,30 @@ def _node_lines(text: str, path: str, node: str | None) -> tuple[Lines, str]:
     """The Name= lines for this node (the general ones first), and its AutoDetect."""
     general: Lines = []
     for_node: Lines = []
-    found = {"global": "", "local": ""}  # AutoDetect= alone on a line, and on the node's
+    every = local = ""  # AutoDetect= alone on a line, and on the node's
     for number, line_text in logical_lines(text):
         items = pairs(number, line_text, path)
         first, keys = (items[0][0], dict(items)) if items else ("", {})
         if first == "autodetect" and len(items) == 1:
-            found["global"] = keys["autodetect"].lower()
-        elif first == "nodename" and _names_node(path, node, number, items[0][1]):
-            found["local"] = keys.get("autodetect", found["local"]).lower()
-            if "name" in keys:
-                for_node.append((number, keys))
+            every = keys["autodetect"].lower()
+        elif first == "nodename":
+            try:
+                nodes = expand_hostlist(items[0][1])
+            except ValueError:
+                raise _uncertain(path, number, f"NodeName={items[0][1]}") from None
+            if node is None:
+                raise GresUnresolved(
+                    f"{path} line {number}: NodeName= lines, and slurmd named no node "
+                    "(SLURMD_NODENAME)"
+                )
+            if node in nodes:
+                local = keys.get("autodetect", local).lower()
+                for_node += [(number, keys)] if "name" in keys else []
         elif first == "name":
             general.append((number, keys))
-        elif first not in ("", "nodename"):
+        elif first:
             raise _uncertain(path, number, "Include" if first == "include" else first)
-    return general + for_node, found["local"] or found["global"] or "off"
-
-
-def _names_node(path: str, node: str | None, number: int, value: str) -> bool:
-    try:
-        nodes = expand_hostlist(value)
-    except ValueError:
-        raise _uncertain(path, number, f"NodeName={value}") from None
-    if node is None:
-        raise GresUnresolved(
-            f"{path} line {number}: NodeName= lines, and slurmd named no node (SLURMD_NODENAME)"
-        )
-    return node in nodes
+    return general + for_node, local or every or "off"
 
 
 def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
@@ -232,12 +225,10 @@ def _count(path: str, number: int, text: str) -> int:
     match = COUNT.fullmatch(text)
     if match is None:
         raise _uncertain(path, number, f"Count={text}")
-    digits: str = match.group(1)
-    unit: str | None = match.group(2)
-    kind: str = match.group(3) or ""
+    digits, unit, kind = match.groups()
     if unit is None:
         return int(digits)
-    base = 1000 if kind.upper() == "B" else 1024
+    base = 1000 if (kind or "").upper() == "B" else 1024
     return int(digits) * int(base ** ("KMGTP".index(unit.upper()) + 1))
 
 
@@ -262,9 +253,7 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
             raise _uncertain(path, number, f"File={keys['file']}") from None
         if count >= len(named):
             files.extend(named)
-    if not first or not (every or files):
-        return None
-    return Shards(first, tuple(files), bool(every), every)
+    return Shards(first, tuple(files), bool(every), every) if every or files else None
 
 
 def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
@@ -305,17 +294,11 @@ class DeviceNodes:
     stat: StatFn = os.stat
     proc: Path = Path("/proc")  # its driver/nvidia/capabilities name each slice's devices
 
-    def by_number(self) -> dict[tuple[bool, int], int]:
-        """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node."""
-        return self._nodes(self.dev, GPU_NODE, NVIDIA_MAJOR)
-
-    def caps_by_number(self) -> dict[tuple[bool, int], int]:
-        """(is a character device, st_rdev) -> K, for each /dev/nvidia-caps/nvidia-capK."""
-        return self._nodes(self.dev / "nvidia-caps", CAP_NODE, None)
-
-    def _nodes(
-        self, folder: Path, names: re.Pattern[str], major: int | None
-    ) -> dict[tuple[bool, int], int]:
+    def by_number(self, caps: bool = False) -> dict[tuple[bool, int], int]:
+        """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node (caps:
+        -> K, for each /dev/nvidia-caps/nvidia-capK)."""
+        folder = self.dev / "nvidia-caps" if caps else self.dev
+        names, major = (CAP_NODE, None) if caps else (GPU_NODE, NVIDIA_MAJOR)
         found: dict[tuple[bool, int], int] = {}
         try:
             listed = os.listdir(folder)
@@ -462,7 +445,7 @@ def _slice_of_files(
 ) -> Gpu:
     """The slice a MultipleFiles record is: its GPU's /dev/nvidiaM and the capability devices
     of one slice of it (the driver's capabilities files name each slice's, by minor)."""
-    caps_known = nodes.caps_by_number()
+    caps_known = nodes.by_number(caps=True)
     minors: set[int] = set()
     caps: set[int] = set()
     for file in record.split(MULTIPLE):
@@ -598,12 +581,11 @@ def _gpu_minor(
     record: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str
 ) -> int:
     """M of the GPU a File (or a MultipleFiles record, by its /dev/nvidiaM) is."""
-    for file in record.split(MULTIPLE)[:-1]:
-        try:
+    *first, last = record.split(MULTIPLE)
+    for file in first:
+        with contextlib.suppress(GresUnresolved):
             return minor_of(file, nodes, known, path)
-        except GresUnresolved:
-            continue
-    return minor_of(record.rsplit(MULTIPLE, maxsplit=1)[-1], nodes, known, path)
+    return minor_of(last, nodes, known, path)
 
 
 def spread(count: int, gpus: int) -> list[int]:
@@ -624,40 +606,26 @@ def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -
     gres.conf's order."""
     if layout.nvml_order:
         why = f"{layout.path}: AutoDetect=nvml takes the GPUs {slurm_conf}'s Gres= gives the node"
-        try:
-            text = read_root_file(slurm_conf, MAX_CONF_BYTES)
-        except GresUnresolved as exc:
-            raise GresUnresolved(f"{why} ({exc})") from None
-        given = node_gpu_types(text, node, why, untyped=True)
-        return replace(layout, given=tuple(given.items()))
-    if not layout.mixed_types:
+    elif len(set(layout.types)) > 1:
+        why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
+    else:
         return layout
-    why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
     try:
         text = read_root_file(slurm_conf, MAX_CONF_BYTES)
     except GresUnresolved as exc:
         raise GresUnresolved(f"{why} ({exc})") from None
-    counts = node_gpu_types(text, node, why)
+    counts = _gres_counts(_node_gres(text, node, why), GPU)  # in the order written
+    if "" in counts and len(counts) > 1:
+        raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
+    if layout.nvml_order:
+        return replace(layout, given=tuple(counts.items()))
+    counts.pop("", None)
     if not counts:
         return layout
     ordered: list[tuple[str, str]] = []
     for kind, count in counts.items():
-        taken = [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
-        ordered.extend(taken)
+        ordered += [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
     return replace(layout, files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
-
-
-def node_gpu_types(
-    text: str, node: str | None, why: str, *, untyped: bool = False
-) -> dict[str, int]:
-    """The node's Gres= GPU types with their counts, in the order written ({} untyped;
-    untyped=True: {"": N} for `gpu:N`)."""
-    counts = _gres_counts(_node_gres(text, node, why), GPU)
-    if "" in counts and len(counts) > 1:
-        raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
-    if not untyped:
-        counts.pop("", None)
-    return counts
 
 
 def _node_gres(text: str, node: str | None, why: str) -> str:
