@@ -261,18 +261,13 @@ class UnitWorkload(Workload):
         unit_state = self.context.unit_state or functools.partial(
             unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         )
-        check = records.check_leases(
-            config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
-        )
-        around = self.context.around
-        if around is None:
-            return check
-        return records.LeaseCheck(
-            [item for item in check.conflicts if item[0].unit != around],
-            [item for item in check.shared if item[0].unit != around],
-            [item for item in check.stale if item[0].unit != around],
-            check.unreadable,
-            share=check.share,
+        return records.check_leases(
+            config.lock_dir,
+            self.scope.unit,
+            owned,
+            share=config.share_gpus,
+            unit_state=unit_state,
+            around=self.context.around,
         )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
