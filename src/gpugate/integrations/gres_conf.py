@@ -423,8 +423,7 @@ def _given_by_slurm_conf(
         if len(kinds) != 1 or (layout.files and set(layout.types) - {kinds[0]}):
             raise GresUnresolved(
                 f"{layout.path}: AutoDetect=nvml, and GPU {gpu.index} ({for_error(gpu.name)}) is "
-                "not "
-                f"of exactly one Gres= type ({', '.join(map(for_error, given))}) for certain"
+                f"not of exactly one Gres= type ({', '.join(map(for_error, given))}) for certain"
             )
         per_type[kinds[0]] = per_type.get(kinds[0], 0) + 1
     short = [kind for kind, found in per_type.items() if found > given[kind]]
@@ -533,13 +532,13 @@ def slices_by_unique_id(
 
 def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
     legacy = MIG_LEGACY.fullmatch(entry)
+    named = (legacy[1], int(legacy[2]), int(legacy[3])) if legacy else None
     for gpu in gpus:
         mig = gpu.mig
         if mig is None:
             continue
-        if legacy is not None:
-            parent, gi, ci = legacy.group(1), int(legacy.group(2)), int(legacy.group(3))
-            if (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == (parent, gi, ci):
+        if named is not None:
+            if (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == named:
                 return gpu
         elif MIG_UUID.fullmatch(entry) and gpu.uuid == entry:
             return gpu
