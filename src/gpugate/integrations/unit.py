@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
-from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
+from gpugate.config.values import BUILTIN_SOURCE, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Workload
@@ -59,19 +59,16 @@ class GpuChoice:
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
     """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
     text = value.strip()
-    lowered = text.lower()
-    if variable == "NVIDIA_VISIBLE_DEVICES":
-        if lowered == "all":
-            return "all"
-        if lowered in NVIDIA_NO_GPU:
-            return ()
+    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() == "all":
+        return "all"
+    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in NVIDIA_NO_GPU:
+        return ()
     if text in NO_GPU or text.split(",")[0].strip() == "-1":
         return ()
     try:
-        gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
+        return parse_gpu_text(text)
     except InvalidValue as exc:
         raise ConfigError(where, variable, f"{for_error(value)}: {exc}") from None
-    return gpus
 
 
 def choose_gpus(
