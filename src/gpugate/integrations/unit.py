@@ -247,10 +247,9 @@ class UnitWorkload(Workload):
         context, source = self.context, self.loaded.source
         if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
             return "--share-gpus", "start it with gpugate run --share-gpus"
-        if source == BUILTIN_SOURCE and context.container is not None:
-            source = records.CONTAINERS_CONFIG
-        elif source == BUILTIN_SOURCE:
-            source = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
+        if source == BUILTIN_SOURCE:
+            own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
+            source = own if context.container is None else records.CONTAINERS_CONFIG
         return source, None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
