@@ -178,7 +178,8 @@ def _node_lines(text: str, path: str, node: str | None) -> tuple[Lines, str]:
                 )
             if node in nodes:
                 local = keys.get("autodetect", local).lower()
-                for_node += [(number, keys)] if "name" in keys else []
+                if "name" in keys:
+                    for_node.append((number, keys))
         elif first == "name":
             general.append((number, keys))
         elif first:
