@@ -534,14 +534,12 @@ def slices_by_unique_id(
 def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
     legacy = MIG_LEGACY.fullmatch(entry)
     named = (legacy[1], int(legacy[2]), int(legacy[3])) if legacy else None
+    uuid = entry if legacy is None and MIG_UUID.fullmatch(entry) else None
     for gpu in gpus:
         mig = gpu.mig
-        if mig is None:
-            continue
-        if named is not None:
-            if (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == named:
-                return gpu
-        elif MIG_UUID.fullmatch(entry) and gpu.uuid == entry:
+        if mig is not None and (
+            (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == named or gpu.uuid == uuid
+        ):
             return gpu
     raise GresUnresolved(f"CUDA_VISIBLE_DEVICES {for_error(entry)}: NVML lists no such MIG slice")
 

@@ -279,7 +279,14 @@ class UnitWorkload(Workload):
     def after_run(self, summary: RunSummary) -> None:
         code, traits = summary.exit_code, self.scope.phase.traits
         if traits.takes_lease and code is ExitCode.OK:
-            self._started(summary.owned)
+            lock_dir = self.loaded.config.lock_dir
+            if not self.choice.named or not summary.owned:
+                # A lease on every GPU only because nothing named the unit's would lock every
+                # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
+                records.release_lease(lock_dir, self.scope.unit)
+            elif not self.lease_written:
+                records.write_lease(lock_dir, self._lease(summary.owned))
+            records.clear_failed_pre(lock_dir, self.scope.unit)
         else:
             busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
             timeout_s = self.loaded.config.policy(self.scope.phase).wait_timeout_s
@@ -300,16 +307,6 @@ class UnitWorkload(Workload):
         self._failed(error.exit_code, error.message, busy, error=True)
         if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
             self._release()
-
-    def _started(self, owned: Sequence[Gpu]) -> None:
-        lock_dir = self.loaded.config.lock_dir
-        if not self.choice.named or not owned:
-            # A lease on every GPU only because nothing named the unit's would lock every
-            # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
-            records.release_lease(lock_dir, self.scope.unit)
-        elif not self.lease_written:
-            records.write_lease(lock_dir, self._lease(owned))
-        records.clear_failed_pre(lock_dir, self.scope.unit)
 
     def _failed(self, code: ExitCode, reason: str, busy: Sequence[BusyGpu], *, error: bool) -> None:
         """A failed pre gives its lease up (after an error, quietly) and records why."""
