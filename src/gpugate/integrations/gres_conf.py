@@ -194,9 +194,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
         raise GresUnresolved(
             f"{path}: AutoDetect={for_error(autodetect)}: slurmd's GPU order is not knowable here"
         )
-    typed, fileless = _gpu_files(path, lines)
-    files = [name for name, _ in typed]
-    types = tuple(kind for _, kind in typed)
+    files, types, fileless = _gpu_files(path, lines)
     shards = _shard_files(path, lines)
     nvml = autodetect == "nvml"
     # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
@@ -215,7 +213,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
     if not nvml and not files:
         named = for_error(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=types)
+    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=tuple(types))
 
 
 COUNT = re.compile(r"([0-9]{1,12})(?:([KMGTP])(IB|B)?)?", re.IGNORECASE)
@@ -257,11 +255,12 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
     return Shards(first, tuple(files), bool(every), every) if every or files else None
 
 
-def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
-    """The Name=gpu lines' files in gres.conf's order, each with its line's Type (lowercased;
+def _gpu_files(path: str, lines: Lines) -> tuple[list[str], list[str], bool]:
+    """The Name=gpu lines' files in gres.conf's order, each one's line's Type (lowercased;
     "" for none), and whether a line without File= names a Type= or Count= (what AutoDetect
     matches by). `Files=` is slurmd's other spelling of `File=`."""
-    files: list[tuple[str, str]] = []
+    files: list[str] = []
+    types: list[str] = []
     fileless = False
     for number, keys in lines:
         if keys.get("name") != GPU:
@@ -279,12 +278,13 @@ def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
             raise _uncertain(path, number, "File and MultipleFiles")
         if several is not None:  # one GPU (a MIG slice) of several files: one number
             named = [MULTIPLE.join(named)]
-        files.extend((name, keys.get("type", "").lower()) for name in named)
-    names = [name for name, _ in files if MULTIPLE not in name]
+        files += named
+        types += [keys.get("type", "").lower()] * len(named)
+    names = [name for name in files if MULTIPLE not in name]
     if len(set(names)) != len(names):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in names if names.count(name) > 1)
         raise GresUnresolved(f"{path}: File {for_error(twice)} listed twice")
-    return files, fileless
+    return files, types, fileless
 
 
 @dataclass(frozen=True)
