@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
-from gpugate.config.values import GpuSelection
+from gpugate.config.values import GpuSelection, gpu_ref
+from gpugate.core.discover import owned_gpus
 from gpugate.errors import BadInput, ConfigError, InvalidValue
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
@@ -222,9 +223,6 @@ def _indexed_slice(ref: str, gpus: list[Gpu], where: str) -> str:
 def _slice(ref: str, gpus: list[Gpu], where: str) -> list[Gpu]:
     """A MIG device's UUID (either form) as NVML's slice: bad input from the container (64,
     naming its variable) where it is malformed or names no MIG device NVML has."""
-    from gpugate.config.values import gpu_ref  # noqa: PLC0415
-    from gpugate.core.discover import owned_gpus  # noqa: PLC0415
-
     try:
         gpu_ref(ref)
         return owned_gpus((ref,), gpus, where)

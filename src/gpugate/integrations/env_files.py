@@ -36,7 +36,11 @@ def who_else_may_write(path: Path) -> str | None:
         mode = info.st_mode
         sticky_folder = stat.S_ISDIR(mode) and mode & stat.S_ISVTX
         if info.st_uid != 0:
-            return f"{current} belongs to {_user(info.st_uid)}"
+            try:
+                owner = pwd.getpwuid(info.st_uid).pw_name
+            except KeyError:
+                owner = f"UID {info.st_uid}"
+            return f"{current} belongs to {owner}"
         if mode & stat.S_IWOTH and not sticky_folder:
             return f"{current} is writable by every account"
         if mode & stat.S_IWGRP and info.st_gid != 0 and not sticky_folder:
@@ -78,10 +82,3 @@ def unit_environment_warnings(
         for name in sorted(environment.variables)
         if name in STEERING or name.startswith(STEERING_PREFIXES)
     ]
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return f"UID {uid}"

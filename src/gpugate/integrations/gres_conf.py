@@ -4,6 +4,7 @@ job's private /dev/shm; root's files, read capped; GresUnresolved where not cert
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import stat
@@ -51,11 +52,6 @@ class GpuLayout:
     types: tuple[str, ...] = ()  # each file's line's Type= (lowercased, "" for none)
     # AutoDetect=nvml: slurm.conf's Gres= for the node, (type or "", count) each; None: unread
     given: tuple[tuple[str, int], ...] | None = None
-
-    @property
-    def mixed_types(self) -> bool:
-        """Lines of several Types: slurmd numbers them in slurm.conf's order of types."""
-        return not self.nvml_order and len(set(self.types)) > 1
 
 
 @dataclass(frozen=True)
@@ -164,33 +160,31 @@ def _node_lines(text: str, path: str, node: str | None) -> tuple[Lines, str]:
     """The Name= lines for this node (the general ones first), and its AutoDetect."""
     general: Lines = []
     for_node: Lines = []
-    found = {"global": "", "local": ""}  # AutoDetect= alone on a line, and on the node's
+    every = local = ""  # AutoDetect= alone on a line, and on the node's
     for number, line_text in logical_lines(text):
         items = pairs(number, line_text, path)
         first, keys = (items[0][0], dict(items)) if items else ("", {})
         if first == "autodetect" and len(items) == 1:
-            found["global"] = keys["autodetect"].lower()
-        elif first == "nodename" and _names_node(path, node, number, items[0][1]):
-            found["local"] = keys.get("autodetect", found["local"]).lower()
-            if "name" in keys:
-                for_node.append((number, keys))
+            every = keys["autodetect"].lower()
+        elif first == "nodename":
+            try:
+                nodes = expand_hostlist(items[0][1])
+            except ValueError:
+                raise _uncertain(path, number, f"NodeName={items[0][1]}") from None
+            if node is None:
+                raise GresUnresolved(
+                    f"{path} line {number}: NodeName= lines, and slurmd named no node "
+                    "(SLURMD_NODENAME)"
+                )
+            if node in nodes:
+                local = keys.get("autodetect", local).lower()
+                if "name" in keys:
+                    for_node.append((number, keys))
         elif first == "name":
             general.append((number, keys))
-        elif first not in ("", "nodename"):
+        elif first:
             raise _uncertain(path, number, "Include" if first == "include" else first)
-    return general + for_node, found["local"] or found["global"] or "off"
-
-
-def _names_node(path: str, node: str | None, number: int, value: str) -> bool:
-    try:
-        nodes = expand_hostlist(value)
-    except ValueError:
-        raise _uncertain(path, number, f"NodeName={value}") from None
-    if node is None:
-        raise GresUnresolved(
-            f"{path} line {number}: NodeName= lines, and slurmd named no node (SLURMD_NODENAME)"
-        )
-    return node in nodes
+    return general + for_node, local or every or "off"
 
 
 def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
@@ -200,9 +194,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
         raise GresUnresolved(
             f"{path}: AutoDetect={for_error(autodetect)}: slurmd's GPU order is not knowable here"
         )
-    typed, fileless = _gpu_files(path, lines)
-    files = [name for name, _ in typed]
-    types = tuple(kind for _, kind in typed)
+    files, types, fileless = _gpu_files(path, lines)
     shards = _shard_files(path, lines)
     nvml = autodetect == "nvml"
     # AutoDetect matches a line without File= to detected GPUs by Type and Count, in an
@@ -221,7 +213,7 @@ def parse_gres_conf(text: str, path: str, node: str | None) -> GpuLayout:
     if not nvml and not files:
         named = for_error(node) if node else "(unnamed)"
         raise GresUnresolved(f"{path}: no Name=gpu File= line for node {named}")
-    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=types)
+    return GpuLayout(path, tuple(files), nvml_order=nvml, shards=shards, types=tuple(types))
 
 
 COUNT = re.compile(r"([0-9]{1,12})(?:([KMGTP])(IB|B)?)?", re.IGNORECASE)
@@ -232,12 +224,10 @@ def _count(path: str, number: int, text: str) -> int:
     match = COUNT.fullmatch(text)
     if match is None:
         raise _uncertain(path, number, f"Count={text}")
-    digits: str = match.group(1)
-    unit: str | None = match.group(2)
-    kind: str = match.group(3) or ""
+    digits, unit, kind = match.groups()
     if unit is None:
         return int(digits)
-    base = 1000 if kind.upper() == "B" else 1024
+    base = 1000 if (kind or "").upper() == "B" else 1024
     return int(digits) * int(base ** ("KMGTP".index(unit.upper()) + 1))
 
 
@@ -262,16 +252,15 @@ def _shard_files(path: str, lines: Lines) -> Shards | None:
             raise _uncertain(path, number, f"File={keys['file']}") from None
         if count >= len(named):
             files.extend(named)
-    if not first or not (every or files):
-        return None
-    return Shards(first, tuple(files), bool(every), every)
+    return Shards(first, tuple(files), bool(every), every) if every or files else None
 
 
-def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
-    """The Name=gpu lines' files in gres.conf's order, each with its line's Type (lowercased;
+def _gpu_files(path: str, lines: Lines) -> tuple[list[str], list[str], bool]:
+    """The Name=gpu lines' files in gres.conf's order, each one's line's Type (lowercased;
     "" for none), and whether a line without File= names a Type= or Count= (what AutoDetect
     matches by). `Files=` is slurmd's other spelling of `File=`."""
-    files: list[tuple[str, str]] = []
+    files: list[str] = []
+    types: list[str] = []
     fileless = False
     for number, keys in lines:
         if keys.get("name") != GPU:
@@ -289,12 +278,13 @@ def _gpu_files(path: str, lines: Lines) -> tuple[list[tuple[str, str]], bool]:
             raise _uncertain(path, number, "File and MultipleFiles")
         if several is not None:  # one GPU (a MIG slice) of several files: one number
             named = [MULTIPLE.join(named)]
-        files.extend((name, keys.get("type", "").lower()) for name in named)
-    names = [name for name, _ in files if MULTIPLE not in name]
+        files += named
+        types += [keys.get("type", "").lower()] * len(named)
+    names = [name for name in files if MULTIPLE not in name]
     if len(set(names)) != len(names):  # slurmd refuses to start ("duplicate device file name")
         twice = next(name for name in names if names.count(name) > 1)
         raise GresUnresolved(f"{path}: File {for_error(twice)} listed twice")
-    return files, fileless
+    return files, types, fileless
 
 
 @dataclass(frozen=True)
@@ -305,17 +295,11 @@ class DeviceNodes:
     stat: StatFn = os.stat
     proc: Path = Path("/proc")  # its driver/nvidia/capabilities name each slice's devices
 
-    def by_number(self) -> dict[tuple[bool, int], int]:
-        """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node."""
-        return self._nodes(self.dev, GPU_NODE, NVIDIA_MAJOR)
-
-    def caps_by_number(self) -> dict[tuple[bool, int], int]:
-        """(is a character device, st_rdev) -> K, for each /dev/nvidia-caps/nvidia-capK."""
-        return self._nodes(self.dev / "nvidia-caps", CAP_NODE, None)
-
-    def _nodes(
-        self, folder: Path, names: re.Pattern[str], major: int | None
-    ) -> dict[tuple[bool, int], int]:
+    def by_number(self, caps: bool = False) -> dict[tuple[bool, int], int]:
+        """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node (caps:
+        -> K, for each /dev/nvidia-caps/nvidia-capK)."""
+        folder = self.dev / "nvidia-caps" if caps else self.dev
+        names, major = (CAP_NODE, None) if caps else (GPU_NODE, NVIDIA_MAJOR)
         found: dict[tuple[bool, int], int] = {}
         try:
             listed = os.listdir(folder)
@@ -440,8 +424,7 @@ def _given_by_slurm_conf(
         if len(kinds) != 1 or (layout.files and set(layout.types) - {kinds[0]}):
             raise GresUnresolved(
                 f"{layout.path}: AutoDetect=nvml, and GPU {gpu.index} ({for_error(gpu.name)}) is "
-                "not "
-                f"of exactly one Gres= type ({', '.join(map(for_error, given))}) for certain"
+                f"not of exactly one Gres= type ({', '.join(map(for_error, given))}) for certain"
             )
         per_type[kinds[0]] = per_type.get(kinds[0], 0) + 1
     short = [kind for kind, found in per_type.items() if found > given[kind]]
@@ -462,7 +445,7 @@ def _slice_of_files(
 ) -> Gpu:
     """The slice a MultipleFiles record is: its GPU's /dev/nvidiaM and the capability devices
     of one slice of it (the driver's capabilities files name each slice's, by minor)."""
-    caps_known = nodes.caps_by_number()
+    caps_known = nodes.by_number(caps=True)
     minors: set[int] = set()
     caps: set[int] = set()
     for file in record.split(MULTIPLE):
@@ -550,15 +533,13 @@ def slices_by_unique_id(
 
 def _slice_named(entry: str, gpus: Sequence[Gpu]) -> Gpu:
     legacy = MIG_LEGACY.fullmatch(entry)
+    named = (legacy[1], int(legacy[2]), int(legacy[3])) if legacy else None
+    uuid = entry if legacy is None and MIG_UUID.fullmatch(entry) else None
     for gpu in gpus:
         mig = gpu.mig
-        if mig is None:
-            continue
-        if legacy is not None:
-            parent, gi, ci = legacy.group(1), int(legacy.group(2)), int(legacy.group(3))
-            if (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == (parent, gi, ci):
-                return gpu
-        elif MIG_UUID.fullmatch(entry) and gpu.uuid == entry:
+        if mig is not None and (
+            (mig.parent_uuid, mig.gpu_instance, mig.compute_instance) == named or gpu.uuid == uuid
+        ):
             return gpu
     raise GresUnresolved(f"CUDA_VISIBLE_DEVICES {for_error(entry)}: NVML lists no such MIG slice")
 
@@ -598,12 +579,11 @@ def _gpu_minor(
     record: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str
 ) -> int:
     """M of the GPU a File (or a MultipleFiles record, by its /dev/nvidiaM) is."""
-    for file in record.split(MULTIPLE)[:-1]:
-        try:
+    *first, last = record.split(MULTIPLE)
+    for file in first:
+        with contextlib.suppress(GresUnresolved):
             return minor_of(file, nodes, known, path)
-        except GresUnresolved:
-            continue
-    return minor_of(record.rsplit(MULTIPLE, maxsplit=1)[-1], nodes, known, path)
+    return minor_of(last, nodes, known, path)
 
 
 def spread(count: int, gpus: int) -> list[int]:
@@ -624,40 +604,26 @@ def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -
     gres.conf's order."""
     if layout.nvml_order:
         why = f"{layout.path}: AutoDetect=nvml takes the GPUs {slurm_conf}'s Gres= gives the node"
-        try:
-            text = read_root_file(slurm_conf, MAX_CONF_BYTES)
-        except GresUnresolved as exc:
-            raise GresUnresolved(f"{why} ({exc})") from None
-        given = node_gpu_types(text, node, why, untyped=True)
-        return replace(layout, given=tuple(given.items()))
-    if not layout.mixed_types:
+    elif len(set(layout.types)) > 1:
+        why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
+    else:
         return layout
-    why = f"{layout.path} names several GPU Types, which slurmd numbers in {slurm_conf}'s order"
     try:
         text = read_root_file(slurm_conf, MAX_CONF_BYTES)
     except GresUnresolved as exc:
         raise GresUnresolved(f"{why} ({exc})") from None
-    counts = node_gpu_types(text, node, why)
+    counts = _gres_counts(_node_gres(text, node, why), GPU)  # in the order written
+    if "" in counts and len(counts) > 1:
+        raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
+    if layout.nvml_order:
+        return replace(layout, given=tuple(counts.items()))
+    counts.pop("", None)
     if not counts:
         return layout
     ordered: list[tuple[str, str]] = []
     for kind, count in counts.items():
-        taken = [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
-        ordered.extend(taken)
+        ordered += [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
     return replace(layout, files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
-
-
-def node_gpu_types(
-    text: str, node: str | None, why: str, *, untyped: bool = False
-) -> dict[str, int]:
-    """The node's Gres= GPU types with their counts, in the order written ({} untyped;
-    untyped=True: {"": N} for `gpu:N`)."""
-    counts = _gres_counts(_node_gres(text, node, why), GPU)
-    if "" in counts and len(counts) > 1:
-        raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
-    if not untyped:
-        counts.pop("", None)
-    return counts
 
 
 def _node_gres(text: str, node: str | None, why: str) -> str:

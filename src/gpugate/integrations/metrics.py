@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
@@ -29,8 +29,7 @@ Labels = tuple[tuple[str, str], ...]
 _WARNED: set[Path] = set()
 
 
-@dataclass(frozen=True)
-class Family:
+class Family(NamedTuple):
     name: str
     kind: str  # counter, gauge or histogram
     help: str
@@ -119,20 +118,17 @@ Samples = dict[str, dict[Labels, float]]  # name -> label set -> value
 
 
 def apply(samples: Samples, record: RunRecord) -> None:
-    def add(name: str, labels: Mapping[str, str], value: float) -> None:
+    def add(name: str, labels: Mapping[str, str], value: float, *, put: bool = False) -> None:
         key = tuple(sorted(labels.items()))
         family = samples.setdefault(name, {})
-        family[key] = family.get(key, 0) + value
-
-    def put(name: str, labels: Mapping[str, str], value: float) -> None:
-        samples.setdefault(name, {})[tuple(sorted(labels.items()))] = value
+        family[key] = value if put else family.get(key, 0) + value
 
     run = {"phase": record.phase, "unit": record.unit}
     for phase in PHASE_PAIRS.get(record.phase, SLURM_PHASES):
         for result in RESULTS:  # at 0 from the unit's first write: see the module's doc
             add("gpugate_runs_total", {"phase": phase, "unit": record.unit, "result": result}, 0)
     add("gpugate_runs_total", {**run, "result": record.result}, 1)
-    put("gpugate_last_run_failed", run, 0 if record.result == "success" else 1)
+    add("gpugate_last_run_failed", run, 0 if record.result == "success" else 1, put=True)
     if record.release_s is not None:
         for bound in RELEASE_BUCKETS_S:
             add(f"{RELEASE}_bucket", {**run, "le": _number(bound)}, record.release_s <= bound)
@@ -145,7 +141,7 @@ def apply(samples: Samples, record: RunRecord) -> None:
         add("gpugate_reclaimed_mib_total", _gpu_labels(record.unit, gpu), mib)
     for gpu in record.freed_gpus:
         labels = _gpu_labels(record.unit, gpu)
-        put("gpugate_last_success_timestamp_seconds", labels, record.finished_at)
+        add("gpugate_last_success_timestamp_seconds", labels, record.finished_at, put=True)
 
 
 def _gpu_labels(unit: str, gpu: GpuSeries) -> dict[str, str]:
@@ -210,19 +206,6 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     return samples
 
 
-def dump_state(samples: Samples) -> str:
-    data = {
-        "version": STATE_VERSION,
-        "samples": {
-            name: [
-                {"labels": dict(labels), "value": value} for labels, value in sorted(found.items())
-            ]
-            for name, found in sorted(samples.items())
-        },
-    }
-    return json.dumps(data, indent=1, sort_keys=True) + "\n"
-
-
 def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
     """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock (OSError).
     The folder may be the exporter's: all through its descriptor, no link followed."""
@@ -230,9 +213,14 @@ def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
     with folder(textfile.parent) as folder_fd, flocked(folder_fd, lock.name, lock):
         samples = load_state(state, folder_fd)
         change(samples)
+        found = {
+            name: [{"labels": dict(labels), "value": value} for labels, value in sorted(by.items())]
+            for name, by in sorted(samples.items())
+        }
+        data = {"version": STATE_VERSION, "samples": found}
         # State first: after a crash between the two renames the next run rewrites the
         # textfile from it.
-        write_in(folder_fd, state.name, dump_state(samples).encode())
+        write_in(folder_fd, state.name, json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
         write_in(folder_fd, textfile.name, render(samples).encode())
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import math
 import os
@@ -255,17 +256,13 @@ def read_leases(lock_dir: Path) -> LeaseFiles:
 def workload_words(lock_dir: Path) -> Callable[[str], str | None]:
     """A unit's words where its lease names a container (a pod as namespace/pod/container,
     not its scope), for the refusals that name it; the leases read once, when first asked."""
-    found: dict[str, str] = {}
-    read: list[bool] = []
 
-    def words(unit: str) -> str | None:
-        if not read:
-            read.append(True)
-            leases = read_leases(lock_dir).leases
-            found.update((x.unit, printable(x.container, STATE)) for x in leases if x.container)
-        return found.get(unit)
+    @functools.cache
+    def found() -> dict[str, str]:
+        leases = read_leases(lock_dir).leases
+        return {x.unit: printable(x.container, STATE) for x in leases if x.container}
 
-    return words
+    return lambda unit: found().get(unit)
 
 
 def write_lease(lock_dir: Path, lease: Lease) -> None:
@@ -336,14 +333,16 @@ def check_leases(
     *,
     share: bool,
     unit_state: Callable[[str], str | None],
+    around: str | None = None,
 ) -> LeaseCheck:
-    """unit_state: the unit's ActiveState (None: unknown, taken as still running)."""
+    """unit_state: the unit's ActiveState (None: unknown, taken as still running); around: a
+    container's enclosing system unit, whose lease is not looked at."""
     files = read_leases(lock_dir)
     check = LeaseCheck([], [], [], files.unreadable, share=share)
     for lease in files.leases:
         leased = {uuid.lower() for uuid in lease.uuids}
         overlap = [gpu for gpu in gpus if gpu.uuid.lower() in leased]
-        if lease.unit == unit or not overlap:
+        if lease.unit in (unit, around) or not overlap:
             continue  # the unit's own, from an earlier start, is replaced
         state = unit_state(lease.unit)
         if state is not None and state not in RUNNING_STATES:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
-from gpugate.config.values import BUILTIN_SOURCE, GpuRef, GpuSelection, parse_gpu_text
+from gpugate.config.values import BUILTIN_SOURCE, GpuSelection, parse_gpu_text
 from gpugate.core.decide import Decision
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import BusyGpu, Progress, RunSummary, StateToWrite, Workload
@@ -59,19 +59,16 @@ class GpuChoice:
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
     """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
     text = value.strip()
-    lowered = text.lower()
-    if variable == "NVIDIA_VISIBLE_DEVICES":
-        if lowered == "all":
-            return "all"
-        if lowered in NVIDIA_NO_GPU:
-            return ()
+    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() == "all":
+        return "all"
+    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in NVIDIA_NO_GPU:
+        return ()
     if text in NO_GPU or text.split(",")[0].strip() == "-1":
         return ()
     try:
-        gpus: tuple[GpuRef, ...] = parse_gpu_text(text)
+        return parse_gpu_text(text)
     except InvalidValue as exc:
         raise ConfigError(where, variable, f"{for_error(value)}: {exc}") from None
-    return gpus
 
 
 def choose_gpus(
@@ -250,10 +247,9 @@ class UnitWorkload(Workload):
         context, source = self.context, self.loaded.source
         if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
             return "--share-gpus", "start it with gpugate run --share-gpus"
-        if source == BUILTIN_SOURCE and context.container is not None:
-            source = records.CONTAINERS_CONFIG
-        elif source == BUILTIN_SOURCE:
-            source = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
+        if source == BUILTIN_SOURCE:
+            own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
+            source = own if context.container is None else records.CONTAINERS_CONFIG
         return source, None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
@@ -261,18 +257,13 @@ class UnitWorkload(Workload):
         unit_state = self.context.unit_state or functools.partial(
             unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         )
-        check = records.check_leases(
-            config.lock_dir, self.scope.unit, owned, share=config.share_gpus, unit_state=unit_state
-        )
-        around = self.context.around
-        if around is None:
-            return check
-        return records.LeaseCheck(
-            [item for item in check.conflicts if item[0].unit != around],
-            [item for item in check.shared if item[0].unit != around],
-            [item for item in check.stale if item[0].unit != around],
-            check.unreadable,
-            share=check.share,
+        return records.check_leases(
+            config.lock_dir,
+            self.scope.unit,
+            owned,
+            share=config.share_gpus,
+            unit_state=unit_state,
+            around=self.context.around,
         )
 
     def not_to_wait_on(self, owned: Sequence[Gpu]) -> list[Gpu]:
@@ -288,7 +279,14 @@ class UnitWorkload(Workload):
     def after_run(self, summary: RunSummary) -> None:
         code, traits = summary.exit_code, self.scope.phase.traits
         if traits.takes_lease and code is ExitCode.OK:
-            self._started(summary.owned)
+            lock_dir = self.loaded.config.lock_dir
+            if not self.choice.named or not summary.owned:
+                # A lease on every GPU only because nothing named the unit's would lock every
+                # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
+                records.release_lease(lock_dir, self.scope.unit)
+            elif not self.lease_written:
+                records.write_lease(lock_dir, self._lease(summary.owned))
+            records.clear_failed_pre(lock_dir, self.scope.unit)
         else:
             busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
             timeout_s = self.loaded.config.policy(self.scope.phase).wait_timeout_s
@@ -309,16 +307,6 @@ class UnitWorkload(Workload):
         self._failed(error.exit_code, error.message, busy, error=True)
         if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
             self._release()
-
-    def _started(self, owned: Sequence[Gpu]) -> None:
-        lock_dir = self.loaded.config.lock_dir
-        if not self.choice.named or not owned:
-            # A lease on every GPU only because nothing named the unit's would lock every
-            # other unit out. (No GPU at all: NVML failed with on_nvml_error = warn.)
-            records.release_lease(lock_dir, self.scope.unit)
-        elif not self.lease_written:
-            records.write_lease(lock_dir, self._lease(owned))
-        records.clear_failed_pre(lock_dir, self.scope.unit)
 
     def _failed(self, code: ExitCode, reason: str, busy: Sequence[BusyGpu], *, error: bool) -> None:
         """A failed pre gives its lease up (after an error, quietly) and records why."""
