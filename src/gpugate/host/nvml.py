@@ -483,14 +483,6 @@ class NoGpus:
         pass
 
 
-@dataclass
-class _Request:
-    job: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    value: Any = None
-    error: BaseException | None = None
-
-
 @dataclass(eq=False)
 class CallThread:
     """One daemon thread that makes, in order, calls into a library that may never return (a
@@ -500,38 +492,42 @@ class CallThread:
     the caller must make no further call (it would queue behind the hung one)."""
 
     name: str
-    _requests: queue.SimpleQueue[_Request] = field(default_factory=queue.SimpleQueue)
+    # Each call: the job, set once it has returned, and (its value, its exception) then.
+    _requests: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]] = field(
+        default_factory=queue.SimpleQueue
+    )
     _thread: threading.Thread | None = None
-    _last: _Request | None = None
+    _last: threading.Event | None = None
 
     @property
     def busy(self) -> bool:
         """A call has not returned (it hung, or its caller was interrupted waiting for it)."""
-        return self._last is not None and not self._last.done.is_set()
+        return self._last is not None and not self._last.is_set()
 
     def call(self, until: float, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """function(*args, **kwargs)'s value or exception, or CallTimedOut once `until` passes."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
-        request = _Request(functools.partial(function, *args, **kwargs))
-        self._last = request
+        self._last = done = threading.Event()
+        answer: list[Any] = []
         started = time.monotonic()
-        self._requests.put(request)
-        if not request.done.wait(max(until - started, 0.0)):
+        self._requests.put((functools.partial(function, *args, **kwargs), done, answer))
+        if not done.wait(max(until - started, 0.0)):
             raise CallTimedOut(time.monotonic() - started)
-        if request.error is not None:
-            raise request.error
-        return request.value
+        value, error = answer
+        if error is not None:
+            raise error
+        return value
 
     def _serve(self) -> None:
         while True:
-            request = self._requests.get()
+            job, done, answer = self._requests.get()
             try:
-                request.value = request.job()
+                answer[:] = [job(), None]
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
-                request.error = exc
-            request.done.set()
+                answer[:] = [None, exc]
+            done.set()
 
 
 # MIG capability devices. The driver grants access to a GPU instance and to a compute instance
@@ -547,10 +543,9 @@ MINOR_LINE = re.compile(rb"^DeviceFileMinor:\s*([0-9]+)\s*$", re.MULTILINE)
 MAX_ACCESS_BYTES = 4096
 
 
-CapMinors = Iterator[tuple[Gpu, MigSlice, "list[int | None]"]]
-
-
-def _slice_minors(proc_root: Path, gpus: Sequence[Gpu]) -> CapMinors:
+def _slice_minors(
+    proc_root: Path, gpus: Sequence[Gpu]
+) -> Iterator[tuple[Gpu, MigSlice, list[int | None]]]:
     """Each slice, its MigSlice and the minors (None where the driver names none) of its GPU
     instance's and compute instance's capability devices."""
     for gpu in gpus:

@@ -122,19 +122,12 @@ class ProcFs:
             self._cache = None
 
     def _read(self, pid: int, name: str) -> str | None:
-        try:
-            # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (untrusted.py)
-            with open(
-                f"{self.root}/{pid}/{name}", encoding="utf-8", errors="surrogateescape"
-            ) as handle:
+        path = f"{self.root}/{pid}/{name}"
+        try:  # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (untrusted.py)
+            with open(path, encoding="utf-8", errors="surrogateescape") as handle:
                 return handle.read()
         except (FileNotFoundError, ProcessLookupError):
             return None
-
-    def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
-        if self._cache is not None:
-            self._cache[pid] = info
-        return info
 
     def stat(self, pid: int) -> ProcInfo | None:
         """The cheap facts (one read): enough to walk the tree."""
@@ -142,6 +135,11 @@ class ProcFs:
             return self._cache[pid]
         text = self._read(pid, "stat")
         return self._remember(pid, parse_stat(text) if text else None)
+
+    def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
+        if self._cache is not None:
+            self._cache[pid] = info
+        return info
 
     def info(self, pid: int) -> ProcInfo | None:
         """All facts gpugate decides on, read once; None where gone, or its PID reused since."""
@@ -222,15 +220,6 @@ class Deadline:
 NO_DEADLINE = Deadline()
 
 
-@dataclass(frozen=True)
-class _Wanted:
-    prefix: str | None
-    socket_inodes: Collection[int]
-    shm_areas: Sequence[ShmArea]
-    shm_prefixes: tuple[str, ...]
-    deadline: Deadline
-
-
 def scan_device_users(
     proc_root: Path,
     device_prefix: str | None,
@@ -245,49 +234,44 @@ def scan_device_users(
     process's files in the shm areas, from the same fd links and maps. pids: only these
     processes (`WatchScan`'s rescans). Nothing is read past the deadline: what is left is in
     `cut_short`. psutil's open_files() skips device files: this reads /proc/PID/fd itself."""
-    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
-    wanted = _Wanted(device_prefix or None, socket_inodes, shm_areas, shm_prefixes, deadline)
+    prefix = device_prefix or None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
+    scan = DeviceScan({}, [])
     try:
         if pids is None:
             names = [name for name in os.listdir(proc_fd) if name.isdigit()]
         else:
             names = [str(pid) for pid in pids]
-        return _scan_part(proc_fd, names, wanted)
+        for count, name in enumerate(names):
+            if deadline.passed():
+                scan.cut_short.extend(int(left) for left in names[count:])
+                break
+            maps = _read_maps(proc_fd, name)
+            where = name
+            # A thread group whose leader exited (pthread_exit in main) shows an empty maps and
+            # fd table under /proc/PID while its live threads still hold files (PID/task/TID).
+            if maps is None:
+                thread = _live_thread_of_dead_leader(proc_fd, name)
+                if thread is None:
+                    continue
+                where = f"{name}/task/{thread}"
+                maps = _read_maps(proc_fd, where) or b""
+            fds = _fd_paths(proc_fd, where, prefix, socket_inodes, shm_areas, deadline)
+            if fds is None:
+                scan.unreadable.append(int(name))
+                continue
+            scan.cut_short.extend([int(name)] if fds.cut_short else [])
+            mapped = _mapped_paths(maps, prefix)
+            if fds.paths or fds.sockets or mapped:
+                use = DeviceUse(frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets))
+                scan.users[int(name)] = use
+            shm = fds.shm + _mapped_shm(maps, shm_areas) if shm_areas else fds.shm
+            if shm:
+                holder = read_credentials(proc_fd, name)
+                files = merge(shm).values()
+                scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in files)
     finally:
         os.close(proc_fd)
-
-
-def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
-    scan = DeviceScan({}, [])
-    for count, name in enumerate(names):
-        if wanted.deadline.passed():
-            scan.cut_short.extend(int(left) for left in names[count:])
-            break
-        maps = _read_maps(proc_fd, name)
-        where = name
-        # A thread group whose leader exited (pthread_exit in main) shows an empty maps and fd
-        # table under /proc/PID while its live threads still hold files (/proc/PID/task/TID).
-        if maps is None:
-            thread = _live_thread_of_dead_leader(proc_fd, name)
-            if thread is None:
-                continue
-            where = f"{name}/task/{thread}"
-            maps = _read_maps(proc_fd, where) or b""
-        fds = _fd_paths(proc_fd, where, wanted)
-        if fds is None:
-            scan.unreadable.append(int(name))
-            continue
-        scan.cut_short.extend([int(name)] if fds.cut_short else [])
-        mapped = _mapped_paths(maps, wanted.prefix)
-        if fds.paths or fds.sockets or mapped:
-            scan.users[int(name)] = DeviceUse(
-                frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
-            )
-        shm = fds.shm + _mapped_shm(maps, wanted.shm_areas) if wanted.shm_areas else fds.shm
-        if shm:
-            holder = read_credentials(proc_fd, name)
-            scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
     return scan
 
 
@@ -314,10 +298,17 @@ class _Fds:
     cut_short: bool = False  # the deadline came before the last fd
 
 
-def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
+def _fd_paths(
+    proc_fd: int,
+    pid_name: str,
+    prefix: str | None,
+    socket_inodes: Collection[int],
+    shm_areas: Sequence[ShmArea],
+    deadline: Deadline,
+) -> _Fds | None:
     """The fd targets wanted; None where we may not read them (not root)."""
     found = _Fds()
-    prefix, socket_inodes, shm_prefixes = wanted.prefix, wanted.socket_inodes, wanted.shm_prefixes
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except OSError as exc:  # not ours to read (not root), or gone
@@ -326,7 +317,7 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     try:
         with os.scandir(dir_fd) as entries:
             for count, entry in enumerate(entries, 1):
-                if count % CHECK_EVERY == 0 and wanted.deadline.passed():
+                if count % CHECK_EVERY == 0 and deadline.passed():
                     found.cut_short = True
                     break
                 try:
@@ -341,7 +332,7 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
                         found.sockets.add(inode)
                 elif shm_prefixes and target.startswith(shm_prefixes):
                     found.shm += _fd_shm_file(
-                        proc_fd, pid_name, dir_fd, entry.name, target, wanted.shm_areas
+                        proc_fd, pid_name, dir_fd, entry.name, target, shm_areas
                     )
     except OSError:
         pass
