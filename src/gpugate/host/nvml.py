@@ -241,26 +241,6 @@ class NvmlDriver:
         self._calling = (_name(function), index)
         return function(*args, **kwargs)
 
-    def _init(self) -> None:
-        if self._initialized:
-            return
-        nv = self._nv
-        self._calling = ("dlopen", None)
-        load_nvml_library(nv, self._library)
-        try:
-            self._raw(None, nv.nvmlInit)
-        except nv.NVMLError_LibraryNotFound:
-            raise NvmlUnavailable(
-                "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
-            ) from None
-        except nv.NVMLError_DriverNotLoaded:
-            raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
-        except nv.NVMLError_NoPermission:
-            raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
-        except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
-        self._initialized = True
-
     def close(self) -> None:
         if not self._initialized or self._stuck is not None or self._thread.busy:
             return  # nvmlShutdown would wait behind the call that has not returned
@@ -273,8 +253,24 @@ class NvmlDriver:
         return self._gpus
 
     def _read_gpus(self) -> list[Gpu]:
-        self._init()
         nv = self._nv
+        if not self._initialized:
+            self._calling = ("dlopen", None)
+            load_nvml_library(nv, self._library)
+            try:
+                self._raw(None, nv.nvmlInit)
+            except nv.NVMLError_LibraryNotFound:
+                raise NvmlUnavailable(
+                    "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
+                ) from None
+            except nv.NVMLError_DriverNotLoaded:
+                raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
+            except nv.NVMLError_NoPermission:
+                why = "NVML: permission denied opening the NVIDIA driver"
+                raise PermissionDenied(why) from None
+            except nv.NVMLError as exc:
+                raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
+            self._initialized = True
         found: list[Gpu] = []
         try:
             count = self._raw(None, nv.nvmlDeviceGetCount)
@@ -294,25 +290,22 @@ class NvmlDriver:
         parent = self._handles[index]
         most = int(self._call(index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
         slices: list[Gpu] = []
+        call = functools.partial(self._call, index)
         for mig_index in range(min(most, MIG_PER_GPU)):
             get = nv.nvmlDeviceGetMigDeviceHandleByIndex
             try:
-                handle = self._call(index, get, parent, mig_index, keep=nv.NVMLError_NotFound)
+                handle = call(get, parent, mig_index, keep=nv.NVMLError_NotFound)
             except nv.NVMLError_NotFound:
                 continue
             key = mig_key(index, mig_index)
             self._handles[key] = handle
-            name = _text(self._call(index, nv.nvmlDeviceGetName, handle))
-            memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
-            mig = MigSlice(
-                parent=index,
-                parent_uuid=gpu.uuid,
-                mig_index=mig_index,
-                gpu_instance=int(self._call(index, nv.nvmlDeviceGetGpuInstanceId, handle)),
-                compute_instance=int(self._call(index, nv.nvmlDeviceGetComputeInstanceId, handle)),
-                profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
-            )
-            uuid = _text(self._call(index, nv.nvmlDeviceGetUUID, handle))
+            name = _text(call(nv.nvmlDeviceGetName, handle))
+            memory = call(nv.nvmlDeviceGetMemoryInfo, handle)
+            gpu_instance = int(call(nv.nvmlDeviceGetGpuInstanceId, handle))
+            compute_instance = int(call(nv.nvmlDeviceGetComputeInstanceId, handle))
+            profile = name.rsplit(" MIG ", 1)[1] if " MIG " in name else ""
+            mig = MigSlice(index, gpu.uuid, mig_index, gpu_instance, compute_instance, profile)
+            uuid = _text(call(nv.nvmlDeviceGetUUID, handle))
             slices.append(Gpu(key, uuid, gpu.minor, name, int(memory.total) // MIB, mig=mig))
         return slices
 

@@ -105,14 +105,12 @@ def host_root(dev_root: Path, proc_root: Path) -> str | None:
     return None if os.path.samestat(ours, init) else str(proc_root / "1" / "root")
 
 
-def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
+def find_areas(dev_root: Path, proc_root: Path, root: str | None = None) -> list[ShmArea]:
     """DEV/shm, where glibc's shm_open and sem_open put their files (a symlink: its target),
     and /run/shm where mountinfo lists a mount of its own there, each known by its device.
-    Always the host's (PID 1's): in a mount namespace of gpugate's own, through PROC/1/root."""
-    return _host_areas(host_root(dev_root, proc_root), proc_root, dev_root)
-
-
-def _host_areas(root: str | None, proc_root: Path, dev_root: Path = Path("/dev")) -> list[ShmArea]:
+    Always the host's (PID 1's): in a mount namespace of gpugate's own, through PROC/1/root
+    (root: that folder, where not host_root's)."""
+    root = root or host_root(dev_root, proc_root)
     if root is None:
         names, mounts = [os.path.realpath(dev_root / "shm")], mount_points(proc_root)
     else:
