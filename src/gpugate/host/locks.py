@@ -110,31 +110,27 @@ def check_writable(folder: Path, what: str) -> None:
         raise PermissionDenied(why, code="no-permission-creating") from None
     except OSError as exc:
         raise _unwritable(folder, what, exc, opening=True) from None
-    try:
-        _probe(folder_fd, folder, what)
-    finally:
-        os.close(folder_fd)
-
-
-def _probe(folder_fd: int, folder: Path, what: str) -> None:
     name = f".gpugate-probe.{os.urandom(6).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
-    except PermissionError:
-        why = f"{folder}: permission denied writing {what} there"
-        raise PermissionDenied(why, code="no-permission-writing") from None
-    except OSError as exc:
-        raise _unwritable(folder, what, exc) from None
-    try:
-        if os.write(fd, bytes(PROBE_BYTES)) < PROBE_BYTES:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    except OSError as exc:
-        raise _unwritable(folder, what, exc) from None
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
+        except PermissionError:
+            why = f"{folder}: permission denied writing {what} there"
+            raise PermissionDenied(why, code="no-permission-writing") from None
+        except OSError as exc:
+            raise _unwritable(folder, what, exc) from None
+        try:
+            if os.write(fd, bytes(PROBE_BYTES)) < PROBE_BYTES:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            raise _unwritable(folder, what, exc) from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=folder_fd)
     finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=folder_fd)
+        os.close(folder_fd)
 
 
 def check_file_slot(path: Path, what: str) -> None:

@@ -453,9 +453,7 @@ class HostShm:
 
     def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
         done = unlink_if_same(self.areas, file, allowed=allowed)
-        if done.facts is None:
-            done = unlink_if_same(self.areas, file, self.index, allowed)
-        return done
+        return done if done.facts else unlink_if_same(self.areas, file, self.index, allowed)
 
     def spaces(self) -> list[Space]:
         return [found for area in self.areas if (found := space(area)) is not None]

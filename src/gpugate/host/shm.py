@@ -285,12 +285,11 @@ def _own_names(
             continue
         fd, last = found
         try:
-            try:
-                info = os.stat(last, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
+            info = os.stat(last, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISREG(info.st_mode) and ShmKey(info.st_dev, info.st_ino) == file.key:
                 yield fd, last, _facts(name, info, os.fstat(fd))
+        except OSError:
+            continue
         finally:
             os.close(fd)
 
