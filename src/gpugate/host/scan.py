@@ -15,27 +15,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from gpugate.host import shm
 from gpugate.host.safe_files import read_at
-from gpugate.host.shm import (
-    FileFacts,
-    FreshHolders,
-    ShmArea,
-    ShmFile,
-    ShmKey,
-    Space,
-    Unlinked,
-    area_of,
-    facts,
-    fd_opens_file,
-    inode_index,
-    largest_files,
-    maps_key,
-    maps_names,
-    merge,
-    read_credentials,
-    space,
-    unlink_if_same,
-)
+from gpugate.host.shm import FileFacts, FreshHolders, ShmArea, ShmFile, ShmKey, Space, Unlinked
 from gpugate.host.systemd import parse_cgroup
 
 PF_KTHREAD = 0x00200000
@@ -265,10 +247,10 @@ def scan_device_users(
             if fds.paths or fds.sockets or mapped:
                 use = DeviceUse(frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets))
                 scan.users[int(name)] = use
-            shm = fds.shm + _mapped_shm(maps, shm_areas) if shm_areas else fds.shm
-            if shm:
-                holder = read_credentials(proc_fd, name)
-                files = merge(shm).values()
+            held = fds.shm + _mapped_shm(maps, shm_areas) if shm_areas else fds.shm
+            if held:
+                holder = shm.read_credentials(proc_fd, name)
+                files = shm.merge(held).values()
                 scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in files)
     finally:
         os.close(proc_fd)
@@ -346,7 +328,7 @@ def _fd_shm_file(
 ) -> list[ShmFile]:
     """The file behind the fd link (stat follows it, also once unlinked); none on another
     device: another mount namespace's /dev/shm (a container's) shows the same names."""
-    area = area_of(areas, target)
+    area = shm.area_of(areas, target)
     try:
         info = os.stat(fd_name, dir_fd=dir_fd)
     except OSError:
@@ -355,7 +337,7 @@ def _fd_shm_file(
         return []  # (a folder or FIFO open there is no segment)
     try:
         fdinfo = read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096)
-        opened = fd_opens_file(fdinfo.decode("ascii", "replace"))
+        opened = shm.fd_opens_file(fdinfo.decode("ascii", "replace"))
     except OSError:
         opened = False  # closed since: no evidence
     return [ShmFile(ShmKey(info.st_dev, info.st_ino), (target,), opened)]
@@ -400,9 +382,9 @@ def _mapped_shm(data: bytes, areas: Sequence[ShmArea]) -> list[ShmFile]:
     for area in areas:
         prefix = (area.path.rstrip("/") + "/").encode()
         for line_start, start, end in _names_under(data, prefix):
-            key = maps_key(data[line_start:start])
+            key = shm.maps_key(data[line_start:start])
             if key is not None and key.dev == area.dev:
-                names = maps_names(data[start:end].decode(errors="surrogateescape"))
+                names = shm.maps_names(data[start:end].decode(errors="surrogateescape"))
                 files.append(ShmFile(key, names))
     return files
 
@@ -438,7 +420,7 @@ class HostShm:
 
     @functools.cached_property
     def index(self) -> dict[ShmKey, list[str]]:
-        return inode_index(self.areas)
+        return shm.inode_index(self.areas)
 
     def holders(self) -> FreshHolders:
         scan = scan_device_users(self.proc_root, None, shm_areas=self.areas)
@@ -449,17 +431,17 @@ class HostShm:
         return FreshHolders(by_key, scan.unreadable)
 
     def facts(self, file: ShmFile) -> FileFacts | None:
-        return facts(self.areas, file) or facts(self.areas, file, self.index)
+        return shm.facts(self.areas, file) or shm.facts(self.areas, file, self.index)
 
     def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
-        done = unlink_if_same(self.areas, file, allowed=allowed)
-        return done if done.facts else unlink_if_same(self.areas, file, self.index, allowed)
+        done = shm.unlink_if_same(self.areas, file, allowed=allowed)
+        return done if done.facts else shm.unlink_if_same(self.areas, file, self.index, allowed)
 
     def spaces(self) -> list[Space]:
-        return [found for area in self.areas if (found := space(area)) is not None]
+        return [found for area in self.areas if (found := shm.space(area)) is not None]
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
-        return largest_files(self.areas, count)
+        return shm.largest_files(self.areas, count)
 
 
 FULL_SCAN_EVERY_S = 30.0
