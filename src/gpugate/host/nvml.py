@@ -260,9 +260,8 @@ class NvmlDriver:
             try:
                 self._raw(None, nv.nvmlInit)
             except nv.NVMLError_LibraryNotFound:
-                raise NvmlUnavailable(
-                    "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
-                ) from None
+                why = "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
+                raise NvmlUnavailable(why) from None
             except nv.NVMLError_DriverNotLoaded:
                 raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
             except nv.NVMLError_NoPermission:
@@ -389,11 +388,8 @@ class NvmlDriver:
         except keep:
             raise
         except nv.NVMLError_GpuIsLost:
-            raise GpuError(
-                index,
-                f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot",
-                code="nvml-gpu-lost",
-            ) from None
+            why = f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
+            raise GpuError(index, why, code="nvml-gpu-lost") from None
         except nv.NVMLError_NotSupported:
             raise GpuError(index, f"NVML: GPU {index} does not support {_name(function)}") from None
         except nv.NVMLError_NoPermission:

@@ -285,12 +285,12 @@ def _fd_paths(
     pid_name: str,
     prefix: str | None,
     socket_inodes: Collection[int],
-    shm_areas: Sequence[ShmArea],
+    areas: Sequence[ShmArea],
     deadline: Deadline,
 ) -> _Fds | None:
     """The fd targets wanted; None where we may not read them (not root)."""
     found = _Fds()
-    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in areas)
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except OSError as exc:  # not ours to read (not root), or gone
@@ -313,9 +313,7 @@ def _fd_paths(
                     if inode in socket_inodes:
                         found.sockets.add(inode)
                 elif shm_prefixes and target.startswith(shm_prefixes):
-                    found.shm += _fd_shm_file(
-                        proc_fd, pid_name, dir_fd, entry.name, target, shm_areas
-                    )
+                    found.shm += _fd_shm_file(proc_fd, pid_name, dir_fd, entry.name, target, areas)
     except OSError:
         pass
     finally:

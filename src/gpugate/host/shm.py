@@ -48,9 +48,6 @@ class ShmArea:
     def where(self) -> str:
         return self.at or self.path
 
-    def holds(self, path: str) -> bool:
-        return path.startswith(self.path.rstrip("/") + "/")
-
     def shown(self, reached: str) -> str:
         """A path found under `where` as the host's processes name it."""
         return self.path.rstrip("/") + reached[len(self.where.rstrip("/")) :]
@@ -141,7 +138,7 @@ def _through_root(root: str, named: str) -> tuple[str, str]:
 
 
 def area_of(areas: Sequence[ShmArea], path: str) -> ShmArea | None:
-    return next((area for area in areas if area.holds(path)), None)
+    return next((area for area in areas if path.startswith(area.path.rstrip("/") + "/")), None)
 
 
 def maps_names(raw: str) -> tuple[str, ...]:
