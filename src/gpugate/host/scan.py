@@ -115,8 +115,7 @@ class ProcFs:
         """The cheap facts (one read): enough to walk the tree."""
         if self._cache is not None and pid in self._cache:
             return self._cache[pid]
-        text = self._read(pid, "stat")
-        return self._remember(pid, parse_stat(text) if text else None)
+        return self._remember(pid, parse_stat(self._read(pid, "stat") or ""))
 
     def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
         if self._cache is not None:
@@ -131,21 +130,17 @@ class ProcFs:
         cgroup_text = self._read(pid, "cgroup")
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
-            exe: str | None = os.readlink(f"{self.root}/{pid}/exe")
+            exe: str | None = os.readlink(f"{self.root}/{pid}/exe") or None
         except OSError:  # another user's (not root), a zombie's, a kernel thread's
             exe = None
         status = self._read(pid, "status") or ""
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
         if cgroup_text is None or (base.state != "Z" and not self.still_same(base.ident)):
             return self._remember(pid, None)
-        found = replace(
-            base,
-            uid=int(uids[0]) if uids else None,
-            cgroup=parse_cgroup(cgroup_text) or "/",
-            cmdline=tuple(arg for arg in cmdline if arg),
-            exe=exe or None,
-        )
-        return self._remember(pid, found)
+        cgroup = parse_cgroup(cgroup_text) or "/"
+        uid = int(uids[0]) if uids else None
+        args = tuple(arg for arg in cmdline if arg)
+        return self._remember(pid, replace(base, uid=uid, cgroup=cgroup, cmdline=args, exe=exe))
 
     def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"
@@ -161,8 +156,7 @@ class ProcFs:
         return [int(child) for text in texts for child in text.split()]
 
     def still_same(self, ident: ProcessId) -> bool:
-        text = self._read(ident.pid, "stat")
-        info = parse_stat(text) if text else None
+        info = parse_stat(self._read(ident.pid, "stat") or "")
         return info is not None and info.start_time == ident.start_time
 
 
