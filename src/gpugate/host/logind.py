@@ -24,10 +24,7 @@ SESSION_SCOPE = re.compile(r"/user\.slice/user-[0-9]+\.slice/session-([A-Za-z0-9
 
 def session_of_cgroup(cgroup: str | None) -> str | None:
     """The logind session ID whose scope holds this cgroup (or one below it), else None."""
-    if cgroup is None:
-        return None
-    top = "/".join(cgroup.split("/")[:4])
-    match = SESSION_SCOPE.fullmatch(top)
+    match = SESSION_SCOPE.fullmatch("/".join((cgroup or "").split("/")[:4]))
     return match.group(1) if match else None
 
 

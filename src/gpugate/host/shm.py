@@ -235,11 +235,10 @@ def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
                         info = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    if info.st_dev != area.dev:
-                        continue
-                    if stat.S_ISREG(info.st_mode):
+                    own = info.st_dev == area.dev
+                    if own and stat.S_ISREG(info.st_mode):
                         yield area.shown(entry.path), info
-                    elif stat.S_ISDIR(info.st_mode) and depth < MAX_WALK_DEPTH:
+                    elif own and stat.S_ISDIR(info.st_mode) and depth < MAX_WALK_DEPTH:
                         folders.append((entry.path, depth + 1))
         except OSError:
             continue
@@ -337,22 +336,17 @@ def unlink_if_same(
 
 def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, FileFacts]]:
     """The COUNT largest regular files in the areas, by allocated bytes."""
-    found = [
-        (
-            ShmKey(info.st_dev, info.st_ino),
-            FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
-        )
-        for area in areas
-        for path, info in regular_files(area)
-    ]
+    found: list[tuple[ShmKey, FileFacts]] = []
+    for area in areas:
+        for path, info in regular_files(area):
+            seen = FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid)
+            found.append((ShmKey(info.st_dev, info.st_ino), seen))
     found.sort(key=lambda item: (-item[1].bytes, item[1].path))
     return found[:count]
 
 
 # Who may remove a file: gpugate removes a killed process's file only where that process's
 # account could have done so itself (core.shm_cleanup), judged on its /proc/PID/status.
-
-
 CAP_DAC_OVERRIDE = 1
 CAP_FOWNER = 3
 O_PATH = 0o10000000  # fdinfo's `flags:` are octal; an O_PATH fd needs no permission on the file
