@@ -14,7 +14,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
 
@@ -472,7 +472,6 @@ class NoGpus:
         pass
 
 
-@dataclass(eq=False)
 class CallThread:
     """One daemon thread that makes, in order, calls into a library that may never return (a
     hung GPU driver), each waited for until a deadline. ctypes releases the GIL for the call,
@@ -480,13 +479,13 @@ class CallThread:
     interrupts). A hung call cannot be cancelled: the daemon thread lets the process exit, and
     the caller must make no further call (it would queue behind the hung one)."""
 
-    name: str
-    # Each call: the job, set once it has returned, and (its value, its exception) then.
-    _requests: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]] = field(
-        default_factory=queue.SimpleQueue
-    )
-    _thread: threading.Thread | None = None
-    _last: threading.Event | None = None
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # Each call: the job, set once it has returned, and (its value, its exception) then.
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]]
+        self._requests = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last: threading.Event | None = None
 
     @property
     def busy(self) -> bool:
