@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 from gpugate.errors import (
     CallTimedOut,
@@ -45,8 +45,7 @@ def mig_parent(key: int) -> int | None:
     return (key - MIG_KEY_BASE) // MIG_PER_GPU if key >= MIG_KEY_BASE else None
 
 
-@dataclass(frozen=True)
-class MigSlice:
+class MigSlice(NamedTuple):
     parent: int
     parent_uuid: str
     mig_index: int  # for nvmlDeviceGetMigDeviceHandleByIndex
@@ -85,16 +84,14 @@ class Gpu:
         )
 
 
-@dataclass(frozen=True)
-class GpuProcess:
+class GpuProcess(NamedTuple):
     pid: int
     used_mib: int | None  # None where the driver does not say
     on_slice: bool = False  # listed with a MIG GPU instance (its slice lists it too)
     mps_client: bool = False  # on NVML's MPS client list (docs/mps.md)
 
 
-@dataclass(frozen=True)
-class GpuUsage:
+class GpuUsage(NamedTuple):
     gpu: Gpu
     used_mib: int
     processes: tuple[GpuProcess, ...]

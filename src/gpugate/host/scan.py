@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.host import shm
 from gpugate.host.safe_files import read_at
@@ -160,8 +161,7 @@ class ProcFs:
         return info is not None and info.start_time == ident.start_time
 
 
-@dataclass(frozen=True)
-class DeviceUse:
+class DeviceUse(NamedTuple):
     fd_paths: frozenset[str]
     mapped_paths: frozenset[str]
     sockets: frozenset[int] = frozenset()  # inodes of the asked-for sockets it has open

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Generator, Iterable, Iterator,
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.host.safe_files import read_at
 from gpugate.host.systemd import mount_table
@@ -22,14 +23,12 @@ DELETED_SUFFIX = " (deleted)"
 RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
 
 
-@dataclass(frozen=True)
-class FreshHolders:  # who holds the shm files now, and the PIDs whose files could not be read
+class FreshHolders(NamedTuple):  # who holds the shm files now, and PIDs not read
     by_key: Mapping[ShmKey, Collection[int]]
     unreadable: Collection[int] = ()
 
 
-@dataclass(frozen=True, order=True)
-class ShmKey:
+class ShmKey(NamedTuple):
     dev: int
     ino: int
 
@@ -158,8 +157,7 @@ def maps_key(line_head: bytes) -> ShmKey | None:
         return None
 
 
-@dataclass(frozen=True)
-class Space:
+class Space(NamedTuple):
     area: ShmArea
     total_bytes: int
     free_bytes: int  # what an unprivileged process may still allocate (f_bavail)
@@ -304,8 +302,7 @@ def _facts(name: str, info: os.stat_result, folder: os.stat_result) -> FileFacts
     )
 
 
-@dataclass(frozen=True)
-class Unlinked:
+class Unlinked(NamedTuple):
     facts: FileFacts | None  # None: no name is this file any more
     error: str | None = None  # the unlink failed (the file is still there)
     refused: bool = False  # `allowed` said no to the facts read right before: left alone
@@ -353,8 +350,7 @@ O_PATH = 0o10000000  # fdinfo's `flags:` are octal; an O_PATH fd needs no permis
 FLAGS_LINE = re.compile(r"^flags:[ \t]*([0-7]+)[ \t]*$", re.MULTILINE)
 
 
-@dataclass(frozen=True)
-class Credentials:
+class Credentials(NamedTuple):
     uid: int  # real
     gid: int  # real
     groups: frozenset[int]
@@ -398,8 +394,7 @@ def fd_opens_file(fdinfo: str) -> bool:
 MAX_ENTRIES = 10_000  # files counted at most (the sizes come from statvfs whatever the count)
 
 
-@dataclass(frozen=True)
-class OwnShm:
+class OwnShm(NamedTuple):
     pid: int  # the process it was read through
     dev: int
     total_bytes: int
