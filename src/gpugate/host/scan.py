@@ -184,8 +184,7 @@ class DeviceScan:
 CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
 
 
-@dataclass(frozen=True)
-class Deadline:
+class Deadline(NamedTuple):
     at: float | None = None
     clock: Callable[[], float] = time.monotonic
 

@@ -33,8 +33,7 @@ class ShmKey(NamedTuple):
     ino: int
 
 
-@dataclass(frozen=True)
-class ShmArea:
+class ShmArea(NamedTuple):
     """A folder where shm_open puts files: its path as the host's processes name it, its
     device, and where gpugate opens it: under /proc/1/root where gpugate runs in a mount
     namespace of its own (a hook of a unit with TemporaryFileSystem=/dev/shm)."""
@@ -171,8 +170,7 @@ def space(area: ShmArea) -> Space | None:
     return Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
 
 
-@dataclass(frozen=True)
-class FileFacts:
+class FileFacts(NamedTuple):
     path: str  # the name that is this file now
     bytes: int  # allocated: what removing it gives back to the tmpfs
     size: int  # apparent (st_size)
