@@ -386,9 +386,7 @@ TCP_LISTEN = "0A"
 def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]:
     """Inode -> port of each LISTEN socket on the ports (this network namespace's tcp, tcp6)."""
     found: dict[int, int] = {}
-    if not ports:
-        return found
-    for name in ("tcp", "tcp6"):
+    for name in ("tcp", "tcp6") if ports else ():
         try:
             text = (proc_root / "net" / name).read_text()
         except FileNotFoundError:
