@@ -412,8 +412,7 @@ def own_shm_of_any(
             fds.append(os.open(proc_root / str(pid) / "root", flags))
             fds.append(os.open("dev", flags | os.O_NOFOLLOW, dir_fd=fds[-1]))
             dev_info = os.fstat(fds[-1])
-            shm_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-            fds.append(os.open("shm", shm_flags, dir_fd=fds[-1]))
+            fds.append(os.open("shm", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
             info = os.fstat(fds[-1])
             if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
                 continue
