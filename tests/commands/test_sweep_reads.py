@@ -10,6 +10,7 @@ import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,9 +54,9 @@ def fds_read(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     read: list[int] = []
     real = scan._fd_paths
 
-    def recording(proc_fd: int, pid_name: str, wanted: object) -> object:
+    def recording(proc_fd: int, pid_name: str, *wanted: Any) -> object:
         read.append(int(pid_name.split("/", maxsplit=1)[0]))
-        return real(proc_fd, pid_name, wanted)  # type: ignore[arg-type]
+        return real(proc_fd, pid_name, *wanted)
 
     monkeypatch.setattr(scan, "_fd_paths", recording)
     yield read

@@ -28,7 +28,7 @@ from gpugate.core.roles import (
     role_of,
 )
 from gpugate.errors import ExitCode
-from gpugate.host.nvml import MIB, NOT_AVAILABLE, GpuProcess, NvmlDriver, _Listing
+from gpugate.host.nvml import MIB, NOT_AVAILABLE, GpuProcess, NvmlDriver, _merged
 from gpugate.phase import Phase
 from tests.fakes import HOLDER_SCRIPT, FakeHost, alive
 from tests.unit.test_decide import Table, discovery, proc
@@ -140,12 +140,13 @@ def entry(pid: int, mib: int | None, instance: int = NOT_AVAILABLE) -> SimpleNam
 
 
 def test_nvmls_lists_merge_by_pid() -> None:
-    listing = _Listing()
-    listing.add([entry(1, 30), entry(2, 500), entry(3, None)])  # compute: server, C+G, M+C
-    listing.add([entry(2, 20)])  # graphics: the same process's graphics context adds
-    listing.add([entry(3, 4000), entry(4, 7000, instance=3), entry(5, None)], mps=True)
-    listing.add([entry(3, 4000), entry(1, None)], mps=True)  # the same client listed twice
-    assert listing.processes() == (
+    lists = [
+        ([entry(1, 30), entry(2, 500), entry(3, None)], False),  # compute: server, C+G, M+C
+        ([entry(2, 20)], False),  # graphics: the same process's graphics context adds
+        ([entry(3, 4000), entry(4, 7000, instance=3), entry(5, None)], True),  # MPS
+        ([entry(3, 4000), entry(1, None)], True),  # the same client listed twice
+    ]
+    assert _merged(lists) == (
         GpuProcess(1, 30, mps_client=True),
         GpuProcess(2, 520),
         GpuProcess(3, 4000, mps_client=True),  # M+C: one context listed twice, not 8000

@@ -16,8 +16,8 @@ import pytest
 from gpugate.host.shm import (
     ShmFile,
     ShmKey,
-    _host_areas,
     facts,
+    find_areas,
     host_root,
     inode_index,
     largest_files,
@@ -90,7 +90,7 @@ def hostlike(tmp_path: Path) -> Path:
 
 def test_the_hosts_areas_under_another_root_keep_the_hosts_names(tmp_path: Path) -> None:
     root = hostlike(tmp_path)
-    (area,) = _host_areas(str(root), tmp_path / "no-proc")
+    (area,) = find_areas(Path("/dev"), tmp_path / "no-proc", str(root))
     assert (area.path, area.where) == ("/dev/shm", f"{root}/dev/shm")
     index = inode_index([area])
     assert sorted(n for names in index.values() for n in names) == [
@@ -113,7 +113,7 @@ def test_a_symlinked_dev_shm_under_another_root_is_followed_inside_it(tmp_path: 
     (root / "run" / "shm").mkdir(parents=True)
     (root / "dev").mkdir()
     (root / "dev" / "shm").symlink_to("../run/shm")
-    (area,) = _host_areas(str(root), tmp_path / "no-proc")
+    (area,) = find_areas(Path("/dev"), tmp_path / "no-proc", str(root))
     assert (area.path, area.where) == ("/run/shm", f"{root}/run/shm")
 
 
@@ -125,7 +125,7 @@ def test_a_folder_swapped_for_a_symlink_is_not_followed_under_another_root(
     outside.mkdir()
     (outside / "psm_y").write_bytes(b"y")
     info = os.stat(outside / "psm_y")
-    (area,) = _host_areas(str(root), tmp_path / "no-proc")
+    (area,) = find_areas(Path("/dev"), tmp_path / "no-proc", str(root))
     shutil.rmtree(root / "dev" / "shm" / "sub")
     (root / "dev" / "shm" / "sub").symlink_to(outside)
     file = ShmFile(ShmKey(info.st_dev, info.st_ino), ("/dev/shm/sub/psm_y",))

@@ -30,6 +30,7 @@ from gpugate.host.shm import (
     ShmArea,
     ShmFile,
     ShmKey,
+    area_of,
     find_areas,
     maps_key,
     maps_names,
@@ -501,7 +502,8 @@ def test_areas_come_from_dev_and_from_mountinfo(tmp_path: Path) -> None:
     areas = find_areas(dev, tmp_path / "no-proc")
     assert [area.path for area in areas] == [str(target)]
     assert areas[0].dev == os.stat(target).st_dev
-    assert areas[0].holds(str(target / "sub" / "x")) and not areas[0].holds(str(target) + "x")
+    assert area_of(areas, str(target / "sub" / "x")) == areas[0]
+    assert area_of(areas, str(target) + "x") is None
     assert find_areas(tmp_path / "no-dev", tmp_path / "no-proc") == []
 
 

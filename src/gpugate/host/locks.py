@@ -40,10 +40,6 @@ def flock_by(
             time.sleep(0.02)
 
 
-# Told where a phase that goes on without its state could not take a lock: the path, and why.
-Unlocked = Callable[[Path, str], None]
-
-
 @contextlib.contextmanager
 def gpu_locks(
     lock_dir: Path,
@@ -51,18 +47,24 @@ def gpu_locks(
     deadline: float,
     on_wait: Callable[[Gpu], None] = lambda gpu: None,
     clock: Callable[[], float] = time.monotonic,
-    on_unlocked: Unlocked | None = None,
+    on_unlocked: Callable[[Path, str], None] | None = None,
 ) -> Iterator[None]:
     """The GPUs' locks, in UUID order. on_unlocked given (a phase after a stop): a lock_dir or
-    lock file that cannot be made is told to it and the run goes on; an existing lock file on
-    a read-only file system is still taken (flock needs no write)."""
-    held: list[int] = []
+    lock file that cannot be made is told to it (the path, and why) and the run goes on; an
+    existing lock file on a read-only file system is still taken (flock needs no write)."""
     try:
-        folder_fd = _lock_folder(lock_dir, on_unlocked)
-        if folder_fd is None:
-            yield
-            return
-        held.append(folder_fd)
+        folder_fd = open_folder(lock_dir)
+    except OSError as exc:  # a file in the way, a read-only file system, no space, ...
+        if on_unlocked is None and isinstance(exc, PermissionError):
+            why = f"{lock_dir}: permission denied creating it (for GPU locks)"
+            raise PermissionDenied(why, code="no-permission-creating") from None
+        if on_unlocked is None:
+            raise _os_error(lock_dir, "gpu-locks", "GPU locks", exc) from None
+        on_unlocked(lock_dir, exc.strerror or str(exc))
+        yield
+        return
+    held = [folder_fd]
+    try:
         for gpu in sorted(gpus, key=lambda g: g.uuid):
             path = lock_dir / f"{gpu.uuid}.lock"
             fd = _lock_file(folder_fd, path, on_unlocked)
@@ -77,22 +79,9 @@ def gpu_locks(
             os.close(fd)
 
 
-def _lock_folder(lock_dir: Path, on_unlocked: Unlocked | None) -> int | None:
-    try:
-        return open_folder(lock_dir)
-    except OSError as exc:  # a file in the way, a read-only file system, no space, ...
-        if on_unlocked is not None:
-            on_unlocked(lock_dir, exc.strerror or str(exc))
-            return None
-        if isinstance(exc, PermissionError):
-            raise PermissionDenied(
-                f"{lock_dir}: permission denied creating it (for GPU locks)",
-                code="no-permission-creating",
-            ) from None
-        raise _os_error(lock_dir, "gpu-locks", "GPU locks", exc) from None
-
-
-def _lock_file(folder_fd: int, path: Path, on_unlocked: Unlocked | None) -> int | None:
+def _lock_file(
+    folder_fd: int, path: Path, on_unlocked: Callable[[Path, str], None] | None
+) -> int | None:
     try:
         return open_in(folder_fd, path.name, os.O_RDWR | os.O_CREAT)
     except OSError as exc:
@@ -117,48 +106,38 @@ def check_writable(folder: Path, what: str) -> None:
     try:
         folder_fd = open_folder(folder)
     except PermissionError:
-        raise PermissionDenied(
-            f"{folder}: permission denied creating it (for {what})", code="no-permission-creating"
-        ) from None
+        why = f"{folder}: permission denied creating it (for {what})"
+        raise PermissionDenied(why, code="no-permission-creating") from None
     except OSError as exc:
         raise _unwritable(folder, what, exc, opening=True) from None
-    try:
-        _probe(folder_fd, folder, what)
-    finally:
-        os.close(folder_fd)
-
-
-def _probe(folder_fd: int, folder: Path, what: str) -> None:
     name = f".gpugate-probe.{os.urandom(6).hex()}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
-    except PermissionError:
-        raise PermissionDenied(
-            f"{folder}: permission denied writing {what} there", code="no-permission-writing"
-        ) from None
-    except OSError as exc:
-        raise _unwritable(folder, what, exc) from None
-    try:
-        if os.write(fd, bytes(PROBE_BYTES)) < PROBE_BYTES:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-    except OSError as exc:
-        raise _unwritable(folder, what, exc) from None
+        try:
+            fd = os.open(name, flags, 0o600, dir_fd=folder_fd)
+        except PermissionError:
+            why = f"{folder}: permission denied writing {what} there"
+            raise PermissionDenied(why, code="no-permission-writing") from None
+        except OSError as exc:
+            raise _unwritable(folder, what, exc) from None
+        try:
+            if os.write(fd, bytes(PROBE_BYTES)) < PROBE_BYTES:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError as exc:
+            raise _unwritable(folder, what, exc) from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=folder_fd)
     finally:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            os.unlink(name, dir_fd=folder_fd)
+        os.close(folder_fd)
 
 
 def check_file_slot(path: Path, what: str) -> None:
     """A file gpugate replaces whole (rename over it): anything but a file there is in the way."""
     if path.is_dir() or (path.exists() and not path.is_file()):
-        raise StateUnwritable(
-            path,
-            what,
-            f"{path}: cannot write {what} there: a folder is in the way (not a file)",
-            code="state-folder-in-the-way",
-        )
+        why = f"{path}: cannot write {what} there: a folder is in the way (not a file)"
+        raise StateUnwritable(path, what, why, code="state-folder-in-the-way")
 
 
 def check_all(
@@ -179,19 +158,11 @@ def check_all(
 
 def _unwritable(folder: Path, what: str, exc: OSError, *, opening: bool = False) -> StateUnwritable:
     if exc.errno == errno.ENOTDIR or (opening and exc.errno == errno.EEXIST):
-        return StateUnwritable(
-            folder,
-            what,
-            f"{folder}: cannot write {what} there: a file is in the way (not a folder)",
-            code="state-file-in-the-way",
-        )
+        why = f"{folder}: cannot write {what} there: a file is in the way (not a folder)"
+        return StateUnwritable(folder, what, why, code="state-file-in-the-way")
     return _os_error(folder, what, what, exc)
 
 
 def _os_error(path: Path, what: str, words: str, exc: OSError) -> StateUnwritable:
-    return StateUnwritable(
-        path,
-        what,
-        f"{path}: cannot write {words} there: {exc.strerror or str(exc)}",
-        code="state-os-error",
-    )
+    why = f"{path}: cannot write {words} there: {exc.strerror or str(exc)}"
+    return StateUnwritable(path, what, why, code="state-os-error")

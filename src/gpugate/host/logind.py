@@ -24,10 +24,7 @@ SESSION_SCOPE = re.compile(r"/user\.slice/user-[0-9]+\.slice/session-([A-Za-z0-9
 
 def session_of_cgroup(cgroup: str | None) -> str | None:
     """The logind session ID whose scope holds this cgroup (or one below it), else None."""
-    if cgroup is None:
-        return None
-    top = "/".join(cgroup.split("/")[:4])
-    match = SESSION_SCOPE.fullmatch(top)
+    match = SESSION_SCOPE.fullmatch("/".join((cgroup or "").split("/")[:4]))
     return match.group(1) if match else None
 
 
@@ -37,14 +34,7 @@ class SessionState(StrEnum):
     UNKNOWN = "unknown"  # a file root did not write, too large, unreadable or unparsable
 
 
-def parse_state(text: str) -> SessionState:
-    values = dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
-    state = values.get("STATE")
-    if state in ("active", "online"):
-        return SessionState.OPEN
-    if state == "closing":
-        return SessionState.CLOSED
-    return SessionState.UNKNOWN
+STATES = {"active": SessionState.OPEN, "online": SessionState.OPEN, "closing": SessionState.CLOSED}
 
 
 @dataclass
@@ -60,10 +50,8 @@ class Logind:
         return self._known[session]
 
     def _read(self, session: str) -> SessionState:
-        try:
+        try:  # no logind here, or its folder unreadable: nothing said either way
             folder_fd = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return SessionState.UNKNOWN  # no logind here: nothing said either way
         except OSError:
             return SessionState.UNKNOWN
         try:
@@ -71,8 +59,7 @@ class Logind:
                 return SessionState.UNKNOWN
             fd = open_in(folder_fd, session, os.O_RDONLY)
         except OSError as exc:
-            missing = exc.errno == errno.ENOENT
-            return SessionState.CLOSED if missing else SessionState.UNKNOWN
+            return SessionState.CLOSED if exc.errno == errno.ENOENT else SessionState.UNKNOWN
         finally:
             os.close(folder_fd)
         try:
@@ -86,7 +73,9 @@ class Logind:
             os.close(fd)
         if len(data) > MAX_SESSION_FILE:
             return SessionState.UNKNOWN
-        return parse_state(data.decode("utf-8", errors="replace"))
+        lines = data.decode("utf-8", errors="replace").splitlines()
+        values = dict(line.partition("=")[::2] for line in lines if "=" in line)
+        return STATES.get(values.get("STATE", ""), SessionState.UNKNOWN)
 
 
 def _root_only(info: os.stat_result) -> bool:

@@ -14,9 +14,9 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, cast
+from typing import Any, NamedTuple, Protocol, cast
 
 from gpugate.errors import (
     CallTimedOut,
@@ -45,8 +45,7 @@ def mig_parent(key: int) -> int | None:
     return (key - MIG_KEY_BASE) // MIG_PER_GPU if key >= MIG_KEY_BASE else None
 
 
-@dataclass(frozen=True)
-class MigSlice:
+class MigSlice(NamedTuple):
     parent: int
     parent_uuid: str
     mig_index: int  # for nvmlDeviceGetMigDeviceHandleByIndex
@@ -85,16 +84,14 @@ class Gpu:
         )
 
 
-@dataclass(frozen=True)
-class GpuProcess:
+class GpuProcess(NamedTuple):
     pid: int
     used_mib: int | None  # None where the driver does not say
     on_slice: bool = False  # listed with a MIG GPU instance (its slice lists it too)
     mps_client: bool = False  # on NVML's MPS client list (docs/mps.md)
 
 
-@dataclass(frozen=True)
-class GpuUsage:
+class GpuUsage(NamedTuple):
     gpu: Gpu
     used_mib: int
     processes: tuple[GpuProcess, ...]
@@ -222,10 +219,8 @@ class NvmlDriver:
         if self._stuck is not None:
             raise self._stuck
         now = time.monotonic()
-        if self._until is None:
-            until = now + ANSWER_WITHIN_S
-        else:
-            until = max(self._until, now + MIN_ANSWER_S)
+        deadline = self._until
+        until = now + ANSWER_WITHIN_S if deadline is None else max(deadline, now + MIN_ANSWER_S)
         try:
             return self._thread.call(until, job, *args)
         except CallTimedOut as exc:
@@ -243,26 +238,6 @@ class NvmlDriver:
         self._calling = (_name(function), index)
         return function(*args, **kwargs)
 
-    def _init(self) -> None:
-        if self._initialized:
-            return
-        nv = self._nv
-        self._calling = ("dlopen", None)
-        load_nvml_library(nv, self._library)
-        try:
-            self._raw(None, nv.nvmlInit)
-        except nv.NVMLError_LibraryNotFound:
-            raise NvmlUnavailable(
-                "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
-            ) from None
-        except nv.NVMLError_DriverNotLoaded:
-            raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
-        except nv.NVMLError_NoPermission:
-            raise PermissionDenied("NVML: permission denied opening the NVIDIA driver") from None
-        except nv.NVMLError as exc:
-            raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
-        self._initialized = True
-
     def close(self) -> None:
         if not self._initialized or self._stuck is not None or self._thread.busy:
             return  # nvmlShutdown would wait behind the call that has not returned
@@ -275,8 +250,23 @@ class NvmlDriver:
         return self._gpus
 
     def _read_gpus(self) -> list[Gpu]:
-        self._init()
         nv = self._nv
+        if not self._initialized:
+            self._calling = ("dlopen", None)
+            load_nvml_library(nv, self._library)
+            try:
+                self._raw(None, nv.nvmlInit)
+            except nv.NVMLError_LibraryNotFound:
+                why = "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
+                raise NvmlUnavailable(why) from None
+            except nv.NVMLError_DriverNotLoaded:
+                raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
+            except nv.NVMLError_NoPermission:
+                why = "NVML: permission denied opening the NVIDIA driver"
+                raise PermissionDenied(why) from None
+            except nv.NVMLError as exc:
+                raise NvmlUnavailable(f"NVML: initialisation failed: {exc}") from None
+            self._initialized = True
         found: list[Gpu] = []
         try:
             count = self._raw(None, nv.nvmlDeviceGetCount)
@@ -285,11 +275,9 @@ class NvmlDriver:
         for index in range(count):
             try:
                 gpu = self._read_gpu(index)
-                slices = self._read_slices(gpu) if gpu.mig_mode else []
+                found += [gpu, *(self._read_slices(gpu) if gpu.mig_mode else [])]
             except GpuError as exc:
                 self._faults.append(GpuFault(index, exc))
-                continue
-            found += [gpu, *slices]
         return found
 
     def _read_slices(self, gpu: Gpu) -> list[Gpu]:
@@ -298,25 +286,22 @@ class NvmlDriver:
         parent = self._handles[index]
         most = int(self._call(index, nv.nvmlDeviceGetMaxMigDeviceCount, parent))
         slices: list[Gpu] = []
+        call = functools.partial(self._call, index)
         for mig_index in range(min(most, MIG_PER_GPU)):
             get = nv.nvmlDeviceGetMigDeviceHandleByIndex
             try:
-                handle = self._call(index, get, parent, mig_index, keep=nv.NVMLError_NotFound)
+                handle = call(get, parent, mig_index, keep=nv.NVMLError_NotFound)
             except nv.NVMLError_NotFound:
                 continue
             key = mig_key(index, mig_index)
             self._handles[key] = handle
-            name = _text(self._call(index, nv.nvmlDeviceGetName, handle))
-            memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
-            mig = MigSlice(
-                parent=index,
-                parent_uuid=gpu.uuid,
-                mig_index=mig_index,
-                gpu_instance=int(self._call(index, nv.nvmlDeviceGetGpuInstanceId, handle)),
-                compute_instance=int(self._call(index, nv.nvmlDeviceGetComputeInstanceId, handle)),
-                profile=name.rsplit(" MIG ", 1)[1] if " MIG " in name else "",
-            )
-            uuid = _text(self._call(index, nv.nvmlDeviceGetUUID, handle))
+            name = _text(call(nv.nvmlDeviceGetName, handle))
+            memory = call(nv.nvmlDeviceGetMemoryInfo, handle)
+            gpu_instance = int(call(nv.nvmlDeviceGetGpuInstanceId, handle))
+            compute_instance = int(call(nv.nvmlDeviceGetComputeInstanceId, handle))
+            profile = name.rsplit(" MIG ", 1)[1] if " MIG " in name else ""
+            mig = MigSlice(index, gpu.uuid, mig_index, gpu_instance, compute_instance, profile)
+            uuid = _text(call(nv.nvmlDeviceGetUUID, handle))
             slices.append(Gpu(key, uuid, gpu.minor, name, int(memory.total) // MIB, mig=mig))
         return slices
 
@@ -326,21 +311,16 @@ class NvmlDriver:
 
     def _read_gpu(self, index: int) -> Gpu:
         nv = self._nv
-        handle = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
-        self._handles[index] = handle
+        handle = self._handles[index] = self._call(index, nv.nvmlDeviceGetHandleByIndex, index)
         memory = self._call(index, nv.nvmlDeviceGetMemoryInfo, handle)
-        gpu = Gpu(
-            index=index,
-            uuid=_text(self._call(index, nv.nvmlDeviceGetUUID, handle)),
-            minor=int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle)),
-            name=_text(self._call(index, nv.nvmlDeviceGetName, handle)),
-            total_mib=int(memory.total) // MIB,
-        )
+        uuid = _text(self._call(index, nv.nvmlDeviceGetUUID, handle))
+        minor = int(self._call(index, nv.nvmlDeviceGetMinorNumber, handle))
+        name = _text(self._call(index, nv.nvmlDeviceGetName, handle))
         try:
-            current, _pending = self._raw(index, nv.nvmlDeviceGetMigMode, handle)
+            current = self._raw(index, nv.nvmlDeviceGetMigMode, handle)[0]
         except nv.NVMLError:
-            return gpu  # a GPU whose MIG mode NVML cannot say is read whole
-        return replace(gpu, mig_mode=int(current) == 1)
+            current = 0  # a GPU whose MIG mode NVML cannot say is read whole
+        return Gpu(index, uuid, minor, name, int(memory.total) // MIB, mig_mode=int(current) == 1)
 
     def usage(self, gpu: Gpu) -> GpuUsage:
         return cast(GpuUsage, self._bounded(self._usage, gpu))
@@ -351,38 +331,26 @@ class NvmlDriver:
         handle = self._handles[gpu.index]
         index = gpu.index if gpu.mig is None else gpu.mig.parent
         used = self._used_bytes(index, handle, whole=gpu.mig is None)
-        listing = _Listing()
-        listed = True
+        lists: list[tuple[Sequence[Any], bool]] = []
+        unsupported = nv.NVMLError_NotSupported  # the memory figure stands; device files decide
         for query in (
             nv.nvmlDeviceGetComputeRunningProcesses,
             nv.nvmlDeviceGetGraphicsRunningProcesses,
         ):
-            try:
-                procs = self._call(index, query, handle, keep=nv.NVMLError_NotSupported)
-            except nv.NVMLError_NotSupported:
-                listed = False  # the memory figure still stands; the device files decide
-                continue
-            listing.add(procs)
-        listing.add(self._mps_clients(index, handle), mps=True)
-        return GpuUsage(gpu, used // MIB, listing.processes(), processes_listed=listed)
+            with contextlib.suppress(unsupported):
+                lists.append((self._call(index, query, handle, keep=unsupported), False))
+        listed = len(lists) == 2
+        lists.append((self._mps_clients(index, handle), True))
+        return GpuUsage(gpu, used // MIB, _merged(lists), processes_listed=listed)
 
     def _mps_clients(self, index: int, handle: Any) -> list[Any]:
         """NVML's list of MPS clients (the server itself is on the compute list). A driver
         without the call, or a GPU that does not support it, serves no MPS client."""
         nv = self._nv
-        for name in MPS_QUERIES:
-            query = getattr(nv, name, None)
-            if query is None:
-                continue
+        keep = (nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported)
+        for query in filter(None, (getattr(nv, name, None) for name in MPS_QUERIES)):
             try:
-                return list(
-                    self._call(
-                        index,
-                        query,
-                        handle,
-                        keep=(nv.NVMLError_FunctionNotFound, nv.NVMLError_NotSupported),
-                    )
-                )
+                return list(self._call(index, query, handle, keep=keep))
             except nv.NVMLError_FunctionNotFound:
                 continue  # a driver older than this version of the call: the one before
             except nv.NVMLError_NotSupported:
@@ -417,11 +385,8 @@ class NvmlDriver:
         except keep:
             raise
         except nv.NVMLError_GpuIsLost:
-            raise GpuError(
-                index,
-                f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot",
-                code="nvml-gpu-lost",
-            ) from None
+            why = f"NVML: GPU {index} is lost (fell off the bus); it needs a reset or reboot"
+            raise GpuError(index, why, code="nvml-gpu-lost") from None
         except nv.NVMLError_NotSupported:
             raise GpuError(index, f"NVML: GPU {index} does not support {_name(function)}") from None
         except nv.NVMLError_NoPermission:
@@ -440,36 +405,31 @@ MPS_QUERIES = (
 )
 
 
-@dataclass
-class _Listing:
-    """NVML's process lists of one GPU merged by PID: a process on the compute and the
-    graphics list uses the sum; an MPS client on the compute list too (nvidia-smi's "M+C")
-    is one context listed twice: the larger figure."""
-
-    mib: dict[int, int | None] = field(default_factory=dict)
-    on_slice: set[int] = field(default_factory=set)
-    mps: set[int] = field(default_factory=set)
-
-    def add(self, procs: Sequence[Any], *, mps: bool = False) -> None:
+def _merged(lists: Sequence[tuple[Sequence[Any], bool]]) -> tuple[GpuProcess, ...]:
+    """NVML's process lists of one GPU (each with whether it is the MPS list) merged by PID: a
+    process on the compute and the graphics list uses the sum; an MPS client on the compute
+    list too (nvidia-smi's "M+C") is one context listed twice: the larger figure."""
+    used: dict[int, int | None] = {}
+    on_slice: set[int] = set()
+    mps: set[int] = set()
+    for procs, is_mps in lists:
         for proc in procs:
             pid = int(proc.pid)
             mib = None if proc.usedGpuMemory is None else int(proc.usedGpuMemory) // MIB
-            previous = self.mib.get(pid)
+            previous = used.get(pid)
             if previous is None:
-                self.mib[pid] = mib
+                used[pid] = mib
             elif mib is not None:
-                self.mib[pid] = max(previous, mib) if mps else previous + mib
+                used[pid] = max(previous, mib) if is_mps else previous + mib
             instance = getattr(proc, "gpuInstanceId", None)
             if isinstance(instance, int) and instance != NOT_AVAILABLE:
-                self.on_slice.add(pid)
-            if mps:
-                self.mps.add(pid)
-
-    def processes(self) -> tuple[GpuProcess, ...]:
-        return tuple(
-            GpuProcess(pid, mib, on_slice=pid in self.on_slice, mps_client=pid in self.mps)
-            for pid, mib in sorted(self.mib.items())
-        )
+                on_slice.add(pid)
+            if is_mps:
+                mps.add(pid)
+    return tuple(
+        GpuProcess(pid, mib, on_slice=pid in on_slice, mps_client=pid in mps)
+        for pid, mib in sorted(used.items())
+    )
 
 
 def _name(function: Any) -> str:
@@ -509,15 +469,6 @@ class NoGpus:
         pass
 
 
-@dataclass
-class _Request:
-    job: Callable[[], Any]
-    done: threading.Event = field(default_factory=threading.Event)
-    value: Any = None
-    error: BaseException | None = None
-
-
-@dataclass(eq=False)
 class CallThread:
     """One daemon thread that makes, in order, calls into a library that may never return (a
     hung GPU driver), each waited for until a deadline. ctypes releases the GIL for the call,
@@ -525,39 +476,43 @@ class CallThread:
     interrupts). A hung call cannot be cancelled: the daemon thread lets the process exit, and
     the caller must make no further call (it would queue behind the hung one)."""
 
-    name: str
-    _requests: queue.SimpleQueue[_Request] = field(default_factory=queue.SimpleQueue)
-    _thread: threading.Thread | None = None
-    _last: _Request | None = None
+    def __init__(self, name: str) -> None:
+        self.name = name
+        # Each call: the job, set once it has returned, and (its value, its exception) then.
+        self._requests: queue.SimpleQueue[tuple[Callable[[], Any], threading.Event, list[Any]]]
+        self._requests = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._last: threading.Event | None = None
 
     @property
     def busy(self) -> bool:
         """A call has not returned (it hung, or its caller was interrupted waiting for it)."""
-        return self._last is not None and not self._last.done.is_set()
+        return self._last is not None and not self._last.is_set()
 
     def call(self, until: float, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """function(*args, **kwargs)'s value or exception, or CallTimedOut once `until` passes."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._serve, name=self.name, daemon=True)
             self._thread.start()
-        request = _Request(functools.partial(function, *args, **kwargs))
-        self._last = request
+        self._last = done = threading.Event()
+        answer: list[Any] = []
         started = time.monotonic()
-        self._requests.put(request)
-        if not request.done.wait(max(until - started, 0.0)):
+        self._requests.put((functools.partial(function, *args, **kwargs), done, answer))
+        if not done.wait(max(until - started, 0.0)):
             raise CallTimedOut(time.monotonic() - started)
-        if request.error is not None:
-            raise request.error
-        return request.value
+        value, error = answer
+        if error is not None:
+            raise error
+        return value
 
     def _serve(self) -> None:
         while True:
-            request = self._requests.get()
+            job, done, answer = self._requests.get()
             try:
-                request.value = request.job()
+                answer[:] = [job(), None]
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, as it is
-                request.error = exc
-            request.done.set()
+                answer[:] = [None, exc]
+            done.set()
 
 
 # MIG capability devices. The driver grants access to a GPU instance and to a compute instance
@@ -573,17 +528,33 @@ MINOR_LINE = re.compile(rb"^DeviceFileMinor:\s*([0-9]+)\s*$", re.MULTILINE)
 MAX_ACCESS_BYTES = 4096
 
 
+def _slice_minors(
+    proc_root: Path, gpus: Sequence[Gpu]
+) -> Iterator[tuple[Gpu, MigSlice, list[int | None]]]:
+    """Each slice, its MigSlice and the minors (None where the driver names none) of its GPU
+    instance's and compute instance's capability devices."""
+    for gpu in gpus:
+        mig = gpu.mig
+        if mig is None:
+            continue
+        folder = proc_root / CAPABILITIES / f"gpu{gpu.minor}" / "mig" / f"gi{mig.gpu_instance}"
+        minors: list[int | None] = []
+        for access in (folder / "access", folder / f"ci{mig.compute_instance}" / "access"):
+            try:
+                match = MINOR_LINE.search(read_capped(access, MAX_ACCESS_BYTES))
+            except OSError:
+                match = None
+            minors.append(int(match.group(1)) if match else None)
+        yield gpu, mig, minors
+
+
 def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
     """The minor K of each capability device that ties a process to one slice -> its key."""
-    slices = [(gpu, gpu.mig) for gpu in gpus if gpu.mig is not None]
-    per_instance = Counter((mig.parent, mig.gpu_instance) for _, mig in slices)
+    per_instance = Counter((gpu.mig.parent, gpu.mig.gpu_instance) for gpu in gpus if gpu.mig)
     found: dict[int, int] = {}
-    for gpu, mig in slices:
-        folder = proc_root / CAPABILITIES / f"gpu{gpu.minor}" / "mig" / f"gi{mig.gpu_instance}"
-        ci_minor = _device_minor(folder / f"ci{mig.compute_instance}" / "access")
+    for gpu, mig, (gi_minor, ci_minor) in _slice_minors(proc_root, gpus):
         if ci_minor is not None:
             found[ci_minor] = gpu.index
-        gi_minor = _device_minor(folder / "access")
         if gi_minor is not None and per_instance[(mig.parent, mig.gpu_instance)] == 1:
             found[gi_minor] = gpu.index
     return found
@@ -593,13 +564,7 @@ def slice_capabilities(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, tuple[
     """Each slice's key -> the minors of its GPU instance's and compute instance's capability
     devices, where the driver names both."""
     found: dict[int, tuple[int, int]] = {}
-    for gpu in gpus:
-        mig = gpu.mig
-        if mig is None:
-            continue
-        folder = proc_root / CAPABILITIES / f"gpu{gpu.minor}" / "mig" / f"gi{mig.gpu_instance}"
-        gi_minor = _device_minor(folder / "access")
-        ci_minor = _device_minor(folder / f"ci{mig.compute_instance}" / "access")
+    for gpu, _, (gi_minor, ci_minor) in _slice_minors(proc_root, gpus):
         if gi_minor is not None and ci_minor is not None:
             found[gpu.index] = (gi_minor, ci_minor)
     return found
@@ -608,12 +573,4 @@ def slice_capabilities(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, tuple[
 def cap_minor(path: str) -> int | None:
     """K of a held /dev/nvidia-caps/nvidia-capK, else None."""
     match = CAP_DEVICE.search(path)
-    return int(match.group(1)) if match else None
-
-
-def _device_minor(access: Path) -> int | None:
-    try:
-        match = MINOR_LINE.search(read_capped(access, MAX_ACCESS_BYTES))
-    except OSError:
-        return None
     return int(match.group(1)) if match else None

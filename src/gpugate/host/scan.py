@@ -14,28 +14,11 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
+from gpugate.host import shm
 from gpugate.host.safe_files import read_at
-from gpugate.host.shm import (
-    FileFacts,
-    FreshHolders,
-    ShmArea,
-    ShmFile,
-    ShmKey,
-    Space,
-    Unlinked,
-    area_of,
-    facts,
-    fd_opens_file,
-    inode_index,
-    largest_files,
-    maps_key,
-    maps_names,
-    merge,
-    read_credentials,
-    space,
-    unlink_if_same,
-)
+from gpugate.host.shm import FileFacts, FreshHolders, ShmArea, ShmFile, ShmKey, Space, Unlinked
 from gpugate.host.systemd import parse_cgroup
 
 PF_KTHREAD = 0x00200000
@@ -122,26 +105,23 @@ class ProcFs:
             self._cache = None
 
     def _read(self, pid: int, name: str) -> str | None:
-        try:
-            # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (untrusted.py)
-            with open(
-                f"{self.root}/{pid}/{name}", encoding="utf-8", errors="surrogateescape"
-            ) as handle:
+        path = f"{self.root}/{pid}/{name}"
+        try:  # surrogateescape: a comm or cgroup that is not UTF-8 keeps its bytes (untrusted.py)
+            with open(path, encoding="utf-8", errors="surrogateescape") as handle:
                 return handle.read()
         except (FileNotFoundError, ProcessLookupError):
             return None
-
-    def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
-        if self._cache is not None:
-            self._cache[pid] = info
-        return info
 
     def stat(self, pid: int) -> ProcInfo | None:
         """The cheap facts (one read): enough to walk the tree."""
         if self._cache is not None and pid in self._cache:
             return self._cache[pid]
-        text = self._read(pid, "stat")
-        return self._remember(pid, parse_stat(text) if text else None)
+        return self._remember(pid, parse_stat(self._read(pid, "stat") or ""))
+
+    def _remember(self, pid: int, info: ProcInfo | None) -> ProcInfo | None:
+        if self._cache is not None:
+            self._cache[pid] = info
+        return info
 
     def info(self, pid: int) -> ProcInfo | None:
         """All facts gpugate decides on, read once; None where gone, or its PID reused since."""
@@ -151,21 +131,17 @@ class ProcFs:
         cgroup_text = self._read(pid, "cgroup")
         cmdline = (self._read(pid, "cmdline") or "").split("\0")
         try:
-            exe: str | None = os.readlink(f"{self.root}/{pid}/exe")
+            exe: str | None = os.readlink(f"{self.root}/{pid}/exe") or None
         except OSError:  # another user's (not root), a zombie's, a kernel thread's
             exe = None
         status = self._read(pid, "status") or ""
         uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
         if cgroup_text is None or (base.state != "Z" and not self.still_same(base.ident)):
             return self._remember(pid, None)
-        found = replace(
-            base,
-            uid=int(uids[0]) if uids else None,
-            cgroup=parse_cgroup(cgroup_text) or "/",
-            cmdline=tuple(arg for arg in cmdline if arg),
-            exe=exe or None,
-        )
-        return self._remember(pid, found)
+        cgroup = parse_cgroup(cgroup_text) or "/"
+        uid = int(uids[0]) if uids else None
+        args = tuple(arg for arg in cmdline if arg)
+        return self._remember(pid, replace(base, uid=uid, cgroup=cgroup, cmdline=args, exe=exe))
 
     def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"
@@ -181,13 +157,11 @@ class ProcFs:
         return [int(child) for text in texts for child in text.split()]
 
     def still_same(self, ident: ProcessId) -> bool:
-        text = self._read(ident.pid, "stat")
-        info = parse_stat(text) if text else None
+        info = parse_stat(self._read(ident.pid, "stat") or "")
         return info is not None and info.start_time == ident.start_time
 
 
-@dataclass(frozen=True)
-class DeviceUse:
+class DeviceUse(NamedTuple):
     fd_paths: frozenset[str]
     mapped_paths: frozenset[str]
     sockets: frozenset[int] = frozenset()  # inodes of the asked-for sockets it has open
@@ -210,8 +184,7 @@ class DeviceScan:
 CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
 
 
-@dataclass(frozen=True)
-class Deadline:
+class Deadline(NamedTuple):
     at: float | None = None
     clock: Callable[[], float] = time.monotonic
 
@@ -220,15 +193,6 @@ class Deadline:
 
 
 NO_DEADLINE = Deadline()
-
-
-@dataclass(frozen=True)
-class _Wanted:
-    prefix: str | None
-    socket_inodes: Collection[int]
-    shm_areas: Sequence[ShmArea]
-    shm_prefixes: tuple[str, ...]
-    deadline: Deadline
 
 
 def scan_device_users(
@@ -245,49 +209,44 @@ def scan_device_users(
     process's files in the shm areas, from the same fd links and maps. pids: only these
     processes (`WatchScan`'s rescans). Nothing is read past the deadline: what is left is in
     `cut_short`. psutil's open_files() skips device files: this reads /proc/PID/fd itself."""
-    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in shm_areas)
-    wanted = _Wanted(device_prefix or None, socket_inodes, shm_areas, shm_prefixes, deadline)
+    prefix = device_prefix or None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
+    scan = DeviceScan({}, [])
     try:
         if pids is None:
             names = [name for name in os.listdir(proc_fd) if name.isdigit()]
         else:
             names = [str(pid) for pid in pids]
-        return _scan_part(proc_fd, names, wanted)
+        for count, name in enumerate(names):
+            if deadline.passed():
+                scan.cut_short.extend(int(left) for left in names[count:])
+                break
+            maps = _read_maps(proc_fd, name)
+            where = name
+            # A thread group whose leader exited (pthread_exit in main) shows an empty maps and
+            # fd table under /proc/PID while its live threads still hold files (PID/task/TID).
+            if maps is None:
+                thread = _live_thread_of_dead_leader(proc_fd, name)
+                if thread is None:
+                    continue
+                where = f"{name}/task/{thread}"
+                maps = _read_maps(proc_fd, where) or b""
+            fds = _fd_paths(proc_fd, where, prefix, socket_inodes, shm_areas, deadline)
+            if fds is None:
+                scan.unreadable.append(int(name))
+                continue
+            scan.cut_short.extend([int(name)] if fds.cut_short else [])
+            mapped = _mapped_paths(maps, prefix)
+            if fds.paths or fds.sockets or mapped:
+                use = DeviceUse(frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets))
+                scan.users[int(name)] = use
+            held = fds.shm + _mapped_shm(maps, shm_areas) if shm_areas else fds.shm
+            if held:
+                holder = shm.read_credentials(proc_fd, name)
+                files = shm.merge(held).values()
+                scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in files)
     finally:
         os.close(proc_fd)
-
-
-def _scan_part(proc_fd: int, names: Sequence[str], wanted: _Wanted) -> DeviceScan:
-    scan = DeviceScan({}, [])
-    for count, name in enumerate(names):
-        if wanted.deadline.passed():
-            scan.cut_short.extend(int(left) for left in names[count:])
-            break
-        maps = _read_maps(proc_fd, name)
-        where = name
-        # A thread group whose leader exited (pthread_exit in main) shows an empty maps and fd
-        # table under /proc/PID while its live threads still hold files (/proc/PID/task/TID).
-        if maps is None:
-            thread = _live_thread_of_dead_leader(proc_fd, name)
-            if thread is None:
-                continue
-            where = f"{name}/task/{thread}"
-            maps = _read_maps(proc_fd, where) or b""
-        fds = _fd_paths(proc_fd, where, wanted)
-        if fds is None:
-            scan.unreadable.append(int(name))
-            continue
-        scan.cut_short.extend([int(name)] if fds.cut_short else [])
-        mapped = _mapped_paths(maps, wanted.prefix)
-        if fds.paths or fds.sockets or mapped:
-            scan.users[int(name)] = DeviceUse(
-                frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets)
-            )
-        shm = fds.shm + _mapped_shm(maps, wanted.shm_areas) if wanted.shm_areas else fds.shm
-        if shm:
-            holder = read_credentials(proc_fd, name)
-            scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in merge(shm).values())
     return scan
 
 
@@ -314,10 +273,17 @@ class _Fds:
     cut_short: bool = False  # the deadline came before the last fd
 
 
-def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
+def _fd_paths(
+    proc_fd: int,
+    pid_name: str,
+    prefix: str | None,
+    socket_inodes: Collection[int],
+    areas: Sequence[ShmArea],
+    deadline: Deadline,
+) -> _Fds | None:
     """The fd targets wanted; None where we may not read them (not root)."""
     found = _Fds()
-    prefix, socket_inodes, shm_prefixes = wanted.prefix, wanted.socket_inodes, wanted.shm_prefixes
+    shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in areas)
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
     except OSError as exc:  # not ours to read (not root), or gone
@@ -326,7 +292,7 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
     try:
         with os.scandir(dir_fd) as entries:
             for count, entry in enumerate(entries, 1):
-                if count % CHECK_EVERY == 0 and wanted.deadline.passed():
+                if count % CHECK_EVERY == 0 and deadline.passed():
                     found.cut_short = True
                     break
                 try:
@@ -340,9 +306,7 @@ def _fd_paths(proc_fd: int, pid_name: str, wanted: _Wanted) -> _Fds | None:
                     if inode in socket_inodes:
                         found.sockets.add(inode)
                 elif shm_prefixes and target.startswith(shm_prefixes):
-                    found.shm += _fd_shm_file(
-                        proc_fd, pid_name, dir_fd, entry.name, target, wanted.shm_areas
-                    )
+                    found.shm += _fd_shm_file(proc_fd, pid_name, dir_fd, entry.name, target, areas)
     except OSError:
         pass
     finally:
@@ -355,7 +319,7 @@ def _fd_shm_file(
 ) -> list[ShmFile]:
     """The file behind the fd link (stat follows it, also once unlinked); none on another
     device: another mount namespace's /dev/shm (a container's) shows the same names."""
-    area = area_of(areas, target)
+    area = shm.area_of(areas, target)
     try:
         info = os.stat(fd_name, dir_fd=dir_fd)
     except OSError:
@@ -364,7 +328,7 @@ def _fd_shm_file(
         return []  # (a folder or FIFO open there is no segment)
     try:
         fdinfo = read_at(proc_fd, f"{pid_name}/fdinfo/{fd_name}", 4096)
-        opened = fd_opens_file(fdinfo.decode("ascii", "replace"))
+        opened = shm.fd_opens_file(fdinfo.decode("ascii", "replace"))
     except OSError:
         opened = False  # closed since: no evidence
     return [ShmFile(ShmKey(info.st_dev, info.st_ino), (target,), opened)]
@@ -409,9 +373,9 @@ def _mapped_shm(data: bytes, areas: Sequence[ShmArea]) -> list[ShmFile]:
     for area in areas:
         prefix = (area.path.rstrip("/") + "/").encode()
         for line_start, start, end in _names_under(data, prefix):
-            key = maps_key(data[line_start:start])
+            key = shm.maps_key(data[line_start:start])
             if key is not None and key.dev == area.dev:
-                names = maps_names(data[start:end].decode(errors="surrogateescape"))
+                names = shm.maps_names(data[start:end].decode(errors="surrogateescape"))
                 files.append(ShmFile(key, names))
     return files
 
@@ -422,9 +386,7 @@ TCP_LISTEN = "0A"
 def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]:
     """Inode -> port of each LISTEN socket on the ports (this network namespace's tcp, tcp6)."""
     found: dict[int, int] = {}
-    if not ports:
-        return found
-    for name in ("tcp", "tcp6"):
+    for name in ("tcp", "tcp6") if ports else ():
         try:
             text = (proc_root / "net" / name).read_text()
         except FileNotFoundError:
@@ -447,7 +409,7 @@ class HostShm:
 
     @functools.cached_property
     def index(self) -> dict[ShmKey, list[str]]:
-        return inode_index(self.areas)
+        return shm.inode_index(self.areas)
 
     def holders(self) -> FreshHolders:
         scan = scan_device_users(self.proc_root, None, shm_areas=self.areas)
@@ -458,19 +420,17 @@ class HostShm:
         return FreshHolders(by_key, scan.unreadable)
 
     def facts(self, file: ShmFile) -> FileFacts | None:
-        return facts(self.areas, file) or facts(self.areas, file, self.index)
+        return shm.facts(self.areas, file) or shm.facts(self.areas, file, self.index)
 
     def unlink(self, file: ShmFile, allowed: Callable[[FileFacts], bool]) -> Unlinked:
-        done = unlink_if_same(self.areas, file, allowed=allowed)
-        if done.facts is None:
-            done = unlink_if_same(self.areas, file, self.index, allowed)
-        return done
+        done = shm.unlink_if_same(self.areas, file, allowed=allowed)
+        return done if done.facts else shm.unlink_if_same(self.areas, file, self.index, allowed)
 
     def spaces(self) -> list[Space]:
-        return [found for area in self.areas if (found := space(area)) is not None]
+        return [found for area in self.areas if (found := shm.space(area)) is not None]
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
-        return largest_files(self.areas, count)
+        return shm.largest_files(self.areas, count)
 
 
 FULL_SCAN_EVERY_S = 30.0

@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Generator, Iterable, Iterator,
 from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.host.safe_files import read_at
 from gpugate.host.systemd import mount_table
@@ -22,20 +23,17 @@ DELETED_SUFFIX = " (deleted)"
 RUN_SHM = "/run/shm"  # Debian 7 and older: /dev/shm was a symlink to it, or both were mounts
 
 
-@dataclass(frozen=True)
-class FreshHolders:  # who holds the shm files now, and the PIDs whose files could not be read
+class FreshHolders(NamedTuple):  # who holds the shm files now, and PIDs not read
     by_key: Mapping[ShmKey, Collection[int]]
     unreadable: Collection[int] = ()
 
 
-@dataclass(frozen=True, order=True)
-class ShmKey:
+class ShmKey(NamedTuple):
     dev: int
     ino: int
 
 
-@dataclass(frozen=True)
-class ShmArea:
+class ShmArea(NamedTuple):
     """A folder where shm_open puts files: its path as the host's processes name it, its
     device, and where gpugate opens it: under /proc/1/root where gpugate runs in a mount
     namespace of its own (a hook of a unit with TemporaryFileSystem=/dev/shm)."""
@@ -47,9 +45,6 @@ class ShmArea:
     @property
     def where(self) -> str:
         return self.at or self.path
-
-    def holds(self, path: str) -> bool:
-        return path.startswith(self.path.rstrip("/") + "/")
 
     def shown(self, reached: str) -> str:
         """A path found under `where` as the host's processes name it."""
@@ -105,14 +100,12 @@ def host_root(dev_root: Path, proc_root: Path) -> str | None:
     return None if os.path.samestat(ours, init) else str(proc_root / "1" / "root")
 
 
-def find_areas(dev_root: Path, proc_root: Path) -> list[ShmArea]:
+def find_areas(dev_root: Path, proc_root: Path, root: str | None = None) -> list[ShmArea]:
     """DEV/shm, where glibc's shm_open and sem_open put their files (a symlink: its target),
     and /run/shm where mountinfo lists a mount of its own there, each known by its device.
-    Always the host's (PID 1's): in a mount namespace of gpugate's own, through PROC/1/root."""
-    return _host_areas(host_root(dev_root, proc_root), proc_root, dev_root)
-
-
-def _host_areas(root: str | None, proc_root: Path, dev_root: Path = Path("/dev")) -> list[ShmArea]:
+    Always the host's (PID 1's): in a mount namespace of gpugate's own, through PROC/1/root
+    (root: that folder, where not host_root's)."""
+    root = root or host_root(dev_root, proc_root)
     if root is None:
         names, mounts = [os.path.realpath(dev_root / "shm")], mount_points(proc_root)
     else:
@@ -143,7 +136,7 @@ def _through_root(root: str, named: str) -> tuple[str, str]:
 
 
 def area_of(areas: Sequence[ShmArea], path: str) -> ShmArea | None:
-    return next((area for area in areas if area.holds(path)), None)
+    return next((area for area in areas if path.startswith(area.path.rstrip("/") + "/")), None)
 
 
 def maps_names(raw: str) -> tuple[str, ...]:
@@ -163,8 +156,7 @@ def maps_key(line_head: bytes) -> ShmKey | None:
         return None
 
 
-@dataclass(frozen=True)
-class Space:
+class Space(NamedTuple):
     area: ShmArea
     total_bytes: int
     free_bytes: int  # what an unprivileged process may still allocate (f_bavail)
@@ -178,8 +170,7 @@ def space(area: ShmArea) -> Space | None:
     return Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
 
 
-@dataclass(frozen=True)
-class FileFacts:
+class FileFacts(NamedTuple):
     path: str  # the name that is this file now
     bytes: int  # allocated: what removing it gives back to the tmpfs
     size: int  # apparent (st_size)
@@ -240,11 +231,10 @@ def regular_files(area: ShmArea) -> Iterator[tuple[str, os.stat_result]]:
                         info = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    if info.st_dev != area.dev:
-                        continue
-                    if stat.S_ISREG(info.st_mode):
+                    own = info.st_dev == area.dev
+                    if own and stat.S_ISREG(info.st_mode):
                         yield area.shown(entry.path), info
-                    elif stat.S_ISDIR(info.st_mode) and depth < MAX_WALK_DEPTH:
+                    elif own and stat.S_ISDIR(info.st_mode) and depth < MAX_WALK_DEPTH:
                         folders.append((entry.path, depth + 1))
         except OSError:
             continue
@@ -287,12 +277,11 @@ def _own_names(
             continue
         fd, last = found
         try:
-            try:
-                info = os.stat(last, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
+            info = os.stat(last, dir_fd=fd, follow_symlinks=False)
             if stat.S_ISREG(info.st_mode) and ShmKey(info.st_dev, info.st_ino) == file.key:
                 yield fd, last, _facts(name, info, os.fstat(fd))
+        except OSError:
+            continue
         finally:
             os.close(fd)
 
@@ -311,8 +300,7 @@ def _facts(name: str, info: os.stat_result, folder: os.stat_result) -> FileFacts
     )
 
 
-@dataclass(frozen=True)
-class Unlinked:
+class Unlinked(NamedTuple):
     facts: FileFacts | None  # None: no name is this file any more
     error: str | None = None  # the unlink failed (the file is still there)
     refused: bool = False  # `allowed` said no to the facts read right before: left alone
@@ -343,30 +331,24 @@ def unlink_if_same(
 
 def largest_files(areas: Sequence[ShmArea], count: int) -> list[tuple[ShmKey, FileFacts]]:
     """The COUNT largest regular files in the areas, by allocated bytes."""
-    found = [
-        (
-            ShmKey(info.st_dev, info.st_ino),
-            FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid),
-        )
-        for area in areas
-        for path, info in regular_files(area)
-    ]
+    found: list[tuple[ShmKey, FileFacts]] = []
+    for area in areas:
+        for path, info in regular_files(area):
+            seen = FileFacts(path, info.st_blocks * 512, info.st_size, info.st_uid)
+            found.append((ShmKey(info.st_dev, info.st_ino), seen))
     found.sort(key=lambda item: (-item[1].bytes, item[1].path))
     return found[:count]
 
 
 # Who may remove a file: gpugate removes a killed process's file only where that process's
 # account could have done so itself (core.shm_cleanup), judged on its /proc/PID/status.
-
-
 CAP_DAC_OVERRIDE = 1
 CAP_FOWNER = 3
 O_PATH = 0o10000000  # fdinfo's `flags:` are octal; an O_PATH fd needs no permission on the file
 FLAGS_LINE = re.compile(r"^flags:[ \t]*([0-7]+)[ \t]*$", re.MULTILINE)
 
 
-@dataclass(frozen=True)
-class Credentials:
+class Credentials(NamedTuple):
     uid: int  # real
     gid: int  # real
     groups: frozenset[int]
@@ -410,8 +392,7 @@ def fd_opens_file(fdinfo: str) -> bool:
 MAX_ENTRIES = 10_000  # files counted at most (the sizes come from statvfs whatever the count)
 
 
-@dataclass(frozen=True)
-class OwnShm:
+class OwnShm(NamedTuple):
     pid: int  # the process it was read through
     dev: int
     total_bytes: int
@@ -431,8 +412,7 @@ def own_shm_of_any(
             fds.append(os.open(proc_root / str(pid) / "root", flags))
             fds.append(os.open("dev", flags | os.O_NOFOLLOW, dir_fd=fds[-1]))
             dev_info = os.fstat(fds[-1])
-            shm_flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
-            fds.append(os.open("shm", shm_flags, dir_fd=fds[-1]))
+            fds.append(os.open("shm", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fds[-1]))
             info = os.fstat(fds[-1])
             if info.st_dev in host_devs or info.st_dev == dev_info.st_dev:
                 continue
