@@ -38,7 +38,7 @@ def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **conf
     surroundings: Workload = PlainWorkload(loaded)
     deps = RunDeps(roots=host.roots, driver_factory=lambda: host.memory)
     scope = RunScope(Phase(phase), UNIT, UNIT_CGROUP)
-    return PhaseRun(scope, Narrator(reporter), surroundings, deps, dry_run=dry_run)
+    return PhaseRun(scope, Narrator(reporter).tell, surroundings, deps, dry_run=dry_run)
 
 
 def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
@@ -188,22 +188,19 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
 
 @pytest.mark.message
 def test_an_interrupted_run_says_what_it_was_doing() -> None:
-    from gpugate.core.outcome import BusyGpu, Progress
-    from gpugate.report.journal import Reporter
-    from gpugate.report.narrate import doing
+    from gpugate.core.outcome import BusyGpu, Progress, interrupted
 
     gpu = FakeGpuMemory(count=2).gpus()[1]
-    assert doing(Progress(Stage.STOPPING, processes=1, round_number=2)) == (
+    assert Progress(Stage.STOPPING, processes=1, round_number=2).doing == (
         "stopping 1 process(es) (round 2)"
     )
-    assert doing(Progress(Stage.LOCKING, lock_gpu=gpu)) == (
+    assert Progress(Stage.LOCKING, lock_gpu=gpu).doing == (
         f"waiting for another gpugate run's lock on {gpu.label}"
     )
-    assert doing(Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),))) == (
+    assert Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),)).doing == (
         "waiting for the driver to free memory (GPU 1 50000 MiB)"
     )
-    narrator = Narrator(Reporter(UNIT, "pre", journal=RecordingJournal(), echo=False))
-    error = narrator.interrupted(Interrupted("", "SIGINT"), Progress())
+    error = interrupted("SIGINT", Progress())
     assert (error.message, error.stage) == (
         "stopped by SIGINT while looking for the GPUs' holders; it left no GPU lock or lease",
         Stage.LOOKING.value,
