@@ -289,13 +289,9 @@ class BlindSpots(RunEvent):  # what the discovery could not see
         self.discovery = discovery
 
 
-class Decided(RunEvent):  # each holder's verdict: kill, refuse, spare
+class Decided(RunEvent):  # each holder's verdict: kill, refuse, spare (the run may refuse)
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
-
-
-class Refused(RunEvent):
-    """Another unit's or account's processes hold the GPUs: the run refuses."""
 
 
 class ExtendTimeout(RunEvent):  # what the run asks of systemd's start/stop timeout

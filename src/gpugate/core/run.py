@@ -232,7 +232,6 @@ class PhaseRun:
         self.tell(outcome.Decided(decision))
         if decision.refused:
             self.surroundings.held_by_others(discovery.owned)
-            self.tell(outcome.Refused())
             self.summary.held = [Blocker.of(c) for c in decision.blockers]
             self.found.add(ExitCode.HELD_BY_OTHERS)
             return Transition.REFUSED

@@ -286,6 +286,8 @@ class Narrator:
                     reason=choice.rule.value,
                     **choice_fields(choice),
                 )
+        if e.decision.refused:
+            self.reporter.status("refused: another unit or account holds the GPUs")
 
     def signal_sent(self, e: outcome.SignalSent) -> None:
         name = signal.Signals(e.signum).name
@@ -378,8 +380,7 @@ class Narrator:
 
     def memory_wait(self, e: outcome.MemoryWait) -> None:
         """STATUS= each poll; the `waiting` event at once, then about every WAITING_EVERY_S."""
-        busy, free_mib, left_s = e.busy, e.free_mib, e.left_s
-        first = busy[0]
+        busy, free_mib, left_s, first = e.busy, e.free_mib, e.left_s, e.busy[0]
         self.reporter.status(
             f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
             f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
@@ -684,9 +685,6 @@ WORDS: dict[type[outcome.RunEvent], Callable[[Narrator, Any], None]] = {
     outcome.NvmlSkipped: Narrator.nvml_skipped,
     outcome.BlindSpots: Narrator.blind_spots,
     outcome.Decided: Narrator.choices,
-    outcome.Refused: lambda n, _: n.reporter.status(
-        "refused: another unit or account holds the GPUs"
-    ),
     outcome.ExtendTimeout: lambda n, e: n.reporter.extend_timeout(e.seconds),
     outcome.LockWait: Narrator.lock_wait,
     outcome.LockNotTaken: Narrator.lock_not_taken,
