@@ -145,6 +145,26 @@ def test_nvml_failing_is_a_transition_back_to_looking(host: FakeHost) -> None:
     assert len(host.journal.events("run_started")) == 1  # announced once, by the first look
 
 
+@pytest.mark.message
+def test_a_degraded_run_names_its_own_phases_setting_whatever_its_reporter(
+    host: FakeHost,
+) -> None:
+    """The sweep's reap is a pre run told through the sweep's reporter: the setting it names
+    is pre's, the one that exists."""
+
+    def no_nvml() -> FakeGpuMemory:
+        raise NvmlUnavailable("NVML: driver not loaded")
+
+    loaded = host.config(gpus=[0], pre={"on_nvml_error": "warn"})
+    deps = RunDeps(roots=host.roots, driver_factory=no_nvml)
+    scope = RunScope(Phase.PRE, UNIT, UNIT_CGROUP)
+    tell = Narrator(host.reporter("sweep")).tell
+    assert PhaseRun(scope, tell, PlainWorkload(loaded), deps, dry_run=False).run().degraded
+    (warned,) = host.journal.events("warning")
+    assert warned["GPUGATE_REASON"] == "nvml-degraded"
+    assert "; pre.on_nvml_error = warn:" in warned["MESSAGE"]
+
+
 def test_nvml_failing_with_on_nvml_error_fail_ends_the_run(host: FakeHost) -> None:
     host.memory = FailsInTheWait(leaked_mib={0: 5000})
     (member,) = host.pool.holder(host.gpu_files(0))

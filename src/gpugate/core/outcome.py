@@ -274,14 +274,14 @@ class FaultElsewhere(RunEvent):  # a fault on a GPU the unit does not own
         self.fault = fault
 
 
-class Degraded(RunEvent):  # NVML failed, on_nvml_error = warn: the cgroup alone
-    def __init__(self, error: GateError) -> None:
-        self.error = error
+class Degraded(RunEvent):  # NVML failed, phase.on_nvml_error = warn: the cgroup alone
+    def __init__(self, error: GateError, phase: str) -> None:
+        self.error, self.phase = error, phase
 
 
 class NvmlSkipped(RunEvent):  # this start's pre found NVML not answering: not asked
-    def __init__(self, why: str) -> None:
-        self.why = why
+    def __init__(self, why: str, phase: str) -> None:
+        self.why, self.phase = why, phase
 
 
 class BlindSpots(RunEvent):  # what the discovery could not see

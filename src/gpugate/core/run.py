@@ -162,7 +162,7 @@ class PhaseRun:
         if hung is not None:
             # This start's pre waited its deadline on a driver that did not answer: asking
             # again would hang post too. The cgroup still dies.
-            self.tell(outcome.NvmlSkipped(hung))
+            self.tell(outcome.NvmlSkipped(hung, self.scope.phase.value))
             self.without_nvml()
         else:
             try:
@@ -203,7 +203,7 @@ class PhaseRun:
         if error is not None:
             if self.policy.on_nvml_error == "fail" or self.summary.degraded:
                 raise error
-            self.tell(outcome.Degraded(error))
+            self.tell(outcome.Degraded(error, self.scope.phase.value))
         self.summary.degraded = True
         self.driver = NoGpus()
 

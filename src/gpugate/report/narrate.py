@@ -201,7 +201,7 @@ def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = No
 
 
 class Narrator:
-    """One run's journal entries and STATUS= lines (`tell`, each outcome.RunEvent by WORDS); also
+    """One run's journal entries and STATUS= lines (`tell`: each RunEvent as WORDS says); also
     those of its surroundings."""
 
     def __init__(self, reporter: Reporter, clock: Callable[[], float] = time.monotonic) -> None:
@@ -347,8 +347,7 @@ class Narrator:
     def degraded(self, e: outcome.Degraded) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{e.error.message}; {self.reporter.phase}.on_nvml_error = warn: cleaning the unit's "
-            "cgroup only",
+            f"{e.error.message}; {e.phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             reason="nvml-degraded",
         )
 
@@ -356,7 +355,7 @@ class Narrator:
         self.reporter.event(
             Event.WARNING,
             f"not asking NVML: this start's pre found it not answering ({e.why}); "
-            f"{self.reporter.phase} cleans the unit's cgroup only",
+            f"{e.phase} cleans the unit's cgroup only",
             reason="nvml-not-answering",
         )
 
@@ -676,7 +675,7 @@ class Narrator:
         )
 
 
-# Each kind of outcome.RunEvent and the function that words it: the one place a run's events become
+# Each kind of RunEvent and the method that words it: the one place a run's events become
 # journal entries, STATUS= lines and EXTEND_TIMEOUT_USEC=.
 WORDS: dict[type[outcome.RunEvent], Callable[[Narrator, Any], None]] = {
     outcome.RunStarted: Narrator.run_started,
