@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.core import outcome
 from gpugate.core.outcome import BusyGpu, LockWait, MemoryWait
 from gpugate.errors import ConfigError, GateError
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
-from gpugate.report.narrate import Narrator, ShareTerms, lease_refusal_text
+from gpugate.report.narrate import WORDS, Narrator, ShareTerms, lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -213,3 +214,11 @@ def test_a_lease_refusal_names_the_setting_that_would_let_them_share(
     text = lease_refusal_text([([1], "a.service (since 10:00)")], share=terms)
     assert text.endswith("; " + hint)
     assert "kill_other_units" not in text
+
+
+def test_every_kind_of_run_event_is_worded_in_the_one_table() -> None:
+    """A RunEvent core can tell has its row in narrate.WORDS, and the table words nothing else:
+    a kind added without its words fails here, not in the one run that meets it."""
+    kinds = set(outcome.RunEvent.__subclasses__())
+    assert len(kinds) >= 20
+    assert set(WORDS) == kinds
