@@ -21,6 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpugate.core.discover import Discovery
+from gpugate.core.outcome import BlindSpots
 from gpugate.core.run import RunScope
 from gpugate.errors import BadRecord, ExitCode
 from gpugate.front.cli import main
@@ -370,7 +371,7 @@ def test_what_the_deadline_left_unread_is_said(host: FakeHost) -> None:
     narrator = Narrator(
         Reporter(UNIT, "pre", journal=host.journal, notifier=host.notifier, echo=False)
     )
-    narrator.blind_spots(discovery)
+    narrator.tell(BlindSpots(discovery))
     (warned,) = host.journal.events("warning")
     assert warned["GPUGATE_REASON"] == "scan-cut-short"
     assert warned["MESSAGE"].startswith("the open files of 25 process(es) (PID 100, 101,")

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.core.outcome import BusyGpu
+from gpugate.core import outcome
+from gpugate.core.outcome import BusyGpu, LockWait, MemoryWait
 from gpugate.errors import ConfigError, GateError
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
-from gpugate.report.narrate import Narrator, ShareTerms, lease_refusal_text
+from gpugate.report.narrate import WORDS, Narrator, ShareTerms, lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -112,7 +113,7 @@ def test_waiting_memory_event_at_once_then_every_10_s() -> None:
     sent = []
     for step in range(31):  # 30 s of a wait, polled every second
         before = len(journal.events("waiting"))
-        narrator.memory_wait(busy, 1024, 60 - step)
+        narrator.tell(MemoryWait(busy, 1024, 60 - step))
         sent.append(len(journal.events("waiting")) > before)
         now[0] += 1.0
     assert sent.count(True) == 4 and sent[0] and sent[10] and sent[20] and sent[30]
@@ -128,7 +129,7 @@ def test_waiting_memory_event_at_once_then_every_10_s() -> None:
 @pytest.mark.message
 def test_waiting_lock_event() -> None:
     reporter, journal, _, _ = make()
-    Narrator(reporter).lock_wait(Gpu(2, "GPU-abc", 2, "x", 80000), 42.4)
+    Narrator(reporter).tell(LockWait(Gpu(2, "GPU-abc", 2, "x", 80000), 42.4))
     (entry,) = journal.events("waiting")
     assert entry["GPUGATE_WAITING_FOR"] == "lock" and entry["GPUGATE_GPU"] == "2"
     assert "lock of GPU 2 (GPU-abc); 42 s left" in entry["MESSAGE"]
@@ -213,3 +214,11 @@ def test_a_lease_refusal_names_the_setting_that_would_let_them_share(
     text = lease_refusal_text([([1], "a.service (since 10:00)")], share=terms)
     assert text.endswith("; " + hint)
     assert "kill_other_units" not in text
+
+
+def test_every_kind_of_run_event_is_worded_in_the_one_table() -> None:
+    """A RunEvent core can tell has its row in narrate.WORDS, and the table words nothing else:
+    a kind added without its words fails here, not in the one run that meets it."""
+    kinds = set(outcome.RunEvent.__subclasses__())
+    assert len(kinds) >= 20
+    assert set(WORDS) == kinds

@@ -38,7 +38,7 @@ def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **conf
     surroundings: Workload = PlainWorkload(loaded)
     deps = RunDeps(roots=host.roots, driver_factory=lambda: host.memory)
     scope = RunScope(Phase(phase), UNIT, UNIT_CGROUP)
-    return PhaseRun(scope, Narrator(reporter), surroundings, deps, dry_run=dry_run)
+    return PhaseRun(scope, Narrator(reporter).tell, surroundings, deps, dry_run=dry_run)
 
 
 def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
@@ -145,6 +145,26 @@ def test_nvml_failing_is_a_transition_back_to_looking(host: FakeHost) -> None:
     assert len(host.journal.events("run_started")) == 1  # announced once, by the first look
 
 
+@pytest.mark.message
+def test_a_degraded_run_names_its_own_phases_setting_whatever_its_reporter(
+    host: FakeHost,
+) -> None:
+    """The sweep's reap is a pre run told through the sweep's reporter: the setting it names
+    is pre's, the one that exists."""
+
+    def no_nvml() -> FakeGpuMemory:
+        raise NvmlUnavailable("NVML: driver not loaded")
+
+    loaded = host.config(gpus=[0], pre={"on_nvml_error": "warn"})
+    deps = RunDeps(roots=host.roots, driver_factory=no_nvml)
+    scope = RunScope(Phase.PRE, UNIT, UNIT_CGROUP)
+    tell = Narrator(host.reporter("sweep")).tell
+    assert PhaseRun(scope, tell, PlainWorkload(loaded), deps, dry_run=False).run().degraded
+    (warned,) = host.journal.events("warning")
+    assert warned["GPUGATE_REASON"] == "nvml-degraded"
+    assert "; pre.on_nvml_error = warn:" in warned["MESSAGE"]
+
+
 def test_nvml_failing_with_on_nvml_error_fail_ends_the_run(host: FakeHost) -> None:
     host.memory = FailsInTheWait(leaked_mib={0: 5000})
     (member,) = host.pool.holder(host.gpu_files(0))
@@ -188,22 +208,19 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
 
 @pytest.mark.message
 def test_an_interrupted_run_says_what_it_was_doing() -> None:
-    from gpugate.core.outcome import BusyGpu, Progress
-    from gpugate.report.journal import Reporter
-    from gpugate.report.narrate import doing
+    from gpugate.core.outcome import BusyGpu, Progress, interrupted
 
     gpu = FakeGpuMemory(count=2).gpus()[1]
-    assert doing(Progress(Stage.STOPPING, processes=1, round_number=2)) == (
+    assert Progress(Stage.STOPPING, processes=1, round_number=2).doing == (
         "stopping 1 process(es) (round 2)"
     )
-    assert doing(Progress(Stage.LOCKING, lock_gpu=gpu)) == (
+    assert Progress(Stage.LOCKING, lock_gpu=gpu).doing == (
         f"waiting for another gpugate run's lock on {gpu.label}"
     )
-    assert doing(Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),))) == (
+    assert Progress(Stage.WAITING, waiting_on=(BusyGpu(gpu, 50000, ()),)).doing == (
         "waiting for the driver to free memory (GPU 1 50000 MiB)"
     )
-    narrator = Narrator(Reporter(UNIT, "pre", journal=RecordingJournal(), echo=False))
-    error = narrator.interrupted(Interrupted("", "SIGINT"), Progress())
+    error = interrupted("SIGINT", Progress())
     assert (error.message, error.stage) == (
         "stopped by SIGINT while looking for the GPUs' holders; it left no GPU lock or lease",
         Stage.LOOKING.value,

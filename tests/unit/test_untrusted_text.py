@@ -25,7 +25,19 @@ from hypothesis import strategies as st
 from gpugate.core.decide import Choice, Decision, Rule, Verdict
 from gpugate.core.discover import Discovery, Holder, Source
 from gpugate.core.kill import Respawner
-from gpugate.core.outcome import RunSummary
+from gpugate.core.outcome import (
+    ContainerStopped,
+    Decided,
+    Finished,
+    Respawned,
+    Respawning,
+    RunSummary,
+    ShmFiles,
+    ShmShort,
+    SignalSent,
+    Stuck,
+    Survived,
+)
 from gpugate.core.roles import Role
 from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
 from gpugate.errors import ExitCode
@@ -223,22 +235,22 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     reporter = reporter.as_dry_run(reporter.stream)  # not stdout: the test reads it
     narrator = Narrator(reporter)
     decision = choices_of(holder, text)
-    narrator.choices(decision)
+    narrator.tell(Decided(decision))
     for choice in decision.choices:
-        narrator.signal_sent(choice, 15)
-        narrator.stuck(choice, "D", text)
-        narrator.survivor(choice)
+        narrator.tell(SignalSent(choice, 15))
+        narrator.tell(Stuck(choice, "D", text))
+    narrator.tell(Survived(decision.choices))
     assert holder.container is not None
-    narrator.container_stopped(StopResult(holder.container, False, text))
-    narrator.respawning([Respawner(holder.info, 3)], 10)
-    narrator.respawned(Respawner(holder.info, 3))
+    narrator.tell(ContainerStopped(StopResult(holder.container, False, text)))
+    narrator.tell(Respawning([Respawner(holder.info, 3)], 10))
+    narrator.tell(Respawned(Respawner(holder.info, 3)))
     facts = FileFacts(f"/dev/shm/{text}", 4096, 4096, 0)
     file = ShmFile(ShmKey(1, 2), (facts.path,))
-    narrator.shm_files(
-        [ShmRemoval(file, (4242,), facts), ShmRemoval(file, (4242,), facts, kept=text)]
+    narrator.tell(
+        ShmFiles([ShmRemoval(file, (4242,), facts), ShmRemoval(file, (4242,), facts, kept=text)])
     )
     space = Space(ShmArea("/dev/shm", 1), 100, 1)
-    narrator.shm_short(SpaceShort(space, 1, 2, [(file.key, facts)]), {file.key: [4242]}, str)
+    narrator.tell(ShmShort(SpaceShort(space, 1, 2, [(file.key, facts)]), {file.key: [4242]}, str))
     units = Narrator(reporter)
     units.lease_stale(text, [0], "inactive", dry_run=True)
     units.gpus_shared(text, [0])
@@ -247,7 +259,7 @@ def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> No
     units.lease_unreadable(Path(f"/run/gpugate/leases/{text}.json"), text)
     error = refusal("active", "pre", UNIT, [describe(c) for c in decision.choices])
     Narrator(reporter).failed(error, errors)
-    narrator.finished(RunSummary())
+    narrator.tell(Finished(RunSummary()))
 
 
 def check_channels(

@@ -1,16 +1,16 @@
 """A run seen from outside the core: where it is, what it ended with (its code by
 `errors.outcome_code`), what surrounds it (`Workload`, in integrations/) and what it
-tells (`Narration`, report/)."""
+tells (`RunEvent`s, worded in report/narrate.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from gpugate.compat import StrEnum
-from gpugate.errors import ExitCode
+from gpugate.errors import ExitCode, Interrupted
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId
 
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from gpugate.core.discover import Discovery
     from gpugate.core.kill import Respawner
     from gpugate.core.shm_cleanup import ShmRemoval, SpaceShort
-    from gpugate.errors import GateError, Interrupted
+    from gpugate.errors import GateError
     from gpugate.host.containers import StopResult
     from gpugate.host.nvml import GpuFault
     from gpugate.host.shm import ShmKey
@@ -146,6 +146,38 @@ class Progress:
     waiting_on: tuple[BusyGpu, ...] = ()  # WAITING: the GPUs still busy
     last_busy: tuple[BusyGpu, ...] = ()  # the GPUs last seen busy (post need not wait again)
 
+    @property
+    def doing(self) -> str:
+        """What the run is doing, in the words of an interruption's error."""
+        if self.stage is Stage.STOPPING:
+            return f"stopping {self.processes} process(es) (round {self.round_number})"
+        if self.stage is Stage.LOCKING:
+            if self.lock_gpu is None:
+                return "taking the GPUs' locks"
+            return f"waiting for another gpugate run's lock on {self.lock_gpu.label}"
+        if self.stage is Stage.WAITING:
+            if not self.waiting_on:
+                return "waiting for the GPUs and ports to be free"
+            shown = ", ".join(
+                f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in self.waiting_on
+            )
+            return f"waiting for the driver to free memory ({shown})"
+        if self.stage is Stage.FINISHING:
+            return "finishing"
+        return "looking for the GPUs' holders"
+
+
+def interrupted(signal_name: str, progress: Progress | None = None) -> Interrupted:
+    """Interrupted in words, the one place: as the signal arrives, or as a run's error (what it
+    was doing, what it left). An error's words are made where it is raised, core's too."""
+    if progress is None:
+        return Interrupted(f"stopped by {signal_name}", signal_name)
+    return Interrupted(
+        f"stopped by {signal_name} while {progress.doing}; it left no GPU lock or lease",
+        signal_name,
+        progress.stage.value,
+    )
+
 
 # (folder, what it holds) pairs and (file, what it is) pairs: host.state_dirs.check_all's input
 StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
@@ -227,54 +259,134 @@ class PlainWorkload(Workload):
     gpu_source_warns: bool = False
 
 
-class Narration(Protocol):
-    # the run's start, what it found and chose
-    def run_started(
-        self,
-        discovery: Discovery,
-        config_source: str,
-        used_mib: int,
-        *,
-        gpu_source: str = "",
-        gpu_source_warns: bool = False,
-    ) -> None: ...
-    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None: ...
-    def degraded(self, error: GateError, phase: str) -> None: ...
-    def nvml_skipped(self, why: str, phase: str) -> None: ...
-    def blind_spots(self, discovery: Discovery) -> None: ...
-    def choices(self, decision: Decision) -> None: ...
-    def refused(self) -> None: ...
-    def interrupted(self, error: Interrupted, progress: Progress) -> Interrupted: ...
-    def extend_timeout(self, seconds: float) -> None: ...
-    def lock_wait(self, gpu: Gpu, left_s: float) -> None: ...
-    def lock_not_taken(self, path: object, cause: str) -> None: ...
+class RunEvent:
+    """Something that happened in a run, as core's own objects: core tells each to its one
+    sink (PhaseRun's `tell`); report.narrate words each kind (journal entry, STATUS=)."""
 
-    # the kill
-    def stopping(self, count: int, round_number: int) -> None: ...
-    def container_stopping(self, count: int) -> None: ...
-    def container_stopped(self, result: StopResult) -> None: ...
-    def signal_sent(self, choice: Choice, signum: int) -> None: ...
-    def stuck(self, choice: Choice, state: str, wchan: str) -> None: ...
-    def survivor(self, choice: Choice) -> None: ...
-    def survived(self, count: int) -> None: ...
-    def still_held(self) -> None: ...
 
-    # the wait and the end
-    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None: ...
-    def memory_timeout(
-        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
-    ) -> None: ...
-    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None: ...
-    def respawned(self, respawner: Respawner) -> None: ...
-    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None: ...
-    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None: ...
-    def finished(self, summary: RunSummary) -> None: ...
+class RunStarted(RunEvent):  # the run's first entry
+    def __init__(self, discovery: Discovery, used_mib: int, workload: Workload) -> None:
+        self.discovery, self.used_mib, self.workload = discovery, used_mib, workload
 
-    # the shared memory of the killed
-    def shm_files(self, removals: list[ShmRemoval]) -> None: ...
-    def shm_short(
-        self,
-        short: SpaceShort,
-        holders: Mapping[ShmKey, list[int]],
-        label: Callable[[int], str],
-    ) -> None: ...
+
+class FaultElsewhere(RunEvent):  # a fault on a GPU the unit does not own
+    def __init__(self, fault: GpuFault) -> None:
+        self.fault = fault
+
+
+class Degraded(RunEvent):  # NVML failed, phase.on_nvml_error = warn: the cgroup alone
+    def __init__(self, error: GateError, phase: str) -> None:
+        self.error, self.phase = error, phase
+
+
+class NvmlSkipped(RunEvent):  # this start's pre found NVML not answering: not asked
+    def __init__(self, why: str, phase: str) -> None:
+        self.why, self.phase = why, phase
+
+
+class BlindSpots(RunEvent):  # what the discovery could not see
+    def __init__(self, discovery: Discovery) -> None:
+        self.discovery = discovery
+
+
+class Decided(RunEvent):  # each holder's verdict: kill, refuse, spare (the run may refuse)
+    def __init__(self, decision: Decision) -> None:
+        self.decision = decision
+
+
+class ExtendTimeout(RunEvent):  # what the run asks of systemd's start/stop timeout
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+class LockWait(RunEvent):  # another gpugate run holds a GPU's lock
+    def __init__(self, gpu: Gpu, left_s: float) -> None:
+        self.gpu, self.left_s = gpu, left_s
+
+
+class LockNotTaken(RunEvent):  # after a stop: a lock that could not be made
+    def __init__(self, path: object, cause: str) -> None:
+        self.path, self.cause = path, cause
+
+
+class Stopping(RunEvent):  # a kill round begins
+    def __init__(self, count: int, round_number: int) -> None:
+        self.count, self.round_number = count, round_number
+
+
+class ContainerStopping(RunEvent):  # the unit's own containers, through their runtime
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+
+class ContainerStopped(RunEvent):
+    def __init__(self, result: StopResult) -> None:
+        self.result = result
+
+
+class SignalSent(RunEvent):
+    def __init__(self, choice: Choice, signum: int) -> None:
+        self.choice, self.signum = choice, signum
+
+
+class Stuck(RunEvent):  # alive after SIGKILL: its state and wchan, waited for
+    def __init__(self, choice: Choice, state: str, wchan: str) -> None:
+        self.choice, self.state, self.wchan = choice, state, wchan
+
+
+class Survived(RunEvent):  # the targets that outlived SIGKILL until the deadline
+    def __init__(self, choices: list[Choice]) -> None:
+        self.choices = choices
+
+
+class StillHeld(RunEvent):
+    """After the kill, a process the run may not kill still holds a GPU."""
+
+
+class MemoryWait(RunEvent):  # each poll of the wait that finds GPUs busy
+    def __init__(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
+        self.busy, self.free_mib, self.left_s = busy, free_mib, left_s
+
+
+class MemoryTimeout(RunEvent):  # GPUs still busy at the deadline; failing: on_timeout = fail
+    def __init__(
+        self, busy: Sequence[BusyGpu], free_mib: int, timeout_s: float, failing: bool
+    ) -> None:
+        self.busy, self.free_mib, self.timeout_s, self.failing = busy, free_mib, timeout_s, failing
+
+
+class Respawning(RunEvent):  # still respawning the killed at the deadline
+    def __init__(self, respawners: Sequence[Respawner], timeout_s: float) -> None:
+        self.respawners, self.timeout_s = respawners, timeout_s
+
+
+class Respawned(RunEvent):  # respawned the killed in the wait; each respawn was killed
+    def __init__(self, respawner: Respawner) -> None:
+        self.respawner = respawner
+
+
+class PortsHeld(RunEvent):  # ports still listened on at the deadline
+    def __init__(self, ports: Sequence[int], timeout_s: float) -> None:
+        self.ports, self.timeout_s = ports, timeout_s
+
+
+class MemoryFreed(RunEvent):
+    def __init__(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:
+        self.owned, self.free_mib, self.seconds = owned, free_mib, seconds
+
+
+class ShmFiles(RunEvent):  # the killed's /dev/shm files: removed or kept, and why
+    def __init__(self, removals: list[ShmRemoval]) -> None:
+        self.removals = removals
+
+
+class ShmShort(RunEvent):  # too little free /dev/shm for the start; label: a PID in words
+    def __init__(
+        self, short: SpaceShort, holders: Mapping[ShmKey, list[int]], label: Callable[[int], str]
+    ) -> None:
+        self.short, self.holders, self.label = short, holders, label
+
+
+class Finished(RunEvent):  # the run's last entry
+    def __init__(self, summary: RunSummary) -> None:
+        self.summary = summary

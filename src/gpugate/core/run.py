@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpugate.config.file import LoadedConfig
+from gpugate.core import outcome
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, DiscoveryQuery, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
@@ -21,12 +22,13 @@ from gpugate.core.outcome import (
     UNKILLABLE,
     Blocker,
     BusyGpu,
-    Narration,
     Progress,
+    RunEvent,
     RunSummary,
     Stage,
     Transition,
     Workload,
+    interrupted,
 )
 from gpugate.core.roles import Role, mps_served
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
@@ -84,13 +86,13 @@ class PhaseRun:
     def __init__(
         self,
         scope: RunScope,
-        narrator: Narration,
+        tell: Callable[[RunEvent], None],
         surroundings: Workload,
         deps: RunDeps,
         *,
         dry_run: bool,
     ) -> None:
-        self.scope, self.narrator, self.surroundings = scope, narrator, surroundings
+        self.scope, self.tell, self.surroundings = scope, tell, surroundings
         self.deps, self.dry_run = deps, dry_run
         self.loaded: LoadedConfig = surroundings.loaded  # the unit's GPUs resolved
         self.config = self.loaded.config
@@ -121,40 +123,30 @@ class PhaseRun:
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
-        self._progress = Progress()
-        self._transitions: list[tuple[Stage, Transition]] = []
+        self.progress = Progress()  # where the run is: the stage, its facts
+        self.transitions: list[tuple[Stage, Transition]] = []  # the edges taken
         self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
-
-    # -- where the run is: the stage, its facts, the transitions taken
-
-    @property
-    def progress(self) -> Progress:
-        return self._progress
-
-    @property
-    def transitions(self) -> list[tuple[Stage, Transition]]:
-        return list(self._transitions)
 
     def enter(self, stage: Stage | None, via: Transition | None = None) -> None:
         """The one way the stage changes; via: the edge left (None: the first); None: the end."""
         if via is not None:
-            self._transitions.append((self._progress.stage, via))
+            self.transitions.append((self.progress.stage, via))
         if stage is not None:
-            self._progress = Progress(stage, last_busy=self._progress.last_busy)
+            self.progress = Progress(stage, last_busy=self.progress.last_busy)
 
     def note(self, **facts: Any) -> None:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
-        self._progress = replace(self._progress, stage=self._progress.stage, **facts)
+        self.progress = replace(self.progress, stage=self.progress.stage, **facts)
 
     # -- the run: its driver, its stages, its errors
 
     def run(self) -> RunSummary:
         """An error but a manual run's refusal is told to the surroundings, locks released; an
-        interruption as the narrator words it."""
+        interruption says what the run was doing."""
         try:
             self._with_driver()
         except Interrupted as exc:
-            worded = self.narrator.interrupted(exc, self.progress)
+            worded = interrupted(exc.signal_name, self.progress)
             if not self.dry_run:
                 self.surroundings.after_error(worded, self.progress)
             raise worded from None
@@ -170,7 +162,7 @@ class PhaseRun:
         if hung is not None:
             # This start's pre waited its deadline on a driver that did not answer: asking
             # again would hang post too. The cgroup still dies.
-            self.narrator.nvml_skipped(hung, self.scope.phase.value)
+            self.tell(outcome.NvmlSkipped(hung, self.scope.phase.value))
             self.without_nvml()
         else:
             try:
@@ -211,7 +203,7 @@ class PhaseRun:
         if error is not None:
             if self.policy.on_nvml_error == "fail" or self.summary.degraded:
                 raise error
-            self.narrator.degraded(error, self.scope.phase.value)
+            self.tell(outcome.Degraded(error, self.scope.phase.value))
         self.summary.degraded = True
         self.driver = NoGpus()
 
@@ -232,19 +224,14 @@ class PhaseRun:
         self.surroundings.before_kill(decision)  # one line, before any other
         if not self.announced:
             self.announced = True
-            self.narrator.run_started(
-                discovery,
-                self.loaded.source,
-                sum(self.used_before.values()),
-                gpu_source=self.surroundings.gpu_source,
-                gpu_source_warns=self.surroundings.gpu_source_warns,
+            self.tell(
+                outcome.RunStarted(discovery, sum(self.used_before.values()), self.surroundings)
             )
         self.report_faults(discovery)
-        self.narrator.blind_spots(discovery)
-        self.narrator.choices(decision)
+        self.tell(outcome.BlindSpots(discovery))
+        self.tell(outcome.Decided(decision))
         if decision.refused:
             self.surroundings.held_by_others(discovery.owned)
-            self.narrator.refused()
             self.summary.held = [Blocker.of(c) for c in decision.blockers]
             self.found.add(ExitCode.HELD_BY_OTHERS)
             return Transition.REFUSED
@@ -295,7 +282,7 @@ class PhaseRun:
         for fault in discovery.faults:
             if fault.index not in self.reported_faults:
                 self.reported_faults.add(fault.index)
-                self.narrator.fault_elsewhere(fault, self.scope.unit)
+                self.tell(outcome.FaultElsewhere(fault))
 
     def unsignalled(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
@@ -306,9 +293,9 @@ class PhaseRun:
     def locking(self) -> Transition:
         owned = self.latest.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
-        self.narrator.extend_timeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S)
+        self.tell(outcome.ExtendTimeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S))
         # After a stop (state not required), a lock that cannot be made is said, not fatal.
-        unlocked = None if self.scope.phase.traits.state_required else self.narrator.lock_not_taken
+        unlocked = None if self.scope.phase.traits.state_required else self.lock_not_taken
         self.locks.enter_context(
             gpu_locks(
                 self.config.lock_dir,
@@ -334,7 +321,10 @@ class PhaseRun:
 
     def on_lock_wait(self, gpu: Gpu) -> None:
         self.note(lock_gpu=gpu)
-        self.narrator.lock_wait(gpu, self.deadline - self.clock())
+        self.tell(outcome.LockWait(gpu, self.deadline - self.clock()))
+
+    def lock_not_taken(self, path: object, cause: str) -> None:
+        self.tell(outcome.LockNotTaken(path, cause))
 
     # -- stopping: the kill rounds
 
@@ -347,7 +337,7 @@ class PhaseRun:
         if blockers:
             self.summary.held = [Blocker.of(c) for c in blockers]
             self.found.add(ExitCode.HELD_BY_OTHERS)
-            self.narrator.still_held()
+            self.tell(outcome.StillHeld())
             return Transition.STILL_HELD
         return Transition.STOPPED
 
@@ -361,9 +351,9 @@ class PhaseRun:
             # stopped); the pinned signals follow for any process that outlived it.
             wanted = {c.holder.container.id for c in self.decision.targets if c.holder.container}
             containers = [c for c in discovery.unit_containers if c.id in wanted]
-            self.narrator.container_stopping(len(containers))
+            self.tell(outcome.ContainerStopping(len(containers)))
             for stopped in stop_containers(containers, self.policy.sigterm_grace_s):
-                self.narrator.container_stopped(stopped)
+                self.tell(outcome.ContainerStopped(stopped))
         survivors: list[ProcessId] = []
         for round_number in range(1, MAX_ROUNDS + 1):
             fresh = self.unsignalled(self.decision)
@@ -374,20 +364,19 @@ class PhaseRun:
                 break
             self.report_faults(self.find_holders()[0])
         self.summary.seconds_kill += self.clock() - kill_started
-        for ident in survivors:
-            self.narrator.survivor(self.signalled[ident])
         if survivors:
-            self.summary.held = [Blocker.of(self.signalled[i], UNKILLABLE) for i in survivors]
+            survived = [self.signalled[ident] for ident in survivors]
+            self.tell(outcome.Survived(survived))
+            self.summary.held = [Blocker.of(choice, UNKILLABLE) for choice in survived]
             self.found.add(ExitCode.UNKILLABLE)
-            self.narrator.survived(len(survivors))
         return survivors
 
     def kill_round(self, fresh: list[Choice], round_number: int) -> list[ProcessId]:
         by_ident = self.signalled
         self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
         if round_number > 1:
-            self.narrator.choices(Decision(fresh))
-        self.narrator.stopping(len(fresh), round_number)
+            self.tell(outcome.Decided(Decision(fresh)))
+        self.tell(outcome.Stopping(len(fresh), round_number))
         self.note(processes=len(fresh), round_number=round_number)
         by_ident.update((c.holder.info.ident, c) for c in fresh)
         with self.procfs.oneshot():
@@ -398,7 +387,7 @@ class PhaseRun:
             sigkill_wait_s=self.policy.sigkill_wait_s,
             deadline=self.deadline,
             procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
-            on_signal=lambda ident, signum: self.narrator.signal_sent(by_ident[ident], signum),
+            on_signal=lambda ident, signum: self.tell(outcome.SignalSent(by_ident[ident], signum)),
             on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
             pinner=self.deps.pinner,
             clock=self.clock,
@@ -410,7 +399,7 @@ class PhaseRun:
         for choice in choices:
             stat = self.procfs.stat(choice.holder.pid)
             process_state = stat.state if stat else "?"
-            self.narrator.stuck(choice, process_state, self.procfs.wchan(choice.holder.pid))
+            self.tell(outcome.Stuck(choice, process_state, self.procfs.wchan(choice.holder.pid)))
 
     # -- waiting: for free GPUs and ports, killing what turns up meanwhile
 
@@ -489,7 +478,7 @@ class PhaseRun:
         fresh = self.unsignalled(decision)
         if not fresh:
             return False
-        self.narrator.choices(Decision(fresh))  # kill_rounds announces only its later rounds
+        self.tell(outcome.Decided(Decision(fresh)))  # kill_rounds announces only its later rounds
         self.enter(Stage.STOPPING, Transition.RESPAWNED)
         survivors = self.kill_rounds()
         # Back to the wait, on the same deadline: a survivor's GPUs are still waited for.
@@ -498,31 +487,31 @@ class PhaseRun:
 
     def waited_on(self, busy: list[BusyGpu], left_s: float) -> None:
         if busy:
-            self.narrator.memory_wait(busy, self.config.free_mib, left_s)
-        self.narrator.extend_timeout(left_s + TIMEOUT_MARGIN_S)
+            self.tell(outcome.MemoryWait(busy, self.config.free_mib, left_s))
+        self.tell(outcome.ExtendTimeout(left_s + TIMEOUT_MARGIN_S))
 
     def judge_wait(
         self, owned: list[Gpu], busy: list[BusyGpu], ports: list[int], *, held: bool
     ) -> None:
         """The wait's outcome: respawning, ports or memory still held, or all free."""
-        narrator, found, free_mib = self.narrator, self.found, self.config.free_mib
+        tell, found, free_mib = self.tell, self.found, self.config.free_mib
         timeout_s = self.policy.wait_timeout_s
         respawners = self.watch.respawners(self.procfs.still_same)
         if held and respawners:
-            narrator.respawning(respawners, timeout_s)
+            tell(outcome.Respawning(respawners, timeout_s))
             found.add(ExitCode.RESPAWNING)
             return
         for respawner in respawners:
-            narrator.respawned(respawner)
+            tell(outcome.Respawned(respawner))
         failing = self.policy.on_timeout == "fail"
-        for item in busy:
-            narrator.memory_timeout(item, free_mib, timeout_s, failing=failing)
+        if busy:
+            tell(outcome.MemoryTimeout(busy, free_mib, timeout_s, failing))
         if ports:
-            narrator.ports_held(ports, timeout_s)
+            tell(outcome.PortsHeld(ports, timeout_s))
             found.add(ExitCode.HELD_BY_OTHERS)
         if not busy:
             if owned and not ports:
-                narrator.memory_freed(owned, free_mib, self.summary.seconds_wait)
+                tell(outcome.MemoryFreed(owned, free_mib, self.summary.seconds_wait))
         elif failing:
             found.add(ExitCode.MEMORY_TIMEOUT)
 
@@ -530,18 +519,18 @@ class PhaseRun:
 
     def finishing(self) -> Transition:
         # A refused run killed nothing: it has no /dev/shm files to remove.
-        if self._transitions[-1][1] not in (Transition.REFUSED, Transition.START_REFUSED):
+        if self.transitions[-1][1] not in (Transition.REFUSED, Transition.START_REFUSED):
             self.clean_shm()
         self.summary.exit_code = outcome_code(self.found)
         # A lease first: one that cannot be written is the run's error (exit 73), never a
         # "success" and then an error. post's failed-pre reason comes last (systemctl status).
         lease_first = self.scope.phase.traits.takes_lease and not self.dry_run
         if not lease_first:
-            self.narrator.finished(self.summary)
+            self.tell(outcome.Finished(self.summary))
         if not self.dry_run:
             self.surroundings.after_run(self.summary)
         if lease_first:
-            self.narrator.finished(self.summary)
+            self.tell(outcome.Finished(self.summary))
         return Transition.FINISHED
 
     def clean_shm(self) -> None:
@@ -557,7 +546,7 @@ class PhaseRun:
             else:
                 killed = {ident.pid for ident in self.signalled}
                 removals = remove(self.shm_ledger, killed, host, label)
-            self.narrator.shm_files(removals)
+            self.tell(outcome.ShmFiles(removals))
         needed_mib = self.config.shm_min_free_mib
         if (
             needed_mib is None
@@ -570,7 +559,7 @@ class PhaseRun:
             holders: dict[ShmKey, list[int]] = {}
             if short.largest:
                 holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
-            self.narrator.shm_short(short, holders, label)
+            self.tell(outcome.ShmShort(short, holders, label))
             self.found.add(ExitCode.SHM_SPACE)
 
     def shm_label(self, pid: int) -> str:

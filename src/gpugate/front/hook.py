@@ -21,7 +21,7 @@ from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.discover import Discovery, DiscoveryQuery, as_refs, cgroup_members, discover
-from gpugate.core.outcome import RunSummary, Workload
+from gpugate.core.outcome import RunSummary, Workload, interrupted
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunDeps, RunScope
 from gpugate.errors import GateError
 from gpugate.host.locks import check_all
@@ -42,7 +42,7 @@ from gpugate.integrations.records import workload_words
 from gpugate.integrations.unit import choose_gpus, with_chosen_gpus
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter, ReporterFactory
-from gpugate.report.narrate import Narrator, interrupted
+from gpugate.report.narrate import Narrator
 
 UID_TEXT = re.compile(r"(?:0|[1-9][0-9]{0,9})")
 NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
@@ -136,7 +136,7 @@ def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
     reporter = narrator.reporter
     # First thing: the unit's own TimeoutStartSec=/TimeoutStopSec= may be shorter than this
     # run's deadline; systemd 247 to 257 honour EXTEND_TIMEOUT_USEC= in start-pre and stop-post.
-    narrator.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
+    reporter.extend_timeout(loaded.config.policy(scope.phase).wait_timeout_s + TIMEOUT_MARGIN_S)
     surroundings = hook.surroundings(scope, loaded, reporter)
     if not hook.dry_run:
         required = scope.phase.traits.state_required
@@ -159,7 +159,7 @@ def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
             except GateError:
                 pids = set()
             say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
-    run = PhaseRun(scope, narrator, surroundings, hook.run, dry_run=hook.dry_run)
+    run = PhaseRun(scope, narrator.tell, surroundings, hook.run, dry_run=hook.dry_run)
     return run.run()  # an error is told to the surroundings first (core/run.py)
 
 

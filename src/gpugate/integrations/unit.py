@@ -302,7 +302,7 @@ class UnitWorkload(Workload):
         waiting for need no second wait in post. post ends the lease only when interrupted:
         after another error the unit may still run."""
         busy: Sequence[BusyGpu] = ()
-        if isinstance(error, Interrupted):  # worded by the narrator (core/run.py)
+        if isinstance(error, Interrupted):  # says what the run was doing (core/run.py)
             busy = progress.last_busy
         self._failed(error.exit_code, error.message, busy, error=True)
         if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):

@@ -167,15 +167,13 @@ class Reporter:
         message: str,
         *,
         priority: int | None = None,
-        pid: int | None = None,
         gpus: list[int] | None = None,
-        used_mib: int | None = None,
         echo: bool = True,
-        **extra: str | bytes | int,
+        **extra: str | bytes | int | None,
     ) -> None:
         """message: gpugate's sentence (process text in it through untrusted.printable), escaped
-        once more (untrusted.safe_line); extra: GPUGATE_* fields, untrusted.field_bytes's as they
-        are."""
+        once more (untrusted.safe_line); extra: GPUGATE_* fields (pid=, used_mib=...; None: none),
+        untrusted.field_bytes's as they are."""
         if priority is None:
             priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
         fields: dict[str, FieldValue] = {
@@ -191,14 +189,11 @@ class Reporter:
         }
         if self.dry_run:
             fields["GPUGATE_DRY_RUN"] = "1"
-        if pid is not None:
-            fields["GPUGATE_PID"] = str(pid)
         if gpus:
             fields["GPUGATE_GPU"] = ",".join(str(index) for index in sorted(gpus))
-        if used_mib is not None:
-            fields["GPUGATE_USED_MIB"] = str(used_mib)
         for key, value in extra.items():
-            fields[f"GPUGATE_{key.upper()}"] = as_field(value)
+            if value is not None:
+                fields[f"GPUGATE_{key.upper()}"] = as_field(value)
         fields.update(self.fields)
         message = safe_line(message)
         self.journal.send(message, fields)

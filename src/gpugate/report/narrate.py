@@ -8,22 +8,20 @@ import pwd
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from gpugate.core.decide import Choice, Decision, Rule, Verdict
-from gpugate.core.discover import Discovery
-from gpugate.core.kill import Respawner
-from gpugate.core.outcome import BusyGpu, Progress, RunSummary, Stage
+from gpugate.core import outcome
+from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.core.roles import Role
-from gpugate.core.shm_cleanup import Kept, ShmRemoval, SpaceShort
-from gpugate.errors import ExitCode, GateError, Interrupted
-from gpugate.host.containers import Container, StopResult
-from gpugate.host.nvml import MIB, Gpu, GpuFault
+from gpugate.core.shm_cleanup import Kept, ShmRemoval
+from gpugate.errors import ExitCode, GateError
+from gpugate.host.containers import Container
+from gpugate.host.nvml import MIB, Gpu
 from gpugate.host.safe_files import account
-from gpugate.host.shm import FileFacts, ShmKey
+from gpugate.host.shm import FileFacts
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -202,40 +200,9 @@ def other_unit_text(choice: Choice, unit: str, held: str, named: str | None = No
     )
 
 
-def doing(progress: Progress) -> str:
-    stage = progress.stage
-    if stage is Stage.STOPPING:
-        return f"stopping {progress.processes} process(es) (round {progress.round_number})"
-    if stage is Stage.LOCKING:
-        if progress.lock_gpu is None:
-            return "taking the GPUs' locks"
-        return f"waiting for another gpugate run's lock on {progress.lock_gpu.label}"
-    if stage is Stage.WAITING:
-        if not progress.waiting_on:
-            return "waiting for the GPUs and ports to be free"
-        shown = ", ".join(
-            f"GPU {item.gpu.shown} {item.used_mib} MiB" for item in progress.waiting_on
-        )
-        return f"waiting for the driver to free memory ({shown})"
-    if stage is Stage.FINISHING:
-        return "finishing"
-    return "looking for the GPUs' holders"
-
-
-def interrupted(signal_name: str, progress: Progress | None = None) -> Interrupted:
-    """Interrupted in words, the one place: as the signal arrives, or as a run's error (what it
-    was doing, what it left)."""
-    if progress is None:
-        return Interrupted(f"stopped by {signal_name}", signal_name)
-    return Interrupted(
-        f"stopped by {signal_name} while {doing(progress)}; it left no GPU lock or lease",
-        signal_name,
-        progress.stage.value,
-    )
-
-
 class Narrator:
-    """One run's journal entries and STATUS= lines; also those of its surroundings."""
+    """One run's journal entries and STATUS= lines (`tell`: each RunEvent as WORDS says); also
+    those of its surroundings."""
 
     def __init__(self, reporter: Reporter, clock: Callable[[], float] = time.monotonic) -> None:
         self.reporter = reporter
@@ -246,19 +213,17 @@ class Narrator:
         # namespace/pod/container), for the refusals that name it; None: its unit.
         self.workloads: Callable[[str], str | None] | None = None
 
+    def tell(self, event: outcome.RunEvent) -> None:
+        """The run's sink: the event in words, as WORDS says for its kind."""
+        WORDS[type(event)](self, event)
+
     def looking(self) -> None:
         self.reporter.status("looking for processes holding the GPUs")
 
-    def run_started(
-        self,
-        discovery: Discovery,
-        config_source: str,
-        used_mib: int,
-        *,
-        gpu_source: str = "",
-        gpu_source_warns: bool = False,
-    ) -> None:
+    def run_started(self, e: outcome.RunStarted) -> None:
+        discovery, config_source, used_mib = e.discovery, e.workload.loaded.source, e.used_mib
         owned = [gpu.index for gpu in discovery.owned]
+        gpu_source = e.workload.gpu_source
         source = f"GPUs from {gpu_source}; " if gpu_source else ""
         evidence = (
             "NVML lists the GPUs' processes: a device-file holder it lists nowhere is a watcher"
@@ -270,7 +235,7 @@ class Narrator:
             f"{'dry run: ' if self.dry_run else ''}{len(owned)} GPU(s) [{gpu_list(owned)}], "
             f"{used_mib} MiB used; {source}config {config_source}; "
             f"cgroup {discovery.unit_cgroup}; {evidence}",
-            priority=PRIORITY_WARNING if gpu_source_warns else PRIORITY_INFO,
+            priority=PRIORITY_WARNING if e.workload.gpu_source_warns else PRIORITY_INFO,
             gpus=owned,
             used_mib=used_mib,
             config=config_source,
@@ -278,7 +243,8 @@ class Narrator:
             evidence="nvml" if discovery.nvml_lists_processes else "device-files",
         )
 
-    def blind_spots(self, discovery: Discovery) -> None:
+    def blind_spots(self, e: outcome.BlindSpots) -> None:
+        discovery = e.discovery
         if discovery.unreadable:
             self.reporter.event(
                 Event.WARNING,
@@ -304,12 +270,12 @@ class Narrator:
                     reason="other-pid-namespace",
                 )
 
-    def choices(self, decision: Decision) -> None:
+    def choices(self, e: outcome.Decided) -> None:
         would, unit, phase = self.dry_run, self.reporter.unit, self.reporter.phase
-        spared = [c for c in decision.spared if c.holder.gpus]
+        spared = [c for c in e.decision.spared if c.holder.gpus]
         for choices, event, verb in (
-            (decision.targets, Event.HOLDER_FOUND, "would kill" if would else "will kill"),
-            (decision.blockers, Event.REFUSED, "would not kill" if would else "not killing"),
+            (e.decision.targets, Event.HOLDER_FOUND, "would kill" if would else "will kill"),
+            (e.decision.blockers, Event.REFUSED, "would not kill" if would else "not killing"),
             (spared, Event.PROCESS_SPARED, "would spare" if would else "sparing"),
         ):
             for choice in choices:
@@ -320,31 +286,21 @@ class Narrator:
                     reason=choice.rule.value,
                     **choice_fields(choice),
                 )
+        if e.decision.refused:
+            self.reporter.status("refused: another unit or account holds the GPUs")
 
-    def refused(self) -> None:
-        self.reporter.status("refused: another unit or account holds the GPUs")
-
-    def interrupted(self, error: Interrupted, progress: Progress) -> Interrupted:
-        """The interruption as the run's error: what it was doing, what it left."""
-        return interrupted(error.signal_name, progress)
-
-    def stopping(self, count: int, round_number: int) -> None:
-        self.reporter.status(f"stopping {count} process(es), round {round_number}")
-
-    def signal_sent(self, choice: Choice, signum: int) -> None:
-        name = signal.Signals(signum).name
+    def signal_sent(self, e: outcome.SignalSent) -> None:
+        name = signal.Signals(e.signum).name
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{name} to {describe(choice)}",
+            f"{name} to {describe(e.choice)}",
             signal=name,
-            comm=field_bytes(choice.holder.info.comm, COMM),
-            **choice_fields(choice),
+            comm=field_bytes(e.choice.holder.info.comm, COMM),
+            **choice_fields(e.choice),
         )
 
-    def container_stopping(self, count: int) -> None:
-        self.reporter.status(f"stopping {count} container(s) through their runtime")
-
-    def container_stopped(self, result: StopResult) -> None:
+    def container_stopped(self, e: outcome.ContainerStopped) -> None:
+        result = e.result
         runtime = result.container.runtime
         if result.no_cli:
             why = f"no {runtime} CLI found"
@@ -361,69 +317,69 @@ class Narrator:
             role=Role.UNIT_CONTAINER,
         )
 
-    def stuck(self, choice: Choice, state: str, wchan: str) -> None:
+    def stuck(self, e: outcome.Stuck) -> None:
         self.reporter.event(
             Event.SURVIVOR,
-            f"{describe(choice)} is still alive after SIGKILL "
-            f"(state {state}, wchan {wchan}); waiting until the deadline",
-            pid=choice.holder.pid,
-            state=state,
-            wchan=wchan,
+            f"{describe(e.choice)} is still alive after SIGKILL "
+            f"(state {e.state}, wchan {e.wchan}); waiting until the deadline",
+            pid=e.choice.holder.pid,
+            state=e.state,
+            wchan=e.wchan,
         )
 
-    def survivor(self, choice: Choice) -> None:
-        self.reporter.event(
-            Event.SURVIVOR,
-            f"{describe(choice)} survived SIGKILL until the deadline",
-            pid=choice.holder.pid,
-        )
+    def survivor(self, e: outcome.Survived) -> None:
+        for choice in e.choices:
+            self.reporter.event(
+                Event.SURVIVOR,
+                f"{describe(choice)} survived SIGKILL until the deadline",
+                pid=choice.holder.pid,
+            )
+        self.reporter.status(f"{len(e.choices)} process(es) survived SIGKILL")
 
-    def survived(self, count: int) -> None:
-        self.reporter.status(f"{count} process(es) survived SIGKILL")
-
-    def still_held(self) -> None:
-        self.reporter.status("GPUs still held by processes gpugate may not kill")
-
-    def extend_timeout(self, seconds: float) -> None:
-        self.reporter.extend_timeout(seconds)
-
-    def fault_elsewhere(self, fault: GpuFault, unit: str) -> None:
+    def fault_elsewhere(self, e: outcome.FaultElsewhere) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{fault.error}; not a GPU of {unit}: going on with its own GPUs",
-            gpus=[fault.index],
+            f"{e.fault.error}; not a GPU of {self.reporter.unit}: going on with its own GPUs",
+            gpus=[e.fault.index],
             reason="gpu-fault",
         )
 
-    def degraded(self, error: GateError, phase: str) -> None:
+    def degraded(self, e: outcome.Degraded) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"{error.message}; {phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
+            f"{e.error.message}; {e.phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
             reason="nvml-degraded",
         )
 
-    def nvml_skipped(self, why: str, phase: str) -> None:
+    def nvml_skipped(self, e: outcome.NvmlSkipped) -> None:
         self.reporter.event(
             Event.WARNING,
-            f"not asking NVML: this start's pre found it not answering ({why}); {phase} "
-            "cleans the unit's cgroup only",
+            f"not asking NVML: this start's pre found it not answering ({e.why}); "
+            f"{e.phase} cleans the unit's cgroup only",
             reason="nvml-not-answering",
         )
 
-    def lock_wait(self, gpu: Gpu, left_s: float) -> None:
-        self.reporter.status(f"waiting for another gpugate run on {gpu.label}")
+    def lock_wait(self, e: outcome.LockWait) -> None:
+        self.reporter.status(f"waiting for another gpugate run on {e.gpu.label}")
         self.reporter.event(
             Event.WAITING,
-            f"waiting for another gpugate run that holds the lock of {gpu.label}; "
-            f"{left_s:.0f} s left",
-            gpus=[gpu.index],
+            f"waiting for another gpugate run that holds the lock of {e.gpu.label}; "
+            f"{e.left_s:.0f} s left",
+            gpus=[e.gpu.index],
             waiting_for="lock",
-            seconds_left=f"{left_s:.0f}",
+            seconds_left=f"{e.left_s:.0f}",
         )
 
-    def memory_wait(self, busy: Sequence[BusyGpu], free_mib: int, left_s: float) -> None:
+    def lock_not_taken(self, e: outcome.LockNotTaken) -> None:
+        self.reporter.event(
+            Event.WARNING,
+            f"{e.path}: GPU lock not taken ({e.cause}); {self.reporter.phase} goes on without it",
+            reason="lock-not-taken",
+        )
+
+    def memory_wait(self, e: outcome.MemoryWait) -> None:
         """STATUS= each poll; the `waiting` event at once, then about every WAITING_EVERY_S."""
-        first = busy[0]
+        busy, free_mib, left_s, first = e.busy, e.free_mib, e.left_s, e.busy[0]
         self.reporter.status(
             f"waiting for {len(busy)} GPU(s) to free memory: {first.gpu.label} "
             f"{first.used_mib} MiB used (free at {free_mib}), {left_s:.0f} s left"
@@ -444,28 +400,27 @@ class Narrator:
             seconds_left=f"{left_s:.0f}",
         )
 
-    def memory_timeout(
-        self, item: BusyGpu, free_mib: int, timeout_s: float, *, failing: bool
-    ) -> None:
-        holders = ", ".join(str(pid) for pid in item.pids) or "no process"
-        self.reporter.event(
-            Event.TIMEOUT,
-            f"{item.gpu.label} still has {item.used_mib} MiB used (free at {free_mib} MiB)"
-            f" after {timeout_s:g} s; NVML lists: {holders}",
-            priority=PRIORITY_ERR if failing else PRIORITY_WARNING,
-            gpus=[item.gpu.index],
-            used_mib=item.used_mib,
-            gpu_uuid=item.gpu.uuid,
-        )
+    def memory_timeout(self, e: outcome.MemoryTimeout) -> None:
+        for item in e.busy:
+            holders = ", ".join(str(pid) for pid in item.pids) or "no process"
+            self.reporter.event(
+                Event.TIMEOUT,
+                f"{item.gpu.label} still has {item.used_mib} MiB used (free at {e.free_mib} MiB)"
+                f" after {e.timeout_s:g} s; NVML lists: {holders}",
+                priority=PRIORITY_ERR if e.failing else PRIORITY_WARNING,
+                gpus=[item.gpu.index],
+                used_mib=item.used_mib,
+                gpu_uuid=item.gpu.uuid,
+            )
 
-    def respawning(self, respawners: Sequence[Respawner], timeout_s: float) -> None:
-        for respawner in respawners:
+    def respawning(self, e: outcome.Respawning) -> None:
+        for respawner in e.respawners:
             info = respawner.info
             self.reporter.event(
                 Event.TIMEOUT,
                 f"PID {info.pid} ({info.user}): {printable(info.command, COMMAND)} respawned the "
                 f"holders {respawner.respawns} time(s) and was still respawning after "
-                f"{timeout_s:g} s; it is not part of the application (a login shell, a "
+                f"{e.timeout_s:g} s; it is not part of the application (a login shell, a "
                 "supervisor): stop it, or run the server under the unit",
                 pid=info.pid,
                 command=field_bytes(info.command, COMMAND),
@@ -474,38 +429,37 @@ class Narrator:
             )
         self.reporter.status("failed: the holders keep respawning")
 
-    def respawned(self, respawner: Respawner) -> None:
-        info = respawner.info
+    def respawned(self, e: outcome.Respawned) -> None:
+        info, respawns = e.respawner.info, e.respawner.respawns
         self.reporter.event(
             Event.HOLDER_FOUND,
             f"PID {info.pid} ({info.user}): {printable(info.command, COMMAND)} respawned the "
-            "holders "
-            f"{respawner.respawns} time(s) during the wait; each respawn was killed",
+            f"holders {respawns} time(s) during the wait; each respawn was killed",
             priority=PRIORITY_WARNING,
             pid=info.pid,
             command=field_bytes(info.command, COMMAND),
-            respawns=respawner.respawns,
+            respawns=respawns,
             reason="respawned",
         )
 
-    def ports_held(self, ports: Sequence[int], timeout_s: float) -> None:
+    def ports_held(self, e: outcome.PortsHeld) -> None:
         self.reporter.event(
             Event.TIMEOUT,
-            f"TCP port {', '.join(map(str, ports))} still listened on after {timeout_s:g} s "
+            f"TCP port {', '.join(map(str, e.ports))} still listened on after {e.timeout_s:g} s "
             "by a process gpugate cannot see (not root, or its fds are unreadable)",
-            ports=",".join(map(str, ports)),
+            ports=",".join(map(str, e.ports)),
         )
 
-    def memory_freed(self, owned: Sequence[Gpu], free_mib: int, seconds: float) -> None:
+    def memory_freed(self, e: outcome.MemoryFreed) -> None:
         self.reporter.event(
             Event.MEMORY_FREED,
-            f"GPU {', '.join(gpu.shown for gpu in sorted(owned, key=lambda g: g.index))} free "
-            f"(at or below {free_mib} MiB) after {seconds:.2f} s",
-            gpus=[gpu.index for gpu in owned],
+            f"GPU {', '.join(gpu.shown for gpu in sorted(e.owned, key=lambda g: g.index))} free "
+            f"(at or below {e.free_mib} MiB) after {e.seconds:.2f} s",
+            gpus=[gpu.index for gpu in e.owned],
         )
 
-    def shm_files(self, removals: list[ShmRemoval]) -> None:
-        for item in removals:
+    def shm_files(self, e: outcome.ShmFiles) -> None:
+        for item in e.removals:
             if item.removed and item.facts is not None:
                 self._removed(item, item.facts)
             else:
@@ -552,16 +506,11 @@ class Narrator:
             **sized,
         )
 
-    def shm_short(
-        self,
-        short: SpaceShort,
-        holders: Mapping[ShmKey, list[int]],
-        label: Callable[[int], str],
-    ) -> None:
-        parts = []
+    def shm_short(self, e: outcome.ShmShort) -> None:
+        short, parts = e.short, []
         for key, facts in short.largest:
-            held = holders.get(key, [])
-            by = ", ".join(label(pid) for pid in held[:2]) if held else "no process"
+            held = e.holders.get(key, [])
+            by = ", ".join(e.label(pid) for pid in held[:2]) if held else "no process"
             parts.append(
                 f"{quoted(facts.path)} {size_text(facts.bytes)} (owner {user_name(facts.uid)}, "
                 f"held by {by})"
@@ -579,7 +528,8 @@ class Narrator:
         )
         self.reporter.status(f"{short.space.area.path} short of free space")
 
-    def finished(self, summary: RunSummary) -> None:
+    def finished(self, e: outcome.Finished) -> None:
+        summary = e.summary
         result = summary.result
         if self.dry_run:
             verdict = "would succeed" if result == "success" else f"would fail: {result}"
@@ -615,13 +565,6 @@ class Narrator:
             "removing its files need no space",
             reason="state-unwritable",
             problem=error.code,
-        )
-
-    def lock_not_taken(self, path: object, cause: str) -> None:
-        self.reporter.event(
-            Event.WARNING,
-            f"{path}: GPU lock not taken ({cause}); {self.reporter.phase} goes on without it",
-            reason="lock-not-taken",
         )
 
     def metrics_not_written(self, path: object, cause: str) -> None:
@@ -730,6 +673,43 @@ class Narrator:
             gpus=[gpu.index for gpu in gpus],
             reason="failed-start",
         )
+
+
+# Each kind of RunEvent and the method that words it: the one place a run's events become
+# journal entries, STATUS= lines and EXTEND_TIMEOUT_USEC=.
+WORDS: dict[type[outcome.RunEvent], Callable[[Narrator, Any], None]] = {
+    outcome.RunStarted: Narrator.run_started,
+    outcome.FaultElsewhere: Narrator.fault_elsewhere,
+    outcome.Degraded: Narrator.degraded,
+    outcome.NvmlSkipped: Narrator.nvml_skipped,
+    outcome.BlindSpots: Narrator.blind_spots,
+    outcome.Decided: Narrator.choices,
+    outcome.ExtendTimeout: lambda n, e: n.reporter.extend_timeout(e.seconds),
+    outcome.LockWait: Narrator.lock_wait,
+    outcome.LockNotTaken: Narrator.lock_not_taken,
+    outcome.Stopping: lambda n, e: n.reporter.status(
+        f"stopping {e.count} process(es), round {e.round_number}"
+    ),
+    outcome.ContainerStopping: lambda n, e: n.reporter.status(
+        f"stopping {e.count} container(s) through their runtime"
+    ),
+    outcome.ContainerStopped: Narrator.container_stopped,
+    outcome.SignalSent: Narrator.signal_sent,
+    outcome.Stuck: Narrator.stuck,
+    outcome.Survived: Narrator.survivor,
+    outcome.StillHeld: lambda n, _: n.reporter.status(
+        "GPUs still held by processes gpugate may not kill"
+    ),
+    outcome.MemoryWait: Narrator.memory_wait,
+    outcome.MemoryTimeout: Narrator.memory_timeout,
+    outcome.Respawning: Narrator.respawning,
+    outcome.Respawned: Narrator.respawned,
+    outcome.PortsHeld: Narrator.ports_held,
+    outcome.MemoryFreed: Narrator.memory_freed,
+    outcome.ShmFiles: Narrator.shm_files,
+    outcome.ShmShort: Narrator.shm_short,
+    outcome.Finished: Narrator.finished,
+}
 
 
 def unreadable_record_text(path: Path, what: str, why: str) -> str:
