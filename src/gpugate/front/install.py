@@ -430,10 +430,11 @@ def apply(
     changes: Sequence[Change],
     *,
     dry_run: bool = False,
-    reload: Callable[[], bool] = systemctl_daemon_reload,
+    reload: Callable[[], bool] | None = systemctl_daemon_reload,
     out: TextIO | None = None,
 ) -> bool:
-    """Carry out a plan (dry_run: print it); True when the drop-in changed."""
+    """Carry out a plan (dry_run: print it); True when a unit's file changed and reload (None:
+    none, and nothing said) was called."""
     stream = out if out is not None else sys.stdout
     for change in changes:
         verb = change.action.value[0 if dry_run else 1]
@@ -462,19 +463,17 @@ def apply(
             raise PermissionDenied(
                 f"{exc.filename or change.path}: permission denied (run as root)"
             ) from None
-    unit_files_changed = any(
-        c.action in (Action.WRITE, Action.REMOVE) and c.path.name == DROPIN_NAME for c in changes
-    )
-    if dry_run or not unit_files_changed:
+    written = {c.path.name for c in changes if c.action in (Action.WRITE, Action.REMOVE)}
+    if dry_run or reload is None or not written & {DROPIN_NAME, SERVICE, TIMER}:
         return False
-    print(reloaded(reload()), file=stream)
+    print(RELOADED[reload()], file=stream)
     return True
 
 
-def reloaded(done: bool) -> str:
-    if done:
-        return "reloaded systemd (systemctl daemon-reload)"
-    return "systemd not reloaded (not running here, or --no-reload)"
+RELOADED = {
+    True: "reloaded systemd (systemctl daemon-reload)",
+    False: "systemd not reloaded (not running here, or --no-reload)",
+}
 
 
 CHANGE_NOTES = {
@@ -579,13 +578,8 @@ def sweep_setup(
     if not installing and not dry_run and there:  # none there: nothing to disable
         timer_systemctl("disable", *now, TIMER)
         print("disabled gpugate-sweep.timer: no more sweeps")
-    apply(changes, dry_run=dry_run, reload=lambda: False)
-    if dry_run:
-        return int(ExitCode.OK)
-    written = any(c.action in (Action.WRITE, Action.REMOVE) for c in changes)
-    if written and not no_reload:
-        print(reloaded(systemctl_daemon_reload()))
-    if installing:
+    apply(changes, dry_run=dry_run, reload=None if no_reload else systemctl_daemon_reload)
+    if installing and not dry_run:
         timer_systemctl("enable", *now, TIMER)
         print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
     return int(ExitCode.OK)

@@ -101,8 +101,8 @@ def plan_hooks(
                     f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
                 )
             if install:
-                same = exists and _read(path) == text
-                changes.append(Change(path, Action.UNCHANGED if same else Action.WRITE, text))
+                action = Action.UNCHANGED if _read(path) == text else Action.WRITE
+                changes.append(Change(path, action, text))
             else:
                 changes.append(Change(path, Action.REMOVE if exists else Action.ABSENT))
     return changes
@@ -115,10 +115,8 @@ def read_daemon_json(path: Path) -> dict[str, object]:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
         raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
-    if not text.strip():
-        return {}
     try:
-        data = json.loads(text)
+        data = json.loads(text) if text.strip() else {}
     except ValueError as exc:
         where = f"line {exc.lineno}" if hasattr(exc, "lineno") else "it"
         raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
@@ -304,8 +302,8 @@ def cri_keys(data: Table, path: Path) -> tuple[str, ...]:
     if isinstance(version, bool) or not isinstance(version, int) or version not in CRI:
         raise InstallError(
             f"{path}: config version {for_error(str(version))}: gpugate edits versions 2 "
-            "(containerd "
-            "1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
+            "(containerd 1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing "
+            "changed"
         )
     return CRI[version]
 
