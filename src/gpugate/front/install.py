@@ -167,20 +167,45 @@ def render_dropin(
             )
     if not words or not SAFE_PATH.match(words[0]):
         raise InstallError(f"--gpugate-path {' '.join(words)!r}: not an absolute path")
-    unit = unit or UnitSettings()
-    parts = [DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))]
-    if unit.notify_access is None or unit.notify_access.value != "all":
-        parts.append(NOTIFY_BLOCK)
-    unset = [key for key, setting in timeouts(unit).items() if setting is None]
+    blocks, _ = dropin_settings(unit or UnitSettings(), private_shm)
+    return DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words)) + "".join(blocks)
+
+
+def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], list[str]]:
+    """The blocks the drop-in adds after its hooks, and install's line for each setting: the
+    unit's own kept, or the drop-in's."""
+
+    def kept(setting: Setting, why: str) -> str:
+        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
+
+    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
+    timeouts = {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
+    said = [kept(setting, extends) for setting in timeouts.values() if setting is not None]
+    unset = [key for key, setting in timeouts.items() if setting is None]
+    blocks = [TIMEOUT_COMMENT, *(f"{key}={HOOK_TIMEOUT_S}\n" for key in unset)] if unset else []
     if unset:
-        parts += [TIMEOUT_COMMENT, *(f"{key}={HOOK_TIMEOUT_S}\n" for key in unset)]
-    if private_shm != PRIVATE_SHM_OFF and unit.own_shm is None:
-        parts.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
-    return "".join(parts)
-
-
-def timeouts(unit: UnitSettings) -> dict[str, Setting | None]:
-    return {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
+        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {HOOK_TIMEOUT_S}s")
+    notify = unit.notify_access
+    if notify is not None and notify.value == "all":
+        said.append(kept(notify, "it lets the hooks notify too"))
+    else:
+        blocks.insert(0, NOTIFY_BLOCK)  # before the timeouts
+        if notify is not None:
+            said.append(
+                f"the unit's NotifyAccess={notify.value} ({notify.path}) "
+                "is replaced by NotifyAccess=exec: the hooks must notify systemd"
+            )
+    if unit.own_shm is not None:
+        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
+    elif private_shm == PRIVATE_SHM_OFF:
+        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
+    else:
+        blocks.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
+        said.append(
+            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
+            "its segments go with its last process"
+        )
+    return blocks, said
 
 
 def render_config(
@@ -338,7 +363,7 @@ def plan_install(
     except OSError as exc:
         raise PermissionDenied(f"{config_path}: cannot read it ({exc.strerror})") from None
     dropin = with_header(render_dropin(gpugate_path, settings, private_shm))
-    said = tuple(kept_lines(settings, private_shm))
+    said = tuple(dropin_settings(settings, private_shm)[1])
     config = with_header(render_config(unit, gpus, containers, ports))
     untouched = gpus is None and not containers and not ports
     planned = {
@@ -373,37 +398,6 @@ def file_change(
         return Change(path, Action.UNCHANGED, said=said)
     note = "edited-forced" if owner is Ownership.OPERATORS else ""
     return Change(path, Action.WRITE, content, note, said)
-
-
-def kept_lines(unit: UnitSettings, private_shm: str) -> list[str]:
-    """Each setting of the unit its drop-in keeps, and what it adds of its own."""
-
-    def kept(setting: Setting, why: str) -> str:
-        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
-
-    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
-    said = [kept(setting, extends) for setting in timeouts(unit).values() if setting is not None]
-    unset = [name for name, setting in timeouts(unit).items() if setting is None]
-    if unset:
-        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {HOOK_TIMEOUT_S}s")
-    notify = unit.notify_access
-    if notify is not None and notify.value == "all":
-        said.append(kept(notify, "it lets the hooks notify too"))
-    elif notify is not None:
-        said.append(
-            f"the unit's NotifyAccess={notify.value} ({notify.path}) "
-            "is replaced by NotifyAccess=exec: the hooks must notify systemd"
-        )
-    if unit.own_shm is not None:
-        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
-    elif private_shm == "off":
-        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
-    else:
-        said.append(
-            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
-            "its segments go with its last process"
-        )
-    return said
 
 
 def plan_uninstall(
