@@ -133,7 +133,6 @@ CONFIG_FIELDS = (
     "containers",
     "private_shm",
 )
-POLICY_FIELDS = tuple(PhasePolicy.model_fields)
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
 HEADER_TEXT = (
@@ -231,9 +230,8 @@ def render_config(
         ("post", DEFAULTS.post, "ExecStopPost=: after the unit stopped."),
     ):
         lines += ["", f"[{phase}]", f"# {when}"]
-        for name in POLICY_FIELDS:
-            text = PhasePolicy.model_fields[name].description
-            lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
+        for name, field in PhasePolicy.model_fields.items():
+            lines += [f"# {field.description}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
 
 
