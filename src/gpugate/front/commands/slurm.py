@@ -214,22 +214,17 @@ def slurm(
                 dry_run=dry_run,
             )
             result = run_hook(hook, loaded)
-        stopped = result.exit_code in (ExitCode.OK, ExitCode.INTERRUPTED)
-        if not (dry_run or stopped):  # stopped: slurmd, which stopped it, drains the node itself
-            drain(phase, job, result, front.environ.get("SLURMD_NODENAME"))
-        return int(result.exit_code)
-
-
-def drain(
-    phase: Phase, job: SlurmJob | None, result: RunSummary | GateError, node: str | None
-) -> None:
-    """The drain reason on stderr (unless the error said it already) and to slurmctld."""
-    detail = result.message if isinstance(result, GateError) else failure_detail(result)
-    reason = drain_reason(phase.value, job.job_id if job else None, detail, int(result.exit_code))
-    if isinstance(result, RunSummary):
-        print(lines.error(f"drain: {reason}"), file=sys.stderr, flush=True)
-    if node:  # SLURMD_NODENAME
-        set_drain_reason(node, reason, sys.stderr)
+        code = result.exit_code
+        if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):  # slurmd stopped it: drains
+            return int(code)
+        detail = result.message if isinstance(result, GateError) else failure_detail(result)
+        reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+        if isinstance(result, RunSummary):  # an error said it already
+            print(lines.error(f"drain: {reason}"), file=sys.stderr, flush=True)
+        node = front.environ.get("SLURMD_NODENAME")
+        if node:
+            set_drain_reason(node, reason, sys.stderr)
+        return int(code)
 
 
 def job_config(
