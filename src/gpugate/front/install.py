@@ -70,10 +70,8 @@ def shebang(path: str) -> list[str] | None:
             head = handle.read(SHEBANG_BYTES)
     except OSError:
         return None
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
-    return words or None
+    line = head[2:].split(b"\n", 1)[0] if head.startswith(b"#!") else b""
+    return line.decode("utf-8", "replace").split() or None
 
 
 def isolates(path: str) -> bool:
