@@ -25,7 +25,7 @@ from gpugate.config.values import (
     SWEEP_INTERVAL_S,
     parse_gpu_text,
 )
-from gpugate.errors import ExitCode, GateError, InstallError, PermissionDenied, UnknownUnit
+from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     Setting,
@@ -551,25 +551,3 @@ def timer_systemctl(*words: str) -> None:
         detail = (result.stderr or result.stdout or "").strip().splitlines()
         said = for_error(detail[-1] if detail else "", quote=False)
         raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
-
-
-def sweep_setup(
-    installing: bool,
-    *,
-    systemd_dir: Path,
-    dry_run: bool = False,
-    no_reload: bool = False,
-    gpugate_path: Path | None = None,
-) -> int:
-    command = command_for(str(gpugate_path)) if gpugate_path else gpugate_command()
-    changes = plan_sweep(systemd_dir, command, installing=installing)
-    now = ["--now"] if systemd_running() else []
-    there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, systemd_dir))
-    if not installing and not dry_run and there:  # none there: nothing to disable
-        timer_systemctl("disable", *now, TIMER)
-        print("disabled gpugate-sweep.timer: no more sweeps")
-    apply(changes, dry_run=dry_run, reload=None if no_reload else systemctl_daemon_reload)
-    if installing and not dry_run:
-        timer_systemctl("enable", *now, TIMER)
-        print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
-    return int(ExitCode.OK)
