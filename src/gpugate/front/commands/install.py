@@ -21,9 +21,8 @@ def install_command(args: argparse.Namespace) -> int:
     --port, --container)."""
     installing = args.command == "install"
     given: Path | None = args.gpugate_path if installing else None
-    if args.sweep and args.unit is None and not args.oci:
-        return sweep_setup(args, installing, given)
-    if args.oci != (args.unit is None) or args.sweep:
+    sweep = args.sweep and args.unit is None and not args.oci
+    if not sweep and (args.oci != (args.unit is None) or args.sweep):
         print(
             f"gpugate {args.command}: give a UNIT or --containers (or --sweep), one of them",
             file=sys.stderr,
@@ -31,10 +30,12 @@ def install_command(args: argparse.Namespace) -> int:
         return int(ExitCode.USAGE)
     if args.oci:
         return containers_setup(args, installing, given)
-    return unit_setup(args, installing, given)
+    # the hook lines' gpugate: --gpugate-path, else this very one
+    command = plan.command_for(str(given)) if given else plan.gpugate_command()
+    return (sweep_setup if sweep else unit_setup)(args, installing, command)
 
 
-def unit_setup(args: argparse.Namespace, installing: bool, given: Path | None) -> int:
+def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
     unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
     reload = (lambda: False) if args.no_reload else plan.systemctl_daemon_reload
     dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
@@ -42,7 +43,6 @@ def unit_setup(args: argparse.Namespace, installing: bool, given: Path | None) -
         changes = plan.plan_uninstall(unit, force=args.force, **dirs)
         plan.apply(changes, dry_run=args.dry_run, reload=reload)
         return int(ExitCode.OK)
-    command = plan.command_for(str(given)) if given else plan.gpugate_command()
     changes = plan.plan_install(
         unit,
         gpus=args.gpus,
@@ -61,9 +61,8 @@ def unit_setup(args: argparse.Namespace, installing: bool, given: Path | None) -
     return int(ExitCode.OK)
 
 
-def sweep_setup(args: argparse.Namespace, installing: bool, given: Path | None) -> int:
+def sweep_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
     """`gpugate install|uninstall --sweep`: the timer's unit files, and the timer enabled."""
-    command = plan.command_for(str(given)) if given else plan.gpugate_command()
     changes = plan.plan_sweep(args.systemd_dir, command, installing=installing)
     now = ["--now"] if systemd_running() else []
     there = any((folder / plan.TIMER).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
