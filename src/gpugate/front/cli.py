@@ -399,40 +399,9 @@ def _config_check(args: argparse.Namespace, front: HostAccess) -> int:
 
 
 def _install(args: argparse.Namespace, front: HostAccess) -> int:
-    """install and uninstall (uninstall's parser has no --gpugate-path, --default)."""
-    from gpugate.front.commands import install as command  # noqa: PLC0415
+    from gpugate.front.commands.install import install_command  # noqa: PLC0415
 
-    installing = args.command == "install"
-    given = args.gpugate_path if installing else None
-    flags = {"dry_run": args.dry_run, "no_reload": args.no_reload}
-    if args.sweep and args.unit is None and not args.oci:
-        from gpugate.front.install import sweep_setup  # noqa: PLC0415
-
-        return sweep_setup(installing, systemd_dir=args.systemd_dir, gpugate_path=given, **flags)
-    if args.oci != (args.unit is None) or args.sweep:
-        print(
-            f"gpugate {args.command}: give a UNIT or --containers (or --sweep), one of them",
-            file=sys.stderr,
-        )
-        return int(ExitCode.USAGE)
-    if args.oci:
-        default = installing and args.default
-        return command.containers_setup(
-            installing, force=args.force, given=given, default=default, **flags
-        )
-    folders = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
-    if not installing:
-        return command.uninstall(args.unit, force=args.force, **flags, **folders)
-    return command.install(
-        args.unit,
-        force=args.force,
-        **flags,
-        **folders,
-        gpus=args.gpus,
-        ports=args.ports,
-        containers=args.containers,
-        gpugate_path=given,
-    )
+    return install_command(args)
 
 
 def _oci_hook(args: argparse.Namespace, front: HostAccess) -> int:

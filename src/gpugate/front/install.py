@@ -25,7 +25,7 @@ from gpugate.config.values import (
     SWEEP_INTERVAL_S,
     parse_gpu_text,
 )
-from gpugate.errors import ExitCode, GateError, InstallError, PermissionDenied, UnknownUnit
+from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     Setting,
@@ -57,12 +57,9 @@ def gpugate_command(argv0: str | None = None, executable: str | None = None) -> 
 
 def command_for(path: str) -> tuple[str, ...]:
     """--gpugate-path: a console script whose shebang lacks -I is run by its interpreter, -I."""
-    line = shebang(path)
-    if line is None or isolates(path):
-        return (path,)
-    interpreter = line[0]
-    if os.path.basename(interpreter).startswith("python") and os.path.isabs(interpreter):
-        return (interpreter, "-I", path)
+    python = (shebang(path) or [""])[0]
+    if os.path.basename(python).startswith("python") and os.path.isabs(python):
+        return (path,) if isolates(path) else (python, "-I", path)
     return (path,)
 
 
@@ -73,10 +70,8 @@ def shebang(path: str) -> list[str] | None:
             head = handle.read(SHEBANG_BYTES)
     except OSError:
         return None
-    if not head.startswith(b"#!"):
-        return None
-    words = head[2:].split(b"\n", 1)[0].decode("utf-8", "replace").split()
-    return words or None
+    line = head[2:].split(b"\n", 1)[0] if head.startswith(b"#!") else b""
+    return line.decode("utf-8", "replace").split() or None
 
 
 def isolates(path: str) -> bool:
@@ -114,8 +109,6 @@ TIMEOUT_COMMENT = """\
 # wait_timeout_s, 120 s by default) with room to spare. gpugate asks systemd for more time
 # (EXTEND_TIMEOUT_USEC=) while it works, so a unit's own shorter timeout is kept, not replaced.
 """
-START_TIMEOUT = "TimeoutStartSec=@SECONDS@\n"
-STOP_TIMEOUT = "TimeoutStopSec=@SECONDS@\n"
 SHM_BLOCK = """\
 # The unit's own /dev/shm (private_shm in /etc/gpugate/UNIT.toml): the server's segments live
 # in a tmpfs the kernel frees when the unit's last process ends, however it ends (a SIGKILL
@@ -138,7 +131,6 @@ CONFIG_FIELDS = (
     "containers",
     "private_shm",
 )
-POLICY_FIELDS = tuple(PhasePolicy.model_fields)
 
 HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
 HEADER_TEXT = (
@@ -172,20 +164,45 @@ def render_dropin(
             )
     if not words or not SAFE_PATH.match(words[0]):
         raise InstallError(f"--gpugate-path {' '.join(words)!r}: not an absolute path")
-    unit = unit or UnitSettings()
-    parts = [DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words))]
-    if unit.notify_access is None or unit.notify_access.value != "all":
-        parts.append(NOTIFY_BLOCK)
-    timeouts = [
-        line.replace("@SECONDS@", str(HOOK_TIMEOUT_S))
-        for line, kept in ((START_TIMEOUT, unit.start_timeout), (STOP_TIMEOUT, unit.stop_timeout))
-        if kept is None
-    ]
-    if timeouts:
-        parts += [TIMEOUT_COMMENT, *timeouts]
-    if private_shm != PRIVATE_SHM_OFF and unit.own_shm is None:
-        parts.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
-    return "".join(parts)
+    blocks, _ = dropin_settings(unit or UnitSettings(), private_shm)
+    return DROPIN_TEMPLATE.replace("@GPUGATE@", " ".join(words)) + "".join(blocks)
+
+
+def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], list[str]]:
+    """The blocks the drop-in adds after its hooks, and install's line for each setting: the
+    unit's own kept, or the drop-in's."""
+
+    def kept(setting: Setting, why: str) -> str:
+        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
+
+    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
+    timeouts = {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
+    said = [kept(setting, extends) for setting in timeouts.values() if setting is not None]
+    unset = [key for key, setting in timeouts.items() if setting is None]
+    blocks = [TIMEOUT_COMMENT, *(f"{key}={HOOK_TIMEOUT_S}\n" for key in unset)] if unset else []
+    if unset:
+        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {HOOK_TIMEOUT_S}s")
+    notify = unit.notify_access
+    if notify is not None and notify.value == "all":
+        said.append(kept(notify, "it lets the hooks notify too"))
+    else:
+        blocks.insert(0, NOTIFY_BLOCK)  # before the timeouts
+        if notify is not None:
+            said.append(
+                f"the unit's NotifyAccess={notify.value} ({notify.path}) "
+                "is replaced by NotifyAccess=exec: the hooks must notify systemd"
+            )
+    if unit.own_shm is not None:
+        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
+    elif private_shm == PRIVATE_SHM_OFF:
+        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
+    else:
+        blocks.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
+        said.append(
+            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
+            "its segments go with its last process"
+        )
+    return blocks, said
 
 
 def render_config(
@@ -195,30 +212,24 @@ def render_config(
     ports: Sequence[int] | None = None,
 ) -> str:
     """A commented skeleton of the defaults; the GPUs, containers and ports given set."""
-    model, defaults = GateConfig, DEFAULTS
+    given = {"gpus": "auto" if gpus is None else gpus, "containers": containers, "ports": ports}
     lines = [
         f"# gpugate settings for {unit}. Each commented line shows the built-in default:",
         "# uncomment what you change. Check it: gpugate config check --unit " + unit,
         "",
     ]
     for name in CONFIG_FIELDS:
-        lines.append(f"# {model.model_fields[name].description}")
-        if name == "gpus":
-            lines.append(f"gpus = {toml_value('auto' if gpus is None else gpus)}")
-        elif name == "containers" and containers:
-            lines.append(f"containers = {toml_value(list(containers))}")
-        elif name == "ports" and ports:
-            lines.append(f"ports = {toml_value(list(ports))}")
-        else:
-            lines.append(f"# {name} = {toml_value(getattr(defaults, name))}")
+        value = given.get(name)
+        setting = f"{name} = {toml_value(value)}" if name == "gpus" or value else None
+        default = f"# {name} = {toml_value(getattr(DEFAULTS, name))}"
+        lines += [f"# {GateConfig.model_fields[name].description}", setting or default]
     for phase, policy, when in (
-        ("pre", defaults.pre, "ExecStartPre=: before the unit starts."),
-        ("post", defaults.post, "ExecStopPost=: after the unit stopped."),
+        ("pre", DEFAULTS.pre, "ExecStartPre=: before the unit starts."),
+        ("post", DEFAULTS.post, "ExecStopPost=: after the unit stopped."),
     ):
         lines += ["", f"[{phase}]", f"# {when}"]
-        for name in POLICY_FIELDS:
-            text = PhasePolicy.model_fields[name].description
-            lines += [f"# {text}", f"# {name} = {toml_value(getattr(policy, name))}"]
+        for name, field in PhasePolicy.model_fields.items():
+            lines += [f"# {field.description}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
 
 
@@ -236,11 +247,10 @@ def ownership(path: Path) -> Ownership:
     except PermissionError:
         raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
     match = HEADER.match(text)
-    header_lines = HEADER_TEXT.count("\n")
-    parts = text.split("\n", header_lines)
-    if match is None or len(parts) <= header_lines:
+    parts = text.split("\n", 2)  # HEADER_TEXT's two lines, and the rest
+    if match is None or len(parts) < 3:
         return Ownership.OPERATORS
-    unchanged = hashlib.sha256(parts[header_lines].encode()).hexdigest() == match[1]
+    unchanged = hashlib.sha256(parts[2].encode()).hexdigest() == match[1]
     return Ownership.OURS if unchanged else Ownership.OPERATORS
 
 
@@ -272,16 +282,13 @@ class Change:
 
 
 def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]:
-    """Where install writes for one unit: the drop-in, the config."""
-    return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
-
-
-def validate_install_unit(unit: str) -> None:
-    """A service or a service template (`vllm@.service`: the drop-in reaches every instance)."""
+    """Where install writes for a service or a service template (`vllm@.service`: the drop-in
+    reaches every instance): the drop-in, the config."""
     if not unit.endswith(".service"):
         raise UnknownUnit(f"unit {unit!r}: gpugate installs on .service units (ExecStartPre=)")
     template = unit.endswith("@.service")
     validate_unit_name(unit.removesuffix("@.service") + "@instance.service" if template else unit)
+    return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
 def parse_gpus(value: str) -> Gpus:
@@ -331,10 +338,11 @@ def plan_install(
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would change the operator's
     files without force. The unit's settings: `systemctl cat` for the real systemd_dir. A unit
-    systemd does not know is most likely a typo: a warning with force, else UnknownUnit."""
-    validate_install_unit(unit)
-    if query is None and systemd_dir == DEFAULT_SYSTEMD_DIR:
-        query = query_unit
+    systemd does not know is most likely a typo: a warning with force, else UnknownUnit.
+    private_shm comes from the unit's config."""
+    dropin_path, config_path = targets(unit, systemd_dir, config_dir)
+    real = systemd_dir == DEFAULT_SYSTEMD_DIR
+    query = query_unit if query is None and real else query
     # systemd shows instances, not templates; the template's file may be anywhere
     state = query(unit) if query is not None and not unit.endswith("@.service") else None
     if state is not None and state.load_state == "not-found":
@@ -342,8 +350,16 @@ def plan_install(
         if not force:
             raise UnknownUnit(f"{unknown}; nothing changed; --force installs anyway")
         print(lines.warning(f"{unknown}; installing anyway (--force)"), file=stream or sys.stderr)
-    dropin_path, config_path = targets(unit, systemd_dir, config_dir)
-    dropin, said = planned_dropin(unit, gpugate_path, systemd_dir, config_path)
+    settings = parse_unit_settings(read_unit(unit, systemd_dir, ask_systemd=real))
+    try:
+        text = config_path.read_text(encoding="utf-8")
+        private_shm = parse_config(text, str(config_path)).private_shm
+    except FileNotFoundError:
+        private_shm = DEFAULT_PRIVATE_SHM
+    except OSError as exc:
+        raise PermissionDenied(f"{config_path}: cannot read it ({exc.strerror})") from None
+    dropin = with_header(render_dropin(gpugate_path, settings, private_shm))
+    said = tuple(dropin_settings(settings, private_shm)[1])
     config = with_header(render_config(unit, gpus, containers, ports))
     untouched = gpus is None and not containers and not ports
     planned = {
@@ -380,57 +396,6 @@ def file_change(
     return Change(path, Action.WRITE, content, note, said)
 
 
-def planned_dropin(
-    unit: str,
-    gpugate_path: Path | Sequence[str],
-    systemd_dir: Path,
-    config: Path,
-) -> tuple[str, tuple[str, ...]]:
-    """The drop-in and the lines saying what it keeps; private_shm from the unit's config."""
-    text = read_unit(unit, systemd_dir, ask_systemd=systemd_dir == DEFAULT_SYSTEMD_DIR)
-    settings = parse_unit_settings(text)
-    try:
-        private_shm = parse_config(config.read_text(encoding="utf-8"), str(config)).private_shm
-    except FileNotFoundError:
-        private_shm = DEFAULT_PRIVATE_SHM
-    except OSError as exc:
-        raise PermissionDenied(f"{config}: cannot read it ({exc.strerror})") from None
-    said = tuple(kept_lines(settings, private_shm))
-    return with_header(render_dropin(gpugate_path, settings, private_shm)), said
-
-
-def kept_lines(unit: UnitSettings, private_shm: str) -> list[str]:
-    """Each setting of the unit its drop-in keeps, and what it adds of its own."""
-
-    def kept(setting: Setting, why: str) -> str:
-        return f"kept the unit's {setting.key}={setting.value} ({setting.path}): {why}"
-
-    extends = "gpugate asks systemd for more time (EXTEND_TIMEOUT_USEC) only while it works"
-    timeouts = {"TimeoutStartSec": unit.start_timeout, "TimeoutStopSec": unit.stop_timeout}
-    said = [kept(setting, extends) for setting in timeouts.values() if setting is not None]
-    unset = [name for name, setting in timeouts.items() if setting is None]
-    if unset:
-        said.append(f"the unit sets no {' or '.join(unset)}: the drop-in sets {HOOK_TIMEOUT_S}s")
-    notify = unit.notify_access
-    if notify is not None and notify.value == "all":
-        said.append(kept(notify, "it lets the hooks notify too"))
-    elif notify is not None:
-        said.append(
-            f"the unit's NotifyAccess={notify.value} ({notify.path}) "
-            "is replaced by NotifyAccess=exec: the hooks must notify systemd"
-        )
-    if unit.own_shm is not None:
-        said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
-    elif private_shm == "off":
-        said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
-    else:
-        said.append(
-            f"the unit gets a /dev/shm of its own (size={private_shm}; private_shm): "
-            "its segments go with its last process"
-        )
-    return said
-
-
 def plan_uninstall(
     unit: str,
     *,
@@ -439,7 +404,6 @@ def plan_uninstall(
     config_dir: Path = DEFAULT_CONFIG_DIR,
 ) -> list[Change]:
     """What uninstall would do; InstallError where the drop-in is the operator's (no force)."""
-    validate_install_unit(unit)
     dropin_path, config_path = targets(unit, systemd_dir, config_dir)
     dropin = file_change(dropin_path, None, force=force, keep_edited=False)
     if dropin is None:
@@ -456,19 +420,30 @@ def apply(
     changes: Sequence[Change],
     *,
     dry_run: bool = False,
-    reload: Callable[[], bool] = systemctl_daemon_reload,
+    reload: Callable[[], bool] | None = systemctl_daemon_reload,
     out: TextIO | None = None,
 ) -> bool:
-    """Carry out a plan (dry_run: print it); True when the drop-in changed."""
+    """Carry out a plan (dry_run: print it); True when a unit's file changed and reload (None:
+    none, and nothing said) was called."""
     stream = out if out is not None else sys.stdout
     for change in changes:
-        _describe(change, dry_run, stream)
+        verb = change.action.value[0 if dry_run else 1]
+        noted = CHANGE_NOTES[change.note].format(detail=change.detail) if change.note else ""
+        print(f"{verb} {change.path}{f' ({noted})' if noted else ''}", file=stream)
+        for said in change.said:
+            print(f"  {said}", file=stream)
+        shown = change.content if dry_run and change.action is Action.WRITE else None
+        for line in (shown or "").splitlines():
+            print(f"    {line}", file=stream)
         if dry_run:
             continue
         try:
             if change.action is Action.WRITE:
+                mode = 0o644  # a new file
+                with contextlib.suppress(OSError):
+                    mode = stat.S_IMODE(os.lstat(change.path).st_mode)
                 assert change.content is not None
-                write_atomically(change.path, change.content, _mode_of(change.path))
+                write_atomically(change.path, change.content, mode)
             elif change.action is Action.REMOVE:
                 change.path.unlink(missing_ok=True)
                 if not change.keep_folder:  # not empty (other drop-ins, configs): stays
@@ -478,19 +453,17 @@ def apply(
             raise PermissionDenied(
                 f"{exc.filename or change.path}: permission denied (run as root)"
             ) from None
-    unit_files_changed = any(
-        c.action in (Action.WRITE, Action.REMOVE) and c.path.name == DROPIN_NAME for c in changes
-    )
-    if dry_run or not unit_files_changed:
+    written = {c.path.name for c in changes if c.action in (Action.WRITE, Action.REMOVE)}
+    if dry_run or reload is None or not written & {DROPIN_NAME, SERVICE, TIMER}:
         return False
-    print(reloaded(reload()), file=stream)
+    print(RELOADED[reload()], file=stream)
     return True
 
 
-def reloaded(done: bool) -> str:
-    if done:
-        return "reloaded systemd (systemctl daemon-reload)"
-    return "systemd not reloaded (not running here, or --no-reload)"
+RELOADED = {
+    True: "reloaded systemd (systemctl daemon-reload)",
+    False: "systemd not reloaded (not running here, or --no-reload)",
+}
 
 
 CHANGE_NOTES = {
@@ -509,23 +482,6 @@ CHANGE_NOTES = {
     "containerd-made": "made by gpugate install from `containerd config default`",
     "runs": "gpugate-oci-runtime runs {detail}",
 }
-
-
-def _describe(change: Change, dry_run: bool, stream: TextIO) -> None:
-    verb = change.action.value[0 if dry_run else 1]
-    noted = f" ({CHANGE_NOTES[change.note].format(detail=change.detail)})" if change.note else ""
-    print(f"{verb} {change.path}{noted}", file=stream)
-    for said in change.said:
-        print(f"  {said}", file=stream)
-    if dry_run and change.action is Action.WRITE and change.content is not None:
-        print("".join(f"    {line}\n" for line in change.content.splitlines()), end="", file=stream)
-
-
-def _mode_of(path: Path) -> int:
-    try:
-        return stat.S_IMODE(os.lstat(path).st_mode)
-    except OSError:  # missing: a new file
-        return 0o644
 
 
 SERVICE = "gpugate-sweep.service"
@@ -595,30 +551,3 @@ def timer_systemctl(*words: str) -> None:
         detail = (result.stderr or result.stdout or "").strip().splitlines()
         said = for_error(detail[-1] if detail else "", quote=False)
         raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
-
-
-def sweep_setup(
-    installing: bool,
-    *,
-    systemd_dir: Path,
-    dry_run: bool = False,
-    no_reload: bool = False,
-    gpugate_path: Path | None = None,
-) -> int:
-    command = command_for(str(gpugate_path)) if gpugate_path else gpugate_command()
-    changes = plan_sweep(systemd_dir, command, installing=installing)
-    now = ["--now"] if systemd_running() else []
-    there = any((folder / TIMER).exists() for folder in (PACKAGED_DIR, systemd_dir))
-    if not installing and not dry_run and there:  # none there: nothing to disable
-        timer_systemctl("disable", *now, TIMER)
-        print("disabled gpugate-sweep.timer: no more sweeps")
-    apply(changes, dry_run=dry_run, reload=lambda: False)
-    if dry_run:
-        return int(ExitCode.OK)
-    written = any(c.action in (Action.WRITE, Action.REMOVE) for c in changes)
-    if written and not no_reload:
-        print(reloaded(systemctl_daemon_reload()))
-    if installing:
-        timer_systemctl("enable", *now, TIMER)
-        print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
-    return int(ExitCode.OK)

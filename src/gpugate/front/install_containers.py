@@ -4,7 +4,6 @@ in config.toml, edited as text so the operator's comments stay) find it (docs/co
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import os
@@ -45,14 +44,14 @@ class ContainerHost:
 
 
 def detect() -> ContainerHost:
-    dirs: list[Path] = []
-    if find_program("podman") is not None:
-        dirs.extend(podman_hooks_dirs(CONTAINERS_CONFS))
+    dirs = podman_hooks_dirs(CONTAINERS_CONFS) if find_program("podman") is not None else []
     if find_program("crio") is not None and CRIO_HOOKS not in dirs:
         dirs.append(CRIO_HOOKS)
-    docker = find_program("dockerd") is not None
-    containerd = CONTAINERD_CONFIG if find_program("containerd") else None
-    return ContainerHost(tuple(dirs), DAEMON_JSON if docker else None, containerd_config=containerd)
+    return ContainerHost(
+        tuple(dirs),
+        DAEMON_JSON if find_program("dockerd") is not None else None,
+        CONTAINERD_CONFIG if find_program("containerd") is not None else None,
+    )
 
 
 def podman_hooks_dirs(confs: Sequence[Path]) -> list[Path]:
@@ -102,8 +101,8 @@ def plan_hooks(
                     f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
                 )
             if install:
-                same = exists and _read(path) == text
-                changes.append(Change(path, Action.UNCHANGED if same else Action.WRITE, text))
+                action = Action.UNCHANGED if _read(path) == text else Action.WRITE
+                changes.append(Change(path, action, text))
             else:
                 changes.append(Change(path, Action.REMOVE if exists else Action.ABSENT))
     return changes
@@ -116,10 +115,8 @@ def read_daemon_json(path: Path) -> dict[str, object]:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
         raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
-    if not text.strip():
-        return {}
     try:
-        data = json.loads(text)
+        data = json.loads(text) if text.strip() else {}
     except ValueError as exc:
         where = f"line {exc.lineno}" if hasattr(exc, "lineno") else "it"
         raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
@@ -149,10 +146,9 @@ def plan_daemon_json(host: ContainerHost, wrapper: str, *, install: bool) -> lis
             f'{path}: "default-runtime" is {RUNTIME_NAME}: set another first; nothing changed'
         )
     del runtimes[RUNTIME_NAME]
-    if runtimes:
-        data["runtimes"] = runtimes
-    else:
-        data.pop("runtimes", None)
+    data["runtimes"] = runtimes  # where it was
+    if not runtimes:
+        del data["runtimes"]
     return [Change(path, Action.WRITE, json.dumps(data, indent=2) + "\n", "runtime-removed")]
 
 
@@ -306,8 +302,8 @@ def cri_keys(data: Table, path: Path) -> tuple[str, ...]:
     if isinstance(version, bool) or not isinstance(version, int) or version not in CRI:
         raise InstallError(
             f"{path}: config version {for_error(str(version))}: gpugate edits versions 2 "
-            "(containerd "
-            "1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing changed"
+            "(containerd 1.6, 1.7) and 3 (2.x); `containerd config migrate` converts it; nothing "
+            "changed"
         )
     return CRI[version]
 
@@ -435,10 +431,6 @@ def pruned(data: object) -> object:
     return {k: v for k, v in kept.items() if v != {}}
 
 
-def digest(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
 def installed(
     current: str | None,
     wrapper: str,
@@ -464,13 +456,12 @@ def installed(
     no_eol = bool(body) and not body.endswith("\n")
     text = body + block(cri, table, default_table=default_table, no_eol=no_eol)
     if current is None:
-        text = f"{MADE}{digest(base)})\n{text}"
-    expected = copy.deepcopy(data)
-    table_at(expected, (*cri, "runtimes"), make=True)[RUNTIME_NAME] = table
+        text = f"{MADE}{hashlib.sha256(base.encode()).hexdigest()})\n{text}"
+    table_at(data, (*cri, "runtimes"), make=True)[RUNTIME_NAME] = table  # as it should read
     if default:
-        table_at(expected, cri, make=True)["default_runtime_name"] = RUNTIME_NAME
+        table_at(data, cri, make=True)["default_runtime_name"] = RUNTIME_NAME
     try:
-        same = pruned(tomllib.loads(text)) == pruned(expected)
+        same = pruned(tomllib.loads(text)) == pruned(data)
     except tomllib.TOMLDecodeError:  # a table the file defined inline or by dotted keys
         same = False
     if not same:
@@ -484,25 +475,24 @@ def uninstalled(current: str, *, path: Path) -> str | None:
     data = parse(current, path)
     cri = cri_keys(data, path)
     before = parse(base, path)
-    if table_at(before, cri).get("default_runtime_name") == RUNTIME_NAME:
+    default = table_at(before, cri).get("default_runtime_name")
+    if default == RUNTIME_NAME:
         raise InstallError(
             f"{path}: default_runtime_name is {RUNTIME_NAME}, not set by gpugate install: set "
             "another first (containerd would not start its pods); nothing changed"
         )
     if base == current:
         return current
-    expected = copy.deepcopy(data)
-    table_at(expected, (*cri, "runtimes")).pop(RUNTIME_NAME, None)
-    default = table_at(before, cri).get("default_runtime_name")
-    cri_table = table_at(expected, cri)
+    table_at(data, (*cri, "runtimes")).pop(RUNTIME_NAME, None)  # as before should read
+    cri_table = table_at(data, cri)
     cri_table.pop("default_runtime_name", None)
     if default is not None:
         cri_table["default_runtime_name"] = default
-    if pruned(before) != pruned(expected):
+    if pruned(before) != pruned(data):
         raise not_as_tables(path, cri)
     first, _, rest = base.partition("\n")
     if first.startswith(MADE):
-        return None if first == f"{MADE}{digest(rest)})" else rest
+        return None if first == f"{MADE}{hashlib.sha256(rest.encode()).hexdigest()})" else rest
     return base
 
 

@@ -1,109 +1,108 @@
-"""`gpugate install|uninstall UNIT` (a unit's drop-in and config, daemon-reload) and
-`gpugate install|uninstall --containers` (hooks.d files, docker's runtime)."""
+"""`gpugate install|uninstall UNIT` (a unit's drop-in and config, daemon-reload),
+`gpugate install|uninstall --containers` (hooks.d files, docker's runtime) and `--sweep`
+(gpugate-sweep.timer)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
-from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import ExitCode
 from gpugate.front import install as plan
 from gpugate.front.hook import warn_environment_files
-from gpugate.front.install import DEFAULT_SYSTEMD_DIR, Gpus
 from gpugate.host.systemd import systemd_running, unit_argument
 from gpugate.report import lines
 
 
-def install(
-    unit_given: str,
-    *,
-    force: bool = False,
-    dry_run: bool = False,
-    no_reload: bool = False,
-    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-    gpus: Gpus | None = None,
-    ports: Sequence[int] | None = None,
-    containers: Sequence[str] = (),
-    gpugate_path: Path | None = None,
-) -> int:
-    unit = unit_argument(unit_given)  # `install vllm` is vllm.service, as for systemctl
-    command = plan.command_for(str(gpugate_path)) if gpugate_path else plan.gpugate_command()
+def install_command(args: argparse.Namespace) -> int:
+    """install and uninstall (uninstall's parser has no --gpugate-path, --default, --gpus,
+    --port, --container)."""
+    installing = args.command == "install"
+    given: Path | None = args.gpugate_path if installing else None
+    sweep = args.sweep and args.unit is None and not args.oci
+    if not sweep and (args.oci != (args.unit is None) or args.sweep):
+        print(
+            f"gpugate {args.command}: give a UNIT or --containers (or --sweep), one of them",
+            file=sys.stderr,
+        )
+        return int(ExitCode.USAGE)
+    if args.oci:
+        return containers_setup(args, installing, given)
+    # the hook lines' gpugate: --gpugate-path, else this very one
+    command = plan.command_for(str(given)) if given else plan.gpugate_command()
+    return (sweep_setup if sweep else unit_setup)(args, installing, command)
+
+
+def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
+    unit = unit_argument(args.unit)  # `install vllm` is vllm.service, as for systemctl
+    reload = (lambda: False) if args.no_reload else plan.systemctl_daemon_reload
+    dirs = {"systemd_dir": args.systemd_dir, "config_dir": args.config_dir}
+    if not installing:
+        changes = plan.plan_uninstall(unit, force=args.force, **dirs)
+        plan.apply(changes, dry_run=args.dry_run, reload=reload)
+        return int(ExitCode.OK)
     changes = plan.plan_install(
         unit,
-        gpus=gpus,
-        ports=ports,
-        containers=containers,
+        gpus=args.gpus,
+        ports=args.ports,
+        containers=args.containers,
         gpugate_path=command,
-        force=force,
-        systemd_dir=systemd_dir,
-        config_dir=config_dir,
+        force=args.force,
+        **dirs,
     )
-    if not os.access(command[0], os.X_OK) and not dry_run:
+    if not os.access(command[0], os.X_OK) and not args.dry_run:
         print(lines.warning(f"{command[0]} is not an executable here"), file=sys.stderr)
     if systemd_running():
         warn_environment_files(unit)
-    if _apply(changes, dry_run=dry_run, no_reload=no_reload):
+    if plan.apply(changes, dry_run=args.dry_run, reload=reload):
         print(f"takes effect at the next start: systemctl restart {unit}")
     return int(ExitCode.OK)
 
 
-def uninstall(
-    unit_given: str,
-    *,
-    force: bool = False,
-    dry_run: bool = False,
-    no_reload: bool = False,
-    systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-) -> int:
-    unit = unit_argument(unit_given)
-    changes = plan.plan_uninstall(unit, force=force, systemd_dir=systemd_dir, config_dir=config_dir)
-    _apply(changes, dry_run=dry_run, no_reload=no_reload)
+def sweep_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
+    """`gpugate install|uninstall --sweep`: the timer's unit files, and the timer enabled."""
+    changes = plan.plan_sweep(args.systemd_dir, command, installing=installing)
+    now = ["--now"] if systemd_running() else []
+    there = any((folder / plan.TIMER).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
+    if not installing and not args.dry_run and there:  # none there: nothing to disable
+        plan.timer_systemctl("disable", *now, plan.TIMER)
+        print("disabled gpugate-sweep.timer: no more sweeps")
+    reload = None if args.no_reload else plan.systemctl_daemon_reload
+    plan.apply(changes, dry_run=args.dry_run, reload=reload)
+    if installing and not args.dry_run:
+        plan.timer_systemctl("enable", *now, plan.TIMER)
+        print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
     return int(ExitCode.OK)
 
 
-def _apply(changes: list[plan.Change], *, dry_run: bool, no_reload: bool) -> bool:
-    reload = (lambda: False) if no_reload else plan.systemctl_daemon_reload
-    return plan.apply(changes, dry_run=dry_run, reload=reload)
-
-
-def containers_setup(
-    installing: bool,
-    *,
-    force: bool,
-    dry_run: bool,
-    no_reload: bool,
-    given: Path | None = None,
-    default: bool = False,
-) -> int:
-    """`gpugate install|uninstall --containers`; default: gpugate containerd's CRI default."""
+def containers_setup(args: argparse.Namespace, installing: bool, given: Path | None) -> int:
+    """`gpugate install|uninstall --containers`; --default: gpugate containerd's CRI default."""
     from gpugate.front import install_containers as oci  # noqa: PLC0415
 
     host = oci.detect()
     # This very gpugate: the script it was run as (the packages' launcher isolates Python
     # itself; a venv's console script is run as it is, see docs/containers.md).
     script = str(given) if given else os.path.abspath(sys.argv[0])
-    changes = oci.plan_hooks(host, script, install=installing, force=force)
+    changes = oci.plan_hooks(host, script, install=installing, force=args.force)
     wrapped = host.daemon_json is not None or host.containerd_config is not None
     wrapper = oci.wrapper_beside(script) if installing and wrapped else ""
     nvidia = installing and oci.nvidia_in_place(host)
+    default = installing and args.default
     changes += oci.plan_daemon_json(host, wrapper, install=installing)
     changes += oci.plan_containerd(host, wrapper, install=installing, default=default)
     changes += oci.plan_record(host, install=installing, nvidia=nvidia)
     if not changes:
         print("no podman, CRI-O, docker or containerd here: nothing to do")
         return int(ExitCode.OK)
-    plan.apply(changes, dry_run=dry_run, reload=lambda: False)
+    plan.apply(changes, dry_run=args.dry_run, reload=None)
     written = {c.path for c in changes if c.action in (plan.Action.WRITE, plan.Action.REMOVE)}
-    if host.containerd_config in written and not dry_run:
+    if host.containerd_config in written and not args.dry_run:
         print(
             "containerd reads its config only when it starts: systemctl restart containerd "
             "(running containers keep running)"
         )
-    if host.daemon_json in written and not dry_run and not no_reload:
+    if host.daemon_json in written and not args.dry_run and not args.no_reload:
         print(oci.reload_docker())
     return int(ExitCode.OK)

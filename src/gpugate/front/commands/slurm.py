@@ -89,6 +89,10 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         said = f"{source}={NO_DEVICE_FILES}"
     elif source:
         gpus = gpu_numbers(source, environ[source])
+    # slurmd writes it beside SLURM_JOB_GPUS: one entry per number, the number or a unique ID
+    visible = environ.get("CUDA_VISIBLE_DEVICES", "") if source == GPU_VARIABLES[0] else ""
+    if len(visible) > MAX_VISIBLE_CHARS:
+        visible = ""
     return SlurmJob(
         job_id=int(raw_id),
         uid=int(raw_uid) if raw_uid is not None else None,
@@ -96,32 +100,22 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         gpus_from=source,
         node_name=environ.get("SLURMD_NODENAME") or None,
         no_gpus=said,
-        visible=visible_devices(environ) if source == GPU_VARIABLES[0] else (),
+        visible=tuple(v.strip() for v in visible.split(",")) if visible else (),
     )
-
-
-def visible_devices(environ: Mapping[str, str]) -> tuple[str, ...]:
-    """The hooks' CUDA_VISIBLE_DEVICES, which slurmd writes beside SLURM_JOB_GPUS (one entry
-    per number: the number, or the device's unique ID); () where unset or out of bounds."""
-    value = environ.get("CUDA_VISIBLE_DEVICES", "")
-    if not value or len(value) > MAX_VISIBLE_CHARS:
-        return ()
-    return tuple(entry.strip() for entry in value.split(","))
 
 
 def gpu_numbers(variable: str, value: str) -> tuple[int, ...]:
     """slurmd's numbers: `0,1,5`, each once (a UUID or a range is none of slurmd's)."""
     try:
         refs = parse_gpu_text(value)
-        text = next((ref for ref in refs if isinstance(ref, str)), None)
-        if text is not None:
-            raise InvalidValue(
-                f"{for_error(text)} is not a GPU number slurmd writes (0, 1, ... as gres.conf "
-                "lists "
-                "them)"
-            )
     except InvalidValue as exc:
         raise BadInput(f"{variable} {for_error(value)}: {exc}") from None
+    for ref in refs:
+        if isinstance(ref, str):
+            raise BadInput(
+                f"{variable} {for_error(value)}: {for_error(ref)} is not a GPU number slurmd "
+                "writes (0, 1, ... as gres.conf lists them)"
+            )
     return tuple(ref for ref in refs if isinstance(ref, int))
 
 
@@ -137,12 +131,10 @@ def job_cgroup(job_id: int, cgroup_root: Path, node_name: str | None = None) -> 
         for scope in sorted(parent.glob(f"*{JOB_SCOPE}"))
         if scope.name == JOB_SCOPE or scope.name.endswith("_" + JOB_SCOPE)
     ]
-    for scope in scopes:
-        if (scope / name).is_dir():
-            return "/" + str((scope / name).relative_to(cgroup_root))
-    names = [f"{node_name}_{JOB_SCOPE}"] if node_name else []
-    preferred = [s for name in [*names, JOB_SCOPE] for s in scopes if s.name == name]
-    for scope in preferred[:1] or scopes[:1]:
+    there = [scope for scope in scopes if (scope / name).is_dir()]
+    wanted = [f"{node_name}_{JOB_SCOPE}", JOB_SCOPE] if node_name else [JOB_SCOPE]
+    preferred = [scope for want in wanted for scope in scopes if scope.name == want]
+    for scope in (there or preferred or scopes)[:1]:
         return "/" + str((scope / name).relative_to(cgroup_root))
     return f"/system.slice/{JOB_SCOPE}/{name}"
 
@@ -177,14 +169,6 @@ def job_workload(loaded: LoadedConfig, shard_minors: frozenset[int]) -> JobWorkl
     return JobWorkload(loaded, gpu_source=f"gpus in {loaded.source}", shard_minors=shard_minors)
 
 
-def job_fields(job: SlurmJob) -> dict[str, str]:
-    """On every journal entry of the job's run (`journalctl -u slurmstepd.scope` lists them)."""
-    fields = {"GPUGATE_SLURM_JOB": str(job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
-    if job.uid is not None:
-        fields["GPUGATE_SLURM_JOB_UID"] = str(job.uid)
-    return fields
-
-
 MAX_REASON_HOLDERS = 3  # processes a drain reason names
 SLURM_JOB_CGROUP = re.compile(r"slurmstepd\.scope/job_([0-9]{1,10})(?:/|$)")
 HELD_RULES = {
@@ -204,7 +188,10 @@ def slurm(
         result: RunSummary | GateError
         try:
             job = job_from_env(front.environ)
-            reporter = front.reporter_factory(job.label, phase.value, fields=job_fields(job))
+            fields = {"GPUGATE_SLURM_JOB": str(job.job_id), "OBJECT_SYSTEMD_UNIT": JOB_SCOPE}
+            if job.uid is not None:
+                fields["GPUGATE_SLURM_JOB_UID"] = str(job.uid)
+            reporter = front.reporter_factory(job.label, phase.value, fields=fields)
             if not job.gpus:
                 if job.no_gpus:  # Slurm's own words for "no GPU here"
                     said = f"no GPUs to gate ({job.no_gpus})"
@@ -227,24 +214,17 @@ def slurm(
                 dry_run=dry_run,
             )
             result = run_hook(hook, loaded)
-        stopped = result.exit_code in (ExitCode.OK, ExitCode.INTERRUPTED)
-        if not (dry_run or stopped):  # stopped: slurmd, which stopped it, drains the node itself
-            drain(phase, job, result, front.environ.get("SLURMD_NODENAME"))
-        return int(result.exit_code)
-
-
-def drain(
-    phase: Phase, job: SlurmJob | None, result: RunSummary | GateError, node: str | None
-) -> None:
-    """The drain reason on stderr (unless the error said it already) and to slurmctld."""
-    detail = result.message if isinstance(result, GateError) else failure_detail(result)
-    code = int(result.exit_code)
-    reason = drain_reason(phase.value, job.job_id if job else None, detail, code)
-    if isinstance(result, RunSummary):
-        print(lines.error(f"drain: {reason}"), file=sys.stderr, flush=True)
-    node = job.node_name if job is not None else node
-    if node:
-        set_drain_reason(node, reason, sys.stderr)
+        code = result.exit_code
+        if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):  # slurmd stopped it: drains
+            return int(code)
+        detail = result.message if isinstance(result, GateError) else failure_detail(result)
+        reason = drain_reason(phase.value, job.job_id if job else None, detail, int(code))
+        if isinstance(result, RunSummary):  # an error said it already
+            print(lines.error(f"drain: {reason}"), file=sys.stderr, flush=True)
+        node = front.environ.get("SLURMD_NODENAME")
+        if node:
+            set_drain_reason(node, reason, sys.stderr)
+        return int(code)
 
 
 def job_config(
@@ -256,6 +236,7 @@ def job_config(
     driver: GpuDriver | None = None
     given = f"{job.gpus_from}={','.join(map(str, job.gpus))}"
     slurm_conf = front.environ.get("SLURM_CONF")
+    where = Path(slurm_conf or DEFAULT_SLURM_CONF)
     nodes = DeviceNodes(roots.dev, front.device_stat, roots.proc)
     try:
         path = gres_conf_path(slurm_conf)
@@ -265,20 +246,16 @@ def job_config(
         slices = slices_by_unique_id(job.gpus, job.visible, every, job.gpus_from)
         try:
             layout = parse_gres_conf(read_root_file(path), str(path), job.node_name)
-            layout = in_slurm_conf_order(
-                layout, Path(slurm_conf or DEFAULT_SLURM_CONF), job.node_name
-            )
+            layout = in_slurm_conf_order(layout, where, job.node_name)
         except GresUnresolved:
             if slices is None:
                 raise
             layout = None
-        if slices is None and layout is not None:
-            gpus = job_gpus(job.gpus, layout, every, nodes, len(driver.faults()))
-        else:
-            gpus = slices or ()
+        gpus = slices or ()
         shards: frozenset[int] = frozenset()
         if layout is not None:
-            where = Path(slurm_conf or DEFAULT_SLURM_CONF)
+            if slices is None:
+                gpus = job_gpus(job.gpus, layout, every, nodes, len(driver.faults()))
             shards = shard_minors(layout, every, nodes, where, job.node_name)
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
