@@ -383,9 +383,9 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         ) from None
     path = f"{bundle}/config.json"
     try:
-        _check_owner(os.fstat(dir_fd), bundle)
+        check_owner(os.fstat(dir_fd), bundle)
         return read_capped(
-            "config.json", limit, dir_fd=dir_fd, check=lambda info: _check_owner(info, path)
+            "config.json", limit, dir_fd=dir_fd, check=lambda info: check_owner(info, path)
         )
     except (NotRegularFile, TooLarge) as exc:
         raise BadInput(f"{printable(path, FILE)}: {exc.strerror}") from None
@@ -395,7 +395,8 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         os.close(dir_fd)
 
 
-def _check_owner(info: os.stat_result, path: str) -> None:
+def check_owner(info: os.stat_result, path: str) -> None:
+    """BadInput unless this user's and writable by no one else (a runtime's file)."""
     if info.st_uid != os.geteuid():
         raise BadInput(
             f"{printable(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"

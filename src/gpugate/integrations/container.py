@@ -4,9 +4,7 @@ its cgroup is no such scope); one in no cgroup of its own is refused (docs/conta
 
 from __future__ import annotations
 
-import errno
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from gpugate.host.oci import (
     PodName,
     bounded,
     cgroup_of_spec,
+    check_owner,
     claimed_name,
     pod_name,
     runtime_name,
@@ -152,15 +151,12 @@ def storage_name(container_id: str, bundle: str) -> str | None:
 
 
 def _owned_json(path: Path, limit: int) -> object:
-    """A JSON file this process's user owns, not a link, at most limit bytes; None if not."""
-
-    def mine(info: os.stat_result) -> None:
-        if info.st_uid != os.geteuid():
-            raise PermissionError(errno.EPERM, "not this user's", str(path))
-
+    """A JSON file this process's user owns and alone may write, not a link, at most limit
+    bytes; None if not."""
     try:  # a text that is not UTF-8 is a ValueError too
-        return json.loads(read_capped(path, limit, check=mine))
-    except (OSError, ValueError, RecursionError):
+        raw = read_capped(path, limit, check=lambda info: check_owner(info, str(path)))
+        return json.loads(raw)
+    except (OSError, ValueError, RecursionError, BadInput):
         return None
 
 
