@@ -389,14 +389,14 @@ def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
     )
 
 
-def read_trusted(path: Path | str, limit: int = MAX_BYTES) -> str:
-    """path's UTF-8 text (through its links, each judged), once it and its folders are found
-    only trusted accounts' to change (`untrusted`); else Refused."""
+def read_trusted(path: Path | str, limit: int = MAX_BYTES, *, follow_links: bool = True) -> str:
+    """path's UTF-8 text (through its links, each judged, unless not follow_links), once it and
+    its folders are found only trusted accounts' to change (`untrusted`); else Refused."""
     found = untrusted(path)
     if found is not None:
         raise Refused(untrusted_text(found))
     try:
-        return read_capped(path, limit, follow_links=True).decode("utf-8")
+        return read_capped(path, limit, follow_links=follow_links).decode("utf-8")
     except FileNotFoundError:
         raise Refused("no such file", missing=True) from None
     except PermissionError:

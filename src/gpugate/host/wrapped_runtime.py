@@ -38,7 +38,7 @@ def read_record(path: Path | None = None) -> str:
     """The recorded runtime's name (runc where there is no record), else ConfigError."""
     path = RECORD if path is None else path
     try:
-        data = tomllib.loads(read_trusted(path, MAX_RECORD))
+        data = tomllib.loads(read_trusted(path, MAX_RECORD, follow_links=False))
     except Refused as exc:
         if exc.missing:
             return RUNC
