@@ -221,6 +221,14 @@ class TooLarge(OSError):
         self.limit = limit
 
 
+class Refused(Exception):
+    """Why root did not read a file, in words (after `PATH: `); missing: it is not there."""
+
+    def __init__(self, why: str, *, missing: bool = False) -> None:
+        super().__init__(why)
+        self.missing = missing
+
+
 class UnsafeLink(OSError):
     def __init__(self, path: str) -> None:
         super().__init__(errno.ELOOP, "a symbolic link in a folder another account may change")

@@ -11,15 +11,19 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpugate.core.outcome import RunSummary
 from gpugate.errors import ExitCode, NvmlUnavailable
 from gpugate.front.cli import main
-from gpugate.integrations.metrics import GpuSeries, RunRecord, record_run, render
+from gpugate.host.nvml import Gpu
+from gpugate.host.scan import ProcessId
+from gpugate.integrations.metrics import record_run, render, run_record
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.commands.test_oci_hook_run import A_ID, A_SCOPE, hook
 from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
+GPU0 = Gpu(0, "GPU-0", 0, "NVIDIA H100", 81559)
 
 
 def parse(text: str) -> dict[Key, float]:
@@ -127,7 +131,9 @@ def test_first_write_puts_every_result_of_the_units_phases_at_zero(
     """increase() sees no rise in a series born at 1: every series a later failure of this
     unit can land in exists at 0 from the first write on, and the gauge says 1 at once."""
     textfile = tmp_path / "gpugate.prom"
-    record_run(textfile, RunRecord(phase, unit, result))
+    record_run(
+        textfile, run_record(phase, unit, ExitCode[result.upper().replace("SUCCESS", "OK")], None)
+    )
     values = parse(textfile.read_text())
     results = ["success", *(code.name.lower() for code in ExitCode if code is not ExitCode.OK)]
     for each_phase in phases:
@@ -136,7 +142,7 @@ def test_first_write_puts_every_result_of_the_units_phases_at_zero(
             assert count == (1 if (each_phase, each) == (phase, result) else 0)
     assert values[key("gpugate_last_run_failed", phase=phase, unit=unit)] == (result != "success")
     # a second run keeps the counts and flips the gauge
-    record_run(textfile, RunRecord(phase, unit, "success"))
+    record_run(textfile, run_record(phase, unit, ExitCode.OK, None))
     values = parse(textfile.read_text())
     assert values[key("gpugate_runs_total", phase=phase, unit=unit, result="success")] == (
         2 if result == "success" else 1
@@ -149,7 +155,8 @@ def test_release_histogram_accumulates_by_bucket(tmp_path: Path) -> None:
     textfile = tmp_path / "gpugate.prom"
     observed = [0.05, 0.3, 0.3, 4.0, 400.0]
     for seconds in observed:
-        record_run(textfile, RunRecord("post", UNIT, "success", killed=1, release_s=seconds))
+        killed = RunSummary(killed=[ProcessId(10, 1)], seconds_kill=seconds, owned=[GPU0])
+        record_run(textfile, run_record("post", UNIT, ExitCode.OK, killed))
     families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
     histogram = families["gpugate_memory_release_seconds"]
     assert histogram.type == "histogram"
@@ -215,7 +222,8 @@ def test_textfile_is_replaced_atomically(host: FakeHost, metrics: Path) -> None:
 
 def _record_many(path: str, count: int) -> None:
     for _ in range(count):
-        record_run(Path(path), RunRecord("post", UNIT, "success", killed=1))
+        killed = RunSummary(killed=[ProcessId(10, 1)])
+        record_run(Path(path), run_record("post", UNIT, ExitCode.OK, killed))
 
 
 def test_concurrent_runs_lose_no_count(metrics: Path) -> None:
@@ -289,19 +297,13 @@ def test_label_values_are_escaped() -> None:
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     from gpugate.integrations.metrics import apply
 
-    apply(
-        samples,
-        RunRecord(
-            "post",
-            odd,
-            "success",
-            killed=3,
-            seconds_wait=0.25,
-            reclaimed_mib={GpuSeries(0, "GPU-0"): 7},
-            freed_gpus=[GpuSeries(0, "GPU-0")],
-            finished_at=1700000000.5,
-        ),
+    summary = RunSummary(
+        killed=[ProcessId(pid, 1) for pid in (10, 11, 12)],
+        seconds_wait=0.25,
+        owned=[GPU0],
+        freed_mib_by_gpu={0: 7},
     )
+    apply(samples, "post", odd, ExitCode.OK, summary, 1700000000.5)
     values = parse(render(samples))
     assert values[key("gpugate_processes_killed_total", phase="post", unit=odd)] == 3
     assert values[key("gpugate_wait_seconds_total", phase="post", unit=odd)] == 0.25

@@ -17,7 +17,8 @@ from gpugate.front import hook
 from gpugate.front.cli import main
 from gpugate.host import safe_files, systemd
 from gpugate.host.containers import Container, container_names, stop_containers
-from gpugate.integrations.env_files import environment_file_warnings, who_else_may_write
+from gpugate.host.safe_files import untrusted
+from gpugate.integrations.env_files import environment_file_warnings
 from tests.fakes import FakeHost, alive
 
 PLANTED = ("systemctl", "docker", "podman", "scontrol")
@@ -172,7 +173,6 @@ def test_an_environment_file_others_may_change_is_named(tmp_path: Path, layout: 
     else:
         path.unlink()
         os.chown(folder, nobody, 0)
-    assert who_else_may_write(path) is not None
     (line,) = environment_file_warnings("vllm.service", env_file_show(str(path)))  # type: ignore[arg-type]
     assert f"EnvironmentFile={path}" in line and "\n" not in line
 
@@ -184,7 +184,7 @@ def test_a_root_only_environment_file_is_not_named(tmp_path: Path) -> None:
     path.write_text("X=1\n")
     path.chmod(0o644)
     chain = [p for p in [tmp_path, *tmp_path.parents] if p.stat().st_uid != 0]
-    if chain or who_else_may_write(tmp_path) is not None:
+    if chain or untrusted(tmp_path, (0,)) is not None:
         pytest.skip(f"{tmp_path} lies below a folder not root's alone")
     assert environment_file_warnings("vllm.service", env_file_show(str(path))) == []  # type: ignore[arg-type]
 

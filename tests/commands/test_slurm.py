@@ -90,6 +90,8 @@ def test_job_gpus_as_slurmd_writes_them(
         ({"SLURM_JOB_ID": "42x"}, "SLURM_JOB_ID '42x'"),
         ({"SLURM_JOB_ID": "99999999999"}, "SLURM_JOB_ID '99999999999'"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "root"}, "SLURM_JOB_UID 'root'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "01000"}, "SLURM_JOB_UID '01000'"),
+        ({"SLURM_JOB_ID": "42", "SLURM_JOB_UID": "4294967295"}, "SLURM_JOB_UID '4294967295'"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2,,3"}, "SLURM_JOB_GPUS '2,,3'"),
         ({"SLURM_JOB_ID": "42", "SLURM_JOB_GPUS": "2-3"}, "SLURM_JOB_GPUS '2-3'"),
         ({"SLURM_JOB_ID": "42", "SLURM_STEP_GPUS": "x"}, "SLURM_STEP_GPUS 'x'"),

@@ -94,6 +94,18 @@ def test_a_runtime_record_that_is_no_plain_json_file_gives_no_name(
     assert container.storage_name(A, str(bundle)) is None
 
 
+@pytest.mark.root("give a record to another account")
+def test_a_runtime_record_another_account_may_change_gives_no_name(tmp_path: Path) -> None:
+    bundle = storage_bundle(tmp_path, ["vllm"])
+    assert container.storage_name(A, bundle) == "vllm"
+    listing = tmp_path / "overlay-containers" / "containers.json"
+    listing.chmod(0o666)  # another account may rewrite it
+    assert container.storage_name(A, bundle) is None
+    listing.chmod(0o644)
+    os.chown(listing, 65534, 65534)
+    assert container.storage_name(A, bundle) is None
+
+
 def test_the_runtime_records_read_when_plain(tmp_path: Path) -> None:
     """The control for the shapes above: the same records as plain files give the names."""
     (tmp_path / A).mkdir()

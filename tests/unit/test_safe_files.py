@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpugate.errors import NotRegularFile, StateUnwritable, TooLarge, UnsafeLink
+from gpugate.errors import ExitCode, NotRegularFile, StateUnwritable, TooLarge, UnsafeLink
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import (
@@ -27,7 +27,7 @@ from gpugate.host.safe_files import (
     untrusted,
     write_atomically,
 )
-from gpugate.integrations.metrics import RunRecord, record_run
+from gpugate.integrations.metrics import record_run, run_record
 
 OTHER = 65534  # nobody: an account that is neither root nor the one running the tests
 needs_root = pytest.mark.root("chown to another account")
@@ -199,12 +199,12 @@ def test_metrics_never_create_or_chmod_through_planted_links(tmp_path: Path) -> 
     missing = tmp_path / "created-by-root"
     (theirs / "gpugate.prom.lock").symlink_to(missing)
     with pytest.raises(NotRegularFile):
-        record_run(theirs / "gpugate.prom", RunRecord("pre", "vllm.service", "success"))
+        record_run(theirs / "gpugate.prom", run_record("pre", "vllm.service", ExitCode.OK, None))
     assert not missing.exists()
     (theirs / "gpugate.prom.lock").unlink()
     for name in ("gpugate.prom", "gpugate.prom.state"):
         (theirs / name).symlink_to(victim)
-    record_run(theirs / "gpugate.prom", RunRecord("pre", "vllm.service", "success"))
+    record_run(theirs / "gpugate.prom", run_record("pre", "vllm.service", ExitCode.OK, None))
     assert_untouched(victim)
     assert "gpugate_runs_total" in (theirs / "gpugate.prom").read_text()
 
@@ -242,7 +242,7 @@ def test_an_exporters_folder_is_written_safely_with_one_warning(
     theirs, victim = plant(tmp_path)  # Debian's /var/lib/prometheus is prometheus's
     (theirs / "gpugate.prom").symlink_to(victim)
     for phase in ("pre", "post"):
-        record = RunRecord(phase, "vllm.service", "success")
+        record = run_record(phase, "vllm.service", ExitCode.OK, None)
         record_after_run(theirs / "gpugate.prom", record, stream=sys.stderr, on_failure=print)
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(theirs) in err  # one warning, naming the folder

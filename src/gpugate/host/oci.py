@@ -1,7 +1,7 @@
 """An OCI runtime hook's input (the state on stdin, the bundle's config.json) and which GPUs the
 spec lets the container reach, by device number (major 195), never by a path or name its creator
 chose (docs/containers.md). All of it untrusted: read bounded in size and time, never trusting a
-field's type. The hook's fast path: the standard library only."""
+field's type. The hook's fast path: the standard library and safe_files only."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpugate.errors import BadInput
+from gpugate.errors import BadInput, NotRegularFile, TooLarge
+from gpugate.host.safe_files import read_capped, untrusted
 from gpugate.untrusted import FILE, for_error, printable
 
 NVIDIA_MAJOR = 195
@@ -269,7 +270,6 @@ NOT_BOOLEAN = "its accept-nvidia-visible-devices-* keys are not true or false"
 
 def read_toolkit(path: Path = TOOLKIT_CONFIG) -> Toolkit:
     from gpugate.compat import tomllib  # noqa: PLC0415 (GPU path only)
-    from gpugate.host.safe_files import read_capped, untrusted  # noqa: PLC0415
 
     if not os.path.lexists(path):
         return Toolkit()
@@ -381,34 +381,22 @@ def read_config(bundle: str, limit: int = MAX_CONFIG_BYTES) -> bytes:
         raise BadInput(
             f"{printable(bundle, FILE)}: the bundle cannot be opened: {exc.strerror}"
         ) from None
-    try:
-        _check_owner(os.fstat(dir_fd), bundle)
-        # O_NONBLOCK: a FIFO in its place must not stall the container's start.
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-        fd = os.open("config.json", flags, dir_fd=dir_fd)
-    except OSError as exc:
-        raise BadInput(
-            f"{printable(bundle, FILE)}/config.json: cannot be opened: {exc.strerror}"
-        ) from None
-    finally:
-        os.close(dir_fd)
     path = f"{bundle}/config.json"
     try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise BadInput(f"{printable(path, FILE)}: not a regular file")
-        _check_owner(info, path)
-        data = b""
-        while len(data) <= limit and (chunk := os.read(fd, 1 << 20)):
-            data += chunk
+        check_owner(os.fstat(dir_fd), bundle)
+        return read_capped(
+            "config.json", limit, dir_fd=dir_fd, check=lambda info: check_owner(info, path)
+        )
+    except (NotRegularFile, TooLarge) as exc:
+        raise BadInput(f"{printable(path, FILE)}: {exc.strerror}") from None
+    except OSError as exc:
+        raise BadInput(f"{printable(path, FILE)}: cannot be opened: {exc.strerror}") from None
     finally:
-        os.close(fd)
-    if len(data) > limit:
-        raise BadInput(f"{printable(path, FILE)}: over {limit} bytes")
-    return data
+        os.close(dir_fd)
 
 
-def _check_owner(info: os.stat_result, path: str) -> None:
+def check_owner(info: os.stat_result, path: str) -> None:
+    """BadInput unless this user's and writable by no one else (a runtime's file)."""
     if info.st_uid != os.geteuid():
         raise BadInput(
             f"{printable(path, FILE)}: owned by uid {info.st_uid}, not by this runtime's user"

@@ -11,13 +11,19 @@ import grp
 import os
 import pwd
 import stat
-import subprocess
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
-from gpugate.errors import LinkOnPath, NotRegularFile, ProgramUnavailable, TooLarge, UnsafeLink
+from gpugate.errors import (
+    LinkOnPath,
+    NotRegularFile,
+    ProgramUnavailable,
+    Refused,
+    TooLarge,
+    UnsafeLink,
+)
 
 MAX_BYTES = 1 << 20  # configs, leases, records and the metrics state are a few KiB
 MAX_LINK_HOPS = 40  # as the kernel's
@@ -120,13 +126,18 @@ def read_capped(
     *,
     dir_fd: int | None = None,
     follow_links: bool = False,
+    check: Callable[[os.stat_result], object] | None = None,
 ) -> bytes:
     """The bytes of a regular file of at most limit bytes; never follows a symbolic link in
     its last component (unless follow_links: a file another program reads through its links,
-    as systemd reads EnvironmentFile=), never blocks on a FIFO or device."""
+    as systemd reads EnvironmentFile=), never blocks on a FIFO or device. check: called with
+    the open file's status before a byte is read (it raises to refuse it)."""
     fd = open_in(dir_fd, path, os.O_RDONLY, follow_links=follow_links)
     try:
-        size = os.fstat(fd).st_size
+        info = os.fstat(fd)
+        if check is not None:
+            check(info)
+        size = info.st_size
         if size > limit:
             raise TooLarge(path, size, limit)
         data = _read_up_to(fd, limit + 1)
@@ -302,6 +313,8 @@ def run_program(argv: Sequence[str], timeout_s: float) -> Result:
     timeout_s (killed) or where it cannot start; a non-zero exit: the caller's."""
     if not os.path.isabs(argv[0]):
         raise ValueError(f"{argv[0]!r}: not an absolute path (find_program)")
+    import subprocess  # noqa: PLC0415 (2-3 ms a container hook that runs nothing need not pay)
+
     name = os.path.basename(argv[0])
     try:  # the home of gpugate's account: docker's and podman's configuration
         home = pwd.getpwuid(os.geteuid()).pw_dir
@@ -348,11 +361,8 @@ def group(gid: int) -> str:
         return f"gid {gid}"
 
 
-def _facts(found: Untrusted) -> str:
-    return f"owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o}"
-
-
 def why_untrusted(found: Untrusted) -> str:
+    """`its folder /srv belongs to another account (owner alice (uid 1000), mode 0755)`."""
     what = "folder " if stat.S_ISDIR(found.mode) else ""
     where = "it" if found.path == found.of else f"its {what}{found.path}"
     problem = {
@@ -360,17 +370,14 @@ def why_untrusted(found: Untrusted) -> str:
         Exposure.GROUP_WRITABLE: f"{where} is writable by group {group(found.gid)}",
         Exposure.WORLD_WRITABLE: f"{where} is writable by every account",
     }[found.problem]
-    if found.path != found.of:
-        problem += f" ({_facts(found)})"
-    return problem
+    return f"{problem} (owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o})"
 
 
 def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
-    """A config file (after `PATH: `) or (state) the lock_dir others may change, refused."""
-    mine = f" ({_facts(found)})" if found.path == found.of else ""
+    """A file root reads (after `PATH: `) or (state) the lock_dir others may change, refused."""
     euid = os.geteuid()
     accounts = "root" if euid == 0 else f"root or {account(euid)}"
-    why = f"refused: {why_untrusted(found)}{mine}"
+    why = f"refused: {why_untrusted(found)}"
     if state:
         return (
             f"{found.of}: {why}; gpugate's state folder and the folders above it must belong to "
@@ -378,14 +385,30 @@ def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
         )
     return (
         f"{why}; gpugate reads only a config file that it and every folder above it belong to "
-        f"{accounts} and no group or other account may write ({RULE}); nothing was done"
+        f"{accounts} and no group or other account may write ({RULE})"
     )
 
 
-def unreadable(exc: OSError) -> str:
-    if isinstance(exc, NotRegularFile):
+def read_trusted(path: Path | str, limit: int = MAX_BYTES, *, follow_links: bool = True) -> str:
+    """path's UTF-8 text (through its links, each judged, unless not follow_links), once it and
+    its folders are found only trusted accounts' to change (`untrusted`); else Refused."""
+    found = untrusted(path)
+    if found is not None:
+        raise Refused(untrusted_text(found))
+    try:
+        return read_capped(path, limit, follow_links=follow_links).decode("utf-8")
+    except FileNotFoundError:
+        raise Refused("no such file", missing=True) from None
+    except PermissionError:
+        raise Refused("permission denied reading it") from None
+    except NotRegularFile as exc:
         words = next((words for _, name, words in KINDS if name == exc.kind), exc.kind)
-        return f"refused: {words}, not a regular file; not read"
-    if isinstance(exc, TooLarge):
-        return f"refused: {exc.size} bytes, more than a config file ({exc.limit}); not read"
-    return exc.strerror or str(exc)
+        raise Refused(f"refused: {words}, not a regular file; not read") from None
+    except TooLarge as exc:
+        raise Refused(
+            f"refused: {exc.size} bytes, more than a config file ({exc.limit}); not read"
+        ) from None
+    except OSError as exc:
+        raise Refused(exc.strerror or str(exc)) from None
+    except UnicodeDecodeError:
+        raise Refused("is not UTF-8 text") from None

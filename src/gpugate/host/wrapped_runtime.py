@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.compat import tomllib
-from gpugate.errors import ConfigError
-from gpugate.host.safe_files import first_root_executable, read_capped, untrusted, untrusted_text
+from gpugate.errors import ConfigError, Refused
+from gpugate.host.safe_files import first_root_executable, read_trusted
 from gpugate.untrusted import for_error
 
 RECORD = Path("/etc/gpugate/oci-runtime.toml")
@@ -37,17 +37,13 @@ class Wrapped:
 def read_record(path: Path | None = None) -> str:
     """The recorded runtime's name (runc where there is no record), else ConfigError."""
     path = RECORD if path is None else path
-    if (found := untrusted(path)) is not None:
-        raise ConfigError(str(path), "", untrusted_text(found))
     try:
-        raw = read_capped(path, MAX_RECORD)
-    except FileNotFoundError:
-        return RUNC
-    except OSError as exc:
+        data = tomllib.loads(read_trusted(path, MAX_RECORD, follow_links=False))
+    except Refused as exc:
+        if exc.missing:
+            return RUNC
         raise ConfigError(str(path), "", str(exc)) from None
-    try:
-        data = tomllib.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(str(path), "", f"not valid TOML: {exc}") from None
     value = data.get("runtime", RUNC)
     if value not in PATHS:

@@ -10,8 +10,9 @@ from pathlib import Path
 from gpugate.config import file
 from gpugate.config.file import LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
-from gpugate.errors import ConfigError
-from gpugate.host.safe_files import read_capped, unreadable, untrusted, untrusted_text
+from gpugate.errors import ConfigError, Refused
+from gpugate.host import safe_files
+from gpugate.host.safe_files import untrusted, untrusted_text
 
 HOST_FILE = "default.toml"  # its lock_dir is the host's
 
@@ -66,20 +67,7 @@ def _same(one: Path, other: Path) -> bool:
 
 def read_trusted(path: Path) -> str:
     """path's text, once it and its folders are judged only trusted accounts' to change."""
-    if not os.path.lexists(path):
-        raise ConfigError(str(path), "", "no such file")
-    found = untrusted(path)
-    if found is not None:
-        raise ConfigError(str(path), "", untrusted_text(found))
     try:
-        data = read_capped(path.resolve())
-    except FileNotFoundError:
-        raise ConfigError(str(path), "", "no such file") from None
-    except PermissionError:
-        raise ConfigError(str(path), "", "permission denied reading it") from None
-    except OSError as exc:
-        raise ConfigError(str(path), "", unreadable(exc)) from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise ConfigError(str(path), "", "is not UTF-8 text") from None
+        return safe_files.read_trusted(path)
+    except Refused as exc:
+        raise ConfigError(str(path), "", str(exc)) from None

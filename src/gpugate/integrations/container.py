@@ -5,8 +5,6 @@ its cgroup is no such scope); one in no cgroup of its own is refused (docs/conta
 from __future__ import annotations
 
 import json
-import os
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,10 +23,12 @@ from gpugate.host.oci import (
     PodName,
     bounded,
     cgroup_of_spec,
+    check_owner,
     claimed_name,
     pod_name,
     runtime_name,
 )
+from gpugate.host.safe_files import read_capped
 from gpugate.host.scan import ProcFs
 from gpugate.host.systemd import system_unit_of_cgroup
 from gpugate.integrations.config_files import load_config
@@ -151,22 +151,12 @@ def storage_name(container_id: str, bundle: str) -> str | None:
 
 
 def _owned_json(path: Path, limit: int) -> object:
-    """A JSON file this process's user owns, not a link, at most limit bytes; None if not."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
-        return None
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid():
-        os.close(fd)  # checked before fdopen, which refuses a folder with IsADirectoryError
-        return None
-    with os.fdopen(fd, "rb") as stream:
-        raw = stream.read(limit + 1)
-    if len(raw) > limit:
-        return None
-    try:
+    """A JSON file this process's user owns and alone may write, not a link, at most limit
+    bytes; None if not."""
+    try:  # a text that is not UTF-8 is a ValueError too
+        raw = read_capped(path, limit, check=lambda info: check_owner(info, str(path)))
         return json.loads(raw)
-    except (ValueError, RecursionError):
+    except (OSError, ValueError, RecursionError, BadInput):
         return None
 
 

@@ -5,13 +5,10 @@ warn, naming the EnvironmentFile= another account may change and each such varia
 
 from __future__ import annotations
 
-import pwd
-import stat
 from collections.abc import Callable
-from pathlib import Path
 
 from gpugate.errors import GateError
-from gpugate.host.safe_files import group
+from gpugate.host.safe_files import untrusted, why_untrusted
 from gpugate.host.systemd import (
     UnitEnvironment,
     environment_files,
@@ -21,31 +18,7 @@ from gpugate.host.systemd import (
 
 STEERING = frozenset({"LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
 STEERING_PREFIXES = ("PYTHON",)
-
-
-def who_else_may_write(path: Path) -> str | None:
-    """Why an account other than root may change path (or put one there): the file or a
-    folder above it is another account's, or a non-root group or everyone may write it."""
-    for current in (path, *path.parents):
-        try:
-            info = current.lstat()
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return None  # cannot tell; systemd reads it as root all the same
-        mode = info.st_mode
-        sticky_folder = stat.S_ISDIR(mode) and mode & stat.S_ISVTX
-        if info.st_uid != 0:
-            try:
-                owner = pwd.getpwuid(info.st_uid).pw_name
-            except KeyError:
-                owner = f"UID {info.st_uid}"
-            return f"{current} belongs to {owner}"
-        if mode & stat.S_IWOTH and not sticky_folder:
-            return f"{current} is writable by every account"
-        if mode & stat.S_IWGRP and info.st_gid != 0 and not sticky_folder:
-            return f"{current} is writable by group {group(info.st_gid)}"
-    return None
+ROOT = (0,)  # systemd reads it as root, whoever runs install or config check
 
 
 def environment_file_warnings(
@@ -55,10 +28,10 @@ def environment_file_warnings(
     shown = (show or (lambda name: systemctl_show(name, "EnvironmentFiles")))(unit)
     return [
         f"warning: {unit}: EnvironmentFile={name} may be changed by an account other than root "
-        f"({why}); gpugate's hooks run as root with its variables (LD_PRELOAD, PYTHONPATH, ...): "
-        "make it and its folders root's (docs/hardening.md)"
+        f"({why_untrusted(found)}); gpugate's hooks run as root with its variables (LD_PRELOAD, "
+        "PYTHONPATH, ...): make it and its folders root's (docs/hardening.md)"
         for name, _ in environment_files(shown or "")
-        if (why := who_else_may_write(Path(name))) is not None
+        if (found := untrusted(name, ROOT)) is not None
     ]
 
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from gpugate.errors import GresUnresolved
+from gpugate.errors import GresUnresolved, Refused
 from gpugate.host.nvml import Gpu, slice_capabilities
-from gpugate.host.safe_files import kind_of, read_capped, untrusted
+from gpugate.host.safe_files import kind_of, read_trusted
 from gpugate.untrusted import for_error
 
 GRES_NAME = "gres.conf"
@@ -74,23 +74,11 @@ def gres_conf_path(slurm_conf: str | None) -> Path:
 
 
 def read_root_file(path: Path, limit: int = MAX_GRES_BYTES) -> str:
-    """A file of Slurm's, root's: GresUnresolved where another account may change it, or it
-    is missing, no regular file, over limit bytes, not UTF-8."""
-    where = untrusted(path)
-    if where is not None:
-        raise GresUnresolved(
-            f"{path}: not read, {where.path} may be changed by an account other than root"
-        )
+    """A file of Slurm's, root's (safe_files.read_trusted), else GresUnresolved."""
     try:
-        data = read_capped(path, limit, follow_links=True)
-    except FileNotFoundError:
-        raise GresUnresolved(f"{path}: no such file") from None
-    except OSError as exc:  # NotRegularFile and TooLarge too
-        raise GresUnresolved(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise GresUnresolved(f"{path}: cannot read it: not UTF-8") from None
+        return read_trusted(path, limit)
+    except Refused as exc:
+        raise GresUnresolved(f"{path}: {exc}") from None
 
 
 def logical_lines(text: str) -> list[tuple[int, str]]:

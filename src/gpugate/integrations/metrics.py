@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
@@ -95,57 +94,58 @@ FAMILIES = (
 )
 
 
-@dataclass(frozen=True)
-class GpuSeries:  # a GPU as the per-GPU series label it (`gpu`, `uuid`)
-    index: int
-    uuid: str
-
-
-@dataclass
-class RunRecord:
-    phase: str
-    unit: str  # the metrics label: a Slurm job's runs all count under "slurm"
-    result: str  # "success", or the exit code's name in lower case
-    killed: int = 0
-    seconds_wait: float = 0.0
-    reclaimed_mib: dict[GpuSeries, int] = field(default_factory=dict)
-    freed_gpus: list[GpuSeries] = field(default_factory=list)  # free at the end of a successful run
-    release_s: float | None = None  # kill to free, where the run killed and the GPUs got free
-    finished_at: float = field(default_factory=time.time)
-
-
 Samples = dict[str, dict[Labels, float]]  # name -> label set -> value
 
 
-def apply(samples: Samples, record: RunRecord) -> None:
+def run_record(
+    phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None
+) -> Callable[[Samples], None]:
+    """What one run adds to the counters (record_run's change). unit: the label (a Slurm job's
+    runs all count under "slurm"); summary: None where the run ended in an error before it
+    could report (NVML, lock)."""
+    finished_at = time.time()
+    done = summary or RunSummary()
+    return lambda samples: apply(samples, phase, unit, exit_code, done, finished_at)
+
+
+def apply(
+    samples: Samples,
+    phase: str,
+    unit: str,
+    exit_code: ExitCode,
+    summary: RunSummary,
+    finished_at: float,
+) -> None:
     def add(name: str, labels: Mapping[str, str], value: float, *, put: bool = False) -> None:
         key = tuple(sorted(labels.items()))
         family = samples.setdefault(name, {})
         family[key] = value if put else family.get(key, 0) + value
 
-    run = {"phase": record.phase, "unit": record.unit}
-    for phase in PHASE_PAIRS.get(record.phase, SLURM_PHASES):
+    run = {"phase": phase, "unit": unit}
+    for each_phase in PHASE_PAIRS.get(phase, SLURM_PHASES):
         for result in RESULTS:  # at 0 from the unit's first write: see the module's doc
-            add("gpugate_runs_total", {"phase": phase, "unit": record.unit, "result": result}, 0)
-    add("gpugate_runs_total", {**run, "result": record.result}, 1)
-    add("gpugate_last_run_failed", run, 0 if record.result == "success" else 1, put=True)
-    if record.release_s is not None:
+            add("gpugate_runs_total", {"phase": each_phase, "unit": unit, "result": result}, 0)
+    add("gpugate_runs_total", {**run, "result": result_label(exit_code)}, 1)
+    add("gpugate_last_run_failed", run, 0 if exit_code is ExitCode.OK else 1, put=True)
+    gpus = {
+        gpu.index: {"unit": unit, "gpu": str(gpu.index), "uuid": gpu.uuid} for gpu in summary.owned
+    }
+    busy = {item.gpu.index for item in summary.busy}
+    if exit_code is ExitCode.OK and summary.killed and gpus and not busy:
+        release_s = summary.seconds_kill + summary.seconds_wait  # kill to free
         for bound in RELEASE_BUCKETS_S:
-            add(f"{RELEASE}_bucket", {**run, "le": _number(bound)}, record.release_s <= bound)
+            add(f"{RELEASE}_bucket", {**run, "le": _number(bound)}, release_s <= bound)
         add(f"{RELEASE}_bucket", {**run, "le": "+Inf"}, 1)
-        add(f"{RELEASE}_sum", run, record.release_s)
+        add(f"{RELEASE}_sum", run, release_s)
         add(f"{RELEASE}_count", run, 1)
-    add("gpugate_processes_killed_total", run, record.killed)
-    add("gpugate_wait_seconds_total", run, record.seconds_wait)
-    for gpu, mib in record.reclaimed_mib.items():
-        add("gpugate_reclaimed_mib_total", _gpu_labels(record.unit, gpu), mib)
-    for gpu in record.freed_gpus:
-        labels = _gpu_labels(record.unit, gpu)
-        add("gpugate_last_success_timestamp_seconds", labels, record.finished_at, put=True)
-
-
-def _gpu_labels(unit: str, gpu: GpuSeries) -> dict[str, str]:
-    return {"unit": unit, "gpu": str(gpu.index), "uuid": gpu.uuid}
+    add("gpugate_processes_killed_total", run, len(summary.killed))
+    add("gpugate_wait_seconds_total", run, summary.seconds_wait)
+    for index, mib in summary.freed_mib_by_gpu.items():
+        if index in gpus:
+            add("gpugate_reclaimed_mib_total", gpus[index], mib)
+    for index, labels in gpus.items():  # free at the end of a successful run
+        if exit_code is ExitCode.OK and index not in busy:
+            add("gpugate_last_success_timestamp_seconds", labels, finished_at, put=True)
 
 
 def render(samples: Samples) -> str:
@@ -206,7 +206,7 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     return samples
 
 
-def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
+def record_run(textfile: Path, change: Callable[[Samples], None]) -> None:
     """Change the counters (PATH.state) and rewrite the textfile, under PATH.lock (OSError).
     The folder may be the exporter's: all through its descriptor, no link followed."""
     state, lock = (textfile.with_name(textfile.name + suffix) for suffix in (".state", ".lock"))
@@ -224,10 +224,6 @@ def _rewrite(textfile: Path, change: Callable[[Samples], None]) -> None:
         write_in(folder_fd, textfile.name, render(samples).encode())
 
 
-def record_run(textfile: Path, record: RunRecord) -> None:
-    _rewrite(textfile, lambda samples: apply(samples, record))
-
-
 def record_sweep(textfile: Path, gauges: Samples) -> None:
     """Replace the sweep's gauges; the runs' counters are kept."""
 
@@ -235,30 +231,15 @@ def record_sweep(textfile: Path, gauges: Samples) -> None:
         for family in SWEEP_FAMILIES:
             samples[family.name] = dict(gauges.get(family.name, {}))
 
-    _rewrite(textfile, replace)
-
-
-def run_record(phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None) -> RunRecord:
-    """summary: None where the run ended in an error before it could report (NVML, lock)."""
-    record = RunRecord(phase, unit, result_label(exit_code))
-    if summary is None:
-        return record
-    record.killed = len(summary.killed)
-    record.seconds_wait = summary.seconds_wait
-    gpus = {gpu.index: GpuSeries(gpu.index, gpu.uuid) for gpu in summary.owned}
-    record.reclaimed_mib = {
-        gpus[index]: mib for index, mib in summary.freed_mib_by_gpu.items() if index in gpus
-    }
-    if exit_code is ExitCode.OK:
-        busy = {item.gpu.index for item in summary.busy}
-        record.freed_gpus = [gpu for index, gpu in sorted(gpus.items()) if index not in busy]
-        if summary.killed and gpus and not busy:
-            record.release_s = summary.seconds_kill + summary.seconds_wait
-    return record
+    record_run(textfile, replace)
 
 
 def record_after_run(
-    textfile: Path, record: RunRecord, *, stream: TextIO, on_failure: Callable[[Path, str], None]
+    textfile: Path,
+    record: Callable[[Samples], None],
+    *,
+    stream: TextIO,
+    on_failure: Callable[[Path, str], None],
 ) -> None:
     """Best effort: metrics not written are on_failure(textfile, cause), never a failure."""
     found = untrusted(textfile.parent)

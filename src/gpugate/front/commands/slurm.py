@@ -21,7 +21,14 @@ from gpugate.core.discover import Discovery
 from gpugate.core.outcome import UNKILLABLE, Blocker, PlainWorkload, RunSummary
 from gpugate.core.run import RunDeps
 from gpugate.errors import BadInput, ExitCode, GateError, GresUnresolved, InvalidValue
-from gpugate.front.hook import Hook, HostAccess, run_hook, set_drain_reason, stopped_by_signals
+from gpugate.front.hook import (
+    Hook,
+    HostAccess,
+    parse_uid,
+    run_hook,
+    set_drain_reason,
+    stopped_by_signals,
+)
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.systemd import HostRoots
 from gpugate.integrations.config_files import load_config
@@ -47,7 +54,6 @@ JOB_SCOPE = "slurmstepd.scope"  # where Slurm's cgroup/v2 plugin puts every job
 METRICS_UNIT = "slurm"  # one label for all jobs: a job ID label would grow without bound
 CONFIG_NAME = "slurm.toml"
 JOB_ID = re.compile(r"[1-9][0-9]{0,9}")
-UID = re.compile(r"[0-9]{1,10}")
 MAX_JOB_ID = 2**32 - 1
 # The prolog/epilog see SLURM_JOB_GPUS, an srun task SLURM_STEP_GPUS. Not CUDA_VISIBLE_DEVICES:
 # in a task it is the task's own numbering, and alone it is not slurmd's.
@@ -80,7 +86,8 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
             "positive integer)"
         )
     raw_uid = environ.get("SLURM_JOB_UID")
-    if raw_uid is not None and not UID.fullmatch(raw_uid):
+    uid = None if raw_uid is None else parse_uid(raw_uid)
+    if raw_uid is not None and uid is None:
         raise BadInput(f"SLURM_JOB_UID {raw_uid!r}: not a user ID")
     gpus: tuple[int, ...] = ()
     source = next((name for name in GPU_VARIABLES if environ.get(name, "").strip()), "")
@@ -95,7 +102,7 @@ def job_from_env(environ: Mapping[str, str]) -> SlurmJob:
         visible = ""
     return SlurmJob(
         job_id=int(raw_id),
-        uid=int(raw_uid) if raw_uid is not None else None,
+        uid=uid,
         gpus=gpus,
         gpus_from=source,
         node_name=environ.get("SLURMD_NODENAME") or None,
