@@ -286,10 +286,10 @@ def test_cli_round_trip_and_exit_codes(dirs: Dirs) -> None:
     done = gpugate("install", UNIT, "--gpus", "0,1", "--gpugate-path", "/usr/bin/gpugate", *where)
     assert done.returncode == 0, done.stderr
     assert parse_config(dirs.toml.read_text(), "-").gpus == (0, 1)
-    installed = dirs.files()
+    installed = {path: path.stat().st_ino for path in (dirs.dropin, dirs.toml)}
     again = gpugate("install", UNIT, "--gpus", "0,1", "--gpugate-path", "/usr/bin/gpugate", *where)
     assert again.returncode == 0, again.stderr
-    assert dirs.files() == installed
+    assert {path: path.stat().st_ino for path in installed} == installed  # neither rewritten
     dirs.dropin.write_text("[Service]\n")
     refused = gpugate("install", UNIT, *where)
     assert refused.returncode == ExitCode.INSTALL
