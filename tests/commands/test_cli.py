@@ -28,6 +28,7 @@ def gpugate(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     )
 
 
+@pytest.mark.message
 def test_bad_config_exits_config_with_one_line_and_kills_nothing(
     host: FakeHost, tmp_path: Path
 ) -> None:
@@ -42,6 +43,7 @@ def test_bad_config_exits_config_with_one_line_and_kills_nothing(
     assert alive(orphan)
 
 
+@pytest.mark.message
 def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(f'lock_dir = "{tmp_path}"\n')

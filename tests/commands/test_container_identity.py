@@ -153,6 +153,7 @@ def test_identity_refused_without_a_cgroup_of_its_own(
     assert caught.value.exit_code == ExitCode.USAGE
 
 
+@pytest.mark.message
 def test_the_refusal_shows_a_hostile_cgroup_escaped_on_one_line() -> None:
     cgroup = "/system.slice/\x1b[2J\nvllm.service"
     with pytest.raises(BadInput) as caught:

@@ -159,6 +159,7 @@ def fake_lib(tmp_path_factory: pytest.TempPathFactory) -> Path:
         pytest.skip(f"cannot build the stand-in NVML: {exc}")
 
 
+@pytest.mark.message
 @pytest.mark.parametrize(
     ("settings_text", "message"),
     [

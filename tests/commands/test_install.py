@@ -113,10 +113,11 @@ def test_skeleton_comments_show_the_true_defaults(dirs: Dirs) -> None:
 def test_reinstall_is_idempotent(dirs: Dirs) -> None:
     dirs.install(gpus=[0])
     before = dirs.files()
-    out = dirs.install(gpus=[0])
+    again = plan_install(UNIT, systemd_dir=dirs.systemd, config_dir=dirs.config, gpus=[0])
+    assert [change.action for change in again] == [Action.UNCHANGED, Action.UNCHANGED]
+    dirs.install(gpus=[0])
     assert dirs.files() == before
     assert dirs.reloads == 1, "nothing changed: no reload"
-    assert out.count("unchanged") == 2
 
 
 def test_reinstall_replaces_unedited_files(dirs: Dirs) -> None:
@@ -285,8 +286,10 @@ def test_cli_round_trip_and_exit_codes(dirs: Dirs) -> None:
     done = gpugate("install", UNIT, "--gpus", "0,1", "--gpugate-path", "/usr/bin/gpugate", *where)
     assert done.returncode == 0, done.stderr
     assert parse_config(dirs.toml.read_text(), "-").gpus == (0, 1)
+    installed = {path: path.stat().st_ino for path in (dirs.dropin, dirs.toml)}
     again = gpugate("install", UNIT, "--gpus", "0,1", "--gpugate-path", "/usr/bin/gpugate", *where)
-    assert again.stdout.count("unchanged") == 2
+    assert again.returncode == 0, again.stderr
+    assert {path: path.stat().st_ino for path in installed} == installed  # neither rewritten
     dirs.dropin.write_text("[Service]\n")
     refused = gpugate("install", UNIT, *where)
     assert refused.returncode == ExitCode.INSTALL

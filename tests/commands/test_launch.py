@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from gpugate.config.schema import GateConfig
-from gpugate.errors import BadInput, ConfigError, ExitCode, GateError
+from gpugate.errors import BadInput, ConfigError, ExitCode, GateError, StateUnwritable
 from gpugate.front.cli import build_parser, main
 from gpugate.front.commands.run import (
     Caller,
@@ -556,10 +556,10 @@ def test_port_with_a_lock_dir_it_cannot_write_is_one_line_before_anything_starts
     loaded = host.config()
     loaded.config.lock_dir.mkdir(parents=True, exist_ok=True)
     (loaded.config.lock_dir / "run").write_text("")
-    with pytest.raises(GateError) as raised:
+    with pytest.raises(StateUnwritable) as raised:
         hook_config(loaded, "gpugate-run-x-1.service", None, [8000])
     assert raised.value.exit_code is ExitCode.STATE_UNWRITABLE
-    assert raised.value.message.startswith(f"{loaded.config.lock_dir / 'run'}")
+    assert Path(str(raised.value.path)).parent == loaded.config.lock_dir / "run"
     assert "\n" not in raised.value.message
 
 

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpugate.config.file import parse_config
 from gpugate.core.outcome import RunSummary
-from gpugate.errors import ExitCode, NvmlUnavailable
+from gpugate.errors import ConfigError, ExitCode, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId
@@ -336,9 +337,10 @@ def test_config_check_shows_the_textfile_and_the_slurm_phases(
     relative = tmp_path / "relative.toml"
     relative.write_text('metrics_textfile = "gpugate.prom"\n')
     assert main(["config", "check", str(relative)]) == ExitCode.CONFIG
-    assert capsys.readouterr().err.startswith(  # one line naming the file and the field
-        f"gpugate: {relative}: metrics_textfile: "
-    )
+    assert capsys.readouterr().err.count("\n") == 1  # one line, no traceback
+    with pytest.raises(ConfigError) as refused:  # the field it names
+        parse_config(relative.read_text(), str(relative))
+    assert (refused.value.source, refused.value.field) == (str(relative), "metrics_textfile")
 
 
 @pytest.mark.parametrize("blocked", ["textfile", "locks/leases"])

@@ -7,6 +7,7 @@ while a call hangs. The subprocess time limits are generous bounds that prove "n
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -123,7 +124,7 @@ def test_hang_at_init_ends_pre_at_its_deadline_then_a_start_succeeds(driver: Dri
     assert line.startswith("gpugate: ") and len(err.strip().splitlines()) == 1  # no traceback
     assert [c.split()[1] for c in driver.hung_calls()] == ["nvmlInit"]
     record = driver.root / "locks" / "failed" / f"{UNIT}.json"
-    assert '"exit_code": 26' in record.read_text()
+    assert json.loads(record.read_text())["exit_code"] == ExitCode.NVML_NOT_ANSWERING
 
     driver.set()  # the driver answers again
     code, _, err = finish(driver.gpugate("pre", UNIT, "--config", str(driver.config())))

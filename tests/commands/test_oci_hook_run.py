@@ -240,6 +240,7 @@ def test_a_pair_nvml_does_not_know_fails_the_start(host: FakeHost, ref: str) -> 
         "MIG-GPU-99999999-0000-0000-0000-000000000000/1/0",  # no such GPU
     ],
 )
+@pytest.mark.message
 def test_a_mig_reference_nvml_cannot_resolve_is_the_containers_bad_input(
     host: FakeHost, ref: str
 ) -> None:
@@ -250,6 +251,7 @@ def test_a_mig_reference_nvml_cannot_resolve_is_the_containers_bad_input(
     code = hook(host, Phase.PRE, A_ID, [f"NVIDIA_VISIBLE_DEVICES={ref}"], {A_SCOPE: "active"})
     assert code == ExitCode.USAGE
     (error,) = host.journal.events("error")
+    assert error["GPUGATE_EXIT_CODE"] == str(int(ExitCode.USAGE))
     assert error["MESSAGE"].startswith("config.json: 'NVIDIA_VISIBLE_DEVICES': "), error
     assert ": gpus:" not in error["MESSAGE"] and "built-in" not in error["MESSAGE"]
     assert alive(holder)
@@ -313,6 +315,7 @@ def test_entry_leaves_a_container_that_reaches_no_gpu_alone(
     assert (done.returncode, done.stderr) == (0, b"")
 
 
+@pytest.mark.message
 @pytest.mark.root("as another user the hook leaves it alone")
 def test_entry_refuses_a_gpu_request_it_cannot_resolve_with_one_line(tmp_path: Path) -> None:
     bundle = tmp_path / "bundle"

@@ -149,6 +149,7 @@ def env_file_show(*paths: str) -> object:
     return lambda _: text
 
 
+@pytest.mark.message
 @pytest.mark.root("give files to other accounts")
 @pytest.mark.parametrize(
     "layout",

@@ -176,6 +176,7 @@ def run_not_gated(
     return oci_hook.not_gated(stage, why), sent
 
 
+@pytest.mark.message
 @pytest.mark.parametrize("stage", ["createRuntime", "prestart"])
 def test_one_journal_line_for_a_rootless_gpu_containers_start(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stage: str

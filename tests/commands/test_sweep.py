@@ -414,6 +414,7 @@ def test_status_shows_the_owner_and_time_unowned(
     assert isinstance(holder["unowned_s"], int) and holder["unowned_s"] > 0
 
 
+@pytest.mark.message
 def test_where_slurmd_runs_the_node_is_drained_once_past_drain_after_s(
     host: FakeHost, monkeypatch: pytest.MonkeyPatch
 ) -> None:

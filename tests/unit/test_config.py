@@ -232,5 +232,5 @@ def test_a_key_that_looks_like_a_union_tag_is_still_the_field_named(key: str) ->
     with pytest.raises(ConfigError) as caught:
         parse_config(f"{key} = 1\n", "f.toml")
     assert caught.value.code == "config-unknown-key"
-    assert caught.value.message.startswith("f.toml: ")
+    assert caught.value.source == "f.toml"
     assert "\n" not in caught.value.message and "\x1b" not in caught.value.message

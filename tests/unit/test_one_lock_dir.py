@@ -41,6 +41,7 @@ KINDS = {
 }
 
 
+@pytest.mark.message
 @pytest.mark.parametrize("kind", sorted(KINDS))
 @pytest.mark.parametrize("host_sets", [True, False])
 def test_a_file_naming_another_lock_dir_is_refused(

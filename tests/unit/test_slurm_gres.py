@@ -551,6 +551,7 @@ def test_check_never_prints_a_gpu_in_mig_mode_as_one_number(tmp_path: Path, gres
     assert " = MIG " not in said and " = GPU 0 " not in said
 
 
+@pytest.mark.message
 def test_check_lists_gpus_beside_a_mig_gpu_slurmd_does_not_number(tmp_path: Path) -> None:
     """File= naming only whole GPUs not in MIG mode: numbered as ever (no slice among them)."""
     code, said = check(tmp_path, "", "Name=gpu File=/dev/nvidia1\n", found=mig_gpus())
