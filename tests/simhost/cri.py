@@ -271,4 +271,4 @@ class CriClient:
 
     def containers(self) -> list[str]:
         said = self._call("ListContainers", self.api.ListContainersRequest())
-        return [item.id for item in said.items]
+        return [item.id for item in said.containers]
