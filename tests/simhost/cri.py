@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib
+import json
 import os
 import shutil
 import subprocess
@@ -241,15 +242,27 @@ class CriClient:
         )
         return str(self.api.ContainerState.Name(said.status.state))
 
-    def container_pid(self, container_id: str) -> int:
-        """The container's first process, from containerd's verbose status (`info`)."""
-        import json
-
+    def container_info(self, container_id: str) -> dict[str, Any]:
+        """containerd's verbose ContainerStatus `info`: its pid, the OCI spec it made."""
         said = self._call(
             "ContainerStatus",
             self.api.ContainerStatusRequest(container_id=container_id, verbose=True),
         )
-        return int(json.loads(said.info["info"])["pid"])
+        info: dict[str, Any] = json.loads(said.info["info"])
+        return info
+
+    def container_pid(self, container_id: str) -> int:
+        """The container's first process, as containerd knows it."""
+        return int(self.container_info(container_id)["pid"])
+
+    def sandbox_info(self, pod: Pod) -> dict[str, Any]:
+        """containerd's verbose PodSandboxStatus `info`: the pause container's spec, its pid."""
+        said = self._call(
+            "PodSandboxStatus",
+            self.api.PodSandboxStatusRequest(pod_sandbox_id=pod.sandbox_id, verbose=True),
+        )
+        info: dict[str, Any] = json.loads(said.info["info"])
+        return info
 
     def stop_pod_sandbox(self, pod: Pod) -> None:
         self._call("StopPodSandbox", self.api.StopPodSandboxRequest(pod_sandbox_id=pod.sandbox_id))

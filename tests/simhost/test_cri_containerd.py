@@ -36,18 +36,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri import CriClient, Pod
+from cri import CriClient, CriError, Pod
 from incident import REPO
 from realparts import install_debs, wait_for
 from sandbox import SimHost
-from test_real_containers import MIB, ROOTFS
-from test_real_oci_hooks import FAST, NVIDIA_HOOK, Box
+from test_real_containers import MIB, ROOTFS, hold
+from test_real_oci_hooks import FAST, NVIDIA_CONFIG, NVIDIA_HOOK, Box
+
+from gpugate.errors import ExitCode
 
 pytestmark = [pytest.mark.simhost, pytest.mark.slow]
 
 CONFIG = "/etc/containerd/config.toml"
 NVIDIA = "/usr/bin/nvidia-container-runtime"
 CALLS = "/run/nvidia-runtime-calls"
+TASKS = "/run/containerd/io.containerd.runtime.v2.task/k8s.io"  # the bundles
 PAUSE = "gpugate.test/pause:1"
 BUSYBOX = "gpugate.test/busybox:1"
 CRI = '[plugins."io.containerd.grpc.v1.cri"]'
@@ -174,6 +177,28 @@ with open(f"{out}/oci-layout", "w") as handle:
 PAUSE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
 
 
+# The device plugin's modes: what it hands a container given GPU N (its UUID).
+MODES = ("envvar", "volume-mounts", "cdi-annotations")
+VOLUME_MOUNTS = "/var/run/nvidia-container-devices"
+
+
+def handed(mode: str, gpu: int, pod: Pod) -> dict[str, Any]:
+    """CreateContainer's envs, mounts and annotations for a container the device plugin gave
+    GPU gpu in MODE, plus the plain /dev/nvidiaN the stand-in NVML reads (what NVIDIA's hook
+    would inject: the GPU's device)."""
+    mounts = [(f"/dev/nvidia{gpu}", f"/dev/nvidia{gpu}")]
+    if mode == "envvar":
+        return {"envs": {"NVIDIA_VISIBLE_DEVICES": uuid(gpu)}, "mounts": mounts}
+    if mode == "volume-mounts":
+        return {
+            "envs": {"NVIDIA_VISIBLE_DEVICES": VOLUME_MOUNTS},
+            "mounts": [*mounts, ("/dev/null", f"{VOLUME_MOUNTS}/{uuid(gpu)}")],
+        }
+    assert mode == "cdi-annotations", mode
+    key = f"cdi.k8s.io/nvidia-device-plugin_{pod.uid}"
+    return {"annotations": {key: f"nvidia.com/gpu={uuid(gpu)}"}, "mounts": mounts}
+
+
 def uuid(gpu: int) -> str:
     """The stand-in NVML's UUID of GPU gpu (fake_nvml.c's default uuid_prefix)."""
     return f"GPU-fa4e5a11-0000-0000-0000-{gpu:012x}"
@@ -190,12 +215,6 @@ class Node(Box):
         self.sim.write_file(
             f"/run/fake-nvml/claims/{pid}", f"{MIB} {start} " + ",".join(map(str, gpus)) + "\n"
         )
-
-    def spec(self, container_id: str) -> dict[str, Any]:
-        """The OCI spec containerd made for a container or sandbox (its own record)."""
-        info = json.loads(self.sh(f"ctr -n k8s.io containers info {container_id}"))
-        spec: dict[str, Any] = info["Spec"]
-        return spec
 
     def calls(self, container_id: str) -> list[str]:
         """How NVIDIA's runtime was run for a container: its `create` lines."""
@@ -288,3 +307,141 @@ def test_the_cri_runs_a_plain_pod_through_the_gpugate_handler(node: Node) -> Non
     assert not node.leases()
     node.teardown(pod)
     assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
+
+
+def start_gpu_pod(node: Node, name: str, mode: str, gpu: int) -> tuple[Pod, str]:
+    """A pod of one container, `server`, given GPU gpu by the device plugin in MODE, through
+    the runtime handler gpugate: RunPodSandbox, CreateContainer, StartContainer."""
+    pod = node.cri.pod(name, "ml")
+    node.cri.run_pod_sandbox(pod, "gpugate")
+    cid = node.cri.create_container(
+        pod, "server", BUSYBOX, ["/bin/sh", "-c", hold([gpu])], **handed(mode, gpu, pod)
+    )
+    node.cri.start_container(cid)
+    return pod, cid
+
+
+@pytest.mark.parametrize(
+    ("mode", "gpu"), [("envvar", 1), ("volume-mounts", 2), ("cdi-annotations", 4)]
+)
+def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str, gpu: int) -> None:
+    """(a) the stale holder of the pod's GPU goes at its container's start, not before; (b) a
+    second pod onto that GPU fails StartContainer with gpugate's line naming the first; (c) the
+    pod is namespace/pod/container in the journal and its lease; (d) its pause container went
+    through gpugate's runtime and was not gated; (e) its teardown leaves no lease."""
+    sim = node.sim
+    if mode == "volume-mounts":
+        sim.write_file(NVIDIA_CONFIG, "accept-nvidia-visible-devices-as-volume-mounts = true\n")
+    try:
+        stale = node.stale_holder(gpu)
+        cursor = node.cursor()
+        pod = node.cri.pod("vllm-0", "ml")
+        sandbox = node.cri.run_pod_sandbox(pod, "gpugate")
+        assert node.calls(sandbox), "the pause container did not go through the runtime chain"
+        assert node.alive(stale) and not node.leases(), "the pause container was gated"
+        cid = node.cri.create_container(
+            pod, "server", BUSYBOX, ["/bin/sh", "-c", hold([gpu])], **handed(mode, gpu, pod)
+        )
+        assert node.alive(stale), "CreateContainer makes no task: nothing may run yet"
+        node.cri.start_container(cid)
+        assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
+        assert not node.alive(stale), "the stale holder outlived the pod's start"
+        # What runc ran: the bundle's spec, with NVIDIA's prestart hook added by its runtime.
+        bundle = json.loads(node.sh(f"cat {TASKS}/{cid}/config.json"))
+        hooks = [h["path"] for h in bundle["hooks"]["prestart"]]
+        assert NVIDIA_HOOK in hooks, hooks
+
+        entries = node.gpugate_entries(cursor, cid)
+        killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
+        assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
+        named = {
+            (
+                e.get("GPUGATE_OCI_POD_NAMESPACE"),
+                e.get("GPUGATE_OCI_POD"),
+                e.get("GPUGATE_OCI_POD_CONTAINER"),
+            )
+            for e in entries
+        }
+        assert named == {("ml", "vllm-0", "server")}, named
+        assert not node.gpugate_entries(cursor, sandbox), "gpugate spoke of the pause container"
+        (lease,) = node.leases()
+        assert "ml/vllm-0/server" in lease["container"] and cid[:12] in lease["container"], lease
+        assert lease["unit"] == f"cri-containerd-{cid}.scope" and lease["gpus"] == [gpu], lease
+        node.claim_pid(node.cri.container_pid(cid), [gpu])
+
+        # (b) A second pod given the same GPU: its sandbox runs, its container does not start.
+        other = node.cri.pod("vllm-1", "ml")
+        node.cri.run_pod_sandbox(other, "gpugate")
+        second = node.cri.create_container(
+            other, "server", BUSYBOX, ["/bin/sh", "-c", hold([gpu])], **handed(mode, gpu, other)
+        )
+        with pytest.raises(CriError) as refused:
+            node.cri.start_container(second)
+        assert "ml/vllm-0/server" in refused.value.details, refused.value.details
+        assert f"exit status {int(ExitCode.HELD_BY_OTHERS)}" in refused.value.details
+        assert node.cri.container_state(second) != "CONTAINER_RUNNING"
+        assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
+        node.teardown(other)
+        assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
+
+        if mode == "envvar":
+            # A unit on the GPU is refused too, naming the pod.
+            sim.install_unit("tgi.service", "[Service]\nExecStart=/bin/sleep 3600\n")
+            node.sh(f"gpugate install tgi.service --gpus {gpu}")
+            assert sim.systemctl("start", "tgi.service", check=False).returncode != 0
+            said = node.sh("journalctl --no-pager -o cat -u tgi.service | tail -20")
+            assert "ml/vllm-0/server" in said, said
+            sim.systemctl("reset-failed", "tgi.service", check=False)
+            # containerd restarted under the pod: it runs on, and so does its lease.
+            restart(sim, node.cri)
+            assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
+            assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
+            # The kubelet's order: StopContainer, StopPodSandbox, then (GC) the removals.
+            node.cri.stop_container(cid, grace_s=30)
+            wait_for("the lease given up", lambda: not node.leases())
+            node.cri.remove_container(cid)
+            node.teardown(pod)
+        else:
+            # The pod deleted at once: StopPodSandbox stops its running container.
+            node.teardown(pod)
+            wait_for("the lease given up", lambda: not node.leases())
+        assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
+        finished = [
+            e for e in node.gpugate_entries(cursor, cid) if e.get("GPUGATE_EVENT") == "run_finished"
+        ]
+        assert sorted((e["GPUGATE_PHASE"], e["GPUGATE_RESULT"]) for e in finished) == [
+            ("post", "success"),
+            ("pre", "success"),
+        ], finished
+    finally:
+        sim.run(f"rm -f {NVIDIA_CONFIG}")
+
+
+def test_the_pause_container_is_never_gated_even_where_its_spec_names_a_gpu(node: Node) -> None:
+    """A pod annotation the runtime passes through (`pod_annotations`, here a CDI request of
+    GPU 3) lands in the pause container's spec too: the sandbox is still not gated (no
+    kill, no lease, no word from gpugate), its container (which inherits it) is."""
+    stale = node.stale_holder(3)
+    cursor = node.cursor()
+    request = {"cdi.k8s.io/gpu-pod": f"nvidia.com/gpu={uuid(3)}"}
+    pod = node.cri.pod("annotated-0", "ml", annotations=request)
+    sandbox = node.cri.run_pod_sandbox(pod, "gpugate")
+    annotations = node.cri.sandbox_info(pod)["runtimeSpec"]["annotations"]
+    assert annotations["cdi.k8s.io/gpu-pod"] == request["cdi.k8s.io/gpu-pod"], annotations
+    assert annotations["io.kubernetes.cri.container-type"] == "sandbox", annotations
+    assert node.calls(sandbox), "the pause container did not go through the runtime chain"
+    assert node.alive(stale) and not node.leases()
+    assert not node.gpugate_entries(cursor, sandbox)
+    cid = node.cri.create_container(
+        pod,
+        "server",
+        BUSYBOX,
+        ["/bin/sh", "-c", hold([3])],
+        mounts=[("/dev/nvidia3", "/dev/nvidia3")],
+    )
+    node.cri.start_container(cid)
+    assert not node.alive(stale), "the pod's container was not gated on its annotation"
+    (lease,) = node.leases()
+    assert lease["gpus"] == [3] and "ml/annotated-0/server" in lease["container"], lease
+    node.teardown(pod)
+    wait_for("the lease given up", lambda: not node.leases())
