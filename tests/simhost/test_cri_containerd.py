@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from cri import CriClient, CriError, Pod
+from cri import CriClient, CriError, Pod, stubs
 from incident import REPO
 from realparts import install_debs, wait_for
 from sandbox import SimHost
@@ -52,6 +52,8 @@ NVIDIA = "/usr/bin/nvidia-container-runtime"
 CALLS = "/run/nvidia-runtime-calls"
 TASKS = "/run/containerd/io.containerd.runtime.v2.task/k8s.io"  # the bundles
 PAUSE = "gpugate.test/pause:1"
+# How long a poll may wait for what a call set off (a poststop, its NVML wait): a hang guard.
+HANG_GUARD_S = 300
 BUSYBOX = "gpugate.test/busybox:1"
 CRI = '[plugins."io.containerd.grpc.v1.cri"]'
 NODE_CONFIG = f"""\
@@ -265,6 +267,7 @@ def restart(sim: SimHost, cri: CriClient | None = None) -> None:
 def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
     if fake_nvml_lib is None:
         pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
+    stubs()  # skips here, before any boot, where grpcio-tools is missing
     sim = SimHost.boot(nvml_lib=fake_nvml_lib, gpus=8)
     cri: CriClient | None = None
     try:
@@ -398,13 +401,13 @@ def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str,
             assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
             # The kubelet's order: StopContainer, StopPodSandbox, then (GC) the removals.
             node.cri.stop_container(cid, grace_s=30)
-            wait_for("the lease given up", lambda: not node.leases())
+            wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
             node.cri.remove_container(cid)
             node.teardown(pod)
         else:
             # The pod deleted at once: StopPodSandbox stops its running container.
             node.teardown(pod)
-            wait_for("the lease given up", lambda: not node.leases())
+            wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
         assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
         finished = [
             e for e in node.gpugate_entries(cursor, cid) if e.get("GPUGATE_EVENT") == "run_finished"
@@ -444,4 +447,4 @@ def test_the_pause_container_is_never_gated_even_where_its_spec_names_a_gpu(node
     (lease,) = node.leases()
     assert lease["gpus"] == [3] and "ml/annotated-0/server" in lease["container"], lease
     node.teardown(pod)
-    wait_for("the lease given up", lambda: not node.leases())
+    wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
