@@ -39,6 +39,7 @@ import pytest
 from cri import CriClient, CriError, Pod, stubs
 from incident import REPO
 from realparts import install_debs, wait_for
+from roots import RootBuildError, debian_root, missing_tools
 from sandbox import SimHost
 from test_real_containers import MIB, ROOTFS, hold
 from test_real_oci_hooks import FAST, NVIDIA_CONFIG, NVIDIA_HOOK, Box
@@ -263,18 +264,58 @@ def restart(sim: SimHost, cri: CriClient | None = None) -> None:
         cri.wait_ready()
 
 
-@pytest.fixture(scope="module")
-def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
+# The releases: Debian 12's containerd 1.6 over this machine's own root, and Debian 13's
+# containerd 1.7 in a debootstrapped trixie root (roots.py) with gpugate's .deb.
+RELEASES = {"bookworm": "1.6.", "trixie": "1.7."}
+
+
+def boot_release(request: pytest.FixtureRequest, release: str, nvml: Path) -> SimHost:
+    """A booted host of RELEASE with gpugate, containerd, runc and busybox-static installed."""
+    if release == "bookworm":
+        sim = SimHost.boot(nvml_lib=nvml, gpus=8)
+        try:
+            sim.install_gpugate(REPO)
+            install_debs(sim, "containerd-cri", ["containerd", "runc", "busybox-static"])
+        except BaseException:
+            sim.poweroff()
+            raise
+        return sim
+    reason = missing_tools()
+    if reason is not None:
+        pytest.skip(reason)
+    deb: Path = request.getfixturevalue("built_deb")
+    try:
+        root = debian_root(release, extra=("busybox-static", "containerd", "runc"))
+    except RootBuildError as err:
+        pytest.skip(f"no {release} root with its containerd: {err}")
+    sim = SimHost.boot(root=root, nvml_lib=nvml, gpus=8)
+    try:
+        sim.write_file(f"/var/cache/gpugate-deb/{deb.name}", deb.read_bytes())
+        installed = sim.run(
+            "cd /var/cache/gpugate-deb && apt-get install -y --no-install-recommends ./gpugate_*.deb",
+            env={"DEBIAN_FRONTEND": "noninteractive"},
+            timeout=300,
+            check=False,
+        )
+        assert "Setting up gpugate" in installed.stdout, installed.stdout + installed.stderr
+    except BaseException:
+        sim.poweroff()
+        raise
+    return sim
+
+
+@pytest.fixture(scope="module", params=sorted(RELEASES))
+def node(request: pytest.FixtureRequest, fake_nvml_lib: Path | None) -> Iterator[Node]:
     if fake_nvml_lib is None:
         pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
     stubs()  # skips here, before any boot, where grpcio-tools is missing
-    sim = SimHost.boot(nvml_lib=fake_nvml_lib, gpus=8)
+    release: str = request.param
+    sim = boot_release(request, release, fake_nvml_lib)
     cri: CriClient | None = None
     try:
-        sim.install_gpugate(REPO)
         sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
-        install_debs(sim, "containerd-cri", ["containerd", "runc", "busybox-static"])
-        sim.run("rm /usr/bin/runc")  # Debian's: a link to ../sbin/runc, which stays
+        # Debian's /usr/bin/runc may be a link to /usr/sbin/runc, which stays the real one.
+        sim.run("test -e /usr/sbin/runc || mv /usr/bin/runc /usr/sbin/runc; rm -f /usr/bin/runc")
         sim.write_file("/usr/bin/runc", RUNC_WRAPPER, mode=0o755)
         sim.write_file(NVIDIA, NVIDIA_STAND_IN, mode=0o755)
         sim.write_file(NVIDIA_HOOK, "#!/bin/sh\ncat >/dev/null\n", mode=0o755)
@@ -286,6 +327,8 @@ def node(fake_nvml_lib: Path | None) -> Iterator[Node]:
         assert CONFIG in said, said
         cri = CriClient(f"/proc/{sim.pid1}/root/run/containerd/containerd.sock")
         restart(sim, cri)
+        version = cri.version()
+        assert version.runtime_version.startswith(RELEASES[release]), version
         yield Node(sim, cri)
     finally:
         if cri is not None:
@@ -310,18 +353,6 @@ def test_the_cri_runs_a_plain_pod_through_the_gpugate_handler(node: Node) -> Non
     assert not node.leases()
     node.teardown(pod)
     assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
-
-
-def start_gpu_pod(node: Node, name: str, mode: str, gpu: int) -> tuple[Pod, str]:
-    """A pod of one container, `server`, given GPU gpu by the device plugin in MODE, through
-    the runtime handler gpugate: RunPodSandbox, CreateContainer, StartContainer."""
-    pod = node.cri.pod(name, "ml")
-    node.cri.run_pod_sandbox(pod, "gpugate")
-    cid = node.cri.create_container(
-        pod, "server", BUSYBOX, ["/bin/sh", "-c", hold([gpu])], **handed(mode, gpu, pod)
-    )
-    node.cri.start_container(cid)
-    return pod, cid
 
 
 @pytest.mark.parametrize(
