@@ -1,5 +1,6 @@
-"""Pods as the kubelet runs them, through containerd's CRI: Debian's real containerd 1.6 and runc
-inside a simulated host, driven over its CRI socket with gRPC (cri.py: `runtime.v1` of
+"""Pods as the kubelet runs them, through containerd's CRI: Debian's real containerd and runc
+(Debian 12's 1.6 over this machine's root, Debian 13's 1.7 in a trixie root) inside a
+simulated host, driven over its CRI socket with gRPC (cri.py: `runtime.v1` of
 k8s.io/cri-api v0.25, stubs generated at test time), never with `ctr`. So the CRI plugin itself
 makes the pod's sandbox (a pause container), picks the runtime by the pod's runtime handler
 (`gpugate`, a RuntimeClass's handler, which `gpugate install --containers` adds), writes the
@@ -13,8 +14,9 @@ that exits 0. What the device plugin hands a container, in each of its modes: th
 `NVIDIA_VISIBLE_DEVICES=GPU-UUID` (envvar), `/dev/null` mounted at
 `/var/run/nvidia-container-devices/GPU-UUID` with NVIDIA's config accepting them
 (volume-mounts), a `cdi.k8s.io/…` annotation naming `nvidia.com/gpu=GPU-UUID` (CDI
-annotations; containerd 1.6 has no CDI of its own, so the runtime's `container_annotations`
-lets the annotation through to the spec). NVIDIA's hook would then put the GPU's device into
+annotations; the runtime's `container_annotations` lets the annotation through to the spec;
+containerd 1.6 has no CDI of its own, 1.7 with `enable_cdi` also resolves it against a
+stand-in of nvidia-ctk's CDI spec in /etc/cdi and adds the GPU's node, 195:N, to the spec). NVIDIA's hook would then put the GPU's device into
 the container; here the test mounts the plain /dev/nvidiaN the stand-in NVML reads, and the
 container's process holds it.
 
@@ -67,7 +69,7 @@ oom_score = -999
     sandbox_image = "{PAUSE}"
     restrict_oom_score_adj = true
     disable_apparmor = true
-    {CRI[:-1]}.containerd]
+%(cdi)s    {CRI[:-1]}.containerd]
       snapshotter = "native"
       default_runtime_name = "nvidia"
 
@@ -182,6 +184,28 @@ PAUSE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
 
 # The device plugin's modes: what it hands a container given GPU N (its UUID).
 MODES = ("envvar", "volume-mounts", "cdi-annotations")
+# containerd 1.7's own CDI (`enable_cdi`): it resolves a container's cdi.k8s.io annotations
+# against the specs in /etc/cdi at CreateContainer and puts their device nodes in the spec.
+# A stand-in of what `nvidia-ctk cdi generate` writes: each GPU by UUID, its node 195:N.
+ENABLE_CDI = '    enable_cdi = true\n    cdi_spec_dirs = ["/etc/cdi"]\n'
+NODES = "/dev/gpunodes"
+CDI_SPEC = json.dumps(
+    {
+        "cdiVersion": "0.5.0",
+        "kind": "nvidia.com/gpu",
+        "devices": [
+            {
+                "name": f"GPU-fa4e5a11-0000-0000-0000-{gpu:012x}",
+                "containerEdits": {
+                    "deviceNodes": [
+                        {"path": f"{NODES}/nvidia{gpu}", "type": "c", "major": 195, "minor": gpu}
+                    ]
+                },
+            }
+            for gpu in range(8)
+        ],
+    }
+)
 VOLUME_MOUNTS = "/var/run/nvidia-container-devices"
 
 
@@ -208,9 +232,10 @@ def uuid(gpu: int) -> str:
 
 
 class Node(Box):
-    def __init__(self, sim: SimHost, cri: CriClient) -> None:
+    def __init__(self, sim: SimHost, cri: CriClient, release: str) -> None:
         super().__init__(sim)
         self.cri = cri
+        self.release = release
 
     def claim_pid(self, pid: int, gpus: list[int]) -> None:
         """The container's process claims memory on its GPUs, as CUDA's would."""
@@ -319,7 +344,13 @@ def node(request: pytest.FixtureRequest, fake_nvml_lib: Path | None) -> Iterator
         sim.write_file("/usr/bin/runc", RUNC_WRAPPER, mode=0o755)
         sim.write_file(NVIDIA, NVIDIA_STAND_IN, mode=0o755)
         sim.write_file(NVIDIA_HOOK, "#!/bin/sh\ncat >/dev/null\n", mode=0o755)
-        sim.write_file(CONFIG, NODE_CONFIG)
+        cdi = ENABLE_CDI if release == "trixie" else ""
+        sim.write_file(CONFIG, NODE_CONFIG.replace("%(cdi)s", cdi))
+        sim.write_file("/etc/cdi/nvidia.json", CDI_SPEC)
+        sim.run(
+            f"mkdir -p {NODES} && for i in 0 1 2 3 4 5 6 7; do "
+            f"mknod -m 0666 {NODES}/nvidia$i c 195 $i; done"
+        )
         sim.write_file("/etc/gpugate/containers.toml", FAST)
         restart(sim)
         build_images(sim)
@@ -329,7 +360,7 @@ def node(request: pytest.FixtureRequest, fake_nvml_lib: Path | None) -> Iterator
         restart(sim, cri)
         version = cri.version()
         assert version.runtime_version.startswith(RELEASES[release]), version
-        yield Node(sim, cri)
+        yield Node(sim, cri, release)
     finally:
         if cri is not None:
             cri.close()
@@ -384,6 +415,10 @@ def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str,
         bundle = json.loads(node.sh(f"cat {TASKS}/{cid}/config.json"))
         hooks = [h["path"] for h in bundle["hooks"]["prestart"]]
         assert NVIDIA_HOOK in hooks, hooks
+        # containerd 1.7's CDI put the GPU's node in; 1.6 has no CDI and passes the request on.
+        devices = {(d["major"], d["minor"]) for d in bundle["linux"].get("devices", [])}
+        cdi = mode == "cdi-annotations" and node.release == "trixie"
+        assert ((195, gpu) in devices) == cdi, devices
 
         entries = node.gpugate_entries(cursor, cid)
         killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
