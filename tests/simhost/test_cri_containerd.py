@@ -14,15 +14,15 @@ that exits 0. What the device plugin hands a container, in each of its modes: th
 `NVIDIA_VISIBLE_DEVICES=GPU-UUID` (envvar), `/dev/null` mounted at
 `/var/run/nvidia-container-devices/GPU-UUID` with NVIDIA's config accepting them
 (volume-mounts), a `cdi.k8s.io/…` annotation naming `nvidia.com/gpu=GPU-UUID` (CDI
-annotations; the runtime's `container_annotations` lets the annotation through to the spec;
-containerd 1.6 has no CDI of its own, 1.7 with `enable_cdi` also resolves it against a
-stand-in of nvidia-ctk's CDI spec in /etc/cdi and adds the GPU's node, 195:N, to the spec). NVIDIA's hook would then put the GPU's device into
-the container; here the test mounts the plain /dev/nvidiaN the stand-in NVML reads, and the
-container's process holds it.
+annotations: the runtime's `container_annotations` lets it through to the spec; containerd 1.6
+has no CDI of its own, 1.7 with `enable_cdi` also resolves it against a stand-in of
+nvidia-ctk's CDI spec in /etc/cdi and adds the GPU's node, 195:N, to the spec). NVIDIA's hook
+would then put the GPU's device into the container; here the test mounts the plain
+/dev/nvidiaN the stand-in NVML reads, and the container's process holds it.
 
 What this machine needs (/work/shared/real-components.md): locally built OCI image archives
 (pause and a busybox container; no registry is reachable) imported with `ctr -n k8s.io images
-import --snapshotter native` (the only use of ctr: the kubelet never imports images),
+import --snapshotter native` (ctr only imports them and polls containerd after a restart),
 `snapshotter = "native"`, `restrict_oom_score_adj`, `disable_apparmor`, pods on the host network
 without a hostname (no CNI), and no CPU shares in a spec (no cpu controller to delegate here):
 /usr/bin/runc is a small wrapper that drops `linux.resources.cpu.shares` on `create` and runs
@@ -183,7 +183,6 @@ PAUSE_CMD = ["/bin/sh", "-c", "trap 'exit 0' TERM; sleep 2147483647 & wait"]
 
 
 # The device plugin's modes: what it hands a container given GPU N (its UUID).
-MODES = ("envvar", "volume-mounts", "cdi-annotations")
 # containerd 1.7's own CDI (`enable_cdi`): it resolves a container's cdi.k8s.io annotations
 # against the specs in /etc/cdi at CreateContainer and puts their device nodes in the spec.
 # A stand-in of what `nvidia-ctk cdi generate` writes: each GPU by UUID, its node 195:N.
