@@ -106,13 +106,16 @@ def missing_tools() -> str | None:
     return None
 
 
-def debian_root(suite: str, roots: Path = ROOTS) -> Path:
-    """The cached root of SUITE, built with debootstrap first if absent (about a minute)."""
+def debian_root(suite: str, roots: Path = ROOTS, extra: tuple[str, ...] = ()) -> Path:
+    """The cached root of SUITE, built with debootstrap first if absent (about a minute).
+    extra: more of the release's own packages in it (a root of its own, `SUITE+PKG+...`), for
+    a test of that release's daemons (its containerd)."""
     if suite not in SUITES:
         raise ValueError(f"unknown suite {suite!r}; known: {', '.join(SUITES)}")
-    target = roots / suite
+    name = "+".join((suite, *sorted(extra)))
+    target = roots / name
     roots.mkdir(parents=True, exist_ok=True)
-    with (roots / f"{suite}.lock").open("w") as lock:
+    with (roots / f"{name}.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / STAMP).is_file():
             return target
@@ -124,13 +127,13 @@ def debian_root(suite: str, roots: Path = ROOTS) -> Path:
         if target.exists():
             shutil.rmtree(target)
         started = time.monotonic()
-        logfile = roots / f"{suite}.log"
+        logfile = roots / f"{name}.log"
         with logfile.open("w") as out:
             result = subprocess.run(
                 [
                     "debootstrap",
                     "--variant=minbase",
-                    f"--include={','.join(INCLUDE)}",
+                    f"--include={','.join((*INCLUDE, *extra))}",
                     suite,
                     str(target),
                     mirror,
