@@ -88,11 +88,20 @@ def pod(
     loaded: LoadedConfig,
     running: dict[str, str],
     name: str = "vllm-0",
+    stream: io.StringIO | None = None,
 ) -> int:
+    """stream: where the run's stderr lines go (the runtime's, which the kubelet shows)."""
+
     def reporter(unit: str, phase: str, *, fields: object = None) -> Reporter:
         return Reporter(
-            unit, phase, journal=host.journal, notifier=host.notifier, echo=False, fields=fields
-        )  # type: ignore[arg-type]
+            unit,
+            phase,
+            journal=host.journal,
+            notifier=host.notifier,
+            stream=stream,
+            echo=stream is not None,
+            fields=fields,  # type: ignore[arg-type]
+        )
 
     spec = {
         "process": {"env": []},
@@ -111,7 +120,7 @@ def pod(
         reporter_factory=reporter,  # type: ignore[arg-type]
         loaded=loaded,
         unit_state=running.get,
-        stream=io.StringIO(),
+        stream=stream or io.StringIO(),
     )
 
 
@@ -327,6 +336,20 @@ def test_a_pod_that_does_not_share_is_refused_naming_the_pod_not_its_scope(
     for refused in (held, leased):
         assert "kill_other_units" not in refused and "share_gpus = true" in refused
         assert "cri-containerd-" not in refused.split("(scope")[0]
+
+
+@pytest.mark.message
+def test_a_refused_pod_s_stderr_lines_name_the_pod_not_its_scope(host: FakeHost) -> None:
+    running = {scope(POD_A): "active", scope(POD_B): "active"}
+    assert pod(host, Phase.PRE, POD_A, host.config(), running) == ExitCode.OK
+    serving(host, f"{PODS}/{scope(POD_A)}", {1})
+    stderr = io.StringIO()
+    assert pod(host, Phase.PRE, POD_B, host.config(), running, "vllm-1", stderr) == 22
+    said = stderr.getvalue().splitlines()
+    named = f"gpugate pre containerd container ml/vllm-1/server ({POD_B[:12]}): "
+    echoed = [line for line in said if line.startswith("gpugate pre ")]
+    assert echoed and all(line.startswith(named) for line in echoed)
+    assert not any(line.startswith(f"gpugate pre {scope(POD_B)}") for line in said)
 
 
 def test_a_unit_and_a_time_sliced_pod_share_when_both_say_so(host: FakeHost) -> None:

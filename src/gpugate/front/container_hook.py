@@ -61,6 +61,7 @@ def run_container_hook(
         Narrator(reporter_factory(unit, phase.value, fields=fields)).failed(exc, stream)
         return int(exc.exit_code)
     reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
+    reporter.shown = identity.label  # a pod as namespace/pod/container, not its scope
     loaded = loaded or container_config()
     with stopped_by_signals():
         driver: GpuDriver | None = None

@@ -144,6 +144,7 @@ class Reporter:
     ) -> None:
         """fields: added to every entry, over the defaults (a Slurm job's, say)."""
         self.unit = unit
+        self.shown = unit  # what its stderr lines name: a container's label, where one runs
         self.phase = phase
         self.journal = journal if journal is not None else SystemdJournal()
         self.notifier = notifier if notifier is not None else SystemdNotifier()
@@ -199,7 +200,7 @@ class Reporter:
         self.journal.send(message, fields)
         if echo and self.echo:
             try:
-                print(f"gpugate {self.phase} {self.unit}: {message}", file=self.stream, flush=True)
+                print(f"gpugate {self.phase} {self.shown}: {message}", file=self.stream, flush=True)
             except OSError:
                 # `gpugate pre --dry-run UNIT | head` (EPIPE), or a `gpugate run` unit's
                 # terminal that was closed (EIO): the journal has it, the run goes on.
