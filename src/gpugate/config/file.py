@@ -6,9 +6,8 @@ from __future__ import annotations
 import difflib
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from gpugate.compat import tomllib
 from gpugate.config.schema import DEFAULTS, GateConfig, Model
@@ -24,8 +23,7 @@ STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "lit
 TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string"}
 
 
-@dataclass(frozen=True)
-class LoadedConfig:
+class LoadedConfig(NamedTuple):
     config: Config
     source: str  # the file it came from, or BUILTIN_SOURCE
 

@@ -4,7 +4,7 @@ logic over what `discover` found and a view of the process tree."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from gpugate.compat import StrEnum
@@ -52,9 +52,11 @@ class Choice:
     for_uid: int | None = None  # OTHER_ACCOUNT: the account the run acts for
 
 
-@dataclass
 class Decision:
-    choices: list[Choice] = field(default_factory=list)
+    __slots__ = ("choices",)
+
+    def __init__(self, choices: list[Choice]) -> None:
+        self.choices = choices
 
     @property
     def targets(self) -> list[Choice]:
@@ -90,7 +92,7 @@ def decide(
     """earlier: this run's first roles (roles.holder_role); for_uid: `gpugate run`'s account;
     shared: the owned GPU keys the run shares on purpose (docs/what-gets-killed.md)."""
     policy = config.policy(phase)
-    decision = Decision()
+    decision = Decision([])
     for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
         info = holder.info
         if info.pid <= 1 or info.pid in discovery.self_chain or info.kernel_thread:

@@ -8,6 +8,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.compat import StrEnum
 from gpugate.config.values import MIG_PREFIX, GpuRef, GpuSelection, legacy_mig
@@ -211,8 +212,7 @@ def read_gpus(
     return gpus, usage, sorted(faults, key=lambda fault: fault.index)
 
 
-@dataclass(frozen=True)
-class DiscoveryQuery:
+class DiscoveryQuery(NamedTuple):
     """What one discovery looks for: the unit (or the label standing for it), the cgroup
     whose processes are its own, the GPUs its config names and the config that named them."""
 

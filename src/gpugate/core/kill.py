@@ -10,7 +10,6 @@ import select
 import signal
 import time
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from gpugate.core.decide import Choice
@@ -88,11 +87,13 @@ def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     return PinnedProcess(ident, procfs, fd)
 
 
-@dataclass
 class KillResult:
-    terminated: list[ProcessId] = field(default_factory=list)  # ended within the grace
-    killed: list[ProcessId] = field(default_factory=list)  # needed SIGKILL
-    survivors: list[ProcessId] = field(default_factory=list)  # alive at the deadline
+    __slots__ = ("killed", "survivors", "terminated")
+
+    def __init__(self) -> None:
+        self.terminated: list[ProcessId] = []  # ended within the grace
+        self.killed: list[ProcessId] = []  # needed SIGKILL
+        self.survivors: list[ProcessId] = []  # alive at the deadline
 
 
 def wait_exited(
@@ -159,14 +160,15 @@ def terminate(
 MAX_ANCESTRY = 16
 
 
-@dataclass
 class Respawner:
     """A parent of a killed target, left alive and watched: a respawner once respawns > 0."""
 
-    info: ProcInfo
-    respawns: int = 0
-    executables: set[str] = field(default_factory=set)  # of its killed children
-    newest_killed_start: int = 0  # start time of its newest killed child
+    __slots__ = ("executables", "info", "newest_killed_start", "respawns")
+
+    def __init__(self, info: ProcInfo, respawns: int = 0) -> None:
+        self.info, self.respawns = info, respawns
+        self.executables: set[str] = set()  # of its killed children
+        self.newest_killed_start = 0  # start time of its newest killed child
 
 
 class RespawnWatch:

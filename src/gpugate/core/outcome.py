@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpugate.compat import StrEnum
 from gpugate.errors import ExitCode, Interrupted
@@ -26,15 +26,13 @@ if TYPE_CHECKING:
     from gpugate.host.shm import ShmKey
 
 
-@dataclass(frozen=True)
-class BusyGpu:
+class BusyGpu(NamedTuple):
     gpu: Gpu
     used_mib: int
     pids: tuple[int, ...]  # processes NVML still lists on it
 
 
-@dataclass(frozen=True)
-class Blocker:
+class Blocker(NamedTuple):
     """A process that still held the run's GPUs when the run ended, because the run refused
     to kill it, spared it or could not kill it. It carries what an admin needs to act on it:
     its PID, account, GPUs and the rule that kept it."""
@@ -135,8 +133,7 @@ NEXT_STAGE: dict[Transition, Stage | None] = {
 }
 
 
-@dataclass(frozen=True)
-class Progress:
+class Progress(NamedTuple):
     """What the run is doing: its stage (set only by `PhaseRun.enter`) and that stage's facts."""
 
     stage: Stage = Stage.LOOKING

@@ -6,8 +6,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.config.file import Config
@@ -249,8 +248,7 @@ def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
     return key in holder.used_mib and holder.used_mib[key] != 0
 
 
-@dataclass(frozen=True)
-class HolderOwner:
+class HolderOwner(NamedTuple):
     """A holder and the owner `gpugate sweep` attributes it to (unit, job, container,
     protected, watcher, session or nobody)."""
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core import outcome
@@ -60,8 +59,7 @@ PROGRESS_EVERY_S = 1.0
 LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
 
 
-@dataclass(frozen=True)
-class RunScope:
+class RunScope(NamedTuple):
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
     unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
@@ -69,11 +67,10 @@ class RunScope:
     for_uid: int | None = None
 
 
-@dataclass(frozen=True)
-class RunDeps:
+class RunDeps(NamedTuple):
     """What the run reaches the host through: production's defaults, each a test's stand-in."""
 
-    roots: HostRoots = field(default_factory=HostRoots)
+    roots: HostRoots = HostRoots()
     driver_factory: Callable[[], GpuDriver] = NvmlDriver  # opened by the run, closed after
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin
     clock: Callable[[], float] = time.monotonic
@@ -136,7 +133,7 @@ class PhaseRun:
 
     def note(self, **facts: Any) -> None:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
-        self.progress = replace(self.progress, stage=self.progress.stage, **facts)
+        self.progress = self.progress._replace(stage=self.progress.stage, **facts)
 
     # -- the run: its driver, its stages, its errors
 

@@ -4,8 +4,7 @@ killed, removable by its account, held by no one else, the same inode right befo
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gpugate.compat import StrEnum
 from gpugate.host.shm import (
@@ -44,8 +43,7 @@ class Kept(StrEnum):
     UNLINK_FAILED = "shm-unlink-failed"
 
 
-@dataclass(frozen=True)
-class ShmRemoval:
+class ShmRemoval(NamedTuple):
     """One file of the killed: removed (a dry run: would be), or kept and why."""
 
     file: ShmFile
@@ -86,14 +84,16 @@ def could_remove(who: Credentials, facts: FileFacts) -> bool:
     return not sticky or who.uid in (facts.uid, facts.folder_uid)
 
 
-@dataclass
 class ShmLedger:
     """Who held which shm file, and how: fed by every discovery of a run."""
 
-    files: dict[ShmKey, ShmFile] = field(default_factory=dict)
-    holders: dict[ShmKey, set[int]] = field(default_factory=dict)  # every PID seen holding it
-    # the PIDs that held it open for reading or writing, or mapped, with their credentials
-    opened: dict[ShmKey, dict[int, Credentials | None]] = field(default_factory=dict)
+    __slots__ = ("files", "holders", "opened")
+
+    def __init__(self) -> None:
+        self.files: dict[ShmKey, ShmFile] = {}
+        self.holders: dict[ShmKey, set[int]] = {}  # every PID seen holding it
+        # the PIDs that held it open for reading or writing, or mapped, with their credentials
+        self.opened: dict[ShmKey, dict[int, Credentials | None]] = {}
 
     def note(self, shm: Mapping[int, Iterable[ShmFile]]) -> None:
         for pid, files in shm.items():
@@ -119,9 +119,9 @@ class ShmLedger:
             others = sorted(pids - set(killed))
             wanted = ShmRemoval(self.files[key], by_killed, None, accounts=accounts)
             if others:
-                wanted = replace(wanted, kept=Kept.ALSO_HELD, kept_by=_labels(others, label))
+                wanted = wanted._replace(kept=Kept.ALSO_HELD, kept_by=_labels(others, label))
             elif not any(pid in opened for pid in by_killed):
-                wanted = replace(wanted, kept=Kept.PATH_ONLY)
+                wanted = wanted._replace(kept=Kept.PATH_ONLY)
             found.append(wanted)
         return found
 
@@ -140,7 +140,7 @@ def plan(
         kept = item.kept
         if kept is None and facts is not None and not item.allowed(facts):
             kept = Kept.NOT_THEIRS
-        results.append(replace(item, facts=facts, kept=kept))
+        results.append(item._replace(facts=facts, kept=kept))
     return results
 
 
@@ -157,25 +157,24 @@ def remove(
         item = found
         if item.kept is None and fresh.unreadable:
             shown = tuple(f"PID {pid}" for pid in sorted(fresh.unreadable)[:3])
-            item = replace(item, kept=Kept.UNREADABLE, kept_by=shown)
+            item = item._replace(kept=Kept.UNREADABLE, kept_by=shown)
         elif item.kept is None and (now := fresh.by_key.get(item.file.key, ())):
-            item = replace(item, kept=Kept.HELD_NOW, kept_by=_labels(now, label))
+            item = item._replace(kept=Kept.HELD_NOW, kept_by=_labels(now, label))
         if item.kept is not None:
-            results.append(replace(item, facts=host.facts(item.file)))
+            results.append(item._replace(facts=host.facts(item.file)))
             continue
         done = host.unlink(item.file, item.allowed)
         if done.facts is None:
-            results.append(replace(item, kept=Kept.GONE))
+            results.append(item._replace(kept=Kept.GONE))
         elif done.refused:
-            results.append(replace(item, facts=done.facts, kept=Kept.NOT_THEIRS))
+            results.append(item._replace(facts=done.facts, kept=Kept.NOT_THEIRS))
         else:
             kept = None if done.error is None else Kept.UNLINK_FAILED
-            results.append(replace(item, facts=done.facts, kept=kept, detail=done.error or ""))
+            results.append(item._replace(facts=done.facts, kept=kept, detail=done.error or ""))
     return results
 
 
-@dataclass(frozen=True)
-class SpaceShort:
+class SpaceShort(NamedTuple):
     """An shm area with less free than the next start needs, and what fills it."""
 
     space: Space

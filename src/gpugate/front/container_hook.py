@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 
@@ -74,7 +73,7 @@ def run_container_hook(
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
         context = UnitContext({}, roots, unit_state=unit_state, choice=choice)
-        context = replace(context, container=identity.label, around=identity.around)
+        context = context._replace(container=identity.label, around=identity.around)
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         hook = Hook(

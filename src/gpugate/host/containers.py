@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.errors import GateError
 from gpugate.host.safe_files import find_program, run_program
@@ -20,8 +20,7 @@ INSPECT_TIMEOUT_S = 3.0
 STOP_MARGIN_S = 5.0
 
 
-@dataclass(frozen=True)
-class Container:
+class Container(NamedTuple):
     runtime: str  # "docker" or "podman"
     id: str  # 64 hex digits
     scope: str  # the cgroup that holds all its processes, "/system.slice/docker-ID.scope"
@@ -68,8 +67,7 @@ OWN_RUNTIMES = {
 }
 
 
-@dataclass(frozen=True)
-class OwnCgroup:
+class OwnCgroup(NamedTuple):
     cgroup: str  # "/machine.slice/libpod-ID.scope"; what is below it is the container's too
     runtime: str | None  # from the folder's prefix; None for a bare ID
     # The folder is a systemd scope of its own (only slices above it): a unit that systemd
@@ -138,11 +136,10 @@ def container_names(containers: Sequence[Container]) -> list[Container]:
             full_id, _, name = line.strip().partition(" ")
             if full_id in ids and name.strip("/"):
                 known[full_id] = name.strip().lstrip("/")
-    return [replace(c, name=known.get(c.id)) for c in containers]
+    return [c._replace(name=known.get(c.id)) for c in containers]
 
 
-@dataclass(frozen=True)
-class StopResult:
+class StopResult(NamedTuple):
     container: Container
     ok: bool
     detail: str = ""  # the runtime's own words where it failed

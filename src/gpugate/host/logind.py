@@ -9,7 +9,6 @@ import errno
 import os
 import re
 import stat
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpugate.compat import StrEnum
@@ -37,12 +36,14 @@ class SessionState(StrEnum):
 STATES = {"active": SessionState.OPEN, "online": SessionState.OPEN, "closing": SessionState.CLOSED}
 
 
-@dataclass
 class Logind:
     """Session states, each read once per instance (one sweep, one status)."""
 
-    folder: Path = SESSIONS_DIR
-    _known: dict[str, SessionState] = field(default_factory=dict)
+    __slots__ = ("_known", "folder")
+
+    def __init__(self, folder: Path = SESSIONS_DIR) -> None:
+        self.folder = folder
+        self._known: dict[str, SessionState] = {}
 
     def state(self, session: str) -> SessionState:
         if session not in self._known:

@@ -265,12 +265,14 @@ def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
     return next((tid for tid in tids if tid != pid_name), None)
 
 
-@dataclass
 class _Fds:
-    paths: set[str] = field(default_factory=set)  # under the device prefix
-    sockets: set[int] = field(default_factory=set)  # asked-for socket inodes
-    shm: list[ShmFile] = field(default_factory=list)
-    cut_short: bool = False  # the deadline came before the last fd
+    __slots__ = ("cut_short", "paths", "shm", "sockets")
+
+    def __init__(self) -> None:
+        self.paths: set[str] = set()  # under the device prefix
+        self.sockets: set[int] = set()  # asked-for socket inodes
+        self.shm: list[ShmFile] = []
+        self.cut_short = False  # the deadline came before the last fd
 
 
 def _fd_paths(
@@ -400,12 +402,11 @@ def listening_sockets(proc_root: Path, ports: Collection[int]) -> dict[int, int]
     return found
 
 
-@dataclass
 class HostShm:
     """`core.shm_cleanup.ShmHost`: the shm files' holders (a /proc pass), facts and unlinks."""
 
-    areas: Sequence[ShmArea]
-    proc_root: Path
+    def __init__(self, areas: Sequence[ShmArea], proc_root: Path) -> None:
+        self.areas, self.proc_root = areas, proc_root
 
     @functools.cached_property
     def index(self) -> dict[ShmKey, list[str]]:
@@ -436,20 +437,20 @@ class HostShm:
 FULL_SCAN_EVERY_S = 30.0
 
 
-@dataclass(eq=False)
 class WatchScan:
     """`status --watch`'s scan: each look rescans the processes new since the last, the
     holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
     what is asked changes) finds a process that opened a device file without a CUDA context."""
 
-    full_every_s: float = FULL_SCAN_EVERY_S
-    clock: Callable[[], float] = time.monotonic
-    full_scans: int = 0
-    rescans: int = 0
-    _last: DeviceScan | None = None
-    _asked: tuple[object, ...] = ()
-    _listed: set[int] = field(default_factory=set)
-    _full_at: float = 0.0
+    def __init__(
+        self, full_every_s: float = FULL_SCAN_EVERY_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.full_every_s, self.clock = full_every_s, clock
+        self.full_scans = self.rescans = 0
+        self._last: DeviceScan | None = None
+        self._asked: tuple[object, ...] = ()
+        self._listed: set[int] = set()
+        self._full_at = 0.0
 
     def __call__(
         self,

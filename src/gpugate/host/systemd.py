@@ -9,9 +9,9 @@ import contextlib
 import os
 import re
 import shlex
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 from gpugate.errors import ConfigError, GateError, HostUnsupported, UnknownUnit
 from gpugate.host.safe_files import find_program, read_capped, run_program
@@ -100,8 +100,7 @@ def systemd_running() -> bool:
     return os.path.isdir("/run/systemd/system")
 
 
-@dataclass(frozen=True)
-class UnitState:
+class UnitState(NamedTuple):
     load_state: str  # loaded, not-found, masked, ...
     active_state: str
     control_group: str | None
@@ -194,13 +193,12 @@ def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True)
     return "inactive"
 
 
-@dataclass(frozen=True)
-class UnitEnvironment:
+class UnitEnvironment(NamedTuple):
     """The environment systemd gives the unit's processes: Environment=, then each
     EnvironmentFile= in order (later settings win), as `systemctl show` resolves them."""
 
     variables: dict[str, str]
-    origins: dict[str, str] = field(default_factory=dict)  # variable -> its EnvironmentFile=
+    origins: Mapping[str, str] = {}  # variable -> its EnvironmentFile=
 
     def origin(self, variable: str) -> str:
         return self.origins.get(variable, "Environment=")
@@ -303,15 +301,13 @@ OWN_DROPIN = "gpugate.conf"
 DEV_SHM = "/dev/shm"
 
 
-@dataclass(frozen=True)
-class Setting:
+class Setting(NamedTuple):
     key: str
     value: str
     path: str
 
 
-@dataclass(frozen=True)
-class UnitSettings:
+class UnitSettings(NamedTuple):
     """The [Service] assignments of the unit that gpugate's drop-in would otherwise set."""
 
     start_timeout: Setting | None = None  # TimeoutStartSec= or TimeoutSec=
@@ -415,8 +411,7 @@ HOST_ROOTS_OPTION = "--host-roots"
 ROOT_NAMES = ("dev", "proc", "cgroup")
 
 
-@dataclass(frozen=True)
-class HostRoots:
+class HostRoots(NamedTuple):
     dev: Path = Path("/dev")
     proc: Path = Path("/proc")
     cgroup: Path = SYSTEM_CGROUP_ROOT
@@ -457,8 +452,7 @@ HYBRID = "hybrid"
 LEGACY = "legacy"
 
 
-@dataclass(frozen=True)
-class CgroupLayout:
+class CgroupLayout(NamedTuple):
     kind: str  # UNIFIED, HYBRID or LEGACY
     unified_mount: PurePosixPath | None  # where systemd's unit tree is; None on a legacy host
 
@@ -506,7 +500,7 @@ def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
             f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
             "cannot find its units' processes; nothing was killed"
         )
-    return replace(roots, cgroup=unified)
+    return roots._replace(cgroup=unified)
 
 
 def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:

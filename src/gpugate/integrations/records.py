@@ -4,7 +4,6 @@ written whole, read back capped; a record gpugate did not write is a `BadRecord`
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import errno
 import functools
 import json
@@ -12,9 +11,8 @@ import math
 import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR
 from gpugate.errors import BadRecord, NotRegularFile, PermissionDenied, StateUnwritable, TooLarge
@@ -107,7 +105,7 @@ def read_record(path: Path | str, dir_fd: int | None = None) -> dict[str, Any]:
 
 
 def _json(record: Lease | FailedPre) -> str:
-    return json.dumps(dataclasses.asdict(record), sort_keys=True) + "\n"
+    return json.dumps(record._asdict(), sort_keys=True) + "\n"
 
 
 def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = False) -> str | None:
@@ -161,8 +159,7 @@ def _items(data: Mapping[str, Any], key: str, limit: int = MAX_ITEMS) -> list[An
     return value
 
 
-@dataclass(frozen=True)
-class Lease:
+class Lease(NamedTuple):
     unit: str
     gpus: tuple[int, ...]  # NVML indices when the lease was taken
     uuids: tuple[str, ...]  # what overlap is decided on: indices move when a GPU falls off
@@ -227,14 +224,13 @@ def lease_from(data: dict[str, object]) -> Lease:
     )
 
 
-@dataclass
-class LeaseFiles:
-    leases: list[Lease] = field(default_factory=list)
-    unreadable: dict[Path, str] = field(default_factory=dict)  # not a lease, why: said, ignored
+class LeaseFiles(NamedTuple):
+    leases: list[Lease]
+    unreadable: dict[Path, str]  # not a lease, why: said, ignored
 
 
 def read_leases(lock_dir: Path) -> LeaseFiles:
-    found = LeaseFiles()
+    found = LeaseFiles([], {})
     try:
         entries = sorted((lock_dir / LEASE_FOLDER).glob("*.json"))
     except OSError:
@@ -289,8 +285,7 @@ def _unwritable(path: Path, exc: OSError) -> StateUnwritable:
     )
 
 
-@dataclass(frozen=True)
-class LeaseCheck:
+class LeaseCheck(NamedTuple):
     """What the leases of other units say about a run on `gpus`."""
 
     conflicts: list[tuple[Lease, list[Gpu]]]  # live leases on our GPUs: the run refuses
@@ -363,8 +358,7 @@ def leases_by_gpu(leases: Sequence[Lease]) -> dict[str, list[str]]:
     return by_uuid
 
 
-@dataclass(frozen=True)
-class FailedPre:
+class FailedPre(NamedTuple):
     unit: str
     invocation_id: str | None
     reason: str  # one line: the GPU, the MiB, the PIDs
@@ -429,16 +423,14 @@ MAX_ENTRIES = 512  # each about 90 bytes: the record stays under MAX_RECORD_BYTE
 MAX_TICKS = 2**63 - 1
 
 
-@dataclass(frozen=True)
-class Seen:
+class Seen(NamedTuple):
     since: float  # when it was first seen unowned: seconds after boot (boot_time)
     gpus: tuple[int, ...]
     drained: bool = False  # the node was drained for it ([sweep] drain_after_s): not again
 
 
-@dataclass
-class SweepState:
-    unowned: dict[ProcessId, Seen] = field(default_factory=dict)
+class SweepState(NamedTuple):
+    unowned: dict[ProcessId, Seen]
     refused: str | None = None  # why the file on disk was not taken (report/'s phrase)
 
 
@@ -467,9 +459,9 @@ def read_state(folder_fd: int) -> SweepState:
                 flag({"drained": False, **entry}, "drained"),
             )
     except FileNotFoundError:
-        return SweepState()
+        return SweepState({})
     except BadRecord as exc:
-        return SweepState(refused=str(exc))
+        return SweepState({}, str(exc))
     return SweepState(found)
 
 
@@ -493,8 +485,7 @@ def write_state(folder_fd: int, unowned: Mapping[ProcessId, Seen]) -> None:
     """The oldest MAX_ENTRIES, compact JSON."""
     kept = sorted(unowned.items(), key=lambda item: (item[1].since, item[0].pid))[:MAX_ENTRIES]
     entries = [
-        {"pid": ident.pid, "start_time": ident.start_time, **dataclasses.asdict(seen)}
-        for ident, seen in kept
+        {"pid": ident.pid, "start_time": ident.start_time, **seen._asdict()} for ident, seen in kept
     ]
     data = {"version": STATE_VERSION, "unowned": entries}
     text = json.dumps(data, sort_keys=True, separators=(",", ":")) + "\n"

@@ -7,8 +7,9 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, GpuSelection, parse_gpu_text
@@ -48,8 +49,7 @@ MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
 MAX_LISTED_TEXT = 120  # characters of each
 
 
-@dataclass(frozen=True)
-class GpuChoice:
+class GpuChoice(NamedTuple):
     gpus: GpuSelection  # "all", or the GPUs ((): the unit uses none)
     source: str  # said in the run's first journal entry and by `config check --unit`
     warn: bool = False  # all GPUs only because nothing named them, and no config file
@@ -102,12 +102,11 @@ def with_chosen_gpus(loaded: LoadedConfig, choice: GpuChoice) -> LoadedConfig:
     return LoadedConfig(replaced(loaded.config, gpus=choice.gpus), loaded.source)
 
 
-@dataclass(frozen=True)
-class UnitContext:
+class UnitContext(NamedTuple):
     """The unit's hook: its environment, the options; systemd's answers (tests: stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
-    roots: HostRoots = field(default_factory=HostRoots)
+    roots: HostRoots = HostRoots()
     # `gpugate pre|post` without --force or --dry-run; never for a container's hook.
     guard_manual_run: bool = False
     active_state: Callable[[str], str | None] = active_state  # the guard's

@@ -9,9 +9,8 @@ import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NamedTuple, TextIO
 
 from gpugate.core import outcome
 from gpugate.core.decide import Choice, Rule, Verdict
@@ -752,8 +751,7 @@ def lease_refusal_text(
     return f"{'; '.join(parts)}: that {held}; {terms.hint()}"
 
 
-@dataclass(frozen=True)
-class ShareTerms:
+class ShareTerms(NamedTuple):
     """What a refused start and the leases in its way say about sharing."""
 
     theirs: Sequence[bool]  # each conflicting lease's share_gpus

@@ -9,7 +9,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import LoadedConfig, replaced
@@ -75,7 +75,7 @@ def remember(
             before = None
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
-        seen[ident] = Seen(now, gpus) if before is None else replace(before, gpus=gpus)
+        seen[ident] = Seen(now, gpus) if before is None else before._replace(gpus=gpus)
     for ident, before in sorted(earlier.items(), key=lambda item: item[0].pid):
         if ident not in seen and reporter is not None:
             unowned_gone(reporter, ident, before.gpus, max(now - before.since, 0.0))
@@ -187,7 +187,7 @@ def reap(
     """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
     pre = replaced(loaded.config.pre, kill_orphans=True)
     config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
-    reaping = replace(loaded, config=config)
+    reaping = loaded._replace(config=config)
     hook = Hook(
         Phase.PRE,
         SWEEP_UNIT,
