@@ -4,7 +4,6 @@ holder in words, as every entry about it names it, and its rule in words."""
 from __future__ import annotations
 
 import contextlib
-import pwd
 import signal
 import sys
 import time
@@ -15,12 +14,12 @@ from typing import Any, NamedTuple, TextIO
 from gpugate.core import outcome
 from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.core.roles import Role
-from gpugate.core.shm_cleanup import Kept, ShmRemoval
+from gpugate.core.shm_cleanup import Kept
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.containers import Container
 from gpugate.host.nvml import MIB, Gpu
 from gpugate.host.safe_files import account
-from gpugate.host.shm import FileFacts
+from gpugate.host.scan import user_name
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -73,21 +72,14 @@ def size_text(count: int, *, column: bool = False) -> str:
     return f"{count}{gap}B" if unit == "B" else f"{value:.1f}{gap}{unit}"
 
 
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
 def quoted(path: str) -> str:
     """A file's name between quotes, shown (any account may name a file in /dev/shm)."""
     return f"'{printable(path, FILE)}'"
 
 
-def gpu_list(indices: Iterable[int]) -> str:
-    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
-    return ", ".join(str(index) for index in sorted(indices)) or "none"
+def gpu_list(indices: Iterable[int], sep: str = ", ", none: str = "none") -> str:
+    """GPUs by index, as every line names them: `0, 1, 3`, or `none` (sweep's: `0,1,3`, `-`)."""
+    return sep.join(str(index) for index in sorted(indices)) or none
 
 
 def describe(choice: Choice) -> str:
@@ -459,51 +451,43 @@ class Narrator:
 
     def shm_files(self, e: outcome.ShmFiles) -> None:
         for item in e.removals:
-            if item.removed and item.facts is not None:
-                self._removed(item, item.facts)
-            else:
-                self._kept(item)
-
-    def _removed(self, item: ShmRemoval, facts: FileFacts) -> None:
-        holders = ", ".join(map(str, item.holders))
-        whose = f"PID {holders}, which would be killed" if self.dry_run else f"killed PID {holders}"
-        self.reporter.event(
-            Event.SHM_REMOVED,
-            f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
-            f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of {whose}",
-            shm_path=field_bytes(facts.path, FILE),
-            shm_bytes=facts.bytes,
-            shm_size=facts.size,
-            shm_holders=holders,
-        )
-
-    def _kept(self, item: ShmRemoval) -> None:
-        facts, by = item.facts, ", ".join(item.kept_by)
-        path = facts.path if facts else item.file.path
-        sized: dict[str, Any] = {} if facts is None else {"shm_bytes": facts.bytes}
-        holders = ", ".join(map(str, item.holders))
-        owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
-        words = {
-            Kept.ALSO_HELD: f"also held by {by}, not killed",
-            Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
-            "account may take on any file it can name: no evidence it was theirs",
-            Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
-            Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
-            Kept.HELD_NOW: f"open or mapped now by {by}",
-            Kept.GONE: "gone already, or replaced since",
-            Kept.UNLINK_FAILED: f"unlink: {item.detail}",
-        }
-        why = words.get(item.kept, "") if item.kept else ""
-        self.reporter.event(
-            Event.SHM_KEPT,
-            f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
-            f"killed PID {holders}: {why}",
-            shm_path=field_bytes(path, FILE),
-            shm_holders=holders,
-            shm_kept=why,
-            reason=str(item.kept or ""),
-            **sized,
-        )
+            facts, holders = item.facts, ", ".join(map(str, item.holders))
+            if item.kept is None and facts is not None:  # removed, or would be
+                would = f"PID {holders}, which would be killed"
+                self.reporter.event(
+                    Event.SHM_REMOVED,
+                    f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
+                    f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of "
+                    f"{would if self.dry_run else 'killed PID ' + holders}",
+                    shm_path=field_bytes(facts.path, FILE),
+                    shm_bytes=facts.bytes,
+                    shm_size=facts.size,
+                    shm_holders=holders,
+                )
+                continue
+            by, path = ", ".join(item.kept_by), facts.path if facts else item.file.path
+            owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
+            words = {
+                Kept.ALSO_HELD: f"also held by {by}, not killed",
+                Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
+                "account may take on any file it can name: no evidence it was theirs",
+                Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
+                Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
+                Kept.HELD_NOW: f"open or mapped now by {by}",
+                Kept.GONE: "gone already, or replaced since",
+                Kept.UNLINK_FAILED: f"unlink: {item.detail}",
+            }
+            why = words.get(item.kept, "") if item.kept else ""
+            self.reporter.event(
+                Event.SHM_KEPT,
+                f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
+                f"killed PID {holders}: {why}",
+                shm_path=field_bytes(path, FILE),
+                shm_holders=holders,
+                shm_kept=why,
+                reason=str(item.kept or ""),
+                shm_bytes=facts.bytes if facts else None,
+            )
 
     def shm_short(self, e: outcome.ShmShort) -> None:
         short, parts = e.short, []
