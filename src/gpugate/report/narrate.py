@@ -291,16 +291,13 @@ class Narrator:
         )
 
     def container_stopped(self, e: outcome.ContainerStopped) -> None:
-        result = e.result
-        runtime = result.container.runtime
-        if result.no_cli:
-            why = f"no {runtime} CLI found"
-        else:
-            why = result.error.message if result.error is not None else result.detail
-        outcome = "stopped" if result.ok else f"failed ({why}); signalling its processes"
+        result, runtime = e.result, e.result.container.runtime
+        why = result.error.message if result.error is not None else result.detail
+        why = f"no {runtime} CLI found" if result.no_cli else why
+        done = "stopped" if result.ok else f"failed ({why}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{runtime} stop {container_text(result.container)}: {outcome}",
+            f"{runtime} stop {container_text(result.container)}: {done}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
             signal=f"{runtime} stop",
             container=result.container.id,

@@ -319,11 +319,11 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             lines.append(f"({unit}: {lease['container']}, GPU {gpus})")
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
-    for area in data.get("shm", ()):
-        lines.append(
-            f"{area['path']}: {size_text(area['free_bytes'], column=True)} free of "
-            f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
-        )
+    lines += [
+        f"{area['path']}: {size_text(area['free_bytes'], column=True)} free of "
+        f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
+        for area in data.get("shm", ())
+    ]
     lines += [
         f"/dev/shm of {entry['unit']} (its own, through PID {entry['pid']}): "
         f"{size_text(entry['used_bytes'], column=True)} used of "
@@ -334,13 +334,12 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
 
 
 def holder_table(data: dict[str, Any]) -> list[str]:
-    if not data["holders"]:
-        lines = ["no process holds a GPU"]
-    else:
-        lines = [
-            f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
-            f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
-        ]
+    lines = [
+        f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
+        f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
+        if data["holders"]
+        else "no process holds a GPU"
+    ]
     slices = {gpu["index"]: gpu["shown"] for gpu in data["gpus"] if gpu.get("mig")}
     for holder in data["holders"]:
         whole = gpu_ranges(index for index in holder["gpus"] if index not in slices)
@@ -361,8 +360,10 @@ def holder_table(data: dict[str, Any]) -> list[str]:
             f"{size_text(holder.get('shm_bytes', 0), column=True):>6} "
             f"{held_for(holder['seconds_held']):>6} {truncate(ports, 11):<11} {command}"
         )
-    for item in data["invisible"]:
-        lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
+    lines += [
+        f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc"
+        for item in data["invisible"]
+    ]
     lines += [
         f"(PID {holder['pid']}: held by nobody, seen unowned by gpugate sweep for "
         f"{holder['unowned_s']} s)"
