@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 from gpugate.core import outcome
 from gpugate.core.decide import Choice, Rule, Verdict
@@ -714,42 +714,34 @@ def lease_refusal_text(
     conflicts: Sequence[tuple[Sequence[int], str]],
     *,
     containers: bool = False,
-    share: ShareTerms | None = None,
+    theirs: Sequence[bool] = (),
+    ours: str = "",
+    sharing: bool = False,
+    where: str = "its config",
+    one_place: bool = False,
 ) -> str:
-    """Why a start is refused: conflicts are (GPU indices, who holds their lease); share, which
-    setting would let both run (never kill_other_units: that would kill the other)."""
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease); then which
+    setting would let both run (never kill_other_units: that would kill the other). theirs: each
+    conflicting lease's share_gpus; ours: how this workload would share ("set share_gpus = true
+    in /etc/gpugate/b.service.toml"; empty: both configs, unnamed); sharing: this workload's
+    share_gpus; where: the lease holders' setting; one_place: both settings are one file's (two
+    containers: containers.toml)."""
     parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
     held = (
         "container is still running and holds them until it stops"
         if containers
         else "unit is still active or activating and holds them until its post"
     )
-    terms = share or ShareTerms(
-        theirs=(False,) * len(conflicts),
-        ours="set share_gpus = true in both " + ("configs" if containers else "units' configs"),
-        one_place=True,
-    )
-    return f"{'; '.join(parts)}: that {held}; {terms.hint()}"
-
-
-class ShareTerms(NamedTuple):
-    """What a refused start and the leases in its way say about sharing."""
-
-    theirs: Sequence[bool]  # each conflicting lease's share_gpus
-    ours: str  # how this workload shares: "set share_gpus = true in /etc/gpugate/b.service.toml"
-    sharing: bool = False  # this workload's share_gpus
-    where: str = "its config"  # where the lease holders' setting is
-    one_place: bool = False  # both settings are one file's (two containers: containers.toml)
-
-    def hint(self) -> str:
-        if self.theirs and all(self.theirs) and not self.sharing:
-            return f"it shares them on purpose (share_gpus = true): to run beside it, {self.ours}"
-        if self.sharing and not any(self.theirs):
-            return (
-                "it does not share them (share_gpus = false): stop it first, or set "
-                f"share_gpus = true in {self.where} too"
-            )
-        if self.one_place or not self.theirs:
-            return f"stop it first, or {self.ours} to share them"
-        both = f"{self.ours} and set share_gpus = true in {self.where} too"
-        return f"stop it first, or, to share them, {both}"
+    if not ours:
+        ours = "set share_gpus = true in both " + ("configs" if containers else "units' configs")
+        one_place = True
+    if theirs and all(theirs) and not sharing:
+        hint = f"it shares them on purpose (share_gpus = true): to run beside it, {ours}"
+    elif sharing and not any(theirs):
+        hint = "it does not share them (share_gpus = false): stop it first, or set "
+        hint += f"share_gpus = true in {where} too"
+    elif one_place or not theirs:
+        hint = f"stop it first, or {ours} to share them"
+    else:
+        hint = f"stop it first, or, to share them, {ours} and set share_gpus = true in {where} too"
+    return f"{'; '.join(parts)}: that {held}; {hint}"
