@@ -697,17 +697,15 @@ def unreadable_record_text(path: Path, what: str, why: str) -> str:
     return f"{printable(str(path), FILE)}: not {what}{because}; ignored"
 
 
-def failed_start_text(
-    exit_code: int, exit_name: str, busy: Sequence[tuple[str, int, Sequence[int]]], timeout_s: float
-) -> str:
-    """What a failed pre records for its post: busy is (GPU label, MiB used, PIDs)."""
+def failed_start_text(code: ExitCode, busy: Sequence[outcome.BusyGpu], timeout_s: float) -> str:
+    """What a failed pre records for its post."""
     if busy:
         return "; ".join(
-            f"{label} still {used_mib} MiB used after {timeout_s:g} s"
-            f" (PIDs {', '.join(map(str, pids)) or 'none listed'})"
-            for label, used_mib, pids in busy
+            f"{item.gpu.label} still {item.used_mib} MiB used after {timeout_s:g} s"
+            f" (PIDs {', '.join(map(str, item.pids)) or 'none listed'})"
+            for item in busy
         )
-    return f"exit {exit_code} ({exit_name.lower()}); see journalctl for its entries"
+    return f"exit {int(code)} ({code.name.lower()}); see journalctl for its entries"
 
 
 def lease_refusal_text(
