@@ -8,6 +8,7 @@ import os
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -16,7 +17,7 @@ from gpugate.core.outcome import BusyGpu, LockWait, MemoryWait
 from gpugate.errors import ConfigError, GateError
 from gpugate.host.nvml import Gpu
 from gpugate.report.journal import SYSLOG_IDENTIFIER, Event, Reporter
-from gpugate.report.narrate import WORDS, Narrator, ShareTerms, lease_refusal_text
+from gpugate.report.narrate import WORDS, Narrator, lease_refusal_text
 from tests.fakes import RecordingJournal, RecordingNotifier
 
 
@@ -188,30 +189,30 @@ def test_a_lease_refusal_names_each_holder_and_what_frees_them() -> None:
     ("terms", "hint"),
     [
         (  # it shares, this one does not: this one's setting
-            ShareTerms((True,), "set share_gpus = true in /etc/gpugate/b.service.toml"),
+            {"theirs": (True,), "ours": "set share_gpus = true in /etc/gpugate/b.service.toml"},
             "it shares them on purpose (share_gpus = true): to run beside it, set share_gpus"
             " = true in /etc/gpugate/b.service.toml",
         ),
         (  # this one shares, it does not: its setting
-            ShareTerms((False,), "set share_gpus = true in x", sharing=True),
+            {"theirs": (False,), "ours": "set share_gpus = true in x", "sharing": True},
             "it does not share them (share_gpus = false): stop it first, or set share_gpus ="
             " true in its config too",
         ),
         (  # neither: both
-            ShareTerms((False,), "start it with gpugate run --share-gpus"),
+            {"theirs": (False,), "ours": "start it with gpugate run --share-gpus"},
             "stop it first, or, to share them, start it with gpugate run --share-gpus and set"
             " share_gpus = true in its config too",
         ),
         (  # two containers: one config
-            ShareTerms((False,), "set share_gpus = true in c.toml", one_place=True),
+            {"theirs": (False,), "ours": "set share_gpus = true in c.toml", "one_place": True},
             "stop it first, or set share_gpus = true in c.toml to share them",
         ),
     ],
 )
 def test_a_lease_refusal_names_the_setting_that_would_let_them_share(
-    terms: ShareTerms, hint: str
+    terms: dict[str, Any], hint: str
 ) -> None:
-    text = lease_refusal_text([([1], "a.service (since 10:00)")], share=terms)
+    text = lease_refusal_text([([1], "a.service (since 10:00)")], **terms)
     assert text.endswith("; " + hint)
     assert "kill_other_units" not in text
 

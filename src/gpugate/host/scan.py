@@ -56,12 +56,15 @@ class ProcInfo:
 
     @property
     def user(self) -> str:
-        if self.uid is None:
-            return "?"
-        try:
-            return pwd.getpwuid(self.uid).pw_name
-        except KeyError:
-            return str(self.uid)
+        return "?" if self.uid is None else user_name(self.uid)
+
+
+def user_name(uid: int) -> str:
+    """The account's name, or its number where the passwd database has none."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
 
 
 def parse_stat(text: str) -> ProcInfo | None:

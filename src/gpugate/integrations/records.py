@@ -20,7 +20,7 @@ from gpugate.host.locks import flock_by
 from gpugate.host.nvml import Gpu
 from gpugate.host.safe_files import folder, open_in, read_capped, write_atomically, write_in
 from gpugate.host.scan import ProcessId
-from gpugate.report.narrate import ShareTerms, lease_refusal_text
+from gpugate.report.narrate import lease_refusal_text
 from gpugate.untrusted import STATE, printable
 
 MAX_RECORD_BYTES = 64 * 1024  # what gpugate writes is under 2 KiB
@@ -311,14 +311,15 @@ class LeaseCheck(NamedTuple):
             return lease_refusal_text(conflicts, containers=containers)
         places = {lease.share_place() for lease, _ in self.conflicts}
         where = places.pop() if len(places) == 1 else "their configs"
-        terms = ShareTerms(
+        return lease_refusal_text(
+            conflicts,
+            containers=containers,
             theirs=tuple(lease.share for lease, _ in self.conflicts),
             ours=ours or f"set share_gpus = true in {place}",
             sharing=self.share,
             where=where,
             one_place=where == place or (container and containers),
         )
-        return lease_refusal_text(conflicts, containers=containers, share=terms)
 
 
 def check_leases(

@@ -287,9 +287,8 @@ class UnitWorkload(Workload):
                 records.write_lease(lock_dir, self._lease(summary.owned))
             records.clear_failed_pre(lock_dir, self.scope.unit)
         else:
-            busy = [(b.gpu.label, b.used_mib, b.pids) for b in summary.busy]
             timeout_s = self.loaded.config.policy(self.scope.phase).wait_timeout_s
-            reason = self.refusal or failed_start_text(int(code), code.name, busy, timeout_s)
+            reason = self.refusal or failed_start_text(code, summary.busy, timeout_s)
             self._failed(code, reason, summary.busy, error=False)
         if traits.releases_lease:
             self._release()

@@ -8,7 +8,6 @@ import os
 import sys
 from collections.abc import Mapping
 from enum import Enum
-from types import FrameType
 from typing import Protocol, TextIO, Union
 
 from gpugate.untrusted import safe_line
@@ -117,19 +116,6 @@ def stderr_is_journal(stream: TextIO) -> bool:
     return expected == f"{info.st_dev}:{info.st_ino}"
 
 
-def call_site(frame: FrameType | None) -> dict[str, str]:
-    """CODE_FILE/CODE_LINE/CODE_FUNC of the first caller outside this module, or none."""
-    while frame is not None and frame.f_code.co_filename == __file__:
-        frame = frame.f_back
-    if frame is None:
-        return {}
-    return {
-        "CODE_FILE": frame.f_code.co_filename,
-        "CODE_LINE": str(frame.f_lineno),
-        "CODE_FUNC": frame.f_code.co_name,
-    }
-
-
 class Reporter:
     def __init__(
         self,
@@ -177,11 +163,16 @@ class Reporter:
         untrusted.field_bytes's as they are."""
         if priority is None:
             priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
+        caller = sys._getframe(1)  # CODE_*: the first caller outside this module
+        while caller.f_code.co_filename == __file__ and caller.f_back is not None:
+            caller = caller.f_back
         fields: dict[str, FieldValue] = {
             "MESSAGE_ID": kind.value,
             "PRIORITY": str(priority),
             "SYSLOG_IDENTIFIER": SYSLOG_IDENTIFIER,
-            **call_site(sys._getframe(1)),
+            "CODE_FILE": caller.f_code.co_filename,
+            "CODE_LINE": str(caller.f_lineno),
+            "CODE_FUNC": caller.f_code.co_name,
             "GPUGATE_EVENT": kind.name.lower(),
             "GPUGATE_UNIT": self.unit,
             "GPUGATE_PHASE": self.phase,

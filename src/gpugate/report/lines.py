@@ -10,7 +10,7 @@ from gpugate.core.discover import Holder
 from gpugate.host.scan import ProcessId
 from gpugate.host.shm import OwnShm
 from gpugate.report.journal import PRIORITY_WARNING, Event, Reporter
-from gpugate.report.narrate import size_text
+from gpugate.report.narrate import gpu_list, size_text
 from gpugate.untrusted import COMMAND, field_bytes, printable, safe_line
 
 
@@ -22,19 +22,11 @@ def warning(text: str) -> str:
     return f"gpugate: warning: {text}"
 
 
-def metrics_not_written(path: object, cause: str) -> str:
-    return warning(f"metrics not written to {path}: {cause}")
-
-
 def internal_error_text(exc: BaseException) -> str:
     return (
         f"internal error: {type(exc).__name__}: {safe_line(str(exc))} "
         "(set GPUGATE_DEBUG=1 for a traceback, and please report it)"
     )
-
-
-def sweep_gpus(indices: Sequence[int]) -> str:
-    return ",".join(str(index) for index in sorted(indices)) or "-"
 
 
 def unowned_seen(reporter: Reporter, holder: Holder, mib: int | None) -> None:
@@ -43,7 +35,7 @@ def unowned_seen(reporter: Reporter, holder: Holder, mib: int | None) -> None:
     used = "unknown MiB" if mib is None else f"{mib} MiB"
     reporter.event(
         Event.UNOWNED_SEEN,
-        f"PID {info.pid} ({info.user}) holds GPU {sweep_gpus(sorted(holder.using))} ({used}) and "
+        f"PID {info.pid} ({info.user}) holds GPU {gpu_list(holder.using, ',', '-')} ({used}) and "
         f"no unit, job or container owns it: {printable(info.command, COMMAND)}",
         priority=PRIORITY_WARNING,
         pid=info.pid,
@@ -58,7 +50,8 @@ def unowned_seen(reporter: Reporter, holder: Holder, mib: int | None) -> None:
 def unowned_gone(reporter: Reporter, ident: ProcessId, gpus: Sequence[int], seconds: float) -> None:
     reporter.event(
         Event.UNOWNED_GONE,
-        f"PID {ident.pid}, unowned on GPU {sweep_gpus(gpus)} for {seconds:.0f} s, holds no GPU now",
+        f"PID {ident.pid}, unowned on GPU {gpu_list(gpus, ',', '-')} for {seconds:.0f} s, "
+        "holds no GPU now",
         pid=ident.pid,
         gpus=list(gpus),
         start_time=ident.start_time,
@@ -86,11 +79,9 @@ def sweep_status(
     reporter: Reporter, unowned: int, gpus: Sequence[int], reaped: Sequence[int]
 ) -> None:
     """The sweep unit's STATUS= (`systemctl status gpugate-sweep`)."""
-    if not unowned:
-        text = "no process holds a GPU unowned"
-    else:
-        text = f"{unowned} unowned holder(s) on GPU {sweep_gpus(gpus)}"
-    reporter.status(text + (f"; reaped GPU {sweep_gpus(reaped)}" if reaped else ""))
+    text = f"{unowned} unowned holder(s) on GPU {gpu_list(gpus, ',', '-')}"
+    text = text if unowned else "no process holds a GPU unowned"
+    reporter.status(text + (f"; reaped GPU {gpu_list(reaped, ',', '-')}" if reaped else ""))
 
 
 def say_own_shm_gone(reporter: Reporter, seen: OwnShm | None) -> None:

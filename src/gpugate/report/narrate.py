@@ -4,23 +4,22 @@ holder in words, as every entry about it names it, and its rule in words."""
 from __future__ import annotations
 
 import contextlib
-import pwd
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, TextIO
+from typing import Any, TextIO
 
 from gpugate.core import outcome
 from gpugate.core.decide import Choice, Rule, Verdict
 from gpugate.core.roles import Role
-from gpugate.core.shm_cleanup import Kept, ShmRemoval
+from gpugate.core.shm_cleanup import Kept
 from gpugate.errors import ExitCode, GateError
 from gpugate.host.containers import Container
 from gpugate.host.nvml import MIB, Gpu
 from gpugate.host.safe_files import account
-from gpugate.host.shm import FileFacts
+from gpugate.host.scan import user_name
 from gpugate.report.journal import (
     PRIORITY_ERR,
     PRIORITY_INFO,
@@ -73,21 +72,14 @@ def size_text(count: int, *, column: bool = False) -> str:
     return f"{count}{gap}B" if unit == "B" else f"{value:.1f}{gap}{unit}"
 
 
-def user_name(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
-
-
 def quoted(path: str) -> str:
     """A file's name between quotes, shown (any account may name a file in /dev/shm)."""
     return f"'{printable(path, FILE)}'"
 
 
-def gpu_list(indices: Iterable[int]) -> str:
-    """GPUs by index, as every line names them: `0, 1, 3`, or `none`."""
-    return ", ".join(str(index) for index in sorted(indices)) or "none"
+def gpu_list(indices: Iterable[int], sep: str = ", ", none: str = "none") -> str:
+    """GPUs by index, as every line names them: `0, 1, 3`, or `none` (sweep's: `0,1,3`, `-`)."""
+    return sep.join(str(index) for index in sorted(indices)) or none
 
 
 def describe(choice: Choice) -> str:
@@ -299,16 +291,13 @@ class Narrator:
         )
 
     def container_stopped(self, e: outcome.ContainerStopped) -> None:
-        result = e.result
-        runtime = result.container.runtime
-        if result.no_cli:
-            why = f"no {runtime} CLI found"
-        else:
-            why = result.error.message if result.error is not None else result.detail
-        outcome = "stopped" if result.ok else f"failed ({why}); signalling its processes"
+        result, runtime = e.result, e.result.container.runtime
+        why = result.error.message if result.error is not None else result.detail
+        why = f"no {runtime} CLI found" if result.no_cli else why
+        done = "stopped" if result.ok else f"failed ({why}); signalling its processes"
         self.reporter.event(
             Event.SIGNAL_SENT,
-            f"{runtime} stop {container_text(result.container)}: {outcome}",
+            f"{runtime} stop {container_text(result.container)}: {done}",
             priority=PRIORITY_NOTICE if result.ok else PRIORITY_WARNING,
             signal=f"{runtime} stop",
             container=result.container.id,
@@ -459,51 +448,43 @@ class Narrator:
 
     def shm_files(self, e: outcome.ShmFiles) -> None:
         for item in e.removals:
-            if item.removed and item.facts is not None:
-                self._removed(item, item.facts)
-            else:
-                self._kept(item)
-
-    def _removed(self, item: ShmRemoval, facts: FileFacts) -> None:
-        holders = ", ".join(map(str, item.holders))
-        whose = f"PID {holders}, which would be killed" if self.dry_run else f"killed PID {holders}"
-        self.reporter.event(
-            Event.SHM_REMOVED,
-            f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
-            f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of {whose}",
-            shm_path=field_bytes(facts.path, FILE),
-            shm_bytes=facts.bytes,
-            shm_size=facts.size,
-            shm_holders=holders,
-        )
-
-    def _kept(self, item: ShmRemoval) -> None:
-        facts, by = item.facts, ", ".join(item.kept_by)
-        path = facts.path if facts else item.file.path
-        sized: dict[str, Any] = {} if facts is None else {"shm_bytes": facts.bytes}
-        holders = ", ".join(map(str, item.holders))
-        owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
-        words = {
-            Kept.ALSO_HELD: f"also held by {by}, not killed",
-            Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
-            "account may take on any file it can name: no evidence it was theirs",
-            Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
-            Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
-            Kept.HELD_NOW: f"open or mapped now by {by}",
-            Kept.GONE: "gone already, or replaced since",
-            Kept.UNLINK_FAILED: f"unlink: {item.detail}",
-        }
-        why = words.get(item.kept, "") if item.kept else ""
-        self.reporter.event(
-            Event.SHM_KEPT,
-            f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
-            f"killed PID {holders}: {why}",
-            shm_path=field_bytes(path, FILE),
-            shm_holders=holders,
-            shm_kept=why,
-            reason=str(item.kept or ""),
-            **sized,
-        )
+            facts, holders = item.facts, ", ".join(map(str, item.holders))
+            if item.kept is None and facts is not None:  # removed, or would be
+                would = f"PID {holders}, which would be killed"
+                self.reporter.event(
+                    Event.SHM_REMOVED,
+                    f"{'would remove' if self.dry_run else 'removed'} {quoted(facts.path)} "
+                    f"({size_text(facts.bytes)}, owner {user_name(facts.uid)}): shared memory of "
+                    f"{would if self.dry_run else 'killed PID ' + holders}",
+                    shm_path=field_bytes(facts.path, FILE),
+                    shm_bytes=facts.bytes,
+                    shm_size=facts.size,
+                    shm_holders=holders,
+                )
+                continue
+            by, path = ", ".join(item.kept_by), facts.path if facts else item.file.path
+            owner = f" (owner {user_name(facts.uid)}, mode {facts.mode:04o})" if facts else ""
+            words = {
+                Kept.ALSO_HELD: f"also held by {by}, not killed",
+                Kept.PATH_ONLY: "the killed held it only through an O_PATH descriptor, which any "
+                "account may take on any file it can name: no evidence it was theirs",
+                Kept.NOT_THEIRS: f"no killed holder's account could have removed it itself{owner}",
+                Kept.UNREADABLE: f"the open files of {by} could not be read: it may hold it",
+                Kept.HELD_NOW: f"open or mapped now by {by}",
+                Kept.GONE: "gone already, or replaced since",
+                Kept.UNLINK_FAILED: f"unlink: {item.detail}",
+            }
+            why = words.get(item.kept, "") if item.kept else ""
+            self.reporter.event(
+                Event.SHM_KEPT,
+                f"{'would keep' if self.dry_run else 'kept'} {quoted(path)}, shared memory of "
+                f"killed PID {holders}: {why}",
+                shm_path=field_bytes(path, FILE),
+                shm_holders=holders,
+                shm_kept=why,
+                reason=str(item.kept or ""),
+                shm_bytes=facts.bytes if facts else None,
+            )
 
     def shm_short(self, e: outcome.ShmShort) -> None:
         short, parts = e.short, []
@@ -716,59 +697,49 @@ def unreadable_record_text(path: Path, what: str, why: str) -> str:
     return f"{printable(str(path), FILE)}: not {what}{because}; ignored"
 
 
-def failed_start_text(
-    exit_code: int, exit_name: str, busy: Sequence[tuple[str, int, Sequence[int]]], timeout_s: float
-) -> str:
-    """What a failed pre records for its post: busy is (GPU label, MiB used, PIDs)."""
+def failed_start_text(code: ExitCode, busy: Sequence[outcome.BusyGpu], timeout_s: float) -> str:
+    """What a failed pre records for its post."""
     if busy:
         return "; ".join(
-            f"{label} still {used_mib} MiB used after {timeout_s:g} s"
-            f" (PIDs {', '.join(map(str, pids)) or 'none listed'})"
-            for label, used_mib, pids in busy
+            f"{item.gpu.label} still {item.used_mib} MiB used after {timeout_s:g} s"
+            f" (PIDs {', '.join(map(str, item.pids)) or 'none listed'})"
+            for item in busy
         )
-    return f"exit {exit_code} ({exit_name.lower()}); see journalctl for its entries"
+    return f"exit {int(code)} ({code.name.lower()}); see journalctl for its entries"
 
 
 def lease_refusal_text(
     conflicts: Sequence[tuple[Sequence[int], str]],
     *,
     containers: bool = False,
-    share: ShareTerms | None = None,
+    theirs: Sequence[bool] = (),
+    ours: str = "",
+    sharing: bool = False,
+    where: str = "its config",
+    one_place: bool = False,
 ) -> str:
-    """Why a start is refused: conflicts are (GPU indices, who holds their lease); share, which
-    setting would let both run (never kill_other_units: that would kill the other)."""
+    """Why a start is refused: conflicts are (GPU indices, who holds their lease); then which
+    setting would let both run (never kill_other_units: that would kill the other). theirs: each
+    conflicting lease's share_gpus; ours: how this workload would share ("set share_gpus = true
+    in /etc/gpugate/b.service.toml"; empty: both configs, unnamed); sharing: this workload's
+    share_gpus; where: the lease holders' setting; one_place: both settings are one file's (two
+    containers: containers.toml)."""
     parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
     held = (
         "container is still running and holds them until it stops"
         if containers
         else "unit is still active or activating and holds them until its post"
     )
-    terms = share or ShareTerms(
-        theirs=(False,) * len(conflicts),
-        ours="set share_gpus = true in both " + ("configs" if containers else "units' configs"),
-        one_place=True,
-    )
-    return f"{'; '.join(parts)}: that {held}; {terms.hint()}"
-
-
-class ShareTerms(NamedTuple):
-    """What a refused start and the leases in its way say about sharing."""
-
-    theirs: Sequence[bool]  # each conflicting lease's share_gpus
-    ours: str  # how this workload shares: "set share_gpus = true in /etc/gpugate/b.service.toml"
-    sharing: bool = False  # this workload's share_gpus
-    where: str = "its config"  # where the lease holders' setting is
-    one_place: bool = False  # both settings are one file's (two containers: containers.toml)
-
-    def hint(self) -> str:
-        if self.theirs and all(self.theirs) and not self.sharing:
-            return f"it shares them on purpose (share_gpus = true): to run beside it, {self.ours}"
-        if self.sharing and not any(self.theirs):
-            return (
-                "it does not share them (share_gpus = false): stop it first, or set "
-                f"share_gpus = true in {self.where} too"
-            )
-        if self.one_place or not self.theirs:
-            return f"stop it first, or {self.ours} to share them"
-        both = f"{self.ours} and set share_gpus = true in {self.where} too"
-        return f"stop it first, or, to share them, {both}"
+    if not ours:
+        ours = "set share_gpus = true in both " + ("configs" if containers else "units' configs")
+        one_place = True
+    if theirs and all(theirs) and not sharing:
+        hint = f"it shares them on purpose (share_gpus = true): to run beside it, {ours}"
+    elif sharing and not any(theirs):
+        hint = "it does not share them (share_gpus = false): stop it first, or set "
+        hint += f"share_gpus = true in {where} too"
+    elif one_place or not theirs:
+        hint = f"stop it first, or {ours} to share them"
+    else:
+        hint = f"stop it first, or, to share them, {ours} and set share_gpus = true in {where} too"
+    return f"{'; '.join(parts)}: that {held}; {hint}"

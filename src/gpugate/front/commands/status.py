@@ -8,13 +8,13 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core.decide import decide
-from gpugate.core.discover import GPU_DEVICE, Discovery, Holder, cgroup_members
+from gpugate.core.discover import GPU_DEVICE, Discovery, cgroup_members
 from gpugate.core.roles import Owner, Role, config_shares, holder_role, is_mps_server, owner_of
 from gpugate.errors import ExitCode, GateError, NvmlNotAnswering
 from gpugate.front.hook import HostAccess, collect
@@ -24,9 +24,7 @@ from gpugate.host.shm import own_shm_of_any
 from gpugate.host.systemd import HostRoots, unit_argument, unit_of_cgroup, validate_unit_name
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.records import (
-    Lease,
     LeaseFiles,
-    Seen,
     boot_time,
     leases_by_gpu,
     read_leases,
@@ -76,19 +74,93 @@ def as_dict(
         procfs = procfs or ProcFs(roots.proc)
         decision = decide(discovery, loaded.config, Phase.PRE, procfs, shared=shared)
         rules = {choice.holder.pid: choice.rule.value for choice in decision.choices}
-    unowned = read_unowned(loaded.config.lock_dir)
+    unowned, leased = read_unowned(loaded.config.lock_dir), leases_by_gpu(leases)
     shm_host = HostShm(discovery.shm_areas, roots.proc)
+    # Each holder; its owner: core/roles' kind; unowned_s: since when a sweep has seen it nobody's
+    holders: list[dict[str, Any]] = []
+    for holder in sorted(discovery.holders.values(), key=lambda h: h.pid):
+        info = holder.info
+        owner = owner_of(holder, discovery, loaded.config)
+        seen = unowned.get(info.ident) if owner in (Owner.NOBODY, Owner.SESSION) else None
+        role = holder_role(holder, discovery, loaded.config)
+        shm = []  # bytes null: unlinked, still mapped (path " (deleted)")
+        for file in sorted(discovery.shm.get(info.pid, ()), key=lambda f: f.path):
+            found = shm_host.facts(file)
+            path = found.path if found else file.names[0]
+            shm.append({"path": printable(path, FILE), "bytes": found.bytes if found else None})
+        command, command_cut = printable_args(info.cmdline)
+        holders.append(
+            {
+                "pid": info.pid,
+                "start_time": info.start_time,
+                "user": info.user,
+                "uid": info.uid,
+                "unit": printable(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
+                "cgroup": printable(info.cgroup, CGROUP) or None,
+                "state": info.state,
+                "comm": printable(info.comm, COMM),
+                "command": command,
+                "command_cut": command_cut,
+                "gpus": sorted(holder.gpus),
+                "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
+                # MiB per GPU, an MPS client's included (docs/mps.md)
+                "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
+                "mps_server": is_mps_server(holder.info, loaded.config),
+                "mps_client": sorted(holder.mps_client),
+                "control_devices": sorted(holder.control_devices),
+                "sources": sorted(holder.sources),
+                "role": str(role) if discovery.unit else None,
+                "reason": rules.get(holder.pid),
+                "orphan": role is Role.ORPHAN,
+                "protected": role is Role.PROTECTED,
+                "watcher": role is Role.WATCHER,  # nvidia-smi -l, nvtop, DCGM: never killed
+                "shm": shm[:MAX_SHM_LISTED],
+                "shm_bytes": sum(item["bytes"] or 0 for item in shm),
+                "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
+                "container": None
+                if holder.container is None
+                else {
+                    "runtime": holder.container.runtime,
+                    "id": holder.container.id,
+                    "name": printable(holder.container.name, CONTAINER) or None,
+                },
+                "owner": str(owner),
+                "unowned_s": None if seen is None else max(int(boot_time() - seen.since), 0),
+            }
+        )
     return {
         "version": JSON_VERSION,
         "unit": discovery.unit or None,
         "unit_cgroup": printable(discovery.unit_cgroup, CGROUP) if discovery.unit else None,
         "config": loaded.source,
         "free_mib": loaded.config.free_mib,
-        "gpus": gpu_dicts(discovery, leases),
-        "holders": [
-            holder_dict(holder, discovery, loaded, now, rules.get(holder.pid), unowned, shm_host)
-            for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+        "gpus": [
+            {
+                "index": gpu.index,
+                "shown": gpu.shown,
+                "uuid": gpu.uuid,
+                "minor": gpu.minor,
+                "name": gpu.name,
+                "used_mib": discovery.usage[gpu.index].used_mib,
+                "total_mib": gpu.total_mib,
+                "owned": gpu.index in discovery.owned_indices,
+                "leased_to": [printable(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
+                "mig_mode": gpu.mig_mode,
+                "mig": None
+                if gpu.mig is None
+                else {  # a MIG slice's place and the processes NVML lists on it
+                    "gpu": gpu.mig.parent,
+                    "gpu_uuid": gpu.mig.parent_uuid,
+                    "mig_index": gpu.mig.mig_index,
+                    "gpu_instance": gpu.mig.gpu_instance,
+                    "compute_instance": gpu.mig.compute_instance,
+                    "profile": gpu.mig.profile,
+                    "pids": [process.pid for process in discovery.usage[gpu.index].processes],
+                },
+            }
+            for gpu in discovery.gpus
         ],
+        "holders": holders,
         "leases": [
             {
                 "unit": printable(lease.unit, STATE),
@@ -143,96 +215,6 @@ def unit_shm(discovery: Discovery, roots: HostRoots) -> list[dict[str, Any]]:
         }
         for unit, own in owns
         if own is not None
-    ]
-
-
-def holder_dict(
-    holder: Holder,
-    discovery: Discovery,
-    loaded: LoadedConfig,
-    now: float | None,
-    rule: str | None,
-    unowned: dict[Any, Seen],
-    shm_host: HostShm,
-) -> dict[str, Any]:
-    """owner: core/roles' kind; unowned_s: since when a sweep has seen it nobody's."""
-    info = holder.info
-    owner = owner_of(holder, discovery, loaded.config)
-    seen = unowned.get(info.ident) if owner in (Owner.NOBODY, Owner.SESSION) else None
-    role = holder_role(holder, discovery, loaded.config)
-    shm = []  # bytes null: unlinked, still mapped (path " (deleted)")
-    for file in sorted(discovery.shm.get(info.pid, ()), key=lambda f: f.path):
-        found = shm_host.facts(file)
-        path = found.path if found else file.names[0]
-        shm.append({"path": printable(path, FILE), "bytes": found.bytes if found else None})
-    command, command_cut = printable_args(info.cmdline)
-    return {
-        "pid": info.pid,
-        "start_time": info.start_time,
-        "user": info.user,
-        "uid": info.uid,
-        "unit": printable(unit_of_cgroup(info.cgroup or "/"), CGROUP) or None,
-        "cgroup": printable(info.cgroup, CGROUP) or None,
-        "state": info.state,
-        "comm": printable(info.comm, COMM),
-        "command": command,
-        "command_cut": command_cut,
-        "gpus": sorted(holder.gpus),
-        "ports": sorted(holder.ports),  # the unit's TCP ports it listens on
-        # MiB per GPU, an MPS client's included (docs/mps.md)
-        "used_mib": {str(k): v for k, v in sorted(holder.used_mib.items())},
-        "mps_server": is_mps_server(holder.info, loaded.config),
-        "mps_client": sorted(holder.mps_client),
-        "control_devices": sorted(holder.control_devices),
-        "sources": sorted(holder.sources),
-        "role": str(role) if discovery.unit else None,
-        "reason": rule,
-        "orphan": role is Role.ORPHAN,
-        "protected": role is Role.PROTECTED,
-        "watcher": role is Role.WATCHER,  # nvidia-smi -l, nvtop, DCGM: never killed
-        "shm": shm[:MAX_SHM_LISTED],
-        "shm_bytes": sum(item["bytes"] or 0 for item in shm),
-        "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
-        "container": None
-        if holder.container is None
-        else {
-            "runtime": holder.container.runtime,
-            "id": holder.container.id,
-            "name": printable(holder.container.name, CONTAINER) or None,
-        },
-        "owner": str(owner),
-        "unowned_s": None if seen is None else max(int(boot_time() - seen.since), 0),
-    }
-
-
-def gpu_dicts(discovery: Discovery, leases: Sequence[Lease]) -> list[dict[str, Any]]:
-    owned = discovery.owned_indices
-    leased = leases_by_gpu(leases)
-    return [
-        {
-            "index": gpu.index,
-            "shown": gpu.shown,
-            "uuid": gpu.uuid,
-            "minor": gpu.minor,
-            "name": gpu.name,
-            "used_mib": discovery.usage[gpu.index].used_mib,
-            "total_mib": gpu.total_mib,
-            "owned": gpu.index in owned,
-            "leased_to": [printable(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
-            "mig_mode": gpu.mig_mode,
-            "mig": None
-            if gpu.mig is None
-            else {  # a MIG slice's place and the processes NVML lists on it
-                "gpu": gpu.mig.parent,
-                "gpu_uuid": gpu.mig.parent_uuid,
-                "mig_index": gpu.mig.mig_index,
-                "gpu_instance": gpu.mig.gpu_instance,
-                "compute_instance": gpu.mig.compute_instance,
-                "profile": gpu.mig.profile,
-                "pids": [process.pid for process in discovery.usage[gpu.index].processes],
-            },
-        }
-        for gpu in discovery.gpus
     ]
 
 
@@ -319,11 +301,11 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
             lines.append(f"({unit}: {lease['container']}, GPU {gpus})")
     if data["unreadable_gpus"]:
         lines.append("(! = NVML cannot read this GPU; its holders come from /dev/nvidiaN)")
-    for area in data.get("shm", ()):
-        lines.append(
-            f"{area['path']}: {size_text(area['free_bytes'], column=True)} free of "
-            f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
-        )
+    lines += [
+        f"{area['path']}: {size_text(area['free_bytes'], column=True)} free of "
+        f"{size_text(area['total_bytes'], column=True)} (SHM: each holder's files there)"
+        for area in data.get("shm", ())
+    ]
     lines += [
         f"/dev/shm of {entry['unit']} (its own, through PID {entry['pid']}): "
         f"{size_text(entry['used_bytes'], column=True)} used of "
@@ -334,13 +316,12 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
 
 
 def holder_table(data: dict[str, Any]) -> list[str]:
-    if not data["holders"]:
-        lines = ["no process holds a GPU"]
-    else:
-        lines = [
-            f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
-            f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
-        ]
+    lines = [
+        f"{'PID':>7} {'USER':<10} {'ROLE':<10} {'UNIT':<28} {'ST':<2} {'GPUS':<10} "
+        f"{'MiB':>7} {'SHM':>6} {'HELD':>6} {'PORTS':<11} COMMAND"
+        if data["holders"]
+        else "no process holds a GPU"
+    ]
     slices = {gpu["index"]: gpu["shown"] for gpu in data["gpus"] if gpu.get("mig")}
     for holder in data["holders"]:
         whole = gpu_ranges(index for index in holder["gpus"] if index not in slices)
@@ -361,8 +342,10 @@ def holder_table(data: dict[str, Any]) -> list[str]:
             f"{size_text(holder.get('shm_bytes', 0), column=True):>6} "
             f"{held_for(holder['seconds_held']):>6} {truncate(ports, 11):<11} {command}"
         )
-    for item in data["invisible"]:
-        lines.append(f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc")
+    lines += [
+        f"GPU {item['gpu']}: PID {item['pid']} listed by NVML is not in this /proc"
+        for item in data["invisible"]
+    ]
     lines += [
         f"(PID {holder['pid']}: held by nobody, seen unowned by gpugate sweep for "
         f"{holder['unowned_s']} s)"
