@@ -12,8 +12,8 @@ import select
 import stat
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.errors import BadInput, NotRegularFile, TooLarge
 from gpugate.host.safe_files import read_capped, untrusted
@@ -40,8 +40,7 @@ GPU_WORD = (
 )
 
 
-@dataclass(frozen=True)
-class Toolkit:
+class Toolkit(NamedTuple):
     """What of NVIDIA's config.toml decides which list its hook reads (its defaults)."""
 
     envvar_unprivileged: bool = True
@@ -308,8 +307,7 @@ CLAIMED_NAME_ANNOTATIONS = (
 )
 
 
-@dataclass(frozen=True)
-class GpuRequest:
+class GpuRequest(NamedTuple):
     """What the container reaches. Empty: no GPU, the hook has nothing to do."""
 
     minors: tuple[int, ...] = ()  # minors of the 195:N device nodes it reaches
@@ -325,18 +323,16 @@ class GpuRequest:
         return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
 
 
-@dataclass(frozen=True)
-class ContainerState:
+class ContainerState(NamedTuple):
     """The OCI state a hook gets on stdin (runtime-spec's state.json)."""
 
     id: str
     pid: int  # 0 where the runtime gave none (poststop)
     bundle: str
-    annotations: dict[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = {}  # never changed: one shared empty map
 
 
-@dataclass(frozen=True)
-class ContainerSpec:
+class ContainerSpec(NamedTuple):
     gpus: GpuRequest
     cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
     annotations: dict[str, str]
@@ -525,8 +521,7 @@ CRI_KEYS = (
 )
 
 
-@dataclass(frozen=True)
-class PodName:
+class PodName(NamedTuple):
     """Raw, as the annotations have it: escape before showing."""
 
     namespace: str
