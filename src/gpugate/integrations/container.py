@@ -5,8 +5,8 @@ its cgroup is no such scope); one in no cgroup of its own is refused (docs/conta
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection, gpu_ref
@@ -44,8 +44,7 @@ NOT_STARTED = "gpugate-before-start"
 OWN_LEASE_PREFIX = "container-"  # never a unit's name: a unit's has a suffix
 
 
-@dataclass(frozen=True)
-class ContainerIdentity:
+class ContainerIdentity(NamedTuple):
     id: str  # the identity everywhere: a name only says it in words
     name: str | None  # from the runtime's own fields (its record, the annotations it writes)
     runtime: str  # podman, docker, cri-o, containerd, nerdctl, or "container" where none says
