@@ -45,22 +45,24 @@ def main(
         print(USAGE, file=sys.stderr)
         return int(ExitCode.USAGE)
     stage = argv[0]
+    # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
     why = not_host_root()
-    if why is not None:
-        # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
-        return not_gated(stage, why)
     try:
-        found = read_input(stage)
+        found = read_input(stage) if why is None or stage in ACTING[:2] else None
     except BadInput as exc:
+        if why is not None:
+            return int(ExitCode.OK)
         from gpugate.report.lines import hook_failed  # noqa: PLC0415 (a failure's words)
 
         print(hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
-    if found is None:
-        return int(ExitCode.OK)
+    if found is None or not found[1].gpus:
+        return int(ExitCode.OK)  # no GPU asked for, or nothing to do at this stage
     state, spec = found
-    if not spec.gpus or is_sandbox(state.id, {**spec.annotations, **state.annotations}):
-        return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
+    if why is not None:
+        return not_gated(stage, state.id, why)
+    if is_sandbox(state.id, {**spec.annotations, **state.annotations}):
+        return int(ExitCode.OK)  # a pod's sandbox: not gpugate's container
     from gpugate.front.container_hook import run_from_hook  # noqa: PLC0415
 
     return run_from_hook(stage, state, spec, roots=roots, config=config, driver=driver_factory)
@@ -80,20 +82,14 @@ def read_input(stage: str) -> tuple[ContainerState, ContainerSpec] | None:
     return state, parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
 
 
-def not_gated(stage: str, why: str) -> int:
-    """A hook that is not the host's root: exit 0 whatever its input, touching nothing; at a
-    start stage of a container that asks for GPUs, one journal line saying it is not gated."""
-    try:
-        found = read_input(stage) if stage in ("createRuntime", "prestart") else None
-    except BadInput:
-        return int(ExitCode.OK)
-    if found is None or not found[1].gpus:
-        return int(ExitCode.OK)
+def not_gated(stage: str, container_id: str, why: str) -> int:
+    """A hook that is not the host's root touches nothing and exits 0; at the start of a
+    container that asks for GPUs it sends one journal line saying it is not gated."""
     # Loaded only here: a rootless GPU container's start, not every container's.
     from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
 
-    fields = {"GPUGATE_OCI_CONTAINER": found[0].id}
-    reporter = Reporter(f"container-{found[0].id}", stage, echo=False, fields=fields)
+    fields = {"GPUGATE_OCI_CONTAINER": container_id}
+    reporter = Reporter(f"container-{container_id}", stage, echo=False, fields=fields)
     try:
         reporter.event(
             Event.WARNING,
