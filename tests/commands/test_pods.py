@@ -15,9 +15,9 @@ import pytest
 
 from gpugate.errors import ExitCode
 from gpugate.front.container_hook import run_container_hook
-from gpugate.host.oci import ContainerState, PodName, is_sandbox, parse_config, pod_name
+from gpugate.host.oci import ContainerState, is_sandbox, parse_config
 from gpugate.host.scan import ProcFs
-from gpugate.integrations.container import identify
+from gpugate.integrations.container import PodName, identify, pod_name
 from gpugate.integrations.records import read_leases
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter

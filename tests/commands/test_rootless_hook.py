@@ -173,7 +173,8 @@ def run_not_gated(
     sent = Sent()
     monkeypatch.setattr(journal.SystemdJournal, "send", lambda _self, m, f: sent.send(m, f))
     monkeypatch.setattr(oci_hook, "read_stdin_bounded", lambda: state)
-    return oci_hook.not_gated(stage, why), sent
+    monkeypatch.setattr(oci_hook, "not_host_root", lambda: why)
+    return oci_hook.main([stage]), sent
 
 
 @pytest.mark.message

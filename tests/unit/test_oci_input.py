@@ -16,12 +16,12 @@ from gpugate.host.oci import (
     MAX_CONFIG_BYTES,
     ContainerState,
     GpuRequest,
-    cgroup_of_spec,
     parse_config,
     parse_state,
     read_config,
     read_stdin_bounded,
 )
+from gpugate.integrations.container import cgroup_of_spec
 
 ID = "3f2a1b0c4d5e" + "0" * 52
 
@@ -137,7 +137,7 @@ def spec(**fields: object) -> bytes:
 def test_config_as_podman_writes_it() -> None:
     got = parse_config(spec())
     assert got.gpus == GpuRequest(refs=("1",), origins=("NVIDIA_VISIBLE_DEVICES",))
-    assert cgroup_of_spec(got.cgroups_path, ID) == f"/machine.slice/libpod-{ID}.scope"
+    assert cgroup_of_spec(got.cgroups_path) == f"/machine.slice/libpod-{ID}.scope"
 
 
 @pytest.mark.parametrize(
@@ -171,7 +171,7 @@ def test_missing_or_odd_sections_mean_no_gpu(fields: dict[str, object]) -> None:
     ],
 )
 def test_cgroups_path_forms(path: str | None, cgroup: str | None) -> None:
-    assert cgroup_of_spec(path, ID) == cgroup
+    assert cgroup_of_spec(path) == cgroup
 
 
 def bundle_dir(tmp_path: Path, content: bytes, mode: int = 0o644) -> str:

@@ -9,8 +9,8 @@ import json
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.compat import tomllib
 from gpugate.config.file import toml_value
@@ -35,8 +35,7 @@ RELOAD_TIMEOUT_S = 60
 CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
 
 
-@dataclass(frozen=True)
-class ContainerHost:
+class ContainerHost(NamedTuple):
     hooks_dirs: tuple[Path, ...] = ()  # where podman / CRI-O read hook files
     daemon_json: Path | None = None  # docker's, where docker is installed
     containerd_config: Path | None = None  # containerd's config.toml, where it is installed

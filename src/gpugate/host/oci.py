@@ -12,8 +12,8 @@ import select
 import stat
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.errors import BadInput, NotRegularFile, TooLarge
 from gpugate.host.safe_files import read_capped, untrusted
@@ -40,8 +40,7 @@ GPU_WORD = (
 )
 
 
-@dataclass(frozen=True)
-class Toolkit:
+class Toolkit(NamedTuple):
     """What of NVIDIA's config.toml decides which list its hook reads (its defaults)."""
 
     envvar_unprivileged: bool = True
@@ -290,26 +289,9 @@ MAX_CONFIG_BYTES = 16 << 20  # config.json: tens of KiB usually; a huge env is s
 STATE_TIMEOUT_S = 5.0
 MAX_FIELD = 256  # characters of an id or a name kept
 CONTAINER_ID = re.compile(r"[0-9A-Za-z][0-9A-Za-z_.-]{0,127}")
-# The container's name as the runtime itself writes it into the spec's annotations (with its
-# pod's): read only where the container's cgroup says the runtime is that one, for elsewhere
-# anyone may set these keys.
-RUNTIME_NAME_ANNOTATIONS = {
-    "cri-o": ("io.kubernetes.cri-o.ContainerName", "io.kubernetes.pod.name"),
-    "containerd": ("io.kubernetes.cri.container-name", "io.kubernetes.cri.sandbox-name"),
-}
-# Names a container's author may set (`podman --annotation`, `nerdctl --label`, a pod's own
-# annotations): shown escaped, as the author's, never in place of the id.
-CLAIMED_NAME_ANNOTATIONS = (
-    "io.podman.annotations.name",
-    "nerdctl/name",
-    "io.kubernetes.cri-o.ContainerName",
-    "io.kubernetes.cri.container-name",
-    "io.container.manager.name",
-)
 
 
-@dataclass(frozen=True)
-class GpuRequest:
+class GpuRequest(NamedTuple):
     """What the container reaches. Empty: no GPU, the hook has nothing to do."""
 
     minors: tuple[int, ...] = ()  # minors of the 195:N device nodes it reaches
@@ -325,18 +307,16 @@ class GpuRequest:
         return bool(self.minors or self.refs or self.all_gpus or self.unresolved)
 
 
-@dataclass(frozen=True)
-class ContainerState:
+class ContainerState(NamedTuple):
     """The OCI state a hook gets on stdin (runtime-spec's state.json)."""
 
     id: str
     pid: int  # 0 where the runtime gave none (poststop)
     bundle: str
-    annotations: dict[str, str] = field(default_factory=dict)
+    annotations: Mapping[str, str] = {}  # never changed: one shared empty map
 
 
-@dataclass(frozen=True)
-class ContainerSpec:
+class ContainerSpec(NamedTuple):
     gpus: GpuRequest
     cgroups_path: str | None  # linux.cgroupsPath, as the runtime wrote it
     annotations: dict[str, str]
@@ -445,45 +425,6 @@ def spec_gpu_request(spec: dict[str, object], toolkit: Toolkit | None = None) ->
     )
 
 
-def runtime_name(annotations: Mapping[str, str], runtime: str) -> str | None:
-    """The name (`pod/container`) runtime itself wrote; None for a runtime that writes none."""
-    keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
-    if keys is None:
-        return None
-    name = bounded(annotations.get(keys[0], "").lstrip("/"))
-    pod = bounded(annotations.get(keys[1], ""))
-    return bounded(f"{pod}/{name}") if name and pod else name
-
-
-def claimed_name(annotations: Mapping[str, str]) -> tuple[str, str] | None:
-    """(annotation, name) of the first name the container's author may have set."""
-    named = ((key, bounded(annotations.get(key, ""))) for key in CLAIMED_NAME_ANNOTATIONS)
-    return next(((key, name) for key, name in named if name), None)
-
-
-def bounded(text: str) -> str | None:
-    """At most MAX_FIELD characters, without the blanks around them; None where none is left."""
-    return text[:MAX_FIELD].strip() or None
-
-
-def cgroup_of_spec(cgroups_path: str | None, container_id: str) -> str | None:
-    """linux.cgroupsPath as a cgroup: `slice:prefix:name` (the systemd driver) is the scope
-    `/slice/prefix-name.scope` (`a-b.slice` nests as `/a.slice/a-b.slice`); an absolute path
-    (cgroupfs) is itself."""
-    if not cgroups_path or cgroups_path.startswith("/"):
-        return cgroups_path or None
-    parts = cgroups_path.split(":")
-    if len(parts) != 3 or not all(parts[1:]):
-        return None
-    slice_name, prefix, name = parts
-    slice_name = slice_name or "system.slice"
-    if not slice_name.endswith(".slice") or "/" in slice_name or slice_name == "-.slice":
-        return None
-    words = slice_name[: -len(".slice")].split("-")
-    nested = "".join("/" + "-".join(words[: i + 1]) + ".slice" for i in range(len(words)))
-    return nested + "/" + (name if name.endswith(".slice") else f"{prefix}-{name}.scope")
-
-
 def json_object(raw: bytes, source: str) -> dict[str, object]:
     try:
         data = json.loads(raw)
@@ -523,29 +464,6 @@ CRI_KEYS = (
         "io.kubernetes.container.name",
     ),
 )
-
-
-@dataclass(frozen=True)
-class PodName:
-    """Raw, as the annotations have it: escape before showing."""
-
-    namespace: str
-    pod: str
-    container: str  # "" where the runtime names none
-
-    @property
-    def text(self) -> str:
-        """`ml/vllm-0/server`, as kubectl names a pod's container."""
-        return "/".join(part for part in (self.namespace, self.pod, self.container) if part)
-
-
-def pod_name(annotations: Mapping[str, str]) -> PodName | None:
-    for _, _, namespace_key, pod_key, container_key in CRI_KEYS:
-        namespace = annotations.get(namespace_key, "")
-        pod = annotations.get(pod_key, "")
-        if namespace and pod:
-            return PodName(namespace, pod, annotations.get(container_key, ""))
-    return None
 
 
 def is_sandbox(container_id: str, annotations: Mapping[str, str]) -> bool:

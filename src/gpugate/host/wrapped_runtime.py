@@ -5,8 +5,8 @@ environment passed to NVIDIA's runtime: a wrapper it runs again runs runc, endin
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.compat import tomllib
 from gpugate.errors import ConfigError, Refused
@@ -28,8 +28,7 @@ CHAIN = "GPUGATE_OCI_RUNTIME_CHAIN"
 MAX_RECORD = 4096
 
 
-@dataclass(frozen=True)
-class Wrapped:
+class Wrapped(NamedTuple):
     name: str  # what runs: the recorded one, or runc where it is missing or the chain ends
     path: str | None  # its fixed path; None where none is installed
 

@@ -5,8 +5,9 @@ its cgroup is no such scope); one in no cgroup of its own is refused (docs/conta
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig
 from gpugate.config.values import GpuSelection, gpu_ref
@@ -15,18 +16,14 @@ from gpugate.errors import BadInput, ConfigError, InvalidValue
 from gpugate.host.containers import own_cgroup
 from gpugate.host.nvml import Gpu
 from gpugate.host.oci import (
+    CRI_KEYS,
+    MAX_FIELD,
     NVIDIA_MAJOR,
     TOOLKIT_CONFIG,
     ContainerSpec,
     ContainerState,
     GpuRequest,
-    PodName,
-    bounded,
-    cgroup_of_spec,
     check_owner,
-    claimed_name,
-    pod_name,
-    runtime_name,
 )
 from gpugate.host.safe_files import read_capped
 from gpugate.host.scan import ProcFs
@@ -42,10 +39,47 @@ MAX_STORAGE_RECORDS = 32 << 20  # one record per container on the host
 # not a holder to kill. A cgroup below the scope that never exists stands for "none yet".
 NOT_STARTED = "gpugate-before-start"
 OWN_LEASE_PREFIX = "container-"  # never a unit's name: a unit's has a suffix
+# The container's name as the runtime itself writes it into the spec's annotations (with its
+# pod's): read only where the container's cgroup says the runtime is that one, for elsewhere
+# anyone may set these keys.
+RUNTIME_NAME_ANNOTATIONS = {
+    "cri-o": ("io.kubernetes.cri-o.ContainerName", "io.kubernetes.pod.name"),
+    "containerd": ("io.kubernetes.cri.container-name", "io.kubernetes.cri.sandbox-name"),
+}
+# Names a container's author may set (`podman --annotation`, `nerdctl --label`, a pod's own
+# annotations): shown escaped, as the author's, never in place of the id.
+CLAIMED_NAME_ANNOTATIONS = (
+    "io.podman.annotations.name",
+    "nerdctl/name",
+    "io.kubernetes.cri-o.ContainerName",
+    "io.kubernetes.cri.container-name",
+    "io.container.manager.name",
+)
 
 
-@dataclass(frozen=True)
-class ContainerIdentity:
+class PodName(NamedTuple):
+    """Raw, as the annotations have it: escape before showing."""
+
+    namespace: str
+    pod: str
+    container: str  # "" where the runtime names none
+
+    @property
+    def text(self) -> str:
+        """`ml/vllm-0/server`, as kubectl names a pod's container."""
+        return "/".join(part for part in (self.namespace, self.pod, self.container) if part)
+
+
+def pod_name(annotations: Mapping[str, str]) -> PodName | None:
+    for _, _, namespace_key, pod_key, container_key in CRI_KEYS:
+        namespace = annotations.get(namespace_key, "")
+        pod = annotations.get(pod_key, "")
+        if namespace and pod:
+            return PodName(namespace, pod, annotations.get(container_key, ""))
+    return None
+
+
+class ContainerIdentity(NamedTuple):
     id: str  # the identity everywhere: a name only says it in words
     name: str | None  # from the runtime's own fields (its record, the annotations it writes)
     runtime: str  # podman, docker, cri-o, containerd, nerdctl, or "container" where none says
@@ -98,7 +132,7 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
     it would take. Its name from the runtime's annotations, else its own record of it."""
     info = procfs.info(state.pid) if state.pid > 0 else None
     cgroup = info.cgroup if info is not None else None
-    cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path, state.id)
+    cgroup = cgroup if cgroup and cgroup != "/" else cgroup_of_spec(spec.cgroups_path)
     own = own_cgroup(cgroup, state.id)
     if own is None:
         where = f"cgroup {printable(cgroup, CGROUP)}" if cgroup else "no cgroup the hook can read"
@@ -126,6 +160,45 @@ def identify(state: ContainerState, spec: ContainerSpec, procfs: ProcFs) -> Cont
         around=None if own.unit else system_unit_of_cgroup(own.cgroup),
         pod=pod_name(annotations) if runtime in ("containerd", "cri-o") else None,
     )
+
+
+def runtime_name(annotations: Mapping[str, str], runtime: str) -> str | None:
+    """The name (`pod/container`) runtime itself wrote; None for a runtime that writes none."""
+    keys = RUNTIME_NAME_ANNOTATIONS.get(runtime)
+    if keys is None:
+        return None
+    name = bounded(annotations.get(keys[0], "").lstrip("/"))
+    pod = bounded(annotations.get(keys[1], ""))
+    return bounded(f"{pod}/{name}") if name and pod else name
+
+
+def claimed_name(annotations: Mapping[str, str]) -> tuple[str, str] | None:
+    """(annotation, name) of the first name the container's author may have set."""
+    named = ((key, bounded(annotations.get(key, ""))) for key in CLAIMED_NAME_ANNOTATIONS)
+    return next(((key, name) for key, name in named if name), None)
+
+
+def bounded(text: str) -> str | None:
+    """At most MAX_FIELD characters, without the blanks around them; None where none is left."""
+    return text[:MAX_FIELD].strip() or None
+
+
+def cgroup_of_spec(cgroups_path: str | None) -> str | None:
+    """linux.cgroupsPath as a cgroup: `slice:prefix:name` (the systemd driver) is the scope
+    `/slice/prefix-name.scope` (`a-b.slice` nests as `/a.slice/a-b.slice`); an absolute path
+    (cgroupfs) is itself."""
+    if not cgroups_path or cgroups_path.startswith("/"):
+        return cgroups_path or None
+    parts = cgroups_path.split(":")
+    if len(parts) != 3 or not all(parts[1:]):
+        return None
+    slice_name, prefix, name = parts
+    slice_name = slice_name or "system.slice"
+    if not slice_name.endswith(".slice") or "/" in slice_name or slice_name == "-.slice":
+        return None
+    words = slice_name[: -len(".slice")].split("-")
+    nested = "".join("/" + "-".join(words[: i + 1]) + ".slice" for i in range(len(words)))
+    return nested + "/" + (name if name.endswith(".slice") else f"{prefix}-{name}.scope")
 
 
 def docker_name(container_id: str, root: Path = DOCKER_CONFIG) -> str | None:

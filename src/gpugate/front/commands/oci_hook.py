@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from gpugate.host.nvml import GpuDriver
+    from gpugate.host.oci import ContainerSpec, ContainerState
     from gpugate.host.systemd import HostRoots
 
 # OCI runtime-spec's hook stages; gpugate acts at the first two and the last (container_hook.py).
@@ -44,58 +45,59 @@ def main(
         print(USAGE, file=sys.stderr)
         return int(ExitCode.USAGE)
     stage = argv[0]
+    # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
     why = not_host_root()
-    if why is not None:
-        # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
-        return not_gated(stage, why)
     try:
-        state = parse_state(read_stdin_bounded())
-        if stage not in ACTING:
-            return int(ExitCode.OK)
-        try:
-            raw = read_config(state.bundle)
-        except BadInput:
-            if stage == "poststop":  # the runtime may have removed the bundle already;
-                return int(ExitCode.OK)  # the lease is stale once the scope is gone
-            raise
-        spec = parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
+        found = read_input(stage) if why is None or stage in ACTING[:2] else None
     except BadInput as exc:
+        if why is not None:
+            return int(ExitCode.OK)
         from gpugate.report.lines import hook_failed  # noqa: PLC0415 (a failure's words)
 
         print(hook_failed(stage, exc.message), file=sys.stderr)
         return int(exc.exit_code)
-    if not spec.gpus or is_sandbox(state.id, {**spec.annotations, **state.annotations}):
-        return int(ExitCode.OK)  # no GPU asked for, or a pod's sandbox: not gpugate's container
+    if found is None or not found[1].gpus:
+        return int(ExitCode.OK)  # no GPU asked for, or nothing to do at this stage
+    state, spec = found
+    if why is not None:
+        return not_gated(stage, state.id, why)
+    if is_sandbox(state.id, {**spec.annotations, **state.annotations}):
+        return int(ExitCode.OK)  # a pod's sandbox: not gpugate's container
     from gpugate.front.container_hook import run_from_hook  # noqa: PLC0415
 
     return run_from_hook(stage, state, spec, roots=roots, config=config, driver=driver_factory)
 
 
-def not_gated(stage: str, why: str) -> int:
-    """A hook that is not the host's root: exit 0 whatever its input, touching nothing; at a
-    start stage of a container that asks for GPUs, one journal line saying it is not gated."""
-    if stage not in ("createRuntime", "prestart"):
-        return int(ExitCode.OK)
+def read_input(stage: str) -> tuple[ContainerState, ContainerSpec] | None:
+    """The state on stdin and its bundle's spec; None where the stage has nothing to do."""
+    state = parse_state(read_stdin_bounded())
+    if stage not in ACTING:
+        return None
     try:
-        state = parse_state(read_stdin_bounded())
-        spec = parse_config(read_config(state.bundle), f"{state.bundle}/config.json")
+        raw = read_config(state.bundle)
     except BadInput:
-        return int(ExitCode.OK)
-    if spec.gpus:
-        # Loaded only here: a rootless GPU container's start, not every container's.
-        from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
+        if stage == "poststop":  # the runtime may have removed the bundle already;
+            return None  # the lease is stale once the scope is gone
+        raise
+    return state, parse_config(raw, f"{state.bundle}/config.json", lenient=stage == "poststop")
 
-        reporter = Reporter(
-            f"container-{state.id}", stage, echo=False, fields={"GPUGATE_OCI_CONTAINER": state.id}
+
+def not_gated(stage: str, container_id: str, why: str) -> int:
+    """A hook that is not the host's root touches nothing and exits 0; at the start of a
+    container that asks for GPUs it sends one journal line saying it is not gated."""
+    # Loaded only here: a rootless GPU container's start, not every container's.
+    from gpugate.report.journal import PRIORITY_NOTICE, Event, Reporter  # noqa: PLC0415
+
+    fields = {"GPUGATE_OCI_CONTAINER": container_id}
+    reporter = Reporter(f"container-{container_id}", stage, echo=False, fields=fields)
+    try:
+        reporter.event(
+            Event.WARNING,
+            f"not gated: the container's runtime is not the host's root ({why}); gpugate "
+            "gates only containers of root's runtimes (docs/containers.md)",
+            priority=PRIORITY_NOTICE,
+            reason=NOT_ROOT,
         )
-        try:
-            reporter.event(
-                Event.WARNING,
-                f"not gated: the container's runtime is not the host's root ({why}); gpugate "
-                "gates only containers of root's runtimes (docs/containers.md)",
-                priority=PRIORITY_NOTICE,
-                reason=NOT_ROOT,
-            )
-        except Exception:  # noqa: BLE001 - no journal (python-systemd missing): still exit 0
-            return int(ExitCode.OK)
+    except Exception:  # noqa: BLE001 - no journal (python-systemd missing): still exit 0
+        return int(ExitCode.OK)
     return int(ExitCode.OK)
