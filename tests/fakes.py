@@ -4,6 +4,7 @@ processes, a journal and a notifier that record what they were told."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -21,7 +22,7 @@ import pytest
 from gpugate.config.file import LoadedConfig
 from gpugate.config.schema import GateConfig
 from gpugate.core.outcome import RunSummary
-from gpugate.core.run import RunDeps, RunScope
+from gpugate.core.run import RunScope
 from gpugate.errors import GateError, GpuError
 from gpugate.front.hook import Hook, run_phase
 from gpugate.host.nvml import Gpu, GpuFault, GpuProcess, GpuUsage, MigSlice, mig_key
@@ -306,12 +307,8 @@ class FakeHost:
         self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any
     ) -> RunSummary:
         """gpugate's run_phase on this host: the unit's stand-in cgroup, these roots."""
-        scope = RunScope(
-            Phase(phase),
-            UNIT,
-            kwargs.pop("unit_cgroup", UNIT_CGROUP),
-            for_uid=kwargs.pop("for_uid", None),
-        )
+        cgroup = kwargs.pop("unit_cgroup", UNIT_CGROUP)
+        scope = RunScope(Phase(phase), UNIT, lambda: cgroup, for_uid=kwargs.pop("for_uid", None))
         return run_unit_phase(scope, loaded, reporter, roots=self.roots, **kwargs)
 
     def config(self, **overrides: object) -> LoadedConfig:
@@ -352,29 +349,17 @@ def run_unit_phase(
     """A unit's phase run as the front wires it, with the tests' stand-ins: environ (the
     hook's environment, default ours), unit_env (systemd's answer), shm_host (areas -> the
     shm files' host side); kwargs: UnitContext's guard_manual_run, active_state, ignore_leases, unit_state,
-    and RunDeps's driver_factory, pinner, clock."""
+    and RunScope's driver_factory, pinner, clock."""
     unit = {
         k: kwargs.pop(k)
         for k in ("guard_manual_run", "active_state", "ignore_leases", "unit_state")
         if k in kwargs
     }
-    context = UnitContext(
-        os.environ if environ is None else environ, roots, environment=unit_env, **unit
-    )
-    run_deps = kwargs
+    context = UnitContext(os.environ if environ is None else environ, environment=unit_env, **unit)
     if shm_host is not None:
-        run_deps["shm_host"] = lambda areas, proc_root: shm_host(areas)
-    hook = Hook(
-        scope.phase,
-        scope.unit,
-        lambda: scope.unit_cgroup,
-        context.surroundings,
-        reporter,
-        RunDeps(roots=roots, **run_deps),
-        dry_run=dry_run,
-        for_uid=scope.for_uid,
-    )
-    return run_phase(hook, loaded)
+        kwargs["shm_host"] = lambda areas, proc_root: shm_host(areas)
+    scope = dataclasses.replace(scope, roots=roots, dry_run=dry_run, **kwargs)
+    return run_phase(Hook(scope, context.surroundings, reporter), loaded)
 
 
 NOBODY = 65534

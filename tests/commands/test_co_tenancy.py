@@ -71,7 +71,7 @@ def unit(  # type: ignore[no-untyped-def]
 ):
     reporter = Reporter(name, phase, journal=host.journal, notifier=host.notifier, echo=False)
     return run_unit_phase(
-        RunScope(Phase(phase), name, f"/system.slice/{name}"),
+        RunScope(Phase(phase), name, lambda: f"/system.slice/{name}"),
         loaded,
         reporter,
         roots=host.roots,

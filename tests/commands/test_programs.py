@@ -196,7 +196,7 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
 ) -> None:
     """Not an internal error (70): exit 69 and one journal entry naming systemctl."""
     from gpugate.core.outcome import PlainWorkload
-    from gpugate.core.run import RunDeps
+    from gpugate.core.run import RunScope
     from gpugate.front.hook import Hook, run_hook
     from gpugate.phase import Phase
 
@@ -208,13 +208,17 @@ def test_a_hook_whose_systemctl_hangs_says_so_in_the_journal(
     monkeypatch.setattr(systemd, "systemd_running", lambda: True)
     monkeypatch.setattr(systemd, "SYSTEMCTL_TIMEOUT_S", 0.3)
     (orphan,) = host.pool.holder(host.gpu_files(0))
-    hook = Hook(
+    scope = RunScope(
         Phase.PRE,
         "vllm.service",
         lambda: systemd.resolve_unit_cgroup("vllm.service", host.cgroup_root),
+        roots=host.roots,
+        driver_factory=lambda: host.memory,
+    )
+    hook = Hook(
+        scope,
         lambda scope, loaded, reporter: PlainWorkload(loaded),
         host.reporter("pre"),
-        RunDeps(roots=host.roots, driver_factory=lambda: host.memory),
         metrics_unit="vllm.service",
         stream=io.StringIO(),
     )

@@ -52,7 +52,9 @@ def run(  # type: ignore[no-untyped-def]
         unit, phase, journal=journal or host.journal, notifier=host.notifier, echo=False
     )
     return run_unit_phase(
-        RunScope(Phase(phase), unit, UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"),
+        RunScope(
+            Phase(phase), unit, lambda: UNIT_CGROUP if unit == UNIT else f"/system.slice/{unit}"
+        ),
         loaded or host.config(),
         reporter,
         roots=host.roots,

@@ -185,7 +185,7 @@ def test_any_json_parses_to_a_sane_record_or_is_refused(data: Any) -> None:
 def run(host: FakeHost, phase: str, **kwargs: Any) -> Any:
     reporter = Reporter(UNIT, phase, journal=host.journal, notifier=host.notifier, echo=False)
     return run_unit_phase(
-        RunScope(Phase(phase), UNIT, UNIT_CGROUP),
+        RunScope(Phase(phase), UNIT, lambda: UNIT_CGROUP),
         kwargs.pop("loaded", host.config(gpus=[0, 1])),
         reporter,
         roots=host.roots,

@@ -7,6 +7,7 @@ import io
 
 import pytest
 
+from gpugate.core.run import RunScope
 from gpugate.front.hook import Hook
 from gpugate.phase import Phase
 from gpugate.report.journal import Event, Reporter
@@ -28,7 +29,8 @@ def test_a_dry_runs_echo_once_broken_stays_off(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr("sys.stdout", pipe)
     journal = RecordingJournal()
     reporter = Reporter("m.service", "pre", journal=journal, notifier=RecordingNotifier())
-    hook = Hook(Phase.PRE, "m.service", lambda: "/m", lambda *a: None, reporter, dry_run=True)  # type: ignore[arg-type,return-value]
+    scope = RunScope(Phase.PRE, "m.service", lambda: "/m", dry_run=True)
+    hook = Hook(scope, lambda *a: None, reporter)  # type: ignore[arg-type,return-value]
     for _ in range(3):  # the run's narrator, its failure's, the metrics warning's
         hook.narrator().reporter.event(Event.RUN_STARTED, "looking")
     assert pipe.tries == 1

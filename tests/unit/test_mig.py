@@ -266,7 +266,7 @@ A, B, WHOLE = "a.service", "b.service", "whole.service"
 def unit_run(host: FakeHost, phase: str, unit: str, gpus: list[object], **kwargs: object):  # type: ignore[no-untyped-def]
     reporter = Reporter(unit, phase, journal=host.journal, notifier=host.notifier, echo=False)
     return run_unit_phase(
-        RunScope(Phase(phase), unit, f"/system.slice/{unit}"),
+        RunScope(Phase(phase), unit, lambda: f"/system.slice/{unit}"),
         host.config(gpus=gpus),
         reporter,
         roots=host.roots,

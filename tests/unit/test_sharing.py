@@ -135,8 +135,8 @@ def test_a_unit_with_share_gpus_shares_every_gpu_it_owns(host: FakeHost) -> None
     found = discovery(table, holders_on(table, {10: {2}}), [2, 3])
     for share, expected in ((True, {2, 3}), (False, set())):
         loaded = host.config(gpus=[2, 3], share_gpus=share)
-        context = UnitContext(os.environ, host.roots)
-        scope = RunScope(Phase.PRE, UNIT, UNIT_CGROUP)
+        context = UnitContext(os.environ)
+        scope = RunScope(Phase.PRE, UNIT, lambda: UNIT_CGROUP, roots=host.roots)
         reporter = Reporter(UNIT, "pre", journal=RecordingJournal(), echo=False)
         surroundings = context.surroundings(scope, loaded, reporter)
         assert surroundings.shared_gpus(found) == expected

@@ -18,7 +18,7 @@ from gpugate.core.outcome import (
     Transition,
     Workload,
 )
-from gpugate.core.run import PhaseRun, RunDeps, RunScope
+from gpugate.core.run import PhaseRun, RunScope
 from gpugate.errors import Interrupted, NvmlUnavailable
 from gpugate.front.commands.slurm import job_workload, with_job_gpus
 from gpugate.front.hook import stopped_by_signals
@@ -36,9 +36,10 @@ def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **conf
     if dry_run:
         reporter = reporter.as_dry_run()
     surroundings: Workload = PlainWorkload(loaded)
-    deps = RunDeps(roots=host.roots, driver_factory=lambda: host.memory)
-    scope = RunScope(Phase(phase), UNIT, UNIT_CGROUP)
-    return PhaseRun(scope, Narrator(reporter).tell, surroundings, deps, dry_run=dry_run)
+    scope = RunScope(
+        Phase(phase), UNIT, lambda: UNIT_CGROUP, None, dry_run, host.roots, lambda: host.memory
+    )
+    return PhaseRun(scope, Narrator(reporter).tell, surroundings)
 
 
 def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
@@ -156,10 +157,9 @@ def test_a_degraded_run_names_its_own_phases_setting_whatever_its_reporter(
         raise NvmlUnavailable("NVML: driver not loaded")
 
     loaded = host.config(gpus=[0], pre={"on_nvml_error": "warn"})
-    deps = RunDeps(roots=host.roots, driver_factory=no_nvml)
-    scope = RunScope(Phase.PRE, UNIT, UNIT_CGROUP)
+    scope = RunScope(Phase.PRE, UNIT, lambda: UNIT_CGROUP, roots=host.roots, driver_factory=no_nvml)
     tell = Narrator(host.reporter("sweep")).tell
-    assert PhaseRun(scope, tell, PlainWorkload(loaded), deps, dry_run=False).run().degraded
+    assert PhaseRun(scope, tell, PlainWorkload(loaded)).run().degraded
     (warned,) = host.journal.events("warning")
     assert warned["GPUGATE_REASON"] == "nvml-degraded"
     assert "; pre.on_nvml_error = warn:" in warned["MESSAGE"]
@@ -192,7 +192,7 @@ def test_an_interrupted_run_names_its_stage_as_a_code(host: FakeHost) -> None:
     reporter = host.reporter("pre")
     reporter.journal = journal
     loaded = host.config(gpus=[0], pre={"wait_timeout_s": 60})
-    scope = RunScope(Phase.PRE, UNIT, UNIT_CGROUP)
+    scope = RunScope(Phase.PRE, UNIT, lambda: UNIT_CGROUP)
     with pytest.raises(Interrupted) as caught, stopped_by_signals():
         run_unit_phase(
             scope,

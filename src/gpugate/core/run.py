@@ -6,10 +6,12 @@ and `outcome.NEXT_STAGE` says where that leads."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from gpugate.config.file import LoadedConfig
 from gpugate.core import outcome
@@ -59,22 +61,28 @@ PROGRESS_EVERY_S = 1.0
 LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
 
 
-class RunScope(NamedTuple):
+@dataclass(frozen=True)
+class RunScope:
+    """What one run is about, built once by its command and carried whole (by the Hook, to
+    the run and its surroundings), and what it reaches the host through: production's
+    defaults, each a test's stand-in."""
+
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
-    unit_cgroup: str  # every process in it dies (a Slurm job's cgroup for Slurm)
+    locate_cgroup: Callable[[], str]  # its unit_cgroup, located once as the run starts
     # `gpugate run` by an account that is not root: only that account's processes die
     for_uid: int | None = None
-
-
-class RunDeps(NamedTuple):
-    """What the run reaches the host through: production's defaults, each a test's stand-in."""
-
-    roots: HostRoots = HostRoots()
+    dry_run: bool = False
+    roots: HostRoots = field(default_factory=HostRoots)
     driver_factory: Callable[[], GpuDriver] = NvmlDriver  # opened by the run, closed after
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin
     clock: Callable[[], float] = time.monotonic
     shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
+
+    @functools.cached_property
+    def unit_cgroup(self) -> str:
+        """Every process in it dies (a Slurm job's cgroup for Slurm)."""
+        return self.locate_cgroup()
 
 
 class PhaseRun:
@@ -85,17 +93,14 @@ class PhaseRun:
         scope: RunScope,
         tell: Callable[[RunEvent], None],
         surroundings: Workload,
-        deps: RunDeps,
-        *,
-        dry_run: bool,
     ) -> None:
         self.scope, self.tell, self.surroundings = scope, tell, surroundings
-        self.deps, self.dry_run = deps, dry_run
+        self.dry_run = scope.dry_run
         self.loaded: LoadedConfig = surroundings.loaded  # the unit's GPUs resolved
         self.config = self.loaded.config
         self.policy = self.config.policy(scope.phase)
-        self.procfs = ProcFs(deps.roots.proc)  # cached only inside a round's oneshot()
-        self.clock = deps.clock
+        self.procfs = ProcFs(scope.roots.proc)  # cached only inside a round's oneshot()
+        self.clock = scope.clock
         self.started = self.clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
@@ -163,7 +168,7 @@ class PhaseRun:
             self.without_nvml()
         else:
             try:
-                driver = self.deps.driver_factory()
+                driver = self.scope.driver_factory()
             except NvmlUnavailable as exc:
                 self.without_nvml(exc)
         try:
@@ -250,7 +255,7 @@ class PhaseRun:
                 DiscoveryQuery(self.scope.unit, self.scope.unit_cgroup, wanted, self.loaded.source),
                 driver=self.driver,
                 procfs=self.procfs,
-                roots=self.deps.roots,
+                roots=self.scope.roots,
                 ports=self.ports,
                 containers=self.config.containers,
                 deadline=Deadline(self.deadline, self.clock),
@@ -386,7 +391,7 @@ class PhaseRun:
             procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
             on_signal=lambda ident, signum: self.tell(outcome.SignalSent(by_ident[ident], signum)),
             on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
-            pinner=self.deps.pinner,
+            pinner=self.scope.pinner,
             clock=self.clock,
         )
         self.summary.killed.extend(result.terminated + result.killed)
@@ -464,7 +469,7 @@ class PhaseRun:
         if busy:
             self.note(waiting_on=tuple(busy))
         self.note(last_busy=tuple(busy))
-        ports = sorted(set(listening_sockets(self.deps.roots.proc, self.ports).values()))
+        ports = sorted(set(listening_sockets(self.scope.roots.proc, self.ports).values()))
         under_way = self.watch.pending(self.procfs) if self.watch.watched else []
         return busy, ports, under_way
 
@@ -533,7 +538,7 @@ class PhaseRun:
     def clean_shm(self) -> None:
         """The killed's /dev/shm files (a dry run: those it would kill), once they are gone;
         then, before a start, the free space the next start needs."""
-        host = self.deps.shm_host(self.shm_areas, self.deps.roots.proc)
+        host = self.scope.shm_host(self.shm_areas, self.scope.roots.proc)
         label = self.shm_label
         freed = 0
         if self.policy.remove_shm:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
-from gpugate.core.run import RunDeps
+from gpugate.core.run import RunScope
 from gpugate.errors import BadInput, ExitCode, GateError
 from gpugate.front.hook import Hook, run_hook, stopped_by_signals
 from gpugate.host.nvml import GpuDriver, NvmlDriver
@@ -72,20 +72,19 @@ def run_container_hook(
                 driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
-        context = UnitContext({}, roots, unit_state=unit_state, choice=choice)
-        context = context._replace(container=identity.label, around=identity.around)
+        context = UnitContext(
+            {},
+            unit_state=unit_state,
+            choice=choice,
+            container=identity.label,
+            around=identity.around,
+        )
         top = identity.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
-        hook = Hook(
-            phase,
-            identity.unit,
-            lambda: cgroup,
-            context.surroundings,
-            reporter,
-            RunDeps(roots=roots, driver_factory=lambda: driver),
-            metrics_unit=METRICS_UNIT,
-            stream=stream,
+        scope = RunScope(
+            phase, identity.unit, lambda: cgroup, roots=roots, driver_factory=lambda: driver
         )
+        hook = Hook(scope, context.surroundings, reporter, METRICS_UNIT, stream)
         return int(run_hook(hook, loaded).exit_code)
 
 

@@ -29,7 +29,6 @@ from gpugate.errors import (
 )
 from gpugate.host.nvml import Gpu
 from gpugate.host.systemd import (
-    HostRoots,
     UnitEnvironment,
     active_state,
     own_unit,
@@ -106,7 +105,6 @@ class UnitContext(NamedTuple):
     """The unit's hook: its environment, the options; systemd's answers (tests: stand-ins)."""
 
     environ: Mapping[str, str]  # the hook's (INVOCATION_ID, SERVICE_RESULT)
-    roots: HostRoots = HostRoots()
     # `gpugate pre|post` without --force or --dry-run; never for a container's hook.
     guard_manual_run: bool = False
     active_state: Callable[[str], str | None] = active_state  # the guard's
@@ -125,7 +123,7 @@ class UnitContext(NamedTuple):
         """Made once the run's scope and config are known (Hook.surroundings)."""
         narration = Narrator(reporter)
         environment = self.environment or (
-            None if self.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
+            None if scope.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
         )
         choice = self.choice or choose_gpus(scope.unit, loaded, environment)
         made = UnitWorkload(scope, with_chosen_gpus(loaded, choice), self, choice, narration)
@@ -166,7 +164,7 @@ class UnitWorkload(Workload):
         if not context.guard_manual_run:
             return
         state = manual_run_guard(
-            scope.phase, scope.unit, context.active_state, context.environ, context.roots.proc
+            scope.phase, scope.unit, context.active_state, context.environ, scope.roots.proc
         )
         if state is not None:
             would_kill = [describe(choice) for choice in decision.targets]
@@ -252,7 +250,7 @@ class UnitWorkload(Workload):
         return source, None
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
-        config, roots = self.loaded.config, self.context.roots
+        config, roots = self.loaded.config, self.scope.roots
         unit_state = self.context.unit_state or functools.partial(
             unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
         )

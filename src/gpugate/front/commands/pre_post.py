@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from gpugate.core.run import RunDeps
+from gpugate.core.run import RunScope
 from gpugate.errors import UnknownUnit
 from gpugate.front.hook import Hook, HostAccess, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
@@ -36,21 +36,20 @@ def pre_post(
     loaded = load_config(unit, config)
     context = UnitContext(
         front.environ,
-        roots,
         guard_manual_run=not (force or dry_run),
         active_state=front.unit_state,
         ignore_leases=ignore_leases,
     )
-    hook = Hook(
+    scope = RunScope(
         phase,
         unit,
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
-        context.surroundings,
-        front.reporter_factory(unit, phase.value),
-        RunDeps(roots=roots, driver_factory=front.driver_factory),
-        metrics_unit=unit,
-        dry_run=dry_run,
-        for_uid=for_uid,
+        for_uid,
+        dry_run,
+        roots,
+        front.driver_factory,
     )
+    reporter = front.reporter_factory(unit, phase.value)
+    hook = Hook(scope, context.surroundings, reporter, metrics_unit=unit)
     with stopped_by_signals():
         return int(run_hook(hook, loaded).exit_code)

@@ -19,7 +19,7 @@ from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import GpuRef, parse_gpu_text
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import UNKILLABLE, Blocker, PlainWorkload, RunSummary
-from gpugate.core.run import RunDeps
+from gpugate.core.run import RunScope
 from gpugate.errors import BadInput, ExitCode, GateError, GresUnresolved, InvalidValue
 from gpugate.front.hook import (
     Hook,
@@ -210,15 +210,16 @@ def slurm(
             print(lines.error(exc.message), file=sys.stderr)
             result = exc
         else:
-            hook = Hook(
+            scope = RunScope(
                 phase,
                 job.label,
                 lambda: job_cgroup(job.job_id, roots.cgroup, job.node_name),
-                lambda scope, loaded, reporter: job_workload(loaded, shards),
-                reporter,
-                RunDeps(roots=roots, driver_factory=driver_factory),
-                metrics_unit=METRICS_UNIT,
                 dry_run=dry_run,
+                roots=roots,
+                driver_factory=driver_factory,
+            )
+            hook = Hook(
+                scope, lambda _, loaded, _r: job_workload(loaded, shards), reporter, METRICS_UNIT
             )
             result = run_hook(hook, loaded)
         code = result.exit_code

@@ -16,7 +16,7 @@ from gpugate.config.file import LoadedConfig, replaced
 from gpugate.core.discover import Discovery
 from gpugate.core.outcome import PlainWorkload
 from gpugate.core.roles import OWNERS, HolderOwner, Owner, holds_memory, owner_of
-from gpugate.core.run import RunDeps
+from gpugate.core.run import RunScope
 from gpugate.errors import ExitCode, GateError
 from gpugate.front.hook import Hook, HostAccess, collect, run_hook, set_drain_reason
 from gpugate.host.logind import Logind
@@ -188,15 +188,19 @@ def reap(
     pre = replaced(loaded.config.pre, kill_orphans=True)
     config = replaced(loaded.config, gpus=tuple(gpu.uuid for gpu in gpus), pre=pre)
     reaping = loaded._replace(config=config)
-    hook = Hook(
+    scope = RunScope(
         Phase.PRE,
         SWEEP_UNIT,
         lambda: SWEEP_CGROUP,
+        roots=front.host_roots(),
+        driver_factory=front.driver_factory,
+    )
+    hook = Hook(
+        scope,
         lambda _scope, loaded, _reporter: LeaseRecheck(
             loaded, "", False, front.unit_state, tuple(watchers)
         ),
         reporter,
-        RunDeps(roots=front.host_roots(), driver_factory=front.driver_factory),
     )
     return int(run_hook(hook, reaping).exit_code)  # no run record: the sweep's gauges say it
 
