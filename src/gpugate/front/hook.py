@@ -20,6 +20,7 @@ from types import FrameType
 from typing import TextIO
 
 from gpugate.config.file import LoadedConfig
+from gpugate.config.values import GpuSelection
 from gpugate.core.discover import Discovery, DiscoveryQuery, as_refs, cgroup_members, discover
 from gpugate.core.outcome import RunSummary, Workload, interrupted
 from gpugate.core.run import TIMEOUT_MARGIN_S, PhaseRun, RunScope
@@ -28,7 +29,7 @@ from gpugate.host.locks import check_all
 from gpugate.host.logind import SESSIONS_DIR
 from gpugate.host.nvml import Gpu, GpuDriver, NvmlDriver
 from gpugate.host.safe_files import find_program, run_program
-from gpugate.host.scan import Deadline, ProcFs, WatchScan
+from gpugate.host.scan import NO_DEADLINE, Deadline, ProcFs, WatchScan
 from gpugate.host.shm import find_areas, host_root
 from gpugate.host.systemd import (
     CgroupLayout,
@@ -202,33 +203,24 @@ def collect(
     check before the start): the unit's GPUs; no process is in its cgroup yet, and an NVML
     error on them fails the check, as it fails the unit's pre."""
     roots = roots or HostRoots()
-    procfs = procfs or ProcFs(roots.proc)
-    config = loaded.config
+    cgroup, checking = NO_UNIT_CGROUP, False
+    wanted: GpuSelection = "all"
     if starting is not None and unit is not None:
-        return discover(
-            DiscoveryQuery(unit, f"/system.slice/{unit}", as_refs(starting), loaded.source),
-            driver=driver,
-            procfs=procfs,
-            roots=roots,
-            containers=config.containers,
-            ports=config.ports,
-        )
-    cgroup = NO_UNIT_CGROUP
-    if unit is not None:
+        cgroup, wanted, checking = f"/system.slice/{unit}", as_refs(starting), True
+    elif unit is not None:
         environment = None if roots.ask_systemd else (lambda _: None)
         loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
         cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
+        wanted = loaded.config.selection()
     return discover(
-        DiscoveryQuery(
-            unit or "", cgroup, "all" if unit is None else loaded.config.selection(), loaded.source
-        ),
+        DiscoveryQuery(unit or "", cgroup, wanted, loaded.source),
         driver=driver,
-        procfs=procfs,
+        procfs=procfs or ProcFs(roots.proc),
         roots=roots,
         ports=() if unit is None else loaded.config.ports,
         containers=loaded.config.containers,
-        strict_faults=False,
-        deadline=Deadline(time.monotonic() + STATUS_SCAN_S),
+        strict_faults=checking,
+        deadline=NO_DEADLINE if checking else Deadline(time.monotonic() + STATUS_SCAN_S),
         watch=watch,
         listed_within_mib=loaded.config.free_mib if listed_first else None,
     )
