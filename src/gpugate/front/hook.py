@@ -208,8 +208,7 @@ def collect(
     if starting is not None and unit is not None:
         cgroup, wanted, checking = f"/system.slice/{unit}", as_refs(starting), True
     elif unit is not None:
-        environment = None if roots.ask_systemd else (lambda _: None)
-        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, environment))
+        loaded = with_chosen_gpus(loaded, choose_gpus(unit, loaded, ask_systemd=roots.ask_systemd))
         cgroup = resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd)
         wanted = loaded.config.selection()
     return discover(

@@ -74,12 +74,17 @@ def choose_gpus(
     unit: str | None,
     loaded: LoadedConfig,
     environment: Callable[[str], UnitEnvironment | None] | None = None,
+    *,
+    ask_systemd: bool = True,
 ) -> GpuChoice:
     """`gpus = "auto"`: the unit's CUDA_VISIBLE_DEVICES, else NVIDIA_VISIBLE_DEVICES, as
-    systemd gives them to the unit (environment; never gpugate's own), else every GPU."""
+    systemd gives them to the unit (environment, default systemd's where it may be asked;
+    never gpugate's own), else every GPU."""
     if loaded.config.gpus != "auto":
         return GpuChoice(loaded.config.gpus, f"gpus in {loaded.source}")
-    env = (environment or unit_environment)(unit) if unit else None
+    if environment is None:
+        environment = unit_environment if ask_systemd else (lambda _unit: None)
+    env = environment(unit) if unit else None
     if env is not None:
         for variable in VARIABLES:
             if variable in env.variables:
@@ -122,10 +127,8 @@ class UnitContext(NamedTuple):
     ) -> UnitWorkload:
         """Made once the run's scope and config are known (Hook.surroundings)."""
         narration = Narrator(reporter)
-        environment = self.environment or (
-            None if scope.roots.ask_systemd else (lambda _unit: None)  # None: systemd's
-        )
-        choice = self.choice or choose_gpus(scope.unit, loaded, environment)
+        ask = scope.roots.ask_systemd
+        choice = self.choice or choose_gpus(scope.unit, loaded, self.environment, ask_systemd=ask)
         made = UnitWorkload(scope, with_chosen_gpus(loaded, choice), self, choice, narration)
         if scope.phase.traits.reads_failed_start:
             told = narration.failed_start_unreadable if self.container is None else None
@@ -196,9 +199,7 @@ class UnitWorkload(Workload):
                     lease.unit, lease.holder_text(), [g.index for g in gpus]
                 )
         elif check.conflicts:
-            container = self.context.container
-            self.refusal = check.refusal(*self._share_setting(), container=container is not None)
-            self.narration.lease_refused(self.refusal, check.conflicted(), who=container)
+            self.refusal = self._refused(check, first=True)
         return self.refusal is not None
 
     def reserve(self, owned: Sequence[Gpu]) -> None:
@@ -235,19 +236,22 @@ class UnitWorkload(Workload):
             return
         check = self._check_leases(owned)
         if check.conflicts:
-            container = self.context.container
-            refusal = check.refusal(*self._share_setting(), container=container is not None)
-            self.narration.lease_refused(refusal, check.conflicted(), first=False, who=container)
+            self._refused(check, first=False)
 
-    def _share_setting(self) -> tuple[str, str | None]:
-        """Where this workload's share_gpus is set, and how it would share, in words."""
+    def _refused(self, check: records.LeaseCheck, *, first: bool) -> str:
+        """The refusal, said: it names where this workload's share_gpus is set and how it
+        would share."""
         context, source = self.context, self.loaded.source
         if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
-            return "--share-gpus", "start it with gpugate run --share-gpus"
-        if source == BUILTIN_SOURCE:
-            own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
-            source = own if context.container is None else records.CONTAINERS_CONFIG
-        return source, None
+            refusal = check.refusal("--share-gpus", "start it with gpugate run --share-gpus")
+        else:
+            if source == BUILTIN_SOURCE:
+                own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
+                source = own if context.container is None else records.CONTAINERS_CONFIG
+            refusal = check.refusal(source, None, container=context.container is not None)
+        who = context.container
+        self.narration.lease_refused(refusal, check.conflicted(), first=first, who=who)
+        return refusal
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:
         config, roots = self.loaded.config, self.scope.roots
