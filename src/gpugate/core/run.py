@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpugate.config.file import LoadedConfig
 from gpugate.core import outcome
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, DiscoveryQuery, discover
@@ -96,14 +95,15 @@ class PhaseRun:
     ) -> None:
         self.scope, self.tell, self.surroundings = scope, tell, surroundings
         self.dry_run = scope.dry_run
-        self.loaded: LoadedConfig = surroundings.loaded  # the unit's GPUs resolved
-        self.config = self.loaded.config
+        self.config = surroundings.loaded.config  # the unit's GPUs resolved
         self.policy = self.config.policy(scope.phase)
         self.procfs = ProcFs(scope.roots.proc)  # cached only inside a round's oneshot()
         self.clock = scope.clock
         self.started = self.clock()
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
+        source = surroundings.loaded.source
+        self.sought = DiscoveryQuery(scope.unit, scope.unit_cgroup, self.config.selection(), source)
         self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
         self.driver: GpuDriver = NoGpus()
         self.announced = False  # the run's first entry is said once, even if NVML fails after
@@ -207,6 +207,7 @@ class PhaseRun:
                 raise error
             self.tell(outcome.Degraded(error, self.scope.phase.value))
         self.summary.degraded = True
+        self.sought = self.sought._replace(wanted=None)  # no GPU
         self.driver = NoGpus()
 
     # -- looking: discover the holders, decide whom to kill
@@ -249,10 +250,9 @@ class PhaseRun:
     def find_holders(self) -> tuple[Discovery, Decision]:
         """One round: discovery and decision over one consistent reading of /proc; the run's
         latest from now on."""
-        wanted = None if self.summary.degraded else self.config.selection()  # degraded: no GPU
         with self.procfs.oneshot():
             found = discover(
-                DiscoveryQuery(self.scope.unit, self.scope.unit_cgroup, wanted, self.loaded.source),
+                self.sought,
                 driver=self.driver,
                 procfs=self.procfs,
                 roots=self.scope.roots,
