@@ -351,18 +351,8 @@ def main(
 
 def _pre_post(args: argparse.Namespace, front: HostAccess) -> int:
     from gpugate.front.commands.pre_post import pre_post  # noqa: PLC0415
-    from gpugate.phase import Phase  # noqa: PLC0415
 
-    return pre_post(
-        front,
-        Phase(args.command),
-        args.unit,
-        args.config,
-        dry_run=args.dry_run,
-        force=args.force,
-        ignore_leases=args.ignore_leases,
-        for_uid=args.for_uid,
-    )
+    return pre_post(args, front)
 
 
 def _slurm(args: argparse.Namespace, front: HostAccess) -> int:

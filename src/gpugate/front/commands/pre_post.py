@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import argparse
 
 from gpugate.core.run import RunScope
 from gpugate.errors import UnknownUnit
@@ -13,38 +13,30 @@ from gpugate.integrations.unit import UnitContext
 from gpugate.phase import Phase
 
 
-def pre_post(
-    front: HostAccess,
-    phase: Phase,
-    unit_given: str | None,
-    config: Path | None,
-    *,
-    dry_run: bool = False,
-    force: bool = False,
-    ignore_leases: bool = False,
-    for_uid: int | None = None,
-) -> int:
-    """force: run by hand against a running unit; for_uid: kill only this account's."""
+def pre_post(args: argparse.Namespace, front: HostAccess) -> int:
+    """From its command line: --force runs by hand against a running unit; the hidden
+    --for-uid kills only that account's processes, --ignore-leases warns of leases."""
+    phase, dry_run = Phase(args.command), args.dry_run
     roots = front.host_roots()  # first: a host gpugate cannot serve says so before anything
-    unit = unit_argument(unit_given) if unit_given else own_unit(roots.proc)
+    unit = unit_argument(args.unit) if args.unit else own_unit(roots.proc)
     if unit is None:
         raise UnknownUnit(
             "no UNIT given and gpugate is not running inside a service's cgroup; pass the "
             "unit (%n in a unit file)"
         )
     validate_unit_name(unit)
-    loaded = load_config(unit, config)
+    loaded = load_config(unit, args.config)
     context = UnitContext(
         front.environ,
-        guard_manual_run=not (force or dry_run),
+        guard_manual_run=not (args.force or dry_run),
         active_state=front.unit_state,
-        ignore_leases=ignore_leases,
+        ignore_leases=args.ignore_leases,
     )
     scope = RunScope(
         phase,
         unit,
         lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
-        for_uid,
+        args.for_uid,
         dry_run,
         roots,
         front.driver_factory,
