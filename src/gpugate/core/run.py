@@ -88,13 +88,9 @@ class PhaseRun:
     """One run of a phase over its state (as supervisor's Subprocess is): `run()` once."""
 
     def __init__(
-        self,
-        scope: RunScope,
-        tell: Callable[[RunEvent], None],
-        surroundings: Workload,
+        self, scope: RunScope, tell: Callable[[RunEvent], None], surroundings: Workload
     ) -> None:
         self.scope, self.tell, self.surroundings = scope, tell, surroundings
-        self.dry_run = scope.dry_run
         self.config = surroundings.loaded.config  # the unit's GPUs resolved
         self.policy = self.config.policy(scope.phase)
         self.procfs = ProcFs(scope.roots.proc)  # cached only inside a round's oneshot()
@@ -149,11 +145,11 @@ class PhaseRun:
             self._with_driver()
         except Interrupted as exc:
             worded = interrupted(exc.signal_name, self.progress)
-            if not self.dry_run:
+            if not self.scope.dry_run:
                 self.surroundings.after_error(worded, self.progress)
             raise worded from None
         except GateError as exc:
-            if not self.dry_run and not isinstance(exc, ManualRunRefused):
+            if not self.scope.dry_run and not isinstance(exc, ManualRunRefused):
                 self.surroundings.after_error(exc, self.progress)
             raise
         return self.summary
@@ -238,7 +234,7 @@ class PhaseRun:
             self.summary.held = [Blocker.of(c) for c in decision.blockers]
             self.found.add(ExitCode.HELD_BY_OTHERS)
             return Transition.REFUSED
-        if self.dry_run:
+        if self.scope.dry_run:
             refused = self.surroundings.refuses_start(discovery.owned, dry_run=True)
             if decision.blockers or refused:
                 self.found.add(ExitCode.HELD_BY_OTHERS)
@@ -526,10 +522,10 @@ class PhaseRun:
         self.summary.exit_code = outcome_code(self.found)
         # A lease first: one that cannot be written is the run's error (exit 73), never a
         # "success" and then an error. post's failed-pre reason comes last (systemctl status).
-        lease_first = self.scope.phase.traits.takes_lease and not self.dry_run
+        lease_first = self.scope.phase.traits.takes_lease and not self.scope.dry_run
         if not lease_first:
             self.tell(outcome.Finished(self.summary))
-        if not self.dry_run:
+        if not self.scope.dry_run:
             self.surroundings.after_run(self.summary)
         if lease_first:
             self.tell(outcome.Finished(self.summary))
