@@ -189,7 +189,7 @@ def collect(
     unit: str | None,
     loaded: LoadedConfig,
     driver: GpuDriver,
-    roots: HostRoots | None = None,
+    roots: HostRoots,
     *,
     procfs: ProcFs | None = None,
     watch: WatchScan | None = None,
@@ -202,7 +202,6 @@ def collect(
     free_mib (`discover`'s listed_within_mib); status reads them all. starting (`gpugate run`'s
     check before the start): the unit's GPUs; no process is in its cgroup yet, and an NVML
     error on them fails the check, as it fails the unit's pre."""
-    roots = roots or HostRoots()
     cgroup, checking = NO_UNIT_CGROUP, False
     wanted: GpuSelection = "all"
     if starting is not None and unit is not None:
