@@ -4,7 +4,6 @@ processes, a journal and a notifier that record what they were told."""
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import signal
@@ -358,7 +357,7 @@ def run_unit_phase(
     context = UnitContext(os.environ if environ is None else environ, environment=unit_env, **unit)
     if shm_host is not None:
         kwargs["shm_host"] = lambda areas, proc_root: shm_host(areas)
-    scope = dataclasses.replace(scope, roots=roots, dry_run=dry_run, **kwargs)
+    scope = scope._replace(roots=roots, dry_run=dry_run, **kwargs)
     return run_phase(Hook(scope, context.surroundings, reporter), loaded)
 
 

@@ -39,7 +39,7 @@ def machine(host: FakeHost, phase: str = "pre", *, dry_run: bool = False, **conf
     scope = RunScope(
         Phase(phase), UNIT, lambda: UNIT_CGROUP, None, dry_run, host.roots, lambda: host.memory
     )
-    return PhaseRun(scope, Narrator(reporter).tell, surroundings)
+    return PhaseRun(scope, UNIT_CGROUP, Narrator(reporter).tell, surroundings)
 
 
 def test_a_kill_goes_through_every_stage(host: FakeHost) -> None:
@@ -159,7 +159,7 @@ def test_a_degraded_run_names_its_own_phases_setting_whatever_its_reporter(
     loaded = host.config(gpus=[0], pre={"on_nvml_error": "warn"})
     scope = RunScope(Phase.PRE, UNIT, lambda: UNIT_CGROUP, roots=host.roots, driver_factory=no_nvml)
     tell = Narrator(host.reporter("sweep")).tell
-    assert PhaseRun(scope, tell, PlainWorkload(loaded)).run().degraded
+    assert PhaseRun(scope, UNIT_CGROUP, tell, PlainWorkload(loaded)).run().degraded
     (warned,) = host.journal.events("warning")
     assert warned["GPUGATE_REASON"] == "nvml-degraded"
     assert "; pre.on_nvml_error = warn:" in warned["MESSAGE"]

@@ -6,12 +6,10 @@ and `outcome.NEXT_STAGE` says where that leads."""
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpugate.core import outcome
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
@@ -60,35 +58,34 @@ PROGRESS_EVERY_S = 1.0
 LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every poll
 
 
-@dataclass(frozen=True)
-class RunScope:
+class RunScope(NamedTuple):
     """What one run is about, built once by its command and carried whole (by the Hook, to
     the run and its surroundings), and what it reaches the host through: production's
     defaults, each a test's stand-in."""
 
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
-    locate_cgroup: Callable[[], str]  # its unit_cgroup, located once as the run starts
+    # the cgroup whose processes all die (a Slurm job's for Slurm), located as the run starts
+    locate_cgroup: Callable[[], str]
     # `gpugate run` by an account that is not root: only that account's processes die
     for_uid: int | None = None
     dry_run: bool = False
-    roots: HostRoots = field(default_factory=HostRoots)
+    roots: HostRoots = HostRoots()
     driver_factory: Callable[[], GpuDriver] = NvmlDriver  # opened by the run, closed after
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin
     clock: Callable[[], float] = time.monotonic
     shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
-
-    @functools.cached_property
-    def unit_cgroup(self) -> str:
-        """Every process in it dies (a Slurm job's cgroup for Slurm)."""
-        return self.locate_cgroup()
 
 
 class PhaseRun:
     """One run of a phase over its state (as supervisor's Subprocess is): `run()` once."""
 
     def __init__(
-        self, scope: RunScope, tell: Callable[[RunEvent], None], surroundings: Workload
+        self,
+        scope: RunScope,
+        unit_cgroup: str,  # scope's, located
+        tell: Callable[[RunEvent], None],
+        surroundings: Workload,
     ) -> None:
         self.scope, self.tell, self.surroundings = scope, tell, surroundings
         self.config = surroundings.loaded.config  # the unit's GPUs resolved
@@ -99,7 +96,7 @@ class PhaseRun:
         self.deadline = self.started + self.policy.wait_timeout_s
         self.summary = RunSummary()
         source = surroundings.loaded.source
-        self.sought = DiscoveryQuery(scope.unit, scope.unit_cgroup, self.config.selection(), source)
+        self.sought = DiscoveryQuery(scope.unit, unit_cgroup, self.config.selection(), source)
         self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
         self.driver: GpuDriver = NoGpus()
         self.announced = False  # the run's first entry is said once, even if NVML fails after

@@ -126,7 +126,7 @@ def run_hook(hook: Hook, loaded: LoadedConfig) -> RunSummary | GateError:
 def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
     """The phase run, state folders checked first: a start that cannot record its lease fails."""
     scope = hook.scope
-    cgroup = scope.unit_cgroup  # located first: one not found ends the run before anything
+    cgroup = scope.locate_cgroup()  # first: one not found ends the run before anything
     narrator = hook.narrator()
     narrator.workloads = workload_words(loaded.config.lock_dir)
     reporter = narrator.reporter
@@ -156,7 +156,7 @@ def run_phase(hook: Hook, loaded: LoadedConfig) -> RunSummary:
                 pids = set()
             say_own_shm_gone(reporter, own_shm_of_any(roots.proc, pids, devs))
     # An error is told to the surroundings first (core/run.py).
-    return PhaseRun(scope, narrator.tell, surroundings).run()
+    return PhaseRun(scope, cgroup, narrator.tell, surroundings).run()
 
 
 @contextlib.contextmanager
