@@ -82,9 +82,9 @@ def choose_gpus(
     never gpugate's own), else every GPU."""
     if loaded.config.gpus != "auto":
         return GpuChoice(loaded.config.gpus, f"gpus in {loaded.source}")
-    if environment is None:
-        environment = unit_environment if ask_systemd else (lambda _unit: None)
-    env = environment(unit) if unit else None
+    if environment is None and ask_systemd:
+        environment = unit_environment
+    env = environment(unit) if unit and environment is not None else None
     if env is not None:
         for variable in VARIABLES:
             if variable in env.variables:
