@@ -9,8 +9,6 @@ guard only (the tests synchronise on what containerd answers, never on time).
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib
 import json
@@ -20,13 +18,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
+from realparts import _locked
 from sandbox import REPO
 
 PROTO = Path(__file__).resolve().parent / "cri_api" / "api.proto"
@@ -35,14 +34,6 @@ STUBS = REPO / ".simhost" / "cri-stubs"
 # and gpugate's hook (whose `pre` may wait for the GPU's memory) on a busy shared machine.
 CALL_TIMEOUT_S = 180.0
 NETWORK_NODE = 2  # runtime.v1 NamespaceMode.NODE: the host's network, as hostNetwork: true
-
-
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        yield
 
 
 def generate_stubs(proto: Path = PROTO, into: Path = STUBS) -> Path:
