@@ -97,6 +97,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert code == ExitCode.HELD_BY_OTHERS
     refused = [e for e in host.journal.events("refused") if e["GPUGATE_OCI_CONTAINER"] == B_ID]
     assert refused and refused[0]["GPUGATE_REASON"] == "leased"
+    assert refused[0]["GPUGATE_LEASE_UNIT"] == A_SCOPE
     assert alive(bystander)
 
     # A unit's pre onto GPU 1: refused too.
@@ -111,6 +112,7 @@ def test_start_kills_the_stale_holder_then_leases_and_refuses_others(host: FakeH
     assert summary.exit_code is ExitCode.HELD_BY_OTHERS
     unit_refused = [e for e in host.journal.events("refused") if e["GPUGATE_UNIT"] == UNIT]
     assert unit_refused[-1]["GPUGATE_REASON"] == "leased", unit_refused
+    assert unit_refused[-1]["GPUGATE_LEASE_UNIT"] == A_SCOPE
 
     # poststop: the lease goes; then B starts.
     assert hook(host, Phase.POST, A_ID, ["NVIDIA_VISIBLE_DEVICES=1"], running) == ExitCode.OK

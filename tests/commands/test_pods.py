@@ -183,7 +183,9 @@ def test_a_pod_s_container_is_named_in_its_lease_journal_and_refusals(host: Fake
     assert hook(B_ID, other) == ExitCode.HELD_BY_OTHERS
     refused = [e for e in host.journal.events("refused") if e["GPUGATE_OCI_CONTAINER"] == B_ID]
     assert refused and refused[0]["GPUGATE_OCI_POD"] == "other-0"
-    assert [e["GPUGATE_REASON"] for e in refused] == ["leased"]  # a's lease
+    assert [(e["GPUGATE_REASON"], e["GPUGATE_LEASE_UNIT"]) for e in refused] == [
+        ("leased", unit_a)
+    ]  # a's lease
 
 
 def test_the_hook_leaves_a_pod_s_sandbox_alone_at_once(tmp_path: Path) -> None:

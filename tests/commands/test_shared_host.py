@@ -70,6 +70,23 @@ def with_gpus(host: FakeHost, gpus: list[int], **fields: object) -> LoadedConfig
 # --- leases ---------------------------------------------------------------------------
 
 
+def test_a_leased_refusal_names_every_lease_holder_in_its_fields(host: FakeHost) -> None:
+    """GPUGATE_LEASE_UNIT of a `leased` refusal: each unit whose lease refuses the start
+    (comma-separated, sorted), not the leases elsewhere; nothing killed."""
+    c, d = "c.service", "d.service"
+    running = {A: "active", c: "active", d: "active"}
+    for unit, gpus in ((c, [2, 3]), (A, [0, 1]), (d, [6])):
+        assert run(host, "pre", unit, with_gpus(host, gpus), unit_state=running.get).exit_code is (
+            ExitCode.OK
+        )
+    refused = run(host, "pre", B, with_gpus(host, [1, 2, 4]), unit_state=running.get)
+    assert refused.exit_code is ExitCode.HELD_BY_OTHERS
+    (event,) = host.journal.events("refused")
+    assert (event["GPUGATE_REASON"], event["GPUGATE_GPU"]) == ("leased", "1,2")
+    assert event["GPUGATE_LEASE_UNIT"] == "a.service,c.service"
+    assert sorted(lease.unit for lease in read_leases(host.root / "locks").leases) == [A, c, d]
+
+
 @pytest.mark.root("not root, a run warns of the open files it cannot read")
 def test_overlapping_unit_is_refused_until_the_lease_holder_stops(host: FakeHost) -> None:
     (orphan,) = host.pool.holder(host.gpu_files(4))
@@ -87,6 +104,7 @@ def test_overlapping_unit_is_refused_until_the_lease_holder_stops(host: FakeHost
     assert alive(orphan), "a refused pre kills nothing"
     (refused,) = host.journal.events("refused")
     assert (refused["GPUGATE_REASON"], refused["GPUGATE_GPU"]) == ("leased", "2,3")
+    assert refused["GPUGATE_LEASE_UNIT"] == A
 
     running[A] = "failed"  # a's server died and its post never ran: the lease is stale
     third = run(host, "pre", B, with_gpus(host, [2, 3, 4, 5]), unit_state=state)

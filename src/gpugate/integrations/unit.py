@@ -250,7 +250,10 @@ class UnitWorkload(Workload):
                 source = own if context.container is None else records.CONTAINERS_CONFIG
             refusal = check.refusal(source, None, container=context.container is not None)
         who = context.container
-        self.narration.lease_refused(refusal, check.conflicted(), first=first, who=who)
+        holders = [lease.unit for lease, _ in check.conflicts]
+        self.narration.lease_refused(
+            refusal, check.conflicted(), holders=holders, first=first, who=who
+        )
         return refusal
 
     def _check_leases(self, owned: Sequence[Gpu]) -> records.LeaseCheck:

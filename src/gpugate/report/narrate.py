@@ -615,15 +615,23 @@ class Narrator:
         )
 
     def lease_refused(
-        self, refusal: str, gpus: Sequence[int], *, first: bool = True, who: str | None = None
+        self,
+        refusal: str,
+        gpus: Sequence[int],
+        *,
+        holders: Sequence[str] = (),
+        first: bool = True,
+        who: str | None = None,
     ) -> None:
-        """first: False where the run was refused already (STATUS= said it); who: the
-        workload in words where not its unit (a container's label: a pod as a pod)."""
+        """holders: the units whose leases refuse it (GPUGATE_LEASE_UNIT, comma-separated);
+        first: False where the run was refused already (STATUS= said it); who: the workload in
+        words where not its unit (a container's label: a pod as a pod)."""
         self.reporter.event(
             Event.REFUSED,
             f"not starting {who or self.reporter.unit}: {refusal}",
             gpus=sorted(gpus),
             reason="leased",
+            lease_unit=",".join(sorted(set(holders))) or None,
         )
         if first:
             self.reporter.status(f"refused: {refusal}")
