@@ -32,6 +32,7 @@ Debian's /usr/sbin/runc.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -252,6 +253,22 @@ class Node(Box):
         entries = self.entries(cursor, "SYSLOG_IDENTIFIER=gpugate")
         return [e for e in entries if e.get("GPUGATE_OCI_CONTAINER") == container_id]
 
+    def unit_entries(self, cursor: str, unit: str) -> list[dict[str, Any]]:
+        return self.entries(cursor, "SYSLOG_IDENTIFIER=gpugate", f"GPUGATE_UNIT={unit}")
+
+    def status_text(self) -> str:
+        return self.sh("gpugate status")
+
+    def start_refused(self, unit: str) -> int:
+        """systemctl start UNIT, which must fail: its ExecStartPre's (gpugate pre's) exit status."""
+        assert self.sim.systemctl("start", unit, check=False).returncode != 0, unit
+        shown = self.sh(f"systemctl show -p ExecStartPre -p ActiveState -p SubState {unit}")
+        assert "ActiveState=failed" in shown, shown  # the main process never ran
+        found = re.search(r"status=(\d+)", shown)
+        assert found is not None, shown
+        self.sim.systemctl("reset-failed", unit, check=False)
+        return int(found.group(1))
+
     def teardown(self, pod: Pod) -> None:
         """The kubelet's end of a pod: StopPodSandbox (stops its containers), then
         RemovePodSandbox (removes them and the sandbox)."""
@@ -385,14 +402,31 @@ def test_the_cri_runs_a_plain_pod_through_the_gpugate_handler(node: Node) -> Non
     assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
 
 
+def pod_label(pod: Pod, container_id: str, name: str = "server") -> str:
+    """How gpugate names a pod's container: the lease's words, the prefix of its lines."""
+    return f"containerd container {pod.namespace}/{pod.name}/{name} ({container_id[:12]})"
+
+
+def refused_lines(details: str) -> list[str]:
+    """gpugate's lines in a refused StartContainer's error: the hook's stderr, as runc quotes
+    it after `stderr: `."""
+    said = details.partition("stderr: ")[2]
+    return [line for line in said.splitlines() if line.strip()]
+
+
 @pytest.mark.parametrize(
     ("mode", "gpu"), [("envvar", 1), ("volume-mounts", 2), ("cdi-annotations", 4)]
 )
 def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str, gpu: int) -> None:
     """(a) the stale holder of the pod's GPU goes at its container's start, not before; (b) a
-    second pod onto that GPU fails StartContainer with gpugate's line naming the first; (c) the
-    pod is namespace/pod/container in the journal and its lease; (d) its pause container went
-    through gpugate's runtime and was not gated; (e) its teardown leaves no lease."""
+    second pod onto that GPU fails StartContainer (runc's create: with the runtime handler,
+    CreateContainer makes no task) with gpugate's exit status and lines that name that pod,
+    its journal's refusal names the first pod's scope; (c) the pod is namespace/pod/container
+    in the journal's fields, in its lease and in `gpugate status` (text and --json); (d) its
+    pause container went through gpugate's runtime and was not gated; (e) containerd
+    restarted under the pod loses no lease: the lease is the same and still refuses a unit
+    (gpugate pre in ExecStartPre) onto the GPU, killing nothing of the pod; (f) its teardown
+    (StopContainer first, or StopPodSandbox at once) and RemovePodSandbox leave no lease."""
     sim = node.sim
     if mode == "volume-mounts":
         sim.write_file(NVIDIA_CONFIG, "accept-nvidia-visible-devices-as-volume-mounts = true\n")
@@ -427,15 +461,21 @@ def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str,
                 e.get("GPUGATE_OCI_POD_NAMESPACE"),
                 e.get("GPUGATE_OCI_POD"),
                 e.get("GPUGATE_OCI_POD_CONTAINER"),
+                e.get("GPUGATE_OCI_RUNTIME"),
             )
             for e in entries
         }
-        assert named == {("ml", "vllm-0", "server")}, named
+        assert named == {("ml", "vllm-0", "server", "containerd")}, named
         assert not node.gpugate_entries(cursor, sandbox), "gpugate spoke of the pause container"
+        scope = f"cri-containerd-{cid}.scope"
         (lease,) = node.leases()
-        assert "ml/vllm-0/server" in lease["container"] and cid[:12] in lease["container"], lease
-        assert lease["unit"] == f"cri-containerd-{cid}.scope" and lease["gpus"] == [gpu], lease
-        node.claim_pid(node.cri.container_pid(cid), [gpu])
+        assert lease["unit"] == scope and lease["gpus"] == [gpu], lease
+        assert lease["container"] == pod_label(pod, cid), lease
+        status = json.loads(node.sh("gpugate status --json"))
+        assert [g["leased_to"] for g in status["gpus"] if g["index"] == gpu] == [[scope]], status
+        assert f"({scope}: {pod_label(pod, cid)}, GPU {gpu})" in node.status_text().splitlines()
+        pid = node.cri.container_pid(cid)
+        node.claim_pid(pid, [gpu])
 
         # (b) A second pod given the same GPU: its sandbox runs, its container does not start.
         other = node.cri.pod("vllm-1", "ml")
@@ -443,27 +483,47 @@ def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str,
         second = node.cri.create_container(
             other, "server", BUSYBOX, ["/bin/sh", "-c", hold([gpu])], **handed(mode, gpu, other)
         )
+        second_cursor = node.cursor()
         with pytest.raises(CriError) as refused:
             node.cri.start_container(second)
-        assert "ml/vllm-0/server" in refused.value.details, refused.value.details
-        assert f"exit status {int(ExitCode.HELD_BY_OTHERS)}" in refused.value.details
+        details = refused.value.details
+        assert f"exit status {int(ExitCode.HELD_BY_OTHERS)}" in details, details
+        said = refused_lines(details)
+        assert said and all(
+            line.startswith(f"gpugate pre {pod_label(other, second)}: ") for line in said
+        ), said
+        assert pod_label(pod, cid) in details, "the refusal does not name the pod holding it"
         assert node.cri.container_state(second) != "CONTAINER_RUNNING"
-        assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
+        assert node.cri.container_state(cid) == "CONTAINER_RUNNING" and node.alive(pid)
+        theirs = node.gpugate_entries(second_cursor, second)
+        assert {
+            (e["GPUGATE_OCI_POD_NAMESPACE"], e["GPUGATE_OCI_POD"], e["GPUGATE_OCI_POD_CONTAINER"])
+            for e in theirs
+        } == {("ml", "vllm-1", "server")}, theirs
+        leased = [e for e in theirs if e.get("GPUGATE_REASON") == "leased"]
+        assert [(e["GPUGATE_PHASE"], e["GPUGATE_LEASE_UNIT"]) for e in leased] == [("pre", scope)]
+        assert not [e for e in theirs if e.get("GPUGATE_SIGNAL")], "the refused pod killed"
         node.teardown(other)
-        assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
+        assert node.leases() == [lease]
+
+        # (e) containerd restarted under the pod: it runs on, and its lease stays and holds.
+        restart(sim, node.cri)
+        assert node.cri.container_state(cid) == "CONTAINER_RUNNING" and node.alive(pid)
+        assert node.leases() == [lease], "containerd's restart lost or changed the lease"
+        unit = f"tgi-{gpu}.service"
+        sim.install_unit(unit, "[Service]\nExecStart=/bin/sleep 3600\n")
+        node.sh(f"gpugate install {unit} --gpus {gpu}")
+        unit_cursor = node.cursor()
+        assert node.start_refused(unit) == int(ExitCode.HELD_BY_OTHERS)
+        pre = [e for e in node.unit_entries(unit_cursor, unit) if e["GPUGATE_PHASE"] == "pre"]
+        leased = [e for e in pre if e.get("GPUGATE_REASON") == "leased"]
+        assert [(e["GPUGATE_GPU"], e["GPUGATE_LEASE_UNIT"]) for e in leased] == [
+            (str(gpu), scope)
+        ], pre
+        assert not [e for e in pre if e.get("GPUGATE_SIGNAL")], "the refused unit killed"
+        assert node.alive(pid) and node.leases() == [lease]
 
         if mode == "envvar":
-            # A unit on the GPU is refused too, naming the pod.
-            sim.install_unit("tgi.service", "[Service]\nExecStart=/bin/sleep 3600\n")
-            node.sh(f"gpugate install tgi.service --gpus {gpu}")
-            assert sim.systemctl("start", "tgi.service", check=False).returncode != 0
-            said = node.sh("journalctl --no-pager -o cat -u tgi.service | tail -20")
-            assert "ml/vllm-0/server" in said, said
-            sim.systemctl("reset-failed", "tgi.service", check=False)
-            # containerd restarted under the pod: it runs on, and so does its lease.
-            restart(sim, node.cri)
-            assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
-            assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
             # The kubelet's order: StopContainer, StopPodSandbox, then (GC) the removals.
             node.cri.stop_container(cid, grace_s=30)
             wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
@@ -474,6 +534,8 @@ def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str,
             node.teardown(pod)
             wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
         assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
+        assert not node.sh("ls /run/gpugate/leases").split(), "a lease file outlived the pod"
+        assert f"({scope}:" not in node.status_text()
         finished = [
             e for e in node.gpugate_entries(cursor, cid) if e.get("GPUGATE_EVENT") == "run_finished"
         ]
