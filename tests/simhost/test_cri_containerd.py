@@ -534,7 +534,9 @@ def test_a_pod_s_gpu_is_gated_through_the_runtime_handler(node: Node, mode: str,
             node.teardown(pod)
             wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
         assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
-        assert not node.sh("ls /run/gpugate/leases").split(), "a lease file outlived the pod"
+        for folder in ("leases", "failed"):  # nor a failed-start record of the refused pod
+            left = node.sh(f"ls -A /run/gpugate/{folder} 2>/dev/null || true").split()
+            assert not left, f"/run/gpugate/{folder} outlived the pods: {left}"
         assert f"({scope}:" not in node.status_text()
         finished = [
             e for e in node.gpugate_entries(cursor, cid) if e.get("GPUGATE_EVENT") == "run_finished"
