@@ -49,7 +49,7 @@ def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     config.write_text(f'lock_dir = "{tmp_path}"\n')
     result = gpugate(
         "--host-roots",
-        f"cgroup={tmp_path}",
+        f"cgroup={tmp_path},run={tmp_path}",
         "--nvml-library",
         str(tmp_path / "libnvidia-ml.so.1"),
         "pre",
@@ -243,7 +243,7 @@ def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
     (unit_cgroup / "cgroup.procs").write_text("")
     config = tmp_path / "c.toml"
     config.write_text(f'lock_dir = "{tmp_path / "locks"}"\n')
-    roots = f"dev={tmp_path / 'dev'},cgroup={tmp_path / 'cgroup'}"
+    roots = f"dev={tmp_path / 'dev'},cgroup={tmp_path / 'cgroup'},run={tmp_path}"
     argv = ["--host-roots", roots, "pre", "m.service", "--config", str(config)]
     result = subprocess.run(
         [sys.executable, "-c", PRE_MODULES, *argv],
