@@ -5,7 +5,6 @@ run validated is kept in /run for the next run (ConfigCache)."""
 
 from __future__ import annotations
 
-import contextlib
 import marshal
 import os
 import sys
@@ -139,25 +138,9 @@ class ConfigCache:
             return {}
 
     def _write(self, data: bytes) -> None:
-        folder = self.path.parent
-        if safe_files.untrusted(folder) is not None:
-            return
-        temporary = folder / f".{self.path.name}.{os.getpid()}"
-        try:
-            if os.path.lexists(temporary):  # left by a gpugate killed mid-write with this pid
-                os.unlink(temporary)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
-            descriptor = os.open(temporary, flags, 0o600)
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(descriptor, view) :]
-            finally:
-                os.close(descriptor)
-            os.replace(temporary, self.path)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
+        if safe_files.untrusted(self.path.parent) is None:
+            with safe_files.folder(self.path.parent, make=False) as folder:
+                safe_files.write_in(folder, self.path.name, data, 0o600)
 
 
 def _code_key() -> tuple[Any, ...]:
