@@ -137,7 +137,7 @@ def _cached_once(cache: Path, text: str = "free_mib = 10\n") -> None:
         lambda cache: cache.chmod(0o602),
         pytest.param(
             lambda cache: os.chown(cache, 4242, 4242),
-            marks=pytest.mark.skipif(os.geteuid() != 0, reason="giving a file away needs root"),
+            marks=pytest.mark.root("giving a file away needs root"),
         ),
     ],
 )

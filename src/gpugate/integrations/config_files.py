@@ -95,7 +95,7 @@ def read_trusted(path: Path) -> str:
 
 class ConfigCache:
     """The configs this host's runs validated, kept in /run for the next run, so that a start
-    whose files have not changed loads neither the TOML parser nor pydantic_core (about 13 ms of
+    whose files have not changed loads neither the TOML parser nor pydantic_core (about 11 ms of
     every start: docs/benchmarks.md). The key is the file's exact text and the code that
     validated it (gpugate's version, the interpreter's, the config modules' files), so an edit
     or an upgrade is validated again, and a reboot empties it. It is read and written only
