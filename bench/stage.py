@@ -75,7 +75,7 @@ class Stage:
         docs/hardening.md)."""
         return [
             "--host-roots",
-            f"dev={self.dev},cgroup={self.root / 'cgroup'}",
+            f"dev={self.dev},cgroup={self.root / 'cgroup'},run={self.root}",
             "--nvml-library",
             str(self.lib),
         ]

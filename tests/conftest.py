@@ -35,6 +35,7 @@ def host(tmp_path: Path) -> Iterator[FakeHost]:
     cgroup_root = tmp_path / "cgroup"
     (cgroup_root / UNIT_CGROUP.lstrip("/")).mkdir(parents=True)
     (cgroup_root / UNIT_CGROUP.lstrip("/") / "cgroup.procs").write_text("")
+    (tmp_path / "run").mkdir()
     pool = ProcessPool(tmp_path)
     fake = FakeHost(
         tmp_path, dev, cgroup_root, FakeGpuMemory(), pool, RecordingJournal(), RecordingNotifier()

@@ -279,6 +279,11 @@ class FakeHost:
     journal: RecordingJournal
     notifier: RecordingNotifier
 
+    @property
+    def run(self) -> Path:
+        """The host's /run (gpugate keeps its config cache there)."""
+        return self.root / "run"
+
     def device(self, name: str) -> Path:
         return self.dev / name
 
@@ -295,12 +300,12 @@ class FakeHost:
 
     @property
     def roots(self) -> HostRoots:
-        return HostRoots(dev=self.dev, cgroup=self.cgroup_root)
+        return HostRoots(dev=self.dev, cgroup=self.cgroup_root, run=self.run)
 
     @property
     def roots_args(self) -> list[str]:
         """The same roots for a gpugate run as a command (its hidden --host-roots option)."""
-        return ["--host-roots", f"dev={self.dev},cgroup={self.cgroup_root}"]
+        return ["--host-roots", f"dev={self.dev},cgroup={self.cgroup_root},run={self.run}"]
 
     def run_phase(
         self, phase: str, loaded: LoadedConfig, reporter: Reporter, **kwargs: Any

@@ -49,7 +49,7 @@ def test_nvml_missing_exits_unavailable(tmp_path: Path) -> None:
     config.write_text(f'lock_dir = "{tmp_path}"\n')
     result = gpugate(
         "--host-roots",
-        f"cgroup={tmp_path}",
+        f"cgroup={tmp_path},run={tmp_path}",
         "--nvml-library",
         str(tmp_path / "libnvidia-ml.so.1"),
         "pre",
@@ -225,8 +225,7 @@ import json, sys
 from gpugate.front.cli import main
 from gpugate.host.nvml import NoGpus
 code = main(sys.argv[1:], driver_factory=NoGpus)
-loaded = sorted(name for name in sys.modules if name.split(".")[0] == "gpugate")
-print(json.dumps([code, loaded]), file=sys.__stdout__)
+print(json.dumps([code, sorted(sys.modules)]), file=sys.__stdout__)
 """
 # What `pre` imports is what operators pay on every start (a promise with figures in
 # docs/benchmarks.md): issue 40 set 45 (76 were loaded then); 38 today, packages included,
@@ -234,17 +233,15 @@ print(json.dumps([code, loaded]), file=sys.__stdout__)
 PRE_MODULE_BUDGET = 38
 
 
-def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
-    """A whole `gpugate pre` on a stand-in host: what it imports of gpugate stays in budget,
-    and what only errors, interruptions, post or `status` need is not among it."""
-    (tmp_path / "dev" / "shm").mkdir(parents=True)
+def _pre_modules(tmp_path: Path) -> tuple[int, list[str]]:
+    """A whole `gpugate pre` on a stand-in host (its /run in tmp_path): its exit code and the
+    modules it loaded."""
+    (tmp_path / "dev" / "shm").mkdir(parents=True, exist_ok=True)
     unit_cgroup = tmp_path / "cgroup" / "system.slice" / "m.service"
-    unit_cgroup.mkdir(parents=True)
+    unit_cgroup.mkdir(parents=True, exist_ok=True)
     (unit_cgroup / "cgroup.procs").write_text("")
-    config = tmp_path / "c.toml"
-    config.write_text(f'lock_dir = "{tmp_path / "locks"}"\n')
-    roots = f"dev={tmp_path / 'dev'},cgroup={tmp_path / 'cgroup'}"
-    argv = ["--host-roots", roots, "pre", "m.service", "--config", str(config)]
+    roots = f"dev={tmp_path / 'dev'},cgroup={tmp_path / 'cgroup'},run={tmp_path}"
+    argv = ["--host-roots", roots, "pre", "m.service", "--config", str(tmp_path / "c.toml")]
     result = subprocess.run(
         [sys.executable, "-c", PRE_MODULES, *argv],
         capture_output=True,
@@ -252,9 +249,35 @@ def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
         timeout=120,
         check=False,
     )
-    code, loaded = json.loads(result.stdout.strip().splitlines()[-1])
-    assert code == ExitCode.OK, result.stderr
+    code, modules = json.loads(result.stdout.strip().splitlines()[-1])
+    return code, modules
+
+
+def test_a_pre_run_loads_few_of_gpugates_modules(tmp_path: Path) -> None:
+    """What `pre` imports of gpugate stays in budget, and what only errors, interruptions, post
+    or `status` need is not among it."""
+    (tmp_path / "c.toml").write_text(f'lock_dir = "{tmp_path / "locks"}"\n')
+    code, modules = _pre_modules(tmp_path)
+    loaded = [name for name in modules if name.split(".")[0] == "gpugate"]
+    assert code == ExitCode.OK
     assert len(loaded) <= PRE_MODULE_BUDGET, loaded
     unneeded_here = ("report.lines", "front.commands.status", "front.commands.run")
     for unneeded in unneeded_here:
         assert f"gpugate.{unneeded}" not in loaded
+
+
+def test_a_start_whose_config_is_unchanged_parses_and_validates_nothing(tmp_path: Path) -> None:
+    """The config cache on the path operators run: the second `pre` with the same file loads
+    neither a TOML parser nor pydantic_core; an edit is validated again (a bad value: 78)."""
+    config = tmp_path / "c.toml"
+    config.write_text(f'lock_dir = "{tmp_path / "locks"}"\nfree_mib = 64\n')
+    parsers = {"pydantic_core", "tomllib", "tomli"}
+    code, modules = _pre_modules(tmp_path)
+    assert code == ExitCode.OK
+    assert "pydantic_core" in modules
+    code, modules = _pre_modules(tmp_path)
+    assert code == ExitCode.OK
+    assert parsers.isdisjoint(modules)
+    config.write_text(f'lock_dir = "{tmp_path / "locks"}"\nfree_mib = -64\n')
+    code, modules = _pre_modules(tmp_path)
+    assert code == ExitCode.CONFIG

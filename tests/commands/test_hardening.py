@@ -189,7 +189,7 @@ def test_driver_faults_through_real_pynvml(
     }
     roots = [
         "--host-roots",
-        f"dev={dev},cgroup={tmp_path}",
+        f"dev={dev},cgroup={tmp_path},run={tmp_path}",
         "--nvml-library",
         str(fake_lib / "libnvidia-ml.so.1"),
     ]
@@ -359,7 +359,11 @@ def test_any_command_line_gives_an_exit_code_never_a_traceback(
     out = open(os.devnull, "w")  # noqa: SIM115
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
         try:
-            code = main(args, driver_factory=driver, roots=HostRoots(dev=tmp_path, cgroup=tmp_path))
+            code = main(
+                args,
+                driver_factory=driver,
+                roots=HostRoots(dev=tmp_path, cgroup=tmp_path, run=tmp_path),
+            )
         except SystemExit as exit_:  # argparse: --help and usage errors
             code = int(exit_.code or 0)
     out.close()

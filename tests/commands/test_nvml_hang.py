@@ -82,7 +82,7 @@ class Driver:
         """The stand-in roots, by the hidden option (never the environment: hardening.md)."""
         return [
             "--host-roots",
-            f"dev={self.dev},cgroup={self.root / 'cgroup'}",
+            f"dev={self.dev},cgroup={self.root / 'cgroup'},run={self.root}",
             "--nvml-library",
             str(self.lib / "libnvidia-ml.so.1"),
         ]

@@ -3,13 +3,11 @@ defaults), its parse, its one-line error naming file and field; enough TOML to p
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from gpugate.compat import tomllib
 from gpugate.config.schema import DEFAULTS, GateConfig, Model
 from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.errors import ConfigError
@@ -37,6 +35,8 @@ def parse_config(text: str, source: str) -> Config:
     """The built-in defaults where the file sets nothing (no pydantic_core), else the file's
     values validated by pydantic_core; the first of its errors as gpugate's, and how many more
     there were."""
+    from gpugate.compat import tomllib  # noqa: PLC0415 - not where the cache has the file
+
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -72,6 +72,8 @@ def _did_you_mean(parts: list[str]) -> str:
         model = getattr(model, part, None)
         if not isinstance(model, Model):
             return ""
+    import difflib  # noqa: PLC0415 - an error's words only
+
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
     return close[0] if close else ""
 
@@ -82,8 +84,10 @@ def load_config(
     config_dir: Path = DEFAULT_CONFIG_DIR,
     *,
     read: Callable[[Path], str],
+    parse: Callable[[str, str], Config] = parse_config,
 ) -> LoadedConfig:
-    """The lookup, read by integrations.config_files (which judges the file first), parsed."""
+    """The lookup, read by integrations.config_files (which judges the file first), parsed
+    (parse_config, or as its cache knows it)."""
     path = explicit
     if path is None:
         candidates = [config_dir / f"{unit}.toml"] if unit else []
@@ -95,7 +99,7 @@ def load_config(
     if path is None:
         loaded = LoadedConfig(DEFAULTS, BUILTIN_SOURCE)
     else:
-        loaded = LoadedConfig(parse_config(read(path), str(path)), str(path))
+        loaded = LoadedConfig(parse(read(path), str(path)), str(path))
     check_lock_dir(loaded)
     return loaded
 

@@ -123,6 +123,44 @@ class Model:
 
 
 _MODELS: dict[str, type[Model]] = {}
+
+
+def to_plain(value: Any) -> Any:
+    """A validated value as marshal keeps it: a table as ("table", its model, its fields, the
+    keys its file set), a path as ("path", text), a tuple as ("tuple", items); None, bool, int,
+    float and str as they are. TypeError for anything else."""
+    if isinstance(value, Model):
+        fields = tuple((name, to_plain(item)) for name, item in value)
+        return ("table", type(value).__name__, fields, tuple(sorted(value.model_fields_set)))
+    if isinstance(value, PurePath):
+        return ("path", str(value))
+    if isinstance(value, tuple):
+        return ("tuple", tuple(to_plain(item) for item in value))
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{type(value).__name__} has no plain form")
+
+
+def from_plain(plain: Any) -> Any:
+    """to_plain's value back, without validating it again; ValueError or LookupError for
+    anything to_plain does not make (a table whose model's fields have changed among them)."""
+    if not isinstance(plain, tuple):
+        return plain
+    kind, *rest = plain
+    if kind == "path":
+        return Path(*rest)
+    if kind == "tuple":
+        return tuple(from_plain(item) for item in rest[0])
+    if kind != "table":
+        raise ValueError(f"{kind!r} is no plain form")
+    name, fields, given = rest
+    model = _MODELS[name]
+    made = {field: from_plain(item) for field, item in fields}
+    if list(made) != list(model.model_fields):
+        raise ValueError(f"{name}'s fields are not {list(made)}")
+    return model._made(made, given)
+
+
 _VALIDATORS: dict[type[Model], SchemaValidator] = {}
 
 

@@ -408,13 +408,14 @@ def _chunk(path: str) -> str:
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
 HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
 HOST_ROOTS_OPTION = "--host-roots"
-ROOT_NAMES = ("dev", "proc", "cgroup")
+ROOT_NAMES = ("dev", "proc", "cgroup", "run")
 
 
 class HostRoots(NamedTuple):
     dev: Path = Path("/dev")
     proc: Path = Path("/proc")
     cgroup: Path = SYSTEM_CGROUP_ROOT
+    run: Path = Path("/run")  # where the config cache is kept (integrations.config_files)
 
     @property
     def ask_systemd(self) -> bool:
@@ -423,14 +424,13 @@ class HostRoots(NamedTuple):
 
     @classmethod
     def parse(cls, text: str) -> HostRoots:
-        """`dev=DIR,proc=DIR,cgroup=DIR` (any of them; the rest stay the real ones)."""
+        """`dev=DIR,proc=DIR,cgroup=DIR,run=DIR` (any of them; the rest stay the real ones)."""
         roots: dict[str, Path] = {}
         for item in text.split(","):
             name, eq, value = item.partition("=")
             if not eq or name not in ROOT_NAMES:
-                raise ConfigError(
-                    HOST_ROOTS_OPTION, "", f"{for_error(item)}: not dev=DIR, proc=DIR or cgroup=DIR"
-                )
+                shown = f"{for_error(item)}: not dev=DIR, proc=DIR, cgroup=DIR or run=DIR"
+                raise ConfigError(HOST_ROOTS_OPTION, "", shown)
             path = Path(value)
             if not path.is_absolute():
                 raise ConfigError(

@@ -1,27 +1,45 @@
 """The config lookup as root reads it (docs/hardening.md, rule 2): a file or `lock_dir`
 another account may change is refused (exit 78), and one lock_dir serves every lease on a host
-(`default.toml`'s, else /run/gpugate); `--config PATH` outside CONFIG_DIR keeps its own."""
+(`default.toml`'s, else /run/gpugate); `--config PATH` outside CONFIG_DIR keeps its own. What a
+run validated is kept in /run for the next run (ConfigCache)."""
 
 from __future__ import annotations
 
+import marshal
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from gpugate.config import file
-from gpugate.config.file import LoadedConfig, replaced
+from gpugate import __version__
+from gpugate.config import file, schema, values
+from gpugate.config.file import Config, LoadedConfig, replaced
 from gpugate.config.values import BUILTIN_SOURCE, DEFAULT_LOCK_DIR
 from gpugate.errors import ConfigError, Refused
 from gpugate.host import safe_files
 from gpugate.host.safe_files import untrusted, untrusted_text
 
 HOST_FILE = "default.toml"  # its lock_dir is the host's
+CACHE_NAME = "gpugate-config.cache"  # in the host's /run (HostRoots.run)
+CACHE_ENTRIES = 256  # files; the oldest goes first
+CACHE_MOST_BYTES = 4 << 20
 
 
 def load_config(
-    unit: str | None, explicit: Path | None = None, config_dir: Path = file.DEFAULT_CONFIG_DIR
+    unit: str | None,
+    explicit: Path | None = None,
+    config_dir: Path = file.DEFAULT_CONFIG_DIR,
+    *,
+    cache: Path | None = None,
 ) -> LoadedConfig:
+    """The lookup's file judged, read and parsed (through the cache where one is given: the
+    runs), its lock_dir the host's and judged too."""
+    parse = file.parse_config if cache is None else ConfigCache(cache).parse
     loaded = one_lock_dir(
-        file.load_config(unit, explicit, config_dir, read=read_trusted), config_dir
+        file.load_config(unit, explicit, config_dir, read=read_trusted, parse=parse),
+        config_dir,
+        parse,
     )
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
@@ -29,7 +47,9 @@ def load_config(
     return loaded
 
 
-def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
+def one_lock_dir(
+    loaded: LoadedConfig, config_dir: Path, parse: Callable[[str, str], Config] = file.parse_config
+) -> LoadedConfig:
     """loaded with the host's lock_dir where it leaves it out; ConfigError where a file of
     the lookup names another."""
     if loaded.source == BUILTIN_SOURCE:
@@ -40,7 +60,7 @@ def one_lock_dir(loaded: LoadedConfig, config_dir: Path) -> LoadedConfig:
     host, where = DEFAULT_LOCK_DIR, BUILTIN_SOURCE
     if os.path.lexists(config_dir / HOST_FILE):
         where = str(config_dir / HOST_FILE)
-        host = file.parse_config(read_trusted(Path(where)), where).lock_dir
+        host = parse(read_trusted(Path(where)), where).lock_dir
     mine = loaded.config.lock_dir
     if "lock_dir" not in loaded.config.model_fields_set:
         if mine == host:
@@ -71,3 +91,63 @@ def read_trusted(path: Path) -> str:
         return safe_files.read_trusted(path)
     except Refused as exc:
         raise ConfigError(str(path), "", str(exc)) from None
+
+
+class ConfigCache:
+    """The configs this host's runs validated, kept in /run for the next run, so that a start
+    whose files have not changed loads neither the TOML parser nor pydantic_core (about 11 ms of
+    every start: docs/benchmarks.md). The key is the file's exact text and the code that
+    validated it (gpugate's version, the interpreter's, the config modules' files), so an edit
+    or an upgrade is validated again, and a reboot empties it. It is read and written only
+    where no account but root (and gpugate's own) may change it or a folder above it: marshal's
+    data is then as trusted as Python's own bytecode. Anything amiss with it is a miss, never an
+    error."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.entries: dict[str, Any] | None = None
+
+    def parse(self, text: str, source: str) -> Config:
+        """file.parse_config's answer for text, from the cache where it has it."""
+        if self.entries is None:
+            self.entries = self._read()
+        try:
+            found = schema.from_plain(self.entries[text])
+        except (LookupError, TypeError, ValueError):
+            found = None
+        if isinstance(found, schema.GateConfig):
+            return found
+        config = file.parse_config(text, source)
+        try:
+            self.entries[text] = schema.to_plain(config)
+            while len(self.entries) > CACHE_ENTRIES:
+                del self.entries[next(iter(self.entries))]
+            self._write(marshal.dumps((_code_key(), self.entries)))
+        except (OSError, TypeError, ValueError):
+            pass
+        return config
+
+    def _read(self) -> dict[str, Any]:
+        if safe_files.untrusted(self.path) is not None:
+            return {}
+        try:
+            data = safe_files.read_capped(self.path, CACHE_MOST_BYTES)
+            key, entries = marshal.loads(data)  # noqa: S302 - root's own file, judged above
+            return entries if key == _code_key() and isinstance(entries, dict) else {}
+        except (OSError, EOFError, ValueError, TypeError):
+            return {}
+
+    def _write(self, data: bytes) -> None:
+        if safe_files.untrusted(self.path.parent) is None:
+            with safe_files.folder(self.path.parent, make=False) as folder:
+                safe_files.write_in(folder, self.path.name, data, 0o600)
+
+
+def _code_key() -> tuple[Any, ...]:
+    """What validated the cached configs: a change of any of it validates them again."""
+    files = [os.stat(module.__file__ or "") for module in (schema, values, file)]
+    return (
+        __version__,
+        sys.implementation.cache_tag,
+        *((info.st_ino, info.st_size, info.st_mtime_ns) for info in files),
+    )

@@ -8,7 +8,7 @@ from gpugate.core.run import RunScope
 from gpugate.errors import UnknownUnit
 from gpugate.front.hook import Hook, HostAccess, run_hook, stopped_by_signals
 from gpugate.host.systemd import own_unit, resolve_unit_cgroup, unit_argument, validate_unit_name
-from gpugate.integrations.config_files import load_config
+from gpugate.integrations.config_files import CACHE_NAME, load_config
 from gpugate.integrations.unit import UnitContext
 from gpugate.phase import Phase
 
@@ -25,7 +25,7 @@ def pre_post(args: argparse.Namespace, front: HostAccess) -> int:
             "unit (%n in a unit file)"
         )
     validate_unit_name(unit)
-    loaded = load_config(unit, args.config)
+    loaded = load_config(unit, args.config, cache=roots.run / CACHE_NAME)
     context = UnitContext(
         front.environ,
         guard_manual_run=not (args.force or dry_run),

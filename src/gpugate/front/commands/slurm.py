@@ -31,7 +31,7 @@ from gpugate.front.hook import (
 )
 from gpugate.host.nvml import GpuDriver
 from gpugate.host.systemd import HostRoots
-from gpugate.integrations.config_files import load_config
+from gpugate.integrations.config_files import CACHE_NAME, load_config
 from gpugate.integrations.gres_conf import (
     DEFAULT_SLURM_CONF,
     DeviceNodes,
@@ -146,11 +146,13 @@ def job_cgroup(job_id: int, cgroup_root: Path, node_name: str | None = None) -> 
     return f"/system.slice/{JOB_SCOPE}/{name}"
 
 
-def load_slurm_config(explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_DIR) -> LoadedConfig:
+def load_slurm_config(
+    explicit: Path | None, config_dir: Path = DEFAULT_CONFIG_DIR, *, cache: Path | None = None
+) -> LoadedConfig:
     """--config PATH, else /etc/gpugate/slurm.toml, else default.toml, else built-in."""
     if explicit is None and (config_dir / CONFIG_NAME).exists():
         explicit = config_dir / CONFIG_NAME
-    return load_config(None, explicit, config_dir)
+    return load_config(None, explicit, config_dir, cache=cache)
 
 
 def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> LoadedConfig:
@@ -204,7 +206,7 @@ def slurm(
                     said = f"no GPUs to gate ({job.no_gpus})"
                     reporter.event(Event.RUN_FINISHED, said, result="success")
                 return int(ExitCode.OK)  # a CPU job, or a node without GPUs: not gpugate's
-            config = load_slurm_config(config_path)
+            config = load_slurm_config(config_path, cache=roots.run / CACHE_NAME)
             loaded, driver_factory, shards = job_config(config, job, front, roots)
         except GateError as exc:
             print(lines.error(exc.message), file=sys.stderr)

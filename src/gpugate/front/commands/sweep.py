@@ -22,7 +22,7 @@ from gpugate.front.hook import Hook, HostAccess, collect, run_hook, set_drain_re
 from gpugate.host.logind import Logind
 from gpugate.host.nvml import Gpu
 from gpugate.host.scan import ProcessId, ProcFs
-from gpugate.integrations.config_files import load_config
+from gpugate.integrations.config_files import CACHE_NAME, load_config
 from gpugate.integrations.metrics import Labels, Samples, record_sweep
 from gpugate.integrations.records import (
     RUNNING_STATES,
@@ -231,7 +231,8 @@ def sweep(
     on a clock no step of the wall clock moves."""
     reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
     try:
-        return swept(load_config(None, config), front, reporter, clock(), boot_clock())
+        loaded = load_config(None, config, cache=front.host_roots().run / CACHE_NAME)
+        return swept(loaded, front, reporter, clock(), boot_clock())
     except GateError as exc:
         Narrator(reporter).failed(exc)
         return int(exc.exit_code)
