@@ -98,6 +98,16 @@ class Holder:
         self.container = container
         self.mps_client: set[int] = set() if mps_client is None else mps_client
 
+    def _facts(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Holder):
+            return NotImplemented
+        return self._facts() == other._facts()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: unhashable
+
     @property
     def pid(self) -> int:
         return self.info.pid
