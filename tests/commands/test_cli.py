@@ -278,6 +278,62 @@ def test_a_start_whose_config_is_unchanged_parses_and_validates_nothing(tmp_path
     code, modules = _pre_modules(tmp_path)
     assert code == ExitCode.OK
     assert parsers.isdisjoint(modules)
+    assert "dataclasses" not in modules  # nor what pydantic_core brought (issue 50)
     config.write_text(f'lock_dir = "{tmp_path / "locks"}"\nfree_mib = -64\n')
     code, modules = _pre_modules(tmp_path)
     assert code == ExitCode.CONFIG
+
+
+PRE_DATACLASSES = """
+import json, sys
+from pathlib import Path
+import gpugate.config.values
+gpugate.config.values.DEFAULT_LOCK_DIR = Path(sys.argv[1])  # the built-in one, under tmp_path
+from gpugate.front.cli import main
+from gpugate.host.nvml import NoGpus
+code = main(sys.argv[2:], driver_factory=NoGpus)
+ours = [module for name, module in list(sys.modules.items()) if name.split(".")[0] == "gpugate"]
+defined = sorted(
+    f"{value.__module__}.{value.__qualname__}"
+    for module in ours
+    for value in vars(module).values()
+    if isinstance(value, type)
+    and value.__module__.split(".")[0] == "gpugate"
+    and "__dataclass_fields__" in vars(value)
+)
+loaded = [name in sys.modules for name in ("dataclasses", "pydantic_core")]
+print(json.dumps([code, defined, *loaded]), file=sys.__stdout__)
+"""
+
+
+@pytest.mark.parametrize("sets_lock_dir", [False, True])
+def test_a_pre_run_defines_no_dataclass(tmp_path: Path, sets_lock_dir: bool) -> None:
+    """Issue 50: defining a dataclass costs pre its exec'd methods, and importing dataclasses
+    (inspect, ast, tokenize...) more. A config file that sets nothing (the built-in defaults:
+    no pydantic_core) loads no dataclasses module at all; one that sets a field loads
+    pydantic_core, and still no gpugate module defines a dataclass."""
+    (tmp_path / "dev" / "shm").mkdir(parents=True)
+    unit_cgroup = tmp_path / "cgroup" / "system.slice" / "m.service"
+    unit_cgroup.mkdir(parents=True)
+    (unit_cgroup / "cgroup.procs").write_text("")
+    config = tmp_path / "c.toml"
+    config.write_text(f'lock_dir = "{tmp_path / "locks"}"\n' if sets_lock_dir else "")
+    roots = f"dev={tmp_path / 'dev'},cgroup={tmp_path / 'cgroup'},run={tmp_path}"
+    argv = ["--host-roots", roots, "pre", "m.service", "--config", str(config)]
+    built_in_locks = str(tmp_path / "built-in-locks")
+    result = subprocess.run(
+        [sys.executable, "-c", PRE_DATACLASSES, built_in_locks, *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    code, defined, dataclasses_loaded, pydantic_core_loaded = json.loads(
+        result.stdout.strip().splitlines()[-1]
+    )
+    assert code == ExitCode.OK, result.stderr
+    assert defined == []
+    assert pydantic_core_loaded is sets_lock_dir
+    if not pydantic_core_loaded:
+        assert not dataclasses_loaded
+    assert (tmp_path / ("locks" if sets_lock_dir else "built-in-locks")).is_dir()

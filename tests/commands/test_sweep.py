@@ -9,7 +9,6 @@ import os
 import re
 import socket
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -156,7 +155,7 @@ def test_first_seen_once_then_gone_once_and_a_reused_pid_is_another_process() ->
     assert second == first  # since when: kept
     assert len(journal.events("unowned_seen")) == 1 and not journal.events("unowned_gone")
 
-    reused = HolderOwner(nvml_holder(replace(proc(20, "/"), start_time=999), gpu=2), Owner.NOBODY)
+    reused = HolderOwner(nvml_holder(proc(20, "/")._replace(start_time=999), gpu=2), Owner.NOBODY)
     third = remember([reused], second, 1120.0, report)
     assert third == {ProcessId(20, 999): Seen(1120.0, (2,))}
     gone = journal.events("unowned_gone")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,7 +62,7 @@ def test_an_mps_server_is_a_protected_executable_of_the_servers_name() -> None:
         ("/usr/bin/nvidia-persistenced", GateConfig(), False),
         (None, GateConfig(), False),  # an exe the kernel would not show
     ):
-        info = replace(proc(10, 1, SERVICE), exe=exe)
+        info = proc(10, 1, SERVICE)._replace(exe=exe)
         assert is_mps_server(info, config) is server, (exe, server)
 
 

@@ -7,7 +7,6 @@ process sets can make a run or `status` fail."""
 from __future__ import annotations
 
 import ast
-import dataclasses
 import io
 import json
 import os
@@ -313,9 +312,7 @@ def test_status_table_and_json_escape_and_bound(host: FakeHost, text: str) -> No
     for cgroup in (None, f"/system.slice/{text.replace('/', '_')}.service"):
         holder = holder_of(text)
         if cgroup is not None:
-            holder = dataclasses.replace(
-                holder, info=dataclasses.replace(holder.info, cgroup=cgroup)
-            )
+            holder.info = holder.info._replace(cgroup=cgroup)
         status_is_clean(host, holder, text)
 
 

@@ -4,8 +4,8 @@ logic over what `discover` found and a view of the process tree."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from enum import Enum
+from typing import NamedTuple
 
 from gpugate.compat import StrEnum
 from gpugate.config.file import Config
@@ -39,8 +39,7 @@ class Rule(StrEnum):
     SHARER = "sharer"  # another workload's process on a GPU the run shares on purpose
 
 
-@dataclass(frozen=True)
-class Choice:
+class Choice(NamedTuple):
     holder: Holder
     role: Role
     verdict: Verdict
@@ -108,7 +107,7 @@ def decide(
         # uid); anything else is refused. The unit's own cgroup stays the unit's: only
         # systemd puts processes there.
         decision.choices = [
-            replace(choice, verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=for_uid)
+            choice._replace(verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=for_uid)
             if choice.verdict is Verdict.KILL
             and choice.rule is not Rule.CGROUP
             and choice.holder.info.uid != for_uid

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Collection, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -61,20 +60,53 @@ class Source(StrEnum):
     PORT = "port"  # listens on one of the unit's TCP ports
 
 
-@dataclass
 class Holder:
     """A process found holding a GPU (by its device files, a mapping or NVML's list), in the
     unit's cgroup or listening on one of the unit's ports, and how it was found."""
 
-    info: ProcInfo
-    sources: set[Source] = field(default_factory=set)
-    gpus: set[int] = field(default_factory=set)  # indices, from device files or NVML
-    control_devices: set[str] = field(default_factory=set)  # nvidiactl, nvidia-uvm, ...
-    used_mib: dict[int, int | None] = field(default_factory=dict)  # per GPU, from NVML
-    mapped: set[int] = field(default_factory=set)  # GPUs whose /dev/nvidiaN it maps (memory)
-    ports: set[int] = field(default_factory=set)  # the unit's TCP ports it listens on
-    container: Container | None = None  # where its cgroup is a container's scope
-    mps_client: set[int] = field(default_factory=set)  # GPUs NVML lists it on as an MPS client
+    __slots__ = (
+        "container",
+        "control_devices",
+        "gpus",
+        "info",
+        "mapped",
+        "mps_client",
+        "ports",
+        "sources",
+        "used_mib",
+    )
+
+    def __init__(
+        self,
+        info: ProcInfo,
+        sources: set[Source] | None = None,
+        gpus: set[int] | None = None,  # indices, from device files or NVML
+        control_devices: set[str] | None = None,  # nvidiactl, nvidia-uvm, ...
+        used_mib: dict[int, int | None] | None = None,  # per GPU, from NVML
+        mapped: set[int] | None = None,  # GPUs whose /dev/nvidiaN it maps (memory)
+        ports: set[int] | None = None,  # the unit's TCP ports it listens on
+        container: Container | None = None,  # where its cgroup is a container's scope
+        mps_client: set[int] | None = None,  # GPUs NVML lists it on as an MPS client
+    ) -> None:
+        self.info = info
+        self.sources: set[Source] = set() if sources is None else sources
+        self.gpus: set[int] = set() if gpus is None else gpus
+        self.control_devices: set[str] = set() if control_devices is None else control_devices
+        self.used_mib: dict[int, int | None] = {} if used_mib is None else used_mib
+        self.mapped: set[int] = set() if mapped is None else mapped
+        self.ports: set[int] = set() if ports is None else ports
+        self.container = container
+        self.mps_client: set[int] = set() if mps_client is None else mps_client
+
+    def _facts(self) -> tuple[object, ...]:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Holder):
+            return NotImplemented
+        return self._facts() == other._facts()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: unhashable
 
     @property
     def pid(self) -> int:
@@ -88,26 +120,58 @@ class Holder:
         return found - {mig_parent(key) for key in found}
 
 
-@dataclass
 class Discovery:
-    unit: str
-    unit_cgroup: str
-    gpus: Sequence[Gpu]  # every GPU on the host
-    owned: Sequence[Gpu]  # the unit's
-    usage: dict[int, GpuUsage]  # by GPU index, every GPU
-    holders: dict[int, Holder]  # by PID
-    self_chain: frozenset[int]  # gpugate and its ancestors: never targets
-    unreadable: list[int]  # PIDs whose fds could not be read
-    # (GPU, PID) NVML lists but /proc does not show: another PID namespace
-    invisible: list[tuple[int, int]] = field(default_factory=list)
-    unit_containers: list[Container] = field(default_factory=list)  # `containers` found running
-    faults: list[GpuFault] = field(default_factory=list)  # GPUs NVML cannot read, not owned
-    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)  # by PID: its shm files
-    shm_areas: list[ShmArea] = field(default_factory=list)  # /dev/shm (and /run/shm)
-    cut_short: list[int] = field(default_factory=list)  # PIDs the deadline cut: holders may hide
-    # Every process's fds were read; False: only those NVML lists and the unit's, NVML's lists
-    # accounting for every GPU's memory (`memory_accounted`): a device-file-only holder unseen
-    fd_scan: bool = True
+    __slots__ = (
+        "cut_short",
+        "faults",
+        "fd_scan",
+        "gpus",
+        "holders",
+        "invisible",
+        "owned",
+        "self_chain",
+        "shm",
+        "shm_areas",
+        "unit",
+        "unit_cgroup",
+        "unit_containers",
+        "unreadable",
+        "usage",
+    )
+
+    def __init__(  # noqa: PLR0913 (a record: one argument per field)
+        self,
+        unit: str,
+        unit_cgroup: str,
+        gpus: Sequence[Gpu],  # every GPU on the host
+        owned: Sequence[Gpu],  # the unit's
+        usage: dict[int, GpuUsage],  # by GPU index, every GPU
+        holders: dict[int, Holder],  # by PID
+        self_chain: frozenset[int],  # gpugate and its ancestors: never targets
+        unreadable: list[int],  # PIDs whose fds could not be read
+        *,
+        # (GPU, PID) NVML lists but /proc does not show: another PID namespace
+        invisible: list[tuple[int, int]] | None = None,
+        unit_containers: list[Container] | None = None,  # `containers` found running
+        faults: list[GpuFault] | None = None,  # GPUs NVML cannot read, not owned
+        shm: dict[int, frozenset[ShmFile]] | None = None,  # by PID: its shm files
+        shm_areas: list[ShmArea] | None = None,  # /dev/shm (and /run/shm)
+        cut_short: list[int] | None = None,  # PIDs the deadline cut: holders may hide
+        # Every process's fds were read; False: only those NVML lists and the unit's, NVML's
+        # lists accounting for every GPU's memory (`memory_accounted`): a device-file-only
+        # holder unseen
+        fd_scan: bool = True,
+    ) -> None:
+        self.unit, self.unit_cgroup = unit, unit_cgroup
+        self.gpus, self.owned, self.usage, self.holders = gpus, owned, usage, holders
+        self.self_chain, self.unreadable = self_chain, unreadable
+        self.invisible: list[tuple[int, int]] = [] if invisible is None else invisible
+        self.unit_containers: list[Container] = [] if unit_containers is None else unit_containers
+        self.faults: list[GpuFault] = [] if faults is None else faults
+        self.shm: dict[int, frozenset[ShmFile]] = {} if shm is None else shm
+        self.shm_areas: list[ShmArea] = [] if shm_areas is None else shm_areas
+        self.cut_short: list[int] = [] if cut_short is None else cut_short
+        self.fd_scan = fd_scan
 
     @property
     def owned_indices(self) -> set[int]:

@@ -5,7 +5,6 @@ tells (`RunEvent`s, worded in report/narrate.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -63,20 +62,50 @@ class Blocker(NamedTuple):
 UNKILLABLE = "unkillable"  # Blocker.rule of a process that outlived SIGKILL
 
 
-@dataclass
 class RunSummary:
-    exit_code: ExitCode = ExitCode.OK
-    killed: list[ProcessId] = field(default_factory=list)  # stopped by SIGTERM or SIGKILL
-    rounds: int = 0
-    seconds_discover: float = 0.0
-    seconds_kill: float = 0.0
-    seconds_wait: float = 0.0
-    busy: list[BusyGpu] = field(default_factory=list)  # still used at the deadline
-    owned: list[Gpu] = field(default_factory=list)  # the GPUs this run made free
-    held: list[Blocker] = field(default_factory=list)  # who kept them: refused, spared, survived
-    freed_mib_by_gpu: dict[int, int] = field(default_factory=dict)
-    degraded: bool = False  # NVML failed and on_nvml_error = warn: the cgroup only
-    would_kill: int = 0  # a dry run: how many targets it would have killed
+    __slots__ = (
+        "busy",
+        "degraded",
+        "exit_code",
+        "freed_mib_by_gpu",
+        "held",
+        "killed",
+        "owned",
+        "rounds",
+        "seconds_discover",
+        "seconds_kill",
+        "seconds_wait",
+        "would_kill",
+    )
+
+    def __init__(  # noqa: PLR0913 (a record: one argument per field)
+        self,
+        *,
+        exit_code: ExitCode = ExitCode.OK,
+        killed: list[ProcessId] | None = None,  # stopped by SIGTERM or SIGKILL
+        rounds: int = 0,
+        seconds_discover: float = 0.0,
+        seconds_kill: float = 0.0,
+        seconds_wait: float = 0.0,
+        busy: list[BusyGpu] | None = None,  # still used at the deadline
+        owned: list[Gpu] | None = None,  # the GPUs this run made free
+        held: list[Blocker] | None = None,  # who kept them: refused, spared, survived
+        freed_mib_by_gpu: dict[int, int] | None = None,
+        degraded: bool = False,  # NVML failed and on_nvml_error = warn: the cgroup only
+        would_kill: int = 0,  # a dry run: how many targets it would have killed
+    ) -> None:
+        self.exit_code = exit_code
+        self.killed: list[ProcessId] = [] if killed is None else killed
+        self.rounds = rounds
+        self.seconds_discover = seconds_discover
+        self.seconds_kill = seconds_kill
+        self.seconds_wait = seconds_wait
+        self.busy: list[BusyGpu] = [] if busy is None else busy
+        self.owned: list[Gpu] = [] if owned is None else owned
+        self.held: list[Blocker] = [] if held is None else held
+        self.freed_mib_by_gpu: dict[int, int] = {} if freed_mib_by_gpu is None else freed_mib_by_gpu
+        self.degraded = degraded
+        self.would_kill = would_kill
 
     @property
     def freed_mib(self) -> int:
@@ -246,14 +275,19 @@ class Workload:
         """The run (not a dry run) ended in an error; progress: what it was doing."""
 
 
-@dataclass(frozen=True)
 class PlainWorkload(Workload):
     """A workload with no rule of its own: it refuses nothing, shares nothing and records
     nothing, so the run is decided by its config alone."""
 
-    loaded: LoadedConfig
-    gpu_source: str = ""
-    gpu_source_warns: bool = False
+    __slots__ = ("gpu_source", "gpu_source_warns", "loaded")
+    gpu_source: str  # a field here, a property in Workload
+    gpu_source_warns: bool
+
+    def __init__(
+        self, loaded: LoadedConfig, gpu_source: str = "", gpu_source_warns: bool = False
+    ) -> None:
+        self.loaded = loaded
+        self.gpu_source, self.gpu_source_warns = gpu_source, gpu_source_warns
 
 
 class RunEvent:

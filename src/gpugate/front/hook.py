@@ -6,7 +6,6 @@ sweep and `gpugate run`'s check; a Slurm node's drain; a uid as sudo writes it."
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import re
 import signal
@@ -14,7 +13,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
@@ -81,24 +79,34 @@ class HostAccess:
         return on_units_tree(self.given_roots, self.cgroup_layout)
 
 
-@dataclass(frozen=True)
 class Hook:
     """Built once by the command and passed whole: what the run is about and what it reaches
     the host through (scope), how its surroundings are made, where it is told."""
 
-    scope: RunScope
-    # a unit's, a Slurm job's, or none (PlainWorkload)
-    surroundings: Callable[[RunScope, LoadedConfig, Reporter], Workload]
-    reporter: Reporter  # the run's; a dry run uses its as_dry_run() twin
-    metrics_unit: str | None = None  # the metrics' unit label ("slurm"); None: no record
-    stream: TextIO = field(default_factory=lambda: sys.stderr)  # errors, metrics warnings
+    __slots__ = ("_run_reporter", "metrics_unit", "reporter", "scope", "stream", "surroundings")
 
-    @functools.cached_property
+    def __init__(
+        self,
+        scope: RunScope,
+        # a unit's, a Slurm job's, or none (PlainWorkload)
+        surroundings: Callable[[RunScope, LoadedConfig, Reporter], Workload],
+        reporter: Reporter,  # the run's; a dry run uses its as_dry_run() twin
+        metrics_unit: str | None = None,  # the metrics' unit label ("slurm"); None: no record
+        stream: TextIO | None = None,  # errors, metrics warnings; None: sys.stderr when made
+    ) -> None:
+        self.scope, self.surroundings, self.reporter = scope, surroundings, reporter
+        self.metrics_unit = metrics_unit
+        self.stream: TextIO = sys.stderr if stream is None else stream
+        self._run_reporter: Reporter | None = None
+
+    @property
     def run_reporter(self) -> Reporter:
         """The one the run and its failure share (a dry run's twin, made once: its echo, off
         after a closed pipe, stays off)."""
-        dry = self.scope.dry_run and not self.reporter.dry_run
-        return self.reporter.as_dry_run() if dry else self.reporter
+        if self._run_reporter is None:
+            dry = self.scope.dry_run and not self.reporter.dry_run
+            self._run_reporter = self.reporter.as_dry_run() if dry else self.reporter
+        return self._run_reporter
 
     def narrator(self) -> Narrator:
         return Narrator(self.run_reporter)

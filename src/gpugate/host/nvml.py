@@ -14,7 +14,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol, cast
 
@@ -54,9 +53,8 @@ class MigSlice(NamedTuple):
     profile: str  # from its name ("1g.10gb"), "" where the name has none
 
 
-@dataclass(frozen=True)
-class Gpu:
-    index: int  # NVML's index; a MIG slice's mig_key
+class Gpu(NamedTuple):
+    index: int  # type: ignore[assignment]  # NVML's index; a MIG slice's mig_key
     uuid: str  # GPU-... ; MIG-... for a slice
     minor: int  # N of /dev/nvidiaN: not always equal to the index (a slice: its GPU's)
     name: str
@@ -98,9 +96,8 @@ class GpuUsage(NamedTuple):
     processes_listed: bool = True  # False: the driver cannot list this GPU's processes
 
 
-@dataclass(frozen=True)
-class GpuFault:
-    index: int
+class GpuFault(NamedTuple):
+    index: int  # type: ignore[assignment]  # tuple.index, shadowed
     error: GateError
     uuid: str | None = None  # where NVML still gave it
     minor: int | None = None

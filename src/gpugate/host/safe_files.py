@@ -12,9 +12,9 @@ import os
 import pwd
 import stat
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.errors import (
     LinkOnPath,
@@ -37,8 +37,7 @@ class Exposure(Enum):
     WORLD_WRITABLE = "world-writable"
 
 
-@dataclass(frozen=True)
-class Untrusted:
+class Untrusted(NamedTuple):
     """Why another account may change `path` (`of`, the path asked about, or a folder above)."""
 
     path: str
@@ -292,8 +291,7 @@ SYSTEM_DIRS: tuple[str, ...] = (
 SYSTEM_PATH = ":".join(SYSTEM_DIRS[:6])
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(NamedTuple):
     returncode: int
     stdout: str
     stderr: str

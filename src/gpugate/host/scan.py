@@ -12,7 +12,6 @@ import stat
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import NamedTuple
 
@@ -24,14 +23,12 @@ from gpugate.host.systemd import parse_cgroup
 PF_KTHREAD = 0x00200000
 
 
-@dataclass(frozen=True, order=True)
-class ProcessId:
+class ProcessId(NamedTuple):
     pid: int
     start_time: int  # /proc/PID/stat's field 22: tells a recycled PID from the original
 
 
-@dataclass(frozen=True)
-class ProcInfo:
+class ProcInfo(NamedTuple):
     pid: int
     start_time: int
     comm: str
@@ -144,7 +141,7 @@ class ProcFs:
         cgroup = parse_cgroup(cgroup_text) or "/"
         uid = int(uids[0]) if uids else None
         args = tuple(arg for arg in cmdline if arg)
-        return self._remember(pid, replace(base, uid=uid, cgroup=cgroup, cmdline=args, exe=exe))
+        return self._remember(pid, base._replace(uid=uid, cgroup=cgroup, cmdline=args, exe=exe))
 
     def wchan(self, pid: int) -> str:  # by hand: psutil has no wchan
         return (self._read(pid, "wchan") or "?").strip() or "?"
@@ -174,14 +171,30 @@ class DeviceUse(NamedTuple):
         return self.fd_paths | self.mapped_paths
 
 
-@dataclass
 class DeviceScan:
-    users: dict[int, DeviceUse]
-    unreadable: list[int]  # PIDs whose fds we may not read (not root): holders may hide there
-    # Every process's files in the shm areas asked for, open or mapped, holder or not.
-    shm: dict[int, frozenset[ShmFile]] = field(default_factory=dict)
-    # PIDs whose fds were not all read by the deadline: holders may hide there too.
-    cut_short: list[int] = field(default_factory=list)
+    __slots__ = ("cut_short", "shm", "unreadable", "users")
+
+    def __init__(
+        self,
+        users: dict[int, DeviceUse],
+        unreadable: list[int],  # PIDs whose fds we may not read (not root): holders may hide
+        # Every process's files in the shm areas asked for, open or mapped, holder or not.
+        shm: dict[int, frozenset[ShmFile]] | None = None,
+        # PIDs whose fds were not all read by the deadline: holders may hide there too.
+        cut_short: list[int] | None = None,
+    ) -> None:
+        self.users = users
+        self.unreadable = unreadable
+        self.shm: dict[int, frozenset[ShmFile]] = {} if shm is None else shm
+        self.cut_short: list[int] = [] if cut_short is None else cut_short
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceScan):
+            return NotImplemented
+        mine = (self.users, self.unreadable, self.shm, self.cut_short)
+        return mine == (other.users, other.unreadable, other.shm, other.cut_short)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: unhashable
 
 
 CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
@@ -247,7 +260,7 @@ def scan_device_users(
             if held:
                 holder = shm.read_credentials(proc_fd, name)
                 files = shm.merge(held).values()
-                scan.shm[int(name)] = frozenset(replace(f, holder=holder) for f in files)
+                scan.shm[int(name)] = frozenset(f._replace(holder=holder) for f in files)
     finally:
         os.close(proc_fd)
     return scan

@@ -11,7 +11,6 @@ import os
 import re
 import stat
 from collections.abc import Callable, Collection, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
@@ -51,8 +50,7 @@ class ShmArea(NamedTuple):
         return self.path.rstrip("/") + reached[len(self.where.rstrip("/")) :]
 
 
-@dataclass(frozen=True)
-class ShmFile:
+class ShmFile(NamedTuple):
     """A file in an shm area that a process holds; names: what /proc showed for it (a maps
     name both as written and with "\\012" as a newline: the inode tells which is the file).
     opened: held open for reading or writing, or mapped (False: only through O_PATH

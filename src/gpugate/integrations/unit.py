@@ -7,7 +7,6 @@ import contextlib
 import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -138,21 +137,36 @@ class UnitContext(NamedTuple):
         return made
 
 
-@dataclass
 class UnitWorkload(Workload):
     """A systemd unit as the workload of its pre or post: its GPUs come from its config or
     its environment, its leases refuse a start on GPUs another running unit holds, and pre
     writes this start's lease before the first kill. A container's hook uses it too, with
     the GPUs from the container's spec and the container's label on its lease."""
 
-    scope: RunScope
-    loaded: LoadedConfig  # with the unit's GPUs resolved
-    context: UnitContext
-    choice: GpuChoice
-    narration: Narrator
-    failed_pre: records.FailedPre | None = None  # post: this start's failed pre
-    lease_written: bool = False  # pre wrote its lease before the kill (reserve)
-    refusal: str | None = None  # why another unit's lease refused this start
+    __slots__ = (
+        "choice",
+        "context",
+        "failed_pre",
+        "lease_written",
+        "loaded",
+        "narration",
+        "refusal",
+        "scope",
+    )
+
+    def __init__(
+        self,
+        scope: RunScope,
+        loaded: LoadedConfig,  # with the unit's GPUs resolved
+        context: UnitContext,
+        choice: GpuChoice,
+        narration: Narrator,
+    ) -> None:
+        self.scope, self.loaded, self.context = scope, loaded, context
+        self.choice, self.narration = choice, narration
+        self.failed_pre: records.FailedPre | None = None  # post: this start's failed pre
+        self.lease_written = False  # pre wrote its lease before the kill (reserve)
+        self.refusal: str | None = None  # why another unit's lease refused this start
 
     @property
     def gpu_source(self) -> str:

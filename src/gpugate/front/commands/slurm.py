@@ -160,13 +160,22 @@ def with_job_gpus(loaded: LoadedConfig, gpus: tuple[GpuRef, ...], note: str) -> 
     return LoadedConfig(replaced(loaded.config, gpus=gpus), f"{loaded.source} ({note})")
 
 
-@dataclass(frozen=True)
 class JobWorkload(PlainWorkload):
     """A Slurm job as the workload of its prolog or epilog. Slurm gives out the GPUs and
     drains a failed node itself, so no lease is checked or taken. A GPU that carries
     gres/shard is shared by every job on it (docs/slurm.md)."""
 
-    shard_minors: frozenset[int] = frozenset()
+    __slots__ = ("shard_minors",)
+
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        gpu_source: str = "",
+        gpu_source_warns: bool = False,
+        shard_minors: frozenset[int] = frozenset(),
+    ) -> None:
+        super().__init__(loaded, gpu_source, gpu_source_warns)
+        self.shard_minors = shard_minors
 
     def shared_gpus(self, discovery: Discovery) -> frozenset[int]:
         return frozenset(gpu.index for gpu in discovery.owned if gpu.minor in self.shard_minors)

@@ -9,7 +9,6 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 from gpugate.config.file import LoadedConfig, replaced
@@ -161,13 +160,20 @@ def reapable(
     return found
 
 
-@dataclass(frozen=True)
 class LeaseRecheck(PlainWorkload):
     """The reap's surroundings: a lease taken since the look refuses it, under the GPU locks;
     the look's watchers stay watchers (owners that do not depend on the GPUs' memory)."""
 
-    unit_state: Callable[[str], str | None] = lambda unit: None
-    watchers: tuple[ProcessId, ...] = ()
+    __slots__ = ("unit_state", "watchers")
+
+    def __init__(
+        self,
+        loaded: LoadedConfig,
+        unit_state: Callable[[str], str | None],
+        watchers: tuple[ProcessId, ...] = (),
+    ) -> None:
+        super().__init__(loaded)
+        self.unit_state, self.watchers = unit_state, watchers
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
         leased = live_leased(self.loaded, self.unit_state)
@@ -197,9 +203,7 @@ def reap(
     )
     hook = Hook(
         scope,
-        lambda _scope, loaded, _reporter: LeaseRecheck(
-            loaded, "", False, front.unit_state, tuple(watchers)
-        ),
+        lambda _scope, loaded, _reporter: LeaseRecheck(loaded, front.unit_state, tuple(watchers)),
         reporter,
     )
     return int(run_hook(hook, reaping).exit_code)  # no run record: the sweep's gauges say it
