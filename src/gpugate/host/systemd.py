@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
@@ -223,6 +222,8 @@ def unit_environment(
     text = show(name) if show else systemctl_show(name, "Environment,EnvironmentFiles")
     if text is None:
         return None
+    import shlex  # noqa: PLC0415 - a unit's own GPU list only (gpus = "auto")
+
     variables: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition("=")
