@@ -37,5 +37,11 @@ def test_gpugate_and_fuser_find_the_same_holders(tmp_path: Path) -> None:
 )
 def test_pre_cost_runs_every_command_on_a_clean_stand_in_host() -> None:
     cpu = pre_cost.measure(5, 1)  # raises where a command fails or pre kills anything
-    assert set(cpu) == {pre_cost.FLOOR, pre_cost.PRE, pre_cost.FUSER, pre_cost.PYNVML}
+    assert set(cpu) == {
+        pre_cost.FLOOR,
+        pre_cost.PRE,
+        pre_cost.EDITED,
+        pre_cost.FUSER,
+        pre_cost.PYNVML,
+    }
     assert all(len(values) == 1 and values[0] > 0 for values in cpu.values())
