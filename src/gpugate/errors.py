@@ -159,6 +159,14 @@ class StateUnwritable(GateError):
         self.what = what
 
 
+class NriUnavailable(GateError):
+    """`gpugate nri`: the runtime's NRI socket cannot be reached, or its connection broke (the
+    runtime closed it, refused the registration, or sent what NRI never sends). The code of
+    NvmlUnavailable (69, UNAVAILABLE), but never one: the plugin connects again."""
+
+    exit_code = ExitCode.NVML_UNAVAILABLE
+
+
 class PermissionDenied(GateError):
     exit_code = ExitCode.PERMISSION
 
