@@ -221,6 +221,15 @@ def _oci_hook_parser(commands: Commands, name: str, text: str) -> None:
     hook.set_defaults(run=_oci_hook)
 
 
+def _nri_parser(commands: Commands, name: str, text: str) -> None:
+    plugin = commands.add_parser(name, description=text + " (see docs/containers.md, NRI)")
+    plugin.add_argument(
+        "--socket", type=_path, default="/var/run/nri/nri.sock", help="the runtime's NRI socket"
+    )
+    plugin.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
+    plugin.set_defaults(run=_nri)
+
+
 def _oci_runtime_parser(commands: Commands, name: str, text: str) -> None:
     runtime = commands.add_parser(name)
     runtime.add_argument("args", nargs=argparse.REMAINDER, help="runc's arguments")
@@ -276,6 +285,11 @@ COMMANDS = (
         "oci-runtime",
         "runc with gpugate's hooks added to GPU containers (docker's runtime)",
         _oci_runtime_parser,
+    ),
+    (
+        "nri",
+        "NRI plugin (containerd 1.7+, CRI-O): gate a node's containers at CreateContainer",
+        _nri_parser,
     ),
     (
         "run",
@@ -401,6 +415,17 @@ def _oci_hook(args: argparse.Namespace, front: HostAccess) -> int:
         [args.stage],
         roots=front.host_roots(),
         config=args.config,
+        driver_factory=front.driver_factory,
+    )
+
+
+def _nri(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.nri import nri  # noqa: PLC0415
+
+    return nri(
+        socket=args.socket,
+        config=args.config,
+        roots=front.host_roots(),
         driver_factory=front.driver_factory,
     )
 

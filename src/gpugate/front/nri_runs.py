@@ -1,0 +1,164 @@
+"""`gpugate nri`'s runs: a container's pre or post (front/container_hook.py's
+`run_container_hook`, as `gpugate oci-hook` runs it), each in a child forked from the plugin.
+
+So the plugin answers the runtime within NRI's bound however long a run takes: a pre is
+waited for until the bound is nearly spent, then ended with SIGTERM (the run's own handler
+stops it and gives its locks back) and the creation is refused for now; a post is not waited
+for at all. A run's stderr (gpugate's one line) comes back through a pipe. The plugin itself
+is one thread, so forking it is safe; NVML is opened in the child only."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from gpugate.config.file import LoadedConfig
+from gpugate.errors import ExitCode
+from gpugate.front.container_hook import run_container_hook
+from gpugate.host.nvml import GpuDriver
+from gpugate.host.oci import ContainerSpec, ContainerState
+from gpugate.host.systemd import HostRoots
+from gpugate.phase import Phase
+from gpugate.report import lines
+
+MAX_SAID = 64 << 10  # of a run's stderr kept: its one line, and a warning or two
+STOP_GRACE_S = 10.0  # a pre ended by SIGTERM gives its locks back within this, or is killed
+
+
+class GateRun(NamedTuple):
+    pid: int
+    pidfd: int
+    said: int  # the read end of its stderr
+    container: str
+    phase: Phase
+
+
+class RunResult(NamedTuple):
+    code: int  # the run's exit code
+    line: str  # its last line on stderr, "" where it said nothing
+
+
+class GateSetup(NamedTuple):
+    """What every run of this plugin gets."""
+
+    roots: HostRoots
+    loaded: LoadedConfig | None
+    driver_factory: Callable[[], GpuDriver]
+    close_in_child: Sequence[int]  # the plugin's own descriptors (its NRI socket)
+
+
+def start(setup: GateSetup, phase: Phase, state: ContainerState, spec: ContainerSpec) -> GateRun:
+    read, write = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # the child: never returns
+        os.close(read)
+        _child(setup, phase, state, spec, write)
+    os.close(write)
+    return GateRun(pid, os.pidfd_open(pid), read, state.id, phase)
+
+
+def _child(
+    setup: GateSetup, phase: Phase, state: ContainerState, spec: ContainerSpec, write: int
+) -> None:
+    code = int(ExitCode.INTERNAL)
+    try:
+        for fd in setup.close_in_child:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # until the run's own handler is set
+        with os.fdopen(write, "w", encoding="utf-8", errors="replace") as stream:
+            try:
+                code = run_container_hook(
+                    phase,
+                    state,
+                    spec,
+                    roots=setup.roots,
+                    loaded=setup.loaded,
+                    driver_factory=setup.driver_factory,
+                    stream=stream,
+                )
+            except Exception as exc:  # the plugin stays up; the run says what broke
+                if os.environ.get("GPUGATE_DEBUG"):
+                    raise
+                print(lines.internal_error_text(exc), file=stream)
+    finally:
+        sys.stdout.flush()
+        os._exit(code)
+
+
+def wait(run: GateRun, deadline: float) -> RunResult | None:
+    """The run's result once it exits, or None where it still runs at deadline
+    (time.monotonic()); its stderr is read meanwhile."""
+    said = bytearray()
+    if not _wait(run, said, deadline):
+        return None
+    code = _reap(run)
+    text = said.decode("utf-8", "replace").strip().splitlines()
+    return RunResult(code, text[-1] if text else "")
+
+
+class Ending(NamedTuple):
+    run: GateRun
+    kill_at: float | None  # SIGKILL then, where SIGTERM has not ended it (None: a post's)
+
+
+def end(run: GateRun) -> Ending:
+    """SIGTERM: the run stops and gives its locks back (front/hook.py's stopped_by_signals);
+    `tend` kills it STOP_GRACE_S later where it has not."""
+    signal.pidfd_send_signal(run.pidfd, signal.SIGTERM)
+    return Ending(run, time.monotonic() + STOP_GRACE_S)
+
+
+def tend(background: list[Ending]) -> list[tuple[GateRun, int]]:
+    """Takes the runs that have exited out of background, with their exit codes; kills those
+    past their kill_at."""
+    done = []
+    for ending in list(background):
+        run = ending.run
+        if select.select([run.pidfd], [], [], 0)[0]:
+            _drain(run, bytearray())
+            done.append((run, _reap(run)))
+            background.remove(ending)
+        elif ending.kill_at is not None and time.monotonic() > ending.kill_at:
+            signal.pidfd_send_signal(run.pidfd, signal.SIGKILL)
+    return done
+
+
+def _wait(run: GateRun, said: bytearray, deadline: float) -> bool:
+    """Reads its stderr until it exits (True) or deadline passes (False)."""
+    watched = [run.pidfd, run.said]
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        ready = select.select(watched, [], [], left)[0]
+        if run.said in ready and _drain(run, said):
+            watched.remove(run.said)  # its end: only the exit is left to come
+        if run.pidfd in ready:
+            _drain(run, said)
+            return True
+
+
+def _drain(run: GateRun, said: bytearray) -> bool:
+    """Reads what the run wrote; True at the pipe's end."""
+    os.set_blocking(run.said, False)
+    try:
+        while chunk := os.read(run.said, 65536):
+            if len(said) < MAX_SAID:
+                said += chunk[: MAX_SAID - len(said)]
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _reap(run: GateRun) -> int:
+    _, status = os.waitpid(run.pid, 0)
+    os.close(run.pidfd)
+    os.close(run.said)
+    return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else int(ExitCode.INTERNAL)
