@@ -26,6 +26,7 @@ from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.systemd import HostRoots
 from gpugate.phase import Phase
 from gpugate.report import lines
+from gpugate.report.journal import Reporter, ReporterFactory
 
 MAX_SAID = 64 << 10  # of a run's stderr kept: its one line, and a warning or two
 STOP_GRACE_S = 10.0  # a pre ended by SIGTERM gives its locks back within this, or is killed
@@ -51,6 +52,8 @@ class GateSetup(NamedTuple):
     loaded: LoadedConfig | None
     driver_factory: Callable[[], GpuDriver]
     close_in_child: Sequence[int]  # the plugin's own descriptors (its NRI socket)
+    reporter_factory: ReporterFactory = Reporter
+    unit_state: Callable[[str], str | None] | None = None  # systemctl's, unless a test's
 
 
 def start(setup: GateSetup, phase: Phase, state: ContainerState, spec: ContainerSpec) -> GateRun:
@@ -81,6 +84,8 @@ def _child(
                     roots=setup.roots,
                     loaded=setup.loaded,
                     driver_factory=setup.driver_factory,
+                    reporter_factory=setup.reporter_factory,
+                    unit_state=setup.unit_state,
                     stream=stream,
                 )
             except Exception as exc:  # the plugin stays up; the run says what broke
