@@ -15,7 +15,7 @@ import select
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from gpugate.config.file import LoadedConfig
@@ -26,7 +26,13 @@ from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.systemd import HostRoots
 from gpugate.phase import Phase
 from gpugate.report import lines
-from gpugate.report.journal import Reporter, ReporterFactory
+from gpugate.report.journal import (
+    PRIORITY_ERR,
+    FieldValue,
+    Journal,
+    Reporter,
+    ReporterFactory,
+)
 
 MAX_SAID = 64 << 10  # of a run's stderr kept: its one line, and a warning or two
 STOP_GRACE_S = 10.0  # a pre ended by SIGTERM gives its locks back within this, or is killed
@@ -75,26 +81,68 @@ def _child(
             with contextlib.suppress(OSError):
                 os.close(fd)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # until the run's own handler is set
-        with os.fdopen(write, "w", encoding="utf-8", errors="replace") as stream:
-            try:
-                code = run_container_hook(
-                    phase,
-                    state,
-                    spec,
-                    roots=setup.roots,
-                    loaded=setup.loaded,
-                    driver_factory=setup.driver_factory,
-                    reporter_factory=setup.reporter_factory,
-                    unit_state=setup.unit_state,
-                    stream=stream,
-                )
-            except Exception as exc:  # the plugin stays up; the run says what broke
-                if os.environ.get("GPUGATE_DEBUG"):
-                    raise
-                print(lines.internal_error_text(exc), file=stream)
+        # Its stderr is the pipe: the run's lines (its Reporter's echo, as on a terminal: the
+        # pipe is no journal stream) come back to the plugin, the last one for the runtime.
+        os.dup2(write, 2)
+        os.close(write)
+        stream = open(2, "w", encoding="utf-8", errors="replace", buffering=1, closefd=False)  # noqa: SIM115
+        sys.stderr = stream
+        first_error = FirstError()
+        try:
+            code = run_container_hook(
+                phase,
+                state,
+                spec,
+                roots=setup.roots,
+                loaded=setup.loaded,
+                driver_factory=setup.driver_factory,
+                reporter_factory=first_error.watching(setup.reporter_factory),
+                unit_state=setup.unit_state,
+                stream=stream,
+            )
+            if code != ExitCode.OK and first_error.line:
+                print(first_error.line, file=stream)  # the last line: the runtime's answer
+        except Exception as exc:  # the plugin stays up; the run says what broke
+            if os.environ.get("GPUGATE_DEBUG"):
+                raise
+            print(lines.internal_error_text(exc), file=stream)
     finally:
-        sys.stdout.flush()
+        for out in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):
+                out.flush()
         os._exit(code)
+
+
+class FirstError:
+    """The run's first journal entry of error priority (a refusal, what survived, a timeout),
+    as its stderr line: what the runtime is answered with where the run fails, rather than
+    its summary."""
+
+    def __init__(self) -> None:
+        self.line = ""
+
+    def watching(self, factory: ReporterFactory) -> ReporterFactory:
+        def make(
+            unit: str, phase: str, *, fields: Mapping[str, FieldValue] | None = None
+        ) -> Reporter:
+            reporter = factory(unit, phase, fields=fields)
+            reporter.journal = _Tee(reporter.journal, self, reporter)
+            return reporter
+
+        return make
+
+
+class _Tee:
+    def __init__(self, journal: Journal, first: FirstError, reporter: Reporter) -> None:
+        self.journal, self.first, self.reporter = journal, first, reporter
+
+    def send(self, message: str, fields: dict[str, FieldValue]) -> None:
+        self.journal.send(message, fields)
+        priority = fields.get("PRIORITY")
+        error = isinstance(priority, str) and priority.isdigit() and int(priority) <= PRIORITY_ERR
+        if error and not self.first.line:
+            shown = self.reporter.shown
+            self.first.line = f"gpugate {self.reporter.phase} {shown}: {message}"
 
 
 def wait(run: GateRun, deadline: float) -> RunResult | None:
