@@ -148,6 +148,12 @@ class ProgramUnavailable(GateError):
     exit_code = ExitCode.NVML_UNAVAILABLE
 
 
+class NriUnavailable(ProgramUnavailable):
+    """`gpugate nri`: the runtime's NRI socket cannot be reached, or its connection broke (the
+    runtime closed it, refused the registration, or sent what NRI never sends): the plugin
+    connects again."""
+
+
 class StateUnwritable(GateError):
     """gpugate's own state (what: "metrics", "GPU locks", ...) cannot be written at path."""
 
@@ -157,14 +163,6 @@ class StateUnwritable(GateError):
         super().__init__(message, code=code)
         self.path = path
         self.what = what
-
-
-class NriUnavailable(GateError):
-    """`gpugate nri`: the runtime's NRI socket cannot be reached, or its connection broke (the
-    runtime closed it, refused the registration, or sent what NRI never sends). The code of
-    NvmlUnavailable (69, UNAVAILABLE), but never one: the plugin connects again."""
-
-    exit_code = ExitCode.NVML_UNAVAILABLE
 
 
 class PermissionDenied(GateError):
