@@ -1,0 +1,128 @@
+"""`gpugate nri` with Debian 13's real containerd 1.7.24 (its NRI is containerd/nri v0.6.1), in
+a trixie root inside a simulated host, driven over its CRI socket as the kubelet drives it
+(cri.py). NRI is on in config.toml (`[plugins."io.containerd.nri.v1.nri"] disable = false`),
+no gpugate runtime handler is installed and gpugate writes nothing of containerd's config:
+the plugin runs as a service of its own, registers over NRI's socket, and gates containers at
+CreateContainer. The node is test_cri_containerd.py's (NVIDIA's legacy runtime as the
+stand-in default, its runc wrapper, the locally built images)."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cri import CriClient, CriError, stubs
+from realparts import wait_for
+from test_cri_containerd import (
+    BUSYBOX,
+    CDI_SPEC,
+    CONFIG,
+    ENABLE_CDI,
+    HANG_GUARD_S,
+    NODE_CONFIG,
+    NODES,
+    NVIDIA,
+    NVIDIA_STAND_IN,
+    PAUSE_CMD,
+    RUNC_WRAPPER,
+    Node,
+    boot_release,
+    build_images,
+    handed,
+    restart,
+)
+from test_real_containers import hold
+from test_real_oci_hooks import FAST, NVIDIA_HOOK
+
+from gpugate.errors import ExitCode
+
+pytestmark = [pytest.mark.simhost, pytest.mark.slow]
+
+NRI_ON = """
+  [plugins."io.containerd.nri.v1.nri"]
+    disable = false
+    disable_connections = false
+    socket_path = "/var/run/nri/nri.sock"
+    plugin_registration_timeout = "5s"
+    plugin_request_timeout = "%s"
+"""
+# Longer than a pre with a stale holder takes here ([pre].wait_timeout_s is FAST's 30 s,
+# sigterm_grace_s 1 s): docs/containers.md, "NRI", says how to size it.
+REQUEST_TIMEOUT = "35s"
+
+
+@pytest.fixture(scope="module")
+def node(request: pytest.FixtureRequest, fake_nvml_lib: Path | None) -> Iterator[Node]:
+    if fake_nvml_lib is None:
+        pytest.skip("the stand-in libnvidia-ml.so.1 could not be built (gcc missing?)")
+    stubs()
+    sim = boot_release(request, "trixie", fake_nvml_lib)
+    cri: CriClient | None = None
+    try:
+        sim.write_file("/etc/fake-nvml.conf", "gpu_count = 8\nrelease_delay_ms = 0\n")
+        sim.run("test -e /usr/sbin/runc || mv /usr/bin/runc /usr/sbin/runc; rm -f /usr/bin/runc")
+        sim.write_file("/usr/bin/runc", RUNC_WRAPPER, mode=0o755)
+        sim.write_file(NVIDIA, NVIDIA_STAND_IN, mode=0o755)
+        sim.write_file(NVIDIA_HOOK, "#!/bin/sh\ncat >/dev/null\n", mode=0o755)
+        config = NODE_CONFIG.replace("%(cdi)s", ENABLE_CDI) + NRI_ON % REQUEST_TIMEOUT
+        sim.write_file(CONFIG, config)
+        sim.write_file("/etc/cdi/nvidia.json", CDI_SPEC)
+        sim.run(
+            f"mkdir -p {NODES} && for i in 0 1 2 3 4 5 6 7; do "
+            f"mknod -m 0666 {NODES}/nvidia$i c 195 $i; done"
+        )
+        sim.write_file("/etc/gpugate/containers.toml", FAST)
+        restart(sim)
+        build_images(sim)
+        cri = CriClient(f"/proc/{sim.pid1}/root/run/containerd/containerd.sock")
+        cri.wait_ready()
+        sim.run("systemd-run --unit gpugate-nri --property=Restart=always gpugate nri")
+        wait_for(
+            "containerd saying the plugin connected",
+            lambda: "99-gpugate" in sim.run("journalctl --no-pager -u containerd").stdout,
+            timeout=HANG_GUARD_S,
+        )
+        yield Node(sim, cri, "trixie")
+    finally:
+        if cri is not None:
+            cri.close()
+        sim.poweroff()
+
+
+def test_a_pod_s_gpu_is_gated_by_the_nri_plugin_at_create_container(node: Node) -> None:
+    sim = node.sim
+    before = hashlib.sha256(sim.run(f"cat {CONFIG}").stdout.encode()).hexdigest()
+    gpu = 1
+    stale = node.stale_holder(gpu)
+    pod = node.cri.pod("vllm-0", "ml")
+    sandbox = node.cri.run_pod_sandbox(pod, "")
+    assert node.alive(stale) and not node.leases(), "the pause container was gated"
+    cid = node.cri.create_container(
+        pod, "server", BUSYBOX, ["/bin/sh", "-c", hold([gpu])], **handed("envvar", gpu, pod)
+    )
+    assert not node.alive(stale), "the stale holder outlived the pod's CreateContainer"
+    (lease,) = node.leases()
+    assert "ml/vllm-0/server" in lease["container"] and cid[:12] in lease["container"], lease
+    assert lease["unit"] == f"cri-containerd-{cid}.scope" and lease["gpus"] == [gpu], lease
+    node.cri.start_container(cid)
+    assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
+    node.claim_pid(node.cri.container_pid(cid), [gpu])
+
+    other = node.cri.pod("vllm-1", "ml")
+    node.cri.run_pod_sandbox(other, "")
+    with pytest.raises(CriError) as refused:
+        node.cri.create_container(
+            other, "server", BUSYBOX, PAUSE_CMD, **handed("envvar", gpu, other)
+        )
+    assert "ml/vllm-0/server" in refused.value.details, refused.value.details
+    assert f"exit status {int(ExitCode.HELD_BY_OTHERS)}" in refused.value.details
+    node.teardown(other)
+    assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
+
+    node.teardown(pod)
+    wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
+    assert sandbox not in node.cri.sandboxes()
+    after = hashlib.sha256(sim.run(f"cat {CONFIG}").stdout.encode()).hexdigest()
+    assert after == before, "gpugate changed containerd's config"
