@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
-from gpugate.errors import BadInput, ExitCode, GateError, InstallError, NriUnavailable
+from gpugate.errors import BadInput, ExitCode, InstallError, NriUnavailable
 from gpugate.front import nri_runs
 from gpugate.front.install_containers import (
     CONTAINERD_CONFIG,
@@ -204,7 +204,12 @@ class Plugin:
             self.connection.answer(call, api_pb2.CreateContainerResponse())
             return
         deadline = time.monotonic() + (call.timeout_s or self.bound_s) - ANSWER_MARGIN_S
-        run = nri_runs.start(self.node.setup, Phase.PRE, state, spec)
+        try:
+            run = nri_runs.start(self.node.setup, Phase.PRE, state, spec)
+        except OSError as exc:  # no fork, no pipe: the plugin goes on, this one is refused
+            remember(self.refused, container.id)
+            self.refuse(call, f"its pre did not start: {exc}", int(ExitCode.INTERNAL))
+            return
         result = nri_runs.wait(run, deadline)
         if result is None or result.code != ExitCode.OK:
             remember(self.refused, container.id)
@@ -260,7 +265,7 @@ class Plugin:
         remember(self.posted, container.id)
         try:
             run = nri_runs.start(self.node.setup, Phase.POST, state, spec)
-        except (OSError, GateError) as exc:
+        except OSError as exc:
             say(f"container {for_error(container.id[:12])}: its post did not start: {exc}")
             return
         self.background.append(nri_runs.Ending(run, None))
