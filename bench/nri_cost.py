@@ -1,0 +1,132 @@
+"""What `gpugate nri` costs a node (issue 49): its memory and CPU while idle, connected to a
+runtime, and per container that asks for no GPU (answered in the plugin, no run forked).
+
+The runtime's side is played here over a Unix socket with gpugate's own framing
+(host/nri.py's Wire, which carries either side's messages): RegisterPlugin answered,
+Configure and Synchronize called, then nothing for --idle-s seconds, then --calls
+CreateContainer calls of a GPU-less container, one after another.
+
+    python3 -m bench.nri_cost --idle-s 30 --calls 500
+
+Prints a markdown table: the plugin's resident memory (VmRSS) after connecting and after the
+calls, its CPU while idle (utime + stime over the idle time), and each call's round trip
+(median, 95th percentile) and CPU."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from google.protobuf.message import Message
+
+from gpugate.host.nri import PLUGIN_CONN, REMOTE_CLOSED, REQUEST, RESPONSE, RUNTIME_CONN, Wire
+from gpugate.host.nri_api import api_pb2, ttrpc_pb2
+
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def cpu_s(pid: int) -> float:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rfind(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / TICKS
+
+
+class Runtime:
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+        self.stream = 1
+
+    def registration(self) -> None:
+        found = self.wire.message(60.0)
+        assert found is not None and found[0] == RUNTIME_CONN, found
+        answer = ttrpc_pb2.Response(status=ttrpc_pb2.Status(code=0))
+        self.wire.send(RUNTIME_CONN, found[1], RESPONSE, 0, answer.SerializeToString())
+
+    def call(self, method: str, request: Message, timeout_s: float = 2.0) -> None:
+        stream, self.stream = self.stream, self.stream + 2
+        envelope = ttrpc_pb2.Request(
+            service="nri.pkg.api.v1alpha1.Plugin",
+            method=method,
+            payload=request.SerializeToString(),
+            timeout_nano=int(timeout_s * 1e9),
+        )
+        self.wire.send(PLUGIN_CONN, stream, REQUEST, REMOTE_CLOSED, envelope.SerializeToString())
+        found = self.wire.message(60.0)
+        assert found is not None and found[:3] == (PLUGIN_CONN, stream, RESPONSE), found
+        answer = ttrpc_pb2.Response.FromString(found[3])
+        assert answer.status.code == 0, answer.status
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument("--calls", type=int, default=500)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as folder:
+        path = f"{folder}/nri.sock"
+        config = Path(folder) / "containers.toml"
+        config.write_text(f'lock_dir = "{folder}/locks"\n')
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(path)
+        listener.listen(1)
+        argv = [sys.executable, "-m", "gpugate", "nri", "--socket", path, "--config", str(config)]
+        plugin = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+        try:
+            listener.settimeout(60.0)
+            conn, _ = listener.accept()
+            runtime = Runtime(Wire(conn))
+            runtime.registration()
+            runtime.call("Configure", api_pb2.ConfigureRequest(runtime_name="bench"))
+            runtime.call("Synchronize", api_pb2.SynchronizeRequest())
+            connected_kib, before = rss_kib(plugin.pid), cpu_s(plugin.pid)
+            time.sleep(args.idle_s)  # the idle time being measured
+            idle = cpu_s(plugin.pid) - before
+            pod = api_pb2.PodSandbox(id="f" * 64, name="p", namespace="bench")
+            trips = []
+            before = cpu_s(plugin.pid)
+            for n in range(args.calls):
+                made = api_pb2.Container(id=f"{n:064x}", pod_sandbox_id="f" * 64, name="c")
+                made.linux.cgroups_path = f"kubepods.slice:cri-containerd:{n:064x}"
+                started = time.perf_counter()
+                runtime.call(
+                    "CreateContainer", api_pb2.CreateContainerRequest(pod=pod, container=made)
+                )
+                trips.append(time.perf_counter() - started)
+            per_call = (cpu_s(plugin.pid) - before) / args.calls
+            after_kib = rss_kib(plugin.pid)
+        finally:
+            plugin.terminate()
+            plugin.wait(30)
+    trips.sort()
+    print("| figure | value |\n| --- | --- |")
+    print(f"| resident memory, connected and idle | {connected_kib / 1024:.1f} MiB |")
+    print(
+        f"| resident memory after {args.calls} CreateContainer calls | {after_kib / 1024:.1f} MiB |"
+    )
+    share = 100 * idle / args.idle_s
+    print(f"| CPU while idle ({args.idle_s:g} s) | {idle * 1000:.0f} ms ({share:.3f} %) |")
+    print(
+        f"| CreateContainer, no GPU: round trip median | {statistics.median(trips) * 1e3:.2f} ms |"
+    )
+    p95 = trips[int(len(trips) * 0.95)]
+    print(f"| CreateContainer, no GPU: round trip p95 | {p95 * 1e3:.2f} ms |")
+    print(f"| CreateContainer, no GPU: plugin CPU per call | {per_call * 1e3:.2f} ms |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
