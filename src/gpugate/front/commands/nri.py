@@ -57,6 +57,7 @@ DEFAULT_BOUND_S = 2.0  # NRI's default plugin_request_timeout, where a call name
 ANSWER_MARGIN_S = 0.3
 TICK_S = 1.0  # between looks at finished posts while no call comes
 RETRY_S = 5.0  # between tries to connect
+RECONNECT_S = 1.0  # after a connection ended: containers are ungated until the next one
 MAX_REMEMBERED = 4096  # containers whose post ran, kept to run it once
 
 
@@ -73,9 +74,8 @@ def nri(
     config: Path | None = None,
     roots: HostRoots | None = None,
     driver_factory: Callable[[], GpuDriver] = NvmlDriver,
-    once: bool = False,
 ) -> int:
-    """Serves the runtime until SIGTERM; once: until the first connection ends (tests)."""
+    """Serves the runtime until SIGTERM (or a config error at the start: its exit code)."""
     loaded = load_config(None, config) if config is not None else container_config()
     roots = roots or on_units_tree(HostRoots())
     handlers = nvidia_handlers(CONTAINERD_CONFIG)
@@ -83,8 +83,6 @@ def nri(
         try:
             wire = Wire.connect(str(socket), REGISTER_TIMEOUT_S)
         except NriUnavailable as exc:
-            if once:
-                raise
             say(f"{exc.message}; trying again in {RETRY_S:g} s")
             time.sleep(RETRY_S)
             continue
@@ -95,8 +93,7 @@ def nri(
             say(f"{exc.message}; connecting again")
         finally:
             wire.close()
-        if once:
-            return int(ExitCode.OK)
+        time.sleep(RECONNECT_S)  # a runtime that refuses at once is not asked in a busy loop
 
 
 def say(text: str) -> None:
