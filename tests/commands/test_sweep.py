@@ -506,3 +506,34 @@ def test_a_reap_kills_orphans_whatever_pre_kill_orphans_says(host: FakeHost) -> 
     assert alive(server)
     assert sweep(config, front(host), **at(1060.0)) == ExitCode.OK
     assert not alive(server)
+
+
+def test_install_nri_writes_its_service_and_uninstall_takes_back_only_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`gpugate install --nri` (issue 49): gpugate-nri.service running `gpugate nri`, written
+    once, kept where edited, none where the package carries it; the options exclude each
+    other."""
+    from gpugate.front import install
+    from gpugate.front.install import Action
+
+    monkeypatch.setattr(install, "PACKAGED_DIR", tmp_path / "packaged")
+    systemd = tmp_path / "system"
+    planned = install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=True)
+    assert [(c.path.name, c.action) for c in planned] == [("gpugate-nri.service", Action.WRITE)]
+    install.apply(planned, reload=lambda: False)
+    assert "ExecStart=/usr/bin/gpugate nri\n" in (systemd / "gpugate-nri.service").read_text()
+    again = install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=True)
+    assert [c.action for c in again] == [Action.UNCHANGED]
+    service = systemd / "gpugate-nri.service"
+    service.write_text(service.read_text() + "# mine\n")
+    removed = install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=False)
+    assert [c.action for c in removed] == [Action.KEEP]
+    (tmp_path / "packaged").mkdir()
+    (tmp_path / "packaged" / "gpugate-nri.service").write_text("packaged")
+    assert install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=True) == []
+    code = main(["install", "--nri", "--dry-run", "--systemd-dir", str(tmp_path / "other")])
+    assert code == ExitCode.OK and not (tmp_path / "other").exists()
+    assert main(["install", "--nri", "--sweep"]) == ExitCode.USAGE
+    assert main(["install", "--nri", "vllm.service"]) == ExitCode.USAGE
+    assert main(["uninstall", "--nri", "--containers"]) == ExitCode.USAGE

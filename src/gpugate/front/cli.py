@@ -182,6 +182,8 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
     containers += "files, docker's gpugate runtime; see docs/containers.md)"
     sub.add_argument("--containers", dest="oci", action="store_true", help=containers)
     sub.add_argument("--sweep", action="store_true", help="gpugate-sweep.timer, enabled")
+    nri = "gpugate-nri.service, enabled: the NRI plugin (docs/containers.md, NRI)"
+    sub.add_argument("--nri", action="store_true", help=nri)
     sub.add_argument("--force", action="store_true", help="replace or remove edited files")
     sub.add_argument("--dry-run", action="store_true", help="print what it would do; do it not")
     sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")

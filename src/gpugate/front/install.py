@@ -454,7 +454,7 @@ def apply(
                 f"{exc.filename or change.path}: permission denied (run as root)"
             ) from None
     written = {c.path.name for c in changes if c.action in (Action.WRITE, Action.REMOVE)}
-    if dry_run or reload is None or not written & {DROPIN_NAME, SERVICE, TIMER}:
+    if dry_run or reload is None or not written & {DROPIN_NAME, SERVICE, TIMER, NRI_SERVICE}:
         return False
     print(RELOADED[reload()], file=stream)
     return True
@@ -550,4 +550,40 @@ def timer_systemctl(*words: str) -> None:
     if result.returncode != 0:
         detail = (result.stderr or result.stdout or "").strip().splitlines()
         said = for_error(detail[-1] if detail else "", quote=False)
-        raise InstallError(f"`systemctl {words[0]} gpugate-sweep.timer` failed: {said}")
+        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
+
+
+NRI_SERVICE = "gpugate-nri.service"
+NRI_TEMPLATE = """\
+# gpugate's NRI plugin (docs/containers.md, NRI): containerd's (1.7+) or CRI-O's NRI must be
+# on; the runtime's config is not touched.
+[Unit]
+# What `systemctl status` shows.
+Description=gpugate NRI plugin: containers' GPUs gated at CreateContainer
+Documentation=man:gpugate(1)
+# It connects again by itself whenever the runtime restarts.
+After=containerd.service crio.service
+
+[Service]
+ExecStart=@GPUGATE@ nri
+Restart=always
+RestartSec=2
+# A container's post runs in a child of the plugin, in the background: a stop or restart of
+# the plugin lets it finish (each is bounded by [post].wait_timeout_s).
+KillMode=process
+
+[Install]
+# Enabled by `gpugate install --nri`, not by the package.
+WantedBy=multi-user.target
+"""
+
+
+def plan_nri(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
+    """gpugate-nri.service in systemd_dir: none where the package carries it."""
+    if (PACKAGED_DIR / NRI_SERVICE).exists():
+        return []
+    body = NRI_TEMPLATE.replace("@GPUGATE@", " ".join(command))
+    content = with_header(body) if installing else None
+    change = file_change(systemd_dir / NRI_SERVICE, content, force=False, keep_edited=True)
+    assert change is not None  # kept where edited
+    return [change]

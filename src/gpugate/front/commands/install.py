@@ -1,6 +1,6 @@
 """`gpugate install|uninstall UNIT` (a unit's drop-in and config, daemon-reload),
-`gpugate install|uninstall --containers` (hooks.d files, docker's runtime) and `--sweep`
-(gpugate-sweep.timer)."""
+`gpugate install|uninstall --containers` (hooks.d files, docker's runtime), `--sweep`
+(gpugate-sweep.timer) and `--nri` (gpugate-nri.service)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,10 @@ def install_command(args: argparse.Namespace) -> int:
     --port, --container)."""
     installing = args.command == "install"
     given: Path | None = args.gpugate_path if installing else None
-    sweep = args.sweep and args.unit is None and not args.oci
-    if not sweep and (args.oci != (args.unit is None) or args.sweep):
+    chosen = [bool(args.unit), args.oci, args.sweep, args.nri]
+    if chosen.count(True) != 1:
         print(
-            f"gpugate {args.command}: give a UNIT or --containers (or --sweep), one of them",
+            f"gpugate {args.command}: give a UNIT, --containers, --sweep or --nri, one of them",
             file=sys.stderr,
         )
         return int(ExitCode.USAGE)
@@ -32,7 +32,9 @@ def install_command(args: argparse.Namespace) -> int:
         return containers_setup(args, installing, given)
     # the hook lines' gpugate: --gpugate-path, else this very one
     command = plan.command_for(str(given)) if given else plan.gpugate_command()
-    return (sweep_setup if sweep else unit_setup)(args, installing, command)
+    if args.nri:
+        return nri_setup(args, installing, command)
+    return (sweep_setup if args.sweep else unit_setup)(args, installing, command)
 
 
 def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
@@ -74,6 +76,26 @@ def sweep_setup(args: argparse.Namespace, installing: bool, command: tuple[str, 
     if installing and not args.dry_run:
         plan.timer_systemctl("enable", *now, plan.TIMER)
         print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
+    return int(ExitCode.OK)
+
+
+def nri_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
+    """`gpugate install|uninstall --nri`: gpugate-nri.service, enabled and started."""
+    changes = plan.plan_nri(args.systemd_dir, command, installing=installing)
+    now = ["--now"] if systemd_running() else []
+    folders = (plan.PACKAGED_DIR, args.systemd_dir)
+    there = any((folder / plan.NRI_SERVICE).exists() for folder in folders)
+    if not installing and not args.dry_run and there:
+        plan.timer_systemctl("disable", *now, plan.NRI_SERVICE)
+        print("disabled gpugate-nri.service: the runtime's containers are no longer gated")
+    reload = None if args.no_reload else plan.systemctl_daemon_reload
+    plan.apply(changes, dry_run=args.dry_run, reload=reload)
+    if installing and not args.dry_run:
+        plan.timer_systemctl("enable", *now, plan.NRI_SERVICE)
+        print(
+            "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
+            "(docs/containers.md, NRI)"
+        )
     return int(ExitCode.OK)
 
 
