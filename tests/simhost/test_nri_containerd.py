@@ -78,7 +78,9 @@ def node(request: pytest.FixtureRequest, fake_nvml_lib: Path | None) -> Iterator
         build_images(sim)
         cri = CriClient(f"/proc/{sim.pid1}/root/run/containerd/containerd.sock")
         cri.wait_ready()
-        sim.run("systemd-run --unit gpugate-nri --property=Restart=always gpugate nri")
+        said = sim.run("gpugate install --nri").stdout
+        assert "enabled gpugate-nri.service" in said, said
+        assert sim.systemctl("is-active", "gpugate-nri.service", check=False).returncode == 0
         wait_for(
             "containerd saying the plugin connected",
             lambda: "99-gpugate" in sim.run("journalctl --no-pager -u containerd").stdout,
