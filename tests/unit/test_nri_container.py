@@ -1,4 +1,4 @@
-"""An NRI container as the OCI hook's state and spec (host/nri_container.py): the GPUs it
+"""An NRI container as the OCI hook's state and spec (integrations/nri_container.py): the GPUs it
 reaches by the hook's rules, its cgroup from its cgroups path, its pod named from NRI's own
 fields over what the pod wrote, the pod's sandbox told apart."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from gpugate.errors import BadInput
-from gpugate.host.nri_container import is_pod_sandbox, oci_view
-from gpugate.host.oci import Toolkit, pod_name, runtime_name
+from gpugate.host.oci import Toolkit
 from gpugate.host.scan import ProcFs
-from gpugate.integrations.container import identify
+from gpugate.integrations.container import identify, pod_name, runtime_name
+from gpugate.integrations.nri_container import is_pod_sandbox, oci_view
 from tests.nri_runtime import container, pod
 
 A_ID = "a" * 64

@@ -30,12 +30,12 @@ from gpugate.host.nri import (
     event_mask,
 )
 from gpugate.host.nri_api import api_pb2
-from gpugate.host.nri_container import is_pod_sandbox, oci_view
 from gpugate.host.nvml import GpuDriver, NvmlDriver
 from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.systemd import HostRoots, on_units_tree
 from gpugate.integrations.config_files import load_config
 from gpugate.integrations.container import container_config
+from gpugate.integrations.nri_container import is_pod_sandbox, oci_view
 from gpugate.phase import Phase
 from gpugate.untrusted import for_error, safe_line
 

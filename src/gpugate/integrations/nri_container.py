@@ -15,13 +15,13 @@ from gpugate.host.nri_api import api_pb2
 from gpugate.host.oci import (
     CONTAINER_ID,
     CRI_KEYS,
-    RUNTIME_NAME_ANNOTATIONS,
     ContainerSpec,
     ContainerState,
     GpuRequest,
     Toolkit,
     spec_gpu_request,
 )
+from gpugate.integrations.container import RUNTIME_NAME_ANNOTATIONS
 from gpugate.untrusted import for_error
 
 # The path NVIDIA's runtime gives the prestart hook it adds at `create` (after NRI), standing
