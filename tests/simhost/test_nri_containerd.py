@@ -32,6 +32,7 @@ from test_cri_containerd import (
     build_images,
     handed,
     restart,
+    uuid,
 )
 from test_real_containers import hold
 from test_real_oci_hooks import FAST, NVIDIA_HOOK
@@ -94,10 +95,18 @@ def node(request: pytest.FixtureRequest, fake_nvml_lib: Path | None) -> Iterator
 
 
 def test_a_pod_s_gpu_is_gated_by_the_nri_plugin_at_create_container(node: Node) -> None:
+    """Issue 49's "Done when" under the plugin, through the CRI: (a) the stale holder of the
+    pod's GPU goes at its CreateContainer; (b) its pause sandbox is not gated; (c) the pod is
+    namespace/pod/container in the journal (fields and message), its lease and `gpugate
+    status`; (d) a second pod's CreateContainer fails with gpugate's line naming the first, and
+    a unit on that GPU is refused while the pod runs; (e) a containerd restart in the middle
+    keeps the lease, and the plugin connects again; (f) StopPodSandbox then RemovePodSandbox
+    leave no lease; (g) containerd's config.toml is byte for byte what it was."""
     sim = node.sim
     before = hashlib.sha256(sim.run(f"cat {CONFIG}").stdout.encode()).hexdigest()
     gpu = 1
     stale = node.stale_holder(gpu)
+    cursor = node.cursor()
     pod = node.cri.pod("vllm-0", "ml")
     sandbox = node.cri.run_pod_sandbox(pod, "")
     assert node.alive(stale) and not node.leases(), "the pause container was gated"
@@ -108,9 +117,25 @@ def test_a_pod_s_gpu_is_gated_by_the_nri_plugin_at_create_container(node: Node) 
     (lease,) = node.leases()
     assert "ml/vllm-0/server" in lease["container"] and cid[:12] in lease["container"], lease
     assert lease["unit"] == f"cri-containerd-{cid}.scope" and lease["gpus"] == [gpu], lease
+    assert "ml/vllm-0/server" in node.sh("gpugate status")
     node.cri.start_container(cid)
     assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
     node.claim_pid(node.cri.container_pid(cid), [gpu])
+
+    entries = node.gpugate_entries(cursor, cid)
+    killed = [e for e in entries if e.get("GPUGATE_SIGNAL") == "SIGTERM"]
+    assert [e["GPUGATE_PID"] for e in killed] == [str(stale)], killed
+    named = {
+        (
+            e.get("GPUGATE_OCI_POD_NAMESPACE"),
+            e.get("GPUGATE_OCI_POD"),
+            e.get("GPUGATE_OCI_POD_CONTAINER"),
+        )
+        for e in entries
+    }
+    assert named == {("ml", "vllm-0", "server")}, named
+    assert any("ml/vllm-0/server" in e.get("MESSAGE", "") for e in entries), entries
+    assert not node.gpugate_entries(cursor, sandbox), "gpugate spoke of the pause container"
 
     other = node.cri.pod("vllm-1", "ml")
     node.cri.run_pod_sandbox(other, "")
@@ -118,16 +143,72 @@ def test_a_pod_s_gpu_is_gated_by_the_nri_plugin_at_create_container(node: Node) 
         node.cri.create_container(
             other, "server", BUSYBOX, PAUSE_CMD, **handed("envvar", gpu, other)
         )
+    assert refused.value.details.startswith("gpugate"), refused.value.details
     assert "ml/vllm-0/server" in refused.value.details, refused.value.details
     assert f"exit status {int(ExitCode.HELD_BY_OTHERS)}" in refused.value.details
     node.teardown(other)
     assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
 
+    sim.install_unit("tgi.service", "[Service]\nExecStart=/bin/sleep 3600\n")
+    node.sh(f"gpugate install tgi.service --gpus {gpu}")
+    assert sim.systemctl("start", "tgi.service", check=False).returncode != 0
+    said = node.sh("journalctl --no-pager -o cat -u tgi.service | tail -20")
+    assert "ml/vllm-0/server" in said, said
+    sim.systemctl("reset-failed", "tgi.service", check=False)
+
+    restarted = node.cursor()
+    restart(sim, node.cri)
+    wait_for(
+        "the plugin connected to the restarted containerd",
+        lambda: (
+            "99-gpugate"
+            in node.sh(f"journalctl --no-pager --after-cursor='{restarted}' -u containerd")
+        ),
+        timeout=HANG_GUARD_S,
+    )
+    assert node.cri.container_state(cid) == "CONTAINER_RUNNING"
+    assert [entry["unit"] for entry in node.leases()] == [lease["unit"]]
+
     node.teardown(pod)
     wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
-    assert sandbox not in node.cri.sandboxes()
+    assert sandbox not in node.cri.sandboxes() and cid not in node.cri.containers()
+    finished = [
+        e for e in node.gpugate_entries(cursor, cid) if e.get("GPUGATE_EVENT") == "run_finished"
+    ]
+    assert sorted((e["GPUGATE_PHASE"], e["GPUGATE_RESULT"]) for e in finished) == [
+        ("post", "success"),
+        ("pre", "success"),
+    ], finished
     after = hashlib.sha256(sim.run(f"cat {CONFIG}").stdout.encode()).hexdigest()
     assert after == before, "gpugate changed containerd's config"
+
+
+def test_the_pause_sandbox_is_never_gated_even_where_its_spec_names_a_gpu(node: Node) -> None:
+    """A pod annotation the runtime passes through (a CDI request of GPU 3) lands in the pause
+    container's spec too: NRI's RunPodSandbox is not gated (no kill, no lease, no word from
+    gpugate); the pod's container, which inherits it, is gated at CreateContainer."""
+    stale = node.stale_holder(3)
+    cursor = node.cursor()
+    request = {"cdi.k8s.io/gpu-pod": f"nvidia.com/gpu={uuid(3)}"}
+    pod = node.cri.pod("annotated-0", "ml", annotations=request)
+    sandbox = node.cri.run_pod_sandbox(pod, "")
+    annotations = node.cri.sandbox_info(pod)["runtimeSpec"]["annotations"]
+    assert annotations["cdi.k8s.io/gpu-pod"] == request["cdi.k8s.io/gpu-pod"], annotations
+    assert node.alive(stale) and not node.leases()
+    assert not node.gpugate_entries(cursor, sandbox)
+    cid = node.cri.create_container(
+        pod,
+        "server",
+        BUSYBOX,
+        ["/bin/sh", "-c", hold([3])],
+        mounts=[("/dev/nvidia3", "/dev/nvidia3")],
+    )
+    assert not node.alive(stale), "the pod's container was not gated on its annotation"
+    (lease,) = node.leases()
+    assert lease["gpus"] == [3] and "ml/annotated-0/server" in lease["container"], lease
+    node.teardown(pod)
+    wait_for("the lease given up", lambda: not node.leases(), timeout=HANG_GUARD_S)
+    assert not node.gpugate_entries(cursor, sandbox) and cid not in node.cri.containers()
 
 
 def test_under_nri_s_default_bound_a_pod_is_created_at_once_or_at_the_next_try(
