@@ -4,13 +4,19 @@ runtime, and per container that asks for no GPU (answered in the plugin, no run 
 The runtime's side is played here over a Unix socket with gpugate's own framing
 (host/nri.py's Wire, which carries either side's messages): RegisterPlugin answered,
 Configure and Synchronize called, then nothing for --idle-s seconds, then --calls
-CreateContainer calls of a GPU-less container, one after another.
+CreateContainer calls of a GPU-less container, one after another, then --gpu-calls pods with a
+GPU each (a container given GPU n % 8 by its spec's device 195:n, as the device plugin's CDI
+mode leaves it): CreateContainer (the plugin forks the container's pre) and StopContainer (its
+post, in the background), the next only once the post has given the lease back. The host is
+bench/stage.py's stand-in (device files, cgroup tree, the stand-in libnvidia-ml), passed by
+gpugate's hidden --host-roots and --nvml-library.
 
-    python3 -m bench.nri_cost --idle-s 30 --calls 500
+    python3 -m bench.nri_cost --idle-s 30 --calls 500 --gpu-calls 40
 
 Prints a markdown table: the plugin's resident memory (VmRSS) after connecting and after the
-calls, its CPU while idle (utime + stime over the idle time), and each call's round trip
-(median, 95th percentile) and CPU."""
+calls, its CPU while idle (utime + stime over the idle time), each GPU-less call's round trip
+(median, 95th percentile) and CPU, and per GPU pod the CreateContainer round trip and the CPU
+of the plugin with its reaped runs (cutime + cstime: the pre and the post)."""
 
 from __future__ import annotations
 
@@ -26,8 +32,10 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
+from bench.stage import Stage
 from gpugate.host.nri import PLUGIN_CONN, REMOTE_CLOSED, REQUEST, RESPONSE, RUNTIME_CONN, Wire
 from gpugate.host.nri_api import api_pb2, ttrpc_pb2
+from gpugate.integrations.records import read_leases
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -39,10 +47,15 @@ def rss_kib(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-def cpu_s(pid: int) -> float:
+def cpu_s(pid: int, *, children: bool = False) -> float:
+    """utime + stime, and with children the reaped children's (cutime + cstime)."""
     text = Path(f"/proc/{pid}/stat").read_text()
-    fields = text[text.rfind(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / TICKS
+    fields = [int(x) for x in text[text.rfind(")") + 2 :].split()[11:15]]
+    return sum(fields if children else fields[:2]) / TICKS
+
+
+def leased(locks: Path) -> bool:
+    return bool(read_leases(locks).leases)
 
 
 class Runtime:
@@ -75,16 +88,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--idle-s", type=float, default=30.0)
     parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--gpu-calls", type=int, default=40)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as folder:
         path = f"{folder}/nri.sock"
+        stage = Stage(Path(folder) / "host")
         config = Path(folder) / "containers.toml"
-        config.write_text(f'lock_dir = "{folder}/locks"\n')
+        config.write_text(f'lock_dir = "{stage.locks}"\n')
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         listener.bind(path)
         listener.listen(1)
-        argv = [sys.executable, "-m", "gpugate", "nri", "--socket", path, "--config", str(config)]
-        plugin = subprocess.Popen(argv, stderr=subprocess.DEVNULL)
+        argv = [sys.executable, "-m", "gpugate", *stage.roots_args()]
+        argv += ["nri", "--socket", path, "--config", str(config)]
+        plugin = subprocess.Popen(argv, stderr=subprocess.DEVNULL, env=stage.env())
         try:
             listener.settimeout(60.0)
             conn, _ = listener.accept()
@@ -108,6 +124,34 @@ def main() -> int:
                 trips.append(time.perf_counter() - started)
             per_call = (cpu_s(plugin.pid) - before) / args.calls
             after_kib = rss_kib(plugin.pid)
+            gpu_trips, before = [], cpu_s(plugin.pid, children=True)
+            for n in range(args.gpu_calls):
+                made = api_pb2.Container(id=f"{n + 1:x}".rjust(64, "e"), pod_sandbox_id="f" * 64)
+                made.name = "gpu"
+                made.linux.cgroups_path = f"kubepods.slice:cri-containerd:{made.id}"
+                made.linux.devices.append(
+                    api_pb2.LinuxDevice(
+                        path=f"/dev/nvidia{n % 8}", type="c", major=195, minor=n % 8
+                    )
+                )
+                started = time.perf_counter()
+                runtime.call(
+                    "CreateContainer",
+                    api_pb2.CreateContainerRequest(pod=pod, container=made),
+                    timeout_s=30.0,
+                )
+                gpu_trips.append(time.perf_counter() - started)
+                if not leased(stage.locks):
+                    raise RuntimeError(f"GPU pod {n}: its pre took no lease")
+                runtime.call("StopContainer", api_pb2.StopContainerRequest(pod=pod, container=made))
+                waited = time.monotonic() + 60
+                while leased(stage.locks):  # the post, in the background: its lease back
+                    if time.monotonic() > waited:
+                        raise RuntimeError(f"GPU pod {n}: its post kept the lease past 60 s")
+                    time.sleep(0.01)
+            time.sleep(2.5)  # the plugin reaps finished posts once a second
+            per_gpu_pod = (cpu_s(plugin.pid, children=True) - before) / max(args.gpu_calls, 1)
+            after_gpu_kib = rss_kib(plugin.pid)
         finally:
             plugin.terminate()
             plugin.wait(30)
@@ -125,6 +169,14 @@ def main() -> int:
     p95 = trips[int(len(trips) * 0.95)]
     print(f"| CreateContainer, no GPU: round trip p95 | {p95 * 1e3:.2f} ms |")
     print(f"| CreateContainer, no GPU: plugin CPU per call | {per_call * 1e3:.2f} ms |")
+    if gpu_trips:
+        gpu_trips.sort()
+        median = statistics.median(gpu_trips) * 1e3
+        print(f"| pod with a GPU: CreateContainer round trip (its pre), median | {median:.1f} ms |")
+        cpu = per_gpu_pod * 1e3
+        pods = args.gpu_calls
+        print(f"| resident memory after {pods} pods with a GPU | {after_gpu_kib / 1024:.1f} MiB |")
+        print(f"| pod with a GPU: CPU, plugin and its runs (pre + post) | {cpu:.1f} ms |")
     return 0
 
 
