@@ -49,6 +49,10 @@ def test_deb_contents(deb: Path) -> None:
         "/usr/bin/gpugate",
         "/usr/lib/gpugate/common/gpugate/front/cli.py",
         "/usr/lib/gpugate/common/pydantic/__init__.py",
+        # `gpugate nri`: the protobuf modules setup.py generates at build, and protobuf itself
+        "/usr/lib/gpugate/common/gpugate/host/nri_api/api_pb2.py",
+        "/usr/lib/gpugate/common/gpugate/host/nri_api/ttrpc_pb2.py",
+        "/usr/lib/gpugate/common/google/protobuf/__init__.py",
         "/usr/lib/systemd/catalog/gpugate.catalog",
         "/usr/share/man/man1/gpugate.1.gz",
         "/usr/share/bash-completion/completions/gpugate",
@@ -79,6 +83,7 @@ def test_deb_contents(deb: Path) -> None:
     assert set(versions) == {"libc6", "libsystemd0"}, depends
     assert [int(n) for n in versions["libc6"].split(".")] <= [2, 31], depends
     assert int(versions["libsystemd0"]) <= 247, depends
+    assert "libstdc++6" in depends, depends  # protobuf's C module links it (gpugate nri)
     assert "pydantic" not in depends, "python3-pydantic is v1 before Debian 13: pydantic is carried"
 
 
