@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from google.protobuf.message import Message
 
@@ -84,12 +85,19 @@ class Runtime:
         assert answer.status.code == 0, answer.status
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--idle-s", type=float, default=30.0)
-    parser.add_argument("--calls", type=int, default=500)
-    parser.add_argument("--gpu-calls", type=int, default=40)
-    args = parser.parse_args()
+class Figures(NamedTuple):
+    connected_kib: int
+    after_kib: int  # after the GPU-less calls
+    after_gpu_kib: int  # after the pods with a GPU
+    idle_cpu_s: float
+    trips: list[float]  # GPU-less CreateContainer round trips, sorted
+    per_call_s: float
+    gpu_trips: list[float]  # CreateContainer round trips of pods with a GPU, sorted
+    per_gpu_pod_s: float  # CPU of the plugin and its runs, per pod with a GPU
+
+
+def measure(idle_s: float, calls: int, gpu_calls: int) -> Figures:
+    """The plugin's figures; raises where a GPU pod's pre took no lease or its post kept it."""
     with tempfile.TemporaryDirectory() as folder:
         path = f"{folder}/nri.sock"
         stage = Stage(Path(folder) / "host")
@@ -109,73 +117,91 @@ def main() -> int:
             runtime.call("Configure", api_pb2.ConfigureRequest(runtime_name="bench"))
             runtime.call("Synchronize", api_pb2.SynchronizeRequest())
             connected_kib, before = rss_kib(plugin.pid), cpu_s(plugin.pid)
-            time.sleep(args.idle_s)  # the idle time being measured
+            time.sleep(idle_s)  # the idle time being measured
             idle = cpu_s(plugin.pid) - before
-            pod = api_pb2.PodSandbox(id="f" * 64, name="p", namespace="bench")
-            trips = []
             before = cpu_s(plugin.pid)
-            for n in range(args.calls):
-                made = api_pb2.Container(id=f"{n:064x}", pod_sandbox_id="f" * 64, name="c")
-                made.linux.cgroups_path = f"kubepods.slice:cri-containerd:{n:064x}"
-                started = time.perf_counter()
-                runtime.call(
-                    "CreateContainer", api_pb2.CreateContainerRequest(pod=pod, container=made)
-                )
-                trips.append(time.perf_counter() - started)
-            per_call = (cpu_s(plugin.pid) - before) / args.calls
+            trips = [gpu_less(runtime, n) for n in range(calls)]
+            per_call = (cpu_s(plugin.pid) - before) / max(calls, 1)
             after_kib = rss_kib(plugin.pid)
-            gpu_trips, before = [], cpu_s(plugin.pid, children=True)
-            for n in range(args.gpu_calls):
-                made = api_pb2.Container(id=f"{n + 1:x}".rjust(64, "e"), pod_sandbox_id="f" * 64)
-                made.name = "gpu"
-                made.linux.cgroups_path = f"kubepods.slice:cri-containerd:{made.id}"
-                made.linux.devices.append(
-                    api_pb2.LinuxDevice(
-                        path=f"/dev/nvidia{n % 8}", type="c", major=195, minor=n % 8
-                    )
-                )
-                started = time.perf_counter()
-                runtime.call(
-                    "CreateContainer",
-                    api_pb2.CreateContainerRequest(pod=pod, container=made),
-                    timeout_s=30.0,
-                )
-                gpu_trips.append(time.perf_counter() - started)
-                if not leased(stage.locks):
-                    raise RuntimeError(f"GPU pod {n}: its pre took no lease")
-                runtime.call("StopContainer", api_pb2.StopContainerRequest(pod=pod, container=made))
-                waited = time.monotonic() + 60
-                while leased(stage.locks):  # the post, in the background: its lease back
-                    if time.monotonic() > waited:
-                        raise RuntimeError(f"GPU pod {n}: its post kept the lease past 60 s")
-                    time.sleep(0.01)
+            before = cpu_s(plugin.pid, children=True)
+            gpu_trips = [gpu_pod(runtime, n, stage.locks) for n in range(gpu_calls)]
             time.sleep(2.5)  # the plugin reaps finished posts once a second
-            per_gpu_pod = (cpu_s(plugin.pid, children=True) - before) / max(args.gpu_calls, 1)
+            per_gpu_pod = (cpu_s(plugin.pid, children=True) - before) / max(gpu_calls, 1)
             after_gpu_kib = rss_kib(plugin.pid)
         finally:
             plugin.terminate()
             plugin.wait(30)
-    trips.sort()
+    return Figures(
+        connected_kib,
+        after_kib,
+        after_gpu_kib,
+        idle,
+        sorted(trips),
+        per_call,
+        sorted(gpu_trips),
+        per_gpu_pod,
+    )
+
+
+POD = api_pb2.PodSandbox(id="f" * 64, name="p", namespace="bench")
+
+
+def gpu_less(runtime: Runtime, n: int) -> float:
+    """One CreateContainer of a container without GPUs: its round trip."""
+    made = api_pb2.Container(id=f"{n:064x}", pod_sandbox_id=POD.id, name="c")
+    made.linux.cgroups_path = f"kubepods.slice:cri-containerd:{made.id}"
+    started = time.perf_counter()
+    runtime.call("CreateContainer", api_pb2.CreateContainerRequest(pod=POD, container=made))
+    return time.perf_counter() - started
+
+
+def gpu_pod(runtime: Runtime, n: int, locks: Path) -> float:
+    """A pod given GPU n % 8: CreateContainer (its pre: the round trip returned), then
+    StopContainer (its post), waited for until its lease is back."""
+    made = api_pb2.Container(id=f"{n + 1:x}".rjust(64, "e"), pod_sandbox_id=POD.id, name="gpu")
+    made.linux.cgroups_path = f"kubepods.slice:cri-containerd:{made.id}"
+    device = api_pb2.LinuxDevice(path=f"/dev/nvidia{n % 8}", type="c", major=195, minor=n % 8)
+    made.linux.devices.append(device)
+    request = api_pb2.CreateContainerRequest(pod=POD, container=made)
+    started = time.perf_counter()
+    runtime.call("CreateContainer", request, timeout_s=30.0)
+    trip = time.perf_counter() - started
+    if not leased(locks):
+        raise RuntimeError(f"GPU pod {n}: its pre took no lease")
+    runtime.call("StopContainer", api_pb2.StopContainerRequest(pod=POD, container=made))
+    waited = time.monotonic() + 60
+    while leased(locks):  # the post, in the background: its lease back
+        if time.monotonic() > waited:
+            raise RuntimeError(f"GPU pod {n}: its post kept the lease past 60 s")
+        time.sleep(0.01)
+    return trip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--idle-s", type=float, default=30.0)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--gpu-calls", type=int, default=40)
+    args = parser.parse_args()
+    got = measure(args.idle_s, args.calls, args.gpu_calls)
     print("| figure | value |\n| --- | --- |")
-    print(f"| resident memory, connected and idle | {connected_kib / 1024:.1f} MiB |")
+    print(f"| resident memory, connected and idle | {got.connected_kib / 1024:.1f} MiB |")
+    after, after_gpu = got.after_kib / 1024, got.after_gpu_kib / 1024
+    print(f"| resident memory after {args.calls} CreateContainer calls | {after:.1f} MiB |")
+    print(f"| resident memory after {args.gpu_calls} pods with a GPU | {after_gpu:.1f} MiB |")
+    share = 100 * got.idle_cpu_s / args.idle_s if args.idle_s else 0.0
     print(
-        f"| resident memory after {args.calls} CreateContainer calls | {after_kib / 1024:.1f} MiB |"
+        f"| CPU while idle ({args.idle_s:g} s) | {got.idle_cpu_s * 1000:.0f} ms ({share:.3f} %) |"
     )
-    share = 100 * idle / args.idle_s
-    print(f"| CPU while idle ({args.idle_s:g} s) | {idle * 1000:.0f} ms ({share:.3f} %) |")
-    print(
-        f"| CreateContainer, no GPU: round trip median | {statistics.median(trips) * 1e3:.2f} ms |"
-    )
-    p95 = trips[int(len(trips) * 0.95)]
-    print(f"| CreateContainer, no GPU: round trip p95 | {p95 * 1e3:.2f} ms |")
-    print(f"| CreateContainer, no GPU: plugin CPU per call | {per_call * 1e3:.2f} ms |")
-    if gpu_trips:
-        gpu_trips.sort()
-        median = statistics.median(gpu_trips) * 1e3
+    if got.trips:
+        median, p95 = statistics.median(got.trips), got.trips[int(len(got.trips) * 0.95)]
+        print(f"| CreateContainer, no GPU: round trip median | {median * 1e3:.2f} ms |")
+        print(f"| CreateContainer, no GPU: round trip p95 | {p95 * 1e3:.2f} ms |")
+        print(f"| CreateContainer, no GPU: plugin CPU per call | {got.per_call_s * 1e3:.2f} ms |")
+    if got.gpu_trips:
+        median = statistics.median(got.gpu_trips) * 1e3
         print(f"| pod with a GPU: CreateContainer round trip (its pre), median | {median:.1f} ms |")
-        cpu = per_gpu_pod * 1e3
-        pods = args.gpu_calls
-        print(f"| resident memory after {pods} pods with a GPU | {after_gpu_kib / 1024:.1f} MiB |")
+        cpu = got.per_gpu_pod_s * 1e3
         print(f"| pod with a GPU: CPU, plugin and its runs (pre + post) | {cpu:.1f} ms |")
     return 0
 

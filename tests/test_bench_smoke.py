@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import pre_cost
+from bench import nri_cost, pre_cost
 from bench.crowd import REPO
 from bench.discovery import FUSER, GPUGATE, GPUGATE_SCAN, LSOF, measure_discovery
 from bench.stage import Stage
@@ -45,3 +45,13 @@ def test_pre_cost_runs_every_command_on_a_clean_stand_in_host() -> None:
         pre_cost.PYNVML,
     }
     assert all(len(values) == 1 and values[0] > 0 for values in cpu.values())
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc for the stand-in NVML")
+def test_nri_cost_gates_each_gpu_pod_and_answers_each_gpu_less_one() -> None:
+    """bench/nri_cost.py against the plugin on a stand-in host: every GPU-less call answered,
+    every pod with a GPU leased at CreateContainer and given back after StopContainer (measure
+    raises where one is not)."""
+    got = nri_cost.measure(0.0, 3, 2)
+    assert len(got.trips) == 3 and len(got.gpu_trips) == 2
+    assert got.connected_kib > 0 and got.per_gpu_pod_s > 0
