@@ -7,6 +7,8 @@ StopContainer in the background, a pre that outlives the runtime's bound refused
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -15,10 +17,11 @@ import pytest
 
 from gpugate.errors import ExitCode, NriUnavailable
 from gpugate.front import nri_runs
-from gpugate.front.commands.nri import EVENTS, Node, Plugin
+from gpugate.front.commands.nri import EVENTS, Node, Plugin, pause
 from gpugate.host.nri import PluginConnection, Wire
 from gpugate.host.nri_api import api_pb2, ttrpc_pb2
 from gpugate.integrations.records import read_leases
+from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.fakes import FakeHost, alive
 from tests.nri_runtime import FakeRuntime, container, pod
@@ -175,3 +178,28 @@ def test_a_pre_that_outlives_the_runtime_s_bound_is_refused_for_now(
     answer = create(runtime, on_gpu(C_ID, 3))
     assert answer.status.code == 0, answer.status.message
     assert not alive(stale)
+
+
+def test_runs_left_by_a_broken_connection_are_killed_past_their_grace_and_reaped() -> None:
+    """A pre ended at the bound (or a post) outlives its connection: between connections the
+    plugin still kills it once its grace is over, and reaps it."""
+    read, write = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # a run deaf to SIGTERM
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        os.write(write, b"r")
+        signal.pause()
+        os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"r"  # it ignores SIGTERM from here
+    run = nri_runs.GateRun(pid, os.pidfd_open(pid), read, A_ID, Phase.PRE)
+    background = [nri_runs.end(run)]
+    background[0] = background[0]._replace(kill_at=0.0)  # its grace over
+    plugin = Plugin(None, None, background)  # type: ignore[arg-type]
+    assert plugin.background is background  # the connection's runs are the plugin's
+    pause(background, 0.0)  # SIGKILL
+    assert select.select([run.pidfd], [], [], HANG_GUARD_S)[0], "SIGKILL was not sent"
+    pause(background, 0.0)
+    assert background == []
+    with pytest.raises(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)

@@ -79,21 +79,34 @@ def nri(
     loaded = load_config(None, config) if config is not None else container_config()
     roots = roots or on_units_tree(HostRoots())
     handlers = nvidia_handlers(CONTAINERD_CONFIG)
+    background: list[nri_runs.Ending] = []  # runs outlive a connection: reaped across them
     while True:
         try:
             wire = Wire.connect(str(socket), REGISTER_TIMEOUT_S)
         except NriUnavailable as exc:
             say(f"{exc.message}; trying again in {RETRY_S:g} s")
-            time.sleep(RETRY_S)
+            pause(background, RETRY_S)
             continue
         setup = nri_runs.GateSetup(roots, loaded, driver_factory, (wire.sock.fileno(),))
         try:
-            Plugin(PluginConnection(wire), Node(setup, handlers)).serve()
+            Plugin(PluginConnection(wire), Node(setup, handlers), background).serve()
         except NriUnavailable as exc:
             say(f"{exc.message}; connecting again")
         finally:
             wire.close()
-        time.sleep(RECONNECT_S)  # a runtime that refuses at once is not asked in a busy loop
+        pause(background, RECONNECT_S)  # a runtime that refuses at once is not asked in a loop
+
+
+def pause(background: list[nri_runs.Ending], seconds: float) -> None:
+    """Sleeps between connections, still reaping the runs started before (and killing those
+    past their grace)."""
+    end = time.monotonic() + seconds
+    while True:
+        nri_runs.tend(background)
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, TICK_S))
 
 
 def say(text: str) -> None:
@@ -133,10 +146,16 @@ def nvidia_handlers(path: Path) -> frozenset[str]:
 class Plugin:
     """One connection's life: registered, configured, then each call answered."""
 
-    def __init__(self, connection: PluginConnection, node: Node) -> None:
+    def __init__(
+        self,
+        connection: PluginConnection,
+        node: Node,
+        background: list[nri_runs.Ending] | None = None,
+    ) -> None:
         self.connection = connection
         self.node = node
-        self.background: list[nri_runs.Ending] = []  # posts, and pres ended at the bound
+        # posts, and pres ended at the bound: the plugin's, kept across connections
+        self.background = [] if background is None else background
         self.posted: OrderedDict[str, None] = OrderedDict()  # runs once per container
         self.refused: OrderedDict[str, None] = OrderedDict()  # its post has nothing to do
         self.admitted: dict[str, tuple[api_pb2.PodSandbox, api_pb2.Container]] = {}
