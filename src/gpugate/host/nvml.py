@@ -183,6 +183,12 @@ ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`st
 MIN_ANSWER_S = 1.0
 
 
+def import_pynvml() -> None:
+    """pynvml's import (with ctypes.util, subprocess, tempfile: about 15 ms) paid now, by a
+    long-lived process that forks its runs (`gpugate nri`), so that each run does not."""
+    import pynvml  # noqa: F401, PLC0415
+
+
 class NvmlDriver:
     """GpuDriver backed by libnvidia-ml.so.1. Each query runs on one worker thread (CallThread)
     and is waited for until the run's deadline (answer_by), else ANSWER_WITHIN_S: a driver

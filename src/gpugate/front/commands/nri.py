@@ -30,7 +30,7 @@ from gpugate.host.nri import (
     event_mask,
 )
 from gpugate.host.nri_api import api_pb2
-from gpugate.host.nvml import GpuDriver, NvmlDriver
+from gpugate.host.nvml import GpuDriver, NvmlDriver, import_pynvml
 from gpugate.host.oci import ContainerSpec, ContainerState
 from gpugate.host.systemd import HostRoots, on_units_tree
 from gpugate.integrations.config_files import load_config
@@ -79,6 +79,7 @@ def nri(
     loaded = load_config(None, config) if config is not None else container_config()
     roots = roots or on_units_tree(HostRoots())
     handlers = nvidia_handlers(CONTAINERD_CONFIG)
+    import_pynvml()  # once here: every run is forked from this process
     background: list[nri_runs.Ending] = []  # runs outlive a connection: reaped across them
     while True:
         try:
