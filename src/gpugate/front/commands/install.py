@@ -65,37 +65,49 @@ def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, .
 
 def sweep_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
     """`gpugate install|uninstall --sweep`: the timer's unit files, and the timer enabled."""
-    changes = plan.plan_sweep(args.systemd_dir, command, installing=installing)
-    now = ["--now"] if systemd_running() else []
-    there = any((folder / plan.TIMER).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
-    if not installing and not args.dry_run and there:  # none there: nothing to disable
-        plan.timer_systemctl("disable", *now, plan.TIMER)
-        print("disabled gpugate-sweep.timer: no more sweeps")
-    reload = None if args.no_reload else plan.systemctl_daemon_reload
-    plan.apply(changes, dry_run=args.dry_run, reload=reload)
-    if installing and not args.dry_run:
-        plan.timer_systemctl("enable", *now, plan.TIMER)
-        print("enabled gpugate-sweep.timer: a gpugate sweep every minute")
-    return int(ExitCode.OK)
+    return _enabled_unit_setup(
+        args,
+        installing,
+        plan.plan_sweep(args.systemd_dir, command, installing=installing),
+        plan.TIMER,
+        "disabled gpugate-sweep.timer: no more sweeps",
+        "enabled gpugate-sweep.timer: a gpugate sweep every minute",
+    )
 
 
 def nri_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
     """`gpugate install|uninstall --nri`: gpugate-nri.service, enabled and started."""
-    changes = plan.plan_nri(args.systemd_dir, command, installing=installing)
+    return _enabled_unit_setup(
+        args,
+        installing,
+        plan.plan_nri(args.systemd_dir, command, installing=installing),
+        plan.NRI_SERVICE,
+        "disabled gpugate-nri.service: the runtime's containers are no longer gated",
+        "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
+        "(docs/containers.md, NRI)",
+    )
+
+
+def _enabled_unit_setup(
+    args: argparse.Namespace,
+    installing: bool,
+    changes: list[plan.Change],
+    unit: str,
+    disabled: str,
+    enabled: str,
+) -> int:
+    """A unit file of gpugate's own written (none where the package carries it) and enabled,
+    --now where systemd runs; or disabled, then removed."""
     now = ["--now"] if systemd_running() else []
-    folders = (plan.PACKAGED_DIR, args.systemd_dir)
-    there = any((folder / plan.NRI_SERVICE).exists() for folder in folders)
-    if not installing and not args.dry_run and there:
-        plan.timer_systemctl("disable", *now, plan.NRI_SERVICE)
-        print("disabled gpugate-nri.service: the runtime's containers are no longer gated")
+    there = any((folder / unit).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
+    if not installing and not args.dry_run and there:  # none there: nothing to disable
+        plan.timer_systemctl("disable", *now, unit)
+        print(disabled)
     reload = None if args.no_reload else plan.systemctl_daemon_reload
     plan.apply(changes, dry_run=args.dry_run, reload=reload)
     if installing and not args.dry_run:
-        plan.timer_systemctl("enable", *now, plan.NRI_SERVICE)
-        print(
-            "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
-            "(docs/containers.md, NRI)"
-        )
+        plan.timer_systemctl("enable", *now, unit)
+        print(enabled)
     return int(ExitCode.OK)
 
 
