@@ -54,6 +54,15 @@ def mig_uuid(index: int, gi: int, ci: int) -> str:
     return f"MIG-fa4e5a11-0000-0000-0000-{index:04x}{gi:04x}{ci:04x}"
 
 
+def run_summary(**fields: object) -> RunSummary:
+    """A RunSummary as a run fills it in: its fields set one by one."""
+    summary = RunSummary()
+    for name, value in fields.items():
+        assert hasattr(summary, name), name
+        setattr(summary, name, value)
+    return summary
+
+
 @dataclass
 class FakeGpuMemory:
     """GPU memory that a registered process uses while it lives, plus a release lag after it

@@ -12,7 +12,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from gpugate.config.file import parse_config
-from gpugate.core.outcome import RunSummary
 from gpugate.errors import ConfigError, ExitCode, NvmlUnavailable
 from gpugate.front.cli import main
 from gpugate.host.nvml import Gpu
@@ -21,7 +20,7 @@ from gpugate.integrations.metrics import record_run, render, run_record
 from gpugate.phase import Phase
 from gpugate.report.journal import Reporter
 from tests.commands.test_oci_hook_run import A_ID, A_SCOPE, hook
-from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive
+from tests.fakes import UNIT, UNIT_CGROUP, FakeHost, alive, run_summary
 
 Key = tuple[str, tuple[tuple[str, str], ...]]
 GPU0 = Gpu(0, "GPU-0", 0, "NVIDIA H100", 81559)
@@ -156,7 +155,7 @@ def test_release_histogram_accumulates_by_bucket(tmp_path: Path) -> None:
     textfile = tmp_path / "gpugate.prom"
     observed = [0.05, 0.3, 0.3, 4.0, 400.0]
     for seconds in observed:
-        killed = RunSummary(killed=[ProcessId(10, 1)], seconds_kill=seconds, owned=[GPU0])
+        killed = run_summary(killed=[ProcessId(10, 1)], seconds_kill=seconds, owned=[GPU0])
         record_run(textfile, run_record("post", UNIT, ExitCode.OK, killed))
     families = {f.name: f for f in text_string_to_metric_families(textfile.read_text())}
     histogram = families["gpugate_memory_release_seconds"]
@@ -223,7 +222,7 @@ def test_textfile_is_replaced_atomically(host: FakeHost, metrics: Path) -> None:
 
 def _record_many(path: str, count: int) -> None:
     for _ in range(count):
-        killed = RunSummary(killed=[ProcessId(10, 1)])
+        killed = run_summary(killed=[ProcessId(10, 1)])
         record_run(Path(path), run_record("post", UNIT, ExitCode.OK, killed))
 
 
@@ -298,7 +297,7 @@ def test_label_values_are_escaped() -> None:
     samples: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
     from gpugate.integrations.metrics import apply
 
-    summary = RunSummary(
+    summary = run_summary(
         killed=[ProcessId(pid, 1) for pid in (10, 11, 12)],
         seconds_wait=0.25,
         owned=[GPU0],

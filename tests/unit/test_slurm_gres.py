@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gpugate.core.outcome import UNKILLABLE, Blocker, BusyGpu, RunSummary
+from gpugate.core.outcome import UNKILLABLE, Blocker, BusyGpu
 from gpugate.errors import ExitCode, GresUnresolved
 from gpugate.front.commands.slurm import drain_reason, failure_detail, slurm_check
 from gpugate.host.nvml import Gpu, mig_key
@@ -26,7 +26,7 @@ from gpugate.integrations.gres_conf import (
     slices_by_unique_id,
     spread,
 )
-from tests.fakes import FakeGpuMemory, mig_uuid
+from tests.fakes import FakeGpuMemory, mig_uuid, run_summary
 
 PATH = "/etc/slurm/gres.conf"
 
@@ -390,13 +390,13 @@ GPU3 = Gpu(3, "GPU-3", 3, "Fake", 1000)
     ],
 )
 def test_drain_detail_names_pid_account_gpu_and_rule(item: Blocker, words: str) -> None:
-    summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=[item])
+    summary = run_summary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=[item])
     assert failure_detail(summary) == words
 
 
 @pytest.mark.message
 def test_drain_detail_names_memory_not_freed_and_only_those_gpus() -> None:
-    summary = RunSummary(
+    summary = run_summary(
         exit_code=ExitCode.MEMORY_TIMEOUT,
         owned=[GPU3, Gpu(4, "GPU-4", 4, "Fake", 1000)],
         busy=[BusyGpu(GPU3, 700, (88, 89))],
@@ -413,13 +413,13 @@ def test_drain_reason_bounded_escaped_and_keeps_its_exit_code() -> None:
     )
     many = [Blocker(100 + i, "bob", (3,), "straddles", foreign=(5,)) for i in range(6)]
     for held in ([hostile], many, [hostile, *many]):
-        summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=held)
+        summary = run_summary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=held)
         reason = drain_reason("epilog", 4294967295, failure_detail(summary), 22)
         assert len(reason) <= 250
         assert reason.startswith("gpugate epilog job 4294967295: PID 1")
         assert reason.endswith(" (exit 22)")
         assert '"' not in reason and "\n" not in reason and reason.isprintable()
-    summary = RunSummary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=many)
+    summary = run_summary(exit_code=ExitCode.HELD_BY_OTHERS, owned=[GPU3], held=many)
     assert failure_detail(summary).endswith("; 3 more PID(s)")
     assert failure_detail(summary).count("PID 10") == 3
 

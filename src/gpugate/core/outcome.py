@@ -63,49 +63,19 @@ UNKILLABLE = "unkillable"  # Blocker.rule of a process that outlived SIGKILL
 
 
 class RunSummary:
-    __slots__ = (
-        "busy",
-        "degraded",
-        "exit_code",
-        "freed_mib_by_gpu",
-        "held",
-        "killed",
-        "owned",
-        "rounds",
-        "seconds_discover",
-        "seconds_kill",
-        "seconds_wait",
-        "would_kill",
-    )
+    """What a run did, filled in by `PhaseRun` as it goes."""
 
-    def __init__(  # noqa: PLR0913 (a record: one argument per field)
-        self,
-        *,
-        exit_code: ExitCode = ExitCode.OK,
-        killed: list[ProcessId] | None = None,  # stopped by SIGTERM or SIGKILL
-        rounds: int = 0,
-        seconds_discover: float = 0.0,
-        seconds_kill: float = 0.0,
-        seconds_wait: float = 0.0,
-        busy: list[BusyGpu] | None = None,  # still used at the deadline
-        owned: list[Gpu] | None = None,  # the GPUs this run made free
-        held: list[Blocker] | None = None,  # who kept them: refused, spared, survived
-        freed_mib_by_gpu: dict[int, int] | None = None,
-        degraded: bool = False,  # NVML failed and on_nvml_error = warn: the cgroup only
-        would_kill: int = 0,  # a dry run: how many targets it would have killed
-    ) -> None:
-        self.exit_code = exit_code
-        self.killed: list[ProcessId] = [] if killed is None else killed
-        self.rounds = rounds
-        self.seconds_discover = seconds_discover
-        self.seconds_kill = seconds_kill
-        self.seconds_wait = seconds_wait
-        self.busy: list[BusyGpu] = [] if busy is None else busy
-        self.owned: list[Gpu] = [] if owned is None else owned
-        self.held: list[Blocker] = [] if held is None else held
-        self.freed_mib_by_gpu: dict[int, int] = {} if freed_mib_by_gpu is None else freed_mib_by_gpu
-        self.degraded = degraded
-        self.would_kill = would_kill
+    def __init__(self) -> None:
+        self.exit_code = ExitCode.OK
+        self.killed: list[ProcessId] = []  # stopped by SIGTERM or SIGKILL
+        self.rounds = 0
+        self.seconds_discover = self.seconds_kill = self.seconds_wait = 0.0
+        self.busy: list[BusyGpu] = []  # still used at the deadline
+        self.owned: list[Gpu] = []  # the GPUs this run made free
+        self.held: list[Blocker] = []  # who kept them: refused, spared, survived
+        self.freed_mib_by_gpu: dict[int, int] = {}
+        self.degraded = False  # NVML failed and on_nvml_error = warn: the cgroup only
+        self.would_kill = 0  # a dry run: how many targets it would have killed
 
     @property
     def freed_mib(self) -> int:
@@ -210,14 +180,9 @@ StateToWrite = tuple[list[tuple[Path, str]], list[tuple[Path, str]]]
 
 
 class Workload:
-    """The workload a run cleans up for: a systemd unit's, a Slurm job's or a container's.
-
-    It holds the run's config (with its GPUs resolved) and answers what only the workload
-    knows: which GPUs it shares on purpose, whether another workload's lease refuses this
-    start, what this start reserves and what happens after the run. Each default here is the
-    plain case, in which nothing is refused, shared or recorded; integrations/ and the
-    commands subclass it.
-    """
+    """The workload a run cleans up for (a unit's, a Slurm job's, a container's): its config,
+    GPUs resolved, and what only it knows. The defaults refuse, share and record nothing;
+    integrations/ and the commands subclass it."""
 
     loaded: LoadedConfig  # the config the run uses: its GPUs resolved to what it is about
 
@@ -232,8 +197,7 @@ class Workload:
         return False
 
     def state_to_write(self) -> StateToWrite:
-        """The folders and files this run writes, checked before it kills anything: every
-        run's GPU locks (the metrics textfile is never a run's failure)."""
+        """What this run writes, checked before it kills: the GPU locks (not the metrics)."""
         return [(self.loaded.config.lock_dir, "GPU locks")], []
 
     def known_watchers(self) -> Sequence[ProcessId]:
@@ -250,8 +214,7 @@ class Workload:
         """Raise (ManualRunRefused) where this run must not kill at all."""
 
     def shared_gpus(self, discovery: Discovery) -> frozenset[int]:
-        """The owned GPUs' keys the run shares on purpose (docs/what-gets-killed.md): another
-        workload's processes there are sharers. The plain case shares none."""
+        """The owned GPUs the run shares on purpose: others' processes there are sharers."""
         return frozenset()
 
     def refuses_start(self, owned: Sequence[Gpu], *, dry_run: bool) -> bool:
@@ -276,8 +239,7 @@ class Workload:
 
 
 class PlainWorkload(Workload):
-    """A workload with no rule of its own: it refuses nothing, shares nothing and records
-    nothing, so the run is decided by its config alone."""
+    """A workload with no rule of its own: the run is decided by its config alone."""
 
     __slots__ = ("gpu_source", "gpu_source_warns", "loaded")
     gpu_source: str  # a field here, a property in Workload

@@ -196,9 +196,7 @@ class Narrator:
     those of its surroundings."""
 
     def __init__(self, reporter: Reporter, clock: Callable[[], float] = time.monotonic) -> None:
-        self.reporter = reporter
-        self.dry_run = reporter.dry_run
-        self.clock = clock
+        self.reporter, self.dry_run, self.clock = reporter, reporter.dry_run, clock
         self.waiting_next_at: float | None = None  # the next memory wait's `waiting` event
         # Another workload's unit in words where its lease names it (a pod's scope as
         # namespace/pod/container), for the refusals that name it; None: its unit.
@@ -577,7 +575,7 @@ class Narrator:
             problem=error.code,
         )
 
-    def lease_unreadable(self, path: Path, why: str = "") -> None:
+    def lease_unreadable(self, path: Path, why: str) -> None:
         self.reporter.event(
             Event.WARNING,
             unreadable_record_text(path, "a gpugate lease", why),
