@@ -5,6 +5,7 @@ increase() sees nothing in a series born at 1 (docs/metrics.md)."""
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,9 +17,6 @@ from gpugate.host.safe_files import RULE, folder, read_capped, untrusted, why_un
 from gpugate.integrations.records import flocked, parse_record
 
 STATE_VERSION = 1
-# A unit's phases come in pairs: the first write for one writes the other's counters too.
-PHASE_PAIRS = {"pre": ("pre", "post"), "post": ("pre", "post")}
-SLURM_PHASES = ("prolog", "epilog")
 RESULTS = ("success", *(code.name.lower() for code in ExitCode if code is not ExitCode.OK))
 RELEASE_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 RELEASE = "gpugate_memory_release_seconds"
@@ -40,57 +38,41 @@ class Family(NamedTuple):
         return (self.name,)
 
 
-SWEEP_FAMILIES = (  # rewritten whole by each `gpugate sweep`, not added to
-    Family(
-        "gpugate_gpu_memory_mib",
-        "gauge",
-        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
-        "container; unlisted: no process NVML lists), at the last sweep",
-    ),
-    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
-    Family(
-        "gpugate_unowned_seconds",
-        "gauge",
-        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
-    ),
-    Family(
-        "gpugate_session_processes",
-        "gauge",
-        "processes holding the GPU in a login session whose user is still logged in",
-    ),
-    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
+def _families(table: str) -> tuple[Family, ...]:
+    """NAME KIND HELP, one family a line; a help goes on over indented lines."""
+    blocks = re.split(r"\n(?=\S)", table.strip())
+    return tuple(Family(*" ".join(block.split()).split(" ", 2)) for block in blocks)
+
+
+SWEEP_FAMILIES = _families(  # rewritten whole by each `gpugate sweep`, not added to
+    """
+gpugate_gpu_memory_mib gauge GPU memory used, in MiB, by what owns its processes (nobody: no
+  unit, job or container; unlisted: no process NVML lists), at the last sweep
+gpugate_unowned_processes gauge processes holding the GPU that nothing owns
+gpugate_unowned_seconds gauge seconds the oldest unowned holder of the GPU has been seen
+  unowned (0: none)
+gpugate_session_processes gauge processes holding the GPU in a login session whose user is
+  still logged in
+gpugate_sweep_timestamp_seconds gauge Unix time of the last gpugate sweep
+"""
 )
 FAMILIES = (
-    Family("gpugate_runs_total", "counter", "gpugate runs, by phase, unit and result"),
-    Family(
-        "gpugate_processes_killed_total", "counter", "processes gpugate stopped, by phase and unit"
-    ),
-    Family(
-        "gpugate_wait_seconds_total",
-        "counter",
-        "seconds spent waiting for the driver to free GPU memory, by phase and unit",
-    ),
-    Family(
-        "gpugate_reclaimed_mib_total",
-        "counter",
-        "GPU memory freed by runs (used before the kill minus used after the wait), in MiB",
-    ),
-    Family(
-        "gpugate_last_success_timestamp_seconds",
-        "gauge",
-        "Unix time of the unit's last run that left this GPU free",
-    ),
-    Family(
-        "gpugate_last_run_failed",
-        "gauge",
-        "1 when the unit's last run of this phase failed, 0 when it succeeded",
-    ),
-    Family(
-        RELEASE,
-        "histogram",
-        "seconds from the first signal to the GPU memory being free, runs that killed",
-    ),
-    *SWEEP_FAMILIES,
+    _families(
+        f"""
+gpugate_runs_total counter gpugate runs, by phase, unit and result
+gpugate_processes_killed_total counter processes gpugate stopped, by phase and unit
+gpugate_wait_seconds_total counter seconds spent waiting for the driver to free GPU memory, by
+  phase and unit
+gpugate_reclaimed_mib_total counter GPU memory freed by runs (used before the kill minus used
+  after the wait), in MiB
+gpugate_last_success_timestamp_seconds gauge Unix time of the unit's last run that left this GPU
+  free
+gpugate_last_run_failed gauge 1 when the unit's last run of this phase failed, 0 when it
+  succeeded
+{RELEASE} histogram seconds from the first signal to the GPU memory being free, runs that killed
+"""
+    )
+    + SWEEP_FAMILIES
 )
 
 
@@ -122,7 +104,8 @@ def apply(
         family[key] = value if put else family.get(key, 0) + value
 
     run = {"phase": phase, "unit": unit}
-    for each_phase in PHASE_PAIRS.get(phase, SLURM_PHASES):
+    # A unit's phases come in pairs: the first write for one writes the other's counters too.
+    for each_phase in ("pre", "post") if phase in ("pre", "post") else ("prolog", "epilog"):
         for result in RESULTS:  # at 0 from the unit's first write: see the module's doc
             add("gpugate_runs_total", {"phase": each_phase, "unit": unit, "result": result}, 0)
     add("gpugate_runs_total", {**run, "result": result_label(exit_code)}, 1)
@@ -154,8 +137,7 @@ def render(samples: Samples) -> str:
     for family in FAMILIES:
         if not any(samples.get(name) for name in family.sample_names):
             continue
-        lines.append(f"# HELP {family.name} {family.help}")
-        lines.append(f"# TYPE {family.name} {family.kind}")
+        lines += [f"# HELP {family.name} {family.help}", f"# TYPE {family.name} {family.kind}"]
         rows = [
             (labels, name, value)
             for name in family.sample_names
@@ -183,9 +165,8 @@ def _number(value: float) -> str:
 def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     """The counters so far; a missing or unreadable state starts them again from zero
     (Prometheus takes a counter that goes down as a reset). folder_fd: path's folder."""
-    try:
+    try:  # BadRecord is a ValueError, so is a text that is not UTF-8.
         name = path if folder_fd is None else path.name
-        # BadRecord is a ValueError, so is a text that is not UTF-8.
         data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
     except (OSError, ValueError):
         return {}
@@ -195,9 +176,7 @@ def load_state(path: Path, folder_fd: int | None = None) -> Samples:
     samples: Samples = {}
     known = {name for family in FAMILIES for name in family.sample_names}
     for name, entries in found.items():
-        if name not in known or not isinstance(entries, list):
-            continue
-        for entry in entries:
+        for entry in entries if name in known and isinstance(entries, list) else ():
             try:
                 labels = tuple(sorted((str(k), str(v)) for k, v in entry["labels"].items()))
                 samples.setdefault(name, {})[labels] = float(entry["value"])
@@ -217,21 +196,16 @@ def record_run(textfile: Path, change: Callable[[Samples], None]) -> None:
             name: [{"labels": dict(labels), "value": value} for labels, value in sorted(by.items())]
             for name, by in sorted(samples.items())
         }
-        data = {"version": STATE_VERSION, "samples": found}
-        # State first: after a crash between the two renames the next run rewrites the
-        # textfile from it.
-        write_in(folder_fd, state.name, json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
+        data = json.dumps({"version": STATE_VERSION, "samples": found}, indent=1, sort_keys=True)
+        # State first: after a crash between the renames the next run rewrites the textfile.
+        write_in(folder_fd, state.name, data.encode() + b"\n")
         write_in(folder_fd, textfile.name, render(samples).encode())
 
 
 def record_sweep(textfile: Path, gauges: Samples) -> None:
     """Replace the sweep's gauges; the runs' counters are kept."""
-
-    def replace(samples: Samples) -> None:
-        for family in SWEEP_FAMILIES:
-            samples[family.name] = dict(gauges.get(family.name, {}))
-
-    record_run(textfile, replace)
+    fresh = {family.name: dict(gauges.get(family.name, {})) for family in SWEEP_FAMILIES}
+    record_run(textfile, lambda samples: samples.update(fresh))
 
 
 def record_after_run(
