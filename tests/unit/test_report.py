@@ -42,6 +42,7 @@ def test_every_entry_is_gpugate_and_names_its_real_call_site(kind: Event) -> Non
     reporter.event(kind, "x")
     line_2 = emit_here(reporter)
     Narrator(reporter).failed(GateError("boom"))  # the narrator's failed() is named
+    Narrator(reporter).metrics_not_written("/m.prom", "EROFS")  # through Reporter.warn
     sites = [(f["CODE_FILE"], f["CODE_LINE"], f["CODE_FUNC"]) for _, f in journal.entries]
     here = __file__
     assert sites[:2] == [
@@ -49,6 +50,8 @@ def test_every_entry_is_gpugate_and_names_its_real_call_site(kind: Event) -> Non
         (here, str(line_2), "emit_here"),
     ]
     assert Path(sites[2][0]).name == "narrate.py" and sites[2][2] == "failed"
+    assert Path(sites[3][0]).name == "narrate.py" and sites[3][2] == "metrics_not_written"
+    assert journal.entries[3][1]["GPUGATE_REASON"] == "metrics-unwritable"
     assert all(f["SYSLOG_IDENTIFIER"] == SYSLOG_IDENTIFIER == "gpugate" for _, f in journal.entries)
     assert all("GPUGATE_DRY_RUN" not in f for _, f in journal.entries)
 

@@ -197,6 +197,14 @@ class Reporter:
                 # terminal that was closed (EIO): the journal has it, the run goes on.
                 self.echo = False
 
+    def warn(
+        self, reason: str, message: str, *, gpus: list[int] | None = None, **extra: str | None
+    ) -> None:
+        """A WARNING entry (it goes on, seeing or doing less); reason: its GPUGATE_REASON."""
+        self.event(
+            Event.WARNING, message, priority=None, gpus=gpus, echo=True, reason=reason, **extra
+        )
+
     def status(self, text: str) -> None:
         self.notifier.notify(f"STATUS=gpugate {self.phase}: {safe_line(text)}")
 

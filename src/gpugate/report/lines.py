@@ -60,18 +60,16 @@ def unowned_gone(reporter: Reporter, ident: ProcessId, gpus: Sequence[int], seco
 
 
 def sweep_state_refused(reporter: Reporter, path: object, why: str) -> None:
-    reporter.event(
-        Event.WARNING,
+    reporter.warn(
+        "sweep-state-refused",
         f"{path}: not the sweep's state ({why}): every unowned holder is new again",
-        reason="sweep-state-refused",
     )
 
 
 def sweep_state_unwritten(reporter: Reporter, path: object, cause: str) -> None:
-    reporter.event(
-        Event.WARNING,
+    reporter.warn(
+        "sweep-state-unwritten",
         f"sweep state not written to {path}: {cause}; unowned time starts again next sweep",
-        reason="sweep-state-unwritten",
     )
 
 

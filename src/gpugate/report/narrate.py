@@ -118,8 +118,8 @@ def choice_fields(choice: Choice) -> dict[str, Any]:
     if container is not None:
         fields["container"] = field_bytes(container.id, CONTAINER)
         fields["container_runtime"] = container.runtime
-    if container is not None and container.name:
-        fields["container_name"] = field_bytes(container.name, CONTAINER)
+        if container.name:
+            fields["container_name"] = field_bytes(container.name, CONTAINER)
     return fields
 
 
@@ -135,9 +135,7 @@ def reason_text(
 ) -> str:
     """What the journal says after the holder; phase: named in the setting that blocked;
     workloads: another workload's unit in words (a pod's container from its lease), or None."""
-    held = held_text(choice)
-    holder = choice.holder
-    rule = choice.rule
+    held, holder, rule = held_text(choice), choice.holder, choice.rule
     if rule is Rule.PROTECTED:
         return "protected by configuration"
     if rule is Rule.WATCHER:
@@ -235,17 +233,15 @@ class Narrator:
     def blind_spots(self, e: outcome.BlindSpots) -> None:
         discovery = e.discovery
         if discovery.unreadable:
-            self.reporter.event(
-                Event.WARNING,
+            self.reporter.warn(
+                "unreadable",
                 f"{unreadable_text(discovery.unreadable)}: GPU holders among them are invisible; "
                 "run gpugate as root",
-                reason="unreadable",
             )
         if discovery.cut_short:
-            self.reporter.event(
-                Event.WARNING,
+            self.reporter.warn(
+                "scan-cut-short",
                 f"{cut_short_text(discovery.cut_short)}: GPU holders among them may be missed",
-                reason="scan-cut-short",
             )
         for gpu_index, pid in discovery.invisible:
             if gpu_index in discovery.owned_indices:
@@ -323,26 +319,23 @@ class Narrator:
         self.reporter.status(f"{len(e.choices)} process(es) survived SIGKILL")
 
     def fault_elsewhere(self, e: outcome.FaultElsewhere) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "gpu-fault",
             f"{e.fault.error}; not a GPU of {self.reporter.unit}: going on with its own GPUs",
             gpus=[e.fault.index],
-            reason="gpu-fault",
         )
 
     def degraded(self, e: outcome.Degraded) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "nvml-degraded",
             f"{e.error.message}; {e.phase}.on_nvml_error = warn: cleaning the unit's cgroup only",
-            reason="nvml-degraded",
         )
 
     def nvml_skipped(self, e: outcome.NvmlSkipped) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "nvml-not-answering",
             f"not asking NVML: this start's pre found it not answering ({e.why}); "
             f"{e.phase} cleans the unit's cgroup only",
-            reason="nvml-not-answering",
         )
 
     def lock_wait(self, e: outcome.LockWait) -> None:
@@ -357,10 +350,9 @@ class Narrator:
         )
 
     def lock_not_taken(self, e: outcome.LockNotTaken) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "lock-not-taken",
             f"{e.path}: GPU lock not taken ({e.cause}); {self.reporter.phase} goes on without it",
-            reason="lock-not-taken",
         )
 
     def memory_wait(self, e: outcome.MemoryWait) -> None:
@@ -537,19 +529,16 @@ class Narrator:
             self.reporter.status(f"done: {result}")
 
     def state_unwritable(self, error: GateError) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "state-unwritable",
             f"{error.message}; {self.reporter.phase} goes on: killing what is left and "
             "removing its files need no space",
-            reason="state-unwritable",
             problem=error.code,
         )
 
     def metrics_not_written(self, path: object, cause: str) -> None:
-        self.reporter.event(
-            Event.WARNING,
-            f"metrics not written to {path}: {cause}; the run's result stands",
-            reason="metrics-unwritable",
+        self.reporter.warn(
+            "metrics-unwritable", f"metrics not written to {path}: {cause}; the run's result stands"
         )
 
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
@@ -568,37 +557,30 @@ class Narrator:
     # What a systemd unit's surroundings say: its GPU leases, this start's failed pre.
 
     def not_recorded(self, error: GateError) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "state-not-recorded",
             f"{error.message}; not recorded, {self.reporter.phase} goes on",
-            reason="state-not-recorded",
             problem=error.code,
         )
 
     def lease_unreadable(self, path: Path, why: str) -> None:
-        self.reporter.event(
-            Event.WARNING,
-            unreadable_record_text(path, "a gpugate lease", why),
-            reason="lease-unreadable",
-        )
+        self.reporter.warn("lease-unreadable", unreadable_record_text(path, "a gpugate lease", why))
 
     def failed_start_unreadable(self, path: Path, why: str) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "failed-start-unreadable",
             unreadable_record_text(path, "a gpugate failed-start record", why),
-            reason="failed-start-unreadable",
         )
 
     def lease_stale(
         self, lease_unit: str, gpus: Sequence[int], state: str, *, dry_run: bool
     ) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "lease-stale",
             f"GPU lease of {printable(lease_unit, STATE)} on GPU {gpu_list(gpus)} is stale "
             f"({printable(lease_unit, STATE)} is {state}); {'would take' if dry_run else 'taking'} "
             "it over",
             gpus=list(gpus),
-            reason="lease-stale",
             lease_unit=lease_unit,
             lease_unit_state=state,
         )
@@ -635,12 +617,11 @@ class Narrator:
             self.reporter.status(f"refused: {refusal}")
 
     def lease_overridden(self, lease_unit: str, holder: str, gpus: Sequence[int]) -> None:
-        self.reporter.event(
-            Event.WARNING,
+        self.reporter.warn(
+            "lease-forced",
             f"GPU {gpu_list(gpus)} leased to {holder}; starting {self.reporter.unit} anyway "
             "(gpugate run --force)",
             gpus=list(gpus),
-            reason="lease-forced",
             lease_unit=lease_unit,
         )
 
