@@ -231,7 +231,8 @@ def choices_of(holder: Holder, text: str) -> Decision:
 def narrate_everything(reporter: Reporter, text: str, errors: io.StringIO) -> None:
     """Every narration of a holder with this text, in a dry run (so its lines are printed)."""
     holder = holder_of(text)
-    reporter = reporter.as_dry_run(reporter.stream)  # not stdout: the test reads it
+    stream, reporter = reporter.stream, reporter.as_dry_run()
+    reporter.stream = stream  # not stdout: the test reads it
     narrator = Narrator(reporter)
     decision = choices_of(holder, text)
     narrator.tell(Decided(decision))

@@ -139,13 +139,11 @@ class Reporter:
         self.fields = dict(fields or {})
         self.dry_run = False
 
-    def as_dry_run(self, stream: TextIO | None = None) -> Reporter:
+    def as_dry_run(self) -> Reporter:
         """Every entry says GPUGATE_DRY_RUN=1 and goes to stdout (`gpugate pre --dry-run UNIT |
         less`); the same journal and notifier."""
         twin = copy.copy(self)
-        twin.dry_run = True
-        twin.stream = stream if stream is not None else sys.stdout
-        twin.echo = not stderr_is_journal(twin.stream)
+        twin.dry_run, twin.stream, twin.echo = True, sys.stdout, not stderr_is_journal(sys.stdout)
         return twin
 
     def event(
@@ -161,8 +159,7 @@ class Reporter:
         """message: gpugate's sentence (process text in it through untrusted.printable), escaped
         once more (untrusted.safe_line); extra: GPUGATE_* fields (pid=, used_mib=...; None: none),
         untrusted.field_bytes's as they are."""
-        if priority is None:
-            priority = KIND_PRIORITY.get(kind, PRIORITY_INFO)
+        priority = KIND_PRIORITY.get(kind, PRIORITY_INFO) if priority is None else priority
         caller = sys._getframe(1)  # CODE_*: the first caller outside this module
         while caller.f_code.co_filename == __file__ and caller.f_back is not None:
             caller = caller.f_back

@@ -544,11 +544,11 @@ class Narrator:
     def failed(self, error: GateError, error_stream: TextIO | None = None) -> None:
         """An error that ends the run: one entry (GPUGATE_PROBLEM: error.code), one STATUS=, and
         `gpugate: message` on error_stream (stderr) unless that is the journal already."""
-        named: dict[str, Any] = {"problem": error.code} if error.code else {}
-        exit_code = int(error.exit_code)
-        self.reporter.event(Event.ERROR, error.message, echo=False, exit_code=exit_code, **named)
-        message = safe_line(error.message)
-        error_stream = error_stream if error_stream is not None else sys.stderr
+        exit_code, problem = int(error.exit_code), error.code or None
+        self.reporter.event(
+            Event.ERROR, error.message, echo=False, exit_code=exit_code, problem=problem
+        )
+        message, error_stream = safe_line(error.message), error_stream or sys.stderr
         if not stderr_is_journal(error_stream):
             with contextlib.suppress(OSError):  # a closed terminal: the journal has it
                 print(f"gpugate: {message}", file=error_stream, flush=True)
