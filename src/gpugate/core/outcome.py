@@ -77,14 +77,6 @@ class RunSummary:
         self.degraded = False  # NVML failed and on_nvml_error = warn: the cgroup only
         self.would_kill = 0  # a dry run: how many targets it would have killed
 
-    @property
-    def freed_mib(self) -> int:
-        return sum(self.freed_mib_by_gpu.values())
-
-    @property
-    def result(self) -> str:
-        return result_label(self.exit_code)
-
 
 def result_label(exit_code: ExitCode) -> str:
     """The metrics' and journal's word for an outcome: success, or the exit code's name."""

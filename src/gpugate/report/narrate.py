@@ -500,7 +500,7 @@ class Narrator:
 
     def finished(self, e: outcome.Finished) -> None:
         summary = e.summary
-        result = summary.result
+        result = outcome.result_label(summary.exit_code)
         if self.dry_run:
             verdict = "would succeed" if result == "success" else f"would fail: {result}"
             self.reporter.event(
@@ -521,7 +521,7 @@ class Narrator:
             result=result,
             killed=len(summary.killed),
             seconds_wait=f"{summary.seconds_wait:.3f}",
-            freed_mib=summary.freed_mib,
+            freed_mib=sum(summary.freed_mib_by_gpu.values()),
         )
         if result == "success":
             self.reporter.clear_status()  # the service runs on: no gpugate words under it
@@ -706,11 +706,9 @@ def lease_refusal_text(
     one_place: bool = False,
 ) -> str:
     """Why a start is refused: conflicts are (GPU indices, who holds their lease); then which
-    setting would let both run (never kill_other_units: that would kill the other). theirs: each
-    conflicting lease's share_gpus; ours: how this workload would share ("set share_gpus = true
-    in /etc/gpugate/b.service.toml"; empty: both configs, unnamed); sharing: this workload's
-    share_gpus; where: the lease holders' setting; one_place: both settings are one file's (two
-    containers: containers.toml)."""
+    setting would let both run (never kill_other_units). theirs: each conflict's share_gpus;
+    ours: how this workload would share (empty: both configs, unnamed); sharing: its share_gpus;
+    where: the holders' setting; one_place: both settings are one file's (containers.toml)."""
     parts = [f"GPU {', '.join(map(str, gpus))} leased to {holder}" for gpus, holder in conflicts]
     held = (
         "container is still running and holds them until it stops"
