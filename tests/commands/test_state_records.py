@@ -28,7 +28,7 @@ from gpugate.front.cli import main
 from gpugate.front.commands.status import unreadable_warning
 from gpugate.host.scan import Deadline, scan_device_users
 from gpugate.host.shm import MAX_WALK_DEPTH, ShmArea, inode_index, largest_files, regular_files
-from gpugate.integrations.metrics import load_state
+from gpugate.integrations.metrics import record_run
 from gpugate.integrations.records import (
     Lease,
     failed_pre_from,
@@ -251,10 +251,11 @@ def test_post_goes_on_past_a_hostile_failed_start_record(host: FakeHost, member:
 
 def test_a_hostile_metrics_state_restarts_the_counters(tmp_path: Path) -> None:
     hostile = ("Infinity", "[" * 100_000, '{"version": 1, "samples": {"x": [{"value": NaN}]}}')
+    seen: list[dict[str, Any]] = []
     for text in (*hostile, '{"version": 1, "samples": []}'):
-        state = tmp_path / "m.prom.state"
-        state.write_text(text)
-        assert load_state(state) == {}
+        (tmp_path / "m.prom.state").write_text(text)
+        record_run(tmp_path / "m.prom", lambda samples: seen.append(dict(samples)))
+    assert seen == [{}] * 4
 
 
 def test_read_record_refuses_what_is_larger_than_its_cap(tmp_path: Path) -> None:

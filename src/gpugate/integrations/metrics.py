@@ -162,12 +162,11 @@ def _number(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
-def load_state(path: Path, folder_fd: int | None = None) -> Samples:
-    """The counters so far; a missing or unreadable state starts them again from zero
-    (Prometheus takes a counter that goes down as a reset). folder_fd: path's folder."""
+def load_state(state: str, folder_fd: int) -> Samples:
+    """The counters so far (file state in folder_fd); a missing or unreadable state
+    starts them again from zero (Prometheus takes a counter that goes down as a reset)."""
     try:  # BadRecord is a ValueError, so is a text that is not UTF-8.
-        name = path if folder_fd is None else path.name
-        data = parse_record(read_capped(name, dir_fd=folder_fd).decode("utf-8"))
+        data = parse_record(read_capped(state, dir_fd=folder_fd).decode("utf-8"))
     except (OSError, ValueError):
         return {}
     found = data.get("samples")
@@ -190,7 +189,7 @@ def record_run(textfile: Path, change: Callable[[Samples], None]) -> None:
     The folder may be the exporter's: all through its descriptor, no link followed."""
     state, lock = (textfile.with_name(textfile.name + suffix) for suffix in (".state", ".lock"))
     with folder(textfile.parent) as folder_fd, flocked(folder_fd, lock.name, lock):
-        samples = load_state(state, folder_fd)
+        samples = load_state(state.name, folder_fd)
         change(samples)
         found = {
             name: [{"labels": dict(labels), "value": value} for labels, value in sorted(by.items())]
