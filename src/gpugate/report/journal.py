@@ -129,9 +129,8 @@ class Reporter:
         fields: Mapping[str, FieldValue] | None = None,
     ) -> None:
         """fields: added to every entry, over the defaults (a Slurm job's, say)."""
-        self.unit = unit
+        self.unit, self.phase = unit, phase
         self.shown = unit  # what its stderr lines name: a container's label, where one runs
-        self.phase = phase
         self.journal = journal if journal is not None else SystemdJournal()
         self.notifier = notifier if notifier is not None else SystemdNotifier()
         self.stream = stream if stream is not None else sys.stderr
