@@ -479,8 +479,7 @@ class Narrator:
     def shm_short(self, e: outcome.ShmShort) -> None:
         short, parts = e.short, []
         for key, facts in short.largest:
-            held = e.holders.get(key, [])
-            by = ", ".join(e.label(pid) for pid in held[:2]) if held else "no process"
+            by = ", ".join(e.label(pid) for pid in e.holders.get(key, [])[:2]) or "no process"
             parts.append(
                 f"{quoted(facts.path)} {size_text(facts.bytes)} (owner {user_name(facts.uid)}, "
                 f"held by {by})"
