@@ -15,6 +15,7 @@ from gpugate.core.outcome import RunSummary, result_label
 from gpugate.errors import ExitCode
 from gpugate.host.safe_files import RULE, folder, read_capped, untrusted, why_untrusted, write_in
 from gpugate.integrations.records import flocked, parse_record
+from gpugate.phase import Phase
 
 STATE_VERSION = 1
 RESULTS = ("success", *(code.name.lower() for code in ExitCode if code is not ExitCode.OK))
@@ -104,8 +105,9 @@ def apply(
         family[key] = value if put else family.get(key, 0) + value
 
     run = {"phase": phase, "unit": unit}
-    # A unit's phases come in pairs: the first write for one writes the other's counters too.
-    for each_phase in ("pre", "post") if phase in ("pre", "post") else ("prolog", "epilog"):
+    # Phases come in pairs (a unit's, a job's): the first write for one writes the other's too.
+    systemd = Phase(phase).traits.systemd
+    for each_phase in (other.value for other in Phase if other.traits.systemd == systemd):
         for result in RESULTS:  # at 0 from the unit's first write: see the module's doc
             add("gpugate_runs_total", {"phase": each_phase, "unit": unit, "result": result}, 0)
     add("gpugate_runs_total", {**run, "result": result_label(exit_code)}, 1)
