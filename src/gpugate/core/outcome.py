@@ -32,9 +32,8 @@ class BusyGpu(NamedTuple):
 
 
 class Blocker(NamedTuple):
-    """A process that still held the run's GPUs when the run ended, because the run refused
-    to kill it, spared it or could not kill it. It carries what an admin needs to act on it:
-    its PID, account, GPUs and the rule that kept it."""
+    """A process that still held the run's GPUs at its end (refused, spared or unkillable),
+    with what an admin needs to act on it: its PID, account, GPUs and the rule that kept it."""
 
     pid: int
     user: str | None  # its account's name (or uid), where /proc said

@@ -84,8 +84,7 @@ def run_record(
     phase: str, unit: str, exit_code: ExitCode, summary: RunSummary | None
 ) -> Callable[[Samples], None]:
     """What one run adds to the counters (record_run's change). unit: the label (a Slurm job's
-    runs all count under "slurm"); summary: None where the run ended in an error before it
-    could report (NVML, lock)."""
+    runs count under "slurm"); summary: None where an error ended the run (NVML, lock)."""
     finished_at = time.time()
     done = summary or RunSummary()
     return lambda samples: apply(samples, phase, unit, exit_code, done, finished_at)

@@ -602,9 +602,8 @@ class Narrator:
         first: bool = True,
         who: str | None = None,
     ) -> None:
-        """holders: the units whose leases refuse it (GPUGATE_LEASE_UNIT, comma-separated);
-        first: False where the run was refused already (STATUS= said it); who: the workload in
-        words where not its unit (a container's label: a pod as a pod)."""
+        """holders: the units whose leases refuse it (GPUGATE_LEASE_UNIT); first: False where
+        STATUS= said the refusal already; who: the workload in words where not its unit."""
         self.reporter.event(
             Event.REFUSED,
             f"not starting {who or self.reporter.unit}: {refusal}",
