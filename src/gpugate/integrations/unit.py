@@ -57,10 +57,8 @@ class GpuChoice(NamedTuple):
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
     """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
     text = value.strip()
-    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() == "all":
-        return "all"
-    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in NVIDIA_NO_GPU:
-        return ()
+    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in {"all", *NVIDIA_NO_GPU}:
+        return "all" if text.lower() == "all" else ()
     if text in NO_GPU or text.split(",")[0].strip() == "-1":
         return ()
     try:
@@ -142,17 +140,6 @@ class UnitWorkload(Workload):
     its environment, its leases refuse a start on GPUs another running unit holds, and pre
     writes this start's lease before the first kill. A container's hook uses it too, with
     the GPUs from the container's spec and the container's label on its lease."""
-
-    __slots__ = (
-        "choice",
-        "context",
-        "failed_pre",
-        "lease_written",
-        "loaded",
-        "narration",
-        "refusal",
-        "scope",
-    )
 
     def __init__(
         self,
@@ -263,10 +250,9 @@ class UnitWorkload(Workload):
                 own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
                 source = own if context.container is None else records.CONTAINERS_CONFIG
             refusal = check.refusal(source, None, container=context.container is not None)
-        who = context.container
         holders = [lease.unit for lease, _ in check.conflicts]
         self.narration.lease_refused(
-            refusal, check.conflicted(), holders=holders, first=first, who=who
+            refusal, check.conflicted(), holders=holders, first=first, who=context.container
         )
         return refusal
 
@@ -319,7 +305,7 @@ class UnitWorkload(Workload):
         waiting for need no second wait in post. post ends the lease only when interrupted:
         after another error the unit may still run."""
         busy: Sequence[BusyGpu] = ()
-        if isinstance(error, Interrupted):  # says what the run was doing (core/run.py)
+        if isinstance(error, Interrupted):
             busy = progress.last_busy
         self._failed(error.exit_code, error.message, busy, error=True)
         if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
