@@ -41,7 +41,6 @@ from gpugate.report.narrate import Narrator, describe, failed_start_text
 from gpugate.untrusted import for_error, truncate
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
 NVIDIA_NO_GPU = {"", "none", "void"}
 MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
 MAX_LISTED_TEXT = 120  # characters of each
@@ -59,7 +58,7 @@ def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection
     text = value.strip()
     if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in {"all", *NVIDIA_NO_GPU}:
         return "all" if text.lower() == "all" else ()
-    if text in NO_GPU or text.split(",")[0].strip() == "-1":
+    if not text or text.split(",")[0].strip() == "-1":  # CUDA: a first -1 hides every GPU
         return ()
     try:
         return parse_gpu_text(text)
