@@ -243,12 +243,12 @@ class UnitWorkload(Workload):
         would share."""
         context, source = self.context, self.loaded.source
         if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
-            refusal = check.refusal("--share-gpus", "start it with gpugate run --share-gpus")
+            refusal = check.refusal("--share-gpus")
         else:
             if source == BUILTIN_SOURCE:
                 own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
                 source = own if context.container is None else records.CONTAINERS_CONFIG
-            refusal = check.refusal(source, None, container=context.container is not None)
+            refusal = check.refusal(source, container=context.container is not None)
         holders = [lease.unit for lease, _ in check.conflicts]
         self.narration.lease_refused(
             refusal, check.conflicted(), holders=holders, first=first, who=context.container
