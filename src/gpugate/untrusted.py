@@ -66,17 +66,10 @@ def _printable(value: str, chars: int) -> tuple[str, bool]:
     head = value[: chars + 1]
     if head.isprintable():
         return truncate(head, chars), len(head) > chars
-    parts: list[str] = []
-    used = 0
-    for char in head:
-        piece = _escaped(char)
-        if used + len(piece) > chars:
-            break
-        parts.append(piece)
-        used += len(piece)
-    else:
-        if len(value) <= chars:
-            return "".join(parts), False
+    parts = [_escaped(char) for char in head]
+    used = sum(map(len, parts))
+    if used <= chars:  # then head is all of value
+        return "".join(parts), False
     while parts and used + len(MARK) > chars:
         used -= len(parts.pop())
     return "".join(parts) + MARK, True
