@@ -183,8 +183,7 @@ def cgroup_of_spec(cgroups_path: str | None) -> str | None:
     parts = cgroups_path.split(":")
     if len(parts) != 3 or not all(parts[1:]):
         return None
-    slice_name, prefix, name = parts
-    slice_name = slice_name or "system.slice"
+    slice_name, prefix, name = parts[0] or "system.slice", parts[1], parts[2]
     if not slice_name.endswith(".slice") or "/" in slice_name or slice_name == "-.slice":
         return None
     words = slice_name[: -len(".slice")].split("-")
@@ -218,8 +217,7 @@ def _owned_json(path: Path, limit: int) -> object:
     """A JSON file this process's user owns and alone may write, not a link, at most limit
     bytes; None if not."""
     try:  # a text that is not UTF-8 is a ValueError too
-        raw = read_capped(path, limit, check=lambda info: check_owner(info, str(path)))
-        return json.loads(raw)
+        return json.loads(read_capped(path, limit, check=lambda info: check_owner(info, str(path))))
     except (OSError, ValueError, RecursionError, BadInput):
         return None
 
