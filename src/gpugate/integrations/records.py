@@ -390,10 +390,7 @@ def failed_pre_from(data: dict[str, object]) -> FailedPre:
 
 
 def failed_pre_of_this_start(
-    lock_dir: Path,
-    unit: str,
-    environ: Mapping[str, str],
-    unreadable: Callable[[Path, str], None] = lambda path, why: None,
+    lock_dir: Path, unit: str, environ: Mapping[str, str], unreadable: Callable[[Path, str], None]
 ) -> FailedPre | None:
     """pre's failure record of the start this post ends: the same INVOCATION_ID, and
     SERVICE_RESULT not success. unreadable(path, why): told of a record that is not sane."""
