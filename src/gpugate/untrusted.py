@@ -44,8 +44,7 @@ def _escaped(char: str) -> str:
 
 
 def escape(text: str) -> str:
-    """Return all of text escaped as journalctl shows it, with no bound (for text that is
-    already bounded)."""
+    """Return all of text escaped as journalctl shows it, unbounded (for text already bounded)."""
     return "".join(map(_escaped, text))
 
 
@@ -96,9 +95,8 @@ def printable_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str]
 
 
 def field_bytes(value: str | None, kind: Kind) -> str | bytes:
-    """Return a structured journal field's value: value's own bytes, not escaped, cut to
-    kind.exact_bytes. It is a str where those bytes are UTF-8, else bytes (the journal is
-    binary safe)."""
+    """Return a structured journal field's value: its own bytes, unescaped, cut to
+    kind.exact_bytes; a str where they are UTF-8, else bytes (the journal is binary safe)."""
     if not value:
         return ""
     head = value[: kind.exact_bytes]
@@ -120,8 +118,5 @@ def safe_line(text: str) -> str:
 
 
 def for_error(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
-    """Return a value as an error message repeats it: its repr (quote) or made printable,
-    and cut to limit characters."""
-    if quote:
-        return truncate(repr(value), limit)
-    return printable(str(value), Kind(limit, limit))
+    """Return value as an error repeats it: its repr (quote) or printable, cut to limit."""
+    return truncate(repr(value), limit) if quote else printable(str(value), Kind(limit, limit))
