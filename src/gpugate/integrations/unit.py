@@ -140,6 +140,17 @@ class UnitWorkload(Workload):
     writes this start's lease before the first kill. A container's hook uses it too, with
     the GPUs from the container's spec and the container's label on its lease."""
 
+    __slots__ = (
+        "choice",
+        "context",
+        "failed_pre",
+        "lease_written",
+        "loaded",
+        "narration",
+        "refusal",
+        "scope",
+    )
+
     def __init__(
         self,
         scope: RunScope,
