@@ -144,12 +144,16 @@ class UnitWorkload(Workload):
         "choice",
         "context",
         "failed_pre",
+        "gpu_source",
+        "gpu_source_warns",
         "lease_written",
         "loaded",
         "narration",
         "refusal",
         "scope",
     )
+    gpu_source: str  # the choice's: a field here, a property in Workload
+    gpu_source_warns: bool
 
     def __init__(
         self,
@@ -161,17 +165,10 @@ class UnitWorkload(Workload):
     ) -> None:
         self.scope, self.loaded, self.context = scope, loaded, context
         self.choice, self.narration = choice, narration
+        self.gpu_source, self.gpu_source_warns = choice.source, choice.warn
         self.failed_pre: records.FailedPre | None = None  # post: this start's failed pre
         self.lease_written = False  # pre wrote its lease before the kill (reserve)
         self.refusal: str | None = None  # why another unit's lease refused this start
-
-    @property
-    def gpu_source(self) -> str:
-        return self.choice.source
-
-    @property
-    def gpu_source_warns(self) -> bool:
-        return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
         context, scope = self.context, self.scope
