@@ -20,9 +20,7 @@ class ExitCode(IntEnum):
 
     def __new__(cls, code: int, meaning: str, sysexits_name: str = "") -> ExitCode:
         member = int.__new__(cls, code)
-        member._value_ = code
-        member.meaning = meaning
-        member.sysexits_name = sysexits_name
+        member._value_, member.meaning, member.sysexits_name = code, meaning, sysexits_name
         return member
 
     OK = 0, "ok", "SUCCESS"
@@ -88,8 +86,7 @@ class GateError(Exception):
 
     def __init__(self, message: str, *, code: str = "") -> None:
         super().__init__(message)
-        self.message = message
-        self.code = code
+        self.message, self.code = message, code
 
 
 class InvalidValue(ValueError):
@@ -106,8 +103,7 @@ class ConfigError(GateError):
     ) -> None:
         where = f"{source}: {field}" if field else source
         super().__init__(f"{where}: {problem}" + (f" (and {more} more)" if more else ""), code=code)
-        self.source = source
-        self.field = field
+        self.source, self.field = source, field
 
 
 class NvmlUnavailable(GateError):
@@ -136,8 +132,7 @@ class Interrupted(GateError):
 
     def __init__(self, message: str, signal_name: str = "SIGTERM", stage: str = "") -> None:
         super().__init__(message)
-        self.signal_name = signal_name
-        self.stage = stage
+        self.signal_name, self.stage = signal_name, stage
 
 
 class ProgramUnavailable(GateError):
@@ -161,8 +156,7 @@ class StateUnwritable(GateError):
 
     def __init__(self, path: object, what: str, message: str, *, code: str = "") -> None:
         super().__init__(message, code=code)
-        self.path = path
-        self.what = what
+        self.path, self.what = path, what
 
 
 class PermissionDenied(GateError):
@@ -223,8 +217,7 @@ class NotRegularFile(OSError):
 class TooLarge(OSError):
     def __init__(self, path: object, size: int, limit: int) -> None:
         super().__init__(errno.EFBIG, f"larger than {limit} bytes", str(path))
-        self.size = size
-        self.limit = limit
+        self.size, self.limit = size, limit
 
 
 class Refused(Exception):
@@ -245,8 +238,7 @@ class LinkOnPath(Exception):
     """safe_files: a component of a path is a symbolic link (its target, its owner's uid)."""
 
     def __init__(self, target: str, uid: int) -> None:
-        self.target = target
-        self.uid = uid
+        self.target, self.uid = target, uid
 
 
 class CallTimedOut(Exception):  # the call may still be running

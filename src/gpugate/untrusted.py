@@ -44,8 +44,7 @@ def _escaped(char: str) -> str:
 
 
 def escape(text: str) -> str:
-    """Return all of text escaped as journalctl shows it, with no bound (for text that is
-    already bounded)."""
+    """Return all of text escaped as journalctl shows it, unbounded (for text already bounded)."""
     return "".join(map(_escaped, text))
 
 
@@ -66,17 +65,10 @@ def _printable(value: str, chars: int) -> tuple[str, bool]:
     head = value[: chars + 1]
     if head.isprintable():
         return truncate(head, chars), len(head) > chars
-    parts: list[str] = []
-    used = 0
-    for char in head:
-        piece = _escaped(char)
-        if used + len(piece) > chars:
-            break
-        parts.append(piece)
-        used += len(piece)
-    else:
-        if len(value) <= chars:
-            return "".join(parts), False
+    parts = [_escaped(char) for char in head]
+    used = sum(map(len, parts))
+    if used <= chars:  # then head is all of value
+        return "".join(parts), False
     while parts and used + len(MARK) > chars:
         used -= len(parts.pop())
     return "".join(parts) + MARK, True
@@ -103,9 +95,8 @@ def printable_args(argv: Sequence[str], kind: Kind = COMMAND) -> tuple[list[str]
 
 
 def field_bytes(value: str | None, kind: Kind) -> str | bytes:
-    """Return a structured journal field's value: value's own bytes, not escaped, cut to
-    kind.exact_bytes. It is a str where those bytes are UTF-8, else bytes (the journal is
-    binary safe)."""
+    """Return a structured journal field's value: its own bytes, unescaped, cut to
+    kind.exact_bytes; a str where they are UTF-8, else bytes (the journal is binary safe)."""
     if not value:
         return ""
     head = value[: kind.exact_bytes]
@@ -127,8 +118,5 @@ def safe_line(text: str) -> str:
 
 
 def for_error(value: object, *, quote: bool = True, limit: int = ECHO_MAX) -> str:
-    """Return a value as an error message repeats it: its repr (quote) or made printable,
-    and cut to limit characters."""
-    if quote:
-        return truncate(repr(value), limit)
-    return printable(str(value), Kind(limit, limit))
+    """Return value as an error repeats it: its repr (quote) or printable, cut to limit."""
+    return truncate(repr(value), limit) if quote else printable(str(value), Kind(limit, limit))

@@ -71,12 +71,9 @@ class PodName(NamedTuple):
 
 
 def pod_name(annotations: Mapping[str, str]) -> PodName | None:
-    for _, _, namespace_key, pod_key, container_key in CRI_KEYS:
-        namespace = annotations.get(namespace_key, "")
-        pod = annotations.get(pod_key, "")
-        if namespace and pod:
-            return PodName(namespace, pod, annotations.get(container_key, ""))
-    return None
+    """The first CRI runtime's keys that name both a namespace and a pod."""
+    named = (PodName(*(annotations.get(key, "") for key in keys[2:])) for keys in CRI_KEYS)
+    return next((pod for pod in named if pod.namespace and pod.pod), None)
 
 
 class ContainerIdentity(NamedTuple):
@@ -114,15 +111,9 @@ class ContainerIdentity(NamedTuple):
             found["GPUGATE_OCI_CONTAINER_NAME"] = field_bytes(self.name, CONTAINER)
         if self.claimed:
             found["GPUGATE_OCI_ANNOTATED_NAME"] = field_bytes(self.claimed[1], CONTAINER)
-        if self.pod is not None:
-            named = {
-                "GPUGATE_OCI_POD_NAMESPACE": self.pod.namespace,
-                "GPUGATE_OCI_POD": self.pod.pod,
-                "GPUGATE_OCI_POD_CONTAINER": self.pod.container,
-            }
-            found.update(
-                (key, printable(value, CONTAINER)) for key, value in named.items() if value
-            )
+        keys = ("GPUGATE_OCI_POD_NAMESPACE", "GPUGATE_OCI_POD", "GPUGATE_OCI_POD_CONTAINER")
+        named = zip(keys, self.pod or ())
+        found.update((key, printable(value, CONTAINER)) for key, value in named if value)
         return found
 
 
@@ -192,8 +183,7 @@ def cgroup_of_spec(cgroups_path: str | None) -> str | None:
     parts = cgroups_path.split(":")
     if len(parts) != 3 or not all(parts[1:]):
         return None
-    slice_name, prefix, name = parts
-    slice_name = slice_name or "system.slice"
+    slice_name, prefix, name = parts[0] or "system.slice", parts[1], parts[2]
     if not slice_name.endswith(".slice") or "/" in slice_name or slice_name == "-.slice":
         return None
     words = slice_name[: -len(".slice")].split("-")
@@ -227,8 +217,7 @@ def _owned_json(path: Path, limit: int) -> object:
     """A JSON file this process's user owns and alone may write, not a link, at most limit
     bytes; None if not."""
     try:  # a text that is not UTF-8 is a ValueError too
-        raw = read_capped(path, limit, check=lambda info: check_owner(info, str(path)))
-        return json.loads(raw)
+        return json.loads(read_capped(path, limit, check=lambda info: check_owner(info, str(path))))
     except (OSError, ValueError, RecursionError, BadInput):
         return None
 

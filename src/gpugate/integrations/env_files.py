@@ -21,16 +21,13 @@ STEERING_PREFIXES = ("PYTHON",)
 ROOT = (0,)  # systemd reads it as root, whoever runs install or config check
 
 
-def environment_file_warnings(
-    unit: str, show: Callable[[str], str | None] | None = None
-) -> list[str]:
+def environment_file_warnings(unit: str, show: Callable[[str], str | None]) -> list[str]:
     """One line for each EnvironmentFile= of the unit that another account may change."""
-    shown = (show or (lambda name: systemctl_show(name, "EnvironmentFiles")))(unit)
     return [
         f"warning: {unit}: EnvironmentFile={name} may be changed by an account other than root "
         f"({why_untrusted(found)}); gpugate's hooks run as root with its variables (LD_PRELOAD, "
         "PYTHONPATH, ...): make it and its folders root's (docs/hardening.md)"
-        for name, _ in environment_files(shown or "")
+        for name, _ in environment_files(show(unit) or "")
         if (found := untrusted(name, ROOT)) is not None
     ]
 

@@ -9,8 +9,8 @@ import os
 import re
 import stat
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from gpugate.errors import GresUnresolved, Refused
 from gpugate.host.nvml import Gpu, slice_capabilities
@@ -34,6 +34,7 @@ GPU_NODE = re.compile(r"nvidia([0-9]{1,4})")
 CAP_NODE = re.compile(r"nvidia-cap([0-9]{1,6})")  # a MIG capability device
 
 StatFn = Callable[[str], os.stat_result]
+Known = dict[tuple[bool, int], int]  # (is a character device, st_rdev) -> M of /dev/nvidiaM
 TMPFS = "job_container/tmpfs"
 JOB_CONTAINER_CONF = "job_container.conf"
 DEFAULT_DIRS = "/tmp,/dev/shm"  # read_jcconf.h SLURM_TMPFS_DEF_DIRS
@@ -41,8 +42,7 @@ MAX_CONF_BYTES = 1 << 20
 SHM = "/dev/shm"
 
 
-@dataclass(frozen=True)
-class GpuLayout:
+class GpuLayout(NamedTuple):
     """This node's gres/gpu as slurmd numbers it."""
 
     path: str  # the gres.conf read
@@ -54,14 +54,13 @@ class GpuLayout:
     given: tuple[tuple[str, int], ...] | None = None
 
 
-@dataclass(frozen=True)
-class Shards:
+class Shards(NamedTuple):
     """gres.conf's gres/shard for this node, as gres_c_s.c spreads it over the GPU files."""
 
     line: int  # the first Name=shard line
     files: tuple[str, ...]  # the GPU files given shards (File= with Count >= its files)
     every_gpu: bool  # a Name=shard line without File=: Count spread over every GPU
-    count: int = 0  # that line's Count
+    fileless_count: int  # that line's Count
 
 
 def gres_conf_path(slurm_conf: str | None) -> Path:
@@ -275,20 +274,19 @@ def _gpu_files(path: str, lines: Lines) -> tuple[list[str], list[str], bool]:
     return files, types, fileless
 
 
-@dataclass(frozen=True)
-class DeviceNodes:
+class DeviceNodes(NamedTuple):
     """This host's /dev/nvidiaM nodes (dev: the device root; stat: a test's stand-in)."""
 
     dev: Path = Path("/dev")
     stat: StatFn = os.stat
     proc: Path = Path("/proc")  # its driver/nvidia/capabilities name each slice's devices
 
-    def by_number(self, caps: bool = False) -> dict[tuple[bool, int], int]:
+    def by_number(self, caps: bool = False) -> Known:
         """(is a character device, st_rdev) -> M, for each /dev/nvidiaM that is a node (caps:
         -> K, for each /dev/nvidia-caps/nvidia-capK)."""
         folder = self.dev / "nvidia-caps" if caps else self.dev
         names, major = (CAP_NODE, None) if caps else (GPU_NODE, NVIDIA_MAJOR)
-        found: dict[tuple[bool, int], int] = {}
+        found: Known = {}
         try:
             listed = os.listdir(folder)
         except OSError:
@@ -317,7 +315,7 @@ class DeviceNodes:
         return str(self.dev / file[len("/dev/") :])
 
 
-def minor_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str) -> int:
+def minor_of(file: str, nodes: DeviceNodes, known: Known, path: str) -> int:
     """M of the /dev/nvidiaM that File is (followed as slurmd's stat follows it)."""
     try:
         info = nodes.stat(nodes.file_path(file))
@@ -387,7 +385,7 @@ def gpu_order(
 
 
 def _given_by_slurm_conf(
-    layout: GpuLayout, ordered: list[Gpu], nodes: DeviceNodes, known: dict[tuple[bool, int], int]
+    layout: GpuLayout, ordered: list[Gpu], nodes: DeviceNodes, known: Known
 ) -> list[Gpu]:
     """The detected GPUs slurm.conf's count gives the node (`_merge_system_gres_conf`: each
     of its Count records takes the first unmatched GPU by file name; gres.conf's File= cut at
@@ -425,11 +423,7 @@ def _given_by_slurm_conf(
 
 
 def _slice_of_files(
-    record: str,
-    gpus: Sequence[Gpu],
-    nodes: DeviceNodes,
-    known: dict[tuple[bool, int], int],
-    path: str,
+    record: str, gpus: Sequence[Gpu], nodes: DeviceNodes, known: Known, path: str
 ) -> Gpu:
     """The slice a MultipleFiles record is: its GPU's /dev/nvidiaM and the capability devices
     of one slice of it (the driver's capabilities files name each slice's, by minor)."""
@@ -458,7 +452,7 @@ def _slice_of_files(
     return chosen[0]
 
 
-def _cap_of(file: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str) -> int:
+def _cap_of(file: str, nodes: DeviceNodes, known: Known, path: str) -> int:
     try:
         info = nodes.stat(nodes.file_path(file))
     except OSError as exc:
@@ -542,7 +536,7 @@ def shard_minors(
     shards = layout.shards
     if shards is None:
         return frozenset()
-    count = shards.count
+    count = shards.fileless_count
     try:
         text = read_root_file(slurm_conf, MAX_CONF_BYTES)
         types = last_value(text, "GresTypes")
@@ -563,9 +557,7 @@ def shard_minors(
     return frozenset(m for m, share in zip(minors, spread(count, len(minors))) if share)
 
 
-def _gpu_minor(
-    record: str, nodes: DeviceNodes, known: dict[tuple[bool, int], int], path: str
-) -> int:
+def _gpu_minor(record: str, nodes: DeviceNodes, known: Known, path: str) -> int:
     """M of the GPU a File (or a MultipleFiles record, by its /dev/nvidiaM) is."""
     *first, last = record.split(MULTIPLE)
     for file in first:
@@ -577,11 +569,7 @@ def _gpu_minor(
 def spread(count: int, gpus: int) -> list[int]:
     """A fileless shard Count over the GPU files, as `_distribute_count` does: each in turn
     gets what is left over the GPUs left (so the first get 0 where Count < GPUs)."""
-    shares = []
-    for left in range(gpus, 0, -1):
-        shares.append(count // left)
-        count -= shares[-1]
-    return shares
+    return [(count + turn) // gpus for turn in range(gpus)]
 
 
 def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -> GpuLayout:
@@ -604,14 +592,14 @@ def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -
     if "" in counts and len(counts) > 1:
         raise GresUnresolved(f"{why} (typed and untyped GPUs in one Gres=)")
     if layout.nvml_order:
-        return replace(layout, given=tuple(counts.items()))
+        return layout._replace(given=tuple(counts.items()))
     counts.pop("", None)
     if not counts:
         return layout
     ordered: list[tuple[str, str]] = []
     for kind, count in counts.items():
         ordered += [(f, t) for f, t in zip(layout.files, layout.types) if t == kind][:count]
-    return replace(layout, files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
+    return layout._replace(files=tuple(f for f, _ in ordered), types=tuple(t for _, t in ordered))
 
 
 def _node_gres(text: str, node: str | None, why: str) -> str:

@@ -41,7 +41,6 @@ from gpugate.report.narrate import Narrator, describe, failed_start_text
 from gpugate.untrusted import for_error, truncate
 
 VARIABLES = ("CUDA_VISIBLE_DEVICES", "NVIDIA_VISIBLE_DEVICES")
-NO_GPU = {"", "-1"}  # CUDA: an empty list or a first entry of -1 hides every GPU
 NVIDIA_NO_GPU = {"", "none", "void"}
 MAX_LISTED = 5  # processes a manual-run refusal lists before "and N more"
 MAX_LISTED_TEXT = 120  # characters of each
@@ -57,11 +56,9 @@ class GpuChoice(NamedTuple):
 def parse_visible_devices(variable: str, value: str, where: str) -> GpuSelection:
     """A *_VISIBLE_DEVICES value: "all" or a tuple of indices and UUIDs."""
     text = value.strip()
-    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() == "all":
-        return "all"
-    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in NVIDIA_NO_GPU:
-        return ()
-    if text in NO_GPU or text.split(",")[0].strip() == "-1":
+    if variable == "NVIDIA_VISIBLE_DEVICES" and text.lower() in {"all", *NVIDIA_NO_GPU}:
+        return "all" if text.lower() == "all" else ()
+    if not text or text.split(",")[0].strip() == "-1":  # CUDA: a first -1 hides every GPU
         return ()
     try:
         return parse_gpu_text(text)
@@ -147,12 +144,16 @@ class UnitWorkload(Workload):
         "choice",
         "context",
         "failed_pre",
+        "gpu_source",
+        "gpu_source_warns",
         "lease_written",
         "loaded",
         "narration",
         "refusal",
         "scope",
     )
+    gpu_source: str  # the choice's: a field here, a property in Workload
+    gpu_source_warns: bool
 
     def __init__(
         self,
@@ -164,17 +165,10 @@ class UnitWorkload(Workload):
     ) -> None:
         self.scope, self.loaded, self.context = scope, loaded, context
         self.choice, self.narration = choice, narration
+        self.gpu_source, self.gpu_source_warns = choice.source, choice.warn
         self.failed_pre: records.FailedPre | None = None  # post: this start's failed pre
         self.lease_written = False  # pre wrote its lease before the kill (reserve)
         self.refusal: str | None = None  # why another unit's lease refused this start
-
-    @property
-    def gpu_source(self) -> str:
-        return self.choice.source
-
-    @property
-    def gpu_source_warns(self) -> bool:
-        return self.choice.warn
 
     def before_kill(self, decision: Decision) -> None:
         context, scope = self.context, self.scope
@@ -257,16 +251,15 @@ class UnitWorkload(Workload):
         would share."""
         context, source = self.context, self.loaded.source
         if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
-            refusal = check.refusal("--share-gpus", "start it with gpugate run --share-gpus")
+            refusal = check.refusal("--share-gpus")
         else:
             if source == BUILTIN_SOURCE:
                 own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")
                 source = own if context.container is None else records.CONTAINERS_CONFIG
-            refusal = check.refusal(source, None, container=context.container is not None)
-        who = context.container
+            refusal = check.refusal(source, container=context.container is not None)
         holders = [lease.unit for lease, _ in check.conflicts]
         self.narration.lease_refused(
-            refusal, check.conflicted(), holders=holders, first=first, who=who
+            refusal, check.conflicted(), holders=holders, first=first, who=context.container
         )
         return refusal
 
@@ -319,7 +312,7 @@ class UnitWorkload(Workload):
         waiting for need no second wait in post. post ends the lease only when interrupted:
         after another error the unit may still run."""
         busy: Sequence[BusyGpu] = ()
-        if isinstance(error, Interrupted):  # says what the run was doing (core/run.py)
+        if isinstance(error, Interrupted):
             busy = progress.last_busy
         self._failed(error.exit_code, error.message, busy, error=True)
         if self.scope.phase.traits.releases_lease and isinstance(error, Interrupted):
