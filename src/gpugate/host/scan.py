@@ -5,6 +5,7 @@ process with an NVIDIA device file or shm file open or mapped, and `status --wat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pwd
@@ -418,7 +419,12 @@ class HostShm:
         return done if done.facts else shm.unlink_if_same(self.areas, file, self.index, allowed)
 
     def spaces(self) -> list[Space]:
-        return [found for area in self.areas if (found := shm.space(area)) is not None]
+        found: list[Space] = []
+        for area in self.areas:
+            with contextlib.suppress(OSError):
+                vfs = os.statvfs(area.where)
+                found.append(Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize))
+        return found
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
         return shm.largest_files(self.areas, count)
@@ -432,10 +438,10 @@ class WatchScan:
     holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
     what is asked changes) finds a process that opened a device file without a CUDA context."""
 
-    def __init__(
-        self, full_every_s: float = FULL_SCAN_EVERY_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.full_every_s, self.clock = full_every_s, clock
+    full_every_s = FULL_SCAN_EVERY_S
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self) -> None:
         self.full_scans = self.rescans = 0
         self._last: DeviceScan | None = None
         self._asked: tuple[object, ...] = ()
