@@ -164,17 +164,17 @@ def load_nvml_library(nv: Any, library: str | None) -> None:
             return
         path = library or find_nvml_library()
         if path is None:
-            raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found in {', '.join(NVML_DIRS)} or "
-                "the dynamic loader's cache: is the NVIDIA driver installed?"
-            )
+            raise _not_found(f" in {', '.join(NVML_DIRS)} or the dynamic loader's cache")
         try:
             nv.nvmlLib = ctypes.CDLL(path)
         except OSError as exc:
-            raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found: {path} cannot be loaded ({exc}): is the "
-                "NVIDIA driver installed?"
-            ) from None
+            raise _not_found(f": {path} cannot be loaded ({exc})") from None
+
+
+def _not_found(where: str) -> NvmlUnavailable:
+    return NvmlUnavailable(
+        f"NVML: {NVML_LIBRARY} not found{where}: is the NVIDIA driver installed?"
+    )
 
 
 ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`status`)
@@ -259,8 +259,7 @@ class NvmlDriver:
             try:
                 self._raw(None, nv.nvmlInit)
             except nv.NVMLError_LibraryNotFound:
-                why = "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
-                raise NvmlUnavailable(why) from None
+                raise _not_found("") from None
             except nv.NVMLError_DriverNotLoaded:
                 raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
             except nv.NVMLError_NoPermission:
