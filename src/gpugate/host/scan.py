@@ -207,7 +207,6 @@ def scan_device_users(
     process's files in the shm areas, from the same fd links and maps. pids: only these
     processes (`WatchScan`'s rescans). Nothing is read past the deadline: what is left is in
     `cut_short`. psutil's open_files() skips device files: this reads /proc/PID/fd itself."""
-    prefix = device_prefix or None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
     scan = DeviceScan({}, [], {}, [])
     try:
@@ -224,17 +223,21 @@ def scan_device_users(
             # A thread group whose leader exited (pthread_exit in main) shows an empty maps and
             # fd table under /proc/PID while its live threads still hold files (PID/task/TID).
             if maps is None:
-                thread = _live_thread_of_dead_leader(proc_root, name)
-                if thread is None:
+                try:
+                    tids = os.listdir(proc_root / name / "task")
+                except OSError:
+                    continue
+                thread = next((tid for tid in tids if tid != name), None)
+                if thread is None:  # a kernel thread or a zombie
                     continue
                 where = f"{name}/task/{thread}"
                 maps = _read_maps(proc_fd, where) or b""
-            fds = _fd_paths(proc_fd, where, prefix, socket_inodes, shm_areas, deadline)
+            fds = _fd_paths(proc_fd, where, device_prefix, socket_inodes, shm_areas, deadline)
             if fds is None:
                 scan.unreadable.append(int(name))
                 continue
             scan.cut_short.extend([int(name)] if fds.cut_short else [])
-            mapped = _mapped_paths(maps, prefix)
+            mapped = _mapped_paths(maps, device_prefix)
             if fds.paths or fds.sockets or mapped:
                 use = DeviceUse(frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets))
                 scan.users[int(name)] = use
@@ -246,15 +249,6 @@ def scan_device_users(
     finally:
         os.close(proc_fd)
     return scan
-
-
-def _live_thread_of_dead_leader(proc_root: Path, pid_name: str) -> str | None:
-    """A live thread of a group whose leader is a zombie; None for a kernel thread or zombie."""
-    try:
-        tids = os.listdir(proc_root / pid_name / "task")
-    except OSError:
-        return None
-    return next((tid for tid in tids if tid != pid_name), None)
 
 
 class _Fds(NamedTuple):
