@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from gpugate.host.scan import HostShm
 from gpugate.host.shm import (
     ShmFile,
     ShmKey,
@@ -22,7 +23,6 @@ from gpugate.host.shm import (
     inode_index,
     largest_files,
     own_shm_of_any,
-    space,
     unlink_if_same,
 )
 
@@ -102,7 +102,7 @@ def test_the_hosts_areas_under_another_root_keep_the_hosts_names(tmp_path: Path)
     found = facts([area], file)
     assert found is not None and found.path == "/dev/shm/psm_x" and found.size == 8192
     assert largest_files([area], 1)[0][1].path == "/dev/shm/psm_x"
-    assert space(area) is not None
+    assert [space.area for space in HostShm([area], tmp_path / "no-proc").spaces()] == [area]
     assert unlink_if_same([area], file).facts is not None
     assert not (root / "dev" / "shm" / "psm_x").exists()
     assert (root / "dev" / "shm" / "sub" / "psm_y").exists()

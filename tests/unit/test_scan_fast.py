@@ -111,7 +111,8 @@ def test_the_watch_rescan_finds_what_a_full_scan_finds(
     in any way, NVML lists any PIDs (which may have changed in any way too); the rest stays."""
     host = HOST_FOR_STRATEGIES
     fake_proc(host.proc, before)
-    watch = WatchScan(clock=lambda: 0.0)
+    watch = WatchScan()
+    watch.clock = lambda: 0.0
     first = watch(host.proc, host.prefix, SOCKETS, [host.area])
     assert first == host.scan()
     known = set(first.users) | set(first.shm)
@@ -135,7 +136,8 @@ def test_a_holder_the_rescans_trust_away_is_found_by_the_next_full_scan(host: Ho
     """A process that held nothing and starts holding a device without NVML listing it (a
     watcher starting to poll) is found by the full scan every FULL_SCAN_EVERY_S."""
     now = [0.0]
-    watch = WatchScan(full_every_s=15, clock=lambda: now[0])
+    watch = WatchScan()
+    watch.full_every_s, watch.clock = 15, lambda: now[0]
     fake_proc(host.proc, [FakeProcess(200), FakeProcess(202, fds=(str(host.dev / "nvidia0"),))])
     assert set(watch(host.proc, host.prefix).users) == {202}
     fake_proc(
@@ -153,7 +155,8 @@ def test_a_holder_the_rescans_trust_away_is_found_by_the_next_full_scan(host: Ho
 
 
 def test_a_new_socket_asked_for_makes_a_full_look(host: Host) -> None:
-    watch = WatchScan(clock=lambda: 0.0)
+    watch = WatchScan()
+    watch.clock = lambda: 0.0
     fake_proc(host.proc, [FakeProcess(300, fds=("socket:[1002]",))])
     assert not watch(host.proc, host.prefix, {1001}).users
     assert set(watch(host.proc, host.prefix, {1001, 1002}).users) == {300}

@@ -12,7 +12,7 @@ import stat
 from pathlib import Path
 
 from gpugate.compat import StrEnum
-from gpugate.host.safe_files import open_in
+from gpugate.host.safe_files import read_capped
 
 SESSIONS_DIR = Path("/run/systemd/sessions")
 MAX_SESSION_FILE = 1 << 14  # a few hundred bytes: UID=, USER=, STATE=, SCOPE=, ...
@@ -56,29 +56,18 @@ class Logind:
         except OSError:
             return SessionState.UNKNOWN
         try:
-            if not _root_only(os.fstat(folder_fd)):
-                return SessionState.UNKNOWN
-            fd = open_in(folder_fd, session, os.O_RDONLY)
+            _root_only(os.fstat(folder_fd))
+            data = read_capped(session, MAX_SESSION_FILE, dir_fd=folder_fd, check=_root_only)
         except OSError as exc:
             return SessionState.CLOSED if exc.errno == errno.ENOENT else SessionState.UNKNOWN
         finally:
             os.close(folder_fd)
-        try:
-            info = os.fstat(fd)
-            if not _root_only(info) or info.st_size > MAX_SESSION_FILE:
-                return SessionState.UNKNOWN
-            data = os.read(fd, MAX_SESSION_FILE + 1)
-        except OSError:
-            return SessionState.UNKNOWN
-        finally:
-            os.close(fd)
-        if len(data) > MAX_SESSION_FILE:
-            return SessionState.UNKNOWN
         lines = data.decode("utf-8", errors="replace").splitlines()
         values = dict(line.partition("=")[::2] for line in lines if "=" in line)
         return STATES.get(values.get("STATE", ""), SessionState.UNKNOWN)
 
 
-def _root_only(info: os.stat_result) -> bool:
-    """Owned by root and writable by no one else (logind's files are 0644 root)."""
-    return info.st_uid == 0 and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+def _root_only(info: os.stat_result) -> None:
+    """Owned by root and writable by no one else (logind's files are 0644 root), else EPERM."""
+    if info.st_uid != 0 or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise PermissionError(errno.EPERM, "not root's alone")

@@ -164,17 +164,17 @@ def load_nvml_library(nv: Any, library: str | None) -> None:
             return
         path = library or find_nvml_library()
         if path is None:
-            raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found in {', '.join(NVML_DIRS)} or "
-                "the dynamic loader's cache: is the NVIDIA driver installed?"
-            )
+            raise _not_found(f" in {', '.join(NVML_DIRS)} or the dynamic loader's cache")
         try:
             nv.nvmlLib = ctypes.CDLL(path)
         except OSError as exc:
-            raise NvmlUnavailable(
-                f"NVML: {NVML_LIBRARY} not found: {path} cannot be loaded ({exc}): is the "
-                "NVIDIA driver installed?"
-            ) from None
+            raise _not_found(f": {path} cannot be loaded ({exc})") from None
+
+
+def _not_found(where: str) -> NvmlUnavailable:
+    return NvmlUnavailable(
+        f"NVML: {NVML_LIBRARY} not found{where}: is the NVIDIA driver installed?"
+    )
 
 
 ANSWER_WITHIN_S = 5.0  # a call's time limit where no run deadline is given (`status`)
@@ -221,8 +221,7 @@ class NvmlDriver:
         """job(*args) on the NVML thread, by the deadline; its exceptions as raised."""
         if self._stuck is not None:
             raise self._stuck
-        now = time.monotonic()
-        deadline = self._until
+        now, deadline = time.monotonic(), self._until
         until = now + ANSWER_WITHIN_S if deadline is None else max(deadline, now + MIN_ANSWER_S)
         try:
             return self._thread.call(until, job, *args)
@@ -260,8 +259,7 @@ class NvmlDriver:
             try:
                 self._raw(None, nv.nvmlInit)
             except nv.NVMLError_LibraryNotFound:
-                why = "NVML: libnvidia-ml.so.1 not found: is the NVIDIA driver installed?"
-                raise NvmlUnavailable(why) from None
+                raise _not_found("") from None
             except nv.NVMLError_DriverNotLoaded:
                 raise NvmlUnavailable("NVML: the NVIDIA kernel driver is not loaded") from None
             except nv.NVMLError_NoPermission:
@@ -443,14 +441,13 @@ def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-class NoGpus:
+class NoGpus(NamedTuple):
     """Stands in for NVML when it failed and the policy says go on: cgroup cleanup only. Given
     the error of a driver that hung before it named its GPUs (`status`), each /dev/nvidiaN
     minor is a fault saying why, so its holders are still shown."""
 
-    def __init__(self, error: NvmlNotAnswering | None = None, minors: Sequence[int] = ()) -> None:
-        self.error = error
-        self.minors = list(minors)
+    error: NvmlNotAnswering | None = None
+    minors: Sequence[int] = ()
 
     def gpus(self) -> Sequence[Gpu]:
         return []
@@ -566,11 +563,11 @@ def slice_of_cap_minor(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, int]:
 def slice_capabilities(proc_root: Path, gpus: Sequence[Gpu]) -> dict[int, tuple[int, int]]:
     """Each slice's key -> the minors of its GPU instance's and compute instance's capability
     devices, where the driver names both."""
-    found: dict[int, tuple[int, int]] = {}
-    for gpu, _, (gi_minor, ci_minor) in _slice_minors(proc_root, gpus):
-        if gi_minor is not None and ci_minor is not None:
-            found[gpu.index] = (gi_minor, ci_minor)
-    return found
+    return {
+        gpu.index: (gi_minor, ci_minor)
+        for gpu, _, (gi_minor, ci_minor) in _slice_minors(proc_root, gpus)
+        if gi_minor is not None and ci_minor is not None
+    }
 
 
 def cap_minor(path: str) -> int | None:

@@ -5,6 +5,7 @@ process with an NVIDIA device file or shm file open or mapped, and `status --wat
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pwd
@@ -134,12 +135,11 @@ class ProcFs:
             exe: str | None = os.readlink(f"{self.root}/{pid}/exe") or None
         except OSError:  # another user's (not root), a zombie's, a kernel thread's
             exe = None
-        status = self._read(pid, "status") or ""
-        uids = [line.split()[1] for line in status.splitlines() if line.startswith("Uid:")]
+        owner = shm.parse_status(self._read(pid, "status") or "")
         if cgroup_text is None or (base.state != "Z" and not self.still_same(base.ident)):
             return self._remember(pid, None)
         cgroup = parse_cgroup(cgroup_text) or "/"
-        uid = int(uids[0]) if uids else None
+        uid = owner.uid if owner else None
         args = tuple(arg for arg in cmdline if arg)
         return self._remember(pid, base._replace(uid=uid, cgroup=cgroup, cmdline=args, exe=exe))
 
@@ -171,30 +171,12 @@ class DeviceUse(NamedTuple):
         return self.fd_paths | self.mapped_paths
 
 
-class DeviceScan:
-    __slots__ = ("cut_short", "shm", "unreadable", "users")
-
-    def __init__(
-        self,
-        users: dict[int, DeviceUse],
-        unreadable: list[int],  # PIDs whose fds we may not read (not root): holders may hide
-        # Every process's files in the shm areas asked for, open or mapped, holder or not.
-        shm: dict[int, frozenset[ShmFile]] | None = None,
-        # PIDs whose fds were not all read by the deadline: holders may hide there too.
-        cut_short: list[int] | None = None,
-    ) -> None:
-        self.users = users
-        self.unreadable = unreadable
-        self.shm: dict[int, frozenset[ShmFile]] = {} if shm is None else shm
-        self.cut_short: list[int] = [] if cut_short is None else cut_short
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, DeviceScan):
-            return NotImplemented
-        mine = (self.users, self.unreadable, self.shm, self.cut_short)
-        return mine == (other.users, other.unreadable, other.shm, other.cut_short)
-
-    __hash__ = None  # type: ignore[assignment]  # mutable: unhashable
+class DeviceScan(NamedTuple):
+    users: dict[int, DeviceUse]
+    unreadable: list[int]  # PIDs whose fds we may not read (not root): holders may hide
+    # Every process's files in the shm areas asked for, open or mapped, holder or not.
+    shm: dict[int, frozenset[ShmFile]]
+    cut_short: list[int]  # PIDs whose fds were not all read by the deadline: holders may hide
 
 
 CHECK_EVERY = 1024  # fds, or processes, between two looks at the clock
@@ -225,9 +207,8 @@ def scan_device_users(
     process's files in the shm areas, from the same fd links and maps. pids: only these
     processes (`WatchScan`'s rescans). Nothing is read past the deadline: what is left is in
     `cut_short`. psutil's open_files() skips device files: this reads /proc/PID/fd itself."""
-    prefix = device_prefix or None
     proc_fd = os.open(proc_root, os.O_RDONLY | os.O_DIRECTORY)
-    scan = DeviceScan({}, [])
+    scan = DeviceScan({}, [], {}, [])
     try:
         if pids is None:
             names = [name for name in os.listdir(proc_fd) if name.isdigit()]
@@ -242,17 +223,21 @@ def scan_device_users(
             # A thread group whose leader exited (pthread_exit in main) shows an empty maps and
             # fd table under /proc/PID while its live threads still hold files (PID/task/TID).
             if maps is None:
-                thread = _live_thread_of_dead_leader(proc_fd, name)
-                if thread is None:
+                try:
+                    tids = os.listdir(proc_root / name / "task")
+                except OSError:
+                    continue
+                thread = next((tid for tid in tids if tid != name), None)
+                if thread is None:  # a kernel thread or a zombie
                     continue
                 where = f"{name}/task/{thread}"
                 maps = _read_maps(proc_fd, where) or b""
-            fds = _fd_paths(proc_fd, where, prefix, socket_inodes, shm_areas, deadline)
+            fds = _fd_paths(proc_fd, where, device_prefix, socket_inodes, shm_areas, deadline)
             if fds is None:
                 scan.unreadable.append(int(name))
                 continue
             scan.cut_short.extend([int(name)] if fds.cut_short else [])
-            mapped = _mapped_paths(maps, prefix)
+            mapped = _mapped_paths(maps, device_prefix)
             if fds.paths or fds.sockets or mapped:
                 use = DeviceUse(frozenset(fds.paths), frozenset(mapped), frozenset(fds.sockets))
                 scan.users[int(name)] = use
@@ -266,29 +251,11 @@ def scan_device_users(
     return scan
 
 
-def _live_thread_of_dead_leader(proc_fd: int, pid_name: str) -> str | None:
-    """A live thread of a group whose leader is a zombie; None for a kernel thread or zombie."""
-    try:
-        task_fd = os.open(f"{pid_name}/task", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
-    except OSError:
-        return None
-    try:
-        tids = os.listdir(task_fd)
-    except OSError:
-        return None
-    finally:
-        os.close(task_fd)
-    return next((tid for tid in tids if tid != pid_name), None)
-
-
-class _Fds:
-    __slots__ = ("cut_short", "paths", "shm", "sockets")
-
-    def __init__(self) -> None:
-        self.paths: set[str] = set()  # under the device prefix
-        self.sockets: set[int] = set()  # asked-for socket inodes
-        self.shm: list[ShmFile] = []
-        self.cut_short = False  # the deadline came before the last fd
+class _Fds(NamedTuple):
+    paths: set[str]  # under the device prefix
+    sockets: set[int]  # asked-for socket inodes
+    shm: list[ShmFile]
+    cut_short: bool = False  # the deadline came before the last fd
 
 
 def _fd_paths(
@@ -300,7 +267,7 @@ def _fd_paths(
     deadline: Deadline,
 ) -> _Fds | None:
     """The fd targets wanted; None where we may not read them (not root)."""
-    found = _Fds()
+    found = _Fds(set(), set(), [])
     shm_prefixes = tuple(area.path.rstrip("/") + "/" for area in areas)
     try:
         dir_fd = os.open(f"{pid_name}/fd", os.O_RDONLY | os.O_DIRECTORY, dir_fd=proc_fd)
@@ -311,7 +278,7 @@ def _fd_paths(
         with os.scandir(dir_fd) as entries:
             for count, entry in enumerate(entries, 1):
                 if count % CHECK_EVERY == 0 and deadline.passed():
-                    found.cut_short = True
+                    found = found._replace(cut_short=True)
                     break
                 try:
                     target = os.readlink(entry.name, dir_fd=dir_fd)
@@ -324,7 +291,9 @@ def _fd_paths(
                     if inode in socket_inodes:
                         found.sockets.add(inode)
                 elif shm_prefixes and target.startswith(shm_prefixes):
-                    found.shm += _fd_shm_file(proc_fd, pid_name, dir_fd, entry.name, target, areas)
+                    found.shm.extend(
+                        _fd_shm_file(proc_fd, pid_name, dir_fd, entry.name, target, areas)
+                    )
     except OSError:
         pass
     finally:
@@ -444,7 +413,12 @@ class HostShm:
         return done if done.facts else shm.unlink_if_same(self.areas, file, self.index, allowed)
 
     def spaces(self) -> list[Space]:
-        return [found for area in self.areas if (found := shm.space(area)) is not None]
+        found: list[Space] = []
+        for area in self.areas:
+            with contextlib.suppress(OSError):
+                vfs = os.statvfs(area.where)
+                found.append(Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize))
+        return found
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
         return shm.largest_files(self.areas, count)
@@ -458,10 +432,10 @@ class WatchScan:
     holders it knows and the PIDs NVML lists now; a full scan every FULL_SCAN_EVERY_S (or when
     what is asked changes) finds a process that opened a device file without a CUDA context."""
 
-    def __init__(
-        self, full_every_s: float = FULL_SCAN_EVERY_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.full_every_s, self.clock = full_every_s, clock
+    full_every_s = FULL_SCAN_EVERY_S
+    clock = staticmethod(time.monotonic)
+
+    def __init__(self) -> None:
         self.full_scans = self.rescans = 0
         self._last: DeviceScan | None = None
         self._asked: tuple[object, ...] = ()
@@ -496,6 +470,6 @@ class WatchScan:
         if last is not None:
             # Still there and not readable then: not readable now (no second try per look).
             kept = [pid for pid in last.unreadable if pid in listed and pid not in new]
-            scan.unreadable = sorted({*scan.unreadable, *kept})
+            scan = scan._replace(unreadable=sorted({*scan.unreadable, *kept}))
         self._last, self._asked, self._listed = scan, asked, listed
         return scan
