@@ -101,11 +101,9 @@ def _source_minors(source: str) -> list[int]:
         folder = os.path.realpath(source) if dev else ""
     except (OSError, ValueError):
         return []
-    number = node_number(info)
-    if number is not None:
-        return [number[1]] if is_gpu_number(number) else []
-    if dev is None:
-        return []
+    if dev is None:  # not a folder: a GPU's node or nothing
+        number = node_number(info)
+        return [number[1]] if is_gpu_number(number) else []  # type: ignore[index]
     if folder in ("/", HOST_DEV) or HOST_DEV.startswith(folder.rstrip("/") + "/"):
         return _folder_minors(HOST_DEV)
     return _folder_minors(source) if info.st_dev == dev.st_dev else []

@@ -136,9 +136,8 @@ def read_capped(
         info = os.fstat(fd)
         if check is not None:
             check(info)
-        size = info.st_size
-        if size > limit:
-            raise TooLarge(path, size, limit)
+        if info.st_size > limit:
+            raise TooLarge(path, info.st_size, limit)
         data = _read_up_to(fd, limit + 1)
         if len(data) > limit:  # grew since fstat
             raise TooLarge(path, len(data), limit)
@@ -265,14 +264,10 @@ def first_root_executable(paths: Iterable[str]) -> str | None:
             info = os.stat(path)
         except OSError:
             continue
-        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
-            continue
-        others_may_write = info.st_mode & stat.S_IWOTH or (
-            info.st_mode & stat.S_IWGRP and info.st_gid != 0
-        )
-        if os.geteuid() == 0 and (info.st_uid != 0 or others_may_write):
-            continue
-        return path
+        shared = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)
+        trusted = os.geteuid() != 0 or (info.st_uid == 0 and not shared)
+        if stat.S_ISREG(info.st_mode) and os.access(path, os.X_OK) and trusted:
+            return path
     return None
 
 

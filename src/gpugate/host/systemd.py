@@ -29,9 +29,7 @@ UNIT_TYPE_SUFFIXES = tuple(f".{kind}" for kind in UNIT_TYPES.split())
 
 def unit_argument(name: str) -> str:
     """A unit named on the command line, as systemctl reads it: `vllm` is `vllm.service`."""
-    if name and not name.endswith(UNIT_TYPE_SUFFIXES):
-        return name + ".service"
-    return name
+    return name + ".service" if name and not name.endswith(UNIT_TYPE_SUFFIXES) else name
 
 
 def validate_unit_name(name: str) -> str:
@@ -409,7 +407,6 @@ def _chunk(path: str) -> str:
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
 HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
 HOST_ROOTS_OPTION = "--host-roots"
-ROOT_NAMES = ("dev", "proc", "cgroup", "run")
 
 
 class HostRoots(NamedTuple):
@@ -429,7 +426,7 @@ class HostRoots(NamedTuple):
         roots: dict[str, Path] = {}
         for item in text.split(","):
             name, eq, value = item.partition("=")
-            if not eq or name not in ROOT_NAMES:
+            if not eq or name not in cls._fields:
                 shown = f"{for_error(item)}: not dev=DIR, proc=DIR, cgroup=DIR or run=DIR"
                 raise ConfigError(HOST_ROOTS_OPTION, "", shown)
             path = Path(value)
@@ -439,8 +436,7 @@ class HostRoots(NamedTuple):
                 )
             roots[name] = path
         found = cls(**roots)
-        for name in ROOT_NAMES:  # a root not there: a configuration error, not a crash mid-run
-            root: Path = getattr(found, name)
+        for name, root in found._asdict().items():  # not there: a config error, not a crash
             if not root.is_dir():
                 raise ConfigError(
                     HOST_ROOTS_OPTION, name, f"{for_error(str(root), quote=False)}: no such folder"

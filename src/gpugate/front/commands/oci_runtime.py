@@ -40,9 +40,8 @@ def bundle_of(args: Sequence[str]) -> str:
     for position, word in enumerate(args):
         if word in ("--bundle", "-b") and position + 1 < len(args):
             return args[position + 1]
-        for prefix in ("--bundle=", "-b="):
-            if word.startswith(prefix):
-                return word[len(prefix) :]
+        if word.startswith(("--bundle=", "-b=")):
+            return word.partition("=")[2]
     return os.getcwd()
 
 
