@@ -476,25 +476,6 @@ def cgroup_layout(mountinfo: str) -> CgroupLayout:
     return CgroupLayout(LEGACY, None)
 
 
-def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
-    """roots with the cgroup root moved to the tree systemd tracks units in (hybrid: `unified`)."""
-    if layout.unified_mount is None:  # LEGACY
-        raise HostUnsupported(
-            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
-            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
-            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
-            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
-            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
-        )
-    unified = roots.cgroup / layout.unified_mount.relative_to(SYSTEM_CGROUP_ROOT)
-    if not unified.is_dir():
-        raise HostUnsupported(
-            f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
-            "cannot find its units' processes; nothing was killed"
-        )
-    return roots._replace(cgroup=unified)
-
-
 def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
     """This host's layout where the cgroup root is the real one; None for a stand-in tree."""
     if roots.cgroup != SYSTEM_CGROUP_ROOT:
@@ -511,7 +492,25 @@ def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
 
 
 def on_units_tree(
-    given: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
+    roots: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
 ) -> HostRoots:
-    found = layout(given)
-    return given if found is None else on_unified_hierarchy(given, found)
+    """roots with the cgroup root moved to the tree systemd tracks units in (hybrid: `unified`);
+    a stand-in tree (no layout) as it is."""
+    found = layout(roots)
+    if found is None:
+        return roots
+    if found.unified_mount is None:  # LEGACY
+        raise HostUnsupported(
+            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
+            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
+            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
+            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
+            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
+        )
+    unified = roots.cgroup / found.unified_mount.relative_to(SYSTEM_CGROUP_ROOT)
+    if not unified.is_dir():
+        raise HostUnsupported(
+            f"this host's cgroup2 tree {found.unified_mount} is not at {unified}: gpugate "
+            "cannot find its units' processes; nothing was killed"
+        )
+    return roots._replace(cgroup=unified)
