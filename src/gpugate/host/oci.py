@@ -488,9 +488,7 @@ def not_host_root(proc: str = "/proc") -> str | None:
         mine, init = os.stat(f"{proc}/self/ns/user"), os.stat(f"{proc}/1/ns/user")
     except OSError:
         return None
-    if (mine.st_dev, mine.st_ino) != (init.st_dev, init.st_ino):
-        return "user namespace other than PID 1's"
-    return None
+    return None if os.path.samestat(mine, init) else "user namespace other than PID 1's"
 
 
 def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:

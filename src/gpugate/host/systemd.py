@@ -175,10 +175,9 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
 
 def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
     """systemd's ActiveState; unasked, "active" while its cgroup holds a process."""
-    if ask_systemd:
-        state = query_unit(name)
-        if state is not None:
-            return "not-found" if state.load_state == "not-found" else state.active_state
+    state = query_unit(name) if ask_systemd else None
+    if state is not None:
+        return "not-found" if state.load_state == "not-found" else state.active_state
     found = find_unit_cgroup(name, cgroup_root)
     if found is None:
         return "inactive"

@@ -24,14 +24,12 @@ GPUGATE_PATHS = ("/usr/bin/gpugate", "/usr/local/bin/gpugate")
 
 
 def command_of(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    skip = False
-    for position, word in enumerate(argv):
-        if skip:
-            skip = False
-        elif word in VALUE_OPTIONS:
-            skip = True
+    words = iter(argv)
+    for word in words:
+        if word in VALUE_OPTIONS:
+            next(words, None)  # its value
         elif not word.startswith("-"):
-            return word, list(argv[position + 1 :])
+            return word, list(words)
     return None, []
 
 
