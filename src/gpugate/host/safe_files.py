@@ -30,11 +30,11 @@ MAX_LINK_HOPS = 40  # as the kernel's
 
 
 class Exposure(Enum):
-    """How a path lies open to an account root does not trust."""
+    """How a path lies open to an account root does not trust (its value: in words)."""
 
-    OWNER = "owner"  # belongs to an account that is not trusted
-    GROUP_WRITABLE = "group-writable"
-    WORLD_WRITABLE = "world-writable"
+    OWNER = "belongs to another account"
+    GROUP_WRITABLE = "is writable by group"  # its name follows
+    WORLD_WRITABLE = "is writable by every account"
 
 
 class Untrusted(NamedTuple):
@@ -349,12 +349,9 @@ def why_untrusted(found: Untrusted) -> str:
     """`its folder /srv belongs to another account (owner alice (uid 1000), mode 0755)`."""
     what = "folder " if stat.S_ISDIR(found.mode) else ""
     where = "it" if found.path == found.of else f"its {what}{found.path}"
-    problem = {
-        Exposure.OWNER: f"{where} belongs to another account",
-        Exposure.GROUP_WRITABLE: f"{where} is writable by group {group(found.gid)}",
-        Exposure.WORLD_WRITABLE: f"{where} is writable by every account",
-    }[found.problem]
-    return f"{problem} (owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o})"
+    named = f" {group(found.gid)}" if found.problem is Exposure.GROUP_WRITABLE else ""
+    said = f"{where} {found.problem.value}{named}"
+    return f"{said} (owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o})"
 
 
 def untrusted_text(found: Untrusted, *, state: bool = False) -> str:
