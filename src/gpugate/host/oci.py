@@ -143,9 +143,8 @@ def cdi_reach(annotations: object, found: list[tuple[int | str, str]]) -> None:
             raise BadInput(
                 f"config.json: annotations: {for_error(key[:128])} is over {MAX_VALUE} characters"
             )
-        for name in (part.strip() for part in value.split(",")):
-            if name:
-                _cdi_name(name, f"annotation {key[:128]}", found)
+        for name in [part.strip() for part in value.split(",") if part.strip()]:
+            _cdi_name(name, f"annotation {key[:128]}", found)
 
 
 def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> None:
@@ -237,12 +236,10 @@ def visible_words(env: object) -> list[str]:
     if len(value) > MAX_VALUE:
         raise BadInput(f"config.json: process.env: {VISIBLE} is over {MAX_VALUE} characters")
     words = [word.strip() for word in value.split(",") if word.strip()]
-    if not words or "void" in words:
+    first = next((word for word in words if word in ("all", "none")), "")
+    if not words or "void" in words or first == "none":
         return []
-    for word in words:
-        if word in ("all", "none"):
-            return ["all"] if word == "all" else []
-    return list(dict.fromkeys(words))
+    return ["all"] if first == "all" else list(dict.fromkeys(words))
 
 
 # NVIDIA Container Toolkit's config.toml, as far as it decides which list NVIDIA's hook reads
