@@ -165,9 +165,7 @@ def open_folder(path: Path | str, *, make: bool = True) -> int:
                     raise UnsafeLink(os.path.join(here, name)) from None
                 target = os.path.normpath(os.path.join(here, link.target))
                 queue = list(Path(target).parts[1:]) + queue
-                os.close(fd)
-                here, fd = "/", os.open("/", flags)
-                continue
+                next_fd, name = os.open("/", flags), "/"  # the walk starts again at /
             os.close(fd)
             fd, here = next_fd, os.path.join(here, name)
     except BaseException:
