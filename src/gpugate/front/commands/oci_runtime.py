@@ -104,8 +104,6 @@ def main(argv: Sequence[str]) -> int:
             # A GPU container without its gate must not start unnoticed: the create fails.
             print(f"gpugate-oci-runtime: {exc}", file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
-    environment = dict(os.environ)
-    if wrapped.name != RUNC:
-        environment[CHAIN] = wrapped.name  # NVIDIA's runtime may run this wrapper again
-    os.execve(wrapped.path, [wrapped.path, *argv], environment)  # noqa: S606
+    chain = {CHAIN: wrapped.name} if wrapped.name != RUNC else {}  # NVIDIA's may run us again
+    os.execve(wrapped.path, [wrapped.path, *argv], {**os.environ, **chain})  # noqa: S606
     return int(ExitCode.INTERNAL)  # not reached: execve replaced this process
