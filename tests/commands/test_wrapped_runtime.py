@@ -168,6 +168,7 @@ def gpu_bundle(tmp_path: Path) -> Path:
     device = {"path": "/dev/nvidia1", "type": "c", "major": 195, "minor": 1}
     spec = {"process": {"env": []}, "linux": {"devices": [device]}}
     (bundle / "config.json").write_text(json.dumps(spec))
+    (bundle / "config.json").chmod(0o600)
     return bundle
 
 
@@ -186,6 +187,8 @@ def test_the_wrapper_keeps_nvidia_s_runtime_in_the_chain(
     ]
     hooks = json.loads((bundle / "config.json").read_text())["hooks"]
     assert set(hooks) == {"createRuntime", "poststop"}
+    assert (bundle / "config.json").stat().st_mode & 0o777 == 0o600  # rewritten, same mode
+    assert [path.name for path in bundle.iterdir()] == ["config.json"]  # nothing left beside it
 
 
 def test_without_a_record_the_wrapper_runs_runc(tmp_path: Path, runtimes: dict[str, Path]) -> None:

@@ -18,7 +18,7 @@ from gpugate.host.systemd import (
     HostRoots,
     cgroup_layout,
     host_cgroup_layout,
-    on_unified_hierarchy,
+    on_units_tree,
 )
 from tests.fakes import UNIT_CGROUP, FakeHost, alive, raises_error
 
@@ -125,9 +125,9 @@ def test_roots_follow_the_layout(tmp_path: Path) -> None:
     sys_fs_cgroup = tmp_path / "sys-fs-cgroup"
     (sys_fs_cgroup / "unified").mkdir(parents=True)
     roots = HostRoots(dev=tmp_path, proc=tmp_path, cgroup=sys_fs_cgroup)
-    unified = on_unified_hierarchy(roots, cgroup_layout(UNIFIED_HOST))
+    unified = on_units_tree(roots, lambda _: cgroup_layout(UNIFIED_HOST))
     assert unified.cgroup == sys_fs_cgroup
-    hybrid = on_unified_hierarchy(roots, cgroup_layout(HYBRID_HOST))
+    hybrid = on_units_tree(roots, lambda _: cgroup_layout(HYBRID_HOST))
     assert hybrid.cgroup == sys_fs_cgroup / "unified"
     assert (hybrid.dev, hybrid.proc) == (roots.dev, roots.proc)
     # the real roots: a hybrid host's unified tree is still one systemd can be asked about
@@ -140,7 +140,7 @@ def test_roots_follow_the_layout(tmp_path: Path) -> None:
 @pytest.mark.parametrize("layout", [cgroup_layout(LEGACY_HOST), CgroupLayout(HYBRID, None)])
 def test_a_v1_only_host_is_refused(tmp_path: Path, layout: CgroupLayout) -> None:
     with pytest.raises(HostUnsupported) as raised:
-        on_unified_hierarchy(HostRoots(cgroup=tmp_path), layout)
+        on_units_tree(HostRoots(cgroup=tmp_path), lambda _: layout)
     message = raised.value.message
     assert "\n" not in message
     assert "systemd.unified_cgroup_hierarchy=1" in message  # the fix: the kernel's option
@@ -149,7 +149,7 @@ def test_a_v1_only_host_is_refused(tmp_path: Path, layout: CgroupLayout) -> None
 
 def test_a_hybrid_layout_without_its_unified_folder_is_refused(tmp_path: Path) -> None:
     with raises_error(HostUnsupported):
-        on_unified_hierarchy(HostRoots(cgroup=tmp_path), cgroup_layout(HYBRID_HOST))
+        on_units_tree(HostRoots(cgroup=tmp_path), lambda _: cgroup_layout(HYBRID_HOST))
 
 
 def test_unreadable_mountinfo_is_one_line(tmp_path: Path) -> None:

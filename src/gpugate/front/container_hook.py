@@ -52,37 +52,33 @@ def run_container_hook(
 ) -> int:
     stream = stream or sys.stderr
     try:
-        identity = identify(state, spec, ProcFs(roots.proc))
+        ident = identify(state, spec, ProcFs(roots.proc))
     except BadInput as exc:  # no cgroup of its own: refused before its start
         if not phase.traits.before_start:
             return int(ExitCode.OK)
         unit, fields = f"{OWN_LEASE_PREFIX}{state.id}", {"GPUGATE_OCI_CONTAINER": state.id}
         Narrator(reporter_factory(unit, phase.value, fields=fields)).failed(exc, stream)
         return int(exc.exit_code)
-    reporter = reporter_factory(identity.unit, phase.value, fields=identity.fields())
-    reporter.shown = identity.label  # a pod as namespace/pod/container, not its scope
+    reporter = reporter_factory(ident.unit, phase.value, fields=ident.fields())
+    reporter.shown = ident.label  # a pod as namespace/pod/container, not its scope
     loaded = loaded or container_config()
     with stopped_by_signals():
         driver: GpuDriver | None = None
         try:
             driver = driver_factory()
-            choice = container_gpus(phase, spec, identity.unit, loaded, driver)
+            choice = container_gpus(phase, spec, ident.unit, loaded, driver)
         except GateError as exc:
             if driver is not None:
                 driver.close()
             Narrator(reporter).failed(exc, stream)
             return int(exc.exit_code)
         context = UnitContext(
-            {},
-            unit_state=unit_state,
-            choice=choice,
-            container=identity.label,
-            around=identity.around,
+            {}, unit_state=unit_state, choice=choice, container=ident.label, around=ident.around
         )
-        top = identity.cgroup or ""
+        top = ident.cgroup or ""
         cgroup = f"{top}/{NOT_STARTED}" if phase.traits.before_start or not top else top
         scope = RunScope(
-            phase, identity.unit, lambda: cgroup, roots=roots, driver_factory=lambda: driver
+            phase, ident.unit, lambda: cgroup, roots=roots, driver_factory=lambda: driver
         )
         hook = Hook(scope, context.surroundings, reporter, METRICS_UNIT, stream)
         return int(run_hook(hook, loaded).exit_code)

@@ -13,7 +13,7 @@ import stat
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from gpugate.errors import BadInput, NotRegularFile, TooLarge
 from gpugate.host.safe_files import read_capped, untrusted
@@ -61,7 +61,10 @@ def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
     for entry in devices if isinstance(devices, list) else ():
         if not isinstance(entry, dict) or entry.get("type", "c") not in ("c", "u"):
             continue
-        number, path = _device_number(entry), entry.get("path")
+        number: Any = (entry.get("major"), entry.get("minor"))
+        path = entry.get("path")
+        if not all(type(n) is int and 0 <= n < 1 << 32 for n in number):  # bool is no number
+            number = None
         if number is None and isinstance(path, str) and path.startswith("/") and "\0" not in path:
             try:
                 info = os.lstat(path)
@@ -74,14 +77,7 @@ def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
                 )
             number = node_number(info)
         if is_gpu_number(number):
-            found.append((number[1], "linux.devices"))  # type: ignore[index]
-
-
-def _device_number(entry: dict[object, object]) -> tuple[int, int] | None:
-    numbers = (entry.get("major"), entry.get("minor"))
-    if all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 32 for n in numbers):
-        return numbers  # type: ignore[return-value]
-    return None
+            found.append((number[1], "linux.devices"))
 
 
 def mounts_reach(mounts: object, found: list[tuple[int | str, str]]) -> None:
@@ -105,11 +101,9 @@ def _source_minors(source: str) -> list[int]:
         folder = os.path.realpath(source) if dev else ""
     except (OSError, ValueError):
         return []
-    number = node_number(info)
-    if number is not None:
-        return [number[1]] if is_gpu_number(number) else []
-    if dev is None:
-        return []
+    if dev is None:  # not a folder: a GPU's node or nothing
+        number = node_number(info)
+        return [number[1]] if is_gpu_number(number) else []  # type: ignore[index]
     if folder in ("/", HOST_DEV) or HOST_DEV.startswith(folder.rstrip("/") + "/"):
         return _folder_minors(HOST_DEV)
     return _folder_minors(source) if info.st_dev == dev.st_dev else []
@@ -149,9 +143,8 @@ def cdi_reach(annotations: object, found: list[tuple[int | str, str]]) -> None:
             raise BadInput(
                 f"config.json: annotations: {for_error(key[:128])} is over {MAX_VALUE} characters"
             )
-        for name in (part.strip() for part in value.split(",")):
-            if name:
-                _cdi_name(name, f"annotation {key[:128]}", found)
+        for name in [part.strip() for part in value.split(",") if part.strip()]:
+            _cdi_name(name, f"annotation {key[:128]}", found)
 
 
 def _cdi_name(name: str, origin: str, found: list[tuple[int | str, str]]) -> None:
@@ -169,15 +162,10 @@ def _gpu_word(word: str, origin: str) -> str:
     """all, an index, a GPU UUID, a MIG device's UUID (either form) or `GPU:MIG` pair."""
     if re.fullmatch(GPU_WORD, word):
         return word
+    what = "a GPU index, a GPU UUID or all"
     if word.startswith("MIG-") or ":" in word:
-        raise BadInput(
-            f"config.json: {for_error(origin)}: {for_error(word[:128])} is not a MIG device's UUID "
-            "(MIG-...) or GPU:MIG index pair (0:1)"
-        )
-    raise BadInput(
-        f"config.json: {for_error(origin)}: {for_error(word[:128])} is not a GPU index, a GPU UUID "
-        "or all"
-    )
+        what = "a MIG device's UUID (MIG-...) or GPU:MIG index pair (0:1)"
+    raise BadInput(f"config.json: {for_error(origin)}: {for_error(word[:128])} is not {what}")
 
 
 def has_nvidia_hook(hooks: object) -> bool:
@@ -248,12 +236,10 @@ def visible_words(env: object) -> list[str]:
     if len(value) > MAX_VALUE:
         raise BadInput(f"config.json: process.env: {VISIBLE} is over {MAX_VALUE} characters")
     words = [word.strip() for word in value.split(",") if word.strip()]
-    if not words or "void" in words:
+    first = next((word for word in words if word in ("all", "none")), "")
+    if not words or "void" in words or first == "none":
         return []
-    for word in words:
-        if word in ("all", "none"):
-            return ["all"] if word == "all" else []
-    return list(dict.fromkeys(words))
+    return ["all"] if first == "all" else list(dict.fromkeys(words))
 
 
 # NVIDIA Container Toolkit's config.toml, as far as it decides which list NVIDIA's hook reads
@@ -499,9 +485,7 @@ def not_host_root(proc: str = "/proc") -> str | None:
         mine, init = os.stat(f"{proc}/self/ns/user"), os.stat(f"{proc}/1/ns/user")
     except OSError:
         return None
-    if (mine.st_dev, mine.st_ino) != (init.st_dev, init.st_ino):
-        return "user namespace other than PID 1's"
-    return None
+    return None if os.path.samestat(mine, init) else "user namespace other than PID 1's"
 
 
 def hook_entry(gpugate: str | Sequence[str], stage: str) -> dict[str, object]:

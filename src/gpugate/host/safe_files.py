@@ -30,11 +30,11 @@ MAX_LINK_HOPS = 40  # as the kernel's
 
 
 class Exposure(Enum):
-    """How a path lies open to an account root does not trust."""
+    """How a path lies open to an account root does not trust (its value: in words)."""
 
-    OWNER = "owner"  # belongs to an account that is not trusted
-    GROUP_WRITABLE = "group-writable"
-    WORLD_WRITABLE = "world-writable"
+    OWNER = "belongs to another account"
+    GROUP_WRITABLE = "is writable by group"  # its name follows
+    WORLD_WRITABLE = "is writable by every account"
 
 
 class Untrusted(NamedTuple):
@@ -136,9 +136,8 @@ def read_capped(
         info = os.fstat(fd)
         if check is not None:
             check(info)
-        size = info.st_size
-        if size > limit:
-            raise TooLarge(path, size, limit)
+        if info.st_size > limit:
+            raise TooLarge(path, info.st_size, limit)
         data = _read_up_to(fd, limit + 1)
         if len(data) > limit:  # grew since fstat
             raise TooLarge(path, len(data), limit)
@@ -166,9 +165,7 @@ def open_folder(path: Path | str, *, make: bool = True) -> int:
                     raise UnsafeLink(os.path.join(here, name)) from None
                 target = os.path.normpath(os.path.join(here, link.target))
                 queue = list(Path(target).parts[1:]) + queue
-                os.close(fd)
-                here, fd = "/", os.open("/", flags)
-                continue
+                next_fd, name = os.open("/", flags), "/"  # the walk starts again at /
             os.close(fd)
             fd, here = next_fd, os.path.join(here, name)
     except BaseException:
@@ -265,30 +262,17 @@ def first_root_executable(paths: Iterable[str]) -> str | None:
             info = os.stat(path)
         except OSError:
             continue
-        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
-            continue
-        others_may_write = info.st_mode & stat.S_IWOTH or (
-            info.st_mode & stat.S_IWGRP and info.st_gid != 0
-        )
-        if os.geteuid() == 0 and (info.st_uid != 0 or others_may_write):
-            continue
-        return path
+        shared = info.st_mode & stat.S_IWOTH or (info.st_mode & stat.S_IWGRP and info.st_gid)
+        trusted = os.geteuid() != 0 or (info.st_uid == 0 and not shared)
+        if stat.S_ISREG(info.st_mode) and os.access(path, os.X_OK) and trusted:
+            return path
     return None
 
 
 # Root-owned folders where Debian, Ubuntu, RHEL, Slurm's and Docker's packages put their
 # programs, searched in this order. Nothing a unit sets adds to them.
-SYSTEM_DIRS: tuple[str, ...] = (
-    "/usr/local/sbin",
-    "/usr/local/bin",
-    "/usr/sbin",
-    "/usr/bin",
-    "/sbin",
-    "/bin",
-    "/opt/slurm/bin",
-    "/snap/bin",
-)
-SYSTEM_PATH = ":".join(SYSTEM_DIRS[:6])
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+SYSTEM_DIRS: tuple[str, ...] = (*SYSTEM_PATH.split(":"), "/opt/slurm/bin", "/snap/bin")
 
 
 class Result(NamedTuple):
@@ -363,12 +347,9 @@ def why_untrusted(found: Untrusted) -> str:
     """`its folder /srv belongs to another account (owner alice (uid 1000), mode 0755)`."""
     what = "folder " if stat.S_ISDIR(found.mode) else ""
     where = "it" if found.path == found.of else f"its {what}{found.path}"
-    problem = {
-        Exposure.OWNER: f"{where} belongs to another account",
-        Exposure.GROUP_WRITABLE: f"{where} is writable by group {group(found.gid)}",
-        Exposure.WORLD_WRITABLE: f"{where} is writable by every account",
-    }[found.problem]
-    return f"{problem} (owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o})"
+    named = f" {group(found.gid)}" if found.problem is Exposure.GROUP_WRITABLE else ""
+    said = f"{where} {found.problem.value}{named}"
+    return f"{said} (owner {account(found.uid)}, mode {stat.S_IMODE(found.mode):04o})"
 
 
 def untrusted_text(found: Untrusted, *, state: bool = False) -> str:

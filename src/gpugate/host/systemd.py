@@ -29,9 +29,7 @@ UNIT_TYPE_SUFFIXES = tuple(f".{kind}" for kind in UNIT_TYPES.split())
 
 def unit_argument(name: str) -> str:
     """A unit named on the command line, as systemctl reads it: `vllm` is `vllm.service`."""
-    if name and not name.endswith(UNIT_TYPE_SUFFIXES):
-        return name + ".service"
-    return name
+    return name + ".service" if name and not name.endswith(UNIT_TYPE_SUFFIXES) else name
 
 
 def validate_unit_name(name: str) -> str:
@@ -177,10 +175,9 @@ def resolve_unit_cgroup(name: str, cgroup_root: Path, *, ask_systemd: bool = Tru
 
 def unit_active_state(name: str, cgroup_root: Path, *, ask_systemd: bool = True) -> str | None:
     """systemd's ActiveState; unasked, "active" while its cgroup holds a process."""
-    if ask_systemd:
-        state = query_unit(name)
-        if state is not None:
-            return "not-found" if state.load_state == "not-found" else state.active_state
+    state = query_unit(name) if ask_systemd else None
+    if state is not None:
+        return "not-found" if state.load_state == "not-found" else state.active_state
     found = find_unit_cgroup(name, cgroup_root)
     if found is None:
         return "inactive"
@@ -289,14 +286,9 @@ ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0
 
 # Where systemd looks for system units, highest priority first (systemd.unit(5)).
 UNIT_DIRS = (
-    "/etc/systemd/system.control",
-    "/run/systemd/system.control",
+    *(f"{top}/systemd/system.control" for top in ("/etc", "/run")),
     "/run/systemd/transient",
-    "/etc/systemd/system",
-    "/run/systemd/system",
-    "/usr/local/lib/systemd/system",
-    "/usr/lib/systemd/system",
-    "/lib/systemd/system",
+    *(f"{top}/systemd/system" for top in ("/etc", "/run", "/usr/local/lib", "/usr/lib", "/lib")),
 )
 OWN_DROPIN = "gpugate.conf"
 DEV_SHM = "/dev/shm"
@@ -409,7 +401,6 @@ def _chunk(path: str) -> str:
 SYSTEM_CGROUP_ROOT = Path("/sys/fs/cgroup")
 HYBRID_UNIFIED_ROOT = SYSTEM_CGROUP_ROOT / "unified"
 HOST_ROOTS_OPTION = "--host-roots"
-ROOT_NAMES = ("dev", "proc", "cgroup", "run")
 
 
 class HostRoots(NamedTuple):
@@ -429,7 +420,7 @@ class HostRoots(NamedTuple):
         roots: dict[str, Path] = {}
         for item in text.split(","):
             name, eq, value = item.partition("=")
-            if not eq or name not in ROOT_NAMES:
+            if not eq or name not in cls._fields:
                 shown = f"{for_error(item)}: not dev=DIR, proc=DIR, cgroup=DIR or run=DIR"
                 raise ConfigError(HOST_ROOTS_OPTION, "", shown)
             path = Path(value)
@@ -439,8 +430,7 @@ class HostRoots(NamedTuple):
                 )
             roots[name] = path
         found = cls(**roots)
-        for name in ROOT_NAMES:  # a root not there: a configuration error, not a crash mid-run
-            root: Path = getattr(found, name)
+        for name, root in found._asdict().items():  # not there: a config error, not a crash
             if not root.is_dir():
                 raise ConfigError(
                     HOST_ROOTS_OPTION, name, f"{for_error(str(root), quote=False)}: no such folder"
@@ -485,25 +475,6 @@ def cgroup_layout(mountinfo: str) -> CgroupLayout:
     return CgroupLayout(LEGACY, None)
 
 
-def on_unified_hierarchy(roots: HostRoots, layout: CgroupLayout) -> HostRoots:
-    """roots with the cgroup root moved to the tree systemd tracks units in (hybrid: `unified`)."""
-    if layout.unified_mount is None:  # LEGACY
-        raise HostUnsupported(
-            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
-            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
-            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
-            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
-            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
-        )
-    unified = roots.cgroup / layout.unified_mount.relative_to(SYSTEM_CGROUP_ROOT)
-    if not unified.is_dir():
-        raise HostUnsupported(
-            f"this host's cgroup2 tree {layout.unified_mount} is not at {unified}: gpugate "
-            "cannot find its units' processes; nothing was killed"
-        )
-    return roots._replace(cgroup=unified)
-
-
 def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
     """This host's layout where the cgroup root is the real one; None for a stand-in tree."""
     if roots.cgroup != SYSTEM_CGROUP_ROOT:
@@ -520,7 +491,25 @@ def host_cgroup_layout(roots: HostRoots) -> CgroupLayout | None:
 
 
 def on_units_tree(
-    given: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
+    roots: HostRoots, layout: Callable[[HostRoots], CgroupLayout | None] = host_cgroup_layout
 ) -> HostRoots:
-    found = layout(given)
-    return given if found is None else on_unified_hierarchy(given, found)
+    """roots with the cgroup root moved to the tree systemd tracks units in (hybrid: `unified`);
+    a stand-in tree (no layout) as it is."""
+    found = layout(roots)
+    if found is None:
+        return roots
+    if found.unified_mount is None:  # LEGACY
+        raise HostUnsupported(
+            f"this host's cgroups are v1 only (no cgroup2 at {SYSTEM_CGROUP_ROOT} or "
+            f"{HYBRID_UNIFIED_ROOT}): gpugate finds a unit's processes in the unified hierarchy "
+            "(cgroup v2), which this host lacks; nothing was killed. Boot with "
+            "systemd.unified_cgroup_hierarchy=1 on the kernel command line (RHEL 8: grubby "
+            '--update-kernel=ALL --args="systemd.unified_cgroup_hierarchy=1"), then reboot'
+        )
+    unified = roots.cgroup / found.unified_mount.relative_to(SYSTEM_CGROUP_ROOT)
+    if not unified.is_dir():
+        raise HostUnsupported(
+            f"this host's cgroup2 tree {found.unified_mount} is not at {unified}: gpugate "
+            "cannot find its units' processes; nothing was killed"
+        )
+    return roots._replace(cgroup=unified)

@@ -39,11 +39,9 @@ def main(
     driver_factory: Callable[[], GpuDriver] | None = None,
 ) -> int:
     if len(argv) != 1 or argv[0] not in STAGES:
-        if argv[:1] in (["-h"], ["--help"]):
-            print(USAGE)
-            return int(ExitCode.OK)
-        print(USAGE, file=sys.stderr)
-        return int(ExitCode.USAGE)
+        helped = argv[:1] in (["-h"], ["--help"])
+        print(USAGE, file=sys.stdout if helped else sys.stderr)
+        return int(ExitCode.OK if helped else ExitCode.USAGE)
     stage = argv[0]
     # A rootless runtime reads the same hooks.d: its containers are its user's, not gated.
     why = not_host_root()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpugate.errors import BadInput, ConfigError, ExitCode
 from gpugate.host.oci import hook_entry, json_object, not_host_root, read_config, spec_gpu_request
+from gpugate.host.safe_files import write_in
 from gpugate.host.wrapped_runtime import CHAIN, PATHS, RUNC, choose, read_record
 
 # runc's global options that take a value (`runc --help`): the command is the first word
@@ -23,14 +24,12 @@ GPUGATE_PATHS = ("/usr/bin/gpugate", "/usr/local/bin/gpugate")
 
 
 def command_of(argv: Sequence[str]) -> tuple[str | None, list[str]]:
-    skip = False
-    for position, word in enumerate(argv):
-        if skip:
-            skip = False
-        elif word in VALUE_OPTIONS:
-            skip = True
+    words = iter(argv)
+    for word in words:
+        if word in VALUE_OPTIONS:
+            next(words, None)  # its value
         elif not word.startswith("-"):
-            return word, list(argv[position + 1 :])
+            return word, list(words)
     return None, []
 
 
@@ -39,9 +38,8 @@ def bundle_of(args: Sequence[str]) -> str:
     for position, word in enumerate(args):
         if word in ("--bundle", "-b") and position + 1 < len(args):
             return args[position + 1]
-        for prefix in ("--bundle=", "-b="):
-            if word.startswith(prefix):
-                return word[len(prefix) :]
+        if word.startswith(("--bundle=", "-b=")):
+            return word.partition("=")[2]
     return os.getcwd()
 
 
@@ -67,19 +65,16 @@ def with_hooks(
 
 
 def add_hooks(bundle: str, gpugate: Sequence[str], *, always: bool = False) -> bool:
-    """config.json rewritten in place (a new file renamed over it, same mode)."""
+    """config.json rewritten in place (safe_files.write_in, same mode)."""
     spec = json_object(read_config(bundle), f"{bundle}/config.json")
     if not with_hooks(spec, gpugate, always=always):
         return False
-    path = Path(bundle, "config.json")
-    temporary = Path(bundle, f".config.json.gpugate-{os.getpid()}")
-    mode = path.stat().st_mode & 0o777
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
-    with os.fdopen(fd, "w", encoding="utf-8") as stream:
-        json.dump(spec, stream)
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
+    fd = os.open(bundle, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        mode = os.stat("config.json", dir_fd=fd).st_mode & 0o777
+        write_in(fd, "config.json", json.dumps(spec).encode(), mode)
+    finally:
+        os.close(fd)
     return True
 
 
@@ -100,18 +95,15 @@ def main(argv: Sequence[str]) -> int:
         return int(ExitCode.NVML_UNAVAILABLE)
     # A rootless runtime's hooks would gate nothing, and its bundle is its user's to write.
     if creating and not_host_root() is None:
-        beside = Path(sys.argv[0]).absolute().parent / "gpugate"  # a venv's bin/, /usr/bin
-        packaged = next((p for p in GPUGATE_PATHS if os.access(p, os.X_OK)), GPUGATE_PATHS[0])
-        gpugate = str(beside) if os.access(beside, os.X_OK) else packaged
+        beside = str(Path(sys.argv[0]).absolute().parent / "gpugate")  # a venv's bin/, /usr/bin
+        found = (p for p in (beside, *GPUGATE_PATHS) if os.access(p, os.X_OK))
+        gpugate = next(found, GPUGATE_PATHS[0])
         try:
             add_hooks(bundle_of(args), (gpugate,), always=wrapped.name != RUNC)
         except (BadInput, OSError) as exc:
-            said = exc.message if isinstance(exc, BadInput) else str(exc)
             # A GPU container without its gate must not start unnoticed: the create fails.
-            print(f"gpugate-oci-runtime: {said}", file=sys.stderr)
+            print(f"gpugate-oci-runtime: {exc}", file=sys.stderr)
             return int(getattr(exc, "exit_code", ExitCode.STATE_UNWRITABLE))
-    environment = dict(os.environ)
-    if wrapped.name != RUNC:
-        environment[CHAIN] = wrapped.name  # NVIDIA's runtime may run this wrapper again
-    os.execve(wrapped.path, [wrapped.path, *argv], environment)  # noqa: S606
+    chain = {CHAIN: wrapped.name} if wrapped.name != RUNC else {}  # NVIDIA's may run us again
+    os.execve(wrapped.path, [wrapped.path, *argv], {**os.environ, **chain})  # noqa: S606
     return int(ExitCode.INTERNAL)  # not reached: execve replaced this process
