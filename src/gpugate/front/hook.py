@@ -47,14 +47,12 @@ NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 STATUS_SCAN_S = 10.0  # status's pass over /proc, at most (processes with millions of fds)
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 SCONTROL_TIMEOUT_S = 15
+SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what stopped_by_signals turns into Interrupted
 
 
 class HostAccess:
     """Everything a command reaches the host through: NVML, the journal, the host's roots
-    (/proc, /dev, the cgroup tree), systemd's answers, the environment and logind's state.
-
-    The command line builds one with the real defaults; tests inject stand-ins for each part.
-    """
+    (/proc, /dev, the cgroup tree), systemd's answers, the environment and logind's state."""
 
     def __init__(
         self,
@@ -181,11 +179,9 @@ def stopped_by_signals() -> Iterator[None]:
         if fired:
             return
         fired.append(signum)
-        name = signal.Signals(signum).name
-        raise interrupted(name)
+        raise interrupted(signal.Signals(signum).name)
 
-    signals = (signal.SIGTERM, signal.SIGINT)
-    previous = {signum: signal.signal(signum, on_signal) for signum in signals}
+    previous = {signum: signal.signal(signum, on_signal) for signum in SIGNALS}
     try:
         yield
     finally:
