@@ -236,44 +236,42 @@ def sweep(
     reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
     try:
         loaded = load_config(None, config, cache=front.host_roots().run / CACHE_NAME)
-        return swept(loaded, front, reporter, clock(), boot_clock())
+        wall, now = clock(), boot_clock()
+        discovery = discover_host(loaded, front)
+        logind = Logind(front.sessions_dir)
+        holdings = [
+            HolderOwner(holder, owner_of(holder, discovery, loaded.config, logind))
+            for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+            if holder.gpus or holder.used_mib
+        ]
+        kinds = tracked(loaded.config.sweep.reap_sessions)
+        seen = keep_state(loaded, holdings, now, reporter, kinds)
+        textfile = loaded.config.metrics_textfile
+        if textfile is not None:
+            samples = gauges(discovery, holdings, seen, now, wall=wall, kinds=kinds)
+            try:
+                record_sweep(textfile, samples)
+            except OSError as exc:
+                Narrator(reporter).metrics_not_written(textfile, exc.strerror or str(exc))
+        code, reaped = int(ExitCode.OK), []
+        after_s = loaded.config.sweep.reap_after_s
+        if after_s is not None:
+            leased = live_leased(loaded, front.unit_state)
+            gpus = reapable(
+                discovery, holdings, seen, now, after_s=after_s, leased=leased, kinds=kinds
+            )
+            if gpus:
+                watchers = [h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER]
+                code = reap(gpus, loaded, front, reporter, watchers)
+                reaped = [gpu.index for gpu in gpus]
+        if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
+            drain_due(loaded, front, holdings, seen, now, reaped, code, reporter)
+        unowned_gpus = sorted({i for h in holdings if h.owner in kinds for i in h.holder.using})
+        sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
+        return code
     except GateError as exc:
         Narrator(reporter).failed(exc)
         return int(exc.exit_code)
-
-
-def swept(
-    loaded: LoadedConfig, front: HostAccess, reporter: Reporter, wall: float, now: float
-) -> int:
-    discovery = discover_host(loaded, front)
-    logind = Logind(front.sessions_dir)
-    holdings = [
-        HolderOwner(holder, owner_of(holder, discovery, loaded.config, logind))
-        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
-        if holder.gpus or holder.used_mib
-    ]
-    kinds = tracked(loaded.config.sweep.reap_sessions)
-    seen = keep_state(loaded, holdings, now, reporter, kinds)
-    textfile = loaded.config.metrics_textfile
-    if textfile is not None:
-        try:
-            record_sweep(textfile, gauges(discovery, holdings, seen, now, wall=wall, kinds=kinds))
-        except OSError as exc:
-            Narrator(reporter).metrics_not_written(textfile, exc.strerror or str(exc))
-    code, reaped = int(ExitCode.OK), []
-    after_s = loaded.config.sweep.reap_after_s
-    if after_s is not None:
-        leased = live_leased(loaded, front.unit_state)
-        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased, kinds=kinds)
-        if gpus:
-            watchers = [h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER]
-            code = reap(gpus, loaded, front, reporter, watchers)
-            reaped = [gpu.index for gpu in gpus]
-    if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
-        drain_due(loaded, front, holdings, seen, now, reaped, code, reporter)
-    unowned_gpus = sorted({i for h in holdings if h.owner in kinds for i in h.holder.using})
-    sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
-    return code
 
 
 def drain_due(
