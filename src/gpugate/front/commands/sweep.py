@@ -188,7 +188,7 @@ def reap(
     loaded: LoadedConfig,
     front: HostAccess,
     reporter: Reporter,
-    watchers: Sequence[ProcessId] = (),
+    watchers: tuple[ProcessId, ...],
 ) -> int:
     """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
     pre = replaced(loaded.config.pre, kill_orphans=True)
@@ -201,18 +201,13 @@ def reap(
         roots=front.host_roots(),
         driver_factory=front.driver_factory,
     )
-    hook = Hook(
-        scope,
-        lambda _scope, loaded, _reporter: LeaseRecheck(loaded, front.unit_state, tuple(watchers)),
-        reporter,
-    )
+    hook = Hook(scope, lambda _s, got, _r: LeaseRecheck(got, front.unit_state, watchers), reporter)
     return int(run_hook(hook, reaping).exit_code)  # no run record: the sweep's gauges say it
 
 
 def discover_host(loaded: LoadedConfig, front: HostAccess) -> Discovery:
-    """Discover every GPU holder on the host for the sweep. Every process's fds are read
-    only where NVML's process lists do not account for the GPUs' memory; NvmlNotAnswering is
-    raised where the driver hung during the discovery."""
+    """Every GPU holder on the host, each process's fds read only where NVML's lists do not
+    account for the GPUs' memory; NvmlNotAnswering where the driver hung."""
     roots = front.host_roots()
     procfs = ProcFs(roots.proc)
     with contextlib.closing(front.driver_factory()) as driver:
@@ -261,7 +256,7 @@ def sweep(
                 discovery, holdings, seen, now, after_s=after_s, leased=leased, kinds=kinds
             )
             if gpus:
-                watchers = [h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER]
+                watchers = tuple(h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER)
                 code = reap(gpus, loaded, front, reporter, watchers)
                 reaped = [gpu.index for gpu in gpus]
         if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
