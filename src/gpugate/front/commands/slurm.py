@@ -7,6 +7,7 @@ to an NVML GPU (exit 78 where not)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import socket
 import sys
@@ -211,14 +212,8 @@ def slurm(
             print(lines.error(exc.message), file=sys.stderr)
             result = exc
         else:
-            scope = RunScope(
-                phase,
-                job.label,
-                lambda: job_cgroup(job.job_id, roots.cgroup, job.node_name),
-                dry_run=dry_run,
-                roots=roots,
-                driver_factory=driver_factory,
-            )
+            locate = functools.partial(job_cgroup, job.job_id, roots.cgroup, job.node_name)
+            scope = RunScope(phase, job.label, locate, None, dry_run, roots, driver_factory)
             hook = Hook(scope, lambda _, got, _r: JobWorkload(got, shards), reporter, METRICS_UNIT)
             result = run_hook(hook, loaded)
         code = result.exit_code
