@@ -70,8 +70,7 @@ def remember(
             continue
         ident, gpus = holding.holder.info.ident, tuple(sorted(holding.holder.using))
         before = earlier.get(ident)
-        if before is not None and before.since > now:
-            before = None
+        before = None if before is None or before.since > now else before  # another boot's
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
         seen[ident] = Seen(now, gpus) if before is None else before._replace(gpus=gpus)
@@ -123,12 +122,9 @@ def gauges(
 
 def live_leased(loaded: LoadedConfig, unit_state: Callable[[str], str | None]) -> set[str]:
     """UUIDs (lower case) a lease holds whose unit is running (or whose state is unknown)."""
-    leased: set[str] = set()
-    for lease in read_leases(loaded.config.lock_dir).leases:
-        state = unit_state(lease.unit)
-        if state is None or state in RUNNING_STATES:
-            leased.update(uuid.lower() for uuid in lease.uuids)
-    return leased
+    leases = read_leases(loaded.config.lock_dir).leases
+    running = [lease for lease in leases if unit_state(lease.unit) in (None, *RUNNING_STATES)]
+    return {uuid.lower() for lease in running for uuid in lease.uuids}
 
 
 def reapable(
