@@ -288,8 +288,7 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
     for lease in data.get("leases", ()):
         unit, gpus = lease["unit"], gpu_ranges(lease["gpus"])
-        if lease["started_by"]:
-            by = lease["started_by"]
+        if by := lease["started_by"]:
             lines.append(f"({unit}: started by hand with `gpugate run` by {by}, GPU {gpus})")
         if lease.get("container"):
             lines.append(f"({unit}: {lease['container']}, GPU {gpus})")
@@ -324,8 +323,7 @@ def holder_table(data: dict[str, Any]) -> list[str]:
         gpus = gpus or ("ctl" if holder["control_devices"] else "-")
         gpus += " mps" if holder.get("mps_client") or holder.get("mps_server") else ""
         unit = holder["unit"] or "-"
-        if holder["container"]:
-            found = holder["container"]
+        if found := holder["container"]:
             unit = f"{found['runtime']}:{found['name'] or found['id'][:12]}"
         command = " ".join(holder["command"]) or f"[{holder['comm']}]"
         ports = ",".join(str(port) for port in holder.get("ports", ())) or "-"
