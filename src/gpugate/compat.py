@@ -27,11 +27,7 @@ else:
     def __getattr__(name: str) -> object:
         if name != "tomllib":
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        if sys.version_info >= (3, 11):
-            import tomllib  # noqa: PLC0415 - at its first use
-        else:
-            import tomli as tomllib  # noqa: PLC0415
-        return tomllib
+        return __import__("tomllib" if sys.version_info >= (3, 11) else "tomli")
 
 
 __all__ = ["StrEnum", "tomllib"]

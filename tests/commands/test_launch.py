@@ -8,6 +8,7 @@ import pwd
 import re
 import warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given
@@ -435,7 +436,9 @@ def test_a_leased_gpu_refuses_unless_forced(
     )
 
 
-def test_after_stopping_it_waits_until_the_unit_is_gone() -> None:
+def test_after_stopping_it_waits_until_the_unit_is_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gpugate.front.commands import run
+
     states = iter(["active", "deactivating", "deactivating", "inactive"])
     asked: list[str] = []
 
@@ -444,14 +447,19 @@ def test_after_stopping_it_waits_until_the_unit_is_gone() -> None:
         return next(states)
 
     now = [0.0]
-    assert wait_until_gone("u.service", 10.0, state, clock=lambda: now[0], pause=lambda _: None)
+    paused = SimpleNamespace(monotonic=lambda: now[0], sleep=lambda _: None)
+    monkeypatch.setattr(run, "time", paused)
+    monkeypatch.setattr(run, "active_state", state)
+    assert wait_until_gone("u.service", 10.0)
     assert asked == ["u.service"] * 4
 
     def tick(seconds: float) -> None:
         now[0] += seconds
 
     now[0] = 0.0
-    stuck = wait_until_gone("u.service", 1.0, lambda _: "deactivating", lambda: now[0], tick)
+    monkeypatch.setattr(run, "time", SimpleNamespace(monotonic=lambda: now[0], sleep=tick))
+    monkeypatch.setattr(run, "active_state", lambda _: "deactivating")
+    stuck = wait_until_gone("u.service", 1.0)
     assert not stuck and now[0] >= 1.0
 
 

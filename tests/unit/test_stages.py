@@ -20,7 +20,7 @@ from gpugate.core.outcome import (
 )
 from gpugate.core.run import PhaseRun, RunScope
 from gpugate.errors import Interrupted, NvmlUnavailable
-from gpugate.front.commands.slurm import job_workload, with_job_gpus
+from gpugate.front.commands.slurm import JobWorkload, with_job_gpus
 from gpugate.front.hook import stopped_by_signals
 from gpugate.host.nvml import Gpu, GpuUsage
 from gpugate.phase import Phase
@@ -240,6 +240,6 @@ def test_the_null_and_slurm_surroundings_refuse_and_record_nothing(
     job_loaded = with_job_gpus(
         loaded, ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000"), "gpus from SLURM_JOB_GPUS=0,1"
     )
-    slurm = job_workload(job_loaded, frozenset())
+    slurm = JobWorkload(job_loaded, frozenset())
     assert slurm.loaded.config.gpus == ("GPU-0a0a0a0a-0000", "GPU-0b0b0b0b-0000")
     assert job_loaded.source in slurm.gpu_source and "SLURM_JOB_GPUS" in slurm.gpu_source

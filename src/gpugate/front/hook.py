@@ -47,14 +47,12 @@ NO_UID = 2**32 - 1  # (uid_t)-1: "no uid" to the kernel, never an account
 STATUS_SCAN_S = 10.0  # status's pass over /proc, at most (processes with millions of fds)
 NO_UNIT_CGROUP = "/gpugate-status-no-unit"
 SCONTROL_TIMEOUT_S = 15
+SIGNALS = (signal.SIGTERM, signal.SIGINT)  # what stopped_by_signals turns into Interrupted
 
 
 class HostAccess:
     """Everything a command reaches the host through: NVML, the journal, the host's roots
-    (/proc, /dev, the cgroup tree), systemd's answers, the environment and logind's state.
-
-    The command line builds one with the real defaults; tests inject stand-ins for each part.
-    """
+    (/proc, /dev, the cgroup tree), systemd's answers, the environment and logind's state."""
 
     def __init__(
         self,
@@ -83,7 +81,7 @@ class Hook:
     """Built once by the command and passed whole: what the run is about and what it reaches
     the host through (scope), how its surroundings are made, where it is told."""
 
-    __slots__ = ("_run_reporter", "metrics_unit", "reporter", "scope", "stream", "surroundings")
+    __slots__ = ("metrics_unit", "reporter", "scope", "stream", "surroundings")
 
     def __init__(
         self,
@@ -94,22 +92,15 @@ class Hook:
         metrics_unit: str | None = None,  # the metrics' unit label ("slurm"); None: no record
         stream: TextIO | None = None,  # errors, metrics warnings; None: sys.stderr when made
     ) -> None:
-        self.scope, self.surroundings, self.reporter = scope, surroundings, reporter
-        self.metrics_unit = metrics_unit
+        self.scope, self.surroundings, self.metrics_unit = scope, surroundings, metrics_unit
+        # The one reporter the run and its failure share: a dry run's twin made once, so that
+        # its echo, off after a closed pipe, stays off.
+        dry = scope.dry_run and not reporter.dry_run
+        self.reporter = reporter.as_dry_run() if dry else reporter
         self.stream: TextIO = sys.stderr if stream is None else stream
-        self._run_reporter: Reporter | None = None
-
-    @property
-    def run_reporter(self) -> Reporter:
-        """The one the run and its failure share (a dry run's twin, made once: its echo, off
-        after a closed pipe, stays off)."""
-        if self._run_reporter is None:
-            dry = self.scope.dry_run and not self.reporter.dry_run
-            self._run_reporter = self.reporter.as_dry_run() if dry else self.reporter
-        return self._run_reporter
 
     def narrator(self) -> Narrator:
-        return Narrator(self.run_reporter)
+        return Narrator(self.reporter)
 
 
 def run_hook(hook: Hook, loaded: LoadedConfig) -> RunSummary | GateError:
@@ -181,11 +172,9 @@ def stopped_by_signals() -> Iterator[None]:
         if fired:
             return
         fired.append(signum)
-        name = signal.Signals(signum).name
-        raise interrupted(name)
+        raise interrupted(signal.Signals(signum).name)
 
-    signals = (signal.SIGTERM, signal.SIGINT)
-    previous = {signum: signal.signal(signum, on_signal) for signum in signals}
+    previous = {signum: signal.signal(signum, on_signal) for signum in SIGNALS}
     try:
         yield
     finally:

@@ -21,8 +21,7 @@ def config_check(front: HostAccess, path: Path | None, unit_given: str | None) -
     if unit is not None:
         from gpugate.integrations.unit import choose_gpus, with_chosen_gpus  # noqa: PLC0415
 
-        environment = None if front.given_roots.ask_systemd else (lambda _: None)
-        choice = choose_gpus(unit, loaded, environment)
+        choice = choose_gpus(unit, loaded, ask_systemd=front.given_roots.ask_systemd)
         gpus = choice.gpus
         shown = gpus if isinstance(gpus, str) else ", ".join(map(str, gpus)) or "none"
         print(f"# {unit}'s GPUs: {shown}, from {choice.source}")

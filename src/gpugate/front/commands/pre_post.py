@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 from gpugate.core.run import RunScope
 from gpugate.errors import UnknownUnit
@@ -32,15 +33,10 @@ def pre_post(args: argparse.Namespace, front: HostAccess) -> int:
         active_state=front.unit_state,
         ignore_leases=args.ignore_leases,
     )
-    scope = RunScope(
-        phase,
-        unit,
-        lambda: resolve_unit_cgroup(unit, roots.cgroup, ask_systemd=roots.ask_systemd),
-        args.for_uid,
-        dry_run,
-        roots,
-        front.driver_factory,
+    locate = functools.partial(
+        resolve_unit_cgroup, unit, roots.cgroup, ask_systemd=roots.ask_systemd
     )
+    scope = RunScope(phase, unit, locate, args.for_uid, dry_run, roots, front.driver_factory)
     reporter = front.reporter_factory(unit, phase.value)
     hook = Hook(scope, context.surroundings, reporter, metrics_unit=unit)
     with stopped_by_signals():

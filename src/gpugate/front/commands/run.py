@@ -17,10 +17,9 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from gpugate.config.file import LoadedConfig, replaced, to_toml
 from gpugate.config.values import DEFAULT_PRIVATE_SHM, PRIVATE_SHM_OFF
@@ -35,12 +34,11 @@ from gpugate.errors import (
     StateUnwritable,
 )
 from gpugate.front.hook import collect, parse_uid
-from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
+from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command, systemctl
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.safe_files import account, find_program, run_program, write_atomically
+from gpugate.host.safe_files import account, find_program, write_atomically
 from gpugate.host.systemd import (
     ENV_NAME,
-    SYSTEMCTL_TIMEOUT_S,
     active_state,
     query_unit,
     unit_active_state,
@@ -197,18 +195,12 @@ def refuse_before_start(
 ) -> None:
     """What the unit's pre would refuse, before the start: a lease on the GPUs, and for a
     caller that is not root another account's process on them (exit 22)."""
-    roots = front.host_roots()
-    refuse_leased(
-        loaded,
-        unit,
-        gpus,
-        force=force,
-        caller_is_root=caller.uid == 0,
-        unit_state=functools.partial(
-            unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
-        ),
+    roots, is_root = front.host_roots(), caller.uid == 0
+    state = functools.partial(
+        unit_active_state, cgroup_root=roots.cgroup, ask_systemd=roots.ask_systemd
     )
-    if caller.uid == 0:
+    refuse_leased(loaded, unit, gpus, force=force, unit_state=state, caller_is_root=is_root)
+    if is_root:
         return
     from gpugate.core.decide import Rule, decide  # noqa: PLC0415
     from gpugate.host.scan import ProcFs  # noqa: PLC0415
@@ -318,10 +310,8 @@ def supervise(argv: list[str], unit: str) -> int:
         if stopped.is_set():
             return
         stopped.set()
-        systemctl = find_program("systemctl")
-        with contextlib.suppress(GateError):
-            if systemctl is not None:
-                run_program([systemctl, "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
+        with contextlib.suppress(GateError):  # no systemctl, or it failed: nothing to do
+            systemctl("stop", "--no-block", "--", unit)
 
     previous = {
         sig: signal.signal(sig, stop_unit) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
@@ -352,23 +342,16 @@ def supervise(argv: list[str], unit: str) -> int:
     return command_status(code, "".join(seen))
 
 
-def wait_until_gone(
-    unit: str,
-    deadline: float,
-    state: Callable[[str], str | None] = active_state,
-    clock: Callable[[], float] = time.monotonic,
-    pause: Callable[[float], None] = time.sleep,
-) -> bool:
+def wait_until_gone(unit: str, deadline: float) -> bool:
     """Poll until the unit is neither running nor stopping; False at the deadline."""
-    while clock() < deadline:
-        if state(unit) not in RUNNING_STATES | {"deactivating"}:
+    while time.monotonic() < deadline:
+        if active_state(unit) not in RUNNING_STATES | {"deactivating"}:
             return True
-        pause(0.2)
+        time.sleep(0.2)
     return False
 
 
-@dataclass(frozen=True)
-class Caller:
+class Caller(NamedTuple):
     uid: int
     gid: int
     user: str
@@ -382,8 +365,7 @@ class Caller:
         return f"{self.user} (uid {self.uid})"
 
 
-@dataclass(frozen=True)
-class LaunchPlan:
+class LaunchPlan(NamedTuple):
     unit: str
     command: tuple[str, ...]  # COMMAND[0] resolved to an absolute path
     caller: Caller  # root: no --uid/--gid; another account: the hooks act --for-uid it

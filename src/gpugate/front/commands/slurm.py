@@ -7,13 +7,13 @@ to an NVML GPU (exit 78 where not)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, LoadedConfig, replaced
 from gpugate.config.values import GpuRef, parse_gpu_text
@@ -62,8 +62,7 @@ NO_DEVICE_FILES = "NoDevFiles"  # Slurm before 15.08, for a gres without device 
 MAX_VISIBLE_CHARS = 8192  # 64 slices' unique IDs with room to spare
 
 
-@dataclass(frozen=True)
-class SlurmJob:
+class SlurmJob(NamedTuple):
     job_id: int
     uid: int | None
     gpus: tuple[int, ...]  # slurmd's numbers (gres.conf's order); () where it has no GPU here
@@ -167,24 +166,14 @@ class JobWorkload(PlainWorkload):
 
     __slots__ = ("shard_minors",)
 
-    def __init__(
-        self,
-        loaded: LoadedConfig,
-        gpu_source: str = "",
-        gpu_source_warns: bool = False,
-        shard_minors: frozenset[int] = frozenset(),
-    ) -> None:
-        super().__init__(loaded, gpu_source, gpu_source_warns)
+    def __init__(self, loaded: LoadedConfig, shard_minors: frozenset[int]) -> None:
+        """loaded: the config with the job's GPUs (job_config's); shard_minors: the device
+        numbers of those that carry gres/shard."""
+        super().__init__(loaded, f"gpus in {loaded.source}")
         self.shard_minors = shard_minors
 
     def shared_gpus(self, discovery: Discovery) -> frozenset[int]:
         return frozenset(gpu.index for gpu in discovery.owned if gpu.minor in self.shard_minors)
-
-
-def job_workload(loaded: LoadedConfig, shard_minors: frozenset[int]) -> JobWorkload:
-    """Make a Slurm job's workload from the config that holds the job's GPUs (job_config's);
-    shard_minors are the device numbers of those GPUs that carry gres/shard."""
-    return JobWorkload(loaded, gpu_source=f"gpus in {loaded.source}", shard_minors=shard_minors)
 
 
 MAX_REASON_HOLDERS = 3  # processes a drain reason names
@@ -198,8 +187,10 @@ HELD_RULES = {
 
 
 def slurm(
-    front: HostAccess, phase: Phase, config_path: Path | None, *, dry_run: bool = False
+    front: HostAccess, phase: Phase | str, config_path: Path | None, *, dry_run: bool = False
 ) -> int:
+    """A Slurm job's prolog or epilog (phase: the Phase or its name); a failure drains."""
+    phase = Phase(phase)
     with stopped_by_signals():
         roots = front.host_roots()
         job: SlurmJob | None = None
@@ -221,17 +212,9 @@ def slurm(
             print(lines.error(exc.message), file=sys.stderr)
             result = exc
         else:
-            scope = RunScope(
-                phase,
-                job.label,
-                lambda: job_cgroup(job.job_id, roots.cgroup, job.node_name),
-                dry_run=dry_run,
-                roots=roots,
-                driver_factory=driver_factory,
-            )
-            hook = Hook(
-                scope, lambda _, loaded, _r: job_workload(loaded, shards), reporter, METRICS_UNIT
-            )
+            locate = functools.partial(job_cgroup, job.job_id, roots.cgroup, job.node_name)
+            scope = RunScope(phase, job.label, locate, None, dry_run, roots, driver_factory)
+            hook = Hook(scope, lambda _, got, _r: JobWorkload(got, shards), reporter, METRICS_UNIT)
             result = run_hook(hook, loaded)
         code = result.exit_code
         if dry_run or code in (ExitCode.OK, ExitCode.INTERRUPTED):  # slurmd stopped it: drains
@@ -279,13 +262,8 @@ def job_config(
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
-        print(
-            lines.warning(
-                f"{given}: slurmd's GPU numbers not resolved ({exc}); "
-                "only the job's own cgroup is cleaned, nothing outside it is killed"
-            ),
-            file=sys.stderr,
-        )
+        said = f"{given}: slurmd's GPU numbers not resolved ({exc}); only the job's own cgroup"
+        print(lines.warning(f"{said} is cleaned, nothing outside it is killed"), file=sys.stderr)
         unresolved = f"{given} not resolved: the job's cgroup only"
         return with_job_gpus(config, (), unresolved), front.driver_factory, frozenset()
     opened = driver
@@ -365,11 +343,8 @@ def slurm_check(
         ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
         shards = shard_minors(layout, gpus, nodes, Path(slurm_conf), node)
     except GresUnresolved as exc:
-        print(
-            f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
-            "a job's own cgroup",
-            file=out,
-        )
+        said = f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean"
+        print(f"{said} only a job's own cgroup", file=out)
         return int(ExitCode.CONFIG)
     except GateError as exc:
         print(lines.error(exc.message), file=sys.stderr)

@@ -52,6 +52,7 @@ from gpugate.untrusted import (
 JSON_VERSION = 1
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's start times count in these
+HELD_UNITS = ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s"))
 
 
 def as_dict(
@@ -117,9 +118,8 @@ def as_dict(
                 "shm": shm[:MAX_SHM_LISTED],
                 "shm_bytes": sum(item["bytes"] or 0 for item in shm),
                 "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
-                "container": None
-                if holder.container is None
-                else {
+                "container": holder.container
+                and {
                     "runtime": holder.container.runtime,
                     "id": holder.container.id,
                     "name": printable(holder.container.name, CONTAINER) or None,
@@ -146,9 +146,8 @@ def as_dict(
                 "owned": gpu.index in discovery.owned_indices,
                 "leased_to": [printable(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
                 "mig_mode": gpu.mig_mode,
-                "mig": None
-                if gpu.mig is None
-                else {  # a MIG slice's place and the processes NVML lists on it
+                "mig": gpu.mig
+                and {  # a MIG slice's place and the processes NVML lists on it
                     "gpu": gpu.mig.parent,
                     "gpu_uuid": gpu.mig.parent_uuid,
                     "mig_index": gpu.mig.mig_index,
@@ -232,15 +231,13 @@ def gpu_ranges(indices: Iterable[int]) -> str:
 
 
 def held_for(seconds: int | None) -> str:
+    """1d02h, 3h04m, 5m06s, 7s: the two largest units."""
     if seconds is None:
         return "?"
-    if seconds < 60:
-        return f"{seconds}s"
-    if seconds < 3600:
-        return f"{seconds // 60}m{seconds % 60:02d}s"
-    if seconds < 86400:
-        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
-    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
+    for size, unit, part, next_unit in HELD_UNITS:
+        if seconds >= size:
+            return f"{seconds // size}{unit}{seconds % size // part:02d}{next_unit}"
+    return f"{seconds}s"
 
 
 def mib_shown(used: dict[str, int | None]) -> str:
@@ -258,11 +255,8 @@ def table_role(holder: dict[str, Any], has_unit: bool) -> str:
         return "protected"
     if has_unit and holder["role"] == "unit":
         return "unit"
-    if holder["watcher"]:
-        return "watcher"
-    if holder["orphan"]:
-        return "orphan"
-    return "other unit" if has_unit else "unit"  # without UNIT, every service is just a unit
+    fallback = "other unit" if has_unit else "unit"  # without UNIT, every service is a unit
+    return next((role for role in ("watcher", "orphan") if holder[role]), fallback)
 
 
 def render_table(data: dict[str, Any]) -> str:
@@ -294,8 +288,7 @@ def gpu_table(data: dict[str, Any]) -> list[str]:
         lines.append(f"(* = GPUs of {data['unit']}, cgroup {data['unit_cgroup']})")
     for lease in data.get("leases", ()):
         unit, gpus = lease["unit"], gpu_ranges(lease["gpus"])
-        if lease["started_by"]:
-            by = lease["started_by"]
+        if by := lease["started_by"]:
             lines.append(f"({unit}: started by hand with `gpugate run` by {by}, GPU {gpus})")
         if lease.get("container"):
             lines.append(f"({unit}: {lease['container']}, GPU {gpus})")
@@ -330,8 +323,7 @@ def holder_table(data: dict[str, Any]) -> list[str]:
         gpus = gpus or ("ctl" if holder["control_devices"] else "-")
         gpus += " mps" if holder.get("mps_client") or holder.get("mps_server") else ""
         unit = holder["unit"] or "-"
-        if holder["container"]:
-            found = holder["container"]
+        if found := holder["container"]:
             unit = f"{found['runtime']}:{found['name'] or found['id'][:12]}"
         command = " ".join(holder["command"]) or f"[{holder['comm']}]"
         ports = ",".join(str(port) for port in holder.get("ports", ())) or "-"

@@ -70,8 +70,7 @@ def remember(
             continue
         ident, gpus = holding.holder.info.ident, tuple(sorted(holding.holder.using))
         before = earlier.get(ident)
-        if before is not None and before.since > now:
-            before = None
+        before = None if before is None or before.since > now else before  # another boot's
         if before is None and reporter is not None:
             unowned_seen(reporter, holding.holder, holding.mib)
         seen[ident] = Seen(now, gpus) if before is None else before._replace(gpus=gpus)
@@ -123,12 +122,9 @@ def gauges(
 
 def live_leased(loaded: LoadedConfig, unit_state: Callable[[str], str | None]) -> set[str]:
     """UUIDs (lower case) a lease holds whose unit is running (or whose state is unknown)."""
-    leased: set[str] = set()
-    for lease in read_leases(loaded.config.lock_dir).leases:
-        state = unit_state(lease.unit)
-        if state is None or state in RUNNING_STATES:
-            leased.update(uuid.lower() for uuid in lease.uuids)
-    return leased
+    leases = read_leases(loaded.config.lock_dir).leases
+    running = [lease for lease in leases if unit_state(lease.unit) in (None, *RUNNING_STATES)]
+    return {uuid.lower() for lease in running for uuid in lease.uuids}
 
 
 def reapable(
@@ -188,7 +184,7 @@ def reap(
     loaded: LoadedConfig,
     front: HostAccess,
     reporter: Reporter,
-    watchers: Sequence[ProcessId] = (),
+    watchers: tuple[ProcessId, ...],
 ) -> int:
     """One pre-phase run over gpus; orphans killed whatever [pre] kill_orphans says."""
     pre = replaced(loaded.config.pre, kill_orphans=True)
@@ -201,18 +197,13 @@ def reap(
         roots=front.host_roots(),
         driver_factory=front.driver_factory,
     )
-    hook = Hook(
-        scope,
-        lambda _scope, loaded, _reporter: LeaseRecheck(loaded, front.unit_state, tuple(watchers)),
-        reporter,
-    )
+    hook = Hook(scope, lambda _s, got, _r: LeaseRecheck(got, front.unit_state, watchers), reporter)
     return int(run_hook(hook, reaping).exit_code)  # no run record: the sweep's gauges say it
 
 
 def discover_host(loaded: LoadedConfig, front: HostAccess) -> Discovery:
-    """Discover every GPU holder on the host for the sweep. Every process's fds are read
-    only where NVML's process lists do not account for the GPUs' memory; NvmlNotAnswering is
-    raised where the driver hung during the discovery."""
+    """Every GPU holder on the host, each process's fds read only where NVML's lists do not
+    account for the GPUs' memory; NvmlNotAnswering where the driver hung."""
     roots = front.host_roots()
     procfs = ProcFs(roots.proc)
     with contextlib.closing(front.driver_factory()) as driver:
@@ -236,44 +227,42 @@ def sweep(
     reporter = front.reporter_factory(SWEEP_UNIT, "sweep")
     try:
         loaded = load_config(None, config, cache=front.host_roots().run / CACHE_NAME)
-        return swept(loaded, front, reporter, clock(), boot_clock())
+        wall, now = clock(), boot_clock()
+        discovery = discover_host(loaded, front)
+        logind = Logind(front.sessions_dir)
+        holdings = [
+            HolderOwner(holder, owner_of(holder, discovery, loaded.config, logind))
+            for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
+            if holder.gpus or holder.used_mib
+        ]
+        kinds = tracked(loaded.config.sweep.reap_sessions)
+        seen = keep_state(loaded, holdings, now, reporter, kinds)
+        textfile = loaded.config.metrics_textfile
+        if textfile is not None:
+            samples = gauges(discovery, holdings, seen, now, wall=wall, kinds=kinds)
+            try:
+                record_sweep(textfile, samples)
+            except OSError as exc:
+                Narrator(reporter).metrics_not_written(textfile, exc.strerror or str(exc))
+        code, reaped = int(ExitCode.OK), []
+        after_s = loaded.config.sweep.reap_after_s
+        if after_s is not None:
+            leased = live_leased(loaded, front.unit_state)
+            gpus = reapable(
+                discovery, holdings, seen, now, after_s=after_s, leased=leased, kinds=kinds
+            )
+            if gpus:
+                watchers = tuple(h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER)
+                code = reap(gpus, loaded, front, reporter, watchers)
+                reaped = [gpu.index for gpu in gpus]
+        if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
+            drain_due(loaded, front, holdings, seen, now, reaped, code, reporter)
+        unowned_gpus = sorted({i for h in holdings if h.owner in kinds for i in h.holder.using})
+        sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
+        return code
     except GateError as exc:
         Narrator(reporter).failed(exc)
         return int(exc.exit_code)
-
-
-def swept(
-    loaded: LoadedConfig, front: HostAccess, reporter: Reporter, wall: float, now: float
-) -> int:
-    discovery = discover_host(loaded, front)
-    logind = Logind(front.sessions_dir)
-    holdings = [
-        HolderOwner(holder, owner_of(holder, discovery, loaded.config, logind))
-        for holder in sorted(discovery.holders.values(), key=lambda h: h.pid)
-        if holder.gpus or holder.used_mib
-    ]
-    kinds = tracked(loaded.config.sweep.reap_sessions)
-    seen = keep_state(loaded, holdings, now, reporter, kinds)
-    textfile = loaded.config.metrics_textfile
-    if textfile is not None:
-        try:
-            record_sweep(textfile, gauges(discovery, holdings, seen, now, wall=wall, kinds=kinds))
-        except OSError as exc:
-            Narrator(reporter).metrics_not_written(textfile, exc.strerror or str(exc))
-    code, reaped = int(ExitCode.OK), []
-    after_s = loaded.config.sweep.reap_after_s
-    if after_s is not None:
-        leased = live_leased(loaded, front.unit_state)
-        gpus = reapable(discovery, holdings, seen, now, after_s=after_s, leased=leased, kinds=kinds)
-        if gpus:
-            watchers = [h.holder.info.ident for h in holdings if h.owner is Owner.WATCHER]
-            code = reap(gpus, loaded, front, reporter, watchers)
-            reaped = [gpu.index for gpu in gpus]
-    if front.unit_state(SLURMD_UNIT) in RUNNING_STATES:
-        drain_due(loaded, front, holdings, seen, now, reaped, code, reporter)
-    unowned_gpus = sorted({i for h in holdings if h.owner in kinds for i in h.holder.using})
-    sweep_status(reporter, len(seen), unowned_gpus, reaped if code == 0 else [])
-    return code
 
 
 def drain_due(
