@@ -237,21 +237,15 @@ class HoldersByPid:
     is first named; gpugate itself, its ancestors and kernel threads are never holders."""
 
     def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
-        self.procfs = procfs
-        self.self_chain = self_chain
+        self.procfs, self.self_chain = procfs, self_chain
         self.by_pid: dict[int, Holder] = {}
 
     def get(self, pid: int) -> Holder | None:
-        """The holder for pid, or None for gpugate itself, a kernel thread or a gone PID."""
-        if pid in self.self_chain:
-            return None
-        if pid in self.by_pid:
-            return self.by_pid[pid]
-        info = self.procfs.info(pid)
-        if info is None or info.kernel_thread:
-            return None
-        self.by_pid[pid] = Holder(info)
-        return self.by_pid[pid]
+        if pid not in self.by_pid and pid not in self.self_chain:
+            info = self.procfs.info(pid)
+            if info is not None and not info.kernel_thread:
+                self.by_pid[pid] = Holder(info)
+        return self.by_pid.get(pid)
 
 
 def read_gpus(
@@ -307,11 +301,10 @@ def discover(
     it (`memory_accounted`) and no port is asked, only the fds of the listed and the unit's
     processes are read, unless NVML lists a PID not shown here: then every process's."""
     gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
-    within = listed_within_mib
     listed_only = (
         watch is None
-        and within is not None
-        and memory_accounted(usage, faults, within)
+        and listed_within_mib is not None
+        and memory_accounted(usage, faults, listed_within_mib)
         and not ports
     )
     listed = {process.pid for each in usage.values() for process in each.processes}
@@ -378,25 +371,21 @@ def _add_device_users(
             found.sources.add(Source.DEVICE_FD)
         if use.mapped_paths:
             found.sources.add(Source.DEVICE_MAP)
-            found.mapped.update(_gpus_of(use.mapped_paths, index_by_minor))
+            mapped = (_gpu_of(path, index_by_minor) for path in use.mapped_paths)
+            found.mapped.update(index for index in mapped if index is not None)
         for path in use.paths:
-            name = os.path.basename(path)
-            match = GPU_DEVICE.fullmatch(name)
-            cap = cap_minor(path)
-            if match and int(match.group(1)) in index_by_minor:
-                found.gpus.add(index_by_minor[int(match.group(1))])
+            index, cap = _gpu_of(path, index_by_minor), cap_minor(path)
+            if index is not None:
+                found.gpus.add(index)
             elif cap is not None and cap in slice_by_cap:
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
-                found.control_devices.add(name)
+                found.control_devices.add(os.path.basename(path))
 
 
-def _gpus_of(paths: Collection[str], index_by_minor: dict[int, int]) -> set[int]:
-    """The GPUs whose /dev/nvidiaN are among paths."""
-    minors = (GPU_DEVICE.fullmatch(os.path.basename(path)) for path in paths)
-    return {
-        index_by_minor[int(m.group(1))] for m in minors if m and int(m.group(1)) in index_by_minor
-    }
+def _gpu_of(path: str, index_by_minor: dict[int, int]) -> int | None:
+    match = GPU_DEVICE.fullmatch(os.path.basename(path))
+    return index_by_minor.get(int(match.group(1))) if match else None
 
 
 def _add_nvml_processes(table: HoldersByPid, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:

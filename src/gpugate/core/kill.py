@@ -10,7 +10,7 @@ import select
 import signal
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gpugate.core.decide import Choice
 from gpugate.core.roles import ProcessTree
@@ -87,13 +87,12 @@ def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     return PinnedProcess(ident, procfs, fd)
 
 
-class KillResult:
-    __slots__ = ("killed", "survivors", "terminated")
+class KillResult(NamedTuple):
+    """How the pinned targets ended (one gone or its PID reused before pinning is in none)."""
 
-    def __init__(self) -> None:
-        self.terminated: list[ProcessId] = []  # ended within the grace
-        self.killed: list[ProcessId] = []  # needed SIGKILL
-        self.survivors: list[ProcessId] = []  # alive at the deadline
+    terminated: list[ProcessId]  # ended within the grace
+    killed: list[ProcessId]  # needed SIGKILL
+    survivors: list[ProcessId]  # alive at the deadline
 
 
 def wait_exited(
@@ -130,7 +129,6 @@ def terminate(
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
 ) -> KillResult:
-    result = KillResult()  # a target gone or its PID reused before pinning is in no list
     pinned = [proc for ident in targets if (proc := pinner(ident, procfs)) is not None]
     try:
         # A stopped process cannot act on SIGTERM: continue it first (psutil does the same).
@@ -139,7 +137,6 @@ def terminate(
                 on_signal(proc.ident, signal.SIGTERM)
         wait_exited(pinned, min(clock() + grace_s, deadline), clock)
         remaining = [proc for proc in pinned if not proc.exited()]
-        result.terminated = [proc.ident for proc in pinned if proc not in remaining]
         for proc in remaining:
             if proc.send(signal.SIGKILL):
                 on_signal(proc.ident, signal.SIGKILL)
@@ -149,12 +146,15 @@ def terminate(
             if stuck:
                 on_sigkill_wait([proc.ident for proc in stuck])
                 wait_exited(stuck, deadline, clock)
-        result.killed = [proc.ident for proc in remaining if proc.exited()]
-        result.survivors = [proc.ident for proc in remaining if not proc.exited()]
+        gone = [proc for proc in remaining if proc.exited()]
+        return KillResult(
+            [proc.ident for proc in pinned if proc not in remaining],
+            [proc.ident for proc in gone],
+            [proc.ident for proc in remaining if proc not in gone],
+        )
     finally:
         for proc in pinned:
             proc.close()
-    return result
 
 
 MAX_ANCESTRY = 16

@@ -282,11 +282,8 @@ def mps_served(discovery: Discovery, config: Config) -> frozenset[int]:
     server, else its device files: Holder.using): shared on purpose for every run, beside
     what its Workload share (rule (c) of docs/what-gets-killed.md)."""
     owned = discovery.owned_indices
-    served: set[int] = set()
-    for holder in discovery.holders.values():
-        if is_mps_server(holder.info, config):
-            served |= holder.using & owned
-    return frozenset(served)
+    servers = (h for h in discovery.holders.values() if is_mps_server(h.info, config))
+    return frozenset(key for server in servers for key in server.using & owned)
 
 
 def config_shares(discovery: Discovery, config: Config) -> frozenset[int]:

@@ -59,9 +59,8 @@ LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every 
 
 
 class RunScope(NamedTuple):
-    """What one run is about, built once by its command and carried whole (by the Hook, to
-    the run and its surroundings), and what it reaches the host through: production's
-    defaults, each a test's stand-in."""
+    """What one run is about, built once by its command and carried whole, and what it reaches
+    the host through: production's defaults, each a test's stand-in."""
 
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
@@ -114,9 +113,7 @@ class PhaseRun:
         self.judged: dict[ProcessId, Role] = dict.fromkeys(
             surroundings.known_watchers(), Role.WATCHER
         )
-        self.would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would kill
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
-        self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
         self.progress = Progress()  # where the run is: the stage, its facts
         self.transitions: list[tuple[Stage, Transition]] = []  # the edges taken
@@ -173,18 +170,11 @@ class PhaseRun:
             driver.close()
 
     def _stages(self) -> None:
-        steps = {
-            Stage.LOOKING: self.looking,
-            Stage.LOCKING: self.locking,
-            Stage.STOPPING: self.stopping,
-            Stage.WAITING: self.waiting,
-            Stage.FINISHING: self.finishing,
-        }
         stage: Stage | None = Stage.LOOKING
         self.enter(stage)
         while stage is not None:
             try:
-                via = steps[stage]()
+                via: Transition = getattr(self, stage.value)()  # each stage's method, by name
             except NvmlUnavailable as exc:
                 self.locks.close()  # released before the run goes on without NVML
                 self.without_nvml(exc)
@@ -235,7 +225,6 @@ class PhaseRun:
             refused = self.surroundings.refuses_start(discovery.owned, dry_run=True)
             if decision.blockers or refused:
                 self.found.add(ExitCode.HELD_BY_OTHERS)
-            self.would_kill = frozenset(c.holder.pid for c in decision.targets)
             self.summary.would_kill = len(decision.targets)
             return Transition.DRY_RUN
         return Transition.FOUND
@@ -263,7 +252,6 @@ class PhaseRun:
                 shared=self.surroundings.shared_gpus(found) | mps_served(found, self.config),
             )
         self.shm_ledger.note(found.shm)
-        self.shm_areas = found.shm_areas
         for choice in decision.choices:
             self.judged.setdefault(choice.holder.info.ident, choice.role)
             self.shm_labels[choice.holder.pid] = (
@@ -531,12 +519,13 @@ class PhaseRun:
     def clean_shm(self) -> None:
         """The killed's /dev/shm files (a dry run: those it would kill), once they are gone;
         then, before a start, the free space the next start needs."""
-        host = self.scope.shm_host(self.shm_areas, self.scope.roots.proc)
+        host = self.scope.shm_host(self.latest.shm_areas, self.scope.roots.proc)
         label = self.shm_label
         freed = 0
         if self.policy.remove_shm:
-            if self.would_kill is not None:
-                removals = plan(self.shm_ledger, self.would_kill, host, label)
+            if self.scope.dry_run:  # DRY_RUN left looking for finishing: its decision's targets
+                would_kill = {c.holder.pid for c in self.decision.targets}
+                removals = plan(self.shm_ledger, would_kill, host, label)
                 freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
             else:
                 killed = {ident.pid for ident in self.signalled}
