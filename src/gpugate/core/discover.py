@@ -88,15 +88,10 @@ class Holder:
         container: Container | None = None,  # where its cgroup is a container's scope
         mps_client: set[int] | None = None,  # GPUs NVML lists it on as an MPS client
     ) -> None:
-        self.info = info
-        self.sources: set[Source] = set() if sources is None else sources
-        self.gpus: set[int] = set() if gpus is None else gpus
-        self.control_devices: set[str] = set() if control_devices is None else control_devices
-        self.used_mib: dict[int, int | None] = {} if used_mib is None else used_mib
-        self.mapped: set[int] = set() if mapped is None else mapped
-        self.ports: set[int] = set() if ports is None else ports
-        self.container = container
-        self.mps_client: set[int] = set() if mps_client is None else mps_client
+        self.info, self.container = info, container
+        self.sources, self.gpus, self.mapped = sources or set(), gpus or set(), mapped or set()
+        self.ports, self.mps_client = ports or set(), mps_client or set()
+        self.control_devices, self.used_mib = control_devices or set(), used_mib or {}
 
     def _facts(self) -> tuple[object, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)
@@ -121,6 +116,8 @@ class Holder:
 
 
 class Discovery:
+    """What one discovery found: the host's GPUs and the unit's, their usage, every holder."""
+
     __slots__ = (
         "cut_short",
         "faults",
@@ -165,13 +162,9 @@ class Discovery:
         self.unit, self.unit_cgroup = unit, unit_cgroup
         self.gpus, self.owned, self.usage, self.holders = gpus, owned, usage, holders
         self.self_chain, self.unreadable = self_chain, unreadable
-        self.invisible: list[tuple[int, int]] = [] if invisible is None else invisible
-        self.unit_containers: list[Container] = [] if unit_containers is None else unit_containers
-        self.faults: list[GpuFault] = [] if faults is None else faults
-        self.shm: dict[int, frozenset[ShmFile]] = {} if shm is None else shm
-        self.shm_areas: list[ShmArea] = [] if shm_areas is None else shm_areas
-        self.cut_short: list[int] = [] if cut_short is None else cut_short
-        self.fd_scan = fd_scan
+        self.invisible, self.faults, self.cut_short = invisible or [], faults or [], cut_short or []
+        self.unit_containers, self.shm_areas = unit_containers or [], shm_areas or []
+        self.shm, self.fd_scan = shm or {}, fd_scan
 
     @property
     def owned_indices(self) -> set[int]:

@@ -99,8 +99,7 @@ class PhaseRun:
         self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
         self.driver: GpuDriver = NoGpus()
         self.announced = False  # the run's first entry is said once, even if NVML fails after
-        # the last round's discovery and decision
-        self.discovery: Discovery | None = None
+        self.discovery: Discovery | None = None  # the last round's, and its decision
         self.decision = Decision([])
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
@@ -109,10 +108,7 @@ class PhaseRun:
         # protected, sharers, or on no GPU of the unit: neither they nor their memory waited on
         self.spared_pids: set[int] = set()
         self.reported_faults: set[int] = set()
-        # first roles, for roles.holder_role
-        self.judged: dict[ProcessId, Role] = dict.fromkeys(
-            surroundings.known_watchers(), Role.WATCHER
-        )
+        self.judged = dict.fromkeys(surroundings.known_watchers(), Role.WATCHER)  # first roles
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
         self.progress = Progress()  # where the run is: the stage, its facts
@@ -270,8 +266,7 @@ class PhaseRun:
     def unsignalled(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
-    # -- locking: the per-GPU locks, held to the run's end; under them a start is refused or
-    # reserved
+    # -- locking: the per-GPU locks, held to the run's end (a start refused or reserved under them)
 
     def locking(self) -> Transition:
         owned = self.latest.owned
