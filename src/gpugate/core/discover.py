@@ -477,9 +477,6 @@ def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
         return _by_legacy_mig(ref, legacy, gpus, source)
     is_mig = ref.upper().startswith(MIG_PREFIX)
     among = [gpu for gpu in gpus if (gpu.mig is not None) == is_mig]
-    exact = [gpu for gpu in among if gpu.uuid.lower() == ref.lower()]
-    if exact:
-        return exact[0]
     if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
         no_mig = "" if any(gpu.mig_mode for gpu in gpus) else " (no GPU is in MIG mode)"
         raise ConfigError(
@@ -508,14 +505,15 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
 
 
 def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
-    """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
+    """A UUID names its GPU, a prefix the one whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    exact = [gpu for gpu in matches if len(gpu.uuid) == len(ref)]
     shown = for_error(ref, quote=False)
     if not matches:
         raise ConfigError(source, "gpus", f"no GPU has UUID {shown}")
-    if len(matches) > 1:
+    if len(matches) > 1 and not exact:
         raise ConfigError(source, "gpus", f"{shown} is the start of more than one GPU's UUID")
-    return matches[0]
+    return (exact or matches)[0]
 
 
 def fail_on_owned_faults(

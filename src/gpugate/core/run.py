@@ -42,7 +42,7 @@ from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import MIB, Gpu, GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.scan import Deadline, HostShm, ProcessId, ProcFs, listening_sockets
-from gpugate.host.shm import ShmArea, ShmKey
+from gpugate.host.shm import ShmArea
 from gpugate.host.systemd import HostRoots, unit_of_cgroup
 from gpugate.phase import Phase
 
@@ -535,9 +535,8 @@ class PhaseRun:
             return
         short = short_of_space(host, needed_mib * MIB, freed)
         if short is not None:
-            holders: dict[ShmKey, list[int]] = {}
-            if short.largest:
-                holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
+            by_key = host.holders().by_key if short.largest else {}
+            holders = {key: sorted(pids) for key, pids in by_key.items()}
             self.tell(outcome.ShmShort(short, holders, label))
             self.found.add(ExitCode.SHM_SPACE)
 
