@@ -121,7 +121,6 @@ class Discovery:
     __slots__ = (
         "cut_short",
         "faults",
-        "fd_scan",
         "gpus",
         "holders",
         "invisible",
@@ -154,17 +153,13 @@ class Discovery:
         shm: dict[int, frozenset[ShmFile]] | None = None,  # by PID: its shm files
         shm_areas: list[ShmArea] | None = None,  # /dev/shm (and /run/shm)
         cut_short: list[int] | None = None,  # PIDs the deadline cut: holders may hide
-        # Every process's fds were read; False: only those NVML lists and the unit's, NVML's
-        # lists accounting for every GPU's memory (`memory_accounted`): a device-file-only
-        # holder unseen
-        fd_scan: bool = True,
     ) -> None:
         self.unit, self.unit_cgroup = unit, unit_cgroup
         self.gpus, self.owned, self.usage, self.holders = gpus, owned, usage, holders
         self.self_chain, self.unreadable = self_chain, unreadable
         self.invisible, self.faults, self.cut_short = invisible or [], faults or [], cut_short or []
         self.unit_containers, self.shm_areas = unit_containers or [], shm_areas or []
-        self.shm, self.fd_scan = shm or {}, fd_scan
+        self.shm = shm or {}
 
     @property
     def owned_indices(self) -> set[int]:
@@ -335,7 +330,6 @@ def discover(
         shm=scan.shm,
         shm_areas=shm_areas,
         cut_short=scan.cut_short,
-        fd_scan=not listed_only,
     )
 
 
