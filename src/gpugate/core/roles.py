@@ -262,13 +262,9 @@ class HolderOwner(NamedTuple):
         return sum(known) if known else None
 
 
-# CUDA MPS (docs/mps.md): the servers, and the GPUs they serve, which every run shares on
-# purpose (docs/what-gets-killed.md, GPUs shared on purpose, rule (c)).
-
-
 def is_mps_server(info: ProcInfo, config: Config) -> bool:
-    """Its executable (the kernel's /proc/PID/exe) is a protected one, named as NVIDIA names
-    the server: only root's configuration makes a path protected."""
+    """A CUDA MPS server (docs/mps.md): its executable (the kernel's /proc/PID/exe) is a
+    protected one, named as NVIDIA names the server (only root's config makes one protected)."""
     exe = info.exe
     return (
         exe is not None

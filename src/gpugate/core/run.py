@@ -126,8 +126,6 @@ class PhaseRun:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
         self.progress = self.progress._replace(stage=self.progress.stage, **facts)
 
-    # -- the run: its driver, its stages, its errors
-
     def run(self) -> RunSummary:
         """An error but a manual run's refusal is told to the surroundings, locks released; an
         interruption says what the run was doing."""
@@ -189,9 +187,8 @@ class PhaseRun:
         self.sought = self.sought._replace(wanted=None)  # no GPU
         self.driver = NoGpus()
 
-    # -- looking: discover the holders, decide whom to kill
-
     def looking(self) -> Transition:
+        """Discover the holders, decide whom to kill."""
         discovery, decision = self.find_holders()  # the stage's only NVML use: before announcing
         self.summary.seconds_discover = self.clock() - self.started
         self.summary.owned = list(discovery.owned)
@@ -266,9 +263,9 @@ class PhaseRun:
     def unsignalled(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
-    # -- locking: the per-GPU locks, held to the run's end (a start refused or reserved under them)
-
     def locking(self) -> Transition:
+        """Take the per-GPU locks, held to the run's end; under them a start is refused or
+        reserved."""
         owned = self.latest.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         self.tell(outcome.ExtendTimeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S))
@@ -304,9 +301,8 @@ class PhaseRun:
     def lock_not_taken(self, path: object, cause: str) -> None:
         self.tell(outcome.LockNotTaken(path, cause))
 
-    # -- stopping: the kill rounds
-
     def stopping(self) -> Transition:
+        """The kill rounds."""
         survivors = self.kill_rounds()
         blockers = self.decision.blockers
         if survivors:
@@ -379,9 +375,8 @@ class PhaseRun:
             process_state = stat.state if stat else "?"
             self.tell(outcome.Stuck(choice, process_state, self.procfs.wchan(choice.holder.pid)))
 
-    # -- waiting: for free GPUs and ports, killing what turns up meanwhile
-
     def waiting(self) -> Transition:
+        """Wait for free GPUs and ports, killing what turns up meanwhile."""
         skipped = self.surroundings.not_to_wait_on(self.latest.owned)
         owned = [gpu for gpu in self.latest.owned if gpu not in skipped]
         if owned or self.ports:
@@ -493,9 +488,8 @@ class PhaseRun:
         elif failing:
             found.add(ExitCode.MEMORY_TIMEOUT)
 
-    # -- finishing: the /dev/shm step, the exit code, the lease (locks held), the last entry
-
     def finishing(self) -> Transition:
+        """The /dev/shm step, the exit code, the lease (locks held), the last entry."""
         # A refused run killed nothing: it has no /dev/shm files to remove.
         if self.transitions[-1][1] not in (Transition.REFUSED, Transition.START_REFUSED):
             self.clean_shm()
