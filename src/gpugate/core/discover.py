@@ -81,17 +81,16 @@ class Holder:
         info: ProcInfo,
         sources: set[Source] | None = None,
         gpus: set[int] | None = None,  # indices, from device files or NVML
-        control_devices: set[str] | None = None,  # nvidiactl, nvidia-uvm, ...
         used_mib: dict[int, int | None] | None = None,  # per GPU, from NVML
         mapped: set[int] | None = None,  # GPUs whose /dev/nvidiaN it maps (memory)
         ports: set[int] | None = None,  # the unit's TCP ports it listens on
         container: Container | None = None,  # where its cgroup is a container's scope
-        mps_client: set[int] | None = None,  # GPUs NVML lists it on as an MPS client
     ) -> None:
         self.info, self.container = info, container
         self.sources, self.gpus, self.mapped = sources or set(), gpus or set(), mapped or set()
-        self.ports, self.mps_client = ports or set(), mps_client or set()
-        self.control_devices, self.used_mib = control_devices or set(), used_mib or {}
+        self.ports, self.used_mib = ports or set(), used_mib or {}
+        self.control_devices: set[str] = set()  # nvidiactl, nvidia-uvm, ...
+        self.mps_client: set[int] = set()  # GPUs NVML lists it on as an MPS client
 
     def _facts(self) -> tuple[object, ...]:
         return tuple(getattr(self, name) for name in self.__slots__)
@@ -115,51 +114,23 @@ class Holder:
         return found - {mig_parent(key) for key in found}
 
 
-class Discovery:
+class Discovery(NamedTuple):
     """What one discovery found: the host's GPUs and the unit's, their usage, every holder."""
 
-    __slots__ = (
-        "cut_short",
-        "faults",
-        "gpus",
-        "holders",
-        "invisible",
-        "owned",
-        "self_chain",
-        "shm",
-        "shm_areas",
-        "unit",
-        "unit_cgroup",
-        "unit_containers",
-        "unreadable",
-        "usage",
-    )
-
-    def __init__(  # noqa: PLR0913 (a record: one argument per field)
-        self,
-        unit: str,
-        unit_cgroup: str,
-        gpus: Sequence[Gpu],  # every GPU on the host
-        owned: Sequence[Gpu],  # the unit's
-        usage: dict[int, GpuUsage],  # by GPU index, every GPU
-        holders: dict[int, Holder],  # by PID
-        self_chain: frozenset[int],  # gpugate and its ancestors: never targets
-        unreadable: list[int],  # PIDs whose fds could not be read
-        *,
-        # (GPU, PID) NVML lists but /proc does not show: another PID namespace
-        invisible: list[tuple[int, int]] | None = None,
-        unit_containers: list[Container] | None = None,  # `containers` found running
-        faults: list[GpuFault] | None = None,  # GPUs NVML cannot read, not owned
-        shm: dict[int, frozenset[ShmFile]] | None = None,  # by PID: its shm files
-        shm_areas: list[ShmArea] | None = None,  # /dev/shm (and /run/shm)
-        cut_short: list[int] | None = None,  # PIDs the deadline cut: holders may hide
-    ) -> None:
-        self.unit, self.unit_cgroup = unit, unit_cgroup
-        self.gpus, self.owned, self.usage, self.holders = gpus, owned, usage, holders
-        self.self_chain, self.unreadable = self_chain, unreadable
-        self.invisible, self.faults, self.cut_short = invisible or [], faults or [], cut_short or []
-        self.unit_containers, self.shm_areas = unit_containers or [], shm_areas or []
-        self.shm = shm or {}
+    unit: str
+    unit_cgroup: str
+    gpus: Sequence[Gpu]  # every GPU on the host
+    owned: Sequence[Gpu]  # the unit's
+    usage: dict[int, GpuUsage]  # by GPU index, every GPU
+    holders: dict[int, Holder]  # by PID
+    self_chain: frozenset[int]  # gpugate and its ancestors: never targets
+    unreadable: Sequence[int]  # PIDs whose fds could not be read
+    invisible: Sequence[tuple[int, int]] = ()  # (GPU, PID) NVML lists, /proc not: a PID namespace
+    unit_containers: Sequence[Container] = ()  # `containers` found running
+    faults: Sequence[GpuFault] = ()  # GPUs NVML cannot read, not owned
+    shm: Mapping[int, frozenset[ShmFile]] = {}  # by PID: its shm files
+    shm_areas: Sequence[ShmArea] = ()  # /dev/shm (and /run/shm)
+    cut_short: Sequence[int] = ()  # PIDs the deadline cut: holders may hide
 
     @property
     def owned_indices(self) -> set[int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -73,7 +73,7 @@ class RunScope(NamedTuple):
     driver_factory: Callable[[], GpuDriver] = NvmlDriver  # opened by the run, closed after
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin
     clock: Callable[[], float] = time.monotonic
-    shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
+    shm_host: Callable[[Sequence[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
 
 
 class PhaseRun:
