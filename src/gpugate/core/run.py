@@ -15,19 +15,7 @@ from gpugate.core import outcome
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, DiscoveryQuery, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
-from gpugate.core.outcome import (
-    NEXT_STAGE,
-    UNKILLABLE,
-    Blocker,
-    BusyGpu,
-    Progress,
-    RunEvent,
-    RunSummary,
-    Stage,
-    Transition,
-    Workload,
-    interrupted,
-)
+from gpugate.core.outcome import Blocker, BusyGpu, Stage, Transition
 from gpugate.core.roles import Role, mps_served
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
 from gpugate.errors import (
@@ -83,8 +71,8 @@ class PhaseRun:
         self,
         scope: RunScope,
         unit_cgroup: str,  # scope's, located
-        tell: Callable[[RunEvent], None],
-        surroundings: Workload,
+        tell: Callable[[outcome.RunEvent], None],
+        surroundings: outcome.Workload,
     ) -> None:
         self.scope, self.tell, self.surroundings = scope, tell, surroundings
         self.config = surroundings.loaded.config  # the unit's GPUs resolved
@@ -93,7 +81,7 @@ class PhaseRun:
         self.clock = scope.clock
         self.started = self.clock()
         self.deadline = self.started + self.policy.wait_timeout_s
-        self.summary = RunSummary()
+        self.summary = outcome.RunSummary()
         source = surroundings.loaded.source
         self.sought = DiscoveryQuery(scope.unit, unit_cgroup, self.config.selection(), source)
         self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
@@ -111,7 +99,7 @@ class PhaseRun:
         self.judged = dict.fromkeys(surroundings.known_watchers(), Role.WATCHER)  # first roles
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
-        self.progress = Progress()  # where the run is: the stage, its facts
+        self.progress = outcome.Progress()  # where the run is: the stage, its facts
         self.transitions: list[tuple[Stage, Transition]] = []  # the edges taken
         self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
 
@@ -120,19 +108,19 @@ class PhaseRun:
         if via is not None:
             self.transitions.append((self.progress.stage, via))
         if stage is not None:
-            self.progress = Progress(stage, last_busy=self.progress.last_busy)
+            self.progress = outcome.Progress(stage, last_busy=self.progress.last_busy)
 
     def note(self, **facts: Any) -> None:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
         self.progress = self.progress._replace(stage=self.progress.stage, **facts)
 
-    def run(self) -> RunSummary:
+    def run(self) -> outcome.RunSummary:
         """An error but a manual run's refusal is told to the surroundings, locks released; an
         interruption says what the run was doing."""
         try:
             self._with_driver()
         except Interrupted as exc:
-            worded = interrupted(exc.signal_name, self.progress)
+            worded = outcome.interrupted(exc.signal_name, self.progress)
             if not self.scope.dry_run:
                 self.surroundings.after_error(worded, self.progress)
             raise worded from None
@@ -173,7 +161,7 @@ class PhaseRun:
                 self.locks.close()  # released before the run goes on without NVML
                 self.without_nvml(exc)
                 via = Transition.NVML_FAILED
-            stage = NEXT_STAGE[via]
+            stage = outcome.NEXT_STAGE[via]
             self.enter(stage, via)
 
     def without_nvml(self, error: NvmlUnavailable | None = None) -> None:
@@ -341,7 +329,7 @@ class PhaseRun:
         if survivors:
             survived = [self.signalled[ident] for ident in survivors]
             self.tell(outcome.Survived(survived))
-            self.summary.held = [Blocker.of(choice, UNKILLABLE) for choice in survived]
+            self.summary.held = [Blocker.of(choice, outcome.UNKILLABLE) for choice in survived]
             self.found.add(ExitCode.UNKILLABLE)
         return survivors
 
