@@ -417,12 +417,8 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
 
 def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
     """What owning these takes, in the order named: each, then its slices (a whole GPU)."""
-    taken: list[Gpu] = []
-    for mine in owned:
-        for gpu in [mine, *(gpu for gpu in gpus if gpu != mine and mine.covers(gpu))]:
-            if gpu not in taken:
-                taken.append(gpu)
-    return taken
+    taken = (gpu for mine in owned for gpu in [mine, *filter(mine.covers, gpus)])
+    return list(dict.fromkeys(taken))  # each once
 
 
 def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:

@@ -187,19 +187,16 @@ class RespawnWatch:
     ) -> None:
         """After a kill round: count respawns, then watch the parents (never self_chain)."""
         parents = (self._watched_ancestor(c.holder.info, tree) for c in choices)
-        for parent in {p.info.ident: p for p in parents if p is not None}.values():
-            parent.respawns += 1
+        for respawner in {p.info.ident: p for p in parents if p is not None}.values():
+            respawner.respawns += 1
         for choice in choices:
             info = choice.holder.info
-            parent_info = tree.info(info.ppid)
-            if (
-                parent_info is None
-                or parent_info.pid <= 1
-                or parent_info.pid in self_chain
-                or parent_info.ident in taken
-            ):
+            parent = tree.info(info.ppid)
+            if parent is None or parent.pid <= 1 or parent.pid in self_chain:
                 continue
-            watched = self.watched.setdefault(parent_info.ident, Respawner(parent_info))
+            if parent.ident in taken:
+                continue
+            watched = self.watched.setdefault(parent.ident, Respawner(parent))
             if info.exe:
                 watched.executables.add(info.exe)
             watched.newest_killed_start = max(watched.newest_killed_start, info.start_time)

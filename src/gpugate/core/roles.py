@@ -35,9 +35,7 @@ def role_of(info: ProcInfo, discovery: Discovery, config: Config) -> Role:
     # A unit name counts only where PID 1 made it: a user unit may take any name.
     cgroup = info.cgroup or "/"
     unit = system_unit_of_cgroup(cgroup)
-    if (info.exe is not None and info.exe in config.protected_executables) or (
-        unit is not None and unit in config.protected_units
-    ):
+    if info.exe in config.protected_executables or unit in config.protected_units:
         return Role.PROTECTED
     if in_cgroup(cgroup, discovery.unit_cgroup):
         return Role.UNIT
