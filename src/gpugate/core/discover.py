@@ -282,7 +282,6 @@ def discover(
         _add_device_users(table, roots.proc, gpus, faults, listening, scan)
         invisible = _add_nvml_processes(table, usage)
         if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
-            listed_only = False
             scan = scan_device_users(roots.proc, prefix, listening, shm_areas, deadline)
             _add_device_users(table, roots.proc, gpus, faults, listening, scan)
         unit_containers = _containers(table, roots.cgroup, containers)

@@ -140,12 +140,11 @@ def terminate(
         for proc in remaining:
             if proc.send(signal.SIGKILL):
                 on_signal(proc.ident, signal.SIGKILL)
-        if remaining:
-            wait_exited(remaining, min(clock() + sigkill_wait_s, deadline), clock)
-            stuck = [proc for proc in remaining if not proc.exited()]
-            if stuck:
-                on_sigkill_wait([proc.ident for proc in stuck])
-                wait_exited(stuck, deadline, clock)
+        wait_exited(remaining, min(clock() + sigkill_wait_s, deadline), clock)
+        stuck = [proc for proc in remaining if not proc.exited()]
+        if stuck:
+            on_sigkill_wait([proc.ident for proc in stuck])
+            wait_exited(stuck, deadline, clock)
         gone = [proc for proc in remaining if proc.exited()]
         return KillResult(
             [proc.ident for proc in pinned if proc not in remaining],
