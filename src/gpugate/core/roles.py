@@ -45,8 +45,7 @@ def role_of(info: ProcInfo, discovery: Discovery, config: Config) -> Role:
 
 
 def own_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
-    """role_of for a holder, its membership in the unit's cgroup.procs and in a container its
-    config names read from how it was found."""
+    """role_of, and membership of the unit's cgroup.procs or named containers as found."""
     role = role_of(holder.info, discovery, config)
     if role in (Role.PROTECTED, Role.UNIT):
         return role
@@ -247,8 +246,7 @@ def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
 
 
 class HolderOwner(NamedTuple):
-    """A holder and the owner `gpugate sweep` attributes it to (unit, job, container,
-    protected, watcher, session or nobody)."""
+    """A holder and the owner `gpugate sweep` attributes it to."""
 
     holder: Holder
     owner: Owner

@@ -211,8 +211,7 @@ class PhaseRun:
         return Transition.FOUND
 
     def find_holders(self) -> tuple[Discovery, Decision]:
-        """One round: discovery and decision over one consistent reading of /proc; the run's
-        latest from now on."""
+        """One round of discovery and decision on one reading of /proc: the run's latest."""
         with self.procfs.oneshot():
             found = discover(
                 self.sought,
@@ -252,8 +251,7 @@ class PhaseRun:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
     def locking(self) -> Transition:
-        """Take the per-GPU locks, held to the run's end; under them a start is refused or
-        reserved."""
+        """The per-GPU locks, held to the run's end: under them a start is refused or reserved."""
         owned = self.latest.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         self.tell(outcome.ExtendTimeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S))
@@ -304,8 +302,7 @@ class PhaseRun:
         return Transition.STOPPED
 
     def kill_rounds(self) -> list[ProcessId]:
-        """Kill the latest decision's targets; rediscover and repeat while new ones appear
-        (forks); the survivors."""
+        """Kill the latest decision's targets, again while rediscovery finds new ones (forks)."""
         kill_started = self.clock()
         discovery = self.latest
         if self.scope.phase.traits.stops_containers and discovery.unit_containers:
