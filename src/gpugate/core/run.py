@@ -302,7 +302,7 @@ class PhaseRun:
         return Transition.STOPPED
 
     def kill_rounds(self) -> list[ProcessId]:
-        """Kill the latest decision's targets, again while rediscovery finds new ones (forks)."""
+        """Kill the latest decision's targets, again while rediscovery finds more: the survivors."""
         kill_started = self.clock()
         discovery = self.latest
         if self.scope.phase.traits.stops_containers and discovery.unit_containers:
