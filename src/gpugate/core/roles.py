@@ -240,9 +240,8 @@ def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
     list processes, holding the GPU's device files is the evidence."""
     if not discovery.nvml_lists_processes:
         return key in holder.gpus
-    if key in holder.mapped or mig_parent(key) in holder.mapped:
-        return True
-    return key in holder.used_mib and holder.used_mib[key] != 0
+    mapped = key in holder.mapped or mig_parent(key) in holder.mapped
+    return mapped or holder.used_mib.get(key, 0) != 0
 
 
 class HolderOwner(NamedTuple):
