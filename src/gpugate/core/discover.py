@@ -92,13 +92,10 @@ class Holder:
         self.control_devices: set[str] = set()  # nvidiactl, nvidia-uvm, ...
         self.mps_client: set[int] = set()  # GPUs NVML lists it on as an MPS client
 
-    def _facts(self) -> tuple[object, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
-
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Holder):
             return NotImplemented
-        return self._facts() == other._facts()
+        return all(getattr(self, name) == getattr(other, name) for name in self.__slots__)
 
     __hash__ = None  # type: ignore[assignment]  # mutable: unhashable
 
@@ -140,11 +137,8 @@ class Discovery(NamedTuple):
     def nvml_lists_processes(self) -> bool:
         """NVML's lists are complete and name PIDs this /proc shows (a device holder they
         name nowhere is then a watcher)."""
-        return (
-            bool(self.usage)
-            and not self.invisible
-            and all(usage.processes_listed for usage in self.usage.values())
-        )
+        listed = all(usage.processes_listed for usage in self.usage.values())
+        return bool(self.usage) and not self.invisible and listed
 
 
 def memory_accounted(
