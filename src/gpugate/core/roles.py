@@ -62,24 +62,17 @@ def holder_role(
     config: Config,
     earlier: Mapping[ProcessId, Role] | None = None,
 ) -> Role:
-    """earlier: this run's first roles. A watcher holds device files only (nvidia-smi -l,
-    nvtop): NVML's complete lists name it on no GPU, and the memory of each GPU of the run's it
-    holds is accounted for by the listed processes (a fork that kept a dead parent's context
-    holds memory listed for nobody: not a watcher); a GPU the run does not own is not asked: a
-    leak there is no reason to stop it. A watcher earlier in this run stays one while NVML
-    lists it on no GPU: the driver frees a killed holder's memory late (seconds), listed for
-    nobody meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
+    """The holder's role; a watcher as docs/what-gets-killed.md says (memory listed for nobody,
+    as a fork that kept a dead parent's context leaves, makes none). earlier: this run's first
+    roles: a watcher there stays one while NVML lists it on no GPU, as the driver frees a
+    killed holder's memory late (seconds), listed for nobody meanwhile."""
     role = own_role(holder, discovery, config)
     if role not in (Role.ORPHAN, Role.OTHER_UNIT):
         return role
     keys, usage = holder.gpus & discovery.owned_indices, discovery.usage
-    if _device_files_only(holder, discovery) and (
-        not keys
-        or (
-            keys <= usage.keys()
-            and memory_accounted({key: usage[key] for key in keys}, (), config.free_mib)
-        )
-    ):
+    on_owned = {key: usage[key] for key in keys if key in usage}
+    accounted = keys <= usage.keys() and memory_accounted(on_owned, (), config.free_mib)
+    if _device_files_only(holder, discovery) and (not keys or accounted):
         return Role.WATCHER
     was_watcher = earlier is not None and earlier.get(holder.info.ident) is Role.WATCHER
     if was_watcher and Source.NVML not in holder.sources and not holder.ports:
