@@ -314,11 +314,32 @@ class PhaseRun:
             for stopped in stop_containers(containers, self.policy.sigterm_grace_s):
                 self.tell(outcome.ContainerStopped(stopped))
         survivors: list[ProcessId] = []
+        by_ident = self.signalled
         for round_number in range(1, MAX_ROUNDS + 1):
             fresh = self.unsignalled(self.decision)
             if not fresh:
                 break
-            survivors = self.kill_round(fresh, round_number)
+            self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
+            if round_number > 1:
+                self.tell(outcome.Decided(Decision(fresh)))
+            self.tell(outcome.Stopping(len(fresh), round_number))
+            self.note(processes=len(fresh), round_number=round_number)
+            by_ident.update((c.holder.info.ident, c) for c in fresh)
+            with self.procfs.oneshot():
+                self.watch.killed(fresh, by_ident, self.procfs, self_chain=self.latest.self_chain)
+            result = terminate(
+                [c.holder.info.ident for c in fresh],
+                grace_s=self.policy.sigterm_grace_s,
+                sigkill_wait_s=self.policy.sigkill_wait_s,
+                deadline=self.deadline,
+                procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
+                on_signal=lambda ident, sig: self.tell(outcome.SignalSent(by_ident[ident], sig)),
+                on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
+                pinner=self.scope.pinner,
+                clock=self.clock,
+            )
+            self.summary.killed.extend(result.terminated + result.killed)
+            survivors = result.survivors
             if survivors or self.clock() >= self.deadline:
                 break
             self.report_faults(self.find_holders()[0])
@@ -329,30 +350,6 @@ class PhaseRun:
             self.summary.held = [Blocker.of(choice, outcome.UNKILLABLE) for choice in survived]
             self.found.add(ExitCode.UNKILLABLE)
         return survivors
-
-    def kill_round(self, fresh: list[Choice], round_number: int) -> list[ProcessId]:
-        by_ident = self.signalled
-        self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
-        if round_number > 1:
-            self.tell(outcome.Decided(Decision(fresh)))
-        self.tell(outcome.Stopping(len(fresh), round_number))
-        self.note(processes=len(fresh), round_number=round_number)
-        by_ident.update((c.holder.info.ident, c) for c in fresh)
-        with self.procfs.oneshot():
-            self.watch.killed(fresh, by_ident, self.procfs, self_chain=self.latest.self_chain)
-        result = terminate(
-            [c.holder.info.ident for c in fresh],
-            grace_s=self.policy.sigterm_grace_s,
-            sigkill_wait_s=self.policy.sigkill_wait_s,
-            deadline=self.deadline,
-            procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
-            on_signal=lambda ident, signum: self.tell(outcome.SignalSent(by_ident[ident], signum)),
-            on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
-            pinner=self.scope.pinner,
-            clock=self.clock,
-        )
-        self.summary.killed.extend(result.terminated + result.killed)
-        return result.survivors
 
     def on_stuck(self, choices: list[Choice]) -> None:
         for choice in choices:
