@@ -191,9 +191,8 @@ class PhaseRun:
         self.surroundings.before_kill(decision)  # one line, before any other
         if not self.announced:
             self.announced = True
-            self.tell(
-                outcome.RunStarted(discovery, sum(self.used_before.values()), self.surroundings)
-            )
+            used = sum(self.used_before.values())
+            self.tell(outcome.RunStarted(discovery, used, self.surroundings))
         self.report_faults(discovery)
         self.tell(outcome.BlindSpots(discovery))
         self.tell(outcome.Decided(decision))
