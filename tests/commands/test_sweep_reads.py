@@ -92,13 +92,12 @@ def test_with_the_memory_accounted_for_only_the_listed_processes_fds_are_read(
     found = scene(host)
     loaded = load_config(None, config_file(host))
     cheap = discover_host(loaded, front(host))
-    assert not cheap.fd_scan
     assert set(fds_read) == {found.server}
     assert found.watcher not in cheap.holders and found.idle not in cheap.holders
 
     fds_read.clear()
     full = collect(None, loaded, host.memory, host.roots)
-    assert full.fd_scan and {found.server, found.watcher, found.idle} <= set(fds_read)
+    assert {found.server, found.watcher, found.idle} <= set(fds_read)
     # The listed holder is the same holder, with the same owner, and the gauges are the same:
     # the unseen hold device files only, each a watcher in the full scan.
     assert cheap.holders[found.server] == full.holders[found.server]
@@ -166,7 +165,6 @@ def test_with_memory_listed_for_nobody_every_process_fds_are_read(
     found = scene(host)
     unaccounted(host, found)
     discovery = discover_host(load_config(None, config_file(host)), front(host))
-    assert discovery.fd_scan
     assert {found.server, found.watcher, found.idle} <= set(fds_read)
     assert {found.watcher, found.idle} <= set(discovery.holders)
     assert discovery.holders[found.watcher].gpus == {0, 1}
@@ -184,9 +182,10 @@ def test_mig_slices_memory_accounted_for_as_each_slice_lists_it(
     if leaked:
         host.memory.leaked_mib[mig_key(0, 0)] = 9000  # a slice's memory listed for nobody
     loaded = load_config(None, config_file(host))
+    fds_read.clear()
     cheap = discover_host(loaded, front(host))
+    assert (set(fds_read) == {on_second}) is not leaked
     full = collect(None, loaded, host.memory, host.roots)
-    assert cheap.fd_scan is leaked
     assert (watcher in cheap.holders) is leaked and watcher in full.holders
     assert cheap.holders[on_second] == full.holders[on_second]
     assert cheap.holders[on_second].using == {mig_key(0, 1)}
@@ -199,7 +198,7 @@ def test_memory_within_free_mib_is_accounted_for(host: FakeHost, fds_read: list[
     found = scene(host)
     host.memory.leaked_mib[4] = 500  # free_mib: what a start would leave anyway
     discovery = discover_host(load_config(None, config_file(host)), front(host))
-    assert not discovery.fd_scan and set(fds_read) == {found.server}
+    assert set(fds_read) == {found.server} and found.watcher not in discovery.holders
 
 
 @dataclass
@@ -229,7 +228,6 @@ def test_where_nvml_cannot_list_or_read_a_gpu_every_process_fds_are_read(
     if how == "failing":
         driver.failing_usage = {7}
     discovery = discover_host(load_config(None, config_file(host)), front(host, lambda: driver))
-    assert discovery.fd_scan
     assert {found.server, found.watcher, found.idle} <= set(fds_read)
     assert {found.watcher, found.idle} <= set(discovery.holders)
     if how == "invisible":
@@ -241,7 +239,8 @@ def test_status_reads_every_process_fds_whatever_nvml_accounts_for(
 ) -> None:
     found = scene(host)
     discovery = collect(None, load_config(None, config_file(host)), host.memory, host.roots)
-    assert discovery.fd_scan and found.watcher in discovery.holders
+    assert {found.server, found.watcher, found.idle} <= set(fds_read)
+    assert found.watcher in discovery.holders
 
 
 def usage_of(used: int, *mibs: int | None, listed: bool = True) -> GpuUsage:

@@ -126,8 +126,7 @@ def test_on_a_gpu_the_server_holds_clients_of_other_units_are_sharers_and_stale_
 def test_an_orphaned_client_is_owned_by_nobody_with_its_mib() -> None:
     left = "/user.slice/user-1000.slice/user@1000.service/app.slice/app-client.scope"
     table = Table({30: proc(30, 1, left), 10: proc(10, 1, SERVICE, exe=MPS_SERVER)})
-    found = discovery(table, holders(table, {30: {0}, 10: {0}}), [])
-    found.unit = ""
+    found = discovery(table, holders(table, {30: {0}, 10: {0}}), [])._replace(unit="")
     assert owner_of(found.holders[30], found, GateConfig()) is Owner.NOBODY
     assert owner_of(found.holders[10], found, GateConfig()) is Owner.PROTECTED
 

@@ -51,11 +51,10 @@ class Choice(NamedTuple):
     for_uid: int | None = None  # OTHER_ACCOUNT: the account the run acts for
 
 
-class Decision:
-    __slots__ = ("choices",)
+class Decision(NamedTuple):
+    """Every holder's choice, in PID order (the application trees' members after them)."""
 
-    def __init__(self, choices: list[Choice]) -> None:
-        self.choices = choices
+    choices: list[Choice]
 
     @property
     def targets(self) -> list[Choice]:
@@ -106,7 +105,7 @@ def decide(
         # A run for an account kills only what kill(2) lets that account signal (its real
         # uid); anything else is refused. The unit's own cgroup stays the unit's: only
         # systemd puts processes there.
-        decision.choices = [
+        decision.choices[:] = [
             choice._replace(verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=for_uid)
             if choice.verdict is Verdict.KILL
             and choice.rule is not Rule.CGROUP
@@ -199,4 +198,5 @@ def _add_app_trees(
 
 
 def spared_for_good(decision: Decision) -> set[int]:
+    """The spared PIDs but watchers: neither they nor their memory are waited on."""
     return {c.holder.pid for c in decision.spared if c.role is not Role.WATCHER}

@@ -81,30 +81,21 @@ class Holder:
         info: ProcInfo,
         sources: set[Source] | None = None,
         gpus: set[int] | None = None,  # indices, from device files or NVML
-        control_devices: set[str] | None = None,  # nvidiactl, nvidia-uvm, ...
         used_mib: dict[int, int | None] | None = None,  # per GPU, from NVML
         mapped: set[int] | None = None,  # GPUs whose /dev/nvidiaN it maps (memory)
         ports: set[int] | None = None,  # the unit's TCP ports it listens on
         container: Container | None = None,  # where its cgroup is a container's scope
-        mps_client: set[int] | None = None,  # GPUs NVML lists it on as an MPS client
     ) -> None:
-        self.info = info
-        self.sources: set[Source] = set() if sources is None else sources
-        self.gpus: set[int] = set() if gpus is None else gpus
-        self.control_devices: set[str] = set() if control_devices is None else control_devices
-        self.used_mib: dict[int, int | None] = {} if used_mib is None else used_mib
-        self.mapped: set[int] = set() if mapped is None else mapped
-        self.ports: set[int] = set() if ports is None else ports
-        self.container = container
-        self.mps_client: set[int] = set() if mps_client is None else mps_client
-
-    def _facts(self) -> tuple[object, ...]:
-        return tuple(getattr(self, name) for name in self.__slots__)
+        self.info, self.container = info, container
+        self.sources, self.gpus, self.mapped = sources or set(), gpus or set(), mapped or set()
+        self.ports, self.used_mib = ports or set(), used_mib or {}
+        self.control_devices: set[str] = set()  # nvidiactl, nvidia-uvm, ...
+        self.mps_client: set[int] = set()  # GPUs NVML lists it on as an MPS client
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Holder):
             return NotImplemented
-        return self._facts() == other._facts()
+        return all(getattr(self, name) == getattr(other, name) for name in self.__slots__)
 
     __hash__ = None  # type: ignore[assignment]  # mutable: unhashable
 
@@ -120,58 +111,23 @@ class Holder:
         return found - {mig_parent(key) for key in found}
 
 
-class Discovery:
-    __slots__ = (
-        "cut_short",
-        "faults",
-        "fd_scan",
-        "gpus",
-        "holders",
-        "invisible",
-        "owned",
-        "self_chain",
-        "shm",
-        "shm_areas",
-        "unit",
-        "unit_cgroup",
-        "unit_containers",
-        "unreadable",
-        "usage",
-    )
+class Discovery(NamedTuple):
+    """What one discovery found: the host's GPUs and the unit's, their usage, every holder."""
 
-    def __init__(  # noqa: PLR0913 (a record: one argument per field)
-        self,
-        unit: str,
-        unit_cgroup: str,
-        gpus: Sequence[Gpu],  # every GPU on the host
-        owned: Sequence[Gpu],  # the unit's
-        usage: dict[int, GpuUsage],  # by GPU index, every GPU
-        holders: dict[int, Holder],  # by PID
-        self_chain: frozenset[int],  # gpugate and its ancestors: never targets
-        unreadable: list[int],  # PIDs whose fds could not be read
-        *,
-        # (GPU, PID) NVML lists but /proc does not show: another PID namespace
-        invisible: list[tuple[int, int]] | None = None,
-        unit_containers: list[Container] | None = None,  # `containers` found running
-        faults: list[GpuFault] | None = None,  # GPUs NVML cannot read, not owned
-        shm: dict[int, frozenset[ShmFile]] | None = None,  # by PID: its shm files
-        shm_areas: list[ShmArea] | None = None,  # /dev/shm (and /run/shm)
-        cut_short: list[int] | None = None,  # PIDs the deadline cut: holders may hide
-        # Every process's fds were read; False: only those NVML lists and the unit's, NVML's
-        # lists accounting for every GPU's memory (`memory_accounted`): a device-file-only
-        # holder unseen
-        fd_scan: bool = True,
-    ) -> None:
-        self.unit, self.unit_cgroup = unit, unit_cgroup
-        self.gpus, self.owned, self.usage, self.holders = gpus, owned, usage, holders
-        self.self_chain, self.unreadable = self_chain, unreadable
-        self.invisible: list[tuple[int, int]] = [] if invisible is None else invisible
-        self.unit_containers: list[Container] = [] if unit_containers is None else unit_containers
-        self.faults: list[GpuFault] = [] if faults is None else faults
-        self.shm: dict[int, frozenset[ShmFile]] = {} if shm is None else shm
-        self.shm_areas: list[ShmArea] = [] if shm_areas is None else shm_areas
-        self.cut_short: list[int] = [] if cut_short is None else cut_short
-        self.fd_scan = fd_scan
+    unit: str
+    unit_cgroup: str
+    gpus: Sequence[Gpu]  # every GPU on the host
+    owned: Sequence[Gpu]  # the unit's
+    usage: dict[int, GpuUsage]  # by GPU index, every GPU
+    holders: dict[int, Holder]  # by PID
+    self_chain: frozenset[int]  # gpugate and its ancestors: never targets
+    unreadable: Sequence[int]  # PIDs whose fds could not be read
+    invisible: Sequence[tuple[int, int]] = ()  # (GPU, PID) NVML lists, /proc not: a PID namespace
+    unit_containers: Sequence[Container] = ()  # `containers` found running
+    faults: Sequence[GpuFault] = ()  # GPUs NVML cannot read, not owned
+    shm: Mapping[int, frozenset[ShmFile]] = {}  # by PID: its shm files
+    shm_areas: Sequence[ShmArea] = ()  # /dev/shm (and /run/shm)
+    cut_short: Sequence[int] = ()  # PIDs the deadline cut: holders may hide
 
     @property
     def owned_indices(self) -> set[int]:
@@ -181,11 +137,8 @@ class Discovery:
     def nvml_lists_processes(self) -> bool:
         """NVML's lists are complete and name PIDs this /proc shows (a device holder they
         name nowhere is then a watcher)."""
-        return (
-            bool(self.usage)
-            and not self.invisible
-            and all(usage.processes_listed for usage in self.usage.values())
-        )
+        listed = all(usage.processes_listed for usage in self.usage.values())
+        return bool(self.usage) and not self.invisible and listed
 
 
 def memory_accounted(
@@ -237,21 +190,15 @@ class HoldersByPid:
     is first named; gpugate itself, its ancestors and kernel threads are never holders."""
 
     def __init__(self, procfs: ProcFs, self_chain: frozenset[int]) -> None:
-        self.procfs = procfs
-        self.self_chain = self_chain
+        self.procfs, self.self_chain = procfs, self_chain
         self.by_pid: dict[int, Holder] = {}
 
     def get(self, pid: int) -> Holder | None:
-        """The holder for pid, or None for gpugate itself, a kernel thread or a gone PID."""
-        if pid in self.self_chain:
-            return None
-        if pid in self.by_pid:
-            return self.by_pid[pid]
-        info = self.procfs.info(pid)
-        if info is None or info.kernel_thread:
-            return None
-        self.by_pid[pid] = Holder(info)
-        return self.by_pid[pid]
+        if pid not in self.by_pid and pid not in self.self_chain:
+            info = self.procfs.info(pid)
+            if info is not None and not info.kernel_thread:
+                self.by_pid[pid] = Holder(info)
+        return self.by_pid.get(pid)
 
 
 def read_gpus(
@@ -307,11 +254,10 @@ def discover(
     it (`memory_accounted`) and no port is asked, only the fds of the listed and the unit's
     processes are read, unless NVML lists a PID not shown here: then every process's."""
     gpus, usage, faults = read_gpus(driver, sought.wanted, sought.unit, strict_faults=strict_faults)
-    within = listed_within_mib
     listed_only = (
         watch is None
-        and within is not None
-        and memory_accounted(usage, faults, within)
+        and listed_within_mib is not None
+        and memory_accounted(usage, faults, listed_within_mib)
         and not ports
     )
     listed = {process.pid for each in usage.values() for process in each.processes}
@@ -330,7 +276,6 @@ def discover(
         _add_device_users(table, roots.proc, gpus, faults, listening, scan)
         invisible = _add_nvml_processes(table, usage)
         if listed_only and invisible:  # memory listed for a PID not seen here: everyone's fds
-            listed_only = False
             scan = scan_device_users(roots.proc, prefix, listening, shm_areas, deadline)
             _add_device_users(table, roots.proc, gpus, faults, listening, scan)
         unit_containers = _containers(table, roots.cgroup, containers)
@@ -349,7 +294,6 @@ def discover(
         shm=scan.shm,
         shm_areas=shm_areas,
         cut_short=scan.cut_short,
-        fd_scan=not listed_only,
     )
 
 
@@ -378,25 +322,21 @@ def _add_device_users(
             found.sources.add(Source.DEVICE_FD)
         if use.mapped_paths:
             found.sources.add(Source.DEVICE_MAP)
-            found.mapped.update(_gpus_of(use.mapped_paths, index_by_minor))
+            mapped = (_gpu_of(path, index_by_minor) for path in use.mapped_paths)
+            found.mapped.update(index for index in mapped if index is not None)
         for path in use.paths:
-            name = os.path.basename(path)
-            match = GPU_DEVICE.fullmatch(name)
-            cap = cap_minor(path)
-            if match and int(match.group(1)) in index_by_minor:
-                found.gpus.add(index_by_minor[int(match.group(1))])
+            index, cap = _gpu_of(path, index_by_minor), cap_minor(path)
+            if index is not None:
+                found.gpus.add(index)
             elif cap is not None and cap in slice_by_cap:
                 found.gpus.add(slice_by_cap[cap])  # a MIG slice's capability device
             else:
-                found.control_devices.add(name)
+                found.control_devices.add(os.path.basename(path))
 
 
-def _gpus_of(paths: Collection[str], index_by_minor: dict[int, int]) -> set[int]:
-    """The GPUs whose /dev/nvidiaN are among paths."""
-    minors = (GPU_DEVICE.fullmatch(os.path.basename(path)) for path in paths)
-    return {
-        index_by_minor[int(m.group(1))] for m in minors if m and int(m.group(1)) in index_by_minor
-    }
+def _gpu_of(path: str, index_by_minor: dict[int, int]) -> int | None:
+    match = GPU_DEVICE.fullmatch(os.path.basename(path))
+    return index_by_minor.get(int(match.group(1))) if match else None
 
 
 def _add_nvml_processes(table: HoldersByPid, usage: dict[int, GpuUsage]) -> list[tuple[int, int]]:
@@ -470,12 +410,8 @@ def owned_gpus(wanted: GpuSelection | None, gpus: Sequence[Gpu], source: str) ->
 
 def covered(owned: Sequence[Gpu], gpus: Sequence[Gpu]) -> list[Gpu]:
     """What owning these takes, in the order named: each, then its slices (a whole GPU)."""
-    taken: list[Gpu] = []
-    for mine in owned:
-        for gpu in [mine, *(gpu for gpu in gpus if gpu != mine and mine.covers(gpu))]:
-            if gpu not in taken:
-                taken.append(gpu)
-    return taken
+    taken = (gpu for mine in owned for gpu in [mine, *filter(mine.covers, gpus)])
+    return list(dict.fromkeys(taken))  # each once
 
 
 def as_refs(gpus: Sequence[Gpu]) -> tuple[GpuRef, ...]:
@@ -495,9 +431,6 @@ def _by_uuid(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
         return _by_legacy_mig(ref, legacy, gpus, source)
     is_mig = ref.upper().startswith(MIG_PREFIX)
     among = [gpu for gpu in gpus if (gpu.mig is not None) == is_mig]
-    exact = [gpu for gpu in among if gpu.uuid.lower() == ref.lower()]
-    if exact:
-        return exact[0]
     if is_mig and not any(gpu.uuid.lower().startswith(ref.lower()) for gpu in among):
         no_mig = "" if any(gpu.mig_mode for gpu in gpus) else " (no GPU is in MIG mode)"
         raise ConfigError(
@@ -526,14 +459,15 @@ def _by_legacy_mig(ref: str, legacy: tuple[str, int, int], gpus: Sequence[Gpu], 
 
 
 def _by_prefix(ref: str, gpus: Sequence[Gpu], source: str) -> Gpu:
-    """A UUID prefix names the one GPU whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
+    """A UUID names its GPU, a prefix the one whose UUID starts with it (CUDA_VISIBLE_DEVICES)."""
     matches = [gpu for gpu in gpus if gpu.uuid.lower().startswith(ref.lower())]
+    exact = [gpu for gpu in matches if len(gpu.uuid) == len(ref)]
     shown = for_error(ref, quote=False)
     if not matches:
         raise ConfigError(source, "gpus", f"no GPU has UUID {shown}")
-    if len(matches) > 1:
+    if len(matches) > 1 and not exact:
         raise ConfigError(source, "gpus", f"{shown} is the start of more than one GPU's UUID")
-    return matches[0]
+    return (exact or matches)[0]
 
 
 def fail_on_owned_faults(

@@ -10,7 +10,7 @@ import select
 import signal
 import time
 from collections.abc import Callable, Collection, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from gpugate.core.decide import Choice
 from gpugate.core.roles import ProcessTree
@@ -87,13 +87,12 @@ def pin(ident: ProcessId, procfs: ProcFs) -> Pinned | None:
     return PinnedProcess(ident, procfs, fd)
 
 
-class KillResult:
-    __slots__ = ("killed", "survivors", "terminated")
+class KillResult(NamedTuple):
+    """How the pinned targets ended (one gone or its PID reused before pinning is in none)."""
 
-    def __init__(self) -> None:
-        self.terminated: list[ProcessId] = []  # ended within the grace
-        self.killed: list[ProcessId] = []  # needed SIGKILL
-        self.survivors: list[ProcessId] = []  # alive at the deadline
+    terminated: list[ProcessId]  # ended within the grace
+    killed: list[ProcessId]  # needed SIGKILL
+    survivors: list[ProcessId]  # alive at the deadline
 
 
 def wait_exited(
@@ -130,7 +129,6 @@ def terminate(
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin,
     clock: Callable[[], float] = time.monotonic,
 ) -> KillResult:
-    result = KillResult()  # a target gone or its PID reused before pinning is in no list
     pinned = [proc for ident in targets if (proc := pinner(ident, procfs)) is not None]
     try:
         # A stopped process cannot act on SIGTERM: continue it first (psutil does the same).
@@ -139,22 +137,23 @@ def terminate(
                 on_signal(proc.ident, signal.SIGTERM)
         wait_exited(pinned, min(clock() + grace_s, deadline), clock)
         remaining = [proc for proc in pinned if not proc.exited()]
-        result.terminated = [proc.ident for proc in pinned if proc not in remaining]
         for proc in remaining:
             if proc.send(signal.SIGKILL):
                 on_signal(proc.ident, signal.SIGKILL)
-        if remaining:
-            wait_exited(remaining, min(clock() + sigkill_wait_s, deadline), clock)
-            stuck = [proc for proc in remaining if not proc.exited()]
-            if stuck:
-                on_sigkill_wait([proc.ident for proc in stuck])
-                wait_exited(stuck, deadline, clock)
-        result.killed = [proc.ident for proc in remaining if proc.exited()]
-        result.survivors = [proc.ident for proc in remaining if not proc.exited()]
+        wait_exited(remaining, min(clock() + sigkill_wait_s, deadline), clock)
+        stuck = [proc for proc in remaining if not proc.exited()]
+        if stuck:
+            on_sigkill_wait([proc.ident for proc in stuck])
+            wait_exited(stuck, deadline, clock)
+        gone = [proc for proc in remaining if proc.exited()]
+        return KillResult(
+            [proc.ident for proc in pinned if proc not in remaining],
+            [proc.ident for proc in gone],
+            [proc.ident for proc in remaining if proc not in gone],
+        )
     finally:
         for proc in pinned:
             proc.close()
-    return result
 
 
 MAX_ANCESTRY = 16
@@ -187,19 +186,16 @@ class RespawnWatch:
     ) -> None:
         """After a kill round: count respawns, then watch the parents (never self_chain)."""
         parents = (self._watched_ancestor(c.holder.info, tree) for c in choices)
-        for parent in {p.info.ident: p for p in parents if p is not None}.values():
-            parent.respawns += 1
+        for respawner in {p.info.ident: p for p in parents if p is not None}.values():
+            respawner.respawns += 1
         for choice in choices:
             info = choice.holder.info
-            parent_info = tree.info(info.ppid)
-            if (
-                parent_info is None
-                or parent_info.pid <= 1
-                or parent_info.pid in self_chain
-                or parent_info.ident in taken
-            ):
+            parent = tree.info(info.ppid)
+            if parent is None or parent.pid <= 1 or parent.pid in self_chain:
                 continue
-            watched = self.watched.setdefault(parent_info.ident, Respawner(parent_info))
+            if parent.ident in taken:
+                continue
+            watched = self.watched.setdefault(parent.ident, Respawner(parent))
             if info.exe:
                 watched.executables.add(info.exe)
             watched.newest_killed_start = max(watched.newest_killed_start, info.start_time)

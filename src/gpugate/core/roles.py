@@ -35,9 +35,7 @@ def role_of(info: ProcInfo, discovery: Discovery, config: Config) -> Role:
     # A unit name counts only where PID 1 made it: a user unit may take any name.
     cgroup = info.cgroup or "/"
     unit = system_unit_of_cgroup(cgroup)
-    if (info.exe is not None and info.exe in config.protected_executables) or (
-        unit is not None and unit in config.protected_units
-    ):
+    if info.exe in config.protected_executables or unit in config.protected_units:
         return Role.PROTECTED
     if in_cgroup(cgroup, discovery.unit_cgroup):
         return Role.UNIT
@@ -47,8 +45,7 @@ def role_of(info: ProcInfo, discovery: Discovery, config: Config) -> Role:
 
 
 def own_role(holder: Holder, discovery: Discovery, config: Config) -> Role:
-    """role_of for a holder, its membership in the unit's cgroup.procs and in a container its
-    config names read from how it was found."""
+    """role_of, and membership of the unit's cgroup.procs or named containers as found."""
     role = role_of(holder.info, discovery, config)
     if role in (Role.PROTECTED, Role.UNIT):
         return role
@@ -65,24 +62,17 @@ def holder_role(
     config: Config,
     earlier: Mapping[ProcessId, Role] | None = None,
 ) -> Role:
-    """earlier: this run's first roles. A watcher holds device files only (nvidia-smi -l,
-    nvtop): NVML's complete lists name it on no GPU, and the memory of each GPU of the run's it
-    holds is accounted for by the listed processes (a fork that kept a dead parent's context
-    holds memory listed for nobody: not a watcher); a GPU the run does not own is not asked: a
-    leak there is no reason to stop it. A watcher earlier in this run stays one while NVML
-    lists it on no GPU: the driver frees a killed holder's memory late (seconds), listed for
-    nobody meanwhile, so the watcher test (memory accounted for) cannot pass until then."""
+    """The holder's role; a watcher as docs/what-gets-killed.md says (memory listed for nobody,
+    as a fork that kept a dead parent's context leaves, makes none). earlier: this run's first
+    roles: a watcher there stays one while NVML lists it on no GPU, as the driver frees a
+    killed holder's memory late (seconds), listed for nobody meanwhile."""
     role = own_role(holder, discovery, config)
     if role not in (Role.ORPHAN, Role.OTHER_UNIT):
         return role
     keys, usage = holder.gpus & discovery.owned_indices, discovery.usage
-    if _device_files_only(holder, discovery) and (
-        not keys
-        or (
-            keys <= usage.keys()
-            and memory_accounted({key: usage[key] for key in keys}, (), config.free_mib)
-        )
-    ):
+    on_owned = {key: usage[key] for key in keys if key in usage}
+    accounted = keys <= usage.keys() and memory_accounted(on_owned, (), config.free_mib)
+    if _device_files_only(holder, discovery) and (not keys or accounted):
         return Role.WATCHER
     was_watcher = earlier is not None and earlier.get(holder.info.ident) is Role.WATCHER
     if was_watcher and Source.NVML not in holder.sources and not holder.ports:
@@ -243,14 +233,12 @@ def holds_memory(holder: Holder, key: int, discovery: Discovery) -> bool:
     list processes, holding the GPU's device files is the evidence."""
     if not discovery.nvml_lists_processes:
         return key in holder.gpus
-    if key in holder.mapped or mig_parent(key) in holder.mapped:
-        return True
-    return key in holder.used_mib and holder.used_mib[key] != 0
+    mapped = key in holder.mapped or mig_parent(key) in holder.mapped
+    return mapped or holder.used_mib.get(key, 0) != 0
 
 
 class HolderOwner(NamedTuple):
-    """A holder and the owner `gpugate sweep` attributes it to (unit, job, container,
-    protected, watcher, session or nobody)."""
+    """A holder and the owner `gpugate sweep` attributes it to."""
 
     holder: Holder
     owner: Owner
@@ -262,13 +250,9 @@ class HolderOwner(NamedTuple):
         return sum(known) if known else None
 
 
-# CUDA MPS (docs/mps.md): the servers, and the GPUs they serve, which every run shares on
-# purpose (docs/what-gets-killed.md, GPUs shared on purpose, rule (c)).
-
-
 def is_mps_server(info: ProcInfo, config: Config) -> bool:
-    """Its executable (the kernel's /proc/PID/exe) is a protected one, named as NVIDIA names
-    the server: only root's configuration makes a path protected."""
+    """A CUDA MPS server (docs/mps.md): its executable (the kernel's /proc/PID/exe) is a
+    protected one, named as NVIDIA names the server (only root's config makes one protected)."""
     exe = info.exe
     return (
         exe is not None
@@ -282,11 +266,8 @@ def mps_served(discovery: Discovery, config: Config) -> frozenset[int]:
     server, else its device files: Holder.using): shared on purpose for every run, beside
     what its Workload share (rule (c) of docs/what-gets-killed.md)."""
     owned = discovery.owned_indices
-    served: set[int] = set()
-    for holder in discovery.holders.values():
-        if is_mps_server(holder.info, config):
-            served |= holder.using & owned
-    return frozenset(served)
+    servers = (h for h in discovery.holders.values() if is_mps_server(h.info, config))
+    return frozenset(key for server in servers for key in server.using & owned)
 
 
 def config_shares(discovery: Discovery, config: Config) -> frozenset[int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -15,19 +15,7 @@ from gpugate.core import outcome
 from gpugate.core.decide import Choice, Decision, decide, spared_for_good
 from gpugate.core.discover import Discovery, DiscoveryQuery, discover
 from gpugate.core.kill import Pinned, RespawnWatch, pin, terminate
-from gpugate.core.outcome import (
-    NEXT_STAGE,
-    UNKILLABLE,
-    Blocker,
-    BusyGpu,
-    Progress,
-    RunEvent,
-    RunSummary,
-    Stage,
-    Transition,
-    Workload,
-    interrupted,
-)
+from gpugate.core.outcome import Blocker, BusyGpu, Stage, Transition
 from gpugate.core.roles import Role, mps_served
 from gpugate.core.shm_cleanup import ShmHost, ShmLedger, plan, remove, short_of_space
 from gpugate.errors import (
@@ -42,7 +30,7 @@ from gpugate.host.containers import stop_containers
 from gpugate.host.locks import gpu_locks
 from gpugate.host.nvml import MIB, Gpu, GpuDriver, NoGpus, NvmlDriver
 from gpugate.host.scan import Deadline, HostShm, ProcessId, ProcFs, listening_sockets
-from gpugate.host.shm import ShmArea, ShmKey
+from gpugate.host.shm import ShmArea
 from gpugate.host.systemd import HostRoots, unit_of_cgroup
 from gpugate.phase import Phase
 
@@ -59,9 +47,8 @@ LOOK_AGAIN_EVERY_S = 0.2  # a rediscovery costs a pass over /proc: not at every 
 
 
 class RunScope(NamedTuple):
-    """What one run is about, built once by its command and carried whole (by the Hook, to
-    the run and its surroundings), and what it reaches the host through: production's
-    defaults, each a test's stand-in."""
+    """What one run is about, built once by its command and carried whole, and what it reaches
+    the host through: production's defaults, each a test's stand-in."""
 
     phase: Phase
     unit: str  # the unit, or the label standing for it (a Slurm job's)
@@ -74,7 +61,7 @@ class RunScope(NamedTuple):
     driver_factory: Callable[[], GpuDriver] = NvmlDriver  # opened by the run, closed after
     pinner: Callable[[ProcessId, ProcFs], Pinned | None] = pin
     clock: Callable[[], float] = time.monotonic
-    shm_host: Callable[[list[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
+    shm_host: Callable[[Sequence[ShmArea], Path], ShmHost] = HostShm  # (areas, proc root)
 
 
 class PhaseRun:
@@ -84,8 +71,8 @@ class PhaseRun:
         self,
         scope: RunScope,
         unit_cgroup: str,  # scope's, located
-        tell: Callable[[RunEvent], None],
-        surroundings: Workload,
+        tell: Callable[[outcome.RunEvent], None],
+        surroundings: outcome.Workload,
     ) -> None:
         self.scope, self.tell, self.surroundings = scope, tell, surroundings
         self.config = surroundings.loaded.config  # the unit's GPUs resolved
@@ -94,14 +81,13 @@ class PhaseRun:
         self.clock = scope.clock
         self.started = self.clock()
         self.deadline = self.started + self.policy.wait_timeout_s
-        self.summary = RunSummary()
+        self.summary = outcome.RunSummary()
         source = surroundings.loaded.source
         self.sought = DiscoveryQuery(scope.unit, unit_cgroup, self.config.selection(), source)
         self.found: set[ExitCode] = set()  # the outcomes met, of errors.RUN_OUTCOMES
         self.driver: GpuDriver = NoGpus()
         self.announced = False  # the run's first entry is said once, even if NVML fails after
-        # the last round's discovery and decision
-        self.discovery: Discovery | None = None
+        self.discovery: Discovery | None = None  # the last round's, and its decision
         self.decision = Decision([])
         self.used_before: dict[int, int] = {}  # MiB by GPU index, before anything was killed
         self.signalled: dict[ProcessId, Choice] = {}
@@ -110,15 +96,10 @@ class PhaseRun:
         # protected, sharers, or on no GPU of the unit: neither they nor their memory waited on
         self.spared_pids: set[int] = set()
         self.reported_faults: set[int] = set()
-        # first roles, for roles.holder_role
-        self.judged: dict[ProcessId, Role] = dict.fromkeys(
-            surroundings.known_watchers(), Role.WATCHER
-        )
-        self.would_kill: frozenset[int] | None = None  # a dry run: the PIDs it would kill
+        self.judged = dict.fromkeys(surroundings.known_watchers(), Role.WATCHER)  # first roles
         self.shm_ledger = ShmLedger()  # who held which /dev/shm file, from every discovery
-        self.shm_areas: list[ShmArea] = []
         self.shm_labels: dict[int, str] = {}  # names for the PIDs
-        self.progress = Progress()  # where the run is: the stage, its facts
+        self.progress = outcome.Progress()  # where the run is: the stage, its facts
         self.transitions: list[tuple[Stage, Transition]] = []  # the edges taken
         self.locks = contextlib.ExitStack()  # the GPU locks, from locking to the run's end
 
@@ -127,21 +108,19 @@ class PhaseRun:
         if via is not None:
             self.transitions.append((self.progress.stage, via))
         if stage is not None:
-            self.progress = Progress(stage, last_busy=self.progress.last_busy)
+            self.progress = outcome.Progress(stage, last_busy=self.progress.last_busy)
 
     def note(self, **facts: Any) -> None:
         """The current stage's facts (Progress's fields); a stage among them is a TypeError."""
         self.progress = self.progress._replace(stage=self.progress.stage, **facts)
 
-    # -- the run: its driver, its stages, its errors
-
-    def run(self) -> RunSummary:
+    def run(self) -> outcome.RunSummary:
         """An error but a manual run's refusal is told to the surroundings, locks released; an
         interruption says what the run was doing."""
         try:
             self._with_driver()
         except Interrupted as exc:
-            worded = interrupted(exc.signal_name, self.progress)
+            worded = outcome.interrupted(exc.signal_name, self.progress)
             if not self.scope.dry_run:
                 self.surroundings.after_error(worded, self.progress)
             raise worded from None
@@ -173,23 +152,16 @@ class PhaseRun:
             driver.close()
 
     def _stages(self) -> None:
-        steps = {
-            Stage.LOOKING: self.looking,
-            Stage.LOCKING: self.locking,
-            Stage.STOPPING: self.stopping,
-            Stage.WAITING: self.waiting,
-            Stage.FINISHING: self.finishing,
-        }
         stage: Stage | None = Stage.LOOKING
         self.enter(stage)
         while stage is not None:
             try:
-                via = steps[stage]()
+                via: Transition = getattr(self, stage.value)()  # each stage's method, by name
             except NvmlUnavailable as exc:
                 self.locks.close()  # released before the run goes on without NVML
                 self.without_nvml(exc)
                 via = Transition.NVML_FAILED
-            stage = NEXT_STAGE[via]
+            stage = outcome.NEXT_STAGE[via]
             self.enter(stage, via)
 
     def without_nvml(self, error: NvmlUnavailable | None = None) -> None:
@@ -203,9 +175,8 @@ class PhaseRun:
         self.sought = self.sought._replace(wanted=None)  # no GPU
         self.driver = NoGpus()
 
-    # -- looking: discover the holders, decide whom to kill
-
     def looking(self) -> Transition:
+        """Discover the holders, decide whom to kill."""
         discovery, decision = self.find_holders()  # the stage's only NVML use: before announcing
         self.summary.seconds_discover = self.clock() - self.started
         self.summary.owned = list(discovery.owned)
@@ -220,9 +191,8 @@ class PhaseRun:
         self.surroundings.before_kill(decision)  # one line, before any other
         if not self.announced:
             self.announced = True
-            self.tell(
-                outcome.RunStarted(discovery, sum(self.used_before.values()), self.surroundings)
-            )
+            used = sum(self.used_before.values())
+            self.tell(outcome.RunStarted(discovery, used, self.surroundings))
         self.report_faults(discovery)
         self.tell(outcome.BlindSpots(discovery))
         self.tell(outcome.Decided(decision))
@@ -235,14 +205,12 @@ class PhaseRun:
             refused = self.surroundings.refuses_start(discovery.owned, dry_run=True)
             if decision.blockers or refused:
                 self.found.add(ExitCode.HELD_BY_OTHERS)
-            self.would_kill = frozenset(c.holder.pid for c in decision.targets)
             self.summary.would_kill = len(decision.targets)
             return Transition.DRY_RUN
         return Transition.FOUND
 
     def find_holders(self) -> tuple[Discovery, Decision]:
-        """One round: discovery and decision over one consistent reading of /proc; the run's
-        latest from now on."""
+        """One round of discovery and decision on one reading of /proc: the run's latest."""
         with self.procfs.oneshot():
             found = discover(
                 self.sought,
@@ -263,7 +231,6 @@ class PhaseRun:
                 shared=self.surroundings.shared_gpus(found) | mps_served(found, self.config),
             )
         self.shm_ledger.note(found.shm)
-        self.shm_areas = found.shm_areas
         for choice in decision.choices:
             self.judged.setdefault(choice.holder.info.ident, choice.role)
             self.shm_labels[choice.holder.pid] = (
@@ -282,10 +249,8 @@ class PhaseRun:
     def unsignalled(self, decision: Decision) -> list[Choice]:
         return [c for c in decision.targets if c.holder.info.ident not in self.signalled]
 
-    # -- locking: the per-GPU locks, held to the run's end; under them a start is refused or
-    # reserved
-
     def locking(self) -> Transition:
+        """The per-GPU locks, held to the run's end: under them a start is refused or reserved."""
         owned = self.latest.owned
         # The unit's start/stop timeout may be shorter than our deadline: ask for all of it.
         self.tell(outcome.ExtendTimeout(self.deadline - self.clock() + TIMEOUT_MARGIN_S))
@@ -321,9 +286,8 @@ class PhaseRun:
     def lock_not_taken(self, path: object, cause: str) -> None:
         self.tell(outcome.LockNotTaken(path, cause))
 
-    # -- stopping: the kill rounds
-
     def stopping(self) -> Transition:
+        """The kill rounds."""
         survivors = self.kill_rounds()
         blockers = self.decision.blockers
         if survivors:
@@ -337,8 +301,7 @@ class PhaseRun:
         return Transition.STOPPED
 
     def kill_rounds(self) -> list[ProcessId]:
-        """Kill the latest decision's targets; rediscover and repeat while new ones appear
-        (forks); the survivors."""
+        """Kill the latest decision's targets, again while rediscovery finds more: the survivors."""
         kill_started = self.clock()
         discovery = self.latest
         if self.scope.phase.traits.stops_containers and discovery.unit_containers:
@@ -350,11 +313,32 @@ class PhaseRun:
             for stopped in stop_containers(containers, self.policy.sigterm_grace_s):
                 self.tell(outcome.ContainerStopped(stopped))
         survivors: list[ProcessId] = []
+        by_ident = self.signalled
         for round_number in range(1, MAX_ROUNDS + 1):
             fresh = self.unsignalled(self.decision)
             if not fresh:
                 break
-            survivors = self.kill_round(fresh, round_number)
+            self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
+            if round_number > 1:
+                self.tell(outcome.Decided(Decision(fresh)))
+            self.tell(outcome.Stopping(len(fresh), round_number))
+            self.note(processes=len(fresh), round_number=round_number)
+            by_ident.update((c.holder.info.ident, c) for c in fresh)
+            with self.procfs.oneshot():
+                self.watch.killed(fresh, by_ident, self.procfs, self_chain=self.latest.self_chain)
+            result = terminate(
+                [c.holder.info.ident for c in fresh],
+                grace_s=self.policy.sigterm_grace_s,
+                sigkill_wait_s=self.policy.sigkill_wait_s,
+                deadline=self.deadline,
+                procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
+                on_signal=lambda ident, sig: self.tell(outcome.SignalSent(by_ident[ident], sig)),
+                on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
+                pinner=self.scope.pinner,
+                clock=self.clock,
+            )
+            self.summary.killed.extend(result.terminated + result.killed)
+            survivors = result.survivors
             if survivors or self.clock() >= self.deadline:
                 break
             self.report_faults(self.find_holders()[0])
@@ -362,33 +346,9 @@ class PhaseRun:
         if survivors:
             survived = [self.signalled[ident] for ident in survivors]
             self.tell(outcome.Survived(survived))
-            self.summary.held = [Blocker.of(choice, UNKILLABLE) for choice in survived]
+            self.summary.held = [Blocker.of(choice, outcome.UNKILLABLE) for choice in survived]
             self.found.add(ExitCode.UNKILLABLE)
         return survivors
-
-    def kill_round(self, fresh: list[Choice], round_number: int) -> list[ProcessId]:
-        by_ident = self.signalled
-        self.summary.rounds += 1  # counted over the run: the wait may kill respawns too
-        if round_number > 1:
-            self.tell(outcome.Decided(Decision(fresh)))
-        self.tell(outcome.Stopping(len(fresh), round_number))
-        self.note(processes=len(fresh), round_number=round_number)
-        by_ident.update((c.holder.info.ident, c) for c in fresh)
-        with self.procfs.oneshot():
-            self.watch.killed(fresh, by_ident, self.procfs, self_chain=self.latest.self_chain)
-        result = terminate(
-            [c.holder.info.ident for c in fresh],
-            grace_s=self.policy.sigterm_grace_s,
-            sigkill_wait_s=self.policy.sigkill_wait_s,
-            deadline=self.deadline,
-            procfs=self.procfs,  # outside any oneshot(): every check reads /proc afresh
-            on_signal=lambda ident, signum: self.tell(outcome.SignalSent(by_ident[ident], signum)),
-            on_sigkill_wait=lambda idents: self.on_stuck([by_ident[i] for i in idents]),
-            pinner=self.scope.pinner,
-            clock=self.clock,
-        )
-        self.summary.killed.extend(result.terminated + result.killed)
-        return result.survivors
 
     def on_stuck(self, choices: list[Choice]) -> None:
         for choice in choices:
@@ -396,9 +356,8 @@ class PhaseRun:
             process_state = stat.state if stat else "?"
             self.tell(outcome.Stuck(choice, process_state, self.procfs.wchan(choice.holder.pid)))
 
-    # -- waiting: for free GPUs and ports, killing what turns up meanwhile
-
     def waiting(self) -> Transition:
+        """Wait for free GPUs and ports, killing what turns up meanwhile."""
         skipped = self.surroundings.not_to_wait_on(self.latest.owned)
         owned = [gpu for gpu in self.latest.owned if gpu not in skipped]
         if owned or self.ports:
@@ -510,9 +469,8 @@ class PhaseRun:
         elif failing:
             found.add(ExitCode.MEMORY_TIMEOUT)
 
-    # -- finishing: the /dev/shm step, the exit code, the lease (locks held), the last entry
-
     def finishing(self) -> Transition:
+        """The /dev/shm step, the exit code, the lease (locks held), the last entry."""
         # A refused run killed nothing: it has no /dev/shm files to remove.
         if self.transitions[-1][1] not in (Transition.REFUSED, Transition.START_REFUSED):
             self.clean_shm()
@@ -531,12 +489,13 @@ class PhaseRun:
     def clean_shm(self) -> None:
         """The killed's /dev/shm files (a dry run: those it would kill), once they are gone;
         then, before a start, the free space the next start needs."""
-        host = self.scope.shm_host(self.shm_areas, self.scope.roots.proc)
+        host = self.scope.shm_host(self.latest.shm_areas, self.scope.roots.proc)
         label = self.shm_label
         freed = 0
         if self.policy.remove_shm:
-            if self.would_kill is not None:
-                removals = plan(self.shm_ledger, self.would_kill, host, label)
+            if self.scope.dry_run:  # DRY_RUN left looking for finishing: its decision's targets
+                would_kill = {c.holder.pid for c in self.decision.targets}
+                removals = plan(self.shm_ledger, would_kill, host, label)
                 freed = sum(r.facts.bytes for r in removals if r.removed and r.facts)
             else:
                 killed = {ident.pid for ident in self.signalled}
@@ -551,9 +510,8 @@ class PhaseRun:
             return
         short = short_of_space(host, needed_mib * MIB, freed)
         if short is not None:
-            holders: dict[ShmKey, list[int]] = {}
-            if short.largest:
-                holders = {key: sorted(pids) for key, pids in host.holders().by_key.items()}
+            by_key = host.holders().by_key if short.largest else {}
+            holders = {key: sorted(pids) for key, pids in by_key.items()}
             self.tell(outcome.ShmShort(short, holders, label))
             self.found.add(ExitCode.SHM_SPACE)
 

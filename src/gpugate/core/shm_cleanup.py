@@ -156,7 +156,7 @@ def remove(
     for found in wanted:
         item = found
         if item.kept is None and fresh.unreadable:
-            shown = tuple(f"PID {pid}" for pid in sorted(fresh.unreadable)[:3])
+            shown = _labels(fresh.unreadable, "PID {}".format)
             item = item._replace(kept=Kept.UNREADABLE, kept_by=shown)
         elif item.kept is None and (now := fresh.by_key.get(item.file.key, ())):
             item = item._replace(kept=Kept.HELD_NOW, kept_by=_labels(now, label))
@@ -183,14 +183,12 @@ class SpaceShort(NamedTuple):
     largest: list[tuple[ShmKey, FileFacts]]
 
 
-def short_of_space(
-    host: ShmHost, needed_bytes: int, freed_bytes: int = 0, count: int = 3
-) -> SpaceShort | None:
+def short_of_space(host: ShmHost, needed_bytes: int, freed_bytes: int) -> SpaceShort | None:
     """The first area with less than needed_bytes free (plus what a dry run would have
-    removed), with its COUNT largest files; None where every area has room."""
+    removed), with its 3 largest files; None where every area has room."""
     for space in host.spaces():
         free = space.free_bytes + freed_bytes
         if free < needed_bytes:
-            largest = [item for item in host.largest(count * 4) if item[0].dev == space.area.dev]
-            return SpaceShort(space, free, needed_bytes, largest[:count])
+            largest = [item for item in host.largest(3 * 4) if item[0].dev == space.area.dev]
+            return SpaceShort(space, free, needed_bytes, largest[:3])
     return None
