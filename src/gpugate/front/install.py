@@ -12,10 +12,9 @@ import re
 import stat
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Literal, TextIO, Union
+from typing import Literal, NamedTuple, TextIO, Union
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, toml_value
 from gpugate.config.schema import DEFAULTS, GateConfig, PhasePolicy
@@ -270,8 +269,7 @@ class Action(Enum):
     ABSENT = ("not there", "not there")
 
 
-@dataclass(frozen=True)
-class Change:
+class Change(NamedTuple):
     path: Path
     action: Action
     content: str | None = None  # what WRITE writes
@@ -379,8 +377,8 @@ def file_change(
     path: Path,
     content: str | None,
     *,
-    force: bool,
-    keep_edited: bool,
+    force: bool = False,
+    keep_edited: bool = True,
     said: tuple[str, ...] = (),
 ) -> Change | None:
     """Writing content (None: removing the file); None: the operator's file, refused."""
@@ -411,7 +409,7 @@ def plan_uninstall(
             f"{dropin_path}: edited by you (or not written by gpugate install); nothing changed; "
             "--force removes it"
         )
-    config = file_change(config_path, None, force=force, keep_edited=True)
+    config = file_change(config_path, None, force=force)
     assert config is not None  # kept where edited
     return [dropin, config]
 
@@ -528,23 +526,6 @@ WantedBy=timers.target
 """
 
 
-def render_service(command: Sequence[str]) -> str:
-    return SERVICE_TEMPLATE.replace("@GPUGATE@", " ".join(command))
-
-
-def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
-    """The unit files in systemd_dir: none where the package carries them."""
-    if (PACKAGED_DIR / TIMER).exists() and (PACKAGED_DIR / SERVICE).exists():
-        return []
-    changes = []
-    for name, body in ((SERVICE, render_service(command)), (TIMER, TIMER_TEMPLATE)):
-        content = with_header(body) if installing else None
-        change = file_change(systemd_dir / name, content, force=False, keep_edited=True)
-        assert change is not None  # kept where edited
-        changes.append(change)
-    return changes
-
-
 def timer_systemctl(*words: str) -> None:
     result = systemctl(*words)
     if result.returncode != 0:
@@ -578,12 +559,20 @@ WantedBy=multi-user.target
 """
 
 
-def plan_nri(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
-    """gpugate-nri.service in systemd_dir: none where the package carries it."""
-    if (PACKAGED_DIR / NRI_SERVICE).exists():
+SHIPPED = {TIMER: (SERVICE, TIMER), NRI_SERVICE: (NRI_SERVICE,)}  # what each enabled unit needs
+TEMPLATES = {SERVICE: SERVICE_TEMPLATE, TIMER: TIMER_TEMPLATE, NRI_SERVICE: NRI_TEMPLATE}
+
+
+def plan_shipped(
+    unit: str, systemd_dir: Path, command: Sequence[str], *, installing: bool
+) -> list[Change]:
+    """unit's files (the timer's service too) in systemd_dir, running command; none where the
+    package carries them. One edited since is kept."""
+    if all((PACKAGED_DIR / name).exists() for name in SHIPPED[unit]):
         return []
-    body = NRI_TEMPLATE.replace("@GPUGATE@", " ".join(command))
-    content = with_header(body) if installing else None
-    change = file_change(systemd_dir / NRI_SERVICE, content, force=False, keep_edited=True)
-    assert change is not None  # kept where edited
-    return [change]
+    changes = []
+    for name in SHIPPED[unit]:
+        body = TEMPLATES[name].replace("@GPUGATE@", " ".join(command))
+        change = file_change(systemd_dir / name, with_header(body) if installing else None)
+        changes += [change] if change is not None else []
+    return changes
