@@ -139,7 +139,9 @@ def test_install_adds_only_the_runtime_and_uninstall_restores_the_bytes(
     assert cc.uninstalled(original, path=PATH) == original
 
 
-def test_a_gpu_node_keeps_nvidia_s_runtime_in_the_chain() -> None:
+def test_a_gpu_node_keeps_nvidia_s_runtime_in_the_chain(
+    tmp_path: Path, nvidia_installed: Path
+) -> None:
     text, wrapped = install(GPU_NODE_V2, default=True)
     assert wrapped == "nvidia"
     data = tomllib.loads(text)
@@ -153,7 +155,11 @@ def test_a_gpu_node_keeps_nvidia_s_runtime_in_the_chain() -> None:
     assert nvidia["options"]["BinaryName"] == "/usr/bin/nvidia-container-runtime"  # type: ignore[index]
     assert data["oom_score"] == -999
     assert data["plugins"]["io.containerd.grpc.v1.cri"]["sandbox_image"].endswith("pause:3.9")
-    assert cc.nvidia_binaries(data) == ["/usr/bin/nvidia-container-runtime", WRAPPER]
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    assert nvidia_in_place(ContainerHost(containerd_config=config))
+    config.write_text(text.replace("/usr/bin/nvidia-container-runtime", "/usr/bin/runc"))
+    assert not nvidia_in_place(ContainerHost(containerd_config=config))
 
 
 def test_a_default_that_is_not_runc_s_shim_is_not_copied() -> None:

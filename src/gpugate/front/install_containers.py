@@ -200,16 +200,20 @@ def nvidia_in_place(host: ContainerHost) -> bool:
     """NVIDIA's runtime installed and set up as a runtime of docker's or containerd's CRI."""
     if wrapped_runtime.find(wrapped_runtime.NVIDIA) is None:
         return False
-    programs: list[str] = []
+    programs: list[object] = []
     if host.daemon_json is not None:
         runtimes = read_daemon_json(host.daemon_json).get("runtimes", {})
         for entry in runtimes.values() if isinstance(runtimes, dict) else ():
-            programs.append(str(entry.get("path", "")) if isinstance(entry, dict) else "")
-    if host.containerd_config is not None:
-        text = read_containerd_config(host.containerd_config)
-        if text is not None:
-            programs += nvidia_binaries(parse(text, host.containerd_config))
-    return any(os.path.basename(p) == wrapped_runtime.NVIDIA for p in programs)
+            programs.append(entry.get("path") if isinstance(entry, dict) else None)
+    conf = host.containerd_config
+    text = read_containerd_config(conf) if conf is not None else None
+    data = parse(text, conf) if conf is not None and text is not None else {}
+    for cri in CRI.values():
+        for runtime in table_at(data, (*cri, "runtimes")).values():
+            options = runtime.get("options") if isinstance(runtime, dict) else None
+            programs.append(options.get("BinaryName") if isinstance(options, dict) else None)
+    nvidia = wrapped_runtime.NVIDIA
+    return any(isinstance(p, str) and os.path.basename(p) == nvidia for p in programs)
 
 
 def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Change]:
@@ -500,14 +504,3 @@ def not_as_tables(path: Path, cri: tuple[str, ...]) -> InstallError:
         f"{path}: adding {dotted(cri)} as a table would change other settings (inline or "
         "dotted tables there); add it by hand (docs/containers.md); nothing changed"
     )
-
-
-def nvidia_binaries(data: Table) -> list[str]:
-    found = []
-    for cri in CRI.values():
-        for runtime in table_at(data, (*cri, "runtimes")).values():
-            options = runtime.get("options") if isinstance(runtime, dict) else None
-            binary = options.get("BinaryName") if isinstance(options, dict) else None
-            if isinstance(binary, str) and binary:
-                found.append(binary)
-    return found
