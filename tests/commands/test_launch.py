@@ -544,7 +544,7 @@ def test_a_changed_config_is_validated() -> None:
     assert changed.ports == (8000,) and isinstance(changed.ports, tuple)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert changed.model_dump(mode="json")["ports"] == [8000]
+        assert changed.model_dump()["ports"] == [8000]
     assert config.ports == ()
 
 

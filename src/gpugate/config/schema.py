@@ -102,22 +102,16 @@ class Model:
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self)})"
 
-    def model_dump(
-        self,
-        *,
-        mode: Literal["python", "json"] = "python",
-        exclude: set[str] | frozenset[str] = frozenset(),
-        exclude_defaults: bool = False,
-    ) -> dict[str, Any]:
-        """The fields as a dict (json: lists and text for tuples and paths), tables included."""
+    def model_dump(self, *, exclude_defaults: bool = False) -> dict[str, Any]:
+        """The fields as JSON holds them (lists for tuples, text for paths), tables as dicts."""
         dumped: dict[str, Any] = {}
         for name, value in self:
-            if name in exclude or (exclude_defaults and value == self.model_fields[name].default):
+            if exclude_defaults and value == self.model_fields[name].default:
                 continue
             dumped[name] = value
             if isinstance(value, Model):
-                dumped[name] = value.model_dump(mode=mode, exclude_defaults=exclude_defaults)
-            elif mode == "json" and isinstance(value, (tuple, PurePath)):
+                dumped[name] = value.model_dump(exclude_defaults=exclude_defaults)
+            elif isinstance(value, (tuple, PurePath)):
                 dumped[name] = list(value) if isinstance(value, tuple) else str(value)
         return dumped
 
