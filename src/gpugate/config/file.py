@@ -1,15 +1,12 @@
-"""The config lookup (--config, /etc/gpugate/UNIT.toml, NAME@.service.toml, default.toml, built-in
-defaults), its parse, its one-line error naming file and field; enough TOML to print it back."""
+"""The config's parse, its one-line error naming file and field; enough TOML to print it back
+(integrations.config_files looks the file up)."""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from gpugate.config.schema import DEFAULTS, GateConfig, Model
-from gpugate.config.values import BUILTIN_SOURCE
 from gpugate.errors import ConfigError
 from gpugate.untrusted import for_error
 
@@ -76,40 +73,6 @@ def _did_you_mean(parts: list[str]) -> str:
 
     close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
     return close[0] if close else ""
-
-
-def load_config(
-    unit: str | None,
-    explicit: Path | None = None,
-    config_dir: Path = DEFAULT_CONFIG_DIR,
-    *,
-    read: Callable[[Path], str],
-    parse: Callable[[str, str], Config] = parse_config,
-) -> LoadedConfig:
-    """The lookup, read by integrations.config_files (which judges the file first), parsed
-    (parse_config, or as its cache knows it)."""
-    path = explicit
-    if path is None:
-        candidates = [config_dir / f"{unit}.toml"] if unit else []
-        prefix, at, rest = (unit or "").partition("@")
-        if at and "." in rest:
-            candidates.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
-        candidates.append(config_dir / "default.toml")
-        path = next((p for p in candidates if os.path.lexists(p)), None)
-    if path is None:
-        loaded = LoadedConfig(DEFAULTS, BUILTIN_SOURCE)
-    else:
-        loaded = LoadedConfig(parse(read(path), str(path)), str(path))
-    check_lock_dir(loaded)
-    return loaded
-
-
-def check_lock_dir(loaded: LoadedConfig) -> None:
-    """lock_dir must be, or be able to become, a folder (it is made at the first run)."""
-    lock_dir = loaded.config.lock_dir
-    existing = next(path for path in (lock_dir, *lock_dir.parents) if path.exists())
-    if not existing.is_dir():
-        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
 
 
 # A TOML basic string's short escapes, and \uXXXX for each other control character.
