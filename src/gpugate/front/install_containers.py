@@ -93,17 +93,11 @@ def plan_hooks(
     for folder in host.hooks_dirs:
         for name, stage in HOOK_FILES.items():
             path = folder / name
-            text = hook_file(gpugate, stage)
-            exists = path.exists()
-            if exists and not is_our_hook(path) and not force:
+            if path.exists() and not is_our_hook(path) and not force:
                 raise InstallError(
                     f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
                 )
-            if install:
-                action = Action.UNCHANGED if _read(path) == text else Action.WRITE
-                changes.append(Change(path, action, text))
-            else:
-                changes.append(Change(path, Action.REMOVE if exists else Action.ABSENT))
+            changes.append(changing(path, hook_file(gpugate, stage) if install else None))
     return changes
 
 
@@ -219,13 +213,9 @@ def nvidia_in_place(host: ContainerHost) -> bool:
 def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Change]:
     if host.daemon_json is None and host.containerd_config is None:
         return []
-    path = host.runtime_record
-    if not install:
-        return [Change(path, Action.REMOVE if path.exists() else Action.ABSENT)]
     name = wrapped_runtime.NVIDIA if nvidia else wrapped_runtime.RUNC
-    text = wrapped_runtime.record_text(name)
-    action = Action.UNCHANGED if _read(path) == text else Action.WRITE
-    return [Change(path, action, text, "runs", detail=name)]
+    text = wrapped_runtime.record_text(name) if install else None
+    return [changing(host.runtime_record, text, "runs", name)]
 
 
 def wrapper_beside(gpugate: str) -> str:
@@ -255,11 +245,15 @@ def reload_docker() -> str:
     raise InstallError(f"daemon.json written, but {detail}; run `systemctl reload docker`")
 
 
-def _read(path: Path) -> str | None:
+def changing(path: Path, text: str | None, note: str = "", detail: str = "") -> Change:
+    """Writing text to path (None: removing it), unless it is so already."""
+    if text is None:
+        return Change(path, Action.REMOVE if path.exists() else Action.ABSENT)
     try:
-        return path.read_text(encoding="utf-8")
+        same = path.read_text(encoding="utf-8") == text
     except (OSError, UnicodeDecodeError):
-        return None
+        same = False
+    return Change(path, Action.UNCHANGED if same else Action.WRITE, text, note, detail=detail)
 
 
 RUNC_V2 = "io.containerd.runc.v2"
