@@ -25,7 +25,7 @@ from gpugate.config.values import (
     parse_gpu_text,
 )
 from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
-from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
+from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     Setting,
     UnitSettings,
@@ -291,34 +291,37 @@ def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]
 
 def parse_gpus(value: str) -> Gpus:
     """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`; InvalidValue."""
-    if value.strip() == "all":
-        return "all"
-    return list(parse_gpu_text(value))
+    return "all" if value.strip() == "all" else list(parse_gpu_text(value))
 
 
-def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> Result:
+def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> None:
+    """Run systemctl with these words; InstallError where it cannot or it fails."""
     program = find_program("systemctl")
     if program is None:
         raise InstallError(
             f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
         )
     try:
-        return run_program([program, *words], timeout_s)
+        result = run_program([program, *words], timeout_s)
     except GateError as exc:
         raise InstallError(f"files written, but {exc}; run it yourself") from None
-
-
-def systemctl_daemon_reload() -> bool:
-    """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
-    if not systemd_running():
-        return False
-    result = systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
-    if result.returncode != 0:
+    if result.returncode != 0 and words == ("daemon-reload",):
         raise InstallError(
             f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
             "run it yourself"
         )
-    return True
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout or "").strip().splitlines()
+        said = for_error(detail[-1] if detail else "", quote=False)
+        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
+
+
+def systemctl_daemon_reload() -> bool:
+    """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
+    running = systemd_running()
+    if running:
+        systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
+    return running
 
 
 def plan_install(
@@ -332,7 +335,6 @@ def plan_install(
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
     query: Callable[[str], UnitState | None] | None = None,
-    stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would change the operator's
     files without force. The unit's settings: `systemctl cat` for the real systemd_dir. A unit
@@ -347,7 +349,7 @@ def plan_install(
         unknown = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
         if not force:
             raise UnknownUnit(f"{unknown}; nothing changed; --force installs anyway")
-        print(lines.warning(f"{unknown}; installing anyway (--force)"), file=stream or sys.stderr)
+        print(lines.warning(f"{unknown}; installing anyway (--force)"), file=sys.stderr)
     settings = parse_unit_settings(read_unit(unit, systemd_dir, ask_systemd=real))
     try:
         text = config_path.read_text(encoding="utf-8")
@@ -524,14 +526,6 @@ AccuracySec=1s
 # Enabled by `gpugate install --sweep`, not by the package.
 WantedBy=timers.target
 """
-
-
-def timer_systemctl(*words: str) -> None:
-    result = systemctl(*words)
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout or "").strip().splitlines()
-        said = for_error(detail[-1] if detail else "", quote=False)
-        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
 
 
 NRI_SERVICE = "gpugate-nri.service"
