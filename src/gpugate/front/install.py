@@ -131,7 +131,6 @@ CONFIG_FIELDS = (
     "private_shm",
 )
 
-HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
 HEADER_TEXT = (
     "# Written by gpugate install (sha256:{digest}).\n"
     "# Edit freely: install and uninstall then leave it alone unless given --force.\n"
@@ -245,12 +244,9 @@ def ownership(path: Path) -> Ownership:
         return Ownership.OPERATORS
     except PermissionError:
         raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
-    match = HEADER.match(text)
     parts = text.split("\n", 2)  # HEADER_TEXT's two lines, and the rest
-    if match is None or len(parts) < 3:
-        return Ownership.OPERATORS
-    unchanged = hashlib.sha256(parts[2].encode()).hexdigest() == match[1]
-    return Ownership.OURS if unchanged else Ownership.OPERATORS
+    first = with_header(parts[-1]).split("\n", 1)[0]  # the digest's line, for that rest
+    return Ownership.OURS if len(parts) == 3 and parts[0] == first else Ownership.OPERATORS
 
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")

@@ -405,18 +405,14 @@ def set_default(lines: list[str], cri: tuple[str, ...]) -> bool:
     if start is None:
         return False
     end = next((n for n in range(start + 1, len(lines)) if header_of(lines[n])), len(lines))
-    indent = re.match(r"^\s*", lines[start]).group(0) + "  "  # type: ignore[union-attr]
-    for number in range(start + 1, end):
-        found = DEFAULT_KEY.match(lines[number])
-        if found:
-            original = lines[number] if lines[number].endswith("\n") else lines[number] + "\n"
-            new = f'{found.group(1)}default_runtime_name = "{RUNTIME_NAME}"\n'
-            lines[number : number + 1] = [WAS + original, new]
-            return True
-    lines[start + 1 : start + 1] = [
-        WAS_NONE + "\n",
-        f'{indent}default_runtime_name = "{RUNTIME_NAME}"\n',
-    ]
+    found = next((n for n in range(start + 1, end) if DEFAULT_KEY.match(lines[n])), None)
+    if found is None:  # a line of its own, indented under the header
+        indent = re.match(r"^\s*", lines[start]).group(0) + "  "  # type: ignore[union-attr]
+        at, was = slice(start + 1, start + 1), WAS_NONE + "\n"
+    else:
+        indent = DEFAULT_KEY.match(lines[found]).group(1)  # type: ignore[union-attr]
+        at, was = slice(found, found + 1), WAS + lines[found].rstrip("\n") + "\n"
+    lines[at] = [was, f'{indent}default_runtime_name = "{RUNTIME_NAME}"\n']
     return True
 
 
