@@ -259,8 +259,8 @@ def test_unsafe_gpugate_path_refused(dirs: Dirs, path: str) -> None:
 
 
 def test_parse_gpus() -> None:
-    assert parse_gpus("0,1, 7") == [0, 1, 7]
-    assert parse_gpus("GPU-12345678-abcd,2") == ["GPU-12345678-abcd", 2]
+    assert parse_gpus("0,1, 7") == (0, 1, 7)
+    assert parse_gpus("GPU-12345678-abcd,2") == ("GPU-12345678-abcd", 2)
     assert parse_gpus("all") == "all"
     for bad in ("", "0,0", "x", "-1", "all,0", "1024", "0,"):
         with pytest.raises(ValueError):

@@ -334,7 +334,7 @@ def test_the_parser_takes_the_command_after_double_dash() -> None:
     args = build_parser().parse_args(
         ["run", "--gpus", "0,1", "--port", "8000", "--port", "8001", "--", "vllm", "--gpus", "x"]
     )
-    assert args.gpus == [0, 1] and args.ports == [8000, 8001]
+    assert args.gpus == (0, 1) and args.ports == [8000, 8001]
     assert args.command[-3:] == ["vllm", "--gpus", "x"]
 
 

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Literal, NamedTuple, TextIO, Union
+from typing import NamedTuple, TextIO
 
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, toml_value
 from gpugate.config.schema import DEFAULTS, GateConfig, PhasePolicy
@@ -22,6 +22,7 @@ from gpugate.config.values import (
     DEFAULT_PRIVATE_SHM,
     PRIVATE_SHM_OFF,
     SWEEP_INTERVAL_S,
+    GpuSelection,
     parse_gpu_text,
 )
 from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
@@ -138,8 +139,6 @@ HEADER_TEXT = (
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
 SAFE_FLAG = re.compile(r"^(-I|-m|gpugate)$")  # the words gpugate_command adds
 
-Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
-
 
 class Ownership(Enum):
     ABSENT = "absent"
@@ -205,7 +204,7 @@ def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], li
 
 def render_config(
     unit: str,
-    gpus: Gpus | None,
+    gpus: GpuSelection | None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
 ) -> str:
@@ -285,9 +284,9 @@ def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]
     return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
-def parse_gpus(value: str) -> Gpus:
+def parse_gpus(value: str) -> GpuSelection:
     """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`; InvalidValue."""
-    return "all" if value.strip() == "all" else list(parse_gpu_text(value))
+    return "all" if value.strip() == "all" else parse_gpu_text(value)
 
 
 def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> None:
@@ -323,7 +322,7 @@ def systemctl_daemon_reload() -> bool:
 def plan_install(
     unit: str,
     *,
-    gpus: Gpus | None = None,
+    gpus: GpuSelection | None = None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
     gpugate_path: Path | Sequence[str] = DEFAULT_GPUGATE,
