@@ -112,7 +112,9 @@ def no_default() -> str:
 
 
 def install(text: str | None, *, default: bool = False) -> tuple[str, str]:
-    return cc.installed(text, WRAPPER, path=PATH, default=default, default_config=no_default)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cc, "containerd_default_config", no_default)
+        return cc.installed(text, WRAPPER, path=PATH, default=default)
 
 
 def at(data: dict[str, object], keys: tuple[str, ...]) -> dict[str, object]:
@@ -173,15 +175,14 @@ def test_v3_options_are_runc_s() -> None:
     assert options == {"SystemdCgroup": True, "NoNewKeyring": False, "BinaryName": WRAPPER}
 
 
-def test_a_missing_file_is_containerd_s_default_and_uninstall_removes_it() -> None:
-    made, _ = cc.installed(
-        None, WRAPPER, path=PATH, default=True, default_config=lambda: GPU_NODE_V2
-    )
+def test_a_missing_file_is_containerd_s_default_and_uninstall_removes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cc, "containerd_default_config", lambda: GPU_NODE_V2)
+    made, _ = cc.installed(None, WRAPPER, path=PATH, default=True)
     assert made.startswith(cc.MADE)
     assert at(tomllib.loads(made), V2)["default_runtime_name"] == "gpugate"  # type: ignore[index]
-    assert (
-        cc.installed(made, WRAPPER, path=PATH, default=True, default_config=no_default)[0] == made
-    )
+    assert install(made, default=True)[0] == made
     assert cc.uninstalled(made, path=PATH) is None
     edited = made.replace("oom_score = -999", "oom_score = -500")
     kept = cc.uninstalled(edited, path=PATH)
@@ -259,9 +260,9 @@ class _Sink:
 
 
 def run(host: ContainerHost, *, install: bool, default: bool = False) -> list[Action]:
-    changes = plan_containerd(
-        host, WRAPPER, install=install, default=default, default_config=lambda: GPU_NODE_V2
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cc, "containerd_default_config", lambda: GPU_NODE_V2)
+        changes = plan_containerd(host, WRAPPER, install=install, default=default)
     changes += plan_record(host, install=install, nvidia=nvidia_in_place(host) and install)
     apply(changes, reload=lambda: False, out=_Sink())
     return [c.action for c in changes]

@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -166,7 +166,6 @@ def plan_containerd(
     *,
     install: bool,
     default: bool = False,
-    default_config: Callable[[], str] = containerd_default_config,
 ) -> list[Change]:
     path = host.containerd_config
     if path is None:
@@ -181,9 +180,7 @@ def plan_containerd(
         if text == current:
             return [Change(path, Action.UNCHANGED, note="runtime-absent")]
         return [Change(path, Action.WRITE, text, "containerd-runtime-removed")]
-    text, wrapped = installed(
-        current, wrapper, path=path, default=default, default_config=default_config
-    )
+    text, wrapped = installed(current, wrapper, path=path, default=default)
     if text == current:
         return [Change(path, Action.UNCHANGED, note="runtime-there")]
     note = "containerd-runtime-default" if default else "containerd-runtime-added"
@@ -430,10 +427,9 @@ def installed(
     *,
     path: Path,
     default: bool,
-    default_config: Callable[[], str],
 ) -> tuple[str, str]:
     """The config with the runtime gpugate (idempotent), and the runtime that one wraps."""
-    base = default_config() if current is None else strip(current, path)
+    base = containerd_default_config() if current is None else strip(current, path)
     data = parse(base, path)
     cri = cri_keys(data, path)
     cri_table = table_at(data, cri)
