@@ -220,11 +220,9 @@ def render_config(
         setting = f"{name} = {toml_value(value)}" if name == "gpus" or value else None
         default = f"# {name} = {toml_value(getattr(DEFAULTS, name))}"
         lines += [f"# {GateConfig.model_fields[name].description}", setting or default]
-    for phase, policy, when in (
-        ("pre", DEFAULTS.pre, "ExecStartPre=: before the unit starts."),
-        ("post", DEFAULTS.post, "ExecStopPost=: after the unit stopped."),
-    ):
-        lines += ["", f"[{phase}]", f"# {when}"]
+    for phase in ("pre", "post"):
+        lines += ["", f"[{phase}]", f"# {GateConfig.model_fields[phase].description}"]
+        policy = getattr(DEFAULTS, phase)
         for name, field in PhasePolicy.model_fields.items():
             lines += [f"# {field.description}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
