@@ -140,7 +140,10 @@ class ConfigCache:
             self.entries[text] = schema.to_plain(config)
             while len(self.entries) > CACHE_ENTRIES:
                 del self.entries[next(iter(self.entries))]
-            self._write(marshal.dumps((_code_key(), self.entries)))
+            data = marshal.dumps((_code_key(), self.entries))
+            if safe_files.untrusted(self.path.parent) is None:
+                with safe_files.folder(self.path.parent, make=False) as folder:
+                    safe_files.write_in(folder, self.path.name, data, 0o600)
         except (OSError, TypeError, ValueError):
             pass
         return config
@@ -154,11 +157,6 @@ class ConfigCache:
             return entries if key == _code_key() and isinstance(entries, dict) else {}
         except (OSError, EOFError, ValueError, TypeError):
             return {}
-
-    def _write(self, data: bytes) -> None:
-        if safe_files.untrusted(self.path.parent) is None:
-            with safe_files.folder(self.path.parent, make=False) as folder:
-                safe_files.write_in(folder, self.path.name, data, 0o600)
 
 
 def _code_key() -> tuple[Any, ...]:
