@@ -4,14 +4,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
-from gpugate.config.schema import DEFAULTS, GateConfig, Model
+from gpugate.config.schema import DEFAULTS, GateConfig, Model, ModelT
 from gpugate.errors import ConfigError
 from gpugate.untrusted import for_error
 
 Config = GateConfig
-ConfigOrPolicy = TypeVar("ConfigOrPolicy", bound=Model)
 
 DEFAULT_CONFIG_DIR = Path("/etc/gpugate")
 STRICT_TYPE_ERRORS = {"bool_type", "int_type", "float_type", "string_type", "literal_error"}
@@ -23,7 +22,7 @@ class LoadedConfig(NamedTuple):
     source: str  # the file it came from, or BUILTIN_SOURCE
 
 
-def replaced(config: ConfigOrPolicy, **changes: Any) -> ConfigOrPolicy:
+def replaced(config: ModelT, **changes: Any) -> ModelT:
     """A copy of the same type with these fields changed, not validated (the code chose them)."""
     return config._made({**dict(config), **changes}, config.model_fields_set | set(changes))
 
