@@ -546,7 +546,19 @@ WantedBy=multi-user.target
 """
 
 
-SHIPPED = {TIMER: (SERVICE, TIMER), NRI_SERVICE: (NRI_SERVICE,)}  # what each enabled unit needs
+SHIPPED = {  # each unit install enables: its files, and what disabling and enabling it say
+    TIMER: (
+        (SERVICE, TIMER),
+        "disabled gpugate-sweep.timer: no more sweeps",
+        "enabled gpugate-sweep.timer: a gpugate sweep every minute",
+    ),
+    NRI_SERVICE: (
+        (NRI_SERVICE,),
+        "disabled gpugate-nri.service: the runtime's containers are no longer gated",
+        "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
+        "(docs/containers.md, NRI)",
+    ),
+}
 TEMPLATES = {SERVICE: SERVICE_TEMPLATE, TIMER: TIMER_TEMPLATE, NRI_SERVICE: NRI_TEMPLATE}
 
 
@@ -555,10 +567,10 @@ def plan_shipped(
 ) -> list[Change]:
     """unit's files (the timer's service too) in systemd_dir, running command; none where the
     package carries them. One edited since is kept."""
-    if all((PACKAGED_DIR / name).exists() for name in SHIPPED[unit]):
+    if all((PACKAGED_DIR / name).exists() for name in SHIPPED[unit][0]):
         return []
     changes = []
-    for name in SHIPPED[unit]:
+    for name in SHIPPED[unit][0]:
         body = TEMPLATES[name].replace("@GPUGATE@", " ".join(command))
         change = file_change(systemd_dir / name, with_header(body) if installing else None)
         changes += [change] if change is not None else []

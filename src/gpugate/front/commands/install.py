@@ -61,25 +61,11 @@ def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, .
     return int(ExitCode.OK)
 
 
-SHIPPED = {  # --sweep, --nri: the unit, and what disabling and enabling it say
-    "sweep": (
-        plan.TIMER,
-        "disabled gpugate-sweep.timer: no more sweeps",
-        "enabled gpugate-sweep.timer: a gpugate sweep every minute",
-    ),
-    "nri": (
-        plan.NRI_SERVICE,
-        "disabled gpugate-nri.service: the runtime's containers are no longer gated",
-        "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
-        "(docs/containers.md, NRI)",
-    ),
-}
-
-
 def shipped_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
     """--sweep or --nri: a unit file of gpugate's own written (none where the package carries
     it) and enabled, --now where systemd runs; or disabled, then removed."""
-    unit, disabled, enabled = SHIPPED["sweep" if args.sweep else "nri"]
+    unit = plan.TIMER if args.sweep else plan.NRI_SERVICE
+    _, disabled, enabled = plan.SHIPPED[unit]
     changes = plan.plan_shipped(unit, args.systemd_dir, command, installing=installing)
     now = ["--now"] if systemd_running() else []
     there = any((folder / unit).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
