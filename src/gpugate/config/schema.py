@@ -301,10 +301,7 @@ class PhasePolicy(Model):
         5.0, "Seconds after SIGKILL before a survivor is reported.", gt=0, le=3600
     )
     wait_timeout_s: float = setting(
-        120.0,
-        "Deadline for the whole run (kill and memory wait), in seconds.",
-        gt=0,
-        le=86400,
+        120.0, "Deadline for the whole run (kill and memory wait), in seconds.", gt=0, le=86400
     )
     on_timeout: OnFailure = setting(
         "fail", 'Memory not freed by the deadline: "fail" (the run fails) or "warn".'

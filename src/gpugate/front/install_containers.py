@@ -161,11 +161,7 @@ def containerd_default_config() -> str:
 
 
 def plan_containerd(
-    host: ContainerHost,
-    wrapper: str,
-    *,
-    install: bool,
-    default: bool = False,
+    host: ContainerHost, wrapper: str, *, install: bool, default: bool = False
 ) -> list[Change]:
     path = host.containerd_config
     if path is None:
@@ -421,13 +417,7 @@ def pruned(data: object) -> object:
     return {k: v for k, v in kept.items() if v != {}}
 
 
-def installed(
-    current: str | None,
-    wrapper: str,
-    *,
-    path: Path,
-    default: bool,
-) -> tuple[str, str]:
+def installed(current: str | None, wrapper: str, *, path: Path, default: bool) -> tuple[str, str]:
     """The config with the runtime gpugate (idempotent), and the runtime that one wraps."""
     base = containerd_default_config() if current is None else strip(current, path)
     data = parse(base, path)
