@@ -77,15 +77,6 @@ def hook_file(gpugate: str | Sequence[str], stage: str) -> str:
     return json.dumps(body, indent=2) + "\n"
 
 
-def is_our_hook(path: Path) -> bool:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        args = data["hook"]["args"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return isinstance(args, list) and "oci-hook" in args and "gpugate" in str(args)
-
-
 def plan_hooks(
     host: ContainerHost, gpugate: str | Sequence[str], *, install: bool, force: bool
 ) -> list[Change]:
@@ -93,10 +84,15 @@ def plan_hooks(
     for folder in host.hooks_dirs:
         for name, stage in HOOK_FILES.items():
             path = folder / name
-            if path.exists() and not is_our_hook(path) and not force:
-                raise InstallError(
-                    f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
-                )
+            if path.exists() and not force:  # refused unless it is gpugate's own
+                try:
+                    args = json.loads(path.read_text(encoding="utf-8"))["hook"]["args"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    args = None
+                if not (isinstance(args, list) and "oci-hook" in args and "gpugate" in str(args)):
+                    raise InstallError(
+                        f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
+                    )
             changes.append(changing(path, hook_file(gpugate, stage) if install else None))
     return changes
 
