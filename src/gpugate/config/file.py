@@ -49,8 +49,14 @@ def parse_config(text: str, source: str) -> Config:
         # An InvalidValue's words are the message itself: "Value error, WORDS".
         problem, code = first["msg"].removeprefix("Value error, "), ""
         if first["type"] == "extra_forbidden":
-            suggestion = _did_you_mean(parts)
-            problem = "unknown key" + (f"; did you mean {suggestion!r}?" if suggestion else "")
+            import difflib  # noqa: PLC0415 - an error's words only
+
+            table: Any = DEFAULTS  # the table holding the key: the file's, or [pre], [sweep]...
+            for part in parts[:-1]:
+                table = getattr(table, part, None)
+            keys = list(table.model_fields) if isinstance(table, Model) else []
+            close = difflib.get_close_matches(parts[-1], keys, n=1, cutoff=0.75)
+            problem = "unknown key" + (f"; did you mean {close[0]!r}?" if close else "")
             code = "config-unknown-key"
         elif first["type"] in STRICT_TYPE_ERRORS:
             shown = first["input"]
@@ -60,18 +66,6 @@ def parse_config(text: str, source: str) -> Config:
             problem = f"{problem}, not {kind} {for_error(shown, quote=False)}"
         field = for_error(".".join(parts), quote=False) or "(top level)"
         raise ConfigError(source, field, problem, more=exc.error_count() - 1, code=code) from None
-
-
-def _did_you_mean(parts: list[str]) -> str:
-    model: Any = DEFAULTS  # the table holding the key: the file's, or [pre], [sweep]...
-    for part in parts[:-1]:
-        model = getattr(model, part, None)
-        if not isinstance(model, Model):
-            return ""
-    import difflib  # noqa: PLC0415 - an error's words only
-
-    close = difflib.get_close_matches(parts[-1], list(model.model_fields), n=1, cutoff=0.75)
-    return close[0] if close else ""
 
 
 # A TOML basic string's short escapes, and \uXXXX for each other control character.
