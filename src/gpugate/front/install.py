@@ -58,9 +58,8 @@ def gpugate_command(argv0: str | None = None, executable: str | None = None) -> 
 def command_for(path: str) -> tuple[str, ...]:
     """--gpugate-path: a console script whose shebang lacks -I is run by its interpreter, -I."""
     python = (shebang(path) or [""])[0]
-    if os.path.basename(python).startswith("python") and os.path.isabs(python):
-        return (path,) if isolates(path) else (python, "-I", path)
-    return (path,)
+    python_script = os.path.basename(python).startswith("python") and os.path.isabs(python)
+    return (python, "-I", path) if python_script and not isolates(path) else (path,)
 
 
 def shebang(path: str) -> list[str] | None:
@@ -479,9 +478,11 @@ CHANGE_NOTES = {
 
 SERVICE = "gpugate-sweep.service"
 TIMER = "gpugate-sweep.timer"
+NRI_SERVICE = "gpugate-nri.service"
 PACKAGED_DIR = Path("/usr/lib/systemd/system")
 
-SERVICE_TEMPLATE = """\
+TEMPLATES = {  # the unit files gpugate ships, @GPUGATE@ its command
+    SERVICE: """\
 # gpugate sweep: between starts, find GPU memory that no unit, job or container owns, say so
 # in the journal and the metrics textfile, and reap it where [sweep] reap_after_s allows.
 # Started by gpugate-sweep.timer; `gpugate install --sweep` enables that (man gpugate).
@@ -498,9 +499,8 @@ ExecStart=@GPUGATE@ sweep
 NotifyAccess=main
 # A reap waits as pre does (wait_timeout_s, 120 s by default); a look takes seconds.
 TimeoutStartSec=300
-"""
-
-TIMER_TEMPLATE = f"""\
+""",
+    TIMER: f"""\
 # Runs gpugate-sweep.service once a minute. reap_after_s and drain_after_s below this
 # interval are config errors: a holder must be seen unowned by two sweeps.
 [Unit]
@@ -518,11 +518,8 @@ AccuracySec=1s
 [Install]
 # Enabled by `gpugate install --sweep`, not by the package.
 WantedBy=timers.target
-"""
-
-
-NRI_SERVICE = "gpugate-nri.service"
-NRI_TEMPLATE = """\
+""",
+    NRI_SERVICE: """\
 # gpugate's NRI plugin (docs/containers.md, NRI): containerd's (1.7+) or CRI-O's NRI must be
 # on; the runtime's config is not touched.
 [Unit]
@@ -543,7 +540,8 @@ KillMode=process
 [Install]
 # Enabled by `gpugate install --nri`, not by the package.
 WantedBy=multi-user.target
-"""
+""",
+}
 
 
 SHIPPED = {  # each unit install enables: its files, and what disabling and enabling it say
@@ -559,7 +557,6 @@ SHIPPED = {  # each unit install enables: its files, and what disabling and enab
         "(docs/containers.md, NRI)",
     ),
 }
-TEMPLATES = {SERVICE: SERVICE_TEMPLATE, TIMER: TIMER_TEMPLATE, NRI_SERVICE: NRI_TEMPLATE}
 
 
 def plan_shipped(
