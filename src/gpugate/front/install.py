@@ -248,7 +248,7 @@ def ownership(path: Path) -> Ownership:
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
 RELOAD_TIMEOUT_S = 120
-SYSTEMCTL_TIMEOUT_S = 60
+PROGRAM_TIMEOUT_S = 60  # systemctl, `containerd config default`
 
 
 class Action(Enum):
@@ -286,7 +286,7 @@ def parse_gpus(value: str) -> GpuSelection:
     return "all" if value.strip() == "all" else parse_gpu_text(value)
 
 
-def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> None:
+def systemctl(*words: str, timeout_s: float = PROGRAM_TIMEOUT_S) -> None:
     """Run systemctl with these words; InstallError where it cannot or it fails."""
     program = find_program("systemctl")
     if program is None:

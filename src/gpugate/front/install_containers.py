@@ -15,7 +15,7 @@ from typing import NamedTuple
 from gpugate.compat import tomllib
 from gpugate.config.file import toml_value
 from gpugate.errors import GateError, InstallError
-from gpugate.front.install import Action, Change
+from gpugate.front.install import PROGRAM_TIMEOUT_S, Action, Change
 from gpugate.host import safe_files, wrapped_runtime
 from gpugate.host.oci import hook_entry
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
@@ -31,7 +31,6 @@ DAEMON_JSON = Path("/etc/docker/daemon.json")
 RUNTIME_NAME = "gpugate"
 WRAPPER = "gpugate-oci-runtime"
 HOOK_FILES = {"gpugate-start.json": "createRuntime", "gpugate-stop.json": "poststop"}
-RELOAD_TIMEOUT_S = 60
 CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
 
 
@@ -148,7 +147,7 @@ def containerd_default_config() -> str:
     if containerd is None:
         raise InstallError(f"{failed}: no containerd in the system folders; nothing changed")
     try:
-        result = run_program([containerd, "config", "default"], RELOAD_TIMEOUT_S)
+        result = run_program([containerd, "config", "default"], PROGRAM_TIMEOUT_S)
     except GateError as exc:
         raise InstallError(f"{failed}: {exc}; nothing changed") from None
     if result.returncode != 0:
@@ -224,7 +223,7 @@ def reload_docker() -> str:
         active = run_program([systemctl, "is-active", "--quiet", "docker.service"], 10)
         if active.returncode != 0:
             return "docker is not running: it reads daemon.json when it starts"
-        result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
+        result = run_program([systemctl, "reload", "docker.service"], PROGRAM_TIMEOUT_S)
     except GateError as exc:
         detail = str(exc)
     else:
