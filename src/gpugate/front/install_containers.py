@@ -99,13 +99,12 @@ def plan_hooks(
 def read_daemon_json(path: Path) -> dict[str, object]:
     try:
         text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if text.strip() else {}
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
         raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
-    try:
-        data = json.loads(text) if text.strip() else {}
-    except ValueError as exc:
+    except ValueError as exc:  # after UnicodeDecodeError, one of its kind
         where = f"line {exc.lineno}" if hasattr(exc, "lineno") else "it"
         raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
     if not isinstance(data, dict):
