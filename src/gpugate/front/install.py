@@ -16,15 +16,9 @@ from enum import Enum
 from pathlib import Path
 from typing import NamedTuple, TextIO
 
+from gpugate.config import values
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, toml_value
 from gpugate.config.schema import DEFAULTS, GateConfig, PhasePolicy
-from gpugate.config.values import (
-    DEFAULT_PRIVATE_SHM,
-    PRIVATE_SHM_OFF,
-    SWEEP_INTERVAL_S,
-    GpuSelection,
-    parse_gpu_text,
-)
 from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
 from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
@@ -148,7 +142,7 @@ class Ownership(Enum):
 def render_dropin(
     gpugate: Path | Sequence[str],
     unit: UnitSettings | None = None,
-    private_shm: str = DEFAULT_PRIVATE_SHM,
+    private_shm: str = values.DEFAULT_PRIVATE_SHM,
 ) -> str:
     """The hooks, and what the unit does not set itself; its own /dev/shm unless "off"."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
@@ -190,7 +184,7 @@ def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], li
             )
     if unit.own_shm is not None:
         said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
-    elif private_shm == PRIVATE_SHM_OFF:
+    elif private_shm == values.PRIVATE_SHM_OFF:
         said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
     else:
         blocks.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
@@ -203,7 +197,7 @@ def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], li
 
 def render_config(
     unit: str,
-    gpus: GpuSelection | None,
+    gpus: values.GpuSelection | None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
 ) -> str:
@@ -281,9 +275,9 @@ def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]
     return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
-def parse_gpus(value: str) -> GpuSelection:
+def parse_gpus(value: str) -> values.GpuSelection:
     """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`; InvalidValue."""
-    return "all" if value.strip() == "all" else parse_gpu_text(value)
+    return "all" if value.strip() == "all" else values.parse_gpu_text(value)
 
 
 def systemctl(*words: str, timeout_s: float = PROGRAM_TIMEOUT_S) -> None:
@@ -319,7 +313,7 @@ def systemctl_daemon_reload() -> bool:
 def plan_install(
     unit: str,
     *,
-    gpus: GpuSelection | None = None,
+    gpus: values.GpuSelection | None = None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
     gpugate_path: Path | Sequence[str] = DEFAULT_GPUGATE,
@@ -347,7 +341,7 @@ def plan_install(
         text = config_path.read_text(encoding="utf-8")
         private_shm = parse_config(text, str(config_path)).private_shm
     except FileNotFoundError:
-        private_shm = DEFAULT_PRIVATE_SHM
+        private_shm = values.DEFAULT_PRIVATE_SHM
     except OSError as exc:
         raise PermissionDenied(f"{config_path}: cannot read it ({exc.strerror})") from None
     dropin = with_header(render_dropin(gpugate_path, settings, private_shm))
@@ -510,8 +504,8 @@ Documentation=man:gpugate(1)
 
 [Timer]
 # A minute after boot, then a minute after each sweep began.
-OnBootSec={SWEEP_INTERVAL_S}
-OnUnitActiveSec={SWEEP_INTERVAL_S}
+OnBootSec={values.SWEEP_INTERVAL_S}
+OnUnitActiveSec={values.SWEEP_INTERVAL_S}
 # The default AccuracySec= (a minute) would let sweeps drift up to two minutes apart.
 AccuracySec=1s
 
