@@ -5,6 +5,7 @@ run validated is kept in /run for the next run (ConfigCache)."""
 
 from __future__ import annotations
 
+import contextlib
 import marshal
 import os
 import sys
@@ -128,7 +129,13 @@ class ConfigCache:
     def parse(self, text: str, source: str) -> Config:
         """file.parse_config's answer for text, from the cache where it has it."""
         if self.entries is None:
-            self.entries = self._read()
+            self.entries = {}
+            if safe_files.untrusted(self.path) is None:
+                with contextlib.suppress(OSError, EOFError, ValueError, TypeError):
+                    data = safe_files.read_capped(self.path, CACHE_MOST_BYTES)
+                    key, entries = marshal.loads(data)  # noqa: S302 - root's own file, judged above
+                    if key == _code_key() and isinstance(entries, dict):
+                        self.entries = entries
         try:
             found = schema.from_plain(self.entries[text])
         except (LookupError, TypeError, ValueError):
@@ -147,16 +154,6 @@ class ConfigCache:
         except (OSError, TypeError, ValueError):
             pass
         return config
-
-    def _read(self) -> dict[str, Any]:
-        if safe_files.untrusted(self.path) is not None:
-            return {}
-        try:
-            data = safe_files.read_capped(self.path, CACHE_MOST_BYTES)
-            key, entries = marshal.loads(data)  # noqa: S302 - root's own file, judged above
-            return entries if key == _code_key() and isinstance(entries, dict) else {}
-        except (OSError, EOFError, ValueError, TypeError):
-            return {}
 
 
 def _code_key() -> tuple[Any, ...]:
