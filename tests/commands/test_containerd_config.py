@@ -112,7 +112,9 @@ def no_default() -> str:
 
 
 def install(text: str | None, *, default: bool = False) -> tuple[str, str]:
-    return cc.installed(text, WRAPPER, path=PATH, default=default, default_config=no_default)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cc, "containerd_default_config", no_default)
+        return cc.installed(text, WRAPPER, path=PATH, default=default)
 
 
 def at(data: dict[str, object], keys: tuple[str, ...]) -> dict[str, object]:
@@ -139,7 +141,9 @@ def test_install_adds_only_the_runtime_and_uninstall_restores_the_bytes(
     assert cc.uninstalled(original, path=PATH) == original
 
 
-def test_a_gpu_node_keeps_nvidia_s_runtime_in_the_chain() -> None:
+def test_a_gpu_node_keeps_nvidia_s_runtime_in_the_chain(
+    tmp_path: Path, nvidia_installed: Path
+) -> None:
     text, wrapped = install(GPU_NODE_V2, default=True)
     assert wrapped == "nvidia"
     data = tomllib.loads(text)
@@ -153,7 +157,11 @@ def test_a_gpu_node_keeps_nvidia_s_runtime_in_the_chain() -> None:
     assert nvidia["options"]["BinaryName"] == "/usr/bin/nvidia-container-runtime"  # type: ignore[index]
     assert data["oom_score"] == -999
     assert data["plugins"]["io.containerd.grpc.v1.cri"]["sandbox_image"].endswith("pause:3.9")
-    assert cc.nvidia_binaries(data) == ["/usr/bin/nvidia-container-runtime", WRAPPER]
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    assert nvidia_in_place(ContainerHost(containerd_config=config))
+    config.write_text(text.replace("/usr/bin/nvidia-container-runtime", "/usr/bin/runc"))
+    assert not nvidia_in_place(ContainerHost(containerd_config=config))
 
 
 def test_a_default_that_is_not_runc_s_shim_is_not_copied() -> None:
@@ -167,15 +175,14 @@ def test_v3_options_are_runc_s() -> None:
     assert options == {"SystemdCgroup": True, "NoNewKeyring": False, "BinaryName": WRAPPER}
 
 
-def test_a_missing_file_is_containerd_s_default_and_uninstall_removes_it() -> None:
-    made, _ = cc.installed(
-        None, WRAPPER, path=PATH, default=True, default_config=lambda: GPU_NODE_V2
-    )
+def test_a_missing_file_is_containerd_s_default_and_uninstall_removes_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cc, "containerd_default_config", lambda: GPU_NODE_V2)
+    made, _ = cc.installed(None, WRAPPER, path=PATH, default=True)
     assert made.startswith(cc.MADE)
     assert at(tomllib.loads(made), V2)["default_runtime_name"] == "gpugate"  # type: ignore[index]
-    assert (
-        cc.installed(made, WRAPPER, path=PATH, default=True, default_config=no_default)[0] == made
-    )
+    assert install(made, default=True)[0] == made
     assert cc.uninstalled(made, path=PATH) is None
     edited = made.replace("oom_score = -999", "oom_score = -500")
     kept = cc.uninstalled(edited, path=PATH)
@@ -253,9 +260,9 @@ class _Sink:
 
 
 def run(host: ContainerHost, *, install: bool, default: bool = False) -> list[Action]:
-    changes = plan_containerd(
-        host, WRAPPER, install=install, default=default, default_config=lambda: GPU_NODE_V2
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cc, "containerd_default_config", lambda: GPU_NODE_V2)
+        changes = plan_containerd(host, WRAPPER, install=install, default=default)
     changes += plan_record(host, install=install, nvidia=nvidia_in_place(host) and install)
     apply(changes, reload=lambda: False, out=_Sink())
     return [c.action for c in changes]

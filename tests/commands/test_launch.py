@@ -335,7 +335,7 @@ def test_the_parser_takes_the_command_after_double_dash() -> None:
     args = build_parser().parse_args(
         ["run", "--gpus", "0,1", "--port", "8000", "--port", "8001", "--", "vllm", "--gpus", "x"]
     )
-    assert args.gpus == [0, 1] and args.ports == [8000, 8001]
+    assert args.gpus == (0, 1) and args.ports == [8000, 8001]
     assert args.command[-3:] == ["vllm", "--gpus", "x"]
 
 
@@ -552,7 +552,7 @@ def test_a_changed_config_is_validated() -> None:
     assert changed.ports == (8000,) and isinstance(changed.ports, tuple)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert changed.model_dump(mode="json")["ports"] == [8000]
+        assert changed.model_dump()["ports"] == [8000]
     assert config.ports == ()
 
 

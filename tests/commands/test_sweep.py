@@ -21,7 +21,7 @@ from gpugate.errors import ConfigError, ExitCode
 from gpugate.front.cli import main
 from gpugate.front.commands.sweep import SWEEP_UNIT, reapable, remember, sweep
 from gpugate.front.hook import HostAccess
-from gpugate.front.install import DEFAULT_GPUGATE, TIMER_TEMPLATE, render_service
+from gpugate.front.install import DEFAULT_GPUGATE, TIMER, plan_shipped, with_header
 from gpugate.host.containers import container_of_cgroup
 from gpugate.host.nvml import Gpu, GpuProcess, GpuUsage
 from gpugate.host.scan import ProcessId, ProcInfo
@@ -301,10 +301,17 @@ def test_reap_at_the_interval_is_taken() -> None:
     assert config.sweep.reap_after_s == SWEEP_INTERVAL_S and config.sweep.drain_after_s is None
 
 
-def test_the_shipped_units_are_what_install_writes_and_the_interval_is_the_configs() -> None:
-    assert (UNITS / "gpugate-sweep.service").read_text() == render_service([str(DEFAULT_GPUGATE)])
+def test_the_shipped_units_are_what_install_writes_and_the_interval_is_the_configs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpugate.front import install
+
+    monkeypatch.setattr(install, "PACKAGED_DIR", tmp_path / "packaged")
+    planned = plan_shipped(TIMER, tmp_path, [str(DEFAULT_GPUGATE)], installing=True)
+    assert [c.path.name for c in planned] == ["gpugate-sweep.service", "gpugate-sweep.timer"]
+    for change in planned:
+        assert change.content == with_header((UNITS / change.path.name).read_text())
     timer = (UNITS / "gpugate-sweep.timer").read_text()
-    assert timer == TIMER_TEMPLATE
     assert re.search(rf"^OnUnitActiveSec={SWEEP_INTERVAL_S}$", timer, re.M)
 
 
@@ -456,22 +463,24 @@ def test_install_sweep_writes_its_units_and_uninstall_takes_back_only_its_own(
     monkeypatch.setattr(install, "PACKAGED_DIR", tmp_path / "packaged")
     systemd = tmp_path / "system"
     command = ["/usr/bin/gpugate"]
-    planned = install.plan_sweep(systemd, command, installing=True)
+    planned = install.plan_shipped(install.TIMER, systemd, command, installing=True)
     assert [(c.path.name, c.action) for c in planned] == [
         ("gpugate-sweep.service", Action.WRITE),
         ("gpugate-sweep.timer", Action.WRITE),
     ]
     install.apply(planned, reload=lambda: False)
-    again = install.plan_sweep(systemd, command, installing=True)
+    again = install.plan_shipped(install.TIMER, systemd, command, installing=True)
     assert {c.action for c in again} == {Action.UNCHANGED}
     timer = systemd / "gpugate-sweep.timer"
     timer.write_text(timer.read_text() + "# mine\n")
-    removed = install.plan_sweep(systemd, command, installing=False)
+    removed = install.plan_shipped(install.TIMER, systemd, command, installing=False)
     assert [(c.path.name, c.action) for c in removed] == [
         ("gpugate-sweep.service", Action.REMOVE),
         ("gpugate-sweep.timer", Action.KEEP),
     ]
-    assert [c.action for c in install.plan_sweep(systemd, command, installing=True)] == [
+    assert [
+        c.action for c in install.plan_shipped(install.TIMER, systemd, command, installing=True)
+    ] == [
         Action.UNCHANGED,
         Action.KEEP,
     ]
@@ -479,7 +488,7 @@ def test_install_sweep_writes_its_units_and_uninstall_takes_back_only_its_own(
     packaged.mkdir()
     for name in ("gpugate-sweep.service", "gpugate-sweep.timer"):
         (packaged / name).write_text("packaged")
-    assert install.plan_sweep(systemd, command, installing=True) == []
+    assert install.plan_shipped(install.TIMER, systemd, command, installing=True) == []
 
 
 def test_install_sweep_dry_run_changes_nothing(
@@ -519,19 +528,28 @@ def test_install_nri_writes_its_service_and_uninstall_takes_back_only_its_own(
 
     monkeypatch.setattr(install, "PACKAGED_DIR", tmp_path / "packaged")
     systemd = tmp_path / "system"
-    planned = install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=True)
+    planned = install.plan_shipped(
+        install.NRI_SERVICE, systemd, ["/usr/bin/gpugate"], installing=True
+    )
     assert [(c.path.name, c.action) for c in planned] == [("gpugate-nri.service", Action.WRITE)]
     install.apply(planned, reload=lambda: False)
     assert "ExecStart=/usr/bin/gpugate nri\n" in (systemd / "gpugate-nri.service").read_text()
-    again = install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=True)
+    again = install.plan_shipped(
+        install.NRI_SERVICE, systemd, ["/usr/bin/gpugate"], installing=True
+    )
     assert [c.action for c in again] == [Action.UNCHANGED]
     service = systemd / "gpugate-nri.service"
     service.write_text(service.read_text() + "# mine\n")
-    removed = install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=False)
+    removed = install.plan_shipped(
+        install.NRI_SERVICE, systemd, ["/usr/bin/gpugate"], installing=False
+    )
     assert [c.action for c in removed] == [Action.KEEP]
     (tmp_path / "packaged").mkdir()
     (tmp_path / "packaged" / "gpugate-nri.service").write_text("packaged")
-    assert install.plan_nri(systemd, ["/usr/bin/gpugate"], installing=True) == []
+    assert (
+        install.plan_shipped(install.NRI_SERVICE, systemd, ["/usr/bin/gpugate"], installing=True)
+        == []
+    )
     code = main(["install", "--nri", "--dry-run", "--systemd-dir", str(tmp_path / "other")])
     assert code == ExitCode.OK and not (tmp_path / "other").exists()
     assert main(["install", "--nri", "--sweep"]) == ExitCode.USAGE

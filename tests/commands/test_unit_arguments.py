@@ -3,7 +3,6 @@ systemd does not know."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 
 import pytest
@@ -52,24 +51,26 @@ def states(load_state: str) -> dict[str, UnitState]:
 
 @pytest.mark.parametrize("unit", ["nosuch.service", "vllm@a.service"])
 def test_install_on_a_unit_systemd_does_not_know_refuses_without_force(
-    unit: str, tmp_path: Path
+    unit: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     dirs = {"systemd_dir": tmp_path / "systemd", "config_dir": tmp_path / "gpugate"}
     known = states("not-found")
     with raises_error(UnknownUnit):
         plan_install(unit, query=known.get, **dirs)
-    warned = io.StringIO()
-    changes = plan_install(unit, query=known.get, force=True, stream=warned, **dirs)
+    capsys.readouterr()
+    changes = plan_install(unit, query=known.get, force=True, **dirs)
     assert len(changes) == 2
-    assert unit in warned.getvalue() and warned.getvalue().count("\n") == 1  # one warning
+    warned = capsys.readouterr().err
+    assert unit in warned and warned.count("\n") == 1  # one warning
 
 
 @pytest.mark.parametrize("load_state", ["loaded", "masked", "bad-setting"])
-def test_install_on_a_unit_systemd_knows_says_nothing(load_state: str, tmp_path: Path) -> None:
+def test_install_on_a_unit_systemd_knows_says_nothing(
+    load_state: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     dirs = {"systemd_dir": tmp_path / "systemd", "config_dir": tmp_path / "gpugate"}
-    warned = io.StringIO()
-    assert plan_install("vllm.service", query=states(load_state).get, stream=warned, **dirs)
-    assert warned.getvalue() == ""
+    assert plan_install("vllm.service", query=states(load_state).get, **dirs)
+    assert capsys.readouterr().err == ""
 
 
 def test_install_without_systemd_to_ask_and_on_templates_goes_on(tmp_path: Path) -> None:

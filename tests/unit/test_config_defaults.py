@@ -34,7 +34,7 @@ def test_the_defaults_are_what_the_engine_makes_of_an_empty_table() -> None:
 
 def test_the_defaults_pass_their_own_validation_written_out_and_read_back() -> None:
     """Each declared default fits its own type and bounds: dumped as TOML, read back the same."""
-    text = to_toml(DEFAULTS.model_dump(mode="json"))
+    text = to_toml(DEFAULTS.model_dump())
     assert _typed(parse_config(text, "f.toml")) == _typed(DEFAULTS)
 
 
@@ -78,7 +78,7 @@ def test_a_config_is_frozen_and_copies_keep_what_the_file_set() -> None:
 def test_changed_validates_as_a_file_does() -> None:
     changed = DEFAULTS.changed(ports=[8000], gpus=(0, 1))
     assert (changed.ports, changed.gpus) == ((8000,), (0, 1))
-    assert changed.model_dump(mode="json", exclude_defaults=True) == {
+    assert changed.model_dump(exclude_defaults=True) == {
         "gpus": [0, 1],
         "ports": [8000],
     }

@@ -61,9 +61,7 @@ def gpu_refs(items: Sequence[object]) -> tuple[GpuRef, ...]:
 def legacy_mig(ref: str) -> tuple[str, int, int] | None:
     """A `MIG-GPU-<uuid>/<gi>/<ci>` reference's GPU UUID (or prefix), GPU and compute instance."""
     match = LEGACY_MIG_PATTERN.fullmatch(ref)
-    if match is None:
-        return None
-    return match.group(1), int(match.group(2)), int(match.group(3))
+    return None if match is None else (match[1], int(match[2]), int(match[3]))
 
 
 def parse_gpu_text(text: str) -> tuple[GpuRef, ...]:

@@ -12,21 +12,15 @@ import re
 import stat
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Literal, TextIO, Union
+from typing import NamedTuple, TextIO
 
+from gpugate.config import values
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, toml_value
 from gpugate.config.schema import DEFAULTS, GateConfig, PhasePolicy
-from gpugate.config.values import (
-    DEFAULT_PRIVATE_SHM,
-    PRIVATE_SHM_OFF,
-    SWEEP_INTERVAL_S,
-    parse_gpu_text,
-)
 from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
-from gpugate.host.safe_files import SYSTEM_PATH, Result, find_program, run_program, write_atomically
+from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     Setting,
     UnitSettings,
@@ -58,9 +52,8 @@ def gpugate_command(argv0: str | None = None, executable: str | None = None) -> 
 def command_for(path: str) -> tuple[str, ...]:
     """--gpugate-path: a console script whose shebang lacks -I is run by its interpreter, -I."""
     python = (shebang(path) or [""])[0]
-    if os.path.basename(python).startswith("python") and os.path.isabs(python):
-        return (path,) if isolates(path) else (python, "-I", path)
-    return (path,)
+    python_script = os.path.basename(python).startswith("python") and os.path.isabs(python)
+    return (python, "-I", path) if python_script and not isolates(path) else (path,)
 
 
 def shebang(path: str) -> list[str] | None:
@@ -132,15 +125,12 @@ CONFIG_FIELDS = (
     "private_shm",
 )
 
-HEADER = re.compile(r"^# Written by gpugate install \(sha256:([0-9a-f]{64})\)\.\n")
 HEADER_TEXT = (
     "# Written by gpugate install (sha256:{digest}).\n"
     "# Edit freely: install and uninstall then leave it alone unless given --force.\n"
 )
 SAFE_PATH = re.compile(r"^/[A-Za-z0-9_.+/-]+$")
 SAFE_FLAG = re.compile(r"^(-I|-m|gpugate)$")  # the words gpugate_command adds
-
-Gpus = Union[Literal["all"], list[Union[int, str]]]  # `gpus` as written into the config
 
 
 class Ownership(Enum):
@@ -152,7 +142,7 @@ class Ownership(Enum):
 def render_dropin(
     gpugate: Path | Sequence[str],
     unit: UnitSettings | None = None,
-    private_shm: str = DEFAULT_PRIVATE_SHM,
+    private_shm: str = values.DEFAULT_PRIVATE_SHM,
 ) -> str:
     """The hooks, and what the unit does not set itself; its own /dev/shm unless "off"."""
     words = (str(gpugate),) if isinstance(gpugate, Path) else tuple(gpugate)
@@ -194,7 +184,7 @@ def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], li
             )
     if unit.own_shm is not None:
         said.append(kept(unit.own_shm, "the unit has a /dev/shm of its own already"))
-    elif private_shm == PRIVATE_SHM_OFF:
+    elif private_shm == values.PRIVATE_SHM_OFF:
         said.append('private_shm = "off": the unit shares the host\'s /dev/shm')
     else:
         blocks.append(SHM_BLOCK.replace("@OPTIONS@", SHM_OPTIONS.format(size=private_shm)))
@@ -207,7 +197,7 @@ def dropin_settings(unit: UnitSettings, private_shm: str) -> tuple[list[str], li
 
 def render_config(
     unit: str,
-    gpus: Gpus | None,
+    gpus: values.GpuSelection | None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
 ) -> str:
@@ -223,11 +213,9 @@ def render_config(
         setting = f"{name} = {toml_value(value)}" if name == "gpus" or value else None
         default = f"# {name} = {toml_value(getattr(DEFAULTS, name))}"
         lines += [f"# {GateConfig.model_fields[name].description}", setting or default]
-    for phase, policy, when in (
-        ("pre", DEFAULTS.pre, "ExecStartPre=: before the unit starts."),
-        ("post", DEFAULTS.post, "ExecStopPost=: after the unit stopped."),
-    ):
-        lines += ["", f"[{phase}]", f"# {when}"]
+    for phase in ("pre", "post"):
+        lines += ["", f"[{phase}]", f"# {GateConfig.model_fields[phase].description}"]
+        policy = getattr(DEFAULTS, phase)
         for name, field in PhasePolicy.model_fields.items():
             lines += [f"# {field.description}", f"# {name} = {toml_value(getattr(policy, name))}"]
     return "\n".join(lines) + "\n"
@@ -246,18 +234,15 @@ def ownership(path: Path) -> Ownership:
         return Ownership.OPERATORS
     except PermissionError:
         raise PermissionDenied(f"{path}: permission denied reading it (run as root)") from None
-    match = HEADER.match(text)
     parts = text.split("\n", 2)  # HEADER_TEXT's two lines, and the rest
-    if match is None or len(parts) < 3:
-        return Ownership.OPERATORS
-    unchanged = hashlib.sha256(parts[2].encode()).hexdigest() == match[1]
-    return Ownership.OURS if unchanged else Ownership.OPERATORS
+    first = with_header(parts[-1]).split("\n", 1)[0]  # the digest's line, for that rest
+    return Ownership.OURS if len(parts) == 3 and parts[0] == first else Ownership.OPERATORS
 
 
 DEFAULT_SYSTEMD_DIR = Path("/etc/systemd/system")
 DROPIN_NAME = "gpugate.conf"
 RELOAD_TIMEOUT_S = 120
-SYSTEMCTL_TIMEOUT_S = 60
+PROGRAM_TIMEOUT_S = 60  # systemctl, `containerd config default`
 
 
 class Action(Enum):
@@ -270,8 +255,7 @@ class Action(Enum):
     ABSENT = ("not there", "not there")
 
 
-@dataclass(frozen=True)
-class Change:
+class Change(NamedTuple):
     path: Path
     action: Action
     content: str | None = None  # what WRITE writes
@@ -291,42 +275,45 @@ def targets(unit: str, systemd_dir: Path, config_dir: Path) -> tuple[Path, Path]
     return systemd_dir / f"{unit}.d" / DROPIN_NAME, config_dir / f"{unit}.toml"
 
 
-def parse_gpus(value: str) -> Gpus:
+def parse_gpus(value: str) -> values.GpuSelection:
     """`--gpus 0,1,GPU-...` (or `--gpus all`) into the config's `gpus`; InvalidValue."""
-    if value.strip() == "all":
-        return "all"
-    return list(parse_gpu_text(value))
+    return "all" if value.strip() == "all" else values.parse_gpu_text(value)
 
 
-def systemctl(*words: str, timeout_s: float = SYSTEMCTL_TIMEOUT_S) -> Result:
+def systemctl(*words: str, timeout_s: float = PROGRAM_TIMEOUT_S) -> None:
+    """Run systemctl with these words; InstallError where it cannot or it fails."""
     program = find_program("systemctl")
     if program is None:
         raise InstallError(
             f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
         )
     try:
-        return run_program([program, *words], timeout_s)
+        result = run_program([program, *words], timeout_s)
     except GateError as exc:
         raise InstallError(f"files written, but {exc}; run it yourself") from None
-
-
-def systemctl_daemon_reload() -> bool:
-    """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
-    if not systemd_running():
-        return False
-    result = systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
-    if result.returncode != 0:
+    if result.returncode != 0 and words == ("daemon-reload",):
         raise InstallError(
             f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
             "run it yourself"
         )
-    return True
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout or "").strip().splitlines()
+        said = for_error(detail[-1] if detail else "", quote=False)
+        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
+
+
+def systemctl_daemon_reload() -> bool:
+    """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
+    running = systemd_running()
+    if running:
+        systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
+    return running
 
 
 def plan_install(
     unit: str,
     *,
-    gpus: Gpus | None = None,
+    gpus: values.GpuSelection | None = None,
     containers: Sequence[str] = (),
     ports: Sequence[int] | None = None,
     gpugate_path: Path | Sequence[str] = DEFAULT_GPUGATE,
@@ -334,7 +321,6 @@ def plan_install(
     systemd_dir: Path = DEFAULT_SYSTEMD_DIR,
     config_dir: Path = DEFAULT_CONFIG_DIR,
     query: Callable[[str], UnitState | None] | None = None,
-    stream: TextIO | None = None,
 ) -> list[Change]:
     """What install would do; InstallError (nothing done) where it would change the operator's
     files without force. The unit's settings: `systemctl cat` for the real systemd_dir. A unit
@@ -349,13 +335,13 @@ def plan_install(
         unknown = f"unit {unit}: systemd knows no such unit (systemctl list-unit-files)"
         if not force:
             raise UnknownUnit(f"{unknown}; nothing changed; --force installs anyway")
-        print(lines.warning(f"{unknown}; installing anyway (--force)"), file=stream or sys.stderr)
+        print(lines.warning(f"{unknown}; installing anyway (--force)"), file=sys.stderr)
     settings = parse_unit_settings(read_unit(unit, systemd_dir, ask_systemd=real))
     try:
         text = config_path.read_text(encoding="utf-8")
         private_shm = parse_config(text, str(config_path)).private_shm
     except FileNotFoundError:
-        private_shm = DEFAULT_PRIVATE_SHM
+        private_shm = values.DEFAULT_PRIVATE_SHM
     except OSError as exc:
         raise PermissionDenied(f"{config_path}: cannot read it ({exc.strerror})") from None
     dropin = with_header(render_dropin(gpugate_path, settings, private_shm))
@@ -379,8 +365,8 @@ def file_change(
     path: Path,
     content: str | None,
     *,
-    force: bool,
-    keep_edited: bool,
+    force: bool = False,
+    keep_edited: bool = True,
     said: tuple[str, ...] = (),
 ) -> Change | None:
     """Writing content (None: removing the file); None: the operator's file, refused."""
@@ -411,7 +397,7 @@ def plan_uninstall(
             f"{dropin_path}: edited by you (or not written by gpugate install); nothing changed; "
             "--force removes it"
         )
-    config = file_change(config_path, None, force=force, keep_edited=True)
+    config = file_change(config_path, None, force=force)
     assert config is not None  # kept where edited
     return [dropin, config]
 
@@ -486,9 +472,11 @@ CHANGE_NOTES = {
 
 SERVICE = "gpugate-sweep.service"
 TIMER = "gpugate-sweep.timer"
+NRI_SERVICE = "gpugate-nri.service"
 PACKAGED_DIR = Path("/usr/lib/systemd/system")
 
-SERVICE_TEMPLATE = """\
+TEMPLATES = {  # the unit files gpugate ships, @GPUGATE@ its command
+    SERVICE: """\
 # gpugate sweep: between starts, find GPU memory that no unit, job or container owns, say so
 # in the journal and the metrics textfile, and reap it where [sweep] reap_after_s allows.
 # Started by gpugate-sweep.timer; `gpugate install --sweep` enables that (man gpugate).
@@ -505,9 +493,8 @@ ExecStart=@GPUGATE@ sweep
 NotifyAccess=main
 # A reap waits as pre does (wait_timeout_s, 120 s by default); a look takes seconds.
 TimeoutStartSec=300
-"""
-
-TIMER_TEMPLATE = f"""\
+""",
+    TIMER: f"""\
 # Runs gpugate-sweep.service once a minute. reap_after_s and drain_after_s below this
 # interval are config errors: a holder must be seen unowned by two sweeps.
 [Unit]
@@ -517,44 +504,16 @@ Documentation=man:gpugate(1)
 
 [Timer]
 # A minute after boot, then a minute after each sweep began.
-OnBootSec={SWEEP_INTERVAL_S}
-OnUnitActiveSec={SWEEP_INTERVAL_S}
+OnBootSec={values.SWEEP_INTERVAL_S}
+OnUnitActiveSec={values.SWEEP_INTERVAL_S}
 # The default AccuracySec= (a minute) would let sweeps drift up to two minutes apart.
 AccuracySec=1s
 
 [Install]
 # Enabled by `gpugate install --sweep`, not by the package.
 WantedBy=timers.target
-"""
-
-
-def render_service(command: Sequence[str]) -> str:
-    return SERVICE_TEMPLATE.replace("@GPUGATE@", " ".join(command))
-
-
-def plan_sweep(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
-    """The unit files in systemd_dir: none where the package carries them."""
-    if (PACKAGED_DIR / TIMER).exists() and (PACKAGED_DIR / SERVICE).exists():
-        return []
-    changes = []
-    for name, body in ((SERVICE, render_service(command)), (TIMER, TIMER_TEMPLATE)):
-        content = with_header(body) if installing else None
-        change = file_change(systemd_dir / name, content, force=False, keep_edited=True)
-        assert change is not None  # kept where edited
-        changes.append(change)
-    return changes
-
-
-def timer_systemctl(*words: str) -> None:
-    result = systemctl(*words)
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout or "").strip().splitlines()
-        said = for_error(detail[-1] if detail else "", quote=False)
-        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
-
-
-NRI_SERVICE = "gpugate-nri.service"
-NRI_TEMPLATE = """\
+""",
+    NRI_SERVICE: """\
 # gpugate's NRI plugin (docs/containers.md, NRI): containerd's (1.7+) or CRI-O's NRI must be
 # on; the runtime's config is not touched.
 [Unit]
@@ -575,15 +534,35 @@ KillMode=process
 [Install]
 # Enabled by `gpugate install --nri`, not by the package.
 WantedBy=multi-user.target
-"""
+""",
+}
 
 
-def plan_nri(systemd_dir: Path, command: Sequence[str], *, installing: bool) -> list[Change]:
-    """gpugate-nri.service in systemd_dir: none where the package carries it."""
-    if (PACKAGED_DIR / NRI_SERVICE).exists():
+SHIPPED = {  # each unit install enables: its files, and what disabling and enabling it say
+    TIMER: (
+        (SERVICE, TIMER),
+        "disabled gpugate-sweep.timer: no more sweeps",
+        "enabled gpugate-sweep.timer: a gpugate sweep every minute",
+    ),
+    NRI_SERVICE: (
+        (NRI_SERVICE,),
+        "disabled gpugate-nri.service: the runtime's containers are no longer gated",
+        "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
+        "(docs/containers.md, NRI)",
+    ),
+}
+
+
+def plan_shipped(
+    unit: str, systemd_dir: Path, command: Sequence[str], *, installing: bool
+) -> list[Change]:
+    """unit's files (the timer's service too) in systemd_dir, running command; none where the
+    package carries them. One edited since is kept."""
+    if all((PACKAGED_DIR / name).exists() for name in SHIPPED[unit][0]):
         return []
-    body = NRI_TEMPLATE.replace("@GPUGATE@", " ".join(command))
-    content = with_header(body) if installing else None
-    change = file_change(systemd_dir / NRI_SERVICE, content, force=False, keep_edited=True)
-    assert change is not None  # kept where edited
-    return [change]
+    changes = []
+    for name in SHIPPED[unit][0]:
+        body = TEMPLATES[name].replace("@GPUGATE@", " ".join(command))
+        change = file_change(systemd_dir / name, with_header(body) if installing else None)
+        changes += [change] if change is not None else []
+    return changes

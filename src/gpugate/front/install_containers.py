@@ -8,14 +8,14 @@ import hashlib
 import json
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
 from gpugate.compat import tomllib
 from gpugate.config.file import toml_value
 from gpugate.errors import GateError, InstallError
-from gpugate.front.install import Action, Change
+from gpugate.front.install import PROGRAM_TIMEOUT_S, Action, Change
 from gpugate.host import safe_files, wrapped_runtime
 from gpugate.host.oci import hook_entry
 from gpugate.host.safe_files import find_program, read_capped, run_program, untrusted
@@ -31,7 +31,6 @@ DAEMON_JSON = Path("/etc/docker/daemon.json")
 RUNTIME_NAME = "gpugate"
 WRAPPER = "gpugate-oci-runtime"
 HOOK_FILES = {"gpugate-start.json": "createRuntime", "gpugate-stop.json": "poststop"}
-RELOAD_TIMEOUT_S = 60
 CONTAINERD_CONFIG = Path("/etc/containerd/config.toml")
 
 
@@ -77,15 +76,6 @@ def hook_file(gpugate: str | Sequence[str], stage: str) -> str:
     return json.dumps(body, indent=2) + "\n"
 
 
-def is_our_hook(path: Path) -> bool:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        args = data["hook"]["args"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    return isinstance(args, list) and "oci-hook" in args and "gpugate" in str(args)
-
-
 def plan_hooks(
     host: ContainerHost, gpugate: str | Sequence[str], *, install: bool, force: bool
 ) -> list[Change]:
@@ -93,30 +83,28 @@ def plan_hooks(
     for folder in host.hooks_dirs:
         for name, stage in HOOK_FILES.items():
             path = folder / name
-            text = hook_file(gpugate, stage)
-            exists = path.exists()
-            if exists and not is_our_hook(path) and not force:
-                raise InstallError(
-                    f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
-                )
-            if install:
-                action = Action.UNCHANGED if _read(path) == text else Action.WRITE
-                changes.append(Change(path, action, text))
-            else:
-                changes.append(Change(path, Action.REMOVE if exists else Action.ABSENT))
+            if path.exists() and not force:  # refused unless it is gpugate's own
+                try:
+                    args = json.loads(path.read_text(encoding="utf-8"))["hook"]["args"]
+                except (OSError, ValueError, KeyError, TypeError):
+                    args = None
+                if not (isinstance(args, list) and "oci-hook" in args and "gpugate" in str(args)):
+                    raise InstallError(
+                        f"{path}: not gpugate's hook file; nothing changed; --force replaces it"
+                    )
+            changes.append(changing(path, hook_file(gpugate, stage) if install else None))
     return changes
 
 
 def read_daemon_json(path: Path) -> dict[str, object]:
     try:
         text = path.read_text(encoding="utf-8")
+        data = json.loads(text) if text.strip() else {}
     except FileNotFoundError:
         return {}
     except (OSError, UnicodeDecodeError) as exc:
         raise InstallError(f"{path}: cannot read it ({exc}); nothing changed") from None
-    try:
-        data = json.loads(text) if text.strip() else {}
-    except ValueError as exc:
+    except ValueError as exc:  # after UnicodeDecodeError, one of its kind
         where = f"line {exc.lineno}" if hasattr(exc, "lineno") else "it"
         raise InstallError(f"{path}: not valid JSON ({where}); nothing changed") from None
     if not isinstance(data, dict):
@@ -158,7 +146,7 @@ def containerd_default_config() -> str:
     if containerd is None:
         raise InstallError(f"{failed}: no containerd in the system folders; nothing changed")
     try:
-        result = run_program([containerd, "config", "default"], RELOAD_TIMEOUT_S)
+        result = run_program([containerd, "config", "default"], PROGRAM_TIMEOUT_S)
     except GateError as exc:
         raise InstallError(f"{failed}: {exc}; nothing changed") from None
     if result.returncode != 0:
@@ -167,12 +155,7 @@ def containerd_default_config() -> str:
 
 
 def plan_containerd(
-    host: ContainerHost,
-    wrapper: str,
-    *,
-    install: bool,
-    default: bool = False,
-    default_config: Callable[[], str] = containerd_default_config,
+    host: ContainerHost, wrapper: str, *, install: bool, default: bool = False
 ) -> list[Change]:
     path = host.containerd_config
     if path is None:
@@ -187,9 +170,7 @@ def plan_containerd(
         if text == current:
             return [Change(path, Action.UNCHANGED, note="runtime-absent")]
         return [Change(path, Action.WRITE, text, "containerd-runtime-removed")]
-    text, wrapped = installed(
-        current, wrapper, path=path, default=default, default_config=default_config
-    )
+    text, wrapped = installed(current, wrapper, path=path, default=default)
     if text == current:
         return [Change(path, Action.UNCHANGED, note="runtime-there")]
     note = "containerd-runtime-default" if default else "containerd-runtime-added"
@@ -200,28 +181,28 @@ def nvidia_in_place(host: ContainerHost) -> bool:
     """NVIDIA's runtime installed and set up as a runtime of docker's or containerd's CRI."""
     if wrapped_runtime.find(wrapped_runtime.NVIDIA) is None:
         return False
-    programs: list[str] = []
+    programs: list[object] = []
     if host.daemon_json is not None:
         runtimes = read_daemon_json(host.daemon_json).get("runtimes", {})
         for entry in runtimes.values() if isinstance(runtimes, dict) else ():
-            programs.append(str(entry.get("path", "")) if isinstance(entry, dict) else "")
-    if host.containerd_config is not None:
-        text = read_containerd_config(host.containerd_config)
-        if text is not None:
-            programs += nvidia_binaries(parse(text, host.containerd_config))
-    return any(os.path.basename(p) == wrapped_runtime.NVIDIA for p in programs)
+            programs.append(entry.get("path") if isinstance(entry, dict) else None)
+    conf = host.containerd_config
+    text = read_containerd_config(conf) if conf is not None else None
+    data = parse(text, conf) if conf is not None and text is not None else {}
+    for cri in CRI.values():
+        for runtime in table_at(data, (*cri, "runtimes")).values():
+            options = runtime.get("options") if isinstance(runtime, dict) else None
+            programs.append(options.get("BinaryName") if isinstance(options, dict) else None)
+    nvidia = wrapped_runtime.NVIDIA
+    return any(isinstance(p, str) and os.path.basename(p) == nvidia for p in programs)
 
 
 def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Change]:
     if host.daemon_json is None and host.containerd_config is None:
         return []
-    path = host.runtime_record
-    if not install:
-        return [Change(path, Action.REMOVE if path.exists() else Action.ABSENT)]
     name = wrapped_runtime.NVIDIA if nvidia else wrapped_runtime.RUNC
-    text = wrapped_runtime.record_text(name)
-    action = Action.UNCHANGED if _read(path) == text else Action.WRITE
-    return [Change(path, action, text, "runs", detail=name)]
+    text = wrapped_runtime.record_text(name) if install else None
+    return [changing(host.runtime_record, text, "runs", name)]
 
 
 def wrapper_beside(gpugate: str) -> str:
@@ -241,7 +222,7 @@ def reload_docker() -> str:
         active = run_program([systemctl, "is-active", "--quiet", "docker.service"], 10)
         if active.returncode != 0:
             return "docker is not running: it reads daemon.json when it starts"
-        result = run_program([systemctl, "reload", "docker.service"], RELOAD_TIMEOUT_S)
+        result = run_program([systemctl, "reload", "docker.service"], PROGRAM_TIMEOUT_S)
     except GateError as exc:
         detail = str(exc)
     else:
@@ -251,11 +232,15 @@ def reload_docker() -> str:
     raise InstallError(f"daemon.json written, but {detail}; run `systemctl reload docker`")
 
 
-def _read(path: Path) -> str | None:
+def changing(path: Path, text: str | None, note: str = "", detail: str = "") -> Change:
+    """Writing text to path (None: removing it), unless it is so already."""
+    if text is None:
+        return Change(path, Action.REMOVE if path.exists() else Action.ABSENT)
     try:
-        return path.read_text(encoding="utf-8")
+        same = path.read_text(encoding="utf-8") == text
     except (OSError, UnicodeDecodeError):
-        return None
+        same = False
+    return Change(path, Action.UNCHANGED if same else Action.WRITE, text, note, detail=detail)
 
 
 RUNC_V2 = "io.containerd.runc.v2"
@@ -407,18 +392,14 @@ def set_default(lines: list[str], cri: tuple[str, ...]) -> bool:
     if start is None:
         return False
     end = next((n for n in range(start + 1, len(lines)) if header_of(lines[n])), len(lines))
-    indent = re.match(r"^\s*", lines[start]).group(0) + "  "  # type: ignore[union-attr]
-    for number in range(start + 1, end):
-        found = DEFAULT_KEY.match(lines[number])
-        if found:
-            original = lines[number] if lines[number].endswith("\n") else lines[number] + "\n"
-            new = f'{found.group(1)}default_runtime_name = "{RUNTIME_NAME}"\n'
-            lines[number : number + 1] = [WAS + original, new]
-            return True
-    lines[start + 1 : start + 1] = [
-        WAS_NONE + "\n",
-        f'{indent}default_runtime_name = "{RUNTIME_NAME}"\n',
-    ]
+    found = next((n for n in range(start + 1, end) if DEFAULT_KEY.match(lines[n])), None)
+    if found is None:  # a line of its own, indented under the header
+        indent = re.match(r"^\s*", lines[start]).group(0) + "  "  # type: ignore[union-attr]
+        at, was = slice(start + 1, start + 1), WAS_NONE + "\n"
+    else:
+        indent = DEFAULT_KEY.match(lines[found]).group(1)  # type: ignore[union-attr]
+        at, was = slice(found, found + 1), WAS + lines[found].rstrip("\n") + "\n"
+    lines[at] = [was, f'{indent}default_runtime_name = "{RUNTIME_NAME}"\n']
     return True
 
 
@@ -430,16 +411,9 @@ def pruned(data: object) -> object:
     return {k: v for k, v in kept.items() if v != {}}
 
 
-def installed(
-    current: str | None,
-    wrapper: str,
-    *,
-    path: Path,
-    default: bool,
-    default_config: Callable[[], str],
-) -> tuple[str, str]:
+def installed(current: str | None, wrapper: str, *, path: Path, default: bool) -> tuple[str, str]:
     """The config with the runtime gpugate (idempotent), and the runtime that one wraps."""
-    base = default_config() if current is None else strip(current, path)
+    base = containerd_default_config() if current is None else strip(current, path)
     data = parse(base, path)
     cri = cri_keys(data, path)
     cri_table = table_at(data, cri)
@@ -500,14 +474,3 @@ def not_as_tables(path: Path, cri: tuple[str, ...]) -> InstallError:
         f"{path}: adding {dotted(cri)} as a table would change other settings (inline or "
         "dotted tables there); add it by hand (docs/containers.md); nothing changed"
     )
-
-
-def nvidia_binaries(data: Table) -> list[str]:
-    found = []
-    for cri in CRI.values():
-        for runtime in table_at(data, (*cri, "runtimes")).values():
-            options = runtime.get("options") if isinstance(runtime, dict) else None
-            binary = options.get("BinaryName") if isinstance(options, dict) else None
-            if isinstance(binary, str) and binary:
-                found.append(binary)
-    return found

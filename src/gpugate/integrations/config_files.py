@@ -5,6 +5,7 @@ run validated is kept in /run for the next run (ConfigCache)."""
 
 from __future__ import annotations
 
+import contextlib
 import marshal
 import os
 import sys
@@ -33,22 +34,40 @@ def load_config(
     *,
     cache: Path | None = None,
 ) -> LoadedConfig:
-    """The lookup's file judged, read and parsed (through the cache where one is given: the
-    runs), its lock_dir the host's and judged too."""
+    """The lookup (--config, UNIT.toml, NAME@.service.toml, default.toml, built-in defaults):
+    its file judged, read and parsed (through the cache where one is given: the runs), its
+    lock_dir the host's and judged too."""
     parse = file.parse_config if cache is None else ConfigCache(cache).parse
-    loaded = one_lock_dir(
-        file.load_config(unit, explicit, config_dir, read=read_trusted, parse=parse),
-        config_dir,
-        parse,
-    )
+    path = explicit
+    if path is None:
+        candidates = [config_dir / f"{unit}.toml"] if unit else []
+        prefix, at, rest = (unit or "").partition("@")
+        if at and "." in rest:
+            candidates.append(config_dir / f"{prefix}@.{rest.rsplit('.', 1)[1]}.toml")
+        candidates.append(config_dir / HOST_FILE)
+        path = next((p for p in candidates if os.path.lexists(p)), None)
+    if path is None:
+        loaded = LoadedConfig(schema.DEFAULTS, BUILTIN_SOURCE)
+    else:
+        loaded = LoadedConfig(parse(read_trusted(path), str(path)), str(path))
+    check_lock_dir(loaded)
+    loaded = one_lock_dir(loaded, config_dir, parse)
     found = untrusted(loaded.config.lock_dir)
     if found is not None:
         raise ConfigError(loaded.source, "lock_dir", untrusted_text(found, state=True))
     return loaded
 
 
+def check_lock_dir(loaded: LoadedConfig) -> None:
+    """lock_dir must be, or be able to become, a folder (it is made at the first run)."""
+    lock_dir = loaded.config.lock_dir
+    existing = next(path for path in (lock_dir, *lock_dir.parents) if path.exists())
+    if not existing.is_dir():
+        raise ConfigError(loaded.source, "lock_dir", f"{lock_dir}: {existing} is not a folder")
+
+
 def one_lock_dir(
-    loaded: LoadedConfig, config_dir: Path, parse: Callable[[str, str], Config] = file.parse_config
+    loaded: LoadedConfig, config_dir: Path, parse: Callable[[str, str], Config]
 ) -> LoadedConfig:
     """loaded with the host's lock_dir where it leaves it out; ConfigError where a file of
     the lookup names another."""
@@ -66,7 +85,7 @@ def one_lock_dir(
         if mine == host:
             return loaded
         inherited = LoadedConfig(replaced(loaded.config, lock_dir=host), loaded.source)
-        file.check_lock_dir(inherited)
+        check_lock_dir(inherited)
         return inherited
     if not _same(mine, host) and _same(source.parent, config_dir):
         raise ConfigError(
@@ -110,7 +129,13 @@ class ConfigCache:
     def parse(self, text: str, source: str) -> Config:
         """file.parse_config's answer for text, from the cache where it has it."""
         if self.entries is None:
-            self.entries = self._read()
+            self.entries = {}
+            if safe_files.untrusted(self.path) is None:
+                with contextlib.suppress(OSError, EOFError, ValueError, TypeError):
+                    data = safe_files.read_capped(self.path, CACHE_MOST_BYTES)
+                    key, entries = marshal.loads(data)  # noqa: S302 - root's own file, judged above
+                    if key == _code_key() and isinstance(entries, dict):
+                        self.entries = entries
         try:
             found = schema.from_plain(self.entries[text])
         except (LookupError, TypeError, ValueError):
@@ -122,25 +147,13 @@ class ConfigCache:
             self.entries[text] = schema.to_plain(config)
             while len(self.entries) > CACHE_ENTRIES:
                 del self.entries[next(iter(self.entries))]
-            self._write(marshal.dumps((_code_key(), self.entries)))
+            data = marshal.dumps((_code_key(), self.entries))
+            if safe_files.untrusted(self.path.parent) is None:
+                with safe_files.folder(self.path.parent, make=False) as folder:
+                    safe_files.write_in(folder, self.path.name, data, 0o600)
         except (OSError, TypeError, ValueError):
             pass
         return config
-
-    def _read(self) -> dict[str, Any]:
-        if safe_files.untrusted(self.path) is not None:
-            return {}
-        try:
-            data = safe_files.read_capped(self.path, CACHE_MOST_BYTES)
-            key, entries = marshal.loads(data)  # noqa: S302 - root's own file, judged above
-            return entries if key == _code_key() and isinstance(entries, dict) else {}
-        except (OSError, EOFError, ValueError, TypeError):
-            return {}
-
-    def _write(self, data: bytes) -> None:
-        if safe_files.untrusted(self.path.parent) is None:
-            with safe_files.folder(self.path.parent, make=False) as folder:
-                safe_files.write_in(folder, self.path.name, data, 0o600)
 
 
 def _code_key() -> tuple[Any, ...]:

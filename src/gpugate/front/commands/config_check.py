@@ -29,7 +29,7 @@ def config_check(front: HostAccess, path: Path | None, unit_given: str | None) -
         if front.given_roots.ask_systemd:
             warn_environment_files(unit)
     show_wrapped_runtime()
-    print(to_toml(loaded.config.model_dump(mode="json")))
+    print(to_toml(loaded.config.model_dump()))
     return int(ExitCode.OK)
 
 

@@ -32,9 +32,7 @@ def install_command(args: argparse.Namespace) -> int:
         return containers_setup(args, installing, given)
     # the hook lines' gpugate: --gpugate-path, else this very one
     command = plan.command_for(str(given)) if given else plan.gpugate_command()
-    if args.nri:
-        return nri_setup(args, installing, command)
-    return (sweep_setup if args.sweep else unit_setup)(args, installing, command)
+    return (shipped_setup if args.sweep or args.nri else unit_setup)(args, installing, command)
 
 
 def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
@@ -63,50 +61,21 @@ def unit_setup(args: argparse.Namespace, installing: bool, command: tuple[str, .
     return int(ExitCode.OK)
 
 
-def sweep_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
-    """`gpugate install|uninstall --sweep`: the timer's unit files, and the timer enabled."""
-    return _enabled_unit_setup(
-        args,
-        installing,
-        plan.plan_sweep(args.systemd_dir, command, installing=installing),
-        plan.TIMER,
-        "disabled gpugate-sweep.timer: no more sweeps",
-        "enabled gpugate-sweep.timer: a gpugate sweep every minute",
-    )
-
-
-def nri_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
-    """`gpugate install|uninstall --nri`: gpugate-nri.service, enabled and started."""
-    return _enabled_unit_setup(
-        args,
-        installing,
-        plan.plan_nri(args.systemd_dir, command, installing=installing),
-        plan.NRI_SERVICE,
-        "disabled gpugate-nri.service: the runtime's containers are no longer gated",
-        "enabled gpugate-nri.service: it gates containers once the runtime's NRI is on "
-        "(docs/containers.md, NRI)",
-    )
-
-
-def _enabled_unit_setup(
-    args: argparse.Namespace,
-    installing: bool,
-    changes: list[plan.Change],
-    unit: str,
-    disabled: str,
-    enabled: str,
-) -> int:
-    """A unit file of gpugate's own written (none where the package carries it) and enabled,
-    --now where systemd runs; or disabled, then removed."""
+def shipped_setup(args: argparse.Namespace, installing: bool, command: tuple[str, ...]) -> int:
+    """--sweep or --nri: a unit file of gpugate's own written (none where the package carries
+    it) and enabled, --now where systemd runs; or disabled, then removed."""
+    unit = plan.TIMER if args.sweep else plan.NRI_SERVICE
+    _, disabled, enabled = plan.SHIPPED[unit]
+    changes = plan.plan_shipped(unit, args.systemd_dir, command, installing=installing)
     now = ["--now"] if systemd_running() else []
     there = any((folder / unit).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
     if not installing and not args.dry_run and there:  # none there: nothing to disable
-        plan.timer_systemctl("disable", *now, unit)
+        plan.systemctl("disable", *now, unit)
         print(disabled)
     reload = None if args.no_reload else plan.systemctl_daemon_reload
     plan.apply(changes, dry_run=args.dry_run, reload=reload)
     if installing and not args.dry_run:
-        plan.timer_systemctl("enable", *now, unit)
+        plan.systemctl("enable", *now, unit)
         print(enabled)
     return int(ExitCode.OK)
 

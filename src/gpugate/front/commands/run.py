@@ -271,7 +271,7 @@ def hook_config(
     path = loaded.config.lock_dir / "run" / f"{unit}.toml"
     why = " and ".join(name for name, on in (("--port", ports), (SHARE_OPTION, share)) if on)
     text = f"# gpugate run {unit}: from {loaded.source}, with {why}\n"
-    text += to_toml(config.model_dump(mode="json", exclude_defaults=True))
+    text += to_toml(config.model_dump(exclude_defaults=True))
     try:
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
         write_atomically(path, text)
