@@ -121,7 +121,7 @@ def _phase_parser(commands: Commands, name: str, text: str) -> None:
     # refused; a caller that is not root: kill only its processes (docs/gpugate-run.md).
     sub.add_argument("--ignore-leases", action="store_true", help=argparse.SUPPRESS)
     sub.add_argument("--for-uid", type=_uid, metavar="UID", help=argparse.SUPPRESS)
-    sub.set_defaults(run=functools.partial(_call, "pre_post", "pre_post"))
+    sub.set_defaults(run=_pre_post)
 
 
 def _status_parser(commands: Commands, name: str, text: str) -> None:
@@ -132,17 +132,13 @@ def _status_parser(commands: Commands, name: str, text: str) -> None:
     shown.add_argument(
         "--watch", action="store_true", help="redraw the table every second, as watch(1) does"
     )
-    status.set_defaults(
-        run=lambda a, f: _call(
-            "status", "status", f, a.unit, a.config, as_json=a.json, watch=a.watch
-        )
-    )
+    status.set_defaults(run=_status)
 
 
 def _sweep_parser(commands: Commands, name: str, text: str) -> None:
     sweep = commands.add_parser(name)
     _config(sweep)
-    sweep.set_defaults(run=lambda a, f: _call("sweep", "sweep", a.config, f))
+    sweep.set_defaults(run=_sweep)
 
 
 def _config_parser(commands: Commands, name: str, text: str) -> None:
@@ -150,7 +146,7 @@ def _config_parser(commands: Commands, name: str, text: str) -> None:
     check = tools.add_parser("check", help="validate and print the effective config")
     check.add_argument("path", nargs="?", type=_path, help="file to check (default: lookup)")
     check.add_argument("--unit", help="unit whose lookup to follow (default: default.toml)")
-    check.set_defaults(run=lambda a, f: _call("config_check", "config_check", f, a.path, a.unit))
+    check.set_defaults(run=_config_check)
 
 
 def _dry_run(parser: argparse.ArgumentParser) -> None:
@@ -169,9 +165,7 @@ def _slurm_parser(commands: Commands, name: str, text: str) -> None:
         sub = phases.add_parser(phase, help=about, description=about, epilog=EPILOG)
         _config(sub)
         _dry_run(sub)
-        sub.set_defaults(
-            run=lambda a, f: _call("slurm", "slurm", f, a.slurm_phase, a.config, dry_run=a.dry_run)
-        )
+        sub.set_defaults(run=_slurm)
     about = (
         "say whether each job gets its own /dev/shm (job_container/tmpfs) and whether "
         "gres.conf resolves every GPU to an NVML GPU"
@@ -195,7 +189,7 @@ def _install_parser(commands: Commands, name: str, text: str) -> None:
     sub.add_argument("--no-reload", action="store_true", help="skip systemctl daemon-reload")
     sub.add_argument("--systemd-dir", type=_path, default="/etc/systemd/system")
     sub.add_argument("--config-dir", type=_path, default="/etc/gpugate")
-    sub.set_defaults(run=lambda a, _: _call("install", "install_command", a))
+    sub.set_defaults(run=_install)
     if name == "uninstall":
         return
     default = "with --containers: make gpugate containerd's CRI default runtime"
@@ -226,9 +220,7 @@ def _oci_hook_parser(commands: Commands, name: str, text: str) -> None:
     hook = commands.add_parser(name)
     hook.add_argument("stage", help="createRuntime, prestart or poststop (state on stdin)")
     hook.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
-    hook.set_defaults(
-        run=lambda a, f: _call("oci_hook", "main", [a.stage], config=a.config, **_reach(f))
-    )
+    hook.set_defaults(run=_oci_hook)
 
 
 def _nri_parser(commands: Commands, name: str, text: str) -> None:
@@ -237,15 +229,13 @@ def _nri_parser(commands: Commands, name: str, text: str) -> None:
         "--socket", type=_path, default="/var/run/nri/nri.sock", help="the runtime's NRI socket"
     )
     plugin.add_argument("--config", type=_path, help="default: /etc/gpugate/containers.toml")
-    plugin.set_defaults(
-        run=lambda a, f: _call("nri", "nri", socket=a.socket, config=a.config, **_reach(f))
-    )
+    plugin.set_defaults(run=_nri)
 
 
 def _oci_runtime_parser(commands: Commands, name: str, text: str) -> None:
     runtime = commands.add_parser(name)
     runtime.add_argument("args", nargs=argparse.REMAINDER, help="runc's arguments")
-    runtime.set_defaults(run=lambda a, _: _call("oci_runtime", "main", a.args))
+    runtime.set_defaults(run=_oci_runtime)
 
 
 def _launch_parser(commands: Commands, name: str, text: str) -> None:
@@ -272,7 +262,7 @@ def _launch_parser(commands: Commands, name: str, text: str) -> None:
         "--force", action="store_true", help="run even onto GPUs leased to a running unit"
     )
     run.add_argument("command", nargs=argparse.REMAINDER, help="COMMAND [ARGS...], after --")
-    run.set_defaults(run=functools.partial(_call, "run", "launch_command"))
+    run.set_defaults(run=_launch)
 
 
 COMMANDS = (
@@ -375,21 +365,83 @@ def main(
         return int(ExitCode.INTERNAL)
 
 
-def _call(module: str, name: str, *args: Any, **kwargs: Any) -> int:
-    """Import a command's module once the command line is parsed, and run the command."""
-    command = getattr(__import__(f"gpugate.front.commands.{module}", fromlist=[name]), name)
-    return int(command(*args, **kwargs))
+def _pre_post(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.pre_post import pre_post  # noqa: PLC0415
+
+    return pre_post(args, front)
 
 
-def _reach(front: HostAccess) -> dict[str, Any]:
-    return {"roots": front.host_roots(), "driver_factory": front.driver_factory}
+def _slurm(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.slurm import slurm  # noqa: PLC0415
+    from gpugate.phase import Phase  # noqa: PLC0415
+
+    return slurm(front, Phase(args.slurm_phase), args.config, dry_run=args.dry_run)
 
 
 def _slurm_check(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.slurm import slurm_check  # noqa: PLC0415
     from gpugate.integrations.gres_conf import DeviceNodes  # noqa: PLC0415
 
     nodes = DeviceNodes(front.host_roots().dev)
-    return _call("slurm", "slurm_check", front.environ, args.node, front.driver_factory, nodes)
+    return slurm_check(front.environ, args.node, front.driver_factory, nodes)
+
+
+def _sweep(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.sweep import sweep  # noqa: PLC0415
+
+    return sweep(args.config, front)
+
+
+def _status(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.status import status  # noqa: PLC0415
+
+    return status(front, args.unit, args.config, as_json=args.json, watch=args.watch)
+
+
+def _config_check(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.config_check import config_check  # noqa: PLC0415
+
+    return config_check(front, args.path, args.unit)
+
+
+def _install(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.install import install_command  # noqa: PLC0415
+
+    return install_command(args)
+
+
+def _oci_hook(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.oci_hook import main as oci_hook  # noqa: PLC0415
+
+    return oci_hook(
+        [args.stage],
+        roots=front.host_roots(),
+        config=args.config,
+        driver_factory=front.driver_factory,
+    )
+
+
+def _nri(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.nri import nri  # noqa: PLC0415
+
+    return nri(
+        socket=args.socket,
+        config=args.config,
+        roots=front.host_roots(),
+        driver_factory=front.driver_factory,
+    )
+
+
+def _oci_runtime(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.oci_runtime import main as oci_runtime  # noqa: PLC0415
+
+    return oci_runtime(args.args)
+
+
+def _launch(args: argparse.Namespace, front: HostAccess) -> int:
+    from gpugate.front.commands.run import launch_command  # noqa: PLC0415
+
+    return launch_command(args, front)
 
 
 def _gpus(value: str) -> object:

@@ -187,10 +187,8 @@ HELD_RULES = {
 
 
 def slurm(
-    front: HostAccess, phase: Phase | str, config_path: Path | None, *, dry_run: bool = False
+    front: HostAccess, phase: Phase, config_path: Path | None, *, dry_run: bool = False
 ) -> int:
-    """A Slurm job's prolog or epilog (phase: the Phase or its name); a failure drains."""
-    phase = Phase(phase)
     with stopped_by_signals():
         roots = front.host_roots()
         job: SlurmJob | None = None
