@@ -152,11 +152,18 @@ class PhaseRun:
             driver.close()
 
     def _stages(self) -> None:
+        steps = {
+            Stage.LOOKING: self.looking,
+            Stage.LOCKING: self.locking,
+            Stage.STOPPING: self.stopping,
+            Stage.WAITING: self.waiting,
+            Stage.FINISHING: self.finishing,
+        }
         stage: Stage | None = Stage.LOOKING
         self.enter(stage)
         while stage is not None:
             try:
-                via: Transition = getattr(self, stage.value)()  # each stage's method, by name
+                via = steps[stage]()
             except NvmlUnavailable as exc:
                 self.locks.close()  # released before the run goes on without NVML
                 self.without_nvml(exc)
