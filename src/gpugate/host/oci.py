@@ -13,7 +13,7 @@ import stat
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from gpugate.errors import BadInput, NotRegularFile, TooLarge
 from gpugate.host.safe_files import read_capped, untrusted
@@ -61,10 +61,7 @@ def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
     for entry in devices if isinstance(devices, list) else ():
         if not isinstance(entry, dict) or entry.get("type", "c") not in ("c", "u"):
             continue
-        number: Any = (entry.get("major"), entry.get("minor"))
-        path = entry.get("path")
-        if not all(type(n) is int and 0 <= n < 1 << 32 for n in number):  # bool is no number
-            number = None
+        number, path = _device_number(entry), entry.get("path")
         if number is None and isinstance(path, str) and path.startswith("/") and "\0" not in path:
             try:
                 info = os.lstat(path)
@@ -77,7 +74,14 @@ def devices_reach(devices: object, found: list[tuple[int | str, str]]) -> None:
                 )
             number = node_number(info)
         if is_gpu_number(number):
-            found.append((number[1], "linux.devices"))
+            found.append((number[1], "linux.devices"))  # type: ignore[index]
+
+
+def _device_number(entry: dict[object, object]) -> tuple[int, int] | None:
+    numbers = (entry.get("major"), entry.get("minor"))
+    if all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n < 1 << 32 for n in numbers):
+        return numbers  # type: ignore[return-value]
+    return None
 
 
 def mounts_reach(mounts: object, found: list[tuple[int | str, str]]) -> None:
