@@ -5,7 +5,6 @@ increase() sees nothing in a series born at 1 (docs/metrics.md)."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -39,41 +38,57 @@ class Family(NamedTuple):
         return (self.name,)
 
 
-def _families(table: str) -> tuple[Family, ...]:
-    """NAME KIND HELP, one family a line; a help goes on over indented lines."""
-    blocks = re.split(r"\n(?=\S)", table.strip())
-    return tuple(Family(*" ".join(block.split()).split(" ", 2)) for block in blocks)
-
-
-SWEEP_FAMILIES = _families(  # rewritten whole by each `gpugate sweep`, not added to
-    """
-gpugate_gpu_memory_mib gauge GPU memory used, in MiB, by what owns its processes (nobody: no
-  unit, job or container; unlisted: no process NVML lists), at the last sweep
-gpugate_unowned_processes gauge processes holding the GPU that nothing owns
-gpugate_unowned_seconds gauge seconds the oldest unowned holder of the GPU has been seen
-  unowned (0: none)
-gpugate_session_processes gauge processes holding the GPU in a login session whose user is
-  still logged in
-gpugate_sweep_timestamp_seconds gauge Unix time of the last gpugate sweep
-"""
+SWEEP_FAMILIES = (  # rewritten whole by each `gpugate sweep`, not added to
+    Family(
+        "gpugate_gpu_memory_mib",
+        "gauge",
+        "GPU memory used, in MiB, by what owns its processes (nobody: no unit, job or "
+        "container; unlisted: no process NVML lists), at the last sweep",
+    ),
+    Family("gpugate_unowned_processes", "gauge", "processes holding the GPU that nothing owns"),
+    Family(
+        "gpugate_unowned_seconds",
+        "gauge",
+        "seconds the oldest unowned holder of the GPU has been seen unowned (0: none)",
+    ),
+    Family(
+        "gpugate_session_processes",
+        "gauge",
+        "processes holding the GPU in a login session whose user is still logged in",
+    ),
+    Family("gpugate_sweep_timestamp_seconds", "gauge", "Unix time of the last gpugate sweep"),
 )
 FAMILIES = (
-    _families(
-        f"""
-gpugate_runs_total counter gpugate runs, by phase, unit and result
-gpugate_processes_killed_total counter processes gpugate stopped, by phase and unit
-gpugate_wait_seconds_total counter seconds spent waiting for the driver to free GPU memory, by
-  phase and unit
-gpugate_reclaimed_mib_total counter GPU memory freed by runs (used before the kill minus used
-  after the wait), in MiB
-gpugate_last_success_timestamp_seconds gauge Unix time of the unit's last run that left this GPU
-  free
-gpugate_last_run_failed gauge 1 when the unit's last run of this phase failed, 0 when it
-  succeeded
-{RELEASE} histogram seconds from the first signal to the GPU memory being free, runs that killed
-"""
-    )
-    + SWEEP_FAMILIES
+    Family("gpugate_runs_total", "counter", "gpugate runs, by phase, unit and result"),
+    Family(
+        "gpugate_processes_killed_total", "counter", "processes gpugate stopped, by phase and unit"
+    ),
+    Family(
+        "gpugate_wait_seconds_total",
+        "counter",
+        "seconds spent waiting for the driver to free GPU memory, by phase and unit",
+    ),
+    Family(
+        "gpugate_reclaimed_mib_total",
+        "counter",
+        "GPU memory freed by runs (used before the kill minus used after the wait), in MiB",
+    ),
+    Family(
+        "gpugate_last_success_timestamp_seconds",
+        "gauge",
+        "Unix time of the unit's last run that left this GPU free",
+    ),
+    Family(
+        "gpugate_last_run_failed",
+        "gauge",
+        "1 when the unit's last run of this phase failed, 0 when it succeeded",
+    ),
+    Family(
+        RELEASE,
+        "histogram",
+        "seconds from the first signal to the GPU memory being free, runs that killed",
+    ),
+    *SWEEP_FAMILIES,
 )
 
 
