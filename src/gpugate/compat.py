@@ -27,7 +27,11 @@ else:
     def __getattr__(name: str) -> object:
         if name != "tomllib":
             raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-        return __import__("tomllib" if sys.version_info >= (3, 11) else "tomli")
+        if sys.version_info >= (3, 11):
+            import tomllib  # noqa: PLC0415 - at its first use
+        else:
+            import tomli as tomllib  # noqa: PLC0415
+        return tomllib
 
 
 __all__ = ["StrEnum", "tomllib"]

@@ -118,8 +118,9 @@ def as_dict(
                 "shm": shm[:MAX_SHM_LISTED],
                 "shm_bytes": sum(item["bytes"] or 0 for item in shm),
                 "seconds_held": None if now is None else max(int(now - info.start_time / TICKS), 0),
-                "container": holder.container
-                and {
+                "container": None
+                if holder.container is None
+                else {
                     "runtime": holder.container.runtime,
                     "id": holder.container.id,
                     "name": printable(holder.container.name, CONTAINER) or None,
@@ -146,8 +147,9 @@ def as_dict(
                 "owned": gpu.index in discovery.owned_indices,
                 "leased_to": [printable(unit, STATE) for unit in leased.get(gpu.uuid.lower(), [])],
                 "mig_mode": gpu.mig_mode,
-                "mig": gpu.mig
-                and {  # a MIG slice's place and the processes NVML lists on it
+                "mig": None
+                if gpu.mig is None
+                else {  # a MIG slice's place and the processes NVML lists on it
                     "gpu": gpu.mig.parent,
                     "gpu_uuid": gpu.mig.parent_uuid,
                     "mig_index": gpu.mig.mig_index,
