@@ -20,7 +20,13 @@ from gpugate.config import values
 from gpugate.config.file import DEFAULT_CONFIG_DIR, parse_config, toml_value
 from gpugate.config.schema import DEFAULTS, GateConfig, PhasePolicy
 from gpugate.errors import GateError, InstallError, PermissionDenied, UnknownUnit
-from gpugate.host.safe_files import SYSTEM_PATH, find_program, run_program, write_atomically
+from gpugate.host.safe_files import (
+    SYSTEM_PATH,
+    Result,
+    find_program,
+    run_program,
+    write_atomically,
+)
 from gpugate.host.systemd import (
     Setting,
     UnitSettings,
@@ -280,34 +286,38 @@ def parse_gpus(value: str) -> values.GpuSelection:
     return "all" if value.strip() == "all" else values.parse_gpu_text(value)
 
 
-def systemctl(*words: str, timeout_s: float = PROGRAM_TIMEOUT_S) -> None:
-    """Run systemctl with these words; InstallError where it cannot or it fails."""
+def systemctl(*words: str, timeout_s: float = PROGRAM_TIMEOUT_S) -> Result:
     program = find_program("systemctl")
     if program is None:
         raise InstallError(
             f"files written, but no systemctl in {SYSTEM_PATH}: run `systemctl daemon-reload`"
         )
     try:
-        result = run_program([program, *words], timeout_s)
+        return run_program([program, *words], timeout_s)
     except GateError as exc:
         raise InstallError(f"files written, but {exc}; run it yourself") from None
-    if result.returncode != 0 and words == ("daemon-reload",):
-        raise InstallError(
-            f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
-            "run it yourself"
-        )
-    if result.returncode != 0:
-        detail = (result.stderr or result.stdout or "").strip().splitlines()
-        said = for_error(detail[-1] if detail else "", quote=False)
-        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
 
 
 def systemctl_daemon_reload() -> bool:
     """Where systemd runs; elsewhere (an image being built, a chroot) there is nothing to do."""
-    running = systemd_running()
-    if running:
-        systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
-    return running
+    if not systemd_running():
+        return False
+    result = systemctl("daemon-reload", timeout_s=RELOAD_TIMEOUT_S)
+    if result.returncode != 0:
+        raise InstallError(
+            f"files written, but `systemctl daemon-reload` failed: {result.first_line()}; "
+            "run it yourself"
+        )
+    return True
+
+
+def systemctl_or_fail(*words: str) -> None:
+    """systemctl enable|disable of a unit gpugate ships; InstallError where it fails."""
+    result = systemctl(*words)
+    if result.returncode != 0:
+        detail = (result.stderr or result.stdout or "").strip().splitlines()
+        said = for_error(detail[-1] if detail else "", quote=False)
+        raise InstallError(f"`systemctl {words[0]} {words[-1]}` failed: {said}")
 
 
 def plan_install(

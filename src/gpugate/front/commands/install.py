@@ -70,12 +70,12 @@ def shipped_setup(args: argparse.Namespace, installing: bool, command: tuple[str
     now = ["--now"] if systemd_running() else []
     there = any((folder / unit).exists() for folder in (plan.PACKAGED_DIR, args.systemd_dir))
     if not installing and not args.dry_run and there:  # none there: nothing to disable
-        plan.systemctl("disable", *now, unit)
+        plan.systemctl_or_fail("disable", *now, unit)
         print(disabled)
     reload = None if args.no_reload else plan.systemctl_daemon_reload
     plan.apply(changes, dry_run=args.dry_run, reload=reload)
     if installing and not args.dry_run:
-        plan.systemctl("enable", *now, unit)
+        plan.systemctl_or_fail("enable", *now, unit)
         print(enabled)
     return int(ExitCode.OK)
 

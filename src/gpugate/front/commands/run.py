@@ -34,11 +34,12 @@ from gpugate.errors import (
     StateUnwritable,
 )
 from gpugate.front.hook import collect, parse_uid
-from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command, systemctl
+from gpugate.front.install import HOOK_TIMEOUT_S, SHM_OPTIONS, gpugate_command
 from gpugate.host.nvml import Gpu, GpuDriver
-from gpugate.host.safe_files import account, find_program, write_atomically
+from gpugate.host.safe_files import account, find_program, run_program, write_atomically
 from gpugate.host.systemd import (
     ENV_NAME,
+    SYSTEMCTL_TIMEOUT_S,
     active_state,
     query_unit,
     unit_active_state,
@@ -310,8 +311,10 @@ def supervise(argv: list[str], unit: str) -> int:
         if stopped.is_set():
             return
         stopped.set()
-        with contextlib.suppress(GateError):  # no systemctl, or it failed: nothing to do
-            systemctl("stop", "--no-block", "--", unit)
+        systemctl = find_program("systemctl")
+        with contextlib.suppress(GateError):
+            if systemctl is not None:
+                run_program([systemctl, "stop", "--no-block", "--", unit], SYSTEMCTL_TIMEOUT_S)
 
     previous = {
         sig: signal.signal(sig, stop_unit) for sig in (signal.SIGHUP, signal.SIGTERM, signal.SIGINT)
