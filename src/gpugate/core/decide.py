@@ -105,14 +105,16 @@ def decide(
         # A run for an account kills only what kill(2) lets that account signal (its real
         # uid); anything else is refused. The unit's own cgroup stays the unit's: only
         # systemd puts processes there.
-        decision.choices[:] = [
-            choice._replace(verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=for_uid)
-            if choice.verdict is Verdict.KILL
-            and choice.rule is not Rule.CGROUP
-            and choice.holder.info.uid != for_uid
-            else choice
-            for choice in decision.choices
-        ]
+        decision = Decision(
+            [
+                choice._replace(verdict=Verdict.BLOCK, rule=Rule.OTHER_ACCOUNT, for_uid=for_uid)
+                if choice.verdict is Verdict.KILL
+                and choice.rule is not Rule.CGROUP
+                and choice.holder.info.uid != for_uid
+                else choice
+                for choice in decision.choices
+            ]
+        )
     return decision
 
 

@@ -105,13 +105,18 @@ class Transition(StrEnum):  # how a stage ended: the edge the run took
     FINISHED = "finished"  # finishing -> the end
 
 
-# Where each transition leads (None: the run's end; unnamed here: finishing). A respawn killed
-# in the wait goes to stopping and back to waiting (`stopped` or `survived`) inside waiting.
+# Where each transition leads (None: the run's end). A respawn killed in the wait goes to
+# stopping and back to waiting (`stopped` or `survived`) inside the waiting stage.
 NEXT_STAGE: dict[Transition, Stage | None] = {
-    **dict.fromkeys(Transition, Stage.FINISHING),
     Transition.FOUND: Stage.LOCKING,
+    Transition.REFUSED: Stage.FINISHING,
+    Transition.DRY_RUN: Stage.FINISHING,
     Transition.LOCKED: Stage.STOPPING,
+    Transition.START_REFUSED: Stage.FINISHING,
     Transition.STOPPED: Stage.WAITING,
+    Transition.SURVIVED: Stage.FINISHING,
+    Transition.STILL_HELD: Stage.FINISHING,
+    Transition.SETTLED: Stage.FINISHING,
     Transition.RESPAWNED: Stage.STOPPING,
     Transition.NVML_FAILED: Stage.LOOKING,
     Transition.FINISHED: None,

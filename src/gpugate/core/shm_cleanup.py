@@ -183,12 +183,17 @@ class SpaceShort(NamedTuple):
     largest: list[tuple[ShmKey, FileFacts]]
 
 
+LARGEST_NAMED = 3  # files a short /dev/shm's entry names
+
+
 def short_of_space(host: ShmHost, needed_bytes: int, freed_bytes: int) -> SpaceShort | None:
     """The first area with less than needed_bytes free (plus what a dry run would have
-    removed), with its 3 largest files; None where every area has room."""
+    removed), with its LARGEST_NAMED largest files; None where every area has room."""
     for space in host.spaces():
         free = space.free_bytes + freed_bytes
         if free < needed_bytes:
-            largest = [item for item in host.largest(3 * 4) if item[0].dev == space.area.dev]
-            return SpaceShort(space, free, needed_bytes, largest[:3])
+            # Across every area: enough that this one's largest are among them.
+            found = host.largest(LARGEST_NAMED * 4)
+            largest = [item for item in found if item[0].dev == space.area.dev]
+            return SpaceShort(space, free, needed_bytes, largest[:LARGEST_NAMED])
     return None

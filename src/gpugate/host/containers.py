@@ -77,7 +77,9 @@ class OwnCgroup(NamedTuple):
 
 def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
     """The first folder of cgroup named after container_id (OWN_FOLDER), else None."""
-    parts = cgroup_parts(cgroup or "")
+    if not cgroup:
+        return None
+    parts = cgroup_parts(cgroup)
     if "." in parts or ".." in parts:  # the spec's path as written: not the kernel's form
         return None
     for depth, part in enumerate(parts):
@@ -90,7 +92,7 @@ def own_cgroup(cgroup: str | None, container_id: str) -> OwnCgroup | None:
         return OwnCgroup(
             cgroup="/" + "/".join(parts[: depth + 1]),
             runtime=OWN_RUNTIMES[kind] if kind else None,
-            unit=part if scope and not is_user_cgroup("/".join(parts)) else None,
+            unit=part if scope and not is_user_cgroup(cgroup) else None,
         )
     return None
 

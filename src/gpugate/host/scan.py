@@ -5,7 +5,6 @@ process with an NVIDIA device file or shm file open or mapped, and `status --wat
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import pwd
@@ -413,12 +412,7 @@ class HostShm:
         return done if done.facts else shm.unlink_if_same(self.areas, file, self.index, allowed)
 
     def spaces(self) -> list[Space]:
-        found: list[Space] = []
-        for area in self.areas:
-            with contextlib.suppress(OSError):
-                vfs = os.statvfs(area.where)
-                found.append(Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize))
-        return found
+        return [found for area in self.areas if (found := shm.space(area)) is not None]
 
     def largest(self, count: int) -> list[tuple[ShmKey, FileFacts]]:
         return shm.largest_files(self.areas, count)

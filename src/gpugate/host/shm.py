@@ -160,6 +160,14 @@ class Space(NamedTuple):
     free_bytes: int  # what an unprivileged process may still allocate (f_bavail)
 
 
+def space(area: ShmArea) -> Space | None:
+    try:
+        vfs = os.statvfs(area.where)
+    except OSError:
+        return None
+    return Space(area, vfs.f_blocks * vfs.f_frsize, vfs.f_bavail * vfs.f_frsize)
+
+
 class FileFacts(NamedTuple):
     path: str  # the name that is this file now
     bytes: int  # allocated: what removing it gives back to the tmpfs
