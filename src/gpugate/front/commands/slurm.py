@@ -260,8 +260,13 @@ def job_config(
     except (GresUnresolved, GateError) as exc:
         if driver is not None:
             driver.close()
-        said = f"{given}: slurmd's GPU numbers not resolved ({exc}); only the job's own cgroup"
-        print(lines.warning(f"{said} is cleaned, nothing outside it is killed"), file=sys.stderr)
+        print(
+            lines.warning(
+                f"{given}: slurmd's GPU numbers not resolved ({exc}); "
+                "only the job's own cgroup is cleaned, nothing outside it is killed"
+            ),
+            file=sys.stderr,
+        )
         unresolved = f"{given} not resolved: the job's cgroup only"
         return with_job_gpus(config, (), unresolved), front.driver_factory, frozenset()
     opened = driver
@@ -341,8 +346,11 @@ def slurm_check(
         ordered = gpu_order(layout, gpus, nodes, len(layout.files), len(faults))
         shards = shard_minors(layout, gpus, nodes, Path(slurm_conf), node)
     except GresUnresolved as exc:
-        said = f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean"
-        print(f"{said} only a job's own cgroup", file=out)
+        print(
+            f"GPUs of node {node}: slurmd's numbers not resolved ({exc}); the hooks clean only "
+            "a job's own cgroup",
+            file=out,
+        )
         return int(ExitCode.CONFIG)
     except GateError as exc:
         print(lines.error(exc.message), file=sys.stderr)

@@ -52,7 +52,6 @@ from gpugate.untrusted import (
 JSON_VERSION = 1
 MAX_SHM_LISTED = 64  # a holder's files in `shm`; shm_bytes sums them all
 TICKS = os.sysconf("SC_CLK_TCK")  # /proc/PID/stat's start times count in these
-HELD_UNITS = ((86400, "d", 3600, "h"), (3600, "h", 60, "m"), (60, "m", 1, "s"))
 
 
 def as_dict(
@@ -236,10 +235,13 @@ def held_for(seconds: int | None) -> str:
     """1d02h, 3h04m, 5m06s, 7s: the two largest units."""
     if seconds is None:
         return "?"
-    for size, unit, part, next_unit in HELD_UNITS:
-        if seconds >= size:
-            return f"{seconds // size}{unit}{seconds % size // part:02d}{next_unit}"
-    return f"{seconds}s"
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds < 86400:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 86400}d{seconds % 86400 // 3600:02d}h"
 
 
 def mib_shown(used: dict[str, int | None]) -> str:
@@ -257,8 +259,11 @@ def table_role(holder: dict[str, Any], has_unit: bool) -> str:
         return "protected"
     if has_unit and holder["role"] == "unit":
         return "unit"
-    fallback = "other unit" if has_unit else "unit"  # without UNIT, every service is a unit
-    return next((role for role in ("watcher", "orphan") if holder[role]), fallback)
+    if holder["watcher"]:
+        return "watcher"
+    if holder["orphan"]:
+        return "orphan"
+    return "other unit" if has_unit else "unit"  # without UNIT, every service is just a unit
 
 
 def render_table(data: dict[str, Any]) -> str:
