@@ -271,8 +271,17 @@ def first_root_executable(paths: Iterable[str]) -> str | None:
 
 # Root-owned folders where Debian, Ubuntu, RHEL, Slurm's and Docker's packages put their
 # programs, searched in this order. Nothing a unit sets adds to them.
-SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-SYSTEM_DIRS: tuple[str, ...] = (*SYSTEM_PATH.split(":"), "/opt/slurm/bin", "/snap/bin")
+SYSTEM_DIRS: tuple[str, ...] = (
+    "/usr/local/sbin",
+    "/usr/local/bin",
+    "/usr/sbin",
+    "/usr/bin",
+    "/sbin",
+    "/bin",
+    "/opt/slurm/bin",
+    "/snap/bin",
+)
+SYSTEM_PATH = ":".join(SYSTEM_DIRS[:6])
 
 
 class Result(NamedTuple):

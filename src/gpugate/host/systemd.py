@@ -286,9 +286,14 @@ ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}|\$([A-Za-z_][A-Za-z0
 
 # Where systemd looks for system units, highest priority first (systemd.unit(5)).
 UNIT_DIRS = (
-    *(f"{top}/systemd/system.control" for top in ("/etc", "/run")),
+    "/etc/systemd/system.control",
+    "/run/systemd/system.control",
     "/run/systemd/transient",
-    *(f"{top}/systemd/system" for top in ("/etc", "/run", "/usr/local/lib", "/usr/lib", "/lib")),
+    "/etc/systemd/system",
+    "/run/systemd/system",
+    "/usr/local/lib/systemd/system",
+    "/usr/lib/systemd/system",
+    "/lib/systemd/system",
 )
 OWN_DROPIN = "gpugate.conf"
 DEV_SHM = "/dev/shm"

@@ -19,7 +19,10 @@ NVIDIA = "nvidia-container-runtime"
 PATHS: dict[str, tuple[str, ...]] = {
     RUNC: ("/usr/bin/runc", "/usr/sbin/runc", "/usr/local/bin/runc", "/usr/local/sbin/runc"),
     # Debian/Ubuntu/RHEL packages; NVIDIA's GPU operator installs its toolkit in the second.
-    NVIDIA: tuple(f"{folder}/{NVIDIA}" for folder in ("/usr/bin", "/usr/local/nvidia/toolkit")),
+    NVIDIA: (
+        "/usr/bin/nvidia-container-runtime",
+        "/usr/local/nvidia/toolkit/nvidia-container-runtime",
+    ),
 }
 CHAIN = "GPUGATE_OCI_RUNTIME_CHAIN"
 MAX_RECORD = 4096
