@@ -71,9 +71,12 @@ class PodName(NamedTuple):
 
 
 def pod_name(annotations: Mapping[str, str]) -> PodName | None:
-    """The first CRI runtime's keys that name both a namespace and a pod."""
-    named = (PodName(*(annotations.get(key, "") for key in keys[2:])) for keys in CRI_KEYS)
-    return next((pod for pod in named if pod.namespace and pod.pod), None)
+    for _, _, namespace_key, pod_key, container_key in CRI_KEYS:
+        namespace = annotations.get(namespace_key, "")
+        pod = annotations.get(pod_key, "")
+        if namespace and pod:
+            return PodName(namespace, pod, annotations.get(container_key, ""))
+    return None
 
 
 class ContainerIdentity(NamedTuple):
@@ -111,9 +114,15 @@ class ContainerIdentity(NamedTuple):
             found["GPUGATE_OCI_CONTAINER_NAME"] = field_bytes(self.name, CONTAINER)
         if self.claimed:
             found["GPUGATE_OCI_ANNOTATED_NAME"] = field_bytes(self.claimed[1], CONTAINER)
-        keys = ("GPUGATE_OCI_POD_NAMESPACE", "GPUGATE_OCI_POD", "GPUGATE_OCI_POD_CONTAINER")
-        named = zip(keys, self.pod or ())
-        found.update((key, printable(value, CONTAINER)) for key, value in named if value)
+        if self.pod is not None:
+            named = {
+                "GPUGATE_OCI_POD_NAMESPACE": self.pod.namespace,
+                "GPUGATE_OCI_POD": self.pod.pod,
+                "GPUGATE_OCI_POD_CONTAINER": self.pod.container,
+            }
+            found.update(
+                (key, printable(value, CONTAINER)) for key, value in named.items() if value
+            )
         return found
 
 

@@ -119,8 +119,10 @@ def text(data: Mapping[str, Any], key: str, limit: int, *, optional: bool = Fals
     return value
 
 
-def integer(data: Mapping[str, Any], key: str, low: int, high: int) -> int:
-    value: object = data.get(key)
+def integer(
+    data: Mapping[str, Any], key: str, low: int, high: int, default: int | None = None
+) -> int:
+    value: object = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise BadRecord(f"{key} is not an integer from {low} to {high}")
     return value
@@ -216,7 +218,7 @@ def lease_from(data: dict[str, object]) -> Lease:
         share=flag(data, "share"),
         since=number(data, "since", 0, MAX_SINCE),
         invocation_id=text(data, "invocation_id", 128, optional=True),
-        pid=integer({"pid": 0, **data}, "pid", 0, MAX_PID),
+        pid=integer(data, "pid", 0, MAX_PID, default=0),
         started_by=started_by[:200] if started_by else None,
         container=text(data, "container", 300, optional=True),
     )
@@ -295,10 +297,12 @@ class LeaseCheck(NamedTuple):
     def conflicted(self) -> list[int]:
         return sorted({gpu.index for _, gpus in self.conflicts for gpu in gpus})
 
-    def refusal(self, place: str | None = None, *, container: bool = False) -> str:
-        """place: where this workload's share_gpus is set (a config, or `gpugate run`'s
-        option), None: both sides' configs, unnamed; container: this workload is a container
-        (containers read one config)."""
+    def refusal(
+        self, place: str | None = None, ours: str | None = None, *, container: bool = False
+    ) -> str:
+        """place: where this workload's share_gpus is set; ours: how it would share, in words
+        (default: set share_gpus = true in place), None: both sides' configs, unnamed;
+        container: this workload is a container (containers read one config)."""
         conflicts = [
             ([gpu.index for gpu in gpus], lease.holder_text()) for lease, gpus in self.conflicts
         ]
@@ -307,12 +311,11 @@ class LeaseCheck(NamedTuple):
             return lease_refusal_text(conflicts, containers=containers)
         places = {lease.share_place() for lease, _ in self.conflicts}
         where = places.pop() if len(places) == 1 else "their configs"
-        how = "start it with gpugate run" if place.startswith("--") else "set share_gpus = true in"
         return lease_refusal_text(
             conflicts,
             containers=containers,
             theirs=tuple(lease.share for lease, _ in self.conflicts),
-            ours=f"{how} {place}",
+            ours=ours or f"set share_gpus = true in {place}",
             sharing=self.share,
             where=where,
             one_place=where == place or (container and containers),

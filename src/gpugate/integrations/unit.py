@@ -251,7 +251,7 @@ class UnitWorkload(Workload):
         would share."""
         context, source = self.context, self.loaded.source
         if context.container is None and context.environ.get(records.STARTED_BY_VARIABLE):
-            refusal = check.refusal("--share-gpus")
+            refusal = check.refusal("--share-gpus", "start it with gpugate run --share-gpus")
         else:
             if source == BUILTIN_SOURCE:
                 own = str(DEFAULT_CONFIG_DIR / f"{self.scope.unit}.toml")

@@ -239,7 +239,7 @@ def refuse_leased(
     check = check_leases(
         config.lock_dir, unit, gpus, share=config.share_gpus, unit_state=unit_state
     )
-    refusal = check.refusal(SHARE_OPTION)
+    refusal = check.refusal(SHARE_OPTION, f"start it with gpugate run {SHARE_OPTION}")
     if check.conflicts and force and not caller_is_root:
         raise PermissionDenied(
             f"not starting {unit}: {refusal}; --force over a lease is root's alone"
