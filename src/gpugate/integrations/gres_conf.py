@@ -569,7 +569,11 @@ def _gpu_minor(record: str, nodes: DeviceNodes, known: Known, path: str) -> int:
 def spread(count: int, gpus: int) -> list[int]:
     """A fileless shard Count over the GPU files, as `_distribute_count` does: each in turn
     gets what is left over the GPUs left (so the first get 0 where Count < GPUs)."""
-    return [(count + turn) // gpus for turn in range(gpus)]
+    shares = []
+    for left in range(gpus, 0, -1):
+        shares.append(count // left)
+        count -= shares[-1]
+    return shares
 
 
 def in_slurm_conf_order(layout: GpuLayout, slurm_conf: Path, node: str | None) -> GpuLayout:
