@@ -181,20 +181,27 @@ def nvidia_in_place(host: ContainerHost) -> bool:
     """NVIDIA's runtime installed and set up as a runtime of docker's or containerd's CRI."""
     if wrapped_runtime.find(wrapped_runtime.NVIDIA) is None:
         return False
-    programs: list[object] = []
+    programs: list[str] = []
     if host.daemon_json is not None:
         runtimes = read_daemon_json(host.daemon_json).get("runtimes", {})
         for entry in runtimes.values() if isinstance(runtimes, dict) else ():
-            programs.append(entry.get("path") if isinstance(entry, dict) else None)
-    conf = host.containerd_config
-    text = read_containerd_config(conf) if conf is not None else None
-    data = parse(text, conf) if conf is not None and text is not None else {}
+            programs.append(str(entry.get("path", "")) if isinstance(entry, dict) else "")
+    if host.containerd_config is not None:
+        text = read_containerd_config(host.containerd_config)
+        if text is not None:
+            programs += nvidia_binaries(parse(text, host.containerd_config))
+    return any(os.path.basename(p) == wrapped_runtime.NVIDIA for p in programs)
+
+
+def nvidia_binaries(data: Table) -> list[str]:
+    found = []
     for cri in CRI.values():
         for runtime in table_at(data, (*cri, "runtimes")).values():
             options = runtime.get("options") if isinstance(runtime, dict) else None
-            programs.append(options.get("BinaryName") if isinstance(options, dict) else None)
-    nvidia = wrapped_runtime.NVIDIA
-    return any(isinstance(p, str) and os.path.basename(p) == nvidia for p in programs)
+            binary = options.get("BinaryName") if isinstance(options, dict) else None
+            if isinstance(binary, str) and binary:
+                found.append(binary)
+    return found
 
 
 def plan_record(host: ContainerHost, *, install: bool, nvidia: bool) -> list[Change]:
@@ -392,14 +399,18 @@ def set_default(lines: list[str], cri: tuple[str, ...]) -> bool:
     if start is None:
         return False
     end = next((n for n in range(start + 1, len(lines)) if header_of(lines[n])), len(lines))
-    found = next((n for n in range(start + 1, end) if DEFAULT_KEY.match(lines[n])), None)
-    if found is None:  # a line of its own, indented under the header
-        indent = re.match(r"^\s*", lines[start]).group(0) + "  "  # type: ignore[union-attr]
-        at, was = slice(start + 1, start + 1), WAS_NONE + "\n"
-    else:
-        indent = DEFAULT_KEY.match(lines[found]).group(1)  # type: ignore[union-attr]
-        at, was = slice(found, found + 1), WAS + lines[found].rstrip("\n") + "\n"
-    lines[at] = [was, f'{indent}default_runtime_name = "{RUNTIME_NAME}"\n']
+    indent = re.match(r"^\s*", lines[start]).group(0) + "  "  # type: ignore[union-attr]
+    for number in range(start + 1, end):
+        found = DEFAULT_KEY.match(lines[number])
+        if found:
+            original = lines[number] if lines[number].endswith("\n") else lines[number] + "\n"
+            new = f'{found.group(1)}default_runtime_name = "{RUNTIME_NAME}"\n'
+            lines[number : number + 1] = [WAS + original, new]
+            return True
+    lines[start + 1 : start + 1] = [
+        WAS_NONE + "\n",
+        f'{indent}default_runtime_name = "{RUNTIME_NAME}"\n',
+    ]
     return True
 
 
